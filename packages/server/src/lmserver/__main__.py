@@ -1,0 +1,5 @@
+import sys
+
+from lmserver.cli import main
+
+sys.exit(main())

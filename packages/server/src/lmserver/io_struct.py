@@ -1,0 +1,179 @@
+"""Plain-data messages between the HTTP front end and the engine core (no torch).
+
+This is the contract between `lmserver.api` (HTTP, tokenization, ZMQ) and `lmserver.engine`
+(scheduler + model runner). Field names follow SGLang's `GenerateReqInput` and `SamplingParams`
+(see shared/reference/native-api.md). Changes must be additive.
+
+The engine core is synchronous and in-process:
+
+    core.add_request(GenerateReq)      # validated, tokenized, n == 1 (see `expand_n`)
+    core.abort_request(rid)            # at any stage; frees everything the request held
+    outputs = core.step()              # -> list[ReqOutput]: one per request that progressed
+    core.has_work()                    # bool: something is running or waiting
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """Bad user input; the HTTP layer answers 400 with this message."""
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request (native API names and defaults)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling_seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
+        """Builds from a JSON object; unknown keys and wrong types raise InvalidRequestError."""
+        data = dict(data or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        for key in ("stop", "stop_regex"):
+            if isinstance(data.get(key), str):
+                data[key] = [data[key]]
+            elif data.get(key) is None and key in data:
+                data[key] = []
+        if data.get("stop_token_ids") is None and "stop_token_ids" in data:
+            data["stop_token_ids"] = []
+        if isinstance(data.get("logit_bias"), dict):
+            try:
+                data["logit_bias"] = {int(k): float(v) for k, v in data["logit_bias"].items()}
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(f"logit_bias must map token ids to numbers: {exc}") from None
+        params = cls(**data)
+        params.validate()
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raises InvalidRequestError naming the first bad field."""
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise InvalidRequestError(msg)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
+        need(is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
+        need(self.min_new_tokens <= max(self.max_new_tokens, 0) or self.max_new_tokens == 0,
+             "min_new_tokens must be <= max_new_tokens")
+        need(is_num(self.temperature) and self.temperature >= 0, "temperature must be a number >= 0")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 or an integer >= 1")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        need(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty must be in [-2, 2]")
+        need(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty must be in [-2, 2]")
+        need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+             "repetition_penalty must be in (0, 2]")
+        need(is_int(self.n) and 1 <= self.n <= 128, "n must be an integer in [1, 128]")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a non-empty string or a list of them")
+        need(isinstance(self.stop_regex, list) and all(isinstance(s, str) and s for s in self.stop_regex),
+             "stop_regex must be a string or a list of strings")
+        need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be a list of token ids")
+        need(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed must be an integer")
+        constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
+        need(len(constraints) <= 1, "at most one of regex, json_schema, ebnf may be given")
+        need(all(isinstance(c, str) for c in constraints), "regex, json_schema and ebnf must be strings")
+        for flag in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
+            need(isinstance(getattr(self, flag), bool), f"{flag} must be a boolean")
+        if vocab_size is not None:
+            bad = [t for t in list(self.stop_token_ids) + list(self.logit_bias) if not 0 <= t < vocab_size]
+            need(not bad, f"token id(s) out of the vocabulary (size {vocab_size}): {bad[:5]}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+
+@dataclass
+class GenerateReq:
+    """One tokenized request for the engine core (always n == 1; see `expand_n`)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    extra_key: str | None = None
+
+
+def expand_n(req: GenerateReq) -> list[GenerateReq]:
+    """Splits a request with n > 1 into n requests `rid-0 .. rid-(n-1)` with n == 1.
+
+    Same-seed copies get seeds `seed + i`, so the n samples differ but stay reproducible.
+    """
+    n = req.sampling_params.n
+    if n == 1:
+        return [req]
+    out = []
+    for i in range(n):
+        seed = req.sampling_params.sampling_seed
+        params = dataclasses.replace(req.sampling_params, n=1, sampling_seed=None if seed is None else seed + i)
+        out.append(dataclasses.replace(req, rid=f"{req.rid}-{i}", sampling_params=params))
+    return out
+
+
+# (logprob, token_id, token_text or None) as in the native API's *_token_logprobs.
+TokenLogprob = tuple[float | None, int, str | None]
+
+
+@dataclass
+class ReqOutput:
+    """Progress of one request since its previous ReqOutput (deltas), plus running totals."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    jump_forward_tokens: int = 0
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    input_token_logprobs: list[TokenLogprob] | None = None  # sent once, with the first output
+    input_top_logprobs: list[list[TokenLogprob] | None] | None = None
+    error: str | None = None  # set when the request failed inside the engine (e.g. bad grammar)

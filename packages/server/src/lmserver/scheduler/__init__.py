@@ -1,0 +1,1 @@
+"""Scheduler: a deterministic, torch-free object over queues, the radix cache and budgets."""
