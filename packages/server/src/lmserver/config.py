@@ -1,0 +1,68 @@
+"""The one config object of lmserver. The CLI is generated from its fields (`help` metadata).
+
+"auto" values are resolved once, by the engine at start-up, into a new object that is logged
+once (see DESIGN.md principle 4). Fields are added here, never renamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # Model
+    model_path: str | None = _opt(None, "HF-style model folder; default: the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _opt(None, "tokenizer folder; default: model_path")
+    served_model_name: str | None = _opt(None, "model name reported by /v1/models; default: model_path")
+    load_format: str = _opt("auto", "weights: auto (safetensors) or dummy (random, any config)", ("auto", "dummy"))
+    dtype: str = _opt("auto", "auto: bfloat16 on GPU, float32 on CPU", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "auto: cuda when available, else cpu", ("auto", "cuda", "cpu"))
+    context_length: int | None = _opt(None, "max tokens per request (prompt + output); default: the model's")
+    random_seed: int = _opt(0, "seed for dummy weights and default sampling")
+    # Memory and scheduling
+    mem_fraction_static: float | None = _opt(None, "fraction of GPU memory for weights + KV cache (auto: 0.85)")
+    max_total_tokens: int | None = _opt(None, "KV-cache size in tokens (overrides mem_fraction_static)")
+    max_running_requests: int | None = _opt(None, "max concurrently running requests (auto from KV size)")
+    max_prefill_tokens: int = _opt(16384, "max new prompt tokens admitted per prefill batch")
+    chunked_prefill_size: int = _opt(8192, "prefill chunk size in tokens; -1 disables chunking")
+    enable_mixed_chunk: bool = _opt(False, "mix prefill chunks and decodes in one batch")
+    schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
+    schedule_aging_rounds: int = _opt(64, "a waiting request is served first after this many passed-over rounds")
+    page_size: int = _opt(1, "KV-cache page size in tokens")
+    disable_radix_cache: bool = _opt(False, "no prefix reuse (same code path, nothing cached)")
+    # Kernels and graphs
+    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly")
+    cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
+    lowlat_plugins: str = _opt("auto", "low-latency plugins: auto, off, or require:<name>")
+    # Constrained decoding
+    disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
+    grammar_compile_timeout_s: float = _opt(30.0, "grammar compile timeout in seconds")
+    # Parallelism
+    tp_size: int = _opt(1, "tensor-parallel ranks")
+    dp_size: int = _opt(1, "data-parallel replicas behind the router")
+    nnodes: int = _opt(1, "number of nodes")
+    node_rank: int = _opt(0, "this node's rank")
+    dist_init_addr: str | None = _opt(None, "torch.distributed rendezvous host:port for several nodes")
+    # HTTP
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(None, "bearer token required on every endpoint except /health")
+    log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
+    log_requests: bool = _opt(False, "log each request and its output")
+    stream_interval: int = _opt(1, "stream a chunk every this many tokens")
+    log_interval_s: float = _opt(10.0, "seconds between periodic stats log lines")
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        """A copy with `changes` applied (the config itself is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
