@@ -1,0 +1,283 @@
+"""The data-parallel router: an HTTP proxy in front of several lmserver (or SGLang) workers.
+
+Requests are routed by a policy (`policy.py`); workers are health-checked, dropped after
+consecutive failures and re-added when they answer again; a request whose worker fails before
+anything was streamed back is retried on another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lmserver.router.policy import RoutingPolicy, make_policy
+
+logger = logging.getLogger("lmserver.router")
+
+ROUTED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...] = ()
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    health_check_interval_s: float = 5.0
+    health_failure_threshold: int = 3
+    max_retries: int = 2
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class WorkerState:
+    url: str
+    healthy: bool = True
+    failures: int = 0
+    in_flight: int = 0
+    served: int = 0
+
+
+@dataclass
+class Router:
+    """Worker table + policy. Mutated only from the event loop."""
+
+    config: RouterConfig
+    policy: RoutingPolicy = field(init=False)
+    workers: dict[str, WorkerState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.config.policy)
+        self.workers = {u.rstrip("/"): WorkerState(u.rstrip("/")) for u in self.config.workers}
+
+    def healthy_loads(self, exclude: set[str]) -> dict[str, int]:
+        return {u: w.in_flight for u, w in self.workers.items() if w.healthy and u not in exclude}
+
+    def pick(self, text: str, exclude: set[str]) -> str | None:
+        loads = self.healthy_loads(exclude)
+        if not loads:
+            return None
+        return self.policy.choose(text, loads)
+
+    def mark_failure(self, url: str) -> None:
+        worker = self.workers.get(url)
+        if worker is None:
+            return
+        worker.failures += 1
+        if worker.healthy and worker.failures >= self.config.health_failure_threshold:
+            worker.healthy = False
+            self.policy.remove_worker(url)
+            logger.warning("worker %s dropped after %d failures", url, worker.failures)
+
+    def mark_success(self, url: str) -> None:
+        worker = self.workers.get(url)
+        if worker is None:
+            return
+        if not worker.healthy:
+            logger.info("worker %s is back", url)
+        worker.healthy, worker.failures = True, 0
+
+
+def routing_text(path: str, body: dict[str, Any]) -> str:
+    """The text whose prefix decides the worker (first prompt of a batch)."""
+    if path == "/v1/chat/completions":
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = "".join(c.get("text", "") for c in content if isinstance(c, dict))
+            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content or ''}\n")
+        return "".join(parts)
+    value = body.get("text", body.get("prompt", body.get("input_ids", "")))
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, list):
+        return " ".join(str(t) for t in value)
+    return value if isinstance(value, str) else ""
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+    state: dict[str, Any] = {}
+
+    async def health_loop() -> None:
+        client: httpx.AsyncClient = state["client"]
+        while True:
+            for url in list(router.workers):
+                try:
+                    r = await client.get(f"{url}/health", timeout=5.0)
+                    ok = r.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    router.mark_success(url)
+                else:
+                    router.mark_failure(url)
+            await asyncio.sleep(config.health_check_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0))
+        task = asyncio.create_task(health_loop())
+        yield
+        task.cancel()
+        await state["client"].aclose()
+
+    app = FastAPI(title="lmserver router", lifespan=lifespan)
+    app.state.router = router
+
+    async def forward(path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return JSONResponse({"error": {"message": "request body is not valid JSON", "code": 400}}, 400)
+        text = routing_text(path, body if isinstance(body, dict) else {})
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        client: httpx.AsyncClient = state["client"]
+        tried: set[str] = set()
+        for _ in range(config.max_retries + 1):
+            url = router.pick(text, tried)
+            if url is None:
+                break
+            tried.add(url)
+            worker = router.workers[url]
+            worker.in_flight += 1
+            try:
+                upstream = await client.send(
+                    client.build_request("POST", url + path, content=raw, headers=headers), stream=True
+                )
+            except httpx.HTTPError as exc:
+                worker.in_flight -= 1
+                logger.warning("worker %s failed before answering (%s); retrying elsewhere", url, exc)
+                router.mark_failure(url)
+                continue
+            worker.served += 1
+            router.mark_success(url)
+            return StreamingResponse(
+                _relay(upstream, worker),
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type"),
+            )
+        return JSONResponse(
+            {"error": {"message": "no healthy worker could take the request", "code": 503}}, 503
+        )
+
+    for path in ROUTED_PATHS:
+
+        async def route(request: Request, _path: str = path) -> Response:
+            return await forward(_path, request)
+
+        app.add_api_route(path, route, methods=["POST"])
+
+    async def any_worker(path: str, request: Request) -> Response:
+        client: httpx.AsyncClient = state["client"]
+        for url in [u for u, w in router.workers.items() if w.healthy]:
+            try:
+                r = await client.get(url + path, headers=dict(request.headers), timeout=30.0)
+            except httpx.HTTPError:
+                router.mark_failure(url)
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        return JSONResponse({"error": {"message": "no healthy worker", "code": 503}}, 503)
+
+    for path in ("/v1/models", "/get_model_info", "/health_generate"):
+
+        async def passthrough(request: Request, _path: str = path) -> Response:
+            return await any_worker(_path, request)
+
+        app.add_api_route(path, passthrough, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = any(w.healthy for w in router.workers.values())
+        return JSONResponse(
+            {"healthy_workers": sum(w.healthy for w in router.workers.values())}, 200 if ok else 503
+        )
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        return {"policy": router.policy.name, "workers": [vars(w) for w in router.workers.values()]}
+
+    @app.post("/add_worker")
+    async def add_worker(url: str) -> dict[str, Any]:
+        url = url.rstrip("/")
+        router.workers.setdefault(url, WorkerState(url))
+        return {"added": url}
+
+    @app.post("/remove_worker")
+    async def remove_worker(url: str) -> dict[str, Any]:
+        url = url.rstrip("/")
+        if router.workers.pop(url, None) is not None:
+            router.policy.remove_worker(url)
+        return {"removed": url}
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        client: httpx.AsyncClient = state["client"]
+        results = {}
+        for url in router.workers:
+            try:
+                r = await client.post(url + "/flush_cache", headers=dict(request.headers))
+                results[url] = r.status_code
+            except httpx.HTTPError as exc:
+                results[url] = str(exc)
+        ok = all(v == 200 for v in results.values())
+        return JSONResponse({"workers": results}, 200 if ok else 400)
+
+    return app
+
+
+async def _relay(upstream: httpx.Response, worker: WorkerState) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        worker.in_flight -= 1
+        await upstream.aclose()
+
+
+def serve(config: RouterConfig) -> None:
+    import uvicorn
+
+    if not config.workers:
+        raise SystemExit("lmserver route: give at least one --worker URL")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(
+        f"router ready at http://{config.host}:{config.port} ({config.policy}, {len(config.workers)} workers)",
+        flush=True,
+    )
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="lmserver route", description="cache-aware router in front of workers")
+    p.add_argument("--worker", action="append", required=True, help="worker base URL (repeat)")
+    p.add_argument(
+        "--policy", default="cache_aware", choices=["cache_aware", "round_robin", "shortest_queue"]
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--health-check-interval-s", type=float, default=5.0)
+    args = p.parse_args(argv)
+    serve(
+        RouterConfig(
+            workers=tuple(args.worker),
+            policy=args.policy,
+            host=args.host,
+            port=args.port,
+            health_check_interval_s=args.health_check_interval_s,
+        )
+    )
+    return 0

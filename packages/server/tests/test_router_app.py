@@ -1,0 +1,139 @@
+"""The router's HTTP proxy against real fake-worker HTTP servers (uvicorn in threads)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
+
+from lmserver.router.app import RouterConfig, build_app, routing_text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fake_worker(name: str) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    @app.post("/generate")
+    def generate(body: dict) -> object:
+        if body.get("stream"):
+
+            def events() -> Iterator[bytes]:
+                for i in range(3):
+                    yield f'data: {{"text": "{name}-{i}"}}\n\n'.encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"text": name, "meta_info": {"prompt": body.get("text")}}
+
+    return app
+
+
+class _Server:
+    def __init__(self, app: FastAPI) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                httpx.get(self.url + "/health", timeout=0.5)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("fake worker did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture()
+def workers() -> Iterator[list[_Server]]:
+    servers = [_Server(_fake_worker(f"w{i}")) for i in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def test_shared_prefix_requests_stick_to_one_worker(workers: list[_Server]) -> None:
+    app = build_app(RouterConfig(workers=tuple(w.url for w in workers), policy="cache_aware"))
+    with TestClient(app) as client:
+        answers = {g: set() for g in range(2)}
+        for i in range(10):
+            g = i % 2
+            prefix = f"group {g} long system prompt " * 10
+            r = client.post("/generate", json={"text": prefix + f"q{i}"})
+            assert r.status_code == 200
+            answers[g].add(r.json()["text"])
+        assert all(len(a) == 1 for a in answers.values())
+        assert answers[0] != answers[1]
+        info = client.get("/workers").json()
+        assert sum(w["served"] for w in info["workers"]) == 10
+        assert all(w["in_flight"] == 0 for w in info["workers"])
+
+
+def test_streaming_is_relayed_unchanged(workers: list[_Server]) -> None:
+    app = build_app(RouterConfig(workers=(workers[0].url,)))
+    with (
+        TestClient(app) as client,
+        client.stream("POST", "/generate", json={"text": "x", "stream": True}) as r,
+    ):
+        body = b"".join(r.iter_raw()).decode()
+    assert body.count("data: ") == 4 and body.endswith("data: [DONE]\n\n") and "w0-2" in body
+
+
+def test_dead_worker_is_retried_elsewhere_and_dropped(workers: list[_Server]) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    config = RouterConfig(
+        workers=(dead, workers[1].url),
+        policy="round_robin",
+        health_failure_threshold=1,
+        health_check_interval_s=60,
+    )
+    with TestClient(build_app(config)) as client:
+        for _ in range(4):
+            r = client.post("/generate", json={"text": "hello"})
+            assert r.status_code == 200 and r.json()["text"] == "w1"
+        states = {w["url"]: w for w in client.get("/workers").json()["workers"]}
+        assert states[dead]["healthy"] is False
+
+
+def test_no_healthy_worker_gives_503() -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with TestClient(
+        build_app(RouterConfig(workers=(dead,), max_retries=0, health_check_interval_s=60))
+    ) as client:
+        r = client.post("/generate", json={"text": "x"})
+    assert r.status_code == 503 and "no healthy worker" in r.json()["error"]["message"]
+
+
+def test_routing_text_of_each_api() -> None:
+    assert routing_text("/generate", {"text": ["a", "b"]}) == "a"
+    assert routing_text("/generate", {"input_ids": [[1, 2], [3]]}) == "1 2"
+    assert routing_text("/v1/completions", {"prompt": "p"}) == "p"
+    chat = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "U"}]},
+        ]
+    }
+    assert routing_text("/v1/chat/completions", chat) == "system:S\nuser:U\n"
