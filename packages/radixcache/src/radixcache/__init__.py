@@ -1,5 +1,58 @@
-"""Radix-tree KV-cache prefix manager: match, insert, lock, evict, paged slots, cache-aware ordering."""
+"""Radix-tree KV-cache prefix manager: match, insert, lock, evict, paged slots, cache-aware ordering.
+
+Pure Python plus numpy. The public API is everything in `__all__`; see the package README for the
+ownership protocol an engine follows.
+"""
+
+from radixcache.allocator import SlotAllocator
+from radixcache.cache import InsertResult, MatchResult, RadixCache, as_key
+from radixcache.config import RadixCacheConfig
+from radixcache.errors import (
+    IntegrityError,
+    InvalidKeyError,
+    LockError,
+    RadixCacheError,
+    SlotError,
+    UnknownPolicyError,
+)
+from radixcache.events import AllCleared, Event, PageRemoved, PageStored
+from radixcache.node import TreeNode
+from radixcache.policy import (
+    BUILTIN_POLICIES,
+    EvictionPolicy,
+    FIFOPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PriorityPolicy,
+    make_policy,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "BUILTIN_POLICIES",
+    "AllCleared",
+    "Event",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "InsertResult",
+    "IntegrityError",
+    "InvalidKeyError",
+    "LFUPolicy",
+    "LRUPolicy",
+    "LockError",
+    "MatchResult",
+    "PageRemoved",
+    "PageStored",
+    "PriorityPolicy",
+    "RadixCache",
+    "RadixCacheConfig",
+    "RadixCacheError",
+    "SlotAllocator",
+    "SlotError",
+    "TreeNode",
+    "UnknownPolicyError",
+    "__version__",
+    "as_key",
+    "make_policy",
+]

@@ -1,0 +1,110 @@
+"""`SlotAllocator`: free list of KV slots in whole pages; slot 0 (page 0) is reserved as padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from radixcache.errors import SlotError
+
+
+class SlotAllocator:
+    """Hands out KV-cache slot ids in whole pages of `page_size` slots.
+
+    There are `num_slots` usable slots, ids `page_size .. num_slots + page_size - 1`; page 0
+    (slots `0 .. page_size - 1`) is never handed out, so slot 0 can pad batches. A KV buffer for
+    this allocator needs `buffer_size = num_slots + page_size` rows.
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise SlotError(f"page_size must be a positive int, got {page_size!r}")
+        if not isinstance(num_slots, int) or num_slots < 0 or num_slots % page_size:
+            raise SlotError(f"num_slots must be an int >= 0 and a multiple of page_size={page_size}, got {num_slots!r}")
+        self._page_size = page_size
+        self._num_pages = num_slots // page_size
+        self._offsets = np.arange(page_size, dtype=np.int64)
+        self._init_free()
+
+    def _init_free(self) -> None:
+        # stack of free page ids; the top (end) is handed out first, low ids first initially
+        self._free = np.arange(self._num_pages, 0, -1, dtype=np.int64)
+        self._top = self._num_pages
+        self._allocated = np.zeros(self._num_pages + 1, dtype=bool)
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_pages * self._page_size
+
+    @property
+    def buffer_size(self) -> int:
+        """Rows a KV buffer needs: usable slots plus the reserved padding page."""
+        return (self._num_pages + 1) * self._page_size
+
+    @property
+    def available(self) -> int:
+        """Free slots right now."""
+        return self._top * self._page_size
+
+    def alloc(self, num_tokens: int) -> npt.NDArray[np.int64] | None:
+        """`ceil(num_tokens / page_size)` whole pages as a slot array of that many pages times
+        `page_size` slots (each page contiguous, page-aligned), or None when too few are free.
+        Mutates: the free list."""
+        if num_tokens < 0:
+            raise SlotError(f"alloc(num_tokens={num_tokens}) needs num_tokens >= 0")
+        ps = self._page_size
+        k = -(-num_tokens // ps)
+        if k > self._top:
+            return None
+        pages = self._free[self._top - k : self._top][::-1].copy()
+        self._top -= k
+        self._allocated[pages] = True
+        if ps == 1:
+            return pages
+        return (pages[:, None] * ps + self._offsets).reshape(-1)
+
+    def free(self, indices: npt.ArrayLike) -> None:
+        """Return the pages that `indices` touch (any slots of a page free the whole page).
+
+        Raises `SlotError` on a reserved or out-of-range slot, or a page that is not allocated
+        (a double free); in that case nothing is freed. Mutates: the free list."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) == 0:
+            return
+        ps = self._page_size
+        pages = idx if ps == 1 else idx // ps
+        if ps > 1 and len(pages) > 1:
+            keep = np.empty(len(pages), dtype=bool)
+            keep[0] = True
+            np.not_equal(pages[1:], pages[:-1], out=keep[1:])
+            pages = pages[keep]
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 1 or hi > self._num_pages:
+            raise SlotError(
+                f"slot ids must lie in [{ps}, {self.buffer_size - 1}] (page 0 is reserved padding); "
+                f"got a slot on page {lo if lo < 1 else hi}"
+            )
+        if not self._allocated[pages].all():
+            bad = pages[~self._allocated[pages]][:5]
+            raise SlotError(f"double free: pages {bad.tolist()} (slot {bad[0] * ps}...) are already free")
+        if len(pages) > 1:
+            srt = np.sort(pages)
+            if (srt[1:] == srt[:-1]).any():
+                raise SlotError("double free: the same page appears twice in one free() call")
+        self._allocated[pages] = False
+        k = len(pages)
+        self._free[self._top : self._top + k] = pages
+        self._top += k
+
+    def is_allocated(self, slot: int) -> bool:
+        """Whether the page of `slot` is currently handed out."""
+        page = slot // self._page_size
+        return 1 <= page <= self._num_pages and bool(self._allocated[page])
+
+    def reset(self) -> None:
+        """Mark every slot free again. Mutates: the free list."""
+        self._init_free()

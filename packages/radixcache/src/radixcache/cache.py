@@ -1,0 +1,496 @@
+"""`RadixCache`: the radix tree of cached KV slots, keyed by token ids (SGLang paper, section 3).
+
+Ownership in one line: the tree owns the slots of its nodes; the caller owns every other slot.
+See the package README ("Ownership protocol") for the exact sequence an engine follows.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections.abc import Hashable
+from typing import Any, NamedTuple, TextIO
+
+import numpy as np
+import numpy.typing as npt
+
+from radixcache.config import RadixCacheConfig
+from radixcache.errors import InvalidKeyError, LockError
+from radixcache.events import (
+    AllCleared,
+    Event,
+    PageRemoved,
+    PageStored,
+    chain_hashes,
+    hash_to_bytes,
+    namespace_seed,
+)
+from radixcache.node import TOKEN_BYTES, TreeNode
+from radixcache.policy import EvictionPolicy, make_policy
+
+KeyLike = npt.ArrayLike  # 1-D sequence of int token ids; an int64 ndarray avoids a conversion
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.setflags(write=False)
+
+
+class MatchResult(NamedTuple):
+    """Result of `RadixCache.match_prefix`.
+
+    - `indices`: slot ids of the matched prefix, read-only, shape (length,). Owned by the tree.
+    - `last_node`: the node that ends exactly at `length` (lock it while the slots are in use).
+    - `length`: number of matched tokens, a multiple of `page_size`.
+    """
+
+    indices: npt.NDArray[np.int64]
+    last_node: TreeNode
+    length: int
+
+
+class InsertResult(NamedTuple):
+    """Result of `RadixCache.insert`.
+
+    - `prefix_len`: leading tokens that were already cached before this call; the caller's
+      slots `value[:prefix_len]` were NOT taken by the tree (free the ones you allocated).
+    - `last_node`: the node that ends at the inserted (page-aligned) length.
+    """
+
+    prefix_len: int
+    last_node: TreeNode
+
+
+def as_key(key: KeyLike) -> npt.NDArray[np.int64]:
+    """`key` as a 1-D int64 array (no copy when it already is one); raises `InvalidKeyError`."""
+    if isinstance(key, np.ndarray) and key.dtype == np.int64 and key.ndim == 1:
+        return key
+    try:
+        arr = np.asarray(key, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidKeyError(f"key must be a 1-D sequence of int token ids: {exc}") from exc
+    if arr.ndim != 1:
+        raise InvalidKeyError(f"key must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+class RadixCache:
+    """Radix tree mapping token-id prefixes to KV slot ids, with locking and policy eviction.
+
+    Keys are cut to whole pages of `page_size` tokens: only `len(key) - len(key) % page_size`
+    tokens are ever matched or stored. `extra_key` selects a namespace (adapter id, image salt,
+    tenant); namespaces never share nodes. Single-threaded; no method blocks.
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction: str | EvictionPolicy = "lru",
+        *,
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self._page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._policy = make_policy(eviction)
+        self._enable_events = enable_events
+        self._tick = 0
+        self._seq = 0
+        self._heap: list[tuple[Any, int, TreeNode]] = []
+        self._roots: dict[Hashable, TreeNode] = {}
+        self._root = self._new_root(None)
+        self._evictable = 0
+        self._protected = 0
+        self._events: list[Event] = []
+
+    @classmethod
+    def from_config(cls, config: RadixCacheConfig) -> RadixCache:
+        """A cache built from `config` (page size, eviction policy, events)."""
+        return cls(config.page_size, config.eviction, enable_events=config.enable_events)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def root(self) -> TreeNode:
+        """Root of the default namespace (`extra_key=None`); locking a root is a no-op."""
+        return self._root
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens held by unlocked nodes (reclaimable by `evict`, leaves first)."""
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens held by locked nodes (never evicted)."""
+        return self._protected
+
+    @property
+    def total_size(self) -> int:
+        """Tokens held by the tree; always `evictable_size + protected_size`."""
+        return self._evictable + self._protected
+
+    def aligned_len(self, num_tokens: int) -> int:
+        """`num_tokens` rounded down to whole pages: what match and insert consider."""
+        return num_tokens - num_tokens % self._page_size
+
+    # ------------------------------------------------------------------ match / insert
+    def match_prefix(self, key: KeyLike, extra_key: Hashable = None) -> MatchResult:
+        """Longest cached page-aligned prefix of `key` in namespace `extra_key`.
+
+        Mutates: the access clock and hit count of every node on the matched path, and splits
+        the last node when the match ends inside its edge (so `last_node` ends exactly at
+        `length`). Never changes which slots are cached, nor any size.
+        """
+        arr = as_key(key)
+        root = self._roots.get(extra_key)
+        n = len(arr) - len(arr) % self._page_size
+        if root is None or n == 0:
+            return MatchResult(_EMPTY, self._root if root is None else root, 0)
+        self._tick += 1
+        tick = self._tick
+        kb = arr[:n].tobytes()
+        nb = len(kb)
+        pb = self._page_bytes
+        node = root
+        node.last_access = tick
+        pos = 0
+        values: list[npt.NDArray[np.int64]] = []
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            ck = child.key
+            cl = len(ck)
+            if kb[pos : pos + cl] != ck:
+                m = self._common_len(ck, arr, pos // TOKEN_BYTES)
+                child = self._split(child, m)
+                cl = m * TOKEN_BYTES
+            child.last_access = tick
+            child.hit_count += 1
+            values.append(child.value)
+            pos += cl
+            node = child
+            if len(ck) != cl:
+                break
+        if not values:
+            return MatchResult(_EMPTY, node, 0)
+        indices = values[0] if len(values) == 1 else np.concatenate(values)
+        return MatchResult(indices, node, pos // TOKEN_BYTES)
+
+    def insert(
+        self, key: KeyLike, value: KeyLike, extra_key: Hashable = None, priority: int = 0
+    ) -> InsertResult:
+        """Cache `value[i]` (a slot id) as the KV of token `key[i]` for the page-aligned part.
+
+        `value` must cover at least the page-aligned part of `key` (only `value[:aligned]` is
+        read; `aligned = aligned_len(len(key))`). The tree takes ownership of `value[prefix_len:aligned]`
+        and keeps its own slots for the first `prefix_len`
+        tokens; the caller keeps `value[:prefix_len]` (free the duplicates it allocated) and the
+        rest `value[aligned:]` (the unaligned tail).
+
+        Mutates: adds at most one leaf (and splits at most one node), refreshes the access clock
+        along the path, raises node priorities to at least `priority`, grows `evictable_size`
+        and `total_size` by `aligned - prefix_len`.
+        """
+        arr = as_key(key)
+        val = as_key(value)
+        n = len(arr) - len(arr) % self._page_size
+        if len(val) < n:
+            raise InvalidKeyError(
+                f"len(value)={len(val)} must cover the page-aligned key ({n} of {len(arr)} tokens)"
+            )
+        root = self._roots.get(extra_key)
+        if root is None:
+            if n == 0:
+                return InsertResult(0, self._root)
+            root = self._new_root(extra_key)
+        self._tick += 1
+        tick = self._tick
+        kb = arr[:n].tobytes()
+        nb = len(kb)
+        pb = self._page_bytes
+        node = root
+        node.last_access = tick
+        pos = 0
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            ck = child.key
+            cl = len(ck)
+            if kb[pos : pos + cl] != ck:
+                m = self._common_len(ck, arr, pos // TOKEN_BYTES)
+                child = self._split(child, m)
+                cl = m * TOKEN_BYTES
+            child.last_access = tick
+            child.hit_count += 1
+            if priority > child.priority:
+                child.priority = priority
+            pos += cl
+            node = child
+            if len(ck) != cl:
+                break
+        prefix_len = pos // TOKEN_BYTES
+        if pos < nb:
+            node = self._add_leaf(node, kb[pos:], val[prefix_len:n], priority, tick)
+        return InsertResult(prefix_len, node)
+
+    def peek_prefix_len(self, key: KeyLike, extra_key: Hashable = None) -> int:
+        """Length of the longest cached page-aligned prefix of `key`. Mutates nothing."""
+        return self._peek(as_key(key), extra_key)[0]
+
+    # ------------------------------------------------------------------ lock / evict
+    def lock(self, node: TreeNode) -> int:
+        """Add one reference to `node` and each ancestor; a locked node is never evicted.
+
+        Returns the change of `evictable_size` (<= 0). Mutates lock counts and sizes.
+        Raises `LockError` if `node` was evicted or dropped by `reset()`.
+        """
+        if node.removed:
+            raise LockError("cannot lock an evicted node; lock the last_node of a fresh match_prefix")
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                delta += len(node.value)
+            node.lock_ref += 1
+            node = node.parent
+        self._evictable -= delta
+        self._protected += delta
+        return -delta
+
+    def unlock(self, node: TreeNode) -> int:
+        """Remove one reference from `node` and each ancestor (undo one `lock`).
+
+        Returns the change of `evictable_size` (>= 0). A leaf whose count reaches 0 becomes
+        evictable. Raises `LockError` when `node` is not locked (unbalanced unlock) or was dropped
+        by `reset()`.
+        """
+        if node.parent is None:
+            return 0
+        if node.removed:
+            raise LockError("cannot unlock a node dropped by reset(); its lock died with it")
+        if node.lock_ref <= 0:
+            raise LockError("unlock without a matching lock (node.lock_ref is already 0)")
+        delta = 0
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                delta += len(node.value)
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    def evict(self, num_tokens: int) -> npt.NDArray[np.int64]:
+        """Evict unlocked leaves, in policy order, until at least `num_tokens` tokens are freed
+        or nothing is evictable. A parent left as an unlocked leaf becomes evictable in turn.
+
+        Returns the freed slot ids (the caller frees them in its allocator; may exceed
+        `num_tokens` since whole nodes are evicted). Mutates the tree and sizes.
+        """
+        if num_tokens <= 0:
+            return _EMPTY
+        heap = self._heap
+        key = self._policy.key
+        freed: list[npt.NDArray[np.int64]] = []
+        got = 0
+        while got < num_tokens and heap:
+            k, _, node = heap[0]
+            if node.removed or node.children or node.lock_ref:
+                heapq.heappop(heap)
+                node.in_heap = False
+                continue
+            cur = key(node)
+            if cur != k:
+                self._seq += 1
+                heapq.heapreplace(heap, (cur, self._seq, node))
+                continue
+            heapq.heappop(heap)
+            node.in_heap = False
+            freed.append(node.value)
+            got += len(node.value)
+            self._delete_leaf(node)
+        if not freed:
+            return _EMPTY
+        return freed[0].copy() if len(freed) == 1 else np.concatenate(freed)
+
+    def reset(self) -> npt.NDArray[np.int64]:
+        """Drop every node (locked or not). Returns all slot ids the tree held, for the caller to
+        free. Old node handles become invalid (`lock`/`unlock` on them raise `LockError`)."""
+        held: list[npt.NDArray[np.int64]] = []
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            node.removed = True
+            if node.parent is not None:
+                held.append(node.value)
+            stack.extend(node.children.values())
+        self._heap = []
+        self._roots = {}
+        self._root = self._new_root(None)
+        self._evictable = 0
+        self._protected = 0
+        if self._enable_events:
+            self._events.append(AllCleared())
+        return np.concatenate(held) if held else _EMPTY.copy()
+
+    def take_events(self) -> list[Event]:
+        """Stored/removed page events since the last call (empty unless `enable_events`).
+        Mutates: clears the event buffer."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ introspection
+    def namespaces(self) -> list[Hashable]:
+        """The `extra_key`s that currently hold nodes (plus `None`, always present)."""
+        return list(self._roots)
+
+    def num_nodes(self) -> int:
+        """Number of non-root nodes (walks the tree)."""
+        return sum(1 for _ in self._walk())
+
+    def pretty_print(self, file: TextIO | None = None) -> str:
+        """Writes an indented dump of the tree to `file` (default stdout) and returns it."""
+        lines = [f"RadixCache(page_size={self._page_size}, policy={self._policy.name}, "
+                 f"total={self.total_size}, evictable={self._evictable}, protected={self._protected})"]
+        for ns, root in self._roots.items():
+            lines.append(f"[namespace {ns!r}]")
+            stack = [(c, 1) for c in reversed(list(root.children.values()))]
+            while stack:
+                node, depth = stack.pop()
+                toks = node.token_ids()
+                shown = ",".join(map(str, toks[:8].tolist())) + (",..." if len(toks) > 8 else "")
+                lines.append(f"{'  ' * depth}[{shown}] n={node.num_tokens} lock={node.lock_ref} "
+                             f"last={node.last_access}")
+                stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
+        text = "\n".join(lines) + "\n"
+        (sys.stdout if file is None else file).write(text)
+        return text
+
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises `IntegrityError` naming the node and the broken rule.
+        Mutates nothing. Cost: a full walk of the tree."""
+        from radixcache._integrity import check
+
+        check(self)
+
+    # ------------------------------------------------------------------ internals
+    def _new_root(self, extra_key: Hashable) -> TreeNode:
+        root = TreeNode(b"", _EMPTY, None, extra_key, self._tick)
+        if self._enable_events:
+            root.hashes = []
+        self._roots[extra_key] = root
+        return root
+
+    def _walk(self) -> Any:
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _common_len(self, edge: bytes, arr: npt.NDArray[np.int64], start: int) -> int:
+        """Page-aligned number of leading tokens `edge` shares with `arr[start:]`."""
+        a = np.frombuffer(edge, dtype=np.int64)
+        b = arr[start : start + len(a)]
+        k = len(b)
+        diff = np.flatnonzero(a[:k] != b)
+        m = int(diff[0]) if len(diff) else k
+        return m - m % self._page_size
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split `child` after `m` tokens; returns the new upper node. `child` keeps its identity
+        as the lower part, so handles held by callers stay valid."""
+        # NOTE: 0 < m < child.num_tokens and m is page-aligned; locks and sizes are unchanged.
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child.value)
+        cut = m * TOKEN_BYTES
+        pb = self._page_bytes
+        new = TreeNode(child.key[:cut], child.value[:m], parent, child.extra_key, child.created)
+        new.lock_ref = child.lock_ref
+        new.last_access = child.last_access
+        new.hit_count = child.hit_count
+        new.priority = child.priority
+        if child.hashes is not None:
+            pages = m // self._page_size
+            new.hashes = child.hashes[:pages]
+            child.hashes = child.hashes[pages:]
+        parent.children[child.key[:pb]] = new
+        child.key = child.key[cut:]
+        child.value = child.value[m:]
+        child.parent = new
+        new.children[child.key[:pb]] = child
+        return new
+
+    def _add_leaf(
+        self, parent: TreeNode, kb: bytes, value: npt.NDArray[np.int64], priority: int, tick: int
+    ) -> TreeNode:
+        slots = np.array(value, dtype=np.int64)
+        slots.setflags(write=False)
+        leaf = TreeNode(kb, slots, parent, parent.extra_key, tick)
+        leaf.priority = priority
+        parent.children[kb[: self._page_bytes]] = leaf
+        self._evictable += len(slots)
+        if self._enable_events:
+            prev = hash_to_bytes(parent.hashes[-1]) if parent.hashes else namespace_seed(parent.extra_key)
+            toks = leaf.token_ids()
+            leaf.hashes = chain_hashes(prev, toks, self._page_size)
+            self._events.append(
+                PageStored(tuple(leaf.hashes), parent.hashes[-1] if parent.hashes else None,
+                           tuple(toks.tolist()), parent.extra_key)
+            )
+        self._push(leaf)
+        return leaf
+
+    def _push(self, node: TreeNode) -> None:
+        if not node.in_heap:
+            self._seq += 1
+            heapq.heappush(self._heap, (self._policy.key(node), self._seq, node))
+            node.in_heap = True
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[: self._page_bytes]]
+        node.removed = True
+        self._evictable -= len(node.value)
+        if self._enable_events and node.hashes is not None:
+            self._events.append(PageRemoved(tuple(node.hashes), node.extra_key))
+        if parent.parent is None:
+            if not parent.children and parent.extra_key is not None:
+                del self._roots[parent.extra_key]
+                parent.removed = True
+        elif not parent.children and parent.lock_ref == 0:
+            self._push(parent)
+
+    def _peek(self, arr: npt.NDArray[np.int64], extra_key: Hashable) -> tuple[int, TreeNode | None]:
+        """(matched length, deepest fully matched node) without mutating anything."""
+        root = self._roots.get(extra_key)
+        n = len(arr) - len(arr) % self._page_size
+        if root is None or n == 0:
+            return 0, root
+        kb = arr[:n].tobytes()
+        nb = len(kb)
+        pb = self._page_bytes
+        node = root
+        pos = 0
+        while pos < nb:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            ck = child.key
+            if kb[pos : pos + len(ck)] != ck:
+                pos += self._common_len(ck, arr, pos // TOKEN_BYTES) * TOKEN_BYTES
+                break
+            pos += len(ck)
+            node = child
+        return pos // TOKEN_BYTES, node

@@ -1,0 +1,75 @@
+"""`TreeNode`: one edge of the radix tree (a run of whole pages) and the slots that hold its KV."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+import numpy.typing as npt
+
+TOKEN_BYTES = 8  # keys are stored as int64 bytes
+
+
+class TreeNode:
+    """A node of `RadixCache`; callers treat it as an opaque handle (for `lock`/`unlock`).
+
+    Read-only attributes useful to eviction policies: `num_tokens`, `last_access` (logical
+    clock of the last match/insert through it), `hit_count`, `created` (logical clock at
+    creation), `priority`, `lock_ref`, `extra_key`. A namespace root has `parent is None`.
+    """
+
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "value",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "created",
+        "priority",
+        "extra_key",
+        "in_heap",
+        "removed",
+        "hashes",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        value: npt.NDArray[np.int64],
+        parent: TreeNode | None,
+        extra_key: Hashable,
+        tick: int,
+    ) -> None:
+        self.children: dict[bytes, TreeNode] = {}
+        self.parent = parent
+        self.key = key  # int64 token ids as bytes
+        self.value = value  # slot ids, read-only, len == num_tokens
+        self.lock_ref = 0
+        self.last_access = tick
+        self.hit_count = 0
+        self.created = tick
+        self.priority = 0
+        self.extra_key = extra_key
+        self.in_heap = False
+        self.removed = False
+        self.hashes: list[int] | None = None  # one chained hash per page, when events are on
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.value)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def token_ids(self) -> npt.NDArray[np.int64]:
+        """The token ids on this node's edge (a read-only view)."""
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(num_tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
+            f"children={len(self.children)}, extra_key={self.extra_key!r})"
+        )

@@ -1,0 +1,245 @@
+"""Unit tests of RadixCache: match, insert, splits, locks, eviction, sizes, namespaces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radixcache import InvalidKeyError, LockError, RadixCache, SlotAllocator, TreeNode
+
+
+def _ins(cache: RadixCache, key: list[int], base: int) -> np.ndarray:
+    value = np.arange(base, base + len(key), dtype=np.int64)
+    cache.insert(key, value)
+    return value
+
+
+def test_match_on_empty_cache() -> None:
+    cache = RadixCache()
+    m = cache.match_prefix([1, 2, 3])
+    assert m.length == 0 and len(m.indices) == 0 and m.last_node is cache.root
+    assert cache.total_size == 0
+
+
+def test_insert_then_match_returns_slots_of_longest_prefix() -> None:
+    cache = RadixCache()
+    v = _ins(cache, [1, 2, 3, 4], 100)
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert m.length == 4 and m.indices.tolist() == v.tolist()
+    m = cache.match_prefix([1, 2, 9])
+    assert m.length == 2 and m.indices.tolist() == [100, 101]
+    assert m.last_node.num_tokens == 2  # the match split the edge [1,2,3,4]
+    assert cache.total_size == 4
+    cache.check_integrity()
+
+
+def test_insert_reports_prefix_len_and_keeps_old_slots() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4], 100)
+    r = cache.insert([1, 2, 3, 7, 8], np.arange(200, 205))
+    assert r.prefix_len == 3
+    assert cache.total_size == 6
+    m = cache.match_prefix([1, 2, 3, 7, 8])
+    assert m.indices.tolist() == [100, 101, 102, 203, 204]
+    assert m.last_node is r.last_node
+    cache.check_integrity()
+
+
+def test_insert_of_cached_prefix_adds_nothing() -> None:
+    cache = RadixCache()
+    _ins(cache, [5, 6, 7, 8], 10)
+    r = cache.insert([5, 6], [90, 91])
+    assert r.prefix_len == 2 and cache.total_size == 4
+    assert r.last_node.num_tokens == 2  # split so that last_node ends at the key's end
+    cache.check_integrity()
+
+
+def test_match_split_keeps_locked_handle_valid() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4, 5, 6], 10)
+    held = cache.match_prefix([1, 2, 3, 4, 5, 6]).last_node
+    cache.lock(held)
+    cache.match_prefix([1, 2, 3])  # splits the locked node
+    cache.check_integrity()
+    assert cache.protected_size == 6 and cache.evictable_size == 0
+    assert cache.unlock(held) == 6
+    assert cache.protected_size == 0
+    cache.check_integrity()
+
+
+def test_lock_and_unlock_return_evictable_delta() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4], 10)
+    _ins(cache, [1, 2, 8, 9], 20)
+    a = cache.match_prefix([1, 2, 3, 4]).last_node
+    b = cache.match_prefix([1, 2, 8, 9]).last_node
+    assert cache.lock(a) == -4
+    assert cache.lock(b) == -2  # the shared [1,2] is already locked
+    assert cache.evictable_size == 0 and cache.protected_size == 6
+    assert cache.unlock(a) == 2
+    assert cache.unlock(b) == 4
+    with pytest.raises(LockError):
+        cache.unlock(b)
+    cache.check_integrity()
+
+
+def test_locked_nodes_are_never_evicted() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    _ins(cache, [4, 5, 6], 20)
+    cache.lock(cache.match_prefix([1, 2, 3]).last_node)
+    freed = cache.evict(100)
+    assert sorted(freed.tolist()) == [20, 21, 22]
+    assert cache.match_prefix([1, 2, 3]).length == 3
+    assert cache.total_size == 3
+    cache.check_integrity()
+
+
+def test_evict_cascades_to_parent_leaf() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4], 10)
+    _ins(cache, [1, 2, 7], 20)
+    freed = cache.evict(100)
+    assert sorted(freed.tolist()) == [10, 11, 12, 13, 22]
+    assert cache.total_size == 0
+    cache.check_integrity()
+
+
+def test_evict_frees_at_least_requested_in_whole_nodes() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4], 10)
+    _ins(cache, [9, 9], 20)
+    freed = cache.evict(1)
+    assert len(freed) in (2, 4)  # the LRU leaf, whole
+    assert cache.total_size == 6 - len(freed)
+    assert len(cache.evict(0)) == 0
+
+
+def test_lock_of_evicted_node_raises() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2], 10)
+    node = cache.match_prefix([1, 2]).last_node
+    cache.evict(2)
+    with pytest.raises(LockError):
+        cache.lock(node)
+
+
+def test_namespaces_never_share_nodes() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    cache.insert([1, 2, 3], [20, 21, 22], extra_key="lora-a")
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-a").indices.tolist() == [20, 21, 22]
+    assert cache.match_prefix([1, 2, 3]).indices.tolist() == [10, 11, 12]
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-b").length == 0
+    assert cache.total_size == 6
+    cache.check_integrity()
+    cache.evict(6)
+    assert cache.namespaces() == [None]
+    cache.check_integrity()
+
+
+def test_page_size_aligns_match_and_insert() -> None:
+    cache = RadixCache(page_size=4)
+    r = cache.insert(list(range(10)), np.arange(100, 110))
+    assert r.prefix_len == 0 and cache.total_size == 8
+    m = cache.match_prefix(list(range(7)))
+    assert m.length == 4 and m.indices.tolist() == [100, 101, 102, 103]
+    m = cache.match_prefix([0, 1, 2, 3, 4, 5, 6, 99, 8])  # mismatch inside page 2
+    assert m.length == 4
+    m = cache.match_prefix([0, 1, 2, 9])  # mismatch inside page 1
+    assert m.length == 0
+    cache.check_integrity()
+
+
+def test_paged_split_happens_on_page_boundary() -> None:
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 2, 3, 4, 5, 6], np.arange(6))
+    r = cache.insert([1, 2, 3, 9, 5, 6], np.arange(10, 16))
+    assert r.prefix_len == 2
+    assert cache.total_size == 10
+    cache.check_integrity()
+
+
+def test_bad_inputs_raise_typed_errors() -> None:
+    cache = RadixCache()
+    with pytest.raises(InvalidKeyError):
+        cache.match_prefix([[1, 2], [3, 4]])
+    with pytest.raises(InvalidKeyError):
+        cache.match_prefix(["a", "b"])
+    with pytest.raises(InvalidKeyError):
+        cache.insert([1, 2, 3], [1, 2])
+    with pytest.raises(ValueError):
+        RadixCache(page_size=0)
+
+
+def test_reset_returns_all_slots_and_invalidates_handles() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    _ins(cache, [1, 5], 20)
+    node = cache.match_prefix([1, 2, 3]).last_node
+    cache.lock(node)
+    held = cache.reset()
+    assert sorted(held.tolist()) == [10, 11, 12, 21]
+    assert cache.total_size == 0 and cache.protected_size == 0
+    with pytest.raises(LockError):
+        cache.unlock(node)
+    cache.check_integrity()
+
+
+def test_match_result_indices_are_read_only() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    m = cache.match_prefix([1, 2, 3])
+    with pytest.raises(ValueError):
+        m.indices[0] = 5
+
+
+def test_peek_mutates_nothing() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4], 10)
+    before = cache.pretty_print(file=_Sink())
+    assert cache.peek_prefix_len([1, 2, 9]) == 2
+    assert cache.pretty_print(file=_Sink()) == before
+
+
+def test_check_integrity_detects_corruption() -> None:
+    from radixcache import IntegrityError
+
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    _ins(cache, [1, 2, 4], 20)
+    node: TreeNode = cache.match_prefix([1, 2, 3]).last_node
+    node.lock_ref = 1  # bypass lock(): counters now disagree with the walk
+    with pytest.raises(IntegrityError, match="lock_ref|size counters"):
+        cache.check_integrity()
+
+
+class _Sink:
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+def test_allocator_alloc_free_and_double_free() -> None:
+    from radixcache import SlotError
+
+    alloc = SlotAllocator(8)
+    a = alloc.alloc(5)
+    assert a is not None and 0 not in a.tolist() and alloc.available == 3
+    assert alloc.alloc(4) is None
+    alloc.free(a[:2])
+    with pytest.raises(SlotError):
+        alloc.free(a[:1])
+    with pytest.raises(SlotError):
+        alloc.free([0])
+    assert alloc.available == 5
+
+
+def test_paged_allocator_hands_out_whole_pages() -> None:
+    alloc = SlotAllocator(16, page_size=4)
+    a = alloc.alloc(5)
+    assert a is not None and len(a) == 8
+    assert all(a[i * 4] % 4 == 0 and (a[i * 4 : i * 4 + 4] - a[i * 4]).tolist() == [0, 1, 2, 3] for i in range(2))
+    assert min(a.tolist()) >= 4  # page 0 reserved
+    alloc.free(a[6:7])  # one slot frees its whole page
+    assert alloc.available == 12
+    assert alloc.buffer_size == 20
