@@ -1,0 +1,263 @@
+"""Syntax tree -> byte-level NFA (Thompson) -> DFA (subset construction) -> minimal DFA (Moore).
+
+The DFA works on UTF-8 bytes, so it fits byte-level BPE and sentencepiece byte fallback alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfsm.charset import utf8_sequences
+from cfsm.regex_ast import Alt, Cat, Chars, Node, Repeat, Shared
+
+__all__ = ["Dfa", "build_dfa", "MAX_DFA_STATES"]
+
+MAX_DFA_STATES = 200_000
+
+
+@dataclass(frozen=True, eq=False)
+class Dfa:
+    """A trimmed, minimal DFA over bytes.
+
+    `transitions` has shape (num_states + 1, 256); row `dead` (the last) is the dead state and
+    every transition into a state that cannot reach acceptance goes to `dead`.
+    """
+
+    transitions: np.ndarray  # (num_states + 1, 256) int32
+    accepting: np.ndarray  # (num_states + 1,) bool
+    start: int
+
+    @property
+    def dead(self) -> int:
+        return int(self.transitions.shape[0] - 1)
+
+    @property
+    def num_states(self) -> int:
+        return int(self.transitions.shape[0] - 1)
+
+    def walk(self, state: int, data: bytes) -> int:
+        """State after reading `data` from `state` (`dead` if rejected). Mutates nothing."""
+        t = self.transitions
+        for b in data:
+            state = int(t[state, b])
+        return state
+
+    def fullmatch(self, data: bytes) -> bool:
+        s = self.walk(self.start, data)
+        return bool(self.accepting[s])
+
+
+class _Nfa:
+    def __init__(self) -> None:
+        self.eps: list[list[int]] = []
+        self.trans: list[list[tuple[int, int, int]]] = []
+        self.shared: dict[int, tuple[int, int]] = {}
+
+    def new(self) -> int:
+        self.eps.append([])
+        self.trans.append([])
+        return len(self.eps) - 1
+
+    def build(self, node: Node) -> tuple[int, int]:
+        if isinstance(node, Chars):
+            return self._chars(node)
+        if isinstance(node, Cat):
+            if not node.items:
+                s = self.new()
+                return s, s
+            s, e = self.build(node.items[0])
+            for it in node.items[1:]:
+                s2, e2 = self.build(it)
+                self.eps[e].append(s2)
+                e = e2
+            return s, e
+        if isinstance(node, Alt):
+            s, e = self.new(), self.new()
+            for it in node.items:
+                s2, e2 = self.build(it)
+                self.eps[s].append(s2)
+                self.eps[e2].append(e)
+            return s, e
+        if isinstance(node, Repeat):
+            return self._repeat(node)
+        if isinstance(node, Shared):
+            key = id(node)
+            if key not in self.shared:
+                self.shared[key] = self.build(node.item)
+            return self.shared[key]
+        raise TypeError(f"unknown node {node!r}")
+
+    def _repeat(self, node: Repeat) -> tuple[int, int]:
+        s = e = self.new()
+        for _ in range(node.lo):
+            s2, e2 = self.build(node.item)
+            self.eps[e].append(s2)
+            e = e2
+        if node.hi is None:
+            s2, e2 = self.build(node.item)
+            loop = self.new()
+            self.eps[e].append(loop)
+            self.eps[loop].append(s2)
+            self.eps[e2].append(loop)
+            end = self.new()
+            self.eps[loop].append(end)
+            return s, end
+        end = self.new()
+        self.eps[e].append(end)
+        for _ in range(node.hi - node.lo):
+            s2, e2 = self.build(node.item)
+            self.eps[e].append(s2)
+            self.eps[e2].append(end)
+            e = e2
+        return s, end
+
+    def _chars(self, node: Chars) -> tuple[int, int]:
+        s, e = self.new(), self.new()
+        prefix: dict[tuple[int, int, int], int] = {}
+        for lo, hi in node.ranges:
+            if hi <= 0x7F:
+                self.trans[s].append((lo, hi, e))
+                continue
+            for seq in utf8_sequences(lo, hi):
+                cur = s
+                for k, (blo, bhi) in enumerate(seq):
+                    if k == len(seq) - 1:
+                        self.trans[cur].append((blo, bhi, e))
+                    else:
+                        key = (cur, blo, bhi)
+                        nxt = prefix.get(key)
+                        if nxt is None:
+                            nxt = prefix[key] = self.new()
+                            self.trans[cur].append((blo, bhi, nxt))
+                        cur = nxt
+        return s, e
+
+
+def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[tuple[int, int, int]]], list[bool]]:
+    closures: dict[int, frozenset[int]] = {}
+
+    def closure(q: int) -> frozenset[int]:
+        c = closures.get(q)
+        if c is None:
+            seen = {q}
+            stack = [q]
+            while stack:
+                x = stack.pop()
+                for y in nfa.eps[x]:
+                    if y not in seen:
+                        seen.add(y)
+                        stack.append(y)
+            # keep only states that matter: with byte transitions, or the final state
+            c = frozenset(x for x in seen if nfa.trans[x] or x == final)
+            closures[q] = c
+        return c
+
+    ids: dict[frozenset[int], int] = {}
+    states: list[frozenset[int]] = []
+
+    def intern(key: frozenset[int]) -> int:
+        i = ids.get(key)
+        if i is None:
+            if len(states) >= MAX_DFA_STATES:
+                raise ValueError(f"DFA exceeds {MAX_DFA_STATES} states; simplify the grammar")
+            i = ids[key] = len(states)
+            states.append(key)
+        return i
+
+    target_cache: dict[frozenset[int], int] = {}
+    intern(closure(start))
+    out: list[list[tuple[int, int, int]]] = []
+    accepting: list[bool] = []
+    k = 0
+    while k < len(states):
+        members = states[k]
+        accepting.append(final in members)
+        trs = [t for q in members for t in nfa.trans[q]]
+        row: list[tuple[int, int, int]] = []
+        if trs:
+            bounds = sorted({t[0] for t in trs} | {t[1] + 1 for t in trs})
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                tg = frozenset(t[2] for t in trs if t[0] <= a and t[1] >= b - 1)
+                if not tg:
+                    continue
+                dst = target_cache.get(tg)
+                if dst is None:
+                    key: frozenset[int] = frozenset().union(*(closure(x) for x in tg))
+                    dst = target_cache[tg] = intern(key)
+                if row and row[-1][1] == a - 1 and row[-1][2] == dst:
+                    row[-1] = (row[-1][0], b - 1, dst)
+                else:
+                    row.append((a, b - 1, dst))
+        out.append(row)
+        k += 1
+    return out, accepting
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
+    n = table.shape[0]  # includes the dead state (last row)
+    dead = n - 1
+    # trim: states that cannot reach acceptance behave like the dead state
+    rev_src = np.repeat(np.arange(n), 256)
+    rev_dst = table.reshape(-1)
+    order = np.argsort(rev_dst, kind="stable")
+    rev_src, rev_dst = rev_src[order], rev_dst[order]
+    starts = np.searchsorted(rev_dst, np.arange(n + 1))
+    live = accepting.copy()
+    frontier = list(np.flatnonzero(accepting))
+    while frontier:
+        q = frontier.pop()
+        preds = np.unique(rev_src[starts[q] : starts[q + 1]])
+        new = preds[~live[preds]]
+        live[new] = True
+        frontier.extend(new.tolist())
+    live[dead] = False
+    table = np.where(live[table], table, dead).astype(np.int32)
+    table[~live] = dead
+    # byte classes: bytes whose columns are equal behave the same everywhere
+    _, col_rep, byte_class = np.unique(table.T, axis=0, return_index=True, return_inverse=True)
+    cols = table[:, col_rep]
+    cls = np.where(live, accepting.astype(np.int64) + 1, 0)
+    num = len(np.unique(cls))
+    while True:
+        sig = np.column_stack([cls, cls[cols]])
+        _, new_cls = np.unique(sig, axis=0, return_inverse=True)
+        new_cls = new_cls.reshape(-1)
+        new_num = int(new_cls.max()) + 1
+        cls = new_cls
+        if new_num == num:
+            break
+        num = new_num
+    # renumber: the dead class last, the rest in first-seen order from the start state
+    dead_cls = cls[dead]
+    remap = np.full(num, -1, dtype=np.int64)
+    nxt = 0
+    for c in cls.tolist():
+        if c != dead_cls and remap[c] < 0:
+            remap[c] = nxt
+            nxt += 1
+    remap[dead_cls] = nxt
+    new_ids = remap[cls]
+    reps = np.zeros(num, dtype=np.int64)
+    reps[new_ids] = np.arange(n)
+    min_cols = new_ids[cols[reps]]  # (num, num_byte_classes)
+    trans = min_cols[:, byte_class.reshape(-1)].astype(np.int32)
+    acc = accepting[reps].copy()
+    acc[nxt] = False
+    trans[nxt] = nxt
+    return Dfa(transitions=np.ascontiguousarray(trans), accepting=acc, start=int(new_ids[start]))
+
+
+def build_dfa(node: Node) -> Dfa:
+    """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing."""
+    nfa = _Nfa()
+    s, e = nfa.build(node)
+    rows, acc = _subset_construction(nfa, s, e)
+    n = len(rows)
+    table = np.full((n + 1, 256), n, dtype=np.int32)
+    for i, row in enumerate(rows):
+        for lo, hi, dst in row:
+            table[i, lo : hi + 1] = dst
+    accepting = np.array(acc + [False], dtype=bool)
+    return _minimize(table, accepting, 0)

@@ -1,0 +1,63 @@
+"""Typed exceptions raised at cfsm's public boundary."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CfsmError",
+    "UnsupportedRegexError",
+    "UnsupportedSchemaError",
+    "RejectedTokenError",
+    "VocabularyError",
+]
+
+
+class CfsmError(Exception):
+    """Base class of every error cfsm raises on purpose."""
+
+
+class UnsupportedRegexError(CfsmError, ValueError):
+    """A regex uses a construct outside the supported (regular) subset, or is malformed.
+
+    Attributes: `construct` (what was found), `position` (0-based offset in `pattern`), `pattern`.
+    """
+
+    def __init__(self, construct: str, position: int, pattern: str, hint: str = "") -> None:
+        self.construct = construct
+        self.position = position
+        self.pattern = pattern
+        msg = f"unsupported regex construct {construct} at position {position} in {pattern!r}"
+        if hint:
+            msg += f": {hint}"
+        super().__init__(msg)
+
+
+class UnsupportedSchemaError(CfsmError, ValueError):
+    """A JSON Schema uses a keyword (or a value of it) that cfsm cannot turn into an automaton.
+
+    Attributes: `keyword`, `path` (JSON pointer of the schema node, e.g. `#/properties/a`).
+    Pass `ignore_unsupported=True` in `CfsmConfig` to skip unknown keywords instead.
+    """
+
+    def __init__(self, keyword: str, path: str, hint: str = "") -> None:
+        self.keyword = keyword
+        self.path = path
+        msg = f"unsupported JSON Schema keyword {keyword!r} at {path}"
+        if hint:
+            msg += f": {hint}"
+        super().__init__(msg)
+
+
+class RejectedTokenError(CfsmError, ValueError):
+    """`Guide.advance` got a token the grammar does not allow in the current state."""
+
+    def __init__(self, token_id: int, state: int, detail: str = "") -> None:
+        self.token_id = token_id
+        self.state = state
+        msg = f"token {token_id} is not allowed in state {state}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class VocabularyError(CfsmError, ValueError):
+    """A vocabulary is malformed (bad ids, no EOS, size mismatch)."""

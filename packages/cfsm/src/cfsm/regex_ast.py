@@ -1,0 +1,107 @@
+"""Regex syntax tree over Unicode code points: the common form of regexes and JSON Schemas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cfsm.charset import Ranges
+
+__all__ = ["Node", "Chars", "Cat", "Alt", "Repeat", "Shared", "EMPTY", "cat", "alt", "lit"]
+
+
+class Node:
+    """Base class of syntax-tree nodes (immutable by convention)."""
+
+    __slots__ = ()
+
+
+class Chars(Node):
+    """One code point out of `ranges` (sorted, disjoint, inclusive)."""
+
+    __slots__ = ("ranges",)
+
+    def __init__(self, ranges: Ranges) -> None:
+        self.ranges = ranges
+
+    def __repr__(self) -> str:
+        return f"Chars({self.ranges!r})"
+
+
+class Cat(Node):
+    """Concatenation; `Cat(())` is the empty string."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Sequence[Node]) -> None:
+        self.items = tuple(items)
+
+    def __repr__(self) -> str:
+        return f"Cat({list(self.items)!r})"
+
+
+class Alt(Node):
+    """Alternation; `Alt(())` matches nothing."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Sequence[Node]) -> None:
+        self.items = tuple(items)
+
+    def __repr__(self) -> str:
+        return f"Alt({list(self.items)!r})"
+
+
+class Repeat(Node):
+    """`item` repeated between `lo` and `hi` times (`hi=None`: unbounded)."""
+
+    __slots__ = ("item", "lo", "hi")
+
+    def __init__(self, item: Node, lo: int, hi: int | None) -> None:
+        self.item = item
+        self.lo = lo
+        self.hi = hi
+
+    def __repr__(self) -> str:
+        return f"Repeat({self.item!r}, {self.lo}, {self.hi})"
+
+
+class Shared(Node):
+    """A sub-automaton built once and entered from several places.
+
+    # NOTE: only valid where every reference is in tail position of the same enclosing node
+    # (whatever follows one reference follows all of them). The JSON Schema compiler uses it for
+    # "remaining properties" suffixes, which all end at the closing brace.
+    """
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Node) -> None:
+        self.item = item
+
+
+EMPTY = Cat(())
+
+
+def cat(*items: Node) -> Node:
+    flat: list[Node] = []
+    for it in items:
+        if isinstance(it, Cat):
+            flat.extend(it.items)
+        else:
+            flat.append(it)
+    return flat[0] if len(flat) == 1 else Cat(flat)
+
+
+def alt(*items: Node) -> Node:
+    flat: list[Node] = []
+    for it in items:
+        if isinstance(it, Alt):
+            flat.extend(it.items)
+        else:
+            flat.append(it)
+    return flat[0] if len(flat) == 1 else Alt(flat)
+
+
+def lit(text: str) -> Node:
+    """The literal string `text`."""
+    return cat(*(Chars(((ord(c), ord(c)),)) for c in text)) if text else EMPTY

@@ -1,0 +1,105 @@
+"""Regex front end and byte DFA against the `regex` module as the oracle."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import regex
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cfsm import UnsupportedRegexError
+from cfsm.automaton import build_dfa
+from cfsm.regex_parser import parse_regex
+
+_ALPHABET = "ab-.\n\té 1Z_€😀"
+_ATOMS = ["a", "b", "[ab]", "[^a]", "\\d", "\\w", "\\s", "\\D", "\\W", ".", "[a-c\\d]", "é", "\\u20ac",
+          "[^\\s]", "\\p{L}", "\\P{Ll}", "(?i:a)", "[[:digit:]]", "(?s:.)", "\\x2d", "-", "[\\w-]", "😀"]
+
+
+@st.composite
+def _patterns(draw: st.DrawFn, depth: int = 0) -> str:
+    kind = draw(st.integers(0, 5 if depth < 3 else 0))
+    if kind == 0:
+        return draw(st.sampled_from(_ATOMS))
+    if kind == 1:
+        parts = draw(st.lists(_patterns(depth + 1), min_size=1, max_size=3))
+        return "".join(parts)
+    if kind == 2:
+        parts = draw(st.lists(_patterns(depth + 1), min_size=2, max_size=3))
+        return "(" + "|".join(parts) + ")"
+    inner = draw(_patterns(depth + 1))
+    q = draw(st.sampled_from(["*", "+", "?", "{2}", "{1,3}", "{0,}", "{,2}", "*?", "{2,}?"]))
+    group = draw(st.sampled_from(["(?:{})", "({})", "(?i:{})"]))
+    return group.format(inner) + q
+
+
+_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(pattern=_patterns(), data=st.data())
+def test_dfa_accepts_exactly_what_regex_fullmatch_accepts(pattern: str, data: st.DataObject) -> None:
+    dfa = build_dfa(parse_regex(pattern))
+    compiled = regex.compile(pattern)
+    strings = data.draw(st.lists(st.text(_ALPHABET, max_size=6), min_size=20, max_size=20))
+    for s in strings:
+        assert dfa.fullmatch(s.encode()) == (compiled.fullmatch(s) is not None), (pattern, s)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "yes", "no"),
+    [
+        (r"^(25[0-5]|2[0-4]\d|1?\d?\d)(\.(25[0-5]|2[0-4]\d|1?\d?\d)){3}$", ["1.2.3.4", "255.0.10.99"], ["256.1.1.1", "1.2.3"]),
+        (r"(?i)straße", ["STRASSE"[:0] + "Straße", "STRAẞE"], ["strasse"]),
+        (r"\p{Lu}\p{Ll}+", ["Émile"], ["émile", "E"]),
+        (r"a{2,3}?b", ["aab", "aaab"], ["ab", "aaaab"]),
+        (r"(?x) a  b  # comment", ["ab"], ["a b"]),
+        (r"[\]\-]+", ["]-]"], ["a"]),
+        (r"\N{EURO SIGN}\x41\u00e9\U0001F600\101", ["€Aé😀A"], ["€"]),
+        (r"[^\d\s]", ["x", "é"], ["1", " ", "١"]),
+        (r"(?P<year>\d{4})-(?<m>\d\d)(?#c)", ["2024-01"], ["2024-1"]),
+        (r"a(?i)b", ["aB", "ab"], ["AB"]),
+        (r"\Aab\Z|c$", ["ab", "c"], ["abc"]),
+    ],
+)
+def test_regex_features(pattern: str, yes: list[str], no: list[str]) -> None:
+    dfa = build_dfa(parse_regex(pattern))
+    for s in yes:
+        assert regex.fullmatch(pattern, s) and dfa.fullmatch(s.encode()), s
+    for s in no:
+        assert not regex.fullmatch(pattern, s) and not dfa.fullmatch(s.encode()), s
+
+
+@pytest.mark.parametrize(
+    ("pattern", "construct", "position"),
+    [
+        ("a(?=b)", "lookahead", 1),
+        ("a(?!b)", "lookahead", 1),
+        ("x(?<=a)b", "lookbehind", 1),
+        ("(?<!a)b", "lookbehind", 0),
+        (r"(a)\1", "backreference", 3),
+        (r"(?P<x>a)(?P=x)", "backreference", 8),
+        (r"\bfoo", "word boundary", 0),
+        ("a*+", "possessive", 2),
+        ("(?>ab)", "atomic group", 0),
+        ("a^b", "anchor not at the start", 1),
+        ("a$b", "anchor not at the end", 2),
+        ("(ab", "without a matching ')'", 0),
+        ("a**", "multiple repeat", 2),
+        (r"\q", "bad escape", 0),
+    ],
+)
+def test_unsupported_constructs_name_construct_and_position(pattern: str, construct: str, position: int) -> None:
+    with pytest.raises(UnsupportedRegexError, match=re.escape(construct)) as info:
+        parse_regex(pattern)
+    assert info.value.position == position
+    assert info.value.pattern == pattern
+
+
+def test_dfa_is_minimal_on_a_known_language() -> None:
+    # (a|b)*abb has a 4-state minimal DFA (plus our explicit dead state)
+    dfa = build_dfa(parse_regex("(a|b)*abb"))
+    assert dfa.num_states == 4
+    assert dfa.fullmatch(b"babb") and not dfa.fullmatch(b"abba")
