@@ -1,0 +1,67 @@
+"""What a plugin's build step receives (``BuildContext``) and returns (``Built``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lowlat.config import LowlatConfig
+from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+from lowlat.spec import Coverage, ServerSetup, Step
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """Everything a plugin needs to prepare weights and allocate workspaces at start-up.
+
+    Built after the model is loaded and TP ranks agreed, before the KV cache is sized, so the
+    memory a plugin allocates here is counted by the runner's memory measurement.
+    ``coverage`` is the agreed coverage (intersection over TP ranks).
+    """
+
+    shape: LayerShape
+    weights: tuple[LayerWeights, ...]  # one per layer
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    coverage: Coverage
+    config: LowlatConfig
+    setup: ServerSetup
+    max_context: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.coverage.max_tokens
+
+
+@runtime_checkable
+class Built(Protocol):
+    """A built plugin: a layer forward the dispatcher can call in place of the original.
+
+    ``forward`` must be graph-safe: no allocations, no host syncs, static addresses for a given
+    batch size. It mutates ``kv`` (the new tokens' K and V) and the plugin's own workspace only,
+    and returns the layer's output residual stream (a view of a plugin-owned buffer that stays
+    valid until the plugin's forward runs twice more).
+    """
+
+    name: str
+    workspace_bytes: int
+
+    def covers(self, step: Step) -> bool:
+        """Whether ``forward`` serves ``step`` (beyond the spec's declared coverage). Pure."""
+        ...
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        """Run decoder layer ``layer`` on ``x`` (num_tokens, hidden); see the class docstring."""
+        ...
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        """Compile and run every kernel once per batch size on plugin-owned scratch data."""
+        ...

@@ -1,0 +1,118 @@
+"""The generic torch-native decoder layer: the oracle every plugin is tested against.
+
+Llama-style: RMSNorm, fused QKV, rotary embedding (rotate-half), paged KV write through a
+``req_to_token`` table, grouped-query attention, o_proj + residual, RMSNorm, gate-up with
+SiLU(gate) * up, down + residual. Matrix products run in the weights' dtype (as a torch model
+runner would); norms, rotary embedding and softmax run in float32.
+
+Usable by any torch model runner: ``reference_decoder_layer`` takes the residual stream of the
+step's tokens and returns the next one; it writes the new tokens' K and V into the cache.
+The decode path (``meta.extend_lens is None``) has no host syncs, so it can be CUDA-graph captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` in float32, returned in ``x.dtype``. Pure."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x`` (tokens, heads, head_dim) at ``positions``; float32 out."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # (tokens, head_dim // 2)
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def write_kv(kv: KVCache, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+    """Store ``k``, ``v`` (tokens, kv_heads, head_dim) at slots ``out_cache_loc``; mutates ``kv``."""
+    loc = out_cache_loc.long()
+    kv.k[loc] = k.to(kv.k.dtype)
+    kv.v[loc] = v.to(kv.v.dtype)
+
+
+def decode_attention(q: torch.Tensor, kv: KVCache, meta: ForwardMeta, scale: float) -> torch.Tensor:
+    """Attention of one query token per request over its cached tokens; float32 out. Pure.
+
+    q: (batch, num_heads, head_dim). Gathers ``max_seq_len`` positions per request and masks the
+    tail, so there is no host sync (graph-safe).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv.k.shape[1]
+    group = num_heads // num_kv_heads
+    max_len = meta.max_seq_len or meta.req_to_token.shape[1]
+    slots = meta.req_to_token[meta.req_pool_indices.long(), :max_len].long()  # (batch, max_len)
+    keys = kv.k[slots].float()  # (batch, max_len, kv_heads, head_dim)
+    values = kv.v[slots].float()
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys) * scale  # (batch, kv_heads, group, max_len)
+    valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, values)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def extend_attention(q: torch.Tensor, kv: KVCache, meta: ForwardMeta, scale: float) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cache (host loop; not graph-safe). Pure.
+
+    q: (num_tokens, num_heads, head_dim); the new tokens' K and V must already be in the cache.
+    """
+    assert meta.extend_lens is not None
+    num_heads = q.shape[1]
+    group = num_heads // kv.k.shape[1]
+    outs = []
+    start = 0
+    for r, (n_new, seq_len) in enumerate(zip(meta.extend_lens.tolist(), meta.seq_lens.tolist(), strict=True)):
+        slots = meta.req_to_token[int(meta.req_pool_indices[r]), :seq_len].long()
+        keys = kv.k[slots].float().repeat_interleave(group, dim=1)  # (seq_len, heads, head_dim)
+        values = kv.v[slots].float().repeat_interleave(group, dim=1)
+        qr = q[start : start + n_new].float()
+        scores = torch.einsum("thd,shd->hts", qr, keys) * scale
+        q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos  # (n_new, seq_len)
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), values))
+        start += n_new
+    return torch.cat(outs, dim=0)
+
+
+def reference_decoder_layer(
+    x: torch.Tensor,  # (num_tokens, hidden): residual stream entering the layer
+    weights: LayerWeights,
+    kv: KVCache,
+    meta: ForwardMeta,
+    shape: LayerShape,
+) -> torch.Tensor:
+    """One decoder layer; returns the residual stream leaving it (num_tokens, hidden), x.dtype.
+
+    Mutates ``kv`` (writes the new tokens' K and V at ``meta.out_cache_loc``); nothing else.
+    """
+    n = x.shape[0]
+    h = rms_norm(x, weights.input_norm, shape.rms_eps)
+    qkv = F.linear(h, weights.qkv)
+    q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
+    q = apply_rope(q.view(n, shape.num_heads, shape.head_dim), meta.positions, weights.rope_inv_freq)
+    k = apply_rope(k.view(n, shape.num_kv_heads, shape.head_dim), meta.positions, weights.rope_inv_freq)
+    q = q.to(x.dtype)
+    write_kv(kv, k, v.view(n, shape.num_kv_heads, shape.head_dim), meta.out_cache_loc)
+    scale = shape.head_dim**-0.5
+    if meta.extend_lens is None:
+        attn = decode_attention(q, kv, meta, scale)
+    else:
+        attn = extend_attention(q, kv, meta, scale)
+    x1 = (x.float() + F.linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj).float()).to(x.dtype)
+    h2 = rms_norm(x1, weights.post_norm, shape.rms_eps)
+    gate, up = F.linear(h2, weights.gate_up).split(shape.intermediate_size, dim=-1)
+    act = (F.silu(gate.float()) * up.float()).to(x.dtype)
+    return (x1.float() + F.linear(act, weights.down).float()).to(x.dtype)
