@@ -1,5 +1,68 @@
-"""SGLang-compatible frontend language for LM programs: gen, select, fork/join, roles, tracing, API speculative execution."""
+"""SGLang-compatible frontend language for LM programs: gen, select, fork/join, roles, tracing, API speculative execution.
+
+Existing SGLang programs run by changing only the import: `import lmdsl as sgl`.
+"""
+
+from lmdsl.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    greedy_token_selection,
+    image,
+    select,
+    system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    user,
+    user_begin,
+    user_end,
+    video,
+)
+from lmdsl.backend.base import Backend
+from lmdsl.chat_template import ChatTemplate, get_chat_template, get_chat_template_by_model_path
+from lmdsl.config import LmdslConfig
+from lmdsl.errors import (
+    BackendError,
+    ChatTemplateError,
+    ConstraintNotSupportedError,
+    LmdslError,
+    NoBackendError,
+    ProgramError,
+    SpeculationError,
+    TraceError,
+)
+from lmdsl.function import Function, function, get_default_backend, set_default_backend, use_backend
+from lmdsl.interpreter import Usage
+from lmdsl.ir import SamplingParams
+from lmdsl.state import ProgramState, ProgramStateGroup
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+
+def __getattr__(name: str) -> object:
+    # NOTE: the HTTP backends import httpx (and openai) only when first used.
+    if name == "RuntimeEndpoint":
+        from lmdsl.backend.runtime_endpoint import RuntimeEndpoint
+
+        return RuntimeEndpoint
+    if name == "OpenAI":
+        from lmdsl.backend.openai import OpenAI
+
+        return OpenAI
+    raise AttributeError(f"module 'lmdsl' has no attribute {name!r}")
+
+
+__all__ = [
+    "Backend", "BackendError", "ChatTemplate", "ChatTemplateError", "ConstraintNotSupportedError", "Function",
+    "LmdslConfig", "LmdslError", "NoBackendError", "OpenAI", "ProgramError", "ProgramState", "ProgramStateGroup",
+    "RuntimeEndpoint", "SamplingParams", "SpeculationError", "TraceError", "Usage", "__version__", "assistant",
+    "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string", "get_chat_template",
+    "get_chat_template_by_model_path", "get_default_backend", "greedy_token_selection", "image", "select",
+    "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "use_backend", "user", "user_begin", "user_end", "video",
+]

@@ -1,0 +1,42 @@
+"""`LmdslConfig`: the one frozen configuration object of the package."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+SELECT_METHODS = ("token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized")
+
+
+@dataclass(frozen=True)
+class LmdslConfig:
+    """Interpreter and backend defaults.
+
+    max_workers: threads of one program's executor pool (primitives of one state run in order;
+        states of one program, forks included, run in parallel up to this many).
+    batch_num_threads: threads `run_batch(num_threads="auto")` uses, capped by the batch size.
+    chat_spec_max_tries: chat-model API speculative execution calls per assistant turn before
+        `SpeculationError` is recorded.
+    http_timeout_s: timeout of one HTTP request of the built-in backends.
+    default_select_method: `select(choices_method=None)` resolves to this.
+    """
+
+    max_workers: int = 32
+    batch_num_threads: int = 64
+    chat_spec_max_tries: int = 3
+    http_timeout_s: float = 600.0
+    default_select_method: str = "token_length_normalized"
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 1 or self.batch_num_threads < 1:
+            raise ValueError("LmdslConfig: max_workers and batch_num_threads must be >= 1")
+        if self.chat_spec_max_tries < 1:
+            raise ValueError("LmdslConfig: chat_spec_max_tries must be >= 1")
+        if self.default_select_method not in SELECT_METHODS:
+            raise ValueError(f"LmdslConfig: default_select_method must be one of {SELECT_METHODS}")
+
+    def with_(self, **changes: object) -> LmdslConfig:
+        """A copy with `changes` applied (this object is not mutated)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+DEFAULT_CONFIG = LmdslConfig()
