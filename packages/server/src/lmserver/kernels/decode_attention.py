@@ -1,0 +1,210 @@
+"""Triton paged decode attention (flash-decoding): one new query token per request.
+
+Stage 1 splits each request's KV length into `num_kv_splits` pieces; a program handles one
+(request, KV head, split) and all query heads of that KV head's GQA group together (packed
+into the rows of one `tl.dot`, padded to 16 rows, so any group size works, SmolLM2's 3 too). It
+writes a partial output and its log-sum-exp. Stage 2 merges the splits. The split length is
+computed on the device from `seq_lens`, so the launch shape depends only on (batch size,
+`num_kv_splits`) and the call can be captured in a CUDA graph.
+Reference: `reference.decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmserver.kernels._util import check_attention_inputs, dot_precision, next_pow2
+
+__all__ = ["choose_num_kv_splits", "decode_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_indices_ptr, seq_lens_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    sm_scale_log2e,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_rt,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    req = tl.load(req_pool_indices_ptr + b).to(tl.int64)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    # NOTE: round split boundaries to BLOCK_N so each tile load is aligned.
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+    )  # (BLOCK_H, BLOCK_D)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    token_row = req_to_token_ptr + req * stride_rt
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))  # (BLOCK_H, BLOCK_N), log2 units
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    store_mask = mask_h[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=store_mask,
+        )
+    else:
+        has_work = end > start
+        safe_l = tl.where(has_work, l_i, 1.0)
+        out = tl.where(has_work, acc / safe_l[:, None], 0.0)
+        lse = tl.where(has_work, m_i + tl.log2(safe_l), float("-inf"))  # log2 units
+        tl.store(
+            partial_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+            out, mask=store_mask,
+        )
+        tl.store(partial_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2(
+    partial_out_ptr, partial_lse_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(partial_lse_ptr + b * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+    part = tl.load(
+        partial_out_ptr + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :], other=0.0,
+    )  # (BLOCK_S, BLOCK_D)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def choose_num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
+    """A split count that gives about two programs per multiprocessor (1 for large batches).
+
+    Depends only on the batch shape, never on sequence lengths, so one value serves every
+    replay of a CUDA graph captured for that batch size. Pure function; mutates nothing.
+    """
+    programs = batch_size * num_kv_heads
+    splits = max(1, -(-2 * num_sms // max(programs, 1)))
+    return min(max_splits, next_pow2(splits) if splits > 1 else 1)
+
+
+def decode_attention(
+    q: torch.Tensor,  # (bs, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    req_to_token: torch.Tensor,  # (max_running_requests, max_context_len) int32
+    req_pool_indices: torch.Tensor,  # (bs,)
+    seq_lens: torch.Tensor,  # (bs,) including the new token, each >= 1
+    sm_scale: float,
+    out: torch.Tensor | None = None,  # (bs, num_heads, head_dim)
+    num_kv_splits: int = 8,
+    partial_out: torch.Tensor | None = None,  # (bs, num_heads, num_kv_splits, head_dim) float32
+    partial_lse: torch.Tensor | None = None,  # (bs, num_heads, num_kv_splits) float32
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of each request's new query over its cached tokens; returns `out`.
+
+    Mutates `out` (allocated when None) and the scratch buffers `partial_out`, `partial_lse`
+    (allocated when None and `num_kv_splits > 1`; pass them preallocated to capture the call in
+    a CUDA graph). The new token's key and value must already be stored in the cache.
+    """
+    check_attention_inputs(q, k_cache, v_cache)
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_kv_splits > 1:
+        if partial_out is None:
+            partial_out = torch.empty(bs, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
+        if partial_lse is None:
+            partial_lse = torch.empty(bs, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
+        p_out, p_lse = partial_out, partial_lse
+    else:
+        p_out, p_lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+    if bs == 0:
+        return out
+    block_d = next_pow2(head_dim)
+    p_out_strides = (p_out.stride(0), p_out.stride(1), p_out.stride(2)) if num_kv_splits > 1 else (0, 0, 0)
+    p_lse_strides = (p_lse.stride(0), p_lse.stride(1)) if num_kv_splits > 1 else (0, 0)
+    _decode_stage1[(bs, num_kv_heads, num_kv_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        out, p_out, p_lse,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        *p_out_strides,
+        *p_lse_strides,
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=dot_precision(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_kv_splits > 1:
+        _decode_stage2[(bs, num_heads)](
+            p_out, p_lse, out,
+            *p_out_strides,
+            *p_lse_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits, BLOCK_S=next_pow2(num_kv_splits), BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,183 @@
+"""Triton extend attention for (chunked) prefill.
+
+The new tokens of each request attend to the request's cached prefix (any length, e.g. a
+radix-cache hit or the earlier chunks of a chunked prefill; read through `req_to_token`) and
+causally to themselves (read from the contiguous `k_extend`, `v_extend`). A program handles
+`BLOCK_M` new tokens of one request and one query head; its KV head is `head // group`.
+Reference: `reference.extend_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmserver.kernels._util import KernelInputError, check_attention_inputs, dot_precision, next_pow2
+
+__all__ = ["extend_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ext_ptr, v_ext_ptr, k_cache_ptr, v_cache_ptr,
+    req_to_token_ptr, req_pool_indices_ptr, prefix_lens_ptr, extend_lens_ptr, start_loc_ptr,
+    out_ptr,
+    sm_scale_log2e,
+    stride_qt, stride_qh,
+    stride_ket, stride_keh,
+    stride_vet, stride_veh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_rt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    kv_head = head // GROUP
+
+    extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
+    if block_m * BLOCK_M >= extend_len:
+        return
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    start = tl.load(start_loc_ptr + b).to(tl.int64)
+    req = tl.load(req_pool_indices_ptr + b).to(tl.int64)
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < extend_len
+    mask_d = offs_d < HEAD_DIM
+    rows = start + offs_m
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Cached prefix: every new token sees all of it.
+    token_row = req_to_token_ptr + req * stride_rt
+    for n in range(0, prefix_len, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < prefix_len
+        slots = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )
+        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # New tokens: causal. Only blocks up to this query block's last row are needed.
+    end_n = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+    for n in range(0, end_n, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < extend_len
+        ext_rows = start + offs_n
+        k = tl.load(
+            k_ext_ptr + ext_rows[:, None] * stride_ket + kv_head * stride_keh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )
+        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
+        causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ext_ptr + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # NOTE: every valid row saw at least its own token, so l_i > 0 there; padded rows are masked.
+    safe_l = tl.where(mask_m, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,  # (num_new_tokens, num_heads, head_dim)
+    k_extend: torch.Tensor,  # (num_new_tokens, num_kv_heads, head_dim)
+    v_extend: torch.Tensor,  # (num_new_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    req_to_token: torch.Tensor,  # (max_running_requests, max_context_len) int32
+    req_pool_indices: torch.Tensor,  # (bs,)
+    extend_prefix_lens: torch.Tensor,  # (bs,)
+    extend_seq_lens: torch.Tensor,  # (bs,)
+    extend_start_loc: torch.Tensor,  # (bs,)
+    sm_scale: float,
+    max_extend_len: int,
+    out: torch.Tensor | None = None,  # (num_new_tokens, num_heads, head_dim)
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Prefix + causal attention of the new tokens; returns `out`.
+
+    `max_extend_len` (a host int, >= every `extend_seq_lens[b]`) sizes the grid, so no device
+    value is read on the host. Mutates `out` (allocated when None); the caches are only read.
+    """
+    check_attention_inputs(q, k_cache, v_cache)
+    if k_extend.shape[0] != q.shape[0] or k_extend.shape[1:] != k_cache.shape[1:] or v_extend.shape != k_extend.shape:
+        raise KernelInputError(
+            f"k_extend and v_extend must be (num_new_tokens={q.shape[0]}, num_kv_heads, head_dim) like the "
+            f"cache; got {tuple(k_extend.shape)}, {tuple(v_extend.shape)}"
+        )
+    if k_extend.stride(-1) != 1 or v_extend.stride(-1) != 1:
+        raise KernelInputError("k_extend and v_extend must be contiguous in their last dimension")
+    num_tokens, num_heads, head_dim = q.shape
+    bs = req_pool_indices.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or bs == 0 or max_extend_len <= 0:
+        return out
+    block_d = next_pow2(head_dim)
+    if block_m is None:
+        block_m = 64 if q.is_cuda else 16
+    if block_n is None:
+        block_n = (64 if block_d <= 64 else 32) if q.is_cuda else 16
+    if num_warps is None:
+        num_warps = 4 if block_d <= 64 else 8
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_extend, v_extend, k_cache, v_cache,
+        req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
+        out,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=dot_precision(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,64 @@
+"""Triton KV-cache store: scatter the new tokens' keys and values into their cache slots.
+
+One program per (token, column block) copies that token's `num_kv_heads * head_dim` values of
+both k and v. Reference: `reference.store_kv_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmserver.kernels._util import KernelInputError
+
+__all__ = ["store_kv"]
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
+    stride_kt, stride_vt, stride_kcs, stride_vcs,
+    width, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * stride_kcs + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def store_kv(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    loc: torch.Tensor,  # (num_tokens,) slot ids, distinct
+    block: int = 1024,
+) -> None:
+    """`k_cache[loc] = k; v_cache[loc] = v`. Mutates k_cache and v_cache."""
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[1:] or v_cache.shape != k_cache.shape:
+        raise KernelInputError(
+            f"expected k, v (T, num_kv_heads, head_dim) matching the caches' last dims; got k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)}"
+        )
+    if loc.shape != (k.shape[0],):
+        raise KernelInputError(f"loc must be ({k.shape[0]},), got {tuple(loc.shape)}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _rows_contiguous(t):
+            raise KernelInputError(f"{name} must be contiguous within each token (stride {t.stride()})")
+    if k.shape[0] == 0:
+        return
+    width = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(k.shape[0], triton.cdiv(width, block))](
+        k, v, k_cache, v_cache, loc,
+        k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
+        width, BLOCK=block, num_warps=4,
+    )

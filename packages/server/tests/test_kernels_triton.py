@@ -1,0 +1,257 @@
+"""Every Triton kernel against its torch-native reference, on fresh random inputs.
+
+Runs on CUDA (`gpu` marker: bf16 and fp16, model shapes) and on the CPU under Triton's
+interpreter (tiny shapes, fp32 and fp16: the interpreter mishandles bf16 arithmetic). The CPU
+cases run only in the TRITON_INTERPRET=1 child process that test_kernels_interpret.py starts,
+because the variable must be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lmserver.kernels import reference as ref
+from lmserver.kernels.testing import random_paged_batch, rel_error
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The CPU cases exist only in the TRITON_INTERPRET=1 child (test_kernels_interpret.py).
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+if INTERPRET:
+    DEVICES.append(pytest.param("cpu", id="interpret"))
+# (num_heads, num_kv_heads, head_dim): SmolLM2-135M (GQA group 3), Llama-3-8B (group 4), MHA, odd dim.
+SHAPES = [(9, 3, 64), (32, 8, 128), (4, 4, 32), (6, 2, 80)]
+
+
+def _dtypes(device: str) -> list[torch.dtype]:
+    return [torch.float32, torch.float16] if device == "cpu" else [torch.bfloat16, torch.float16]
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _scale(device: str, small: list[int], large: list[int]) -> list[int]:
+    return small if device == "cpu" else large
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention_matches_reference(device: str, shape: tuple[int, int, int]) -> None:
+    from lmserver.kernels.decode_attention import decode_attention
+
+    num_heads, num_kv_heads, head_dim = shape
+    for i, dtype in enumerate(_dtypes(device)):
+        seq_lens = _scale(device, [1, 23, 70], [1, 17, 300, 4096, 513, 64, 2, 1000])
+        batch = random_paged_batch(
+            [s - 1 for s in seq_lens], [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, dtype, device, _gen(10 + i)
+        )
+        expected = ref.decode_attention_ref(
+            batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, head_dim**-0.5
+        )
+        for splits in (1, 3, 8):
+            out = torch.full_like(batch.q, float("nan"))  # poisoned: every element must be written
+            decode_attention(
+                batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                head_dim**-0.5, out=out, num_kv_splits=splits, block_n=16 if device == "cpu" else 64,
+            )
+            err = rel_error(out, expected)
+            assert err < _tol(dtype), f"{dtype} splits={splits}: rel error {err}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_extend_attention_matches_reference(device: str, shape: tuple[int, int, int]) -> None:
+    from lmserver.kernels.extend_attention import extend_attention
+
+    num_heads, num_kv_heads, head_dim = shape
+    for i, dtype in enumerate(_dtypes(device)):
+        # prefix of any length (0, unaligned, long), chunks of 1 to many tokens, an empty one.
+        prefix = _scale(device, [0, 19, 3, 40], [0, 1000, 37, 4096, 5])
+        new = _scale(device, [21, 1, 0, 9], [700, 1, 129, 64, 2000])
+        batch = random_paged_batch(prefix, new, num_heads, num_kv_heads, head_dim, dtype, device, _gen(20 + i))
+        args = (
+            batch.q, batch.k_extend, batch.v_extend, batch.k_cache, batch.v_cache, batch.req_to_token,
+            batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, head_dim**-0.5,
+        )
+        expected = ref.extend_attention_ref(*args)
+        out = torch.full_like(batch.q, float("nan"))
+        extend_attention(*args, max(new), out=out)
+        err = rel_error(out, expected)
+        assert err < _tol(dtype), f"{dtype}: rel error {err}"
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to rounding: the kernels compute in float32 and round where the reference does,
+    but exp, rsqrt and sums may differ in their last float32 bit, which can flip one rounding."""
+    assert out.dtype == expected.dtype and torch.isfinite(out.float()).all()
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    else:
+        eps = torch.finfo(expected.dtype).eps
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2.5 * eps, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rmsnorm_and_fused_add_rmsnorm(device: str) -> None:
+    from lmserver.kernels.norm import fused_add_rmsnorm, rmsnorm
+
+    g = _gen(1)
+    for dtype in _dtypes(device):
+        for hidden in (576, 4096, 100):
+            x = torch.randn(_scale(device, [5], [257])[0], hidden, generator=g).to(dtype).to(device)
+            res = torch.randn(x.shape, generator=g).to(dtype).to(device)
+            w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(device)
+            _close(rmsnorm(x, w, 1e-5), ref.rmsnorm_ref(x, w, 1e-5))
+            want_x, want_res = ref.fused_add_rmsnorm_ref(x, res, w, 1e-6)
+            x2, res2 = x.clone(), res.clone()
+            fused_add_rmsnorm(x2, res2, w, 1e-6)
+            assert torch.equal(res2, want_res)
+            _close(x2, want_x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_and_mul(device: str) -> None:
+    from lmserver.kernels.activation import silu_and_mul
+
+    g = _gen(2)
+    for dtype in _dtypes(device):
+        for d in (1536, 14336 if device == "cuda" else 100):
+            x = torch.randn(_scale(device, [4], [129])[0], 2 * d, generator=g).to(dtype).to(device)
+            _close(silu_and_mul(x), ref.silu_and_mul_ref(x))
+
+
+def _cos_sin(max_pos: int, rotary_dim: int, base: float, device: str) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rope_inplace(device: str, shape: tuple[int, int, int]) -> None:
+    from lmserver.kernels.rope import apply_rope_inplace
+
+    num_heads, num_kv_heads, head_dim = shape
+    g = _gen(3)
+    for dtype in _dtypes(device):
+        for rotary_dim in (head_dim, head_dim // 2):
+            cache = _cos_sin(5000, rotary_dim, 500000.0, device)
+            n = _scale(device, [6], [300])[0]
+            pos = torch.randint(0, 5000, (n,), generator=g).to(device)
+            q = torch.randn(n, num_heads, head_dim, generator=g).to(dtype).to(device)
+            k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+            want_q, want_k = ref.rope_ref(pos, q, k, cache)
+            apply_rope_inplace(pos, q, k, cache)
+            _close(q, want_q)
+            _close(k, want_k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_kv(device: str) -> None:
+    from lmserver.kernels.kv_store import store_kv
+
+    g = _gen(4)
+    for dtype in _dtypes(device):
+        for kv_heads, head_dim in ((3, 64), (8, 128)):
+            n, slots = _scale(device, [7, 40], [1000, 5000])
+            k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype).to(device)
+            v_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype).to(device)
+            loc = (torch.randperm(slots - 1, generator=g)[:n] + 1).to(device)
+            k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype).to(device)
+            v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype).to(device)
+            want_k, want_v = k_cache.clone(), v_cache.clone()
+            ref.store_kv_ref(k, v, want_k, want_v, loc)
+            store_kv(k, v, k_cache, v_cache, loc)
+            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_apply_token_bitmask(device: str) -> None:
+    from lmserver.kernels.bitmask import apply_token_bitmask_inplace
+
+    g = _gen(5)
+    for vocab, words in ((1000, 32), (1000, 30), (_scale(device, [3000], [128256])[0], -1)):
+        words = words if words > 0 else -(-vocab // 32)
+        logits = torch.randn(5, vocab, generator=g).to(device)
+        mask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=g, dtype=torch.int64).to(torch.int32)
+        mask[0] = 0  # nothing allowed
+        mask[1] = -1  # everything allowed
+        mask = mask.to(device)
+        expected = ref.apply_token_bitmask_ref(logits, mask)
+        apply_token_bitmask_inplace(logits, mask)
+        assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_top_p_min_p_probs(device: str) -> None:
+    from lmserver.kernels.sampling import top_k_top_p_min_p_probs
+
+    g = _gen(6)
+    vocab = _scale(device, [2000], [128256])[0]
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0, 1.0, 0.9])
+    top_ks = torch.tensor([0, 50, vocab, 1, 200, 10, 40, -1])
+    top_ps = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.3, 0.99, 0.8, 0.95])
+    min_ps = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0, 0.02, 0.0])
+    for dtype in (torch.float32, torch.float16 if device == "cpu" else torch.bfloat16):
+        logits = (torch.randn(8, vocab, generator=g) * 4).to(dtype).to(device)
+        params = [t.to(device) for t in (temps, top_ks, top_ps, min_ps)]
+        expected = ref.top_k_top_p_min_p_probs_ref(logits, *params)
+        out = top_k_top_p_min_p_probs(logits, *params, block=256 if device == "cpu" else 1024)
+        kept, kept_ref = out > 0, expected > 0
+        assert not (kept_ref & ~kept).any(), "the kernel dropped a token the reference keeps"
+        # Threshold semantics: extra tokens are exact ties with the reference's smallest kept one.
+        probs = torch.softmax(logits.float() / params[0][:, None], dim=-1)
+        boundary = torch.where(kept_ref, probs, float("inf")).min(-1, keepdim=True).values
+        extra = kept & ~kept_ref
+        assert torch.equal(probs[extra], boundary.expand_as(probs)[extra]), "an extra token is no tie"
+        if dtype == torch.float32:
+            assert not extra.any()  # no ties among random float32 logits
+        want = probs * kept
+        torch.testing.assert_close(out, want / want.sum(-1, keepdim=True), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_chooses_triton_where_it_runs(device: str) -> None:
+    from lmserver.kernels import select_kernels
+
+    ops = select_kernels(device, interpret=INTERPRET)
+    assert ops.backend == "triton", ops.reason
+    x = torch.randn(3, 64, generator=_gen(7)).to(device)
+    w = torch.rand(64, generator=_gen(8)).to(device) + 0.5
+    _close(ops.rmsnorm(x, w, 1e-5), ref.rmsnorm_ref(x, w, 1e-5))
+
+
+@pytest.mark.gpu
+def test_decode_attention_replays_in_cuda_graph() -> None:
+    from lmserver.kernels.decode_attention import decode_attention
+
+    g = _gen(9)
+    batch = random_paged_batch([300, 4000, 17, 900], [1] * 4, 32, 8, 128, torch.bfloat16, "cuda", g)
+    seq_lens = batch.seq_lens.clone()
+    out = torch.empty_like(batch.q)
+    part_out = torch.empty(4, 32, 8, 128, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(4, 32, 8, dtype=torch.float32, device="cuda")
+
+    def run() -> None:
+        decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+                         seq_lens, 128**-0.5, out=out, num_kv_splits=8, partial_out=part_out, partial_lse=part_lse)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for new_lens in ([300, 4000, 17, 900], [1, 2, 3000, 64]):
+        seq_lens.copy_(torch.tensor(new_lens, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = ref.decode_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token,
+                                            batch.req_pool_indices, seq_lens, 128**-0.5)
+        assert rel_error(out, expected) < 1.6e-2
