@@ -356,6 +356,10 @@ class StreamExecutor:
     # ----------------------------------------------------------------- gen and select
     def _gen(self, node: Gen) -> None:
         params = self.default_params.merge(node.params)
+        if self.chat_template.stop_str:
+            # NOTE: like SGLang, every gen also stops at the end-of-turn marker of the chat template.
+            extra = tuple(s for s in self.chat_template.stop_str if s not in (params.stop or ()))
+            params = replace(params, stop=(*(params.stop or ()), *extra))
         if self._in_chat_spec():
             with self._cond:
                 if node.name is not None:

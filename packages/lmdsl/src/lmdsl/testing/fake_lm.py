@@ -1,0 +1,59 @@
+"""A deterministic stand-in for a language model, shared by the fake HTTP servers.
+
+`TranscriptLM` knows one ideal transcript and continues any prompt with the rest of it: it finds
+the longest end of the prompt that occurs in the transcript and returns what follows. A program
+that follows the transcript's template gets the same answers however it splits its calls, which
+is what API speculative execution relies on.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lmdsl.spec import find_first_stop
+from lmdsl.testing.mock import mock_tokens
+
+
+def token_id(token: str) -> int:
+    """A stable id for a fake token."""
+    return zlib.crc32(token.encode()) % 50_000
+
+
+def default_logprob(context: str, token: str) -> float:
+    """Fake token logprob: shorter tokens are likelier; deterministic."""
+    return -0.1 * len(token.strip() or token)
+
+
+@dataclass
+class TranscriptLM:
+    """Continues prompts from `transcript`.
+
+    The longest end of the prompt (at least `min_overlap` characters) found in the transcript is
+    located (first occurrence) and what follows it is the continuation; `fallback` otherwise.
+    """
+
+    transcript: str
+    fallback: str = ""
+    logprob: Callable[[str, str], float] = default_logprob
+    min_overlap: int = 3
+
+    def continuation(self, prompt: str) -> str:
+        for j in range(min(len(prompt), len(self.transcript)), self.min_overlap - 1, -1):
+            i = self.transcript.find(prompt[-j:])
+            if i != -1:
+                return self.transcript[i + j:]
+        return self.fallback
+
+    def complete(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> tuple[str, str]:
+        """(text, finish reason "stop" or "length") of a greedy completion."""
+        text = self.continuation(prompt)
+        reason = "stop"
+        pos = find_first_stop(text, stop)
+        if pos != -1:
+            text = text[:pos]
+        tokens = mock_tokens(text)
+        if len(tokens) > max_tokens:
+            text, reason = "".join(tokens[:max_tokens]), "length"
+        return text, reason

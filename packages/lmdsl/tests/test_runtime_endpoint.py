@@ -1,0 +1,151 @@
+"""RuntimeEndpoint against a local fake server that follows the native API contract."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lmdsl as sgl
+from lmdsl.backend.runtime_endpoint import RuntimeEndpoint, choice_token_logprobs
+from lmdsl.testing.fake_lm import TranscriptLM
+from lmdsl.testing.fake_native import FakeNativeServer
+from lmdsl.testing.mock import mock_tokens
+
+TABLE = {" red": -1.0, " dark": -0.3, " very": -0.5}
+
+
+def table_logprob(context: str, token: str) -> float:
+    return TABLE.get(token, -2.0)
+
+
+@pytest.fixture()
+def server() -> Iterator[FakeNativeServer]:
+    lm = TranscriptLM("Name: Alice\nAge: 30\n", fallback=" fallback text", logprob=table_logprob)
+    with FakeNativeServer(lm, api_key="secret") as srv:
+        yield srv  # type: ignore[misc]
+
+
+@pytest.fixture()
+def backend(server: FakeNativeServer) -> RuntimeEndpoint:
+    return RuntimeEndpoint(server.url, api_key="secret")
+
+
+def test_model_info_picks_chatml_for_smollm(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
+    assert backend.get_model_name() == "/models/SmolLM2-135M-Instruct"
+    assert backend.get_chat_template().name == "chatml"
+    assert RuntimeEndpoint(server.url, "secret", chat_template="llama-3-instruct").get_chat_template().name == (
+        "llama-3-instruct")
+    with pytest.raises(sgl.BackendError, match="401") as info:
+        RuntimeEndpoint(server.url, api_key="wrong")
+    assert info.value.status_code == 401
+
+
+def test_gen_sends_the_contract_request(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
+    @sgl.function
+    def card(s):
+        s += "Name:" + sgl.gen("name", max_tokens=8, stop="\n") + "\nAge:" + sgl.gen_int("age", max_tokens=4)
+
+    state = card.run(backend=backend, temperature=0)
+    assert state.error() is None
+    assert state["name"] == " Alice"
+    requests = server.requests_to("/generate")
+    assert requests[0] == {"text": "Name:", "sampling_params": {
+        "max_new_tokens": 8, "min_new_tokens": 0, "n": 1, "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+        "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False, "stop": ["\n", "<|im_end|>"]}}
+    assert requests[1]["text"] == "Name: Alice\nAge:"
+    assert requests[1]["sampling_params"]["regex"] == r"[-+]?[0-9]+"
+    assert state.get_meta_info("name")["prompt_tokens"] == 1
+    assert state.usage().num_api_calls == 2
+
+
+def test_select_follows_the_protocol_and_matches_an_oracle(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
+    choices = ["red", "dark red", "very dark red"]
+    expected = {}
+    for method in ("token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized"):
+        @sgl.function
+        def pick(s, method=method):
+            s += "Color: " + sgl.select("c", choices, choices_method=method)
+
+        state = pick.run(backend=backend)
+        assert state.error() is None, state.error()
+        expected[method] = state["c"]
+        requests = server.requests_to("/generate")
+        assert requests[-3 if method.startswith("uncond") else -2] == {
+            "text": "Color: ", "sampling_params": {"max_new_tokens": 0}}
+        batch = requests[-2 if method.startswith("uncond") else -1]
+        assert batch["text"] == ["Color: " + c for c in choices]
+        assert batch["logprob_start_len"] == len(mock_tokens("Color: ")) - 2
+        assert batch["return_logprob"] is True and batch["return_text_in_logprobs"] is True
+        assert state.get_meta_info("c")["choice_token_logprobs"] == [
+            [table_logprob("", t) for t in mock_tokens(" " + c)] for c in choices]
+    # Oracle from the table: means -1.0, -0.65, -0.6; first tokens -1.0, -0.3, -0.5; the fake's logprobs do
+    # not depend on context, so (cond - uncond) is the first token's logprob over the token count.
+    assert expected == {"token_length_normalized": "very dark red", "greedy_token_selection": "dark red",
+                        "unconditional_likelihood_normalized": "dark red"}
+
+
+def test_choice_token_trimming_keeps_a_merged_boundary_token() -> None:
+    entries = [[-0.1, 1, " word"], [-0.7, 2, ":"], [-0.4, 3, " organ"], [-0.2, 4, "ism"]]
+    assert choice_token_logprobs(entries, "organism") == [-0.4, -0.2]
+    assert choice_token_logprobs(entries, "ganism") == [-0.4, -0.2]  # " organ" spans the boundary
+    assert choice_token_logprobs([[None, 1, "x"], [-1.0, 2, "y"], [-0.5, 3, "z"]], "Q") == [-0.5]
+
+
+def test_fork_sends_a_prefix_hint_and_streams_cumulative_text(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
+    @sgl.function
+    def prog(s):
+        s += "Intro. "
+        forks = s.fork(2)
+        forks += "Name:" + sgl.gen("name", stop="\n")
+        forks.join()
+
+    state = prog.run(backend=backend)
+    requests = server.requests_to("/generate")
+    assert requests[0] == {"text": "Intro. ", "sampling_params": {"max_new_tokens": 0}}
+    assert state["name"] == [" Alice", " Alice"]
+
+    @sgl.function
+    def streamed(s):
+        s += "Age:" + sgl.gen("age", max_tokens=5)
+
+    state = streamed.run(backend=backend, stream=True)
+    chunks = list(state.text_iter("age"))
+    assert chunks == [" 30", "\n"] or chunks == [" 30"]
+    assert "".join(chunks) == state["age"]
+    assert server.requests_to("/generate")[-1]["stream"] is True
+
+
+def test_batches_n_images_and_errors(backend: RuntimeEndpoint, server: FakeNativeServer, tmp_path: Path) -> None:
+    @sgl.function
+    def ask(s, q):
+        s += "Shared preamble. " + q + sgl.gen("a", max_tokens=1, n=2)
+
+    states = ask.run_batch([{"q": "Name:"}, {"q": "Age:"}], backend=backend)
+    assert [s["a"] for s in states] == [[" Alice", " Alice"], [" 30", " 30"]]
+    assert server.requests_to("/generate")[0] == {"text": "Shared preamble. ", "sampling_params": {"max_new_tokens": 0}}
+
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(b"\x89PNG fake")
+
+    @sgl.function
+    def look(s, path):
+        s += sgl.user(sgl.image(path) + "What is it?") + sgl.assistant(sgl.gen("a", max_tokens=3))
+
+    assert look.run(path=str(picture), backend=backend).error() is None
+    sent = server.requests_to("/generate")[-1]
+    assert sent["image_data"] == base64.b64encode(b"\x89PNG fake").decode()
+    assert sent["text"].startswith("<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n")
+
+    server.fail_status = 503
+    state = ask.run(q="x", backend=backend)
+    assert isinstance(state.error().__cause__, sgl.BackendError)
+    assert state.error().__cause__.status_code == 503
+    with pytest.raises(sgl.ProgramError, match="returned 503.*injected failure"):
+        state["a"]
+    url = server.url
+    server.stop()
+    with pytest.raises(sgl.BackendError, match="get_model_info failed: ConnectError"):
+        RuntimeEndpoint(url)
