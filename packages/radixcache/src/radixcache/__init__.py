@@ -17,6 +17,7 @@ from radixcache.errors import (
 )
 from radixcache.events import AllCleared, Event, PageRemoved, PageStored
 from radixcache.node import TreeNode
+from radixcache.ordering import AgingQueue, Ordering, dfs_weight_order, longest_prefix_first
 from radixcache.policy import (
     BUILTIN_POLICIES,
     EvictionPolicy,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BUILTIN_POLICIES",
+    "AgingQueue",
     "AllCleared",
     "Event",
     "EvictionPolicy",
@@ -42,6 +44,7 @@ __all__ = [
     "LRUPolicy",
     "LockError",
     "MatchResult",
+    "Ordering",
     "PageRemoved",
     "PageStored",
     "PriorityPolicy",
@@ -54,5 +57,7 @@ __all__ = [
     "UnknownPolicyError",
     "__version__",
     "as_key",
+    "dfs_weight_order",
+    "longest_prefix_first",
     "make_policy",
 ]

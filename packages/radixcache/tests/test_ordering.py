@@ -1,0 +1,143 @@
+"""Cache-aware ordering helpers and the aging (starvation) bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixcache import RadixCache
+from radixcache.ordering import AgingQueue, dfs_weight_order, longest_prefix_first
+from radixcache.testing import NaivePrefixCache
+
+
+def _cache_with(prefixes: list[list[int]]) -> tuple[RadixCache, NaivePrefixCache]:
+    cache, model = RadixCache(), NaivePrefixCache()
+    slot = 1
+    for p in prefixes:
+        vals = np.arange(slot, slot + len(p))
+        slot += len(p)
+        cache.insert(p, vals)
+        model.insert(p, vals)
+    return cache, model
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    prefixes=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), max_size=6),
+    keys=st.lists(st.lists(st.integers(0, 2), max_size=10), max_size=8),
+)
+def test_longest_prefix_first_sorts_by_naive_prefix(prefixes: list[list[int]], keys: list[list[int]]) -> None:
+    cache, model = _cache_with(prefixes)
+    before = cache.pretty_print(file=_Sink())
+    o = longest_prefix_first(cache, keys, max_wait_rounds=None)
+    want = sorted(range(len(keys)), key=lambda i: (-model.longest_prefix(keys[i])[0], i))
+    assert o.order == want and o.num_ready == len(keys)
+    assert cache.pretty_print(file=_Sink()) == before  # ordering mutates nothing
+
+
+def test_starving_requests_go_first_oldest_first() -> None:
+    cache, _ = _cache_with([[1, 2, 3, 4]])
+    keys = [[9], [1, 2, 3, 4], [8], [1, 2]]
+    o = longest_prefix_first(cache, keys, waited_rounds=[3, 0, 5, 1], max_wait_rounds=3)
+    assert o.order == [2, 0, 1, 3]
+
+
+def test_deferral_holds_back_requests_sharing_an_uncached_prefix() -> None:
+    cache = RadixCache()
+    shared = list(range(100, 200))
+    keys = [shared + [i] for i in range(5)] + [[7, 7]]
+    o = longest_prefix_first(cache, keys, defer_shared_tokens=32)
+    assert o.num_ready == 2
+    assert set(o.order[:2]) == {0, 5} and sorted(o.order[2:]) == [1, 2, 3, 4]
+    cache.insert(keys[0], np.arange(1, 102))
+    o = longest_prefix_first(cache, keys[1:], defer_shared_tokens=32)
+    assert o.num_ready == 5  # the shared part is cached now: nothing more to gain by waiting
+
+
+def test_dfs_weight_groups_subtrees_heaviest_first() -> None:
+    cache, _ = _cache_with([[1, 1, 1, 1], [1, 1, 2, 2], [3, 3, 3]])
+    keys = [
+        [3, 3, 3, 0],  # 0: under [3,3,3]
+        [1, 1, 2, 2, 5],  # 1: under [1,1]->[2,2]
+        [1, 1, 1, 1, 5],  # 2: under [1,1]->[1,1]
+        [1, 1, 2, 2, 6],  # 3: under [1,1]->[2,2]
+        [9],  # 4: no match, hangs at the root
+        [1, 1, 1, 1, 7],  # 5
+        [1, 1, 2, 2, 7],  # 6
+    ]
+    o = dfs_weight_order(cache, keys, max_wait_rounds=None)
+    # the root's own requests first, then the [1,1] subtree (5 requests): its heavier [2,2] branch
+    # (3) before [1,1] (2), then [3,3,3] (1)
+    assert o.order == [4, 1, 3, 6, 2, 5, 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    prefixes=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), max_size=6),
+    keys=st.lists(st.lists(st.integers(0, 2), max_size=10), max_size=10),
+)
+def test_dfs_weight_is_a_permutation_with_contiguous_groups(prefixes: list[list[int]], keys: list[list[int]]) -> None:
+    cache, _ = _cache_with(prefixes)
+    o = dfs_weight_order(cache, keys, max_wait_rounds=None)
+    assert sorted(o.order) == list(range(len(keys)))
+    groups = [id(cache._peek(np.asarray(keys[i], dtype=np.int64), None)[1]) for i in o.order]
+    seen: list[int] = []
+    for g in groups:  # requests hanging at one node are emitted together
+        if seen and seen[-1] == g:
+            continue
+        assert g not in seen
+        seen.append(g)
+
+
+def _simulate(max_wait_rounds: int | None, rounds: int = 60) -> tuple[dict[int, int], dict[int, int]]:
+    """Adversary: every round a request with a long cached prefix arrives; only the head of the
+    order is admitted. Returns (waited rounds at admission, requests waiting at arrival)."""
+    cache = RadixCache()
+    hot = list(range(1000, 1100))
+    cache.insert(hot, np.arange(1, 101))
+    q: AgingQueue[int] = AgingQueue("lpm", max_wait_rounds=max_wait_rounds)
+    waited: dict[int, int] = {}
+    ahead: dict[int, int] = {}
+    rid = 0
+    for r in range(rounds):
+        for _ in range(2 if r % 3 == 0 else 1):  # arrivals outpace admissions
+            ahead[rid] = len(q)
+            key = [rid % 7] if rid % 4 == 0 else hot + [rid]  # every 4th request shares nothing
+            q.push(rid, key)
+            rid += 1
+        ids, _ = q.order(cache)
+        head = ids[0]
+        waited[head] = q.waited_rounds(head)
+        q.end_round([head])
+    return waited, ahead
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_aging_bound_holds_under_adversarial_arrivals(k: int) -> None:
+    waited, ahead = _simulate(max_wait_rounds=k)
+    assert waited, "nothing was admitted"
+    for rid, w in waited.items():
+        assert w <= k + ahead[rid], f"request {rid} waited {w} > {k} + {ahead[rid]}"
+
+
+def test_without_aging_cold_requests_starve() -> None:
+    waited, ahead = _simulate(max_wait_rounds=None)
+    cold = [rid for rid in ahead if rid % 4 == 0]
+    admitted_cold = [rid for rid in cold if rid in waited]
+    assert len(admitted_cold) < len(cold) // 2  # the bound is what prevents this
+
+
+def test_aging_queue_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        AgingQueue("random")
+    q: AgingQueue[str] = AgingQueue()
+    q.push("a", [1])
+    with pytest.raises(ValueError):
+        q.end_round(["b"])
+
+
+class _Sink:
+    def write(self, text: str) -> int:
+        return len(text)

@@ -1,0 +1,188 @@
+"""Property test: RadixCache + SlotAllocator driven like an engine, against the naive model.
+
+Checked after every step: matched length and slots equal the naive longest cached prefix;
+evictable + protected == total == naive total; locked prefixes are never evicted; every slot is
+free in the allocator, held by exactly one node, or held by exactly one running request;
+`check_integrity()` passes. Runs with page sizes 1 and 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
+from radixcache import RadixCache, SlotAllocator, TreeNode
+from radixcache.testing import NaivePrefixCache
+
+NUM_SLOTS = 512
+
+
+@dataclass
+class _Req:
+    key: np.ndarray
+    extra_key: str | None
+    kv: np.ndarray  # slots for key[i]; kv[:cached_len] tree-owned, the rest request-owned
+    cached_len: int
+    last_node: TreeNode
+
+
+def _chunk_pool(page_size: int) -> list[list[int]]:
+    if page_size == 1:
+        return [[0], [1], [2], [3]]
+    half = page_size // 2
+    return [[0] * page_size, [0] * half + [1] * half, [1] * page_size, [2] * page_size]
+
+
+class CacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    eviction = "lru"
+
+    requests = Bundle("requests")
+
+    @initialize()
+    def setup(self) -> None:
+        self.cache = RadixCache(self.page_size, self.eviction)
+        self.alloc = SlotAllocator(NUM_SLOTS, self.page_size)
+        self.model = NaivePrefixCache(self.page_size)
+        self.running: dict[int, _Req] = {}
+        self.next_id = 0
+        self.pool = _chunk_pool(self.page_size)
+
+    def _key(self, chunks: list[int], tail: list[int]) -> np.ndarray:
+        toks: list[int] = []
+        for c in chunks:
+            toks.extend(self.pool[c])
+        toks.extend(tail)
+        return np.asarray(toks, dtype=np.int64)
+
+    def _check_match(self, key: np.ndarray, extra_key: str | None) -> None:
+        want_len, want_slots = self.model.longest_prefix(key, extra_key)
+        assert self.cache.peek_prefix_len(key, extra_key) == want_len
+        m = self.cache.match_prefix(key, extra_key)
+        assert m.length == want_len, (m.length, want_len)
+        assert m.indices.tolist() == want_slots
+
+    def _evict_into_allocator(self, num_tokens: int) -> None:
+        locked = {int(s) for r in self.running.values() for s in r.kv[: r.cached_len]}
+        before = self.cache.evictable_size
+        freed = self.cache.evict(num_tokens)
+        assert not locked.intersection(freed.tolist()), "evicted a locked slot"
+        assert len(freed) >= min(num_tokens, 1) or before == 0
+        assert len(freed) >= num_tokens or self.cache.evictable_size == 0
+        self.model.remove_slots(freed)
+        self.alloc.free(freed)
+
+    @rule(
+        target=requests,
+        chunks=st.lists(st.integers(0, 3), max_size=6),
+        tail=st.lists(st.integers(0, 3), max_size=20),
+        ns=st.sampled_from([None, None, "a"]),
+        extra=st.integers(0, 40),
+    )
+    def admit(self, chunks: list[int], tail: list[int], ns: str | None, extra: int) -> int:
+        key = self._key(chunks, tail)
+        self._check_match(key, ns)
+        m = self.cache.match_prefix(key, ns)
+        self.cache.lock(m.last_node)
+        need = len(key) - m.length
+        new = self.alloc.alloc(need)
+        if new is None:
+            self._evict_into_allocator(need - self.alloc.available + self.page_size)
+            new = self.alloc.alloc(need)
+        if new is None:
+            self.cache.unlock(m.last_node)
+            return -1
+        kv = np.concatenate([m.indices, new])
+        rid = self.next_id
+        self.next_id += 1
+        self.running[rid] = _Req(key, ns, kv, m.length, m.last_node)
+        return rid
+
+    def _insert(self, req: _Req) -> int:
+        r = self.cache.insert(req.key, req.kv, req.extra_key)
+        want_prefix = self.model.insert(req.key, req.kv, req.extra_key)
+        assert r.prefix_len == want_prefix
+        assert r.prefix_len >= req.cached_len
+        self.alloc.free(req.kv[req.cached_len : r.prefix_len])
+        return r.prefix_len
+
+    @rule(rid=consumes(requests))
+    def finish(self, rid: int) -> None:
+        req = self.running.pop(rid, None)
+        if req is None:
+            return
+        self._insert(req)
+        aligned = self.cache.aligned_len(len(req.key))
+        self.alloc.free(req.kv[aligned:])
+        self.cache.unlock(req.last_node)
+
+    @rule(rid=requests)
+    def checkpoint(self, rid: int) -> None:
+        req = self.running.get(rid)
+        if req is None:
+            return
+        self._insert(req)
+        m = self.cache.match_prefix(req.key, req.extra_key)
+        assert m.length == self.cache.aligned_len(len(req.key))
+        self.cache.lock(m.last_node)
+        self.cache.unlock(req.last_node)
+        req.kv = np.concatenate([m.indices, req.kv[m.length :]])
+        req.cached_len = m.length
+        req.last_node = m.last_node
+
+    @rule(rid=consumes(requests))
+    def abort(self, rid: int) -> None:
+        req = self.running.pop(rid, None)
+        if req is None:
+            return
+        self.alloc.free(req.kv[req.cached_len :])
+        self.cache.unlock(req.last_node)
+
+    @rule(num_tokens=st.integers(0, 120))
+    def evict(self, num_tokens: int) -> None:
+        self._evict_into_allocator(num_tokens)
+
+    @rule(
+        chunks=st.lists(st.integers(0, 3), max_size=6),
+        tail=st.lists(st.integers(0, 3), max_size=20),
+        ns=st.sampled_from([None, "a", "b"]),
+    )
+    def match_only(self, chunks: list[int], tail: list[int], ns: str | None) -> None:
+        self._check_match(self._key(chunks, tail), ns)
+
+    @invariant()
+    def consistent(self) -> None:
+        cache = self.cache
+        cache.check_integrity()
+        assert cache.evictable_size + cache.protected_size == cache.total_size == self.model.total_size
+        tree = self.model.slots()
+        held: list[int] = []
+        for req in self.running.values():
+            owned = req.kv[req.cached_len :]
+            if self.page_size > 1:  # the whole pages the request's slots touch
+                pages = np.unique(owned // self.page_size)
+                owned = (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+            held.extend(owned.tolist())
+            assert set(req.kv[: req.cached_len].tolist()) <= tree, "a locked prefix lost its slots"
+        assert len(held) == len(set(held)), "a slot is held by two requests"
+        assert not tree.intersection(held), "a slot is held by a request and by the tree"
+        for s in list(tree) + held:
+            assert self.alloc.is_allocated(s), f"slot {s} in use but free in the allocator"
+        assert len(tree) + len(held) + self.alloc.available == NUM_SLOTS, "a slot leaked"
+
+
+_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo", "priority"])
+def test_cache_matches_naive_model(page_size: int, eviction: str) -> None:
+    machine = type(f"Machine_{page_size}_{eviction}", (CacheMachine,), {"page_size": page_size, "eviction": eviction})
+    examples = 60 if eviction == "lru" else 15
+    settings(_SETTINGS, max_examples=examples)(machine).TestCase().runTest()
