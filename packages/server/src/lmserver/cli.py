@@ -1,10 +1,71 @@
-"""`lmserver` console script (the server CLI lands with the server issue)."""
+"""The `lmserver` command (also `python -m lmserver`). Options are generated from the fields of
+`ServerConfig` (type, default, `help` and `choices` metadata), so a new config field is a new
+option with no change here.
+
+    lmserver serve --model-path PATH --port 30000 ...   (`serve` may be omitted)
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import sys
+import types
+import typing
+from typing import Any
+
+from lmserver.config import ServerConfig
+
+
+def _base_type(hint: Any) -> type:
+    """`int | None` -> int; `str` -> str."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported config field type {hint!r}")
+        return args[0]  # type: ignore[no-any-return]
+    return hint  # type: ignore[no-any-return]
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one `--field-name` option per ServerConfig field (booleans become flags)."""
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+            continue
+        default_text = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                            choices=f.metadata.get("choices"), help=help_text + default_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmserver", description="OpenAI-compatible and SGLang-native LM server.")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="start the HTTP server (the default command)")
+    add_config_args(serve)
+    return parser
+
+
+def parse_config(argv: list[str]) -> ServerConfig:
+    """The ServerConfig given by command-line options (`serve` optional). Exits on bad options."""
+    argv = list(argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["serve", *argv]
+    ns = build_parser().parse_args(argv)
+    if ns.command != "serve":
+        build_parser().print_help()
+        raise SystemExit(2)
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**values)
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("lmserver: the server CLI is not built yet.", file=sys.stderr)
-    return 2
+    config = parse_config(sys.argv[1:] if argv is None else argv)
+    from lmserver.launch import launch_server
+
+    return launch_server(config)

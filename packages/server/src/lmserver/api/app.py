@@ -1,0 +1,50 @@
+"""The FastAPI application: routes, bearer authentication, errors, /metrics."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lmserver.api import native, openai_routes
+from lmserver.api.errors import JSONBody, error_response, install_error_handlers
+from lmserver.metrics import CONTENT_TYPE
+from lmserver.tokenizer_manager import TokenizerManager
+
+_OPEN_PATHS = {"/health"}
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every path except /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(mgr: TokenizerManager) -> FastAPI:
+    """An app serving `mgr` (stored as `app.state.manager`); `mgr.config.api_key` turns on auth."""
+    app = FastAPI(title="lmserver", default_response_class=JSONBody, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.manager = mgr
+    install_error_handlers(app)
+    app.include_router(native.router)
+    app.include_router(openai_routes.router)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(mgr.metrics.render(), media_type=CONTENT_TYPE)
+
+    if mgr.config.api_key:
+        app.add_middleware(BearerAuth, expected=f"Bearer {mgr.config.api_key}".encode())
+    return app

@@ -1,0 +1,262 @@
+"""SGLang-native routes: /generate, health, model and server info, cache, abort, tokenize.
+
+Contract: shared reference `native-api.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from lmserver.api.errors import APIError, JSONBody, read_json, sse_error
+from lmserver.api.streams import DONE, SSE_HEADERS, collect, merge, prime, sse, until_disconnect
+from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
+from lmserver.tokenizer_manager import GenState, TokenizerManager
+
+router = APIRouter()
+
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
+                  "top_logprobs_num", "return_text_in_logprobs", "image_data", "extra_key"}
+
+
+def manager(request: Request) -> TokenizerManager:
+    return request.app.state.manager  # type: ignore[no-any-return]
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _per_prompt(body: dict[str, Any], key: str, i: int, batch: bool, default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if batch and isinstance(value, list) and key != "sampling_params":
+        if len(value) != body["_num"]:
+            raise APIError(400, f"{key} has {len(value)} entries for {body['_num']} prompts", param=key)
+        return value[i]
+    if batch and key == "sampling_params" and isinstance(value, list):
+        if len(value) != body["_num"]:
+            raise APIError(400, f"sampling_params has {len(value)} entries for {body['_num']} prompts", param=key)
+        return value[i]
+    return value
+
+
+def _typed(value: Any, kind: type | tuple[type, ...], key: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise APIError(400, f"{key} must be of type {name}, got {type(value).__name__}", param=key)
+    return value
+
+
+def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[GenerateReq]], bool, bool]:
+    """Builds the engine requests of a /generate body: one list (n copies) per prompt.
+
+    Returns (requests per prompt, batch, stream). Raises APIError/InvalidRequestError (400).
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(k for k, v in body.items() if k not in _GENERATE_KEYS and v not in (None, False))
+    if unknown:
+        raise APIError(400, f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise APIError(400, "give exactly one of text or input_ids", param="text")
+    if body.get("image_data") is not None:
+        raise APIError(400, "image_data is not supported by this model", param="image_data")
+    if text is not None:
+        if isinstance(text, str):
+            prompts: list[Any] = [text]
+            batch = False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, batch = list(text), True
+        else:
+            raise APIError(400, "text must be a string or a non-empty list of strings", param="text")
+    elif _is_ids(ids):
+        prompts, batch = [ids], False
+    elif isinstance(ids, list) and ids and all(_is_ids(x) for x in ids):
+        prompts, batch = list(ids), True
+    else:
+        raise APIError(400, "input_ids must be a list of token ids or a non-empty list of such lists",
+                       param="input_ids")
+    stream = _typed(body.get("stream", False), bool, "stream")
+    body = dict(body, _num=len(prompts))
+    out: list[list[GenerateReq]] = []
+    for i, prompt in enumerate(prompts):
+        sp = _per_prompt(body, "sampling_params", i, batch, {})
+        if not isinstance(sp, dict):
+            raise APIError(400, "sampling_params must be a JSON object (or a list of them for a batch)",
+                           param="sampling_params")
+        params = SamplingParams.from_dict(sp)
+        input_ids = mgr.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        mgr.check_input_ids(input_ids, params, max_new_tokens_given="max_new_tokens" in sp)
+        rid = _per_prompt(body, "rid", i, batch, None)
+        rid = _typed(rid, str, "rid") if rid is not None else mgr.new_rid()
+        req = GenerateReq(
+            rid=rid, input_ids=input_ids, sampling_params=params,
+            return_logprob=_typed(_per_prompt(body, "return_logprob", i, batch, False), bool, "return_logprob"),
+            logprob_start_len=_typed(_per_prompt(body, "logprob_start_len", i, batch, -1), int, "logprob_start_len"),
+            top_logprobs_num=_typed(_per_prompt(body, "top_logprobs_num", i, batch, 0), int, "top_logprobs_num"),
+            return_text_in_logprobs=_typed(body.get("return_text_in_logprobs", False), bool,
+                                           "return_text_in_logprobs"),
+            stream=stream, extra_key=body.get("extra_key"))
+        if req.logprob_start_len < -1 or req.logprob_start_len >= max(len(input_ids), 1):
+            raise APIError(400, f"logprob_start_len must be -1 or in [0, {len(input_ids) - 1}]",
+                           param="logprob_start_len")
+        if req.top_logprobs_num < 0:
+            raise APIError(400, "top_logprobs_num must be >= 0", param="top_logprobs_num")
+        out.append(expand_n(req))
+    return out, batch, stream
+
+
+def native_output(state: GenState, req: GenerateReq) -> dict[str, Any]:
+    """The native response object of one generation (cumulative)."""
+    meta: dict[str, Any] = {
+        "id": state.rid, "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
+        "cached_tokens": state.cached_tokens, "finish_reason": state.finish_reason,
+        "e2e_latency": round(state.e2e_latency, 6)}
+    if req.return_logprob:
+        meta["input_token_logprobs"] = state.input_token_logprobs or []
+        meta["output_token_logprobs"] = state.output_token_logprobs
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = state.input_top_logprobs or []
+            meta["output_top_logprobs"] = state.output_top_logprobs
+    return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request) -> Response:
+    mgr = manager(request)
+    per_prompt, batch, stream = parse_generate(mgr, await read_json(request))
+    reqs = [r for group in per_prompt for r in group]
+    single = not batch and len(reqs) == 1
+    if not stream:
+        async def run() -> list[GenState]:
+            return list(await asyncio.gather(*(collect(mgr.generate(r)) for r in reqs)))
+
+        states = await until_disconnect(request, run())
+        outs = [native_output(s, r) for s, r in zip(states, reqs, strict=True)]
+        return JSONBody(outs[0] if single else outs)
+
+    events = await prime(merge([mgr.generate(r) for r in reqs]))
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for i, state in events:
+                obj = native_output(state, reqs[i])
+                if not single:
+                    obj["index"] = i
+                yield sse(obj)
+        except InvalidRequestError as exc:
+            yield sse_error(str(exc), 400)
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    mgr = manager(request)
+    if mgr.dead_reason is not None:
+        raise APIError(503, f"the engine core is dead: {mgr.dead_reason}")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    if not await manager(request).health_generate():
+        raise APIError(503, "the engine did not complete a one-token generation")
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    mgr = manager(request)
+    assert mgr.ready is not None
+    cfg = mgr.ready.resolved_config
+    return {"model_path": mgr.ready.model_path, "tokenizer_path": cfg.get("tokenizer_path") or mgr.ready.model_path,
+            "is_generation": True, "preferred_sampling_params": None,
+            "context_length": mgr.context_length, "vocab_size": mgr.vocab_size}
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    mgr = manager(request)
+    assert mgr.ready is not None
+    stats = await mgr.rpc("get_stats")
+    return {**mgr.ready.resolved_config, "model_path": mgr.ready.model_path, "context_length": mgr.context_length,
+            "scheduler": stats, "num_pending_http_requests": mgr.num_pending, "core_pid": mgr.ready.pid, "version": _version()}
+
+
+@router.get("/check_memory_invariant")
+async def check_memory_invariant(request: Request) -> dict[str, Any]:
+    """Runs the core's memory accounting check; 500 with the violation when it fails."""
+    try:
+        await manager(request).rpc("check_memory_invariant")
+    except RuntimeError as exc:
+        raise APIError(500, f"memory invariant violated: {exc}") from None
+    return {"ok": True}
+
+
+@router.post("/flush_cache")
+@router.get("/flush_cache")
+async def flush_cache(request: Request) -> dict[str, Any]:
+    if not await manager(request).rpc("flush_cache"):
+        raise APIError(400, "cannot flush the cache while requests are running or waiting; retry when idle")
+    return {"success": True, "message": "cache flushed"}
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict[str, Any]:
+    body = await read_json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+        raise APIError(400, "the body must be {\"rid\": <request id>}", param="rid")
+    found = await manager(request).abort(body["rid"])
+    return {"rid": body["rid"], "aborted": found}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    body = await read_json(request)
+    mgr = manager(request)
+    prompt = body.get("prompt", body.get("text")) if isinstance(body, dict) else None
+    add_special = body.get("add_special_tokens", True) if isinstance(body, dict) else True
+    if not isinstance(add_special, bool):
+        raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
+
+    def enc(s: str) -> list[int]:
+        return list(mgr.tokenizer.encode(s, add_special_tokens=add_special))
+
+    if isinstance(prompt, str):
+        tokens: Any = enc(prompt)
+        count: Any = len(tokens)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        tokens = [enc(p) for p in prompt]
+        count = [len(t) for t in tokens]
+    else:
+        raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
+    return {"tokens": tokens, "count": count, "max_model_len": mgr.context_length}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    body = await read_json(request)
+    mgr = manager(request)
+    tokens = body.get("tokens", body.get("input_ids")) if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not _is_ids(tokens):
+        raise APIError(400, "tokens must be a list of token ids", param="tokens")
+    bad = [t for t in tokens if not 0 <= t < mgr.vocab_size]
+    if bad:
+        raise APIError(400, f"token id(s) out of the vocabulary (size {mgr.vocab_size}): {bad[:5]}", param="tokens")
+    return {"text": mgr.decode(tokens, skip_special_tokens=False)}
+
+
+def _version() -> str:
+    from lmserver import __version__
+
+    return __version__

@@ -1,0 +1,231 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from lmserver.api.errors import APIError, JSONBody, sse_error
+from lmserver.api.native import manager
+from lmserver.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    sampling_params,
+)
+from lmserver.api.streams import DONE, SSE_HEADERS, collect, merge, prime, sse, until_disconnect
+from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
+from lmserver.tokenizer_manager import GenState, TokenizerManager
+
+router = APIRouter(prefix="/v1")
+
+
+def served_model_name(mgr: TokenizerManager) -> str:
+    assert mgr.ready is not None
+    return mgr.config.served_model_name or mgr.ready.model_path
+
+
+def _check_model(mgr: TokenizerManager, model: str | None) -> str:
+    name = served_model_name(mgr)
+    assert mgr.ready is not None
+    if model not in (None, "", "default", name, mgr.ready.model_path):
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
+                       param="model", code="model_not_found")
+    return name
+
+
+def _finish(state: GenState) -> str | None:
+    if not state.finished or state.finish_reason is None:
+        return None
+    return str(state.finish_reason.get("type"))
+
+
+def _matched(state: GenState) -> Any:
+    return (state.finish_reason or {}).get("matched")
+
+
+def _usage(groups: list[list[GenState]]) -> dict[str, Any]:
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    completion = sum(s.completion_tokens for g in groups for s in g)
+    cached = sum(g[0].cached_tokens for g in groups)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _make_reqs(mgr: TokenizerManager, prompts: list[list[int]], params: SamplingParams, given: bool,
+               rid: str | None, **kw: Any) -> list[GenerateReq]:
+    """One engine request per (prompt, sample), in choice-index order (prompt-major)."""
+    reqs = []
+    base = rid or mgr.new_rid()
+    for i, ids in enumerate(prompts):
+        p = dataclasses.replace(params, stop=list(params.stop))
+        mgr.check_input_ids(ids, p, given)
+        reqs.extend(expand_n(GenerateReq(rid=f"{base}-p{i}" if len(prompts) > 1 else base, input_ids=ids,
+                                         sampling_params=p, **kw)))
+    return reqs
+
+
+async def _states(request: Request, mgr: TokenizerManager, reqs: list[GenerateReq]) -> list[GenState]:
+    async def run() -> list[GenState]:
+        return list(await asyncio.gather(*(collect(mgr.generate(r)) for r in reqs)))
+
+    return await until_disconnect(request, run())
+
+
+@router.get("/models")
+async def models(request: Request) -> dict[str, Any]:
+    mgr = manager(request)
+    assert mgr.ready is not None
+    return {"object": "list", "data": [{
+        "id": served_model_name(mgr), "object": "model", "created": 0, "owned_by": "lmserver",
+        "root": mgr.ready.model_path, "max_model_len": mgr.context_length}]}
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    mgr = manager(request)
+    req = CompletionRequest.model_validate_json(await request.body())
+    model = _check_model(mgr, req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [mgr.encode(p)]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [mgr.encode(x) for x in p]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]  # type: ignore[union-attr,arg-type]
+    else:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    params, given = sampling_params(req, req.max_tokens)
+    want_lp = req.logprobs is not None
+    reqs = _make_reqs(mgr, prompts, params, given, req.rid, return_logprob=want_lp,
+                      logprob_start_len=0 if (want_lp and req.echo) else -1,
+                      top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True, stream=req.stream)
+    n = req.n
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    echo_text = [mgr.decode(ids) if req.echo else "" for ids in prompts]
+
+    def logprobs_of(state: GenState, i: int, start: int) -> dict[str, Any] | None:
+        if not want_lp:
+            return None
+        entries, tops = state.output_token_logprobs[start:], state.output_top_logprobs[start:]
+        offset = len(echo_text[i // n]) + len(state.text) - sum(len(e[2] or "") for e in entries)
+        if req.echo and start == 0:
+            entries = list(state.input_token_logprobs or []) + entries
+            tops = list(state.input_top_logprobs or []) + list(tops)
+            offset = 0
+        return completion_logprobs(entries, tops if req.logprobs else [], mgr.decode, offset)
+
+    if not req.stream:
+        states = await _states(request, mgr, reqs)
+        choices = [{"index": i, "text": echo_text[i // n] + s.text, "logprobs": logprobs_of(s, i, 0),
+                    "finish_reason": _finish(s), "matched_stop": _matched(s)} for i, s in enumerate(states)]
+        groups = [states[k:k + n] for k in range(0, len(states), n)]
+        return JSONBody({"id": cid, "object": "text_completion", "created": created, "model": model,
+                               "choices": choices, "usage": _usage(groups)})
+
+    events = await prime(merge([mgr.generate(r) for r in reqs]))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def body() -> AsyncIterator[bytes]:
+        final: dict[int, GenState] = {}
+        started: set[int] = set()
+        try:
+            async for i, s in events:
+                text = s.delta_text
+                if i not in started:
+                    started.add(i)
+                    text = echo_text[i // n] + text
+                lp = logprobs_of(s, i, s.num_logprobs_sent)
+                s.num_logprobs_sent = len(s.output_token_logprobs)
+                if s.finished:
+                    final[i] = s
+                yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(s),
+                                        "matched_stop": _matched(s)}]})
+            if include_usage:
+                states = [final[i] for i in sorted(final)]
+                groups = [states[k:k + n] for k in range(0, len(states), n)]
+                yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": _usage(groups)})
+        except InvalidRequestError as exc:
+            yield sse_error(str(exc), 400)
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    mgr = manager(request)
+    req = ChatCompletionRequest.model_validate_json(await request.body())
+    model = _check_model(mgr, req.model)
+    if req.tools:
+        raise APIError(400, "tools (function calling) are not supported yet", param="tools")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    ids = mgr.apply_chat_template(chat_messages(req))
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params, given = sampling_params(req, max_tokens)
+    reqs = _make_reqs(mgr, [ids], params, given, req.rid, return_logprob=req.logprobs,
+                      top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream)
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def lp(state: GenState, start: int) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return chat_logprobs(state.output_token_logprobs[start:], state.output_top_logprobs[start:], mgr.decode)
+
+    if not req.stream:
+        states = await _states(request, mgr, reqs)
+        choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": lp(s, 0),
+                    "finish_reason": _finish(s), "matched_stop": _matched(s)} for i, s in enumerate(states)]
+        return JSONBody({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                               "choices": choices, "usage": _usage([states])})
+
+    events = await prime(merge([mgr.generate(r) for r in reqs]))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices, **extra})
+
+    async def body() -> AsyncIterator[bytes]:
+        final: dict[int, GenState] = {}
+        started: set[int] = set()
+        try:
+            async for i, s in events:
+                if i not in started:
+                    started.add(i)
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                logprobs = lp(s, s.num_logprobs_sent)
+                s.num_logprobs_sent = len(s.output_token_logprobs)
+                if s.delta_text or logprobs and logprobs["content"]:
+                    yield chunk([{"index": i, "delta": {"content": s.delta_text}, "logprobs": logprobs,
+                                  "finish_reason": None}])
+                if s.finished:
+                    final[i] = s
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish(s),
+                                  "matched_stop": _matched(s)}])
+            if include_usage:
+                yield chunk([], usage=_usage([[final[i] for i in sorted(final)]]))
+        except InvalidRequestError as exc:
+            yield sse_error(str(exc), 400)
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

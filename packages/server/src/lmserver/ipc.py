@@ -1,0 +1,87 @@
+"""Typed messages between the HTTP process and the engine-core process (pickled over ZMQ).
+
+Front end -> core: `GenerateReq` (from io_struct), `AbortReq`, `RpcReq`, `ShutdownReq`.
+Core -> front end: `CoreReady` (once), `BatchOut`, `RpcResp`, `CoreStats` (periodic),
+`CoreFatal` (the core is about to exit with an error).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmserver.io_struct import ReqOutput
+
+
+@dataclass(frozen=True)
+class AbortReq:
+    rid: str
+
+
+@dataclass(frozen=True)
+class RpcReq:
+    """A call of one core method by name, answered by an `RpcResp` with the same id.
+
+    Only the names in `RPC_METHODS` are accepted by the core loop.
+    """
+
+    id: int
+    method: str
+
+
+RPC_METHODS = ("flush_cache", "get_stats", "check_memory_invariant")
+
+
+@dataclass(frozen=True)
+class RpcResp:
+    id: int
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ShutdownReq:
+    pass
+
+
+@dataclass
+class CoreReady:
+    """Sent once the core is built: what the front end needs to tokenize and report."""
+
+    tokenizer: Any
+    model_path: str
+    vocab_size: int
+    context_length: int
+    resolved_config: dict[str, Any]
+    pid: int = field(default_factory=os.getpid)
+
+
+@dataclass
+class BatchOut:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class CoreStats:
+    stats: dict[str, Any]
+
+
+@dataclass
+class CoreFatal:
+    message: str
+
+
+@dataclass(frozen=True)
+class IpcAddrs:
+    """ZMQ endpoints: `to_core` (front end PUSH -> core PULL), `from_core` (core PUSH -> front end PULL)."""
+
+    to_core: str
+    from_core: str
+
+    @classmethod
+    def new(cls) -> IpcAddrs:
+        """Fresh ipc:// endpoints in a new private temporary folder (created here)."""
+        folder = tempfile.mkdtemp(prefix="lmserver-ipc-")
+        return cls(to_core=f"ipc://{folder}/to_core", from_core=f"ipc://{folder}/from_core")

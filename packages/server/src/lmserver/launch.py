@@ -1,0 +1,147 @@
+"""Process model: the engine core in a spawned subprocess, HTTP + tokenization in this one.
+
+Start: spawn the core process, wait for its `CoreReady`, serve HTTP with uvicorn, run
+`/health_generate` once internally and then print the ready line (`READY_PREFIX` + URL).
+Stop: SIGINT/SIGTERM stop uvicorn, then the core is asked to shut down, joined, and killed if
+it lingers (exit status 0). A core that dies or fails makes the server unhealthy (503) and the
+process exit with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import signal
+import sys
+from typing import Any
+
+import uvicorn
+
+from lmserver.api import create_app
+from lmserver.config import ServerConfig
+from lmserver.core_loop import DEFAULT_CORE_FACTORY, run_core_process
+from lmserver.ipc import IpcAddrs
+from lmserver.tokenizer_manager import EngineDeadError, TokenizerManager
+
+logger = logging.getLogger("lmserver")
+
+READY_PREFIX = "lmserver: ready at "
+_WATCH_INTERVAL_S = 0.5
+
+
+def launch_server(config: ServerConfig, *, core_factory: str = DEFAULT_CORE_FACTORY,
+                  core_kwargs: dict[str, Any] | None = None) -> int:
+    """Runs the server until a signal or a core failure; returns the process exit status.
+
+    `core_factory` (`"module:callable"`, called with the config and `core_kwargs`) builds the
+    engine core inside the subprocess; tests pass `lmserver.testing:FakeEngineCore`.
+    """
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        return asyncio.run(_serve(config, core_factory, core_kwargs))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(config: ServerConfig, core_factory: str, core_kwargs: dict[str, Any] | None) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int, _: Any) -> None:
+        logger.info("received signal %d, shutting down", signum)
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+    addrs = IpcAddrs.new()
+    mgr = TokenizerManager(config, addrs)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_core_process, args=(config, addrs, core_factory, core_kwargs), name="lmserver-core")
+    proc.start()
+    try:
+        ready = await _wait_ready(mgr, proc, stop)
+        if ready is None:
+            return 0 if stop.is_set() else 1
+        logger.info("resolved config: %s", ready.resolved_config)
+        return await _run_http(config, mgr, proc, stop)
+    finally:
+        await mgr.shutdown()
+        await loop.run_in_executor(None, _reap, proc)
+
+
+async def _wait_ready(mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> Any:
+    task = asyncio.ensure_future(mgr.wait_ready())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=_WATCH_INTERVAL_S)
+            if stop.is_set():
+                return None
+            if not task.done() and not proc.is_alive():
+                logger.error("the engine core process exited with status %s before it was ready", proc.exitcode)
+                return None
+        return task.result()
+    except EngineDeadError as exc:
+        logger.error("%s", exc)
+        return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _run_http(config: ServerConfig, mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> int:
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(mgr), host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.log_requests, timeout_graceful_shutdown=5, log_config=None))
+    status = {"code": 0}
+
+    async def watch() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            if stop.is_set():
+                server.should_exit = True
+            elif not proc.is_alive() or mgr.dead_reason is not None:
+                mgr.mark_dead(mgr.dead_reason or f"the engine core process exited with status {proc.exitcode}")
+                status["code"] = 1
+                server.should_exit = True
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        while not server.should_exit:
+            if await mgr.health_generate(timeout_s=60.0):
+                print(f"{READY_PREFIX}http://{config.host}:{config.port}", flush=True)
+                return
+            await asyncio.sleep(0.5)
+
+    tasks = [asyncio.ensure_future(watch()), asyncio.ensure_future(announce())]
+    try:
+        await server.serve()
+    except SystemExit as exc:  # uvicorn exits on a start-up failure such as a port in use
+        logger.error("the HTTP server failed to start (exit %s)", exc.code)
+        status["code"] = 1
+    finally:
+        for t in tasks:
+            t.cancel()
+    if not server.started:
+        status["code"] = 1
+    return status["code"]
+
+
+def _reap(proc: Any) -> None:
+    """Joins the core process; terminates, then kills it if it does not exit."""
+    proc.join(timeout=10)
+    if proc.is_alive():
+        logger.warning("the engine core did not stop; terminating it")
+        proc.terminate()
+        proc.join(timeout=5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

@@ -1,0 +1,63 @@
+"""Prometheus metrics of the server, in a registry owned by one `ServerMetrics` object."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from lmserver.tokenizer_manager import GenState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class ServerMetrics:
+    """Request counters and latency histograms (updated by the tokenizer manager) and gauges
+    mirrored from the core's periodic stats. `render()` gives the exposition text."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lmserver_requests", "finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("lmserver_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("lmserver_generation_tokens", "generated tokens", registry=r)
+        self.cached_tokens = Counter("lmserver_cached_tokens", "prompt tokens served from the cache", registry=r)
+        self.running = Gauge("lmserver_num_running_reqs", "running requests in the core", registry=r)
+        self.waiting = Gauge("lmserver_num_waiting_reqs", "waiting requests in the core", registry=r)
+        self.kv_usage = Gauge("lmserver_token_usage", "fraction of the KV cache in use", registry=r)
+        self.cache_hit_rate = Gauge("lmserver_cache_hit_rate", "prompt tokens served from the cache / prompt tokens",
+                                    registry=r)
+        self.ttft = Histogram("lmserver_time_to_first_token_seconds", "time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("lmserver_time_per_output_token_seconds", "time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("lmserver_e2e_request_latency_seconds", "end-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_finished(self, state: GenState) -> None:
+        reason = (state.finish_reason or {}).get("type", "unknown")
+        self.requests.labels(finish_reason=str(reason)).inc()
+        self.prompt_tokens.inc(state.prompt_tokens)
+        self.generation_tokens.inc(state.completion_tokens)
+        self.cached_tokens.inc(state.cached_tokens)
+        self.e2e.observe(state.e2e_latency)
+        if state.first_token_time is not None and state.finish_time is not None and state.completion_tokens > 1:
+            self.tpot.observe((state.finish_time - state.first_token_time) / (state.completion_tokens - 1))
+
+    def update_core_stats(self, stats: dict[str, Any]) -> None:
+        """Mirrors the core's `get_stats()` keys that exist (missing keys leave a gauge as is)."""
+        for key, gauge in (("num_running_reqs", self.running), ("num_waiting_reqs", self.waiting),
+                           ("token_usage", self.kv_usage), ("cache_hit_rate", self.cache_hit_rate)):
+            value = stats.get(key)
+            if isinstance(value, (int, float)):
+                gauge.set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

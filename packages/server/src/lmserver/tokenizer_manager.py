@@ -1,0 +1,309 @@
+"""Front-end side of the engine: tokenization, chat templates, n-expansion, request state and
+the ZMQ client of the core process. Runs on the HTTP event loop; never runs model code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from lmserver.config import ServerConfig
+from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
+from lmserver.ipc import (
+    AbortReq,
+    BatchOut,
+    CoreFatal,
+    CoreReady,
+    CoreStats,
+    IpcAddrs,
+    RpcReq,
+    RpcResp,
+    ShutdownReq,
+)
+from lmserver.metrics import ServerMetrics
+
+logger = logging.getLogger("lmserver")
+
+
+class EngineDeadError(RuntimeError):
+    """The core process is gone or failed; the server answers 503 and shuts down."""
+
+
+@dataclass
+class GenState:
+    """Cumulative result of one (n == 1) request, updated in place as outputs arrive."""
+
+    rid: str
+    prompt_tokens: int
+    text: str = ""
+    delta_text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None
+    input_token_logprobs: list[TokenLogprob] | None = None
+    input_top_logprobs: list[list[TokenLogprob] | None] | None = None
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    num_logprobs_sent: int = 0  # streaming cursor into output_token_logprobs
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def e2e_latency(self) -> float:
+        return (self.finish_time or time.monotonic()) - self.created
+
+
+class TokenizerManager:
+    """Holds the request states and the two ZMQ sockets to the core process.
+
+    `start()` must run on the event loop that serves HTTP; it waits for `CoreReady`.
+    """
+
+    def __init__(self, config: ServerConfig, addrs: IpcAddrs, metrics: ServerMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or ServerMetrics()
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(addrs.to_core)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(addrs.from_core)
+        self._states: dict[str, asyncio.Queue[ReqOutput | BaseException]] = {}
+        self._rpcs: dict[int, asyncio.Future[RpcResp]] = {}
+        self._rpc_ids = itertools.count()
+        self._recv_task: asyncio.Task[None] | None = None
+        self.ready: CoreReady | None = None
+        self.tokenizer: Any = None
+        self.stats: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self.shutting_down = False
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def wait_ready(self, timeout_s: float | None = None) -> CoreReady:
+        """Waits for the core's `CoreReady`; raises EngineDeadError on `CoreFatal`."""
+        msg = await asyncio.wait_for(self._pull.recv_pyobj(), timeout_s)
+        if isinstance(msg, CoreFatal):
+            raise EngineDeadError(f"the engine core failed to start: {msg.message}")
+        if not isinstance(msg, CoreReady):
+            raise EngineDeadError(f"unexpected first message from the core: {type(msg).__name__}")
+        self.ready, self.tokenizer = msg, msg.tokenizer
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        return msg
+
+    def mark_dead(self, reason: str) -> None:
+        """Fails every pending request and RPC with EngineDeadError (idempotent)."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("engine core is dead: %s", reason)
+        err = EngineDeadError(self.dead_reason)
+        for q in self._states.values():
+            q.put_nowait(err)
+        for fut in self._rpcs.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def shutdown(self) -> None:
+        """Asks the core to stop, then closes the sockets (the launcher joins the process)."""
+        self.shutting_down = True
+        if self.dead_reason is None:
+            with contextlib.suppress(asyncio.TimeoutError, zmq.ZMQError):
+                await asyncio.wait_for(self._push.send_pyobj(ShutdownReq()), 1.0)
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self._push.close(linger=500)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._pull.recv_pyobj()
+            if isinstance(msg, BatchOut):
+                for out in msg.outputs:
+                    q = self._states.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+            elif isinstance(msg, RpcResp):
+                fut = self._rpcs.pop(msg.id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, CoreStats):
+                self.stats = msg.stats
+                self.metrics.update_core_stats(msg.stats)
+            elif isinstance(msg, CoreFatal):
+                self.mark_dead(msg.message)
+
+    # -- tokenization ---------------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        assert self.ready is not None
+        return self.ready.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.ready is not None
+        return self.ready.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` rendered with the tokenizer's chat template plus the generation prompt."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error is a bad conversation
+            raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_input_ids(self, input_ids: list[int], params: SamplingParams, max_new_tokens_given: bool) -> None:
+        """Validates a prompt against the vocabulary and the context length.
+
+        Mutates `params.max_new_tokens`: when it was not given it is clipped to what fits.
+        """
+        if not input_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id(s) out of the vocabulary (size {self.vocab_size}): {bad[:5]}")
+        params.validate(self.vocab_size)
+        if params.ebnf is not None:
+            raise InvalidRequestError("ebnf constraints are not supported yet; use regex or json_schema")
+        n, ctx = len(input_ids), self.context_length
+        if n > ctx or (n == ctx and params.max_new_tokens > 0):
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, longer than this model's context length ({ctx} tokens)")
+        room = ctx - n
+        if params.max_new_tokens > room:
+            if max_new_tokens_given:
+                raise InvalidRequestError(
+                    f"this model's context length is {ctx} tokens, but {n + params.max_new_tokens} were "
+                    f"requested ({n} in the prompt, {params.max_new_tokens} to generate); "
+                    "reduce the prompt or max_new_tokens")
+            params.max_new_tokens = room
+
+    # -- generation -----------------------------------------------------------------------------
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.shutting_down:
+            raise EngineDeadError("the server is shutting down")
+
+    async def generate(self, req: GenerateReq) -> AsyncIterator[GenState]:
+        """Sends one n == 1 request and yields its cumulative `GenState` after each output.
+
+        Raises InvalidRequestError when the core rejects it and EngineDeadError when the core
+        dies. If the consumer stops early (client disconnect), the request is aborted in the core.
+        """
+        self._check_alive()
+        if req.rid in self._states:
+            raise InvalidRequestError(f"request id {req.rid!r} is already running")
+        q: asyncio.Queue[ReqOutput | BaseException] = asyncio.Queue()
+        self._states[req.rid] = q
+        state = GenState(rid=req.rid, prompt_tokens=len(req.input_ids))
+        if self.config.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
+        try:
+            await self._push.send_pyobj(req)
+            while not state.finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise InvalidRequestError(item.error)
+                self._apply(state, item)
+                yield state
+        finally:
+            self._states.pop(req.rid, None)
+            if not state.finished and self.dead_reason is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._push.send_pyobj(AbortReq(req.rid))
+            if state.finished:
+                self.metrics.observe_finished(state)
+                if self.config.log_requests:
+                    logger.info("finished %s: %r (%s)", req.rid, state.text[:200], state.finish_reason)
+
+    def _apply(self, state: GenState, out: ReqOutput) -> None:
+        now = time.monotonic()
+        if out.new_token_ids and state.first_token_time is None:
+            state.first_token_time = now
+            self.metrics.observe_first_token(now - state.created)
+        state.delta_text = out.new_text
+        state.text += out.new_text
+        state.output_ids.extend(out.new_token_ids)
+        state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
+        state.completion_tokens = out.completion_tokens or len(state.output_ids)
+        state.cached_tokens = out.cached_tokens
+        if out.input_token_logprobs is not None:
+            state.input_token_logprobs = list(out.input_token_logprobs)
+            state.input_top_logprobs = list(out.input_top_logprobs or [])
+        state.output_token_logprobs.extend(out.output_token_logprobs)
+        state.output_top_logprobs.extend(out.output_top_logprobs)
+        if out.finished:
+            state.finished, state.finish_reason, state.finish_time = True, out.finish_reason, now
+
+    async def abort(self, rid: str) -> bool:
+        """Aborts `rid` (and its n-expanded `rid-i` copies); their waiters finish with "abort"."""
+        rids = [r for r in self._states if r == rid or r.startswith(f"{rid}-")]
+        for r in rids:
+            await self._push.send_pyobj(AbortReq(r))
+            self._states[r].put_nowait(ReqOutput(
+                rid=r, new_token_ids=[], new_text="", finished=True,
+                finish_reason={"type": "abort", "message": "aborted by /abort_request"}))
+        return bool(rids)
+
+    async def rpc(self, method: str, timeout_s: float = 30.0) -> Any:
+        """Calls `method` on the core (see ipc.RPC_METHODS); raises RuntimeError with its error."""
+        self._check_alive()
+        rid = next(self._rpc_ids)
+        fut: asyncio.Future[RpcResp] = asyncio.get_running_loop().create_future()
+        self._rpcs[rid] = fut
+        await self._push.send_pyobj(RpcReq(rid, method))
+        try:
+            resp = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._rpcs.pop(rid, None)
+        if resp.error is not None:
+            raise RuntimeError(resp.error)
+        return resp.result
+
+    async def health_generate(self, timeout_s: float = 20.0) -> bool:
+        """Runs a one-token greedy generation through the core; True when it finishes in time."""
+        if self.dead_reason is not None or self.shutting_down or self.ready is None:
+            return False
+        ids = self.encode("ok") or [0]
+        req = GenerateReq(f"HEALTH_CHECK_{self.new_rid()}", ids,
+                          SamplingParams(max_new_tokens=1, temperature=0.0))
+
+        async def run() -> bool:
+            async for state in self.generate(req):
+                if state.finished:
+                    return True
+            return False
+
+        try:
+            return await asyncio.wait_for(run(), timeout_s)
+        except (asyncio.TimeoutError, EngineDeadError, InvalidRequestError):
+            return False
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._states)

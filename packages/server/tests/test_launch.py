@@ -1,0 +1,60 @@
+"""Process model: clean stop on SIGTERM/SIGINT without orphans; a crashed core makes the server
+report unhealthy and exit non-zero instead of hanging."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from lmserver.testing import ServerProcess
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True  # a zombie has released everything; its parent is gone
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly_without_orphans(sig: int) -> None:
+    srv = ServerProcess(core="fake").start()
+    try:
+        core_pid = httpx.get(srv.base_url + "/get_server_info", timeout=30).json()["core_pid"]
+        assert core_pid != srv.proc.pid and not _gone(core_pid, 0.1)
+    finally:
+        code = srv.stop(sig)
+    assert code == 0, srv.log_tail()
+    assert _gone(core_pid), "the core process outlived the server"
+
+
+@pytest.mark.slow
+def test_core_crash_gives_503_and_nonzero_exit() -> None:
+    srv = ServerProcess(core="crash").start()  # the fake core raises in its third step
+    try:
+        r = httpx.post(srv.base_url + "/generate", json={"text": "hello there", "sampling_params":
+                                                         {"max_new_tokens": 20}}, timeout=30)
+        assert r.status_code == 503 and "fake core crash" in r.json()["error"]["message"]
+        srv.proc.wait(timeout=20)
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 1, srv.log_tail()
+    assert any("engine core is dead" in line for line in srv.lines)
+
+
+@pytest.mark.slow
+def test_core_exits_when_the_server_is_killed() -> None:
+    srv = ServerProcess(core="fake").start()
+    core_pid = httpx.get(srv.base_url + "/get_server_info", timeout=30).json()["core_pid"]
+    srv.stop(signal.SIGKILL)
+    assert _gone(core_pid), "the core process was orphaned"
