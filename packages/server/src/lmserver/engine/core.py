@@ -1,0 +1,355 @@
+"""EngineCore: the synchronous, in-process engine (tokenizer, model runner, scheduler, radix
+cache, sampler, detokenizer). The HTTP server drives it from its own loop; `Engine` wraps it
+for offline use.
+
+    core = EngineCore(ServerConfig())
+    core.add_request(GenerateReq(...))      # validates; raises InvalidRequestError
+    while core.has_work():
+        for out in core.step():             # at most one forward per step
+            ...                             # ReqOutput deltas
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmserver.attention.base import default_registry
+from lmserver.config import ServerConfig
+from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
+from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.engine.model_runner import ModelRunner
+from lmserver.engine.resolve import resolve_config
+from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample
+from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
+from lmserver.model_loader import DTYPES, load_model, read_model_config
+from lmserver.scheduler import KVManager, Req, ScheduleDecision, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    """Engine-side state of one request (the scheduler holds the KV side in `sreq`)."""
+
+    req: GenerateReq
+    sreq: Req
+    detok: IncrementalDetokenizer
+    out: OutputText
+    info: SamplingInfo
+    sent_tokens: int = 0
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_top: list[list[TokenLogprob] | None] = field(default_factory=list)
+    input_sent: bool = False
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)
+    out_top: list[list[TokenLogprob] | None] = field(default_factory=list)
+    finished: bool = False
+
+
+class EngineCore:
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        config = config or ServerConfig()
+        if config.model_path is None:
+            from lmserver.default_model import default_model_path
+
+            model_path = str(default_model_path())
+        else:
+            model_path = str(config.model_path)
+            if not Path(model_path).is_dir():
+                raise InvalidRequestError(f"model_path {model_path!r} is not a folder")
+        self.model_path = model_path
+        self.model_config = read_model_config(model_path)
+        self.resolved_config = resolve_config(config, self.model_config, model_path)
+        rc = self.resolved_config
+        logger.info("lmserver engine config (resolved): %s", rc.to_dict())
+        self.device = torch.device(rc.device)
+        self.dtype = DTYPES[rc.dtype]
+        assert rc.context_length is not None and rc.max_total_tokens is not None
+        assert rc.max_running_requests is not None
+        self.context_length: int = rc.context_length
+        self.vocab_size = self.model_config.vocab_size
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(rc.tokenizer_path or model_path)
+        self.model = load_model(
+            self.model_config,
+            model_path,
+            load_format=rc.load_format,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=self.context_length,
+            seed=rc.random_seed,
+        )
+        self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
+        mc = self.model_config
+        self.kv_pool = KVPool(
+            self.kv_manager.buffer_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+            self.dtype, self.device,
+        )
+        self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
+        backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_running_requests=rc.max_running_requests,
+            max_prefill_tokens=rc.max_prefill_tokens,
+            chunked_prefill_size=rc.chunked_prefill_size,
+            schedule_policy=rc.schedule_policy,
+            aging_rounds=rc.schedule_aging_rounds,
+            enable_mixed_chunk=rc.enable_mixed_chunk,
+        )
+        eos = set(mc.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(eos)
+        self.states: dict[str, _ReqState] = {}
+        self._pending: list[ReqOutput] = []
+        self._arrivals = 0
+        self._started = time.monotonic()
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "requests": 0,
+                          "forward_tokens": 0, "forwards": 0}
+        self._recent: list[tuple[float, int]] = []  # (time, generated tokens) per step, last 10 s
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, req: GenerateReq) -> None:
+        """Validates and queues `req` (n must be 1; see io_struct.expand_n).
+
+        Raises InvalidRequestError for bad input. Mutates the waiting queue.
+        """
+        p = req.sampling_params
+        if p.n != 1:
+            raise InvalidRequestError("EngineCore takes n == 1 requests; split them with io_struct.expand_n")
+        if req.rid in self.states:
+            raise InvalidRequestError(f"duplicate request id {req.rid!r}")
+        p.validate(self.vocab_size)
+        ids = req.input_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no input tokens)")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in ids):
+            raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})")
+        limit = self.context_length if p.max_new_tokens == 0 else self.context_length - 1
+        if len(ids) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context length is {self.context_length} "
+                f"(prompt + output); shorten the prompt"
+            )
+        if p.regex is not None or p.json_schema is not None or p.ebnf is not None:
+            raise InvalidRequestError("constrained decoding (regex, json_schema, ebnf) is not available yet")
+        if req.logprob_start_len >= len(ids):
+            raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({len(ids)})")
+        max_new = min(p.max_new_tokens, self.context_length - len(ids))
+        self._arrivals += 1
+        sreq = Req(
+            req.rid, ids, p, max_new, arrival=self._arrivals, extra_key=req.extra_key,
+            logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+        )
+        sreq.need_input_logprobs = req.return_logprob and req.logprob_start_len >= 0
+        seed = p.sampling_seed if p.sampling_seed is not None else self.resolved_config.random_seed * 1_000_003 + self._arrivals
+        generator = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF)
+        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
+        state = _ReqState(
+            req=req,
+            sreq=sreq,
+            detok=IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens),
+            out=OutputText(p.stop, p.stop_regex, p.no_stop_trim),
+            info=SamplingInfo(p, generator, sreq.input_ids, sreq.output_ids, stop_ids),
+        )
+        self.states[req.rid] = state
+        self.scheduler.add(sreq)
+        self._counters["requests"] += 1
+
+    def abort_request(self, rid: str) -> None:
+        """Aborts `rid` at any stage, freeing everything it held; its final ReqOutput (finish
+        reason "abort") comes with the next `step()`. Unknown ids are ignored."""
+        state = self.states.pop(rid, None)
+        if state is None:
+            return
+        self.scheduler.abort(rid)
+        self._pending.append(self._output(state, finished=True, reason={"type": "abort", "message": "aborted"}))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        """One scheduling round with at most one forward; returns the outputs that progressed."""
+        outputs, self._pending = self._pending, []
+        decision = self.scheduler.schedule()
+        if decision.mode == "idle":
+            return outputs
+        logits = self.runner.forward(decision)
+        self._counters["forwards"] += 1
+        self._counters["forward_tokens"] += decision.num_tokens
+        outputs.extend(self._process(decision, logits))
+        return outputs
+
+    def _process(self, decision: ScheduleDecision, logits: torch.Tensor) -> list[ReqOutput]:
+        row = 0
+        sample_rows: list[int] = []
+        sample_states: list[_ReqState] = []
+        input_lp_rows: list[tuple[_ReqState, int, int]] = []  # (state, logits row, token position)
+        for item in decision.items:
+            state = self.states[item.rid]
+            sreq = state.sreq
+            n_rows = len(item.logit_offsets)
+            samples = item.prefix_len + len(item.token_ids) == sreq.fill_len
+            for k, off in enumerate(item.logit_offsets):
+                pos = item.prefix_len + off
+                if sreq.need_input_logprobs and pos + 1 < len(sreq.input_ids):
+                    input_lp_rows.append((state, row + k, pos + 1))
+            if samples and sreq.remaining_new_tokens > 0:
+                sample_rows.append(row + n_rows - 1)
+                sample_states.append(state)
+            row += n_rows
+        completed = self.scheduler.commit(decision)
+        if input_lp_rows:
+            self._record_input_logprobs(logits, input_lp_rows)
+        outputs: list[ReqOutput] = []
+        if sample_rows:
+            raw = logits[sample_rows]
+            infos = [s.info for s in sample_states]
+            next_ids = sample(apply_penalties(raw, infos), infos)
+            want_lp = [s for s in sample_states if s.req.return_logprob]
+            if want_lp:
+                self._record_output_logprobs(raw, sample_states, next_ids)
+            now = time.monotonic()
+            self._recent.append((now, len(next_ids)))
+            self._counters["generation_tokens"] += len(next_ids)
+            for state, token in zip(sample_states, next_ids, strict=True):
+                out = self._append_token(state, token)
+                if out is not None:
+                    outputs.append(out)
+        for sreq in completed:
+            state = self.states.get(sreq.rid)
+            if state is None:
+                continue
+            self._counters["prompt_tokens"] += len(sreq.input_ids)
+            self._counters["cached_tokens"] += sreq.cached_tokens
+            if sreq.max_new_tokens == 0 and not state.finished:
+                outputs.append(self._finish(state, {"type": "length", "length": 0}))
+        return outputs
+
+    def _record_input_logprobs(self, logits: torch.Tensor, rows: list[tuple[_ReqState, int, int]]) -> None:
+        idx = [r for _, r, _ in rows]
+        tokens = [s.sreq.input_ids[p] for s, _, p in rows]
+        lp = torch.log_softmax(logits[idx], dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+        tops = self._top_logprobs(lp, [s.req.top_logprobs_num for s, _, _ in rows], [s.req for s, _, _ in rows])
+        for (state, _, pos), value, top in zip(rows, chosen, tops, strict=True):
+            state.input_logprobs.append(self._lp_entry(value, state.sreq.input_ids[pos], state.req))
+            state.input_top.append(top)
+
+    def _record_output_logprobs(self, raw: torch.Tensor, states: list[_ReqState], next_ids: list[int]) -> None:
+        lp = torch.log_softmax(raw, dim=-1)
+        chosen = lp.gather(1, torch.tensor(next_ids, device=lp.device)[:, None]).squeeze(1).tolist()
+        tops = self._top_logprobs(lp, [s.req.top_logprobs_num for s in states], [s.req for s in states])
+        for state, token, value, top in zip(states, next_ids, chosen, tops, strict=True):
+            if state.req.return_logprob:
+                state.out_logprobs.append(self._lp_entry(value, token, state.req))
+                state.out_top.append(top)
+
+    def _top_logprobs(self, lp: torch.Tensor, nums: list[int], reqs: list[GenerateReq]) -> list[list[TokenLogprob] | None]:
+        k = max(nums, default=0)
+        if k <= 0:
+            return [None] * len(nums)
+        values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        values_l, ids_l = values.tolist(), ids.tolist()
+        out: list[list[TokenLogprob] | None] = []
+        for i, n in enumerate(nums):
+            out.append([self._lp_entry(v, t, reqs[i]) for v, t in zip(values_l[i][:n], ids_l[i][:n], strict=True)] if n > 0 else None)
+        return out
+
+    def _lp_entry(self, value: float | None, token: int, req: GenerateReq) -> TokenLogprob:
+        text = self.tokenizer.decode([token]) if req.return_text_in_logprobs else None
+        return (value, int(token), text)
+
+    def _append_token(self, state: _ReqState, token: int) -> ReqOutput | None:
+        sreq = state.sreq
+        p = sreq.sampling_params
+        sreq.output_ids.append(token)
+        num_out = len(sreq.output_ids)
+        reason: dict[str, Any] | None = None
+        can_stop = num_out >= p.min_new_tokens
+        if can_stop and token in state.info.stop_ids:
+            reason = {"type": "stop", "matched": token}
+            if p.no_stop_trim:
+                state.out.append(state.detok.add(token), check_stop=False)
+        else:
+            matched = state.out.append(state.detok.add(token), check_stop=can_stop)
+            if matched is not None:
+                reason = {"type": "stop", "matched": matched}
+        if reason is None and num_out >= sreq.max_new_tokens:
+            reason = {"type": "length", "length": sreq.max_new_tokens}
+        if reason is not None:
+            return self._finish(state, reason)
+        return self._output(state, finished=False)
+
+    def _finish(self, state: _ReqState, reason: dict[str, Any]) -> ReqOutput:
+        if state.out.stopped is None and reason["type"] == "length":
+            state.out.append(state.detok.flush(), check_stop=state.sreq.fill_len > 0)
+            if state.out.stopped is not None:
+                reason = {"type": "stop", "matched": state.out.stopped}
+        self.scheduler.finish(state.sreq, reason)
+        self.states.pop(state.req.rid, None)
+        return self._output(state, finished=True, reason=reason)
+
+    def _output(self, state: _ReqState, finished: bool, reason: dict[str, Any] | None = None) -> ReqOutput:
+        state.finished = finished
+        sreq = state.sreq
+        new_ids = sreq.output_ids[state.sent_tokens :]
+        state.sent_tokens = len(sreq.output_ids)
+        out = ReqOutput(
+            rid=state.req.rid,
+            new_token_ids=new_ids,
+            new_text=state.out.take(final=finished),
+            finished=finished,
+            finish_reason=reason,
+            prompt_tokens=len(sreq.input_ids),
+            completion_tokens=len(sreq.output_ids),
+            cached_tokens=sreq.cached_tokens,
+            output_token_logprobs=state.out_logprobs,
+            output_top_logprobs=state.out_top,
+        )
+        state.out_logprobs, state.out_top = [], []
+        if state.req.return_logprob and not state.input_sent:
+            # NOTE: the first output of a request comes after its prefill completed (or at abort)
+            if state.req.logprob_start_len == 0:  # the first prompt token has no logprob
+                state.input_logprobs.insert(0, self._lp_entry(None, sreq.input_ids[0], state.req))
+                state.input_top.insert(0, None)
+            out.input_token_logprobs = state.input_logprobs
+            out.input_top_logprobs = state.input_top
+            state.input_sent = True
+            sreq.need_input_logprobs = False
+            sreq.logprob_start_len = -1  # lifts the prefix-reuse cap after a retraction
+        return out
+
+    # --- maintenance ------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Empties the radix cache; False (nothing done) while requests run or wait."""
+        return self.scheduler.flush_cache()
+
+    def check_memory_invariant(self) -> None:
+        """Raises MemoryInvariantError when idle and free + cached != total KV slots."""
+        if not self.states:
+            self.scheduler.check_memory_invariant()
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler state, token counters, cache hit rate and recent generation throughput."""
+        now = time.monotonic()
+        self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
+        window = min(10.0, max(now - self._started, 1e-6))
+        c = self._counters
+        stats = dict(self.scheduler.stats())
+        stats.update(c)
+        stats["cache_hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        stats["gen_throughput"] = sum(n for _, n in self._recent) / window
+        stats["context_length"] = self.context_length
+        return stats

@@ -1,0 +1,45 @@
+"""ForwardBatch: the tensors of one model forward (what the attention backend plans over).
+
+KV layout (the contract of every attention backend): per layer `k_cache`, `v_cache` of shape
+(num_slots, num_kv_heads, head_dim); `req_to_token` (max_running_requests, max_context_len)
+int32 slot ids; slot 0 is padding and never holds a real token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lmserver.attention.base import AttentionBackend
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (possibly with a cached prefix, chunked, or mixed with decodes)
+    DECODE = "decode"  # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # (num_tokens,) int64
+    positions: torch.Tensor  # (num_tokens,) int64
+    out_cache_loc: torch.Tensor  # (num_tokens,) int64 KV slots the new tokens are written to
+    req_pool_indices: torch.Tensor  # (bs,) int64 rows of req_to_token
+    seq_lens: torch.Tensor  # (bs,) int32 lengths including the new tokens
+    seq_lens_cpu: list[int]
+    # EXTEND only (None for DECODE)
+    extend_prefix_lens: torch.Tensor | None = None  # (bs,) int32 tokens already in the KV cache
+    extend_seq_lens: torch.Tensor | None = None  # (bs,) int32 new tokens per request
+    extend_start_loc: torch.Tensor | None = None  # (bs,) int32 exclusive cumsum of extend_seq_lens
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    attn_backend: AttentionBackend | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,49 @@
+"""The token-slot KV pool and the request-to-token table (device memory only, no bookkeeping).
+
+Which slots are free is decided by the scheduler's slot allocator (torch-free); this module only
+holds the tensors. Slot 0 is padding: it is never handed out, so stale table entries read zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """Per-layer K and V caches of shape (num_slots, num_kv_heads, head_dim)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.k_cache = [
+            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v_cache = [
+            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one token across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes k, v (T, KV, D) at slots `loc` (T,) of layer `layer_id`; mutates the caches."""
+        self.k_cache[layer_id][loc] = k.to(self.dtype)
+        self.v_cache[layer_id][loc] = v.to(self.dtype)
+
+
+def make_req_to_token(max_running_requests: int, max_context_len: int, device: torch.device | str) -> torch.Tensor:
+    """The request-to-token table (max_running_requests, max_context_len) int32, all padding (0)."""
+    return torch.zeros(max_running_requests, max_context_len, dtype=torch.int32, device=device)

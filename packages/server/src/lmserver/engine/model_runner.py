@@ -1,0 +1,99 @@
+"""ModelRunner: turns a ScheduleDecision (plain data) into tensors and runs the model.
+
+It owns the model, the KV pool, the request-to-token table and the attention backend. One
+`forward` = table writes, `attn_backend.plan(batch)`, the model forward, and logits for the rows
+the decision asks for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmserver.attention.base import AttentionBackend
+from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+from lmserver.engine.kv_pool import KVPool
+from lmserver.scheduler.scheduler import ScheduleDecision
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_pool: KVPool,
+        req_to_token: torch.Tensor,
+        attn_backend: AttentionBackend,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token  # (max_running_requests, max_context_len) int32
+        self.attn_backend = attn_backend
+        self.device = device
+
+    def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def build_batch(self, decision: ScheduleDecision) -> tuple[ForwardBatch, torch.Tensor]:
+        """ForwardBatch of `decision` and the flat token indices whose logits are wanted.
+
+        Mutates req_to_token (the rows of the decision's requests).
+        """
+        items = decision.items
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        rows: list[int] = []
+        t_rows: list[int] = []
+        t_cols: list[int] = []
+        t_vals: list[int] = []
+        prefix_lens: list[int] = []
+        ext_lens: list[int] = []
+        logit_idx: list[int] = []
+        for item in items:
+            start = len(input_ids)
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.prefix_len, item.prefix_len + n))
+            out_loc.extend(item.out_slots)
+            rows.append(item.req_pool_idx)
+            prefix_lens.append(item.prefix_len)
+            ext_lens.append(n)
+            logit_idx.extend(start + o for o in item.logit_offsets)
+            k = len(item.table_slots)
+            t_rows.extend([item.req_pool_idx] * k)
+            t_cols.extend(range(item.table_start, item.table_start + k))
+            t_vals.extend(item.table_slots)
+        if t_vals:
+            self.req_to_token[self._tensor(t_rows), self._tensor(t_cols)] = self._tensor(t_vals, torch.int32)
+        seq_lens_cpu = [p + e for p, e in zip(prefix_lens, ext_lens, strict=True)]
+        mode = ForwardMode.DECODE if decision.mode == "decode" else ForwardMode.EXTEND
+        batch = ForwardBatch(
+            mode=mode,
+            batch_size=len(items),
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            out_cache_loc=self._tensor(out_loc),
+            req_pool_indices=self._tensor(rows),
+            seq_lens=self._tensor(seq_lens_cpu, torch.int32),
+            seq_lens_cpu=seq_lens_cpu,
+            attn_backend=self.attn_backend,
+        )
+        if mode == ForwardMode.EXTEND:
+            starts = [0]
+            for e in ext_lens[:-1]:
+                starts.append(starts[-1] + e)
+            batch.extend_prefix_lens = self._tensor(prefix_lens, torch.int32)
+            batch.extend_seq_lens = self._tensor(ext_lens, torch.int32)
+            batch.extend_start_loc = self._tensor(starts, torch.int32)
+            batch.extend_prefix_lens_cpu = prefix_lens
+            batch.extend_seq_lens_cpu = ext_lens
+        return batch, self._tensor(logit_idx)
+
+    @torch.inference_mode()
+    def forward(self, decision: ScheduleDecision) -> torch.Tensor:
+        """Runs the decision's forward; returns float32 logits (num_logit_rows, vocab) in item
+        order (each item's `logit_offsets` in order). Mutates the KV pool and req_to_token."""
+        batch, logit_idx = self.build_batch(decision)
+        self.attn_backend.plan(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)  # (num_tokens, hidden)
+        return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]

@@ -1,0 +1,107 @@
+"""Resolves the "auto" values of ServerConfig once (device, dtype, KV size, running requests,
+attention backend, context length) into a new ServerConfig, logged once by the engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from lmserver.config import ServerConfig
+from lmserver.engine.kv_pool import KVPool
+from lmserver.model_loader import DTYPES
+from lmserver.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default: at most 2 GiB of KV cache
+CPU_MAX_RUNNING_REQUESTS = 64
+GPU_MAX_RUNNING_REQUESTS = 256
+
+
+class ConfigError(ValueError):
+    """A config value is invalid for this machine or model."""
+
+
+def resolve_device(config: ServerConfig) -> str:
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is visible; use device='cpu' or 'auto'")
+    return config.device
+
+
+def resolve_dtype(config: ServerConfig, device: str) -> str:
+    if config.dtype != "auto":
+        if config.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
+        return config.dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def resolve_kv_tokens(
+    config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
+) -> int:
+    """KV-cache size in tokens: max_total_tokens, else a memory budget."""
+    per_slot = KVPool.bytes_per_slot(
+        model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, DTYPES[dtype]
+    )
+    if config.max_total_tokens is not None:
+        if config.max_total_tokens < 16:
+            raise ConfigError("max_total_tokens must be >= 16")
+        return int(config.max_total_tokens)
+    if device == "cuda":
+        fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * fraction) - (total - free) - weight_bytes
+        if budget <= per_slot * 16:
+            raise ConfigError(
+                f"not enough GPU memory for the KV cache (budget {budget / 2**30:.2f} GiB at "
+                f"mem_fraction_static={fraction}); raise mem_fraction_static or use a smaller model"
+            )
+        return budget // per_slot
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = CPU_KV_BUDGET_BYTES * 4
+    budget = min(CPU_KV_BUDGET_BYTES, avail // 4)
+    return max(budget // per_slot, 1024)
+
+
+def resolve_config(
+    config: ServerConfig, model_config: ModelConfig, model_path: str, weight_bytes: int = 0
+) -> ServerConfig:
+    """A new ServerConfig with every "auto"/None engine value filled in."""
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
+    kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes)
+    kv_tokens -= kv_tokens % config.page_size
+    context = config.context_length or model_config.max_position_embeddings
+    if context < 2:
+        raise ConfigError("context_length must be >= 2")
+    # NOTE: a lone request must always fit in the KV cache, so retraction can always make progress
+    context = min(context, kv_tokens)
+    running = config.max_running_requests
+    if running is None:
+        running = GPU_MAX_RUNNING_REQUESTS if device == "cuda" else CPU_MAX_RUNNING_REQUESTS
+        running = max(1, min(running, kv_tokens // 16))
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "torch_native"
+        if device == "cuda":
+            from lmserver.attention.base import default_registry
+
+            if "triton" in default_registry().names():
+                backend = "triton"
+    return config.replace(
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        max_total_tokens=kv_tokens,
+        context_length=context,
+        max_running_requests=running,
+        attention_backend=backend,
+        mem_fraction_static=config.mem_fraction_static or (DEFAULT_MEM_FRACTION_STATIC if device == "cuda" else None),
+    )

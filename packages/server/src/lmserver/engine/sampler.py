@@ -1,0 +1,117 @@
+"""Sampler: penalties, logit bias, min-new-tokens, temperature / top-k / top-p / min-p, seeds,
+and logprobs (the model's log-softmax over raw logits).
+
+Each request owns a CPU `torch.Generator` seeded from `sampling_seed` (or the engine seed and
+its arrival number); it draws one uniform number per sampled token, so a request's samples do
+not depend on its batch-mates (same seed, same output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lmserver.io_struct import SamplingParams
+
+
+@dataclass
+class SamplingInfo:
+    """Per-request inputs of one sampling row."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: list[int]  # EOS + stop_token_ids (masked while len(output) < min_new_tokens)
+    allowed_mask: torch.Tensor | None = None  # (vocab,) bool from a grammar, None = all allowed
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def apply_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    """Returns processed logits (B, V): bias, penalties, min-new-tokens and grammar masks.
+
+    The input tensor is not mutated (a copy is made when anything applies).
+    """
+    out = logits
+    copied = False
+    vocab = logits.shape[-1]
+    for i, info in enumerate(infos):
+        p = info.params
+        touched = (
+            p.logit_bias
+            or p.repetition_penalty != 1.0
+            or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0
+            or (len(info.output_ids) < p.min_new_tokens and info.stop_ids)
+            or info.allowed_mask is not None
+        )
+        if not touched:
+            continue
+        if not copied:
+            out = logits.clone()
+            copied = True
+        row = out[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=row.device)
+            vals = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+            row.index_add_(0, ids, vals)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(info.prompt_ids) | set(info.output_ids)), dtype=torch.long, device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and info.output_ids:
+            counts = torch.bincount(
+                torch.tensor(info.output_ids, dtype=torch.long, device=row.device), minlength=vocab
+            )[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if len(info.output_ids) < p.min_new_tokens and info.stop_ids:
+            row[torch.tensor(info.stop_ids, dtype=torch.long, device=row.device)] = float("-inf")
+        if info.allowed_mask is not None:
+            row.masked_fill_(~info.allowed_mask.to(row.device), float("-inf"))
+    return out
+
+
+def sample(logits: torch.Tensor, infos: list[SamplingInfo]) -> list[int]:
+    """Next token per row of processed `logits` (B, V); advances each request's generator."""
+    if not infos:
+        return []
+    greedy = [info.params.is_greedy for info in infos]
+    result = logits.argmax(dim=-1)
+    if all(greedy):
+        return [int(t) for t in result.tolist()]
+    idx = [i for i, g in enumerate(greedy) if not g]
+    sub = logits[idx]
+    device = sub.device
+    temps = torch.tensor([infos[i].params.temperature for i in idx], dtype=torch.float32, device=device)
+    probs = torch.softmax(sub / temps[:, None], dim=-1)
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    top_k = torch.tensor(
+        [infos[i].params.top_k if infos[i].params.top_k > 0 else vocab for i in idx], device=device
+    )
+    top_p = torch.tensor([infos[i].params.top_p for i in idx], dtype=torch.float32, device=device)
+    min_p = torch.tensor([infos[i].params.min_p for i in idx], dtype=torch.float32, device=device)
+    cum = sorted_probs.cumsum(dim=-1)
+    drop = ranks >= top_k[:, None]
+    drop |= (cum - sorted_probs) > top_p[:, None]  # keep the smallest prefix reaching top_p
+    drop |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
+    drop[:, 0] = False
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    cdf = kept.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=infos[i].generator) for i in idx]).to(device)
+    target = u * cdf[:, -1]
+    pick = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
+    # NOTE: a pick past the last kept token (u * total rounding) falls back to the last kept one
+    pick = torch.minimum(pick, (~drop).sum(dim=-1, keepdim=True) - 1)
+    chosen = sorted_ids.gather(1, pick).squeeze(1)
+    result[idx] = chosen
+    return [int(t) for t in result.tolist()]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax (N, V) float32, logprob of token_ids[i] in row i (N,)) from raw logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    return logprobs, logprobs.gather(1, ids[:, None]).squeeze(1)

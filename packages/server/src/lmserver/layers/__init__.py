@@ -1,0 +1,1 @@
+"""Torch building blocks of the models: RMSNorm, rotary embeddings, activations, MoE."""

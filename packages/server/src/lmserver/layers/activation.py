@@ -1,0 +1,12 @@
+"""Gated activations over a fused gate-up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` = cat([gate, up], -1); shape (..., 2 * d) -> (..., d)."""
+    d = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :d]) * gate_up[..., d:]

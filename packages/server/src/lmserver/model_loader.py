@@ -1,0 +1,106 @@
+"""Loads a model: a HF folder (`config.json`, sharded `*.safetensors`) or random `dummy` weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from lmserver.models.config import ModelConfig
+from lmserver.models.registry import get_model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model folder is missing files or its weights do not fit the config."""
+
+
+def read_model_config(model_path: str | Path) -> ModelConfig:
+    """Reads `config.json` (and `generation_config.json` for extra EOS ids) of a model folder."""
+    folder = Path(model_path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{folder} has no config.json; pass a Hugging Face model folder")
+    hf = json.loads(config_file.read_text())
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        ids = set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        own = hf.get("eos_token_id")
+        ids |= set(own if isinstance(own, list) else [] if own is None else [own])
+        if ids:
+            hf["eos_token_id"] = sorted(ids)
+    return ModelConfig.from_hf(hf)
+
+
+def iter_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) over every `*.safetensors` file of the folder (sharded or not)."""
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors files (use load_format='dummy' for random weights)")
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118  (safe_open is not a dict)
+                yield name, handle.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fills every parameter with seeded random values (norm weights 1); mutates `model`."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+                param.copy_(values.to(param.dtype))
+
+
+def load_model(
+    config: ModelConfig,
+    model_path: str | Path | None,
+    *,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """Builds the model for `config` on `device` in `dtype` and loads weights (or dummy ones)."""
+    model_cls = get_model_class(config.architecture)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(config, max_positions=max_positions)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif load_format == "auto":
+        if model_path is None:
+            raise ModelLoadError("load_format='auto' needs a model_path")
+        try:
+            model.load_weights(iter_safetensors(model_path))
+        except ValueError as exc:
+            raise ModelLoadError(f"loading weights from {model_path}: {exc}") from exc
+    else:
+        raise ModelLoadError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
+    model.eval()
+    return model  # type: ignore[no-any-return]

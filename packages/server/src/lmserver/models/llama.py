@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral), the base of Qwen2/Qwen3/Mixtral.
+
+Fused QKV and gate-up projections; GQA; optional q/k/v bias (Qwen2) and per-head q/k RMSNorm
+(Qwen3); tied embeddings. `forward` returns hidden states; `compute_logits` projects the rows
+the caller needs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lmserver.attention.base import AttentionLayer
+from lmserver.engine.forward_batch import ForwardBatch
+from lmserver.layers.activation import silu_and_mul
+from lmserver.layers.norm import RMSNorm
+from lmserver.layers.rotary import RotaryEmbedding
+from lmserver.models.config import ModelConfig
+
+
+class WeightLoadingError(ValueError):
+    """A checkpoint tensor is unknown, has the wrong shape, or a parameter was never loaded."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = [rotary]  # NOTE: a list so the shared module is not registered once per layer
+        self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, make_mlp, max_positions: int) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_parameters)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i, self.rotary, make_mlp(config)) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.layers:
+            h = layer(positions, h, batch)
+        return self.norm(h)  # type: ignore[no-any-return]
+
+
+# checkpoint name pattern -> (our parameter name template, shard id); shard ids index `_shard_slices`.
+_STACKED = [
+    (re.compile(r"(.*)\.self_attn\.q_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", "q"),
+    (re.compile(r"(.*)\.self_attn\.k_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", "k"),
+    (re.compile(r"(.*)\.self_attn\.v_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", "v"),
+    (re.compile(r"(.*)\.mlp\.gate_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", "gate"),
+    (re.compile(r"(.*)\.mlp\.up_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", "up"),
+]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        positions = max_positions or config.max_position_embeddings
+        self.model = LlamaModel(config, self.make_mlp, positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(config: ModelConfig) -> nn.Module:
+        return LlamaMLP(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states (T, hidden) after the final norm; writes this forward's K/V into the pool."""
+        return self.model(input_ids, positions, batch)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> float32 logits (N, vocab)."""
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+
+    # --- weight loading -------------------------------------------------------------------
+
+    def _shard_slice(self, shard: str) -> slice:
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        return {
+            "q": slice(0, q),
+            "k": slice(q, q + kv),
+            "v": slice(q + kv, q + 2 * kv),
+            "gate": slice(0, inter),
+            "up": slice(inter, 2 * inter),
+        }[shard]
+
+    def map_weight(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+        """Checkpoint name -> (our parameter name, index into it); None to skip the tensor."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for pattern, target, shard in _STACKED:
+            if pattern.match(name):
+                return pattern.sub(target, name), (self._shard_slice(shard),)
+        return name, ()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors into the parameters (mutates them); checks names and shapes.
+
+        Raises WeightLoadingError for an unknown tensor, a shape mismatch, or a parameter that no
+        tensor filled.
+        """
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            mapped = self.map_weight(name)
+            if mapped is None:
+                continue
+            target, index = mapped
+            if target not in params:
+                raise WeightLoadingError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
+            dest = params[target].data[index] if index else params[target].data
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadingError(
+                    f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor.to(dest.dtype))
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()]
+        if self.config.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        if missing:
+            raise WeightLoadingError(f"parameters not (fully) loaded from the checkpoint: {missing[:8]}")

@@ -1,0 +1,37 @@
+"""Architecture name (HF `architectures[0]`) -> model class, plus per-architecture defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmserver.models.config import UnsupportedModelError
+
+# name -> (module, class, config defaults for fields HF leaves implicit)
+_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "LlamaForCausalLM": ("lmserver.models.llama", "LlamaForCausalLM", {}),
+    "MistralForCausalLM": ("lmserver.models.llama", "LlamaForCausalLM", {}),
+    "Qwen2ForCausalLM": ("lmserver.models.qwen", "Qwen2ForCausalLM", {"attention_bias": True}),
+    "Qwen3ForCausalLM": ("lmserver.models.qwen", "Qwen3ForCausalLM", {"qk_norm": True}),
+    "MixtralForCausalLM": ("lmserver.models.mixtral", "MixtralForCausalLM", {}),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def architecture_defaults(arch: str) -> dict[str, Any]:
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}"
+        )
+    return dict(_ARCHITECTURES[arch][2])
+
+
+def get_model_class(arch: str) -> type:
+    """The model class for `arch`, imported on demand."""
+    import importlib
+
+    architecture_defaults(arch)
+    module_name, class_name, _ = _ARCHITECTURES[arch]
+    return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]

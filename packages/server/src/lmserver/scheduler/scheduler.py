@@ -1,0 +1,335 @@
+"""Scheduler: queues + radix cache + budgets -> one ScheduleDecision per round. No torch.
+
+Each round is either an EXTEND batch (prefill chunks of admitted requests, plus the running
+decodes when mixed batches are on) or a DECODE batch of every running request. Prefill goes
+first (new requests join the running batch as soon as memory allows, as in SGLang).
+
+Call order per round: `schedule()` -> (caller runs the forward) -> `commit(decision)` ->
+(caller appends sampled tokens to `req.output_ids`) -> `finish(req, reason)` for finished ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lmserver.scheduler.kv import KVManager
+from lmserver.scheduler.policy import order_waiting
+from lmserver.scheduler.req import Req, ReqStatus
+
+# A waiting request sharing this many uncached tokens with one admitted in the same round
+# waits one round, then reuses that request's KV from the cache (in-batch prefix dedup).
+IN_BATCH_PREFIX_THRESHOLD = 32
+# Decode-memory reserve per running request: min(remaining tokens, clip) * new_token_ratio.
+RESERVE_CLIP_TOKENS = 4096
+NEW_TOKEN_RATIO_INIT = 0.7
+NEW_TOKEN_RATIO_MIN = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+NEW_TOKEN_RATIO_RETRACT_STEP = 0.1
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One request's part of a forward (plain data for the model runner)."""
+
+    rid: str
+    req_pool_idx: int
+    prefix_len: int  # tokens of this request already in the KV cache; positions start here
+    token_ids: list[int]  # new tokens
+    out_slots: list[int]  # KV slots of the new tokens
+    table_start: int  # write table_slots to req_to_token[req_pool_idx, table_start:...]
+    table_slots: list[int]
+    logit_offsets: list[int]  # offsets into token_ids whose logits the caller needs
+    completes_prefill: bool  # after this forward the request's KV covers all of fill_ids
+
+
+@dataclass(frozen=True)
+class ScheduleDecision:
+    mode: str  # "extend" | "decode" | "idle"
+    items: list[ForwardItem] = field(default_factory=list)
+    retracted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        max_running_requests: int,
+        max_prefill_tokens: int = 16384,
+        chunked_prefill_size: int = 8192,
+        schedule_policy: str = "lpm",
+        aging_rounds: int = 64,
+        enable_mixed_chunk: bool = False,
+    ) -> None:
+        self.kv = kv
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size > 0 else 1 << 62
+        self.schedule_policy = schedule_policy
+        self.aging_rounds = aging_rounds
+        self.enable_mixed_chunk = enable_mixed_chunk
+        self.reqs: dict[str, Req] = {}
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.prefilling: list[Req] = []  # admitted, prefill not complete (at most one is chunked)
+        self.free_rows = list(range(max_running_requests - 1, -1, -1))
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self.num_retractions = 0
+        self.num_rounds = 0
+
+    # --- queue --------------------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        """Queues `req` (status WAITING). Mutates the waiting queue."""
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Removes `rid` at any stage, freeing its KV (nothing is cached). Returns it, or None."""
+        req = self.reqs.pop(rid, None)
+        if req is None:
+            return None
+        if req.status == ReqStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self._drop(req, cache_tokens=False)
+        req.status = ReqStatus.FINISHED
+        return req
+
+    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+        """Marks `req` finished: its tokens go into the radix cache, everything else is freed."""
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        self._drop(req, cache_tokens=True)
+        req.status = ReqStatus.FINISHED
+
+    def _drop(self, req: Req, cache_tokens: bool) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        row = req.req_pool_idx
+        self.kv.release(req, cache_tokens=cache_tokens)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    # --- scheduling -----------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleDecision:
+        """Picks the next forward. Mutates: queues, request KV (allocation, eviction, retraction)."""
+        self.num_rounds += 1
+        items = self._schedule_extend()
+        if items:
+            if self.enable_mixed_chunk and self.running:
+                decode_items, retracted = self._schedule_decode()
+                return ScheduleDecision("extend", items + decode_items, retracted)
+            return ScheduleDecision("extend", items)
+        if self.running:
+            decode_items, retracted = self._schedule_decode()
+            return ScheduleDecision("decode", decode_items, retracted)
+        return ScheduleDecision("idle")
+
+    def _reserve(self, reqs: list[Req]) -> int:
+        ratio = self.new_token_ratio
+        return int(sum(min(r.remaining_new_tokens, RESERVE_CLIP_TOKENS) * ratio for r in reqs))
+
+    def _schedule_extend(self) -> list[ForwardItem]:
+        items: list[ForwardItem] = []
+        chunk_left = self.chunked_prefill_size
+        prefill_left = self.max_prefill_tokens
+        # 1. continue requests whose prefill is not complete (chunked prefill)
+        for req in list(self.prefilling):
+            n = min(req.fill_len - req.kv_len, chunk_left, max(prefill_left, 1))
+            if n <= 0 or not self.kv.extend(req, n):
+                break
+            items.append(self._extend_item(req, req.kv_len - n, n))
+            chunk_left -= n
+            prefill_left -= n
+        if chunk_left <= 0 or prefill_left <= 0 or not self.waiting:
+            return items
+        # 2. admit waiting requests in policy order
+        admitted: list[Req] = []
+        for req in order_waiting(self.waiting, self.kv, self.schedule_policy, self.aging_rounds):
+            if self.num_active >= self.max_running_requests or not self.free_rows:
+                break
+            if chunk_left <= 0 or prefill_left <= 0:
+                break
+            if admitted and self._shares_uncached_prefix(req, admitted):
+                continue
+            prefix = self.kv.admit(req)
+            extend_total = req.fill_len - prefix
+            n = min(extend_total, chunk_left, prefill_left)
+            others = self.running + self.prefilling
+            if others:
+                need = self.kv.slots_needed(req, extend_total) + self._reserve([*others, req])
+                fits = need <= self.kv.available
+            else:
+                fits = self.kv.slots_needed(req, extend_total) <= self.kv.available
+            if not fits or not self.kv.extend(req, n):
+                self.kv.release(req, cache_tokens=False)
+                break
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.cached_tokens = prefix
+            req.req_pool_idx = self.free_rows.pop()
+            req.table_valid_len = 0
+            req.status = ReqStatus.PREFILLING
+            self.waiting.remove(req)
+            self.prefilling.append(req)
+            admitted.append(req)
+            items.append(self._extend_item(req, prefix, n))
+            chunk_left -= n
+            prefill_left -= n
+            if n < extend_total:
+                break  # at most one chunked request per round
+        if admitted:
+            for req in self.waiting:
+                req.wait_rounds += 1
+        return items
+
+    def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
+        if self.schedule_policy == "fcfs" or self.kv.disable_radix_cache:
+            return False
+        ids = np.asarray(req.fill_ids, dtype=np.int64)
+        cached = self.kv.peek_prefix_len(req)
+        for other in admitted:
+            if other.extra_key != req.extra_key:
+                continue
+            o = np.asarray(other.fill_ids, dtype=np.int64)
+            n = min(len(ids), len(o))
+            diff = np.nonzero(ids[:n] != o[:n])[0]
+            common = int(diff[0]) if len(diff) else n
+            if common - cached >= IN_BATCH_PREFIX_THRESHOLD:
+                return True
+        return False
+
+    def _extend_item(self, req: Req, prefix: int, n: int) -> ForwardItem:
+        end = prefix + n
+        fill = req.fill_ids
+        table_start = min(req.table_valid_len, prefix)
+        req.table_valid_len = end
+        offsets: list[int] = []
+        if req.need_input_logprobs:
+            first = max(prefix, req.logprob_start_len - 1, 0)
+            last = min(end, len(req.input_ids) - 1)
+            offsets = [j - prefix for j in range(first, last)]
+        completes = end == req.fill_len
+        if completes and (not offsets or offsets[-1] != n - 1):
+            offsets.append(n - 1)
+        return ForwardItem(
+            rid=req.rid,
+            req_pool_idx=int(req.req_pool_idx),  # type: ignore[arg-type]
+            prefix_len=prefix,
+            token_ids=fill[prefix:end],
+            out_slots=req.kv[prefix:end].tolist(),
+            table_start=table_start,
+            table_slots=req.kv[table_start:end].tolist(),
+            logit_offsets=offsets,
+            completes_prefill=completes,
+        )
+
+    def _schedule_decode(self) -> tuple[list[ForwardItem], list[str]]:
+        retracted: list[str] = []
+        while True:
+            need = sum(self.kv.slots_needed(r, 1) for r in self.running)
+            if need <= self.kv.available or len(self.running) <= 1:
+                break
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+            self._retract(victim)
+            retracted.append(victim.rid)
+        items = []
+        for req in self.running:
+            if not self.kv.extend(req, 1):
+                raise MemoryError(f"no KV slot for the decode of {req!r} even after retraction")
+            pos = req.kv_len - 1
+            table_start = min(req.table_valid_len, pos)
+            req.table_valid_len = pos + 1
+            items.append(
+                ForwardItem(
+                    rid=req.rid,
+                    req_pool_idx=int(req.req_pool_idx),  # type: ignore[arg-type]
+                    prefix_len=pos,
+                    token_ids=[req.output_ids[-1] if req.output_ids else req.input_ids[-1]],
+                    out_slots=[int(req.kv[pos])],
+                    table_start=table_start,
+                    table_slots=req.kv[table_start : pos + 1].tolist(),
+                    logit_offsets=[0],
+                    completes_prefill=False,
+                )
+            )
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, NEW_TOKEN_RATIO_MIN)
+        return items, retracted
+
+    def _retract(self, req: Req) -> None:
+        """Preempts `req`: its written KV goes into the tree (so its re-prefill mostly hits the
+        cache), everything else is freed, and it goes back to the front of the waiting queue."""
+        self._drop(req, cache_tokens=True)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        req.wait_rounds = self.aging_rounds  # served first when memory frees up
+        self.waiting.insert(0, req)
+        self.num_retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + NEW_TOKEN_RATIO_RETRACT_STEP)
+
+    def commit(self, decision: ScheduleDecision) -> list[Req]:
+        """After the forward of `decision`: inserts prefill chunks into the tree and moves
+        completed prefills to the running batch. Returns the requests whose prefill completed."""
+        completed = []
+        for item in decision.items:
+            req = self.reqs.get(item.rid)
+            if req is None or req.status != ReqStatus.PREFILLING:
+                continue
+            if self.kv.checkpoint(req):
+                req.table_valid_len = 0
+            if item.completes_prefill:
+                self.prefilling.remove(req)
+                self.running.append(req)
+                req.status = ReqStatus.RUNNING
+                completed.append(req)
+        return completed
+
+    # --- maintenance -------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Empties the radix cache; refused (False) while any request runs or waits."""
+        if self.reqs:
+            return False
+        self.kv.flush()
+        return True
+
+    def check_memory_invariant(self) -> None:
+        """Raises MemoryInvariantError when idle and free + cached != total."""
+        if self.reqs:
+            return
+        self.kv.check_invariant()
+        assert len(self.free_rows) == self.max_running_requests, "request-table rows leaked"
+
+    def stats(self) -> dict[str, Any]:
+        total = self.kv.num_slots
+        used = total - self.kv.allocator.available - self.kv.cache.evictable_size
+        return {
+            "num_running_reqs": len(self.running) + len(self.prefilling),
+            "num_waiting_reqs": len(self.waiting),
+            "kv_total_slots": total,
+            "kv_free_slots": self.kv.allocator.available,
+            "kv_cached_slots": self.kv.cache.total_size,
+            "kv_usage": used / total if total else 0.0,
+            "num_retractions": self.num_retractions,
+            "new_token_ratio": self.new_token_ratio,
+        }
