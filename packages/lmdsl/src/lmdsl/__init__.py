@@ -51,7 +51,7 @@ def __getattr__(name: str) -> object:
 
         return RuntimeEndpoint
     if name == "OpenAI":
-        from lmdsl.backend.openai import OpenAI
+        from lmdsl.backend.openai_backend import OpenAI
 
         return OpenAI
     raise AttributeError(f"module 'lmdsl' has no attribute {name!r}")
