@@ -1,8 +1,16 @@
 """Compressed-FSM constrained decoding: regex and JSON Schema to token masks with jump-forward.
 
 Importing `cfsm` imports neither torch nor transformers; `cfsm.torch` and `cfsm.hf` do.
+
+    index = cfsm.compile_json_schema(schema, vocab)   # or cfsm.compile_regex(pattern, vocab)
+    guide = cfsm.Guide(index)                         # one per request
+    guide.fill_mask(bitmask, row)                     # int32 (batch, ceil(V/32))
+    guide.advance(token_id)                           # RejectedTokenError if not allowed
 """
 
+from cfsm.compiler import Compiler, compile_json_object, compile_json_schema, compile_regex, regex_dfa
+from cfsm.compressed import JumpPlan, plan_jump_forward
+from cfsm.config import CfsmConfig
 from cfsm.errors import (
     CfsmError,
     RejectedTokenError,
@@ -10,14 +18,29 @@ from cfsm.errors import (
     UnsupportedSchemaError,
     VocabularyError,
 )
+from cfsm.guide import Guide, fill_next_token_bitmasks
+from cfsm.index import Index
+from cfsm.vocab import Vocabulary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "CfsmConfig",
     "CfsmError",
+    "Compiler",
+    "Guide",
+    "Index",
+    "JumpPlan",
     "RejectedTokenError",
     "UnsupportedRegexError",
     "UnsupportedSchemaError",
+    "Vocabulary",
     "VocabularyError",
+    "compile_json_object",
+    "compile_json_schema",
+    "compile_regex",
+    "fill_next_token_bitmasks",
+    "plan_jump_forward",
+    "regex_dfa",
 ]

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.charset import utf8_sequences
-from cfsm.regex_ast import Alt, Cat, Chars, Node, Repeat, Shared
+from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["Dfa", "build_dfa", "MAX_DFA_STATES"]
+__all__ = ["Dfa", "DfaNode", "build_dfa", "dfa_from_table", "MAX_DFA_STATES"]
 
 MAX_DFA_STATES = 200_000
 
@@ -53,7 +53,7 @@ class _Nfa:
     def __init__(self) -> None:
         self.eps: list[list[int]] = []
         self.trans: list[list[tuple[int, int, int]]] = []
-        self.shared: dict[int, tuple[int, int]] = {}
+        self.shared: list[dict[int, tuple[int, int]]] = [{}]
 
     def new(self) -> int:
         self.eps.append([])
@@ -82,11 +82,33 @@ class _Nfa:
             return s, e
         if isinstance(node, Repeat):
             return self._repeat(node)
+        if isinstance(node, Intersect):
+            dfa = build_dfa(node.items[0])
+            for other in node.items[1:]:
+                dfa = _product(dfa, build_dfa(other))
+            return self._embed(dfa)
+        if isinstance(node, Complement):
+            return self._embed(_complement(build_dfa(node.item)))
+        if isinstance(node, DfaNode):
+            return self._embed(node.dfa)
         if isinstance(node, Shared):
+            memo = self.shared[-1]
             key = id(node)
-            if key not in self.shared:
-                self.shared[key] = self.build(node.item)
-            return self.shared[key]
+            if key not in memo:
+                memo[key] = self.build(node.item)
+            return memo[key]
+        if isinstance(node, Scope):
+            self.shared.append({})
+            try:
+                return self.build(node.item)
+            finally:
+                self.shared.pop()
+        if isinstance(node, Sep):
+            s, e = self.build(node.item)
+            s2, e2 = self.build(node.sep)
+            self.eps[e].append(s2)
+            self.eps[e2].append(s)
+            return s, e
         raise TypeError(f"unknown node {node!r}")
 
     def _repeat(self, node: Repeat) -> tuple[int, int]:
@@ -112,6 +134,27 @@ class _Nfa:
             self.eps[e2].append(end)
             e = e2
         return s, end
+
+    def _embed(self, dfa: Dfa) -> tuple[int, int]:
+        """A DFA as an NFA fragment (one NFA state per live DFA state)."""
+        n = dfa.num_states
+        ids = [self.new() for _ in range(n)]
+        end = self.new()
+        trans = dfa.transitions
+        for q in range(n):
+            row = trans[q]
+            cuts = np.flatnonzero(np.diff(row)) + 1
+            starts = np.concatenate([[0], cuts])
+            ends = np.concatenate([cuts - 1, [255]])
+            for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
+                dst = int(row[lo])
+                if dst != dfa.dead:
+                    self.trans[ids[q]].append((lo, hi, ids[dst]))
+            if dfa.accepting[q]:
+                self.eps[ids[q]].append(end)
+        if n == 0:
+            return self.new(), end
+        return ids[dfa.start], end
 
     def _chars(self, node: Chars) -> tuple[int, int]:
         s, e = self.new(), self.new()
@@ -249,8 +292,69 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     return Dfa(transitions=np.ascontiguousarray(trans), accepting=acc, start=int(new_ids[start]))
 
 
+def _product(a: Dfa, b: Dfa) -> Dfa:
+    """DFA of the intersection of two DFAs' languages."""
+    nb = b.num_states + 1
+    ids: dict[int, int] = {a.start * nb + b.start: 0}
+    pairs = [(a.start, b.start)]
+    rows: list[np.ndarray] = []
+    k = 0
+    while k < len(pairs):
+        x, y = pairs[k]
+        keys = a.transitions[x].astype(np.int64) * nb + b.transitions[y]
+        row = np.empty(256, dtype=np.int64)
+        dead_mask = (a.transitions[x] == a.dead) | (b.transitions[y] == b.dead)
+        uniq, inv = np.unique(keys, return_inverse=True)
+        mapped = []
+        for key in uniq.tolist():
+            i = ids.get(key)
+            if i is None:
+                i = ids[key] = len(pairs)
+                pairs.append((key // nb, key % nb))
+            mapped.append(i)
+        row[:] = np.asarray(mapped, dtype=np.int64)[inv.reshape(-1)]
+        row[dead_mask] = -1
+        rows.append(row)
+        k += 1
+    n = len(pairs)
+    table = np.stack(rows)
+    table[table < 0] = n
+    table = np.vstack([table, np.full((1, 256), n)]).astype(np.int32)
+    acc = np.array([bool(a.accepting[x] and b.accepting[y]) for x, y in pairs] + [False])
+    return _minimize(table, acc, 0)
+
+
+def _complement(a: Dfa) -> Dfa:
+    n = a.num_states + 1  # the old dead state becomes an accepting sink
+    table = np.vstack([a.transitions, np.full((1, 256), n, dtype=np.int32)]).astype(np.int32)
+    acc = np.concatenate([~a.accepting, [False]])
+    return _minimize(table, acc, a.start)
+
+
+class DfaNode(Node):
+    """A ready DFA used as a syntax-tree leaf."""
+
+    __slots__ = ("dfa",)
+
+    def __init__(self, dfa: Dfa) -> None:
+        self.dfa = dfa
+
+
+def dfa_from_table(table: list[list[int]], start: int, accepting: set[int], alphabet: bytes) -> DfaNode:
+    """A syntax-tree leaf from a small table: `table[state][i]` is the target on `alphabet[i]`."""
+    n = len(table)
+    dense = np.full((n + 1, 256), n, dtype=np.int32)
+    for q, row in enumerate(table):
+        for i, b in enumerate(alphabet):
+            dense[q, b] = row[i]
+    acc = np.array([q in accepting for q in range(n)] + [False])
+    return DfaNode(_minimize(dense, acc, start))
+
+
 def build_dfa(node: Node) -> Dfa:
     """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing."""
+    if isinstance(node, DfaNode):
+        return node.dfa
     nfa = _Nfa()
     s, e = nfa.build(node)
     rows, acc = _subset_construction(nfa, s, e)

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from cfsm.charset import Ranges
 
-__all__ = ["Node", "Chars", "Cat", "Alt", "Repeat", "Shared", "EMPTY", "cat", "alt", "lit"]
+__all__ = ["Node", "Chars", "Cat", "Alt", "Repeat", "Shared", "Intersect", "Complement", "Scope", "Sep", "NOTHING", "EMPTY",
+           "cat", "alt", "lit"]
 
 
 class Node:
@@ -79,7 +80,45 @@ class Shared(Node):
         self.item = item
 
 
+class Intersect(Node):
+    """Strings matched by every item (built as a product of DFAs)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Sequence[Node]) -> None:
+        self.items = tuple(items)
+
+
+class Complement(Node):
+    """Byte strings (any bytes, not only UTF-8) that `item` does not match; intersect it."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Node) -> None:
+        self.item = item
+
+
+class Scope(Node):
+    """Fresh copies of the `Shared` nodes inside `item` each time `item` is built."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Node) -> None:
+        self.item = item
+
+
+class Sep(Node):
+    """`item (sep item)*` built with a single copy of `item` (a loop through `sep`)."""
+
+    __slots__ = ("item", "sep")
+
+    def __init__(self, item: Node, sep: Node) -> None:
+        self.item = item
+        self.sep = sep
+
+
 EMPTY = Cat(())
+NOTHING = Alt(())
 
 
 def cat(*items: Node) -> Node:

@@ -41,6 +41,8 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.p = pattern
         self.i = 0
+        self.nested_anchor: int | None = None
+        self.seq_anchored = False
 
     # ---- helpers -------------------------------------------------------------------------
     def error(self, construct: str, pos: int | None = None, hint: str = "") -> UnsupportedRegexError:
@@ -102,10 +104,15 @@ class _Parser:
                 self.i += 1 if c == "^" else 2
                 if not start:
                     raise self.error("'^' (anchor not at the start)", pos, "anchors are only supported at the ends")
+                self.seq_anchored = True
+                if depth and self.nested_anchor is None:
+                    self.nested_anchor = pos
                 continue
             if c == "$" or self.startswith("\\Z") or self.startswith("\\z"):
                 self.i += 1 if c == "$" else 2
                 ended = True
+                if depth and self.nested_anchor is None:
+                    self.nested_anchor = pos
                 continue
             if c == "(" and self.startswith("(?") and self._is_flag_group():
                 flags = self.parse_global_flags(flags)
@@ -408,12 +415,32 @@ class _Parser:
         return ord(c)
 
 
-def parse_regex(pattern: str) -> Node:
+def parse_regex(pattern: str, *, search: bool = False) -> Node:
     """Parse `pattern` into a syntax tree. Mutates nothing.
 
+    With `search=True` the tree matches every string that *contains* a match (the semantics of
+    `regex.search` and of JSON Schema `pattern`): unanchored ends get any text.
     Raises `UnsupportedRegexError` (construct and position) for non-regular or malformed input.
     """
     if not isinstance(pattern, str):
         raise TypeError(f"pattern must be str, got {type(pattern).__name__}")
-    return _Parser(pattern).parse()
+    parser = _Parser(pattern)
+    if not search:
+        return parser.parse()
+    anything = Repeat(Chars(((0, MAX_CP),)), 0, None)
+    flags = _Flags()
+    branches = []
+    while True:
+        parser.seq_anchored = False
+        node, ended, flags = parser.parse_seq(flags, True, 0)
+        branches.append(cat(*([] if parser.seq_anchored else [anything]), node, *([] if ended else [anything])))
+        if parser.peek() == "|":
+            parser.i += 1
+            continue
+        break
+    if parser.i < len(pattern):
+        raise parser.error("')' without a matching '('")
+    if parser.nested_anchor is not None:
+        raise parser.error("anchor inside a group of a search pattern", parser.nested_anchor)
+    return alt(*branches)
 

@@ -1,0 +1,121 @@
+"""Object members of a JSON Schema object: properties in order (or any order), extras, counts."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
+from cfsm.regex_ast import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
+from cfsm.regex_parser import parse_regex
+
+if TYPE_CHECKING:
+    from cfsm.json_schema import _Compiler
+
+__all__ = ["object_members"]
+
+
+def _key(name: str) -> Node:
+    return lit(json.dumps(name, ensure_ascii=False))
+
+
+def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
+    """The text between the braces: declared properties, then undeclared ("extra") members.
+
+    # NOTE: the `Shared` suffix nodes are only referenced in tail position, so they may be
+    # entered from several places (see `regex_ast.Shared`); the caller wraps this in a `Scope`.
+    """
+    from cfsm.json_schema import JSON_CHAR, JSON_STRING, MAX_ANY_ORDER_PROPERTIES, json_escape
+
+    props: dict[str, Any] = dict(schema.get("properties", {}))
+    required = list(schema.get("required", []))
+    addl = schema.get("additionalProperties", comp.cfg.additional_properties_default)
+    pattern_props: dict[str, Any] = schema.get("patternProperties", {})
+    for name in required:
+        if name not in props:
+            props[name] = addl if isinstance(addl, dict) else True
+    names = list(props)
+    req = set(required)
+    members = [cat(_key(n), comp.colon, comp.node(props[n], f"{path}/properties/{n}")) for n in names]
+    min_p = int(schema.get("minProperties", 0))
+    max_p = schema.get("maxProperties")
+    max_p = None if max_p is None else int(max_p)
+
+    # undeclared members: keys matching patternProperties, then additionalProperties
+    declared = alt(*(_key(n) for n in names)) if names else NOTHING
+    extras: list[Node] = []
+    pattern_keys: list[Node] = []
+    for pat, sub in pattern_props.items():
+        try:
+            body = json_escape(parse_regex(pat, search=True))
+        except UnsupportedRegexError as exc:
+            raise UnsupportedSchemaError("patternProperties", f"{path}/patternProperties", str(exc)) from exc
+        key = cat(lit('"'), Intersect([body, Repeat(JSON_CHAR, 0, None)]), lit('"'))
+        pattern_keys.append(key)
+        if names:
+            key = Intersect([key, Complement(declared)])
+        extras.append(cat(key, comp.colon, comp.node(sub, f"{path}/patternProperties/{pat}")))
+    if addl is not False:
+        excluded = [k for k in ([declared] if names else []) + pattern_keys]
+        key = Intersect([JSON_STRING, Complement(alt(*excluded))]) if excluded else JSON_STRING
+        value = comp.any_value(comp.cfg.json_depth - 1) if addl is True else comp.node(addl, f"{path}/additionalProperties")
+        extras.append(cat(key, comp.colon, value))
+    extra = alt(*extras) if extras else None
+
+    def tail_extras(count: int) -> Node:
+        lo = max(0, min_p - count)
+        hi = None if max_p is None else max_p - count
+        if hi is not None and hi < lo:
+            return NOTHING
+        if extra is None or hi == 0:
+            return EMPTY if lo == 0 else NOTHING
+        sep = EMPTY if count == 0 else comp.comma
+        if hi is None:
+            body = cat(sep, Sep(extra, comp.comma))
+            if lo > 1:
+                body = cat(sep, extra, Repeat(cat(comp.comma, extra), lo - 1, None))
+        else:
+            body = cat(sep, extra, Repeat(cat(comp.comma, extra), max(lo - 1, 0), hi - 1))
+        return alt(EMPTY, body) if lo == 0 else body
+
+    if comp.cfg.any_order and len(names) > 1:
+        if len(names) > MAX_ANY_ORDER_PROPERTIES:
+            raise UnsupportedSchemaError(
+                "properties", f"{path}/properties",
+                f"any_order supports at most {MAX_ANY_ORDER_PROPERTIES} properties per object, got {len(names)}")
+        memo_set: dict[tuple[frozenset[int], int], Node] = {}
+
+        def tail_set(left: frozenset[int], count: int) -> Node:
+            if min_p == 0 and max_p is None:
+                count = min(count, 1)
+            key = (left, count)
+            if key not in memo_set:
+                sep = EMPTY if count == 0 else comp.comma
+                options = []
+                if max_p is None or count < max_p:
+                    options = [cat(sep, members[i], tail_set(left - {i}, count + 1)) for i in sorted(left)]
+                if not any(names[i] in req for i in left):
+                    options.append(tail_extras(count))
+                memo_set[key] = Shared(alt(*options) if options else NOTHING)
+            return memo_set[key]
+
+        return tail_set(frozenset(range(len(names))), 0)
+
+    memo: dict[tuple[int, int], Node] = {}
+
+    def tail(i: int, count: int) -> Node:
+        if min_p == 0 and max_p is None:
+            count = min(count, 1)  # only "first member or not" matters
+        key = (i, count)
+        if key not in memo:
+            if i == len(names):
+                node = tail_extras(count)
+            else:
+                sep = EMPTY if count == 0 else comp.comma
+                take = (cat(sep, members[i], tail(i + 1, count + 1))
+                        if max_p is None or count < max_p else NOTHING)
+                node = take if names[i] in req else alt(take, tail(i + 1, count))
+            memo[key] = Shared(node)
+        return memo[key]
+
+    return tail(0, 0)

@@ -1,0 +1,133 @@
+"""`Vocabulary`: the byte string of every token id, plus EOS and special ids."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfsm.errors import VocabularyError
+
+__all__ = ["Vocabulary", "TrieTables"]
+
+
+@dataclass(frozen=True, eq=False)
+class TrieTables:
+    """The vocabulary sorted by bytes, as columns: every trie node is a contiguous range.
+
+    `order[i]` is the token id at sorted position i; `columns[d, i]` is byte d of that token or
+    -1 past its end (so within a range sharing d bytes, column d is sorted).
+    """
+
+    order: np.ndarray  # (n,) int32
+    columns: np.ndarray  # (max_len + 1, n) int16
+    lengths: np.ndarray  # (n,) int32
+    byte_sets: np.ndarray  # (4, n) uint64: bit b % 64 of word b // 64 set if the token has byte b
+    first_byte_counts: np.ndarray  # (256,) int64: tokens starting with each byte
+    by_length: np.ndarray  # (n,) int32: sorted positions reordered by length, longest first
+    length_columns: np.ndarray  # (max_len, n) uint16: byte d in by_length order, 256 past the end
+    length_counts: np.ndarray  # (max_len,) int64: tokens longer than d
+
+
+class Vocabulary:
+    """Token id -> bytes map of a tokenizer, with EOS ids and ids that never match text.
+
+    `tokens[i]` is the exact byte string token i adds to the output; use `b""` for control
+    tokens. `size` is the logits width (>= len(tokens)); ids past `len(tokens)` are never
+    allowed. `special_token_ids` are never allowed by a grammar (EOS is allowed where the grammar
+    may stop). Immutable after construction.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[bytes],
+        eos_token_ids: Sequence[int],
+        *,
+        size: int | None = None,
+        special_token_ids: Sequence[int] = (),
+    ) -> None:
+        toks = tuple(tokens)
+        for i, t in enumerate(toks):
+            if not isinstance(t, bytes):
+                raise VocabularyError(f"token {i} is {type(t).__name__}, expected bytes")
+        n = len(toks)
+        size = n if size is None else int(size)
+        if size < n:
+            raise VocabularyError(f"size {size} is smaller than the number of tokens {n}")
+        eos = tuple(sorted(set(int(e) for e in eos_token_ids)))
+        if not eos:
+            raise VocabularyError("at least one EOS token id is needed (eos_token_ids is empty)")
+        for e in eos:
+            if not 0 <= e < size:
+                raise VocabularyError(f"EOS id {e} is outside [0, {size})")
+        special = frozenset(int(s) for s in special_token_ids) | frozenset(eos)
+        for s in special:
+            if not 0 <= s < size:
+                raise VocabularyError(f"special id {s} is outside [0, {size})")
+        self.tokens = toks
+        self.eos_token_ids = eos
+        self.size = size
+        self.special_token_ids = special
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"Vocabulary(size={self.size}, eos={list(self.eos_token_ids)}, fingerprint={self.fingerprint[:12]})"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of `token_id` (b"" for control tokens and ids past the token list)."""
+        if 0 <= token_id < len(self.tokens) and token_id not in self.special_token_ids:
+            return self.tokens[token_id]
+        return b""
+
+    def decode(self, token_ids: Sequence[int]) -> bytes:
+        return b"".join(self.token_bytes(t) for t in token_ids)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Stable hash of tokens, EOS, special ids and size (the cache key of compiled grammars)."""
+        h = hashlib.sha256()
+        h.update(f"{self.size}|{list(self.eos_token_ids)}|{sorted(self.special_token_ids)}|".encode())
+        for t in self.tokens:
+            h.update(len(t).to_bytes(4, "little"))
+            h.update(t)
+        return h.hexdigest()
+
+    @functools.cached_property
+    def trie_tables(self) -> TrieTables:
+        """Sorted column layout of the grammar-usable tokens (built once per vocabulary)."""
+        ids = [i for i, t in enumerate(self.tokens) if t and i not in self.special_token_ids]
+        ids.sort(key=self.tokens.__getitem__)
+        lengths = np.fromiter((len(self.tokens[i]) for i in ids), dtype=np.int32, count=len(ids))
+        max_len = int(lengths.max()) if len(ids) else 0
+        blob = b"".join(self.tokens[i] for i in ids)
+        flat = np.frombuffer(blob, dtype=np.uint8).astype(np.int16)
+        columns = np.full((max_len + 1, len(ids)), -1, dtype=np.int16)
+        starts = np.zeros(len(ids), dtype=np.int64)
+        if len(ids):
+            starts[1:] = np.cumsum(lengths[:-1])
+        byte_sets = np.zeros((4, len(ids)), dtype=np.uint64)
+        for d in range(max_len):
+            sel = np.flatnonzero(lengths > d)
+            col = flat[starts[sel] + d]
+            columns[d, sel] = col
+            for w in range(4):
+                in_word = (col >> 6) == w
+                byte_sets[w, sel[in_word]] |= np.left_shift(np.uint64(1), (col[in_word] & 63).astype(np.uint64))
+        by_length = np.argsort(-lengths, kind="stable").astype(np.int32)
+        length_columns = np.where(columns[:max_len, by_length] < 0, 256, columns[:max_len, by_length]).astype(np.uint16)
+        length_counts = np.array([(lengths > d).sum() for d in range(max_len)], dtype=np.int64)
+        first = columns[0][columns[0] >= 0] if len(ids) else np.zeros(0, np.int16)
+        return TrieTables(order=np.asarray(ids, dtype=np.int32), columns=columns, lengths=lengths,
+                          byte_sets=byte_sets, first_byte_counts=np.bincount(first, minlength=256).astype(np.int64),
+                          by_length=by_length, length_columns=np.ascontiguousarray(length_columns),
+                          length_counts=length_counts)
+
+    @property
+    def mask_words(self) -> int:
+        """Number of int32 words per bitmask row: ceil(size / 32)."""
+        return (self.size + 31) // 32
