@@ -82,3 +82,38 @@ def test_var_refs_and_constant_prefix() -> None:
     backend = MockBackend(model_name="SmolLM2")
     assert two_step.cache(backend) == "<|im_start|>user\nAnswer briefly. "
     assert [c.prompt.text for c in backend.calls_of("cache_prefix")] == ["<|im_start|>user\nAnswer briefly. "]
+
+
+def test_compiled_run_equals_the_interpreted_run() -> None:
+    def rules() -> MockBackend:
+        return MockBackend({"Dimension 0:": " clear\n", "Dimension 1:": " short\n"},
+                           select_logprobs={"good": [-0.1], "bad": [-3.0]}, model_name="SmolLM2")
+
+    interpreted = judge.run(essay="Cats are great.", backend=rules())
+    compiled = judge.compile()
+    assert str(compiled) == str(judge.trace())
+    backend = rules()
+    state = compiled.run(essay="Cats are great.", backend=backend)
+    assert state.error() is None
+    assert state.text() == interpreted.text()
+    assert state["judgment"] == interpreted["judgment"] == [" clear", " short"]
+    assert state["verdict"] == interpreted["verdict"] == "good"
+    assert [c.prompt.text for c in backend.calls_of("cache_prefix")] == [
+        "<|im_start|>system\nYou are a judge.<|im_end|>\n<|im_start|>user\nEssay: Cats are great.<|im_end|>\n"]
+    states = compiled.run_batch([{"essay": "A."}, {"essay": "B."}], backend=rules())
+    assert [s["verdict"] for s in states] == ["good", "good"]
+    with pytest.raises(TypeError, match="missing arguments"):
+        compiled.run(backend=backend)
+
+
+def test_compiled_run_reads_variables_and_arguments_in_images() -> None:
+    @sgl.function
+    def two_step(s, pic):
+        s += sgl.user(sgl.image(pic) + "Name it.") + sgl.assistant(sgl.gen("a", max_tokens=2))
+        s += sgl.user("Repeat: " + s["a"]) + sgl.assistant(sgl.gen("b", max_tokens=2))
+
+    backend = MockBackend({"assistant\n": "A cat"}, model_name="SmolLM2")
+    state = two_step.compile().run(pic="cat.png", backend=backend)
+    assert state.messages()[2] == {"role": "user", "content": "Repeat: A cat"}
+    assert state.messages()[0]["content"][0] == {"type": "image_url", "image_url": {"url": "cat.png"}}
+    assert state.text() == two_step.run(pic="cat.png", backend=backend).text()
