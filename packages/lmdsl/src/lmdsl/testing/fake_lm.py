@@ -26,8 +26,40 @@ def default_logprob(context: str, token: str) -> float:
     return -0.1 * len(token.strip() or token)
 
 
+class FakeLM:
+    """A greedy fake model: `continuation(prompt)` is all it would write; `logprob(context, token)` scores."""
+
+    logprob: Callable[[str, str], float] = staticmethod(default_logprob)
+
+    def continuation(self, prompt: str) -> str:
+        raise NotImplementedError
+
+    def complete(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> tuple[str, str]:
+        """(text, finish reason "stop" or "length") of a greedy completion."""
+        text = self.continuation(prompt)
+        reason = "stop"
+        pos = find_first_stop(text, stop)
+        if pos != -1:
+            text = text[:pos]
+        tokens = mock_tokens(text)
+        if len(tokens) > max_tokens:
+            text, reason = "".join(tokens[:max_tokens]), "length"
+        return text, reason
+
+
+class FunctionLM(FakeLM):
+    """Continues a prompt with `fn(prompt)`."""
+
+    def __init__(self, fn: Callable[[str], str], logprob: Callable[[str, str], float] = default_logprob) -> None:
+        self.fn = fn
+        self.logprob = logprob  # type: ignore[method-assign]
+
+    def continuation(self, prompt: str) -> str:
+        return self.fn(prompt)
+
+
 @dataclass
-class TranscriptLM:
+class TranscriptLM(FakeLM):
     """Continues prompts from `transcript`.
 
     The longest end of the prompt (at least `min_overlap` characters) found in the transcript is
@@ -45,15 +77,3 @@ class TranscriptLM:
             if i != -1:
                 return self.transcript[i + j:]
         return self.fallback
-
-    def complete(self, prompt: str, max_tokens: int, stop: tuple[str, ...]) -> tuple[str, str]:
-        """(text, finish reason "stop" or "length") of a greedy completion."""
-        text = self.continuation(prompt)
-        reason = "stop"
-        pos = find_first_stop(text, stop)
-        if pos != -1:
-            text = text[:pos]
-        tokens = mock_tokens(text)
-        if len(tokens) > max_tokens:
-            text, reason = "".join(tokens[:max_tokens]), "length"
-        return text, reason

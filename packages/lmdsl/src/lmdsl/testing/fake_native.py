@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from lmdsl.testing.fake_lm import TranscriptLM, token_id
+from lmdsl.testing.fake_lm import FakeLM, token_id
 from lmdsl.testing.fake_server import FakeHTTPServer, Reply
 from lmdsl.testing.mock import mock_tokens
 
@@ -19,7 +19,7 @@ from lmdsl.testing.mock import mock_tokens
 class FakeNativeServer(FakeHTTPServer):
     """`model_path` is what `/get_model_info` reports; `api_key`, when set, is required as a Bearer token."""
 
-    def __init__(self, lm: TranscriptLM, model_path: str = "/models/SmolLM2-135M-Instruct", api_key: str | None = None) -> None:
+    def __init__(self, lm: FakeLM, model_path: str = "/models/SmolLM2-135M-Instruct", api_key: str | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.model_path = model_path

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lmdsl.spec import find_first_stop
-from lmdsl.testing.fake_lm import TranscriptLM
+from lmdsl.testing.fake_lm import FakeLM
 from lmdsl.testing.fake_server import FakeHTTPServer, Reply
 from lmdsl.testing.mock import mock_tokens
 
@@ -33,7 +33,7 @@ class CharTokenizer:
 class FakeOpenAIServer(FakeHTTPServer):
     def __init__(
         self,
-        lm: TranscriptLM,
+        lm: FakeLM,
         chat: Callable[[list[dict[str, Any]]], str] | list[str] | None = None,
         *,
         model: str = "fake-model",
