@@ -149,3 +149,13 @@ def test_batches_n_images_and_errors(backend: RuntimeEndpoint, server: FakeNativ
     server.stop()
     with pytest.raises(sgl.BackendError, match="get_model_info failed: ConnectError"):
         RuntimeEndpoint(url)
+
+
+def test_server_helpers(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
+    assert sgl.flush_cache(backend) == {"success": True}
+    assert sgl.get_server_info(backend)["model_path"] == "/models/SmolLM2-135M-Instruct"
+    assert server.requests_to("/flush_cache") == [None]
+    from lmdsl.testing import MockBackend
+
+    with pytest.raises(sgl.ConstraintNotSupportedError, match="no server cache"):
+        sgl.flush_cache(MockBackend())

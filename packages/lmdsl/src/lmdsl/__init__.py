@@ -36,7 +36,15 @@ from lmdsl.errors import (
     SpeculationError,
     TraceError,
 )
-from lmdsl.function import Function, function, get_default_backend, set_default_backend, use_backend
+from lmdsl.function import (
+    Function,
+    flush_cache,
+    function,
+    get_default_backend,
+    get_server_info,
+    set_default_backend,
+    use_backend,
+)
 from lmdsl.interpreter import Usage
 from lmdsl.ir import SamplingParams
 from lmdsl.state import ProgramState, ProgramStateGroup
@@ -61,7 +69,7 @@ __all__ = [
     "Backend", "BackendError", "ChatTemplate", "ChatTemplateError", "ConstraintNotSupportedError", "Function",
     "LmdslConfig", "LmdslError", "NoBackendError", "OpenAI", "ProgramError", "ProgramState", "ProgramStateGroup",
     "RuntimeEndpoint", "SamplingParams", "SpeculationError", "TraceError", "Usage", "__version__", "assistant",
-    "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string", "get_chat_template",
+    "assistant_begin", "assistant_end", "flush_cache", "function", "get_server_info", "gen", "gen_int", "gen_string", "get_chat_template",
     "get_chat_template_by_model_path", "get_default_backend", "greedy_token_selection", "image", "select",
     "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "use_backend", "user", "user_begin", "user_end", "video",

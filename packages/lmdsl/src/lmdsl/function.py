@@ -57,6 +57,16 @@ def _resolve_backend(backend: Backend | None) -> Backend:
     return resolved
 
 
+def flush_cache(backend: Backend | None = None) -> Any:
+    """Asks the (default) backend's server to empty its prefix cache."""
+    return _resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Backend | None = None) -> Any:
+    """The (default) backend's server info."""
+    return _resolve_backend(backend).get_server_info()
+
+
 _SAMPLING_ARGS = ("max_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
                   "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob",
                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")

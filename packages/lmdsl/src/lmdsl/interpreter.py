@@ -190,6 +190,12 @@ class StreamExecutor:
             self._done = True
             self._cond.notify_all()
 
+    def finish(self) -> None:
+        """Marks the stream finished (for `text_iter` of fork children, at join)."""
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
     def wait_log(self, start: int) -> tuple[list[tuple[str | None, str]], bool]:
         """Stream entries from `start` on, waiting for at least one or the end; (entries, finished)."""
         with self._cond:

@@ -204,6 +204,7 @@ class ProgramStateGroup(Sequence[ProgramState]):
         executors = [s.stream_executor for s in self.states]
         for e in executors:
             e.sync()
+            e.finish()
         parent = self.parent.stream_executor
         failed = next((e.error_ for e in executors if e.error_ is not None), None)
         if failed is not None:

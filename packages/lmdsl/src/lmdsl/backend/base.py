@@ -65,6 +65,13 @@ class Backend:
     def get_chat_template(self) -> ChatTemplate:
         return self.chat_template
 
+    def flush_cache(self) -> Any:
+        """Empties the server's prefix cache (servers only)."""
+        raise ConstraintNotSupportedError(f"{type(self).__name__} has no server cache to flush")
+
+    def get_server_info(self) -> Any:
+        raise ConstraintNotSupportedError(f"{type(self).__name__} has no server info")
+
     def cache_prefix(self, prefix_str: str) -> None:
         """Prefix hint: the backend may compute and cache `prefix_str`. Default: nothing."""
 

@@ -77,3 +77,27 @@ class TranscriptLM(FakeLM):
             if i != -1:
                 return self.transcript[i + j:]
         return self.fallback
+
+
+class CharMarkovLM(FakeLM):
+    """An autoregressive greedy model: the next character follows the first occurrence, in `corpus`,
+    of the prompt's last `order` characters. Being autoregressive, it is self-consistent: continuing
+    a prompt extended by the start of its own continuation gives the rest of that continuation."""
+
+    def __init__(self, corpus: str, order: int = 8, max_chars: int = 400) -> None:
+        self.order = order
+        self.max_chars = max_chars
+        self.table: dict[str, str] = {}
+        for i in range(len(corpus) - order):
+            self.table.setdefault(corpus[i:i + order], corpus[i + order])
+
+    def continuation(self, prompt: str) -> str:
+        out = ""
+        context = prompt
+        while len(out) < self.max_chars:
+            nxt = self.table.get(context[-self.order:])
+            if nxt is None:
+                break
+            out += nxt
+            context += nxt
+        return out

@@ -35,6 +35,8 @@ class FakeNativeServer(FakeHTTPServer):
                           "preferred_sampling_params": None})
         if path == "/flush_cache":
             return Reply({"success": True})
+        if path in ("/get_server_info", "/server_info"):
+            return Reply({"model_path": self.model_path, "fake": True})
         if path == "/generate":
             return self._generate(body)
         return Reply({"error": {"message": f"no route {method} {path}"}}, 404)
