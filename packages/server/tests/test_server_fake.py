@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from lmserver.config import ServerConfig
-from lmserver.testing import FakeEngineCore, ServerProcess, fake_logprob
+from lmserver.testing import BAD_NATIVE, BAD_OPENAI, FakeEngineCore, ServerProcess, fake_logprob
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -245,29 +245,6 @@ def test_openai_chat_extra_body_and_response_format(oai: openai.OpenAI, http: ht
 
 
 # -- bad input: each followed by a valid request ------------------------------------------------
-BAD_NATIVE = [
-    ("malformed JSON", b'{"text": "hi", ', "malformed JSON"),
-    ("not an object", b"[1, 2]", "JSON object"),
-    ("both text and ids", {"text": "a", "input_ids": [1]}, "exactly one of text or input_ids"),
-    ("neither", {"sampling_params": {}}, "exactly one of text or input_ids"),
-    ("wrong text type", {"text": 5}, "text must be"),
-    ("wrong ids type", {"input_ids": ["a"]}, "input_ids must be"),
-    ("wrong params type", {"text": "a", "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens"),
-    ("negative max_new_tokens", {"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ("huge max_new_tokens", {"text": "a", "sampling_params": {"max_new_tokens": 10**9}}, "context length"),
-    ("prompt too long", {"input_ids": [42] * 5000}, "longer than this model's context length"),
-    ("temperature", {"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
-    ("top_p", {"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p"),
-    ("unknown sampling key", {"text": "a", "sampling_params": {"temprature": 1}}, "temprature"),
-    ("oov token id", {"input_ids": [1, 10**7]}, "out of the vocabulary"),
-    ("negative token id", {"input_ids": [-3]}, "out of the vocabulary"),
-    ("wrong stream type", {"text": "a", "stream": "yes"}, "stream"),
-    ("bad logprob_start_len", {"text": "a b", "return_logprob": True, "logprob_start_len": 99},
-     "logprob_start_len"),
-    ("unknown field", {"text": "a", "max_tokens": 3}, "unsupported field"),
-]
-
-
 @pytest.mark.parametrize("name, body, message", BAD_NATIVE, ids=[b[0] for b in BAD_NATIVE])
 def test_bad_native_input_gives_400_then_serves(http: httpx.Client, fake: FakeEngineCore, name: str,
                                                 body: Any, message: str) -> None:
@@ -279,23 +256,6 @@ def test_bad_native_input_gives_400_then_serves(http: httpx.Client, fake: FakeEn
     err = r.json()["error"]
     assert message in err["message"] and err["type"] == "invalid_request_error"
     assert_still_serves(http, fake)
-
-
-BAD_OPENAI = [
-    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, "malformed JSON"),
-    ("no messages", "/v1/chat/completions", {"model": "default", "messages": []}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-    ("max_tokens type", "/v1/completions", {"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
-    ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -2}, 400, "max_tokens"),
-    ("huge max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": 10**9}, 400, "context length"),
-    ("temperature", "/v1/completions", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
-    ("top_p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "top_p"),
-    ("prompt type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
-    ("oov prompt ids", "/v1/completions", {"prompt": [5, 10**8]}, 400, "out of the vocabulary"),
-    ("unknown model", "/v1/completions", {"model": "nope", "prompt": "a"}, 404, "does not exist"),
-    ("top_logprobs without logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
-]
 
 
 @pytest.mark.parametrize("name, path, body, status, message", BAD_OPENAI, ids=[b[0] for b in BAD_OPENAI])

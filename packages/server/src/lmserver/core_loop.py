@@ -43,6 +43,11 @@ _IDLE_POLL_MS = 50
 _STATS_INTERVAL_S = 1.0
 
 
+def kv_usage(stats: dict[str, Any]) -> float:
+    """The fraction of the KV cache in use, from a core's stats (`token_usage` or `kv_usage`)."""
+    return float(stats.get("token_usage", stats.get("kv_usage", 0.0)))
+
+
 def load_factory(spec: str) -> Callable[..., Any]:
     """Imports `"module:attribute"`, e.g. `lmserver.engine:EngineCore`."""
     module, _, attr = spec.partition(":")
@@ -119,8 +124,8 @@ class CoreLoop:
             return RpcResp(msg.id, error=f"unknown method {msg.method!r}")
         try:
             return RpcResp(msg.id, result=getattr(self.core, msg.method)())
-        except AssertionError as exc:
-            return RpcResp(msg.id, error=f"AssertionError: {exc}")
+        except Exception as exc:  # noqa: BLE001 - e.g. a failed invariant check is an answer, not a crash
+            return RpcResp(msg.id, error=f"{type(exc).__name__}: {exc}")
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -137,7 +142,7 @@ class CoreLoop:
             logger.info(
                 "gen throughput %.1f tok/s, running %s, waiting %s, KV usage %.1f%%, cache hit rate %.1f%%",
                 self._tokens_since_log / elapsed, stats.get("num_running_reqs", "?"),
-                stats.get("num_waiting_reqs", "?"), 100 * float(stats.get("token_usage", 0.0)),
+                stats.get("num_waiting_reqs", "?"), 100 * kv_usage(stats),
                 100 * float(stats.get("cache_hit_rate", 0.0)))
             self._tokens_since_log = 0
             self._last_log = now

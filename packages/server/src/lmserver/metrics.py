@@ -53,6 +53,7 @@ class ServerMetrics:
 
     def update_core_stats(self, stats: dict[str, Any]) -> None:
         """Mirrors the core's `get_stats()` keys that exist (missing keys leave a gauge as is)."""
+        stats = {"token_usage": stats.get("kv_usage"), **stats}
         for key, gauge in (("num_running_reqs", self.running), ("num_waiting_reqs", self.waiting),
                            ("token_usage", self.kv_usage), ("cache_hit_rate", self.cache_hit_rate)):
             value = stats.get(key)

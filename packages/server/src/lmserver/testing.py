@@ -381,3 +381,44 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# Bad requests every server must answer with a 4xx naming the problem (and keep serving), for a
+# context length of 2048 tokens: (name, body, expected message part) for POST /generate ...
+BAD_NATIVE: list[tuple[str, Any, str]] = [
+    ("malformed JSON", b'{"text": "hi", ', "malformed JSON"),
+    ("not an object", b"[1, 2]", "JSON object"),
+    ("both text and ids", {"text": "a", "input_ids": [1]}, "exactly one of text or input_ids"),
+    ("neither", {"sampling_params": {}}, "exactly one of text or input_ids"),
+    ("wrong text type", {"text": 5}, "text must be"),
+    ("wrong ids type", {"input_ids": ["a"]}, "input_ids must be"),
+    ("wrong params type", {"text": "a", "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens"),
+    ("negative max_new_tokens", {"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("huge max_new_tokens", {"text": "a", "sampling_params": {"max_new_tokens": 10**9}}, "context length"),
+    ("prompt too long", {"input_ids": [42] * 5000}, "longer than this model's context length"),
+    ("temperature", {"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
+    ("top_p", {"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ("unknown sampling key", {"text": "a", "sampling_params": {"temprature": 1}}, "temprature"),
+    ("oov token id", {"input_ids": [1, 10**7]}, "out of the vocabulary"),
+    ("negative token id", {"input_ids": [-3]}, "out of the vocabulary"),
+    ("wrong stream type", {"text": "a", "stream": "yes"}, "stream"),
+    ("bad logprob_start_len", {"text": "a b", "return_logprob": True, "logprob_start_len": 99},
+     "logprob_start_len"),
+    ("unknown field", {"text": "a", "max_tokens": 3}, "unsupported field"),
+]
+# ... and (name, path, body, status, expected message part) for the OpenAI routes.
+BAD_OPENAI: list[tuple[str, str, Any, int, str]] = [
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, "malformed JSON"),
+    ("no messages", "/v1/chat/completions", {"model": "default", "messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("max_tokens type", "/v1/completions", {"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -2}, 400, "max_tokens"),
+    ("huge max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": 10**9}, 400, "context length"),
+    ("temperature", "/v1/completions", {"prompt": "a", "temperature": -0.1}, 400, "temperature"),
+    ("top_p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "top_p"),
+    ("prompt type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("oov prompt ids", "/v1/completions", {"prompt": [5, 10**8]}, 400, "out of the vocabulary"),
+    ("unknown model", "/v1/completions", {"model": "nope", "prompt": "a"}, 404, "does not exist"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
+]
