@@ -247,6 +247,13 @@ def run_program(
     def execute() -> None:
         try:
             executor.ret_value = body(state) if body is not None else function.func(state, **arguments)
+        except Exception as e:
+            if not stream:
+                raise
+            # NOTE: recorded before EndProgram, so a reader never sees the end without the error.
+            error = ProgramError(f"program {function.__name__} raised {type(e).__name__}: {e}")
+            error.__cause__ = e
+            executor.record_error(error)
         finally:
             executor.submit(EndProgram())
 
@@ -255,14 +262,6 @@ def run_program(
         state.sync()
         return state
 
-    def execute_recorded() -> None:
-        try:
-            execute()
-        except Exception as e:
-            error = ProgramError(f"program {function.__name__} raised {type(e).__name__}: {e}")
-            error.__cause__ = e
-            executor.record_error(error)
-
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(execute_recorded,), daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(execute,), daemon=True)
     thread.start()
     return state
