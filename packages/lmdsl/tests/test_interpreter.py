@@ -369,3 +369,62 @@ def test_image_in_a_user_turn_becomes_a_content_part() -> None:
         {"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": "cat.png"}},
         {"type": "text", "text": " what is it?"}]}]
     assert backend.calls_of("end")[0].prompt.images == ("cat.png",)
+
+
+def test_calling_a_function_runs_it_or_inlines_it() -> None:
+    backend = MockBackend({"Q:": " A"})
+
+    @sgl.function
+    def inner(s, q):
+        s += q + sgl.gen("a", max_tokens=1)
+
+    @sgl.function
+    def outer(s):
+        s += "Start. "
+        inner(s, "Q:")
+        s += " End."
+
+    assert outer(backend=backend).text() == "Start. Q: A End."
+    assert inner("Q:", backend=backend)["a"] == " A"
+    assert str(outer.trace()).splitlines()[1:] == ["  const 'Start. '", "  const 'Q:'", "  gen 'a' (max_new_tokens=1)",
+                                                   "  const ' End.'"]
+
+
+def test_run_batch_shares_one_executor_pool() -> None:
+    backend = MockBackend(default=" x")
+
+    @sgl.function
+    def one(s, i):
+        s += str(i) + sgl.gen("a", max_tokens=1)
+
+    states = one.run_batch([{"i": i} for i in range(40)], backend=backend, num_threads=4)
+    pools = {id(s.stream_executor.pool) for s in states}
+    assert len(pools) == 1 and [s["a"] for s in states] == [" x"] * 40
+
+
+def test_chat_speculation_guards() -> None:
+    backend = MockBackend({"": "A: 1\nB: 2"}, is_chat_model=True)
+
+    @sgl.function(num_api_spec_tokens=16)
+    def early_read(s):
+        with s.assistant():
+            s += "A:" + sgl.gen("a", stop="\n")
+            s["a"]
+
+    with pytest.raises(sgl.SpeculationError, match="after the turn ends"):
+        early_read.run(backend=backend)
+
+    @sgl.function(num_api_spec_tokens=16)
+    def with_select(s):
+        s += sgl.assistant("A:" + sgl.gen("a", stop="\n") + sgl.select("b", ["x", "y"]))
+
+    state = with_select.run(backend=backend)
+    assert isinstance(state.error().__cause__, sgl.SpeculationError)
+
+    @sgl.function(num_api_spec_tokens=16)
+    def good(s):
+        s += sgl.assistant("A:" + sgl.gen("a", stop="\n") + "\nB:" + sgl.gen("b"))
+
+    state = good.run(backend=backend)
+    assert (state["a"], state["b"]) == (" 1", " 2")
+    assert len(backend.calls_of("generate")) == 1

@@ -102,8 +102,13 @@ class Function:
         self.__doc__ = func.__doc__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Called inside another program with its state first: runs this program's body on that state."""
-        return self.func(*args, **{**self.bind_arguments, **kwargs})
+        """With a program state first (inside another program, or while tracing): runs this body inline
+        on that state. Otherwise the same as `run(*args, **kwargs)`, as in SGLang."""
+        from lmdsl.tracer import TracerState
+
+        if args and isinstance(args[0], (ProgramState, TracerState)):
+            return self.func(*args, **{**self.bind_arguments, **kwargs})
+        return self.run(*args, **kwargs)
 
     def bind(self, **kwargs: Any) -> Function:
         """A new Function with some arguments fixed (this one is not mutated)."""
@@ -164,9 +169,13 @@ class Function:
             with contextlib.suppress(Exception):
                 self.cache(resolved)
         context = contextvars.copy_context()
+        # NOTE: one executor pool for the whole batch (its jobs only wait on backend I/O, never on
+        # each other, so a bounded pool cannot deadlock); a pool per program would keep a thread per
+        # returned state alive.
+        node_pool = ThreadPoolExecutor(max_workers=max(threads, self.config.max_workers), thread_name_prefix="lmdsl")
 
         def one(arguments: dict[str, Any]) -> ProgramState:
-            return context.copy().run(run_program, self, arguments, resolved, default_params)
+            return context.copy().run(run_program, self, arguments, resolved, default_params, pool=node_pool)
 
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmdsl-batch")
         futures = [pool.submit(one, a) for a in all_arguments]
@@ -219,10 +228,12 @@ def function(
 
 
 def new_state(
-    function: Function, backend: Backend, default_params: SamplingParams, *, stream: bool = False
+    function: Function, backend: Backend, default_params: SamplingParams, *, stream: bool = False,
+    pool: ThreadPoolExecutor | None = None,
 ) -> ProgramState:
-    """A fresh root state with its own executor pool and usage counter."""
-    pool = ThreadPoolExecutor(max_workers=function.config.max_workers, thread_name_prefix="lmdsl")
+    """A fresh root state with its own usage counter, on `pool` (default: a new executor pool)."""
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=function.config.max_workers, thread_name_prefix="lmdsl")
     executor = StreamExecutor(
         backend, default_params, pool, UsageCounter(), function.config, stream=stream,
         num_api_spec_tokens=function.num_api_spec_tokens,
@@ -238,9 +249,10 @@ def run_program(
     *,
     stream: bool = False,
     body: Callable[[ProgramState], Any] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> ProgramState:
     """Runs `body(state)` (default: the function with `arguments`) on a new state."""
-    state = new_state(function, backend, default_params, stream=stream)
+    state = new_state(function, backend, default_params, stream=stream, pool=pool)
     executor = state.stream_executor
     backend.begin_program(Prompt(""))
 

@@ -481,6 +481,10 @@ class StreamExecutor:
                     self._log.append((None, term.text))
 
     def _select(self, node: Select) -> None:
+        if self.chat_spec_terms:
+            raise SpeculationError(
+                "select inside an assistant turn with deferred gens (chat API speculative execution) is not "
+                "supported: give the select its own assistant turn")
         method = node.choices_method or self.config.default_select_method
         decision = self.backend.select(self.prompt(), list(node.choices), node.temperature, method)
         self.usage.add({"num_api_calls": 0, **decision.meta_info.get("usage", {})})
