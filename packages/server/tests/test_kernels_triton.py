@@ -56,7 +56,7 @@ def test_decode_attention_matches_reference(device: str, shape: tuple[int, int, 
         expected = ref.decode_attention_ref(
             batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, head_dim**-0.5
         )
-        for splits in (1, 3, 8):
+        for splits in (1, 3) if device == "cpu" else (1, 3, 8):
             out = torch.full_like(batch.q, float("nan"))  # poisoned: every element must be written
             decode_attention(
                 batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
