@@ -113,7 +113,9 @@ def sets_for(bytes_per_set: int, cap: int = 64) -> int:
 
 def row(kernel: str, shape: str, err: float, t_us: float, ref_us: float, nbytes: int, copy_bw: float, note: str = "") -> Row:
     gbps = nbytes / (t_us * 1e-6) / 1e9
-    return Row(kernel, shape, err, t_us, ref_us, ref_us / t_us, nbytes, gbps, 100 * gbps * 1e9 / copy_bw, note)
+    r = Row(kernel, shape, err, t_us, ref_us, ref_us / t_us, nbytes, gbps, 100 * gbps * 1e9 / copy_bw, note)
+    print(f"  {kernel} {shape}: err {err:.1e}, {t_us:.1f} us (torch {ref_us:.1f} us), {gbps:.0f} GB/s", flush=True)
+    return r
 
 
 # ---------------------------------------------------------------- attention
@@ -377,11 +379,14 @@ def main() -> int:
             rows += groups[name](copy_bw, args.quick)
         except Exception as exc:  # keep the other groups' numbers when one fails on the device
             print(f"group {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    header = "| kernel | shape | rel err | triton us | torch us | speed-up | GB/s | % of copy BW | note |"
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| kernel | shape | rel err | triton us | torch us | speed-up | GB/s | % of measured copy BW "
+              f"| % of {COPY_BW_REFERENCE / 1e12:.2f} TB/s | note |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        bw = ("–", "–", "–") if math.isnan(r.gbps) else (
+            f"{r.gbps:.0f}", f"{r.pct_of_copy_bw:.0f}%", f"{100 * r.gbps * 1e9 / COPY_BW_REFERENCE:.0f}%")
         lines.append(f"| {r.kernel} | {r.shape} | {r.rel_error:.1e} | {r.triton_us:.1f} | {r.torch_us:.1f} | "
-                     f"{r.speedup:.1f}x | {r.gbps:.0f} | {r.pct_of_copy_bw:.0f}% | {r.note} |")
+                     f"{r.speedup:.1f}x | {bw[0]} | {bw[1]} | {bw[2]} | {r.note} |")
     table = "\n".join(lines)
     if args.json:
         with open(args.json, "w") as f:
