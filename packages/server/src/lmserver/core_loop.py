@@ -176,7 +176,10 @@ def run_core_process(config: ServerConfig, addrs: IpcAddrs, factory: str,
         with contextlib.suppress(zmq.ZMQError):
             push.send_pyobj(CoreFatal(f"{type(exc).__name__}: {exc}"), zmq.NOBLOCK)
     finally:
-        push.close(linger=1000)
+        # NOTE: linger only to deliver a CoreFatal; after a clean shutdown nobody reads this socket.
+        push.close(linger=1000 if code else 0)
         pull.close(linger=0)
         ctx.term()
-    sys.exit(code)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (torch, CUDA): the parent is waiting for this exit
