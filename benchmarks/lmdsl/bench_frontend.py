@@ -4,6 +4,10 @@ No model and no GPU: backends are lmdsl.testing fakes, so the numbers measure th
 (per-primitive cost, overlap of backend latency) and API call/token counts, not a model.
 
     python benchmarks/lmdsl/bench_frontend.py [--json result.json]
+    python benchmarks/lmdsl/bench_frontend.py --base-url http://127.0.0.1:30000   # + a real server
+
+With `--base-url`, the few-shot program below also runs plain and speculative against that server's
+OpenAI-compatible `/v1/completions` (greedy), and the two runs' variables must agree.
 """
 
 from __future__ import annotations
@@ -100,13 +104,41 @@ def bench_speculation(num_fields: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_server(base_url: str) -> list[dict[str, Any]]:
+    backend = OpenAI("default", base_url=base_url.rstrip("/") + "/v1", api_key="unused", is_chat_model=False,
+                     max_retries=0, timeout=300)
+    countries = ["Germany", "Spain", "Portugal", "Greece"]
+
+    def body(s):
+        s += "France: Paris\nJapan: Tokyo\nItaly: Rome\n"
+        for country in countries:
+            s += country + ":" + sgl.gen(country, max_tokens=8, stop="\n") + "\n"
+
+    rows, values = [], []
+    for name, fn in (("plain", sgl.function(body)), ("speculative", sgl.function(num_api_spec_tokens=48)(body))):
+        start = time.perf_counter()
+        state = fn.run(backend=backend, temperature=0)
+        seconds = time.perf_counter() - start
+        assert state.error() is None, state.error()
+        values.append([state[c] for c in countries])
+        usage = state.usage()
+        rows.append({"case": f"server, {len(countries)}-gen few-shot, {name}", "api_calls": usage.num_api_calls,
+                     "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                     "wall_ms": 1000 * seconds})
+    assert values[0] == values[1], values
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--base-url", help="also measure speculation against this server (OpenAI-compatible API)")
     args = parser.parse_args()
     rows = [bench_overhead(20, 50), bench_batch(256)]
     rows += [bench_fork(n, 0.05) for n in (1, 4, 16)]
     rows += bench_speculation(4) + bench_speculation(8)
+    if args.base_url:
+        rows += bench_server(args.base_url)
     keys = ["case", "us_per_primitive", "programs_per_s", "us_per_program", "wall_ms", "sequential_ms", "overlap",
             "api_calls", "prompt_tokens", "completion_tokens"]
     print("| " + " | ".join(keys) + " |")

@@ -137,8 +137,11 @@ def test_chat_speculation_retries_then_reports(serve) -> None:
     state = chat_card.run(backend=chat_backend(server))
     assert isinstance(state.error().__cause__, sgl.SpeculationError)
     assert len(server.requests_to("/v1/chat/completions")) == 3
-    with pytest.raises(sgl.ProgramError, match="did not follow"):
+    with pytest.raises(sgl.ProgramError, match="3 replies did not follow"):
         state["name"]
+    state = chat_card.run(backend=chat_backend(server), temperature=0)  # greedy: one try
+    assert isinstance(state.error().__cause__, sgl.SpeculationError)
+    assert len(server.requests_to("/v1/chat/completions")) == 4
 
 
 def test_chat_without_speculation_needs_gen_right_after_assistant(serve) -> None:

@@ -449,7 +449,9 @@ class StreamExecutor:
             assert self.num_api_spec_tokens is not None
             call = replace(first, max_new_tokens=self.num_api_spec_tokens, stop=())
             reply = ""
-            for _ in range(self.config.chat_spec_max_tries):
+            # NOTE: a greedy call gives the same reply again, so it gets one try.
+            tries = 1 if (call.temperature or 0.0) < 1e-6 else self.config.chat_spec_max_tries
+            for _ in range(tries):
                 result = self.backend.generate(self.prompt(), call)
                 self.usage.add(result.meta_info)
                 reply = result.text if isinstance(result.text, str) else result.text[0]
@@ -458,7 +460,7 @@ class StreamExecutor:
                     break
             if values is None:
                 raise SpeculationError(
-                    f"{self.config.chat_spec_max_tries} replies did not follow the assistant turn's template "
+                    f"{tries} replies did not follow the assistant turn's template "
                     f"{[t.text if not t.is_gen else '<gen ' + str(t.name) + '>' for t in terms]}; last reply: "
                     f"{reply!r}. Make the prompt show the format, or give each gen its own assistant turn."
                 )
