@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmserver", description="OpenAI-compatible and SGLang-native LM server.")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="start the HTTP server (the default command)")
+    sub.add_parser("route", help="run the cache-aware router alone: lmserver route --worker URL ...", add_help=False)
     add_config_args(serve)
     return parser
 
@@ -65,7 +66,16 @@ def parse_config(argv: list[str]) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "route":
+        from lmserver.router.app import main as route_main
+
+        return route_main(argv[1:])
+    config = parse_config(argv)
+    if config.dp_size > 1:
+        from lmserver.dp_launch import launch_dp
+
+        return launch_dp(config)
     from lmserver.launch import launch_server
 
     return launch_server(config)

@@ -48,6 +48,8 @@ class ServerConfig:
     # Parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks")
     dp_size: int = _opt(1, "data-parallel replicas behind the router")
+    router_policy: str = _opt("cache_aware", "how the router picks a replica (dp_size > 1)",
+                              ("cache_aware", "round_robin", "shortest_queue"))
     nnodes: int = _opt(1, "number of nodes")
     node_rank: int = _opt(0, "this node's rank")
     dist_init_addr: str | None = _opt(None, "torch.distributed rendezvous host:port for several nodes")

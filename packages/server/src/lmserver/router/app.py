@@ -105,7 +105,8 @@ def routing_text(path: str, body: dict[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
+    """The router app; `ready_line` is printed once the app has started."""
     router = Router(config)
     state: dict[str, Any] = {}
 
@@ -128,6 +129,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0))
         task = asyncio.create_task(health_loop())
+        if ready_line:
+            print(ready_line, flush=True)
         yield
         task.cancel()
         await state["client"].aclose()
@@ -246,17 +249,21 @@ async def _relay(upstream: httpx.Response, worker: WorkerState) -> AsyncIterator
         await upstream.aclose()
 
 
-def serve(config: RouterConfig) -> None:
+def serve(config: RouterConfig, ready_line: str | None = None) -> None:
+    """Runs the router until SIGINT/SIGTERM."""
     import uvicorn
 
     if not config.workers:
         raise SystemExit("lmserver route: give at least one --worker URL")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    print(
-        f"router ready at http://{config.host}:{config.port} ({config.policy}, {len(config.workers)} workers)",
-        flush=True,
-    )
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="warning")
+    line = ready_line or f"router ready at http://{config.host}:{config.port} ({config.policy}, {len(config.workers)} workers)"
+    # NOTE: uvicorn re-raises the stop signal after its graceful shutdown, to the handler that
+    # was installed before it; a no-op handler here makes SIGINT/SIGTERM a clean exit (status 0).
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(build_app(config, ready_line=line), host=config.host, port=config.port, log_level="warning")
 
 
 def main(argv: list[str] | None = None) -> int:
