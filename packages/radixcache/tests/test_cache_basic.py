@@ -202,6 +202,19 @@ def test_peek_mutates_nothing() -> None:
     assert cache.pretty_print(file=_Sink()) == before
 
 
+def test_touch_prefix_refreshes_lru_without_splitting() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3, 4], 10)
+    _ins(cache, [5, 6], 20)
+    nodes_before = cache.num_nodes()
+    assert cache.touch_prefix([1, 2, 9]) == 2  # ends inside [1,2,3,4]: touched whole, unsplit
+    assert cache.num_nodes() == nodes_before and cache.total_size == 6
+    assert cache.evict(1).tolist() == [20, 21]  # [5,6] is now the least recently used
+    assert cache.touch_prefix([7]) == 0
+    assert cache.touch_prefix([1], extra_key="other") == 0
+    cache.check_integrity()
+
+
 def test_check_integrity_detects_corruption() -> None:
     from radixcache import IntegrityError
 

@@ -37,6 +37,14 @@ def test_longest_prefix_first_sorts_by_naive_prefix(prefixes: list[list[int]], k
     assert cache.pretty_print(file=_Sink()) == before  # ordering mutates nothing
 
 
+def test_touch_keeps_waiting_prefixes_from_eviction() -> None:
+    cache, _ = _cache_with([[1, 1, 1], [2, 2, 2]])
+    cache.match_prefix([2, 2, 2])  # [1,1,1] is now the LRU leaf
+    o = longest_prefix_first(cache, [[1, 1, 1, 5]], touch=True)
+    assert o.order == [0]
+    assert cache.evict(1).tolist() == [4, 5, 6]  # [2,2,2] goes first: [1,1,1] is wanted
+
+
 def test_starving_requests_go_first_oldest_first() -> None:
     cache, _ = _cache_with([[1, 2, 3, 4]])
     keys = [[9], [1, 2, 3, 4], [8], [1, 2]]

@@ -246,6 +246,24 @@ class RadixCache:
         """Length of the longest cached page-aligned prefix of `key`. Mutates nothing."""
         return self._peek(as_key(key), extra_key)[0]
 
+    def touch_prefix(self, key: KeyLike, extra_key: Hashable = None) -> int:
+        """Refresh the access clock of the cached path of `key` (the node where the match ends
+        inside an edge included, unsplit); returns the matched length like `peek_prefix_len`.
+
+        For schedulers: touching the prefixes of *waiting* requests every round keeps LRU from
+        evicting what is about to be reused. Mutates access clocks only (no split, no hit count).
+        """
+        length, node, partial = self._peek(as_key(key), extra_key)
+        if node is None:
+            return 0
+        self._tick += 1
+        tick = self._tick
+        cur: TreeNode | None = partial if partial is not None else node
+        while cur is not None:
+            cur.last_access = tick
+            cur = cur.parent
+        return length
+
     # ------------------------------------------------------------------ lock / evict
     def lock(self, node: TreeNode) -> int:
         """Add one reference to `node` and each ancestor; a locked node is never evicted.
@@ -472,12 +490,15 @@ class RadixCache:
         elif not parent.children and parent.lock_ref == 0:
             self._push(parent)
 
-    def _peek(self, arr: npt.NDArray[np.int64], extra_key: Hashable) -> tuple[int, TreeNode | None]:
-        """(matched length, deepest fully matched node) without mutating anything."""
+    def _peek(
+        self, arr: npt.NDArray[np.int64], extra_key: Hashable
+    ) -> tuple[int, TreeNode | None, TreeNode | None]:
+        """(matched length, deepest fully matched node, child matched only in part or None),
+        without mutating anything. The node is None when the namespace holds nothing."""
         root = self._roots.get(extra_key)
         n = len(arr) - len(arr) % self._page_size
         if root is None or n == 0:
-            return 0, root
+            return 0, root, None
         kb = arr[:n].tobytes()
         nb = len(kb)
         pb = self._page_bytes
@@ -490,7 +511,7 @@ class RadixCache:
             ck = child.key
             if kb[pos : pos + len(ck)] != ck:
                 pos += self._common_len(ck, arr, pos // TOKEN_BYTES) * TOKEN_BYTES
-                break
+                return pos // TOKEN_BYTES, node, child
             pos += len(ck)
             node = child
-        return pos // TOKEN_BYTES, node
+        return pos // TOKEN_BYTES, node, None

@@ -14,13 +14,26 @@ the bound against an adversarial arrival stream.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from radixcache.cache import KeyLike, RadixCache, as_key
 from radixcache.node import TreeNode
+
+
+class PrefixIndex(Protocol):
+    """What `longest_prefix_first` needs from a cache: the page size, a non-mutating prefix
+    length, and (with `touch=True`) a prefix length that refreshes the path's access clocks.
+    Any prefix cache can be ordered, not only `RadixCache`."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    def peek_prefix_len(self, key: KeyLike, extra_key: Hashable = None) -> int: ...
+
+    def touch_prefix(self, key: KeyLike, extra_key: Hashable = None) -> int: ...
 
 
 class Ordering(NamedTuple):
@@ -57,7 +70,7 @@ def _split_starving(waits: list[int], max_wait_rounds: int | None) -> tuple[list
 
 
 def _with_deferral(
-    cache: RadixCache,
+    cache: PrefixIndex,
     arrs: list[npt.NDArray[np.int64]],
     eks: list[Hashable],
     cached: list[int],
@@ -82,21 +95,26 @@ def _with_deferral(
 
 
 def longest_prefix_first(
-    cache: RadixCache,
+    cache: PrefixIndex,
     keys: Sequence[KeyLike],
     *,
     extra_keys: Sequence[Hashable] | None = None,
     waited_rounds: Sequence[int] | None = None,
     max_wait_rounds: int | None = 8,
     defer_shared_tokens: int | None = None,
+    touch: bool = False,
 ) -> Ordering:
     """Order waiting requests by longest cached prefix (ties: arrival index), starving first.
 
     `keys[i]` is request i's token ids, `waited_rounds[i]` the rounds it has waited (default 0),
-    `max_wait_rounds=None` disables aging. Mutates nothing (uses `peek_prefix_len`).
+    `max_wait_rounds=None` disables aging. Mutates nothing, unless `touch=True`: then the cached
+    prefix of every waiting request gets a fresh access clock (`touch_prefix`), so that LRU keeps
+    what waiting requests are about to reuse (recommended once per scheduling round; see the
+    benchmark results). `cache` may be any `PrefixIndex`.
     """
     arrs, eks, waits = _normalize(keys, extra_keys, waited_rounds)
-    cached = [cache.peek_prefix_len(a, e) for a, e in zip(arrs, eks, strict=True)]
+    measure = cache.touch_prefix if touch else cache.peek_prefix_len
+    cached = [measure(a, e) for a, e in zip(arrs, eks, strict=True)]
     starving, rest = _split_starving(waits, max_wait_rounds)
     rest.sort(key=lambda i: (-cached[i], i))
     return _with_deferral(cache, arrs, eks, cached, starving, rest, defer_shared_tokens)
@@ -110,15 +128,20 @@ def dfs_weight_order(
     waited_rounds: Sequence[int] | None = None,
     max_wait_rounds: int | None = 8,
     defer_shared_tokens: int | None = None,
+    touch: bool = False,
 ) -> Ordering:
     """Order waiting requests by a depth-first walk of the tree, heaviest subtree first.
 
     Each request hangs at the deepest node its key fully matches; a node's weight is the number
     of requests in its subtree. The walk emits a node's requests (arrival order), then visits its
     children by descending weight, so requests sharing a cached prefix run back to back.
-    Starving requests come first (see the module docstring). Mutates nothing.
+    Starving requests come first (see the module docstring). Mutates nothing unless
+    `touch=True` (as in `longest_prefix_first`).
     """
     arrs, eks, waits = _normalize(keys, extra_keys, waited_rounds)
+    if touch:
+        for a, e in zip(arrs, eks, strict=True):
+            cache.touch_prefix(a, e)
     starving, rest = _split_starving(waits, max_wait_rounds)
     cached = [0] * len(arrs)
     at_node: dict[int, list[int]] = {}
@@ -126,7 +149,7 @@ def dfs_weight_order(
     children_of: dict[int, list[TreeNode]] = {}
     roots: dict[int, TreeNode] = {}
     for i in rest:
-        length, node = cache._peek(arrs[i], eks[i])
+        length, node, _ = cache._peek(arrs[i], eks[i])
         cached[i] = length
         if node is None:  # namespace not cached at all: hang on a synthetic per-namespace slot
             node = cache.root
@@ -166,7 +189,7 @@ class AgingQueue(Generic[ReqId]):
     """
 
     def __init__(self, policy: str = "lpm", max_wait_rounds: int | None = 8,
-                 defer_shared_tokens: int | None = None) -> None:
+                 defer_shared_tokens: int | None = None, touch: bool = False) -> None:
         if policy not in ("lpm", "dfs-weight"):
             raise ValueError(f"policy must be 'lpm' (longest prefix first) or 'dfs-weight', got {policy!r}")
         if max_wait_rounds is not None and max_wait_rounds < 0:
@@ -174,6 +197,7 @@ class AgingQueue(Generic[ReqId]):
         self._policy = policy
         self._max_wait = max_wait_rounds
         self._defer = defer_shared_tokens
+        self._touch = touch
         self._ids: list[ReqId] = []
         self._keys: list[npt.NDArray[np.int64]] = []
         self._extra: list[Hashable] = []
@@ -193,10 +217,11 @@ class AgingQueue(Generic[ReqId]):
         return self._waits[self._ids.index(req_id)]
 
     def order(self, cache: RadixCache) -> tuple[list[ReqId], int]:
-        """(request ids best first, number ready this round). Mutates nothing."""
+        """(request ids best first, number ready this round). Mutates nothing in the queue; the
+        cache's access clocks only when built with `touch=True`."""
         fn = longest_prefix_first if self._policy == "lpm" else dfs_weight_order
         o = fn(cache, self._keys, extra_keys=self._extra, waited_rounds=self._waits,
-               max_wait_rounds=self._max_wait, defer_shared_tokens=self._defer)
+               max_wait_rounds=self._max_wait, defer_shared_tokens=self._defer, touch=self._touch)
         return [self._ids[i] for i in o.order], o.num_ready
 
     def end_round(self, admitted: Sequence[ReqId]) -> None:

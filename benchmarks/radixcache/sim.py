@@ -1,0 +1,227 @@
+"""A small engine model that drives a prefix cache through a trace, timing every cache call.
+
+Per round: order the waiting queue (longest cached prefix first, aging bound, deferral of
+requests that share an uncached prefix with one admitted this round), admit within the running
+limit, the prefill token budget and memory (evicting when the allocator runs dry); after prefill
+the prompt is inserted and re-locked (SGLang's `cache_unfinished_req`); every round each running
+request decodes `decode_chunk` tokens; at finish prompt + output are inserted and unlocked
+(`cache_finished_req`), and the request's follow-ups (next turn, child thoughts) start waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from traces import TraceReq
+
+from radixcache import RadixCache, SlotAllocator
+from radixcache.ordering import longest_prefix_first
+
+
+class CacheAdapter(Protocol):
+    """The calls the engine model makes; keys/values are converted to the cache's native types
+    by `native_key`/`native_value` outside the timed regions."""
+
+    name: str
+    page_size: int
+
+    def native_key(self, tokens: np.ndarray) -> Any: ...
+    def native_value(self, slots: np.ndarray) -> Any: ...
+    def match(self, key: Any) -> tuple[int, Any, Any]: ...  # (length, handle, native indices)
+    def indices_to_numpy(self, indices: Any) -> np.ndarray: ...
+    def insert(self, key: Any, value: Any) -> int: ...  # prefix_len
+    def lock(self, handle: Any) -> None: ...
+    def unlock(self, handle: Any) -> None: ...
+    def evict(self, num_tokens: int) -> np.ndarray: ...
+    def peek_prefix_len(self, key: Any, extra_key: Any = None) -> int: ...
+    def touch_prefix(self, key: Any, extra_key: Any = None) -> int: ...
+    @property
+    def total_size(self) -> int: ...
+
+
+class RadixCacheAdapter:
+    name = "radixcache"
+
+    def __init__(self, page_size: int = 1, eviction: str = "lru") -> None:
+        self.cache = RadixCache(page_size, eviction)
+        self.page_size = page_size
+
+    def native_key(self, tokens: np.ndarray) -> Any:
+        return tokens
+
+    def native_value(self, slots: np.ndarray) -> Any:
+        return slots
+
+    def match(self, key: Any) -> tuple[int, Any, Any]:
+        m = self.cache.match_prefix(key)
+        return m.length, m.last_node, m.indices
+
+    def indices_to_numpy(self, indices: Any) -> np.ndarray:
+        return indices
+
+    def insert(self, key: Any, value: Any) -> int:
+        return self.cache.insert(key, value).prefix_len
+
+    def lock(self, handle: Any) -> None:
+        self.cache.lock(handle)
+
+    def unlock(self, handle: Any) -> None:
+        self.cache.unlock(handle)
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        return self.cache.evict(num_tokens)
+
+    def peek_prefix_len(self, key: Any, extra_key: Any = None) -> int:
+        return self.cache.peek_prefix_len(key)
+
+    def touch_prefix(self, key: Any, extra_key: Any = None) -> int:
+        return self.cache.touch_prefix(key)
+
+    @property
+    def total_size(self) -> int:
+        return self.cache.total_size
+
+
+@dataclass
+class SimConfig:
+    capacity: int
+    max_running: int = 64
+    prefill_budget: int = 8192
+    decode_chunk: int = 16
+    max_wait_rounds: int | None = 8
+    defer_shared_tokens: int | None = 64
+
+
+@dataclass
+class SimResult:
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    evict_calls: int = 0
+    evicted_tokens: int = 0
+    rounds: int = 0
+    requests: int = 0
+    max_wait: int = 0
+    times_ns: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in ("match", "insert", "evict", "lock")})
+    order_ns: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
+
+@dataclass
+class _Running:
+    req: TraceReq
+    full_key: Any
+    kv: np.ndarray
+    cached_len: int
+    handle: Any
+    remaining: int
+
+
+def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimResult:
+    res = SimResult()
+    t = res.times_ns
+    clock = time.perf_counter_ns
+    alloc = SlotAllocator(cfg.capacity, cache.page_size)
+    children: dict[int, list[TraceReq]] = {}
+    roots: list[TraceReq] = []
+    for r in trace:
+        (roots if r.parent is None else children.setdefault(r.parent, [])).append(r)
+    roots.sort(key=lambda r: (r.arrival_step, r.rid))
+    prompt_keys = {}
+    waiting: list[TraceReq] = []
+    waits: list[int] = []
+    running: list[_Running] = []
+    next_root = 0
+    step = 0
+
+    def timed(op: str, fn: Any, *args: Any) -> Any:
+        t0 = clock()
+        out = fn(*args)
+        t[op].append(clock() - t0)
+        return out
+
+    while next_root < len(roots) or waiting or running:
+        while next_root < len(roots) and roots[next_root].arrival_step <= step:
+            waiting.append(roots[next_root])
+            waits.append(0)
+            next_root += 1
+        if waiting:
+            for r in waiting:
+                if r.rid not in prompt_keys:
+                    prompt_keys[r.rid] = cache.native_key(r.prompt)
+            t0 = clock()
+            order = longest_prefix_first(
+                cache, [r.prompt for r in waiting], waited_rounds=waits,
+                max_wait_rounds=cfg.max_wait_rounds, defer_shared_tokens=cfg.defer_shared_tokens, touch=True,
+            )
+            res.order_ns += clock() - t0
+            budget = cfg.prefill_budget
+            admitted: set[int] = set()
+            for i in order.order[: order.num_ready]:
+                if len(running) >= cfg.max_running:
+                    break
+                req = waiting[i]
+                key = prompt_keys.pop(req.rid)
+                n_prompt = len(req.prompt)
+                length, handle, idx = timed("match", cache.match, key)
+                new_tokens = n_prompt - length
+                if new_tokens > budget and admitted:
+                    prompt_keys[req.rid] = key
+                    break
+                timed("lock", cache.lock, handle)
+                need = new_tokens + len(req.output)
+                slots = alloc.alloc(need)
+                if slots is None:
+                    freed = timed("evict", cache.evict, need - alloc.available)
+                    res.evict_calls += 1
+                    res.evicted_tokens += len(freed)
+                    alloc.free(freed)
+                    slots = alloc.alloc(need)
+                if slots is None:
+                    timed("lock", cache.unlock, handle)
+                    prompt_keys[req.rid] = key
+                    break
+                budget -= new_tokens
+                res.cached_tokens += length
+                res.prompt_tokens += n_prompt
+                res.max_wait = max(res.max_wait, waits[i])
+                kv = np.concatenate([cache.indices_to_numpy(idx), slots[:need]])
+                # prefill done: cache the prompt now so that later requests can share it
+                prefix = timed("insert", cache.insert, key, cache.native_value(kv[:n_prompt]))
+                alloc.free(kv[length:prefix])
+                length2, handle2, idx2 = timed("match", cache.match, key)
+                timed("lock", cache.lock, handle2)
+                timed("lock", cache.unlock, handle)
+                kv[:length2] = cache.indices_to_numpy(idx2)
+                full = cache.native_key(np.concatenate([req.prompt, req.output]))
+                running.append(_Running(req, full, kv, length2, handle2, len(req.output)))
+                admitted.add(i)
+            if not admitted and not running and next_root >= len(roots):
+                raise RuntimeError(f"{cache.name}: request {waiting[order.order[0]].rid} can never fit")
+            waiting = [r for j, r in enumerate(waiting) if j not in admitted]
+            waits = [w + 1 for j, w in enumerate(waits) if j not in admitted]
+        still: list[_Running] = []
+        for run in running:
+            run.remaining -= cfg.decode_chunk
+            if run.remaining > 0:
+                still.append(run)
+                continue
+            prefix = timed("insert", cache.insert, run.full_key, cache.native_value(run.kv))
+            alloc.free(run.kv[run.cached_len : prefix])
+            timed("lock", cache.unlock, run.handle)
+            res.requests += 1
+            for child in children.get(run.req.rid, ()):
+                waiting.append(child)
+                waits.append(0)
+        running = still
+        step += 1
+    res.rounds = step
+    leaked = cfg.capacity - alloc.available - cache.total_size
+    if leaked:
+        raise AssertionError(f"{cache.name}: {leaked} slots leaked (neither free nor cached)")
+    return res
