@@ -159,3 +159,20 @@ def test_server_helpers(backend: RuntimeEndpoint, server: FakeNativeServer) -> N
 
     with pytest.raises(sgl.ConstraintNotSupportedError, match="no server cache"):
         sgl.flush_cache(MockBackend())
+
+
+def test_video_and_sampling_extras_reach_the_server(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
+    @sgl.function
+    def prog(s):
+        s += sgl.video("clip.mp4", num_frames=4) + "Name:" + sgl.gen(
+            "a", max_tokens=4, stop_token_ids=[2], return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+
+    state = prog.run(backend=backend)
+    assert state.error() is None
+    sent = server.requests_to("/generate")[-1]
+    assert sent["video_data"] == ["clip.mp4"]
+    assert sent["return_logprob"] is True and sent["logprob_start_len"] == 0 and sent["top_logprobs_num"] == 2
+    assert sent["sampling_params"]["stop_token_ids"] == [2]
+    meta = state.get_meta_info("a")
+    assert [e[2] is None for e in meta["output_token_logprobs"]] == [True] * len(meta["output_token_logprobs"])
+    assert len(meta["input_token_logprobs"]) == len(mock_tokens("<image>Name:"))
