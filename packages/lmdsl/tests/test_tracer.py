@@ -117,3 +117,26 @@ def test_compiled_run_reads_variables_and_arguments_in_images() -> None:
     assert state.messages()[2] == {"role": "user", "content": "Repeat: A cat"}
     assert state.messages()[0]["content"][0] == {"type": "image_url", "image_url": {"url": "cat.png"}}
     assert state.text() == two_step.run(pic="cat.png", backend=backend).text()
+
+
+def test_cache_finds_the_prefix_of_programs_that_cannot_be_traced_whole() -> None:
+    @sgl.function
+    def qa(s, question):
+        s += sgl.system("Answer in one word.")
+        s += sgl.user(f"Question: {question}")  # an f-string: tracing stops here
+        s += sgl.assistant(sgl.gen("a"))
+
+    backend = MockBackend(default=" Paris", model_name="SmolLM2")
+    assert qa.cache(backend) == "<|im_start|>system\nAnswer in one word.<|im_end|>\n"
+    with pytest.raises(sgl.TraceError):
+        qa.trace()
+    states = qa.run_batch([{"question": "France?"}, {"question": "Italy?"}], backend=backend)
+    assert [s["a"] for s in states] == [" Paris", " Paris"]
+    assert [c.prompt.text for c in backend.calls_of("cache_prefix")] == [
+        "<|im_start|>system\nAnswer in one word.<|im_end|>\n"] * 2
+
+    @sgl.function
+    def dynamic_first(s, q):
+        s += q + sgl.gen("a")
+
+    assert dynamic_first.cache(backend) == ""

@@ -62,6 +62,10 @@ def __getattr__(name: str) -> object:
         from lmdsl.backend.openai_backend import OpenAI
 
         return OpenAI
+    if name in ("Runtime", "Engine"):
+        raise AttributeError(
+            f"lmdsl.{name} (a server launched in-process) is not part of lmdsl: start `lmserver serve` and use "
+            "lmdsl.RuntimeEndpoint(url)")
     raise AttributeError(f"module 'lmdsl' has no attribute {name!r}")
 
 

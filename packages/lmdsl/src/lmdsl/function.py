@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
 import os
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmdsl.backend.base import Backend, Prompt
 from lmdsl.config import DEFAULT_CONFIG, LmdslConfig
-from lmdsl.errors import LmdslError, NoBackendError, ProgramError
+from lmdsl.errors import NoBackendError, ProgramError
 from lmdsl.interpreter import EndProgram, StreamExecutor, UsageCounter
 from lmdsl.ir import DEFAULT_SAMPLING, SamplingParams
 from lmdsl.state import ProgramState
@@ -165,9 +164,7 @@ class Function:
         else:
             raise ValueError(f"run_batch(num_threads={num_threads!r}): use 'auto' or an int >= 1")
         if len(all_arguments) > 1:
-            # NOTE: the prefix hint is an optimization; a program that cannot be traced goes without it.
-            with contextlib.suppress(Exception):
-                self.cache(resolved)
+            self.cache(resolved)
         context = contextvars.copy_context()
         # NOTE: one executor pool for the whole batch (its jobs only wait on backend I/O, never on
         # each other, so a bounded pool cannot deadlock); a pool per program would keep a thread per
@@ -199,14 +196,12 @@ class Function:
         return trace_program(self, kwargs)
 
     def cache(self, backend: Backend | None = None) -> str:
-        """Sends the program's constant prefix (found by tracing) as a prefix hint; returns it."""
-        from lmdsl.tracer import constant_prefix
+        """Sends the program's constant prefix (found by tracing up to the first argument or model
+        output) as a prefix hint; returns it ("" when the program starts with a dynamic part)."""
+        from lmdsl.tracer import constant_prefix, trace_prefix
 
         resolved = _resolve_backend(backend)
-        try:
-            prefix = constant_prefix(self.trace(), resolved.get_chat_template())
-        except LmdslError:
-            return ""
+        prefix = constant_prefix(trace_prefix(self), resolved.get_chat_template())
         if prefix:
             resolved.cache_prefix(prefix)
         return prefix

@@ -7,6 +7,7 @@ graph could not represent it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -212,8 +213,7 @@ class TracerGroup:
         self.parent.nodes.append(Join(self.fork_id, mode))
 
 
-def trace_program(function: Function, kwargs: dict[str, Any]) -> Graph:
-    """Runs the program body over a `TracerState`; given kwargs are real values, others placeholders."""
+def _arguments(function: Function, kwargs: dict[str, Any]) -> dict[str, Any]:
     given = {**function.bind_arguments, **kwargs}
     unknown = set(given) - set(function.arg_names)
     if unknown:
@@ -227,6 +227,12 @@ def trace_program(function: Function, kwargs: dict[str, Any]) -> Graph:
             arguments[name] = param.default
         else:
             arguments[name] = ArgRef(name)
+    return arguments
+
+
+def trace_program(function: Function, kwargs: dict[str, Any]) -> Graph:
+    """Runs the program body over a `TracerState`; given kwargs are real values, others placeholders."""
+    arguments = _arguments(function, kwargs)
     root = TracerState(_Recorder(), "s")
     try:
         function.func(root, **arguments)
@@ -238,12 +244,27 @@ def trace_program(function: Function, kwargs: dict[str, Any]) -> Graph:
     return Graph(function.__name__, tuple(function.arg_names), bound, root.frozen_nodes())
 
 
-def constant_prefix(graph: Graph, template: ChatTemplate) -> str:
-    """The prompt text every run of `graph` starts with (constants and role markers up to the first
-    primitive that depends on arguments or the model)."""
+def trace_prefix(function: Function) -> tuple[Node, ...]:
+    """The root nodes recorded before tracing stops, at the end or at the first statement that cannot
+    be traced (an f-string over an argument, a branch on a generated value...): enough to find the
+    constant prefix of programs that cannot be traced whole."""
+    root = TracerState(_Recorder(), "s")
+    # NOTE: any exception only ends the trace early; what was recorded before it is still valid.
+    with contextlib.suppress(Exception):
+        function.func(root, **_arguments(function, {}))
+    return tuple(root.nodes[: _first_fork(root.nodes)])
+
+
+def _first_fork(nodes: list[Node]) -> int:
+    return next((i for i, n in enumerate(nodes) if isinstance(n, _ForkRecord)), len(nodes))
+
+
+def constant_prefix(graph: Graph | tuple[Node, ...], template: ChatTemplate) -> str:
+    """The prompt text every run of `graph` (or of a node sequence) starts with: constants and role
+    markers up to the first primitive that depends on arguments or the model."""
     text = ""
     first_role = True
-    for node in graph.nodes:
+    for node in graph.nodes if isinstance(graph, Graph) else graph:
         if isinstance(node, Constant):
             text += node.text
         elif isinstance(node, RoleBegin):
