@@ -171,7 +171,8 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    jump_forward_tokens: int = 0
+    jump_forward_tokens: int = 0  # tokens added by jump-forward so far (total, not a delta)
+    rollback_tokens: int = 0  # drop this many earlier new_token_ids before appending (jump-forward)
     output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     input_token_logprobs: list[TokenLogprob] | None = None  # sent once, with the first output

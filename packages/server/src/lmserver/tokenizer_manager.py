@@ -248,6 +248,8 @@ class TokenizerManager:
             self.metrics.observe_first_token(now - state.created)
         state.delta_text = out.new_text
         state.text += out.new_text
+        if out.rollback_tokens:  # jump-forward retokenized the tail
+            del state.output_ids[len(state.output_ids) - out.rollback_tokens :]
         state.output_ids.extend(out.new_token_ids)
         state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
         state.completion_tokens = out.completion_tokens or len(state.output_ids)

@@ -21,6 +21,7 @@ import torch
 
 from lmserver.attention.base import default_registry
 from lmserver.config import ServerConfig
+from lmserver.constrained import ConstrainedDecoding, grammar_key
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
@@ -49,6 +50,8 @@ class _ReqState:
     out_logprobs: list[TokenLogprob] = field(default_factory=list)
     out_top: list[list[TokenLogprob] | None] = field(default_factory=list)
     finished: bool = False
+    grammar: Any = None  # lmserver.constrained.ReqGrammar of a constrained request (once compiled)
+    rollback_tokens: int = 0  # sent token ids taken back by jump-forward, reported with the next output
 
 
 class EngineCore:
@@ -107,6 +110,10 @@ class EngineCore:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = sorted(eos)
+        self.constrained = ConstrainedDecoding(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            disable_jump_forward=rc.disable_jump_forward, compile_timeout_s=rc.grammar_compile_timeout_s,
+        )
         self.states: dict[str, _ReqState] = {}
         self._pending: list[ReqOutput] = []
         self._arrivals = 0
@@ -139,8 +146,7 @@ class EngineCore:
                 f"the prompt has {len(ids)} tokens; this model's context length is {self.context_length} "
                 f"(prompt + output); shorten the prompt"
             )
-        if p.regex is not None or p.json_schema is not None or p.ebnf is not None:
-            raise InvalidRequestError("constrained decoding (regex, json_schema, ebnf) is not available yet")
+        grammar = grammar_key(p)  # raises GrammarError (an InvalidRequestError) for ebnf, bad JSON
         if req.logprob_start_len >= len(ids):
             raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({len(ids)})")
         max_new = min(p.max_new_tokens, self.context_length - len(ids))
@@ -161,7 +167,10 @@ class EngineCore:
             info=SamplingInfo(p, generator, sreq.input_ids, sreq.output_ids, stop_ids),
         )
         self.states[req.rid] = state
-        self.scheduler.add(sreq)
+        if grammar is not None:
+            self.constrained.submit(req.rid, grammar)  # joins the scheduler once compiled
+        else:
+            self.scheduler.add(sreq)
         self._counters["requests"] += 1
 
     def abort_request(self, rid: str) -> None:
@@ -171,16 +180,19 @@ class EngineCore:
         if state is None:
             return
         self.scheduler.abort(rid)
+        self.constrained.drop(rid)
         self._pending.append(self._output(state, finished=True, reason={"type": "abort", "message": "aborted"}))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self.constrained.num_waiting > 0
 
     # --- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
         """One scheduling round with at most one forward; returns the outputs that progressed."""
         outputs, self._pending = self._pending, []
+        if self.constrained.num_waiting:
+            outputs.extend(self._admit_constrained())
         decision = self.scheduler.schedule()
         if decision.mode == "idle":
             return outputs
@@ -188,6 +200,29 @@ class EngineCore:
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))
+        return outputs
+
+    def _admit_constrained(self) -> list[ReqOutput]:
+        """Moves requests whose grammar compiled from the grammar stage to the scheduler (after
+        a jump-forward over text forced from the start); failed grammars finish with an error."""
+        outputs: list[ReqOutput] = []
+        wait_s = 0.0 if self.scheduler.has_work() else 0.005
+        for rid, result in self.constrained.poll(wait_s):
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            if isinstance(result, Exception):
+                self.states.pop(rid, None)
+                outputs.append(self.constrained.error_output(rid, result))
+                continue
+            state.grammar = self.constrained.make_grammar(result, allow_jump_forward=not state.req.return_logprob)
+            reason = self.constrained.advance_jump(self.scheduler, state)
+            if reason is None and state.sreq.max_new_tokens > 0 and state.sreq.remaining_new_tokens == 0:
+                reason = {"type": "length", "length": state.sreq.max_new_tokens}
+            if reason is not None:
+                outputs.append(self._finish(state, reason))
+            else:
+                self.scheduler.add(state.sreq)
         return outputs
 
     def _process(self, decision: ScheduleDecision, logits: torch.Tensor) -> list[ReqOutput]:
@@ -215,8 +250,13 @@ class EngineCore:
         if sample_rows:
             raw = logits[sample_rows]
             infos = [s.info for s in sample_states]
-            next_ids = sample(apply_penalties(raw, infos), infos)
+            processed = apply_penalties(raw, infos)
             want_lp = [s for s in sample_states if s.req.return_logprob]
+            if any(s.grammar is not None for s in sample_states):
+                if processed is raw and want_lp:
+                    processed = raw.clone()  # logprobs stay those of the model
+                self.constrained.apply_masks(processed, sample_states)
+            next_ids = sample(processed, infos)
             if want_lp:
                 self._record_output_logprobs(raw, sample_states, next_ids)
             now = time.monotonic()
@@ -285,7 +325,9 @@ class EngineCore:
             matched = state.out.append(state.detok.add(token), check_stop=can_stop)
             if matched is not None:
                 reason = {"type": "stop", "matched": matched}
-        if reason is None and num_out >= sreq.max_new_tokens:
+        if reason is None and state.grammar is not None:
+            reason = self.constrained.after_token(self.scheduler, state, token)  # may jump forward
+        if reason is None and len(sreq.output_ids) >= sreq.max_new_tokens:
             reason = {"type": "length", "length": sreq.max_new_tokens}
         if reason is not None:
             return self._finish(state, reason)
@@ -316,8 +358,10 @@ class EngineCore:
             cached_tokens=sreq.cached_tokens,
             output_token_logprobs=state.out_logprobs,
             output_top_logprobs=state.out_top,
+            jump_forward_tokens=state.grammar.jump_forward_tokens if state.grammar is not None else 0,
+            rollback_tokens=state.rollback_tokens,
         )
-        state.out_logprobs, state.out_top = [], []
+        state.out_logprobs, state.out_top, state.rollback_tokens = [], [], 0
         if state.req.return_logprob and not state.input_sent:
             # NOTE: the first output of a request comes after its prefill completed (or at abort)
             if state.req.logprob_start_len == 0:  # the first prompt token has no logprob
@@ -352,4 +396,5 @@ class EngineCore:
         stats["cache_hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
         stats["gen_throughput"] = sum(n for _, n in self._recent) / window
         stats["context_length"] = self.context_length
+        stats.update(self.constrained.stats)
         return stats

@@ -33,8 +33,12 @@ class _Result:
 
     def update(self, out: ReqOutput) -> None:
         self.text += out.new_text
+        if out.rollback_tokens:
+            del self.output_ids[len(self.output_ids) - out.rollback_tokens :]
         self.output_ids.extend(out.new_token_ids)
         m = self.meta
+        if out.jump_forward_tokens:
+            m["jump_forward_tokens"] = out.jump_forward_tokens
         m["prompt_tokens"] = out.prompt_tokens
         m["completion_tokens"] = out.completion_tokens
         m["cached_tokens"] = out.cached_tokens

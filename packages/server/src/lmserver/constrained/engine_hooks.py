@@ -1,0 +1,183 @@
+"""`ConstrainedDecoding`: what `EngineCore` calls for constrained requests.
+
+- a grammar stage: a constrained request waits here (not in the scheduler) until its grammar is
+  compiled; a bad grammar or a compile timeout finishes it with `ReqOutput.error`;
+- the batch bitmask on the sampling rows (unconstrained rows untouched);
+- after each sampled token: advance the guide, finish when the grammar is complete, and
+  jump-forward: retokenize, roll back to the common token prefix, and put the request back into
+  prefill (its kept prefix is a radix-cache hit) with the detokenizer and stop checks resynced.
+
+The engine-side request state is duck-typed (`EngineCore`'s `_ReqState`): `req`, `sreq`,
+`detok`, `out`, `grammar`, `sent_tokens`, `rollback_tokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKey, GrammarTicket
+from lmserver.constrained.bitmask import BatchMasker
+from lmserver.constrained.grammar import JumpForward, ReqGrammar
+from lmserver.io_struct import ReqOutput
+from lmserver.scheduler import ReqStatus, Scheduler
+
+__all__ = ["ConstrainedDecoding", "rewind_request"]
+
+logger = logging.getLogger(__name__)
+
+IndexOrError = Any  # cfsm.Index (ready) or GrammarError (failed)
+
+# the detokenizer re-decodes this many kept tokens before a jump to find the new text
+_DECODE_CONTEXT = 4
+
+
+def rewind_request(scheduler: Scheduler, req: Any, new_output_ids: Sequence[int]) -> None:
+    """Replaces `req.output_ids` (in place) and, for a running request, moves it back to prefill.
+
+    Its written KV goes into the radix tree first (keyed by the old tokens), then the new token
+    sequence is matched against the tree, so the kept prefix is reused and only the new tokens
+    are computed by the next extend round. Mutates: the request, the tree, the allocator and
+    the scheduler's running / prefilling lists.
+    """
+    if req.status != ReqStatus.RUNNING:
+        req.output_ids[:] = list(new_output_ids)
+        return
+    # NOTE: the same steps as Scheduler._retract, but the request keeps its request-table row
+    # and goes to `prefilling` (served by the next extend round) instead of the waiting queue.
+    row = req.req_pool_idx
+    scheduler.kv.release(req, cache_tokens=True)
+    req.output_ids[:] = list(new_output_ids)
+    scheduler.kv.admit(req)
+    req.req_pool_idx = row
+    req.table_valid_len = 0
+    scheduler.running.remove(req)
+    scheduler.prefilling.append(req)
+    req.status = ReqStatus.PREFILLING
+
+
+class ConstrainedDecoding:
+    """Grammar stage, masks and jump-forward for one `EngineCore`. Single-threaded use (the
+    compile workers live inside `GrammarBackend`)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
+                 disable_jump_forward: bool = False, compile_timeout_s: float = 30.0) -> None:
+        self.backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids, compile_timeout_s=compile_timeout_s)
+        self.masker = BatchMasker(vocab_size)
+        self.jump_forward = not disable_jump_forward
+        self._waiting: dict[str, GrammarTicket] = {}
+        self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "grammar_errors": 0}
+
+    # --- grammar stage ----------------------------------------------------------------------------
+
+    def submit(self, rid: str, key: GrammarKey) -> None:
+        """Queues `rid` until `key` is compiled. Mutates the grammar queue."""
+        self._waiting[rid] = self.backend.submit(key)
+
+    def drop(self, rid: str) -> None:
+        """Forgets `rid` (abort while compiling). Mutates the grammar queue."""
+        self._waiting.pop(rid, None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def poll(self, wait_s: float = 0.0) -> list[tuple[str, IndexOrError]]:
+        """Requests whose grammar is ready (index) or failed (GrammarError), in arrival order;
+        waits up to `wait_s` for a first one. Mutates the grammar queue."""
+        if wait_s > 0 and self._waiting:
+            self.backend.wait(list(self._waiting.values()), wait_s)
+        done: list[tuple[str, IndexOrError]] = []
+        for rid, ticket in list(self._waiting.items()):
+            try:
+                index = self.backend.result(ticket)
+            except GrammarError as exc:
+                self.stats["grammar_errors"] += 1
+                done.append((rid, exc))
+                del self._waiting[rid]
+                continue
+            if index is not None:
+                done.append((rid, index))
+                del self._waiting[rid]
+        return done
+
+    def make_grammar(self, index: Any, *, allow_jump_forward: bool = True) -> ReqGrammar:
+        """A fresh per-request grammar over a compiled index."""
+        return ReqGrammar(index, self.backend.encode, jump_forward=self.jump_forward and allow_jump_forward)
+
+    @staticmethod
+    def error_output(rid: str, error: Exception) -> ReqOutput:
+        msg = str(error)
+        return ReqOutput(rid=rid, new_token_ids=[], new_text="", finished=True,
+                         finish_reason={"type": "abort", "message": msg}, error=msg)
+
+    # --- sampling -----------------------------------------------------------------------------------
+
+    def apply_masks(self, logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
+        """Masks the rows of constrained `states` in `logits` (B, V), in place; returns it."""
+        return self.masker.apply(logits, [s.grammar for s in states])
+
+    # --- after a sampled token ----------------------------------------------------------------------
+
+    def after_token(self, scheduler: Scheduler, state: Any, token: int) -> dict[str, Any] | None:
+        """Advances the guide over `token` (already appended to the output) and jumps forward.
+
+        Returns a finish reason (grammar complete, stop string in forced text, rejected token)
+        or None. Mutates the grammar, the request's tokens and KV placement, and its text.
+        """
+        g: ReqGrammar = state.grammar
+        if not g.accept(token):
+            logger.warning("request %s: grammar rejected sampled token %d", state.req.rid, token)
+            return {"type": "abort", "message": f"the grammar rejected sampled token {token}"}
+        return self.advance_jump(scheduler, state)
+
+    def advance_jump(self, scheduler: Scheduler, state: Any) -> dict[str, Any] | None:
+        """Jump-forward from the guide's state if text is forced (also at admission, before any
+        token). Returns a finish reason or None. Mutates as `after_token`."""
+        g: ReqGrammar = state.grammar
+        if g.is_finished():
+            return {"type": "stop", "matched": None}
+        sreq = state.sreq
+        jump = g.plan_jump(sreq.output_ids, sreq.max_new_tokens - len(sreq.output_ids))
+        if jump is None:
+            return None
+        old = list(sreq.output_ids)
+        kept = len(old) - jump.num_rollback
+        new = old[:kept] + list(jump.token_ids)
+        g.apply_jump(jump)
+        rewind_request(scheduler, sreq, new)
+        self.stats["jump_forward_tokens"] += jump.num_new_tokens
+        self.stats["jump_forward_steps"] += 1
+        delta = self._resync_text(state, old, new, kept, jump)
+        if state.sent_tokens > kept:
+            state.rollback_tokens += state.sent_tokens - kept
+            state.sent_tokens = kept
+        matched = state.out.append(delta, check_stop=len(new) >= sreq.sampling_params.min_new_tokens)
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+        if g.is_finished():
+            return {"type": "stop", "matched": None}
+        return None
+
+    @staticmethod
+    def _resync_text(state: Any, old: list[int], new: list[int], kept: int, jump: JumpForward) -> str:
+        """The text the new tokens add, with the detokenizer window moved onto `new`."""
+        detok = state.detok
+        pending = detok.flush()
+        start = max(kept - _DECODE_CONTEXT, 0)
+        old_text = detok._decode(old[start:])
+        new_text = detok._decode(new[start:])
+        if new_text.startswith(old_text):
+            delta = new_text[len(old_text):]
+        else:  # pragma: no cover - byte-level tokenizers decode by concatenation
+            logger.warning("jump-forward: decoded text diverged after retokenization; using the forced text")
+            delta = jump.text
+        surround = len(detok.ids) - len(old)
+        detok.ids = detok.ids[:surround] + list(new)
+        detok.read_offset = len(detok.ids)
+        detok.prefix_offset = max(detok.read_offset - 1, 0)
+        return pending + delta
+

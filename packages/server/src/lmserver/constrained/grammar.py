@@ -1,0 +1,93 @@
+"""`ReqGrammar`: one request's cfsm `Guide`, with token acceptance and jump-forward planning.
+
+Jump-forward (SGLang paper, section 4 and appendix B.1): when the guide's state forces a
+string, the text so far plus the forced string is retokenized; the request rolls back to the
+common token prefix and appends the new tokens in one step instead of one decode each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+import cfsm
+
+__all__ = ["JumpForward", "ReqGrammar"]
+
+
+@dataclass(frozen=True)
+class JumpForward:
+    """Replace the last `num_rollback` output tokens with `token_ids` (which spell their bytes
+    followed by `text`, the forced string)."""
+
+    num_rollback: int
+    token_ids: tuple[int, ...]
+    text: str
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Net growth of the output (tokens not produced by the model)."""
+        return len(self.token_ids) - self.num_rollback
+
+
+class ReqGrammar:
+    """The grammar state of one request. Not thread-safe (the engine loop owns it)."""
+
+    def __init__(self, index: cfsm.Index, encode: Callable[[str], list[int]], *, jump_forward: bool = True) -> None:
+        self.index = index
+        self.guide = cfsm.Guide(index)
+        self.encode = encode
+        self.jump_forward_enabled = jump_forward
+        self.jump_forward_tokens = 0  # net tokens added by jump-forward so far
+        self.num_jumps = 0
+
+    def fill_mask(self, out: np.ndarray, row: int) -> None:
+        """Writes this request's allowed-token bitmask into `out[row]`. Mutates `out`."""
+        self.guide.fill_mask(out, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advances the guide over a sampled token; False (state unchanged) if the grammar
+        rejects it. Mutates the guide."""
+        try:
+            self.guide.advance(int(token_id))
+        except cfsm.RejectedTokenError:
+            return False
+        return True
+
+    def is_finished(self) -> bool:
+        """True when the grammar is complete and nothing may follow (only EOS is allowed)."""
+        return self.guide.is_finished()
+
+    def plan_jump(self, output_ids: Sequence[int], max_new_tokens: int) -> JumpForward | None:
+        """The jump-forward from the current state over `output_ids` (the request's generated
+        tokens, all accepted by the guide), at most `max_new_tokens` tokens of net growth; None
+        when nothing is forced or jump-forward is off. Mutates nothing."""
+        if not self.jump_forward_enabled or max_new_tokens <= 0:
+            return None
+        forced = self.guide.jump_forward()
+        if not forced:
+            return None
+        plan = cfsm.plan_jump_forward(list(output_ids), forced, self.index.vocab, self.encode)
+        rollback, tokens = plan.num_rollback, plan.token_ids
+        if len(tokens) - rollback > max_new_tokens:
+            tokens = tokens[: rollback + max_new_tokens]
+        if not tokens and not rollback:
+            return None
+        # NOTE: a retokenization the guide does not accept would desync mask and output; verify
+        # on a copy (cheap: a few token steps) and skip the jump rather than fail the request.
+        probe = self.guide.copy()
+        try:
+            probe.rollback(rollback)
+            probe.advance_many(tokens)
+        except (cfsm.RejectedTokenError, ValueError):
+            return None
+        return JumpForward(rollback, tuple(tokens), forced)
+
+    def apply_jump(self, jump: JumpForward) -> None:
+        """Rolls the guide back and over the jump's tokens. Mutates the guide and counters."""
+        self.guide.rollback(jump.num_rollback)
+        self.guide.advance_many(jump.token_ids)
+        self.jump_forward_tokens += jump.num_new_tokens
+        self.num_jumps += 1
