@@ -83,8 +83,9 @@ def _compile(key: GrammarKey, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -
 class GrammarBackend:
     """Compiles grammars for one tokenizer in worker threads, with an LRU of `cache_size` keys.
 
-    The cfsm `Vocabulary` (and `encode`, for jump-forward retokenization) is built on the first
-    compile, in a worker, so servers that never see a constraint pay nothing. Thread-safe.
+    The cfsm `Vocabulary` is built from `tokenizer` on the first compile, in a worker, so servers
+    that never see a constraint pay nothing (tests pass `vocab` and `encode` instead of a
+    tokenizer). Thread-safe.
     """
 
     def __init__(
@@ -98,6 +99,8 @@ class GrammarBackend:
         cache_size: int = 256,
         cfsm_config: cfsm.CfsmConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        vocab: cfsm.Vocabulary | None = None,
+        encode: Callable[[str], list[int]] | None = None,
     ) -> None:
         if compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
@@ -111,7 +114,8 @@ class GrammarBackend:
         self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lmserver-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, cf.Future[cfsm.Index]] = OrderedDict()
-        self._vocab: cfsm.Vocabulary | None = None
+        self._vocab: cfsm.Vocabulary | None = vocab
+        self._encode = encode
         self.hits = 0
         self.misses = 0
 
@@ -130,6 +134,8 @@ class GrammarBackend:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens (jump-forward retokenization)."""
+        if self._encode is not None:
+            return self._encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # --- compilation ---------------------------------------------------------------------------
