@@ -51,8 +51,15 @@ class Built(Protocol):
     valid until the plugin's forward runs twice more).
     """
 
-    name: str
-    workspace_bytes: int
+    @property
+    def name(self) -> str:
+        """The plugin's name."""
+        ...
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of device memory the plugin allocated at build (counted before KV sizing)."""
+        ...
 
     def covers(self, step: Step) -> bool:
         """Whether ``forward`` serves ``step`` (beyond the spec's declared coverage). Pure."""

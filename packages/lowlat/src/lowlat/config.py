@@ -34,7 +34,7 @@ class LowlatConfig:
     disabled: tuple[str, ...] = ()
     amd_mode: AmdMode = "persistent"
     pdl: PdlMode = "auto"
-    spin_limit: int = 1 << 22
+    spin_limit: int = 1 << 18
     max_attn_splits: int = 16
 
     def __post_init__(self) -> None:

@@ -265,25 +265,25 @@ def greedy_decode(
     ``layer_fn`` (default: the reference) over a shared, randomly paged KV cache."""
     g = torch.Generator().manual_seed(seed)
     shape = model.shape
-    dtype = model.embed.dtype
+    dtype, dev = model.embed.dtype, model.embed.device
     lens = [len(p) for p in prompts]
     max_context = max(lens) + num_steps
     num_slots = sum(lens) + len(prompts) * num_steps + 16
-    kvs = [random_kv(shape, num_slots, dtype, generator=g) for _ in model.layers]
-    rows = torch.arange(len(prompts), dtype=torch.int64)
-    slots = torch.randperm(num_slots, generator=g)[: len(prompts) * max_context].view(len(prompts), max_context)
+    kvs = [random_kv(shape, num_slots, dtype, dev, generator=g) for _ in model.layers]
+    rows = torch.arange(len(prompts), dtype=torch.int64, device=dev)
+    slots = torch.randperm(num_slots, generator=g)[: len(prompts) * max_context].view(len(prompts), max_context).to(dev)
     table = slots.to(torch.int32)  # (num_prompts, max_context): disjoint, scattered slots
     # prefill (reference extend path)
-    flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-    positions = torch.cat([torch.arange(n) for n in lens])
+    flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     out_loc = torch.cat([slots[r, :n] for r, n in enumerate(lens)])
-    meta = ForwardMeta(table, rows, torch.tensor(lens, dtype=torch.int32), positions, out_loc,
-                       extend_lens=torch.tensor(lens, dtype=torch.int32), max_seq_len=max_context)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    meta = ForwardMeta(table, rows, lens_t, positions, out_loc, extend_lens=lens_t, max_seq_len=max_context)
     logits = model_forward(model, flat, kvs, meta)
-    last = torch.tensor(lens).cumsum(0) - 1
+    last = torch.tensor(lens, device=dev).cumsum(0) - 1
     next_ids = logits[last].argmax(-1)
     outs: list[list[int]] = [[int(t)] for t in next_ids]
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    seq_lens = lens_t
     for _ in range(num_steps - 1):
         seq_lens = seq_lens + 1
         pos = (seq_lens - 1).long()

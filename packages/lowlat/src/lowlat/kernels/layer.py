@@ -1,0 +1,285 @@
+"""Per-stage Triton kernels of a Llama-style decode layer (one launch per stage).
+
+Used by the ``nvidia`` plugin (chained with programmatic dependent launch when ``USE_PDL``) and
+by the ``amd`` plugin's ``staged`` mode (``USE_PDL`` off: portable Triton, no ``tl.extra.cuda``
+is ever traced). Each GEMV kernel loads its first weight block *before* waiting on the previous
+launch, so weight traffic overlaps the previous kernel's tail.
+
+Stages: (1) RMSNorm + QKV GEMV + RoPE + paged KV write; (2) split-KV decode attention with the
+GQA group packed in one tile; (3) split merge; (4) GEMV + residual (o_proj, down);
+(5) RMSNorm + gate-up GEMV + SiLU(gate) * up.
+``DOT_F32`` runs every dot in float32 (the interpreter's bf16 dot is not reliable).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def qkv_rope_kernel(
+    x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
+    B, eps,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One tile = BLOCK_P rotary pairs (rows r1 and r1 + D/2) of one q, k or v head, for all rows.
+    HALF: tl.constexpr = D // 2
+    PB: tl.constexpr = HALF // BLOCK_P
+    num_tiles = (NQ + 2 * NKV) * PB
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BLOCK_P)
+    pid = tl.program_id(0)
+    for tile in range(pid, num_tiles, tl.num_programs(0)):
+        head = tile // PB
+        r1 = head * D + (tile % PB) * BLOCK_P + offs_p
+        r2 = r1 + HALF
+        k_mask = offs_k < H
+        w1 = tl.load(w_ptr + r1[None, :] * H + offs_k[:, None], mask=k_mask[:, None], other=0.0)  # (BK, BP)
+        w2 = tl.load(w_ptr + r2[None, :] * H + offs_k[:, None], mask=k_mask[:, None], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        ss = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            km = (k0 + offs_k) < H
+            xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+            xv = xv.to(tl.float32)
+            ss += tl.sum(xv * xv, 1)
+        rstd = 1.0 / tl.sqrt(ss / H + eps)
+        gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        xn = xv.to(tl.float32) * gamma[None, :]
+        if DOT_F32:
+            acc1 = tl.dot(xn, w1.to(tl.float32))
+            acc2 = tl.dot(xn, w2.to(tl.float32))
+        else:
+            acc1 = tl.dot(xn.to(w1.dtype), w1)
+            acc2 = tl.dot(xn.to(w1.dtype), w2)
+        for k0 in range(BLOCK_K, H, BLOCK_K):
+            km = (k0 + offs_k) < H
+            w1 = tl.load(w_ptr + r1[None, :] * H + k0 + offs_k[:, None], mask=km[:, None], other=0.0)
+            w2 = tl.load(w_ptr + r2[None, :] * H + k0 + offs_k[:, None], mask=km[:, None], other=0.0)
+            gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+            xn = xv.to(tl.float32) * gamma[None, :]
+            if DOT_F32:
+                acc1 += tl.dot(xn, w1.to(tl.float32))
+                acc2 += tl.dot(xn, w2.to(tl.float32))
+            else:
+                acc1 += tl.dot(xn.to(w1.dtype), w1)
+                acc2 += tl.dot(xn.to(w1.dtype), w2)
+        a = acc1 * rstd[:, None]
+        b = acc2 * rstd[:, None]
+        is_q = head < NQ
+        is_k = (head >= NQ) & (head < NQ + NKV)
+        is_v = head >= NQ + NKV
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.float32)
+        freq = tl.load(inv_freq_ptr + (tile % PB) * BLOCK_P + offs_p)
+        ang = pos[:, None] * freq[None, :]
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+        rope = is_q | is_k
+        o1 = tl.where(rope, a * cos - b * sin, a)
+        o2 = tl.where(rope, b * cos + a * sin, b)
+        col = (tile % PB) * BLOCK_P + offs_p  # column inside the head
+        full = m_mask[:, None] & (offs_p[None, :] < BLOCK_P)  # (BLOCK_M, BLOCK_P)
+        q_mask = full & (tl.zeros_like(full) | is_q)
+        k_mask_s = full & (tl.zeros_like(full) | is_k)
+        v_mask = full & (tl.zeros_like(full) | is_v)
+        qp = q_ptr + offs_m[:, None] * (NQ * D) + head * D + col[None, :]
+        tl.store(qp, o1, mask=q_mask)
+        tl.store(qp + HALF, o2, mask=q_mask)
+        loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        kh = head - NQ
+        kp = k_cache_ptr + loc[:, None] * stride_ks + kh * stride_kh + col[None, :]
+        tl.store(kp, o1, mask=k_mask_s)
+        tl.store(kp + HALF, o2, mask=k_mask_s)
+        vh = head - NQ - NKV
+        vp = v_cache_ptr + loc[:, None] * stride_vs + vh * stride_vh + col[None, :]
+        tl.store(vp, o1, mask=v_mask)
+        tl.store(vp + HALF, o2, mask=v_mask)
+
+
+@triton.jit
+def decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr,
+    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale,
+    NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(req_idx_ptr + b).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(seq_len, start + chunk)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, k.to(tl.float32))
+        else:
+            s = tl.dot(q.to(k.dtype), k)
+        s = tl.where(n_mask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    base = (b * NQ + heads) * NUM_SPLITS + split
+    tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(part_lse_ptr + base, lse, mask=g_mask)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    NQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # grid (batch, heads): log-sum-exp merge of the split partials into (batch, heads * D).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, D)
+    base = (b * NQ + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
+    o = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)
+
+
+@triton.jit
+def gemv_residual_kernel(
+    a_ptr, w_ptr, res_ptr, out_ptr,
+    B,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual)
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32))
+    else:
+        acc = tl.dot(a.to(w.dtype), w)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        km = (k0 + offs_k) < K
+        w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+        a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(a.to(w.dtype), w)
+    mask = m_mask[:, None] & n_mask[None, :]
+    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
+
+
+@triton.jit
+def norm_gate_up_kernel(
+    x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    B, eps,
+    H: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < H
+    wm = n_mask[None, :] & k_mask[:, None]
+    wg = tl.load(w_ptr + offs_n[None, :] * H + offs_k[:, None], mask=wm, other=0.0)
+    wu = tl.load(w_ptr + (INTER + offs_n[None, :]) * H + offs_k[:, None], mask=wm, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+        xv = xv.to(tl.float32)
+        ss += tl.sum(xv * xv, 1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    xn = xv.to(tl.float32) * gamma[None, :]
+    if DOT_F32:
+        g = tl.dot(xn, wg.to(tl.float32))
+        u = tl.dot(xn, wu.to(tl.float32))
+    else:
+        g = tl.dot(xn.to(wg.dtype), wg)
+        u = tl.dot(xn.to(wg.dtype), wu)
+    for k0 in range(BLOCK_K, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        wm = n_mask[None, :] & km[:, None]
+        wg = tl.load(w_ptr + offs_n[None, :] * H + k0 + offs_k[:, None], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (INTER + offs_n[None, :]) * H + k0 + offs_k[:, None], mask=wm, other=0.0)
+        gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+        xn = xv.to(tl.float32) * gamma[None, :]
+        if DOT_F32:
+            g += tl.dot(xn, wg.to(tl.float32))
+            u += tl.dot(xn, wu.to(tl.float32))
+        else:
+            g += tl.dot(xn.to(wg.dtype), wg)
+            u += tl.dot(xn.to(wg.dtype), wu)
+    g = g * rstd[:, None]
+    u = u * rstd[:, None]
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], act, mask=m_mask[:, None] & n_mask[None, :])

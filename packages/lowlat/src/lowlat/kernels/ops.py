@@ -1,0 +1,130 @@
+"""Host-side launchers of the per-stage kernels: shapes, block sizes, PDL and interpreter choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from lowlat.errors import ShapeError
+from lowlat.kernels import layer as K
+from lowlat.kernels._jit import check_device, next_pow2
+from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and launch flags for one device (decided once at build)."""
+
+    use_pdl: bool = False
+    gemv_block_n: int = 16
+    gemv_block_k: int = 256
+    qkv_block_p: int = 16
+    attn_block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    num_sms: int = 132
+
+    @classmethod
+    def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
+        """GPU: tensor-core friendly blocks; CPU (interpreter): small blocks that divide the shape."""
+        if device.type == "cpu":
+            return cls(
+                use_pdl=False,
+                gemv_block_n=min(16, next_pow2(shape.hidden_size)),
+                gemv_block_k=min(32, next_pow2(shape.hidden_size)),
+                qkv_block_p=min(8, shape.head_dim // 2),
+                attn_block_n=8,
+                num_sms=1,
+            )
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=sms)
+
+
+def _kw(dev: torch.device, lc: LaunchConfig, pdl: bool = True) -> dict[str, object]:
+    check_device(dev)
+    if dev.type == "cpu":
+        return {}
+    kw: dict[str, object] = {"num_warps": lc.num_warps, "num_stages": lc.num_stages}
+    if lc.use_pdl and pdl:
+        kw["launch_pdl"] = True
+    return kw
+
+
+def block_m(batch: int, device: torch.device) -> int:
+    """Rows per dot tile: the batch padded to a power of two (at least 16 on a GPU, for tl.dot)."""
+    return next_pow2(batch) if device.type == "cpu" else max(16, next_pow2(batch))
+
+
+def num_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int) -> int:
+    """Split-KV partitions: enough programs to fill the GPU, none shorter than one block. Host-only."""
+    want = triton.cdiv(2 * lc.num_sms, max(1, batch * shape.num_kv_heads))
+    return max(1, min(max_splits, want, triton.cdiv(max(1, max_seq_len), lc.attn_block_n)))
+
+
+def check_head_dim(shape: LayerShape) -> None:
+    if shape.head_dim & (shape.head_dim - 1):
+        raise ShapeError(f"the Triton layer kernels need a power-of-two head_dim, got {shape.head_dim}")
+
+
+def qkv_rope(
+    x: torch.Tensor, w: LayerWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
+    grid_programs: int | None = None,
+) -> None:
+    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""
+    b, dev = x.shape[0], x.device
+    tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // lc.qkv_block_p)
+    grid = (min(tiles, grid_programs) if grid_programs else tiles,)
+    K.qkv_rope_kernel[grid](
+        x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc,
+        q_out, kv.k, kv.v,
+        b, shape.rms_eps,
+        kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
+        H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads, D=shape.head_dim,
+        BLOCK_M=block_m(b, dev), BLOCK_P=lc.qkv_block_p, BLOCK_K=min(lc.gemv_block_k, next_pow2(shape.hidden_size)),
+        DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )
+
+
+def attention(
+    q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
+) -> None:
+    """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials."""
+    b, dev = q.shape[0], q.device
+    group = shape.group_size
+    K.decode_attention_kernel[(b, shape.num_kv_heads, splits)](
+        q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
+        part_o, part_lse,
+        meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1), shape.head_dim**-0.5,
+        NQ=shape.num_heads, G=group, D=shape.head_dim,
+        BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block_n,
+        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )
+    K.merge_splits_kernel[(b, shape.num_heads)](
+        part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )
+
+
+def gemv_residual(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig) -> None:
+    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N)."""
+    b, dev = a.shape[0], a.device
+    n, k = w.shape
+    K.gemv_residual_kernel[(triton.cdiv(n, lc.gemv_block_n),)](
+        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=lc.gemv_block_n,
+        BLOCK_K=min(lc.gemv_block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )
+
+
+def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig) -> None:
+    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden)."""
+    b, dev = x.shape[0], x.device
+    inter, h = w.shape[0] // 2, w.shape[1]
+    K.norm_gate_up_kernel[(triton.cdiv(inter, lc.gemv_block_n),)](
+        x, norm_w, w, act, b, eps, H=h, INTER=inter, BLOCK_M=block_m(b, dev), BLOCK_N=lc.gemv_block_n,
+        BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )

@@ -1,0 +1,209 @@
+"""Persistent "K2" kernel of the ``amd`` plugin, in portable Triton (no ``tl.extra.cuda``).
+
+One launch runs attention -> split merge -> o_proj + residual -> RMSNorm + gate-up + SiLU -> down
++ residual. Tasks are numbered stage by stage; program ``p`` of ``P`` runs tasks p, p + P, ...
+in order. A stage's task first loads its first weight block, then waits until the previous stage's
+counter reaches this launch's target, then works, then bumps its own stage counter (release).
+
+Hand-over: each stage counter counts finished tiles of this launch; a consumer waits for it to
+reach the stage's task count. The last program out (counted on ``done``) zeroes the counters and
+bumps the generation tag ``epoch``, so the next launch starts clean with no memset launch between
+them (CUDA-graph safe), and task counts may change from launch to launch (batch, split count).
+
+Bounded spins: a wait gives up after ``SPIN_LIMIT`` polls, sets the error flag and skips the
+remaining waits; the host reads the flag with ``check_errors`` (never a hang). All programs must be
+co-resident (grid <= number of compute units); under the interpreter ``P`` is 1, so tasks run in
+order and every wait is already satisfied.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attn_mlp_persistent_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr, attn_ptr,
+    x_ptr, wo_ptr, x1_ptr, post_norm_ptr, wgu_ptr, act_ptr, wd_ptr, out_ptr,
+    sync_ptr, err_ptr,  # sync: [epoch (generation tag), done, cnt_attn, cnt_merge, cnt_o, cnt_gu]
+    B, eps, scale, SPIN_LIMIT,
+    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh,
+    H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_NA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    G: tl.constexpr = NQ // NKV
+    QD: tl.constexpr = NQ * D
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_attn = B * NKV * NUM_SPLITS
+    n_merge = B * NQ
+    n_o = tl.cdiv(H, BLOCK_N)
+    n_gu = tl.cdiv(INTER, BLOCK_N)
+    n_down = tl.cdiv(H, BLOCK_N)
+    end_attn = n_attn
+    end_merge = end_attn + n_merge
+    end_o = end_merge + n_o
+    end_gu = end_o + n_gu
+    total = end_gu + n_down
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, D)
+    bad = pid * 0
+    for t in range(pid, total, nprog):
+        if t < end_attn:
+            # ---- split-KV attention of one (request, kv head, split) ----
+            b = t // (NKV * NUM_SPLITS)
+            kvh = (t // NUM_SPLITS) % NKV
+            split = t % NUM_SPLITS
+            seq_len = tl.load(seq_lens_ptr + b)
+            row = tl.load(req_idx_ptr + b).to(tl.int64)
+            chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_NA) * BLOCK_NA
+            start = split * chunk
+            stop = tl.minimum(seq_len, start + chunk)
+            offs_g = tl.arange(0, BLOCK_G)
+            g_mask = offs_g < G
+            heads = kvh * G + offs_g
+            q = tl.load(q_ptr + b * QD + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
+            m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_G,), tl.float32)
+            acc = tl.zeros((BLOCK_G, D), tl.float32)
+            for t0 in range(start, stop, BLOCK_NA):
+                offs_n = t0 + tl.arange(0, BLOCK_NA)
+                n_mask = offs_n < stop
+                slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+                v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+                if DOT_F32:
+                    s = tl.dot(q, k.to(tl.float32))
+                else:
+                    s = tl.dot(q.to(k.dtype), k)
+                s = tl.where(n_mask[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if DOT_F32:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            empty = l_i == 0.0
+            o = acc / tl.where(empty, 1.0, l_i)[:, None]
+            lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+            base = (b * NQ + heads) * NUM_SPLITS + split
+            tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], o, mask=g_mask[:, None])
+            tl.store(part_lse_ptr + base, lse, mask=g_mask)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 2, 1, sem="release")
+        elif t < end_merge:
+            # ---- merge the splits of one (request, head) ----
+            i = t - end_attn
+            b = i // NQ
+            h = i % NQ
+            target = n_attn
+            cur = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
+            spins = pid * 0
+            while (cur < target) & (spins < SPIN_LIMIT) & (bad == 0):
+                cur = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
+                spins += 1
+            if cur < target:
+                bad = bad + 1
+                tl.atomic_or(err_ptr, 1)
+            tl.debug_barrier()
+            offs_s = tl.arange(0, BLOCK_S)
+            s_mask = offs_s < NUM_SPLITS
+            base = (b * NQ + h) * NUM_SPLITS
+            lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+            mx = tl.max(lse, 0)
+            wts = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
+            po = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
+            merged = tl.sum(wts[:, None] * po, 0) / tl.sum(wts, 0)
+            tl.store(attn_ptr + b * QD + h * D + offs_d, merged)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 3, 1, sem="release")
+        else:
+            # ---- GEMV stages: o_proj + residual, norm + gate-up + SiLU, down + residual ----
+            stage = tl.where(t < end_o, 0, tl.where(t < end_gu, 1, 2))
+            tile = t - tl.where(stage == 0, end_merge, tl.where(stage == 1, end_o, end_gu))
+            k_dim = tl.where(stage == 0, QD, tl.where(stage == 1, H, INTER))
+            n_dim = tl.where(stage == 1, INTER, H)
+            cnt_wait = 3 + stage
+            n_wait = tl.where(stage == 0, n_merge, tl.where(stage == 1, n_o, n_gu))
+            a_ptr = tl.where(stage == 0, attn_ptr, tl.where(stage == 1, x1_ptr, act_ptr))
+            w_ptr = tl.where(stage == 0, wo_ptr, tl.where(stage == 1, wgu_ptr, wd_ptr))
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_dim
+            k_mask = offs_k < k_dim
+            wm = n_mask[None, :] & k_mask[:, None]
+            is_gu = (tl.zeros((BLOCK_K, BLOCK_N), tl.int32) + stage) == 1  # full-shape mask (interpreter)
+            # weights prefetched before waiting on the previous stage
+            w1 = tl.load(w_ptr + offs_n[None, :] * k_dim + offs_k[:, None], mask=wm, other=0.0)
+            w2 = tl.load(w_ptr + (INTER + offs_n[None, :]) * k_dim + offs_k[:, None], mask=wm & is_gu, other=0.0)
+            target = n_wait
+            cur = tl.atomic_add(sync_ptr + cnt_wait, 0, sem="acquire")
+            spins = pid * 0
+            while (cur < target) & (spins < SPIN_LIMIT) & (bad == 0):
+                cur = tl.atomic_add(sync_ptr + cnt_wait, 0, sem="acquire")
+                spins += 1
+            if cur < target:
+                bad = bad + 1
+                tl.atomic_or(err_ptr, 1)
+            tl.debug_barrier()
+            rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+            if stage == 1:
+                ss = tl.zeros((BLOCK_M,), tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    km = (k0 + offs_k) < H
+                    xv = tl.load(x1_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                    ss += tl.sum(xv * xv, 1)
+                rstd = 1.0 / tl.sqrt(ss / H + eps)
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, k_dim, BLOCK_K):
+                km = (k0 + offs_k) < k_dim
+                if k0 > 0:
+                    wm = n_mask[None, :] & km[:, None]
+                    w1 = tl.load(w_ptr + offs_n[None, :] * k_dim + k0 + offs_k[:, None], mask=wm, other=0.0)
+                    w2 = tl.load(w_ptr + (INTER + offs_n[None, :]) * k_dim + k0 + offs_k[:, None], mask=wm & is_gu, other=0.0)
+                av = tl.load(a_ptr + offs_m[:, None] * k_dim + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                if stage == 1:
+                    gamma = tl.load(post_norm_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
+                    av = av * gamma[None, :]
+                if DOT_F32:
+                    acc1 += tl.dot(av, w1.to(tl.float32))
+                    acc2 += tl.dot(av, w2.to(tl.float32))
+                else:
+                    acc1 += tl.dot(av.to(w1.dtype), w1)
+                    acc2 += tl.dot(av.to(w1.dtype), w2)
+            mask = m_mask[:, None] & n_mask[None, :]
+            if stage == 1:
+                g = acc1 * rstd[:, None]
+                u = acc2 * rstd[:, None]
+                tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], g / (1.0 + tl.exp(-g)) * u, mask=mask)
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 5, 1, sem="release")
+            elif stage == 0:
+                res0 = tl.load(x_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(x1_ptr + offs_m[:, None] * H + offs_n[None, :], acc1 + res0, mask=mask)
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 4, 1, sem="release")
+            else:
+                res2 = tl.load(x1_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs_m[:, None] * H + offs_n[None, :], acc1 + res2.to(tl.float32), mask=mask)
+    # NOTE: the last program out is the only one left: no wait of this launch can still read the counters.
+    done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+    if done == nprog - 1:
+        tl.atomic_xchg(sync_ptr + 2, 0, sem="acq_rel")
+        tl.atomic_xchg(sync_ptr + 3, 0, sem="acq_rel")
+        tl.atomic_xchg(sync_ptr + 4, 0, sem="acq_rel")
+        tl.atomic_xchg(sync_ptr + 5, 0, sem="acq_rel")
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="acq_rel")
+        tl.atomic_add(sync_ptr, 1, sem="acq_rel")

@@ -1,0 +1,1 @@
+"""lowlat's own plugins, advertised through the ``lowlat.plugins`` entry-point group."""

@@ -1,0 +1,97 @@
+"""A built decoder-layer stack over Triton kernels: weights checked, workspaces allocated once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lowlat.build import BuildContext
+from lowlat.errors import ShapeError, Unsupported
+from lowlat.kernels import ops
+from lowlat.layer import ForwardMeta, KVCache
+from lowlat.spec import Step, StepKind
+
+
+class TritonLayerStack:
+    """``Built`` for Llama-style decode with the per-stage kernels (``lowlat.kernels.layer``).
+
+    Owns every intermediate buffer, sized for the agreed coverage at build time; ``forward``
+    allocates nothing and never syncs the host. Subclasses override ``_attention_and_mlp`` to
+    fuse differently (the ``amd`` persistent mode).
+    """
+
+    def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
+        s = ctx.shape
+        try:
+            ops.check_head_dim(s)
+        except ShapeError as exc:
+            raise Unsupported(name, (str(exc),)) from exc
+        if s.head_dim // 2 % lc.qkv_block_p:
+            raise Unsupported(name, (f"head_dim {s.head_dim} is not a multiple of 2 * {lc.qkv_block_p}",))
+        for i, w in enumerate(ctx.weights):
+            w.validate(s)
+            for t in (w.qkv, w.o_proj, w.gate_up, w.down):
+                if t.device.type != ctx.device.type or t.dtype != ctx.dtype or not t.is_contiguous():
+                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {ctx.dtype} on {ctx.device}",))
+        self.name = name
+        self.ctx = ctx
+        self.shape = s
+        self.lc = lc
+        self.weights = ctx.weights
+        m, dev, dt = ctx.max_batch_size, ctx.device, ctx.dtype
+        self.max_splits = ctx.config.max_attn_splits
+        f32 = torch.float32
+        self.q = torch.empty(m, s.q_size, device=dev, dtype=dt)
+        self.part_o = torch.empty(m, s.num_heads, self.max_splits, s.head_dim, device=dev, dtype=f32)
+        self.part_lse = torch.empty(m, s.num_heads, self.max_splits, device=dev, dtype=f32)
+        self.attn = torch.empty(m, s.q_size, device=dev, dtype=dt)
+        self.x1 = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
+        self.act = torch.empty(m, s.intermediate_size, device=dev, dtype=dt)
+        self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
+        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out]
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers)
+
+    def covers(self, step: Step) -> bool:
+        return step.kind == StepKind.DECODE and step.batch_size <= self.ctx.max_batch_size
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        """Decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""
+        b = x.shape[0]
+        if b > self.ctx.max_batch_size or meta.extend_lens is not None:
+            raise ShapeError(f"{self.name}: decode batch of at most {self.ctx.max_batch_size} expected, got {b}")
+        w = self.weights[layer]
+        ops.qkv_rope(x, w, kv, meta, self.q[:b], self.shape, self.lc)
+        out = self.out[layer % 2, :b]
+        self._attention_and_mlp(layer, x, kv, meta, out)
+        return out
+
+    def _splits(self, b: int, meta: ForwardMeta) -> int:
+        max_len = meta.max_seq_len or meta.req_to_token.shape[1]
+        return ops.num_splits(b, self.shape, max_len, self.lc, self.max_splits)
+
+    def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
+        b, w, lc = x.shape[0], self.weights[layer], self.lc
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
+        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
+        ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc)
+        ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc)
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        """Compile and run every kernel per batch size on a scratch KV cache of its own."""
+        s, dev = self.shape, self.ctx.device
+        for b in batch_sizes:
+            slots = 2 * b
+            kv = KVCache(
+                torch.zeros(slots, s.num_kv_heads, s.head_dim, device=dev, dtype=self.ctx.kv_dtype),
+                torch.zeros(slots, s.num_kv_heads, s.head_dim, device=dev, dtype=self.ctx.kv_dtype),
+            )
+            ar = torch.arange(b, device=dev)
+            table = torch.stack([2 * ar, 2 * ar + 1], dim=1).to(torch.int32)
+            meta = ForwardMeta(table, ar, torch.full((b,), 2, dtype=torch.int32, device=dev), torch.ones(b, dtype=torch.int64, device=dev),
+                               2 * ar + 1, max_seq_len=2)
+            x = torch.zeros(b, s.hidden_size, device=dev, dtype=self.ctx.dtype)
+            self.forward(0, x, kv, meta)

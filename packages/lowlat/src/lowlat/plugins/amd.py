@@ -1,0 +1,108 @@
+"""The ``amd`` plugin: the decode layer as two persistent launches in portable Triton.
+
+K1 = RMSNorm + QKV + RoPE + KV write (persistent tile loop); K2 = attention -> split merge ->
+o_proj + residual -> RMSNorm + gate-up + SiLU -> down + residual in one launch, stages handing
+tiles over through tagged counters with bounded spins (``lowlat.kernels.persistent``).
+``staged`` mode runs one launch per stage instead (the per-stage kernels, without PDL).
+
+NOTE: written for AMD Instinct GPUs but never run on AMD hardware; it is tested on the CPU under
+the Triton interpreter and on an NVIDIA H200 through Triton's NVIDIA backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowlat.build import BuildContext
+from lowlat.errors import KernelError
+from lowlat.kernels import ops
+from lowlat.kernels._jit import check_device, next_pow2
+from lowlat.kernels.persistent import attn_mlp_persistent_kernel
+from lowlat.layer import ForwardMeta, KVCache
+from lowlat.plugins._stack import TritonLayerStack
+from lowlat.plugins.nvidia import ARCHS, check_model
+from lowlat.spec import Coverage, PluginSpec, Requirements
+
+
+class AmdLayerStack(TritonLayerStack):
+    """``Built`` of the ``amd`` plugin; ``mode`` is ``persistent`` or ``staged``."""
+
+    def __init__(self, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
+        super().__init__("amd", ctx, lc)
+        self.mode = ctx.config.amd_mode
+        self.spin_limit = ctx.config.spin_limit
+        self.programs = 1 if ctx.device.type == "cpu" else lc.num_sms  # co-resident persistent grid
+        self.sync = torch.zeros(8, dtype=torch.int32, device=ctx.device)  # epoch, done, 4 stage counters
+        self.error = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self._buffers += [self.sync, self.error]
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        if self.mode == "staged":
+            return super().forward(layer, x, kv, meta)
+        b = x.shape[0]
+        ops.qkv_rope(x, self.weights[layer], kv, meta, self.q[:b], self.shape, self.lc, grid_programs=self.programs)
+        out = self.out[layer % 2, :b]
+        self._persistent(layer, x, kv, meta, out)
+        return out
+
+    def _persistent(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
+        b, s, w, lc, dev = x.shape[0], self.shape, self.weights[layer], self.lc, x.device
+        check_device(dev)
+        splits = self._splits(b, meta)
+        kw = {} if dev.type == "cpu" else {"num_warps": lc.num_warps}
+        attn_mlp_persistent_kernel[(self.programs,)](
+            self.q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
+            self.part_o, self.part_lse, self.attn,
+            x, w.o_proj, self.x1, w.post_norm, w.gate_up, self.act, w.down, out,
+            self.sync, self.error,
+            b, s.rms_eps, s.head_dim**-0.5, self.spin_limit,
+            meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
+            H=s.hidden_size, INTER=s.intermediate_size, NQ=s.num_heads, NKV=s.num_kv_heads, D=s.head_dim,
+            NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+            BLOCK_G=next_pow2(s.group_size) if dev.type == "cpu" else max(16, next_pow2(s.group_size)),
+            BLOCK_NA=lc.attn_block_n, BLOCK_M=ops.block_m(b, dev), BLOCK_N=lc.gemv_block_n,
+            BLOCK_K=min(lc.gemv_block_k, next_pow2(min(s.hidden_size, s.q_size, s.intermediate_size))),
+            DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **kw,
+        )
+
+    def check_errors(self) -> None:
+        """Raise ``KernelError`` if a persistent launch gave up waiting (host sync; not in graphs)."""
+        code = int(self.error.item())
+        if code:
+            raise KernelError(
+                f"amd persistent kernel error flag {code}: a stage waited more than spin_limit={self.spin_limit} polls "
+                "(grid not co-resident, or a previous launch failed); call reset() before reuse"
+            )
+
+    def reset(self) -> None:
+        """Zero the counters and the error flag (mutates the plugin's sync state)."""
+        self.sync.zero_()
+        self.error.zero_()
+
+
+def build(ctx: BuildContext) -> AmdLayerStack:
+    """Check the loaded weights and allocate the workspaces and sync counters."""
+    return AmdLayerStack(ctx, ops.LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl=False))
+
+
+spec = PluginSpec(
+    name="amd",
+    version="0.1.0",
+    archs=ARCHS,
+    requirements=Requirements(
+        vendor="amd",
+        amd_archs=("gfx90a", "gfx942", "gfx950"),
+        dtypes=("bfloat16", "float16"),
+        kv_dtypes=("bfloat16", "float16"),
+        tp_sizes=(1,),
+        forbidden_features=frozenset({"lora", "speculative"}),
+        max_context=131072,
+    ),
+    coverage=Coverage(max_tokens=16),
+    build=build,
+    check_model=check_model,
+    priority=10,
+    description="portable Triton: persistent K1 (norm+QKV+RoPE+KV) and K2 (attention..down) with tagged hand-over",
+)
+
+__all__ = ["AmdLayerStack", "build", "spec"]

@@ -1,0 +1,68 @@
+"""The ``nvidia`` plugin: per-stage Triton kernels chained with programmatic dependent launch.
+
+Each kernel issues its first weight loads, then ``gdc_wait`` (the previous kernel's results are
+visible after it), then ``gdc_launch_dependents`` so the next kernel's blocks start early and
+prefetch their own weights. PDL is used where the Triton build has ``launch_pdl`` and
+``tl.extra.cuda.gdc_*`` and the GPU is Hopper or newer; elsewhere the same kernels run unchained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowlat.build import BuildContext
+from lowlat.kernels._jit import pdl_available
+from lowlat.kernels.ops import LaunchConfig
+from lowlat.plugins._stack import TritonLayerStack
+from lowlat.spec import Coverage, PluginSpec, Requirements
+
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def use_pdl(ctx: BuildContext) -> bool:
+    """Whether to chain with PDL: config ``pdl`` plus what Triton and the device support."""
+    if ctx.config.pdl == "off" or ctx.device.type != "cuda":
+        return False
+    ok = pdl_available() and (ctx.setup.capability or (0, 0)) >= (9, 0)
+    if ctx.config.pdl == "on" and not ok:
+        from lowlat.errors import Unsupported
+
+        raise Unsupported("nvidia", ("pdl='on' but this Triton build or GPU has no programmatic dependent launch",))
+    return ok
+
+
+def build(ctx: BuildContext) -> TritonLayerStack:
+    """Check the loaded weights and allocate the workspaces (see ``TritonLayerStack``)."""
+    return TritonLayerStack("nvidia", ctx, LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx)))
+
+
+def check_model(model: Any) -> tuple[str, ...]:
+    """Reasons a loaded model cannot use this plugin: attention biases, q/k norms, MoE layers."""
+    cfg = getattr(model, "config", model)
+    reasons = []
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False):
+        reasons.append("attention projections with bias are not supported")
+    if getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0):
+        reasons.append("mixture-of-experts layers are not supported")
+    return tuple(reasons)
+
+
+spec = PluginSpec(
+    name="nvidia",
+    version="0.1.0",
+    archs=ARCHS,
+    requirements=Requirements(
+        vendor="nvidia",
+        min_capability=(8, 0),
+        dtypes=("bfloat16", "float16"),
+        kv_dtypes=("bfloat16", "float16"),
+        tp_sizes=(1,),
+        forbidden_features=frozenset({"lora", "speculative"}),
+        max_context=131072,
+    ),
+    coverage=Coverage(max_tokens=16),
+    build=build,
+    check_model=check_model,
+    priority=10,
+    description="Triton decode layer: norm+QKV+RoPE+KV write, split-KV GQA attention, fused GEMV epilogues, PDL-chained",
+)

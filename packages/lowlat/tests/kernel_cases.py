@@ -1,0 +1,197 @@
+"""Kernel and plugin cases against the torch reference; run by test_kernels_interpret.py.
+
+Not collected directly (the name does not match test_*.py): a child pytest runs this file with
+TRITON_INTERPRET=1 on the CPU, or without it on a CUDA machine (then on the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowlat import Coverage, KVCache, LayerShape, LowlatConfig, reference_decoder_layer
+from lowlat.build import BuildContext
+from lowlat.kernels import ops
+from lowlat.reference import apply_rope, decode_attention, rms_norm
+from lowlat.testing import TinyModel, decode_meta, fake_setup, greedy_decode, random_kv, random_layer
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+# Tiny shapes on the interpreter; a GQA group of 2 and 4, head_dim 16 and 32.
+SHAPES = [
+    LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96),
+    LayerShape(hidden_size=96, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=64),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "NaN in kernel output"
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _ctx(shape: LayerShape, weights: list, dtype: torch.dtype, max_tokens: int = 8, **cfg: object) -> BuildContext:
+    return BuildContext(shape, tuple(weights), DEVICE, dtype, dtype, Coverage(max_tokens=max_tokens),
+                        LowlatConfig(**cfg), fake_setup(vendor="cpu" if DEVICE.type == "cpu" else "nvidia"), 256)  # type: ignore[arg-type]
+
+
+def _lc(shape: LayerShape) -> ops.LaunchConfig:
+    return ops.LaunchConfig.for_device(DEVICE, shape, use_pdl=False)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(11)
+    w = random_layer(shape, dtype, DEVICE, generator=g)
+    meta = decode_meta([5, 1, 9], 40, 12, DEVICE, generator=g)
+    kv = random_kv(shape, 40, dtype, DEVICE, generator=g)
+    before = KVCache(kv.k.clone(), kv.v.clone())
+    x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
+    q = torch.full((3, shape.q_size), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
+    ops.qkv_rope(x, w, kv, meta, q, shape, _lc(shape))
+    h = rms_norm(x.float(), w.input_norm.float(), shape.rms_eps)
+    qkv = h @ w.qkv.float().T
+    rq, rk, rv = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], -1)
+    rq = apply_rope(rq.view(3, shape.num_heads, -1), meta.positions, w.rope_inv_freq).reshape(3, -1)
+    rk = apply_rope(rk.view(3, shape.num_kv_heads, -1), meta.positions, w.rope_inv_freq)
+    loc = meta.out_cache_loc
+    assert _rel(q, rq) < TOL[dtype]
+    assert _rel(kv.k[loc], rk) < TOL[dtype]
+    assert _rel(kv.v[loc], rv.view(3, shape.num_kv_heads, -1)) < TOL[dtype]
+    others = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    others[loc] = False
+    assert torch.equal(kv.k[others], before.k[others]) and torch.equal(kv.v[others], before.v[others])
+
+
+@pytest.mark.parametrize(("shape", "dtype", "splits"), [
+    (SHAPES[0], torch.float32, 1), (SHAPES[0], torch.bfloat16, 5), (SHAPES[1], torch.float32, 8), (SHAPES[1], torch.bfloat16, 3),
+])
+def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, splits: int) -> None:
+    g = torch.Generator().manual_seed(12 + splits)
+    lens = [1, 17, 40, 6]
+    meta = decode_meta(lens, 120, 48, DEVICE, generator=g)
+    kv = random_kv(shape, 120, dtype, DEVICE, generator=g)
+    q = torch.randn(4, shape.q_size, generator=g).to(DEVICE, dtype)
+    part_o = torch.full((4, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+    part_lse = torch.full((4, shape.num_heads, splits), float("nan"), device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ops.attention(q, kv, meta, part_o, part_lse, out, shape, _lc(shape), splits)
+    ref = decode_attention(q.view(4, shape.num_heads, -1), kv, meta, shape.head_dim**-0.5).reshape(4, -1)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
+    g = torch.Generator().manual_seed(13 + batch)
+    shape = SHAPES[0]
+    lc = _lc(shape)
+    a = torch.randn(batch, 96, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(72, 96, generator=g) / 10).to(DEVICE, dtype)
+    res = torch.randn(batch, 72, generator=g).to(DEVICE, dtype)
+    out = torch.full_like(res, float("nan"))
+    ops.gemv_residual(a, w, res, out, lc)
+    assert _rel(out, res.float() + a.float() @ w.float().T) < TOL[dtype]
+    x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
+    nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
+    wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)
+    act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
+    ops.norm_gate_up(x, nw, wgu, act, 1e-5, lc)
+    gate, up = (rms_norm(x.float(), nw.float(), 1e-5) @ wgu.float().T).split(40, -1)
+    assert _rel(act, F.silu(gate) * up) < TOL[dtype]
+
+
+def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_tokens: int = 8):  # type: ignore[no-untyped-def]
+    if name == "nvidia":
+        from lowlat.plugins.nvidia import build
+
+        return build(_ctx(shape, weights, dtype, max_tokens))
+    from lowlat.plugins.amd import build as amd_build
+
+    return amd_build(_ctx(shape, weights, dtype, max_tokens, amd_mode=name.split("-")[1], spin_limit=1 << 16))
+
+
+# NOTE: on the CPU, amd-staged launches exactly the nvidia kernels (PDL is off), so one case suffices.
+LAYER_CASES = [(p, sh, dt) for p in ("nvidia", "amd-persistent") for sh, dt in zip(SHAPES, DTYPES, strict=True)]
+LAYER_CASES.append(("amd-staged", SHAPES[1], torch.bfloat16))
+
+
+@pytest.mark.parametrize(("plugin", "shape", "dtype"), LAYER_CASES)
+def test_interpret_layer_matches_reference(plugin: str, shape: LayerShape, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(14)
+    weights = [random_layer(shape, dtype, DEVICE, generator=g) for _ in range(2)]
+    built = _build(plugin, shape, weights, dtype)
+    meta = decode_meta([7, 30, 1], 64, 32, DEVICE, generator=g)
+    kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
+    kv_ref = KVCache(kv.k.clone(), kv.v.clone())
+    x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
+    for layer in range(2):  # layer 1 reads layer 0's output buffer: checks ping-pong buffers
+        out = built.forward(layer, x, kv, meta)
+        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
+        assert _rel(out, ref) < 3 * TOL[dtype], (plugin, layer)
+        assert _rel(kv.k, kv_ref.k) < TOL[dtype] and _rel(kv.v, kv_ref.v) < TOL[dtype]
+        x = out.clone()
+    if hasattr(built, "check_errors"):
+        built.check_errors()
+
+
+@pytest.mark.parametrize(("plugin", "num_layers"), [("nvidia", 2), ("amd-persistent", 1)])
+def test_interpret_greedy_tokens_identical_over_64_steps(plugin: str, num_layers: int) -> None:
+    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+    model = TinyModel.random(shape, num_layers=num_layers, vocab=89, seed=5)
+    model = TinyModel(shape, [_to(w) for w in model.layers], model.embed.to(DEVICE), model.final_norm.to(DEVICE),
+                      model.lm_head.to(DEVICE))
+    prompts = [[3, 14, 15, 88, 6], [2, 71, 82]]
+    built = _build(plugin, shape, model.layers, torch.float32, max_tokens=2)
+    want = greedy_decode(model, prompts, 64)
+    got = greedy_decode(model, prompts, 64, layer_fn=built.forward)
+    assert got == want
+    assert len(set(want[0])) > 3  # the decode is not stuck on one token
+
+
+def _to(w):  # type: ignore[no-untyped-def]
+    from dataclasses import fields, replace
+
+    return replace(w, **{f.name: getattr(w, f.name).to(DEVICE) for f in fields(w)})
+
+
+def test_interpret_persistent_spin_is_bounded_and_flags_an_error() -> None:
+    """Two programs under the interpreter run one after the other, so program 0 waits on tiles
+    program 1 has not produced yet: the bounded spin must give up and raise the error flag."""
+    from lowlat import KernelError
+
+    shape = SHAPES[0]
+    g = torch.Generator().manual_seed(15)
+    weights = [random_layer(shape, torch.float32, DEVICE, generator=g)]
+    built = _build("amd-persistent", shape, weights, torch.float32)
+    built.spin_limit = 50
+    built.programs = 2 if DEVICE.type == "cpu" else 100_000  # CPU: sequential programs; GPU: not co-resident
+    meta = decode_meta([4, 9], 32, 16, DEVICE, generator=g)
+    kv = random_kv(shape, 32, torch.float32, DEVICE, generator=g)
+    built.forward(0, torch.randn(2, shape.hidden_size, generator=g).to(DEVICE), kv, meta)
+    with pytest.raises(KernelError, match="spin_limit=50"):
+        built.check_errors()
+    built.reset()
+    built.check_errors()
+
+
+def test_interpret_persistent_task_counts_may_change_between_launches() -> None:
+    """Batch size and split count change the number of tiles per stage from launch to launch; the
+    last program out must leave the counters at zero so the next launch's waits are right."""
+    shape = SHAPES[0]
+    g = torch.Generator().manual_seed(16)
+    weights = [random_layer(shape, torch.float32, DEVICE, generator=g)]
+    built = _build("amd-persistent", shape, weights, torch.float32)
+    for launch, lens in enumerate([[3], [30, 2, 17], [9, 9]]):
+        meta = decode_meta(lens, 64, 32, DEVICE, generator=g)
+        kv = random_kv(shape, 64, torch.float32, DEVICE, generator=g)
+        kv_ref = KVCache(kv.k.clone(), kv.v.clone())
+        x = torch.randn(len(lens), shape.hidden_size, generator=g).to(DEVICE)
+        out = built.forward(0, x, kv, meta)
+        built.check_errors()
+        assert _rel(out, reference_decoder_layer(x, weights[0], kv_ref, meta, shape)) < 1e-4
+        assert built.sync[1:6].tolist() == [0] * 5 and int(built.sync[0]) == launch + 1

@@ -1,0 +1,41 @@
+"""Runs kernel_cases.py in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
+
+TRITON_INTERPRET must be set before triton is imported, so the cases run in a child process and
+the other tests of this session keep the normal Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CASES = Path(__file__).with_name("kernel_cases.py")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _run(env_extra: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
+    env.update(env_extra)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(CASES)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    summary = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, summary
+    last = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "skipped" not in last and "deselected" not in last, summary
+    return last
+
+
+@pytest.mark.slow
+def test_kernels_and_plugins_under_the_interpreter() -> None:
+    _run({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.mark.gpu
+def test_kernels_and_plugins_on_the_gpu() -> None:
+    _run({})

@@ -1,0 +1,73 @@
+"""The built-in plugins as the framework sees them: entry points, guards, check_model, build errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lowlat import LayerShape, LowlatConfig, LowlatError, Registry, Session, Step, Unsupported
+from lowlat.kernels import ops
+from lowlat.kernels._jit import next_pow2, pdl_available
+from lowlat.testing import fake_setup, random_layer
+
+
+def test_entry_points_give_both_plugins() -> None:
+    reg = Registry.from_entry_points()
+    assert {"nvidia", "amd"} <= set(reg.names())
+    nv, amd = reg.get("nvidia"), reg.get("amd")
+    assert nv.requirements.vendor == "nvidia" and amd.requirements.vendor == "amd"
+    assert "LlamaForCausalLM" in nv.archs and nv.coverage.why_not(Step.decode(8)) is None
+
+
+def test_vendor_decides_the_plugin() -> None:
+    for vendor, kw, want in [
+        ("nvidia", {"capability": (9, 0)}, "nvidia"),
+        ("amd", {"capability": None, "amd_arch": "gfx942"}, "amd"),
+        ("cpu", {"capability": None}, None),
+    ]:
+        s = Session(LowlatConfig(), Registry.from_entry_points())
+        s.configure(fake_setup(vendor=vendor, **kw))
+        s.loaded()
+        chosen = s.check_model(SimpleNamespace(config=SimpleNamespace(attention_bias=False)))
+        assert (chosen.name if chosen else None) == want, vendor
+
+
+def test_check_model_rejects_bias_and_moe() -> None:
+    s = Session(LowlatConfig(), Registry.from_entry_points())
+    s.configure(fake_setup())
+    s.loaded()
+    model = SimpleNamespace(config=SimpleNamespace(attention_bias=True, num_local_experts=8))
+    assert s.check_model(model) is None
+    assert len(s.verdicts["nvidia"].reasons) == 2
+
+
+def test_build_refuses_odd_head_dim_with_unsupported() -> None:
+    from lowlat.build import BuildContext
+    from lowlat.plugins.nvidia import build
+    from lowlat.spec import Coverage
+
+    shape = LayerShape(hidden_size=48, num_heads=2, num_kv_heads=1, head_dim=24, intermediate_size=32)
+    ctx = BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
+                       Coverage(), LowlatConfig(), fake_setup(vendor="cpu"), 64)
+    with pytest.raises(Unsupported, match="power-of-two head_dim"):
+        build(ctx)
+
+
+def test_cpu_launch_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+    x = torch.randn(1, 32)
+    with pytest.raises(LowlatError, match="TRITON_INTERPRET=1"):
+        ops.gemv_residual(x, torch.randn(32, 32), x, x.clone(), ops.LaunchConfig.for_device(torch.device("cpu"), shape, False))
+
+
+def test_launch_helpers() -> None:
+    assert [next_pow2(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
+    assert isinstance(pdl_available(), bool)
+    shape = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+    lc = ops.LaunchConfig(num_sms=132)
+    assert ops.num_splits(1, shape, 4096, lc, 16) == 16
+    assert ops.num_splits(8, shape, 4096, lc, 16) == 5
+    assert ops.num_splits(1, shape, 10, lc, 16) == 1
