@@ -42,11 +42,12 @@ from lmdsl.function import (
     function,
     get_default_backend,
     get_server_info,
+    global_config,
     set_default_backend,
     use_backend,
 )
 from lmdsl.interpreter import Usage
-from lmdsl.ir import SamplingParams
+from lmdsl.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, SamplingParams
 from lmdsl.state import ProgramState, ProgramStateGroup
 
 __version__ = "0.1.0"
@@ -70,11 +71,13 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "Backend", "BackendError", "ChatTemplate", "ChatTemplateError", "ConstraintNotSupportedError", "Function",
-    "LmdslConfig", "LmdslError", "NoBackendError", "OpenAI", "ProgramError", "ProgramState", "ProgramStateGroup",
-    "RuntimeEndpoint", "SamplingParams", "SpeculationError", "TraceError", "Usage", "__version__", "assistant",
-    "assistant_begin", "assistant_end", "flush_cache", "function", "get_server_info", "gen", "gen_int", "gen_string", "get_chat_template",
-    "get_chat_template_by_model_path", "get_default_backend", "greedy_token_selection", "image", "select",
-    "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
-    "unconditional_likelihood_normalized", "use_backend", "user", "user_begin", "user_end", "video",
+    "Backend", "BackendError", "ChatTemplate", "ChatTemplateError", "ConstraintNotSupportedError",
+    "Function", "LmdslConfig", "LmdslError", "NoBackendError", "OpenAI", "ProgramError", "ProgramState",
+    "ProgramStateGroup", "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "RuntimeEndpoint",
+    "SamplingParams", "SpeculationError", "TraceError", "Usage", "__version__", "assistant",
+    "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+    "get_chat_template", "get_chat_template_by_model_path", "get_default_backend", "get_server_info",
+    "global_config", "greedy_token_selection", "image", "select", "set_default_backend", "system",
+    "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized",
+    "use_backend", "user", "user_begin", "user_end", "video",
 ]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _default_backend: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("lmdsl_backend", default=None)
 
 
-def set_default_backend(backend: Backend) -> None:
+def set_default_backend(backend: Backend | None) -> None:
     """Sets the backend programs use when `run(backend=None)`, in the current context.
 
     Threads that `run_batch` and streaming runs start inherit it; a thread you start yourself sees
@@ -37,6 +37,22 @@ def set_default_backend(backend: Backend) -> None:
 
 def get_default_backend() -> Backend | None:
     return _default_backend.get()
+
+
+class GlobalConfig:
+    """SGLang's `sgl.global_config`, reduced to what programs read: `default_backend` gets and sets
+    the current context's default backend (see `set_default_backend`)."""
+
+    @property
+    def default_backend(self) -> Backend | None:
+        return _default_backend.get()
+
+    @default_backend.setter
+    def default_backend(self, backend: Backend | None) -> None:
+        _default_backend.set(backend)
+
+
+global_config = GlobalConfig()
 
 
 @contextmanager

@@ -179,6 +179,11 @@ class ProgramStateGroup(Sequence[ProgramState]):
     def __getitem__(self, i: Any) -> Any:
         return self.states[i]
 
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        # NOTE: `forks[i] += expr` reads the child, adds to it in place, then assigns it back.
+        if value is not self.states[i]:
+            raise TypeError("a fork group's members cannot be replaced; use forks[i] += expr")
+
     def __len__(self) -> int:
         return len(self.states)
 

@@ -193,6 +193,10 @@ class TracerGroup:
     def __getitem__(self, i: int) -> TracerState:
         return self.states[i]
 
+    def __setitem__(self, i: int, value: TracerState) -> None:
+        if value is not self.states[i]:
+            raise TypeError("a fork group's members cannot be replaced; use forks[i] += expr")
+
     def __len__(self) -> int:
         return len(self.states)
 

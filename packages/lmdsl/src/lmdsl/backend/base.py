@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,26 @@ class ChoiceDecision:
 
     decision: str
     meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+class TokenUsage:
+    """Running prompt/completion token totals of one backend (all programs); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Mutates the totals."""
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+
+    def reset(self) -> None:
+        """Sets both totals to zero."""
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
 
 
 class Backend:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from lmdsl.backend.base import Backend, ChoiceDecision, GenResult, Prompt
+from lmdsl.backend.base import Backend, ChoiceDecision, GenResult, Prompt, TokenUsage
 from lmdsl.chat_template import ChatTemplate, get_chat_template, get_chat_template_by_model_path
 from lmdsl.choices import decide
 from lmdsl.errors import BackendError, ConstraintNotSupportedError, LmdslError
@@ -107,6 +107,7 @@ class OpenAI(Backend):
         self.constrained_decoding = constrained_decoding
         self.tokenizer = tokenizer
         self.select_method = select_method
+        self.token_usage = TokenUsage()
         self._lock = threading.Lock()
 
     def get_model_name(self) -> str:
@@ -114,8 +115,13 @@ class OpenAI(Backend):
 
     # ---- request building
     def _call(self, fn: Any, **kwargs: Any) -> Any:
+        """One API call; counts its tokens in `token_usage` (not for streams, which report none)."""
         try:
-            return fn(**kwargs)
+            reply = fn(**kwargs)
+            usage = getattr(reply, "usage", None)
+            if usage is not None:
+                self.token_usage.add(usage.prompt_tokens or 0, usage.completion_tokens or 0)
+            return reply
         except self._openai.APIStatusError as e:
             raise BackendError(f"{self.model_name}: HTTP {e.status_code}: {e.message}", e.status_code) from e
         except self._openai.APIError as e:
