@@ -64,6 +64,40 @@ def test_deferral_holds_back_requests_sharing_an_uncached_prefix() -> None:
     assert o.num_ready == 5  # the shared part is cached now: nothing more to gain by waiting
 
 
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prefixes=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=8), max_size=5),
+    keys=st.lists(st.lists(st.integers(0, 1), max_size=10), max_size=10),
+    waits=st.lists(st.integers(0, 3), min_size=10, max_size=10),
+    threshold=st.integers(1, 4),
+)
+def test_deferral_matches_naive_oracle(
+    prefixes: list[list[int]], keys: list[list[int]], waits: list[int], threshold: int
+) -> None:
+    """Deferred iff an earlier ready request shares >= threshold tokens past the cached prefix."""
+    cache, model = _cache_with(prefixes)
+    w = waits[: len(keys)]
+    o = longest_prefix_first(cache, keys, waited_rounds=w, max_wait_rounds=3, defer_shared_tokens=threshold)
+    full = longest_prefix_first(cache, keys, waited_rounds=w, max_wait_rounds=3)
+    ready: list[int] = []
+    deferred: list[int] = []
+    for i in full.order:
+        cached = model.longest_prefix(keys[i])[0]
+        starving = w[i] >= 3
+        if not starving and any(_lcp(keys[i], keys[j]) - cached >= threshold for j in ready):
+            deferred.append(i)
+        else:
+            ready.append(i)
+    assert o.order == ready + deferred and o.num_ready == len(ready)
+
+
 def test_dfs_weight_groups_subtrees_heaviest_first() -> None:
     cache, _ = _cache_with([[1, 1, 1, 1], [1, 1, 2, 2], [3, 3, 3]])
     keys = [

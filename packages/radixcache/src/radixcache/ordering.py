@@ -60,6 +60,13 @@ def _normalize(
     return arrs, eks, waits
 
 
+def _check_defer(defer_shared_tokens: int | None, page_size: int) -> None:
+    if defer_shared_tokens is not None and defer_shared_tokens < page_size:
+        raise ValueError(
+            f"defer_shared_tokens={defer_shared_tokens} must be >= page_size={page_size} (or None)"
+        )
+
+
 def _split_starving(waits: list[int], max_wait_rounds: int | None) -> tuple[list[int], list[int]]:
     if max_wait_rounds is None:
         return [], list(range(len(waits)))
@@ -80,18 +87,30 @@ def _with_deferral(
 ) -> Ordering:
     if defer_shared_tokens is None:
         return Ordering(starving + ranked, len(starving) + len(ranked))
-    batch = RadixCache(cache.page_size)  # prefixes of requests already chosen this round
-    ready: list[int] = []
-    deferred: list[int] = []
+    ps = cache.page_size
+    # NOTE: two requests share >= T >= page_size uncached tokens only if they have the same
+    # cached length and the same tokens up to one page past it, so only such a bucket is
+    # compared, on the suffixes past the cached prefix.
+    buckets: dict[tuple[Hashable, int, bytes], list[int]] = {}
+    order = starving + ranked
+    for i in order:
+        c = cached[i]
+        if len(arrs[i]) - c >= defer_shared_tokens:
+            buckets.setdefault((eks[i], c, arrs[i][: c + ps].tobytes()), []).append(i)
+    deferred_set: set[int] = set()
     starving_set = set(starving)
-    for i in starving + ranked:
-        key = arrs[i]
-        if i not in starving_set and batch.peek_prefix_len(key, eks[i]) - cached[i] >= defer_shared_tokens:
-            deferred.append(i)
+    for members in buckets.values():
+        if len(members) < 2:
             continue
-        ready.append(i)
-        batch.insert(key, np.zeros(len(key), dtype=np.int64), eks[i])
-    return Ordering(ready + deferred, len(ready))
+        batch = RadixCache(ps)  # suffixes of the bucket's requests already chosen this round
+        for i in members:
+            suffix = arrs[i][cached[i] :]
+            if i not in starving_set and batch.peek_prefix_len(suffix) >= defer_shared_tokens:
+                deferred_set.add(i)
+                continue
+            batch.insert(suffix, np.zeros(len(suffix), dtype=np.int64))
+    ready = [i for i in order if i not in deferred_set]
+    return Ordering(ready + [i for i in order if i in deferred_set], len(ready))
 
 
 def longest_prefix_first(
@@ -113,6 +132,7 @@ def longest_prefix_first(
     benchmark results). `cache` may be any `PrefixIndex`.
     """
     arrs, eks, waits = _normalize(keys, extra_keys, waited_rounds)
+    _check_defer(defer_shared_tokens, cache.page_size)
     measure = cache.touch_prefix if touch else cache.peek_prefix_len
     cached = [measure(a, e) for a, e in zip(arrs, eks, strict=True)]
     starving, rest = _split_starving(waits, max_wait_rounds)
@@ -139,6 +159,7 @@ def dfs_weight_order(
     `touch=True` (as in `longest_prefix_first`).
     """
     arrs, eks, waits = _normalize(keys, extra_keys, waited_rounds)
+    _check_defer(defer_shared_tokens, cache.page_size)
     if touch:
         for a, e in zip(arrs, eks, strict=True):
             cache.touch_prefix(a, e)
