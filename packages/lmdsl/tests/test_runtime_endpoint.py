@@ -139,6 +139,14 @@ def test_batches_n_images_and_errors(backend: RuntimeEndpoint, server: FakeNativ
     assert sent["image_data"] == base64.b64encode(b"\x89PNG fake").decode()
     assert sent["text"].startswith("<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n")
 
+    @sgl.function
+    def look_select(s, path):
+        s += sgl.user(sgl.image(path) + "Cat?") + sgl.assistant(sgl.select("a", ["yes", "no"]))
+
+    assert look_select.run(path=str(picture), backend=backend).error() is None
+    batch = server.requests_to("/generate")[-1]
+    assert len(batch["text"]) == 2 and batch["image_data"] == [base64.b64encode(b"\x89PNG fake").decode()] * 2
+
     server.fail_status = 503
     state = ask.run(q="x", backend=backend)
     assert isinstance(state.error().__cause__, sgl.BackendError)

@@ -172,6 +172,9 @@ class RuntimeEndpoint(Backend):
         prefill["sampling_params"] = {"max_new_tokens": 0}
         prompt_len = int(self._request("POST", "/generate", prefill)["meta_info"]["prompt_tokens"])
         data = self._base(prompt)
+        for key in ("image_data", "video_data"):
+            if key in data:  # NOTE: a batched request takes one entry per prompt
+                data[key] = [data[key]] * len(choices)
         data.update(text=[prompt.text + c for c in choices], sampling_params={"max_new_tokens": 0, "temperature": 0},
                     return_logprob=True, return_text_in_logprobs=True, logprob_start_len=max(prompt_len - 2, 0))
         replies = self._request("POST", "/generate", data)
