@@ -256,3 +256,27 @@ def test_paged_allocator_hands_out_whole_pages() -> None:
     alloc.free(a[6:7])  # one slot frees its whole page
     assert alloc.available == 12
     assert alloc.buffer_size == 20
+
+
+def test_pretty_print_shows_namespaces_and_edges() -> None:
+    import io
+
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    cache.insert([4], [20], extra_key="t")
+    buf = io.StringIO()
+    text = cache.pretty_print(file=buf)
+    assert buf.getvalue() == text
+    assert "[namespace None]" in text and "[namespace 't']" in text and "[1,2,3] n=3" in text
+    assert "total=4" in text
+
+
+def test_from_config() -> None:
+    from radixcache import RadixCacheConfig
+
+    cache = RadixCache.from_config(RadixCacheConfig(page_size=4, eviction="fifo", enable_events=True))
+    assert cache.page_size == 4 and cache.policy.name == "fifo"
+    cache.insert(list(range(4)), list(range(4)))
+    assert len(cache.take_events()) == 1
+    with pytest.raises(ValueError):
+        RadixCacheConfig(page_size=0)

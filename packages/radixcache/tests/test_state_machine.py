@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from radixcache import RadixCache, SlotAllocator, TreeNode
 from radixcache.testing import NaivePrefixCache
@@ -155,6 +163,25 @@ class CacheMachine(RuleBasedStateMachine):
     def match_only(self, chunks: list[int], tail: list[int], ns: str | None) -> None:
         self._check_match(self._key(chunks, tail), ns)
 
+    @rule(
+        chunks=st.lists(st.integers(0, 3), max_size=6),
+        tail=st.lists(st.integers(0, 3), max_size=20),
+        ns=st.sampled_from([None, "a"]),
+    )
+    def touch(self, chunks: list[int], tail: list[int], ns: str | None) -> None:
+        key = self._key(chunks, tail)
+        nodes = self.cache.num_nodes()
+        assert self.cache.touch_prefix(key, ns) == self.model.longest_prefix(key, ns)[0]
+        assert self.cache.num_nodes() == nodes  # touching never splits
+
+    @precondition(lambda self: not self.running)
+    @rule()
+    def reset_when_idle(self) -> None:
+        held = self.cache.reset()
+        assert sorted(held.tolist()) == sorted(self.model.slots())
+        self.alloc.free(held)
+        self.model.reset()
+
     @invariant()
     def consistent(self) -> None:
         cache = self.cache
@@ -180,6 +207,7 @@ _SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo", "priority"])
 def test_cache_matches_naive_model(page_size: int, eviction: str) -> None:

@@ -17,7 +17,7 @@ from radixcache.errors import (
 )
 from radixcache.events import AllCleared, Event, PageRemoved, PageStored
 from radixcache.node import TreeNode
-from radixcache.ordering import AgingQueue, Ordering, dfs_weight_order, longest_prefix_first
+from radixcache.ordering import AgingQueue, Ordering, PrefixIndex, dfs_weight_order, longest_prefix_first
 from radixcache.policy import (
     BUILTIN_POLICIES,
     EvictionPolicy,
@@ -47,6 +47,7 @@ __all__ = [
     "Ordering",
     "PageRemoved",
     "PageStored",
+    "PrefixIndex",
     "PriorityPolicy",
     "RadixCache",
     "RadixCacheConfig",
