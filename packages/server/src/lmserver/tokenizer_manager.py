@@ -46,7 +46,6 @@ class GenState:
     rid: str
     prompt_tokens: int
     text: str = ""
-    delta_text: str = ""
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -56,7 +55,10 @@ class GenState:
     input_top_logprobs: list[list[TokenLogprob] | None] | None = None
     output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
-    num_logprobs_sent: int = 0  # streaming cursor into output_token_logprobs
+    # streaming cursors (owned by the route that streams this state)
+    num_logprobs_sent: int = 0
+    num_chars_sent: int = 0
+    num_tokens_streamed: int = -1
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -207,7 +209,7 @@ class TokenizerManager:
         if self.shutting_down:
             raise EngineDeadError("the server is shutting down")
 
-    async def generate(self, req: GenerateReq) -> AsyncIterator[GenState]:
+    async def generate(self, req: GenerateReq, record_metrics: bool = True) -> AsyncIterator[GenState]:
         """Sends one n == 1 request and yields its cumulative `GenState` after each output.
 
         Raises InvalidRequestError when the core rejects it and EngineDeadError when the core
@@ -229,24 +231,24 @@ class TokenizerManager:
                     raise item
                 if item.error is not None:
                     raise InvalidRequestError(item.error)
-                self._apply(state, item)
+                self._apply(state, item, record_metrics)
                 yield state
         finally:
             self._states.pop(req.rid, None)
             if not state.finished and self.dead_reason is None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._push.send_pyobj(AbortReq(req.rid))
-            if state.finished:
+            if state.finished and record_metrics:
                 self.metrics.observe_finished(state)
                 if self.config.log_requests:
                     logger.info("finished %s: %r (%s)", req.rid, state.text[:200], state.finish_reason)
 
-    def _apply(self, state: GenState, out: ReqOutput) -> None:
+    def _apply(self, state: GenState, out: ReqOutput, record_metrics: bool) -> None:
         now = time.monotonic()
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = now
-            self.metrics.observe_first_token(now - state.created)
-        state.delta_text = out.new_text
+            if record_metrics:
+                self.metrics.observe_first_token(now - state.created)
         state.text += out.new_text
         if out.rollback_tokens:  # jump-forward retokenized the tail
             del state.output_ids[len(state.output_ids) - out.rollback_tokens :]
@@ -296,7 +298,7 @@ class TokenizerManager:
                           SamplingParams(max_new_tokens=1, temperature=0.0))
 
         async def run() -> bool:
-            async for state in self.generate(req):
+            async for state in self.generate(req, record_metrics=False):
                 if state.finished:
                     return True
             return False

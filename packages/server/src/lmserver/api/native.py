@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from lmserver.api.errors import APIError, JSONBody, read_json, sse_error
-from lmserver.api.streams import DONE, SSE_HEADERS, collect, merge, prime, sse, until_disconnect
+from lmserver.api.streams import DONE, SSE_HEADERS, collect, due, merge, prime, sse, until_disconnect
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
 from lmserver.tokenizer_manager import GenState, TokenizerManager
 
@@ -143,10 +143,13 @@ async def generate(request: Request) -> Response:
         return JSONBody(outs[0] if single else outs)
 
     events = await prime(merge([mgr.generate(r) for r in reqs]))
+    interval = mgr.config.stream_interval
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for i, state in events:
+                if not due(state, interval):
+                    continue
                 obj = native_output(state, reqs[i])
                 if not single:
                     obj["index"] = i

@@ -22,7 +22,17 @@ from lmserver.api.openai_protocol import (
     completion_logprobs,
     sampling_params,
 )
-from lmserver.api.streams import DONE, SSE_HEADERS, collect, merge, prime, sse, until_disconnect
+from lmserver.api.streams import (
+    DONE,
+    SSE_HEADERS,
+    collect,
+    due,
+    merge,
+    new_text,
+    prime,
+    sse,
+    until_disconnect,
+)
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
 from lmserver.tokenizer_manager import GenState, TokenizerManager
 
@@ -139,6 +149,7 @@ async def completions(request: Request) -> Response:
                                "choices": choices, "usage": _usage(groups)})
 
     events = await prime(merge([mgr.generate(r) for r in reqs]))
+    interval = mgr.config.stream_interval
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body() -> AsyncIterator[bytes]:
@@ -146,7 +157,9 @@ async def completions(request: Request) -> Response:
         started: set[int] = set()
         try:
             async for i, s in events:
-                text = s.delta_text
+                if not due(s, interval):
+                    continue
+                text = new_text(s)
                 if i not in started:
                     started.add(i)
                     text = echo_text[i // n] + text
@@ -198,6 +211,7 @@ async def chat_completions(request: Request) -> Response:
                                "choices": choices, "usage": _usage([states])})
 
     events = await prime(merge([mgr.generate(r) for r in reqs]))
+    interval = mgr.config.stream_interval
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -213,10 +227,13 @@ async def chat_completions(request: Request) -> Response:
                     started.add(i)
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
+                if not due(s, interval):
+                    continue
                 logprobs = lp(s, s.num_logprobs_sent)
                 s.num_logprobs_sent = len(s.output_token_logprobs)
-                if s.delta_text or logprobs and logprobs["content"]:
-                    yield chunk([{"index": i, "delta": {"content": s.delta_text}, "logprobs": logprobs,
+                text = new_text(s)
+                if text or logprobs and logprobs["content"]:
+                    yield chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
                                   "finish_reason": None}])
                 if s.finished:
                     final[i] = s

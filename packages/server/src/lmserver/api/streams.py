@@ -20,6 +20,23 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def due(state: GenState, interval: int) -> bool:
+    """Whether a stream chunk is due for `state`: the first one, the last one, or every
+    `interval` generated tokens (`--stream-interval`). Mutates the state's token cursor when due."""
+    if state.finished or state.num_tokens_streamed < 0 or (
+            state.completion_tokens - state.num_tokens_streamed >= interval):
+        state.num_tokens_streamed = state.completion_tokens
+        return True
+    return False
+
+
+def new_text(state: GenState) -> str:
+    """The text not streamed yet; advances the state's character cursor."""
+    text = state.text[state.num_chars_sent:]
+    state.num_chars_sent = len(state.text)
+    return text
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
