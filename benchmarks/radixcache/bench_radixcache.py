@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per cell; the fastest (least disturbed) is kept")
     ap.add_argument("--sglang", action="store_true", help="also run SGLang's Python RadixCache side by side")
     ap.add_argument("--json", type=Path, help="write all results to this JSON file")
+    ap.add_argument("--no-touch", action="store_true",
+                    help="order with peek only (no LRU refresh of waiting requests' prefixes); "
+                         "SGLang's ordering always touches, since its match_prefix does")
     args = ap.parse_args(argv)
 
     impls: list[Any] = [sim.RadixCacheAdapter]
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = traces.TRACES[name]()
         optimal = traces.optimal_hit_rate(trace)
         for cap in capacities:
-            cfg = sim.SimConfig(capacity=cap)
+            cfg = sim.SimConfig(capacity=cap, touch=not args.no_touch)
             cell = []
             for make in impls:
                 row = _run_one(trace, make, cfg, args.repeats)
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ours['hit_rate'] - theirs['hit_rate']:+.4f}")
     if args.json:
         meta = {"commit": _commit(), "python": platform.python_version(), "machine": platform.machine(),
-                "argv": sys.argv[1:], "sim": vars(sim.SimConfig(capacity=0))}
+                "argv": sys.argv[1:], "sim": vars(sim.SimConfig(capacity=0, touch=not args.no_touch))}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")
     return 0

@@ -93,6 +93,7 @@ class SimConfig:
     decode_chunk: int = 16
     max_wait_rounds: int | None = 8
     defer_shared_tokens: int | None = 64
+    touch: bool = True  # refresh LRU clocks of waiting requests' prefixes every round
 
 
 @dataclass
@@ -157,7 +158,7 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
             t0 = clock()
             order = longest_prefix_first(
                 cache, [r.prompt for r in waiting], waited_rounds=waits,
-                max_wait_rounds=cfg.max_wait_rounds, defer_shared_tokens=cfg.defer_shared_tokens, touch=True,
+                max_wait_rounds=cfg.max_wait_rounds, defer_shared_tokens=cfg.defer_shared_tokens, touch=cfg.touch,
             )
             res.order_ns += clock() - t0
             budget = cfg.prefill_budget
