@@ -339,16 +339,19 @@ def bench_sampling(copy_bw: float, quick: bool) -> list[Row]:
     rows = []
     vocab = 128256
     for bs in (1, 8, 32):
-        for label, k, p, mp in (("top_k=50 top_p=0.9", 50, 0.9, 0.0), ("top_p=0.95 min_p=0.05", 0, 0.95, 0.05),
-                                ("no filter", 0, 1.0, 0.0)):
+        for label, k, p, mp in (("top_k=50 top_p=0.9", 50, 0.9, 0.0), ("top_k=50", 50, 1.0, 0.0),
+                                ("top_p=0.95 min_p=0.05", 0, 0.95, 0.05), ("no filter", 0, 1.0, 0.0)):
+            # the host knows which filters the batch uses (SamplingParams), as a sampler would
+            need = {"need_top_k": k > 0, "need_top_p": p < 1.0}
             logits = torch.randn(bs, vocab, device="cuda") * 3
             params = (torch.full((bs,), 0.8, device="cuda"), torch.full((bs,), k, device="cuda", dtype=torch.int32),
                       torch.full((bs,), p, device="cuda"), torch.full((bs,), mp, device="cuda"))
             out = torch.empty(bs, vocab, device="cuda")
-            top_k_top_p_min_p_probs(logits, *params, out=out)
+            top_k_top_p_min_p_probs(logits, *params, out=out, **need)
             want = top_k_top_p_min_p_probs_ref(logits, *params)
             err = rel_error(out, want)
-            t = time_graph(lambda i, logits=logits, params=params, out=out: top_k_top_p_min_p_probs(logits, *params, out=out), 1)
+            t = time_graph(lambda i, logits=logits, params=params, out=out, need=need: top_k_top_p_min_p_probs(
+                logits, *params, out=out, **need), 1)
             t_ref = time_graph(lambda i, logits=logits, params=params: top_k_top_p_min_p_probs_ref(logits, *params), 1)
             rows.append(row("top_k_top_p_min_p_probs", f"bs={bs} vocab={vocab} {label}", err, t, t_ref,
                             2 * bs * vocab * 4, copy_bw, "torch: softmax + sort + cumsum"))

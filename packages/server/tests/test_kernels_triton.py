@@ -190,12 +190,26 @@ def test_apply_token_bitmask(device: str) -> None:
         assert torch.equal(logits, expected)
 
 
+def _check_filtered(out: torch.Tensor, expected: torch.Tensor, logits: torch.Tensor, temps: torch.Tensor) -> None:
+    kept, kept_ref = out > 0, expected > 0
+    assert not (kept_ref & ~kept).any(), "the kernel dropped a token the reference keeps"
+    # Threshold semantics: extra tokens are exact ties with the reference's smallest kept one.
+    probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
+    boundary = torch.where(kept_ref, probs, float("inf")).min(-1, keepdim=True).values
+    extra = kept & ~kept_ref
+    assert torch.equal(probs[extra], boundary.expand_as(probs)[extra]), "an extra token is no tie"
+    if logits.dtype == torch.float32:
+        assert not extra.any()  # no ties among random float32 logits
+    want = probs * kept
+    torch.testing.assert_close(out, want / want.sum(-1, keepdim=True), rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_top_k_top_p_min_p_probs(device: str) -> None:
     from lmserver.kernels.sampling import top_k_top_p_min_p_probs
 
     g = _gen(6)
-    vocab = _scale(device, [2000], [128256])[0]
+    vocab, chunk, pivots = _scale(device, [1000, 256, 32], [128256, 4096, 32])
     temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0, 1.0, 0.9])
     top_ks = torch.tensor([0, 50, vocab, 1, 200, 10, 40, -1])
     top_ps = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.3, 0.99, 0.8, 0.95])
@@ -203,19 +217,20 @@ def test_top_k_top_p_min_p_probs(device: str) -> None:
     for dtype in (torch.float32, torch.float16 if device == "cpu" else torch.bfloat16):
         logits = (torch.randn(8, vocab, generator=g) * 4).to(dtype).to(device)
         params = [t.to(device) for t in (temps, top_ks, top_ps, min_ps)]
-        expected = ref.top_k_top_p_min_p_probs_ref(logits, *params)
-        out = top_k_top_p_min_p_probs(logits, *params, block=256 if device == "cpu" else 1024)
-        kept, kept_ref = out > 0, expected > 0
-        assert not (kept_ref & ~kept).any(), "the kernel dropped a token the reference keeps"
-        # Threshold semantics: extra tokens are exact ties with the reference's smallest kept one.
-        probs = torch.softmax(logits.float() / params[0][:, None], dim=-1)
-        boundary = torch.where(kept_ref, probs, float("inf")).min(-1, keepdim=True).values
-        extra = kept & ~kept_ref
-        assert torch.equal(probs[extra], boundary.expand_as(probs)[extra]), "an extra token is no tie"
-        if dtype == torch.float32:
-            assert not extra.any()  # no ties among random float32 logits
-        want = probs * kept
-        torch.testing.assert_close(out, want / want.sum(-1, keepdim=True), rtol=1e-4, atol=1e-7)
+        out = top_k_top_p_min_p_probs(logits, *params, chunk=chunk, num_pivots=pivots)
+        _check_filtered(out, ref.top_k_top_p_min_p_probs_ref(logits, *params), logits, params[0])
+    # Searches skipped on the host (no row uses them): min-p only, and no filter at all; a
+    # grammar-masked row with a whole chunk at -inf.
+    logits = (torch.randn(3, vocab, generator=g) * 4).to(device)
+    logits[1, : chunk + 7] = float("-inf")
+    logits[2, torch.randperm(vocab, generator=g)[: vocab - 5].to(device)] = float("-inf")
+    params = [t.to(device) for t in (torch.tensor([1.0, 0.8, 1.2]), torch.zeros(3, dtype=torch.int64),
+                                      torch.ones(3), torch.tensor([0.1, 0.0, 0.3]))]
+    for need_top_k, need_top_p in ((False, False), (True, False), (False, True)):
+        out = top_k_top_p_min_p_probs(
+            logits, *params, need_top_k=need_top_k, need_top_p=need_top_p, chunk=chunk, num_pivots=pivots
+        )
+        _check_filtered(out, ref.top_k_top_p_min_p_probs_ref(logits, *params), logits, params[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -255,3 +270,23 @@ def test_decode_attention_replays_in_cuda_graph() -> None:
         expected = ref.decode_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token,
                                             batch.req_pool_indices, seq_lens, 128**-0.5)
         assert rel_error(out, expected) < 1.6e-2
+
+
+@pytest.mark.gpu
+def test_sampling_filter_replays_in_cuda_graph() -> None:
+    from lmserver.kernels.sampling import top_k_top_p_min_p_probs
+
+    g = _gen(10)
+    logits = torch.randn(4, 32000, generator=g).cuda() * 3
+    params = [t.cuda() for t in (torch.tensor([1.0, 0.8, 1.1, 0.6]), torch.tensor([0, 20, 100, 5]),
+                                 torch.tensor([0.9, 1.0, 0.5, 0.99]), torch.tensor([0.0, 0.05, 0.0, 0.0]))]
+    out = torch.empty_like(logits)
+    top_k_top_p_min_p_probs(logits, *params, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        top_k_top_p_min_p_probs(logits, *params, out=out)
+    for _ in range(2):
+        logits.copy_(torch.randn(4, 32000, generator=g).cuda() * 3)
+        out.fill_(float("nan"))
+        graph.replay()
+        _check_filtered(out, ref.top_k_top_p_min_p_probs_ref(logits, *params), logits, params[0])

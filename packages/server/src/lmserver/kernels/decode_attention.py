@@ -34,7 +34,8 @@ def _decode_stage1(
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -43,7 +44,7 @@ def _decode_stage1(
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req = tl.load(req_pool_indices_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, num_splits)
     # NOTE: round split boundaries to BLOCK_N so each tile load is aligned.
     split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -85,7 +86,7 @@ def _decode_stage1(
         m_i = m_new
 
     store_mask = mask_h[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -109,13 +110,14 @@ def _decode_stage2(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(partial_lse_ptr + b * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -176,7 +178,7 @@ def decode_attention(
             partial_lse = torch.empty(bs, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
         p_out, p_lse = partial_out, partial_lse
     else:
-        p_out, p_lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+        p_out, p_lse = out, out  # unused by the kernel when SINGLE_SPLIT
     if bs == 0:
         return out
     block_d = next_pow2(head_dim)
@@ -193,7 +195,8 @@ def decode_attention(
         out.stride(0), out.stride(1),
         *p_out_strides,
         *p_lse_strides,
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        num_kv_splits,
+        GROUP=group, HEAD_DIM=head_dim, SINGLE_SPLIT=num_kv_splits == 1,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
@@ -204,7 +207,8 @@ def decode_attention(
             *p_out_strides,
             *p_lse_strides,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits, BLOCK_S=next_pow2(num_kv_splits), BLOCK_D=block_d,
+            num_kv_splits,
+            HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_kv_splits), BLOCK_D=block_d,
             num_warps=4 if block_d >= 128 else 2,
         )
     return out

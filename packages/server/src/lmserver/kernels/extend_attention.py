@@ -85,9 +85,31 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    # New tokens: causal. Only blocks up to this query block's last row are needed.
-    end_n = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
-    for n in range(0, end_n, BLOCK_N):
+    # New tokens before this query block: fully visible, no causal mask needed.
+    # NOTE: BLOCK_M is a multiple of BLOCK_N, so this loop ends exactly at the block's first row.
+    diag_start = block_m * BLOCK_M
+    for n in range(0, diag_start, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        ext_rows = start + offs_n
+        k = tl.load(
+            k_ext_ptr + ext_rows[:, None] * stride_ket + kv_head * stride_keh + offs_d[None, :],
+            mask=mask_d[None, :], other=0.0,
+        )
+        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ext_ptr + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
+            mask=mask_d[None, :], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # The diagonal: causal mask, up to this block's last valid row.
+    end_n = tl.minimum(diag_start + BLOCK_M, extend_len)
+    for n in range(diag_start, end_n, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < extend_len
         ext_rows = start + offs_n
@@ -163,6 +185,8 @@ def extend_attention(
         block_n = (64 if block_d <= 64 else 32) if q.is_cuda else 16
     if num_warps is None:
         num_warps = 4 if block_d <= 64 else 8
+    if block_m % block_n:
+        raise KernelInputError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, k_cache, v_cache,
