@@ -58,3 +58,16 @@ def test_core_exits_when_the_server_is_killed() -> None:
     core_pid = httpx.get(srv.base_url + "/get_server_info", timeout=30).json()["core_pid"]
     srv.stop(signal.SIGKILL)
     assert _gone(core_pid), "the core process was orphaned"
+
+
+def test_port_in_use_exits_1_before_loading_the_model() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        srv = ServerProcess(core="crash", port=busy.getsockname()[1])
+        with pytest.raises(RuntimeError, match="did not become ready"):
+            srv.start(timeout_s=120)
+    assert srv.proc.returncode == 1
+    assert any("Address already in use" in line for line in srv.lines)

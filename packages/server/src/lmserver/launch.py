@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -57,6 +58,10 @@ async def _serve(config: ServerConfig, core_factory: str, core_kwargs: dict[str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
 
+    problem = _port_problem(config.host, config.port)
+    if problem:
+        logger.error("cannot serve on %s:%s: %s (choose another --port)", config.host, config.port, problem)
+        return 1
     addrs = IpcAddrs.new()
     mgr = TokenizerManager(config, addrs)
     proc = multiprocessing.get_context("spawn").Process(
@@ -133,6 +138,17 @@ async def _run_http(config: ServerConfig, mgr: TokenizerManager, proc: Any, stop
     if not server.started:
         status["code"] = 1
     return status["code"]
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound now (checked before the model loads), or None."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _reap(proc: Any) -> None:
