@@ -151,6 +151,14 @@ def test_stop_string_is_trimmed_and_reported(http: httpx.Client, fake: FakeEngin
             assert all(stop[:4] not in e["text"][len(out["text"]):] for e in sse_events(r.text))
 
 
+def test_null_fields_mean_defaults_as_sglang_clients_send_them(http: httpx.Client, fake: FakeEngineCore) -> None:
+    body = {"text": PROMPT, "lora_path": None, "return_logprob": None, "logprob_start_len": None,
+            "sampling_params": {"max_new_tokens": None, "temperature": 0, "regex": None, "json_schema": None,
+                                "stop_token_ids": None, "custom_params": None}}
+    out = http.post("/generate", json=body).json()
+    assert out["text"] == expected_text(fake, fake.tokenizer.encode(PROMPT), 128)
+
+
 # -- OpenAI API ---------------------------------------------------------------------------------
 def test_openai_models_and_model_check(oai: openai.OpenAI) -> None:
     models = oai.models.list().data

@@ -91,6 +91,8 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
         if not isinstance(sp, dict):
             raise APIError(400, "sampling_params must be a JSON object (or a list of them for a batch)",
                            param="sampling_params")
+        # NOTE: null means "the default" (SGLang clients send every field, some as null)
+        sp = {k: v for k, v in sp.items() if v is not None}
         params = SamplingParams.from_dict(sp)
         input_ids = mgr.encode(prompt) if isinstance(prompt, str) else list(prompt)
         mgr.check_input_ids(input_ids, params, max_new_tokens_given="max_new_tokens" in sp)
