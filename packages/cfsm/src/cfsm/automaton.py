@@ -238,41 +238,82 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
     return out, accepting
 
 
-def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
-    n = table.shape[0]  # includes the dead state (last row)
-    dead = n - 1
-    # trim: states that cannot reach acceptance behave like the dead state
-    rev_src = np.repeat(np.arange(n), 256)
-    rev_dst = table.reshape(-1)
-    order = np.argsort(rev_dst, kind="stable")
-    rev_src, rev_dst = rev_src[order], rev_dst[order]
-    starts = np.searchsorted(rev_dst, np.arange(n + 1))
+def _live_states(cols: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """States from which an accepting state is reachable (reverse BFS over byte classes)."""
+    n = cols.shape[0]
+    src = np.repeat(np.arange(n, dtype=np.int64), cols.shape[1])
+    keys = np.unique(cols.reshape(-1).astype(np.int64) * n + src)
+    dst, pred = keys // n, keys % n
+    starts = np.searchsorted(dst, np.arange(n + 1))
+    preds = pred.tolist()
+    bounds = starts.tolist()
     live = accepting.copy()
-    frontier = list(np.flatnonzero(accepting))
+    frontier = np.flatnonzero(accepting).tolist()
     while frontier:
         q = frontier.pop()
-        preds = np.unique(rev_src[starts[q] : starts[q + 1]])
-        new = preds[~live[preds]]
-        live[new] = True
-        frontier.extend(new.tolist())
-    live[dead] = False
-    table = np.where(live[table], table, dead).astype(np.int32)
-    table[~live] = dead
-    # byte classes: bytes whose columns are equal behave the same everywhere
-    _, col_rep, byte_class = np.unique(table.T, axis=0, return_index=True, return_inverse=True)
-    cols = table[:, col_rep]
-    cls = np.where(live, accepting.astype(np.int64) + 1, 0)
+        for p in preds[bounds[q] : bounds[q + 1]]:
+            if not live[p]:
+                live[p] = True
+                frontier.append(p)
+    return live
+
+
+def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """Moore refinement to the coarsest congruence, with 64-bit row hashes as signatures.
+
+    # NOTE: a hash collision could only merge too much; the result is checked to be a
+    # congruence and, if not, refined again with exact row comparisons.
+    """
+    rng = np.random.default_rng(0x5EED)
+    weights = rng.integers(1, 2**63, size=cols.shape[1] + 1, dtype=np.uint64) | np.uint64(1)
     num = len(np.unique(cls))
     while True:
-        sig = np.column_stack([cls, cls[cols]])
-        _, new_cls = np.unique(sig, axis=0, return_inverse=True)
-        new_cls = new_cls.reshape(-1)
+        h = cls.astype(np.uint64) * weights[0]
+        h += (cls[cols].astype(np.uint64) * weights[1:]).sum(axis=1, dtype=np.uint64)
+        _, new_cls = np.unique(h, return_inverse=True)
+        new_cls = new_cls.reshape(-1).astype(np.int64)
         new_num = int(new_cls.max()) + 1
         cls = new_cls
         if new_num == num:
             break
         num = new_num
-    # renumber: the dead class last, the rest in first-seen order from the start state
+    reps = np.zeros(num, dtype=np.int64)
+    reps[cls] = np.arange(len(cls))
+    if np.array_equal(cls[cols], cls[cols[reps[cls]]]):
+        return cls
+    while True:  # exact fallback (never seen in practice)
+        _, new_cls = np.unique(np.column_stack([cls, cls[cols]]), axis=0, return_inverse=True)
+        new_cls = new_cls.reshape(-1)
+        if int(new_cls.max()) + 1 == num:
+            return new_cls
+        cls, num = new_cls, int(new_cls.max()) + 1
+
+
+def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(representative byte of each class, class of each byte): bytes with equal columns."""
+    weights = np.random.default_rng(0xB17E).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
+    h = (table.T.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)  # (256,)
+    _, rep, cls = np.unique(h, return_index=True, return_inverse=True)
+    cls = cls.reshape(-1)
+    if np.array_equal(table[:, rep[cls]], table):
+        return rep, cls
+    _, rep, cls = np.unique(table.T, axis=0, return_index=True, return_inverse=True)  # exact fallback
+    return rep, cls.reshape(-1)
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
+    n = table.shape[0]  # includes the dead state (last row)
+    dead = n - 1
+    # byte classes: bytes whose columns are equal behave the same everywhere
+    col_rep, byte_class = _byte_classes(table)
+    cols = table[:, col_rep]
+    # trim: states that cannot reach acceptance behave like the dead state
+    live = _live_states(cols, accepting)
+    live[dead] = False
+    cls = np.where(live, accepting.astype(np.int64) + 1, 0)
+    cls = _refine(cols, cls)
+    num = int(cls.max()) + 1
+    # renumber: the dead class last, the rest in first-seen order from state 0
     dead_cls = cls[dead]
     remap = np.full(num, -1, dtype=np.int64)
     nxt = 0

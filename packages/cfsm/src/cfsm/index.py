@@ -22,8 +22,8 @@ __all__ = ["Index", "build_index"]
 _FEW_BYTES = 6
 # ranges at most this long are walked directly
 _SMALL_RANGE = 24
-# states looping on at least this many bytes test those tokens with one byte-set check
-_MIN_SELF_LOOPS = 32
+# states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
+_MIN_GROUP_BYTES = 32
 # states whose allowed first bytes start more than this share of the vocabulary walk it whole
 _BROAD = 0.15
 
@@ -133,7 +133,7 @@ def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> t
     return tables.by_length[alive].astype(np.int64), cur[alive]
 
 
-def _walk_state(q: int, dfa: Dfa, tflat: np.ndarray, allowed: list[np.ndarray], self_loops: list[np.ndarray | None],
+def _walk_state(q: int, dfa: Dfa, tflat: np.ndarray, allowed: list[np.ndarray], chains: list[tuple[np.ndarray, np.ndarray] | None],
                 tables: TrieTables, stay_flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted positions, next states) of every token whose bytes survive from state `q`."""
     dead = dfa.dead
@@ -142,18 +142,25 @@ def _walk_state(q: int, dfa: Dfa, tflat: np.ndarray, allowed: list[np.ndarray], 
     n = columns.shape[1]
     out_pos: list[np.ndarray] = []
     out_next: list[np.ndarray] = []
-    outside = self_loops[q]
-    if outside is not None:
-        # NOTE: tokens made only of bytes that loop on q end in q: one set test, no walk.
+    broad = int(tables.first_byte_counts[allowed[q]].sum()) > _BROAD * n
+    chain_info = chains[q]
+    if chain_info is not None and broad:
+        # NOTE: tokens made only of bytes of the state's main byte group P follow a known chain of
+        # states (one state per length): one byte-set test and a lookup, no walk.
+        outside, chain = chain_info
         bs = tables.byte_sets
         inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
         pos_in = np.flatnonzero(inside)
-        out_pos.append(pos_in)
-        out_next.append(np.full(len(pos_in), q, dtype=np.int32))
-        rest = np.flatnonzero(~inside)
+        lens = tables.lengths[pos_in]
+        known = lens < len(chain)
+        nxt = chain[lens[known]]
+        alive = nxt != dead
+        out_pos.append(pos_in[known][alive])
+        out_next.append(nxt[alive])
+        rest = np.concatenate([np.flatnonzero(~inside), pos_in[~known]])
         _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, columns, tflat, dead, out_pos, out_next)
         return np.concatenate(out_pos), np.concatenate(out_next)
-    if int(tables.first_byte_counts[allowed[q]].sum()) > _BROAD * n:
+    if broad:
         return _walk_all(q, stay_flat, dead, tables)
     stack = [(q, 0, n, 0)]
     while stack:
@@ -196,17 +203,44 @@ def _walk_state(q: int, dfa: Dfa, tflat: np.ndarray, allowed: list[np.ndarray], 
     return np.concatenate(out_pos), np.concatenate(out_next)
 
 
-def _self_loop_sets(dfa: Dfa) -> list[np.ndarray | None]:
-    """Per state, the complement of its self-loop byte set as 4 uint64 words (None if few loops)."""
+def _chains(dfa: Dfa, max_len: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Per broad state q: (complement of its main byte group P as 4 uint64 words, chain).
+
+    P is the largest set of bytes leading from q to one state; `chain[k]` is the state after any
+    k bytes of P, for every k < len(chain) (the chain stops where P's bytes stop agreeing).
+    """
     trans = dfa.transitions
-    loops = trans == np.arange(trans.shape[0])[:, None]
-    out: list[np.ndarray | None] = []
-    for s in range(trans.shape[0]):
-        if s == dfa.dead or loops[s].sum() < _MIN_SELF_LOOPS:
+    dead = dfa.dead
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for q in range(trans.shape[0]):
+        row = trans[q]
+        if q == dead:
             out.append(None)
             continue
-        words = np.packbits(~loops[s], bitorder="little").view("<u8")
-        out.append(words.astype(np.uint64))
+        counts = np.bincount(row, minlength=trans.shape[0])
+        counts[dead] = 0
+        main = int(counts.argmax())
+        if counts[main] < _MIN_GROUP_BYTES:
+            out.append(None)
+            continue
+        group = np.flatnonzero(row == main)
+        chain = [q, main]
+        while len(chain) <= max_len:
+            cur = chain[-1]
+            if cur == dead:
+                chain.extend([dead] * (max_len + 1 - len(chain)))
+                break
+            nxt = trans[cur, group]
+            if not (nxt == nxt[0]).all():
+                break
+            if int(nxt[0]) == cur:  # a self-loop: the chain stays here
+                chain.extend([cur] * (max_len + 1 - len(chain)))
+                break
+            chain.append(int(nxt[0]))
+        member = np.zeros(256, dtype=bool)
+        member[group] = True
+        words = np.packbits(~member, bitorder="little").view("<u8").astype(np.uint64)
+        out.append((words, np.asarray(chain, dtype=np.int32)))
     return out
 
 
@@ -219,7 +253,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     dead = dfa.dead
     live = trans != dead
     allowed = [np.flatnonzero(live[s]).astype(np.int16) for s in range(num_states + 1)]
-    self_loops = _self_loop_sets(dfa)
+    chains = _chains(dfa, int(tables.lengths.max()) if len(tables.lengths) else 0)
     # a 257th column: "past the end of the token" keeps the state
     stay_flat = np.hstack([trans, np.arange(num_states + 1, dtype=np.int32)[:, None]]).reshape(-1)
     by_token = np.full(vocab.size, -1, dtype=np.int32)
@@ -228,10 +262,12 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
 
     per_state: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     queue = [dfa.start]
-    seen = {dfa.start}
+    seen = np.zeros(num_states + 1, dtype=bool)
+    seen[dfa.start] = True
+    seen[dead] = True
     while queue:
         s = queue.pop()
-        pos, nxt = _walk_state(s, dfa, tflat, allowed, self_loops, tables, stay_flat)
+        pos, nxt = _walk_state(s, dfa, tflat, allowed, chains, tables, stay_flat)
         tids = tables.order[pos]
         if len(tids) > 2048:
             by_token[tids] = nxt
@@ -242,10 +278,11 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             order = np.argsort(tids, kind="stable")
             tids, nxt = tids[order], nxt[order]
         per_state[s] = (tids, nxt)
-        for t in np.unique(nxt).tolist():
-            if t not in seen:
-                seen.add(t)
-                queue.append(t)
+        fresh = nxt[~seen[nxt]]
+        if len(fresh):
+            fresh = np.unique(fresh)
+            seen[fresh] = True
+            queue.extend(fresh.tolist())
 
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
     rows: dict[bytes, int] = {}
@@ -255,16 +292,16 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     bits = np.zeros(words * 32, dtype=bool)
     for s, (tids, _) in per_state.items():
         counts[s] = len(tids)
-        bits[:] = False
-        bits[tids] = True
-        if dfa.accepting[s]:
-            bits[eos] = True
-        packed = np.packbits(bits, bitorder="little").view("<i4")
-        key = packed.tobytes()
+        # equal (token set, accepting) means equal masks: key on the token ids, pack once per row
+        key = tids.tobytes() + (b"A" if dfa.accepting[s] else b"N")
         r = rows.get(key)
         if r is None:
+            bits[:] = False
+            bits[tids] = True
+            if dfa.accepting[s]:
+                bits[eos] = True
             r = rows[key] = len(row_list)
-            row_list.append(packed.astype(np.int32))
+            row_list.append(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
         mask_row[s] = r
     indptr[1:] = np.cumsum(counts)
     token_ids = np.empty(int(indptr[-1]), dtype=np.int32)

@@ -57,9 +57,12 @@ _TYPE_KEYWORDS = {
 _SPECIAL = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
 _HEX = Chars(((48, 57), (65, 70), (97, 102)))
 _PLAIN = Chars(negate(_SPECIAL))
+# NOTE: `\\uXXXX` escapes are limited to control characters (`\\u0000`-`\\u001F`): other characters
+# are written as themselves (UTF-8). General `\\u` escapes would add four hex states per character
+# position, which multiplies the index size of every length-bounded string.
 JSON_CHAR = alt(_PLAIN, cat(lit("\\"), Chars(((0x22, 0x22), (0x2F, 0x2F), (0x5C, 0x5C), (0x62, 0x62), (0x66, 0x66),
                                               (0x6E, 0x6E), (0x72, 0x72), (0x74, 0x74)))),
-                cat(lit("\\u"), Repeat(_HEX, 4, 4)))
+                cat(lit("\\u00"), Chars(((0x30, 0x31),)), _HEX))
 JSON_STRING = cat(lit('"'), Repeat(JSON_CHAR, 0, None), lit('"'))
 _SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 
