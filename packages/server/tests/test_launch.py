@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -71,3 +72,12 @@ def test_port_in_use_exits_1_before_loading_the_model() -> None:
             srv.start(timeout_s=120)
     assert srv.proc.returncode == 1
     assert any("Address already in use" in line for line in srv.lines)
+
+
+@pytest.mark.slow
+def test_engine_start_failure_exits_1_with_the_reason(tmp_path: Any) -> None:
+    srv = ServerProcess(["--model-path", str(tmp_path / "no-such-model")], core=None)
+    with pytest.raises(RuntimeError, match="did not become ready"):
+        srv.start(timeout_s=300)
+    assert srv.proc.returncode == 1
+    assert any("failed to start" in line and "no-such-model" in line for line in srv.lines), srv.log_tail()

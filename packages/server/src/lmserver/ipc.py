@@ -80,6 +80,11 @@ class IpcAddrs:
     to_core: str
     from_core: str
 
+    @property
+    def folder(self) -> str:
+        """The folder holding both ipc:// socket files."""
+        return os.path.dirname(self.to_core.removeprefix("ipc://"))
+
     @classmethod
     def new(cls) -> IpcAddrs:
         """Fresh ipc:// endpoints in a new private temporary folder (created here)."""

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import shutil
 import signal
 import socket
 import sys
@@ -76,6 +77,7 @@ async def _serve(config: ServerConfig, core_factory: str, core_kwargs: dict[str,
     finally:
         await mgr.shutdown()
         await loop.run_in_executor(None, _reap, proc)
+        shutil.rmtree(addrs.folder, ignore_errors=True)
 
 
 async def _wait_ready(mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> Any:
