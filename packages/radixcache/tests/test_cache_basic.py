@@ -105,14 +105,44 @@ def test_evict_cascades_to_parent_leaf() -> None:
     cache.check_integrity()
 
 
-def test_evict_frees_at_least_requested_in_whole_nodes() -> None:
+def test_evict_trims_the_tail_of_the_lru_leaf() -> None:
     cache = RadixCache()
     _ins(cache, [1, 2, 3, 4], 10)
     _ins(cache, [9, 9], 20)
-    freed = cache.evict(1)
-    assert len(freed) in (2, 4)  # the LRU leaf, whole
-    assert cache.total_size == 6 - len(freed)
+    assert cache.evict(1).tolist() == [13]  # exactly what was asked, from the end of the LRU leaf
+    assert cache.match_prefix([1, 2, 3, 4]).length == 3
+    assert cache.total_size == 5
     assert len(cache.evict(0)) == 0
+    whole = RadixCache(trim_leaves=False)
+    _ins(whole, [1, 2, 3, 4], 10)
+    assert whole.evict(1).tolist() == [10, 11, 12, 13]  # SGLang's behaviour: whole leaves
+    cache.check_integrity()
+
+
+def test_paged_trim_is_page_aligned() -> None:
+    cache = RadixCache(page_size=4)
+    cache.insert(list(range(12)), np.arange(100, 112))
+    assert cache.evict(5).tolist() == list(range(104, 112))  # two pages
+    assert cache.match_prefix(list(range(12))).length == 4
+    cache.check_integrity()
+
+
+def test_insert_extends_a_leaf_in_place() -> None:
+    cache = RadixCache()
+    _ins(cache, [1, 2, 3], 10)
+    node = cache.match_prefix([1, 2, 3]).last_node
+    cache.lock(node)  # a running request holds the leaf
+    r = cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
+    assert r.prefix_len == 3 and r.last_node is node and cache.num_nodes() == 1
+    assert cache.protected_size == 5 and cache.evictable_size == 0  # the lock covers the new tail
+    assert cache.unlock(node) == 5
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == [10, 11, 12, 13, 14]
+    chained = RadixCache(merge_leaves=False)
+    _ins(chained, [1, 2, 3], 10)
+    chained.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
+    assert chained.num_nodes() == 2
+    cache.check_integrity()
+    chained.check_integrity()
 
 
 def test_lock_of_evicted_node_raises() -> None:
@@ -209,7 +239,7 @@ def test_touch_prefix_refreshes_lru_without_splitting() -> None:
     nodes_before = cache.num_nodes()
     assert cache.touch_prefix([1, 2, 9]) == 2  # ends inside [1,2,3,4]: touched whole, unsplit
     assert cache.num_nodes() == nodes_before and cache.total_size == 6
-    assert cache.evict(1).tolist() == [20, 21]  # [5,6] is now the least recently used
+    assert cache.evict(2).tolist() == [20, 21]  # [5,6] is now the least recently used
     assert cache.touch_prefix([7]) == 0
     assert cache.touch_prefix([1], extra_key="other") == 0
     cache.check_integrity()

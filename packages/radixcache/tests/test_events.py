@@ -38,7 +38,7 @@ def _apply(mirror: set[int], events: list) -> None:
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["insert", "insert", "match", "evict", "reset"]),
+            st.sampled_from(["insert", "extend", "extend", "match", "evict", "reset"]),
             st.lists(st.integers(0, 2), max_size=14),
             st.sampled_from([None, "t1"]),
         ),
@@ -50,8 +50,12 @@ def test_event_mirror_equals_cached_pages(page_size: int, ops: list) -> None:
     model = NaivePrefixCache(page_size)
     mirror: set[int] = set()
     next_slot = 1
+    last: list[int] = []
     for op, toks, ns in ops:
+        if op == "extend":  # the next turn of a conversation: a longer key under a cached one
+            op, toks = "insert", last + toks
         if op == "insert":
+            last = toks
             vals = np.arange(next_slot, next_slot + len(toks))
             next_slot += len(toks)
             cache.insert(toks, vals, ns)

@@ -49,12 +49,13 @@ def _chunk_pool(page_size: int) -> list[list[int]]:
 class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     eviction = "lru"
+    options: dict = {}  # noqa: RUF012 - per-subclass RadixCache keyword options
 
     requests = Bundle("requests")
 
     @initialize()
     def setup(self) -> None:
-        self.cache = RadixCache(self.page_size, self.eviction)
+        self.cache = RadixCache(self.page_size, self.eviction, **self.options)
         self.alloc = SlotAllocator(NUM_SLOTS, self.page_size)
         self.model = NaivePrefixCache(self.page_size)
         self.running: dict[int, _Req] = {}
@@ -214,3 +215,12 @@ def test_cache_matches_naive_model(page_size: int, eviction: str) -> None:
     machine = type(f"Machine_{page_size}_{eviction}", (CacheMachine,), {"page_size": page_size, "eviction": eviction})
     examples = 60 if eviction == "lru" else 15
     settings(_SETTINGS, max_examples=examples)(machine).TestCase().runTest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_whole_node_mode_matches_naive_model(page_size: int) -> None:
+    """SGLang's granularity: no in-place leaf extension, whole-leaf eviction."""
+    options = {"merge_leaves": False, "trim_leaves": False}
+    machine = type(f"MachineWhole_{page_size}", (CacheMachine,), {"page_size": page_size, "options": options})
+    settings(_SETTINGS, max_examples=20)(machine).TestCase().runTest()

@@ -38,7 +38,9 @@ class MatchResult(NamedTuple):
     """Result of `RadixCache.match_prefix`.
 
     - `indices`: slot ids of the matched prefix, read-only, shape (length,). Owned by the tree.
-    - `last_node`: the node that ends exactly at `length` (lock it while the slots are in use).
+    - `last_node`: the node that ends exactly at `length` when returned. Lock it at once (before
+      any `evict`) and keep it locked while the slots are in use; a locked node may later grow by
+      an in-place extension or be split, and it still protects these slots.
     - `length`: number of matched tokens, a multiple of `page_size`.
     """
 
@@ -78,6 +80,12 @@ class RadixCache:
     Keys are cut to whole pages of `page_size` tokens: only `len(key) - len(key) % page_size`
     tokens are ever matched or stored. `extra_key` selects a namespace (adapter id, image salt,
     tenant); namespaces never share nodes. Single-threaded; no method blocks.
+
+    `merge_leaves=True`: an insert that continues a leaf (the next chat turn, an agent's next
+    step) extends that leaf in place instead of hanging a one-child chain under it, so paths stay
+    short. `trim_leaves=True`: `evict` frees exactly what is asked (rounded up to pages) by
+    cutting the tail of the policy's first leaf, instead of freeing whole leaves. Setting both to
+    False gives SGLang's granularity.
     """
 
     def __init__(
@@ -86,6 +94,8 @@ class RadixCache:
         eviction: str | EvictionPolicy = "lru",
         *,
         enable_events: bool = False,
+        merge_leaves: bool = True,
+        trim_leaves: bool = True,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -93,6 +103,8 @@ class RadixCache:
         self._page_bytes = page_size * TOKEN_BYTES
         self._policy = make_policy(eviction)
         self._enable_events = enable_events
+        self._merge_leaves = merge_leaves
+        self._trim_leaves = trim_leaves
         self._tick = 0
         self._seq = 0
         self._heap: list[tuple[Any, int, TreeNode]] = []
@@ -105,7 +117,8 @@ class RadixCache:
     @classmethod
     def from_config(cls, config: RadixCacheConfig) -> RadixCache:
         """A cache built from `config` (page size, eviction policy, events)."""
-        return cls(config.page_size, config.eviction, enable_events=config.enable_events)
+        return cls(config.page_size, config.eviction, enable_events=config.enable_events,
+                   merge_leaves=config.merge_leaves, trim_leaves=config.trim_leaves)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -195,9 +208,10 @@ class RadixCache:
         tokens; the caller keeps `value[:prefix_len]` (free the duplicates it allocated) and the
         rest `value[aligned:]` (the unaligned tail).
 
-        Mutates: adds at most one leaf (and splits at most one node), refreshes the access clock
-        along the path, raises node priorities to at least `priority`, grows `evictable_size`
-        and `total_size` by `aligned - prefix_len`.
+        Mutates: adds at most one leaf or extends one leaf in place (and splits at most one
+        node), refreshes the access clock along the path, raises node priorities to at least
+        `priority`, grows `total_size` by `aligned - prefix_len` (as `protected_size` when the
+        extended leaf is locked, else `evictable_size`).
         """
         arr = as_key(key)
         val = as_key(value)
@@ -239,7 +253,10 @@ class RadixCache:
                 break
         prefix_len = pos // TOKEN_BYTES
         if pos < nb:
-            node = self._add_leaf(node, kb[pos:], val[prefix_len:n], priority, tick)
+            if self._merge_leaves and node.parent is not None and not node.children:
+                self._extend_leaf(node, kb[pos:], val[prefix_len:n], priority, tick)
+            else:
+                node = self._add_leaf(node, kb[pos:], val[prefix_len:n], priority, tick)
         return InsertResult(prefix_len, node)
 
     def peek_prefix_len(self, key: KeyLike, extra_key: Hashable = None) -> int:
@@ -311,9 +328,11 @@ class RadixCache:
     def evict(self, num_tokens: int) -> npt.NDArray[np.int64]:
         """Evict unlocked leaves, in policy order, until at least `num_tokens` tokens are freed
         or nothing is evictable. A parent left as an unlocked leaf becomes evictable in turn.
+        With `trim_leaves` (default) the last leaf visited loses only its tail, so exactly
+        `num_tokens` rounded up to whole pages are freed when that many are evictable.
 
-        Returns the freed slot ids (the caller frees them in its allocator; may exceed
-        `num_tokens` since whole nodes are evicted). Mutates the tree and sizes.
+        Returns the freed slot ids (the caller frees them in its allocator). Mutates the tree and
+        sizes.
         """
         if num_tokens <= 0:
             return _EMPTY
@@ -332,6 +351,14 @@ class RadixCache:
                 self._seq += 1
                 heapq.heapreplace(heap, (cur, self._seq, node))
                 continue
+            need = num_tokens - got
+            if self._trim_leaves and need < len(node.value):
+                keep = len(node.value) - (need + (-need) % self._page_size)
+                if keep > 0:
+                    freed.append(node.value[keep:])
+                    got += len(node.value) - keep
+                    self._trim_leaf(node, keep)
+                    break
             heapq.heappop(heap)
             node.in_heap = False
             freed.append(node.value)
@@ -469,11 +496,49 @@ class RadixCache:
         self._push(leaf)
         return leaf
 
+    def _extend_leaf(
+        self, leaf: TreeNode, kb: bytes, value: npt.NDArray[np.int64], priority: int, tick: int
+    ) -> None:
+        """Append tokens to a leaf in place (a leaf extended by a longer key, e.g. the next chat
+        turn) instead of hanging a one-child chain under it: keeps paths short."""
+        # NOTE: the leaf's lock (if any) now also covers the new tokens, so they count as protected
+        slots = np.concatenate([leaf.value, value])
+        slots.setflags(write=False)
+        n = len(value)
+        if self._enable_events:
+            assert leaf.hashes
+            parent_hash = leaf.hashes[-1]
+            toks = np.frombuffer(kb, dtype=np.int64)
+            new_hashes = chain_hashes(hash_to_bytes(parent_hash), toks, self._page_size)
+            leaf.hashes = leaf.hashes + new_hashes
+            self._events.append(PageStored(tuple(new_hashes), parent_hash, tuple(toks.tolist()), leaf.extra_key))
+        leaf.key = leaf.key + kb
+        leaf.value = slots
+        if priority > leaf.priority:
+            leaf.priority = priority
+        if leaf.lock_ref:
+            self._protected += n
+        else:
+            self._evictable += n
+            self._push(leaf)
+
     def _push(self, node: TreeNode) -> None:
         if not node.in_heap:
             self._seq += 1
             heapq.heappush(self._heap, (self._policy.key(node), self._seq, node))
             node.in_heap = True
+
+    def _trim_leaf(self, node: TreeNode, keep: int) -> None:
+        """Drop the tail of an unlocked leaf, keeping its first `keep` tokens (page-aligned)."""
+        removed = len(node.value) - keep
+        node.key = node.key[: keep * TOKEN_BYTES]
+        node.value = node.value[:keep]
+        self._evictable -= removed
+        if node.hashes is not None:
+            pages = keep // self._page_size
+            if self._enable_events:
+                self._events.append(PageRemoved(tuple(node.hashes[pages:]), node.extra_key))
+            node.hashes = node.hashes[:pages]
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent

@@ -13,6 +13,8 @@ class RadixCacheConfig:
     - `eviction`: name of a built-in eviction policy (`lru`, `lfu`, `fifo`, `priority`).
     - `enable_events`: record stored/removed page events for `take_events()` (costs one hash
       per page on insert).
+    - `merge_leaves`: extend a leaf in place when an insert continues it (short paths).
+    - `trim_leaves`: `evict` cuts the tail of a leaf to free exactly what is asked.
     - `max_wait_rounds`: aging bound used by the cache-aware ordering helpers: a request passed
       over this many rounds is ordered ahead of every non-starving request.
     """
@@ -20,6 +22,8 @@ class RadixCacheConfig:
     page_size: int = 1
     eviction: str = "lru"
     enable_events: bool = False
+    merge_leaves: bool = True
+    trim_leaves: bool = True
     max_wait_rounds: int = 8
 
     def __post_init__(self) -> None:
