@@ -77,7 +77,7 @@ class XgrammarEngine:
         if kind == "regex":
             return self.compiler.compile_regex(grammar)
         if kind == "schema":
-            return self.compiler.compile_json_schema(json.dumps(grammar), any_whitespace=False)
+            return self.compiler.compile_json_schema(json.dumps(grammar), any_whitespace=False, separators=(",", ":"))
         return self.compiler.compile_builtin_json_grammar()
 
     def matcher(self, compiled: Any) -> Any:
@@ -179,15 +179,16 @@ class OutlinesEngine:
         return self.oc.Index(pattern, self.vocabulary)
 
     def matcher(self, compiled: Any) -> Any:
-        return _OutlinesMatcher(self.oc, compiled, self.bundle.size)
+        return _OutlinesMatcher(self.oc, compiled, self.bundle.size, self.bundle.vocab.eos_token_ids[0])
 
     def memory_bytes(self, compiled: Any) -> int:
         return -1
 
 
 class _OutlinesMatcher:
-    def __init__(self, oc: Any, index: Any, size: int) -> None:
+    def __init__(self, oc: Any, index: Any, size: int, eos: int) -> None:
         self.g = oc.Guide(index)
+        self.eos = eos
         self.mask = np.zeros((1, (size + 31) // 32), dtype=np.int32)
 
     def fill(self) -> None:
@@ -197,6 +198,8 @@ class _OutlinesMatcher:
         return bool((int(self.mask[0, token_id // 32]) >> (token_id % 32)) & 1)
 
     def accept(self, token_id: int) -> None:
+        if token_id == self.eos:  # outlines-core allows EOS in final states but has no transition for it
+            return
         self.g.advance(token_id)
 
 

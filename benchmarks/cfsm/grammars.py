@@ -57,8 +57,8 @@ TARGET_40 = {s: {f"{s}_id": 1200 + i, f"{s}_label": f"{s.title()} record", f"{s}
                  f"{s}_ratio": 0.25, f"{s}_enabled": i % 2 == 0, f"{s}_created": "2024-03-1" + str(i),
                  f"{s}_notes": "Checked on site.", f"{s}_codes": [3, 14, 15]}
              for i, s in enumerate(_SECTIONS)}
-TARGET_FREE = {"id": 7, "title": "Free JSON", "items": [{"k": "a", "v": [1, 2.5, None]}, {"k": "b", "v": []}],
-               "ok": True}
+TARGET_FREE = {"id": 7, "title": "Free JSON", "items": [{"k": "a", "v": 2.5}, {"k": "b", "v": None}],
+               "ok": True, "tags": ["x", "y"]}  # depth 3: object > array > object
 
 
 def dumps(value: Any) -> str:

@@ -22,7 +22,7 @@ from cfsm.vocab import Vocabulary
 
 __all__ = ["compile_regex", "compile_json_schema", "compile_json_object", "Compiler", "regex_dfa"]
 
-_INDEX_ARRAYS = ("masks", "mask_row", "indptr", "token_ids", "next_states")
+_INDEX_ARRAYS = ("masks", "mask_row")
 
 
 def regex_dfa(pattern: str) -> Dfa:

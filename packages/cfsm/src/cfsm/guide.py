@@ -94,8 +94,7 @@ class Guide:
         if self._finished:
             return True
         s = self._state
-        idx = self.index
-        return idx.is_accepting(s) and idx.indptr[s] == idx.indptr[s + 1]
+        return self.index.is_accepting(s) and not self.index.has_tokens(s)
 
     def can_stop(self) -> bool:
         """True when the text so far is a complete match (EOS is allowed)."""

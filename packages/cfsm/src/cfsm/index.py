@@ -24,6 +24,10 @@ _FEW_BYTES = 6
 _SMALL_RANGE = 24
 # states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
 _MIN_GROUP_BYTES = 32
+# token sets up to this size are keyed by their sorted ids (larger ones by their packed mask)
+_SPARSE_ROW = 2048
+# states with at most this many candidate tokens (allowed first byte) are walked in plain Python
+_TINY = 96
 # states whose allowed first bytes start more than this share of the vocabulary walk it whole
 _BROAD = 0.15
 
@@ -32,19 +36,16 @@ _BROAD = 0.15
 class Index:
     """Compiled grammar over one vocabulary; shared read-only by every `Guide` made from it.
 
-    - `masks[mask_row[s]]` is the allowed-token bitmask of DFA state `s` (`ceil(V/32)` int32
-      words; bit `i % 32` of word `i // 32` is token `i`); states with equal masks share a row.
-    - tokens allowed in `s`: `token_ids[indptr[s]:indptr[s + 1]]` (sorted), with next states in
-      `next_states` at the same positions. EOS is in the mask of accepting states only.
+    `masks[mask_row[s]]` is the allowed-token bitmask of DFA state `s` (`ceil(V/32)` int32 words;
+    bit `i % 32` of word `i // 32` is token `i`); states with equal masks share a row; EOS is set
+    in the masks of accepting states. `mask_row[s]` is -1 for states never reached at a token
+    boundary. The next state of an allowed token is its bytes walked through `dfa`.
     """
 
     vocab: Vocabulary
     dfa: Dfa
     masks: np.ndarray  # (num_rows, ceil(V / 32)) int32
-    mask_row: np.ndarray  # (num_states + 1,) int32; -1 for states never reached at a token boundary
-    indptr: np.ndarray  # (num_states + 2,) int64
-    token_ids: np.ndarray  # (nnz,) int32
-    next_states: np.ndarray  # (nnz,) int32
+    mask_row: np.ndarray  # (num_states + 1,) int32
     grammar: str = ""
 
     @property
@@ -63,20 +64,35 @@ class Index:
     def is_accepting(self, state: int) -> bool:
         return bool(self.dfa.accepting[state])
 
+    def is_allowed(self, state: int, token_id: int) -> bool:
+        """Whether the mask of `state` has `token_id` (EOS included). Pure."""
+        row = int(self.mask_row[state])
+        if row < 0 or not 0 <= token_id < self.vocab.size:
+            return False
+        return bool((int(self.masks[row, token_id >> 5]) >> (token_id & 31)) & 1)
+
     def next_state(self, state: int, token_id: int) -> int:
-        """State after `token_id` from `state`, or `dead` if not allowed (EOS included). Pure."""
-        lo, hi = int(self.indptr[state]), int(self.indptr[state + 1])
-        if lo == hi:
+        """State after non-EOS `token_id` from `state`, or `dead` if not allowed. Pure."""
+        if not self.is_allowed(state, token_id) or token_id in self.vocab.special_token_ids:
             return self.dead
-        ids = self.token_ids
-        k = lo + int(np.searchsorted(ids[lo:hi], token_id))
-        if k < hi and ids[k] == token_id:
-            return int(self.next_states[k])
-        return self.dead
+        return self.dfa.walk(state, self.vocab.tokens[token_id])
 
     def allowed_token_ids(self, state: int) -> np.ndarray:
-        """Sorted non-EOS token ids allowed in `state` (a view; do not mutate)."""
-        return self.token_ids[self.indptr[state] : self.indptr[state + 1]]
+        """Sorted non-EOS token ids allowed in `state`. Pure."""
+        bits = np.unpackbits(self.mask(state).view(np.uint8), bitorder="little")[: self.vocab.size]
+        ids = np.flatnonzero(bits).astype(np.int32)
+        return ids[~np.isin(ids, self.vocab.eos_token_ids)]
+
+    def has_tokens(self, state: int) -> bool:
+        """Whether any non-EOS token is allowed in `state`. Pure."""
+        return bool(self._row_has_tokens[int(self.mask_row[state])])
+
+    @functools.cached_property
+    def _row_has_tokens(self) -> np.ndarray:
+        words = self.masks.view(np.uint32).copy()
+        for e in self.vocab.eos_token_ids:
+            words[:, e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
+        return (words != 0).any(axis=1)
 
     def mask(self, state: int) -> np.ndarray:
         """The bitmask row of `state` (a view; do not mutate)."""
@@ -99,7 +115,8 @@ class Index:
 
     @property
     def memory_bytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.masks, self.mask_row, self.indptr, self.token_ids, self.next_states)))
+        """Bytes held by the mask rows, the state map and the DFA."""
+        return int(self.masks.nbytes + self.mask_row.nbytes + self.dfa.transitions.nbytes)
 
 
 def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarray, tflat: np.ndarray,
@@ -133,74 +150,182 @@ def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> t
     return tables.by_length[alive].astype(np.int64), cur[alive]
 
 
-def _walk_state(q: int, dfa: Dfa, tflat: np.ndarray, allowed: list[np.ndarray], chains: list[tuple[np.ndarray, np.ndarray] | None],
-                tables: TrieTables, stay_flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted positions, next states) of every token whose bytes survive from state `q`."""
-    dead = dfa.dead
-    trans = dfa.transitions
-    columns = tables.columns
-    n = columns.shape[1]
-    out_pos: list[np.ndarray] = []
-    out_next: list[np.ndarray] = []
-    broad = int(tables.first_byte_counts[allowed[q]].sum()) > _BROAD * n
-    chain_info = chains[q]
-    if chain_info is not None and broad:
-        # NOTE: tokens made only of bytes of the state's main byte group P follow a known chain of
-        # states (one state per length): one byte-set test and a lookup, no walk.
-        outside, chain = chain_info
-        bs = tables.byte_sets
-        inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
-        pos_in = np.flatnonzero(inside)
-        lens = tables.lengths[pos_in]
-        known = lens < len(chain)
-        nxt = chain[lens[known]]
-        alive = nxt != dead
-        out_pos.append(pos_in[known][alive])
-        out_next.append(nxt[alive])
-        rest = np.concatenate([np.flatnonzero(~inside), pos_in[~known]])
-        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, columns, tflat, dead, out_pos, out_next)
+class _Walker:
+    """Per-compile caches shared by the walks of all states."""
+
+    def __init__(self, dfa: Dfa, tables: TrieTables) -> None:
+        self.dfa = dfa
+        self.dead = dfa.dead
+        self.trans = dfa.transitions
+        self.tflat = self.trans.reshape(-1)
+        self.tables = tables
+        self.n = len(tables.order)
+        live = self.trans != self.dead
+        self.allowed = [np.flatnonzero(live[s]).astype(np.int16) for s in range(self.trans.shape[0])]
+        self.chains = _chains(dfa, int(tables.lengths.max()) if self.n else 0)
+        # a 257th column: "past the end of the token" keeps the state
+        self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
+        self._rows: dict[int, list[int]] = {}
+        self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _row(self, q: int) -> list[int]:
+        row = self._rows.get(q)
+        if row is None:
+            row = self._rows[q] = self.trans[q].tolist()
+        return row
+
+    def _inside_group(self, outside: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions made only of the group's bytes, their lengths, the other positions), cached."""
+        key = outside.tobytes()
+        hit = self._inside.get(key)
+        if hit is None:
+            bs = self.tables.byte_sets
+            inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
+            pos_in = np.flatnonzero(inside)
+            hit = self._inside[key] = (pos_in, self.tables.lengths[pos_in], np.flatnonzero(~inside))
+        return hit
+
+    def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted positions, next states) of every token whose bytes survive from state `q`."""
+        tables = self.tables
+        dead = self.dead
+        allowed = self.allowed[q]
+        num_candidates = int(tables.first_byte_counts[allowed].sum())
+        if num_candidates <= _TINY:
+            return self._walk_tiny(q, allowed)
+        broad = num_candidates > _BROAD * self.n
+        chain_info = self.chains[q]
+        out_pos: list[np.ndarray] = []
+        out_next: list[np.ndarray] = []
+        if chain_info is not None and broad:
+            # NOTE: tokens made only of bytes of the state's main byte group P follow a known chain
+            # of states (one state per length): a cached byte-set test and a lookup, no walk.
+            outside, chain = chain_info
+            pos_in, lens, others = self._inside_group(outside)
+            known = lens < len(chain)
+            nxt = chain[lens[known]]
+            alive = nxt != dead
+            out_pos.append(pos_in[known][alive])
+            out_next.append(nxt[alive])
+            rest = np.concatenate([others, pos_in[~known]])
+            _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, dead,
+                             out_pos, out_next)
+            return np.concatenate(out_pos), np.concatenate(out_next)
+        if broad:
+            return _walk_all(q, self.stay_flat, dead, tables)
+        if len(allowed) > _FEW_BYTES and self._walk_first_then_chain(q, allowed, out_pos, out_next):
+            return np.concatenate(out_pos), np.concatenate(out_next)
+        self._walk_ranges(q, out_pos, out_next)
+        if not out_pos:
+            return np.zeros(0, np.int64), np.zeros(0, np.int32)
         return np.concatenate(out_pos), np.concatenate(out_next)
-    if broad:
-        return _walk_all(q, stay_flat, dead, tables)
-    stack = [(q, 0, n, 0)]
-    while stack:
-        q, lo, hi, d = stack.pop()
-        col = columns[d, lo:hi]
-        if d > 0:
-            e = int(np.searchsorted(col, 0))
-            if e:
-                out_pos.append(np.arange(lo, lo + e, dtype=np.int64))
-                out_next.append(np.full(e, q, dtype=np.int32))
-                lo += e
-                col = col[e:]
-                if lo >= hi:
-                    continue
-        ab = allowed[q]
-        if len(ab) == 0:
-            continue
-        lefts = np.searchsorted(col, ab, "left")
-        rights = np.searchsorted(col, ab, "right")
-        if len(ab) <= _FEW_BYTES and hi - lo > _SMALL_RANGE:
-            for b, left, right in zip(ab.tolist(), lefts.tolist(), rights.tolist(), strict=True):
-                if right > left:
-                    stack.append((int(trans[q, b]), lo + left, lo + right, d + 1))
-            continue
-        sizes = rights - lefts
-        nz = sizes > 0
+
+    def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
+                               out_next: list[np.ndarray]) -> bool:
+        """One byte, then the chain of the state it leads to (an escape letter, then string text).
+
+        Applies when every allowed first byte leads to a state with a chain over one common byte
+        group; returns False (nothing written) otherwise.
+        """
+        targets = self.trans[q, allowed.astype(np.int64)]
+        uniq, which = np.unique(targets, return_inverse=True)
+        infos = [self.chains[int(r)] for r in uniq.tolist()]
+        first = infos[0]
+        if first is None or any(i is None or not np.array_equal(i[0], first[0]) for i in infos):
+            return False
+        tables = self.tables
+        starts = tables.first_byte_starts
+        a = allowed.astype(np.int64)
+        lo, hi = starts[a], starts[a + 1]
+        sizes = hi - lo
         total = int(sizes.sum())
         if total == 0:
-            continue
-        if total == hi - lo:
-            idx = np.arange(lo, hi, dtype=np.int64)
-        else:
-            # concatenated sub-ranges of the allowed next bytes
-            starts, lens = lefts[nz] + lo, sizes[nz]
-            offsets = np.cumsum(lens) - lens
-            idx = np.repeat(starts - offsets, lens) + np.arange(total, dtype=np.int64)
-        _walk_vectorized(idx, np.full(total, q, dtype=np.int32), d, columns, tflat, dead, out_pos, out_next)
-    if not out_pos:
-        return np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return np.concatenate(out_pos), np.concatenate(out_next)
+            return True
+        offsets = np.cumsum(sizes) - sizes
+        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        slot = np.repeat(which.reshape(-1), sizes)  # which chain each candidate follows
+        outside = first[0]
+        ts = tables.tail_byte_sets[:, idx]
+        inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
+        width = max(len(i[1]) for i in infos if i is not None)
+        table = np.full((len(infos), width), -1, dtype=np.int32)
+        for k, info in enumerate(infos):
+            assert info is not None
+            table[k, : len(info[1])] = info[1]
+        steps = tables.lengths[idx] - 1  # bytes after the first one
+        hit = inside & (steps < width)
+        nxt = table[slot[hit], steps[hit]]
+        known = nxt >= 0
+        good = nxt[known] != self.dead
+        out_pos.append(idx[hit][known][good])
+        out_next.append(nxt[known][good])
+        rest = np.concatenate([idx[~hit], idx[hit][~known]])
+        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, self.dead,
+                         out_pos, out_next)
+        return True
+
+    def _walk_tiny(self, q: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Plain Python walk of the few tokens whose first byte is allowed."""
+        starts = self.tables.first_byte_starts
+        toks = self.tables.sorted_tokens
+        dead = self.dead
+        row_q = self._row(q)
+        pos: list[int] = []
+        nxt: list[int] = []
+        for b in allowed.tolist():
+            first = row_q[b]
+            for i in range(int(starts[b]), int(starts[b + 1])):
+                s = first
+                for byte in toks[i][1:]:
+                    s = self._row(s)[byte]
+                    if s == dead:
+                        break
+                else:
+                    pos.append(i)
+                    nxt.append(s)
+        return np.asarray(pos, dtype=np.int64), np.asarray(nxt, dtype=np.int32)
+
+    def _walk_ranges(self, q: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
+        """Descend the sorted-vocabulary trie by binary search; walk wide ranges with numpy."""
+        columns = self.tables.columns
+        trans = self.trans
+        stack = [(q, 0, self.n, 0)]
+        while stack:
+            q, lo, hi, d = stack.pop()
+            col = columns[d, lo:hi]
+            if d > 0:
+                e = int(np.searchsorted(col, 0))
+                if e:
+                    out_pos.append(np.arange(lo, lo + e, dtype=np.int64))
+                    out_next.append(np.full(e, q, dtype=np.int32))
+                    lo += e
+                    col = col[e:]
+                    if lo >= hi:
+                        continue
+            ab = self.allowed[q]
+            if len(ab) == 0:
+                continue
+            lefts = np.searchsorted(col, ab, "left")
+            rights = np.searchsorted(col, ab, "right")
+            if len(ab) <= _FEW_BYTES and hi - lo > _SMALL_RANGE:
+                for b, left, right in zip(ab.tolist(), lefts.tolist(), rights.tolist(), strict=True):
+                    if right > left:
+                        stack.append((int(trans[q, b]), lo + left, lo + right, d + 1))
+                continue
+            sizes = rights - lefts
+            nz = sizes > 0
+            total = int(sizes.sum())
+            if total == 0:
+                continue
+            if total == hi - lo:
+                idx = np.arange(lo, hi, dtype=np.int64)
+            else:
+                # concatenated sub-ranges of the allowed next bytes
+                starts, lens = lefts[nz] + lo, sizes[nz]
+                offsets = np.cumsum(lens) - lens
+                idx = np.repeat(starts - offsets, lens) + np.arange(total, dtype=np.int64)
+            _walk_vectorized(idx, np.full(total, q, dtype=np.int32), d, columns, self.tflat, self.dead,
+                             out_pos, out_next)
 
 
 def _chains(dfa: Dfa, max_len: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
@@ -248,67 +373,48 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables)."""
     tables = vocab.trie_tables
     num_states = dfa.num_states
-    trans = dfa.transitions
-    tflat = trans.reshape(-1)
     dead = dfa.dead
-    live = trans != dead
-    allowed = [np.flatnonzero(live[s]).astype(np.int16) for s in range(num_states + 1)]
-    chains = _chains(dfa, int(tables.lengths.max()) if len(tables.lengths) else 0)
-    # a 257th column: "past the end of the token" keeps the state
-    stay_flat = np.hstack([trans, np.arange(num_states + 1, dtype=np.int32)[:, None]]).reshape(-1)
-    by_token = np.full(vocab.size, -1, dtype=np.int32)
+    walker = _Walker(dfa, tables)
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
 
-    per_state: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    mask_row = np.full(num_states + 1, -1, dtype=np.int32)
+    rows: dict[bytes, int] = {}
+    row_list: list[np.ndarray] = []
+    bits = np.zeros(words * 32, dtype=bool)
     queue = [dfa.start]
     seen = np.zeros(num_states + 1, dtype=bool)
     seen[dfa.start] = True
     seen[dead] = True
     while queue:
         s = queue.pop()
-        pos, nxt = _walk_state(s, dfa, tflat, allowed, chains, tables, stay_flat)
-        tids = tables.order[pos]
-        if len(tids) > 2048:
-            by_token[tids] = nxt
-            tids = np.flatnonzero(by_token >= 0).astype(np.int32)
-            nxt = by_token[tids]
-            by_token[tids] = -1
-        else:
-            order = np.argsort(tids, kind="stable")
-            tids, nxt = tids[order], nxt[order]
-        per_state[s] = (tids, nxt)
+        pos, nxt = walker.walk(s)
         fresh = nxt[~seen[nxt]]
         if len(fresh):
             fresh = np.unique(fresh)
             seen[fresh] = True
             queue.extend(fresh.tolist())
-
-    mask_row = np.full(num_states + 1, -1, dtype=np.int32)
-    rows: dict[bytes, int] = {}
-    row_list: list[np.ndarray] = []
-    indptr = np.zeros(num_states + 2, dtype=np.int64)
-    counts = np.zeros(num_states + 1, dtype=np.int64)
-    bits = np.zeros(words * 32, dtype=bool)
-    for s, (tids, _) in per_state.items():
-        counts[s] = len(tids)
-        # equal (token set, accepting) means equal masks: key on the token ids, pack once per row
-        key = tids.tobytes() + (b"A" if dfa.accepting[s] else b"N")
-        r = rows.get(key)
-        if r is None:
+        tids = tables.order[pos]
+        if dfa.accepting[s]:
+            tids = np.concatenate([tids, eos.astype(np.int32)])
+        if len(tids) <= _SPARSE_ROW:
+            # small sets: the sorted ids are the key; the row is packed only when new
+            key = b"S" + np.unique(tids).tobytes()
+            r = rows.get(key)
+            if r is None:
+                row = np.zeros(words, dtype=np.uint32)
+                np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+                r = rows[key] = len(row_list)
+                row_list.append(row.view(np.int32))
+        else:
             bits[:] = False
             bits[tids] = True
-            if dfa.accepting[s]:
-                bits[eos] = True
-            r = rows[key] = len(row_list)
-            row_list.append(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
+            packed = np.packbits(bits, bitorder="little").view("<i4")
+            key = b"P" + packed.tobytes()
+            r = rows.get(key)
+            if r is None:
+                r = rows[key] = len(row_list)
+                row_list.append(packed.astype(np.int32))
         mask_row[s] = r
-    indptr[1:] = np.cumsum(counts)
-    token_ids = np.empty(int(indptr[-1]), dtype=np.int32)
-    next_states = np.empty(int(indptr[-1]), dtype=np.int32)
-    for s, (tids, nxt) in per_state.items():
-        token_ids[indptr[s] : indptr[s + 1]] = tids
-        next_states[indptr[s] : indptr[s + 1]] = nxt
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
-    return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, indptr=indptr,
-                 token_ids=token_ids, next_states=next_states, grammar=grammar)
+    return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)

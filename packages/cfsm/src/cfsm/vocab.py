@@ -26,10 +26,13 @@ class TrieTables:
     columns: np.ndarray  # (max_len + 1, n) int16
     lengths: np.ndarray  # (n,) int32
     byte_sets: np.ndarray  # (4, n) uint64: bit b % 64 of word b // 64 set if the token has byte b
+    tail_byte_sets: np.ndarray  # (4, n) uint64: the same for the token without its first byte
     first_byte_counts: np.ndarray  # (256,) int64: tokens starting with each byte
     by_length: np.ndarray  # (n,) int32: sorted positions reordered by length, longest first
     length_columns: np.ndarray  # (max_len, n) uint16: byte d in by_length order, 256 past the end
     length_counts: np.ndarray  # (max_len,) int64: tokens longer than d
+    first_byte_starts: np.ndarray  # (257,) int64: tokens starting with byte b are [starts[b], starts[b+1])
+    sorted_tokens: tuple[bytes, ...]  # the token bytes in sorted order
 
 
 class Vocabulary:
@@ -111,21 +114,28 @@ class Vocabulary:
         if len(ids):
             starts[1:] = np.cumsum(lengths[:-1])
         byte_sets = np.zeros((4, len(ids)), dtype=np.uint64)
+        tail_byte_sets = np.zeros((4, len(ids)), dtype=np.uint64)
         for d in range(max_len):
             sel = np.flatnonzero(lengths > d)
             col = flat[starts[sel] + d]
             columns[d, sel] = col
             for w in range(4):
                 in_word = (col >> 6) == w
-                byte_sets[w, sel[in_word]] |= np.left_shift(np.uint64(1), (col[in_word] & 63).astype(np.uint64))
+                bit = np.left_shift(np.uint64(1), (col[in_word] & 63).astype(np.uint64))
+                byte_sets[w, sel[in_word]] |= bit
+                if d:
+                    tail_byte_sets[w, sel[in_word]] |= bit
         by_length = np.argsort(-lengths, kind="stable").astype(np.int32)
         length_columns = np.where(columns[:max_len, by_length] < 0, 256, columns[:max_len, by_length]).astype(np.uint16)
         length_counts = np.array([(lengths > d).sum() for d in range(max_len)], dtype=np.int64)
         first = columns[0][columns[0] >= 0] if len(ids) else np.zeros(0, np.int16)
+        first_counts = np.bincount(first, minlength=256).astype(np.int64)
+        first_starts = np.concatenate([[0], np.cumsum(first_counts)]).astype(np.int64)
         return TrieTables(order=np.asarray(ids, dtype=np.int32), columns=columns, lengths=lengths,
-                          byte_sets=byte_sets, first_byte_counts=np.bincount(first, minlength=256).astype(np.int64),
+                          byte_sets=byte_sets, tail_byte_sets=tail_byte_sets, first_byte_counts=first_counts,
                           by_length=by_length, length_columns=np.ascontiguousarray(length_columns),
-                          length_counts=length_counts)
+                          length_counts=length_counts, first_byte_starts=first_starts,
+                          sorted_tokens=tuple(self.tokens[i] for i in ids))
 
     @property
     def mask_words(self) -> int:
