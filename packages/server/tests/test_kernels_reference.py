@@ -182,11 +182,14 @@ def test_choose_num_kv_splits_fills_the_gpu_only_for_small_batches() -> None:
     pytest.importorskip("triton")
     from lmserver.kernels.decode_attention import choose_num_kv_splits
 
-    assert choose_num_kv_splits(1, 8, 132) == 32
-    assert choose_num_kv_splits(8, 8, 132) == 8
-    assert choose_num_kv_splits(32, 8, 132) == 2
+    # The H200 sweep's choices at the Llama-3-8B shape (8 KV heads, 132 SMs).
+    assert choose_num_kv_splits(1, 8, 132) == 16
+    assert choose_num_kv_splits(8, 8, 132) == 4
+    assert choose_num_kv_splits(32, 8, 132) == 1
     assert choose_num_kv_splits(256, 8, 132) == 1
-    assert all(choose_num_kv_splits(bs, 3, 132) >= 1 for bs in range(1, 300))
+    splits = [choose_num_kv_splits(bs, 3, 132) for bs in range(1, 300)]
+    assert all(s >= 1 and s & (s - 1) == 0 for s in splits)  # powers of two
+    assert splits == sorted(splits, reverse=True)  # never more splits for a larger batch
 
 
 def test_select_kernels_on_cpu_takes_the_references_and_says_why() -> None:
@@ -217,3 +220,13 @@ def test_native_kernel_ops_mutate_in_place_like_the_triton_ones() -> None:
     want = ref.apply_token_bitmask_ref(logits, mask)
     ops.apply_token_bitmask_inplace(logits, mask)
     assert torch.equal(logits, want) and torch.isinf(logits).sum() == 40 - 17
+
+
+def test_kernels_readme_example_runs() -> None:
+    import re
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1] / "src" / "lmserver" / "kernels" / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    assert blocks, "kernels/README.md has no python example"
+    exec(compile(blocks[0], str(readme), "exec"), {})

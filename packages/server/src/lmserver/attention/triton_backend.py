@@ -71,7 +71,7 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q, k_cache, v_cache, self.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,
                 out=out, num_kv_splits=self.num_kv_splits, partial_out=part_out, partial_lse=part_lse,
-                block_n=64 if q.is_cuda else 16,
+                block_n=128 if q.is_cuda else 16,
             )
         else:
             assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None
