@@ -90,13 +90,21 @@ class EngineCore:
         )
         self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
         mc = self.model_config
+        self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
+        if rc.tp_size > 1:
+            from lmserver.distributed.tp_engine import start_tensor_parallel
+
+            self.tp = start_tensor_parallel(rc, mc, model_path, self.model, self.kv_manager.buffer_size)
         self.kv_pool = KVPool(
-            self.kv_manager.buffer_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+            self.kv_manager.buffer_size, mc.num_hidden_layers,
+            self.tp.local_kv_heads if self.tp else mc.num_key_value_heads, mc.head_dim,
             self.dtype, self.device,
         )
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
+        if self.tp is not None:
+            self.runner = self.tp.wrap_runner(self.runner)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_running_requests=rc.max_running_requests,

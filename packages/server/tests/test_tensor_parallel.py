@@ -1,0 +1,185 @@
+"""Tensor parallelism over gloo on CPU: TP=2 gives the same greedy tokens (and log-probabilities)
+as TP=1, per model family, on tiny random configs; several "nodes" on one machine; SmolLM2's
+head counts give a clear error for TP=2; a rank that dies stops the server instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmserver.config import ServerConfig
+from lmserver.distributed import TensorParallelError, tp_head_counts
+from lmserver.models.config import ModelConfig
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _tiny_config(**overrides: Any) -> dict[str, Any]:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "eos_token_id": 2,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _model_folder(tmp_path: Path, name: str, hf_config: dict[str, Any]) -> str:
+    from lmserver.default_model import default_model_path
+
+    folder = tmp_path / name
+    folder.mkdir()
+    for f in TOKENIZER_FILES:
+        shutil.copy(default_model_path() / f, folder / f)
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    return str(folder)
+
+
+def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
+    from lmserver import Engine
+
+    engine = Engine(
+        model_path=model_path,
+        load_format=config.pop("load_format", "dummy"),
+        dtype="float32",
+        device="cpu",
+        context_length=256,
+        max_total_tokens=2048,
+        **config,
+    )
+    try:
+        params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+        out = engine.generate(PROMPTS, params, return_logprob=True)
+        return out  # type: ignore[no-any-return]
+    finally:
+        if engine.core.tp is not None:
+            engine.core.tp.shutdown()
+        engine.shutdown()
+
+
+def _assert_same(tp1: list[dict[str, Any]], tp2: list[dict[str, Any]]) -> None:
+    for a, b in zip(tp1, tp2, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        la = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+        lb = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 1e-4
+
+
+FAMILIES = {
+    "llama_gqa": _tiny_config(),
+    "llama_kv_replicated_tied_odd_vocab": _tiny_config(
+        num_key_value_heads=1, tie_word_embeddings=True, vocab_size=49153
+    ),
+    "qwen2_bias": _tiny_config(architectures=["Qwen2ForCausalLM"]),
+    "qwen3_qk_norm": _tiny_config(architectures=["Qwen3ForCausalLM"], head_dim=16),
+    "mixtral_moe": _tiny_config(
+        architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tp2_equals_tp1(tmp_path: Path, family: str) -> None:
+    path = _model_folder(tmp_path, family, FAMILIES[family])
+    _assert_same(_generate(path), _generate(path, tp_size=2))
+
+
+def _second_node(config: ServerConfig) -> None:
+    from lmserver.distributed.tp_engine import run_follower_node
+
+    raise SystemExit(run_follower_node(config))
+
+
+def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    from lmserver.testing import free_port
+
+    path = _model_folder(tmp_path, "two_nodes", FAMILIES["llama_gqa"])
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = ServerConfig(model_path=path, tp_size=2, nnodes=2, node_rank=1, dist_init_addr=addr, device="cpu")
+    proc = multiprocessing.get_context("spawn").Process(target=_second_node, args=(node1,))
+    proc.start()
+    try:
+        tp2 = _generate(path, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+    finally:
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+    _assert_same(_generate(path), tp2)
+
+
+def test_head_counts_that_do_not_split_give_a_clear_error() -> None:
+    smollm2 = ModelConfig.from_hf(_tiny_config(num_attention_heads=9, num_key_value_heads=3, hidden_size=576))
+    with pytest.raises(TensorParallelError, match=r"num_attention_heads \(9\).*tp_size \(2\).*\[3, 9\]"):
+        tp_head_counts(smollm2, 2)
+    assert tp_head_counts(smollm2, 3) == (3, 1)
+    llama8b = ModelConfig.from_hf(
+        _tiny_config(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    )
+    assert tp_head_counts(llama8b, 2) == (16, 4)
+    assert tp_head_counts(llama8b, 16) == (2, 1)  # each KV head replicated on 2 ranks
+    with pytest.raises(TensorParallelError, match="num_key_value_heads"):
+        tp_head_counts(ModelConfig.from_hf(_tiny_config(num_attention_heads=12, num_key_value_heads=8)), 3)
+
+
+def test_smollm2_tp2_error_and_tp3_matches_tp1() -> None:
+    from lmserver.default_model import default_model_path
+
+    path = str(default_model_path())
+    with pytest.raises(TensorParallelError, match="tp_size among"):
+        _generate(path, load_format="auto", tp_size=2)
+    _assert_same(_generate(path, load_format="auto"), _generate(path, load_format="auto", tp_size=3))
+
+
+def test_a_dead_rank_stops_the_server(tmp_path: Path) -> None:
+    import os
+
+    from lmserver.testing import ServerProcess
+
+    path = _model_folder(tmp_path, "dies", FAMILIES["llama_gqa"])
+    srv = ServerProcess(
+        [
+            "--model-path",
+            path,
+            "--load-format",
+            "dummy",
+            "--tp-size",
+            "2",
+            "--device",
+            "cpu",
+            "--context-length",
+            "256",
+        ],
+        core=None,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    srv.start(timeout_s=300)
+    pids = [int(m.group(1)) for line in srv.lines if (m := re.search(r"rank 1 started \(pid (\d+)\)", line))]
+    assert pids, srv.log_tail()
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    status = srv.proc.poll()
+    if status is None:
+        srv.stop()
+    assert status not in (None, 0), srv.log_tail()
+    assert any("tensor-parallel rank 1 exited" in line for line in srv.lines), srv.log_tail()
