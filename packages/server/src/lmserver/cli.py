@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return route_main(argv[1:])
     config = parse_config(argv)
+    if config.nnodes > 1 and config.node_rank > 0:
+        from lmserver.distributed.tp_engine import run_follower_node
+
+        return run_follower_node(config)
     if config.dp_size > 1:
         from lmserver.dp_launch import launch_dp
 
