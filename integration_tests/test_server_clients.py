@@ -116,8 +116,10 @@ def test_openai_n2_seeded_samples_and_chat_logprobs(oai: openai.OpenAI, hf: Any)
 
 def test_openai_completions_greedy_and_echo_scoring(oai: openai.OpenAI, hf: Any) -> None:
     ids = list(hf[1].encode(PROMPT))
-    r = oai.completions.create(model="default", prompt=PROMPT, max_tokens=6, temperature=0)
-    assert r.choices[0].text == hf[1].decode(hf_greedy(hf, ids, 6))
+    served = oai.models.list().data[0].id
+    assert served.rstrip("/").endswith("SmolLM2-135M-Instruct")
+    r = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert r.choices[0].text == hf[1].decode(hf_greedy(hf, ids, 6)) and r.model == served
     scored = oai.completions.create(model="default", prompt=PROMPT + " Paris", max_tokens=0, echo=True,
                                     logprobs=1, temperature=0)
     lp = scored.choices[0].logprobs

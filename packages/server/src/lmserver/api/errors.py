@@ -6,6 +6,7 @@ client parses, on native routes as well.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -116,6 +117,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONBody:
         return error_response(503, f"the engine is unavailable: {exc}")
+
+    @app.exception_handler(asyncio.TimeoutError)
+    async def _timeout(_: Request, exc: asyncio.TimeoutError) -> JSONBody:
+        return error_response(503, "the engine did not answer in time (it may be overloaded); retry later")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONBody:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,7 +48,8 @@ def served_model_name(mgr: TokenizerManager) -> str:
 def _check_model(mgr: TokenizerManager, model: str | None) -> str:
     name = served_model_name(mgr)
     assert mgr.ready is not None
-    if model not in (None, "", "default", name, mgr.ready.model_path):
+    aliases = (None, "", "default", name, mgr.ready.model_path, os.path.basename(mgr.ready.model_path.rstrip("/")))
+    if model not in aliases:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                        param="model", code="model_not_found")
     return name
