@@ -202,11 +202,11 @@ class RadixCache:
     ) -> InsertResult:
         """Cache `value[i]` (a slot id) as the KV of token `key[i]` for the page-aligned part.
 
-        `value` must cover at least the page-aligned part of `key` (only `value[:aligned]` is
-        read; `aligned = aligned_len(len(key))`). The tree takes ownership of `value[prefix_len:aligned]`
-        and keeps its own slots for the first `prefix_len`
-        tokens; the caller keeps `value[:prefix_len]` (free the duplicates it allocated) and the
-        rest `value[aligned:]` (the unaligned tail).
+        `value` must cover at least the page-aligned part of `key`; only `value[:aligned]` is
+        read, with `aligned = aligned_len(len(key))`. The tree takes ownership of
+        `value[prefix_len:aligned]` and keeps its own slots for the first `prefix_len` tokens;
+        the caller keeps `value[:prefix_len]` (and frees the duplicates it allocated there) and
+        the rest `value[aligned:]` (the unaligned tail).
 
         Mutates: adds at most one leaf or extends one leaf in place (and splits at most one
         node), refreshes the access clock along the path, raises node priorities to at least
