@@ -151,6 +151,16 @@ def test_stop_string_is_trimmed_and_reported(http: httpx.Client, fake: FakeEngin
             assert all(stop[:4] not in e["text"][len(out["text"]):] for e in sse_events(r.text))
 
 
+def test_a_failing_prompt_in_a_batch_cancels_the_others(http: httpx.Client) -> None:
+    # the second prompt is refused by the core (constrained decoding), the first must not keep running
+    body = {"text": [PROMPT, PROMPT], "sampling_params": [{"max_new_tokens": 400}, {"regex": "a+"}]}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400 and "constrained decoding" in r.json()["error"]["message"]
+    assert _wait_idle(http, timeout_s=3.0)["num_used_tokens"] == 0
+    dup = http.post("/generate", json={"text": ["a", "b"], "rid": ["x", "x"]})
+    assert dup.status_code == 400 and "unique" in dup.json()["error"]["message"]
+
+
 def test_null_fields_mean_defaults_as_sglang_clients_send_them(http: httpx.Client, fake: FakeEngineCore) -> None:
     body = {"text": PROMPT, "lora_path": None, "return_logprob": None, "logprob_start_len": None,
             "sampling_params": {"max_new_tokens": None, "temperature": 0, "regex": None, "json_schema": None,

@@ -5,7 +5,6 @@ Contract: shared reference `native-api.md`.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +12,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from lmserver.api.errors import APIError, JSONBody, read_json, sse_error
-from lmserver.api.streams import DONE, SSE_HEADERS, collect, due, merge, prime, sse, until_disconnect
+from lmserver.api.streams import DONE, SSE_HEADERS, collect_all, due, merge, prime, sse, until_disconnect
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
 from lmserver.tokenizer_manager import GenState, TokenizerManager
 
@@ -112,6 +111,9 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
         if req.top_logprobs_num < 0:
             raise APIError(400, "top_logprobs_num must be >= 0", param="top_logprobs_num")
         out.append(expand_n(req))
+    rids = [r.rid for group in out for r in group]
+    if len(set(rids)) != len(rids):
+        raise APIError(400, "rid values must be unique within a request", param="rid")
     return out, batch, stream
 
 
@@ -137,10 +139,7 @@ async def generate(request: Request) -> Response:
     reqs = [r for group in per_prompt for r in group]
     single = not batch and len(reqs) == 1
     if not stream:
-        async def run() -> list[GenState]:
-            return list(await asyncio.gather(*(collect(mgr.generate(r)) for r in reqs)))
-
-        states = await until_disconnect(request, run())
+        states = await until_disconnect(request, collect_all([mgr.generate(r) for r in reqs]))
         outs = [native_output(s, r) for s, r in zip(states, reqs, strict=True)]
         return JSONBody(outs[0] if single else outs)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import time
@@ -26,7 +25,7 @@ from lmserver.api.openai_protocol import (
 from lmserver.api.streams import (
     DONE,
     SSE_HEADERS,
-    collect,
+    collect_all,
     due,
     merge,
     new_text,
@@ -87,10 +86,7 @@ def _make_reqs(mgr: TokenizerManager, prompts: list[list[int]], params: Sampling
 
 
 async def _states(request: Request, mgr: TokenizerManager, reqs: list[GenerateReq]) -> list[GenState]:
-    async def run() -> list[GenState]:
-        return list(await asyncio.gather(*(collect(mgr.generate(r)) for r in reqs)))
-
-    return await until_disconnect(request, run())
+    return await until_disconnect(request, collect_all([mgr.generate(r) for r in reqs]))
 
 
 @router.get("/models")

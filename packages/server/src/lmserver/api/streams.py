@@ -82,6 +82,20 @@ async def merge(gens: list[AsyncIterator[GenState]]) -> AsyncIterator[tuple[int,
                 await t
 
 
+async def collect_all(gens: list[AsyncIterator[GenState]]) -> list[GenState]:
+    """Runs generations concurrently to their ends; the first error cancels (aborts) the rest."""
+    tasks = [asyncio.ensure_future(collect(g)) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
 async def collect(gen: AsyncIterator[GenState]) -> GenState:
     """Runs a generation to its end and returns the final state."""
     last: GenState | None = None
