@@ -100,6 +100,7 @@ class EngineCore:
             self.tp.local_kv_heads if self.tp else mc.num_key_value_heads, mc.head_dim,
             self.dtype, self.device,
         )
+        self.kv_pool.zero_padding(rc.page_size)
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
@@ -275,13 +276,14 @@ class EngineCore:
                 if out is not None:
                     outputs.append(out)
         for sreq in completed:
-            state = self.states.get(sreq.rid)
-            if state is None:
+            done_state = self.states.get(sreq.rid)
+            if done_state is None:
                 continue
-            self._counters["prompt_tokens"] += len(sreq.input_ids)
-            self._counters["cached_tokens"] += sreq.cached_tokens
-            if sreq.max_new_tokens == 0 and not state.finished:
-                outputs.append(self._finish(state, {"type": "length", "length": 0}))
+            if sreq.num_retractions == 0:  # a re-prefill after a retraction is not a new prompt
+                self._counters["prompt_tokens"] += len(sreq.input_ids)
+                self._counters["cached_tokens"] += sreq.cached_tokens
+            if sreq.max_new_tokens == 0 and not done_state.finished:
+                outputs.append(self._finish(done_state, {"type": "length", "length": 0}))
         return outputs
 
     def _record_input_logprobs(self, logits: torch.Tensor, rows: list[tuple[_ReqState, int, int]]) -> None:
@@ -315,7 +317,7 @@ class EngineCore:
         return out
 
     def _lp_entry(self, value: float | None, token: int, req: GenerateReq) -> TokenLogprob:
-        text = self.tokenizer.decode([token]) if req.return_text_in_logprobs else None
+        text = str(self.tokenizer.decode([token])) if req.return_text_in_logprobs else None
         return (value, int(token), text)
 
     def _append_token(self, state: _ReqState, token: int) -> ReqOutput | None:

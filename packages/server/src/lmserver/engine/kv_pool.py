@@ -26,12 +26,21 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        # NOTE: `empty`, not `zeros`: on CPU untouched pages then cost no memory. Every slot a
+        # backend reads is written first (a table row only names slots of computed tokens, or
+        # the padding page, which is zeroed here so masked-out reads stay finite).
         self.k_cache = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+            torch.empty(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
         ]
         self.v_cache = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+            torch.empty(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
         ]
+        self.zero_padding(padding_slots=1)
+
+    def zero_padding(self, padding_slots: int) -> None:
+        """Zeroes slots [0, padding_slots) of every layer (the padding page); mutates the caches."""
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[:padding_slots].zero_()
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -189,7 +189,7 @@ class Engine:
             sync_iter = self.generate(prompt, sampling_params, **kwargs)
             assert isinstance(sync_iter, Iterator)
             return self._aiter(sync_iter)
-        return await asyncio.to_thread(self.generate, prompt, sampling_params, **kwargs)  # type: ignore[return-value]
+        return await asyncio.to_thread(self.generate, prompt, sampling_params, **kwargs)  # type: ignore[arg-type, return-value]
 
     async def _aiter(self, sync_iter: Iterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         sentinel = object()

@@ -16,7 +16,7 @@ from lmserver.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85
-CPU_KV_BUDGET_BYTES = 2 << 30  # CPU default: at most 2 GiB of KV cache
+CPU_KV_BUDGET_BYTES = 1 << 30  # CPU default: at most 1 GiB of KV cache
 CPU_MAX_RUNNING_REQUESTS = 64
 GPU_MAX_RUNNING_REQUESTS = 256
 

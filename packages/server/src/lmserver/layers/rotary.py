@@ -82,8 +82,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns rotated (q, k); q (T, H, D), k (T, KV, D), positions (T,). Inputs are not mutated."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
+        cos_cache: torch.Tensor = self.cos_cache  # type: ignore[assignment]
+        sin_cache: torch.Tensor = self.sin_cache  # type: ignore[assignment]
+        cos = cos_cache[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
+        sin = sin_cache[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
         q_out = q * cos + _rotate_half(q) * sin
         k_out = k * cos + _rotate_half(k) * sin
         return q_out, k_out

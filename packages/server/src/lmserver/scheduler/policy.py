@@ -47,7 +47,7 @@ def order_dfs_weight(waiting: list[Req], kv: KVManager) -> list[Req]:
         node = cache.match_prefix(req.fill_ids, req.extra_key).last_node
         by_node.setdefault(id(node), []).append(req)
         nodes[id(node)] = node
-        walk = node
+        walk: Any = node
         while walk is not None:
             key = id(walk)
             first = key not in weight

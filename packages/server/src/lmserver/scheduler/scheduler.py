@@ -67,6 +67,8 @@ class Scheduler:
         schedule_policy: str = "lpm",
         aging_rounds: int = 64,
         enable_mixed_chunk: bool = False,
+        init_new_token_ratio: float = NEW_TOKEN_RATIO_INIT,
+        min_new_token_ratio: float = NEW_TOKEN_RATIO_MIN,
     ) -> None:
         self.kv = kv
         self.max_running_requests = max_running_requests
@@ -80,7 +82,10 @@ class Scheduler:
         self.running: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, prefill not complete (at most one is chunked)
         self.free_rows = list(range(max_running_requests - 1, -1, -1))
-        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        # fraction of each running request's remaining tokens reserved at admission; it decays
+        # while decodes succeed and rises after a retraction
+        self.new_token_ratio = init_new_token_ratio
+        self.min_new_token_ratio = min_new_token_ratio
         self.num_retractions = 0
         self.num_rounds = 0
 
@@ -134,11 +139,15 @@ class Scheduler:
     def schedule(self) -> ScheduleDecision:
         """Picks the next forward. Mutates: queues, request KV (allocation, eviction, retraction)."""
         self.num_rounds += 1
+        if self.enable_mixed_chunk and self.running:
+            # decodes get their slots first; prefill chunks use what is left
+            decode_items, retracted = self._schedule_decode()
+            items = self._schedule_extend()
+            if items:
+                return ScheduleDecision("extend", items + decode_items, retracted)
+            return ScheduleDecision("decode", decode_items, retracted)
         items = self._schedule_extend()
         if items:
-            if self.enable_mixed_chunk and self.running:
-                decode_items, retracted = self._schedule_decode()
-                return ScheduleDecision("extend", items + decode_items, retracted)
             return ScheduleDecision("extend", items)
         if self.running:
             decode_items, retracted = self._schedule_decode()
@@ -248,9 +257,11 @@ class Scheduler:
         retracted: list[str] = []
         while True:
             need = sum(self.kv.slots_needed(r, 1) for r in self.running)
-            if need <= self.kv.available or len(self.running) <= 1:
+            # NOTE: the last running request is never retracted; partial prefills may be
+            candidates = self.prefilling + (self.running if len(self.running) > 1 else [])
+            if need <= self.kv.available or not candidates:
                 break
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+            victim = min(candidates, key=lambda r: (len(r.output_ids), -r.arrival))
             self._retract(victim)
             retracted.append(victim.rid)
         items = []
@@ -273,7 +284,7 @@ class Scheduler:
                     completes_prefill=False,
                 )
             )
-        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, NEW_TOKEN_RATIO_MIN)
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
         return items, retracted
 
     def _retract(self, req: Req) -> None:

@@ -1,0 +1,163 @@
+"""Offline throughput of lmserver's Engine next to HF transformers `generate`, same model, same
+prompts, same run.
+
+Datasets:
+- `random`: random token ids, input lengths uniform in [input_len * range_ratio, input_len];
+- `shared-prefix`: `num_groups` groups of prompts that share a long system prompt (random ids),
+  each followed by a short distinct question.
+
+Every request decodes exactly `output_len` tokens (ignore_eos), greedy, so both backends do the
+same work. HF runs `generate` in batches of `--hf-batch-size` prompts (left padding).
+
+    .venv/bin/python benchmarks/engine/bench_engine.py --dataset both --num-prompts 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+
+def make_dataset(name: str, args: argparse.Namespace, vocab: int, special: set[int]) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    normal = [t for t in range(min(vocab, 40000)) if t not in special]
+
+    def ids(n: int) -> list[int]:
+        return [rng.choice(normal) for _ in range(n)]
+
+    if name == "random":
+        low = max(1, int(args.input_len * args.range_ratio))
+        return [ids(rng.randint(low, args.input_len)) for _ in range(args.num_prompts)]
+    groups = max(1, args.num_prompts // args.group_size)
+    prompts = []
+    for _ in range(groups):
+        system = ids(args.shared_prefix_len)
+        prompts += [system + ids(args.question_len) for _ in range(args.group_size)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run_lmserver(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    engine.flush_cache()
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    duration = time.perf_counter() - start
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    return {
+        "duration_s": duration,
+        "output_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+        "cache_hit_rate": cached / sum(len(p) for p in prompts),
+        "outputs": [o["output_ids"] for o in outs],
+    }
+
+
+def run_hf(model: Any, tokenizer: Any, prompts: list[list[int]], output_len: int, batch_size: int) -> dict[str, Any]:
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                do_sample=False, pad_token_id=pad,
+            )
+        outputs += out[:, width:].tolist()
+    duration = time.perf_counter() - start
+    return {"duration_s": duration, "output_tokens": sum(len(o) for o in outputs), "cache_hit_rate": 0.0,
+            "outputs": outputs}
+
+
+def row(backend: str, dataset: str, prompts: list[list[int]], r: dict[str, Any]) -> dict[str, Any]:
+    inp = sum(len(p) for p in prompts)
+    d = r["duration_s"]
+    return {
+        "backend": backend, "dataset": dataset, "requests": len(prompts), "input_tokens": inp,
+        "output_tokens": r["output_tokens"], "duration_s": round(d, 2), "req_per_s": round(len(prompts) / d, 3),
+        "input_tok_per_s": round(inp / d, 1), "output_tok_per_s": round(r["output_tokens"] / d, 1),
+        "total_tok_per_s": round((inp + r["output_tokens"]) / d, 1), "cache_hit_rate": round(r["cache_hit_rate"], 3),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="HF folder; default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--dataset", choices=["random", "shared-prefix", "both"], default="both")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--shared-prefix-len", type=int, default=512)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-running-requests", type=int, default=32)
+    ap.add_argument("--hf-batch-size", type=int, default=32, help="HF generate batch (the same concurrency)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the rows to this JSON file")
+    args = ap.parse_args()
+
+    import torch
+
+    from lmserver import Engine
+
+    engine = Engine(
+        args.model_path, dtype=args.dtype, device=args.device, max_running_requests=args.max_running_requests,
+        attention_backend=args.attention_backend,
+    )
+    rc = engine.core.resolved_config
+    tokenizer = engine.tokenizer
+    special = set(tokenizer.all_special_ids)
+    engine.generate(input_ids=[[100, 200, 300]], sampling_params={"max_new_tokens": 2})  # warm-up
+    hf_model = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[rc.dtype]
+        hf_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=hf_dtype).to(rc.device).eval()
+        hf_model.generate(torch.tensor([[100, 200, 300]], device=rc.device), max_new_tokens=2, do_sample=False)
+    datasets = ["random", "shared-prefix"] if args.dataset == "both" else [args.dataset]
+    rows = []
+    for name in datasets:
+        prompts = make_dataset(name, args, engine.core.vocab_size, special)
+        ours = run_lmserver(engine, prompts, args.output_len)
+        rows.append(row("lmserver", name, prompts, ours))
+        if hf_model is not None:
+            hf = run_hf(hf_model, tokenizer, prompts, args.output_len, args.hf_batch_size)
+            rows.append(row("hf-transformers", name, prompts, hf))
+            same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
+            rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(prompts)}"
+            rows[-2]["same_tokens_as_lmserver"] = "-"
+            rows.append({**rows[-2], "backend": "speedup (output tok/s)",
+                         "output_tok_per_s": round(rows[-2]["output_tok_per_s"] / rows[-1]["output_tok_per_s"], 2)})
+    print(f"model={engine.model_path} device={rc.device} dtype={rc.dtype} attention={rc.attention_backend} "
+          f"max_running_requests={rc.max_running_requests} torch_threads={torch.get_num_threads()}")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "rows": rows}, handle, indent=2)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

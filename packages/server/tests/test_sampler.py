@@ -1,0 +1,133 @@
+"""Sampler and detokenizer units against naive references (no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
+from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample
+from lmserver.io_struct import SamplingParams
+
+
+def _info(seed: int = 0, prompt: list[int] | None = None, out: list[int] | None = None, stop: list[int] | None = None,
+          **params: object) -> SamplingInfo:
+    return SamplingInfo(SamplingParams(**params), torch.Generator().manual_seed(seed), prompt or [], out or [], stop or [])  # type: ignore[arg-type]
+
+
+def _reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Naive: softmax(logits / T), keep top-k, then the smallest top-p set, then min-p; renormalize."""
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, dtype=bool)
+    total = 0.0
+    for rank, tok in enumerate(order):
+        if top_k > 0 and rank >= top_k:
+            break
+        if rank > 0 and total >= top_p:
+            break
+        if rank > 0 and p[tok] < min_p * p[order[0]]:
+            break
+        keep[tok] = True
+        total += p[tok]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, -1, 1.0, 0.0), (0.7, 3, 1.0, 0.0), (1.3, -1, 0.6, 0.0), (1.0, -1, 1.0, 0.2), (0.9, 4, 0.8, 0.05)],
+)
+def test_sampling_distribution_matches_reference(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 4000
+    infos = [_info(seed=i, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p) for i in range(n)]
+    tokens = sample(logits.repeat(n, 1), infos)
+    freq = np.bincount(tokens, minlength=len(logits)) / n
+    ref = _reference_probs(logits.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
+    assert set(np.nonzero(freq)[0]) <= set(np.nonzero(ref)[0]), "sampled a filtered-out token"
+    assert np.abs(freq - ref).max() < 0.03
+
+
+def test_greedy_and_seeded_rows_are_batch_invariant() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 100, generator=g)
+    infos = [_info(seed=7, temperature=0.0)] + [_info(seed=s, temperature=1.0) for s in range(4)]
+    batch = sample(logits, infos)
+    assert batch[0] == int(logits[0].argmax())
+    for i in range(1, 5):
+        alone = sample(logits[i : i + 1], [_info(seed=i - 1, temperature=1.0)])
+        assert alone[0] == batch[i]
+
+
+def test_penalties_match_naive_loops() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 30, generator=g)
+    prompt, out = [1, 2, 3], [3, 4, 4, 5, 4]
+    info = _info(prompt=prompt, out=out, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25,
+                 logit_bias={7: 5.0, 8: -1.0})
+    got = apply_penalties(logits, [info])[0]
+    ref = logits[0].clone()
+    ref[7] += 5.0
+    ref[8] -= 1.0
+    for tok in set(prompt) | set(out):
+        ref[tok] = ref[tok] / 1.3 if ref[tok] > 0 else ref[tok] * 1.3
+    for tok in set(out):
+        ref[tok] -= 0.5 * out.count(tok) + 0.25
+    torch.testing.assert_close(got, ref)
+    assert not torch.equal(logits[0], got), "input must not be mutated"
+    assert torch.equal(logits, logits.clone())
+
+
+def test_min_new_tokens_masks_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[0.0, 10.0, 1.0]])
+    masked = apply_penalties(logits, [_info(out=[2], stop=[1], min_new_tokens=2)])
+    assert masked[0, 1] == float("-inf")
+    free = apply_penalties(logits, [_info(out=[2, 2], stop=[1], min_new_tokens=2)])
+    assert free[0, 1] == 10.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    from lmserver.default_model import default_model_path
+
+    return AutoTokenizer.from_pretrained(str(default_model_path()))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world! 你好，世界。 Ünïcödé ✓ 🙂🚀 done", "  leading spaces\n\ttabs and\r\nnewlines 😀😀 é", "日本語のテキスト🎌"],
+)
+def test_incremental_detokenization_is_exact(tokenizer, text: str) -> None:  # type: ignore[no-untyped-def]
+    prompt = tokenizer("Say:")["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.add(t) for t in ids]
+    pieces.append(detok.flush())
+    assert all("\ufffd" not in p for p in pieces), "replacement character mid-stream"
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert sum(1 for p in pieces if p) < len(ids), "multi-byte characters were held back at least once"
+
+
+def test_stop_string_hold_back_and_trim() -> None:
+    out = OutputText(stop=["STOP"], stop_regex=[])
+    sent = []
+    for piece in ["Hello S", "TO", "P and more"]:
+        matched = out.append(piece)
+        sent.append(out.take(final=matched is not None))
+        if matched:
+            break
+    assert matched == "STOP"
+    assert sent == ["Hello ", "", ""]
+    assert out.text == "Hello "
+    keep = OutputText(stop=["STOP"], stop_regex=[], no_stop_trim=True)
+    keep.append("xxSTOPyy")
+    assert keep.text == "xxSTOP"
+    rx = OutputText(stop=[], stop_regex=[r"\d{3}"])
+    assert rx.append("abc 12") is None
+    assert rx.append("3 tail") == r"\d{3}"
+    assert rx.take(final=True) == "abc "
