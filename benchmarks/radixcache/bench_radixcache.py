@@ -86,16 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per cell; the fastest (least disturbed) is kept")
     ap.add_argument("--sglang", action="store_true", help="also run SGLang's Python RadixCache side by side")
     ap.add_argument("--json", type=Path, help="write all results to this JSON file")
+    ap.add_argument("--order", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
+                    help="waiting-queue order: longest prefix first, DFS by subtree weight, or arrival")
+    ap.add_argument("--page-size", type=int, default=1, help="tokens per KV page (both caches)")
     ap.add_argument("--no-touch", action="store_true",
                     help="order with peek only (no LRU refresh of waiting requests' prefixes); "
                          "SGLang's ordering always touches, since its match_prefix does")
     args = ap.parse_args(argv)
 
-    impls: list[Any] = [sim.RadixCacheAdapter]
+    impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size)]
     if args.sglang:
         import sglang_adapter
 
-        impls.append(sglang_adapter.SGLangAdapter)
+        impls.append(lambda: sglang_adapter.SGLangAdapter(args.page_size))
     names = [n for n in args.traces.split(",") if n]
     unknown = [n for n in names if n not in traces.TRACES]
     if unknown:
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = traces.TRACES[name]()
         optimal = traces.optimal_hit_rate(trace)
         for cap in capacities:
-            cfg = sim.SimConfig(capacity=cap, touch=not args.no_touch)
+            cfg = sim.SimConfig(capacity=cap, touch=not args.no_touch, order=args.order)
             cell = []
             for make in impls:
                 row = _run_one(trace, make, cfg, args.repeats)
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ours['hit_rate'] - theirs['hit_rate']:+.4f}")
     if args.json:
         meta = {"commit": _commit(), "python": platform.python_version(), "machine": platform.machine(),
-                "argv": sys.argv[1:], "sim": vars(sim.SimConfig(capacity=0, touch=not args.no_touch))}
+                "argv": sys.argv[1:], "page_size": args.page_size,
+                "sim": vars(sim.SimConfig(capacity=0, touch=not args.no_touch, order=args.order))}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")
     return 0

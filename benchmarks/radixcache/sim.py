@@ -18,7 +18,7 @@ import numpy as np
 from traces import TraceReq
 
 from radixcache import RadixCache, SlotAllocator
-from radixcache.ordering import longest_prefix_first
+from radixcache.ordering import Ordering, dfs_weight_order, longest_prefix_first
 
 
 class CacheAdapter(Protocol):
@@ -94,6 +94,7 @@ class SimConfig:
     max_wait_rounds: int | None = 8
     defer_shared_tokens: int | None = 64
     touch: bool = True  # refresh LRU clocks of waiting requests' prefixes every round
+    order: str = "lpm"  # "lpm" (longest prefix first), "dfs-weight" (radixcache only), "fcfs"
 
 
 @dataclass
@@ -121,6 +122,20 @@ class _Running:
     cached_len: int
     handle: Any
     remaining: int
+
+
+def _order(cache: CacheAdapter, cfg: SimConfig, keys: list[np.ndarray], waits: list[int]) -> Ordering:
+    if cfg.order == "fcfs":
+        return Ordering(list(range(len(keys))), len(keys))
+    kwargs: dict[str, Any] = dict(waited_rounds=waits, max_wait_rounds=cfg.max_wait_rounds,
+                                  defer_shared_tokens=cfg.defer_shared_tokens, touch=cfg.touch)
+    if cfg.order == "lpm":
+        return longest_prefix_first(cache, keys, **kwargs)
+    if cfg.order == "dfs-weight":
+        if not isinstance(cache, RadixCacheAdapter):
+            raise SystemExit("--order dfs-weight walks radixcache's own tree; run it without --sglang")
+        return dfs_weight_order(cache.cache, keys, **kwargs)
+    raise SystemExit(f"unknown order {cfg.order!r}")
 
 
 def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimResult:
@@ -156,10 +171,7 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
                 if r.rid not in prompt_keys:
                     prompt_keys[r.rid] = cache.native_key(r.prompt)
             t0 = clock()
-            order = longest_prefix_first(
-                cache, [r.prompt for r in waiting], waited_rounds=waits,
-                max_wait_rounds=cfg.max_wait_rounds, defer_shared_tokens=cfg.defer_shared_tokens, touch=cfg.touch,
-            )
+            order = _order(cache, cfg, [r.prompt for r in waiting], waits)
             res.order_ns += clock() - t0
             budget = cfg.prefill_budget
             admitted: set[int] = set()
@@ -178,7 +190,8 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
                 need = new_tokens + len(req.output)
                 slots = alloc.alloc(need)
                 if slots is None:
-                    freed = timed("evict", cache.evict, need - alloc.available)
+                    pages_need = -(-need // cache.page_size) * cache.page_size
+                    freed = timed("evict", cache.evict, pages_need - alloc.available)
                     res.evict_calls += 1
                     res.evicted_tokens += len(freed)
                     alloc.free(freed)
@@ -191,7 +204,7 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
                 res.cached_tokens += length
                 res.prompt_tokens += n_prompt
                 res.max_wait = max(res.max_wait, waits[i])
-                kv = np.concatenate([cache.indices_to_numpy(idx), slots[:need]])
+                kv = np.concatenate([cache.indices_to_numpy(idx), slots])  # whole pages
                 # prefill done: cache the prompt now so that later requests can share it
                 prefix = timed("insert", cache.insert, key, cache.native_value(kv[:n_prompt]))
                 alloc.free(kv[length:prefix])
@@ -214,6 +227,8 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
                 continue
             prefix = timed("insert", cache.insert, run.full_key, cache.native_value(run.kv))
             alloc.free(run.kv[run.cached_len : prefix])
+            n_full = len(run.req.prompt) + len(run.req.output)
+            alloc.free(run.kv[n_full - n_full % cache.page_size :])  # the unaligned tail's pages
             timed("lock", cache.unlock, run.handle)
             res.requests += 1
             for child in children.get(run.req.rid, ()):

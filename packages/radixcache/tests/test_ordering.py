@@ -110,9 +110,9 @@ def test_dfs_weight_groups_subtrees_heaviest_first() -> None:
         [1, 1, 2, 2, 7],  # 6
     ]
     o = dfs_weight_order(cache, keys, max_wait_rounds=None)
-    # the root's own requests first, then the [1,1] subtree (5 requests): its heavier [2,2] branch
-    # (3) before [1,1] (2), then [3,3,3] (1)
-    assert o.order == [4, 1, 3, 6, 2, 5, 0]
+    # the [1,1] subtree (5 requests) first: its heavier [2,2] branch (3) before [1,1] (2); then
+    # [3,3,3] (1); the root's own request (matching nothing) last
+    assert o.order == [1, 3, 6, 2, 5, 0, 4]
 
 
 @settings(max_examples=30, deadline=None)
@@ -120,17 +120,31 @@ def test_dfs_weight_groups_subtrees_heaviest_first() -> None:
     prefixes=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), max_size=6),
     keys=st.lists(st.lists(st.integers(0, 2), max_size=10), max_size=10),
 )
-def test_dfs_weight_is_a_permutation_with_contiguous_groups(prefixes: list[list[int]], keys: list[list[int]]) -> None:
+def test_dfs_weight_is_a_permutation_with_contiguous_subtrees(prefixes: list[list[int]], keys: list[list[int]]) -> None:
     cache, _ = _cache_with(prefixes)
     o = dfs_weight_order(cache, keys, max_wait_rounds=None)
     assert sorted(o.order) == list(range(len(keys)))
-    groups = [id(cache._peek(np.asarray(keys[i], dtype=np.int64), None)[1]) for i in o.order]
-    seen: list[int] = []
-    for g in groups:  # requests hanging at one node are emitted together
-        if seen and seen[-1] == g:
-            continue
-        assert g not in seen
-        seen.append(g)
+    hang = [cache._peek(np.asarray(keys[i], dtype=np.int64), None)[1] for i in o.order]
+    subtrees: dict[int, list[int]] = {}  # node id -> positions of requests in its subtree
+    for pos, node in enumerate(hang):
+        while node is not None:
+            subtrees.setdefault(id(node), []).append(pos)
+            node = node.parent
+    for positions in subtrees.values():  # every subtree's requests are emitted back to back
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+    for i in range(len(hang)):  # deeper matches first: no request after one hanging above it
+        for j in range(i + 1, len(hang)):
+            assert not _is_strict_ancestor(hang[i], hang[j])
+
+
+def _is_strict_ancestor(a: object, b: object) -> bool:
+    """Whether node b lies strictly below node a (so b's requests must precede a's)."""
+    cur = getattr(b, "parent", None)
+    while cur is not None:
+        if cur is a:
+            return True
+        cur = cur.parent
+    return False
 
 
 def _simulate(max_wait_rounds: int | None, rounds: int = 60) -> tuple[dict[int, int], dict[int, int]]:

@@ -153,8 +153,11 @@ def dfs_weight_order(
     """Order waiting requests by a depth-first walk of the tree, heaviest subtree first.
 
     Each request hangs at the deepest node its key fully matches; a node's weight is the number
-    of requests in its subtree. The walk emits a node's requests (arrival order), then visits its
-    children by descending weight, so requests sharing a cached prefix run back to back.
+    of requests in its subtree. The walk visits a node's children by descending weight, then emits
+    the requests hanging at the node itself (arrival order): requests sharing a cached prefix run
+    back to back, deeper matches before shallower ones, and requests that match nothing come
+    last. (SGLang emits a node's own requests before its children; under memory pressure that
+    admits unmatched requests first, which evicts the prefixes the others wait for.)
     Starving requests come first (see the module docstring). Mutates nothing unless
     `touch=True` (as in `longest_prefix_first`).
     """
@@ -186,13 +189,17 @@ def dfs_weight_order(
                 children_of.setdefault(id(parent), []).append(cur)
             cur = parent
     ranked: list[int] = []
-    stack = sorted(roots.values(), key=lambda r: weight[id(r)])
+    # post-order: a subtree's deeper matches first, then the requests hanging at the node itself
+    stack: list[tuple[TreeNode, bool]] = [(r, False) for r in sorted(roots.values(), key=lambda r: weight[id(r)])]
     while stack:
-        node = stack.pop()
-        ranked.extend(at_node.get(id(node), ()))
+        node, expanded = stack.pop()
+        if expanded:
+            ranked.extend(at_node.get(id(node), ()))
+            continue
+        stack.append((node, True))
         kids = children_of.get(id(node), [])
         kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
-        stack.extend(kids)
+        stack.extend((c, False) for c in kids)
     if defer_shared_tokens is not None:
         for i in starving:
             cached[i] = cache.peek_prefix_len(arrs[i], eks[i])
