@@ -81,14 +81,20 @@ class CoreLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        stalled = False
         while not self._stopping:
             busy = self.core.has_work()
-            if busy or poller.poll(0 if busy else _IDLE_POLL_MS):
+            # NOTE: a step with no outputs (e.g. requests waiting for a grammar compile) waits 1 ms
+            # for messages instead of spinning, so background work in this process gets the GIL.
+            timeout_ms = (1 if stalled else 0) if busy else _IDLE_POLL_MS
+            if poller.poll(timeout_ms):
                 self._drain()
             if self._stopping:
                 break
+            stalled = False
             if self.core.has_work():
                 outputs: list[ReqOutput] = self.core.step()
+                stalled = not outputs
                 if outputs:
                     self._tokens_since_log += sum(len(o.new_token_ids) for o in outputs)
                     self.push.send_pyobj(BatchOut(outputs))
