@@ -290,3 +290,52 @@ def test_sampling_filter_replays_in_cuda_graph() -> None:
         out.fill_(float("nan"))
         graph.replay()
         _check_filtered(out, ref.top_k_top_p_min_p_probs_ref(logits, *params), logits, params[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_kernels_on_random_shapes(device: str) -> None:
+    """Property: any GQA group size, head_dim, prefix and chunk lengths (incl. exact multiples
+    of the tile sizes) match the references."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lmserver.kernels.decode_attention import decode_attention
+    from lmserver.kernels.extend_attention import extend_attention
+
+    block = 16 if device == "cpu" else 64
+    lengths = st.one_of(st.integers(0, 3 * block), st.sampled_from([block - 1, block, block + 1, 2 * block]))
+
+    @settings(max_examples=4 if device == "cpu" else 25, deadline=None, derandomize=True)
+    @given(
+        kv_heads=st.integers(1, 3), group=st.integers(1, 7), head_dim=st.sampled_from([16, 32, 48, 64, 96, 128]),
+        prefix=st.lists(lengths, min_size=1, max_size=3), new=st.lists(lengths, min_size=3, max_size=3),
+        seed=st.integers(0, 2**31 - 1), splits=st.integers(1, 5),
+    )
+    def check(kv_heads: int, group: int, head_dim: int, prefix: list[int], new: list[int], seed: int, splits: int) -> None:
+        new = [max(1, n) for n in new[: len(prefix)]]
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        batch = random_paged_batch(prefix, new, kv_heads * group, kv_heads, head_dim, dtype, device, _gen(seed))
+        scale = head_dim**-0.5
+        args = (batch.q, batch.k_extend, batch.v_extend, batch.k_cache, batch.v_cache, batch.req_to_token,
+                batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, scale)
+        kwargs = {"block_m": block, "block_n": block} if device == "cpu" else {}
+        out = extend_attention(*args, max(new), **kwargs)
+        assert rel_error(out, ref.extend_attention_ref(*args)) < _tol(dtype)
+        # Decode over the same rows: the last new token of each request as the query.
+        last = batch.extend_start_loc + batch.extend_lens - 1
+        q = batch.q[last].contiguous()
+        for b in range(len(prefix)):  # the decode kernel reads every token from the cache
+            row, start = int(batch.req_pool_indices[b]), int(batch.extend_start_loc[b])
+            slots = batch.req_to_token[row, prefix[b] : prefix[b] + new[b]].long()
+            batch.k_cache[slots] = batch.k_extend[start : start + new[b]]
+            batch.v_cache[slots] = batch.v_extend[start : start + new[b]]
+        seq_lens = batch.seq_lens
+        want = ref.decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+                                        seq_lens, scale)
+        got = decode_attention(q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, seq_lens,
+                               scale, num_kv_splits=splits, block_n=block)
+        assert rel_error(got, want) < _tol(dtype)
+        # And the decode equals the extend output of each request's last token.
+        assert rel_error(got, out[last]) < _tol(dtype)
+
+    check()
