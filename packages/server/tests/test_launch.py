@@ -81,3 +81,23 @@ def test_engine_start_failure_exits_1_with_the_reason(tmp_path: Any) -> None:
         srv.start(timeout_s=300)
     assert srv.proc.returncode == 1
     assert any("failed to start" in line and "no-such-model" in line for line in srv.lines), srv.log_tail()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_model_loads_stops_at_once() -> None:
+    srv = ServerProcess(core="slow_start").start(wait=False)
+    deadline = time.monotonic() + 60
+    while not _children(srv.proc.pid):  # the core process exists (and sleeps in its constructor)
+        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log_tail()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    children = _children(srv.proc.pid)  # the core (and multiprocessing's resource tracker)
+    t0 = time.monotonic()
+    assert srv.stop() == 0, srv.log_tail()
+    assert time.monotonic() - t0 < 8.0
+    assert all(_gone(pid) for pid in children)

@@ -76,7 +76,9 @@ async def _serve(config: ServerConfig, core_factory: str, core_kwargs: dict[str,
         return await _run_http(config, mgr, proc, stop)
     finally:
         await mgr.shutdown()
-        await loop.run_in_executor(None, _reap, proc)
+        # NOTE: a core still loading its model does not read ShutdownReq: terminate it at once
+        grace_s = 10.0 if mgr.ready is not None else 0.0
+        await loop.run_in_executor(None, _reap, proc, grace_s)
         shutil.rmtree(addrs.folder, ignore_errors=True)
 
 
@@ -153,9 +155,9 @@ def _port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def _reap(proc: Any) -> None:
-    """Joins the core process; terminates, then kills it if it does not exit."""
-    proc.join(timeout=10)
+def _reap(proc: Any, grace_s: float) -> None:
+    """Joins the core process for `grace_s`; then terminates, then kills it if it does not exit."""
+    proc.join(timeout=grace_s)
     if proc.is_alive():
         logger.warning("the engine core did not stop; terminating it")
         proc.terminate()

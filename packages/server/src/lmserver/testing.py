@@ -282,6 +282,14 @@ def crashing_core(config: ServerConfig) -> FakeEngineCore:
     return FakeEngineCore(config, crash_after_steps=3)
 
 
+def slow_start_core(config: ServerConfig) -> FakeEngineCore:
+    """A fake core that takes 120 s to build (for stopping a server while the model loads)."""
+    import time
+
+    time.sleep(120)
+    return FakeEngineCore(config)
+
+
 def slow_core(config: ServerConfig) -> FakeEngineCore:
     """A fake core that sleeps 20 ms per step (for disconnect and abort tests)."""
     return FakeEngineCore(config, step_delay_s=0.02)
@@ -308,7 +316,7 @@ class ServerProcess:
     """A server started as a child process; `start()` waits for its ready line.
 
     `args` are `lmserver serve` options; `core` picks a fake core factory from this module
-    (`"fake"`, `"slow"`, `"crash"`) or the real engine (`None`). stdout and stderr are kept in
+    (`"fake"`, `"slow"`, `"crash"`, `"slow_start"`) or the real engine (`None`). stdout and stderr are kept in
     `lines` (the last 2000 lines) for assertions and failure messages.
     """
 
@@ -322,7 +330,8 @@ class ServerProcess:
         if core is None:
             self.cmd = [sys.executable, "-m", "lmserver", "serve", *full]
         else:
-            factory = {"fake": "FakeEngineCore", "slow": "slow_core", "crash": "crashing_core"}[core]
+            factory = {"fake": "FakeEngineCore", "slow": "slow_core", "crash": "crashing_core",
+                       "slow_start": "slow_start_core"}[core]
             code = ("import sys; from lmserver.testing import serve_fake; "
                     f"sys.exit(serve_fake(sys.argv[1:], 'lmserver.testing:{factory}'))")
             self.cmd = [sys.executable, "-c", code, *full]
@@ -330,7 +339,7 @@ class ServerProcess:
         self.lines: deque[str] = deque(maxlen=2000)
         self.proc: Any = None
 
-    def start(self, timeout_s: float = 300.0) -> ServerProcess:
+    def start(self, timeout_s: float = 300.0, wait: bool = True) -> ServerProcess:
         import subprocess
         import threading
         import time
@@ -350,6 +359,8 @@ class ServerProcess:
                     ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
+        if not wait:
+            return self
         deadline = time.monotonic() + timeout_s
         while not ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
