@@ -43,9 +43,12 @@ def test_signal_stops_cleanly_without_orphans(sig: int) -> None:
 def test_core_crash_gives_503_and_nonzero_exit() -> None:
     srv = ServerProcess(core="crash").start()  # the fake core raises in its third step
     try:
-        r = httpx.post(srv.base_url + "/generate", json={"text": "hello there", "sampling_params":
-                                                         {"max_new_tokens": 20}}, timeout=30)
-        assert r.status_code == 503 and "fake core crash" in r.json()["error"]["message"]
+        # step 1 was the start-up health check; step 2 streams a token; step 3 crashes
+        r = httpx.post(srv.base_url + "/generate", json={"text": "hello there", "stream": True,
+                                                         "sampling_params": {"max_new_tokens": 20}}, timeout=30)
+        events = [line for line in r.text.split("\n") if line.startswith("data: ")]
+        assert r.status_code == 200 and '"text"' in events[0]
+        assert "engine is unavailable" in events[-2] and "fake core crash" in events[-2] and events[-1] == "data: [DONE]"
         srv.proc.wait(timeout=20)
     finally:
         srv.stop()

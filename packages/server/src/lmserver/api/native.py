@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from lmserver.api.errors import APIError, JSONBody, read_json, sse_error
 from lmserver.api.streams import DONE, SSE_HEADERS, collect_all, due, merge, prime, sse, until_disconnect
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
-from lmserver.tokenizer_manager import GenState, TokenizerManager
+from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
 
 router = APIRouter()
 
@@ -157,6 +157,8 @@ async def generate(request: Request) -> Response:
                 yield sse(obj)
         except InvalidRequestError as exc:
             yield sse_error(str(exc), 400)
+        except EngineDeadError as exc:
+            yield sse_error(f"the engine is unavailable: {exc}", 503)
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

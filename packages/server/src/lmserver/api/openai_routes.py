@@ -34,7 +34,7 @@ from lmserver.api.streams import (
     until_disconnect,
 )
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
-from lmserver.tokenizer_manager import GenState, TokenizerManager
+from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
 
 router = APIRouter(prefix="/v1")
 
@@ -175,6 +175,8 @@ async def completions(request: Request) -> Response:
                            "choices": [], "usage": _usage(groups)})
         except InvalidRequestError as exc:
             yield sse_error(str(exc), 400)
+        except EngineDeadError as exc:
+            yield sse_error(f"the engine is unavailable: {exc}", 503)
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -241,6 +243,8 @@ async def chat_completions(request: Request) -> Response:
                 yield chunk([], usage=_usage([[final[i] for i in sorted(final)]]))
         except InvalidRequestError as exc:
             yield sse_error(str(exc), 400)
+        except EngineDeadError as exc:
+            yield sse_error(f"the engine is unavailable: {exc}", 503)
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
