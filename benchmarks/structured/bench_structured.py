@@ -1,0 +1,214 @@
+"""Structured output in lmserver: jump-forward on vs off vs unconstrained.
+
+Workloads:
+- `json_long_keys` (SGLang paper section 6, JSON decoding): extract fields of a short synthetic
+  biography into a JSON Schema with long constant keys (most of the output is forced text);
+- `regex_form`: a regex form ("Name: ...\\nAge: ...\\n...") with literal field labels.
+
+Modes: `jump_forward` (the compressed FSM), `no_jump_forward` (token-by-token masked decoding),
+`unconstrained` (no grammar, `ignore_eos`, as many new tokens as the no_jump_forward run
+produced on average: the cost of the same amount of text without a grammar).
+
+Phases: latency per request at concurrency 1, then a batch of `--concurrency` requests at once
+(output tokens/s, forward steps, decode steps saved, mask overhead per decode step). The mask
+overhead is the time spent filling and applying bitmasks (lmserver.constrained.BatchMasker)
+divided by the mean decode step time, in the no_jump_forward batch run (every step masks every
+row).
+
+    python benchmarks/structured/bench_structured.py [--threads 2] [--num-latency 6] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import jsonschema
+import regex
+import torch
+
+from lmserver import Engine
+
+LONG_KEY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "full_name_of_the_person_described": {"type": "string", "maxLength": 24},
+        "year_of_birth_as_a_four_digit_number": {"type": "integer", "minimum": 1900, "maximum": 2024},
+        "city_of_birth_without_the_country": {"type": "string", "maxLength": 16},
+        "main_occupation_or_profession_of_the_person": {"type": "string", "maxLength": 20},
+        "is_the_person_still_alive_today": {"type": "boolean"},
+    },
+    "required": ["full_name_of_the_person_described", "year_of_birth_as_a_four_digit_number",
+                 "city_of_birth_without_the_country", "main_occupation_or_profession_of_the_person",
+                 "is_the_person_still_alive_today"],
+}
+FORM_REGEX = (r"Name: [A-Z][a-z]{1,10} [A-Z][a-z]{1,12}\nBorn in: [A-Z][a-z]{2,12}\n"
+              r"Year of birth: (19|20)[0-9]{2}\nOccupation: [a-z]{3,14}\nStill alive: (yes|no)\n")
+
+FIRST = ["Alice", "Bruno", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivan", "Julia", "Kofi", "Lena"]
+LAST = ["Martin", "Okafor", "Tanaka", "Silva", "Novak", "Haddad", "Berg", "Rossi", "Kim", "Dubois"]
+CITIES = ["Lyon", "Osaka", "Lagos", "Porto", "Krakow", "Cairo", "Bergen", "Turin", "Busan", "Quebec"]
+JOBS = ["chemist", "painter", "engineer", "teacher", "architect", "pilot", "baker", "lawyer"]
+
+
+def bios(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+        year = rng.randint(1920, 2000)
+        alive = rng.choice(["lives", "lived"])
+        out.append(f"{name} was born in {rng.choice(CITIES)} in {year}. {name.split()[0]} worked as a "
+                   f"{rng.choice(JOBS)} and {alive} by the sea.")
+    return out
+
+
+def prompts(engine: Engine, workload: str, n: int) -> list[str]:
+    tpl = engine.tokenizer.chat_template is not None
+    ask = ("Extract the information about the person as JSON." if workload == "json_long_keys"
+           else "Fill in the form about the person.")
+    out = []
+    for bio in bios(n):
+        content = f"{bio}\n\n{ask}"
+        if tpl:
+            out.append(engine.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                            tokenize=False, add_generation_prompt=True))
+        else:
+            out.append(content + "\n")
+    return out
+
+
+def params(workload: str, mode: str, max_new: int) -> dict[str, Any]:
+    p: dict[str, Any] = {"max_new_tokens": max_new, "temperature": 0.0}
+    if mode == "unconstrained":
+        p["ignore_eos"] = True
+    elif workload == "json_long_keys":
+        p["json_schema"] = json.dumps(LONG_KEY_SCHEMA)
+    else:
+        p["regex"] = FORM_REGEX
+    return p
+
+
+def check(workload: str, text: str) -> bool:
+    if workload == "json_long_keys":
+        try:
+            jsonschema.validate(json.loads(text), LONG_KEY_SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    return regex.fullmatch(FORM_REGEX, text) is not None
+
+
+class StepProbe:
+    """Wraps the model runner's forward to time decode steps and count forwards."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.core = engine.core
+        self.decode_s: list[float] = []
+        self.num_forwards = 0
+        runner = self.core.runner
+        self._orig = runner.forward
+        runner.forward = self._forward  # type: ignore[method-assign]
+
+    def _forward(self, decision: Any) -> Any:
+        self.num_forwards += 1
+        start = time.perf_counter()
+        out = self._orig(decision)
+        if decision.mode == "decode":
+            self.decode_s.append(time.perf_counter() - start)
+        return out
+
+    def reset(self) -> None:
+        self.decode_s, self.num_forwards = [], 0
+
+
+def run_mode(engine: Engine, probe: StepProbe, workload: str, mode: str, ps: list[str], max_new: int,
+             concurrency: int) -> dict[str, Any]:
+    cd = engine.core.constrained
+    cd.jump_forward = mode == "jump_forward"
+    engine.flush_cache()
+    probe.reset()
+    mask_s0, masked_rows0 = cd.masker.mask_time_s, cd.masker.num_masked_rows
+    jf0 = cd.stats["jump_forward_tokens"]
+    latencies: list[float] = []
+    outs: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for i in range(0, len(ps), concurrency):
+        chunk = ps[i : i + concurrency]
+        res = engine.generate(chunk, [params(workload, mode, max_new)] * len(chunk))
+        assert isinstance(res, list)
+        outs.extend(res)
+        latencies.extend(o["meta_info"]["e2e_latency"] for o in res)
+    wall = time.perf_counter() - start
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    decode_steps = len(probe.decode_s)
+    mask_s = cd.masker.mask_time_s - mask_s0
+    mean_decode = statistics.mean(probe.decode_s) if probe.decode_s else 0.0
+    return {
+        "workload": workload, "mode": mode, "concurrency": concurrency, "requests": len(ps),
+        "valid": sum(check(workload, o["text"]) for o in outs) if mode != "unconstrained" else None,
+        "latency_s": statistics.mean(latencies), "out_tok_per_s": tokens / wall,
+        "out_tokens_per_req": tokens / len(outs), "forwards": probe.num_forwards, "decode_steps": decode_steps,
+        "jump_forward_tokens": cd.stats["jump_forward_tokens"] - jf0,
+        "mask_ms_per_step": 1e3 * mask_s / max(decode_steps, 1) if mode != "unconstrained" else None,
+        "decode_step_ms": 1e3 * mean_decode,
+        "masked_rows": cd.masker.num_masked_rows - masked_rows0,
+        "sample_text": outs[0]["text"][:90],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--num-latency", type=int, default=6, help="requests run one at a time per mode")
+    ap.add_argument("--concurrency", type=int, default=32, help="requests in the batch phase")
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--workloads", default="json_long_keys,regex_form")
+    ap.add_argument("--json-out", default=None, help="write all rows to this JSON file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=max(args.concurrency, 1))
+    probe = StepProbe(engine)
+    rows = []
+    for workload in args.workloads.split(","):
+        lat_prompts = prompts(engine, workload, args.num_latency)
+        batch_prompts = prompts(engine, workload, args.concurrency)
+        engine.generate(lat_prompts[0], params(workload, "jump_forward", 8))  # compile + warm up
+        for phase, ps, conc in (("latency", lat_prompts, 1), ("batch", batch_prompts, args.concurrency)):
+            off = run_mode(engine, probe, workload, "no_jump_forward", ps, args.max_new_tokens, conc)
+            on = run_mode(engine, probe, workload, "jump_forward", ps, args.max_new_tokens, conc)
+            free_new = max(int(round(off["out_tokens_per_req"])), 1)
+            free = run_mode(engine, probe, workload, "unconstrained", ps, free_new, conc)
+            for r in (on, off, free):
+                r["phase"] = phase
+                r["decode_steps_saved"] = off["forwards"] - r["forwards"] if r["mode"] == "jump_forward" else None
+                rows.append(r)
+            print(f"{workload} {phase}: latency speed-up of jump-forward {off['latency_s'] / on['latency_s']:.2f}x",
+                  flush=True)
+    cols = ["workload", "phase", "mode", "concurrency", "valid", "latency_s", "out_tok_per_s", "out_tokens_per_req",
+            "forwards", "decode_steps_saved", "jump_forward_tokens", "decode_step_ms", "mask_ms_per_step"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
+        print("| " + " | ".join(cells) + " |")
+    for r in rows:
+        if r["mode"] == "no_jump_forward" and r["phase"] == "batch" and r["decode_step_ms"]:
+            print(f"{r['workload']}: mask overhead at {r['concurrency']} concurrent = "
+                  f"{100 * r['mask_ms_per_step'] / r['decode_step_ms']:.2f}% of a decode step")
+    for r in rows:
+        print(f"sample {r['workload']} {r['phase']} {r['mode']}: {r['sample_text']!r}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Constrained decoding end to end on the embedded SmolLM2-135M-Instruct (CPU, float32).
+
+Oracles: the `regex` module (fullmatch), `jsonschema` (validate), the tokenizer's full decode
+of the returned token ids, unconstrained greedy runs of the same engine (the texts a grammar
+must not change), and the KV memory invariant after every workload.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+import regex
+
+from lmserver import Engine
+from lmserver.io_struct import InvalidRequestError
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+YES_NO = r" (yes|no)"
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+        "is_student": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "is_student"],
+}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine(dtype="float32", max_total_tokens=8192, max_running_requests=32)
+    yield eng
+    eng.shutdown()
+
+
+def _idle_check(engine: Engine) -> None:
+    assert not engine.core.has_work()
+    assert engine.core.constrained.num_waiting == 0
+    engine.core.check_memory_invariant()
+
+
+def _check(engine: Engine, out: dict[str, Any], kind: str, grammar: Any) -> None:
+    """The output is in the grammar's language (complete when it stopped, a prefix otherwise)
+    and its token ids decode to its text."""
+    text = out["text"]
+    reason = out["meta_info"]["finish_reason"]["type"]
+    assert engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True) == text
+    complete = reason == "stop"
+    if kind == "regex":
+        assert regex.fullmatch(grammar, text, partial=not complete), (grammar, text, reason)
+    elif complete:
+        jsonschema.validate(json.loads(text), grammar)
+    assert reason in ("stop", "length"), out["meta_info"]
+
+
+def _params(kind: str, grammar: Any, max_new: int, **extra: Any) -> dict[str, Any]:
+    key = "regex" if kind == "regex" else "json_schema"
+    value = grammar if kind == "regex" else json.dumps(grammar)
+    return {"max_new_tokens": max_new, key: value, **extra}
+
+
+def test_regex_and_schema_outputs_are_in_the_language(engine: Engine) -> None:
+    cases = [
+        ("Call me at", "regex", PHONE),
+        ("Is the sky blue? Answer:", "regex", YES_NO),
+        ("Today's date is", "regex", DATE),
+        ("Describe a person as JSON:", "json", PERSON),
+        ("Describe a student as JSON:", "json", PERSON),
+    ]
+    outs = engine.generate([c[0] for c in cases], [
+        _params(kind, g, 64, temperature=0.0 if i % 2 == 0 else 0.8, sampling_seed=i)
+        for i, (_, kind, g) in enumerate(cases)])
+    assert isinstance(outs, list)
+    for (_, kind, g), out in zip(cases, outs, strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        _check(engine, out, kind, g)
+    assert outs[0]["meta_info"]["jump_forward_tokens"] >= 1  # " " and "-" are forced
+    assert outs[3]["meta_info"]["jump_forward_tokens"] >= 10  # keys are forced
+    assert outs[3]["text"].startswith('{"name":"')
+    _idle_check(engine)
+
+
+def test_json_object_and_errors(engine: Engine) -> None:
+    out = engine.generate("A JSON object:", {"max_new_tokens": 48, "temperature": 0.0,
+                                             "json_schema": '{"type": "object"}'})
+    assert isinstance(out, dict)
+    assert out["text"].startswith("{")
+    if out["meta_info"]["finish_reason"]["type"] == "stop":
+        assert isinstance(json.loads(out["text"]), dict)
+    with pytest.raises(InvalidRequestError, match="ebnf constraints are not supported yet"):
+        engine.generate("x", {"ebnf": "root ::= 'a'"})
+    with pytest.raises(InvalidRequestError, match="json_schema is not valid JSON"):
+        engine.generate("x", {"json_schema": "{not json"})
+    # a bad grammar fails its own request only
+    bad, good = engine.generate(["x", "The capital of France is"], [
+        {"regex": "(ab", "max_new_tokens": 4}, {"max_new_tokens": 3, "temperature": 0.0}])
+    assert "invalid regex grammar" in bad["meta_info"]["error"]
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort" and bad["output_ids"] == []
+    assert good["meta_info"]["completion_tokens"] == 3
+    _idle_check(engine)
+
+
+def test_compile_timeout_is_a_clear_error(engine: Engine) -> None:
+    backend = engine.core.constrained.backend
+    saved = backend.compile_timeout_s
+    backend.compile_timeout_s = 1e-4
+    try:
+        out = engine.generate("x", {"regex": r"\w{2,9}@\w{3,7}\.(com|org)", "max_new_tokens": 4})
+    finally:
+        backend.compile_timeout_s = saved
+    assert isinstance(out, dict)
+    assert "longer than" in out["meta_info"]["error"] and "grammar-compile-timeout" in out["meta_info"]["error"]
+    _idle_check(engine)
+
+
+def test_unconstrained_neighbours_are_unaffected(engine: Engine) -> None:
+    prompts = ["The capital of France is", "Once upon a time", "Water boils at"]
+    greedy = {"max_new_tokens": 12, "temperature": 0.0}
+    alone = engine.generate(prompts, greedy)
+    constrained = [("Call me at", _params("regex", PHONE, 20)),
+                   ("A person:", _params("json", PERSON, 40, temperature=0.9, sampling_seed=3)),
+                   ("Answer:", _params("regex", YES_NO, 4))]
+    mixed = engine.generate(prompts[:1] + [c[0] for c in constrained] + prompts[1:],
+                            [greedy] + [c[1] for c in constrained] + [greedy, greedy])
+    assert isinstance(alone, list) and isinstance(mixed, list)
+    got = [mixed[0], mixed[4], mixed[5]]
+    assert [o["text"] for o in got] == [o["text"] for o in alone]
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in alone]
+    _idle_check(engine)
+
+
+def _model_pick_regex(engine: Engine, text: str, ids: list[int]) -> str:
+    """A regex whose forced part (after the first comma) is exactly what greedy decoding wrote."""
+    toks = [engine.tokenizer.decode([t]) for t in ids]
+    i = next(j for j, t in enumerate(toks) if t.startswith(","))
+    seg = "".join(toks[i : i + 4])
+    assert engine.tokenizer.encode(seg, add_special_tokens=False) == ids[i : i + 4]  # canonical tokens
+    return "[^,]*" + re.escape(seg) + r"[\s\S]*"
+
+
+def test_jump_forward_on_off_identical_where_forced_text_is_the_models_pick(engine: Engine) -> None:
+    prompts = ["Once upon a time", "List three colors:", "Water boils at"]
+    greedy = {"max_new_tokens": 16, "temperature": 0.0}
+    free = engine.generate(prompts, greedy)
+    assert isinstance(free, list)
+    cd = engine.core.constrained
+    runs = {}
+    for jf in (True, False):
+        cd.jump_forward = jf
+        try:
+            before = engine.core.get_stats()["forwards"]
+            runs[jf] = engine.generate(prompts, [
+                {**greedy, "regex": _model_pick_regex(engine, o["text"], o["output_ids"])} for o in free])
+            runs[jf, "forwards"] = engine.core.get_stats()["forwards"] - before
+        finally:
+            cd.jump_forward = True
+    for on, off, ref in zip(runs[True], runs[False], free, strict=True):
+        assert on["text"] == off["text"] == ref["text"]
+        assert on["output_ids"] == off["output_ids"] == ref["output_ids"]
+        assert on["meta_info"]["jump_forward_tokens"] == 3 and "jump_forward_tokens" not in off["meta_info"]
+    assert runs[True, "forwards"] < runs[False, "forwards"]
+    _idle_check(engine)
+
+
+def test_jump_forward_on_off_same_language(engine: Engine) -> None:
+    cd = engine.core.constrained
+    cases = [("regex", DATE), ("json", PERSON), ("regex", PHONE)]
+    for jf in (True, False):
+        cd.jump_forward = jf
+        try:
+            outs = engine.generate(["Fill in:"] * 6, [_params(kind, g, 64, temperature=1.0, sampling_seed=7 + i)
+                                                        for i, (kind, g) in enumerate(cases * 2)])
+        finally:
+            cd.jump_forward = True
+        assert isinstance(outs, list)
+        for (kind, g), out in zip(cases * 2, outs, strict=True):
+            _check(engine, out, kind, g)
+            assert ("jump_forward_tokens" in out["meta_info"]) == jf
+    _idle_check(engine)
+
+
+def test_stop_string_inside_forced_text(engine: Engine) -> None:
+    cd = engine.core.constrained
+    texts = []
+    for jf in (True, False):
+        cd.jump_forward = jf
+        try:
+            out = engine.generate("Question: is water wet?", {
+                "max_new_tokens": 16, "temperature": 0.0, "regex": r"The answer is (yes|no)\.", "stop": [" is"]})
+        finally:
+            cd.jump_forward = True
+        assert isinstance(out, dict)
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " is"}
+        texts.append(out["text"])
+    assert texts == ["The answer", "The answer"]
+    _idle_check(engine)
+
+
+def test_streaming_text_with_jump_forward_is_consistent(engine: Engine) -> None:
+    it = engine.generate("Describe a person as JSON:", _params("json", PERSON, 64, temperature=0.0), stream=True)
+    chunks = list(it)  # type: ignore[arg-type]
+    final = chunks[-1]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # never taken back
+    _check(engine, final, "json", PERSON)
+    assert final["meta_info"]["jump_forward_tokens"] >= 10
+    _idle_check(engine)
+
+
+GRAMMARS: list[tuple[str, Any]] = [
+    ("regex", PHONE), ("regex", YES_NO), ("regex", DATE), ("regex", r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8})?"),
+    ("regex", r"(\+|-)?[0-9]{1,4}(\.[0-9]{1,2})?"), ("regex", r"#[0-9a-f]{6}"),
+    ("regex", r"(red|green|blue)(, (red|green|blue)){0,2}"), ("regex", r"[a-z]+@[a-z]+\.(com|org)"),
+    ("json", PERSON),
+    ("json", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 4}),
+    ("json", {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {
+        "type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}, "required": ["ok", "tags"]}),
+    ("json", {"type": "string", "pattern": "^[a-z]{2,6}$"}),
+]
+
+
+@pytest.mark.slow
+def test_200_constrained_requests(engine: Engine) -> None:
+    rng = random.Random(0)
+    picks = [GRAMMARS[i % len(GRAMMARS)] for i in range(200)]
+    prompts = [rng.choice(["Answer:", "Output:", "Here it is:", "Data:"]) for _ in picks]
+    params = [_params(kind, g, 40, temperature=rng.choice([0.0, 0.7, 1.0]), sampling_seed=i)
+              for i, (kind, g) in enumerate(picks)]
+    outs = engine.generate(prompts, params)
+    assert isinstance(outs, list) and len(outs) == 200
+    stopped = 0
+    for (kind, g), out in zip(picks, outs, strict=True):
+        _check(engine, out, kind, g)
+        stopped += out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert stopped >= 150  # most grammars here are short; every output is checked either way
+    assert engine.core.get_stats()["jump_forward_tokens"] > 200
+    _idle_check(engine)
