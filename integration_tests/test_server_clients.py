@@ -1,6 +1,7 @@
 """The real server (engine core on the embedded SmolLM2, CPU) driven by real clients: the `openai`
-client, raw HTTP on the native API, and lmdsl's RuntimeEndpoint. Oracle: HF transformers run on
-the same model folder (greedy tokens and log-probabilities)."""
+client, raw HTTP on the native API, and lmdsl's RuntimeEndpoint. Oracles: HF transformers run on
+the same model folder (greedy tokens and log-probabilities), the `regex` module and `jsonschema`
+for constrained outputs."""
 
 from __future__ import annotations
 
@@ -187,6 +188,45 @@ def test_lmdsl_programs(server: ServerProcess) -> None:
     assert {s["capital"] for s in batch[::2]} == {state["capital"]}
     streamed = few_shot.run(country="Germany", backend=backend, stream=True)
     assert "".join(streamed.text_iter("capital")) == state["capital"]
+
+
+# -- constrained decoding (cfsm through the engine) ---------------------------------------------
+@sgl.function
+def card(s: Any) -> None:
+    s += "Name: Alice\nAge:" + sgl.gen_int("age", max_tokens=4)
+    s += "\nZip code:" + sgl.gen("zip", regex=r" [0-9]{5}", max_tokens=8)
+
+
+def test_regex_through_lmdsl_native_and_openai(server: ServerProcess, http: httpx.Client, oai: Any) -> None:
+    import regex
+
+    state = card.run(backend=sgl.RuntimeEndpoint(server.base_url), temperature=0)
+    assert state.error() is None
+    assert regex.fullmatch(r"[-+]?[0-9]+", state["age"]) and regex.fullmatch(r" [0-9]{5}", state["zip"])
+    pattern = r"(yes|no), because [a-z ]{3,20}\."
+    events = [json.loads(line[6:]) for line in http.post("/generate", json={
+        "text": "Is Paris in France? Answer:", "stream": True,
+        "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": pattern}}).text.split("\n")
+        if line.startswith("data: {")]
+    assert regex.fullmatch(pattern, events[-1]["text"]), events[-1]["text"]
+    r = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Pick a color."}],
+                                    max_tokens=10, temperature=0, extra_body={"regex": "(red|green|blue)"})
+    assert r.choices[0].message.content in ("red", "green", "blue")
+
+
+def test_response_format_json_schema(oai: Any) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
+    r = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert r.choices[0].finish_reason == "stop"
 
 
 def test_zz_memory_invariant_at_the_end(http: httpx.Client) -> None:
