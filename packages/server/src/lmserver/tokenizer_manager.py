@@ -49,6 +49,7 @@ class GenState:
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    jump_forward_tokens: int = 0  # output tokens added by jump-forward (constrained decoding)
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
     input_token_logprobs: list[TokenLogprob] | None = None
@@ -256,6 +257,7 @@ class TokenizerManager:
         state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
         state.completion_tokens = out.completion_tokens or len(state.output_ids)
         state.cached_tokens = out.cached_tokens
+        state.jump_forward_tokens = out.jump_forward_tokens or state.jump_forward_tokens
         if out.input_token_logprobs is not None:
             state.input_token_logprobs = list(out.input_token_logprobs)
             state.input_top_logprobs = list(out.input_top_logprobs or [])

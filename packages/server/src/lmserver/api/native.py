@@ -123,6 +123,8 @@ def native_output(state: GenState, req: GenerateReq) -> dict[str, Any]:
         "id": state.rid, "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens, "finish_reason": state.finish_reason,
         "e2e_latency": round(state.e2e_latency, 6)}
+    if state.jump_forward_tokens:
+        meta["jump_forward_tokens"] = state.jump_forward_tokens
     if req.return_logprob:
         meta["input_token_logprobs"] = state.input_token_logprobs or []
         meta["output_token_logprobs"] = state.output_token_logprobs
