@@ -2,8 +2,9 @@
 
 Per round: order the waiting queue (longest cached prefix first, aging bound, deferral of
 requests that share an uncached prefix with one admitted this round), admit within the running
-limit, the prefill token budget and memory (evicting when the allocator runs dry); after prefill
-the prompt is inserted and re-locked (SGLang's `cache_unfinished_req`); every round each running
+limit, the prefill token budget and memory (evicting when the allocator runs dry); the round's
+prefill runs as one batch, so its requests cannot reuse each other's new KV; after it each prompt
+is inserted and re-locked (SGLang's `cache_unfinished_req`); every round each running
 request decodes `decode_chunk` tokens; at finish prompt + output are inserted and unlocked
 (`cache_finished_req`), and the request's follow-ups (next turn, child thoughts) start waiting.
 """
@@ -175,8 +176,9 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
             res.order_ns += clock() - t0
             budget = cfg.prefill_budget
             admitted: set[int] = set()
+            prefilled: list[tuple[Any, _Running]] = []
             for i in order.order[: order.num_ready]:
-                if len(running) >= cfg.max_running:
+                if len(running) + len(prefilled) >= cfg.max_running:
                     break
                 req = waiting[i]
                 key = prompt_keys.pop(req.rid)
@@ -205,16 +207,21 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
                 res.prompt_tokens += n_prompt
                 res.max_wait = max(res.max_wait, waits[i])
                 kv = np.concatenate([cache.indices_to_numpy(idx), slots])  # whole pages
-                # prefill done: cache the prompt now so that later requests can share it
-                prefix = timed("insert", cache.insert, key, cache.native_value(kv[:n_prompt]))
-                alloc.free(kv[length:prefix])
+                full = cache.native_key(np.concatenate([req.prompt, req.output]))
+                prefilled.append((key, _Running(req, full, kv, length, handle, len(req.output))))
+                admitted.add(i)
+            # the round's prefill batch ran (in parallel: no request reused another's new KV);
+            # cache each prompt now so that later rounds can share it (cache_unfinished_req)
+            for key, run in prefilled:
+                n_prompt = len(run.req.prompt)
+                prefix = timed("insert", cache.insert, key, cache.native_value(run.kv[:n_prompt]))
+                alloc.free(run.kv[run.cached_len : prefix])
                 length2, handle2, idx2 = timed("match", cache.match, key)
                 timed("lock", cache.lock, handle2)
-                timed("lock", cache.unlock, handle)
-                kv[:length2] = cache.indices_to_numpy(idx2)
-                full = cache.native_key(np.concatenate([req.prompt, req.output]))
-                running.append(_Running(req, full, kv, length2, handle2, len(req.output)))
-                admitted.add(i)
+                timed("lock", cache.unlock, run.handle)
+                run.kv[:length2] = cache.indices_to_numpy(idx2)
+                run.cached_len, run.handle = length2, handle2
+                running.append(run)
             if not admitted and not running and next_root >= len(roots):
                 raise RuntimeError(f"{cache.name}: request {waiting[order.order[0]].rid} can never fit")
             waiting = [r for j, r in enumerate(waiting) if j not in admitted]

@@ -45,11 +45,13 @@ def test_touch_keeps_waiting_prefixes_from_eviction() -> None:
     assert cache.evict(3).tolist() == [4, 5, 6]  # [2,2,2] goes first: [1,1,1] is wanted
 
 
-def test_starving_requests_go_first_oldest_first() -> None:
+def test_only_the_oldest_starving_request_jumps_the_queue() -> None:
     cache, _ = _cache_with([[1, 2, 3, 4]])
     keys = [[9], [1, 2, 3, 4], [8], [1, 2]]
     o = longest_prefix_first(cache, keys, waited_rounds=[3, 0, 5, 1], max_wait_rounds=3)
-    assert o.order == [2, 0, 1, 3]
+    assert o.order == [2, 1, 3, 0]  # 2 is the oldest starving; 0 (also starving) keeps its place
+    o = longest_prefix_first(cache, keys, waited_rounds=[3, 0, 3, 1], max_wait_rounds=3)
+    assert o.order == [0, 1, 3, 2]  # equal waits: the earlier arrival is older
 
 
 def test_deferral_holds_back_requests_sharing_an_uncached_prefix() -> None:
@@ -90,12 +92,12 @@ def test_deferral_matches_naive_oracle(
     deferred: list[int] = []
     for i in full.order:
         cached = model.longest_prefix(keys[i])[0]
-        starving = w[i] >= 3
-        if not starving and any(_lcp(keys[i], keys[j]) - cached >= threshold for j in ready):
+        if any(_lcp(keys[i], keys[j]) - cached >= threshold for j in ready):
             deferred.append(i)
         else:
             ready.append(i)
     assert o.order == ready + deferred and o.num_ready == len(ready)
+    assert not keys or o.order[0] == full.order[0]  # the head is never deferred
 
 
 def test_dfs_weight_groups_subtrees_heaviest_first() -> None:

@@ -2,12 +2,16 @@
 equivalent to a depth-first walk of the tree), with an aging bound against starvation.
 
 Aging bound (the paper leaves starvation open). A request is *starving* once it has waited
-`max_wait_rounds` rounds (`waited_rounds[i] >= max_wait_rounds`). Starving requests are ordered
-before all others, oldest first (most rounds waited, then arrival index), and are never deferred.
-Hence, if every round admits at least the first request of the order, a request that arrives
-while `N` requests are already waiting is admitted after at most `max_wait_rounds + N` rounds
-of waiting: once it starves, only starving requests that arrived before it can precede it, and
-each round removes one of them. `AgingQueue` keeps the counts; `tests/test_ordering.py` checks
+`max_wait_rounds` rounds (`waited_rounds[i] >= max_wait_rounds`). The oldest starving request
+(most rounds waited, then arrival index) is put first; every other request, starving or not,
+keeps its cache-aware place. Hence, if every round admits at least the first request of the
+order, a request that arrives while `N` requests are already waiting is admitted after at most
+`max_wait_rounds + N` rounds of waiting: once it starves, only starving requests that arrived
+before it are older, each round admits the oldest, and when it is the oldest it is first.
+Deferral (below) never breaks this: it moves a request behind an earlier one of the same round,
+and the first request has none. Putting only one starving request first (rather than all of
+them) keeps the cache-aware order for the rest: under memory pressure, a crowd of starving
+requests admitted together evicts the prefixes everyone else is about to reuse. `AgingQueue` keeps the counts; `tests/test_ordering.py` checks
 the bound against an adversarial arrival stream.
 """
 
@@ -40,7 +44,7 @@ class Ordering(NamedTuple):
     """`order` is a permutation of the waiting requests' indices, best first. The first
     `num_ready` are worth admitting this round; the others share at least `defer_shared_tokens`
     uncached tokens with an earlier ready request, so admitting them after it has been inserted
-    turns those tokens into hits (starving requests are never deferred)."""
+    turns those tokens into hits. `order[0]` is never deferred (the aging bound relies on it)."""
 
     order: list[int]
     num_ready: int
@@ -68,12 +72,13 @@ def _check_defer(defer_shared_tokens: int | None, page_size: int) -> None:
 
 
 def _split_starving(waits: list[int], max_wait_rounds: int | None) -> tuple[list[int], list[int]]:
-    if max_wait_rounds is None:
+    """([the oldest starving request] or [], every other index)."""
+    if max_wait_rounds is None or not waits:
         return [], list(range(len(waits)))
-    starving = [i for i, w in enumerate(waits) if w >= max_wait_rounds]
-    starving.sort(key=lambda i: (-waits[i], i))
-    rest = [i for i, w in enumerate(waits) if w < max_wait_rounds]
-    return starving, rest
+    oldest = min(range(len(waits)), key=lambda i: (-waits[i], i))
+    if waits[oldest] < max_wait_rounds:
+        return [], list(range(len(waits)))
+    return [oldest], [i for i in range(len(waits)) if i != oldest]
 
 
 def _with_deferral(
@@ -98,14 +103,13 @@ def _with_deferral(
         if len(arrs[i]) - c >= defer_shared_tokens:
             buckets.setdefault((eks[i], c, arrs[i][: c + ps].tobytes()), []).append(i)
     deferred_set: set[int] = set()
-    starving_set = set(starving)
     for members in buckets.values():
         if len(members) < 2:
             continue
         batch = RadixCache(ps)  # suffixes of the bucket's requests already chosen this round
         for i in members:
             suffix = arrs[i][cached[i] :]
-            if i not in starving_set and batch.peek_prefix_len(suffix) >= defer_shared_tokens:
+            if batch.peek_prefix_len(suffix) >= defer_shared_tokens:
                 deferred_set.add(i)
                 continue
             batch.insert(suffix, np.zeros(len(suffix), dtype=np.int64))
