@@ -24,7 +24,8 @@ def test_triton_kernels_under_interpreter() -> None:
     env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--rootdir", str(root),
-         "-k", "interpret", str(tests), str(tests.with_name("test_kernels_triton_backend.py"))],
+         "-k", "interpret", str(tests), str(tests.with_name("test_kernels_triton_backend.py")),
+         str(tests.with_name("test_kernels_triton_model.py"))],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )
     summary = proc.stdout[-4000:] + proc.stderr[-2000:]

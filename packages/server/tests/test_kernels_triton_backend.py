@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from lmserver.engine.forward_batch import ForwardBatch, ForwardMode  # isort: skip  (engine before attention)
 from lmserver.attention.base import AttentionLayer
 from lmserver.attention.torch_native import TorchNativeBackend
+from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.kernels.testing import rel_error
 
