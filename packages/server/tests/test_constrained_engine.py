@@ -244,3 +244,9 @@ def test_200_constrained_requests(engine: Engine) -> None:
     assert stopped >= 150  # most grammars here are short; every output is checked either way
     assert engine.core.get_stats()["jump_forward_tokens"] > 200
     _idle_check(engine)
+
+
+def test_readme_example(engine: Engine) -> None:
+    out = engine.generate("Call me at", {"max_new_tokens": 24, "temperature": 0, "regex": r"\(\d{3}\) \d{3}-\d{4}"})
+    assert isinstance(out, dict)
+    assert regex.fullmatch(PHONE, out["text"]) and out["meta_info"]["jump_forward_tokens"] >= 2

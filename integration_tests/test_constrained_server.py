@@ -1,0 +1,118 @@
+"""Constrained decoding through the real server (embedded SmolLM2, CPU) and real clients.
+
+The server runs with `--disable-jump-forward` here (the flag's path; the other server tests and
+the engine tests cover jump-forward on). Oracles: `regex` fullmatch, `jsonschema` validate, the
+tokenizer decode of the returned token ids, and OpenAI-format 400 bodies.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import regex
+
+import lmdsl as sgl
+from lmserver.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    srv = ServerProcess(["--context-length", "1024", "--disable-jump-forward", "--grammar-compile-timeout-s", "20"],
+                        core=None, env=ENV)
+    srv.start(timeout_s=900)
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Any:
+    with httpx.Client(base_url=server.base_url, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server: ServerProcess) -> Any:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    yield client
+    client.close()
+
+
+def test_native_regex_schema_and_stop_regex(http: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    r = http.post("/generate", json={
+        "text": ["Date:", "JSON:", "Count:"],
+        "sampling_params": [
+            {"max_new_tokens": 16, "temperature": 0, "regex": r"20[0-9]{2}-[01][0-9]"},
+            {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 1, "json_schema": json.dumps(schema)},
+            {"max_new_tokens": 24, "temperature": 0, "regex": r"[0-9]( [0-9]){2,9}", "stop_regex": r"3 4"},
+        ]})
+    assert r.status_code == 200, r.text
+    date, obj, count = r.json()
+    assert regex.fullmatch(r"20[0-9]{2}-[01][0-9]", date["text"]), date
+    jsonschema.validate(json.loads(obj["text"]), schema)
+    assert "jump_forward_tokens" not in obj["meta_info"]  # --disable-jump-forward
+    assert regex.fullmatch(r"[0-9]( [0-9]){0,9}", count["text"].strip() or "0"), count
+    tok = http.post("/detokenize", json={"tokens": obj["output_ids"]})
+    assert tok.status_code == 200 and tok.json()["text"] == obj["text"]
+
+
+def test_native_bad_grammars_are_400(http: httpx.Client) -> None:
+    cases = [({"regex": "(ab"}, "invalid regex grammar"),
+             ({"json_schema": "{not json"}, "not valid JSON"),
+             ({"json_schema": json.dumps({"type": "integer", "minimum": 5, "maximum": 1})}, "invalid json_schema"),
+             ({"ebnf": "root ::= 'a'"}, "not supported yet")]
+    for params, message in cases:
+        r = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, **params}})
+        assert r.status_code == 400, (params, r.text)
+        assert message in r.json()["error"]["message"], r.text
+    assert http.get("/health").status_code == 200  # the server survives
+
+
+def test_openai_response_formats_and_errors(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Any JSON object."}],
+                                    max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    text = r.choices[0].message.content or ""
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    r = oai.completions.create(model="default", prompt="The answer is", max_tokens=8, temperature=0.7, n=2, seed=3,
+                               extra_body={"regex": " (yes|no|maybe)"})
+    assert len(r.choices) == 2 and all(c.text in (" yes", " no", " maybe") for c in r.choices)
+    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                    extra_body={"ebnf": "root ::= 'a'"})
+    with pytest.raises(openai.BadRequestError, match="invalid regex grammar"):
+        oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                    extra_body={"regex": "a{3,1}"})
+
+
+@sgl.function
+def profile(s: Any) -> None:
+    s += "Name: Bob\nHeight in meters:" + sgl.gen("height", dtype=float, max_tokens=8)
+    s += "\nMarried:" + sgl.gen("married", dtype=bool, max_tokens=4)
+    s += "\nPet:" + sgl.gen("pet", json_schema={"type": "object", "properties": {
+        "kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 30}},
+        "required": ["kind", "age"]}, max_tokens=32)
+
+
+def test_lmdsl_typed_and_schema_gens(server: ServerProcess) -> None:
+    state = profile.run(backend=sgl.RuntimeEndpoint(server.base_url), temperature=0)
+    assert state.error() is None, state.error()
+    float(state["height"])
+    assert state["married"] in ("True", "False")
+    pet = json.loads(state["pet"])
+    assert pet["kind"] in ("cat", "dog") and 0 <= pet["age"] <= 30
+
+
+def test_zz_memory_invariant(http: httpx.Client) -> None:
+    assert http.get("/check_memory_invariant").json() == {"ok": True}
