@@ -110,6 +110,16 @@ def test_generate_stream_is_cumulative_and_ends_with_done(http: httpx.Client, fa
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
 
 
+def test_generate_batch_stream_with_n_tags_each_event_with_its_index(http: httpx.Client,
+                                                                     fake: FakeEngineCore) -> None:
+    body = {"text": ["one two three", "alpha beta"], "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2}}
+    events = sse_events(http.post("/generate", json=body).text)
+    final = {e["index"]: e["text"] for e in events if e["meta_info"]["finish_reason"]}
+    expected = [expected_text(fake, fake.tokenizer.encode(t), 4) for t in ("one two three", "alpha beta")]
+    assert final == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}
+
+
 def test_generate_logprobs_with_logprob_start_len(http: httpx.Client, fake: FakeEngineCore) -> None:
     ids = fake.tokenizer.encode(PROMPT)
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 3, "top_logprobs_num": 2,
@@ -233,7 +243,7 @@ def test_openai_chat_stream_n_and_logprobs(oai: openai.OpenAI, fake: FakeEngineC
     ids = _chat_ids(fake, "hello there")
     chunks = list(oai.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "hello there"}], max_tokens=5, temperature=0,
-        stream=True, n=2, logprobs=True, top_logprobs=3))
+        stream=True, n=2, logprobs=True, top_logprobs=3, stream_options={"include_usage": True}))
     by_index: dict[int, str] = {0: "", 1: ""}
     lps: dict[int, list[Any]] = {0: [], 1: []}
     for c in chunks:
@@ -247,6 +257,8 @@ def test_openai_chat_stream_n_and_logprobs(oai: openai.OpenAI, fake: FakeEngineC
     assert all(len(e.top_logprobs) == 3 for e in lps[0])
     finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
     assert finishes == ["length", "length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(ids)
 
 
 def test_openai_chat_extra_body_and_response_format(oai: openai.OpenAI, http: httpx.Client) -> None:
