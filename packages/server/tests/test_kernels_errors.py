@@ -25,6 +25,11 @@ def test_attention_shape_errors_name_the_expected_layout() -> None:
         decode_attention(torch.randn(2, 9, 32), k_cache, k_cache, table, idx, lens, 0.1)
     with pytest.raises(KernelInputError, match="contiguous"):
         decode_attention(torch.randn(2, 64, 9).transpose(1, 2), k_cache, k_cache, table, idx, lens, 0.1)
+    with pytest.raises(KernelInputError, match="partial_out"):
+        decode_attention(q, k_cache, k_cache, table, idx, lens, 0.1, num_kv_splits=4,
+                         partial_out=torch.empty(2, 9, 2, 64), partial_lse=torch.empty(2, 9, 2))
+    with pytest.raises(KernelInputError, match="out must"):
+        decode_attention(q, k_cache, k_cache, table, idx, lens, 0.1, out=torch.empty(2, 9, 32))
     with pytest.raises(ValueError, match="num_kv_splits"):
         decode_attention(q, k_cache, k_cache, table, idx, lens, 0.1, num_kv_splits=0)
     with pytest.raises(KernelInputError, match="k_extend"):

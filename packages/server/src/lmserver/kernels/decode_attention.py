@@ -15,7 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lmserver.kernels._util import check_attention_inputs, dot_precision, next_pow2
+from lmserver.kernels._util import (
+    KernelInputError,
+    check_attention_inputs,
+    check_last_dim_contiguous,
+    dot_precision,
+    next_pow2,
+)
 
 __all__ = ["choose_num_kv_splits", "decode_attention"]
 
@@ -174,11 +180,22 @@ def decode_attention(
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape:
+        raise KernelInputError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    check_last_dim_contiguous(out=out)
     if num_kv_splits > 1:
         if partial_out is None:
             partial_out = torch.empty(bs, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
         if partial_lse is None:
             partial_lse = torch.empty(bs, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
+        if (partial_out.shape != (bs, num_heads, num_kv_splits, head_dim) or partial_lse.shape != (bs, num_heads, num_kv_splits)
+                or partial_out.dtype != torch.float32 or partial_lse.dtype != torch.float32):
+            raise KernelInputError(
+                f"partial_out must be float32 ({bs}, {num_heads}, {num_kv_splits}, {head_dim}) and partial_lse float32 "
+                f"({bs}, {num_heads}, {num_kv_splits}); got {partial_out.dtype} {tuple(partial_out.shape)}, "
+                f"{partial_lse.dtype} {tuple(partial_lse.shape)}"
+            )
+        check_last_dim_contiguous(partial_out=partial_out, partial_lse=partial_lse)
         p_out, p_lse = partial_out, partial_lse
     else:
         p_out, p_lse = out, out  # unused by the kernel when SINGLE_SPLIT
