@@ -123,16 +123,19 @@ def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarr
                      dead: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
     """Walk the tokens at sorted positions `idx` (in states `cur`, `j` bytes read) to their ends."""
     while idx.size:
-        b = columns[j, idx]
+        b = columns[j].take(idx)
         end = b < 0
         if end.any():
             out_pos.append(idx[end])
             out_next.append(cur[end])
             keep = ~end
             idx, cur, b = idx[keep], cur[keep], b[keep]
-        cur = tflat[cur * 256 + b]
+        key = cur * 256
+        key += b
+        cur = tflat.take(key)
         keep = cur != dead
-        idx, cur = idx[keep], cur[keep]
+        if not keep.all():
+            idx, cur = idx[keep], cur[keep]
         j += 1
 
 
@@ -167,6 +170,58 @@ class _Walker:
         self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def precompute_tiny(self) -> None:
+        """Walk the tokens of every state with few candidates in one batch (results cached)."""
+        tables = self.tables
+        live_states = np.arange(self.trans.shape[0] - 1)
+        counts = tables.first_byte_counts
+        live = (self.trans[live_states] != self.dead) & (counts > 0)[None, :]
+        num_candidates = (live * counts[None, :]).sum(axis=1)
+        tiny = live_states[num_candidates <= _TINY]
+        if len(tiny) == 0:
+            return
+        rows, bytes_ = np.nonzero(live[tiny])
+        owners = tiny[rows]
+        lo = tables.first_byte_starts[bytes_]
+        sizes = counts[bytes_]
+        total = int(sizes.sum())
+        offsets = np.cumsum(sizes) - sizes
+        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        owner = np.repeat(owners, sizes)
+        cur = self.trans[owner, np.repeat(bytes_, sizes)]
+        out_owner: list[np.ndarray] = []
+        out_pos: list[np.ndarray] = []
+        out_next: list[np.ndarray] = []
+        keep = cur != self.dead
+        idx, cur, owner = idx[keep], cur[keep], owner[keep]
+        columns = tables.columns
+        j = 1
+        while idx.size:
+            b = columns[j, idx]
+            end = b < 0
+            if end.any():
+                out_owner.append(owner[end])
+                out_pos.append(idx[end])
+                out_next.append(cur[end])
+                keep = ~end
+                idx, cur, owner, b = idx[keep], cur[keep], owner[keep], b[keep]
+            cur = self.tflat[cur * 256 + b]
+            keep = cur != self.dead
+            idx, cur, owner = idx[keep], cur[keep], owner[keep]
+            j += 1
+        self._tiny = {int(q): (np.zeros(0, np.int64), np.zeros(0, np.int32)) for q in tiny.tolist()}
+        if out_owner:
+            all_owner = np.concatenate(out_owner)
+            order = np.argsort(all_owner, kind="stable")
+            all_owner = all_owner[order]
+            all_pos = np.concatenate(out_pos)[order]
+            all_next = np.concatenate(out_next)[order]
+            cuts = np.flatnonzero(np.diff(all_owner)) + 1
+            for own, pos, nxt in zip(np.split(all_owner, cuts), np.split(all_pos, cuts), np.split(all_next, cuts),
+                                     strict=True):
+                self._tiny[int(own[0])] = (pos, nxt)
 
     def _row(self, q: int) -> list[int]:
         row = self._rows.get(q)
@@ -187,6 +242,9 @@ class _Walker:
 
     def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
         """(sorted positions, next states) of every token whose bytes survive from state `q`."""
+        hit = self._tiny.pop(q, None)
+        if hit is not None:
+            return hit
         tables = self.tables
         dead = self.dead
         allowed = self.allowed[q]
@@ -375,6 +433,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     num_states = dfa.num_states
     dead = dfa.dead
     walker = _Walker(dfa, tables)
+    walker.precompute_tiny()
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
 
