@@ -339,3 +339,41 @@ def test_attention_kernels_on_random_shapes(device: str) -> None:
         assert rel_error(got, out[last]) < _tol(dtype)
 
     check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_filter_on_random_parameters(device: str) -> None:
+    """Property: vocab sizes around the chunk size, any mix of filters per row, grammar-masked
+    logits; the kernel keeps the reference's set (plus exact ties) and renormalizes."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lmserver.kernels.sampling import top_k_top_p_min_p_probs
+
+    chunk = 256 if device == "cpu" else 4096
+    row = st.tuples(st.floats(0.3, 2.0), st.integers(-1, 300), st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05]),
+                    st.sampled_from([0.0, 0.0, 0.01, 0.2]), st.booleans())
+
+    @settings(max_examples=5 if device == "cpu" else 25, deadline=None, derandomize=True)
+    @given(vocab=st.sampled_from([1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk - 5]),
+           rows=st.lists(row, min_size=1, max_size=4), seed=st.integers(0, 2**31 - 1),
+           need_top_k=st.booleans(), need_top_p=st.booleans())
+    def check(vocab: int, rows: list[tuple[float, int, float, float, bool]], seed: int, need_top_k: bool,
+              need_top_p: bool) -> None:
+        g = _gen(seed)
+        logits = torch.randn(len(rows), vocab, generator=g) * 3
+        for i, (*_, masked) in enumerate(rows):
+            if masked and vocab > 1:  # a grammar mask leaving at least one token
+                keep = torch.rand(vocab, generator=g) < 0.3
+                keep[torch.randint(0, vocab, (1,), generator=g)] = True
+                logits[i, ~keep] = float("-inf")
+        temps, ks, ps, mps = (torch.tensor([r[j] for r in rows]) for j in range(4))
+        # a filter the host says is unused must be unused by every row
+        ks = ks if need_top_k else torch.zeros_like(ks)
+        ps = ps if need_top_p else torch.ones_like(ps)
+        params = [t.to(device) for t in (temps.float(), ks, ps.float(), mps.float())]
+        logits = logits.to(device)
+        out = top_k_top_p_min_p_probs(logits, *params, need_top_k=need_top_k, need_top_p=need_top_p, chunk=chunk)
+        _check_filtered(out, ref.top_k_top_p_min_p_probs_ref(logits, *params), logits, params[0])
+
+    check()
