@@ -116,3 +116,20 @@ def test_jump_forward_with_the_real_tokenizer(smollm2_tokenizer: Any) -> None:
     text = '{"name": "Bob", "age": '
     assert vocab.decode(tokens) == text.encode()
     assert tokens == encode(text)  # the canonical tokenization, as if generated in one go
+
+
+def test_logits_processor_follows_rows_and_restarts_on_a_new_generate() -> None:
+    import torch
+
+    from cfsm.testing import char_vocab
+
+    vocab = char_vocab("ab")  # a=0 b=1 EOS=2
+    processor = LogitsProcessor(cfsm.compile_regex("ab|ba", vocab))
+    prompt = torch.tensor([[7, 7], [7, 7]])
+    scores = processor(prompt, torch.zeros(2, 3))
+    assert torch.isfinite(scores).tolist() == [[True, True, False], [True, True, False]]
+    step = torch.cat([prompt, torch.tensor([[0], [1]])], dim=1)  # row 0 wrote "a", row 1 "b"
+    scores = processor(step, torch.zeros(2, 3))
+    assert torch.isfinite(scores).tolist() == [[False, True, False], [True, False, False]]
+    again = processor(prompt[:1], torch.zeros(1, 3))  # a new generate() with one row
+    assert torch.isfinite(again).tolist() == [[True, True, False]]

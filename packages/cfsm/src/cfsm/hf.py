@@ -9,6 +9,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 try:
     import torch
     import transformers
@@ -16,7 +18,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('cfsm.hf needs torch and transformers: pip install "cfsm[hf]"') from exc
 
 from cfsm.errors import VocabularyError
-from cfsm.guide import Guide
+from cfsm.guide import Guide, fill_next_token_bitmasks
 from cfsm.index import Index
 from cfsm.torch import apply_token_bitmask_
 from cfsm.vocab import Vocabulary
@@ -107,29 +109,38 @@ class LogitsProcessor(transformers.LogitsProcessor):  # type: ignore[misc]
 
     The first call records the prompt length; each later call advances every row's guide with
     the token generated since, then masks disallowed logits to -inf in place. Rows whose guide
-    is finished may only produce EOS. Mutates `scores` and its own guides.
+    is finished may only produce EOS. A call that does not continue the previous one (a new
+    `generate`) starts over. Mutates `scores` and its own guides.
     """
 
     def __init__(self, index: Index) -> None:
         self.index = index
         self.guides: list[Guide] = []
         self._prompt_len = -1
+        self._steps = 0
         self._mask: Any = None
+
+    def reset(self) -> None:
+        """Forget the guides (the next call starts a new generation). Mutates the processor."""
+        self.guides = []
+        self._prompt_len = -1
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         batch = input_ids.shape[0]
+        if self._prompt_len >= 0 and (batch != len(self.guides)
+                                      or input_ids.shape[1] != self._prompt_len + self._steps + 1):
+            self.reset()  # a new generate() call reuses this processor
         if self._prompt_len < 0:
+            self._steps = 0
             self._prompt_len = int(input_ids.shape[1])
             self.guides = [Guide(self.index) for _ in range(batch)]
-            import numpy as np
-
             self._mask = np.zeros((batch, self.index.vocab.mask_words), dtype=np.int32)
         else:
+            self._steps += 1
             last = input_ids[:, -1].tolist()
             for guide, tok in zip(self.guides, last, strict=True):
                 if not guide.is_finished():
                     guide.advance(int(tok))
-        for row, guide in enumerate(self.guides):
-            guide.fill_mask(self._mask, row)
+        fill_next_token_bitmasks(self.guides, self._mask)
         apply_token_bitmask_(scores, torch.from_numpy(self._mask).to(scores.device))
         return scores
