@@ -127,7 +127,8 @@ def longest_prefix_first(
     defer_shared_tokens: int | None = None,
     touch: bool = False,
 ) -> Ordering:
-    """Order waiting requests by longest cached prefix (ties: arrival index), starving first.
+    """Order waiting requests by longest cached prefix (ties: arrival index); the oldest starving
+    request, if any, first (see the module docstring).
 
     `keys[i]` is request i's token ids, `waited_rounds[i]` the rounds it has waited (default 0),
     `max_wait_rounds=None` disables aging. Mutates nothing, unless `touch=True`: then the cached
@@ -162,7 +163,7 @@ def dfs_weight_order(
     back to back, deeper matches before shallower ones, and requests that match nothing come
     last. (SGLang emits a node's own requests before its children; under memory pressure that
     admits unmatched requests first, which evicts the prefixes the others wait for.)
-    Starving requests come first (see the module docstring). Mutates nothing unless
+    The oldest starving request, if any, comes first (see the module docstring). Mutates nothing unless
     `touch=True` (as in `longest_prefix_first`).
     """
     arrs, eks, waits = _normalize(keys, extra_keys, waited_rounds)
