@@ -89,12 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--order", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                     help="waiting-queue order: longest prefix first, DFS by subtree weight, or arrival")
     ap.add_argument("--page-size", type=int, default=1, help="tokens per KV page (both caches)")
+    ap.add_argument("--whole-nodes", action="store_true",
+                    help="radixcache with merge_leaves=False, trim_leaves=False (SGLang's granularity)")
     ap.add_argument("--no-touch", action="store_true",
                     help="order with peek only (no LRU refresh of waiting requests' prefixes); "
                          "SGLang's ordering always touches, since its match_prefix does")
     args = ap.parse_args(argv)
 
-    impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size)]
+    options = {"merge_leaves": False, "trim_leaves": False} if args.whole_nodes else {}
+    impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size, **options)]
     if args.sglang:
         import sglang_adapter
 
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ours['hit_rate'] - theirs['hit_rate']:+.4f}")
     if args.json:
         meta = {"commit": _commit(), "python": platform.python_version(), "machine": platform.machine(),
-                "argv": sys.argv[1:], "page_size": args.page_size,
+                "argv": sys.argv[1:], "page_size": args.page_size, "radixcache_options": options,
                 "sim": vars(sim.SimConfig(capacity=0, touch=not args.no_touch, order=args.order))}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")

@@ -46,8 +46,8 @@ class CacheAdapter(Protocol):
 class RadixCacheAdapter:
     name = "radixcache"
 
-    def __init__(self, page_size: int = 1, eviction: str = "lru") -> None:
-        self.cache = RadixCache(page_size, eviction)
+    def __init__(self, page_size: int = 1, eviction: str = "lru", **options: Any) -> None:
+        self.cache = RadixCache(page_size, eviction, **options)
         self.page_size = page_size
 
     def native_key(self, tokens: np.ndarray) -> Any:
