@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from lmserver.config import ServerConfig
-from lmserver.testing import BAD_NATIVE, BAD_OPENAI, FakeEngineCore, ServerProcess, fake_logprob
+from lmserver.testing import BAD_NATIVE, BAD_OPENAI, FAIL_ADD_KEY, FakeEngineCore, ServerProcess, fake_logprob
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -298,6 +300,62 @@ def test_bad_openai_input_gives_4xx_then_serves(http: httpx.Client, fake: FakeEn
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"]
     assert_still_serves(http, fake)
+
+
+def test_an_engine_error_in_add_request_fails_only_that_request(http: httpx.Client, fake: FakeEngineCore) -> None:
+    r = http.post("/generate", json={"text": "a", "extra_key": FAIL_ADD_KEY})
+    assert r.status_code == 400 and "the engine rejected the request: KeyError" in r.json()["error"]["message"]
+    assert_still_serves(http, fake)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False)
+                    | st.text(max_size=12), lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                        st.text(max_size=6), c, max_size=3), max_leaves=6)
+SAMPLING_KEYS = ["temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "n",
+                 "logit_bias", "ignore_eos", "sampling_seed", "frequency_penalty", "repetition_penalty",
+                 "min_new_tokens", "no_stop_trim", "skip_special_tokens", "json_schema", "bogus"]
+GEN_KEYS = ["text", "input_ids", "rid", "stream", "return_logprob", "logprob_start_len", "top_logprobs_num",
+            "return_text_in_logprobs", "extra_key", "image_data", "other"]
+
+
+@st.composite
+def generate_bodies(draw: Any) -> Any:
+    body = draw(st.dictionaries(st.sampled_from(GEN_KEYS), JSON, max_size=4))
+    if draw(st.booleans()):
+        body["text"] = draw(st.text(max_size=30) | st.lists(st.text(max_size=10), min_size=1, max_size=3))
+    params = draw(st.dictionaries(st.sampled_from(SAMPLING_KEYS), JSON | st.integers(-2, 3), max_size=4))
+    params["max_new_tokens"] = draw(st.integers(-1, 3) | JSON)  # never a long generation
+    body["sampling_params"] = params
+    return body
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=generate_bodies())
+def test_fuzzed_generate_bodies_never_give_a_server_error(http: httpx.Client, body: Any) -> None:
+    r = http.post("/generate", json=body)
+    event(f"status {r.status_code}")
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert r.json()["error"]["message"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(st.sampled_from(["model", "prompt", "messages", "max_tokens", "n", "stop", "logprobs",
+                                             "echo", "temperature", "top_logprobs", "response_format", "seed",
+                                             "stream", "logit_bias", "regex", "top_k"]), JSON, max_size=5),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), fill=st.booleans())
+def test_fuzzed_openai_bodies_never_give_a_server_error(http: httpx.Client, body: Any, path: str,
+                                                        fill: bool) -> None:
+    body.setdefault("max_tokens", 2)
+    if fill:  # a valid prompt, so that the other fields get exercised too
+        body.pop("prompt" if path == "/v1/completions" else "messages", None)
+        if path == "/v1/completions":
+            body["prompt"] = "hello"
+        else:
+            body["messages"] = [{"role": "user", "content": "hello"}]
+    r = http.post(path, json=body)
+    event(f"status {r.status_code}")
+    assert r.status_code in (200, 400, 404), r.text
 
 
 # -- auth, utility endpoints --------------------------------------------------------------------

@@ -113,9 +113,12 @@ class CoreLoop:
             try:
                 self.core.add_request(msg)
             except InvalidRequestError as exc:
-                self.push.send_pyobj(BatchOut([ReqOutput(
-                    rid=msg.rid, new_token_ids=[], new_text="", finished=True,
-                    finish_reason={"type": "abort", "message": str(exc)}, error=str(exc))]))
+                self._reject(msg.rid, str(exc))
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                logger.exception("add_request failed for %s", msg.rid)
+                with contextlib.suppress(Exception):
+                    self.core.abort_request(msg.rid)
+                self._reject(msg.rid, f"the engine rejected the request: {type(exc).__name__}: {exc}")
         elif isinstance(msg, AbortReq):
             self.core.abort_request(msg.rid)
         elif isinstance(msg, RpcReq):
@@ -124,6 +127,11 @@ class CoreLoop:
             self._stopping = True
         else:
             logger.warning("core loop: unknown message %r ignored", type(msg).__name__)
+
+    def _reject(self, rid: str, message: str) -> None:
+        self.push.send_pyobj(BatchOut([ReqOutput(
+            rid=rid, new_token_ids=[], new_text="", finished=True,
+            finish_reason={"type": "abort", "message": message}, error=message)]))
 
     def _rpc(self, msg: RpcReq) -> RpcResp:
         if msg.method not in RPC_METHODS:

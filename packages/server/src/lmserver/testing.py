@@ -24,6 +24,7 @@ from lmserver.config import ServerConfig
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FAIL_ADD_KEY = "fake:fail-add-request"
 
 
 def load_test_tokenizer(config: ServerConfig) -> Any:
@@ -74,7 +75,8 @@ class FakeEngineCore:
     """Deterministic engine core with the interface of `lmserver.engine.EngineCore`.
 
     Extra knobs for fault tests: `step_delay_s` (sleep in each step), `crash_after_steps`
-    (raise RuntimeError in that step).
+    (raise RuntimeError in that step), and a request with `extra_key == FAIL_ADD_KEY` makes
+    `add_request` raise a KeyError (an engine bug, not an InvalidRequestError).
     """
 
     def __init__(self, config: ServerConfig, *, step_delay_s: float = 0.0,
@@ -103,6 +105,8 @@ class FakeEngineCore:
     # -- the EngineCore interface -------------------------------------------------------------
     def add_request(self, req: GenerateReq) -> None:
         """Validates and queues `req`; raises InvalidRequestError on bad input."""
+        if req.extra_key == FAIL_ADD_KEY:
+            raise KeyError(FAIL_ADD_KEY)
         params = req.sampling_params
         params.validate(self.vocab_size)
         if params.n != 1:
@@ -416,6 +420,10 @@ BAD_NATIVE: list[tuple[str, Any, str]] = [
     ("bad logprob_start_len", {"text": "a b", "return_logprob": True, "logprob_start_len": 99},
      "logprob_start_len"),
     ("unknown field", {"text": "a", "max_tokens": 3}, "unsupported field"),
+    ("bad stop_regex", {"text": "a", "sampling_params": {"stop_regex": "(unclosed"}},
+     "not a valid regular expression"),
+    ("huge top_logprobs_num", {"text": "a", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
+    ("wrong extra_key type", {"text": "a", "extra_key": 5}, "extra_key"),
 ]
 # ... and (name, path, body, status, expected message part) for the OpenAI routes.
 BAD_OPENAI: list[tuple[str, str, Any, int, str]] = [

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -185,6 +186,11 @@ class TokenizerManager:
         if bad:
             raise InvalidRequestError(f"token id(s) out of the vocabulary (size {self.vocab_size}): {bad[:5]}")
         params.validate(self.vocab_size)
+        for pattern in params.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise InvalidRequestError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
         if params.ebnf is not None:
             raise InvalidRequestError("ebnf constraints are not supported yet; use regex or json_schema")
         n, ctx = len(input_ids), self.context_length

@@ -18,6 +18,8 @@ from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManag
 
 router = APIRouter()
 
+MAX_TOP_LOGPROBS = 100
+
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
                   "top_logprobs_num", "return_text_in_logprobs", "image_data", "extra_key"}
 
@@ -108,8 +110,10 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
         if req.logprob_start_len < -1 or req.logprob_start_len >= max(len(input_ids), 1):
             raise APIError(400, f"logprob_start_len must be -1 or in [0, {len(input_ids) - 1}]",
                            param="logprob_start_len")
-        if req.top_logprobs_num < 0:
-            raise APIError(400, "top_logprobs_num must be >= 0", param="top_logprobs_num")
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+        if req.extra_key is not None and not isinstance(req.extra_key, str):
+            raise APIError(400, "extra_key must be a string", param="extra_key")
         out.append(expand_n(req))
     rids = [r.rid for group in out for r in group]
     if len(set(rids)) != len(rids):
