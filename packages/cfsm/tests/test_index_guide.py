@@ -53,8 +53,9 @@ def _check_index_against_oracle(index: cfsm.Index) -> None:
             if nxt != dfa.dead and nxt not in reachable:
                 reachable.add(nxt)
                 frontier.append(nxt)
-    assert {int(s) for s in np.flatnonzero(index.mask_row >= 0)} == reachable
-    for s in reachable:
+    with_masks = {int(s) for s in np.flatnonzero(index.mask_row >= 0)}
+    assert reachable <= with_masks and dfa.dead not in with_masks
+    for s in with_masks:
         mask = index.mask(s)
         for t in range(vocab.size):
             tok = vocab.token_bytes(t)
@@ -72,9 +73,15 @@ def test_index_matches_naive_walk_on_tiny_vocab(pattern: str) -> None:
     _check_index_against_oracle(cfsm.compile_regex(pattern, tiny_vocab()))
 
 
+@pytest.mark.parametrize("share_depth", [16, 2])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_index_matches_naive_walk_on_a_random_vocab(pattern: str) -> None:
-    # large enough that the trie descent, the range walk and the whole-vocabulary walk all run
+def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # large enough that the trie descent, the range walk and the whole-vocabulary walk all run;
+    # a share depth of 2 makes most tokens "long" (walked per state, not shared per class)
+    import cfsm.index
+
+    monkeypatch.setattr(cfsm.index, "_SHARE_DEPTH", share_depth)
     _check_index_against_oracle(cfsm.compile_regex(pattern, _random_vocab(len(pattern), 1500)))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa
+from cfsm.automaton import Dfa, _byte_classes
 from cfsm.compressed import CompressedFsm
 from cfsm.vocab import TrieTables, Vocabulary
 
@@ -24,6 +24,8 @@ _FEW_BYTES = 6
 _SMALL_RANGE = 24
 # states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
 _MIN_GROUP_BYTES = 32
+# states agreeing on all strings of at most this many bytes share the walk of tokens that short
+_SHARE_DEPTH = 16
 # token sets up to this size are keyed by their sorted ids (larger ones by their packed mask)
 _SPARSE_ROW = 2048
 # states with at most this many candidate tokens (allowed first byte) are walked in plain Python
@@ -139,6 +141,74 @@ def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarr
         j += 1
 
 
+def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
+                tflat: np.ndarray, dead: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Walk (owner state, token) pairs together; per owner: (owner, sorted positions, next states)."""
+    keep = cur != dead
+    idx, cur, owner = idx[keep], cur[keep], owner[keep]
+    out_owner: list[np.ndarray] = []
+    out_pos: list[np.ndarray] = []
+    out_next: list[np.ndarray] = []
+    while idx.size:
+        b = columns[j].take(idx)
+        end = b < 0
+        if end.any():
+            out_owner.append(owner[end])
+            out_pos.append(idx[end])
+            out_next.append(cur[end])
+            keep = ~end
+            idx, cur, owner, b = idx[keep], cur[keep], owner[keep], b[keep]
+        key = cur * 256
+        key += b
+        cur = tflat.take(key)
+        keep = cur != dead
+        idx, cur, owner = idx[keep], cur[keep], owner[keep]
+        j += 1
+    if not out_owner:
+        return []
+    all_owner = np.concatenate(out_owner)
+    order = np.argsort(all_owner, kind="stable")
+    all_owner = all_owner[order]
+    all_pos = np.concatenate(out_pos)[order]
+    all_next = np.concatenate(out_next)[order]
+    cuts = np.flatnonzero(np.diff(all_owner)) + 1
+    return [(int(o[0]), p, x) for o, p, x in zip(np.split(all_owner, cuts), np.split(all_pos, cuts),
+                                                 np.split(all_next, cuts), strict=True)]
+
+
+def _depth_classes(dfa: Dfa, depth: int) -> np.ndarray:
+    """Classes of states that agree on every byte string of at most `depth` bytes.
+
+    Two states agree when, after any such string, both are dead or both are live with the same
+    acceptance; so every token of at most `depth` bytes is allowed in both or in neither.
+    # NOTE: signatures are two independent 64-bit hashes per round; a collision (probability
+    # about rounds * states^2 / 2^128) would merge two classes.
+    """
+    trans = dfa.transitions
+    rep, _ = _byte_classes(trans)
+    cols = trans[:, rep]
+    cls = dfa.accepting.astype(np.int64)
+    cls[dfa.dead] = 2
+    rng = np.random.default_rng(0xC1A55)
+    w1 = rng.integers(1, 2**63, size=cols.shape[1] + 1, dtype=np.uint64)
+    w2 = rng.integers(1, 2**63, size=cols.shape[1] + 1, dtype=np.uint64)
+    num = len(np.unique(cls))
+    for _ in range(depth):
+        c = cls.astype(np.uint64)
+        sub = cls[cols].astype(np.uint64)
+        h = np.empty((len(cls), 2), dtype=np.uint64)
+        h[:, 0] = c * w1[0] + (sub * w1[1:]).sum(axis=1, dtype=np.uint64)
+        h[:, 1] = c * w2[0] + (sub * w2[1:]).sum(axis=1, dtype=np.uint64)
+        _, new = np.unique(h.view([("a", "<u8"), ("b", "<u8")]).reshape(-1), return_inverse=True)
+        new = new.reshape(-1).astype(np.int64)
+        new_num = int(new.max()) + 1
+        cls = new
+        if new_num == num:
+            break
+        num = new_num
+    return cls
+
+
 def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> tuple[np.ndarray, np.ndarray]:
     """Walk every token at once (no compaction): contiguous slices of the length-sorted table."""
     n = len(tables.order)
@@ -172,17 +242,16 @@ class _Walker:
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def precompute_tiny(self) -> None:
-        """Walk the tokens of every state with few candidates in one batch (results cached)."""
+    def precompute_tiny(self, states: np.ndarray) -> None:
+        """Walk the tokens of those `states` with few candidates in one batch (results cached)."""
         tables = self.tables
-        live_states = np.arange(self.trans.shape[0] - 1)
         counts = tables.first_byte_counts
-        live = (self.trans[live_states] != self.dead) & (counts > 0)[None, :]
+        live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
         num_candidates = (live * counts[None, :]).sum(axis=1)
-        tiny = live_states[num_candidates <= _TINY]
+        tiny = states[num_candidates <= _TINY]
         if len(tiny) == 0:
             return
-        rows, bytes_ = np.nonzero(live[tiny])
+        rows, bytes_ = np.nonzero(live[num_candidates <= _TINY])
         owners = tiny[rows]
         lo = tables.first_byte_starts[bytes_]
         sizes = counts[bytes_]
@@ -191,37 +260,24 @@ class _Walker:
         idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
         owner = np.repeat(owners, sizes)
         cur = self.trans[owner, np.repeat(bytes_, sizes)]
-        out_owner: list[np.ndarray] = []
-        out_pos: list[np.ndarray] = []
-        out_next: list[np.ndarray] = []
-        keep = cur != self.dead
-        idx, cur, owner = idx[keep], cur[keep], owner[keep]
-        columns = tables.columns
-        j = 1
-        while idx.size:
-            b = columns[j, idx]
-            end = b < 0
-            if end.any():
-                out_owner.append(owner[end])
-                out_pos.append(idx[end])
-                out_next.append(cur[end])
-                keep = ~end
-                idx, cur, owner, b = idx[keep], cur[keep], owner[keep], b[keep]
-            cur = self.tflat[cur * 256 + b]
-            keep = cur != self.dead
-            idx, cur, owner = idx[keep], cur[keep], owner[keep]
-            j += 1
         self._tiny = {int(q): (np.zeros(0, np.int64), np.zeros(0, np.int32)) for q in tiny.tolist()}
-        if out_owner:
-            all_owner = np.concatenate(out_owner)
-            order = np.argsort(all_owner, kind="stable")
-            all_owner = all_owner[order]
-            all_pos = np.concatenate(out_pos)[order]
-            all_next = np.concatenate(out_next)[order]
-            cuts = np.flatnonzero(np.diff(all_owner)) + 1
-            for own, pos, nxt in zip(np.split(all_owner, cuts), np.split(all_pos, cuts), np.split(all_next, cuts),
-                                     strict=True):
-                self._tiny[int(own[0])] = (pos, nxt)
+        for own, pos, nxt in _walk_owned(idx, cur, owner, 1, tables.columns, self.tflat, self.dead):
+            self._tiny[own] = (pos, nxt)
+
+    def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
+        """Token ids longer than `min_len` bytes allowed in each state (states with none left out)."""
+        tables = self.tables
+        long_pos = np.flatnonzero(tables.lengths > min_len)
+        if len(long_pos) == 0:
+            return {}
+        first = tables.columns[0, long_pos].astype(np.int64)
+        ok = self.trans[:-1][:, first] != self.dead  # (num_states, num_long)
+        owner, k = np.nonzero(ok)
+        cur = self.trans[owner, first[k]]
+        out: dict[int, np.ndarray] = {}
+        for own, pos, _ in _walk_owned(long_pos[k], cur, owner, 1, tables.columns, self.tflat, self.dead):
+            out[own] = tables.order[pos]
+        return out
 
     def _row(self, q: int) -> list[int]:
         row = self._rows.get(q)
@@ -428,32 +484,39 @@ def _chains(dfa: Dfa, max_len: int) -> list[tuple[np.ndarray, np.ndarray] | None
 
 
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
-    """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables)."""
+    """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
+
+    States that agree on every string of at most `_SHARE_DEPTH` bytes share one walk for the
+    tokens of that length; the few longer tokens are walked for every state in one batch.
+    Every live state gets a mask row.
+    """
     tables = vocab.trie_tables
     num_states = dfa.num_states
-    dead = dfa.dead
     walker = _Walker(dfa, tables)
-    walker.precompute_tiny()
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
+    classes = _depth_classes(dfa, _SHARE_DEPTH)[:num_states]
+    class_ids, reps = np.unique(classes, return_index=True)
+    walker.precompute_tiny(reps.astype(np.int64))
+    is_long = tables.lengths > _SHARE_DEPTH
+    short_of: dict[int, np.ndarray] = {}
+    for c, rep in zip(class_ids.tolist(), reps.tolist(), strict=True):
+        pos, _ = walker.walk(rep)
+        short_of[c] = tables.order[pos[~is_long[pos]]]
+    long_of = walker.walk_long(_SHARE_DEPTH)
 
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
     rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
     bits = np.zeros(words * 32, dtype=bool)
-    queue = [dfa.start]
-    seen = np.zeros(num_states + 1, dtype=bool)
-    seen[dfa.start] = True
-    seen[dead] = True
-    while queue:
-        s = queue.pop()
-        pos, nxt = walker.walk(s)
-        fresh = nxt[~seen[nxt]]
-        if len(fresh):
-            fresh = np.unique(fresh)
-            seen[fresh] = True
-            queue.extend(fresh.tolist())
-        tids = tables.order[pos]
+    class_row: dict[int, int] = {}
+    for s in range(num_states):
+        c = int(classes[s])
+        extra = long_of.get(s)
+        if extra is None and c in class_row:
+            mask_row[s] = class_row[c]
+            continue
+        tids = short_of[c] if extra is None else np.concatenate([short_of[c], extra])
         if dfa.accepting[s]:
             tids = np.concatenate([tids, eos.astype(np.int32)])
         if len(tids) <= _SPARSE_ROW:
@@ -475,5 +538,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
                 r = rows[key] = len(row_list)
                 row_list.append(packed.astype(np.int32))
         mask_row[s] = r
+        if extra is None:
+            class_row[c] = r
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)
