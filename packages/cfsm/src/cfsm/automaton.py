@@ -5,6 +5,7 @@ The DFA works on UTF-8 bytes, so it fits byte-level BPE and sentencepiece byte f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,23 +160,31 @@ class _Nfa:
     def _chars(self, node: Chars) -> tuple[int, int]:
         s, e = self.new(), self.new()
         prefix: dict[tuple[int, int, int], int] = {}
-        for lo, hi in node.ranges:
-            if hi <= 0x7F:
-                self.trans[s].append((lo, hi, e))
-                continue
-            for seq in utf8_sequences(lo, hi):
-                cur = s
-                for k, (blo, bhi) in enumerate(seq):
-                    if k == len(seq) - 1:
-                        self.trans[cur].append((blo, bhi, e))
-                    else:
-                        key = (cur, blo, bhi)
-                        nxt = prefix.get(key)
-                        if nxt is None:
-                            nxt = prefix[key] = self.new()
-                            self.trans[cur].append((blo, bhi, nxt))
-                        cur = nxt
+        for seq in _sequences(node.ranges):
+            cur = s
+            for k, (blo, bhi) in enumerate(seq):
+                if k == len(seq) - 1:
+                    self.trans[cur].append((blo, bhi, e))
+                else:
+                    key = (cur, blo, bhi)
+                    nxt = prefix.get(key)
+                    if nxt is None:
+                        nxt = prefix[key] = self.new()
+                        self.trans[cur].append((blo, bhi, nxt))
+                    cur = nxt
         return s, e
+
+
+@functools.lru_cache(maxsize=4096)
+def _sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """UTF-8 byte-range sequences of a code point set (ASCII ranges are one step)."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    for lo, hi in ranges:
+        if hi <= 0x7F:
+            out.append(((lo, hi),))
+        else:
+            out.extend(utf8_sequences(lo, hi))
+    return tuple(out)
 
 
 def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[tuple[int, int, int]]], list[bool]]:

@@ -233,9 +233,9 @@ class _Walker:
         self.tflat = self.trans.reshape(-1)
         self.tables = tables
         self.n = len(tables.order)
-        live = self.trans != self.dead
-        self.allowed = [np.flatnonzero(live[s]).astype(np.int16) for s in range(self.trans.shape[0])]
-        self.chains = _chains(dfa, int(tables.lengths.max()) if self.n else 0)
+        self._allowed: dict[int, np.ndarray] = {}
+        self._max_len = int(tables.lengths.max()) if self.n else 0
+        self._chain_memo: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         # a 257th column: "past the end of the token" keeps the state
         self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
@@ -279,6 +279,19 @@ class _Walker:
             out[own] = tables.order[pos]
         return out
 
+    def allowed(self, q: int) -> np.ndarray:
+        """Bytes that do not lead from `q` to the dead state, memoized."""
+        hit = self._allowed.get(q)
+        if hit is None:
+            hit = self._allowed[q] = np.flatnonzero(self.trans[q] != self.dead).astype(np.int16)
+        return hit
+
+    def chain(self, q: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """`_chain_of` for state `q`, memoized."""
+        if q not in self._chain_memo:
+            self._chain_memo[q] = _chain_of(self.dfa, q, self._max_len)
+        return self._chain_memo[q]
+
     def _row(self, q: int) -> list[int]:
         row = self._rows.get(q)
         if row is None:
@@ -303,12 +316,12 @@ class _Walker:
             return hit
         tables = self.tables
         dead = self.dead
-        allowed = self.allowed[q]
+        allowed = self.allowed(q)
         num_candidates = int(tables.first_byte_counts[allowed].sum())
         if num_candidates <= _TINY:
             return self._walk_tiny(q, allowed)
         broad = num_candidates > _BROAD * self.n
-        chain_info = self.chains[q]
+        chain_info = self.chain(q)
         out_pos: list[np.ndarray] = []
         out_next: list[np.ndarray] = []
         if chain_info is not None and broad:
@@ -343,7 +356,7 @@ class _Walker:
         """
         targets = self.trans[q, allowed.astype(np.int64)]
         uniq, which = np.unique(targets, return_inverse=True)
-        infos = [self.chains[int(r)] for r in uniq.tolist()]
+        infos = [self.chain(int(r)) for r in uniq.tolist()]
         first = infos[0]
         if first is None or any(i is None or not np.array_equal(i[0], first[0]) for i in infos):
             return False
@@ -416,7 +429,7 @@ class _Walker:
                     col = col[e:]
                     if lo >= hi:
                         continue
-            ab = self.allowed[q]
+            ab = self.allowed(q)
             if len(ab) == 0:
                 continue
             lefts = np.searchsorted(col, ab, "left")
@@ -442,45 +455,42 @@ class _Walker:
                              out_pos, out_next)
 
 
-def _chains(dfa: Dfa, max_len: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
-    """Per broad state q: (complement of its main byte group P as 4 uint64 words, chain).
+def _chain_of(dfa: Dfa, q: int, max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """For a broad state q: (complement of its main byte group P as 4 uint64 words, chain).
 
     P is the largest set of bytes leading from q to one state; `chain[k]` is the state after any
     k bytes of P, for every k < len(chain) (the chain stops where P's bytes stop agreeing).
+    None when P has fewer than `_MIN_GROUP_BYTES` bytes.
     """
     trans = dfa.transitions
     dead = dfa.dead
-    out: list[tuple[np.ndarray, np.ndarray] | None] = []
-    for q in range(trans.shape[0]):
-        row = trans[q]
-        if q == dead:
-            out.append(None)
-            continue
-        counts = np.bincount(row, minlength=trans.shape[0])
-        counts[dead] = 0
-        main = int(counts.argmax())
-        if counts[main] < _MIN_GROUP_BYTES:
-            out.append(None)
-            continue
-        group = np.flatnonzero(row == main)
-        chain = [q, main]
-        while len(chain) <= max_len:
-            cur = chain[-1]
-            if cur == dead:
-                chain.extend([dead] * (max_len + 1 - len(chain)))
-                break
-            nxt = trans[cur, group]
-            if not (nxt == nxt[0]).all():
-                break
-            if int(nxt[0]) == cur:  # a self-loop: the chain stays here
-                chain.extend([cur] * (max_len + 1 - len(chain)))
-                break
-            chain.append(int(nxt[0]))
-        member = np.zeros(256, dtype=bool)
-        member[group] = True
-        words = np.packbits(~member, bitorder="little").view("<u8").astype(np.uint64)
-        out.append((words, np.asarray(chain, dtype=np.int32)))
-    return out
+    if q == dead:
+        return None
+    row = trans[q]
+    vals, counts = np.unique(row, return_counts=True)
+    counts[vals == dead] = 0
+    k = int(counts.argmax())
+    if counts[k] < _MIN_GROUP_BYTES:
+        return None
+    main = int(vals[k])
+    group = np.flatnonzero(row == main)
+    chain = [q, main]
+    while len(chain) <= max_len:
+        cur = chain[-1]
+        if cur == dead:
+            chain.extend([dead] * (max_len + 1 - len(chain)))
+            break
+        nxt = trans[cur, group]
+        if not (nxt == nxt[0]).all():
+            break
+        if int(nxt[0]) == cur:  # a self-loop: the chain stays here
+            chain.extend([cur] * (max_len + 1 - len(chain)))
+            break
+        chain.append(int(nxt[0]))
+    member = np.zeros(256, dtype=bool)
+    member[group] = True
+    words = np.packbits(~member, bitorder="little").view("<u8").astype(np.uint64)
+    return words, np.asarray(chain, dtype=np.int32)
 
 
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
