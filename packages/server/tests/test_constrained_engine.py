@@ -233,7 +233,7 @@ def test_200_constrained_requests(engine: Engine) -> None:
     rng = random.Random(0)
     picks = [GRAMMARS[i % len(GRAMMARS)] for i in range(200)]
     prompts = [rng.choice(["Answer:", "Output:", "Here it is:", "Data:"]) for _ in picks]
-    params = [_params(kind, g, 40, temperature=rng.choice([0.0, 0.7, 1.0]), sampling_seed=i)
+    params = [_params(kind, g, 24, temperature=rng.choice([0.0, 0.7, 1.0]), sampling_seed=i)
               for i, (kind, g) in enumerate(picks)]
     outs = engine.generate(prompts, params)
     assert isinstance(outs, list) and len(outs) == 200
@@ -241,7 +241,7 @@ def test_200_constrained_requests(engine: Engine) -> None:
     for (kind, g), out in zip(picks, outs, strict=True):
         _check(engine, out, kind, g)
         stopped += out["meta_info"]["finish_reason"]["type"] == "stop"
-    assert stopped >= 150  # most grammars here are short; every output is checked either way
+    assert stopped >= 100  # most grammars here are short; every output is checked either way
     assert engine.core.get_stats()["jump_forward_tokens"] > 200
     _idle_check(engine)
 

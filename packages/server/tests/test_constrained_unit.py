@@ -329,3 +329,14 @@ def test_schema_grammar_walk_validates() -> None:
     jsonschema.validate(json.loads(VOCAB.decode(out)), schema)
     assert g.jump_forward_tokens > 0
     b.shutdown()
+
+
+def test_jump_stops_before_trailing_spaces() -> None:
+    index = cfsm.compile_regex("Name: [A-Z][a-z]+", VOCAB)
+    g = ReqGrammar(index, _longest_match)
+    j = g.plan_jump([], 100)
+    assert j is not None and j.text == "Name:" and VOCAB.decode(j.token_ids) == b"Name:"
+    g.apply_jump(j)
+    assert g.plan_jump(list(j.token_ids), 100) is None  # only " " is forced now: the model writes it
+    spaces = ReqGrammar(cfsm.compile_regex("   x?", VOCAB), _longest_match)
+    assert spaces.plan_jump([], 100) is None

@@ -20,7 +20,7 @@ __all__ = ["JumpForward", "ReqGrammar"]
 @dataclass(frozen=True)
 class JumpForward:
     """Replace the last `num_rollback` output tokens with `token_ids` (which spell their bytes
-    followed by `text`, the forced string)."""
+    followed by `text`, the forced string without its trailing spaces)."""
 
     num_rollback: int
     token_ids: tuple[int, ...]
@@ -67,6 +67,9 @@ class ReqGrammar:
         if not self.jump_forward_enabled or max_new_tokens <= 0:
             return None
         forced = self.guide.jump_forward()
+        # NOTE: byte-level BPE attaches a space to the word after it; a jump ending in " " would
+        # leave the model after a lone space token (out of distribution), so the model writes it.
+        forced = forced.rstrip(" ") if forced else forced
         if not forced:
             return None
         plan = cfsm.plan_jump_forward(list(output_ids), forced, self.index.vocab, self.encode)
