@@ -340,3 +340,30 @@ def test_jump_stops_before_trailing_spaces() -> None:
     assert g.plan_jump(list(j.token_ids), 100) is None  # only " " is forced now: the model writes it
     spaces = ReqGrammar(cfsm.compile_regex("   x?", VOCAB), _longest_match)
     assert spaces.plan_jump([], 100) is None
+
+
+def test_unexpected_compile_failure_fails_the_request_only() -> None:
+    b = _backend()
+
+    def boom(key: GrammarKey) -> cfsm.Index:
+        raise MemoryError("out of memory in the DFA")
+
+    b._build = boom  # type: ignore[method-assign]
+    with pytest.raises(GrammarError, match="grammar failed: MemoryError: out of memory"):
+        b.compile(GrammarKey("regex", "a"))
+    b.shutdown()
+
+
+@pytest.mark.gpu
+def test_batch_mask_cuda_kernel_matches_cpu() -> None:
+    b = _backend()
+    g1 = ReqGrammar(b.compile(GrammarKey("regex", r'\{"name":"[a-c]+"\}')), _longest_match)
+    g2 = ReqGrammar(b.compile(GrammarKey("regex", "(true|false|12)")), _longest_match)
+    torch.manual_seed(0)
+    logits = torch.randn(5, VOCAB.size)
+    rows = [g1, None, g2, None, g1]
+    cpu = BatchMasker(VOCAB.size).apply(logits.clone(), rows)
+    gpu = BatchMasker(VOCAB.size).apply(logits.cuda(), rows).cpu()
+    assert torch.equal(cpu, gpu)
+    assert torch.equal(gpu[1], logits[1]) and torch.equal(gpu[3], logits[3])
+    b.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -70,6 +71,37 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
     return None
 
 
+class _DaemonPool:
+    """A minimal thread pool of daemon threads: a compile that never ends (timed out) does not
+    keep the process from exiting, unlike `concurrent.futures.ThreadPoolExecutor`."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[cf.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting request
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> cf.Future[Any]:
+        fut: cf.Future[Any] = cf.Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
 def _compile(key: GrammarKey, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -> cfsm.Index:
     if key.kind == "regex":
         return cfsm.compile_regex(key.text, vocab, config)
@@ -111,7 +143,7 @@ class GrammarBackend:
         self.cache_size = cache_size
         self.cfsm_config = cfsm_config or cfsm.CfsmConfig()
         self.clock = clock
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lmserver-grammar")
+        self._pool = _DaemonPool(max_workers, "lmserver-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, cf.Future[cfsm.Index]] = OrderedDict()
         self._vocab: cfsm.Vocabulary | None = vocab
@@ -149,7 +181,7 @@ class GrammarBackend:
                 self.hits += 1
             else:
                 self.misses += 1
-                fut = self._pool.submit(self._build, key)
+                fut = self._pool.submit(lambda: self._build(key))
                 self._cache[key] = fut
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
@@ -175,7 +207,8 @@ class GrammarBackend:
             raise exc
         if isinstance(exc, cfsm.CfsmError | ValueError | RecursionError | KeyError | TypeError):
             raise GrammarError(f"invalid {ticket.key.kind} grammar: {exc}") from None
-        raise exc
+        # NOTE: whatever else a compile raises fails that request only, never the engine loop
+        raise GrammarError(f"compiling the {ticket.key.kind} grammar failed: {type(exc).__name__}: {exc}") from None
 
     def compile(self, key: GrammarKey) -> cfsm.Index:
         """Blocking compile (cached): waits up to the timeout. Raises GrammarError."""
@@ -192,5 +225,5 @@ class GrammarBackend:
             cf.wait([t.future for t in tickets], timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        """Stops the worker threads (running compiles finish in the background)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the worker threads once their current compile ends (they are daemon threads)."""
+        self._pool.shutdown()
