@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32, help="requests in the batch phase")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--workloads", default="json_long_keys,regex_form")
-    ap.add_argument("--json-out", default=None, help="write all rows to this JSON file")
+    ap.add_argument("--json", "--json-out", dest="json_out", default=None, help="write all rows to this JSON file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=max(args.concurrency, 1))
