@@ -104,6 +104,9 @@ class EngineCore:
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
+        from lmserver.engine.cuda_graph import maybe_decode_graph_runner
+
+        self.runner.cuda_graph = maybe_decode_graph_runner(rc, self.runner, rc.tp_size)  # None on CPU
         if self.tp is not None:
             self.runner = self.tp.wrap_runner(self.runner)
         self.scheduler = Scheduler(
@@ -156,7 +159,7 @@ class EngineCore:
                 f"(prompt + output); shorten the prompt"
             )
         grammar = grammar_key(p)  # raises GrammarError (an InvalidRequestError) for ebnf, bad JSON
-        if req.logprob_start_len >= len(ids):
+        if req.return_logprob and req.logprob_start_len >= len(ids):
             raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({len(ids)})")
         max_new = min(p.max_new_tokens, self.context_length - len(ids))
         self._arrivals += 1
@@ -344,8 +347,10 @@ class EngineCore:
         return self._output(state, finished=False)
 
     def _finish(self, state: _ReqState, reason: dict[str, Any]) -> ReqOutput:
-        if state.out.stopped is None and reason["type"] == "length":
-            state.out.append(state.detok.flush(), check_stop=state.sreq.fill_len > 0)
+        if state.out.stopped is None:
+            # held-back text (an incomplete UTF-8 tail) is final now; it may complete a stop string
+            can_stop = len(state.sreq.output_ids) >= state.sreq.sampling_params.min_new_tokens
+            state.out.append(state.detok.flush(), check_stop=can_stop and reason["type"] == "length")
             if state.out.stopped is not None:
                 reason = {"type": "stop", "matched": state.out.stopped}
         self.scheduler.finish(state.sreq, reason)

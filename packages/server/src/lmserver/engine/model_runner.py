@@ -2,10 +2,13 @@
 
 It owns the model, the KV pool, the request-to-token table and the attention backend. One
 `forward` = table writes, `attn_backend.plan(batch)`, the model forward, and logits for the rows
-the decision asks for.
+the decision asks for. A decode decision replays a captured CUDA graph instead when
+`cuda_graph` is set and covers its batch size.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +16,9 @@ from lmserver.attention.base import AttentionBackend
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.kv_pool import KVPool
 from lmserver.scheduler.scheduler import ScheduleDecision
+
+if TYPE_CHECKING:
+    from lmserver.engine.cuda_graph import DecodeGraphRunner
 
 
 class ModelRunner:
@@ -29,6 +35,7 @@ class ModelRunner:
         self.req_to_token = req_to_token  # (max_running_requests, max_context_len) int32
         self.attn_backend = attn_backend
         self.device = device
+        self.cuda_graph: DecodeGraphRunner | None = None  # decode graphs (lmserver.engine.cuda_graph)
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -93,6 +100,8 @@ class ModelRunner:
     def forward(self, decision: ScheduleDecision) -> torch.Tensor:
         """Runs the decision's forward; returns float32 logits (num_logit_rows, vocab) in item
         order (each item's `logit_offsets` in order). Mutates the KV pool and req_to_token."""
+        if self.cuda_graph is not None and self.cuda_graph.can_run(decision):
+            return self.cuda_graph.forward(decision)
         batch, logit_idx = self.build_batch(decision)
         self.attn_backend.plan(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)  # (num_tokens, hidden)

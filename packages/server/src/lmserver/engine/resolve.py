@@ -41,10 +41,25 @@ def resolve_dtype(config: ServerConfig, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: int, tp_size: int = 1) -> int:
+    """Bytes one rank's weights and buffers take in `dtype`: the model built on the meta device
+    (no memory, no weights), counted; tied weights once. Pure."""
+    from lmserver.model_loader import _default_dtype
+    from lmserver.models.registry import get_model_class
+
+    with _default_dtype(DTYPES[dtype]), torch.device("meta"):
+        model = get_model_class(model_config.architecture)(model_config, max_positions=max_positions)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return total // max(tp_size, 1)
+
+
 def resolve_kv_tokens(
     config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
 ) -> int:
-    """KV-cache size in tokens: max_total_tokens, else a memory budget."""
+    """KV-cache size in tokens: max_total_tokens, else a memory budget. On CUDA the budget is
+    `mem_fraction_static` of the GPU's memory less what is in use and the weights to come
+    (`weight_bytes`, estimated from the config when 0)."""
     per_slot = KVPool.bytes_per_slot(
         model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, DTYPES[dtype]
     )
@@ -54,6 +69,11 @@ def resolve_kv_tokens(
         return int(config.max_total_tokens)
     if device == "cuda":
         fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        if not 0.0 < fraction < 1.0:
+            raise ConfigError(f"mem_fraction_static must be in (0, 1), got {fraction}")
+        if weight_bytes == 0:
+            positions = config.context_length or model_config.max_position_embeddings
+            weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size)
         free, total = torch.cuda.mem_get_info()
         budget = int(total * fraction) - (total - free) - weight_bytes
         if budget <= per_slot * 16:
@@ -61,7 +81,11 @@ def resolve_kv_tokens(
                 f"not enough GPU memory for the KV cache (budget {budget / 2**30:.2f} GiB at "
                 f"mem_fraction_static={fraction}); raise mem_fraction_static or use a smaller model"
             )
-        return budget // per_slot
+        logger.info(
+            "KV cache budget: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB in use - %.2f GiB weights",
+            budget / 2**30, fraction, total / 2**30, (total - free) / 2**30, weight_bytes / 2**30,
+        )
+        return budget // per_slot  # NOTE: with tp_size > 1 a rank holds fewer KV heads: conservative
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -38,11 +38,16 @@ class KVManager:
         """Slots obtainable now: free plus evictable."""
         return self.allocator.available + self.cache.evictable_size
 
-    def peek_prefix_len(self, req: Req) -> int:
-        """Cached prefix length `req` would reuse (capped); mutates nothing."""
+    def peek_prefix_len(self, req: Req, touch: bool = False) -> int:
+        """Cached prefix length `req` would reuse (capped). With `touch`, refreshes the LRU clock
+        of that prefix (so what waiting requests will reuse is evicted last); else mutates nothing."""
         if self.disable_radix_cache:
             return 0
-        return min(self.cache.peek_prefix_len(req.fill_ids, req.extra_key), req.prefix_cap(self.page_size))
+        if touch:
+            length = self.cache.touch_prefix(req.fill_ids, req.extra_key)
+        else:
+            length = self.cache.peek_prefix_len(req.fill_ids, req.extra_key)
+        return min(length, req.prefix_cap(self.page_size))
 
     def admit(self, req: Req) -> int:
         """Matches and locks the cached prefix of `req`; returns the reused length.

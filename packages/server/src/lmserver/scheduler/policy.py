@@ -24,8 +24,8 @@ def order_fcfs(waiting: list[Req], kv: KVManager) -> list[Req]:
 
 
 def order_lpm(waiting: list[Req], kv: KVManager) -> list[Req]:
-    """Longest cached prefix first; ties by arrival. Mutates nothing."""
-    prefix = {r.rid: kv.peek_prefix_len(r) for r in waiting}
+    """Longest cached prefix first; ties by arrival. Refreshes the LRU clock of those prefixes."""
+    prefix = {r.rid: kv.peek_prefix_len(r, touch=True) for r in waiting}
     return sorted(waiting, key=lambda r: (-prefix[r.rid], r.arrival))
 
 

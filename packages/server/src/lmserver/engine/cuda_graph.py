@@ -1,0 +1,283 @@
+"""Decode CUDA graphs: one graph per captured batch size, replayed with new inputs.
+
+At start-up `DecodeGraphRunner.capture()` records, for each size of `capture_batch_sizes(max_bs)`
+(largest first, all in one memory pool), the whole decode forward (attention `plan`, every layer,
+the LM head) over static input buffers. A decode batch of `bs` requests is padded to the
+smallest captured size >= bs: padding rows read token 0 at position 0 with length 1 from a
+padding table row and write their K/V to padding slot 0 (never a real token's slot). Each step
+then writes the request-to-token table, copies the padded inputs into the static buffers (the
+attention metadata is updated in place) and replays the graph: a few host operations instead
+of one launch per kernel.
+
+Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
+host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
+`seq_lens_cpu` as an upper bound (the table width), so per-step lengths are read on the device
+from `seq_lens`; any scratch buffer is allocated by the warm-up forward, before the capture.
+
+`EagerGraph` stands in for a CUDA graph (capture runs the forward, replay re-runs it into the
+same output tensor): it lets the CPU tests check padding and the static buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
+
+if TYPE_CHECKING:
+    from lmserver.config import ServerConfig
+    from lmserver.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CudaGraphError",
+    "DecodeGraphRunner",
+    "EagerGraph",
+    "PaddedDecode",
+    "capture_batch_sizes",
+    "maybe_decode_graph_runner",
+    "pad_decode",
+    "padded_batch_size",
+]
+
+PAD_TOKEN_ID = 0
+PAD_SLOT = 0  # the padding KV slot (never handed out by the allocator)
+
+
+class CudaGraphError(RuntimeError):
+    """Decode CUDA graphs cannot be built or run for this configuration."""
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """The decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, up to `max_bs`
+    (always included). Pure; raises ValueError for max_bs < 1."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8))
+    return [*sizes, max_bs]
+
+
+def padded_batch_size(bs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size >= bs (sizes sorted ascending), or None when bs is larger
+    than all of them or < 1. Pure."""
+    if bs < 1:
+        return None
+    i = bisect.bisect_left(sizes, bs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class PaddedDecode:
+    """Host arrays of one padded decode step (plain data)."""
+
+    ints: list[list[int]]  # 4 rows of padded_bs: input_ids, positions, out_cache_loc, req_pool_indices
+    seq_lens: list[int]  # (padded_bs,) lengths including the new token; 1 for padding rows
+    table: list[list[int]]  # 3 rows (table row, column, slot) of req_to_token writes; may be empty rows
+    logit_rows: list[int]  # batch rows whose logits the caller wants, in item order
+
+
+def pad_decode(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> PaddedDecode:
+    """Pads a decode step's items (one new token each) to `padded_bs` rows. Pure.
+
+    Padding rows: token PAD_TOKEN_ID at position 0, KV written to PAD_SLOT, table row `pad_row`,
+    length 1. Raises CudaGraphError when an item has not exactly one token or padded_bs is too
+    small.
+    """
+    bs = len(items)
+    if padded_bs < bs:
+        raise CudaGraphError(f"padded batch size {padded_bs} < batch size {bs}")
+    pad = padded_bs - bs
+    ids, pos, loc, rows, lens = [], [], [], [], []
+    t_rows: list[int] = []
+    t_cols: list[int] = []
+    t_vals: list[int] = []
+    logit_rows: list[int] = []
+    for i, item in enumerate(items):
+        if len(item.token_ids) != 1 or len(item.out_slots) != 1:
+            raise CudaGraphError(f"a decode item must have exactly one new token, {item.rid!r} has {len(item.token_ids)}")
+        ids.append(item.token_ids[0])
+        pos.append(item.prefix_len)
+        loc.append(item.out_slots[0])
+        rows.append(item.req_pool_idx)
+        lens.append(item.prefix_len + 1)
+        k = len(item.table_slots)
+        t_rows.extend([item.req_pool_idx] * k)
+        t_cols.extend(range(item.table_start, item.table_start + k))
+        t_vals.extend(item.table_slots)
+        logit_rows.extend([i] * len(item.logit_offsets))
+    return PaddedDecode(
+        ints=[
+            ids + [PAD_TOKEN_ID] * pad,
+            pos + [0] * pad,
+            loc + [PAD_SLOT] * pad,
+            rows + [pad_row] * pad,
+        ],
+        seq_lens=lens + [1] * pad,
+        table=[t_rows, t_cols, t_vals],
+        logit_rows=logit_rows,
+    )
+
+
+class Graph(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+    def replay(self) -> None: ...
+
+
+class TorchCudaGraph:
+    """A `torch.cuda.CUDAGraph` captured into a memory pool shared by all decode graphs."""
+
+    def __init__(self, pool: object) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Records `fn`'s kernels (they do not run); returns its static output tensor."""
+        with torch.cuda.graph(self.graph, pool=self.pool):  # type: ignore[arg-type]
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerGraph:
+    """CPU stand-in for a CUDA graph: `capture` runs `fn` and keeps its output tensor; `replay`
+    runs `fn` again and copies the result into that same tensor (a replay's static output)."""
+
+    def __init__(self, pool: object = None) -> None:
+        self.fn: Callable[[], torch.Tensor] | None = None
+        self.out: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        assert self.fn is not None and self.out is not None, "replay before capture"
+        self.out.copy_(self.fn())
+
+
+class DecodeGraphRunner:
+    """Captured decode forwards for batch sizes up to `max_bs` over static input buffers.
+
+    Owns the static buffers and the graphs; mutates the model runner's KV pool and
+    req_to_token on every `forward` (like `ModelRunner.forward`).
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_bs: int,
+        pad_row: int = 0,
+        graph_factory: Callable[[object], Graph] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        table_rows, self.table_width = runner.req_to_token.shape
+        if not 0 <= pad_row < table_rows:
+            raise CudaGraphError(f"pad_row {pad_row} is outside req_to_token's {table_rows} rows")
+        self.pad_row = pad_row
+        self.device = runner.device
+        self.graph_factory = graph_factory or TorchCudaGraph
+        if graph_factory is None and self.device.type != "cuda":
+            raise CudaGraphError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
+        # NOTE: static inputs; every graph reads views [:bs] of these, so a step writes them in place.
+        self.ints = torch.zeros(4, self.max_bs, dtype=torch.int64, device=self.device)
+        self.ints[3].fill_(pad_row)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=self.device)
+        self.graphs: dict[int, Graph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) float32 logits of the last replay
+        self._padded = [padded_batch_size(b, self.sizes) for b in range(self.max_bs + 1)]
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.ints[0, :bs],
+            positions=self.ints[1, :bs],
+            out_cache_loc=self.ints[2, :bs],
+            req_pool_indices=self.ints[3, :bs],
+            seq_lens=self.seq_lens[:bs],
+            # NOTE: an upper bound, not the lengths: a plan must not freeze per-step host values.
+            seq_lens_cpu=[self.table_width] * bs,
+            attn_backend=self.runner.attn_backend,
+        )
+
+    def _forward_fn(self, bs: int) -> Callable[[], torch.Tensor]:
+        batch = self._static_batch(bs)
+        runner = self.runner
+
+        def fn() -> torch.Tensor:
+            runner.attn_backend.plan(batch)
+            hidden = runner.model(batch.input_ids, batch.positions, batch)  # (bs, hidden)
+            return runner.model.compute_logits(hidden)  # type: ignore[operator, no-any-return]  # (bs, vocab)
+
+        return fn
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warms up and captures every size, largest first; mutates self and padding slot 0."""
+        pool = torch.cuda.graph_pool_handle() if self.graph_factory is TorchCudaGraph else None
+        for bs in reversed(self.sizes):
+            fn = self._forward_fn(bs)
+            for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
+                fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            graph = self.graph_factory(pool)
+            self.outputs[bs] = graph.capture(fn)
+            self.graphs[bs] = graph
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def can_run(self, decision: ScheduleDecision) -> bool:
+        """True for a decode decision of 1..max_bs requests once captured. Pure."""
+        return decision.mode == "decode" and 0 < len(decision.items) <= self.max_bs and bool(self.graphs)
+
+    def forward(self, decision: ScheduleDecision) -> torch.Tensor:
+        """Replays the graph of the padded size; returns float32 logits (num_logit_rows, vocab)
+        like `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers."""
+        bs = len(decision.items)
+        padded = self._padded[bs]
+        assert padded is not None, f"batch size {bs} has no captured graph"
+        step = pad_decode(decision.items, padded, self.pad_row)
+        if step.table[2]:
+            table = torch.tensor(step.table, dtype=torch.int64).to(self.device, non_blocking=True)  # (3, k)
+            self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
+        self.ints[:, :padded].copy_(torch.tensor(step.ints, dtype=torch.int64), non_blocking=True)
+        self.seq_lens[:padded].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        self.graphs[padded].replay()
+        logits = self.outputs[padded]  # (padded, vocab)
+        if step.logit_rows == list(range(bs)):
+            return logits[:bs].clone()
+        return logits[torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)]
+
+
+def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size: int = 1) -> DecodeGraphRunner | None:
+    """Captures decode graphs for a resolved config, or returns None (logged once) when they are
+    off: --disable-cuda-graph, no CUDA device, or tensor parallelism (not captured yet)."""
+    if config.disable_cuda_graph:
+        logger.info("CUDA graphs: off (--disable-cuda-graph)")
+        return None
+    if runner.device.type != "cuda":
+        return None
+    if tp_size > 1:
+        logger.warning("CUDA graphs: off with tp_size=%d (decode runs eagerly)", tp_size)
+        return None
+    max_bs = min(config.cuda_graph_max_bs, config.max_running_requests or config.cuda_graph_max_bs)
+    if max_bs < 1:
+        raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
+    graphs = DecodeGraphRunner(runner, max_bs)
+    graphs.capture()
+    logger.info("CUDA graphs: captured decode batch sizes %s", graphs.sizes)
+    return graphs
