@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--order", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                     help="waiting-queue order: longest prefix first, DFS by subtree weight, or arrival")
     ap.add_argument("--page-size", type=int, default=1, help="tokens per KV page (both caches)")
+    ap.add_argument("--eviction", default="lru", choices=["lru", "lfu", "fifo", "priority"],
+                    help="radixcache's eviction policy (SGLang's tree always runs LRU here)")
     ap.add_argument("--whole-nodes", action="store_true",
                     help="radixcache with merge_leaves=False, trim_leaves=False (SGLang's granularity)")
     ap.add_argument("--no-touch", action="store_true",
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     options = {"merge_leaves": False, "trim_leaves": False} if args.whole_nodes else {}
-    impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size, **options)]
+    impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size, args.eviction, **options)]
     if args.sglang:
         import sglang_adapter
 
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ours['hit_rate'] - theirs['hit_rate']:+.4f}")
     if args.json:
         meta = {"commit": _commit(), "python": platform.python_version(), "machine": platform.machine(),
-                "argv": sys.argv[1:], "page_size": args.page_size, "radixcache_options": options,
+                "argv": sys.argv[1:], "page_size": args.page_size, "radixcache_options": options, "eviction": args.eviction,
                 "sim": vars(sim.SimConfig(capacity=0, touch=not args.no_touch, order=args.order))}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")
