@@ -1,8 +1,13 @@
-"""Token-level `Index`: per DFA state, the allowed tokens (int32 bitmask) and their next states.
+"""Token-level `Index`: per DFA state, the allowed tokens as an int32 bitmask row.
 
-Built by walking the vocabulary's byte trie through the DFA: the vocabulary is sorted so every
-trie node is a contiguous range; narrow branches descend by binary search, wide ones are walked
-for the whole range at once with numpy. Only states reachable at token boundaries are indexed.
+Built by walking the vocabulary through the DFA, never token by state one at a time:
+- the vocabulary is sorted by bytes, so every trie node is a contiguous range; narrow states
+  descend by binary search, states with few candidates are walked together in one batch;
+- broad states resolve the tokens made only of their main byte group by a chain lookup (string
+  text, counted repeats), and walk the rest with numpy;
+- states that agree on every string of up to `_SHARE_DEPTH` bytes share one walk for tokens of
+  that length (the few longer tokens are walked for every state in one batch);
+- equal rows are stored once. The next state of a token is its bytes walked through the DFA.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ _MIN_GROUP_BYTES = 32
 _SHARE_DEPTH = 16
 # token sets up to this size are keyed by their sorted ids (larger ones by their packed mask)
 _SPARSE_ROW = 2048
-# states with at most this many candidate tokens (allowed first byte) are walked in plain Python
+# states with at most this many candidate tokens (allowed first byte) are walked in one batch
 _TINY = 96
 # states whose allowed first bytes start more than this share of the vocabulary walk it whole
 _BROAD = 0.15
