@@ -308,7 +308,7 @@ def test_an_engine_error_in_add_request_fails_only_that_request(http: httpx.Clie
     assert_still_serves(http, fake)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
                     | st.text(max_size=12), lambda c: st.lists(c, max_size=3) | st.dictionaries(
                         st.text(max_size=6), c, max_size=3), max_leaves=6)
 SAMPLING_KEYS = ["temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "n",

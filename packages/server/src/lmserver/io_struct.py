@@ -110,6 +110,8 @@ class SamplingParams:
         need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be a list of token ids")
         need(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed must be an integer")
+        need(isinstance(self.logit_bias, dict) and all(is_int(k) and is_num(v) for k, v in self.logit_bias.items()),
+             "logit_bias must map token ids to numbers")
         constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
         need(len(constraints) <= 1, "at most one of regex, json_schema, ebnf may be given")
         need(all(isinstance(c, str) for c in constraints), "regex, json_schema and ebnf must be strings")

@@ -94,7 +94,12 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
                            param="sampling_params")
         # NOTE: null means "the default" (SGLang clients send every field, some as null)
         sp = {k: v for k, v in sp.items() if v is not None}
-        params = SamplingParams.from_dict(sp)
+        try:
+            params = SamplingParams.from_dict(sp)
+        except (TypeError, ValueError) as exc:  # InvalidRequestError is a ValueError with a clear message
+            if isinstance(exc, InvalidRequestError):
+                raise
+            raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
         input_ids = mgr.encode(prompt) if isinstance(prompt, str) else list(prompt)
         mgr.check_input_ids(input_ids, params, max_new_tokens_given="max_new_tokens" in sp)
         rid = _per_prompt(body, "rid", i, batch, None)
@@ -107,7 +112,7 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
             return_text_in_logprobs=_typed(body.get("return_text_in_logprobs", False), bool,
                                            "return_text_in_logprobs"),
             stream=stream, extra_key=body.get("extra_key"))
-        if req.logprob_start_len < -1 or req.logprob_start_len >= max(len(input_ids), 1):
+        if req.return_logprob and not -1 <= req.logprob_start_len < len(input_ids):
             raise APIError(400, f"logprob_start_len must be -1 or in [0, {len(input_ids) - 1}]",
                            param="logprob_start_len")
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
