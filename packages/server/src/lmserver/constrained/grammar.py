@@ -42,6 +42,7 @@ class ReqGrammar:
         self.jump_forward_enabled = jump_forward
         self.jump_forward_tokens = 0  # net tokens added by jump-forward so far
         self.num_jumps = 0
+        self.num_prefills = 0  # completed prefills (the first, then one per jump-forward); engine-owned
 
     def fill_mask(self, out: np.ndarray, row: int) -> None:
         """Writes this request's allowed-token bitmask into `out[row]`. Mutates `out`."""

@@ -282,9 +282,12 @@ class EngineCore:
             done_state = self.states.get(sreq.rid)
             if done_state is None:
                 continue
-            if sreq.num_retractions == 0:  # a re-prefill after a retraction is not a new prompt
+            grammar = done_state.grammar  # a jump-forward re-prefill is not a new prompt either
+            if sreq.num_retractions == 0 and (grammar is None or grammar.num_prefills == 0):
                 self._counters["prompt_tokens"] += len(sreq.input_ids)
                 self._counters["cached_tokens"] += sreq.cached_tokens
+            if grammar is not None:
+                grammar.num_prefills += 1
             if sreq.max_new_tokens == 0 and not done_state.finished:
                 outputs.append(self._finish(done_state, {"type": "length", "length": 0}))
         return outputs
