@@ -103,3 +103,12 @@ def test_dfa_is_minimal_on_a_known_language() -> None:
     dfa = build_dfa(parse_regex("(a|b)*abb"))
     assert dfa.num_states == 4
     assert dfa.fullmatch(b"babb") and not dfa.fullmatch(b"abba")
+
+
+def test_state_limit_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cfsm
+    import cfsm.automaton
+
+    monkeypatch.setattr(cfsm.automaton, "MAX_DFA_STATES", 10)
+    with pytest.raises(cfsm.GrammarTooLargeError, match="exceeds 10 states"):
+        build_dfa(parse_regex("[a-z]{0,40}"))

@@ -13,6 +13,7 @@ from cfsm.compressed import JumpPlan, plan_jump_forward
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     CfsmError,
+    GrammarTooLargeError,
     RejectedTokenError,
     UnsupportedRegexError,
     UnsupportedSchemaError,
@@ -29,6 +30,7 @@ __all__ = [
     "CfsmConfig",
     "CfsmError",
     "Compiler",
+    "GrammarTooLargeError",
     "Guide",
     "Index",
     "JumpPlan",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.charset import utf8_sequences
+from cfsm.errors import GrammarTooLargeError
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["Dfa", "DfaNode", "build_dfa", "dfa_from_table", "MAX_DFA_STATES"]
@@ -187,6 +188,30 @@ def _sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, in
     return tuple(out)
 
 
+def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[int]]]:
+    """Split byte ranges (lo, hi, target) into disjoint segments (lo, hi, targets), by a sweep."""
+    if len(trs) == 1:
+        lo, hi, t = trs[0]
+        return [(lo, hi, frozenset((t,)))]
+    events: dict[int, list[tuple[int, int]]] = {}
+    for lo, hi, t in trs:
+        events.setdefault(lo, []).append((1, t))
+        events.setdefault(hi + 1, []).append((-1, t))
+    active: dict[int, int] = {}
+    out: list[tuple[int, int, frozenset[int]]] = []
+    points = sorted(events)
+    for p, nxt in zip(points, points[1:], strict=False):
+        for delta, t in events[p]:
+            c = active.get(t, 0) + delta
+            if c:
+                active[t] = c
+            else:
+                del active[t]
+        if active:
+            out.append((p, nxt - 1, frozenset(active)))
+    return out
+
+
 def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[tuple[int, int, int]]], list[bool]]:
     closures: dict[int, frozenset[int]] = {}
 
@@ -213,7 +238,9 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
         i = ids.get(key)
         if i is None:
             if len(states) >= MAX_DFA_STATES:
-                raise ValueError(f"DFA exceeds {MAX_DFA_STATES} states; simplify the grammar")
+                raise GrammarTooLargeError(
+                    f"the DFA exceeds {MAX_DFA_STATES} states; shorten counted repeats (maxLength, {{m,n}}) "
+                    "or split the grammar")
             i = ids[key] = len(states)
             states.append(key)
         return i
@@ -228,20 +255,15 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
         accepting.append(final in members)
         trs = [t for q in members for t in nfa.trans[q]]
         row: list[tuple[int, int, int]] = []
-        if trs:
-            bounds = sorted({t[0] for t in trs} | {t[1] + 1 for t in trs})
-            for a, b in zip(bounds, bounds[1:], strict=False):
-                tg = frozenset(t[2] for t in trs if t[0] <= a and t[1] >= b - 1)
-                if not tg:
-                    continue
-                dst = target_cache.get(tg)
-                if dst is None:
-                    key: frozenset[int] = frozenset().union(*(closure(x) for x in tg))
-                    dst = target_cache[tg] = intern(key)
-                if row and row[-1][1] == a - 1 and row[-1][2] == dst:
-                    row[-1] = (row[-1][0], b - 1, dst)
-                else:
-                    row.append((a, b - 1, dst))
+        for a, b, tg in _segments(trs):
+            dst = target_cache.get(tg)
+            if dst is None:
+                key: frozenset[int] = frozenset().union(*(closure(x) for x in tg))
+                dst = target_cache[tg] = intern(key)
+            if row and row[-1][1] == a - 1 and row[-1][2] == dst:
+                row[-1] = (row[-1][0], b, dst)
+            else:
+                row.append((a, b, dst))
         out.append(row)
         k += 1
     return out, accepting

@@ -8,6 +8,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "RejectedTokenError",
     "VocabularyError",
+    "GrammarTooLargeError",
 ]
 
 
@@ -61,3 +62,7 @@ class RejectedTokenError(CfsmError, ValueError):
 
 class VocabularyError(CfsmError, ValueError):
     """A vocabulary is malformed (bad ids, no EOS, size mismatch)."""
+
+
+class GrammarTooLargeError(CfsmError, ValueError):
+    """The grammar's automaton exceeds the state limit (`automaton.MAX_DFA_STATES`)."""
