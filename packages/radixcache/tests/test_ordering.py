@@ -149,13 +149,15 @@ def _is_strict_ancestor(a: object, b: object) -> bool:
     return False
 
 
-def _simulate(max_wait_rounds: int | None, rounds: int = 60) -> tuple[dict[int, int], dict[int, int]]:
+def _simulate(
+    max_wait_rounds: int | None, rounds: int = 60, policy: str = "lpm"
+) -> tuple[dict[int, int], dict[int, int]]:
     """Adversary: every round a request with a long cached prefix arrives; only the head of the
     order is admitted. Returns (waited rounds at admission, requests waiting at arrival)."""
     cache = RadixCache()
     hot = list(range(1000, 1100))
     cache.insert(hot, np.arange(1, 101))
-    q: AgingQueue[int] = AgingQueue("lpm", max_wait_rounds=max_wait_rounds)
+    q: AgingQueue[int] = AgingQueue(policy, max_wait_rounds=max_wait_rounds, defer_shared_tokens=8, touch=True)
     waited: dict[int, int] = {}
     ahead: dict[int, int] = {}
     rid = 0
@@ -172,16 +174,18 @@ def _simulate(max_wait_rounds: int | None, rounds: int = 60) -> tuple[dict[int, 
     return waited, ahead
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 @pytest.mark.parametrize("k", [0, 2, 5])
-def test_aging_bound_holds_under_adversarial_arrivals(k: int) -> None:
-    waited, ahead = _simulate(max_wait_rounds=k)
+def test_aging_bound_holds_under_adversarial_arrivals(k: int, policy: str) -> None:
+    waited, ahead = _simulate(max_wait_rounds=k, policy=policy)
     assert waited, "nothing was admitted"
     for rid, w in waited.items():
         assert w <= k + ahead[rid], f"request {rid} waited {w} > {k} + {ahead[rid]}"
 
 
-def test_without_aging_cold_requests_starve() -> None:
-    waited, ahead = _simulate(max_wait_rounds=None)
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_without_aging_cold_requests_starve(policy: str) -> None:
+    waited, ahead = _simulate(max_wait_rounds=None, policy=policy)
     cold = [rid for rid in ahead if rid % 4 == 0]
     admitted_cold = [rid for rid in cold if rid in waited]
     assert len(admitted_cold) < len(cold) // 2  # the bound is what prevents this

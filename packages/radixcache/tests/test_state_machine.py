@@ -213,7 +213,7 @@ _SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
 @pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo", "priority"])
 def test_cache_matches_naive_model(page_size: int, eviction: str) -> None:
     machine = type(f"Machine_{page_size}_{eviction}", (CacheMachine,), {"page_size": page_size, "eviction": eviction})
-    examples = 60 if eviction == "lru" else 15
+    examples = 40 if eviction == "lru" else 12
     settings(_SETTINGS, max_examples=examples)(machine).TestCase().runTest()
 
 
@@ -223,4 +223,4 @@ def test_whole_node_mode_matches_naive_model(page_size: int) -> None:
     """SGLang's granularity: no in-place leaf extension, whole-leaf eviction."""
     options = {"merge_leaves": False, "trim_leaves": False}
     machine = type(f"MachineWhole_{page_size}", (CacheMachine,), {"page_size": page_size, "options": options})
-    settings(_SETTINGS, max_examples=20)(machine).TestCase().runTest()
+    settings(_SETTINGS, max_examples=15)(machine).TestCase().runTest()
