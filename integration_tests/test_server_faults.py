@@ -12,8 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from lmserver.testing import BAD_NATIVE, BAD_OPENAI, ServerProcess
+from lmserver.testing import BAD_NATIVE, BAD_OPENAI, ServerProcess, fuzz_generate_bodies, fuzz_openai_bodies
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +136,26 @@ def test_200_concurrent_requests_with_bad_ones_mixed_in(server: ServerProcess, h
     assert all(r.json()["meta_info"]["completion_tokens"] == 3 for r in responses[:200])
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=fuzz_generate_bodies())
+def test_fuzzed_generate_never_crashes_the_engine(http: httpx.Client, body: Any) -> None:
+    r = http.post("/generate", json=body)
+    assert r.status_code in (200, 400), r.text
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=fuzz_openai_bodies(), chat=st.booleans())
+def test_fuzzed_openai_never_crashes_the_engine(http: httpx.Client, body: Any, chat: bool) -> None:
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    r = http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+    assert r.status_code in (200, 400, 404), r.text
+
+
 def test_zz_memory_invariant_and_metrics_at_the_end(http: httpx.Client) -> None:
+    assert http.get("/health_generate").status_code == 200
     sched = _idle_stats(http)
     assert _kv_all_accounted(sched)
     assert http.get("/check_memory_invariant").json() == {"ok": True}

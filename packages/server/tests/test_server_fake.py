@@ -19,7 +19,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lmserver.config import ServerConfig
-from lmserver.testing import BAD_NATIVE, BAD_OPENAI, FAIL_ADD_KEY, FakeEngineCore, ServerProcess, fake_logprob
+from lmserver.testing import (
+    BAD_NATIVE,
+    BAD_OPENAI,
+    FAIL_ADD_KEY,
+    FakeEngineCore,
+    ServerProcess,
+    fake_logprob,
+    fuzz_generate_bodies,
+    fuzz_openai_bodies,
+)
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -308,29 +317,8 @@ def test_an_engine_error_in_add_request_fails_only_that_request(http: httpx.Clie
     assert_still_serves(http, fake)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=12), lambda c: st.lists(c, max_size=3) | st.dictionaries(
-                        st.text(max_size=6), c, max_size=3), max_leaves=6)
-SAMPLING_KEYS = ["temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "n",
-                 "logit_bias", "ignore_eos", "sampling_seed", "frequency_penalty", "repetition_penalty",
-                 "min_new_tokens", "no_stop_trim", "skip_special_tokens", "json_schema", "bogus"]
-GEN_KEYS = ["text", "input_ids", "rid", "stream", "return_logprob", "logprob_start_len", "top_logprobs_num",
-            "return_text_in_logprobs", "extra_key", "image_data", "other"]
-
-
-@st.composite
-def generate_bodies(draw: Any) -> Any:
-    body = draw(st.dictionaries(st.sampled_from(GEN_KEYS), JSON, max_size=4))
-    if draw(st.booleans()):
-        body["text"] = draw(st.text(max_size=30) | st.lists(st.text(max_size=10), min_size=1, max_size=3))
-    params = draw(st.dictionaries(st.sampled_from(SAMPLING_KEYS), JSON | st.integers(-2, 3), max_size=4))
-    params["max_new_tokens"] = draw(st.integers(-1, 3) | JSON)  # never a long generation
-    body["sampling_params"] = params
-    return body
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=generate_bodies())
+@given(body=fuzz_generate_bodies())
 def test_fuzzed_generate_bodies_never_give_a_server_error(http: httpx.Client, body: Any) -> None:
     r = http.post("/generate", json=body)
     event(f"status {r.status_code}")
@@ -340,9 +328,7 @@ def test_fuzzed_generate_bodies_never_give_a_server_error(http: httpx.Client, bo
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.dictionaries(st.sampled_from(["model", "prompt", "messages", "max_tokens", "n", "stop", "logprobs",
-                                             "echo", "temperature", "top_logprobs", "response_format", "seed",
-                                             "stream", "logit_bias", "regex", "top_k"]), JSON, max_size=5),
+@given(body=fuzz_openai_bodies(),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), fill=st.booleans())
 def test_fuzzed_openai_bodies_never_give_a_server_error(http: httpx.Client, body: Any, path: str,
                                                         fill: bool) -> None:

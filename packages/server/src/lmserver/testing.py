@@ -441,3 +441,51 @@ BAD_OPENAI: list[tuple[str, str, Any, int, str]] = [
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
 ]
+
+
+def _fuzz_json() -> Any:
+    from hypothesis import strategies as st
+
+    leaves = (st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+              | st.text(max_size=12))
+    return st.recursive(leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
+                                                                                    max_size=3), max_leaves=6)
+
+
+def fuzz_generate_bodies() -> Any:
+    """A hypothesis strategy of /generate bodies, mostly invalid, never asking for more than a
+    few tokens (`max_new_tokens` is small, huge or not an integer). Needs `hypothesis`."""
+    from hypothesis import strategies as st
+
+    sampling_keys = ["temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex", "n",
+                     "logit_bias", "ignore_eos", "sampling_seed", "frequency_penalty", "repetition_penalty",
+                     "min_new_tokens", "no_stop_trim", "skip_special_tokens", "json_schema", "regex", "bogus"]
+    gen_keys = ["text", "input_ids", "rid", "stream", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                "return_text_in_logprobs", "extra_key", "image_data", "other"]
+    value = _fuzz_json()
+    max_new = (st.integers(-1, 3) | st.integers(10**5, 10**6) | st.text(max_size=3) | st.booleans()
+               | st.floats(allow_nan=False, allow_infinity=False) | st.lists(st.integers(), max_size=2))
+
+    @st.composite
+    def bodies(draw: Any) -> Any:
+        body = draw(st.dictionaries(st.sampled_from(gen_keys), value, max_size=4))
+        if draw(st.booleans()):
+            body["text"] = draw(st.text(max_size=30) | st.lists(st.text(max_size=10), min_size=1, max_size=3))
+        params = draw(st.dictionaries(st.sampled_from(sampling_keys), value | st.integers(-2, 3), max_size=4))
+        params["max_new_tokens"] = draw(max_new)
+        body["sampling_params"] = params
+        return body
+
+    return bodies()
+
+
+def fuzz_openai_bodies() -> Any:
+    """A hypothesis strategy of OpenAI request bodies (any of the two endpoints), mostly invalid,
+    with `max_tokens` small unless the draw overrides it with junk."""
+    from hypothesis import strategies as st
+
+    keys = ["model", "prompt", "messages", "n", "stop", "logprobs", "echo", "temperature", "top_logprobs",
+            "response_format", "seed", "stream", "logit_bias", "regex", "top_k", "min_p", "stream_options"]
+    max_tokens = st.integers(0, 3) | st.integers(10**5, 10**6) | st.text(max_size=3) | st.none().map(lambda _: -1)
+    return st.builds(lambda body, mt: {**body, "max_tokens": mt},
+                     st.dictionaries(st.sampled_from(keys), _fuzz_json(), max_size=5), max_tokens)
