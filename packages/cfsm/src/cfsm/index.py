@@ -31,7 +31,7 @@ _SMALL_RANGE = 24
 _MIN_GROUP_BYTES = 32
 # states agreeing on all strings of at most this many bytes share the walk of tokens that short
 _SHARE_DEPTH = 16
-# token sets up to this size are keyed by their sorted ids (larger ones by their packed mask)
+# token sets up to this size are packed by scattering bits (larger ones through a bool array)
 _SPARSE_ROW = 2048
 # states with at most this many candidate tokens (allowed first byte) are walked in one batch
 _TINY = 96
@@ -524,36 +524,43 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
     bits = np.zeros(words * 32, dtype=bool)
+    class_packed: dict[int, np.ndarray] = {}
     class_row: dict[int, int] = {}
+
+    def packed_of(tids: np.ndarray) -> np.ndarray:
+        if len(tids) <= _SPARSE_ROW:
+            row = np.zeros(words, dtype=np.uint32)
+            np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            return row
+        bits[:] = False
+        bits[tids] = True
+        return np.packbits(bits, bitorder="little").view("<u4").copy()
+
+    def intern(row: np.ndarray) -> int:
+        key = row.tobytes()
+        r = rows.get(key)
+        if r is None:
+            r = rows[key] = len(row_list)
+            row_list.append(row.view(np.int32))
+        return r
+
     for s in range(num_states):
         c = int(classes[s])
+        base = class_packed.get(c)
+        if base is None:
+            tids = short_of[c]
+            if dfa.accepting[s]:  # acceptance is the same in the whole class
+                tids = np.concatenate([tids, eos.astype(np.int32)])
+            base = class_packed[c] = packed_of(tids)
         extra = long_of.get(s)
-        if extra is None and c in class_row:
-            mask_row[s] = class_row[c]
-            continue
-        tids = short_of[c] if extra is None else np.concatenate([short_of[c], extra])
-        if dfa.accepting[s]:
-            tids = np.concatenate([tids, eos.astype(np.int32)])
-        if len(tids) <= _SPARSE_ROW:
-            # small sets: the sorted ids are the key; the row is packed only when new
-            key = b"S" + np.unique(tids).tobytes()
-            r = rows.get(key)
-            if r is None:
-                row = np.zeros(words, dtype=np.uint32)
-                np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
-                r = rows[key] = len(row_list)
-                row_list.append(row.view(np.int32))
-        else:
-            bits[:] = False
-            bits[tids] = True
-            packed = np.packbits(bits, bitorder="little").view("<i4")
-            key = b"P" + packed.tobytes()
-            r = rows.get(key)
-            if r is None:
-                r = rows[key] = len(row_list)
-                row_list.append(packed.astype(np.int32))
-        mask_row[s] = r
         if extra is None:
-            class_row[c] = r
+            r = class_row.get(c)
+            if r is None:
+                r = class_row[c] = intern(base)
+            mask_row[s] = r
+            continue
+        row = base.copy()
+        np.bitwise_or.at(row, extra >> 5, np.left_shift(np.uint32(1), (extra & 31).astype(np.uint32)))
+        mask_row[s] = intern(row)
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)
