@@ -104,7 +104,14 @@ class TokenizerManager:
             raise EngineDeadError(f"unexpected first message from the core: {type(msg).__name__}")
         self.ready, self.tokenizer = msg, msg.tokenizer
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self._recv_task.add_done_callback(self._recv_done)
         return msg
+
+    def _recv_done(self, task: asyncio.Task[None]) -> None:
+        # NOTE: without the receive loop every request would wait forever: fail loudly instead.
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("the receive loop failed", exc_info=task.exception())
+            self.mark_dead(f"the server's receive loop failed: {task.exception()!r}")
 
     def mark_dead(self, reason: str) -> None:
         """Fails every pending request and RPC with EngineDeadError (idempotent)."""

@@ -1,0 +1,136 @@
+"""TokenizerManager against a scripted core on the other end of its ZMQ sockets (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from lmserver.config import ServerConfig
+from lmserver.io_struct import GenerateReq, ReqOutput, SamplingParams
+from lmserver.ipc import AbortReq, BatchOut, CoreFatal, CoreReady, IpcAddrs, RpcReq, RpcResp
+from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
+
+
+class ScriptedCore:
+    def __init__(self, addrs: IpcAddrs) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(addrs.from_core)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(addrs.to_core)
+
+    async def send(self, msg: Any) -> None:
+        await self.push.send_pyobj(msg)
+
+    async def recv(self) -> Any:
+        return await asyncio.wait_for(self.pull.recv_pyobj(), 5)
+
+    def close(self) -> None:
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def run(test: Any) -> None:
+    async def main() -> None:
+        addrs = IpcAddrs.new()
+        mgr = TokenizerManager(ServerConfig(), addrs)
+        core = ScriptedCore(addrs)
+        await core.send(CoreReady(tokenizer=None, model_path="m", vocab_size=100, context_length=64,
+                                  resolved_config={}))
+        await mgr.wait_ready(5)
+        try:
+            await test(mgr, core)
+        finally:
+            core.close()
+            await mgr.shutdown()
+
+    asyncio.run(main())
+
+
+def req(rid: str, n: int = 3) -> GenerateReq:
+    return GenerateReq(rid, [1, 2, 3], SamplingParams(max_new_tokens=n))
+
+
+def out(rid: str, token: int, text: str, finished: bool = False) -> ReqOutput:
+    return ReqOutput(rid, [token], text, finished, {"type": "length"} if finished else None, prompt_tokens=3,
+                     completion_tokens=1)
+
+
+def test_outputs_accumulate_into_the_state() -> None:
+    async def test(mgr: TokenizerManager, core: ScriptedCore) -> None:
+        gen: AsyncIterator[GenState] = mgr.generate(req("a"))
+        first = asyncio.ensure_future(gen.__anext__())
+        assert (await core.recv()).rid == "a"
+        await core.send(BatchOut([out("a", 7, "Hel")]))
+        state = await first
+        assert (state.text, state.output_ids, state.finished) == ("Hel", [7], False)
+        await core.send(BatchOut([out("a", 8, "lo", finished=True)]))
+        state = await gen.__anext__()
+        assert (state.text, state.output_ids, state.finish_reason) == ("Hello", [7, 8], {"type": "length"})
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        assert mgr.num_pending == 0
+
+    run(test)
+
+
+def test_closing_a_generation_early_aborts_it_in_the_core() -> None:
+    async def test(mgr: TokenizerManager, core: ScriptedCore) -> None:
+        gen = mgr.generate(req("b", 50))
+        first = asyncio.ensure_future(gen.__anext__())
+        await core.recv()
+        await core.send(BatchOut([out("b", 5, "x")]))
+        await first
+        await gen.aclose()  # the client went away
+        assert await core.recv() == AbortReq("b")
+        assert mgr.num_pending == 0
+
+    run(test)
+
+
+def test_rpc_answers_and_errors() -> None:
+    async def test(mgr: TokenizerManager, core: ScriptedCore) -> None:
+        call = asyncio.ensure_future(mgr.rpc("get_stats"))
+        msg = await core.recv()
+        assert isinstance(msg, RpcReq) and msg.method == "get_stats"
+        await core.send(RpcResp(msg.id, result={"num_running_reqs": 0}))
+        assert await call == {"num_running_reqs": 0}
+        call = asyncio.ensure_future(mgr.rpc("check_memory_invariant"))
+        msg = await core.recv()
+        await core.send(RpcResp(msg.id, error="MemoryInvariantError: leak"))
+        with pytest.raises(RuntimeError, match="leak"):
+            await call
+
+    run(test)
+
+
+def test_core_fatal_fails_pending_requests() -> None:
+    async def test(mgr: TokenizerManager, core: ScriptedCore) -> None:
+        gen = mgr.generate(req("c"))
+        first = asyncio.ensure_future(gen.__anext__())
+        await core.recv()
+        await core.send(CoreFatal("RuntimeError: boom"))
+        with pytest.raises(EngineDeadError, match="boom"):
+            await asyncio.wait_for(first, 5)
+        with pytest.raises(EngineDeadError):
+            await mgr.generate(req("d")).__anext__()
+
+    run(test)
+
+
+def test_a_broken_receive_loop_fails_loudly_instead_of_hanging() -> None:
+    async def test(mgr: TokenizerManager, core: ScriptedCore) -> None:
+        gen = mgr.generate(req("e"))
+        first = asyncio.ensure_future(gen.__anext__())
+        await core.recv()
+        await core.send(BatchOut(outputs=None))  # type: ignore[arg-type]
+        with pytest.raises(EngineDeadError, match="receive loop failed"):
+            await asyncio.wait_for(first, 5)
+
+    run(test)
