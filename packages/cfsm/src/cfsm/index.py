@@ -186,8 +186,8 @@ def _depth_classes(dfa: Dfa, depth: int) -> np.ndarray:
 
     Two states agree when, after any such string, both are dead or both are live with the same
     acceptance; so every token of at most `depth` bytes is allowed in both or in neither.
-    # NOTE: signatures are two independent 64-bit hashes per round; a collision (probability
-    # about rounds * states^2 / 2^128) would merge two classes.
+    # NOTE: each round groups by one 64-bit hash and checks the grouping with a second one; only
+    # a collision of both (probability about rounds * states^2 / 2^128) would merge two classes.
     """
     trans = dfa.transitions
     rep, _ = _byte_classes(trans)
@@ -201,11 +201,14 @@ def _depth_classes(dfa: Dfa, depth: int) -> np.ndarray:
     for _ in range(depth):
         c = cls.astype(np.uint64)
         sub = cls[cols].astype(np.uint64)
-        h = np.empty((len(cls), 2), dtype=np.uint64)
-        h[:, 0] = c * w1[0] + (sub * w1[1:]).sum(axis=1, dtype=np.uint64)
-        h[:, 1] = c * w2[0] + (sub * w2[1:]).sum(axis=1, dtype=np.uint64)
-        _, new = np.unique(h.view([("a", "<u8"), ("b", "<u8")]).reshape(-1), return_inverse=True)
+        h1 = c * w1[0] + (sub * w1[1:]).sum(axis=1, dtype=np.uint64)
+        h2 = c * w2[0] + (sub * w2[1:]).sum(axis=1, dtype=np.uint64)
+        _, first, new = np.unique(h1, return_index=True, return_inverse=True)
         new = new.reshape(-1).astype(np.int64)
+        if not np.array_equal(h2, h2[first[new]]):  # h1 collided: split by both hashes
+            h = np.stack([h1, h2], axis=1)
+            _, new = np.unique(h.view([("a", "<u8"), ("b", "<u8")]).reshape(-1), return_inverse=True)
+            new = new.reshape(-1).astype(np.int64)
         new_num = int(new.max()) + 1
         cls = new
         if new_num == num:
