@@ -66,15 +66,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Fills every parameter with seeded random values (norm weights 1); mutates `model`."""
-    gen = torch.Generator().manual_seed(seed)
+    """Fills every parameter with seeded random values (norm weights 1); mutates `model`.
+
+    Values are drawn where the parameter lives: CPU parameters from a CPU generator, CUDA ones
+    on the GPU (seconds instead of minutes for an 8B model; other numbers than the CPU's).
+    """
+    gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
-                param.copy_(values.to(param.dtype))
+                continue
+            device = param.device if param.device.type == "cuda" else torch.device("cpu")
+            if device not in gens:
+                gens[device] = torch.Generator(device).manual_seed(seed)
+            values = torch.randn(param.shape, generator=gens[device], dtype=torch.float32, device=device) * 0.02
+            param.copy_(values.to(param.dtype))
 
 
 def load_model(

@@ -1,0 +1,216 @@
+"""Decode CUDA graphs (lmserver.engine.cuda_graph) and GPU KV sizing (engine.resolve).
+
+CPU: batch-size buckets and padding against a naive oracle; the graph runner with `EagerGraph`
+(static buffers, padding rows, in-place metadata) against the eager model runner on a tiny
+random Llama. `gpu`: real CUDA graphs vs eager (logits and greedy tokens, both backends) and the
+engine with graphs on vs off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmserver.attention.base import default_registry
+from lmserver.config import ServerConfig
+from lmserver.engine.cuda_graph import (
+    PAD_SLOT,
+    CudaGraphError,
+    DecodeGraphRunner,
+    EagerGraph,
+    capture_batch_sizes,
+    pad_decode,
+    padded_batch_size,
+)
+from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.engine.model_runner import ModelRunner
+from lmserver.engine.resolve import ConfigError, estimate_weight_bytes, resolve_kv_tokens
+from lmserver.model_loader import load_model
+from lmserver.models.config import ModelConfig
+from lmserver.scheduler import ForwardItem, ScheduleDecision
+
+# head_dim 16 (the smallest tl.dot size on a GPU), GQA group 3 like SmolLM2.
+TINY = ModelConfig.from_hf(dict(
+    architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+))
+TABLE_ROWS, TABLE_WIDTH, NUM_SLOTS = 6, 48, 400
+
+
+# --- buckets and padding ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("max_bs", "sizes"), [
+    (1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]),
+    (32, [1, 2, 4, 8, 16, 24, 32]),
+])
+def test_capture_batch_sizes(max_bs: int, sizes: list[int]) -> None:
+    assert capture_batch_sizes(max_bs) == sizes
+
+
+def test_capture_batch_sizes_rejects_zero() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        capture_batch_sizes(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_bs=st.integers(1, 300), bs=st.integers(-2, 320))
+def test_padded_batch_size_is_the_smallest_captured_size_that_fits(max_bs: int, bs: int) -> None:
+    sizes = capture_batch_sizes(max_bs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_bs
+    fits = [s for s in sizes if s >= bs]
+    expected = min(fits) if fits and bs >= 1 else None
+    assert padded_batch_size(bs, sizes) == expected
+
+
+def _item(row: int, prefix: int, ids: list[int], slots: list[int], logits: bool = True) -> ForwardItem:
+    n = len(ids)
+    return ForwardItem(
+        rid=f"r{row}", req_pool_idx=row, prefix_len=prefix, token_ids=ids, out_slots=slots[prefix : prefix + n],
+        table_start=prefix, table_slots=slots[prefix : prefix + n], logit_offsets=[n - 1] if logits else [],
+        completes_prefill=True,
+    )
+
+
+def test_pad_decode_fills_padding_rows() -> None:
+    items = [_item(3, 5, [11], list(range(100, 110))), _item(1, 0, [7], [42], logits=False)]
+    step = pad_decode(items, 4, pad_row=5)
+    assert step.ints == [[11, 7, 0, 0], [5, 0, 0, 0], [105, 42, PAD_SLOT, PAD_SLOT], [3, 1, 5, 5]]
+    assert step.seq_lens == [6, 1, 1, 1]
+    assert step.table == [[3, 1], [5, 0], [105, 42]]
+    assert step.logit_rows == [0]
+    with pytest.raises(CudaGraphError, match="exactly one new token"):
+        pad_decode([_item(0, 0, [1, 2], [1, 2])], 2, pad_row=0)
+    with pytest.raises(CudaGraphError, match="padded batch size"):
+        pad_decode(items, 1, pad_row=0)
+
+
+# --- the graph runner on CPU (EagerGraph) ---------------------------------------------------
+
+def _runner(backend: str, device: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
+    model = load_model(TINY, None, load_format="dummy", dtype=dtype, device=device, max_positions=64, seed=5)
+    pool = KVPool(NUM_SLOTS, TINY.num_hidden_layers, TINY.num_key_value_heads, TINY.head_dim, dtype, device)
+    table = make_req_to_token(TABLE_ROWS, TABLE_WIDTH, device)
+    attn = default_registry().create(backend, pool, table)
+    return ModelRunner(model, pool, table, attn, torch.device(device))
+
+
+def _greedy_run(runner: ModelRunner, steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefills 5 prompts in rows 0..4 (row 0 is also the padding row), then decodes with a
+    changing batch: all 5, then 3, 1, 2, 4 ... (sizes that are captured, padded, and too big)."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (9, 4, 17, 1, 6)]
+    slot_sets = [list(range(1 + 60 * i, 1 + 60 * i + 40)) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    logits = runner.forward(ScheduleDecision("extend", [_item(i, 0, s, slot_sets[i]) for i, s in enumerate(seqs)]))
+    for s, nxt in zip(seqs, logits.argmax(-1).tolist(), strict=True):
+        s.append(nxt)
+    schedule = [[0, 1, 2, 3, 4], [1, 2, 4], [3], [0, 4], [4, 2, 1, 0], [2], [0, 1, 2, 3, 4], [1, 3, 0]]
+    out: list[torch.Tensor] = []
+    for rows in (schedule * steps)[:steps]:
+        items = [_item(r, len(seqs[r]) - 1, [seqs[r][-1]], slot_sets[r]) for r in rows]
+        logits = runner.forward(ScheduleDecision("decode", items))
+        out.append(logits.cpu())
+        for r, nxt in zip(rows, logits.argmax(-1).tolist(), strict=True):
+            seqs[r].append(nxt)
+    return out, seqs
+
+
+@pytest.mark.parametrize("max_bs", [4, 8])
+def test_eager_graph_runner_matches_the_eager_runner(max_bs: int) -> None:
+    eager = _runner("torch_native", "cpu")
+    ref_logits, ref_seqs = _greedy_run(eager, 12)
+    graphed = _runner("torch_native", "cpu")
+    graphs = DecodeGraphRunner(graphed, max_bs, pad_row=0, graph_factory=EagerGraph)
+    graphs.capture()
+    assert sorted(graphs.graphs) == capture_batch_sizes(max_bs)
+    graphed.cuda_graph = graphs
+    got_logits, got_seqs = _greedy_run(graphed, 12)
+    assert got_seqs == ref_seqs
+    for got, ref in zip(got_logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # padding rows wrote only the padding slot: every real slot holds what the eager run stored
+    assert torch.equal(graphed.req_to_token, eager.req_to_token)
+    used = eager.req_to_token[eager.req_to_token > 0].long().unique()
+    assert used.numel() > 60 and PAD_SLOT not in used.tolist()
+    for layer in range(TINY.num_hidden_layers):
+        for cache in ("k_cache", "v_cache"):
+            got, ref = getattr(graphed.kv_pool, cache)[layer], getattr(eager.kv_pool, cache)[layer]
+            torch.testing.assert_close(got[used], ref[used], atol=1e-5, rtol=1e-5)
+
+
+def test_graph_runner_only_takes_decode_batches_it_captured() -> None:
+    runner = _runner("torch_native", "cpu")
+    graphs = DecodeGraphRunner(runner, 2, graph_factory=EagerGraph)
+    one = _item(0, 0, [3], [1])
+    assert not graphs.can_run(ScheduleDecision("decode", [one]))  # nothing captured yet
+    graphs.capture()
+    assert graphs.can_run(ScheduleDecision("decode", [one]))
+    assert not graphs.can_run(ScheduleDecision("extend", [one]))
+    assert not graphs.can_run(ScheduleDecision("decode", [one, _item(1, 0, [3], [2]), _item(2, 0, [3], [3])]))
+    with pytest.raises(CudaGraphError, match="pad_row"):
+        DecodeGraphRunner(runner, 2, pad_row=TABLE_ROWS, graph_factory=EagerGraph)
+    with pytest.raises(CudaGraphError, match="CUDA device"):
+        DecodeGraphRunner(runner, 2)
+
+
+# --- KV sizing ------------------------------------------------------------------------------
+
+def test_estimate_weight_bytes_counts_the_built_model() -> None:
+    for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = load_model(TINY, None, load_format="dummy", dtype=torch_dtype, max_positions=64)
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        expected = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert estimate_weight_bytes(TINY, dtype, 64) == expected
+        assert estimate_weight_bytes(TINY, dtype, 64, tp_size=2) == expected // 2
+
+
+def test_gpu_kv_budget_is_the_fraction_left_after_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * gib, 80 * gib))  # 10 GiB in use
+    per_slot = KVPool.bytes_per_slot(TINY.num_hidden_layers, TINY.num_key_value_heads, TINY.head_dim, torch.bfloat16)
+    weights = estimate_weight_bytes(TINY, "bfloat16", 64)
+    cfg = ServerConfig(mem_fraction_static=0.5, context_length=64)
+    assert resolve_kv_tokens(cfg, TINY, "cuda", "bfloat16", 0) == (40 * gib - 10 * gib - weights) // per_slot
+    assert resolve_kv_tokens(cfg, TINY, "cuda", "bfloat16", 3 * gib) == (27 * gib) // per_slot
+    with pytest.raises(ConfigError, match="not enough GPU memory"):
+        resolve_kv_tokens(ServerConfig(mem_fraction_static=0.1), TINY, "cuda", "bfloat16", 0)
+    with pytest.raises(ConfigError, match="mem_fraction_static must be in"):
+        resolve_kv_tokens(ServerConfig(mem_fraction_static=1.5), TINY, "cuda", "bfloat16", 0)
+    assert resolve_kv_tokens(ServerConfig(max_total_tokens=4096), TINY, "cuda", "bfloat16", 0) == 4096
+
+
+# --- real CUDA graphs -----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_match_eager_on_gpu(backend: str, dtype: torch.dtype) -> None:
+    eager = _runner(backend, "cuda", dtype)
+    ref_logits, ref_seqs = _greedy_run(eager, 16)
+    graphed = _runner(backend, "cuda", dtype)
+    graphs = DecodeGraphRunner(graphed, 4)
+    graphs.capture()
+    graphed.cuda_graph = graphs
+    got_logits, got_seqs = _greedy_run(graphed, 16)
+    assert got_seqs == ref_seqs
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, ref in zip(got_logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_engine_greedy_output_same_with_and_without_cuda_graphs() -> None:
+    from lmserver.engine.offline import Engine
+
+    prompts = ["The capital of France is", "List three colors:", "def fib(n):"]
+    params = {"max_new_tokens": 24, "temperature": 0}
+    texts = {}
+    for disable in (True, False):
+        engine = Engine(dtype="float32", attention_backend="triton", disable_cuda_graph=disable, cuda_graph_max_bs=4,
+                        max_total_tokens=8192)
+        assert (engine.core.runner.cuda_graph is None) == disable
+        texts[disable] = [o["output_ids"] for o in engine.generate(prompts, params)]
+        del engine
+    assert texts[True] == texts[False]
