@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -225,3 +226,38 @@ def test_compiler_lru_and_disk_cache(tmp_path) -> None:
     for name in ("masks", "mask_row"):
         assert np.array_equal(getattr(a, name), getattr(again, name))
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_compiler_keys_schema_cache_by_config() -> None:
+    vocab = tiny_vocab()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compact = Compiler(vocab, CfsmConfig())
+    flexible = Compiler(vocab, CfsmConfig(whitespace="flexible"))
+    a, b = compact.compile_json_schema(schema), flexible.compile_json_schema(schema)
+    # the same schema as JSON text (other spacing) is the same cache entry
+    assert compact.compile_json_schema(json.dumps(schema, indent=2)) is a and compact.hits == 1
+    assert a is not b
+    assert b.dfa.fullmatch(b'{ "a" : 1 }') and not a.dfa.fullmatch(b'{ "a" : 1 }')
+
+
+def test_padded_logits_width_and_any_value_json() -> None:
+    vocab = Vocabulary([b"", b"1", b"[", b"]", b","], [0], size=70)  # logits wider than the tokenizer
+    index = cfsm.compile_json_object(vocab, CfsmConfig(json_depth=1), object_only=False)
+    g = Guide(index)
+    mask = np.zeros((1, vocab.mask_words), dtype=np.int32)
+    g.fill_mask(mask)
+    assert vocab.mask_words == 3 and g.allowed_token_ids().tolist() == [1, 2]
+    assert not any((int(mask[0, t // 32]) >> (t % 32)) & 1 for t in range(5, 96))  # padding never allowed
+    g.advance_many([2, 1, 4, 1, 3])
+    assert g.can_stop()
+
+
+def test_jump_forward_is_none_inside_a_utf8_character() -> None:
+    vocab = Vocabulary([b"", b"\xc3", b"\xa9", "é".encode(), b"x"], [0])
+    index = cfsm.compile_regex("éx", vocab)
+    g = Guide(index)
+    assert g.jump_forward() == "éx"
+    g.advance(1)  # half of "é"
+    assert g.jump_forward() is None  # the forced bytes start mid-character
+    g.advance(2)
+    assert g.jump_forward() == "x"
