@@ -36,7 +36,7 @@ lint: install-test
 
 # Lint, import contracts, then the whole CPU suite (exit code 5, "no tests", is not a failure).
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 test-gpu: install-test
 	LMSYS_GPU_ONLY=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
