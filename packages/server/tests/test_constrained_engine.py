@@ -247,6 +247,9 @@ def test_200_constrained_requests(engine: Engine) -> None:
 
 
 def test_readme_example(engine: Engine) -> None:
+    before = engine.core.get_stats()["prompt_tokens"]
     out = engine.generate("Call me at", {"max_new_tokens": 24, "temperature": 0, "regex": r"\(\d{3}\) \d{3}-\d{4}"})
     assert isinstance(out, dict)
     assert regex.fullmatch(PHONE, out["text"]) and out["meta_info"]["jump_forward_tokens"] >= 2
+    # jump-forward re-prefills are not new prompts
+    assert engine.core.get_stats()["prompt_tokens"] - before == out["meta_info"]["prompt_tokens"]

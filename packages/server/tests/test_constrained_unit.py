@@ -367,3 +367,24 @@ def test_batch_mask_cuda_kernel_matches_cpu() -> None:
     assert torch.equal(cpu, gpu)
     assert torch.equal(gpu[1], logits[1]) and torch.equal(gpu[3], logits[3])
     b.shutdown()
+
+
+def test_jump_forward_extend_rides_along_with_decodes() -> None:
+    kv = KVManager(128)
+    sched = Scheduler(kv, max_running_requests=4)
+    a = Req("a", [1, 2, 3], SamplingParams(), 32, arrival=1)
+    b = Req("b", [4, 5, 6, 7], SamplingParams(), 32, arrival=2)
+    sched.add(a)
+    sched.add(b)
+    sched.commit(sched.schedule())
+    a.output_ids.append(10)
+    b.output_ids.append(20)
+    cd = ConstrainedDecoding(None, VOCAB.size, VOCAB.eos_token_ids)
+    rewind_request(sched, a, [10, 11, 12, 13])
+    cd._rewound.add("a")
+    d = cd.schedule(sched)
+    assert d.mode == "extend" and not sched.enable_mixed_chunk
+    items = {i.rid: i for i in d.items}
+    assert items["a"].token_ids == [10, 11, 12, 13] and items["b"].token_ids == [20]  # b decodes meanwhile
+    sched.commit(d)
+    assert a.status == ReqStatus.RUNNING and cd.schedule(sched).mode == "decode" and not cd._rewound

@@ -23,7 +23,7 @@ from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKe
 from lmserver.constrained.bitmask import BatchMasker
 from lmserver.constrained.grammar import JumpForward, ReqGrammar
 from lmserver.io_struct import ReqOutput
-from lmserver.scheduler import ReqStatus, Scheduler
+from lmserver.scheduler import ReqStatus, ScheduleDecision, Scheduler
 
 __all__ = ["ConstrainedDecoding", "rewind_request"]
 
@@ -69,6 +69,7 @@ class ConstrainedDecoding:
         self.masker = BatchMasker(vocab_size)
         self.jump_forward = not disable_jump_forward
         self._waiting: dict[str, GrammarTicket] = {}
+        self._rewound: set[str] = set()  # requests sent back to prefill by a jump-forward
         self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "grammar_errors": 0}
 
     # --- grammar stage ----------------------------------------------------------------------------
@@ -114,6 +115,22 @@ class ConstrainedDecoding:
         return ReqOutput(rid=rid, new_token_ids=[], new_text="", finished=True,
                          finish_reason={"type": "abort", "message": msg}, error=msg)
 
+    # --- scheduling ----------------------------------------------------------------------------------
+
+    def schedule(self, scheduler: Scheduler) -> ScheduleDecision:
+        """`scheduler.schedule()`; while jump-forward requests wait for their extend and others
+        decode, the round is a mixed batch (their new tokens ride along with the decodes) instead
+        of an extend round that pauses every other request. Mutates as `Scheduler.schedule`."""
+        if self._rewound:
+            self._rewound &= {r.rid for r in scheduler.prefilling}
+        if not self._rewound or not scheduler.running or scheduler.enable_mixed_chunk:
+            return scheduler.schedule()
+        scheduler.enable_mixed_chunk = True
+        try:
+            return scheduler.schedule()
+        finally:
+            scheduler.enable_mixed_chunk = False
+
     # --- sampling -----------------------------------------------------------------------------------
 
     def apply_masks(self, logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
@@ -148,6 +165,8 @@ class ConstrainedDecoding:
         kept = len(old) - jump.num_rollback
         new = old[:kept] + list(jump.token_ids)
         g.apply_jump(jump)
+        if sreq.status == ReqStatus.RUNNING:
+            self._rewound.add(sreq.rid)
         rewind_request(scheduler, sreq, new)
         self.stats["jump_forward_tokens"] += jump.num_new_tokens
         self.stats["jump_forward_steps"] += 1

@@ -205,7 +205,7 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         if self.constrained.num_waiting:
             outputs.extend(self._admit_constrained())
-        decision = self.scheduler.schedule()
+        decision = self.constrained.schedule(self.scheduler)  # = scheduler.schedule() without jump-forward
         if decision.mode == "idle":
             return outputs
         logits = self.runner.forward(decision)
