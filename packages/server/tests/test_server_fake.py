@@ -463,6 +463,9 @@ def test_metrics_exposition(http: httpx.Client) -> None:
     assert values["lmserver_time_to_first_token_seconds_count"] >= 1
     assert values["lmserver_e2e_request_latency_seconds_count"] >= 1
     assert "lmserver_num_running_reqs" in values and "lmserver_cache_hit_rate" in values
+    assert values['lmserver_http_requests_total{path="/generate",status="200"}'] >= 1
+    assert values['lmserver_http_requests_total{path="/generate",status="400"}'] >= 1  # the bad-input tests
+    assert values['lmserver_http_requests_total{path="/generate",status="401"}'] >= 1  # the auth test
 
 
 def test_zz_memory_invariant_at_the_end(http: httpx.Client, server: ServerProcess) -> None:

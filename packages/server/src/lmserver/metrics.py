@@ -23,6 +23,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lmserver_requests", "finished requests", ["finish_reason"], registry=r)
+        self.http_requests = Counter("lmserver_http_requests", "HTTP requests answered", ["path", "status"],
+                                     registry=r)
         self.prompt_tokens = Counter("lmserver_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("lmserver_generation_tokens", "generated tokens", registry=r)
         self.cached_tokens = Counter("lmserver_cached_tokens", "prompt tokens served from the cache", registry=r)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hmac
 
 from fastapi import FastAPI, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserver.api import native, openai_routes
 from lmserver.api.errors import JSONBody, error_response, install_error_handlers
-from lmserver.metrics import CONTENT_TYPE
+from lmserver.metrics import CONTENT_TYPE, ServerMetrics
 from lmserver.tokenizer_manager import TokenizerManager
 
 _OPEN_PATHS = {"/health"}
@@ -32,6 +32,26 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class HttpMetrics:
+    """Pure ASGI middleware counting answered HTTP requests by route path and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, paths: set[str]) -> None:
+        self.app, self.metrics, self.paths = app, metrics, paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in self.paths else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(path=path, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 def create_app(mgr: TokenizerManager) -> FastAPI:
     """An app serving `mgr` (stored as `app.state.manager`); `mgr.config.api_key` turns on auth."""
     app = FastAPI(title="lmserver", default_response_class=JSONBody, docs_url=None, redoc_url=None,
@@ -47,4 +67,7 @@ def create_app(mgr: TokenizerManager) -> FastAPI:
 
     if mgr.config.api_key:
         app.add_middleware(BearerAuth, expected=f"Bearer {mgr.config.api_key}".encode())
+    routes = [*native.router.routes, *openai_routes.router.routes, *app.routes]
+    paths = {str(route.path) for route in routes if hasattr(route, "path")}
+    app.add_middleware(HttpMetrics, metrics=mgr.metrics, paths=paths)  # outermost: counts 401s too
     return app
