@@ -8,6 +8,7 @@ engine with graphs on vs off.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from lmserver.engine.cuda_graph import (
     DecodeGraphRunner,
     EagerGraph,
     capture_batch_sizes,
+    maybe_decode_graph_runner,
     pad_decode,
     padded_batch_size,
 )
@@ -186,6 +188,17 @@ def test_graph_runner_only_takes_decode_batches_it_captured() -> None:
         DecodeGraphRunner(runner, 2)
 
 
+def test_graphs_are_off_on_cpu_when_disabled_and_with_tensor_parallelism(caplog: pytest.LogCaptureFixture) -> None:
+    runner = _runner("torch_native", "cpu")
+    rc = ServerConfig(max_running_requests=TABLE_ROWS)
+    assert maybe_decode_graph_runner(rc, runner) is None  # CPU: eager decode
+    runner.device = torch.device("cuda")  # only the flags are read before capturing
+    with caplog.at_level(logging.INFO, logger="lmserver.engine.cuda_graph"):
+        assert maybe_decode_graph_runner(rc.replace(disable_cuda_graph=True), runner) is None
+        assert maybe_decode_graph_runner(rc, runner, tp_size=2) is None
+    assert "--disable-cuda-graph" in caplog.text and "tp_size=2" in caplog.text
+
+
 # --- KV sizing ------------------------------------------------------------------------------
 
 def test_estimate_weight_bytes_counts_the_built_model() -> None:
@@ -246,5 +259,5 @@ def test_engine_greedy_output_same_with_and_without_cuda_graphs() -> None:
                         max_total_tokens=8192)
         assert (engine.core.runner.cuda_graph is None) == disable
         texts[disable] = [o["output_ids"] for o in engine.generate(prompts, params)]
-        del engine
+        engine.shutdown()
     assert texts[True] == texts[False]
