@@ -74,7 +74,7 @@ def machine_section(result: dict[str, Any]) -> str:
         n = next(r["programs"] for r in rows if r["workload"] == name)
         cells = [name, str(n), *[_cell(by.get((name, c))) for c in configs], ratio, hit("full"),
                  hit("no_hints"), hit("openai_baseline"),
-                 f"{100 * full['radix_share']:.2f}" if full else "",
+                 f"{100 * full['radix_share']:.4f}" if full else "",
                  f"{full['sanity_ok']}/{full['programs']}" if full else ""]
         lines.append("| " + " | ".join(cells) + " |")
         if full:
@@ -93,6 +93,8 @@ def machine_section(result: dict[str, Any]) -> str:
         lines.append("Errors seen: " + "; ".join(f"`{e}`" for e in errs[:5]))
     mism = sum(r["token_count_mismatches"] for r in rows)
     lines.append(f"Trace tokenization vs the server's prompt_tokens: {mism} mismatching requests.")
+    if result.get("note"):
+        lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 

@@ -58,7 +58,7 @@ class Config:
 # switch changes what the server sees (forks, shared prefixes, selects); `--all-workloads` runs all.
 SHARING = ("mmlu_5shot", "generative_agents", "tree_of_thought", "llm_judge")
 FORKS = ("mmlu_5shot", "hellaswag_20shot", "tree_of_thought", "skeleton_of_thought", "llm_judge")
-BASELINE = ("mmlu_5shot", "hellaswag_20shot", "react_agent", "tree_of_thought", "llm_judge", "json_decode",
+BASELINE = ("mmlu_5shot", "hellaswag_20shot", "tree_of_thought", "llm_judge", "json_decode",
             "chat_short")
 CONFIGS = [
     Config("full", note="radix cache, lpm, hints, jump-forward"),
@@ -164,8 +164,11 @@ def _stop_on_signal(signum: int, frame: Any) -> None:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=HERE, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
+                               cwd=HERE, check=True).stdout.strip()
+        return head + (" + uncommitted changes to benchmarks/programs" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -187,6 +190,7 @@ def main() -> None:
     p.add_argument("--server-args", default="", help="extra `lmserver serve` flags for every server")
     p.add_argument("--machine", default="CPU, 2 cores (dev container)")
     p.add_argument("--model-label", default="SmolLM2-135M-Instruct (embedded)")
+    p.add_argument("--note", default="", help="a remark printed under the machine's table")
     p.add_argument("--json", default=None, help="results file (default: results/<machine>.json)")
     p.add_argument("--no-readme", action="store_true", help="do not regenerate README.md")
     args = p.parse_args()
@@ -242,7 +246,7 @@ def main() -> None:
         "commit": git_commit(), "command": command.strip(), "suite_seconds": suite_s,
         "concurrency": args.concurrency, "server_threads": args.threads, "sizes": asdict(sizes),
         "configs": {c.name: c.note for c in CONFIGS if c.name in chosen},
-        "rows": rows, "skipped": skipped,
+        "rows": rows, "skipped": skipped, "note": args.note,
     }
     out = Path(args.json) if args.json else HERE / "results" / (re.sub(r"[^a-z0-9]+", "-", args.machine.lower())
                                                                  .strip("-") + ".json")
