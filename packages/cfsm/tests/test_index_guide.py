@@ -261,3 +261,28 @@ def test_jump_forward_is_none_inside_a_utf8_character() -> None:
     assert g.jump_forward() is None  # the forced bytes start mid-character
     g.advance(2)
     assert g.jump_forward() == "x"
+
+
+def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every counter value of a bounded JSON string has its own "after a backslash" state; they
+    # share one candidate split (cached) and must still match the naive walk exactly
+    import cfsm.index
+
+    calls: list[int] = []
+    real = cfsm.index._Walker._candidates
+
+    def spy(self, allowed, outside):  # type: ignore[no-untyped-def]
+        calls.append(len(self._cand))
+        return real(self, allowed, outside)
+
+    monkeypatch.setattr(cfsm.index._Walker, "_candidates", spy)
+    monkeypatch.setattr(cfsm.index, "_TINY", 4)  # walk even small candidate sets this way
+    monkeypatch.setattr(cfsm.index, "_BROAD", 0.9)  # as in a large vocabulary: escapes are not broad
+    rng = random.Random(7)
+    alphabet = list('abfnrtu019"\\/ ') + ["é"]
+    toks = {"".join(rng.choice(alphabet) for _ in range(rng.choice([1, 2, 3, 5]))).encode() for _ in range(900)}
+    tokens = [b""] + sorted(toks)
+    vocab = Vocabulary(tokens, [0])
+    index = cfsm.compile_regex(r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,9}"', vocab)
+    _check_index_against_oracle(index)
+    assert len(calls) >= 5 and max(calls) >= 1  # the split was reused by later counter values

@@ -249,6 +249,7 @@ class _Walker:
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def precompute_tiny(self, states: np.ndarray) -> None:
         """Walk the tokens of those `states` with few candidates in one batch (results cached)."""
@@ -355,6 +356,34 @@ class _Walker:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         return np.concatenate(out_pos), np.concatenate(out_next)
 
+    def _candidates(self, allowed: np.ndarray, outside: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
+
+        Returns (positions whose bytes after the first all lie in the group, i.e. outside the
+        byte set `outside`; their tail lengths; the index into `allowed` of their first byte; the
+        other positions);
+        cached per (allowed, outside): the escape states of every counter value share it.
+        """
+        key = allowed.tobytes() + outside.tobytes()
+        hit = self._cand.get(key)
+        if hit is not None:
+            return hit
+        tables = self.tables
+        starts = tables.first_byte_starts
+        a = allowed.astype(np.int64)
+        lo, hi = starts[a], starts[a + 1]
+        sizes = hi - lo
+        total = int(sizes.sum())
+        offsets = np.cumsum(sizes) - sizes
+        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        first = np.repeat(np.arange(len(a), dtype=np.int64), sizes)  # which allowed byte starts it
+        ts = tables.tail_byte_sets[:, idx]
+        inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
+        steps = tables.lengths[idx] - 1  # bytes after the first one
+        hit = self._cand[key] = (idx[inside], steps[inside], first[inside], idx[~inside])
+        return hit
+
     def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
                                out_next: list[np.ndarray]) -> bool:
         """One byte, then the chain of the state it leads to (an escape letter, then string text).
@@ -368,34 +397,24 @@ class _Walker:
         first = infos[0]
         if first is None or any(i is None or not np.array_equal(i[0], first[0]) for i in infos):
             return False
-        tables = self.tables
-        starts = tables.first_byte_starts
-        a = allowed.astype(np.int64)
-        lo, hi = starts[a], starts[a + 1]
-        sizes = hi - lo
-        total = int(sizes.sum())
-        if total == 0:
-            return True
-        offsets = np.cumsum(sizes) - sizes
-        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-        slot = np.repeat(which.reshape(-1), sizes)  # which chain each candidate follows
         outside = first[0]
-        ts = tables.tail_byte_sets[:, idx]
-        inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
+        idx_hit, steps_hit, byte_hit, rest_bytes = self._candidates(allowed, outside)
+        if len(idx_hit) == 0 and len(rest_bytes) == 0:
+            return True
         width = max(len(i[1]) for i in infos if i is not None)
         table = np.full((len(infos), width), -1, dtype=np.int32)
         for k, info in enumerate(infos):
             assert info is not None
             table[k, : len(info[1])] = info[1]
-        steps = tables.lengths[idx] - 1  # bytes after the first one
-        hit = inside & (steps < width)
-        nxt = table[slot[hit], steps[hit]]
+        nxt = np.full(len(idx_hit), -1, dtype=np.int32)
+        fits = steps_hit < width
+        nxt[fits] = table[which.reshape(-1)[byte_hit[fits]], steps_hit[fits]]
         known = nxt >= 0
         good = nxt[known] != self.dead
-        out_pos.append(idx[hit][known][good])
+        out_pos.append(idx_hit[known][good])
         out_next.append(nxt[known][good])
-        rest = np.concatenate([idx[~hit], idx[hit][~known]])
-        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, self.dead,
+        rest = np.concatenate([rest_bytes, idx_hit[~known]])
+        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
                          out_pos, out_next)
         return True
 
@@ -475,12 +494,11 @@ def _chain_of(dfa: Dfa, q: int, max_len: int) -> tuple[np.ndarray, np.ndarray] |
     if q == dead:
         return None
     row = trans[q]
-    vals, counts = np.unique(row, return_counts=True)
-    counts[vals == dead] = 0
-    k = int(counts.argmax())
-    if counts[k] < _MIN_GROUP_BYTES:
+    counts = np.bincount(row, minlength=dead + 1)
+    counts[dead] = 0
+    main = int(counts.argmax())
+    if counts[main] < _MIN_GROUP_BYTES:
         return None
-    main = int(vals[k])
     group = np.flatnonzero(row == main)
     chain = [q, main]
     while len(chain) <= max_len:
