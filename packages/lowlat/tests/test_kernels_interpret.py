@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 
 CASES = Path(__file__).with_name("kernel_cases.py")
+MOE_CASES = Path(__file__).with_name("moe_cases.py")
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _run(env_extra: dict[str, str]) -> str:
+def _run(env_extra: dict[str, str], cases: Path = CASES) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
     env.update(env_extra)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(CASES)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(cases)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     summary = proc.stdout[-6000:] + proc.stderr[-2000:]
@@ -39,3 +40,13 @@ def test_kernels_and_plugins_under_the_interpreter() -> None:
 @pytest.mark.gpu
 def test_kernels_and_plugins_on_the_gpu() -> None:
     _run({})
+
+
+@pytest.mark.slow
+def test_moe_kernels_and_layer_under_the_interpreter() -> None:
+    _run({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, MOE_CASES)
+
+
+@pytest.mark.gpu
+def test_moe_kernels_and_layer_on_the_gpu() -> None:
+    _run({}, MOE_CASES)

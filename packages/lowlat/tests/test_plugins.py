@@ -34,13 +34,25 @@ def test_vendor_decides_the_plugin() -> None:
         assert (chosen.name if chosen else None) == want, vendor
 
 
-def test_check_model_rejects_bias_and_moe() -> None:
+def test_check_model_rejects_bias_and_shared_experts() -> None:
     s = Session(LowlatConfig(), Registry.from_entry_points())
     s.configure(fake_setup())
     s.loaded()
-    model = SimpleNamespace(config=SimpleNamespace(attention_bias=True, num_local_experts=8))
+    model = SimpleNamespace(config=SimpleNamespace(attention_bias=True, num_local_experts=8, n_shared_experts=1))
     assert s.check_model(model) is None
     assert len(s.verdicts["nvidia"].reasons) == 2
+
+
+def test_moe_model_picks_nvidia_and_amd_refuses_it() -> None:
+    moe_cfg = SimpleNamespace(config=SimpleNamespace(attention_bias=False, num_local_experts=8))
+    s = Session(LowlatConfig(), Registry.from_entry_points())
+    s.configure(fake_setup(arch="MixtralForCausalLM"))
+    s.loaded()
+    chosen = s.check_model(moe_cfg)
+    assert chosen is not None and chosen.name == "nvidia"
+    from lowlat.plugins.amd import check_model as amd_check
+
+    assert any("mixture-of-experts" in r for r in amd_check(moe_cfg))
 
 
 def test_build_refuses_odd_head_dim_with_unsupported() -> None:

@@ -24,6 +24,7 @@ from lowlat.explain import explain, format_report, report
 from lowlat.graphs import ORIGINAL, PLUGIN, PathRecorder
 from lowlat.guards import detect_setup, requirement_failures, spec_failures
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights, rope_inv_freq
+from lowlat.moe import MoELayerWeights, MoEShape, reference_moe_decoder_layer
 from lowlat.reference import reference_decoder_layer
 from lowlat.registry import ENTRY_POINT_GROUP, Registry, current_registry, register, use_registry
 from lowlat.session import Report, Session, Stage, Verdict
@@ -74,6 +75,9 @@ __all__ = [
     "explain",
     "format_report",
     "reference_decoder_layer",
+    "MoELayerWeights",
+    "MoEShape",
+    "reference_moe_decoder_layer",
     "register",
     "report",
     "requirement_failures",

@@ -10,6 +10,7 @@ import torch
 
 from lowlat.config import LowlatConfig
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+from lowlat.moe import MoELayerWeights, MoEShape
 from lowlat.spec import Coverage, ServerSetup, Step
 
 
@@ -19,7 +20,8 @@ class BuildContext:
 
     Built after the model is loaded and TP ranks agreed, before the KV cache is sized, so the
     memory a plugin allocates here is counted by the runner's memory measurement.
-    ``coverage`` is the agreed coverage (intersection over TP ranks).
+    ``coverage`` is the agreed coverage (intersection over TP ranks). A mixture-of-experts model
+    passes ``moe`` and its layers in ``moe_weights`` (``weights`` is then empty).
     """
 
     shape: LayerShape
@@ -31,10 +33,12 @@ class BuildContext:
     config: LowlatConfig
     setup: ServerSetup
     max_context: int
+    moe: MoEShape | None = None
+    moe_weights: tuple[MoELayerWeights, ...] = ()
 
     @property
     def num_layers(self) -> int:
-        return len(self.weights)
+        return len(self.moe_weights) if self.moe is not None else len(self.weights)
 
     @property
     def max_batch_size(self) -> int:

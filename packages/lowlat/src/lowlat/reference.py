@@ -12,6 +12,8 @@ The decode path (``meta.extend_lens is None``) has no host syncs, so it can be C
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -87,14 +89,27 @@ def extend_attention(q: torch.Tensor, kv: KVCache, meta: ForwardMeta, scale: flo
     return torch.cat(outs, dim=0)
 
 
-def reference_decoder_layer(
-    x: torch.Tensor,  # (num_tokens, hidden): residual stream entering the layer
-    weights: LayerWeights,
+class AttentionWeights(Protocol):
+    """The attention half of a decoder layer's weights (dense ``LayerWeights`` or MoE)."""
+
+    @property
+    def input_norm(self) -> torch.Tensor: ...  # (hidden,)
+    @property
+    def qkv(self) -> torch.Tensor: ...  # (q_size + 2 * kv_size, hidden)
+    @property
+    def o_proj(self) -> torch.Tensor: ...  # (hidden, q_size)
+    @property
+    def rope_inv_freq(self) -> torch.Tensor: ...  # (head_dim // 2,) float32
+
+
+def attention_block(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    weights: AttentionWeights,
     kv: KVCache,
     meta: ForwardMeta,
     shape: LayerShape,
 ) -> torch.Tensor:
-    """One decoder layer; returns the residual stream leaving it (num_tokens, hidden), x.dtype.
+    """RMSNorm, QKV, RoPE, KV write, attention, o_proj + residual; returns x1 (num_tokens, hidden), x.dtype.
 
     Mutates ``kv`` (writes the new tokens' K and V at ``meta.out_cache_loc``); nothing else.
     """
@@ -111,7 +126,21 @@ def reference_decoder_layer(
         attn = decode_attention(q, kv, meta, scale)
     else:
         attn = extend_attention(q, kv, meta, scale)
-    x1 = (x.float() + F.linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj).float()).to(x.dtype)
+    return (x.float() + F.linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj).float()).to(x.dtype)
+
+
+def reference_decoder_layer(
+    x: torch.Tensor,  # (num_tokens, hidden): residual stream entering the layer
+    weights: LayerWeights,
+    kv: KVCache,
+    meta: ForwardMeta,
+    shape: LayerShape,
+) -> torch.Tensor:
+    """One decoder layer; returns the residual stream leaving it (num_tokens, hidden), x.dtype.
+
+    Mutates ``kv`` (writes the new tokens' K and V at ``meta.out_cache_loc``); nothing else.
+    """
+    x1 = attention_block(x, weights, kv, meta, shape)
     h2 = rms_norm(x1, weights.post_norm, shape.rms_eps)
     gate, up = F.linear(h2, weights.gate_up).split(shape.intermediate_size, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(x.dtype)

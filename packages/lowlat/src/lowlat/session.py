@@ -18,7 +18,7 @@ import enum
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -29,6 +29,7 @@ from lowlat.errors import LowlatError, StartupOrderError, Unsupported
 from lowlat.graphs import ORIGINAL, PLUGIN, GraphEntry, PathRecorder
 from lowlat.guards import spec_failures
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+from lowlat.moe import MoELayerWeights, MoEShape
 from lowlat.registry import Registry
 from lowlat.spec import NotCovered, PluginSpec, ServerSetup, Step
 
@@ -166,12 +167,15 @@ class Session:
     def build(
         self,
         shape: LayerShape,
-        weights: Sequence[LayerWeights],
+        weights: Sequence[LayerWeights] | Sequence[MoELayerWeights],
         device: torch.device | str,
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
+        moe: MoEShape | None = None,
     ) -> Built | None:
         """Build the selected plugin (prepare weights, allocate workspaces); before KV sizing.
+
+        A mixture-of-experts model passes ``moe`` and ``MoELayerWeights`` per layer.
 
         A build that raises ``Unsupported`` turns the plugin off (``require`` mode re-raises).
         """
@@ -182,7 +186,7 @@ class Session:
         assert self.setup is not None and self.agreement.coverage is not None
         ctx = BuildContext(
             shape=shape,
-            weights=tuple(weights),
+            weights=() if moe is not None else tuple(cast("Sequence[LayerWeights]", weights)),
             device=torch.device(device),
             dtype=dtype,
             kv_dtype=kv_dtype or dtype,
@@ -190,6 +194,8 @@ class Session:
             config=self.config,
             setup=self.setup,
             max_context=self.setup.max_context,
+            moe=moe,
+            moe_weights=tuple(cast("Sequence[MoELayerWeights]", weights)) if moe is not None else (),
         )
         try:
             built = spec.build(ctx)

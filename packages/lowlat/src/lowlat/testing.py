@@ -11,6 +11,7 @@ import torch
 
 from lowlat.build import BuildContext, Built
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights, rope_inv_freq
+from lowlat.moe import MoELayerWeights, MoEShape
 from lowlat.spec import Coverage, PluginSpec, Requirements, ServerSetup, Step
 
 T = TypeVar("T")
@@ -103,6 +104,28 @@ def random_layer(
         gate_up=lin(2 * i, h),
         down=lin(h, i),
         rope_inv_freq=rope_inv_freq(shape.head_dim, theta, device=device),
+    )
+
+
+def random_moe_layer(
+    shape: LayerShape,
+    moe: MoEShape,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+    router_scale: float = 1.0,
+) -> MoELayerWeights:
+    """Random MoE layer weights (attention half as ``random_layer``); ``router_scale`` spreads the logits."""
+    dense = random_layer(shape, dtype, device, generator)
+    h, e, i = shape.hidden_size, moe.num_experts, moe.expert_intermediate_size
+
+    def lin(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=generator) / size[-1] ** 0.5).to(device=device, dtype=dtype)
+
+    return MoELayerWeights(
+        input_norm=dense.input_norm, qkv=dense.qkv, o_proj=dense.o_proj, post_norm=dense.post_norm,
+        router=(lin(e, h).float() * router_scale).to(dtype), w13=lin(e, 2 * i, h), w2=lin(e, h, i),
+        rope_inv_freq=dense.rope_inv_freq,
     )
 
 

@@ -10,7 +10,8 @@ import triton
 from lowlat.errors import ShapeError
 from lowlat.kernels import layer as K
 from lowlat.kernels._jit import check_device, next_pow2
-from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+from lowlat.layer import ForwardMeta, KVCache, LayerShape
+from lowlat.reference import AttentionWeights
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def check_head_dim(shape: LayerShape) -> None:
 
 
 def qkv_rope(
-    x: torch.Tensor, w: LayerWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
+    x: torch.Tensor, w: AttentionWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
     grid_programs: int | None = None,
 ) -> None:
     """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""

@@ -11,16 +11,19 @@ the Triton interpreter and on an NVIDIA H200 through Triton's NVIDIA backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lowlat.build import BuildContext
-from lowlat.errors import KernelError
+from lowlat.errors import KernelError, Unsupported
 from lowlat.kernels import ops
 from lowlat.kernels._jit import check_device, next_pow2
 from lowlat.kernels.persistent import attn_mlp_persistent_kernel
 from lowlat.layer import ForwardMeta, KVCache
 from lowlat.plugins._stack import TritonLayerStack
-from lowlat.plugins.nvidia import ARCHS, check_model
+from lowlat.plugins.nvidia import ARCHS
+from lowlat.plugins.nvidia import check_model as _nvidia_check_model
 from lowlat.spec import Coverage, PluginSpec, Requirements
 
 
@@ -80,8 +83,19 @@ class AmdLayerStack(TritonLayerStack):
         self.error.zero_()
 
 
+def check_model(model: Any) -> tuple[str, ...]:
+    """Reasons a loaded model cannot use this plugin: the ``nvidia`` ones, plus MoE layers."""
+    cfg = getattr(model, "config", model)
+    reasons = list(_nvidia_check_model(model))
+    if getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0):
+        reasons.append("mixture-of-experts layers are not supported by the amd plugin (the nvidia plugin has them)")
+    return tuple(reasons)
+
+
 def build(ctx: BuildContext) -> AmdLayerStack:
     """Check the loaded weights and allocate the workspaces and sync counters."""
+    if ctx.moe is not None:
+        raise Unsupported("amd", ("mixture-of-experts layers are not supported by the amd plugin",))
     return AmdLayerStack(ctx, ops.LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl=False))
 
 

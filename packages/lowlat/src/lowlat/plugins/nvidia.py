@@ -13,10 +13,11 @@ from typing import Any
 from lowlat.build import BuildContext
 from lowlat.kernels._jit import pdl_available
 from lowlat.kernels.ops import LaunchConfig
+from lowlat.plugins._moe_stack import TritonMoEStack
 from lowlat.plugins._stack import TritonLayerStack
 from lowlat.spec import Coverage, PluginSpec, Requirements
 
-ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 
 
 def use_pdl(ctx: BuildContext) -> bool:
@@ -31,19 +32,23 @@ def use_pdl(ctx: BuildContext) -> bool:
     return ok
 
 
-def build(ctx: BuildContext) -> TritonLayerStack:
-    """Check the loaded weights and allocate the workspaces (see ``TritonLayerStack``)."""
-    return TritonLayerStack("nvidia", ctx, LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx)))
+def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
+    """Check the loaded weights and allocate the workspaces (``TritonLayerStack``, or
+    ``TritonMoEStack`` when ``ctx.moe`` is set)."""
+    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx))
+    if ctx.moe is not None:
+        return TritonMoEStack("nvidia", ctx, lc)
+    return TritonLayerStack("nvidia", ctx, lc)
 
 
 def check_model(model: Any) -> tuple[str, ...]:
-    """Reasons a loaded model cannot use this plugin: attention biases, q/k norms, MoE layers."""
+    """Reasons a loaded model cannot use this plugin: attention biases, shared experts."""
     cfg = getattr(model, "config", model)
     reasons = []
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False):
         reasons.append("attention projections with bias are not supported")
-    if getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0):
-        reasons.append("mixture-of-experts layers are not supported")
+    if getattr(cfg, "n_shared_experts", 0) or getattr(cfg, "shared_expert_intermediate_size", 0):
+        reasons.append("shared experts are not supported (Mixtral-style routed experts only)")
     return tuple(reasons)
 
 

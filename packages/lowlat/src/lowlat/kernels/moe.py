@@ -1,0 +1,203 @@
+"""Triton kernels of the MoE MLP for small decode batches (the ``nvidia`` plugin's MoE path).
+
+Four launches after the attention half: (1) ``route_kernel``, one program: RMSNorm of the
+residual stream, router GEMV, softmax, top-k, renormalization, and one int32 *bitmap* per expert
+(bit ``t`` set when token ``t`` chose the expert); (2) ``expert_gate_up_kernel`` and
+(3) ``expert_down_kernel``, grid (expert, column block, row tile): a program loads its expert's
+first weight block *before* it waits on the router (under PDL the launch starts while routing is
+still running), then places the expert's tokens into rows by popcount: token ``t`` goes to row
+``popcount(bitmap & ((1 << t) - 1))``, tile ``row // ROWS`` with at most ``ROWS = 8`` rows per
+tile; a tile with no row skips its GEMM; (4) ``combine_kernel``: residual + the routing-weighted
+sum of each token's ``top_k`` expert rows, found again by popcount (deterministic, no atomics).
+Tokens per step are limited to 31 (one int32 bitmap).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _popcount32(v):
+    # SWAR popcount of non-negative int32 lanes.
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return (v & 0xFF) + ((v >> 8) & 0xFF) + ((v >> 16) & 0xFF) + ((v >> 24) & 0xFF)
+
+
+@triton.jit
+def _placement(bitmap, rt, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Rows of tile ``rt`` of one expert: (token index, valid) per row, from the expert's bitmap.
+    offs_t = tl.arange(0, BLOCK_T)
+    sel = (bitmap >> offs_t) & 1  # (BLOCK_T,)
+    place = _popcount32(bitmap & ((1 << offs_t) - 1))
+    offs_r = tl.arange(0, BLOCK_R)
+    hit = (sel[None, :] == 1) & (place[None, :] == rt * ROWS + offs_r[:, None]) & (offs_r[:, None] < ROWS)
+    tok = tl.sum(tl.where(hit, offs_t[None, :], 0), 1)  # (BLOCK_R,)
+    valid = tl.sum(hit.to(tl.int32), 1) > 0
+    return tok, valid
+
+
+@triton.jit
+def route_kernel(
+    x_ptr, norm_w_ptr, router_ptr,  # inputs
+    hn_ptr, ids_ptr, wts_ptr, bitmap_ptr,  # outputs
+    B, eps,
+    H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    offs_k = tl.arange(0, BLOCK_K)
+    wr = tl.load(router_ptr + offs_e[None, :] * H + offs_k[:, None], mask=e_mask[None, :] & (offs_k[:, None] < H), other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the expert kernels start and prefetch their weights now
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+        xv = xv.to(tl.float32)
+        ss += tl.sum(xv * xv, 1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    logits = tl.zeros((BLOCK_M, BLOCK_E), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        if k0 > 0:
+            wr = tl.load(router_ptr + offs_e[None, :] * H + k0 + offs_k[:, None], mask=e_mask[None, :] & km[:, None], other=0.0)
+        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+        gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
+        hn = (xv.to(tl.float32) * rstd[:, None] * gamma[None, :]).to(hn_ptr.dtype.element_ty)  # rounded as stored
+        tl.store(hn_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], hn, mask=m_mask[:, None] & km[None, :])
+        if DOT_F32:
+            logits += tl.dot(hn.to(tl.float32), wr.to(tl.float32))
+        else:
+            logits += tl.dot(hn, wr)
+    logits = logits.to(router_ptr.dtype.element_ty).to(tl.float32)  # the torch runner's logits dtype
+    logits = tl.where(e_mask[None, :], logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(e_mask[None, :], p, -1.0)
+    chosen = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        idx = tl.min(tl.where(p == best[:, None], offs_e[None, :], BLOCK_E), 1)  # lowest index among ties
+        tl.store(ids_ptr + offs_m * TOP_K + j, idx, mask=m_mask)
+        tl.store(wts_ptr + offs_m * TOP_K + j, best, mask=m_mask)
+        total += best
+        hit = offs_e[None, :] == idx[:, None]
+        chosen = tl.where(hit, 1, chosen)
+        p = tl.where(hit, -1.0, p)
+    for j in tl.static_range(TOP_K):
+        wv = tl.load(wts_ptr + offs_m * TOP_K + j, mask=m_mask, other=0.0)
+        tl.store(wts_ptr + offs_m * TOP_K + j, wv / total, mask=m_mask)
+    chosen = tl.where(m_mask[:, None], chosen, 0)
+    bitmap = tl.sum(chosen << offs_m[:, None], 0)  # (BLOCK_E,) distinct bits: the sum is an OR
+    tl.store(bitmap_ptr + offs_e, bitmap, mask=e_mask)
+
+
+@triton.jit
+def expert_gate_up_kernel(
+    hn_ptr, w13_ptr, bitmap_ptr, act_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # act[e, row, n] = silu(hn[tok] @ gate[e, n]) * (hn[tok] @ up[e, n]) for the expert's rows.
+    e = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    rt = tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    base = w13_ptr + e.to(tl.int64) * (2 * INTER * H)
+    wmask = n_mask[None, :] & (offs_k[:, None] < H)
+    wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)  # before the wait
+    wu = tl.load(base + (INTER + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    bitmap = tl.load(bitmap_ptr + e)
+    if _popcount32(bitmap) > rt * ROWS:
+        tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
+        offs_r = tl.arange(0, BLOCK_R)
+        acc_g = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            km = (k0 + offs_k) < H
+            if k0 > 0:
+                wg = tl.load(base + offs_n[None, :] * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+                wu = tl.load(base + (INTER + offs_n[None, :]) * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+            a = tl.load(hn_ptr + tok[:, None] * H + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            if DOT_F32:
+                acc_g += tl.dot(a.to(tl.float32), wg.to(tl.float32))
+                acc_u += tl.dot(a.to(tl.float32), wu.to(tl.float32))
+            else:
+                acc_g += tl.dot(a, wg)
+                acc_u += tl.dot(a, wu)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        row = rt * ROWS + offs_r
+        ptr = act_ptr + (e * MAX_T + row[:, None]) * INTER + offs_n[None, :]
+        tl.store(ptr, act, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def expert_down_kernel(
+    act_ptr, w2_ptr, bitmap_ptr, y_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # y[e, row, n] = act[e, row] @ down[e, n] (float32) for the expert's rows.
+    e = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    rt = tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    base = w2_ptr + e.to(tl.int64) * (H * INTER)
+    w = tl.load(base + offs_n[None, :] * INTER + offs_k[:, None], mask=n_mask[None, :] & (offs_k[:, None] < INTER), other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    bitmap = tl.load(bitmap_ptr + e)
+    if _popcount32(bitmap) > rt * ROWS:
+        _tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
+        offs_r = tl.arange(0, BLOCK_R)
+        row = rt * ROWS + offs_r
+        acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            km = (k0 + offs_k) < INTER
+            if k0 > 0:
+                w = tl.load(base + offs_n[None, :] * INTER + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+            a = tl.load(act_ptr + (e * MAX_T + row[:, None]) * INTER + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+            else:
+                acc += tl.dot(a, w)
+        tl.store(y_ptr + (e * MAX_T + row[:, None]) * H + offs_n[None, :], acc, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    res_ptr, y_ptr, ids_ptr, wts_ptr, bitmap_ptr, out_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # out[t, n] = res[t, n] + sum_j wts[t, j] * y[ids[t, j], popcount(bitmap[ids[t, j]] below t), n]
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.load(res_ptr + t * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        wt = tl.load(wts_ptr + t * TOP_K + j)
+        row = _popcount32(tl.load(bitmap_ptr + e) & ((1 << t) - 1))
+        acc += wt * tl.load(y_ptr + (e * MAX_T + row) * H + offs_n, mask=n_mask, other=0.0)
+    tl.store(out_ptr + t * H + offs_n, acc, mask=n_mask)

@@ -1,0 +1,92 @@
+"""Host launchers of the MoE kernels (``lowlat.kernels.moe``): block sizes and grids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from lowlat.errors import ShapeError
+from lowlat.kernels import moe as K
+from lowlat.kernels._jit import next_pow2
+from lowlat.kernels.ops import LaunchConfig, _kw, block_m
+from lowlat.moe import MoEShape
+
+ROWS_PER_TILE = 8
+MAX_TOKENS = 31  # one int32 bitmap per expert
+
+
+@dataclass
+class MoEWorkspace:
+    """Buffers of one MoE MLP step, allocated once for ``max_tokens`` (see ``MoEWorkspace.allocate``)."""
+
+    hn: torch.Tensor  # (max_tokens, hidden) normed stream, weights' dtype
+    ids: torch.Tensor  # (max_tokens, top_k) int32 expert of each choice
+    wts: torch.Tensor  # (max_tokens, top_k) float32 renormalized routing weights
+    bitmap: torch.Tensor  # (num_experts,) int32: bit t set when token t chose the expert
+    act: torch.Tensor  # (num_experts, max_tokens, expert_inter) weights' dtype, rows by popcount placement
+    y: torch.Tensor  # (num_experts, max_tokens, hidden) float32 expert outputs, same rows
+
+    @classmethod
+    def allocate(cls, moe: MoEShape, hidden: int, max_tokens: int, device: torch.device, dtype: torch.dtype) -> MoEWorkspace:
+        if max_tokens > MAX_TOKENS:
+            raise ShapeError(f"the MoE kernels place at most {MAX_TOKENS} tokens per step (int32 bitmap), got {max_tokens}")
+        e, i, k = moe.num_experts, moe.expert_intermediate_size, moe.top_k
+        return cls(
+            hn=torch.empty(max_tokens, hidden, device=device, dtype=dtype),
+            ids=torch.empty(max_tokens, k, device=device, dtype=torch.int32),
+            wts=torch.empty(max_tokens, k, device=device, dtype=torch.float32),
+            bitmap=torch.empty(e, device=device, dtype=torch.int32),
+            act=torch.empty(e, max_tokens, i, device=device, dtype=dtype),
+            y=torch.empty(e, max_tokens, hidden, device=device, dtype=torch.float32),
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.hn.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.hn, self.ids, self.wts, self.bitmap, self.act, self.y))
+
+
+def moe_mlp(
+    x1: torch.Tensor,  # (B, hidden): residual stream after attention
+    norm_w: torch.Tensor,  # (hidden,)
+    router: torch.Tensor,  # (E, hidden)
+    w13: torch.Tensor,  # (E, 2 * inter, hidden)
+    w2: torch.Tensor,  # (E, hidden, inter)
+    out: torch.Tensor,  # (B, hidden)
+    moe: MoEShape,
+    eps: float,
+    ws: MoEWorkspace,
+    lc: LaunchConfig,
+) -> None:
+    """``out = x1 + MoE(rmsnorm(x1))``: route, expert gate-up, expert down, combine. Mutates ``out`` and ``ws``."""
+    b, h, dev = x1.shape[0], x1.shape[1], x1.device
+    if b > ws.max_tokens:
+        raise ShapeError(f"MoE step of {b} tokens exceeds the workspace's {ws.max_tokens}")
+    e, i, k = moe.num_experts, moe.expert_intermediate_size, moe.top_k
+    f32 = dev.type == "cpu" or w13.dtype == torch.float32
+    K.route_kernel[(1,)](
+        x1, norm_w, router, ws.hn, ws.ids, ws.wts, ws.bitmap, b, eps,
+        H=h, E=e, TOP_K=k, BLOCK_M=block_m(b, dev), BLOCK_E=max(next_pow2(e), 1 if dev.type == "cpu" else 16),
+        BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=f32, USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )
+    row_tiles = triton.cdiv(b, ROWS_PER_TILE)
+    block_r = ROWS_PER_TILE if dev.type == "cpu" else 16  # tl.dot needs 16 rows on a GPU; rows >= 8 stay masked
+    common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, ROWS=ROWS_PER_TILE, BLOCK_R=block_r, BLOCK_T=max(2, next_pow2(b)),
+                  DOT_F32=f32, USE_PDL=lc.use_pdl)
+    K.expert_gate_up_kernel[(e, triton.cdiv(i, lc.gemv_block_n), row_tiles)](
+        ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=lc.gemv_block_n, BLOCK_K=min(lc.gemv_block_k, next_pow2(h)),
+        **common, **_kw(dev, lc),
+    )
+    K.expert_down_kernel[(e, triton.cdiv(h, lc.gemv_block_n), row_tiles)](
+        ws.act, w2, ws.bitmap, ws.y, BLOCK_N=lc.gemv_block_n, BLOCK_K=min(lc.gemv_block_k, next_pow2(i)),
+        **common, **_kw(dev, lc),
+    )
+    K.combine_kernel[(b, triton.cdiv(h, lc.gemv_block_n))](
+        x1, ws.y, ws.ids, ws.wts, ws.bitmap, out, MAX_T=ws.max_tokens, H=h, TOP_K=k, BLOCK_N=lc.gemv_block_n,
+        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    )

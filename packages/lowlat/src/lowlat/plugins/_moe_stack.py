@@ -1,0 +1,94 @@
+"""A built MoE decoder-layer stack: the dense stack's attention kernels + the MoE kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lowlat.build import BuildContext
+from lowlat.errors import ShapeError, Unsupported
+from lowlat.kernels import moe_ops, ops
+from lowlat.layer import ForwardMeta, KVCache
+from lowlat.spec import Step, StepKind
+
+
+class TritonMoEStack:
+    """``Built`` for Mixtral-style decode: norm+QKV+RoPE+KV write, split-KV attention, o_proj +
+    residual, then route -> expert gate-up -> expert down -> combine (``lowlat.kernels.moe``).
+
+    Owns every intermediate buffer, sized for the agreed coverage at build; ``forward`` allocates
+    nothing and never syncs the host.
+    """
+
+    def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
+        s, moe = ctx.shape, ctx.moe
+        if moe is None:
+            raise Unsupported(name, ("TritonMoEStack needs BuildContext.moe",))
+        try:
+            ops.check_head_dim(s)
+        except ShapeError as exc:
+            raise Unsupported(name, (str(exc),)) from exc
+        if s.head_dim // 2 % lc.qkv_block_p:
+            raise Unsupported(name, (f"head_dim {s.head_dim} is not a multiple of 2 * {lc.qkv_block_p}",))
+        if ctx.max_batch_size > moe_ops.MAX_TOKENS:
+            raise Unsupported(name, (f"MoE kernels place at most {moe_ops.MAX_TOKENS} tokens per step, coverage asks "
+                                     f"{ctx.max_batch_size}",))
+        for i, w in enumerate(ctx.moe_weights):
+            w.validate(s, moe)
+            for t in (w.qkv, w.o_proj, w.router, w.w13, w.w2):
+                if t.device.type != ctx.device.type or t.dtype != ctx.dtype or not t.is_contiguous():
+                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {ctx.dtype} on {ctx.device}",))
+        self.name = name
+        self.ctx = ctx
+        self.shape = s
+        self.moe = moe
+        self.lc = lc
+        self.weights = ctx.moe_weights
+        m, dev, dt = ctx.max_batch_size, ctx.device, ctx.dtype
+        self.max_splits = ctx.config.max_attn_splits
+        f32 = torch.float32
+        self.q = torch.empty(m, s.q_size, device=dev, dtype=dt)
+        self.part_o = torch.empty(m, s.num_heads, self.max_splits, s.head_dim, device=dev, dtype=f32)
+        self.part_lse = torch.empty(m, s.num_heads, self.max_splits, device=dev, dtype=f32)
+        self.attn = torch.empty(m, s.q_size, device=dev, dtype=dt)
+        self.x1 = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
+        self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
+        self.ws = moe_ops.MoEWorkspace.allocate(moe, s.hidden_size, m, dev, dt)
+        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.out]
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers) + self.ws.nbytes
+
+    def covers(self, step: Step) -> bool:
+        return step.kind == StepKind.DECODE and step.batch_size <= self.ctx.max_batch_size
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        """MoE decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""
+        b, lc, s = x.shape[0], self.lc, self.shape
+        if b > self.ctx.max_batch_size or meta.extend_lens is not None:
+            raise ShapeError(f"{self.name}: decode batch of at most {self.ctx.max_batch_size} expected, got {b}")
+        w = self.weights[layer]
+        ops.qkv_rope(x, w, kv, meta, self.q[:b], s, lc)
+        max_len = meta.max_seq_len or meta.req_to_token.shape[1]
+        splits = ops.num_splits(b, s, max_len, lc, self.max_splits)
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], s, lc, splits)
+        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
+        out = self.out[layer % 2, :b]
+        moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc)
+        return out
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        """Compile and run every kernel per batch size on a scratch KV cache of its own."""
+        s, dev = self.shape, self.ctx.device
+        for b in batch_sizes:
+            kv = KVCache(
+                torch.zeros(2 * b, s.num_kv_heads, s.head_dim, device=dev, dtype=self.ctx.kv_dtype),
+                torch.zeros(2 * b, s.num_kv_heads, s.head_dim, device=dev, dtype=self.ctx.kv_dtype),
+            )
+            ar = torch.arange(b, device=dev)
+            table = torch.stack([2 * ar, 2 * ar + 1], dim=1).to(torch.int32)
+            meta = ForwardMeta(table, ar, torch.full((b,), 2, dtype=torch.int32, device=dev),
+                               torch.ones(b, dtype=torch.int64, device=dev), 2 * ar + 1, max_seq_len=2)
+            self.forward(0, torch.zeros(b, s.hidden_size, device=dev, dtype=self.ctx.dtype), kv, meta)
