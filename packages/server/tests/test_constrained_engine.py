@@ -177,12 +177,12 @@ def test_jump_forward_on_off_same_language(engine: Engine) -> None:
     for jf in (True, False):
         cd.jump_forward = jf
         try:
-            outs = engine.generate(["Fill in:"] * 6, [_params(kind, g, 64, temperature=1.0, sampling_seed=7 + i)
-                                                        for i, (kind, g) in enumerate(cases * 2)])
+            outs = engine.generate(["Fill in:"] * 3, [_params(kind, g, 48, temperature=1.0, sampling_seed=7 + i)
+                                                        for i, (kind, g) in enumerate(cases)])
         finally:
             cd.jump_forward = True
         assert isinstance(outs, list)
-        for (kind, g), out in zip(cases * 2, outs, strict=True):
+        for (kind, g), out in zip(cases, outs, strict=True):
             _check(engine, out, kind, g)
             assert ("jump_forward_tokens" in out["meta_info"]) == jf
     _idle_check(engine)
