@@ -38,6 +38,15 @@ is the host time of the trace's radix-tree operations (match, lock, insert, unlo
 through `radixcache`, as a share of the `full` run's wall time: the server does not report its own
 radix management time, so this is a stand-in. *sanity* counts programs that passed the workload's
 check (see the legend under each table).
+
+By default `fcfs` and `dfs_weight` run the workloads with shared prefixes and parallel calls,
+`no_hints` the ones with forks or a constant prefix, `openai_baseline` six workloads (`CONFIGS` in
+`run_all.py`); `--all-workloads` runs every workload under every configuration. Sizes are flags
+(`--hellaswag-programs 64`, `--tot-depth 4`, `--max-tokens 32`, or `--scale 8` for every program
+count). For a GPU table: `--machine "H200" --concurrency 64 --scale 16 --server-args "--model-path
+<Llama-3-8B-shaped folder> --load-format dummy"`; with random weights the sanity counts say nothing
+about accuracy, only that the programs ran. Each run writes `results/<machine>.json` (every row,
+with request and token counts) and this page is rebuilt from all of them (`python report.py`).
 """
 
 
