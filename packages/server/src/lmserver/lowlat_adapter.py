@@ -1,0 +1,132 @@
+"""Adapter from lmserver's Llama-family model and KV layout to a lowlat plugin layer stack.
+
+``lowlat`` knows nothing of lmserver: this module turns an ``LlamaDecoderLayer`` (fused
+``qkv_proj``, ``o_proj``, ``gate_up_proj`` / MoE ``w13``+``w2``, the two RMSNorms, rotary
+frequencies) into ``lowlat.LayerWeights`` / ``lowlat.MoELayerWeights`` (views, no copies), the
+engine's ``KVPool`` into per-layer ``lowlat.KVCache`` and a decode ``ForwardBatch`` into a
+``lowlat.ForwardMeta``. ``decode_forward`` runs the model's decoder layers through a built
+plugin (the plugin path of a decode step); the model runner decides when to call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+from lmserver.engine.kv_pool import KVPool
+from lmserver.layers.rotary import compute_inv_freq
+from lmserver.models.config import ModelConfig
+from lowlat import ForwardMeta, KVCache, LayerShape, LayerWeights, MoELayerWeights, MoEShape
+from lowlat.build import Built
+
+
+class LowlatAdapterError(ValueError):
+    """The model or batch cannot be expressed as a lowlat plugin layer (the reason says which part)."""
+
+
+@dataclass(frozen=True)
+class PluginLayers:
+    """What ``Session.build`` needs: ``session.build(p.shape, p.weights, device, dtype, moe=p.moe)``."""
+
+    shape: LayerShape
+    weights: tuple[LayerWeights, ...] | tuple[MoELayerWeights, ...]
+    moe: MoEShape | None
+
+
+def layer_shape(config: ModelConfig) -> LayerShape:
+    """The lowlat ``LayerShape`` of one decoder layer of ``config``. Pure."""
+    return LayerShape(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        rms_eps=config.rms_norm_eps,
+    )
+
+
+def moe_shape(config: ModelConfig) -> MoEShape | None:
+    """The lowlat ``MoEShape`` of a Mixtral-style config, or None for a dense model. Pure."""
+    if not config.num_experts:
+        return None
+    return MoEShape(config.num_experts, config.num_experts_per_tok, config.intermediate_size)
+
+
+def plugin_layers(model: nn.Module) -> PluginLayers:
+    """Views of every decoder layer's weights in lowlat's layout (no copies); reads only.
+
+    ``model`` is an lmserver ``LlamaForCausalLM`` (or a subclass: Mistral, Qwen2 without bias,
+    Mixtral). Raises ``LowlatAdapterError`` for attention biases or per-head q/k norms.
+    """
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    if config.attention_bias or config.qk_norm:
+        raise LowlatAdapterError(
+            f"{config.architecture}: lowlat layers have no attention bias and no q/k norm "
+            f"(attention_bias={config.attention_bias}, qk_norm={config.qk_norm}); serve it without the plugin"
+        )
+    inner: Any = model.model
+    device = inner.layers[0].input_layernorm.weight.device
+    inv_freq = compute_inv_freq(config.head_dim, config.rope_parameters).to(device=device, dtype=torch.float32)
+    moe = moe_shape(config)
+    layers: list[Any] = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        common = dict(
+            input_norm=layer.input_layernorm.weight.data,
+            qkv=attn.qkv_proj.weight.data,
+            o_proj=attn.o_proj.weight.data,
+            post_norm=layer.post_attention_layernorm.weight.data,
+            rope_inv_freq=inv_freq,
+        )
+        if moe is None:
+            layers.append(LayerWeights(gate_up=mlp.gate_up_proj.weight.data, down=mlp.down_proj.weight.data, **common))
+        else:
+            layers.append(MoELayerWeights(router=mlp.gate.weight.data, w13=mlp.w13.data, w2=mlp.w2.data, **common))
+    return PluginLayers(layer_shape(config), tuple(layers), moe)
+
+
+def kv_caches(pool: KVPool) -> list[KVCache]:
+    """Per-layer views of the engine's KV pool (same storage: plugin writes land in the pool)."""
+    return [KVCache(k, v) for k, v in zip(pool.k_cache, pool.v_cache, strict=True)]
+
+
+def forward_meta(batch: ForwardBatch, req_to_token: torch.Tensor, max_seq_len: int = 0) -> ForwardMeta:
+    """lowlat metadata of a decode ``batch`` over ``req_to_token``; no host sync, reads only.
+
+    ``max_seq_len`` bounds the sequence lengths (sizes the split-KV work); 0 means the table's
+    width (what a CUDA graph must use, since it is captured once for every length).
+    """
+    if batch.mode != ForwardMode.DECODE:
+        raise LowlatAdapterError(f"lowlat plugins cover decode steps only, got a {batch.mode.value} batch")
+    return ForwardMeta(
+        req_to_token=req_to_token,
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc,
+        max_seq_len=max_seq_len,
+    )
+
+
+def decode_forward(
+    model: nn.Module,
+    built: Built,
+    batch: ForwardBatch,
+    kvs: Sequence[KVCache],
+    req_to_token: torch.Tensor,
+    max_seq_len: int = 0,
+) -> torch.Tensor:
+    """Hidden states (bs, hidden) after the final norm, as ``model.forward`` returns them, with every
+    decoder layer run by ``built``. Mutates ``kvs`` (the engine's pool: the new tokens' K and V)
+    and the plugin's workspaces."""
+    meta = forward_meta(batch, req_to_token, max_seq_len)
+    inner: Any = model.model
+    h = inner.embed_tokens(batch.input_ids)  # (bs, hidden)
+    for i in range(len(inner.layers)):
+        h = built.forward(i, h, kvs[i], meta)
+    return inner.norm(h)  # type: ignore[no-any-return]

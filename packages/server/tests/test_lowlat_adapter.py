@@ -1,0 +1,192 @@
+"""lmserver -> lowlat adapter: a tiny random lmserver Llama (and Mixtral) decode step through the
+lowlat plugin path against lmserver's own layer forward, outputs and KV pool writes compared.
+
+``test_reference_path_*`` runs lowlat's torch reference on the adapted weights (plain CPU, checks the
+weight/KV/metadata mapping); ``test_plugin_path_*`` runs the ``nvidia`` plugin's Triton kernels in
+a child process under TRITON_INTERPRET=1 (it must be set before triton is imported), or on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmserver.attention.torch_native import TorchNativeBackend
+from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.lowlat_adapter import LowlatAdapterError, decode_forward, forward_meta, kv_caches, plugin_layers
+from lmserver.models.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+NUM_SLOTS, MAX_CONTEXT = 96, 32
+
+
+def _config(num_experts: int = 0, **kw: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        architecture="MixtralForCausalLM" if num_experts else "LlamaForCausalLM", vocab_size=61, hidden_size=64,
+        intermediate_size=96 if not num_experts else 32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        num_experts=num_experts, num_experts_per_tok=2 if num_experts else 0,
+    )
+    base.update(kw)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def _model(config: ModelConfig, device: torch.device) -> torch.nn.Module:
+    from lmserver.models.llama import LlamaForCausalLM
+    from lmserver.models.mixtral import MixtralForCausalLM
+
+    torch.manual_seed(3)
+    model = (MixtralForCausalLM if config.num_experts else LlamaForCausalLM)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("gate.weight"):  # router: spread logits so top-k choices are clear
+                p.copy_(torch.randn_like(p) * 6 / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model.to(device).eval()
+
+
+def _decode_batch(device: torch.device, g: torch.Generator) -> tuple[ForwardBatch, torch.Tensor]:
+    """A decode batch of 3 requests (rows 4, 0, 2 of the table) at lengths 7, 1, 20 over scattered slots."""
+    table = make_req_to_token(6, MAX_CONTEXT, device)
+    rows, lens = [4, 0, 2], [7, 1, 20]
+    slots = (torch.randperm(NUM_SLOTS - 1, generator=g) + 1)[: sum(lens)].to(device)  # slot 0 is padding
+    start = 0
+    for r, n in zip(rows, lens, strict=True):
+        table[r, :n] = slots[start : start + n].to(torch.int32)
+        start += n
+    rows_t = torch.tensor(rows, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE, batch_size=3, input_ids=torch.randint(0, 61, (3,), generator=g).to(device),
+        positions=(lens_t - 1).long(), out_cache_loc=table[rows_t, lens_t.long() - 1].long(), req_pool_indices=rows_t,
+        seq_lens=lens_t, seq_lens_cpu=lens,
+    )
+    return batch, table
+
+
+def _pools(config: ModelConfig, device: torch.device, g: torch.Generator) -> tuple[KVPool, KVPool]:
+    pools = tuple(KVPool(NUM_SLOTS, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                         torch.float32, device) for _ in range(2))
+    for i in range(config.num_hidden_layers):  # random stale contents: the cached tokens of each request
+        for cache in ("k_cache", "v_cache"):
+            noise = torch.randn(NUM_SLOTS, config.num_key_value_heads, config.head_dim, generator=g).to(device)
+            for pool in pools:
+                getattr(pool, cache)[i].copy_(noise)
+    return pools  # type: ignore[return-value]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any()
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def compare_decode_step(num_experts: int, plugin: bool) -> None:
+    """One decode step: lmserver's model forward (torch_native attention) vs the adapted lowlat path."""
+    device = torch.device("cuda" if plugin and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+    config = _config(num_experts)
+    model = _model(config, device)
+    g = torch.Generator().manual_seed(7)
+    batch, table = _decode_batch(device, g)
+    pool_ref, pool_ll = _pools(config, device, g)
+    stale_k = [k.clone() for k in pool_ll.k_cache]
+    backend = TorchNativeBackend(pool_ref, table)
+    backend.plan(batch)
+    batch.attn_backend = backend
+    with torch.no_grad():
+        want = model(batch.input_ids, batch.positions, batch)
+        layers = plugin_layers(model)
+        kvs = kv_caches(pool_ll)
+        if plugin:
+            from lowlat import Coverage, LowlatConfig
+            from lowlat.build import BuildContext
+            from lowlat.plugins.nvidia import build
+            from lowlat.testing import fake_setup
+
+            ctx = BuildContext(layers.shape, () if layers.moe else layers.weights, device, torch.float32, torch.float32,  # type: ignore[arg-type]
+                               Coverage(max_tokens=4), LowlatConfig(), fake_setup(vendor=device.type, arch=config.architecture),
+                               MAX_CONTEXT, moe=layers.moe, moe_weights=layers.weights if layers.moe else ())  # type: ignore[arg-type]
+            built = build(ctx)
+        else:
+            built = _ReferenceBuilt(layers)
+        got = decode_forward(model, built, batch, kvs, table, max_seq_len=max(batch.seq_lens_cpu))
+    tol = 1e-4 if device.type == "cpu" else 3e-3  # GPU float32 dots may run in TF32
+    assert _rel(got, want) < tol, _rel(got, want)
+    for i in range(config.num_hidden_layers):
+        # whole caches compared: the new tokens' slots written alike, every other slot untouched
+        assert _rel(pool_ll.k_cache[i], pool_ref.k_cache[i]) < tol and _rel(pool_ll.v_cache[i], pool_ref.v_cache[i]) < tol
+        assert not torch.equal(pool_ll.k_cache[i][batch.out_cache_loc], stale_k[i][batch.out_cache_loc])
+
+
+class _ReferenceBuilt:
+    """lowlat's torch reference layer as a ``Built`` (checks the adapter's mapping without Triton)."""
+
+    name = "reference"
+    workspace_bytes = 0
+
+    def __init__(self, layers) -> None:  # type: ignore[no-untyped-def]
+        self.layers = layers
+
+    def covers(self, step: object) -> bool:
+        return True
+
+    def warmup(self, batch_sizes: object) -> None:
+        return None
+
+    def forward(self, layer: int, x: torch.Tensor, kv, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        from lowlat import reference_decoder_layer
+        from lowlat.moe import reference_moe_decoder_layer
+
+        w = self.layers.weights[layer]
+        if self.layers.moe is not None:
+            return reference_moe_decoder_layer(x, w, kv, meta, self.layers.shape, self.layers.moe)
+        return reference_decoder_layer(x, w, kv, meta, self.layers.shape)
+
+
+@pytest.mark.parametrize("num_experts", [0, 4], ids=["llama", "mixtral"])
+def test_reference_path_matches_lmserver_forward(num_experts: int) -> None:
+    compare_decode_step(num_experts, plugin=False)
+
+
+def test_adapter_refuses_bias_qk_norm_and_extend() -> None:
+    with pytest.raises(LowlatAdapterError, match="attention bias"):
+        plugin_layers(_model(_config(attention_bias=True), torch.device("cpu")))
+    batch, table = _decode_batch(torch.device("cpu"), torch.Generator().manual_seed(1))
+    batch.mode = ForwardMode.EXTEND
+    with pytest.raises(LowlatAdapterError, match="decode steps only"):
+        forward_meta(batch, table)
+
+
+def test_adapted_weights_are_views_of_the_model() -> None:
+    model = _model(_config(), torch.device("cpu"))
+    w = plugin_layers(model).weights[1]
+    assert w.qkv.data_ptr() == model.model.layers[1].self_attn.qkv_proj.weight.data_ptr()  # type: ignore[union-attr]
+
+
+def _child(env_extra: dict[str, str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
+    env.update(env_extra)
+    code = (f"import runpy; f = runpy.run_path({str(Path(__file__))!r})['compare_decode_step']; "
+            "f(0, plugin=True); f(4, plugin=True); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_plugin_path_matches_lmserver_forward_under_the_interpreter() -> None:
+    _child({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.mark.gpu
+def test_plugin_path_matches_lmserver_forward_on_the_gpu() -> None:
+    _child({})
+
