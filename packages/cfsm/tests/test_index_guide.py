@@ -277,6 +277,7 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
 
     monkeypatch.setattr(cfsm.index._Walker, "_candidates", spy)
     monkeypatch.setattr(cfsm.index, "_TINY", 4)  # walk even small candidate sets this way
+    monkeypatch.setattr(cfsm.index, "_TINY_PYTHON", 4)
     monkeypatch.setattr(cfsm.index, "_BROAD", 0.9)  # as in a large vocabulary: escapes are not broad
     rng = random.Random(7)
     alphabet = list('abfnrtu019"\\/ ') + ["é"]
@@ -286,3 +287,12 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
     index = cfsm.compile_regex(r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,9}"', vocab)
     _check_index_against_oracle(index)
     assert len(calls) >= 5 and max(calls) >= 1  # the split was reused by later counter values
+
+
+@pytest.mark.parametrize("batch_pairs", [1, 97])
+def test_few_candidate_states_walked_in_small_batches(batch_pairs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # batches cut between states (1 pair: one state per batch) give the naive walk's masks
+    import cfsm.index
+
+    monkeypatch.setattr(cfsm.index, "_BATCH_PAIRS", batch_pairs)
+    _check_index_against_oracle(cfsm.compile_regex(PATTERNS[1], _random_vocab(3, 600)))

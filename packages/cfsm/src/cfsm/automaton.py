@@ -292,22 +292,58 @@ def _live_states(cols: np.ndarray, accepting: np.ndarray) -> np.ndarray:
 def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     """Moore refinement to the coarsest congruence, with 64-bit row hashes as signatures.
 
+    Incremental: a class that splits keeps its id for its first part and gives fresh ids to the
+    others, so only the predecessors of states that changed class get their hash updated
+    (`h[p] = sum_j w_j * cls[cols[p, j]]`, kept modulo 2^64).
     # NOTE: a hash collision could only merge too much; the result is checked to be a
     # congruence and, if not, refined again with exact row comparisons.
     """
+    n, k = cols.shape
     rng = np.random.default_rng(0x5EED)
-    weights = rng.integers(1, 2**63, size=cols.shape[1] + 1, dtype=np.uint64) | np.uint64(1)
-    num = len(np.unique(cls))
+    weights: np.ndarray = rng.integers(1, 2**63, size=k, dtype=np.uint64) | np.uint64(1)
+    _, cls = np.unique(cls, return_inverse=True)
+    cls = cls.reshape(-1).astype(np.int64)
+    num = int(cls.max()) + 1
+    # reverse edges (p --j--> q) grouped by q; edges into a closed class (every member's
+    # successors inside it, as the trimmed class) are dropped: such a class never changes ids
+    flat_dst = cols.reshape(-1).astype(np.int64)
+    keep = np.ones(len(flat_dst), dtype=bool)
+    for c in np.unique(cls).tolist():
+        members = cls == c
+        if (cls[cols[members]] == c).all():
+            keep &= cls[flat_dst] != c
+    edge = np.flatnonzero(keep)
+    edge = edge[np.argsort(flat_dst[edge], kind="stable")]
+    edge_src = edge // k
+    edge_w = weights[edge % k]
+    bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
+    h = (cls[cols].astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    positions = np.arange(n)
     while True:
-        h = cls.astype(np.uint64) * weights[0]
-        h += (cls[cols].astype(np.uint64) * weights[1:]).sum(axis=1, dtype=np.uint64)
-        _, new_cls = np.unique(h, return_inverse=True)
-        new_cls = new_cls.reshape(-1).astype(np.int64)
-        new_num = int(new_cls.max()) + 1
-        cls = new_cls
-        if new_num == num:
+        o = np.lexsort((h, cls))
+        c_s, h_s = cls[o], h[o]
+        new_group = np.ones(n, dtype=bool)
+        new_group[1:] = (c_s[1:] != c_s[:-1]) | (h_s[1:] != h_s[:-1])
+        split = new_group.copy()
+        split[1:] &= c_s[1:] == c_s[:-1]  # a group start that is not its class's first group
+        split[0] = False
+        num_new = int(split.sum())
+        if num_new == 0:
             break
-        num = new_num
+        group_start = np.maximum.accumulate(np.where(new_group, positions, 0))
+        fresh = split[group_start]
+        changed = o[fresh]
+        new_ids = num + np.cumsum(split)[group_start[fresh]] - 1
+        delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
+        cls[changed] = new_ids
+        num += num_new
+        lo, hi = bounds[changed], bounds[changed + 1]
+        sizes = hi - lo
+        total = int(sizes.sum())
+        if total:
+            offsets = np.cumsum(sizes) - sizes
+            idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+            np.add.at(h, edge_src[idx], edge_w[idx] * np.repeat(delta, sizes))
     reps = np.zeros(num, dtype=np.int64)
     reps[cls] = np.arange(len(cls))
     if np.array_equal(cls[cols], cls[cols[reps[cls]]]):

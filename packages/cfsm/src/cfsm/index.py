@@ -33,8 +33,12 @@ _MIN_GROUP_BYTES = 32
 _SHARE_DEPTH = 16
 # token sets up to this size are packed by scattering bits (larger ones through a bool array)
 _SPARSE_ROW = 2048
-# states with at most this many candidate tokens (allowed first byte) are walked in one batch
-_TINY = 96
+# states with at most this many candidate tokens (allowed first byte) are walked together, in
+# batches of at most _BATCH_PAIRS (state, token) pairs
+_TINY = 2048
+_BATCH_PAIRS = 1 << 20
+# a state not walked in a batch, with at most this many candidates, is walked in plain Python
+_TINY_PYTHON = 96
 # states whose allowed first bytes start more than this share of the vocabulary walk it whole
 _BROAD = 0.15
 
@@ -252,26 +256,34 @@ class _Walker:
         self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def precompute_tiny(self, states: np.ndarray) -> None:
-        """Walk the tokens of those `states` with few candidates in one batch (results cached)."""
+        """Walk the tokens of those `states` with few candidates in batches (results cached).
+
+        A batch holds at most `_BATCH_PAIRS` (state, token) pairs, bounding its memory.
+        """
         tables = self.tables
         counts = tables.first_byte_counts
         live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
         num_candidates = (live * counts[None, :]).sum(axis=1)
-        tiny = states[num_candidates <= _TINY]
+        small = num_candidates <= _TINY
+        tiny = states[small]
         if len(tiny) == 0:
             return
-        rows, bytes_ = np.nonzero(live[num_candidates <= _TINY])
-        owners = tiny[rows]
-        lo = tables.first_byte_starts[bytes_]
-        sizes = counts[bytes_]
-        total = int(sizes.sum())
-        offsets = np.cumsum(sizes) - sizes
-        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-        owner = np.repeat(owners, sizes)
-        cur = self.trans[owner, np.repeat(bytes_, sizes)]
+        live, num_candidates = live[small], num_candidates[small]
         self._tiny = {int(q): (np.zeros(0, np.int64), np.zeros(0, np.int32)) for q in tiny.tolist()}
-        for own, pos, nxt in _walk_owned(idx, cur, owner, 1, tables.columns, self.tflat, self.dead):
-            self._tiny[own] = (pos, nxt)
+        batch = np.cumsum(num_candidates) // _BATCH_PAIRS
+        cuts = np.flatnonzero(np.diff(batch)) + 1
+        for part in np.split(np.arange(len(tiny)), cuts):
+            rows, bytes_ = np.nonzero(live[part])
+            owners = tiny[part][rows]
+            lo = tables.first_byte_starts[bytes_]
+            sizes = counts[bytes_]
+            total = int(sizes.sum())
+            offsets = np.cumsum(sizes) - sizes
+            idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+            owner = np.repeat(owners, sizes)
+            cur = self.trans[owner, np.repeat(bytes_, sizes)]
+            for own, pos, nxt in _walk_owned(idx, cur, owner, 1, tables.columns, self.tflat, self.dead):
+                self._tiny[own] = (pos, nxt)
 
     def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
         """Token ids longer than `min_len` bytes allowed in each state (states with none left out)."""
@@ -327,7 +339,7 @@ class _Walker:
         dead = self.dead
         allowed = self.allowed(q)
         num_candidates = int(tables.first_byte_counts[allowed].sum())
-        if num_candidates <= _TINY:
+        if num_candidates <= _TINY_PYTHON:
             return self._walk_tiny(q, allowed)
         broad = num_candidates > _BROAD * self.n
         chain_info = self.chain(q)
