@@ -300,7 +300,7 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     """
     n, k = cols.shape
     rng = np.random.default_rng(0x5EED)
-    weights: np.ndarray = rng.integers(1, 2**63, size=k, dtype=np.uint64) | np.uint64(1)
+    weights = np.asarray(rng.integers(1, 2**63, size=k, dtype=np.uint64)) | np.uint64(1)
     _, cls = np.unique(cls, return_inverse=True)
     cls = cls.reshape(-1).astype(np.int64)
     num = int(cls.max()) + 1
