@@ -320,14 +320,17 @@ class _Walker:
         return row
 
     def _inside_group(self, outside: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(positions made only of the group's bytes, their lengths, the other positions), cached."""
+        """(positions made only of the group's bytes sorted by length, their lengths, the other
+        positions), cached: every state with this group (each counter value) reuses it."""
         key = outside.tobytes()
         hit = self._inside.get(key)
         if hit is None:
             bs = self.tables.byte_sets
             inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
             pos_in = np.flatnonzero(inside)
-            hit = self._inside[key] = (pos_in, self.tables.lengths[pos_in], np.flatnonzero(~inside))
+            lens = self.tables.lengths[pos_in]
+            by_len = np.argsort(lens, kind="stable")
+            hit = self._inside[key] = (pos_in[by_len], lens[by_len], np.flatnonzero(~inside))
         return hit
 
     def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -350,12 +353,14 @@ class _Walker:
             # of states (one state per length): a cached byte-set test and a lookup, no walk.
             outside, chain = chain_info
             pos_in, lens, others = self._inside_group(outside)
-            known = lens < len(chain)
-            nxt = chain[lens[known]]
-            alive = nxt != dead
-            out_pos.append(pos_in[known][alive])
-            out_next.append(nxt[alive])
-            rest = np.concatenate([others, pos_in[~known]])
+            # NOTE: the chain is dead from its first dead entry on, so the group's tokens that
+            # survive are those shorter than that entry: a prefix of the length-sorted positions
+            dead_at = np.flatnonzero(chain == dead)
+            limit = int(dead_at[0]) if len(dead_at) else len(chain)
+            cut = int(np.searchsorted(lens, limit))
+            out_pos.append(pos_in[:cut])
+            out_next.append(chain[lens[:cut]])
+            rest = others if len(dead_at) else np.concatenate([others, pos_in[cut:]])
             _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, dead,
                              out_pos, out_next)
             return np.concatenate(out_pos), np.concatenate(out_next)

@@ -1,0 +1,111 @@
+"""The Index's fast paths (chains of counted repeats, shared candidate splits, batched walks,
+depth classes) against its plain path (trie descent per state), on random JSON Schemas."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cfsm
+import cfsm.index
+from cfsm import Vocabulary
+from cfsm.automaton import build_dfa
+from cfsm.index import build_index
+from cfsm.json_schema import schema_to_node
+
+_ALPHABET = list('abfnrtu0159"\\/{}[]:,.- ') + ["é", "€"]
+
+
+def _json_vocab(seed: int, size: int) -> Vocabulary:
+    rng = random.Random(seed)
+    toks: set[bytes] = set()
+    while len(toks) < size:
+        text = "".join(rng.choice(_ALPHABET) for _ in range(rng.choice([1, 1, 2, 3, 4, 6, 9, 14, 20])))
+        data = text.encode()
+        if rng.random() < 0.05:  # partial UTF-8 pieces
+            data = data[: rng.randint(1, len(data))]
+        toks.add(data)
+    return Vocabulary([b""] + sorted(toks), [0])
+
+
+_LEAF = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 12)),
+    st.builds(lambda a, b: {"type": "string", "minLength": a, "maxLength": a + b}, st.integers(0, 3), st.integers(0, 6)),
+    st.just({"type": "string"}),
+    st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w}, st.integers(-50, 50),
+              st.integers(0, 2000)),
+    st.just({"type": "boolean"}),
+    st.just({"enum": ["alpha", "beta", 3]}),
+    st.just({"type": "string", "format": "date"}),
+    st.builds(lambda n: {"type": "array", "items": {"type": "integer"}, "maxItems": n}, st.integers(0, 3)),
+)
+
+
+def _objects(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    def make(props: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+        names = [f"{prefix}{i}" for i in range(len(props))]
+        return {"type": "object", "properties": dict(zip(names, props, strict=True)), "required": names,
+                "additionalProperties": False}
+
+    return st.builds(make, st.lists(children, min_size=1, max_size=3), st.sampled_from(["k", "ab", "u_"]))
+
+
+_SCHEMAS = st.recursive(_LEAF, _objects, max_leaves=5).map(
+    lambda s: s if s.get("type") == "object" else {"type": "object", "properties": {"v": s}, "required": ["v"]})
+
+_VOCAB = _json_vocab(11, 1200)
+
+
+def _plain_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
+    with monkeypatch.context() as m:
+        m.setattr(cfsm.index, "_MIN_GROUP_BYTES", 10**6)  # no chains (no counted-repeat lookups)
+        m.setattr(cfsm.index, "_TINY", -1)  # no batched walks
+        m.setattr(cfsm.index, "_TINY_PYTHON", -1)
+        m.setattr(cfsm.index, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
+        m.setattr(cfsm.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
+        return build_index(dfa, vocab)
+
+
+def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
+    # thresholds scaled to the small vocabulary so that every fast path runs (as with 49k tokens)
+    with monkeypatch.context() as m:
+        m.setattr(cfsm.index, "_TINY", 60)
+        m.setattr(cfsm.index, "_TINY_PYTHON", 8)
+        m.setattr(cfsm.index, "_BATCH_PAIRS", 400)
+        m.setattr(cfsm.index, "_SHARE_DEPTH", 6)
+        return build_index(dfa, vocab)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schema=_SCHEMAS)
+def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    dfa = build_dfa(schema_to_node(schema))
+    plain = _plain_index(dfa, _VOCAB, monkeypatch)
+    live = np.flatnonzero(plain.mask_row >= 0)
+    for fast in (build_index(dfa, _VOCAB), _fast_index(dfa, _VOCAB, monkeypatch)):
+        assert np.array_equal(fast.mask_row >= 0, plain.mask_row >= 0)
+        assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
+
+
+def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # guard for the property above: the schemas' string states do take the chain lookup here
+    used: list[int] = []
+    real = cfsm.index._Walker._inside_group
+
+    def spy(self, outside):  # type: ignore[no-untyped-def]
+        used.append(1)
+        return real(self, outside)
+
+    monkeypatch.setattr(cfsm.index._Walker, "_inside_group", spy)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
+    dfa = build_dfa(schema_to_node(schema))
+    fast = _fast_index(dfa, _VOCAB, monkeypatch)
+    assert len(used) >= 5
+    plain = _plain_index(dfa, _VOCAB, monkeypatch)
+    live = np.flatnonzero(fast.mask_row >= 0)
+    assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
