@@ -78,6 +78,7 @@ def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.
         m.setattr(cfsm.index, "_TINY_PYTHON", 8)
         m.setattr(cfsm.index, "_BATCH_PAIRS", 400)
         m.setattr(cfsm.index, "_SHARE_DEPTH", 6)
+        m.setattr(cfsm.index, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
         return build_index(dfa, vocab)
 
 

@@ -355,12 +355,11 @@ class _Walker:
             pos_in, lens, others = self._inside_group(outside)
             # NOTE: the chain is dead from its first dead entry on, so the group's tokens that
             # survive are those shorter than that entry: a prefix of the length-sorted positions
-            dead_at = np.flatnonzero(chain == dead)
-            limit = int(dead_at[0]) if len(dead_at) else len(chain)
+            limit = self._chain_limit(chain)
             cut = int(np.searchsorted(lens, limit))
             out_pos.append(pos_in[:cut])
             out_next.append(chain[lens[:cut]])
-            rest = others if len(dead_at) else np.concatenate([others, pos_in[cut:]])
+            rest = others if limit < len(chain) else np.concatenate([others, pos_in[cut:]])
             _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, dead,
                              out_pos, out_next)
             return np.concatenate(out_pos), np.concatenate(out_next)
@@ -378,9 +377,9 @@ class _Walker:
         """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
 
         Returns (positions whose bytes after the first all lie in the group, i.e. outside the
-        byte set `outside`; their tail lengths; the index into `allowed` of their first byte; the
-        other positions);
-        cached per (allowed, outside): the escape states of every counter value share it.
+        byte set `outside`, sorted by first byte then tail length; their tail lengths; bounds of
+        each allowed byte's segment in them; the other positions). Cached per (allowed, outside):
+        the escape states of every counter value share it.
         """
         key = allowed.tobytes() + outside.tobytes()
         hit = self._cand.get(key)
@@ -398,7 +397,10 @@ class _Walker:
         ts = tables.tail_byte_sets[:, idx]
         inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
         steps = tables.lengths[idx] - 1  # bytes after the first one
-        hit = self._cand[key] = (idx[inside], steps[inside], first[inside], idx[~inside])
+        idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
+        order = np.lexsort((steps_in, first_in))
+        bounds = np.searchsorted(first_in[order], np.arange(len(a) + 1))
+        hit = self._cand[key] = (idx_in[order], steps_in[order], bounds, idx[~inside])
         return hit
 
     def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
@@ -409,31 +411,35 @@ class _Walker:
         group; returns False (nothing written) otherwise.
         """
         targets = self.trans[q, allowed.astype(np.int64)]
-        uniq, which = np.unique(targets, return_inverse=True)
-        infos = [self.chain(int(r)) for r in uniq.tolist()]
+        infos = [self.chain(int(r)) for r in targets.tolist()]
         first = infos[0]
         if first is None or any(i is None or not np.array_equal(i[0], first[0]) for i in infos):
             return False
-        outside = first[0]
-        idx_hit, steps_hit, byte_hit, rest_bytes = self._candidates(allowed, outside)
-        if len(idx_hit) == 0 and len(rest_bytes) == 0:
-            return True
-        width = max(len(i[1]) for i in infos if i is not None)
-        table = np.full((len(infos), width), -1, dtype=np.int32)
+        idx_in, steps_in, bounds, rest_bytes = self._candidates(allowed, first[0])
+        rest = [rest_bytes]
         for k, info in enumerate(infos):
             assert info is not None
-            table[k, : len(info[1])] = info[1]
-        nxt = np.full(len(idx_hit), -1, dtype=np.int32)
-        fits = steps_hit < width
-        nxt[fits] = table[which.reshape(-1)[byte_hit[fits]], steps_hit[fits]]
-        known = nxt >= 0
-        good = nxt[known] != self.dead
-        out_pos.append(idx_hit[known][good])
-        out_next.append(nxt[known][good])
-        rest = np.concatenate([rest_bytes, idx_hit[~known]])
-        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
+            chain = info[1]
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            if lo == hi:
+                continue
+            # NOTE: as in `walk`: a chain is dead from its first dead entry on
+            limit = self._chain_limit(chain)
+            steps = steps_in[lo:hi]
+            cut = int(np.searchsorted(steps, limit))
+            out_pos.append(idx_in[lo : lo + cut])
+            out_next.append(chain[steps[:cut]])
+            if limit == len(chain):  # no dead entry: longer tails are not known
+                rest.append(idx_in[lo + cut : hi])
+        todo = np.concatenate(rest)
+        _walk_vectorized(todo, np.full(len(todo), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
                          out_pos, out_next)
         return True
+
+    def _chain_limit(self, chain: np.ndarray) -> int:
+        """Index of the first dead entry of `chain` (its length if none)."""
+        dead_at = np.flatnonzero(chain == self.dead)
+        return int(dead_at[0]) if len(dead_at) else len(chain)
 
     def _walk_tiny(self, q: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Plain Python walk of the few tokens whose first byte is allowed."""
