@@ -18,7 +18,7 @@ from cfsm.automaton import build_dfa
 from cfsm.index import build_index
 from cfsm.json_schema import schema_to_node
 
-_ALPHABET = list('abfnrtu0159"\\/{}[]:,.- ') + ["é", "€"]
+_ALPHABET = list('abfnrtu0159"\\/{}[]:,.- ') + ["é", "€", "😀"]
 
 
 def _json_vocab(seed: int, size: int) -> Vocabulary:
@@ -37,6 +37,7 @@ _LEAF = st.one_of(
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 12)),
     st.builds(lambda a, b: {"type": "string", "minLength": a, "maxLength": a + b}, st.integers(0, 3), st.integers(0, 6)),
     st.just({"type": "string"}),
+    st.just({"type": "string", "pattern": "^[^é]{0,6}$"}),  # a multi-byte character that does not step
     st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w}, st.integers(-50, 50),
               st.integers(0, 2000)),
     st.just({"type": "boolean"}),
@@ -95,18 +96,18 @@ def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypat
 
 def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # guard for the property above: the schemas' string states do take the chain lookup here
-    used: list[int] = []
+    used: list[bool] = []
     real = cfsm.index._Walker._inside_group
 
-    def spy(self, outside):  # type: ignore[no-untyped-def]
-        used.append(1)
-        return real(self, outside)
+    def spy(self, outside, utf8):  # type: ignore[no-untyped-def]
+        used.append(utf8)
+        return real(self, outside, utf8)
 
     monkeypatch.setattr(cfsm.index._Walker, "_inside_group", spy)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
     dfa = build_dfa(schema_to_node(schema))
     fast = _fast_index(dfa, _VOCAB, monkeypatch)
-    assert len(used) >= 5
+    assert len(used) >= 5 and any(used)  # multi-byte characters stepped along the chain too
     plain = _plain_index(dfa, _VOCAB, monkeypatch)
     live = np.flatnonzero(fast.mask_row >= 0)
     assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])

@@ -23,6 +23,18 @@ from cfsm.vocab import TrieTables, Vocabulary
 
 __all__ = ["Index", "build_index"]
 
+# valid multi-byte UTF-8 sequences as byte ranges: (lead), (continuation)... (RFC 3629)
+_UTF8_SEQUENCES = (
+    ((0xC2, 0xDF), (0x80, 0xBF)),
+    ((0xE0, 0xE0), (0xA0, 0xBF), (0x80, 0xBF)),
+    ((0xE1, 0xEC), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xED, 0xED), (0x80, 0x9F), (0x80, 0xBF)),
+    ((0xEE, 0xEF), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xF0, 0xF0), (0x90, 0xBF), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xF1, 0xF3), (0x80, 0xBF), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xF4, 0xF4), (0x80, 0x8F), (0x80, 0xBF), (0x80, 0xBF)),
+)
+_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 # narrow branches (at most this many allowed bytes) descend by binary search
 _FEW_BYTES = 6
 # ranges at most this long are walked directly
@@ -253,6 +265,7 @@ class _Walker:
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._utf8: dict[int, int] = {}
         self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def precompute_tiny(self, states: np.ndarray) -> None:
@@ -319,19 +332,52 @@ class _Walker:
             row = self._rows[q] = self.trans[q].tolist()
         return row
 
-    def _inside_group(self, outside: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _inside_group(self, outside: np.ndarray, utf8: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(positions made only of the group's bytes sorted by length, their lengths, the other
-        positions), cached: every state with this group (each counter value) reuses it."""
-        key = outside.tobytes()
+        positions), cached: every state with this group (each counter value) reuses it.
+
+        With `utf8`, a token may also hold complete multi-byte UTF-8 characters, and "length" is
+        its number of characters.
+        """
+        key = outside.tobytes() + (b"u" if utf8 else b"")
         hit = self._inside.get(key)
         if hit is None:
             bs = self.tables.byte_sets
-            inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
+            if utf8:
+                chars = self.tables.num_chars
+                inside = (((bs[0] & outside[0]) | (bs[1] & outside[1])) == 0) & (chars >= 0)
+                lengths = chars
+            else:
+                inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
+                lengths = self.tables.lengths
             pos_in = np.flatnonzero(inside)
-            lens = self.tables.lengths[pos_in]
+            lens = lengths[pos_in]
             by_len = np.argsort(lens, kind="stable")
             hit = self._inside[key] = (pos_in[by_len], lens[by_len], np.flatnonzero(~inside))
         return hit
+
+    def _utf8_next(self, s: int) -> int:
+        """The one state that every valid multi-byte UTF-8 character leads to from `s`, or -1."""
+        hit = self._utf8.get(s)
+        if hit is None:
+            trans = self.trans
+            found: set[int] = set()
+            for lead, *conts in _UTF8_SEQUENCES:
+                cur = np.unique(trans[s, lead[0] : lead[1] + 1])
+                for lo, hi in conts:
+                    cur = np.unique(trans[cur][:, lo : hi + 1])
+                found.update(cur.tolist())
+                if len(found) > 1:
+                    break
+            hit = self._utf8[s] = found.pop() if len(found) == 1 else -1
+        return hit
+
+    def _utf8_uniform(self, outside: np.ndarray, chain: np.ndarray, limit: int) -> bool:
+        """Whether a multi-byte character steps along `chain` like one byte of its (ASCII) group."""
+        if not (outside[2] == _ALL_ONES and outside[3] == _ALL_ONES):  # the group has non-ASCII bytes
+            return False
+        steps = limit if limit < len(chain) else len(chain) - 1
+        return all(self._utf8_next(int(chain[k])) == int(chain[k + 1]) for k in range(steps))
 
     def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
         """(sorted positions, next states) of every token whose bytes survive from state `q`."""
@@ -352,10 +398,12 @@ class _Walker:
             # NOTE: tokens made only of bytes of the state's main byte group P follow a known chain
             # of states (one state per length): a cached byte-set test and a lookup, no walk.
             outside, chain = chain_info
-            pos_in, lens, others = self._inside_group(outside)
             # NOTE: the chain is dead from its first dead entry on, so the group's tokens that
-            # survive are those shorter than that entry: a prefix of the length-sorted positions
+            # survive are those shorter than that entry: a prefix of the length-sorted positions.
+            # Where every multi-byte character also steps along the chain (string text), tokens
+            # with such characters follow it too, by their number of characters.
             limit = self._chain_limit(chain)
+            pos_in, lens, others = self._inside_group(outside, self._utf8_uniform(outside, chain, limit))
             cut = int(np.searchsorted(lens, limit))
             out_pos.append(pos_in[:cut])
             out_next.append(chain[lens[:cut]])

@@ -33,6 +33,15 @@ class TrieTables:
     length_counts: np.ndarray  # (max_len,) int64: tokens longer than d
     first_byte_starts: np.ndarray  # (257,) int64: tokens starting with byte b are [starts[b], starts[b+1])
     sorted_tokens: tuple[bytes, ...]  # the token bytes in sorted order
+    num_chars: np.ndarray  # (n,) int32: characters of a token that is valid UTF-8, else -1
+
+
+def _num_chars(data: bytes) -> int:
+    """Characters of `data` if it is complete, valid UTF-8 (strict), else -1."""
+    try:
+        return len(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return -1
 
 
 class Vocabulary:
@@ -135,7 +144,9 @@ class Vocabulary:
                           byte_sets=byte_sets, tail_byte_sets=tail_byte_sets, first_byte_counts=first_counts,
                           by_length=by_length, length_columns=np.ascontiguousarray(length_columns),
                           length_counts=length_counts, first_byte_starts=first_starts,
-                          sorted_tokens=tuple(self.tokens[i] for i in ids))
+                          sorted_tokens=tuple(self.tokens[i] for i in ids),
+                          num_chars=np.fromiter((_num_chars(self.tokens[i]) for i in ids), dtype=np.int32,
+                                                count=len(ids)))
 
     @property
     def mask_words(self) -> int:
