@@ -142,9 +142,11 @@ def main() -> None:
         prompts = make_dataset(name, args, engine.core.vocab_size, special)
         ours = run_lmserver(engine, prompts, args.output_len)
         rows.append(row("lmserver", name, prompts, ours))
+        print("partial:", json.dumps(rows[-1]), flush=True)
         if hf_model is not None:
             hf = run_hf(hf_model, tokenizer, prompts, args.output_len, args.hf_batch_size)
             rows.append(row("hf-transformers", name, prompts, hf))
+            print("partial:", json.dumps(rows[-1]), flush=True)
             same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
             rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(prompts)}"
             rows[-2]["same_tokens_as_lmserver"] = "-"
