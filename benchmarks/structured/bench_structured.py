@@ -187,6 +187,7 @@ def main() -> None:
                 r["phase"] = phase
                 r["decode_steps_saved"] = off["forwards"] - r["forwards"] if r["mode"] == "jump_forward" else None
                 rows.append(r)
+                print("row", json.dumps({k: v for k, v in r.items() if k != "sample_text"}), flush=True)
             print(f"{workload} {phase}: latency speed-up of jump-forward {off['latency_s'] / on['latency_s']:.2f}x",
                   flush=True)
     cols = ["workload", "phase", "mode", "concurrency", "valid", "latency_s", "out_tok_per_s", "out_tokens_per_req",
