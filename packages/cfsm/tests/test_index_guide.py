@@ -271,9 +271,9 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
     calls: list[int] = []
     real = cfsm.index._Walker._candidates
 
-    def spy(self, allowed, outside):  # type: ignore[no-untyped-def]
+    def spy(self, allowed, chained, outside, utf8):  # type: ignore[no-untyped-def]
         calls.append(len(self._cand))
-        return real(self, allowed, outside)
+        return real(self, allowed, chained, outside, utf8)
 
     monkeypatch.setattr(cfsm.index._Walker, "_candidates", spy)
     monkeypatch.setattr(cfsm.index, "_TINY", 4)  # walk even small candidate sets this way

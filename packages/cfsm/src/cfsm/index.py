@@ -266,6 +266,7 @@ class _Walker:
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._utf8: dict[int, int] = {}
+        self._uniform: dict[tuple[int, int, int], bool] = {}
         self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def precompute_tiny(self, states: np.ndarray) -> None:
@@ -376,8 +377,13 @@ class _Walker:
         """Whether a multi-byte character steps along `chain` like one byte of its (ASCII) group."""
         if not (outside[2] == _ALL_ONES and outside[3] == _ALL_ONES):  # the group has non-ASCII bytes
             return False
-        steps = limit if limit < len(chain) else len(chain) - 1
-        return all(self._utf8_next(int(chain[k])) == int(chain[k + 1]) for k in range(steps))
+        key = (int(chain[0]), len(chain), limit)
+        hit = self._uniform.get(key)
+        if hit is None:
+            steps = limit if limit < len(chain) else len(chain) - 1
+            pairs = set(zip(chain[:steps].tolist(), chain[1 : steps + 1].tolist(), strict=True))
+            hit = self._uniform[key] = all(self._utf8_next(a) == b for a, b in pairs)
+        return hit
 
     def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
         """(sorted positions, next states) of every token whose bytes survive from state `q`."""
@@ -420,16 +426,17 @@ class _Walker:
             return np.zeros(0, np.int64), np.zeros(0, np.int32)
         return np.concatenate(out_pos), np.concatenate(out_next)
 
-    def _candidates(self, allowed: np.ndarray, outside: np.ndarray
+    def _candidates(self, allowed: np.ndarray, chained: np.ndarray, outside: np.ndarray, utf8: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
 
         Returns (positions whose bytes after the first all lie in the group, i.e. outside the
         byte set `outside`, sorted by first byte then tail length; their tail lengths; bounds of
         each allowed byte's segment in them; the other positions). Cached per (allowed, outside):
-        the escape states of every counter value share it.
+        the escape states of every counter value share it. With `utf8` (the allowed bytes are
+        ASCII), tails may also hold complete multi-byte characters and lengths count characters.
         """
-        key = allowed.tobytes() + outside.tobytes()
+        key = allowed.tobytes() + chained.tobytes() + outside.tobytes() + (b"u" if utf8 else b"")
         hit = self._cand.get(key)
         if hit is not None:
             return hit
@@ -443,8 +450,14 @@ class _Walker:
         idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
         first = np.repeat(np.arange(len(a), dtype=np.int64), sizes)  # which allowed byte starts it
         ts = tables.tail_byte_sets[:, idx]
-        inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
-        steps = tables.lengths[idx] - 1  # bytes after the first one
+        if utf8:
+            chars = tables.num_chars[idx]
+            inside = (((ts[0] & outside[0]) | (ts[1] & outside[1])) == 0) & (chars >= 0)
+            steps = chars - 1  # characters after the first (ASCII) byte
+        else:
+            inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
+            steps = tables.lengths[idx] - 1  # bytes after the first one
+        inside &= chained[first]  # tokens of an unchained first byte are walked
         idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
         order = np.lexsort((steps_in, first_in))
         bounds = np.searchsorted(first_in[order], np.arange(len(a) + 1))
@@ -455,24 +468,26 @@ class _Walker:
                                out_next: list[np.ndarray]) -> bool:
         """One byte, then the chain of the state it leads to (an escape letter, then string text).
 
-        Applies when every allowed first byte leads to a state with a chain over one common byte
-        group; returns False (nothing written) otherwise.
+        Applies to the allowed first bytes that lead to a state with a chain over one common byte
+        group (the others' tokens are walked); returns False (nothing written) if there is none.
         """
         targets = self.trans[q, allowed.astype(np.int64)]
         infos = [self.chain(int(r)) for r in targets.tolist()]
-        first = infos[0]
-        if first is None or any(i is None or not np.array_equal(i[0], first[0]) for i in infos):
+        first = next((i for i in infos if i is not None), None)
+        if first is None:
             return False
-        idx_in, steps_in, bounds, rest_bytes = self._candidates(allowed, first[0])
+        chained = np.array([i is not None and np.array_equal(i[0], first[0]) for i in infos])
+        chains = [i[1] if c and i is not None else None for i, c in zip(infos, chained.tolist(), strict=True)]
+        limits = [-1 if c is None else self._chain_limit(c) for c in chains]
+        utf8 = bool(allowed.max() < 0x80) and all(
+            c is None or self._utf8_uniform(first[0], c, lim) for c, lim in zip(chains, limits, strict=True))
+        idx_in, steps_in, bounds, rest_bytes = self._candidates(allowed, chained, first[0], utf8)
         rest = [rest_bytes]
-        for k, info in enumerate(infos):
-            assert info is not None
-            chain = info[1]
+        for k, (chain, limit) in enumerate(zip(chains, limits, strict=True)):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
-            if lo == hi:
+            if chain is None or lo == hi:
                 continue
             # NOTE: as in `walk`: a chain is dead from its first dead entry on
-            limit = self._chain_limit(chain)
             steps = steps_in[lo:hi]
             cut = int(np.searchsorted(steps, limit))
             out_pos.append(idx_in[lo : lo + cut])
