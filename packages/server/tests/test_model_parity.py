@@ -161,3 +161,19 @@ def test_sharded_safetensors_and_bad_checkpoints(tmp_path: Path) -> None:
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="not \\(fully\\) loaded"):
         _runner(folder)
+
+
+def test_batched_extend_with_cached_prefixes_matches_hf(tmp_path: Path) -> None:
+    """Several requests in one EXTEND forward (one padded SDPA), with and without a cached prefix."""
+    folder, hf = _hf_folder(tmp_path, "llama3-rope")
+    runner, vocab = _runner(folder)
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randint(0, vocab, (n,), generator=g).tolist() for n in (14, 12, 10))
+    sa, sb, sc = list(range(1, 15)), list(range(20, 32)), list(range(40, 50))
+    runner.forward(ScheduleDecision("extend", [_item(0, 0, a[:8], sa, False), _item(2, 0, c[:6], sc, False)]))
+    items = [_item(0, 8, a[8:], sa, True), _item(1, 0, b, sb, True), _item(2, 6, c[6:], sc, True)]
+    got = runner.forward(ScheduleDecision("extend", items))
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([a])).logits[0, 8:], hf(torch.tensor([b])).logits[0],
+                         hf(torch.tensor([c])).logits[0, 6:]])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
