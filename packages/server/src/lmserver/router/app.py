@@ -129,9 +129,9 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0))
         task = asyncio.create_task(health_loop())
-        if ready_line:
-            print(ready_line, flush=True)
+        announce = asyncio.create_task(_announce_when_listening(config.host, config.port, ready_line))
         yield
+        announce.cancel()
         task.cancel()
         await state["client"].aclose()
 
@@ -238,6 +238,22 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
         return JSONResponse({"workers": results}, 200 if ok else 400)
 
     return app
+
+
+async def _announce_when_listening(host: str, port: int, ready_line: str | None) -> None:
+    """Prints `ready_line` once the port accepts connections (lifespan startup runs before the
+    socket is bound, so printing there would let clients race the bind)."""
+    if not ready_line:
+        return
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        print(ready_line, flush=True)
+        return
 
 
 async def _relay(upstream: httpx.Response, worker: WorkerState) -> AsyncIterator[bytes]:
