@@ -33,19 +33,6 @@ def server() -> Any:
     assert srv.stop() == 0, srv.log_tail()
 
 
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Any:
-    with httpx.Client(base_url=server.base_url, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(server: ServerProcess) -> Any:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    yield client
-    client.close()
-
-
 def test_native_regex_schema_and_stop_regex(http: httpx.Client) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "ok": {"type": "boolean"}}, "required": ["n", "ok"]}

@@ -33,19 +33,6 @@ def server() -> Any:
 
 
 @pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Any:
-    with httpx.Client(base_url=server.base_url, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(server: ServerProcess) -> Any:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def hf(http: httpx.Client) -> Any:
     """HF transformers on the folder the server loaded: (model, tokenizer)."""
     import torch

@@ -32,12 +32,6 @@ def server() -> Any:
 
 
 @pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Any:
-    with httpx.Client(base_url=server.base_url, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def valid_text(http: httpx.Client) -> str:
     return str(http.post("/generate", json=VALID).json()["text"])
 

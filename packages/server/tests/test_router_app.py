@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,12 +14,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from lmserver.router.app import RouterConfig, build_app, routing_text
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from lmserver.testing import free_port
 
 
 def _fake_worker(name: str) -> FastAPI:
@@ -47,7 +41,7 @@ def _fake_worker(name: str) -> FastAPI:
 
 class _Server:
     def __init__(self, app: FastAPI) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -102,7 +96,7 @@ def test_streaming_is_relayed_unchanged(workers: list[_Server]) -> None:
 
 
 def test_dead_worker_is_retried_elsewhere_and_dropped(workers: list[_Server]) -> None:
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     config = RouterConfig(
         workers=(dead, workers[1].url),
         policy="round_robin",
@@ -118,7 +112,7 @@ def test_dead_worker_is_retried_elsewhere_and_dropped(workers: list[_Server]) ->
 
 
 def test_no_healthy_worker_gives_503() -> None:
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with TestClient(
         build_app(RouterConfig(workers=(dead,), max_retries=0, health_check_interval_s=60))
     ) as client:
