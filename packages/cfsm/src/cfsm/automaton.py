@@ -269,16 +269,19 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
     return out, accepting
 
 
-def _live_states(cols: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """States from which an accepting state is reachable (reverse BFS over byte classes)."""
+def _live_states(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
+    """States from which an accepting state is reachable (reverse BFS over byte classes).
+
+    Edges into `dead` (most of them) are left out: they cannot lead to acceptance.
+    """
     n = cols.shape[0]
-    src = np.repeat(np.arange(n, dtype=np.int64), cols.shape[1])
-    keys = np.unique(cols.reshape(-1).astype(np.int64) * n + src)
-    dst, pred = keys // n, keys % n
-    starts = np.searchsorted(dst, np.arange(n + 1))
-    preds = pred.tolist()
-    bounds = starts.tolist()
-    live = accepting.copy()
+    flat = cols.reshape(-1)
+    edge = np.flatnonzero(flat != dead)
+    dst = flat[edge]
+    order = np.argsort(dst, kind="stable")
+    preds = (edge[order] // cols.shape[1]).tolist()
+    bounds = np.searchsorted(dst[order], np.arange(n + 1)).tolist()
+    live = accepting.tolist()
     frontier = np.flatnonzero(accepting).tolist()
     while frontier:
         q = frontier.pop()
@@ -286,7 +289,7 @@ def _live_states(cols: np.ndarray, accepting: np.ndarray) -> np.ndarray:
             if not live[p]:
                 live[p] = True
                 frontier.append(p)
-    return live
+    return np.asarray(live, dtype=bool)
 
 
 def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
@@ -357,15 +360,24 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
 
 
 def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(representative byte of each class, class of each byte): bytes with equal columns."""
+    """(representative byte of each class, class of each byte): bytes with equal columns.
+
+    Runs of adjacent equal columns are merged exactly first (rows are mostly byte ranges), so
+    only one column per run is hashed.
+    """
+    step = np.ones(256, dtype=bool)
+    step[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
+    starts = np.flatnonzero(step)
+    run_of = np.cumsum(step) - 1  # (256,) run of each byte
+    runs = table[:, starts]
     weights = np.random.default_rng(0xB17E).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
-    h = (table.T.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)  # (256,)
-    _, rep, cls = np.unique(h, return_index=True, return_inverse=True)
+    h = weights @ runs.astype(np.uint64)  # (num_runs,), modulo 2^64
+    _, first, cls = np.unique(h, return_index=True, return_inverse=True)
     cls = cls.reshape(-1)
-    if np.array_equal(table[:, rep[cls]], table):
-        return rep, cls
-    _, rep, cls = np.unique(table.T, axis=0, return_index=True, return_inverse=True)  # exact fallback
-    return rep, cls.reshape(-1)
+    if not np.array_equal(runs[:, first[cls]], runs):  # a collision: exact fallback
+        _, first, cls = np.unique(runs.T, axis=0, return_index=True, return_inverse=True)
+        cls = cls.reshape(-1)
+    return starts[first], cls[run_of]
 
 
 def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
@@ -375,7 +387,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     col_rep, byte_class = _byte_classes(table)
     cols = table[:, col_rep]
     # trim: states that cannot reach acceptance behave like the dead state
-    live = _live_states(cols, accepting)
+    live = _live_states(cols, accepting, dead)
     live[dead] = False
     cls = np.where(live, accepting.astype(np.int64) + 1, 0)
     cls = _refine(cols, cls)
