@@ -265,7 +265,6 @@ class _Walker:
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._utf8: dict[int, int] = {}
         self._uniform: dict[tuple[int, int, int], bool] = {}
         self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -357,21 +356,42 @@ class _Walker:
             hit = self._inside[key] = (pos_in[by_len], lens[by_len], np.flatnonzero(~inside))
         return hit
 
-    def _utf8_next(self, s: int) -> int:
-        """The one state that every valid multi-byte UTF-8 character leads to from `s`, or -1."""
-        hit = self._utf8.get(s)
-        if hit is None:
-            trans = self.trans
-            found: set[int] = set()
-            for lead, *conts in _UTF8_SEQUENCES:
-                cur = np.unique(trans[s, lead[0] : lead[1] + 1])
-                for lo, hi in conts:
-                    cur = np.unique(trans[cur][:, lo : hi + 1])
-                found.update(cur.tolist())
-                if len(found) > 1:
-                    break
-            hit = self._utf8[s] = found.pop() if len(found) == 1 else -1
-        return hit
+    @functools.cached_property
+    def _utf8_next_all(self) -> np.ndarray:
+        """Per state: the one state that every valid multi-byte UTF-8 character leads to, or -1.
+
+        Computed for all states at once where each byte range of a sequence steps uniformly
+        (one state for the whole range); the other states are checked exactly one by one.
+        """
+        trans = self.trans
+        n = trans.shape[0]
+        out = np.full(n, -2, dtype=np.int64)  # -2: no sequence seen yet
+        ok = np.ones(n, dtype=bool)
+        for lead, *conts in _UTF8_SEQUENCES:
+            cur = np.arange(n)
+            for lo, hi in (lead, *conts):
+                block = trans[cur, lo : hi + 1]
+                nxt = block[:, 0].astype(np.int64)
+                ok &= (block == block[:, :1]).all(axis=1)
+                cur = nxt
+            ok &= (out == -2) | (out == cur)
+            out = cur
+        for q in np.flatnonzero(~ok).tolist():
+            out[q] = self._utf8_next_exact(q)
+        return out
+
+    def _utf8_next_exact(self, s: int) -> int:
+        """`_utf8_next_all[s]` by following every byte range as a set of states."""
+        trans = self.trans
+        found: set[int] = set()
+        for lead, *conts in _UTF8_SEQUENCES:
+            cur = np.unique(trans[s, lead[0] : lead[1] + 1])
+            for lo, hi in conts:
+                cur = np.unique(trans[cur][:, lo : hi + 1])
+            found.update(cur.tolist())
+            if len(found) > 1:
+                break
+        return found.pop() if len(found) == 1 else -1
 
     def _utf8_uniform(self, outside: np.ndarray, chain: np.ndarray, limit: int) -> bool:
         """Whether a multi-byte character steps along `chain` like one byte of its (ASCII) group."""
@@ -381,8 +401,7 @@ class _Walker:
         hit = self._uniform.get(key)
         if hit is None:
             steps = limit if limit < len(chain) else len(chain) - 1
-            pairs = set(zip(chain[:steps].tolist(), chain[1 : steps + 1].tolist(), strict=True))
-            hit = self._uniform[key] = all(self._utf8_next(a) == b for a, b in pairs)
+            hit = self._uniform[key] = bool((self._utf8_next_all[chain[:steps]] == chain[1 : steps + 1]).all())
         return hit
 
     def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -618,30 +637,14 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
     classes = _depth_classes(dfa, _SHARE_DEPTH)[:num_states]
-    class_ids, reps = np.unique(classes, return_index=True)
+    _, reps, class_of = np.unique(classes, return_index=True, return_inverse=True)
     walker.precompute_tiny(reps.astype(np.int64))
     is_long = tables.lengths > _SHARE_DEPTH
-    short_of: dict[int, np.ndarray] = {}
-    for c, rep in zip(class_ids.tolist(), reps.tolist(), strict=True):
-        pos, _ = walker.walk(rep)
-        short_of[c] = tables.order[pos[~is_long[pos]]]
-    long_of = walker.walk_long(_SHARE_DEPTH)
-
-    mask_row = np.full(num_states + 1, -1, dtype=np.int32)
+    eos32 = eos.astype(np.int32)
     rows: dict[bytes, int] = {}
+    small_rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
     bits = np.zeros(words * 32, dtype=bool)
-    class_packed: dict[int, np.ndarray] = {}
-    class_row: dict[int, int] = {}
-
-    def packed_of(tids: np.ndarray) -> np.ndarray:
-        if len(tids) <= _SPARSE_ROW:
-            row = np.zeros(words, dtype=np.uint32)
-            np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
-            return row
-        bits[:] = False
-        bits[tids] = True
-        return np.packbits(bits, bitorder="little").view("<u4").copy()
 
     def intern(row: np.ndarray) -> int:
         key = row.tobytes()
@@ -651,23 +654,32 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             row_list.append(row.view(np.int32))
         return r
 
-    for s in range(num_states):
-        c = int(classes[s])
-        base = class_packed.get(c)
-        if base is None:
-            tids = short_of[c]
-            if dfa.accepting[s]:  # acceptance is the same in the whole class
-                tids = np.concatenate([tids, eos.astype(np.int32)])
-            base = class_packed[c] = packed_of(tids)
-        extra = long_of.get(s)
-        if extra is None:
-            r = class_row.get(c)
+    # one row per class (acceptance, hence EOS, is the same in the whole class); small token
+    # sets are keyed by their sorted ids, so equal ones are packed once
+    class_row = np.empty(len(reps), dtype=np.int32)
+    for k, rep in enumerate(reps.tolist()):
+        pos, _ = walker.walk(rep)
+        tids = tables.order[pos[~is_long[pos]]]
+        if dfa.accepting[rep]:
+            tids = np.concatenate([tids, eos32])
+        if len(tids) <= _SPARSE_ROW:
+            key = np.sort(tids).tobytes()
+            r = small_rows.get(key)
             if r is None:
-                r = class_row[c] = intern(base)
-            mask_row[s] = r
-            continue
-        row = base.copy()
+                row = np.zeros(words, dtype=np.uint32)
+                np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+                r = small_rows[key] = intern(row)
+        else:
+            bits[:] = False
+            bits[tids] = True
+            r = intern(np.packbits(bits, bitorder="little").view("<u4").copy())
+        class_row[k] = r
+    mask_row = np.full(num_states + 1, -1, dtype=np.int32)
+    mask_row[:num_states] = class_row[class_of.reshape(-1)]
+    # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
+    for s_, extra in walker.walk_long(_SHARE_DEPTH).items():
+        row = row_list[int(mask_row[s_])].view(np.uint32).copy()
         np.bitwise_or.at(row, extra >> 5, np.left_shift(np.uint32(1), (extra & 31).astype(np.uint32)))
-        mask_row[s] = intern(row)
+        mask_row[s_] = intern(row)
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)
