@@ -13,6 +13,7 @@ Built by walking the vocabulary through the DFA, never token by state one at a t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,9 +163,10 @@ def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarr
         j += 1
 
 
-def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
-                tflat: np.ndarray, dead: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Walk (owner state, token) pairs together; per owner: (owner, sorted positions, next states)."""
+def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
+                tflat: np.ndarray, dead: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Walk (owner state, token) pairs together: (owners, positions, next states) of the
+    surviving pairs, sorted by owner."""
     keep = cur != dead
     idx, cur, owner = idx[keep], cur[keep], owner[keep]
     out_owner: list[np.ndarray] = []
@@ -186,12 +188,19 @@ def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, col
         idx, cur, owner = idx[keep], cur[keep], owner[keep]
         j += 1
     if not out_owner:
-        return []
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty.astype(np.int32)
     all_owner = np.concatenate(out_owner)
     order = np.argsort(all_owner, kind="stable")
-    all_owner = all_owner[order]
-    all_pos = np.concatenate(out_pos)[order]
-    all_next = np.concatenate(out_next)[order]
+    return all_owner[order], np.concatenate(out_pos)[order], np.concatenate(out_next)[order]
+
+
+def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
+                tflat: np.ndarray, dead: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """`_walk_pairs` split per owner: (owner, sorted positions, next states)."""
+    all_owner, all_pos, all_next = _walk_pairs(idx, cur, owner, j, columns, tflat, dead)
+    if not len(all_owner):
+        return []
     cuts = np.flatnonzero(np.diff(all_owner)) + 1
     return [(int(o[0]), p, x) for o, p, x in zip(np.split(all_owner, cuts), np.split(all_pos, cuts),
                                                  np.split(all_next, cuts), strict=True)]
@@ -264,39 +273,44 @@ class _Walker:
         self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._tiny: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._uniform: dict[tuple[int, int, int], bool] = {}
         self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def precompute_tiny(self, states: np.ndarray) -> None:
-        """Walk the tokens of those `states` with few candidates in batches (results cached).
+    def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Walk the tokens of those `states` with few candidates together, in batches.
 
-        A batch holds at most `_BATCH_PAIRS` (state, token) pairs, bounding its memory.
+        Returns (which of `states` were walked here, as a bool mask; the owner state and the
+        sorted position of every surviving (state, token) pair, grouped by owner). A batch holds
+        at most `_BATCH_PAIRS` pairs, bounding its memory.
         """
         tables = self.tables
         counts = tables.first_byte_counts
         live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
         num_candidates = (live * counts[None, :]).sum(axis=1)
         small = num_candidates <= _TINY
-        tiny = states[small]
-        if len(tiny) == 0:
-            return
-        live, num_candidates = live[small], num_candidates[small]
-        self._tiny = {int(q): (np.zeros(0, np.int64), np.zeros(0, np.int32)) for q in tiny.tolist()}
-        batch = np.cumsum(num_candidates) // _BATCH_PAIRS
-        cuts = np.flatnonzero(np.diff(batch)) + 1
-        for part in np.split(np.arange(len(tiny)), cuts):
-            rows, bytes_ = np.nonzero(live[part])
-            owners = tiny[part][rows]
-            lo = tables.first_byte_starts[bytes_]
-            sizes = counts[bytes_]
-            total = int(sizes.sum())
-            offsets = np.cumsum(sizes) - sizes
-            idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-            owner = np.repeat(owners, sizes)
-            cur = self.trans[owner, np.repeat(bytes_, sizes)]
-            for own, pos, nxt in _walk_owned(idx, cur, owner, 1, tables.columns, self.tflat, self.dead):
-                self._tiny[own] = (pos, nxt)
+        few = states[small]
+        out_owner: list[np.ndarray] = []
+        out_pos: list[np.ndarray] = []
+        if len(few):
+            live, num_candidates = live[small], num_candidates[small]
+            batch = np.cumsum(num_candidates) // _BATCH_PAIRS
+            cuts = np.flatnonzero(np.diff(batch)) + 1
+            for part in np.split(np.arange(len(few)), cuts):
+                rows, bytes_ = np.nonzero(live[part])
+                owners = few[part][rows]
+                lo = tables.first_byte_starts[bytes_]
+                sizes = counts[bytes_]
+                total = int(sizes.sum())
+                offsets = np.cumsum(sizes) - sizes
+                idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+                owner = np.repeat(owners, sizes)
+                cur = self.trans[owner, np.repeat(bytes_, sizes)]
+                own, pos, _ = _walk_pairs(idx, cur, owner, 1, tables.columns, self.tflat, self.dead)
+                out_owner.append(own)
+                out_pos.append(pos)
+        if not out_owner:
+            return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return small, np.concatenate(out_owner), np.concatenate(out_pos)
 
     def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
         """Token ids longer than `min_len` bytes allowed in each state (states with none left out)."""
@@ -406,9 +420,6 @@ class _Walker:
 
     def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
         """(sorted positions, next states) of every token whose bytes survive from state `q`."""
-        hit = self._tiny.pop(q, None)
-        if hit is not None:
-            return hit
         tables = self.tables
         dead = self.dead
         allowed = self.allowed(q)
@@ -450,8 +461,8 @@ class _Walker:
         """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
 
         Returns (positions whose bytes after the first all lie in the group, i.e. outside the
-        byte set `outside`, sorted by first byte then tail length; their tail lengths; bounds of
-        each allowed byte's segment in them; the other positions). Cached per (allowed, outside):
+        byte set `outside`; their tail lengths; the index in `allowed` of their first byte; the
+        other positions). Cached per (allowed, outside):
         the escape states of every counter value share it. With `utf8` (the allowed bytes are
         ASCII), tails may also hold complete multi-byte characters and lengths count characters.
         """
@@ -478,9 +489,7 @@ class _Walker:
             steps = tables.lengths[idx] - 1  # bytes after the first one
         inside &= chained[first]  # tokens of an unchained first byte are walked
         idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
-        order = np.lexsort((steps_in, first_in))
-        bounds = np.searchsorted(first_in[order], np.arange(len(a) + 1))
-        hit = self._cand[key] = (idx_in[order], steps_in[order], bounds, idx[~inside])
+        hit = self._cand[key] = (idx_in, steps_in, first_in, idx[~inside])
         return hit
 
     def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
@@ -490,38 +499,41 @@ class _Walker:
         Applies to the allowed first bytes that lead to a state with a chain over one common byte
         group (the others' tokens are walked); returns False (nothing written) if there is none.
         """
-        targets = self.trans[q, allowed.astype(np.int64)]
+        targets, target_of = np.unique(self.trans[q, allowed.astype(np.int64)], return_inverse=True)
         infos = [self.chain(int(r)) for r in targets.tolist()]
         first = next((i for i in infos if i is not None), None)
         if first is None:
             return False
-        chained = np.array([i is not None and np.array_equal(i[0], first[0]) for i in infos])
-        chains = [i[1] if c and i is not None else None for i, c in zip(infos, chained.tolist(), strict=True)]
-        limits = [-1 if c is None else self._chain_limit(c) for c in chains]
+        # per distinct target: chained (a chain over the common group), its chain and limit
+        chains = [i[1] if i is not None and np.array_equal(i[0], first[0]) else None for i in infos]
+        limits = np.array([-1 if c is None else self._chain_limit(c) for c in chains], dtype=np.int64)
+        sizes = np.array([0 if c is None else len(c) for c in chains], dtype=np.int64)
         utf8 = bool(allowed.max() < 0x80) and all(
-            c is None or self._utf8_uniform(first[0], c, lim) for c, lim in zip(chains, limits, strict=True))
-        idx_in, steps_in, bounds, rest_bytes = self._candidates(allowed, chained, first[0], utf8)
-        rest = [rest_bytes]
-        for k, (chain, limit) in enumerate(zip(chains, limits, strict=True)):
-            lo, hi = int(bounds[k]), int(bounds[k + 1])
-            if chain is None or lo == hi:
-                continue
-            # NOTE: as in `walk`: a chain is dead from its first dead entry on
-            steps = steps_in[lo:hi]
-            cut = int(np.searchsorted(steps, limit))
-            out_pos.append(idx_in[lo : lo + cut])
-            out_next.append(chain[steps[:cut]])
-            if limit == len(chain):  # no dead entry: longer tails are not known
-                rest.append(idx_in[lo + cut : hi])
-        todo = np.concatenate(rest)
+            c is None or self._utf8_uniform(first[0], c, int(lim)) for c, lim in zip(chains, limits.tolist(), strict=True))
+        table = np.full((len(chains), int(sizes.max())), self.dead, dtype=np.int32)
+        for k, c in enumerate(chains):
+            if c is not None:
+                table[k, : len(c)] = c
+        target_of = target_of.reshape(-1)
+        chained = (limits >= 0)[target_of]
+        idx_in, steps_in, first_in, rest_bytes = self._candidates(allowed, chained, first[0], utf8)
+        # NOTE: as in `walk`: a chain is dead from its first dead entry on; where it has none
+        # (limit == its length), longer tails are not known and are walked
+        tgt = target_of[first_in]
+        lim = limits[tgt]
+        sel = steps_in < lim
+        out_pos.append(idx_in[sel])
+        out_next.append(table[tgt[sel], steps_in[sel]])
+        unknown = ~sel & (lim == sizes[tgt])
+        todo = np.concatenate([rest_bytes, idx_in[unknown]]) if unknown.any() else rest_bytes
         _walk_vectorized(todo, np.full(len(todo), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
                          out_pos, out_next)
         return True
 
     def _chain_limit(self, chain: np.ndarray) -> int:
         """Index of the first dead entry of `chain` (its length if none)."""
-        dead_at = np.flatnonzero(chain == self.dead)
-        return int(dead_at[0]) if len(dead_at) else len(chain)
+        at = int(np.argmax(chain == self.dead))
+        return at if chain[at] == self.dead else len(chain)
 
     def _walk_tiny(self, q: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Plain Python walk of the few tokens whose first byte is allowed."""
@@ -624,6 +636,55 @@ def _chain_of(dfa: Dfa, q: int, max_len: int) -> tuple[np.ndarray, np.ndarray] |
     return words, np.asarray(chain, dtype=np.int32)
 
 
+def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
+              order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
+              intern: Callable[[np.ndarray], int]) -> None:
+    """Rows of the classes walked in batch (`few`): `class_row[k]` for each of them.
+
+    Token sets are grouped by two 64-bit sums of random per-token weights (with their size), so
+    each distinct set is packed once from one representative.
+    # NOTE: only a collision of both sums and the size (about classes^2 / 2^128) would give two
+    # classes one row.
+    """
+    keep = ~is_long[pos]
+    owner, tids = owner[keep], order[pos[keep]].astype(np.int64)
+    ks = np.flatnonzero(few)
+    k_of = np.full(accepting.shape[0], -1, dtype=np.int64)
+    k_of[reps[ks]] = np.arange(len(ks))
+    kk = k_of[owner]  # grouped: every owner's pairs are contiguous
+    w1, w2 = _token_weights(int(max(order.max(initial=0), eos.max(initial=0))) + 1)
+    starts = np.flatnonzero(np.diff(kk, prepend=-1)) if len(kk) else np.zeros(0, np.int64)
+    h = np.zeros((3, len(ks)), dtype=np.uint64)
+    if len(kk):
+        seg = kk[starts]
+        h[0, seg] = np.add.reduceat(w1[tids], starts)
+        h[1, seg] = np.add.reduceat(w2[tids], starts)
+        h[2, seg] = np.diff(np.append(starts, len(kk))).astype(np.uint64)
+    acc = accepting[reps[ks]]
+    h[0, acc] += w1[eos].sum(dtype=np.uint64)
+    h[1, acc] += w2[eos].sum(dtype=np.uint64)
+    h[2, acc] += np.uint64(len(eos))
+    _, first, inverse = np.unique(h.T, axis=0, return_index=True, return_inverse=True)
+    seg_of = np.full(len(ks), -1, dtype=np.int64)
+    if len(kk):
+        seg_of[kk[starts]] = np.arange(len(starts))
+    bounds = np.append(starts, len(kk))
+    group_row = np.empty(len(first), dtype=np.int32)
+    for g, k in enumerate(first.tolist()):
+        i = int(seg_of[k])
+        t = tids[bounds[i] : bounds[i + 1]] if i >= 0 else np.zeros(0, np.int64)
+        if acc[k]:
+            t = np.concatenate([t, eos.astype(np.int64)])
+        group_row[g] = intern(t)
+    class_row[ks] = group_row[inverse.reshape(-1)]
+
+
+@functools.lru_cache(maxsize=4)
+def _token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0x70CE5)
+    return (rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(1, 2**63, size=n, dtype=np.uint64))
+
+
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
 
@@ -638,7 +699,6 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
     classes = _depth_classes(dfa, _SHARE_DEPTH)[:num_states]
     _, reps, class_of = np.unique(classes, return_index=True, return_inverse=True)
-    walker.precompute_tiny(reps.astype(np.int64))
     is_long = tables.lengths > _SHARE_DEPTH
     eos32 = eos.astype(np.int32)
     rows: dict[bytes, int] = {}
@@ -654,21 +714,28 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             row_list.append(row.view(np.int32))
         return r
 
-    # one row per class (acceptance, hence EOS, is the same in the whole class); small token
-    # sets are keyed by their sorted ids, so equal ones are packed once
+    def sparse_row(tids: np.ndarray) -> np.ndarray:
+        row = np.zeros(words, dtype=np.uint32)
+        np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+        return row
+
+    # one row per class (acceptance, hence EOS, is the same in the whole class)
     class_row = np.empty(len(reps), dtype=np.int32)
-    for k, rep in enumerate(reps.tolist()):
+    few, owner, pos = walker.walk_few(reps.astype(np.int64))
+    if few.any():
+        _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row,
+                  lambda tids: intern(sparse_row(tids)))
+    for k in np.flatnonzero(~few).tolist():
+        rep = int(reps[k])
         pos, _ = walker.walk(rep)
         tids = tables.order[pos[~is_long[pos]]]
         if dfa.accepting[rep]:
             tids = np.concatenate([tids, eos32])
-        if len(tids) <= _SPARSE_ROW:
+        if len(tids) <= _SPARSE_ROW:  # keyed by the sorted ids: equal sets are packed once
             key = np.sort(tids).tobytes()
             r = small_rows.get(key)
             if r is None:
-                row = np.zeros(words, dtype=np.uint32)
-                np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
-                r = small_rows[key] = intern(row)
+                r = small_rows[key] = intern(sparse_row(tids))
         else:
             bits[:] = False
             bits[tids] = True
