@@ -321,11 +321,14 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     edge_w = weights[edge % k]
     bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
     h = (cls[cols].astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
-    positions = np.arange(n)
-    while True:
-        o = np.lexsort((h, cls))
+    # NOTE: after each round every class has one hash; only classes holding a state whose hash
+    # changed (a predecessor of a state that changed class) can split in the next round
+    sub = np.arange(n)
+    while len(sub):
+        o = sub[np.lexsort((h[sub], cls[sub]))]
+        m = len(o)
         c_s, h_s = cls[o], h[o]
-        new_group = np.ones(n, dtype=bool)
+        new_group = np.ones(m, dtype=bool)
         new_group[1:] = (c_s[1:] != c_s[:-1]) | (h_s[1:] != h_s[:-1])
         split = new_group.copy()
         split[1:] &= c_s[1:] == c_s[:-1]  # a group start that is not its class's first group
@@ -333,7 +336,7 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         num_new = int(split.sum())
         if num_new == 0:
             break
-        group_start = np.maximum.accumulate(np.where(new_group, positions, 0))
+        group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0))
         fresh = split[group_start]
         changed = o[fresh]
         new_ids = num + np.cumsum(split)[group_start[fresh]] - 1
@@ -343,10 +346,15 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         lo, hi = bounds[changed], bounds[changed + 1]
         sizes = hi - lo
         total = int(sizes.sum())
-        if total:
-            offsets = np.cumsum(sizes) - sizes
-            idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-            np.add.at(h, edge_src[idx], edge_w[idx] * np.repeat(delta, sizes))
+        if not total:
+            break
+        offsets = np.cumsum(sizes) - sizes
+        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        touched = edge_src[idx]
+        np.add.at(h, touched, edge_w[idx] * np.repeat(delta, sizes))
+        hit = np.zeros(num, dtype=bool)
+        hit[cls[touched]] = True
+        sub = np.flatnonzero(hit[cls])
     reps = np.zeros(num, dtype=np.int64)
     reps[cls] = np.arange(len(cls))
     if np.array_equal(cls[cols], cls[cols[reps[cls]]]):
