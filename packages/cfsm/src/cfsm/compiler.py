@@ -14,6 +14,7 @@ import numpy as np
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.errors import UnsupportedSchemaError
+from cfsm.gcpause import without_gc
 from cfsm.index import Index, build_index
 from cfsm.json_schema import json_value_node, schema_to_node
 from cfsm.regex_ast import Node
@@ -37,6 +38,7 @@ def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str) -> Index:
     return build_index(dfa, vocab, grammar=grammar)
 
 
+@without_gc
 def compile_regex(pattern: str, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index:
     """Compile a regex (fullmatch semantics) against `vocab`. No caching; mutates nothing.
 
@@ -53,6 +55,7 @@ def _schema_text(schema: Any) -> str:
     return json.dumps(schema, sort_keys=False, separators=(",", ":"))
 
 
+@without_gc
 def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index:
     """Compile a JSON Schema (dict, bool or JSON text) against `vocab`. No caching.
 
@@ -63,6 +66,7 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
     return _index_of(node, vocab, f"schema:{_schema_text(schema)}|{cfg.schema_key()}", "schema")
 
 
+@without_gc
 def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *, object_only: bool = True) -> Index:
     """Free JSON (an object, or any value) nested to `config.json_depth` levels. No caching."""
     cfg = config or CfsmConfig()

@@ -20,6 +20,7 @@ import numpy as np
 
 from cfsm.automaton import Dfa, _byte_classes
 from cfsm.compressed import CompressedFsm
+from cfsm.gcpause import without_gc
 from cfsm.vocab import TrieTables, Vocabulary
 
 __all__ = ["Index", "build_index"]
@@ -685,6 +686,7 @@ def _token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
     return (rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(1, 2**63, size=n, dtype=np.uint64))
 
 
+@without_gc
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
 

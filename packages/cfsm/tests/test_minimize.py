@@ -1,0 +1,102 @@
+"""Byte classes, trimming and minimization of random DFA tables against brute-force oracles."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cfsm.automaton import _byte_classes, _minimize
+from cfsm.gcpause import without_gc
+
+_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# the random tables use these bytes; every other byte goes to the dead state
+_BYTES = (0, 1, 2, 97, 98, 200, 255)
+
+
+@st.composite
+def _tables(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
+    """A complete table (last row dead) with runs of equal columns, acceptance and a start."""
+    n = draw(st.integers(1, 9))
+    table = np.full((n + 1, 256), n, dtype=np.int32)
+    for q in range(n):
+        for b in _BYTES:
+            table[q, b] = draw(st.integers(0, n))
+        if draw(st.booleans()):  # a range of equal columns
+            lo = draw(st.integers(3, 90))
+            table[q, lo : lo + draw(st.integers(1, 5))] = draw(st.integers(0, n))
+    accepting = np.array([draw(st.booleans()) for _ in range(n)] + [False])
+    return table, accepting, draw(st.integers(0, n - 1))
+
+
+def _language_classes(table: np.ndarray, accepting: np.ndarray) -> list[int]:
+    """Plain Moore refinement over all 256 bytes: the language-equivalence class of each state."""
+    n = table.shape[0]
+    live = accepting.copy()
+    while True:  # trimming: states that reach acceptance
+        grown = live | live[table].any(axis=1)
+        if (grown == live).all():
+            break
+        live = grown
+    cls = [int(accepting[q]) if live[q] else -1 for q in range(n)]
+    while True:
+        sig = {q: (cls[q], tuple(cls[t] for t in table[q].tolist())) for q in range(n)}
+        ids: dict[tuple[int, tuple[int, ...]], int] = {}
+        new = [-1 if cls[q] == -1 else ids.setdefault(sig[q], len(ids)) for q in range(n)]
+        if len(set(new)) == len(set(cls)):
+            return new
+        cls = new
+
+
+@_SETTINGS
+@given(_tables())
+def test_byte_classes_group_exactly_the_equal_columns(case: tuple[np.ndarray, np.ndarray, int]) -> None:
+    table, _, _ = case
+    rep, cls = _byte_classes(table)
+    assert len(cls) == 256 and len(set(rep.tolist())) == len(rep)
+    equal_columns = (table[:, :, None] == table[:, None, :]).all(axis=0)
+    assert (equal_columns == (cls[:, None] == cls[None, :])).all()
+    assert (table[:, rep[cls]] == table).all()
+
+
+@_SETTINGS
+@given(_tables())
+def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarray, int]) -> None:
+    table, accepting, start = case
+    dfa = _minimize(table, accepting, start)
+    oracle = _language_classes(table, accepting)
+    # every state maps to a minimal state accepting the same language: compare on all strings
+    # of up to 4 of the used bytes
+    for k in range(5):
+        for word in itertools.product(_BYTES[:4], repeat=k):
+            a, b = start, dfa.start
+            for byte in word:
+                a, b = int(table[a, byte]), int(dfa.transitions[b, byte])
+            assert bool(accepting[a]) == bool(dfa.accepting[b])
+            assert (oracle[a] == -1) == (b == dfa.dead)  # dead exactly where nothing is accepted
+    assert dfa.num_states == len({oracle[q] for q in range(table.shape[0]) if oracle[q] != -1})
+
+
+def test_without_gc_pauses_and_restores_the_collector() -> None:
+    seen: list[bool] = []
+
+    @without_gc
+    def inner() -> None:
+        seen.append(gc.isenabled())
+
+    @without_gc
+    def outer(fail: bool) -> None:
+        inner()
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("boom")
+
+    assert gc.isenabled()
+    outer(False)
+    with pytest.raises(ValueError):
+        outer(True)
+    assert seen == [False, False, False, False] and gc.isenabled()
