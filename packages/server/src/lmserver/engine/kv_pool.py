@@ -48,9 +48,13 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes k, v (T, KV, D) at slots `loc` (T,) of layer `layer_id`; mutates the caches."""
-        self.k_cache[layer_id][loc] = k.to(self.dtype)
-        self.v_cache[layer_id][loc] = v.to(self.dtype)
+        """Writes k, v (T, KV, D) at slots `loc` (T,) int64 of layer `layer_id`; mutates the caches.
+
+        NOTE: index_copy_, not `cache[loc] = k`: on CPU index_put_ costs time in the size of the
+        whole cache (~0.8 ms per call at 10k slots), index_copy_ only in the rows written.
+        """
+        self.k_cache[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_cache[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
 
 def make_req_to_token(max_running_requests: int, max_context_len: int, device: torch.device | str) -> torch.Tensor:

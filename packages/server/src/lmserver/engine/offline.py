@@ -10,53 +10,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from lmserver.config import ServerConfig
+from lmserver.engine.async_call import END, AsyncCall, Result
 from lmserver.engine.core import EngineCore
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, SamplingParams, expand_n
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
-
-
-class _Result:
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.meta: dict[str, Any] = {"id": rid}
-        self.started = time.monotonic()
-        self.finished = False
-
-    def update(self, out: ReqOutput) -> None:
-        self.text += out.new_text
-        if out.rollback_tokens:
-            del self.output_ids[len(self.output_ids) - out.rollback_tokens :]
-        self.output_ids.extend(out.new_token_ids)
-        m = self.meta
-        if out.jump_forward_tokens:
-            m["jump_forward_tokens"] = out.jump_forward_tokens
-        m["prompt_tokens"] = out.prompt_tokens
-        m["completion_tokens"] = out.completion_tokens
-        m["cached_tokens"] = out.cached_tokens
-        if out.input_token_logprobs is not None:
-            m["input_token_logprobs"] = out.input_token_logprobs
-            m["input_top_logprobs"] = out.input_top_logprobs
-        if out.output_token_logprobs:
-            m.setdefault("output_token_logprobs", []).extend(out.output_token_logprobs)
-            m.setdefault("output_top_logprobs", []).extend(out.output_top_logprobs)
-        if out.finished:
-            self.finished = True
-            m["finish_reason"] = out.finish_reason
-            m["e2e_latency"] = time.monotonic() - self.started
-            if out.error:
-                m["error"] = out.error
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": dict(self.meta)}
 
 
 class Engine:
@@ -67,8 +30,16 @@ class Engine:
         self.core = EngineCore(ServerConfig(model_path=model_path, **config))
         self.tokenizer = self.core.tokenizer
         self.model_path = self.core.model_path
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one thread steps the core at a time
         self._ids = itertools.count()
+        # rid -> receiver of its outputs; mutated only under _lock. Whoever steps the core (a
+        # sync call or the async driver) dispatches every output, so no call's outputs are lost.
+        self._sinks: dict[str, Callable[[ReqOutput], object]] = {}
+        self._async_rids: set[str] = set()  # live requests of async calls (under _lock)
+        self._cv = threading.Condition()  # guards _inbox and _closed
+        self._inbox: list[tuple[str, AsyncCall]] = []  # ("add" | "abort", call) for the driver
+        self._closed = False
+        self._driver: threading.Thread | None = None
 
     # --- building requests ------------------------------------------------------------------
 
@@ -141,63 +112,162 @@ class Engine:
         dicts = [r.as_dict() for r in results]
         return dicts[0] if single else dicts
 
-    def _run(self, reqs: list[GenerateReq]) -> list[_Result]:
+    def _step(self) -> None:
+        """One core step; outputs go to their sinks (caller holds _lock)."""
+        for out in self.core.step():
+            sink = self._sinks.get(out.rid)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.rid]
+                self._async_rids.discard(out.rid)
+            if sink(out) is False:  # an async caller's loop is gone: stop its request
+                self._sinks.pop(out.rid, None)
+                self._async_rids.discard(out.rid)
+                self.core.abort_request(out.rid)
+
+    def _drain_aborted(self, rids: list[str]) -> None:
+        """Aborts `rids` and steps until the core has no work (caller holds _lock)."""
+        for rid in rids:
+            self.core.abort_request(rid)
+        while self.core.has_work():
+            self._step()
+
+    def _run(self, reqs: list[GenerateReq]) -> list[Result]:
         with self._lock:
-            results = {r.rid: _Result(r.rid) for r in reqs}
+            results = {r.rid: Result(r.rid) for r in reqs}
             added: list[str] = []
             try:
                 for r in reqs:
                     self.core.add_request(r)
                     added.append(r.rid)
+                    self._sinks[r.rid] = results[r.rid].update
                 while any(not res.finished for res in results.values()):
-                    for out in self.core.step():
-                        if out.rid in results:
-                            results[out.rid].update(out)
+                    self._step()  # live async requests ride along in the same batches
             except BaseException:
                 for rid in added:
-                    self.core.abort_request(rid)
-                while self.core.has_work():
-                    self.core.step()
+                    self._sinks.pop(rid, None)
+                self._drain_aborted(added)
                 raise
             return [results[r.rid] for r in reqs]
 
     def _stream(self, req: GenerateReq) -> Iterator[dict[str, Any]]:
         with self._lock:
-            result = _Result(req.rid)
+            result = Result(req.rid)
+            updates: list[ReqOutput] = []
             self.core.add_request(req)
+            self._sinks[req.rid] = updates.append
             try:
                 while not result.finished:
-                    for out in self.core.step():
-                        if out.rid == req.rid:
-                            result.update(out)
-                            yield result.as_dict()
+                    self._step()
+                    for out in updates:
+                        result.update(out)
+                        yield result.as_dict()
+                    updates.clear()
             finally:
                 if not result.finished:
-                    self.core.abort_request(req.rid)
-                    while self.core.has_work():
-                        self.core.step()
+                    self._sinks.pop(req.rid, None)
+                    self._drain_aborted([req.rid])
+
+    # --- async: concurrent calls share batches -------------------------------------------------
+
+    def _post(self, kind: str, call: AsyncCall) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine was shut down")
+            self._inbox.append((kind, call))
+            if self._driver is None:
+                self._driver = threading.Thread(target=self._drive, name="lmserver-engine-driver", daemon=True)
+                self._driver.start()
+            self._cv.notify()
+
+    def _drive(self) -> None:
+        """The driver thread: admits async calls and steps the core while any is live."""
+        while True:
+            with self._cv:
+                while not self._closed and not self._inbox and not self._async_rids:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                inbox, self._inbox = self._inbox, []
+            with self._lock:
+                for kind, call in inbox:
+                    if kind == "add":
+                        self._admit(call)
+                    else:
+                        for rid in call.rids:
+                            if self._sinks.pop(rid, None) is not None:
+                                self._async_rids.discard(rid)
+                                self.core.abort_request(rid)
+                if self.core.has_work():
+                    self._step()
+                    continue
+            with self._cv:  # live calls but nothing to step (cannot happen; never spin)
+                if self._async_rids and not self._inbox and not self._closed:
+                    self._cv.wait(0.01)
+
+    def _admit(self, call: AsyncCall) -> None:
+        """Adds the call's requests to the core, or none of them (caller holds _lock)."""
+        added: list[str] = []
+        try:
+            for r in call.reqs:
+                self.core.add_request(r)
+                added.append(r.rid)
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+            for rid in added:
+                self.core.abort_request(rid)
+            call.fail(exc)
+            return
+        for rid in added:
+            self._sinks[rid] = call.deliver
+            self._async_rids.add(rid)
 
     async def async_generate(
         self,
         prompt: Prompt = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        **kwargs: Any,
+        input_ids: InputIds = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
-        """`generate` without blocking the event loop (runs in a worker thread). Calls are
-        served one after another; batch prompts in one call for throughput."""
-        if kwargs.get("stream"):
-            sync_iter = self.generate(prompt, sampling_params, **kwargs)
-            assert isinstance(sync_iter, Iterator)
-            return self._aiter(sync_iter)
-        return await asyncio.to_thread(self.generate, prompt, sampling_params, **kwargs)  # type: ignore[arg-type, return-value]
+        """`generate` without blocking the event loop. Concurrent calls (e.g. under
+        `asyncio.gather`) are scheduled together: a driver thread steps the core for all of them,
+        so they share prefill and decode batches. Cancelling the call aborts its requests."""
+        reqs, single = self._requests(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+            return_text_in_logprobs, rid,
+        )
+        if stream and len(reqs) != 1:
+            raise InvalidRequestError("stream=True takes one prompt with n == 1")
+        call = AsyncCall(asyncio.get_running_loop(), reqs, stream)
+        self._post("add", call)
+        if stream:
+            return self._astream(call)
+        try:
+            await call.future
+        except asyncio.CancelledError:
+            self._post("abort", call)
+            raise
+        dicts = [call.results[r.rid].as_dict() for r in reqs]
+        return dicts[0] if single else dicts
 
-    async def _aiter(self, sync_iter: Iterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-        sentinel = object()
-        while True:
-            item = await asyncio.to_thread(next, sync_iter, sentinel)
-            if item is sentinel:
-                return
-            yield item  # type: ignore[misc]
+    async def _astream(self, call: AsyncCall) -> AsyncIterator[dict[str, Any]]:
+        assert call.queue is not None
+        try:
+            while True:
+                item = await call.queue.get()
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item  # type: ignore[misc]
+        finally:
+            if not call.future.done():
+                self._post("abort", call)
 
     # --- stats and lifecycle ------------------------------------------------------------------
 
@@ -209,12 +279,16 @@ class Engine:
         return self.core.flush_cache()
 
     def shutdown(self) -> None:
-        """Aborts anything left and frees the model and KV cache (the engine is unusable after)."""
+        """Aborts anything left (pending async calls finish with reason "abort"), stops the
+        driver thread and frees the model and KV cache (the engine is unusable after)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._driver is not None:
+            self._driver.join()
         with self._lock:
-            for rid in list(self.core.states):
-                self.core.abort_request(rid)
-            while self.core.has_work():
-                self.core.step()
+            self._drain_aborted(list(self.core.states))
+            self._sinks.clear()
             del self.core.runner, self.core.model, self.core.kv_pool
 
     def __enter__(self) -> Engine:

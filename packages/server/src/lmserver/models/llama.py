@@ -25,8 +25,45 @@ class WeightLoadingError(ValueError):
     """A checkpoint tensor is unknown, has the wrong shape, or a parameter was never loaded."""
 
 
+class RopeTables(nn.Module):
+    """RoPE rows of one forward, gathered once for all layers (NeoX rotate-half layout).
+
+    rotate_half(x) * sin == cat(x2, x1) * sin_signed with sin_signed = cat(-sin1, sin2), so a
+    rotation is one cat, one mul and one addcmul over q and k heads together.
+    """
+
+    def __init__(self, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        half = rotary.head_dim // 2
+        sin: torch.Tensor = rotary.sin_cache  # type: ignore[assignment]
+        signed = sin.clone()
+        signed[:, :half] = -signed[:, :half]
+        self.rotary = [rotary]  # NOTE: a list: the module is registered by LlamaModel already
+        self.register_buffer("sin_signed", signed, persistent=False)  # (max_positions, head_dim)
+        self.half_dim = half
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, positions: torch.Tensor) -> None:
+        """Gathers the cos / signed-sin rows of `positions` (T,); mutates self (one per forward)."""
+        cos_cache: torch.Tensor = self.rotary[0].cos_cache  # type: ignore[assignment]
+        sin_signed: torch.Tensor = self.sin_signed  # type: ignore[assignment]
+        self._rows = (positions, cos_cache[positions].unsqueeze(1), sin_signed[positions].unsqueeze(1))
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x (T, heads, D) -> rotated copy; uses the prepared rows when `positions` is theirs."""
+        if self._rows is None or self._rows[0] is not positions:
+            self.prepare(positions)
+        assert self._rows is not None
+        _, cos, sin = self._rows
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            self._rows = (positions, cos, sin)  # cast once per forward
+        swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, rope: RopeTables) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -40,18 +77,21 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = [rotary]  # NOTE: a list so the shared module is not registered once per layer
+        self.rope = [rope]  # the per-forward cos/sin rows, shared by all layers (same NOTE)
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KV, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, KV, D)
+        t, h, kv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kv, d)  # (T, KV, D)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+            q = self.q_norm(qkv[:, : self.q_size].reshape(t, h, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, kv, d))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, h + kv, d)  # q and k heads side by side
+        qk = self.rope[0].rotate(positions, qk)  # one rotation for q and k together
+        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, batch))
 
 
 class LlamaMLP(nn.Module):
@@ -65,9 +105,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: nn.Module, rope: RopeTables
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, rope)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -82,13 +124,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_parameters)
+        self.rope = RopeTables(self.rotary)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, self.rotary, make_mlp(config)) for i in range(config.num_hidden_layers)]
+            [
+                LlamaDecoderLayer(config, i, self.rotary, make_mlp(config), self.rope)
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden)
+        self.rope.prepare(positions)
         for layer in self.layers:
             h = layer(positions, h, batch)
         return self.norm(h)  # type: ignore[no-any-return]
