@@ -12,6 +12,7 @@ Built by walking the vocabulary through the DFA, never token by state one at a t
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +145,20 @@ class Index:
         return int(self.masks.nbytes + self.mask_row.nbytes + self.dfa.transitions.nbytes)
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """The first `cut` entries of `positions`, a sorted-position list shared by many states and
+    cached under `key` (its mask rows are built incrementally, one per cut)."""
+
+    key: bytes
+    positions: np.ndarray
+    cut: int
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarray, tflat: np.ndarray,
                      dead: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
     """Walk the tokens at sorted positions `idx` (in states `cur`, `j` bytes read) to their ends."""
@@ -207,11 +222,11 @@ def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, col
                                                  np.split(all_next, cuts), strict=True)]
 
 
-def _depth_classes(dfa: Dfa, depth: int) -> np.ndarray:
-    """Classes of states that agree on every byte string of at most `depth` bytes.
+def _depth_classes(dfa: Dfa, depth: int) -> list[np.ndarray]:
+    """Per d in 0..depth: classes of states that agree on every byte string of at most d bytes.
 
     Two states agree when, after any such string, both are dead or both are live with the same
-    acceptance; so every token of at most `depth` bytes is allowed in both or in neither.
+    acceptance; so every token of at most d bytes is allowed in both or in neither.
     # NOTE: each round groups by one 64-bit hash and checks the grouping with a second one; only
     # a collision of both (probability about rounds * states^2 / 2^128) would merge two classes.
     """
@@ -224,6 +239,7 @@ def _depth_classes(dfa: Dfa, depth: int) -> np.ndarray:
     w1 = rng.integers(1, 2**63, size=cols.shape[1] + 1, dtype=np.uint64)
     w2 = rng.integers(1, 2**63, size=cols.shape[1] + 1, dtype=np.uint64)
     num = len(np.unique(cls))
+    out = [cls]
     for _ in range(depth):
         c = cls.astype(np.uint64)
         sub = cls[cols].astype(np.uint64)
@@ -237,10 +253,36 @@ def _depth_classes(dfa: Dfa, depth: int) -> np.ndarray:
             new = new.reshape(-1).astype(np.int64)
         new_num = int(new.max()) + 1
         cls = new
+        out.append(cls)
         if new_num == num:
             break
         num = new_num
-    return cls
+    out.extend([cls] * (depth + 1 - len(out)))
+    return out
+
+
+def _walk_classes(dfa: Dfa, tables: TrieTables, depth: int) -> np.ndarray:
+    """Classes of states whose tokens of at most `depth` bytes are allowed alike (one walk each).
+
+    A state's tokens of at most `depth` bytes all have at most D bytes, D the longest such token
+    starting with a byte it allows; two states with the same D that agree on every string of at
+    most D bytes (same allowed first bytes included) allow the same of those tokens. So states
+    whose candidates are short (UTF-8 continuations, escapes) share walks across counter values
+    that a `depth`-byte agreement would keep apart.
+    """
+    n = dfa.num_states
+    by_depth = _depth_classes(dfa, depth)
+    short = np.where(tables.lengths <= depth, tables.lengths, 0)
+    starts = tables.first_byte_starts
+    longest = np.zeros(256, dtype=np.int64)
+    nonempty = np.flatnonzero(starts[1:] > starts[:-1])
+    if len(nonempty):
+        longest[nonempty] = np.maximum.reduceat(short, starts[nonempty])
+    d = np.where(dfa.transitions[:n] != dfa.dead, longest[None, :], 0).max(axis=1)
+    stacked = np.stack(by_depth)[:, :n]  # (depth + 1, n)
+    key = np.stack([d, stacked[d, np.arange(n)]], axis=1)
+    _, cls = np.unique(key, axis=0, return_inverse=True)
+    return cls.reshape(-1)
 
 
 def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> tuple[np.ndarray, np.ndarray]:
@@ -270,12 +312,13 @@ class _Walker:
         self._allowed: dict[int, np.ndarray] = {}
         self._max_len = int(tables.lengths.max()) if self.n else 0
         self._chain_memo: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._steps: dict[bytes, tuple[list[int], list[bool]]] = {}
         # a 257th column: "past the end of the token" keeps the state
         self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._uniform: dict[tuple[int, int, int], bool] = {}
-        self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes]] = {}
 
     def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens of those `states` with few candidates together, in batches.
@@ -335,10 +378,18 @@ class _Walker:
             hit = self._allowed[q] = np.flatnonzero(self.trans[q] != self.dead).astype(np.int16)
         return hit
 
+    def _group_steps(self, group: np.ndarray) -> tuple[list[int], list[bool]]:
+        """`_group_steps` for every state, memoized per byte group (shared by its chains)."""
+        key = group.tobytes()
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._steps[key] = _group_steps(self.trans, group)
+        return hit
+
     def chain(self, q: int) -> tuple[np.ndarray, np.ndarray] | None:
         """`_chain_of` for state `q`, memoized."""
         if q not in self._chain_memo:
-            self._chain_memo[q] = _chain_of(self.dfa, q, self._max_len)
+            self._chain_memo[q] = _chain_of(self.dfa, q, self._max_len, self._group_steps)
         return self._chain_memo[q]
 
     def _row(self, q: int) -> list[int]:
@@ -419,14 +470,15 @@ class _Walker:
             hit = self._uniform[key] = bool((self._utf8_next_all[chain[:steps]] == chain[1 : steps + 1]).all())
         return hit
 
-    def walk(self, q: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted positions, next states) of every token whose bytes survive from state `q`."""
+    def walk(self, q: int) -> tuple[Prefix | None, np.ndarray]:
+        """Sorted positions of every token whose bytes survive from state `q`: a `Prefix` of a
+        shared position list (or None), and the other positions."""
         tables = self.tables
         dead = self.dead
         allowed = self.allowed(q)
         num_candidates = int(tables.first_byte_counts[allowed].sum())
         if num_candidates <= _TINY_PYTHON:
-            return self._walk_tiny(q, allowed)
+            return None, self._walk_tiny(q, allowed)[0]
         broad = num_candidates > _BROAD * self.n
         chain_info = self.chain(q)
         out_pos: list[np.ndarray] = []
@@ -440,30 +492,30 @@ class _Walker:
             # Where every multi-byte character also steps along the chain (string text), tokens
             # with such characters follow it too, by their number of characters.
             limit = self._chain_limit(chain)
-            pos_in, lens, others = self._inside_group(outside, self._utf8_uniform(outside, chain, limit))
+            utf8 = self._utf8_uniform(outside, chain, limit)
+            pos_in, lens, others = self._inside_group(outside, utf8)
             cut = int(np.searchsorted(lens, limit))
-            out_pos.append(pos_in[:cut])
-            out_next.append(chain[lens[:cut]])
+            prefix = Prefix(b"g" + outside.tobytes() + (b"u" if utf8 else b""), pos_in, cut)
             rest = others if limit < len(chain) else np.concatenate([others, pos_in[cut:]])
             _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, dead,
                              out_pos, out_next)
-            return np.concatenate(out_pos), np.concatenate(out_next)
+            return prefix, _concat(out_pos)
         if broad:
-            return _walk_all(q, self.stay_flat, dead, tables)
-        if len(allowed) > _FEW_BYTES and self._walk_first_then_chain(q, allowed, out_pos, out_next):
-            return np.concatenate(out_pos), np.concatenate(out_next)
+            return None, _walk_all(q, self.stay_flat, dead, tables)[0]
+        if len(allowed) > _FEW_BYTES:
+            done, head = self._walk_first_then_chain(q, allowed, out_pos, out_next)
+            if done:
+                return head, _concat(out_pos)
         self._walk_ranges(q, out_pos, out_next)
-        if not out_pos:
-            return np.zeros(0, np.int64), np.zeros(0, np.int32)
-        return np.concatenate(out_pos), np.concatenate(out_next)
+        return None, _concat(out_pos)
 
     def _candidates(self, allowed: np.ndarray, chained: np.ndarray, outside: np.ndarray, utf8: bool
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes]:
         """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
 
         Returns (positions whose bytes after the first all lie in the group, i.e. outside the
-        byte set `outside`; their tail lengths; the index in `allowed` of their first byte; the
-        other positions). Cached per (allowed, outside):
+        byte set `outside`, sorted by tail length; their tail lengths; the index in `allowed` of
+        their first byte; the other positions; the cache key). Cached per (allowed, outside):
         the escape states of every counter value share it. With `utf8` (the allowed bytes are
         ASCII), tails may also hold complete multi-byte characters and lengths count characters.
         """
@@ -490,21 +542,24 @@ class _Walker:
             steps = tables.lengths[idx] - 1  # bytes after the first one
         inside &= chained[first]  # tokens of an unchained first byte are walked
         idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
-        hit = self._cand[key] = (idx_in, steps_in, first_in, idx[~inside])
+        order = np.argsort(steps_in, kind="stable")
+        hit = self._cand[key] = (idx_in[order], steps_in[order], first_in[order], idx[~inside], key)
         return hit
 
     def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
-                               out_next: list[np.ndarray]) -> bool:
+                               out_next: list[np.ndarray]) -> tuple[bool, Prefix | None]:
         """One byte, then the chain of the state it leads to (an escape letter, then string text).
 
         Applies to the allowed first bytes that lead to a state with a chain over one common byte
-        group (the others' tokens are walked); returns False (nothing written) if there is none.
+        group (the others' tokens are walked); returns (False, None) (nothing written) if there is
+        none. Where all of them lead to one chain, its tokens are a `Prefix` of the candidates
+        sorted by tail length (returned, not written).
         """
         targets, target_of = np.unique(self.trans[q, allowed.astype(np.int64)], return_inverse=True)
         infos = [self.chain(int(r)) for r in targets.tolist()]
         first = next((i for i in infos if i is not None), None)
         if first is None:
-            return False
+            return False, None
         # per distinct target: chained (a chain over the common group), its chain and limit
         chains = [i[1] if i is not None and np.array_equal(i[0], first[0]) else None for i in infos]
         limits = np.array([-1 if c is None else self._chain_limit(c) for c in chains], dtype=np.int64)
@@ -517,9 +572,16 @@ class _Walker:
                 table[k, : len(c)] = c
         target_of = target_of.reshape(-1)
         chained = (limits >= 0)[target_of]
-        idx_in, steps_in, first_in, rest_bytes = self._candidates(allowed, chained, first[0], utf8)
+        idx_in, steps_in, first_in, rest_bytes, key = self._candidates(allowed, chained, first[0], utf8)
         # NOTE: as in `walk`: a chain is dead from its first dead entry on; where it has none
         # (limit == its length), longer tails are not known and are walked
+        if int((limits >= 0).sum()) == 1:  # one chain: a prefix of the candidates by tail length
+            k = int(np.flatnonzero(limits >= 0)[0])
+            cut = int(np.searchsorted(steps_in, limits[k]))
+            todo = rest_bytes if limits[k] < sizes[k] else np.concatenate([rest_bytes, idx_in[cut:]])
+            _walk_vectorized(todo, np.full(len(todo), q, dtype=np.int32), 0, self.tables.columns, self.tflat,
+                             self.dead, out_pos, out_next)
+            return True, Prefix(b"c" + key, idx_in, cut)
         tgt = target_of[first_in]
         lim = limits[tgt]
         sel = steps_in < lim
@@ -529,7 +591,7 @@ class _Walker:
         todo = np.concatenate([rest_bytes, idx_in[unknown]]) if unknown.any() else rest_bytes
         _walk_vectorized(todo, np.full(len(todo), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
                          out_pos, out_next)
-        return True
+        return True, None
 
     def _chain_limit(self, chain: np.ndarray) -> int:
         """Index of the first dead entry of `chain` (its length if none)."""
@@ -600,7 +662,15 @@ class _Walker:
                              out_pos, out_next)
 
 
-def _chain_of(dfa: Dfa, q: int, max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _group_steps(trans: np.ndarray, group: np.ndarray) -> tuple[list[int], list[bool]]:
+    """Per state: where the first byte of `group` leads, and whether every byte of it leads there."""
+    nxt = trans[:, group[0]]
+    return nxt.tolist(), (trans[:, group] == nxt[:, None]).all(axis=1).tolist()
+
+
+def _chain_of(dfa: Dfa, q: int, max_len: int,
+              steps_of: Callable[[np.ndarray], tuple[list[int], list[bool]]] | None = None
+              ) -> tuple[np.ndarray, np.ndarray] | None:
     """For a broad state q: (complement of its main byte group P as 4 uint64 words, chain).
 
     P is the largest set of bytes leading from q to one state; `chain[k]` is the state after any
@@ -618,19 +688,19 @@ def _chain_of(dfa: Dfa, q: int, max_len: int) -> tuple[np.ndarray, np.ndarray] |
     if counts[main] < _MIN_GROUP_BYTES:
         return None
     group = np.flatnonzero(row == main)
+    nxt, uniform = steps_of(group) if steps_of is not None else _group_steps(trans, group)
     chain = [q, main]
     while len(chain) <= max_len:
         cur = chain[-1]
         if cur == dead:
             chain.extend([dead] * (max_len + 1 - len(chain)))
             break
-        nxt = trans[cur, group]
-        if not (nxt == nxt[0]).all():
+        if not uniform[cur]:
             break
-        if int(nxt[0]) == cur:  # a self-loop: the chain stays here
+        if nxt[cur] == cur:  # a self-loop: the chain stays here
             chain.extend([cur] * (max_len + 1 - len(chain)))
             break
-        chain.append(int(nxt[0]))
+        chain.append(nxt[cur])
     member = np.zeros(256, dtype=bool)
     member[group] = True
     words = np.packbits(~member, bitorder="little").view("<u8").astype(np.uint64)
@@ -680,6 +750,39 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     class_row[ks] = group_row[inverse.reshape(-1)]
 
 
+class _PrefixRows:
+    """Mask rows (tokens of at most `_SHARE_DEPTH` bytes) of prefixes of shared position lists.
+
+    Per list, the rows of the cuts asked for so far are kept; a new cut starts from the row of
+    the largest smaller one and adds the tokens in between.
+    """
+
+    def __init__(self, order: np.ndarray, is_long: np.ndarray, words: int) -> None:
+        self.order = order
+        self.is_long = is_long
+        self.words = words
+        self._lists: dict[bytes, tuple[np.ndarray, np.ndarray, list[int], dict[int, np.ndarray]]] = {}
+
+    def row(self, prefix: Prefix) -> np.ndarray:
+        hit = self._lists.get(prefix.key)
+        if hit is None:
+            keep = ~self.is_long[prefix.positions]
+            tids = self.order[prefix.positions[keep]].astype(np.int64)
+            short_before = np.concatenate([[0], np.cumsum(keep)])  # cut -> cut among short tokens
+            hit = self._lists[prefix.key] = (tids, short_before, [0], {0: np.zeros(self.words, dtype=np.uint32)})
+        tids, short_before, cuts, rows = hit
+        cut = int(short_before[prefix.cut])
+        row = rows.get(cut)
+        if row is None:
+            at = bisect.bisect_right(cuts, cut) - 1
+            row = rows[cuts[at]].copy()
+            add = tids[cuts[at] : cut]
+            np.bitwise_or.at(row, add >> 5, np.left_shift(np.uint32(1), (add & 31).astype(np.uint32)))
+            rows[cut] = row
+            cuts.insert(at + 1, cut)
+        return row
+
+
 @functools.lru_cache(maxsize=4)
 def _token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0x70CE5)
@@ -699,7 +802,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     walker = _Walker(dfa, tables)
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
-    classes = _depth_classes(dfa, _SHARE_DEPTH)[:num_states]
+    classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
     _, reps, class_of = np.unique(classes, return_index=True, return_inverse=True)
     is_long = tables.lengths > _SHARE_DEPTH
     eos32 = eos.astype(np.int32)
@@ -727,17 +830,21 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     if few.any():
         _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row,
                   lambda tids: intern(sparse_row(tids)))
+    prefix_rows = _PrefixRows(tables.order, is_long, words)
     for k in np.flatnonzero(~few).tolist():
         rep = int(reps[k])
-        pos, _ = walker.walk(rep)
+        prefix, pos = walker.walk(rep)
         tids = tables.order[pos[~is_long[pos]]]
         if dfa.accepting[rep]:
             tids = np.concatenate([tids, eos32])
-        if len(tids) <= _SPARSE_ROW:  # keyed by the sorted ids: equal sets are packed once
+        if prefix is not None:
+            row = prefix_rows.row(prefix).copy()
+            np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            r = intern(row)
+        elif len(tids) <= _SPARSE_ROW:  # keyed by the sorted ids: equal sets are packed once
             key = np.sort(tids).tobytes()
-            r = small_rows.get(key)
-            if r is None:
-                r = small_rows[key] = intern(sparse_row(tids))
+            hit = small_rows.get(key)
+            r = small_rows[key] = intern(sparse_row(tids)) if hit is None else hit
         else:
             bits[:] = False
             bits[tids] = True
