@@ -16,6 +16,10 @@ divided by the mean decode step time, in the no_jump_forward batch run (every st
 row).
 
     python benchmarks/structured/bench_structured.py [--threads 2] [--num-latency 6] [--concurrency 32]
+        [--model-path DIR --load-format dummy --dtype bfloat16 --device cuda]
+
+With `--load-format dummy` the weights are random: the forced (jump-forward) text and the step
+counts are the same kind of work, but the free text is noise; only timings are meaningful then.
 """
 
 from __future__ import annotations
@@ -169,9 +173,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--workloads", default="json_long_keys,regex_form")
     ap.add_argument("--json", "--json-out", dest="json_out", default=None, help="write all rows to this JSON file")
+    ap.add_argument("--model-path", default=None, help="a Hugging Face folder (default: the embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto", help="'dummy' = random weights for the folder's config")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(dtype="float32", max_total_tokens=32768, max_running_requests=max(args.concurrency, 1))
+    engine = Engine(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                    max_total_tokens=32768, max_running_requests=max(args.concurrency, 1))
+    print(f"model {engine.model_path} ({args.load_format}, {args.dtype}) on {engine.core.device}", flush=True)
     probe = StepProbe(engine)
     rows = []
     for workload in args.workloads.split(","):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import queue
 import re
 import shutil
 import signal
@@ -55,7 +56,7 @@ def _model_folder(tmp_path: Path, name: str, hf_config: dict[str, Any]) -> str:
     return str(folder)
 
 
-def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
+def _generate_here(model_path: str, config: dict[str, Any]) -> list[dict[str, Any]]:
     from lmserver import Engine
 
     engine = Engine(
@@ -75,6 +76,43 @@ def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
         if engine.core.tp is not None:
             engine.core.tp.shutdown()
         engine.shutdown()
+
+
+def _child(box: Any, model_path: str, config: dict[str, Any]) -> None:
+    try:
+        box.put(("ok", _generate_here(model_path, config)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the test process
+        box.put(("error", exc))
+
+
+def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
+    """Greedy outputs of an offline Engine run in a fresh spawned process.
+
+    NOTE: rank 0 of a TP engine joins torch.distributed, starts a follower watchdog thread and
+    registers an atexit hook; none of that may live in the pytest process (a leftover there
+    once hung the CI run in an unrelated later test).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    box = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(box, model_path, config), name="tp-test-rank0")
+    proc.start()
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            try:
+                status, value = box.get(timeout=1)
+                break
+            except queue.Empty:
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine process gave no result (exit status {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status == "error":
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def _assert_same(tp1: list[dict[str, Any]], tp2: list[dict[str, Any]]) -> None:

@@ -307,13 +307,27 @@ def serve_fake(argv: list[str], core_factory: str = "lmserver.testing:FakeEngine
     return launch_server(parse_config(argv), core_factory=core_factory)
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+def free_port(span: int = 1) -> int:
+    """A port `p` such that `p .. p + span - 1` were all free a moment ago on 127.0.0.1.
+
+    NOTE: picked at random below the kernel's ephemeral range (32768+ on Linux), so an outgoing
+    connection of another process cannot take it between this check and the server's bind (a
+    data-parallel server listens on `port + 1 + i` for its replicas: pass `span = 1 + dp_size`).
+    """
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - span)
+        try:
+            for port in range(first, first + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no block of {span} free ports found in 20000..32000")
 
 
 class ServerProcess:
@@ -328,7 +342,9 @@ class ServerProcess:
                  env: dict[str, str] | None = None) -> None:
         import sys
 
-        self.port = port or free_port()
+        full_args = args or []
+        dp = int(full_args[full_args.index("--dp-size") + 1]) if "--dp-size" in full_args else 0
+        self.port = port or free_port(span=1 + dp)
         self.base_url = f"http://127.0.0.1:{self.port}"
         full = ["--port", str(self.port), *(args or [])]
         if core is None:
