@@ -179,6 +179,28 @@ def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarr
         j += 1
 
 
+def _walk_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, columns: np.ndarray, tflat: np.ndarray,
+               dead: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
+    """Walk the tokens at sorted positions `idx`, each in state `cur` with `at` bytes read."""
+    keep = cur != dead
+    idx, cur, at = idx[keep], cur[keep], at[keep].copy()
+    while idx.size:
+        b = columns[at, idx]
+        end = b < 0
+        if end.any():
+            out_pos.append(idx[end])
+            out_next.append(cur[end])
+            keep = ~end
+            idx, cur, at, b = idx[keep], cur[keep], at[keep], b[keep]
+        key = cur.astype(np.int64) * 256
+        key += b
+        cur = tflat.take(key)
+        keep = cur != dead
+        if not keep.all():
+            idx, cur, at = idx[keep], cur[keep], at[keep]
+        at += 1
+
+
 def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
                 tflat: np.ndarray, dead: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Walk (owner state, token) pairs together: (owners, positions, next states) of the
@@ -316,7 +338,8 @@ class _Walker:
         # a 257th column: "past the end of the token" keeps the state
         self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
-        self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray],
+                                        tuple[np.ndarray, np.ndarray]]] = {}
         self._uniform: dict[tuple[int, int, int], bool] = {}
         self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes]] = {}
 
@@ -398,9 +421,12 @@ class _Walker:
             row = self._rows[q] = self.trans[q].tolist()
         return row
 
-    def _inside_group(self, outside: np.ndarray, utf8: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(positions made only of the group's bytes sorted by length, their lengths, the other
-        positions), cached: every state with this group (each counter value) reuses it.
+    def _inside_group(self, outside: np.ndarray, utf8: bool) -> tuple[
+            np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(positions made only of the group's bytes sorted by length, their lengths, (the other
+        positions with a first byte in the group, the index of their first byte outside it),
+        (the positions starting outside the group, their bounds per first byte)), cached: every
+        state with this group (each counter value) reuses it.
 
         With `utf8`, a token may also hold complete multi-byte UTF-8 characters, and "length" is
         its number of characters.
@@ -419,8 +445,30 @@ class _Walker:
             pos_in = np.flatnonzero(inside)
             lens = lengths[pos_in]
             by_len = np.argsort(lens, kind="stable")
-            hit = self._inside[key] = (pos_in[by_len], lens[by_len], np.flatnonzero(~inside))
+            others = np.flatnonzero(~inside)
+            first_out = self._first_outside(others, outside)
+            at0 = first_out == 0
+            later = (others[~at0], first_out[~at0])
+            # those leaving the group at their first byte, by first byte (contiguous: sorted)
+            zero = others[at0]
+            bounds = np.searchsorted(self.tables.columns[0].take(zero), np.arange(257))
+            hit = self._inside[key] = (pos_in[by_len], lens[by_len], later, (zero, bounds))
         return hit
+
+    def _first_outside(self, positions: np.ndarray, outside: np.ndarray) -> np.ndarray:
+        """Index of the first byte in the byte set `outside` of each token (its length if none)."""
+        member = np.ones(257, dtype=bool)  # index 256 (-1: past the end) counts as outside
+        member[:256] = np.unpackbits(outside.view(np.uint8), bitorder="little").astype(bool)
+        out = np.zeros(len(positions), dtype=np.int64)
+        todo = np.arange(len(positions))
+        columns = self.tables.columns
+        d = 0
+        while len(todo):  # most tokens leave the group within a few bytes
+            found = member[columns[d].take(positions[todo])]
+            out[todo[found]] = d
+            todo = todo[~found]
+            d += 1
+        return out
 
     @functools.cached_property
     def _utf8_next_all(self) -> np.ndarray:
@@ -493,12 +541,27 @@ class _Walker:
             # with such characters follow it too, by their number of characters.
             limit = self._chain_limit(chain)
             utf8 = self._utf8_uniform(outside, chain, limit)
-            pos_in, lens, others = self._inside_group(outside, utf8)
+            pos_in, lens, (others, first_out), (zero, bounds) = self._inside_group(outside, utf8)
             cut = int(np.searchsorted(lens, limit))
             prefix = Prefix(b"g" + outside.tobytes() + (b"u" if utf8 else b""), pos_in, cut)
-            rest = others if limit < len(chain) else np.concatenate([others, pos_in[cut:]])
-            _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat, dead,
-                             out_pos, out_next)
+            # NOTE: the other tokens follow the chain up to their first byte outside P (all bytes
+            # before it are in P), so their walks start there; past the chain's known part they
+            # are dead (a dead entry) or walked from the start (no dead entry). Those starting
+            # outside P are taken only for the first bytes q allows.
+            a = allowed.astype(np.int64)
+            lo, hi = bounds[a], bounds[a + 1]
+            sizes = hi - lo
+            total = int(sizes.sum())
+            offsets = np.cumsum(sizes) - sizes
+            idx0 = zero[np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)]
+            known = first_out < limit
+            idx = np.concatenate([idx0, others[known]])
+            at = np.concatenate([np.zeros(total, np.int64), first_out[known]])
+            _walk_from(idx, chain[at], at, tables.columns, self.tflat, dead, out_pos, out_next)
+            if limit == len(chain):
+                rest = np.concatenate([others[~known], pos_in[cut:]])
+                _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat,
+                                 dead, out_pos, out_next)
             return prefix, _concat(out_pos)
         if broad:
             return None, _walk_all(q, self.stay_flat, dead, tables)[0]
