@@ -1,10 +1,16 @@
 """torch_native attention: SDPA over gathered KV slots. The reference for every GPU backend.
 
-EXTEND (prefill with a cached prefix, chunks, mixed batches) loops over requests; DECODE
-gathers all requests' slots padded to the longest and masks the padding.
+EXTEND (prefill with a cached prefix, chunks, mixed batches) runs one padded SDPA (or one per
+request when padding would waste most of the work). DECODE keeps a dense per-batch copy of
+the requests' K/V (`_DenseDecode`): gathered from the pool once when the batch changes, then
+extended by the one new token per request each step, so a step does not re-gather every
+request's whole K/V in every layer. Without a host copy of the rows, or over the memory
+budget, DECODE gathers all slots padded to the longest request and masks the padding.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +18,44 @@ import torch.nn.functional as F
 from lmserver.attention.base import AttentionBackend, AttentionLayer
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 
+if TYPE_CHECKING:
+    from lmserver.engine.kv_pool import KVPool
+
+
+DENSE_DECODE_BUDGET_BYTES = 512 << 20  # the dense decode K/V copies of all layers together
+DENSE_DECODE_HEADROOM = 64  # decode steps a dense copy absorbs before it is re-gathered larger
+
+
+class _DenseDecode:
+    """Per-layer K and V copies (bs, cap, KV, D) of one decode batch, request-major.
+
+    Invariant: positions [0, lens[b]) of row b hold request b's K/V for every layer whose
+    forward ran; other positions hold finite values (zeros or stale K/V), masked out.
+    """
+
+    def __init__(self, rows: list[int], cap: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.rows = rows
+        self.cap = cap
+        self.k = k
+        self.v = v
+        self.lens: list[int] = []
+
+    def extends(self, rows: list[int], lens: list[int]) -> bool:
+        """True when (rows, lens) is this batch one token further (same rows, each length + 1)."""
+        return (
+            rows == self.rows
+            and max(lens) <= self.cap
+            and all(n == m + 1 for n, m in zip(lens, self.lens, strict=True))
+        )
+
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    dense_budget_bytes = DENSE_DECODE_BUDGET_BYTES
+
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
+        super().__init__(kv_pool, req_to_token)
+        self.dense: _DenseDecode | None = None
 
     def plan(self, batch: ForwardBatch) -> None:
         """Precomputes slot indices and masks shared by all layers; mutates only self."""
@@ -22,11 +63,14 @@ class TorchNativeBackend(AttentionBackend):
         rows = batch.req_pool_indices
         if batch.mode == ForwardMode.DECODE:
             max_len = max(batch.seq_lens_cpu)
-            self.decode_slots = self.req_to_token[rows, :max_len].long().reshape(-1)  # (bs * max_len,)
-            self.decode_shape = (batch.batch_size, max_len)
             ar = torch.arange(max_len, device=rows.device)
             self.decode_mask = (ar[None, :] < batch.seq_lens[:, None]).view(batch.batch_size, 1, 1, max_len)
+            self.decode_shape = (batch.batch_size, max_len)
+            if self._plan_dense(batch, max_len):
+                return
+            self.decode_slots = self.req_to_token[rows, :max_len].long().reshape(-1)  # (bs * max_len,)
             return
+        self.dense = None  # NOTE: an EXTEND may give a request's row to another request
         assert batch.extend_prefix_lens_cpu is not None and batch.extend_seq_lens_cpu is not None
         self.extend_plan: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.padded = self._plan_padded(batch)
@@ -41,6 +85,63 @@ class TorchNativeBackend(AttentionBackend):
             mask = torch.arange(total, device=rows.device)[None, :] <= q_pos[:, None]  # (ext, total)
             self.extend_plan.append((start, ext, slots, mask))
             start += ext
+
+    def _plan_dense(self, batch: ForwardBatch, max_len: int) -> bool:
+        """Plans a decode step on the dense copy (extending it or re-gathering it); False when
+        there is no host copy of the rows or the copy would exceed the memory budget."""
+        rows_cpu = batch.req_pool_indices_cpu
+        if rows_cpu is None:
+            self.dense = None
+            return False
+        lens = batch.seq_lens_cpu
+        dense = self.dense
+        self.dense_gather = dense is None or not dense.extends(rows_cpu, lens)
+        if self.dense_gather:
+            pool = self.kv_pool
+            bs, cap = batch.batch_size, max_len + DENSE_DECODE_HEADROOM
+            shape = (bs, cap, pool.num_kv_heads, pool.head_dim)
+            item = torch.empty((), dtype=pool.dtype).element_size()
+            if 2 * pool.num_layers * bs * cap * pool.num_kv_heads * pool.head_dim * item > self.dense_budget_bytes:
+                self.dense = None
+                return False
+            if dense is not None and dense.k[0].shape[0] == bs and dense.cap >= max_len:
+                dense.rows = list(rows_cpu)  # reuse the buffers: stale values are finite
+            else:
+                self.dense = None  # free the old copy first
+                device = batch.req_pool_indices.device
+                # NOTE: zeros, not empty: masked positions are multiplied by 0 in SDPA (NaN * 0 = NaN)
+                k = [torch.zeros(shape, dtype=pool.dtype, device=device) for _ in range(pool.num_layers)]
+                v = [torch.zeros(shape, dtype=pool.dtype, device=device) for _ in range(pool.num_layers)]
+                dense = _DenseDecode(list(rows_cpu), cap, k, v)
+            self.decode_slots = self.req_to_token[batch.req_pool_indices, :max_len].long().reshape(-1)
+        assert dense is not None
+        dense.lens = list(lens)
+        self.dense = dense
+        # flat (b * cap + lens[b] - 1) position of each request's new token in the dense copy
+        self.dense_write = torch.tensor(
+            [b * dense.cap + n - 1 for b, n in enumerate(lens)], dtype=torch.int64, device=batch.req_pool_indices.device
+        )
+        return True
+
+    def _forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        dense = self.dense
+        assert dense is not None
+        bs, max_len = self.decode_shape
+        kd, vd = dense.k[layer.layer_id], dense.v[layer.layer_id]  # (bs, cap, KV, D)
+        if self.dense_gather:  # the pool already holds this step's k, v
+            shape = (bs, max_len, layer.num_kv_heads, layer.head_dim)
+            kd[:, :max_len] = self.kv_pool.k_cache[layer.layer_id].index_select(0, self.decode_slots).view(shape)
+            vd[:, :max_len] = self.kv_pool.v_cache[layer.layer_id].index_select(0, self.decode_slots).view(shape)
+        else:
+            flat = (bs * dense.cap, layer.num_kv_heads, layer.head_dim)
+            kd.view(flat).index_copy_(0, self.dense_write, k.to(kd.dtype))
+            vd.view(flat).index_copy_(0, self.dense_write, v.to(vd.dtype))
+        kk = kd[:, :max_len].transpose(1, 2).to(q.dtype)  # (bs, KV, L, D), strided
+        vv = vd[:, :max_len].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kk, vv, attn_mask=self.decode_mask, scale=layer.scaling, enable_gqa=True
+        )  # (bs, H, 1, D)
+        return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     def _plan_padded(self, batch: ForwardBatch) -> bool:
         """Plans one padded SDPA over all requests when padding wastes < half the work.
@@ -88,6 +189,8 @@ class TorchNativeBackend(AttentionBackend):
         k_cache = self.kv_pool.k_cache[layer.layer_id]
         v_cache = self.kv_pool.v_cache[layer.layer_id]
         num_tokens = q.shape[0]
+        if batch.mode == ForwardMode.DECODE and self.dense is not None:
+            return self._forward_dense(q, k, v, layer)
         if batch.mode == ForwardMode.DECODE:
             shape = (*self.decode_shape, layer.num_kv_heads, layer.head_dim)
             kk = k_cache.index_select(0, self.decode_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)

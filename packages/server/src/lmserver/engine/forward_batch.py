@@ -32,6 +32,7 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor  # (bs,) int64 rows of req_to_token
     seq_lens: torch.Tensor  # (bs,) int32 lengths including the new tokens
     seq_lens_cpu: list[int]
+    req_pool_indices_cpu: list[int] | None = None  # the same rows on the host (None: not built)
     # EXTEND only (None for DECODE)
     extend_prefix_lens: torch.Tensor | None = None  # (bs,) int32 tokens already in the KV cache
     extend_seq_lens: torch.Tensor | None = None  # (bs,) int32 new tokens per request

@@ -50,8 +50,8 @@ class ModelRunner:
         positions: list[int] = []
         out_loc: list[int] = []
         rows: list[int] = []
-        t_rows: list[int] = []
-        t_cols: list[int] = []
+        width = self.req_to_token.shape[1]
+        t_flat: list[int] = []  # flat req_to_token positions
         t_vals: list[int] = []
         prefix_lens: list[int] = []
         ext_lens: list[int] = []
@@ -67,11 +67,11 @@ class ModelRunner:
             ext_lens.append(n)
             logit_idx.extend(start + o for o in item.logit_offsets)
             k = len(item.table_slots)
-            t_rows.extend([item.req_pool_idx] * k)
-            t_cols.extend(range(item.table_start, item.table_start + k))
+            base = item.req_pool_idx * width + item.table_start
+            t_flat.extend(range(base, base + k))
             t_vals.extend(item.table_slots)
-        if t_vals:
-            self.req_to_token[self._tensor(t_rows), self._tensor(t_cols)] = self._tensor(t_vals, torch.int32)
+        if t_vals:  # NOTE: a flat index_copy_: index_put_ on CPU costs time in the table's size
+            self.req_to_token.view(-1).index_copy_(0, self._tensor(t_flat), self._tensor(t_vals, torch.int32))
         seq_lens_cpu = [p + e for p, e in zip(prefix_lens, ext_lens, strict=True)]
         mode = ForwardMode.DECODE if decision.mode == "decode" else ForwardMode.EXTEND
         batch = ForwardBatch(
@@ -83,6 +83,7 @@ class ModelRunner:
             req_pool_indices=self._tensor(rows),
             seq_lens=self._tensor(seq_lens_cpu, torch.int32),
             seq_lens_cpu=seq_lens_cpu,
+            req_pool_indices_cpu=rows,
             attn_backend=self.attn_backend,
         )
         if mode == ForwardMode.EXTEND:
