@@ -7,7 +7,11 @@ Datasets:
   each followed by a short distinct question.
 
 Every request decodes exactly `output_len` tokens (ignore_eos), greedy, so both backends do the
-same work. HF runs `generate` in batches of `--hf-batch-size` prompts (left padding).
+same work. HF runs `generate` in batches of `--hf-batch-size` prompts (left padding). Both run
+in this process with the same torch thread count (`--threads`). With `--repeats N` the two
+alternate N times per dataset and each row reports the fastest run (the one least disturbed by
+other load on a shared machine); `runs_s` lists every duration. The load average is printed
+before and after each dataset.
 
     .venv/bin/python benchmarks/engine/bench_engine.py --dataset both --num-prompts 32
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from typing import Any
@@ -77,15 +82,21 @@ def run_hf(model: Any, tokenizer: Any, prompts: list[list[int]], output_len: int
             "outputs": outputs}
 
 
-def row(backend: str, dataset: str, prompts: list[list[int]], r: dict[str, Any]) -> dict[str, Any]:
+def row(backend: str, dataset: str, prompts: list[list[int]], runs: list[dict[str, Any]]) -> dict[str, Any]:
     inp = sum(len(p) for p in prompts)
+    r = min(runs, key=lambda x: x["duration_s"])
     d = r["duration_s"]
     return {
         "backend": backend, "dataset": dataset, "requests": len(prompts), "input_tokens": inp,
         "output_tokens": r["output_tokens"], "duration_s": round(d, 2), "req_per_s": round(len(prompts) / d, 3),
         "input_tok_per_s": round(inp / d, 1), "output_tok_per_s": round(r["output_tokens"] / d, 1),
         "total_tok_per_s": round((inp + r["output_tokens"]) / d, 1), "cache_hit_rate": round(r["cache_hit_rate"], 3),
+        "runs_s": "/".join(f"{x['duration_s']:.2f}" for x in runs),
     }
+
+
+def load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -114,12 +125,17 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for both backends (0: torch's default)")
+    ap.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times; report the fastest")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = ap.parse_args()
 
     import torch
 
     from lmserver import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engine = Engine(
         args.model_path, dtype=args.dtype, device=args.device, max_running_requests=args.max_running_requests,
@@ -140,13 +156,21 @@ def main() -> None:
     rows = []
     for name in datasets:
         prompts = make_dataset(name, args, engine.core.vocab_size, special)
-        ours = run_lmserver(engine, prompts, args.output_len)
-        rows.append(row("lmserver", name, prompts, ours))
-        print("partial:", json.dumps(rows[-1]), flush=True)
+        print(f"{name}: load average before {load_avg()}", flush=True)
+        ours_runs: list[dict[str, Any]] = []
+        hf_runs: list[dict[str, Any]] = []
+        for rep in range(args.repeats):
+            ours_runs.append(run_lmserver(engine, prompts, args.output_len))
+            print(f"partial: lmserver {name} run {rep}: {ours_runs[-1]['duration_s']:.2f} s", flush=True)
+            if hf_model is not None:
+                hf_runs.append(run_hf(hf_model, tokenizer, prompts, args.output_len, args.hf_batch_size))
+                print(f"partial: hf {name} run {rep}: {hf_runs[-1]['duration_s']:.2f} s", flush=True)
+        print(f"{name}: load average after {load_avg()}", flush=True)
+        ours = ours_runs[0]
+        rows.append(row("lmserver", name, prompts, ours_runs))
         if hf_model is not None:
-            hf = run_hf(hf_model, tokenizer, prompts, args.output_len, args.hf_batch_size)
-            rows.append(row("hf-transformers", name, prompts, hf))
-            print("partial:", json.dumps(rows[-1]), flush=True)
+            hf = hf_runs[0]
+            rows.append(row("hf-transformers", name, prompts, hf_runs))
             same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
             rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(prompts)}"
             rows[-2]["same_tokens_as_lmserver"] = "-"
