@@ -13,7 +13,9 @@ Phases: latency per request at concurrency 1, then a batch of `--concurrency` re
 (output tokens/s, forward steps, decode steps saved, mask overhead per decode step). The mask
 overhead is the time spent filling and applying bitmasks (lmserver.constrained.BatchMasker)
 divided by the mean decode step time, in the no_jump_forward batch run (every step masks every
-row).
+row). On CUDA the step time is taken between two `torch.cuda.synchronize()` calls (the device
+work, not only the launches), and the mask time is host time: the fill plus the launches of the
+copy and of the apply kernel (`mask_fill_ms_per_step` is the fill alone).
 
     python benchmarks/structured/bench_structured.py [--threads 2] [--num-latency 6] [--concurrency 32]
         [--model-path DIR --load-format dummy --dtype bfloat16 --device cuda]
@@ -120,8 +122,13 @@ class StepProbe:
 
     def _forward(self, decision: Any) -> Any:
         self.num_forwards += 1
+        cuda = self.core.device.type == "cuda"
+        if cuda:  # time the step's device work, not only its launches
+            torch.cuda.synchronize()
         start = time.perf_counter()
         out = self._orig(decision)
+        if cuda:
+            torch.cuda.synchronize()
         if decision.mode == "decode":
             self.decode_s.append(time.perf_counter() - start)
         return out
@@ -136,7 +143,7 @@ def run_mode(engine: Engine, probe: StepProbe, workload: str, mode: str, ps: lis
     cd.jump_forward = mode == "jump_forward"
     engine.flush_cache()
     probe.reset()
-    mask_s0, masked_rows0 = cd.masker.mask_time_s, cd.masker.num_masked_rows
+    mask_s0, fill_s0, masked_rows0 = cd.masker.mask_time_s, cd.masker.fill_time_s, cd.masker.num_masked_rows
     jf0 = cd.stats["jump_forward_tokens"]
     latencies: list[float] = []
     outs: list[dict[str, Any]] = []
@@ -159,6 +166,8 @@ def run_mode(engine: Engine, probe: StepProbe, workload: str, mode: str, ps: lis
         "out_tokens_per_req": tokens / len(outs), "forwards": probe.num_forwards, "decode_steps": decode_steps,
         "jump_forward_tokens": cd.stats["jump_forward_tokens"] - jf0,
         "mask_ms_per_step": 1e3 * mask_s / max(decode_steps, 1) if mode != "unconstrained" else None,
+        "mask_fill_ms_per_step": (1e3 * (cd.masker.fill_time_s - fill_s0) / max(decode_steps, 1)
+                                  if mode != "unconstrained" else None),
         "decode_step_ms": 1e3 * mean_decode,
         "masked_rows": cd.masker.num_masked_rows - masked_rows0,
         "sample_text": outs[0]["text"][:90],
@@ -201,7 +210,8 @@ def main() -> None:
             print(f"{workload} {phase}: latency speed-up of jump-forward {off['latency_s'] / on['latency_s']:.2f}x",
                   flush=True)
     cols = ["workload", "phase", "mode", "concurrency", "valid", "latency_s", "out_tok_per_s", "out_tokens_per_req",
-            "forwards", "decode_steps_saved", "jump_forward_tokens", "decode_step_ms", "mask_ms_per_step"]
+            "forwards", "decode_steps_saved", "jump_forward_tokens", "decode_step_ms", "mask_ms_per_step",
+            "mask_fill_ms_per_step"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

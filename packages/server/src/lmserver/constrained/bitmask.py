@@ -21,19 +21,36 @@ __all__ = ["BatchMasker"]
 
 
 class BatchMasker:
-    """Reusable host buffers for the batch bitmask; `mask_time_s` accumulates fill + apply time."""
+    """Reusable host buffers for the batch bitmask.
+
+    `mask_time_s` accumulates fill + apply time as seen by the host (on CUDA the apply is a
+    launch: its device time is not included); `fill_time_s` the host fill alone.
+    """
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._host = np.zeros((0, self.num_words), dtype=np.int32)
+        self._pinned: torch.Tensor | None = None  # CUDA path: page-locked, so the copy is asynchronous
+        self._copied: torch.cuda.Event | None = None
         self.mask_time_s = 0.0
+        self.fill_time_s = 0.0
         self.num_masked_rows = 0
 
     def _buffer(self, rows: int) -> np.ndarray:
         if self._host.shape[0] < rows:
             self._host = np.zeros((max(rows, 2 * self._host.shape[0]), self.num_words), dtype=np.int32)
         return self._host[:rows]
+
+    def _pinned_buffer(self, rows: int) -> torch.Tensor:
+        # NOTE: the previous step's copy may still read this buffer: wait for it before refilling
+        # (normally long done: sampling read the tokens back in between).
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._pinned is None or self._pinned.shape[0] < rows:
+            size = max(rows, 2 * (0 if self._pinned is None else self._pinned.shape[0]))
+            self._pinned = torch.empty((size, self.num_words), dtype=torch.int32, pin_memory=True)
+        return self._pinned[:rows]
 
     def apply(self, logits: torch.Tensor, grammars: Sequence[ReqGrammar | None]) -> torch.Tensor:
         """Masks row i of `logits` (B, V) by `grammars[i]` (None: unconstrained). Mutates
@@ -47,10 +64,13 @@ class BatchMasker:
         if logits.is_cuda:
             from lmserver.kernels.bitmask import apply_token_bitmask_inplace
 
-            host = self._buffer(len(grammars))
+            pinned = self._pinned_buffer(len(grammars))
+            host = pinned.numpy()
             host.fill(-1)
             self._fill(host, rows, [grammars[i] for i in rows])
-            mask = torch.from_numpy(host).to(logits.device, non_blocking=True)
+            mask = pinned.to(logits.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
             apply_token_bitmask_inplace(logits, mask)
         else:
             from cfsm.torch import apply_token_bitmask_
@@ -70,7 +90,8 @@ class BatchMasker:
         self.num_masked_rows += len(rows)
         return logits
 
-    @staticmethod
-    def _fill(out: np.ndarray, rows: Sequence[int], grammars: Sequence[ReqGrammar | None]) -> None:
+    def _fill(self, out: np.ndarray, rows: Sequence[int], grammars: Sequence[ReqGrammar | None]) -> None:
+        start = time.perf_counter()
         guides = [g.guide for g in grammars if g is not None]
         cfsm.fill_next_token_bitmasks(guides, out, list(rows))
+        self.fill_time_s += time.perf_counter() - start
