@@ -195,7 +195,7 @@ def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset
         lo, hi, t = trs[0]
         return [(lo, hi, frozenset((t,)))]
     trs = sorted(trs)
-    if all(a[1] < b[0] for a, b in zip(trs, trs[1:])):  # disjoint ranges: no sweep needed
+    if all(a[1] < b[0] for a, b in zip(trs, trs[1:], strict=False)):  # disjoint: no sweep needed
         return [(lo, hi, frozenset((t,))) for lo, hi, t in trs]
     events: dict[int, list[tuple[int, int]]] = {}
     for lo, hi, t in trs:
