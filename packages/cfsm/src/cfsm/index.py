@@ -16,6 +16,7 @@ import bisect
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -143,6 +144,19 @@ class Index:
     def memory_bytes(self) -> int:
         """Bytes held by the mask rows, the state map and the DFA."""
         return int(self.masks.nbytes + self.mask_row.nbytes + self.dfa.transitions.nbytes)
+
+
+class _Cands(NamedTuple):
+    """`_Walker._candidates`: the candidate tokens of a first-byte-then-chain state."""
+
+    inside: np.ndarray  # tails inside the group, sorted by tail length
+    steps: np.ndarray  # their tail lengths (characters with utf8)
+    first: np.ndarray  # index in `allowed` of their first byte
+    rest: np.ndarray  # other tokens of a chained first byte
+    rest_first: np.ndarray  # index in `allowed` of their first byte
+    rest_at: np.ndarray  # index of their first byte outside the group (>= 1)
+    loose: np.ndarray  # tokens of an unchained first byte
+    key: bytes
 
 
 @dataclass(frozen=True)
@@ -376,7 +390,7 @@ class _Walker:
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray],
                                         tuple[np.ndarray, np.ndarray]]] = {}
         self._uniform: dict[tuple[int, int, int], bool] = {}
-        self._cand: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes]] = {}
+        self._cand: dict[bytes, _Cands] = {}
 
     def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens of those `states` with few candidates together, in batches.
@@ -490,14 +504,15 @@ class _Walker:
             hit = self._inside[key] = (pos_in[by_len], lens[by_len], later, (zero, bounds))
         return hit
 
-    def _first_outside(self, positions: np.ndarray, outside: np.ndarray) -> np.ndarray:
-        """Index of the first byte in the byte set `outside` of each token (its length if none)."""
+    def _first_outside(self, positions: np.ndarray, outside: np.ndarray, start: int = 0) -> np.ndarray:
+        """Index (from `start`) of the first byte in the byte set `outside` of each token (its
+        length if none)."""
         member = np.ones(257, dtype=bool)  # index 256 (-1: past the end) counts as outside
         member[:256] = np.unpackbits(outside.view(np.uint8), bitorder="little").astype(bool)
         out = np.zeros(len(positions), dtype=np.int64)
         todo = np.arange(len(positions))
         columns = self.tables.columns
-        d = 0
+        d = start
         while len(todo):  # most tokens leave the group within a few bytes
             found = member[columns[d].take(positions[todo])]
             out[todo[found]] = d
@@ -514,14 +529,16 @@ class _Walker:
         """
         trans = self.trans
         n = trans.shape[0]
+        rep, byte_class = _byte_classes(trans)
         out = np.full(n, -2, dtype=np.int64)  # -2: no sequence seen yet
         ok = np.ones(n, dtype=bool)
         for lead, *conts in _UTF8_SEQUENCES:
             cur = np.arange(n)
             for lo, hi in (lead, *conts):
-                block = trans[cur, lo : hi + 1]
-                nxt = block[:, 0].astype(np.int64)
-                ok &= (block == block[:, :1]).all(axis=1)
+                # bytes of one byte class step alike: compare one byte per class in the range
+                block = trans[cur[:, None], rep[np.unique(byte_class[lo : hi + 1])][None, :]]
+                nxt = trans[cur, lo].astype(np.int64)
+                ok &= (block == nxt[:, None]).all(axis=1)
                 cur = nxt
             ok &= (out == -2) | (out == cur)
             out = cur
@@ -607,13 +624,13 @@ class _Walker:
         self._walk_ranges(q, out_pos, out_next)
         return None, _concat(out_pos)
 
-    def _candidates(self, allowed: np.ndarray, chained: np.ndarray, outside: np.ndarray, utf8: bool
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bytes]:
+    def _candidates(self, allowed: np.ndarray, chained: np.ndarray, outside: np.ndarray, utf8: bool) -> _Cands:
         """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
 
-        Returns (positions whose bytes after the first all lie in the group, i.e. outside the
-        byte set `outside`, sorted by tail length; their tail lengths; the index in `allowed` of
-        their first byte; the other positions; the cache key). Cached per (allowed, outside):
+        Returns the positions whose bytes after the first all lie in the group (outside the byte
+        set `outside`) sorted by tail length, with their tail lengths and the index in `allowed`
+        of their first byte; the others of a `chained` first byte, with that index and the
+        index of their first byte outside the group; the others; the cache key. Cached per (allowed, outside):
         the escape states of every counter value share it. With `utf8` (the allowed bytes are
         ASCII), tails may also hold complete multi-byte characters and lengths count characters.
         """
@@ -641,7 +658,10 @@ class _Walker:
         inside &= chained[first]  # tokens of an unchained first byte are walked
         idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
         order = np.argsort(steps_in, kind="stable")
-        hit = self._cand[key] = (idx_in[order], steps_in[order], first_in[order], idx[~inside], key)
+        rest, rest_first = idx[~inside], first[~inside]
+        ch = chained[rest_first]
+        hit = self._cand[key] = _Cands(idx_in[order], steps_in[order], first_in[order], rest[ch], rest_first[ch],
+                                       self._first_outside(rest[ch], outside, 1), rest[~ch], key)
         return hit
 
     def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
@@ -653,8 +673,11 @@ class _Walker:
         none. Where all of them lead to one chain, its tokens are a `Prefix` of the candidates
         sorted by tail length (returned, not written).
         """
-        targets, target_of = np.unique(self.trans[q, allowed.astype(np.int64)], return_inverse=True)
-        infos = [self.chain(int(r)) for r in targets.tolist()]
+        tq = self.trans[q, allowed.astype(np.int64)].tolist()
+        targets = sorted(set(tq))
+        slot = {t: i for i, t in enumerate(targets)}
+        target_of = np.array([slot[t] for t in tq], dtype=np.int64)
+        infos = [self.chain(r) for r in targets]
         first = next((i for i in infos if i is not None), None)
         if first is None:
             return False, None
@@ -670,26 +693,36 @@ class _Walker:
                 table[k, : len(c)] = c
         target_of = target_of.reshape(-1)
         chained = (limits >= 0)[target_of]
-        idx_in, steps_in, first_in, rest_bytes, key = self._candidates(allowed, chained, first[0], utf8)
+        cands = self._candidates(allowed, chained, first[0], utf8)
+        idx_in, steps_in, first_in = cands.inside, cands.steps, cands.first
         # NOTE: as in `walk`: a chain is dead from its first dead entry on; where it has none
-        # (limit == its length), longer tails are not known and are walked
+        # (limit == its length), longer tails are not known and are walked. The other tokens of
+        # a chained first byte follow the chain up to their first byte outside the group.
+        t = target_of[cands.rest_first]
+        before = cands.rest_at - 1  # group bytes after the first byte
+        lim = limits[t]
+        known = before < lim
+        _walk_from(cands.rest[known], table[t[known], before[known]], cands.rest_at[known], self.tables.columns,
+                   self.tflat, self.dead, out_pos, out_next)
+        todo = [cands.loose, cands.rest[~known & (lim == sizes[t])]]
+        prefix = None
         if int((limits >= 0).sum()) == 1:  # one chain: a prefix of the candidates by tail length
             k = int(np.flatnonzero(limits >= 0)[0])
             cut = int(np.searchsorted(steps_in, limits[k]))
-            todo = rest_bytes if limits[k] < sizes[k] else np.concatenate([rest_bytes, idx_in[cut:]])
-            _walk_vectorized(todo, np.full(len(todo), q, dtype=np.int32), 0, self.tables.columns, self.tflat,
-                             self.dead, out_pos, out_next)
-            return True, Prefix(b"c" + key, idx_in, cut)
-        tgt = target_of[first_in]
-        lim = limits[tgt]
-        sel = steps_in < lim
-        out_pos.append(idx_in[sel])
-        out_next.append(table[tgt[sel], steps_in[sel]])
-        unknown = ~sel & (lim == sizes[tgt])
-        todo = np.concatenate([rest_bytes, idx_in[unknown]]) if unknown.any() else rest_bytes
-        _walk_vectorized(todo, np.full(len(todo), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
+            if limits[k] == sizes[k]:
+                todo.append(idx_in[cut:])
+            prefix = Prefix(b"c" + cands.key, idx_in, cut)
+        else:
+            tgt = target_of[first_in]
+            lim = limits[tgt]
+            sel = steps_in < lim
+            out_pos.append(idx_in[sel])
+            out_next.append(table[tgt[sel], steps_in[sel]])
+            todo.append(idx_in[~sel & (lim == sizes[tgt])])
+        rest = np.concatenate(todo)
+        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
                          out_pos, out_next)
-        return True, None
+        return True, prefix
 
     def _chain_limit(self, chain: np.ndarray) -> int:
         """Index of the first dead entry of `chain` (its length if none)."""
