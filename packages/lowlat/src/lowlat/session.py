@@ -132,17 +132,19 @@ class Session:
         """Mark the model's weights as loaded."""
         self._advance(Stage.LOADED)
 
-    def check_model(self, model: Any) -> PluginSpec | None:
+    def check_model(self, model: Any, runner_reasons: Sequence[str] = ()) -> PluginSpec | None:
         """Run each candidate's ``check_model`` on the loaded model, then select the best candidate.
 
+        ``runner_reasons``: why the model runner cannot express this model in lowlat's layer layout
+        (for example attention biases); non-empty refuses every candidate with those reasons.
         Mutates the verdicts and ``selected``; returns the selected spec (None: original forward).
         """
         self._advance(Stage.CHECK_MODEL)
         for spec in self.registry.specs():
             verdict = self.verdicts[spec.name]
-            if verdict.status != "candidate" or spec.check_model is None:
+            if verdict.status != "candidate" or (spec.check_model is None and not runner_reasons):
                 continue
-            reasons = tuple(spec.check_model(model))
+            reasons = tuple(runner_reasons) or tuple(spec.check_model(model))  # type: ignore[misc]
             if reasons:
                 self.verdicts[spec.name] = Verdict(spec.name, spec.version, "unsupported", reasons)
         self._require_some_candidate()

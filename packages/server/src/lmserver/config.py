@@ -41,7 +41,7 @@ class ServerConfig:
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
-    lowlat_plugins: str = _opt("auto", "low-latency plugins: auto, off, or require:<name>")
+    lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
     grammar_compile_timeout_s: float = _opt(30.0, "grammar compile timeout in seconds")

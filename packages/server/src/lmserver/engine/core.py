@@ -79,6 +79,10 @@ class EngineCore:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(rc.tokenizer_path or model_path)
+        from lmserver.engine.lowlat_hook import LowlatHook
+
+        self.lowlat = LowlatHook.start(rc.lowlat_plugins, self.model_config, rc.dtype, rc.device, rc.tp_size,
+                                       self.context_length)
         self.model = load_model(
             self.model_config,
             model_path,
@@ -88,6 +92,15 @@ class EngineCore:
             max_positions=self.context_length,
             seed=rc.random_seed,
         )
+        if self.lowlat is not None:
+            workspace = self.lowlat.after_load(self.model, self.device, self.dtype)
+            if workspace and config.max_total_tokens is None:  # the plugin's memory comes off the KV budget
+                mc0 = self.model_config
+                per_slot = KVPool.bytes_per_slot(mc0.num_hidden_layers, mc0.num_key_value_heads, mc0.head_dim,
+                                                 self.dtype)
+                kv_tokens = max(rc.max_total_tokens - -(-workspace // per_slot), 16)
+                self.resolved_config = rc = rc.replace(max_total_tokens=kv_tokens)
+                assert rc.max_total_tokens is not None
         self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
         mc = self.model_config
         self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
@@ -104,6 +117,10 @@ class EngineCore:
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
+        if self.lowlat is not None:
+            self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size,
+                               [1, 2, 4, 8])
+            self.runner.lowlat = self.lowlat
         from lmserver.engine.cuda_graph import maybe_decode_graph_runner
 
         self.runner.cuda_graph = maybe_decode_graph_runner(rc, self.runner, rc.tp_size)  # None on CPU
@@ -415,4 +432,8 @@ class EngineCore:
         stats["gen_throughput"] = sum(n for _, n in self._recent) / window
         stats["context_length"] = self.context_length
         stats.update(self.constrained.stats)
+        if self.lowlat is not None:
+            rep = self.lowlat.report()
+            stats["lowlat_plugin_steps"] = rep["plugin_steps"]
+            stats["lowlat_fallback_steps"] = sum(rep["fallbacks"].values())
         return stats

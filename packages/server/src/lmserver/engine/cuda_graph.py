@@ -219,7 +219,7 @@ class DecodeGraphRunner:
 
         def fn() -> torch.Tensor:
             runner.attn_backend.plan(batch)
-            hidden = runner.model(batch.input_ids, batch.positions, batch)  # (bs, hidden)
+            hidden = runner.hidden(batch, capturing=True)  # (bs, hidden); a lowlat plugin's path is recorded
             return runner.model.compute_logits(hidden)  # type: ignore[operator, no-any-return]  # (bs, vocab)
 
         return fn
@@ -256,6 +256,8 @@ class DecodeGraphRunner:
             self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
         self.ints[:, :padded].copy_(torch.tensor(step.ints, dtype=torch.int64), non_blocking=True)
         self.seq_lens[:padded].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
+            self.runner.lowlat.on_replay(padded, self.table_width)
         self.graphs[padded].replay()
         logits = self.outputs[padded]  # (padded, vocab)
         if step.logit_rows == list(range(bs)):

@@ -19,6 +19,7 @@ from lmserver.scheduler.scheduler import ScheduleDecision
 
 if TYPE_CHECKING:
     from lmserver.engine.cuda_graph import DecodeGraphRunner
+    from lmserver.engine.lowlat_hook import LowlatHook
 
 
 class ModelRunner:
@@ -36,6 +37,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = device
         self.cuda_graph: DecodeGraphRunner | None = None  # decode graphs (lmserver.engine.cuda_graph)
+        self.lowlat: LowlatHook | None = None  # a lowlat plugin's decode path (lmserver.engine.lowlat_hook)
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -105,5 +107,15 @@ class ModelRunner:
             return self.cuda_graph.forward(decision)
         batch, logit_idx = self.build_batch(decision)
         self.attn_backend.plan(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)  # (num_tokens, hidden)
+        hidden = self.hidden(batch)  # (num_tokens, hidden)
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
+
+    def hidden(self, batch: ForwardBatch, capturing: bool = False, replaying: bool = False) -> torch.Tensor:
+        """Final-norm hidden states of a planned `batch`: the model's forward, or a lowlat plugin's
+        when one is installed and covers the step (see engine/lowlat_hook.py)."""
+        def original() -> torch.Tensor:
+            return self.model(batch.input_ids, batch.positions, batch)  # type: ignore[no-any-return]
+
+        if self.lowlat is None:
+            return original()
+        return self.lowlat.hidden(batch, original, capturing=capturing, replaying=replaying)

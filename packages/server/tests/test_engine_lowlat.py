@@ -1,0 +1,128 @@
+"""lowlat plugins inside the engine (`lowlat_plugins`), on the CPU with the real SmolLM2 weights.
+
+The plugin under test runs lowlat's torch reference decoder layer on the weights the adapter
+hands it (`lmserver.lowlat_adapter`), so it exercises the whole path: start-up order (configure
+before the weights load, build before the KV cache is sized), per-step dispatch from the agreed
+coverage (decode steps of at most 2 requests), fallbacks counted by reason, and the engine's KV
+pool written by the plugin. Oracle: the same engine with lowlat off, greedy, 3 prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from lmserver import Engine
+from lowlat import (
+    Coverage,
+    ForwardMeta,
+    KVCache,
+    PluginSpec,
+    Registry,
+    Requirements,
+    Unsupported,
+    use_registry,
+)
+from lowlat.build import BuildContext, Built
+from lowlat.reference import reference_decoder_layer
+from lowlat.spec import Step
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+MAX_NEW = [24, 16, 8]  # different lengths: the decode batch shrinks 3 -> 2 -> 1
+
+
+class ReferenceBuilt:
+    """A `lowlat.Built` whose layers are lowlat's torch reference (CPU-capable)."""
+
+    name = "cpu-reference"
+
+    def __init__(self, ctx: BuildContext) -> None:
+        self.ctx = ctx
+        self.workspace_bytes = 4096
+        self.warmed: list[int] = []
+        self.layer_calls = 0
+
+    def covers(self, step: Step) -> bool:
+        return True
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        self.layer_calls += 1
+        return reference_decoder_layer(x, self.ctx.weights[layer], kv, meta, self.ctx.shape)
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        self.warmed.extend(batch_sizes)
+
+
+def _spec(built: list[ReferenceBuilt], vendor: str = "cpu") -> PluginSpec:
+    def build(ctx: BuildContext) -> Built:
+        built.append(ReferenceBuilt(ctx))
+        return built[-1]
+
+    return PluginSpec(
+        name="cpu-reference", version="1.0", archs=("LlamaForCausalLM",),
+        requirements=Requirements(vendor=vendor, dtypes=("float32",)),
+        coverage=Coverage(max_tokens=2), build=build,
+    )
+
+
+def _greedy(engine: Engine) -> list[list[int]]:
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in MAX_NEW]
+    out = engine.generate(PROMPTS, params)
+    assert isinstance(out, list)
+    return [o["output_ids"] for o in out]
+
+
+def _engine(**kw: Any) -> Engine:
+    return Engine(dtype="float32", device="cpu", max_total_tokens=4096, **kw)
+
+
+def test_plugin_decode_path_gives_the_same_greedy_tokens_and_counts_fallbacks() -> None:
+    base = _engine()
+    try:
+        expected = _greedy(base)
+        assert base.core.lowlat is None and base.core.runner.lowlat is None  # off by default
+    finally:
+        base.shutdown()
+    built: list[ReferenceBuilt] = []
+    with use_registry(Registry([_spec(built)])):
+        engine = _engine(lowlat_plugins="require:cpu-reference")
+    try:
+        got = _greedy(engine)
+        report = engine.core.lowlat.report()  # type: ignore[union-attr]
+        stats = engine.core.get_stats()
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert report["selected"] == "cpu-reference" and report["workspace_bytes"] == 4096
+    assert built[0].warmed == [1, 2]  # warm-up only for covered sizes
+    # decode of 2 then 1 request: (32 - 16) + (48 - 32) plugin steps; each ran all 30 layers
+    assert report["plugin_steps"] == (MAX_NEW[1] - MAX_NEW[2]) + (MAX_NEW[0] - MAX_NEW[1])
+    assert built[0].layer_calls == 30 * report["plugin_steps"]
+    fallbacks = report["fallbacks"]
+    assert fallbacks["3 tokens > max_tokens 2"] > 0  # decodes of all 3 requests
+    assert any(reason.startswith("step kind extend") for reason in fallbacks)  # the prefill
+    assert stats["lowlat_plugin_steps"] == report["plugin_steps"]
+
+
+def test_unsupported_setups_fall_back_or_fail_loudly() -> None:
+    built: list[ReferenceBuilt] = []
+    with use_registry(Registry([_spec(built, vendor="nvidia")])):
+        engine = _engine(lowlat_plugins="auto")
+        try:
+            out = engine.generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+            assert isinstance(out, dict) and len(out["output_ids"]) == 4
+            report = engine.core.lowlat.report()  # type: ignore[union-attr]
+        finally:
+            engine.shutdown()
+        assert report["selected"] is None and report["plugin_steps"] == 0 and not built
+        (verdict,) = report["verdicts"]
+        assert verdict["status"] == "unsupported" and any("nvidia" in r for r in verdict["reasons"])
+        with pytest.raises(Unsupported, match="nvidia"):
+            _engine(lowlat_plugins="require:cpu-reference")
+    with pytest.raises(ValueError, match="require:<name>"):
+        _engine(lowlat_plugins="sometimes")
