@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import cfsm
 import cfsm.index
+import cfsm.walker
+import cfsm.walks
 from cfsm import Vocabulary
 from cfsm.automaton import build_dfa
 from cfsm.index import build_index
@@ -64,10 +66,10 @@ _VOCAB = _json_vocab(11, 1200)
 
 def _plain_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
     with monkeypatch.context() as m:
-        m.setattr(cfsm.index, "_MIN_GROUP_BYTES", 10**6)  # no chains (no counted-repeat lookups)
-        m.setattr(cfsm.index, "_TINY", -1)  # no batched walks
-        m.setattr(cfsm.index, "_TINY_PYTHON", -1)
-        m.setattr(cfsm.index, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
+        m.setattr(cfsm.walks, "_MIN_GROUP_BYTES", 10**6)  # no chains (no counted-repeat lookups)
+        m.setattr(cfsm.walker, "_TINY", -1)  # no batched walks
+        m.setattr(cfsm.walker, "_TINY_PYTHON", -1)
+        m.setattr(cfsm.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
         m.setattr(cfsm.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
         return build_index(dfa, vocab)
 
@@ -75,11 +77,11 @@ def _plain_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest
 def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
     # thresholds scaled to the small vocabulary so that every fast path runs (as with 49k tokens)
     with monkeypatch.context() as m:
-        m.setattr(cfsm.index, "_TINY", 60)
-        m.setattr(cfsm.index, "_TINY_PYTHON", 8)
-        m.setattr(cfsm.index, "_BATCH_PAIRS", 400)
+        m.setattr(cfsm.walker, "_TINY", 60)
+        m.setattr(cfsm.walker, "_TINY_PYTHON", 8)
+        m.setattr(cfsm.walker, "_BATCH_PAIRS", 400)
         m.setattr(cfsm.index, "_SHARE_DEPTH", 6)
-        m.setattr(cfsm.index, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
+        m.setattr(cfsm.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
         return build_index(dfa, vocab)
 
 
@@ -97,13 +99,13 @@ def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypat
 def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # guard for the property above: the schemas' string states do take the chain lookup here
     used: list[bool] = []
-    real = cfsm.index._Walker._inside_group
+    real = cfsm.walker._Walker._inside_group
 
     def spy(self, outside, utf8):  # type: ignore[no-untyped-def]
         used.append(utf8)
         return real(self, outside, utf8)
 
-    monkeypatch.setattr(cfsm.index._Walker, "_inside_group", spy)
+    monkeypatch.setattr(cfsm.walker._Walker, "_inside_group", spy)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
     dfa = build_dfa(schema_to_node(schema))
     fast = _fast_index(dfa, _VOCAB, monkeypatch)

@@ -1,0 +1,93 @@
+"""Packing token-id sets into mask rows: grouped batches and incremental prefix rows."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from cfsm.walker import Prefix
+
+
+def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
+              order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
+              intern: Callable[[np.ndarray], int]) -> None:
+    """Rows of the classes walked in batch (`few`): `class_row[k]` for each of them.
+
+    Token sets are grouped by two 64-bit sums of random per-token weights (with their size), so
+    each distinct set is packed once from one representative.
+    # NOTE: only a collision of both sums and the size (about classes^2 / 2^128) would give two
+    # classes one row.
+    """
+    keep = ~is_long[pos]
+    owner, tids = owner[keep], order[pos[keep]].astype(np.int64)
+    ks = np.flatnonzero(few)
+    k_of = np.full(accepting.shape[0], -1, dtype=np.int64)
+    k_of[reps[ks]] = np.arange(len(ks))
+    kk = k_of[owner]  # grouped: every owner's pairs are contiguous
+    w1, w2 = _token_weights(int(max(order.max(initial=0), eos.max(initial=0))) + 1)
+    starts = np.flatnonzero(np.diff(kk, prepend=-1)) if len(kk) else np.zeros(0, np.int64)
+    h = np.zeros((3, len(ks)), dtype=np.uint64)
+    if len(kk):
+        seg = kk[starts]
+        h[0, seg] = np.add.reduceat(w1[tids], starts)
+        h[1, seg] = np.add.reduceat(w2[tids], starts)
+        h[2, seg] = np.diff(np.append(starts, len(kk))).astype(np.uint64)
+    acc = accepting[reps[ks]]
+    h[0, acc] += w1[eos].sum(dtype=np.uint64)
+    h[1, acc] += w2[eos].sum(dtype=np.uint64)
+    h[2, acc] += np.uint64(len(eos))
+    _, first, inverse = np.unique(h.T, axis=0, return_index=True, return_inverse=True)
+    seg_of = np.full(len(ks), -1, dtype=np.int64)
+    if len(kk):
+        seg_of[kk[starts]] = np.arange(len(starts))
+    bounds = np.append(starts, len(kk))
+    group_row = np.empty(len(first), dtype=np.int32)
+    for g, k in enumerate(first.tolist()):
+        i = int(seg_of[k])
+        t = tids[bounds[i] : bounds[i + 1]] if i >= 0 else np.zeros(0, np.int64)
+        if acc[k]:
+            t = np.concatenate([t, eos.astype(np.int64)])
+        group_row[g] = intern(t)
+    class_row[ks] = group_row[inverse.reshape(-1)]
+
+
+class _PrefixRows:
+    """Mask rows (tokens of at most `_SHARE_DEPTH` bytes) of prefixes of shared position lists.
+
+    Per list, the rows of the cuts asked for so far are kept; a new cut starts from the row of
+    the largest smaller one and adds the tokens in between.
+    """
+
+    def __init__(self, order: np.ndarray, is_long: np.ndarray, words: int) -> None:
+        self.order = order
+        self.is_long = is_long
+        self.words = words
+        self._lists: dict[bytes, tuple[np.ndarray, np.ndarray, list[int], dict[int, np.ndarray]]] = {}
+
+    def row(self, prefix: Prefix) -> np.ndarray:
+        hit = self._lists.get(prefix.key)
+        if hit is None:
+            keep = ~self.is_long[prefix.positions]
+            tids = self.order[prefix.positions[keep]].astype(np.int64)
+            short_before = np.concatenate([[0], np.cumsum(keep)])  # cut -> cut among short tokens
+            hit = self._lists[prefix.key] = (tids, short_before, [0], {0: np.zeros(self.words, dtype=np.uint32)})
+        tids, short_before, cuts, rows = hit
+        cut = int(short_before[prefix.cut])
+        row = rows.get(cut)
+        if row is None:
+            at = bisect.bisect_right(cuts, cut) - 1
+            row = rows[cuts[at]].copy()
+            add = tids[cuts[at] : cut]
+            np.bitwise_or.at(row, add >> 5, np.left_shift(np.uint32(1), (add & 31).astype(np.uint32)))
+            rows[cut] = row
+            cuts.insert(at + 1, cut)
+        return row
+
+
+@functools.lru_cache(maxsize=4)
+def _token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0x70CE5)
+    return (rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(1, 2**63, size=n, dtype=np.uint64))

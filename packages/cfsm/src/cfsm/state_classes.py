@@ -1,0 +1,106 @@
+"""Classes of DFA states that share one token walk."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cfsm.automaton import Dfa, _byte_classes
+from cfsm.vocab import TrieTables
+
+
+def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per d in 0..depth: classes of states that agree on every byte string of at most d bytes.
+
+    Two states agree when, after any such string, both are dead or both are live with the same
+    acceptance; so every token of at most d bytes is allowed in both or in neither. Moore rounds
+    on two 64-bit signatures `h[p] = sum_j w_j * cls[succ_j(p)]`, updated only for the
+    predecessors of states whose class changed; only classes holding such a state are re-sorted.
+    # NOTE: only a collision of both signatures (about rounds * states^2 / 2^128) would merge
+    # two classes.
+    """
+    trans = dfa.transitions
+    if rep is None:  # a representative byte of each byte class
+        rep = _byte_classes(trans)[0]
+    cols = trans[:, rep]
+    n, k = cols.shape
+    cls = dfa.accepting.astype(np.int64)
+    cls[dfa.dead] = 2
+    rng = np.random.default_rng(0xC1A55)
+    w = rng.integers(1, 2**63, size=(2, k), dtype=np.uint64)
+    succ = cls[cols].astype(np.uint64)
+    h = np.stack([(succ * w[0]).sum(axis=1, dtype=np.uint64), (succ * w[1]).sum(axis=1, dtype=np.uint64)])
+    # reverse edges grouped by target, but for those into the dead state (alone in its class
+    # from the start, it never changes class)
+    flat_dst = cols.reshape(-1).astype(np.int64)
+    edge = np.flatnonzero(flat_dst != dfa.dead)
+    edge = edge[np.argsort(flat_dst[edge], kind="stable")]
+    edge_src, edge_w = edge // k, w[:, edge % k]
+    bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
+    num = 3
+    out = [cls.copy()]
+    sub = np.arange(n)
+    while len(out) <= depth:
+        o = sub[np.lexsort((h[1, sub], h[0, sub], cls[sub]))]
+        m = len(o)
+        c_s, h0_s, h1_s = cls[o], h[0, o], h[1, o]
+        new_group = np.ones(m, dtype=bool)
+        new_group[1:] = (c_s[1:] != c_s[:-1]) | (h0_s[1:] != h0_s[:-1]) | (h1_s[1:] != h1_s[:-1])
+        split = new_group.copy()
+        split[1:] &= c_s[1:] == c_s[:-1]  # a group start that is not its class's first group
+        split[0] = False
+        num_new = int(split.sum())
+        if num_new == 0:
+            break
+        group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0))
+        fresh = split[group_start]
+        changed = o[fresh]
+        new_ids = num + np.cumsum(split)[group_start[fresh]] - 1
+        delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
+        cls[changed] = new_ids
+        num += num_new
+        out.append(cls.copy())
+        lo, hi = bounds[changed], bounds[changed + 1]
+        sizes = hi - lo
+        total = int(sizes.sum())
+        if not total:
+            break
+        offsets = np.cumsum(sizes) - sizes
+        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        touched = edge_src[idx]
+        step = np.repeat(delta, sizes)
+        np.add.at(h[0], touched, edge_w[0, idx] * step)
+        np.add.at(h[1], touched, edge_w[1, idx] * step)
+        hit = np.zeros(num, dtype=bool)
+        hit[cls[touched]] = True
+        sub = np.flatnonzero(hit[cls])
+    out.extend([cls] * (depth + 1 - len(out)))
+    return out
+
+
+def _walk_classes(dfa: Dfa, tables: TrieTables, depth: int) -> np.ndarray:
+    """Classes of states whose tokens of at most `depth` bytes are allowed alike (one walk each).
+
+    A state's tokens of at most `depth` bytes all have at most D bytes, D the longest such token
+    starting with a byte it allows; two states with the same D that agree on every string of at
+    most D bytes (same allowed first bytes included) allow the same of those tokens. So states
+    whose candidates are short (UTF-8 continuations, escapes) share walks across counter values
+    that a `depth`-byte agreement would keep apart.
+    """
+    n = dfa.num_states
+    short = np.where(tables.lengths <= depth, tables.lengths, 0)
+    starts = tables.first_byte_starts
+    longest = np.zeros(256, dtype=np.int64)
+    nonempty = np.flatnonzero(starts[1:] > starts[:-1])
+    if len(nonempty):
+        longest[nonempty] = np.maximum.reduceat(short, starts[nonempty])
+    rep, byte_class = _byte_classes(dfa.transitions)
+    by_depth = _depth_classes(dfa, depth, rep)
+    longest_of_class = np.zeros(len(rep), dtype=np.int64)
+    np.maximum.at(longest_of_class, byte_class, longest)
+    d = np.where(dfa.transitions[:n, rep] != dfa.dead, longest_of_class[None, :], 0).max(axis=1)
+    cls = np.zeros(n, dtype=np.int64)
+    for v in np.unique(d).tolist():
+        at = d == v
+        cls[at] = by_depth[v][:n][at]
+    _, cls = np.unique(d * (int(cls.max()) + 1) + cls, return_inverse=True)
+    return cls.reshape(-1)

@@ -1,0 +1,493 @@
+"""`_Walker`: the per-compile token walks of single states (chains, escapes, batches)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from cfsm.automaton import Dfa, _byte_classes
+from cfsm.vocab import TrieTables
+from cfsm.walks import (
+    _chain_of,
+    _concat,
+    _group_steps,
+    _walk_all,
+    _walk_from,
+    _walk_owned,
+    _walk_pairs,
+    _walk_vectorized,
+)
+
+# valid multi-byte UTF-8 sequences as byte ranges: (lead), (continuation)... (RFC 3629)
+_UTF8_SEQUENCES = (
+    ((0xC2, 0xDF), (0x80, 0xBF)),
+    ((0xE0, 0xE0), (0xA0, 0xBF), (0x80, 0xBF)),
+    ((0xE1, 0xEC), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xED, 0xED), (0x80, 0x9F), (0x80, 0xBF)),
+    ((0xEE, 0xEF), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xF0, 0xF0), (0x90, 0xBF), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xF1, 0xF3), (0x80, 0xBF), (0x80, 0xBF), (0x80, 0xBF)),
+    ((0xF4, 0xF4), (0x80, 0x8F), (0x80, 0xBF), (0x80, 0xBF)),
+)
+_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+## narrow branches (at most this many allowed bytes) descend by binary search
+_FEW_BYTES = 6
+# ranges at most this long are walked directly
+_SMALL_RANGE = 24
+## states with at most this many candidate tokens (allowed first byte) are walked together, in
+# batches of at most _BATCH_PAIRS (state, token) pairs
+_TINY = 2048
+_BATCH_PAIRS = 1 << 20
+# a state not walked in a batch, with at most this many candidates, is walked in plain Python
+_TINY_PYTHON = 96
+# states whose allowed first bytes start more than this share of the vocabulary walk it whole
+_BROAD = 0.15
+
+
+class _Cands(NamedTuple):
+    """`_Walker._candidates`: the candidate tokens of a first-byte-then-chain state."""
+
+    inside: np.ndarray  # tails inside the group, sorted by tail length
+    steps: np.ndarray  # their tail lengths (characters with utf8)
+    first: np.ndarray  # index in `allowed` of their first byte
+    rest: np.ndarray  # other tokens of a chained first byte
+    rest_first: np.ndarray  # index in `allowed` of their first byte
+    rest_at: np.ndarray  # index of their first byte outside the group (>= 1)
+    loose: np.ndarray  # tokens of an unchained first byte
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The first `cut` entries of `positions`, a sorted-position list shared by many states and
+    cached under `key` (its mask rows are built incrementally, one per cut)."""
+
+    key: bytes
+    positions: np.ndarray
+    cut: int
+
+
+class _Walker:
+    """Per-compile caches shared by the walks of all states."""
+
+    def __init__(self, dfa: Dfa, tables: TrieTables) -> None:
+        self.dfa = dfa
+        self.dead = dfa.dead
+        self.trans = dfa.transitions
+        self.tflat = self.trans.reshape(-1)
+        self.tables = tables
+        self.n = len(tables.order)
+        self._allowed: dict[int, np.ndarray] = {}
+        self._max_len = int(tables.lengths.max()) if self.n else 0
+        self._chain_memo: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self._steps: dict[bytes, tuple[list[int], list[bool]]] = {}
+        # a 257th column: "past the end of the token" keeps the state
+        self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
+        self._rows: dict[int, list[int]] = {}
+        self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray],
+                                        tuple[np.ndarray, np.ndarray]]] = {}
+        self._uniform: dict[tuple[int, int, int], bool] = {}
+        self._cand: dict[bytes, _Cands] = {}
+
+    def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Walk the tokens of those `states` with few candidates together, in batches.
+
+        Returns (which of `states` were walked here, as a bool mask; the owner state and the
+        sorted position of every surviving (state, token) pair, grouped by owner). A batch holds
+        at most `_BATCH_PAIRS` pairs, bounding its memory.
+        """
+        tables = self.tables
+        counts = tables.first_byte_counts
+        live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
+        num_candidates = (live * counts[None, :]).sum(axis=1)
+        small = num_candidates <= _TINY
+        few = states[small]
+        out_owner: list[np.ndarray] = []
+        out_pos: list[np.ndarray] = []
+        if len(few):
+            live, num_candidates = live[small], num_candidates[small]
+            batch = np.cumsum(num_candidates) // _BATCH_PAIRS
+            cuts = np.flatnonzero(np.diff(batch)) + 1
+            for part in np.split(np.arange(len(few)), cuts):
+                rows, bytes_ = np.nonzero(live[part])
+                owners = few[part][rows]
+                lo = tables.first_byte_starts[bytes_]
+                sizes = counts[bytes_]
+                total = int(sizes.sum())
+                offsets = np.cumsum(sizes) - sizes
+                idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+                owner = np.repeat(owners, sizes)
+                cur = self.trans[owner, np.repeat(bytes_, sizes)]
+                own, pos, _ = _walk_pairs(idx, cur, owner, 1, tables.columns, self.tflat, self.dead)
+                out_owner.append(own)
+                out_pos.append(pos)
+        if not out_owner:
+            return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return small, np.concatenate(out_owner), np.concatenate(out_pos)
+
+    def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
+        """Token ids longer than `min_len` bytes allowed in each state (states with none left out)."""
+        tables = self.tables
+        long_pos = np.flatnonzero(tables.lengths > min_len)
+        if len(long_pos) == 0:
+            return {}
+        first = tables.columns[0, long_pos].astype(np.int64)
+        ok = self.trans[:-1][:, first] != self.dead  # (num_states, num_long)
+        owner, k = np.nonzero(ok)
+        cur = self.trans[owner, first[k]]
+        out: dict[int, np.ndarray] = {}
+        for own, pos, _ in _walk_owned(long_pos[k], cur, owner, 1, tables.columns, self.tflat, self.dead):
+            out[own] = tables.order[pos]
+        return out
+
+    def allowed(self, q: int) -> np.ndarray:
+        """Bytes that do not lead from `q` to the dead state, memoized."""
+        hit = self._allowed.get(q)
+        if hit is None:
+            hit = self._allowed[q] = np.flatnonzero(self.trans[q] != self.dead).astype(np.int16)
+        return hit
+
+    def _group_steps(self, group: np.ndarray) -> tuple[list[int], list[bool]]:
+        """`_group_steps` for every state, memoized per byte group (shared by its chains)."""
+        key = group.tobytes()
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._steps[key] = _group_steps(self.trans, group)
+        return hit
+
+    def chain(self, q: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """`_chain_of` for state `q`, memoized."""
+        if q not in self._chain_memo:
+            self._chain_memo[q] = _chain_of(self.dfa, q, self._max_len, self._group_steps)
+        return self._chain_memo[q]
+
+    def _row(self, q: int) -> list[int]:
+        row = self._rows.get(q)
+        if row is None:
+            row = self._rows[q] = self.trans[q].tolist()
+        return row
+
+    def _inside_group(self, outside: np.ndarray, utf8: bool) -> tuple[
+            np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(positions made only of the group's bytes sorted by length, their lengths, (the other
+        positions with a first byte in the group, the index of their first byte outside it),
+        (the positions starting outside the group, their bounds per first byte)), cached: every
+        state with this group (each counter value) reuses it.
+
+        With `utf8`, a token may also hold complete multi-byte UTF-8 characters, and "length" is
+        its number of characters.
+        """
+        key = outside.tobytes() + (b"u" if utf8 else b"")
+        hit = self._inside.get(key)
+        if hit is None:
+            bs = self.tables.byte_sets
+            if utf8:
+                chars = self.tables.num_chars
+                inside = (((bs[0] & outside[0]) | (bs[1] & outside[1])) == 0) & (chars >= 0)
+                lengths = chars
+            else:
+                inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
+                lengths = self.tables.lengths
+            pos_in = np.flatnonzero(inside)
+            lens = lengths[pos_in]
+            by_len = np.argsort(lens, kind="stable")
+            others = np.flatnonzero(~inside)
+            first_out = self._first_outside(others, outside)
+            at0 = first_out == 0
+            later = (others[~at0], first_out[~at0])
+            # those leaving the group at their first byte, by first byte (contiguous: sorted)
+            zero = others[at0]
+            bounds = np.searchsorted(self.tables.columns[0].take(zero), np.arange(257))
+            hit = self._inside[key] = (pos_in[by_len], lens[by_len], later, (zero, bounds))
+        return hit
+
+    def _first_outside(self, positions: np.ndarray, outside: np.ndarray, start: int = 0) -> np.ndarray:
+        """Index (from `start`) of the first byte in the byte set `outside` of each token (its
+        length if none)."""
+        member = np.ones(257, dtype=bool)  # index 256 (-1: past the end) counts as outside
+        member[:256] = np.unpackbits(outside.view(np.uint8), bitorder="little").astype(bool)
+        out = np.zeros(len(positions), dtype=np.int64)
+        todo = np.arange(len(positions))
+        columns = self.tables.columns
+        d = start
+        while len(todo):  # most tokens leave the group within a few bytes
+            found = member[columns[d].take(positions[todo])]
+            out[todo[found]] = d
+            todo = todo[~found]
+            d += 1
+        return out
+
+    @functools.cached_property
+    def _utf8_next_all(self) -> np.ndarray:
+        """Per state: the one state that every valid multi-byte UTF-8 character leads to, or -1.
+
+        Computed for all states at once where each byte range of a sequence steps uniformly
+        (one state for the whole range); the other states are checked exactly one by one.
+        """
+        trans = self.trans
+        n = trans.shape[0]
+        rep, byte_class = _byte_classes(trans)
+        out = np.full(n, -2, dtype=np.int64)  # -2: no sequence seen yet
+        ok = np.ones(n, dtype=bool)
+        for lead, *conts in _UTF8_SEQUENCES:
+            cur = np.arange(n)
+            for lo, hi in (lead, *conts):
+                # bytes of one byte class step alike: compare one byte per class in the range
+                block = trans[cur[:, None], rep[np.unique(byte_class[lo : hi + 1])][None, :]]
+                nxt = trans[cur, lo].astype(np.int64)
+                ok &= (block == nxt[:, None]).all(axis=1)
+                cur = nxt
+            ok &= (out == -2) | (out == cur)
+            out = cur
+        for q in np.flatnonzero(~ok).tolist():
+            out[q] = self._utf8_next_exact(q)
+        return out
+
+    def _utf8_next_exact(self, s: int) -> int:
+        """`_utf8_next_all[s]` by following every byte range as a set of states."""
+        trans = self.trans
+        found: set[int] = set()
+        for lead, *conts in _UTF8_SEQUENCES:
+            cur = np.unique(trans[s, lead[0] : lead[1] + 1])
+            for lo, hi in conts:
+                cur = np.unique(trans[cur][:, lo : hi + 1])
+            found.update(cur.tolist())
+            if len(found) > 1:
+                break
+        return found.pop() if len(found) == 1 else -1
+
+    def _utf8_uniform(self, outside: np.ndarray, chain: np.ndarray, limit: int) -> bool:
+        """Whether a multi-byte character steps along `chain` like one byte of its (ASCII) group."""
+        if not (outside[2] == _ALL_ONES and outside[3] == _ALL_ONES):  # the group has non-ASCII bytes
+            return False
+        key = (int(chain[0]), len(chain), limit)
+        hit = self._uniform.get(key)
+        if hit is None:
+            steps = limit if limit < len(chain) else len(chain) - 1
+            hit = self._uniform[key] = bool((self._utf8_next_all[chain[:steps]] == chain[1 : steps + 1]).all())
+        return hit
+
+    def walk(self, q: int) -> tuple[Prefix | None, np.ndarray]:
+        """Sorted positions of every token whose bytes survive from state `q`: a `Prefix` of a
+        shared position list (or None), and the other positions."""
+        tables = self.tables
+        dead = self.dead
+        allowed = self.allowed(q)
+        num_candidates = int(tables.first_byte_counts[allowed].sum())
+        if num_candidates <= _TINY_PYTHON:
+            return None, self._walk_tiny(q, allowed)[0]
+        broad = num_candidates > _BROAD * self.n
+        chain_info = self.chain(q)
+        out_pos: list[np.ndarray] = []
+        out_next: list[np.ndarray] = []
+        if chain_info is not None and broad:
+            # NOTE: tokens made only of bytes of the state's main byte group P follow a known chain
+            # of states (one state per length): a cached byte-set test and a lookup, no walk.
+            outside, chain = chain_info
+            # NOTE: the chain is dead from its first dead entry on, so the group's tokens that
+            # survive are those shorter than that entry: a prefix of the length-sorted positions.
+            # Where every multi-byte character also steps along the chain (string text), tokens
+            # with such characters follow it too, by their number of characters.
+            limit = self._chain_limit(chain)
+            utf8 = self._utf8_uniform(outside, chain, limit)
+            pos_in, lens, (others, first_out), (zero, bounds) = self._inside_group(outside, utf8)
+            cut = int(np.searchsorted(lens, limit))
+            prefix = Prefix(b"g" + outside.tobytes() + (b"u" if utf8 else b""), pos_in, cut)
+            # NOTE: the other tokens follow the chain up to their first byte outside P (all bytes
+            # before it are in P), so their walks start there; past the chain's known part they
+            # are dead (a dead entry) or walked from the start (no dead entry). Those starting
+            # outside P are taken only for the first bytes q allows.
+            a = allowed.astype(np.int64)
+            lo, hi = bounds[a], bounds[a + 1]
+            sizes = hi - lo
+            total = int(sizes.sum())
+            offsets = np.cumsum(sizes) - sizes
+            idx0 = zero[np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)]
+            known = first_out < limit
+            idx = np.concatenate([idx0, others[known]])
+            at = np.concatenate([np.zeros(total, np.int64), first_out[known]])
+            _walk_from(idx, chain[at], at, tables.columns, self.tflat, dead, out_pos, out_next)
+            if limit == len(chain):
+                rest = np.concatenate([others[~known], pos_in[cut:]])
+                _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat,
+                                 dead, out_pos, out_next)
+            return prefix, _concat(out_pos)
+        if broad:
+            return None, _walk_all(q, self.stay_flat, dead, tables)[0]
+        if len(allowed) > _FEW_BYTES:
+            done, head = self._walk_first_then_chain(q, allowed, out_pos, out_next)
+            if done:
+                return head, _concat(out_pos)
+        self._walk_ranges(q, out_pos, out_next)
+        return None, _concat(out_pos)
+
+    def _candidates(self, allowed: np.ndarray, chained: np.ndarray, outside: np.ndarray, utf8: bool) -> _Cands:
+        """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
+
+        Returns the positions whose bytes after the first all lie in the group (outside the byte
+        set `outside`) sorted by tail length, with their tail lengths and the index in `allowed`
+        of their first byte; the others of a `chained` first byte, with that index and the
+        index of their first byte outside the group; the others; the cache key. Cached per (allowed, outside):
+        the escape states of every counter value share it. With `utf8` (the allowed bytes are
+        ASCII), tails may also hold complete multi-byte characters and lengths count characters.
+        """
+        key = allowed.tobytes() + chained.tobytes() + outside.tobytes() + (b"u" if utf8 else b"")
+        hit = self._cand.get(key)
+        if hit is not None:
+            return hit
+        tables = self.tables
+        starts = tables.first_byte_starts
+        a = allowed.astype(np.int64)
+        lo, hi = starts[a], starts[a + 1]
+        sizes = hi - lo
+        total = int(sizes.sum())
+        offsets = np.cumsum(sizes) - sizes
+        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        first = np.repeat(np.arange(len(a), dtype=np.int64), sizes)  # which allowed byte starts it
+        ts = tables.tail_byte_sets[:, idx]
+        if utf8:
+            chars = tables.num_chars[idx]
+            inside = (((ts[0] & outside[0]) | (ts[1] & outside[1])) == 0) & (chars >= 0)
+            steps = chars - 1  # characters after the first (ASCII) byte
+        else:
+            inside = ((ts[0] & outside[0]) | (ts[1] & outside[1]) | (ts[2] & outside[2]) | (ts[3] & outside[3])) == 0
+            steps = tables.lengths[idx] - 1  # bytes after the first one
+        inside &= chained[first]  # tokens of an unchained first byte are walked
+        idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
+        order = np.argsort(steps_in, kind="stable")
+        rest, rest_first = idx[~inside], first[~inside]
+        ch = chained[rest_first]
+        hit = self._cand[key] = _Cands(idx_in[order], steps_in[order], first_in[order], rest[ch], rest_first[ch],
+                                       self._first_outside(rest[ch], outside, 1), rest[~ch], key)
+        return hit
+
+    def _walk_first_then_chain(self, q: int, allowed: np.ndarray, out_pos: list[np.ndarray],
+                               out_next: list[np.ndarray]) -> tuple[bool, Prefix | None]:
+        """One byte, then the chain of the state it leads to (an escape letter, then string text).
+
+        Applies to the allowed first bytes that lead to a state with a chain over one common byte
+        group (the others' tokens are walked); returns (False, None) (nothing written) if there is
+        none. Where all of them lead to one chain, its tokens are a `Prefix` of the candidates
+        sorted by tail length (returned, not written).
+        """
+        tq = self.trans[q, allowed.astype(np.int64)].tolist()
+        targets = sorted(set(tq))
+        slot = {t: i for i, t in enumerate(targets)}
+        target_of = np.array([slot[t] for t in tq], dtype=np.int64)
+        infos = [self.chain(r) for r in targets]
+        first = next((i for i in infos if i is not None), None)
+        if first is None:
+            return False, None
+        # per distinct target: chained (a chain over the common group), its chain and limit
+        chains = [i[1] if i is not None and np.array_equal(i[0], first[0]) else None for i in infos]
+        limits = np.array([-1 if c is None else self._chain_limit(c) for c in chains], dtype=np.int64)
+        sizes = np.array([0 if c is None else len(c) for c in chains], dtype=np.int64)
+        utf8 = bool(allowed.max() < 0x80) and all(
+            c is None or self._utf8_uniform(first[0], c, int(lim)) for c, lim in zip(chains, limits.tolist(), strict=True))
+        table = np.full((len(chains), int(sizes.max())), self.dead, dtype=np.int32)
+        for k, c in enumerate(chains):
+            if c is not None:
+                table[k, : len(c)] = c
+        target_of = target_of.reshape(-1)
+        chained = (limits >= 0)[target_of]
+        cands = self._candidates(allowed, chained, first[0], utf8)
+        idx_in, steps_in, first_in = cands.inside, cands.steps, cands.first
+        # NOTE: as in `walk`: a chain is dead from its first dead entry on; where it has none
+        # (limit == its length), longer tails are not known and are walked. The other tokens of
+        # a chained first byte follow the chain up to their first byte outside the group.
+        t = target_of[cands.rest_first]
+        before = cands.rest_at - 1  # group bytes after the first byte
+        lim = limits[t]
+        known = before < lim
+        _walk_from(cands.rest[known], table[t[known], before[known]], cands.rest_at[known], self.tables.columns,
+                   self.tflat, self.dead, out_pos, out_next)
+        todo = [cands.loose, cands.rest[~known & (lim == sizes[t])]]
+        prefix = None
+        if int((limits >= 0).sum()) == 1:  # one chain: a prefix of the candidates by tail length
+            k = int(np.flatnonzero(limits >= 0)[0])
+            cut = int(np.searchsorted(steps_in, limits[k]))
+            if limits[k] == sizes[k]:
+                todo.append(idx_in[cut:])
+            prefix = Prefix(b"c" + cands.key, idx_in, cut)
+        else:
+            tgt = target_of[first_in]
+            lim = limits[tgt]
+            sel = steps_in < lim
+            out_pos.append(idx_in[sel])
+            out_next.append(table[tgt[sel], steps_in[sel]])
+            todo.append(idx_in[~sel & (lim == sizes[tgt])])
+        rest = np.concatenate(todo)
+        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
+                         out_pos, out_next)
+        return True, prefix
+
+    def _chain_limit(self, chain: np.ndarray) -> int:
+        """Index of the first dead entry of `chain` (its length if none)."""
+        at = int(np.argmax(chain == self.dead))
+        return at if chain[at] == self.dead else len(chain)
+
+    def _walk_tiny(self, q: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Plain Python walk of the few tokens whose first byte is allowed."""
+        starts = self.tables.first_byte_starts
+        toks = self.tables.sorted_tokens
+        dead = self.dead
+        row_q = self._row(q)
+        pos: list[int] = []
+        nxt: list[int] = []
+        for b in allowed.tolist():
+            first = row_q[b]
+            for i in range(int(starts[b]), int(starts[b + 1])):
+                s = first
+                for byte in toks[i][1:]:
+                    s = self._row(s)[byte]
+                    if s == dead:
+                        break
+                else:
+                    pos.append(i)
+                    nxt.append(s)
+        return np.asarray(pos, dtype=np.int64), np.asarray(nxt, dtype=np.int32)
+
+    def _walk_ranges(self, q: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
+        """Descend the sorted-vocabulary trie by binary search; walk wide ranges with numpy."""
+        columns = self.tables.columns
+        trans = self.trans
+        stack = [(q, 0, self.n, 0)]
+        while stack:
+            q, lo, hi, d = stack.pop()
+            col = columns[d, lo:hi]
+            if d > 0:
+                e = int(np.searchsorted(col, 0))
+                if e:
+                    out_pos.append(np.arange(lo, lo + e, dtype=np.int64))
+                    out_next.append(np.full(e, q, dtype=np.int32))
+                    lo += e
+                    col = col[e:]
+                    if lo >= hi:
+                        continue
+            ab = self.allowed(q)
+            if len(ab) == 0:
+                continue
+            lefts = np.searchsorted(col, ab, "left")
+            rights = np.searchsorted(col, ab, "right")
+            if len(ab) <= _FEW_BYTES and hi - lo > _SMALL_RANGE:
+                for b, left, right in zip(ab.tolist(), lefts.tolist(), rights.tolist(), strict=True):
+                    if right > left:
+                        stack.append((int(trans[q, b]), lo + left, lo + right, d + 1))
+                continue
+            sizes = rights - lefts
+            nz = sizes > 0
+            total = int(sizes.sum())
+            if total == 0:
+                continue
+            if total == hi - lo:
+                idx = np.arange(lo, hi, dtype=np.int64)
+            else:
+                # concatenated sub-ranges of the allowed next bytes
+                starts, lens = lefts[nz] + lo, sizes[nz]
+                offsets = np.cumsum(lens) - lens
+                idx = np.repeat(starts - offsets, lens) + np.arange(total, dtype=np.int64)
+            _walk_vectorized(idx, np.full(total, q, dtype=np.int32), d, columns, self.tflat, self.dead,
+                             out_pos, out_next)
