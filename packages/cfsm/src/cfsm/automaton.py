@@ -405,13 +405,14 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     cls = _refine(cols, cls)
     num = int(cls.max()) + 1
     # renumber: the dead class last, the rest in first-seen order from state 0
-    dead_cls = cls[dead]
-    remap = np.full(num, -1, dtype=np.int64)
-    nxt = 0
-    for c in cls.tolist():
-        if c != dead_cls and remap[c] < 0:
-            remap[c] = nxt
-            nxt += 1
+    dead_cls = int(cls[dead])
+    first_seen = np.full(num, n, dtype=np.int64)
+    np.minimum.at(first_seen, cls, np.arange(n))
+    order = np.argsort(first_seen, kind="stable")
+    order = order[order != dead_cls]
+    remap = np.empty(num, dtype=np.int64)
+    remap[order] = np.arange(len(order))
+    nxt = len(order)
     remap[dead_cls] = nxt
     new_ids = remap[cls]
     reps = np.zeros(num, dtype=np.int64)
