@@ -38,6 +38,21 @@ def test_vectorized_equals_reference(device: str, batch: int, vocab: int, words:
     assert torch.equal(out2.cpu(), ref2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_cpu_fast_path_dtypes_views_and_inference_mode(dtype: str) -> None:
+    # the CPU path fills through numpy where it can (float32/16/64) and falls back for bfloat16
+    gen = torch.Generator().manual_seed(7)
+    big = torch.randn(3, 99, generator=gen).to(getattr(torch, dtype))
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    ref = big[:, :90].clone()
+    apply_token_bitmask_reference_(ref, bitmask)
+    view = big[:, :90]  # a strided view: writes must land in `big`
+    with torch.inference_mode():
+        apply_token_bitmask_(view, bitmask)
+    assert torch.equal(big[:, :90], ref)
+    assert torch.isfinite(big[:, 90:]).all()  # columns outside the view untouched
+
+
 def test_one_dimensional_and_bit_layout() -> None:
     logits = torch.zeros(40)
     bitmask = torch.tensor([1 << 3, 1 << 1], dtype=torch.int32)  # tokens 3 and 33
