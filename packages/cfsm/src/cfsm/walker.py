@@ -111,22 +111,51 @@ class _Walker:
             live, num_candidates = live[small], num_candidates[small]
             batch = np.cumsum(num_candidates) // _BATCH_PAIRS
             cuts = np.flatnonzero(np.diff(batch)) + 1
+            starts2 = self._two_byte_starts
             for part in np.split(np.arange(len(few)), cuts):
-                rows, bytes_ = np.nonzero(live[part])
+                rows, first = np.nonzero(live[part])
                 owners = few[part][rows]
-                lo = tables.first_byte_starts[bytes_]
-                sizes = counts[bytes_]
+                after = self.trans[owners, first]
+                # NOTE: the second byte is checked per (state, first byte) before any token is
+                # expanded: only tokens whose two-byte prefix survives are walked on
+                # the one-byte tokens (several if the vocabulary repeats one)
+                ones = starts2[first, 1] - starts2[first, 0]
+                one_lo = starts2[first, 0]
+                one_total = int(ones.sum())
+                one_off = np.cumsum(ones) - ones
+                one_pos = np.repeat(one_lo - one_off, ones) + np.arange(one_total, dtype=np.int64)
+                one_owner = np.repeat(owners, ones)
+                k, second = np.nonzero(self.trans[after] != self.dead)
+                lo = starts2[first[k], second + 1]
+                sizes = starts2[first[k], second + 2] - lo
                 total = int(sizes.sum())
                 offsets = np.cumsum(sizes) - sizes
                 idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-                owner = np.repeat(owners, sizes)
-                cur = self.trans[owner, np.repeat(bytes_, sizes)]
-                own, pos, _ = _walk_pairs(idx, cur, owner, 1, tables.columns, self.tflat, self.dead)
-                out_owner.append(own)
-                out_pos.append(pos)
+                owner = np.repeat(owners[k], sizes)
+                cur = np.repeat(self.trans[after[k], second], sizes)
+                own, pos, _ = _walk_pairs(idx, cur, owner, 2, tables.columns, self.tflat, self.dead)
+                own = np.concatenate([one_owner, own])
+                pos = np.concatenate([one_pos, pos])
+                order = np.argsort(own, kind="stable")  # each owner's pairs contiguous
+                out_owner.append(own[order])
+                out_pos.append(pos[order])
         if not out_owner:
             return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
         return small, np.concatenate(out_owner), np.concatenate(out_pos)
+
+    @functools.cached_property
+    def _two_byte_starts(self) -> np.ndarray:
+        """(256, 258): tokens starting with byte a then byte b are the sorted positions
+        [s[a, b + 1], s[a, b + 2]); the one-byte token a is [s[a, 0], s[a, 1])."""
+        cols = self.tables.columns
+        n = cols.shape[1]
+        key = cols[0].astype(np.int64) * 257 + (cols[1].astype(np.int64) + 1 if cols.shape[0] > 1 else 0)
+        grid = np.arange(256 * 257 + 1, dtype=np.int64)
+        bounds = np.searchsorted(key, grid) if n else np.zeros(len(grid), np.int64)
+        out = np.empty((256, 258), dtype=np.int64)
+        out[:, :257] = bounds[:-1].reshape(256, 257)
+        out[:, 257] = bounds[257 :: 257]
+        return out
 
     def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
         """Token ids longer than `min_len` bytes allowed in each state (states with none left out)."""
