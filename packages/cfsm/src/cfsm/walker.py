@@ -41,10 +41,22 @@ _SMALL_RANGE = 24
 # batches of at most _BATCH_PAIRS (state, token) pairs
 _TINY = 2048
 _BATCH_PAIRS = 1 << 20
+# in those batches, first bytes starting more than this many tokens have their second byte
+# checked before the tokens are expanded
+_WIDE_FIRST = 64
 # a state not walked in a batch, with at most this many candidates, is walked in plain Python
 _TINY_PYTHON = 96
 # states whose allowed first bytes start more than this share of the vocabulary walk it whole
 _BROAD = 0.15
+
+
+def _expand(lo: np.ndarray, sizes: np.ndarray, owner: np.ndarray, cur: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Position ranges [lo, lo + size) as (positions, owner of each, state of each)."""
+    total = int(sizes.sum())
+    offsets = np.cumsum(sizes) - sizes
+    idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+    return idx, np.repeat(owner, sizes), np.repeat(cur, sizes)
 
 
 class _Cands(NamedTuple):
@@ -112,30 +124,30 @@ class _Walker:
             batch = np.cumsum(num_candidates) // _BATCH_PAIRS
             cuts = np.flatnonzero(np.diff(batch)) + 1
             starts2 = self._two_byte_starts
+            columns = tables.columns
             for part in np.split(np.arange(len(few)), cuts):
                 rows, first = np.nonzero(live[part])
                 owners = few[part][rows]
-                after = self.trans[owners, first]
-                # NOTE: the second byte is checked per (state, first byte) before any token is
-                # expanded: only tokens whose two-byte prefix survives are walked on
-                # the one-byte tokens (several if the vocabulary repeats one)
-                ones = starts2[first, 1] - starts2[first, 0]
-                one_lo = starts2[first, 0]
-                one_total = int(ones.sum())
-                one_off = np.cumsum(ones) - ones
-                one_pos = np.repeat(one_lo - one_off, ones) + np.arange(one_total, dtype=np.int64)
-                one_owner = np.repeat(owners, ones)
+                # NOTE: a first byte that starts many tokens has its second byte checked per
+                # (state, first byte) before tokens are expanded (a forced key letter: only the
+                # tokens of the surviving two-byte prefixes are walked on); the others expand at once
+                wide = counts[first] > _WIDE_FIRST
+                narrow = ~wide
+                idx_n, owner_n, cur_n = _expand(starts2[first[narrow], 0], counts[first[narrow]], owners[narrow],
+                                                self.trans[owners[narrow], first[narrow]])
+                own_n, pos_n, _ = _walk_pairs(idx_n, cur_n, owner_n, 1, columns, self.tflat, self.dead)
+                first_w, owners_w = first[wide], owners[wide]
+                after = self.trans[owners_w, first_w]
+                # the one-byte tokens (several if the vocabulary repeats one) survive as they are
+                one_pos, one_owner, _ = _expand(starts2[first_w, 0], starts2[first_w, 1] - starts2[first_w, 0],
+                                                owners_w, after)
                 k, second = np.nonzero(self.trans[after] != self.dead)
-                lo = starts2[first[k], second + 1]
-                sizes = starts2[first[k], second + 2] - lo
-                total = int(sizes.sum())
-                offsets = np.cumsum(sizes) - sizes
-                idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-                owner = np.repeat(owners[k], sizes)
-                cur = np.repeat(self.trans[after[k], second], sizes)
-                own, pos, _ = _walk_pairs(idx, cur, owner, 2, tables.columns, self.tflat, self.dead)
-                own = np.concatenate([one_owner, own])
-                pos = np.concatenate([one_pos, pos])
+                lo = starts2[first_w[k], second + 1]
+                idx_w, owner_w, cur_w = _expand(lo, starts2[first_w[k], second + 2] - lo, owners_w[k],
+                                                self.trans[after[k], second])
+                own_w, pos_w, _ = _walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead)
+                own = np.concatenate([one_owner, own_w, own_n])
+                pos = np.concatenate([one_pos, pos_w, pos_n])
                 order = np.argsort(own, kind="stable")  # each owner's pairs contiguous
                 out_owner.append(own[order])
                 out_pos.append(pos[order])
