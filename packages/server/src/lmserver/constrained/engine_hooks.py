@@ -36,27 +36,8 @@ _DECODE_CONTEXT = 4
 
 
 def rewind_request(scheduler: Scheduler, req: Any, new_output_ids: Sequence[int]) -> None:
-    """Replaces `req.output_ids` (in place) and, for a running request, moves it back to prefill.
-
-    Its written KV goes into the radix tree first (keyed by the old tokens), then the new token
-    sequence is matched against the tree, so the kept prefix is reused and only the new tokens
-    are computed by the next extend round. Mutates: the request, the tree, the allocator and
-    the scheduler's running / prefilling lists.
-    """
-    if req.status != ReqStatus.RUNNING:
-        req.output_ids[:] = list(new_output_ids)
-        return
-    # NOTE: the same steps as Scheduler._retract, but the request keeps its request-table row
-    # and goes to `prefilling` (served by the next extend round) instead of the waiting queue.
-    row = req.req_pool_idx
-    scheduler.kv.release(req, cache_tokens=True)
-    req.output_ids[:] = list(new_output_ids)
-    scheduler.kv.admit(req)
-    req.req_pool_idx = row
-    req.table_valid_len = 0
-    scheduler.running.remove(req)
-    scheduler.prefilling.append(req)
-    req.status = ReqStatus.PREFILLING
+    """`Scheduler.rewind` (kept as a function for callers of the constrained package)."""
+    scheduler.rewind(req, new_output_ids)
 
 
 class ConstrainedDecoding:

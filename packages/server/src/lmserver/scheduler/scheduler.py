@@ -10,6 +10,7 @@ Call order per round: `schedule()` -> (caller runs the forward) -> `commit(decis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,6 +298,30 @@ class Scheduler:
         self.waiting.insert(0, req)
         self.num_retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + NEW_TOKEN_RATIO_RETRACT_STEP)
+
+    def rewind(self, req: Req, new_output_ids: Sequence[int]) -> None:
+        """Replaces `req.output_ids` (in place) and, for a running request, moves it back to prefill
+        (jump-forward: the retokenized forced text replaces the tail of its output).
+
+        Its written KV goes into the radix tree first (keyed by the old tokens), then the new token
+        sequence is matched against the tree, so the kept prefix is reused and only the new tokens
+        are computed by the next extend round. Mutates: the request, the tree, the allocator and
+        the running / prefilling lists.
+        """
+        if req.status != ReqStatus.RUNNING:
+            req.output_ids[:] = list(new_output_ids)
+            return
+        # NOTE: the same steps as _retract, but the request keeps its request-table row and goes
+        # to `prefilling` (served by the next extend round) instead of the waiting queue.
+        row = req.req_pool_idx
+        self.kv.release(req, cache_tokens=True)
+        req.output_ids[:] = list(new_output_ids)
+        self.kv.admit(req)
+        req.req_pool_idx = row
+        req.table_valid_len = 0
+        self.running.remove(req)
+        self.prefilling.append(req)
+        req.status = ReqStatus.PREFILLING
 
     def commit(self, decision: ScheduleDecision) -> list[Req]:
         """After the forward of `decision`: inserts prefill chunks into the tree and moves
