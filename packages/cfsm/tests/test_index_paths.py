@@ -82,6 +82,8 @@ def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.
         m.setattr(cfsm.walker, "_BATCH_PAIRS", 400)
         m.setattr(cfsm.index, "_SHARE_DEPTH", 6)
         m.setattr(cfsm.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
+        m.setattr(cfsm.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
+        m.setattr(cfsm.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
         return build_index(dfa, vocab)
 
 

@@ -41,6 +41,9 @@ _SMALL_RANGE = 24
 # batches of at most _BATCH_PAIRS (state, token) pairs
 _TINY = 2048
 _BATCH_PAIRS = 1 << 20
+# states with more than this many candidate tokens longer than the shared depth resolve those
+# inside their chain's group by length
+_LONG_CHAIN_MIN = 64
 # in those batches, first bytes starting more than this many tokens have their second byte
 # checked before the tokens are expanded
 _WIDE_FIRST = 64
@@ -96,6 +99,7 @@ class _Walker:
         self._max_len = int(tables.lengths.max()) if self.n else 0
         self._chain_memo: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         self._steps: dict[bytes, tuple[list[int], list[bool]]] = {}
+        self._long: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         # a 257th column: "past the end of the token" keeps the state
         self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
@@ -170,19 +174,61 @@ class _Walker:
         return out
 
     def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
-        """Token ids longer than `min_len` bytes allowed in each state (states with none left out)."""
+        """Token ids longer than `min_len` bytes allowed in each state (states with none left out).
+
+        States with many such candidates that have a chain (string text) take the ones made
+        only of their group's bytes by length, as `walk` does; the other pairs are walked.
+        """
         tables = self.tables
         long_pos = np.flatnonzero(tables.lengths > min_len)
         if len(long_pos) == 0:
             return {}
         first = tables.columns[0, long_pos].astype(np.int64)
         ok = self.trans[:-1][:, first] != self.dead  # (num_states, num_long)
-        owner, k = np.nonzero(ok)
-        cur = self.trans[owner, first[k]]
+        owner, k = np.nonzero(ok)  # sorted by owner
+        resolved = np.zeros(len(owner), dtype=bool)
+        taken = np.zeros(len(owner), dtype=bool)
+        bounds = np.searchsorted(owner, np.arange(ok.shape[0] + 1))
+        for q in np.flatnonzero(np.diff(bounds) > _LONG_CHAIN_MIN).tolist():
+            info = self.chain(q)
+            if info is None:
+                continue
+            outside, chain = info
+            limit = self._chain_limit(chain)
+            inside, length = self._long_inside(long_pos, outside, self._utf8_uniform(outside, chain, limit))
+            at = slice(int(bounds[q]), int(bounds[q + 1]))
+            ins, short = inside[k[at]], length[k[at]] < limit
+            # NOTE: as in `walk`: dead from the chain's first dead entry on; unknown past its end
+            resolved[at] = ins if limit < len(chain) else ins & short
+            taken[at] = ins & short
         out: dict[int, np.ndarray] = {}
-        for own, pos, _ in _walk_owned(long_pos[k], cur, owner, 1, tables.columns, self.tflat, self.dead):
+        walk = ~resolved
+        cur = self.trans[owner[walk], first[k[walk]]]
+        for own, pos, _ in _walk_owned(long_pos[k[walk]], cur, owner[walk], 1, tables.columns, self.tflat, self.dead):
             out[own] = tables.order[pos]
+        if taken.any():
+            t_owner, t_ids = owner[taken], tables.order[long_pos[k[taken]]]
+            cuts = np.flatnonzero(np.diff(t_owner)) + 1
+            for o, ids in zip(t_owner[np.concatenate([[0], cuts])].tolist(), np.split(t_ids, cuts), strict=True):
+                out[o] = np.concatenate([out[o], ids]) if o in out else ids
         return out
+
+    def _long_inside(self, long_pos: np.ndarray, outside: np.ndarray, utf8: bool) -> tuple[np.ndarray, np.ndarray]:
+        """For the tokens at `long_pos`: whether made only of the group's bytes (with `utf8`, also
+        of complete multi-byte characters), and their length (characters with `utf8`); cached."""
+        key = outside.tobytes() + (b"u" if utf8 else b"")
+        hit = self._long.get(key)
+        if hit is None:
+            bs = self.tables.byte_sets[:, long_pos]
+            if utf8:
+                chars = self.tables.num_chars[long_pos]
+                inside = (((bs[0] & outside[0]) | (bs[1] & outside[1])) == 0) & (chars >= 0)
+                length = chars.astype(np.int64)
+            else:
+                inside = ((bs[0] & outside[0]) | (bs[1] & outside[1]) | (bs[2] & outside[2]) | (bs[3] & outside[3])) == 0
+                length = self.tables.lengths[long_pos].astype(np.int64)
+            hit = self._long[key] = (inside, length)
+        return hit
 
     def allowed(self, q: int) -> np.ndarray:
         """Bytes that do not lead from `q` to the dead state, memoized."""
