@@ -160,21 +160,47 @@ class _Nfa:
         return ids[dfa.start], end
 
     def _chars(self, node: Chars) -> tuple[int, int]:
+        num_nodes, edges = _char_dag(node.ranges)
         s, e = self.new(), self.new()
-        prefix: dict[tuple[int, int, int], int] = {}
-        for seq in _sequences(node.ranges):
-            cur = s
-            for k, (blo, bhi) in enumerate(seq):
-                if k == len(seq) - 1:
-                    self.trans[cur].append((blo, bhi, e))
-                else:
-                    key = (cur, blo, bhi)
-                    nxt = prefix.get(key)
-                    if nxt is None:
-                        nxt = prefix[key] = self.new()
-                        self.trans[cur].append((blo, bhi, nxt))
-                    cur = nxt
+        ids = [s] + [self.new() for _ in range(num_nodes - 1)]
+        for src, lo, hi, dst in edges:
+            self.trans[ids[src]].append((lo, hi, e if dst < 0 else ids[dst]))
         return s, e
+
+
+@functools.lru_cache(maxsize=4096)
+def _char_dag(ranges: tuple[tuple[int, int], ...]) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
+    """The UTF-8 byte automaton of a code point set: (number of nodes, edges (src, lo, hi, dst)),
+    node 0 the start, dst -1 the end.
+
+    The sequences' prefix trie with equal subtrees shared (a DAWG): the states after different
+    lead bytes that need the same continuation bytes are one node, so the DFA has no duplicate
+    states to minimize away later.
+    """
+    children: list[dict[tuple[int, int], int]] = [{}]  # node -> {(lo, hi): child}, child -1: the end
+    for seq in _sequences(ranges):
+        cur = 0
+        for k, (blo, bhi) in enumerate(seq):
+            if k == len(seq) - 1:
+                children[cur][(blo, bhi)] = -1
+            else:
+                nxt = children[cur].get((blo, bhi))
+                if nxt is None or nxt < 0:
+                    nxt = len(children)
+                    children.append({})
+                    children[cur][(blo, bhi)] = nxt
+                cur = nxt
+    # children are created after their parents: canonicalize bottom-up by (range, child) sets
+    canon = [0] * len(children)
+    by_sig: dict[tuple[tuple[int, int, int], ...], int] = {}
+    for node in range(len(children) - 1, -1, -1):
+        sig = tuple(sorted((lo, hi, c if c < 0 else canon[c]) for (lo, hi), c in children[node].items()))
+        canon[node] = by_sig.setdefault(sig, node) if node else 0
+    order = sorted({canon[x] for x in range(len(children))})
+    new_id = {old: i for i, old in enumerate(order)}  # node 0 stays 0
+    edges = tuple((new_id[node], lo, hi, c if c < 0 else new_id[canon[c]])
+                  for node in order for (lo, hi), c in children[node].items())
+    return len(order), edges
 
 
 @functools.lru_cache(maxsize=4096)
