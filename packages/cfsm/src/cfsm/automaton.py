@@ -220,9 +220,6 @@ def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset
     if len(trs) == 1:
         lo, hi, t = trs[0]
         return [(lo, hi, frozenset((t,)))]
-    trs = sorted(trs)
-    if all(a[1] < b[0] for a, b in zip(trs, trs[1:], strict=False)):  # disjoint: no sweep needed
-        return [(lo, hi, frozenset((t,))) for lo, hi, t in trs]
     events: dict[int, list[tuple[int, int]]] = {}
     for lo, hi, t in trs:
         events.setdefault(lo, []).append((1, t))
@@ -275,7 +272,7 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
             states.append(key)
         return i
 
-    target_cache: dict[frozenset[int], int] = {}
+    target_cache: dict[int | frozenset[int], int] = {}  # an NFA state or a set of them
     intern(closure(start))
     out: list[list[tuple[int, int, int]]] = []
     accepting: list[bool] = []
@@ -285,10 +282,17 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
         accepting.append(final in members)
         trs = [t for q in members for t in nfa.trans[q]]
         row: list[tuple[int, int, int]] = []
-        for a, b, tg in _segments(trs):
+        if len(trs) > 1:
+            trs.sort()
+        # NOTE: disjoint ranges (most states) have one target each: no sweep, no target sets
+        if all(x[1] < y[0] for x, y in zip(trs, trs[1:], strict=False)):
+            segs: list[tuple[int, int, int | frozenset[int]]] = list(trs)
+        else:
+            segs = list(_segments(trs))
+        for a, b, tg in segs:
             dst = target_cache.get(tg)
             if dst is None:
-                key: frozenset[int] = frozenset().union(*(closure(x) for x in tg))
+                key = closure(tg) if isinstance(tg, int) else frozenset().union(*(closure(x) for x in tg))
                 dst = target_cache[tg] = intern(key)
             if row and row[-1][1] == a - 1 and row[-1][2] == dst:
                 row[-1] = (row[-1][0], b, dst)
