@@ -34,10 +34,11 @@ the optimal hit rate of the same recorded trace (every distinct prompt prefix co
 prefixes the server generated itself free, the tokens a request must compute -- its last token,
 or from `logprob_start_len - 1` when it asks for prompt logprobs -- always counted; see
 `program_trace.py`, which checks this bound against brute-force oracles at every run). *radix %*
-is the host time of the trace's radix-tree operations (match, lock, insert, unlock), replayed
-through `radixcache`, as a share of the `full` run's wall time: the server does not report its own
-radix management time, so this is a stand-in. *sanity* counts programs that passed the workload's
-check (see the legend under each table).
+is the server's own radix management time (`radix_time_s` of `/get_server_info`: host time in
+prefix matching, locking, insertion, eviction and the slot bookkeeping around them) as a share of
+the `full` run's wall time; runs recorded before the server reported it show the host time of the
+trace's radix-tree operations replayed through `radixcache` instead (marked `r`). *sanity* counts
+programs that passed the workload's check (see the legend under each table).
 
 By default `fcfs` and `dfs_weight` run the workloads with shared prefixes and parallel calls,
 `no_hints` the ones with forks or a constant prefix, `openai_baseline` six workloads (`CONFIGS` in
@@ -55,6 +56,12 @@ def _cell(row: dict[str, Any] | None) -> str:
         return ""
     err = f", {row['num_errors']} err" if row["num_errors"] else ""
     return f"{row['programs_per_s']:.2f} ({row['mean_latency_s']:.1f}){err}"
+
+
+def _radix_cell(row: dict[str, Any]) -> str:
+    if "radix_server_share" in row:
+        return f"{100 * row['radix_server_share']:.4f}"
+    return f"{100 * row['radix_share']:.4f} r"
 
 
 def machine_section(result: dict[str, Any]) -> str:
@@ -83,7 +90,7 @@ def machine_section(result: dict[str, Any]) -> str:
         n = next(r["programs"] for r in rows if r["workload"] == name)
         cells = [name, str(n), *[_cell(by.get((name, c))) for c in configs], ratio, hit("full"),
                  hit("no_hints"), hit("openai_baseline"),
-                 f"{100 * full['radix_share']:.4f}" if full else "",
+                 _radix_cell(full) if full else "",
                  f"{full['sanity_ok']}/{full['programs']}" if full else ""]
         lines.append("| " + " | ".join(cells) + " |")
         if full:

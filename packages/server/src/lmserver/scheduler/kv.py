@@ -6,10 +6,32 @@ held by one tree node, or held by one request. Every method says what it mutates
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 
 from lmserver.scheduler.req import Req
 from radixcache import RadixCache, SlotAllocator
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _timed(method: F) -> F:
+    """Adds the method's wall time to `self.radix_time_s` (the radix management time the paper
+    reports: prefix matching, locking, insertion, eviction and the slot bookkeeping around them)."""
+
+    @functools.wraps(method)
+    def wrapper(self: KVManager, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.radix_time_s += time.perf_counter() - start
+
+    return wrapper  # type: ignore[return-value]
 
 
 class MemoryInvariantError(AssertionError):
@@ -23,6 +45,7 @@ class KVManager:
         self.allocator = SlotAllocator(num_slots, page_size)
         self.cache = RadixCache(page_size=page_size, eviction="lru")
         self.disable_radix_cache = disable_radix_cache
+        self.radix_time_s = 0.0  # accumulated by the @_timed methods
 
     @property
     def num_slots(self) -> int:
@@ -38,6 +61,7 @@ class KVManager:
         """Slots obtainable now: free plus evictable."""
         return self.allocator.available + self.cache.evictable_size
 
+    @_timed
     def peek_prefix_len(self, req: Req, touch: bool = False) -> int:
         """Cached prefix length `req` would reuse (capped). With `touch`, refreshes the LRU clock
         of that prefix (so what waiting requests will reuse is evicted last); else mutates nothing."""
@@ -49,6 +73,7 @@ class KVManager:
             length = self.cache.peek_prefix_len(req.fill_ids, req.extra_key)
         return min(length, req.prefix_cap(self.page_size))
 
+    @_timed
     def admit(self, req: Req) -> int:
         """Matches and locks the cached prefix of `req`; returns the reused length.
 
@@ -68,6 +93,7 @@ class KVManager:
         req.cached_len = length
         return length
 
+    @_timed
     def extend(self, req: Req, num_tokens: int) -> bool:
         """Reserves slots for `num_tokens` more tokens of `req` (evicting if needed).
 
@@ -101,6 +127,7 @@ class KVManager:
             slots = self.allocator.alloc(num_tokens)
         return slots
 
+    @_timed
     def checkpoint(self, req: Req) -> bool:
         """Inserts the written prefix of `req` into the tree and re-locks at its end.
 
@@ -125,6 +152,7 @@ class KVManager:
         req.cached_len = m.length
         return replaced
 
+    @_timed
     def release(self, req: Req, cache_tokens: bool = True) -> None:
         """Gives back everything `req` holds: its written prefix goes into the tree (unless
         `cache_tokens` is False or the cache is disabled), other slots to the allocator, the lock
@@ -147,6 +175,7 @@ class KVManager:
         self.cache.unlock(req.last_node)
         req.reset_kv()
 
+    @_timed
     def flush(self) -> None:
         """Drops the whole tree (only when no request holds KV); mutates tree and allocator."""
         freed = self.cache.reset()

@@ -368,4 +368,5 @@ class Scheduler:
             "kv_usage": used / total if total else 0.0,
             "num_retractions": self.num_retractions,
             "new_token_ratio": self.new_token_ratio,
+            "radix_time_s": self.kv.radix_time_s,  # host time in prefix-cache management (KVManager)
         }
