@@ -22,6 +22,7 @@ from typing import Any
 
 from lmserver.config import ServerConfig
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
+from lmserver.netutil import free_port
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAIL_ADD_KEY = "fake:fail-add-request"
@@ -305,29 +306,6 @@ def serve_fake(argv: list[str], core_factory: str = "lmserver.testing:FakeEngine
     from lmserver.launch import launch_server
 
     return launch_server(parse_config(argv), core_factory=core_factory)
-
-
-def free_port(span: int = 1) -> int:
-    """A port `p` such that `p .. p + span - 1` were all free a moment ago on 127.0.0.1.
-
-    NOTE: picked at random below the kernel's ephemeral range (32768+ on Linux), so an outgoing
-    connection of another process cannot take it between this check and the server's bind (a
-    data-parallel server listens on `port + 1 + i` for its replicas: pass `span = 1 + dp_size`).
-    """
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(200):
-        first = rng.randrange(20000, 32000 - span)
-        try:
-            for port in range(first, first + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"no block of {span} free ports found in 20000..32000")
 
 
 class ServerProcess:

@@ -20,7 +20,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,16 +31,11 @@ from lmserver.config import ServerConfig
 from lmserver.distributed.group import TPGroup
 from lmserver.distributed.shard import shard_model_, tp_head_counts
 from lmserver.models.config import ModelConfig
+from lmserver.netutil import free_port
 
 logger = logging.getLogger("lmserver.tp")
 
 _WATCH_INTERVAL_S = 0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _backend(device: str) -> str:
@@ -57,7 +51,7 @@ def _ranks_per_node(config: ServerConfig) -> int:
 def _init_method(config: ServerConfig) -> str:
     if config.nnodes > 1 and not config.dist_init_addr:
         raise ValueError("several nodes need --dist-init-addr host:port (node 0's address)")
-    return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
 
 
 def _watch_followers(procs: list[Any], stopping: threading.Event) -> None:
