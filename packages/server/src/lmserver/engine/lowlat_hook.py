@@ -133,7 +133,9 @@ class LowlatHook:
             path = self.session.replay(step)
         else:
             path = self.session.select(step)
-        if path != PLUGIN:
+        if path != PLUGIN or batch.mode != ForwardMode.DECODE:
+            # NOTE: the adapter maps decode batches only; a plugin declaring extend or verify
+            # coverage still gets only decode steps from lmserver.
             return original()
         built = self.session.built
         assert built is not None and self._req_to_token is not None
