@@ -303,6 +303,14 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
     return out, accepting
 
 
+def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
+    """`np.argsort(keys, kind="stable")` for keys in [0, bound): as 16-bit keys where they fit,
+    which numpy sorts by radix (linear) instead of a merge sort."""
+    if bound <= 2**15:
+        keys = keys.astype(np.int16)
+    return np.argsort(keys, kind="stable")
+
+
 def _live_states(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
     """States from which an accepting state is reachable (reverse BFS over byte classes).
 
@@ -312,7 +320,7 @@ def _live_states(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarr
     flat = cols.reshape(-1)
     edge = np.flatnonzero(flat != dead)
     dst = flat[edge]
-    order = np.argsort(dst, kind="stable")
+    order = _stable_argsort(dst, n)
     preds = (edge[order] // cols.shape[1]).tolist()
     bounds = np.searchsorted(dst[order], np.arange(n + 1)).tolist()
     live = accepting.tolist()
@@ -350,7 +358,7 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         if (cls[cols[members]] == c).all():
             keep &= cls[flat_dst] != c
     edge = np.flatnonzero(keep)
-    edge = edge[np.argsort(flat_dst[edge], kind="stable")]
+    edge = edge[_stable_argsort(flat_dst[edge], n)]
     edge_src = edge // k
     edge_w = weights[edge % k]
     bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))

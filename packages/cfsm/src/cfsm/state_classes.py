@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _byte_classes
+from cfsm.automaton import Dfa, _byte_classes, _stable_argsort
 from cfsm.vocab import TrieTables
 
 
@@ -33,7 +33,7 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     # from the start, it never changes class)
     flat_dst = cols.reshape(-1).astype(np.int64)
     edge = np.flatnonzero(flat_dst != dfa.dead)
-    edge = edge[np.argsort(flat_dst[edge], kind="stable")]
+    edge = edge[_stable_argsort(flat_dst[edge], n)]
     edge_src, edge_w = edge // k, w[:, edge % k]
     bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
     num = 3

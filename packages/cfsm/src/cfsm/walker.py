@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _byte_classes
+from cfsm.automaton import Dfa, _byte_classes, _stable_argsort
 from cfsm.vocab import TrieTables
 from cfsm.walks import (
     _chain_of,
@@ -152,7 +152,7 @@ class _Walker:
                 own_w, pos_w, _ = _walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead)
                 own = np.concatenate([one_owner, own_w, own_n])
                 pos = np.concatenate([one_pos, pos_w, pos_n])
-                order = np.argsort(own, kind="stable")  # each owner's pairs contiguous
+                order = _stable_argsort(own, self.trans.shape[0])  # each owner's pairs contiguous
                 out_owner.append(own[order])
                 out_pos.append(pos[order])
         if not out_owner:
@@ -280,7 +280,7 @@ class _Walker:
                 lengths = self.tables.lengths
             pos_in = np.flatnonzero(inside)
             lens = lengths[pos_in]
-            by_len = np.argsort(lens, kind="stable")
+            by_len = _stable_argsort(lens, int(lens.max(initial=0)) + 1)
             others = np.flatnonzero(~inside)
             first_out = self._first_outside(others, outside)
             at0 = first_out == 0
@@ -444,7 +444,7 @@ class _Walker:
             steps = tables.lengths[idx] - 1  # bytes after the first one
         inside &= chained[first]  # tokens of an unchained first byte are walked
         idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
-        order = np.argsort(steps_in, kind="stable")
+        order = _stable_argsort(steps_in, int(steps_in.max(initial=0)) + 1)
         rest, rest_first = idx[~inside], first[~inside]
         ch = chained[rest_first]
         hit = self._cand[key] = _Cands(idx_in[order], steps_in[order], first_in[order], rest[ch], rest_first[ch],

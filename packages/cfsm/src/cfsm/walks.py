@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cfsm.automaton import Dfa
+from cfsm.automaton import Dfa, _stable_argsort
 from cfsm.vocab import TrieTables
 
 # states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
@@ -91,7 +91,7 @@ def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, col
         empty = np.zeros(0, np.int64)
         return empty, empty, empty.astype(np.int32)
     all_owner = np.concatenate(out_owner)
-    order = np.argsort(all_owner, kind="stable")
+    order = _stable_argsort(all_owner, int(all_owner.max()) + 1)
     return all_owner[order], np.concatenate(out_pos)[order], np.concatenate(out_next)[order]
 
 
