@@ -184,11 +184,20 @@ class _Walker:
         if len(long_pos) == 0:
             return {}
         first = tables.columns[0, long_pos].astype(np.int64)
-        ok = self.trans[:-1][:, first] != self.dead  # (num_states, num_long)
-        owner, k = np.nonzero(ok)  # sorted by owner
+        # (state, long token) pairs whose first byte the state allows: the long tokens of one
+        # first byte are contiguous (sorted), so pairs expand from (state, byte) ranges
+        lead, lead_at = np.unique(first, return_index=True)
+        lead_end = np.append(lead_at[1:], len(first))
+        rows, j = np.nonzero(self.trans[:-1][:, lead] != self.dead)  # sorted by state
+        sizes = lead_end[j] - lead_at[j]
+        total = int(sizes.sum())
+        offsets = np.cumsum(sizes) - sizes
+        k = np.repeat(lead_at[j] - offsets, sizes) + np.arange(total, dtype=np.int64)
+        owner = np.repeat(rows, sizes)
+        num_states = self.trans.shape[0] - 1
         resolved = np.zeros(len(owner), dtype=bool)
         taken = np.zeros(len(owner), dtype=bool)
-        bounds = np.searchsorted(owner, np.arange(ok.shape[0] + 1))
+        bounds = np.searchsorted(owner, np.arange(num_states + 1))
         for q in np.flatnonzero(np.diff(bounds) > _LONG_CHAIN_MIN).tolist():
             info = self.chain(q)
             if info is None:
