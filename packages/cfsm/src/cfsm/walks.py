@@ -45,22 +45,25 @@ def _walk_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, columns: np.nda
                dead: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
     """Walk the tokens at sorted positions `idx`, each in state `cur` with `at` bytes read."""
     keep = cur != dead
-    idx, cur, at = idx[keep], cur[keep], at[keep].copy()
+    n = columns.shape[1]
+    flat = columns.reshape(-1)
+    idx, cur = idx[keep], cur[keep].astype(np.int64)
+    lin = at[keep] * n + idx  # flat index of the next byte of each token
     while idx.size:
-        b = columns[at, idx]
+        b = flat.take(lin)
         end = b < 0
         if end.any():
             out_pos.append(idx[end])
             out_next.append(cur[end])
             keep = ~end
-            idx, cur, at, b = idx[keep], cur[keep], at[keep], b[keep]
-        key = cur.astype(np.int64) * 256
-        key += b
-        cur = tflat.take(key)
+            idx, cur, lin, b = idx[keep], cur[keep], lin[keep], b[keep]
+        cur *= 256
+        cur += b
+        cur = tflat.take(cur).astype(np.int64)
         keep = cur != dead
         if not keep.all():
-            idx, cur, at = idx[keep], cur[keep], at[keep]
-        at += 1
+            idx, cur, lin = idx[keep], cur[keep], lin[keep]
+        lin += n
 
 
 def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
