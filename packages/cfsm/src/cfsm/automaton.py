@@ -51,6 +51,12 @@ class Dfa:
         s = self.walk(self.start, data)
         return bool(self.accepting[s])
 
+    @functools.cached_property
+    def byte_classes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(representative byte of each class, class of each byte): bytes that step alike from
+        every state. Computed on first use."""
+        return _byte_classes(self.transitions)
+
 
 class _Nfa:
     def __init__(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _byte_classes, _stable_argsort
+from cfsm.automaton import Dfa, _stable_argsort
 from cfsm.vocab import TrieTables
 
 
@@ -20,7 +20,7 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     """
     trans = dfa.transitions
     if rep is None:  # a representative byte of each byte class
-        rep = _byte_classes(trans)[0]
+        rep = dfa.byte_classes[0]
     cols = trans[:, rep]
     n, k = cols.shape
     cls = dfa.accepting.astype(np.int64)
@@ -93,7 +93,7 @@ def _walk_classes(dfa: Dfa, tables: TrieTables, depth: int) -> np.ndarray:
     nonempty = np.flatnonzero(starts[1:] > starts[:-1])
     if len(nonempty):
         longest[nonempty] = np.maximum.reduceat(short, starts[nonempty])
-    rep, byte_class = _byte_classes(dfa.transitions)
+    rep, byte_class = dfa.byte_classes
     by_depth = _depth_classes(dfa, depth, rep)
     longest_of_class = np.zeros(len(rep), dtype=np.int64)
     np.maximum.at(longest_of_class, byte_class, longest)

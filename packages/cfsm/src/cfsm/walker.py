@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _byte_classes, _stable_argsort
+from cfsm.automaton import Dfa, _stable_argsort
 from cfsm.vocab import TrieTables
 from cfsm.walks import (
     _chain_of,
@@ -325,7 +325,7 @@ class _Walker:
         """
         trans = self.trans
         n = trans.shape[0]
-        rep, byte_class = _byte_classes(trans)
+        rep, byte_class = self.dfa.byte_classes
         out = np.full(n, -2, dtype=np.int64)  # -2: no sequence seen yet
         ok = np.ones(n, dtype=bool)
         for lead, *conts in _UTF8_SEQUENCES:
