@@ -115,3 +115,18 @@ def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatc
     plain = _plain_index(dfa, _VOCAB, monkeypatch)
     live = np.flatnonzero(fast.mask_row >= 0)
     assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
+
+
+def test_two_byte_starts_hold_exactly_the_tokens_of_each_prefix() -> None:
+    tables = _VOCAB.trie_tables
+    starts = tables.two_byte_starts
+    for i, tok in enumerate(tables.sorted_tokens):
+        a = tok[0]
+        if len(tok) == 1:
+            assert starts[a, 0] <= i < starts[a, 1]
+        else:
+            assert starts[a, tok[1] + 1] <= i < starts[a, tok[1] + 2]
+    # the ranges of one first byte tile its tokens, in order
+    assert (np.diff(starts, axis=1) >= 0).all()
+    assert np.array_equal(starts[:, 0], tables.first_byte_starts[:-1])
+    assert np.array_equal(starts[:, 257], tables.first_byte_starts[1:])

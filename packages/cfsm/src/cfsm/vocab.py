@@ -34,6 +34,9 @@ class TrieTables:
     first_byte_starts: np.ndarray  # (257,) int64: tokens starting with byte b are [starts[b], starts[b+1])
     sorted_tokens: tuple[bytes, ...]  # the token bytes in sorted order
     num_chars: np.ndarray  # (n,) int32: characters of a token that is valid UTF-8, else -1
+    # (256, 258) int64: tokens starting with bytes a, b are [s[a, b + 1], s[a, b + 2]); the
+    # one-byte token a (repeated if the vocabulary repeats it) is [s[a, 0], s[a, 1])
+    two_byte_starts: np.ndarray
 
 
 def _num_chars(data: bytes) -> int:
@@ -140,13 +143,20 @@ class Vocabulary:
         first = columns[0][columns[0] >= 0] if len(ids) else np.zeros(0, np.int16)
         first_counts = np.bincount(first, minlength=256).astype(np.int64)
         first_starts = np.concatenate([[0], np.cumsum(first_counts)]).astype(np.int64)
+        # sorted by bytes, so (first byte, second byte or -1 past the end) keys never decrease
+        key = columns[0].astype(np.int64) * 257 + (columns[1].astype(np.int64) + 1 if max_len else 0)
+        bounds = np.searchsorted(key, np.arange(256 * 257 + 1, dtype=np.int64))
+        two_byte_starts = np.empty((256, 258), dtype=np.int64)
+        two_byte_starts[:, :257] = bounds[:-1].reshape(256, 257)
+        two_byte_starts[:, 257] = bounds[257::257]
         return TrieTables(order=np.asarray(ids, dtype=np.int32), columns=columns, lengths=lengths,
                           byte_sets=byte_sets, tail_byte_sets=tail_byte_sets, first_byte_counts=first_counts,
                           by_length=by_length, length_columns=np.ascontiguousarray(length_columns),
                           length_counts=length_counts, first_byte_starts=first_starts,
                           sorted_tokens=tuple(self.tokens[i] for i in ids),
                           num_chars=np.fromiter((_num_chars(self.tokens[i]) for i in ids), dtype=np.int32,
-                                                count=len(ids)))
+                                                count=len(ids)),
+                          two_byte_starts=two_byte_starts)
 
     @property
     def mask_words(self) -> int:

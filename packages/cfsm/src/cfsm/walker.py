@@ -127,7 +127,7 @@ class _Walker:
             live, num_candidates = live[small], num_candidates[small]
             batch = np.cumsum(num_candidates) // _BATCH_PAIRS
             cuts = np.flatnonzero(np.diff(batch)) + 1
-            starts2 = self._two_byte_starts
+            starts2 = tables.two_byte_starts
             columns = tables.columns
             for part in np.split(np.arange(len(few)), cuts):
                 rows, first = np.nonzero(live[part])
@@ -158,20 +158,6 @@ class _Walker:
         if not out_owner:
             return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
         return small, np.concatenate(out_owner), np.concatenate(out_pos)
-
-    @functools.cached_property
-    def _two_byte_starts(self) -> np.ndarray:
-        """(256, 258): tokens starting with byte a then byte b are the sorted positions
-        [s[a, b + 1], s[a, b + 2]); the one-byte token a is [s[a, 0], s[a, 1])."""
-        cols = self.tables.columns
-        n = cols.shape[1]
-        key = cols[0].astype(np.int64) * 257 + (cols[1].astype(np.int64) + 1 if cols.shape[0] > 1 else 0)
-        grid = np.arange(256 * 257 + 1, dtype=np.int64)
-        bounds = np.searchsorted(key, grid) if n else np.zeros(len(grid), np.int64)
-        out = np.empty((256, 258), dtype=np.int64)
-        out[:, :257] = bounds[:-1].reshape(256, 257)
-        out[:, 257] = bounds[257 :: 257]
-        return out
 
     def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
         """Token ids longer than `min_len` bytes allowed in each state (states with none left out).
