@@ -4,13 +4,14 @@ Random schedules (hypothesis): requests join through EXTEND forwards (prefills, 
 decode together, finish (their rows and KV slots are reused by later requests), and decode
 batches change composition without an EXTEND in between. Every forward's output must equal
 softmax(q K^T) V over exactly the request's own slots, with the dense copy and with the plain
-gather path (budget 0), and the pool must hold every stored k / v.
+gather path (budget 0), and the pool must hold every stored k / v. A "plugin" step is planned
+but its K/V reach the pool without the backend (as when a lowlat plugin serves the step).
 """
 
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lmserver.attention.base import AttentionLayer
@@ -48,15 +49,17 @@ def _oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scal
     return out.reshape(q.shape[0], HEADS * DIM).float()
 
 
-# one schedule step: ("join", prompt lengths), ("decode", how many requests finish first)
+# one schedule step: ("join", prompt lengths), ("decode" | "plugin", how many requests finish first)
 STEP = st.one_of(
     st.tuples(st.just("join"), st.lists(st.integers(1, 12), min_size=1, max_size=3)),
-    st.tuples(st.just("decode"), st.integers(0, 2)),
+    st.tuples(st.sampled_from(["decode", "decode", "plugin"]), st.integers(0, 2)),
 )
 
 
 @settings(max_examples=40, deadline=None)
 @given(steps=st.lists(STEP, min_size=1, max_size=14), budget=st.sampled_from([0, 1 << 30]), seed=st.integers(0, 99))
+@example(steps=[("join", [5, 5]), ("decode", 0), ("plugin", 0), ("decode", 0)], budget=1 << 30, seed=0)
+@example(steps=[("join", [3, 9, 4]), ("decode", 0), ("decode", 1), ("join", [2]), ("decode", 0)], budget=1 << 30, seed=1)
 def test_decode_attention_matches_the_oracle_across_batch_changes(
     steps: list[tuple[str, object]], budget: int, seed: int
 ) -> None:
@@ -96,6 +99,11 @@ def test_decode_attention_matches_the_oracle_across_batch_changes(
             loc += slots
         batch = _batch(mode, rows, prefix, new, loc)
         backend.plan(batch)
+        if kind == "plugin":
+            for layer in layers:
+                k = torch.randn(len(loc), KV_HEADS, DIM, generator=g)
+                pool.store(layer.layer_id, batch.out_cache_loc, k, torch.randn(len(loc), KV_HEADS, DIM, generator=g))
+            continue
         for layer in layers:
             q = torch.randn(len(loc), HEADS, DIM, generator=g)
             k = torch.randn(len(loc), KV_HEADS, DIM, generator=g)
@@ -112,4 +120,4 @@ def test_decode_attention_matches_the_oracle_across_batch_changes(
                 )
                 torch.testing.assert_close(out[start : start + n], want, atol=1e-5, rtol=1e-5)
                 start += n
-        assert (backend.dense is not None) == (mode == ForwardMode.DECODE and budget > 0)
+        assert backend.use_dense == (mode == ForwardMode.DECODE and budget > 0)

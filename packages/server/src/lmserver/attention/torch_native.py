@@ -27,17 +27,23 @@ DENSE_DECODE_HEADROOM = 64  # decode steps a dense copy absorbs before it is re-
 
 
 class _DenseDecode:
-    """Per-layer K and V copies (bs, cap, KV, D) of one decode batch, request-major.
+    """Per-layer K and V copies (bs, cap, KV, D) of one decode batch, request-major (the first
+    bs rows of buffers allocated for `alloc_bs` requests, reused while a batch shrinks).
 
-    Invariant: positions [0, lens[b]) of row b hold request b's K/V for every layer whose
-    forward ran; other positions hold finite values (zeros or stale K/V), masked out.
+    Invariant: when `written[l]` is the current step, positions [0, lens[b]) of row b of layer
+    l hold request b's K/V; other positions hold finite values (zeros or stale K/V), masked out.
+    A layer that missed a step (its forward did not run through this backend, e.g. a plugin
+    served the step) is re-gathered from the pool.
     """
 
-    def __init__(self, rows: list[int], cap: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+    def __init__(self, rows: list[int], cap: int, num_layers: int) -> None:
         self.rows = rows
         self.cap = cap
-        self.k = k
-        self.v = v
+        self.alloc_bs = len(rows)
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # allocated by the layer's first forward
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.written = [-1] * num_layers  # the step each layer's copy is complete for
+        self.step = 0
         self.lens: list[int] = []
 
     def extends(self, rows: list[int], lens: list[int]) -> bool:
@@ -55,7 +61,9 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         super().__init__(kv_pool, req_to_token)
-        self.dense: _DenseDecode | None = None
+        self.dense: _DenseDecode | None = None  # kept across forwards (buffers reused)
+        self.use_dense = False  # this forward is a decode on `dense`
+        self.decode_slots: torch.Tensor | None = None  # (bs * max_len,) pool slots of a decode gather
 
     def plan(self, batch: ForwardBatch) -> None:
         """Precomputes slot indices and masks shared by all layers; mutates only self."""
@@ -64,13 +72,18 @@ class TorchNativeBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             max_len = max(batch.seq_lens_cpu)
             ar = torch.arange(max_len, device=rows.device)
-            self.decode_mask = (ar[None, :] < batch.seq_lens[:, None]).view(batch.batch_size, 1, 1, max_len)
+            valid = (ar[None, :] < batch.seq_lens[:, None]).view(batch.batch_size, 1, 1, max_len)
+            # additive float mask (cheaper in SDPA than a bool one); every row has >= 1 valid key
+            self.decode_mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype, device=rows.device)
+            self.decode_mask.masked_fill_(~valid, float("-inf"))
             self.decode_shape = (batch.batch_size, max_len)
             if self._plan_dense(batch, max_len):
                 return
             self.decode_slots = self.req_to_token[rows, :max_len].long().reshape(-1)  # (bs * max_len,)
             return
-        self.dense = None  # NOTE: an EXTEND may give a request's row to another request
+        self.use_dense = False
+        if self.dense is not None:  # NOTE: an EXTEND may give a request's row to another request
+            self.dense.rows = []
         assert batch.extend_prefix_lens_cpu is not None and batch.extend_seq_lens_cpu is not None
         self.extend_plan: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.padded = self._plan_padded(batch)
@@ -89,59 +102,73 @@ class TorchNativeBackend(AttentionBackend):
     def _plan_dense(self, batch: ForwardBatch, max_len: int) -> bool:
         """Plans a decode step on the dense copy (extending it or re-gathering it); False when
         there is no host copy of the rows or the copy would exceed the memory budget."""
+        self.use_dense = False
         rows_cpu = batch.req_pool_indices_cpu
         if rows_cpu is None:
-            self.dense = None
             return False
         lens = batch.seq_lens_cpu
         dense = self.dense
-        self.dense_gather = dense is None or not dense.extends(rows_cpu, lens)
-        if self.dense_gather:
+        if dense is None or not dense.extends(rows_cpu, lens):
             pool = self.kv_pool
             bs, cap = batch.batch_size, max_len + DENSE_DECODE_HEADROOM
-            shape = (bs, cap, pool.num_kv_heads, pool.head_dim)
-            item = torch.empty((), dtype=pool.dtype).element_size()
-            if 2 * pool.num_layers * bs * cap * pool.num_kv_heads * pool.head_dim * item > self.dense_budget_bytes:
-                self.dense = None
-                return False
-            if dense is not None and dense.k[0].shape[0] == bs and dense.cap >= max_len:
-                dense.rows = list(rows_cpu)  # reuse the buffers: stale values are finite
+            if dense is not None and dense.alloc_bs >= bs and dense.cap >= max_len:
+                dense.rows = list(rows_cpu)  # reuse the buffers (stale values are finite)
+                dense.written = [-1] * pool.num_layers
             else:
-                self.dense = None  # free the old copy first
-                device = batch.req_pool_indices.device
-                # NOTE: zeros, not empty: masked positions are multiplied by 0 in SDPA (NaN * 0 = NaN)
-                k = [torch.zeros(shape, dtype=pool.dtype, device=device) for _ in range(pool.num_layers)]
-                v = [torch.zeros(shape, dtype=pool.dtype, device=device) for _ in range(pool.num_layers)]
-                dense = _DenseDecode(list(rows_cpu), cap, k, v)
-            self.decode_slots = self.req_to_token[batch.req_pool_indices, :max_len].long().reshape(-1)
-        assert dense is not None
+                self.dense = None  # frees the old copy first
+                item = torch.empty((), dtype=pool.dtype).element_size()
+                if 2 * pool.num_layers * bs * cap * pool.num_kv_heads * pool.head_dim * item > self.dense_budget_bytes:
+                    return False
+                dense = _DenseDecode(list(rows_cpu), cap, pool.num_layers)
+        dense.step += 1
         dense.lens = list(lens)
-        self.dense = dense
+        self.dense, self.use_dense = dense, True
         # flat (b * cap + lens[b] - 1) position of each request's new token in the dense copy
         self.dense_write = torch.tensor(
             [b * dense.cap + n - 1 for b, n in enumerate(lens)], dtype=torch.int64, device=batch.req_pool_indices.device
         )
+        self.decode_slots = None  # the gather index, built by the first layer that needs it
         return True
 
     def _forward_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         dense = self.dense
         assert dense is not None
         bs, max_len = self.decode_shape
-        kd, vd = dense.k[layer.layer_id], dense.v[layer.layer_id]  # (bs, cap, KV, D)
-        if self.dense_gather:  # the pool already holds this step's k, v
-            shape = (bs, max_len, layer.num_kv_heads, layer.head_dim)
-            kd[:, :max_len] = self.kv_pool.k_cache[layer.layer_id].index_select(0, self.decode_slots).view(shape)
-            vd[:, :max_len] = self.kv_pool.v_cache[layer.layer_id].index_select(0, self.decode_slots).view(shape)
-        else:
+        lid = layer.layer_id
+        kd, vd = dense.k[lid], dense.v[lid]
+        if kd is None or vd is None:
+            shape = (dense.alloc_bs, dense.cap, layer.num_kv_heads, layer.head_dim)
+            pool = self.kv_pool
+            # NOTE: zeros, not empty: masked positions are multiplied by 0 in SDPA (NaN * 0 = NaN)
+            kd = dense.k[lid] = torch.zeros(shape, dtype=pool.dtype, device=q.device)
+            vd = dense.v[lid] = torch.zeros(shape, dtype=pool.dtype, device=q.device)
+        kd, vd = kd[:bs], vd[:bs]  # contiguous: the leading rows
+        if dense.written[lid] == dense.step - 1:  # complete up to the last step: add this token
             flat = (bs * dense.cap, layer.num_kv_heads, layer.head_dim)
             kd.view(flat).index_copy_(0, self.dense_write, k.to(kd.dtype))
             vd.view(flat).index_copy_(0, self.dense_write, v.to(vd.dtype))
+        else:  # (re-)gather; the pool already holds this step's k, v
+            if self.decode_slots is None:
+                self.decode_slots = self.req_to_token[self.batch.req_pool_indices, :max_len].long().reshape(-1)
+            shape = (bs, max_len, layer.num_kv_heads, layer.head_dim)
+            kd[:, :max_len] = self.kv_pool.k_cache[lid].index_select(0, self.decode_slots).view(shape)
+            vd[:, :max_len] = self.kv_pool.v_cache[lid].index_select(0, self.decode_slots).view(shape)
+        dense.written[lid] = dense.step
         kk = kd[:, :max_len].transpose(1, 2).to(q.dtype)  # (bs, KV, L, D), strided
         vv = vd[:, :max_len].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kk, vv, attn_mask=self.decode_mask, scale=layer.scaling, enable_gqa=True
-        )  # (bs, H, 1, D)
-        return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
+        return self._decode_sdpa(q, kk, vv, layer)
+
+    def _decode_sdpa(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        """q (bs, H, D) over kk, vv (bs, KV, L, D) -> (bs, H * D).
+
+        The H // KV query heads of a KV head ride as its query rows (q (bs, KV, G, D)), so
+        grouped-query attention needs no expanded copy of K and V.
+        """
+        bs, group = q.shape[0], layer.num_heads // layer.num_kv_heads
+        mask = self.decode_mask if self.decode_mask.dtype == q.dtype else self.decode_mask.to(q.dtype)
+        qq = q.reshape(bs, layer.num_kv_heads, group, layer.head_dim)
+        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=layer.scaling)  # (bs, KV, G, D)
+        return out.reshape(bs, layer.num_heads * layer.head_dim)
 
     def _plan_padded(self, batch: ForwardBatch) -> bool:
         """Plans one padded SDPA over all requests when padding wastes < half the work.
@@ -189,16 +216,14 @@ class TorchNativeBackend(AttentionBackend):
         k_cache = self.kv_pool.k_cache[layer.layer_id]
         v_cache = self.kv_pool.v_cache[layer.layer_id]
         num_tokens = q.shape[0]
-        if batch.mode == ForwardMode.DECODE and self.dense is not None:
+        if batch.mode == ForwardMode.DECODE and self.use_dense:
             return self._forward_dense(q, k, v, layer)
         if batch.mode == ForwardMode.DECODE:
+            assert self.decode_slots is not None
             shape = (*self.decode_shape, layer.num_kv_heads, layer.head_dim)
             kk = k_cache.index_select(0, self.decode_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)
             vv = v_cache.index_select(0, self.decode_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kk, vv, attn_mask=self.decode_mask, scale=layer.scaling, enable_gqa=True
-            )  # (bs, H, 1, D)
-            return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
+            return self._decode_sdpa(q, kk, vv, layer)
         if self.padded:
             return self._forward_padded(q, layer)
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)

@@ -11,11 +11,11 @@ import re
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmserver.attention.base import AttentionLayer
 from lmserver.engine.forward_batch import ForwardBatch
-from lmserver.layers.activation import silu_and_mul
 from lmserver.layers.norm import RMSNorm
 from lmserver.layers.rotary import RotaryEmbedding
 from lmserver.models.config import ModelConfig
@@ -101,7 +101,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
+        d = gate_up.shape[-1] // 2
+        # NOTE: in place (= silu_and_mul): no new (T, inter) buffers; down_proj reads the strided half
+        gate = F.silu(gate_up[..., :d], inplace=True).mul_(gate_up[..., d:])
+        return self.down_proj(gate)  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,8 +119,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # NOTE: residual adds in place: h is this layer's own input (the embedding or the
+        # previous layer's output), read by nothing else
+        h = h.add_(self.self_attn(positions, self.input_layernorm(h), batch))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
