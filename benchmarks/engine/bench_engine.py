@@ -14,6 +14,17 @@ other load on a shared machine); `runs_s` lists every duration. The load average
 before and after each dataset.
 
     .venv/bin/python benchmarks/engine/bench_engine.py --dataset both --num-prompts 32
+
+GPU runs of the issue's benchmarks 4 and 5 (weights of the 8B shape cannot travel: a folder with its
+`config.json` and a tokenizer, `--load-format dummy`; HF then gets its own random init):
+    # 4: offline throughput vs HF's continuous batching
+    python benchmarks/engine/bench_engine.py --model-path DIR --load-format dummy --dtype bfloat16 \
+        --dataset random --num-prompts 1000 --input-len 1024 --range-ratio 1 --output-len 256 \
+        --max-running-requests 256 --hf-mode generate_batch
+    # 5: shared prefix, radix cache on, then the same with --disable-radix-cache --no-hf
+    python benchmarks/engine/bench_engine.py --model-path DIR --load-format dummy --dtype bfloat16 \
+        --dataset shared-prefix --num-prompts 1024 --group-size 16 --shared-prefix-len 2048 \
+        --question-len 128 --output-len 256 --no-hf
 """
 
 from __future__ import annotations
@@ -69,8 +80,8 @@ def run_hf(model: Any, tokenizer: Any, prompts: list[list[int]], output_len: int
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
@@ -78,6 +89,19 @@ def run_hf(model: Any, tokenizer: Any, prompts: list[list[int]], output_len: int
             )
         outputs += out[:, width:].tolist()
     duration = time.perf_counter() - start
+    return {"duration_s": duration, "output_tokens": sum(len(o) for o in outputs), "cache_hit_rate": 0.0,
+            "outputs": outputs}
+
+
+def run_hf_continuous(model: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """HF transformers' own continuous batching (`generate_batch`), greedy, no EOS stop."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1)
+    start = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    duration = time.perf_counter() - start
+    outputs = [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
     return {"duration_s": duration, "output_tokens": sum(len(o) for o in outputs), "cache_hit_rate": 0.0,
             "outputs": outputs}
 
@@ -128,6 +152,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both backends (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times; report the fastest")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
+    ap.add_argument("--load-format", default="auto", help="'dummy': random weights for the folder's config "
+                    "(HF then gets its own random init: token agreement is not compared)")
+    ap.add_argument("--disable-radix-cache", action="store_true", help="lmserver without prefix reuse")
+    ap.add_argument("--hf-mode", choices=["generate", "generate_batch"], default="generate",
+                    help="HF baseline: padded `generate` batches, or its continuous batching `generate_batch`")
     args = ap.parse_args()
 
     import torch
@@ -139,7 +168,8 @@ def main() -> None:
 
     engine = Engine(
         args.model_path, dtype=args.dtype, device=args.device, max_running_requests=args.max_running_requests,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, load_format=args.load_format,
+        disable_radix_cache=args.disable_radix_cache,
     )
     rc = engine.core.resolved_config
     tokenizer = engine.tokenizer
@@ -150,8 +180,16 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         hf_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[rc.dtype]
-        hf_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=hf_dtype).to(rc.device).eval()
+        if args.load_format == "dummy":
+            from transformers import AutoConfig
+
+            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_path), dtype=hf_dtype)
+            hf_model = hf_model.to(rc.device).eval()
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=hf_dtype).to(rc.device).eval()
         hf_model.generate(torch.tensor([[100, 200, 300]], device=rc.device), max_new_tokens=2, do_sample=False)
+        if args.hf_mode == "generate_batch":
+            run_hf_continuous(hf_model, [[100, 200, 300]], 2)  # warm-up of its own path
     datasets = ["random", "shared-prefix"] if args.dataset == "both" else [args.dataset]
     rows = []
     for name in datasets:
@@ -163,7 +201,10 @@ def main() -> None:
             ours_runs.append(run_lmserver(engine, prompts, args.output_len))
             print(f"partial: lmserver {name} run {rep}: {ours_runs[-1]['duration_s']:.2f} s", flush=True)
             if hf_model is not None:
-                hf_runs.append(run_hf(hf_model, tokenizer, prompts, args.output_len, args.hf_batch_size))
+                if args.hf_mode == "generate_batch":
+                    hf_runs.append(run_hf_continuous(hf_model, prompts, args.output_len))
+                else:
+                    hf_runs.append(run_hf(hf_model, tokenizer, prompts, args.output_len, args.hf_batch_size))
                 print(f"partial: hf {name} run {rep}: {hf_runs[-1]['duration_s']:.2f} s", flush=True)
         print(f"{name}: load average after {load_avg()}", flush=True)
         ours = ours_runs[0]
@@ -172,7 +213,7 @@ def main() -> None:
             hf = hf_runs[0]
             rows.append(row("hf-transformers", name, prompts, hf_runs))
             same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
-            rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(prompts)}"
+            rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(prompts)}" if args.load_format != "dummy" else "n/a"
             rows[-2]["same_tokens_as_lmserver"] = "-"
             rows.append({**rows[-2], "backend": "speedup (output tok/s)",
                          "output_tok_per_s": round(rows[-2]["output_tok_per_s"] / rows[-1]["output_tok_per_s"], 2)})
