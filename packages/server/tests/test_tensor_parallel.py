@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import queue
 import re
 import shutil
@@ -59,6 +60,12 @@ def _model_folder(tmp_path: Path, name: str, hf_config: dict[str, Any]) -> str:
 def _generate_here(model_path: str, config: dict[str, Any]) -> list[dict[str, Any]]:
     from lmserver import Engine
 
+    eager_graphs = config.pop("eager_graphs", False)
+    if eager_graphs:  # the decode graph runner with EagerGraph on every rank (inherited by the followers)
+        from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+
+        os.environ[EAGER_GRAPHS_ENV] = "1"
+
     engine = Engine(
         model_path=model_path,
         load_format=config.pop("load_format", "dummy"),
@@ -71,6 +78,9 @@ def _generate_here(model_path: str, config: dict[str, Any]) -> list[dict[str, An
     try:
         params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
         out = engine.generate(PROMPTS, params, return_logprob=True)
+        if eager_graphs:
+            graphs = engine.core.runner.cuda_graph
+            assert graphs is not None and graphs.num_replays > 0, "decode did not replay the captured graphs"
         return out  # type: ignore[no-any-return]
     finally:
         if engine.core.tp is not None:
@@ -140,6 +150,13 @@ FAMILIES = {
 def test_tp2_equals_tp1(tmp_path: Path, family: str) -> None:
     path = _model_folder(tmp_path, family, FAMILIES[family])
     _assert_same(_generate(path), _generate(path, tp_size=2))
+
+
+def test_tp2_with_decode_graphs_on_every_rank_equals_tp1(tmp_path: Path) -> None:
+    # --enable-tp-cuda-graph: every rank captures the same sizes (their collectives run inside the
+    # captures) and replays the padded size rank 0's decision implies; EagerGraph on the CPU.
+    path = _model_folder(tmp_path, "graphs", FAMILIES["llama_gqa"])
+    _assert_same(_generate(path), _generate(path, tp_size=2, enable_tp_cuda_graph=True, eager_graphs=True))
 
 
 def _second_node(config: ServerConfig) -> None:

@@ -41,6 +41,8 @@ class ServerConfig:
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
+    enable_tp_cuda_graph: bool = _opt(False, "capture decode CUDA graphs on every rank under tensor parallelism "
+                                             "(experimental: not yet run on GPUs)")
     lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")

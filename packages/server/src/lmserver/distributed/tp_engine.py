@@ -184,6 +184,10 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     runner = ModelRunner(
         model, pool, table, default_registry().create(rc.attention_backend, pool, table), device
     )
+    from lmserver.engine.cuda_graph import maybe_decode_graph_runner
+
+    # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)
+    runner.cuda_graph = maybe_decode_graph_runner(rc, runner, size)
     while True:
         decision = group.broadcast_object()
         if decision is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -198,6 +199,7 @@ class DecodeGraphRunner:
         self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) float32 logits of the last replay
         self._padded = [padded_batch_size(b, self.sizes) for b in range(self.max_bs + 1)]
+        self.num_replays = 0
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -259,27 +261,39 @@ class DecodeGraphRunner:
         if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
             self.runner.lowlat.on_replay(padded, self.table_width)
         self.graphs[padded].replay()
+        self.num_replays += 1
         logits = self.outputs[padded]  # (padded, vocab)
         if step.logit_rows == list(range(bs)):
             return logits[:bs].clone()
         return logits[torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)]
 
 
+# NOTE: a test hook: with this set to 1, CPU runners get the graph runner with `EagerGraph`
+# (same static buffers, padding and replay order, no CUDA), so multi-process paths such as tensor
+# parallelism can exercise it on CPUs. Spawned ranks inherit it through the environment.
+EAGER_GRAPHS_ENV = "LMSERVER_TEST_EAGER_GRAPHS"
+
+
 def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size: int = 1) -> DecodeGraphRunner | None:
     """Captures decode graphs for a resolved config, or returns None (logged once) when they are
-    off: --disable-cuda-graph, no CUDA device, or tensor parallelism (not captured yet)."""
+    off: --disable-cuda-graph, no CUDA device, or tensor parallelism without
+    --enable-tp-cuda-graph. Under TP every rank calls this at the same point of its start-up with
+    the same config: captures run the forward's collectives, so all ranks capture the same sizes
+    in the same order."""
     if config.disable_cuda_graph:
         logger.info("CUDA graphs: off (--disable-cuda-graph)")
         return None
-    if runner.device.type != "cuda":
+    eager = os.environ.get(EAGER_GRAPHS_ENV) == "1"
+    if runner.device.type != "cuda" and not eager:
         return None
-    if tp_size > 1:
-        logger.warning("CUDA graphs: off with tp_size=%d (decode runs eagerly)", tp_size)
+    if tp_size > 1 and not config.enable_tp_cuda_graph:
+        logger.warning("CUDA graphs: off with tp_size=%d (decode runs eagerly; --enable-tp-cuda-graph captures "
+                       "them on every rank)", tp_size)
         return None
     max_bs = min(config.cuda_graph_max_bs, config.max_running_requests or config.cuda_graph_max_bs)
     if max_bs < 1:
         raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
-    graphs = DecodeGraphRunner(runner, max_bs)
+    graphs = DecodeGraphRunner(runner, max_bs, graph_factory=EagerGraph if runner.device.type != "cuda" else None)
     graphs.capture()
     logger.info("CUDA graphs: captured decode batch sizes %s", graphs.sizes)
     return graphs
