@@ -92,17 +92,15 @@ class EngineCore:
             max_positions=self.context_length,
             seed=rc.random_seed,
         )
+        mc = self.model_config
         if self.lowlat is not None:
             workspace = self.lowlat.after_load(self.model, self.device, self.dtype)
             if workspace and config.max_total_tokens is None:  # the plugin's memory comes off the KV budget
-                mc0 = self.model_config
-                per_slot = KVPool.bytes_per_slot(mc0.num_hidden_layers, mc0.num_key_value_heads, mc0.head_dim,
-                                                 self.dtype)
+                per_slot = KVPool.bytes_per_slot(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
                 kv_tokens = max(rc.max_total_tokens - -(-workspace // per_slot), 16)
                 self.resolved_config = rc = rc.replace(max_total_tokens=kv_tokens)
                 assert rc.max_total_tokens is not None
         self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
-        mc = self.model_config
         self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
         if rc.tp_size > 1:
             from lmserver.distributed.tp_engine import start_tensor_parallel

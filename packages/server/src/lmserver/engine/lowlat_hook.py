@@ -24,6 +24,7 @@ from lmserver.engine.kv_pool import KVPool
 from lmserver.lowlat_adapter import LowlatAdapterError, decode_forward, kv_caches, plugin_layers
 from lmserver.models.config import ModelConfig
 from lowlat import LowlatConfig, Session, Unsupported
+from lowlat.errors import RegistryError
 from lowlat.graphs import PLUGIN
 from lowlat.guards import detect_setup
 from lowlat.registry import Registry, current_registry
@@ -41,8 +42,9 @@ def parse_lowlat_plugins(value: str) -> LowlatConfig | None:
         return None
     if value == "auto":
         return LowlatConfig(mode="auto")
-    if value.startswith("require:") and value[len("require:"):].strip():
-        return LowlatConfig(mode="require", plugins=(value[len("require:"):].strip(),))
+    name = value.removeprefix("require:").strip() if value.startswith("require:") else ""
+    if name:
+        return LowlatConfig(mode="require", plugins=(name,))
     raise ValueError(f"lowlat_plugins must be 'off', 'auto' or 'require:<name>', got {value!r}")
 
 
@@ -50,7 +52,7 @@ def _registry() -> Registry:
     """The registry a caller made active (`lowlat.use_registry`), else every installed plugin."""
     try:
         return current_registry()
-    except Exception:  # noqa: BLE001 - no active registry: use the entry points
+    except RegistryError:  # no active registry: use the entry points
         return Registry.from_entry_points()
 
 
@@ -119,20 +121,14 @@ class LowlatHook:
         ext = batch.extend_seq_lens_cpu or [batch.num_tokens]
         return Step(StepKind.EXTEND, batch.batch_size, batch.num_tokens, max(ext), max(batch.seq_lens_cpu, default=0))
 
-    def hidden(self, batch: ForwardBatch, original: Callable[[], torch.Tensor], capturing: bool = False,
-               replaying: bool = False) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, original: Callable[[], torch.Tensor], capturing: bool = False) -> torch.Tensor:
         """Final-norm hidden states of `batch` on the plugin path or the original one.
 
         `capturing`: a CUDA graph is being captured for this batch size (the path is recorded and
-        the attention is sized for the whole table width); `replaying`: check the recorded path.
+        the attention is sized for the whole table width); replays are checked by `on_replay`.
         """
         step = self._step(batch)
-        if capturing:
-            path = self.session.capture(step)
-        elif replaying:
-            path = self.session.replay(step)
-        else:
-            path = self.session.select(step)
+        path = self.session.capture(step) if capturing else self.session.select(step)
         if path != PLUGIN or batch.mode != ForwardMode.DECODE:
             # NOTE: the adapter maps decode batches only; a plugin declaring extend or verify
             # coverage still gets only decode steps from lmserver.

@@ -110,7 +110,7 @@ class ModelRunner:
         hidden = self.hidden(batch)  # (num_tokens, hidden)
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
 
-    def hidden(self, batch: ForwardBatch, capturing: bool = False, replaying: bool = False) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, capturing: bool = False) -> torch.Tensor:
         """Final-norm hidden states of a planned `batch`: the model's forward, or a lowlat plugin's
         when one is installed and covers the step (see engine/lowlat_hook.py)."""
         def original() -> torch.Tensor:
@@ -118,4 +118,4 @@ class ModelRunner:
 
         if self.lowlat is None:
             return original()
-        return self.lowlat.hidden(batch, original, capturing=capturing, replaying=replaying)
+        return self.lowlat.hidden(batch, original, capturing=capturing)
