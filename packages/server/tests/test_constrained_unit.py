@@ -29,7 +29,6 @@ from lmserver.constrained import (
     GrammarKey,
     ReqGrammar,
     grammar_key,
-    rewind_request,
 )
 from lmserver.io_struct import InvalidRequestError, SamplingParams
 from lmserver.scheduler import KVManager, Req, ReqStatus, Scheduler
@@ -284,7 +283,7 @@ def test_rewind_reuses_the_kept_prefix(new: list[int], reused: int) -> None:
     sched = Scheduler(kv, max_running_requests=2)
     req = _running_req(sched, [1, 2, 3, 4], [50, 51, 52])  # 52 sampled, not in the KV yet
     out_ref = req.output_ids
-    rewind_request(sched, req, new)
+    sched.rewind(req, new)
     assert req.output_ids is out_ref and req.output_ids == new  # the sampler's list is shared
     assert req.status == ReqStatus.PREFILLING and req in sched.prefilling and req not in sched.running
     assert req.kv_len == reused
@@ -301,7 +300,7 @@ def test_rewind_reuses_the_kept_prefix(new: list[int], reused: int) -> None:
 def test_rewind_of_a_waiting_request_only_sets_tokens() -> None:
     req = Req("w", [1, 2], SamplingParams(), 8, arrival=1)
     sched = Scheduler(KVManager(16), max_running_requests=1)
-    rewind_request(sched, req, [5, 6])
+    sched.rewind(req, [5, 6])
     assert req.output_ids == [5, 6] and req.status == ReqStatus.WAITING and req.kv_len == 0
 
 
@@ -380,7 +379,7 @@ def test_jump_forward_extend_rides_along_with_decodes() -> None:
     a.output_ids.append(10)
     b.output_ids.append(20)
     cd = ConstrainedDecoding(None, VOCAB.size, VOCAB.eos_token_ids)
-    rewind_request(sched, a, [10, 11, 12, 13])
+    sched.rewind(a, [10, 11, 12, 13])
     cd._rewound.add("a")
     d = cd.schedule(sched)
     assert d.mode == "extend" and not sched.enable_mixed_chunk

@@ -5,7 +5,7 @@
 
 from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKey, GrammarTicket, grammar_key
 from lmserver.constrained.bitmask import BatchMasker
-from lmserver.constrained.engine_hooks import ConstrainedDecoding, rewind_request
+from lmserver.constrained.engine_hooks import ConstrainedDecoding
 from lmserver.constrained.grammar import JumpForward, ReqGrammar
 
 __all__ = [
@@ -18,5 +18,4 @@ __all__ = [
     "JumpForward",
     "ReqGrammar",
     "grammar_key",
-    "rewind_request",
 ]

@@ -25,7 +25,7 @@ from lmserver.constrained.grammar import JumpForward, ReqGrammar
 from lmserver.io_struct import ReqOutput
 from lmserver.scheduler import ReqStatus, ScheduleDecision, Scheduler
 
-__all__ = ["ConstrainedDecoding", "rewind_request"]
+__all__ = ["ConstrainedDecoding"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ IndexOrError = Any  # cfsm.Index (ready) or GrammarError (failed)
 
 # the detokenizer re-decodes this many kept tokens before a jump to find the new text
 _DECODE_CONTEXT = 4
-
-
-def rewind_request(scheduler: Scheduler, req: Any, new_output_ids: Sequence[int]) -> None:
-    """`Scheduler.rewind` (kept as a function for callers of the constrained package)."""
-    scheduler.rewind(req, new_output_ids)
 
 
 class ConstrainedDecoding:
@@ -148,7 +143,7 @@ class ConstrainedDecoding:
         g.apply_jump(jump)
         if sreq.status == ReqStatus.RUNNING:
             self._rewound.add(sreq.rid)
-        rewind_request(scheduler, sreq, new)
+        scheduler.rewind(sreq, new)
         self.stats["jump_forward_tokens"] += jump.num_new_tokens
         self.stats["jump_forward_steps"] += 1
         delta = self._resync_text(state, old, new, kept, jump)
