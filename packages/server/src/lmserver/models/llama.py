@@ -63,7 +63,7 @@ class RopeTables(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, rope: RopeTables) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rope: RopeTables) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -76,8 +76,7 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = [rotary]  # NOTE: a list so the shared module is not registered once per layer
-        self.rope = [rope]  # the per-forward cos/sin rows, shared by all layers (same NOTE)
+        self.rope = [rope]  # NOTE: a list so the shared per-forward cos/sin rows are not registered per layer
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -110,10 +109,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: nn.Module, rope: RopeTables
+        self, config: ModelConfig, layer_id: int, mlp: nn.Module, rope: RopeTables
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, rope)
+        self.self_attn = LlamaAttention(config, layer_id, rope)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -133,7 +132,7 @@ class LlamaModel(nn.Module):
         self.rope = RopeTables(self.rotary)
         self.layers = nn.ModuleList(
             [
-                LlamaDecoderLayer(config, i, self.rotary, make_mlp(config), self.rope)
+                LlamaDecoderLayer(config, i, make_mlp(config), self.rope)
                 for i in range(config.num_hidden_layers)
             ]
         )
