@@ -340,6 +340,41 @@ def _live_states(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarr
     return np.asarray(live, dtype=bool)
 
 
+def _split_round(
+    order: np.ndarray, cls: np.ndarray, sigs: tuple[np.ndarray, ...], num: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """One Moore round over the states `order`, sorted by (class, *sigs): where a class's members
+    differ in a signature, its first group keeps the class id and the others get fresh ids from
+    `num` up. Returns (states that changed class, their new ids, number of fresh ids). Pure."""
+    m = len(order)
+    c_s = cls[order]
+    new_group = np.ones(m, dtype=bool)
+    diff = c_s[1:] != c_s[:-1]
+    for sig in sigs:
+        s_s = sig[order]
+        diff |= s_s[1:] != s_s[:-1]
+    new_group[1:] = diff
+    split = new_group.copy()
+    split[1:] &= c_s[1:] == c_s[:-1]  # a group start that is not its class's first group
+    split[0] = False
+    num_new = int(split.sum())
+    if num_new == 0:
+        return order[:0], order[:0], 0
+    group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0))
+    fresh = split[group_start]
+    return order[fresh], num + np.cumsum(split)[group_start[fresh]] - 1, num_new
+
+
+def _in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the reverse edges into `states` (edges grouped by target, target q's at
+    bounds[q]:bounds[q + 1]) and how many each state has. Pure."""
+    lo, hi = bounds[states], bounds[states + 1]
+    sizes = hi - lo
+    total = int(sizes.sum())
+    offsets = np.cumsum(sizes) - sizes
+    return np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64), sizes
+
+
 def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     """Moore refinement to the coarsest congruence, with 64-bit row hashes as signatures.
 
@@ -374,30 +409,15 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     sub = np.arange(n)
     while len(sub):
         o = sub[np.lexsort((h[sub], cls[sub]))]
-        m = len(o)
-        c_s, h_s = cls[o], h[o]
-        new_group = np.ones(m, dtype=bool)
-        new_group[1:] = (c_s[1:] != c_s[:-1]) | (h_s[1:] != h_s[:-1])
-        split = new_group.copy()
-        split[1:] &= c_s[1:] == c_s[:-1]  # a group start that is not its class's first group
-        split[0] = False
-        num_new = int(split.sum())
+        changed, new_ids, num_new = _split_round(o, cls, (h,), num)
         if num_new == 0:
             break
-        group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0))
-        fresh = split[group_start]
-        changed = o[fresh]
-        new_ids = num + np.cumsum(split)[group_start[fresh]] - 1
         delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
         cls[changed] = new_ids
         num += num_new
-        lo, hi = bounds[changed], bounds[changed + 1]
-        sizes = hi - lo
-        total = int(sizes.sum())
-        if not total:
+        idx, sizes = _in_edges(bounds, changed)
+        if not len(idx):
             break
-        offsets = np.cumsum(sizes) - sizes
-        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
         touched = edge_src[idx]
         np.add.at(h, touched, edge_w[idx] * np.repeat(delta, sizes))
         hit = np.zeros(num, dtype=bool)

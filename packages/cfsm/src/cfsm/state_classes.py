@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _stable_argsort
+from cfsm.automaton import Dfa, _in_edges, _split_round, _stable_argsort
 from cfsm.vocab import TrieTables
 
 
@@ -41,31 +41,16 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     sub = np.arange(n)
     while len(out) <= depth:
         o = sub[np.lexsort((h[1, sub], h[0, sub], cls[sub]))]
-        m = len(o)
-        c_s, h0_s, h1_s = cls[o], h[0, o], h[1, o]
-        new_group = np.ones(m, dtype=bool)
-        new_group[1:] = (c_s[1:] != c_s[:-1]) | (h0_s[1:] != h0_s[:-1]) | (h1_s[1:] != h1_s[:-1])
-        split = new_group.copy()
-        split[1:] &= c_s[1:] == c_s[:-1]  # a group start that is not its class's first group
-        split[0] = False
-        num_new = int(split.sum())
+        changed, new_ids, num_new = _split_round(o, cls, (h[0], h[1]), num)
         if num_new == 0:
             break
-        group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0))
-        fresh = split[group_start]
-        changed = o[fresh]
-        new_ids = num + np.cumsum(split)[group_start[fresh]] - 1
         delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
         cls[changed] = new_ids
         num += num_new
         out.append(cls.copy())
-        lo, hi = bounds[changed], bounds[changed + 1]
-        sizes = hi - lo
-        total = int(sizes.sum())
-        if not total:
+        idx, sizes = _in_edges(bounds, changed)
+        if not len(idx):
             break
-        offsets = np.cumsum(sizes) - sizes
-        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
         touched = edge_src[idx]
         step = np.repeat(delta, sizes)
         np.add.at(h[0], touched, edge_w[0, idx] * step)
