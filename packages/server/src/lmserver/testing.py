@@ -320,11 +320,11 @@ class ServerProcess:
                  env: dict[str, str] | None = None) -> None:
         import sys
 
-        full_args = args or []
-        dp = int(full_args[full_args.index("--dp-size") + 1]) if "--dp-size" in full_args else 0
-        self.port = port or free_port(span=1 + dp)
+        args = args or []
+        dp = int(args[args.index("--dp-size") + 1]) if "--dp-size" in args else 0
+        self.port = port or free_port(span=1 + dp)  # a DP server's replicas listen on port + 1 ..
         self.base_url = f"http://127.0.0.1:{self.port}"
-        full = ["--port", str(self.port), *(args or [])]
+        full = ["--port", str(self.port), *args]
         if core is None:
             self.cmd = [sys.executable, "-m", "lmserver", "serve", *full]
         else:
