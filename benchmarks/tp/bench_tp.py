@@ -5,7 +5,7 @@ through the offline `lmserver.Engine`; prompts are random token ids. A tokenizer
 needed only for detokenization (`--tokenizer`, default: the embedded SmolLM2 tokenizer; ids
 beyond its vocabulary decode to nothing, which does not matter here).
 
-    python benchmarks/tp/bench_tp.py --tp-sizes 1,2 [--shape llama3-8b] [--json out.json]
+    python benchmarks/tp/bench_tp.py --tp-sizes 1,2 [--shape llama3-8b] [--cuda-graph] [--json out.json]
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ def run(tp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
         tp_size=tp,
         log_level="warning",
         attention_backend=args.attention_backend,
+        disable_cuda_graph=not args.cuda_graph,
+        enable_tp_cuda_graph=args.cuda_graph,
+        cuda_graph_max_bs=8,
     )
     build_s = time.perf_counter() - t0
     rng = random.Random(0)
@@ -126,6 +129,8 @@ def main() -> None:
         "--batch-sizes", default="1,8", help='decode timing batch sizes; "none" checks tokens only'
     )
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="decode CUDA graphs on every rank (--enable-tp-cuda-graph under TP; sizes up to 8)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--check-tokens", type=int, default=32)
@@ -141,7 +146,8 @@ def main() -> None:
     runs = [run(int(tp), path, args) for tp in args.tp_sizes.split(",")]
     base = runs[0]["tokens"]
     print(
-        f"\n{args.shape} ({args.dtype}, dummy weights), prompt {args.prompt_len}, {args.decode_tokens} decode steps"
+        f"\n{args.shape} ({args.dtype}, dummy weights), prompt {args.prompt_len}, {args.decode_tokens} decode steps, "
+        f"CUDA graphs {'on' if args.cuda_graph else 'off'}"
     )
     head = f"{'tp':>3} {'build s':>8} {'same as tp1':>13}" + "".join(
         f" {f'bs{b} ms/step':>13} {f'bs{b} tok/s/user':>15}" for b in args.batch_sizes
