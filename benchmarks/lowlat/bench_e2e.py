@@ -63,15 +63,34 @@ def shape_folder(name: str, smol: str) -> str:
     return str(folder)
 
 
+def plugin_registry() -> Any:
+    """The installed plugins (entry points), or lowlat's built-in ones when lowlat runs from a source
+    tree without its package metadata (as on a device machine with PYTHONPATH only)."""
+    from lowlat import Registry
+    from lowlat.plugins import amd, nvidia
+
+    reg = Registry.from_entry_points()
+    if len(reg):
+        return reg
+    reg = Registry()
+    for obj in (nvidia.spec, amd.spec):
+        for spec in obj if isinstance(obj, (list, tuple)) else [obj]:
+            reg.add(spec)
+    return reg
+
+
 def make_core(path: str, tokenizer: str, plugins: str, backend: str = "triton") -> Any:
     from lmserver.config import ServerConfig
     from lmserver.engine.core import EngineCore
+    from lowlat import use_registry
 
-    return EngineCore(ServerConfig(
+    config = ServerConfig(
         model_path=path, tokenizer_path=tokenizer, load_format="dummy", dtype="bfloat16",
         attention_backend=backend, cuda_graph_max_bs=8, max_total_tokens=65536, random_seed=3,
         lowlat_plugins=plugins,
-    ))
+    )
+    with use_registry(plugin_registry()):
+        return EngineCore(config)
 
 
 def run(core: Any, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[float], list[float]]:
