@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from lowlat import ForwardMeta, KVCache, LayerShape, reference_decoder_layer
-from lowlat.testing import TinyModel, decode_meta, model_forward, random_kv, random_layer
+from lowlat import ForwardMeta, KVCache, LayerShape, LayerWeights, reference_decoder_layer
+from lowlat.testing import (
+    FakeGroup,
+    FakeWorld,
+    TinyModel,
+    decode_meta,
+    model_forward,
+    random_kv,
+    random_layer,
+)
 
 SHAPE = LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
 
@@ -93,3 +103,48 @@ def test_decode_path_equals_extend_path_and_writes_only_new_slots() -> None:
     changed = (kv_a.k != before.k).any(-1).any(-1).nonzero().flatten().sort().values
     assert torch.equal(changed, meta.out_cache_loc.sort().values)
 
+
+
+def _shard(w: LayerWeights, rank: int, size: int) -> LayerWeights:
+    """Rank ``rank``'s shard of ``w``: heads and intermediate features split as a TP runner does."""
+    d, hq, hk, n = SHAPE.head_dim, SHAPE.num_heads // size, SHAPE.num_kv_heads // size, SHAPE.intermediate_size // size
+    q0, k0, v0 = rank * hq * d, SHAPE.q_size + rank * hk * d, SHAPE.q_size + SHAPE.kv_size + rank * hk * d
+    i0, inter = rank * n, SHAPE.intermediate_size
+    return LayerWeights(
+        input_norm=w.input_norm,
+        qkv=torch.cat([w.qkv[q0 : q0 + hq * d], w.qkv[k0 : k0 + hk * d], w.qkv[v0 : v0 + hk * d]]),
+        o_proj=w.o_proj[:, q0 : q0 + hq * d].contiguous(),
+        post_norm=w.post_norm,
+        gate_up=torch.cat([w.gate_up[i0 : i0 + n], w.gate_up[inter + i0 : inter + i0 + n]]),
+        down=w.down[:, i0 : i0 + n].contiguous(),
+        rope_inv_freq=w.rope_inv_freq,
+    )
+
+
+def test_sharded_layer_with_all_reduce_equals_the_full_layer() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = random_layer(SHAPE, generator=g)
+    kv = random_kv(SHAPE, 64, torch.float32, generator=g)
+    meta = decode_meta([5, 9, 1], 64, 16, generator=g)
+    x = torch.randn(3, SHAPE.hidden_size, generator=g)
+    size = 2
+    local = dataclasses.replace(
+        SHAPE, num_heads=SHAPE.num_heads // size, num_kv_heads=SHAPE.num_kv_heads // size,
+        intermediate_size=SHAPE.intermediate_size // size,
+    )
+    kvs = [KVCache(kv.k[:, r : r + 1].clone(), kv.v[:, r : r + 1].clone()) for r in range(size)]
+    want = reference_decoder_layer(x, w, kv, meta, SHAPE)
+
+    def rank(group: FakeGroup) -> torch.Tensor:
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            return t.copy_(torch.stack(group.all_gather_object(t.clone())).sum(0))
+
+        return reference_decoder_layer(x, _shard(w, group.rank, size), kvs[group.rank], meta, local, all_reduce)
+
+    out = FakeWorld(size).run(rank)
+    assert torch.equal(out[0], out[1])
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+    without = reference_decoder_layer(x, _shard(w, 0, size), KVCache(kvs[0].k.clone(), kvs[0].v.clone()), meta, local)
+    assert not torch.allclose(without, want, atol=1e-3)  # the sums are what makes the shard exact
+    for r in range(size):  # each rank wrote its own KV head
+        assert torch.equal(kvs[r].k, kv.k[:, r : r + 1]) and torch.equal(kvs[r].v, kv.v[:, r : r + 1])

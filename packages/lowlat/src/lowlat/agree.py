@@ -63,28 +63,37 @@ class Agreement:
     reasons: tuple[str, ...] = ()
 
 
-def agree(plugin: str | None, version: str | None, coverage: Coverage | None, group: Group | None) -> Agreement:
+def agree(
+    plugin: str | None,
+    version: str | None,
+    coverage: Coverage | None,
+    group: Group | None,
+    reasons: tuple[str, ...] = (),
+) -> Agreement:
     """Agree across ``group`` on whether ``plugin`` runs and on its coverage.
 
     One MIN all-reduce of the verdict (1 = this rank can run the plugin) and one all-gather of
-    (plugin, version, coverage table); the plugin stays on only if every rank chose the same
-    plugin and version. With ``group`` None (single rank) nothing is communicated. Pure apart
-    from the collectives.
+    (plugin, version, coverage table, ``reasons``); the plugin stays on only if every rank chose
+    the same plugin and version. ``reasons``: why this rank has no plugin (empty when it has
+    one); a rank that turns everyone off has them listed in the agreement's reasons, so every
+    rank can report every rank's reasons. With ``group`` None (single rank) nothing is
+    communicated. Pure apart from the collectives.
     """
     verdict = int(plugin is not None and coverage is not None)
     if group is None or group.world_size == 1:
         return Agreement(bool(verdict), plugin if verdict else None, coverage if verdict else None, 1)
     agreed = group.all_reduce_min(verdict)
-    table = (plugin, version, coverage.to_table() if coverage is not None else None)
+    table = (plugin, version, coverage.to_table() if coverage is not None else None, tuple(reasons))
     tables = group.all_gather_object(table)
-    reasons: list[str] = []
+    out: list[str] = []
     if agreed == 0:
         off = [r for r, t in enumerate(tables) if t[0] is None or t[2] is None]
-        reasons.append(f"ranks {off} cannot run a plugin")
+        out.append(f"ranks {off} cannot run a plugin")
+        out.extend(f"rank {r}: {why}" for r in off for why in tables[r][3])
     elif len({(t[0], t[1]) for t in tables}) > 1:
-        reasons.append("ranks chose different plugins: " + ", ".join(f"rank {r}: {t[0]} {t[1]}" for r, t in enumerate(tables)))
-    if reasons:
-        return Agreement(False, None, None, group.world_size, tuple(reasons))
+        out.append("ranks chose different plugins: " + ", ".join(f"rank {r}: {t[0]} {t[1]}" for r, t in enumerate(tables)))
+    if out:
+        return Agreement(False, None, None, group.world_size, tuple(out))
     merged = Coverage.from_table(tables[0][2])
     for t in tables[1:]:
         merged = merged.intersect(Coverage.from_table(t[2]))

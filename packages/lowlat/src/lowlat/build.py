@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -22,6 +22,12 @@ class BuildContext:
     memory a plugin allocates here is counted by the runner's memory measurement.
     ``coverage`` is the agreed coverage (intersection over TP ranks). A mixture-of-experts model
     passes ``moe`` and its layers in ``moe_weights`` (``weights`` is then empty).
+
+    Tensor parallelism (``setup.tp_size > 1``): ``weights`` are rank ``tp_rank``'s shards and
+    ``shape`` counts this rank's heads and intermediate features (attention heads and gate/up
+    rows column-split, o_proj and down columns row-split); ``all_reduce`` sums a tensor over the
+    ranks in place (a collective of the runner's TP group, graph-safe on NCCL). A plugin that runs
+    sharded must sum o_proj's and down's partial outputs with it before each residual add.
     """
 
     shape: LayerShape
@@ -35,6 +41,8 @@ class BuildContext:
     max_context: int
     moe: MoEShape | None = None
     moe_weights: tuple[MoELayerWeights, ...] = ()
+    tp_rank: int = 0
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_layers(self) -> int:

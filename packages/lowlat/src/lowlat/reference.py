@@ -8,10 +8,16 @@ runner would); norms, rotary embedding and softmax run in float32.
 Usable by any torch model runner: ``reference_decoder_layer`` takes the residual stream of the
 step's tokens and returns the next one; it writes the new tokens' K and V into the cache.
 The decode path (``meta.extend_lens is None``) has no host syncs, so it can be CUDA-graph captured.
+
+Tensor parallelism: given this rank's shards (heads and intermediate features split, ``shape``
+counting this rank's) and ``all_reduce`` (an in-place sum over the ranks), the layer sums
+o_proj's and down's partial outputs before each residual add, as a row-parallel linear does;
+the result equals the unsharded layer up to float summation order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -108,9 +114,11 @@ def attention_block(
     kv: KVCache,
     meta: ForwardMeta,
     shape: LayerShape,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """RMSNorm, QKV, RoPE, KV write, attention, o_proj + residual; returns x1 (num_tokens, hidden), x.dtype.
 
+    ``all_reduce`` (TP: sum over ranks, in place) is applied to o_proj's output before the add.
     Mutates ``kv`` (writes the new tokens' K and V at ``meta.out_cache_loc``); nothing else.
     """
     n = x.shape[0]
@@ -126,7 +134,10 @@ def attention_block(
         attn = decode_attention(q, kv, meta, scale)
     else:
         attn = extend_attention(q, kv, meta, scale)
-    return (x.float() + F.linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj).float()).to(x.dtype)
+    out = F.linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj)
+    if all_reduce is not None:
+        out = all_reduce(out)
+    return (x.float() + out.float()).to(x.dtype)
 
 
 def reference_decoder_layer(
@@ -135,13 +146,18 @@ def reference_decoder_layer(
     kv: KVCache,
     meta: ForwardMeta,
     shape: LayerShape,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decoder layer; returns the residual stream leaving it (num_tokens, hidden), x.dtype.
 
-    Mutates ``kv`` (writes the new tokens' K and V at ``meta.out_cache_loc``); nothing else.
+    ``all_reduce``: TP only (see the module docstring). Mutates ``kv`` (writes the new tokens'
+    K and V at ``meta.out_cache_loc``); nothing else.
     """
-    x1 = attention_block(x, weights, kv, meta, shape)
+    x1 = attention_block(x, weights, kv, meta, shape, all_reduce)
     h2 = rms_norm(x1, weights.post_norm, shape.rms_eps)
     gate, up = F.linear(h2, weights.gate_up).split(shape.intermediate_size, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(x.dtype)
-    return (x1.float() + F.linear(act, weights.down).float()).to(x.dtype)
+    out = F.linear(act, weights.down)
+    if all_reduce is not None:
+        out = all_reduce(out)
+    return (x1.float() + out.float()).to(x.dtype)

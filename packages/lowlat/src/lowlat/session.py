@@ -94,6 +94,8 @@ class Session:
         self._plugin_steps = 0
         self._fallbacks: Counter[str] = Counter()
         self._off_reason: str | None = None
+        self._group: Group | None = None
+        self._deferred: Unsupported | None = None
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -156,15 +158,39 @@ class Session:
         return self.selected
 
     def agree(self, group: Group | None = None) -> Agreement:
-        """Agree with the other TP ranks (MIN of verdicts, all-gather of coverage); collective."""
+        """Agree with the other TP ranks (MIN of verdicts, all-gather of coverage); collective.
+
+        In ``require`` mode every rank raises the same ``Unsupported`` (with every rank's reasons)
+        when the plugin is off on any rank; under TP (``setup.tp_size > 1``) ``configure`` and
+        ``check_model`` defer their ``require`` failure to here, so no rank leaves the group
+        before the collective (the others would wait for it forever).
+        """
         self._advance(Stage.AGREE)
+        self._group = group
         spec = self.selected
         self.agreement = agree(
-            spec.name if spec else None, spec.version if spec else None, spec.coverage if spec else None, group
+            spec.name if spec else None,
+            spec.version if spec else None,
+            spec.coverage if spec else None,
+            group,
+            () if spec else self._rank_reasons(),
         )
-        if spec is not None and not self.agreement.enabled:
-            self._turn_off(spec, self.agreement.reasons)
+        if self.agreement.enabled:
+            return self.agreement
+        reasons = self.agreement.reasons or (self._deferred.reasons if self._deferred else ())
+        if self.config.mode == "require":
+            if spec is not None:
+                self.verdicts[spec.name] = Verdict(spec.name, spec.version, "unsupported", reasons)
+                self.selected = None
+            raise Unsupported(self.config.plugins[0] if self.config.plugins else "any", reasons)
+        if spec is not None:
+            self._turn_off(spec, reasons)
         return self.agreement
+
+    @property
+    def deferred(self) -> Unsupported | None:
+        """The ``require``-mode failure found before ``agree`` under TP (raised there), else None."""
+        return self._deferred
 
     def build(
         self,
@@ -174,12 +200,17 @@ class Session:
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
         moe: MoEShape | None = None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Built | None:
         """Build the selected plugin (prepare weights, allocate workspaces); before KV sizing.
 
-        A mixture-of-experts model passes ``moe`` and ``MoELayerWeights`` per layer.
+        A mixture-of-experts model passes ``moe`` and ``MoELayerWeights`` per layer. Under TP
+        the weights are this rank's shards and ``all_reduce`` sums a tensor over the ranks in
+        place (see ``BuildContext``).
 
         A build that raises ``Unsupported`` turns the plugin off (``require`` mode re-raises).
+        Under TP (``agree`` got a group) the ranks exchange their build outcomes (a collective):
+        a build that fails on any rank turns the plugin off on every rank.
         """
         self._advance(Stage.BUILD)
         spec = self.selected
@@ -198,21 +229,37 @@ class Session:
             max_context=self.setup.max_context,
             moe=moe,
             moe_weights=tuple(cast("Sequence[MoELayerWeights]", weights)) if moe is not None else (),
+            tp_rank=self._group.rank if self._group is not None else 0,
+            all_reduce=all_reduce,
         )
+        built: Built | None = None
+        failure: tuple[str, ...] = ()
         try:
             built = spec.build(ctx)
         except Unsupported as exc:
-            self._turn_off(spec, exc.reasons)
-            return None
-        if not isinstance(built, Built):
+            failure = exc.reasons or ("build raised Unsupported",)
+        if built is not None and not isinstance(built, Built):
             raise LowlatError(f"plugin {spec.name!r} build returned {type(built).__name__}, which is not a lowlat.Built")
+        if self._group is not None and self._group.world_size > 1:
+            outcomes = self._group.all_gather_object(failure)
+            failure = tuple(f"rank {r} build: {why}" for r, reasons in enumerate(outcomes) for why in reasons)
+        if failure:
+            self._turn_off(spec, failure)  # drops this rank's build too: every rank runs the original
+            return None
         self.built = built
         return built
 
     def memory_measured(self) -> int:
-        """Mark memory as measured; returns the plugin's workspace bytes (already allocated)."""
+        """Mark memory as measured; returns the plugin's workspace bytes (already allocated).
+
+        Under TP (``agree`` got a group) this is the largest workspace of any rank (a collective),
+        so every rank takes the same amount off its KV budget and the ranks size identical caches.
+        """
         self._advance(Stage.MEMORY_MEASURED)
-        return self.built.workspace_bytes if self.built is not None else 0
+        local = self.built.workspace_bytes if self.built is not None else 0
+        if self._group is not None and self._group.world_size > 1:
+            return max(int(b) for b in self._group.all_gather_object(local))
+        return local
 
     def kv_sized(self, num_slots: int) -> None:
         """Mark the KV cache as sized (``num_slots`` tokens)."""
@@ -324,16 +371,25 @@ class Session:
         if self.config.mode == "require":
             raise Unsupported(spec.name, reasons)
 
+    def _rank_reasons(self) -> tuple[str, ...]:
+        """Why this rank has no plugin: every refused plugin's reasons. Pure."""
+        reasons = tuple(f"{v.plugin}: {r}" for v in self.verdicts.values() for r in v.reasons)
+        return reasons or ("no plugin registered",)
+
     def _require_some_candidate(self) -> None:
-        if self.config.mode != "require":
-            if not any(v.status in ("candidate", "selected") for v in self.verdicts.values()):
-                self._off_reason = "no supported plugin: " + "; ".join(
-                    f"{v.plugin}: {', '.join(v.reasons)}" for v in self.verdicts.values()
-                ) if self.verdicts else "no plugin registered"
+        if any(v.status in ("candidate", "selected") for v in self.verdicts.values()):
             return
-        if not any(v.status in ("candidate", "selected") for v in self.verdicts.values()):
-            reasons = tuple(f"{v.plugin}: {r}" for v in self.verdicts.values() for r in v.reasons)
-            raise Unsupported("any", reasons or ("no plugin registered",))
+        if self.config.mode != "require":
+            self._off_reason = "no supported plugin: " + "; ".join(
+                f"{v.plugin}: {', '.join(v.reasons)}" for v in self.verdicts.values()
+            ) if self.verdicts else "no plugin registered"
+            return
+        exc = Unsupported("any", self._rank_reasons())
+        if self.setup is not None and self.setup.tp_size > 1:
+            self._deferred = exc  # raised by agree() on every rank at once
+            self._off_reason = "; ".join(exc.reasons)
+            return
+        raise exc
 
 
 def active_session() -> Session:
