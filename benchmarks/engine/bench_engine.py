@@ -185,8 +185,10 @@ def main() -> None:
         if args.load_format == "dummy":
             from transformers import AutoConfig
 
-            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_path), dtype=hf_dtype)
-            hf_model = hf_model.to(rc.device).eval()
+            with torch.device(rc.device):  # random init where it runs (an 8B model on a CPU takes minutes)
+                hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_path),
+                                                            dtype=hf_dtype)
+            hf_model = hf_model.eval()
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=hf_dtype).to(rc.device).eval()
         hf_model.generate(torch.tensor([[100, 200, 300]], device=rc.device), max_new_tokens=2, do_sample=False)
