@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -106,6 +107,8 @@ def test_require_mode_raises_with_all_reasons() -> None:
     with pytest.raises(Unsupported) as info:
         s.configure(fake_setup(vendor="cpu", dtype="float32"))
     assert len(info.value.reasons) == 2
+    again = pickle.loads(pickle.dumps(info.value))  # crosses processes (TP ranks, a server's core) intact
+    assert isinstance(again, Unsupported) and again.reasons == info.value.reasons and str(again) == str(info.value)
 
 
 def test_check_model_turns_a_plugin_off_and_the_next_one_wins() -> None:

@@ -20,6 +20,10 @@ class Unsupported(LowlatError):
         joined = "; ".join(self.reasons) if self.reasons else "no reason given"
         super().__init__(f"lowlat plugin {plugin!r} is unsupported here: {joined}")
 
+    def __reduce__(self) -> tuple[type[Unsupported], tuple[str, tuple[str, ...]]]:
+        # picklable with its reasons: start-up errors cross processes (TP ranks, a server's core)
+        return (Unsupported, (self.plugin, self.reasons))
+
 
 class PluginLoadError(LowlatError):
     """An entry point of the ``lowlat.plugins`` group could not be loaded or gave no PluginSpec."""
