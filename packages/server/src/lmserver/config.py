@@ -46,6 +46,9 @@ class ServerConfig:
     lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
+    jump_forward_min_tokens: str = _opt("auto", "a jump-forward that needs an extend round of its own is made when "
+                                                "its forced tokens exceed (this - 1) per running request; 1: always; "
+                                                "auto: 1 on CPU, 8 on GPU (lmserver.constrained.policy)")
     grammar_compile_timeout_s: float = _opt(30.0, "grammar compile timeout in seconds")
     # Parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks")

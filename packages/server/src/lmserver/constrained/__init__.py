@@ -7,6 +7,7 @@ from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKe
 from lmserver.constrained.bitmask import BatchMasker
 from lmserver.constrained.engine_hooks import ConstrainedDecoding
 from lmserver.constrained.grammar import JumpForward, ReqGrammar
+from lmserver.constrained.policy import JumpPolicy
 
 __all__ = [
     "BatchMasker",
@@ -16,6 +17,7 @@ __all__ = [
     "GrammarKey",
     "GrammarTicket",
     "JumpForward",
+    "JumpPolicy",
     "ReqGrammar",
     "grammar_key",
 ]

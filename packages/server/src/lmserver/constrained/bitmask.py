@@ -3,7 +3,9 @@ the CPU, then apply it to the logits on their device.
 
 CPU logits: `cfsm.torch.apply_token_bitmask_` on the constrained rows only. CUDA logits: the
 Triton kernel of `lmserver.kernels.bitmask` over the whole batch in one launch, with all-ones
-rows for unconstrained requests (their logits are left as they are).
+rows for unconstrained requests (their logits are left as they are); the mask is filled in a
+pinned host buffer and copied without blocking. `BatchMasker(kernel_on_cpu=True)` takes the kernel
+path for CPU logits too (Triton's interpreter, TRITON_INTERPRET=1: the test of both paths).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ class BatchMasker:
     launch: its device time is not included); `fill_time_s` the host fill alone.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, *, kernel_on_cpu: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.kernel_on_cpu = kernel_on_cpu  # the Triton kernel for CPU logits too (interpreter tests)
         self.num_words = (vocab_size + 31) // 32
         self._host = np.zeros((0, self.num_words), dtype=np.int32)
         self._pinned: torch.Tensor | None = None  # CUDA path: page-locked, so the copy is asynchronous
@@ -61,16 +64,22 @@ class BatchMasker:
         start = time.perf_counter()
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, the grammar vocabulary {self.vocab_size}")
-        if logits.is_cuda:
+        if logits.is_cuda or self.kernel_on_cpu:
             from lmserver.kernels.bitmask import apply_token_bitmask_inplace
 
-            pinned = self._pinned_buffer(len(grammars))
-            host = pinned.numpy()
-            host.fill(-1)
+            if logits.is_cuda:
+                pinned = self._pinned_buffer(len(grammars))
+                host = pinned.numpy()
+            else:
+                host = self._buffer(len(grammars))
+            host.fill(-1)  # all-ones rows: unconstrained requests keep every logit
             self._fill(host, rows, [grammars[i] for i in rows])
-            mask = pinned.to(logits.device, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            if logits.is_cuda:
+                mask = pinned.to(logits.device, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            else:
+                mask = torch.from_numpy(host)
             apply_token_bitmask_inplace(logits, mask)
         else:
             from cfsm.torch import apply_token_bitmask_

@@ -5,7 +5,10 @@
 - the batch bitmask on the sampling rows (unconstrained rows untouched);
 - after each sampled token: advance the guide, finish when the grammar is complete, and
   jump-forward: retokenize, roll back to the common token prefix, and put the request back into
-  prefill (its kept prefix is a radix-cache hit) with the detokenizer and stop checks resynced.
+  prefill (its kept prefix is a radix-cache hit) with the detokenizer and stop checks resynced;
+- the jump-forward policy (`policy.JumpPolicy`): a jump that needs an extend round of its own
+  is made only when it saves enough decode rounds; such jumps wait for `schedule()`, which
+  weighs all of a round's jumps together (they share one extend round).
 
 The engine-side request state is duck-typed (`EngineCore`'s `_ReqState`): `req`, `sreq`,
 `detok`, `out`, `grammar`, `sent_tokens`, `rollback_tokens`.
@@ -22,8 +25,9 @@ import torch
 from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKey, GrammarTicket
 from lmserver.constrained.bitmask import BatchMasker
 from lmserver.constrained.grammar import JumpForward, ReqGrammar
+from lmserver.constrained.policy import JumpPolicy, parse_min_tokens
 from lmserver.io_struct import ReqOutput
-from lmserver.scheduler import ReqStatus, ScheduleDecision, Scheduler
+from lmserver.scheduler import Req, ReqStatus, ScheduleDecision, Scheduler
 
 __all__ = ["ConstrainedDecoding"]
 
@@ -40,13 +44,32 @@ class ConstrainedDecoding:
     compile workers live inside `GrammarBackend`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 disable_jump_forward: bool = False, compile_timeout_s: float = 30.0) -> None:
+                 disable_jump_forward: bool = False, compile_timeout_s: float = 30.0,
+                 jump_forward_min_tokens: int | str = "auto", device: str | torch.device | None = None) -> None:
         self.backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids, compile_timeout_s=compile_timeout_s)
         self.masker = BatchMasker(vocab_size)
         self.jump_forward = not disable_jump_forward
+        parse_min_tokens(jump_forward_min_tokens)  # raises ValueError now, not at the first jump
+        self.jump_forward_min_tokens = jump_forward_min_tokens
+        self._device_type = None if device is None else torch.device(device).type
+        self._policy: JumpPolicy | None = None
+        self._policy_key: tuple[int | str, str | None] | None = None
         self._waiting: dict[str, GrammarTicket] = {}
         self._rewound: set[str] = set()  # requests sent back to prefill by a jump-forward
-        self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "grammar_errors": 0}
+        # jumps the policy left to the next schedule(): rid -> (state, plan, len(output_ids) at plan time)
+        self._deferred: dict[str, tuple[Any, JumpForward, int]] = {}
+        self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "jump_forward_declined": 0,
+                      "grammar_errors": 0}
+
+    @property
+    def policy(self) -> JumpPolicy:
+        """The jump-forward policy; "auto" is resolved by the device of the logits (known from
+        the first mask, which comes before any decision that depends on it)."""
+        key = (self.jump_forward_min_tokens, self._device_type)
+        if self._policy is None or self._policy_key != key:  # NOTE: the bench changes the option live
+            self._policy = JumpPolicy.for_device(self.jump_forward_min_tokens, self._device_type or "cpu")
+            self._policy_key = key
+        return self._policy
 
     # --- grammar stage ----------------------------------------------------------------------------
 
@@ -55,8 +78,9 @@ class ConstrainedDecoding:
         self._waiting[rid] = self.backend.submit(key)
 
     def drop(self, rid: str) -> None:
-        """Forgets `rid` (abort while compiling). Mutates the grammar queue."""
+        """Forgets `rid` (abort at any stage). Mutates the grammar queue and deferred jumps."""
         self._waiting.pop(rid, None)
+        self._deferred.pop(rid, None)
 
     @property
     def num_waiting(self) -> int:
@@ -94,9 +118,13 @@ class ConstrainedDecoding:
     # --- scheduling ----------------------------------------------------------------------------------
 
     def schedule(self, scheduler: Scheduler) -> ScheduleDecision:
-        """`scheduler.schedule()`; while jump-forward requests wait for their extend and others
-        decode, the round is a mixed batch (their new tokens ride along with the decodes) instead
-        of an extend round that pauses every other request. Mutates as `Scheduler.schedule`."""
+        """`scheduler.schedule()`, after the deferred jumps of the last round were made or
+        declined (`JumpPolicy.batch`); while jump-forward requests wait for their extend and
+        others decode, the round is a mixed batch (their new tokens ride along with the decodes)
+        instead of an extend round that pauses every other request. Mutates as
+        `Scheduler.schedule`, and the requests that jump."""
+        if self._deferred:
+            self._run_deferred(scheduler)
         if self._rewound:
             self._rewound &= {r.rid for r in scheduler.prefilling}
         if not self._rewound or not scheduler.running or scheduler.enable_mixed_chunk:
@@ -111,6 +139,7 @@ class ConstrainedDecoding:
 
     def apply_masks(self, logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
         """Masks the rows of constrained `states` in `logits` (B, V), in place; returns it."""
+        self._device_type = logits.device.type
         return self.masker.apply(logits, [s.grammar for s in states])
 
     # --- after a sampled token ----------------------------------------------------------------------
@@ -128,15 +157,62 @@ class ConstrainedDecoding:
         return self.advance_jump(scheduler, state)
 
     def advance_jump(self, scheduler: Scheduler, state: Any) -> dict[str, Any] | None:
-        """Jump-forward from the guide's state if text is forced (also at admission, before any
-        token). Returns a finish reason or None. Mutates as `after_token`."""
+        """Jump-forward from the guide's state if text is forced and the policy makes the jump
+        now (also at admission, before any token); a jump the policy defers waits for the next
+        `schedule()`. Returns a finish reason or None. Mutates as `after_token`."""
         g: ReqGrammar = state.grammar
+        self._deferred.pop(state.req.rid, None)
         if g.is_finished():
             return {"type": "stop", "matched": None}
         sreq = state.sreq
-        jump = g.plan_jump(sreq.output_ids, sreq.max_new_tokens - len(sreq.output_ids))
+        remaining = sreq.max_new_tokens - len(sreq.output_ids)
+        jump = g.plan_jump(sreq.output_ids, remaining)
         if jump is None:
             return None
+        p = sreq.sampling_params
+        ends = jump.finishes or jump.num_new_tokens >= remaining
+        decision = self.policy.now(
+            jump.num_new_tokens, decoding=sreq.status == ReqStatus.RUNNING, ends_request=ends,
+            extend_pending=bool(scheduler.prefilling), deferrable=not (p.stop or p.stop_regex))
+        if decision == "defer":
+            self._deferred[sreq.rid] = (state, jump, len(sreq.output_ids))
+            return None
+        if decision == "skip":
+            self.stats["jump_forward_declined"] += 1
+            return None
+        return self._jump(scheduler, state, jump)
+
+    def _run_deferred(self, scheduler: Scheduler) -> None:
+        """Makes or declines (all together) the jumps deferred in the last round. Mutates the
+        deferred set and, for the jumps made, as `_jump`."""
+        deferred, self._deferred = self._deferred, {}
+        # NOTE: a deferred request may have finished (length) or been aborted since its plan
+        live = [(st, j) for st, j, n_out in deferred.values() if self._unchanged(scheduler, st.sreq, n_out)]
+        if not live:
+            return
+        waiting_admissible = bool(scheduler.waiting) and bool(scheduler.free_rows) and (
+            scheduler.num_active < scheduler.max_running_requests)
+        if not self.policy.batch([j.num_new_tokens for _, j in live], len(scheduler.running),
+                                 extend_pending=bool(scheduler.prefilling) or waiting_admissible):
+            self.stats["jump_forward_declined"] += len(live)
+            return
+        for st, j in live:
+            reason = self._jump(scheduler, st, j)
+            if reason is not None:  # pragma: no cover - deferrable jumps neither end nor match stops
+                logger.warning("request %s: deferred jump-forward ended it (%s); it ends at its next token",
+                               st.req.rid, reason)
+
+    @staticmethod
+    def _unchanged(scheduler: Scheduler, sreq: Req, num_output: int) -> bool:
+        """True when `sreq` still runs with the `num_output` output tokens its plan was made on."""
+        return (scheduler.reqs.get(sreq.rid) is sreq and sreq.status == ReqStatus.RUNNING
+                and len(sreq.output_ids) == num_output)
+
+    def _jump(self, scheduler: Scheduler, state: Any, jump: JumpForward) -> dict[str, Any] | None:
+        """Applies `jump` to the request: guide, tokens (and KV placement via `Scheduler.rewind`),
+        detokenizer and text. Returns a finish reason or None."""
+        g: ReqGrammar = state.grammar
+        sreq = state.sreq
         old = list(sreq.output_ids)
         kept = len(old) - jump.num_rollback
         new = old[:kept] + list(jump.token_ids)

@@ -20,11 +20,13 @@ __all__ = ["JumpForward", "ReqGrammar"]
 @dataclass(frozen=True)
 class JumpForward:
     """Replace the last `num_rollback` output tokens with `token_ids` (which spell their bytes
-    followed by `text`, the forced string without its trailing spaces)."""
+    followed by `text`, the forced string without its trailing spaces). `finishes`: the grammar
+    is complete after it (nothing but EOS may follow)."""
 
     num_rollback: int
     token_ids: tuple[int, ...]
     text: str
+    finishes: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -87,7 +89,7 @@ class ReqGrammar:
             probe.advance_many(tokens)
         except (cfsm.RejectedTokenError, ValueError):
             return None
-        return JumpForward(rollback, tuple(tokens), forced)
+        return JumpForward(rollback, tuple(tokens), forced, finishes=probe.is_finished())
 
     def apply_jump(self, jump: JumpForward) -> None:
         """Rolls the guide back and over the jump's tokens. Mutates the guide and counters."""
