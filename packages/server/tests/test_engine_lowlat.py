@@ -52,7 +52,8 @@ class ReferenceBuilt:
 
     def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
         self.layer_calls += 1
-        return reference_decoder_layer(x, self.ctx.weights[layer], kv, meta, self.ctx.shape)
+        # all_reduce: the TP sum (None on one rank), so the layer is exact on shards too
+        return reference_decoder_layer(x, self.ctx.weights[layer], kv, meta, self.ctx.shape, self.ctx.all_reduce)
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         self.warmed.extend(batch_sizes)

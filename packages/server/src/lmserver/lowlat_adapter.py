@@ -6,6 +6,11 @@ frequencies) into ``lowlat.LayerWeights`` / ``lowlat.MoELayerWeights`` (views, n
 engine's ``KVPool`` into per-layer ``lowlat.KVCache`` and a decode ``ForwardBatch`` into a
 ``lowlat.ForwardMeta``. ``decode_forward`` runs the model's decoder layers through a built
 plugin (the plugin path of a decode step); the model runner decides when to call it.
+
+Tensor parallelism: on a sharded model (``lmserver.distributed.shard``) the views are this rank's
+shards and the shape counts this rank's heads and intermediate features; the plugin gets the TP
+sum through ``BuildContext.all_reduce``. The embedding and final norm used by ``decode_forward``
+are the model's own (vocab-parallel embedding included).
 """
 
 from __future__ import annotations
@@ -38,14 +43,20 @@ class PluginLayers:
     moe: MoEShape | None
 
 
-def layer_shape(config: ModelConfig) -> LayerShape:
-    """The lowlat ``LayerShape`` of one decoder layer of ``config``. Pure."""
+def layer_shape(config: ModelConfig, tp_size: int = 1) -> LayerShape:
+    """The lowlat ``LayerShape`` of one decoder layer of ``config`` on one of ``tp_size`` ranks.
+
+    Pure; raises ``TensorParallelError`` when the heads do not split (as sharding does).
+    """
+    from lmserver.distributed.shard import tp_head_counts
+
+    heads, kv_heads = tp_head_counts(config, tp_size)
     return LayerShape(
         hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
         head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=config.intermediate_size // tp_size,
         rms_eps=config.rms_norm_eps,
     )
 
@@ -57,17 +68,23 @@ def moe_shape(config: ModelConfig) -> MoEShape | None:
     return MoEShape(config.num_experts, config.num_experts_per_tok, config.intermediate_size)
 
 
-def plugin_layers(model: nn.Module) -> PluginLayers:
+def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
     """Views of every decoder layer's weights in lowlat's layout (no copies); reads only.
 
     ``model`` is an lmserver ``LlamaForCausalLM`` (or a subclass: Mistral, Qwen2 without bias,
-    Mixtral). Raises ``LowlatAdapterError`` for attention biases or per-head q/k norms.
+    Mixtral), sharded for one of ``tp_size`` ranks when ``tp_size > 1``. Raises
+    ``LowlatAdapterError`` for attention biases, per-head q/k norms and a sharded MoE model.
     """
     config: ModelConfig = model.config  # type: ignore[assignment]
     if config.attention_bias or config.qk_norm:
         raise LowlatAdapterError(
             f"{config.architecture}: lowlat layers have no attention bias and no q/k norm "
             f"(attention_bias={config.attention_bias}, qk_norm={config.qk_norm}); serve it without the plugin"
+        )
+    if tp_size > 1 and config.num_experts:
+        raise LowlatAdapterError(
+            f"{config.architecture}: the adapter does not express sharded experts (tp_size={tp_size}); "
+            "serve it without the plugin"
         )
     inner: Any = model.model
     device = inner.layers[0].input_layernorm.weight.device
@@ -87,7 +104,7 @@ def plugin_layers(model: nn.Module) -> PluginLayers:
             layers.append(LayerWeights(gate_up=mlp.gate_up_proj.weight.data, down=mlp.down_proj.weight.data, **common))
         else:
             layers.append(MoELayerWeights(router=mlp.gate.weight.data, w13=mlp.w13.data, w2=mlp.w2.data, **common))
-    return PluginLayers(layer_shape(config), tuple(layers), moe)
+    return PluginLayers(layer_shape(config, tp_size), tuple(layers), moe)
 
 
 def kv_caches(pool: KVPool) -> list[KVCache]:

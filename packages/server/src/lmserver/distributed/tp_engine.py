@@ -6,7 +6,11 @@ gloo control group, runs its shard of the forward and samples. Ranks 1..N-1 ("fo
 build the same KV layout, then run every broadcast decision until rank 0 sends None.
 
 Start-up order on rank 0: load the full model -> spawn this node's followers -> join the group
--> broadcast the resolved config -> shard. Liveness: rank 0 watches its followers and exits the
+-> broadcast the resolved config (and rank 0's lowlat plugin specs) -> shard -> lowlat: check the
+shard, agree, build (every rank, collectives over the group) -> size the KV cache -> broadcast its
+slot count (`TPContext.share_num_slots`; None instead tells the followers start-up failed, as
+`TPContext.shutdown` does). A lowlat `require` failure is raised by every rank at the agreement:
+followers then wait for rank 0's stop and exit cleanly, rank 0 reports it. Liveness: rank 0 watches its followers and exits the
 core process (status 1, with the rank and its exit status in the log) when one dies, so the
 server reports unhealthy and exits instead of hanging in a collective; followers exit when
 their parent dies. Several nodes: `--nnodes`, `--node-rank`, `--dist-init-addr host:port`;
@@ -20,6 +24,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,6 +90,10 @@ class TPContext:
     def wrap_runner(self, runner: Any) -> Any:
         return _BroadcastingRunner(runner, self)
 
+    def share_num_slots(self, num_slots: int) -> None:
+        """Sends the KV pool size (decided after lowlat's agreed workspace) to every follower."""
+        self.group.broadcast_object(num_slots)
+
     def shutdown(self) -> None:
         """Tells every rank to stop, joins this node's followers (terminating stragglers)."""
         if self.stopping.is_set():
@@ -116,14 +125,24 @@ class _BroadcastingRunner:
 
 
 def start_tensor_parallel(
-    config: ServerConfig, model_config: ModelConfig, model_path: str, model: torch.nn.Module, num_slots: int
+    config: ServerConfig, model_config: ModelConfig, model_path: str, model: torch.nn.Module,
+    lowlat_specs: tuple[Any, ...] = (),
 ) -> TPContext:
     """Rank 0: spawns this node's followers, joins the group, shares the config, shards `model`.
 
-    `config` is the resolved config; `num_slots` the KV pool size every rank allocates.
-    Raises TensorParallelError before spawning anything when the model does not split.
+    `config` is the resolved config; `lowlat_specs` the lowlat plugins rank 0 considers (every
+    rank uses the same ones). The caller sends the KV pool size with `share_num_slots` next.
+    Raises TensorParallelError (model does not split) or ValueError (a plugin spec cannot reach
+    the other ranks) before spawning anything.
     """
     _, local_kv_heads = tp_head_counts(model_config, config.tp_size)
+    try:
+        pickle.dumps(lowlat_specs)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same thing
+        raise ValueError(
+            "lowlat plugin specs must be picklable to reach the tensor-parallel ranks "
+            f"(define them at module level): {exc}"
+        ) from exc
     per_node = _ranks_per_node(config)
     init_method = _init_method(config)
     backend = _backend(config.device)
@@ -141,7 +160,7 @@ def start_tensor_parallel(
     stopping = threading.Event()
     _watch_followers(procs, stopping)
     tp = TPContext(TPGroup.init(0, config.tp_size, init_method, backend), local_kv_heads, procs, stopping)
-    tp.group.broadcast_object({"config": config, "model_path": model_path, "num_slots": num_slots})
+    tp.group.broadcast_object({"config": config, "model_path": model_path, "lowlat_specs": lowlat_specs})
     shard_model_(model, model_config, tp.group)
     atexit.register(tp.shutdown)
     logger.info(
@@ -154,8 +173,10 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     """A follower rank: joins, builds its shard of the engine, runs decisions until told to stop."""
     from lmserver.attention.base import default_registry
     from lmserver.engine.kv_pool import KVPool, make_req_to_token
+    from lmserver.engine.lowlat_hook import LowlatHook
     from lmserver.engine.model_runner import ModelRunner
     from lmserver.model_loader import DTYPES, load_model, read_model_config
+    from lowlat import Registry, Unsupported
 
     _exit_with_parent()
     if backend == "nccl":
@@ -167,6 +188,8 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     dtype = DTYPES[rc.dtype]
     mc = read_model_config(info["model_path"])
     assert rc.context_length is not None and rc.max_running_requests is not None
+    lowlat = LowlatHook.start(rc.lowlat_plugins, mc, rc.dtype, str(device), size, rc.context_length,
+                              rank=rank, registry=Registry(info["lowlat_specs"]))
     model = load_model(
         mc,
         info["model_path"],
@@ -177,13 +200,28 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
         seed=rc.random_seed,
     )
     shard_model_(model, mc, group)
+    failed: Unsupported | None = None
+    if lowlat is not None:
+        try:
+            lowlat.after_load(model, device, dtype, group)
+        except Unsupported as exc:  # raised on every rank alike; rank 0 reports it and stops us
+            failed = exc
+    num_slots = group.broadcast_object()
+    if num_slots is None:  # rank 0 failed to start (or is stopping)
+        group.destroy()
+        return
+    if failed is not None:
+        raise RuntimeError(f"rank {rank} failed lowlat start-up but rank 0 went on: {failed}")
     _, kv_heads = tp_head_counts(mc, size)
-    pool = KVPool(info["num_slots"], mc.num_hidden_layers, kv_heads, mc.head_dim, dtype, device)
+    pool = KVPool(num_slots, mc.num_hidden_layers, kv_heads, mc.head_dim, dtype, device)
     pool.zero_padding(rc.page_size)
     table = make_req_to_token(rc.max_running_requests, rc.context_length, device)
     runner = ModelRunner(
         model, pool, table, default_registry().create(rc.attention_backend, pool, table), device
     )
+    if lowlat is not None:
+        lowlat.attach(model, pool, table, num_slots)
+        runner.lowlat = lowlat
     from lmserver.engine.cuda_graph import maybe_decode_graph_runner
 
     # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)

@@ -93,19 +93,27 @@ class EngineCore:
             seed=rc.random_seed,
         )
         mc = self.model_config
-        if self.lowlat is not None:
-            workspace = self.lowlat.after_load(self.model, self.device, self.dtype)
-            if workspace and config.max_total_tokens is None:  # the plugin's memory comes off the KV budget
-                per_slot = KVPool.bytes_per_slot(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
-                kv_tokens = max(rc.max_total_tokens - -(-workspace // per_slot), 16)
-                self.resolved_config = rc = rc.replace(max_total_tokens=kv_tokens)
-                assert rc.max_total_tokens is not None
-        self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
         self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
-        if rc.tp_size > 1:
+        if rc.tp_size > 1:  # shards the model: lowlat checks and builds on this rank's shard
             from lmserver.distributed.tp_engine import start_tensor_parallel
 
-            self.tp = start_tensor_parallel(rc, mc, model_path, self.model, self.kv_manager.buffer_size)
+            specs = self.lowlat.session.registry.specs() if self.lowlat is not None else ()
+            self.tp = start_tensor_parallel(rc, mc, model_path, self.model, specs)
+        try:
+            if self.lowlat is not None:  # every rank agrees and takes the same workspace off its KV budget
+                workspace = self.lowlat.after_load(
+                    self.model, self.device, self.dtype, self.tp.group if self.tp is not None else None)
+                if workspace and config.max_total_tokens is None:
+                    kv_tokens = self.lowlat.kv_tokens(rc.max_total_tokens, workspace, mc, self.dtype)
+                    self.resolved_config = rc = rc.replace(max_total_tokens=kv_tokens)
+                    assert rc.max_total_tokens is not None
+            self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
+            if self.tp is not None:
+                self.tp.share_num_slots(self.kv_manager.buffer_size)
+        except BaseException:
+            if self.tp is not None:  # the followers wait for the slot count: tell them to stop instead
+                self.tp.shutdown()
+            raise
         self.kv_pool = KVPool(
             self.kv_manager.buffer_size, mc.num_hidden_layers,
             self.tp.local_kv_heads if self.tp else mc.num_key_value_heads, mc.head_dim,
@@ -116,8 +124,7 @@ class EngineCore:
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
         if self.lowlat is not None:
-            self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size,
-                               [1, 2, 4, 8])
+            self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size)
             self.runner.lowlat = self.lowlat
         from lmserver.engine.cuda_graph import maybe_decode_graph_runner
 

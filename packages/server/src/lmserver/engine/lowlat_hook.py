@@ -9,21 +9,31 @@ records the path each decode batch size froze (`hidden(..., capturing=True)`), r
 
 Decode steps inside the agreed coverage run every decoder layer through the plugin (via
 `lmserver.lowlat_adapter`); every other step runs the model's forward and its reason is counted.
+
+Tensor parallelism: every rank runs its own hook (rank 0 in the engine core, the others in
+`distributed.tp_engine.follower_main`) over the same registry (rank 0's plugin specs) and set-up.
+`after_load` gets the loaded shard and the TP group: each rank checks its shard, the ranks agree
+(lowlat's MIN of verdicts over the gloo control group) before any workspace is built, exchange
+their build outcomes and take the same (largest) workspace off the KV budget. A plugin off on any
+rank is off on every rank; every rank's reasons are logged on rank 0 (`report()["ranks"]`). In
+`require` mode every rank raises the same `Unsupported`; rank 0 raises a set-up failure before any
+follower exists.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from lmserver.distributed import TensorParallelError, TPGroup, tp_head_counts
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.kv_pool import KVPool
 from lmserver.lowlat_adapter import LowlatAdapterError, decode_forward, kv_caches, plugin_layers
 from lmserver.models.config import ModelConfig
-from lowlat import LowlatConfig, Session, Unsupported
+from lowlat import LowlatConfig, Session, TorchGroup
 from lowlat.errors import RegistryError
 from lowlat.graphs import PLUGIN
 from lowlat.guards import detect_setup
@@ -32,7 +42,7 @@ from lowlat.spec import Step, StepKind
 
 logger = logging.getLogger("lmserver.lowlat")
 
-__all__ = ["LowlatHook", "parse_lowlat_plugins"]
+__all__ = ["WARMUP_BATCH_SIZES", "LowlatHook", "kv_tokens_after_workspace", "parse_lowlat_plugins"]
 
 
 def parse_lowlat_plugins(value: str) -> LowlatConfig | None:
@@ -56,58 +66,113 @@ def _registry() -> Registry:
         return Registry.from_entry_points()
 
 
-class LowlatHook:
-    """One engine's lowlat session and the dispatch of its forward steps."""
+WARMUP_BATCH_SIZES = (1, 2, 4, 8)  # every TP rank warms the plugin up for the same sizes
 
-    def __init__(self, session: Session) -> None:
+
+def kv_tokens_after_workspace(max_total_tokens: int, workspace_bytes: int, bytes_per_slot: int) -> int:
+    """The KV budget in tokens once the plugin's (agreed) workspace is taken off it. Pure.
+
+    Every TP rank takes the same agreed workspace off, so the ranks size identical caches.
+    """
+    return max(max_total_tokens - -(-workspace_bytes // bytes_per_slot), 16)
+
+
+class LowlatHook:
+    """One engine's (one TP rank's) lowlat session and the dispatch of its forward steps."""
+
+    def __init__(self, session: Session, tp_size: int = 1, rank: int = 0) -> None:
         self.session = session
+        self.tp_size, self.rank = tp_size, rank
+        self.rank_reports: list[dict[str, Any]] = []  # every rank's start-up account (TP), in rank order
         self._model: Any = None
         self._kvs: list[Any] = []
         self._req_to_token: torch.Tensor | None = None
 
     @classmethod
     def start(cls, value: str, model_config: ModelConfig, dtype: str, device: str, tp_size: int,
-              max_context: int, features: frozenset[str] = frozenset()) -> LowlatHook | None:
+              max_context: int, features: frozenset[str] = frozenset(), rank: int = 0,
+              registry: Registry | None = None) -> LowlatHook | None:
         """Configures a session before the weights load; None when `value` is `off`.
 
-        Raises `lowlat.Unsupported` in `require` mode when no plugin fits the set-up.
+        `registry`: the plugins to consider (followers get rank 0's); default: the active
+        registry, else the installed plugins. Raises `lowlat.Unsupported` in `require` mode when
+        no plugin fits the set-up (under TP on rank 0 only: followers raise it at the agreement,
+        together with every other rank).
         """
         config = parse_lowlat_plugins(value)
         if config is None:
             return None
-        if tp_size > 1:
-            reason = "lmserver does not run lowlat plugins under tensor parallelism yet"
-            if config.mode == "require":
-                raise Unsupported(config.plugins[0] if config.plugins else "any", (reason,))
-            logger.info("lowlat off: %s", reason)
-            return None
-        session = Session(config, _registry())
+        session = Session(config, registry if registry is not None else _registry())
         setup = detect_setup(model_config.architecture, dtype, device=device, tp_size=tp_size,
                              features=features, max_context=max_context)
         session.configure(setup)
-        return cls(session)
+        if session.deferred is not None and rank == 0:
+            raise session.deferred  # no follower exists yet: every rank has this set-up
+        return cls(session, tp_size, rank)
 
-    def after_load(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-        """Checks the loaded model, agrees (one rank) and builds; returns the workspace bytes."""
+    def after_load(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                   group: TPGroup | None = None) -> int:
+        """Checks the loaded model (this rank's shard), agrees over `group` and builds.
+
+        Returns the workspace bytes to take off the KV budget (under TP the largest of any rank,
+        identical on every rank). Collective when `group` spans several ranks; raises
+        `lowlat.Unsupported` in `require` mode on every rank alike.
+        """
         self.session.loaded()
         try:
-            layers = plugin_layers(model)
+            layers = plugin_layers(model, self.tp_size)
             runner_reasons: tuple[str, ...] = ()
-        except LowlatAdapterError as exc:
+        except (LowlatAdapterError, TensorParallelError) as exc:
             layers, runner_reasons = None, (str(exc),)
         self.session.check_model(model, runner_reasons)
-        self.session.agree(None)
+        tp = group is not None and group.size > 1
+        agreement_group = TorchGroup(group.control, device="cpu") if group is not None and tp else None
+        self.session.agree(agreement_group)
         if layers is not None:
-            self.session.build(layers.shape, layers.weights, device, dtype, moe=layers.moe)
+            all_reduce = group.all_reduce if group is not None and tp else None
+            self.session.build(layers.shape, layers.weights, device, dtype, moe=layers.moe, all_reduce=all_reduce)
         else:
             self.session.build(None, (), device, dtype)  # type: ignore[arg-type]  # nothing selected: no-op
         workspace = self.session.memory_measured()
-        selected = self.session.selected.name if self.session.selected else None
-        logger.info("lowlat: plugin %s, workspace %d bytes", selected or "none (original forward)", workspace)
+        mine = self._rank_report(workspace)
+        self.rank_reports = agreement_group.all_gather_object(mine) if agreement_group is not None else [mine]
+        if self.rank == 0:
+            self._log_start()
         return workspace
 
+    def kv_tokens(self, max_total_tokens: int, workspace: int, config: ModelConfig, dtype: torch.dtype) -> int:
+        """`max_total_tokens` less the workspace, counted in this rank's KV slots. Pure."""
+        _, kv_heads = tp_head_counts(config, self.tp_size)
+        per_slot = KVPool.bytes_per_slot(config.num_hidden_layers, kv_heads, config.head_dim, dtype)
+        return kv_tokens_after_workspace(max_total_tokens, workspace, per_slot)
+
+    def _rank_report(self, workspace: int) -> dict[str, Any]:
+        agreement = self.session.agreement
+        return {
+            "rank": self.rank,
+            "selected": self.session.selected.name if self.session.selected else None,
+            "verdicts": [{"plugin": v.plugin, "status": v.status, "reasons": list(v.reasons)}
+                         for v in self.session.verdicts.values()],
+            "agreement": list(agreement.reasons) if agreement is not None else [],
+            "built": self.session.built is not None,
+            "workspace_bytes": workspace,
+        }
+
+    def _log_start(self) -> None:
+        """Rank 0: every rank's refused plugins with their reasons, then the outcome."""
+        for rep in self.rank_reports:
+            for v in rep["verdicts"]:
+                if v["status"] != "selected" and v["reasons"]:
+                    logger.info("lowlat rank %d: %s %s: %s", rep["rank"], v["plugin"], v["status"],
+                                "; ".join(v["reasons"]))
+        first = self.rank_reports[0]
+        if first["agreement"]:
+            logger.info("lowlat off on every rank: %s", "; ".join(first["agreement"]))
+        logger.info("lowlat: plugin %s on %d rank(s), workspace %d bytes", first["selected"] or "none (original forward)",
+                    len(self.rank_reports), first["workspace_bytes"])
+
     def attach(self, model: torch.nn.Module, pool: KVPool, req_to_token: torch.Tensor, num_slots: int,
-               warmup_batch_sizes: list[int]) -> None:
+               warmup_batch_sizes: Sequence[int] = WARMUP_BATCH_SIZES) -> None:
         """Installs the dispatcher over the engine's KV pool and warms the plugin up."""
         self.session.kv_sized(num_slots)
         self._model, self._kvs, self._req_to_token = model, kv_caches(pool), req_to_token
@@ -153,6 +218,7 @@ class LowlatHook:
             "plugin_steps": r.plugin_steps,
             "fallbacks": dict(r.fallbacks),
             "graphs": [str(g) for g in r.graphs],
+            "ranks": self.rank_reports,
         }
 
     def explain(self) -> str:

@@ -1,0 +1,203 @@
+"""lowlat under tensor parallelism (gloo, 2 CPU processes): every rank checks its shard, the ranks
+agree before any workspace is built, and a plugin off on one rank is off on all.
+
+The plugins are module-level (so rank 0's specs pickle to the followers): `reference-tp` runs
+lowlat's torch reference layer on this rank's shards with the TP sum before each residual add
+(exact under TP), `tp1-only` declares `tp_sizes=(1,)`, `picky` refuses its shard on rank 1 only.
+Oracle: the same tiny model with TP=1 and lowlat off, greedy.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lowlat import Coverage, ForwardMeta, KVCache, PluginSpec, Registry, Requirements, Unsupported
+from lowlat.build import BuildContext, Built
+from lowlat.reference import reference_decoder_layer
+from lowlat.spec import Step
+from packages.server.tests.test_tensor_parallel import FAMILIES, _assert_same, _generate, _model_folder
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+class ShardedReference:
+    """A `lowlat.Built` running the reference layer on this rank's shards (sums through `all_reduce`)."""
+
+    name = "reference-tp"
+    workspace_bytes = 4096
+
+    def __init__(self, ctx: BuildContext) -> None:
+        self.ctx = ctx
+
+    def covers(self, step: Step) -> bool:
+        return True
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        return reference_decoder_layer(x, self.ctx.weights[layer], kv, meta, self.ctx.shape, self.ctx.all_reduce)
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        pass
+
+
+def build_reference(ctx: BuildContext) -> Built:
+    return ShardedReference(ctx)
+
+
+def refuse_on_rank_1(model: Any) -> tuple[str, ...]:
+    import torch.distributed as dist
+
+    return ("rank 1 refuses its shard",) if dist.is_initialized() and dist.get_rank() == 1 else ()
+
+
+_CPU = Requirements(vendor="cpu", dtypes=("float32",))
+_COVER = Coverage(max_tokens=8)
+REFERENCE = PluginSpec("reference-tp", "1.0", ("LlamaForCausalLM",), _CPU, _COVER, build_reference)
+TP1_ONLY = PluginSpec(
+    "tp1-only", "1.0", ("LlamaForCausalLM",), Requirements(vendor="cpu", tp_sizes=(1,)), _COVER, build_reference,
+    priority=5,
+)
+PICKY = PluginSpec(
+    "picky", "1.0", ("LlamaForCausalLM",), _CPU, _COVER, build_reference, check_model=refuse_on_rank_1, priority=9
+)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _serve(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str, tp_size: int) -> dict[str, Any]:
+    """Rank 0 (in a spawned child): greedy outputs, rank 0's lowlat report and its lowlat log."""
+    from lmserver import Engine
+    from lowlat import use_registry
+
+    logger = logging.getLogger("lmserver.lowlat")
+    records = _Records()
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    with use_registry(Registry(specs)):
+        engine = Engine(model_path=model_path, load_format="dummy", dtype="float32", device="cpu",
+                        context_length=256, max_total_tokens=2048, tp_size=tp_size, lowlat_plugins=lowlat_plugins)
+    try:
+        params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+        out = engine.generate(PROMPTS, params, return_logprob=True)
+        report = engine.core.lowlat.report()  # type: ignore[union-attr]
+    finally:
+        if engine.core.tp is not None:
+            engine.core.tp.shutdown()
+        engine.shutdown()
+    return {"outputs": out, "report": report, "log": records.messages}
+
+
+def _child(box: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        box.put(("ok", fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the test process
+        box.put(("error", exc))
+
+
+def _in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 300) -> Any:
+    """`fn(*args)` in a fresh spawned process (rank 0 must not live in pytest; see test_tensor_parallel)."""
+    ctx = multiprocessing.get_context("spawn")
+    box = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(box, fn, args), name="tp-lowlat-rank0")
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                status, value = box.get(timeout=1)
+                break
+            except queue.Empty:
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine process gave no result (exit status {proc.exitcode})") from None
+    finally:
+        proc.join(timeout=60)
+        exitcode = proc.exitcode
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert exitcode == 0, f"rank 0's process did not exit cleanly ({exitcode})"
+    if status == "error":
+        raise value
+    return value
+
+
+@pytest.fixture(scope="module")
+def model_and_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    path = _model_folder(tmp_path_factory.mktemp("tp_lowlat"), "llama_gqa", FAMILIES["llama_gqa"])
+    return path, _generate(path)  # TP=1, lowlat off
+
+
+def test_tp2_auto_runs_the_sharded_plugin_and_equals_tp1(model_and_oracle: tuple[str, list[dict[str, Any]]]) -> None:
+    path, oracle = model_and_oracle
+    got = _in_child(_serve, path, (TP1_ONLY, REFERENCE), "auto", 2)
+    _assert_same(oracle, got["outputs"])
+    report = got["report"]
+    assert report["selected"] == "reference-tp" and report["plugin_steps"] == 10 - 1  # every decode step
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["selected"] == "reference-tp" and r["built"] and r["workspace_bytes"] == 4096 for r in ranks)
+    assert ranks[0]["verdicts"] == ranks[1]["verdicts"]
+    (tp1,) = [v for v in ranks[1]["verdicts"] if v["plugin"] == "tp1-only"]
+    assert tp1["status"] == "unsupported" and tp1["reasons"] == ["needs TP size in [1], server uses 2"]
+    assert "lowlat rank 1: tp1-only unsupported: needs TP size in [1], server uses 2" in got["log"]
+
+
+def test_tp2_a_check_failing_on_rank_1_turns_the_plugin_off_on_both(
+    model_and_oracle: tuple[str, list[dict[str, Any]]],
+) -> None:
+    path, oracle = model_and_oracle
+    got = _in_child(_serve, path, (PICKY,), "auto", 2)
+    _assert_same(oracle, got["outputs"])
+    report = got["report"]
+    assert report["selected"] is None and report["plugin_steps"] == 0
+    r0, r1 = report["ranks"]
+    assert r0["selected"] is None and r1["selected"] is None and not r0["built"] and not r1["built"]
+    assert r0["agreement"] == r1["agreement"] == ["ranks [1] cannot run a plugin", "rank 1: picky: rank 1 refuses its shard"]
+    assert any("lowlat rank 1: picky unsupported: rank 1 refuses its shard" in m for m in got["log"])
+    assert any(m.startswith("lowlat off on every rank: ranks [1] cannot run a plugin") for m in got["log"])
+
+
+def test_tp2_require_fails_start_up_with_the_reasons_and_no_hang(
+    model_and_oracle: tuple[str, list[dict[str, Any]]],
+) -> None:
+    path, _ = model_and_oracle
+    # the set-up excludes TP=2: rank 0 fails before any follower exists
+    with pytest.raises(Unsupported, match=r"needs TP size in \[1\], server uses 2"):
+        _in_child(_serve, path, (TP1_ONLY, REFERENCE), "require:tp1-only", 2)
+    # rank 1's check fails: every rank raises at the agreement; rank 0 stops the follower and exits
+    with pytest.raises(Unsupported, match="rank 1: picky: rank 1 refuses its shard") as info:
+        _in_child(_serve, path, (PICKY,), "require:picky", 2)
+    assert info.value.plugin == "picky"
+
+
+def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp_path: Path) -> None:
+    from lmserver.testing import ServerProcess
+
+    path = _model_folder(tmp_path, "serve", FAMILIES["llama_gqa"])
+    srv = ServerProcess(
+        ["--model-path", path, "--load-format", "dummy", "--tp-size", "2", "--device", "cpu",
+         "--context-length", "256", "--lowlat-plugins", "require:nvidia"],
+        core=None, env={"OMP_NUM_THREADS": "1"},
+    )
+    with pytest.raises(RuntimeError, match="did not become ready"):
+        srv.start(timeout_s=300)
+    assert srv.proc.poll() not in (None, 0)
+    log = srv.log_tail(200)
+    assert "lowlat plugin 'any' is unsupported here" in log and "nvidia: needs TP size in [1], server uses 2" in log
