@@ -81,10 +81,20 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _serve(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str, tp_size: int) -> dict[str, Any]:
-    """Rank 0 (in a spawned child): greedy outputs, rank 0's lowlat report and its lowlat log."""
+def _serve(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str, tp_size: int,
+           graphs: bool = False) -> dict[str, Any]:
+    """Rank 0 (in a spawned child): greedy outputs, rank 0's lowlat report and its lowlat log.
+
+    `graphs`: decode graphs on every rank (--enable-tp-cuda-graph) with the EagerGraph runner.
+    """
+    import os
+
     from lmserver import Engine
+    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
     from lowlat import use_registry
+
+    if graphs:
+        os.environ[EAGER_GRAPHS_ENV] = "1"  # inherited by the followers
 
     logger = logging.getLogger("lmserver.lowlat")
     records = _Records()
@@ -92,11 +102,15 @@ def _serve(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str, 
     logger.setLevel(logging.INFO)
     with use_registry(Registry(specs)):
         engine = Engine(model_path=model_path, load_format="dummy", dtype="float32", device="cpu",
-                        context_length=256, max_total_tokens=2048, tp_size=tp_size, lowlat_plugins=lowlat_plugins)
+                        context_length=256, max_total_tokens=2048, tp_size=tp_size, lowlat_plugins=lowlat_plugins,
+                        enable_tp_cuda_graph=graphs, cuda_graph_max_bs=8)
     try:
         params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
         out = engine.generate(PROMPTS, params, return_logprob=True)
         report = engine.core.lowlat.report()  # type: ignore[union-attr]
+        if graphs:
+            runner = engine.core.runner.cuda_graph
+            assert runner is not None and runner.num_replays > 0, "decode did not replay the captured graphs"
     finally:
         if engine.core.tp is not None:
             engine.core.tp.shutdown()
@@ -144,12 +158,17 @@ def model_and_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, lis
     return path, _generate(path)  # TP=1, lowlat off
 
 
-def test_tp2_auto_runs_the_sharded_plugin_and_equals_tp1(model_and_oracle: tuple[str, list[dict[str, Any]]]) -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_tp2_auto_runs_the_sharded_plugin_and_equals_tp1(
+    model_and_oracle: tuple[str, list[dict[str, Any]]], graphs: bool
+) -> None:
     path, oracle = model_and_oracle
-    got = _in_child(_serve, path, (TP1_ONLY, REFERENCE), "auto", 2)
+    got = _in_child(_serve, path, (TP1_ONLY, REFERENCE), "auto", 2, graphs)
     _assert_same(oracle, got["outputs"])
     report = got["report"]
     assert report["selected"] == "reference-tp" and report["plugin_steps"] == 10 - 1  # every decode step
+    if graphs:  # every captured size froze the plugin's path (coverage: up to 8 tokens)
+        assert report["graphs"] and all("path='plugin'" in g for g in report["graphs"]), report["graphs"]
     ranks = report["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["selected"] == "reference-tp" and r["built"] and r["workspace_bytes"] == 4096 for r in ranks)
@@ -201,3 +220,20 @@ def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp
     assert srv.proc.poll() not in (None, 0)
     log = srv.log_tail(200)
     assert "lowlat plugin 'any' is unsupported here" in log and "nvidia: needs TP size in [1], server uses 2" in log
+
+
+def test_the_agreed_workspace_comes_off_each_ranks_kv_budget_in_its_own_slots() -> None:
+    from lmserver.engine.kv_pool import KVPool
+    from lmserver.engine.lowlat_hook import LowlatHook, kv_tokens_after_workspace
+    from lmserver.models.config import ModelConfig
+    from lowlat import LowlatConfig, Session
+
+    mc = ModelConfig.from_hf(FAMILIES["llama_gqa"])  # 2 layers, 2 KV heads of 16
+    per_rank_slot = KVPool.bytes_per_slot(2, 1, 16, torch.float32)  # one KV head per rank under TP=2
+    assert per_rank_slot == 2 * 2 * 16 * 4
+    session = Session(LowlatConfig(mode="auto"), Registry())
+    tp2, tp1 = LowlatHook(session, tp_size=2, rank=1), LowlatHook(session)
+    assert tp2.kv_tokens(2048, 4096, mc, torch.float32) == 2048 - 4096 // per_rank_slot
+    assert tp1.kv_tokens(2048, 4096, mc, torch.float32) == 2048 - 4096 // (2 * per_rank_slot)
+    assert kv_tokens_after_workspace(2048, 1, per_rank_slot) == 2047  # a partial slot counts whole
+    assert kv_tokens_after_workspace(20, 1 << 20, per_rank_slot) == 16  # never below 16 tokens
