@@ -118,6 +118,18 @@ def _serve(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str, 
     return {"outputs": out, "report": report, "log": records.messages}
 
 
+def _start_fails(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str) -> dict[str, Any]:
+    """Rank 0 (in a spawned child): a TP=2 start-up expected to fail; the error and the engine's log."""
+    records = _Records()
+    logging.getLogger("lmserver").addHandler(records)
+    logging.getLogger("lmserver").setLevel(logging.INFO)
+    try:
+        _serve(model_path, specs, lowlat_plugins, 2)
+    except Unsupported as exc:
+        return {"error": exc, "log": records.messages}
+    raise AssertionError("start-up did not fail")
+
+
 def _child(box: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     try:
         box.put(("ok", fn(*args)))
@@ -198,12 +210,14 @@ def test_tp2_require_fails_start_up_with_the_reasons_and_no_hang(
 ) -> None:
     path, _ = model_and_oracle
     # the set-up excludes TP=2: rank 0 fails before any follower exists
-    with pytest.raises(Unsupported, match=r"needs TP size in \[1\], server uses 2"):
-        _in_child(_serve, path, (TP1_ONLY, REFERENCE), "require:tp1-only", 2)
-    # rank 1's check fails: every rank raises at the agreement; rank 0 stops the follower and exits
-    with pytest.raises(Unsupported, match="rank 1: picky: rank 1 refuses its shard") as info:
-        _in_child(_serve, path, (PICKY,), "require:picky", 2)
-    assert info.value.plugin == "picky"
+    got = _in_child(_start_fails, path, (TP1_ONLY, REFERENCE), "require:tp1-only")
+    assert "tp1-only: needs TP size in [1], server uses 2" in got["error"].reasons
+    assert not any("rank 1 started" in m for m in got["log"])
+    # rank 1's check fails: every rank raises at the agreement; rank 0 stops the follower, which exits
+    got = _in_child(_start_fails, path, (PICKY,), "require:picky")
+    assert got["error"].plugin == "picky" and "rank 1: picky: rank 1 refuses its shard" in got["error"].reasons
+    assert any("rank 1 started" in m for m in got["log"])
+    assert not any("did not stop" in m or "exited with status" in m for m in got["log"]), got["log"]
 
 
 def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp_path: Path) -> None:

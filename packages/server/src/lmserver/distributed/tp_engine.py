@@ -101,9 +101,10 @@ class TPContext:
         self.stopping.set()
         with contextlib.suppress(Exception):  # a peer already gone: nothing left to tell
             self.group.broadcast_object(None)
-        for proc in self.procs:
+        for rank, proc in enumerate(self.procs, start=1):
             proc.join(timeout=10)
             if proc.is_alive():
+                logger.warning("tensor-parallel rank %d did not stop when told to; terminating it", rank)
                 proc.terminate()
                 proc.join(timeout=5)
         self.group.destroy()
