@@ -80,7 +80,8 @@ def test_rmsnorm_and_silu_references_match_hugging_face_llama(dtype: torch.dtype
     assert torch.equal(ref.silu_and_mul_ref(gate_up), torch.nn.functional.silu(gate) * up)
 
 
-def test_rope_reference_matches_hugging_face_apply_rotary_pos_emb() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_reference_matches_hugging_face_apply_rotary_pos_emb(dtype: torch.dtype) -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(3)
@@ -89,13 +90,14 @@ def test_rope_reference_matches_hugging_face_apply_rotary_pos_emb() -> None:
     freqs = torch.outer(torch.arange(2048).float(), inv_freq)
     cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     pos = torch.randint(0, 2048, (n,), generator=g)
-    q = torch.randn(n, 9, dim, generator=g)
-    k = torch.randn(n, 3, dim, generator=g)
-    emb = torch.cat([freqs, freqs], dim=-1)[pos]  # HF's (seq, dim) cos/sin layout
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), emb.cos(), emb.sin(), unsqueeze_dim=0)
+    q = torch.randn(n, 9, dim, generator=g).to(dtype)
+    k = torch.randn(n, 3, dim, generator=g).to(dtype)
+    emb = torch.cat([freqs, freqs], dim=-1)[pos]  # HF's (seq, dim) cos/sin layout, cast as its rotary module does
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1), k.transpose(0, 1), cos, sin, unsqueeze_dim=0)
     got_q, got_k = ref.rope_ref(pos, q, k, cache)
-    torch.testing.assert_close(got_q, want_q.transpose(0, 1), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got_k, want_k.transpose(0, 1), rtol=1e-6, atol=1e-6)
+    # bit-identical in every dtype: the same roundings in the same order
+    assert torch.equal(got_q, want_q.transpose(0, 1)) and torch.equal(got_k, want_k.transpose(0, 1))
     # Partial rotary: channels past rotary_dim stay as they were.
     got_q, _ = ref.rope_ref(pos, q, k, cache[:, :16].contiguous())
     assert torch.equal(got_q[..., 16:], q[..., 16:])

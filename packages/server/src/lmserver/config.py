@@ -40,6 +40,8 @@ class ServerConfig:
     # Kernels and graphs
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
+    disable_fused_kernels: bool = _opt(False, "run norms, RoPE and the MLP activation as plain torch ops instead of "
+                                              "the fused Triton kernels (CUDA)")
     cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
     enable_tp_cuda_graph: bool = _opt(False, "capture decode CUDA graphs on every rank under tensor parallelism "
                                              "(experimental: not yet run on GPUs)")

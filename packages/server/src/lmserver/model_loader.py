@@ -1,18 +1,27 @@
-"""Loads a model: a HF folder (`config.json`, sharded `*.safetensors`) or random `dummy` weights."""
+"""Loads a model: a HF folder (`config.json`, sharded `*.safetensors`) or random `dummy` weights.
+
+The layer kernels are chosen here, once: lmserver's fused Triton kernels (add + RMSNorm, RoPE,
+SiLU-and-mul) on CUDA in a dtype they take, plain torch ops otherwise or when disabled.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from lmserver.kernels.dispatch import KernelOps, select_kernels
 from lmserver.models.config import ModelConfig
 from lmserver.models.registry import get_model_class
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FUSED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton layer kernels take
 
 
 class ModelLoadError(ValueError):
@@ -84,6 +93,20 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(values.to(param.dtype))
 
 
+def select_layer_kernels(
+    device: torch.device | str, dtype: torch.dtype, disable_fused_kernels: bool = False
+) -> tuple[KernelOps | None, str]:
+    """(the Triton layer kernels, why) on CUDA in a dtype they take; (None, why): torch ops."""
+    if disable_fused_kernels:
+        return None, "torch ops: fused kernels disabled (disable_fused_kernels)"
+    if dtype not in FUSED_KERNEL_DTYPES:
+        return None, f"torch ops: the fused kernels do not take {dtype}"
+    ops = select_kernels(device)
+    if ops.backend != "triton":
+        return None, f"torch ops ({ops.reason})"
+    return ops, f"fused layer kernels: {ops.reason}"
+
+
 def load_model(
     config: ModelConfig,
     model_path: str | Path | None,
@@ -93,11 +116,19 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     seed: int = 0,
+    disable_fused_kernels: bool = False,
 ) -> torch.nn.Module:
-    """Builds the model for `config` on `device` in `dtype` and loads weights (or dummy ones)."""
+    """Builds the model for `config` on `device` in `dtype` and loads weights (or dummy ones).
+
+    Its norms, RoPE and MLP activation run lmserver's fused Triton kernels on CUDA (see
+    `select_layer_kernels`), the torch ops elsewhere or with `disable_fused_kernels`.
+    """
     model_cls = get_model_class(config.architecture)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config, max_positions=max_positions)
+    kernels, reason = select_layer_kernels(device, dtype, disable_fused_kernels)
+    logger.info("model layers: %s", reason)
+    model.use_kernels(kernels)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format == "auto":

@@ -126,16 +126,17 @@ def rope_ref(
     cos_sin_cache: torch.Tensor,  # (max_position, rotary_dim) float32: [cos | sin] halves
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half) rotary embedding on the first `rotary_dim` channels of each
-    head, as Hugging Face's Llama applies it. Returns new q, k; mutates nothing."""
+    head, as Hugging Face's Llama applies it, rounding included: cos and sin cast to x's dtype,
+    `x * cos + rotate_half(x) * sin` computed in that dtype. Returns new q, k; mutates nothing."""
     rotary_dim = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # (num_tokens, rotary_dim / 2)
     cos, sin = cos[:, None, :], sin[:, None, :]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
         x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, rest], dim=-1)
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
 
     return rotate(q), rotate(k)
 

@@ -4,6 +4,11 @@
 second; the caller builds it (Llama-3's scaled frequencies, NTK or YaRN variants are computed
 there, not here). Channels past `rotary_dim` are left alone. One program per token rotates all
 its query and key heads. Reference: `reference.rope_ref`.
+
+Rounding follows Hugging Face's `q * cos + rotate_half(q) * sin` with cos and sin cast to the
+activation dtype: cos and sin are rounded to it, each product is rounded, then the sum. A product
+of two half-precision values is exact in float32, so every rounding equals torch's; float
+contraction into FMAs is switched off at launch so that float32 also rounds each product.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.conste
     x2 = tl.load(ptr1 + half, mask=mask, other=0.0).to(tl.float32)
     dtype = x1.dtype
     x1f = x1.to(tl.float32)
-    tl.store(ptr1, (x1f * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
-    tl.store(ptr1 + half, (x2 * cos[None, :] + x1f * sin[None, :]).to(dtype), mask=mask)
+    c = cos.to(dtype).to(tl.float32)[None, :]  # HF casts cos and sin to the activation dtype
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    out1 = (x1f * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    out2 = (x2 * c).to(dtype).to(tl.float32) + (x1f * s).to(dtype).to(tl.float32)
+    tl.store(ptr1, out1.to(dtype), mask=mask)
+    tl.store(ptr1 + half, out2.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -72,5 +81,5 @@ def apply_rope_inplace(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         q.shape[1], k.shape[1], half,
         BLOCK_HQ=next_pow2(q.shape[1]), BLOCK_HK=next_pow2(k.shape[1]), BLOCK_HALF=next_pow2(half),
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=False,  # no FMA: each product rounded, as torch does
     )

@@ -5,10 +5,13 @@ The torch-native path here is the reference for fused GPU MoE kernels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmserver.kernels.dispatch import KernelOps
 from lmserver.layers.activation import silu_and_mul
 
 
@@ -19,6 +22,7 @@ def moe_forward_native(
     w2: torch.Tensor,  # (E, hidden, inter)
     top_k: int,
     renormalize: bool = True,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """Routes each token to its top-k experts and sums their gated outputs; returns (T, hidden)."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -29,7 +33,7 @@ def moe_forward_native(
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token_idx, slot = torch.nonzero(experts == e, as_tuple=True)
-        h = silu_and_mul(x[token_idx] @ w13[e].t()) @ w2[e].t()
+        h = act(x[token_idx] @ w13[e].t()) @ w2[e].t()
         out.index_add_(0, token_idx, h * weights[token_idx, slot].unsqueeze(-1))
     return out
 
@@ -43,7 +47,9 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.kernels: KernelOps | None = None  # None: torch ops; set once at model build
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); no state is mutated."""
-        return moe_forward_native(x, self.gate(x), self.w13, self.w2, self.top_k)
+        act = silu_and_mul if self.kernels is None else self.kernels.silu_and_mul
+        return moe_forward_native(x, self.gate(x), self.w13, self.w2, self.top_k, act=act)

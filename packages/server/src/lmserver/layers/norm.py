@@ -1,9 +1,16 @@
-"""RMSNorm, computed in float32 like HF transformers (so float32 logits match exactly)."""
+"""RMSNorm, computed in float32 like HF transformers (so float32 logits match exactly).
+
+The torch ops are the default; a model routes every norm through the fused Triton kernels
+instead by setting `kernels` once when it is built (`LlamaForCausalLM.use_kernels`). Both paths
+round where HF does (see `lmserver.kernels.norm`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lmserver.kernels.dispatch import KernelOps
 
 
 class RMSNorm(nn.Module):
@@ -11,10 +18,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: KernelOps | None = None  # None: torch ops; set once at model build
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalizes over the last dimension; returns a new tensor of x's dtype."""
+        if self.kernels is not None:
+            rows = x.reshape(-1, x.shape[-1])  # the kernel takes (rows, dim); a copy for strided heads
+            return self.kernels.rmsnorm(rows, self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual <- residual + x` (rounded to the dtype, as HF's `residual + hidden`), then
+        returns (rmsnorm(residual), residual). x, residual: (T, dim), owned by the caller.
+
+        Mutates residual; on the fused path also x, which then holds the normalized value.
+        """
+        if self.kernels is not None:
+            self.kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual.add_(x)
+        return self(residual), residual

@@ -78,6 +78,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)  # (max_positions, head_dim)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)  # (max_positions, head_dim)
 
+    def cos_sin_cache(self) -> torch.Tensor:
+        """(max_positions, head_dim) float32: cos of the head_dim / 2 frequencies, then their sin;
+        the table of the fused RoPE kernel (`lmserver.kernels.rope`). A new tensor."""
+        half = self.head_dim // 2
+        cos: torch.Tensor = self.cos_cache  # type: ignore[assignment]
+        sin: torch.Tensor = self.sin_cache  # type: ignore[assignment]
+        return torch.cat((cos[:, :half], sin[:, :half]), dim=-1)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,12 @@
 Fused QKV and gate-up projections; GQA; optional q/k/v bias (Qwen2) and per-head q/k RMSNorm
 (Qwen3); tied embeddings. `forward` returns hidden states; `compute_logits` projects the rows
 the caller needs.
+
+Two paths, chosen once when the model is built (`use_kernels`): plain torch ops (the default,
+HF-identical in float32 on the CPU), or lmserver's fused Triton kernels on a GPU: residual add +
+RMSNorm in place, RoPE in place on q and k (views of the QKV output: no cat, no split, no cos/sin
+gather), SiLU-and-mul. The decoder layers carry the residual stream separately from the layer
+output (x, residual) on both paths; the arithmetic is HF's `residual + hidden` either way.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from torch import nn
 
 from lmserver.attention.base import AttentionLayer
 from lmserver.engine.forward_batch import ForwardBatch
+from lmserver.kernels.dispatch import KernelOps
+from lmserver.layers.moe import MoE
 from lmserver.layers.norm import RMSNorm
 from lmserver.layers.rotary import RotaryEmbedding
 from lmserver.models.config import ModelConfig
@@ -28,8 +36,9 @@ class WeightLoadingError(ValueError):
 class RopeTables(nn.Module):
     """RoPE rows of one forward, gathered once for all layers (NeoX rotate-half layout).
 
-    rotate_half(x) * sin == cat(x2, x1) * sin_signed with sin_signed = cat(-sin1, sin2), so a
-    rotation is one cat, one mul and one addcmul over q and k heads together.
+    rotate_half(x) * sin == cat(x2, x1) * sin_signed with sin_signed = cat(-sin1, sin2), so the
+    torch path rotates q and k heads together with one cat, two muls and one add (rounded as HF's
+    `x * cos + rotate_half(x) * sin`). The fused path reads `cos_sin` (built by `use_fused`).
     """
 
     def __init__(self, rotary: RotaryEmbedding) -> None:
@@ -42,6 +51,13 @@ class RopeTables(nn.Module):
         self.register_buffer("sin_signed", signed, persistent=False)  # (max_positions, head_dim)
         self.half_dim = half
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.cos_sin: torch.Tensor | None
+        self.register_buffer("cos_sin", None, persistent=False)  # (max_positions, head_dim) float32, fused path
+
+    def use_fused(self) -> None:
+        """Builds the fused kernel's [cos | sin] table once; mutates self."""
+        if self.cos_sin is None:
+            self.cos_sin = self.rotary[0].cos_sin_cache()
 
     def prepare(self, positions: torch.Tensor) -> None:
         """Gathers the cos / signed-sin rows of `positions` (T,); mutates self (one per forward)."""
@@ -59,7 +75,8 @@ class RopeTables(nn.Module):
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
             self._rows = (positions, cos, sin)  # cast once per forward
         swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
-        return torch.addcmul(x * cos, swapped, sin)
+        # NOTE: not addcmul: it would not round the product (an FMA on the CPU), HF does
+        return swapped.mul_(sin).add_(x * cos)
 
 
 class LlamaAttention(nn.Module):
@@ -78,11 +95,23 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rope = [rope]  # NOTE: a list so the shared per-forward cos/sin rows are not registered per layer
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.kernels: KernelOps | None = None  # None: torch ops; set once at model build
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); writes this layer's K/V into the pool. Mutates nothing else."""
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         t, h, kv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv, d)  # (T, KV, D)
+        if self.kernels is not None:
+            # views of qkv (row stride q_size + 2 * kv_size), rotated in place
+            q = qkv[:, : self.q_size].view(t, h, d)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos_sin = self.rope[0].cos_sin
+            assert cos_sin is not None, "use_kernels builds the RoPE table"
+            self.kernels.apply_rope_inplace(positions, q, k, cos_sin)
+            return self.o_proj(self.attn(q, k, v, batch))  # type: ignore[no-any-return]
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].reshape(t, h, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, kv, d))
@@ -98,9 +127,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.kernels: KernelOps | None = None  # None: torch ops; set once at model build
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))  # type: ignore[no-any-return]
         d = gate_up.shape[-1] // 2
         # NOTE: in place (= silu_and_mul): no new (T, inter) buffers; down_proj reads the strided half
         gate = F.silu(gate_up[..., :d], inplace=True).mul_(gate_up[..., d:])
@@ -117,11 +149,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # NOTE: residual adds in place: h is this layer's own input (the embedding or the
-        # previous layer's output), read by nothing else
-        h = h.add_(self.self_attn(positions, self.input_layernorm(h), batch))
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it added).
+
+        The residual stream is `residual + x` (x alone on the first layer, residual None).
+        NOTE: mutates x and residual in place: both are owned by the decoder (the embedding
+        output, then tensors made by the layers), read by nothing else.
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(positions, x, batch)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,13 +180,18 @@ class LlamaModel(nn.Module):
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused = False  # the path `LlamaForCausalLM.use_kernels` chose
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # (T, hidden)
-        self.rope.prepare(positions)
+        if not self.fused:
+            self.rope.prepare(positions)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(positions, h, batch)
-        return self.norm(h)  # type: ignore[no-any-return]
+            h, residual = layer(positions, h, residual, batch)
+        if residual is None:  # no layers
+            return self.norm(h)  # type: ignore[no-any-return]
+        return self.norm.add_forward(h, residual)[0]
 
 
 # checkpoint name pattern -> (our parameter name template, shard id); shard ids index `_shard_slices`.
@@ -169,6 +217,19 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def make_mlp(config: ModelConfig) -> nn.Module:
         return LlamaMLP(config)
+
+    def use_kernels(self, kernels: KernelOps | None) -> None:
+        """Routes every RMSNorm, RoPE and SiLU-and-mul through `kernels` (their in-place
+        contracts, e.g. the Triton ops of `select_kernels`), or through the torch ops for None.
+        Called once when the model is built (`load_model`); mutates the modules. Parameter
+        names and layouts do not change."""
+        inner = self.model
+        if kernels is not None:
+            inner.rope.use_fused()
+        inner.fused = kernels is not None
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP, MoE)):
+                module.kernels = kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states (T, hidden) after the final norm; writes this forward's K/V into the pool."""
