@@ -140,6 +140,36 @@ def test_disable_fused_kernels_is_a_server_option() -> None:
     assert not parse_config([]).disable_fused_kernels
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_path_norm_and_rope_are_hugging_face_bit_for_bit(dtype: torch.dtype) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from lmserver.layers.norm import RMSNorm
+    from lmserver.layers.rotary import RotaryEmbedding
+    from lmserver.models.llama import RopeTables
+
+    g = torch.Generator().manual_seed(4)
+    ours, theirs = RMSNorm(96, 1e-5).to(dtype), LlamaRMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(96, generator=g))
+        theirs.weight.copy_(ours.weight)
+        x, res = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+        assert torch.equal(ours(x), theirs(x))
+        normed, summed = ours.add_forward(x.clone(), res.clone())
+        assert torch.equal(summed, res + x) and torch.equal(normed, theirs(res + x))
+    # RoPE of q and k heads together (cat, two muls, one add) vs HF's apply_rotary_pos_emb
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64)
+    hf_rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    tables = RopeTables(RotaryEmbedding(16, 64, params))
+    pos = torch.tensor([0, 3, 17, 63])
+    qk = torch.randn(4, 6, 16, generator=g).to(dtype)
+    cos, sin = hf_rotary(qk, pos[None])
+    want, _ = apply_rotary_pos_emb(qk.transpose(0, 1)[None], qk.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(tables.rotate(pos, qk), want[0].transpose(0, 1))
+
+
 # --- the fused wiring with the reference kernels: bit-identical to the torch path -----------
 
 @pytest.mark.parametrize("family", list(FAMILIES))

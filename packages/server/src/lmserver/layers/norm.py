@@ -26,9 +26,11 @@ class RMSNorm(nn.Module):
             rows = x.reshape(-1, x.shape[-1])  # the kernel takes (rows, dim); a copy for strided heads
             return self.kernels.rmsnorm(rows, self.weight, self.eps).view(x.shape)
         dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = x.to(torch.float32)  # x itself in float32: never written
+        rstd = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        out = (h * rstd).to(dtype)
+        # HF's `weight * out`, in place on the new tensor when that keeps the result dtype
+        return out.mul_(self.weight) if self.weight.dtype == dtype else self.weight * out
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual <- residual + x` (rounded to the dtype, as HF's `residual + hidden`), then
