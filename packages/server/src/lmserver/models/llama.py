@@ -4,10 +4,10 @@ Fused QKV and gate-up projections; GQA; optional q/k/v bias (Qwen2) and per-head
 (Qwen3); tied embeddings. `forward` returns hidden states; `compute_logits` projects the rows
 the caller needs.
 
-Two paths, chosen once when the model is built (`use_kernels`): plain torch ops (the default,
-HF-identical in float32 on the CPU), or lmserver's fused Triton kernels on a GPU: residual add +
-RMSNorm in place, RoPE in place on q and k (views of the QKV output: no cat, no split, no cos/sin
-gather), SiLU-and-mul. The decoder layers carry the residual stream separately from the layer
+Two paths, chosen once when the model is built (`use_kernels`): plain torch ops (the default;
+norms and RoPE bit-identical to HF in every dtype), or lmserver's fused Triton kernels on a GPU:
+residual add + RMSNorm in place, RoPE in place on q and k (views of the QKV output: no cat, no
+split, no cos/sin gather), SiLU-and-mul. The decoder layers carry the residual stream separately from the layer
 output (x, residual) on both paths; the arithmetic is HF's `residual + hidden` either way.
 """
 
