@@ -11,10 +11,12 @@ beyond its vocabulary decode to nothing, which does not matter here).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,6 +88,7 @@ def run(tp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
         cuda_graph_max_bs=8,
     )
     build_s = time.perf_counter() - t0
+    print(f"[tp={tp}] built in {build_s:.1f} s", flush=True)
     rng = random.Random(0)
     check_prompts = [[rng.randrange(100, 49000) for _ in range(n)] for n in (16, 64)]
     greedy = {"temperature": 0, "ignore_eos": True}
@@ -95,6 +98,7 @@ def run(tp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
         )
         tokens = [o["output_ids"] for o in outs]
         result: dict[str, Any] = {"tp": tp, "build_s": build_s, "tokens": tokens}
+        print(f"[tp={tp}] greedy check done", flush=True)
         for bs in args.batch_sizes:
             prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_len)] for _ in range(bs)]
             engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 4})  # warm-up
@@ -111,6 +115,7 @@ def run(tp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
             step_s = (total_s - prefill_s) / args.decode_tokens
             result[f"bs{bs}_step_ms"] = step_s * 1e3
             result[f"bs{bs}_tok_s_per_user"] = 1 / step_s
+            print(f"[tp={tp}] bs{bs}: {step_s * 1e3:.2f} ms/step", flush=True)
             engine.core.flush_cache()
         return result
     finally:
@@ -136,6 +141,7 @@ def main() -> None:
     p.add_argument("--check-tokens", type=int, default=32)
     p.add_argument("--kv-tokens", type=int, default=32768)
     p.add_argument("--json", default=None)
+    p.add_argument("--hang-s", type=float, default=900, help="dump stacks and exit after this many seconds")
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip() and b != "none"]
     if args.tokenizer is None:
@@ -143,7 +149,9 @@ def main() -> None:
 
         args.tokenizer = str(default_model_path())
     path = model_folder(args.shape, Path(args.tokenizer))
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)  # a hang prints every thread's stack
     runs = [run(int(tp), path, args) for tp in args.tp_sizes.split(",")]
+    faulthandler.cancel_dump_traceback_later()
     base = runs[0]["tokens"]
     print(
         f"\n{args.shape} ({args.dtype}, dummy weights), prompt {args.prompt_len}, {args.decode_tokens} decode steps, "
@@ -165,6 +173,10 @@ def main() -> None:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    sys.stdout.flush()
+    # NOTE: after NCCL collectives were captured in CUDA graphs, tearing the communicator down can
+    # hang (pytorch/pytorch#115388): leave without the interpreter's exit hooks.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ class TPGroup:
     rank: int
     size: int
     control: Any = None  # gloo process group for Python objects
+    captured: bool = False  # a collective of this rank was captured into a CUDA graph
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str, backend: str) -> TPGroup:
@@ -40,13 +41,19 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over ranks in place and returns it (no-op for one rank)."""
         if self.size > 1:
+            self._note_capture(x)
             dist.all_reduce(x)
         return x
+
+    def _note_capture(self, x: torch.Tensor) -> None:
+        if not self.captured and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.captured = True
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) on every rank -> (..., size * n), rank-major."""
         if self.size == 1:
             return x
+        self._note_capture(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
@@ -60,5 +67,13 @@ class TPGroup:
         return box[0]
 
     def destroy(self) -> None:
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        """Leaves the group. After NCCL collectives were captured into CUDA graphs, destroying the
+        NCCL communicator can hang (pytorch/pytorch#115388), so only the control group is destroyed
+        then and the process's exit releases the rest; a later `init` in the same process fails."""
+        if self.size == 1 or not dist.is_initialized():
+            return
+        if self.captured:
+            if self.control is not None:
+                dist.destroy_process_group(self.control)
+            return
+        dist.destroy_process_group()
