@@ -253,3 +253,49 @@ def test_readme_example(engine: Engine) -> None:
     assert regex.fullmatch(PHONE, out["text"]) and out["meta_info"]["jump_forward_tokens"] >= 2
     # jump-forward re-prefills are not new prompts
     assert engine.core.get_stats()["prompt_tokens"] - before == out["meta_info"]["prompt_tokens"]
+
+
+def test_jump_policy_keeps_text_and_metadata(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under any --jump-forward-min-tokens the greedy text where the forced text is the model's
+    pick is the unconstrained one, and meta_info's jump-forward tokens are exactly the output
+    tokens that were not sampled (counted at the engine's token append)."""
+    prompts = ["Once upon a time", "List three colors:", "Water boils at"]
+    greedy = {"max_new_tokens": 16, "temperature": 0.0}
+    free = engine.generate(prompts, greedy)
+    assert isinstance(free, list)
+    cd, core = engine.core.constrained, engine.core
+    sampled: dict[str, int] = {}
+    append = core._append_token
+
+    def counting_append(state: Any, token: int) -> Any:
+        sampled[state.req.rid] = sampled.get(state.req.rid, 0) + 1
+        return append(state, token)
+
+    monkeypatch.setattr(core, "_append_token", counting_append)
+    cases = [(p, {**greedy, "regex": _model_pick_regex(engine, o["text"], o["output_ids"])}) for p, o in zip(
+        prompts, free, strict=True)] + [("Fill in:", _params("json", PERSON, 48, temperature=0.0)),
+                                        ("Call me at", _params("regex", PHONE, 24, temperature=0.0))]
+    try:
+        for min_tokens in ("2", "8", "1"):
+            cd.jump_forward_min_tokens = min_tokens
+            before = dict(cd.stats)
+            outs = engine.generate([c[0] for c in cases], [c[1] for c in cases])
+            assert isinstance(outs, list)
+            for out, ref in zip(outs[:3], free, strict=True):
+                assert out["text"] == ref["text"] and out["output_ids"] == ref["output_ids"]
+            _check(engine, outs[3], "json", PERSON)
+            _check(engine, outs[4], "regex", PHONE)
+            for out in outs:
+                meta = out["meta_info"]
+                assert meta.get("jump_forward_tokens", 0) == meta["completion_tokens"] - sampled[meta["id"]]
+            made = cd.stats["jump_forward_tokens"] - before["jump_forward_tokens"]
+            assert made == sum(o["meta_info"].get("jump_forward_tokens", 0) for o in outs)
+            if min_tokens == "1":
+                assert cd.stats["jump_forward_declined"] == before["jump_forward_declined"]
+            else:  # the 3-token segments of the first three never pay an extend round of their own at 8
+                assert cd.stats["jump_forward_declined"] > before["jump_forward_declined"] or min_tokens == "2"
+            if min_tokens == "8":
+                assert all("jump_forward_tokens" not in o["meta_info"] for o in outs[:3])
+    finally:
+        cd.jump_forward_min_tokens = "auto"
+    _idle_check(engine)
