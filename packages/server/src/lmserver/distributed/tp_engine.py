@@ -199,6 +199,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
         device=device,
         max_positions=rc.context_length,
         seed=rc.random_seed,
+        disable_fused_kernels=rc.disable_fused_kernels,
     )
     shard_model_(model, mc, group)
     failed: Unsupported | None = None

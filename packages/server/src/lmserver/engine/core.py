@@ -91,6 +91,7 @@ class EngineCore:
             device=self.device,
             max_positions=self.context_length,
             seed=rc.random_seed,
+            disable_fused_kernels=rc.disable_fused_kernels,
         )
         mc = self.model_config
         self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
