@@ -11,7 +11,9 @@ same work. HF runs `generate` in batches of `--hf-batch-size` prompts (left padd
 in this process with the same torch thread count (`--threads`). With `--repeats N` the two
 alternate N times per dataset and each row reports the fastest run (the one least disturbed by
 other load on a shared machine); `runs_s` lists every duration. The load average is printed
-before and after each dataset.
+before and after each dataset. `--overlap on` runs lmserver with the overlap schedule
+(`--enable-overlap-schedule`), `--overlap both` runs it off and on side by side (alternating, with a
+row each and a check that both give the same tokens).
 
     .venv/bin/python benchmarks/engine/bench_engine.py --dataset both --num-prompts 32
 
@@ -56,8 +58,10 @@ def make_dataset(name: str, args: argparse.Namespace, vocab: int, special: set[i
     return prompts
 
 
-def run_lmserver(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+def run_lmserver(engine: Any, prompts: list[list[int]], output_len: int, overlap: bool = False) -> dict[str, Any]:
     engine.flush_cache()
+    engine.core.overlap = overlap
+    steps0 = engine.core.get_stats()["overlap_steps"]
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -65,6 +69,7 @@ def run_lmserver(engine: Any, prompts: list[list[int]], output_len: int) -> dict
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     return {
         "duration_s": duration,
+        "overlap_steps": engine.core.get_stats()["overlap_steps"] - steps0,
         "output_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
         "cache_hit_rate": cached / sum(len(p) for p in prompts),
         "outputs": [o["output_ids"] for o in outs],
@@ -157,6 +162,10 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", help="'dummy': random weights for the folder's config "
                     "(HF then gets its own random init: token agreement is not compared)")
     ap.add_argument("--disable-radix-cache", action="store_true", help="lmserver without prefix reuse")
+    ap.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                    help="lmserver's overlap schedule; both: off and on side by side")
+    ap.add_argument("--enable-overlap-schedule", dest="overlap", action="store_const", const="on",
+                    help="the same as --overlap on")
     ap.add_argument("--hf-mode", choices=["generate", "generate_batch"], default="generate",
                     help="HF baseline: padded `generate` batches, or its continuous batching `generate_batch`")
     args = ap.parse_args()
@@ -199,12 +208,16 @@ def main() -> None:
     for name in datasets:
         prompts = make_dataset(name, args, engine.core.vocab_size, special)
         print(f"{name}: load average before {load_avg()}", flush=True)
-        ours_runs: list[dict[str, Any]] = []
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+        ours_by_mode: dict[bool, list[dict[str, Any]]] = {m: [] for m in modes}
         hf_runs: list[dict[str, Any]] = []
         hf_prompts = prompts[: args.hf_num_prompts] if args.hf_num_prompts else prompts
         for rep in range(args.repeats):
-            ours_runs.append(run_lmserver(engine, prompts, args.output_len))
-            print(f"partial: lmserver {name} run {rep}: {ours_runs[-1]['duration_s']:.2f} s", flush=True)
+            for mode in modes:
+                ours_by_mode[mode].append(run_lmserver(engine, prompts, args.output_len, overlap=mode))
+                r = ours_by_mode[mode][-1]
+                print(f"partial: lmserver{'+overlap' if mode else ''} {name} run {rep}: {r['duration_s']:.2f} s "
+                      f"({r['overlap_steps']} overlapped steps)", flush=True)
             if hf_model is not None:
                 if args.hf_mode == "generate_batch":
                     hf_runs.append(run_hf_continuous(hf_model, hf_prompts, args.output_len))
@@ -212,16 +225,24 @@ def main() -> None:
                     hf_runs.append(run_hf(hf_model, tokenizer, hf_prompts, args.output_len, args.hf_batch_size))
                 print(f"partial: hf {name} run {rep}: {hf_runs[-1]['duration_s']:.2f} s", flush=True)
         print(f"{name}: load average after {load_avg()}", flush=True)
-        ours = ours_runs[0]
-        rows.append(row("lmserver", name, prompts, ours_runs))
+        for mode in modes:
+            rows.append(row("lmserver" + ("+overlap" if mode else ""), name, prompts, ours_by_mode[mode]))
+            rows[-1]["same_tokens_as_lmserver"] = "-"
+        if len(modes) == 2:  # the same greedy tokens expected
+            serial, overlapped = ours_by_mode[False][0], ours_by_mode[True][0]
+            same = sum(a == b for a, b in zip(serial["outputs"], overlapped["outputs"], strict=True))
+            rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(prompts)}"
+            rows.append({**rows[-1], "backend": "overlap speedup (output tok/s)", "same_tokens_as_lmserver": "-",
+                         "output_tok_per_s": round(rows[-1]["output_tok_per_s"] / rows[-2]["output_tok_per_s"], 3)})
+        ours_row = next(r for r in reversed(rows) if r["backend"].startswith("lmserver"))
+        ours = ours_by_mode[modes[-1]][0]
         if hf_model is not None:
             hf = hf_runs[0]
             rows.append(row("hf-transformers", name, hf_prompts, hf_runs))
             same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=False))
             rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(hf_prompts)}" if args.load_format != "dummy" else "n/a"
-            rows[-2]["same_tokens_as_lmserver"] = "-"
-            rows.append({**rows[-2], "backend": "speedup (output tok/s)",
-                         "output_tok_per_s": round(rows[-2]["output_tok_per_s"] / rows[-1]["output_tok_per_s"], 2)})
+            rows.append({**ours_row, "backend": "speedup (output tok/s)",
+                         "output_tok_per_s": round(ours_row["output_tok_per_s"] / rows[-1]["output_tok_per_s"], 2)})
     print(f"model={engine.model_path} device={rc.device} dtype={rc.dtype} attention={rc.attention_backend} "
           f"max_running_requests={rc.max_running_requests} torch_threads={torch.get_num_threads()}")
     print_table(rows)

@@ -3,14 +3,20 @@
 1. Checks (SmolLM2-135M shape, dummy weights, float32 then bfloat16): greedy tokens of the
    engine with CUDA graphs on vs off, and `triton` vs `torch_native`, on 3 concurrent requests
    (padded to the captured size 4).
+   With CUDA graphs, also the overlap schedule on vs off (same tokens expected).
 2. Timing through `EngineCore` (scheduler, sampler, detokenizer included): decode tokens/s per
    user at batch 1 and at concurrency 8 (512-token random prompts, greedy, EOS ignored), with and
    without CUDA graphs, for the SmolLM2-135M shape and the Llama-3-8B shape (bf16 dummy
-   weights drawn on the GPU; the 8B KV cache sized by mem_fraction_static).
+   weights drawn on the GPU; the 8B KV cache sized by mem_fraction_static). With CUDA graphs,
+   `--overlap both` (the default) times the overlap schedule off and on side by side
+   (`--enable-overlap-schedule`: the host handles step N's tokens while the GPU runs step N+1).
 3. If time remains: HF transformers eager `generate` on the same SmolLM2 shape (bf16 random).
 
     PYTHONPATH=packages/server/src:packages/cfsm/src:packages/radixcache/src:packages/lowlat/src \
       python3 benchmarks/gpu/bench_decode.py --smol-folder MODEL_DIR --json OUT/gpu.json
+
+    # only the overlap comparison, CUDA graphs on:
+    python3 benchmarks/gpu/bench_decode.py --smol-folder MODEL_DIR --skip-checks --no-eager --overlap both
 
 MODEL_DIR holds SmolLM2's config.json and tokenizer files (no weights needed: dummy weights).
 Prints one table; writes JSON after every section (partial results survive a time-out).
@@ -92,6 +98,16 @@ def first_diff(a: list[list[int]], b: list[list[int]]) -> int | None:
     return min(found) if found else None
 
 
+def flushed_run(core: Any, prompts: list[list[int]], new_tokens: int, overlap: bool) -> tuple[list[list[int]], list[float]]:
+    """`run_requests` from an empty radix cache with the overlap schedule on or off."""
+    assert core.flush_cache()
+    core.overlap = overlap
+    try:
+        return run_requests(core, prompts, new_tokens)
+    finally:
+        core.overlap = False
+
+
 def release() -> None:
     """Returns the memory of deleted engines to the GPU (the next KV sizing reads free memory)."""
     gc.collect()
@@ -109,6 +125,9 @@ def checks(smol: str) -> None:
             graphs = core.runner.cuda_graph
             assert graphs is not None, "CUDA graphs were not captured"
             toks[f"{backend}+graph"], _ = run_requests(core, prompts, 48)
+            toks[f"{backend}+graph+serial"], _ = flushed_run(core, prompts, 48, overlap=False)
+            toks[f"{backend}+graph+overlap"], _ = flushed_run(core, prompts, 48, overlap=True)
+            assert core.get_stats()["overlap_steps"] > 0, "the overlap schedule never chained a step"
             core.runner.cuda_graph = None
             toks[f"{backend}"], _ = run_requests(core, prompts, 48)
             del core, graphs
@@ -117,13 +136,16 @@ def checks(smol: str) -> None:
             "graph_vs_eager_triton": first_diff(toks["triton+graph"], toks["triton"]),
             "graph_vs_eager_torch_native": first_diff(toks["torch_native+graph"], toks["torch_native"]),
             "triton_vs_torch_native_eager": first_diff(toks["triton"], toks["torch_native"]),
+            "overlap_vs_serial_triton_graph": first_diff(toks["triton+graph+overlap"], toks["triton+graph+serial"]),
+            "overlap_vs_serial_torch_native_graph": first_diff(toks["torch_native+graph+overlap"],
+                                                               toks["torch_native+graph+serial"]),
             "tokens_per_request": 48,
         }
         print(f"[{elapsed():6.1f}s] checks {dtype}: {RESULTS['checks'][dtype]}", flush=True)
 
 
 def timing(name: str, model_path: str, tokenizer: str, vocab: int, new_tokens: int, eager_tokens: int,
-           budget_s: float, **cfg: Any) -> None:
+           budget_s: float, overlap_modes: tuple[bool, ...] = (False,), eager: bool = True, **cfg: Any) -> None:
     t = time.monotonic()
     core = make_core(model_path, tokenizer, dtype="bfloat16", attention_backend="triton", cuda_graph_max_bs=8, **cfg)
     build_s = time.monotonic() - t
@@ -134,15 +156,17 @@ def timing(name: str, model_path: str, tokenizer: str, vocab: int, new_tokens: i
     run_requests(core, random_prompts(1, 64, vocab, seed=1), 8)  # warm-up: prefill kernels
     for conc in (1, 8):
         prompts = random_prompts(conc, 512, vocab, seed=conc)
-        for use_graph in (True, False):
+        variants = [(True, o) for o in overlap_modes] + ([(False, False)] if eager else [])
+        for use_graph, overlap in variants:
             if elapsed() > budget_s:
-                print(f"skipped {name} conc {conc} graph {use_graph}: time budget", flush=True)
+                print(f"skipped {name} conc {conc} graph {use_graph} overlap {overlap}: time budget", flush=True)
                 continue
             core.runner.cuda_graph = graphs if use_graph else None
+            core.overlap = overlap
             n = new_tokens if use_graph else eager_tokens
             _, rates = run_requests(core, prompts, n)
             per_user = sum(rates) / len(rates)
-            row = {"model": name, "concurrency": conc, "cuda_graph": use_graph, "new_tokens": n,
+            row = {"model": name, "concurrency": conc, "cuda_graph": use_graph, "overlap": overlap, "new_tokens": n,
                    "tok_s_per_user": round(per_user, 1), "ms_per_step": round(1000 / per_user, 2),
                    "build_s": round(build_s, 1), "kv_tokens": rc.max_total_tokens}
             if name in HBM_FLOOR_MS:
@@ -182,6 +206,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget-s", type=float, default=250.0, help="skip remaining sections after this")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--overlap", choices=["off", "on", "both"], default="both",
+                    help="overlap schedule in the CUDA-graph timings (--enable-overlap-schedule); both: side by side")
+    ap.add_argument("--enable-overlap-schedule", dest="overlap", action="store_const", const="on",
+                    help="the same as --overlap on")
+    ap.add_argument("--no-eager", action="store_true", help="skip the timings without CUDA graphs")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lmserver.engine.resolve").setLevel(logging.INFO)
@@ -194,22 +223,25 @@ def main() -> None:
     if not args.skip_checks:
         checks(smol)
         dump(args.json)
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
+    opts: dict[str, Any] = {"overlap_modes": modes, "eager": not args.no_eager}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(LLAMA3_8B))
-        timing("llama3-8b", tmp, smol, LLAMA3_8B["vocab_size"], 256, 64, args.budget_s - 40)  # KV by mem fraction
+        timing("llama3-8b", tmp, smol, LLAMA3_8B["vocab_size"], 256, 64, args.budget_s - 40, **opts)  # KV by mem fraction
     dump(args.json)
-    timing("smollm2-135m", smol, smol, 49152, 256, 128, args.budget_s - 20, max_total_tokens=65536)
+    timing("smollm2-135m", smol, smol, 49152, 256, 128, args.budget_s - 20, max_total_tokens=65536, **opts)
     dump(args.json)
     if elapsed() < args.budget_s - 12:
         hf_eager(smol, 32)
         dump(args.json)
-    print("\n| model | concurrency | CUDA graph | tok/s per user | ms/step | x HBM floor |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | concurrency | CUDA graph | overlap | tok/s per user | ms/step | x HBM floor |")
+    print("|---|---|---|---|---|---|---|")
     for r in RESULTS["timing"]:
-        print(f"| {r['model']} | {r['concurrency']} | {'on' if r['cuda_graph'] else 'off'} | {r['tok_s_per_user']} | "
-              f"{r['ms_per_step']} | {r.get('x_hbm_floor', '')} |")
+        print(f"| {r['model']} | {r['concurrency']} | {'on' if r['cuda_graph'] else 'off'} | "
+              f"{'on' if r['overlap'] else 'off'} | {r['tok_s_per_user']} | {r['ms_per_step']} | "
+              f"{r.get('x_hbm_floor', '')} |")
     if RESULTS["hf"]:
-        print(f"| smollm2-135m HF eager | 1 | off | {RESULTS['hf']['tok_s']} | {RESULTS['hf']['ms_per_step']} | |")
+        print(f"| smollm2-135m HF eager | 1 | off | off | {RESULTS['hf']['tok_s']} | {RESULTS['hf']['ms_per_step']} | |")
     print("checks (first differing token index, None = identical):", json.dumps(RESULTS["checks"]))
     print(f"total {elapsed():.1f}s")
 

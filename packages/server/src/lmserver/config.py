@@ -45,6 +45,8 @@ class ServerConfig:
     cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
     enable_tp_cuda_graph: bool = _opt(False, "capture decode CUDA graphs on every rank under tensor parallelism "
                                              "(experimental: not yet run on GPUs)")
+    enable_overlap_schedule: bool = _opt(False, "overlap the host work of a decode step (sampling results, detokenizing, "
+                                                "scheduling) with the device forward of the next one")
     lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")

@@ -25,8 +25,9 @@ from lmserver.constrained import ConstrainedDecoding, grammar_key
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
+from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
 from lmserver.engine.resolve import resolve_config
-from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample
+from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
 from lmserver.model_loader import DTYPES, load_model, read_model_config
 from lmserver.scheduler import KVManager, Req, ScheduleDecision, Scheduler
@@ -154,8 +155,14 @@ class EngineCore:
         self._arrivals = 0
         self._started = time.monotonic()
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "requests": 0,
-                          "forward_tokens": 0, "forwards": 0}
+                          "forward_tokens": 0, "forwards": 0,
+                          "overlap_steps": 0, "overlap_discarded_tokens": 0}  # chained launches, rows thrown away
         self._recent: list[tuple[float, int]] = []  # (time, generated tokens) per step, last 10 s
+        # the overlap scheduler (engine/overlap.py); a plain attribute, so benchmarks can flip it
+        self.overlap = rc.enable_overlap_schedule and self.tp is None
+        if rc.enable_overlap_schedule and self.tp is not None:
+            logger.warning("overlap schedule: off with tp_size=%d (followers mirror host decisions)", rc.tp_size)
+        self._inflight: Launched | None = None  # the decode launched and not landed yet
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -219,22 +226,74 @@ class EngineCore:
         self._pending.append(self._output(state, finished=True, reason={"type": "abort", "message": "aborted"}))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or self.constrained.num_waiting > 0
+        return (self.scheduler.has_work() or bool(self._pending) or self.constrained.num_waiting > 0
+                or self._inflight is not None)
 
     # --- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
-        """One scheduling round with at most one forward; returns the outputs that progressed."""
+        """One scheduling round with at most one forward; returns the outputs that progressed.
+
+        With the overlap schedule a decode's tokens come with the next call (engine/overlap.py)."""
         outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            if self.overlap and chain_ready(self.scheduler, prev, self.states, self.constrained.num_waiting):
+                rounds, ratio = self.scheduler.num_rounds, self.scheduler.new_token_ratio
+                decision = self.constrained.schedule(self.scheduler)
+                assert decision.mode == "decode" and not decision.retracted, decision.mode
+                ids = next_input_ids(prev, [item.rid for item in decision.items])
+                self._inflight = self._launch(decision, ids, rounds, ratio)  # before prev lands
+                self._counters["overlap_steps"] += 1
+            outputs.extend(self._land(prev))
+            if self._inflight is not None:
+                return outputs
         if self.constrained.num_waiting:
             outputs.extend(self._admit_constrained())
         decision = self.constrained.schedule(self.scheduler)  # = scheduler.schedule() without jump-forward
         if decision.mode == "idle":
             return outputs
+        if self.overlap and decision.mode == "decode" and all(
+                row_ok(self.states[item.rid], chained=False) for item in decision.items):
+            self._inflight = self._launch(decision)
+            return outputs
         logits = self.runner.forward(decision)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))
+        return outputs
+
+    def _launch(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
+                rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
+        """Runs a decode forward and samples on the device without waiting for it. With
+        `input_ids` (a chained launch) the previous launch has not landed: its requests' KV is one
+        slot ahead of their host tokens until it does."""
+        states = [self.states[item.rid] for item in decision.items]
+        logits = self.runner.forward(decision, input_ids=input_ids)
+        self._counters["forwards"] += 1
+        self._counters["forward_tokens"] += decision.num_tokens
+        self.scheduler.commit(decision)  # a decode: nothing to insert (kept for the call order)
+        infos = [s.info for s in states]
+        ids = sample_tensor(apply_penalties(logits, infos), infos)
+        return Launched.start(decision, states, ids, input_ids is not None, rounds_before, ratio_before)
+
+    def _land(self, launched: Launched) -> list[ReqOutput]:
+        """Appends a launched decode's tokens on the host; rows of requests that ended since the
+        launch (finished by the previous step, aborted) are thrown away."""
+        tokens = launched.tokens()
+        live = [(s, t) for s, t in zip(launched.states, tokens, strict=True) if self.states.get(s.req.rid) is s]
+        self._counters["overlap_discarded_tokens"] += len(tokens) - len(live)
+        if not live:
+            if launched.chained:
+                launched.undo_phantom(self.scheduler)
+            return []
+        self._recent.append((time.monotonic(), len(live)))
+        self._counters["generation_tokens"] += len(live)
+        outputs: list[ReqOutput] = []
+        for state, token in live:
+            out = self._append_token(state, token)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _admit_constrained(self) -> list[ReqOutput]:
@@ -373,6 +432,14 @@ class EngineCore:
         return self._output(state, finished=False)
 
     def _finish(self, state: _ReqState, reason: dict[str, Any]) -> ReqOutput:
+        ahead = self._inflight
+        row = ahead.row_of.get(state.req.rid) if ahead is not None and ahead.chained else None
+        if ahead is not None and row is not None and ahead.states[row] is state:
+            # NOTE: the in-flight decode took a slot for this request's last token; give it back
+            # first, so the release caches what the serial path would (see engine/overlap.py)
+            sreq = state.sreq
+            sreq.kv_len -= 1
+            sreq.table_valid_len = min(sreq.table_valid_len, sreq.kv_len)
         if state.out.stopped is None:
             # held-back text (an incomplete UTF-8 tail) is final now; it may complete a stop string
             can_stop = len(state.sreq.output_ids) >= state.sreq.sampling_params.min_new_tokens

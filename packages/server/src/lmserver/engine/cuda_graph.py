@@ -246,9 +246,10 @@ class DecodeGraphRunner:
         """True for a decode decision of 1..max_bs requests once captured. Pure."""
         return decision.mode == "decode" and 0 < len(decision.items) <= self.max_bs and bool(self.graphs)
 
-    def forward(self, decision: ScheduleDecision) -> torch.Tensor:
+    def forward(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the graph of the padded size; returns float32 logits (num_logit_rows, vocab)
-        like `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers."""
+        like `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers.
+        `input_ids` ((bs,) on the device) replaces the items' token ids (a device-to-device copy)."""
         bs = len(decision.items)
         padded = self._padded[bs]
         assert padded is not None, f"batch size {bs} has no captured graph"
@@ -258,6 +259,8 @@ class DecodeGraphRunner:
             self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
         self.ints[:, :padded].copy_(torch.tensor(step.ints, dtype=torch.int64), non_blocking=True)
         self.seq_lens[:padded].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        if input_ids is not None:
+            self.ints[0, :bs].copy_(input_ids, non_blocking=True)
         if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
             self.runner.lowlat.on_replay(padded, self.table_width)
         self.graphs[padded].replay()

@@ -100,12 +100,19 @@ class ModelRunner:
         return batch, self._tensor(logit_idx)
 
     @torch.inference_mode()
-    def forward(self, decision: ScheduleDecision) -> torch.Tensor:
+    def forward(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the decision's forward; returns float32 logits (num_logit_rows, vocab) in item
-        order (each item's `logit_offsets` in order). Mutates the KV pool and req_to_token."""
+        order (each item's `logit_offsets` in order). Mutates the KV pool and req_to_token.
+
+        `input_ids` ((bs,) int64 on the device, DECODE only) replaces the items' token ids: the
+        overlap scheduler's tokens that the host has not seen yet (engine/overlap.py)."""
+        if input_ids is not None and decision.mode != "decode":
+            raise ValueError("device input_ids are for decode decisions only")
         if self.cuda_graph is not None and self.cuda_graph.can_run(decision):
-            return self.cuda_graph.forward(decision)
+            return self.cuda_graph.forward(decision, input_ids)
         batch, logit_idx = self.build_batch(decision)
+        if input_ids is not None:
+            batch.input_ids = input_ids
         self.attn_backend.plan(batch)
         hidden = self.hidden(batch)  # (num_tokens, hidden)
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]

@@ -4,6 +4,10 @@ and logprobs (the model's log-softmax over raw logits).
 Each request owns a CPU `torch.Generator` seeded from `sampling_seed` (or the engine seed and
 its arrival number); it draws one uniform number per sampled token, so a request's samples do
 not depend on its batch-mates (same seed, same output).
+
+`sample_tensor` keeps the chosen ids on the logits' device and never waits for the device (every
+host list goes over with a non-blocking copy): the overlap scheduler (engine/overlap.py) feeds
+them to the next forward before the host sees them. `sample` is it plus the host copy.
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lmserver.io_struct import SamplingParams
+
+
+def _dev(data: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`data` on `device` without a host sync (`torch.tensor(..., device=cuda)` waits for the stream)."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
 
 
 @dataclass
@@ -53,20 +62,20 @@ def apply_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Te
             copied = True
         row = out[i]
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=row.device)
-            vals = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+            ids = _dev(list(p.logit_bias.keys()), torch.long, row.device)
+            vals = _dev(list(p.logit_bias.values()), row.dtype, row.device)
             row.index_add_(0, ids, vals)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(info.prompt_ids) | set(info.output_ids)), dtype=torch.long, device=row.device)
+            seen = _dev(sorted(set(info.prompt_ids) | set(info.output_ids)), torch.long, row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and info.output_ids:
             counts = torch.bincount(
-                torch.tensor(info.output_ids, dtype=torch.long, device=row.device), minlength=vocab
+                _dev(info.output_ids, torch.long, row.device), minlength=vocab
             )[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if len(info.output_ids) < p.min_new_tokens and info.stop_ids:
-            row[torch.tensor(info.stop_ids, dtype=torch.long, device=row.device)] = float("-inf")
+            row[_dev(info.stop_ids, torch.long, row.device)] = float("-inf")
         if info.allowed_mask is not None:
             row.masked_fill_(~info.allowed_mask.to(row.device), float("-inf"))
     return out
@@ -76,23 +85,28 @@ def sample(logits: torch.Tensor, infos: list[SamplingInfo]) -> list[int]:
     """Next token per row of processed `logits` (B, V); advances each request's generator."""
     if not infos:
         return []
-    greedy = [info.params.is_greedy for info in infos]
+    return [int(t) for t in sample_tensor(logits, infos).tolist()]
+
+
+def sample_tensor(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    """`sample` without the host copy: (B,) int64 ids on the logits' device; no host sync.
+    Advances each non-greedy request's generator by one draw (on the host)."""
     result = logits.argmax(dim=-1)
-    if all(greedy):
-        return [int(t) for t in result.tolist()]
-    idx = [i for i, g in enumerate(greedy) if not g]
-    sub = logits[idx]
-    device = sub.device
-    temps = torch.tensor([infos[i].params.temperature for i in idx], dtype=torch.float32, device=device)
+    idx = [i for i, info in enumerate(infos) if not info.params.is_greedy]
+    if not idx:
+        return result
+    device = logits.device
+    all_rows = len(idx) == len(infos)
+    idx_t = None if all_rows else _dev(idx, torch.long, device)
+    sub = logits if idx_t is None else logits.index_select(0, idx_t)
+    temps = _dev([infos[i].params.temperature for i in idx], torch.float32, device)
     probs = torch.softmax(sub / temps[:, None], dim=-1)
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
     ranks = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor(
-        [infos[i].params.top_k if infos[i].params.top_k > 0 else vocab for i in idx], device=device
-    )
-    top_p = torch.tensor([infos[i].params.top_p for i in idx], dtype=torch.float32, device=device)
-    min_p = torch.tensor([infos[i].params.min_p for i in idx], dtype=torch.float32, device=device)
+    top_k = _dev([infos[i].params.top_k if infos[i].params.top_k > 0 else vocab for i in idx], torch.long, device)
+    top_p = _dev([infos[i].params.top_p for i in idx], torch.float32, device)
+    min_p = _dev([infos[i].params.min_p for i in idx], torch.float32, device)
     cum = sorted_probs.cumsum(dim=-1)
     drop = ranks >= top_k[:, None]
     drop |= (cum - sorted_probs) > top_p[:, None]  # keep the smallest prefix reaching top_p
@@ -100,14 +114,15 @@ def sample(logits: torch.Tensor, infos: list[SamplingInfo]) -> list[int]:
     drop[:, 0] = False
     kept = sorted_probs.masked_fill(drop, 0.0)
     cdf = kept.cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=infos[i].generator) for i in idx]).to(device)
+    u = torch.cat([torch.rand(1, generator=infos[i].generator) for i in idx]).to(device, non_blocking=True)
     target = u * cdf[:, -1]
     pick = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
     # NOTE: a pick past the last kept token (u * total rounding) falls back to the last kept one
     pick = torch.minimum(pick, (~drop).sum(dim=-1, keepdim=True) - 1)
     chosen = sorted_ids.gather(1, pick).squeeze(1)
-    result[idx] = chosen
-    return [int(t) for t in result.tolist()]
+    if idx_t is None:
+        return chosen
+    return result.index_copy(0, idx_t, chosen)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

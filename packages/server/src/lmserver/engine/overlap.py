@@ -1,0 +1,141 @@
+"""The overlap scheduler (`--enable-overlap-schedule`): the host handles decode step N's tokens
+while the device runs step N+1.
+
+A decode forward is *launched*: its tokens are sampled on the device (`sampler.sample_tensor`)
+and copied to pinned host memory without waiting (a CUDA event marks the copy). `EngineCore.step`
+then, while the batch is *quiet* (`chain_ready`), schedules and launches step N+1 with its input
+ids read on the device from step N's sampled ids, and only then *lands* step N: waits for its
+event, appends the tokens, detokenizes, checks stops and finishes requests. On the CPU torch is
+synchronous, so nothing overlaps, but the same code runs (the tests compare it with the serial
+path).
+
+Invariant (which tokens the host holds when): between `step()` calls at most one `Launched`
+decode is in flight. Its requests' `output_ids` lack exactly its token; their KV (`kv_len`)
+covers every token the host holds, plus, for a *chained* launch, the slot of the previous
+step's token, which that launch writes. So while step N is landed with N+1 in flight, each
+request of N+1 is one KV slot ahead of its host tokens; landing N appends N's token and makes
+them equal again, except for a request N finished (EOS, stop token or string, length): it gets
+its extra slot taken back (`EngineCore._finish` lowers `kv_len` by one before the release), so
+the radix cache and the allocator see what the serial path would, and its row of N+1 is thrown
+away when N+1 lands. Aborts free every slot anyway; their rows are thrown away too.
+
+A launch is *chained* only when the serial path would schedule the same decode: no prefilling
+or grammar-compiling request; no waiting request either, unless none can be admitted (every
+request-table row taken) and no request of the previous launch can finish with its token (a
+finish frees a row); every running request in the previous launch and `row_ok` (no grammar, no
+penalties reading host tokens, no logprobs, and no min-new-tokens mask that turns off at this
+very token); and the decode's new slots come from free slots (no eviction or retraction, whose
+choices depend on finishes the host has not seen). Otherwise the previous launch lands first and the step runs as in serial. A
+chained launch whose requests all ended by the time it lands is one the serial path never
+scheduled: the scheduler's round counter and new-token ratio are restored (`undo_phantom`).
+
+Tensor parallelism keeps it off: followers mirror rank 0's host decisions, which do not carry
+the device token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmserver.scheduler import ScheduleDecision, Scheduler
+
+if TYPE_CHECKING:
+    from lmserver.engine.core import _ReqState
+
+__all__ = ["Launched", "chain_ready", "may_finish", "next_input_ids", "row_ok"]
+
+
+@dataclass
+class Launched:
+    """A decode forward in flight whose sampled ids the host has not read."""
+
+    decision: ScheduleDecision
+    states: list[_ReqState]  # one per row, in the decision's order
+    ids: torch.Tensor  # (bs,) int64 sampled ids on the device
+    host_ids: torch.Tensor  # (bs,) int64 host copy (pinned on CUDA), valid once `event` completed
+    event: torch.cuda.Event | None  # None on the CPU (the copy is done)
+    chained: bool  # scheduled before the previous launch landed (its requests are a slot ahead)
+    rounds_before: int = 0  # scheduler.num_rounds / new_token_ratio before this schedule (chained)
+    ratio_before: float = 0.0
+    row_of: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.row_of = {item.rid: i for i, item in enumerate(self.decision.items)}
+
+    @classmethod
+    def start(cls, decision: ScheduleDecision, states: list[_ReqState], ids: torch.Tensor, chained: bool,
+              rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
+        """Starts the non-blocking host copy of `ids` (no host sync)."""
+        event = None
+        host = ids
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return cls(decision, states, ids, host, event, chained, rounds_before, ratio_before)
+
+    def tokens(self) -> list[int]:
+        """The sampled ids on the host (waits for this launch's forward and copy only)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [int(t) for t in self.host_ids.tolist()]
+
+    def undo_phantom(self, scheduler: Scheduler) -> None:
+        """Restores the scheduler's round counter and new-token ratio to before this launch's
+        schedule (a chained decode whose requests all ended before it landed)."""
+        scheduler.num_rounds = self.rounds_before
+        scheduler.new_token_ratio = self.ratio_before
+
+
+def row_ok(state: _ReqState, chained: bool) -> bool:
+    """True when a request's next token can be sampled on the device without host tokens. With
+    `chained`, its previous token is not on the host yet (`output_ids` is one short). Pure."""
+    p = state.sreq.sampling_params
+    if state.grammar is not None or state.req.return_logprob:
+        return False
+    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        return False
+    # NOTE: apply_penalties masks stop ids while len(output_ids) < min_new_tokens; one short,
+    # it is wrong exactly at the token where the mask turns off
+    return not (chained and state.info.stop_ids and len(state.sreq.output_ids) + 1 == p.min_new_tokens)
+
+
+def may_finish(state: _ReqState) -> bool:
+    """True when the token in flight (not on the host yet) can end the request. Pure."""
+    sreq = state.sreq
+    p = sreq.sampling_params
+    n = len(sreq.output_ids) + 1  # with the token in flight
+    return n >= sreq.max_new_tokens or (n >= p.min_new_tokens and bool(state.info.stop_ids or p.stop or p.stop_regex))
+
+
+def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, _ReqState], compiling: int) -> bool:
+    """True when the next round, scheduled now (before `prev` lands), is the decode the serial
+    path would schedule after it, plus rows for the requests `prev` finishes. Pure."""
+    if compiling or scheduler.prefilling or not scheduler.running:
+        return False
+    if scheduler.waiting:  # admission must stay impossible after prev lands
+        if scheduler.num_active < scheduler.max_running_requests and scheduler.free_rows:
+            return False
+        if any(may_finish(states[r.rid]) for r in scheduler.running if r.rid in states):
+            return False
+    for req in scheduler.running:
+        state = states.get(req.rid)
+        if state is None or req.rid not in prev.row_of or not row_ok(state, chained=True):
+            return False
+    need = sum(scheduler.kv.slots_needed(r, 1) for r in scheduler.running)
+    return need <= scheduler.kv.allocator.available
+
+
+def next_input_ids(prev: Launched, items: Sequence[str]) -> torch.Tensor:
+    """Input ids of a chained decode with rows `items` (request ids), read on the device from
+    `prev`'s sampled ids (no host sync)."""
+    src = [prev.row_of[rid] for rid in items]
+    if src == list(range(len(prev.states))):
+        return prev.ids
+    index = torch.tensor(src, dtype=torch.int64).to(prev.ids.device, non_blocking=True)
+    return prev.ids.index_select(0, index)
