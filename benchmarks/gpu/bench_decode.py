@@ -166,7 +166,9 @@ def timing(name: str, model_path: str, tokenizer: str, vocab: int, new_tokens: i
             n = new_tokens if use_graph else eager_tokens
             _, rates = run_requests(core, prompts, n)
             per_user = sum(rates) / len(rates)
-            row = {"model": name, "concurrency": conc, "cuda_graph": use_graph, "overlap": overlap, "new_tokens": n,
+            fused = not cfg.get("disable_fused_kernels", False)
+            row = {"model": name, "concurrency": conc, "cuda_graph": use_graph, "overlap": overlap, "fused": fused,
+                   "new_tokens": n,
                    "tok_s_per_user": round(per_user, 1), "ms_per_step": round(1000 / per_user, 2),
                    "build_s": round(build_s, 1), "kv_tokens": rc.max_total_tokens}
             if name in HBM_FLOOR_MS:
@@ -211,6 +213,8 @@ def main() -> None:
     ap.add_argument("--enable-overlap-schedule", dest="overlap", action="store_const", const="on",
                     help="the same as --overlap on")
     ap.add_argument("--no-eager", action="store_true", help="skip the timings without CUDA graphs")
+    ap.add_argument("--fused", choices=["on", "off", "both"], default="on",
+                    help="fused Triton layer kernels (off = --disable-fused-kernels); both: one engine each")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lmserver.engine.resolve").setLevel(logging.INFO)
@@ -225,23 +229,26 @@ def main() -> None:
         dump(args.json)
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
     opts: dict[str, Any] = {"overlap_modes": modes, "eager": not args.no_eager}
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA3_8B))
-        timing("llama3-8b", tmp, smol, LLAMA3_8B["vocab_size"], 256, 64, args.budget_s - 40, **opts)  # KV by mem fraction
-    dump(args.json)
-    timing("smollm2-135m", smol, smol, 49152, 256, 128, args.budget_s - 20, max_total_tokens=65536, **opts)
-    dump(args.json)
+    for disable_fused in {"on": (False,), "off": (True,), "both": (True, False)}[args.fused]:
+        opts["disable_fused_kernels"] = disable_fused
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(LLAMA3_8B))
+            timing("llama3-8b", tmp, smol, LLAMA3_8B["vocab_size"], 256, 64, args.budget_s - 40, **opts)  # KV by mem fraction
+        dump(args.json)
+        timing("smollm2-135m", smol, smol, 49152, 256, 128, args.budget_s - 20, max_total_tokens=65536, **opts)
+        dump(args.json)
     if elapsed() < args.budget_s - 12:
         hf_eager(smol, 32)
         dump(args.json)
-    print("\n| model | concurrency | CUDA graph | overlap | tok/s per user | ms/step | x HBM floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | concurrency | CUDA graph | overlap | fused kernels | tok/s per user | ms/step | x HBM floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in RESULTS["timing"]:
         print(f"| {r['model']} | {r['concurrency']} | {'on' if r['cuda_graph'] else 'off'} | "
-              f"{'on' if r['overlap'] else 'off'} | {r['tok_s_per_user']} | {r['ms_per_step']} | "
+              f"{'on' if r['overlap'] else 'off'} | {'on' if r['fused'] else 'off'} | {r['tok_s_per_user']} | "
+              f"{r['ms_per_step']} | "
               f"{r.get('x_hbm_floor', '')} |")
     if RESULTS["hf"]:
-        print(f"| smollm2-135m HF eager | 1 | off | off | {RESULTS['hf']['tok_s']} | {RESULTS['hf']['ms_per_step']} | |")
+        print(f"| smollm2-135m HF eager | 1 | off | off | - | {RESULTS['hf']['tok_s']} | {RESULTS['hf']['ms_per_step']} | |")
     print("checks (first differing token index, None = identical):", json.dumps(RESULTS["checks"]))
     print(f"total {elapsed():.1f}s")
 
