@@ -8,6 +8,7 @@ the decision asks for. A decode decision replays a captured CUDA graph instead w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,20 @@ from lmserver.scheduler.scheduler import ScheduleDecision
 if TYPE_CHECKING:
     from lmserver.engine.cuda_graph import DecodeGraphRunner
     from lmserver.engine.lowlat_hook import LowlatHook
+
+
+def host_tensor(data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """`data` as a host tensor to copy to `device`: pinned for CUDA, since a copy from pageable
+    memory may wait for the work queued on the stream (the caching host allocator keeps the
+    pinned block until its copy ran). Copy it with `non_blocking=True`."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def to_device(data: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`data` on `device` without making the host wait for the device (see `host_tensor`)."""
+    return host_tensor(data, dtype, device).to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -40,7 +55,7 @@ class ModelRunner:
         self.lowlat: LowlatHook | None = None  # a lowlat plugin's decode path (lmserver.engine.lowlat_hook)
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def build_batch(self, decision: ScheduleDecision) -> tuple[ForwardBatch, torch.Tensor]:
         """ForwardBatch of `decision` and the flat token indices whose logits are wanted.

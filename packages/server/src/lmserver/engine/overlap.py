@@ -5,9 +5,10 @@ A decode forward is *launched*: its tokens are sampled on the device (`sampler.s
 and copied to pinned host memory without waiting (a CUDA event marks the copy). `EngineCore.step`
 then, while the batch is *quiet* (`chain_ready`), schedules and launches step N+1 with its input
 ids read on the device from step N's sampled ids, and only then *lands* step N: waits for its
-event, appends the tokens, detokenizes, checks stops and finishes requests. On the CPU torch is
-synchronous, so nothing overlaps, but the same code runs (the tests compare it with the serial
-path).
+event, appends the tokens, detokenizes, checks stops and finishes requests. Host-to-device
+copies on the way come from pinned memory (`model_runner.host_tensor`): one from pageable memory
+may wait for the forward already queued. On the CPU torch is synchronous, so nothing overlaps,
+but the same code runs (the tests compare it with the serial path).
 
 Invariant (which tokens the host holds when): between `step()` calls at most one `Launched`
 decode is in flight. Its requests' `output_ids` lack exactly its token; their KV (`kv_len`)
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmserver.engine.model_runner import to_device
 from lmserver.scheduler import ScheduleDecision, Scheduler
 
 if TYPE_CHECKING:
@@ -137,5 +139,4 @@ def next_input_ids(prev: Launched, items: Sequence[str]) -> torch.Tensor:
     src = [prev.row_of[rid] for rid in items]
     if src == list(range(len(prev.states))):
         return prev.ids
-    index = torch.tensor(src, dtype=torch.int64).to(prev.ids.device, non_blocking=True)
-    return prev.ids.index_select(0, index)
+    return prev.ids.index_select(0, to_device(src, torch.int64, prev.ids.device))
