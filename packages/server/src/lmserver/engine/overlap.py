@@ -26,9 +26,14 @@ request-table row taken) and no request of the previous launch can finish with i
 finish frees a row); every running request in the previous launch and `row_ok` (no grammar, no
 penalties reading host tokens, no logprobs, and no min-new-tokens mask that turns off at this
 very token); and the decode's new slots come from free slots (no eviction or retraction, whose
-choices depend on finishes the host has not seen). Otherwise the previous launch lands first and the step runs as in serial. A
-chained launch whose requests all ended by the time it lands is one the serial path never
-scheduled: the scheduler's round counter and new-token ratio are restored (`undo_phantom`).
+choices depend on finishes the host has not seen). Otherwise the previous launch lands first and
+the step runs as in serial. A chained launch whose requests all ended by the time it lands is
+one the serial path never scheduled: the scheduler's round counter and new-token ratio are
+restored (`undo_phantom`).
+
+Events between `step()` calls (an arrival, an abort) reach the serial path's next schedule but
+come after the overlap's, which already ran: the two then batch differently for a step (the
+same tokens where the model's rows do not depend on their batch-mates, as the tests assume).
 
 Tensor parallelism keeps it off: followers mirror rank 0's host decisions, which do not carry
 the device token ids.
