@@ -1,27 +1,35 @@
-"""Structured output in lmserver: jump-forward on vs off vs unconstrained.
+"""Structured output in lmserver: jump-forward policies side by side, and unconstrained.
 
 Workloads:
 - `json_long_keys` (SGLang paper section 6, JSON decoding): extract fields of a short synthetic
   biography into a JSON Schema with long constant keys (most of the output is forced text);
-- `regex_form`: a regex form ("Name: ...\\nAge: ...\\n...") with literal field labels.
+- `regex_form`: a regex form ("Name: ...\\nAge: ...\\n...") with literal field labels (short
+  forced strings, 1-4 tokens).
 
-Modes: `jump_forward` (the compressed FSM), `no_jump_forward` (token-by-token masked decoding),
-`unconstrained` (no grammar, `ignore_eos`, as many new tokens as the no_jump_forward run
-produced on average: the cost of the same amount of text without a grammar).
+Modes (`--variants`, comma-separated, default `off,1,auto`):
+- `off`: no jump-forward (token-by-token masked decoding), the baseline of the speed-ups;
+- `N` (an integer): jump-forward with `--jump-forward-min-tokens N` (1: every jump is made);
+- `auto`: the engine's default policy (1 on CPU, 8 on CUDA; the resolved value is printed);
+- `unconstrained` (unless `--no-unconstrained`): no grammar, `ignore_eos`, as many new tokens
+  as the `off` run produced on average: the cost of the same amount of text without a grammar.
 
 Phases: latency per request at concurrency 1, then a batch of `--concurrency` requests at once
-(output tokens/s, forward steps, decode steps saved, mask overhead per decode step). The mask
-overhead is the time spent filling and applying bitmasks (lmserver.constrained.BatchMasker)
-divided by the mean decode step time, in the no_jump_forward batch run (every step masks every
-row). On CUDA the step time is taken between two `torch.cuda.synchronize()` calls (the device
-work, not only the launches), and the mask time is host time: the fill plus the launches of the
-copy and of the apply kernel (`mask_fill_ms_per_step` is the fill alone).
+(output tokens/s, forwards, extend forwards, jumps made and declined, mask overhead per decode
+step). The mask overhead is the time spent filling and applying bitmasks
+(lmserver.constrained.BatchMasker) divided by the mean decode step time, in the `off` batch run
+(every step masks every row). On CUDA the step time is taken between two
+`torch.cuda.synchronize()` calls (the device work, not only the launches), and the mask time is
+host time: the fill plus the launches of the copy and of the apply kernel
+(`mask_fill_ms_per_step` is the fill alone).
 
     python benchmarks/structured/bench_structured.py [--threads 2] [--num-latency 6] [--concurrency 32]
+        [--variants off,1,auto] [--warmup auto|on|off]
         [--model-path DIR --load-format dummy --dtype bfloat16 --device cuda]
 
 With `--load-format dummy` the weights are random: the forced (jump-forward) text and the step
 counts are the same kind of work, but the free text is noise; only timings are meaningful then.
+The compact table at the end has one line per workload, phase and mode, with the latency
+speed-up over `off`; `--json` writes every row with all its fields.
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ class StepProbe:
         self.core = engine.core
         self.decode_s: list[float] = []
         self.num_forwards = 0
+        self.num_extends = 0
         runner = self.core.runner
         self._orig = runner.forward
         runner.forward = self._forward  # type: ignore[method-assign]
@@ -131,20 +140,25 @@ class StepProbe:
             torch.cuda.synchronize()
         if decision.mode == "decode":
             self.decode_s.append(time.perf_counter() - start)
+        else:
+            self.num_extends += 1
         return out
 
     def reset(self) -> None:
-        self.decode_s, self.num_forwards = [], 0
+        self.decode_s, self.num_forwards, self.num_extends = [], 0, 0
 
 
 def run_mode(engine: Engine, probe: StepProbe, workload: str, mode: str, ps: list[str], max_new: int,
              concurrency: int) -> dict[str, Any]:
+    """One run of `ps` in chunks of `concurrency`; `mode` is "off", "unconstrained", "auto" or
+    a min-tokens integer. Returns the row (mutates the engine's jump-forward settings)."""
     cd = engine.core.constrained
-    cd.jump_forward = mode == "jump_forward"
+    cd.jump_forward = mode not in ("off", "unconstrained")
+    cd.jump_forward_min_tokens = mode if cd.jump_forward else 1
     engine.flush_cache()
     probe.reset()
     mask_s0, fill_s0, masked_rows0 = cd.masker.mask_time_s, cd.masker.fill_time_s, cd.masker.num_masked_rows
-    jf0 = cd.stats["jump_forward_tokens"]
+    stats0 = dict(cd.stats)
     latencies: list[float] = []
     outs: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -159,19 +173,42 @@ def run_mode(engine: Engine, probe: StepProbe, workload: str, mode: str, ps: lis
     decode_steps = len(probe.decode_s)
     mask_s = cd.masker.mask_time_s - mask_s0
     mean_decode = statistics.mean(probe.decode_s) if probe.decode_s else 0.0
+    constrained = mode != "unconstrained"
+    label = mode if mode in ("off", "unconstrained") else f"jf_min{cd.policy.min_tokens}"
+    if mode == "auto":
+        label = f"jf_auto({cd.policy.min_tokens})"
+    jf_tokens = cd.stats["jump_forward_tokens"] - stats0["jump_forward_tokens"]
+    meta_jf = sum(o["meta_info"].get("jump_forward_tokens", 0) for o in outs)
+    if meta_jf != jf_tokens:  # per-request metadata should add up to the engine's count
+        print(f"WARNING {workload} {label}: meta_info jump_forward_tokens sum {meta_jf} != engine count {jf_tokens}",
+              flush=True)
     return {
-        "workload": workload, "mode": mode, "concurrency": concurrency, "requests": len(ps),
-        "valid": sum(check(workload, o["text"]) for o in outs) if mode != "unconstrained" else None,
+        "workload": workload, "mode": label, "concurrency": concurrency, "requests": len(ps),
+        "valid": sum(check(workload, o["text"]) for o in outs) if constrained else None,
         "latency_s": statistics.mean(latencies), "out_tok_per_s": tokens / wall,
-        "out_tokens_per_req": tokens / len(outs), "forwards": probe.num_forwards, "decode_steps": decode_steps,
-        "jump_forward_tokens": cd.stats["jump_forward_tokens"] - jf0,
-        "mask_ms_per_step": 1e3 * mask_s / max(decode_steps, 1) if mode != "unconstrained" else None,
+        "out_tokens_per_req": tokens / len(outs), "forwards": probe.num_forwards, "extend_forwards": probe.num_extends,
+        "decode_steps": decode_steps,
+        "jumps": cd.stats["jump_forward_steps"] - stats0["jump_forward_steps"],
+        "declined": cd.stats["jump_forward_declined"] - stats0["jump_forward_declined"],
+        "jump_forward_tokens": jf_tokens, "meta_jump_forward_tokens": meta_jf,
+        "mask_ms_per_step": 1e3 * mask_s / max(decode_steps, 1) if constrained else None,
         "mask_fill_ms_per_step": (1e3 * (cd.masker.fill_time_s - fill_s0) / max(decode_steps, 1)
-                                  if mode != "unconstrained" else None),
+                                  if constrained else None),
         "decode_step_ms": 1e3 * mean_decode,
         "masked_rows": cd.masker.num_masked_rows - masked_rows0,
         "sample_text": outs[0]["text"][:90],
     }
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -181,12 +218,24 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32, help="requests in the batch phase")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--workloads", default="json_long_keys,regex_form")
+    ap.add_argument("--variants", default="off,1,auto",
+                    help="jump-forward modes: off, auto, or a --jump-forward-min-tokens integer")
+    ap.add_argument("--no-unconstrained", action="store_true", help="skip the unconstrained rows")
+    ap.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                    help="an untimed pass of every mode and phase first (auto: on CUDA, where the first extends "
+                         "of new shapes compile Triton kernel variants)")
     ap.add_argument("--json", "--json-out", dest="json_out", default=None, help="write all rows to this JSON file")
     ap.add_argument("--model-path", default=None, help="a Hugging Face folder (default: the embedded SmolLM2)")
     ap.add_argument("--load-format", default="auto", help="'dummy' = random weights for the folder's config")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in ("off", "auto") and not (v.isdigit() and int(v) >= 1):
+            ap.error(f"--variants: {v!r} is not off, auto or an integer >= 1")
+    if "off" not in variants:
+        variants.insert(0, "off")  # the baseline of the speed-ups and of the unconstrained length
     torch.set_num_threads(args.threads)
     engine = Engine(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype, device=args.device,
                     max_total_tokens=32768, max_running_requests=max(args.concurrency, 1))
@@ -196,32 +245,35 @@ def main() -> None:
     for workload in args.workloads.split(","):
         lat_prompts = prompts(engine, workload, args.num_latency)
         batch_prompts = prompts(engine, workload, args.concurrency)
-        engine.generate(lat_prompts[0], params(workload, "jump_forward", 8))  # compile + warm up
-        for phase, ps, conc in (("latency", lat_prompts, 1), ("batch", batch_prompts, args.concurrency)):
-            off = run_mode(engine, probe, workload, "no_jump_forward", ps, args.max_new_tokens, conc)
-            on = run_mode(engine, probe, workload, "jump_forward", ps, args.max_new_tokens, conc)
-            free_new = max(int(round(off["out_tokens_per_req"])), 1)
-            free = run_mode(engine, probe, workload, "unconstrained", ps, free_new, conc)
-            for r in (on, off, free):
+        engine.generate(lat_prompts[0], params(workload, "1", 8))  # compile + warm up
+        phases = (("latency", lat_prompts, 1), ("batch", batch_prompts, args.concurrency))
+        if args.warmup == "on" or (args.warmup == "auto" and engine.core.device.type == "cuda"):
+            for _, ps, conc in phases:
+                for mode in [*variants, "unconstrained"]:
+                    run_mode(engine, probe, workload, mode, ps, args.max_new_tokens, conc)
+        for phase, ps, conc in phases:
+            done: list[dict[str, Any]] = []
+            for mode in variants:
+                done.append(run_mode(engine, probe, workload, mode, ps, args.max_new_tokens, conc))
+            off = done[0]
+            if not args.no_unconstrained:
+                free_new = max(int(round(off["out_tokens_per_req"])), 1)
+                done.append(run_mode(engine, probe, workload, "unconstrained", ps, free_new, conc))
+            for r in done:
                 r["phase"] = phase
-                r["decode_steps_saved"] = off["forwards"] - r["forwards"] if r["mode"] == "jump_forward" else None
+                r["speedup_vs_off"] = off["latency_s"] / r["latency_s"]
+                r["decode_steps_saved"] = off["forwards"] - r["forwards"] if r["mode"].startswith("jf_") else None
                 rows.append(r)
                 print("row", json.dumps({k: v for k, v in r.items() if k != "sample_text"}), flush=True)
-            print(f"{workload} {phase}: latency speed-up of jump-forward {off['latency_s'] / on['latency_s']:.2f}x",
-                  flush=True)
-    cols = ["workload", "phase", "mode", "concurrency", "valid", "latency_s", "out_tok_per_s", "out_tokens_per_req",
-            "forwards", "decode_steps_saved", "jump_forward_tokens", "decode_step_ms", "mask_ms_per_step",
-            "mask_fill_ms_per_step"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
+    print("\nfull table")
+    _table(rows, ["workload", "phase", "mode", "concurrency", "valid", "latency_s", "out_tok_per_s",
+                  "out_tokens_per_req", "forwards", "extend_forwards", "decode_steps_saved", "jumps", "declined",
+                  "jump_forward_tokens", "decode_step_ms", "mask_ms_per_step", "mask_fill_ms_per_step"])
+    print("\ncompact table (speed-up = latency of off / latency of the mode)")
+    _table(rows, ["workload", "phase", "mode", "valid", "latency_s", "speedup_vs_off", "forwards", "extend_forwards",
+                  "jumps", "declined"])
     for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c)
-            cells.append("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
-        print("| " + " | ".join(cells) + " |")
-    for r in rows:
-        if r["mode"] == "no_jump_forward" and r["phase"] == "batch" and r["decode_step_ms"]:
+        if r["mode"] == "off" and r["phase"] == "batch" and r["decode_step_ms"]:
             print(f"{r['workload']}: mask overhead at {r['concurrency']} concurrent = "
                   f"{100 * r['mask_ms_per_step'] / r['decode_step_ms']:.2f}% of a decode step")
     for r in rows:

@@ -196,7 +196,9 @@ class _Loop:
                 if matched is not None:
                     reason = {"type": "stop", "matched": matched}
                 if reason is None and s.grammar is not None:
+                    before = s.grammar.jump_forward_tokens
                     reason = self.cd.after_token(self.sched, s, tok)
+                    assert s.grammar.jump_forward_tokens >= before  # a running total, never taken back
                 if reason is None and len(s.sreq.output_ids) >= s.sreq.max_new_tokens:
                     reason = {"type": "length"}
                 if reason is not None:

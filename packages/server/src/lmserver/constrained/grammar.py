@@ -65,8 +65,9 @@ class ReqGrammar:
 
     def plan_jump(self, output_ids: Sequence[int], max_new_tokens: int) -> JumpForward | None:
         """The jump-forward from the current state over `output_ids` (the request's generated
-        tokens, all accepted by the guide), at most `max_new_tokens` tokens of net growth; None
-        when nothing is forced or jump-forward is off. Mutates nothing."""
+        tokens, all accepted by the guide), at least 1 and at most `max_new_tokens` tokens of net
+        growth; None when nothing is forced, it would not grow the output, or jump-forward is
+        off. Mutates nothing."""
         if not self.jump_forward_enabled or max_new_tokens <= 0:
             return None
         forced = self.guide.jump_forward()
@@ -79,7 +80,11 @@ class ReqGrammar:
         rollback, tokens = plan.num_rollback, plan.token_ids
         if len(tokens) - rollback > max_new_tokens:
             tokens = tokens[: rollback + max_new_tokens]
-        if not tokens and not rollback:
+        # NOTE: a retokenization that merges sampled tokens can add no token or take some away
+        # (rollback >= new tokens); skipping it keeps `jump_forward_tokens` (the output tokens not
+        # sampled, reported per request as a running total) nondecreasing, and the model writes
+        # the short forced text itself
+        if len(tokens) - rollback < 1:
             return None
         # NOTE: a retokenization the guide does not accept would desync mask and output; verify
         # on a copy (cheap: a few token steps) and skip the jump rather than fail the request.
