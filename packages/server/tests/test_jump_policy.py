@@ -337,3 +337,28 @@ def test_index_cache_is_shared() -> None:
     loop = _Loop(2)
     a = loop.cd.backend.compile(cfsm_key(LONG))
     assert isinstance(a, cfsm.Index) and loop.cd.backend.compile(cfsm_key(LONG)) is a
+
+
+def test_declined_forced_text_is_not_retokenized_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = _Loop(100)
+    s = loop.add("r", LONG, seed=0)
+    plans = []
+    real = ReqGrammar.plan_jump
+
+    def counting(self: ReqGrammar, output_ids: Any, max_new: int) -> Any:
+        plans.append(len(output_ids))
+        return real(self, output_ids, max_new)
+
+    monkeypatch.setattr(ReqGrammar, "plan_jump", counting)
+    loop.sched.commit(loop.cd.schedule(loop.sched))
+    _sampled(loop, s, TOKEN[b"a"])
+    assert plans == [1] and loop.cd._deferred["r"][2] == 11  # planned once, deferred
+    for tok in (b":", b"q", b"r"):  # declined: the model writes the forced text itself
+        loop.sched.commit(loop.cd.schedule(loop.sched))
+        _sampled(loop, s, TOKEN[tok])
+    assert plans == [1] and loop.cd._deferred["r"][1] is None and loop.cd._deferred["r"][2] == 8  # estimated
+    loop.add("new", None, seed=1)  # a prefill comes: the rest rides along, planned now
+    d = loop.cd.schedule(loop.sched)
+    assert plans == [1, 4] and d.mode == "extend"
+    assert _text(s) == "a:qrstuvwxyz" and s.grammar is not None and s.grammar.jump_forward_tokens == 8
+    assert s.grammar.declined is None

@@ -56,8 +56,9 @@ class ConstrainedDecoding:
         self._policy_key: tuple[int | str, str | None] | None = None
         self._waiting: dict[str, GrammarTicket] = {}
         self._rewound: set[str] = set()  # requests sent back to prefill by a jump-forward
-        # jumps the policy left to the next schedule(): rid -> (state, plan, len(output_ids) at plan time)
-        self._deferred: dict[str, tuple[Any, JumpForward, int]] = {}
+        # jumps the policy left to the next schedule(): rid -> (state, plan or None (planned
+        # there), its net new tokens (estimated without a plan), len(output_ids) at the decision)
+        self._deferred: dict[str, tuple[Any, JumpForward | None, int, int]] = {}
         self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "jump_forward_declined": 0,
                       "grammar_errors": 0}
 
@@ -165,38 +166,71 @@ class ConstrainedDecoding:
         if g.is_finished():
             return {"type": "stop", "matched": None}
         sreq = state.sreq
+        p = sreq.sampling_params
+        decoding = sreq.status == ReqStatus.RUNNING
+        deferrable = not (p.stop or p.stop_regex)
+        extend_pending = bool(scheduler.prefilling)
         remaining = sreq.max_new_tokens - len(sreq.output_ids)
+        estimate = self._estimate_after_decline(g, len(sreq.output_ids))
+        if estimate is not None and decoding and deferrable and not extend_pending and not self.policy.always:
+            # NOTE: the rest of a forced text whose jump was declined: the retokenization
+            # (about 0.1-0.3 ms of host time) waits until a round's jumps are made
+            if estimate >= 1:
+                self._deferred[sreq.rid] = (state, None, estimate, len(sreq.output_ids))
+            return None
         jump = g.plan_jump(sreq.output_ids, remaining)
         if jump is None:
             return None
-        p = sreq.sampling_params
         ends = jump.finishes or jump.num_new_tokens >= remaining
-        decision = self.policy.now(
-            jump.num_new_tokens, decoding=sreq.status == ReqStatus.RUNNING, ends_request=ends,
-            extend_pending=bool(scheduler.prefilling), deferrable=not (p.stop or p.stop_regex))
+        decision = self.policy.now(jump.num_new_tokens, decoding=decoding, ends_request=ends,
+                                   extend_pending=extend_pending, deferrable=deferrable)
         if decision == "defer":
-            self._deferred[sreq.rid] = (state, jump, len(sreq.output_ids))
+            self._deferred[sreq.rid] = (state, jump, jump.num_new_tokens, len(sreq.output_ids))
             return None
         if decision == "skip":
             self.stats["jump_forward_declined"] += 1
+            g.declined = (g.forced_text(), jump.num_new_tokens, len(sreq.output_ids))
             return None
         return self._jump(scheduler, state, jump)
+
+    @staticmethod
+    def _estimate_after_decline(g: ReqGrammar, num_output: int) -> int | None:
+        """Net new tokens of a jump now, estimated from the last declined jump when the forced
+        text is still the rest of that one (each token written since covers at least one of its
+        tokens), or None (plan it). Clears a stale record. Mutates `g.declined`."""
+        if g.declined is None:
+            return None
+        forced = g.forced_text()
+        text, n, n_out = g.declined
+        if forced and len(forced) < len(text) and text.endswith(forced) and num_output > n_out:
+            return n - (num_output - n_out)
+        g.declined = None
+        return None
 
     def _run_deferred(self, scheduler: Scheduler) -> None:
         """Makes or declines (all together) the jumps deferred in the last round. Mutates the
         deferred set and, for the jumps made, as `_jump`."""
         deferred, self._deferred = self._deferred, {}
         # NOTE: a deferred request may have finished (length) or been aborted since its plan
-        live = [(st, j) for st, j, n_out in deferred.values() if self._unchanged(scheduler, st.sreq, n_out)]
+        live = [(st, j, n) for st, j, n, n_out in deferred.values() if self._unchanged(scheduler, st.sreq, n_out)]
         if not live:
             return
         waiting_admissible = bool(scheduler.waiting) and bool(scheduler.free_rows) and (
             scheduler.num_active < scheduler.max_running_requests)
-        if not self.policy.batch([j.num_new_tokens for _, j in live], len(scheduler.running),
+        if not self.policy.batch([n for _, _, n in live], len(scheduler.running),
                                  extend_pending=bool(scheduler.prefilling) or waiting_admissible):
             self.stats["jump_forward_declined"] += len(live)
+            for st, j, n in live:
+                if j is not None:  # a fresh plan: later steps of its forced text estimate from it
+                    st.grammar.declined = (st.grammar.forced_text(), n, len(st.sreq.output_ids))
             return
-        for st, j in live:
+        for st, j, _ in live:
+            st.grammar.declined = None
+            if j is None:
+                sreq = st.sreq
+                j = st.grammar.plan_jump(sreq.output_ids, sreq.max_new_tokens - len(sreq.output_ids))
+                if j is None or j.finishes or j.num_new_tokens >= sreq.max_new_tokens - len(sreq.output_ids):
+                    continue  # NOTE: an ending jump must come with a sampled token (EngineCore finishes it)
             reason = self._jump(scheduler, st, j)
             if reason is not None:  # pragma: no cover - deferrable jumps neither end nor match stops
                 logger.warning("request %s: deferred jump-forward ended it (%s); it ends at its next token",

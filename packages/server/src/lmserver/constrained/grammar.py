@@ -45,6 +45,9 @@ class ReqGrammar:
         self.jump_forward_tokens = 0  # net tokens added by jump-forward so far
         self.num_jumps = 0
         self.num_prefills = 0  # completed prefills (the first, then one per jump-forward); engine-owned
+        # the last jump the policy declined: (forced text, its net new tokens, output length then);
+        # engine-owned, lets later steps of the same forced text skip the retokenization
+        self.declined: tuple[str, int, int] | None = None
 
     def fill_mask(self, out: np.ndarray, row: int) -> None:
         """Writes this request's allowed-token bitmask into `out[row]`. Mutates `out`."""
@@ -63,17 +66,24 @@ class ReqGrammar:
         """True when the grammar is complete and nothing may follow (only EOS is allowed)."""
         return self.guide.is_finished()
 
+    def forced_text(self) -> str:
+        """The text the grammar forces from here ("" when none or jump-forward is off), without
+        trailing spaces. Cheap (no retokenization). Mutates nothing."""
+        if not self.jump_forward_enabled:
+            return ""
+        forced = self.guide.jump_forward()
+        # NOTE: byte-level BPE attaches a space to the word after it; a jump ending in " " would
+        # leave the model after a lone space token (out of distribution), so the model writes it.
+        return forced.rstrip(" ") if forced else ""
+
     def plan_jump(self, output_ids: Sequence[int], max_new_tokens: int) -> JumpForward | None:
         """The jump-forward from the current state over `output_ids` (the request's generated
         tokens, all accepted by the guide), at least 1 and at most `max_new_tokens` tokens of net
         growth; None when nothing is forced, it would not grow the output, or jump-forward is
         off. Mutates nothing."""
-        if not self.jump_forward_enabled or max_new_tokens <= 0:
+        if max_new_tokens <= 0:
             return None
-        forced = self.guide.jump_forward()
-        # NOTE: byte-level BPE attaches a space to the word after it; a jump ending in " " would
-        # leave the model after a lone space token (out of distribution), so the model writes it.
-        forced = forced.rstrip(" ") if forced else forced
+        forced = self.forced_text()
         if not forced:
             return None
         plan = cfsm.plan_jump_forward(list(output_ids), forced, self.index.vocab, self.encode)
