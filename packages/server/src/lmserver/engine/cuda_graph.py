@@ -280,15 +280,20 @@ EAGER_GRAPHS_ENV = "LMSERVER_TEST_EAGER_GRAPHS"
 
 def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size: int = 1) -> DecodeGraphRunner | None:
     """Captures decode graphs for a resolved config, or returns None (logged once) when they are
-    off: --disable-cuda-graph, no CUDA device, or tensor parallelism without
-    --enable-tp-cuda-graph. Under TP every rank calls this at the same point of its start-up with
-    the same config: captures run the forward's collectives, so all ranks capture the same sizes
-    in the same order."""
+    off: --disable-cuda-graph, no CUDA device, an attention backend that is not capturable
+    (`supports_cuda_graph` False), or tensor parallelism without --enable-tp-cuda-graph. Under TP
+    every rank calls this at the same point of its start-up with the same config: captures run
+    the forward's collectives, so all ranks capture the same sizes in the same order."""
     if config.disable_cuda_graph:
         logger.info("CUDA graphs: off (--disable-cuda-graph)")
         return None
     eager = os.environ.get(EAGER_GRAPHS_ENV) == "1"
     if runner.device.type != "cuda" and not eager:
+        return None
+    backend = runner.attn_backend
+    if not getattr(backend, "supports_cuda_graph", True):
+        logger.warning("CUDA graphs: off (the %r attention backend cannot plan inside a captured graph); "
+                       "decode runs eagerly", getattr(backend, "name", type(backend).__name__))
         return None
     if tp_size > 1 and not config.enable_tp_cuda_graph:
         logger.warning("CUDA graphs: off with tp_size=%d (decode runs eagerly; --enable-tp-cuda-graph captures "

@@ -1,0 +1,331 @@
+"""The `flashinfer` attention backend: registration and `auto` selection (CPU, with a fake
+`flashinfer` module), its index construction against `torch_native` through a fake whose
+wrappers compute flashinfer's documented paged semantics in torch (CPU), the graph runner's
+eager fallback, and on a GPU with flashinfer installed the real kernels against `triton`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from lmserver.attention.base import (
+    AttentionBackend,
+    AttentionLayer,
+    UnknownAttentionBackendError,
+    default_registry,
+)
+from lmserver.attention.torch_native import TorchNativeBackend
+from lmserver.engine import resolve
+from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.kernels.testing import rel_error
+
+BACKEND_MODULE = "lmserver.attention.flashinfer_backend"
+
+
+# ---- a fake flashinfer: the documented paged semantics, in torch -------------------------------------------
+
+
+def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: list[int],
+                     kv_indptr: list[int], indices: torch.Tensor, last_page_len: list[int], scale: float,
+                     causal: bool) -> torch.Tensor:
+    """flashinfer's batch paged attention (NHD pages (num_pages, page_size, KV, D)), float32.
+    Request b: queries q[qo_indptr[b]:qo_indptr[b+1]], keys of pages indices[kv_indptr[b]:kv_indptr[b+1]]
+    truncated to (pages - 1) * page_size + last_page_len[b]; causal aligns queries to the KV end."""
+    page_size, heads = k_cache.shape[1], q.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(len(last_page_len)):
+        pages = indices[kv_indptr[b] : kv_indptr[b + 1]].long()
+        kv_len = (len(pages) - 1) * page_size + last_page_len[b]
+        keys = k_cache[pages].flatten(0, 1)[:kv_len].float()  # (L, KV, D)
+        vals = v_cache[pages].flatten(0, 1)[:kv_len].float()
+        group = heads // keys.shape[1]
+        keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+        qb = q[qo_indptr[b] : qo_indptr[b + 1]].float()  # (n, H, D)
+        scores = torch.einsum("nhd,lhd->hnl", qb, keys) * scale
+        if causal:
+            n = qb.shape[0]
+            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        out[qo_indptr[b] : qo_indptr[b + 1]] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vals)
+    return out
+
+
+class _FakeWrapper:
+    plans: list[dict[str, Any]] = []  # every plan call of every fake wrapper (reset per test)
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False) -> None:
+        assert workspace.dtype == torch.uint8 and kv_layout == "NHD" and not use_cuda_graph
+        self.use_tensor_cores = use_tensor_cores
+        self.planned: dict[str, Any] | None = None
+
+    def _plan(self, plan: dict[str, Any]) -> None:
+        for name in ("kv_indptr", "indices", "last_page_len"):
+            assert plan[name].dtype == torch.int32, name
+        assert plan["page_size"] == 1
+        assert plan["kv_indptr"].shape == (len(plan["last_page_len"]) + 1,)
+        assert plan["indices"].shape == (int(plan["kv_indptr"][-1]),)
+        plan["wrapper"] = self
+        self.planned = plan
+        _FakeWrapper.plans.append(plan)
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        p = self.planned
+        assert p is not None, "run before plan"
+        assert q.dtype == p["q_data_type"] and paged_kv_cache[0].dtype == p["kv_data_type"]
+        assert q.shape[1:] == (p["num_qo_heads"], p["head_dim"])
+        k_cache, v_cache = paged_kv_cache
+        assert k_cache.shape[1:] == (1, p["num_kv_heads"], p["head_dim"])
+        qo = p.get("qo_indptr", torch.arange(len(p["last_page_len"]) + 1, dtype=torch.int32))
+        out = _paged_attention(q, k_cache, v_cache, qo.tolist(), p["kv_indptr"].tolist(), p["indices"],
+                               p["last_page_len"].tolist(), p["sm_scale"], p.get("causal", False))
+        return out.to(q.dtype)
+
+
+class _FakeDecode(_FakeWrapper):
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, **kwargs: Any) -> None:
+        self._plan(dict(kv_indptr=indptr, indices=indices, last_page_len=last_page_len, num_qo_heads=num_qo_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, **kwargs))
+
+
+class _FakePrefill(_FakeWrapper):
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
+        super().__init__(workspace, kv_layout)
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+             page_size: int, **kwargs: Any) -> None:
+        assert qo_indptr.dtype == torch.int32 and kwargs.get("causal") is True
+        self._plan(dict(qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
+                        last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim_qk, page_size=page_size, **kwargs))
+
+
+def _drop_backend_module() -> None:
+    """Forgets the imported backend module (sys.modules and the package attribute that
+    `from lmserver.attention import flashinfer_backend` would reuse)."""
+    import lmserver.attention
+
+    sys.modules.pop(BACKEND_MODULE, None)
+    if hasattr(lmserver.attention, "flashinfer_backend"):
+        delattr(lmserver.attention, "flashinfer_backend")
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    """A fake `flashinfer` in sys.modules (the backend module re-imported over it, dropped after)."""
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode  # type: ignore[attr-defined]
+    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    _drop_backend_module()
+    _FakeWrapper.plans = []
+    yield fake
+    _drop_backend_module()  # NOTE: a later test must not see a backend bound to the fake
+
+
+@pytest.fixture
+def no_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """flashinfer not importable (whether or not it is installed here)."""
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    _drop_backend_module()
+    yield
+    _drop_backend_module()
+
+
+# ---- registration and selection ---------------------------------------------------------------------------
+
+
+def test_registered_only_when_importable(fake_flashinfer: types.ModuleType) -> None:
+    registry = default_registry()
+    assert "flashinfer" in registry.names()
+    from lmserver.attention.flashinfer_backend import FlashInferBackend
+
+    assert FlashInferBackend.supports_cuda_graph is False
+    assert AttentionBackend.supports_cuda_graph is True
+
+
+def test_missing_package_names_it(no_flashinfer: None) -> None:
+    registry = default_registry()
+    assert "flashinfer" not in registry.names() and "torch_native" in registry.names()
+    pool = KVPool(16, 1, 1, 8, torch.float32, "cpu")
+    with pytest.raises(UnknownAttentionBackendError, match=r"flashinfer-python"):
+        registry.create("flashinfer", pool, make_req_to_token(2, 8, "cpu"))
+    # an explicit choice is passed through; only `auto` chooses
+    assert resolve.resolve_attention_backend("flashinfer", "cuda") == "flashinfer"
+
+
+@pytest.mark.parametrize("prefers", [False, True])
+def test_auto_choice_with_flashinfer(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                     prefers: bool) -> None:
+    monkeypatch.setattr(resolve, "AUTO_PREFERS_FLASHINFER", prefers)
+    triton = "triton" in default_registry().names()
+    assert resolve.resolve_attention_backend("auto", "cuda") == (
+        "flashinfer" if prefers else "triton" if triton else "torch_native"
+    )
+    assert resolve.resolve_attention_backend("auto", "cpu") == "torch_native"
+    assert resolve.resolve_attention_backend("triton", "cuda") == "triton"
+
+
+@pytest.mark.parametrize("prefers", [False, True])
+def test_auto_choice_without_flashinfer(no_flashinfer: None, monkeypatch: pytest.MonkeyPatch, prefers: bool) -> None:
+    monkeypatch.setattr(resolve, "AUTO_PREFERS_FLASHINFER", prefers)
+    triton = "triton" in default_registry().names()
+    assert resolve.resolve_attention_backend("auto", "cuda") == ("triton" if triton else "torch_native")
+
+
+def test_auto_default_is_triton() -> None:
+    """The shipped constant: `auto` does not pick the never-run backend yet."""
+    assert resolve.AUTO_PREFERS_FLASHINFER is False
+
+
+def test_graph_runner_falls_back_to_eager(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    from lmserver.attention import flashinfer_backend
+    from lmserver.engine import cuda_graph
+
+    monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
+    monkeypatch.setenv(cuda_graph.EAGER_GRAPHS_ENV, "1")  # CPU runners would get graphs
+    pool = KVPool(16, 1, 1, 8, torch.bfloat16, "cpu")
+    backend = flashinfer_backend.FlashInferBackend(pool, make_req_to_token(2, 8, "cpu"))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), attn_backend=backend)
+    config = types.SimpleNamespace(disable_cuda_graph=False, enable_tp_cuda_graph=False, cuda_graph_max_bs=4,
+                                   max_running_requests=4)
+    with caplog.at_level(logging.WARNING, logger=cuda_graph.__name__):
+        assert cuda_graph.maybe_decode_graph_runner(config, runner) is None  # type: ignore[arg-type]
+    assert "'flashinfer' attention backend cannot plan inside a captured graph" in caplog.text
+
+
+def test_cpu_and_float32_are_refused(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmserver.attention import flashinfer_backend
+
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        flashinfer_backend.FlashInferBackend(KVPool(16, 1, 1, 8, torch.bfloat16, "cpu"), make_req_to_token(2, 8, "cpu"))
+    monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        flashinfer_backend.FlashInferBackend(KVPool(16, 1, 1, 8, torch.float32, "cpu"), make_req_to_token(2, 8, "cpu"))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "want"), [(4, 4, False), (8, 4, False), (32, 8, False),
+                                                          (9, 3, True), (64, 8, True)])
+def test_tensor_core_decode_choice(fake_flashinfer: types.ModuleType, heads: int, kv_heads: int, want: bool) -> None:
+    from lmserver.attention.flashinfer_backend import use_tensor_cores_for_decode
+
+    assert use_tensor_cores_for_decode(heads, kv_heads) is want
+
+
+# ---- numerics: a chunked prefill with cached prefixes, then decode steps ----------------------------------
+
+
+def _batch(mode: ForwardMode, rows: list[int], prefix: list[int], new: list[int], loc: torch.Tensor,
+           device: str) -> ForwardBatch:
+    seq = [p + n for p, n in zip(prefix, new, strict=True)]
+    dev = torch.device(device)
+    batch = ForwardBatch(
+        mode=mode, batch_size=len(rows), input_ids=torch.zeros(sum(new), dtype=torch.int64, device=dev),
+        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new, strict=True)]).to(dev),
+        out_cache_loc=loc.to(dev), req_pool_indices=torch.tensor(rows, device=dev),
+        seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_cpu=seq, req_pool_indices_cpu=rows,
+    )
+    if mode == ForwardMode.EXTEND:
+        starts = [sum(new[:i]) for i in range(len(new))]
+        batch.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=dev)
+        batch.extend_seq_lens = torch.tensor(new, dtype=torch.int32, device=dev)
+        batch.extend_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
+        batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu = prefix, new
+    return batch
+
+
+def _compare(ref_cls: type[AttentionBackend], device: str, shape: tuple[int, int, int], num_slots: int,
+             width: int, chunks: list[list[int]], decode_steps: int, tol: float) -> None:
+    """Runs the same random steps through `ref_cls` and the flashinfer backend on twin pools
+    (random stale contents) and asserts equal outputs (within `tol`) and equal pools."""
+    from lmserver.attention.flashinfer_backend import FlashInferBackend
+
+    heads, kv_heads, dim = shape
+    dtype, layers = torch.bfloat16, 2
+    g = torch.Generator().manual_seed(0)
+    pools = [KVPool(num_slots, layers, kv_heads, dim, dtype, device) for _ in range(2)]
+    for layer_id in range(layers):  # random stale contents: nothing may read an unwritten slot
+        for cache in ("k_cache", "v_cache"):
+            noise = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype)
+            for pool in pools:
+                getattr(pool, cache)[layer_id][1:].copy_(noise[1:])
+    tables = [make_req_to_token(6, width, device) for _ in range(2)]
+    ref, fi = ref_cls(pools[0], tables[0]), FlashInferBackend(pools[1], tables[1])
+    attn = [AttentionLayer(i, heads, kv_heads, dim, dim**-0.5) for i in range(layers)]
+    rows = [4, 0, 2]
+    free = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+    lens = [0, 0, 0]
+    steps: list[tuple[ForwardMode, list[int]]] = [(ForwardMode.EXTEND, c) for c in chunks]
+    steps += [(ForwardMode.DECODE, [1, 1, 1])] * decode_steps
+    for mode, new in steps:
+        active = [i for i in range(3) if new[i] > 0]
+        loc = []
+        for i in active:
+            slots = [free.pop() for _ in range(new[i])]
+            for table in tables:
+                table[rows[i], lens[i] : lens[i] + new[i]] = torch.tensor(slots, dtype=torch.int32)
+            loc += slots
+        args = ([rows[i] for i in active], [lens[i] for i in active], [new[i] for i in active],
+                torch.tensor(loc, dtype=torch.int64), device)
+        ref.plan(_batch(mode, *args))
+        fi.plan(_batch(mode, *args))
+        total = sum(new)
+        for layer in attn:
+            q = torch.randn(total, heads, dim, generator=g).to(dtype).to(device)
+            k = torch.randn(total, kv_heads, dim, generator=g).to(dtype).to(device)
+            v = torch.randn(total, kv_heads, dim, generator=g).to(dtype).to(device)
+            want = ref.forward(q, k, v, layer)
+            got = fi.forward(q, k, v, layer)
+            assert got.shape == want.shape == (total, heads * dim)
+            assert rel_error(got, want) < tol, f"{mode} layer {layer.layer_id}: {rel_error(got, want)}"
+        for i in active:
+            lens[i] += new[i]
+    for layer_id in range(layers):
+        assert torch.equal(pools[0].k_cache[layer_id], pools[1].k_cache[layer_id])
+        assert torch.equal(pools[0].v_cache[layer_id], pools[1].v_cache[layer_id])
+
+
+@pytest.mark.parametrize("shape", [pytest.param((9, 3, 16), id="group3"), pytest.param((8, 4, 16), id="group2")])
+def test_indices_match_torch_native_through_fake(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                 shape: tuple[int, int, int]) -> None:
+    """The page lists, indptrs and causal alignment the backend hands flashinfer, checked through
+    a fake with flashinfer's documented semantics against torch_native; one plan per forward."""
+    from lmserver.attention import flashinfer_backend
+
+    monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
+    _compare(TorchNativeBackend, "cpu", shape, num_slots=300, width=128, chunks=[[30, 5, 17], [0, 40, 1]],
+             decode_steps=3, tol=1.6e-2)
+    plans = _FakeWrapper.plans
+    assert len(plans) == 5  # 2 extends + 3 decodes: planned once per forward, not per layer
+    assert [type(p["wrapper"]) for p in plans] == [_FakePrefill] * 2 + [_FakeDecode] * 3
+    want_tc = flashinfer_backend.use_tensor_cores_for_decode(shape[0], shape[1])
+    assert all(p["wrapper"].use_tensor_cores is want_tc for p in plans[2:])
+    for p in plans:  # host metadata (no device sync in flashinfer's plan), the layer's scale
+        assert p["kv_indptr"].device.type == "cpu" and p["last_page_len"].device.type == "cpu"
+        assert p["sm_scale"] == shape[2] ** -0.5 and p["q_data_type"] == torch.bfloat16
+
+
+SHAPES = [pytest.param((9, 3, 64), id="smollm2"), pytest.param((32, 8, 128), id="llama3-8b")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_flashinfer_matches_triton_on_gpu(shape: tuple[int, int, int]) -> None:
+    """The real flashinfer kernels against the triton backend: long cached prefixes, chunked
+    extends, then decode steps (bf16)."""
+    pytest.importorskip("flashinfer")
+    _drop_backend_module()  # NOTE: a CPU test may have bound it to the fake
+    from lmserver.attention.triton_backend import TritonBackend
+
+    _compare(TritonBackend, "cuda", shape, num_slots=20000, width=8192, chunks=[[3000, 512, 1], [700, 0, 2000]],
+             decode_steps=3, tol=1.6e-2)
