@@ -9,6 +9,7 @@ import logging
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -315,6 +316,48 @@ def test_indices_match_torch_native_through_fake(fake_flashinfer: types.ModuleTy
         assert p["sm_scale"] == shape[2] ** -0.5 and p["q_data_type"] == torch.bfloat16
 
 
+def test_engine_with_fake_flashinfer(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                     tmp_path: Path) -> None:
+    """The whole engine path through the backend (CPU, the fake, a tiny random Llama with GQA
+    group 3): radix-cache prefix hits, chunked prefill (extends over a cached prefix), mixed
+    batches and batched decodes; greedy tokens equal torch_native's."""
+    transformers = pytest.importorskip("transformers")
+    from lmserver.attention import flashinfer_backend
+    from lmserver.default_model import default_model_path
+    from lmserver.engine.offline import Engine
+
+    monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
+    # NOTE: float32 (the fake computes in float32) so the two runs agree token for token
+    monkeypatch.setattr(flashinfer_backend, "SUPPORTED_DTYPES", (torch.float32,))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                                      eos_token_id=2, bos_token_id=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so greedy paths are not flat
+        for p in model.parameters():
+            p.mul_(8.0)
+    model.save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(str(default_model_path())).save_pretrained(tmp_path)
+    prompts = [[5, 17, 300, 41, 9] * 6, [5, 17, 300, 41, 9] * 6 + [77, 78], [1000 + i for i in range(13)]]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    outputs = {}
+    for backend in ("torch_native", "flashinfer"):
+        engine = Engine(str(tmp_path), dtype="float32", attention_backend=backend, max_total_tokens=512,
+                        chunked_prefill_size=16)
+        try:
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            assert isinstance(outs, list)
+            outputs[backend] = [o["output_ids"] for o in outs]
+            assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+        finally:
+            engine.shutdown()
+    assert outputs["flashinfer"] == outputs["torch_native"]
+    plans = _FakeWrapper.plans
+    assert {type(p["wrapper"]) for p in plans} == {_FakePrefill, _FakeDecode}
+    assert any(int(p["kv_indptr"][-1]) > int(p["qo_indptr"][-1]) for p in plans if "qo_indptr" in p)  # a prefix
+
+
 SHAPES = [pytest.param((9, 3, 64), id="smollm2"), pytest.param((32, 8, 128), id="llama3-8b")]
 
 
@@ -329,3 +372,26 @@ def test_flashinfer_matches_triton_on_gpu(shape: tuple[int, int, int]) -> None:
 
     _compare(TritonBackend, "cuda", shape, num_slots=20000, width=8192, chunks=[[3000, 512, 1], [700, 0, 2000]],
              decode_steps=3, tol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_engine_runs_flashinfer_eagerly_on_gpu() -> None:
+    """End to end (SmolLM2, bf16): the engine takes the flashinfer backend (triton beside it) and
+    its decode graphs fall back to eager."""
+    pytest.importorskip("flashinfer")
+    _drop_backend_module()
+    from lmserver.engine.offline import Engine
+
+    prompts = ["The capital of France is", "List three colors:", "def fib(n):"]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    outputs = {}
+    for backend in ("triton", "flashinfer"):
+        engine = Engine(dtype="bfloat16", attention_backend=backend, cuda_graph_max_bs=4, max_total_tokens=8192)
+        assert engine.core.resolved_config.attention_backend == backend
+        assert (engine.core.runner.cuda_graph is None) == (backend == "flashinfer")
+        outputs[backend] = [o["output_ids"] for o in engine.generate(prompts, params)]
+        engine.shutdown()
+    # NOTE: no token comparison: bf16 rounding may flip a near-tie (seen on CPU between torch_native
+    # and float32 attention); the kernel test above is the numerical oracle, and the CPU engine test
+    # with the fake checks the integration token for token in float32.
+    assert all(len(ids) == 16 for ids in outputs["flashinfer"])
