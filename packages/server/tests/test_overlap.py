@@ -83,6 +83,7 @@ def _check_accounting(core: EngineCore) -> None:
 
 def _run(core: EngineCore, script: Script, overlap: bool, tag: str) -> dict[str, Any]:
     """Runs `script` from an empty cache; returns per-request tokens, text, finish reason."""
+    core.step()  # lands a launch whose requests all ended (an aborted one's)
     assert core.flush_cache()
     core.scheduler.new_token_ratio = NEW_TOKEN_RATIO_INIT
     core.overlap = overlap
@@ -219,3 +220,26 @@ def test_chained_launches_do_not_wait_for_the_gpu_and_match_serial() -> None:
         ("bias", "List three colors:", _greedy(16, logit_bias={"30": 2.0})),
     ], abort=None)
     _compare(gpu, script)
+
+
+def test_offline_engine_is_idle_after_generate() -> None:
+    """Engine.generate returns with nothing in flight (the last step's extra rows landed)."""
+    from lmserver.engine.offline import Engine
+
+    engine = Engine(dtype="float32", max_total_tokens=2048, enable_overlap_schedule=True)
+    try:
+        prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+        params = [_greedy(n) for n in (6, 9, 12)]
+        outs = {}
+        for overlap in (True, False):
+            engine.core.overlap = overlap
+            assert engine.flush_cache()
+            got = engine.generate(prompts, params)
+            assert isinstance(got, list)
+            outs[overlap] = [o["output_ids"] for o in got]
+            assert not engine.core.has_work()
+            engine.core.check_memory_invariant()
+        assert outs[True] == outs[False]
+        assert engine.core.get_stats()["overlap_steps"] > 0
+    finally:
+        engine.shutdown()

@@ -75,6 +75,7 @@ def _accounting(core: EngineCore) -> None:
 def _run(core: EngineCore, reqs: list[dict[str, Any]], events: list[tuple[Any, ...]], overlap: bool) -> dict[str, Any]:
     for rid in list(core.states):  # a failed example may leave requests behind
         core.abort_request(rid)
+    core.step()  # lands a launch whose requests all ended (an aborted one's)
     while core.has_work():
         core.step()
     assert core.flush_cache()

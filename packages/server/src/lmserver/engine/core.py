@@ -226,8 +226,9 @@ class EngineCore:
         self._pending.append(self._output(state, finished=True, reason={"type": "abort", "message": "aborted"}))
 
     def has_work(self) -> bool:
+        # NOTE: a launch whose requests all ended is not work: the next step lands it first
         return (self.scheduler.has_work() or bool(self._pending) or self.constrained.num_waiting > 0
-                or self._inflight is not None)
+                or (self._inflight is not None and self._inflight.alive(self.states)))
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -246,7 +247,11 @@ class EngineCore:
                 self._inflight = self._launch(decision, ids, rounds, ratio)  # before prev lands
                 self._counters["overlap_steps"] += 1
             outputs.extend(self._land(prev))
-            if self._inflight is not None:
+            nxt = self._inflight
+            if nxt is not None and not nxt.alive(self.states):  # prev finished every request of nxt
+                self._inflight = None
+                self._land(nxt)  # nothing to overlap with: lands now (and undoes its schedule)
+            if nxt is not None:
                 return outputs
         if self.constrained.num_waiting:
             outputs.extend(self._admit_constrained())

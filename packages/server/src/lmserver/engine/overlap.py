@@ -92,6 +92,10 @@ class Launched:
             self.event.synchronize()
         return [int(t) for t in self.host_ids.tolist()]
 
+    def alive(self, states: dict[str, _ReqState]) -> bool:
+        """True while some row's request is still live (its token will be used). Pure."""
+        return any(states.get(s.req.rid) is s for s in self.states)
+
     def undo_phantom(self, scheduler: Scheduler) -> None:
         """Restores the scheduler's round counter and new-token ratio to before this launch's
         schedule (a chained decode whose requests all ended before it landed)."""
