@@ -362,3 +362,23 @@ def test_declined_forced_text_is_not_retokenized_every_step(monkeypatch: pytest.
     assert plans == [1, 4] and d.mode == "extend"
     assert _text(s) == "a:qrstuvwxyz" and s.grammar is not None and s.grammar.jump_forward_tokens == 8
     assert s.grammar.declined is None
+
+
+def test_same_forced_text_is_planned_once_across_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = _Loop(100)
+    reqs = [loop.add(f"r{i}", LONG, seed=0) for i in range(3)]
+    plans = []
+    real = ReqGrammar.plan_jump
+
+    def counting(self: ReqGrammar, output_ids: Any, max_new: int) -> Any:
+        plans.append(len(output_ids))
+        return real(self, output_ids, max_new)
+
+    monkeypatch.setattr(ReqGrammar, "plan_jump", counting)
+    loop.sched.commit(loop.cd.schedule(loop.sched))
+    for s in reqs:
+        _sampled(loop, s, TOKEN[b"b"])
+    assert plans == [1] and [loop.cd._deferred[s.sreq.rid][2] for s in reqs] == [11, 11, 11]
+    loop.cd.jump_forward_min_tokens = 4  # 33 > 3 * 3: made, each planned in its own context now
+    d = loop.cd.schedule(loop.sched)
+    assert d.mode == "extend" and plans == [1, 1, 1] and all(_text(s) == "b:qrstuvwxyz" for s in reqs)

@@ -17,6 +17,7 @@ The engine-side request state is duck-typed (`EngineCore`'s `_ReqState`): `req`,
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ IndexOrError = Any  # cfsm.Index (ready) or GrammarError (failed)
 
 # the detokenizer re-decodes this many kept tokens before a jump to find the new text
 _DECODE_CONTEXT = 4
+# forced texts whose jump size is remembered (ConstrainedDecoding._sizes)
+_SIZE_CACHE = 4096
 
 
 class ConstrainedDecoding:
@@ -59,6 +62,9 @@ class ConstrainedDecoding:
         # jumps the policy left to the next schedule(): rid -> (state, plan or None (planned
         # there), its net new tokens (estimated without a plan), len(output_ids) at the decision)
         self._deferred: dict[str, tuple[Any, JumpForward | None, int, int]] = {}
+        # (id of the grammar index, forced text) -> (net new tokens, the grammar ends after it),
+        # from earlier plans; only for estimates (an evicted index's id may come back)
+        self._sizes: OrderedDict[tuple[int, str], tuple[int, bool]] = OrderedDict()
         self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "jump_forward_declined": 0,
                       "grammar_errors": 0}
 
@@ -171,16 +177,24 @@ class ConstrainedDecoding:
         deferrable = not (p.stop or p.stop_regex)
         extend_pending = bool(scheduler.prefilling)
         remaining = sreq.max_new_tokens - len(sreq.output_ids)
-        estimate = self._estimate_after_decline(g, len(sreq.output_ids))
-        if estimate is not None and decoding and deferrable and not extend_pending and not self.policy.always:
-            # NOTE: the rest of a forced text whose jump was declined: the retokenization
-            # (about 0.1-0.3 ms of host time) waits until a round's jumps are made
-            if estimate >= 1:
-                self._deferred[sreq.rid] = (state, None, estimate, len(sreq.output_ids))
-            return None
+        if decoding and deferrable and not extend_pending and not self.policy.always:
+            # NOTE: a jump that may be declined is not retokenized (about 0.1-0.3 ms of host
+            # time) when its size is known: the rest of this request's declined forced text, or
+            # the same forced text planned before (a batch over one schema); it is planned when
+            # a round's jumps are made. Estimates never change what is appended.
+            estimate = self._estimate_after_decline(g, len(sreq.output_ids))
+            if estimate is None:
+                known = self._sizes.get((id(g.index), g.forced_text()))
+                if known is not None and not known[1]:
+                    estimate = min(known[0], remaining - 1)
+            if estimate is not None:
+                if estimate >= 1:
+                    self._deferred[sreq.rid] = (state, None, estimate, len(sreq.output_ids))
+                return None
         jump = g.plan_jump(sreq.output_ids, remaining)
         if jump is None:
             return None
+        self._remember_size(g, jump)
         ends = jump.finishes or jump.num_new_tokens >= remaining
         decision = self.policy.now(jump.num_new_tokens, decoding=decoding, ends_request=ends,
                                    extend_pending=extend_pending, deferrable=deferrable)
@@ -192,6 +206,15 @@ class ConstrainedDecoding:
             g.declined = (g.forced_text(), jump.num_new_tokens, len(sreq.output_ids))
             return None
         return self._jump(scheduler, state, jump)
+
+    def _remember_size(self, g: ReqGrammar, jump: JumpForward) -> None:
+        """Records the net tokens of the jump over `jump.text` and whether it ends the grammar.
+        Mutates the size cache (bounded)."""
+        key = (id(g.index), jump.text)
+        self._sizes[key] = (jump.num_new_tokens, jump.finishes)
+        self._sizes.move_to_end(key)
+        if len(self._sizes) > _SIZE_CACHE:
+            self._sizes.popitem(last=False)
 
     @staticmethod
     def _estimate_after_decline(g: ReqGrammar, num_output: int) -> int | None:
@@ -220,8 +243,8 @@ class ConstrainedDecoding:
         if not self.policy.batch([n for _, _, n in live], len(scheduler.running),
                                  extend_pending=bool(scheduler.prefilling) or waiting_admissible):
             self.stats["jump_forward_declined"] += len(live)
-            for st, j, n in live:
-                if j is not None:  # a fresh plan: later steps of its forced text estimate from it
+            for st, _, n in live:
+                if st.grammar.declined is None:  # later steps of its forced text estimate from it
                     st.grammar.declined = (st.grammar.forced_text(), n, len(st.sreq.output_ids))
             return
         for st, j, _ in live:
@@ -229,6 +252,8 @@ class ConstrainedDecoding:
             if j is None:
                 sreq = st.sreq
                 j = st.grammar.plan_jump(sreq.output_ids, sreq.max_new_tokens - len(sreq.output_ids))
+                if j is not None:
+                    self._remember_size(st.grammar, j)
                 if j is None or j.finishes or j.num_new_tokens >= sreq.max_new_tokens - len(sreq.output_ids):
                     continue  # NOTE: an ending jump must come with a sampled token (EngineCore finishes it)
             reason = self._jump(scheduler, st, j)
