@@ -195,7 +195,7 @@ def test_graphs_are_off_on_cpu_when_disabled_and_with_tensor_parallelism(caplog:
     runner.device = torch.device("cuda")  # only the flags are read before capturing
     with caplog.at_level(logging.INFO, logger="lmserver.engine.cuda_graph"):
         assert maybe_decode_graph_runner(rc.replace(disable_cuda_graph=True), runner) is None
-        assert maybe_decode_graph_runner(rc, runner, tp_size=2) is None
+        assert maybe_decode_graph_runner(rc.replace(enable_tp_cuda_graph=False), runner, tp_size=2) is None
     assert "--disable-cuda-graph" in caplog.text and "tp_size=2" in caplog.text
 
 

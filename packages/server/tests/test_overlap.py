@@ -188,9 +188,18 @@ def test_eager_graphs_mixed_workload(monkeypatch: pytest.MonkeyPatch) -> None:
     _compare(graphed, MIXED)
 
 
-def test_overlap_is_off_by_default_and_a_config_field() -> None:
-    assert ServerConfig().enable_overlap_schedule is False
+def test_overlap_default_resolves_by_device_and_a_config_field() -> None:
+    from lmserver.engine.resolve import resolve_config
+    from lmserver.models.config import ModelConfig
+
+    assert ServerConfig().enable_overlap_schedule is None  # resolved: on with CUDA and TP 1
     assert ServerConfig(enable_overlap_schedule=True).replace(tp_size=1).enable_overlap_schedule
+    mc = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+                                   "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "num_key_value_heads": 1, "max_position_embeddings": 64})
+    cpu = ServerConfig(device="cpu", max_total_tokens=256)
+    assert resolve_config(cpu, mc, "m").enable_overlap_schedule is False
+    assert resolve_config(cpu.replace(enable_overlap_schedule=True), mc, "m").enable_overlap_schedule is True
 
 
 @pytest.mark.gpu

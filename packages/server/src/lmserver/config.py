@@ -43,10 +43,11 @@ class ServerConfig:
     disable_fused_kernels: bool = _opt(False, "run norms, RoPE and the MLP activation as plain torch ops instead of "
                                               "the fused Triton kernels (CUDA)")
     cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
-    enable_tp_cuda_graph: bool = _opt(False, "capture decode CUDA graphs on every rank under tensor parallelism "
-                                             "(experimental: not yet run on GPUs)")
-    enable_overlap_schedule: bool = _opt(False, "overlap the host work of a decode step (sampling results, detokenizing, "
-                                                "scheduling) with the device forward of the next one")
+    enable_tp_cuda_graph: bool = _opt(True, "capture decode CUDA graphs on every rank under tensor parallelism "
+                                            "(--no-enable-tp-cuda-graph: eager decode under TP)")
+    enable_overlap_schedule: bool | None = _opt(None, "overlap the host work of a decode step (sampling results, "
+                                                      "detokenizing, scheduling) with the device forward of the next "
+                                                      "one; default: on with CUDA and tp_size 1")
     lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")

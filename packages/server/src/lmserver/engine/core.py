@@ -149,6 +149,7 @@ class EngineCore:
         self.constrained = ConstrainedDecoding(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             disable_jump_forward=rc.disable_jump_forward, compile_timeout_s=rc.grammar_compile_timeout_s,
+            jump_forward_min_tokens=rc.jump_forward_min_tokens, device=self.device,
         )
         self.states: dict[str, _ReqState] = {}
         self._pending: list[ReqOutput] = []

@@ -281,7 +281,7 @@ EAGER_GRAPHS_ENV = "LMSERVER_TEST_EAGER_GRAPHS"
 def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size: int = 1) -> DecodeGraphRunner | None:
     """Captures decode graphs for a resolved config, or returns None (logged once) when they are
     off: --disable-cuda-graph, no CUDA device, an attention backend that is not capturable
-    (`supports_cuda_graph` False), or tensor parallelism without --enable-tp-cuda-graph. Under TP
+    (`supports_cuda_graph` False), or tensor parallelism with --no-enable-tp-cuda-graph. Under TP
     every rank calls this at the same point of its start-up with the same config: captures run
     the forward's collectives, so all ranks capture the same sizes in the same order."""
     if config.disable_cuda_graph:
@@ -296,8 +296,7 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
                        "decode runs eagerly", getattr(backend, "name", type(backend).__name__))
         return None
     if tp_size > 1 and not config.enable_tp_cuda_graph:
-        logger.warning("CUDA graphs: off with tp_size=%d (decode runs eagerly; --enable-tp-cuda-graph captures "
-                       "them on every rank)", tp_size)
+        logger.warning("CUDA graphs: off with tp_size=%d (--no-enable-tp-cuda-graph: decode runs eagerly)", tp_size)
         return None
     max_bs = min(config.cuda_graph_max_bs, config.max_running_requests or config.cuda_graph_max_bs)
     if max_bs < 1:

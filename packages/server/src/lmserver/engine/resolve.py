@@ -133,7 +133,11 @@ def resolve_config(
         running = GPU_MAX_RUNNING_REQUESTS if device == "cuda" else CPU_MAX_RUNNING_REQUESTS
         running = max(1, min(running, kv_tokens // 16))
     backend = resolve_attention_backend(config.attention_backend, device)
+    overlap = config.enable_overlap_schedule
+    if overlap is None:  # NOTE: measured on the H200 (benchmarks/RESULTS.md); no gain on CPUs, off under TP
+        overlap = device == "cuda" and config.tp_size == 1
     return config.replace(
+        enable_overlap_schedule=overlap,
         model_path=model_path,
         device=device,
         dtype=dtype,
