@@ -17,15 +17,13 @@ import torch
 
 from lmserver.attention.base import (
     AttentionBackend,
-    AttentionLayer,
     UnknownAttentionBackendError,
     default_registry,
 )
+from lmserver.attention.testing import compare_backends
 from lmserver.attention.torch_native import TorchNativeBackend
 from lmserver.engine import resolve
-from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.kernels.testing import rel_error
 
 BACKEND_MODULE = "lmserver.attention.flashinfer_backend"
 
@@ -226,74 +224,15 @@ def test_tensor_core_decode_choice(fake_flashinfer: types.ModuleType, heads: int
 # ---- numerics: a chunked prefill with cached prefixes, then decode steps ----------------------------------
 
 
-def _batch(mode: ForwardMode, rows: list[int], prefix: list[int], new: list[int], loc: torch.Tensor,
-           device: str) -> ForwardBatch:
-    seq = [p + n for p, n in zip(prefix, new, strict=True)]
-    dev = torch.device(device)
-    batch = ForwardBatch(
-        mode=mode, batch_size=len(rows), input_ids=torch.zeros(sum(new), dtype=torch.int64, device=dev),
-        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new, strict=True)]).to(dev),
-        out_cache_loc=loc.to(dev), req_pool_indices=torch.tensor(rows, device=dev),
-        seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_cpu=seq, req_pool_indices_cpu=rows,
-    )
-    if mode == ForwardMode.EXTEND:
-        starts = [sum(new[:i]) for i in range(len(new))]
-        batch.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=dev)
-        batch.extend_seq_lens = torch.tensor(new, dtype=torch.int32, device=dev)
-        batch.extend_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
-        batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu = prefix, new
-    return batch
-
-
 def _compare(ref_cls: type[AttentionBackend], device: str, shape: tuple[int, int, int], num_slots: int,
              width: int, chunks: list[list[int]], decode_steps: int, tol: float) -> None:
-    """Runs the same random steps through `ref_cls` and the flashinfer backend on twin pools
-    (random stale contents) and asserts equal outputs (within `tol`) and equal pools."""
+    """The same random steps through `ref_cls` and the flashinfer backend (bf16, padding slot 0
+    left zero): equal outputs within `tol` and equal pools (lmserver.attention.testing)."""
     from lmserver.attention.flashinfer_backend import FlashInferBackend
 
-    heads, kv_heads, dim = shape
-    dtype, layers = torch.bfloat16, 2
-    g = torch.Generator().manual_seed(0)
-    pools = [KVPool(num_slots, layers, kv_heads, dim, dtype, device) for _ in range(2)]
-    for layer_id in range(layers):  # random stale contents: nothing may read an unwritten slot
-        for cache in ("k_cache", "v_cache"):
-            noise = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype)
-            for pool in pools:
-                getattr(pool, cache)[layer_id][1:].copy_(noise[1:])
-    tables = [make_req_to_token(6, width, device) for _ in range(2)]
-    ref, fi = ref_cls(pools[0], tables[0]), FlashInferBackend(pools[1], tables[1])
-    attn = [AttentionLayer(i, heads, kv_heads, dim, dim**-0.5) for i in range(layers)]
-    rows = [4, 0, 2]
-    free = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
-    lens = [0, 0, 0]
-    steps: list[tuple[ForwardMode, list[int]]] = [(ForwardMode.EXTEND, c) for c in chunks]
-    steps += [(ForwardMode.DECODE, [1, 1, 1])] * decode_steps
-    for mode, new in steps:
-        active = [i for i in range(3) if new[i] > 0]
-        loc = []
-        for i in active:
-            slots = [free.pop() for _ in range(new[i])]
-            for table in tables:
-                table[rows[i], lens[i] : lens[i] + new[i]] = torch.tensor(slots, dtype=torch.int32)
-            loc += slots
-        args = ([rows[i] for i in active], [lens[i] for i in active], [new[i] for i in active],
-                torch.tensor(loc, dtype=torch.int64), device)
-        ref.plan(_batch(mode, *args))
-        fi.plan(_batch(mode, *args))
-        total = sum(new)
-        for layer in attn:
-            q = torch.randn(total, heads, dim, generator=g).to(dtype).to(device)
-            k = torch.randn(total, kv_heads, dim, generator=g).to(dtype).to(device)
-            v = torch.randn(total, kv_heads, dim, generator=g).to(dtype).to(device)
-            want = ref.forward(q, k, v, layer)
-            got = fi.forward(q, k, v, layer)
-            assert got.shape == want.shape == (total, heads * dim)
-            assert rel_error(got, want) < tol, f"{mode} layer {layer.layer_id}: {rel_error(got, want)}"
-        for i in active:
-            lens[i] += new[i]
-    for layer_id in range(layers):
-        assert torch.equal(pools[0].k_cache[layer_id], pools[1].k_cache[layer_id])
-        assert torch.equal(pools[0].v_cache[layer_id], pools[1].v_cache[layer_id])
+    compare_backends(ref_cls, FlashInferBackend, device=device, shape=shape, dtype=torch.bfloat16,
+                     num_slots=num_slots, width=width, chunks=chunks, decode_steps=decode_steps, tol=tol,
+                     stale_padding_slot=False)
 
 
 @pytest.mark.parametrize("shape", [pytest.param((9, 3, 16), id="group3"), pytest.param((8, 4, 16), id="group2")])
