@@ -6,7 +6,7 @@ import re
 
 import pytest
 import regex
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cfsm import UnsupportedRegexError
@@ -41,11 +41,21 @@ _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Hea
 @_SETTINGS
 @given(pattern=_patterns(), data=st.data())
 def test_dfa_accepts_exactly_what_regex_fullmatch_accepts(pattern: str, data: st.DataObject) -> None:
+    # NOTE: the oracle lets a scoped (?i:...) reach Unicode property classes outside its group:
+    # regex.fullmatch(r"(\P{Ll}|(?i:a))", "Z") is None although "Z" is not Ll (test below).
+    assume(not ("(?i:" in pattern and ("\\p{" in pattern or "\\P{" in pattern)))
     dfa = build_dfa(parse_regex(pattern))
     compiled = regex.compile(pattern)
     strings = data.draw(st.lists(st.text(_ALPHABET, max_size=6), min_size=20, max_size=20))
     for s in strings:
         assert dfa.fullmatch(s.encode()) == (compiled.fullmatch(s) is not None), (pattern, s)
+
+
+def test_scoped_case_folding_stays_in_its_group() -> None:
+    """Standard scoping, where the `regex` oracle differs (why the property test skips these)."""
+    dfa = build_dfa(parse_regex(r"(\P{Ll}|(?i:a))"))
+    assert [s for s in ["Z", "a", "A", "b", "1"] if dfa.fullmatch(s.encode())] == ["Z", "a", "A", "1"]
+    assert regex.fullmatch(r"(?:\P{Ll}|a)", "Z")  # the same class without the scoped flag: Z matches
 
 
 @pytest.mark.parametrize(
