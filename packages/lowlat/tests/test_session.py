@@ -111,6 +111,19 @@ def test_require_mode_raises_with_all_reasons() -> None:
     assert isinstance(again, Unsupported) and again.reasons == info.value.reasons and str(again) == str(info.value)
 
 
+def test_require_of_a_named_plugin_names_it_and_only_its_reasons() -> None:
+    req = Requirements(vendor="nvidia")
+    reg = Registry([fake_spec("gpu-only", requirements=req), fake_spec("other")])
+    s = Session(LowlatConfig(mode="require", plugins=("gpu-only",)), reg)
+    with pytest.raises(Unsupported) as info:
+        s.configure(fake_setup(vendor="cpu"))
+    assert info.value.plugin == "gpu-only" and "'gpu-only'" in str(info.value)
+    assert info.value.reasons and all(r.startswith("gpu-only: ") for r in info.value.reasons)  # not "other: excluded"
+    missing = Session(LowlatConfig(mode="require", plugins=("absent",)), Registry([fake_spec("other")]))
+    with pytest.raises(Unsupported, match=r"absent: not registered \(registered: other\)"):
+        missing.configure(fake_setup())
+
+
 def test_check_model_turns_a_plugin_off_and_the_next_one_wins() -> None:
     def refuse(model: Any) -> tuple[str, ...]:
         return ("qkv has a bias",) if model == "biased" else ()

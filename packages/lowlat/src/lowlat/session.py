@@ -372,9 +372,17 @@ class Session:
             raise Unsupported(spec.name, reasons)
 
     def _rank_reasons(self) -> tuple[str, ...]:
-        """Why this rank has no plugin: every refused plugin's reasons. Pure."""
-        reasons = tuple(f"{v.plugin}: {r}" for v in self.verdicts.values() for r in v.reasons)
-        return reasons or ("no plugin registered",)
+        """Why this rank has no plugin: every refused plugin's reasons (in ``require`` mode with
+        named plugins, only theirs: the others are excluded by that choice). Pure."""
+        named = set(self.config.plugins) if self.config.mode == "require" and self.config.plugins else None
+        reasons = tuple(f"{v.plugin}: {r}" for v in self.verdicts.values()
+                        if named is None or v.plugin in named for r in v.reasons)
+        if reasons:
+            return reasons
+        if named:
+            registered = ", ".join(sorted(self.verdicts)) or "none"
+            return (f"{', '.join(sorted(named))}: not registered (registered: {registered})",)
+        return ("no plugin registered",)
 
     def _require_some_candidate(self) -> None:
         if any(v.status in ("candidate", "selected") for v in self.verdicts.values()):
@@ -384,7 +392,7 @@ class Session:
                 f"{v.plugin}: {', '.join(v.reasons)}" for v in self.verdicts.values()
             ) if self.verdicts else "no plugin registered"
             return
-        exc = Unsupported("any", self._rank_reasons())
+        exc = Unsupported(self.config.plugins[0] if self.config.plugins else "any", self._rank_reasons())
         if self.setup is not None and self.setup.tp_size > 1:
             self._deferred = exc  # raised by agree() on every rank at once
             self._off_reason = "; ".join(exc.reasons)
