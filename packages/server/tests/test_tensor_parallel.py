@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,25 +89,25 @@ def _generate_here(model_path: str, config: dict[str, Any]) -> list[dict[str, An
         engine.shutdown()
 
 
-def _child(box: Any, model_path: str, config: dict[str, Any]) -> None:
+def _child(box: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     try:
-        box.put(("ok", _generate_here(model_path, config)))
+        box.put(("ok", fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - handed to the test process
         box.put(("error", exc))
 
 
-def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
-    """Greedy outputs of an offline Engine run in a fresh spawned process.
+def in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 300, check_exit: bool = False) -> Any:
+    """`fn(*args)` in a fresh spawned process; its result, or its exception raised here.
 
     NOTE: rank 0 of a TP engine joins torch.distributed, starts a follower watchdog thread and
     registers an atexit hook; none of that may live in the pytest process (a leftover there
-    once hung the CI run in an unrelated later test).
+    once hung the CI run in an unrelated later test). `check_exit`: the child must exit with 0.
     """
     ctx = multiprocessing.get_context("spawn")
     box = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(box, model_path, config), name="tp-test-rank0")
+    proc = ctx.Process(target=_child, args=(box, fn, args), name="tp-test-rank0")
     proc.start()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     try:
         while True:
             try:
@@ -117,12 +118,20 @@ def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
                     raise RuntimeError(f"the engine process gave no result (exit status {proc.exitcode})") from None
     finally:
         proc.join(timeout=60)
+        exitcode = proc.exitcode
         if proc.is_alive():
             proc.kill()
             proc.join()
+    if check_exit:
+        assert exitcode == 0, f"rank 0's process did not exit cleanly ({exitcode})"
     if status == "error":
         raise value
-    return value  # type: ignore[no-any-return]
+    return value
+
+
+def _generate(model_path: str, **config: Any) -> list[dict[str, Any]]:
+    """Greedy outputs of an offline Engine run in a fresh spawned process (see `in_child`)."""
+    return in_child(_generate_here, model_path, config)  # type: ignore[no-any-return]
 
 
 def _assert_same(tp1: list[dict[str, Any]], tp2: list[dict[str, Any]]) -> None:

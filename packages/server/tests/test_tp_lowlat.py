@@ -10,9 +10,6 @@ Oracle: the same tiny model with TP=1 and lowlat off, greedy.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import queue
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,13 @@ from lowlat import Coverage, ForwardMeta, KVCache, PluginSpec, Registry, Require
 from lowlat.build import BuildContext, Built
 from lowlat.reference import reference_decoder_layer
 from lowlat.spec import Step
-from packages.server.tests.test_tensor_parallel import FAMILIES, _assert_same, _generate, _model_folder
+from packages.server.tests.test_tensor_parallel import (
+    FAMILIES,
+    _assert_same,
+    _generate,
+    _model_folder,
+    in_child,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -130,38 +133,9 @@ def _start_fails(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins:
     raise AssertionError("start-up did not fail")
 
 
-def _child(box: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    try:
-        box.put(("ok", fn(*args)))
-    except BaseException as exc:  # noqa: BLE001 - handed to the test process
-        box.put(("error", exc))
-
-
 def _in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 300) -> Any:
-    """`fn(*args)` in a fresh spawned process (rank 0 must not live in pytest; see test_tensor_parallel)."""
-    ctx = multiprocessing.get_context("spawn")
-    box = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(box, fn, args), name="tp-lowlat-rank0")
-    proc.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                status, value = box.get(timeout=1)
-                break
-            except queue.Empty:
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"the engine process gave no result (exit status {proc.exitcode})") from None
-    finally:
-        proc.join(timeout=60)
-        exitcode = proc.exitcode
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert exitcode == 0, f"rank 0's process did not exit cleanly ({exitcode})"
-    if status == "error":
-        raise value
-    return value
+    """`fn(*args)` in a fresh spawned process that must exit cleanly (see test_tensor_parallel)."""
+    return in_child(fn, *args, timeout_s=timeout_s, check_exit=True)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +207,7 @@ def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp
         srv.start(timeout_s=300)
     assert srv.proc.poll() not in (None, 0)
     log = srv.log_tail(200)
-    assert "lowlat plugin 'any' is unsupported here" in log and "nvidia: needs TP size in [1], server uses 2" in log
+    assert "lowlat plugin 'nvidia' is unsupported here" in log and "nvidia: needs TP size in [1], server uses 2" in log
 
 
 def test_the_agreed_workspace_comes_off_each_ranks_kv_budget_in_its_own_slots() -> None:
