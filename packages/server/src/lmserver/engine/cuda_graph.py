@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
-from lmserver.engine.model_runner import host_tensor
+from lmserver.engine.model_runner import host_tensor, to_device
 from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
 
 if TYPE_CHECKING:
@@ -256,7 +256,7 @@ class DecodeGraphRunner:
         assert padded is not None, f"batch size {bs} has no captured graph"
         step = pad_decode(decision.items, padded, self.pad_row)
         if step.table[2]:
-            table = host_tensor(step.table, torch.int64, self.device).to(self.device, non_blocking=True)  # (3, k)
+            table = to_device(step.table, torch.int64, self.device)  # (3, k)
             self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
         self.ints[:, :padded].copy_(host_tensor(step.ints, torch.int64, self.device), non_blocking=True)
         self.seq_lens[:padded].copy_(host_tensor(step.seq_lens, torch.int32, self.device), non_blocking=True)

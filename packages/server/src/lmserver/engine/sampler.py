@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmserver.engine.model_runner import pinned_for
 from lmserver.engine.model_runner import to_device as _dev
 from lmserver.io_struct import SamplingParams
 
@@ -111,7 +112,7 @@ def sample_tensor(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tens
     kept = sorted_probs.masked_fill(drop, 0.0)
     cdf = kept.cumsum(dim=-1)
     u = torch.cat([torch.rand(1, generator=infos[i].generator) for i in idx])
-    u = (u.pin_memory() if device.type == "cuda" else u).to(device, non_blocking=True)
+    u = pinned_for(u, device).to(device, non_blocking=True)
     target = u * cdf[:, -1]
     pick = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
     # NOTE: a pick past the last kept token (u * total rounding) falls back to the last kept one
