@@ -238,8 +238,7 @@ class ConstrainedDecoding:
         live = [(st, j, n) for st, j, n, n_out in deferred.values() if self._unchanged(scheduler, st.sreq, n_out)]
         if not live:
             return
-        waiting_admissible = bool(scheduler.waiting) and bool(scheduler.free_rows) and (
-            scheduler.num_active < scheduler.max_running_requests)
+        waiting_admissible = bool(scheduler.waiting) and scheduler.has_free_row
         if not self.policy.batch([n for _, _, n in live], len(scheduler.running),
                                  extend_pending=bool(scheduler.prefilling) or waiting_admissible):
             self.stats["jump_forward_declined"] += len(live)

@@ -130,7 +130,7 @@ def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, _ReqStat
     if compiling or scheduler.prefilling or not scheduler.running:
         return False
     if scheduler.waiting:  # admission must stay impossible after prev lands
-        if scheduler.num_active < scheduler.max_running_requests and scheduler.free_rows:
+        if scheduler.has_free_row:
             return False
         if any(may_finish(states[r.rid]) for r in scheduler.running if r.rid in states):
             return False

@@ -135,6 +135,12 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self.running) + len(self.prefilling)
 
+    @property
+    def has_free_row(self) -> bool:
+        """True when one more request can be admitted now (under max_running_requests, a free
+        request-table row). Pure."""
+        return self.num_active < self.max_running_requests and bool(self.free_rows)
+
     # --- scheduling -----------------------------------------------------------------------
 
     def schedule(self) -> ScheduleDecision:
@@ -176,7 +182,7 @@ class Scheduler:
         # 2. admit waiting requests in policy order
         admitted: list[Req] = []
         for req in order_waiting(self.waiting, self.kv, self.schedule_policy, self.aging_rounds):
-            if self.num_active >= self.max_running_requests or not self.free_rows:
+            if not self.has_free_row:
                 break
             if chunk_left <= 0 or prefill_left <= 0:
                 break
