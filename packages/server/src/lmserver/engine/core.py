@@ -293,10 +293,14 @@ class EngineCore:
             if launched.chained:
                 launched.undo_phantom(self.scheduler)
             return []
-        self._recent.append((time.monotonic(), len(live)))
-        self._counters["generation_tokens"] += len(live)
+        return self._append_sampled(live)
+
+    def _append_sampled(self, rows: list[tuple[_ReqState, int]]) -> list[ReqOutput]:
+        """Appends one sampled token per (request, token) row; counts them; returns the outputs."""
+        self._recent.append((time.monotonic(), len(rows)))
+        self._counters["generation_tokens"] += len(rows)
         outputs: list[ReqOutput] = []
-        for state, token in live:
+        for state, token in rows:
             out = self._append_token(state, token)
             if out is not None:
                 outputs.append(out)
@@ -359,13 +363,7 @@ class EngineCore:
             next_ids = sample(processed, infos)
             if want_lp:
                 self._record_output_logprobs(raw, sample_states, next_ids)
-            now = time.monotonic()
-            self._recent.append((now, len(next_ids)))
-            self._counters["generation_tokens"] += len(next_ids)
-            for state, token in zip(sample_states, next_ids, strict=True):
-                out = self._append_token(state, token)
-                if out is not None:
-                    outputs.append(out)
+            outputs.extend(self._append_sampled(list(zip(sample_states, next_ids, strict=True))))
         for sreq in completed:
             done_state = self.states.get(sreq.rid)
             if done_state is None:
