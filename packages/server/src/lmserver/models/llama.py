@@ -17,12 +17,12 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmserver.attention.base import AttentionLayer
 from lmserver.engine.forward_batch import ForwardBatch
 from lmserver.kernels.dispatch import KernelOps
+from lmserver.layers.activation import silu_and_mul_
 from lmserver.layers.moe import MoE
 from lmserver.layers.norm import RMSNorm
 from lmserver.layers.rotary import RotaryEmbedding
@@ -133,10 +133,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
         if self.kernels is not None:
             return self.down_proj(self.kernels.silu_and_mul(gate_up))  # type: ignore[no-any-return]
-        d = gate_up.shape[-1] // 2
-        # NOTE: in place (= silu_and_mul): no new (T, inter) buffers; down_proj reads the strided half
-        gate = F.silu(gate_up[..., :d], inplace=True).mul_(gate_up[..., d:])
-        return self.down_proj(gate)  # type: ignore[no-any-return]
+        # NOTE: in place: no new (T, inter) buffer; down_proj reads the strided half
+        return self.down_proj(silu_and_mul_(gate_up))  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):
