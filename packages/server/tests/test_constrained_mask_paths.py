@@ -9,12 +9,11 @@ interpreter needs TRITON_INTERPRET=1 before triton is imported, so the cases run
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from lmserver.kernels.testing import pytest_under_interpreter
 
 pytest.importorskip("triton")
 
@@ -58,14 +57,7 @@ def test_interpret_kernel_path_equals_torch_path() -> None:
 
 @pytest.mark.skipif(INTERPRET, reason="the parent of the interpreter child")
 def test_mask_paths_under_interpreter() -> None:
-    root = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k != "LMSYS_GPU_ONLY"}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root),
-         "-k", "interpret_kernel_path", str(Path(__file__))],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = pytest_under_interpreter(__file__, select="interpret_kernel_path", timeout_s=300)
     summary = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, summary
     assert "1 passed" in proc.stdout, summary

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +31,7 @@ from lmserver.engine.cuda_graph import (
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
 from lmserver.engine.resolve import ConfigError, estimate_weight_bytes, resolve_kv_tokens
+from lmserver.kernels.testing import pytest_under_interpreter
 from lmserver.model_loader import load_model
 from lmserver.models.config import ModelConfig
 from lmserver.scheduler import ForwardItem, ScheduleDecision
@@ -162,14 +160,7 @@ def test_triton_backend_under_interpreter() -> None:
     graph runner, on the CPU under Triton's interpreter, in a child (it must be set before
     triton is imported)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k != "LMSYS_GPU_ONLY"}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--rootdir", str(root),
-         "-k", "interpret", __file__],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = pytest_under_interpreter(__file__)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 

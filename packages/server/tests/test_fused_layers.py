@@ -12,9 +12,6 @@ the plain torch path, on one model switched between the two paths (`use_kernels`
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +21,7 @@ from lmserver.attention.base import default_registry
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
 from lmserver.kernels import KernelOps, native_kernels, select_kernels
+from lmserver.kernels.testing import pytest_under_interpreter
 from lmserver.model_loader import load_model, select_layer_kernels
 from lmserver.models.config import ModelConfig
 from lmserver.scheduler import ForwardItem, ScheduleDecision
@@ -227,14 +225,7 @@ def test_triton_layers_match_the_torch_path(device: str) -> None:
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_triton_layers_on_the_cpu_in_a_child_process() -> None:
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k != "LMSYS_GPU_ONLY"}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--rootdir", str(root),
-         "-k", "interpret", str(Path(__file__))],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = pytest_under_interpreter(__file__)
     summary = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, summary
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary

@@ -6,12 +6,11 @@ and the other tests of this session keep the normal Triton.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from lmserver.kernels.testing import pytest_under_interpreter
 
 pytest.importorskip("triton")
 
@@ -19,15 +18,8 @@ pytest.importorskip("triton")
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter() -> None:
     tests = Path(__file__).with_name("test_kernels_triton.py")
-    root = Path(__file__).resolve().parents[3]
-    env = {k: v for k, v in os.environ.items() if k != "LMSYS_GPU_ONLY"}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--rootdir", str(root),
-         "-k", "interpret", str(tests), str(tests.with_name("test_kernels_triton_backend.py")),
-         str(tests.with_name("test_kernels_triton_model.py"))],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = pytest_under_interpreter(tests, tests.with_name("test_kernels_triton_backend.py"),
+                                    tests.with_name("test_kernels_triton_model.py"))
     summary = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, summary
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary

@@ -6,11 +6,15 @@ permutation of slots per request (slot 0 stays padding), request rows in `req_to
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["PagedBatch", "random_paged_batch", "rel_error"]
+__all__ = ["PagedBatch", "pytest_under_interpreter", "random_paged_batch", "rel_error"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,19 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(diff).all():
         return float("inf")
     return float(diff.norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def pytest_under_interpreter(*test_files: str | Path, select: str = "interpret",
+                             timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    """Runs pytest on `test_files` (the tests matching `-k select`, GPU-marked ones deselected) in
+    a child process with TRITON_INTERPRET=1 and no visible GPU: the interpreter must be chosen
+    before triton is imported. The repository root is three folders above the first file
+    (`packages/<pkg>/tests/<file>`). Returns the finished process (output captured)."""
+    root = Path(test_files[0]).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k != "LMSYS_GPU_ONLY"}
+    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--rootdir", str(root),
+         "-k", select, *map(str, test_files)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s,
+    )
