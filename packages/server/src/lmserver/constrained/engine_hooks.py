@@ -195,7 +195,7 @@ class ConstrainedDecoding:
         if jump is None:
             return None
         self._remember_size(g, jump)
-        ends = jump.finishes or jump.num_new_tokens >= remaining
+        ends = jump.ends_request(remaining)
         decision = self.policy.now(jump.num_new_tokens, decoding=decoding, ends_request=ends,
                                    extend_pending=extend_pending, deferrable=deferrable)
         if decision == "defer":
@@ -253,7 +253,7 @@ class ConstrainedDecoding:
                 j = st.grammar.plan_jump(sreq.output_ids, sreq.max_new_tokens - len(sreq.output_ids))
                 if j is not None:
                     self._remember_size(st.grammar, j)
-                if j is None or j.finishes or j.num_new_tokens >= sreq.max_new_tokens - len(sreq.output_ids):
+                if j is None or j.ends_request(sreq.max_new_tokens - len(sreq.output_ids)):
                     continue  # NOTE: an ending jump must come with a sampled token (EngineCore finishes it)
             reason = self._jump(scheduler, st, j)
             if reason is not None:  # pragma: no cover - deferrable jumps neither end nor match stops

@@ -33,6 +33,11 @@ class JumpForward:
         """Net growth of the output (tokens not produced by the model)."""
         return len(self.token_ids) - self.num_rollback
 
+    def ends_request(self, remaining: int) -> bool:
+        """True when the request is over after it: the grammar is complete, or it uses the
+        `remaining` new-token budget. Pure."""
+        return self.finishes or self.num_new_tokens >= remaining
+
 
 class ReqGrammar:
     """The grammar state of one request. Not thread-safe (the engine loop owns it)."""
