@@ -6,6 +6,13 @@ the hit-rate reference), sends the same shuffled shared-prefix workload through 
 (sum cached_tokens / sum prompt_tokens, as the server reports them per request).
 
     python benchmarks/router/bench_dp_router.py [--groups 8 --per-group 8 ...] [--json out.json]
+
+On GPUs (each replica on its own GPU: `--dp-size` narrows CUDA_VISIBLE_DEVICES per replica), e.g. the
+Llama-3-8B shape with dummy weights:
+
+    python benchmarks/router/bench_dp_router.py --groups 64 --per-group 16 --system-words 2000 \
+        --question-words 100 --output-len 32 --concurrency 64 --max-total-tokens 100000 \
+        --context-length 4096 --server-args "--model-path MODEL_DIR --load-format dummy --dtype bfloat16"
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import argparse
 import concurrent.futures
 import json
 import random
+import shlex
 import time
 from typing import Any
 
@@ -72,9 +80,10 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
         "--router-policy",
         policy,
         "--context-length",
-        "2048",
+        str(args.context_length),
         "--max-total-tokens",
         str(args.max_total_tokens),
+        *shlex.split(args.server_args),
     ]
     srv = ServerProcess(server_args, core=None, env={"OMP_NUM_THREADS": str(args.threads)}).start(
         timeout_s=900
@@ -120,18 +129,25 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-total-tokens", type=int, default=2600, help="KV slots per replica")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--server-args", default="", help="more `lmserver serve` options (model, dtype, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="cache_aware,round_robin")
     p.add_argument("--no-single", action="store_true", help="skip the single-replica reference")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     prompts = make_workload(args.groups, args.per_group, args.system_words, args.question_words, args.seed)
-    runs = [] if args.no_single else [run_policy(args, prompts, 1, "cache_aware")]
-    runs += [run_policy(args, prompts, 2, pol) for pol in args.policies.split(",")]
+    plan = ([] if args.no_single else [(1, "cache_aware")]) + [(2, pol) for pol in args.policies.split(",")]
+    runs = []
+    for dp_size, policy in plan:
+        runs.append(run_policy(args, prompts, dp_size, policy))
+        r = runs[-1]
+        print(f"done: {dp_size} replica(s), {policy}: {r['req_per_s']:.2f} req/s, hit rate {r['hit_rate']:.3f}, "
+              f"{r['seconds']:.1f} s", flush=True)
     print(
         f"\nshared prefix: {args.groups} groups x {args.per_group} prompts, ~{args.system_words}-word system "
         f"prompt, {args.output_len} output tokens, concurrency {args.concurrency}, "
-        f"{args.max_total_tokens} KV slots per replica"
+        f"{args.max_total_tokens} KV slots per replica {args.server_args}"
     )
     print(f"{'replicas':>8} {'policy':>14} {'req/s':>8} {'out tok/s':>10} {'hit rate':>9} {'seconds':>8}")
     for r in runs:

@@ -1,7 +1,10 @@
 """Data parallelism: `--dp-size N` runs N single-replica servers behind the router.
 
 Replica i listens on `port + 1 + i` (same host) and runs the same config with `dp_size=1`;
-the router (`lmserver.router`) serves on `port`. SIGINT/SIGTERM stop the router and every
+the router (`lmserver.router`) serves on `port`. On CUDA each replica gets its own `tp_size` GPUs
+through CUDA_VISIBLE_DEVICES (replica i: the i-th group of `tp_size` of the visible GPUs), so
+`--dp-size 2` on a two-GPU host puts one replica on each; with fewer GPUs than `dp_size * tp_size`
+the groups wrap around and replicas share GPUs (logged). SIGINT/SIGTERM stop the router and every
 replica. A replica that dies is dropped by the router's health checks; when all of them are
 gone the whole server exits non-zero instead of hanging.
 """
@@ -41,14 +44,50 @@ def replica_args(config: ServerConfig, index: int) -> list[str]:
     return args
 
 
+def replica_gpus(index: int, tp_size: int, visible: list[str]) -> list[str]:
+    """The GPUs (entries of `visible`, the parent's CUDA device list) of replica `index`: the
+    index-th group of `tp_size`, wrapping around when there are fewer than needed. Pure."""
+    if not visible:
+        return []
+    n = len(visible)
+    return [visible[(index * tp_size + k) % n] for k in range(tp_size)]
+
+
+def visible_cuda_devices(environ: dict[str, str]) -> list[str]:
+    """The CUDA devices this process may use, as CUDA_VISIBLE_DEVICES entries: the variable's
+    list when set, else 0..count-1 (torch's count; no CUDA context is created)."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def replica_env(config: ServerConfig, index: int, environ: dict[str, str], visible: list[str]) -> dict[str, str]:
+    """The environment of replica `index`: the parent's, with CUDA_VISIBLE_DEVICES narrowed to the
+    replica's GPUs when the server runs on CUDA and GPUs are visible. Pure."""
+    env = dict(environ)
+    if config.device != "cpu" and visible:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus(index, config.tp_size, visible))
+    return env
+
+
 def launch_dp(config: ServerConfig) -> int:
     """Starts the replicas, waits until each prints its ready line, then runs the router."""
     from lmserver.router.app import RouterConfig, serve
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    visible = [] if config.device == "cpu" else visible_cuda_devices(dict(os.environ))
+    if visible and len(visible) < config.dp_size * config.tp_size:
+        logger.warning("%d replicas x tp_size %d need %d GPUs, %d visible: replicas share GPUs",
+                       config.dp_size, config.tp_size, config.dp_size * config.tp_size, len(visible))
+    envs = [replica_env(config, i, dict(os.environ), visible) for i in range(config.dp_size)]
+    for i, env in enumerate(envs):
+        if "CUDA_VISIBLE_DEVICES" in env and visible:
+            logger.info("replica %d: CUDA_VISIBLE_DEVICES=%s", i, env["CUDA_VISIBLE_DEVICES"])
     procs = [
         subprocess.Popen([sys.executable, "-m", "lmserver", "serve", *replica_args(config, i)],
-                         stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+                         stdout=subprocess.PIPE, text=True, env=envs[i])
         for i in range(config.dp_size)
     ]
     urls = [f"http://{config.host}:{config.port + 1 + i}" for i in range(config.dp_size)]
