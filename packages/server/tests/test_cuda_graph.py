@@ -252,3 +252,16 @@ def test_engine_greedy_output_same_with_and_without_cuda_graphs() -> None:
         texts[disable] = [o["output_ids"] for o in engine.generate(prompts, params)]
         engine.shutdown()
     assert texts[True] == texts[False]
+
+
+def test_graph_max_bs_auto_depends_on_gpu_memory_and_running_requests() -> None:
+    from lmserver.engine.resolve import resolve_cuda_graph_max_bs
+
+    h200, l4 = 141 << 30, 24 << 30
+    assert resolve_cuda_graph_max_bs(None, "cuda", h200, 256) == 256
+    assert resolve_cuda_graph_max_bs(None, "cuda", h200, 48) == 48  # never above max_running_requests
+    assert resolve_cuda_graph_max_bs(None, "cuda", l4, 256) == 32
+    assert resolve_cuda_graph_max_bs(None, "cpu", 0, 64) == 32
+    assert resolve_cuda_graph_max_bs(16, "cuda", h200, 256) == 16  # an explicit value wins
+    with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
+        resolve_cuda_graph_max_bs(0, "cuda", h200, 256)

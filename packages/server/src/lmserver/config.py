@@ -42,7 +42,8 @@ class ServerConfig:
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     disable_fused_kernels: bool = _opt(False, "run norms, RoPE and the MLP activation as plain torch ops instead of "
                                               "the fused Triton kernels (CUDA)")
-    cuda_graph_max_bs: int = _opt(32, "largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (auto: 256 on GPUs "
+                                                "with >= 64 GiB, else 32; at most max_running_requests)")
     enable_tp_cuda_graph: bool = _opt(True, "capture decode CUDA graphs on every rank under tensor parallelism "
                                             "(--no-enable-tp-cuda-graph: eager decode under TP)")
     enable_overlap_schedule: bool | None = _opt(None, "overlap the host work of a decode step (sampling results, "

@@ -298,7 +298,8 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
     if tp_size > 1 and not config.enable_tp_cuda_graph:
         logger.warning("CUDA graphs: off with tp_size=%d (--no-enable-tp-cuda-graph: decode runs eagerly)", tp_size)
         return None
-    max_bs = min(config.cuda_graph_max_bs, config.max_running_requests or config.cuda_graph_max_bs)
+    requested = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else 32  # resolved: always set
+    max_bs = min(requested, config.max_running_requests or requested)
     if max_bs < 1:
         raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
     graphs = DecodeGraphRunner(runner, max_bs, graph_factory=EagerGraph if runner.device.type != "cuda" else None)

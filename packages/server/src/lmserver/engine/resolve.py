@@ -19,6 +19,11 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 CPU_KV_BUDGET_BYTES = 1 << 30  # CPU default: at most 1 GiB of KV cache
 CPU_MAX_RUNNING_REQUESTS = 64
 GPU_MAX_RUNNING_REQUESTS = 256
+# Decode graphs: large-memory GPUs capture up to the default running batch (decode at 128-256 rows
+# was eager and ~2x slower per step on the H200, benchmarks/RESULTS.md); smaller ones keep 32.
+LARGE_GPU_BYTES = 64 << 30
+LARGE_GPU_GRAPH_MAX_BS = 256
+SMALL_GPU_GRAPH_MAX_BS = 32
 
 
 class ConfigError(ValueError):
@@ -73,6 +78,17 @@ def resolve_attention_backend(requested: str, device: str) -> str:
     if AUTO_PREFERS_FLASHINFER and "flashinfer" in names:
         return "flashinfer"
     return "triton" if "triton" in names else "torch_native"
+
+
+def resolve_cuda_graph_max_bs(requested: int | None, device: str, gpu_bytes: int, max_running: int) -> int:
+    """The largest decode batch to capture: `requested`, else 256 on a CUDA device with at least
+    LARGE_GPU_BYTES of memory and 32 otherwise; never above `max_running`. Pure."""
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {requested}")
+        return min(requested, max_running)
+    large = device == "cuda" and gpu_bytes >= LARGE_GPU_BYTES
+    return min(LARGE_GPU_GRAPH_MAX_BS if large else SMALL_GPU_GRAPH_MAX_BS, max_running)
 
 
 def resolve_kv_tokens(
@@ -132,6 +148,8 @@ def resolve_config(
     if running is None:
         running = GPU_MAX_RUNNING_REQUESTS if device == "cuda" else CPU_MAX_RUNNING_REQUESTS
         running = max(1, min(running, kv_tokens // 16))
+    gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if device == "cuda" else 0
+    graph_max_bs = resolve_cuda_graph_max_bs(config.cuda_graph_max_bs, device, gpu_bytes, running)
     backend = resolve_attention_backend(config.attention_backend, device)
     overlap = config.enable_overlap_schedule
     if overlap is None:  # NOTE: measured on the H200 (benchmarks/RESULTS.md); no gain on CPUs, off under TP
@@ -144,6 +162,7 @@ def resolve_config(
         max_total_tokens=kv_tokens,
         context_length=context,
         max_running_requests=running,
+        cuda_graph_max_bs=graph_max_bs,
         attention_backend=backend,
         mem_fraction_static=config.mem_fraction_static or (DEFAULT_MEM_FRACTION_STATIC if device == "cuda" else None),
     )
