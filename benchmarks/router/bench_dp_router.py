@@ -97,6 +97,13 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
                 r.raise_for_status()
                 return r.json()["meta_info"]  # type: ignore[no-any-return]
 
+            # warm-up on each replica directly (kernel compilation is not part of the measurement);
+            # its tokens share nothing with the workload's prompts
+            replicas = [f"http://127.0.0.1:{srv.port + 1 + i}" for i in range(dp_size)] if dp_size > 1 else [srv.base_url]
+            for url in replicas:
+                httpx.post(f"{url}/generate", json={"text": "warm up " * 40, "sampling_params": params},
+                           timeout=600).raise_for_status()
+                httpx.post(f"{url}/flush_cache", timeout=60)
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
                 metas = list(pool.map(one, prompts))
