@@ -2,7 +2,8 @@
 Triton kernel of lmserver.kernels.bitmask (CUDA logits), here under Triton's interpreter.
 
 Oracle: the torch path (itself checked against `Guide.advance` in test_constrained_unit.py);
-the kernel path must give bit-identical masked logits, unconstrained rows untouched. The
+the kernel path must give bit-identical masked logits, unconstrained rows untouched, in one
+phase and in two (`prepare`, then `apply`; a grammar that moved in between is refilled). The
 interpreter needs TRITON_INTERPRET=1 before triton is imported, so the cases run in a child.
 """
 
@@ -48,11 +49,26 @@ def test_interpret_kernel_path_equals_torch_path() -> None:
         ref = BatchMasker(vocab.size).apply(logits.clone(), batch)
         got = BatchMasker(vocab.size, kernel_on_cpu=True).apply(logits.clone(), batch)
         assert torch.equal(got, ref), (rows, dtype)
+        # two phases: prepared while the forward would run, then applied
+        masker = BatchMasker(vocab.size, kernel_on_cpu=True)
+        masker.prepare(batch, "cpu")
+        assert torch.equal(masker.apply(logits.clone(), batch), ref), (rows, dtype)
+        assert (masker.num_prepared_used, masker.num_stale_rows) == (1, 0)
         for i, r in enumerate(rows):
             if r is None:
                 assert torch.equal(got[i], logits[i])
             else:
                 assert torch.isinf(got[i]).any() and torch.isfinite(got[i]).any()
+    # a grammar that moves between prepare and apply (a sampled token): its row is refilled
+    g = ReqGrammar(cfsm.compile_regex(r"[0-9]{2,4}", vocab), encode)
+    batch = [None, g, grammars[0]]
+    logits = torch.randn(3, vocab.size, generator=gen)
+    masker = BatchMasker(vocab.size, kernel_on_cpu=True)
+    masker.prepare(batch, "cpu")
+    assert g.accept(encode("7")[0])
+    got = masker.apply(logits.clone(), batch)
+    assert torch.equal(got, BatchMasker(vocab.size).apply(logits.clone(), batch))
+    assert (masker.num_prepared_used, masker.num_stale_rows) == (0, 1)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the parent of the interpreter child")

@@ -144,6 +144,15 @@ class ConstrainedDecoding:
 
     # --- sampling -----------------------------------------------------------------------------------
 
+    def prepare_masks(self, states: Sequence[Any], device: torch.device) -> None:
+        """Fills the mask of the sampling rows `states` (and on CUDA starts its copy) while the
+        device runs the forward; `apply_masks` on the same rows then only launches the apply.
+        The grammar states are final here: tokens were accepted and jumps made (`after_token`,
+        `schedule()`) before the forward was scheduled; a row whose state still moves is
+        refilled by `apply_masks` (BatchMasker's invariant)."""
+        self._device_type = device.type
+        self.masker.prepare([s.grammar for s in states], device)
+
     def apply_masks(self, logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
         """Masks the rows of constrained `states` in `logits` (B, V), in place; returns it."""
         self._device_type = logits.device.type

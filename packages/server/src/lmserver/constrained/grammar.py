@@ -58,6 +58,14 @@ class ReqGrammar:
         """Writes this request's allowed-token bitmask into `out[row]`. Mutates `out`."""
         self.guide.fill_mask(out, row)
 
+    def mask_key(self) -> tuple[cfsm.Index, int, bool]:
+        """What this request's mask depends on: (index, DFA state, finished). Equal keys (the
+        index by identity) give equal masks, so a mask filled earlier may be used while the key
+        is unchanged. Pure."""
+        g = self.guide
+        # NOTE: `_finished` (EOS accepted) is what cfsm's own fill reads besides the state
+        return (g.index, g.state, g._finished)
+
     def accept(self, token_id: int) -> bool:
         """Advances the guide over a sampled token; False (state unchanged) if the grammar
         rejects it. Mutates the guide."""

@@ -24,7 +24,7 @@ from lmserver.config import ServerConfig
 from lmserver.constrained import ConstrainedDecoding, grammar_key
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner
+from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
 from lmserver.engine.resolve import resolve_config
 from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor
@@ -347,19 +347,26 @@ class EngineCore:
                 sample_rows.append(row + n_rows - 1)
                 sample_states.append(state)
             row += n_rows
+        if any(s.grammar is not None for s in sample_states):
+            # NOTE: the masks are filled (and copied) here, while the device runs the forward:
+            # nothing before sampling's read-back waits for the device
+            self.constrained.prepare_masks(sample_states, logits.device)
         completed = self.scheduler.commit(decision)
         if input_lp_rows:
             self._record_input_logprobs(logits, input_lp_rows)
         outputs: list[ReqOutput] = []
         if sample_rows:
-            raw = logits[sample_rows]
+            # NOTE: a list index would copy it from pageable memory, which waits for the forward
+            raw = logits if len(sample_rows) == logits.shape[0] else logits.index_select(
+                0, to_device(sample_rows, torch.long, logits.device))
             infos = [s.info for s in sample_states]
             processed = apply_penalties(raw, infos)
             want_lp = [s for s in sample_states if s.req.return_logprob]
             if any(s.grammar is not None for s in sample_states):
                 if processed is raw and want_lp:
                     processed = raw.clone()  # logprobs stay those of the model
-                self.constrained.apply_masks(processed, sample_states)
+                with torch.inference_mode():  # masked in place: `raw` may be the forward's logits
+                    self.constrained.apply_masks(processed, sample_states)
             next_ids = sample(processed, infos)
             if want_lp:
                 self._record_output_logprobs(raw, sample_states, next_ids)
