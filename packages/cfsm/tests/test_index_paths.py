@@ -1,9 +1,12 @@
 """The Index's fast paths (chains of counted repeats, shared candidate splits, batched walks,
-depth classes) against its plain path (trie descent per state), on random JSON Schemas."""
+depth classes, JSON string states from the vocabulary's string tables) against its plain path
+(trie descent per state), on random JSON Schemas and string-like regexes."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,9 +19,11 @@ import cfsm.index
 import cfsm.walker
 import cfsm.walks
 from cfsm import Vocabulary
-from cfsm.automaton import build_dfa
+from cfsm.automaton import Dfa, build_dfa
 from cfsm.index import build_index
-from cfsm.json_schema import schema_to_node
+from cfsm.json_schema import json_value_node, schema_to_node
+from cfsm.regex_parser import parse_regex
+from cfsm.templates import match_string_states
 
 _ALPHABET = list('abfnrtu0159"\\/{}[]:,.- ') + ["é", "€", "😀"]
 
@@ -71,10 +76,12 @@ def _plain_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest
         m.setattr(cfsm.walker, "_TINY_PYTHON", -1)
         m.setattr(cfsm.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
         m.setattr(cfsm.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
+        m.setattr(cfsm.index, "_STRING_TABLES", False)  # no per-vocabulary string walks
         return build_index(dfa, vocab)
 
 
-def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
+def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
+                strings: bool = False) -> cfsm.Index:
     # thresholds scaled to the small vocabulary so that every fast path runs (as with 49k tokens)
     with monkeypatch.context() as m:
         m.setattr(cfsm.walker, "_TINY", 60)
@@ -84,6 +91,7 @@ def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.
         m.setattr(cfsm.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
         m.setattr(cfsm.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
         m.setattr(cfsm.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
+        m.setattr(cfsm.index, "_STRING_TABLES", strings)
         return build_index(dfa, vocab)
 
 
@@ -93,7 +101,9 @@ def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypat
     dfa = build_dfa(schema_to_node(schema))
     plain = _plain_index(dfa, _VOCAB, monkeypatch)
     live = np.flatnonzero(plain.mask_row >= 0)
-    for fast in (build_index(dfa, _VOCAB), _fast_index(dfa, _VOCAB, monkeypatch)):
+    fasts = (build_index(dfa, _VOCAB), _fast_index(dfa, _VOCAB, monkeypatch),
+             _fast_index(dfa, _VOCAB, monkeypatch, strings=True))
+    for fast in fasts:
         assert np.array_equal(fast.mask_row >= 0, plain.mask_row >= 0)
         assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
 
@@ -130,3 +140,106 @@ def test_two_byte_starts_hold_exactly_the_tokens_of_each_prefix() -> None:
     assert (np.diff(starts, axis=1) >= 0).all()
     assert np.array_equal(starts[:, 0], tables.first_byte_starts[:-1])
     assert np.array_equal(starts[:, 257], tables.first_byte_starts[1:])
+
+
+# --- JSON string states from the vocabulary's string tables (cfsm.templates) ---
+
+_SVOCAB = _json_vocab(23, 900)
+_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
+
+
+def _both(dfa: Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> tuple[cfsm.Index, cfsm.Index]:
+    with monkeypatch.context() as m:
+        m.setattr(cfsm.index, "_STRING_TABLES", False)
+        generic = build_index(dfa, vocab)
+    return generic, build_index(dfa, vocab)
+
+
+def _assert_same_masks(a: cfsm.Index, b: cfsm.Index) -> None:
+    assert np.array_equal(a.mask_row >= 0, b.mask_row >= 0)
+    live = np.flatnonzero(a.mask_row >= 0)
+    assert np.array_equal(a.masks[a.mask_row[live]], b.masks[b.mask_row[live]])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schema=_SCHEMAS)
+def test_string_tables_give_the_generic_masks_on_random_schemas(schema: dict[str, Any],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    dfa = build_dfa(schema_to_node(schema))
+    _assert_same_masks(*_both(dfa, _SVOCAB, monkeypatch))
+
+
+# JSON-string-like regexes: the exact character language with counted bounds, and near misses
+# (one more or one fewer byte somewhere) that must not be taken for it
+_BODIES = st.sampled_from([
+    _CHAR, r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})', r'([^"\\\x00-\x1e]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])',
+    r'([^"\\\x00-\x1f]|\\["\\/bfnr]|\\u00[01][0-9a-fA-F])', r'([^"\\\x00-\x1f\x7f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])',
+    r'([^"\\\x00-\x1fé]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])', r'([^"\\\x00-\x1f]|\\["\\/bfnrt])'])
+_BOUNDS = st.sampled_from(["*", "+", "{0,3}", "{2,5}", "{4}", "{1,}", "{0,20}", "{3,9}"])
+_AFTER = st.sampled_from(["", "x", ',"k":1', "(,|})", "a*", r'"\w{0,3}', ":[0-9]+"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=_BODIES, bounds=_BOUNDS, after=_AFTER, twice=st.booleans())
+def test_string_tables_on_string_like_regexes(body: str, bounds: str, after: str, twice: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    one = f'"{body}{bounds}"{after}'
+    pattern = f"{one}(;{one})?" if twice else one
+    dfa = build_dfa(parse_regex(pattern))
+    generic, tabled = _both(dfa, _SVOCAB, monkeypatch)
+    _assert_same_masks(generic, tabled)
+    m = match_string_states(dfa, _SVOCAB.string_tables)
+    # near misses are never taken for JSON string text with a character left (a state allowing
+    # only the closing quote, or a pending character before it, may be matched in any grammar)
+    assert ((m.t == _SVOCAB.string_tables.text) & (m.rem >= 1)).any() == (body == _CHAR)
+
+
+def test_string_states_are_matched_with_their_bounds() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 5},
+                                               "b": {"type": "string"}}, "required": ["a", "b"]}
+    dfa = build_dfa(schema_to_node(schema))
+    m = match_string_states(dfa, _SVOCAB.string_tables)
+    text = _SVOCAB.string_tables.text
+    q = dfa.walk(dfa.start, b'{"a":"')
+    assert (m.t[q], m.rem[q], m.need[q]) == (text, 5, 2)
+    q2 = dfa.walk(q, "é\\n".encode())
+    assert (m.t[q2], m.rem[q2], m.need[q2]) == (text, 3, 0)
+    assert m.t[dfa.walk(q2, b"\\")] != text and m.t[dfa.walk(q2, b"\\")] >= 0  # an escape pending
+    assert int(m.cont[q2]) == dfa.walk(q2, b'"')
+    qb = dfa.walk(dfa.start, b'{"a":"xy","b":"')
+    assert m.t[qb] == text and m.rem[qb] >= 1 << 40  # unbounded
+
+
+def test_free_json_string_states_use_the_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    dfa = build_dfa(json_value_node(cfsm.CfsmConfig(json_depth=2)))
+    assert (match_string_states(dfa, _SVOCAB.string_tables).t >= 0).sum() > 10
+    _assert_same_masks(*_both(dfa, _SVOCAB, monkeypatch))
+
+
+def _bench_grammars() -> dict[str, tuple[str, Any, str]] | None:
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "cfsm" / "grammars.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("cfsm_bench_grammars", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.GRAMMARS)
+
+
+def test_benchmark_grammars_on_smollm2_give_the_generic_masks(smollm2_tokenizer: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfsm.hf import vocabulary_from_hf
+
+    grammars = _bench_grammars()
+    if grammars is None:
+        pytest.skip("benchmarks/cfsm is not in this checkout")
+    vocab = vocabulary_from_hf(smollm2_tokenizer)
+    for kind, grammar, _ in grammars.values():
+        if kind == "regex":
+            node = parse_regex(grammar)
+        elif kind == "schema":
+            node = schema_to_node(grammar)
+        else:
+            node = json_value_node(cfsm.CfsmConfig())
+        _assert_same_masks(*_both(build_dfa(node), vocab, monkeypatch))

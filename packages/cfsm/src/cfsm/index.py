@@ -25,6 +25,7 @@ from cfsm.compressed import CompressedFsm
 from cfsm.gcpause import without_gc
 from cfsm.mask_rows import _few_rows, _PrefixRows
 from cfsm.state_classes import _walk_classes
+from cfsm.templates import match_string_states, string_rows
 from cfsm.vocab import Vocabulary
 from cfsm.walker import _Walker
 
@@ -34,7 +35,8 @@ __all__ = ["Index", "build_index"]
 _SHARE_DEPTH = 16
 ## token sets up to this size are packed by scattering bits (larger ones through a bool array)
 _SPARSE_ROW = 2048
-#
+# JSON string states take their masks from the vocabulary's string tables (`templates`)
+_STRING_TABLES = True
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,8 +139,15 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     walker = _Walker(dfa, tables)
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
+    if _STRING_TABLES:
+        match = match_string_states(dfa, vocab.string_tables)
+        generic = match.t[:num_states] < 0
+    else:
+        generic = np.ones(num_states, dtype=bool)
+    others = np.flatnonzero(generic)
     classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
-    _, reps, class_of = np.unique(classes, return_index=True, return_inverse=True)
+    _, reps, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
+    reps = others[reps]
     is_long = tables.lengths > _SHARE_DEPTH
     eos32 = eos.astype(np.int32)
     rows: dict[bytes, int] = {}
@@ -186,11 +195,13 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             r = intern(np.packbits(bits, bitorder="little").view("<u4").copy())
         class_row[k] = r
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
-    mask_row[:num_states] = class_row[class_of.reshape(-1)]
+    mask_row[others] = class_row[class_of.reshape(-1)]
     # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
-    for s_, extra in walker.walk_long(_SHARE_DEPTH).items():
+    for s_, extra in walker.walk_long(_SHARE_DEPTH, generic).items():
         row = row_list[int(mask_row[s_])].view(np.uint32).copy()
         np.bitwise_or.at(row, extra >> 5, np.left_shift(np.uint32(1), (extra & 31).astype(np.uint32)))
         mask_row[s_] = intern(row)
+    if _STRING_TABLES:
+        string_rows(dfa, vocab.string_tables, match, lambda row: intern(row), mask_row)
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)

@@ -6,10 +6,14 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cfsm.errors import VocabularyError
+
+if TYPE_CHECKING:
+    from cfsm.templates import StringTables
 
 __all__ = ["Vocabulary", "TrieTables"]
 
@@ -157,6 +161,22 @@ class Vocabulary:
                           num_chars=np.fromiter((_num_chars(self.tokens[i]) for i in ids), dtype=np.int32,
                                                 count=len(ids)),
                           two_byte_starts=two_byte_starts)
+
+    @functools.cached_property
+    def string_tables(self) -> StringTables:
+        """Every token walked through the JSON string automaton (built once per vocabulary)."""
+        from cfsm.templates import build_string_tables
+
+        return build_string_tables(self.trie_tables, self.mask_words)
+
+    def prepare(self) -> Vocabulary:
+        """Build the per-vocabulary tables now (else on the first compile); returns self.
+
+        Grammar-independent: the sorted trie tables and the JSON string walks.
+        """
+        self.trie_tables  # noqa: B018
+        self.string_tables  # noqa: B018
+        return self
 
     @property
     def mask_words(self) -> int:

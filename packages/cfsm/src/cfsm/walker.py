@@ -159,8 +159,9 @@ class _Walker:
             return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
         return small, np.concatenate(out_owner), np.concatenate(out_pos)
 
-    def walk_long(self, min_len: int) -> dict[int, np.ndarray]:
-        """Token ids longer than `min_len` bytes allowed in each state (states with none left out).
+    def walk_long(self, min_len: int, states: np.ndarray | None = None) -> dict[int, np.ndarray]:
+        """Token ids longer than `min_len` bytes allowed in each state (states with none left out;
+        only the states where the bool mask `states` is set, if given).
 
         States with many such candidates that have a chain (string text) take the ones made
         only of their group's bytes by length, as `walk` does; the other pairs are walked.
@@ -174,7 +175,10 @@ class _Walker:
         # first byte are contiguous (sorted), so pairs expand from (state, byte) ranges
         lead, lead_at = np.unique(first, return_index=True)
         lead_end = np.append(lead_at[1:], len(first))
-        rows, j = np.nonzero(self.trans[:-1][:, lead] != self.dead)  # sorted by state
+        pairs = self.trans[:-1][:, lead] != self.dead
+        if states is not None:
+            pairs &= states[:, None]
+        rows, j = np.nonzero(pairs)  # sorted by state
         sizes = lead_end[j] - lead_at[j]
         total = int(sizes.sum())
         offsets = np.cumsum(sizes) - sizes

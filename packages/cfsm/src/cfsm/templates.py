@@ -1,0 +1,341 @@
+"""JSON string states resolved from per-vocabulary tables (built once per `Vocabulary`).
+
+The text of a JSON string (`JSON_CHAR` repeated, then the closing `"`) is the same small
+automaton T in every schema; only its counter bounds (`minLength`/`maxLength`) and what follows
+the closing quote differ. Per vocabulary, every token is walked through T once from each T
+state: it dies, stays inside the string (after k completed characters, maybe inside a pending
+escape or multi-byte character), or leaves it at a closing quote after k characters with a
+suffix. Per compile, DFA states that behave exactly like T state s with `rem` characters still
+allowed, `need` still required and continuation state c are recognized (`match_string_states`,
+checked transition by transition), and their masks are a precomputed row (stays with at most
+`rem` characters) plus the few leaving tokens whose k fits and whose suffix lives from c.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfsm.automaton import Dfa, build_dfa
+from cfsm.vocab import TrieTables
+
+__all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows"]
+
+# "no upper bound" for `rem` (an unbounded string); decrementing keeps it
+INF = 1 << 40
+# chains of counted-string states longer than this are left to the generic walks
+_MAX_CHAIN = 4096
+
+
+def _t_automaton() -> tuple[np.ndarray, int]:
+    """T as a code table (states, 256): a T state, `EXIT` (= states) or `DEAD` (= states + 1);
+    and the text state (characters complete)."""
+    from cfsm.json_schema import JSON_CHAR
+    from cfsm.regex_ast import Repeat, cat, lit
+
+    dfa = build_dfa(cat(Repeat(JSON_CHAR, 0, None), lit('"')))
+    final = np.flatnonzero(dfa.accepting[:-1])
+    if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any():
+        raise AssertionError("the JSON string automaton has one final state without transitions")
+    live = [q for q in range(dfa.num_states) if q != int(final[0])]
+    code = np.full(dfa.num_states + 1, len(live) + 1, dtype=np.int64)  # DEAD by default
+    code[live] = np.arange(len(live))
+    code[int(final[0])] = len(live)  # EXIT
+    return code[dfa.transitions[live]], int(code[dfa.start])
+
+
+@dataclass(frozen=True, eq=False)
+class StringTables:
+    """Per-vocabulary walks of every token through T (see the module docstring).
+
+    Per T state s: `stay_values[s]` the sorted distinct values v = k + (1 if the token ends
+    inside a character) of the tokens that stay inside, and `stay_rows[s][i]` the mask row
+    (uint32 words) of those with v <= stay_values[s][i]; `exit_ids[s]`, `exit_chars[s]`,
+    `exit_suffix[s]`: token id, characters before the closing quote and suffix id of the tokens
+    that leave. `suffix_columns[d, j]` is byte d of suffix j (-1 past its end).
+    """
+
+    code: np.ndarray  # (num_t, 256) int64: T state, EXIT or DEAD
+    text: int
+    stay_values: tuple[np.ndarray, ...]
+    stay_rows: tuple[np.ndarray, ...]  # (len(stay_values[s]), words) uint32 each
+    exit_ids: tuple[np.ndarray, ...]
+    exit_chars: tuple[np.ndarray, ...]
+    exit_suffix: tuple[np.ndarray, ...]
+    suffix_columns: np.ndarray  # (max suffix length + 1, num suffixes) int16
+
+    @property
+    def num_t(self) -> int:
+        return int(self.code.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(r.nbytes for r in self.stay_rows) + self.suffix_columns.nbytes)
+
+
+def _walk_t(code: np.ndarray, text: int, s: int, tables: TrieTables
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every token from T state s: (positions that stay, their v), (positions that leave, their
+    characters before the quote, the byte index of the quote)."""
+    num_t = code.shape[0]
+    exit_code = num_t
+    n = len(tables.order)
+    idx = np.arange(n, dtype=np.int64)
+    cur = np.full(n, s, dtype=np.int64)
+    k = np.zeros(n, dtype=np.int64)
+    stay_pos, stay_v, exit_pos, exit_k, exit_at = [], [], [], [], []
+    d = 0
+    while idx.size:
+        b = tables.columns[d].take(idx)
+        end = b < 0
+        if end.any():
+            stay_pos.append(idx[end])
+            stay_v.append(k[end] + (cur[end] != text))
+            keep = ~end
+            idx, cur, k, b = idx[keep], cur[keep], k[keep], b[keep]
+        nxt = code[cur, b]
+        out = nxt == exit_code
+        if out.any():
+            exit_pos.append(idx[out])
+            exit_k.append(k[out])
+            exit_at.append(np.full(int(out.sum()), d, dtype=np.int64))
+        keep = nxt < exit_code
+        idx, cur, k = idx[keep], nxt[keep], k[keep] + (nxt[keep] == text)
+        d += 1
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    return cat(stay_pos), cat(stay_v), cat(exit_pos), cat(exit_k), cat(exit_at)
+
+
+def build_string_tables(tables: TrieTables, words: int) -> StringTables:
+    """Walk the vocabulary through T from every T state (once per vocabulary)."""
+    code, text = _t_automaton()
+    suffix_id: dict[bytes, int] = {}
+    stay_values, stay_rows, exit_ids, exit_chars, exit_suffix = [], [], [], [], []
+    for s in range(code.shape[0]):
+        pos, v, epos, ek, eat = _walk_t(code, text, s, tables)
+        order = np.argsort(v, kind="stable")
+        pos, v = pos[order], v[order]
+        values, starts = np.unique(v, return_index=True)
+        rows = np.zeros((len(values), words), dtype=np.uint32)
+        row = np.zeros(words, dtype=np.uint32)
+        bounds = np.append(starts, len(v))
+        for i in range(len(values)):
+            tids = tables.order[pos[bounds[i] : bounds[i + 1]]]
+            np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            rows[i] = row
+        stay_values.append(values.astype(np.int64))
+        stay_rows.append(rows)
+        sufs = [tables.sorted_tokens[p][a + 1 :] for p, a in zip(epos.tolist(), eat.tolist(), strict=True)]
+        exit_ids.append(tables.order[epos].astype(np.int64))
+        exit_chars.append(ek.astype(np.int64))
+        exit_suffix.append(np.array([suffix_id.setdefault(x, len(suffix_id)) for x in sufs], dtype=np.int64))
+    suffixes = list(suffix_id)
+    max_len = max((len(x) for x in suffixes), default=0)
+    cols = np.full((max_len + 1, len(suffixes)), -1, dtype=np.int16)
+    for j, x in enumerate(suffixes):
+        cols[: len(x), j] = np.frombuffer(x, dtype=np.uint8)
+    return StringTables(code=code, text=text, stay_values=tuple(stay_values), stay_rows=tuple(stay_rows),
+                        exit_ids=tuple(exit_ids), exit_chars=tuple(exit_chars),
+                        exit_suffix=tuple(exit_suffix), suffix_columns=cols)
+
+
+@dataclass(frozen=True, eq=False)
+class StringMatch:
+    """DFA states recognized as T states: per DFA state (num_states + 1 entries) the T state
+    (-1: not one), `rem` (characters still allowed, `INF` if unbounded), `need` (still
+    required) and `cont` (the state after the closing quote)."""
+
+    t: np.ndarray
+    rem: np.ndarray
+    need: np.ndarray
+    cont: np.ndarray
+
+
+def _chain_values(a: np.ndarray, base: np.ndarray, known: np.ndarray, inf_self: np.ndarray) -> np.ndarray:
+    """value[q] = base[q] where known, INF where inf_self, else value[a[q]] + 1; -1 if unresolved
+    (a longer chain than `_MAX_CHAIN`, or one leaving the candidates)."""
+    n = len(a)
+    val = np.full(n + 1, -1, dtype=np.int64)  # index n: "not a candidate"
+    val[:n][known] = base[known]
+    val[:n][inf_self & ~known] = INF
+    todo = np.flatnonzero(val[:n] < 0)
+    for _ in range(_MAX_CHAIN):
+        if not len(todo):
+            break
+        succ = val[a[todo]]
+        got = succ >= 0
+        if not got.any():
+            break
+        val[todo[got]] = np.minimum(succ[got] + 1, INF)
+        todo = todo[~got]
+    return val[:n]
+
+
+def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
+    """Recognize the DFA states that behave exactly like a T state (pure).
+
+    Proposes (T state, rem, need, cont) from the text states' chains, then drops every state
+    whose transitions do not all agree with T until the rest is closed: so each kept state's
+    language is exactly T's from its T state, with those bounds, followed by cont's language.
+    """
+    trans = dfa.transitions
+    n = dfa.num_states
+    dead = dfa.dead
+    code, text, num_t = st.code, st.text, st.num_t
+    exit_code = num_t
+    group = np.flatnonzero(code[text] == text)
+    quote = int(np.flatnonzero(code[text] == exit_code)[0])
+    t = np.full(n + 1, -1, dtype=np.int64)
+    rem = np.zeros(n + 1, dtype=np.int64)
+    need = np.zeros(n + 1, dtype=np.int64)
+    cont = np.full(n + 1, dead, dtype=np.int64)
+    if n == 0 or not len(group):
+        return StringMatch(t, rem, need, cont)
+    g0 = trans[:n, group[0]].astype(np.int64)
+    cand = (trans[:n, group] == g0[:, None]).all(axis=1) & ~dfa.accepting[:n]
+    qs = np.flatnonzero(cand)
+    if not len(qs):
+        return StringMatch(t, rem, need, cont)
+    # chains among the candidates: a[i] is the index (in qs) of the state after one character
+    pos_of = np.full(n + 1, len(qs), dtype=np.int64)
+    pos_of[qs] = np.arange(len(qs))
+    nxt = g0[qs]
+    a = pos_of[nxt]
+    r = _chain_values(a, np.zeros(len(qs), np.int64), nxt == dead, nxt == qs)
+    x = trans[qs, quote].astype(np.int64)
+    nd = _chain_values(a, np.zeros(len(qs), np.int64), x != dead, np.zeros(len(qs), bool))
+    # cont: the quote's target where it is open, else the chain's
+    c = np.full(len(qs) + 1, -1, dtype=np.int64)
+    c[:-1][x != dead] = x[x != dead]
+    todo = np.flatnonzero(c[:-1] < 0)
+    for _ in range(_MAX_CHAIN):
+        if not len(todo):
+            break
+        succ = c[a[todo]]
+        got = succ >= 0
+        if not got.any():
+            break
+        c[todo[got]] = succ[got]
+        todo = todo[~got]
+    ok = (r >= 0) & (nd >= 0) & (c[:-1] >= 0)
+    qs, r, nd, c = qs[ok], r[ok], nd[ok], c[:-1][ok]
+    t[qs], rem[qs], need[qs], cont[qs] = text, r, nd, c
+    # pending characters: follow T's edges between non-text states from the text states
+    frontier = [(text, qs[r >= 1])]
+    while frontier:
+        s, src = frontier.pop()
+        for s2 in range(num_t):
+            if s2 == text:
+                continue
+            bs = np.flatnonzero(code[s] == s2)
+            if not len(bs) or not len(src):
+                continue
+            dst = trans[src, bs[0]].astype(np.int64)
+            live = (dst != dead) & (t[dst] < 0)
+            src2, dst = src[live], dst[live]
+            t[dst], rem[dst], need[dst], cont[dst] = s2, rem[src2], need[src2], cont[src2]
+            frontier.append((s2, dst))
+    _verify(dfa, st, t, rem, need, cont)
+    return StringMatch(t, rem, need, cont)
+
+
+def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
+    """Unmark (t = -1) proposed states until every marked one steps exactly like its T state."""
+    trans = dfa.transitions
+    dead = dfa.dead
+    code, text, num_t = st.code, st.text, st.num_t
+    exit_code, dead_code = num_t, num_t + 1
+    # bytes that step alike in the DFA and in T: one representative each
+    rep, byte_class = dfa.byte_classes
+    _, first = np.unique(np.column_stack([byte_class, code.T]), axis=0, return_index=True)
+    reps = np.sort(first)
+    tcode = code[:, reps]  # (num_t, r)
+    t[dead] = -1
+    while True:
+        bad_any = False
+        for s in range(num_t):
+            q = np.flatnonzero(t == s)
+            if not len(q):
+                continue
+            row = tcode[s]
+            tgt = trans[q][:, reps].astype(np.int64)  # (m, r)
+            r, nd, c = rem[q][:, None], need[q][:, None], cont[q][:, None]
+            bad = dfa.accepting[q] | (rem[q] < (0 if s == text else 1))
+            dead_b = row == dead_code
+            bad |= (tgt[:, dead_b] != dead).any(axis=1)
+            ex = row == exit_code
+            if ex.any():
+                want = np.where(nd == 0, c, dead)
+                bad |= (tgt[:, ex] != want).any(axis=1) | ((nd[:, 0] == 0) & (c[:, 0] == dead))
+            inner = row < num_t
+            if inner.any():
+                tg = tgt[:, inner]
+                comp = (row[inner] == text)[None, :]
+                closed = r == 0  # no character may start or complete
+                r2 = np.where(comp, np.where(r >= INF, INF, r - 1), r)
+                n2 = np.where(comp, np.maximum(nd - 1, 0), nd)
+                ok = (t[tg] == row[inner][None, :]) & (rem[tg] == r2) & (need[tg] == n2) & (cont[tg] == c)
+                ok = np.where(closed, tg == dead, ok)
+                bad |= ~ok.all(axis=1)
+            if bad.any():
+                t[q[bad]] = -1
+                bad_any = True
+        if not bad_any:
+            return
+
+
+def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np.ndarray], int],
+                mask_row: np.ndarray) -> None:
+    """Mask rows of the matched states (written into `mask_row`); equal rows interned once."""
+    cont = m.cont
+    states = np.flatnonzero(m.t[: dfa.num_states] >= 0)
+    if not len(states):
+        return
+    # which suffixes live from each continuation: one walk of all (continuation, suffix) pairs
+    conts, c_idx = np.unique(cont[states], return_inverse=True)
+    c_idx = c_idx.reshape(-1)
+    cols = st.suffix_columns
+    num_suf = cols.shape[1]
+    live = np.zeros((len(conts), num_suf), dtype=bool)
+    if num_suf:
+        ci = np.repeat(np.arange(len(conts)), num_suf)
+        sj = np.tile(np.arange(num_suf), len(conts))
+        cur = conts[ci].astype(np.int64)
+        tflat = dfa.transitions.reshape(-1)
+        for d in range(cols.shape[0]):
+            b = cols[d].take(sj)
+            end = b < 0
+            if end.any():
+                live[ci[end], sj[end]] = cur[end] != dfa.dead
+                keep = ~end
+                ci, sj, cur, b = ci[keep], sj[keep], cur[keep], b[keep]
+            if not len(ci):
+                break
+            cur = tflat.take(cur * 256 + b).astype(np.int64)
+    one = np.uint32(1)
+    for s in range(st.num_t):
+        at = np.flatnonzero(m.t[states] == s)
+        if not len(at):
+            continue
+        qs = states[at]
+        rem, need = m.rem[qs], m.need[qs]
+        cut = np.searchsorted(st.stay_values[s], rem, side="right") - 1  # -1: no stay token
+        eids, ek, esuf = st.exit_ids[s], st.exit_chars[s], st.exit_suffix[s]
+        allowed = (ek[None, :] >= need[:, None]) & (ek[None, :] <= rem[:, None]) & live[c_idx[at][:, None], esuf[None, :]]
+        key = np.column_stack([cut, np.packbits(allowed, axis=1).view(np.uint8).astype(np.int64)]) \
+            if len(eids) else cut[:, None]
+        _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        rows = np.empty(len(first), dtype=np.int32)
+        for g, i in enumerate(first.tolist()):
+            k = int(cut[i])
+            row = st.stay_rows[s][k].copy() if k >= 0 else np.zeros(st.stay_rows[s].shape[1], dtype=np.uint32)
+            tids = eids[allowed[i]]
+            if len(tids):
+                np.bitwise_or.at(row, tids >> 5, np.left_shift(one, (tids & 31).astype(np.uint32)))
+            rows[g] = intern(row)
+        mask_row[qs] = rows[inverse.reshape(-1)]
