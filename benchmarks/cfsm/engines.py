@@ -31,7 +31,9 @@ class CfsmEngine:
     def __init__(self, bundle: Bundle) -> None:
         self.bundle = bundle
         self.config = cfsm.CfsmConfig()
-        bundle.vocab.trie_tables  # noqa: B018 - vocabulary preprocessing, timed by the caller
+        # per-vocabulary preparation (trie tables, JSON string walks), timed by the caller as
+        # vocab_prep_ms, like the peers' tokenizer info / compiler / vocabulary construction
+        bundle.vocab.prepare()
 
     def compile(self, kind: str, grammar: Any) -> cfsm.Index:
         if kind == "regex":
