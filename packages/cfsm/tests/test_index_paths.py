@@ -92,6 +92,7 @@ def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.
         m.setattr(cfsm.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
         m.setattr(cfsm.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
         m.setattr(cfsm.index, "_STRING_TABLES", strings)
+        m.setattr(cfsm.index, "_CLASSES_MIN_BROAD", 0)  # walk classes always
         return build_index(dfa, vocab)
 
 

@@ -37,6 +37,10 @@ _SHARE_DEPTH = 16
 _SPARSE_ROW = 2048
 # JSON string states take their masks from the vocabulary's string tables (`templates`)
 _STRING_TABLES = True
+# walk classes are computed (Moore rounds over the whole DFA) only when at least this many of
+# the other states have more candidates than a batched walk takes: few-candidate states are
+# walked together in batches anyway, and the rounds cost more than they save there
+_CLASSES_MIN_BROAD = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,9 +149,12 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     else:
         generic = np.ones(num_states, dtype=bool)
     others = np.flatnonzero(generic)
-    classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
-    _, reps, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
-    reps = others[reps]
+    if walker.num_broad(others) >= _CLASSES_MIN_BROAD:
+        classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
+        _, reps, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
+        reps = others[reps]
+    else:  # every state its own walk
+        reps, class_of = others, np.arange(len(others))
     is_long = tables.lengths > _SHARE_DEPTH
     eos32 = eos.astype(np.int32)
     rows: dict[bytes, int] = {}

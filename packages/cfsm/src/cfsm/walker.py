@@ -108,6 +108,12 @@ class _Walker:
         self._uniform: dict[tuple[int, int, int], bool] = {}
         self._cand: dict[bytes, _Cands] = {}
 
+    def num_broad(self, states: np.ndarray) -> int:
+        """How many of `states` have more candidate tokens than `walk_few` takes."""
+        counts = self.tables.first_byte_counts
+        live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
+        return int(((live * counts[None, :]).sum(axis=1) > _TINY).sum())
+
     def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens of those `states` with few candidates together, in batches.
 
