@@ -168,12 +168,15 @@ def test_prepared_cuda_mask_equals_cpu_mask() -> None:
         pytest.skip("needs a CUDA device")
     rng = random.Random(3)
     gpu_masker = BatchMasker(VOCAB.size)
+    constrained = 0
     for step in range(6):  # reuses the pinned and device buffers across steps, batch sizes vary
         batch = [None if rng.random() < 0.3 else _grammar(rng.randrange(len(PATTERNS)), rng.randrange(5), rng)
                  for _ in range(1 + step % 4)]
         logits = torch.randn(len(batch), VOCAB.size, generator=torch.Generator().manual_seed(step))
         ref = BatchMasker(VOCAB.size).apply(logits.clone(), batch)
+        constrained += any(g is not None for g in batch)
         gpu_masker.prepare(batch, "cuda")
         got = gpu_masker.apply(logits.cuda(), batch).cpu()
         assert torch.equal(got, ref), step
     assert gpu_masker.num_stale_rows == 0
+    assert gpu_masker.num_prepared_used == constrained  # every step used its prepared mask

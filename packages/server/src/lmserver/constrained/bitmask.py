@@ -120,7 +120,10 @@ class BatchMasker:
         grammars' states are final for this sampling (the next `apply` checks it). Mutates the
         buffers."""
         start = time.perf_counter()
-        self._prepare(grammars, torch.device(device))
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # as logits' devices read ("cuda:0")
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._prepare(grammars, device)
         self.prepare_time_s += time.perf_counter() - start
 
     def _prepare(self, grammars: Sequence[ReqGrammar | None], device: torch.device) -> None:
