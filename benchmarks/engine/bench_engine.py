@@ -58,6 +58,37 @@ def make_dataset(name: str, args: argparse.Namespace, vocab: int, special: set[i
     return prompts
 
 
+class StepProfile:
+    """Wall time of each engine step by what it ran (no added synchronization): `decode` (one
+    decode forward; with the overlap schedule the wait for the previous one is in it), `extend`
+    (a forward with prompt tokens), `none` (no forward). Wraps `core.step` and `runner.forward`."""
+
+    def __init__(self, core: Any) -> None:
+        self.core, self.rows = core, {"decode": [0, 0.0, 0], "extend": [0, 0.0, 0], "none": [0, 0.0, 0]}
+        self._kind, self._rows = "none", 0
+        self._forward, self._step = core.runner.forward, core.step
+        core.runner.forward, core.step = self._wrapped_forward, self._wrapped_step
+
+    def _wrapped_forward(self, decision: Any, *args: Any, **kwargs: Any) -> Any:
+        self._kind = "decode" if decision.mode == "decode" and self._kind != "extend" else "extend"
+        self._rows += len(decision.items)
+        return self._forward(decision, *args, **kwargs)
+
+    def _wrapped_step(self) -> Any:
+        self._kind, self._rows = "none", 0
+        start = time.perf_counter()
+        out = self._step()
+        row = self.rows[self._kind]
+        row[0], row[1], row[2] = row[0] + 1, row[1] + time.perf_counter() - start, row[2] + self._rows
+        return out
+
+    def table(self) -> str:
+        lines = ["| step kind | steps | seconds | ms per step | rows per step |", "|---|---|---|---|---|"]
+        for kind, (n, sec, rows) in self.rows.items():
+            lines.append(f"| {kind} | {n} | {sec:.2f} | {1e3 * sec / max(n, 1):.2f} | {rows / max(n, 1):.1f} |")
+        return "\n".join(lines)
+
+
 def run_lmserver(engine: Any, prompts: list[list[int]], output_len: int, overlap: bool = False) -> dict[str, Any]:
     engine.flush_cache()
     engine.core.overlap = overlap
@@ -162,6 +193,8 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", help="'dummy': random weights for the folder's config "
                     "(HF then gets its own random init: token agreement is not compared)")
     ap.add_argument("--disable-radix-cache", action="store_true", help="lmserver without prefix reuse")
+    ap.add_argument("--step-profile", action="store_true",
+                    help="print the wall time of lmserver's engine steps by kind (decode / extend / none)")
     ap.add_argument("--overlap", choices=["off", "on", "both"], default="off",
                     help="lmserver's overlap schedule; both: off and on side by side")
     ap.add_argument("--enable-overlap-schedule", dest="overlap", action="store_const", const="on",
@@ -203,6 +236,7 @@ def main() -> None:
         hf_model.generate(torch.tensor([[100, 200, 300]], device=rc.device), max_new_tokens=2, do_sample=False)
         if args.hf_mode == "generate_batch":
             run_hf_continuous(hf_model, [[100, 200, 300]], 2)  # warm-up of its own path
+    profile = StepProfile(engine.core) if args.step_profile else None
     datasets = ["random", "shared-prefix"] if args.dataset == "both" else [args.dataset]
     rows = []
     for name in datasets:
@@ -225,6 +259,9 @@ def main() -> None:
                     hf_runs.append(run_hf(hf_model, tokenizer, hf_prompts, args.output_len, args.hf_batch_size))
                 print(f"partial: hf {name} run {rep}: {hf_runs[-1]['duration_s']:.2f} s", flush=True)
         print(f"{name}: load average after {load_avg()}", flush=True)
+        if profile is not None:
+            print(f"engine steps of every lmserver run of {name} (warm-up excluded):\n{profile.table()}", flush=True)
+            profile.rows = {k: [0, 0.0, 0] for k in profile.rows}
         for mode in modes:
             rows.append(row("lmserver" + ("+overlap" if mode else ""), name, prompts, ours_by_mode[mode]))
             rows[-1]["same_tokens_as_lmserver"] = "-"
