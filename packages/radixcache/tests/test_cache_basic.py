@@ -245,6 +245,47 @@ def test_touch_prefix_refreshes_lru_without_splitting() -> None:
     cache.check_integrity()
 
 
+def test_version_moves_with_structure_only() -> None:
+    cache = RadixCache()
+    v = cache.version
+    _ins(cache, [1, 2, 3, 4], 10)  # add a leaf
+    assert cache.version > v
+    v = cache.version
+    m = cache.match_prefix([1, 2, 3, 4])  # no split
+    cache.lock(m.last_node)
+    cache.unlock(m.last_node)
+    cache.touch_prefix([1, 2])
+    assert cache.peek_prefix_len([1, 2, 3]) == 3
+    assert cache.version == v  # clocks, hit counts, locks: unchanged
+    cache.match_prefix([1, 2, 9])  # splits [1,2,3,4]
+    assert cache.version > v
+    for change in (lambda: _ins(cache, [1, 2, 3, 4, 5], 30),  # extends a leaf in place
+                   lambda: cache.evict(1),  # trims a tail
+                   lambda: cache.evict(100),  # deletes leaves
+                   lambda: cache.insert([7], [40], extra_key="ns"),  # a new namespace
+                   lambda: cache.reset()):
+        v = cache.version
+        change()
+        assert cache.version > v
+
+
+def test_find_prefix_and_touch_path_act_like_touch_prefix() -> None:
+    a, b = RadixCache(), RadixCache()
+    for cache in (a, b):
+        _ins(cache, [1, 2, 3, 4], 10)
+        _ins(cache, [5, 6], 20)
+    path = a.find_prefix([1, 2, 9])
+    assert (path.length, path.node, path.partial) == (2, a.root, a.root.children[np.int64(1).tobytes()])
+    assert a.find_prefix([5, 6, 7]).partial is None and a.find_prefix([7]).length == 0
+    assert a.touch_path(path) == b.touch_prefix([1, 2, 9]) == 2
+    assert a.touch_path(path) == b.touch_prefix([1, 2, 9]) == 2  # reusable while the version holds
+    assert a.pretty_print(file=_Sink()) == b.pretty_print(file=_Sink())  # same clocks, same nodes
+    assert a.evict(2).tolist() == b.evict(2).tolist() == [20, 21]
+    with pytest.raises(ValueError, match="stale"):
+        a.touch_path(path)  # the eviction changed the structure
+    assert a.touch_path(a.find_prefix([1], extra_key="none yet")) == 0
+
+
 def test_check_integrity_detects_corruption() -> None:
     from radixcache import IntegrityError
 

@@ -3,7 +3,8 @@
 Checked after every step: matched length and slots equal the naive longest cached prefix;
 evictable + protected == total == naive total; locked prefixes are never evicted; every slot is
 free in the allocator, held by exactly one node, or held by exactly one running request;
-`check_integrity()` passes. Runs with page sizes 1 and 16.
+`check_integrity()` passes; a `find_prefix` path kept while the cache's `version` is unchanged
+is exactly what a fresh `find_prefix` finds. Runs with page sizes 1 and 16.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixcache import RadixCache, SlotAllocator, TreeNode
+from radixcache import PrefixPath, RadixCache, SlotAllocator, TreeNode
 from radixcache.testing import NaivePrefixCache
 
 NUM_SLOTS = 512
@@ -61,6 +62,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.running: dict[int, _Req] = {}
         self.next_id = 0
         self.pool = _chunk_pool(self.page_size)
+        self.paths: list[tuple[np.ndarray, str | None, PrefixPath]] = []  # kept find_prefix results
 
     def _key(self, chunks: list[int], tail: list[int]) -> np.ndarray:
         toks: list[int] = []
@@ -174,6 +176,37 @@ class CacheMachine(RuleBasedStateMachine):
         nodes = self.cache.num_nodes()
         assert self.cache.touch_prefix(key, ns) == self.model.longest_prefix(key, ns)[0]
         assert self.cache.num_nodes() == nodes  # touching never splits
+
+    @rule(
+        chunks=st.lists(st.integers(0, 3), max_size=6),
+        tail=st.lists(st.integers(0, 3), max_size=20),
+        ns=st.sampled_from([None, "a"]),
+    )
+    def keep_path(self, chunks: list[int], tail: list[int], ns: str | None) -> None:
+        key = self._key(chunks, tail)
+        path = self.cache.find_prefix(key, ns)
+        assert path.length == self.model.longest_prefix(key, ns)[0]
+        self.paths = [*self.paths[-7:], (key, ns, path)]
+
+    @rule(i=st.integers(0, 7))
+    def touch_kept_path(self, i: int) -> None:
+        if not self.paths:
+            return
+        key, ns, path = self.paths[i % len(self.paths)]
+        if path.version != self.cache.version:
+            with pytest.raises(ValueError, match="stale"):
+                self.cache.touch_path(path)
+            return
+        assert self.cache.touch_path(path) == self.model.longest_prefix(key, ns)[0]
+
+    @invariant()
+    def kept_paths_exact_while_version_unchanged(self) -> None:
+        for key, ns, path in self.paths:
+            fresh = self.cache.find_prefix(key, ns)
+            if fresh.version != path.version:
+                continue
+            assert fresh.length == path.length == self.model.longest_prefix(key, ns)[0]
+            assert fresh.node is path.node and fresh.partial is path.partial
 
     @precondition(lambda self: not self.running)
     @rule()

@@ -5,7 +5,7 @@ ownership protocol an engine follows.
 """
 
 from radixcache.allocator import SlotAllocator
-from radixcache.cache import InsertResult, MatchResult, RadixCache, as_key
+from radixcache.cache import InsertResult, MatchResult, PrefixPath, RadixCache, as_key
 from radixcache.config import RadixCacheConfig
 from radixcache.errors import (
     IntegrityError,
@@ -48,6 +48,7 @@ __all__ = [
     "PageRemoved",
     "PageStored",
     "PrefixIndex",
+    "PrefixPath",
     "PriorityPolicy",
     "RadixCache",
     "RadixCacheConfig",

@@ -49,6 +49,24 @@ class MatchResult(NamedTuple):
     length: int
 
 
+class PrefixPath(NamedTuple):
+    """Result of `RadixCache.find_prefix`: where a key's longest cached prefix ends, found
+    without mutating anything.
+
+    - `length`: matched tokens (page-aligned), as `peek_prefix_len` returns.
+    - `node`: the deepest node the key matches whole (a namespace root when nothing matches);
+      None when the namespace holds nothing.
+    - `partial`: the child whose edge the match ends inside, or None.
+    - `version`: `RadixCache.version` when found. While the cache's version is unchanged, finding
+      the same key again gives the same path, and `touch_path` may refresh it.
+    """
+
+    length: int
+    node: TreeNode | None
+    partial: TreeNode | None
+    version: int
+
+
 class InsertResult(NamedTuple):
     """Result of `RadixCache.insert`.
 
@@ -107,6 +125,9 @@ class RadixCache:
         self._trim_leaves = trim_leaves
         self._tick = 0
         self._seq = 0
+        # bumped by every change of the node structure or of the cached keys (add / extend / trim
+        # / delete a leaf, split, new or dropped namespace, reset); not by clocks, locks, sizes
+        self._version = 0
         self._heap: list[tuple[Any, int, TreeNode]] = []
         self._roots: dict[Hashable, TreeNode] = {}
         self._root = self._new_root(None)
@@ -148,6 +169,12 @@ class RadixCache:
     def total_size(self) -> int:
         """Tokens held by the tree; always `evictable_size + protected_size`."""
         return self._evictable + self._protected
+
+    @property
+    def version(self) -> int:
+        """Structure counter: unchanged means every `find_prefix` result is still exact (no node
+        was added, extended, trimmed, split or removed since). Clocks and locks do not count."""
+        return self._version
 
     def aligned_len(self, num_tokens: int) -> int:
         """`num_tokens` rounded down to whole pages: what match and insert consider."""
@@ -270,16 +297,30 @@ class RadixCache:
         For schedulers: touching the prefixes of *waiting* requests every round keeps LRU from
         evicting what is about to be reused. Mutates access clocks only (no split, no hit count).
         """
+        return self.touch_path(self.find_prefix(key, extra_key))
+
+    def find_prefix(self, key: KeyLike, extra_key: Hashable = None) -> PrefixPath:
+        """Where the longest cached page-aligned prefix of `key` ends (see `PrefixPath`).
+        Mutates nothing. A scheduler that peeks the same waiting request every round can keep
+        the path and reuse it while `version` is unchanged."""
         length, node, partial = self._peek(as_key(key), extra_key)
-        if node is None:
+        return PrefixPath(length, node, partial, self._version)
+
+    def touch_path(self, path: PrefixPath) -> int:
+        """`touch_prefix` of the key `path` was found for: refreshes the access clock of the path
+        (one clock tick, as `touch_prefix`); returns `path.length`. Raises `ValueError` when the
+        cache's `version` changed since `path` was found (find it again)."""
+        if path.version != self._version:
+            raise ValueError(f"stale PrefixPath (version {path.version}, cache at {self._version})")
+        cur = path.partial if path.partial is not None else path.node
+        if cur is None:
             return 0
         self._tick += 1
         tick = self._tick
-        cur: TreeNode | None = partial if partial is not None else node
         while cur is not None:
             cur.last_access = tick
             cur = cur.parent
-        return length
+        return path.length
 
     # ------------------------------------------------------------------ lock / evict
     def lock(self, node: TreeNode) -> int:
@@ -381,6 +422,7 @@ class RadixCache:
             stack.extend(node.children.values())
         self._heap = []
         self._roots = {}
+        self._version += 1
         self._root = self._new_root(None)
         self._evictable = 0
         self._protected = 0
@@ -431,6 +473,7 @@ class RadixCache:
     # ------------------------------------------------------------------ internals
     def _new_root(self, extra_key: Hashable) -> TreeNode:
         root = TreeNode(b"", _EMPTY, None, extra_key, self._tick)
+        self._version += 1
         if self._enable_events:
             root.hashes = []
         self._roots[extra_key] = root
@@ -458,6 +501,7 @@ class RadixCache:
         # NOTE: 0 < m < child.num_tokens and m is page-aligned; locks and sizes are unchanged.
         parent = child.parent
         assert parent is not None and 0 < m < len(child.value)
+        self._version += 1
         cut = m * TOKEN_BYTES
         pb = self._page_bytes
         new = TreeNode(child.key[:cut], child.value[:m], parent, child.extra_key, child.created)
@@ -482,6 +526,7 @@ class RadixCache:
         slots = np.array(value, dtype=np.int64)
         slots.setflags(write=False)
         leaf = TreeNode(kb, slots, parent, parent.extra_key, tick)
+        self._version += 1
         leaf.priority = priority
         parent.children[kb[: self._page_bytes]] = leaf
         self._evictable += len(slots)
@@ -505,6 +550,7 @@ class RadixCache:
         slots = np.concatenate([leaf.value, value])
         slots.setflags(write=False)
         n = len(value)
+        self._version += 1
         if self._enable_events:
             assert leaf.hashes
             parent_hash = leaf.hashes[-1]
@@ -531,6 +577,7 @@ class RadixCache:
     def _trim_leaf(self, node: TreeNode, keep: int) -> None:
         """Drop the tail of an unlocked leaf, keeping its first `keep` tokens (page-aligned)."""
         removed = len(node.value) - keep
+        self._version += 1
         node.key = node.key[: keep * TOKEN_BYTES]
         node.value = node.value[:keep]
         self._evictable -= removed
@@ -545,6 +592,7 @@ class RadixCache:
         assert parent is not None
         del parent.children[node.key[: self._page_bytes]]
         node.removed = True
+        self._version += 1
         self._evictable -= len(node.value)
         if self._enable_events and node.hashes is not None:
             self._events.append(PageRemoved(tuple(node.hashes), node.extra_key))
