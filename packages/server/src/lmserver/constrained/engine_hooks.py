@@ -180,6 +180,8 @@ class ConstrainedDecoding:
         self._deferred.pop(state.req.rid, None)
         if g.is_finished():
             return {"type": "stop", "matched": None}
+        if not g.jump_forward_enabled:  # nothing is ever forced (a per-token fast path)
+            return None
         sreq = state.sreq
         p = sreq.sampling_params
         decoding = sreq.status == ReqStatus.RUNNING
