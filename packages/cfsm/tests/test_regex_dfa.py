@@ -122,3 +122,53 @@ def test_state_limit_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(cfsm.automaton, "MAX_DFA_STATES", 10)
     with pytest.raises(cfsm.GrammarTooLargeError, match="exceeds 10 states"):
         build_dfa(parse_regex("[a-z]{0,40}"))
+
+
+def _canonical(dfa: object) -> list[tuple[bool, tuple[int, ...]]]:
+    """The DFA's states renumbered in breadth-first order from the start (equal for equal languages
+    of minimal DFAs)."""
+    from cfsm.automaton import Dfa
+
+    assert isinstance(dfa, Dfa)
+    order = {dfa.start: 0}
+    queue = [dfa.start]
+    out = []
+    for q in queue:
+        row = []
+        for t in dfa.transitions[q].tolist():
+            if t == dfa.dead:
+                row.append(-1)
+                continue
+            if t not in order:
+                order[t] = len(order)
+                queue.append(t)
+            row.append(order[t])
+        out.append((bool(dfa.accepting[q]), tuple(row)))
+    return out
+
+
+_SMALL_ATOMS = ["a", "b", "[ab]", "[^a]", "\\d", ".", "[a-c\\d]", "é", "\\u20ac", "(?i:a)", "\\x2d", "😀"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(atoms=st.lists(st.sampled_from(_SMALL_ATOMS), min_size=1, max_size=3), lo=st.integers(0, 9),
+       extra=st.one_of(st.none(), st.integers(0, 4)), alternate=st.booleans())
+def test_counted_repeats_from_the_unit_dfa_equal_the_unrolled_nfa(atoms: list[str], lo: int, extra: int | None,
+                                                                   alternate: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # prefix-code units (single characters, escapes) are built as one counted fragment; the others
+    # (or when the count is small) as copies of the unit's NFA: the minimal DFAs are the same
+    import cfsm.automaton
+
+    quant = f"{{{lo},}}" if extra is None else f"{{{lo},{lo + extra}}}"
+    pattern = "|".join(atoms) if alternate else "".join(atoms)
+    for unit in (pattern, "(é|\\d)", "(a|bc|b[^c])", "(a|ab)", "a*b", "\\\\[nt]|[^\\\\]"):
+        node = parse_regex(f"(?:{unit}){quant}")
+        with monkeypatch.context() as m:
+            m.setattr(cfsm.automaton, "_COUNTED_MIN", 10**9)
+            unrolled = build_dfa(node)
+        with monkeypatch.context() as m:
+            m.setattr(cfsm.automaton, "_COUNTED_MIN", 1)
+            counted = build_dfa(node)
+        assert _canonical(counted) == _canonical(unrolled), (unit, quant)

@@ -121,6 +121,10 @@ class _Nfa:
         raise TypeError(f"unknown node {node!r}")
 
     def _repeat(self, node: Repeat) -> tuple[int, int]:
+        if (node.lo if node.hi is None else node.hi) >= _COUNTED_MIN:
+            unit = _unit(node.item)
+            if unit is not None:
+                return self._counted(unit, node.lo, node.hi)
         s = e = self.new()
         for _ in range(node.lo):
             s2, e2 = self.build(node.item)
@@ -143,6 +147,31 @@ class _Nfa:
             self.eps[e2].append(end)
             e = e2
         return s, end
+
+    def _counted(self, unit: _Unit, lo: int, hi: int | None) -> tuple[int, int]:
+        """`unit` repeated lo..hi times (hi None: unbounded) as one deterministic fragment: its
+        DFA states with a counter of completed units, instead of hi copies of its NFA."""
+        top = lo if hi is None else hi
+        n = len(unit.rows)
+        end = self.new()
+        # ids[j][q]: state q of the unit with j units completed (q = start only at j = top
+        # when bounded: no unit may start there)
+        ids = [[self.new() for _ in range(n)] for _ in range(top)]
+        ids.append([self.new() for _ in range(n)] if hi is None else [-1] * n)
+        ids[top][unit.start] = ids[top][unit.start] if hi is None else self.new()
+        for j in range(top + 1):
+            row_ids = ids[j]
+            done = ids[j + 1][unit.start] if j < top else (row_ids[unit.start] if hi is None else -1)
+            for q, ranges in enumerate(unit.rows):
+                src = row_ids[q]
+                if src < 0 or (j == top and hi is not None):
+                    continue
+                out = self.trans[src]
+                for a, b, t in ranges:
+                    out.append((a, b, done if t < 0 else row_ids[t]))
+            if j >= lo:
+                self.eps[row_ids[unit.start]].append(end)
+        return ids[0][unit.start], end
 
     def _embed(self, dfa: Dfa) -> tuple[int, int]:
         """A DFA as an NFA fragment (one NFA state per live DFA state)."""
@@ -172,6 +201,55 @@ class _Nfa:
         for src, lo, hi, dst in edges:
             self.trans[ids[src]].append((lo, hi, e if dst < 0 else ids[dst]))
         return s, e
+
+
+# counted repeats of at least this many units are built from the unit's DFA (`_Nfa._counted`)
+_COUNTED_MIN = 8
+
+
+@dataclass(frozen=True, eq=False)
+class _Unit:
+    """The DFA of a prefix code (no string of it is a proper prefix of another, the empty
+    string not included) whose start state has no incoming edge: per non-final state its byte
+    ranges (lo, hi, target), target -1 the final state (a unit completed)."""
+
+    start: int
+    rows: tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+_UNITS: dict[int, tuple[Node, _Unit | None]] = {}
+
+
+def _unit(node: Node) -> _Unit | None:
+    """`_Unit` of `node`, or None if it is not a prefix code; cached by node identity."""
+    hit = _UNITS.get(id(node))
+    if hit is not None and hit[0] is node:
+        return hit[1]
+    dfa = build_dfa(node)
+    trans = dfa.transitions
+    final = np.flatnonzero(dfa.accepting)
+    unit = None
+    # NOTE: the start state must have no incoming edge, else a unit's middle could look like a
+    # boundary between units (a*b: after "a" the DFA is back in its start state)
+    if (len(final) == 1 and int(final[0]) != dfa.start and (trans[int(final[0])] == dfa.dead).all()
+            and not (trans[: dfa.num_states] == dfa.start).any()):
+        f = int(final[0])
+        keep = [q for q in range(dfa.num_states) if q != f]
+        new_id = {q: i for i, q in enumerate(keep)}
+        new_id[f] = -1
+        rows = []
+        for q in keep:
+            row = trans[q]
+            cuts = np.flatnonzero(np.diff(row)) + 1
+            starts = [0, *cuts.tolist()]
+            ends = [*(cuts - 1).tolist(), 255]
+            rows.append(tuple((a, b, new_id[int(row[a])]) for a, b in zip(starts, ends, strict=True)
+                              if int(row[a]) != dfa.dead))
+        unit = _Unit(start=new_id[dfa.start], rows=tuple(rows))
+    if len(_UNITS) > 256:
+        _UNITS.clear()
+    _UNITS[id(node)] = (node, unit)
+    return unit
 
 
 @functools.lru_cache(maxsize=4096)
@@ -245,8 +323,10 @@ def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset
     return out
 
 
-def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[tuple[int, int, int]]], list[bool]]:
+def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray, np.ndarray]:
+    """Subset construction: (transition table with the dead state last, accepting flags)."""
     closures: dict[int, frozenset[int]] = {}
+    eps, ntrans = nfa.eps, nfa.trans
 
     def closure(q: int) -> frozenset[int]:
         c = closures.get(q)
@@ -254,14 +334,12 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
             seen = {q}
             stack = [q]
             while stack:
-                x = stack.pop()
-                for y in nfa.eps[x]:
+                for y in eps[stack.pop()]:
                     if y not in seen:
                         seen.add(y)
                         stack.append(y)
             # keep only states that matter: with byte transitions, or the final state
-            c = frozenset(x for x in seen if nfa.trans[x] or x == final)
-            closures[q] = c
+            c = closures[q] = frozenset(x for x in seen if ntrans[x] or x == final)
         return c
 
     ids: dict[frozenset[int], int] = {}
@@ -279,34 +357,52 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[list[list[t
         return i
 
     target_cache: dict[int | frozenset[int], int] = {}  # an NFA state or a set of them
+    # per NFA state: its ranges sorted, and whether they are disjoint
+    sorted_of: dict[int, tuple[list[tuple[int, int, int]], bool]] = {}
     intern(closure(start))
-    out: list[list[tuple[int, int, int]]] = []
+    # the table as flat range lists: state k's ranges are [bounds[k], bounds[k + 1])
+    los: list[int] = []
+    his: list[int] = []
+    dsts: list[int] = []
+    bounds = [0]
     accepting: list[bool] = []
     k = 0
     while k < len(states):
         members = states[k]
         accepting.append(final in members)
-        trs = [t for q in members for t in nfa.trans[q]]
-        row: list[tuple[int, int, int]] = []
-        if len(trs) > 1:
-            trs.sort()
-        # NOTE: disjoint ranges (most states) have one target each: no sweep, no target sets
-        if all(x[1] < y[0] for x, y in zip(trs, trs[1:], strict=False)):
-            segs: list[tuple[int, int, int | frozenset[int]]] = list(trs)
+        if len(members) == 1:
+            (q,) = members
+            hit = sorted_of.get(q)
+            if hit is None:
+                trs = sorted(ntrans[q])
+                hit = sorted_of[q] = (trs, all(x[1] < y[0] for x, y in zip(trs, trs[1:], strict=False)))
+            trs, disjoint = hit
         else:
-            segs = list(_segments(trs))
+            trs = sorted([t for q in members for t in ntrans[q]])
+            disjoint = all(x[1] < y[0] for x, y in zip(trs, trs[1:], strict=False))
+        # NOTE: disjoint ranges (most states) have one target each: no sweep, no target sets
+        segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = trs if disjoint else _segments(trs)
         for a, b, tg in segs:
             dst = target_cache.get(tg)
             if dst is None:
                 key = closure(tg) if isinstance(tg, int) else frozenset().union(*(closure(x) for x in tg))
                 dst = target_cache[tg] = intern(key)
-            if row and row[-1][1] == a - 1 and row[-1][2] == dst:
-                row[-1] = (row[-1][0], b, dst)
-            else:
-                row.append((a, b, dst))
-        out.append(row)
+            los.append(a)
+            his.append(b)
+            dsts.append(dst)
+        bounds.append(len(los))
         k += 1
-    return out, accepting
+    n = len(states)
+    table = np.full((n + 1, 256), n, dtype=np.int32)
+    if los:
+        lo = np.asarray(los, dtype=np.int64)
+        lens = np.asarray(his, dtype=np.int64) - lo + 1
+        per_state = np.asarray(bounds[1:], dtype=np.int64) - np.asarray(bounds[:-1], dtype=np.int64)
+        src = np.repeat(np.arange(n, dtype=np.int64), per_state)
+        offsets = np.cumsum(lens) - lens
+        idx = np.repeat(src * 256 + lo - offsets, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        table.reshape(-1)[idx] = np.repeat(np.asarray(dsts, dtype=np.int32), lens)
+    return table, np.array(accepting + [False], dtype=bool)
 
 
 def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -555,11 +651,5 @@ def build_dfa(node: Node) -> Dfa:
         return node.dfa
     nfa = _Nfa()
     s, e = nfa.build(node)
-    rows, acc = _subset_construction(nfa, s, e)
-    n = len(rows)
-    table = np.full((n + 1, 256), n, dtype=np.int32)
-    for i, row in enumerate(rows):
-        for lo, hi, dst in row:
-            table[i, lo : hi + 1] = dst
-    accepting = np.array(acc + [False], dtype=bool)
+    table, accepting = _subset_construction(nfa, s, e)
     return _minimize(table, accepting, 0)

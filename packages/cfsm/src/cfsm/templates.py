@@ -32,9 +32,11 @@ _MAX_CHAIN = 4096
 def _t_automaton() -> tuple[np.ndarray, int]:
     """T as a code table (states, 256): a T state, `EXIT` (= states) or `DEAD` (= states + 1);
     and the text state (characters complete)."""
+    from cfsm.automaton import _unit
     from cfsm.json_schema import JSON_CHAR
     from cfsm.regex_ast import Repeat, cat, lit
 
+    _unit(JSON_CHAR)  # also cache its unit DFA (counted strings are built from it)
     dfa = build_dfa(cat(Repeat(JSON_CHAR, 0, None), lit('"')))
     final = np.flatnonzero(dfa.accepting[:-1])
     if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any():
