@@ -78,6 +78,11 @@ class _Nfa:
                 return s, s
             s, e = self.build(node.items[0])
             for it in node.items[1:]:
+                if isinstance(it, Chars):
+                    # NOTE: a class's fresh start reached only through an epsilon edge from e is
+                    # the same as starting its transitions at e (keys and literals: no epsilons)
+                    e = self._chars(it, e)[1]
+                    continue
                 s2, e2 = self.build(it)
                 self.eps[e].append(s2)
                 e = e2
@@ -194,9 +199,10 @@ class _Nfa:
             return self.new(), end
         return ids[dfa.start], end
 
-    def _chars(self, node: Chars) -> tuple[int, int]:
+    def _chars(self, node: Chars, start: int | None = None) -> tuple[int, int]:
         num_nodes, edges = _char_dag(node.ranges)
-        s, e = self.new(), self.new()
+        s = self.new() if start is None else start
+        e = self.new()
         ids = [s] + [self.new() for _ in range(num_nodes - 1)]
         for src, lo, hi, dst in edges:
             self.trans[ids[src]].append((lo, hi, e if dst < 0 else ids[dst]))
@@ -331,6 +337,9 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
     def closure(q: int) -> frozenset[int]:
         c = closures.get(q)
         if c is None:
+            if not eps[q]:  # most states of deterministic fragments
+                c = closures[q] = frozenset((q,)) if ntrans[q] or q == final else frozenset()
+                return c
             seen = {q}
             stack = [q]
             while stack:
