@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cfsm.automaton import _byte_classes, _minimize
+from cfsm.automaton import _byte_classes, _minimize, _runs
 from cfsm.gcpause import without_gc
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,6 +79,19 @@ def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarr
             assert bool(accepting[a]) == bool(dfa.accepting[b])
             assert (oracle[a] == -1) == (b == dfa.dead)  # dead exactly where nothing is accepted
     assert dfa.num_states == len({oracle[q] for q in range(table.shape[0]) if oracle[q] != -1})
+
+
+@_SETTINGS
+@given(st.lists(st.integers(0, 11), min_size=12, max_size=12), st.lists(st.booleans(), min_size=12, max_size=12))
+def test_runs_count_the_live_steps_along_one_byte(step: list[int], live: list[bool]) -> None:
+    n = len(step)
+    runs = _runs(np.asarray(step, dtype=np.int32), np.asarray(live))
+    for q in range(n):
+        count, cur = 0, q
+        while count < n and live[step[cur]]:  # a cycle of live states: capped at n
+            cur = step[cur]
+            count += 1
+        assert runs[q] == count
 
 
 def test_without_gc_pauses_and_restores_the_collector() -> None:

@@ -498,12 +498,9 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     # reverse edges (p --j--> q) grouped by q; edges into a closed class (every member's
     # successors inside it, as the trimmed class) are dropped: such a class never changes ids
     flat_dst = cols.reshape(-1).astype(np.int64)
-    keep = np.ones(len(flat_dst), dtype=bool)
-    for c in np.unique(cls).tolist():
-        members = cls == c
-        if (cls[cols[members]] == c).all():
-            keep &= cls[flat_dst] != c
-    edge = np.flatnonzero(keep)
+    leaves = (cls[cols] != cls[:, None]).any(axis=1)  # a member with a successor outside its class
+    closed = np.bincount(cls, weights=leaves, minlength=num) == 0
+    edge = np.flatnonzero(~closed[cls[flat_dst]])
     edge = edge[_stable_argsort(flat_dst[edge], n)]
     edge_src = edge // k
     edge_w = weights[edge % k]
@@ -561,6 +558,26 @@ def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts[first], cls[run_of]
 
 
+def _runs(step: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """Per state: how many steps along `step` stay in live states (capped at the number of
+    states: a cycle of live states). Pointer jumping: log2(states) rounds."""
+    n = len(step)
+    nxt = np.where(live[step], step, -1).astype(np.int64)  # -1: the next step leaves the live states
+    run = np.where(nxt >= 0, 1, 0).astype(np.int64)  # steps taken so far (up to the jump length)
+    jump = nxt.copy()  # state after `run` steps, -1 once stopped
+    length = 1
+    while length < n and (jump >= 0).any():
+        ok = jump >= 0
+        more = np.zeros(n, dtype=np.int64)
+        after = np.full(n, -1, dtype=np.int64)
+        more[ok] = run[jump[ok]]
+        after[ok] = jump[jump[ok]]
+        run = run + more
+        jump = after
+        length *= 2
+    return np.minimum(run, n)
+
+
 def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     n = table.shape[0]  # includes the dead state (last row)
     dead = n - 1
@@ -571,6 +588,12 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     live = _live_states(cols, accepting, dead)
     live[dead] = False
     cls = np.where(live, accepting.astype(np.int64) + 1, 0)
+    # NOTE: how many times the byte of the widest class can be read in a row (a property of the
+    # state's language, so equal for equivalent states) starts the refinement split: counter
+    # states of a repeat (maxLength strings) are apart at once instead of after one round each
+    widest = int(np.argmax(np.bincount(byte_class.reshape(-1))))
+    runs = _runs(cols[:, widest], live)
+    cls = cls * (int(runs.max()) + 1) + np.where(live, runs, 0)
     cls = _refine(cols, cls)
     num = int(cls.max()) + 1
     # renumber: the dead class last, the rest in first-seen order from state 0
