@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import random
 import shlex
+import threading
 import time
 from typing import Any
 
@@ -88,27 +89,33 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
     srv = ServerProcess(server_args, core=None, env={"OMP_NUM_THREADS": str(args.threads)}).start(
         timeout_s=900
     )
+    local = threading.local()  # one client (one connection) per sender thread
+    clients: list[httpx.Client] = []
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+
+    def one(text: str) -> dict[str, Any]:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=srv.base_url, timeout=600)
+            clients.append(local.client)
+        r = local.client.post("/generate", json={"text": text, "sampling_params": params})
+        r.raise_for_status()
+        return r.json()["meta_info"]  # type: ignore[no-any-return]
+
     try:
-        with httpx.Client(base_url=srv.base_url, timeout=600) as client:
-            params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-
-            def one(text: str) -> dict[str, Any]:
-                r = client.post("/generate", json={"text": text, "sampling_params": params})
-                r.raise_for_status()
-                return r.json()["meta_info"]  # type: ignore[no-any-return]
-
-            # warm-up on each replica directly (kernel compilation is not part of the measurement);
-            # its tokens share nothing with the workload's prompts
-            replicas = [f"http://127.0.0.1:{srv.port + 1 + i}" for i in range(dp_size)] if dp_size > 1 else [srv.base_url]
-            for url in replicas:
-                httpx.post(f"{url}/generate", json={"text": "warm up " * 40, "sampling_params": params},
-                           timeout=600).raise_for_status()
-                httpx.post(f"{url}/flush_cache", timeout=60)
-            start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-                metas = list(pool.map(one, prompts))
-            elapsed = time.perf_counter() - start
+        # warm-up on each replica directly (kernel compilation is not part of the measurement);
+        # its tokens share nothing with the workload's prompts
+        replicas = [f"http://127.0.0.1:{srv.port + 1 + i}" for i in range(dp_size)] if dp_size > 1 else [srv.base_url]
+        for url in replicas:
+            httpx.post(f"{url}/generate", json={"text": "warm up " * 40, "sampling_params": params},
+                       timeout=600).raise_for_status()
+            httpx.post(f"{url}/flush_cache", timeout=60)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            metas = list(pool.map(one, prompts))
+        elapsed = time.perf_counter() - start
     finally:
+        for c in clients:
+            c.close()
         srv.stop()
     prompt_tokens = sum(m["prompt_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)

@@ -131,3 +131,44 @@ def test_routing_text_of_each_api() -> None:
         ]
     }
     assert routing_text("/v1/chat/completions", chat) == "system:S\nuser:U\n"
+
+
+def test_more_than_a_hundred_requests_are_in_flight_to_workers_at_once() -> None:
+    """The worker answers only once 120 requests wait in it at the same time: a router whose
+    connection pool held fewer (httpx's default is 100) would make every request time out."""
+    import asyncio
+    import concurrent.futures
+
+    need = 120
+    app = FastAPI()
+    waiting = {"n": 0}
+    all_in: asyncio.Event | None = None
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    @app.post("/generate")
+    async def generate(body: dict) -> dict:
+        nonlocal all_in
+        if all_in is None:
+            all_in = asyncio.Event()
+        waiting["n"] += 1
+        if waiting["n"] >= need:
+            all_in.set()
+        await asyncio.wait_for(all_in.wait(), timeout=20)
+        return {"text": "ok", "meta_info": {}}
+
+    worker = _Server(app)
+    router = _Server(build_app(RouterConfig(workers=(worker.url,), policy="round_robin", request_timeout_s=30)))
+    try:
+        def send(i: int) -> int:
+            with httpx.Client(timeout=40) as c:
+                return c.post(router.url + "/generate", json={"text": f"q{i}"}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(need) as pool:
+            codes = list(pool.map(send, range(need)))
+        assert codes == [200] * need and waiting["n"] == need
+    finally:
+        router.stop()
+        worker.stop()

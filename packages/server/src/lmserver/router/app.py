@@ -127,7 +127,9 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0))
+        # NOTE: httpx's default pool (100 connections) would cap the requests in flight to all workers
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         task = asyncio.create_task(health_loop())
         announce = asyncio.create_task(_announce_when_listening(config.host, config.port, ready_line))
         yield
