@@ -286,6 +286,25 @@ def test_find_prefix_and_touch_path_act_like_touch_prefix() -> None:
     assert a.touch_path(a.find_prefix([1], extra_key="none yet")) == 0
 
 
+def test_touch_paths_is_touch_path_in_order() -> None:
+    a, b = RadixCache(), RadixCache()
+    keys = [[1, 2, 9], [5], [7], [1, 2, 3, 4], [5, 6]]
+    for cache in (a, b):
+        _ins(cache, [1, 2, 3, 4], 10)
+        _ins(cache, [5, 6], 20)
+        _ins(cache, [5, 7], 30)  # splits [5,6]
+    a.touch_paths([a.find_prefix(k) for k in keys])
+    for k in keys:
+        b.touch_prefix(k)
+    assert a.pretty_print(file=_Sink()) == b.pretty_print(file=_Sink())
+    assert a.evict(3).tolist() == b.evict(3).tolist()
+    assert a.touch_path(a.find_prefix([5, 6])) == b.touch_prefix([5, 6])
+    stale = a.find_prefix([1, 2])
+    a.evict(100)
+    with pytest.raises(ValueError, match="stale"):
+        a.touch_paths([a.find_prefix([5]), stale])
+
+
 def test_check_integrity_detects_corruption() -> None:
     from radixcache import IntegrityError
 

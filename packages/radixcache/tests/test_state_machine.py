@@ -199,6 +199,13 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert self.cache.touch_path(path) == self.model.longest_prefix(key, ns)[0]
 
+    @rule()
+    def touch_fresh_kept_paths(self) -> None:
+        fresh = [path for _, _, path in self.paths if path.version == self.cache.version]
+        nodes = self.cache.num_nodes()
+        self.cache.touch_paths(fresh)
+        assert self.cache.num_nodes() == nodes
+
     @invariant()
     def kept_paths_exact_while_version_unchanged(self) -> None:
         for key, ns, path in self.paths:

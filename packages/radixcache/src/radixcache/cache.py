@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple, TextIO
 
 import numpy as np
@@ -321,6 +321,24 @@ class RadixCache:
             cur.last_access = tick
             cur = cur.parent
         return path.length
+
+    def touch_paths(self, paths: Sequence[PrefixPath]) -> None:
+        """`touch_path` of each path in order, in one call (the same clocks and ticks): a
+        scheduler's round of touches. Raises `ValueError`, touching nothing, if any is stale."""
+        version = self._version
+        for path in paths:
+            if path.version != version:
+                raise ValueError(f"stale PrefixPath (version {path.version}, cache at {version})")
+        tick = self._tick
+        for path in paths:
+            cur = path.partial if path.partial is not None else path.node
+            if cur is None:
+                continue
+            tick += 1
+            while cur is not None:
+                cur.last_access = tick
+                cur = cur.parent
+        self._tick = tick
 
     # ------------------------------------------------------------------ lock / evict
     def lock(self, node: TreeNode) -> int:

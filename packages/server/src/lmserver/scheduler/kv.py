@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,18 +18,27 @@ from radixcache import RadixCache, SlotAllocator
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.setflags(write=False)
+
 
 def _timed(method: F) -> F:
-    """Adds the method's wall time to `self.radix_time_s` (the radix management time the paper
-    reports: prefix matching, locking, insertion, eviction and the slot bookkeeping around them)."""
+    """Splits the method's wall time between `self.radix_time_s` (radix-tree work: prefix
+    matching, locking, insertion, eviction, the lpm peeks and the tree keys they need; the method
+    measures it into `self._tree_s`) and `self.slot_time_s` (the rest: slot allocation and the
+    request's slot buffer, work that runs with the radix cache off too). The two add up to the
+    method's wall time. A timed method never calls another one."""
 
     @functools.wraps(method)
     def wrapper(self: KVManager, *args: Any, **kwargs: Any) -> Any:
+        self._tree_s = 0.0
         start = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.radix_time_s += time.perf_counter() - start
+            total = time.perf_counter() - start
+            self.radix_time_s += self._tree_s
+            self.slot_time_s += total - self._tree_s
 
     return wrapper  # type: ignore[return-value]
 
@@ -45,7 +54,9 @@ class KVManager:
         self.allocator = SlotAllocator(num_slots, page_size)
         self.cache = RadixCache(page_size=page_size, eviction="lru")
         self.disable_radix_cache = disable_radix_cache
-        self.radix_time_s = 0.0  # accumulated by the @_timed methods
+        self.radix_time_s = 0.0  # radix-tree work, accumulated by the @_timed methods
+        self.slot_time_s = 0.0  # slot bookkeeping (runs with the cache off too), idem
+        self._tree_s = 0.0  # tree time of the @_timed call in progress
 
     @property
     def num_slots(self) -> int:
@@ -65,13 +76,38 @@ class KVManager:
     def peek_prefix_len(self, req: Req, touch: bool = False) -> int:
         """Cached prefix length `req` would reuse (capped). With `touch`, refreshes the LRU clock
         of that prefix (so what waiting requests will reuse is evicted last); else mutates nothing."""
+        return self._peek_lens([req], touch)[0]
+
+    @_timed
+    def peek_prefix_lens(self, reqs: Sequence[Req], touch: bool = False) -> list[int]:
+        """`peek_prefix_len` of each request (a scheduling round's waiting queue), in one call."""
+        return self._peek_lens(reqs, touch)
+
+    def _peek_lens(self, reqs: Sequence[Req], touch: bool) -> list[int]:
+        # NOTE: each request keeps the path found (`req.peek_memo`), reused while the tree's
+        # structure (`cache.version`) and the request's tokens are unchanged: a request waiting
+        # many rounds is walked once, then only its path is touched each round
         if self.disable_radix_cache:
-            return 0
+            return [0] * len(reqs)
+        start = time.perf_counter()
+        cache = self.cache
+        version = cache.version
+        ps = self.page_size
+        paths = []
+        lens = []
+        for req in reqs:
+            memo = req.peek_memo
+            if memo is not None and memo[0] == version and memo[1] == req.output_ids:
+                path = memo[2]
+            else:
+                path = cache.find_prefix(req.fill_key(), req.extra_key)
+                req.peek_memo = (version, list(req.output_ids), path)
+            paths.append(path)
+            lens.append(min(path.length, req.prefix_cap(ps)) if path.length else 0)
         if touch:
-            length = self.cache.touch_prefix(req.fill_ids, req.extra_key)
-        else:
-            length = self.cache.peek_prefix_len(req.fill_ids, req.extra_key)
-        return min(length, req.prefix_cap(self.page_size))
+            cache.touch_paths(paths)
+        self._tree_s += time.perf_counter() - start
+        return lens
 
     @_timed
     def admit(self, req: Req) -> int:
@@ -81,14 +117,19 @@ class KVManager:
         """
         assert req.kv_len == 0 and req.last_node is None, f"admit of a request holding KV: {req!r}"
         cap = req.prefix_cap(self.page_size)
+        # room for the prompt and the first decode tokens without regrowing the slot buffer
+        capacity = req.fill_len + min(req.remaining_new_tokens, 256) + self.page_size
         if self.disable_radix_cache or cap == 0:
             req.last_node = self.cache.root
+            req.set_kv(_EMPTY, capacity)
             return 0
-        m = self.cache.match_prefix(req.fill_ids, req.extra_key)
+        start = time.perf_counter()
+        m = self.cache.match_prefix(req.fill_key(), req.extra_key)
         self.cache.lock(m.last_node)
+        self._tree_s += time.perf_counter() - start
         req.last_node = m.last_node
         length = min(m.length, cap)
-        req.kv = np.array(m.indices[:length], dtype=np.int64)
+        req.set_kv(m.indices[:length], capacity)
         req.kv_len = length
         req.cached_len = length
         return length
@@ -100,19 +141,56 @@ class KVManager:
         Returns False (and changes nothing) when not enough slots can be found. Mutates:
         req.kv/kv_len, the allocator, the tree (eviction).
         """
+        return self._extend(req, num_tokens)
+
+    @_timed
+    def extend_all(self, reqs: Sequence[Req], num_tokens: int) -> Req | None:
+        """`extend(req, num_tokens)` for each request in order (a decode round); stops at the
+        first that fails and returns it (None when all succeed). When the free slots cover all,
+        they come from one allocation, split in order: the same slots the calls one by one get."""
+        ps = self.page_size
+        pages = []
+        total = 0
+        for req in reqs:
+            missing = req.kv_len + num_tokens - req.kv_alloc
+            k = -(-missing // ps) if missing > 0 else 0
+            pages.append(k)
+            total += k
+        if total * ps > self.allocator.available:
+            for req in reqs:  # eviction may be needed: the plain path
+                if not self._extend(req, num_tokens):
+                    return req
+            return None
+        slots = self.allocator.alloc(total * ps) if total else _EMPTY
+        assert slots is not None
+        if num_tokens == 1 and ps == 1 and total == len(reqs):  # a decode round: one slot each
+            for req, slot in zip(reqs, slots.tolist(), strict=True):
+                req.append_slot(slot)
+                req.kv_len += num_tokens
+            return None
+        pos = 0
+        for req, k in zip(reqs, pages, strict=True):
+            if k:
+                n = k * ps
+                req.append_slots(slots[pos : pos + n])
+                pos += n
+            req.kv_len += num_tokens
+        return None
+
+    def _extend(self, req: Req, num_tokens: int) -> bool:
         new_len = req.kv_len + num_tokens
-        missing = new_len - len(req.kv)
+        missing = new_len - req.kv_alloc
         if missing > 0:
             slots = self._alloc(missing)
             if slots is None:
                 return False
-            req.kv = np.concatenate([req.kv, slots]) if len(req.kv) else slots
+            req.append_slots(slots)
         req.kv_len = new_len
         return True
 
     def slots_needed(self, req: Req, num_tokens: int) -> int:
         """Fresh slots `extend(req, num_tokens)` would allocate (whole pages)."""
-        missing = req.kv_len + num_tokens - len(req.kv)
+        missing = req.kv_len + num_tokens - req.kv_alloc
         if missing <= 0:
             return 0
         return -(-missing // self.page_size) * self.page_size
@@ -121,7 +199,9 @@ class KVManager:
         slots = self.allocator.alloc(num_tokens)
         if slots is None:
             need = -(-num_tokens // self.page_size) * self.page_size - self.allocator.available
+            start = time.perf_counter()
             freed = self.cache.evict(need)
+            self._tree_s += time.perf_counter() - start
             if len(freed):
                 self.allocator.free(freed)
             slots = self.allocator.alloc(num_tokens)
@@ -137,15 +217,20 @@ class KVManager:
         """
         if self.disable_radix_cache:
             return False
-        key = req.fill_ids[: req.kv_len]
-        r = self.cache.insert(key, req.kv[: req.kv_len], req.extra_key)
+        start = time.perf_counter()
+        key = req.fill_key()[: req.kv_len]
+        cache = self.cache
+        r = cache.insert(key, req.kv[: req.kv_len], req.extra_key)
+        self._tree_s += time.perf_counter() - start
         replaced = False
         if r.prefix_len > req.cached_len:
             self.allocator.free(req.kv[req.cached_len : r.prefix_len])
             replaced = True
-        m = self.cache.match_prefix(key, req.extra_key)
-        self.cache.lock(m.last_node)
-        self.cache.unlock(req.last_node)
+        start = time.perf_counter()
+        m = cache.match_prefix(key, req.extra_key)
+        cache.lock(m.last_node)
+        cache.unlock(req.last_node)
+        self._tree_s += time.perf_counter() - start
         req.last_node = m.last_node
         if replaced:
             req.kv[: m.length] = m.indices
@@ -161,24 +246,30 @@ class KVManager:
             req.reset_kv()
             return
         if cache_tokens and not self.disable_radix_cache and req.kv_len > 0:
-            key = req.fill_ids[: req.kv_len]
+            start = time.perf_counter()
+            key = req.fill_key()[: req.kv_len]
             r = self.cache.insert(key, req.kv[: req.kv_len], req.extra_key)
+            self._tree_s += time.perf_counter() - start
             if r.prefix_len > req.cached_len:
                 self.allocator.free(req.kv[req.cached_len : r.prefix_len])
             tail_start = max(self.cache.aligned_len(req.kv_len), r.prefix_len, req.cached_len)
         else:
             tail_start = req.cached_len
-        if len(req.kv) > tail_start:
+        if req.kv_alloc > tail_start:
             # NOTE: with pages, the page holding `tail_start` may be partly tree-owned only when
             # tail_start is page-aligned, so freeing from tail_start frees request pages only.
             self.allocator.free(req.kv[tail_start:])
+        start = time.perf_counter()
         self.cache.unlock(req.last_node)
+        self._tree_s += time.perf_counter() - start
         req.reset_kv()
 
     @_timed
     def flush(self) -> None:
         """Drops the whole tree (only when no request holds KV); mutates tree and allocator."""
+        start = time.perf_counter()
         freed = self.cache.reset()
+        self._tree_s += time.perf_counter() - start
         if len(freed):
             self.allocator.free(freed)
 

@@ -25,7 +25,10 @@ def order_fcfs(waiting: list[Req], kv: KVManager) -> list[Req]:
 
 def order_lpm(waiting: list[Req], kv: KVManager) -> list[Req]:
     """Longest cached prefix first; ties by arrival. Refreshes the LRU clock of those prefixes."""
-    prefix = {r.rid: kv.peek_prefix_len(r, touch=True) for r in waiting}
+    if kv.disable_radix_cache:
+        return order_fcfs(waiting, kv)  # every prefix is 0
+    lens = kv.peek_prefix_lens(waiting, touch=True)
+    prefix = {r.rid: n for r, n in zip(waiting, lens, strict=True)}
     return sorted(waiting, key=lambda r: (-prefix[r.rid], r.arrival))
 
 

@@ -24,6 +24,10 @@ class Req:
     - `kv[:kv_len]` are the slots of tokens `fill_ids[:kv_len]` whose K/V is written (or being
       written by the current forward); `kv` may have spare capacity past `kv_len` (pages).
     - `kv[:cached_len]` are tree-owned (locked through `last_node`); the rest are request-owned.
+
+    `kv` is a view of the first `kv_alloc` entries of a growing buffer (capacity doubles), so
+    adding a decode slot is amortized O(1). `input_ids` is fixed after construction (its int64
+    copy for the radix tree is made once); `output_ids` may change.
     """
 
     def __init__(
@@ -53,16 +57,69 @@ class Req:
         self.finish_reason: dict[str, Any] | None = None
         # set by the engine: compute input-token logprobs during the (next) prefill
         self.need_input_logprobs = False
+        self._input_key: npt.NDArray[np.int64] | None = None  # input_ids as int64, made on first use
+        # (cache version, output_ids copy, PrefixPath) of the last radix peek (KVManager's)
+        self.peek_memo: tuple[int, list[int], Any] | None = None
         self.reset_kv()
 
     def reset_kv(self) -> None:
         """Forgets every KV slot (after release); mutates only self."""
-        self.kv: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._kv_buf: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self.kv_alloc = 0  # slots held: len(kv)
         self.kv_len = 0
         self.cached_len = 0
         self.last_node: Any = None
         self.req_pool_idx: int | None = None
         self.table_valid_len = 0  # req_to_token[row, :table_valid_len] matches kv
+
+    @property
+    def kv(self) -> npt.NDArray[np.int64]:
+        """The request's slots, token by token (a view: writes go to the request's buffer)."""
+        return self._kv_buf[: self.kv_alloc]
+
+    @kv.setter
+    def kv(self, slots: npt.NDArray[np.int64]) -> None:
+        self._kv_buf = slots
+        self.kv_alloc = len(slots)
+
+    def set_kv(self, slots: npt.NDArray[np.int64], capacity: int) -> None:
+        """Holds a copy of `slots` in a buffer of at least `capacity` entries; mutates only self."""
+        buf = np.empty(max(capacity, len(slots)), dtype=np.int64)
+        buf[: len(slots)] = slots
+        self._kv_buf = buf
+        self.kv_alloc = len(slots)
+
+    def append_slots(self, slots: npt.NDArray[np.int64]) -> None:
+        """Appends `slots` to `kv`, doubling the buffer when full; mutates only self."""
+        start = self.kv_alloc
+        end = start + len(slots)
+        buf = self._kv_buf
+        if end > len(buf):
+            grown = np.empty(max(end, 2 * len(buf), 16), dtype=np.int64)
+            grown[:start] = buf[:start]
+            self._kv_buf = buf = grown
+        buf[start:end] = slots
+        self.kv_alloc = end
+
+    def append_slot(self, slot: int) -> None:
+        """`append_slots([slot])`, cheaper (a decode step); mutates only self."""
+        end = self.kv_alloc
+        buf = self._kv_buf
+        if end == len(buf):
+            grown = np.empty(max(2 * end, 16), dtype=np.int64)
+            grown[:end] = buf
+            self._kv_buf = buf = grown
+        buf[end] = slot
+        self.kv_alloc = end + 1
+
+    def fill_key(self) -> npt.NDArray[np.int64]:
+        """`fill_ids` as an int64 array (the radix-tree key); the prompt part is converted once."""
+        key = self._input_key
+        if key is None:
+            key = self._input_key = np.array(self.input_ids, dtype=np.int64)
+        if not self.output_ids:
+            return key
+        return np.concatenate([key, np.array(self.output_ids, dtype=np.int64)])
 
     @property
     def fill_ids(self) -> list[int]:

@@ -272,9 +272,10 @@ class Scheduler:
             self._retract(victim)
             retracted.append(victim.rid)
         items = []
+        failed = self.kv.extend_all(self.running, 1)
+        if failed is not None:
+            raise MemoryError(f"no KV slot for the decode of {failed!r} even after retraction")
         for req in self.running:
-            if not self.kv.extend(req, 1):
-                raise MemoryError(f"no KV slot for the decode of {req!r} even after retraction")
             pos = req.kv_len - 1
             table_start = min(req.table_valid_len, pos)
             req.table_valid_len = pos + 1
@@ -374,5 +375,8 @@ class Scheduler:
             "kv_usage": used / total if total else 0.0,
             "num_retractions": self.num_retractions,
             "new_token_ratio": self.new_token_ratio,
-            "radix_time_s": self.kv.radix_time_s,  # host time in prefix-cache management (KVManager)
+            # host time of the KVManager: radix-tree work (matching, locking, insertion, eviction,
+            # lpm peeks) and slot bookkeeping (allocation, request slot buffers; also without cache)
+            "radix_time_s": self.kv.radix_time_s,
+            "slot_time_s": self.kv.slot_time_s,
         }
