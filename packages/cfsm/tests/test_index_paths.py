@@ -244,3 +244,36 @@ def test_benchmark_grammars_on_smollm2_give_the_generic_masks(smollm2_tokenizer:
         else:
             node = json_value_node(cfsm.CfsmConfig())
         _assert_same_masks(*_both(build_dfa(node), vocab, monkeypatch))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 10), min_size=10, max_size=10), st.lists(st.booleans(), min_size=10, max_size=10))
+def test_chain_ends_follow_the_chain_to_its_first_terminal(a: list[int], terminal: list[bool]) -> None:
+    from cfsm.templates import _chain_ends
+
+    end, dist = _chain_ends(np.asarray(a, dtype=np.int64), np.asarray(terminal))
+    for i in range(len(a)):
+        cur, steps = i, 0
+        while cur < len(a) and not terminal[cur] and steps <= len(a):
+            cur, steps = a[cur], steps + 1
+        if cur < len(a) and terminal[cur]:
+            assert (end[i], dist[i]) == (cur, steps)
+        else:  # leaves the candidates (index len(a)) or cycles without a terminal
+            assert end[i] == -1
+
+
+def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cfsm.templates
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 300}},
+              "required": ["a"]}
+    dfa = build_dfa(schema_to_node(schema))
+    m = match_string_states(dfa, _SVOCAB.string_tables)
+    q = dfa.walk(dfa.start, b'{"a":"')
+    assert (m.rem[q], m.need[q]) == (300, 3)
+    assert int((m.t == _SVOCAB.string_tables.text).sum()) >= 300
+    generic, tabled = _both(dfa, _SVOCAB, monkeypatch)
+    _assert_same_masks(generic, tabled)
+    monkeypatch.setattr(cfsm.templates, "_MAX_PASSES", 0)
+    assert (match_string_states(dfa, _SVOCAB.string_tables).t < 0).all()
+    _assert_same_masks(generic, build_index(dfa, _SVOCAB))

@@ -25,8 +25,9 @@ __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_s
 
 # "no upper bound" for `rem` (an unbounded string); decrementing keeps it
 INF = 1 << 40
-# chains of counted-string states longer than this are left to the generic walks
-_MAX_CHAIN = 4096
+# verification passes (each drops the states whose successors were dropped by the previous
+# one); past this many, every proposed state is left to the generic walks
+_MAX_PASSES = 64
 
 
 def _t_automaton() -> tuple[np.ndarray, int]:
@@ -158,24 +159,18 @@ class StringMatch:
     cont: np.ndarray
 
 
-def _chain_values(a: np.ndarray, base: np.ndarray, known: np.ndarray, inf_self: np.ndarray) -> np.ndarray:
-    """value[q] = base[q] where known, INF where inf_self, else value[a[q]] + 1; -1 if unresolved
-    (a longer chain than `_MAX_CHAIN`, or one leaving the candidates)."""
-    n = len(a)
-    val = np.full(n + 1, -1, dtype=np.int64)  # index n: "not a candidate"
-    val[:n][known] = base[known]
-    val[:n][inf_self & ~known] = INF
-    todo = np.flatnonzero(val[:n] < 0)
-    for _ in range(_MAX_CHAIN):
-        if not len(todo):
-            break
-        succ = val[a[todo]]
-        got = succ >= 0
-        if not got.any():
-            break
-        val[todo[got]] = np.minimum(succ[got] + 1, INF)
-        todo = todo[~got]
-    return val[:n]
+def _chain_ends(a: np.ndarray, terminal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each i: the first terminal index on i, a[i], a[a[i]], ... (-1 if none, or if the chain
+    reaches len(a), "not a candidate"), and the steps to it. Pointer jumping: log2 rounds."""
+    m = len(a)
+    term = np.append(terminal, True)
+    jump = np.where(term, np.arange(m + 1), np.append(a, m))
+    dist = np.where(term, 0, 1).astype(np.int64)
+    for _ in range(int(m).bit_length() + 1):
+        dist = dist + dist[jump]
+        jump = jump[jump]
+    end = np.where(term[jump] & (jump < m), jump, -1)
+    return end[:m], dist[:m]
 
 
 def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
@@ -208,24 +203,17 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     pos_of[qs] = np.arange(len(qs))
     nxt = g0[qs]
     a = pos_of[nxt]
-    r = _chain_values(a, np.zeros(len(qs), np.int64), nxt == dead, nxt == qs)
     x = trans[qs, quote].astype(np.int64)
-    nd = _chain_values(a, np.zeros(len(qs), np.int64), x != dead, np.zeros(len(qs), bool))
-    # cont: the quote's target where it is open, else the chain's
-    c = np.full(len(qs) + 1, -1, dtype=np.int64)
-    c[:-1][x != dead] = x[x != dead]
-    todo = np.flatnonzero(c[:-1] < 0)
-    for _ in range(_MAX_CHAIN):
-        if not len(todo):
-            break
-        succ = c[a[todo]]
-        got = succ >= 0
-        if not got.any():
-            break
-        c[todo[got]] = succ[got]
-        todo = todo[~got]
-    ok = (r >= 0) & (nd >= 0) & (c[:-1] >= 0)
-    qs, r, nd, c = qs[ok], r[ok], nd[ok], c[:-1][ok]
+    # rem: characters until the group leads to the dead state (INF at a self-loop)
+    dead_next, loop = nxt == dead, nxt == qs
+    end, dist = _chain_ends(a, dead_next | loop)
+    r = np.where(end >= 0, np.where(loop[end], INF, np.minimum(dist, INF)), -1)
+    # need: characters until the closing quote is open; cont: the quote's target there
+    end, dist = _chain_ends(a, x != dead)
+    nd = np.where(end >= 0, dist, -1)
+    c = np.where(end >= 0, x[end], -1)
+    ok = (r >= 0) & (nd >= 0) & (c >= 0)
+    qs, r, nd, c = qs[ok], r[ok], nd[ok], c[ok]
     t[qs], rem[qs], need[qs], cont[qs] = text, r, nd, c
     # pending characters: follow T's edges between non-text states from the text states
     frontier = [(text, qs[r >= 1])]
@@ -258,7 +246,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     reps = np.sort(first)
     tcode = code[:, reps]  # (num_t, r)
     t[dead] = -1
-    while True:
+    for _ in range(_MAX_PASSES):
         bad_any = False
         for s in range(num_t):
             q = np.flatnonzero(t == s)
@@ -289,6 +277,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
                 bad_any = True
         if not bad_any:
             return
+    t[:] = -1
 
 
 def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np.ndarray], int],
