@@ -259,9 +259,10 @@ class KVManager:
             # NOTE: with pages, the page holding `tail_start` may be partly tree-owned only when
             # tail_start is page-aligned, so freeing from tail_start frees request pages only.
             self.allocator.free(req.kv[tail_start:])
-        start = time.perf_counter()
-        self.cache.unlock(req.last_node)
-        self._tree_s += time.perf_counter() - start
+        if not self.disable_radix_cache:  # else last_node is the root: nothing to unlock
+            start = time.perf_counter()
+            self.cache.unlock(req.last_node)
+            self._tree_s += time.perf_counter() - start
         req.reset_kv()
 
     @_timed
