@@ -79,6 +79,11 @@ def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarr
             assert bool(accepting[a]) == bool(dfa.accepting[b])
             assert (oracle[a] == -1) == (b == dfa.dead)  # dead exactly where nothing is accepted
     assert dfa.num_states == len({oracle[q] for q in range(table.shape[0]) if oracle[q] != -1})
+    # the byte classes cached by the minimization are those of the minimal table
+    rep, cls = dfa.byte_classes
+    _, exact = _byte_classes(dfa.transitions)
+    assert (np.equal.outer(cls, cls) == np.equal.outer(exact, exact)).all()
+    assert (cls[rep] == np.arange(len(rep))).all()
 
 
 @_SETTINGS

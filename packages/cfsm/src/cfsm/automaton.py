@@ -538,15 +538,16 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
 
 
 def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(representative byte of each class, class of each byte): bytes with equal columns.
+    """(representative byte of each class, class of each byte): bytes with equal columns (any
+    number of columns).
 
     Runs of adjacent equal columns are merged exactly first (rows are mostly byte ranges), so
     only one column per run is hashed.
     """
-    step = np.ones(256, dtype=bool)
+    step = np.ones(table.shape[1], dtype=bool)
     step[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
     starts = np.flatnonzero(step)
-    run_of = np.cumsum(step) - 1  # (256,) run of each byte
+    run_of = np.cumsum(step) - 1  # the run of each byte
     runs = table[:, starts]
     weights = np.random.default_rng(0xB17E).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
     h = weights @ runs.astype(np.uint64)  # (num_runs,), modulo 2^64
@@ -609,12 +610,17 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     new_ids = remap[cls]
     reps = np.zeros(num, dtype=np.int64)
     reps[new_ids] = np.arange(n)
-    min_cols = new_ids[cols[reps]]  # (num, num_byte_classes)
-    trans = min_cols[:, byte_class.reshape(-1)].astype(np.int32)
+    min_cols = new_ids[cols[reps]].astype(np.int32)  # (num, num_byte_classes)
+    min_cols[nxt] = nxt
+    byte_class = byte_class.reshape(-1)
+    trans = np.ascontiguousarray(min_cols[:, byte_class])
     acc = accepting[reps].copy()
     acc[nxt] = False
-    trans[nxt] = nxt
-    return Dfa(transitions=np.ascontiguousarray(trans), accepting=acc, start=int(new_ids[start]))
+    dfa = Dfa(transitions=trans, accepting=acc, start=int(new_ids[start]))
+    # the minimal DFA's byte classes merge the classes whose columns became equal (cached on it)
+    rep2, cls2 = _byte_classes(min_cols)
+    dfa.__dict__["byte_classes"] = (col_rep[rep2], cls2[byte_class])
+    return dfa
 
 
 def _product(a: Dfa, b: Dfa) -> Dfa:
