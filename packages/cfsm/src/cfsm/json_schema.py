@@ -136,6 +136,8 @@ class _Compiler:
         self.colon = cat(self.ws, lit(":"), self.ws)
         self.ref_depth: dict[str, int] = {}
         self._any: dict[int, Node] = {}
+        # per compile: equal number bounds and formats share one (immutable) syntax tree
+        self._memo: dict[tuple[Any, ...], Node] = {}
 
     # ---- helpers ---------------------------------------------------------------------------
     def unsupported(self, keyword: str, path: str, hint: str = "") -> None:
@@ -257,7 +259,10 @@ class _Compiler:
         fmt = schema.get("format")
         if fmt is not None:
             if fmt in FORMAT_REGEXES:
-                langs.append(json_escape(parse_regex(FORMAT_REGEXES[fmt])))
+                key = ("format", fmt)
+                if key not in self._memo:
+                    self._memo[key] = json_escape(parse_regex(FORMAT_REGEXES[fmt]))
+                langs.append(self._memo[key])
             else:
                 self.unsupported("format", f"{path}/format", f"unknown format {fmt!r}; supported: {sorted(FORMAT_REGEXES)}")
         if "pattern" in schema:
@@ -277,6 +282,14 @@ class _Compiler:
         return cat(lit('"'), body, lit('"'))
 
     def number(self, schema: dict[str, Any], path: str, integer: bool) -> Node:
+        keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+        key = ("number", integer, *(repr(schema.get(k)) for k in keys))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._number(schema, path, integer)
+        return hit
+
+    def _number(self, schema: dict[str, Any], path: str, integer: bool) -> Node:
         lo, lo_excl = schema.get("minimum"), False
         hi, hi_excl = schema.get("maximum"), False
         xmin, xmax = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
