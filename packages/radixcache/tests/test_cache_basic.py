@@ -305,6 +305,27 @@ def test_touch_paths_is_touch_path_in_order() -> None:
         a.touch_paths([a.find_prefix([5]), stale])
 
 
+def test_a_touch_plan_replays_rounds_of_touches() -> None:
+    a, b = RadixCache(), RadixCache()
+    keys = [[1, 2, 9], [7], [5, 6], [1, 2, 3, 4], [8], [5]]
+    for cache in (a, b):
+        _ins(cache, [1, 2, 3, 4], 10)
+        _ins(cache, [5, 6], 20)
+        _ins(cache, [5, 7], 30)
+    plan = a.plan_touches([a.find_prefix(k) for k in keys])
+    assert plan.ticks == len(keys)
+    for _ in range(3):  # three scheduling rounds of the same waiting queue
+        a.apply_touches(plan)
+        for k in keys:
+            b.touch_prefix(k)
+        assert a.pretty_print(file=_Sink()) == b.pretty_print(file=_Sink())
+    c = RadixCache()
+    assert len(c.plan_touches([c.find_prefix([k]) for k in range(50)]).nodes) == 1  # the root only
+    a.evict(1)
+    with pytest.raises(ValueError, match="stale"):
+        a.apply_touches(plan)
+
+
 def test_check_integrity_detects_corruption() -> None:
     from radixcache import IntegrityError
 

@@ -5,7 +5,7 @@ ownership protocol an engine follows.
 """
 
 from radixcache.allocator import SlotAllocator
-from radixcache.cache import InsertResult, MatchResult, PrefixPath, RadixCache, as_key
+from radixcache.cache import InsertResult, MatchResult, PrefixPath, RadixCache, TouchPlan, as_key
 from radixcache.config import RadixCacheConfig
 from radixcache.errors import (
     IntegrityError,
@@ -55,6 +55,7 @@ __all__ = [
     "RadixCacheError",
     "SlotAllocator",
     "SlotError",
+    "TouchPlan",
     "TreeNode",
     "UnknownPolicyError",
     "__version__",

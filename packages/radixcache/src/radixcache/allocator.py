@@ -73,32 +73,45 @@ class SlotAllocator:
         Raises `SlotError` on a reserved or out-of-range slot, or a page that is not allocated
         (a double free); in that case nothing is freed. Mutates: the free list."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if len(idx) == 0:
+        k = len(idx)
+        if k == 0:
             return
         ps = self._page_size
+        if k == 1:  # one slot (a request's unaligned tail): scalar checks, same errors
+            page = int(idx[0]) // ps
+            if page < 1 or page > self._num_pages:
+                self._raise_range(page)
+            if not self._allocated[page]:
+                raise SlotError(f"double free: pages {[page]} (slot {page * ps}...) are already free")
+            self._allocated[page] = False
+            self._free[self._top] = page
+            self._top += 1
+            return
         pages = idx if ps == 1 else idx // ps
-        if ps > 1 and len(pages) > 1:
+        if ps > 1:
             keep = np.empty(len(pages), dtype=bool)
             keep[0] = True
             np.not_equal(pages[1:], pages[:-1], out=keep[1:])
             pages = pages[keep]
-        lo, hi = int(pages.min()), int(pages.max())
+        srt = np.sort(pages, kind="stable") if len(pages) > 1 else pages  # runs: near O(n)
+        lo, hi = int(srt[0]), int(srt[-1])
         if lo < 1 or hi > self._num_pages:
-            raise SlotError(
-                f"slot ids must lie in [{ps}, {self.buffer_size - 1}] (page 0 is reserved padding); "
-                f"got a slot on page {lo if lo < 1 else hi}"
-            )
+            self._raise_range(lo if lo < 1 else hi)
         if not self._allocated[pages].all():
             bad = pages[~self._allocated[pages]][:5]
             raise SlotError(f"double free: pages {bad.tolist()} (slot {bad[0] * ps}...) are already free")
-        if len(pages) > 1:
-            srt = np.sort(pages)
-            if (srt[1:] == srt[:-1]).any():
-                raise SlotError("double free: the same page appears twice in one free() call")
+        if len(srt) > 1 and (srt[1:] == srt[:-1]).any():
+            raise SlotError("double free: the same page appears twice in one free() call")
         self._allocated[pages] = False
         k = len(pages)
         self._free[self._top : self._top + k] = pages
         self._top += k
+
+    def _raise_range(self, page: int) -> None:
+        raise SlotError(
+            f"slot ids must lie in [{self._page_size}, {self.buffer_size - 1}] (page 0 is reserved padding); "
+            f"got a slot on page {page}"
+        )
 
     def is_allocated(self, slot: int) -> bool:
         """Whether the page of `slot` is currently handed out."""

@@ -67,6 +67,19 @@ class PrefixPath(NamedTuple):
     version: int
 
 
+class TouchPlan(NamedTuple):
+    """Result of `RadixCache.plan_touches`: the clocks a round of `touch_path` calls sets.
+
+    `nodes[i].last_access` becomes (the cache clock before) + `offsets[i]`; the clock advances
+    by `ticks`. Valid while the cache's `version` equals `version`.
+    """
+
+    nodes: tuple[TreeNode, ...]
+    offsets: tuple[int, ...]
+    ticks: int
+    version: int
+
+
 class InsertResult(NamedTuple):
     """Result of `RadixCache.insert`.
 
@@ -325,20 +338,36 @@ class RadixCache:
     def touch_paths(self, paths: Sequence[PrefixPath]) -> None:
         """`touch_path` of each path in order, in one call (the same clocks and ticks): a
         scheduler's round of touches. Raises `ValueError`, touching nothing, if any is stale."""
+        self.apply_touches(self.plan_touches(paths))
+
+    def plan_touches(self, paths: Sequence[PrefixPath]) -> TouchPlan:
+        """The effect of `touch_paths(paths)` as a plan that `apply_touches` replays in time
+        linear in the distinct nodes touched (one entry when no path leaves the root), while
+        `version` is unchanged. Mutates nothing; raises `ValueError` if a path is stale."""
         version = self._version
+        last: dict[TreeNode, int] = {}
+        k = 0
         for path in paths:
             if path.version != version:
                 raise ValueError(f"stale PrefixPath (version {path.version}, cache at {version})")
-        tick = self._tick
-        for path in paths:
             cur = path.partial if path.partial is not None else path.node
             if cur is None:
                 continue
-            tick += 1
+            k += 1  # the k-th touch sets its whole path to (clock before) + k
             while cur is not None:
-                cur.last_access = tick
+                last[cur] = k
                 cur = cur.parent
-        self._tick = tick
+        return TouchPlan(tuple(last), tuple(last.values()), k, version)
+
+    def apply_touches(self, plan: TouchPlan) -> None:
+        """Replays a `plan_touches` plan (as many times as wanted, each like one more round of
+        the same touches). Raises `ValueError` when `version` changed since it was made."""
+        if plan.version != self._version:
+            raise ValueError(f"stale TouchPlan (version {plan.version}, cache at {self._version})")
+        tick = self._tick
+        for node, offset in zip(plan.nodes, plan.offsets, strict=True):
+            node.last_access = tick + offset
+        self._tick = tick + plan.ticks
 
     # ------------------------------------------------------------------ lock / evict
     def lock(self, node: TreeNode) -> int:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lmserver.scheduler.req import Req
-from radixcache import RadixCache, SlotAllocator
+from radixcache import PrefixPath, RadixCache, SlotAllocator, TouchPlan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,6 +57,8 @@ class KVManager:
         self.radix_time_s = 0.0  # radix-tree work, accumulated by the @_timed methods
         self.slot_time_s = 0.0  # slot bookkeeping (runs with the cache off too), idem
         self._tree_s = 0.0  # tree time of the @_timed call in progress
+        # (cache version, requests, their output_ids copies, lengths, TouchPlan) of the last peeks
+        self._last_round: tuple[int, list[Req], list[list[int]], list[int], TouchPlan] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -76,38 +78,53 @@ class KVManager:
     def peek_prefix_len(self, req: Req, touch: bool = False) -> int:
         """Cached prefix length `req` would reuse (capped). With `touch`, refreshes the LRU clock
         of that prefix (so what waiting requests will reuse is evicted last); else mutates nothing."""
-        return self._peek_lens([req], touch)[0]
+        if self.disable_radix_cache:
+            return 0
+        start = time.perf_counter()
+        path = self._path(req)
+        if touch:
+            self.cache.touch_path(path)
+        length = min(path.length, req.prefix_cap(self.page_size)) if path.length else 0
+        self._tree_s += time.perf_counter() - start
+        return length
 
     @_timed
     def peek_prefix_lens(self, reqs: Sequence[Req], touch: bool = False) -> list[int]:
-        """`peek_prefix_len` of each request (a scheduling round's waiting queue), in one call."""
-        return self._peek_lens(reqs, touch)
+        """`peek_prefix_len` of each request in order (a round's waiting queue), in one call.
 
-    def _peek_lens(self, reqs: Sequence[Req], touch: bool) -> list[int]:
-        # NOTE: each request keeps the path found (`req.peek_memo`), reused while the tree's
-        # structure (`cache.version`) and the request's tokens are unchanged: a request waiting
-        # many rounds is walked once, then only its path is touched each round
+        The last round is kept: the same queue (same requests, same tokens) against an unchanged
+        tree (`cache.version`) has the same lengths, and its touches replay from a TouchPlan."""
         if self.disable_radix_cache:
             return [0] * len(reqs)
         start = time.perf_counter()
         cache = self.cache
         version = cache.version
-        ps = self.page_size
-        paths = []
-        lens = []
-        for req in reqs:
-            memo = req.peek_memo
-            if memo is not None and memo[0] == version and memo[1] == req.output_ids:
-                path = memo[2]
-            else:
-                path = cache.find_prefix(req.fill_key(), req.extra_key)
-                req.peek_memo = (version, list(req.output_ids), path)
-            paths.append(path)
-            lens.append(min(path.length, req.prefix_cap(ps)) if path.length else 0)
+        outs = [req.output_ids for req in reqs]
+        last = self._last_round
+        if last is not None and last[0] == version and last[1] == reqs and last[2] == outs:
+            lens, plan = last[3], last[4]
+        else:
+            ps = self.page_size
+            paths = [self._path(req) for req in reqs]
+            lens = [min(p.length, req.prefix_cap(ps)) if p.length else 0 for p, req in zip(paths, reqs, strict=True)]
+            plan = cache.plan_touches(paths)
+            self._last_round = (version, list(reqs), [list(o) for o in outs], lens, plan)
         if touch:
-            cache.touch_paths(paths)
+            cache.apply_touches(plan)
         self._tree_s += time.perf_counter() - start
-        return lens
+        return list(lens)
+
+    def _path(self, req: Req) -> PrefixPath:
+        """The tree path of `req`'s tokens; kept on the request (`req.peek_memo`) and reused
+        while the tree's structure (`cache.version`) and the request's tokens are unchanged."""
+        version = self.cache.version
+        memo = req.peek_memo
+        if memo is not None and memo[0] == version and memo[1] == req.output_ids:
+            path: PrefixPath = memo[2]
+            return path
+        path = self.cache.find_prefix(req.fill_key(), req.extra_key)
+        req.peek_memo = (version, list(req.output_ids), path)
+        return path
 
     @_timed
     def admit(self, req: Req) -> int:
