@@ -83,7 +83,7 @@ class Compiler:
     """
 
     def __init__(self, vocab: Vocabulary, config: CfsmConfig | None = None) -> None:
-        self.vocab = vocab
+        self.vocab = vocab.prepare()  # the per-vocabulary tables, once, before any compile
         self.config = config or CfsmConfig()
         self._lru: OrderedDict[str, Index] = OrderedDict()
         self.hits = 0
