@@ -35,10 +35,13 @@ prefixes the server generated itself free, the tokens a request must compute -- 
 or from `logprob_start_len - 1` when it asks for prompt logprobs -- always counted; see
 `program_trace.py`, which checks this bound against brute-force oracles at every run). *radix %*
 is the server's own radix management time (`radix_time_s` of `/get_server_info`: host time in
-prefix matching, locking, insertion, eviction and the slot bookkeeping around them) as a share of
-the `full` run's wall time; runs recorded before the server reported it show the host time of the
-trace's radix-tree operations replayed through `radixcache` instead (marked `r`). *sanity* counts
-programs that passed the workload's check (see the legend under each table).
+radix-tree work -- prefix matching, locking, insertion, eviction, and the `lpm` peeks that order
+the waiting queue) as a share of the `full` run's wall time, and *slot %* its slot bookkeeping
+(`slot_time_s`: KV slot allocation and the requests' slot arrays, work that runs with the cache
+off too); together they are the KV manager's whole host time. Runs recorded before the split show
+that sum under *radix %* (marked `t`); runs recorded before the server reported it show the host
+time of the trace's radix-tree operations replayed through `radixcache` instead (marked `r`).
+*sanity* counts programs that passed the workload's check (see the legend under each table).
 
 By default `fcfs` and `dfs_weight` run the workloads with shared prefixes and parallel calls,
 `no_hints` the ones with forks or a constant prefix, `openai_baseline` six workloads (`CONFIGS` in
@@ -59,9 +62,15 @@ def _cell(row: dict[str, Any] | None) -> str:
 
 
 def _radix_cell(row: dict[str, Any]) -> str:
-    if "radix_server_share" in row:
+    if "slot_server_share" in row:
         return f"{100 * row['radix_server_share']:.4f}"
+    if "radix_server_share" in row:  # recorded before the split: tree work plus slot bookkeeping
+        return f"{100 * row['radix_server_share']:.4f} t"
     return f"{100 * row['radix_share']:.4f} r"
+
+
+def _slot_cell(row: dict[str, Any]) -> str:
+    return f"{100 * row['slot_server_share']:.4f}" if "slot_server_share" in row else ""
 
 
 def machine_section(result: dict[str, Any]) -> str:
@@ -74,7 +83,7 @@ def machine_section(result: dict[str, Any]) -> str:
              f"server threads {result['server_threads']}, whole suite {result['suite_seconds'] / 60:.1f} min. "
              f"Command: `{result['command']}`", ""]
     head = ["workload", "n", *configs, "full / no_radix", "hit / opt (full)", "hit / opt (no_hints)",
-            "hit / opt (baseline)", "radix %", "sanity (full)"]
+            "hit / opt (baseline)", "radix %", "slot %", "sanity (full)"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     legend = []
@@ -90,7 +99,7 @@ def machine_section(result: dict[str, Any]) -> str:
         n = next(r["programs"] for r in rows if r["workload"] == name)
         cells = [name, str(n), *[_cell(by.get((name, c))) for c in configs], ratio, hit("full"),
                  hit("no_hints"), hit("openai_baseline"),
-                 _radix_cell(full) if full else "",
+                 _radix_cell(full) if full else "", _slot_cell(full) if full else "",
                  f"{full['sanity_ok']}/{full['programs']}" if full else ""]
         lines.append("| " + " | ".join(cells) + " |")
         if full:

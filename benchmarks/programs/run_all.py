@@ -147,8 +147,11 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
         "hit_rate": pt.achieved_hit_rate(calls), "optimal_hit_rate": 1 - misses / total if total else 0.0,
         "trace_prompt_tokens": total, "token_count_mismatches": mismatched,
         "radix_replay_s": replay, "radix_share": replay / wall,
+        # the server's KV-manager host time: radix-tree work, and slot bookkeeping (also without cache)
         "radix_server_s": stats1.get("radix_time_s", 0.0) - stats0.get("radix_time_s", 0.0),
         "radix_server_share": (stats1.get("radix_time_s", 0.0) - stats0.get("radix_time_s", 0.0)) / wall,
+        "slot_server_s": stats1.get("slot_time_s", 0.0) - stats0.get("slot_time_s", 0.0),
+        "slot_server_share": (stats1.get("slot_time_s", 0.0) - stats0.get("slot_time_s", 0.0)) / wall,
         "jump_forward_tokens": stats1.get("jump_forward_tokens", 0) - stats0.get("jump_forward_tokens", 0),
         "sanity_ok": ok, "sanity_label": w.check_label, "errors": errors[:3], "num_errors": len(errors),
     }
