@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cfsm.automaton import _byte_classes, _minimize, _runs
+from cfsm.automaton import _byte_classes, _minimize, _runs, _unique_rows
 from cfsm.gcpause import without_gc
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,6 +97,19 @@ def test_runs_count_the_live_steps_along_one_byte(step: list[int], live: list[bo
             cur = step[cur]
             count += 1
         assert runs[q] == count
+
+
+@_SETTINGS
+@given(st.lists(st.lists(st.integers(-3, 3), min_size=3, max_size=3), max_size=12),
+       st.sampled_from([np.int64, np.uint8, np.uint64]))
+def test_unique_rows_groups_exactly_the_equal_rows(rows: list[list[int]], dtype: type) -> None:
+    a = np.asarray(rows, dtype=np.int64).reshape(-1, 3).astype(dtype)
+    first, inverse = _unique_rows(a)
+    assert len(inverse) == len(a) and len(set(first.tolist())) == len(first)
+    assert (inverse[first] == np.arange(len(first))).all()
+    for i in range(len(a)):
+        for j in range(len(a)):
+            assert (inverse[i] == inverse[j]) == bool((a[i] == a[j]).all())
 
 
 def test_without_gc_pauses_and_restores_the_collector() -> None:

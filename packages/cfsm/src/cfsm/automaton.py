@@ -422,6 +422,18 @@ def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the first row of each distinct row, distinct-row index of every row) of a 2-D
+    array: rows compared as raw bytes (one sort of fixed-size byte strings, much faster than
+    `np.unique(axis=0)`); the order of the distinct rows is unspecified."""
+    a = np.ascontiguousarray(a)
+    if a.shape[0] == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    v = a.view(np.dtype((np.void, a.dtype.itemsize * a.shape[1]))).reshape(-1)
+    _, first, inverse = np.unique(v, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
 def _live_states(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
     """States from which an accepting state is reachable (reverse BFS over byte classes).
 

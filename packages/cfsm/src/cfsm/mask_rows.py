@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cfsm.automaton import _unique_rows
 from cfsm.walker import Prefix
 
 
@@ -39,7 +40,7 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     h[0, acc] += w1[eos].sum(dtype=np.uint64)
     h[1, acc] += w2[eos].sum(dtype=np.uint64)
     h[2, acc] += np.uint64(len(eos))
-    _, first, inverse = np.unique(h.T, axis=0, return_index=True, return_inverse=True)
+    first, inverse = _unique_rows(h.T)
     seg_of = np.full(len(ks), -1, dtype=np.int64)
     if len(kk):
         seg_of[kk[starts]] = np.arange(len(starts))

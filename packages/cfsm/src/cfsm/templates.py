@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa, build_dfa
+from cfsm.automaton import Dfa, _unique_rows, build_dfa
 from cfsm.vocab import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows"]
@@ -242,7 +242,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     exit_code, dead_code = num_t, num_t + 1
     # bytes that step alike in the DFA and in T: one representative each
     rep, byte_class = dfa.byte_classes
-    _, first = np.unique(np.column_stack([byte_class, code.T]), axis=0, return_index=True)
+    first, _ = _unique_rows(np.column_stack([byte_class, code.T]))
     reps = np.sort(first)
     tcode = code[:, reps]  # (num_t, r)
     t[dead] = -1
@@ -318,9 +318,10 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
         cut = np.searchsorted(st.stay_values[s], rem, side="right") - 1  # -1: no stay token
         eids, ek, esuf = st.exit_ids[s], st.exit_chars[s], st.exit_suffix[s]
         allowed = (ek[None, :] >= need[:, None]) & (ek[None, :] <= rem[:, None]) & live[c_idx[at][:, None], esuf[None, :]]
-        key = np.column_stack([cut, np.packbits(allowed, axis=1).view(np.uint8).astype(np.int64)]) \
-            if len(eids) else cut[:, None]
-        _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        key = cut.astype(np.int64)[:, None].view(np.uint8)
+        if len(eids):
+            key = np.hstack([key, np.packbits(allowed, axis=1)])
+        first, inverse = _unique_rows(key)
         rows = np.empty(len(first), dtype=np.int32)
         for g, i in enumerate(first.tolist()):
             k = int(cut[i])
@@ -329,4 +330,4 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
             if len(tids):
                 np.bitwise_or.at(row, tids >> 5, np.left_shift(one, (tids & 31).astype(np.uint32)))
             rows[g] = intern(row)
-        mask_row[qs] = rows[inverse.reshape(-1)]
+        mask_row[qs] = rows[inverse]
