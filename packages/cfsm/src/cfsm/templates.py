@@ -194,7 +194,8 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     if n == 0 or not len(group):
         return StringMatch(t, rem, need, cont)
     g0 = trans[:n, group[0]].astype(np.int64)
-    cand = (trans[:n, group] == g0[:, None]).all(axis=1) & ~dfa.accepting[:n]
+    rep, byte_class = dfa.byte_classes  # bytes of one class step alike: one byte per class
+    cand = (trans[:n, rep[np.unique(byte_class[group])]] == g0[:, None]).all(axis=1) & ~dfa.accepting[:n]
     qs = np.flatnonzero(cand)
     if not len(qs):
         return StringMatch(t, rem, need, cont)
