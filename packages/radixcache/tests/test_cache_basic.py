@@ -391,3 +391,24 @@ def test_from_config() -> None:
     assert len(cache.take_events()) == 1
     with pytest.raises(ValueError):
         RadixCacheConfig(page_size=0)
+
+
+def _clocks(cache: RadixCache) -> list[tuple[int, int, int]]:
+    return sorted((n.num_tokens, n.last_access, n.hit_count) for n in cache._walk())
+
+
+def test_match_node_is_match_prefix_of_the_key_ending_there() -> None:
+    a, b = RadixCache(page_size=2), RadixCache(page_size=2)
+    for cache in (a, b):
+        _ins(cache, [1, 2, 3, 4, 5, 6], 10)
+    keys = [[1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 5, 6, 9], [1, 2], [1, 2, 3, 4, 7, 8, 9, 9]]
+    for key in keys:
+        ra = a.insert(key, np.arange(100, 100 + len(key)))
+        rb = b.insert(key, np.arange(100, 100 + len(key)))
+        ma, mb = a.match_node(ra.last_node), b.match_prefix(key)
+        assert ma.length == mb.length and ma.indices.tolist() == mb.indices.tolist()
+        assert (ma.last_node is ra.last_node) and (mb.last_node is rb.last_node)
+        assert _clocks(a) == _clocks(b) and a.root.last_access == b.root.last_access
+    with pytest.raises(ValueError):
+        a.match_node(a.root)
+

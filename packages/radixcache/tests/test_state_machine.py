@@ -137,9 +137,13 @@ class CacheMachine(RuleBasedStateMachine):
         req = self.running.get(rid)
         if req is None:
             return
-        self._insert(req)
-        m = self.cache.match_prefix(req.key, req.extra_key)
+        r = self.cache.insert(req.key, req.kv, req.extra_key)
+        assert r.prefix_len == self.model.insert(req.key, req.kv, req.extra_key) >= req.cached_len
+        self.alloc.free(req.kv[req.cached_len : r.prefix_len])
+        # re-lock the end: the key walked again, or the node insert returned (no key)
+        m = self.cache.match_prefix(req.key, req.extra_key) if r.last_node.is_root else self.cache.match_node(r.last_node)
         assert m.length == self.cache.aligned_len(len(req.key))
+        assert m.indices.tolist() == self.model.longest_prefix(req.key, req.extra_key)[1]
         self.cache.lock(m.last_node)
         self.cache.unlock(req.last_node)
         req.kv = np.concatenate([m.indices, req.kv[m.length :]])

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmserver.io_struct import SamplingParams
-from lmserver.scheduler import KVManager, Req
+from lmserver.scheduler import KVManager, Req, Scheduler
 from radixcache import RadixCache, SlotAllocator
 
 
@@ -104,6 +104,7 @@ def _same_state(kv: KVManager, ref: RefKV, pairs: list[tuple[Req, Req]]) -> None
             return len(text)
 
     assert kv.cache.pretty_print(file=Sink()) == ref.cache.pretty_print(file=Sink())
+    assert [n.hit_count for n in kv.cache._walk()] == [n.hit_count for n in ref.cache._walk()]
     a, b = kv.allocator, ref.allocator
     assert a.available == b.available
     assert a._free[: a._top].tolist() == b._free[: b._top].tolist()  # same free list, same order
@@ -215,6 +216,8 @@ def test_times_split_between_tree_work_and_slot_bookkeeping() -> None:
         assert kv.slot_time_s > 0
         # the cache off does no tree work at all; on, both parts are measured
         assert (kv.radix_time_s == 0.0) if disable else (kv.radix_time_s > 0)
+        stats = Scheduler(kv, max_running_requests=2).stats()  # what /get_server_info reports
+        assert (stats["radix_time_s"], stats["slot_time_s"]) == (kv.radix_time_s, kv.slot_time_s)
 
 
 def test_slot_buffer_grows_and_keeps_the_slots() -> None:

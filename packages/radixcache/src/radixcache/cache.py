@@ -237,6 +237,27 @@ class RadixCache:
         indices = values[0] if len(values) == 1 else np.concatenate(values)
         return MatchResult(indices, node, pos // TOKEN_BYTES)
 
+    def match_node(self, node: TreeNode) -> MatchResult:
+        """`match_prefix` of the key that ends exactly at `node` (its whole path from the
+        namespace root), without walking the key: the same clock tick, access clocks and hit
+        counts, and `MatchResult(path slots, node, path length)`. For re-locking the end of a
+        just-inserted key (`insert(...).last_node`). Raises `ValueError` for a root or a removed
+        node (a root stands for no key: use `match_prefix`)."""
+        if node.parent is None or node.removed:
+            raise ValueError("match_node needs a live non-root node (use match_prefix for a key)")
+        self._tick += 1
+        tick = self._tick
+        values: list[npt.NDArray[np.int64]] = []
+        cur = node
+        while cur.parent is not None:
+            cur.last_access = tick
+            cur.hit_count += 1
+            values.append(cur.value)
+            cur = cur.parent
+        cur.last_access = tick  # the namespace root, as match_prefix stamps it
+        indices = values[0] if len(values) == 1 else np.concatenate(values[::-1])
+        return MatchResult(indices, node, len(indices))
+
     def insert(
         self, key: KeyLike, value: KeyLike, extra_key: Hashable = None, priority: int = 0
     ) -> InsertResult:

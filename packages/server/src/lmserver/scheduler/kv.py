@@ -244,7 +244,8 @@ class KVManager:
             self.allocator.free(req.kv[req.cached_len : r.prefix_len])
             replaced = True
         start = time.perf_counter()
-        m = cache.match_prefix(key, req.extra_key)
+        # the inserted key ends at r.last_node (a root only when it had no whole page)
+        m = cache.match_prefix(key, req.extra_key) if r.last_node.is_root else cache.match_node(r.last_node)
         cache.lock(m.last_node)
         cache.unlock(req.last_node)
         self._tree_s += time.perf_counter() - start
