@@ -100,8 +100,6 @@ class _Walker:
         self._chain_memo: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         self._steps: dict[bytes, tuple[list[int], list[bool]]] = {}
         self._long: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        # a 257th column: "past the end of the token" keeps the state
-        self.stay_flat = np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
         self._rows: dict[int, list[int]] = {}
         self._inside: dict[bytes, tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray],
                                         tuple[np.ndarray, np.ndarray]]] = {}
@@ -113,6 +111,11 @@ class _Walker:
         counts = self.tables.first_byte_counts
         live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
         return int(((live * counts[None, :]).sum(axis=1) > _TINY).sum())
+
+    @functools.cached_property
+    def stay_flat(self) -> np.ndarray:
+        """The table with a 257th column, "past the end of the token", that keeps the state."""
+        return np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
 
     def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens of those `states` with few candidates together, in batches.
