@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lmserver.attention.base import default_registry
@@ -33,6 +34,15 @@ from lmserver.model_loader import DTYPES, load_model, read_model_config
 from lmserver.scheduler import KVManager, Req, ScheduleDecision, Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def _valid_token_ids(ids: list[int], vocab_size: int) -> bool:
+    """Every entry a Python or numpy integer in [0, vocab_size): one numpy pass (an all-bool
+    prompt is rejected; bools among integers count as 0/1, as `isinstance(t, int)` allowed)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":  # floats, bools, objects (huge ints, None)
+        return False
+    return bool(arr.min() >= 0 and arr.max() < vocab_size)
 
 
 @dataclass
@@ -181,7 +191,7 @@ class EngineCore:
         ids = req.input_ids
         if not ids:
             raise InvalidRequestError("the prompt is empty (no input tokens)")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in ids):
+        if not _valid_token_ids(ids, self.vocab_size):
             raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})")
         limit = self.context_length if p.max_new_tokens == 0 else self.context_length - 1
         if len(ids) > limit:

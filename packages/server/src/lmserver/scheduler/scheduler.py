@@ -222,16 +222,16 @@ class Scheduler:
     def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
         if self.schedule_policy == "fcfs" or self.kv.disable_radix_cache:
             return False
-        ids = np.asarray(req.fill_ids, dtype=np.int64)
-        cached = self.kv.peek_prefix_len(req)
+        # True iff some admitted request shares at least `cached + THRESHOLD` leading tokens with
+        # req: only that many tokens are compared (arrays from fill_key, converted once per prompt)
+        need = self.kv.peek_prefix_len(req) + IN_BATCH_PREFIX_THRESHOLD
+        if req.fill_len < need:
+            return False
+        ids = req.fill_key()[:need]
         for other in admitted:
-            if other.extra_key != req.extra_key:
+            if other.extra_key != req.extra_key or other.fill_len < need:
                 continue
-            o = np.asarray(other.fill_ids, dtype=np.int64)
-            n = min(len(ids), len(o))
-            diff = np.nonzero(ids[:n] != o[:n])[0]
-            common = int(diff[0]) if len(diff) else n
-            if common - cached >= IN_BATCH_PREFIX_THRESHOLD:
+            if np.array_equal(ids, other.fill_key()[:need]):
                 return True
         return False
 
