@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import regex
 from hypothesis import HealthCheck, assume, given, settings
@@ -49,6 +50,12 @@ def test_dfa_accepts_exactly_what_regex_fullmatch_accepts(pattern: str, data: st
     strings = data.draw(st.lists(st.text(_ALPHABET, max_size=6), min_size=20, max_size=20))
     for s in strings:
         assert dfa.fullmatch(s.encode()) == (compiled.fullmatch(s) is not None), (pattern, s)
+    # the byte classes cached by the construction (from its byte intervals) are the table's
+    from cfsm.automaton import _byte_classes
+
+    rep, cls = dfa.byte_classes
+    _, exact = _byte_classes(dfa.transitions)
+    assert (np.equal.outer(cls, cls) == np.equal.outer(exact, exact)).all() and (cls[rep] == np.arange(len(rep))).all()
 
 
 def test_scoped_case_folding_stays_in_its_group() -> None:

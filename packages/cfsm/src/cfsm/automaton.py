@@ -329,8 +329,9 @@ def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset
     return out
 
 
-def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray, np.ndarray]:
-    """Subset construction: (transition table with the dead state last, accepting flags)."""
+def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Subset construction: (transition table over byte intervals with the dead state last,
+    accepting flags, the interval (column) of each byte)."""
     closures: dict[int, frozenset[int]] = {}
     eps, ntrans = nfa.eps, nfa.trans
 
@@ -402,16 +403,24 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
         bounds.append(len(los))
         k += 1
     n = len(states)
-    table = np.full((n + 1, 256), n, dtype=np.int32)
+    # NOTE: the table has one column per byte interval between the ranges' bounds (bytes of one
+    # interval step alike from every state); `byte_map[b]` is the column of byte b
+    lo = np.asarray(los, dtype=np.int64)
+    hi = np.asarray(his, dtype=np.int64)
+    starts = np.unique(np.concatenate([[0], lo, hi + 1]))
+    starts = starts[starts < 256]
+    byte_map = np.searchsorted(starts, np.arange(256), side="right") - 1
+    width = len(starts)
+    table = np.full((n + 1, width), n, dtype=np.int32)
     if los:
-        lo = np.asarray(los, dtype=np.int64)
-        lens = np.asarray(his, dtype=np.int64) - lo + 1
+        ilo = byte_map[lo]
+        lens = byte_map[hi] - ilo + 1
         per_state = np.asarray(bounds[1:], dtype=np.int64) - np.asarray(bounds[:-1], dtype=np.int64)
         src = np.repeat(np.arange(n, dtype=np.int64), per_state)
         offsets = np.cumsum(lens) - lens
-        idx = np.repeat(src * 256 + lo - offsets, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        idx = np.repeat(src * width + ilo - offsets, lens) + np.arange(int(lens.sum()), dtype=np.int64)
         table.reshape(-1)[idx] = np.repeat(np.asarray(dsts, dtype=np.int32), lens)
-    return table, np.array(accepting + [False], dtype=bool)
+    return table, np.array(accepting + [False], dtype=bool), byte_map
 
 
 def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -591,11 +600,15 @@ def _runs(step: np.ndarray, live: np.ndarray) -> np.ndarray:
     return np.minimum(run, n)
 
 
-def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
+def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None = None) -> Dfa:
+    """Trimmed minimal DFA of `table` (the dead state last; one column per byte, or per group of
+    bytes where `byte_map[b]` is the column of byte b)."""
     n = table.shape[0]  # includes the dead state (last row)
     dead = n - 1
     # byte classes: bytes whose columns are equal behave the same everywhere
     col_rep, byte_class = _byte_classes(table)
+    if byte_map is not None:
+        byte_class = byte_class[byte_map]
     cols = table[:, col_rep]
     # trim: states that cannot reach acceptance behave like the dead state
     live = _live_states(cols, accepting, dead)
@@ -631,7 +644,9 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int) -> Dfa:
     dfa = Dfa(transitions=trans, accepting=acc, start=int(new_ids[start]))
     # the minimal DFA's byte classes merge the classes whose columns became equal (cached on it)
     rep2, cls2 = _byte_classes(min_cols)
-    dfa.__dict__["byte_classes"] = (col_rep[rep2], cls2[byte_class])
+    classes = cls2[byte_class]
+    _, rep_bytes = np.unique(classes, return_index=True)  # a byte of each class, by class id
+    dfa.__dict__["byte_classes"] = (rep_bytes, classes)
     return dfa
 
 
@@ -701,5 +716,5 @@ def build_dfa(node: Node) -> Dfa:
         return node.dfa
     nfa = _Nfa()
     s, e = nfa.build(node)
-    table, accepting = _subset_construction(nfa, s, e)
-    return _minimize(table, accepting, 0)
+    table, accepting, byte_map = _subset_construction(nfa, s, e)
+    return _minimize(table, accepting, 0, byte_map)
