@@ -569,7 +569,7 @@ def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     step[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
     starts = np.flatnonzero(step)
     run_of = np.cumsum(step) - 1  # the run of each byte
-    runs = table[:, starts]
+    runs = np.take(table, starts, axis=1)
     weights = np.random.default_rng(0xB17E).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
     h = weights @ runs.astype(np.uint64)  # (num_runs,), modulo 2^64
     _, first, cls = np.unique(h, return_index=True, return_inverse=True)
@@ -609,7 +609,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     col_rep, byte_class = _byte_classes(table)
     if byte_map is not None:
         byte_class = byte_class[byte_map]
-    cols = table[:, col_rep]
+    cols = np.take(table, col_rep, axis=1)  # NOTE: np.take: far faster than [:, idx] here
     # trim: states that cannot reach acceptance behave like the dead state
     live = _live_states(cols, accepting, dead)
     live[dead] = False
@@ -638,7 +638,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     min_cols = new_ids[cols[reps]].astype(np.int32)  # (num, num_byte_classes)
     min_cols[nxt] = nxt
     byte_class = byte_class.reshape(-1)
-    trans = np.ascontiguousarray(min_cols[:, byte_class])
+    trans = np.take(min_cols, byte_class, axis=1)
     acc = accepting[reps].copy()
     acc[nxt] = False
     dfa = Dfa(transitions=trans, accepting=acc, start=int(new_ids[start]))

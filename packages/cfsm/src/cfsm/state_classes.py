@@ -21,7 +21,7 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     trans = dfa.transitions
     if rep is None:  # a representative byte of each byte class
         rep = dfa.byte_classes[0]
-    cols = trans[:, rep]
+    cols = np.take(trans, rep, axis=1)
     n, k = cols.shape
     cls = dfa.accepting.astype(np.int64)
     cls[dfa.dead] = 2

@@ -195,7 +195,8 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
         return StringMatch(t, rem, need, cont)
     g0 = trans[:n, group[0]].astype(np.int64)
     rep, byte_class = dfa.byte_classes  # bytes of one class step alike: one byte per class
-    cand = (trans[:n, rep[np.unique(byte_class[group])]] == g0[:, None]).all(axis=1) & ~dfa.accepting[:n]
+    cand = (np.take(trans[:n], rep[np.unique(byte_class[group])], axis=1) == g0[:, None]).all(axis=1)
+    cand &= ~dfa.accepting[:n]
     qs = np.flatnonzero(cand)
     if not len(qs):
         return StringMatch(t, rem, need, cont)
@@ -254,7 +255,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
             if not len(q):
                 continue
             row = tcode[s]
-            tgt = trans[q][:, reps].astype(np.int64)  # (m, r)
+            tgt = np.take(trans[q], reps, axis=1).astype(np.int64)  # (m, r)
             r, nd, c = rem[q][:, None], need[q][:, None], cont[q][:, None]
             bad = dfa.accepting[q] | (rem[q] < (0 if s == text else 1))
             dead_b = row == dead_code

@@ -184,7 +184,7 @@ class _Walker:
         # first byte are contiguous (sorted), so pairs expand from (state, byte) ranges
         lead, lead_at = np.unique(first, return_index=True)
         lead_end = np.append(lead_at[1:], len(first))
-        pairs = self.trans[:-1][:, lead] != self.dead
+        pairs = np.take(self.trans[:-1], lead, axis=1) != self.dead
         if states is not None:
             pairs &= states[:, None]
         rows, j = np.nonzero(pairs)  # sorted by state
@@ -227,7 +227,7 @@ class _Walker:
         key = outside.tobytes() + (b"u" if utf8 else b"")
         hit = self._long.get(key)
         if hit is None:
-            bs = self.tables.byte_sets[:, long_pos]
+            bs = np.take(self.tables.byte_sets, long_pos, axis=1)
             if utf8:
                 chars = self.tables.num_chars[long_pos]
                 inside = (((bs[0] & outside[0]) | (bs[1] & outside[1])) == 0) & (chars >= 0)
@@ -442,7 +442,7 @@ class _Walker:
         offsets = np.cumsum(sizes) - sizes
         idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
         first = np.repeat(np.arange(len(a), dtype=np.int64), sizes)  # which allowed byte starts it
-        ts = tables.tail_byte_sets[:, idx]
+        ts = np.take(tables.tail_byte_sets, idx, axis=1)
         if utf8:
             chars = tables.num_chars[idx]
             inside = (((ts[0] & outside[0]) | (ts[1] & outside[1])) == 0) & (chars >= 0)

@@ -126,7 +126,7 @@ def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> t
 def _group_steps(trans: np.ndarray, group: np.ndarray) -> tuple[list[int], list[bool]]:
     """Per state: where the first byte of `group` leads, and whether every byte of it leads there."""
     nxt = trans[:, group[0]]
-    return nxt.tolist(), (trans[:, group] == nxt[:, None]).all(axis=1).tolist()
+    return nxt.tolist(), (np.take(trans, group, axis=1) == nxt[:, None]).all(axis=1).tolist()
 
 
 def _chain_of(dfa: Dfa, q: int, max_len: int,
