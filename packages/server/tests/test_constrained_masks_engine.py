@@ -55,8 +55,21 @@ def _run(engine: Engine) -> list[tuple[list[int], str]]:
     return [(o["output_ids"], o["meta_info"]["finish_reason"]["type"]) for o in outs]
 
 
-def test_prepared_masks_are_those_of_the_states_at_sampling(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("min_tokens", ["auto", "4"])
+def test_prepared_masks_are_those_of_the_states_at_sampling(engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                                            min_tokens: str) -> None:
+    """auto (1 on CPU): every jump is made after its token; 4: jumps are deferred to the next
+    schedule() (made or declined there, before the forward whose masks are prepared)."""
     cd = engine.core.constrained
+    monkeypatch.setattr(cd, "jump_forward_min_tokens", min_tokens)
+    deferred: list[int] = []
+    orig_run_deferred = cd._run_deferred
+
+    def run_deferred(scheduler: Any) -> None:
+        deferred.append(len(cd._deferred))
+        orig_run_deferred(scheduler)
+
+    monkeypatch.setattr(cd, "_run_deferred", run_deferred)
     masker = cd.masker
     applies: list[bool] = []  # per constrained sampling: was its mask prepared before
     orig_apply = masker.apply
@@ -76,6 +89,7 @@ def test_prepared_masks_are_those_of_the_states_at_sampling(engine: Engine, monk
     assert masker.num_prepared_used - used0 == len(applies)
     assert masker.num_stale_rows == stale0
     assert cd.stats["jump_forward_steps"] > jumps0  # the JSON keys and the phone's " " / "-" are forced
+    assert bool(deferred) == (min_tokens != "auto")
     assert masker.prepare_time_s > 0
 
     # the same batch with the prepare step off: every mask is filled at apply, same tokens
