@@ -114,6 +114,16 @@ class KVManager:
         self._tree_s += time.perf_counter() - start
         return list(lens)
 
+    @_timed
+    def match_last_nodes(self, reqs: Sequence[Req]) -> list[Any]:
+        """`match_prefix(fill_ids).last_node` of each request in order (the dfs-weight order's
+        tree walk, timed as tree work). Mutates access clocks and hit counts; may split nodes."""
+        start = time.perf_counter()
+        match = self.cache.match_prefix
+        nodes = [match(req.fill_key(), req.extra_key).last_node for req in reqs]
+        self._tree_s += time.perf_counter() - start
+        return nodes
+
     def _path(self, req: Req) -> PrefixPath:
         """The tree path of `req`'s tokens; kept on the request (`req.peek_memo`) and reused
         while the tree's structure (`cache.version`) and the request's tokens are unchanged."""

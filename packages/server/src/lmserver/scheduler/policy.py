@@ -40,14 +40,12 @@ def order_dfs_weight(waiting: list[Req], kv: KVManager) -> list[Req]:
     """
     if kv.disable_radix_cache:
         return order_fcfs(waiting, kv)
-    cache = kv.cache
     by_node: dict[int, list[Req]] = {}
     nodes: dict[int, Any] = {}
     weight: dict[int, int] = {}
     children: dict[int, list[Any]] = {}
     roots: list[Any] = []
-    for req in waiting:
-        node = cache.match_prefix(req.fill_ids, req.extra_key).last_node
+    for req, node in zip(waiting, kv.match_last_nodes(waiting), strict=True):
         by_node.setdefault(id(node), []).append(req)
         nodes[id(node)] = node
         walk: Any = node
