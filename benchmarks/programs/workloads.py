@@ -2,8 +2,11 @@
 
 Each `Workload` gives the program, the keyword arguments of each program instance (fixed seed),
 and a sanity check of one finished state (a choice was picked, the JSON parses and matches the
-schema, every branch produced text...). Shared text a program starts with is a module constant,
-so that `function.cache()` (the frontend's prefix hint) can find it.
+schema, every branch produced text...). The shapes (few-shot counts and lengths, turns, branches,
+levels, output caps) follow SGLang's benchmark scripts (`benchmark/<name>/bench_sglang.py` of
+sgl-project/sglang); `REFERENCE` holds the sizes that reproduce them where the CPU defaults are
+smaller. Shared text that depends on the sizes is bound into the program (`Function.bind`) by
+`make`, so that `function.cache()` (the frontend's prefix hint) still finds it.
 """
 
 from __future__ import annotations
@@ -22,188 +25,333 @@ import lmdsl as sgl
 
 @dataclass(frozen=True)
 class Sizes:
-    """Workload sizes; each field is also a command-line flag (`--mmlu-programs 64`)."""
+    """Workload sizes; each field is also a command-line flag (`--mmlu-programs 64`).
+
+    Lengths are in tokens of the SmolLM2 tokenizer (one word of `data.WORDS` is one token).
+    `max_tokens` / `long_tokens` are the free-form generation caps of the workloads whose
+    reference does not fix them; fixed outputs (MMLU's answer letter, chat answers, the agents'
+    templates, the judge's score, the JSON fields) have their own fields or constants.
+    """
 
     mmlu_programs: int = 6
+    mmlu_subjects: int = 2
+    mmlu_shots: int = 5
+    mmlu_question_tokens: int = 55
+    mmlu_option_tokens: int = 12
+    mmlu_answer_tokens: int = 1
     hellaswag_programs: int = 3
+    hellaswag_shots: int = 20
+    hellaswag_ctx_tokens: int = 20
+    hellaswag_ending_tokens: int = 10
     react_programs: int = 2
-    react_steps: int = 3
+    react_steps: int = 4
+    react_demos: int = 2
+    react_demo_steps: int = 3
+    react_observation_tokens: int = 30
     agents: int = 2
-    agent_calls_per_agent: int = 3
+    agent_calls_per_agent: int = 5
+    agent_iss_tokens: int = 150
     tot_programs: int = 1
-    tot_width: int = 3
-    tot_depth: int = 3
+    tot_width: int = 2
+    tot_depth: int = 4
+    tot_question_tokens: int = 55
     sot_programs: int = 2
-    sot_points: int = 3
+    sot_points: int = 5
     judge_programs: int = 2
+    judge_article_tokens: int = 250
     json_programs: int = 4
+    json_doc_tokens: int = 300
     chat_programs: int = 3
     chat_long_programs: int = 2
-    chat_turns: int = 3
+    chat_turns: int = 4
+    chat_user_min_tokens: int = 64
+    chat_user_max_tokens: int = 128
+    chat_answer_min_tokens: int = 4
+    chat_answer_max_tokens: int = 8
+    chat_long_min_tokens: int = 16
+    chat_long_max_tokens: int = 32
     rag_programs: int = 3
+    rag_full_demos: int = 2
+    rag_qa_demos: int = 4
+    rag_passages: int = 3
+    rag_passage_tokens: int = 40
     independent_programs: int = 6
     max_tokens: int = 8
     long_tokens: int = 24
 
 
+# NOTE: the sizes where the reference shape differs from the CPU default (see README.md for the
+# sources). Free-form caps (max_tokens 256 for tree-of-thought and the judge, 200 for ReAct, 24/128
+# for skeleton-of-thought) are left to --max-tokens / --long-tokens, which set them for all.
+REFERENCE: dict[str, int] = {
+    "hellaswag_ctx_tokens": 45, "hellaswag_ending_tokens": 20,
+    "react_demos": 6, "react_observation_tokens": 85,
+    "judge_article_tokens": 650, "json_doc_tokens": 3000,
+    "chat_user_min_tokens": 256, "chat_user_max_tokens": 512,
+    "chat_long_min_tokens": 256, "chat_long_max_tokens": 512,
+    "rag_full_demos": 4, "rag_qa_demos": 12, "rag_passage_tokens": 100,
+}
+REFERENCE_CONTEXT_LENGTH = 8192  # NOTE: the reference chat_long reaches ~4,200 tokens, JSON ~3,100
+
+
+def reference_flags() -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in REFERENCE.items())
+
+
+class Bindable:
+    """A program whose shared text depends on the sizes: `make` binds that text (`Function.bind`),
+    and `run` / `cache` go to the bound function, so the prefix hint sees the text as constant.
+
+    Mutates: self.bound (on `bind`; the suite runs one workload at a time).
+    """
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        self.bound = function
+
+    def bind(self, **kwargs: Any) -> None:
+        self.bound = self.function.bind(**kwargs)
+
+    def run(self, **kwargs: Any) -> Any:
+        return self.bound.run(**kwargs)
+
+    def cache(self, backend: Any = None) -> str:
+        return str(self.bound.cache(backend))
+
+
 # ---------------------------------------------------------------- programs
-MMLU_HEADER = "The following are multiple choice questions (with answers).\n\n"
-MMLU_SHOTS = {subject: data.mmlu_shots(subject) for subject in data.SUBJECTS[:2]}
-
-
 @sgl.function
 def mmlu(s, shots, question, ntok):
-    s += MMLU_HEADER
     s += shots + question
-    s += sgl.gen("answer", max_tokens=min(ntok, 2))
-
-
-HELLASWAG_SHOTS = data.hellaswag_shots(20)
+    s += sgl.gen("answer", max_tokens=ntok)
 
 
 @sgl.function
-def hellaswag(s, context, endings):
-    s += HELLASWAG_SHOTS
-    s += context
+def _hellaswag(s, shots, context, endings):
+    s += shots + context
     s += sgl.select("ending", choices=endings)
 
 
-REACT_HEADER = data.react_header()
+hellaswag = Bindable(_hellaswag)
 REACT_TOOLS = [" " + t for t in data.TOOLS]
 
 
 @sgl.function
-def react(s, qid, question, steps, ntok):
-    s += REACT_HEADER
+def _react(s, header, qid, question, steps, obs_tokens, ntok):
+    s += header
     s += "Question: " + question + "\n"
     for step in range(1, steps + 1):
         s += f"Thought {step}:" + sgl.gen(f"thought_{step}", max_tokens=ntok, stop="\n") + "\n"
         s += f"Action {step}:" + sgl.select(f"tool_{step}", choices=REACT_TOOLS)
-        s += "[" + sgl.gen(f"arg_{step}", max_tokens=6, stop=["]", "\n"]) + "]\n"
-        s += f"Observation {step}: " + data.react_observation(qid, step) + "\n"
+        s += "[" + sgl.gen(f"arg_{step}", max_tokens=8, stop=["]", "\n"]) + "]\n"
+        s += f"Observation {step}: " + data.react_observation(qid, step, obs_tokens) + "\n"
 
 
-AGENT_WORLD = ("You are simulating the residents of a small town. Each resident has a memory stream; "
-               "answer as the resident would, in the first person, in one sentence.\n\n")
+react = Bindable(_react)
+
+# NOTE: the agents' template heads, in our words, with the references' lengths and output caps.
+AGENT_TRIPLE_HEAD = "Task: turn the input into (subject, predicate, object).\n" + "".join(
+    f"Input: {n} is {a}.\nOutput: ({n}, {a.split()[0]}, {a.split()[-1]})\n---\n"
+    for n, a in zip(data.NAMES[:6], data.ACTIONS[:6], strict=True))
+AGENT_SECTOR_HEAD = "Task -- choose a fitting area from the area options for the task at hand.\n" + "".join(
+    f"{n} lives in {{{h}}} that has a kitchen, a hall and a porch.\n{n} is currently in {{{c}}} that has "
+    f"a garden and an office.\nArea options: {{{', '.join(data.PLACES)}}}.\n* Stay in the current area if "
+    "the activity can be done there. Only go out if the activity needs another place.\n* Must be one of "
+    f"the area options, verbatim.\nFor {a}, {n} should go to the following area: {{{t}}}\n---\n"
+    for n, h, c, a, t in (("Ivo", "the bakery", "the park", "reading a book", "the library"),
+                          ("Lena", "the school", "the market", "baking bread", "the bakery")))
+AGENT_OBJECT_HEAD = "".join(
+    f"\n{n} is in the {o} of {h}.\n{n} is going to {h} that has the following areas: {{kitchen, hall, "
+    f"porch}}\nStay in the current area if the activity can be done there. Never go into other people's "
+    f"rooms unless necessary.\nFor {a}, {n} should go to the following area in {h}:\nAnswer: {{{o}}}\n---"
+    for n, o, h, a in (("Juno", "kitchen", "the cafe", "baking bread"),
+                       ("Kai", "porch", "the town hall", "feeding the birds")))
 
 
 @sgl.function
-def agent_call(s, name, persona, memories, question, ntok):
-    s += AGENT_WORLD
-    s += persona
-    s += "Relevant memories:\n" + memories + "\nQuestion: " + question + "\n" + name + ":"
-    s += sgl.gen("reply", max_tokens=ntok, stop="\n")
+def agent_call(s, kind, name, iss, event, action, next_action, home, here, there, plan, areas):
+    cap = data.AGENT_MAX_TOKENS[kind]
+    stop = data.AGENT_STOP[kind]
+    if kind == "poignancy":
+        s += f"Here is a brief description of {name}.\n{iss}"
+        s += ("On the scale of 1 to 10, where 1 is purely mundane (such as washing dishes or making the "
+              "bed) and 10 is extremely poignant (such as a break up or a college acceptance), rate the "
+              f"likely poignancy of the following event for {name}.\n\nEvent: {event}\n"
+              "Rate (return a number between 1 to 10):")
+    elif kind == "triple":
+        s += AGENT_TRIPLE_HEAD + f"Input: {name} is {action}.\nOutput: ({name},"
+    elif kind == "emoji":
+        s += ("Convert an action description to an emoji (important: use two or less emojis).\n"
+              f"Action description: {action}.\nEmoji:")
+    elif kind == "sector":
+        s += AGENT_SECTOR_HEAD
+        s += (f"{name} lives in {{{home}}} that has {areas}.\n{name} is currently in {{{here}}} that has "
+              f"{areas}.\n{plan}\nArea options: {{{', '.join(data.PLACES)}}}.\n* Stay in the current area "
+              "if the activity can be done there. Only go out if the activity needs another place.\n* Must "
+              f"be one of the area options, verbatim.\n{name} is {action}. For {next_action}, {name} should "
+              "go to the following area: {")
+    else:
+        s += AGENT_OBJECT_HEAD
+        s += (f"\n{name} is going to {there} that has the following areas: {{{areas}}}\n* Stay in the "
+              "current area if the activity can be done there.\n* Never go into other people's rooms "
+              f"unless necessary.\n{name} is {action}. For {next_action}, {name} should go to the "
+              f"following area in {there} (must pick one of {{{areas}}}):\nAnswer: {{")
+    s += sgl.gen("reply", max_tokens=cap, stop=stop)
 
 
-TOT_HEADER = ("Solve the problem by thinking step by step. At each step, propose one idea in one line; "
-              "promising ideas are explored further.\n\n")
+# NOTE: one instruction per level of the tree (plan, execute, reflect, final answer), as in
+# tree_of_thought_deep; deeper trees repeat the last one.
+TOT_LEVELS = (
+    "Please write a high-level plan for solving the following question. As a first step, only say which "
+    "method and idea you will use to solve it. You may reorganize the information in the question. Do "
+    "not do the actual calculation yet. Keep your answer concise and within 80 words. Question: ",
+    "The plan looks good! Now use real numbers and do the calculation. Please solve the question step "
+    "by step following the high-level plan, and give me the final answer. Keep the answer short.",
+    "Okay. Now evaluate your own solution and give it a score on a scale of 1 to 5. Please check the "
+    "correctness rigorously.",
+    "Based on your reflection, do you change your mind? Now give me the final answer after careful "
+    "consideration.",
+)
 
 
-def _expand(s, level, depth, width, ntok, leaves):
+def _tot_level(s, level, depth, width, question, ntok, leaves):
+    prompt = TOT_LEVELS[min(level, len(TOT_LEVELS)) - 1] + (question if level == 1 else "")
+    s += sgl.user(prompt)
     forks = s.fork(width)
-    for i, f in enumerate(forks):
-        f += f"Step {level}.{i + 1}:" + sgl.gen("thought", max_tokens=ntok, stop="\n") + "\n"
+    for f in forks:
+        f += sgl.assistant(sgl.gen("thought", max_tokens=ntok))
     for f in forks:
         if level < depth:
-            _expand(f, level + 1, depth, width, ntok, leaves)
+            _tot_level(f, level + 1, depth, width, question, ntok, leaves)
         else:
             leaves.append(f)
 
 
 @sgl.function
 def tree_of_thought(s, question, width, depth, ntok, leaves):
-    s += TOT_HEADER
-    s += "Problem: " + question + "\n"
-    _expand(s, 1, depth, width, ntok, leaves)
+    _tot_level(s, 1, depth, width, question, ntok, leaves)
 
 
-SOT_HEADER = ("You are an organized writer. First write a skeleton of the answer as a numbered list of "
-              "short points (3 to 5 words each), then expand each point in one or two sentences.\n\n")
-
-
-@sgl.function
-def skeleton_of_thought(s, question, num_points, ntok, ntok_long):
-    s += SOT_HEADER
-    s += "Question: " + question + "\nSkeleton:\n1."
-    s += sgl.gen("skeleton", max_tokens=ntok * num_points, stop="\n\n")
-    lines = [ln.split(".", 1)[-1].strip() for ln in ("1." + s["skeleton"]).split("\n") if ln.strip()]
-    points = (lines + [f"point {i + 1}" for i in range(num_points)])[:num_points]
-    s.set_var("points_parsed", min(len(lines), num_points))
-    forks = s.fork(num_points)
-    for i, (f, point) in enumerate(zip(forks, points, strict=True)):
-        f += f"\nExpand point {i + 1} ({point}):" + sgl.gen("expansion", max_tokens=ntok_long, stop="\n\n")
-    forks.join()
-
-
-JUDGE_SYSTEM = "You are a strict teacher who evaluates student essays."
-JUDGE_DIMENSIONS = ["clarity", "originality", "evidence", "structure"]
+# NOTE: skeleton-of-thought as SGLang's tip_suggestion benchmark: each tip, once generated, starts
+# an independent expansion program with its own few-shot head; the outline then collects them.
+SOT_EXPAND_HEAD = "Please expand a tip for a topic into a detailed paragraph.\n\n" + "".join(
+    f"Topic: {topic}\nTip: {tip}\nParagraph: {data.prose(random.Random(f'sot-{topic}'), 72)}\n\n"
+    for topic, tip in (("staying healthy", "Move every day"), ("building a campfire", "Pick a safe spot"),
+                       ("writing a blog post", "Structure the content")))
+SOT_HEAD = "Please act as a helpful assistant. Your job is to provide users with useful tips on a specific topic.\n"
 
 
 @sgl.function
-def llm_judge(s, essay, ntok):
-    s += sgl.system(JUDGE_SYSTEM)
-    s += sgl.user("Essay: " + essay)
-    s += sgl.assistant("I have read the essay.")
+def expand_tip(s, topic, tip, ntok):
+    s += SOT_EXPAND_HEAD + "Topic: " + topic + "\nTip: " + tip + "\nParagraph:"
+    s += sgl.gen("paragraph", max_tokens=ntok, stop="\n\n")
+
+
+@sgl.function
+def skeleton_of_thought(s, topic, num_points, ntok, ntok_long):
+    s += SOT_HEAD + "USER: Give some tips for " + topic + ".\n"
+    s += f"ASSISTANT: Okay. Here are {num_points} concise tips, each under 8 words:\n"
+    backend = s.stream_executor.backend
+    expansions = []
+    for i in range(1, num_points + 1):
+        s += f"{i}." + sgl.gen(f"tip_{i}", max_tokens=ntok, stop=[".", "\n"]) + ".\n"
+        expansions.append(expand_tip.run(topic=topic, tip=s[f"tip_{i}"], ntok=ntok_long, backend=backend,
+                                         temperature=0))
+    for i, e in enumerate(expansions, 1):
+        s += f"Tip {i}:" + e["paragraph"] + "\n"
+    s.set_var("expansion", [e["paragraph"] for e in expansions])
+
+
+JUDGE_SYSTEM = ("Please act as an impartial judge and evaluate the quality of the following article "
+                "rigorously. Apply the strictest standards and show no leniency.")
+JUDGE_DIMENSIONS = (
+    "Content: the substance of the essay. It should be well researched, accurate and relevant to the "
+    "topic, show a thorough understanding of the subject, and have a clear goal or purpose.",
+    "Organization and Structure: the essay needs a clear introduction, body and conclusion. It should "
+    "flow naturally, each paragraph leading smoothly into the next.",
+    "Argument and Analysis: the argument should be logical, coherent and clearly stated. Every point "
+    "should be backed by solid evidence and careful analysis.",
+    "Clarity and Precision: the essay should be clear and concise. Its points should be easy for the "
+    "reader to follow, and its language precise and unambiguous.",
+    "Grammar and Punctuation: correct grammar and punctuation matter in an academic essay. Errors "
+    "distract the reader and can change the meaning and interpretation of the content.",
+    "Referencing and Citation: the essay should cite and reference every source it uses. This avoids "
+    "plagiarism and credits the authors whose work contributed to it, in the format the institution "
+    "or the teacher requires.",
+)
+
+
+@sgl.function
+def llm_judge(s, article, ntok):
+    s += JUDGE_SYSTEM + "\n```\n" + article + "\n```\n\n"
     forks = s.fork(len(JUDGE_DIMENSIONS))
     for f, dim in zip(forks, JUDGE_DIMENSIONS, strict=True):
-        f += sgl.user(f"Judge the essay on {dim} in one sentence.")
-        f += sgl.assistant(sgl.gen("judgment", max_tokens=ntok, stop="\n"))
+        f += ("USER: Please judge the quality based on the following metric. " + dim + " Please give a "
+              "single-paragraph judgement. Focus on the given metric and say nothing else. End your "
+              'judgement paragraph with the word "END"\nJUDGE:')
+        f += sgl.gen("judgement", max_tokens=ntok, stop="END")
     forks.join()
-    s += sgl.user("Your judgments:\n" + "\n".join(s["judgment"]) + "\nGive the overall grade, A to D.")
-    s += sgl.assistant(sgl.select("grade", choices=["A", "B", "C", "D"]))
+    s += "I will judge the quality based on the following metrics.\n"
+    for f, dim in zip(forks, JUDGE_DIMENSIONS, strict=True):
+        s += dim.split(":")[0] + ": " + str(f["judgement"]).strip() + "\n"
+    s += "In summary, on a scale of 1 to 10, I would give the article a score of"
+    s += sgl.gen("score", max_tokens=2)
 
 
-PERSON_SCHEMA = {
+# NOTE: the city record of json_decode_regex: five fields, each a `gen` with its own regex (the
+# reference's string / float / int / list-of-strings patterns, with ASCII classes) and cap.
+JSON_STR = r'"[A-Za-z ]{1,16}"'
+JSON_FIELDS = (
+    ("name", JSON_STR + ",", 8), ("country", JSON_STR + ",", 8),
+    ("latitude", r"-?[0-9]{1,2}\.[0-9]{1,2},", 8), ("population", r"[0-9]{1,6},", 8),
+    ("top 3 landmarks", r"\[(" + JSON_STR + ", ){2}" + JSON_STR + r"\]", 24),
+)
+CITY_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
-                   "is_student": {"type": "boolean"}},
-    "required": ["name", "age", "city", "is_student"],
+    "properties": {"name": {"type": "string"}, "country": {"type": "string"}, "latitude": {"type": "number"},
+                   "population": {"type": "integer"},
+                   "top 3 landmarks": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3}},
+    "required": ["name", "country", "latitude", "population", "top 3 landmarks"],
     "additionalProperties": False,
 }
-# NOTE: the regex of PERSON_SCHEMA with fixed key order and spacing (as outlines/SGLang build it);
-# its constant parts (keys, quotes, separators) are what jump-forward decodes without the model.
-PERSON_REGEX = (r'\{"name": "[A-Za-z ]{1,16}", "age": [1-9][0-9]?, "city": "[A-Za-z ]{1,16}", '
-                r'"is_student": (true|false)\}')
-JSON_HEADER = ("Extract the person described in the text as JSON with the keys name, age, city, is_student.\n\n"
-               "Text: Rain fell on the market. Ola is 23 years old and lives in Bergen. She studies music.\n"
-               'JSON: {"name": "Ola", "age": 23, "city": "Bergen", "is_student": true}\n\n')
+JSON_HEADER = "Please extract the information of a city from the following encyclopedia page.\n"
 
 
 @sgl.function
-def json_decode(s, text):
-    s += JSON_HEADER
-    s += "Text: " + text + "\nJSON: "
-    s += sgl.gen("json", max_tokens=64, regex=PERSON_REGEX)
-
-
-CHAT_SYSTEM = ("You are a helpful, concise assistant for a travel company. You answer questions about "
-               "cities, trains, weather and food. Keep answers short and friendly.")
-
-
-@sgl.function
-def multi_turn_chat(s, questions, ntok):
-    s += sgl.system(CHAT_SYSTEM)
-    for i, q in enumerate(questions):
-        s += sgl.user(q)
-        s += sgl.assistant(sgl.gen(f"reply_{i}", max_tokens=ntok))
-
-
-RAG_CORPUS = data.corpus(40)
-RAG_HEADER = ("Answer questions with short factoid answers. First write a search query, then read the "
-              "retrieved context, reason step by step, and answer in a few words.\n\n"
-              "Question: Which city has the old castle?\nSearch query: old castle city\n"
-              "Context:\n" + "\n".join(RAG_CORPUS[:2]) + "\nReasoning: Let's think step by step. "
-              "The context names the city.\nAnswer: Oslo\n\n")
+def json_decode(s, document):
+    s += JSON_HEADER + "Page begin.\n" + document + "Page end.\n"
+    s += "Here is the name, country, latitude, population and top 3 landmarks of the city in JSON format.\n"
+    with s.var_scope("json_output"):
+        s += "{\n"
+        for key, regex, cap in JSON_FIELDS:
+            s += f'  "{key}": ' + sgl.gen(key, max_tokens=cap, regex=regex) + "\n"
+        s += "}\n"
 
 
 @sgl.function
-def rag_pipeline(s, question, ntok):
-    s += RAG_HEADER
-    s += "Question: " + question + "\nSearch query:" + sgl.gen("query", max_tokens=8, stop="\n")
-    context = data.retrieve(RAG_CORPUS, question + " " + s["query"])
-    s += "\nContext:\n" + "\n".join(context) + "\nReasoning: Let's think step by step."
+def multi_turn_chat(s, turns):
+    for i, (prompt, ntok) in enumerate(turns):
+        s += prompt
+        s += sgl.gen(f"reply_{i}", max_tokens=ntok, ignore_eos=True)
+
+
+RAG_INSTRUCTION = ("Answer questions with short factoid answers.\n\n---\n\nFollow the following format.\n\n"
+                   "Context: may contain relevant facts\n\nQuestion: ${question}\n\nReasoning: Let's think "
+                   "step by step in order to ${produce the answer}. We ...\n\n"
+                   "Answer: often between 1 and 5 words\n\n---\n\n")
+
+
+@sgl.function
+def _rag_pipeline(s, header, question, passages, ntok):
+    s += header
+    s += "Context:\n" + "\n".join(f"[{i}] «{p}»" for i, p in enumerate(passages, 1)) + "\n\n"
+    s += "Question: " + question + "\n\nReasoning: Let's think step by step in order to"
     s += sgl.gen("reasoning", max_tokens=ntok * 2, stop="\n")
-    s += "\nAnswer:" + sgl.gen("answer", max_tokens=ntok, stop="\n")
+    s += "\n\nAnswer:" + sgl.gen("answer", max_tokens=ntok, stop="\n")
+
+
+rag_pipeline = Bindable(_rag_pipeline)
+RAG_CORPUS_SIZE = 60
 
 
 @sgl.function
@@ -232,73 +380,95 @@ def _rng(name: str) -> random.Random:
 
 def _mmlu_args(z: Sizes) -> list[dict[str, Any]]:
     rng = _rng("mmlu")
-    subjects = list(MMLU_SHOTS)
-    return [{"shots": MMLU_SHOTS[subjects[i % len(subjects)]], "question": data.mmlu_question(rng),
-             "ntok": z.max_tokens} for i in range(z.mmlu_programs)]
+    shots = [data.mmlu_shots(data.subject(i), z.mmlu_shots, z.mmlu_question_tokens, z.mmlu_option_tokens)
+             for i in range(max(z.mmlu_subjects, 1))]
+    return [{"shots": shots[i % len(shots)],
+             "question": data.mmlu_question(rng, z.mmlu_question_tokens, z.mmlu_option_tokens),
+             "ntok": z.mmlu_answer_tokens} for i in range(z.mmlu_programs)]
 
 
 def _hellaswag_args(z: Sizes) -> list[dict[str, Any]]:
+    hellaswag.bind(shots=data.hellaswag_shots(z.hellaswag_shots, z.hellaswag_ctx_tokens, z.hellaswag_ending_tokens))
     rng = _rng("hellaswag")
     out = []
     for _ in range(z.hellaswag_programs):
-        ctx, endings = data.hellaswag_item(rng)
+        ctx, endings = data.hellaswag_item(rng, z.hellaswag_ctx_tokens, z.hellaswag_ending_tokens)
         out.append({"context": ctx, "endings": endings})
     return out
 
 
 def _react_args(z: Sizes) -> list[dict[str, Any]]:
+    react.bind(header=data.react_header(z.react_demos, z.react_demo_steps, 30))
     rng = _rng("react")
-    return [{"qid": i, "question": data.sentence(rng, 12)[:-1] + "?", "steps": z.react_steps,
-             "ntok": z.max_tokens} for i in range(z.react_programs)]
+    return [{"qid": i, "question": data.sentence(rng, 18)[:-1] + "?", "steps": z.react_steps,
+             "obs_tokens": z.react_observation_tokens, "ntok": z.max_tokens} for i in range(z.react_programs)]
 
 
 def _agent_args(z: Sizes) -> list[dict[str, Any]]:
-    personas = data.agent_personas(z.agents)
-    out = []
-    for c in data.agent_calls(z.agents, z.agent_calls_per_agent):
-        a = int(c["agent"])  # type: ignore[call-overload]
-        name = data.NAMES[a % len(data.NAMES)]
-        out.append({"name": name, "persona": personas[a], "memories": c["memories"],
-                    "question": str(c["question"]).format(n=name), "ntok": z.max_tokens})
-    return out
+    return [dict(c) for c in data.agent_calls(z.agents, z.agent_calls_per_agent, z.agent_iss_tokens)]
 
 
 def _tot_args(z: Sizes) -> list[dict[str, Any]]:
     rng = _rng("tot")
-    return [{"question": data.sentence(rng, 16), "width": z.tot_width, "depth": z.tot_depth,
-             "ntok": z.max_tokens, "leaves": []} for _ in range(z.tot_programs)]
+    return [{"question": data.prose(rng, z.tot_question_tokens)[:-1] + "?", "width": z.tot_width,
+             "depth": z.tot_depth, "ntok": z.max_tokens, "leaves": []} for _ in range(z.tot_programs)]
 
 
 def _sot_args(z: Sizes) -> list[dict[str, Any]]:
-    rng = _rng("sot")
-    return [{"question": "How can " + data.sentence(rng, 8)[:-1].lower() + "?", "num_points": z.sot_points,
-             "ntok": z.max_tokens, "ntok_long": z.long_tokens} for _ in range(z.sot_programs)]
+    topics = data.topics()
+    return [{"topic": topics[i % len(topics)], "num_points": z.sot_points, "ntok": z.max_tokens,
+             "ntok_long": z.long_tokens} for i in range(z.sot_programs)]
 
 
 def _judge_args(z: Sizes) -> list[dict[str, Any]]:
     rng = _rng("judge")
-    return [{"essay": data.essay(rng), "ntok": z.max_tokens} for _ in range(z.judge_programs)]
+    return [{"article": "A title about " + rng.choice(data.NOUNS) + "\n\n" + data.prose(rng, z.judge_article_tokens),
+             "ntok": z.max_tokens} for _ in range(z.judge_programs)]
 
 
 def _json_args(z: Sizes) -> list[dict[str, Any]]:
     rng = _rng("json")
-    return [{"text": data.city_record(rng)[0]} for _ in range(z.json_programs)]
+    return [{"document": data.city_document(rng, z.json_doc_tokens)[0]} for _ in range(z.json_programs)]
 
 
 def _chat_args(z: Sizes, long: bool) -> list[dict[str, Any]]:
     rng = _rng("chat-long" if long else "chat-short")
+    lo, hi = (z.chat_long_min_tokens, z.chat_long_max_tokens) if long else (z.chat_answer_min_tokens,
+                                                                            z.chat_answer_max_tokens)
     out = []
-    for _ in range(z.chat_long_programs if long else z.chat_programs):
-        city = rng.choice(data.CITIES)
-        qs = [f"I am visiting {city}. " + data.sentence(rng, 10)[:-1] + "?" for _ in range(z.chat_turns)]
-        out.append({"questions": qs, "ntok": z.long_tokens if long else z.max_tokens})
+    for i in range(z.chat_long_programs if long else z.chat_programs):
+        turns = []
+        for _ in range(z.chat_turns):
+            n = rng.randint(z.chat_user_min_tokens, max(z.chat_user_min_tokens, z.chat_user_max_tokens))
+            # NOTE: a number first, so that no two programs share more than the empty prefix
+            turns.append((f"{i}: " + data.prose(rng, n), rng.randint(lo, max(lo, hi))))
+        out.append({"turns": turns})
     return out
 
 
+def _rag_header(z: Sizes, passages: list[str]) -> str:
+    rng = _rng("rag-demos")
+    demos = []
+    for _ in range(z.rag_qa_demos):
+        demos.append(f"Question: {data.sentence(rng, 14)[:-1]}?\nAnswer: {rng.choice(data.CITIES)}")
+    for _ in range(z.rag_full_demos):
+        q = data.sentence(rng, 14)[:-1] + "?"
+        ctx = data.retrieve(passages, q, z.rag_passages)
+        demos.append("Context:\n" + "\n".join(f"[{i}] «{p}»" for i, p in enumerate(ctx, 1)) + "\n\nQuestion: "
+                     + q + "\n\nReasoning: Let's think step by step in order to " + data.prose(rng, 36)
+                     + "\n\nAnswer: " + rng.choice(data.CITIES))
+    return RAG_INSTRUCTION + "".join(d + "\n\n---\n\n" for d in demos)
+
+
 def _rag_args(z: Sizes) -> list[dict[str, Any]]:
+    passages = data.corpus(RAG_CORPUS_SIZE, z.rag_passage_tokens)
+    rag_pipeline.bind(header=_rag_header(z, passages))
     rng = _rng("rag")
-    return [{"question": f"What happened in {rng.choice(data.CITIES)} near the {rng.choice(data.WORDS[40:])}?",
-             "ntok": z.max_tokens} for _ in range(z.rag_programs)]
+    out = []
+    for _ in range(z.rag_programs):
+        q = f"What happened in {rng.choice(data.CITIES)} near the {rng.choice(data.NOUNS)}?"
+        out.append({"question": q, "passages": data.retrieve(passages, q, z.rag_passages), "ntok": z.max_tokens})
+    return out
 
 
 def _independent_args(z: Sizes) -> list[dict[str, Any]]:
@@ -315,7 +485,7 @@ def _nonempty(*names: str) -> Callable[[Any, dict[str, Any]], bool]:
 
 def _check_json(state: Any, kw: dict[str, Any]) -> bool:
     try:
-        jsonschema.validate(json.loads(state["json"]), PERSON_SCHEMA)
+        jsonschema.validate(json.loads(state["json_output"]), CITY_SCHEMA)
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
@@ -335,7 +505,7 @@ def _check_sot(state: Any, kw: dict[str, Any]) -> bool:
 
 
 def _check_chat(state: Any, kw: dict[str, Any]) -> bool:
-    return all(str(state[f"reply_{i}"]).strip() for i in range(len(kw["questions"])))
+    return all(str(state[f"reply_{i}"]).strip() for i in range(len(kw["turns"])))
 
 
 WORKLOADS: list[Workload] = [
@@ -346,14 +516,14 @@ WORKLOADS: list[Workload] = [
     Workload("react_agent", react, _react_args, _check_react, "a tool picked at every step"),
     Workload("generative_agents", agent_call, _agent_args, _nonempty("reply"), "non-empty reply"),
     Workload("tree_of_thought", tree_of_thought, _tot_args, _check_tot, "all leaves non-empty"),
-    Workload("skeleton_of_thought", skeleton_of_thought, _sot_args, _check_sot, "all points expanded"),
-    Workload("llm_judge", llm_judge, _judge_args,
-             lambda st, kw: st["grade"] in ("A", "B", "C", "D"), "a grade picked"),
+    Workload("skeleton_of_thought", skeleton_of_thought, _sot_args, _check_sot, "all tips expanded"),
+    Workload("llm_judge", llm_judge, _judge_args, _nonempty("score"), "a score generated"),
     Workload("json_decode", json_decode, _json_args, _check_json, "valid JSON matching the schema",
              constrained=True),
-    Workload("chat_short", multi_turn_chat, lambda z: _chat_args(z, False), _check_chat, "all turns non-empty"),
-    Workload("chat_long", multi_turn_chat, lambda z: _chat_args(z, True), _check_chat, "all turns non-empty"),
-    Workload("rag_pipeline", rag_pipeline, _rag_args, _nonempty("answer", "query"), "query and answer non-empty"),
+    Workload("chat_short", multi_turn_chat, lambda z: _chat_args(z, False), _check_chat, "all turns answered"),
+    Workload("chat_long", multi_turn_chat, lambda z: _chat_args(z, True), _check_chat, "all turns answered"),
+    Workload("rag_pipeline", rag_pipeline, _rag_args, _nonempty("answer", "reasoning"),
+             "reasoning and answer non-empty"),
     Workload("no_sharing", independent, _independent_args, _nonempty("out"), "non-empty output"),
 ]
 
