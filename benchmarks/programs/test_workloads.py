@@ -182,3 +182,11 @@ def test_reference_prompt_sizes(tok: Any) -> None:
     assert 1300 <= _n(tok, data.react_header(ref.react_demos, ref.react_demo_steps, 30)) <= 1800
     passages = data.corpus(wl.RAG_CORPUS_SIZE, ref.rag_passage_tokens)
     assert 1500 <= _n(tok, wl._rag_header(ref, passages)) <= 2500
+
+
+def test_readme_lists_every_reference_flag() -> None:
+    readme = (Path(__file__).resolve().parent / "README.md").read_text()
+    text = " ".join(readme.replace("\\\n", " ").split())
+    for name, value in wl.REFERENCE.items():
+        assert f"--{name.replace('_', '-')} {value}" in text, name
+    assert all(hasattr(wl.Sizes(), name) for name in wl.REFERENCE)
