@@ -190,3 +190,17 @@ def test_readme_lists_every_reference_flag() -> None:
     for name, value in wl.REFERENCE.items():
         assert f"--{name.replace('_', '-')} {value}" in text, name
     assert all(hasattr(wl.Sizes(), name) for name in wl.REFERENCE)
+
+
+@pytest.mark.parametrize("name", ["hellaswag_20shot", "react_agent", "rag_pipeline"])
+def test_bound_shared_text_is_the_constant_prefix(name: str) -> None:
+    """The size-dependent shots / demos bound by `make` are what the prefix hint sends."""
+    w = next(w for w in wl.WORKLOADS if w.name == name)
+    kwargs = w.make(SMALL)
+    backend = MockBackend(respond=_respond)
+    prefix = w.program.cache(backend)
+    shared = next(iter(w.program.bound.bind_arguments.values()))
+    assert prefix.startswith(shared) and len(shared) > 500
+    state = w.program.run(backend=backend, temperature=0, **kwargs[0])
+    state.sync()
+    assert state.text().startswith(prefix)
