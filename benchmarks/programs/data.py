@@ -82,18 +82,18 @@ def hellaswag_shots(k: int, ctx_tokens: int, ending_tokens: int, seed: int = 0) 
 
 
 # ---------------------------------------------------------------- ReAct
-TOOLS = {"search": "searches the web for an entity and returns its first paragraph",
-         "lookup": "returns the next sentence with a keyword on the current page",
-         "finish": "gives the answer and ends the task"}
+TOOLS = {"search": "looks an entity up and gives the opening paragraph of its page",
+         "lookup": "finds the next line of the open page that mentions a keyword",
+         "finish": "ends the episode with the answer"}
 
 
 def react_header(demos: int, demo_steps: int, observation_tokens: int, seed: int = 0) -> str:
     """The instruction and `demos` solved questions (thought, action, observation per step)."""
     rng = random.Random(f"react-{seed}")
     head = ("Solve a question answering task with interleaving Thought, Action, Observation steps. "
-            "Thought reasons about the current situation, and Action can be of three types:\n"
+            "A thought works out what to do next; an action is one of:\n"
             + "\n".join(f"({i}) {k}[x], which {v}." for i, (k, v) in enumerate(TOOLS.items(), 1))
-            + "\nHere are some examples.\n")
+            + "\nSolved examples follow.\n")
     out = [head]
     for _ in range(demos):
         lines = [f"Question: {sentence(rng, 18)[:-1]}?"]

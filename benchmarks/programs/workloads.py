@@ -150,20 +150,20 @@ def _react(s, header, qid, question, steps, obs_tokens, ntok):
 react = Bindable(_react)
 
 # NOTE: the agents' template heads, in our words, with the references' lengths and output caps.
-AGENT_TRIPLE_HEAD = "Task: turn the input into (subject, predicate, object).\n" + "".join(
+AGENT_TRIPLE_HEAD = "Job: rewrite each sentence as a (who, does, what) triple.\n" + "".join(
     f"Input: {n} is {a}.\nOutput: ({n}, {a.split()[0]}, {a.split()[-1]})\n---\n"
     for n, a in zip(data.NAMES[:6], data.ACTIONS[:6], strict=True))
-AGENT_SECTOR_HEAD = "Task -- choose a fitting area from the area options for the task at hand.\n" + "".join(
-    f"{n} lives in {{{h}}} that has a kitchen, a hall and a porch.\n{n} is currently in {{{c}}} that has "
-    f"a garden and an office.\nArea options: {{{', '.join(data.PLACES)}}}.\n* Stay in the current area if "
-    "the activity can be done there. Only go out if the activity needs another place.\n* Must be one of "
-    f"the area options, verbatim.\nFor {a}, {n} should go to the following area: {{{t}}}\n---\n"
+AGENT_SECTOR_HEAD = "Job: pick the place, out of the listed places, where a resident does the next activity.\n" + "".join(
+    f"Home of {n}: {{{h}}}, with a kitchen, a hall and a porch.\nWhere {n} is now: {{{c}}}, with a garden "
+    f"and an office.\nPlaces: {{{', '.join(data.PLACES)}}}.\n- Prefer the place where {n} already is when "
+    "the activity fits there; leave only when it needs somewhere else.\n- Answer with one of the places, "
+    f"spelled exactly as listed.\nNext activity of {n}: {a}. Place: {{{t}}}\n---\n"
     for n, h, c, a, t in (("Ivo", "the bakery", "the park", "reading a book", "the library"),
                           ("Lena", "the school", "the market", "baking bread", "the bakery")))
 AGENT_OBJECT_HEAD = "".join(
-    f"\n{n} is in the {o} of {h}.\n{n} is going to {h} that has the following areas: {{kitchen, hall, "
-    f"porch}}\nStay in the current area if the activity can be done there. Never go into other people's "
-    f"rooms unless necessary.\nFor {a}, {n} should go to the following area in {h}:\nAnswer: {{{o}}}\n---"
+    f"\n{n} stands in the {o} of {h}.\nRooms of {h}: {{kitchen, hall, porch}}\nKeep to the room where "
+    f"{n} is when the activity fits there, and do not enter private rooms without a reason.\nThe room of "
+    f"{h} for {a}:\nAnswer: {{{o}}}\n---"
     for n, o, h, a in (("Juno", "kitchen", "the cafe", "baking bread"),
                        ("Kai", "porch", "the town hall", "feeding the birds")))
 
@@ -173,44 +173,42 @@ def agent_call(s, kind, name, iss, event, action, next_action, home, here, there
     cap = data.AGENT_MAX_TOKENS[kind]
     stop = data.AGENT_STOP[kind]
     if kind == "poignancy":
-        s += f"Here is a brief description of {name}.\n{iss}"
-        s += ("On the scale of 1 to 10, where 1 is purely mundane (such as washing dishes or making the "
-              "bed) and 10 is extremely poignant (such as a break up or a college acceptance), rate the "
-              f"likely poignancy of the following event for {name}.\n\nEvent: {event}\n"
-              "Rate (return a number between 1 to 10):")
+        s += f"About {name}:\n{iss}"
+        s += ("How much would the event below matter to " + name + "? Use a scale from 1 to 10: 1 for an "
+              "everyday chore (tidying a desk, boiling an egg) and 10 for a life-changing moment (moving "
+              f"abroad, losing a friend).\n\nEvent: {event}\nScore (one number from 1 to 10):")
     elif kind == "triple":
         s += AGENT_TRIPLE_HEAD + f"Input: {name} is {action}.\nOutput: ({name},"
     elif kind == "emoji":
-        s += ("Convert an action description to an emoji (important: use two or less emojis).\n"
-              f"Action description: {action}.\nEmoji:")
+        s += ("Show the activity below as emoji, at most two of them.\n"
+              f"Activity: {action}.\nEmoji:")
     elif kind == "sector":
         s += AGENT_SECTOR_HEAD
-        s += (f"{name} lives in {{{home}}} that has {areas}.\n{name} is currently in {{{here}}} that has "
-              f"{areas}.\n{plan}\nArea options: {{{', '.join(data.PLACES)}}}.\n* Stay in the current area "
-              "if the activity can be done there. Only go out if the activity needs another place.\n* Must "
-              f"be one of the area options, verbatim.\n{name} is {action}. For {next_action}, {name} should "
-              "go to the following area: {")
+        s += (f"Home of {name}: {{{home}}}, with {areas}.\nWhere {name} is now: {{{here}}}, with {areas}.\n"
+              f"{plan}\nPlaces: {{{', '.join(data.PLACES)}}}.\n- Prefer the place where {name} already is "
+              f"when the activity fits there; leave only when it needs somewhere else.\n- Answer with one of "
+              f"the places, spelled exactly as listed.\n{name} is {action} now. Next activity of {name}: "
+              f"{next_action}. Place: {{")
     else:
         s += AGENT_OBJECT_HEAD
-        s += (f"\n{name} is going to {there} that has the following areas: {{{areas}}}\n* Stay in the "
-              "current area if the activity can be done there.\n* Never go into other people's rooms "
-              f"unless necessary.\n{name} is {action}. For {next_action}, {name} should go to the "
-              f"following area in {there} (must pick one of {{{areas}}}):\nAnswer: {{")
+        s += (f"\n{name} is on the way to {there}.\nRooms of {there}: {{{areas}}}\n- Keep to the room where "
+              f"{name} is when the activity fits there.\n- Do not enter private rooms without a reason.\n"
+              f"{name} is {action} now. The room of {there} for {next_action} (one of {{{areas}}}):\nAnswer: {{")
     s += sgl.gen("reply", max_tokens=cap, stop=stop)
 
 
 # NOTE: one instruction per level of the tree (plan, execute, reflect, final answer), as in
 # tree_of_thought_deep; deeper trees repeat the last one.
 TOT_LEVELS = (
-    "Please write a high-level plan for solving the following question. As a first step, only say which "
-    "method and idea you will use to solve it. You may reorganize the information in the question. Do "
-    "not do the actual calculation yet. Keep your answer concise and within 80 words. Question: ",
-    "The plan looks good! Now use real numbers and do the calculation. Please solve the question step "
-    "by step following the high-level plan, and give me the final answer. Keep the answer short.",
-    "Okay. Now evaluate your own solution and give it a score on a scale of 1 to 5. Please check the "
-    "correctness rigorously.",
-    "Based on your reflection, do you change your mind? Now give me the final answer after careful "
-    "consideration.",
+    "Before any arithmetic, sketch how you would attack the word problem below: name the approach and "
+    "the key quantities, restate the facts in whatever order helps, but leave every number uncomputed "
+    "for now. Stay brief, at most eighty words in total. Problem: ",
+    "Good sketch. Now carry it out with the actual numbers: work through the problem one step at a time "
+    "as the sketch says, and finish with the result. Be brief.",
+    "Now review your own work carefully, checking each step for mistakes, and rate how sure you are "
+    "that it is right, from 1 to 5.",
+    "Having reviewed it, would you change anything? State the final result you now stand by, after "
+    "thinking it over.",
 )
 
 
@@ -234,11 +232,11 @@ def tree_of_thought(s, question, width, depth, ntok, leaves):
 
 # NOTE: skeleton-of-thought as SGLang's tip_suggestion benchmark: each tip, once generated, starts
 # an independent expansion program with its own few-shot head; the outline then collects them.
-SOT_EXPAND_HEAD = "Please expand a tip for a topic into a detailed paragraph.\n\n" + "".join(
+SOT_EXPAND_HEAD = "Turn the short tip on the topic into a full paragraph of advice.\n\n" + "".join(
     f"Topic: {topic}\nTip: {tip}\nParagraph: {data.prose(random.Random(f'sot-{topic}'), 72)}\n\n"
-    for topic, tip in (("staying healthy", "Move every day"), ("building a campfire", "Pick a safe spot"),
-                       ("writing a blog post", "Structure the content")))
-SOT_HEAD = "Please act as a helpful assistant. Your job is to provide users with useful tips on a specific topic.\n"
+    for topic, tip in (("saving money", "Track every expense"), ("learning to swim", "Start in shallow water"),
+                       ("growing herbs", "Give them morning sun")))
+SOT_HEAD = "You are an assistant that gives people practical advice on whatever topic they bring up.\n"
 
 
 @sgl.function
@@ -249,8 +247,8 @@ def expand_tip(s, topic, tip, ntok):
 
 @sgl.function
 def skeleton_of_thought(s, topic, num_points, ntok, ntok_long):
-    s += SOT_HEAD + "USER: Give some tips for " + topic + ".\n"
-    s += f"ASSISTANT: Okay. Here are {num_points} concise tips, each under 8 words:\n"
+    s += SOT_HEAD + "USER: What are good tips for " + topic + "?\n"
+    s += f"ASSISTANT: Sure. {num_points} short tips of a few words each:\n"
     backend = s.stream_executor.backend
     expansions = []
     for i in range(1, num_points + 1):
@@ -262,22 +260,21 @@ def skeleton_of_thought(s, topic, num_points, ntok, ntok_long):
     s.set_var("expansion", [e["paragraph"] for e in expansions])
 
 
-JUDGE_SYSTEM = ("Please act as an impartial judge and evaluate the quality of the following article "
-                "rigorously. Apply the strictest standards and show no leniency.")
+JUDGE_SYSTEM = ("You review the article below as a neutral and demanding examiner: hold it to the "
+                "highest standard and forgive nothing.")
 JUDGE_DIMENSIONS = (
-    "Content: the substance of the essay. It should be well researched, accurate and relevant to the "
-    "topic, show a thorough understanding of the subject, and have a clear goal or purpose.",
-    "Organization and Structure: the essay needs a clear introduction, body and conclusion. It should "
-    "flow naturally, each paragraph leading smoothly into the next.",
-    "Argument and Analysis: the argument should be logical, coherent and clearly stated. Every point "
-    "should be backed by solid evidence and careful analysis.",
-    "Clarity and Precision: the essay should be clear and concise. Its points should be easy for the "
-    "reader to follow, and its language precise and unambiguous.",
-    "Grammar and Punctuation: correct grammar and punctuation matter in an academic essay. Errors "
-    "distract the reader and can change the meaning and interpretation of the content.",
-    "Referencing and Citation: the essay should cite and reference every source it uses. This avoids "
-    "plagiarism and credits the authors whose work contributed to it, in the format the institution "
-    "or the teacher requires.",
+    "Substance: are the facts right, on topic and backed by research? Does the writer know the field, "
+    "and is it plain what the piece sets out to do?",
+    "Layout: is there an opening, a middle and a close? Does each paragraph hand over to the next one "
+    "without a jolt, so that the whole reads as one piece?",
+    "Reasoning: does the case hold together from start to end? Is every claim supported by evidence, "
+    "and is that evidence weighed rather than just listed?",
+    "Readability: could a newcomer follow every point on a first reading? Are the words exact, the "
+    "sentences short enough, and nothing left open to two meanings?",
+    "Mechanics: are spelling, grammar and punctuation correct throughout? Slips of this kind pull the "
+    "reader out of the text and can even change what a sentence says.",
+    "Sources: is every borrowed idea credited, with a reference the reader could follow up? Are the "
+    "citations complete and in one consistent style, as a course or a journal would ask of its writers?",
 )
 
 
@@ -286,15 +283,14 @@ def llm_judge(s, article, ntok):
     s += JUDGE_SYSTEM + "\n```\n" + article + "\n```\n\n"
     forks = s.fork(len(JUDGE_DIMENSIONS))
     for f, dim in zip(forks, JUDGE_DIMENSIONS, strict=True):
-        f += ("USER: Please judge the quality based on the following metric. " + dim + " Please give a "
-              "single-paragraph judgement. Focus on the given metric and say nothing else. End your "
-              'judgement paragraph with the word "END"\nJUDGE:')
+        f += ("USER: Assess the article on this criterion only. " + dim + " Write your assessment as one "
+              'paragraph, stay on this criterion, and close the paragraph with the word "END"\nJUDGE:')
         f += sgl.gen("judgement", max_tokens=ntok, stop="END")
     forks.join()
-    s += "I will judge the quality based on the following metrics.\n"
+    s += "My assessments, criterion by criterion:\n"
     for f, dim in zip(forks, JUDGE_DIMENSIONS, strict=True):
         s += dim.split(":")[0] + ": " + str(f["judgement"]).strip() + "\n"
-    s += "In summary, on a scale of 1 to 10, I would give the article a score of"
+    s += "Overall, out of 10, the article earns"
     s += sgl.gen("score", max_tokens=2)
 
 
@@ -314,13 +310,13 @@ CITY_SCHEMA = {
     "required": ["name", "country", "latitude", "population", "top 3 landmarks"],
     "additionalProperties": False,
 }
-JSON_HEADER = "Please extract the information of a city from the following encyclopedia page.\n"
+JSON_HEADER = "Read the encyclopedia entry below and pull out the facts about its city.\n"
 
 
 @sgl.function
 def json_decode(s, document):
-    s += JSON_HEADER + "Page begin.\n" + document + "Page end.\n"
-    s += "Here is the name, country, latitude, population and top 3 landmarks of the city in JSON format.\n"
+    s += JSON_HEADER + "<entry>\n" + document + "</entry>\n"
+    s += "The city's name, country, latitude, population and three best-known landmarks, as JSON:\n"
     with s.var_scope("json_output"):
         s += "{\n"
         for key, regex, cap in JSON_FIELDS:
@@ -335,17 +331,17 @@ def multi_turn_chat(s, turns):
         s += sgl.gen(f"reply_{i}", max_tokens=ntok, ignore_eos=True)
 
 
-RAG_INSTRUCTION = ("Answer questions with short factoid answers.\n\n---\n\nFollow the following format.\n\n"
-                   "Context: may contain relevant facts\n\nQuestion: ${question}\n\nReasoning: Let's think "
-                   "step by step in order to ${produce the answer}. We ...\n\n"
-                   "Answer: often between 1 and 5 words\n\n---\n\n")
+RAG_INSTRUCTION = ("Reply to each question with a brief fact.\n\n---\n\nEvery example is laid out as:\n\n"
+                   "Context: passages that may hold the facts\n\nQuestion: the question\n\nReasoning: a "
+                   "short chain of steps towards the reply\n\n"
+                   "Answer: a few words, usually one to five\n\n---\n\n")
 
 
 @sgl.function
 def _rag_pipeline(s, header, question, passages, ntok):
     s += header
     s += "Context:\n" + "\n".join(f"[{i}] «{p}»" for i, p in enumerate(passages, 1)) + "\n\n"
-    s += "Question: " + question + "\n\nReasoning: Let's think step by step in order to"
+    s += "Question: " + question + "\n\nReasoning: Let's think step by step."
     s += sgl.gen("reasoning", max_tokens=ntok * 2, stop="\n")
     s += "\n\nAnswer:" + sgl.gen("answer", max_tokens=ntok, stop="\n")
 
@@ -455,7 +451,7 @@ def _rag_header(z: Sizes, passages: list[str]) -> str:
         q = data.sentence(rng, 14)[:-1] + "?"
         ctx = data.retrieve(passages, q, z.rag_passages)
         demos.append("Context:\n" + "\n".join(f"[{i}] «{p}»" for i, p in enumerate(ctx, 1)) + "\n\nQuestion: "
-                     + q + "\n\nReasoning: Let's think step by step in order to " + data.prose(rng, 36)
+                     + q + "\n\nReasoning: Let's think step by step. " + data.prose(rng, 36)
                      + "\n\nAnswer: " + rng.choice(data.CITIES))
     return RAG_INSTRUCTION + "".join(d + "\n\n---\n\n" for d in demos)
 
