@@ -8,10 +8,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
+
+import torch
 
 from lmserver.config import ServerConfig
 from lmserver.engine.async_call import END, AsyncCall, Result
@@ -289,7 +292,15 @@ class Engine:
         with self._lock:
             self._drain_aborted(list(self.core.states))
             self._sinks.clear()
-            del self.core.runner, self.core.model, self.core.kv_pool
+            self.core._inflight = None  # an overlapped decode's device tensors
+            self.core.lowlat = None  # plugin workspaces and prepared weights
+            del self.core.runner, self.core.model, self.core.kv_pool, self.core.req_to_token
+        # NOTE: give the memory back to the device, so that a second Engine of this process sizes
+        # its KV cache from free memory (mem_get_info does not count torch's cached blocks as free)
+        gc.collect()
+        if self.core.device.type == "cuda":
+            torch.cuda.synchronize(self.core.device)
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
         return self
