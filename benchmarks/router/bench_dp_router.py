@@ -113,6 +113,9 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
             metas = list(pool.map(one, prompts))
         elapsed = time.perf_counter() - start
+        # the router's view: requests served per worker and health (a worker dropped under load
+        # would leave its share to the other one)
+        workers = httpx.get(f"{srv.base_url}/workers", timeout=30).json()["workers"] if dp_size > 1 else []
     finally:
         for c in clients:
             c.close()
@@ -130,6 +133,7 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "hit_rate": cached / prompt_tokens,
+        "workers": workers,
     }
 
 
@@ -156,8 +160,9 @@ def main() -> None:
     for dp_size, policy in plan:
         runs.append(run_policy(args, prompts, dp_size, policy))
         r = runs[-1]
+        served = ", ".join(f"{w.get('served')} served{'' if w.get('healthy') else ' (unhealthy)'}" for w in r["workers"])
         print(f"done: {dp_size} replica(s), {policy}: {r['req_per_s']:.2f} req/s, hit rate {r['hit_rate']:.3f}, "
-              f"{r['seconds']:.1f} s", flush=True)
+              f"{r['seconds']:.1f} s{'; workers: ' + served if served else ''}", flush=True)
     print(
         f"\nshared prefix: {args.groups} groups x {args.per_group} prompts, ~{args.system_words}-word system "
         f"prompt, {args.output_len} output tokens, concurrency {args.concurrency}, "
