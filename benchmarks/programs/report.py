@@ -7,51 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-HEADER = """# LM-program workloads (paper section 6, Figures 5-6 and 13)
-
-The paper's multi-call workloads written with lmdsl, run end to end against `lmserver serve`
-with each optimization switched on and off. Regenerate this page (and `results/<machine>.json`)
-with one command:
-
-    python benchmarks/programs/run_all.py [--scale N] [--concurrency C] [--machine NAME] [--server-args "..."]
-
-Data are synthetic with a fixed seed (no data set can be downloaded) but structurally faithful:
-MMLU-style 5-shot `gen`, HellaSwag-style 20-shot `select` over 4 endings, ReAct agent loops
-(thought `gen`, tool `select`, argument `gen`, tool observation appended), generative-agents
-recorded calls (persona + growing memory stream, interleaved across agents), tree-of-thought
-(fork 3 x depth 3), skeleton-of-thought (outline, then parallel expansion), LLM judge (fork per
-dimension, merge, `select` grade), JSON decoding with a schema as a regex, multi-turn chat with
-short and long replies, a DSPy-style retrieve-then-answer pipeline, and a no-sharing control.
-
-Columns: programs/s with the mean program latency in seconds in parentheses, per configuration.
-`full` = radix cache, `lpm` schedule, frontend prefix hints, jump-forward; each other column
-switches one thing: `no_radix` (`--disable-radix-cache`), `fcfs` / `dfs_weight` (schedule
-policy), `no_hints` (no fork-prefix or constant-prefix hints), `no_jump_forward` (JSON only),
-`openai_baseline` (the same programs through lmdsl's OpenAI backend on `/v1/completions`: one
-independent request per call, `select` by echoed prompt logprobs, no hints). *hit / opt* is the
-achieved cache hit rate (sum `cached_tokens` / sum `prompt_tokens` as the server reports them) and
-the optimal hit rate of the same recorded trace (every distinct prompt prefix computed once,
-prefixes the server generated itself free, the tokens a request must compute -- its last token,
-or from `logprob_start_len - 1` when it asks for prompt logprobs -- always counted; see
-`program_trace.py`, which checks this bound against brute-force oracles at every run). *radix %*
-is the server's own radix management time (`radix_time_s` of `/get_server_info`: host time in
-radix-tree work -- prefix matching, locking, insertion, eviction, and the `lpm` peeks that order
-the waiting queue) as a share of the `full` run's wall time, and *slot %* its slot bookkeeping
-(`slot_time_s`: KV slot allocation and the requests' slot arrays, work that runs with the cache
-off too); together they are the KV manager's whole host time. Runs recorded before the split show
-that sum under *radix %* (marked `t`); runs recorded before the server reported it show the host
-time of the trace's radix-tree operations replayed through `radixcache` instead (marked `r`).
-*sanity* counts programs that passed the workload's check (see the legend under each table).
-
-By default `fcfs` and `dfs_weight` run the workloads with shared prefixes and parallel calls,
-`no_hints` the ones with forks or a constant prefix, `openai_baseline` six workloads (`CONFIGS` in
-`run_all.py`); `--all-workloads` runs every workload under every configuration. Sizes are flags
-(`--hellaswag-programs 64`, `--tot-depth 4`, `--max-tokens 32`, or `--scale 8` for every program
-count). For a GPU table: `--machine "H200" --concurrency 64 --scale 16 --server-args "--model-path
-<Llama-3-8B-shaped folder> --load-format dummy"`; with random weights the sanity counts say nothing
-about accuracy, only that the programs ran. Each run writes `results/<machine>.json` (every row,
-with request and token counts) and this page is rebuilt from all of them (`python report.py`).
-"""
+# The page's text above the machine tables (what the workloads are, how to read the columns):
+# edit header.md, not README.md, which is regenerated from it and results/*.json.
+HEADER_FILE = Path(__file__).resolve().parent / "header.md"
 
 
 def _cell(row: dict[str, Any] | None) -> str:
@@ -129,7 +87,7 @@ def write_readme(folder: Path) -> Path:
     for path in sorted((folder / "results").glob("*.json")):
         sections.append(machine_section(json.loads(path.read_text())))
     out = folder / "README.md"
-    out.write_text(HEADER + "\n" + "\n".join(sections))
+    out.write_text(HEADER_FILE.read_text() + "\n" + "\n".join(sections))
     return out
 
 
