@@ -25,6 +25,7 @@ from lmserver.api import create_app
 from lmserver.config import ServerConfig
 from lmserver.core_loop import DEFAULT_CORE_FACTORY, run_core_process
 from lmserver.ipc import IpcAddrs
+from lmserver.netutil import SERVER_KEEP_ALIVE_S
 from lmserver.tokenizer_manager import EngineDeadError, TokenizerManager
 
 logger = logging.getLogger("lmserver")
@@ -106,7 +107,8 @@ async def _wait_ready(mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> 
 async def _run_http(config: ServerConfig, mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> int:
     server = uvicorn.Server(uvicorn.Config(
         create_app(mgr), host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.log_requests, timeout_graceful_shutdown=5, log_config=None))
+        access_log=config.log_requests, timeout_graceful_shutdown=5, log_config=None,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S))
     status = {"code": 0}
 
     async def watch() -> None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import random
 import socket
 
-__all__ = ["free_port"]
+__all__ = ["CLIENT_KEEPALIVE_EXPIRY_S", "SERVER_KEEP_ALIVE_S", "free_port"]
+
+# HTTP keep-alive: a server must keep an idle connection open longer than any client keeps it
+# in its pool, else a client can send on a connection the server is closing and get a ReadError
+# (uvicorn and httpx both default to 5 s, so under load this race hits at random). Our servers
+# (lmserver, the router) keep idle connections for SERVER_KEEP_ALIVE_S; our clients (the
+# router's connections to workers) drop theirs after CLIENT_KEEPALIVE_EXPIRY_S.
+SERVER_KEEP_ALIVE_S = 75
+CLIENT_KEEPALIVE_EXPIRY_S = 30.0
 
 
 def free_port(span: int = 1) -> int:

@@ -19,6 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmserver.netutil import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from lmserver.router.policy import RoutingPolicy, make_policy
 
 logger = logging.getLogger("lmserver.router")
@@ -129,7 +130,8 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # NOTE: httpx's default pool (100 connections) would cap the requests in flight to all workers
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
-                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                                keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S))
         task = asyncio.create_task(health_loop())
         announce = asyncio.create_task(_announce_when_listening(config.host, config.port, ready_line))
         yield
@@ -229,7 +231,7 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
         client: httpx.AsyncClient = state["client"]
-        results = {}
+        results: dict[str, int | str] = {}
         for url in router.workers:
             try:
                 r = await client.post(url + "/flush_cache", headers=dict(request.headers))
@@ -281,7 +283,8 @@ def serve(config: RouterConfig, ready_line: str | None = None) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(build_app(config, ready_line=line), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(build_app(config, ready_line=line), host=config.host, port=config.port, log_level="warning",
+                timeout_keep_alive=SERVER_KEEP_ALIVE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
