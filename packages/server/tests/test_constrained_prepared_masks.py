@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.testing import tiny_vocab
+from cfsm.testing import allowed_by_advance, tiny_vocab
 from lmserver.constrained import BatchMasker, ReqGrammar
 
 VOCAB = tiny_vocab()  # 140 tokens: the last mask word is partial
@@ -32,21 +32,11 @@ def _encode(text: str) -> list[int]:
     return [BYTE_TOKEN[bytes([b])] for b in text.encode()]
 
 
-def _allowed(g: cfsm.Guide) -> set[int]:
-    ok = set()
-    for t in range(VOCAB.size):
-        probe = g.copy()
-        try:
-            probe.advance(t)
-        except cfsm.RejectedTokenError:
-            continue
-        ok.add(t)
-    return ok
 
 
 def _step(g: ReqGrammar, rng: random.Random) -> bool:
     """Accepts one random allowed non-EOS token; False when there is none."""
-    choices = sorted(_allowed(g.guide) - EOS)
+    choices = sorted(allowed_by_advance(g.guide, VOCAB.size) - EOS)
     if not choices:
         return False
     assert g.accept(rng.choice(choices))
@@ -84,7 +74,7 @@ def _check_rows(got: torch.Tensor, before: torch.Tensor, grammars: list[ReqGramm
             assert torch.equal(got[i], before[i])
             continue
         finite = set(torch.nonzero(torch.isfinite(got[i])).flatten().tolist())
-        assert finite == _allowed(g.guide), (i, g.guide.state)
+        assert finite == allowed_by_advance(g.guide, VOCAB.size), (i, g.guide.state)
         kept = sorted(finite)
         assert torch.equal(got[i, kept], before[i, kept])
 

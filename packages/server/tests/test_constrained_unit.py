@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.testing import tiny_vocab
+from cfsm.testing import allowed_by_advance, tiny_vocab
 from lmserver.constrained import (
     BatchMasker,
     ConstrainedDecoding,
@@ -151,16 +151,6 @@ def test_constrained_stage_poll_reports_ready_and_failed() -> None:
 # --- masks ------------------------------------------------------------------------------------------
 
 
-def _allowed_by_guide(g: cfsm.Guide) -> set[int]:
-    ok = set()
-    for t in range(VOCAB.size):
-        probe = g.copy()
-        try:
-            probe.advance(t)
-        except cfsm.RejectedTokenError:
-            continue
-        ok.add(t)
-    return ok
 
 
 def test_batch_mask_constrained_rows_only() -> None:
@@ -177,7 +167,7 @@ def test_batch_mask_constrained_rows_only() -> None:
         assert torch.equal(logits[row], before[row])
     for row, g in ((0, g1), (2, g2)):
         finite = set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())
-        assert finite == _allowed_by_guide(g.guide)
+        assert finite == allowed_by_advance(g.guide, VOCAB.size)
         kept = sorted(finite)
         assert torch.equal(logits[row, kept], before[row, kept])
     assert masker.num_masked_rows == 2

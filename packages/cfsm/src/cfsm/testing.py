@@ -1,10 +1,26 @@
-"""Test helpers: small vocabularies that need no tokenizer files."""
+"""Test helpers: small vocabularies that need no tokenizer files, and a brute-force mask oracle."""
 
 from __future__ import annotations
 
+from cfsm.errors import RejectedTokenError
+from cfsm.guide import Guide
 from cfsm.vocab import Vocabulary
 
-__all__ = ["tiny_vocab", "char_vocab"]
+__all__ = ["allowed_by_advance", "char_vocab", "tiny_vocab"]
+
+
+def allowed_by_advance(guide: Guide, vocab_size: int) -> set[int]:
+    """The token ids a copy of `guide` accepts, one `advance` each (the oracle of a mask, for
+    small vocabularies). Mutates nothing."""
+    ok = set()
+    for t in range(vocab_size):
+        probe = guide.copy()
+        try:
+            probe.advance(t)
+        except RejectedTokenError:
+            continue
+        ok.add(t)
+    return ok
 
 
 def char_vocab(chars: str = "abc", eos_id: int | None = None) -> Vocabulary:
