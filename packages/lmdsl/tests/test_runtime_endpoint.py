@@ -184,27 +184,3 @@ def test_video_and_sampling_extras_reach_the_server(backend: RuntimeEndpoint, se
     meta = state.get_meta_info("a")
     assert [e[2] is None for e in meta["output_token_logprobs"]] == [True] * len(meta["output_token_logprobs"])
     assert len(meta["input_token_logprobs"]) == len(mock_tokens("<image>Name:"))
-
-
-def test_each_thread_has_its_own_client_and_ended_threads_give_theirs_back(backend: RuntimeEndpoint) -> None:
-    import threading
-
-    seen: dict[int, object] = {}
-
-    def work(i: int) -> None:
-        assert backend.get_server_info() is not None  # a real request through this thread's client
-        seen[i] = backend.client
-        assert backend.client is seen[i]  # the same client for the whole thread
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len({id(c) for c in seen.values()}) == 8
-    late = threading.Thread(target=work, args=(8,))  # a new thread's client: the ended threads' are closed
-    late.start()
-    late.join()
-    assert all(seen[i].is_closed for i in range(8)) and not seen[8].is_closed  # type: ignore[attr-defined]
-    backend.close()
-    assert seen[8].is_closed and backend.get_server_info() is not None  # type: ignore[attr-defined]

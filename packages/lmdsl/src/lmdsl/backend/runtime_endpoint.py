@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,13 +70,9 @@ class RuntimeEndpoint(Backend):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client_args: dict[str, Any] = {
-            "base_url": self.base_url, "timeout": config.http_timeout_s, "transport": transport,
-            "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
-        }
-        self._local = threading.local()
-        self._clients: dict[threading.Thread, httpx.Client] = {}  # by owning thread
-        self._clients_lock = threading.Lock()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=config.http_timeout_s,
+                                   transport=transport)
         self.model_info = self._request("GET", "/get_model_info")
         self.model_path = str(self.model_info.get("model_path", ""))
         if isinstance(chat_template, ChatTemplate):
@@ -86,30 +81,6 @@ class RuntimeEndpoint(Backend):
             self.chat_template = get_chat_template(chat_template)
         else:
             self.chat_template = get_chat_template_by_model_path(self.model_path)
-
-    @property
-    def client(self) -> httpx.Client:
-        """This thread's HTTP client. Programs run their forks and batches in threads; each
-        thread keeps its own client (and connection), since one httpx client shared by many
-        threads failed under load with `ReadError: [Errno 9] Bad file descriptor`."""
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = httpx.Client(**self._client_args)
-            with self._clients_lock:
-                dead = [t for t in self._clients if not t.is_alive()]  # pool threads that ended
-                stale = [self._clients.pop(t) for t in dead]
-                self._clients[threading.current_thread()] = client
-            for c in stale:
-                c.close()
-        return client
-
-    def close(self) -> None:
-        """Closes every thread's client (a later request opens a new one)."""
-        with self._clients_lock:
-            clients, self._clients = list(self._clients.values()), {}
-        self._local = threading.local()
-        for c in clients:
-            c.close()
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:
