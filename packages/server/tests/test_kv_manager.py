@@ -248,3 +248,24 @@ def test_kept_path_is_dropped_when_a_waiting_request_is_rewound() -> None:
     req.output_ids[:] = [5, 9, 9]  # same length, new tokens (jump-forward of a waiting request)
     assert kv.peek_prefix_lens([req], touch=True) == [5]
     assert kv.peek_prefix_len(req) == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40), st.lists(st.integers(0, 2**40), max_size=10))
+def test_fill_key_is_the_int64_array_of_fill_ids(input_ids: list[int], output_ids: list[int]) -> None:
+    req = Req("r", input_ids, SamplingParams(max_new_tokens=4), 4, arrival=0)
+    req.output_ids.extend(output_ids)
+    key = req.fill_key()
+    assert key.dtype == np.int64 and key.shape == (len(input_ids) + len(output_ids),)
+    assert np.array_equal(key, np.array(input_ids + output_ids, dtype=np.int64))
+    assert req.fill_key() is not None and np.array_equal(req.fill_key(), key)  # the cached prompt part
+
+
+def test_fill_key_rejects_ids_out_of_int64_range_as_numpy_does() -> None:
+    req = Req("r", [1, 2**64], SamplingParams(max_new_tokens=4), 4, arrival=0)
+    try:
+        req.fill_key()
+    except OverflowError:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("an id past int64 must not be accepted")

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import enum
+import struct
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from lmserver.io_struct import SamplingParams
+
+
+def _int64_bytes(ids: list[int]) -> bytes:
+    """`ids` as native int64 bytes: struct.pack is about 2x faster than np.array on a list."""
+    try:
+        return struct.pack(f"{len(ids)}q", *ids)
+    except struct.error:  # out of int64 range or not ints: numpy's own error
+        return np.array(ids, dtype=np.int64).tobytes()
+
+
+def _int64_array(ids: list[int]) -> npt.NDArray[np.int64]:
+    """`ids` as a read-only int64 array."""
+    return np.frombuffer(_int64_bytes(ids), dtype=np.int64)
 
 
 class ReqStatus(enum.Enum):
@@ -113,13 +127,14 @@ class Req:
         self.kv_alloc = end + 1
 
     def fill_key(self) -> npt.NDArray[np.int64]:
-        """`fill_ids` as an int64 array (the radix-tree key); the prompt part is converted once."""
+        """`fill_ids` as a read-only int64 array (the radix-tree key); the prompt part is
+        converted once."""
         key = self._input_key
         if key is None:
-            key = self._input_key = np.array(self.input_ids, dtype=np.int64)
+            key = self._input_key = _int64_array(self.input_ids)
         if not self.output_ids:
             return key
-        return np.concatenate([key, np.array(self.output_ids, dtype=np.int64)])
+        return np.frombuffer(key.tobytes() + _int64_bytes(self.output_ids), dtype=np.int64)
 
     @property
     def fill_ids(self) -> list[int]:
