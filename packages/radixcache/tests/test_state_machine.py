@@ -4,7 +4,7 @@ Checked after every step: matched length and slots equal the naive longest cache
 evictable + protected == total == naive total; locked prefixes are never evicted; every slot is
 free in the allocator, held by exactly one node, or held by exactly one running request;
 `check_integrity()` passes; a `find_prefix` path kept while the cache's `version` is unchanged
-is exactly what a fresh `find_prefix` finds. Runs with page sizes 1 and 16.
+is exactly what a fresh `find_prefix` finds, and so is any kept path after `refresh_prefix`. Runs with page sizes 1 and 16.
 """
 
 from __future__ import annotations
@@ -209,6 +209,25 @@ class CacheMachine(RuleBasedStateMachine):
         nodes = self.cache.num_nodes()
         self.cache.touch_paths(fresh)
         assert self.cache.num_nodes() == nodes
+
+    @rule(i=st.integers(0, 7))
+    def refresh_kept_path(self, i: int) -> None:
+        if not self.paths:
+            return
+        j = i % len(self.paths)
+        key, ns, path = self.paths[j]
+        refreshed = self.cache.refresh_prefix(path, key, ns)
+        assert refreshed.version == self.cache.version
+        assert refreshed.length == self.model.longest_prefix(key, ns)[0]
+        self.paths[j] = (key, ns, refreshed)
+
+    @invariant()
+    def refreshed_kept_paths_are_fresh_ones(self) -> None:
+        for key, ns, path in self.paths:
+            fresh = self.cache.find_prefix(key, ns)
+            refreshed = self.cache.refresh_prefix(path, key, ns)
+            assert refreshed.version == fresh.version and refreshed.length == fresh.length
+            assert refreshed.node is fresh.node and refreshed.partial is fresh.partial
 
     @invariant()
     def kept_paths_exact_while_version_unchanged(self) -> None:

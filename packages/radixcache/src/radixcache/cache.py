@@ -340,6 +340,33 @@ class RadixCache:
         length, node, partial = self._peek(as_key(key), extra_key)
         return PrefixPath(length, node, partial, self._version)
 
+    def refresh_prefix(self, path: PrefixPath, key: KeyLike, extra_key: Hashable = None) -> PrefixPath:
+        """`find_prefix(key, extra_key)`, reusing `path` (an earlier `find_prefix` of the same key
+        and namespace) without walking the key when no change since can have moved its end: the
+        same result as `find_prefix`, current `version`. Mutates nothing.
+
+        Kept when the nodes where the path ends (its deepest matched node and the partly matched
+        child) kept their edges and parents and were not removed, and, for a path that ends at a
+        node, that node still has no child for the key's next page. Changes elsewhere (new leaves
+        under other pages, splits of ancestors, evictions of other leaves) do not move the end.
+        """
+        version = self._version
+        if path.version == version:
+            return path
+        node, partial, seen = path.node, path.partial, path.version
+        if node is not None and not node.removed and node.stamp <= seen:
+            if partial is not None:
+                if not partial.removed and partial.stamp <= seen:
+                    return PrefixPath(path.length, node, partial, version)
+            else:
+                # NOTE: ancestors of `node` are never leaves, so they can only be split (which
+                # keeps `node` and its depth); the match went on only through the next page
+                arr = as_key(key)
+                start, ps = path.length, self._page_size
+                if start + ps > len(arr) or arr[start : start + ps].tobytes() not in node.children:
+                    return PrefixPath(path.length, node, None, version)
+        return self.find_prefix(key, extra_key)
+
     def touch_path(self, path: PrefixPath) -> int:
         """`touch_prefix` of the key `path` was found for: refreshes the access clock of the path
         (one clock tick, as `touch_prefix`); returns `path.length`. Raises `ValueError` when the
@@ -542,6 +569,7 @@ class RadixCache:
     def _new_root(self, extra_key: Hashable) -> TreeNode:
         root = TreeNode(b"", _EMPTY, None, extra_key, self._tick)
         self._version += 1
+        root.stamp = self._version
         if self._enable_events:
             root.hashes = []
         self._roots[extra_key] = root
@@ -570,6 +598,7 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < m < len(child.value)
         self._version += 1
+        child.stamp = self._version  # its edge and parent change
         cut = m * TOKEN_BYTES
         pb = self._page_bytes
         new = TreeNode(child.key[:cut], child.value[:m], parent, child.extra_key, child.created)
@@ -577,6 +606,7 @@ class RadixCache:
         new.last_access = child.last_access
         new.hit_count = child.hit_count
         new.priority = child.priority
+        new.stamp = self._version
         if child.hashes is not None:
             pages = m // self._page_size
             new.hashes = child.hashes[:pages]
@@ -595,6 +625,7 @@ class RadixCache:
         slots.setflags(write=False)
         leaf = TreeNode(kb, slots, parent, parent.extra_key, tick)
         self._version += 1
+        leaf.stamp = self._version  # the parent's stamp stays: only its children changed
         leaf.priority = priority
         parent.children[kb[: self._page_bytes]] = leaf
         self._evictable += len(slots)
@@ -619,6 +650,7 @@ class RadixCache:
         slots.setflags(write=False)
         n = len(value)
         self._version += 1
+        leaf.stamp = self._version
         if self._enable_events:
             assert leaf.hashes
             parent_hash = leaf.hashes[-1]
@@ -646,6 +678,7 @@ class RadixCache:
         """Drop the tail of an unlocked leaf, keeping its first `keep` tokens (page-aligned)."""
         removed = len(node.value) - keep
         self._version += 1
+        node.stamp = self._version
         node.key = node.key[: keep * TOKEN_BYTES]
         node.value = node.value[:keep]
         self._evictable -= removed
@@ -661,6 +694,7 @@ class RadixCache:
         del parent.children[node.key[: self._page_bytes]]
         node.removed = True
         self._version += 1
+        node.stamp = self._version
         self._evictable -= len(node.value)
         if self._enable_events and node.hashes is not None:
             self._events.append(PageRemoved(tuple(node.hashes), node.extra_key))

@@ -32,6 +32,7 @@ class TreeNode:
         "in_heap",
         "removed",
         "hashes",
+        "stamp",
     )
 
     def __init__(
@@ -55,6 +56,9 @@ class TreeNode:
         self.in_heap = False
         self.removed = False
         self.hashes: list[int] | None = None  # one chained hash per page, when events are on
+        # cache version at the last change of this node's own edge (key, slots), parent or
+        # removal; not of its children (RadixCache.refresh_prefix relies on exactly this)
+        self.stamp = 0
 
     @property
     def num_tokens(self) -> int:
