@@ -125,14 +125,21 @@ class KVManager:
         return nodes
 
     def _path(self, req: Req) -> PrefixPath:
-        """The tree path of `req`'s tokens; kept on the request (`req.peek_memo`) and reused
-        while the tree's structure (`cache.version`) and the request's tokens are unchanged."""
-        version = self.cache.version
+        """The tree path of `req`'s tokens; kept on the request (`req.peek_memo`) while its
+        tokens are unchanged: reused as is while the tree's structure (`cache.version`) is
+        unchanged, else brought up to date by `cache.refresh_prefix` (no walk of the key when the
+        tree changed elsewhere than where the path ends)."""
+        cache = self.cache
+        version = cache.version
         memo = req.peek_memo
-        if memo is not None and memo[0] == version and memo[1] == req.output_ids:
+        if memo is not None and memo[1] == req.output_ids:
             path: PrefixPath = memo[2]
+            if memo[0] == version:
+                return path
+            path = cache.refresh_prefix(path, req.fill_key(), req.extra_key)
+            req.peek_memo = (version, memo[1], path)
             return path
-        path = self.cache.find_prefix(req.fill_key(), req.extra_key)
+        path = cache.find_prefix(req.fill_key(), req.extra_key)
         req.peek_memo = (version, list(req.output_ids), path)
         return path
 
