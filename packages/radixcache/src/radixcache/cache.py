@@ -287,12 +287,58 @@ class RadixCache:
                 return InsertResult(0, self._root)
             root = self._new_root(extra_key)
         self._tick += 1
+        root.last_access = self._tick
+        return self._insert_below(root, 0, arr, val, n, priority)
+
+    def insert_below(
+        self, node: TreeNode, key: KeyLike, value: KeyLike, priority: int = 0
+    ) -> InsertResult:
+        """`insert(path + key, path_slots + value, node.extra_key, priority)`, where `path` is
+        the whole key that ends at `node` (from its namespace root) and `path_slots` its slots,
+        without walking that path: the same tree, clocks, hit counts, priorities and result
+        (`prefix_len` counts from the namespace root). For a caller that holds `node` locked as
+        the end of its key's cached prefix (appending what it computed since). A root stands for
+        an empty path. Raises `ValueError` for a removed node."""
+        if node.removed:
+            raise ValueError("insert_below needs a live node")
+        if node.parent is None:
+            return self.insert(key, value, node.extra_key, priority)
+        arr = as_key(key)
+        val = as_key(value)
+        n = len(arr) - len(arr) % self._page_size
+        if len(val) < n:
+            raise InvalidKeyError(
+                f"len(value)={len(val)} must cover the page-aligned key ({n} of {len(arr)} tokens)"
+            )
+        self._tick += 1
+        tick = self._tick
+        depth = 0
+        cur = node
+        while cur.parent is not None:  # what insert's walk down to `node` sets
+            cur.last_access = tick
+            cur.hit_count += 1
+            if priority > cur.priority:
+                cur.priority = priority
+            depth += len(cur.value)
+            cur = cur.parent
+        cur.last_access = tick
+        return self._insert_below(node, depth, arr, val, n, priority)
+
+    def _insert_below(
+        self,
+        node: TreeNode,
+        depth: int,
+        arr: npt.NDArray[np.int64],
+        val: npt.NDArray[np.int64],
+        n: int,
+        priority: int,
+    ) -> InsertResult:
+        """insert's walk from `node` (ending at `depth` tokens, its clock already set) for the
+        first `n` (page-aligned) tokens of `arr`, slots `val`; at the current tick."""
         tick = self._tick
         kb = arr[:n].tobytes()
         nb = len(kb)
         pb = self._page_bytes
-        node = root
-        node.last_access = tick
         pos = 0
         while pos < nb:
             child = node.children.get(kb[pos : pos + pb])
@@ -312,13 +358,13 @@ class RadixCache:
             node = child
             if len(ck) != cl:
                 break
-        prefix_len = pos // TOKEN_BYTES
+        matched = pos // TOKEN_BYTES
         if pos < nb:
             if self._merge_leaves and node.parent is not None and not node.children:
-                self._extend_leaf(node, kb[pos:], val[prefix_len:n], priority, tick)
+                self._extend_leaf(node, kb[pos:], val[matched:n], priority, tick)
             else:
-                node = self._add_leaf(node, kb[pos:], val[prefix_len:n], priority, tick)
-        return InsertResult(prefix_len, node)
+                node = self._add_leaf(node, kb[pos:], val[matched:n], priority, tick)
+        return InsertResult(depth + matched, node)
 
     def peek_prefix_len(self, key: KeyLike, extra_key: Hashable = None) -> int:
         """Length of the longest cached page-aligned prefix of `key`. Mutates nothing."""
