@@ -66,3 +66,14 @@ def test_insert_below_equals_insert_of_the_whole_key(
         assert _dump(a) == _dump(b)
         assert (a.evictable_size, a.protected_size) == (b.evictable_size, b.protected_size)
         a.check_integrity()
+
+
+def test_path_len_counts_the_tokens_down_to_the_node() -> None:
+    cache = RadixCache(1)
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    m = cache.match_prefix([1, 2, 9])  # splits [1, 2 | 3, 4]
+    assert cache.path_len(m.last_node) == 2 and cache.path_len(cache.root) == 0
+    leaf = cache.match_prefix([1, 2, 3, 4]).last_node
+    assert cache.path_len(leaf) == 4
+    cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])  # extends the leaf in place
+    assert cache.path_len(leaf) == 5

@@ -324,6 +324,15 @@ class RadixCache:
         cur.last_access = tick
         return self._insert_below(node, depth, arr, val, n, priority)
 
+    def path_len(self, node: TreeNode) -> int:
+        """Tokens of the path from the namespace root to `node` (0 for a root); a walk up.
+        A locked node keeps it unless another insert extends it in place (`merge_leaves`)."""
+        depth = 0
+        while node.parent is not None:
+            depth += len(node.value)
+            node = node.parent
+        return depth
+
     def _insert_below(
         self,
         node: TreeNode,
