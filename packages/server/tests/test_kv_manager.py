@@ -269,3 +269,39 @@ def test_fill_key_rejects_ids_out_of_int64_range_as_numpy_does() -> None:
         pass
     else:  # pragma: no cover
         raise AssertionError("an id past int64 must not be accepted")
+
+
+def test_release_after_another_request_extended_the_locked_leaf_in_place() -> None:
+    # a's locked leaf [1..4] grows in place by b's checkpoint ([1..4, 5, 6]); a then releases
+    # other tokens ([1..4, 7, 8]): the tree must split where they part, as a plain insert does
+    kv, ref = KVManager(64, 1), RefKV(64, 1, False)
+    pairs = []
+    for rid, ids in (("a", [1, 2, 3, 4]), ("b", [1, 2, 3, 4, 5, 6])):
+        req, rreq = (Req(rid, ids, SamplingParams(max_new_tokens=4), 4, arrival=0) for _ in range(2))
+        assert kv.admit(req) == ref.admit(rreq)
+        assert kv.extend(req, req.fill_len - req.kv_len) == ref.extend(rreq, rreq.fill_len - rreq.kv_len)
+        assert kv.checkpoint(req) == ref.checkpoint(rreq)
+        pairs.append((req, rreq))
+        _same_state(kv, ref, pairs)
+    (a, ra), (b, rb) = pairs
+    for req in (a, ra):
+        req.output_ids.extend([7, 8])
+    assert kv.extend(a, 2) == ref.extend(ra, 2)
+    kv.release(a, True)
+    ref.release(ra, True)
+    _same_state(kv, ref, [(b, rb)])
+    kv.release(b, True)
+    ref.release(rb, True)
+    _same_state(kv, ref, [])
+    kv.check_invariant()
+    assert kv.cache.peek_prefix_len([1, 2, 3, 4, 7, 8]) == 6 and kv.cache.peek_prefix_len([1, 2, 3, 4, 5, 6]) == 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**40), max_size=12), st.lists(st.integers(0, 2**40), max_size=8), st.data())
+def test_fill_key_range_is_a_slice_of_fill_key(input_ids: list[int], output_ids: list[int], data: st.DataObject) -> None:
+    req = Req("r", input_ids, SamplingParams(max_new_tokens=4), 4, arrival=0)
+    req.output_ids.extend(output_ids)
+    end = data.draw(st.integers(0, req.fill_len))
+    start = data.draw(st.integers(0, end))
+    assert req.fill_key_range(start, end).tolist() == req.fill_key()[start:end].tolist()

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lmserver.scheduler.req import Req
-from radixcache import PrefixPath, RadixCache, SlotAllocator, TouchPlan
+from radixcache import InsertResult, PrefixPath, RadixCache, SlotAllocator, TouchPlan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -155,6 +155,7 @@ class KVManager:
         capacity = req.fill_len + min(req.remaining_new_tokens, 256) + self.page_size
         if self.disable_radix_cache or cap == 0:
             req.last_node = self.cache.root
+            req.locked_len = 0
             req.set_kv(_EMPTY, capacity)
             return 0
         start = time.perf_counter()
@@ -162,6 +163,7 @@ class KVManager:
         self.cache.lock(m.last_node)
         self._tree_s += time.perf_counter() - start
         req.last_node = m.last_node
+        req.locked_len = m.length  # may exceed the reused length (the cap)
         length = min(m.length, cap)
         req.set_kv(m.indices[:length], capacity)
         req.kv_len = length
@@ -252,9 +254,8 @@ class KVManager:
         if self.disable_radix_cache:
             return False
         start = time.perf_counter()
-        key = req.fill_key()[: req.kv_len]
         cache = self.cache
-        r = cache.insert(key, req.kv[: req.kv_len], req.extra_key)
+        r = self._insert_written(req)
         self._tree_s += time.perf_counter() - start
         replaced = False
         if r.prefix_len > req.cached_len:
@@ -262,15 +263,32 @@ class KVManager:
             replaced = True
         start = time.perf_counter()
         # the inserted key ends at r.last_node (a root only when it had no whole page)
-        m = cache.match_prefix(key, req.extra_key) if r.last_node.is_root else cache.match_node(r.last_node)
+        if r.last_node.is_root:
+            m = cache.match_prefix(req.fill_key()[: req.kv_len], req.extra_key)
+        else:
+            m = cache.match_node(r.last_node)
         cache.lock(m.last_node)
         cache.unlock(req.last_node)
         self._tree_s += time.perf_counter() - start
         req.last_node = m.last_node
+        req.locked_len = m.length
         if replaced:
             req.kv[: m.length] = m.indices
         req.cached_len = m.length
         return replaced
+
+    def _insert_written(self, req: Req) -> InsertResult:
+        """`cache.insert` of the written tokens `fill_key()[:kv_len]` with slots `kv[:kv_len]`;
+        below the locked `last_node` (no walk of its path, no conversion of its tokens) when that
+        node still ends at `locked_len`, inside the written part."""
+        node, depth, end = req.last_node, req.locked_len, req.kv_len
+        cache = self.cache
+        # NOTE: the node still ends at locked_len unless another insert extended it in place
+        # (then its path may go on with other tokens): the plain insert then
+        if (node is not None and node.parent is not None and not node.removed and depth <= end
+                and cache.path_len(node) == depth):
+            return cache.insert_below(node, req.fill_key_range(depth, end), req.kv[depth:end])
+        return cache.insert(req.fill_key()[:end], req.kv[:end], req.extra_key)
 
     @_timed
     def release(self, req: Req, cache_tokens: bool = True) -> None:
@@ -282,8 +300,7 @@ class KVManager:
             return
         if cache_tokens and not self.disable_radix_cache and req.kv_len > 0:
             start = time.perf_counter()
-            key = req.fill_key()[: req.kv_len]
-            r = self.cache.insert(key, req.kv[: req.kv_len], req.extra_key)
+            r = self._insert_written(req)
             self._tree_s += time.perf_counter() - start
             if r.prefix_len > req.cached_len:
                 self.allocator.free(req.kv[req.cached_len : r.prefix_len])

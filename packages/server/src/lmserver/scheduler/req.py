@@ -83,6 +83,7 @@ class Req:
         self.kv_len = 0
         self.cached_len = 0
         self.last_node: Any = None
+        self.locked_len = 0  # tokens of the tree path ending at last_node (0 for a root)
         self.req_pool_idx: int | None = None
         self.table_valid_len = 0  # req_to_token[row, :table_valid_len] matches kv
 
@@ -135,6 +136,20 @@ class Req:
         if not self.output_ids:
             return key
         return np.frombuffer(key.tobytes() + _int64_bytes(self.output_ids), dtype=np.int64)
+
+    def fill_key_range(self, start: int, end: int) -> npt.NDArray[np.int64]:
+        """`fill_key()[start:end]` (0 <= start <= end <= fill_len) without converting the tokens
+        outside the range; read-only."""
+        key = self._input_key
+        if key is None:
+            key = self._input_key = _int64_array(self.input_ids)
+        n_in = len(key)
+        if end <= n_in:
+            return key[start:end]
+        tail = _int64_bytes(self.output_ids[max(start - n_in, 0) : end - n_in])
+        if start >= n_in:
+            return np.frombuffer(tail, dtype=np.int64)
+        return np.frombuffer(key[start:].tobytes() + tail, dtype=np.int64)
 
     @property
     def fill_ids(self) -> list[int]:
