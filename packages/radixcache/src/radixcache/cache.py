@@ -208,11 +208,13 @@ class RadixCache:
             return MatchResult(_EMPTY, self._root if root is None else root, 0)
         self._tick += 1
         tick = self._tick
+        root.last_access = tick
+        if arr[: self._page_size].tobytes() not in root.children:
+            return MatchResult(_EMPTY, root, 0)  # no first page: the key's bytes are not needed
         kb = arr[:n].tobytes()
         nb = len(kb)
         pb = self._page_bytes
         node = root
-        node.last_access = tick
         pos = 0
         values: list[npt.NDArray[np.int64]] = []
         while pos < nb:
@@ -767,7 +769,7 @@ class RadixCache:
         without mutating anything. The node is None when the namespace holds nothing."""
         root = self._roots.get(extra_key)
         n = len(arr) - len(arr) % self._page_size
-        if root is None or n == 0:
+        if root is None or n == 0 or arr[: self._page_size].tobytes() not in root.children:
             return 0, root, None
         kb = arr[:n].tobytes()
         nb = len(kb)
