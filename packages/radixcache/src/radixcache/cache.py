@@ -276,13 +276,7 @@ class RadixCache:
         `priority`, grows `total_size` by `aligned - prefix_len` (as `protected_size` when the
         extended leaf is locked, else `evictable_size`).
         """
-        arr = as_key(key)
-        val = as_key(value)
-        n = len(arr) - len(arr) % self._page_size
-        if len(val) < n:
-            raise InvalidKeyError(
-                f"len(value)={len(val)} must cover the page-aligned key ({n} of {len(arr)} tokens)"
-            )
+        arr, val, n = self._key_value(key, value)
         root = self._roots.get(extra_key)
         if root is None:
             if n == 0:
@@ -291,6 +285,18 @@ class RadixCache:
         self._tick += 1
         root.last_access = self._tick
         return self._insert_below(root, 0, arr, val, n, priority)
+
+    def _key_value(self, key: KeyLike, value: KeyLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        """(key, value) as int64 arrays and the key's page-aligned length; raises
+        InvalidKeyError when `value` does not cover that length."""
+        arr = as_key(key)
+        val = as_key(value)
+        n = len(arr) - len(arr) % self._page_size
+        if len(val) < n:
+            raise InvalidKeyError(
+                f"len(value)={len(val)} must cover the page-aligned key ({n} of {len(arr)} tokens)"
+            )
+        return arr, val, n
 
     def insert_below(
         self, node: TreeNode, key: KeyLike, value: KeyLike, priority: int = 0
@@ -305,13 +311,7 @@ class RadixCache:
             raise ValueError("insert_below needs a live node")
         if node.parent is None:
             return self.insert(key, value, node.extra_key, priority)
-        arr = as_key(key)
-        val = as_key(value)
-        n = len(arr) - len(arr) % self._page_size
-        if len(val) < n:
-            raise InvalidKeyError(
-                f"len(value)={len(val)} must cover the page-aligned key ({n} of {len(arr)} tokens)"
-            )
+        arr, val, n = self._key_value(key, value)
         self._tick += 1
         tick = self._tick
         depth = 0
