@@ -339,10 +339,9 @@ def test_index_cache_is_shared() -> None:
     assert isinstance(a, cfsm.Index) and loop.cd.backend.compile(cfsm_key(LONG)) is a
 
 
-def test_declined_forced_text_is_not_retokenized_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    loop = _Loop(100)
-    s = loop.add("r", LONG, seed=0)
-    plans = []
+def _count_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the output length at every ReqGrammar.plan_jump call (the call itself unchanged)."""
+    plans: list[int] = []
     real = ReqGrammar.plan_jump
 
     def counting(self: ReqGrammar, output_ids: Any, max_new: int) -> Any:
@@ -350,6 +349,13 @@ def test_declined_forced_text_is_not_retokenized_every_step(monkeypatch: pytest.
         return real(self, output_ids, max_new)
 
     monkeypatch.setattr(ReqGrammar, "plan_jump", counting)
+    return plans
+
+
+def test_declined_forced_text_is_not_retokenized_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = _Loop(100)
+    s = loop.add("r", LONG, seed=0)
+    plans = _count_plans(monkeypatch)
     loop.sched.commit(loop.cd.schedule(loop.sched))
     _sampled(loop, s, TOKEN[b"a"])
     assert plans == [1] and loop.cd._deferred["r"][2] == 11  # planned once, deferred
@@ -367,14 +373,7 @@ def test_declined_forced_text_is_not_retokenized_every_step(monkeypatch: pytest.
 def test_same_forced_text_is_planned_once_across_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     loop = _Loop(100)
     reqs = [loop.add(f"r{i}", LONG, seed=0) for i in range(3)]
-    plans = []
-    real = ReqGrammar.plan_jump
-
-    def counting(self: ReqGrammar, output_ids: Any, max_new: int) -> Any:
-        plans.append(len(output_ids))
-        return real(self, output_ids, max_new)
-
-    monkeypatch.setattr(ReqGrammar, "plan_jump", counting)
+    plans = _count_plans(monkeypatch)
     loop.sched.commit(loop.cd.schedule(loop.sched))
     for s in reqs:
         _sampled(loop, s, TOKEN[b"b"])
