@@ -223,15 +223,15 @@ class Scheduler:
         if self.schedule_policy == "fcfs" or self.kv.disable_radix_cache:
             return False
         # True iff some admitted request shares at least `cached + THRESHOLD` leading tokens with
-        # req: only that many tokens are compared (arrays from fill_key, converted once per prompt)
+        # req: only that many tokens are compared (fill_key_range: the prompt converted once)
         need = self.kv.peek_prefix_len(req) + IN_BATCH_PREFIX_THRESHOLD
         if req.fill_len < need:
             return False
-        ids = req.fill_key()[:need]
+        ids = req.fill_key_range(0, need)
         for other in admitted:
             if other.extra_key != req.extra_key or other.fill_len < need:
                 continue
-            if np.array_equal(ids, other.fill_key()[:need]):
+            if np.array_equal(ids, other.fill_key_range(0, need)):
                 return True
         return False
 
