@@ -158,15 +158,16 @@ def test_guide_advance_rollback_copy_and_errors() -> None:
     h = g.copy()
     h.advance(1)
     assert h.is_finished() and not g.is_finished()  # "ab" is complete and nothing can follow
+    assert not h.eos_accepted  # finished by the grammar, not by EOS
     g.advance(2)
-    assert g.is_finished()
+    assert g.is_finished() and g.eos_accepted
     mask = np.zeros((1, 1), dtype=np.int32)
     g.fill_mask(mask)
     assert int(mask[0, 0]) == 1 << 2  # only EOS after EOS
     with pytest.raises(RejectedTokenError, match="finished"):
         g.advance(0)
     g.rollback(2)
-    assert g.state == index.start and g.num_tokens == 0
+    assert g.state == index.start and g.num_tokens == 0 and not g.eos_accepted
     with pytest.raises(ValueError, match="cannot roll back 1 tokens"):
         g.rollback(1)
 

@@ -33,6 +33,11 @@ class Guide:
         return self._state
 
     @property
+    def eos_accepted(self) -> bool:
+        """True once EOS was accepted (the mask is then the EOS mask); a rollback clears it."""
+        return self._finished
+
+    @property
     def num_tokens(self) -> int:
         """Tokens accepted so far (EOS included)."""
         return len(self._history)

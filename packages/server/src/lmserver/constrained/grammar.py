@@ -63,8 +63,7 @@ class ReqGrammar:
         index by identity) give equal masks, so a mask filled earlier may be used while the key
         is unchanged. Pure."""
         g = self.guide
-        # NOTE: `_finished` (EOS accepted) is what cfsm's own fill reads besides the state
-        return (g.index, g.state, g._finished)
+        return (g.index, g.state, g.eos_accepted)  # what cfsm's fill reads
 
     def accept(self, token_id: int) -> bool:
         """Advances the guide over a sampled token; False (state unchanged) if the grammar
