@@ -357,7 +357,8 @@ class EngineCore:
                 sample_rows.append(row + n_rows - 1)
                 sample_states.append(state)
             row += n_rows
-        if any(s.grammar is not None for s in sample_states):
+        masked = any(s.grammar is not None for s in sample_states)
+        if masked:
             # NOTE: the masks are filled (and copied) here, while the device runs the forward:
             # nothing before sampling's read-back waits for the device
             self.constrained.prepare_masks(sample_states, logits.device)
@@ -372,7 +373,7 @@ class EngineCore:
             infos = [s.info for s in sample_states]
             processed = apply_penalties(raw, infos)
             want_lp = [s for s in sample_states if s.req.return_logprob]
-            if any(s.grammar is not None for s in sample_states):
+            if masked:
                 if processed is raw and want_lp:
                     processed = raw.clone()  # logprobs stay those of the model
                 with torch.inference_mode():  # masked in place: `raw` may be the forward's logits
