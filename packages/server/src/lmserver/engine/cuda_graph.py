@@ -31,6 +31,7 @@ import torch
 
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.model_runner import host_tensor, to_device
+from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS
 from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
 
 if TYPE_CHECKING:
@@ -298,7 +299,8 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
     if tp_size > 1 and not config.enable_tp_cuda_graph:
         logger.warning("CUDA graphs: off with tp_size=%d (--no-enable-tp-cuda-graph: decode runs eagerly)", tp_size)
         return None
-    requested = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else 32  # resolved: always set
+    # a resolved config always sets it (resolve_cuda_graph_max_bs); the default for one that is not
+    requested = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else SMALL_GPU_GRAPH_MAX_BS
     max_bs = min(requested, config.max_running_requests or requested)
     if max_bs < 1:
         raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
