@@ -261,10 +261,11 @@ class ConstrainedDecoding:
             st.grammar.declined = None
             if j is None:
                 sreq = st.sreq
-                j = st.grammar.plan_jump(sreq.output_ids, sreq.max_new_tokens - len(sreq.output_ids))
+                remaining = sreq.max_new_tokens - len(sreq.output_ids)
+                j = st.grammar.plan_jump(sreq.output_ids, remaining)
                 if j is not None:
                     self._remember_size(st.grammar, j)
-                if j is None or j.ends_request(sreq.max_new_tokens - len(sreq.output_ids)):
+                if j is None or j.ends_request(remaining):
                     continue  # NOTE: an ending jump must come with a sampled token (EngineCore finishes it)
             reason = self._jump(scheduler, st, j)
             if reason is not None:  # pragma: no cover - deferrable jumps neither end nor match stops
