@@ -209,6 +209,6 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         np.bitwise_or.at(row, extra >> 5, np.left_shift(np.uint32(1), (extra & 31).astype(np.uint32)))
         mask_row[s_] = intern(row)
     if _STRING_TABLES:
-        string_rows(dfa, vocab.string_tables, match, lambda row: intern(row), mask_row)
+        string_rows(dfa, vocab.string_tables, match, intern, mask_row)
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)
