@@ -329,6 +329,11 @@ def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset
     return out
 
 
+def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
+    """True when sorted byte ranges (lo, hi, target) do not overlap."""
+    return all(x[1] < y[0] for x, y in zip(ranges, ranges[1:], strict=False))
+
+
 def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subset construction: (transition table over byte intervals with the dead state last,
     accepting flags, the interval (column) of each byte)."""
@@ -385,11 +390,11 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
             hit = sorted_of.get(q)
             if hit is None:
                 trs = sorted(ntrans[q])
-                hit = sorted_of[q] = (trs, all(x[1] < y[0] for x, y in zip(trs, trs[1:], strict=False)))
+                hit = sorted_of[q] = (trs, _disjoint(trs))
             trs, disjoint = hit
         else:
             trs = sorted([t for q in members for t in ntrans[q]])
-            disjoint = all(x[1] < y[0] for x, y in zip(trs, trs[1:], strict=False))
+            disjoint = _disjoint(trs)
         # NOTE: disjoint ranges (most states) have one target each: no sweep, no target sets
         segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = trs if disjoint else _segments(trs)
         for a, b, tg in segs:
