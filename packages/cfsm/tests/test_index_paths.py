@@ -20,6 +20,8 @@ import cfsm.walker
 import cfsm.walks
 from cfsm import Vocabulary
 from cfsm.automaton import Dfa, build_dfa
+from cfsm.formats import FORMAT_REGEXES
+from cfsm.fragments import match_fragment
 from cfsm.index import build_index
 from cfsm.json_schema import json_value_node, schema_to_node
 from cfsm.regex_parser import parse_regex
@@ -77,6 +79,7 @@ def _plain_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest
         m.setattr(cfsm.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
         m.setattr(cfsm.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
         m.setattr(cfsm.index, "_STRING_TABLES", False)  # no per-vocabulary string walks
+        m.setattr(cfsm.index, "_FRAGMENT_TABLES", False)  # no per-vocabulary format walks
         return build_index(dfa, vocab)
 
 
@@ -152,6 +155,7 @@ _CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 def _both(dfa: Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> tuple[cfsm.Index, cfsm.Index]:
     with monkeypatch.context() as m:
         m.setattr(cfsm.index, "_STRING_TABLES", False)
+        m.setattr(cfsm.index, "_FRAGMENT_TABLES", False)
         generic = build_index(dfa, vocab)
     return generic, build_index(dfa, vocab)
 
@@ -277,3 +281,68 @@ def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypa
     monkeypatch.setattr(cfsm.templates, "_MAX_PASSES", 0)
     assert (match_string_states(dfa, _SVOCAB.string_tables).t < 0).all()
     _assert_same_masks(generic, build_index(dfa, _SVOCAB))
+
+
+# --- `format` strings (email, uri) from the vocabulary's fragment tables (cfsm.fragments) ---
+
+_FALPHABET = list('ab.-@:/?#%"\\,{}[]01 _') + ["é", "a@b", "x.y", '",', '"}', "://", "%2"]
+
+
+def _format_vocab(seed: int, size: int) -> Vocabulary:
+    rng = random.Random(seed)
+    toks: set[bytes] = set()
+    while len(toks) < size:
+        toks.add("".join(rng.choice(_FALPHABET) for _ in range(rng.choice([1, 1, 2, 3, 4, 6, 9]))).encode())
+    return Vocabulary([b""] + sorted(toks), [0])
+
+
+_FVOCAB = _format_vocab(5, 900)
+_FORMAT_LEAF = st.one_of(
+    st.sampled_from([{"type": "string", "format": f} for f in ("email", "uri", "date", "ipv4")]),
+    st.just({"type": "string", "format": "email", "maxLength": 6}),  # an intersection: not F
+    st.just({"type": "string", "format": "uri", "pattern": "b"}),
+    st.just({"anyOf": [{"type": "string", "format": "email"}, {"type": "string", "format": "uri"}]}),
+    st.just({"anyOf": [{"type": "string", "format": "email"}, {"type": "string", "maxLength": 3}]}),
+    st.just({"type": "array", "items": {"type": "string", "format": "email"}, "maxItems": 3}),
+    st.just({"type": "string"}),
+    st.just({"type": "integer"}),
+)
+_FORMAT_SCHEMAS = st.recursive(_FORMAT_LEAF, _objects, max_leaves=4)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schema=_FORMAT_SCHEMAS)
+def test_fragment_tables_give_the_generic_masks_on_random_schemas(schema: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    dfa = build_dfa(schema_to_node(schema))
+    _assert_same_masks(*_both(dfa, _FVOCAB, monkeypatch))
+
+
+_EMAIL = FORMAT_REGEXES["email"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=st.sampled_from([_EMAIL, _EMAIL.replace("0-9]", "0-8]"), _EMAIL.replace("+@", "*@"), _EMAIL + "-?",
+                             FORMAT_REGEXES["uri"], FORMAT_REGEXES["uri"].replace("%", "&")]),
+       after=st.sampled_from(["", "x", ',"k":1', "(,|})", '"', "@a*"]), twice=st.booleans())
+def test_fragment_tables_on_format_like_regexes(body: str, after: str, twice: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    one = f'"{body}"{after}'
+    pattern = f"{one}(;{one})?" if twice else one
+    dfa = build_dfa(parse_regex(pattern))
+    _assert_same_masks(*_both(dfa, _FVOCAB, monkeypatch))
+    start = dfa.walk(dfa.start, b'"')
+    matched = [t.name for t in _FVOCAB.fragment_tables if match_fragment(dfa, t).f[start] >= 0]
+    # the exact format bodies are recognized (with any continuation), near misses never
+    assert matched == (["email"] if body == _EMAIL else ["uri"] if body == FORMAT_REGEXES["uri"] else [])
+
+
+def test_email_states_of_a_schema_use_the_fragment_tables() -> None:
+    schema = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}, "n": {"type": "integer"}},
+              "required": ["e", "n"]}
+    dfa = build_dfa(schema_to_node(schema))
+    (email,) = [t for t in _FVOCAB.fragment_tables if t.name == "email"]
+    m = match_fragment(dfa, email)
+    q = dfa.walk(dfa.start, b'{"e":"')
+    assert m.f[q] == email.start and int(m.cont[q]) == dfa.walk(q, b'a@b.c"')
+    assert (m.f >= 0).sum() == email.num_f

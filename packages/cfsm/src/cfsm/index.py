@@ -22,6 +22,7 @@ import numpy as np
 
 from cfsm.automaton import Dfa
 from cfsm.compressed import CompressedFsm
+from cfsm.fragments import FragmentMatch, fragment_rows, match_fragment
 from cfsm.gcpause import without_gc
 from cfsm.mask_rows import _few_rows, _PrefixRows
 from cfsm.state_classes import _walk_classes
@@ -37,6 +38,8 @@ _SHARE_DEPTH = 16
 _SPARSE_ROW = 2048
 # JSON string states take their masks from the vocabulary's string tables (`templates`)
 _STRING_TABLES = True
+# states of broad `format` strings (email, uri) take theirs from its fragment tables (`fragments`)
+_FRAGMENT_TABLES = True
 # walk classes are computed (Moore rounds over the whole DFA) only when at least this many of
 # the other states have more candidates than a batched walk takes: few-candidate states are
 # walked together in batches anyway, and the rounds cost more than they save there
@@ -148,6 +151,14 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         generic = match.t[:num_states] < 0
     else:
         generic = np.ones(num_states, dtype=bool)
+    fragments: list[tuple[int, FragmentMatch, np.ndarray]] = []
+    if _FRAGMENT_TABLES:
+        for k, ft in enumerate(vocab.fragment_tables):
+            fm = match_fragment(dfa, ft)
+            mine = np.flatnonzero(generic & (fm.f[:num_states] >= 0))
+            if len(mine):
+                generic[mine] = False
+                fragments.append((k, fm, mine))
     others = np.flatnonzero(generic)
     if walker.num_broad(others) >= _CLASSES_MIN_BROAD:
         classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
@@ -210,5 +221,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         mask_row[s_] = intern(row)
     if _STRING_TABLES:
         string_rows(dfa, vocab.string_tables, match, intern, mask_row)
+    for k, fm, mine in fragments:
+        fragment_rows(dfa, vocab.fragment_tables[k], fm, mine, intern, mask_row)
     masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)

@@ -21,7 +21,8 @@ import numpy as np
 from cfsm.automaton import Dfa, _unique_rows, build_dfa
 from cfsm.vocab import TrieTables
 
-__all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows"]
+__all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
+           "live_suffixes", "suffix_table"]
 
 # "no upper bound" for `rem` (an unbounded string); decrementing keeps it
 INF = 1 << 40
@@ -137,14 +138,41 @@ def build_string_tables(tables: TrieTables, words: int) -> StringTables:
         exit_ids.append(tables.order[epos].astype(np.int64))
         exit_chars.append(ek.astype(np.int64))
         exit_suffix.append(np.array([suffix_id.setdefault(x, len(suffix_id)) for x in sufs], dtype=np.int64))
-    suffixes = list(suffix_id)
+    return StringTables(code=code, text=text, stay_values=tuple(stay_values), stay_rows=tuple(stay_rows),
+                        exit_ids=tuple(exit_ids), exit_chars=tuple(exit_chars),
+                        exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id)))
+
+
+def suffix_table(suffixes: list[bytes]) -> np.ndarray:
+    """Suffixes as byte columns: `cols[d, j]` is byte d of suffix j (-1 past its end)."""
     max_len = max((len(x) for x in suffixes), default=0)
     cols = np.full((max_len + 1, len(suffixes)), -1, dtype=np.int16)
     for j, x in enumerate(suffixes):
         cols[: len(x), j] = np.frombuffer(x, dtype=np.uint8)
-    return StringTables(code=code, text=text, stay_values=tuple(stay_values), stay_rows=tuple(stay_rows),
-                        exit_ids=tuple(exit_ids), exit_chars=tuple(exit_chars),
-                        exit_suffix=tuple(exit_suffix), suffix_columns=cols)
+    return cols
+
+
+def live_suffixes(dfa: Dfa, conts: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """(len(conts), num suffixes) bool: whether suffix j (`suffix_table` columns) walked from
+    state conts[i] stays alive; one walk of all (continuation, suffix) pairs."""
+    num_suf = cols.shape[1]
+    live = np.zeros((len(conts), num_suf), dtype=bool)
+    if num_suf:
+        ci = np.repeat(np.arange(len(conts)), num_suf)
+        sj = np.tile(np.arange(num_suf), len(conts))
+        cur = conts[ci].astype(np.int64)
+        tflat = dfa.transitions.reshape(-1)
+        for d in range(cols.shape[0]):
+            b = cols[d].take(sj)
+            end = b < 0
+            if end.any():
+                live[ci[end], sj[end]] = cur[end] != dfa.dead
+                keep = ~end
+                ci, sj, cur, b = ci[keep], sj[keep], cur[keep], b[keep]
+            if not len(ci):
+                break
+            cur = tflat.take(cur * 256 + b).astype(np.int64)
+    return live
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,24 +320,7 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     # which suffixes live from each continuation: one walk of all (continuation, suffix) pairs
     conts, c_idx = np.unique(cont[states], return_inverse=True)
     c_idx = c_idx.reshape(-1)
-    cols = st.suffix_columns
-    num_suf = cols.shape[1]
-    live = np.zeros((len(conts), num_suf), dtype=bool)
-    if num_suf:
-        ci = np.repeat(np.arange(len(conts)), num_suf)
-        sj = np.tile(np.arange(num_suf), len(conts))
-        cur = conts[ci].astype(np.int64)
-        tflat = dfa.transitions.reshape(-1)
-        for d in range(cols.shape[0]):
-            b = cols[d].take(sj)
-            end = b < 0
-            if end.any():
-                live[ci[end], sj[end]] = cur[end] != dfa.dead
-                keep = ~end
-                ci, sj, cur, b = ci[keep], sj[keep], cur[keep], b[keep]
-            if not len(ci):
-                break
-            cur = tflat.take(cur * 256 + b).astype(np.int64)
+    live = live_suffixes(dfa, conts, st.suffix_columns)
     one = np.uint32(1)
     for s in range(st.num_t):
         at = np.flatnonzero(m.t[states] == s)

@@ -13,6 +13,7 @@ import numpy as np
 from cfsm.errors import VocabularyError
 
 if TYPE_CHECKING:
+    from cfsm.fragments import FragmentTable
     from cfsm.templates import StringTables
 
 __all__ = ["Vocabulary", "TrieTables"]
@@ -169,13 +170,22 @@ class Vocabulary:
 
         return build_string_tables(self.trie_tables, self.mask_words)
 
+    @functools.cached_property
+    def fragment_tables(self) -> tuple[FragmentTable, ...]:
+        """Every token walked through the broad `format` automata (built once per vocabulary)."""
+        from cfsm.fragments import build_fragment_tables
+
+        return build_fragment_tables(self.trie_tables, self.mask_words)
+
     def prepare(self) -> Vocabulary:
         """Build the per-vocabulary tables now (else on the first compile); returns self.
 
-        Grammar-independent: the sorted trie tables and the JSON string walks.
+        Grammar-independent: the sorted trie tables, the JSON string walks and the walks of the
+        broad `format` strings (email, uri).
         """
         self.trie_tables  # noqa: B018
         self.string_tables  # noqa: B018
+        self.fragment_tables  # noqa: B018
         return self
 
     @property

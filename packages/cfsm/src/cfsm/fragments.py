@@ -1,0 +1,185 @@
+"""`format` strings (email, uri) resolved from per-vocabulary tables (built once per `Vocabulary`).
+
+The body of a formatted JSON string followed by its closing quote is the same small automaton F
+in every schema (`json_schema` builds it from `FORMAT_REGEXES`); only what follows the quote
+differs. Per vocabulary, every token is walked through F once from each F state: it dies, stays
+inside F, or leaves it at the closing quote with a suffix. Per compile, DFA states that step
+exactly like F state s followed by continuation state c are recognized (`match_fragment`: every
+transition of every mapped state checked, one byte per class), and their masks are a
+precomputed row (the tokens that stay) plus the leaving tokens whose suffix lives from c.
+
+Only the formats whose states are broad (many candidate tokens, costly to walk per compile) get
+tables; the narrow ones (dates, uuids, addresses) are cheap batched walks anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfsm.automaton import Dfa, _unique_rows, build_dfa
+from cfsm.templates import _walk_t, live_suffixes, suffix_table
+from cfsm.vocab import TrieTables
+
+__all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows"]
+
+# formats with per-vocabulary tables (their states allow most ASCII bytes)
+TABLE_FORMATS = ("email", "uri")
+
+
+def _f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
+    """F as a code table (states, 256): an F state, `EXIT` (= states) or `DEAD` (= states + 1);
+    and its start. None if F's end is not one final state without transitions."""
+    from cfsm.formats import FORMAT_REGEXES
+    from cfsm.json_schema import json_escape
+    from cfsm.regex_ast import cat, lit
+    from cfsm.regex_parser import parse_regex
+
+    dfa = build_dfa(cat(json_escape(parse_regex(FORMAT_REGEXES[fmt])), lit('"')))
+    final = np.flatnonzero(dfa.accepting[:-1])
+    if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any() or int(final[0]) == dfa.start:
+        return None
+    live = [q for q in range(dfa.num_states) if q != int(final[0])]
+    code = np.full(dfa.num_states + 1, len(live) + 1, dtype=np.int64)  # DEAD by default
+    code[live] = np.arange(len(live))
+    code[int(final[0])] = len(live)  # EXIT
+    return code[dfa.transitions[live]], int(code[dfa.start])
+
+
+@dataclass(frozen=True, eq=False)
+class FragmentTable:
+    """Per-vocabulary walks of every token through one format's F (see the module docstring).
+
+    `stay_rows[s]`: mask row (uint32 words) of the tokens that stay inside F from state s;
+    `exit_ids[s]`, `exit_suffix[s]`: token id and suffix id of those that leave at the quote;
+    `suffix_columns[d, j]` is byte d of suffix j (-1 past its end).
+    """
+
+    name: str
+    code: np.ndarray  # (num_f, 256) int64: F state, EXIT or DEAD
+    start: int
+    stay_rows: np.ndarray  # (num_f, words) uint32
+    exit_ids: tuple[np.ndarray, ...]
+    exit_suffix: tuple[np.ndarray, ...]
+    suffix_columns: np.ndarray
+
+    @property
+    def num_f(self) -> int:
+        return int(self.code.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.stay_rows.nbytes + self.suffix_columns.nbytes
+                   + sum(a.nbytes + b.nbytes for a, b in zip(self.exit_ids, self.exit_suffix, strict=True)))
+
+
+def build_fragment_tables(tables: TrieTables, words: int,
+                          formats: tuple[str, ...] = TABLE_FORMATS) -> tuple[FragmentTable, ...]:
+    """Walk the vocabulary through each format's F from every F state (once per vocabulary)."""
+    out = []
+    for fmt in formats:
+        auto = _f_automaton(fmt)
+        if auto is None:
+            continue
+        code, start = auto
+        suffix_id: dict[bytes, int] = {}
+        rows = np.zeros((code.shape[0], words), dtype=np.uint32)
+        exit_ids, exit_suffix = [], []
+        for s in range(code.shape[0]):
+            pos, _, epos, _, eat = _walk_t(code, -1, s, tables)  # no text state: no character count
+            tids = tables.order[pos]
+            np.bitwise_or.at(rows[s], tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            sufs = [tables.sorted_tokens[p][a + 1 :] for p, a in zip(epos.tolist(), eat.tolist(), strict=True)]
+            exit_ids.append(tables.order[epos].astype(np.int64))
+            exit_suffix.append(np.array([suffix_id.setdefault(x, len(suffix_id)) for x in sufs], dtype=np.int64))
+        out.append(FragmentTable(name=fmt, code=code, start=start, stay_rows=rows, exit_ids=tuple(exit_ids),
+                                 exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id))))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class FragmentMatch:
+    """DFA states recognized as F states: per DFA state (num_states + 1 entries) the F state
+    (-1: not one) and `cont` (the state after the closing quote)."""
+
+    f: np.ndarray
+    cont: np.ndarray
+
+
+def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
+    """Recognize the DFA states that behave exactly like an F state followed by a continuation.
+
+    Candidates for F's start are the states whose dead bytes are exactly F's; from each, F's
+    states are followed in parallel (one byte per class of both automata) and a candidate is
+    kept only if every mapped state is non-accepting, dead exactly where F is, steps to the
+    mapped state of F's target elsewhere, and all its quote exits lead to one state `cont`. Then
+    the mapped state of F state s has language L_F(s) followed by cont's. Pure.
+    """
+    n, dead = dfa.num_states, dfa.dead
+    f = np.full(n + 1, -1, dtype=np.int64)
+    cont = np.full(n + 1, dead, dtype=np.int64)
+    if n == 0:
+        return FragmentMatch(f, cont)
+    code, num_f = ft.code, ft.num_f
+    exit_code, dead_code = num_f, num_f + 1
+    _, byte_class = dfa.byte_classes
+    first, _ = _unique_rows(np.column_stack([byte_class, code.T]))
+    reps = np.sort(first)
+    tcode = code[:, reps]  # (num_f, r)
+    fdead = tcode == dead_code
+    table = np.take(dfa.transitions, reps, axis=1)  # (n + 1, r)
+    is_dead = table == dead
+    acc = dfa.accepting
+    qs = np.flatnonzero((is_dead[:n] == fdead[ft.start]).all(axis=1) & ~acc[:n])
+    if not len(qs):
+        return FragmentMatch(f, cont)
+    ok = np.ones(len(qs), dtype=bool)
+    c = np.full(len(qs), -1, dtype=np.int64)
+    mapped: dict[int, np.ndarray] = {ft.start: qs}
+    order = [ft.start]
+    for s in order:  # F's states in discovery order (F is small)
+        cur = mapped[s]
+        ok &= ~acc[cur] & (is_dead[cur] == fdead[s]).all(axis=1)
+        row = tcode[s]
+        for j in np.flatnonzero(row != dead_code).tolist():
+            tgt = table[cur, j].astype(np.int64)
+            s2 = int(row[j])
+            if s2 == exit_code:
+                ok &= (c < 0) | (c == tgt)
+                c = np.where(c < 0, tgt, c)
+            elif s2 in mapped:
+                ok &= mapped[s2] == tgt
+            else:
+                mapped[s2] = tgt
+                order.append(s2)
+    ok &= c >= 0
+    keep = np.flatnonzero(ok)
+    # NOTE: a state claimed by several candidates gets any of the claims: each one describes its
+    # language exactly, so each gives the same token set
+    for s, cur in mapped.items():
+        f[cur[keep]] = s
+        cont[cur[keep]] = c[keep]
+    return FragmentMatch(f, cont)
+
+
+def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndarray,
+                  intern: Callable[[np.ndarray], int], mask_row: np.ndarray) -> None:
+    """Mask rows of the matched `states` (written into `mask_row`); equal rows interned once."""
+    if not len(states):
+        return
+    conts, c_idx = np.unique(m.cont[states], return_inverse=True)
+    live = live_suffixes(dfa, conts, ft.suffix_columns)
+    one = np.uint32(1)
+    key = m.f[states] * len(conts) + c_idx.reshape(-1)
+    uniq, inverse = np.unique(key, return_inverse=True)
+    rows = np.empty(len(uniq), dtype=np.int32)
+    for g, k in enumerate(uniq.tolist()):
+        s, ci = divmod(k, len(conts))
+        row = ft.stay_rows[s].copy()
+        tids = ft.exit_ids[s][live[ci, ft.exit_suffix[s]]]
+        if len(tids):
+            np.bitwise_or.at(row, tids >> 5, np.left_shift(one, (tids & 31).astype(np.uint32)))
+        rows[g] = intern(row)
+    mask_row[states] = rows[inverse.reshape(-1)]
