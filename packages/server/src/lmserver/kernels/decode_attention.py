@@ -23,14 +23,14 @@ from lmserver.kernels._util import (
     next_pow2,
 )
 
-__all__ = ["choose_num_kv_splits", "decode_attention"]
+__all__ = ["choose_num_kv_splits", "decode_attention", "launch_decode_stage1"]
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _decode_stage1(
-    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_indices_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_indices_ptr, seq_lens_ptr, kv_start_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
     sm_scale_log2e,
     stride_qb, stride_qh,
@@ -41,7 +41,7 @@ def _decode_stage1(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_KV_START: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -50,10 +50,13 @@ def _decode_stage1(
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req = tl.load(req_pool_indices_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, num_splits)
-    # NOTE: round split boundaries to BLOCK_N so each tile load is aligned.
+    kv_lo = 0
+    if HAS_KV_START:  # cascade decode: tokens [0, kv_start) are attended by the shared-prefix kernel
+        kv_lo = tl.load(kv_start_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len - kv_lo, num_splits)
+    # NOTE: round split lengths to BLOCK_N so each tile load is aligned (relative to kv_lo).
     split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
-    start = split * split_len
+    start = kv_lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -150,6 +153,54 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_s
     return max(1, splits // 2)
 
 
+def launch_decode_stage1(
+    q: torch.Tensor,  # (bs, num_heads, head_dim)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,  # (bs, num_heads, head_dim), written when single_split
+    p_out: torch.Tensor,  # (bs, num_heads, num_kv_splits, head_dim) float32 (any strides but the last)
+    p_lse: torch.Tensor,  # (bs, num_heads, num_kv_splits) float32
+    num_kv_splits: int,
+    single_split: bool,
+    kv_start: torch.Tensor | None,  # (bs,) int32 first token of each row to attend (None: 0)
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """Stage 1 of flash-decoding over tokens [kv_start, seq_len) of each row (inputs checked by
+    the caller): the final output when `single_split`, else partial (out, lse) per split in log2
+    units (an empty split gets lse -inf). Mutates `out` or `p_out`, `p_lse`."""
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if bs == 0:
+        return
+    p_out_strides = (0, 0, 0) if single_split else (p_out.stride(0), p_out.stride(1), p_out.stride(2))
+    p_lse_strides = (0, 0) if single_split else (p_lse.stride(0), p_lse.stride(1))
+    _decode_stage1[(bs, num_kv_heads, num_kv_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        kv_start if kv_start is not None else seq_lens,
+        out, p_out, p_lse,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        *p_out_strides,
+        *p_lse_strides,
+        num_kv_splits,
+        GROUP=group, HEAD_DIM=head_dim, SINGLE_SPLIT=single_split, HAS_KV_START=kv_start is not None,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
+        PRECISION=dot_precision(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
 def decode_attention(
     q: torch.Tensor,  # (bs, num_heads, head_dim)
     k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
@@ -174,8 +225,6 @@ def decode_attention(
     """
     check_attention_inputs(q, k_cache, v_cache)
     bs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if out is None:
@@ -201,26 +250,14 @@ def decode_attention(
         p_out, p_lse = out, out  # unused by the kernel when SINGLE_SPLIT
     if bs == 0:
         return out
+    launch_decode_stage1(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale, out, p_out, p_lse,
+        num_kv_splits, single_split=num_kv_splits == 1, kv_start=None,
+        block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
     block_d = next_pow2(head_dim)
     p_out_strides = (p_out.stride(0), p_out.stride(1), p_out.stride(2)) if num_kv_splits > 1 else (0, 0, 0)
     p_lse_strides = (p_lse.stride(0), p_lse.stride(1)) if num_kv_splits > 1 else (0, 0)
-    _decode_stage1[(bs, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-        out, p_out, p_lse,
-        sm_scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0),
-        out.stride(0), out.stride(1),
-        *p_out_strides,
-        *p_lse_strides,
-        num_kv_splits,
-        GROUP=group, HEAD_DIM=head_dim, SINGLE_SPLIT=num_kv_splits == 1,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
     if num_kv_splits > 1:
         _decode_stage2[(bs, num_heads)](
             p_out, p_lse, out,
