@@ -143,9 +143,12 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
         cur = mapped[s]
         ok &= ~acc[cur] & (is_dead[cur] == fdead[s]).all(axis=1)
         row = tcode[s]
-        for j in np.flatnonzero(row != dead_code).tolist():
-            tgt = table[cur, j].astype(np.int64)
-            s2 = int(row[j])
+        rows = table[cur]
+        for s2 in np.unique(row[row != dead_code]).tolist():  # the columns of one F target at once
+            sub = rows[:, row == s2]
+            tgt = sub[:, 0].astype(np.int64)
+            if sub.shape[1] > 1:
+                ok &= (sub == sub[:, :1]).all(axis=1)
             if s2 == exit_code:
                 ok &= (c < 0) | (c == tgt)
                 c = np.where(c < 0, tgt, c)

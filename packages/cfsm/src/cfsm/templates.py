@@ -13,6 +13,7 @@ checked transition by transition), and their masks are a precomputed row (stays 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +74,16 @@ class StringTables:
     @property
     def num_t(self) -> int:
         return int(self.code.shape[0])
+
+    @functools.cached_property
+    def inner_edges(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per T state s: (s2, the first byte from s to s2) for every T state s2 != text."""
+        out = []
+        for s in range(self.num_t):
+            row = self.code[s]
+            out.append(tuple((s2, int(np.flatnonzero(row == s2)[0])) for s2 in range(self.num_t)
+                             if s2 != self.text and (row == s2).any()))
+        return tuple(out)
 
     @property
     def nbytes(self) -> int:
@@ -247,15 +258,13 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     t[qs], rem[qs], need[qs], cont[qs] = text, r, nd, c
     # pending characters: follow T's edges between non-text states from the text states
     frontier = [(text, qs[r >= 1])]
+    edges = st.inner_edges
     while frontier:
         s, src = frontier.pop()
-        for s2 in range(num_t):
-            if s2 == text:
-                continue
-            bs = np.flatnonzero(code[s] == s2)
-            if not len(bs) or not len(src):
-                continue
-            dst = trans[src, bs[0]].astype(np.int64)
+        if not len(src):
+            continue
+        for s2, b in edges[s]:
+            dst = trans[src, b].astype(np.int64)
             live = (dst != dead) & (t[dst] < 0)
             src2, dst = src[live], dst[live]
             t[dst], rem[dst], need[dst], cont[dst] = s2, rem[src2], need[src2], cont[src2]

@@ -184,7 +184,7 @@ class Vocabulary:
         broad `format` strings (email, uri).
         """
         self.trie_tables  # noqa: B018
-        self.string_tables  # noqa: B018
+        self.string_tables.inner_edges  # noqa: B018
         self.fragment_tables  # noqa: B018
         return self
 
