@@ -244,6 +244,39 @@ def test_in_batch_prefix_dedup_defers_sharers() -> None:
     assert eng.finished["y"].cached_tokens == len(system)
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_a_full_batch_does_not_order_the_waiting_queue(policy: str) -> None:
+    """With no free row nothing can be admitted: no round peeks or touches the waiting queue
+    until a row frees up; then the cache-aware order is the same as ever."""
+    eng = FakeEngine(max_running_requests=1, schedule_policy=policy)
+    eng.add("warm", list(range(1, 31)), 1)
+    eng.run()
+    eng.add("long", list(range(100, 130)), 4)
+    eng.step()  # admits "long": the one row is taken
+    eng.add("cold", list(range(200, 230)), 1)
+    eng.add("hot", list(range(1, 31)) + [5], 1)
+    calls: list[str] = []
+    for name in ("peek_prefix_lens", "match_last_nodes"):
+        orig = getattr(eng.kv, name)
+
+        def spy(*args: object, _orig: object = orig, _name: str = name, **kw: object) -> object:
+            calls.append(_name)
+            return _orig(*args, **kw)  # type: ignore[operator]
+
+        setattr(eng.kv, name, spy)
+    def clocks() -> list[int]:
+        return [n.last_access for n in eng.kv.cache._walk()]
+
+    for _ in range(2):  # decodes of "long" (its prefill sampled the first token)
+        before = clocks()
+        assert eng.step().mode == "decode"
+        assert calls == [] and clocks() == before  # the waiting prefix ("hot") was not touched
+    assert eng.step().mode == "decode" and "long" in eng.finished and calls == []
+    # a free row again: ordered as ever (this dfs-weight serves requests at the root first)
+    assert [i.rid for i in eng.step().items] == (["hot"] if policy == "lpm" else ["cold"])
+    assert calls
+
+
 def test_disabled_cache_same_path_no_reuse() -> None:
     eng = FakeEngine(disable=True)
     eng.add("a", list(range(1, 21)), 3)

@@ -177,7 +177,10 @@ class Scheduler:
             items.append(self._extend_item(req, req.kv_len - n, n))
             chunk_left -= n
             prefill_left -= n
-        if chunk_left <= 0 or prefill_left <= 0 or not self.waiting:
+        # NOTE: with no free row nothing can be admitted, so the waiting queue is not ordered
+        # (its lpm peeks and LRU touches skipped) until a row frees up, as SGLang skips its
+        # prefix matching while the batch is full
+        if chunk_left <= 0 or prefill_left <= 0 or not self.waiting or not self.has_free_row:
             return items
         # 2. admit waiting requests in policy order
         admitted: list[Req] = []
