@@ -4,7 +4,8 @@ Checked after every step: matched length and slots equal the naive longest cache
 evictable + protected == total == naive total; locked prefixes are never evicted; every slot is
 free in the allocator, held by exactly one node, or held by exactly one running request;
 `check_integrity()` passes; a `find_prefix` path kept while the cache's `version` is unchanged
-is exactly what a fresh `find_prefix` finds, and so is any kept path after `refresh_prefix`. Runs with page sizes 1 and 16.
+is exactly what a fresh `find_prefix` finds, and so is any kept path after `refresh_prefix` (and
+after `refresh_path`, when it keeps one). Runs with page sizes 1 and 16.
 """
 
 from __future__ import annotations
@@ -228,6 +229,10 @@ class CacheMachine(RuleBasedStateMachine):
             refreshed = self.cache.refresh_prefix(path, key, ns)
             assert refreshed.version == fresh.version and refreshed.length == fresh.length
             assert refreshed.node is fresh.node and refreshed.partial is fresh.partial
+            assert refreshed.next_page == fresh.next_page
+            kept = self.cache.refresh_path(path)  # without the key: the same, or None
+            if kept is not None:
+                assert kept == fresh and kept.node is fresh.node and kept.partial is fresh.partial
 
     @invariant()
     def kept_paths_exact_while_version_unchanged(self) -> None:

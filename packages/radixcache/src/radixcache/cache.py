@@ -59,12 +59,16 @@ class PrefixPath(NamedTuple):
     - `partial`: the child whose edge the match ends inside, or None.
     - `version`: `RadixCache.version` when found. While the cache's version is unchanged, finding
       the same key again gives the same path, and `touch_path` may refresh it.
+    - `next_page`: when the match ends at `node` (no `partial`), the key's page right after
+      `length` as int64 bytes (the page `node` has no child for), or None when the key has no
+      whole page more; None with a `partial`. Lets `refresh_path` recheck the end without the key.
     """
 
     length: int
     node: TreeNode | None
     partial: TreeNode | None
     version: int
+    next_page: bytes | None = None
 
 
 class TouchPlan(NamedTuple):
@@ -394,8 +398,8 @@ class RadixCache:
         """Where the longest cached page-aligned prefix of `key` ends (see `PrefixPath`).
         Mutates nothing. A scheduler that peeks the same waiting request every round can keep
         the path and reuse it while `version` is unchanged."""
-        length, node, partial = self._peek(as_key(key), extra_key)
-        return PrefixPath(length, node, partial, self._version)
+        length, node, partial, page = self._peek(as_key(key), extra_key)
+        return PrefixPath(length, node, partial, self._version, page)
 
     def refresh_prefix(self, path: PrefixPath, key: KeyLike, extra_key: Hashable = None) -> PrefixPath:
         """`find_prefix(key, extra_key)`, reusing `path` (an earlier `find_prefix` of the same key
@@ -407,22 +411,29 @@ class RadixCache:
         node, that node still has no child for the key's next page. Changes elsewhere (new leaves
         under other pages, splits of ancestors, evictions of other leaves) do not move the end.
         """
+        kept = self.refresh_path(path)
+        return self.find_prefix(key, extra_key) if kept is None else kept
+
+    def refresh_path(self, path: PrefixPath) -> PrefixPath | None:
+        """`refresh_prefix(path, key, extra_key)` when that needs no walk of the key (the same
+        result, current `version`); None when the key must be found again (`find_prefix`).
+        Needs no key: a path that ends at a node rechecks its `next_page`. Mutates nothing."""
         version = self._version
         if path.version == version:
             return path
         node, partial, seen = path.node, path.partial, path.version
-        if node is not None and not node.removed and node.stamp <= seen:
-            if partial is not None:
-                if not partial.removed and partial.stamp <= seen:
-                    return PrefixPath(path.length, node, partial, version)
-            else:
-                # NOTE: ancestors of `node` are never leaves, so they can only be split (which
-                # keeps `node` and its depth); the match went on only through the next page
-                arr = as_key(key)
-                start, ps = path.length, self._page_size
-                if start + ps > len(arr) or arr[start : start + ps].tobytes() not in node.children:
-                    return PrefixPath(path.length, node, None, version)
-        return self.find_prefix(key, extra_key)
+        if node is None or node.removed or node.stamp > seen:
+            return None
+        if partial is not None:
+            if partial.removed or partial.stamp > seen:
+                return None
+            return PrefixPath(path.length, node, partial, version)
+        # NOTE: ancestors of `node` are never leaves, so they can only be split (which keeps
+        # `node` and its depth); the match went on only through the next page
+        page = path.next_page
+        if page is not None and page in node.children:
+            return None
+        return PrefixPath(path.length, node, None, version, page)
 
     def touch_path(self, path: PrefixPath) -> int:
         """`touch_prefix` of the key `path` was found for: refreshes the access clock of the path
@@ -764,26 +775,31 @@ class RadixCache:
 
     def _peek(
         self, arr: npt.NDArray[np.int64], extra_key: Hashable
-    ) -> tuple[int, TreeNode | None, TreeNode | None]:
-        """(matched length, deepest fully matched node, child matched only in part or None),
-        without mutating anything. The node is None when the namespace holds nothing."""
+    ) -> tuple[int, TreeNode | None, TreeNode | None, bytes | None]:
+        """(matched length, deepest fully matched node, child matched only in part or None,
+        the key's next page when the match ends at the node: see `PrefixPath`), without mutating
+        anything. The node is None when the namespace holds nothing."""
         root = self._roots.get(extra_key)
         n = len(arr) - len(arr) % self._page_size
-        if root is None or n == 0 or arr[: self._page_size].tobytes() not in root.children:
-            return 0, root, None
+        if root is None or n == 0:
+            return 0, root, None, None
+        first = arr[: self._page_size].tobytes()
+        if first not in root.children:
+            return 0, root, None, first  # the no-sharing case: one page converted
         kb = arr[:n].tobytes()
         nb = len(kb)
         pb = self._page_bytes
         node = root
         pos = 0
         while pos < nb:
-            child = node.children.get(kb[pos : pos + pb])
+            page = kb[pos : pos + pb]
+            child = node.children.get(page)
             if child is None:
-                break
+                return pos // TOKEN_BYTES, node, None, page
             ck = child.key
             if kb[pos : pos + len(ck)] != ck:
                 pos += self._common_len(ck, arr, pos // TOKEN_BYTES) * TOKEN_BYTES
-                return pos // TOKEN_BYTES, node, child
+                return pos // TOKEN_BYTES, node, child, None
             pos += len(ck)
             node = child
-        return pos // TOKEN_BYTES, node, None
+        return pos // TOKEN_BYTES, node, None, None

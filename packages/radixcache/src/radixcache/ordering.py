@@ -178,7 +178,7 @@ def dfs_weight_order(
     children_of: dict[int, list[TreeNode]] = {}
     roots: dict[int, TreeNode] = {}
     for i in rest:
-        length, node, _ = cache._peek(arrs[i], eks[i])
+        length, node, _, _ = cache._peek(arrs[i], eks[i])
         cached[i] = length
         if node is None:  # namespace not cached at all: hang on a synthetic per-namespace slot
             node = cache.root

@@ -127,20 +127,21 @@ class KVManager:
     def _path(self, req: Req) -> PrefixPath:
         """The tree path of `req`'s tokens; kept on the request (`req.peek_memo`) while its
         tokens are unchanged: reused as is while the tree's structure (`cache.version`) is
-        unchanged, else brought up to date by `cache.refresh_prefix` (no walk of the key when the
-        tree changed elsewhere than where the path ends)."""
+        unchanged, else brought up to date by `cache.refresh_path` (neither the key nor a walk
+        when the tree changed elsewhere than where the path ends), else found again."""
         cache = self.cache
-        version = cache.version
         memo = req.peek_memo
-        if memo is not None and memo[1] == req.output_ids:
-            path: PrefixPath = memo[2]
-            if memo[0] == version:
-                return path
-            path = cache.refresh_prefix(path, req.fill_key(), req.extra_key)
-            req.peek_memo = (version, memo[1], path)
+        if memo is not None and memo[0] == req.output_ids:
+            kept = cache.refresh_path(memo[1])  # no key needed (no-sharing: one dict lookup)
+            if kept is not None:
+                if kept is not memo[1]:
+                    req.peek_memo = (memo[0], kept)
+                return kept
+            path = cache.find_prefix(req.fill_key(), req.extra_key)
+            req.peek_memo = (memo[0], path)
             return path
         path = cache.find_prefix(req.fill_key(), req.extra_key)
-        req.peek_memo = (version, list(req.output_ids), path)
+        req.peek_memo = (list(req.output_ids), path)
         return path
 
     @_timed

@@ -84,8 +84,8 @@ class Req:
         self._input_key: npt.NDArray[np.int64] | None = None
         with contextlib.suppress(struct.error):
             self._input_key = np.frombuffer(_pack_int64(self.input_ids), dtype=np.int64)
-        # (cache version, output_ids copy, PrefixPath) of the last radix peek (KVManager's)
-        self.peek_memo: tuple[int, list[int], Any] | None = None
+        # (output_ids copy, PrefixPath) of the last radix peek (KVManager's)
+        self.peek_memo: tuple[list[int], Any] | None = None
         self.reset_kv()
 
     def reset_kv(self) -> None:
