@@ -74,12 +74,20 @@ def make_workload(
     return prompts
 
 
+def group_of(text: str) -> int:
+    """The workload group of a prompt (its "System g:" header)."""
+    return int(text.split(":", 1)[0].removeprefix("System "))
+
+
 def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, policy: str) -> dict[str, Any]:
+    """`policy` "direct" sends each prompt straight to replica (group mod dp_size), bypassing the
+    router (an oracle cache-aware routing with no proxy: isolates the router's own cost)."""
+    direct = policy == "direct"
     server_args = [
         "--dp-size",
         str(dp_size),
         "--router-policy",
-        policy,
+        "round_robin" if direct else policy,
         "--context-length",
         str(args.context_length),
         "--max-total-tokens",
@@ -93,18 +101,20 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
     clients: list[httpx.Client] = []
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
 
+    replicas = [f"http://127.0.0.1:{srv.port + 1 + i}" for i in range(dp_size)] if dp_size > 1 else [srv.base_url]
+
     def one(text: str) -> dict[str, Any]:
         if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=srv.base_url, timeout=600)
+            local.client = httpx.Client(timeout=600)
             clients.append(local.client)
-        r = local.client.post("/generate", json={"text": text, "sampling_params": params})
+        base = replicas[group_of(text) % len(replicas)] if direct else srv.base_url
+        r = local.client.post(f"{base}/generate", json={"text": text, "sampling_params": params})
         r.raise_for_status()
         return r.json()["meta_info"]  # type: ignore[no-any-return]
 
     try:
         # warm-up on each replica directly (kernel compilation is not part of the measurement);
         # its tokens share nothing with the workload's prompts
-        replicas = [f"http://127.0.0.1:{srv.port + 1 + i}" for i in range(dp_size)] if dp_size > 1 else [srv.base_url]
         for url in replicas:
             httpx.post(f"{url}/generate", json={"text": "warm up " * 40, "sampling_params": params},
                        timeout=600).raise_for_status()
@@ -120,6 +130,8 @@ def run_policy(args: argparse.Namespace, prompts: list[str], dp_size: int, polic
         for c in clients:
             c.close()
         srv.stop()
+        if args.log_tail:
+            print(srv.log_tail(args.log_tail), flush=True)
     prompt_tokens = sum(m["prompt_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)
     out_tokens = sum(m["completion_tokens"] for m in metas)
@@ -150,7 +162,9 @@ def main() -> None:
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--server-args", default="", help="more `lmserver serve` options (model, dtype, ...)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--policies", default="cache_aware,round_robin",
+                   help="router policies for the 2-replica runs; `direct` = client-side routing by group, no router")
+    p.add_argument("--log-tail", type=int, default=0, help="print the last N server log lines after each run")
     p.add_argument("--no-single", action="store_true", help="skip the single-replica reference")
     p.add_argument("--json", default=None)
     args = p.parse_args()
