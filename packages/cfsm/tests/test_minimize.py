@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cfsm.automaton import _byte_classes, _minimize, _runs, _unique_rows
+from cfsm.automaton import _accept_distance, _byte_classes, _minimize, _runs, _unique_rows
 from cfsm.gcpause import without_gc
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,6 +84,24 @@ def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarr
     _, exact = _byte_classes(dfa.transitions)
     assert (np.equal.outer(cls, cls) == np.equal.outer(exact, exact)).all()
     assert (cls[rep] == np.arange(len(rep))).all()
+
+
+@_SETTINGS
+@given(_tables())
+def test_accept_distance_is_the_shortest_accepted_length(case: tuple[np.ndarray, np.ndarray, int]) -> None:
+    table, accepting, _ = case
+    n = table.shape[0]
+    dead = n - 1
+    rep, _ = _byte_classes(table)
+    dist = _accept_distance(np.take(table, rep, axis=1), accepting, dead)
+    # oracle: Bellman-Ford style relaxation over all 256 bytes, edges into dead left out as there
+    best = [0 if accepting[q] else -1 for q in range(n)]
+    for _ in range(n):
+        for q in range(n):
+            for t in set(table[q].tolist()):
+                if t != dead and best[t] >= 0 and (best[q] < 0 or best[t] + 1 < best[q]):
+                    best[q] = best[t] + 1
+    assert dist.tolist() == best
 
 
 @_SETTINGS

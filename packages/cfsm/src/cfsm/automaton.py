@@ -448,27 +448,34 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.reshape(-1)
 
 
-def _live_states(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
-    """States from which an accepting state is reachable (reverse BFS over byte classes).
+def _accept_distance(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
+    """Per state: the length of its shortest accepted string, -1 if it accepts none (reverse BFS
+    over byte classes, level by level).
 
-    Edges into `dead` (most of them) are left out: they cannot lead to acceptance.
+    Edges into `dead` (most of them) and repeats of an edge between the same two states in
+    adjacent columns are left out: they cannot change the result.
     """
-    n = cols.shape[0]
-    flat = cols.reshape(-1)
-    edge = np.flatnonzero(flat != dead)
-    dst = flat[edge]
+    n, k = cols.shape
+    keep = cols != dead
+    keep[:, 1:] &= cols[:, 1:] != cols[:, :-1]
+    edge = np.flatnonzero(keep.reshape(-1))
+    dst = cols.reshape(-1)[edge]
     order = _stable_argsort(dst, n)
-    preds = (edge[order] // cols.shape[1]).tolist()
+    preds = (edge[order] // k).tolist()
     bounds = np.searchsorted(dst[order], np.arange(n + 1)).tolist()
-    live = accepting.tolist()
+    dist = np.where(accepting, 0, -1).tolist()
     frontier = np.flatnonzero(accepting).tolist()
+    d = 0
     while frontier:
-        q = frontier.pop()
-        for p in preds[bounds[q] : bounds[q + 1]]:
-            if not live[p]:
-                live[p] = True
-                frontier.append(p)
-    return np.asarray(live, dtype=bool)
+        d += 1
+        nxt = []
+        for q in frontier:
+            for p in preds[bounds[q] : bounds[q + 1]]:
+                if dist[p] < 0:
+                    dist[p] = d
+                    nxt.append(p)
+        frontier = nxt
+    return np.asarray(dist, dtype=np.int64)
 
 
 def _split_round(
@@ -616,9 +623,13 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
         byte_class = byte_class[byte_map]
     cols = np.take(table, col_rep, axis=1)  # NOTE: np.take: far faster than [:, idx] here
     # trim: states that cannot reach acceptance behave like the dead state
-    live = _live_states(cols, accepting, dead)
-    live[dead] = False
+    # NOTE: the shortest accepted length is a property of the state's language too: states far
+    # apart in a document (a key's string in one section and in the next) split at once
+    dist = _accept_distance(cols, accepting, dead)
+    dist[dead] = -1
+    live = dist >= 0
     cls = np.where(live, accepting.astype(np.int64) + 1, 0)
+    cls = cls * (int(dist.max()) + 2) + dist + 1
     # NOTE: how many times the byte of the widest class can be read in a row (a property of the
     # state's language, so equal for equivalent states) starts the refinement split: counter
     # states of a repeat (maxLength strings) are apart at once instead of after one round each

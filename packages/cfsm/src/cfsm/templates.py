@@ -284,6 +284,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     first, _ = _unique_rows(np.column_stack([byte_class, code.T]))
     reps = np.sort(first)
     tcode = code[:, reps]  # (num_t, r)
+    table = np.take(trans, reps, axis=1)  # (n + 1, r): one byte per class
     t[dead] = -1
     for _ in range(_MAX_PASSES):
         bad_any = False
@@ -292,8 +293,8 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
             if not len(q):
                 continue
             row = tcode[s]
-            tgt = np.take(trans[q], reps, axis=1).astype(np.int64)  # (m, r)
-            r, nd, c = rem[q][:, None], need[q][:, None], cont[q][:, None]
+            tgt = table[q].astype(np.int64)  # (m, r)
+            nd, c = need[q][:, None], cont[q][:, None]
             bad = dfa.accepting[q] | (rem[q] < (0 if s == text else 1))
             dead_b = row == dead_code
             bad |= (tgt[:, dead_b] != dead).any(axis=1)
@@ -301,16 +302,21 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
             if ex.any():
                 want = np.where(nd == 0, c, dead)
                 bad |= (tgt[:, ex] != want).any(axis=1) | ((nd[:, 0] == 0) & (c[:, 0] == dead))
-            inner = row < num_t
-            if inner.any():
-                tg = tgt[:, inner]
-                comp = (row[inner] == text)[None, :]
-                closed = r == 0  # no character may start or complete
-                r2 = np.where(comp, np.where(r >= INF, INF, r - 1), r)
-                n2 = np.where(comp, np.maximum(nd - 1, 0), nd)
-                ok = (t[tg] == row[inner][None, :]) & (rem[tg] == r2) & (need[tg] == n2) & (cont[tg] == c)
-                ok = np.where(closed, tg == dead, ok)
-                bad |= ~ok.all(axis=1)
+            closed = rem[q] == 0  # no character may start or complete
+            r1, nd1, c1 = rem[q], need[q], cont[q]
+            for s2 in np.unique(row[row < num_t]).tolist():
+                # NOTE: the columns of one T target must all step to one DFA state: compare them
+                # with the first, then check that state alone
+                sub = tgt[:, row == s2]
+                tg = sub[:, 0]
+                if sub.shape[1] > 1:
+                    bad |= (sub != tg[:, None]).any(axis=1)
+                if s2 == text:
+                    r2, n2 = np.where(r1 >= INF, INF, r1 - 1), np.maximum(nd1 - 1, 0)
+                else:
+                    r2, n2 = r1, nd1
+                ok = (t[tg] == s2) & (rem[tg] == r2) & (need[tg] == n2) & (cont[tg] == c1)
+                bad |= ~np.where(closed, tg == dead, ok)
             if bad.any():
                 t[q[bad]] = -1
                 bad_any = True
