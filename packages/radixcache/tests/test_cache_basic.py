@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixcache import InvalidKeyError, LockError, RadixCache, SlotAllocator, TreeNode
 
@@ -412,3 +414,20 @@ def test_match_node_is_match_prefix_of_the_key_ending_there() -> None:
     with pytest.raises(ValueError):
         a.match_node(a.root)
 
+
+
+@given(ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12), data=st.data())
+def test_key_bytes_is_tobytes_of_every_view(ids: list[int], data: st.DataObject) -> None:
+    """`_key_bytes` (no copy when the key is exactly the bytes it views) equals `tobytes` for
+    frombuffer keys, their slices, reversed and strided views, and plain arrays."""
+    from radixcache.cache import _key_bytes
+
+    raw = np.array(ids, dtype=np.int64).tobytes()
+    whole = np.frombuffer(raw, dtype=np.int64)
+    lo = data.draw(st.integers(0, len(ids)))
+    hi = data.draw(st.integers(lo, len(ids)))
+    step = data.draw(st.sampled_from([1, 1, 2, -1]))
+    arr = whole[lo:hi:step] if step > 0 else whole[::-1]
+    for key in (arr, np.array(arr), np.frombuffer(raw[8 * lo : 8 * hi], dtype=np.int64)):
+        n = data.draw(st.integers(0, len(key)))
+        assert _key_bytes(key, n) == key[:n].tobytes()

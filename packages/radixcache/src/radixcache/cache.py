@@ -109,6 +109,20 @@ def as_key(key: KeyLike) -> npt.NDArray[np.int64]:
     return arr
 
 
+def _key_bytes(arr: npt.NDArray[np.int64], n: int) -> bytes:
+    """`arr[:n].tobytes()` (arr: a 1-D int64 key); no copy when `arr` is exactly the bytes
+    object it views (a key made by `np.frombuffer(bytes)`, or a whole-length view of one)."""
+    base = arr.base
+    if type(base) is bytes:  # np.frombuffer(base): contiguous, so all of base when as long
+        if len(base) == n * TOKEN_BYTES:
+            return base
+    elif type(base) is np.ndarray and n == len(arr) and arr.strides == (TOKEN_BYTES,):
+        outer = base.base  # a view of a frombuffer array: all of its bytes when as long
+        if type(outer) is bytes and len(outer) == n * TOKEN_BYTES:
+            return outer
+    return arr[:n].tobytes()
+
+
 class RadixCache:
     """Radix tree mapping token-id prefixes to KV slot ids, with locking and policy eviction.
 
@@ -215,7 +229,7 @@ class RadixCache:
         root.last_access = tick
         if arr[: self._page_size].tobytes() not in root.children:
             return MatchResult(_EMPTY, root, 0)  # no first page: the key's bytes are not needed
-        kb = arr[:n].tobytes()
+        kb = _key_bytes(arr, n)
         nb = len(kb)
         pb = self._page_bytes
         node = root
@@ -351,7 +365,7 @@ class RadixCache:
         """insert's walk from `node` (ending at `depth` tokens, its clock already set) for the
         first `n` (page-aligned) tokens of `arr`, slots `val`; at the current tick."""
         tick = self._tick
-        kb = arr[:n].tobytes()
+        kb = _key_bytes(arr, n)
         nb = len(kb)
         pb = self._page_bytes
         pos = 0
@@ -786,7 +800,7 @@ class RadixCache:
         first = arr[: self._page_size].tobytes()
         if first not in root.children:
             return 0, root, None, first  # the no-sharing case: one page converted
-        kb = arr[:n].tobytes()
+        kb = _key_bytes(arr, n)
         nb = len(kb)
         pb = self._page_bytes
         node = root
