@@ -288,6 +288,40 @@ def test_disabled_cache_same_path_no_reuse() -> None:
     eng.sched.check_memory_invariant()
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_in_batch_prefix_check_is_the_pairwise_one(data: st.DataObject) -> None:
+    """Deferral in a round is decided by the admitted requests with the same first token only;
+    the same as comparing `cached + THRESHOLD` leading tokens with every admitted request."""
+    from lmserver.scheduler.scheduler import IN_BATCH_PREFIX_THRESHOLD as T
+
+    eng = FakeEngine(num_slots=4096, max_running_requests=64, max_prefill_tokens=1 << 20)
+    heads = [[1] * 80, [1] * 40 + [2] * 40, [2] * 80]
+    eng.add("warm", [1] * 30, 1)
+    eng.run()
+
+    def make(i: int) -> Req:
+        ids = data.draw(st.sampled_from(heads))[: data.draw(st.integers(0, 80))]
+        ids = ids + data.draw(st.lists(st.integers(1, 2), max_size=8))
+        req = Req(f"q{i}", ids, SamplingParams(max_new_tokens=1), 1, arrival=i,
+                  extra_key=data.draw(st.sampled_from([None, "b"])))
+        req.output_ids.extend(data.draw(st.lists(st.integers(1, 3), max_size=3)))
+        return req
+
+    admitted = [make(i) for i in range(data.draw(st.integers(0, 6)))]
+    by_first: dict[tuple[str | None, int], list[Req]] = {}
+    for other in admitted:
+        if other.fill_len:
+            by_first.setdefault((other.extra_key, other.fill_ids[0]), []).append(other)
+    req = make(99)
+    need = eng.kv.peek_prefix_len(req) + T
+    naive = req.fill_len >= need and any(
+        o.extra_key == req.extra_key and o.fill_len >= need and o.fill_ids[:need] == req.fill_ids[:need]
+        for o in admitted
+    )
+    assert eng.sched._shares_uncached_prefix(req, by_first) == naive
+
+
 def test_scheduler_does_not_import_torch() -> None:
     import subprocess
 

@@ -161,7 +161,9 @@ class Req:
         n_in = len(key)
         if end <= n_in:
             return key[start:end]
-        tail = _int64_bytes(self.output_ids[max(start - n_in, 0) : end - n_in])
+        outs = self.output_ids
+        lo, hi = max(start - n_in, 0), end - n_in
+        tail = _int64_bytes(outs if lo == 0 and hi == len(outs) else outs[lo:hi])  # no copy of all
         if start >= n_in:
             return np.frombuffer(tail, dtype=np.int64)
         return np.frombuffer(key[start:].tobytes() + tail, dtype=np.int64)

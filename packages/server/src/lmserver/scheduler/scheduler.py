@@ -31,6 +31,11 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 NEW_TOKEN_RATIO_RETRACT_STEP = 0.1
 
 
+def _first_token(req: Req) -> int:
+    """fill_ids[0] of a request with fill_len > 0."""
+    return req.input_ids[0] if req.input_ids else req.output_ids[0]
+
+
 @dataclass(frozen=True)
 class ForwardItem:
     """One request's part of a forward (plain data for the model runner)."""
@@ -184,12 +189,14 @@ class Scheduler:
             return items
         # 2. admit waiting requests in policy order
         admitted: list[Req] = []
+        # admitted requests by (namespace, first token): only these can share a prefix with req
+        by_first: dict[tuple[str | None, int], list[Req]] = {}
         for req in order_waiting(self.waiting, self.kv, self.schedule_policy, self.aging_rounds):
             if not self.has_free_row:
                 break
             if chunk_left <= 0 or prefill_left <= 0:
                 break
-            if admitted and self._shares_uncached_prefix(req, admitted):
+            if by_first and self._shares_uncached_prefix(req, by_first):
                 continue
             prefix = self.kv.admit(req)
             extend_total = req.fill_len - prefix
@@ -212,6 +219,8 @@ class Scheduler:
             self.waiting.remove(req)
             self.prefilling.append(req)
             admitted.append(req)
+            if req.fill_len:
+                by_first.setdefault((req.extra_key, _first_token(req)), []).append(req)
             items.append(self._extend_item(req, prefix, n))
             chunk_left -= n
             prefill_left -= n
@@ -222,8 +231,11 @@ class Scheduler:
                 req.wait_rounds += 1
         return items
 
-    def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
-        if self.schedule_policy == "fcfs" or self.kv.disable_radix_cache:
+    def _shares_uncached_prefix(self, req: Req, by_first: dict[tuple[str | None, int], list[Req]]) -> bool:
+        if self.schedule_policy == "fcfs" or self.kv.disable_radix_cache or not req.fill_len:
+            return False
+        others = by_first.get((req.extra_key, _first_token(req)))
+        if not others:  # no admitted request starts with req's first token (no sharing: no peek)
             return False
         # True iff some admitted request shares at least `cached + THRESHOLD` leading tokens with
         # req: only that many tokens are compared (fill_key_range: the prompt converted once)
@@ -231,10 +243,8 @@ class Scheduler:
         if req.fill_len < need:
             return False
         ids = req.fill_key_range(0, need)
-        for other in admitted:
-            if other.extra_key != req.extra_key or other.fill_len < need:
-                continue
-            if np.array_equal(ids, other.fill_key_range(0, need)):
+        for other in others:
+            if other.fill_len >= need and np.array_equal(ids, other.fill_key_range(0, need)):
                 return True
         return False
 
