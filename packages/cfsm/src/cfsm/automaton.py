@@ -63,6 +63,9 @@ class _Nfa:
         self.eps: list[list[int]] = []
         self.trans: list[list[tuple[int, int, int]]] = []
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
+        # states whose byte ranges were added sorted and disjoint, and no more are added later
+        # (counted fragments and embedded DFAs): the subset construction takes them as they are
+        self.presorted: set[int] = set()
 
     def new(self) -> int:
         self.eps.append([])
@@ -176,6 +179,9 @@ class _Nfa:
                     out.append((a, b, done if t < 0 else row_ids[t]))
             if j >= lo:
                 self.eps[row_ids[unit.start]].append(end)
+        # NOTE: unit rows are sorted disjoint ranges (from a DFA row), added in that order
+        for row_ids in ids:
+            self.presorted.update(x for x in row_ids if x >= 0)
         return ids[0][unit.start], end
 
     def _embed(self, dfa: Dfa) -> tuple[int, int]:
@@ -374,6 +380,7 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
     target_cache: dict[int | frozenset[int], int] = {}  # an NFA state or a set of them
     # per NFA state: its ranges sorted, and whether they are disjoint
     sorted_of: dict[int, tuple[list[tuple[int, int, int]], bool]] = {}
+    presorted = nfa.presorted
     intern(closure(start))
     # the table as flat range lists: state k's ranges are [bounds[k], bounds[k + 1])
     los: list[int] = []
@@ -387,11 +394,14 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
         accepting.append(final in members)
         if len(members) == 1:
             (q,) = members
-            hit = sorted_of.get(q)
-            if hit is None:
-                trs = sorted(ntrans[q])
-                hit = sorted_of[q] = (trs, _disjoint(trs))
-            trs, disjoint = hit
+            if q in presorted:
+                trs, disjoint = ntrans[q], True
+            else:
+                hit = sorted_of.get(q)
+                if hit is None:
+                    trs = sorted(ntrans[q])
+                    hit = sorted_of[q] = (trs, _disjoint(trs))
+                trs, disjoint = hit
         else:
             trs = sorted([t for q in members for t in ntrans[q]])
             disjoint = _disjoint(trs)
@@ -574,19 +584,27 @@ def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(representative byte of each class, class of each byte): bytes with equal columns (any
     number of columns).
 
-    Runs of adjacent equal columns are merged exactly first (rows are mostly byte ranges), so
-    only one column per run is hashed.
+    On a table of 256 byte columns, runs of adjacent equal columns are merged exactly first
+    (rows are mostly byte ranges), so only one column per run is hashed; narrower tables (one
+    column per byte interval or class) are hashed as they are.
     """
-    step = np.ones(table.shape[1], dtype=bool)
-    step[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
-    starts = np.flatnonzero(step)
-    run_of = np.cumsum(step) - 1  # the run of each byte
-    runs = np.take(table, starts, axis=1)
+    width = table.shape[1]
+    if width >= 256:
+        step = np.ones(width, dtype=bool)
+        step[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
+        starts = np.flatnonzero(step)
+        run_of = np.cumsum(step) - 1  # the run of each byte
+        runs = np.take(table, starts, axis=1)
+    else:
+        starts = run_of = np.arange(width)
+        runs = table
     weights = np.random.default_rng(0xB17E).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
     h = weights @ runs.astype(np.uint64)  # (num_runs,), modulo 2^64
     _, first, cls = np.unique(h, return_index=True, return_inverse=True)
     cls = cls.reshape(-1)
-    if not np.array_equal(runs[:, first[cls]], runs):  # a collision: exact fallback
+    # only the runs merged into an earlier one can be a collision: compare those with it
+    dup = np.flatnonzero(first[cls] != np.arange(len(cls)))
+    if not np.array_equal(runs[:, first[cls[dup]]], runs[:, dup]):  # a collision: exact fallback
         _, first, cls = np.unique(runs.T, axis=0, return_index=True, return_inverse=True)
         cls = cls.reshape(-1)
     return starts[first], cls[run_of]

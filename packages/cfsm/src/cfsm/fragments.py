@@ -64,6 +64,7 @@ class FragmentTable:
     exit_ids: tuple[np.ndarray, ...]
     exit_suffix: tuple[np.ndarray, ...]
     suffix_columns: np.ndarray
+    probe: np.ndarray  # bytes that start runs of F's start row, dead and live ones interleaved
 
     @property
     def num_f(self) -> int:
@@ -94,8 +95,16 @@ def build_fragment_tables(tables: TrieTables, words: int,
             sufs = [tables.sorted_tokens[p][a + 1 :] for p, a in zip(epos.tolist(), eat.tolist(), strict=True)]
             exit_ids.append(tables.order[epos].astype(np.int64))
             exit_suffix.append(np.array([suffix_id.setdefault(x, len(suffix_id)) for x in sufs], dtype=np.int64))
+        row = code[start]
+        runs = np.flatnonzero(np.diff(row, prepend=-1) != 0)
+        dead_at, live_at = runs[row[runs] == code.shape[0] + 1], runs[row[runs] != code.shape[0] + 1]
+        probe = np.full(len(runs), -1, dtype=np.int64)
+        m = min(len(dead_at), len(live_at))
+        probe[: 2 * m : 2], probe[1 : 2 * m : 2] = dead_at[:m], live_at[:m]
+        probe[2 * m :] = np.concatenate([dead_at[m:], live_at[m:]])
         out.append(FragmentTable(name=fmt, code=code, start=start, stay_rows=rows, exit_ids=tuple(exit_ids),
-                                 exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id))))
+                                 exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id)),
+                                 probe=probe))
     return tuple(out)
 
 
@@ -124,6 +133,17 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
         return FragmentMatch(f, cont)
     code, num_f = ft.code, ft.num_f
     exit_code, dead_code = num_f, num_f + 1
+    # NOTE: a quick necessary test first (most grammars have no such state): the candidates must
+    # be dead exactly where F's start is on the bytes that start its runs
+    trans, acc = dfa.transitions, dfa.accepting
+    cand = np.flatnonzero(~acc[:n])
+    for b, dead_b in zip(ft.probe.tolist(), (code[ft.start, ft.probe] == dead_code).tolist(), strict=True):
+        cand = cand[(trans[cand, b] == dead) == dead_b]
+        if not len(cand):
+            return FragmentMatch(f, cont)
+    cand = cand[((trans[cand] == dead) == (code[ft.start] == dead_code)[None, :]).all(axis=1)]
+    if not len(cand):
+        return FragmentMatch(f, cont)
     _, byte_class = dfa.byte_classes
     first, _ = _unique_rows(np.column_stack([byte_class, code.T]))
     reps = np.sort(first)
@@ -131,8 +151,7 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
     fdead = tcode == dead_code
     table = np.take(dfa.transitions, reps, axis=1)  # (n + 1, r)
     is_dead = table == dead
-    acc = dfa.accepting
-    qs = np.flatnonzero((is_dead[:n] == fdead[ft.start]).all(axis=1) & ~acc[:n])
+    qs = cand[(is_dead[cand] == fdead[ft.start]).all(axis=1)]
     if not len(qs):
         return FragmentMatch(f, cont)
     ok = np.ones(len(qs), dtype=bool)
