@@ -158,14 +158,14 @@ def _groups(draw: st.DrawFn) -> tuple[int, list[tuple[list[int], int]]]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(_groups(), st.integers(2, 17), st.integers(1, 8), st.integers(0, 64))
+@given(_groups(), st.integers(2, 17), st.integers(1, 8), st.integers(0, 64), st.integers(1, 100))
 def test_plan_covers_each_prefix_once_per_chunk(case: tuple[int, list[tuple[list[int], int]]], chunk_rows: int,
-                                                 shared_splits: int, extra_work: int) -> None:
+                                                 shared_splits: int, extra_work: int, target_work: int) -> None:
     from lmserver.kernels.cascade_decode import WORK_COLS, build_cascade_plan
 
     bs, groups = case
     max_work = -(-2 * bs // 3) + extra_work
-    plan = build_cascade_plan(groups, bs, max_work, shared_splits, chunk_rows)
+    plan = build_cascade_plan(groups, bs, max_work, shared_splits, chunk_rows, target_work)
     n_work = max_work * WORK_COLS
     work = plan[:n_work].reshape(max_work, WORK_COLS)
     member_rows, row_prefix, row_num_shared = plan[n_work:].reshape(3, bs)

@@ -40,6 +40,9 @@ class ServerConfig:
     # Kernels and graphs
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
+    disable_cascade_attention: bool = _opt(False, "decode attention reads a KV prefix shared by several running "
+                                                  "requests once per request, not once per group (cascade "
+                                                  "attention off; triton backend)")
     disable_fused_kernels: bool = _opt(False, "run norms, RoPE and the MLP activation as plain torch ops instead of "
                                               "the fused Triton kernels (CUDA)")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (auto: 256 on GPUs "

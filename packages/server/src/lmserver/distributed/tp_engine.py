@@ -224,6 +224,8 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     if lowlat is not None:
         lowlat.attach(model, pool, table, num_slots)
         runner.lowlat = lowlat
+    if not rc.disable_cascade_attention:  # as rank 0 does: the same graphs (and collectives) on every rank
+        runner.enable_cascade()
     from lmserver.engine.cuda_graph import maybe_decode_graph_runner
 
     # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)

@@ -138,6 +138,8 @@ class EngineCore:
         if self.lowlat is not None:
             self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size)
             self.runner.lowlat = self.lowlat
+        if not rc.disable_cascade_attention:  # NOTE: every TP rank does it here, before its graph capture
+            self.runner.enable_cascade()
         from lmserver.engine.cuda_graph import maybe_decode_graph_runner
 
         self.runner.cuda_graph = maybe_decode_graph_runner(rc, self.runner, rc.tp_size)  # None on CPU

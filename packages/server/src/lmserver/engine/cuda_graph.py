@@ -9,6 +9,11 @@ then writes the request-to-token table, copies the padded inputs into the static
 attention metadata is updated in place) and replays the graph: a few host operations instead
 of one launch per kernel.
 
+With cascade attention on (`runner.prefix_planner`), every size >= 2 is captured a second time
+with the backend's cascade metadata of that size (all zero at capture: no group); a step whose
+rows share enough KV prefix writes that metadata (only when the grouping changed) and replays
+the cascade graph, any other step the plain one.
+
 Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
 host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
 `seq_lens_cpu` as an upper bound (the table width), so per-step lengths are read on the device
@@ -200,10 +205,13 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) float32 logits of the last replay
+        self.cascade_graphs: dict[int, Graph] = {}  # the same with cascade attention (sizes >= 2)
+        self.cascade_outputs: dict[int, torch.Tensor] = {}
+        self.num_cascade_replays = 0
         self._padded = [padded_batch_size(b, self.sizes) for b in range(self.max_bs + 1)]
         self.num_replays = 0
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def _static_batch(self, bs: int, cascade: bool = False) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -215,10 +223,11 @@ class DecodeGraphRunner:
             # NOTE: an upper bound, not the lengths: a plan must not freeze per-step host values.
             seq_lens_cpu=[self.table_width] * bs,
             attn_backend=self.runner.attn_backend,
+            cascade=self.runner.attn_backend.cascade_metadata(bs) if cascade else None,  # type: ignore[attr-defined]
         )
 
-    def _forward_fn(self, bs: int) -> Callable[[], torch.Tensor]:
-        batch = self._static_batch(bs)
+    def _forward_fn(self, bs: int, cascade: bool = False) -> Callable[[], torch.Tensor]:
+        batch = self._static_batch(bs, cascade)
         runner = self.runner
 
         def fn() -> torch.Tensor:
@@ -232,15 +241,20 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Warms up and captures every size, largest first; mutates self and padding slot 0."""
         pool = torch.cuda.graph_pool_handle() if self.graph_factory is TorchCudaGraph else None
+        cascade = self.runner.prefix_planner is not None
         for bs in reversed(self.sizes):
-            fn = self._forward_fn(bs)
-            for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
-                fn()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            graph = self.graph_factory(pool)
-            self.outputs[bs] = graph.capture(fn)
-            self.graphs[bs] = graph
+            for variant in (False, True) if cascade and bs >= 2 else (False,):
+                fn = self._forward_fn(bs, variant)
+                for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
+                    fn()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                graph = self.graph_factory(pool)
+                out = graph.capture(fn)
+                if variant:
+                    self.cascade_outputs[bs], self.cascade_graphs[bs] = out, graph
+                else:
+                    self.outputs[bs], self.graphs[bs] = out, graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -265,9 +279,15 @@ class DecodeGraphRunner:
             self.ints[0, :bs].copy_(input_ids, non_blocking=True)
         if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
             self.runner.lowlat.on_replay(padded, self.table_width)
-        self.graphs[padded].replay()
+        graph, logits = self.graphs[padded], self.outputs[padded]  # logits: (padded, vocab)
+        planner = self.runner.prefix_planner
+        if planner is not None:  # NOTE: every table write is mirrored, whichever graph runs
+            planner.record_decode(decision.items)
+        if padded in self.cascade_graphs and self.runner.cascade_for(step.ints[3][:bs], step.seq_lens[:bs], padded):
+            graph, logits = self.cascade_graphs[padded], self.cascade_outputs[padded]
+            self.num_cascade_replays += 1
+        graph.replay()
         self.num_replays += 1
-        logits = self.outputs[padded]  # (padded, vocab)
         if step.logit_rows == list(range(bs)):
             return logits[:bs].clone()
         return logits[torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)]

@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from lmserver.attention.base import AttentionBackend
+    from lmserver.kernels.cascade_decode import CascadeMetadata
 
 
 class ForwardMode(enum.Enum):
@@ -40,6 +41,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
     attn_backend: AttentionBackend | None = None
+    # DECODE only: rows that share a KV prefix (cascade attention; see attention/shared_prefix.py).
+    # Backends without `supports_cascade` ignore it (their result is the same).
+    cascade: CascadeMetadata | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,9 @@
 It owns the model, the KV pool, the request-to-token table and the attention backend. One
 `forward` = table writes, `attn_backend.plan(batch)`, the model forward, and logits for the rows
 the decision asks for. A decode decision replays a captured CUDA graph instead when
-`cuda_graph` is set and covers its batch size.
+`cuda_graph` is set and covers its batch size. With `prefix_planner` set (cascade attention on,
+a backend with `supports_cascade`), the table writes are mirrored on the host and a decode batch
+whose rows share KV prefixes gets cascade metadata (`cascade_for`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmserver.attention.base import AttentionBackend
+from lmserver.attention.shared_prefix import SharedPrefixPlanner
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.kv_pool import KVPool
 from lmserver.scheduler.scheduler import ScheduleDecision
@@ -21,6 +24,7 @@ from lmserver.scheduler.scheduler import ScheduleDecision
 if TYPE_CHECKING:
     from lmserver.engine.cuda_graph import DecodeGraphRunner
     from lmserver.engine.lowlat_hook import LowlatHook
+    from lmserver.kernels.cascade_decode import CascadeMetadata
 
 
 def pinned_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -58,6 +62,27 @@ class ModelRunner:
         self.device = device
         self.cuda_graph: DecodeGraphRunner | None = None  # decode graphs (lmserver.engine.cuda_graph)
         self.lowlat: LowlatHook | None = None  # a lowlat plugin's decode path (lmserver.engine.lowlat_hook)
+        self.prefix_planner: SharedPrefixPlanner | None = None  # cascade attention (enable_cascade)
+
+    def enable_cascade(self) -> bool:
+        """Turns cascade decode attention on when the backend supports it (before any forward and
+        before decode graphs are captured); returns whether it is on. Mutates self."""
+        if getattr(self.attn_backend, "supports_cascade", False) and self.lowlat is None:
+            self.prefix_planner = SharedPrefixPlanner(*self.req_to_token.shape)
+        return self.prefix_planner is not None
+
+    def cascade_for(self, rows: Sequence[int], seq_lens: Sequence[int], batch_size: int) -> CascadeMetadata | None:
+        """The backend's cascade metadata of `batch_size`, written for the decode rows `rows`
+        (table rows, the first len(rows) batch rows) of `seq_lens` tokens, or None when they share
+        too little (or cascade is off). Mutates the planner's cache and the metadata."""
+        if self.prefix_planner is None:
+            return None
+        groups = self.prefix_planner.plan(rows, seq_lens)
+        if groups is None:
+            return None
+        meta: CascadeMetadata = self.attn_backend.cascade_metadata(batch_size)  # type: ignore[attr-defined]
+        meta.write(groups.groups)
+        return meta
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(data, dtype, self.device)
@@ -78,6 +103,13 @@ class ModelRunner:
         prefix_lens: list[int] = []
         ext_lens: list[int] = []
         logit_idx: list[int] = []
+        planner = self.prefix_planner
+        if planner is not None:
+            if decision.mode == "decode":
+                planner.record_decode(items)
+            else:
+                for item in items:
+                    planner.record(item.req_pool_idx, item.table_start, item.table_slots)
         for item in items:
             start = len(input_ids)
             n = len(item.token_ids)
@@ -133,6 +165,9 @@ class ModelRunner:
         batch, logit_idx = self.build_batch(decision)
         if input_ids is not None:
             batch.input_ids = input_ids
+        if batch.mode == ForwardMode.DECODE and self.prefix_planner is not None:
+            assert batch.req_pool_indices_cpu is not None
+            batch.cascade = self.cascade_for(batch.req_pool_indices_cpu, batch.seq_lens_cpu, batch.batch_size)
         self.attn_backend.plan(batch)
         hidden = self.hidden(batch)  # (num_tokens, hidden)
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]

@@ -155,13 +155,14 @@ class CascadeMetadata:
     """
 
     def __init__(self, batch_size: int, max_work: int, num_shared_splits: int, chunk_rows: int,
-                 device: torch.device | str) -> None:
-        if batch_size < 1 or max_work < 1 or num_shared_splits < 1 or chunk_rows < 1:
-            raise ValueError("batch_size, max_work, num_shared_splits and chunk_rows must be >= 1")
+                 device: torch.device | str, target_work: int | None = None) -> None:
+        if batch_size < 1 or max_work < 1 or num_shared_splits < 1 or chunk_rows < 2:
+            raise ValueError("batch_size, max_work, num_shared_splits must be >= 1 and chunk_rows >= 2")
         self.batch_size = batch_size
         self.max_work = max_work
         self.num_shared_splits = num_shared_splits
         self.chunk_rows = chunk_rows
+        self.target_work = max_work if target_work is None else min(max_work, target_work)
         n_work = max_work * WORK_COLS
         self.buffer = torch.zeros(n_work + 3 * batch_size, dtype=torch.int32, device=device)
         self.work = self.buffer[:n_work].view(max_work, WORK_COLS)
@@ -175,7 +176,8 @@ class CascadeMetadata:
         copy, skipped when `groups` is the very object written last. Mutates the buffer."""
         if groups is self._written:
             return
-        plan = build_cascade_plan(groups, self.batch_size, self.max_work, self.num_shared_splits, self.chunk_rows)
+        plan = build_cascade_plan(groups, self.batch_size, self.max_work, self.num_shared_splits, self.chunk_rows,
+                                  self.target_work)
         host = torch.from_numpy(plan)
         if self.buffer.is_cuda:
             host = host.pin_memory()
@@ -193,13 +195,15 @@ def build_cascade_plan(
     max_work: int,
     num_shared_splits: int,
     chunk_rows: int,
+    target_work: int | None = None,
 ) -> npt.NDArray[np.int32]:
     """The int32 contents of a `CascadeMetadata` buffer for `groups` ((batch rows, prefix length)
     pairs: disjoint rows < batch_size, every row's first `prefix length` table slots equal). Pure.
 
     A group of n rows becomes ceil(n / chunk_rows) chunks of near-equal size; each chunk's prefix
     is cut into splits (multiples of SPLIT_ALIGN tokens, at most `num_shared_splits`) so that the
-    work items fill up to `max_work`. Groups of one row or prefix 0 are left out (plain decode).
+    work items come near `target_work` (default `max_work`), never past `max_work`. Groups of one
+    row or prefix 0 are left out (plain decode).
     Raises ValueError when rows repeat or fall outside the batch.
     """
     chunks: list[tuple[list[int], int]] = []
@@ -222,7 +226,8 @@ def build_cascade_plan(
     member_rows = plan[n_work : n_work + batch_size]
     row_prefix = plan[n_work + batch_size : n_work + 2 * batch_size]
     row_num_shared = plan[n_work + 2 * batch_size :]
-    per_chunk = max(1, min(num_shared_splits, max_work // max(len(chunks), 1)))
+    target = max_work if target_work is None else min(target_work, max_work)
+    per_chunk = max(1, min(num_shared_splits, target // max(len(chunks), 1)))
     w = 0
     member = 0
     for rows, prefix in chunks:
