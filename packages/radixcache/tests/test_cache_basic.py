@@ -415,6 +415,19 @@ def test_match_node_is_match_prefix_of_the_key_ending_there() -> None:
         a.match_node(a.root)
 
 
+def test_hit_node_is_match_node_without_the_slots() -> None:
+    a, b = RadixCache(page_size=2), RadixCache(page_size=2)
+    for cache in (a, b):
+        _ins(cache, [1, 2, 3, 4, 5, 6], 10)
+    for key in ([1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 5, 6, 9, 9], [1, 2]):
+        na = a.insert(key, np.arange(100, 100 + len(key))).last_node
+        nb = b.insert(key, np.arange(100, 100 + len(key))).last_node
+        assert a.hit_node(na) == b.match_node(nb).length
+        assert _clocks(a) == _clocks(b) and a.root.last_access == b.root.last_access
+    with pytest.raises(ValueError):
+        a.hit_node(a.root)
+
+
 
 @given(ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12), data=st.data())
 def test_key_bytes_is_tobytes_of_every_view(ids: list[int], data: st.DataObject) -> None:

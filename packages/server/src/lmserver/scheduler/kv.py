@@ -264,18 +264,24 @@ class KVManager:
             replaced = True
         start = time.perf_counter()
         # the inserted key ends at r.last_node (a root only when it had no whole page)
-        if r.last_node.is_root:
+        node = r.last_node
+        indices = _EMPTY
+        if node.parent is None:
             m = cache.match_prefix(req.fill_key()[: req.kv_len], req.extra_key)
-        else:
-            m = cache.match_node(r.last_node)
-        cache.lock(m.last_node)
+            node, length = m.last_node, m.length
+        elif replaced:
+            m = cache.match_node(node)
+            length, indices = m.length, m.indices
+        else:  # the request's slots are the path's: no need to make them
+            length = cache.hit_node(node)
+        cache.lock(node)
         cache.unlock(req.last_node)
         self._tree_s += time.perf_counter() - start
-        req.last_node = m.last_node
-        req.locked_len = m.length
+        req.last_node = node
+        req.locked_len = length
         if replaced:
-            req.kv[: m.length] = m.indices
-        req.cached_len = m.length
+            req.kv[:length] = indices
+        req.cached_len = length
         return replaced
 
     def _insert_written(self, req: Req) -> InsertResult:

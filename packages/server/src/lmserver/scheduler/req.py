@@ -12,6 +12,9 @@ import numpy.typing as npt
 
 from lmserver.io_struct import SamplingParams
 
+# np.frombuffer(b, _INT64) takes ~0.3 us, with the keyword dtype=np.int64 ~0.7 us
+_INT64 = np.dtype(np.int64)
+
 
 def _pack_int64(ids: list[int]) -> bytes:
     """`ids` as native int64 bytes (struct.pack: about 2x faster than np.array on a list);
@@ -29,7 +32,7 @@ def _int64_bytes(ids: list[int]) -> bytes:
 
 def _int64_array(ids: list[int]) -> npt.NDArray[np.int64]:
     """`ids` as a read-only int64 array."""
-    return np.frombuffer(_int64_bytes(ids), dtype=np.int64)
+    return np.frombuffer(_int64_bytes(ids), _INT64)
 
 
 class ReqStatus(enum.Enum):
@@ -83,7 +86,7 @@ class Req:
         # first fill_key when an id is no int64, so the error comes where it always did
         self._input_key: npt.NDArray[np.int64] | None = None
         with contextlib.suppress(struct.error):
-            self._input_key = np.frombuffer(_pack_int64(self.input_ids), dtype=np.int64)
+            self._input_key = np.frombuffer(_pack_int64(self.input_ids), _INT64)
         # (output_ids copy, PrefixPath) of the last radix peek (KVManager's)
         self.peek_memo: tuple[list[int], Any] | None = None
         self.reset_kv()
@@ -152,7 +155,7 @@ class Req:
         key = self._prompt_key()
         if not self.output_ids:
             return key
-        return np.frombuffer(key.tobytes() + _int64_bytes(self.output_ids), dtype=np.int64)
+        return np.frombuffer(key.tobytes() + _int64_bytes(self.output_ids), _INT64)
 
     def fill_key_range(self, start: int, end: int) -> npt.NDArray[np.int64]:
         """`fill_key()[start:end]` (0 <= start <= end <= fill_len) without converting the tokens
@@ -165,8 +168,8 @@ class Req:
         lo, hi = max(start - n_in, 0), end - n_in
         tail = _int64_bytes(outs if lo == 0 and hi == len(outs) else outs[lo:hi])  # no copy of all
         if start >= n_in:
-            return np.frombuffer(tail, dtype=np.int64)
-        return np.frombuffer(key[start:].tobytes() + tail, dtype=np.int64)
+            return np.frombuffer(tail, _INT64)
+        return np.frombuffer(key[start:].tobytes() + tail, _INT64)
 
     @property
     def fill_ids(self) -> list[int]:
