@@ -138,16 +138,13 @@ class SharedPrefixPlanner:
     def _neighbour_lcp(self, rows: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Longest common prefix of mirrored rows i and i + 1, capped at both lengths."""
         cap = np.minimum(lens[:-1], lens[1:])
-        lcp = np.zeros(len(rows) - 1, dtype=np.int64)
-        same = np.flatnonzero(self.table[rows[:-1], 0] == self.table[rows[1:], 0])
-        if len(same) == 0:
-            return lcp
-        width = int(cap[same].max())
-        a = self.table[rows[same], :width]
-        b = self.table[rows[same + 1], :width]
-        diff = (a != b) | (np.arange(width)[None, :] >= cap[same][:, None])
-        lcp[same] = np.where(diff.any(axis=1), diff.argmax(axis=1), width)
-        return lcp
+        width = int(cap.max())
+        g = self.table[rows, :width]  # (n, width): one gather; neighbours are views of it
+        diff = g[:-1] != g[1:]  # (n - 1, width)
+        first = diff.argmax(axis=1)  # the first differing column, or 0 when none differs
+        full = np.where(diff[np.arange(len(first)), first], first, width)
+        # NOTE: equal on [0, lcp): columns past a row's cap never count
+        return np.minimum(full, cap).astype(np.int64)
 
 
 def _best_segments(lcp: npt.NDArray[np.int64], min_prefix: int, cost: int) -> list[tuple[int, int]]:
@@ -155,27 +152,35 @@ def _best_segments(lcp: npt.NDArray[np.int64], min_prefix: int, cost: int) -> li
     over splits at a segment's smallest lcp (a Cartesian-tree recursion); segments whose prefix
     is below `min_prefix` or do not pay are left out."""
     out: list[tuple[int, int]] = []
-    # iterative: each frame is a segment; its children are solved first (post-order)
+    cuts = [-1, *np.flatnonzero(lcp < min_prefix).tolist(), len(lcp)]  # no group spans these
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if b - a >= 2:  # positions a + 1 .. b, lcps lcp[a + 1 : b]
+            out += _segments_in(lcp, a + 1, b, cost)
+    return out
+
+
+def _segments_in(lcp: npt.NDArray[np.int64], lo0: int, hi0: int, cost: int) -> list[tuple[int, int]]:
+    """`_best_segments` of positions [lo0, hi0] whose lcps are all >= the minimum prefix."""
     best: dict[tuple[int, int], tuple[int, list[tuple[int, int]]]] = {}
-    stack: list[tuple[int, int, bool]] = [(0, len(lcp), False)]
+    stack: list[tuple[int, int, bool]] = [(lo0, hi0, False)]  # post-order: a segment after its halves
     while stack:
         lo, hi, expanded = stack.pop()
         if hi <= lo:
             best[(lo, hi)] = (0, [])
             continue
-        i = lo + int(np.argmin(lcp[lo:hi]))
-        if not expanded:
-            stack.append((lo, hi, True))
-            stack.append((lo, i, False))
-            stack.append((i + 1, hi, False))
-            continue
+        part = lcp[lo:hi]
+        i = lo + int(np.argmin(part))
         p = int(lcp[i])
-        whole = (hi - lo) * p - cost if p >= min_prefix else -1
+        whole = (hi - lo) * p - cost
+        if not expanded:
+            if p == int(part.max()):  # NOTE: equal lcps: any split only loses rows and adds a cost
+                best[(lo, hi)] = (whole, [(lo, hi)]) if whole > 0 else (0, [])
+                continue
+            stack += [(lo, hi, True), (lo, i, False), (i + 1, hi, False)]
+            continue
         left, right = best.pop((lo, i)), best.pop((i + 1, hi))
-        split_value = left[0] + right[0]
-        if whole > split_value and whole > 0:
+        if whole > left[0] + right[0] and whole > 0:
             best[(lo, hi)] = (whole, [(lo, hi)])
         else:
-            best[(lo, hi)] = (split_value, left[1] + right[1])
-    out = best[(0, len(lcp))][1]
-    return out
+            best[(lo, hi)] = (left[0] + right[0], left[1] + right[1])
+    return best[(lo0, hi0)][1]
