@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.automaton import Dfa, _unique_rows, build_dfa
-from cfsm.templates import _walk_t, live_suffixes, suffix_table
+from cfsm.templates import _walk_t, joint_reps, live_suffixes, suffix_table
 from cfsm.vocab import TrieTables
 
 __all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows"]
@@ -65,6 +65,7 @@ class FragmentTable:
     exit_suffix: tuple[np.ndarray, ...]
     suffix_columns: np.ndarray
     probe: np.ndarray  # bytes that start runs of F's start row, dead and live ones interleaved
+    byte_class: np.ndarray  # F's own byte classes (bytes with equal columns in `code`)
 
     @property
     def num_f(self) -> int:
@@ -104,7 +105,7 @@ def build_fragment_tables(tables: TrieTables, words: int,
         probe[2 * m :] = np.concatenate([dead_at[m:], live_at[m:]])
         out.append(FragmentTable(name=fmt, code=code, start=start, stay_rows=rows, exit_ids=tuple(exit_ids),
                                  exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id)),
-                                 probe=probe))
+                                 probe=probe, byte_class=_unique_rows(code.T)[1].astype(np.int64)))
     return tuple(out)
 
 
@@ -145,8 +146,7 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
     if not len(cand):
         return FragmentMatch(f, cont)
     _, byte_class = dfa.byte_classes
-    first, _ = _unique_rows(np.column_stack([byte_class, code.T]))
-    reps = np.sort(first)
+    reps = joint_reps(byte_class, ft.byte_class)
     tcode = code[:, reps]  # (num_f, r)
     fdead = tcode == dead_code
     table = np.take(dfa.transitions, reps, axis=1)  # (n + 1, r)

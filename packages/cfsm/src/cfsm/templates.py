@@ -23,7 +23,7 @@ from cfsm.automaton import Dfa, _unique_rows, build_dfa
 from cfsm.vocab import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
-           "live_suffixes", "suffix_table"]
+           "joint_reps", "live_suffixes", "suffix_table"]
 
 # "no upper bound" for `rem` (an unbounded string); decrementing keeps it
 INF = 1 << 40
@@ -74,6 +74,11 @@ class StringTables:
     @property
     def num_t(self) -> int:
         return int(self.code.shape[0])
+
+    @functools.cached_property
+    def byte_class(self) -> np.ndarray:
+        """T's own byte classes (bytes with equal columns in `code`), int64 per byte."""
+        return _unique_rows(self.code.T)[1].astype(np.int64)
 
     @functools.cached_property
     def inner_edges(self) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -152,6 +157,13 @@ def build_string_tables(tables: TrieTables, words: int) -> StringTables:
     return StringTables(code=code, text=text, stay_values=tuple(stay_values), stay_rows=tuple(stay_rows),
                         exit_ids=tuple(exit_ids), exit_chars=tuple(exit_chars),
                         exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id)))
+
+
+def joint_reps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted bytes, the first of each class of the joint partition of two byte partitions
+    (class ids per byte): bytes that step alike in both automata, one representative each."""
+    _, first = np.unique(a.astype(np.int64) * (int(b.max()) + 1) + b, return_index=True)
+    return np.sort(first)
 
 
 def suffix_table(suffixes: list[bytes]) -> np.ndarray:
@@ -281,8 +293,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     exit_code, dead_code = num_t, num_t + 1
     # bytes that step alike in the DFA and in T: one representative each
     rep, byte_class = dfa.byte_classes
-    first, _ = _unique_rows(np.column_stack([byte_class, code.T]))
-    reps = np.sort(first)
+    reps = joint_reps(byte_class, st.byte_class)
     tcode = code[:, reps]  # (num_t, r)
     table = np.take(trans, reps, axis=1)  # (n + 1, r): one byte per class
     t[dead] = -1
