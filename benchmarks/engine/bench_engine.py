@@ -193,6 +193,8 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", help="'dummy': random weights for the folder's config "
                     "(HF then gets its own random init: token agreement is not compared)")
     ap.add_argument("--disable-radix-cache", action="store_true", help="lmserver without prefix reuse")
+    ap.add_argument("--disable-cascade-attention", action="store_true",
+                    help="lmserver's decode attention reads shared prefixes once per request (cascade off)")
     ap.add_argument("--step-profile", action="store_true",
                     help="print the wall time of lmserver's engine steps by kind (decode / extend / none)")
     ap.add_argument("--overlap", choices=["off", "on", "both"], default="off",
@@ -213,7 +215,7 @@ def main() -> None:
     engine = Engine(
         args.model_path, dtype=args.dtype, device=args.device, max_running_requests=args.max_running_requests,
         attention_backend=args.attention_backend, load_format=args.load_format,
-        disable_radix_cache=args.disable_radix_cache,
+        disable_radix_cache=args.disable_radix_cache, disable_cascade_attention=args.disable_cascade_attention,
     )
     rc = engine.core.resolved_config
     tokenizer = engine.tokenizer
@@ -280,8 +282,13 @@ def main() -> None:
             rows[-1]["same_tokens_as_lmserver"] = f"{same}/{len(hf_prompts)}" if args.load_format != "dummy" else "n/a"
             rows.append({**ours_row, "backend": "speedup (output tok/s)",
                          "output_tok_per_s": round(ours_row["output_tok_per_s"] / rows[-1]["output_tok_per_s"], 2)})
+    graphs = getattr(engine.core.runner, "cuda_graph", None)
+    cascade = "on" if getattr(engine.core.runner, "prefix_planner", None) is not None else "off"
+    if graphs is not None:
+        cascade += f" ({graphs.num_cascade_replays} of {graphs.num_replays} graph replays)"
     print(f"model={engine.model_path} device={rc.device} dtype={rc.dtype} attention={rc.attention_backend} "
-          f"max_running_requests={rc.max_running_requests} torch_threads={torch.get_num_threads()}")
+          f"max_running_requests={rc.max_running_requests} torch_threads={torch.get_num_threads()} "
+          f"cascade_attention={cascade}")
     print_table(rows)
     if args.json:
         with open(args.json, "w") as handle:
