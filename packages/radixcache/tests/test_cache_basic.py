@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -444,3 +446,30 @@ def test_key_bytes_is_tobytes_of_every_view(ids: list[int], data: st.DataObject)
     for key in (arr, np.array(arr), np.frombuffer(raw[8 * lo : 8 * hi], dtype=np.int64)):
         n = data.draw(st.integers(0, len(key)))
         assert _key_bytes(key, n) == key[:n].tobytes()
+
+
+@given(
+    inserts=st.lists(st.lists(st.integers(1, 3), max_size=10), max_size=6),
+    keys=st.lists(st.tuples(st.lists(st.integers(1, 3), max_size=12), st.sampled_from([None, "b"])), max_size=6),
+    page_size=st.sampled_from([1, 2]),
+)
+def test_match_path_is_match_prefix_of_the_key_found(
+    inserts: list[list[int]], keys: list[tuple[list[int], str | None]], page_size: int
+) -> None:
+    """match_path(find_prefix(key)) does what match_prefix(key) does: result, clocks, hit
+    counts and the split where a match ends inside an edge."""
+    a, b = RadixCache(page_size), RadixCache(page_size)
+    for i, key in enumerate(inserts):
+        for cache in (a, b):
+            cache.insert(key, np.arange(100 * i, 100 * i + len(key)), "b" if i % 2 else None)
+    for key, ns in keys:
+        ma, mb = a.match_path(a.find_prefix(key, ns)), b.match_prefix(key, ns)
+        assert (ma.length, ma.indices.tolist()) == (mb.length, mb.indices.tolist())
+        assert a.path_len(ma.last_node) == b.path_len(mb.last_node) == ma.length
+        assert a.pretty_print(file=io.StringIO()) == b.pretty_print(file=io.StringIO())
+        assert _clocks(a) == _clocks(b) and a.version == b.version
+        assert [r.last_access for r in a._roots.values()] == [r.last_access for r in b._roots.values()]
+    stale = a.find_prefix([1, 2, 3, 4])
+    a.insert([7, 7, 7, 7], np.arange(4))
+    with pytest.raises(ValueError, match="stale"):
+        a.match_path(stale)

@@ -258,6 +258,35 @@ class RadixCache:
         indices = values[0] if len(values) == 1 else np.concatenate(values)
         return MatchResult(indices, node, pos // TOKEN_BYTES)
 
+    def match_path(self, path: PrefixPath) -> MatchResult:
+        """`match_prefix` of the key `path` was found for (by `find_prefix` or `refresh_path`),
+        without the key: the same clocks, hit counts, split and result. For a scheduler that
+        admits a request it has just peeked. Raises `ValueError` when the cache's `version`
+        changed since `path` was found (find it again, or match the key)."""
+        if path.version != self._version:
+            raise ValueError(f"stale PrefixPath (version {path.version}, cache at {self._version})")
+        node, partial = path.node, path.partial
+        if node is None:  # no such namespace
+            return MatchResult(_EMPTY, self._root, 0)
+        if path.length == 0 and path.next_page is None:
+            return MatchResult(_EMPTY, node, 0)  # the key has no whole page: match_prefix ticks not
+        self._tick += 1
+        tick = self._tick
+        if partial is not None:  # split where the match ends, as match_prefix does
+            node = self._split(partial, path.length - self.path_len(node))
+        values: list[npt.NDArray[np.int64]] = []
+        cur = node
+        while cur.parent is not None:
+            cur.last_access = tick
+            cur.hit_count += 1
+            values.append(cur.value)
+            cur = cur.parent
+        cur.last_access = tick
+        if not values:
+            return MatchResult(_EMPTY, node, 0)
+        indices = values[0] if len(values) == 1 else np.concatenate(values[::-1])
+        return MatchResult(indices, node, path.length)
+
     def match_node(self, node: TreeNode) -> MatchResult:
         """`match_prefix` of the key that ends exactly at `node` (its whole path from the
         namespace root), without walking the key: the same clock tick, access clocks and hit

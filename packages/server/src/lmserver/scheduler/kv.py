@@ -160,8 +160,13 @@ class KVManager:
             req.set_kv(_EMPTY, capacity)
             return 0
         start = time.perf_counter()
-        m = self.cache.match_prefix(req.fill_key(), req.extra_key)
-        self.cache.lock(m.last_node)
+        cache = self.cache
+        memo = req.peek_memo  # a path peeked since the last change of the tree: no key needed
+        if memo is not None and memo[1].version == cache.version and memo[0] == req.output_ids:
+            m = cache.match_path(memo[1])
+        else:
+            m = cache.match_prefix(req.fill_key(), req.extra_key)
+        cache.lock(m.last_node)
         self._tree_s += time.perf_counter() - start
         req.last_node = m.last_node
         req.locked_len = m.length  # may exceed the reused length (the cap)
