@@ -259,15 +259,10 @@ class KVManager:
         """
         if self.disable_radix_cache:
             return False
-        start = time.perf_counter()
+        start = time.perf_counter()  # one timed region: the tree work first, the slots after
         cache = self.cache
         r = self._insert_written(req)
-        self._tree_s += time.perf_counter() - start
-        replaced = False
-        if r.prefix_len > req.cached_len:
-            self.allocator.free(req.kv[req.cached_len : r.prefix_len])
-            replaced = True
-        start = time.perf_counter()
+        replaced = r.prefix_len > req.cached_len
         # the inserted key ends at r.last_node (a root only when it had no whole page)
         node = r.last_node
         indices = _EMPTY
@@ -282,10 +277,11 @@ class KVManager:
         cache.lock(node)
         cache.unlock(req.last_node)
         self._tree_s += time.perf_counter() - start
+        if replaced:  # the request's duplicates of what the tree already held
+            self.allocator.free(req.kv[req.cached_len : r.prefix_len])
+            req.kv[:length] = indices
         req.last_node = node
         req.locked_len = length
-        if replaced:
-            req.kv[:length] = indices
         req.cached_len = length
         return replaced
 
@@ -311,22 +307,23 @@ class KVManager:
             req.reset_kv()
             return
         if cache_tokens and not self.disable_radix_cache and req.kv_len > 0:
-            start = time.perf_counter()
+            start = time.perf_counter()  # one timed region: insert and unlock; the slots after
             r = self._insert_written(req)
+            self.cache.unlock(req.last_node)
             self._tree_s += time.perf_counter() - start
             if r.prefix_len > req.cached_len:
                 self.allocator.free(req.kv[req.cached_len : r.prefix_len])
             tail_start = max(self.cache.aligned_len(req.kv_len), r.prefix_len, req.cached_len)
         else:
+            if not self.disable_radix_cache:  # else last_node is the root: nothing to unlock
+                start = time.perf_counter()
+                self.cache.unlock(req.last_node)
+                self._tree_s += time.perf_counter() - start
             tail_start = req.cached_len
         if req.kv_alloc > tail_start:
             # NOTE: with pages, the page holding `tail_start` may be partly tree-owned only when
             # tail_start is page-aligned, so freeing from tail_start frees request pages only.
             self.allocator.free(req.kv[tail_start:])
-        if not self.disable_radix_cache:  # else last_node is the root: nothing to unlock
-            start = time.perf_counter()
-            self.cache.unlock(req.last_node)
-            self._tree_s += time.perf_counter() - start
         req.reset_kv()
 
     @_timed
