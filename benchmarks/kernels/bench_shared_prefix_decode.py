@@ -188,12 +188,18 @@ def main() -> None:
                     for per_sm in (1, 2, 4):
                         run(f"cascade, {label}, block_n {block_n}, warps {warps}, {per_sm} programs/SM", c,
                             cascade_fn(c, num_sms, block_n, warps, per_sm), want, args.iters, rows)
-    # nothing shared, decode shapes of benchmarks 1 and 3: the engine keeps the plain kernel there
+    # nothing shared, decode shapes of benchmarks 1 and 3: the engine keeps the plain kernel there;
+    # and small batches that share (parallel samples of one prompt)
     for small in (1, 8, 64):
         c = Case(small, args.prefix, args.suffix, args.group, False, False, gen, k, v)
         want = c.reference()
         run("plain, distinct", c, plain_fn(c, num_sms), want, args.iters, rows)
         run("cascade (no group), distinct", c, cascade_fn(c, num_sms), want, args.iters, rows)
+        if small > 1:
+            c = Case(small, args.prefix, args.suffix, min(small, args.group), True, False, gen, k, v)
+            want = c.reference()
+            run(f"plain, shared by {min(small, args.group)}", c, plain_fn(c, num_sms), want, args.iters, rows)
+            run(f"cascade, shared by {min(small, args.group)}", c, cascade_fn(c, num_sms), want, args.iters, rows)
     fresh, cached = planner_host_us(bs, args.prefix, args.suffix, args.group)
     print(f"\nshared-grouped: cascade {times['cascade shared-grouped']:.1f} us vs plain {times['plain shared-grouped']:.1f} us "
           f"({times['plain shared-grouped'] / times['cascade shared-grouped']:.2f}x); shuffled "
