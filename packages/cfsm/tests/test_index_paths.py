@@ -24,6 +24,7 @@ from cfsm.formats import FORMAT_REGEXES
 from cfsm.fragments import match_fragment
 from cfsm.index import build_index
 from cfsm.json_schema import json_value_node, schema_to_node
+from cfsm.mask_rows import or_bits
 from cfsm.regex_parser import parse_regex
 from cfsm.templates import match_string_states
 
@@ -346,3 +347,12 @@ def test_email_states_of_a_schema_use_the_fragment_tables() -> None:
     q = dfa.walk(dfa.start, b'{"e":"')
     assert m.f[q] == email.start and int(m.cont[q]) == dfa.walk(q, b'a@b.c"')
     assert (m.f >= 0).sum() == email.num_f
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(0, 32 * 40 - 1), max_size=600), st.integers(0, 2**32 - 1))
+def test_or_bits_sets_exactly_the_given_token_bits(tids: set[int], start: int) -> None:
+    row = np.full(40, start, dtype=np.uint32)
+    or_bits(row, np.asarray(sorted(tids), dtype=np.int64))  # both paths: at most and over _PACK_MIN ids
+    want = [start | sum(1 << (t & 31) for t in tids if t >> 5 == w) for w in range(40)]
+    assert row.tolist() == want

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.automaton import Dfa, _unique_rows, build_dfa
+from cfsm.mask_rows import or_bits
 from cfsm.templates import _walk_t, joint_reps, live_suffixes, suffix_table
 from cfsm.vocab import TrieTables
 
@@ -92,7 +93,7 @@ def build_fragment_tables(tables: TrieTables, words: int,
         for s in range(code.shape[0]):
             pos, _, epos, _, eat = _walk_t(code, -1, s, tables)  # no text state: no character count
             tids = tables.order[pos]
-            np.bitwise_or.at(rows[s], tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            or_bits(rows[s], tids)
             sufs = [tables.sorted_tokens[p][a + 1 :] for p, a in zip(epos.tolist(), eat.tolist(), strict=True)]
             exit_ids.append(tables.order[epos].astype(np.int64))
             exit_suffix.append(np.array([suffix_id.setdefault(x, len(suffix_id)) for x in sufs], dtype=np.int64))
@@ -193,7 +194,6 @@ def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndar
         return
     conts, c_idx = np.unique(m.cont[states], return_inverse=True)
     live = live_suffixes(dfa, conts, ft.suffix_columns)
-    one = np.uint32(1)
     key = m.f[states] * len(conts) + c_idx.reshape(-1)
     uniq, inverse = np.unique(key, return_inverse=True)
     rows = np.empty(len(uniq), dtype=np.int32)
@@ -201,7 +201,6 @@ def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndar
         s, ci = divmod(k, len(conts))
         row = ft.stay_rows[s].copy()
         tids = ft.exit_ids[s][live[ci, ft.exit_suffix[s]]]
-        if len(tids):
-            np.bitwise_or.at(row, tids >> 5, np.left_shift(one, (tids & 31).astype(np.uint32)))
+        or_bits(row, tids)
         rows[g] = intern(row)
     mask_row[states] = rows[inverse.reshape(-1)]

@@ -24,7 +24,7 @@ from cfsm.automaton import Dfa
 from cfsm.compressed import CompressedFsm
 from cfsm.fragments import FragmentMatch, fragment_rows, match_fragment
 from cfsm.gcpause import without_gc
-from cfsm.mask_rows import _few_rows, _PrefixRows
+from cfsm.mask_rows import _few_rows, _PrefixRows, or_bits
 from cfsm.state_classes import _walk_classes
 from cfsm.templates import match_string_states, string_rows
 from cfsm.vocab import Vocabulary
@@ -183,7 +183,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
 
     def sparse_row(tids: np.ndarray) -> np.ndarray:
         row = np.zeros(words, dtype=np.uint32)
-        np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+        or_bits(row, tids)
         return row
 
     # one row per class (acceptance, hence EOS, is the same in the whole class)
@@ -201,7 +201,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             tids = np.concatenate([tids, eos32])
         if prefix is not None:
             row = prefix_rows.row(prefix).copy()
-            np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            or_bits(row, tids)
             r = intern(row)
         elif len(tids) <= _SPARSE_ROW:  # keyed by the sorted ids: equal sets are packed once
             key = np.sort(tids).tobytes()
@@ -217,7 +217,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
     for s_, extra in walker.walk_long(_SHARE_DEPTH, generic).items():
         row = row_list[int(mask_row[s_])].view(np.uint32).copy()
-        np.bitwise_or.at(row, extra >> 5, np.left_shift(np.uint32(1), (extra & 31).astype(np.uint32)))
+        or_bits(row, extra)
         mask_row[s_] = intern(row)
     if _STRING_TABLES:
         string_rows(dfa, vocab.string_tables, match, intern, mask_row)

@@ -11,6 +11,20 @@ import numpy as np
 from cfsm.automaton import _unique_rows
 from cfsm.walker import Prefix
 
+# token sets larger than this are set through a bool array and packbits (one pass over V/8
+# bytes), smaller ones bit by bit (ufunc.at costs per element)
+_PACK_MIN = 256
+
+
+def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
+    """Set the bits of token ids `tids` in the uint32 mask row `row` (in place)."""
+    if len(tids) > _PACK_MIN:
+        bits = np.zeros(row.shape[0] * 32, dtype=bool)
+        bits[tids] = True
+        row |= np.packbits(bits, bitorder="little").view("<u4")
+    elif len(tids):
+        np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+
 
 def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
               order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
@@ -82,7 +96,7 @@ class _PrefixRows:
             at = bisect.bisect_right(cuts, cut) - 1
             row = rows[cuts[at]].copy()
             add = tids[cuts[at] : cut]
-            np.bitwise_or.at(row, add >> 5, np.left_shift(np.uint32(1), (add & 31).astype(np.uint32)))
+            or_bits(row, add)
             rows[cut] = row
             cuts.insert(at + 1, cut)
         return row

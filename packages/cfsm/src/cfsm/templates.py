@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.automaton import Dfa, _unique_rows, build_dfa
+from cfsm.mask_rows import or_bits
 from cfsm.vocab import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
@@ -146,7 +147,7 @@ def build_string_tables(tables: TrieTables, words: int) -> StringTables:
         bounds = np.append(starts, len(v))
         for i in range(len(values)):
             tids = tables.order[pos[bounds[i] : bounds[i + 1]]]
-            np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+            or_bits(row, tids)
             rows[i] = row
         stay_values.append(values.astype(np.int64))
         stay_rows.append(rows)
@@ -347,7 +348,6 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     conts, c_idx = np.unique(cont[states], return_inverse=True)
     c_idx = c_idx.reshape(-1)
     live = live_suffixes(dfa, conts, st.suffix_columns)
-    one = np.uint32(1)
     for s in range(st.num_t):
         at = np.flatnonzero(m.t[states] == s)
         if not len(at):
@@ -366,7 +366,6 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
             k = int(cut[i])
             row = st.stay_rows[s][k].copy() if k >= 0 else np.zeros(st.stay_rows[s].shape[1], dtype=np.uint32)
             tids = eids[allowed[i]]
-            if len(tids):
-                np.bitwise_or.at(row, tids >> 5, np.left_shift(one, (tids & 31).astype(np.uint32)))
+            or_bits(row, tids)
             rows[g] = intern(row)
         mask_row[qs] = rows[inverse]
