@@ -237,6 +237,13 @@ class DecodeGraphRunner:
 
         return fn
 
+    @staticmethod
+    def _into(fn: Callable[[], torch.Tensor], out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        def into() -> torch.Tensor:
+            return out.copy_(fn())
+
+        return into
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Warms up and captures every size, largest first; mutates self and padding slot 0."""
@@ -245,6 +252,8 @@ class DecodeGraphRunner:
         for bs in reversed(self.sizes):
             for variant in (False, True) if cascade and bs >= 2 else (False,):
                 fn = self._forward_fn(bs, variant)
+                if variant:  # NOTE: into the plain graph's logits (one (bs, vocab) output per size, not two)
+                    fn = self._into(fn, self.outputs[bs])
                 for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
                     fn()
                 if self.device.type == "cuda":
