@@ -84,7 +84,15 @@ class _Nfa:
                 if isinstance(it, Chars):
                     # NOTE: a class's fresh start reached only through an epsilon edge from e is
                     # the same as starting its transitions at e (keys and literals: no epsilons)
-                    e = self._chars(it, e)[1]
+                    r = it.ranges
+                    if len(r) == 1 and r[0][1] < 0x80:  # one ASCII range (a literal character)
+                        e2 = len(self.eps)
+                        self.eps.append([])
+                        self.trans.append([])
+                        self.trans[e].append((r[0][0], r[0][1], e2))
+                        e = e2
+                    else:
+                        e = self._chars(it, e)[1]
                     continue
                 s2, e2 = self.build(it)
                 self.eps[e].append(s2)
@@ -162,27 +170,26 @@ class _Nfa:
         top = lo if hi is None else hi
         n = len(unit.rows)
         end = self.new()
-        # ids[j][q]: state q of the unit with j units completed (q = start only at j = top
-        # when bounded: no unit may start there)
-        ids = [[self.new() for _ in range(n)] for _ in range(top)]
-        ids.append([self.new() for _ in range(n)] if hi is None else [-1] * n)
-        ids[top][unit.start] = ids[top][unit.start] if hi is None else self.new()
-        for j in range(top + 1):
-            row_ids = ids[j]
-            done = ids[j + 1][unit.start] if j < top else (row_ids[unit.start] if hi is None else -1)
+        # ids[j][q] = base + j * n + q: state q of the unit with j units completed; when bounded,
+        # row top holds only the start (no unit may start there), as state base + top * n
+        base = len(self.eps)
+        count = (top + 1) * n if hi is None else top * n + 1
+        self.eps.extend([] for _ in range(count))
+        self.trans.extend([] for _ in range(count))
+        last = top + 1 if hi is None else top  # rows with transitions
+        for j in range(last):
+            row0 = base + j * n
+            done = row0 + n + unit.start if j < top else row0 + unit.start
+            if hi is not None and j == top - 1:
+                done = base + top * n  # the bounded last row's start
             for q, ranges in enumerate(unit.rows):
-                src = row_ids[q]
-                if src < 0 or (j == top and hi is not None):
-                    continue
-                out = self.trans[src]
-                for a, b, t in ranges:
-                    out.append((a, b, done if t < 0 else row_ids[t]))
-            if j >= lo:
-                self.eps[row_ids[unit.start]].append(end)
-        # NOTE: unit rows are sorted disjoint ranges (from a DFA row), added in that order
-        for row_ids in ids:
-            self.presorted.update(x for x in row_ids if x >= 0)
-        return ids[0][unit.start], end
+                # NOTE: unit rows are sorted disjoint ranges (from a DFA row), added in that order
+                self.trans[row0 + q].extend([(a, b, done if t < 0 else row0 + t) for a, b, t in ranges])
+        top_start = base + top * n + (unit.start if hi is None else 0)
+        for j in range(lo, top + 1):
+            self.eps[base + j * n + unit.start if j < top else top_start].append(end)
+        self.presorted.update(range(base, base + count))
+        return base + unit.start, end
 
     def _embed(self, dfa: Dfa) -> tuple[int, int]:
         """A DFA as an NFA fragment (one NFA state per live DFA state)."""
