@@ -33,12 +33,10 @@ TABLE_FORMATS = ("email", "uri")
 def _f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
     """F as a code table (states, 256): an F state, `EXIT` (= states) or `DEAD` (= states + 1);
     and its start. None if F's end is not one final state without transitions."""
-    from cfsm.formats import FORMAT_REGEXES
-    from cfsm.json_schema import json_escape
+    from cfsm.json_schema import format_node
     from cfsm.regex_ast import cat, lit
-    from cfsm.regex_parser import parse_regex
 
-    dfa = build_dfa(cat(json_escape(parse_regex(FORMAT_REGEXES[fmt])), lit('"')))
+    dfa = build_dfa(cat(format_node(fmt), lit('"')))
     final = np.flatnonzero(dfa.accepting[:-1])
     if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any() or int(final[0]) == dfa.start:
         return None

@@ -8,6 +8,7 @@ enforced). Unsupported keywords raise `UnsupportedSchemaError` with their JSON p
 
 from __future__ import annotations
 
+import functools
 import json
 from decimal import Decimal
 from typing import Any
@@ -102,6 +103,13 @@ def json_escape(node: Node) -> Node:
     if isinstance(node, Intersect):
         return Intersect([json_escape(x) for x in node.items])
     raise TypeError(f"cannot JSON-escape {type(node).__name__}")
+
+
+@functools.cache
+def format_node(fmt: str) -> Node:
+    """The JSON-escaped syntax tree of a `format` (one immutable tree per format per process;
+    `Vocabulary.prepare()` builds them all)."""
+    return json_escape(parse_regex(FORMAT_REGEXES[fmt]))
 
 
 def _dump(value: Any) -> str:
@@ -259,10 +267,7 @@ class _Compiler:
         fmt = schema.get("format")
         if fmt is not None:
             if fmt in FORMAT_REGEXES:
-                key = ("format", fmt)
-                if key not in self._memo:
-                    self._memo[key] = json_escape(parse_regex(FORMAT_REGEXES[fmt]))
-                langs.append(self._memo[key])
+                langs.append(format_node(fmt))
             else:
                 self.unsupported("format", f"{path}/format", f"unknown format {fmt!r}; supported: {sorted(FORMAT_REGEXES)}")
         if "pattern" in schema:

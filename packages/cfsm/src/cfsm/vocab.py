@@ -180,9 +180,14 @@ class Vocabulary:
     def prepare(self) -> Vocabulary:
         """Build the per-vocabulary tables now (else on the first compile); returns self.
 
-        Grammar-independent: the sorted trie tables, the JSON string walks and the walks of the
-        broad `format` strings (email, uri).
+        Grammar-independent: the sorted trie tables, the JSON string walks, the walks of the
+        broad `format` strings (email, uri) and the syntax trees of all formats.
         """
+        from cfsm.formats import FORMAT_REGEXES
+        from cfsm.json_schema import format_node
+
+        for fmt in FORMAT_REGEXES:
+            format_node(fmt)
         self.trie_tables  # noqa: B018
         self.string_tables.inner_edges  # noqa: B018
         self.string_tables.byte_class  # noqa: B018
