@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmserver.netutil import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from lmserver.router.policy import RoutingPolicy, make_policy
+from lmserver.router.upstream import ShardedClient
 
 logger = logging.getLogger("lmserver.router")
 
@@ -37,6 +39,7 @@ class RouterConfig:
     health_failure_threshold: int = 3
     max_retries: int = 2
     request_timeout_s: float = 600.0
+    requests_per_connection_pool: int = 16  # requests in flight per upstream httpx client (see upstream.py)
 
 
 @dataclass
@@ -132,11 +135,18 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                                                 keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S))
+        # routed requests: shards of bounded concurrency (one pool's scans are O(requests in flight))
+        state["upstream"] = ShardedClient(
+            per_shard=config.requests_per_connection_pool,
+            timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=config.requests_per_connection_pool,
+                                keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S))
         task = asyncio.create_task(health_loop())
         announce = asyncio.create_task(_announce_when_listening(config.host, config.port, ready_line))
         yield
         announce.cancel()
         task.cancel()
+        await state["upstream"].aclose()
         await state["client"].aclose()
 
     app = FastAPI(title="lmserver router", lifespan=lifespan)
@@ -150,7 +160,7 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
             return JSONResponse({"error": {"message": "request body is not valid JSON", "code": 400}}, 400)
         text = routing_text(path, body if isinstance(body, dict) else {})
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-        client: httpx.AsyncClient = state["client"]
+        upstream_clients: ShardedClient = state["upstream"]
         tried: set[str] = set()
         for _ in range(config.max_retries + 1):
             url = router.pick(text, tried)
@@ -159,19 +169,21 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
             tried.add(url)
             worker = router.workers[url]
             worker.in_flight += 1
+            shard, client = upstream_clients.acquire()
             try:
                 upstream = await client.send(
                     client.build_request("POST", url + path, content=raw, headers=headers), stream=True
                 )
             except httpx.HTTPError as exc:
                 worker.in_flight -= 1
+                upstream_clients.release(shard)
                 logger.warning("worker %s failed before answering (%s); retrying elsewhere", url, exc)
                 router.mark_failure(url)
                 continue
             worker.served += 1
             router.mark_success(url)
             return StreamingResponse(
-                _relay(upstream, worker),
+                _relay(upstream, worker, functools.partial(upstream_clients.release, shard)),
                 status_code=upstream.status_code,
                 media_type=upstream.headers.get("content-type"),
             )
@@ -213,7 +225,9 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
-        return {"policy": router.policy.name, "workers": [vars(w) for w in router.workers.values()]}
+        upstream: ShardedClient = state["upstream"]
+        return {"policy": router.policy.name, "workers": [vars(w) for w in router.workers.values()],
+                "upstream_clients": upstream.num_shards, "upstream_in_flight": upstream.in_flight()}
 
     @app.post("/add_worker")
     async def add_worker(url: str) -> dict[str, Any]:
@@ -260,13 +274,14 @@ async def _announce_when_listening(host: str, port: int, ready_line: str | None)
         return
 
 
-async def _relay(upstream: httpx.Response, worker: WorkerState) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, worker: WorkerState, done: Callable[[], None]) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     finally:
         worker.in_flight -= 1
         await upstream.aclose()
+        done()
 
 
 def serve(config: RouterConfig, ready_line: str | None = None) -> None:
