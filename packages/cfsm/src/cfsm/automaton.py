@@ -547,15 +547,18 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     num = int(cls.max()) + 1
     # reverse edges (p --j--> q) grouped by q; edges into a closed class (every member's
     # successors inside it, as the trimmed class) are dropped: such a class never changes ids
-    flat_dst = cols.reshape(-1).astype(np.int64)
-    leaves = (cls[cols] != cls[:, None]).any(axis=1)  # a member with a successor outside its class
+    flat_dst = cols.reshape(-1)
+    succ = cls[cols]  # the class of every successor
+    leaves = (succ != cls[:, None]).any(axis=1)  # a member with a successor outside its class
     closed = np.bincount(cls, weights=leaves, minlength=num) == 0
-    edge = np.flatnonzero(~closed[cls[flat_dst]])
-    edge = edge[_stable_argsort(flat_dst[edge], n)]
+    edge = np.flatnonzero(~closed[succ.reshape(-1)])
+    dst = flat_dst[edge]
+    by_dst = _stable_argsort(dst, n)
+    edge, dst = edge[by_dst], dst[by_dst]
     edge_src = edge // k
     edge_w = weights[edge % k]
-    bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
-    h = (cls[cols].astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    bounds = np.searchsorted(dst, np.arange(n + 1))
+    h = (succ.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
     # NOTE: after each round every class has one hash; only classes holding a state whose hash
     # changed (a predecessor of a state that changed class) can split in the next round
     sub = np.arange(n)
