@@ -192,6 +192,10 @@ class Vocabulary:
         self.string_tables.inner_edges  # noqa: B018
         self.string_tables.byte_class  # noqa: B018
         self.fragment_tables  # noqa: B018
+        from cfsm.mask_rows import _token_weights
+
+        order = self.trie_tables.order  # the per-token hash weights of batched rows (`mask_rows`)
+        _token_weights(int(max(order.max(initial=0), max(self.eos_token_ids, default=0))) + 1)
         return self
 
     @property
