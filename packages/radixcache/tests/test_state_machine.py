@@ -64,6 +64,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.pool = _chunk_pool(self.page_size)
         self.paths: list[tuple[np.ndarray, str | None, PrefixPath]] = []  # kept find_prefix results
+        # slot arrays handed out by match (read-only views of node slots) and their contents
+        # then: no later split, extension or trim may change them
+        self.handed: list[tuple[np.ndarray, list[int]]] = []
 
     def _key(self, chunks: list[int], tail: list[int]) -> np.ndarray:
         toks: list[int] = []
@@ -78,6 +81,7 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(key, extra_key)
         assert m.length == want_len, (m.length, want_len)
         assert m.indices.tolist() == want_slots
+        self.handed = [*self.handed[-15:], (m.indices, want_slots)]
 
     def _evict_into_allocator(self, num_tokens: int) -> None:
         locked = {int(s) for r in self.running.values() for s in r.kv[: r.cached_len]}
@@ -151,6 +155,19 @@ class CacheMachine(RuleBasedStateMachine):
         req.cached_len = m.length
         req.last_node = m.last_node
 
+    @rule(rid=requests, tail=st.lists(st.integers(0, 3), min_size=1, max_size=20))
+    def decode(self, rid: int, tail: list[int]) -> None:
+        """The request's key grows (its next tokens): its next checkpoint or finish extends its
+        leaf in place (or adds one)."""
+        req = self.running.get(rid)
+        if req is None:
+            return
+        new = self.alloc.alloc(len(tail))
+        if new is None:
+            return
+        req.key = np.concatenate([req.key, np.asarray(tail, dtype=np.int64)])
+        req.kv = np.concatenate([req.kv, new])
+
     @rule(rid=consumes(requests))
     def abort(self, rid: int) -> None:
         req = self.running.pop(rid, None)
@@ -221,6 +238,11 @@ class CacheMachine(RuleBasedStateMachine):
         assert refreshed.version == self.cache.version
         assert refreshed.length == self.model.longest_prefix(key, ns)[0]
         self.paths[j] = (key, ns, refreshed)
+
+    @invariant()
+    def handed_out_slots_never_change(self) -> None:
+        for arr, slots in self.handed:
+            assert arr.tolist() == slots
 
     @invariant()
     def refreshed_kept_paths_are_fresh_ones(self) -> None:
