@@ -246,6 +246,14 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     if n == 0 or not len(group):
         return StringMatch(t, rem, need, cont)
     g0 = trans[:n, group[0]].astype(np.int64)
+    # NOTE: without a state that reads a character of the group (all alike) there is no string
+    # text with a character left, so nothing worth the tables (a state allowing only a closing
+    # quote is left to the generic walks): a few group bytes tell most grammars apart at once
+    probe = np.flatnonzero(g0 != dead)
+    for b in group[np.linspace(0, len(group) - 1, 6).astype(np.int64)].tolist():
+        probe = probe[trans[probe, b] == g0[probe]]
+    if not len(probe):
+        return StringMatch(t, rem, need, cont)
     rep, byte_class = dfa.byte_classes  # bytes of one class step alike: one byte per class
     cand = (np.take(trans[:n], rep[np.unique(byte_class[group])], axis=1) == g0[:, None]).all(axis=1)
     cand &= ~dfa.accepting[:n]
