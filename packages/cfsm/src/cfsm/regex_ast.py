@@ -141,6 +141,21 @@ def alt(*items: Node) -> Node:
     return flat[0] if len(flat) == 1 else Alt(flat)
 
 
+# one immutable node per literal character (keys and literals repeat the same few)
+_LIT_CHARS: dict[str, Chars] = {}
+
+
+def _lit_char(c: str) -> Chars:
+    node = _LIT_CHARS.get(c)
+    if node is None:
+        node = Chars(((ord(c), ord(c)),))
+        if len(_LIT_CHARS) < 4096:
+            _LIT_CHARS[c] = node
+    return node
+
+
 def lit(text: str) -> Node:
     """The literal string `text`."""
-    return cat(*(Chars(((ord(c), ord(c)),)) for c in text)) if text else EMPTY
+    if not text:
+        return EMPTY
+    return _lit_char(text) if len(text) == 1 else Cat([_lit_char(c) for c in text])
