@@ -99,6 +99,8 @@ class InsertResult(NamedTuple):
 
 def as_key(key: KeyLike) -> npt.NDArray[np.int64]:
     """`key` as a 1-D int64 array (no copy when it already is one); raises `InvalidKeyError`."""
+    if type(key) is np.ndarray and key.dtype is _INT64 and key.ndim == 1:  # the usual key: fast
+        return key
     if isinstance(key, np.ndarray) and key.dtype == np.int64 and key.ndim == 1:
         return key
     try:
