@@ -16,10 +16,19 @@ from lmserver.io_struct import SamplingParams
 _INT64 = np.dtype(np.int64)
 
 
+_PACKERS: dict[int, struct.Struct] = {}  # by length: no format string made and looked up per call
+
+
 def _pack_int64(ids: list[int]) -> bytes:
     """`ids` as native int64 bytes (struct.pack: about 2x faster than np.array on a list);
     raises struct.error for an id that is no int64."""
-    return struct.pack(f"{len(ids)}q", *ids)
+    n = len(ids)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = struct.Struct(f"{n}q")
+        if len(_PACKERS) < 4096:
+            _PACKERS[n] = packer
+    return packer.pack(*ids)
 
 
 def _int64_bytes(ids: list[int]) -> bytes:
