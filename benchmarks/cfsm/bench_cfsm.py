@@ -6,9 +6,11 @@ fill), per-token mask fill time (mean, p50, p99) and accept time while replaying
 tokenizer's own tokenization of a valid target text (fastest of `--repeat` replays per token), the share of those tokens cfsm's
 jump-forward writes, and memory (cfsm: exact Index bytes; all: RSS growth of the compile).
 `vocab_prep_cpu_ms` is each engine's one-time, grammar-independent preparation for the
-vocabulary, outside the compile timings (cfsm: `Vocabulary.prepare()`, its trie tables and JSON
-string walks; xgrammar: TokenizerInfo and GrammarCompiler; llguidance: its token trie;
-outlines-core: its Vocabulary).
+vocabulary, outside the compile timings (cfsm: `Vocabulary.prepare()`, its trie tables, the JSON
+string walks, the walks of the email/uri format automata and the format syntax trees; xgrammar:
+TokenizerInfo and GrammarCompiler; llguidance: its token trie; outlines-core: its Vocabulary).
+Every engine is timed the same way: its `compile` call (for cfsm the whole Index, masks
+included) as CPU and wall time, median of `--repeat` compiles after one warm-up grammar.
 
 Peers are optional: install them in a separate virtual environment (they may pull their own
 torch) together with `pip install --no-deps -e packages/cfsm` and run this file from there.
