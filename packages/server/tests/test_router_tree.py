@@ -93,3 +93,16 @@ def test_simple_policies() -> None:
     rr = RoundRobin()
     assert [rr.choose("", {"a": 0, "b": 0}) for _ in range(4)] == ["a", "b", "a", "b"]
     assert ShortestQueue().choose("", {"a": 3, "b": 1, "c": 2}) == "b"
+
+
+def test_router_config_reaches_the_cache_aware_policy() -> None:
+    from lmserver.router.app import Router, RouterConfig
+
+    text = "shared prefix " * 10
+    for abs_threshold, expected in ((64, "a"), (16, "b")):
+        router = Router(RouterConfig(workers=("a", "b"), cache_aware=CacheAwareConfig(balance_abs_threshold=abs_threshold)))
+        router.workers["a"].in_flight = 0
+        assert router.pick(text, set()) == "a"  # first sight: the emptier tree, then name order
+        router.workers["a"].in_flight, router.workers["b"].in_flight = 70, 40
+        # 70 vs 40: unbalanced past 16 (and 70 > 1.5 x 40), within 64: the cached worker keeps it
+        assert router.pick(text, set()) == expected

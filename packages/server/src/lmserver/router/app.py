@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmserver.netutil import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
-from lmserver.router.policy import RoutingPolicy, make_policy
+from lmserver.router.policy import CacheAwareConfig, RoutingPolicy, make_policy
 from lmserver.router.upstream import ShardedClient
 
 logger = logging.getLogger("lmserver.router")
@@ -40,6 +40,7 @@ class RouterConfig:
     max_retries: int = 2
     request_timeout_s: float = 600.0
     requests_per_connection_pool: int = 16  # requests in flight per upstream httpx client (see upstream.py)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Router:
     workers: dict[str, WorkerState] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.policy = make_policy(self.config.policy)
+        self.policy = make_policy(self.config.policy, self.config.cache_aware)
         self.workers = {u.rstrip("/"): WorkerState(u.rstrip("/")) for u in self.config.workers}
 
     def healthy_loads(self, exclude: set[str]) -> dict[str, int]:
@@ -313,7 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--health-check-interval-s", type=float, default=5.0)
+    d = CacheAwareConfig()
+    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="cache_aware: route by prefix when the best match covers more than this share of the text")
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="cache_aware: loads are unbalanced when max - min in-flight requests exceeds this ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="... and max exceeds min times this; then the least loaded worker gets the request")
     args = p.parse_args(argv)
+    if not 0.0 <= args.cache_threshold <= 1.0:
+        p.error(f"--cache-threshold must be within [0, 1], got {args.cache_threshold}")
     serve(
         RouterConfig(
             workers=tuple(args.worker),
@@ -321,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             health_check_interval_s=args.health_check_interval_s,
+            cache_aware=CacheAwareConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold),
         )
     )
     return 0

@@ -46,8 +46,9 @@ class ShortestQueue:
 
 @dataclass(frozen=True)
 class CacheAwareConfig:
-    cache_threshold: float = 0.5  # route by prefix when matched / len(text) exceeds this
-    balance_abs_threshold: int = 32  # load is unbalanced when max - min exceeds this ...
+    # defaults as SGLang's model gateway (SMG) documents them for its cache-aware policy
+    cache_threshold: float = 0.3  # route by prefix when matched / len(text) exceeds this
+    balance_abs_threshold: int = 64  # load is unbalanced when max - min exceeds this ...
     balance_rel_threshold: float = 1.5  # ... and max exceeds min * this
     max_tree_chars_per_worker: int = 4_000_000  # approximate-cache size bound per worker
 
@@ -93,7 +94,10 @@ class CacheAware:
 POLICIES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "shortest_queue": ShortestQueue}
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, cache_aware: CacheAwareConfig | None = None) -> RoutingPolicy:
+    """The policy called `name`; `cache_aware` configures the cache-aware one."""
+    if name == "cache_aware":
+        return CacheAware(cache_aware)
     try:
         return POLICIES[name]()  # type: ignore[no-any-return]
     except KeyError:
