@@ -17,6 +17,7 @@ from cfsm.charset import negate
 from cfsm.config import CfsmConfig
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.formats import FORMAT_REGEXES
+from cfsm.json_object import object_members
 from cfsm.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
 from cfsm.regex_ast import (
     EMPTY,
@@ -369,8 +370,6 @@ class _Compiler:
         return cat(lit("["), self.ws, alt(*options) if options else NOTHING, self.ws, lit("]"))
 
     def object(self, schema: dict[str, Any], path: str) -> Node:
-        from cfsm.json_object import object_members
-
         return cat(lit("{"), self.ws, Scope(object_members(self, schema, path)), self.ws, lit("}"))
 
 
