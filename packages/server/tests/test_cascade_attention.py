@@ -119,7 +119,7 @@ def test_planner_finds_prompt_groups_behind_a_shared_first_token() -> None:
     """4 groups x 5 rows share 300 tokens each, and all 20 rows their first token (a BOS page):
     the plan is the 4 groups, each with its 300 tokens, whatever the batch order."""
     rng = np.random.default_rng(0)
-    planner = SharedPrefixPlanner(24, 512)
+    planner = SharedPrefixPlanner(24, 512, min_saved_tokens=1)
     rows = rng.permutation(24)[:20].tolist()
     batch_groups: list[list[int]] = [[] for _ in range(4)]
     order = rng.permutation(20).tolist()
