@@ -473,3 +473,22 @@ def test_match_path_is_match_prefix_of_the_key_found(
     a.insert([7, 7, 7, 7], np.arange(4))
     with pytest.raises(ValueError, match="stale"):
         a.match_path(stale)
+
+
+def test_an_extended_leaf_key_is_joined_when_read() -> None:
+    """In-place extensions append key parts without copying the key; every reader (walks,
+    splits, trims, evictions, token_ids) sees the whole key."""
+    c = RadixCache(page_size=2)
+    leaf = c.insert([1, 2, 3, 4], np.arange(4)).last_node
+    for start in (5, 7, 9):  # extended below itself (no walk through it), as a request's release
+        assert c.insert_below(leaf, [start, start + 1], np.arange(start - 1, start + 1)).last_node is leaf
+    assert leaf._tail is not None and len(leaf._tail) == 3  # nothing read the key yet
+    assert c.peek_prefix_len(list(range(1, 13))) == 10
+    assert leaf.key == np.arange(1, 11, dtype=np.int64).tobytes() and leaf._tail is None
+    c.insert(list(range(1, 11)) + [11, 12], np.arange(12))  # extended again: a tail of one part
+    upper = c.insert([1, 2, 3, 4, 5, 6, 9, 9], np.arange(100, 108)).last_node.parent  # split inside it
+    assert upper is not None and upper.key == np.arange(1, 7, dtype=np.int64).tobytes()
+    assert leaf.token_ids().tolist() == [7, 8, 9, 10, 11, 12]
+    c.check_integrity()
+    assert len(c.evict(3)) == 4 and leaf.token_ids().tolist() in ([7, 8], [7, 8, 9, 10, 11, 12])
+    c.check_integrity()

@@ -242,7 +242,7 @@ class RadixCache:
             child = node.children.get(kb[pos : pos + pb])
             if child is None:
                 break
-            ck = child.key
+            ck = child._key if child._tail is None else child.key
             cl = len(ck)
             if kb[pos : pos + cl] != ck:
                 m = self._common_len(ck, arr, pos // TOKEN_BYTES)
@@ -423,7 +423,7 @@ class RadixCache:
             child = node.children.get(kb[pos : pos + pb])
             if child is None:
                 break
-            ck = child.key
+            ck = child._key if child._tail is None else child.key
             cl = len(ck)
             if kb[pos : pos + cl] != ck:
                 m = self._common_len(ck, arr, pos // TOKEN_BYTES)
@@ -790,7 +790,7 @@ class RadixCache:
             new_hashes = chain_hashes(hash_to_bytes(parent_hash), toks, self._page_size)
             leaf.hashes = leaf.hashes + new_hashes
             self._events.append(PageStored(tuple(new_hashes), parent_hash, tuple(toks.tolist()), leaf.extra_key))
-        leaf.key = leaf.key + kb
+        leaf.append_key(kb)  # joined at the first read of leaf.key (often never)
         leaf.value = slots
         if priority > leaf.priority:
             leaf.priority = priority
@@ -823,7 +823,7 @@ class RadixCache:
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key[: self._page_bytes]]
+        del parent.children[node._key[: self._page_bytes]]  # _key holds at least the first page
         node.removed = True
         self._version += 1
         node.stamp = self._version
@@ -860,7 +860,7 @@ class RadixCache:
             child = node.children.get(page)
             if child is None:
                 return pos // TOKEN_BYTES, node, None, page
-            ck = child.key
+            ck = child._key if child._tail is None else child.key
             if kb[pos : pos + len(ck)] != ck:
                 pos += self._common_len(ck, arr, pos // TOKEN_BYTES) * TOKEN_BYTES
                 return pos // TOKEN_BYTES, node, child, None

@@ -21,7 +21,8 @@ class TreeNode:
     __slots__ = (
         "children",
         "parent",
-        "key",
+        "_key",
+        "_tail",
         "value",
         "lock_ref",
         "last_access",
@@ -45,7 +46,11 @@ class TreeNode:
     ) -> None:
         self.children: dict[bytes, TreeNode] = {}
         self.parent = parent
-        self.key = key  # int64 token ids as bytes
+        # the edge's int64 token ids as bytes: `_key`, followed by the `_tail` parts when an
+        # in-place extension appended some (joined at the first read of `key`: a leaf extended
+        # by a request's output is seldom walked past its first page, which `_key` holds)
+        self._key = key
+        self._tail: list[bytes] | None = None
         self.value = value  # slot ids, read-only, len == num_tokens
         self.lock_ref = 0
         self.last_access = tick
@@ -59,6 +64,26 @@ class TreeNode:
         # cache version at the last change of this node's own edge (key, slots), parent or
         # removal; not of its children (RadixCache.refresh_prefix relies on exactly this)
         self.stamp = 0
+
+    @property
+    def key(self) -> bytes:
+        """The edge's token ids as int64 bytes."""
+        if self._tail is not None:
+            self._key = b"".join([self._key, *self._tail])
+            self._tail = None
+        return self._key
+
+    @key.setter
+    def key(self, key: bytes) -> None:
+        self._key = key
+        self._tail = None
+
+    def append_key(self, more: bytes) -> None:
+        """Appends `more` to `key` without copying it now (an in-place leaf extension)."""
+        if self._tail is None:
+            self._tail = [more]
+        else:
+            self._tail.append(more)
 
     @property
     def num_tokens(self) -> int:
