@@ -5,7 +5,7 @@ random token ids, so no prefix is shared and the cache can only cost, with the r
 and off, and reports the engine's own host time in the KV manager, in two parts:
 
 - `radix_time_s`: radix-tree work (prefix matching, locking, insertion, eviction, and the `lpm`
-  peeks that order the waiting queue every round): the paper's radix management time;
+  peeks that order the waiting queue in each round with a free request row): the paper's radix management time;
 - `slot_time_s`: slot bookkeeping (KV slot allocation and freeing, the requests' slot arrays),
   work that runs with the radix cache off too.
 
