@@ -13,6 +13,7 @@ import numpy as np
 
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.config import CfsmConfig
+from cfsm.direct import build_dfa_direct
 from cfsm.errors import UnsupportedSchemaError
 from cfsm.gcpause import without_gc
 from cfsm.index import Index, build_index
@@ -32,7 +33,7 @@ def regex_dfa(pattern: str) -> Dfa:
 
 
 def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str) -> Index:
-    dfa = build_dfa(node)
+    dfa = build_dfa_direct(node) or build_dfa(node)  # the same Dfa either way
     if dfa.num_states == 0:
         raise UnsupportedSchemaError(what, "#", "the grammar accepts no string (check bounds, enum, recursion depth)")
     return build_index(dfa, vocab, grammar=grammar)

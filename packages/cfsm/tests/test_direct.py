@@ -1,0 +1,110 @@
+"""The direct DFA construction (`cfsm.direct`) against the generic one: the very same `Dfa`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cfsm
+from cfsm import CfsmConfig
+from cfsm.automaton import Dfa, build_dfa
+from cfsm.direct import build_dfa_direct
+from cfsm.index import build_index
+from cfsm.json_schema import schema_to_node
+
+
+def _same(a: Dfa, b: Dfa) -> bool:
+    return (np.array_equal(a.transitions, b.transitions) and np.array_equal(a.accepting, b.accepting)
+            and a.start == b.start and all(np.array_equal(x, y) for x, y in zip(a.byte_classes, b.byte_classes, strict=True)))
+
+
+_VALUES: list[dict[str, Any]] = [
+    {"type": "string"},
+    {"type": "string", "maxLength": 9},
+    {"type": "string", "minLength": 2, "maxLength": 12},
+    {"type": "string", "format": "date"},
+    {"type": "string", "pattern": "^[a-c]{2}$"},
+    {"type": "integer"},
+    {"type": "integer", "minimum": 1, "maximum": 999},
+    {"type": "number"},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"enum": ["alpha", "beta", 3]},
+    {"const": "x"},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+    {"type": "array", "items": {"type": "string"}},
+    {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+    {"type": ["string", "null"]},
+]
+
+
+@st.composite
+def _objects(draw: st.DrawFn, depth: int = 2) -> dict[str, Any]:
+    n = draw(st.integers(1, 5))
+    props: dict[str, Any] = {}
+    for i in range(n):
+        if depth > 0 and draw(st.integers(0, 4)) == 0:
+            props[f"k{i}"] = draw(_objects(depth - 1))
+        else:
+            props[f"k{i}"] = draw(st.sampled_from(_VALUES))
+    names = list(props)
+    required = draw(st.sampled_from([names, names[: len(names) // 2], []]))
+    schema: dict[str, Any] = {"type": "object", "properties": props, "required": required}
+    schema["additionalProperties"] = draw(st.sampled_from([False, False, False, {"type": "integer"}, True]))
+    return schema
+
+
+@st.composite
+def _schemas(draw: st.DrawFn) -> dict[str, Any]:
+    # repeated sections (as in a real document) make the direct construction worth taking
+    section = draw(_objects())
+    prefixes = draw(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True))
+    props = {p: {**section, "properties": {f"{p}{k}": v for k, v in section["properties"].items()},
+                 "required": [f"{p}{k}" for k in section["required"]]} for p in prefixes}
+    return {"type": "object", "properties": props, "required": prefixes[: draw(st.integers(0, len(prefixes)))],
+            "additionalProperties": False}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas(), st.sampled_from(["compact", "flexible"]))
+def test_direct_dfa_is_the_generic_dfa(schema: dict[str, Any], whitespace: str) -> None:
+    node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
+    direct = build_dfa_direct(node, force=True)
+    if direct is not None:
+        assert _same(direct, build_dfa(node))
+
+
+def _sections(n: int) -> dict[str, Any]:
+    section = {"type": "object", "additionalProperties": False,
+               "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 1000},
+                              "label": {"type": "string", "maxLength": 20},
+                              "kind": {"enum": ["alpha", "beta"]}, "ratio": {"type": "number"},
+                              "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+               "required": ["id", "label", "kind", "ratio", "tags"]}
+    return {"type": "object", "properties": {f"s{i}": section for i in range(n)},
+            "required": [f"s{i}" for i in range(n)], "additionalProperties": False}
+
+
+def test_repeated_sections_take_the_direct_path_and_give_the_same_index() -> None:
+    vocab = cfsm.Vocabulary([b"", b'{"', b"s0", b"s1", b"s2", b'":{"', b"id", b"label", b'":', b"1", b"12", b",",
+                             b'"', b"a", b"ab", b"alpha", b"beta", b"[", b"]", b"}", b".", b"-", b"e", b'","'],
+                            eos_token_ids=[0])
+    node = schema_to_node(_sections(3), CfsmConfig())
+    direct = build_dfa_direct(node)
+    assert direct is not None
+    generic = build_dfa(node)
+    assert _same(direct, generic)
+    a, b = build_index(direct, vocab, grammar="x"), build_index(generic, vocab, grammar="x")
+    assert np.array_equal(a.masks, b.masks) and np.array_equal(a.mask_row, b.mask_row)
+    compiled = cfsm.compile_json_schema(_sections(3), vocab)
+    assert np.array_equal(compiled.masks, b.masks) and np.array_equal(compiled.mask_row, b.mask_row)
+
+
+def test_pieces_that_overlap_their_continuation_fall_back() -> None:
+    # flexible whitespace: a value's trailing spaces and the comma's leading spaces read the same byte
+    node = schema_to_node(_sections(3), CfsmConfig(whitespace="flexible"))
+    assert build_dfa_direct(node) is None
