@@ -640,9 +640,37 @@ def _runs(step: np.ndarray, live: np.ndarray) -> np.ndarray:
     return np.minimum(run, n)
 
 
-def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None = None) -> Dfa:
+def _bfs_order(cols: np.ndarray, start: int, dead: int) -> np.ndarray:
+    """States reachable from `start` (dead excluded) in breadth-first order, each state's targets
+    by ascending column (columns in ascending first byte): the subset construction's order."""
+    n, k = cols.shape
+    keep = np.ones(cols.shape, dtype=bool)
+    keep[:, 1:] = cols[:, 1:] != cols[:, :-1]
+    keep &= cols != dead
+    flat = np.flatnonzero(keep.reshape(-1))
+    targets = cols.reshape(-1)[flat].tolist()
+    bounds = np.searchsorted(flat, np.arange(n + 1) * k).tolist()
+    seen = [False] * n
+    seen[start] = True
+    order = [start]
+    i = 0
+    while i < len(order):
+        q = order[i]
+        for x in targets[bounds[q] : bounds[q + 1]]:
+            if not seen[x]:
+                seen[x] = True
+                order.append(x)
+        i += 1
+    return np.asarray(order, dtype=np.int64)
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None = None,
+              dist: np.ndarray | None = None, bfs: bool = False) -> Dfa:
     """Trimmed minimal DFA of `table` (the dead state last; one column per byte, or per group of
-    bytes where `byte_map[b]` is the column of byte b)."""
+    bytes where `byte_map[b]` is the column of byte b). `dist`, when given, is what
+    `_accept_distance` would compute (the caller knows it by construction). States are numbered
+    in first-seen order from state 0 (`bfs`: in breadth-first order from `start`, where the table
+    is not in that order or holds unreachable states)."""
     n = table.shape[0]  # includes the dead state (last row)
     dead = n - 1
     # byte classes: bytes whose columns are equal behave the same everywhere
@@ -653,7 +681,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     # trim: states that cannot reach acceptance behave like the dead state
     # NOTE: the shortest accepted length is a property of the state's language too: states far
     # apart in a document (a key's string in one section and in the next) split at once
-    dist = _accept_distance(cols, accepting, dead)
+    dist = _accept_distance(cols, accepting, dead) if dist is None else dist.copy()
     dist[dead] = -1
     live = dist >= 0
     cls = np.where(live, accepting.astype(np.int64) + 1, 0)
@@ -666,18 +694,27 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     cls = cls * (int(runs.max()) + 1) + np.where(live, runs, 0)
     cls = _refine(cols, cls)
     num = int(cls.max()) + 1
-    # renumber: the dead class last, the rest in first-seen order from state 0
     dead_cls = int(cls[dead])
-    first_seen = np.full(num, n, dtype=np.int64)
-    np.minimum.at(first_seen, cls, np.arange(n))
-    order = np.argsort(first_seen, kind="stable")
-    order = order[order != dead_cls]
-    remap = np.empty(num, dtype=np.int64)
-    remap[order] = np.arange(len(order))
+    if bfs:
+        # renumber in breadth-first order from the start (targets by ascending first byte): the
+        # order of the subset construction, so the same numbering as below for its tables;
+        # classes not reachable from the start are dropped
+        any_rep = np.zeros(num, dtype=np.int64)
+        any_rep[cls] = np.arange(n)
+        by_byte = np.argsort(col_rep, kind="stable")  # columns by their first byte
+        ccols = cls[np.take(np.take(cols, any_rep, axis=0), by_byte, axis=1)]
+        order = _bfs_order(ccols, int(cls[start]), dead_cls)
+    else:
+        # renumber: the dead class last, the rest in first-seen order from state 0
+        first_seen = np.full(num, n, dtype=np.int64)
+        np.minimum.at(first_seen, cls, np.arange(n))
+        order = np.argsort(first_seen, kind="stable")
+        order = order[order != dead_cls]
     nxt = len(order)
-    remap[dead_cls] = nxt
+    remap = np.full(num, nxt, dtype=np.int64)  # the dead class (and unreachable ones) last
+    remap[order] = np.arange(nxt)
     new_ids = remap[cls]
-    reps = np.zeros(num, dtype=np.int64)
+    reps = np.zeros(nxt + 1, dtype=np.int64)
     reps[new_ids] = np.arange(n)
     min_cols = new_ids[cols[reps]].astype(np.int32)  # (num, num_byte_classes)
     min_cols[nxt] = nxt

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import MAX_DFA_STATES, Dfa, DfaNode, _minimize, _Nfa, _subset_construction
+from cfsm.automaton import (
+    MAX_DFA_STATES,
+    Dfa,
+    DfaNode,
+    _accept_distance,
+    _minimize,
+    _Nfa,
+    _subset_construction,
+)
 from cfsm.errors import GrammarTooLargeError
 from cfsm.gcpause import without_gc
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
@@ -38,7 +46,7 @@ class _Block:
     # NOTE: not minimized (the whole table is, once): a block is its subset construction
     """
 
-    __slots__ = ("rows", "accepting", "start", "size", "cuts")
+    __slots__ = ("rows", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits")
 
     def __init__(self, node: Node) -> None:
         if isinstance(node, DfaNode):
@@ -48,6 +56,7 @@ class _Block:
                 raise _Fallback("a piece accepts nothing")
             t = dfa.transitions[:n].astype(np.int64)
             acc = dfa.accepting[:n]
+            dist = _accept_distance(dfa.transitions, dfa.accepting, n)[:n]
         else:
             nfa = _Nfa()
             s, e = nfa.build(node)
@@ -58,24 +67,41 @@ class _Block:
             n, start = narrow.shape[0] - 1, 0
             t = np.take(narrow[:n].astype(np.int64), byte_map, axis=1)
             acc = accepting[:n]
+            dist = _accept_distance(narrow, accepting, n)[:n]
         t[t == n] = -1
         self.rows = t
+        self.dist = dist  # per state: the shortest accepted length inside the block, -1: none
         self.accepting = np.flatnonzero(acc)
         self.start = start
         self.size = n
         self.cuts = np.flatnonzero((t[:, 1:] != t[:, :-1]).any(axis=0)) + 1  # where a byte interval starts
+        # the bytes the start reads, and the bytes some accepting state reads (bit b: byte b)
+        self.start_bits = _bits(t[start] >= 0)
+        self.acc_bits = _bits((t[self.accepting] >= 0).any(axis=0))
+
+
+def _bits(mask: np.ndarray) -> int:
+    """A 256-bit int with bit b set where mask[b]."""
+    return int.from_bytes(np.packbits(mask, bitorder="little").tobytes(), "little")
 
 
 class _Builder:
     def __init__(self) -> None:
         self.size = 0
         self.accepting: list[bool] = []
+        # NOTE: a state's shortest accepted length is known by construction: a literal state's is
+        # 1 + its continuation's; a block state's, its length inside the block + the continuation's
+        # (the block is left only from its accepting states, all into the same continuation)
+        self.dist: list[int] = []
+        # per state (only kept for states that can be a continuation: literal states, block starts,
+        # the final state): the bytes its row reads, as a 256-bit int
+        self.first: list[int] = []
         # literal states: one byte range each
         self.lit_src: list[int] = []
         self.lit_lo: list[int] = []
         self.lit_hi: list[int] = []
         self.lit_dst: list[int] = []
-        # block copies: (first state id, block, continuation or -1)
+        # block copies: (first state id, block, continuation)
         self.copies: list[tuple[int, _Block, int]] = []
         self.blocks: dict[int, _Block] = {}  # by structure key
         self.keys: dict[int, int] = {}  # id(node) -> structure key
@@ -83,8 +109,10 @@ class _Builder:
         self.nodes: list[Node] = []  # keeps keyed nodes alive while their ids are in use
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
 
-    def new(self, accepting: bool) -> int:
+    def new(self, accepting: bool, dist: int, first: int = 0) -> int:
         self.accepting.append(accepting)
+        self.dist.append(dist)
+        self.first.append(first)
         self.size += 1
         return self.size - 1
 
@@ -93,7 +121,8 @@ class _Builder:
         if isinstance(node, Chars):
             r = node.ranges
             if len(r) == 1 and r[0][1] < 0x80:  # one ASCII range: one state
-                s = self.new(False)
+                d = self.dist[cont]
+                s = self.new(False, d + 1 if d >= 0 else -1, (1 << (r[0][1] + 1)) - (1 << r[0][0]))
                 self.lit_src.append(s)
                 self.lit_lo.append(r[0][0])
                 self.lit_hi.append(r[0][1])
@@ -140,17 +169,22 @@ class _Builder:
         blk = self.blocks.get(key)
         if blk is None:
             blk = self.blocks[key] = _Block(node)
+        if blk.acc_bits & self.first[cont]:
+            raise _Fallback("a piece's end and its continuation read the same byte")
         base = self.size
         self.size += blk.size
         acc = np.zeros(blk.size, dtype=bool)
-        acc[blk.accepting] = True
-        if cont >= 0:
-            acc[blk.accepting] = self.accepting[cont]
+        acc[blk.accepting] = self.accepting[cont]
         self.accepting.extend(acc.tolist())
+        d = self.dist[cont]
+        self.dist.extend((np.where(blk.dist >= 0, blk.dist + d, -1) if d >= 0 else np.full(blk.size, -1)).tolist())
+        self.first.extend([0] * blk.size)
+        start = base + blk.start
+        self.first[start] = blk.start_bits | (self.first[cont] if self.accepting[start] else 0)
         self.copies.append((base, blk, cont))
         if self.size > MAX_DFA_STATES:
             raise _Fallback("too large: the generic construction reports it")
-        return base + blk.start
+        return start
 
     def key(self, node: Node) -> int:
         """A small int per structure (equal languages by construction get equal keys)."""
@@ -212,7 +246,7 @@ class _Builder:
                 rows = narrow[id(blk)] = np.take(blk.rows, starts, axis=1)
             t[base : base + blk.size] = np.where(rows < 0, n, rows + base)
         for base, blk, cont in self.copies:
-            if cont < 0 or not len(blk.accepting):
+            if not len(blk.accepting):
                 continue
             ids = blk.accepting + base
             mine = t[ids]
@@ -221,31 +255,6 @@ class _Builder:
                 raise _Fallback("a piece's end and its continuation read the same byte")
             t[ids] = np.where(mine == n, theirs, mine)
         return t, byte_map
-
-
-def _bfs_order(t: np.ndarray, start: int) -> np.ndarray:
-    """Reachable states in breadth-first order, each state's targets by ascending first byte
-    (the order in which the subset construction discovers states); columns are ascending byte
-    intervals."""
-    n, k = t.shape[0] - 1, t.shape[1]
-    keep = np.ones(t.shape, dtype=bool)
-    keep[:, 1:] = t[:, 1:] != t[:, :-1]
-    keep &= t != n
-    flat = np.flatnonzero(keep.reshape(-1))
-    targets = t.reshape(-1)[flat].tolist()
-    bounds = np.searchsorted(flat, np.arange(n + 1) * k).tolist()
-    seen = [False] * (n + 1)
-    seen[start] = True
-    order = [start]
-    i = 0
-    while i < len(order):
-        q = order[i]
-        for x in targets[bounds[q] : bounds[q + 1]]:
-            if not seen[x]:
-                seen[x] = True
-                order.append(x)
-        i += 1
-    return np.asarray(order, dtype=np.int64)
 
 
 @without_gc
@@ -261,21 +270,15 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         # construction pays it once for the whole tree: worth it only where blocks repeat
         if not force and 2 * len(counts) > sum(counts.values()):
             return None
-        final = b.new(True)
+        final = b.new(True, 0)
         start = b.build(node, final)
         if start == final:
             return None  # the empty string: nothing to gain
         t, byte_map = b.table()
     except _Fallback:
         return None
-    order = _bfs_order(t, start)
-    n = t.shape[0] - 1
-    m = len(order)
-    remap = np.full(n + 1, m, dtype=np.int32)  # unreachable and dead -> the new dead state
-    remap[order] = np.arange(m, dtype=np.int32)
-    table = np.empty((m + 1, t.shape[1]), dtype=np.int32)
-    table[:m] = remap[t[order]]
-    table[m] = m
-    acc = np.zeros(m + 1, dtype=bool)
-    acc[:m] = np.asarray(b.accepting, dtype=bool)[order]
-    return _minimize(table, acc, 0, byte_map)
+    dist = np.asarray(b.dist + [-1], dtype=np.int64)
+    acc = np.asarray(b.accepting + [False], dtype=bool)
+    # NOTE: unreachable states (a literal state whose every entry was merged into a block's
+    # accepting rows) are dropped by the breadth-first numbering
+    return _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
