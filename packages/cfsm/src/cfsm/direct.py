@@ -77,7 +77,7 @@ class _Block:
         self.cuts = np.flatnonzero((t[:, 1:] != t[:, :-1]).any(axis=0)) + 1  # where a byte interval starts
         # the bytes the start reads, and the bytes some accepting state reads (bit b: byte b)
         self.start_bits = _bits(t[start] >= 0)
-        self.acc_bits = _bits((t[self.accepting] >= 0).any(axis=0))
+        self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0)))
 
 
 def _bits(mask: np.ndarray) -> int:
