@@ -14,6 +14,7 @@ from cfsm.automaton import Dfa, build_dfa
 from cfsm.direct import build_dfa_direct
 from cfsm.index import build_index
 from cfsm.json_schema import schema_to_node
+from cfsm.regex_parser import parse_regex
 
 
 def _same(a: Dfa, b: Dfa) -> bool:
@@ -108,3 +109,29 @@ def test_pieces_that_overlap_their_continuation_fall_back() -> None:
     # flexible whitespace: a value's trailing spaces and the comma's leading spaces read the same byte
     node = schema_to_node(_sections(3), CfsmConfig(whitespace="flexible"))
     assert build_dfa_direct(node) is None
+
+
+_ATOMS = ["a", "b", "[ab]", "[^a]", "\\d", ".", "é", "😀", "-", "ab", "\\s"]
+
+
+@st.composite
+def _patterns(draw: st.DrawFn, depth: int = 0) -> str:
+    kind = draw(st.integers(0, 3 if depth < 3 else 0))
+    if kind == 0:
+        return draw(st.sampled_from(_ATOMS))
+    if kind == 1:
+        return "".join(draw(st.lists(_patterns(depth + 1), min_size=1, max_size=4)))
+    if kind == 2:
+        return "(" + "|".join(draw(st.lists(_patterns(depth + 1), min_size=2, max_size=3))) + ")"
+    return "(?:" + draw(_patterns(depth + 1)) + ")" + draw(st.sampled_from(["*", "+", "?", "{2}", "{1,9}", "{8,}"]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_patterns())
+def test_direct_dfa_is_the_generic_dfa_on_regex_trees(pattern: str) -> None:
+    # concatenations of literals and blocks with every kind of overlap between a piece's end and
+    # what follows it (the direct construction must then decline)
+    node = parse_regex(pattern)
+    direct = build_dfa_direct(node, force=True)
+    if direct is not None:
+        assert _same(direct, build_dfa(node))
