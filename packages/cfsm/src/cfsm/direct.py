@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from cfsm.automaton import (
+    _COUNTED_MIN,
     MAX_DFA_STATES,
     Dfa,
     DfaNode,
@@ -28,6 +29,8 @@ from cfsm.automaton import (
     _minimize,
     _Nfa,
     _subset_construction,
+    _Unit,
+    _unit,
 )
 from cfsm.errors import GrammarTooLargeError
 from cfsm.gcpause import without_gc
@@ -49,7 +52,11 @@ class _Block:
     __slots__ = ("rows", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits")
 
     def __init__(self, node: Node) -> None:
-        if isinstance(node, DfaNode):
+        counted = _counted(node) if isinstance(node, Repeat) else None
+        if counted is not None:
+            t, acc, dist = counted
+            n, start = len(t), 0
+        elif isinstance(node, DfaNode):
             dfa = node.dfa
             n, start = dfa.num_states, dfa.start
             if n == 0:
@@ -78,6 +85,77 @@ class _Block:
         # the bytes the start reads, and the bytes some accepting state reads (bit b: byte b)
         self.start_bits = _bits(t[start] >= 0)
         self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0)))
+
+
+# a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
+_DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray]] = {}
+_COUNTED_MAX_STATES = 50_000
+
+
+def _dense_unit(unit: _Unit) -> tuple[np.ndarray, np.ndarray]:
+    hit = _DENSE_UNITS.get(id(unit))
+    if hit is not None and hit[0] is unit:
+        return hit[1], hit[2]
+    n = len(unit.rows)
+    u = np.full((n, 256), -1, dtype=np.int64)
+    for q, ranges in enumerate(unit.rows):
+        for a, b, t in ranges:
+            u[q, a : b + 1] = t if t >= 0 else -2
+    # shortest completion: the unit as a DFA whose one accepting state (n) is the completion
+    table = np.where(u == -2, n, np.where(u < 0, n + 1, u))
+    table = np.vstack([table, np.full((2, 256), n + 1)])
+    acc = np.zeros(n + 2, dtype=bool)
+    acc[n] = True
+    d = _accept_distance(table, acc, n + 1)[:n]
+    if len(_DENSE_UNITS) > 256:
+        _DENSE_UNITS.clear()
+    _DENSE_UNITS[id(unit)] = (unit, u, d)
+    return u, d
+
+
+def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(rows, accepting, shortest accepted lengths) of `item{lo,hi}` for a prefix-code item,
+    built as numpy blocks: state j * n + q is the unit's state q after j completed units (the
+    generic construction's counter fragment, `_Nfa._counted`, already deterministic); bounded,
+    one last state (hi units read). None if the item is not a prefix code. Start: state 0."""
+    lo, hi = node.lo, node.hi
+    top = lo if hi is None else hi
+    if top < _COUNTED_MIN and hi is not None:
+        return None  # small: the subset construction is as cheap
+    unit = _unit(node.item)
+    if unit is None or top == 0:
+        return None
+    u, du = _dense_unit(unit)
+    n, s0 = len(u), unit.start
+    rows_n = top + 1 if hi is None else top  # rows of unit states
+    size = rows_n * n + (0 if hi is None else 1)
+    if size > _COUNTED_MAX_STATES:
+        return None
+    j = np.arange(rows_n, dtype=np.int64)
+    done = np.minimum(j + 1, top) * n + s0 if hi is None else np.where(j + 1 < top, (j + 1) * n + s0, top * n)
+    if unit.start != 0:  # NOTE: state 0 must be the start: swap the unit's states 0 and s0
+        return None
+    flat = u.reshape(-1)
+    inner = np.flatnonzero(flat >= 0)
+    comp = np.flatnonzero(flat == -2)
+    t = np.full((rows_n, n * 256), -1, dtype=np.int64)
+    t[:, inner] = flat[inner][None, :] + (j * n)[:, None]
+    t[:, comp] = done[:, None]
+    t = t.reshape(rows_n * n, 256)
+    # shortest accepted length of (j, q): finish this unit, then the units still owed to lo
+    owe = np.maximum(lo - j - 1, 0)[:, None] * int(du[s0])
+    dist = (du[None, :] + owe).reshape(-1)
+    acc = np.zeros(size, dtype=bool)
+    if hi is None:
+        acc[top * n + s0] = True
+        dist[top * n + s0] = 0
+    else:
+        acc[np.arange(lo, top) * n + s0] = True
+        dist[np.arange(lo, top) * n + s0] = 0
+        t = np.vstack([t, np.full((1, 256), -1, dtype=np.int64)])
+        acc[-1] = True
+        dist = np.concatenate([dist, [0]])
+    return t, acc, dist
 
 
 def _bits(mask: np.ndarray) -> int:
