@@ -558,7 +558,7 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     edge_src = edge // k
     edge_w = weights[edge % k]
     bounds = np.searchsorted(dst, np.arange(n + 1))
-    h = (succ.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    h = succ.astype(np.uint64) @ weights  # NOTE: integer matmul wraps modulo 2^64, ~10x a sum of products
     # NOTE: after each round every class has one hash; only classes holding a state whose hash
     # changed (a predecessor of a state that changed class) can split in the next round
     sub = np.arange(n)
@@ -580,7 +580,8 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         sub = np.flatnonzero(hit[cls])
     reps = np.zeros(num, dtype=np.int64)
     reps[cls] = np.arange(len(cls))
-    if np.array_equal(cls[cols], cls[cols[reps[cls]]]):
+    succ = cls[cols]
+    if np.array_equal(succ, succ[reps[cls]]):
         return cls
     while True:  # exact fallback (never seen in practice)
         _, new_cls = np.unique(np.column_stack([cls, cls[cols]]), axis=0, return_inverse=True)
