@@ -276,6 +276,16 @@ class RadixCache:
         tick = self._tick
         if partial is not None:  # split where the match ends, as match_prefix does
             node = self._split(partial, path.length - self.path_len(node))
+        values = self._stamp_path_values(node, tick)
+        if not values:
+            return MatchResult(_EMPTY, node, 0)
+        indices = values[0] if len(values) == 1 else np.concatenate(values[::-1])
+        return MatchResult(indices, node, path.length)
+
+    @staticmethod
+    def _stamp_path_values(node: TreeNode, tick: int) -> list[npt.NDArray[np.int64]]:
+        """Stamps `tick` and one hit on every node from `node` up to its namespace root (the root
+        gets the tick only, as match_prefix stamps it); returns their values, deepest first."""
         values: list[npt.NDArray[np.int64]] = []
         cur = node
         while cur.parent is not None:
@@ -284,10 +294,7 @@ class RadixCache:
             values.append(cur.value)
             cur = cur.parent
         cur.last_access = tick
-        if not values:
-            return MatchResult(_EMPTY, node, 0)
-        indices = values[0] if len(values) == 1 else np.concatenate(values[::-1])
-        return MatchResult(indices, node, path.length)
+        return values
 
     def match_node(self, node: TreeNode) -> MatchResult:
         """`match_prefix` of the key that ends exactly at `node` (its whole path from the
@@ -299,14 +306,7 @@ class RadixCache:
             raise ValueError("match_node needs a live non-root node (use match_prefix for a key)")
         self._tick += 1
         tick = self._tick
-        values: list[npt.NDArray[np.int64]] = []
-        cur = node
-        while cur.parent is not None:
-            cur.last_access = tick
-            cur.hit_count += 1
-            values.append(cur.value)
-            cur = cur.parent
-        cur.last_access = tick  # the namespace root, as match_prefix stamps it
+        values = self._stamp_path_values(node, tick)
         indices = values[0] if len(values) == 1 else np.concatenate(values[::-1])
         return MatchResult(indices, node, len(indices))
 
