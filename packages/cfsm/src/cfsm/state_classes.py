@@ -28,7 +28,7 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     rng = np.random.default_rng(0xC1A55)
     w = rng.integers(1, 2**63, size=(2, k), dtype=np.uint64)
     succ = cls[cols].astype(np.uint64)
-    h = np.stack([(succ * w[0]).sum(axis=1, dtype=np.uint64), (succ * w[1]).sum(axis=1, dtype=np.uint64)])
+    h = np.ascontiguousarray((succ @ w.T).T)  # NOTE: integer matmul wraps modulo 2^64 like the sums it replaces
     # reverse edges grouped by target, but for those into the dead state (alone in its class
     # from the start, it never changes class)
     flat_dst = cols.reshape(-1).astype(np.int64)

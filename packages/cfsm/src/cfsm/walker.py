@@ -108,9 +108,20 @@ class _Walker:
 
     def num_broad(self, states: np.ndarray) -> int:
         """How many of `states` have more candidate tokens than `walk_few` takes."""
-        counts = self.tables.first_byte_counts
-        live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
-        return int(((live * counts[None, :]).sum(axis=1) > _TINY).sum())
+        return int((self.num_candidates(states) > _TINY).sum())
+
+    @functools.cached_property
+    def _class_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a byte of each byte class, how many tokens start with a byte of that class)."""
+        rep, byte_class = self.dfa.byte_classes
+        counts = np.bincount(byte_class, weights=self.tables.first_byte_counts, minlength=len(rep))
+        return rep, counts.astype(np.int64)
+
+    def num_candidates(self, states: np.ndarray) -> np.ndarray:
+        """Per state: how many tokens start with a byte it allows (per byte class, as a matmul)."""
+        rep, counts = self._class_counts
+        live = np.take(np.take(self.trans, states, axis=0), rep, axis=1) != self.dead
+        return live.astype(np.int64) @ counts
 
     @functools.cached_property
     def stay_flat(self) -> np.ndarray:
@@ -125,15 +136,15 @@ class _Walker:
         at most `_BATCH_PAIRS` pairs, bounding its memory.
         """
         tables = self.tables
-        counts = tables.first_byte_counts
-        live = (self.trans[states] != self.dead) & (counts > 0)[None, :]
-        num_candidates = (live * counts[None, :]).sum(axis=1)
+        num_candidates = self.num_candidates(states)
         small = num_candidates <= _TINY
         few = states[small]
         out_owner: list[np.ndarray] = []
         out_pos: list[np.ndarray] = []
         if len(few):
-            live, num_candidates = live[small], num_candidates[small]
+            counts = tables.first_byte_counts
+            live = (np.take(self.trans, few, axis=0) != self.dead) & (counts > 0)[None, :]
+            num_candidates = num_candidates[small]
             batch = np.cumsum(num_candidates) // _BATCH_PAIRS
             cuts = np.flatnonzero(np.diff(batch)) + 1
             starts2 = tables.two_byte_starts
