@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from cfsm.automaton import Dfa, build_dfa
 from cfsm.direct import build_dfa_direct
 from cfsm.index import build_index
 from cfsm.json_schema import schema_to_node
+from cfsm.regex_ast import Chars, Node, Repeat, cat, lit
 from cfsm.regex_parser import parse_regex
 
 
@@ -40,6 +42,9 @@ _VALUES: list[dict[str, Any]] = [
     {"type": "array", "items": {"type": "string"}},
     {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
     {"type": ["string", "null"]},
+    {"enum": []},
+    {"type": "string", "minLength": 3, "maxLength": 2},
+    {"type": "string", "minLength": 12, "maxLength": 9},
 ]
 
 
@@ -103,6 +108,23 @@ def test_repeated_sections_take_the_direct_path_and_give_the_same_index() -> Non
     assert np.array_equal(a.masks, b.masks) and np.array_equal(a.mask_row, b.mask_row)
     compiled = cfsm.compile_json_schema(_sections(3), vocab)
     assert np.array_equal(compiled.masks, b.masks) and np.array_equal(compiled.mask_row, b.mask_row)
+
+
+def test_an_empty_language_gives_the_empty_dfa() -> None:
+    for value in ({"enum": []}, {"type": "integer", "minimum": 5, "maximum": 2}):
+        schema = {"type": "object", "properties": {"a": value, "b": {"type": "string", "maxLength": 9}},
+                  "required": ["a", "b"]}
+        node = schema_to_node(schema, CfsmConfig())
+        direct = build_dfa_direct(node, force=True)
+        assert direct is not None and direct.num_states == 0 and _same(direct, build_dfa(node))
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 8), (3, 9), (9, 9), (12, 9), (0, None), (1, None), (9, None), (0, 0)])
+@pytest.mark.parametrize("unit", [lit("ab"), cat(lit("a"), Repeat(lit("b"), 0, 1), lit("c")), Chars(((0x41, 0x5A), (0xE9, 0xE9)))])
+def test_counted_blocks(unit: Node, lo: int, hi: int | None) -> None:
+    node = cat(lit("x"), Repeat(unit, lo, hi), lit("y"))
+    direct = build_dfa_direct(node, force=True)
+    assert direct is not None and _same(direct, build_dfa(node))
 
 
 def test_pieces_that_overlap_their_continuation_fall_back() -> None:

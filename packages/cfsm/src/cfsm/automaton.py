@@ -704,7 +704,8 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
         any_rep[cls] = np.arange(n)
         by_byte = np.argsort(col_rep, kind="stable")  # columns by their first byte
         ccols = cls[np.take(np.take(cols, any_rep, axis=0), by_byte, axis=1)]
-        order = _bfs_order(ccols, int(cls[start]), dead_cls)
+        start_cls = int(cls[start])
+        order = _bfs_order(ccols, start_cls, dead_cls) if start_cls != dead_cls else np.zeros(0, dtype=np.int64)
     else:
         # renumber: the dead class last, the rest in first-seen order from state 0
         first_seen = np.full(num, n, dtype=np.int64)

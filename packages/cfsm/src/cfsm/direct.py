@@ -120,8 +120,8 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     one last state (hi units read). None if the item is not a prefix code. Start: state 0."""
     lo, hi = node.lo, node.hi
     top = lo if hi is None else hi
-    if top < _COUNTED_MIN and hi is not None:
-        return None  # small: the subset construction is as cheap
+    if hi is not None and (top < _COUNTED_MIN or lo > hi):
+        return None  # small (the subset construction is as cheap), or empty
     unit = _unit(node.item)
     if unit is None or top == 0:
         return None
