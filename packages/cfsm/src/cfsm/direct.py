@@ -49,7 +49,8 @@ class _Block:
     # NOTE: not minimized (the whole table is, once): a block is its subset construction
     """
 
-    __slots__ = ("rows", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits")
+    __slots__ = ("rows", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits", "start_dist",
+                 "start_accepting")
 
     def __init__(self, node: Node) -> None:
         counted = _counted(node) if isinstance(node, Repeat) else None
@@ -84,6 +85,8 @@ class _Block:
         self.cuts = np.flatnonzero((t[:, 1:] != t[:, :-1]).any(axis=0)) + 1  # where a byte interval starts
         # the bytes the start reads, and the bytes some accepting state reads (bit b: byte b)
         self.start_bits = _bits(t[start] >= 0)
+        self.start_dist = int(dist[start])
+        self.start_accepting = bool(acc[start])
         self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0)))
 
 
@@ -166,51 +169,57 @@ def _bits(mask: np.ndarray) -> int:
 class _Builder:
     def __init__(self) -> None:
         self.size = 0
-        self.accepting: list[bool] = []
+        # per state that can be a continuation (the final state, literal states, block starts):
+        # (accepting, shortest accepted length or -1, the bytes its row reads as a 256-bit int)
         # NOTE: a state's shortest accepted length is known by construction: a literal state's is
         # 1 + its continuation's; a block state's, its length inside the block + the continuation's
         # (the block is left only from its accepting states, all into the same continuation)
-        self.dist: list[int] = []
-        # per state (only kept for states that can be a continuation: literal states, block starts,
-        # the final state): the bytes its row reads, as a 256-bit int
-        self.first: list[int] = []
+        self.entry: dict[int, tuple[bool, int, int]] = {}
         # literal states: one byte range each
         self.lit_src: list[int] = []
         self.lit_lo: list[int] = []
         self.lit_hi: list[int] = []
         self.lit_dst: list[int] = []
-        # block copies: (first state id, block, continuation)
-        self.copies: list[tuple[int, _Block, int]] = []
+        self.lit_dist: list[int] = []
+        self.finals: list[int] = []
+        # block copies: (first state id, block, continuation, its accepting flag and length)
+        self.copies: list[tuple[int, _Block, int, bool, int]] = []
         self.blocks: dict[int, _Block] = {}  # by structure key
         self.keys: dict[int, int] = {}  # id(node) -> structure key
         self.interned: dict[tuple[object, ...], int] = {}
         self.nodes: list[Node] = []  # keeps keyed nodes alive while their ids are in use
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
 
-    def new(self, accepting: bool, dist: int, first: int = 0) -> int:
-        self.accepting.append(accepting)
-        self.dist.append(dist)
-        self.first.append(first)
+    def final(self) -> int:
+        """The state after the whole tree: accepting, no transitions."""
+        s = self.size
         self.size += 1
-        return self.size - 1
+        self.entry[s] = (True, 0, 0)
+        self.finals.append(s)
+        return s
 
     def build(self, node: Node, cont: int) -> int:
         """A state whose language is node's language followed by cont's."""
-        if isinstance(node, Chars):
-            r = node.ranges
-            if len(r) == 1 and r[0][1] < 0x80:  # one ASCII range: one state
-                d = self.dist[cont]
-                s = self.new(False, d + 1 if d >= 0 else -1, (1 << (r[0][1] + 1)) - (1 << r[0][0]))
-                self.lit_src.append(s)
-                self.lit_lo.append(r[0][0])
-                self.lit_hi.append(r[0][1])
-                self.lit_dst.append(cont)
-                return s
-            return self.block(node, cont)
         if isinstance(node, Cat):
             for item in reversed(node.items):
                 cont = self.build(item, cont)
             return cont
+        if isinstance(node, Chars):
+            r = node.ranges
+            if len(r) == 1 and r[0][1] < 0x80:  # one ASCII range: one state
+                lo, hi = r[0]
+                d = self.entry[cont][1]
+                d = d + 1 if d >= 0 else -1
+                s = self.size
+                self.size += 1
+                self.entry[s] = (False, d, (1 << (hi + 1)) - (1 << lo))
+                self.lit_src.append(s)
+                self.lit_lo.append(lo)
+                self.lit_hi.append(hi)
+                self.lit_dst.append(cont)
+                self.lit_dist.append(d)
+                return s
+            return self.block(node, cont)
         if isinstance(node, Scope):
             self.shared.append({})
             try:
@@ -247,21 +256,19 @@ class _Builder:
         blk = self.blocks.get(key)
         if blk is None:
             blk = self.blocks[key] = _Block(node)
-        if blk.acc_bits & self.first[cont]:
+        acc, d, first = self.entry[cont]
+        if blk.acc_bits & first:
             raise _Fallback("a piece's end and its continuation read the same byte")
         base = self.size
         self.size += blk.size
-        acc = np.zeros(blk.size, dtype=bool)
-        acc[blk.accepting] = self.accepting[cont]
-        self.accepting.extend(acc.tolist())
-        d = self.dist[cont]
-        self.dist.extend((np.where(blk.dist >= 0, blk.dist + d, -1) if d >= 0 else np.full(blk.size, -1)).tolist())
-        self.first.extend([0] * blk.size)
-        start = base + blk.start
-        self.first[start] = blk.start_bits | (self.first[cont] if self.accepting[start] else 0)
-        self.copies.append((base, blk, cont))
         if self.size > MAX_DFA_STATES:
             raise _Fallback("too large: the generic construction reports it")
+        self.copies.append((base, blk, cont, acc, d))
+        start = base + blk.start
+        sd = blk.start_dist
+        ends = blk.start_accepting  # the start takes the continuation's row too
+        self.entry[start] = (ends and acc, sd + d if sd >= 0 and d >= 0 else -1,
+                             blk.start_bits | (first if ends else 0))
         return start
 
     def key(self, node: Node) -> int:
@@ -300,7 +307,7 @@ class _Builder:
         lo = np.asarray(self.lit_lo, dtype=np.int64)
         hi = np.asarray(self.lit_hi, dtype=np.int64)
         cuts = [np.array([0]), lo, hi + 1]
-        for blk in {id(b): b for _, b, _ in self.copies}.values():
+        for blk in {id(c[1]): c[1] for c in self.copies}.values():
             cuts.append(blk.cuts)
         starts = np.unique(np.concatenate(cuts))
         starts = starts[starts < 256]
@@ -318,12 +325,12 @@ class _Builder:
         # NOTE: copies are made backward, so a copy's continuation (a smaller id) and that
         # continuation's own merge are final when the copy's accepting rows take its row
         narrow: dict[int, np.ndarray] = {}
-        for base, blk, _ in self.copies:
+        for base, blk, *_ in self.copies:
             rows = narrow.get(id(blk))
             if rows is None:
                 rows = narrow[id(blk)] = np.take(blk.rows, starts, axis=1)
             t[base : base + blk.size] = np.where(rows < 0, n, rows + base)
-        for base, blk, cont in self.copies:
+        for base, blk, cont, *_ in self.copies:
             if not len(blk.accepting):
                 continue
             ids = blk.accepting + base
@@ -333,6 +340,23 @@ class _Builder:
                 raise _Fallback("a piece's end and its continuation read the same byte")
             t[ids] = np.where(mine == n, theirs, mine)
         return t, byte_map
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(accepting, shortest accepted lengths) of every state, the dead state last."""
+        n = self.size
+        acc = np.zeros(n + 1, dtype=bool)
+        dist = np.full(n + 1, -1, dtype=np.int64)
+        for s in self.finals:
+            acc[s] = True
+            dist[s] = 0
+        src = np.asarray(self.lit_src, dtype=np.int64)
+        dist[src] = np.asarray(self.lit_dist, dtype=np.int64)
+        for base, blk, _, cacc, d in self.copies:
+            if cacc:
+                acc[base + blk.accepting] = True
+            if d >= 0:
+                dist[base : base + blk.size] = np.where(blk.dist >= 0, blk.dist + d, -1)
+        return acc, dist
 
 
 @without_gc
@@ -348,15 +372,14 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         # construction pays it once for the whole tree: worth it only where blocks repeat
         if not force and 2 * len(counts) > sum(counts.values()):
             return None
-        final = b.new(True, 0)
+        final = b.final()
         start = b.build(node, final)
         if start == final:
             return None  # the empty string: nothing to gain
         t, byte_map = b.table()
     except _Fallback:
         return None
-    dist = np.asarray(b.dist + [-1], dtype=np.int64)
-    acc = np.asarray(b.accepting + [False], dtype=bool)
+    acc, dist = b.arrays()
     # NOTE: unreachable states (a literal state whose every entry was merged into a block's
     # accepting rows) are dropped by the breadth-first numbering
     return _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
