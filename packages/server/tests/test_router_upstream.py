@@ -54,3 +54,64 @@ def test_least_loaded_shard_is_reused() -> None:
     with pytest.raises(ValueError):
         ShardedClient(per_shard=0)
     asyncio.run(pool.aclose())
+
+
+class _FakeUpstream:
+    """What RelayResponse reads of an httpx.Response: status, headers, raw chunks, aclose."""
+
+    status_code = 200
+    headers = {"content-type": "text/event-stream"}
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def aiter_raw(self):  # type: ignore[no-untyped-def]
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+            await asyncio.sleep(0)
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+def _relay_once(send_fails: bool, spec: str, disconnect_at_once: bool) -> tuple[int, int, list[bytes]]:
+    from starlette.requests import ClientDisconnect
+
+    from lmserver.router.app import RelayResponse
+
+    upstream = _FakeUpstream()
+    finished: list[int] = []
+    body: list[bytes] = []
+
+    async def receive() -> dict[str, object]:
+        if disconnect_at_once:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        if send_fails:
+            raise OSError("client went away")
+        if message["type"] == "http.response.body":
+            body.append(message.get("body", b""))  # type: ignore[arg-type]
+
+    async def main() -> None:
+        response = RelayResponse(upstream, lambda: finished.append(1))  # type: ignore[arg-type]
+        scope = {"type": "http", "asgi": {"spec_version": spec}}
+        try:
+            await response(scope, receive, send)
+        except ClientDisconnect:
+            pass
+
+    asyncio.run(main())
+    return upstream.closed, len(finished), body
+
+
+def test_relay_closes_upstream_and_releases_once_whatever_the_client_does() -> None:
+    # read to the end
+    closed, finished, body = _relay_once(send_fails=False, spec="2.4", disconnect_at_once=False)
+    assert (closed, finished) == (1, 1) and b"".join(body) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    # the client is gone before the first byte (the body iterator never starts)
+    assert _relay_once(send_fails=True, spec="2.4", disconnect_at_once=False)[:2] == (1, 1)
+    # older ASGI servers: a disconnect seen by the listener cancels the stream
+    assert _relay_once(send_fails=False, spec="2.0", disconnect_at_once=True)[:2] == (1, 1)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -183,11 +184,7 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
                 continue
             worker.served += 1
             router.mark_success(url)
-            return StreamingResponse(
-                _relay(upstream, worker, functools.partial(upstream_clients.release, shard)),
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type"),
-            )
+            return RelayResponse(upstream, functools.partial(_finish, worker, upstream_clients, shard))
         return JSONResponse(
             {"error": {"message": "no healthy worker could take the request", "code": 503}}, 503
         )
@@ -275,14 +272,45 @@ async def _announce_when_listening(host: str, port: int, ready_line: str | None)
         return
 
 
-async def _relay(upstream: httpx.Response, worker: WorkerState, done: Callable[[], None]) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    finally:
-        worker.in_flight -= 1
-        await upstream.aclose()
-        done()
+def _finish(worker: WorkerState, upstream_clients: ShardedClient, shard: int) -> None:
+    worker.in_flight -= 1
+    upstream_clients.release(shard)
+
+
+class RelayResponse(StreamingResponse):
+    """A worker's response streamed to the client. Whatever the client does (reads it all,
+    disconnects before the first byte or in the middle), the upstream response is closed and
+    `on_close` runs exactly once: a body iterator that never started would run no `finally`."""
+
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
+        self._upstream = upstream
+        self._on_close = on_close
+        self._closed = False
+        super().__init__(self._chunks(), status_code=upstream.status_code,
+                         media_type=upstream.headers.get("content-type"))
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._upstream.aiter_raw():
+                yield chunk
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.CancelScope(shield=True):  # NOTE: also when the request task is being cancelled
+                await self._upstream.aclose()
+        finally:
+            self._on_close()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 def serve(config: RouterConfig, ready_line: str | None = None) -> None:
