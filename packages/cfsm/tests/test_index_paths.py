@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import cfsm
 import cfsm.index
+import cfsm.mask_rows
 import cfsm.walker
 import cfsm.walks
 from cfsm import Vocabulary
@@ -356,3 +357,41 @@ def test_or_bits_sets_exactly_the_given_token_bits(tids: set[int], start: int) -
     or_bits(row, np.asarray(sorted(tids), dtype=np.int64))  # both paths: at most and over _PACK_MIN ids
     want = [start | sum(1 << (t & 31) for t in tids if t >> 5 == w) for w in range(40)]
     assert row.tolist() == want
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sets=st.lists(st.lists(st.integers(0, 32 * 5 - 1), max_size=40), min_size=0, max_size=9),
+       base_at=st.lists(st.integers(-1, 2), min_size=9, max_size=9), chunk_words=st.integers(1, 12))
+def test_pack_rows_equal_rows_packed_one_by_one(sets: list[list[int]], base_at: list[int], chunk_words: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    words = 5
+    base = np.random.default_rng(len(sets)).integers(0, 2**32, size=(3, words), dtype=np.uint32)
+    base_idx = np.asarray(base_at[: len(sets)], dtype=np.int64)
+    pair_g = np.asarray([g for g, s in enumerate(sets) for _ in s], dtype=np.int64)
+    pair_t = np.asarray([t for s in sets for t in s], dtype=np.int64)  # repeated ids included
+    got: list[bytes] = []
+    want: list[bytes] = []
+
+    def intern(row: np.ndarray) -> int:
+        got.append(row.tobytes())
+        return len(got) - 1
+
+    monkeypatch.setattr(cfsm.mask_rows, "_PACK_CHUNK_WORDS", chunk_words)  # chunks of one row and more
+    ids = cfsm.mask_rows.pack_rows(len(sets), pair_g, pair_t, words, intern, base, base_idx)
+    for g, s in enumerate(sets):
+        row = base[base_idx[g]].copy() if base_idx[g] >= 0 else np.zeros(words, dtype=np.uint32)
+        or_bits(row, np.asarray(sorted(set(s)), dtype=np.int64))
+        want.append(row.tobytes())
+    assert ids.tolist() == list(range(len(sets))) and got == want
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.binary(max_size=5), min_size=1, max_size=8), st.sampled_from(['"a{0,3}",?[xy]*', "[a-c]+x?", "é|a*"]))
+def test_live_suffixes_equal_one_walk_per_pair(suffixes: list[bytes], pattern: str) -> None:
+    from cfsm.templates import live_suffixes, suffix_table
+
+    dfa = build_dfa(parse_regex(pattern))
+    conts = np.arange(dfa.num_states + 1, dtype=np.int64)  # the dead state too
+    live = live_suffixes(dfa, conts, suffix_table(suffixes))
+    want = [[dfa.walk(int(c), x) != dfa.dead for x in suffixes] for c in conts]
+    assert live.tolist() == want

@@ -190,8 +190,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     class_row = np.empty(len(reps), dtype=np.int32)
     few, owner, pos = walker.walk_few(reps.astype(np.int64))
     if few.any():
-        _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row,
-                  lambda tids: intern(sparse_row(tids)))
+        _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words)
     prefix_rows = _PrefixRows(tables.order, is_long, words)
     for k in np.flatnonzero(~few).tolist():
         rep = int(reps[k])

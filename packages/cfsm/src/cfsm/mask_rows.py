@@ -14,6 +14,8 @@ from cfsm.walker import Prefix
 # token sets larger than this are set through a bool array and packbits (one pass over V/8
 # bytes), smaller ones bit by bit (ufunc.at costs per element)
 _PACK_MIN = 256
+# `pack_rows` packs at most this many uint32 words (rows x row width) at a time
+_PACK_CHUNK_WORDS = 1 << 20
 
 
 def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
@@ -28,7 +30,7 @@ def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
 
 def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
               order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
-              intern: Callable[[np.ndarray], int]) -> None:
+              intern: Callable[[np.ndarray], int], words: int) -> None:
     """Rows of the classes walked in batch (`few`): `class_row[k]` for each of them.
 
     Token sets are grouped by two 64-bit sums of random per-token weights (with their size), so
@@ -59,14 +61,49 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     if len(kk):
         seg_of[kk[starts]] = np.arange(len(starts))
     bounds = np.append(starts, len(kk))
-    group_row = np.empty(len(first), dtype=np.int32)
-    for g, k in enumerate(first.tolist()):
-        i = int(seg_of[k])
-        t = tids[bounds[i] : bounds[i + 1]] if i >= 0 else np.zeros(0, np.int64)
-        if acc[k]:
-            t = np.concatenate([t, eos.astype(np.int64)])
-        group_row[g] = intern(t)
-    class_row[ks] = group_row[inverse.reshape(-1)]
+    # every group's (group, token) pairs: its representative's segment, then EOS if accepting
+    seg = seg_of[first]
+    has = seg >= 0
+    ends = np.append(bounds, len(kk))  # one more entry: index seg + 1 exists even without segments
+    lo = np.where(has, ends[np.maximum(seg, 0)], 0)
+    sizes = np.where(has, ends[np.maximum(seg, 0) + 1] - lo, 0)
+    offsets = np.cumsum(sizes) - sizes
+    at = np.repeat(lo - offsets, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+    pair_g = np.repeat(np.arange(len(first), dtype=np.int64), sizes)
+    pair_t = tids[at]
+    acc_g = np.flatnonzero(acc[first])
+    if len(acc_g) and len(eos):
+        pair_g = np.concatenate([pair_g, np.repeat(acc_g, len(eos))])
+        pair_t = np.concatenate([pair_t, np.tile(eos.astype(np.int64), len(acc_g))])
+    class_row[ks] = pack_rows(len(first), pair_g, pair_t, words, intern)[inverse.reshape(-1)]
+
+
+def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,
+              intern: Callable[[np.ndarray], int], base: np.ndarray | None = None,
+              base_idx: np.ndarray | None = None) -> np.ndarray:
+    """Rows 0..num-1 (uint32, `words` wide; row g starts as `base[base_idx[g]]` where that index
+    is >= 0, else zero) with
+    token `pair_t[i]` set in row `pair_g[i]`, packed in chunks and interned in order: the
+    interned id of each row."""
+    out = np.empty(num, dtype=np.int32)
+    if num == 0:
+        return out
+    chunk = max(1, _PACK_CHUNK_WORDS // max(words, 1))
+    order = np.argsort(pair_g, kind="stable")
+    pair_g, pair_t = pair_g[order], pair_t[order]
+    cuts = np.searchsorted(pair_g, np.arange(0, num + chunk, chunk))
+    for c, g0 in enumerate(range(0, num, chunk)):
+        g1 = min(g0 + chunk, num)
+        block = np.zeros((g1 - g0, words), dtype=np.uint32)
+        if base is not None and base_idx is not None:
+            bi = base_idx[g0:g1]
+            block[bi >= 0] = base[bi[bi >= 0]]
+        g, t = pair_g[cuts[c] : cuts[c + 1]] - g0, pair_t[cuts[c] : cuts[c + 1]]
+        if len(t):
+            np.bitwise_or.at(block, (g, t >> 5), np.left_shift(np.uint32(1), (t & 31).astype(np.uint32)))
+        for j in range(g1 - g0):
+            out[g0 + j] = intern(block[j])
+    return out
 
 
 class _PrefixRows:

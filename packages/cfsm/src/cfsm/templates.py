@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.automaton import Dfa, _unique_rows, build_dfa
-from cfsm.mask_rows import or_bits
+from cfsm.mask_rows import or_bits, pack_rows
 from cfsm.vocab import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
@@ -178,25 +178,19 @@ def suffix_table(suffixes: list[bytes]) -> np.ndarray:
 
 def live_suffixes(dfa: Dfa, conts: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """(len(conts), num suffixes) bool: whether suffix j (`suffix_table` columns) walked from
-    state conts[i] stays alive; one walk of all (continuation, suffix) pairs."""
+    state conts[i] stays alive; all (continuation, suffix) pairs walked as one 2-D array, a
+    column frozen once its suffix has ended (-1 bytes are only past a suffix's end)."""
     num_suf = cols.shape[1]
-    live = np.zeros((len(conts), num_suf), dtype=bool)
-    if num_suf:
-        ci = np.repeat(np.arange(len(conts)), num_suf)
-        sj = np.tile(np.arange(num_suf), len(conts))
-        cur = conts[ci].astype(np.int64)
-        tflat = dfa.transitions.reshape(-1)
-        for d in range(cols.shape[0]):
-            b = cols[d].take(sj)
-            end = b < 0
-            if end.any():
-                live[ci[end], sj[end]] = cur[end] != dfa.dead
-                keep = ~end
-                ci, sj, cur, b = ci[keep], sj[keep], cur[keep], b[keep]
-            if not len(ci):
-                break
-            cur = tflat.take(cur * 256 + b).astype(np.int64)
-    return live
+    if not num_suf or not len(conts):
+        return np.zeros((len(conts), num_suf), dtype=bool)
+    cur = np.repeat(conts.astype(np.int64)[:, None], num_suf, axis=1)
+    tflat = dfa.transitions.reshape(-1)
+    for d in range(cols.shape[0]):
+        on = np.flatnonzero(cols[d] >= 0)
+        if not len(on):
+            break
+        cur[:, on] = tflat.take(cur[:, on] * 256 + cols[d, on].astype(np.int64))
+    return cur != dfa.dead
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,11 +363,13 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
         if len(eids):
             key = np.hstack([key, np.packbits(allowed, axis=1)])
         first, inverse = _unique_rows(key)
-        rows = np.empty(len(first), dtype=np.int32)
-        for g, i in enumerate(first.tolist()):
-            k = int(cut[i])
-            row = st.stay_rows[s][k].copy() if k >= 0 else np.zeros(st.stay_rows[s].shape[1], dtype=np.uint32)
-            tids = eids[allowed[i]]
-            or_bits(row, tids)
-            rows[g] = intern(row)
+        # each group's row: its stay row (zero without one) plus its allowed exit tokens
+        stay = st.stay_rows[s]
+        if len(eids):
+            pair_g, pair_e = np.nonzero(allowed[first])
+            rows = pack_rows(len(first), pair_g, eids[pair_e].astype(np.int64), stay.shape[1], intern, stay,
+                             cut[first])
+        else:  # interned as they are (rows are never written after interning)
+            zero = np.zeros(stay.shape[1], dtype=np.uint32)
+            rows = np.array([intern(stay[k] if k >= 0 else zero) for k in cut[first].tolist()], dtype=np.int32)
         mask_row[qs] = rows[inverse]
