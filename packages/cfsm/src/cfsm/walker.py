@@ -117,10 +117,42 @@ class _Walker:
         counts = np.bincount(byte_class, weights=self.tables.first_byte_counts, minlength=len(rep))
         return rep, counts.astype(np.int64)
 
+    @functools.cached_property
+    def _class_table(self) -> np.ndarray:
+        """The transition table with one column per byte class (a byte of each)."""
+        return np.take(self.trans, self._class_counts[0], axis=1)
+
+    @functools.cached_property
+    def _class_bytes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per byte class, its bytes in increasing order as a CSR list (bytes, starts, sizes), and
+        per byte whether it starts a token."""
+        _, byte_class = self.dfa.byte_classes
+        k = len(self._class_counts[0])
+        by_class = np.argsort(byte_class, kind="stable")  # bytes grouped by class, increasing within
+        sizes = np.bincount(byte_class, minlength=k)
+        starting = self.tables.first_byte_counts > 0
+        return by_class, np.cumsum(sizes) - sizes, sizes, starting
+
+    def _live_bytes(self, states: np.ndarray, starting_only: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The (index in `states`, byte) pairs with a live transition, in row-major order (as
+        `np.nonzero` of the 256-wide live matrix would give them): found per byte class, then
+        expanded to the class's bytes (only those that start a token if `starting_only`)."""
+        by_class, lo, sizes, starting = self._class_bytes
+        r, c = np.nonzero(self._class_table[states] != self.dead)
+        n = sizes[c]
+        offsets = np.cumsum(n) - n
+        at = np.repeat(lo[c] - offsets, n) + np.arange(int(n.sum()), dtype=np.int64)
+        rows, byte = np.repeat(r, n), by_class[at]
+        if starting_only:
+            keep = starting[byte]
+            rows, byte = rows[keep], byte[keep]
+        order = np.argsort(rows * 256 + byte, kind="stable")
+        return rows[order], byte[order]
+
     def num_candidates(self, states: np.ndarray) -> np.ndarray:
         """Per state: how many tokens start with a byte it allows (per byte class, as a matmul)."""
-        rep, counts = self._class_counts
-        live = np.take(np.take(self.trans, states, axis=0), rep, axis=1) != self.dead
+        _, counts = self._class_counts
+        live = self._class_table[states] != self.dead
         return live.astype(np.int64) @ counts
 
     @functools.cached_property
@@ -143,15 +175,16 @@ class _Walker:
         out_pos: list[np.ndarray] = []
         if len(few):
             counts = tables.first_byte_counts
-            live = (np.take(self.trans, few, axis=0) != self.dead) & (counts > 0)[None, :]
+            live_rows, live_first = self._live_bytes(few, starting_only=True)
             num_candidates = num_candidates[small]
             batch = np.cumsum(num_candidates) // _BATCH_PAIRS
             cuts = np.flatnonzero(np.diff(batch)) + 1
             starts2 = tables.two_byte_starts
             columns = tables.columns
             for part in np.split(np.arange(len(few)), cuts):
-                rows, first = np.nonzero(live[part])
-                owners = few[part][rows]
+                a, b = np.searchsorted(live_rows, [part[0], part[-1] + 1]) if len(part) else (0, 0)
+                first = live_first[a:b]
+                owners = few[live_rows[a:b]]
                 # NOTE: a first byte that starts many tokens has its second byte checked per
                 # (state, first byte) before tokens are expanded (a forced key letter: only the
                 # tokens of the surviving two-byte prefixes are walked on); the others expand at once
@@ -165,7 +198,7 @@ class _Walker:
                 # the one-byte tokens (several if the vocabulary repeats one) survive as they are
                 one_pos, one_owner, _ = _expand(starts2[first_w, 0], starts2[first_w, 1] - starts2[first_w, 0],
                                                 owners_w, after)
-                k, second = np.nonzero(self.trans[after] != self.dead)
+                k, second = self._live_bytes(after, starting_only=False)
                 lo = starts2[first_w[k], second + 1]
                 idx_w, owner_w, cur_w = _expand(lo, starts2[first_w[k], second + 2] - lo, owners_w[k],
                                                 self.trans[after[k], second])
