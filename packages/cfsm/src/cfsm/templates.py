@@ -350,26 +350,47 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     conts, c_idx = np.unique(cont[states], return_inverse=True)
     c_idx = c_idx.reshape(-1)
     live = live_suffixes(dfa, conts, st.suffix_columns)
+    ts = m.t[states]
+    by_t = np.argsort(ts, kind="stable")  # each T state's states, in increasing order
+    bounds = np.searchsorted(ts[by_t], np.arange(st.num_t + 1))
+    words = st.stay_rows[0].shape[1]
+    zero = np.zeros(words, dtype=np.uint32)
+    # T states without exit tokens (rows are stay rows) are batched while they follow each other
+    pending: list[tuple[int, np.ndarray, np.ndarray]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        s_all = np.concatenate([np.full(len(q), s, dtype=np.int64) for s, q, _ in pending])
+        q_all = np.concatenate([q for _, q, _ in pending])
+        cut_all = np.concatenate([c for _, _, c in pending]).astype(np.int64)
+        # grouped in the order of one T state after the other (big-endian T state first)
+        key = np.hstack([s_all.astype(">i8")[:, None].view(np.uint8), cut_all[:, None].view(np.uint8)])
+        first, inverse = _unique_rows(key)
+        # interned as they are (rows are never written after interning)
+        rows = np.array([intern(st.stay_rows[s][k] if k >= 0 else zero)
+                         for s, k in zip(s_all[first].tolist(), cut_all[first].tolist(), strict=True)], dtype=np.int32)
+        mask_row[q_all] = rows[inverse]
+        pending.clear()
+
     for s in range(st.num_t):
-        at = np.flatnonzero(m.t[states] == s)
+        at = by_t[bounds[s] : bounds[s + 1]]
         if not len(at):
             continue
         qs = states[at]
         rem, need = m.rem[qs], m.need[qs]
         cut = np.searchsorted(st.stay_values[s], rem, side="right") - 1  # -1: no stay token
         eids, ek, esuf = st.exit_ids[s], st.exit_chars[s], st.exit_suffix[s]
+        if not len(eids):
+            pending.append((s, qs, cut))
+            continue
+        flush()
         allowed = (ek[None, :] >= need[:, None]) & (ek[None, :] <= rem[:, None]) & live[c_idx[at][:, None], esuf[None, :]]
-        key = cut.astype(np.int64)[:, None].view(np.uint8)
-        if len(eids):
-            key = np.hstack([key, np.packbits(allowed, axis=1)])
+        key = np.hstack([cut.astype(np.int64)[:, None].view(np.uint8), np.packbits(allowed, axis=1)])
         first, inverse = _unique_rows(key)
         # each group's row: its stay row (zero without one) plus its allowed exit tokens
-        stay = st.stay_rows[s]
-        if len(eids):
-            pair_g, pair_e = np.nonzero(allowed[first])
-            rows = pack_rows(len(first), pair_g, eids[pair_e].astype(np.int64), stay.shape[1], intern, stay,
-                             cut[first])
-        else:  # interned as they are (rows are never written after interning)
-            zero = np.zeros(stay.shape[1], dtype=np.uint32)
-            rows = np.array([intern(stay[k] if k >= 0 else zero) for k in cut[first].tolist()], dtype=np.int32)
+        pair_g, pair_e = np.nonzero(allowed[first])
+        rows = pack_rows(len(first), pair_g, eids[pair_e].astype(np.int64), words, intern, st.stay_rows[s],
+                         cut[first])
         mask_row[qs] = rows[inverse]
+    flush()
