@@ -428,3 +428,38 @@ def test_chat_speculation_guards() -> None:
     state = good.run(backend=backend)
     assert (state["a"], state["b"]) == (" 1", " 2")
     assert len(backend.calls_of("generate")) == 1
+
+
+@pytest.mark.parametrize("wait_for_hints", [False, True])
+def test_fork_waits_for_its_prefix_hint_only_when_configured(wait_for_hints: bool) -> None:
+    """Default: the children run while the hint is in flight (the hint answers only once a child's
+    request has arrived); `wait_for_prefix_hints=True` (SGLang's interpreter): no child runs before
+    the hint is answered. Either way the program ends after the hint."""
+    child_arrived = threading.Event()
+    seen: list[bool] = []
+
+    class SlowHintBackend(MockBackend):
+        def cache_prefix(self, prefix_str: str) -> None:
+            seen.append(child_arrived.wait(timeout=0.5))
+            super().cache_prefix(prefix_str)
+
+    def respond(prompt: Prompt, params: SamplingParams) -> str:
+        child_arrived.set()
+        return " ok"
+
+    backend = SlowHintBackend(respond=respond)
+
+    def two(s):  # type: ignore[no-untyped-def]
+        s += "Q: "
+        forks = s.fork(2)
+        forks += sgl.gen("a", max_tokens=2)
+        forks.join()
+
+    program = sgl.function(two)
+    program.config = program.config.with_(wait_for_prefix_hints=wait_for_hints)
+    state = program.run(backend=backend)
+    assert state.error() is None
+    assert state["a"] == [" ok", " ok"]
+    assert seen == [not wait_for_hints]
+    kinds = [c.kind for c in backend.calls]
+    assert kinds.index("cache_prefix") < kinds.index("end")

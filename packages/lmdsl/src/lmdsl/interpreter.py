@@ -8,9 +8,10 @@ pending primitives are done.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +36,8 @@ from lmdsl.ir import (
     to_node,
 )
 from lmdsl.spec import SpecTerm, consume_constant, find_first_stop, match_template
+
+logger = logging.getLogger("lmdsl")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,46 @@ def defined_names(node: Node) -> tuple[str, ...]:
     return ()
 
 
+class PrefixHints:
+    """A program's prefix hints sent without waiting (`LmdslConfig.wait_for_prefix_hints` off), on
+    a pool of their own: a node-pool job that waits for them (the program's end) can never wait on
+    a job queued behind itself. Shared by a root state and its forks."""
+
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[Future[None]] = []
+
+    @classmethod
+    def _shared_pool(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="lmdsl-hint")
+            return cls._pool
+
+    def send(self, backend: Backend, prompt: Prompt) -> None:
+        future = self._shared_pool().submit(_send_hint, backend, prompt)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
+
+    def wait(self) -> None:
+        """Returns once every hint sent so far has been answered (or failed)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        wait(pending)
+
+
+def _send_hint(backend: Backend, prompt: Prompt) -> None:
+    """A prefix hint sent without waiting: a failure costs only the hint (it is logged)."""
+    try:
+        backend.commit_lazy_operations(prompt)
+    except Exception as exc:  # noqa: BLE001 - a lost hint changes no result
+        logger.warning("prefix hint failed (the fork went on without it): %s", exc)
+
+
 class StreamExecutor:
     """Executes the nodes of one program state; see the module docstring for the threading model."""
 
@@ -109,8 +152,10 @@ class StreamExecutor:
         stream: bool = False,
         num_api_spec_tokens: int | None = None,
         chat_template: ChatTemplate | None = None,
+        hints: PrefixHints | None = None,
     ) -> None:
         self.backend = backend
+        self.hints = hints if hints is not None else PrefixHints()
         self.default_params = default_params
         self.pool = pool
         self.usage = usage
@@ -212,7 +257,7 @@ class StreamExecutor:
         """A child sharing this state's committed text, variables, backend, pool and usage counter."""
         child = StreamExecutor(
             self.backend, self.default_params, self.pool, self.usage, self.config, stream=self.stream,
-            num_api_spec_tokens=self.num_api_spec_tokens, chat_template=self.chat_template,
+            num_api_spec_tokens=self.num_api_spec_tokens, chat_template=self.chat_template, hints=self.hints,
         )
         child.text_ = self.text_
         child.messages_ = list(self.messages_)
@@ -274,7 +319,10 @@ class StreamExecutor:
                 raise ProgramError(f"var_scope {node.name!r} ended without a begin")
             self._set(node.name, self.text_[self.var_scope_pos.pop(node.name):], {})
         elif isinstance(node, CommitLazy):
-            self.backend.commit_lazy_operations(self.prompt())
+            if self.config.wait_for_prefix_hints:
+                self.backend.commit_lazy_operations(self.prompt())
+            else:  # NOTE: a hint has no result: the fork goes on while it is sent
+                self.hints.send(self.backend, self.prompt())
         elif isinstance(node, SetVars):
             for name, value in node.values:
                 self._set(name, value, None)
@@ -282,6 +330,7 @@ class StreamExecutor:
             self.backend.concatenate_and_append(self.prompt(), [c.prompt() for c in node.children])
             self._fill("".join(c.text_[c.fork_start_pos:] for c in node.children))
         elif isinstance(node, EndProgram):
+            self.hints.wait()  # NOTE: no hint of a program outlives it
             self.backend.end_program([self.prompt()])
             with self._cond:
                 self._done = True
