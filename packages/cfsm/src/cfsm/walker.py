@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -83,6 +84,26 @@ class Prefix:
     key: bytes
     positions: np.ndarray
     cut: int
+
+
+_LONG_LEADS: weakref.WeakKeyDictionary[TrieTables, dict[int, tuple[np.ndarray, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _long_leads(tables: TrieTables, min_len: int) -> tuple[np.ndarray, ...]:
+    """The tokens longer than `min_len` bytes (sorted positions, first bytes) and their distinct
+    first bytes with the [start, end) range of each among them (per vocabulary, cached)."""
+    per = _LONG_LEADS.setdefault(tables, {})
+    hit = per.get(min_len)
+    if hit is None:
+        long_pos = np.flatnonzero(tables.lengths > min_len)
+        first = tables.columns[0, long_pos].astype(np.int64)
+        # the long tokens of one first byte are contiguous (sorted): pairs expand from ranges
+        lead, lead_at = np.unique(first, return_index=True)
+        hit = (long_pos, first, lead, lead_at, np.append(lead_at[1:], len(first)))
+        for a in hit:
+            a.flags.writeable = False  # shared by every compile over these tables
+        per[min_len] = hit
+    return hit
 
 
 class _Walker:
@@ -220,14 +241,9 @@ class _Walker:
         only of their group's bytes by length, as `walk` does; the other pairs are walked.
         """
         tables = self.tables
-        long_pos = np.flatnonzero(tables.lengths > min_len)
+        long_pos, first, lead, lead_at, lead_end = _long_leads(tables, min_len)
         if len(long_pos) == 0:
             return {}
-        first = tables.columns[0, long_pos].astype(np.int64)
-        # (state, long token) pairs whose first byte the state allows: the long tokens of one
-        # first byte are contiguous (sorted), so pairs expand from (state, byte) ranges
-        lead, lead_at = np.unique(first, return_index=True)
-        lead_end = np.append(lead_at[1:], len(first))
         pairs = np.take(self.trans[:-1], lead, axis=1) != self.dead
         if states is not None:
             pairs &= states[:, None]
