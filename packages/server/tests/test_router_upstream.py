@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -98,10 +99,8 @@ def _relay_once(send_fails: bool, spec: str, disconnect_at_once: bool) -> tuple[
     async def main() -> None:
         response = RelayResponse(upstream, lambda: finished.append(1))  # type: ignore[arg-type]
         scope = {"type": "http", "asgi": {"spec_version": spec}}
-        try:
+        with contextlib.suppress(ClientDisconnect):
             await response(scope, receive, send)
-        except ClientDisconnect:
-            pass
 
     asyncio.run(main())
     return upstream.closed, len(finished), body
