@@ -21,7 +21,7 @@ import numpy as np
 
 from cfsm.automaton import Dfa, _unique_rows, build_dfa
 from cfsm.mask_rows import or_bits
-from cfsm.templates import _walk_t, joint_reps, live_suffixes, suffix_table
+from cfsm.templates import _walk_t, exit_coded, joint_reps, live_suffixes, suffix_table
 from cfsm.vocab import TrieTables
 
 __all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows"]
@@ -40,11 +40,7 @@ def _f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
     final = np.flatnonzero(dfa.accepting[:-1])
     if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any() or int(final[0]) == dfa.start:
         return None
-    live = [q for q in range(dfa.num_states) if q != int(final[0])]
-    code = np.full(dfa.num_states + 1, len(live) + 1, dtype=np.int64)  # DEAD by default
-    code[live] = np.arange(len(live))
-    code[int(final[0])] = len(live)  # EXIT
-    return code[dfa.transitions[live]], int(code[dfa.start])
+    return exit_coded(dfa, int(final[0]))
 
 
 @dataclass(frozen=True, eq=False)

@@ -45,10 +45,17 @@ def _t_automaton() -> tuple[np.ndarray, int]:
     final = np.flatnonzero(dfa.accepting[:-1])
     if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any():
         raise AssertionError("the JSON string automaton has one final state without transitions")
-    live = [q for q in range(dfa.num_states) if q != int(final[0])]
+    return exit_coded(dfa, int(final[0]))
+
+
+def exit_coded(dfa: Dfa, final: int) -> tuple[np.ndarray, int]:
+    """`dfa`'s transitions as a code table for a walk that stops at `final`, its one final state
+    (which has no transitions): the other states renumbered 0..n-1 in order, `EXIT` = n (entering
+    `final`), `DEAD` = n + 1; and the start's code."""
+    live = [q for q in range(dfa.num_states) if q != final]
     code = np.full(dfa.num_states + 1, len(live) + 1, dtype=np.int64)  # DEAD by default
     code[live] = np.arange(len(live))
-    code[int(final[0])] = len(live)  # EXIT
+    code[final] = len(live)  # EXIT
     return code[dfa.transitions[live]], int(code[dfa.start])
 
 
