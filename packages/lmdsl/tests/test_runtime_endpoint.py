@@ -104,7 +104,9 @@ def test_fork_sends_a_prefix_hint_and_streams_cumulative_text(backend: RuntimeEn
 
     state = prog.run(backend=backend)
     requests = server.requests_to("/generate")
-    assert requests[0] == {"text": "Intro. ", "sampling_params": {"max_new_tokens": 0}}
+    # the hint goes out without the fork waiting for it: among the requests, not necessarily first
+    assert requests.count({"text": "Intro. ", "sampling_params": {"max_new_tokens": 0}}) == 1
+    assert len(requests) == 3
     assert state["name"] == [" Alice", " Alice"]
 
     @sgl.function
