@@ -317,16 +317,7 @@ class RadixCache:
         if node.parent is None or node.removed:
             raise ValueError("hit_node needs a live non-root node (use match_prefix for a key)")
         self._tick += 1
-        tick = self._tick
-        depth = 0
-        cur = node
-        while cur.parent is not None:
-            cur.last_access = tick
-            cur.hit_count += 1
-            depth += len(cur.value)
-            cur = cur.parent
-        cur.last_access = tick
-        return depth
+        return sum(map(len, self._stamp_path_values(node, self._tick)))
 
     def insert(
         self, key: KeyLike, value: KeyLike, extra_key: Hashable = None, priority: int = 0
