@@ -19,11 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmserver.attention.shared_prefix import SharedPrefixPlanner
+from lmserver.kernels.testing import kernel_devices
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-if INTERPRET:
-    DEVICES.append(pytest.param("cpu", id="interpret"))
+DEVICES = kernel_devices()
 
 
 @pytest.mark.slow

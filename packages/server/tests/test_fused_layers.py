@@ -21,15 +21,13 @@ from lmserver.attention.base import default_registry
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
 from lmserver.kernels import KernelOps, native_kernels, select_kernels
-from lmserver.kernels.testing import pytest_under_interpreter
+from lmserver.kernels.testing import kernel_devices, pytest_under_interpreter
 from lmserver.model_loader import load_model, select_layer_kernels
 from lmserver.models.config import ModelConfig
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-if INTERPRET:
-    DEVICES.append(pytest.param("cpu", id="interpret"))
+DEVICES = kernel_devices()
 
 _BASE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,

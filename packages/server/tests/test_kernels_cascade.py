@@ -17,14 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmserver.kernels import reference as ref
-from lmserver.kernels.testing import pytest_under_interpreter, rel_error
+from lmserver.kernels.testing import kernel_devices, pytest_under_interpreter, rel_error
 
 pytest.importorskip("triton")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-if INTERPRET:
-    DEVICES.append(pytest.param("cpu", id="interpret"))
+DEVICES = kernel_devices()
 
 
 @pytest.mark.slow

@@ -11,11 +11,10 @@ import torch
 
 from lmserver.attention.testing import compare_backends
 from lmserver.attention.torch_native import TorchNativeBackend
+from lmserver.kernels.testing import kernel_devices
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-if INTERPRET:
-    DEVICES.append(pytest.param("cpu", id="interpret"))
+DEVICES = kernel_devices()
 
 
 # The interpreter child runs the SmolLM2 shape only (the Llama shape is slow there; its kernels are

@@ -16,15 +16,14 @@ import torch
 from lmserver.attention.torch_native import TorchNativeBackend
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
+from lmserver.kernels.testing import kernel_devices
 from lmserver.model_loader import load_model, read_model_config
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 transformers = pytest.importorskip("transformers")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-if INTERPRET:
-    DEVICES.append(pytest.param("cpu", id="interpret"))
+DEVICES = kernel_devices()
 
 # head_dim 16 (the smallest tl.dot size on a GPU), GQA group 3 like SmolLM2.
 CONFIG = dict(

@@ -11,10 +11,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["PagedBatch", "pytest_under_interpreter", "random_paged_batch", "rel_error"]
+__all__ = ["PagedBatch", "kernel_devices", "pytest_under_interpreter", "random_paged_batch", "rel_error"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,17 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(diff).all():
         return float("inf")
     return float(diff.norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def kernel_devices() -> list[Any]:
+    """pytest parameters for a kernel test's device: "cuda" (marked `gpu`) and, in a process run
+    with TRITON_INTERPRET=1 (`pytest_under_interpreter`), "cpu" under the interpreter."""
+    import pytest
+
+    devices = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        devices.append(pytest.param("cpu", id="interpret"))
+    return devices
 
 
 def pytest_under_interpreter(*test_files: str | Path, select: str = "interpret",
