@@ -57,6 +57,12 @@ class Dfa:
         every state. Computed on first use."""
         return _byte_classes(self.transitions)
 
+    @functools.cached_property
+    def class_table(self) -> np.ndarray:
+        """The transitions with one column per byte class (`byte_classes`' representative byte of
+        each), (num_states + 1, num_classes) int32. Computed on first use (set by `_minimize`)."""
+        return np.take(self.transitions, self.byte_classes[0], axis=1)
+
 
 class _Nfa:
     def __init__(self) -> None:
@@ -730,6 +736,8 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     classes = cls2[byte_class]
     _, rep_bytes = np.unique(classes, return_index=True)  # a byte of each class, by class id
     dfa.__dict__["byte_classes"] = (rep_bytes, classes)
+    # the table of one column per final class, from the narrow table (not the 256-wide one)
+    dfa.__dict__["class_table"] = np.take(min_cols, byte_class[rep_bytes], axis=1)
     return dfa
 
 

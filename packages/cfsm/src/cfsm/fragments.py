@@ -144,7 +144,7 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
     reps = joint_reps(byte_class, ft.byte_class)
     tcode = code[:, reps]  # (num_f, r)
     fdead = tcode == dead_code
-    table = np.take(dfa.transitions, reps, axis=1)  # (n + 1, r)
+    table = np.take(dfa.class_table, byte_class[reps], axis=1)  # (n + 1, r): one byte per class
     is_dead = table == dead
     qs = cand[(is_dead[cand] == fdead[ft.start]).all(axis=1)]
     if not len(qs):

@@ -18,10 +18,10 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     # NOTE: only a collision of both signatures (about rounds * states^2 / 2^128) would merge
     # two classes.
     """
-    trans = dfa.transitions
     if rep is None:  # a representative byte of each byte class
-        rep = dfa.byte_classes[0]
-    cols = np.take(trans, rep, axis=1)
+        cols = dfa.class_table
+    else:
+        cols = np.take(dfa.transitions, rep, axis=1)
     n, k = cols.shape
     cls = dfa.accepting.astype(np.int64)
     cls[dfa.dead] = 2
@@ -79,10 +79,10 @@ def _walk_classes(dfa: Dfa, tables: TrieTables, depth: int) -> np.ndarray:
     if len(nonempty):
         longest[nonempty] = np.maximum.reduceat(short, starts[nonempty])
     rep, byte_class = dfa.byte_classes
-    by_depth = _depth_classes(dfa, depth, rep)
+    by_depth = _depth_classes(dfa, depth)
     longest_of_class = np.zeros(len(rep), dtype=np.int64)
     np.maximum.at(longest_of_class, byte_class, longest)
-    d = np.where(dfa.transitions[:n, rep] != dfa.dead, longest_of_class[None, :], 0).max(axis=1)
+    d = np.where(dfa.class_table[:n] != dfa.dead, longest_of_class[None, :], 0).max(axis=1)
     cls = np.zeros(n, dtype=np.int64)
     for v in np.unique(d).tolist():
         at = d == v

@@ -255,8 +255,14 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
         probe = probe[trans[probe, b] == g0[probe]]
     if not len(probe):
         return StringMatch(t, rem, need, cont)
-    rep, byte_class = dfa.byte_classes  # bytes of one class step alike: one byte per class
-    cand = (np.take(trans[:n], rep[np.unique(byte_class[group])], axis=1) == g0[:, None]).all(axis=1)
+    _, byte_class = dfa.byte_classes  # bytes of one class step alike: one column per class
+    # only the probed states and those whose group is dead (at most length: rem = 0) can qualify
+    rows = g0 == dead
+    rows[probe] = True
+    rows = np.flatnonzero(rows)
+    cand = np.zeros(n, dtype=bool)
+    cand[rows] = (np.take(dfa.class_table[rows], np.unique(byte_class[group]), axis=1)
+                  == g0[rows, None]).all(axis=1)
     cand &= ~dfa.accepting[:n]
     qs = np.flatnonzero(cand)
     if not len(qs):
@@ -297,15 +303,14 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
 
 def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
     """Unmark (t = -1) proposed states until every marked one steps exactly like its T state."""
-    trans = dfa.transitions
     dead = dfa.dead
     code, text, num_t = st.code, st.text, st.num_t
     exit_code, dead_code = num_t, num_t + 1
     # bytes that step alike in the DFA and in T: one representative each
-    rep, byte_class = dfa.byte_classes
+    _, byte_class = dfa.byte_classes
     reps = joint_reps(byte_class, st.byte_class)
     tcode = code[:, reps]  # (num_t, r)
-    table = np.take(trans, reps, axis=1)  # (n + 1, r): one byte per class
+    table = np.take(dfa.class_table, byte_class[reps], axis=1)  # (n + 1, r): one byte per class
     t[dead] = -1
     for _ in range(_MAX_PASSES):
         bad_any = False
@@ -354,8 +359,10 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     if not len(states):
         return
     # which suffixes live from each continuation: one walk of all (continuation, suffix) pairs
-    conts, c_idx = np.unique(cont[states], return_inverse=True)
-    c_idx = c_idx.reshape(-1)
+    present = np.zeros(dfa.num_states + 1, dtype=bool)
+    present[cont[states]] = True
+    conts = np.flatnonzero(present)  # sorted distinct continuations (as np.unique would give)
+    c_idx = (np.cumsum(present) - 1)[cont[states]]
     live = live_suffixes(dfa, conts, st.suffix_columns)
     ts = m.t[states]
     by_t = np.argsort(ts, kind="stable")  # each T state's states, in increasing order

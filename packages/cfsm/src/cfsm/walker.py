@@ -141,7 +141,7 @@ class _Walker:
     @functools.cached_property
     def _class_table(self) -> np.ndarray:
         """The transition table with one column per byte class (a byte of each)."""
-        return np.take(self.trans, self._class_counts[0], axis=1)
+        return self.dfa.class_table
 
     @functools.cached_property
     def _class_bytes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -244,7 +244,7 @@ class _Walker:
         long_pos, first, lead, lead_at, lead_end = _long_leads(tables, min_len)
         if len(long_pos) == 0:
             return {}
-        pairs = np.take(self.trans[:-1], lead, axis=1) != self.dead
+        pairs = np.take(self.dfa.class_table[:-1], self.dfa.byte_classes[1][lead], axis=1) != self.dead
         if states is not None:
             pairs &= states[:, None]
         rows, j = np.nonzero(pairs)  # sorted by state
