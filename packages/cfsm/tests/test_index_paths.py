@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import cfsm
@@ -283,6 +283,67 @@ def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypa
     monkeypatch.setattr(cfsm.templates, "_MAX_PASSES", 0)
     assert (match_string_states(dfa, _SVOCAB.string_tables).t < 0).all()
     _assert_same_masks(generic, build_index(dfa, _SVOCAB))
+
+
+def _proposals(dfa: Dfa) -> tuple[np.ndarray, ...]:
+    """The (t, rem, need, cont) that `match_string_states` hands to `_verify`."""
+    import cfsm.templates
+
+    got: list[tuple[np.ndarray, ...]] = []
+    real = cfsm.templates._verify
+
+    def spy(dfa_: Dfa, st_: Any, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
+        got.append((t.copy(), rem.copy(), need.copy(), cont.copy()))
+        real(dfa_, st_, t, rem, need, cont)
+
+    cfsm.templates._verify = spy
+    try:
+        match_string_states(dfa, _SVOCAB.string_tables)
+    finally:
+        cfsm.templates._verify = real
+    return got[0] if got else ()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=_SCHEMAS, seed=st.integers(0, 2**32 - 1), field=st.integers(0, 4), flips=st.integers(0, 3))
+def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str, Any], seed: int, field: int,
+                                                              flips: int) -> None:
+    """`_all_pass` (all proposed states checked at once) says True exactly when the passes of
+    `_verify` would unmark nothing, also on proposals made wrong on purpose."""
+    import cfsm.templates
+    from cfsm.templates import _all_pass, joint_reps
+
+    dfa = build_dfa(schema_to_node(schema))
+    props = _proposals(dfa)
+    if not props:
+        return
+    t, rem, need, cont = (a.copy() for a in props)
+    rng = np.random.default_rng(seed)
+    marked = np.flatnonzero(t >= 0)
+    for q in rng.choice(marked, size=min(flips, len(marked)), replace=False).tolist():
+        if field == 0:
+            t[q] = (t[q] + 1) % _SVOCAB.string_tables.num_t
+        elif field == 1:
+            rem[q] = max(rem[q] - 1, 0) if rem[q] < cfsm.templates.INF else 3
+        elif field == 2:
+            need[q] += 1
+        elif field == 3:
+            cont[q] = dfa.dead
+        else:
+            t[int(rng.integers(0, dfa.num_states))] = int(rng.integers(0, _SVOCAB.string_tables.num_t))
+    stt = _SVOCAB.string_tables
+    _, byte_class = dfa.byte_classes
+    reps = joint_reps(byte_class, stt.byte_class)
+    table = np.take(dfa.class_table, byte_class[reps], axis=1)
+    t[dfa.dead] = -1
+    before = t.copy()
+    said = _all_pass(dfa, stt, stt.code[:, reps], table, t, rem, need, cont)
+    assert np.array_equal(t, before)  # pure
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cfsm.templates, "_ONE_CHECK_MAX", -1)  # the passes only
+        cfsm.templates._verify(dfa, stt, t, rem, need, cont)
+    event(f"all pass: {said}")
+    assert said == bool(np.array_equal(t, before))
 
 
 # --- `format` strings (email, uri) from the vocabulary's fragment tables (cfsm.fragments) ---

@@ -31,6 +31,9 @@ INF = 1 << 40
 # verification passes (each drops the states whose successors were dropped by the previous
 # one); past this many, every proposed state is left to the generic walks
 _MAX_PASSES = 64
+# `_verify` first checks all proposed states at once (`_all_pass`) when they times the byte
+# classes are at most this many (past it, the per-T-state passes move less data)
+_ONE_CHECK_MAX = 40_000
 
 
 def _t_automaton() -> tuple[np.ndarray, int]:
@@ -312,6 +315,11 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     tcode = code[:, reps]  # (num_t, r)
     table = np.take(dfa.class_table, byte_class[reps], axis=1)  # (n + 1, r): one byte per class
     t[dead] = -1
+    # NOTE: usually every proposed state passes: one check of all of them at once says so (the
+    # passes below would then unmark nothing; they cost a few numpy calls per T state, which
+    # dominate for few states); otherwise they run as they always did
+    if _MAX_PASSES and int((t >= 0).sum()) * tcode.shape[1] <= _ONE_CHECK_MAX and _all_pass(dfa, st, tcode, table, t, rem, need, cont):
+        return
     for _ in range(_MAX_PASSES):
         bad_any = False
         for s in range(num_t):
@@ -349,6 +357,59 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
         if not bad_any:
             return
     t[:] = -1
+
+
+def _all_pass(dfa: Dfa, st: StringTables, tcode: np.ndarray, table: np.ndarray, t: np.ndarray, rem: np.ndarray,
+              need: np.ndarray, cont: np.ndarray) -> bool:
+    """Whether every marked state passes `_verify`'s checks (all T states at once). Pure."""
+    dead = dfa.dead
+    text, num_t = st.text, st.num_t
+    exit_code, dead_code = num_t, num_t + 1
+    q = np.flatnonzero(t >= 0)
+    if not len(q):
+        return True
+    s = t[q]
+    r_all = tcode.shape[1]
+    # per T state: its T-target columns, the first column of each distinct target (K per state,
+    # padded with a repeat of the last), and every column's first column of its target
+    inner = tcode < num_t
+    first_col = np.tile(np.arange(r_all), (num_t, 1))
+    pairs: list[list[tuple[int, int]]] = []
+    for x in range(num_t):
+        seen: dict[int, int] = {}
+        for j in np.flatnonzero(inner[x]).tolist():
+            first_col[x, j] = seen.setdefault(int(tcode[x, j]), j)
+        pairs.append([(s2, j) for s2, j in seen.items()])
+    k = max(1, max(len(p) for p in pairs))
+    col_k = np.zeros((num_t, k), dtype=np.int64)
+    s2_k = np.full((num_t, k), -1, dtype=np.int64)
+    for x, p in enumerate(pairs):
+        for i in range(k):
+            if p:
+                s2, j = p[min(i, len(p) - 1)]
+                col_k[x, i], s2_k[x, i] = j, s2
+    tgt = table[q]  # (m, r)
+    r1, nd1, c1 = rem[q], need[q], cont[q]
+    bad = dfa.accepting[q] | (r1 < np.where(s == text, 0, 1))
+    row = tcode[s]  # (m, r)
+    bad |= ((row == dead_code) & (tgt != dead)).any(axis=1)
+    ex = row == exit_code
+    want = np.where(nd1 == 0, c1, dead)
+    bad |= (ex & (tgt != want[:, None])).any(axis=1) | (ex.any(axis=1) & (nd1 == 0) & (c1 == dead))
+    base = (np.arange(len(q)) * r_all)[:, None]
+    flat = tgt.reshape(-1)
+    bad |= (inner[s] & (tgt != flat.take(base + first_col[s]))).any(axis=1)
+    if bad.any():
+        return False
+    tg = flat.take(base + col_k[s]).astype(np.int64)  # (m, k)
+    s2 = s2_k[s]
+    has = s2 >= 0
+    is_text = s2 == text
+    r2 = np.where(is_text, np.where(r1 >= INF, INF, r1 - 1)[:, None], r1[:, None])
+    n2 = np.where(is_text, np.maximum(nd1 - 1, 0)[:, None], nd1[:, None])
+    ok = (t[tg] == s2) & (rem[tg] == r2) & (need[tg] == n2) & (cont[tg] == c1[:, None])
+    closed = (r1 == 0)[:, None]
+    return not (has & ~np.where(closed, tg == dead, ok)).any()
 
 
 def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np.ndarray], int],
