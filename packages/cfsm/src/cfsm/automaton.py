@@ -536,6 +536,15 @@ def _in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64), sizes
 
 
+@functools.lru_cache(maxsize=16)
+def _refine_weights(k: int) -> np.ndarray:
+    """`_refine`'s random odd 64-bit column weights (fixed seed), read-only."""
+    rng = np.random.default_rng(0x5EED)
+    w = np.asarray(rng.integers(1, 2**63, size=k, dtype=np.uint64)) | np.uint64(1)
+    w.flags.writeable = False
+    return w
+
+
 def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     """Moore refinement to the coarsest congruence, with 64-bit row hashes as signatures.
 
@@ -546,15 +555,14 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     # congruence and, if not, refined again with exact row comparisons.
     """
     n, k = cols.shape
-    rng = np.random.default_rng(0x5EED)
-    weights = np.asarray(rng.integers(1, 2**63, size=k, dtype=np.uint64)) | np.uint64(1)
+    weights = _refine_weights(k)
     _, cls = np.unique(cls, return_inverse=True)
     cls = cls.reshape(-1).astype(np.int64)
     num = int(cls.max()) + 1
     # reverse edges (p --j--> q) grouped by q; edges into a closed class (every member's
     # successors inside it, as the trimmed class) are dropped: such a class never changes ids
     flat_dst = cols.reshape(-1)
-    succ = cls[cols]  # the class of every successor
+    succ = np.take(cls.astype(np.int32), cols)  # the class of every successor (int32 gathers: ~2x faster)
     leaves = (succ != cls[:, None]).any(axis=1)  # a member with a successor outside its class
     closed = np.bincount(cls, weights=leaves, minlength=num) == 0
     edge = np.flatnonzero(~closed[succ.reshape(-1)])
@@ -586,7 +594,7 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         sub = np.flatnonzero(hit[cls])
     reps = np.zeros(num, dtype=np.int64)
     reps[cls] = np.arange(len(cls))
-    succ = cls[cols]
+    succ = np.take(cls.astype(np.int32), cols)
     if np.array_equal(succ, succ[reps[cls]]):
         return cls
     while True:  # exact fallback (never seen in practice)
@@ -709,7 +717,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
         any_rep = np.zeros(num, dtype=np.int64)
         any_rep[cls] = np.arange(n)
         by_byte = np.argsort(col_rep, kind="stable")  # columns by their first byte
-        ccols = cls[np.take(np.take(cols, any_rep, axis=0), by_byte, axis=1)]
+        ccols = np.take(cls.astype(np.int32), np.take(np.take(cols, any_rep, axis=0), by_byte, axis=1))
         start_cls = int(cls[start])
         order = _bfs_order(ccols, start_cls, dead_cls) if start_cls != dead_cls else np.zeros(0, dtype=np.int64)
     else:
@@ -724,7 +732,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     new_ids = remap[cls]
     reps = np.zeros(nxt + 1, dtype=np.int64)
     reps[new_ids] = np.arange(n)
-    min_cols = new_ids[cols[reps]].astype(np.int32)  # (num, num_byte_classes)
+    min_cols = np.take(new_ids.astype(np.int32), np.take(cols, reps, axis=0))  # (num, num_byte_classes)
     min_cols[nxt] = nxt
     byte_class = byte_class.reshape(-1)
     trans = np.take(min_cols, byte_class, axis=1)
