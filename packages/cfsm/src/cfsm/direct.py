@@ -49,13 +49,14 @@ class _Block:
     # NOTE: not minimized (the whole table is, once): a block is its subset construction
     """
 
-    __slots__ = ("rows", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits", "start_dist",
-                 "start_accepting")
+    __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
+                 "start_dist", "start_accepting")
 
     def __init__(self, node: Node) -> None:
         counted = _counted(node) if isinstance(node, Repeat) else None
+        col_of = None
         if counted is not None:
-            t, acc, dist = counted
+            t, acc, dist, col_of = counted  # one column per byte interval of the unit
             n, start = len(t), 0
         elif isinstance(node, DfaNode):
             dfa = node.dfa
@@ -76,29 +77,37 @@ class _Block:
             t = np.take(narrow[:n].astype(np.int64), byte_map, axis=1)
             acc = accepting[:n]
             dist = _accept_distance(narrow, accepting, n)[:n]
-        t[t == n] = -1
-        self.rows = t
+        if col_of is None:
+            t[t == n] = -1
+            col_of = _IDENTITY
+            self.cuts = np.flatnonzero((t[:, 1:] != t[:, :-1]).any(axis=0)) + 1  # where a byte interval starts
+        else:  # counted: no state n (dead is -1 already); its intervals are the unit's
+            self.cuts = np.flatnonzero(col_of[1:] != col_of[:-1]) + 1
+        self.rows = t  # column col_of[b] is byte b's
+        self.col_of = col_of
         self.dist = dist  # per state: the shortest accepted length inside the block, -1: none
         self.accepting = np.flatnonzero(acc)
         self.start = start
         self.size = n
-        self.cuts = np.flatnonzero((t[:, 1:] != t[:, :-1]).any(axis=0)) + 1  # where a byte interval starts
         # the bytes the start reads, and the bytes some accepting state reads (bit b: byte b)
-        self.start_bits = _bits(t[start] >= 0)
+        self.start_bits = _bits((t[start] >= 0)[col_of])
         self.start_dist = int(dist[start])
         self.start_accepting = bool(acc[start])
-        self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0)))
+        self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0))[col_of])
 
 
+_IDENTITY = np.arange(256)
 # a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
-_DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray]] = {}
+_DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
 _COUNTED_MAX_STATES = 50_000
 
 
-def _dense_unit(unit: _Unit) -> tuple[np.ndarray, np.ndarray]:
+def _dense_unit(unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The unit's table with one column per byte interval (-1 dead, -2 the unit completed), each
+    state's shortest completion, and the column of each byte; cached per unit."""
     hit = _DENSE_UNITS.get(id(unit))
     if hit is not None and hit[0] is unit:
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3]
     n = len(unit.rows)
     u = np.full((n, 256), -1, dtype=np.int64)
     for q, ranges in enumerate(unit.rows):
@@ -110,17 +119,23 @@ def _dense_unit(unit: _Unit) -> tuple[np.ndarray, np.ndarray]:
     acc = np.zeros(n + 2, dtype=bool)
     acc[n] = True
     d = _accept_distance(table, acc, n + 1)[:n]
+    step = np.ones(256, dtype=bool)
+    step[1:] = (u[:, 1:] != u[:, :-1]).any(axis=0)
+    col_of = np.cumsum(step) - 1
+    u = np.ascontiguousarray(u[:, np.flatnonzero(step)])
     if len(_DENSE_UNITS) > 256:
         _DENSE_UNITS.clear()
-    _DENSE_UNITS[id(unit)] = (unit, u, d)
-    return u, d
+    _DENSE_UNITS[id(unit)] = (unit, u, d, col_of)
+    return u, d, col_of
 
 
-def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(rows, accepting, shortest accepted lengths) of `item{lo,hi}` for a prefix-code item,
-    built as numpy blocks: state j * n + q is the unit's state q after j completed units (the
-    generic construction's counter fragment, `_Nfa._counted`, already deterministic); bounded,
-    one last state (hi units read). None if the item is not a prefix code. Start: state 0."""
+def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(rows, accepting, shortest accepted lengths, column of each byte) of `item{lo,hi}` for a
+    prefix-code item, built as numpy blocks: state j * n + q is the unit's state q after j
+    completed units (the generic construction's counter fragment, `_Nfa._counted`, already
+    deterministic); bounded, one last state (hi units read). Rows have one column per byte
+    interval of the unit (bytes whose columns in the unit's table are equal and adjacent; -1:
+    dead). None if the item is not a prefix code. Start: state 0."""
     lo, hi = node.lo, node.hi
     top = lo if hi is None else hi
     if hi is not None and (top < _COUNTED_MIN or lo > hi):
@@ -128,8 +143,9 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     unit = _unit(node.item)
     if unit is None or top == 0:
         return None
-    u, du = _dense_unit(unit)
+    u, du, col_of = _dense_unit(unit)
     n, s0 = len(u), unit.start
+    k = u.shape[1]
     rows_n = top + 1 if hi is None else top  # rows of unit states
     size = rows_n * n + (0 if hi is None else 1)
     if size > _COUNTED_MAX_STATES:
@@ -141,13 +157,14 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     flat = u.reshape(-1)
     inner = np.flatnonzero(flat >= 0)
     comp = np.flatnonzero(flat == -2)
-    t = np.full((rows_n, n * 256), -1, dtype=np.int64)
-    t[:, inner] = flat[inner][None, :] + (j * n)[:, None]
-    t[:, comp] = done[:, None]
-    t = t.reshape(rows_n * n, 256)
+    t = np.full((size, k), -1, dtype=np.int64)  # the bounded form's last row stays dead
+    body = t[: rows_n * n].reshape(rows_n, n * k)
+    body[:, inner] = flat[inner][None, :] + (j * n)[:, None]
+    body[:, comp] = done[:, None]
     # shortest accepted length of (j, q): finish this unit, then the units still owed to lo
     owe = np.maximum(lo - j - 1, 0)[:, None] * int(du[s0])
-    dist = (du[None, :] + owe).reshape(-1)
+    dist = np.empty(size, dtype=np.int64)
+    dist[: rows_n * n] = (du[None, :] + owe).reshape(-1)
     acc = np.zeros(size, dtype=bool)
     if hi is None:
         acc[top * n + s0] = True
@@ -155,10 +172,9 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     else:
         acc[np.arange(lo, top) * n + s0] = True
         dist[np.arange(lo, top) * n + s0] = 0
-        t = np.vstack([t, np.full((1, 256), -1, dtype=np.int64)])
         acc[-1] = True
-        dist = np.concatenate([dist, [0]])
-    return t, acc, dist
+        dist[-1] = 0
+    return t, acc, dist, col_of
 
 
 def _bits(mask: np.ndarray) -> int:
@@ -328,7 +344,7 @@ class _Builder:
         for base, blk, *_ in self.copies:
             rows = narrow.get(id(blk))
             if rows is None:
-                rows = narrow[id(blk)] = np.take(blk.rows, starts, axis=1)
+                rows = narrow[id(blk)] = np.take(blk.rows, blk.col_of[starts], axis=1)
             t[base : base + blk.size] = np.where(rows < 0, n, rows + base)
         for base, blk, cont, *_ in self.copies:
             if not len(blk.accepting):
