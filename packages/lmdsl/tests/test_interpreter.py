@@ -463,3 +463,33 @@ def test_fork_waits_for_its_prefix_hint_only_when_configured(wait_for_hints: boo
     assert seen == [not wait_for_hints]
     kinds = [c.kind for c in backend.calls]
     assert kinds.index("cache_prefix") < kinds.index("end")
+
+
+def test_program_end_drops_queued_hints_and_waits_for_running_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hint still queued when its program ends is never sent; one in flight is waited for."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lmdsl.interpreter import PrefixHints
+
+    release = threading.Event()
+    started = threading.Event()
+    sent: list[str] = []
+
+    class SlowBackend(MockBackend):
+        def cache_prefix(self, prefix_str: str) -> None:
+            started.set()
+            release.wait(timeout=5)
+            sent.append(prefix_str)
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(PrefixHints, "_pool", pool)
+    backend = SlowBackend(respond=lambda prompt, params: " ok")
+    hints = PrefixHints()
+    hints.send(backend, Prompt(text="first"))
+    assert started.wait(timeout=5)
+    hints.send(backend, Prompt(text="second"))  # queued behind the first: the pool has one worker
+    threading.Timer(0.2, release.set).start()
+    hints.wait()
+    assert sent == ["first"]  # the running hint finished before wait() returned; the queued one was dropped
+    pool.shutdown(wait=True)
+    assert sent == ["first"]

@@ -101,8 +101,14 @@ def defined_names(node: Node) -> tuple[str, ...]:
 class PrefixHints:
     """A program's prefix hints sent without waiting (`LmdslConfig.wait_for_prefix_hints` off), on
     a pool of their own: a node-pool job that waits for them (the program's end) can never wait on
-    a job queued behind itself. Shared by a root state and its forks."""
+    a job queued behind itself. Shared by a root state and its forks.
 
+    At the program's end a hint still queued is dropped (the program's own requests have carried
+    its prefix to the server by then) and a hint in flight is waited for, so no hint outlives its
+    program and a busy pool never holds a program back (with 64 tree-of-thought programs at once,
+    waiting for every queued hint made each program wait for the whole queue)."""
+
+    WORKERS = 64
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
@@ -114,7 +120,7 @@ class PrefixHints:
     def _shared_pool(cls) -> ThreadPoolExecutor:
         with cls._pool_lock:
             if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="lmdsl-hint")
+                cls._pool = ThreadPoolExecutor(max_workers=cls.WORKERS, thread_name_prefix="lmdsl-hint")
             return cls._pool
 
     def send(self, backend: Backend, prompt: Prompt) -> None:
@@ -124,10 +130,10 @@ class PrefixHints:
             self._pending.append(future)
 
     def wait(self) -> None:
-        """Returns once every hint sent so far has been answered (or failed)."""
+        """Drops the hints not started yet; returns once the ones in flight are answered (or failed)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        wait(pending)
+        wait([f for f in pending if not f.cancel()])
 
 
 def _send_hint(backend: Backend, prompt: Prompt) -> None:
