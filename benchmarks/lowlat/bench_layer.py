@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--compile-budget-s", type=float, default=90.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", type=int, default=1, help="1: sweep GEMV block configs for nvidia first")
+    ap.add_argument("--tuning", default=None, help="bench_gemv.py --json output: also time `nvidia-tuned` with its best "
+                                                    "configs per stage and batch")
     args = ap.parse_args()
     t_start = time.time()
     dev = torch.device("cuda")
@@ -188,6 +190,20 @@ def main() -> None:
     weights = [gpu_layer(shape, torch.bfloat16, dev) for _ in range(args.layers)]
     built = builders(shape, weights, dev, max(batches), max(contexts))
     print("built:", {k: f"{v.workspace_bytes / 2**20:.1f} MiB, pdl={v.lc.use_pdl}" for k, v in built.items()})
+    if args.tuning and "nvidia" in built:
+        from lowlat.kernels.ops import GemvConfig
+        from lowlat.plugins import nvidia
+
+        with open(args.tuning) as f:
+            entries = sorted(json.load(f)["best"], key=lambda e: e["batch"])
+        tuned = tuple((e["stage"], e["batch"], GemvConfig(e["variant"], e["block_n"], e["block_k"], e["num_warps"],
+                                                           e["num_stages"])) for e in entries)
+        setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max(contexts))
+        bl = nvidia.build(BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16,
+                                       Coverage(max_tokens=max(batches)), LowlatConfig(pdl="auto"), setup, max(contexts)))
+        bl.lc = replace(bl.lc, tuned=tuned)
+        built["nvidia-tuned"] = bl
+        print("nvidia-tuned:", tuned)
     rows = check(built, shape, weights[0], dev)
     print("\ncorrectness vs torch reference (relative L2 error; bf16)")
     print(f"{'plugin':16s} {'bs':>3s} {'ctx':>5s} {'out err':>9s} {'kv err':>9s}")

@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 on the CPU, or without it on a CUDA machine (then on the GPU)
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -96,6 +97,10 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
     out = torch.full_like(res, float("nan"))
     ops.gemv_residual(a, w, res, out, lc)
     assert _rel(out, res.float() + a.float() @ w.float().T) < TOL[dtype]
+    out_rows = torch.full_like(res, float("nan"))
+    rows = ops.GemvConfig("rows", block_n=16, block_k=32)  # 72 columns: the last block of 16 is partial
+    ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, rows),)), stage="down")
+    assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype]
     x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
     nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
     wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)

@@ -8,10 +8,26 @@ import torch
 import triton
 
 from lowlat.errors import ShapeError
+from lowlat.kernels import gemv as GV
 from lowlat.kernels import layer as K
 from lowlat.kernels._jit import check_device, next_pow2
 from lowlat.layer import ForwardMeta, KVCache, LayerShape
 from lowlat.reference import AttentionWeights
+
+GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One GEMV stage's kernel and blocks. ``variant``: ``dot`` (tensor-core ``tl.dot``, batch padded to
+    16 rows) or ``rows`` (row-wise reduction, ``o_proj`` and ``down`` only). For ``qkv``, ``block_n`` is
+    the number of rotary pairs per tile (it must divide head_dim / 2)."""
+
+    variant: str = "dot"
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @dataclass(frozen=True)
@@ -26,10 +42,13 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_sms: int = 132
+    # (stage, max batch, config): the first entry of a stage whose max batch is >= the batch wins
+    tuned: tuple[tuple[str, int, GemvConfig], ...] = ()
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
-        """GPU: tensor-core friendly blocks; CPU (interpreter): small blocks that divide the shape."""
+        """GPU: tensor-core friendly blocks plus the measured per-stage table (``lowlat.kernels.tuning``)
+        of this GPU and shape; CPU (interpreter): small blocks that divide the shape."""
         if device.type == "cpu":
             return cls(
                 use_pdl=False,
@@ -39,15 +58,27 @@ class LaunchConfig:
                 attn_block_n=8,
                 num_sms=1,
             )
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=sms)
+        from lowlat.kernels.tuning import tuned_table
+
+        props = torch.cuda.get_device_properties(device)
+        return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
+                   tuned=tuned_table(props.name, shape))
+
+    def gemv_config(self, stage: str, batch: int) -> GemvConfig:
+        """The kernel and blocks of GEMV ``stage`` (one of ``GEMV_STAGES``) at ``batch`` rows."""
+        for name, max_batch, cfg in self.tuned:
+            if name == stage and batch <= max_batch:
+                return cfg
+        block_n = self.qkv_block_p if stage == "qkv" else self.gemv_block_n
+        return GemvConfig("dot", block_n, self.gemv_block_k, self.num_warps, self.num_stages)
 
 
-def _kw(dev: torch.device, lc: LaunchConfig, pdl: bool = True) -> dict[str, object]:
+def _kw(dev: torch.device, lc: LaunchConfig, pdl: bool = True, cfg: GemvConfig | None = None) -> dict[str, object]:
     check_device(dev)
     if dev.type == "cpu":
         return {}
-    kw: dict[str, object] = {"num_warps": lc.num_warps, "num_stages": lc.num_stages}
+    kw: dict[str, object] = {"num_warps": cfg.num_warps if cfg else lc.num_warps,
+                             "num_stages": cfg.num_stages if cfg else lc.num_stages}
     if lc.use_pdl and pdl:
         kw["launch_pdl"] = True
     return kw
@@ -75,7 +106,9 @@ def qkv_rope(
 ) -> None:
     """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""
     b, dev = x.shape[0], x.device
-    tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // lc.qkv_block_p)
+    cfg = lc.gemv_config("qkv", b)
+    block_p = cfg.block_n if (shape.head_dim // 2) % cfg.block_n == 0 else lc.qkv_block_p
+    tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
     grid = (min(tiles, grid_programs) if grid_programs else tiles,)
     K.qkv_rope_kernel[grid](
         x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc,
@@ -83,8 +116,8 @@ def qkv_rope(
         b, shape.rms_eps,
         kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
         H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads, D=shape.head_dim,
-        BLOCK_M=block_m(b, dev), BLOCK_P=lc.qkv_block_p, BLOCK_K=min(lc.gemv_block_k, next_pow2(shape.hidden_size)),
-        DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, USE_PDL=lc.use_pdl, **_kw(dev, lc),
+        BLOCK_M=block_m(b, dev), BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
+        DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
     )
 
 
@@ -109,23 +142,34 @@ def attention(
     )
 
 
-def gemv_residual(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig) -> None:
-    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N)."""
+def gemv_residual(
+    a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig, stage: str = "o_proj",
+) -> None:
+    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel."""
     b, dev = a.shape[0], a.device
+    cfg = lc.gemv_config(stage, b)
     n, k = w.shape
-    K.gemv_residual_kernel[(triton.cdiv(n, lc.gemv_block_n),)](
-        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=lc.gemv_block_n,
-        BLOCK_K=min(lc.gemv_block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
-        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    if cfg.variant == "rows":
+        GV.gemv_rows_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
+            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n,
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
+        )
+        return
+    K.gemv_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
+        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n,
+        BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+        USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
     )
 
 
 def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig) -> None:
     """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden)."""
     b, dev = x.shape[0], x.device
+    cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
-    K.norm_gate_up_kernel[(triton.cdiv(inter, lc.gemv_block_n),)](
-        x, norm_w, w, act, b, eps, H=h, INTER=inter, BLOCK_M=block_m(b, dev), BLOCK_N=lc.gemv_block_n,
-        BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
-        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+    K.norm_gate_up_kernel[(triton.cdiv(inter, cfg.block_n),)](
+        x, norm_w, w, act, b, eps, H=h, INTER=inter, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n,
+        BLOCK_K=min(cfg.block_k, next_pow2(h)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+        USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
     )
+

@@ -78,7 +78,7 @@ class TritonLayerStack:
         ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
         ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
         ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc)
-        ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc)
+        ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc, stage="down")
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         """Compile and run every kernel per batch size on a scratch KV cache of its own."""
