@@ -74,15 +74,18 @@ class _Block:
             except GrammarTooLargeError as exc:
                 raise _Fallback("too large: the generic construction reports it") from exc
             n, start = narrow.shape[0] - 1, 0
-            t = np.take(narrow[:n].astype(np.int64), byte_map, axis=1)
+            t = narrow[:n].astype(np.int64)  # one column per byte group of the construction
+            t[t == n] = -1
             acc = accepting[:n]
             dist = _accept_distance(narrow, accepting, n)[:n]
+            col_of = np.asarray(byte_map, dtype=np.int64)
         if col_of is None:
             t[t == n] = -1
             col_of = _IDENTITY
             self.cuts = np.flatnonzero((t[:, 1:] != t[:, :-1]).any(axis=0)) + 1  # where a byte interval starts
-        else:  # counted: no state n (dead is -1 already); its intervals are the unit's
-            self.cuts = np.flatnonzero(col_of[1:] != col_of[:-1]) + 1
+        else:  # where a byte interval starts: bytes whose column differs from the previous byte's
+            ch = np.flatnonzero(col_of[1:] != col_of[:-1]) + 1
+            self.cuts = ch[(np.take(t, col_of[ch], axis=1) != np.take(t, col_of[ch - 1], axis=1)).any(axis=0)]
         self.rows = t  # column col_of[b] is byte b's
         self.col_of = col_of
         self.dist = dist  # per state: the shortest accepted length inside the block, -1: none
