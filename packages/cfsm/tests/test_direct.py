@@ -165,3 +165,35 @@ def test_direct_dfa_is_the_generic_dfa_on_regex_trees(pattern: str) -> None:
     direct = build_dfa_direct(node, force=True)
     if direct is not None:
         assert _same(direct, build_dfa(node))
+
+
+def test_prepared_blocks_are_the_blocks_built_at_compile_time() -> None:
+    """`prepare_blocks` holds, for every per-process value tree, the very block `_Block` builds."""
+    import cfsm.direct as direct
+
+    direct.prepare_blocks()
+    assert len(direct._PREPARED) >= 8
+    for node, blk in direct._PREPARED.values():
+        fresh = direct._Block(node)
+        for name in direct._Block.__slots__:
+            a, b = getattr(blk, name), getattr(fresh, name)
+            assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, name
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas(), st.sampled_from(["compact", "flexible"]))
+def test_direct_dfa_with_and_without_prepared_blocks(schema: dict[str, Any], whitespace: str) -> None:
+    import cfsm.direct as direct
+
+    direct.prepare_blocks()
+    node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
+    with_prepared = build_dfa_direct(node, force=True)
+    saved = dict(direct._PREPARED)
+    direct._PREPARED.clear()
+    try:
+        without = build_dfa_direct(node, force=True)
+    finally:
+        direct._PREPARED.update(saved)
+    assert (with_prepared is None) == (without is None)
+    if with_prepared is not None and without is not None:
+        assert _same(with_prepared, without)

@@ -36,7 +36,7 @@ from cfsm.errors import GrammarTooLargeError
 from cfsm.gcpause import without_gc
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["build_dfa_direct"]
+__all__ = ["build_dfa_direct", "prepare_blocks"]
 
 
 class _Fallback(Exception):
@@ -180,6 +180,46 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     return t, acc, dist, col_of
 
 
+# blocks of per-process value trees, built once (`prepare_blocks`): id(node) -> (node, block)
+_PREPARED: dict[int, tuple[Node, _Block]] = {}
+
+
+def _is_literal(node: Node) -> bool:
+    """One ASCII range: a literal state of the construction, not a block."""
+    return isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80
+
+
+def _block_nodes(node: Node, out: list[Node]) -> None:
+    """The nodes that `_Builder.build(node)` makes blocks of (as `count_blocks` walks it)."""
+    if _is_literal(node):
+        return
+    if isinstance(node, Cat):
+        for item in node.items:
+            _block_nodes(item, out)
+    elif isinstance(node, Scope | Shared):
+        _block_nodes(node.item, out)
+    else:
+        out.append(node)
+
+
+def prepare_blocks() -> None:
+    """Build the blocks of the per-process value trees that schemas share (string body,
+    boolean, number, integer, formats: `json_schema.standard_pieces`) once, so that compiles
+    copy them instead of running their subset constructions. Grammar-independent; called by
+    `Vocabulary.prepare()`. Idempotent."""
+    from cfsm.json_schema import standard_pieces
+
+    for piece in standard_pieces():
+        found: list[Node] = []
+        _block_nodes(piece, found)
+        for node in found:
+            if id(node) not in _PREPARED:
+                try:
+                    _PREPARED[id(node)] = (node, _Block(node))
+                except _Fallback:
+                    continue
+
+
 def _bits(mask: np.ndarray) -> int:
     """A 256-bit int with bit b set where mask[b]."""
     return int.from_bytes(np.packbits(mask, bitorder="little").tobytes(), "little")
@@ -274,7 +314,10 @@ class _Builder:
         key = self.key(node)
         blk = self.blocks.get(key)
         if blk is None:
-            blk = self.blocks[key] = _Block(node)
+            ready = _PREPARED.get(id(node))
+            # NOTE: a prepared block is the very block `_Block(node)` would build (the node is a
+            # per-process tree, kept alive by the table)
+            blk = self.blocks[key] = ready[1] if ready is not None and ready[0] is node else _Block(node)
         acc, d, first = self.entry[cont]
         if blk.acc_bits & first:
             raise _Fallback("a piece's end and its continuation read the same byte")

@@ -66,6 +66,10 @@ JSON_CHAR = alt(_PLAIN, cat(lit("\\"), Chars(((0x22, 0x22), (0x2F, 0x2F), (0x5C,
                                               (0x6E, 0x6E), (0x72, 0x72), (0x74, 0x74)))),
                 cat(lit("\\u00"), Chars(((0x30, 0x31),)), _HEX))
 JSON_STRING = cat(lit('"'), Repeat(JSON_CHAR, 0, None), lit('"'))
+# the pieces of every schema's unbounded string and boolean (one node each per process, so that
+# the direct construction finds their blocks built in advance: `standard_pieces`)
+_STRING_BODY = Repeat(JSON_CHAR, 0, None)
+_BOOLEAN = alt(lit("true"), lit("false"))
 _SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 
 
@@ -111,6 +115,12 @@ def format_node(fmt: str) -> Node:
     """The JSON-escaped syntax tree of a `format` (one immutable tree per format per process;
     `Vocabulary.prepare()` builds them all)."""
     return json_escape(parse_regex(FORMAT_REGEXES[fmt]))
+
+
+def standard_pieces() -> tuple[Node, ...]:
+    """The per-process value trees that schemas share (unbounded string body, boolean, number,
+    integer, every format): `cfsm.direct.prepare_blocks` builds their blocks once."""
+    return (_STRING_BODY, _BOOLEAN, NUMBER, INT, *(format_node(f) for f in FORMAT_REGEXES))
 
 
 def _dump(value: Any) -> str:
@@ -254,7 +264,7 @@ class _Compiler:
         if t == "null":
             return lit("null")
         if t == "boolean":
-            return alt(lit("true"), lit("false"))
+            return _BOOLEAN
         if t == "string":
             return self.string(schema, path)
         if t in ("integer", "number"):
@@ -280,7 +290,7 @@ class _Compiler:
         if lo or hi is not None:
             langs.append(Repeat(JSON_CHAR, lo, None if hi is None else int(hi)))
         if not langs:
-            body: Node = Repeat(JSON_CHAR, 0, None)
+            body: Node = _STRING_BODY
         elif len(langs) == 1:
             body = langs[0]
         else:

@@ -181,13 +181,16 @@ class Vocabulary:
         """Build the per-vocabulary tables now (else on the first compile); returns self.
 
         Grammar-independent: the sorted trie tables, the JSON string walks, the walks of the
-        broad `format` strings (email, uri) and the syntax trees of all formats.
+        broad `format` strings (email, uri), the syntax trees of all formats and (once per
+        process) the DFA blocks of the value trees schemas share (`cfsm.direct.prepare_blocks`).
         """
+        from cfsm.direct import prepare_blocks
         from cfsm.formats import FORMAT_REGEXES
         from cfsm.json_schema import format_node
 
         for fmt in FORMAT_REGEXES:
             format_node(fmt)
+        prepare_blocks()
         self.trie_tables  # noqa: B018
         self.string_tables.inner_edges  # noqa: B018
         self.string_tables.byte_class  # noqa: B018
