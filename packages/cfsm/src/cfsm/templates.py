@@ -32,8 +32,8 @@ INF = 1 << 40
 # one); past this many, every proposed state is left to the generic walks
 _MAX_PASSES = 64
 # `_verify` first checks all proposed states at once (`_all_pass`) when they times the byte
-# classes are at most this many (past it, the per-T-state passes move less data)
-_ONE_CHECK_MAX = 40_000
+# classes are at most this many (a bound on its memory)
+_ONE_CHECK_MAX = 200_000
 
 
 def _t_automaton() -> tuple[np.ndarray, int]:
@@ -100,6 +100,16 @@ class StringTables:
             out.append(tuple((s2, int(np.flatnonzero(row == s2)[0])) for s2 in range(self.num_t)
                              if s2 != self.text and (row == s2).any()))
         return tuple(out)
+
+    @functools.cached_property
+    def num_classes(self) -> int:
+        return int(self.byte_class.max()) + 1
+
+    @functools.cached_property
+    def target_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`_target_columns` of T's code table with one column per T class (in class order)."""
+        _, first = np.unique(self.byte_class, return_index=True)
+        return _target_columns(self.code[:, first], self.num_t)
 
     @property
     def nbytes(self) -> int:
@@ -318,7 +328,8 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     # NOTE: usually every proposed state passes: one check of all of them at once says so (the
     # passes below would then unmark nothing; they cost a few numpy calls per T state, which
     # dominate for few states); otherwise they run as they always did
-    if _MAX_PASSES and int((t >= 0).sum()) * tcode.shape[1] <= _ONE_CHECK_MAX and _all_pass(dfa, st, tcode, table, t, rem, need, cont):
+    if _MAX_PASSES and int((t >= 0).sum()) * tcode.shape[1] <= _ONE_CHECK_MAX and _all_pass(
+            dfa, st, tcode, table, t, rem, need, cont, st.byte_class[reps]):
         return
     for _ in range(_MAX_PASSES):
         bad_any = False
@@ -360,18 +371,61 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
 
 
 def _all_pass(dfa: Dfa, st: StringTables, tcode: np.ndarray, table: np.ndarray, t: np.ndarray, rem: np.ndarray,
-              need: np.ndarray, cont: np.ndarray) -> bool:
-    """Whether every marked state passes `_verify`'s checks (all T states at once). Pure."""
+              need: np.ndarray, cont: np.ndarray, tclass: np.ndarray) -> bool:
+    """Whether every marked state passes `_verify`'s checks (all T states at once). Pure.
+
+    `tclass[j]` is T's byte class of column j. Every check asks the columns of one T class to step
+    to one DFA state (T steps alike on them): that is checked first for all columns, then the
+    checks run on one column per T class.
+    """
     dead = dfa.dead
     text, num_t = st.text, st.num_t
     exit_code, dead_code = num_t, num_t + 1
     q = np.flatnonzero(t >= 0)
     if not len(q):
         return True
-    s = t[q]
+    tgt = table[q]  # (m, r)
+    _, first_of, back = np.unique(tclass, return_index=True, return_inverse=True)
+    if not np.array_equal(tgt, np.take(tgt, first_of[back.reshape(-1)], axis=1)):
+        return False
+    tgt = np.take(tgt, first_of, axis=1)  # (m, r'): one column per T class
+    tcode = tcode[:, first_of]
     r_all = tcode.shape[1]
-    # per T state: its T-target columns, the first column of each distinct target (K per state,
-    # padded with a repeat of the last), and every column's first column of its target
+    s = t[q]
+    r1, nd1, c1 = rem[q], need[q], cont[q]
+    if (dfa.accepting[q] | (r1 < np.where(s == text, 0, 1))).any():
+        return False
+    row = tcode[s]  # (m, r')
+    if ((row == dead_code) & (tgt != dead)).any():
+        return False
+    ex = row == exit_code
+    want = np.where(nd1 == 0, c1, dead)
+    if (ex & (tgt != want[:, None])).any() or (ex.any(axis=1) & (nd1 == 0) & (c1 == dead)).any():
+        return False
+    # NOTE: with every T class present (JSON grammars) the tables are the vocabulary's, prepared
+    if r_all == st.num_classes:
+        inner, first_col, col_k, s2_k = st.target_columns
+    else:
+        inner, first_col, col_k, s2_k = _target_columns(tcode, num_t)
+    base = (np.arange(len(q)) * r_all)[:, None]
+    flat = tgt.reshape(-1)
+    if (inner[s] & (tgt != flat.take(base + first_col[s]))).any():
+        return False
+    tg = flat.take(base + col_k[s]).astype(np.int64)  # (m, k)
+    s2 = s2_k[s]
+    is_text = s2 == text
+    r2 = np.where(is_text, np.where(r1 >= INF, INF, r1 - 1)[:, None], r1[:, None])
+    n2 = np.where(is_text, np.maximum(nd1 - 1, 0)[:, None], nd1[:, None])
+    ok = (t[tg] == s2) & (rem[tg] == r2) & (need[tg] == n2) & (cont[tg] == c1[:, None])
+    closed = (r1 == 0)[:, None]
+    return not ((s2 >= 0) & ~np.where(closed, tg == dead, ok)).any()
+
+
+def _target_columns(tcode: np.ndarray, num_t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For `_all_pass`, per T state of the code table `tcode` (one column per T class present):
+    which columns lead to a T state, the first column of each column's target, and for each
+    target one column and the target (K per T state, padded with a repeat of the last). Pure."""
+    r_all = tcode.shape[1]
     inner = tcode < num_t
     first_col = np.tile(np.arange(r_all), (num_t, 1))
     pairs: list[list[tuple[int, int]]] = []
@@ -379,7 +433,7 @@ def _all_pass(dfa: Dfa, st: StringTables, tcode: np.ndarray, table: np.ndarray, 
         seen: dict[int, int] = {}
         for j in np.flatnonzero(inner[x]).tolist():
             first_col[x, j] = seen.setdefault(int(tcode[x, j]), j)
-        pairs.append([(s2, j) for s2, j in seen.items()])
+        pairs.append(list(seen.items()))
     k = max(1, max(len(p) for p in pairs))
     col_k = np.zeros((num_t, k), dtype=np.int64)
     s2_k = np.full((num_t, k), -1, dtype=np.int64)
@@ -388,28 +442,7 @@ def _all_pass(dfa: Dfa, st: StringTables, tcode: np.ndarray, table: np.ndarray, 
             if p:
                 s2, j = p[min(i, len(p) - 1)]
                 col_k[x, i], s2_k[x, i] = j, s2
-    tgt = table[q]  # (m, r)
-    r1, nd1, c1 = rem[q], need[q], cont[q]
-    bad = dfa.accepting[q] | (r1 < np.where(s == text, 0, 1))
-    row = tcode[s]  # (m, r)
-    bad |= ((row == dead_code) & (tgt != dead)).any(axis=1)
-    ex = row == exit_code
-    want = np.where(nd1 == 0, c1, dead)
-    bad |= (ex & (tgt != want[:, None])).any(axis=1) | (ex.any(axis=1) & (nd1 == 0) & (c1 == dead))
-    base = (np.arange(len(q)) * r_all)[:, None]
-    flat = tgt.reshape(-1)
-    bad |= (inner[s] & (tgt != flat.take(base + first_col[s]))).any(axis=1)
-    if bad.any():
-        return False
-    tg = flat.take(base + col_k[s]).astype(np.int64)  # (m, k)
-    s2 = s2_k[s]
-    has = s2 >= 0
-    is_text = s2 == text
-    r2 = np.where(is_text, np.where(r1 >= INF, INF, r1 - 1)[:, None], r1[:, None])
-    n2 = np.where(is_text, np.maximum(nd1 - 1, 0)[:, None], nd1[:, None])
-    ok = (t[tg] == s2) & (rem[tg] == r2) & (need[tg] == n2) & (cont[tg] == c1[:, None])
-    closed = (r1 == 0)[:, None]
-    return not (has & ~np.where(closed, tg == dead, ok)).any()
+    return inner, first_col, col_k, s2_k
 
 
 def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np.ndarray], int],
