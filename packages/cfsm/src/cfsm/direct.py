@@ -384,17 +384,41 @@ class _Builder:
             t[src[one], clo[one]] = dst[one]
             for i in np.flatnonzero(~one).tolist():
                 t[src[i], clo[i] : chi[i] + 1] = dst[i]
-        # NOTE: copies are made backward, so a copy's continuation (a smaller id) and that
-        # continuation's own merge are final when the copy's accepting rows take its row
-        narrow: dict[int, np.ndarray] = {}
-        for base, blk, *_ in self.copies:
-            rows = narrow.get(id(blk))
-            if rows is None:
-                rows = narrow[id(blk)] = np.take(blk.rows, blk.col_of[starts], axis=1)
-            t[base : base + blk.size] = np.where(rows < 0, n, rows + base)
+        # every block's copies placed at once (their rows shifted by each copy's first id)
+        groups: dict[int, tuple[_Block, list[int], list[int]]] = {}
         for base, blk, cont, *_ in self.copies:
+            g = groups.get(id(blk))
+            if g is None:
+                g = groups[id(blk)] = (blk, [], [])
+            g[1].append(base)
+            g[2].append(cont)
+        merged = np.zeros(n + 1, dtype=bool)  # the accepting rows of copies (they take a row)
+        for blk, bases, _ in groups.values():
+            rows = np.take(blk.rows, blk.col_of[starts], axis=1).astype(np.int32)
+            live = rows >= 0  # the dead entries keep t's initial n
+            for base in bases:
+                np.copyto(t[base : base + blk.size], rows + np.int32(base), where=live)
+            b = np.asarray(bases, dtype=np.int64)
+            merged[(b[:, None] + blk.accepting[None, :]).reshape(-1)] = True
+        # accepting rows take their continuation's row: at once where that row is final (not
+        # itself a merged accepting row), then the others one by one in the order copies were
+        # made (backward: a copy's continuation, a smaller id, and its own merge come first)
+        later: list[tuple[int, _Block, int]] = []
+        for blk, bases, conts in groups.values():
             if not len(blk.accepting):
                 continue
+            b, c = np.asarray(bases, dtype=np.int64), np.asarray(conts, dtype=np.int64)
+            now = ~merged[c]
+            if not now.all():
+                later.extend((int(x), blk, int(y)) for x, y in zip(b[~now], c[~now], strict=True))
+                b, c = b[now], c[now]
+            ids = b[:, None] + blk.accepting[None, :]  # (copies, accepting)
+            mine = t[ids]
+            theirs = t[c][:, None, :]
+            if ((mine != n) & (theirs != n)).any():
+                raise _Fallback("a piece's end and its continuation read the same byte")
+            t[ids] = np.where(mine == n, theirs, mine)
+        for base, blk, cont in sorted(later, key=lambda x: x[0]):
             ids = blk.accepting + base
             mine = t[ids]
             theirs = t[cont]
