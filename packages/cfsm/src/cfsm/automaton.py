@@ -565,7 +565,9 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     succ = np.take(cls.astype(np.int32), cols)  # the class of every successor (int32 gathers: ~2x faster)
     leaves = (succ != cls[:, None]).any(axis=1)  # a member with a successor outside its class
     closed = np.bincount(cls, weights=leaves, minlength=num) == 0
-    edge = np.flatnonzero(~closed[succ.reshape(-1)])
+    # NOTE: most edges lead to the dead state, whose class is closed: those are dropped first
+    edge = np.flatnonzero(flat_dst != n - 1)
+    edge = edge[~closed[succ.reshape(-1)[edge]]]
     dst = flat_dst[edge]
     by_dst = _stable_argsort(dst, n)
     edge, dst = edge[by_dst], dst[by_dst]

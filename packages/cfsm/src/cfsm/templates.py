@@ -274,7 +274,7 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     rows[probe] = True
     rows = np.flatnonzero(rows)
     cand = np.zeros(n, dtype=bool)
-    cand[rows] = (np.take(dfa.class_table[rows], np.unique(byte_class[group]), axis=1)
+    cand[rows] = (np.take(dfa.class_table, np.unique(byte_class[group]), axis=1)[rows]
                   == g0[rows, None]).all(axis=1)
     cand &= ~dfa.accepting[:n]
     qs = np.flatnonzero(cand)
