@@ -86,6 +86,14 @@ def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarr
     _, exact = _byte_classes(dfa.transitions)
     assert (np.equal.outer(cls, cls) == np.equal.outer(exact, exact)).all()
     assert (cls[rep] == np.arange(len(rep))).all()
+    # the class table cached by the minimization is the table's column of each class's byte
+    assert np.array_equal(dfa.class_table, np.take(dfa.transitions, rep, axis=1))
+    # also through a narrow table (one column per byte group), as the constructions hand it over
+    used = np.unique(np.concatenate([[0], np.flatnonzero((table[:, 1:] != table[:, :-1]).any(axis=0)) + 1]))
+    byte_map = np.searchsorted(used, np.arange(256), side="right") - 1
+    narrow = _minimize(np.ascontiguousarray(table[:, used]), accepting, start, byte_map)
+    assert np.array_equal(narrow.transitions, dfa.transitions) and narrow.start == dfa.start
+    assert np.array_equal(narrow.class_table, np.take(narrow.transitions, narrow.byte_classes[0], axis=1))
 
 
 @_SETTINGS
