@@ -64,6 +64,7 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
     for name, fn in [
         ("nvidia", lambda: nvidia.build(ctx(pdl="auto"))),
         ("nvidia-nopdl", lambda: nvidia.build(ctx(pdl="off"))),
+        ("nvidia-pdl-early", lambda: _early(nvidia.build(ctx(pdl="auto")))),
         ("amd-persistent", lambda: amd.build(ctx(amd_mode="persistent"))),
         ("amd-staged", lambda: amd.build(ctx(amd_mode="staged"))),
     ]:
@@ -72,6 +73,12 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
         except Exception:
             print(f"BUILD FAILED {name}:\n{traceback.format_exc()}")
     return out
+
+
+def _early(built: Any) -> Any:
+    """The same stack with each kernel releasing its dependent launch right after its wait."""
+    built.lc = replace(built.lc, pdl_early=True)
+    return built
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ def gemv_rows_residual_kernel(
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -31,7 +32,8 @@ def gemv_rows_residual_kernel(
     w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     wf = w.to(tl.float32)
     for m in tl.static_range(BLOCK_M):
@@ -43,6 +45,8 @@ def gemv_rows_residual_kernel(
         for m in tl.static_range(BLOCK_M):
             xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=km & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
             acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     mask = (offs_m[:, None] < B) & n_mask[None, :]
     res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)

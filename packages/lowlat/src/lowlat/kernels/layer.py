@@ -25,7 +25,7 @@ def qkv_rope_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     # One tile = BLOCK_P rotary pairs (rows r1 and r1 + D/2) of one q, k or v head, for all rows.
     HALF: tl.constexpr = D // 2
@@ -45,7 +45,8 @@ def qkv_rope_kernel(
         w2 = tl.load(w_ptr + r2[None, :] * H + offs_k[:, None], mask=k_mask[:, None], other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if PDL_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
         ss = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, H, BLOCK_K):
             km = (k0 + offs_k) < H
@@ -75,6 +76,8 @@ def qkv_rope_kernel(
             else:
                 acc1 += tl.dot(xn.to(w1.dtype), w1)
                 acc2 += tl.dot(xn.to(w1.dtype), w2)
+        if USE_PDL and not PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         a = acc1 * rstd[:, None]
         b = acc2 * rstd[:, None]
         is_q = head < NQ
@@ -114,7 +117,7 @@ def decode_attention_kernel(
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile.
     b = tl.program_id(0)
@@ -122,7 +125,8 @@ def decode_attention_kernel(
     split = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(req_idx_ptr + b).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -158,6 +162,8 @@ def decode_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
@@ -170,13 +176,15 @@ def decode_attention_kernel(
 def merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     NQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):
     # grid (batch, heads): log-sum-exp merge of the split partials into (batch, heads * D).
     b = tl.program_id(0)
     h = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, D)
@@ -186,6 +194,8 @@ def merge_splits_kernel(
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
     o = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)
 
 
@@ -195,7 +205,7 @@ def gemv_residual_kernel(
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual)
     pid = tl.program_id(0)
@@ -208,7 +218,8 @@ def gemv_residual_kernel(
     w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     if DOT_F32:
         acc = tl.dot(a.to(tl.float32), w.to(tl.float32))
@@ -222,6 +233,8 @@ def gemv_residual_kernel(
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
         else:
             acc += tl.dot(a.to(w.dtype), w)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     mask = m_mask[:, None] & n_mask[None, :]
     res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
@@ -233,7 +246,7 @@ def norm_gate_up_kernel(
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
     pid = tl.program_id(0)
@@ -248,7 +261,8 @@ def norm_gate_up_kernel(
     wu = tl.load(w_ptr + (INTER + offs_n[None, :]) * H + offs_k[:, None], mask=wm, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         km = (k0 + offs_k) < H
@@ -279,6 +293,8 @@ def norm_gate_up_kernel(
         else:
             g += tl.dot(xn.to(wg.dtype), wg)
             u += tl.dot(xn.to(wg.dtype), wu)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     g = g * rstd[:, None]
     u = u * rstd[:, None]
     act = g / (1.0 + tl.exp(-g)) * u

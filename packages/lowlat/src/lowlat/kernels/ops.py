@@ -42,6 +42,8 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_sms: int = 132
+    # PDL: a kernel lets its dependent launch start right after its wait (early) or after its main loop
+    pdl_early: bool = False
     # (stage, max batch, config): the first entry of a stage whose max batch is >= the batch wins
     tuned: tuple[tuple[str, int, GemvConfig], ...] = ()
 
@@ -117,7 +119,7 @@ def qkv_rope(
         kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
         H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads, D=shape.head_dim,
         BLOCK_M=block_m(b, dev), BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
-        DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
+        DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
     )
 
 
@@ -134,11 +136,11 @@ def attention(
         meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1), shape.head_dim**-0.5,
         NQ=shape.num_heads, G=group, D=shape.head_dim,
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block_n,
-        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, **_kw(dev, lc),
+        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
     )
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
-        USE_PDL=lc.use_pdl, **_kw(dev, lc),
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
     )
 
 
@@ -152,13 +154,13 @@ def gemv_residual(
     if cfg.variant == "rows":
         GV.gemv_rows_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
             a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
         a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n,
         BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
-        USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
     )
 
 
@@ -170,6 +172,6 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     K.norm_gate_up_kernel[(triton.cdiv(inter, cfg.block_n),)](
         x, norm_w, w, act, b, eps, H=h, INTER=inter, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n,
         BLOCK_K=min(cfg.block_k, next_pow2(h)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
-        USE_PDL=lc.use_pdl, **_kw(dev, lc, cfg=cfg),
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
     )
 

@@ -13,7 +13,21 @@ from lowlat.layer import LayerShape
 
 # (GPU name, (hidden, q heads, kv heads, head_dim, intermediate)) -> (stage, max batch, config), ...
 Entry = tuple[str, int, GemvConfig]
-TABLES: dict[tuple[str, tuple[int, int, int, int, int]], tuple[Entry, ...]] = {}
+TABLES: dict[tuple[str, tuple[int, int, int, int, int]], tuple[Entry, ...]] = {
+    # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30): the 32-layer
+    # stack takes 124.1 us per layer at batch 1 (83% of the copy bandwidth) and 152.0 at batch 8, against
+    # 181.5 and 204.6 with the defaults
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
+        ("qkv", 1, GemvConfig("dot", 32, 256, 4, 3)),
+        ("o_proj", 1, GemvConfig("rows", 8, 1024, 8, 2)),
+        ("gate_up", 1, GemvConfig("dot", 64, 256, 4, 3)),
+        ("down", 1, GemvConfig("rows", 8, 1024, 8, 2)),
+        ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
+        ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
+        ("gate_up", 16, GemvConfig("dot", 32, 256, 4, 3)),
+        ("down", 16, GemvConfig("dot", 32, 256, 4, 4)),
+    ),
+}
 
 
 def shape_key(shape: LayerShape) -> tuple[int, int, int, int, int]:

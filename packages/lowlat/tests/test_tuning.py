@@ -1,0 +1,47 @@
+"""Per-stage GEMV kernel choice: table lookup and the first-match-by-batch rule (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowlat import LayerShape
+from lowlat.kernels.ops import GEMV_STAGES, GemvConfig, LaunchConfig
+from lowlat.kernels.tuning import TABLES, tuned_table
+
+LLAMA3_8B = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+
+
+def test_first_entry_whose_max_batch_covers_the_batch_wins() -> None:
+    small, large = GemvConfig("rows", 8, 1024, 8, 2), GemvConfig("dot", 32, 256, 4, 4)
+    lc = LaunchConfig(gemv_block_n=16, gemv_block_k=128, qkv_block_p=8, tuned=(("down", 1, small), ("down", 16, large)))
+    assert lc.gemv_config("down", 1) == small
+    assert lc.gemv_config("down", 2) == large
+    assert lc.gemv_config("down", 16) == large
+    # past the table and for stages without entries: the LaunchConfig's own blocks, the dot kernel
+    assert lc.gemv_config("down", 17) == GemvConfig("dot", 16, 128, lc.num_warps, lc.num_stages)
+    assert lc.gemv_config("o_proj", 1) == GemvConfig("dot", 16, 128, lc.num_warps, lc.num_stages)
+    assert lc.gemv_config("qkv", 1).block_n == 8  # qkv's block is its rotary pairs per tile
+
+
+@pytest.mark.parametrize(("key", "entries"), list(TABLES.items()))
+def test_tables_are_usable(key: tuple[str, tuple[int, ...]], entries: tuple) -> None:
+    hidden, heads, kv_heads, head_dim, inter = key[1]
+    shape = LayerShape(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       intermediate_size=inter)
+    assert tuned_table(key[0], shape) == entries
+    lc = LaunchConfig(tuned=entries)
+    for stage in GEMV_STAGES:
+        for batch in range(1, 17):  # the nvidia plugin's coverage: up to 16 decode rows
+            assert any(name == stage and batch <= mb for name, mb, _ in entries), (stage, batch)
+    for stage, _, cfg in entries:
+        assert stage in GEMV_STAGES
+        assert cfg.variant == "dot" or stage in ("o_proj", "down")  # the row-wise kernel has no norm/RoPE prologue
+        if stage == "qkv":
+            assert (head_dim // 2) % cfg.block_n == 0
+    assert lc.gemv_config("o_proj", 1) in [c for s, _, c in entries if s == "o_proj"]
+
+
+def test_unknown_gpu_or_shape_gets_no_entries() -> None:
+    assert tuned_table("Some Other GPU", LLAMA3_8B) == ()
+    assert tuned_table("NVIDIA H200", LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                                                 intermediate_size=96)) == ()
