@@ -104,7 +104,11 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
     r = client.post("/flush_cache")
     r.raise_for_status()
     stats0 = client.get("/get_server_info").json()["scheduler"]
-    transport = pt.RecordingTransport()
+    # NOTE: a client's `limits` do not apply to a transport passed in: this one sets its own, as many
+    # connections as tree-of-thought's leaves in flight (httpx's default of 100 with 20 kept alive made
+    # 512 concurrent calls churn connections; the client then hung with the server idle on the H200)
+    transport = pt.RecordingTransport(httpx.HTTPTransport(limits=httpx.Limits(max_connections=None,
+                                                                              max_keepalive_connections=1024)))
     backend = make_backend(cfg, base_url, transport)
     kwargs = w.make(sizes)
     latencies: list[float] = []

@@ -73,10 +73,12 @@ class RuntimeEndpoint(Backend):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # NOTE: one client shared by every thread of every program; its pool keeps as many idle
         # connections as it may open (httpx's default keeps 20 of 100, so 64 programs in flight
-        # close and reopen connections all the time, where a ReadError appeared on the H200)
+        # close and reopen connections all the time, where a ReadError appeared on the H200); no cap
+        # on open connections: 32 tree-of-thought programs have 512 calls in flight. A `transport`
+        # passed in keeps its own limits (httpx applies `limits` to its default transport only).
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=config.http_timeout_s,
                                    transport=transport,
-                                   limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
         self.model_info = self._request("GET", "/get_model_info")
         self.model_path = str(self.model_info.get("model_path", ""))
         if isinstance(chat_template, ChatTemplate):
