@@ -186,3 +186,56 @@ def test_video_and_sampling_extras_reach_the_server(backend: RuntimeEndpoint, se
     meta = state.get_meta_info("a")
     assert [e[2] is None for e in meta["output_token_logprobs"]] == [True] * len(meta["output_token_logprobs"])
     assert len(meta["input_token_logprobs"]) == len(mock_tokens("<image>Name:"))
+
+
+def test_many_calls_in_flight_are_all_sent_at_once() -> None:
+    """300 concurrent calls through one RuntimeEndpoint reach the server together (a server that answers only
+    once all 300 have arrived): no client-side connection cap holds some back (32 tree-of-thought programs
+    have 512 calls in flight; a capped pool stalled or hung them on an H200)."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    parties = 300
+    barrier = threading.Barrier(parties, timeout=20)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _reply(self, body: dict[str, object], status: int = 200) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self._reply({"model_path": "/models/SmolLM2-135M-Instruct"})
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                self._reply({"error": "not every call arrived"}, 503)
+                return
+            self._reply({"text": "", "meta_info": {"prompt_tokens": 1}})
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 512
+
+    srv = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        backend = RuntimeEndpoint(f"http://127.0.0.1:{srv.server_address[1]}")
+        with ThreadPoolExecutor(parties) as pool:
+            results = list(pool.map(lambda i: backend.cache_prefix(f"prefix {i}"), range(parties)))
+        assert results == [None] * parties
+    finally:
+        srv.shutdown()
