@@ -197,3 +197,109 @@ def test_direct_dfa_with_and_without_prepared_blocks(schema: dict[str, Any], whi
     assert (with_prepared is None) == (without is None)
     if with_prepared is not None and without is not None:
         assert _same(with_prepared, without)
+
+
+def _built(node: Node) -> Any:
+    """(builder, start, table, byte_map, accepting, shortest lengths) of the direct construction,
+    or None where it declines."""
+    import cfsm.direct as direct
+
+    b = direct._Builder()
+    try:
+        final = b.final()
+        start = b.build(node, final)
+        table, byte_map = b.table()
+    except direct._Fallback:
+        return None
+    acc, dist = b.arrays()
+    return b, start, table, byte_map, acc, dist
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    pairs = np.unique(np.column_stack([a, b]), axis=0)
+    return len(pairs) == len(np.unique(a)) == len(np.unique(b))
+
+
+def _refined(table: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
+    from cfsm.automaton import _refine
+
+    live = dist >= 0
+    return _refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas(), st.sampled_from(["compact", "flexible"]))
+def test_structural_classes_are_the_refined_partition(schema: dict[str, Any], whitespace: str) -> None:
+    """Where `_Builder.classes` answers, its partition of the direct table is the coarsest one
+    (the refinement's), unreachable states included; where it declines, the DFA is still the same."""
+    node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
+    built = _built(node)
+    if built is None:
+        return
+    b, _, table, _, acc, dist = built
+    cls = b.classes(table, acc, dist)
+    if cls is not None:
+        assert _same_partition(cls, _refined(table, acc, dist))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_patterns())
+def test_structural_classes_on_regex_trees(pattern: str) -> None:
+    built = _built(parse_regex(pattern))
+    if built is None:
+        return
+    b, _, table, _, acc, dist = built
+    cls = b.classes(table, acc, dist)
+    if cls is not None:
+        assert _same_partition(cls, _refined(table, acc, dist))
+
+
+def test_structural_classes_take_repeated_sections_and_decline_the_email_loop() -> None:
+    built = _built(schema_to_node(_sections(4), CfsmConfig()))
+    assert built is not None
+    b, _, table, _, acc, dist = built
+    cls = b.classes(table, acc, dist)
+    assert cls is not None and _same_partition(cls, _refined(table, acc, dist))
+    # the email local part: a block (atext+) whose loop the next one ("." atext+)* repeats
+    schema = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}, "required": ["e"]}
+    node = schema_to_node(schema, CfsmConfig())
+    built = _built(node)
+    assert built is not None
+    b, _, table, _, acc, dist = built
+    assert b.classes(table, acc, dist) is None
+    direct = build_dfa_direct(node, force=True)
+    assert direct is not None and _same(direct, build_dfa(node))
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 8), (3, 9), (9, 9), (0, None), (1, None), (2, None), (9, None), (12, None)])
+@pytest.mark.parametrize("unit", [lit("ab"), cat(lit("a"), Repeat(lit("b"), 0, 1), lit("c")), Chars(((0x41, 0x5A), (0xE9, 0xE9)))])
+def test_counted_block_classes_are_its_own_minimal_classes(unit: Node, lo: int, hi: int | None) -> None:
+    import cfsm.direct as direct
+
+    node = Repeat(unit, lo, hi)
+    blk = direct._Block(node)
+    acc = np.zeros(blk.size, dtype=bool)
+    acc[blk.accepting] = True
+    assert _same_partition(blk.classes, direct._own_classes(blk.rows, acc, blk.dist))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_patterns())
+def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
+    """`_facts_small` (plain Python, small blocks) gives what the numpy path gives."""
+    import cfsm.direct as direct
+
+    node = parse_regex(pattern)
+    try:
+        blk = direct._Block(node)
+    except direct._Fallback:
+        return
+    t, dist = blk.rows, blk.dist
+    acc = np.zeros(blk.size, dtype=bool)
+    acc[blk.accepting] = True
+    classes, live, h, pw = direct._facts_small(t, acc, dist, blk.col_of)
+    assert _same_partition(classes, direct._own_classes(t, acc, dist))
+    assert np.array_equal(classes < 0, dist < 0)
+    assert np.array_equal(live, direct._live_bytes(t, classes, blk.col_of))
+    h2, pw2 = direct._least_words(t, dist, blk.col_of)
+    assert np.array_equal(h, h2) and np.array_equal(pw, pw2)

@@ -728,6 +728,31 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
         np.minimum.at(first_seen, cls, np.arange(n))
         order = np.argsort(first_seen, kind="stable")
         order = order[order != dead_cls]
+    return _renumbered(cols, accepting, start, byte_class.reshape(-1), cls, num, order)
+
+
+def _minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray,
+                 cls: np.ndarray) -> Dfa:
+    """`_minimize(table, accepting, start, byte_map, bfs=True)` where the classes of equivalent
+    states are known (`cls`, any ids, one per language: the partition `_refine` would give): the
+    same `Dfa`, byte classes included, without refinement rounds. The table's columns are byte
+    intervals in ascending byte order (`byte_map[b]` the column of byte b), the dead state last."""
+    n = table.shape[0]
+    num = int(cls.max()) + 1
+    any_rep = np.zeros(num, dtype=np.int64)
+    any_rep[cls] = np.arange(n)
+    ccols = np.take(cls.astype(np.int32), np.take(table, any_rep, axis=0))
+    start_cls, dead_cls = int(cls[start]), int(cls[n - 1])
+    order = _bfs_order(ccols, start_cls, dead_cls) if start_cls != dead_cls else np.zeros(0, dtype=np.int64)
+    return _renumbered(table, accepting, start, byte_map, cls, num, order)
+
+
+def _renumbered(cols: np.ndarray, accepting: np.ndarray, start: int, byte_class: np.ndarray, cls: np.ndarray,
+                num: int, order: np.ndarray) -> Dfa:
+    """The minimal DFA: class `order[i]` becomes state i, the other classes (the dead one and
+    unreachable ones) the dead state; `cols` one column per byte class (`byte_class[b]` byte
+    b's), `cls` the class of each of its states."""
+    n = cols.shape[0]
     nxt = len(order)
     remap = np.full(num, nxt, dtype=np.int64)  # the dead class (and unreachable ones) last
     remap[order] = np.arange(nxt)
@@ -736,7 +761,6 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     reps[new_ids] = np.arange(n)
     min_cols = np.take(new_ids.astype(np.int32), np.take(cols, reps, axis=0))  # (num, num_byte_classes)
     min_cols[nxt] = nxt
-    byte_class = byte_class.reshape(-1)
     trans = np.take(min_cols, byte_class, axis=1)
     acc = accepting[reps].copy()
     acc[nxt] = False

@@ -26,8 +26,10 @@ from cfsm.automaton import (
     Dfa,
     DfaNode,
     _accept_distance,
+    _minimal_dfa,
     _minimize,
     _Nfa,
+    _refine,
     _subset_construction,
     _Unit,
     _unit,
@@ -50,14 +52,17 @@ class _Block:
     """
 
     __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
-                 "start_dist", "start_accepting")
+                 "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "word_hash",
+                 "word_pow", "start_class", "start_word", "start_live")
 
     def __init__(self, node: Node) -> None:
         counted = _counted(node) if isinstance(node, Repeat) else None
         col_of = None
+        classes = None  # computed below where the block is not known to be minimal
         if counted is not None:
             t, acc, dist, col_of = counted  # one column per byte interval of the unit
             n, start = len(t), 0
+            classes = _counted_classes(node, t.shape[0], _unit(node.item))
         elif isinstance(node, DfaNode):
             dfa = node.dfa
             n, start = dfa.num_states, dfa.start
@@ -66,6 +71,7 @@ class _Block:
             t = dfa.transitions[:n].astype(np.int64)
             acc = dfa.accepting[:n]
             dist = _accept_distance(dfa.transitions, dfa.accepting, n)[:n]
+            classes = np.arange(n, dtype=np.int64)  # a Dfa is minimal and trimmed
         else:
             nfa = _Nfa()
             s, e = nfa.build(node)
@@ -97,9 +103,166 @@ class _Block:
         self.start_dist = int(dist[start])
         self.start_accepting = bool(acc[start])
         self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0))[col_of])
+        # per state: its class in the block's own minimal DFA (-1: accepts nothing), the hash of
+        # the set of bytes that lead to a state accepting something, and the hash of its
+        # shortlex-least accepted word inside the block with _P ** its length (invariants of its
+        # language)
+        if n <= _SMALL_BLOCK and classes is None:
+            classes, self.live_bytes, self.word_hash, self.word_pow = _facts_small(t, acc, dist, col_of)
+        else:
+            if classes is None:
+                classes = _own_classes(t, acc, dist)
+            self.live_bytes = _live_bytes(t, classes, col_of)
+            self.word_hash, self.word_pow = _least_words(t, dist, col_of)
+        self.classes = classes
+        self.num_classes = int(classes.max()) + 1 if n else 0
+        # states whose own language is the empty string (accepting, no byte leads to a state that
+        # accepts something): a copy's such state is its continuation
+        self.eps = np.flatnonzero(acc & ~((t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)).any(axis=1))
+        self.void = np.flatnonzero(classes < 0)  # states that accept nothing: a copy's are dead
+        # the start's own class (-1: its language is the empty string, -2: none), least word, live bytes
+        if n:
+            self.start_class = -1 if start in self.eps else (-2 if classes[start] < 0 else int(classes[start]))
+            self.start_word = (int(self.word_hash[start]), int(self.word_pow[start]))
+            self.start_live = int(self.live_bytes[start])
+        else:
+            self.start_class, self.start_word, self.start_live = -2, (0, 1), 0
 
 
 _IDENTITY = np.arange(256)
+
+
+# the polynomial hash of a byte string w: sum of (w[i] + 1) * _P ** i, modulo 2 ** 64
+_P = 0x100000001B3
+_MASK = (1 << 64) - 1
+# the hash of a byte set: the sum of its bytes' weights, modulo 2 ** 64 (additive over disjoint sets)
+_BYTE_W = np.random.default_rng(0xB7E5).integers(1, 2**63, size=256, dtype=np.uint64)
+_BYTE_CUM = [0]
+for _w in _BYTE_W.tolist():
+    _BYTE_CUM.append((_BYTE_CUM[-1] + _w) & _MASK)
+
+
+def _column_weights(col_of: np.ndarray, k: int) -> np.ndarray:
+    w = np.zeros(k, dtype=np.uint64)
+    np.add.at(w, col_of, _BYTE_W)
+    return w
+
+
+def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.ndarray:
+    """Per state of a block's table: the hash of the set of bytes that lead to a state accepting
+    something (the sum of their `_BYTE_W`). Pure."""
+    live_t = (t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)
+    return live_t.astype(np.uint64) @ _column_weights(col_of, t.shape[1])
+
+
+def _least_words(t: np.ndarray, dist: np.ndarray, col_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per state of a block's table (dead entries -1, `dist` the shortest accepted lengths): the
+    hash of its shortlex-least accepted word and `_P ** len` (0 and 1 where it accepts nothing):
+    each state's least word is the smallest byte into a state one step nearer acceptance, then
+    that state's least word. Pure."""
+    n, k = t.shape
+    h = np.zeros(n, dtype=np.uint64)
+    pw = np.ones(n, dtype=np.uint64)
+    if n == 0 or int(dist.max()) <= 0:
+        return h, pw
+    first_byte = np.full(k, 256, dtype=np.int64)
+    np.minimum.at(first_byte, col_of, np.arange(256))
+    by_byte = np.argsort(first_byte, kind="stable")
+    tt = t[:, by_byte]
+    byte1 = (first_byte[by_byte] + 1).astype(np.uint64)
+    d_ext = np.append(dist, -2)  # the dead entry (-1) reads -2
+    p = np.uint64(_P)
+    for d in range(1, int(dist.max()) + 1):
+        qs = np.flatnonzero(dist == d)
+        rows = tt[qs]
+        j = np.argmax(d_ext[rows] == d - 1, axis=1)
+        tg = rows[np.arange(len(qs)), j]
+        h[qs] = byte1[j] + p * h[tg]
+        pw[qs] = p * pw[tg]
+    return h, pw
+
+
+# blocks of at most this many states find their own classes by plain Python rounds
+_SMALL_BLOCK = 48
+
+
+def _own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
+    """Per state of a block's table (dead entries -1): its class in the block's own minimal DFA
+    (0, 1, ...), -1 where it accepts nothing. Pure."""
+    n = len(t)
+    cols = np.vstack([np.where(t < 0, n, t), np.full((1, t.shape[1]), n, dtype=np.int64)])
+    d = np.append(dist, -1)
+    live = d >= 0
+    cls = np.where(live, (np.append(acc, False).astype(np.int64) + 1) * (int(d.max()) + 2) + d + 1, 0)
+    cls = _refine(cols, cls)[:n]
+    out = np.full(n, -1, dtype=np.int64)
+    mine = np.flatnonzero(live[:n])
+    _, inv = np.unique(cls[mine], return_inverse=True)
+    out[mine] = inv.reshape(-1)
+    return out
+
+
+def _facts_small(t: np.ndarray, acc: np.ndarray, dist: np.ndarray, col_of: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(own classes, live bytes, least-word hashes, their powers) of a small block (see
+    `_Block`), by plain Python: Moore rounds over tuples. Pure."""
+    n, k = t.shape
+    dl = dist.tolist()
+    rows = [[(x if x >= 0 and dl[x] >= 0 else -1) for x in row] for row in t.tolist()]  # void targets: dead
+    cls = [(-1 if dl[q] < 0 else (1 + bool(acc[q])) * 100_000 + dl[q]) for q in range(n)]
+    num = len(set(cls))
+    while True:
+        sig: dict[tuple[int, ...], int] = {}
+        new = [sig.setdefault((cls[q], *[(cls[x] if x >= 0 else -1) for x in rows[q]]), len(sig)) for q in range(n)]
+        if len(sig) == num:
+            break
+        cls, num = new, len(sig)
+    classes = np.asarray(new, dtype=np.int64)
+    void = np.asarray(dl, dtype=np.int64) < 0
+    if void.any():  # NOTE: states that accept nothing -> -1, the others numbered 0, 1, ...
+        _, inv = np.unique(classes[~void], return_inverse=True)
+        classes[~void] = inv.reshape(-1)
+        classes[void] = -1
+    width = _column_weights(col_of, k).tolist()
+    live = [sum(width[j] for j, x in enumerate(row) if x >= 0) & _MASK for row in rows]
+    # the least words, nearest states first: the smallest byte into a state one step nearer
+    first_byte = [256] * k
+    for b, j in enumerate(col_of.tolist()):
+        if b < first_byte[j]:
+            first_byte[j] = b
+    by_byte = sorted(range(k), key=first_byte.__getitem__)
+    h = [0] * n
+    pw = [1] * n
+    for q in sorted(range(n), key=dl.__getitem__):
+        d = dl[q]
+        if d <= 0:
+            continue
+        row = rows[q]
+        for j in by_byte:
+            x = row[j]
+            if x >= 0 and dl[x] == d - 1:
+                h[q] = (first_byte[j] + 1 + _P * h[x]) & _MASK
+                pw[q] = (_P * pw[x]) & _MASK
+                break
+    return classes, np.asarray(live, dtype=np.uint64), np.asarray(h, dtype=np.uint64), np.asarray(pw, dtype=np.uint64)
+
+
+def _counted_classes(node: Repeat, size: int, unit: _Unit | None) -> np.ndarray:
+    """`_own_classes` of a counted block (`_counted`), by its structure: state j * n + q (state q
+    of the unit after j completed units) has its own language except, when the repeat is
+    unbounded, the rows top - 1 and top (top = lo), whose non-start states both complete this
+    unit and then read any number of units. Pure."""
+    assert unit is not None
+    classes = np.arange(size, dtype=np.int64)
+    n = len(unit.rows)
+    top = node.lo
+    if node.hi is None and top >= 1:
+        q = np.arange(1, n)  # NOTE: the unit's start is state 0 (`_counted` returns None otherwise)
+        classes[top * n + q] = (top - 1) * n + q
+        keep = np.ones(size, dtype=bool)
+        keep[top * n + q] = False
+        classes = (np.cumsum(keep) - 1)[classes]
+    return classes
 # a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
 _DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
 _COUNTED_MAX_STATES = 50_000
@@ -220,6 +383,25 @@ def prepare_blocks() -> None:
                     continue
 
 
+# Moore rounds on the classes whose invariants are equal (`_Builder.classes`)
+_LOOK_AHEAD = 3
+
+
+def _look_ahead(table: np.ndarray, h0: np.ndarray, states: np.ndarray, rounds: int) -> np.ndarray:
+    """Per state of `states`: a hash of `h0` (a per-state invariant of the language) over every
+    path of at most `rounds` bytes from it (the rounds of Moore's refinement started from `h0`),
+    computed on those states' neighbourhood only. Pure."""
+    near = [states]
+    for _ in range(rounds):
+        near.append(np.unique(np.concatenate([near[-1], table[near[-1]].reshape(-1)])))
+    weights = np.random.default_rng(0x100C).integers(1, 2**63, size=table.shape[1], dtype=np.uint64)
+    cur = h0.copy()
+    for r in range(rounds - 1, -1, -1):
+        q = near[r]
+        cur[q] = cur[q] * np.uint64(0xFF51AFD7ED558CCD) + np.take(cur, table[q]) @ weights
+    return cur[states]
+
+
 def _bits(mask: np.ndarray) -> int:
     """A 256-bit int with bit b set where mask[b]."""
     return int.from_bytes(np.packbits(mask, bitorder="little").tobytes(), "little")
@@ -248,6 +430,8 @@ class _Builder:
         self.interned: dict[tuple[object, ...], int] = {}
         self.nodes: list[Node] = []  # keeps keyed nodes alive while their ids are in use
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
+        # literal states (index into lit_*, >= 0) and copies (~index into copies) as made: by id
+        self.made: list[int] = []
 
     def final(self) -> int:
         """The state after the whole tree: accepting, no transitions."""
@@ -277,6 +461,7 @@ class _Builder:
                 self.lit_hi.append(hi)
                 self.lit_dst.append(cont)
                 self.lit_dist.append(d)
+                self.made.append(len(self.lit_src) - 1)
                 return s
             return self.block(node, cont)
         if isinstance(node, Scope):
@@ -325,6 +510,7 @@ class _Builder:
         self.size += blk.size
         if self.size > MAX_DFA_STATES:
             raise _Fallback("too large: the generic construction reports it")
+        self.made.append(~len(self.copies))
         self.copies.append((base, blk, cont, acc, d))
         start = base + blk.start
         sd = blk.start_dist
@@ -427,6 +613,153 @@ class _Builder:
             t[ids] = np.where(mine == n, theirs, mine)
         return t, byte_map
 
+    def classes(self, table: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray | None:
+        """Per state (the dead state last): its class in the minimal DFA, by structure instead of
+        refinement rounds, or None where the structure does not prove it (then refine).
+
+        States are taken in id order (a state's continuation, and everything it leads to, has a
+        smaller id): the final state; a literal state is its byte range and its target's class; a
+        copy's state is its block's own class with the continuation's class (equal blocks with
+        equal continuations: equal states), or that continuation's class where the state's own
+        language is the empty string, or the dead state's class where it accepts nothing.
+        # NOTE: that partition never merges too much. It merges enough where no two of its
+        # classes with equal invariants (acceptance, shortest accepted length and shortlex-least
+        # accepted word, set of live bytes) could be equal: two literal classes never are
+        # (different first bytes or different rests); two classes of one block with one
+        # continuation class are not (the block's own classes differ and no accepting state of
+        # the block reads a byte its continuation starts with, so where one string splits into
+        # the block's part and the continuation's is fixed), nor are equal own classes with
+        # different continuations (the same argument from a shortest word of the block). Other
+        # pairs with equal invariants (a block whose loop the next piece repeats, as in the
+        # email format's local part) return None.
+        """
+        n = self.size
+        # NOTE: first the states that pieces lead to (literal states, block starts, the final
+        # state) one by one in plain Python, then every copy's states at once per block
+        cls_l = [0] * (n + 1)  # the dead state's class is 0
+        words_l = [0] * (n + 1)  # the hash of the shortlex-least accepted word
+        live_l = [0] * (n + 1)  # the hash of the set of bytes that lead to a state accepting something
+        ids: dict[tuple[int, int, int], int] = {}
+        # per class made from a block: (first id, number, block number, continuation class)
+        made: list[tuple[int, int, int, int]] = []
+        block_no: dict[int, int] = {}
+        num = 2
+        for s in self.finals:
+            cls_l[s] = 1
+        lit_src, lit_lo, lit_hi, lit_dst = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst
+        copies = self.copies
+        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int], list[int]]] = {}
+        for i in self.made:
+            if i >= 0:
+                d = lit_dst[i]
+                kd = cls_l[d]
+                if kd == 0:  # NOTE: leads only to a state that accepts nothing: stays dead
+                    continue
+                s = lit_src[i]
+                lo = lit_lo[i]
+                key = (lo, lit_hi[i], kd)
+                c = ids.get(key)
+                if c is None:
+                    c = ids[key] = num
+                    num += 1
+                cls_l[s] = c
+                words_l[s] = (lo + 1 + _P * words_l[d]) & _MASK
+                live_l[s] = (_BYTE_CUM[lit_hi[i] + 1] - _BYTE_CUM[lo]) & _MASK
+            else:
+                base, blk, cont, _, _ = copies[~i]
+                kc = cls_l[cont]
+                if kc == 0:
+                    continue  # every state of the copy stays dead
+                key = (-1 - id(blk), kc, 0)
+                off = ids.get(key)
+                if off is None:
+                    off = ids[key] = num
+                    num += blk.num_classes
+                    made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
+                wk, lk = words_l[cont], live_l[cont]
+                g = groups.get(id(blk))
+                if g is None:
+                    g = groups[id(blk)] = (blk, [], [], [], [], [])
+                g[1].append(base)
+                g[2].append(off)
+                g[3].append(kc)
+                g[4].append(wk)
+                g[5].append(lk)
+                st = base + blk.start
+                own = blk.start_class
+                cls_l[st] = off + own if own >= 0 else (kc if own == -1 else 0)
+                words_l[st] = (blk.start_word[0] + blk.start_word[1] * wk) & _MASK
+                live_l[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
+        cls = np.asarray(cls_l, dtype=np.int64)
+        words = np.asarray(words_l, dtype=np.uint64)
+        live = np.asarray(live_l, dtype=np.uint64)
+        for blk, bases, offs, kcs, wks, lks in groups.values():
+            at = np.asarray(bases, dtype=np.int64)[:, None]
+            ids2 = at + np.arange(blk.size)  # (copies, size)
+            cls[ids2] = np.asarray(offs, dtype=np.int64)[:, None] + blk.classes
+            if len(blk.eps):
+                cls[at + blk.eps] = np.asarray(kcs, dtype=np.int64)[:, None]
+            if len(blk.void):
+                cls[at + blk.void] = 0
+            words[ids2] = blk.word_hash + blk.word_pow * np.asarray(wks, dtype=np.uint64)[:, None]
+            lv = np.broadcast_to(blk.live_bytes, ids2.shape).copy()
+            lv[:, blk.accepting] += np.asarray(lks, dtype=np.uint64)[:, None]
+            live[ids2] = lv
+        # the classes' invariants (from any member) and what each class was made of
+        any_rep = np.zeros(num, dtype=np.int64)
+        any_rep[cls] = np.arange(n + 1)
+        inv = (dist[any_rep] + 1) * 2 + acc[any_rep]
+        lh = live[any_rep]
+        blk_of = np.full(num, -1, dtype=np.int64)  # -1: a literal class (or the final or dead one)
+        cont_of = np.zeros(num, dtype=np.int64)
+        own = np.zeros(num, dtype=np.int64)
+        if made:
+            m = np.asarray(made, dtype=np.int64)
+            ids_ = np.repeat(m[:, 0] - np.cumsum(m[:, 1]) + m[:, 1], m[:, 1]) + np.arange(int(m[:, 1].sum()))
+            blk_of[ids_] = np.repeat(m[:, 2], m[:, 1])
+            cont_of[ids_] = np.repeat(m[:, 3], m[:, 1])
+            own[ids_] = ids_ - np.repeat(m[:, 0], m[:, 1])
+        used = np.zeros(num, dtype=bool)
+        used[cls] = True
+        used[0] = False
+        c = np.flatnonzero(used)
+        w = words[any_rep]
+        o = c[np.lexsort((w[c], lh[c], inv[c]))]
+        eq = (inv[o[1:]] == inv[o[:-1]]) & (w[o[1:]] == w[o[:-1]]) & (lh[o[1:]] == lh[o[:-1]])
+        if eq.any():
+            # NOTE: a group of classes with equal invariants is proven apart when all are literal
+            # classes, or all come from one block and share the continuation class or the own class
+            starts = np.flatnonzero(np.concatenate([[True], ~eq]))
+            b_, k_, q_ = blk_of[o], cont_of[o], own[o]
+            one = np.minimum.reduceat(b_, starts) == np.maximum.reduceat(b_, starts)
+            lit = np.maximum.reduceat(b_, starts) < 0
+            same_k = np.minimum.reduceat(k_, starts) == np.maximum.reduceat(k_, starts)
+            same_q = np.minimum.reduceat(q_, starts) == np.maximum.reduceat(q_, starts)
+            ok = one & (lit | same_k | same_q)
+            if not ok.all():
+                # NOTE: look a few bytes further where the invariants do not tell the classes
+                # apart (their successors' invariants, a few Moore rounds on those classes only)
+                sizes = np.diff(np.append(starts, len(o)))
+                grp = np.repeat(np.arange(len(starts)), sizes)
+                sel = np.flatnonzero(~ok[grp])
+                h0 = (words * np.uint64(0x9E3779B97F4A7C15) + live * np.uint64(0xC2B2AE3D27D4EB4F)
+                      + (dist * 2 + acc + 2).astype(np.uint64))
+                sig = _look_ahead(table, h0, any_rep[o[sel]], _LOOK_AHEAD)
+                order2 = np.lexsort((sig, grp[sel]))
+                o2 = o[sel][order2]
+                s_sorted, g_sorted = sig[order2], grp[sel][order2]
+                eq2 = (s_sorted[1:] == s_sorted[:-1]) & (g_sorted[1:] == g_sorted[:-1])
+                if eq2.any():
+                    st2 = np.flatnonzero(np.concatenate([[True], ~eq2]))
+                    b2, k2, q2 = blk_of[o2], cont_of[o2], own[o2]
+                    one2 = np.minimum.reduceat(b2, st2) == np.maximum.reduceat(b2, st2)
+                    lit2 = np.maximum.reduceat(b2, st2) < 0
+                    sk2 = np.minimum.reduceat(k2, st2) == np.maximum.reduceat(k2, st2)
+                    sq2 = np.minimum.reduceat(q2, st2) == np.maximum.reduceat(q2, st2)
+                    if not (one2 & (lit2 | sk2 | sq2)).all():
+                        return None
+        return cls
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(accepting, shortest accepted lengths) of every state, the dead state last."""
         n = self.size
@@ -468,4 +801,7 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     acc, dist = b.arrays()
     # NOTE: unreachable states (a literal state whose every entry was merged into a block's
     # accepting rows) are dropped by the breadth-first numbering
-    return _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
+    cls = b.classes(t, acc, dist)
+    if cls is None:
+        return _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
+    return _minimal_dfa(t, acc, start, byte_map, cls)
