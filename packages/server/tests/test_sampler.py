@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample
@@ -111,6 +115,43 @@ def test_incremental_detokenization_is_exact(tokenizer, text: str) -> None:  # t
     assert all("\ufffd" not in p for p in pieces), "replacement character mid-stream"
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == text
     assert sum(1 for p in pieces if p) < len(ids), "multi-byte characters were held back at least once"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 49151) | st.sampled_from([0, 1, 2, 3]), max_size=24),
+       prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=8), skip=st.booleans())
+def test_backend_decode_path_equals_transformers_decode(tokenizer, ids: list[int], prompt: list[int], skip: bool) -> None:  # type: ignore[no-untyped-def]
+    """The detokenizer's direct `tokenizers` path (SmolLM2's fast tokenizer takes it) emits exactly the stream
+    of the `tokenizer.decode` path, special tokens (ids 0-3) and broken UTF-8 byte tokens included."""
+    from lmserver.engine.detokenizer import backend_decoder
+
+    assert backend_decoder(tokenizer) is not None
+    fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    slow._backend = None  # the transformers path
+    assert [fast.add(t) for t in ids] + [fast.flush()] == [slow.add(t) for t in ids] + [slow.flush()]
+    assert backend_decoder(tokenizer).decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+        ids, skip_special_tokens=skip)
+
+
+def test_backend_decode_path_only_for_plain_fast_tokenizers(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from lmserver.engine.detokenizer import backend_decoder
+
+    class PostProcessing(type(tokenizer)):  # type: ignore[misc]
+        def _decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._decode(*args, **kwargs).upper()
+
+    class Plain:
+        def decode(self, ids: list[int], **kwargs: object) -> str:
+            return "x" * len(ids)
+
+    odd = copy.copy(tokenizer)
+    odd.__class__ = PostProcessing
+    assert backend_decoder(odd) is None
+    assert backend_decoder(Plain()) is None
+    spaced = copy.copy(tokenizer)
+    spaced.clean_up_tokenization_spaces = True
+    assert backend_decoder(spaced) is None
 
 
 def test_stop_string_hold_back_and_trim() -> None:
