@@ -1,6 +1,6 @@
 """Per-stage sweep of the ``nvidia`` plugin's decode-layer kernels on a CUDA GPU (never collected by pytest).
 
-Each stage of the Llama-3-8B-shaped layer (qkv = norm + QKV + RoPE + KV write, attention at
+Each stage of a Llama-style layer (`--shape`: Llama-3-8B or SmolLM2; qkv = norm + QKV + RoPE + KV write, attention at
 context 512, o_proj + residual, norm + gate-up + SiLU, down + residual) runs as 32 PDL-chained
 launches over 32 layers' distinct weights in one CUDA graph (so no weight comes from L2), for
 every candidate kernel configuration (``dot`` and, for o_proj and down, ``rows``), next to cuBLAS
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_layer import LLAMA3_8B, gpu_layer, time_graph  # noqa: E402
+from bench_layer import SHAPES, gpu_layer, time_graph  # noqa: E402
 
 from lowlat import KVCache, LayerShape  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
@@ -52,6 +52,7 @@ def candidates(stage: str) -> list[ops.GemvConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=15)
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
     t0 = time.time()
-    dev, bf16, shape = torch.device("cuda"), torch.bfloat16, LLAMA3_8B
+    dev, bf16, shape = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape]
     timer, cands = time_graph, candidates
     if args.cpu_smoke:
         dev, shape = torch.device("cpu"), LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,

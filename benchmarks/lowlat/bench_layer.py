@@ -36,6 +36,8 @@ from lowlat.layer import rope_inv_freq
 from lowlat.testing import decode_meta
 
 LLAMA3_8B = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+SMOLLM2 = LayerShape(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
+SHAPES = {"llama3-8b": LLAMA3_8B, "smollm2": SMOLLM2}
 
 
 def gpu_layer(shape: LayerShape, dtype: torch.dtype, dev: torch.device) -> LayerWeights:
@@ -177,6 +179,7 @@ def sweep(built: dict[str, Any], kvs: list[KVCache], shape: LayerShape, dev: tor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--iters", type=int, default=20)
@@ -189,7 +192,7 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.time()
     dev = torch.device("cuda")
-    shape = LLAMA3_8B
+    shape = SHAPES[args.shape]
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"device={torch.cuda.get_device_name()} torch={torch.__version__} pdl_available={pdl_available()}")
