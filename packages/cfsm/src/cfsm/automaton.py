@@ -744,7 +744,16 @@ def _minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map:
     ccols = np.take(cls.astype(np.int32), np.take(table, any_rep, axis=0))
     start_cls, dead_cls = int(cls[start]), int(cls[n - 1])
     order = _bfs_order(ccols, start_cls, dead_cls) if start_cls != dead_cls else np.zeros(0, dtype=np.int64)
-    return _renumbered(table, accepting, start, byte_map, cls, num, order)
+    nxt = len(order)
+    remap = np.full(num, nxt, dtype=np.int32)  # the dead class (and unreachable ones) last
+    remap[order] = np.arange(nxt, dtype=np.int32)
+    min_cols = np.empty((nxt + 1, table.shape[1]), dtype=np.int32)  # (num, num_byte_intervals)
+    np.take(remap, np.take(ccols, order, axis=0), out=min_cols[:nxt])
+    min_cols[nxt] = nxt
+    # NOTE: byte intervals in ascending order: the 256-wide table repeats each column
+    trans = np.repeat(min_cols, np.bincount(byte_map, minlength=table.shape[1]), axis=1)
+    acc = np.append(accepting[any_rep[order]], False)
+    return _with_classes(Dfa(transitions=trans, accepting=acc, start=int(remap[cls[start]])), min_cols, byte_map)
 
 
 def _renumbered(cols: np.ndarray, accepting: np.ndarray, start: int, byte_class: np.ndarray, cls: np.ndarray,
@@ -764,8 +773,13 @@ def _renumbered(cols: np.ndarray, accepting: np.ndarray, start: int, byte_class:
     trans = np.take(min_cols, byte_class, axis=1)
     acc = accepting[reps].copy()
     acc[nxt] = False
-    dfa = Dfa(transitions=trans, accepting=acc, start=int(new_ids[start]))
-    # the minimal DFA's byte classes merge the classes whose columns became equal (cached on it)
+    return _with_classes(Dfa(transitions=trans, accepting=acc, start=int(new_ids[start])), min_cols, byte_class)
+
+
+def _with_classes(dfa: Dfa, min_cols: np.ndarray, byte_class: np.ndarray) -> Dfa:
+    """`dfa` with its byte classes and class table cached, from its narrow table `min_cols` (one
+    column per byte class of a coarser partition, `byte_class[b]` byte b's)."""
+    # the minimal DFA's byte classes merge the classes whose columns became equal
     rep2, cls2 = _byte_classes(min_cols)
     classes = cls2[byte_class]
     _, rep_bytes = np.unique(classes, return_index=True)  # a byte of each class, by class id

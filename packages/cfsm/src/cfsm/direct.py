@@ -444,8 +444,26 @@ class _Builder:
     def build(self, node: Node, cont: int) -> int:
         """A state whose language is node's language followed by cont's."""
         if isinstance(node, Cat):
+            entry, made = self.entry, self.made
+            lit_src, lit_lo, lit_hi, lit_dst, lit_dist = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, self.lit_dist
             for item in reversed(node.items):
-                cont = self.build(item, cont)
+                if type(item) is Chars and len(item.ranges) == 1 and item.ranges[0][1] < 0x80:
+                    # NOTE: the literal state of the branch below, inlined (most of a schema's states)
+                    lo, hi = item.ranges[0]
+                    d = entry[cont][1]
+                    d = d + 1 if d >= 0 else -1
+                    s = self.size
+                    self.size = s + 1
+                    entry[s] = (False, d, (1 << (hi + 1)) - (1 << lo))
+                    made.append(len(lit_src))
+                    lit_src.append(s)
+                    lit_lo.append(lo)
+                    lit_hi.append(hi)
+                    lit_dst.append(cont)
+                    lit_dist.append(d)
+                    cont = s
+                else:
+                    cont = self.build(item, cont)
             return cont
         if isinstance(node, Chars):
             r = node.ranges
