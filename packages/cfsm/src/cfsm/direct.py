@@ -52,8 +52,8 @@ class _Block:
     """
 
     __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
-                 "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "word_hash",
-                 "word_pow", "start_class", "start_word", "start_live")
+                 "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "start_class",
+                 "start_live")
 
     def __init__(self, node: Node) -> None:
         counted = _counted(node) if isinstance(node, Repeat) else None
@@ -103,37 +103,31 @@ class _Block:
         self.start_dist = int(dist[start])
         self.start_accepting = bool(acc[start])
         self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0))[col_of])
-        # per state: its class in the block's own minimal DFA (-1: accepts nothing), the hash of
-        # the set of bytes that lead to a state accepting something, and the hash of its
-        # shortlex-least accepted word inside the block with _P ** its length (invariants of its
-        # language)
+        # per state: its class in the block's own minimal DFA (-1: accepts nothing) and the hash of
+        # the set of bytes that lead to a state accepting something (an invariant of its language)
         if n <= _SMALL_BLOCK and classes is None:
-            classes, self.live_bytes, self.word_hash, self.word_pow = _facts_small(t, acc, dist, col_of)
+            classes, self.live_bytes = _facts_small(t, acc, dist, col_of)
         else:
             if classes is None:
                 classes = _own_classes(t, acc, dist)
             self.live_bytes = _live_bytes(t, classes, col_of)
-            self.word_hash, self.word_pow = _least_words(t, dist, col_of)
         self.classes = classes
         self.num_classes = int(classes.max()) + 1 if n else 0
         # states whose own language is the empty string (accepting, no byte leads to a state that
         # accepts something): a copy's such state is its continuation
         self.eps = np.flatnonzero(acc & ~((t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)).any(axis=1))
         self.void = np.flatnonzero(classes < 0)  # states that accept nothing: a copy's are dead
-        # the start's own class (-1: its language is the empty string, -2: none), least word, live bytes
+        # the start's own class (-1: its language is the empty string, -2: none) and live bytes
         if n:
             self.start_class = -1 if start in self.eps else (-2 if classes[start] < 0 else int(classes[start]))
-            self.start_word = (int(self.word_hash[start]), int(self.word_pow[start]))
             self.start_live = int(self.live_bytes[start])
         else:
-            self.start_class, self.start_word, self.start_live = -2, (0, 1), 0
+            self.start_class, self.start_live = -2, 0
 
 
 _IDENTITY = np.arange(256)
 
 
-# the polynomial hash of a byte string w: sum of (w[i] + 1) * _P ** i, modulo 2 ** 64
-_P = 0x100000001B3
 _MASK = (1 << 64) - 1
 # the hash of a byte set: the sum of its bytes' weights, modulo 2 ** 64 (additive over disjoint sets)
 _BYTE_W = np.random.default_rng(0xB7E5).integers(1, 2**63, size=256, dtype=np.uint64)
@@ -153,33 +147,6 @@ def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.nd
     something (the sum of their `_BYTE_W`). Pure."""
     live_t = (t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)
     return live_t.astype(np.uint64) @ _column_weights(col_of, t.shape[1])
-
-
-def _least_words(t: np.ndarray, dist: np.ndarray, col_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per state of a block's table (dead entries -1, `dist` the shortest accepted lengths): the
-    hash of its shortlex-least accepted word and `_P ** len` (0 and 1 where it accepts nothing):
-    each state's least word is the smallest byte into a state one step nearer acceptance, then
-    that state's least word. Pure."""
-    n, k = t.shape
-    h = np.zeros(n, dtype=np.uint64)
-    pw = np.ones(n, dtype=np.uint64)
-    if n == 0 or int(dist.max()) <= 0:
-        return h, pw
-    first_byte = np.full(k, 256, dtype=np.int64)
-    np.minimum.at(first_byte, col_of, np.arange(256))
-    by_byte = np.argsort(first_byte, kind="stable")
-    tt = t[:, by_byte]
-    byte1 = (first_byte[by_byte] + 1).astype(np.uint64)
-    d_ext = np.append(dist, -2)  # the dead entry (-1) reads -2
-    p = np.uint64(_P)
-    for d in range(1, int(dist.max()) + 1):
-        qs = np.flatnonzero(dist == d)
-        rows = tt[qs]
-        j = np.argmax(d_ext[rows] == d - 1, axis=1)
-        tg = rows[np.arange(len(qs)), j]
-        h[qs] = byte1[j] + p * h[tg]
-        pw[qs] = p * pw[tg]
-    return h, pw
 
 
 # blocks of at most this many states find their own classes by plain Python rounds
@@ -203,9 +170,9 @@ def _own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray
 
 
 def _facts_small(t: np.ndarray, acc: np.ndarray, dist: np.ndarray, col_of: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(own classes, live bytes, least-word hashes, their powers) of a small block (see
-    `_Block`), by plain Python: Moore rounds over tuples. Pure."""
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(own classes, live-byte hashes) of a small block (see `_Block`), by plain Python: Moore
+    rounds over tuples. Pure."""
     n, k = t.shape
     dl = dist.tolist()
     rows = [[(x if x >= 0 and dl[x] >= 0 else -1) for x in row] for row in t.tolist()]  # void targets: dead
@@ -225,26 +192,7 @@ def _facts_small(t: np.ndarray, acc: np.ndarray, dist: np.ndarray, col_of: np.nd
         classes[void] = -1
     width = _column_weights(col_of, k).tolist()
     live = [sum(width[j] for j, x in enumerate(row) if x >= 0) & _MASK for row in rows]
-    # the least words, nearest states first: the smallest byte into a state one step nearer
-    first_byte = [256] * k
-    for b, j in enumerate(col_of.tolist()):
-        if b < first_byte[j]:
-            first_byte[j] = b
-    by_byte = sorted(range(k), key=first_byte.__getitem__)
-    h = [0] * n
-    pw = [1] * n
-    for q in sorted(range(n), key=dl.__getitem__):
-        d = dl[q]
-        if d <= 0:
-            continue
-        row = rows[q]
-        for j in by_byte:
-            x = row[j]
-            if x >= 0 and dl[x] == d - 1:
-                h[q] = (first_byte[j] + 1 + _P * h[x]) & _MASK
-                pw[q] = (_P * pw[x]) & _MASK
-                break
-    return classes, np.asarray(live, dtype=np.uint64), np.asarray(h, dtype=np.uint64), np.asarray(pw, dtype=np.uint64)
+    return classes, np.asarray(live, dtype=np.uint64)
 
 
 def _counted_classes(node: Repeat, size: int, unit: _Unit | None) -> np.ndarray:
@@ -641,9 +589,10 @@ class _Builder:
         equal continuations: equal states), or that continuation's class where the state's own
         language is the empty string, or the dead state's class where it accepts nothing.
         # NOTE: that partition never merges too much. It merges enough where no two of its
-        # classes with equal invariants (acceptance, shortest accepted length and shortlex-least
-        # accepted word, set of live bytes) could be equal: two literal classes never are
-        # (different first bytes or different rests); two classes of one block with one
+        # classes with equal invariants (acceptance, shortest accepted length, the set of live
+        # bytes; then also those of every state up to `_LOOK_AHEAD` bytes further) could be
+        # equal: two literal classes never are (different first bytes or different rests); two
+        # classes of one block with one
         # continuation class are not (the block's own classes differ and no accepting state of
         # the block reads a byte its continuation starts with, so where one string splits into
         # the block's part and the continuation's is fixed), nor are equal own classes with
@@ -655,7 +604,6 @@ class _Builder:
         # NOTE: first the states that pieces lead to (literal states, block starts, the final
         # state) one by one in plain Python, then every copy's states at once per block
         cls_l = [0] * (n + 1)  # the dead state's class is 0
-        words_l = [0] * (n + 1)  # the hash of the shortlex-least accepted word
         live_l = [0] * (n + 1)  # the hash of the set of bytes that lead to a state accepting something
         ids: dict[tuple[int, int, int], int] = {}
         # per class made from a block: (first id, number, block number, continuation class)
@@ -666,7 +614,7 @@ class _Builder:
             cls_l[s] = 1
         lit_src, lit_lo, lit_hi, lit_dst = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst
         copies = self.copies
-        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int], list[int]]] = {}
+        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
         for i in self.made:
             if i >= 0:
                 d = lit_dst[i]
@@ -681,7 +629,6 @@ class _Builder:
                     c = ids[key] = num
                     num += 1
                 cls_l[s] = c
-                words_l[s] = (lo + 1 + _P * words_l[d]) & _MASK
                 live_l[s] = (_BYTE_CUM[lit_hi[i] + 1] - _BYTE_CUM[lo]) & _MASK
             else:
                 base, blk, cont, _, _ = copies[~i]
@@ -694,24 +641,21 @@ class _Builder:
                     off = ids[key] = num
                     num += blk.num_classes
                     made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
-                wk, lk = words_l[cont], live_l[cont]
+                lk = live_l[cont]
                 g = groups.get(id(blk))
                 if g is None:
-                    g = groups[id(blk)] = (blk, [], [], [], [], [])
+                    g = groups[id(blk)] = (blk, [], [], [], [])
                 g[1].append(base)
                 g[2].append(off)
                 g[3].append(kc)
-                g[4].append(wk)
-                g[5].append(lk)
+                g[4].append(lk)
                 st = base + blk.start
                 own = blk.start_class
                 cls_l[st] = off + own if own >= 0 else (kc if own == -1 else 0)
-                words_l[st] = (blk.start_word[0] + blk.start_word[1] * wk) & _MASK
                 live_l[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
         cls = np.asarray(cls_l, dtype=np.int64)
-        words = np.asarray(words_l, dtype=np.uint64)
         live = np.asarray(live_l, dtype=np.uint64)
-        for blk, bases, offs, kcs, wks, lks in groups.values():
+        for blk, bases, offs, kcs, lks in groups.values():
             at = np.asarray(bases, dtype=np.int64)[:, None]
             ids2 = at + np.arange(blk.size)  # (copies, size)
             cls[ids2] = np.asarray(offs, dtype=np.int64)[:, None] + blk.classes
@@ -719,7 +663,6 @@ class _Builder:
                 cls[at + blk.eps] = np.asarray(kcs, dtype=np.int64)[:, None]
             if len(blk.void):
                 cls[at + blk.void] = 0
-            words[ids2] = blk.word_hash + blk.word_pow * np.asarray(wks, dtype=np.uint64)[:, None]
             lv = np.broadcast_to(blk.live_bytes, ids2.shape).copy()
             lv[:, blk.accepting] += np.asarray(lks, dtype=np.uint64)[:, None]
             live[ids2] = lv
@@ -741,9 +684,8 @@ class _Builder:
         used[cls] = True
         used[0] = False
         c = np.flatnonzero(used)
-        w = words[any_rep]
-        o = c[np.lexsort((w[c], lh[c], inv[c]))]
-        eq = (inv[o[1:]] == inv[o[:-1]]) & (w[o[1:]] == w[o[:-1]]) & (lh[o[1:]] == lh[o[:-1]])
+        o = c[np.lexsort((lh[c], inv[c]))]
+        eq = (inv[o[1:]] == inv[o[:-1]]) & (lh[o[1:]] == lh[o[:-1]])
         if eq.any():
             # NOTE: a group of classes with equal invariants is proven apart when all are literal
             # classes, or all come from one block and share the continuation class or the own class
@@ -760,8 +702,7 @@ class _Builder:
                 sizes = np.diff(np.append(starts, len(o)))
                 grp = np.repeat(np.arange(len(starts)), sizes)
                 sel = np.flatnonzero(~ok[grp])
-                h0 = (words * np.uint64(0x9E3779B97F4A7C15) + live * np.uint64(0xC2B2AE3D27D4EB4F)
-                      + (dist * 2 + acc + 2).astype(np.uint64))
+                h0 = live * np.uint64(0xC2B2AE3D27D4EB4F) + (dist * 2 + acc + 2).astype(np.uint64)
                 sig = _look_ahead(table, h0, any_rep[o[sel]], _LOOK_AHEAD)
                 order2 = np.lexsort((sig, grp[sel]))
                 o2 = o[sel][order2]
