@@ -59,7 +59,7 @@ class _Block:
         counted = _counted(node) if isinstance(node, Repeat) else None
         col_of = None
         classes = None  # computed below where the block is not known to be minimal
-        if counted is not None:
+        if counted is not None and isinstance(node, Repeat):
             t, acc, dist, col_of = counted  # one column per byte interval of the unit
             n, start = len(t), 0
             classes = _counted_classes(node, t.shape[0], _unit(node.item))
@@ -673,24 +673,24 @@ class _Builder:
         lh = live[any_rep]
         blk_of = np.full(num, -1, dtype=np.int64)  # -1: a literal class (or the final or dead one)
         cont_of = np.zeros(num, dtype=np.int64)
-        own = np.zeros(num, dtype=np.int64)
+        own_of = np.zeros(num, dtype=np.int64)
         if made:
             m = np.asarray(made, dtype=np.int64)
             ids_ = np.repeat(m[:, 0] - np.cumsum(m[:, 1]) + m[:, 1], m[:, 1]) + np.arange(int(m[:, 1].sum()))
             blk_of[ids_] = np.repeat(m[:, 2], m[:, 1])
             cont_of[ids_] = np.repeat(m[:, 3], m[:, 1])
-            own[ids_] = ids_ - np.repeat(m[:, 0], m[:, 1])
+            own_of[ids_] = ids_ - np.repeat(m[:, 0], m[:, 1])
         used = np.zeros(num, dtype=bool)
         used[cls] = True
         used[0] = False
-        c = np.flatnonzero(used)
-        o = c[np.lexsort((lh[c], inv[c]))]
+        live_cls = np.flatnonzero(used)
+        o = live_cls[np.lexsort((lh[live_cls], inv[live_cls]))]
         eq = (inv[o[1:]] == inv[o[:-1]]) & (lh[o[1:]] == lh[o[:-1]])
         if eq.any():
             # NOTE: a group of classes with equal invariants is proven apart when all are literal
             # classes, or all come from one block and share the continuation class or the own class
             starts = np.flatnonzero(np.concatenate([[True], ~eq]))
-            b_, k_, q_ = blk_of[o], cont_of[o], own[o]
+            b_, k_, q_ = blk_of[o], cont_of[o], own_of[o]
             one = np.minimum.reduceat(b_, starts) == np.maximum.reduceat(b_, starts)
             lit = np.maximum.reduceat(b_, starts) < 0
             same_k = np.minimum.reduceat(k_, starts) == np.maximum.reduceat(k_, starts)
@@ -710,7 +710,7 @@ class _Builder:
                 eq2 = (s_sorted[1:] == s_sorted[:-1]) & (g_sorted[1:] == g_sorted[:-1])
                 if eq2.any():
                     st2 = np.flatnonzero(np.concatenate([[True], ~eq2]))
-                    b2, k2, q2 = blk_of[o2], cont_of[o2], own[o2]
+                    b2, k2, q2 = blk_of[o2], cont_of[o2], own_of[o2]
                     one2 = np.minimum.reduceat(b2, st2) == np.maximum.reduceat(b2, st2)
                     lit2 = np.maximum.reduceat(b2, st2) < 0
                     sk2 = np.minimum.reduceat(k2, st2) == np.maximum.reduceat(k2, st2)
