@@ -301,3 +301,36 @@ def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
     assert _same_partition(classes, direct._own_classes(t, acc, dist))
     assert np.array_equal(classes < 0, dist < 0)
     assert np.array_equal(live, direct._live_bytes(t, classes, blk.col_of))
+
+
+_STRING_VOCAB = cfsm.Vocabulary([b"", b'"', b'",', b'"}', b"a", b"ab", b"abc", b"\\", b'\\"', b"\\u00", b"1f", b"\xc3",
+                                 b"\xa9", b"\xc3\xa9", b"x", b"xy", b'x"', b":", b'":', b'":"', b"{", b"}", b",", b" "],
+                                eos_token_ids=[0])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas())
+def test_proven_string_states_match_as_the_verification_does(schema: dict[str, Any]) -> None:
+    """The string text states the direct construction proves (`string_text_states`, left out of
+    the verification) are matched with the very bounds and continuations as when checked."""
+    from cfsm.templates import match_string_states
+
+    direct = build_dfa_direct(schema_to_node(schema, CfsmConfig()), force=True)
+    if direct is None or "string_text_states" not in direct.__dict__:
+        return
+    st_ = _STRING_VOCAB.prepare().string_tables
+    proven = match_string_states(direct, st_)
+    checked_dfa = Dfa(transitions=direct.transitions, accepting=direct.accepting, start=direct.start)
+    checked = match_string_states(checked_dfa, st_)
+    for name in ("t", "rem", "need", "cont"):
+        assert np.array_equal(getattr(proven, name), getattr(checked, name)), name
+    # every proven state is marked: it passed the checks it was spared
+    marked = checked.t[: direct.num_states] >= 0
+    assert marked[direct.__dict__["string_text_states"][:-1]].all()
+
+
+def test_bounded_and_free_string_bodies_are_proven() -> None:
+    dfa = build_dfa_direct(schema_to_node(_sections(3), CfsmConfig()))
+    assert dfa is not None
+    proven = dfa.__dict__["string_text_states"]
+    assert proven.sum() >= 3 * 21  # the three label strings (maxLength 20), at least

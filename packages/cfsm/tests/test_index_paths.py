@@ -337,7 +337,7 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
     table = np.take(dfa.class_table, byte_class[reps], axis=1)
     t[dfa.dead] = -1
     before = t.copy()
-    said = _all_pass(dfa, stt, stt.code[:, reps], table, t, rem, need, cont, stt.byte_class[reps])
+    said = _all_pass(dfa, stt, stt.code[:, reps], table, t, rem, need, cont, stt.byte_class[reps], t >= 0)
     assert np.array_equal(t, before)  # pure
     with pytest.MonkeyPatch.context() as m:
         m.setattr(cfsm.templates, "_ONE_CHECK_MAX", -1)  # the passes only

@@ -732,11 +732,12 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
 
 
 def _minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray,
-                 cls: np.ndarray) -> Dfa:
+                 cls: np.ndarray) -> tuple[Dfa, np.ndarray]:
     """`_minimize(table, accepting, start, byte_map, bfs=True)` where the classes of equivalent
     states are known (`cls`, any ids, one per language: the partition `_refine` would give): the
-    same `Dfa`, byte classes included, without refinement rounds. The table's columns are byte
-    intervals in ascending byte order (`byte_map[b]` the column of byte b), the dead state last."""
+    same `Dfa`, byte classes included, without refinement rounds; and each state's state in it.
+    The table's columns are byte intervals in ascending byte order (`byte_map[b]` the column of
+    byte b), the dead state last."""
     n = table.shape[0]
     num = int(cls.max()) + 1
     any_rep = np.zeros(num, dtype=np.int64)
@@ -753,7 +754,8 @@ def _minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map:
     # NOTE: byte intervals in ascending order: the 256-wide table repeats each column
     trans = np.repeat(min_cols, np.bincount(byte_map, minlength=table.shape[1]), axis=1)
     acc = np.append(accepting[any_rep[order]], False)
-    return _with_classes(Dfa(transitions=trans, accepting=acc, start=int(remap[cls[start]])), min_cols, byte_map)
+    dfa = _with_classes(Dfa(transitions=trans, accepting=acc, start=int(remap[cls[start]])), min_cols, byte_map)
+    return dfa, remap[cls]
 
 
 def _renumbered(cols: np.ndarray, accepting: np.ndarray, start: int, byte_class: np.ndarray, cls: np.ndarray,

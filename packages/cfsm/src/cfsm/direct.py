@@ -53,9 +53,14 @@ class _Block:
 
     __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
                  "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "start_class",
-                 "start_live")
+                 "start_live", "string_body")
 
     def __init__(self, node: Node) -> None:
+        # a JSON string's text with at most a bound of characters (or none and no minimum): each
+        # state behaves exactly like a state of the vocabulary's string automaton once a closing
+        # quote follows (`templates`)
+        self.string_body = isinstance(node, Repeat) and _is_json_char(node.item) and (
+            node.hi is not None or node.lo == 0)
         counted = _counted(node) if isinstance(node, Repeat) else None
         col_of = None
         classes = None  # computed below where the block is not known to be minimal
@@ -151,6 +156,12 @@ def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.nd
 
 # blocks of at most this many states find their own classes by plain Python rounds
 _SMALL_BLOCK = 48
+
+
+def _is_json_char(node: Node) -> bool:
+    from cfsm.json_schema import JSON_CHAR
+
+    return node is JSON_CHAR
 
 
 def _own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
@@ -719,6 +730,14 @@ class _Builder:
                         return None
         return cls
 
+    def string_states(self) -> np.ndarray:
+        """The states of copies of JSON string bodies (`_Block.string_body`) followed by a
+        literal closing quote: each behaves exactly like a state of the string automaton T."""
+        quote = {s for s, lo, hi in zip(self.lit_src, self.lit_lo, self.lit_hi, strict=True) if lo == hi == 0x22}
+        parts = [np.arange(base, base + blk.size)[blk.classes >= 0] for base, blk, cont, _, _ in self.copies
+                 if blk.string_body and cont in quote]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(accepting, shortest accepted lengths) of every state, the dead state last."""
         n = self.size
@@ -762,5 +781,16 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     # accepting rows) are dropped by the breadth-first numbering
     cls = b.classes(t, acc, dist)
     if cls is None:
-        return _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
-    return _minimal_dfa(t, acc, start, byte_map, cls)
+        dfa = _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
+        new_ids = None
+    else:
+        dfa, new_ids = _minimal_dfa(t, acc, start, byte_map, cls)
+    if new_ids is not None:
+        strings = b.string_states()
+        if len(strings):
+            mine = np.zeros(dfa.num_states + 1, dtype=bool)
+            mine[new_ids[strings]] = True
+            mine[-1] = False
+            # NOTE: read by `templates.match_string_states`: states proven to be string text
+            dfa.__dict__["string_text_states"] = mine
+    return dfa

@@ -325,16 +325,21 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     tcode = code[:, reps]  # (num_t, r)
     table = np.take(dfa.class_table, byte_class[reps], axis=1)  # (n + 1, r): one byte per class
     t[dead] = -1
+    # NOTE: states the DFA's construction proved to be string text (`direct`: a JSON string body
+    # followed by its closing quote; their proposed bounds follow from that) are not checked;
+    # they still serve as the targets of the others' checks
+    proven = dfa.__dict__.get("string_text_states")
+    check = t >= 0 if proven is None else (t >= 0) & ~proven
     # NOTE: usually every proposed state passes: one check of all of them at once says so (the
     # passes below would then unmark nothing; they cost a few numpy calls per T state, which
     # dominate for few states); otherwise they run as they always did
-    if _MAX_PASSES and int((t >= 0).sum()) * tcode.shape[1] <= _ONE_CHECK_MAX and _all_pass(
-            dfa, st, tcode, table, t, rem, need, cont, st.byte_class[reps]):
+    if _MAX_PASSES and int(check.sum()) * tcode.shape[1] <= _ONE_CHECK_MAX and _all_pass(
+            dfa, st, tcode, table, t, rem, need, cont, st.byte_class[reps], check):
         return
     for _ in range(_MAX_PASSES):
         bad_any = False
         for s in range(num_t):
-            q = np.flatnonzero(t == s)
+            q = np.flatnonzero((t == s) if proven is None else (t == s) & ~proven)
             if not len(q):
                 continue
             row = tcode[s]
@@ -371,8 +376,8 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
 
 
 def _all_pass(dfa: Dfa, st: StringTables, tcode: np.ndarray, table: np.ndarray, t: np.ndarray, rem: np.ndarray,
-              need: np.ndarray, cont: np.ndarray, tclass: np.ndarray) -> bool:
-    """Whether every marked state passes `_verify`'s checks (all T states at once). Pure.
+              need: np.ndarray, cont: np.ndarray, tclass: np.ndarray, check: np.ndarray) -> bool:
+    """Whether every marked state of `check` passes `_verify`'s checks (all T states at once). Pure.
 
     `tclass[j]` is T's byte class of column j. Every check asks the columns of one T class to step
     to one DFA state (T steps alike on them): that is checked first for all columns, then the
@@ -381,7 +386,7 @@ def _all_pass(dfa: Dfa, st: StringTables, tcode: np.ndarray, table: np.ndarray, 
     dead = dfa.dead
     text, num_t = st.text, st.num_t
     exit_code, dead_code = num_t, num_t + 1
-    q = np.flatnonzero(t >= 0)
+    q = np.flatnonzero(check)
     if not len(q):
         return True
     tgt = table[q]  # (m, r)
