@@ -323,13 +323,19 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     _, byte_class = dfa.byte_classes
     reps = joint_reps(byte_class, st.byte_class)
     tcode = code[:, reps]  # (num_t, r)
-    table = np.take(dfa.class_table, byte_class[reps], axis=1)  # (n + 1, r): one byte per class
     t[dead] = -1
     # NOTE: states the DFA's construction proved to be string text (`direct`: a JSON string body
     # followed by its closing quote; their proposed bounds follow from that) are not checked;
     # they still serve as the targets of the others' checks
     proven = dfa.__dict__.get("string_text_states")
     check = t >= 0 if proven is None else (t >= 0) & ~proven
+    # (n + 1, r): one byte per class; only the rows of the states to check are read
+    if proven is None:
+        table = np.take(dfa.class_table, byte_class[reps], axis=1)
+    else:
+        rows = np.flatnonzero(check)
+        table = np.zeros((dfa.num_states + 1, len(reps)), dtype=dfa.class_table.dtype)
+        table[rows] = np.take(dfa.class_table[rows], byte_class[reps], axis=1)
     # NOTE: usually every proposed state passes: one check of all of them at once says so (the
     # passes below would then unmark nothing; they cost a few numpy calls per T state, which
     # dominate for few states); otherwise they run as they always did
