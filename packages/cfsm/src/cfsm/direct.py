@@ -53,7 +53,7 @@ class _Block:
 
     __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
                  "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "start_class",
-                 "start_live", "string_body")
+                 "start_live", "string_body", "string_map", "string_bounds")
 
     def __init__(self, node: Node) -> None:
         # a JSON string's text with at most a bound of characters (or none and no minimum): each
@@ -61,6 +61,7 @@ class _Block:
         # quote follows (`templates`)
         self.string_body = isinstance(node, Repeat) and _is_json_char(node.item) and (
             node.hi is not None or node.lo == 0)
+        self.string_bounds = (node.lo, node.hi) if self.string_body else (0, None)
         counted = _counted(node) if isinstance(node, Repeat) else None
         col_of = None
         classes = None  # computed below where the block is not known to be minimal
@@ -122,6 +123,13 @@ class _Block:
         # accepts something): a copy's such state is its continuation
         self.eps = np.flatnonzero(acc & ~((t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)).any(axis=1))
         self.void = np.flatnonzero(classes < 0)  # states that accept nothing: a copy's are dead
+        # for a string body: per state its T state and completed characters (`_string_map`)
+        self.string_map = None
+        if self.string_body and n:
+            self.string_map = _string_map(node, t, col_of, start, n) if counted is None else _counted_string_map(
+                node, n)
+            if self.string_map is None:
+                self.string_body = False
         # the start's own class (-1: its language is the empty string, -2: none) and live bytes
         if n:
             self.start_class = -1 if start in self.eps else (-2 if classes[start] < 0 else int(classes[start]))
@@ -156,6 +164,105 @@ def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.nd
 
 # blocks of at most this many states find their own classes by plain Python rounds
 _SMALL_BLOCK = 48
+
+
+def _t_code() -> tuple[np.ndarray, int]:
+    from cfsm.templates import t_automaton
+
+    return t_automaton()
+
+
+def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: int) -> np.ndarray | None:
+    """Per state of a string body's table (`_Block.string_body`), as two rows: its state in the
+    string automaton T and how many characters it completed (-1 for every state of an unbounded
+    body), by walking both from (start, T's text state); None where a state meets two (then the
+    block proves nothing). Pure."""
+    from cfsm.templates import joint_reps
+
+    code, text = _t_code()
+    num_t = code.shape[0]
+    bounded = node.hi is not None
+    t_byte_class = _t_byte_class()
+    reps = joint_reps(col_of, t_byte_class).tolist()
+    cols = col_of[reps].tolist()
+    rows = t.tolist()
+    ts = [-1] * n
+    js = [-1] * n
+    ts[start], js[start] = text, 0 if bounded else -1
+    todo = [start]
+    for q in todo:
+        s, j = ts[q], js[q]
+        row = rows[q]
+        for b, c in zip(reps, cols, strict=True):
+            q2 = row[c]
+            if q2 < 0:
+                continue
+            s2 = int(code[s, b])
+            if s2 >= num_t:  # T leaves or dies where the body reads on
+                return None
+            j2 = j + (s2 == text) if bounded else -1
+            if ts[q2] < 0:
+                ts[q2], js[q2] = s2, j2
+                todo.append(q2)
+            elif ts[q2] != s2 or js[q2] != j2:
+                return None
+    return np.asarray([ts, js], dtype=np.int64)
+
+
+def _t_byte_class() -> np.ndarray:
+    from cfsm.templates import t_automaton_classes
+
+    return t_automaton_classes()
+
+
+_COUNTED_MAPS: dict[int, tuple[_Unit, np.ndarray]] = {}
+
+
+def _counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
+    """`_string_map` of a counted string body (state j * n + q: the unit's state q after j
+    characters; the bounded form's last state: all characters read) from the unit's map. Pure."""
+    unit = _unit(node.item)
+    if unit is None or node.hi is None:
+        return None
+    hit = _COUNTED_MAPS.get(id(unit))
+    if hit is None or hit[0] is not unit:
+        m = _unit_string_map(unit)
+        if m is None:
+            return None
+        hit = _COUNTED_MAPS[id(unit)] = (unit, m)
+    umap = hit[1]
+    n = len(unit.rows)
+    j = np.arange(size, dtype=np.int64) // n
+    ts = np.tile(umap, size // n + 1)[:size]
+    ts[-1], j[-1] = _t_code()[1], node.hi  # the last state: hi characters read (T's text state)
+    return np.stack([ts, j])
+
+
+def _unit_string_map(unit: _Unit) -> np.ndarray | None:
+    """Per state of JSON_CHAR's unit DFA: its state in T (the unit's start: T's text state), by
+    walking both over every byte; None where they disagree."""
+    code, text = _t_code()
+    num_t = code.shape[0]
+    m = [-1] * len(unit.rows)
+    m[unit.start] = text
+    todo = [unit.start]
+    for q in todo:
+        s = m[q]
+        for a, b, tg in unit.rows[q]:
+            for byte in range(a, b + 1):
+                s2 = int(code[s, byte])
+                if tg < 0:  # the unit completes: T is back in its text state
+                    if s2 != text:
+                        return None
+                    continue
+                if s2 >= num_t:
+                    return None
+                if m[tg] < 0:
+                    m[tg] = s2
+                    todo.append(tg)
+                elif m[tg] != s2:
+                    return None
+    return np.asarray(m, dtype=np.int64)
 
 
 def _is_json_char(node: Node) -> bool:
@@ -730,13 +837,28 @@ class _Builder:
                         return None
         return cls
 
-    def string_states(self) -> np.ndarray:
+    def string_states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The states of copies of JSON string bodies (`_Block.string_body`) followed by a
-        literal closing quote: each behaves exactly like a state of the string automaton T."""
-        quote = {s for s, lo, hi in zip(self.lit_src, self.lit_lo, self.lit_hi, strict=True) if lo == hi == 0x22}
-        parts = [np.arange(base, base + blk.size)[blk.classes >= 0] for base, blk, cont, _, _ in self.copies
-                 if blk.string_body and cont in quote]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        literal closing quote, each behaving exactly like a state of the string automaton T: (the
+        states, their T state, characters still allowed, still required, the state after the
+        closing quote)."""
+        from cfsm.templates import INF
+
+        quote = {s: d for s, lo, hi, d in zip(self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, strict=True)
+                 if lo == hi == 0x22}
+        parts = []
+        for base, blk, cont, _, _ in self.copies:
+            if blk.string_body and cont in quote:
+                keep = np.flatnonzero(blk.classes >= 0)
+                ts, js = blk.string_map
+                node_lo, node_hi = blk.string_bounds
+                rem = np.full(len(keep), INF, dtype=np.int64) if node_hi is None else node_hi - js[keep]
+                need = np.zeros(len(keep), dtype=np.int64) if node_hi is None else np.maximum(node_lo - js[keep], 0)
+                parts.append((base + keep, ts[keep], rem, need, np.full(len(keep), quote[cont], dtype=np.int64)))
+        if not parts:
+            e = np.zeros(0, dtype=np.int64)
+            return e, e, e, e, e
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))  # type: ignore[return-value]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(accepting, shortest accepted lengths) of every state, the dead state last."""
@@ -786,11 +908,17 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     else:
         dfa, new_ids = _minimal_dfa(t, acc, start, byte_map, cls)
     if new_ids is not None:
-        strings = b.string_states()
+        strings, ts, rem, need, cont = b.string_states()
         if len(strings):
+            at = new_ids[strings]
+            live = at < dfa.num_states  # reachable
             mine = np.zeros(dfa.num_states + 1, dtype=bool)
-            mine[new_ids[strings]] = True
-            mine[-1] = False
-            # NOTE: read by `templates.match_string_states`: states proven to be string text
+            mine[at[live]] = True
+            # NOTE: read by `templates.match_string_states`: states proven to be string text, and
+            # per state its T state, characters still allowed and required, and the state after
+            # the closing quote (-1 where not proven)
+            values = np.full((4, dfa.num_states + 1), -1, dtype=np.int64)
+            values[:, at[live]] = np.stack([ts[live], rem[live], need[live], new_ids[cont[live]]])
             dfa.__dict__["string_text_states"] = mine
+            dfa.__dict__["string_text_values"] = values
     return dfa

@@ -24,7 +24,7 @@ from cfsm.mask_rows import or_bits, pack_rows
 from cfsm.vocab import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
-           "joint_reps", "live_suffixes", "suffix_table"]
+           "joint_reps", "live_suffixes", "suffix_table", "t_automaton", "t_automaton_classes"]
 
 # "no upper bound" for `rem` (an unbounded string); decrementing keeps it
 INF = 1 << 40
@@ -34,6 +34,22 @@ _MAX_PASSES = 64
 # `_verify` first checks all proposed states at once (`_all_pass`) when they times the byte
 # classes are at most this many (a bound on its memory)
 _ONE_CHECK_MAX = 200_000
+
+
+@functools.lru_cache(maxsize=1)
+def t_automaton() -> tuple[np.ndarray, int]:
+    """`_t_automaton()`, built once (read-only)."""
+    code, text = _t_automaton()
+    code.flags.writeable = False
+    return code, text
+
+
+@functools.lru_cache(maxsize=1)
+def t_automaton_classes() -> np.ndarray:
+    """T's byte classes (bytes with equal columns in its code table), int64 per byte."""
+    out = _unique_rows(t_automaton()[0].T)[1].astype(np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def _t_automaton() -> tuple[np.ndarray, int]:
@@ -263,21 +279,34 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     # NOTE: without a state that reads a character of the group (all alike) there is no string
     # text with a character left, so nothing worth the tables (a state allowing only a closing
     # quote is left to the generic walks): a few group bytes tell most grammars apart at once
-    probe = np.flatnonzero(g0 != dead)
+    live = g0 != dead
+    probe = np.flatnonzero(live)
     for b in group[np.linspace(0, len(group) - 1, 6).astype(np.int64)].tolist():
         probe = probe[trans[probe, b] == g0[probe]]
     if not len(probe):
         return StringMatch(t, rem, need, cont)
-    _, byte_class = dfa.byte_classes  # bytes of one class step alike: one column per class
     # only the probed states and those whose group is dead (at most length: rem = 0) can qualify
-    rows = g0 == dead
+    rows = ~live
     rows[probe] = True
-    rows = np.flatnonzero(rows)
-    cand = np.zeros(n, dtype=bool)
-    cand[rows] = (np.take(dfa.class_table, np.unique(byte_class[group]), axis=1)[rows]
-                  == g0[rows, None]).all(axis=1)
-    cand &= ~dfa.accepting[:n]
-    qs = np.flatnonzero(cand)
+    # NOTE: states the DFA's construction proved to be string text come with their match
+    # (`direct`); where no other state is a candidate, that is the whole match (the proposal
+    # below would give them the same values and mark nothing else)
+    proven = dfa.__dict__.get("string_text_states")
+    if proven is not None:
+        others = _candidates(dfa, g0, group, rows & ~proven[:n])
+        # NOTE: a candidate that reads the closing quote and nothing else is T's text state with
+        # nothing left (rem = need = 0), followed by the quote's target: the chains and the checks
+        # below say just that
+        live_count = (trans[others] != dead).sum(axis=1)
+        after = trans[others, quote].astype(np.int64)
+        closing = (live_count == 1) & (after != dead)
+        if closing.all():
+            values = dfa.__dict__["string_text_values"]
+            mine = np.flatnonzero(proven)
+            t[mine], rem[mine], need[mine], cont[mine] = values[:, mine]
+            t[others], rem[others], need[others], cont[others] = text, 0, 0, after
+            return StringMatch(t, rem, need, cont)
+    qs = _candidates(dfa, g0, group, rows)
     if not len(qs):
         return StringMatch(t, rem, need, cont)
     # chains among the candidates: a[i] is the index (in qs) of the state after one character
@@ -312,6 +341,17 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
             frontier.append((s2, dst))
     _verify(dfa, st, t, rem, need, cont)
     return StringMatch(t, rem, need, cont)
+
+
+def _candidates(dfa: Dfa, g0: np.ndarray, group: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The states of `rows` (a bool mask) whose group bytes (`group`: T's text bytes, all alike)
+    all lead to one state, `g0` (the first's target), and that do not accept. Pure."""
+    _, byte_class = dfa.byte_classes  # bytes of one class step alike: one column per class
+    at = np.flatnonzero(rows)
+    cand = np.zeros(dfa.num_states, dtype=bool)
+    cand[at] = (np.take(dfa.class_table[at], np.unique(byte_class[group]), axis=1) == g0[at, None]).all(axis=1)
+    cand &= ~dfa.accepting[: dfa.num_states]
+    return np.flatnonzero(cand)
 
 
 def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
