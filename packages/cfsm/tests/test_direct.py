@@ -274,19 +274,21 @@ def test_structural_classes_take_repeated_sections_and_decline_the_email_loop() 
 @pytest.mark.parametrize("lo, hi", [(0, 8), (3, 9), (9, 9), (0, None), (1, None), (2, None), (9, None), (12, None)])
 @pytest.mark.parametrize("unit", [lit("ab"), cat(lit("a"), Repeat(lit("b"), 0, 1), lit("c")), Chars(((0x41, 0x5A), (0xE9, 0xE9)))])
 def test_counted_block_classes_are_its_own_minimal_classes(unit: Node, lo: int, hi: int | None) -> None:
+    import cfsm.block_facts as facts
     import cfsm.direct as direct
 
     node = Repeat(unit, lo, hi)
     blk = direct._Block(node)
     acc = np.zeros(blk.size, dtype=bool)
     acc[blk.accepting] = True
-    assert _same_partition(blk.classes, direct._own_classes(blk.rows, acc, blk.dist))
+    assert _same_partition(blk.classes, facts._own_classes(blk.rows, acc, blk.dist))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_patterns())
 def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
     """`_facts_small` (plain Python, small blocks) gives what the numpy path gives."""
+    import cfsm.block_facts as facts
     import cfsm.direct as direct
 
     node = parse_regex(pattern)
@@ -297,10 +299,10 @@ def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
     t, dist = blk.rows, blk.dist
     acc = np.zeros(blk.size, dtype=bool)
     acc[blk.accepting] = True
-    classes, live = direct._facts_small(t, acc, dist, blk.col_of)
-    assert _same_partition(classes, direct._own_classes(t, acc, dist))
+    classes, live = facts._facts_small(t, acc, dist, blk.col_of)
+    assert _same_partition(classes, facts._own_classes(t, acc, dist))
     assert np.array_equal(classes < 0, dist < 0)
-    assert np.array_equal(live, direct._live_bytes(t, classes, blk.col_of))
+    assert np.array_equal(live, facts._live_bytes(t, classes, blk.col_of))
 
 
 _STRING_VOCAB = cfsm.Vocabulary([b"", b'"', b'",', b'"}', b"a", b"ab", b"abc", b"\\", b'\\"', b"\\u00", b"1f", b"\xc3",
