@@ -85,7 +85,17 @@ def _t_byte_class() -> np.ndarray:
     return t_automaton_classes()
 
 
-_COUNTED_MAPS: dict[int, tuple[_Unit, np.ndarray]] = {}
+_COUNTED_MAPS: dict[int, tuple[_Unit, np.ndarray | None]] = {}
+
+
+def _unit_map(unit: _Unit) -> np.ndarray | None:
+    """`_unit_string_map(unit)`, cached per unit."""
+    hit = _COUNTED_MAPS.get(id(unit))
+    if hit is None or hit[0] is not unit:
+        if len(_COUNTED_MAPS) > 64:
+            _COUNTED_MAPS.clear()
+        hit = _COUNTED_MAPS[id(unit)] = (unit, _unit_string_map(unit))
+    return hit[1]
 
 
 def _counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
@@ -94,13 +104,9 @@ def _counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
     unit = _unit(node.item)
     if unit is None or node.hi is None:
         return None
-    hit = _COUNTED_MAPS.get(id(unit))
-    if hit is None or hit[0] is not unit:
-        m = _unit_string_map(unit)
-        if m is None:
-            return None
-        hit = _COUNTED_MAPS[id(unit)] = (unit, m)
-    umap = hit[1]
+    umap = _unit_map(unit)
+    if umap is None:
+        return None
     n = len(unit.rows)
     j = np.arange(size, dtype=np.int64) // n
     ts = np.tile(umap, size // n + 1)[:size]

@@ -51,6 +51,7 @@ from cfsm.block_facts import (
     _look_ahead,
     _own_classes,
     _string_map,
+    _unit_map,
 )
 from cfsm.errors import GrammarTooLargeError
 from cfsm.gcpause import without_gc
@@ -264,7 +265,7 @@ def prepare_blocks() -> None:
     boolean, number, integer, formats: `json_schema.standard_pieces`) once, so that compiles
     copy them instead of running their subset constructions. Grammar-independent; called by
     `Vocabulary.prepare()`. Idempotent."""
-    from cfsm.json_schema import standard_pieces
+    from cfsm.json_schema import JSON_CHAR, standard_pieces
 
     for piece in standard_pieces():
         found: list[Node] = []
@@ -275,6 +276,11 @@ def prepare_blocks() -> None:
                     _PREPARED[id(node)] = (node, _Block(node))
                 except _Fallback:
                     continue
+    # the JSON character's unit tables, which every counted string body (`maxLength`) reads
+    unit = _unit(JSON_CHAR)
+    if unit is not None:
+        _dense_unit(unit)
+        _unit_map(unit)
 
 
 def _bits(mask: np.ndarray) -> int:
