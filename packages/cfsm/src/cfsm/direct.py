@@ -78,9 +78,10 @@ class _Block:
         # a JSON string's text with at most a bound of characters (or none and no minimum): each
         # state behaves exactly like a state of the vocabulary's string automaton once a closing
         # quote follows (`templates`)
-        self.string_body = isinstance(node, Repeat) and _is_json_char(node.item) and (
-            node.hi is not None or node.lo == 0)
-        self.string_bounds = (node.lo, node.hi) if self.string_body else (0, None)
+        body = node if isinstance(node, Repeat) and _is_json_char(node.item) and (
+            node.hi is not None or node.lo == 0) else None
+        self.string_body = body is not None
+        self.string_bounds: tuple[int, int | None] = (body.lo, body.hi) if body is not None else (0, None)
         counted = _counted(node) if isinstance(node, Repeat) else None
         col_of = None
         classes = None  # computed below where the block is not known to be minimal
@@ -143,10 +144,10 @@ class _Block:
         self.eps = np.flatnonzero(acc & ~((t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)).any(axis=1))
         self.void = np.flatnonzero(classes < 0)  # states that accept nothing: a copy's are dead
         # for a string body: per state its T state and completed characters (`_string_map`)
-        self.string_map = None
-        if self.string_body and n:
-            self.string_map = _string_map(node, t, col_of, start, n) if counted is None else _counted_string_map(
-                node, n)
+        self.string_map: np.ndarray | None = None
+        if body is not None and n:
+            self.string_map = _string_map(body, t, col_of, start, n) if counted is None else _counted_string_map(
+                body, n)
             if self.string_map is None:
                 self.string_body = False
         # the start's own class (-1: its language is the empty string, -2: none) and live bytes
@@ -663,7 +664,7 @@ class _Builder:
                  if lo == hi == 0x22}
         parts = []
         for base, blk, cont, _, _ in self.copies:
-            if blk.string_body and cont in quote:
+            if blk.string_body and blk.string_map is not None and cont in quote:
                 keep = np.flatnonzero(blk.classes >= 0)
                 ts, js = blk.string_map
                 node_lo, node_hi = blk.string_bounds
