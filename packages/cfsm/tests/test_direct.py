@@ -336,3 +336,24 @@ def test_bounded_and_free_string_bodies_are_proven() -> None:
     assert dfa is not None
     proven = dfa.__dict__["string_text_states"]
     assert proven.sum() >= 3 * 21  # the three label strings (maxLength 20), at least
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas(), st.sampled_from(["compact", "flexible"]))
+def test_fresh_classes_are_the_hash_consed_ones(schema: dict[str, Any], whitespace: str) -> None:
+    """`_fresh_classes` (every key new, at once) gives the partition of the hash-consing loop."""
+    import cfsm.direct as direct
+
+    built = _built(schema_to_node(schema, CfsmConfig(whitespace=whitespace)))
+    if built is None:
+        return
+    b, _, table, _, acc, dist = built
+    if b._fresh_classes() is None:
+        return
+    fast = b.classes(table, acc, dist)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(direct._Builder, "_fresh_classes", lambda self: None)
+        slow = b.classes(table, acc, dist)
+    assert (fast is None) == (slow is None)
+    if fast is not None and slow is not None:
+        assert _same_partition(fast, slow)

@@ -17,6 +17,7 @@ _BYTE_W = np.random.default_rng(0xB7E5).integers(1, 2**63, size=256, dtype=np.ui
 _BYTE_CUM = [0]
 for _w in _BYTE_W.tolist():
     _BYTE_CUM.append((_BYTE_CUM[-1] + _w) & _MASK)
+_BYTE_CUM_U64 = np.asarray(_BYTE_CUM, dtype=np.uint64)  # the same as an array (differences wrap alike)
 
 
 def _column_weights(col_of: np.ndarray, k: int) -> np.ndarray:

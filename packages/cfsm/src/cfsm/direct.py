@@ -40,6 +40,7 @@ from cfsm.automaton import (
 )
 from cfsm.block_facts import (
     _BYTE_CUM,
+    _BYTE_CUM_U64,
     _LOOK_AHEAD,
     _MASK,
     _SMALL_BLOCK,
@@ -535,60 +536,11 @@ class _Builder:
         # email format's local part) return None.
         """
         n = self.size
-        # NOTE: first the states that pieces lead to (literal states, block starts, the final
-        # state) one by one in plain Python, then every copy's states at once per block
-        cls_l = [0] * (n + 1)  # the dead state's class is 0
-        live_l = [0] * (n + 1)  # the hash of the set of bytes that lead to a state accepting something
-        ids: dict[tuple[int, int, int], int] = {}
-        # per class made from a block: (first id, number, block number, continuation class)
-        made: list[tuple[int, int, int, int]] = []
-        block_no: dict[int, int] = {}
-        num = 2
-        for s in self.finals:
-            cls_l[s] = 1
-        lit_src, lit_lo, lit_hi, lit_dst = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst
-        copies = self.copies
-        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
-        for i in self.made:
-            if i >= 0:
-                d = lit_dst[i]
-                kd = cls_l[d]
-                if kd == 0:  # NOTE: leads only to a state that accepts nothing: stays dead
-                    continue
-                s = lit_src[i]
-                lo = lit_lo[i]
-                key = (lo, lit_hi[i], kd)
-                c = ids.get(key)
-                if c is None:
-                    c = ids[key] = num
-                    num += 1
-                cls_l[s] = c
-                live_l[s] = (_BYTE_CUM[lit_hi[i] + 1] - _BYTE_CUM[lo]) & _MASK
-            else:
-                base, blk, cont, _, _ = copies[~i]
-                kc = cls_l[cont]
-                if kc == 0:
-                    continue  # every state of the copy stays dead
-                key = (-1 - id(blk), kc, 0)
-                off = ids.get(key)
-                if off is None:
-                    off = ids[key] = num
-                    num += blk.num_classes
-                    made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
-                lk = live_l[cont]
-                g = groups.get(id(blk))
-                if g is None:
-                    g = groups[id(blk)] = (blk, [], [], [], [])
-                g[1].append(base)
-                g[2].append(off)
-                g[3].append(kc)
-                g[4].append(lk)
-                st = base + blk.start
-                own = blk.start_class
-                cls_l[st] = off + own if own >= 0 else (kc if own == -1 else 0)
-                live_l[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
-        cls = np.asarray(cls_l, dtype=np.int64)
-        live = np.asarray(live_l, dtype=np.uint64)
+        fast = self._fresh_classes()
+        if fast is not None:
+            cls, live, made, groups = fast
+        else:
+            cls, live, made, groups = self._hash_consed_classes()
         for blk, bases, offs, kcs, lks in groups.values():
             at = np.asarray(bases, dtype=np.int64)[:, None]
             ids2 = at + np.arange(blk.size)  # (copies, size)
@@ -600,6 +552,7 @@ class _Builder:
             lv = np.broadcast_to(blk.live_bytes, ids2.shape).copy()
             lv[:, blk.accepting] += np.asarray(lks, dtype=np.uint64)[:, None]
             live[ids2] = lv
+        num = max(int(cls.max()) + 1, max((o + k for o, k, _, _ in made), default=0))
         # the classes' invariants (from any member) and what each class was made of
         any_rep = np.zeros(num, dtype=np.int64)
         any_rep[cls] = np.arange(n + 1)
@@ -652,6 +605,116 @@ class _Builder:
                     if not (one2 & (lit2 | sk2 | sq2)).all():
                         return None
         return cls
+
+    def _hash_consed_classes(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]], dict[
+            int, tuple[_Block, list[int], list[int], list[int], list[int]]]]:
+        """The classes of the states that pieces lead to (literal states, block starts, the final
+        state), hash-consed one by one in id order, with their live-byte hashes; the classes made
+        from blocks (first id, number, block number, continuation class); and per block its copies
+        (bases, first ids, continuation classes, continuation live-byte hashes)."""
+        n = self.size
+        cls_l = [0] * (n + 1)  # the dead state's class is 0
+        live_l = [0] * (n + 1)  # the hash of the set of bytes that lead to a state accepting something
+        ids: dict[tuple[int, int, int], int] = {}
+        # per class made from a block: (first id, number, block number, continuation class)
+        made: list[tuple[int, int, int, int]] = []
+        block_no: dict[int, int] = {}
+        num = 2
+        for s in self.finals:
+            cls_l[s] = 1
+        lit_src, lit_lo, lit_hi, lit_dst = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst
+        copies = self.copies
+        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
+        for i in self.made:
+            if i >= 0:
+                d = lit_dst[i]
+                kd = cls_l[d]
+                if kd == 0:  # NOTE: leads only to a state that accepts nothing: stays dead
+                    continue
+                s = lit_src[i]
+                lo = lit_lo[i]
+                key = (lo, lit_hi[i], kd)
+                c = ids.get(key)
+                if c is None:
+                    c = ids[key] = num
+                    num += 1
+                cls_l[s] = c
+                live_l[s] = (_BYTE_CUM[lit_hi[i] + 1] - _BYTE_CUM[lo]) & _MASK
+            else:
+                base, blk, cont, _, _ = copies[~i]
+                kc = cls_l[cont]
+                if kc == 0:
+                    continue  # every state of the copy stays dead
+                key = (-1 - id(blk), kc, 0)
+                off = ids.get(key)
+                if off is None:
+                    off = ids[key] = num
+                    num += blk.num_classes
+                    made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
+                lk = live_l[cont]
+                g = groups.get(id(blk))
+                if g is None:
+                    g = groups[id(blk)] = (blk, [], [], [], [])
+                g[1].append(base)
+                g[2].append(off)
+                g[3].append(kc)
+                g[4].append(lk)
+                st = base + blk.start
+                own = blk.start_class
+                cls_l[st] = off + own if own >= 0 else (kc if own == -1 else 0)
+                live_l[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
+        return np.asarray(cls_l, dtype=np.int64), np.asarray(live_l, dtype=np.uint64), made, groups
+
+    def _fresh_classes(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]], dict[
+            int, tuple[_Block, list[int], list[int], list[int], list[int]]]] | None:
+        """`_hash_consed_classes` where no key repeats (no two literal states with one byte range
+        into one class, no two copies of one block with one continuation class): every literal
+        state its own class at once, the copies in id order; None where a key repeats or a piece
+        leads to a state that accepts nothing (then the hash-consing loop).
+        # NOTE: with no repeated key the loop would give every item a fresh class: the same
+        # partition (other ids)
+        """
+        n = self.size
+        src = np.asarray(self.lit_src, dtype=np.int64)
+        lo = np.asarray(self.lit_lo, dtype=np.int64)
+        hi = np.asarray(self.lit_hi, dtype=np.int64)
+        dst = np.asarray(self.lit_dst, dtype=np.int64)
+        cls = np.zeros(n + 1, dtype=np.int64)
+        cls[self.finals] = 1
+        cls[src] = 2 + np.arange(len(src))
+        live = np.zeros(n + 1, dtype=np.uint64)
+        live[src] = _BYTE_CUM_U64[hi + 1] - _BYTE_CUM_U64[lo]
+        num = 2 + len(src)
+        made: list[tuple[int, int, int, int]] = []
+        block_no: dict[int, int] = {}
+        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
+        for base, blk, cont, _, _ in self.copies:  # NOTE: in id order (continuations first)
+            kc = int(cls[cont])
+            own = blk.start_class
+            if kc == 0 or own == -2:
+                return None
+            off = num
+            num += blk.num_classes
+            made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
+            lk = int(live[cont])
+            g = groups.get(id(blk))
+            if g is None:
+                g = groups[id(blk)] = (blk, [], [], [], [])
+            g[1].append(base)
+            g[2].append(off)
+            g[3].append(kc)
+            g[4].append(lk)
+            st = base + blk.start
+            cls[st] = off + own if own >= 0 else kc
+            live[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
+        kd = cls[dst]
+        if len(kd) and not kd.all():
+            return None
+        lit_keys = (lo * 128 + hi) * (num + 1) + kd
+        copy_keys = np.asarray([b * (num + 1) + k for _, _, b, k in made], dtype=np.int64)
+        if len(np.unique(lit_keys)) < len(lit_keys) or len(np.unique(copy_keys)) < len(copy_keys):
+            return None
+        return cls, live, made, groups
 
     def string_states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The states of copies of JSON string bodies (`_Block.string_body`) followed by a
