@@ -577,12 +577,7 @@ class _Builder:
             # NOTE: a group of classes with equal invariants is proven apart when all are literal
             # classes, or all come from one block and share the continuation class or the own class
             starts = np.flatnonzero(np.concatenate([[True], ~eq]))
-            b_, k_, q_ = blk_of[o], cont_of[o], own_of[o]
-            one = np.minimum.reduceat(b_, starts) == np.maximum.reduceat(b_, starts)
-            lit = np.maximum.reduceat(b_, starts) < 0
-            same_k = np.minimum.reduceat(k_, starts) == np.maximum.reduceat(k_, starts)
-            same_q = np.minimum.reduceat(q_, starts) == np.maximum.reduceat(q_, starts)
-            ok = one & (lit | same_k | same_q)
+            ok = _proven_apart(o, starts, blk_of, cont_of, own_of)
             if not ok.all():
                 # NOTE: look a few bytes further where the invariants do not tell the classes
                 # apart (their successors' invariants, a few Moore rounds on those classes only)
@@ -597,12 +592,7 @@ class _Builder:
                 eq2 = (s_sorted[1:] == s_sorted[:-1]) & (g_sorted[1:] == g_sorted[:-1])
                 if eq2.any():
                     st2 = np.flatnonzero(np.concatenate([[True], ~eq2]))
-                    b2, k2, q2 = blk_of[o2], cont_of[o2], own_of[o2]
-                    one2 = np.minimum.reduceat(b2, st2) == np.maximum.reduceat(b2, st2)
-                    lit2 = np.maximum.reduceat(b2, st2) < 0
-                    sk2 = np.minimum.reduceat(k2, st2) == np.maximum.reduceat(k2, st2)
-                    sq2 = np.minimum.reduceat(q2, st2) == np.maximum.reduceat(q2, st2)
-                    if not (one2 & (lit2 | sk2 | sq2)).all():
+                    if not _proven_apart(o2, st2, blk_of, cont_of, own_of).all():
                         return None
         return cls
 
@@ -755,6 +745,18 @@ class _Builder:
             if d >= 0:
                 dist[base : base + blk.size] = np.where(blk.dist >= 0, blk.dist + d, -1)
         return acc, dist
+
+
+def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, cont_of: np.ndarray,
+                  own_of: np.ndarray) -> np.ndarray:
+    """Per group of classes (`order` cut at `starts`), whether its members are known to be pairwise
+    distinct: all literal classes, or all from one block with one continuation class or one own class."""
+    b, k, q = blk_of[order], cont_of[order], own_of[order]
+    one_block = np.minimum.reduceat(b, starts) == np.maximum.reduceat(b, starts)
+    literal = np.maximum.reduceat(b, starts) < 0
+    same_cont = np.minimum.reduceat(k, starts) == np.maximum.reduceat(k, starts)
+    same_own = np.minimum.reduceat(q, starts) == np.maximum.reduceat(q, starts)
+    return one_block & (literal | same_cont | same_own)  # type: ignore[no-any-return]
 
 
 @without_gc
