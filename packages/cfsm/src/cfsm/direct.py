@@ -642,13 +642,7 @@ class _Builder:
                     num += blk.num_classes
                     made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
                 lk = live_l[cont]
-                g = groups.get(id(blk))
-                if g is None:
-                    g = groups[id(blk)] = (blk, [], [], [], [])
-                g[1].append(base)
-                g[2].append(off)
-                g[3].append(kc)
-                g[4].append(lk)
+                _add_copy(groups, blk, base, off, kc, lk)
                 st = base + blk.start
                 own = blk.start_class
                 cls_l[st] = off + own if own >= 0 else (kc if own == -1 else 0)
@@ -687,13 +681,7 @@ class _Builder:
             num += blk.num_classes
             made.append((off, blk.num_classes, block_no.setdefault(id(blk), len(block_no)), kc))
             lk = int(live[cont])
-            g = groups.get(id(blk))
-            if g is None:
-                g = groups[id(blk)] = (blk, [], [], [], [])
-            g[1].append(base)
-            g[2].append(off)
-            g[3].append(kc)
-            g[4].append(lk)
+            _add_copy(groups, blk, base, off, kc, lk)
             st = base + blk.start
             cls[st] = off + own if own >= 0 else kc
             live[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
@@ -745,6 +733,18 @@ class _Builder:
             if d >= 0:
                 dist[base : base + blk.size] = np.where(blk.dist >= 0, blk.dist + d, -1)
         return acc, dist
+
+
+def _add_copy(groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]], blk: _Block, base: int,
+              off: int, kc: int, lk: int) -> None:
+    """Records one copy of `blk` (first id, first class, continuation class and live hash) in its block's group."""
+    g = groups.get(id(blk))
+    if g is None:
+        g = groups[id(blk)] = (blk, [], [], [], [])
+    g[1].append(base)
+    g[2].append(off)
+    g[3].append(kc)
+    g[4].append(lk)
 
 
 def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, cont_of: np.ndarray,
