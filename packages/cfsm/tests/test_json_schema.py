@@ -129,6 +129,8 @@ FEATURES: list[tuple[str, Any, CfsmConfig, list[str], list[str]]] = [
                     "items": {"$ref": "#/$defs/pos"}}, CfsmConfig(), ["[1,2]", "[]"], ["[0]"]),
     ("recursive $ref", TREE, CfsmConfig(), ['{"v":1,"kids":[{"v":2,"kids":[]},{"v":3}]}'], ['{"kids":[]}', '{"v":1,"kids":[{}]}']),
     ("boolean/null", {"type": "boolean"}, CfsmConfig(), ["true", "false"], ['"true"', "null"]),
+    ("minLength > maxLength", {"anyOf": [{"type": "string", "minLength": 3, "maxLength": 2}, {"type": "integer"}]},
+     CfsmConfig(), ["5"], ['""', '"ab"', '"abc"', '"abcd"']),
     ("free JSON", {}, CfsmConfig(), ['{"a":[1,{"b":null}],"c":"d"}', "3", '"s"'], []),
     ("flexible whitespace", OBJ_AB, CfsmConfig(whitespace="flexible"), ['{ "a" : 1 ,\n  "b": "x"}', '{"a":1}'],
      ['{"a": "1"}']),

@@ -287,6 +287,8 @@ class _Compiler:
             except UnsupportedRegexError as exc:
                 raise UnsupportedSchemaError("pattern", f"{path}/pattern", str(exc)) from exc
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+        if hi is not None and lo > int(hi):
+            return NOTHING  # NOTE: no string is valid (a Repeat with lo > hi would build some language)
         if lo or hi is not None:
             langs.append(Repeat(JSON_CHAR, lo, None if hi is None else int(hi)))
         if not langs:
