@@ -45,3 +45,9 @@ def test_unknown_gpu_or_shape_gets_no_entries() -> None:
     assert tuned_table("Some Other GPU", LLAMA3_8B) == ()
     assert tuned_table("NVIDIA H200", LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                                                  intermediate_size=96)) == ()
+
+
+def test_qkv_blocks_that_do_not_divide_half_the_head_dim_are_reported() -> None:
+    assert LaunchConfig(qkv_block_p=16).qkv_block_errors(LLAMA3_8B) == ()
+    odd = LaunchConfig(qkv_block_p=16, tuned=(("qkv", 1, GemvConfig("dot", 48, 256, 4, 3)),))
+    assert odd.qkv_block_errors(LLAMA3_8B) == ("head_dim 128 is not a multiple of 2 * 48",)

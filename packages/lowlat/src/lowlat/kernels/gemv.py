@@ -34,19 +34,23 @@ def gemv_rows_residual_kernel(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    wf = w.to(tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        xm = tl.load(a_ptr + m * K + offs_k, mask=(offs_k < K) & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
-        acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
+    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
         wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=km & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
-            acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
+        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     mask = (offs_m[:, None] < B) & n_mask[None, :]
     res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
+
+
+@triton.jit
+def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    for m in tl.static_range(BLOCK_M):
+        xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
+        acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
+    return acc

@@ -66,6 +66,12 @@ class LaunchConfig:
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
                    tuned=tuned_table(props.name, shape))
 
+    def qkv_block_errors(self, shape: LayerShape) -> tuple[str, ...]:
+        """Why the qkv kernel's rotary-pair blocks (the default and every tuned one) do not fit ``shape``."""
+        blocks = {self.qkv_block_p, *(cfg.block_n for stage, _, cfg in self.tuned if stage == "qkv")}
+        return tuple(f"head_dim {shape.head_dim} is not a multiple of 2 * {p}" for p in sorted(blocks)
+                     if (shape.head_dim // 2) % p)
+
     def gemv_config(self, stage: str, batch: int) -> GemvConfig:
         """The kernel and blocks of GEMV ``stage`` (one of ``GEMV_STAGES``) at ``batch`` rows."""
         for name, max_batch, cfg in self.tuned:
@@ -109,7 +115,7 @@ def qkv_rope(
     """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("qkv", b)
-    block_p = cfg.block_n if (shape.head_dim // 2) % cfg.block_n == 0 else lc.qkv_block_p
+    block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
     tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
     grid = (min(tiles, grid_programs) if grid_programs else tiles,)
     K.qkv_rope_kernel[grid](

@@ -29,8 +29,8 @@ class TritonMoEStack:
             ops.check_head_dim(s)
         except ShapeError as exc:
             raise Unsupported(name, (str(exc),)) from exc
-        if s.head_dim // 2 % lc.qkv_block_p:
-            raise Unsupported(name, (f"head_dim {s.head_dim} is not a multiple of 2 * {lc.qkv_block_p}",))
+        if lc.qkv_block_errors(s):
+            raise Unsupported(name, lc.qkv_block_errors(s))
         if ctx.max_batch_size > moe_ops.MAX_TOKENS:
             raise Unsupported(name, (f"MoE kernels place at most {moe_ops.MAX_TOKENS} tokens per step, coverage asks "
                                      f"{ctx.max_batch_size}",))

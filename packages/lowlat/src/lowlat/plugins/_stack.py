@@ -27,8 +27,8 @@ class TritonLayerStack:
             ops.check_head_dim(s)
         except ShapeError as exc:
             raise Unsupported(name, (str(exc),)) from exc
-        if s.head_dim // 2 % lc.qkv_block_p:
-            raise Unsupported(name, (f"head_dim {s.head_dim} is not a multiple of 2 * {lc.qkv_block_p}",))
+        if lc.qkv_block_errors(s):
+            raise Unsupported(name, lc.qkv_block_errors(s))
         for i, w in enumerate(ctx.weights):
             w.validate(s)
             for t in (w.qkv, w.o_proj, w.gate_up, w.down):

@@ -4,8 +4,9 @@ Each kernel issues its first weight loads, then ``gdc_wait`` (the previous kerne
 visible after it), runs its main loop, then ``gdc_launch_dependents`` so the next kernel's blocks
 start and prefetch their own weights during this one's epilogue (released right after the wait,
 ``LaunchConfig.pdl_early``, dependent blocks held SM slots the primary still needed: slower than no
-PDL on the H200). GEMV blocks per stage come from ``lowlat.kernels.tuning``. PDL is used where the Triton build has ``launch_pdl`` and
-``tl.extra.cuda.gdc_*`` and the GPU is Hopper or newer; elsewhere the same kernels run unchained.
+PDL on the H200). GEMV blocks per stage come from ``lowlat.kernels.tuning``. PDL is used where the
+Triton build has ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` and the GPU is Hopper or newer;
+elsewhere the same kernels run unchained.
 """
 
 from __future__ import annotations
