@@ -445,10 +445,15 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
         lens = byte_map[hi] - ilo + 1
         per_state = np.asarray(bounds[1:], dtype=np.int64) - np.asarray(bounds[:-1], dtype=np.int64)
         src = np.repeat(np.arange(n, dtype=np.int64), per_state)
-        offsets = np.cumsum(lens) - lens
-        idx = np.repeat(src * width + ilo - offsets, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        idx = concat_ranges(src * width + ilo, lens)
         table.reshape(-1)[idx] = np.repeat(np.asarray(dsts, dtype=np.int32), lens)
     return table, np.array(accepting + [False], dtype=bool), byte_map
+
+
+def concat_ranges(lo: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The positions of the ranges [lo[i], lo[i] + sizes[i]) one after another (int64). Pure."""
+    offsets = np.cumsum(sizes) - sizes
+    return np.repeat(lo - offsets, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)  # type: ignore[no-any-return]
 
 
 def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -531,9 +536,7 @@ def _in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.nd
     bounds[q]:bounds[q + 1]) and how many each state has. Pure."""
     lo, hi = bounds[states], bounds[states + 1]
     sizes = hi - lo
-    total = int(sizes.sum())
-    offsets = np.cumsum(sizes) - sizes
-    return np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64), sizes
+    return concat_ranges(lo, sizes), sizes
 
 
 @functools.lru_cache(maxsize=16)

@@ -37,6 +37,7 @@ from cfsm.automaton import (
     _subset_construction,
     _Unit,
     _unit,
+    concat_ranges,
 )
 from cfsm.block_facts import (
     _BYTE_CUM,
@@ -563,7 +564,7 @@ class _Builder:
         own_of = np.zeros(num, dtype=np.int64)
         if made:
             m = np.asarray(made, dtype=np.int64)
-            ids_ = np.repeat(m[:, 0] - np.cumsum(m[:, 1]) + m[:, 1], m[:, 1]) + np.arange(int(m[:, 1].sum()))
+            ids_ = concat_ranges(m[:, 0], m[:, 1])
             blk_of[ids_] = np.repeat(m[:, 2], m[:, 1])
             cont_of[ids_] = np.repeat(m[:, 3], m[:, 1])
             own_of[ids_] = ids_ - np.repeat(m[:, 0], m[:, 1])

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cfsm.automaton import _unique_rows
+from cfsm.automaton import _unique_rows, concat_ranges
 from cfsm.walker import Prefix
 
 # token sets larger than this are set through a bool array and packbits (one pass over V/8
@@ -67,8 +67,7 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     ends = np.append(bounds, len(kk))  # one more entry: index seg + 1 exists even without segments
     lo = np.where(has, ends[np.maximum(seg, 0)], 0)
     sizes = np.where(has, ends[np.maximum(seg, 0) + 1] - lo, 0)
-    offsets = np.cumsum(sizes) - sizes
-    at = np.repeat(lo - offsets, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+    at = concat_ranges(lo, sizes)
     pair_g = np.repeat(np.arange(len(first), dtype=np.int64), sizes)
     pair_t = tids[at]
     acc_g = np.flatnonzero(acc[first])

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _stable_argsort
+from cfsm.automaton import Dfa, _stable_argsort, concat_ranges
 from cfsm.vocab import TrieTables
 from cfsm.walks import (
     _chain_of,
@@ -57,10 +57,7 @@ _BROAD = 0.15
 def _expand(lo: np.ndarray, sizes: np.ndarray, owner: np.ndarray, cur: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Position ranges [lo, lo + size) as (positions, owner of each, state of each)."""
-    total = int(sizes.sum())
-    offsets = np.cumsum(sizes) - sizes
-    idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
-    return idx, np.repeat(owner, sizes), np.repeat(cur, sizes)
+    return concat_ranges(lo, sizes), np.repeat(owner, sizes), np.repeat(cur, sizes)
 
 
 class _Cands(NamedTuple):
@@ -161,9 +158,7 @@ class _Walker:
         by_class, lo, sizes, starting = self._class_bytes
         r, c = np.nonzero(self._class_table[states] != self.dead)
         n = sizes[c]
-        offsets = np.cumsum(n) - n
-        at = np.repeat(lo[c] - offsets, n) + np.arange(int(n.sum()), dtype=np.int64)
-        rows, byte = np.repeat(r, n), by_class[at]
+        rows, byte = np.repeat(r, n), by_class[concat_ranges(lo[c], n)]
         if starting_only:
             keep = starting[byte]
             rows, byte = rows[keep], byte[keep]
@@ -249,9 +244,7 @@ class _Walker:
             pairs &= states[:, None]
         rows, j = np.nonzero(pairs)  # sorted by state
         sizes = lead_end[j] - lead_at[j]
-        total = int(sizes.sum())
-        offsets = np.cumsum(sizes) - sizes
-        k = np.repeat(lead_at[j] - offsets, sizes) + np.arange(total, dtype=np.int64)
+        k = concat_ranges(lead_at[j], sizes)
         owner = np.repeat(rows, sizes)
         num_states = self.trans.shape[0] - 1
         resolved = np.zeros(len(owner), dtype=bool)
@@ -459,8 +452,7 @@ class _Walker:
             lo, hi = bounds[a], bounds[a + 1]
             sizes = hi - lo
             total = int(sizes.sum())
-            offsets = np.cumsum(sizes) - sizes
-            idx0 = zero[np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)]
+            idx0 = zero[concat_ranges(lo, sizes)]
             known = first_out < limit
             idx = np.concatenate([idx0, others[known]])
             at = np.concatenate([np.zeros(total, np.int64), first_out[known]])
@@ -498,9 +490,7 @@ class _Walker:
         a = allowed.astype(np.int64)
         lo, hi = starts[a], starts[a + 1]
         sizes = hi - lo
-        total = int(sizes.sum())
-        offsets = np.cumsum(sizes) - sizes
-        idx = np.repeat(lo - offsets, sizes) + np.arange(total, dtype=np.int64)
+        idx = concat_ranges(lo, sizes)
         first = np.repeat(np.arange(len(a), dtype=np.int64), sizes)  # which allowed byte starts it
         ts = np.take(tables.tail_byte_sets, idx, axis=1)
         if utf8:
@@ -641,8 +631,6 @@ class _Walker:
                 idx = np.arange(lo, hi, dtype=np.int64)
             else:
                 # concatenated sub-ranges of the allowed next bytes
-                starts, lens = lefts[nz] + lo, sizes[nz]
-                offsets = np.cumsum(lens) - lens
-                idx = np.repeat(starts - offsets, lens) + np.arange(total, dtype=np.int64)
+                idx = concat_ranges(lefts[nz] + lo, sizes[nz])
             _walk_vectorized(idx, np.full(total, q, dtype=np.int32), d, columns, self.tflat, self.dead,
                              out_pos, out_next)
