@@ -167,11 +167,49 @@ def bench_shape(name: str, smol: str, plugins: list[str], args: argparse.Namespa
             row["plugin_steps"] = stats.get("lowlat_plugin_steps", 0)
             RESULTS["rows"].append(row)
             log(str(row))
+        if args.profile_steps:
+            profile_decode(core, name, setting, vocab, args.profile_steps, args.trace_dir)
         dump(args.json)
         del core
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def profile_decode(core: Any, name: str, setting: str, vocab: int, steps: int, out_dir: str | None) -> None:
+    """One user's decode under torch.profiler: wall ms per step, GPU-busy ms per step (the union of
+    kernel intervals), the share of the step the GPU is idle, and the top kernels and host ops. A GPU
+    busy most of the step means kernel time bounds it; a mostly idle GPU means the host does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t = time.monotonic()
+        _, _, step_s = run(core, prompts_for(1, vocab, 7), steps)
+        wall = time.monotonic() - t
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:  # union of kernel intervals (us)
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    n = max(len(step_s), 1)
+    row = {"model": name, "plugins": setting, "steps": len(step_s),
+           "wall_ms_per_step": round(1000 * statistics.median(step_s), 3) if step_s else None,
+           "gpu_busy_ms_per_step": round(busy_us / 1000 / (n + 1), 3), "run_s": round(wall, 3),
+           "kernels": len(spans)}
+    RESULTS.setdefault("profiles", []).append(row)
+    log(f"profile {row}")
+    keys = prof.key_averages()
+    for sort in ("self_device_time_total", "self_cpu_time_total"):
+        try:
+            text = keys.table(sort_by=sort, row_limit=18, max_name_column_width=70)
+        except Exception as exc:  # noqa: BLE001  (column names differ across torch versions)
+            text = f"(no {sort} table: {exc!r})"
+        print(f"--- {name} {setting}: top by {sort}\n{text}", flush=True)
+    if out_dir:
+        prof.export_chrome_trace(str(Path(out_dir) / f"trace-{name}-{setting.replace(':', '-')}.json"))
 
 
 def dump(path: str | None) -> None:
@@ -191,6 +229,9 @@ def print_table() -> None:
     for c in RESULTS["checks"]:
         print(f"greedy {c['model']} {c['plugins']}: first difference vs generic at {c['first_diff_vs_generic']} "
               f"of {c['tokens']}")
+    for p in RESULTS.get("profiles", []):
+        print(f"profile {p['model']} {p['plugins']}: {p['wall_ms_per_step']} ms/step wall, "
+              f"{p['gpu_busy_ms_per_step']} ms/step GPU busy, {p['kernels']} kernels in {p['steps']} steps")
     for e in RESULTS["errors"]:
         print(f"error {e['model']} {e['plugins']}: {e['error']}")
 
@@ -204,6 +245,8 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=64)
     ap.add_argument("--attention-backend", default="triton", help="torch_native for a CPU smoke run")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-steps", type=int, default=0, help="also profile one user's decode of N tokens")
+    ap.add_argument("--trace-dir", default=None, help="write each profile's chrome trace here")
     args = ap.parse_args()
     import logging
 
