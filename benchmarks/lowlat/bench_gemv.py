@@ -3,7 +3,7 @@
 Each stage of a Llama-style layer (`--shape`: Llama-3-8B or SmolLM2; qkv = norm + QKV + RoPE + KV write, attention at
 context 512, o_proj + residual, norm + gate-up + SiLU, down + residual) runs as 32 PDL-chained
 launches over 32 layers' distinct weights in one CUDA graph (so no weight comes from L2), for
-every candidate kernel configuration (``dot`` and, for o_proj and down, ``rows``), next to cuBLAS
+every candidate kernel configuration (``dot`` and ``rows``), next to cuBLAS
 (``torch.mm``) on the same matrices. Every candidate is checked against a float32 torch reference
 first. Prints microseconds per launch, GB/s, the best candidate per stage and batch, the sum of
 the stages against the bandwidth floor, and the ``lowlat.kernels.tuning.TABLES`` entry to paste.
@@ -30,11 +30,12 @@ from bench_layer import SHAPES, gpu_layer, time_graph  # noqa: E402
 from lowlat import KVCache, LayerShape  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
 from lowlat.kernels.tuning import shape_key  # noqa: E402
-from lowlat.reference import rms_norm  # noqa: E402
+from lowlat.reference import apply_rope, rms_norm  # noqa: E402
 from lowlat.testing import decode_meta  # noqa: E402
 
 DOT_BLOCKS = [(16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256), (8, 512)]
 ROWS_BLOCKS = [(4, 1024), (8, 512), (16, 256), (16, 512), (32, 256), (8, 1024)]
+QKV_ROWS_BLOCKS = [(4, 1024), (8, 512), (8, 1024), (16, 512)]
 WARPS_STAGES = [(4, 3), (4, 4), (8, 3)]
 
 
@@ -43,9 +44,9 @@ def candidates(stage: str) -> list[ops.GemvConfig]:
     blocks = [(p, k) for p in (8, 16, 32) for k in (128, 256, 512)] if stage == "qkv" else DOT_BLOCKS
     for (bn, bk), (nw, ns) in itertools.product(blocks, WARPS_STAGES):
         out.append(ops.GemvConfig("dot", bn, bk, nw, ns))
-    if stage in ("o_proj", "down"):
-        for (bn, bk), (nw, ns) in itertools.product(ROWS_BLOCKS, [(4, 2), (4, 3), (8, 2)]):
-            out.append(ops.GemvConfig("rows", bn, bk, nw, ns))
+    rows = QKV_ROWS_BLOCKS if stage == "qkv" else ROWS_BLOCKS  # qkv: block_n = rotary pairs per tile
+    for (bn, bk), (nw, ns) in itertools.product(rows, [(4, 2), (4, 3), (8, 2)]):
+        out.append(ops.GemvConfig("rows", bn, bk, nw, ns))
     return out
 
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--stages", default="qkv,attention,o_proj,gate_up,down")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
@@ -133,7 +135,10 @@ def main() -> None:
                 g, u = (rms_norm(x.float(), w.post_norm.float(), shape.rms_eps) @ w.gate_up.float().T).split(
                     shape.intermediate_size, -1)
                 return torch.nn.functional.silu(g) * u
-            return None  # qkv and attention: checked by the plugin's layer tests and bench_layer
+            if stage == "qkv":  # q only (the K/V cache writes: the kernel tests and bench_layer)
+                rq = (rms_norm(x.float(), w.input_norm.float(), shape.rms_eps) @ w.qkv.float().T)[:, :shape.q_size]
+                return apply_rope(rq.view(b, shape.num_heads, -1), meta.positions, w.rope_inv_freq).reshape(b, -1)
+            return None  # attention: checked by the plugin's layer tests and bench_layer
 
         def cublas(stage: str, i: int) -> None:
             w = weights[i]
@@ -144,7 +149,7 @@ def main() -> None:
         def timed(fn: Any) -> float:
             return timer(lambda: [fn(i) for i in range(args.layers)], args.iters) / args.layers
 
-        for stage in ("qkv", "attention", "o_proj", "gate_up", "down"):
+        for stage in args.stages.split(","):
             if stage != "attention":
                 us = timed(lambda i, stage=stage: cublas(stage, i))
                 results.append(dict(batch=b, stage=stage, variant="cublas", us=us, gbs=wb[stage] / us / 1e3))

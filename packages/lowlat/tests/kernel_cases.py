@@ -45,7 +45,8 @@ def _lc(shape: LayerShape) -> ops.LaunchConfig:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("variant", ["dot", "rows"])
+def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, variant: str) -> None:
     g = torch.Generator().manual_seed(11)
     w = random_layer(shape, dtype, DEVICE, generator=g)
     meta = decode_meta([5, 1, 9], 40, 12, DEVICE, generator=g)
@@ -53,7 +54,10 @@ def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype) -> N
     before = KVCache(kv.k.clone(), kv.v.clone())
     x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
     q = torch.full((3, shape.q_size), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
-    ops.qkv_rope(x, w, kv, meta, q, shape, _lc(shape))
+    lc = _lc(shape)
+    if variant == "rows":  # 2 rotary pairs per tile, K in blocks of 64 (hidden 96: the last block is partial)
+        lc = replace(lc, tuned=(("qkv", 8, ops.GemvConfig("rows", block_n=2, block_k=64)),))
+    ops.qkv_rope(x, w, kv, meta, q, shape, lc)
     h = rms_norm(x.float(), w.input_norm.float(), shape.rms_eps)
     qkv = h @ w.qkv.float().T
     rq, rk, rv = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], -1)
@@ -104,10 +108,12 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
     x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
     nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
     wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)
-    act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
-    ops.norm_gate_up(x, nw, wgu, act, 1e-5, lc)
     gate, up = (rms_norm(x.float(), nw.float(), 1e-5) @ wgu.float().T).split(40, -1)
-    assert _rel(act, F.silu(gate) * up) < TOL[dtype]
+    rows_gu = replace(lc, tuned=(("gate_up", 8, ops.GemvConfig("rows", block_n=16, block_k=32)),))
+    for variant_lc in (lc, rows_gu):  # rows: 40 columns, the last block of 16 is partial
+        act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
+        ops.norm_gate_up(x, nw, wgu, act, 1e-5, variant_lc)
+        assert _rel(act, F.silu(gate) * up) < TOL[dtype]
 
 
 def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_tokens: int = 8):  # type: ignore[no-untyped-def]

@@ -6,13 +6,17 @@ memory for the MMA; here a weight tile goes from global memory to registers and 
 against each activation row in turn (``BLOCK_M`` = the batch padded to a power of two, unrolled),
 so at batch 1 the kernel is one load, one multiply and one row sum per weight element. Which of
 the two is faster per shape and batch is measured (``benchmarks/lowlat/bench_gemv.py``) and
-recorded in ``lowlat.kernels.tuning``.
+recorded in ``lowlat.kernels.tuning``. The qkv (RMSNorm + QKV + RoPE + KV write) and gate-up
+(RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight is folded into the
+weight tile (``w * gamma``) and ``1 / rms`` applied to the sums, so x is read as it is.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from lowlat.kernels.layer import _rope_store, rms_rstd
 
 
 @triton.jit
@@ -54,3 +58,99 @@ def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: t
         xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
         acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
     return acc
+
+
+@triton.jit
+def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`_add_rows` for two weight tiles against the same activations (each activation row loaded once)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    for m in tl.static_range(BLOCK_M):
+        xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
+        acc1 = tl.where(offs_m[:, None] == m, acc1 + tl.sum(w1 * xm[None, :], 1)[None, :], acc1)
+        acc2 = tl.where(offs_m[:, None] == m, acc2 + tl.sum(w2 * xm[None, :], 1)[None, :], acc2)
+    return acc1, acc2
+
+
+@triton.jit
+def qkv_rope_rows_kernel(
+    x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
+    B, eps,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
+):
+    # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head), row-wise: weights (BLOCK_P, BLOCK_K)
+    HALF: tl.constexpr = D // 2
+    PB: tl.constexpr = HALF // BLOCK_P
+    num_tiles = (NQ + 2 * NKV) * PB
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BLOCK_P)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        r1 = (tile // PB) * D + (tile % PB) * BLOCK_P + offs_p
+        r2 = r1 + HALF
+        km = offs_k < H
+        w1 = tl.load(w_ptr + r1[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
+        w2 = tl.load(w_ptr + r2[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            if PDL_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+        rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
+        gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+        zero = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
+        acc1, acc2 = _add_rows2(zero, zero, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, 0, offs_k, km,
+                                B, H, BLOCK_M)
+        for k0 in range(BLOCK_K, H, BLOCK_K):
+            km = (k0 + offs_k) < H
+            w1 = tl.load(w_ptr + r1[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
+            w2 = tl.load(w_ptr + r2[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
+            gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+            acc1, acc2 = _add_rows2(acc1, acc2, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, k0, offs_k,
+                                    km, B, H, BLOCK_M)
+        if USE_PDL and not PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr,
+                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
+                    NQ, NKV, D, BLOCK_M, BLOCK_P)
+
+
+@triton.jit
+def norm_gate_up_rows_kernel(
+    x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    B, eps,
+    H: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
+):
+    # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    km = offs_k < H
+    wm = n_mask[:, None] & km[None, :]
+    wg = tl.load(w_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wm, other=0.0)
+    wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + offs_k[None, :], mask=wm, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
+    gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+    zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    g, u = _add_rows2(zero, zero, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, 0, offs_k, km, B, H, BLOCK_M)
+    for k0 in range(BLOCK_K, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        wm = n_mask[:, None] & km[None, :]
+        wg = tl.load(w_ptr + offs_n[:, None] * H + k0 + offs_k[None, :], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + offs_k[None, :], mask=wm, other=0.0)
+        gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+        g, u = _add_rows2(g, u, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    g = g * rstd[:, None]
+    u = u * rstd[:, None]
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], act, mask=(offs_m[:, None] < B) & n_mask[None, :])

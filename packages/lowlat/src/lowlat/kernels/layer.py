@@ -19,6 +19,20 @@ import triton.language as tl
 
 
 @triton.jit
+def rms_rstd(x_ptr, B, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each of the first B rows of x (rows of H elements), as (BLOCK_M,) float32."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & km[None, :], other=0.0)
+        xv = xv.to(tl.float32)
+        ss += tl.sum(xv * xv, 1)
+    return 1.0 / tl.sqrt(ss / H + eps)
+
+
+@triton.jit
 def qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
@@ -48,13 +62,7 @@ def qkv_rope_kernel(
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
-        ss = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            km = (k0 + offs_k) < H
-            xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
-            xv = xv.to(tl.float32)
-            ss += tl.sum(xv * xv, 1)
-        rstd = 1.0 / tl.sqrt(ss / H + eps)
+        rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
         gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
@@ -79,36 +87,53 @@ def qkv_rope_kernel(
                 acc2 += tl.dot(xn.to(w1.dtype), w2)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        a = acc1 * rstd[:, None]
-        b = acc2 * rstd[:, None]
-        is_q = head < NQ
-        is_k = (head >= NQ) & (head < NQ + NKV)
-        is_v = head >= NQ + NKV
-        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.float32)
-        freq = tl.load(inv_freq_ptr + (tile % PB) * BLOCK_P + offs_p)
-        ang = pos[:, None] * freq[None, :]
-        cos = tl.cos(ang)
-        sin = tl.sin(ang)
-        rope = is_q | is_k
-        o1 = tl.where(rope, a * cos - b * sin, a)
-        o2 = tl.where(rope, b * cos + a * sin, b)
-        col = (tile % PB) * BLOCK_P + offs_p  # column inside the head
-        full = m_mask[:, None] & (offs_p[None, :] < BLOCK_P)  # (BLOCK_M, BLOCK_P)
-        q_mask = full & (tl.zeros_like(full) | is_q)
-        k_mask_s = full & (tl.zeros_like(full) | is_k)
-        v_mask = full & (tl.zeros_like(full) | is_v)
-        qp = q_ptr + offs_m[:, None] * (NQ * D) + head * D + col[None, :]
-        tl.store(qp, o1, mask=q_mask)
-        tl.store(qp + HALF, o2, mask=q_mask)
-        loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        kh = head - NQ
-        kp = k_cache_ptr + loc[:, None] * stride_ks + kh * stride_kh + col[None, :]
-        tl.store(kp, o1, mask=k_mask_s)
-        tl.store(kp + HALF, o2, mask=k_mask_s)
-        vh = head - NQ - NKV
-        vp = v_cache_ptr + loc[:, None] * stride_vs + vh * stride_vh + col[None, :]
-        tl.store(vp, o1, mask=v_mask)
-        tl.store(vp + HALF, o2, mask=v_mask)
+        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr,
+                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
+                    NQ, NKV, D, BLOCK_M, BLOCK_P)
+
+
+@triton.jit
+def _rope_store(
+    a, b, tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    B, stride_ks, stride_kh, stride_vs, stride_vh,
+    NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Epilogue of a qkv tile: ``a``, ``b`` (BLOCK_M, BLOCK_P) are the normalized projections of rows
+    r1 and r1 + D/2 of one head; RoPE for q and k heads, then q to ``q_ptr``, k and v to the cache."""
+    HALF: tl.constexpr = D // 2
+    PB: tl.constexpr = HALF // BLOCK_P
+    head = tile // PB
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_p = tl.arange(0, BLOCK_P)
+    is_q = head < NQ
+    is_k = (head >= NQ) & (head < NQ + NKV)
+    is_v = head >= NQ + NKV
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.float32)
+    freq = tl.load(inv_freq_ptr + (tile % PB) * BLOCK_P + offs_p)
+    ang = pos[:, None] * freq[None, :]
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    rope = is_q | is_k
+    o1 = tl.where(rope, a * cos - b * sin, a)
+    o2 = tl.where(rope, b * cos + a * sin, b)
+    col = (tile % PB) * BLOCK_P + offs_p  # column inside the head
+    full = m_mask[:, None] & (offs_p[None, :] < BLOCK_P)  # (BLOCK_M, BLOCK_P)
+    q_mask = full & (tl.zeros_like(full) | is_q)
+    k_mask_s = full & (tl.zeros_like(full) | is_k)
+    v_mask = full & (tl.zeros_like(full) | is_v)
+    qp = q_ptr + offs_m[:, None] * (NQ * D) + head * D + col[None, :]
+    tl.store(qp, o1, mask=q_mask)
+    tl.store(qp + HALF, o2, mask=q_mask)
+    loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    kh = head - NQ
+    kp = k_cache_ptr + loc[:, None] * stride_ks + kh * stride_kh + col[None, :]
+    tl.store(kp, o1, mask=k_mask_s)
+    tl.store(kp + HALF, o2, mask=k_mask_s)
+    vh = head - NQ - NKV
+    vp = v_cache_ptr + loc[:, None] * stride_vs + vh * stride_vh + col[None, :]
+    tl.store(vp, o1, mask=v_mask)
+    tl.store(vp + HALF, o2, mask=v_mask)
 
 
 @triton.jit
@@ -264,13 +289,7 @@ def norm_gate_up_kernel(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    ss = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        km = (k0 + offs_k) < H
-        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
-        xv = xv.to(tl.float32)
-        ss += tl.sum(xv * xv, 1)
-    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
     gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     xn = xv.to(tl.float32) * gamma[None, :]

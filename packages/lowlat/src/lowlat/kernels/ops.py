@@ -20,8 +20,8 @@ GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
 @dataclass(frozen=True)
 class GemvConfig:
     """One GEMV stage's kernel and blocks. ``variant``: ``dot`` (tensor-core ``tl.dot``, batch padded to
-    16 rows) or ``rows`` (row-wise reduction, ``o_proj`` and ``down`` only). For ``qkv``, ``block_n`` is
-    the number of rotary pairs per tile (it must divide head_dim / 2)."""
+    16 rows) or ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``). For ``qkv``, ``block_n`` is the
+    number of rotary pairs per tile (it must divide head_dim / 2)."""
 
     variant: str = "dot"
     block_n: int = 16
@@ -118,15 +118,15 @@ def qkv_rope(
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
     tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
     grid = (min(tiles, grid_programs) if grid_programs else tiles,)
-    K.qkv_rope_kernel[grid](
-        x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc,
-        q_out, kv.k, kv.v,
-        b, shape.rms_eps,
-        kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
-        H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads, D=shape.head_dim,
-        BLOCK_M=block_m(b, dev), BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
-        DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
-    )
+    common = dict(B=b, eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
+                  stride_vh=kv.v.stride(1), H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
+                  D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
+                  USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
+    args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
+    if cfg.variant == "rows":
+        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
+        return
+    K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
 
 
 def attention(
@@ -175,9 +175,11 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
-    K.norm_gate_up_kernel[(triton.cdiv(inter, cfg.block_n),)](
-        x, norm_w, w, act, b, eps, H=h, INTER=inter, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n,
-        BLOCK_K=min(cfg.block_k, next_pow2(h)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
-        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
-    )
-
+    grid = (triton.cdiv(inter, cfg.block_n),)
+    common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
+                  PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
+    if cfg.variant == "rows":
+        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
+        return
+    K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=block_m(b, dev),
+                                DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
