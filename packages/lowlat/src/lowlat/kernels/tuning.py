@@ -27,12 +27,12 @@ TABLES: dict[tuple[str, tuple[int, int, int, int, int]], tuple[Entry, ...]] = {
         ("gate_up", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("down", 16, GemvConfig("dot", 32, 256, 4, 4)),
     ),
-    # H200, SmolLM2-135M layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, second entry):
-    # sum of the best stages 19.0 us per layer at batch 1, 24.7 at batch 8
+    # H200, SmolLM2-135M layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, row-wise qkv and
+    # gate-up): best stages at batch 1 qkv 2.77, attention 3.84, o_proj 1.48, gate-up 3.40, down 2.78 us
     ("NVIDIA H200", (576, 9, 3, 64, 1536)): (
-        ("qkv", 1, GemvConfig("dot", 8, 256, 4, 3)),
+        ("qkv", 1, GemvConfig("rows", 4, 1024, 4, 2)),
         ("o_proj", 1, GemvConfig("rows", 4, 1024, 4, 2)),
-        ("gate_up", 1, GemvConfig("dot", 16, 256, 4, 3)),
+        ("gate_up", 1, GemvConfig("rows", 4, 1024, 8, 2)),
         ("down", 1, GemvConfig("rows", 8, 1024, 4, 2)),
         ("qkv", 16, GemvConfig("dot", 8, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 16, 256, 4, 3)),
