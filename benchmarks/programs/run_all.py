@@ -17,6 +17,7 @@ Then it writes `results/<machine>.json` and regenerates README.md from every res
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -49,7 +50,7 @@ class Config:
     name: str
     server_args: tuple[str, ...] = ("--schedule-policy", "lpm")
     client: str = "native"  # "native" (lmdsl RuntimeEndpoint) or "openai" (lmdsl OpenAI, /v1/completions)
-    hints: bool = True  # frontend prefix hints: fork prefixes and the program's constant prefix
+    hints: str = "auto"  # frontend prefix hints (fork prefixes, the program's constant prefix): LmdslConfig.prefix_hints
     workloads: tuple[str, ...] | None = None  # None: all
     note: str = ""
 
@@ -61,14 +62,15 @@ FORKS = ("mmlu_5shot", "hellaswag_20shot", "tree_of_thought", "skeleton_of_thoug
 BASELINE = ("mmlu_5shot", "hellaswag_20shot", "tree_of_thought", "llm_judge", "json_decode",
             "chat_short")
 CONFIGS = [
-    Config("full", note="radix cache, lpm, hints, jump-forward"),
+    Config("full", note="radix cache, lpm, jump-forward, frontend defaults (prefix hints where the server wants them)"),
     Config("no_radix", ("--schedule-policy", "lpm", "--disable-radix-cache"), note="radix cache off"),
     Config("fcfs", ("--schedule-policy", "fcfs"), workloads=SHARING, note="first come first served"),
     Config("dfs_weight", ("--schedule-policy", "dfs-weight"), workloads=SHARING, note="DFS-weight order"),
-    Config("no_hints", hints=False, workloads=FORKS, note="no fork/constant-prefix hints"),
+    Config("no_hints", hints="never", workloads=FORKS, note="no fork/constant-prefix hints"),
+    Config("forced_hints", hints="always", workloads=FORKS, note="fork/constant-prefix hints always sent"),
     Config("no_jump_forward", ("--schedule-policy", "lpm", "--disable-jump-forward"),
            workloads=("json_decode",), note="jump-forward off"),
-    Config("openai_baseline", client="openai", hints=False, workloads=BASELINE,
+    Config("openai_baseline", client="openai", hints="never", workloads=BASELINE,
            note="one independent OpenAI completion request per call"),
 ]
 
@@ -89,7 +91,7 @@ def make_backend(cfg: Config, base_url: str, transport: pt.RecordingTransport) -
         return sgl.OpenAI(model, base_url=base_url + "/v1", is_chat_model=False, chat_template="chatml",
                           constrained_decoding=True, select_method="logprobs",
                           http_client=httpx.Client(transport=transport, timeout=600))
-    cls = sgl.RuntimeEndpoint if cfg.hints else NoHintEndpoint
+    cls = NoHintEndpoint if cfg.hints == "never" else sgl.RuntimeEndpoint
     return cls(base_url, transport=transport)
 
 
@@ -111,18 +113,20 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
                                                                               max_keepalive_connections=1024)))
     backend = make_backend(cfg, base_url, transport)
     kwargs = w.make(sizes)
+    program = copy.copy(w.program)
+    program.config = program.config.with_(prefix_hints=cfg.hints)
     latencies: list[float] = []
     errors: list[str] = []
 
     def one(kw: dict[str, Any]) -> tuple[Any, float]:
         t = time.perf_counter()
-        state = w.program.run(backend=backend, temperature=0, **kw)
+        state = program.run(backend=backend, temperature=0, **kw)
         state.sync()
         return state, time.perf_counter() - t
 
     start = time.perf_counter()
-    if cfg.hints and len(kwargs) > 1:
-        w.program.cache(backend)  # NOTE: what run_batch does first
+    if len(kwargs) > 1 and program.config.hints_for(backend.wants_prefix_hints):
+        program.cache(backend)  # NOTE: what run_batch does first
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, kwargs))
     wall = time.perf_counter() - start

@@ -278,6 +278,38 @@ def test_run_batch_keeps_order_and_hints_the_constant_prefix() -> None:
     assert [s.text() for s in gen_states] == ["Shout the word. Word: z -> Z"]
 
 
+class _NoHintsWanted(MockBackend):
+    @property
+    def wants_prefix_hints(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("wanted", "mode", "sent"), [
+    (True, "auto", True), (False, "auto", False), (False, "always", True), (True, "never", False),
+])
+def test_prefix_hints_follow_the_config_and_the_backend(wanted: bool, mode: str, sent: bool) -> None:
+    """Fork hints and run_batch's constant-prefix hint: "auto" sends them where the backend wants
+    them, "always" and "never" override; an explicit `cache()` is always sent."""
+    backend = (MockBackend if wanted else _NoHintsWanted)(respond=lambda p, _: " ok")
+
+    @sgl.function
+    def prog(s, word):
+        s += "Constant prefix. " + word
+        forks = s.fork(2)
+        forks += sgl.gen("x", max_tokens=2)
+        forks.join()
+
+    prog.config = prog.config.with_(prefix_hints=mode)
+    states = prog.run_batch([{"word": "a"}, {"word": "b"}], backend=backend)
+    assert all(st.error() is None for st in states)
+    assert len(backend.calls_of("cache_prefix")) == (2 + 1 if sent else 0)  # one per fork, one per batch
+    assert len(backend.calls_of("generate")) == 4
+    prog.cache(backend)
+    assert len(backend.calls_of("cache_prefix")) == (2 + 1 if sent else 0) + 1
+    with pytest.raises(ValueError, match="prefix_hints"):
+        prog.config.with_(prefix_hints="sometimes")
+
+
 def test_backend_failure_is_recorded_with_its_cause_and_raised_on_read() -> None:
     boom = ConnectionError("endpoint down")
     backend = MockBackend({"A:": " fine", "B:": boom})

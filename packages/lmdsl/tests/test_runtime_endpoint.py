@@ -33,6 +33,32 @@ def backend(server: FakeNativeServer) -> RuntimeEndpoint:
     return RuntimeEndpoint(server.url, api_key="secret")
 
 
+@pytest.mark.parametrize(("useful", "mode", "hints"), [
+    (False, "auto", 0), (False, "always", 1), (None, "auto", 1), (None, "never", 0),
+])
+def test_prefix_hints_follow_the_servers_model_info(useful: bool | None, mode: str, hints: int) -> None:
+    """lmserver reports `prefix_hints_useful: false` (its batches share prefixes by themselves): "auto"
+    then sends no fork hint; a server without the field (SGLang) gets one."""
+    lm = TranscriptLM("Name: Alice\n", fallback=" x")
+    with FakeNativeServer(lm, model_info={} if useful is None else {"prefix_hints_useful": useful}) as srv:
+        backend = RuntimeEndpoint(srv.url)
+        assert backend.wants_prefix_hints is (useful is not False)
+
+        @sgl.function
+        def prog(s):
+            s += "Intro. "
+            forks = s.fork(2)
+            forks += "Name:" + sgl.gen("name", stop="\n")
+            forks.join()
+
+        prog.config = prog.config.with_(prefix_hints=mode)
+        state = prog.run(backend=backend)
+        assert state["name"] == [" Alice", " Alice"]
+        requests = srv.requests_to("/generate")
+        assert sum(r["sampling_params"].get("max_new_tokens") == 0 for r in requests) == hints
+        assert len(requests) == 2 + hints
+
+
 def test_model_info_picks_chatml_for_smollm(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
     assert backend.get_model_name() == "/models/SmolLM2-135M-Instruct"
     assert backend.get_chat_template().name == "chatml"

@@ -366,6 +366,7 @@ def test_tokenize_detokenize_round_trip(http: httpx.Client, fake: FakeEngineCore
 def test_info_endpoints(http: httpx.Client) -> None:
     info = http.get("/get_model_info").json()
     assert info["model_path"] == "SmolLM2-135M-Instruct" and info["is_generation"] is True
+    assert info["prefix_hints_useful"] is False  # the scheduler dedups a batch's shared prefixes itself
     server_info = http.get("/server_info").json()
     assert server_info["context_length"] == 2048 and server_info["api_key"] == KEY
     assert {"num_running_reqs", "num_waiting_reqs", "cache_hit_rate"} <= set(server_info["scheduler"])

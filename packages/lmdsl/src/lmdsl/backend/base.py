@@ -93,6 +93,12 @@ class Backend:
     def get_server_info(self) -> Any:
         raise ConstraintNotSupportedError(f"{type(self).__name__} has no server info")
 
+    @property
+    def wants_prefix_hints(self) -> bool:
+        """Whether prefix hints may help this backend (`LmdslConfig.prefix_hints="auto"` skips them
+        otherwise). Default: yes (the default hint methods do nothing anyway)."""
+        return True
+
     def cache_prefix(self, prefix_str: str) -> None:
         """Prefix hint: the backend may compute and cache `prefix_str`. Default: nothing."""
 

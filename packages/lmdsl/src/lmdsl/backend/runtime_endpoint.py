@@ -57,7 +57,9 @@ class RuntimeEndpoint(Backend):
     """A native-API server at `base_url` (e.g. "http://127.0.0.1:30000").
 
     chat_template: a template name or object, overriding the one picked from the model path.
-    Construction calls `/get_model_info` once (BackendError if the server cannot be reached).
+    Construction calls `/get_model_info` once (BackendError if the server cannot be reached); its
+    `prefix_hints_useful` field (lmserver's; absent from SGLang's, which then gets hints) is
+    `wants_prefix_hints`.
     """
 
     def __init__(
@@ -87,6 +89,10 @@ class RuntimeEndpoint(Backend):
             self.chat_template = get_chat_template(chat_template)
         else:
             self.chat_template = get_chat_template_by_model_path(self.model_path)
+
+    @property
+    def wants_prefix_hints(self) -> bool:
+        return self.model_info.get("prefix_hints_useful") is not False
 
     def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:

@@ -17,13 +17,16 @@ from lmdsl.testing.mock import mock_tokens
 
 
 class FakeNativeServer(FakeHTTPServer):
-    """`model_path` is what `/get_model_info` reports; `api_key`, when set, is required as a Bearer token."""
+    """`model_path` is what `/get_model_info` reports, with `model_info` (more fields, e.g. lmserver's
+    `prefix_hints_useful`); `api_key`, when set, is required as a Bearer token."""
 
-    def __init__(self, lm: FakeLM, model_path: str = "/models/SmolLM2-135M-Instruct", api_key: str | None = None) -> None:
+    def __init__(self, lm: FakeLM, model_path: str = "/models/SmolLM2-135M-Instruct", api_key: str | None = None,
+                 model_info: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.model_path = model_path
         self.api_key = api_key
+        self.model_info = dict(model_info or {})
 
     def handle(self, method: str, path: str, body: Any, headers: dict[str, str]) -> Reply:
         if self.api_key is not None and headers.get("Authorization") != f"Bearer {self.api_key}":
@@ -32,7 +35,7 @@ class FakeNativeServer(FakeHTTPServer):
             return Reply({})
         if path == "/get_model_info":
             return Reply({"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                          "preferred_sampling_params": None})
+                          "preferred_sampling_params": None, **self.model_info})
         if path == "/flush_cache":
             return Reply({"success": True})
         if path in ("/get_server_info", "/server_info"):

@@ -197,7 +197,11 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     cfg = mgr.ready.resolved_config
     return {"model_path": mgr.ready.model_path, "tokenizer_path": cfg.get("tokenizer_path") or mgr.ready.model_path,
             "is_generation": True, "preferred_sampling_params": None,
-            "context_length": mgr.context_length, "vocab_size": mgr.vocab_size}
+            "context_length": mgr.context_length, "vocab_size": mgr.vocab_size,
+            # NOTE: a prefill-only "prefix hint" request never helps here: the scheduler computes a prefix
+            # shared by the requests of one batch once (scheduler.IN_BATCH_PREFIX_THRESHOLD), and with the radix cache
+            # off nothing is kept; frontends (lmdsl's prefix_hints="auto") skip them
+            "prefix_hints_useful": False}
 
 
 @router.get("/get_server_info")
