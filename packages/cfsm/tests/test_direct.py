@@ -14,7 +14,7 @@ from cfsm import CfsmConfig
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.direct import build_dfa_direct
 from cfsm.index import build_index
-from cfsm.json_schema import schema_to_node
+from cfsm.json_schema import format_node, schema_to_node
 from cfsm.regex_ast import Chars, Node, Repeat, cat, lit
 from cfsm.regex_parser import parse_regex
 
@@ -257,9 +257,17 @@ def test_structural_classes_take_repeated_sections_and_decline_the_email_loop() 
     b, _, table, _, acc, dist = built
     cls = b.classes(table, acc, dist)
     assert cls is not None and _same_partition(cls, _refined(table, acc, dist))
-    # the email local part: a block (atext+) whose loop the next one ("." atext+)* repeats
+    # a schema's email format is one prepared block (`json_schema.piece`): proven
     schema = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}, "required": ["e"]}
     node = schema_to_node(schema, CfsmConfig())
+    built = _built(node)
+    assert built is not None
+    b, _, table, _, acc, dist = built
+    cls = b.classes(table, acc, dist)
+    assert cls is not None and _same_partition(cls, _refined(table, acc, dist))
+    # the email tree itself, piece by piece: a block (atext+) whose loop the next one ("." atext+)*
+    # repeats is not proven apart
+    node = cat(lit('{"e":"'), format_node("email"), lit('"}'))
     built = _built(node)
     assert built is not None
     b, _, table, _, acc, dist = built
@@ -354,3 +362,60 @@ def test_fresh_classes_are_the_hash_consed_ones(schema: dict[str, Any], whitespa
     assert (fast is None) == (slow is None)
     if fast is not None and slow is not None:
         assert _same_partition(fast, slow)
+
+
+_LEADS = ["a", "b", ",", "]", "cb", ",a", "d", "]x", "e", "fg", "h", "i"]
+
+
+@st.composite
+def _choice_trees(draw: st.DrawFn, depth: int = 0) -> Node:
+    """Trees of literal-led alternations and short bounded repeats (the direct construction's
+    union states, `_Builder._choice`), with blocks and empty strings among them."""
+    from cfsm.regex_ast import EMPTY, Alt
+
+    kind = draw(st.integers(0, 4 if depth < 3 else 1))
+    if kind == 0:
+        return lit(draw(st.sampled_from(_LEADS)))
+    if kind == 1:
+        return draw(st.sampled_from([Repeat(Chars(((0x30, 0x39),)), 1, None), Chars(((0x61, 0x62), (0xE9, 0xE9))),
+                                     EMPTY, lit("a")]))
+    if kind == 2:
+        return cat(*draw(st.lists(_choice_trees(depth + 1), min_size=1, max_size=4)))
+    if kind == 3:
+        return Alt(draw(st.lists(_choice_trees(depth + 1), min_size=2, max_size=3)))
+    lo = draw(st.integers(0, 3))
+    return Repeat(draw(_choice_trees(depth + 1)), lo, lo + draw(st.integers(0, 4)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_choice_trees(), st.sampled_from(["", "]", "x", ","]))
+def test_union_states_give_the_generic_dfa_and_the_refined_partition(tree: Node, after: str) -> None:
+    from unittest import mock
+
+    import cfsm.direct as direct
+
+    node = cat(lit("["), tree, lit(after)) if after else cat(lit("["), tree)
+    # NOTE: every choice is tried as union states (not only those around prepared blocks)
+    with mock.patch.object(direct, "_holds_prepared", lambda node: True):
+        built = build_dfa_direct(node, force=True)
+        if built is not None:
+            assert _same(built, build_dfa(node))
+        _check_structural_classes(node)
+
+
+def test_arrays_of_strings_are_union_states_with_proven_string_text() -> None:
+    """An array of strings with maxItems: literal states and string-body copies (no block of its
+    own), its string states handed to the string tables as proven."""
+    import cfsm.direct as direct
+
+    schema = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+              "required": ["t"]}
+    node = schema_to_node(schema, CfsmConfig())
+    built = _built(node)
+    assert built is not None
+    b = built[0]
+    assert b.multi and all(c[1].string_body for c in b.copies)
+    assert not any(isinstance(c[1], direct._Block) and c[1].size > 20 for c in b.copies)
+    dfa = build_dfa_direct(node, force=True)
+    assert dfa is not None and _same(dfa, build_dfa(node))
+    assert int(dfa.__dict__["string_text_states"].sum()) >= 4

@@ -8,7 +8,12 @@ piece's own minimal DFA copied in as a numpy block whose accepting states take t
 continuation's row. That stays deterministic as long as those rows do not share a byte (checked;
 otherwise the caller falls back to the generic construction). Blocks are built once per structure
 (hash-consed: the same value schema under many keys is one DFA, copied), and `Shared` suffixes
-(whose references all have the same continuation) are one state.
+(whose references all have the same continuation) are one state. A choice decided by its first
+byte (an alternation of literal-led items or the empty string, the optional items of a short
+bounded repeat such as an array's `maxItems`) is one *union state* holding the byte ranges of
+each choice's head, so its items are literal states and blocks too (string bodies stay proven,
+no block of its own to build); standard value trees (`regex_ast.Piece`: number, boolean,
+formats) are one prepared block each.
 
 The table is then minimized and put in breadth-first order (bytes ascending, unreachable
 states dropped). The generic construction discovers states in that same order, so the minimal
@@ -57,7 +62,7 @@ from cfsm.block_facts import (
 )
 from cfsm.errors import GrammarTooLargeError
 from cfsm.gcpause import without_gc
-from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
+from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
 
@@ -250,6 +255,26 @@ def _is_literal(node: Node) -> bool:
     return isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80
 
 
+def _holds_prepared(node: Node) -> bool:
+    """Whether a prepared block (a standard value tree, an unbounded string body) lies inside
+    `node`: then its choices are worth union states (`_Builder._choice`), which copy those blocks
+    instead of building a block around them per compile. Pure."""
+    if id(node) in _PREPARED and _PREPARED[id(node)][0] is node:
+        return True
+    if isinstance(node, Cat | Alt):
+        return any(_holds_prepared(it) for it in node.items)
+    if isinstance(node, Repeat):
+        return _holds_prepared(node.item)
+    return False
+
+
+def _led(node: Node) -> bool:
+    """The empty string or led by a literal ASCII range (a candidate choice of `_Builder._choice`)."""
+    if isinstance(node, Cat):
+        return not node.items or _is_literal(node.items[0])
+    return _is_literal(node)
+
+
 def _block_nodes(node: Node, out: list[Node]) -> None:
     """The nodes that `_Builder.build(node)` makes blocks of (as `count_blocks` walks it)."""
     if _is_literal(node):
@@ -257,6 +282,8 @@ def _block_nodes(node: Node, out: list[Node]) -> None:
     if isinstance(node, Cat):
         for item in node.items:
             _block_nodes(item, out)
+    elif type(node) is Piece:
+        out.append(node)
     elif isinstance(node, Scope | Shared):
         _block_nodes(node.item, out)
     else:
@@ -315,7 +342,12 @@ class _Builder:
         self.nodes: list[Node] = []  # keeps keyed nodes alive while their ids are in use
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
         # literal states (index into lit_*, >= 0) and copies (~index into copies) as made: by id
+        # (a union state: the index of its first entry)
         self.made: list[int] = []
+        # union states (`_union`: several byte ranges, each into its own target): their entries
+        self.multi: dict[int, list[int]] = {}
+        self._lit_at: dict[int, int] = {}  # literal state -> its (first) entry (`_entries`)
+        self._lit_done = 0  # entries indexed in _lit_at so far
 
     def final(self) -> int:
         """The state after the whole tree: accepting, no transitions."""
@@ -367,6 +399,8 @@ class _Builder:
                 return s
             return self.block(node, cont)
         if isinstance(node, Scope):
+            if type(node) is Piece:  # a standard value tree: one block (prepared, `prepare_blocks`)
+                return self.block(node, cont)
             self.shared.append({})
             try:
                 return self.build(node.item, cont)
@@ -380,7 +414,94 @@ class _Builder:
             if hit[1] != cont:  # NOTE: Shared's contract (one continuation) broken: be safe
                 raise _Fallback("a shared piece with two continuations")
             return hit[0]
+        if isinstance(node, Alt | Repeat) and _holds_prepared(node):
+            head = self._choice(node, cont)
+            if head is not None:
+                return head
         return self.block(node, cont)
+
+    def _entries(self, s: int) -> list[int] | None:
+        """The literal entries (indices into lit_*) of state `s`, None if it is not a literal or
+        union state (a block's state, the final state)."""
+        hit = self.multi.get(s)
+        if hit is not None:
+            return hit
+        at = self._lit_at
+        for i in range(self._lit_done, len(self.lit_src)):  # NOTE: indexed lazily (unions are rare)
+            at.setdefault(self.lit_src[i], i)
+        self._lit_done = len(self.lit_src)
+        i = at.get(s, -1)
+        return None if i < 0 or s in self.multi else [i]
+
+    def _first_bits(self, node: Node, cont: int) -> int | None:
+        """The bytes `build(node, cont)`'s state reads (256-bit int) where that state is a literal
+        or union state: node the empty string (then cont's) or led by a literal ASCII range; else None."""
+        if isinstance(node, Cat):
+            if not node.items:
+                return self.entry[cont][2] if self._entries(cont) is not None else None
+            node = node.items[0]
+        if _is_literal(node) and isinstance(node, Chars):
+            lo, hi = node.ranges[0]
+            return (1 << (hi + 1)) - (1 << lo)
+        return None
+
+    def _choice(self, node: Alt | Repeat, cont: int) -> int | None:
+        """`build(node, cont)` without a block where every choice it makes is decided by its first
+        byte: an Alt whose items are led by literal ranges (or are empty) with disjoint bytes, a
+        bounded short Repeat of a literal-led item (its optional copies each a union with cont);
+        the head state of each choice becomes one union state. None (nothing built) otherwise."""
+        if isinstance(node, Alt):
+            bits = 0
+            for it in node.items:
+                b = self._first_bits(it, cont)
+                if b is None or b & bits:
+                    return None
+                bits |= b
+            if len(node.items) < 2:
+                return None
+            return self._union([cont if isinstance(it, Cat) and not it.items else self.build(it, cont)
+                                for it in node.items])
+        lo, hi = node.lo, node.hi
+        if hi is None or hi >= _COUNTED_MIN or lo > hi or hi == 0:
+            return None
+        b = self._first_bits(node.item, cont)
+        if b is None or (hi > lo and (self._entries(cont) is None or b & self.entry[cont][2])):
+            return None
+        s = cont
+        for _ in range(hi - lo):
+            s = self._union([self.build(node.item, s), cont])
+        for _ in range(lo):
+            s = self.build(node.item, s)
+        return s
+
+    def _union(self, heads: list[int]) -> int:
+        """A new state with the byte ranges of every head (literal or union states, reading disjoint
+        bytes): its language is the union of theirs. The heads themselves stay (unreachable
+        unless something else leads to them)."""
+        entries = []
+        for h in heads:
+            e = self._entries(h)
+            assert e is not None, "a union of states that are not literal ones"
+            entries.extend(e)
+        s = self.size
+        self.size += 1
+        dists = [self.entry[h][1] for h in heads if self.entry[h][1] >= 0]
+        d = min(dists) if dists else -1
+        bits = 0
+        for h in heads:
+            bits |= self.entry[h][2]
+        self.entry[s] = (False, d, bits)
+        mine = []
+        for i in entries:
+            mine.append(len(self.lit_src))
+            self.lit_src.append(s)
+            self.lit_lo.append(self.lit_lo[i])
+            self.lit_hi.append(self.lit_hi[i])
+            self.lit_dst.append(self.lit_dst[i])
+            self.lit_dist.append(d)  # NOTE: the state's (`arrays`), not the entry's
+        self.multi[s] = mine
+        self.made.append(mine[0])
+        return s
 
     def count_blocks(self, node: Node, counts: dict[int, int], seen: set[int]) -> None:
         """How many copies of each block structure `build(node)` makes (the plan's cost)."""
@@ -389,6 +510,16 @@ class _Builder:
         if isinstance(node, Cat):
             for item in node.items:
                 self.count_blocks(item, counts, seen)
+        elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and _holds_prepared(node):
+            for item in node.items:  # NOTE: as `_choice` builds it, if the bytes turn out disjoint
+                self.count_blocks(item, counts, seen)
+        elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < _COUNTED_MIN and _led(node.item)
+              and _holds_prepared(node)):
+            for _ in range(node.hi):
+                self.count_blocks(node.item, counts, seen)
+        elif type(node) is Piece:
+            k = self.key(node)
+            counts[k] = counts.get(k, 0) + 1
         elif isinstance(node, Scope | Shared):
             if id(node) not in seen:  # a Shared node is built once per Scope: counted once
                 seen.add(id(node))
@@ -606,7 +737,7 @@ class _Builder:
         n = self.size
         cls_l = [0] * (n + 1)  # the dead state's class is 0
         live_l = [0] * (n + 1)  # the hash of the set of bytes that lead to a state accepting something
-        ids: dict[tuple[int, int, int], int] = {}
+        ids: dict[tuple[object, ...], int] = {}
         # per class made from a block: (first id, number, block number, continuation class)
         made: list[tuple[int, int, int, int]] = []
         block_no: dict[int, int] = {}
@@ -615,9 +746,21 @@ class _Builder:
             cls_l[s] = 1
         lit_src, lit_lo, lit_hi, lit_dst = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst
         copies = self.copies
+        multi = self.multi
         groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
         for i in self.made:
-            if i >= 0:
+            if i >= 0 and multi and lit_src[i] in multi:
+                s = lit_src[i]
+                key2, live = _union_key([(lit_lo[j], lit_hi[j], cls_l[lit_dst[j]]) for j in multi[s]])
+                if key2 is None:
+                    continue  # every range leads to a state that accepts nothing: stays dead
+                c = ids.get(key2)
+                if c is None:
+                    c = ids[key2] = num
+                    num += 1
+                cls_l[s] = c
+                live_l[s] = live
+            elif i >= 0:
                 d = lit_dst[i]
                 kd = cls_l[d]
                 if kd == 0:  # NOTE: leads only to a state that accepts nothing: stays dead
@@ -655,7 +798,8 @@ class _Builder:
         """`_hash_consed_classes` where no key repeats (no two literal states with one byte range
         into one class, no two copies of one block with one continuation class): every literal
         state its own class at once, the copies in id order; None where a key repeats or a piece
-        leads to a state that accepts nothing (then the hash-consing loop).
+        leads to a state that accepts nothing (then the hash-consing loop). A union state's key is
+        its canonical set of ranges (`_union_key`).
         # NOTE: with no repeated key the loop would give every item a fresh class: the same
         # partition (other ids)
         """
@@ -666,9 +810,12 @@ class _Builder:
         dst = np.asarray(self.lit_dst, dtype=np.int64)
         cls = np.zeros(n + 1, dtype=np.int64)
         cls[self.finals] = 1
-        cls[src] = 2 + np.arange(len(src))
+        cls[src] = 2 + np.arange(len(src))  # a union state: its last entry's (one id per state)
         live = np.zeros(n + 1, dtype=np.uint64)
-        live[src] = _BYTE_CUM_U64[hi + 1] - _BYTE_CUM_U64[lo]
+        if self.multi:  # NOTE: a union state's live bytes: the sum over its ranges (wrapping)
+            np.add.at(live, src, _BYTE_CUM_U64[hi + 1] - _BYTE_CUM_U64[lo])
+        else:
+            live[src] = _BYTE_CUM_U64[hi + 1] - _BYTE_CUM_U64[lo]
         num = 2 + len(src)
         made: list[tuple[int, int, int, int]] = []
         block_no: dict[int, int] = {}
@@ -690,6 +837,15 @@ class _Builder:
         if len(kd) and not kd.all():
             return None
         lit_keys = (lo * 128 + hi) * (num + 1) + kd
+        if self.multi:
+            in_union = np.zeros(n + 1, dtype=bool)
+            in_union[list(self.multi)] = True
+            lit_keys = lit_keys[~in_union[src]]
+            kd_l = kd.tolist()
+            keys = {_union_key([(self.lit_lo[j], self.lit_hi[j], kd_l[j]) for j in e])[0] for e in self.multi.values()}
+            # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
+            if len(keys) < len(self.multi) or any(not isinstance(k[0], tuple) for k in keys if k is not None):
+                return None
         copy_keys = np.asarray([b * (num + 1) + k for _, _, b, k in made], dtype=np.int64)
         if len(np.unique(lit_keys)) < len(lit_keys) or len(np.unique(copy_keys)) < len(copy_keys):
             return None
@@ -703,7 +859,7 @@ class _Builder:
         from cfsm.templates import INF
 
         quote = {s: d for s, lo, hi, d in zip(self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, strict=True)
-                 if lo == hi == 0x22}
+                 if lo == hi == 0x22 and s not in self.multi}
         parts = []
         for base, blk, cont, _, _ in self.copies:
             if blk.string_body and blk.string_map is not None and cont in quote:
@@ -746,6 +902,26 @@ def _add_copy(groups: dict[int, tuple[_Block, list[int], list[int], list[int], l
     g[2].append(off)
     g[3].append(kc)
     g[4].append(lk)
+
+
+def _union_key(ranges: list[tuple[int, int, int]]) -> tuple[tuple[object, ...] | None, int]:
+    """The hash-consing key of a union state from its ranges (lo, hi, target class) and the hash of
+    its live bytes: ranges into the dead class dropped, adjacent ones into one class merged, so
+    that a key is a function of the state's byte -> class map (one range: a literal state's key).
+    (None, 0) where no range is live."""
+    out: list[list[int]] = []
+    for lo, hi, k in sorted(r for r in ranges if r[2] != 0):
+        if out and out[-1][1] + 1 == lo and out[-1][2] == k:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi, k])
+    if not out:
+        return None, 0
+    live = 0
+    for lo, hi, _ in out:
+        live += _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]
+    key: tuple[object, ...] = tuple(out[0]) if len(out) == 1 else tuple(tuple(x) for x in out)
+    return key, live & _MASK
 
 
 def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, cont_of: np.ndarray,

@@ -27,6 +27,7 @@ from cfsm.regex_ast import (
     Chars,
     Intersect,
     Node,
+    Piece,
     Repeat,
     Scope,
     Sep,
@@ -117,10 +118,17 @@ def format_node(fmt: str) -> Node:
     return json_escape(parse_regex(FORMAT_REGEXES[fmt]))
 
 
+@functools.cache
+def piece(node: Node) -> Piece:
+    """`node` kept whole inside a schema's tree: one `Piece` per standard value tree per process,
+    so the direct construction copies its block prepared once (`direct.prepare_blocks`)."""
+    return Piece(node)
+
+
 def standard_pieces() -> tuple[Node, ...]:
     """The per-process value trees that schemas share (unbounded string body, boolean, number,
     integer, every format): `cfsm.direct.prepare_blocks` builds their blocks once."""
-    return (_STRING_BODY, _BOOLEAN, NUMBER, INT, *(format_node(f) for f in FORMAT_REGEXES))
+    return (_STRING_BODY, piece(_BOOLEAN), piece(NUMBER), piece(INT), *(piece(format_node(f)) for f in FORMAT_REGEXES))
 
 
 def _dump(value: Any) -> str:
@@ -264,7 +272,7 @@ class _Compiler:
         if t == "null":
             return lit("null")
         if t == "boolean":
-            return _BOOLEAN
+            return piece(_BOOLEAN)
         if t == "string":
             return self.string(schema, path)
         if t in ("integer", "number"):
@@ -278,7 +286,7 @@ class _Compiler:
         fmt = schema.get("format")
         if fmt is not None:
             if fmt in FORMAT_REGEXES:
-                langs.append(format_node(fmt))
+                langs.append(piece(format_node(fmt)))
             else:
                 self.unsupported("format", f"{path}/format", f"unknown format {fmt!r}; supported: {sorted(FORMAT_REGEXES)}")
         if "pattern" in schema:
@@ -343,12 +351,12 @@ class _Compiler:
                 ilo += 1
             if ihi is not None and hi_excl and Decimal(ihi) == dhi:
                 ihi -= 1
-            rng = INT if ilo is None and ihi is None else int_range(ilo, ihi)
+            rng = piece(INT) if ilo is None and ihi is None else int_range(ilo, ihi)
             if mult is not None and int(Decimal(str(mult))) != 1:
                 return Intersect([rng, multiple_of(int(Decimal(str(mult))))])
             return rng
         if dlo is None and dhi is None:
-            return NUMBER
+            return piece(NUMBER)
         return decimal_range(dlo, lo_excl, dhi, hi_excl)
 
     def array(self, schema: dict[str, Any], path: str) -> Node:

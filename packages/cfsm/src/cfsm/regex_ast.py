@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from cfsm.charset import Ranges
 
-__all__ = ["Node", "Chars", "Cat", "Alt", "Repeat", "Shared", "Intersect", "Complement", "Scope", "Sep", "NOTHING", "EMPTY",
+__all__ = ["Node", "Chars", "Cat", "Alt", "Repeat", "Shared", "Intersect", "Complement", "Scope", "Piece", "Sep", "NOTHING", "EMPTY",
            "cat", "alt", "lit"]
 
 
@@ -105,6 +105,14 @@ class Scope(Node):
 
     def __init__(self, item: Node) -> None:
         self.item = item
+
+
+class Piece(Scope):
+    """A standard value tree (number, boolean, a format) kept whole inside a larger tree: `cat`
+    does not flatten it, so the direct construction copies its block, prepared once per process.
+    Same language as `item`."""
+
+    __slots__ = ()
 
 
 class Sep(Node):
