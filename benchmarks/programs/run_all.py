@@ -113,8 +113,8 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
                                                                               max_keepalive_connections=1024)))
     backend = make_backend(cfg, base_url, transport)
     kwargs = w.make(sizes)
-    program = copy.copy(w.program)
-    program.config = program.config.with_(prefix_hints=cfg.hints)
+    program = copy.copy(w.program.bound if isinstance(w.program, wl.Bindable) else w.program)
+    program.config = program.config.with_(prefix_hints=cfg.hints)  # NOTE: on a copy; the workload's stays
     latencies: list[float] = []
     errors: list[str] = []
 
