@@ -177,6 +177,9 @@ def test_prepared_blocks_are_the_blocks_built_at_compile_time() -> None:
         fresh = direct._Block(node)
         for name in direct._Block.__slots__:
             a, b = getattr(blk, name), getattr(fresh, name)
+            if name == "fragment" and a is not None:
+                assert b is not None and a[0] == b[0] and np.array_equal(a[1], b[1])
+                continue
             assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, name
 
 
@@ -419,3 +422,44 @@ def test_arrays_of_strings_are_union_states_with_proven_string_text() -> None:
     dfa = build_dfa_direct(node, force=True)
     assert dfa is not None and _same(dfa, build_dfa(node))
     assert int(dfa.__dict__["string_text_states"].sum()) >= 4
+
+
+_FORMAT_TOKENS = [b"", b"a", b"b", b"@", b".", b"a@", b"b.", b'"', b'",', b'"}', b'a"', b'.a"}', b"x", b"-", b"{",
+                  b'"e":"', b'"u":"', b"http", b":", b"/", b"%2", b"0", b"a.b", b'@b.c"', b',"', b"}", b"]", b"[",
+                  b'"]', b'"k', b"k", b'":', b"1", b"true", b"null", b"Z", b"?", b"#", b"a-b", b'b"]', b'"e']
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([{"type": "string", "format": "email"}, {"type": "string", "format": "uri"},
+                                 {"type": "array", "items": {"type": "string", "format": "email"}, "maxItems": 2},
+                                 {"type": "string"}, {"type": "integer"}]), min_size=1, max_size=4),
+       st.sampled_from(["compact", "flexible"]))
+def test_proven_format_states_give_the_matched_masks(values: list[dict[str, Any]], whitespace: str) -> None:
+    """The direct construction names its email/uri states (`fragment_states`, from each format
+    block's map onto F); the index built from them equals the one that matches F's states."""
+    import cfsm.direct as direct
+
+    direct.prepare_blocks()
+    vocab = cfsm.Vocabulary(_FORMAT_TOKENS, eos_token_ids=[0])
+    schema = {"type": "object", "properties": {f"k{i}": v for i, v in enumerate(values)},
+              "required": [f"k{i}" for i in range(len(values))]}
+    node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
+    built = build_dfa_direct(node, force=True)
+    if built is None or "fragment_states" not in built.__dict__:
+        return
+    generic = build_dfa(node)
+    assert _same(built, generic)
+    a, b = build_index(built, vocab, grammar="x"), build_index(generic, vocab, grammar="x")
+    assert np.array_equal(a.masks, b.masks) and np.array_equal(a.mask_row, b.mask_row)
+
+
+def test_format_blocks_map_onto_f() -> None:
+    import cfsm.direct as direct
+    from cfsm.fragments import TABLE_FORMATS
+    from cfsm.json_schema import piece
+
+    direct.prepare_blocks()
+    for fmt in TABLE_FORMATS:
+        blk = direct._Block(piece(format_node(fmt)))
+        assert blk.fragment is not None and blk.fragment[0] == fmt and (blk.fragment[1] >= 0).all()
+    assert direct._Block(piece(format_node("date"))).fragment is None

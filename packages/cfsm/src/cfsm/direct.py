@@ -79,7 +79,7 @@ class _Block:
 
     __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
                  "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "start_class",
-                 "start_live", "string_body", "string_map", "string_bounds")
+                 "start_live", "string_body", "string_map", "string_bounds", "fragment")
 
     def __init__(self, node: Node) -> None:
         # a JSON string's text with at most a bound of characters (or none and no minimum): each
@@ -157,6 +157,8 @@ class _Block:
                 body, n)
             if self.string_map is None:
                 self.string_body = False
+        # a format with per-vocabulary tables (`fragments`): the format and each state's F state
+        self.fragment = _fragment_map(node, t, acc, col_of, start, classes) if type(node) is Piece and n else None
         # the start's own class (-1: its language is the empty string, -2: none) and live bytes
         if n:
             self.start_class = -1 if start in self.eps else (-2 if classes[start] < 0 else int(classes[start]))
@@ -166,6 +168,47 @@ class _Block:
 
 
 _IDENTITY = np.arange(256)
+
+
+def _fragment_map(node: Piece, t: np.ndarray, acc: np.ndarray, col_of: np.ndarray, start: int,
+                  classes: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """For the block of a format piece with per-vocabulary tables (`fragments.TABLE_FORMATS`):
+    (the format, per block state its state s in the format's F, -1 for states that accept
+    nothing), proven by walking both in step: state q's language followed by a closing quote is
+    exactly F's from s (every byte checked). None for other pieces or where a step disagrees."""
+    from cfsm.fragments import TABLE_FORMATS, f_automaton
+    from cfsm.json_schema import format_node
+
+    fmt = next((f for f in TABLE_FORMATS if node.item is format_node(f)), None)
+    auto = None if fmt is None else f_automaton(fmt)
+    if fmt is None or auto is None:
+        return None
+    code, f_start = auto
+    num_f = code.shape[0]
+    rows = np.where((t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0), t, -1)[:, col_of].tolist()
+    ends = acc.tolist()
+    fm = [-1] * len(rows)
+    fm[start] = f_start
+    todo = [start]
+    codes = code.tolist()
+    for q in todo:
+        row, frow = rows[q], codes[fm[q]]
+        if (frow[0x22] == num_f) != bool(ends[q]):
+            return None  # F leaves at the quote exactly where the block may end
+        for b in range(256):
+            q2, s2 = row[b], frow[b]
+            if q2 < 0:
+                if s2 < num_f or (s2 == num_f and b != 0x22):
+                    return None  # F reads on where the block is dead
+                continue
+            if s2 >= num_f:
+                return None
+            if fm[q2] < 0:
+                fm[q2] = s2
+                todo.append(q2)
+            elif fm[q2] != s2:
+                return None
+    return fmt, np.asarray(fm, dtype=np.int64)
 # a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
 _DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
 _COUNTED_MAX_STATES = 50_000
@@ -266,6 +309,12 @@ def _holds_prepared(node: Node) -> bool:
     if isinstance(node, Repeat):
         return _holds_prepared(node.item)
     return False
+
+
+def _fixed_count(node: Node) -> bool:
+    """A repeat with lo == hi (`[0-9]{5}`): as `_Builder._choice` builds it, no union state, only
+    copies of its item (literal states for a literal item)."""
+    return isinstance(node, Repeat) and node.lo == node.hi
 
 
 def _led(node: Node) -> bool:
@@ -414,7 +463,7 @@ class _Builder:
             if hit[1] != cont:  # NOTE: Shared's contract (one continuation) broken: be safe
                 raise _Fallback("a shared piece with two continuations")
             return hit[0]
-        if isinstance(node, Alt | Repeat) and _holds_prepared(node):
+        if isinstance(node, Alt | Repeat) and (_holds_prepared(node) or _fixed_count(node)):
             head = self._choice(node, cont)
             if head is not None:
                 return head
@@ -514,7 +563,7 @@ class _Builder:
             for item in node.items:  # NOTE: as `_choice` builds it, if the bytes turn out disjoint
                 self.count_blocks(item, counts, seen)
         elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < _COUNTED_MIN and _led(node.item)
-              and _holds_prepared(node)):
+              and (_holds_prepared(node) or _fixed_count(node))):
             for _ in range(node.hi):
                 self.count_blocks(node.item, counts, seen)
         elif type(node) is Piece:
@@ -874,6 +923,20 @@ class _Builder:
             return e, e, e, e, e
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))  # type: ignore[return-value]
 
+    def fragment_states(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per format with a block map (`_Block.fragment`): the states of its copies followed by a
+        literal closing quote, their F states and the state after the quote."""
+        quote = {s: d for s, lo, hi, d in zip(self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, strict=True)
+                 if lo == hi == 0x22 and s not in self.multi}
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {}
+        for base, blk, cont, _, _ in self.copies:
+            if blk.fragment is not None and cont in quote:
+                fmt, fm = blk.fragment
+                keep = np.flatnonzero(fm >= 0)
+                parts.setdefault(fmt, []).append((base + keep, fm[keep], quote[cont]))
+        return {fmt: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps]),
+                      np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in ps])) for fmt, ps in parts.items()}
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(accepting, shortest accepted lengths) of every state, the dead state last."""
         n = self.size
@@ -979,4 +1042,16 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
             values[:, at[live]] = np.stack([ts[live], rem[live], need[live], new_ids[cont[live]]])
             dfa.__dict__["string_text_states"] = mine
             dfa.__dict__["string_text_values"] = values
+        # NOTE: read by `index.build_index` instead of `fragments.match_fragment`: per format, each
+        # state's F state (-1: none) and the state after the closing quote (formats absent: none)
+        frags = {}
+        for fmt, (states, fs, conts) in b.fragment_states().items():
+            at = new_ids[states]
+            live = at < dfa.num_states
+            f = np.full(dfa.num_states + 1, -1, dtype=np.int64)
+            c = np.full(dfa.num_states + 1, dfa.dead, dtype=np.int64)
+            f[at[live]] = fs[live]
+            c[at[live]] = new_ids[conts[live]]
+            frags[fmt] = (f, c)
+        dfa.__dict__["fragment_states"] = frags
     return dfa

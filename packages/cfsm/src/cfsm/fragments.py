@@ -14,6 +14,7 @@ tables; the narrow ones (dates, uuids, addresses) are cheap batched walks anyway
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,15 +25,18 @@ from cfsm.mask_rows import or_bits
 from cfsm.templates import _walk_t, exit_coded, joint_reps, live_suffixes, suffix_table
 from cfsm.vocab import TrieTables
 
-__all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows"]
+__all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows", "f_automaton",
+           "TABLE_FORMATS"]
 
 # formats with per-vocabulary tables (their states allow most ASCII bytes)
 TABLE_FORMATS = ("email", "uri")
 
 
-def _f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
+@functools.cache
+def f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
     """F as a code table (states, 256): an F state, `EXIT` (= states) or `DEAD` (= states + 1);
-    and its start. None if F's end is not one final state without transitions."""
+    and its start. None if F's end is not one final state without transitions. One read-only
+    table per format per process (the vocabularies' tables and `direct`'s block maps share it)."""
     from cfsm.json_schema import format_node
     from cfsm.regex_ast import cat, lit
 
@@ -40,7 +44,9 @@ def _f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
     final = np.flatnonzero(dfa.accepting[:-1])
     if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any() or int(final[0]) == dfa.start:
         return None
-    return exit_coded(dfa, int(final[0]))
+    code, start = exit_coded(dfa, int(final[0]))
+    code.flags.writeable = False
+    return code, start
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +83,7 @@ def build_fragment_tables(tables: TrieTables, words: int,
     """Walk the vocabulary through each format's F from every F state (once per vocabulary)."""
     out = []
     for fmt in formats:
-        auto = _f_automaton(fmt)
+        auto = f_automaton(fmt)
         if auto is None:
             continue
         code, start = auto

@@ -22,7 +22,7 @@ import numpy as np
 
 from cfsm.automaton import Dfa
 from cfsm.compressed import CompressedFsm
-from cfsm.fragments import FragmentMatch, fragment_rows, match_fragment
+from cfsm.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
 from cfsm.gcpause import without_gc
 from cfsm.mask_rows import _few_rows, _PrefixRows, or_bits
 from cfsm.state_classes import _walk_classes
@@ -133,6 +133,12 @@ class Index:
         return int(self.masks.nbytes + self.mask_row.nbytes + self.dfa.transitions.nbytes)
 
 
+def _f_code(fmt: str) -> np.ndarray | None:
+    """The F table that `direct`'s block maps were proven against (the one of the format's tables)."""
+    auto = f_automaton(fmt)
+    return None if auto is None else auto[0]
+
+
 @without_gc
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
@@ -153,8 +159,16 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         generic = np.ones(num_states, dtype=bool)
     fragments: list[tuple[int, FragmentMatch, np.ndarray]] = []
     if _FRAGMENT_TABLES:
+        # NOTE: a DFA of the direct construction knows its format states (`direct`: copies of a
+        # format's block, proven to step like F); states it does not name are walked (exact too)
+        proven = dfa.__dict__.get("fragment_states")
         for k, ft in enumerate(vocab.fragment_tables):
-            fm = match_fragment(dfa, ft)
+            if proven is None or ft.code is not _f_code(ft.name):
+                fm = match_fragment(dfa, ft)
+            elif ft.name in proven:
+                fm = FragmentMatch(*proven[ft.name])
+            else:
+                continue
             mine = np.flatnonzero(generic & (fm.f[:num_states] >= 0))
             if len(mine):
                 generic[mine] = False
