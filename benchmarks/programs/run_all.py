@@ -125,7 +125,7 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
         return state, time.perf_counter() - t
 
     start = time.perf_counter()
-    if len(kwargs) > 1 and program.config.hints_for(backend.wants_prefix_hints):
+    if len(kwargs) > 1 and program.config.batch_prefix_hint:
         program.cache(backend)  # NOTE: what run_batch does first
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, kwargs))

@@ -284,12 +284,12 @@ class _NoHintsWanted(MockBackend):
         return False
 
 
-@pytest.mark.parametrize(("wanted", "mode", "sent"), [
-    (True, "auto", True), (False, "auto", False), (False, "always", True), (True, "never", False),
+@pytest.mark.parametrize(("wanted", "mode", "forks", "batch"), [
+    (True, "auto", True, True), (False, "auto", False, True), (False, "always", True, True), (True, "never", False, False),
 ])
-def test_prefix_hints_follow_the_config_and_the_backend(wanted: bool, mode: str, sent: bool) -> None:
-    """Fork hints and run_batch's constant-prefix hint: "auto" sends them where the backend wants
-    them, "always" and "never" override; an explicit `cache()` is always sent."""
+def test_prefix_hints_follow_the_config_and_the_backend(wanted: bool, mode: str, forks: bool, batch: bool) -> None:
+    """Fork hints: "auto" sends them where the backend wants them, "always" and "never" override;
+    run_batch's one constant-prefix hint: unless "never"; an explicit `cache()` is always sent."""
     backend = (MockBackend if wanted else _NoHintsWanted)(respond=lambda p, _: " ok")
 
     @sgl.function
@@ -302,10 +302,11 @@ def test_prefix_hints_follow_the_config_and_the_backend(wanted: bool, mode: str,
     prog.config = prog.config.with_(prefix_hints=mode)
     states = prog.run_batch([{"word": "a"}, {"word": "b"}], backend=backend)
     assert all(st.error() is None for st in states)
-    assert len(backend.calls_of("cache_prefix")) == (2 + 1 if sent else 0)  # one per fork, one per batch
+    hints = [c.prompt.text for c in backend.calls_of("cache_prefix")]
+    assert sorted(hints) == sorted(["Constant prefix. "] * batch + ["Constant prefix. a", "Constant prefix. b"] * forks)
     assert len(backend.calls_of("generate")) == 4
     prog.cache(backend)
-    assert len(backend.calls_of("cache_prefix")) == (2 + 1 if sent else 0) + 1
+    assert len(backend.calls_of("cache_prefix")) == len(hints) + 1
     with pytest.raises(ValueError, match="prefix_hints"):
         prog.config.with_(prefix_hints="sometimes")
 

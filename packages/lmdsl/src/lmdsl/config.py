@@ -24,14 +24,15 @@ class LmdslConfig:
         follow the hint at once, and a server that shares a prefix among requests in one batch
         (lmserver, SGLang) computes it once either way, while waiting costs a server round trip
         per fork (a tree-of-thought program with 15 forks ran 9.3 s waiting, 7.1 s without hints).
-    prefix_hints: when the interpreter sends prefix hints (a fork's committed prefix, and in
-        `run_batch` the program's constant prefix): "auto" (default) unless the backend says they do
-        not help (`Backend.wants_prefix_hints`: lmserver says so in `/get_model_info`, since its
-        scheduler computes a prefix shared by the requests of one batch once; an unknown server, e.g.
-        SGLang, still gets them), "always" (SGLang's behaviour), "never". On lmserver a hint is one
-        more prefill request that the batch's own dedup makes redundant: with hints, 8-30% fewer
-        programs per second on the suite's fork and shared-prefix workloads (benchmarks/programs,
-        H200 and CPU). An explicit `Function.cache()` call is always sent.
+    prefix_hints: when the interpreter sends prefix hints. "auto" (default): a fork's hint (its
+        committed prefix, one request per fork) only to a backend that wants it
+        (`Backend.wants_prefix_hints`: lmserver says no in `/get_model_info`, since its scheduler
+        computes a prefix shared by the requests of one batch once; a server without the field,
+        e.g. SGLang, gets them), and `run_batch`'s one hint of the program's constant prefix always;
+        "always": both everywhere (SGLang's frontend); "never": neither. On the H200 program suite
+        (lmserver, Llama-3-8B shape) fork hints cost tree-of-thought a third of its throughput
+        (2.15 vs 3.26 and 2.52 vs 3.43 programs/s); the batch hint costs one request per batch.
+        An explicit `Function.cache()` call is always sent.
     """
 
     max_workers: int = 32
@@ -52,9 +53,14 @@ class LmdslConfig:
         if self.default_select_method not in SELECT_METHODS:
             raise ValueError(f"LmdslConfig: default_select_method must be one of {SELECT_METHODS}")
 
-    def hints_for(self, wanted: bool) -> bool:
-        """Whether prefix hints are sent to a backend whose `wants_prefix_hints` is `wanted`."""
+    def fork_hints_for(self, wanted: bool) -> bool:
+        """Whether forks send prefix hints to a backend whose `wants_prefix_hints` is `wanted`."""
         return self.prefix_hints == "always" or (self.prefix_hints == "auto" and wanted)
+
+    @property
+    def batch_prefix_hint(self) -> bool:
+        """Whether `run_batch` sends the program's constant prefix once before the batch."""
+        return self.prefix_hints != "never"
 
     def with_(self, **changes: object) -> LmdslConfig:
         """A copy with `changes` applied (this object is not mutated)."""

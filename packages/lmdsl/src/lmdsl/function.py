@@ -166,7 +166,7 @@ class Function:
         """Runs the program once per kwargs dict, in parallel threads; returns the states in order.
 
         The constant prefix of the program is sent once as a prefix hint first (batch of 2 or more;
-        `LmdslConfig.prefix_hints` decides, "auto" skips it where the backend says hints do not help).
+        not with `LmdslConfig.prefix_hints="never"`).
         `generator_style=True` returns an iterator of states in order instead of a list.
         """
         resolved = _resolve_backend(backend)
@@ -180,7 +180,7 @@ class Function:
             threads = num_threads
         else:
             raise ValueError(f"run_batch(num_threads={num_threads!r}): use 'auto' or an int >= 1")
-        if len(all_arguments) > 1 and self.config.hints_for(resolved.wants_prefix_hints):
+        if len(all_arguments) > 1 and self.config.batch_prefix_hint:
             self.cache(resolved)
         context = contextvars.copy_context()
         # NOTE: one executor pool for the whole batch (its jobs only wait on backend I/O, never on

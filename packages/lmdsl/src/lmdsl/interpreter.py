@@ -325,7 +325,7 @@ class StreamExecutor:
                 raise ProgramError(f"var_scope {node.name!r} ended without a begin")
             self._set(node.name, self.text_[self.var_scope_pos.pop(node.name):], {})
         elif isinstance(node, CommitLazy):
-            if not self.config.hints_for(self.backend.wants_prefix_hints):
+            if not self.config.fork_hints_for(self.backend.wants_prefix_hints):
                 pass  # NOTE: the children's own requests carry the prefix; the server shares it
             elif self.config.wait_for_prefix_hints:
                 self.backend.commit_lazy_operations(self.prompt())
