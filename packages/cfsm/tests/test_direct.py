@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -399,7 +400,7 @@ def test_union_states_give_the_generic_dfa_and_the_refined_partition(tree: Node,
 
     node = cat(lit("["), tree, lit(after)) if after else cat(lit("["), tree)
     # NOTE: every choice is tried as union states (not only those around prepared blocks)
-    with mock.patch.object(direct, "_holds_prepared", lambda node: True):
+    with mock.patch.object(direct, "_holds_prepared", lambda node, memo: True):
         built = build_dfa_direct(node, force=True)
         if built is not None:
             assert _same(built, build_dfa(node))
@@ -463,3 +464,20 @@ def test_format_blocks_map_onto_f() -> None:
         blk = direct._Block(piece(format_node(fmt)))
         assert blk.fragment is not None and blk.fragment[0] == fmt and (blk.fragment[1] >= 0).all()
     assert direct._Block(piece(format_node("date"))).fragment is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(-2000, 2000), st.integers(0, 5000), st.lists(st.text("abc\"", min_size=1, max_size=4), min_size=1,
+                                                              max_size=4, unique=True), st.integers(1, 3))
+def test_loop_free_literal_pieces_are_literal_states(lo: int, span: int, words: list[str], copies: int) -> None:
+    """Integer ranges and enums (loop-free literal trees) become literal and union states once
+    (`_Builder._literal_states`), a block when copied: the generic DFA and the refined partition."""
+    from cfsm.numeric import int_range
+    from cfsm.regex_ast import Alt
+
+    enum = Alt([lit(json.dumps(w)) for w in words])
+    value = cat(lit('{"a":'), int_range(lo, lo + span), lit(',"b":'), enum, lit("}"))
+    node = cat(*([value, lit(",")] * (copies - 1)), value)
+    built = build_dfa_direct(node, force=True)
+    assert built is not None and _same(built, build_dfa(node))
+    _check_structural_classes(node)

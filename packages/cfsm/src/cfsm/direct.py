@@ -39,6 +39,7 @@ from cfsm.automaton import (
     _minimal_dfa,
     _minimize,
     _Nfa,
+    _segments,
     _subset_construction,
     _Unit,
     _unit,
@@ -298,17 +299,52 @@ def _is_literal(node: Node) -> bool:
     return isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80
 
 
-def _holds_prepared(node: Node) -> bool:
+def _holds_prepared(node: Node, memo: dict[int, bool]) -> bool:
     """Whether a prepared block (a standard value tree, an unbounded string body) lies inside
     `node`: then its choices are worth union states (`_Builder._choice`), which copy those blocks
-    instead of building a block around them per compile. Pure."""
-    if id(node) in _PREPARED and _PREPARED[id(node)][0] is node:
-        return True
-    if isinstance(node, Cat | Alt):
-        return any(_holds_prepared(it) for it in node.items)
-    if isinstance(node, Repeat):
-        return _holds_prepared(node.item)
-    return False
+    instead of building a block around them per compile. `memo`: by node id (one tree)."""
+    hit = memo.get(id(node))
+    if hit is None:
+        if id(node) in _PREPARED and _PREPARED[id(node)][0] is node:
+            hit = True
+        elif isinstance(node, Cat | Alt):
+            hit = any(_holds_prepared(it, memo) for it in node.items)
+        elif isinstance(node, Repeat):
+            hit = _holds_prepared(node.item, memo)
+        else:
+            hit = False
+        memo[id(node)] = hit
+    return hit
+
+
+# `_Builder._literal_states` takes loop-free literal trees of at most this many nodes
+_DAG_MAX = 400
+
+
+def _dag_size(node: Node, memo: dict[int, int]) -> int:
+    """The node count of a tree made of literal ASCII ranges, concatenation, alternation and
+    repeats with an upper bound (no loop; repeats counted unrolled), -1 if it is not one.
+    `memo`: by node id (one tree)."""
+    hit = memo.get(id(node))
+    if hit is not None:
+        return hit
+    size = -1
+    if isinstance(node, Chars):
+        size = 1 if _is_literal(node) else -1
+    elif isinstance(node, Cat | Alt):
+        if not (isinstance(node, Alt) and not node.items):
+            size = 1
+            for it in node.items:
+                k = _dag_size(it, memo)
+                if k < 0:
+                    size = -1
+                    break
+                size += k
+    elif isinstance(node, Repeat) and node.hi is not None and node.lo <= node.hi:
+        k = _dag_size(node.item, memo)
+        size = -1 if k < 0 else 1 + k * max(node.hi, 1)
+    memo[id(node)] = size
+    return size
 
 
 def _fixed_count(node: Node) -> bool:
@@ -397,6 +433,11 @@ class _Builder:
         self.multi: dict[int, list[int]] = {}
         self._lit_at: dict[int, int] = {}  # literal state -> its (first) entry (`_entries`)
         self._lit_done = 0  # entries indexed in _lit_at so far
+        self._consed: dict[tuple[tuple[int, int, int], ...], int] = {}  # `_literal_state`'s states by ranges
+        # loop-free literal trees (`_dag_size`) by structure key: how many copies (`count_blocks`)
+        self.dag_counts: dict[int, int] = {}
+        self._dag_memo: dict[int, int] = {}  # `_dag_size` by node id
+        self._prep_memo: dict[int, bool] = {}  # `_holds_prepared` by node id
 
     def final(self) -> int:
         """The state after the whole tree: accepting, no transitions."""
@@ -463,7 +504,13 @@ class _Builder:
             if hit[1] != cont:  # NOTE: Shared's contract (one continuation) broken: be safe
                 raise _Fallback("a shared piece with two continuations")
             return hit[0]
-        if isinstance(node, Alt | Repeat) and (_holds_prepared(node) or _fixed_count(node)):
+        if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
+            # NOTE: a structure copied several times is one block built once (cheaper than one
+            # subset construction per copy)
+            if self.dag_counts.get(self.key(node), 0) <= 1:
+                return self._literal_states(node, cont)
+            return self.block(node, cont)
+        if isinstance(node, Alt | Repeat) and (_holds_prepared(node, self._prep_memo) or _fixed_count(node)):
             head = self._choice(node, cont)
             if head is not None:
                 return head
@@ -493,6 +540,81 @@ class _Builder:
             lo, hi = node.ranges[0]
             return (1 << (hi + 1)) - (1 << lo)
         return None
+
+    def _literal_states(self, node: Node, cont: int) -> int:
+        """`build(node, cont)` for a tree of literal ASCII ranges without loops (`_dag_size`: an
+        enum, an integer range): its minimal DFA as literal and union states, made from the
+        node's NFA by a subset construction that creates a state after its targets and reuses
+        any state with the same ranges into the same states (so none is made twice), the NFA's end
+        being cont (its ranges taken into the states that may end)."""
+        nfa = _Nfa()
+        s0, end = nfa.build(node)
+        eps, trans = nfa.eps, nfa.trans
+        cont_entries = self._entries(cont)
+        cont_bits = self.entry[cont][2]
+        memo: dict[frozenset[int], int] = {}
+
+        def closure(qs: frozenset[int]) -> frozenset[int]:
+            seen = set(qs)
+            stack = list(qs)
+            while stack:
+                for y in eps[stack.pop()]:
+                    if y not in seen:
+                        seen.add(y)
+                        stack.append(y)
+            return frozenset(x for x in seen if trans[x] or x == end)
+
+        def det(group: frozenset[int]) -> int:
+            hit = memo.get(group)
+            if hit is not None:
+                return hit
+            ranges = [t for q in group for t in trans[q]]
+            entries = [(lo, hi, det(closure(tg))) for lo, hi, tg in (_segments(ranges) if ranges else [])]
+            if end in group:
+                bits = 0
+                for lo, hi, _ in entries:
+                    bits |= (1 << (hi + 1)) - (1 << lo)
+                if bits & cont_bits:
+                    raise _Fallback("a piece's end and its continuation read the same byte")
+                if not entries:
+                    memo[group] = cont
+                    return cont
+                if cont_entries is None:
+                    raise _Fallback("a piece that may end before a block")
+                entries += [(self.lit_lo[i], self.lit_hi[i], self.lit_dst[i]) for i in cont_entries]
+            state = memo[group] = self._literal_state(entries)
+            return state
+
+        return det(closure(frozenset((s0,))))
+
+    def _literal_state(self, entries: list[tuple[int, int, int]]) -> int:
+        """A literal state (one range) or union state with these disjoint ranges (lo, hi, target);
+        the state made earlier with the same ranges if any (`_literal_states`)."""
+        key = tuple(sorted(entries))
+        hit = self._consed.get(key)
+        if hit is not None:
+            return hit
+        s = self.size
+        self.size += 1
+        entry = self.entry
+        dists = [entry[t][1] for _, _, t in entries if entry[t][1] >= 0]
+        d = min(dists) + 1 if dists else -1
+        bits = 0
+        for lo, hi, _ in entries:
+            bits |= (1 << (hi + 1)) - (1 << lo)
+        entry[s] = (False, d, bits)
+        first = len(self.lit_src)
+        for lo, hi, t in key:
+            self.lit_src.append(s)
+            self.lit_lo.append(lo)
+            self.lit_hi.append(hi)
+            self.lit_dst.append(t)
+            self.lit_dist.append(d)
+        if len(key) > 1:
+            self.multi[s] = list(range(first, len(self.lit_src)))
+        self.made.append(first)
+        self._consed[key] = s
+        return s
 
     def _choice(self, node: Alt | Repeat, cont: int) -> int | None:
         """`build(node, cont)` without a block where every choice it makes is decided by its first
@@ -556,14 +678,23 @@ class _Builder:
         """How many copies of each block structure `build(node)` makes (the plan's cost)."""
         if isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80:
             return
+        if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
+            k = self.key(node)
+            self.dag_counts[k] = self.dag_counts.get(k, 0) + 1
+            if self.dag_counts[k] == 2:  # built as a block (`build`), counted as one from now on
+                counts[k] = counts.get(k, 0) + 2
+            elif self.dag_counts[k] > 2:
+                counts[k] += 1
+            return
         if isinstance(node, Cat):
             for item in node.items:
                 self.count_blocks(item, counts, seen)
-        elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and _holds_prepared(node):
+        elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and _holds_prepared(
+                node, self._prep_memo):
             for item in node.items:  # NOTE: as `_choice` builds it, if the bytes turn out disjoint
                 self.count_blocks(item, counts, seen)
         elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < _COUNTED_MIN and _led(node.item)
-              and (_holds_prepared(node) or _fixed_count(node))):
+              and (_holds_prepared(node, self._prep_memo) or _fixed_count(node))):
             for _ in range(node.hi):
                 self.count_blocks(node.item, counts, seen)
         elif type(node) is Piece:
