@@ -75,8 +75,7 @@ def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, vari
 @pytest.mark.parametrize(("shape", "dtype", "splits"), [
     (SHAPES[0], torch.float32, 1), (SHAPES[0], torch.bfloat16, 5), (SHAPES[1], torch.float32, 8), (SHAPES[1], torch.bfloat16, 3),
 ])
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, splits: int, merge_in_kernel: bool) -> None:
+def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, splits: int) -> None:
     g = torch.Generator().manual_seed(12 + splits)
     lens = [1, 17, 40, 6]
     meta = decode_meta(lens, 120, 48, DEVICE, generator=g)
@@ -85,14 +84,9 @@ def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, spl
     part_o = torch.full((4, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
     part_lse = torch.full((4, shape.num_heads, splits), float("nan"), device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    arrivals = torch.zeros(4 * shape.num_kv_heads, dtype=torch.int32, device=DEVICE) if merge_in_kernel else None
+    ops.attention(q, kv, meta, part_o, part_lse, out, shape, _lc(shape), splits)
     ref = decode_attention(q.view(4, shape.num_heads, -1), kv, meta, shape.head_dim**-0.5).reshape(4, -1)
-    for _ in range(2):  # the second launch finds the arrival counters reset by the first (CUDA graph replays)
-        ops.attention(q, kv, meta, part_o, part_lse, out, shape, _lc(shape), splits, arrivals)
-        assert _rel(out, ref) < TOL[dtype]
-        out.fill_(float("nan"))
-    if arrivals is not None:
-        assert not arrivals.any()
+    assert _rel(out, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -139,16 +139,13 @@ def _rope_store(
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr, arrivals_ptr,
+    part_o_ptr, part_lse_ptr,
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, MERGE: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile.
-    # MERGE: the last split program of a (batch, KV head) to arrive merges its group's partials into
-    # out_ptr (no merge_splits_kernel launch); arrivals_ptr holds one int32 per (batch, KV head), zero
-    # between launches (the merging program resets it, so CUDA graph replays find it zeroed).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,35 +196,6 @@ def decode_attention_kernel(
     base = (b * NQ + heads) * NUM_SPLITS + split
     tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
     tl.store(part_lse_ptr + base, lse, mask=g_mask)
-    if MERGE:
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        counter = arrivals_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, heads, g_mask, NQ, D, NUM_SPLITS, BLOCK_G)
-            tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, heads, g_mask, NQ: tl.constexpr, D: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Log-sum-exp merge of the split partials of query heads ``heads`` of batch row ``b``."""
-    offs_d = tl.arange(0, D)
-    base = (b * NQ + heads) * NUM_SPLITS
-    mx = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        mx = tl.maximum(mx, tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    acc = tl.zeros((BLOCK_G, D), tl.float32)
-    den = tl.zeros((BLOCK_G,), tl.float32)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
-        o = tl.load(part_o_ptr + (base + s)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += w[:, None] * o
-        den += w
-    tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], acc / den[:, None], mask=g_mask[:, None])
 
 
 @triton.jit

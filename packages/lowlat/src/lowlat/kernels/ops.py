@@ -44,8 +44,6 @@ class LaunchConfig:
     num_sms: int = 132
     # PDL: a kernel lets its dependent launch start right after its wait (early) or after its main loop
     pdl_early: bool = False
-    # split-KV attention merges its splits itself (last split to finish) instead of a second launch
-    merge_in_attention: bool = True
     # (stage, max batch, config): the first entry of a stage whose max batch is >= the batch wins
     tuned: tuple[tuple[str, int, GemvConfig], ...] = ()
 
@@ -133,27 +131,19 @@ def qkv_rope(
 
 def attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
-    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int, arrivals: torch.Tensor | None = None,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
 ) -> None:
-    """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials.
-    With ``arrivals`` (int32, at least B * kv_heads, all zero; left zero) the split merge runs inside
-    the attention kernel, by the last split of each KV head to finish; without, as a second launch."""
+    """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
-    merge = arrivals is not None
-    if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < b * shape.num_kv_heads):
-        raise ShapeError(f"attention: arrivals must be int32 with >= {b * shape.num_kv_heads} elements")
     K.decode_attention_kernel[(b, shape.num_kv_heads, splits)](
         q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-        part_o, part_lse, out, arrivals if merge else part_lse,
+        part_o, part_lse,
         meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1), shape.head_dim**-0.5,
         NQ=shape.num_heads, G=group, D=shape.head_dim,
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block_n,
-        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early,
-        MERGE=merge, **_kw(dev, lc),
+        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
     )
-    if merge:
-        return
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),

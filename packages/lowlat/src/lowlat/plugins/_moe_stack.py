@@ -55,8 +55,7 @@ class TritonMoEStack:
         self.x1 = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
         self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
         self.ws = moe_ops.MoEWorkspace.allocate(moe, s.hidden_size, m, dev, dt)
-        self.arrivals = torch.zeros(m * s.num_kv_heads, device=dev, dtype=torch.int32)  # in-kernel split merge
-        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.out, self.arrivals]
+        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.out]
 
     @property
     def workspace_bytes(self) -> int:
@@ -74,8 +73,7 @@ class TritonMoEStack:
         ops.qkv_rope(x, w, kv, meta, self.q[:b], s, lc)
         max_len = meta.max_seq_len or meta.req_to_token.shape[1]
         splits = ops.num_splits(b, s, max_len, lc, self.max_splits)
-        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], s, lc, splits,
-                      self.arrivals if lc.merge_in_attention else None)
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], s, lc, splits)
         ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
         out = self.out[layer % 2, :b]
         moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc)

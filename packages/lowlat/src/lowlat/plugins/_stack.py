@@ -49,9 +49,7 @@ class TritonLayerStack:
         self.x1 = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
         self.act = torch.empty(m, s.intermediate_size, device=dev, dtype=dt)
         self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
-        # one arrival counter per (request, KV head) for the in-kernel split merge; zero between launches
-        self.arrivals = torch.zeros(m * s.num_kv_heads, device=dev, dtype=torch.int32)
-        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out, self.arrivals]
+        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out]
 
     @property
     def workspace_bytes(self) -> int:
@@ -77,8 +75,7 @@ class TritonLayerStack:
 
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
-        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta),
-                      self.arrivals if lc.merge_in_attention else None)
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
         ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
         ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc)
         ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc, stage="down")
