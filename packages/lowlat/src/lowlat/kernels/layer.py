@@ -9,7 +9,8 @@ start after its main loop (``PDL_EARLY``: right after the wait instead; measured
 Stages: (1) RMSNorm + QKV GEMV + RoPE + paged KV write; (2) split-KV decode attention with the
 GQA group packed in one tile; (3) split merge; (4) GEMV + residual (o_proj, down);
 (5) RMSNorm + gate-up GEMV + SiLU(gate) * up.
-``DOT_F32`` runs every dot in float32 (the interpreter's bf16 dot is not reliable).
+``DOT_F32`` runs every dot in float32 at full precision (`input_precision="ieee"`, not TF32: float32 layers
+match the float32 reference on a GPU as on the interpreter; the interpreter's bf16 dot is not reliable).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def qkv_rope_kernel(
         xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
         if DOT_F32:
-            acc1 = tl.dot(xn, w1.to(tl.float32))
-            acc2 = tl.dot(xn, w2.to(tl.float32))
+            acc1 = tl.dot(xn, w1.to(tl.float32), input_precision="ieee")
+            acc2 = tl.dot(xn, w2.to(tl.float32), input_precision="ieee")
         else:
             acc1 = tl.dot(xn.to(w1.dtype), w1)
             acc2 = tl.dot(xn.to(w1.dtype), w2)
@@ -80,8 +81,8 @@ def qkv_rope_kernel(
             xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
             xn = xv.to(tl.float32) * gamma[None, :]
             if DOT_F32:
-                acc1 += tl.dot(xn, w1.to(tl.float32))
-                acc2 += tl.dot(xn, w2.to(tl.float32))
+                acc1 += tl.dot(xn, w1.to(tl.float32), input_precision="ieee")
+                acc2 += tl.dot(xn, w2.to(tl.float32), input_precision="ieee")
             else:
                 acc1 += tl.dot(xn.to(w1.dtype), w1)
                 acc2 += tl.dot(xn.to(w1.dtype), w2)
@@ -175,7 +176,7 @@ def decode_attention_kernel(
         k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         if DOT_F32:
-            s = tl.dot(q, k.to(tl.float32))
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q.to(k.dtype), k)
         s = tl.where(n_mask[None, :], s * scale, float("-inf"))
@@ -184,7 +185,7 @@ def decode_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -248,7 +249,7 @@ def gemv_residual_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     if DOT_F32:
-        acc = tl.dot(a.to(tl.float32), w.to(tl.float32))
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     else:
         acc = tl.dot(a.to(w.dtype), w)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -256,7 +257,7 @@ def gemv_residual_kernel(
         w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
         a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
         if DOT_F32:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a.to(w.dtype), w)
     if USE_PDL and not PDL_EARLY:
@@ -294,8 +295,8 @@ def norm_gate_up_kernel(
     xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     xn = xv.to(tl.float32) * gamma[None, :]
     if DOT_F32:
-        g = tl.dot(xn, wg.to(tl.float32))
-        u = tl.dot(xn, wu.to(tl.float32))
+        g = tl.dot(xn, wg.to(tl.float32), input_precision="ieee")
+        u = tl.dot(xn, wu.to(tl.float32), input_precision="ieee")
     else:
         g = tl.dot(xn.to(wg.dtype), wg)
         u = tl.dot(xn.to(wg.dtype), wu)
@@ -308,8 +309,8 @@ def norm_gate_up_kernel(
         xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
         if DOT_F32:
-            g += tl.dot(xn, wg.to(tl.float32))
-            u += tl.dot(xn, wu.to(tl.float32))
+            g += tl.dot(xn, wg.to(tl.float32), input_precision="ieee")
+            u += tl.dot(xn, wu.to(tl.float32), input_precision="ieee")
         else:
             g += tl.dot(xn.to(wg.dtype), wg)
             u += tl.dot(xn.to(wg.dtype), wu)

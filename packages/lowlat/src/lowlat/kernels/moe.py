@@ -75,7 +75,7 @@ def route_kernel(
         hn = (xv.to(tl.float32) * rstd[:, None] * gamma[None, :]).to(hn_ptr.dtype.element_ty)  # rounded as stored
         tl.store(hn_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], hn, mask=m_mask[:, None] & km[None, :])
         if DOT_F32:
-            logits += tl.dot(hn.to(tl.float32), wr.to(tl.float32))
+            logits += tl.dot(hn.to(tl.float32), wr.to(tl.float32), input_precision="ieee")
         else:
             logits += tl.dot(hn, wr)
     logits = logits.to(router_ptr.dtype.element_ty).to(tl.float32)  # the torch runner's logits dtype
@@ -135,8 +135,8 @@ def expert_gate_up_kernel(
                 wu = tl.load(base + (INTER + offs_n[None, :]) * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
             a = tl.load(hn_ptr + tok[:, None] * H + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             if DOT_F32:
-                acc_g += tl.dot(a.to(tl.float32), wg.to(tl.float32))
-                acc_u += tl.dot(a.to(tl.float32), wu.to(tl.float32))
+                acc_g += tl.dot(a.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
+                acc_u += tl.dot(a.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
             else:
                 acc_g += tl.dot(a, wg)
                 acc_u += tl.dot(a, wu)
@@ -176,7 +176,7 @@ def expert_down_kernel(
                 w = tl.load(base + offs_n[None, :] * INTER + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
             a = tl.load(act_ptr + (e * MAX_T + row[:, None]) * INTER + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             if DOT_F32:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
         tl.store(y_ptr + (e * MAX_T + row[:, None]) * H + offs_n[None, :], acc, mask=valid[:, None] & n_mask[None, :])

@@ -80,7 +80,7 @@ def attn_mlp_persistent_kernel(
                 k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
                 v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
                 if DOT_F32:
-                    s = tl.dot(q, k.to(tl.float32))
+                    s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
                 else:
                     s = tl.dot(q.to(k.dtype), k)
                 s = tl.where(n_mask[None, :], s * scale, float("-inf"))
@@ -89,7 +89,7 @@ def attn_mlp_persistent_kernel(
                 p = tl.exp(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 if DOT_F32:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
@@ -178,8 +178,8 @@ def attn_mlp_persistent_kernel(
                     gamma = tl.load(post_norm_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
                     av = av * gamma[None, :]
                 if DOT_F32:
-                    acc1 += tl.dot(av, w1.to(tl.float32))
-                    acc2 += tl.dot(av, w2.to(tl.float32))
+                    acc1 += tl.dot(av, w1.to(tl.float32), input_precision="ieee")
+                    acc2 += tl.dot(av, w2.to(tl.float32), input_precision="ieee")
                 else:
                     acc1 += tl.dot(av.to(w1.dtype), w1)
                     acc2 += tl.dot(av.to(w1.dtype), w2)
