@@ -664,23 +664,31 @@ def _bfs_order(cols: np.ndarray, start: int, dead: int) -> np.ndarray:
     """States reachable from `start` (dead excluded) in breadth-first order, each state's targets
     by ascending column (columns in ascending first byte): the subset construction's order."""
     n, k = cols.shape
-    keep = np.ones(cols.shape, dtype=bool)
-    keep[:, 1:] = cols[:, 1:] != cols[:, :-1]
-    keep &= cols != dead
-    flat = np.flatnonzero(keep.reshape(-1))
-    targets = cols.reshape(-1)[flat].tolist()
-    bounds = np.searchsorted(flat, np.arange(n + 1) * k).tolist()
+    # the live entries in row-major order, a repeat of the previous entry's target in its row
+    # dropped (rows are mostly runs of one target over adjacent columns)
+    flat = np.flatnonzero(cols.reshape(-1) != dead)
+    t = cols.reshape(-1)[flat]
+    r = flat // k
+    keep = np.ones(len(t), dtype=bool)
+    keep[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
+    targets = t[keep].tolist()
+    bounds = np.searchsorted(r[keep], np.arange(n + 1)).tolist()
     seen = [False] * n
     seen[start] = True
     order = [start]
-    i = 0
-    while i < len(order):
-        q = order[i]
-        for x in targets[bounds[q] : bounds[q + 1]]:
+    append = order.append
+    for q in order:  # NOTE: iterates over the states appended meanwhile (breadth-first)
+        lo, hi = bounds[q], bounds[q + 1]
+        if hi - lo == 1:  # most states (literal ones): one target
+            x = targets[lo]
             if not seen[x]:
                 seen[x] = True
-                order.append(x)
-        i += 1
+                append(x)
+        else:
+            for x in targets[lo:hi]:
+                if not seen[x]:
+                    seen[x] = True
+                    append(x)
     return np.asarray(order, dtype=np.int64)
 
 

@@ -28,6 +28,8 @@ __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_s
 
 # "no upper bound" for `rem` (an unbounded string); decrementing keeps it
 INF = 1 << 40
+# `StringTables.stay_keys`: room for a value up to INF (rem) under each T state's key
+_KEY_STRIDE = INF << 1
 # verification passes (each drops the states whose successors were dropped by the previous
 # one); past this many, every proposed state is left to the generic walks
 _MAX_PASSES = 64
@@ -126,6 +128,15 @@ class StringTables:
         """`_target_columns` of T's code table with one column per T class (in class order)."""
         _, first = np.unique(self.byte_class, return_index=True)
         return _target_columns(self.code[:, first], self.num_t)
+
+    @functools.cached_property
+    def stay_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every T state's stay values as one sorted array of keys s * `_KEY_STRIDE` + value, the
+        offset of each T state's first key, and whether each T state has exit tokens."""
+        keys = np.concatenate([s * _KEY_STRIDE + v for s, v in enumerate(self.stay_values)]).astype(np.int64)
+        sizes = np.array([len(v) for v in self.stay_values], dtype=np.int64)
+        has_exit = np.array([len(e) > 0 for e in self.exit_ids], dtype=bool)
+        return keys, np.cumsum(sizes) - sizes, has_exit
 
     @property
     def nbytes(self) -> int:
@@ -510,46 +521,40 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     c_idx = (np.cumsum(present) - 1)[cont[states]]
     live = live_suffixes(dfa, conts, st.suffix_columns)
     ts = m.t[states]
-    by_t = np.argsort(ts, kind="stable")  # each T state's states, in increasing order
-    bounds = np.searchsorted(ts[by_t], np.arange(st.num_t + 1))
     words = st.stay_rows[0].shape[1]
     zero = np.zeros(words, dtype=np.uint32)
-    # T states without exit tokens (rows are stay rows) are batched while they follow each other
-    pending: list[tuple[int, np.ndarray, np.ndarray]] = []
-
-    def flush() -> None:
-        if not pending:
-            return
-        s_all = np.concatenate([np.full(len(q), s, dtype=np.int64) for s, q, _ in pending])
-        q_all = np.concatenate([q for _, q, _ in pending])
-        cut_all = np.concatenate([c for _, _, c in pending]).astype(np.int64)
-        # grouped in the order of one T state after the other (big-endian T state first)
-        key = np.hstack([s_all.astype(">i8")[:, None].view(np.uint8), cut_all[:, None].view(np.uint8)])
-        first, inverse = _unique_rows(key)
-        # interned as they are (rows are never written after interning)
-        rows = np.array([intern(st.stay_rows[s][k] if k >= 0 else zero)
-                         for s, k in zip(s_all[first].tolist(), cut_all[first].tolist(), strict=True)], dtype=np.int32)
-        mask_row[q_all] = rows[inverse]
-        pending.clear()
-
-    for s in range(st.num_t):
-        at = by_t[bounds[s] : bounds[s + 1]]
-        if not len(at):
-            continue
-        qs = states[at]
+    # each state's stay row: the longest prefix of its T state's values within rem (-1: none),
+    # found for all states at once in the concatenated (T state, value) keys
+    keys, offsets, has_exit = st.stay_keys
+    at = np.searchsorted(keys, ts * _KEY_STRIDE + np.minimum(m.rem[states], INF), side="right") - 1
+    cut = np.where(at >= offsets[ts], at - offsets[ts], -1)
+    # T states without exit tokens: the row is the stay row, one per distinct (T state, cut),
+    # interned in T state order around those with exit tokens (as one walk over T states would)
+    plain = ~has_exit[ts]
+    exits = np.unique(ts[~plain])
+    seg = np.searchsorted(exits, ts)  # plain states: how many exit T states come before
+    for g in range(len(exits) + 1):
+        sel = np.flatnonzero(plain & (seg == g)) if len(exits) else np.flatnonzero(plain)
+        if len(sel):
+            s_all, cut_all = ts[sel], cut[sel]
+            # grouped in the order of one T state after the other (big-endian T state first)
+            key = np.hstack([s_all.astype(">i8")[:, None].view(np.uint8), cut_all[:, None].view(np.uint8)])
+            first, inverse = _unique_rows(key)
+            rows = np.array([intern(st.stay_rows[x][k] if k >= 0 else zero)
+                             for x, k in zip(s_all[first].tolist(), cut_all[first].tolist(), strict=True)], dtype=np.int32)
+            mask_row[states[sel]] = rows[inverse]
+        if g == len(exits):
+            break
+        x = int(exits[g])
+        sel = np.flatnonzero(ts == x)
+        qs = states[sel]
         rem, need = m.rem[qs], m.need[qs]
-        cut = np.searchsorted(st.stay_values[s], rem, side="right") - 1  # -1: no stay token
-        eids, ek, esuf = st.exit_ids[s], st.exit_chars[s], st.exit_suffix[s]
-        if not len(eids):
-            pending.append((s, qs, cut))
-            continue
-        flush()
-        allowed = (ek[None, :] >= need[:, None]) & (ek[None, :] <= rem[:, None]) & live[c_idx[at][:, None], esuf[None, :]]
-        key = np.hstack([cut.astype(np.int64)[:, None].view(np.uint8), np.packbits(allowed, axis=1)])
+        eids, ek, esuf = st.exit_ids[x], st.exit_chars[x], st.exit_suffix[x]
+        allowed = (ek[None, :] >= need[:, None]) & (ek[None, :] <= rem[:, None]) & live[c_idx[sel][:, None], esuf[None, :]]
+        key = np.hstack([cut[sel].astype(np.int64)[:, None].view(np.uint8), np.packbits(allowed, axis=1)])
         first, inverse = _unique_rows(key)
         # each group's row: its stay row (zero without one) plus its allowed exit tokens
         pair_g, pair_e = np.nonzero(allowed[first])
-        rows = pack_rows(len(first), pair_g, eids[pair_e].astype(np.int64), words, intern, st.stay_rows[s],
-                         cut[first])
+        rows = pack_rows(len(first), pair_g, eids[pair_e].astype(np.int64), words, intern, st.stay_rows[x],
+                         cut[sel][first])
         mask_row[qs] = rows[inverse]
-    flush()
