@@ -299,7 +299,8 @@ def test_prefix_hints_follow_the_config_and_the_backend(wanted: bool, mode: str,
         forks += sgl.gen("x", max_tokens=2)
         forks.join()
 
-    prog.config = prog.config.with_(prefix_hints=mode)
+    # NOTE: hints waited for, so a hint cannot be dropped as still queued when its (instant) program ends
+    prog.config = prog.config.with_(prefix_hints=mode, wait_for_prefix_hints=True)
     states = prog.run_batch([{"word": "a"}, {"word": "b"}], backend=backend)
     assert all(st.error() is None for st in states)
     hints = [c.prompt.text for c in backend.calls_of("cache_prefix")]

@@ -51,7 +51,7 @@ def test_prefix_hints_follow_the_servers_model_info(useful: bool | None, mode: s
             forks += "Name:" + sgl.gen("name", stop="\n")
             forks.join()
 
-        prog.config = prog.config.with_(prefix_hints=mode)
+        prog.config = prog.config.with_(prefix_hints=mode, wait_for_prefix_hints=True)  # no hint dropped as queued
         state = prog.run(backend=backend)
         assert state["name"] == [" Alice", " Alice"]
         requests = srv.requests_to("/generate")
