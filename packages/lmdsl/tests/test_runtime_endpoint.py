@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,14 @@ def backend(server: FakeNativeServer) -> RuntimeEndpoint:
     return RuntimeEndpoint(server.url, api_key="secret")
 
 
+@sgl.function
+def forked_names(s):
+    s += "Intro. "
+    forks = s.fork(2)
+    forks += "Name:" + sgl.gen("name", stop="\n")
+    forks.join()
+
+
 @pytest.mark.parametrize(("useful", "mode", "hints"), [
     (False, "auto", 0), (False, "always", 1), (None, "auto", 1), (None, "never", 0),
 ])
@@ -44,13 +53,7 @@ def test_prefix_hints_follow_the_servers_model_info(useful: bool | None, mode: s
         backend = RuntimeEndpoint(srv.url)
         assert backend.wants_prefix_hints is (useful is not False)
 
-        @sgl.function
-        def prog(s):
-            s += "Intro. "
-            forks = s.fork(2)
-            forks += "Name:" + sgl.gen("name", stop="\n")
-            forks.join()
-
+        prog = copy.copy(forked_names)
         prog.config = prog.config.with_(prefix_hints=mode, wait_for_prefix_hints=True)  # no hint dropped as queued
         state = prog.run(backend=backend)
         assert state["name"] == [" Alice", " Alice"]
@@ -121,14 +124,7 @@ def test_choice_token_trimming_keeps_a_merged_boundary_token() -> None:
 
 
 def test_fork_sends_a_prefix_hint_and_streams_cumulative_text(backend: RuntimeEndpoint, server: FakeNativeServer) -> None:
-    @sgl.function
-    def prog(s):
-        s += "Intro. "
-        forks = s.fork(2)
-        forks += "Name:" + sgl.gen("name", stop="\n")
-        forks.join()
-
-    state = prog.run(backend=backend)
+    state = forked_names.run(backend=backend)
     requests = server.requests_to("/generate")
     # the hint goes out without the fork waiting for it: among the requests, not necessarily first
     assert requests.count({"text": "Intro. ", "sampling_params": {"max_new_tokens": 0}}) == 1
