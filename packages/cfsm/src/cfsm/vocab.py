@@ -195,6 +195,7 @@ class Vocabulary:
         self.string_tables.inner_edges  # noqa: B018
         self.string_tables.byte_class  # noqa: B018
         self.string_tables.target_columns  # noqa: B018
+        self.string_tables.stay_keys  # noqa: B018
         self.fragment_tables  # noqa: B018
         from cfsm.mask_rows import _token_weights
 
