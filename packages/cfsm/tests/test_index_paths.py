@@ -456,3 +456,20 @@ def test_live_suffixes_equal_one_walk_per_pair(suffixes: list[bytes], pattern: s
     live = live_suffixes(dfa, conts, suffix_table(suffixes))
     want = [[dfa.walk(int(c), x) != dfa.dead for x in suffixes] for c in conts]
     assert live.tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.sampled_from([-1, 0, 1, 2, 7, 255, 256, 300, 65535, 65536, 70000])),
+                min_size=1, max_size=60))
+def test_string_row_groups_are_the_byte_row_groups(pairs: list[tuple[int, int]]) -> None:
+    """`templates._by_state_and_cut` groups (T state, cut) pairs in the order and with the first
+    members that `_unique_rows` gives on their byte rows (the order rows are interned in)."""
+    from cfsm.automaton import _unique_rows
+    from cfsm.templates import _by_state_and_cut
+
+    s = np.array([p[0] for p in pairs], dtype=np.int64)
+    c = np.array([p[1] for p in pairs], dtype=np.int64)
+    key = np.hstack([s.astype(">i8")[:, None].view(np.uint8), c[:, None].view(np.uint8)])
+    f1, i1 = _unique_rows(key)
+    f2, i2 = _by_state_and_cut(s, c)
+    assert np.array_equal(f1, f2) and np.array_equal(i1, i2)

@@ -507,6 +507,23 @@ def _target_columns(tcode: np.ndarray, num_t: int) -> tuple[np.ndarray, np.ndarr
     return inner, first_col, col_k, s2_k
 
 
+def _by_state_and_cut(s_all: np.ndarray, cut_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_unique_rows` of the rows (T state as 8 big-endian bytes, cut as 8 native bytes): the
+    groups in that byte order (T state, then cut's bytes from the lowest; -1 last), each group's
+    first state and every state's group.
+
+    # NOTE: for cuts below 2^16 (all practical ones) as one int64 key per state, whose numeric order
+    # is that byte order (a plain sort instead of one of byte strings); otherwise the byte rows
+    """
+    if len(cut_all) and int(cut_all.max()) < 1 << 16 and np.little_endian:
+        c = cut_all.astype(np.int64)
+        low = np.where(c < 0, 1 << 16, ((c & 0xFF) << 8) | (c >> 8))
+        first, inverse = np.unique((s_all.astype(np.int64) << 17) | low, return_index=True, return_inverse=True)[1:]
+        return first, inverse.reshape(-1)
+    key = np.hstack([s_all.astype(">i8")[:, None].view(np.uint8), cut_all.astype(np.int64)[:, None].view(np.uint8)])
+    return _unique_rows(key)
+
+
 def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np.ndarray], int],
                 mask_row: np.ndarray) -> None:
     """Mask rows of the matched states (written into `mask_row`); equal rows interned once."""
@@ -537,9 +554,7 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
         sel = np.flatnonzero(plain & (seg == g)) if len(exits) else np.flatnonzero(plain)
         if len(sel):
             s_all, cut_all = ts[sel], cut[sel]
-            # grouped in the order of one T state after the other (big-endian T state first)
-            key = np.hstack([s_all.astype(">i8")[:, None].view(np.uint8), cut_all[:, None].view(np.uint8)])
-            first, inverse = _unique_rows(key)
+            first, inverse = _by_state_and_cut(s_all, cut_all)
             rows = np.array([intern(st.stay_rows[x][k] if k >= 0 else zero)
                              for x, k in zip(s_all[first].tolist(), cut_all[first].tolist(), strict=True)], dtype=np.int32)
             mask_row[states[sel]] = rows[inverse]
