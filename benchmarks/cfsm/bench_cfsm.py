@@ -6,8 +6,11 @@ fill), per-token mask fill time (mean, p50, p99) and accept time while replaying
 tokenizer's own tokenization of a valid target text (fastest of `--repeat` replays per token), the share of those tokens cfsm's
 jump-forward writes, and memory (cfsm: exact Index bytes; all: RSS growth of the compile).
 `vocab_prep_cpu_ms` is each engine's one-time, grammar-independent preparation for the
-vocabulary, outside the compile timings (cfsm: `Vocabulary.prepare()`, its trie tables, the JSON
-string walks, the walks of the email/uri format automata and the format syntax trees; xgrammar:
+vocabulary, outside the compile timings (cfsm: `Vocabulary.prepare()`: per vocabulary its trie
+tables, the JSON string walks and the walks of the email/uri format automata; per process the
+format syntax trees and the DFA blocks of the value pieces every schema shares (string body,
+boolean, number, integer, each format; the email/uri blocks with their state maps onto those
+format automata); nothing that depends on a grammar is kept between compiles; xgrammar:
 TokenizerInfo and GrammarCompiler; llguidance: its token trie; outlines-core: its Vocabulary).
 Every engine is timed the same way: its `compile` call (for cfsm the whole Index, masks
 included) as CPU and wall time, median of `--repeat` compiles after one warm-up grammar.
