@@ -481,3 +481,18 @@ def test_loop_free_literal_pieces_are_literal_states(lo: int, span: int, words: 
     built = build_dfa_direct(node, force=True)
     assert built is not None and _same(built, build_dfa(node))
     _check_structural_classes(node)
+
+
+def test_schemas_of_prepared_pieces_take_the_direct_path() -> None:
+    """Blocks prepared once per process cost a compile nothing: a schema made of them (and of
+    literal states) takes the direct construction even where no block repeats."""
+    import cfsm.direct as direct
+
+    direct.prepare_blocks()
+    schema = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "boolean"},
+                                               "c": {"type": "string", "format": "email"},
+                                               "d": {"enum": ["x", "y"]}, "e": {"type": "integer", "maximum": 9}},
+              "required": ["a", "b", "c", "d", "e"], "additionalProperties": False}
+    node = schema_to_node(schema, CfsmConfig())
+    built = build_dfa_direct(node)
+    assert built is not None and _same(built, build_dfa(node))

@@ -210,6 +210,8 @@ def _fragment_map(node: Piece, t: np.ndarray, acc: np.ndarray, col_of: np.ndarra
             elif fm[q2] != s2:
                 return None
     return fmt, np.asarray(fm, dtype=np.int64)
+
+
 # a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
 _DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
 _COUNTED_MAX_STATES = 50_000
@@ -436,6 +438,7 @@ class _Builder:
         self._consed: dict[tuple[tuple[int, int, int], ...], int] = {}  # `_literal_state`'s states by ranges
         # loop-free literal trees (`_dag_size`) by structure key: how many copies (`count_blocks`)
         self.dag_counts: dict[int, int] = {}
+        self.prepared_keys: set[int] = set()  # structure keys of prepared blocks (`count_blocks`)
         self._dag_memo: dict[int, int] = {}  # `_dag_size` by node id
         self._prep_memo: dict[int, bool] = {}  # `_holds_prepared` by node id
 
@@ -506,8 +509,8 @@ class _Builder:
             return hit[0]
         if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
             # NOTE: a structure copied several times is one block built once (cheaper than one
-            # subset construction per copy)
-            if self.dag_counts.get(self.key(node), 0) <= 1:
+            # subset construction per copy); before a block (whose row is placed later) too
+            if self.dag_counts.get(self.key(node), 0) <= 1 and self._entries(cont) is not None:
                 return self._literal_states(node, cont)
             return self.block(node, cont)
         if isinstance(node, Alt | Repeat) and (_holds_prepared(node, self._prep_memo) or _fixed_count(node)):
@@ -579,8 +582,7 @@ class _Builder:
                 if not entries:
                     memo[group] = cont
                     return cont
-                if cont_entries is None:
-                    raise _Fallback("a piece that may end before a block")
+                assert cont_entries is not None, "a literal piece before a block state (`build` checks)"
                 entries += [(self.lit_lo[i], self.lit_hi[i], self.lit_dst[i]) for i in cont_entries]
             state = memo[group] = self._literal_state(entries)
             return state
@@ -697,16 +699,16 @@ class _Builder:
               and (_holds_prepared(node, self._prep_memo) or _fixed_count(node))):
             for _ in range(node.hi):
                 self.count_blocks(node.item, counts, seen)
-        elif type(node) is Piece:
-            k = self.key(node)
-            counts[k] = counts.get(k, 0) + 1
-        elif isinstance(node, Scope | Shared):
+        elif isinstance(node, Scope | Shared) and type(node) is not Piece:
             if id(node) not in seen:  # a Shared node is built once per Scope: counted once
                 seen.add(id(node))
                 self.count_blocks(node.item, counts, seen)
         else:
             k = self.key(node)
             counts[k] = counts.get(k, 0) + 1
+            ready = _PREPARED.get(id(node))
+            if ready is not None and ready[0] is node:
+                self.prepared_keys.add(k)
 
     def block(self, node: Node, cont: int) -> int:
         key = self.key(node)
@@ -1139,9 +1141,10 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     try:
         counts: dict[int, int] = {}
         b.count_blocks(node, counts, set())
-        # NOTE: each distinct block pays a subset construction's fixed cost; the generic
-        # construction pays it once for the whole tree: worth it only where blocks repeat
-        if not force and 2 * len(counts) > sum(counts.values()):
+        # NOTE: each distinct block built per compile pays a subset construction's fixed cost; the
+        # generic construction pays it once for the whole tree: worth it only where blocks repeat
+        # or are prepared (standard pieces, `prepare_blocks`)
+        if not force and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
             return None
         final = b.final()
         start = b.build(node, final)
