@@ -30,11 +30,13 @@ from bench_layer import SHAPES, gpu_layer, time_graph  # noqa: E402
 from lowlat import KVCache, LayerShape  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
 from lowlat.kernels.tuning import shape_key  # noqa: E402
-from lowlat.reference import apply_rope, rms_norm  # noqa: E402
+from lowlat.reference import apply_rope, decode_attention, rms_norm  # noqa: E402
 from lowlat.testing import decode_meta  # noqa: E402
 
 DOT_BLOCKS = [(16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256), (8, 512)]
 ROWS_BLOCKS = [(4, 1024), (8, 512), (16, 256), (16, 512), (32, 256), (8, 1024)]
+# attention: (block_n, splits); splits 0 = the plugin's heuristic (ops.num_splits), 1 = no merge launch
+ATTN_CHOICES = [(bn, sp) for bn in (32, 64, 128) for sp in (0, 1, 2, 4, 8)]
 QKV_ROWS_BLOCKS = [(4, 1024), (8, 512), (8, 1024), (16, 512)]
 WARPS_STAGES = [(4, 3), (4, 4), (8, 3)]
 
@@ -85,7 +87,7 @@ def main() -> None:
     print(f"device={gpu_name} sms={base.num_sms} pdl={base.use_pdl}", flush=True)
     c = args.context
     results: list[dict[str, Any]] = []
-    best: dict[tuple[str, int], tuple[float, ops.GemvConfig | None]] = {}
+    best: dict[tuple[str, int], tuple[float, Any]] = {}  # GemvConfig, or (block_n, splits) for attention
     def bench_batch(b: int) -> None:
         slots = b * c + 64
         kvs = [KVCache(torch.randn(slots, shape.num_kv_heads, shape.head_dim, device=dev, dtype=bf16),
@@ -97,25 +99,28 @@ def main() -> None:
         attn_in = torch.randn(b, shape.q_size, device=dev, dtype=bf16)
         act_in = torch.randn(b, shape.intermediate_size, device=dev, dtype=bf16) * 0.5
         q = torch.empty(b, shape.q_size, device=dev, dtype=bf16)
+        attn_out = torch.empty(b, shape.q_size, device=dev, dtype=bf16)
         out_h = torch.empty(b, shape.hidden_size, device=dev, dtype=bf16)
         act = torch.empty(b, shape.intermediate_size, device=dev, dtype=bf16)
         qkv_out = torch.empty(b, shape.qkv_size, device=dev, dtype=bf16)
         gu_out = torch.empty(b, 2 * shape.intermediate_size, device=dev, dtype=bf16)
-        splits = ops.num_splits(b, shape, c, base, 16)
-        part_o = torch.empty(b, shape.num_heads, splits, shape.head_dim, device=dev, dtype=torch.float32)
-        part_lse = torch.empty(b, shape.num_heads, splits, device=dev, dtype=torch.float32)
+        max_splits = 16
+        part_o = torch.empty(b, shape.num_heads, max_splits, shape.head_dim, device=dev, dtype=torch.float32)
+        part_lse = torch.empty(b, shape.num_heads, max_splits, device=dev, dtype=torch.float32)
         wb = {"qkv": weights[0].qkv.numel() * 2, "o_proj": weights[0].o_proj.numel() * 2,
               "gate_up": weights[0].gate_up.numel() * 2, "down": weights[0].down.numel() * 2,
               "attention": b * c * shape.num_kv_heads * shape.head_dim * 2 * 2}
 
-        def run_stage(stage: str, lc: ops.LaunchConfig, i: int) -> torch.Tensor:
+        def run_stage(stage: str, lc: ops.LaunchConfig, i: int, splits: int = 0) -> torch.Tensor:
             w = weights[i]
             if stage == "qkv":
                 ops.qkv_rope(x, w, kvs[i], meta, q, shape, lc)
                 return q
             if stage == "attention":
-                ops.attention(attn_in, kvs[i], meta, part_o, part_lse, out_h, shape, lc, splits)
-                return out_h
+                if splits == 0:
+                    splits = ops.num_splits(b, shape, c, lc, max_splits)
+                ops.attention(attn_in, kvs[i], meta, part_o, part_lse, attn_out, shape, lc, splits)
+                return attn_out
             if stage == "o_proj":
                 ops.gemv_residual(attn_in, w.o_proj, x, out_h, lc, stage="o_proj")
                 return out_h
@@ -138,7 +143,10 @@ def main() -> None:
             if stage == "qkv":  # q only (the K/V cache writes: the kernel tests and bench_layer)
                 rq = (rms_norm(x.float(), w.input_norm.float(), shape.rms_eps) @ w.qkv.float().T)[:, :shape.q_size]
                 return apply_rope(rq.view(b, shape.num_heads, -1), meta.positions, w.rope_inv_freq).reshape(b, -1)
-            return None  # attention: checked by the plugin's layer tests and bench_layer
+            if stage == "attention":
+                return decode_attention(attn_in.float().view(b, shape.num_heads, -1), KVCache(kvs[0].k.float(), kvs[0].v.float()),
+                                        meta, shape.head_dim**-0.5).reshape(b, -1)
+            return None
 
         def cublas(stage: str, i: int) -> None:
             w = weights[i]
@@ -153,22 +161,23 @@ def main() -> None:
             if stage != "attention":
                 us = timed(lambda i, stage=stage: cublas(stage, i))
                 results.append(dict(batch=b, stage=stage, variant="cublas", us=us, gbs=wb[stage] / us / 1e3))
-            todo = [None] if stage == "attention" else cands(stage)
+            todo = ATTN_CHOICES if stage == "attention" else cands(stage)
             ref = reference(stage)
             for cfg in todo:
                 if time.time() - t0 > args.budget_s:
                     print(f"budget reached: {stage} b={b} stopped", flush=True)
                     break
-                lc = base if cfg is None else replace(base, tuned=((stage, 1 << 30, cfg),))
+                sp = cfg[1] if stage == "attention" else 0
+                lc = replace(base, attn_block_n=cfg[0]) if stage == "attention" else replace(base, tuned=((stage, 1 << 30, cfg),))
                 try:
-                    got = run_stage(stage, lc, 0)
+                    got = run_stage(stage, lc, 0, sp)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     err = float((got.float() - ref).norm() / ref.norm()) if ref is not None else 0.0
                     if not err < 2e-2:
                         print(f"WRONG {stage} b={b} {cfg}: rel err {err:.2e}", flush=True)
                         continue
-                    us = timed(lambda i, stage=stage, lc=lc: run_stage(stage, lc, i))
+                    us = timed(lambda i, stage=stage, lc=lc, sp=sp: run_stage(stage, lc, i, sp))
                 except Exception as exc:  # noqa: BLE001 - a config out of resources is skipped
                     print(f"skip {stage} b={b} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     continue
@@ -187,7 +196,7 @@ def main() -> None:
         cb = next((r["us"] for r in results if r["batch"] == b and r["stage"] == stage and r["variant"] == "cublas"), float("nan"))
         gbs = next(r["gbs"] for r in results if r["batch"] == b and r["stage"] == stage and r["us"] == us)
         print(f"{b:3d} {stage:>9s} {us:8.2f} {gbs:6.0f} {cb:9.2f} {cb / us:6.2f}  {cfg}")
-        if cfg is not None:
+        if stage != "attention":
             tables.append((stage, b, cfg))
     for b in sorted({b for _, b in best}):
         tot = sum(us for (s, bb), (us, _) in best.items() if bb == b)
@@ -198,6 +207,9 @@ def main() -> None:
     for stage, b, cfg in tables:
         print(f"        ({stage!r}, {b}, GemvConfig({cfg.variant!r}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})),")
     print("    ),")
+    for (stage, b), (us, cfg) in sorted(best.items()):
+        if stage == "attention":
+            print(f"attention b={b}: attn_block_n {cfg[0]}, splits {cfg[1] or 'heuristic'} ({us:.2f} us)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "best": [dict(stage=s, batch=b, **asdict(cfg)) for s, b, cfg in tables]}, f, indent=1)

@@ -66,6 +66,7 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
     for name, fn in [
         ("nvidia", lambda: nvidia.build(ctx(pdl="auto"))),
         ("nvidia-nopdl", lambda: nvidia.build(ctx(pdl="off"))),
+        ("nvidia-1split", lambda: nvidia.build(ctx(pdl="auto", max_attn_splits=1))),  # attention in one launch
         ("nvidia-pdl-early", lambda: _early(nvidia.build(ctx(pdl="auto")))),
         ("amd-persistent", lambda: amd.build(ctx(amd_mode="persistent"))),
         ("amd-staged", lambda: amd.build(ctx(amd_mode="staged"))),

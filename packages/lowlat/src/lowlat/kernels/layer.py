@@ -7,7 +7,7 @@ launch, so weight traffic overlaps the previous kernel's tail, and lets its own 
 start after its main loop (``PDL_EARLY``: right after the wait instead; measured slower).
 
 Stages: (1) RMSNorm + QKV GEMV + RoPE + paged KV write; (2) split-KV decode attention with the
-GQA group packed in one tile; (3) split merge; (4) GEMV + residual (o_proj, down);
+GQA group packed in one tile; (3) split merge (none with one split); (4) GEMV + residual (o_proj, down);
 (5) RMSNorm + gate-up GEMV + SiLU(gate) * up.
 ``DOT_F32`` runs every dot in float32 at full precision (`input_precision="ieee"`, not TF32: float32 layers
 match the float32 reference on a GPU as on the interpreter; the interpreter's bf16 dot is not reliable).
@@ -140,13 +140,14 @@ def _rope_store(
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile.
+    # One split: the output goes straight to out_ptr (B, NQ * D), no partials and no merge launch.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,10 +194,13 @@ def decode_attention_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    base = (b * NQ + heads) * NUM_SPLITS + split
-    tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(part_lse_ptr + base, lse, mask=g_mask)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        base = (b * NQ + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
 
 
 @triton.jit

@@ -133,17 +133,20 @@ def attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
     out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
 ) -> None:
-    """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials."""
+    """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials and a
+    merge launch, or with ``splits == 1`` in one launch."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
     K.decode_attention_kernel[(b, shape.num_kv_heads, splits)](
         q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-        part_o, part_lse,
+        part_o, part_lse, out,
         meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1), shape.head_dim**-0.5,
         NQ=shape.num_heads, G=group, D=shape.head_dim,
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block_n,
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
     )
+    if splits == 1:
+        return  # the attention kernel wrote `out` itself
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
