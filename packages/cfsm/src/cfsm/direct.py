@@ -690,7 +690,9 @@ class _Builder:
             return
         if isinstance(node, Cat):
             for item in node.items:
-                self.count_blocks(item, counts, seen)
+                # NOTE: literal characters (most items: keys) skipped here, not in a call each
+                if type(item) is not Chars or len(item.ranges) != 1 or item.ranges[0][1] >= 0x80:
+                    self.count_blocks(item, counts, seen)
         elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and _holds_prepared(
                 node, self._prep_memo):
             for item in node.items:  # NOTE: as `_choice` builds it, if the bytes turn out disjoint

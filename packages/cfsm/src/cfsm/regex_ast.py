@@ -166,4 +166,7 @@ def lit(text: str) -> Node:
     """The literal string `text`."""
     if not text:
         return EMPTY
-    return _lit_char(text) if len(text) == 1 else Cat([_lit_char(c) for c in text])
+    if len(text) == 1:
+        return _lit_char(text)
+    get = _LIT_CHARS.get
+    return Cat([get(c) or _lit_char(c) for c in text])
