@@ -3,7 +3,7 @@
 Each stage of a Llama-style layer (`--shape`: Llama-3-8B or SmolLM2; qkv = norm + QKV + RoPE + KV write, attention at
 context 512, o_proj + residual, norm + gate-up + SiLU, down + residual) runs as 32 PDL-chained
 launches over 32 layers' distinct weights in one CUDA graph (so no weight comes from L2), for
-every candidate kernel configuration (``dot`` and ``rows``), next to cuBLAS
+every candidate kernel configuration (``dot``, ``rows`` and above batch 1 ``rows3``), next to cuBLAS
 (``torch.mm``) on the same matrices. Every candidate is checked against a float32 torch reference
 first. Prints microseconds per launch, GB/s, the best candidate per stage and batch, the sum of
 the stages against the bandwidth floor, and the ``lowlat.kernels.tuning.TABLES`` entry to paste.
@@ -41,7 +41,7 @@ QKV_ROWS_BLOCKS = [(4, 1024), (8, 512), (8, 1024), (16, 512)]
 WARPS_STAGES = [(4, 3), (4, 4), (8, 3)]
 
 
-def candidates(stage: str) -> list[ops.GemvConfig]:
+def candidates(stage: str, batch: int = 1) -> list[ops.GemvConfig]:
     out = []
     blocks = [(p, k) for p in (8, 16, 32) for k in (128, 256, 512)] if stage == "qkv" else DOT_BLOCKS
     for (bn, bk), (nw, ns) in itertools.product(blocks, WARPS_STAGES):
@@ -49,6 +49,10 @@ def candidates(stage: str) -> list[ops.GemvConfig]:
     rows = QKV_ROWS_BLOCKS if stage == "qkv" else ROWS_BLOCKS  # qkv: block_n = rotary pairs per tile
     for (bn, bk), (nw, ns) in itertools.product(rows, [(4, 2), (4, 3), (8, 2)]):
         out.append(ops.GemvConfig("rows", bn, bk, nw, ns))
+    if batch > 1:  # rows3: every batch row at once, (batch, block_n, block_k) products in registers
+        rows3 = [(4, 256), (8, 128), (4, 512)] if stage == "qkv" else [(4, 256), (8, 256), (16, 128), (8, 512)]
+        for (bn, bk), (nw, ns) in itertools.product(rows3, [(4, 2), (8, 2)]):
+            out.append(ops.GemvConfig("rows3", bn, bk, nw, ns))
     return out
 
 
@@ -77,9 +81,9 @@ def main() -> None:
             fn()
             return (time.perf_counter() - t) * 1e6
 
-        def cands(stage: str) -> list[ops.GemvConfig]:
-            every = candidates(stage)
-            return every[:1] + [c for c in every if c.variant == "rows"][:1]
+        def cands(stage: str, batch: int = 1) -> list[ops.GemvConfig]:
+            every = candidates(stage, batch)
+            return every[:1] + [next(c for c in every if c.variant == v) for v in ("rows", "rows3") if any(c.variant == v for c in every)]
     torch.manual_seed(0)
     weights = [gpu_layer(shape, bf16, dev) for _ in range(args.layers)]
     base = replace(ops.LaunchConfig.for_device(dev, shape, use_pdl=True), tuned=())
@@ -161,7 +165,7 @@ def main() -> None:
             if stage != "attention":
                 us = timed(lambda i, stage=stage: cublas(stage, i))
                 results.append(dict(batch=b, stage=stage, variant="cublas", us=us, gbs=wb[stage] / us / 1e3))
-            todo = ATTN_CHOICES if stage == "attention" else cands(stage)
+            todo = ATTN_CHOICES if stage == "attention" else cands(stage, b)
             ref = reference(stage)
             for cfg in todo:
                 if time.time() - t0 > args.budget_s:

@@ -45,7 +45,7 @@ def _lc(shape: LayerShape) -> ops.LaunchConfig:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["dot", "rows"])
+@pytest.mark.parametrize("variant", ["dot", "rows", "rows3"])
 def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, variant: str) -> None:
     g = torch.Generator().manual_seed(11)
     w = random_layer(shape, dtype, DEVICE, generator=g)
@@ -55,8 +55,8 @@ def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, vari
     x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
     q = torch.full((3, shape.q_size), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
     lc = _lc(shape)
-    if variant == "rows":  # 2 rotary pairs per tile, K in blocks of 64 (hidden 96: the last block is partial)
-        lc = replace(lc, tuned=(("qkv", 8, ops.GemvConfig("rows", block_n=2, block_k=64)),))
+    if variant != "dot":  # 2 rotary pairs per tile, K in blocks of 64 (hidden 96: the last block is partial)
+        lc = replace(lc, tuned=(("qkv", 8, ops.GemvConfig(variant, block_n=2, block_k=64)),))
     ops.qkv_rope(x, w, kv, meta, q, shape, lc)
     h = rms_norm(x.float(), w.input_norm.float(), shape.rms_eps)
     qkv = h @ w.qkv.float().T
@@ -101,16 +101,17 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
     out = torch.full_like(res, float("nan"))
     ops.gemv_residual(a, w, res, out, lc)
     assert _rel(out, res.float() + a.float() @ w.float().T) < TOL[dtype]
-    out_rows = torch.full_like(res, float("nan"))
-    rows = ops.GemvConfig("rows", block_n=16, block_k=32)  # 72 columns: the last block of 16 is partial
-    ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, rows),)), stage="down")
-    assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype]
+    for variant in ("rows", "rows3"):
+        out_rows = torch.full_like(res, float("nan"))
+        rows = ops.GemvConfig(variant, block_n=16, block_k=32)  # 72 columns: the last block of 16 is partial
+        ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, rows),)), stage="down")
+        assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype], variant
     x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
     nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
     wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)
     gate, up = (rms_norm(x.float(), nw.float(), 1e-5) @ wgu.float().T).split(40, -1)
-    rows_gu = replace(lc, tuned=(("gate_up", 8, ops.GemvConfig("rows", block_n=16, block_k=32)),))
-    for variant_lc in (lc, rows_gu):  # rows: 40 columns, the last block of 16 is partial
+    rows_gu = [replace(lc, tuned=(("gate_up", 8, ops.GemvConfig(v, block_n=16, block_k=32)),)) for v in ("rows", "rows3")]
+    for variant_lc in (lc, *rows_gu):  # rows: 40 columns, the last block of 16 is partial
         act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
         ops.norm_gate_up(x, nw, wgu, act, 1e-5, variant_lc)
         assert _rel(act, F.silu(gate) * up) < TOL[dtype]

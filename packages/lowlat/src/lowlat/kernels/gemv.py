@@ -4,7 +4,9 @@
 ``lowlat.kernels.layer`` pad the batch to 16 rows and stage each weight tile through shared
 memory for the MMA; here a weight tile goes from global memory to registers and is reduced
 against each activation row in turn (``BLOCK_M`` = the batch padded to a power of two, unrolled),
-so at batch 1 the kernel is one load, one multiply and one row sum per weight element. Which of
+so at batch 1 the kernel is one load, one multiply and one row sum per weight element; ``ROWS3`` (variant
+``rows3``) reduces all activation rows at once as a 3-D product instead, linear rather than quadratic in the
+rows, for small batches above 1. Which of
 the two is faster per shape and batch is measured (``benchmarks/lowlat/bench_gemv.py``) and
 recorded in ``lowlat.kernels.tuning``. The qkv (RMSNorm + QKV + RoPE + KV write) and gate-up
 (RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight is folded into the
@@ -25,7 +27,7 @@ def gemv_rows_residual_kernel(
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -38,11 +40,12 @@ def gemv_rows_residual_kernel(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M)
+    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M,
+                    ROWS3)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
         wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
+        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M, ROWS3)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     mask = (offs_m[:, None] < B) & n_mask[None, :]
@@ -51,9 +54,14 @@ def gemv_rows_residual_kernel(
 
 
 @triton.jit
-def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled)."""
+def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS3: tl.constexpr):
+    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B: rows unrolled, or with ``ROWS3``
+    all rows at once as one (BLOCK_M, BLOCK_N, BLOCK_K) product reduced over k (linear in the rows)."""
     offs_m = tl.arange(0, BLOCK_M)
+    if ROWS3:
+        xs = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & k_mask[None, :],
+                     other=0.0).to(tl.float32)
+        return acc + tl.sum(wf[None, :, :] * xs[:, None, :], 2)
     for m in tl.static_range(BLOCK_M):
         xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
         acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
@@ -61,9 +69,14 @@ def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
-def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
+def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr,
+               ROWS3: tl.constexpr):
     """`_add_rows` for two weight tiles against the same activations (each activation row loaded once)."""
     offs_m = tl.arange(0, BLOCK_M)
+    if ROWS3:
+        xs = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & k_mask[None, :],
+                     other=0.0).to(tl.float32)
+        return acc1 + tl.sum(w1[None, :, :] * xs[:, None, :], 2), acc2 + tl.sum(w2[None, :, :] * xs[:, None, :], 2)
     for m in tl.static_range(BLOCK_M):
         xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
         acc1 = tl.where(offs_m[:, None] == m, acc1 + tl.sum(w1 * xm[None, :], 1)[None, :], acc1)
@@ -79,7 +92,7 @@ def qkv_rope_rows_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
 ):
     # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head), row-wise: weights (BLOCK_P, BLOCK_K)
     HALF: tl.constexpr = D // 2
@@ -101,14 +114,14 @@ def qkv_rope_rows_kernel(
         gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
         zero = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
         acc1, acc2 = _add_rows2(zero, zero, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, 0, offs_k, km,
-                                B, H, BLOCK_M)
+                                B, H, BLOCK_M, ROWS3)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             km = (k0 + offs_k) < H
             w1 = tl.load(w_ptr + r1[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
             w2 = tl.load(w_ptr + r2[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
             gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
             acc1, acc2 = _add_rows2(acc1, acc2, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, k0, offs_k,
-                                    km, B, H, BLOCK_M)
+                                    km, B, H, BLOCK_M, ROWS3)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr,
@@ -122,7 +135,7 @@ def norm_gate_up_rows_kernel(
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
     offs_m = tl.arange(0, BLOCK_M)
@@ -140,14 +153,16 @@ def norm_gate_up_rows_kernel(
     rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
     gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
     zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    g, u = _add_rows2(zero, zero, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, 0, offs_k, km, B, H, BLOCK_M)
+    g, u = _add_rows2(zero, zero, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, 0, offs_k, km, B, H, BLOCK_M,
+                      ROWS3)
     for k0 in range(BLOCK_K, H, BLOCK_K):
         km = (k0 + offs_k) < H
         wm = n_mask[:, None] & km[None, :]
         wg = tl.load(w_ptr + offs_n[:, None] * H + k0 + offs_k[None, :], mask=wm, other=0.0)
         wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + offs_k[None, :], mask=wm, other=0.0)
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
-        g, u = _add_rows2(g, u, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
+        g, u = _add_rows2(g, u, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, k0, offs_k, km, B, H,
+                          BLOCK_M, ROWS3)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     g = g * rstd[:, None]

@@ -20,7 +20,8 @@ GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
 @dataclass(frozen=True)
 class GemvConfig:
     """One GEMV stage's kernel and blocks. ``variant``: ``dot`` (tensor-core ``tl.dot``, batch padded to
-    16 rows) or ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``). For ``qkv``, ``block_n`` is the
+    16 rows), ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``, rows unrolled) or ``rows3`` (the same
+    kernels reducing every batch row at once). For ``qkv``, ``block_n`` is the
     number of rotary pairs per tile (it must divide head_dim / 2)."""
 
     variant: str = "dot"
@@ -123,8 +124,8 @@ def qkv_rope(
                   D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
                   USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
     args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
-    if cfg.variant == "rows":
-        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
+    if cfg.variant in ("rows", "rows3"):
+        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3", **common)
         return
     K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
 
@@ -160,10 +161,10 @@ def gemv_residual(
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
-    if cfg.variant == "rows":
+    if cfg.variant in ("rows", "rows3"):
         GV.gemv_rows_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
             a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, ROWS3=cfg.variant == "rows3", **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -181,8 +182,9 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     grid = (triton.cdiv(inter, cfg.block_n),)
     common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
                   PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
-    if cfg.variant == "rows":
-        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
+    if cfg.variant in ("rows", "rows3"):
+        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3",
+                                          **common)
         return
     K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=block_m(b, dev),
                                 DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
