@@ -208,7 +208,7 @@ def main() -> None:
         with open(args.tuning) as f:
             entries = sorted(json.load(f)["best"], key=lambda e: e["batch"])
         tuned = tuple((e["stage"], e["batch"], GemvConfig(e["variant"], e["block_n"], e["block_k"], e["num_warps"],
-                                                           e["num_stages"])) for e in entries)
+                                                           e["num_stages"], e.get("programs", 0))) for e in entries)
         setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max(contexts))
         bl = nvidia.build(BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16,
                                        Coverage(max_tokens=max(batches)), LowlatConfig(pdl="auto"), setup, max(contexts)))

@@ -45,8 +45,8 @@ def _lc(shape: LayerShape) -> ops.LaunchConfig:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["dot", "rows", "rows3"])
-def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, variant: str) -> None:
+@pytest.mark.parametrize(("variant", "programs"), [("dot", 0), ("rows", 0), ("rows3", 0), ("dot", 3), ("rows", 3)])
+def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, variant: str, programs: int) -> None:
     g = torch.Generator().manual_seed(11)
     w = random_layer(shape, dtype, DEVICE, generator=g)
     meta = decode_meta([5, 1, 9], 40, 12, DEVICE, generator=g)
@@ -55,8 +55,8 @@ def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, vari
     x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
     q = torch.full((3, shape.q_size), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
     lc = _lc(shape)
-    if variant != "dot":  # 2 rotary pairs per tile, K in blocks of 64 (hidden 96: the last block is partial)
-        lc = replace(lc, tuned=(("qkv", 8, ops.GemvConfig(variant, block_n=2, block_k=64)),))
+    if variant != "dot" or programs:  # 2 rotary pairs per tile, K in blocks of 64 (hidden 96: a partial last block)
+        lc = replace(lc, tuned=(("qkv", 8, ops.GemvConfig(variant, block_n=2, block_k=64, programs=programs)),))
     ops.qkv_rope(x, w, kv, meta, q, shape, lc)
     h = rms_norm(x.float(), w.input_norm.float(), shape.rms_eps)
     qkv = h @ w.qkv.float().T
@@ -89,6 +89,10 @@ def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, spl
     assert _rel(out, ref) < TOL[dtype]
 
 
+# (variant, programs) of the GEMV stages beyond the defaults; programs > 0: fewer programs than tiles, looping
+VARIANT_PROGRAMS = [("rows", 0), ("rows3", 0), ("dot", 2), ("rows", 2), ("rows3", 2)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
@@ -101,17 +105,18 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
     out = torch.full_like(res, float("nan"))
     ops.gemv_residual(a, w, res, out, lc)
     assert _rel(out, res.float() + a.float() @ w.float().T) < TOL[dtype]
-    for variant in ("rows", "rows3"):
+    # 72 columns: the last block of 16 is partial; programs=2: two programs loop over the 5 tiles
+    variants = [ops.GemvConfig(v, block_n=16, block_k=32, programs=p) for v, p in VARIANT_PROGRAMS]
+    for cfg in variants:
         out_rows = torch.full_like(res, float("nan"))
-        rows = ops.GemvConfig(variant, block_n=16, block_k=32)  # 72 columns: the last block of 16 is partial
-        ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, rows),)), stage="down")
-        assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype], variant
+        ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, cfg),)), stage="down")
+        assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype], cfg
     x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
     nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
     wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)
     gate, up = (rms_norm(x.float(), nw.float(), 1e-5) @ wgu.float().T).split(40, -1)
-    rows_gu = [replace(lc, tuned=(("gate_up", 8, ops.GemvConfig(v, block_n=16, block_k=32)),)) for v in ("rows", "rows3")]
-    for variant_lc in (lc, *rows_gu):  # rows: 40 columns, the last block of 16 is partial
+    rows_gu = [replace(lc, tuned=(("gate_up", 8, cfg),)) for cfg in variants]
+    for variant_lc in (lc, *rows_gu):  # 40 columns: the last block of 16 is partial
         act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
         ops.norm_gate_up(x, nw, wgu, act, 1e-5, variant_lc)
         assert _rel(act, F.silu(gate) * up) < TOL[dtype]

@@ -28,8 +28,26 @@ def gemv_rows_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+    else:
+        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+
+
+@triton.jit
+def _gemv_rows_residual_tile(
+    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    B,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -136,10 +154,29 @@ def norm_gate_up_rows_kernel(
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
+            _norm_gate_up_rows_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+    else:
+        _norm_gate_up_rows_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER,
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+
+
+@triton.jit
+def _norm_gate_up_rows_tile(
+    pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    B, eps,
+    H: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     km = offs_k < H

@@ -237,9 +237,27 @@ def gemv_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
     # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual)
-    pid = tl.program_id(0)
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            _gemv_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                DOT_F32, USE_PDL, PDL_EARLY)
+    else:
+        _gemv_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
+                            BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
+
+
+@triton.jit
+def _gemv_residual_tile(
+    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    B,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -278,9 +296,27 @@ def norm_gate_up_kernel(
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
-    pid = tl.program_id(0)
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
+            _norm_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M, BLOCK_N,
+                               BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
+    else:
+        _norm_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
+
+
+@triton.jit
+def _norm_gate_up_tile(
+    pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    B, eps,
+    H: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)

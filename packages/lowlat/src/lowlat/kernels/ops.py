@@ -29,6 +29,16 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    # 0: one program per output tile; N > 0: at most N programs, each looping over tiles (a grid that
+    # fits the GPU at once, so the next launch's programs can be resident early under PDL)
+    programs: int = 0
+
+
+def _grid(tiles: int, cfg: GemvConfig) -> tuple[tuple[int], bool]:
+    """The launch grid for ``tiles`` output tiles under ``cfg``, and whether programs loop over tiles."""
+    if 0 < cfg.programs < tiles:
+        return (cfg.programs,), True
+    return (tiles,), False
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,8 @@ def qkv_rope(
     cfg = lc.gemv_config("qkv", b)
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
     tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
-    grid = (min(tiles, grid_programs) if grid_programs else tiles,)
+    programs = grid_programs or cfg.programs
+    grid = (min(tiles, programs) if programs else tiles,)
     common = dict(B=b, eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
                   stride_vh=kv.v.stride(1), H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
                   D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
@@ -161,14 +172,15 @@ def gemv_residual(
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
+    grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg)
     if cfg.variant in ("rows", "rows3"):
-        GV.gemv_rows_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
-            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n,
+        GV.gemv_rows_residual_kernel[grid](
+            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, ROWS3=cfg.variant == "rows3", **_kw(dev, lc, cfg=cfg),
         )
         return
-    K.gemv_residual_kernel[(triton.cdiv(n, cfg.block_n),)](
-        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n,
+    K.gemv_residual_kernel[grid](
+        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
         BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
     )
@@ -179,8 +191,8 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
-    grid = (triton.cdiv(inter, cfg.block_n),)
-    common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
+    grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg)
+    common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
                   PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
     if cfg.variant in ("rows", "rows3"):
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3",
