@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cfsm.automaton import _accept_distance, _byte_classes, _minimize, _runs, _unique_rows
+from cfsm.automaton import _accept_distance, _byte_classes, _minimize, _runs, _unique_rows, seeded_weights
 from cfsm.gcpause import without_gc
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -159,3 +159,14 @@ def test_without_gc_pauses_and_restores_the_collector() -> None:
     with pytest.raises(ValueError):
         outer(True)
     assert seen == [False, False, False, False] and gc.isenabled()
+
+
+@_SETTINGS
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=6), st.sampled_from([0xB17E, 0x100C, 7]))
+def test_seeded_weights_equal_a_fresh_draw(sizes: list[int], seed: int) -> None:
+    """The per-process weights (grown on demand, sliced) are exactly a fresh draw of that size."""
+    for n in sizes:
+        w = seeded_weights(seed, n)
+        assert not w.flags.writeable
+        fresh = np.random.default_rng(seed).integers(1, 2**63, size=n, dtype=np.uint64)
+        assert np.array_equal(w, fresh)

@@ -610,6 +610,22 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         cls, num = new_cls, int(new_cls.max()) + 1
 
 
+_SEEDED: dict[int, np.ndarray] = {}
+
+
+def seeded_weights(seed: int, n: int) -> np.ndarray:
+    """`np.random.default_rng(seed).integers(1, 2**63, size=n, dtype=np.uint64)`, read-only: a
+    prefix of one draw per seed kept for the process (a larger draw begins with the same values,
+    so slicing gives exactly the values of a fresh draw; grammar-independent)."""
+    w = _SEEDED.get(seed)
+    if w is None or len(w) < n:
+        w = np.random.default_rng(seed).integers(1, 2**63, size=max(n, 1024, 2 * len(w) if w is not None else 0),
+                                                 dtype=np.uint64)
+        w.flags.writeable = False
+        _SEEDED[seed] = w
+    return w[:n]
+
+
 def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(representative byte of each class, class of each byte): bytes with equal columns (any
     number of columns).
@@ -628,7 +644,7 @@ def _byte_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     else:
         starts = run_of = np.arange(width)
         runs = table
-    weights = np.random.default_rng(0xB17E).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
+    weights = seeded_weights(0xB17E, table.shape[0])
     h = weights @ runs.astype(np.uint64)  # (num_runs,), modulo 2^64
     _, first, cls = np.unique(h, return_index=True, return_inverse=True)
     cls = cls.reshape(-1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import _refine, _Unit, _unit
+from cfsm.automaton import _refine, _Unit, _unit, seeded_weights
 from cfsm.regex_ast import Node, Repeat
 
 _MASK = (1 << 64) - 1
@@ -219,7 +219,7 @@ def _look_ahead(table: np.ndarray, h0: np.ndarray, states: np.ndarray, rounds: i
     near = [states]
     for _ in range(rounds):
         near.append(np.unique(np.concatenate([near[-1], table[near[-1]].reshape(-1)])))
-    weights = np.random.default_rng(0x100C).integers(1, 2**63, size=table.shape[1], dtype=np.uint64)
+    weights = seeded_weights(0x100C, table.shape[1])
     cur = h0.copy()
     for r in range(rounds - 1, -1, -1):
         q = near[r]

@@ -182,10 +182,10 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         reps, class_of = others, np.arange(len(others))
     is_long = tables.lengths > _SHARE_DEPTH
     eos32 = eos.astype(np.int32)
-    rows: dict[bytes, int] = {}
     small_rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
     bits = np.zeros(words * 32, dtype=bool)
+    rows: dict[bytes, int] = {}
 
     def intern(row: np.ndarray) -> int:
         key = row.tobytes()
@@ -236,5 +236,6 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         string_rows(dfa, vocab.string_tables, match, intern, mask_row)
     for k, fm, mine in fragments:
         fragment_rows(dfa, vocab.fragment_tables[k], fm, mine, intern, mask_row)
-    masks = np.stack(row_list) if row_list else np.zeros((0, words), dtype=np.int32)
+    # NOTE: one concatenation of the 1-D rows (np.stack pays a reshape per row)
+    masks = np.concatenate(row_list).reshape(len(row_list), words) if row_list else np.zeros((0, words), np.int32)
     return Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar)

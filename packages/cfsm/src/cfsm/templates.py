@@ -292,8 +292,8 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     # quote is left to the generic walks): a few group bytes tell most grammars apart at once
     live = g0 != dead
     probe = np.flatnonzero(live)
-    for b in group[np.linspace(0, len(group) - 1, 6).astype(np.int64)].tolist():
-        probe = probe[trans[probe, b] == g0[probe]]
+    sample = group[np.linspace(0, len(group) - 1, 6).astype(np.int64)]
+    probe = probe[(np.take(trans[probe], sample, axis=1) == g0[probe, None]).all(axis=1)]
     if not len(probe):
         return StringMatch(t, rem, need, cont)
     # only the probed states and those whose group is dead (at most length: rem = 0) can qualify
