@@ -178,8 +178,10 @@ def test_prepared_blocks_are_the_blocks_built_at_compile_time() -> None:
         fresh = direct._Block(node)
         for name in direct._Block.__slots__:
             a, b = getattr(blk, name), getattr(fresh, name)
-            if name == "fragment" and a is not None:
-                assert b is not None and a[0] == b[0] and np.array_equal(a[1], b[1])
+            if name in ("fragment", "string_facts", "fragment_facts") and a is not None:
+                assert b is not None and len(a) == len(b), name
+                assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+                           for x, y in zip(a, b, strict=True)), name
                 continue
             assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, name
 

@@ -80,7 +80,7 @@ class _Block:
 
     __slots__ = ("rows", "col_of", "dist", "accepting", "start", "size", "cuts", "start_bits", "acc_bits",
                  "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "start_class",
-                 "start_live", "string_body", "string_map", "string_bounds", "fragment")
+                 "start_live", "string_body", "string_map", "string_bounds", "fragment", "string_facts", "fragment_facts")
 
     def __init__(self, node: Node) -> None:
         # a JSON string's text with at most a bound of characters (or none and no minimum): each
@@ -160,6 +160,21 @@ class _Block:
                 self.string_body = False
         # a format with per-vocabulary tables (`fragments`): the format and each state's F state
         self.fragment = _fragment_map(node, t, acc, col_of, start, classes) if type(node) is Piece and n else None
+        # what `_Builder.string_states` and `fragment_states` take from each copy (shifted by its base)
+        self.string_facts: tuple[np.ndarray, ...] | None = None
+        if self.string_body and self.string_map is not None:
+            from cfsm.templates import INF
+
+            keep = np.flatnonzero(classes >= 0)
+            ts, js = self.string_map
+            node_lo, node_hi = self.string_bounds
+            rem = np.full(len(keep), INF, dtype=np.int64) if node_hi is None else node_hi - js[keep]
+            need = np.zeros(len(keep), dtype=np.int64) if node_hi is None else np.maximum(node_lo - js[keep], 0)
+            self.string_facts = (keep, ts[keep], rem, need)
+        self.fragment_facts: tuple[np.ndarray, np.ndarray] | None = None
+        if self.fragment is not None:
+            keep = np.flatnonzero(self.fragment[1] >= 0)
+            self.fragment_facts = (keep, self.fragment[1][keep])
         # the start's own class (-1: its language is the empty string, -2: none) and live bytes
         if n:
             self.start_class = -1 if start in self.eps else (-2 if classes[start] < 0 else int(classes[start]))
@@ -1035,24 +1050,30 @@ class _Builder:
             return None
         return cls, live, made, groups
 
+    def _after_quote(self, s: int) -> int | None:
+        """The target of literal state `s` where it reads a closing quote and nothing else (not a
+        union state), else None."""
+        if s in self.multi:
+            return None
+        e = self._entries(s)
+        if e is None:
+            return None
+        i = e[0]
+        return self.lit_dst[i] if self.lit_lo[i] == self.lit_hi[i] == 0x22 else None
+
     def string_states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The states of copies of JSON string bodies (`_Block.string_body`) followed by a
         literal closing quote, each behaving exactly like a state of the string automaton T: (the
         states, their T state, characters still allowed, still required, the state after the
         closing quote)."""
-        from cfsm.templates import INF
-
-        quote = {s: d for s, lo, hi, d in zip(self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, strict=True)
-                 if lo == hi == 0x22 and s not in self.multi}
         parts = []
         for base, blk, cont, _, _ in self.copies:
-            if blk.string_body and blk.string_map is not None and cont in quote:
-                keep = np.flatnonzero(blk.classes >= 0)
-                ts, js = blk.string_map
-                node_lo, node_hi = blk.string_bounds
-                rem = np.full(len(keep), INF, dtype=np.int64) if node_hi is None else node_hi - js[keep]
-                need = np.zeros(len(keep), dtype=np.int64) if node_hi is None else np.maximum(node_lo - js[keep], 0)
-                parts.append((base + keep, ts[keep], rem, need, np.full(len(keep), quote[cont], dtype=np.int64)))
+            facts = blk.string_facts
+            if facts is not None:
+                after = self._after_quote(cont)
+                if after is not None:
+                    keep, ts, rem, need = facts
+                    parts.append((base + keep, ts, rem, need, np.full(len(keep), after, dtype=np.int64)))
         if not parts:
             e = np.zeros(0, dtype=np.int64)
             return e, e, e, e, e
@@ -1061,14 +1082,13 @@ class _Builder:
     def fragment_states(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per format with a block map (`_Block.fragment`): the states of its copies followed by a
         literal closing quote, their F states and the state after the quote."""
-        quote = {s: d for s, lo, hi, d in zip(self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, strict=True)
-                 if lo == hi == 0x22 and s not in self.multi}
         parts: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {}
         for base, blk, cont, _, _ in self.copies:
-            if blk.fragment is not None and cont in quote:
-                fmt, fm = blk.fragment
-                keep = np.flatnonzero(fm >= 0)
-                parts.setdefault(fmt, []).append((base + keep, fm[keep], quote[cont]))
+            if blk.fragment is not None and blk.fragment_facts is not None:
+                after = self._after_quote(cont)
+                if after is not None:
+                    keep, fs = blk.fragment_facts
+                    parts.setdefault(blk.fragment[0], []).append((base + keep, fs, after))
         return {fmt: (np.concatenate([p[0] for p in ps]), np.concatenate([p[1] for p in ps]),
                       np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in ps])) for fmt, ps in parts.items()}
 
@@ -1082,11 +1102,23 @@ class _Builder:
             dist[s] = 0
         src = np.asarray(self.lit_src, dtype=np.int64)
         dist[src] = np.asarray(self.lit_dist, dtype=np.int64)
+        # every block's copies at once (copies occupy disjoint ids)
+        groups: dict[int, tuple[_Block, list[int], list[int], list[int]]] = {}
         for base, blk, _, cacc, d in self.copies:
+            g = groups.get(id(blk))
+            if g is None:
+                g = groups[id(blk)] = (blk, [], [], [])
             if cacc:
-                acc[base + blk.accepting] = True
+                g[1].append(base)
             if d >= 0:
-                dist[base : base + blk.size] = np.where(blk.dist >= 0, blk.dist + d, -1)
+                g[2].append(base)
+                g[3].append(d)
+        for blk, acc_bases, dist_bases, ds in groups.values():
+            if acc_bases and len(blk.accepting):
+                acc[(np.asarray(acc_bases, dtype=np.int64)[:, None] + blk.accepting).reshape(-1)] = True
+            if dist_bases:
+                vals = np.where(blk.dist >= 0, blk.dist + np.asarray(ds, dtype=np.int64)[:, None], -1)
+                dist[np.asarray(dist_bases, dtype=np.int64)[:, None] + np.arange(blk.size)] = vals
         return acc, dist
 
 
