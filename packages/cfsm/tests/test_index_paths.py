@@ -473,3 +473,20 @@ def test_string_row_groups_are_the_byte_row_groups(pairs: list[tuple[int, int]])
     f1, i1 = _unique_rows(key)
     f2, i2 = _by_state_and_cut(s, c)
     assert np.array_equal(f1, f2) and np.array_equal(i1, i2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10_000), st.lists(st.binary(min_size=0, max_size=6), min_size=1, max_size=12),
+       st.sampled_from([r'"[a-z]{0,3}",?', r"[0-9]+(\.[0-9]*)?[,}]*", r"(ab|a\x00)*b?"]))
+def test_live_suffixes_against_one_walk_per_pair(seed: int, suffixes: list[bytes], pattern: str) -> None:
+    """`live_suffixes` (suffixes walked by decreasing length, a leading slice per depth) equals
+    walking each (continuation, suffix) pair through the DFA alone."""
+    from cfsm.templates import live_suffixes, suffix_table
+
+    dfa = build_dfa(parse_regex(pattern))
+    rng = random.Random(seed)
+    conts = np.asarray(sorted({rng.randrange(dfa.num_states + 1) for _ in range(4)}), dtype=np.int64)
+    cols = suffix_table(suffixes)
+    got = live_suffixes(dfa, conts, cols)
+    want = np.array([[dfa.walk(int(c), x) != dfa.dead for x in suffixes] for c in conts.tolist()], dtype=bool)
+    assert np.array_equal(got, want)

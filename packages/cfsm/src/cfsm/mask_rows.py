@@ -45,7 +45,13 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     k_of[reps[ks]] = np.arange(len(ks))
     kk = k_of[owner]  # grouped: every owner's pairs are contiguous
     w1, w2 = _token_weights(int(max(order.max(initial=0), eos.max(initial=0))) + 1)
-    starts = np.flatnonzero(np.diff(kk, prepend=-1)) if len(kk) else np.zeros(0, np.int64)
+    if len(kk):  # where kk changes (np.diff with prepend=-1, without its concatenation)
+        change = np.empty(len(kk), dtype=bool)
+        change[0] = kk[0] != -1
+        np.not_equal(kk[1:], kk[:-1], out=change[1:])
+        starts = np.flatnonzero(change)
+    else:
+        starts = np.zeros(0, np.int64)
     h = np.zeros((3, len(ks)), dtype=np.uint64)
     if len(kk):
         seg = kk[starts]

@@ -223,21 +223,50 @@ def suffix_table(suffixes: list[bytes]) -> np.ndarray:
     return cols
 
 
+# per suffix table (`suffix_table`, per vocabulary): its columns by decreasing length (`_by_length`)
+_BY_LENGTH: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]] = {}
+
+
+def _by_length(cols: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """The suffixes of `cols` by decreasing length (stable): per depth d, the bytes at d of the
+    suffixes longer than d (a prefix of that order, int64), and each suffix's place in the order.
+    Cached per table (a per-vocabulary table: grammar-independent)."""
+    hit = _BY_LENGTH.get(id(cols))
+    if hit is None or hit[0] is not cols:
+        lengths = (cols >= 0).sum(axis=0)
+        order = np.argsort(-lengths, kind="stable")
+        by_depth = tuple(cols[d, order[: int((lengths > d).sum())]].astype(np.int64) for d in range(cols.shape[0]))
+        place = np.empty(len(order), dtype=np.int64)
+        place[order] = np.arange(len(order))
+        if len(_BY_LENGTH) >= 64:  # a few tables per vocabulary: bounded all the same
+            _BY_LENGTH.clear()
+        hit = _BY_LENGTH[id(cols)] = (cols, by_depth, place)
+    return hit[1], hit[2]
+
+
 def live_suffixes(dfa: Dfa, conts: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """(len(conts), num suffixes) bool: whether suffix j (`suffix_table` columns) walked from
     state conts[i] stays alive; all (continuation, suffix) pairs walked as one 2-D array, a
-    column frozen once its suffix has ended (-1 bytes are only past a suffix's end)."""
+    column frozen once its suffix has ended (-1 bytes are only past a suffix's end).
+
+    # NOTE: the suffixes walked by decreasing length, so the ones still going at each depth are
+    # a leading slice of the columns (no gather and scatter per byte)
+    """
     num_suf = cols.shape[1]
     if not num_suf or not len(conts):
         return np.zeros((len(conts), num_suf), dtype=bool)
+    by_depth, place = _by_length(cols)
     cur = np.repeat(conts.astype(np.int64)[:, None], num_suf, axis=1)
     tflat = dfa.transitions.reshape(-1)
-    for d in range(cols.shape[0]):
-        on = np.flatnonzero(cols[d] >= 0)
-        if not len(on):
+    for b in by_depth:
+        m = len(b)
+        if not m:
             break
-        cur[:, on] = tflat.take(cur[:, on] * 256 + cols[d, on].astype(np.int64))
-    return cur != dfa.dead
+        head = cur[:, :m]
+        head *= 256
+        head += b
+        cur[:, :m] = tflat.take(head)
+    return np.take(cur != dfa.dead, place, axis=1)
 
 
 @dataclass(frozen=True, eq=False)

@@ -181,8 +181,9 @@ class Vocabulary:
         """Build the per-vocabulary tables now (else on the first compile); returns self.
 
         Grammar-independent: the sorted trie tables, the JSON string walks, the walks of the
-        broad `format` strings (email, uri), the syntax trees of all formats and (once per
-        process) the DFA blocks of the value trees schemas share (`cfsm.direct.prepare_blocks`).
+        broad `format` strings (email, uri) with their suffix tables ordered by length, the
+        syntax trees of all formats and (once per process) the DFA blocks of the value trees
+        schemas share (`cfsm.direct.prepare_blocks`) and the random hash weights.
         """
         from cfsm.direct import prepare_blocks
         from cfsm.formats import FORMAT_REGEXES
@@ -197,6 +198,14 @@ class Vocabulary:
         self.string_tables.target_columns  # noqa: B018
         self.string_tables.stay_keys  # noqa: B018
         self.fragment_tables  # noqa: B018
+        from cfsm.templates import _by_length
+
+        for cols in [self.string_tables.suffix_columns, *(ft.suffix_columns for ft in self.fragment_tables)]:
+            _by_length(cols)  # the suffix tables by decreasing length (`live_suffixes`)
+        from cfsm.automaton import seeded_weights
+
+        seeded_weights(0xB17E, 1 << 15)  # byte classes of tables up to 32k states (more: drawn then)
+        seeded_weights(0x100C, 256)  # look-ahead hashes (`block_facts`)
         from cfsm.mask_rows import _token_weights
 
         order = self.trie_tables.order  # the per-token hash weights of batched rows (`mask_rows`)

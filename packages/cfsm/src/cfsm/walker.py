@@ -208,7 +208,7 @@ class _Walker:
                 narrow = ~wide
                 idx_n, owner_n, cur_n = _expand(starts2[first[narrow], 0], counts[first[narrow]], owners[narrow],
                                                 self.trans[owners[narrow], first[narrow]])
-                own_n, pos_n, _ = _walk_pairs(idx_n, cur_n, owner_n, 1, columns, self.tflat, self.dead)
+                own_n, pos_n, _ = _walk_pairs(idx_n, cur_n, owner_n, 1, columns, self.tflat, self.dead, False)
                 first_w, owners_w = first[wide], owners[wide]
                 after = self.trans[owners_w, first_w]
                 # the one-byte tokens (several if the vocabulary repeats one) survive as they are
@@ -218,10 +218,11 @@ class _Walker:
                 lo = starts2[first_w[k], second + 1]
                 idx_w, owner_w, cur_w = _expand(lo, starts2[first_w[k], second + 2] - lo, owners_w[k],
                                                 self.trans[after[k], second])
-                own_w, pos_w, _ = _walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead)
+                own_w, pos_w, _ = _walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead, False)
                 own = np.concatenate([one_owner, own_w, own_n])
                 pos = np.concatenate([one_pos, pos_w, pos_n])
-                order = _stable_argsort(own, self.trans.shape[0])  # each owner's pairs contiguous
+                # NOTE: each owner's pairs contiguous; the walks left them by ending byte (stable)
+                order = _stable_argsort(own, self.trans.shape[0])
                 out_owner.append(own[order])
                 out_pos.append(pos[order])
         if not out_owner:

@@ -67,9 +67,10 @@ def _walk_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, columns: np.nda
 
 
 def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
-                tflat: np.ndarray, dead: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                tflat: np.ndarray, dead: int, by_owner: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Walk (owner state, token) pairs together: (owners, positions, next states) of the
-    surviving pairs, sorted by owner."""
+    surviving pairs, sorted by owner (stable: by the byte where they end, then as given); without
+    `by_owner`, by that byte only (a caller that sorts by owner stably afterwards gets the same)."""
     keep = cur != dead
     idx, cur, owner = idx[keep], cur[keep], owner[keep]
     out_owner: list[np.ndarray] = []
@@ -94,6 +95,8 @@ def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, col
         empty = np.zeros(0, np.int64)
         return empty, empty, empty.astype(np.int32)
     all_owner = np.concatenate(out_owner)
+    if not by_owner:
+        return all_owner, np.concatenate(out_pos), np.concatenate(out_next)
     order = _stable_argsort(all_owner, int(all_owner.max()) + 1)
     return all_owner[order], np.concatenate(out_pos)[order], np.concatenate(out_next)[order]
 
