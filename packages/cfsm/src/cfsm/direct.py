@@ -789,8 +789,9 @@ class _Builder:
         cuts = [np.array([0]), lo, hi + 1]
         for blk in {id(c[1]): c[1] for c in self.copies}.values():
             cuts.append(blk.cuts)
-        starts = np.unique(np.concatenate(cuts))
-        starts = starts[starts < 256]
+        cut = np.zeros(257, dtype=bool)  # the cuts are bytes 0..256: marked, not sorted (np.unique)
+        cut[np.concatenate(cuts)] = True
+        starts = np.flatnonzero(cut[:256])
         byte_map = np.searchsorted(starts, np.arange(256), side="right") - 1
         width = len(starts)
         t = np.full((n + 1, width), n, dtype=np.int32)
@@ -1046,7 +1047,7 @@ class _Builder:
             if len(keys) < len(self.multi) or any(not isinstance(k[0], tuple) for k in keys if k is not None):
                 return None
         copy_keys = np.asarray([b * (num + 1) + k for _, _, b, k in made], dtype=np.int64)
-        if len(np.unique(lit_keys)) < len(lit_keys) or len(np.unique(copy_keys)) < len(copy_keys):
+        if _repeats(lit_keys) or _repeats(copy_keys):
             return None
         return cls, live, made, groups
 
@@ -1120,6 +1121,12 @@ class _Builder:
                 vals = np.where(blk.dist >= 0, blk.dist + np.asarray(ds, dtype=np.int64)[:, None], -1)
                 dist[np.asarray(dist_bases, dtype=np.int64)[:, None] + np.arange(blk.size)] = vals
         return acc, dist
+
+
+def _repeats(keys: np.ndarray) -> bool:
+    """Whether some value occurs twice in `keys` (`len(np.unique(keys)) < len(keys)`)."""
+    k = np.sort(keys)
+    return bool((k[1:] == k[:-1]).any())
 
 
 def _add_copy(groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]], blk: _Block, base: int,

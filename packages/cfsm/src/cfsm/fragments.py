@@ -187,15 +187,23 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
     return FragmentMatch(f, cont)
 
 
+def _small_unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(x, return_inverse=True)` for small non-negative ints (state ids, F state x
+    continuation keys): marked in a bool array instead of sorted."""
+    present = np.zeros(int(x.max()) + 1, dtype=bool)
+    present[x] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
+
+
 def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndarray,
                   intern: Callable[[np.ndarray], int], mask_row: np.ndarray) -> None:
     """Mask rows of the matched `states` (written into `mask_row`); equal rows interned once."""
     if not len(states):
         return
-    conts, c_idx = np.unique(m.cont[states], return_inverse=True)
+    conts, c_idx = _small_unique(m.cont[states])
     live = live_suffixes(dfa, conts, ft.suffix_columns)
-    key = m.f[states] * len(conts) + c_idx.reshape(-1)
-    uniq, inverse = np.unique(key, return_inverse=True)
+    key = m.f[states] * len(conts) + c_idx
+    uniq, inverse = _small_unique(key)
     rows = np.empty(len(uniq), dtype=np.int32)
     for g, k in enumerate(uniq.tolist()):
         s, ci = divmod(k, len(conts))
@@ -203,4 +211,4 @@ def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndar
         tids = ft.exit_ids[s][live[ci, ft.exit_suffix[s]]]
         or_bits(row, tids)
         rows[g] = intern(row)
-    mask_row[states] = rows[inverse.reshape(-1)]
+    mask_row[states] = rows[inverse]
