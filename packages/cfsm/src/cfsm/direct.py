@@ -1042,7 +1042,8 @@ class _Builder:
             in_union[list(self.multi)] = True
             lit_keys = lit_keys[~in_union[src]]
             kd_l = kd.tolist()
-            keys = {_union_key([(self.lit_lo[j], self.lit_hi[j], kd_l[j]) for j in e])[0] for e in self.multi.values()}
+            lit_lo, lit_hi = self.lit_lo, self.lit_hi
+            keys = {_union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0] for e in self.multi.values()}
             # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
             if len(keys) < len(self.multi) or any(not isinstance(k[0], tuple) for k in keys if k is not None):
                 return None
@@ -1141,11 +1142,11 @@ def _add_copy(groups: dict[int, tuple[_Block, list[int], list[int], list[int], l
     g[4].append(lk)
 
 
-def _union_key(ranges: list[tuple[int, int, int]]) -> tuple[tuple[object, ...] | None, int]:
+def _union_key(ranges: list[tuple[int, int, int]], live: bool = True) -> tuple[tuple[object, ...] | None, int]:
     """The hash-consing key of a union state from its ranges (lo, hi, target class) and the hash of
     its live bytes: ranges into the dead class dropped, adjacent ones into one class merged, so
     that a key is a function of the state's byte -> class map (one range: a literal state's key).
-    (None, 0) where no range is live."""
+    (None, 0) where no range is live; with `live` False, 0 for the hash (not computed)."""
     out: list[list[int]] = []
     for lo, hi, k in sorted(r for r in ranges if r[2] != 0):
         if out and out[-1][1] + 1 == lo and out[-1][2] == k:
@@ -1154,11 +1155,13 @@ def _union_key(ranges: list[tuple[int, int, int]]) -> tuple[tuple[object, ...] |
             out.append([lo, hi, k])
     if not out:
         return None, 0
-    live = 0
-    for lo, hi, _ in out:
-        live += _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]
     key: tuple[object, ...] = tuple(out[0]) if len(out) == 1 else tuple(tuple(x) for x in out)
-    return key, live & _MASK
+    if not live:  # the key only (the live-byte hash: 0)
+        return key, 0
+    h = 0
+    for lo, hi, _ in out:
+        h += _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]
+    return key, h & _MASK
 
 
 def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, cont_of: np.ndarray,

@@ -94,9 +94,12 @@ def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,
     if num == 0:
         return out
     chunk = max(1, _PACK_CHUNK_WORDS // max(words, 1))
-    order = np.argsort(pair_g, kind="stable")
-    pair_g, pair_t = pair_g[order], pair_t[order]
-    cuts = np.searchsorted(pair_g, np.arange(0, num + chunk, chunk))
+    if num <= chunk:  # one chunk: every pair in it (bits are OR-ed, in any order)
+        cuts = np.array([0, len(pair_g)])
+    else:
+        order = np.argsort(pair_g, kind="stable")
+        pair_g, pair_t = pair_g[order], pair_t[order]
+        cuts = np.searchsorted(pair_g, np.arange(0, num + chunk, chunk))
     for c, g0 in enumerate(range(0, num, chunk)):
         g1 = min(g0 + chunk, num)
         block = np.zeros((g1 - g0, words), dtype=np.uint32)

@@ -389,7 +389,9 @@ def _candidates(dfa: Dfa, g0: np.ndarray, group: np.ndarray, rows: np.ndarray) -
     _, byte_class = dfa.byte_classes  # bytes of one class step alike: one column per class
     at = np.flatnonzero(rows)
     cand = np.zeros(dfa.num_states, dtype=bool)
-    cand[at] = (np.take(dfa.class_table[at], np.unique(byte_class[group]), axis=1) == g0[at, None]).all(axis=1)
+    classes = np.zeros(dfa.class_table.shape[1], dtype=bool)  # the group's classes, ascending (np.unique without a sort)
+    classes[byte_class[group]] = True
+    cand[at] = (np.take(dfa.class_table[at], np.flatnonzero(classes), axis=1) == g0[at, None]).all(axis=1)
     cand &= ~dfa.accepting[: dfa.num_states]
     return np.flatnonzero(cand)
 
