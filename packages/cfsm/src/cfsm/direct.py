@@ -881,9 +881,9 @@ class _Builder:
                 cls[at + blk.eps] = np.asarray(kcs, dtype=np.int64)[:, None]
             if len(blk.void):
                 cls[at + blk.void] = 0
-            lv = np.broadcast_to(blk.live_bytes, ids2.shape).copy()
-            lv[:, blk.accepting] += np.asarray(lks, dtype=np.uint64)[:, None]
-            live[ids2] = lv
+            live[ids2] = blk.live_bytes  # the copies' ids are disjoint: no index repeats below
+            if len(blk.accepting):
+                live[at + blk.accepting] += np.asarray(lks, dtype=np.uint64)[:, None]
         num = max(int(cls.max()) + 1, max((o + k for o, k, _, _ in made), default=0))
         # the classes' invariants (from any member) and what each class was made of
         any_rep = np.zeros(num, dtype=np.int64)
