@@ -174,12 +174,13 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
                 generic[mine] = False
                 fragments.append((k, fm, mine))
     others = np.flatnonzero(generic)
-    if walker.num_broad(others) >= _CLASSES_MIN_BROAD:
+    num_cands = walker.num_candidates(others)
+    if walker.num_broad(others, num_cands) >= _CLASSES_MIN_BROAD:
         classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
-        _, reps, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
-        reps = others[reps]
+        _, first, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
+        reps, rep_cands = others[first], num_cands[first]
     else:  # every state its own walk
-        reps, class_of = others, np.arange(len(others))
+        reps, class_of, rep_cands = others, np.arange(len(others)), num_cands
     is_long = tables.lengths > _SHARE_DEPTH
     eos32 = eos.astype(np.int32)
     small_rows: dict[bytes, int] = {}
@@ -202,7 +203,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
 
     # one row per class (acceptance, hence EOS, is the same in the whole class)
     class_row = np.empty(len(reps), dtype=np.int32)
-    few, owner, pos = walker.walk_few(reps.astype(np.int64))
+    few, owner, pos = walker.walk_few(reps.astype(np.int64), rep_cands)
     if few.any():
         _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words)
     prefix_rows = _PrefixRows(tables.order, is_long, words)

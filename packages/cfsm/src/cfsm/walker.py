@@ -124,9 +124,11 @@ class _Walker:
         self._uniform: dict[tuple[int, int, int], bool] = {}
         self._cand: dict[bytes, _Cands] = {}
 
-    def num_broad(self, states: np.ndarray) -> int:
+    def num_broad(self, states: np.ndarray, num_candidates: np.ndarray | None = None) -> int:
         """How many of `states` have more candidate tokens than `walk_few` takes."""
-        return int((self.num_candidates(states) > _TINY).sum())
+        if num_candidates is None:
+            num_candidates = self.num_candidates(states)
+        return int((num_candidates > _TINY).sum())
 
     @functools.cached_property
     def _class_counts(self) -> tuple[np.ndarray, np.ndarray]:
@@ -176,7 +178,8 @@ class _Walker:
         """The table with a 257th column, "past the end of the token", that keeps the state."""
         return np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
 
-    def walk_few(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def walk_few(self, states: np.ndarray, num_candidates: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens of those `states` with few candidates together, in batches.
 
         Returns (which of `states` were walked here, as a bool mask; the owner state and the
@@ -184,7 +187,8 @@ class _Walker:
         at most `_BATCH_PAIRS` pairs, bounding its memory.
         """
         tables = self.tables
-        num_candidates = self.num_candidates(states)
+        if num_candidates is None:  # else the caller's `num_candidates(states)`
+            num_candidates = self.num_candidates(states)
         small = num_candidates <= _TINY
         few = states[small]
         out_owner: list[np.ndarray] = []
