@@ -7,8 +7,8 @@ tokenizer's own tokenization of a valid target text (fastest of `--repeat` repla
 jump-forward writes, and memory (cfsm: exact Index bytes; all: RSS growth of the compile).
 `vocab_prep_cpu_ms` is each engine's one-time, grammar-independent preparation for the
 vocabulary, outside the compile timings (cfsm: `Vocabulary.prepare()`: per vocabulary its trie
-tables, the JSON string walks and the walks of the email/uri format automata (their suffix
-tables also ordered by length); per process the format syntax trees, the DFA blocks of the value
+tables, the JSON string walks (with the bytes their text state reads) and the walks of the
+email/uri format automata (their suffix tables also ordered by length); per process the format syntax trees, the DFA blocks of the value
 pieces every schema shares (string body, boolean, number, integer, each format; the email/uri
 blocks with their state maps onto those format automata, the string blocks with their string-state
 facts) and the seeded random hash weights (drawn once, sliced to each table's size); nothing that depends on a grammar is kept between compiles; xgrammar:

@@ -138,6 +138,15 @@ class StringTables:
         has_exit = np.array([len(e) > 0 for e in self.exit_ids], dtype=bool)
         return keys, np.cumsum(sizes) - sizes, has_exit
 
+    @functools.cached_property
+    def text_bytes(self) -> tuple[np.ndarray, int, np.ndarray]:
+        """(the bytes that keep the text state in itself, the closing quote, 6 of those bytes
+        spread over them: `match_string_states`' probe)."""
+        group = np.flatnonzero(self.code[self.text] == self.text)
+        quote = int(np.flatnonzero(self.code[self.text] == self.num_t)[0])
+        sample = group[np.linspace(0, len(group) - 1, 6).astype(np.int64)] if len(group) else group
+        return group, quote, sample
+
     @property
     def nbytes(self) -> int:
         return int(sum(r.nbytes for r in self.stay_rows) + self.suffix_columns.nbytes)
@@ -305,10 +314,8 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     trans = dfa.transitions
     n = dfa.num_states
     dead = dfa.dead
-    code, text, num_t = st.code, st.text, st.num_t
-    exit_code = num_t
-    group = np.flatnonzero(code[text] == text)
-    quote = int(np.flatnonzero(code[text] == exit_code)[0])
+    text = st.text
+    group, quote, sample = st.text_bytes
     t = np.full(n + 1, -1, dtype=np.int64)
     rem = np.zeros(n + 1, dtype=np.int64)
     need = np.zeros(n + 1, dtype=np.int64)
@@ -321,7 +328,6 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     # quote is left to the generic walks): a few group bytes tell most grammars apart at once
     live = g0 != dead
     probe = np.flatnonzero(live)
-    sample = group[np.linspace(0, len(group) - 1, 6).astype(np.int64)]
     probe = probe[(np.take(trans[probe], sample, axis=1) == g0[probe, None]).all(axis=1)]
     if not len(probe):
         return StringMatch(t, rem, need, cont)

@@ -197,6 +197,7 @@ class Vocabulary:
         self.string_tables.byte_class  # noqa: B018
         self.string_tables.target_columns  # noqa: B018
         self.string_tables.stay_keys  # noqa: B018
+        self.string_tables.text_bytes  # noqa: B018
         self.fragment_tables  # noqa: B018
         from cfsm.templates import _by_length
 
