@@ -456,6 +456,16 @@ class _Builder:
         self.prepared_keys: set[int] = set()  # structure keys of prepared blocks (`count_blocks`)
         self._dag_memo: dict[int, int] = {}  # `_dag_size` by node id
         self._prep_memo: dict[int, bool] = {}  # `_holds_prepared` by node id
+        self._lit_np: dict[str, np.ndarray] = {}  # `_lit`
+
+    def _lit(self, name: str) -> np.ndarray:
+        """`lit_<name>` as a read-only int64 array, made once (call only after `build`: the
+        literal entries are complete then)."""
+        a = self._lit_np.get(name)
+        if a is None:
+            a = self._lit_np[name] = np.asarray(getattr(self, f"lit_{name}"), dtype=np.int64)
+            a.flags.writeable = False
+        return a
 
     def final(self) -> int:
         """The state after the whole tree: accepting, no transitions."""
@@ -784,8 +794,7 @@ class _Builder:
         """(table, byte_map): one column per byte interval that steps alike from every state
         (ascending), `byte_map[b]` the column of byte b; rows (size + 1), the dead state last."""
         n = self.size
-        lo = np.asarray(self.lit_lo, dtype=np.int64)
-        hi = np.asarray(self.lit_hi, dtype=np.int64)
+        lo, hi = self._lit("lo"), self._lit("hi")
         cuts = [np.array([0]), lo, hi + 1]
         for blk in {id(c[1]): c[1] for c in self.copies}.values():
             cuts.append(blk.cuts)
@@ -796,8 +805,7 @@ class _Builder:
         width = len(starts)
         t = np.full((n + 1, width), n, dtype=np.int32)
         if self.lit_src:
-            src = np.asarray(self.lit_src, dtype=np.int64)
-            dst = np.asarray(self.lit_dst, dtype=np.int32)
+            src, dst = self._lit("src"), self._lit("dst")
             clo, chi = byte_map[lo], byte_map[hi]
             one = clo == chi
             t[src[one], clo[one]] = dst[one]
@@ -1004,10 +1012,7 @@ class _Builder:
         # partition (other ids)
         """
         n = self.size
-        src = np.asarray(self.lit_src, dtype=np.int64)
-        lo = np.asarray(self.lit_lo, dtype=np.int64)
-        hi = np.asarray(self.lit_hi, dtype=np.int64)
-        dst = np.asarray(self.lit_dst, dtype=np.int64)
+        src, lo, hi, dst = self._lit("src"), self._lit("lo"), self._lit("hi"), self._lit("dst")
         cls = np.zeros(n + 1, dtype=np.int64)
         cls[self.finals] = 1
         cls[src] = 2 + np.arange(len(src))  # a union state: its last entry's (one id per state)
@@ -1102,8 +1107,7 @@ class _Builder:
         for s in self.finals:
             acc[s] = True
             dist[s] = 0
-        src = np.asarray(self.lit_src, dtype=np.int64)
-        dist[src] = np.asarray(self.lit_dist, dtype=np.int64)
+        dist[self._lit("src")] = self._lit("dist")
         # every block's copies at once (copies occupy disjoint ids)
         groups: dict[int, tuple[_Block, list[int], list[int], list[int]]] = {}
         for base, blk, _, cacc, d in self.copies:
