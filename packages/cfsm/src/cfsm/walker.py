@@ -197,12 +197,16 @@ class _Walker:
             counts = tables.first_byte_counts
             live_rows, live_first = self._live_bytes(few, starting_only=True)
             num_candidates = num_candidates[small]
-            batch = np.cumsum(num_candidates) // _BATCH_PAIRS
-            cuts = np.flatnonzero(np.diff(batch)) + 1
             starts2 = tables.two_byte_starts
             columns = tables.columns
-            for part in np.split(np.arange(len(few)), cuts):
-                a, b = np.searchsorted(live_rows, [part[0], part[-1] + 1]) if len(part) else (0, 0)
+            spans: list[tuple[int, int]] = [(0, len(live_rows))]  # one batch: every state's live bytes
+            if int(num_candidates.sum()) >= _BATCH_PAIRS:
+                batch = np.cumsum(num_candidates) // _BATCH_PAIRS
+                spans = []
+                for part in np.split(np.arange(len(few)), np.flatnonzero(np.diff(batch)) + 1):
+                    a, b = np.searchsorted(live_rows, [part[0], part[-1] + 1]).tolist() if len(part) else (0, 0)
+                    spans.append((a, b))
+            for a, b in spans:
                 first = live_first[a:b]
                 owners = few[live_rows[a:b]]
                 # NOTE: a first byte that starts many tokens has its second byte checked per
