@@ -181,7 +181,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         reps, rep_cands = others[first], num_cands[first]
     else:  # every state its own walk
         reps, class_of, rep_cands = others, np.arange(len(others)), num_cands
-    is_long = tables.lengths > _SHARE_DEPTH
+    is_long = tables.longer_than(_SHARE_DEPTH)
     eos32 = eos.astype(np.int32)
     small_rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
@@ -205,7 +205,8 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     class_row = np.empty(len(reps), dtype=np.int32)
     few, owner, pos = walker.walk_few(reps.astype(np.int64), rep_cands)
     if few.any():
-        _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words)
+        _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words,
+                  tables.max_id)
     prefix_rows = _PrefixRows(tables.order, is_long, words)
     for k in np.flatnonzero(~few).tolist():
         rep = int(reps[k])

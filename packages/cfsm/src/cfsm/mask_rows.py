@@ -30,7 +30,7 @@ def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
 
 def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
               order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
-              intern: Callable[[np.ndarray], int], words: int) -> None:
+              intern: Callable[[np.ndarray], int], words: int, max_id: int | None = None) -> None:
     """Rows of the classes walked in batch (`few`): `class_row[k]` for each of them.
 
     Token sets are grouped by two 64-bit sums of random per-token weights (with their size), so
@@ -44,7 +44,8 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     k_of = np.full(accepting.shape[0], -1, dtype=np.int64)
     k_of[reps[ks]] = np.arange(len(ks))
     kk = k_of[owner]  # grouped: every owner's pairs are contiguous
-    w1, w2 = _token_weights(int(max(order.max(initial=0), eos.max(initial=0))) + 1)
+    top = int(order.max(initial=0)) if max_id is None else max_id  # `TrieTables.max_id`: order's max
+    w1, w2 = _token_weights(max(top, int(eos.max(initial=0))) + 1)
     if len(kk):  # where kk changes (np.diff with prepend=-1, without its concatenation)
         change = np.empty(len(kk), dtype=bool)
         change[0] = kk[0] != -1

@@ -43,6 +43,25 @@ class TrieTables:
     # one-byte token a (repeated if the vocabulary repeats it) is [s[a, 0], s[a, 1])
     two_byte_starts: np.ndarray
 
+    @functools.cached_property
+    def max_length(self) -> int:
+        """The longest token's length in bytes (0 without tokens)."""
+        return int(self.lengths.max()) if len(self.order) else 0
+
+    @functools.cached_property
+    def max_id(self) -> int:
+        """The largest token id in the tables (0 without tokens)."""
+        return int(self.order.max(initial=0))
+
+    def longer_than(self, depth: int) -> np.ndarray:
+        """Per sorted position: whether the token is longer than `depth` bytes (read-only, cached)."""
+        per = self.__dict__.setdefault("_longer_than", {})
+        hit = per.get(depth)
+        if hit is None:
+            hit = per[depth] = self.lengths > depth
+            hit.flags.writeable = False
+        return hit
+
 
 def _num_chars(data: bytes) -> int:
     """Characters of `data` if it is complete, valid UTF-8 (strict), else -1."""
@@ -207,10 +226,13 @@ class Vocabulary:
 
         seeded_weights(0xB17E, 1 << 15)  # byte classes of tables up to 32k states (more: drawn then)
         seeded_weights(0x100C, 256)  # look-ahead hashes (`block_facts`)
+        from cfsm.index import _SHARE_DEPTH
         from cfsm.mask_rows import _token_weights
 
-        order = self.trie_tables.order  # the per-token hash weights of batched rows (`mask_rows`)
-        _token_weights(int(max(order.max(initial=0), max(self.eos_token_ids, default=0))) + 1)
+        # the per-token hash weights of batched rows (`mask_rows`)
+        _token_weights(max(self.trie_tables.max_id, max(self.eos_token_ids, default=0)) + 1)
+        self.trie_tables.max_length  # noqa: B018
+        self.trie_tables.longer_than(_SHARE_DEPTH)
         return self
 
     @property

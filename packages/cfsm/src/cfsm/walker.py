@@ -114,7 +114,7 @@ class _Walker:
         self.tables = tables
         self.n = len(tables.order)
         self._allowed: dict[int, np.ndarray] = {}
-        self._max_len = int(tables.lengths.max()) if self.n else 0
+        self._max_len = tables.max_length
         self._chain_memo: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
         self._steps: dict[bytes, tuple[list[int], list[bool]]] = {}
         self._long: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
