@@ -72,13 +72,20 @@ def _gemv_rows_residual_tile(
 
 
 @triton.jit
+def _rows_tile(a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Activation rows ``a[:B, k0:k0 + BLOCK_K]`` as a float32 (BLOCK_M, BLOCK_K) tile (zeros past B)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    return tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & k_mask[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS3: tl.constexpr):
     """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B: rows unrolled, or with ``ROWS3``
     all rows at once as one (BLOCK_M, BLOCK_N, BLOCK_K) product reduced over k (linear in the rows)."""
     offs_m = tl.arange(0, BLOCK_M)
     if ROWS3:
-        xs = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & k_mask[None, :],
-                     other=0.0).to(tl.float32)
+        xs = _rows_tile(a_ptr, k0, offs_k, k_mask, B, K, BLOCK_M)
         return acc + tl.sum(wf[None, :, :] * xs[:, None, :], 2)
     for m in tl.static_range(BLOCK_M):
         xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
@@ -92,8 +99,7 @@ def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr
     """`_add_rows` for two weight tiles against the same activations (each activation row loaded once)."""
     offs_m = tl.arange(0, BLOCK_M)
     if ROWS3:
-        xs = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & k_mask[None, :],
-                     other=0.0).to(tl.float32)
+        xs = _rows_tile(a_ptr, k0, offs_k, k_mask, B, K, BLOCK_M)
         return acc1 + tl.sum(w1[None, :, :] * xs[:, None, :], 2), acc2 + tl.sum(w2[None, :, :] * xs[:, None, :], 2)
     for m in tl.static_range(BLOCK_M):
         xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)

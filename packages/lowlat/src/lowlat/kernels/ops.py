@@ -33,11 +33,17 @@ class GemvConfig:
     # fits the GPU at once, so the next launch's programs can be resident early under PDL)
     programs: int = 0
 
+    @property
+    def row_wise(self) -> bool:
+        """Whether the stage runs a ``lowlat.kernels.gemv`` row-wise kernel (``rows`` or ``rows3``)."""
+        return self.variant in ("rows", "rows3")
 
-def _grid(tiles: int, cfg: GemvConfig) -> tuple[tuple[int], bool]:
-    """The launch grid for ``tiles`` output tiles under ``cfg``, and whether programs loop over tiles."""
-    if 0 < cfg.programs < tiles:
-        return (cfg.programs,), True
+
+def _grid(tiles: int, programs: int) -> tuple[tuple[int], bool]:
+    """The launch grid for ``tiles`` output tiles on at most ``programs`` programs (0: one per tile), and
+    whether the programs loop over tiles."""
+    if 0 < programs < tiles:
+        return (programs,), True
     return (tiles,), False
 
 
@@ -128,14 +134,13 @@ def qkv_rope(
     cfg = lc.gemv_config("qkv", b)
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
     tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
-    programs = grid_programs or cfg.programs
-    grid = (min(tiles, programs) if programs else tiles,)
+    grid, _ = _grid(tiles, grid_programs or cfg.programs)  # NOTE: the qkv kernels always loop over tiles
     common = dict(B=b, eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
                   stride_vh=kv.v.stride(1), H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
                   D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
                   USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
     args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
-    if cfg.variant in ("rows", "rows3"):
+    if cfg.row_wise:
         GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3", **common)
         return
     K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
@@ -172,8 +177,8 @@ def gemv_residual(
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
-    grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg)
-    if cfg.variant in ("rows", "rows3"):
+    grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
+    if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
             a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, ROWS3=cfg.variant == "rows3", **_kw(dev, lc, cfg=cfg),
@@ -191,10 +196,10 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
-    grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg)
+    grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg.programs)
     common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
                   PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
-    if cfg.variant in ("rows", "rows3"):
+    if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3",
                                           **common)
         return
