@@ -82,8 +82,10 @@ def main() -> None:
             return (time.perf_counter() - t) * 1e6
 
         def cands(stage: str, batch: int = 1) -> list[ops.GemvConfig]:
-            every = candidates(stage, batch)
-            return every[:1] + [next(c for c in every if c.variant == v) for v in ("rows", "rows3") if any(c.variant == v for c in every)]
+            first: dict[str, ops.GemvConfig] = {}  # the first candidate of each variant
+            for c in candidates(stage, batch):
+                first.setdefault(c.variant, c)
+            return list(first.values())
     torch.manual_seed(0)
     weights = [gpu_layer(shape, bf16, dev) for _ in range(args.layers)]
     base = replace(ops.LaunchConfig.for_device(dev, shape, use_pdl=True), tuned=())

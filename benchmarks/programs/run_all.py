@@ -77,24 +77,13 @@ CONFIGS = [
 ]
 
 
-class NoHintEndpoint(sgl.RuntimeEndpoint):
-    """RuntimeEndpoint without prefix hints (fork prefixes, the program's constant prefix)."""
-
-    def cache_prefix(self, prefix_str: str) -> None:
-        return None
-
-    def commit_lazy_operations(self, prompt: Any) -> None:
-        return None
-
-
 def make_backend(cfg: Config, base_url: str, transport: pt.RecordingTransport) -> Any:
     if cfg.client == "openai":
         model = httpx.get(base_url + "/v1/models", timeout=60).json()["data"][0]["id"]
         return sgl.OpenAI(model, base_url=base_url + "/v1", is_chat_model=False, chat_template="chatml",
                           constrained_decoding=True, select_method="logprobs",
                           http_client=httpx.Client(transport=transport, timeout=600))
-    cls = NoHintEndpoint if cfg.hints == "never" else sgl.RuntimeEndpoint
-    return cls(base_url, transport=transport)
+    return sgl.RuntimeEndpoint(base_url, transport=transport)  # NOTE: hints per cfg.hints (the program's config)
 
 
 def supports_regex(client: httpx.Client) -> bool:
