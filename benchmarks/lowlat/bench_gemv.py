@@ -172,7 +172,7 @@ def main() -> None:
 
             def try_one(cfg: Any, stage: str = stage, ref: torch.Tensor | None = ref) -> None:
                 sp = cfg[1] if stage == "attention" else 0
-                lc = replace(base, attn_block_n=cfg[0]) if stage == "attention" else replace(base, tuned=((stage, 1 << 30, cfg),))
+                lc = replace(base, attn_block_n=cfg[0], attn_tuned=()) if stage == "attention" else replace(base, tuned=((stage, 1 << 30, cfg),))
                 try:
                     got = run_stage(stage, lc, 0, sp)
                     if dev.type == "cuda":

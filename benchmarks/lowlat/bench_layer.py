@@ -67,7 +67,8 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
         ("nvidia", lambda: nvidia.build(ctx(pdl="auto"))),
         ("nvidia-nopdl", lambda: nvidia.build(ctx(pdl="off"))),
         ("nvidia-1split", lambda: nvidia.build(ctx(pdl="auto", max_attn_splits=1))),  # attention in one launch
-        ("nvidia-pdl-early", lambda: _early(nvidia.build(ctx(pdl="auto")))),
+        ("nvidia-pdl-early", lambda: _release(nvidia.build(ctx(pdl="auto")), "early")),
+        ("nvidia-pdl-late", lambda: _release(nvidia.build(ctx(pdl="auto")), "late")),
         ("amd-persistent", lambda: amd.build(ctx(amd_mode="persistent"))),
         ("amd-staged", lambda: amd.build(ctx(amd_mode="staged"))),
     ]:
@@ -78,9 +79,9 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
     return out
 
 
-def _early(built: Any) -> Any:
-    """The same stack with each kernel releasing its dependent launch right after its wait."""
-    built.lc = replace(built.lc, pdl_early=True)
+def _release(built: Any, release: str) -> Any:
+    """The same stack with every kernel releasing its dependent launch at ``release`` (LaunchConfig.pdl_release)."""
+    built.lc = replace(built.lc, pdl_release=release)
     return built
 
 

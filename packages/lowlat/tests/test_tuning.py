@@ -51,3 +51,38 @@ def test_qkv_blocks_that_do_not_divide_half_the_head_dim_are_reported() -> None:
     assert LaunchConfig(qkv_block_p=16).qkv_block_errors(LLAMA3_8B) == ()
     odd = LaunchConfig(qkv_block_p=16, tuned=(("qkv", 1, GemvConfig("dot", 48, 256, 4, 3)),))
     assert odd.qkv_block_errors(LLAMA3_8B) == ("head_dim 128 is not a multiple of 2 * 48",)
+
+
+def test_pdl_release_point() -> None:
+    auto = LaunchConfig(num_sms=132)
+    assert auto.pdl_early(1) and auto.pdl_early(132)  # the whole grid is resident at once
+    assert not auto.pdl_early(133)
+    assert LaunchConfig(num_sms=132, pdl_release="early").pdl_early(10_000)
+    assert not LaunchConfig(num_sms=132, pdl_release="late").pdl_early(1)
+    with pytest.raises(ValueError, match="pdl_release"):
+        LaunchConfig(pdl_release="sometimes")
+
+
+def test_pdl_release_table_values_are_valid() -> None:
+    from lowlat.kernels.ops import PDL_RELEASES
+    from lowlat.kernels.tuning import PDL_RELEASE, tuned_pdl_release
+
+    assert tuned_pdl_release("Some Other GPU", LLAMA3_8B) == "auto"
+    for (gpu, key), release in PDL_RELEASE.items():
+        assert release in PDL_RELEASES
+        hidden, heads, kv_heads, head_dim, inter = key
+        shape = LayerShape(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           intermediate_size=inter)
+        assert tuned_pdl_release(gpu, shape) == release
+
+
+def test_attention_block_by_batch() -> None:
+    from lowlat.kernels.tuning import ATTENTION, tuned_attention
+
+    lc = LaunchConfig(attn_block_n=64, attn_tuned=((1, 32), (16, 128)))
+    assert [lc.attn_block(b) for b in (1, 2, 16, 17)] == [32, 128, 128, 64]
+    assert LaunchConfig(attn_block_n=64).attn_block(1) == 64
+    assert tuned_attention("Some Other GPU", LLAMA3_8B) == ()
+    for entries in ATTENTION.values():
+        assert all(block & (block - 1) == 0 for _, block in entries)  # powers of two (tl.arange)
+        assert [mb for mb, _ in entries] == sorted(mb for mb, _ in entries)

@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
-from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample
+from lmserver.engine.sampler import (
+    SamplingInfo,
+    _argmax_chunks,
+    apply_penalties,
+    chunked_argmax,
+    greedy_argmax,
+    sample,
+)
 from lmserver.io_struct import SamplingParams
 
 
@@ -172,3 +179,26 @@ def test_stop_string_hold_back_and_trim() -> None:
     assert rx.append("abc 12") is None
     assert rx.append("3 tail") == r"\d{3}"
     assert rx.take(final=True) == "abc "
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([(12, 3), (64, 8), (96, 4), (60, 5), (7, 1)]), st.integers(0, 2**31 - 1),
+       st.sampled_from(["float32", "bfloat16"]), st.integers(1, 4))
+def test_chunked_argmax_matches_argmax_with_ties(rows: int, shape: tuple[int, int], seed: int, dtype: str,
+                                                 levels: int) -> None:
+    """Oracle: torch.argmax, ties to the first index. Few distinct values (levels) make ties common; -inf
+    rows (a grammar mask) included."""
+    vocab, chunks = shape
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=g).to(getattr(torch, dtype))
+    logits[0, torch.rand(vocab, generator=g) < 0.5] = float("-inf")
+    assert torch.equal(chunked_argmax(logits, chunks), logits.argmax(dim=-1))
+
+
+def test_greedy_argmax_chunks_split_real_vocabularies() -> None:
+    assert _argmax_chunks(128256) == 1002  # Llama-3: 1002 chunks of 128
+    assert _argmax_chunks(49152) == 768  # SmolLM2: 768 chunks of 64
+    assert _argmax_chunks(65521) == 1  # a prime vocabulary: one plain argmax
+    logits = torch.randn(3, 49152)
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))  # the CPU path
+    assert torch.equal(chunked_argmax(logits, _argmax_chunks(49152)), logits.argmax(dim=-1))

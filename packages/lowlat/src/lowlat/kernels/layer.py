@@ -4,7 +4,7 @@ Used by the ``nvidia`` plugin (chained with programmatic dependent launch when `
 by the ``amd`` plugin's ``staged`` mode (``USE_PDL`` off: portable Triton, no ``tl.extra.cuda``
 is ever traced). Each GEMV kernel loads its first weight block *before* waiting on the previous
 launch, so weight traffic overlaps the previous kernel's tail, and lets its own dependent launch
-start after its main loop (``PDL_EARLY``: right after the wait instead; measured slower).
+start after its main loop (``PDL_EARLY``: right after the wait instead, ``LaunchConfig.pdl_early``).
 
 Stages: (1) RMSNorm + QKV GEMV + RoPE + paged KV write; (2) split-KV decode attention with the
 GQA group packed in one tile; (3) split merge (none with one split); (4) GEMV + residual (o_proj, down);

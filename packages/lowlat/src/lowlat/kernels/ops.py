@@ -15,6 +15,7 @@ from lowlat.layer import ForwardMeta, KVCache, LayerShape
 from lowlat.reference import AttentionWeights
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
+PDL_RELEASES = ("auto", "early", "late")
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,14 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_sms: int = 132
-    # PDL: a kernel lets its dependent launch start right after its wait (early) or after its main loop
-    pdl_early: bool = False
+    # PDL release point: a kernel lets its dependent launch start right after its wait ("early") or
+    # after its main loop ("late"); "auto": early for a grid of at most num_sms programs (all of them
+    # resident at once, so dependent blocks cannot hold slots a pending primary block needs), else late
+    pdl_release: str = "auto"
     # (stage, max batch, config): the first entry of a stage whose max batch is >= the batch wins
     tuned: tuple[tuple[str, int, GemvConfig], ...] = ()
+    # (max batch, attention block_n): the same rule for the decode attention's KV block (else attn_block_n)
+    attn_tuned: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
@@ -77,11 +82,26 @@ class LaunchConfig:
                 attn_block_n=8,
                 num_sms=1,
             )
-        from lowlat.kernels.tuning import tuned_table
+        from lowlat.kernels.tuning import tuned_attention, tuned_pdl_release, tuned_table
 
         props = torch.cuda.get_device_properties(device)
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
-                   tuned=tuned_table(props.name, shape))
+                   tuned=tuned_table(props.name, shape), pdl_release=tuned_pdl_release(props.name, shape),
+                   attn_tuned=tuned_attention(props.name, shape))
+
+    def __post_init__(self) -> None:
+        if self.pdl_release not in PDL_RELEASES:
+            raise ValueError(f"LaunchConfig.pdl_release must be one of {PDL_RELEASES}, got {self.pdl_release!r}")
+
+    def pdl_early(self, programs: int) -> bool:
+        """Whether a launch of ``programs`` programs releases its dependent launch right after its wait."""
+        if self.pdl_release == "auto":
+            return programs <= self.num_sms
+        return self.pdl_release == "early"
+
+    def attn_block(self, batch: int) -> int:
+        """The decode attention's KV block (tokens per inner step) at ``batch`` rows."""
+        return next((block for max_batch, block in self.attn_tuned if batch <= max_batch), self.attn_block_n)
 
     def qkv_block_errors(self, shape: LayerShape) -> tuple[str, ...]:
         """Why the qkv kernel's rotary-pair blocks (the default and every tuned one) do not fit ``shape``."""
@@ -117,7 +137,7 @@ def block_m(batch: int, device: torch.device) -> int:
 def num_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int) -> int:
     """Split-KV partitions: enough programs to fill the GPU, none shorter than one block. Host-only."""
     want = triton.cdiv(2 * lc.num_sms, max(1, batch * shape.num_kv_heads))
-    return max(1, min(max_splits, want, triton.cdiv(max(1, max_seq_len), lc.attn_block_n)))
+    return max(1, min(max_splits, want, triton.cdiv(max(1, max_seq_len), lc.attn_block(batch))))
 
 
 def check_head_dim(shape: LayerShape) -> None:
@@ -138,7 +158,7 @@ def qkv_rope(
     common = dict(B=b, eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
                   stride_vh=kv.v.stride(1), H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
                   D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
-                  USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
+                  USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
     if cfg.row_wise:
         GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3", **common)
@@ -154,19 +174,21 @@ def attention(
     merge launch, or with ``splits == 1`` in one launch."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
-    K.decode_attention_kernel[(b, shape.num_kv_heads, splits)](
+    grid = (b, shape.num_kv_heads, splits)
+    K.decode_attention_kernel[grid](
         q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
         part_o, part_lse, out,
         meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1), shape.head_dim**-0.5,
         NQ=shape.num_heads, G=group, D=shape.head_dim,
-        BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block_n,
-        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
+        BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
+        NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
+        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), **_kw(dev, lc),
     )
     if splits == 1:
         return  # the attention kernel wrote `out` itself
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
-        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc),
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_heads), **_kw(dev, lc),
     )
 
 
@@ -181,13 +203,13 @@ def gemv_residual(
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
             a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, ROWS3=cfg.variant == "rows3", **_kw(dev, lc, cfg=cfg),
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), ROWS3=cfg.variant == "rows3", **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[grid](
         a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
         BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
-        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg),
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
     )
 
 
@@ -198,7 +220,7 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     inter, h = w.shape[0] // 2, w.shape[1]
     grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg.programs)
     common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
-                  PDL_EARLY=lc.pdl_early, **_kw(dev, lc, cfg=cfg))
+                  PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3",
                                           **common)

@@ -42,6 +42,18 @@ TABLES: dict[tuple[str, tuple[int, int, int, int, int]], tuple[Entry, ...]] = {
 }
 
 
+# (GPU name, shape) -> ((max batch, decode attention block_n), ...) (LaunchConfig.attn_tuned): bench_gemv's
+# attention sweep, context 512, H200 2026-11-30 (benchmarks/RESULTS.md): block 32 at batch 1 (8B 5.04 us vs
+# 6.20 with 64; SmolLM2 3.45 vs 3.95), 128 from batch 4 (8B 7.46 / 10.38 us vs 8.11 / 11.82 at batches 4 / 8)
+ATTENTION: dict[tuple[str, tuple[int, int, int, int, int]], tuple[tuple[int, int], ...]] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): ((1, 32), (16, 128)),
+    ("NVIDIA H200", (576, 9, 3, 64, 1536)): ((1, 32), (16, 128)),
+}
+
+# (GPU name, shape) -> LaunchConfig.pdl_release where measured better than "auto" (benchmarks/RESULTS.md)
+PDL_RELEASE: dict[tuple[str, tuple[int, int, int, int, int]], str] = {}
+
+
 def shape_key(shape: LayerShape) -> tuple[int, int, int, int, int]:
     return (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size)
 
@@ -49,3 +61,13 @@ def shape_key(shape: LayerShape) -> tuple[int, int, int, int, int]:
 def tuned_table(device_name: str, shape: LayerShape) -> tuple[Entry, ...]:
     """The measured entries for this GPU and shape, or none."""
     return TABLES.get((device_name, shape_key(shape)), ())
+
+
+def tuned_pdl_release(device_name: str, shape: LayerShape) -> str:
+    """The measured PDL release point for this GPU and shape, else "auto" (``LaunchConfig.pdl_release``)."""
+    return PDL_RELEASE.get((device_name, shape_key(shape)), "auto")
+
+
+def tuned_attention(device_name: str, shape: LayerShape) -> tuple[tuple[int, int], ...]:
+    """The measured decode-attention blocks for this GPU and shape (``LaunchConfig.attn_tuned``), or none."""
+    return ATTENTION.get((device_name, shape_key(shape)), ())

@@ -63,7 +63,7 @@ class AmdLayerStack(TritonLayerStack):
             H=s.hidden_size, INTER=s.intermediate_size, NQ=s.num_heads, NKV=s.num_kv_heads, D=s.head_dim,
             NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
             BLOCK_G=next_pow2(s.group_size) if dev.type == "cpu" else max(16, next_pow2(s.group_size)),
-            BLOCK_NA=lc.attn_block_n, BLOCK_M=ops.block_m(b, dev), BLOCK_N=lc.gemv_block_n,
+            BLOCK_NA=lc.attn_block(b), BLOCK_M=ops.block_m(b, dev), BLOCK_N=lc.gemv_block_n,
             BLOCK_K=min(lc.gemv_block_k, next_pow2(min(s.hidden_size, s.q_size, s.intermediate_size))),
             DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **kw,
         )

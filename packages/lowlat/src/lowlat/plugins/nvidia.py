@@ -2,9 +2,11 @@
 
 Each kernel issues its first weight loads, then ``gdc_wait`` (the previous kernel's results are
 visible after it), runs its main loop, then ``gdc_launch_dependents`` so the next kernel's blocks
-start and prefetch their own weights during this one's epilogue (released right after the wait,
-``LaunchConfig.pdl_early``, dependent blocks held SM slots the primary still needed: slower than no
-PDL on the H200). GEMV blocks per stage come from ``lowlat.kernels.tuning``. PDL is used where the
+start and prefetch their own weights during this one's epilogue. A grid small enough to be resident at
+once releases right after its wait instead (``LaunchConfig.pdl_release``: released early, the dependent
+blocks of a larger grid hold SM slots the primary still needs, slower than no PDL on the H200; on
+SmolLM2's small grids early release is faster). GEMV blocks per stage and the release point per shape
+come from ``lowlat.kernels.tuning``. PDL is used where the
 Triton build has ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` and the GPU is Hopper or newer;
 elsewhere the same kernels run unchained.
 """

@@ -78,6 +78,36 @@ def apply_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Te
     return out
 
 
+def _argmax_chunks(vocab: int) -> int:
+    """Chunks for `greedy_argmax`: the largest divisor of `vocab` up to 1024 leaving chunks of at least
+    64 entries, or 1 (no split) when there is none above 8."""
+    for chunks in range(min(1024, vocab // 64), 8, -1):
+        if vocab % chunks == 0:
+            return chunks
+    return 1
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for (B, V) logits, in two reductions on a GPU: the max of each of ~500 chunks
+    of a row, then the argmax over the chunk maxima. A single-row argmax reduces in one thread block (27 us
+    for a 128k vocabulary on an H200); this splits it over the SMs. Ties resolve to the first index, as in
+    `torch.argmax` (`max` along a dim returns the first maximal index, and the chunks are in order)."""
+    vocab = logits.shape[-1]
+    if not (logits.is_cuda and logits.dim() == 2 and vocab >= 8192):
+        return logits.argmax(dim=-1)
+    return chunked_argmax(logits, _argmax_chunks(vocab))
+
+
+def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Argmax over the last dim of (B, V) `logits` through `chunks` equal chunks (`chunks` divides V)."""
+    vocab = logits.shape[-1]
+    if chunks == 1:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.reshape(logits.shape[0], chunks, vocab // chunks).max(dim=-1)
+    best = vals.argmax(dim=-1, keepdim=True)
+    return (best * (vocab // chunks) + idx.gather(1, best)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, infos: list[SamplingInfo]) -> list[int]:
     """Next token per row of processed `logits` (B, V); advances each request's generator."""
     if not infos:
@@ -88,7 +118,7 @@ def sample(logits: torch.Tensor, infos: list[SamplingInfo]) -> list[int]:
 def sample_tensor(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
     """`sample` without the host copy: (B,) int64 ids on the logits' device; no host sync.
     Advances each non-greedy request's generator by one draw (on the host)."""
-    result = logits.argmax(dim=-1)
+    result = greedy_argmax(logits)
     idx = [i for i, info in enumerate(infos) if not info.params.is_greedy]
     if not idx:
         return result
