@@ -147,9 +147,10 @@ def check_head_dim(shape: LayerShape) -> None:
 
 def qkv_rope(
     x: torch.Tensor, w: AttentionWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
-    grid_programs: int | None = None,
+    grid_programs: int | None = None, rstd: torch.Tensor | None = None,
 ) -> None:
-    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""
+    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc.
+    ``rstd``: each row's 1/RMS, float32 (B,), when already known (the tensor-core kernel then skips its sum)."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("qkv", b)
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
@@ -163,7 +164,8 @@ def qkv_rope(
     if cfg.row_wise:
         GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3", **common)
         return
-    K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
+    K.qkv_rope_kernel[grid](*args, rstd_ptr=rstd if rstd is not None else x, BLOCK_M=block_m(b, dev),
+                            DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, RSTD_IN=rstd is not None, **common)
 
 
 def attention(
@@ -213,8 +215,10 @@ def gemv_residual(
     )
 
 
-def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig) -> None:
-    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden)."""
+def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig,
+                 rstd: torch.Tensor | None = None) -> None:
+    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden); ``rstd`` as
+    in ``qkv_rope``."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
@@ -225,5 +229,5 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3",
                                           **common)
         return
-    K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=block_m(b, dev),
-                                DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
+    K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, rstd if rstd is not None else x, BLOCK_M=block_m(b, dev),
+                                DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, RSTD_IN=rstd is not None, **common)
