@@ -3,7 +3,7 @@
 Each stage of a Llama-style layer (`--shape`: Llama-3-8B or SmolLM2; qkv = norm + QKV + RoPE + KV write, attention at
 context 512, o_proj + residual, norm + gate-up + SiLU, down + residual) runs as 32 PDL-chained
 launches over 32 layers' distinct weights in one CUDA graph (so no weight comes from L2), for
-every candidate kernel configuration (``dot``, ``rows`` and above batch 1 ``rows3``), next to cuBLAS
+every candidate kernel configuration (``dot`` and ``rows``), next to cuBLAS
 (``torch.mm``) on the same matrices. Every candidate is checked against a float32 torch reference
 first. Prints microseconds per launch, GB/s, the best candidate per stage and batch, the sum of
 the stages against the bandwidth floor, and the ``lowlat.kernels.tuning.TABLES`` entry to paste.
@@ -49,10 +49,6 @@ def candidates(stage: str, batch: int = 1) -> list[ops.GemvConfig]:
     rows = QKV_ROWS_BLOCKS if stage == "qkv" else ROWS_BLOCKS  # qkv: block_n = rotary pairs per tile
     for (bn, bk), (nw, ns) in itertools.product(rows, [(4, 2), (4, 3), (8, 2)]):
         out.append(ops.GemvConfig("rows", bn, bk, nw, ns))
-    if batch > 1:  # rows3: every batch row at once, (batch, block_n, block_k) products in registers
-        rows3 = [(4, 256), (8, 128), (4, 512)] if stage == "qkv" else [(4, 256), (8, 256), (16, 128), (8, 512)]
-        for (bn, bk), (nw, ns) in itertools.product(rows3, [(4, 2), (8, 2)]):
-            out.append(ops.GemvConfig("rows3", bn, bk, nw, ns))
     return out
 
 

@@ -35,7 +35,7 @@ def test_tables_are_usable(key: tuple[str, tuple[int, ...]], entries: tuple) -> 
             assert any(name == stage and batch <= mb for name, mb, _ in entries), (stage, batch)
     for stage, _, cfg in entries:
         assert stage in GEMV_STAGES
-        assert cfg.variant in ("dot", "rows", "rows3")
+        assert cfg.variant in ("dot", "rows")
         if stage == "qkv":
             assert (head_dim // 2) % cfg.block_n == 0
     assert lc.gemv_config("o_proj", 1) in [c for s, _, c in entries if s == "o_proj"]

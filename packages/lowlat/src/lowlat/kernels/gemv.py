@@ -4,9 +4,7 @@
 ``lowlat.kernels.layer`` pad the batch to 16 rows and stage each weight tile through shared
 memory for the MMA; here a weight tile goes from global memory to registers and is reduced
 against each activation row in turn (``BLOCK_M`` = the batch padded to a power of two, unrolled),
-so at batch 1 the kernel is one load, one multiply and one row sum per weight element; ``ROWS3`` (variant
-``rows3``) reduces all activation rows at once as a 3-D product instead, linear rather than quadratic in the
-rows, for small batches above 1. Which of
+so at batch 1 the kernel is one load, one multiply and one row sum per weight element. Which of
 the two is faster per shape and batch is measured (``benchmarks/lowlat/bench_gemv.py``) and
 recorded in ``lowlat.kernels.tuning``. The qkv (RMSNorm + QKV + RoPE + KV write) and gate-up
 (RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight is folded into the
@@ -23,30 +21,31 @@ from lowlat.kernels.layer import _rope_store, rms_rstd
 
 @triton.jit
 def gemv_rows_residual_kernel(
-    a_ptr, w_ptr, res_ptr, out_ptr,
+    a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr,
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
-    LOOP: tl.constexpr,
+    PDL_EARLY: tl.constexpr, LOOP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each.
+    # SPLITS > 0: a_ptr / lse_ptr are the decode attention's split partials (B, K // D heads, SPLITS, D) and
+    # (B, heads, SPLITS), merged here while loading the activation (no merge launch).
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr, B, N, K, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, USE_PDL, PDL_EARLY, D, SPLITS)
     else:
-        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr, B, N, K, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, D, SPLITS)
 
 
 @triton.jit
 def _gemv_rows_residual_tile(
-    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    pid, a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr,
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+    PDL_EARLY: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,12 +57,12 @@ def _gemv_rows_residual_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M,
-                    ROWS3)
+    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, lse_ptr, 0, offs_k, offs_k < K, B,
+                    K, BLOCK_M, D, SPLITS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
         wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M, ROWS3)
+        acc = _add_rows(acc, wf, a_ptr, lse_ptr, k0, offs_k, km, B, K, BLOCK_M, D, SPLITS)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     mask = (offs_m[:, None] < B) & n_mask[None, :]
@@ -72,35 +71,41 @@ def _gemv_rows_residual_tile(
 
 
 @triton.jit
-def _rows_tile(a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Activation rows ``a[:B, k0:k0 + BLOCK_K]`` as a float32 (BLOCK_M, BLOCK_K) tile (zeros past B)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    return tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=(offs_m[:, None] < B) & k_mask[None, :],
-                   other=0.0).to(tl.float32)
+def _activation_row(a_ptr, lse_ptr, m, k0, offs_k, valid, K: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    """Row ``m`` of the activation at columns ``k0 + offs_k`` as float32: ``a[m]``, or with ``SPLITS`` > 0 the
+    log-sum-exp merge of the split partials of the heads those columns belong to (as ``merge_splits_kernel``)."""
+    if SPLITS == 0:
+        return tl.load(a_ptr + m * K + k0 + offs_k, mask=valid, other=0.0).to(tl.float32)
+    k = k0 + offs_k
+    base = (m * (K // D) + k // D) * SPLITS  # (row, head) of each column
+    mx = offs_k.to(tl.float32) * 0.0 + float("-inf")
+    for s in tl.static_range(SPLITS):
+        mx = tl.maximum(mx, tl.load(lse_ptr + base + s, mask=valid, other=float("-inf")))
+    num = offs_k.to(tl.float32) * 0.0
+    den = offs_k.to(tl.float32) * 0.0
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(lse_ptr + base + s, mask=valid, other=float("-inf"))
+        wgt = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
+        num += wgt * tl.load(a_ptr + (base + s) * D + k % D, mask=valid, other=0.0)
+        den += wgt
+    return num / tl.where(den == 0.0, 1.0, den)
 
 
 @triton.jit
-def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS3: tl.constexpr):
-    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B: rows unrolled, or with ``ROWS3``
-    all rows at once as one (BLOCK_M, BLOCK_N, BLOCK_K) product reduced over k (linear in the rows)."""
+def _add_rows(acc, wf, a_ptr, lse_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+              SPLITS: tl.constexpr):
+    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled; ``_activation_row``)."""
     offs_m = tl.arange(0, BLOCK_M)
-    if ROWS3:
-        xs = _rows_tile(a_ptr, k0, offs_k, k_mask, B, K, BLOCK_M)
-        return acc + tl.sum(wf[None, :, :] * xs[:, None, :], 2)
     for m in tl.static_range(BLOCK_M):
-        xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
+        xm = _activation_row(a_ptr, lse_ptr, m, k0, offs_k, k_mask & (offs_k * 0 + m < B), K, D, SPLITS)
         acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
     return acc
 
 
 @triton.jit
-def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr,
-               ROWS3: tl.constexpr):
+def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
     """`_add_rows` for two weight tiles against the same activations (each activation row loaded once)."""
     offs_m = tl.arange(0, BLOCK_M)
-    if ROWS3:
-        xs = _rows_tile(a_ptr, k0, offs_k, k_mask, B, K, BLOCK_M)
-        return acc1 + tl.sum(w1[None, :, :] * xs[:, None, :], 2), acc2 + tl.sum(w2[None, :, :] * xs[:, None, :], 2)
     for m in tl.static_range(BLOCK_M):
         xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
         acc1 = tl.where(offs_m[:, None] == m, acc1 + tl.sum(w1 * xm[None, :], 1)[None, :], acc1)
@@ -116,7 +121,7 @@ def qkv_rope_rows_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):
     # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head), row-wise: weights (BLOCK_P, BLOCK_K)
     HALF: tl.constexpr = D // 2
@@ -138,14 +143,14 @@ def qkv_rope_rows_kernel(
         gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
         zero = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
         acc1, acc2 = _add_rows2(zero, zero, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, 0, offs_k, km,
-                                B, H, BLOCK_M, ROWS3)
+                                B, H, BLOCK_M)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             km = (k0 + offs_k) < H
             w1 = tl.load(w_ptr + r1[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
             w2 = tl.load(w_ptr + r2[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
             gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
             acc1, acc2 = _add_rows2(acc1, acc2, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, k0, offs_k,
-                                    km, B, H, BLOCK_M, ROWS3)
+                                    km, B, H, BLOCK_M)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr,
@@ -159,7 +164,7 @@ def norm_gate_up_rows_kernel(
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
     LOOP: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
@@ -167,10 +172,10 @@ def norm_gate_up_rows_kernel(
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
             _norm_gate_up_rows_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY)
     else:
         _norm_gate_up_rows_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER,
-                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, ROWS3)
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY)
 
 
 @triton.jit
@@ -179,7 +184,7 @@ def _norm_gate_up_rows_tile(
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, ROWS3: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,8 +201,7 @@ def _norm_gate_up_rows_tile(
     rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
     gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
     zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    g, u = _add_rows2(zero, zero, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, 0, offs_k, km, B, H, BLOCK_M,
-                      ROWS3)
+    g, u = _add_rows2(zero, zero, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, 0, offs_k, km, B, H, BLOCK_M)
     for k0 in range(BLOCK_K, H, BLOCK_K):
         km = (k0 + offs_k) < H
         wm = n_mask[:, None] & km[None, :]
@@ -205,7 +209,7 @@ def _norm_gate_up_rows_tile(
         wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + offs_k[None, :], mask=wm, other=0.0)
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
         g, u = _add_rows2(g, u, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, k0, offs_k, km, B, H,
-                          BLOCK_M, ROWS3)
+                          BLOCK_M)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     g = g * rstd[:, None]

@@ -21,8 +21,7 @@ PDL_RELEASES = ("auto", "early", "late")
 @dataclass(frozen=True)
 class GemvConfig:
     """One GEMV stage's kernel and blocks. ``variant``: ``dot`` (tensor-core ``tl.dot``, batch padded to
-    16 rows), ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``, rows unrolled) or ``rows3`` (the same
-    kernels reducing every batch row at once). For ``qkv``, ``block_n`` is the
+    16 rows) or ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``, rows unrolled). For ``qkv``, ``block_n`` is the
     number of rotary pairs per tile (it must divide head_dim / 2)."""
 
     variant: str = "dot"
@@ -36,8 +35,8 @@ class GemvConfig:
 
     @property
     def row_wise(self) -> bool:
-        """Whether the stage runs a ``lowlat.kernels.gemv`` row-wise kernel (``rows`` or ``rows3``)."""
-        return self.variant in ("rows", "rows3")
+        """Whether the stage runs a ``lowlat.kernels.gemv`` row-wise kernel."""
+        return self.variant == "rows"
 
 
 def _grid(tiles: int, programs: int) -> tuple[tuple[int], bool]:
@@ -68,6 +67,9 @@ class LaunchConfig:
     tuned: tuple[tuple[str, int, GemvConfig], ...] = ()
     # (max batch, attention block_n): the same rule for the decode attention's KV block (else attn_block_n)
     attn_tuned: tuple[tuple[int, int], ...] = ()
+    # a row-wise o_proj merges the attention's split partials itself (no merge launch) while every one of its
+    # programs re-reading all of them stays within this many bytes (0: never)
+    merge_in_o_proj_bytes: int = 64 << 10
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
@@ -102,6 +104,11 @@ class LaunchConfig:
     def attn_block(self, batch: int) -> int:
         """The decode attention's KV block (tokens per inner step) at ``batch`` rows."""
         return next((block for max_batch, block in self.attn_tuned if batch <= max_batch), self.attn_block_n)
+
+    def merge_in_o_proj(self, batch: int, shape: LayerShape, splits: int) -> bool:
+        """Whether the split merge runs inside the o_proj launch (``gemv_residual(partials=...)``)."""
+        partial_bytes = batch * shape.num_heads * splits * (shape.head_dim + 1) * 4
+        return splits > 1 and self.gemv_config("o_proj", batch).row_wise and partial_bytes <= self.merge_in_o_proj_bytes
 
     def qkv_block_errors(self, shape: LayerShape) -> tuple[str, ...]:
         """Why the qkv kernel's rotary-pair blocks (the default and every tuned one) do not fit ``shape``."""
@@ -162,7 +169,7 @@ def qkv_rope(
                   USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
     if cfg.row_wise:
-        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3", **common)
+        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
         return
     K.qkv_rope_kernel[grid](*args, rstd_ptr=rstd if rstd is not None else x, BLOCK_M=block_m(b, dev),
                             DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, RSTD_IN=rstd is not None, **common)
@@ -170,10 +177,11 @@ def qkv_rope(
 
 def attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
-    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int, merge: bool = True,
 ) -> None:
     """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials and a
-    merge launch, or with ``splits == 1`` in one launch."""
+    merge launch, or with ``splits == 1`` in one launch. ``merge=False``: the partials are left for the
+    o_proj launch to merge (``LaunchConfig.merge_in_o_proj``); ``out`` is not written."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
     grid = (b, shape.num_kv_heads, splits)
@@ -186,8 +194,8 @@ def attention(
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
         PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), **_kw(dev, lc),
     )
-    if splits == 1:
-        return  # the attention kernel wrote `out` itself
+    if splits == 1 or not merge:
+        return  # the attention kernel wrote `out` itself, or the o_proj launch merges the partials
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_heads), **_kw(dev, lc),
@@ -196,16 +204,23 @@ def attention(
 
 def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig, stage: str = "o_proj",
+    partials: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> None:
-    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel."""
+    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel.
+    ``partials`` (part_o, part_lse, splits, head_dim): ``a`` is the merge of the attention's split partials,
+    done while loading (row-wise kernel only, ``LaunchConfig.merge_in_o_proj``); ``a`` is not read."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
+    if partials is not None and not cfg.row_wise:
+        raise ShapeError(f"merging split partials needs the row-wise kernel, {stage} runs {cfg.variant!r}")
     if cfg.row_wise:
+        src, lse, splits, head_dim = partials if partials is not None else (a, a, 0, 1)
         GV.gemv_rows_residual_kernel[grid](
-            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), ROWS3=cfg.variant == "rows3", **_kw(dev, lc, cfg=cfg),
+            src, w, res, out, lse, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop, D=head_dim,
+            SPLITS=splits,
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[grid](
@@ -213,6 +228,17 @@ def gemv_residual(
         BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
     )
+
+
+def attention_o_proj(
+    q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor, attn: torch.Tensor,
+    x: torch.Tensor, w_o: torch.Tensor, x1: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
+) -> None:
+    """``x1 = x + attention(q) @ w_o.T``: the split merge in its own launch, or inside the o_proj launch where
+    ``LaunchConfig.merge_in_o_proj`` says so (``attn`` is then left unwritten)."""
+    fold = lc.merge_in_o_proj(q.shape[0], shape, splits)
+    attention(q, kv, meta, part_o, part_lse, attn, shape, lc, splits, merge=not fold)
+    gemv_residual(attn, w_o, x, x1, lc, partials=(part_o, part_lse, splits, shape.head_dim) if fold else None)
 
 
 def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig,
@@ -226,8 +252,7 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
                   PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
-        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), ROWS3=cfg.variant == "rows3",
-                                          **common)
+        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
         return
     K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, rstd if rstd is not None else x, BLOCK_M=block_m(b, dev),
                                 DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, RSTD_IN=rstd is not None, **common)
