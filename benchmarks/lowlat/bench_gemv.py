@@ -63,8 +63,6 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this long")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--rstd-in", action="store_true",
-                    help="qkv and gate-up also timed with each row's 1/RMS given (variant name + ' rstd-in')")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
     t0 = time.time()
@@ -115,12 +113,10 @@ def main() -> None:
               "gate_up": weights[0].gate_up.numel() * 2, "down": weights[0].down.numel() * 2,
               "attention": b * c * shape.num_kv_heads * shape.head_dim * 2 * 2}
 
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1) + shape.rms_eps)
-
-        def run_stage(stage: str, lc: ops.LaunchConfig, i: int, splits: int = 0, given: bool = False) -> torch.Tensor:
+        def run_stage(stage: str, lc: ops.LaunchConfig, i: int, splits: int = 0) -> torch.Tensor:
             w = weights[i]
             if stage == "qkv":
-                ops.qkv_rope(x, w, kvs[i], meta, q, shape, lc, rstd=rstd if given else None)
+                ops.qkv_rope(x, w, kvs[i], meta, q, shape, lc)
                 return q
             if stage == "attention":
                 if splits == 0:
@@ -131,7 +127,7 @@ def main() -> None:
                 ops.gemv_residual(attn_in, w.o_proj, x, out_h, lc, stage="o_proj")
                 return out_h
             if stage == "gate_up":
-                ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc, rstd=rstd if given else None)
+                ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc)
                 return act
             ops.gemv_residual(act_in, w.down, x, out_h, lc, stage="down")
             return out_h
@@ -170,26 +166,22 @@ def main() -> None:
             todo = ATTN_CHOICES if stage == "attention" else cands(stage, b)
             ref = reference(stage)
 
-            def try_one(cfg: Any, stage: str = stage, ref: torch.Tensor | None = ref, given: bool = False) -> None:
+            def try_one(cfg: Any, stage: str = stage, ref: torch.Tensor | None = ref) -> None:
                 sp = cfg[1] if stage == "attention" else 0
                 lc = replace(base, attn_block_n=cfg[0], attn_tuned=()) if stage == "attention" else replace(base, tuned=((stage, 1 << 30, cfg),))
                 try:
-                    got = run_stage(stage, lc, 0, sp, given)
+                    got = run_stage(stage, lc, 0, sp)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     err = float((got.float() - ref).norm() / ref.norm()) if ref is not None else 0.0
                     if not err < 2e-2:
                         print(f"WRONG {stage} b={b} {cfg}: rel err {err:.2e}", flush=True)
                         return
-                    us = timed(lambda i: run_stage(stage, lc, i, sp, given))
+                    us = timed(lambda i: run_stage(stage, lc, i, sp))
                 except Exception as exc:  # noqa: BLE001 - a config out of resources is skipped
                     print(f"skip {stage} b={b} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     return
-                name = str(cfg) + (" rstd-in" if given else "")
-                results.append(dict(batch=b, stage=stage, variant=name, us=us, gbs=wb[stage] / us / 1e3, err=err))
-                if given:
-                    print(f"{stage} b={b} {cfg} with rstd given: {us:.2f} us", flush=True)
-                    return
+                results.append(dict(batch=b, stage=stage, variant=str(cfg), us=us, gbs=wb[stage] / us / 1e3, err=err))
                 if us < best.get((stage, b), (float("inf"), None))[0]:
                     best[(stage, b)] = (us, cfg)
 
@@ -202,10 +194,6 @@ def main() -> None:
                 # the winner again on a grid of 1, 2 or 4 programs per SM that loop over the tiles
                 for k in (1, 2, 4):
                     try_one(replace(best[(stage, b)][1], programs=k * base.num_sms))
-                if args.rstd_in and stage in ("qkv", "gate_up"):
-                    winner = best[(stage, b)][1]
-                    try_one(winner)  # again, next to the same kernel with 1/RMS given
-                    try_one(winner, given=True)
             print(f"[{time.time() - t0:.0f}s] b={b} {stage}: best {best.get((stage, b))}", flush=True)
 
     for b in [int(v) for v in args.batches.split(",")]:

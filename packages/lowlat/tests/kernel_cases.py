@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from lowlat import Coverage, KVCache, LayerShape, LowlatConfig, reference_decoder_layer
 from lowlat.build import BuildContext
-from lowlat.errors import ShapeError
 from lowlat.kernels import ops
 from lowlat.reference import apply_rope, decode_attention, rms_norm
 from lowlat.testing import TinyModel, decode_meta, fake_setup, greedy_decode, random_kv, random_layer
@@ -88,36 +87,6 @@ def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, spl
     ops.attention(q, kv, meta, part_o, part_lse, out, shape, _lc(shape), splits)
     ref = decode_attention(q.view(4, shape.num_heads, -1), kv, meta, shape.head_dim**-0.5).reshape(4, -1)
     assert _rel(out, ref) < TOL[dtype]
-
-
-@pytest.mark.parametrize(("shape", "dtype", "splits", "batch"), [
-    (SHAPES[0], torch.float32, 5, 4), (SHAPES[1], torch.bfloat16, 8, 4), (SHAPES[1], torch.float32, 3, 1),
-])
-def test_interpret_split_merge_inside_o_proj(shape: LayerShape, dtype: torch.dtype, splits: int, batch: int) -> None:
-    """The row-wise o_proj merging the attention's split partials itself (no merge launch) against the torch
-    attention + o_proj + residual; short sequences leave empty splits (log-sum-exp -inf)."""
-    g = torch.Generator().manual_seed(31 + splits)
-    lens = [1, 17, 40, 6][:batch]
-    meta = decode_meta(lens, 120, 48, DEVICE, generator=g)
-    kv = random_kv(shape, 120, dtype, DEVICE, generator=g)
-    q = torch.randn(batch, shape.q_size, generator=g).to(DEVICE, dtype)
-    x = torch.randn(batch, shape.hidden_size, generator=g).to(DEVICE, dtype)
-    w_o = (torch.randn(shape.hidden_size, shape.q_size, generator=g) / 8).to(DEVICE, dtype)
-    attn_ref = decode_attention(q.view(batch, shape.num_heads, -1), kv, meta, shape.head_dim**-0.5).reshape(batch, -1)
-    ref = x.float() + attn_ref.float() @ w_o.float().T
-    rows = ops.GemvConfig("rows", block_n=16, block_k=32)
-    for cfg, limit, folded in [(rows, 1 << 20, True), (rows, 0, False), (ops.GemvConfig(), 1 << 20, False)]:
-        lc = replace(_lc(shape), tuned=(("o_proj", 8, cfg),), merge_in_o_proj_bytes=limit)
-        assert lc.merge_in_o_proj(batch, shape, splits) == folded
-        part_o = torch.full((batch, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
-        part_lse = torch.full((batch, shape.num_heads, splits), float("nan"), device=DEVICE)
-        attn = torch.full_like(q, float("nan"))
-        x1 = torch.full_like(x, float("nan"))
-        ops.attention_o_proj(q, kv, meta, part_o, part_lse, attn, x, w_o, x1, shape, lc, splits)
-        assert _rel(x1, ref) < TOL[dtype], (cfg, limit)
-        assert bool(torch.isnan(attn).all()) == folded  # folded: the merged attention output is never written
-    with pytest.raises(ShapeError, match="row-wise"):
-        ops.gemv_residual(q, w_o, x, x1, _lc(shape), partials=(part_o, part_lse, splits, shape.head_dim))
 
 
 # (variant, programs) of the GEMV stages beyond the defaults; programs > 0: fewer programs than tiles, looping

@@ -21,31 +21,30 @@ from lowlat.kernels.layer import _rope_store, rms_rstd
 
 @triton.jit
 def gemv_rows_residual_kernel(
-    a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr,
+    a_ptr, w_ptr, res_ptr, out_ptr,
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, LOOP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
-    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each.
-    # SPLITS > 0: a_ptr / lse_ptr are the decode attention's split partials (B, K // D heads, SPLITS, D) and
-    # (B, heads, SPLITS), merged here while loading the activation (no merge launch).
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, USE_PDL, PDL_EARLY, D, SPLITS)
+            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, USE_PDL, PDL_EARLY)
     else:
-        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr, B, N, K, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, D, SPLITS)
+        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY)
 
 
 @triton.jit
 def _gemv_rows_residual_tile(
-    pid, a_ptr, w_ptr, res_ptr, out_ptr, lse_ptr,
+    pid, a_ptr, w_ptr, res_ptr, out_ptr,
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,12 +56,11 @@ def _gemv_rows_residual_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, lse_ptr, 0, offs_k, offs_k < K, B,
-                    K, BLOCK_M, D, SPLITS)
+    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
         wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc = _add_rows(acc, wf, a_ptr, lse_ptr, k0, offs_k, km, B, K, BLOCK_M, D, SPLITS)
+        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     mask = (offs_m[:, None] < B) & n_mask[None, :]
@@ -71,33 +69,11 @@ def _gemv_rows_residual_tile(
 
 
 @triton.jit
-def _activation_row(a_ptr, lse_ptr, m, k0, offs_k, valid, K: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
-    """Row ``m`` of the activation at columns ``k0 + offs_k`` as float32: ``a[m]``, or with ``SPLITS`` > 0 the
-    log-sum-exp merge of the split partials of the heads those columns belong to (as ``merge_splits_kernel``)."""
-    if SPLITS == 0:
-        return tl.load(a_ptr + m * K + k0 + offs_k, mask=valid, other=0.0).to(tl.float32)
-    k = k0 + offs_k
-    base = (m * (K // D) + k // D) * SPLITS  # (row, head) of each column
-    mx = offs_k.to(tl.float32) * 0.0 + float("-inf")
-    for s in tl.static_range(SPLITS):
-        mx = tl.maximum(mx, tl.load(lse_ptr + base + s, mask=valid, other=float("-inf")))
-    num = offs_k.to(tl.float32) * 0.0
-    den = offs_k.to(tl.float32) * 0.0
-    for s in tl.static_range(SPLITS):
-        lse = tl.load(lse_ptr + base + s, mask=valid, other=float("-inf"))
-        wgt = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
-        num += wgt * tl.load(a_ptr + (base + s) * D + k % D, mask=valid, other=0.0)
-        den += wgt
-    return num / tl.where(den == 0.0, 1.0, den)
-
-
-@triton.jit
-def _add_rows(acc, wf, a_ptr, lse_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-              SPLITS: tl.constexpr):
-    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled; ``_activation_row``)."""
+def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled)."""
     offs_m = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
-        xm = _activation_row(a_ptr, lse_ptr, m, k0, offs_k, k_mask & (offs_k * 0 + m < B), K, D, SPLITS)
+        xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
         acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
     return acc
 

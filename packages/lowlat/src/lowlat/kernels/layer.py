@@ -38,12 +38,11 @@ def qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
     B, eps,
-    stride_ks, stride_kh, stride_vs, stride_vh, rstd_ptr,
+    stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, RSTD_IN: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
-    # RSTD_IN: 1/rms of each row is read from rstd_ptr (B floats) instead of summed here
     # One tile = BLOCK_P rotary pairs (rows r1 and r1 + D/2) of one q, k or v head, for all rows.
     HALF: tl.constexpr = D // 2
     PB: tl.constexpr = HALF // BLOCK_P
@@ -64,10 +63,7 @@ def qkv_rope_kernel(
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
-        if RSTD_IN:
-            rstd = tl.load(rstd_ptr + offs_m, mask=m_mask, other=0.0)
-        else:
-            rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
+        rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
         gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
@@ -296,30 +292,30 @@ def _gemv_residual_tile(
 @triton.jit
 def norm_gate_up_kernel(
     x_ptr, norm_w_ptr, w_ptr, act_ptr,
-    B, eps, rstd_ptr,
+    B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, RSTD_IN: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
-            _norm_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, rstd_ptr, H, INTER, BLOCK_M,
-                               BLOCK_N, BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, RSTD_IN)
+            _norm_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M, BLOCK_N,
+                               BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
     else:
-        _norm_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, rstd_ptr, H, INTER, BLOCK_M,
-                           BLOCK_N, BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, RSTD_IN)
+        _norm_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
 
 
 @triton.jit
 def _norm_gate_up_tile(
     pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
-    B, eps, rstd_ptr,
+    B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, RSTD_IN: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
@@ -334,10 +330,7 @@ def _norm_gate_up_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    if RSTD_IN:
-        rstd = tl.load(rstd_ptr + offs_m, mask=m_mask, other=0.0)
-    else:
-        rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
+    rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
     gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     xn = xv.to(tl.float32) * gamma[None, :]

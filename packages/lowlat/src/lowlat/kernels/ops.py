@@ -67,9 +67,6 @@ class LaunchConfig:
     tuned: tuple[tuple[str, int, GemvConfig], ...] = ()
     # (max batch, attention block_n): the same rule for the decode attention's KV block (else attn_block_n)
     attn_tuned: tuple[tuple[int, int], ...] = ()
-    # a row-wise o_proj merges the attention's split partials itself (no merge launch) while every one of its
-    # programs re-reading all of them stays within this many bytes (0: never)
-    merge_in_o_proj_bytes: int = 64 << 10
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
@@ -104,11 +101,6 @@ class LaunchConfig:
     def attn_block(self, batch: int) -> int:
         """The decode attention's KV block (tokens per inner step) at ``batch`` rows."""
         return next((block for max_batch, block in self.attn_tuned if batch <= max_batch), self.attn_block_n)
-
-    def merge_in_o_proj(self, batch: int, shape: LayerShape, splits: int) -> bool:
-        """Whether the split merge runs inside the o_proj launch (``gemv_residual(partials=...)``)."""
-        partial_bytes = batch * shape.num_heads * splits * (shape.head_dim + 1) * 4
-        return splits > 1 and self.gemv_config("o_proj", batch).row_wise and partial_bytes <= self.merge_in_o_proj_bytes
 
     def qkv_block_errors(self, shape: LayerShape) -> tuple[str, ...]:
         """Why the qkv kernel's rotary-pair blocks (the default and every tuned one) do not fit ``shape``."""
@@ -154,10 +146,9 @@ def check_head_dim(shape: LayerShape) -> None:
 
 def qkv_rope(
     x: torch.Tensor, w: AttentionWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
-    grid_programs: int | None = None, rstd: torch.Tensor | None = None,
+    grid_programs: int | None = None,
 ) -> None:
-    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc.
-    ``rstd``: each row's 1/RMS, float32 (B,), when already known (the tensor-core kernel then skips its sum)."""
+    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("qkv", b)
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
@@ -171,17 +162,15 @@ def qkv_rope(
     if cfg.row_wise:
         GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
         return
-    K.qkv_rope_kernel[grid](*args, rstd_ptr=rstd if rstd is not None else x, BLOCK_M=block_m(b, dev),
-                            DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, RSTD_IN=rstd is not None, **common)
+    K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
 
 
 def attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
-    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int, merge: bool = True,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
 ) -> None:
     """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials and a
-    merge launch, or with ``splits == 1`` in one launch. ``merge=False``: the partials are left for the
-    o_proj launch to merge (``LaunchConfig.merge_in_o_proj``); ``out`` is not written."""
+    merge launch, or with ``splits == 1`` in one launch."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
     grid = (b, shape.num_kv_heads, splits)
@@ -194,8 +183,8 @@ def attention(
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
         PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), **_kw(dev, lc),
     )
-    if splits == 1 or not merge:
-        return  # the attention kernel wrote `out` itself, or the o_proj launch merges the partials
+    if splits == 1:
+        return  # the attention kernel wrote `out` itself
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_heads), **_kw(dev, lc),
@@ -204,22 +193,15 @@ def attention(
 
 def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig, stage: str = "o_proj",
-    partials: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> None:
-    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel.
-    ``partials`` (part_o, part_lse, splits, head_dim): ``a`` is the merge of the attention's split partials,
-    done while loading (row-wise kernel only, ``LaunchConfig.merge_in_o_proj``); ``a`` is not read."""
+    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
-    if partials is not None and not cfg.row_wise:
-        raise ShapeError(f"merging split partials needs the row-wise kernel, {stage} runs {cfg.variant!r}")
     if cfg.row_wise:
-        src, lse, splits, head_dim = partials if partials is not None else (a, a, 0, 1)
         GV.gemv_rows_residual_kernel[grid](
-            src, w, res, out, lse, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop, D=head_dim,
-            SPLITS=splits,
+            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
@@ -230,21 +212,8 @@ def gemv_residual(
     )
 
 
-def attention_o_proj(
-    q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor, attn: torch.Tensor,
-    x: torch.Tensor, w_o: torch.Tensor, x1: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
-) -> None:
-    """``x1 = x + attention(q) @ w_o.T``: the split merge in its own launch, or inside the o_proj launch where
-    ``LaunchConfig.merge_in_o_proj`` says so (``attn`` is then left unwritten)."""
-    fold = lc.merge_in_o_proj(q.shape[0], shape, splits)
-    attention(q, kv, meta, part_o, part_lse, attn, shape, lc, splits, merge=not fold)
-    gemv_residual(attn, w_o, x, x1, lc, partials=(part_o, part_lse, splits, shape.head_dim) if fold else None)
-
-
-def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig,
-                 rstd: torch.Tensor | None = None) -> None:
-    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden); ``rstd`` as
-    in ``qkv_rope``."""
+def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig) -> None:
+    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden)."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
@@ -254,5 +223,5 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
         return
-    K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, rstd if rstd is not None else x, BLOCK_M=block_m(b, dev),
-                                DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, RSTD_IN=rstd is not None, **common)
+    K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=block_m(b, dev),
+                                DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)

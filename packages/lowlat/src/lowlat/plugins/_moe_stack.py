@@ -73,8 +73,8 @@ class TritonMoEStack:
         ops.qkv_rope(x, w, kv, meta, self.q[:b], s, lc)
         max_len = meta.max_seq_len or meta.req_to_token.shape[1]
         splits = ops.num_splits(b, s, max_len, lc, self.max_splits)
-        ops.attention_o_proj(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], x, w.o_proj, self.x1[:b], s,
-                             lc, splits)
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], s, lc, splits)
+        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
         out = self.out[layer % 2, :b]
         moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc)
         return out

@@ -75,8 +75,8 @@ class TritonLayerStack:
 
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
-        ops.attention_o_proj(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], x, w.o_proj, self.x1[:b],
-                             self.shape, lc, self._splits(b, meta))
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
+        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
         ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc)
         ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc, stage="down")
 
