@@ -79,6 +79,21 @@ def plugin_registry() -> Any:
     return reg
 
 
+def _plugin_at_every_batch() -> None:
+    """Every engine made from here on builds its plugin with ``measured_coverage=False``."""
+    from dataclasses import replace
+
+    from lmserver.engine import lowlat_hook
+
+    parse = lowlat_hook.parse_lowlat_plugins
+
+    def parse_all_batches(value: str) -> Any:
+        config = parse(value)
+        return None if config is None else replace(config, measured_coverage=False)
+
+    lowlat_hook.parse_lowlat_plugins = parse_all_batches
+
+
 def make_core(path: str, tokenizer: str, plugins: str, backend: str = "triton") -> Any:
     from lmserver.config import ServerConfig
     from lmserver.engine.core import EngineCore
@@ -246,12 +261,17 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="triton", help="torch_native for a CPU smoke run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-steps", type=int, default=0, help="also profile one user's decode of N tokens")
+    ap.add_argument("--all-batches", action="store_true",
+                    help="run the plugin at every batch it covers (LowlatConfig.measured_coverage=False), also "
+                         "where lowlat.kernels.tuning.WINS_UP_TO sends larger batches to the generic path")
     ap.add_argument("--trace-dir", default=None, help="write each profile's chrome trace here")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     plugins = [p for p in args.plugins.split(",") if p]
+    if args.all_batches:
+        _plugin_at_every_batch()
     for name in args.shapes.split(","):
         bench_shape(name, args.smol_folder, plugins, args)
     dump(args.json)

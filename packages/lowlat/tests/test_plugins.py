@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -65,6 +66,31 @@ def test_build_refuses_odd_head_dim_with_unsupported() -> None:
                        Coverage(), LowlatConfig(), fake_setup(vendor="cpu"), 64)
     with pytest.raises(Unsupported, match="power-of-two head_dim"):
         build(ctx)
+
+
+@pytest.mark.parametrize(("wins_up_to", "measured", "largest"), [(0, True, 8), (1, True, 1), (4, True, 4), (1, False, 8)])
+def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured: bool, largest: int) -> None:
+    """LaunchConfig.wins_up_to (tuning.WINS_UP_TO) caps the decode batches the built stack takes (the agreed
+    coverage here: 8) unless LowlatConfig.measured_coverage is off; extend steps are never covered."""
+    from lowlat.build import BuildContext
+    from lowlat.plugins._stack import TritonLayerStack
+    from lowlat.spec import Coverage, StepKind
+
+    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+    ctx = BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
+                       Coverage(max_tokens=8), LowlatConfig(measured_coverage=measured), fake_setup(vendor="cpu"), 64)
+    lc = ops.LaunchConfig.for_device(torch.device("cpu"), shape, False)
+    stack = TritonLayerStack("nvidia", ctx, replace(lc, wins_up_to=wins_up_to))
+    assert [b for b in range(1, 17) if stack.covers(Step.decode(b))] == list(range(1, largest + 1))
+    assert not stack.covers(Step(StepKind.EXTEND, 1, 4, 4))
+
+
+def test_measured_win_table_is_well_formed() -> None:
+    from lowlat.kernels.tuning import WINS_UP_TO, tuned_wins_up_to
+
+    assert tuned_wins_up_to("Some Other GPU", shape=LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8,
+                                                               head_dim=128, intermediate_size=14336)) == 0
+    assert all(limit >= 1 for limit in WINS_UP_TO.values())
 
 
 def test_cpu_launch_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

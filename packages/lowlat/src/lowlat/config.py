@@ -27,6 +27,10 @@ class LowlatConfig:
         spin_limit: upper bound on polling iterations of a persistent kernel waiting on a tile
             before it raises its error flag instead of hanging.
         max_attn_splits: most split-KV partitions used by the decode attention kernels.
+        measured_coverage: a built plugin declines decode batches above the largest one at which it
+            measured faster than the generic path on this GPU and layer shape (``nvidia``:
+            ``lowlat.kernels.tuning.WINS_UP_TO``), so those steps run the original forward; ``False``
+            runs the plugin on every batch its coverage allows (to benchmark it there).
     """
 
     mode: Mode = "auto"
@@ -36,6 +40,7 @@ class LowlatConfig:
     pdl: PdlMode = "auto"
     spin_limit: int = 1 << 18
     max_attn_splits: int = 16
+    measured_coverage: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "auto", "require"):

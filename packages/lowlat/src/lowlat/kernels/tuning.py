@@ -59,6 +59,15 @@ PDL_RELEASE: dict[tuple[str, tuple[int, int, int, int, int]], str] = {
 }
 
 
+# (GPU name, shape) -> the largest decode batch at which the nvidia plugin measured faster than the generic
+# CUDA-graph path end to end; larger batches run the generic path (LowlatConfig.measured_coverage). H200 8B,
+# bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.08-1.09x at concurrency 1, 0.92-0.96x at 4 and 8, where
+# cuBLAS beats our qkv and gate-up kernels. Shapes without an entry: every covered batch.
+WINS_UP_TO: dict[tuple[str, tuple[int, int, int, int, int]], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
+}
+
+
 def shape_key(shape: LayerShape) -> tuple[int, int, int, int, int]:
     return (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size)
 
@@ -76,3 +85,8 @@ def tuned_pdl_release(device_name: str, shape: LayerShape) -> str:
 def tuned_attention(device_name: str, shape: LayerShape) -> tuple[tuple[int, int], ...]:
     """The measured decode-attention blocks for this GPU and shape (``LaunchConfig.attn_tuned``), or none."""
     return ATTENTION.get((device_name, shape_key(shape)), ())
+
+
+def tuned_wins_up_to(device_name: str, shape: LayerShape) -> int:
+    """The largest decode batch the plugin should take on this GPU and shape (``WINS_UP_TO``), 0 = no limit."""
+    return WINS_UP_TO.get((device_name, shape_key(shape)), 0)

@@ -56,7 +56,11 @@ class TritonLayerStack:
         return sum(t.numel() * t.element_size() for t in self._buffers)
 
     def covers(self, step: Step) -> bool:
-        return step.kind == StepKind.DECODE and step.batch_size <= self.ctx.max_batch_size
+        """Decode steps up to the agreed batch, and with ``LowlatConfig.measured_coverage`` only up to the
+        largest batch the plugin measured faster than the generic path at (``LaunchConfig.wins_up_to``)."""
+        limit = self.lc.wins_up_to if self.ctx.config.measured_coverage else 0
+        return (step.kind == StepKind.DECODE and step.batch_size <= self.ctx.max_batch_size
+                and (limit == 0 or step.batch_size <= limit))
 
     def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
         """Decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""
