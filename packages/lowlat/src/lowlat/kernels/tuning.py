@@ -12,8 +12,9 @@ from lowlat.kernels.ops import GemvConfig
 from lowlat.layer import LayerShape
 
 # (GPU name, (hidden, q heads, kv heads, head_dim, intermediate)) -> (stage, max batch, config), ...
+ShapeKey = tuple[int, int, int, int, int]
 Entry = tuple[str, int, GemvConfig]
-TABLES: dict[tuple[str, tuple[int, int, int, int, int]], tuple[Entry, ...]] = {
+TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
     # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30): the 32-layer
     # stack takes 124.1 us per layer at batch 1 (83% of the copy bandwidth) and 152.0 at batch 8, against
     # 181.5 and 204.6 with the defaults
@@ -45,7 +46,7 @@ TABLES: dict[tuple[str, tuple[int, int, int, int, int]], tuple[Entry, ...]] = {
 # (GPU name, shape) -> ((max batch, decode attention block_n), ...) (LaunchConfig.attn_tuned): bench_gemv's
 # attention sweep, context 512, H200 2026-11-30 (benchmarks/RESULTS.md): block 32 at batch 1 (8B 5.04 us vs
 # 6.20 with 64; SmolLM2 3.45 vs 3.95), 128 from batch 4 (8B 7.46 / 10.38 us vs 8.11 / 11.82 at batches 4 / 8)
-ATTENTION: dict[tuple[str, tuple[int, int, int, int, int]], tuple[tuple[int, int], ...]] = {
+ATTENTION: dict[tuple[str, ShapeKey], tuple[tuple[int, int], ...]] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): ((1, 32), (16, 128)),
     ("NVIDIA H200", (576, 9, 3, 64, 1536)): ((1, 32), (16, 128)),
 }
@@ -54,7 +55,7 @@ ATTENTION: dict[tuple[str, tuple[int, int, int, int, int]], tuple[tuple[int, int
 # H200 SmolLM2, 30-layer stack, context 512, us per layer at batch 1 / 4 / 8: early 15.0 / 23.1 / 24.0,
 # auto 16.5 / 23.0 / 24.0, late 18.1 / 25.9 / 26.6 (its grids are small). The 8B layer keeps "auto"
 # (124.4 / 147.8 / 150.8, late 123.7 / 146.8 / 151.5, early 129.3 / 180.5 / 184.0).
-PDL_RELEASE: dict[tuple[str, tuple[int, int, int, int, int]], str] = {
+PDL_RELEASE: dict[tuple[str, ShapeKey], str] = {
     ("NVIDIA H200", (576, 9, 3, 64, 1536)): "early",
 }
 
@@ -62,13 +63,14 @@ PDL_RELEASE: dict[tuple[str, tuple[int, int, int, int, int]], str] = {
 # (GPU name, shape) -> the largest decode batch at which the nvidia plugin measured faster than the generic
 # CUDA-graph path end to end; larger batches run the generic path (LowlatConfig.measured_coverage). H200 8B,
 # bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.08-1.09x at concurrency 1, 0.92-0.96x at 4 and 8, where
-# cuBLAS beats our qkv and gate-up kernels. Shapes without an entry: every covered batch.
-WINS_UP_TO: dict[tuple[str, tuple[int, int, int, int, int]], int] = {
+# cuBLAS beats our qkv and gate-up kernels. Shapes without an entry: every covered batch. Dense layer stacks
+# only: a Mixtral layer has the same key as Llama-3-8B but its MoE stack was not measured against this.
+WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
 }
 
 
-def shape_key(shape: LayerShape) -> tuple[int, int, int, int, int]:
+def shape_key(shape: LayerShape) -> ShapeKey:
     return (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size)
 
 
