@@ -41,7 +41,7 @@ QKV_ROWS_BLOCKS = [(4, 1024), (8, 512), (8, 1024), (16, 512)]
 WARPS_STAGES = [(4, 3), (4, 4), (8, 3)]
 
 
-def candidates(stage: str, batch: int = 1) -> list[ops.GemvConfig]:
+def candidates(stage: str) -> list[ops.GemvConfig]:
     out = []
     blocks = [(p, k) for p in (8, 16, 32) for k in (128, 256, 512)] if stage == "qkv" else DOT_BLOCKS
     for (bn, bk), (nw, ns) in itertools.product(blocks, WARPS_STAGES):
@@ -77,9 +77,9 @@ def main() -> None:
             fn()
             return (time.perf_counter() - t) * 1e6
 
-        def cands(stage: str, batch: int = 1) -> list[ops.GemvConfig]:
+        def cands(stage: str) -> list[ops.GemvConfig]:
             first: dict[str, ops.GemvConfig] = {}  # the first candidate of each variant
-            for c in candidates(stage, batch):
+            for c in candidates(stage):
                 first.setdefault(c.variant, c)
             return list(first.values())
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def main() -> None:
             if stage != "attention":
                 us = timed(lambda i, stage=stage: cublas(stage, i))
                 results.append(dict(batch=b, stage=stage, variant="cublas", us=us, gbs=wb[stage] / us / 1e3))
-            todo = ATTN_CHOICES if stage == "attention" else cands(stage, b)
+            todo = ATTN_CHOICES if stage == "attention" else cands(stage)
             ref = reference(stage)
 
             def try_one(cfg: Any, stage: str = stage, ref: torch.Tensor | None = ref) -> None:
