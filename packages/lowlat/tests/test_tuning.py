@@ -49,8 +49,8 @@ def test_unknown_gpu_or_shape_gets_no_entries() -> None:
 
 def test_qkv_blocks_that_do_not_divide_half_the_head_dim_are_reported() -> None:
     assert LaunchConfig(qkv_block_p=16).qkv_block_errors(LLAMA3_8B) == ()
-    odd = LaunchConfig(qkv_block_p=16, tuned=(("qkv", 1, GemvConfig("dot", 48, 256, 4, 3)),))
-    assert odd.qkv_block_errors(LLAMA3_8B) == ("head_dim 128 is not a multiple of 2 * 48",)
+    odd = LaunchConfig(qkv_block_p=16, tuned=(("qkv", 1, GemvConfig("dot", 128, 256, 4, 3)),))
+    assert odd.qkv_block_errors(LLAMA3_8B) == ("head_dim 128 is not a multiple of 2 * 128",)
 
 
 def test_pdl_release_point() -> None:
@@ -86,3 +86,11 @@ def test_attention_block_by_batch() -> None:
     for entries in ATTENTION.values():
         assert all(block & (block - 1) == 0 for _, block in entries)  # powers of two (tl.arange)
         assert [mb for mb, _ in entries] == sorted(mb for mb, _ in entries)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"variant": "rows3"}, "variant"), ({"block_n": 48}, "block_n"), ({"block_k": 0}, "block_k"),
+    ({"num_warps": 0}, "num_warps"), ({"programs": -1}, "programs")])
+def test_gemv_config_rejects_what_no_kernel_runs(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GemvConfig(**kwargs)

@@ -15,6 +15,7 @@ from lowlat.layer import ForwardMeta, KVCache, LayerShape
 from lowlat.reference import AttentionWeights
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
+GEMV_VARIANTS = ("dot", "rows")
 PDL_RELEASES = ("auto", "early", "late")
 
 
@@ -32,6 +33,16 @@ class GemvConfig:
     # 0: one program per output tile; N > 0: at most N programs, each looping over tiles (a grid that
     # fits the GPU at once, so the next launch's programs can be resident early under PDL)
     programs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.variant not in GEMV_VARIANTS:
+            raise ValueError(f"GemvConfig.variant must be one of {GEMV_VARIANTS}, got {self.variant!r}")
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two (a tl.arange extent), got {value}")
+        if self.num_warps < 1 or self.num_stages < 1 or self.programs < 0:
+            raise ValueError(f"GemvConfig needs num_warps, num_stages >= 1 and programs >= 0, got {self}")
 
     @property
     def row_wise(self) -> bool:
