@@ -146,6 +146,19 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
+def gpu_state() -> str:
+    """SM clock, its maximum, temperature and power now (nvidia-smi), to tell a throttled run from a slow one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return "no nvidia-smi"
+    query = "clocks.sm,clocks.max.sm,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+    done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", "0"],
+                          capture_output=True, text=True, timeout=20, check=False)
+    return done.stdout.strip() or done.stderr.strip()
+
+
 def bench_shape(name: str, smol: str, plugins: list[str], args: argparse.Namespace) -> None:
     path = shape_folder(name, smol)
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
@@ -159,7 +172,7 @@ def bench_shape(name: str, smol: str, plugins: list[str], args: argparse.Namespa
             RESULTS["errors"].append({"model": name, "plugins": setting, "error": repr(exc)[:400]})
             log(f"{name} {setting}: start-up failed: {exc!r}"[:500])
             continue
-        log(f"{name} {setting}: built in {build_s:.1f}s")
+        log(f"{name} {setting}: built in {build_s:.1f}s; GPU (SM MHz, max, C, W, throttle): {gpu_state()}")
         run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
         toks, _, _ = run(core, prompts_for(1, vocab, 1), args.check_tokens)
         if setting == "off":
