@@ -1,6 +1,6 @@
 """Greedy sampling's argmax on a GPU: `torch.argmax` vs lmserver's chunked two-step argmax.
 
-    python benchmarks/kernels/bench_argmax.py
+    python benchmarks/kernels/bench_argmax.py [--json PATH]
 
 For each vocabulary (SmolLM2 49,152; Llama-3 128,256), batch and logits dtype: us per call (eager, 200 calls
 between two CUDA events, so launch cost included, as in the engine's sampling step) and in a CUDA graph,
@@ -10,12 +10,16 @@ variant is checked equal to `torch.argmax` on fresh random logits with planted t
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Callable
+
 import torch
 
 from lmserver.engine.sampler import _argmax_chunks, chunked_argmax
 
 
-def timed(fn, eager: bool, iters: int = 200) -> float:
+def timed(fn: Callable[[], torch.Tensor], eager: bool, iters: int = 200) -> float:
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -43,6 +47,10 @@ def timed(fn, eager: bool, iters: int = 200) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    rows = []
     dev = torch.device("cuda")
     print(f"device={torch.cuda.get_device_name(dev)}")
     print(f"{'vocab':>7s} {'bs':>3s} {'dtype':>9s} {'variant':>14s} {'eager us':>9s} {'graph us':>9s}")
@@ -60,8 +68,12 @@ def main() -> None:
                              for c in options]
                 for name, fn in variants:
                     assert torch.equal(fn(), ref), name
-                    print(f"{vocab:7d} {bs:3d} {str(dtype)[6:]:>9s} {name:>14s} {timed(fn, True):9.2f} {timed(fn, False):9.2f}",
-                          flush=True)
+                    eager, graph = timed(fn, True), timed(fn, False)
+                    rows.append(dict(vocab=vocab, batch=bs, dtype=str(dtype)[6:], variant=name, eager_us=eager, graph_us=graph))
+                    print(f"{vocab:7d} {bs:3d} {str(dtype)[6:]:>9s} {name:>14s} {eager:9.2f} {graph:9.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
