@@ -63,8 +63,6 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this long")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--specialize-batch", action="store_true",
-                    help="compile every candidate with the batch as a constant (LaunchConfig.specialize_batch)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
     t0 = time.time()
@@ -86,7 +84,7 @@ def main() -> None:
             return list(first.values())
     torch.manual_seed(0)
     weights = [gpu_layer(shape, bf16, dev) for _ in range(args.layers)]
-    base = replace(ops.LaunchConfig.for_device(dev, shape, use_pdl=True), tuned=(), specialize_batch=args.specialize_batch)
+    base = replace(ops.LaunchConfig.for_device(dev, shape, use_pdl=True), tuned=())
     gpu_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device={gpu_name} sms={base.num_sms} pdl={base.use_pdl}", flush=True)
     c = args.context

@@ -69,7 +69,6 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
         ("nvidia-1split", lambda: nvidia.build(ctx(pdl="auto", max_attn_splits=1))),  # attention in one launch
         ("nvidia-pdl-early", lambda: _release(nvidia.build(ctx(pdl="auto")), "early")),
         ("nvidia-pdl-late", lambda: _release(nvidia.build(ctx(pdl="auto")), "late")),
-        ("nvidia-batch-const", lambda: _batch_const(nvidia.build(ctx(pdl="auto")))),
         ("amd-persistent", lambda: amd.build(ctx(amd_mode="persistent"))),
         ("amd-staged", lambda: amd.build(ctx(amd_mode="staged"))),
     ]:
@@ -83,12 +82,6 @@ def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, 
 def _release(built: Any, release: str) -> Any:
     """The same stack with every kernel releasing its dependent launch at ``release`` (LaunchConfig.pdl_release)."""
     built.lc = replace(built.lc, pdl_release=release)
-    return built
-
-
-def _batch_const(built: Any) -> Any:
-    """The same stack with its GEMV kernels compiled per batch size (LaunchConfig.specialize_batch)."""
-    built.lc = replace(built.lc, specialize_batch=True)
     return built
 
 

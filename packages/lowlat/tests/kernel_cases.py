@@ -45,10 +45,8 @@ def _lc(shape: LayerShape) -> ops.LaunchConfig:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("variant", "programs", "specialize"), [
-    ("dot", 0, False), ("rows", 0, False), ("dot", 3, False), ("rows", 3, False), ("dot", 0, True), ("rows", 0, True)])
-def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, variant: str, programs: int,
-                                     specialize: bool) -> None:
+@pytest.mark.parametrize(("variant", "programs"), [("dot", 0), ("rows", 0), ("dot", 3), ("rows", 3)])
+def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, variant: str, programs: int) -> None:
     g = torch.Generator().manual_seed(11)
     w = random_layer(shape, dtype, DEVICE, generator=g)
     meta = decode_meta([5, 1, 9], 40, 12, DEVICE, generator=g)
@@ -56,7 +54,7 @@ def test_interpret_qkv_rope_kv_write(shape: LayerShape, dtype: torch.dtype, vari
     before = KVCache(kv.k.clone(), kv.v.clone())
     x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
     q = torch.full((3, shape.q_size), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
-    lc = replace(_lc(shape), specialize_batch=specialize)  # specialize: the batch of 3 as a compile-time constant
+    lc = _lc(shape)
     if variant != "dot" or programs:  # 2 rotary pairs per tile, K in blocks of 64 (hidden 96: a partial last block)
         lc = replace(lc, tuned=(("qkv", 8, ops.GemvConfig(variant, block_n=2, block_k=64, programs=programs)),))
     ops.qkv_rope(x, w, kv, meta, q, shape, lc)
@@ -110,17 +108,15 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
     # 72 columns: the last block of 16 is partial; programs=2: two programs loop over the 5 tiles
     variants = [ops.GemvConfig(v, block_n=16, block_k=32, programs=p) for v, p in VARIANT_PROGRAMS]
     for cfg in variants:
-        for specialize in (False, True):  # True: the batch as a compile-time constant (B_CONST)
-            out_rows = torch.full_like(res, float("nan"))
-            ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, cfg),), specialize_batch=specialize),
-                              stage="down")
-            assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype], (cfg, specialize)
+        out_rows = torch.full_like(res, float("nan"))
+        ops.gemv_residual(a, w, res, out_rows, replace(lc, tuned=(("down", 8, cfg),)), stage="down")
+        assert _rel(out_rows, res.float() + a.float() @ w.float().T) < TOL[dtype], cfg
     x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
     nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
     wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)
     gate, up = (rms_norm(x.float(), nw.float(), 1e-5) @ wgu.float().T).split(40, -1)
-    rows_gu = [replace(lc, tuned=(("gate_up", 8, cfg),), specialize_batch=spec) for cfg in variants for spec in (False, True)]
-    for variant_lc in (lc, replace(lc, specialize_batch=True), *rows_gu):  # 40 columns: the last block of 16 is partial
+    rows_gu = [replace(lc, tuned=(("gate_up", 8, cfg),)) for cfg in variants]
+    for variant_lc in (lc, *rows_gu):  # 40 columns: the last block of 16 is partial
         act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
         ops.norm_gate_up(x, nw, wgu, act, 1e-5, variant_lc)
         assert _rel(act, F.silu(gate) * up) < TOL[dtype]

@@ -26,9 +26,8 @@ def gemv_rows_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, B_CONST: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
-    B = B_CONST if B_CONST > 0 else B  # B_CONST > 0: the batch as a compile-time constant (masks fold)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
@@ -98,9 +97,8 @@ def qkv_rope_rows_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, B_CONST: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
 ):
-    B = B_CONST if B_CONST > 0 else B  # B_CONST > 0: the batch as a compile-time constant (masks fold)
     # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head), row-wise: weights (BLOCK_P, BLOCK_K)
     HALF: tl.constexpr = D // 2
     PB: tl.constexpr = HALF // BLOCK_P
@@ -143,9 +141,8 @@ def norm_gate_up_rows_kernel(
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, B_CONST: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
-    B = B_CONST if B_CONST > 0 else B  # B_CONST > 0: the batch as a compile-time constant (masks fold)
     # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:

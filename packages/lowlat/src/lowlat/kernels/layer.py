@@ -41,9 +41,8 @@ def qkv_rope_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, B_CONST: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
 ):
-    B = B_CONST if B_CONST > 0 else B  # B_CONST > 0: the batch as a compile-time constant (masks fold)
     # One tile = BLOCK_P rotary pairs (rows r1 and r1 + D/2) of one q, k or v head, for all rows.
     HALF: tl.constexpr = D // 2
     PB: tl.constexpr = HALF // BLOCK_P
@@ -238,9 +237,8 @@ def gemv_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, B_CONST: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
-    B = B_CONST if B_CONST > 0 else B  # B_CONST > 0: the batch as a compile-time constant (masks fold)
     # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
@@ -298,9 +296,8 @@ def norm_gate_up_kernel(
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, B_CONST: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
-    B = B_CONST if B_CONST > 0 else B  # B_CONST > 0: the batch as a compile-time constant (masks fold)
     # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:

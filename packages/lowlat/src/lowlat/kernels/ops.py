@@ -80,9 +80,6 @@ class LaunchConfig:
     attn_tuned: tuple[tuple[int, int], ...] = ()
     # the largest decode batch the plugin measured faster than the generic path at (0: no limit)
     wins_up_to: int = 0
-    # compile the GEMV kernels per batch size with the batch as a constant, so row masks fold at compile
-    # time (Triton already does this for a batch of 1: an int argument equal to 1 is specialized)
-    specialize_batch: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
@@ -113,10 +110,6 @@ class LaunchConfig:
         if self.pdl_release == "auto":
             return programs <= self.num_sms
         return self.pdl_release == "early"
-
-    def batch_const(self, batch: int) -> int:
-        """The GEMV kernels' ``B_CONST``: ``batch`` when specializing on it, else 0 (a runtime batch)."""
-        return batch if self.specialize_batch else 0
 
     def attn_block(self, batch: int) -> int:
         """The decode attention's KV block (tokens per inner step) at ``batch`` rows."""
@@ -174,7 +167,7 @@ def qkv_rope(
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
     tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
     grid, _ = _grid(tiles, grid_programs or cfg.programs)  # NOTE: the qkv kernels always loop over tiles
-    common = dict(B=b, B_CONST=lc.batch_const(b), eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
+    common = dict(B=b, eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
                   stride_vh=kv.v.stride(1), H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
                   D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
                   USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
@@ -221,12 +214,12 @@ def gemv_residual(
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
-            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop, B_CONST=lc.batch_const(b),
+            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[grid](
-        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop, B_CONST=lc.batch_const(b),
+        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
         BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
     )
@@ -238,7 +231,7 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     cfg = lc.gemv_config("gate_up", b)
     inter, h = w.shape[0] // 2, w.shape[1]
     grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg.programs)
-    common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, B_CONST=lc.batch_const(b), BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
+    common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
                   PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
