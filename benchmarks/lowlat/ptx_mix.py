@@ -1,0 +1,169 @@
+"""Instruction mix of the nvidia plugin's kernels, cross-compiled for Hopper on any machine (no GPU needed).
+
+    python benchmarks/lowlat/ptx_mix.py [--shape llama3-8b] [--batches 1,4] [--stages qkv,o_proj,gate_up,down]
+                                        [--gpu "NVIDIA H200"] [--arch 90] [--dump DIR]
+
+Each stage is launched through its real `lowlat.kernels.ops` launcher on `meta` tensors of the layer's shapes,
+with the per-stage configs of `lowlat.kernels.tuning` for `--gpu`; the launch is captured instead of run, the
+arguments are specialized the way Triton specializes them at run time (16-byte aligned pointers, an int equal
+to 1 as a constant) and the kernel is compiled for `--arch` with `triton.compile`. Prints, per stage and batch:
+PTX lines, shared memory, and counts of the instructions that decide a GEMV's speed (global loads by width,
+cp.async, ldmatrix, mma, barriers, PDL). A way to compare code generation between configurations or batches
+when no GPU time is left; it says nothing about speed by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_layer import SHAPES  # noqa: E402
+
+from lowlat import KVCache  # noqa: E402
+from lowlat.kernels import gemv as GV  # noqa: E402
+from lowlat.kernels import layer as K  # noqa: E402
+from lowlat.kernels import ops  # noqa: E402
+from lowlat.kernels.tuning import tuned_attention, tuned_pdl_release, tuned_table  # noqa: E402
+from lowlat.layer import ForwardMeta, LayerShape, LayerWeights  # noqa: E402
+
+KERNELS = ("qkv_rope_kernel", "gemv_residual_kernel", "norm_gate_up_kernel", "decode_attention_kernel",
+           "merge_splits_kernel", "qkv_rope_rows_kernel", "gemv_rows_residual_kernel", "norm_gate_up_rows_kernel")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+COUNTED = [
+    ("ld.global.v4", r"ld\.global(\.[a-z]+)*\.v4"), ("ld.global.v2", r"ld\.global(\.[a-z]+)*\.v2"),
+    ("ld.global scalar", r"ld\.global(\.[a-z]+)*\.(b|u|s|f)(8|16|32|64)\b"), ("cp.async", r"cp\.async\.c[ag]"),
+    ("ldmatrix", r"ldmatrix"), ("mma", r"\bmma\.sync|wgmma"), ("fma", r"\bfma\.rn\.f32"),
+    ("bar.sync", r"bar\.sync"), ("gdc wait/launch", r"griddepcontrol"),
+]
+
+
+class Captured:
+    """Stands in for a kernel module attribute: `kernel[grid](...)` records the call instead of launching."""
+
+    def __init__(self, fn: Any, sink: list[tuple[Any, tuple, dict]]) -> None:
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.sink.append((self.fn, args, kwargs))
+        return launch
+
+
+def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig) -> list[tuple[Any, tuple, dict]]:
+    """The kernel launches of one stage at `batch` rows, on meta tensors (nothing runs)."""
+    dev, bf16, f32 = torch.device("meta"), torch.bfloat16, torch.float32
+
+    def t(*size: int, dtype: torch.dtype = bf16) -> torch.Tensor:
+        return torch.empty(*size, device=dev, dtype=dtype)
+
+    sink: list[tuple[Any, tuple, dict]] = []
+    saved = {name: getattr(mod, name) for mod in (K, GV) for name in KERNELS if hasattr(mod, name)}
+    for mod in (K, GV):
+        for name in KERNELS:
+            if hasattr(mod, name):
+                setattr(mod, name, Captured(getattr(mod, name), sink))
+    try:
+        h, ctx, slots = shape.hidden_size, 512, batch * 512 + 64
+        w = LayerWeights(t(h), t(shape.qkv_size, h), t(h, shape.q_size), t(h), t(2 * shape.intermediate_size, h),
+                         t(h, shape.intermediate_size), t(shape.head_dim // 2, dtype=f32))
+        kv = KVCache(t(slots, shape.num_kv_heads, shape.head_dim), t(slots, shape.num_kv_heads, shape.head_dim))
+        meta = ForwardMeta(t(batch, ctx + 1, dtype=torch.int32), t(batch, dtype=torch.int64), t(batch, dtype=torch.int32),
+                           t(batch, dtype=torch.int64), t(batch, dtype=torch.int64), max_seq_len=ctx)
+        x, a_q, act = t(batch, h), t(batch, shape.q_size), t(batch, shape.intermediate_size)
+        if stage == "qkv":
+            ops.qkv_rope(x, w, kv, meta, t(batch, shape.q_size), shape, lc)
+        elif stage == "attention":
+            splits = ops.num_splits(batch, shape, ctx, lc, 16)
+            part_o, part_lse = t(batch, shape.num_heads, 16, shape.head_dim, dtype=f32), t(batch, shape.num_heads, 16, dtype=f32)
+            ops.attention(a_q, kv, meta, part_o, part_lse, t(batch, shape.q_size), shape, lc, splits)
+        elif stage == "o_proj":
+            ops.gemv_residual(a_q, w.o_proj, x, t(batch, h), lc, stage="o_proj")
+        elif stage == "gate_up":
+            ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc)
+        else:
+            ops.gemv_residual(act, w.down, x, t(batch, h), lc, stage="down")
+    finally:
+        for mod in (K, GV):
+            for name in KERNELS:
+                if name in saved and hasattr(mod, name):
+                    setattr(mod, name, saved[name])
+    return sink
+
+
+def compile_launch(fn: Any, args: tuple, kwargs: dict, arch: int) -> Any:
+    """`triton.compile` of one captured launch, its arguments specialized as Triton does at run time."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    values = dict(zip([p.name for p in fn.params], args, strict=False))
+    values.update({k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, p in enumerate(fn.params):
+        value = values[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[(i,)] = "constexpr", value
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":  # an int equal to 1
+            signature[p.name], constexprs[(i,)] = "constexpr", key
+            continue
+        signature[p.name] = kind
+        if key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def mix(ptx: str) -> dict[str, int]:
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    counts = Counter()
+    for name, pattern in COUNTED:
+        counts[name] = sum(1 for ln in lines if re.match(pattern, ln) or re.search(r"\s" + pattern, " " + ln))
+    return dict(counts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--stages", default="qkv,attention,o_proj,gate_up,down")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="whose lowlat.kernels.tuning entries to use")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as an int (90: Hopper)")
+    ap.add_argument("--dump", default=None, help="write each kernel's PTX into this folder")
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132,
+                          tuned=tuned_table(args.gpu, shape), pdl_release=tuned_pdl_release(args.gpu, shape),
+                          attn_tuned=tuned_attention(args.gpu, shape))
+    names = [n for n, _ in COUNTED]
+    print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>22s} {'ptx':>5s} {'smem':>6s} " +
+          " ".join(f"{n:>8.8s}" for n in names))
+    for b in [int(v) for v in args.batches.split(",")]:
+        for stage in args.stages.split(","):
+            for fn, largs, kwargs in capture(stage, shape, b, lc):
+                cfg = lc.gemv_config(stage, b) if stage in ops.GEMV_STAGES else None
+                label = f"{cfg.variant} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}" if cfg else "-"
+                kernel = compile_launch(fn, largs, kwargs, args.arch)
+                ptx = kernel.asm["ptx"]
+                if args.dump:
+                    Path(args.dump).mkdir(parents=True, exist_ok=True)
+                    (Path(args.dump) / f"{stage}_b{b}_{fn.__name__}.ptx").write_text(ptx)
+                counts = mix(ptx)
+                print(f"{stage:>9s} {b:3d} {fn.__name__:>26.26s} {label:>22s} {len(ptx.splitlines()):5d} "
+                      f"{kernel.metadata.shared:6d} " + " ".join(f"{counts[n]:8d}" for n in names), flush=True)
+
+
+if __name__ == "__main__":
+    main()
