@@ -7,8 +7,8 @@ Each stage is launched through its real `lowlat.kernels.ops` launcher on `meta` 
 with the per-stage configs of `lowlat.kernels.tuning` for `--gpu`; the launch is captured instead of run, the
 arguments are specialized the way Triton specializes them at run time (16-byte aligned pointers, an int equal
 to 1 as a constant) and the kernel is compiled for `--arch` with `triton.compile`. Prints, per stage and batch:
-PTX lines, shared memory, and counts of the instructions that decide a GEMV's speed (global loads by width,
-cp.async, ldmatrix, mma, barriers, PDL). A way to compare code generation between configurations or batches
+PTX lines, shared memory, and counts of the instructions that decide a GEMV's speed (global loads by width:
+ldg.v4 / ldg.v2 / ldg.1, cp.async, ldmatrix, mma, float32 fma, barriers, PDL's griddepcontrol). A way to compare code generation between configurations or batches
 when no GPU time is left; it says nothing about speed by itself.
 """
 
@@ -37,10 +37,10 @@ KERNELS = ("qkv_rope_kernel", "gemv_residual_kernel", "norm_gate_up_kernel", "de
            "merge_splits_kernel", "qkv_rope_rows_kernel", "gemv_rows_residual_kernel", "norm_gate_up_rows_kernel")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 COUNTED = [
-    ("ld.global.v4", r"ld\.global(\.[a-z]+)*\.v4"), ("ld.global.v2", r"ld\.global(\.[a-z]+)*\.v2"),
-    ("ld.global scalar", r"ld\.global(\.[a-z]+)*\.(b|u|s|f)(8|16|32|64)\b"), ("cp.async", r"cp\.async\.c[ag]"),
-    ("ldmatrix", r"ldmatrix"), ("mma", r"\bmma\.sync|wgmma"), ("fma", r"\bfma\.rn\.f32"),
-    ("bar.sync", r"bar\.sync"), ("gdc wait/launch", r"griddepcontrol"),
+    ("ldg.v4", r"ld\.global(\.[a-z]+)*\.v4"), ("ldg.v2", r"ld\.global(\.[a-z]+)*\.v2"),
+    ("ldg.1", r"ld\.global(\.[a-z]+)*\.(b|u|s|f)(8|16|32|64)\b"), ("cp.async", r"cp\.async\.c[ag]"),
+    ("ldmatrix", r"ldmatrix"), ("mma", r"\bmma\.sync|wgmma"), ("fma.f32", r"\bfma\.rn\.f32"),
+    ("bar.sync", r"bar\.sync"), ("pdl", r"griddepcontrol"),
 ]
 
 
