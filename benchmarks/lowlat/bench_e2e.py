@@ -79,21 +79,6 @@ def plugin_registry() -> Any:
     return reg
 
 
-def _plugin_at_every_batch() -> None:
-    """Every engine made from here on builds its plugin with ``measured_coverage=False``."""
-    from dataclasses import replace
-
-    from lmserver.engine import lowlat_hook
-
-    parse = lowlat_hook.parse_lowlat_plugins
-
-    def parse_all_batches(value: str) -> Any:
-        config = parse(value)
-        return None if config is None else replace(config, measured_coverage=False)
-
-    lowlat_hook.parse_lowlat_plugins = parse_all_batches
-
-
 def make_core(path: str, tokenizer: str, plugins: str, backend: str = "triton") -> Any:
     from lmserver.config import ServerConfig
     from lmserver.engine.core import EngineCore
@@ -163,7 +148,8 @@ def bench_shape(name: str, smol: str, plugins: list[str], args: argparse.Namespa
     path = shape_folder(name, smol)
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     reference: list[int] | None = None
-    for setting in ["off"] + [f"require:{p}" for p in plugins]:
+    suffix = "+all-batches" if args.all_batches else ""
+    for setting in ["off"] + [f"require:{p}{suffix}" for p in plugins]:
         try:
             t = time.monotonic()
             core = make_core(path, smol, setting, args.attention_backend)
@@ -275,16 +261,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-steps", type=int, default=0, help="also profile one user's decode of N tokens")
     ap.add_argument("--all-batches", action="store_true",
-                    help="run the plugin at every batch it covers (LowlatConfig.measured_coverage=False), also "
-                         "where lowlat.kernels.tuning.WINS_UP_TO sends larger batches to the generic path")
+                    help="run the plugin at every batch it covers (lmserver's '+all-batches'), also where "
+                         "lowlat.kernels.tuning.WINS_UP_TO sends larger batches to the generic path")
     ap.add_argument("--trace-dir", default=None, help="write each profile's chrome trace here")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     plugins = [p for p in args.plugins.split(",") if p]
-    if args.all_batches:
-        _plugin_at_every_batch()
     for name in args.shapes.split(","):
         bench_shape(name, args.smol_folder, plugins, args)
     dump(args.json)

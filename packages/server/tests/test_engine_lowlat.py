@@ -127,3 +127,23 @@ def test_unsupported_setups_fall_back_or_fail_loudly() -> None:
             _engine(lowlat_plugins="require:cpu-reference")
     with pytest.raises(ValueError, match="require:<name>"):
         _engine(lowlat_plugins="sometimes")
+
+
+@pytest.mark.parametrize(("value", "mode", "plugins", "measured"), [
+    ("auto", "auto", (), True), (" require:nvidia ", "require", ("nvidia",), True),
+    ("require:nvidia+all-batches", "require", ("nvidia",), False), ("auto+all-batches", "auto", (), False)])
+def test_lowlat_plugins_option(value: str, mode: str, plugins: tuple[str, ...], measured: bool) -> None:
+    from lmserver.engine.lowlat_hook import parse_lowlat_plugins
+
+    config = parse_lowlat_plugins(value)
+    assert config is not None
+    assert (config.mode, config.plugins, config.measured_coverage) == (mode, plugins, measured)
+
+
+@pytest.mark.parametrize("value", ["require:", "sometimes", "nvidia", "+all-batches", "auto+all"])
+def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
+    from lmserver.engine.lowlat_hook import parse_lowlat_plugins
+
+    assert parse_lowlat_plugins("off") is None and parse_lowlat_plugins("off+all-batches") is None
+    with pytest.raises(ValueError, match="lowlat_plugins"):
+        parse_lowlat_plugins(value)

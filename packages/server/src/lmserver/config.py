@@ -52,7 +52,9 @@ class ServerConfig:
     enable_overlap_schedule: bool | None = _opt(None, "overlap the host work of a decode step (sampling results, "
                                                       "detokenizing, scheduling) with the device forward of the next "
                                                       "one; default: on with CUDA and tp_size 1")
-    lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>")
+    lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>; a "
+                                      "'+all-batches' suffix also runs the plugin at batches where it measured "
+                                      "slower than the generic path")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
     jump_forward_min_tokens: str = _opt("auto", "a jump-forward that needs an extend round of its own is made when "

@@ -45,17 +45,25 @@ logger = logging.getLogger("lmserver.lowlat")
 __all__ = ["WARMUP_BATCH_SIZES", "LowlatHook", "kv_tokens_after_workspace", "parse_lowlat_plugins"]
 
 
+ALL_BATCHES = "+all-batches"
+
+
 def parse_lowlat_plugins(value: str) -> LowlatConfig | None:
-    """`off` -> None; `auto` -> any plugin; `require:<name>` -> that plugin or an error. Pure."""
+    """`off` -> None; `auto` -> any plugin; `require:<name>` -> that plugin or an error. A `+all-batches`
+    suffix runs the plugin at every batch it covers, also above the largest one it measured faster than
+    the generic path at (`LowlatConfig.measured_coverage=False`). Pure."""
     value = value.strip()
-    if value == "off":
+    measured = not value.endswith(ALL_BATCHES)
+    base = value.removesuffix(ALL_BATCHES).strip()
+    if base == "off":
         return None
-    if value == "auto":
-        return LowlatConfig(mode="auto")
-    name = value.removeprefix("require:").strip() if value.startswith("require:") else ""
+    if base == "auto":
+        return LowlatConfig(mode="auto", measured_coverage=measured)
+    name = base.removeprefix("require:").strip() if base.startswith("require:") else ""
     if name:
-        return LowlatConfig(mode="require", plugins=(name,))
-    raise ValueError(f"lowlat_plugins must be 'off', 'auto' or 'require:<name>', got {value!r}")
+        return LowlatConfig(mode="require", plugins=(name,), measured_coverage=measured)
+    raise ValueError(f"lowlat_plugins must be 'off', 'auto' or 'require:<name>' (optionally with "
+                     f"'{ALL_BATCHES}'), got {value!r}")
 
 
 def _registry() -> Registry:
