@@ -64,11 +64,9 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig) -> 
         return torch.empty(*size, device=dev, dtype=dtype)
 
     sink: list[tuple[Any, tuple, dict]] = []
-    saved = {name: getattr(mod, name) for mod in (K, GV) for name in KERNELS if hasattr(mod, name)}
-    for mod in (K, GV):
-        for name in KERNELS:
-            if hasattr(mod, name):
-                setattr(mod, name, Captured(getattr(mod, name), sink))
+    saved = {(mod, name): getattr(mod, name) for mod in (K, GV) for name in KERNELS if hasattr(mod, name)}
+    for (mod, name), fn in saved.items():
+        setattr(mod, name, Captured(fn, sink))
     try:
         h, ctx, slots = shape.hidden_size, 512, batch * 512 + 64
         w = LayerWeights(t(h), t(shape.qkv_size, h), t(h, shape.q_size), t(h), t(2 * shape.intermediate_size, h),
@@ -90,10 +88,8 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig) -> 
         else:
             ops.gemv_residual(act, w.down, x, t(batch, h), lc, stage="down")
     finally:
-        for mod in (K, GV):
-            for name in KERNELS:
-                if name in saved and hasattr(mod, name):
-                    setattr(mod, name, saved[name])
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
     return sink
 
 
