@@ -12,6 +12,7 @@ them to the next forward before the host sees them. `sample` is it plus the host
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,7 @@ def apply_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Te
     return out
 
 
+@functools.lru_cache(maxsize=16)
 def _argmax_chunks(vocab: int) -> int:
     """Chunks for `greedy_argmax`: the largest divisor of `vocab` up to 1024 leaving chunks of at least
     64 entries, or 1 (no split) when there is none above 8."""
