@@ -8,6 +8,7 @@ engine with graphs on vs off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -81,10 +82,14 @@ def _item(row: int, prefix: int, ids: list[int], slots: list[int], logits: bool 
 def test_pad_decode_fills_padding_rows() -> None:
     items = [_item(3, 5, [11], list(range(100, 110))), _item(1, 0, [7], [42], logits=False)]
     step = pad_decode(items, 4, pad_row=5)
-    assert step.ints == [[11, 7, 0, 0], [5, 0, 0, 0], [105, 42, PAD_SLOT, PAD_SLOT], [3, 1, 5, 5]]
+    assert step.ints == [[11, 7, 0, 0], [5, 0, 0, 0], [105, 42, PAD_SLOT, PAD_SLOT], [3, 1, 5, 5], [6, 1, 1, 1]]
     assert step.seq_lens == [6, 1, 1, 1]
-    assert step.table == [[3, 1], [5, 0], [105, 42]]
+    assert step.table == [[], [], []]  # the graph writes each new slot itself
     assert step.logit_rows == [0]
+    behind = dataclasses.replace(items[0], table_start=2, table_slots=list(range(102, 106)))  # table 3 slots behind
+    assert pad_decode([behind], 1, pad_row=5).table == [[3, 3, 3], [2, 3, 4], [102, 103, 104]]
+    with pytest.raises(CudaGraphError, match="new slot at position 5"):
+        pad_decode([dataclasses.replace(behind, table_slots=[102, 103, 104, 999])], 1, pad_row=5)
     with pytest.raises(CudaGraphError, match="exactly one new token"):
         pad_decode([_item(0, 0, [1, 2], [1, 2])], 2, pad_row=0)
     with pytest.raises(CudaGraphError, match="padded batch size"):
@@ -141,6 +146,8 @@ def test_eager_graph_runner_matches_the_eager_runner(backend: str, max_bs: int, 
     graphed.cuda_graph = graphs
     got_logits, got_seqs = _greedy_run(graphed, steps)
     assert got_seqs == ref_seqs
+    last = got_logits[-1]  # the graph's own argmax of its last replay
+    assert graphs.greedy_ids[: len(last)].tolist() == last.argmax(-1).tolist()
     for got, ref in zip(got_logits, ref_logits, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     # padding rows wrote only the padding slot: every real slot holds what the eager run stored

@@ -378,3 +378,77 @@ def test_sampling_filter_on_random_parameters(device: str) -> None:
         _check_filtered(out, ref.top_k_top_p_min_p_probs_ref(logits, *params), logits, params[0])
 
     check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_rows_matches_torch_with_ties(device: str) -> None:
+    """The two-launch greedy argmax against `torch.argmax`: random rows, planted ties of the maximum
+    (the first index must win, also across chunks), rows of -inf, half precision."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lmserver.kernels.graph_step import ARGMAX_CHUNK, argmax_rows
+
+    vocabs = [1, 5, ARGMAX_CHUNK - 1, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK + 17]
+    if device == "cuda":
+        vocabs += [49152, 128256]
+
+    @settings(max_examples=12 if device == "cpu" else 40, deadline=None, derandomize=True)
+    @given(vocab=st.sampled_from(vocabs), rows=st.integers(1, 3), ties=st.integers(0, 4),
+           dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**31 - 1))
+    def check(vocab: int, rows: int, ties: int, dtype: torch.dtype, seed: int) -> None:
+        g = _gen(seed)
+        logits = torch.randn(rows, vocab, generator=g)
+        for r in range(rows):
+            top = logits[r].max()
+            logits[r, torch.randint(0, vocab, (ties,), generator=g)] = top  # planted ties of the max
+        if rows > 1:
+            logits[1] = float("-inf")  # every entry equal: index 0
+        logits = logits.to(dtype).to(device)
+        out = torch.full((rows,), -7, dtype=torch.int64, device=device)
+        assert argmax_rows(logits, out=out) is out
+        assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+    check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_decode_inputs_matches_reference(device: str) -> None:
+    """Lengths and the new KV slot of every real row land where a loop over the rows puts them;
+    padding rows (the padding slot) write nothing, also into a table row a real request uses;
+    input ids marked -(j + 1) become the previous step's argmax j."""
+    from lmserver.kernels.graph_step import write_decode_inputs, write_decode_inputs_ref
+
+    g = _gen(5)
+    pad_slot = 0
+    for n, real in ((1, 1), (4, 3), (8, 1), (16, 11), (37, 30)):
+        table = torch.randint(1, 1000, (40, 64), generator=g, dtype=torch.int32)
+        rows = torch.randperm(40, generator=g)[:n]
+        ints = torch.stack([
+            torch.randint(0, 50000, (n,), generator=g),  # input ids (not read)
+            torch.randint(0, 64, (n,), generator=g),  # positions
+            torch.randint(1, 10**6, (n,), generator=g),  # new KV slots (never the padding slot)
+            rows,
+            torch.randint(1, 64, (n,), generator=g),  # lengths
+        ])
+        ints[1:, real:] = torch.tensor([0, pad_slot, 0, 1])[:, None]  # padding rows: position 0 of row 0
+        prev_ids = torch.randint(0, 50000, (n + 2,), generator=g)
+        chained = torch.rand(n, generator=g) < 0.5  # these rows read the previous step's argmax
+        src = torch.randint(0, n + 2, (n,), generator=g)
+        ints[0, chained] = -(src[chained] + 1)
+        ints = torch.cat([ints, torch.full((5, 3), -1)], dim=1)  # buffer wider than the batch
+        expected_table = table.clone()  # oracle: a loop over the real rows
+        for i in range(real):
+            expected_table[ints[3, i], ints[1, i]] = int(ints[2, i])
+        expected_lens = ints[4, :n].to(torch.int32)
+        expected_ids = torch.where(chained, prev_ids[src], ints[0, :n])
+        ref_ints, ref_table, ref_lens = ints.clone(), table.clone(), torch.zeros(n, dtype=torch.int32)
+        write_decode_inputs_ref(ref_ints, ref_lens, ref_table, pad_slot, prev_ids)
+        got_ints, got_table = ints.to(device), table.to(device)
+        got_lens = torch.full((n,), -1, dtype=torch.int32, device=device)
+        write_decode_inputs(got_ints, got_lens, got_table, pad_slot, prev_ids.to(device))
+        for ids, lens, tab in ((ref_ints, ref_lens, ref_table), (got_ints.cpu(), got_lens.cpu(), got_table.cpu())):
+            assert torch.equal(lens, expected_lens)
+            assert torch.equal(tab, expected_table)
+            assert torch.equal(ids[0, :n], expected_ids)
+            assert torch.equal(ids[1:], ints[1:]) and torch.equal(ids[0, n:], ints[0, n:])

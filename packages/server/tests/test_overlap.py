@@ -184,8 +184,11 @@ def test_eager_graphs_mixed_workload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     graphed = EngineCore(ServerConfig(dtype="float32", max_total_tokens=4096, max_running_requests=16,
                                       cuda_graph_max_bs=8))
-    assert graphed.runner.cuda_graph is not None
+    graphs = graphed.runner.cuda_graph
+    assert graphs is not None
     _compare(graphed, MIXED)
+    # greedy launches took the graph's argmax, the sampled and penalized ones the logits
+    assert 0 < graphs.num_greedy_replays < graphs.num_replays
 
 
 def test_overlap_default_resolves_by_device_and_a_config_field() -> None:

@@ -28,7 +28,7 @@ from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
 from lmserver.engine.resolve import resolve_config
-from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor
+from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
 from lmserver.model_loader import DTYPES, load_model, read_model_config
 from lmserver.scheduler import KVManager, Req, ScheduleDecision, Scheduler
@@ -287,12 +287,18 @@ class EngineCore:
         `input_ids` (a chained launch) the previous launch has not landed: its requests' KV is one
         slot ahead of their host tokens until it does."""
         states = [self.states[item.rid] for item in decision.items]
-        logits = self.runner.forward(decision, input_ids=input_ids)
+        infos = [s.info for s in states]
+        graphs = self.runner.cuda_graph
+        ids = None
+        if graphs is not None and graphs.can_run(decision) and all(takes_argmax(info) for info in infos):
+            ids = graphs.forward_greedy(decision, input_ids)  # the graph's own argmax: no logits copied out
+        logits = self.runner.forward(decision, input_ids=input_ids) if ids is None else None
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         self.scheduler.commit(decision)  # a decode: nothing to insert (kept for the call order)
-        infos = [s.info for s in states]
-        ids = sample_tensor(apply_penalties(logits, infos), infos)
+        if logits is not None:
+            ids = sample_tensor(apply_penalties(logits, infos), infos)
+        assert ids is not None
         return Launched.start(decision, states, ids, input_ids is not None, rounds_before, ratio_before)
 
     def _land(self, launched: Launched) -> list[ReqOutput]:

@@ -2,12 +2,14 @@
 
 At start-up `DecodeGraphRunner.capture()` records, for each size of `capture_batch_sizes(max_bs)`
 (largest first, all in one memory pool), the whole decode forward (attention `plan`, every layer,
-the LM head) over static input buffers. A decode batch of `bs` requests is padded to the
-smallest captured size >= bs: padding rows read token 0 at position 0 with length 1 from a
-padding table row and write their K/V to padding slot 0 (never a real token's slot). Each step
-then writes the request-to-token table, copies the padded inputs into the static buffers (the
-attention metadata is updated in place) and replays the graph: a few host operations instead
-of one launch per kernel.
+the LM head, the greedy argmax of the logits) over static input buffers. A decode batch of `bs`
+requests is padded to the smallest captured size >= bs: padding rows read token 0 at position 0
+with length 1 from a padding table row and write their K/V to padding slot 0 (never a real
+token's slot). Each step then copies the padded inputs into the static buffers in one copy and
+replays the graph, whose first kernel writes the lengths and each row's new slot into the
+request-to-token table (the attention metadata is updated in place): a few host operations
+instead of one launch per kernel. A step whose rows are all greedy reads the graph's argmax
+(`forward_greedy`) instead of copying the logits out and reducing them again.
 
 With cascade attention on (`runner.prefix_planner`), every size >= 2 is captured a second time
 with the backend's cascade metadata of that size (all zero at capture: no group); a step whose
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
-from lmserver.engine.model_runner import host_tensor, to_device
+from lmserver.engine.model_runner import to_device
 from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS
 from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
 
@@ -86,18 +88,23 @@ def padded_batch_size(bs: int, sizes: Sequence[int]) -> int | None:
 class PaddedDecode:
     """Host arrays of one padded decode step (plain data)."""
 
-    ints: list[list[int]]  # 4 rows of padded_bs: input_ids, positions, out_cache_loc, req_pool_indices
-    seq_lens: list[int]  # (padded_bs,) lengths including the new token; 1 for padding rows
-    table: list[list[int]]  # 3 rows (table row, column, slot) of req_to_token writes; may be empty rows
+    # 5 rows of padded_bs: input_ids, positions, out_cache_loc, req_pool_indices, seq_lens (lengths including the
+    # new token; 1 for padding rows). The graph writes each real row's new slot into req_to_token itself.
+    ints: list[list[int]]
+    table: list[list[int]]  # 3 rows (table row, column, slot): req_to_token entries before the new token, if any
     logit_rows: list[int]  # batch rows whose logits the caller wants, in item order
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return self.ints[4]
 
 
 def pad_decode(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> PaddedDecode:
     """Pads a decode step's items (one new token each) to `padded_bs` rows. Pure.
 
     Padding rows: token PAD_TOKEN_ID at position 0, KV written to PAD_SLOT, table row `pad_row`,
-    length 1. Raises CudaGraphError when an item has not exactly one token or padded_bs is too
-    small.
+    length 1. Raises CudaGraphError when an item has not exactly one token, when its table
+    writes do not end with its new token's slot at its position, or when padded_bs is too small.
     """
     bs = len(items)
     if padded_bs < bs:
@@ -111,15 +118,19 @@ def pad_decode(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> Pa
     for i, item in enumerate(items):
         if len(item.token_ids) != 1 or len(item.out_slots) != 1:
             raise CudaGraphError(f"a decode item must have exactly one new token, {item.rid!r} has {len(item.token_ids)}")
+        k = len(item.table_slots)
+        if k == 0 or item.table_start + k - 1 != item.prefix_len or item.table_slots[-1] != item.out_slots[0]:
+            raise CudaGraphError(f"decode item {item.rid!r}: its table writes must end with its new slot at position "
+                                 f"{item.prefix_len} (start {item.table_start}, {k} slots)")
         ids.append(item.token_ids[0])
         pos.append(item.prefix_len)
         loc.append(item.out_slots[0])
         rows.append(item.req_pool_idx)
         lens.append(item.prefix_len + 1)
-        k = len(item.table_slots)
-        t_rows.extend([item.req_pool_idx] * k)
-        t_cols.extend(range(item.table_start, item.table_start + k))
-        t_vals.extend(item.table_slots)
+        if k > 1:  # NOTE: rare (a table row behind its KV); the graph writes the last entry
+            t_rows.extend([item.req_pool_idx] * (k - 1))
+            t_cols.extend(range(item.table_start, item.prefix_len))
+            t_vals.extend(item.table_slots[:-1])
         logit_rows.extend([i] * len(item.logit_offsets))
     return PaddedDecode(
         ints=[
@@ -127,8 +138,8 @@ def pad_decode(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> Pa
             pos + [0] * pad,
             loc + [PAD_SLOT] * pad,
             rows + [pad_row] * pad,
+            lens + [1] * pad,
         ],
-        seq_lens=lens + [1] * pad,
         table=[t_rows, t_cols, t_vals],
         logit_rows=logit_rows,
     )
@@ -199,10 +210,25 @@ class DecodeGraphRunner:
         self.graph_factory = graph_factory or TorchCudaGraph
         if graph_factory is None and self.device.type != "cuda":
             raise CudaGraphError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
-        # NOTE: static inputs; every graph reads views [:bs] of these, so a step writes them in place.
-        self.ints = torch.zeros(4, self.max_bs, dtype=torch.int64, device=self.device)
+        # NOTE: static inputs; every graph reads views [:bs] of these, so a step writes them in place. A step copies
+        # `ints` (PaddedDecode.ints) in one host-to-device copy; the graph's first kernel fills `seq_lens` from its
+        # last row and writes the new slots into req_to_token (kernels/graph_step.py).
+        self.ints = torch.zeros(5, self.max_bs, dtype=torch.int64, device=self.device)
         self.ints[3].fill_(pad_row)
+        self.ints[4].fill_(1)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=self.device)
+        self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)  # argmax of the last replay
+        cuda = self.device.type == "cuda"
+        # Two pinned host buffers used in turn: a step fills one while the other's copy may still be queued.
+        self._staging = [torch.zeros(5, self.max_bs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._staged = [torch.cuda.Event() for _ in range(2)] if cuda else []  # each buffer's last copy
+        self._turn = 0
+        if cuda:
+            from lmserver.kernels.graph_step import argmax_rows, write_decode_inputs
+        else:
+            from lmserver.kernels.graph_step import argmax_rows_ref as argmax_rows
+            from lmserver.kernels.graph_step import write_decode_inputs_ref as write_decode_inputs
+        self._argmax, self._write_inputs = argmax_rows, write_decode_inputs
         self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) float32 logits of the last replay
         self.cascade_graphs: dict[int, Graph] = {}  # the same with cascade attention (sizes >= 2)
@@ -210,6 +236,7 @@ class DecodeGraphRunner:
         self.num_cascade_replays = 0
         self._padded = [padded_batch_size(b, self.sizes) for b in range(self.max_bs + 1)]
         self.num_replays = 0
+        self.num_greedy_replays = 0  # replays whose tokens were the graph's argmax (forward_greedy)
 
     def _static_batch(self, bs: int, cascade: bool = False) -> ForwardBatch:
         return ForwardBatch(
@@ -231,9 +258,13 @@ class DecodeGraphRunner:
         runner = self.runner
 
         def fn() -> torch.Tensor:
+            self._write_inputs(self.ints, self.seq_lens[:bs], runner.req_to_token, PAD_SLOT, self.greedy_ids)
             runner.attn_backend.plan(batch)
             hidden = runner.hidden(batch, capturing=True)  # (bs, hidden); a lowlat plugin's path is recorded
-            return runner.model.compute_logits(hidden)  # type: ignore[operator, no-any-return]  # (bs, vocab)
+            # NOTE: logits in the model's dtype (argmax is exact on them); `forward` casts the rows it returns
+            logits: torch.Tensor = runner.model.compute_raw_logits(hidden)  # type: ignore[operator]  # (bs, vocab)
+            self._argmax(logits, out=self.greedy_ids[:bs])
+            return logits
 
         return fn
 
@@ -276,15 +307,38 @@ class DecodeGraphRunner:
         like `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers.
         `input_ids` ((bs,) on the device) replaces the items' token ids (a device-to-device copy)."""
         bs = len(decision.items)
+        step, logits = self._replay(decision, input_ids)
+        if step.logit_rows == list(range(bs)):
+            return logits[:bs].to(torch.float32, copy=True)  # NOTE: a copy: the next replay overwrites `logits`
+        return logits[torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)].float()
+
+    @torch.inference_mode()
+    def forward_greedy(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`forward` for a step whose every row takes its argmax token unchanged (greedy, no penalty
+        or mask): replays the graph and returns the (bs,) int64 argmax the graph computed, a view of
+        `greedy_ids` that the next replay overwrites (read it, on the device stream, before then).
+        Returns None, running nothing, when not every row wants logits."""
+        bs = len(decision.items)
+        if any(len(item.logit_offsets) != 1 for item in decision.items):
+            return None
+        self._replay(decision, input_ids)
+        self.num_greedy_replays += 1
+        return self.greedy_ids[:bs]
+
+    def _replay(self, decision: ScheduleDecision, input_ids: torch.Tensor | None) -> tuple[PaddedDecode, torch.Tensor]:
+        """Writes a step's inputs and replays its graph; returns the step and the graph's logits."""
+        bs = len(decision.items)
         padded = self._padded[bs]
         assert padded is not None, f"batch size {bs} has no captured graph"
         step = pad_decode(decision.items, padded, self.pad_row)
         if step.table[2]:
             table = to_device(step.table, torch.int64, self.device)  # (3, k)
             self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
-        self.ints[:, :padded].copy_(host_tensor(step.ints, torch.int64, self.device), non_blocking=True)
-        self.seq_lens[:padded].copy_(host_tensor(step.seq_lens, torch.int32, self.device), non_blocking=True)
-        if input_ids is not None:
+        from_argmax = input_ids is not None and _is_prefix_view(input_ids, self.greedy_ids)
+        if from_argmax:  # the previous replay's argmax, row for row: the graph reads it (id -(j + 1) = row j)
+            step.ints[0][:bs] = range(-1, -bs - 1, -1)
+        self._copy_ints(step.ints, padded)
+        if input_ids is not None and not from_argmax:
             self.ints[0, :bs].copy_(input_ids, non_blocking=True)
         if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
             self.runner.lowlat.on_replay(padded, self.table_width)
@@ -297,9 +351,24 @@ class DecodeGraphRunner:
             self.num_cascade_replays += 1
         graph.replay()
         self.num_replays += 1
-        if step.logit_rows == list(range(bs)):
-            return logits[:bs].clone()
-        return logits[torch.tensor(step.logit_rows, dtype=torch.int64, device=self.device)]
+        return step, logits
+
+    def _copy_ints(self, ints: list[list[int]], padded: int) -> None:
+        """One host-to-device copy of a step's (5, padded) inputs through the pinned staging buffers."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._staged:  # NOTE: waits for this buffer's copy of two steps ago, done long before in practice
+            self._staged[turn].synchronize()
+        host = self._staging[turn]
+        host[:, :padded] = torch.tensor(ints, dtype=torch.int64)
+        self.ints[:, :padded].copy_(host[:, :padded], non_blocking=True)
+        if self._staged:
+            self._staged[turn].record()
+
+
+def _is_prefix_view(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """True when `t` is `base[:len(t)]` (same storage, offset and stride)."""
+    return (t.dim() == 1 and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            and t.storage_offset() == base.storage_offset() and t.stride() == base.stride())
 
 
 # NOTE: a test hook: with this set to 1, CPU runners get the graph runner with `EagerGraph`

@@ -76,14 +76,14 @@ class Launched:
     @classmethod
     def start(cls, decision: ScheduleDecision, states: list[_ReqState], ids: torch.Tensor, chained: bool,
               rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
-        """Starts the non-blocking host copy of `ids` (no host sync)."""
-        event = None
-        host = ids
-        if ids.device.type == "cuda":
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        """Starts the non-blocking host copy of `ids` (no host sync). `ids` may be a view of a graph's
+        static output that the next replay overwrites: the copy is queued (or, on the CPU, made) first."""
+        if ids.device.type != "cuda":
+            return cls(decision, states, ids, ids.clone(), None, chained, rounds_before, ratio_before)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
         return cls(decision, states, ids, host, event, chained, rounds_before, ratio_before)
 
     def tokens(self) -> list[int]:

@@ -35,6 +35,26 @@ class SamplingInfo:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+def changes_logits(info: SamplingInfo) -> bool:
+    """True when `apply_penalties` changes this request's row (bias, a penalty, the min-new-tokens
+    stop mask, a grammar mask). Pure."""
+    p = info.params
+    return bool(
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or (len(info.output_ids) < p.min_new_tokens and info.stop_ids)
+        or info.allowed_mask is not None
+    )
+
+
+def takes_argmax(info: SamplingInfo) -> bool:
+    """True when this request's next token is the argmax of its raw logits (greedy, nothing
+    changes its row). Pure."""
+    return info.params.is_greedy and not changes_logits(info)
+
+
 def apply_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
     """Returns processed logits (B, V): bias, penalties, min-new-tokens and grammar masks.
 
@@ -45,15 +65,7 @@ def apply_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Te
     vocab = logits.shape[-1]
     for i, info in enumerate(infos):
         p = info.params
-        touched = (
-            p.logit_bias
-            or p.repetition_penalty != 1.0
-            or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0
-            or (len(info.output_ids) < p.min_new_tokens and info.stop_ids)
-            or info.allowed_mask is not None
-        )
-        if not touched:
+        if not changes_logits(info):
             continue
         if not copied:
             out = logits.clone()

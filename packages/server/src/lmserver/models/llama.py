@@ -235,7 +235,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> float32 logits (N, vocab)."""
-        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        return self.compute_raw_logits(hidden).float()
+
+    def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> logits (N, vocab) in the model's dtype (the decode graphs keep these)."""
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
 
     # --- weight loading -------------------------------------------------------------------
 
