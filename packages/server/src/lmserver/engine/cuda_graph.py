@@ -360,7 +360,9 @@ class DecodeGraphRunner:
             self._staged[turn].synchronize()
         host = self._staging[turn]
         host[:, :padded] = torch.tensor(ints, dtype=torch.int64)
-        self.ints[:, :padded].copy_(host[:, :padded], non_blocking=True)
+        # NOTE: the whole buffer (contiguous): a (5, padded) slice of it would go through a pageable temporary and a
+        # scatter kernel; the graph of size `padded` reads only its first `padded` columns
+        self.ints.copy_(host, non_blocking=True)
         if self._staged:
             self._staged[turn].record()
 
