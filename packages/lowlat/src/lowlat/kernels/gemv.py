@@ -50,8 +50,12 @@ def _gemv_rows_residual_tile(
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    # NOTE: the first weight tile is requested before waiting on the previous launch (PDL)
+    # NOTE: the first weight tile and the residual are requested before waiting on the previous launch (PDL): the
+    # residual comes from two or more launches back (o_proj: the layer input; down: o_proj's output), which had
+    # finished before the previous launch passed its own wait, the point where this launch may start
     w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    mask = (offs_m[:, None] < B) & n_mask[None, :]
+    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
@@ -63,8 +67,6 @@ def _gemv_rows_residual_tile(
         acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    mask = (offs_m[:, None] < B) & n_mask[None, :]
-    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
 
 

@@ -138,6 +138,25 @@ def _rope_store(
 
 
 @triton.jit
+def _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One K/V tile of online softmax: returns the updated (max, sum, accumulator)."""
+    if DOT_F32:
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q.to(k.dtype), k)
+    s = tl.where(n_mask[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
@@ -151,10 +170,8 @@ def decode_attention_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if PDL_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+    # NOTE: before the wait, the split's first K/V tile: the previous launch (qkv) writes q and the K/V of the newest
+    # token (position seq_len - 1) only; lengths, the request table and older K/V come from earlier launches or steps.
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(req_idx_ptr + b).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -164,32 +181,36 @@ def decode_attention_kernel(
     g_mask = offs_g < G
     heads = kvh * G + offs_g
     offs_d = tl.arange(0, D)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+    k_ptrs = k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
+    v_ptrs = v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
+    old = n_mask & (offs_n < seq_len - 1)
+    k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+    v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    newest = n_mask & (offs_n == seq_len - 1)  # the qkv launch's K/V: read after the wait
+    k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+    v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
     q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
-    for t0 in range(start, end, BLOCK_N):
+    if start < end:
+        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
+    for t0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
         k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if DOT_F32:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(k.dtype), k)
-        s = tl.where(n_mask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     empty = l_i == 0.0
@@ -265,6 +286,9 @@ def _gemv_residual_tile(
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+    # NOTE: the residual before the wait too: it comes from two or more launches back (gemv_rows_residual_kernel)
+    mask = m_mask[:, None] & n_mask[None, :]
+    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
@@ -284,8 +308,6 @@ def _gemv_residual_tile(
             acc += tl.dot(a.to(w.dtype), w)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    mask = m_mask[:, None] & n_mask[None, :]
-    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
 
 

@@ -207,7 +207,8 @@ def attention(
 def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig, stage: str = "o_proj",
 ) -> None:
-    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel."""
+    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel. Under PDL
+    ``res`` is read before the wait: it must not be written by the launch right before this one."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
