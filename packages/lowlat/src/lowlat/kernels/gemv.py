@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _rope_store, rms_rstd
+from lowlat.kernels.layer import _rope_factors, _rope_store, rms_rstd
 
 
 @triton.jit
@@ -113,12 +113,13 @@ def qkv_rope_rows_kernel(
         km = offs_k < H
         w1 = tl.load(w_ptr + r1[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
         w2 = tl.load(w_ptr + r2[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
+        gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+        cos, sin, loc = _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D, BLOCK_M, BLOCK_P)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
         rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
-        gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
         zero = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
         acc1, acc2 = _add_rows2(zero, zero, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, 0, offs_k, km,
                                 B, H, BLOCK_M)
@@ -131,7 +132,7 @@ def qkv_rope_rows_kernel(
                                     km, B, H, BLOCK_M)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr,
+        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, cos, sin, loc, q_ptr,
                     k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
                     NQ, NKV, D, BLOCK_M, BLOCK_P)
 

@@ -59,12 +59,13 @@ def qkv_rope_kernel(
         k_mask = offs_k < H
         w1 = tl.load(w_ptr + r1[None, :] * H + offs_k[:, None], mask=k_mask[:, None], other=0.0)  # (BK, BP)
         w2 = tl.load(w_ptr + r2[None, :] * H + offs_k[:, None], mask=k_mask[:, None], other=0.0)
+        gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        cos, sin, loc = _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D, BLOCK_M, BLOCK_P)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
         rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
-        gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
         if DOT_F32:
@@ -88,19 +89,35 @@ def qkv_rope_kernel(
                 acc2 += tl.dot(xn.to(w1.dtype), w2)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr,
+        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, cos, sin, loc, q_ptr,
                     k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
                     NQ, NKV, D, BLOCK_M, BLOCK_P)
 
 
 @triton.jit
+def _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """cos, sin (BLOCK_M, BLOCK_P) of a qkv tile's rotary pairs and each row's KV slot (BLOCK_M,): step inputs
+    written before any layer ran, so the qkv kernels compute them before their PDL wait."""
+    PB: tl.constexpr = (D // 2) // BLOCK_P
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.float32)
+    freq = tl.load(inv_freq_ptr + (tile % PB) * BLOCK_P + tl.arange(0, BLOCK_P))
+    ang = pos[:, None] * freq[None, :]
+    loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return tl.cos(ang), tl.sin(ang), loc
+
+
+@triton.jit
 def _rope_store(
-    a, b, tile, pos_ptr, loc_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    a, b, tile, cos, sin, loc, q_ptr, k_cache_ptr, v_cache_ptr,
     B, stride_ks, stride_kh, stride_vs, stride_vh,
     NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Epilogue of a qkv tile: ``a``, ``b`` (BLOCK_M, BLOCK_P) are the normalized projections of rows
-    r1 and r1 + D/2 of one head; RoPE for q and k heads, then q to ``q_ptr``, k and v to the cache."""
+    r1 and r1 + D/2 of one head; RoPE (``_rope_factors``) for q and k heads, then q to ``q_ptr``, k and v
+    to the cache at each row's slot ``loc``."""
     HALF: tl.constexpr = D // 2
     PB: tl.constexpr = HALF // BLOCK_P
     head = tile // PB
@@ -110,11 +127,6 @@ def _rope_store(
     is_q = head < NQ
     is_k = (head >= NQ) & (head < NQ + NKV)
     is_v = head >= NQ + NKV
-    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.float32)
-    freq = tl.load(inv_freq_ptr + (tile % PB) * BLOCK_P + offs_p)
-    ang = pos[:, None] * freq[None, :]
-    cos = tl.cos(ang)
-    sin = tl.sin(ang)
     rope = is_q | is_k
     o1 = tl.where(rope, a * cos - b * sin, a)
     o2 = tl.where(rope, b * cos + a * sin, b)
@@ -126,7 +138,6 @@ def _rope_store(
     qp = q_ptr + offs_m[:, None] * (NQ * D) + head * D + col[None, :]
     tl.store(qp, o1, mask=q_mask)
     tl.store(qp + HALF, o2, mask=q_mask)
-    loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     kh = head - NQ
     kp = k_cache_ptr + loc[:, None] * stride_ks + kh * stride_kh + col[None, :]
     tl.store(kp, o1, mask=k_mask_s)
