@@ -180,6 +180,10 @@ def test_graph_runner_only_takes_decode_batches_it_captured() -> None:
     assert graphs.can_run(ScheduleDecision("decode", [one]))
     assert not graphs.can_run(ScheduleDecision("extend", [one]))
     assert not graphs.can_run(ScheduleDecision("decode", [one, _item(1, 0, [3], [2]), _item(2, 0, [3], [3])]))
+    # the graph's argmax serves only steps whose every row wants logits; otherwise nothing runs
+    replays = graphs.num_replays
+    assert graphs.forward_greedy(ScheduleDecision("decode", [_item(0, 0, [3], [1], logits=False)])) is None
+    assert graphs.num_replays == replays
     with pytest.raises(CudaGraphError, match="pad_row"):
         DecodeGraphRunner(runner, 2, pad_row=TABLE_ROWS, graph_factory=EagerGraph)
     with pytest.raises(CudaGraphError, match="CUDA device"):

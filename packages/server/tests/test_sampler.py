@@ -15,9 +15,11 @@ from lmserver.engine.sampler import (
     SamplingInfo,
     _argmax_chunks,
     apply_penalties,
+    changes_logits,
     chunked_argmax,
     greedy_argmax,
     sample,
+    takes_argmax,
 )
 from lmserver.io_struct import SamplingParams
 
@@ -90,6 +92,33 @@ def test_penalties_match_naive_loops() -> None:
     torch.testing.assert_close(got, ref)
     assert not torch.equal(logits[0], got), "input must not be mutated"
     assert torch.equal(logits, logits.clone())
+
+
+@settings(max_examples=60, deadline=None)
+@given(temperature=st.sampled_from([0.0, 0.7]), bias=st.booleans(), penalty=st.sampled_from(["", "rep", "freq", "pres"]),
+       min_new=st.integers(0, 3), outputs=st.integers(0, 3), stop=st.booleans(), mask=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_takes_argmax_exactly_when_the_row_is_its_raw_argmax(temperature: float, bias: bool, penalty: str, min_new: int,
+                                                             outputs: int, stop: bool, mask: bool, seed: int) -> None:
+    """`changes_logits` is True exactly when `apply_penalties` changes the row, and a row that
+    `takes_argmax` samples the argmax of its raw logits (what the decode graphs compute)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 20, generator=g)
+    params: dict[str, object] = {"temperature": temperature, "min_new_tokens": min_new}
+    if bias:
+        params["logit_bias"] = {3: 4.0}
+    params.update({"rep": {"repetition_penalty": 1.3}, "freq": {"frequency_penalty": 0.5},
+                   "pres": {"presence_penalty": 0.5}, "": {}}[penalty])
+    info = _info(seed, prompt=[1, 2], out=[2] * outputs, stop=[5] if stop else None, **params)
+    if mask:
+        info.allowed_mask = torch.rand(20, generator=g) < 0.5
+        info.allowed_mask[0] = True
+    processed = apply_penalties(logits, [info])
+    assert changes_logits(info) == (processed is not logits)
+    if takes_argmax(info):
+        assert sample(processed, [info]) == [int(logits.argmax())]
+    else:
+        assert changes_logits(info) or temperature > 0
 
 
 def test_min_new_tokens_masks_stop_ids_until_reached() -> None:
