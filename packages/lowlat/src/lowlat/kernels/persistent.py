@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowlat.kernels.layer import _attend_block
+
 
 @triton.jit
 def attn_mlp_persistent_kernel(
@@ -79,20 +81,7 @@ def attn_mlp_persistent_kernel(
                 slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
                 v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-                if DOT_F32:
-                    s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-                else:
-                    s = tl.dot(q.to(k.dtype), k)
-                s = tl.where(n_mask[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if DOT_F32:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
             empty = l_i == 0.0
             o = acc / tl.where(empty, 1.0, l_i)[:, None]
             lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
