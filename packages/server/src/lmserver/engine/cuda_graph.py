@@ -230,7 +230,7 @@ class DecodeGraphRunner:
             from lmserver.kernels.graph_step import write_decode_inputs_ref as write_decode_inputs
         self._argmax, self._write_inputs = argmax_rows, write_decode_inputs
         self.graphs: dict[int, Graph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) float32 logits of the last replay
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) logits (model dtype) of the last replay
         self.cascade_graphs: dict[int, Graph] = {}  # the same with cascade attention (sizes >= 2)
         self.cascade_outputs: dict[int, torch.Tensor] = {}
         self.num_cascade_replays = 0
@@ -305,7 +305,8 @@ class DecodeGraphRunner:
     def forward(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the graph of the padded size; returns float32 logits (num_logit_rows, vocab)
         like `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers.
-        `input_ids` ((bs,) on the device) replaces the items' token ids (a device-to-device copy)."""
+        `input_ids` ((bs,) on the device) replaces the items' token ids: read inside the graph when it
+        is the previous replay's argmax row for row (`forward_greedy`'s result), else copied in."""
         bs = len(decision.items)
         step, logits = self._replay(decision, input_ids)
         if step.logit_rows == list(range(bs)):
