@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PKGS := packages/radixcache packages/cfsm packages/lmdsl packages/lowlat packages/server
 PYPROJECTS := requirements-dev.txt $(addsuffix /pyproject.toml,$(PKGS))
-LEAF_SRC := packages/radixcache/src packages/cfsm/src packages/lmdsl/src packages/lowlat/src
+MYPY_SRC := packages/radixcache/src packages/cfsm/src packages/lmdsl/src packages/lowlat/src packages/server/src
 
 .PHONY: serve test test-gpu bench install install-test lint
 
@@ -32,7 +32,7 @@ serve: install
 lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy $(LEAF_SRC)
+	$(VENV)/bin/mypy $(MYPY_SRC)
 
 # Lint, import contracts, then the whole CPU suite (exit code 5, "no tests", is not a failure).
 test: lint

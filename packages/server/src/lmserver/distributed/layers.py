@@ -9,6 +9,8 @@ columns. Sharding is exact: no values change, only which rank holds them.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,9 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
+    weight: nn.Parameter
+    group: TPGroup
+
     def __init__(self, full: nn.Linear, col_range: tuple[int, int], group: TPGroup) -> None:
         super().__init__()
         assert full.bias is None, "row-parallel layers here carry no bias"
@@ -94,19 +99,20 @@ class TPMoE(nn.Module):
 
     def __init__(self, moe: nn.Module, group: TPGroup) -> None:
         super().__init__()
-        inter = moe.intermediate_size
+        inter = cast(int, moe.intermediate_size)  # the MoE module's attributes (lmserver.models)
         if inter % group.size:
             raise ValueError(f"intermediate_size ({inter}) must be divisible by tp_size ({group.size})")
         n = inter // group.size
         s = group.rank * n
         with torch.no_grad():
-            w13 = moe.w13.data
+            w13 = cast(torch.Tensor, moe.w13).data
+            w2 = cast(torch.Tensor, moe.w2).data
             moe.w13 = nn.Parameter(
                 torch.cat([w13[:, s : s + n], w13[:, inter + s : inter + s + n]], 1).contiguous(),
                 requires_grad=False,
             )
-            moe.w2 = nn.Parameter(moe.w2.data[:, :, s : s + n].contiguous(), requires_grad=False)
-        moe.intermediate_size = n
+            moe.w2 = nn.Parameter(w2[:, :, s : s + n].contiguous(), requires_grad=False)
+
         self.moe = moe
         self.group = group
 

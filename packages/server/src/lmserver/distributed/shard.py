@@ -9,6 +9,8 @@ Other head counts raise TensorParallelError naming the constraint.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from torch import nn
 
 from lmserver.distributed.group import TPGroup
@@ -64,9 +66,9 @@ def shard_model_(model: nn.Module, config: ModelConfig, group: TPGroup) -> nn.Mo
         return model
     hq, hk = tp_head_counts(config, group.size)
     d = config.head_dim
-    inner = model.model  # type: ignore[attr-defined]
+    inner: Any = model.model  # a Llama-family model: `model.embed_tokens`, `model.layers`, `lm_head`
     full_embed = inner.embed_tokens
-    model.lm_head = ParallelLMHead(model.lm_head.weight.data, group)  # type: ignore[attr-defined]
+    model.lm_head = ParallelLMHead(cast(nn.Linear, model.lm_head).weight.data, group)
     inner.embed_tokens = VocabParallelEmbedding(full_embed, group)
     for layer in inner.layers:
         attn = layer.self_attn
