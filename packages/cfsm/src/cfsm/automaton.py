@@ -476,6 +476,14 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.reshape(-1)
 
 
+def _small_unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(x, return_inverse=True)` for a non-empty array of small non-negative ints (state
+    ids, byte cuts, continuation keys): marked in a bool array instead of sorted."""
+    present = np.zeros(int(x.max()) + 1, dtype=bool)
+    present[x] = True
+    return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
+
+
 def _accept_distance(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
     """Per state: the length of its shortest accepted string, -1 if it accepts none (reverse BFS
     over byte classes, level by level).

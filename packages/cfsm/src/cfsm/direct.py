@@ -40,6 +40,7 @@ from cfsm.automaton import (
     _minimize,
     _Nfa,
     _segments,
+    _small_unique,
     _subset_construction,
     _Unit,
     _unit,
@@ -798,9 +799,8 @@ class _Builder:
         cuts = [np.array([0]), lo, hi + 1]
         for blk in {id(c[1]): c[1] for c in self.copies}.values():
             cuts.append(blk.cuts)
-        cut = np.zeros(257, dtype=bool)  # the cuts are bytes 0..256: marked, not sorted (np.unique)
-        cut[np.concatenate(cuts)] = True
-        starts = np.flatnonzero(cut[:256])
+        starts = _small_unique(np.concatenate(cuts))[0]  # the cuts are bytes 0..256
+        starts = starts[starts < 256]
         byte_map = np.searchsorted(starts, np.arange(256), side="right") - 1
         width = len(starts)
         t = np.full((n + 1, width), n, dtype=np.int32)

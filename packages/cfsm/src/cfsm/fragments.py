@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _unique_rows, build_dfa
+from cfsm.automaton import Dfa, _small_unique, _unique_rows, build_dfa
 from cfsm.mask_rows import or_bits
 from cfsm.templates import _walk_t, exit_coded, joint_reps, live_suffixes, suffix_table
 from cfsm.vocab import TrieTables
@@ -185,14 +185,6 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
         f[cur[keep]] = s
         cont[cur[keep]] = c[keep]
     return FragmentMatch(f, cont)
-
-
-def _small_unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`np.unique(x, return_inverse=True)` for small non-negative ints (state ids, F state x
-    continuation keys): marked in a bool array instead of sorted."""
-    present = np.zeros(int(x.max()) + 1, dtype=bool)
-    present[x] = True
-    return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
 
 
 def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndarray,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _unique_rows, build_dfa
+from cfsm.automaton import Dfa, _small_unique, _unique_rows, build_dfa
 from cfsm.mask_rows import or_bits, pack_rows
 from cfsm.vocab import TrieTables
 
@@ -569,10 +569,7 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     if not len(states):
         return
     # which suffixes live from each continuation: one walk of all (continuation, suffix) pairs
-    present = np.zeros(dfa.num_states + 1, dtype=bool)
-    present[cont[states]] = True
-    conts = np.flatnonzero(present)  # sorted distinct continuations (as np.unique would give)
-    c_idx = (np.cumsum(present) - 1)[cont[states]]
+    conts, c_idx = _small_unique(cont[states])  # sorted distinct continuations, each state's index into them
     live = live_suffixes(dfa, conts, st.suffix_columns)
     ts = m.t[states]
     words = st.stay_rows[0].shape[1]
