@@ -168,6 +168,20 @@ def _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr, stride_rt, stride_ks, stride_kh,
+                  stride_vs, stride_vh, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions [t0, t0 + BLOCK_N) of request-table row ``row``: (positions, in-range mask, K tile pointers
+    (D, BLOCK_N), V tile pointers (BLOCK_N, D)) of KV head ``kvh`` at the slots the table holds."""
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    offs_d = tl.arange(0, D)
+    slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+    k_ptrs = k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
+    v_ptrs = v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
+    return offs_n, n_mask, k_ptrs, v_ptrs
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
@@ -192,11 +206,8 @@ def decode_attention_kernel(
     g_mask = offs_g < G
     heads = kvh * G + offs_g
     offs_d = tl.arange(0, D)
-    offs_n = start + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < end
-    slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-    k_ptrs = k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
-    v_ptrs = v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
+    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                   stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
     old = n_mask & (offs_n < seq_len - 1)
     k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
     v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
@@ -216,11 +227,10 @@ def decode_attention_kernel(
     if start < end:
         m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
     for t0 in range(start + BLOCK_N, end, BLOCK_N):
-        offs_n = t0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                       stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _attend_block
+from lowlat.kernels.layer import _attend_block, _kv_tile_ptrs
 
 
 @triton.jit
@@ -76,11 +76,10 @@ def attn_mlp_persistent_kernel(
             l_i = tl.zeros((BLOCK_G,), tl.float32)
             acc = tl.zeros((BLOCK_G, D), tl.float32)
             for t0 in range(start, stop, BLOCK_NA):
-                offs_n = t0 + tl.arange(0, BLOCK_NA)
-                n_mask = offs_n < stop
-                slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-                v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+                _, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, stop, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                          stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_NA)
+                k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
                 m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
             empty = l_i == 0.0
             o = acc / tl.where(empty, 1.0, l_i)[:, None]
