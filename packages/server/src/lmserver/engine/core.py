@@ -292,13 +292,12 @@ class EngineCore:
         ids = None
         if graphs is not None and graphs.can_run(decision) and all(takes_argmax(info) for info in infos):
             ids = graphs.forward_greedy(decision, input_ids)  # the graph's own argmax: no logits copied out
-        logits = self.runner.forward(decision, input_ids=input_ids) if ids is None else None
+        if ids is None:
+            logits = self.runner.forward(decision, input_ids=input_ids)
+            ids = sample_tensor(apply_penalties(logits, infos), infos)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         self.scheduler.commit(decision)  # a decode: nothing to insert (kept for the call order)
-        if logits is not None:
-            ids = sample_tensor(apply_penalties(logits, infos), infos)
-        assert ids is not None
         return Launched.start(decision, states, ids, input_ids is not None, rounds_before, ratio_before)
 
     def _land(self, launched: Launched) -> list[ReqOutput]:
