@@ -52,6 +52,21 @@ def candidates(stage: str) -> list[ops.GemvConfig]:
     return out
 
 
+def configs_from_arg(text: str) -> Any:
+    """``--configs``: a per-stage candidate list from ``[stage=]variant:block_n:block_k:warps:stages`` entries."""
+    entries: list[tuple[str, ops.GemvConfig]] = []
+    for item in filter(None, text.split(",")):
+        stage, _, spec = item.rpartition("=")
+        variant, *nums = spec.split(":")
+        if len(nums) != 4:
+            raise SystemExit(f"--configs: {item!r} is not [stage=]variant:block_n:block_k:warps:stages")
+        entries.append((stage, ops.GemvConfig(variant, *(int(v) for v in nums))))
+
+    def cands(stage: str) -> list[ops.GemvConfig]:
+        return [cfg for only, cfg in entries if only in ("", stage)]
+    return cands
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -63,11 +78,16 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this long")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default="",
+                    help="time only these GEMV configs instead of the sweep: comma list of [stage=]variant:block_n:"
+                         "block_k:warps:stages (qkv: block_n = rotary pairs), e.g. qkv=rows:4:1024:8:2,dot:32:256:4:3")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
     t0 = time.time()
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape]
     timer, cands = time_graph, candidates
+    if args.configs:
+        cands = configs_from_arg(args.configs)
     if args.cpu_smoke:
         dev, shape = torch.device("cpu"), LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                                                      intermediate_size=96)
@@ -190,7 +210,7 @@ def main() -> None:
                     print(f"budget reached: {stage} b={b} stopped", flush=True)
                     break
                 try_one(cfg)
-            if stage != "attention" and (stage, b) in best and time.time() - t0 <= args.budget_s:
+            if stage != "attention" and (stage, b) in best and time.time() - t0 <= args.budget_s and not args.configs:
                 # the winner again on a grid of 1, 2 or 4 programs per SM that loop over the tiles
                 for k in (1, 2, 4):
                     try_one(replace(best[(stage, b)][1], programs=k * base.num_sms))

@@ -53,14 +53,19 @@ def gpu_layer(shape: LayerShape, dtype: torch.dtype, dev: torch.device) -> Layer
     )
 
 
+CHECK_CASES = ((1, 512), (8, 4096), (3, 1000))  # (batch, context) of the correctness check
+
+
 def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, max_b: int, max_ctx: int) -> dict[str, Any]:
     from lowlat.plugins import amd, nvidia
 
+    # every batch and context the timings and the check use; every batch, not only those measured faster end to end
+    max_b, max_ctx = max(max_b, max(b for b, _ in CHECK_CASES)), max(max_ctx, max(c for _, c in CHECK_CASES))
     setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max_ctx)
 
     def ctx(**cfg: Any) -> BuildContext:
         return BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16, Coverage(max_tokens=max_b),
-                            LowlatConfig(**cfg), setup, max_ctx)
+                            LowlatConfig(measured_coverage=False, **cfg), setup, max_ctx)
 
     out: dict[str, Any] = {}
     for name, fn in [
@@ -91,7 +96,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check(built: dict[str, Any], shape: LayerShape, w0: LayerWeights, dev: torch.device) -> list[tuple[str, int, int, float, float]]:
     rows = []
-    for b, c in [(1, 512), (8, 4096), (3, 1000)]:
+    for b, c in CHECK_CASES:
         g = torch.Generator().manual_seed(b * 7 + c)
         meta = decode_meta([c] * b, b * c + 64, c, dev, generator=g)
         k = torch.randn(b * c + 64, shape.num_kv_heads, shape.head_dim, device=dev, dtype=torch.bfloat16)
@@ -212,7 +217,8 @@ def main() -> None:
                                                            e["num_stages"], e.get("programs", 0))) for e in entries)
         setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max(contexts))
         bl = nvidia.build(BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16,
-                                       Coverage(max_tokens=max(batches)), LowlatConfig(pdl="auto"), setup, max(contexts)))
+                                       Coverage(max_tokens=max(8, *batches)), LowlatConfig(pdl="auto", measured_coverage=False),
+                                       setup, max(4096, *contexts)))
         bl.lc = replace(bl.lc, tuned=tuned)
         built["nvidia-tuned"] = bl
         print("nvidia-tuned:", tuned)

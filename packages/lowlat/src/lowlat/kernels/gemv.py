@@ -7,8 +7,9 @@ against each activation row in turn (``BLOCK_M`` = the batch padded to a power o
 so at batch 1 the kernel is one load, one multiply and one row sum per weight element. Which of
 the two is faster per shape and batch is measured (``benchmarks/lowlat/bench_gemv.py``) and
 recorded in ``lowlat.kernels.tuning``. The qkv (RMSNorm + QKV + RoPE + KV write) and gate-up
-(RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight is folded into the
-weight tile (``w * gamma``) and ``1 / rms`` applied to the sums, so x is read as it is.
+(RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight scales each activation
+row, its sum of squares is accumulated in the main loop (no pass over x after the PDL wait), and ``1 / rms``
+is applied to the sums.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _rope_factors, _rope_store, rms_rstd
+from lowlat.kernels.layer import _rope_factors, _rope_store
 
 
 @triton.jit
@@ -81,14 +82,22 @@ def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
-def _add_rows2(acc1, acc2, w1, w2, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """`_add_rows` for two weight tiles against the same activations (each activation row loaded once)."""
+def _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, k_mask, B, K: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """RMSNorm'd `_add_rows` for two weight tiles: `acc[m, :] += w @ (x[m, k0:k0 + BLOCK_K] * gamma)` for both
+    tiles and `ss[m] += sum(x[m, k0:k0 + BLOCK_K] ** 2)` (the norm's sum of squares, so no separate pass over x
+    after the PDL wait; the caller applies 1 / rms to the sums). Each activation row is loaded once; the norm
+    weight ``gamma`` (float32, BLOCK_K) scales the activation, not the weight tile."""
     offs_m = tl.arange(0, BLOCK_M)
+    w1f = w1.to(tl.float32)
+    w2f = w2.to(tl.float32)
     for m in tl.static_range(BLOCK_M):
-        xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
-        acc1 = tl.where(offs_m[:, None] == m, acc1 + tl.sum(w1 * xm[None, :], 1)[None, :], acc1)
-        acc2 = tl.where(offs_m[:, None] == m, acc2 + tl.sum(w2 * xm[None, :], 1)[None, :], acc2)
-    return acc1, acc2
+        xm = tl.load(x_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
+        xg = (xm * gamma)[None, :]
+        acc1 = tl.where(offs_m[:, None] == m, acc1 + tl.sum(w1f * xg, 1)[None, :], acc1)
+        acc2 = tl.where(offs_m[:, None] == m, acc2 + tl.sum(w2f * xg, 1)[None, :], acc2)
+        ss = tl.where(offs_m == m, ss + tl.sum(xm * xm, 0), ss)
+    return acc1, acc2, ss
 
 
 @triton.jit
@@ -113,23 +122,22 @@ def qkv_rope_rows_kernel(
         km = offs_k < H
         w1 = tl.load(w_ptr + r1[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
         w2 = tl.load(w_ptr + r2[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
-        gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+        gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
         cos, sin, loc = _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D, BLOCK_M, BLOCK_P)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
-        rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
         zero = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
-        acc1, acc2 = _add_rows2(zero, zero, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, 0, offs_k, km,
-                                B, H, BLOCK_M)
+        acc1, acc2, ss = _add_rows2_normed(zero, zero, tl.zeros((BLOCK_M,), tl.float32), w1, w2, gamma, x_ptr, 0,
+                                           offs_k, km, B, H, BLOCK_M)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             km = (k0 + offs_k) < H
             w1 = tl.load(w_ptr + r1[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
             w2 = tl.load(w_ptr + r2[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
-            gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
-            acc1, acc2 = _add_rows2(acc1, acc2, w1.to(tl.float32) * gamma, w2.to(tl.float32) * gamma, x_ptr, k0, offs_k,
-                                    km, B, H, BLOCK_M)
+            gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
+            acc1, acc2, ss = _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
+        rstd = 1.0 / tl.sqrt(ss / H + eps)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, cos, sin, loc, q_ptr,
@@ -173,22 +181,22 @@ def _norm_gate_up_rows_tile(
     wm = n_mask[:, None] & km[None, :]
     wg = tl.load(w_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wm, other=0.0)
     wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + offs_k[None, :], mask=wm, other=0.0)
+    gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)  # a constant: before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
-    gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
     zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    g, u = _add_rows2(zero, zero, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, 0, offs_k, km, B, H, BLOCK_M)
+    g, u, ss = _add_rows2_normed(zero, zero, tl.zeros((BLOCK_M,), tl.float32), wg, wu, gamma, x_ptr, 0, offs_k, km, B,
+                                 H, BLOCK_M)
     for k0 in range(BLOCK_K, H, BLOCK_K):
         km = (k0 + offs_k) < H
         wm = n_mask[:, None] & km[None, :]
         wg = tl.load(w_ptr + offs_n[:, None] * H + k0 + offs_k[None, :], mask=wm, other=0.0)
         wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + offs_k[None, :], mask=wm, other=0.0)
-        gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
-        g, u = _add_rows2(g, u, wg.to(tl.float32) * gamma, wu.to(tl.float32) * gamma, x_ptr, k0, offs_k, km, B, H,
-                          BLOCK_M)
+        gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
+        g, u, ss = _add_rows2_normed(g, u, ss, wg, wu, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     g = g * rstd[:, None]

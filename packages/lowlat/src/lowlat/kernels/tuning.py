@@ -15,26 +15,27 @@ from lowlat.layer import LayerShape
 ShapeKey = tuple[int, int, int, int, int]
 Entry = tuple[str, int, GemvConfig]
 TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
-    # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30): the 32-layer
-    # stack takes 124.1 us per layer at batch 1 (83% of the copy bandwidth) and 152.0 at batch 8, against
-    # 181.5 and 204.6 with the defaults
+    # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, fifth session): batch 1
+    # row-wise in every GEMV stage (bench_gemv: qkv 14.66, o_proj 9.52, gate-up 53.61, down 28.00 us, 98% of the
+    # copy bandwidth); the 32-layer stack 112.2 us per layer at batch 1 (125.0 with the earlier dot qkv / gate-up
+    # entries) and 152.0 at batch 8, against 181.5 and 204.6 with the defaults
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
-        ("qkv", 1, GemvConfig("dot", 32, 256, 4, 3)),
-        ("o_proj", 1, GemvConfig("rows", 8, 1024, 8, 2)),
-        ("gate_up", 1, GemvConfig("dot", 64, 256, 4, 3)),
-        ("down", 1, GemvConfig("rows", 8, 1024, 8, 2)),
+        ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2)),
+        ("o_proj", 1, GemvConfig("rows", 4, 4096, 8, 2)),
+        ("gate_up", 1, GemvConfig("rows", 4, 4096, 8, 2)),
+        ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
         ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
         ("gate_up", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("down", 16, GemvConfig("dot", 32, 256, 4, 4)),
     ),
-    # H200, SmolLM2-135M layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, row-wise qkv and
-    # gate-up): best stages at batch 1 qkv 2.77, attention 3.84, o_proj 1.48, gate-up 3.40, down 2.78 us
+    # H200, SmolLM2-135M layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, fifth session): best
+    # stages at batch 1 qkv 1.60, o_proj 1.18, gate-up 2.57, down 1.83 us (attention 3.1); stack 11.6 us per layer
     ("NVIDIA H200", (576, 9, 3, 64, 1536)): (
-        ("qkv", 1, GemvConfig("rows", 4, 1024, 4, 2)),
-        ("o_proj", 1, GemvConfig("rows", 4, 1024, 4, 2)),
-        ("gate_up", 1, GemvConfig("rows", 4, 1024, 8, 2)),
-        ("down", 1, GemvConfig("rows", 8, 1024, 4, 2)),
+        ("qkv", 1, GemvConfig("rows", 2, 1024, 4, 2)),
+        ("o_proj", 1, GemvConfig("rows", 2, 1024, 4, 2)),
+        ("gate_up", 1, GemvConfig("rows", 8, 1024, 4, 2)),
+        ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
         ("qkv", 16, GemvConfig("dot", 8, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 16, 256, 4, 3)),
         ("gate_up", 16, GemvConfig("dot", 32, 256, 4, 3)),
