@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from lowlat import Coverage, KVCache, LayerShape, LowlatConfig, reference_decoder_layer
 from lowlat.build import BuildContext
+from lowlat.errors import ShapeError
 from lowlat.kernels import ops
 from lowlat.reference import apply_rope, decode_attention, rms_norm
 from lowlat.testing import TinyModel, decode_meta, fake_setup, greedy_decode, random_kv, random_layer
@@ -152,6 +153,22 @@ def test_interpret_layer_matches_reference(plugin: str, shape: LayerShape, dtype
         assert _rel(out, ref) < 3 * TOL[dtype], (plugin, layer)
         assert _rel(kv.k, kv_ref.k) < TOL[dtype] and _rel(kv.v, kv_ref.v) < TOL[dtype]
         x = out.clone()
+    if hasattr(built, "check_errors"):
+        built.check_errors()
+
+
+@pytest.mark.parametrize("plugin", ["nvidia", "amd-persistent", "amd-staged"])
+def test_batch_beyond_the_built_workspaces_is_rejected_before_any_launch(plugin: str) -> None:
+    # the amd persistent mode once launched such a batch, writing past its workspaces and sync counters
+    shape, dtype = SHAPES[0], DTYPES[0]
+    g = torch.Generator().manual_seed(15)
+    built = _build(plugin, shape, [random_layer(shape, dtype, DEVICE, generator=g)], dtype, max_tokens=2)
+    meta = decode_meta([7, 30, 1], 64, 32, DEVICE, generator=g)
+    kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
+    before = KVCache(kv.k.clone(), kv.v.clone())
+    with pytest.raises(ShapeError, match="at most 2"):
+        built.forward(0, torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype), kv, meta)
+    assert torch.equal(kv.k, before.k) and torch.equal(kv.v, before.v)
     if hasattr(built, "check_errors"):
         built.check_errors()
 

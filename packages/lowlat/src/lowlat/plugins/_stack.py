@@ -18,8 +18,10 @@ class TritonLayerStack:
 
     Owns every intermediate buffer, sized for the agreed coverage at build time; ``forward``
     allocates nothing and never syncs the host. Subclasses override ``_attention_and_mlp`` to
-    fuse differently (the ``amd`` persistent mode).
+    fuse differently (the ``amd`` persistent mode) and may set ``qkv_programs`` (the qkv launch's grid).
     """
+
+    qkv_programs: int | None = None  # None: one program per qkv tile (the tuned config's grid)
 
     def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
         s = ctx.shape
@@ -68,7 +70,7 @@ class TritonLayerStack:
         if b > self.ctx.max_batch_size or meta.extend_lens is not None:
             raise ShapeError(f"{self.name}: decode batch of at most {self.ctx.max_batch_size} expected, got {b}")
         w = self.weights[layer]
-        ops.qkv_rope(x, w, kv, meta, self.q[:b], self.shape, self.lc)
+        ops.qkv_rope(x, w, kv, meta, self.q[:b], self.shape, self.lc, grid_programs=self.qkv_programs)
         out = self.out[layer % 2, :b]
         self._attention_and_mlp(layer, x, kv, meta, out)
         return out
