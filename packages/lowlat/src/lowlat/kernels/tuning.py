@@ -63,8 +63,9 @@ PDL_RELEASE: dict[tuple[str, ShapeKey], str] = {
 
 # (GPU name, shape) -> the largest decode batch at which the nvidia plugin measured faster than the generic
 # CUDA-graph path end to end; larger batches run the generic path (LowlatConfig.measured_coverage). H200 8B,
-# bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.08-1.09x at concurrency 1, 0.92-0.96x at 4 and 8, where
-# cuBLAS beats our qkv and gate-up kernels. Shapes without an entry: every covered batch. Dense layer stacks
+# bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.17-1.21x at concurrency 1 with the row-wise table, 0.88-0.96x
+# at 4 and 8 (every table and variant tried), where cuBLAS beats our qkv and gate-up kernels. Shapes without an
+# entry: every covered batch. Dense layer stacks
 # only: a Mixtral layer has the same key as Llama-3-8B but its MoE stack was not measured against this.
 WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
