@@ -247,3 +247,27 @@ def test_a_dead_rank_stops_the_server(tmp_path: Path) -> None:
         srv.stop()
     assert status not in (None, 0), srv.log_tail()
     assert any("tensor-parallel rank 1 exited" in line for line in srv.lines), srv.log_tail()
+
+
+def test_tp_moe_shards_sum_to_the_full_expert_mlp_and_record_their_size() -> None:
+    import copy
+
+    import torch
+
+    from lmserver.distributed.group import TPGroup
+    from lmserver.distributed.layers import TPMoE
+    from lmserver.layers.moe import MoE
+
+    torch.manual_seed(0)
+    full = MoE(hidden_size=8, intermediate_size=6, num_experts=3, top_k=2)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_()
+    x = torch.randn(5, 8)
+    want = full(x)
+    got = torch.zeros_like(want)
+    for rank in range(2):  # TPGroup of size 2 without a process group: sharding only, no all-reduce called
+        shard = TPMoE(copy.deepcopy(full), TPGroup(rank, 2)).moe
+        assert shard.intermediate_size == 3 == shard.w2.shape[-1] == shard.w13.shape[1] // 2
+        got += shard(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

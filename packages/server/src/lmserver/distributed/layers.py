@@ -9,13 +9,12 @@ columns. Sharding is exact: no values change, only which rank holds them.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmserver.distributed.group import TPGroup
+from lmserver.layers.moe import MoE
 
 
 def take_rows(full: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -97,22 +96,21 @@ class ParallelLMHead(nn.Module):
 class TPMoE(nn.Module):
     """An expert MLP whose experts' intermediate dimension is split; outputs summed by all-reduce."""
 
-    def __init__(self, moe: nn.Module, group: TPGroup) -> None:
+    def __init__(self, moe: MoE, group: TPGroup) -> None:
         super().__init__()
-        inter = cast(int, moe.intermediate_size)  # the MoE module's attributes (lmserver.models)
+        inter = moe.intermediate_size
         if inter % group.size:
             raise ValueError(f"intermediate_size ({inter}) must be divisible by tp_size ({group.size})")
         n = inter // group.size
         s = group.rank * n
         with torch.no_grad():
-            w13 = cast(torch.Tensor, moe.w13).data
-            w2 = cast(torch.Tensor, moe.w2).data
+            w13, w2 = moe.w13.data, moe.w2.data
             moe.w13 = nn.Parameter(
                 torch.cat([w13[:, s : s + n], w13[:, inter + s : inter + s + n]], 1).contiguous(),
                 requires_grad=False,
             )
             moe.w2 = nn.Parameter(w2[:, :, s : s + n].contiguous(), requires_grad=False)
-
+        moe.intermediate_size = n  # this rank's shard, as w13 and w2 now hold
         self.moe = moe
         self.group = group
 
