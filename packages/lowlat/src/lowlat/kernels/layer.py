@@ -11,6 +11,10 @@ GQA group packed in one tile; (3) split merge (none with one split); (4) GEMV + 
 (5) RMSNorm + gate-up GEMV + SiLU(gate) * up.
 ``DOT_F32`` runs every dot in float32 at full precision (`input_precision="ieee"`, not TF32: float32 layers
 match the float32 reference on a GPU as on the interpreter; the interpreter's bf16 dot is not reliable).
+The batch ``B`` of the three GEMV kernels is a ``tl.constexpr``: one compile per batch size (lmserver's decode graphs
+capture 1, 2, 4, 8, then multiples of 8; its warm-up compiles 1, 2, 4, 8), and a runtime ``B`` cost the 8B layer on the H200 12 us
+per gate-up launch from batch 2 (73.3 against 61.6 us at batch 4; batch 1 was already specialized by Triton,
+an int argument equal to 1 being a constant), benchmarks/RESULTS.md "lowlat", sixth session.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def rms_rstd(x_ptr, B, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.
 def qkv_rope_kernel(
     x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
-    B, eps,
+    B: tl.constexpr, eps,
     stride_ks, stride_kh, stride_vs, stride_vh,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -275,7 +279,7 @@ def merge_splits_kernel(
 @triton.jit
 def gemv_residual_kernel(
     a_ptr, w_ptr, res_ptr, out_ptr,
-    B,
+    B: tl.constexpr,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
@@ -295,7 +299,7 @@ def gemv_residual_kernel(
 @triton.jit
 def _gemv_residual_tile(
     pid, a_ptr, w_ptr, res_ptr, out_ptr,
-    B,
+    B: tl.constexpr,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
@@ -335,7 +339,7 @@ def _gemv_residual_tile(
 @triton.jit
 def norm_gate_up_kernel(
     x_ptr, norm_w_ptr, w_ptr, act_ptr,
-    B, eps,
+    B: tl.constexpr, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
@@ -355,7 +359,7 @@ def norm_gate_up_kernel(
 @triton.jit
 def _norm_gate_up_tile(
     pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
-    B, eps,
+    B: tl.constexpr, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,

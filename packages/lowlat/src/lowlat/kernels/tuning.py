@@ -15,10 +15,11 @@ from lowlat.layer import LayerShape
 ShapeKey = tuple[int, int, int, int, int]
 Entry = tuple[str, int, GemvConfig]
 TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
-    # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, fifth session): batch 1
-    # row-wise in every GEMV stage (bench_gemv: qkv 14.66, o_proj 9.52, gate-up 53.61, down 28.00 us, 98% of the
-    # copy bandwidth); the 32-layer stack 112.2 us per layer at batch 1 (125.0 with the earlier dot qkv / gate-up
-    # entries) and 152.0 at batch 8, against 181.5 and 204.6 with the defaults
+    # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat"): batch 1 row-wise in every GEMV stage
+    # (fifth session; bench_gemv: qkv 14.66, o_proj 9.52, gate-up 53.61, down 28.00 us, 98% of the copy
+    # bandwidth; the 32-layer stack 112.2 us per layer). Batches 2-16: dot kernels with the batch a constexpr
+    # (sixth session; batch 4: qkv 18.01, o_proj 11.20, gate-up 61.86, down 31.11 us; batch 8: 20.45, 11.30,
+    # 63.99, 31.03); the stack 134.5 / 139.8 us per layer at batch 4 / 8 (150.0 / 152.7 before)
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
         ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2)),
         ("o_proj", 1, GemvConfig("rows", 4, 4096, 8, 2)),
@@ -26,8 +27,9 @@ TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
         ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
         ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
-        ("gate_up", 16, GemvConfig("dot", 32, 256, 4, 3)),
-        ("down", 16, GemvConfig("dot", 32, 256, 4, 4)),
+        ("gate_up", 4, GemvConfig("dot", 64, 256, 4, 3)),
+        ("gate_up", 16, GemvConfig("dot", 64, 128, 4, 4)),
+        ("down", 16, GemvConfig("dot", 32, 512, 4, 3)),
     ),
     # H200, SmolLM2-135M layer, context 512 (benchmarks/RESULTS.md, "lowlat", 2026-11-30, fifth session): best
     # stages at batch 1 qkv 1.60, o_proj 1.18, gate-up 2.57, down 1.83 us (attention 3.1); stack 11.6 us per layer
@@ -63,9 +65,9 @@ PDL_RELEASE: dict[tuple[str, ShapeKey], str] = {
 
 # (GPU name, shape) -> the largest decode batch at which the nvidia plugin measured faster than the generic
 # CUDA-graph path end to end; larger batches run the generic path (LowlatConfig.measured_coverage). H200 8B,
-# bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.17-1.21x at concurrency 1 with the row-wise table, 0.88-0.96x
-# at 4 and 8 (every table and variant tried), where cuBLAS beats our qkv and gate-up kernels. Shapes without an
-# entry: every covered batch. Dense layer stacks
+# bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.17-1.21x at concurrency 1 with the row-wise table; at 4 and
+# 8 0.88-0.96x before the constexpr batch, 1.00x / 1.00x after it (sixth session: a tie, not a win; cuBLAS still
+# beats our qkv, 18.0 against 15.5 us at batch 4). Shapes without an entry: every covered batch. Dense layer stacks
 # only: a Mixtral layer has the same key as Llama-3-8B but its MoE stack was not measured against this.
 WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
