@@ -18,16 +18,20 @@ TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
     # H200, Llama-3-8B layer, context 512 (benchmarks/RESULTS.md, "lowlat"): batch 1 row-wise in every GEMV stage
     # (fifth session; bench_gemv: qkv 14.66, o_proj 9.52, gate-up 53.61, down 28.00 us, 98% of the copy
     # bandwidth; the 32-layer stack 112.2 us per layer). Batches 2-16: dot kernels with the batch a constexpr
-    # (sixth session; batch 4: qkv 18.01, o_proj 11.20, gate-up 61.86, down 31.11 us; batch 8: 20.45, 11.30,
-    # 63.99, 31.03); the stack 134.5 / 139.8 us per layer at batch 4 / 8 (150.0 / 152.7 before)
+    # (sixth session; batches 2-4 from a 96-config sweep at batch 4: qkv 18.01, o_proj 10.77, gate-up 60.29, down
+    # 30.27 us; 5-16 from batch 8: 20.45, 11.30, 63.99, 31.03); the stack 134.5 / 139.8 us per layer at batch 4 / 8
+    # with the first batch-4 entries (150.0 / 152.7 before the constant batch)
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
         ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2)),
         ("o_proj", 1, GemvConfig("rows", 4, 4096, 8, 2)),
         ("gate_up", 1, GemvConfig("rows", 4, 4096, 8, 2)),
         ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
+        ("down", 4, GemvConfig("dot", 32, 512, 4, 4)),
+        ("gate_up", 4, GemvConfig("dot", 32, 128, 4, 3)),
+        ("o_proj", 4, GemvConfig("dot", 32, 512, 4, 4)),
+        ("qkv", 4, GemvConfig("dot", 32, 256, 4, 3)),
         ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
-        ("gate_up", 4, GemvConfig("dot", 64, 256, 4, 3)),
         ("gate_up", 16, GemvConfig("dot", 64, 128, 4, 4)),
         ("down", 16, GemvConfig("dot", 32, 512, 4, 3)),
     ),
@@ -66,11 +70,12 @@ PDL_RELEASE: dict[tuple[str, ShapeKey], str] = {
 # (GPU name, shape) -> the largest decode batch at which the nvidia plugin measured faster than the generic
 # CUDA-graph path end to end; larger batches run the generic path (LowlatConfig.measured_coverage). H200 8B,
 # bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.17-1.21x at concurrency 1 with the row-wise table; at 4 and
-# 8 0.88-0.96x before the constexpr batch, 1.00x / 1.00x after it (sixth session: a tie, not a win; cuBLAS still
-# beats our qkv, 18.0 against 15.5 us at batch 4). Shapes without an entry: every covered batch. Dense layer stacks
+# 8 0.88-0.96x before the constexpr batch, 1.00x / 1.00x after it, 1.06x / 1.02x with the swept batch-4 entries
+# (sixth session; cuBLAS still beats our qkv, 18.0 against 15.5 us at batch 4). Batches 9-16: not measured end to
+# end, declined. Shapes without an entry: every covered batch. Dense layer stacks
 # only: a Mixtral layer has the same key as Llama-3-8B but its MoE stack was not measured against this.
 WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
-    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
 }
 
 
