@@ -31,6 +31,17 @@ def _slot_cell(row: dict[str, Any]) -> str:
     return f"{100 * row['slot_server_share']:.4f}" if "slot_server_share" in row else ""
 
 
+def prefill_ceiling(no_radix: dict[str, Any] | None, full: dict[str, Any] | None) -> str:
+    """The full / no_radix ratio a perfect cache could reach, estimated from the no_radix run: its prefill share
+    p of the wall time (the server's extend forwards) shrinks by the optimal hit rate h of the trace, the rest
+    stays, so at most 1 / (1 - p * h). Prefill cost is taken as proportional to the tokens computed; runs
+    recorded before the server timed its prefills have no estimate."""
+    if no_radix is None or full is None or "prefill_server_share" not in no_radix:
+        return ""
+    p, h = no_radix["prefill_server_share"], full["optimal_hit_rate"]
+    return f"{100 * p:.0f}% / {1 / max(1e-9, 1 - p * h):.2f}x"
+
+
 def machine_section(result: dict[str, Any]) -> str:
     rows = result["rows"]
     configs = list(result["configs"])
@@ -40,7 +51,8 @@ def machine_section(result: dict[str, Any]) -> str:
              f"{result['date']}, commit {result['commit']}, concurrency {result['concurrency']}, "
              f"server threads {result['server_threads']}, whole suite {result['suite_seconds'] / 60:.1f} min. "
              f"Command: `{result['command']}`", ""]
-    head = ["workload", "n", *configs, "full / no_radix", "hit / opt (full)", "hit / opt (no_hints)",
+    head = ["workload", "n", *configs, "full / no_radix", "prefill % (no_radix) / ceiling", "hit / opt (full)",
+            "hit / opt (no_hints)",
             "hit / opt (baseline)", "radix %", "slot %", "sanity (full)"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
@@ -55,7 +67,7 @@ def machine_section(result: dict[str, Any]) -> str:
             return f"{r['hit_rate']:.3f} / {r['optimal_hit_rate']:.3f}" if r else ""
 
         n = next(r["programs"] for r in rows if r["workload"] == name)
-        cells = [name, str(n), *[_cell(by.get((name, c))) for c in configs], ratio, hit("full"),
+        cells = [name, str(n), *[_cell(by.get((name, c))) for c in configs], ratio, prefill_ceiling(nr, full), hit("full"),
                  hit("no_hints"), hit("openai_baseline"),
                  _radix_cell(full) if full else "", _slot_cell(full) if full else "",
                  f"{full['sanity_ok']}/{full['programs']}" if full else ""]

@@ -22,6 +22,7 @@ from lmdsl.testing import MockBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # NOTE: the suite's modules are scripts, not a package
 import data  # noqa: E402
+import report  # noqa: E402
 import workloads as wl  # noqa: E402
 
 SMALL = wl.Sizes(mmlu_programs=3, hellaswag_programs=2, react_programs=2, agents=2, agent_calls_per_agent=5,
@@ -220,3 +221,21 @@ def test_short_workloads_are_repeated_and_the_median_run_reported() -> None:
     assert run_all.run_repeated(lambda: {"seconds": 9.0, "programs_per_s": 7.0}, 2.4)["runs_programs_per_s"] == [7.0]
     many = run_all.run_repeated(lambda: {"seconds": 0.0, "programs_per_s": 1.0}, 1.0)
     assert len(many["runs_programs_per_s"]) == run_all.MAX_RUNS
+
+
+def test_prefill_ceiling_from_the_no_radix_prefill_share() -> None:
+    """1 / (1 - p * h): p the no_radix run's prefill share, h the optimal hit rate; empty without the timing."""
+    full = {"optimal_hit_rate": 0.5}
+    assert report.prefill_ceiling({"prefill_server_share": 0.6}, full) == "60% / 1.43x"
+    assert report.prefill_ceiling({"prefill_server_share": 0.0}, full) == "0% / 1.00x"
+    assert report.prefill_ceiling({}, full) == ""  # recorded before the server timed prefills
+    assert report.prefill_ceiling(None, full) == "" and report.prefill_ceiling({"prefill_server_share": 0.6}, None) == ""
+    row = {"workload": "w", "programs": 2, "programs_per_s": 1.0, "mean_latency_s": 1.0, "num_errors": 0,
+           "hit_rate": 0.4, "optimal_hit_rate": 0.5, "radix_server_share": 0.0, "slot_server_share": 0.0,
+           "sanity_ok": 2, "sanity_label": "ok", "errors": [], "token_count_mismatches": 0}
+    result = {"machine": "m", "model": "x", "date": "d", "commit": "c", "concurrency": 1, "server_threads": 1,
+              "suite_seconds": 60.0, "command": "cmd", "configs": {"full": "", "no_radix": ""},
+              "rows": [{**row, "config": "full", "programs_per_s": 3.0},
+                       {**row, "config": "no_radix", "hit_rate": 0.0, "prefill_server_share": 0.8}]}
+    line = next(ln for ln in report.machine_section(result).splitlines() if ln.startswith("| w |"))
+    assert "| 3.00x | 80% / 1.67x |" in line

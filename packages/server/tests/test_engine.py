@@ -8,6 +8,7 @@ invariant is checked after every workload.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -83,6 +84,21 @@ def test_prefix_cache_hit_is_reported_and_does_not_change_output(engine: Engine)
     assert again["meta_info"]["cached_tokens"] == first["meta_info"]["prompt_tokens"] - 1
     assert again["output_ids"] == first["output_ids"]
     assert engine.get_stats()["cache_hit_rate"] > 0
+    _idle_check(engine)
+
+
+def test_prefill_forwards_and_their_time_are_counted_apart_from_decode(engine: Engine) -> None:
+    """One request of n new tokens: one extend forward, n - 1 decode forwards; only the extend is timed."""
+    engine.flush_cache()
+    before = engine.get_stats()
+    start = time.perf_counter()
+    out = engine.generate("Water boils at", {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    wall = time.perf_counter() - start
+    after = engine.get_stats()
+    assert isinstance(out, dict) and len(out["output_ids"]) == 6
+    assert after["forwards"] - before["forwards"] == 6
+    assert after["extend_forwards"] - before["extend_forwards"] == 1
+    assert 0.0 < after["extend_time_s"] - before["extend_time_s"] < wall
     _idle_check(engine)
 
 

@@ -169,6 +169,10 @@ class EngineCore:
         self._started = time.monotonic()
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "requests": 0,
                           "forward_tokens": 0, "forwards": 0,
+                          # prefill forwards (extend batches) and their wall time, forward to sampled tokens
+                          # on the host: the share of a run that a prefix cache can shorten. NOTE: an extend
+                          # that samples nothing (a middle chunk of a long prompt) is timed to its launch only
+                          "extend_forwards": 0, "extend_time_s": 0.0,
                           "overlap_steps": 0, "overlap_discarded_tokens": 0}  # chained launches, rows thrown away
         self._recent: list[tuple[float, int]] = []  # (time, generated tokens) per step, last 10 s
         # the overlap scheduler (engine/overlap.py); a plain attribute, so benchmarks can flip it
@@ -275,10 +279,14 @@ class EngineCore:
                 row_ok(self.states[item.rid], chained=False) for item in decision.items):
             self._inflight = self._launch(decision)
             return outputs
+        start = time.perf_counter()
         logits = self.runner.forward(decision)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
-        outputs.extend(self._process(decision, logits))
+        outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens
+        if decision.mode == "extend":
+            self._counters["extend_forwards"] += 1
+            self._counters["extend_time_s"] += time.perf_counter() - start
         return outputs
 
     def _launch(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
