@@ -56,16 +56,21 @@ def gpu_layer(shape: LayerShape, dtype: torch.dtype, dev: torch.device) -> Layer
 CHECK_CASES = ((1, 512), (8, 4096), (3, 1000))  # (batch, context) of the correctness check
 
 
+def build_context(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, max_b: int, max_ctx: int,
+                  **cfg: Any) -> BuildContext:
+    """A bf16 build for every batch and context the timings and the check use (``CHECK_CASES``), at every batch,
+    not only those measured faster end to end."""
+    max_b, max_ctx = max(max_b, max(b for b, _ in CHECK_CASES)), max(max_ctx, max(c for _, c in CHECK_CASES))
+    setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max_ctx)
+    return BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16, Coverage(max_tokens=max_b),
+                        LowlatConfig(measured_coverage=False, **cfg), setup, max_ctx)
+
+
 def builders(shape: LayerShape, weights: list[LayerWeights], dev: torch.device, max_b: int, max_ctx: int) -> dict[str, Any]:
     from lowlat.plugins import amd, nvidia
 
-    # every batch and context the timings and the check use; every batch, not only those measured faster end to end
-    max_b, max_ctx = max(max_b, max(b for b, _ in CHECK_CASES)), max(max_ctx, max(c for _, c in CHECK_CASES))
-    setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max_ctx)
-
     def ctx(**cfg: Any) -> BuildContext:
-        return BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16, Coverage(max_tokens=max_b),
-                            LowlatConfig(measured_coverage=False, **cfg), setup, max_ctx)
+        return build_context(shape, weights, dev, max_b, max_ctx, **cfg)
 
     out: dict[str, Any] = {}
     for name, fn in [
@@ -215,10 +220,7 @@ def main() -> None:
             entries = sorted(json.load(f)["best"], key=lambda e: e["batch"])
         tuned = tuple((e["stage"], e["batch"], GemvConfig(e["variant"], e["block_n"], e["block_k"], e["num_warps"],
                                                            e["num_stages"], e.get("programs", 0))) for e in entries)
-        setup = detect_setup("LlamaForCausalLM", "bfloat16", device="cuda", max_context=max(contexts))
-        bl = nvidia.build(BuildContext(shape, tuple(weights), dev, torch.bfloat16, torch.bfloat16,
-                                       Coverage(max_tokens=max(8, *batches)), LowlatConfig(pdl="auto", measured_coverage=False),
-                                       setup, max(4096, *contexts)))
+        bl = nvidia.build(build_context(shape, weights, dev, max(batches), max(contexts), pdl="auto"))
         bl.lc = replace(bl.lc, tuned=tuned)
         built["nvidia-tuned"] = bl
         print("nvidia-tuned:", tuned)
