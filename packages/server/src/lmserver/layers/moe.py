@@ -1,6 +1,10 @@
 """Mixture-of-experts MLP (Mixtral style): softmax router, top-k, renormalized weights.
 
-The torch-native path here is the reference for fused GPU MoE kernels.
+The torch-native path here is the reference for fused GPU MoE kernels. It runs each expert on the
+tokens that chose it, which needs the chosen experts on the host (a sync, data-dependent shapes), so
+it cannot be captured in a CUDA graph; under capture (decode graphs) ``moe_forward_dense`` runs
+instead: every expert on every token, weighted 0 where the token did not choose it, which reads
+every expert's weights each step.
 """
 
 from __future__ import annotations
@@ -25,17 +29,42 @@ def moe_forward_native(
     act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """Routes each token to its top-k experts and sums their gated outputs; returns (T, hidden)."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)  # (T, top_k)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(x.dtype)
+    weights, experts = route(router_logits, top_k, renormalize, x.dtype)
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token_idx, slot = torch.nonzero(experts == e, as_tuple=True)
         h = act(x[token_idx] @ w13[e].t()) @ w2[e].t()
         out.index_add_(0, token_idx, h * weights[token_idx, slot].unsqueeze(-1))
     return out
+
+
+def moe_forward_dense(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> torch.Tensor:
+    """``moe_forward_native``'s result with no host sync and no data-dependent shape (CUDA-graph safe): every
+    expert runs on every token and is weighted by the token's routing weight for it, 0 if not chosen."""
+    weights, experts = route(router_logits, top_k, renormalize, x.dtype)
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        w_e = (weights * (experts == e)).sum(dim=-1, keepdim=True)  # (T, 1): one non-zero term at most
+        out += (act(x @ w13[e].t()) @ w2[e].t()) * w_e
+    return out
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, top_k) in ``dtype``, expert ids (T, top_k)): softmax, top-k, optionally renormalized."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), experts
 
 
 class MoE(nn.Module):
@@ -52,4 +81,5 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); no state is mutated."""
         act = silu_and_mul if self.kernels is None else self.kernels.silu_and_mul
-        return moe_forward_native(x, self.gate(x), self.w13, self.w2, self.top_k, act=act)
+        forward = moe_forward_dense if x.is_cuda and torch.cuda.is_current_stream_capturing() else moe_forward_native
+        return forward(x, self.gate(x), self.w13, self.w2, self.top_k, act=act)
