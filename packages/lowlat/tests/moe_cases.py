@@ -7,6 +7,7 @@ without it on a CUDA machine.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from lowlat.kernels import ops
 from lowlat.kernels.moe_ops import ROWS_PER_TILE, MoEWorkspace, moe_mlp
 from lowlat.moe import MoEShape, reference_moe, reference_moe_decoder_layer, route
 from lowlat.reference import rms_norm
+from lowlat.spec import Step
 from lowlat.testing import decode_meta, fake_setup, random_kv, random_moe_layer
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
@@ -82,6 +84,11 @@ def test_moe_layer_matches_reference_over_decode_steps(dtype: torch.dtype) -> No
                        moe=moe, moe_weights=tuple(weights))
     built = build(ctx)
     assert type(built).__name__ == "TritonMoEStack" and built.workspace_bytes > 0
+    # the measured-coverage rule of the dense stack (LaunchConfig.wins_up_to: tuning.MOE_WINS_UP_TO on a GPU)
+    built.lc = replace(built.lc, wins_up_to=2)
+    assert [b for b in range(1, 10) if built.covers(Step.decode(b))] == [1, 2]
+    built.lc = replace(built.lc, wins_up_to=0)
+    assert [b for b in range(1, 10) if built.covers(Step.decode(b))] == list(range(1, 9))
     kv = [random_kv(SHAPE, 96, dtype, DEVICE, generator=g) for _ in weights]
     kv_ref = [KVCache(c.k.clone(), c.v.clone()) for c in kv]
     lens = [6, 1, 13]

@@ -86,11 +86,16 @@ def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured
 
 
 def test_measured_win_table_is_well_formed() -> None:
-    from lowlat.kernels.tuning import WINS_UP_TO, tuned_wins_up_to
+    from lowlat.kernels.tuning import MOE_WINS_UP_TO, WINS_UP_TO, tuned_wins_up_to
+    from lowlat.moe import MoEShape
 
-    assert tuned_wins_up_to("Some Other GPU", shape=LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8,
-                                                               head_dim=128, intermediate_size=14336)) == 0
-    assert all(limit >= 1 for limit in WINS_UP_TO.values())
+    llama = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+    assert tuned_wins_up_to("Some Other GPU", shape=llama) == 0
+    assert all(limit >= 1 for limit in (*WINS_UP_TO.values(), *MOE_WINS_UP_TO.values()))
+    # a Mixtral layer's attention half has the dense key: the MoE stack's limit is its own (measured 4 against 8)
+    assert tuned_wins_up_to("NVIDIA H200", llama) == 8
+    assert tuned_wins_up_to("NVIDIA H200", llama, MoEShape(8, 2, 14336)) == 4
+    assert tuned_wins_up_to("NVIDIA H200", llama, MoEShape(8, 1, 14336)) == 0
 
 
 def test_cpu_launch_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

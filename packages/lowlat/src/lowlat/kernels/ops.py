@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -13,6 +14,9 @@ from lowlat.kernels import layer as K
 from lowlat.kernels._jit import check_device, next_pow2
 from lowlat.layer import ForwardMeta, KVCache, LayerShape
 from lowlat.reference import AttentionWeights
+
+if TYPE_CHECKING:
+    from lowlat.moe import MoEShape
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
 GEMV_VARIANTS = ("dot", "rows")
@@ -82,9 +86,10 @@ class LaunchConfig:
     wins_up_to: int = 0
 
     @classmethod
-    def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool) -> LaunchConfig:
+    def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None) -> LaunchConfig:
         """GPU: tensor-core friendly blocks plus the measured per-stage table (``lowlat.kernels.tuning``)
-        of this GPU and shape; CPU (interpreter): small blocks that divide the shape."""
+        of this GPU and shape (``moe``: the MoE stack's measured coverage); CPU (interpreter): small blocks that
+        divide the shape."""
         if device.type == "cpu":
             return cls(
                 use_pdl=False,
@@ -99,7 +104,7 @@ class LaunchConfig:
         props = torch.cuda.get_device_properties(device)
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
                    tuned=tuned_table(props.name, shape), pdl_release=tuned_pdl_release(props.name, shape),
-                   attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape))
+                   attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe))
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:

@@ -8,8 +8,13 @@ without an entry gets ``LaunchConfig``'s defaults.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lowlat.kernels.ops import GemvConfig
 from lowlat.layer import LayerShape
+
+if TYPE_CHECKING:
+    from lowlat.moe import MoEShape
 
 # (GPU name, (hidden, q heads, kv heads, head_dim, intermediate)) -> (stage, max batch, config), ...
 ShapeKey = tuple[int, int, int, int, int]
@@ -72,10 +77,15 @@ PDL_RELEASE: dict[tuple[str, ShapeKey], str] = {
 # bench_e2e (benchmarks/RESULTS.md, 2026-11-30): 1.17-1.21x at concurrency 1 with the row-wise table; at 4 and
 # 8 0.88-0.96x before the constexpr batch, 1.00x / 1.00x after it, 1.06x / 1.02x with the swept batch-4 entries
 # (sixth session; cuBLAS still beats our qkv, 18.0 against 15.5 us at batch 4). Batches 9-16: not measured end to
-# end, declined. Shapes without an entry: every covered batch. Dense layer stacks
-# only: a Mixtral layer has the same key as Llama-3-8B but its MoE stack was not measured against this.
+# end, declined. Shapes without an entry: every covered batch. Dense layer stacks only (MOE_WINS_UP_TO below).
 WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
+}
+# The same for the MoE stack, keyed also by (experts, top_k, expert intermediate size): a Mixtral layer's attention
+# half has Llama-3-8B's key. H200, Mixtral-8x7B layers (4 of them), bench_e2e, seventh session: 2.09x the generic
+# CUDA-graph path at concurrency 1, 1.15x at 4, 0.91x at 8 (batches 5-7 not measured: declined).
+MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336), (8, 2, 14336)): 4,
 }
 
 
@@ -98,6 +108,10 @@ def tuned_attention(device_name: str, shape: LayerShape) -> tuple[tuple[int, int
     return ATTENTION.get((device_name, shape_key(shape)), ())
 
 
-def tuned_wins_up_to(device_name: str, shape: LayerShape) -> int:
-    """The largest decode batch the plugin should take on this GPU and shape (``WINS_UP_TO``), 0 = no limit."""
+def tuned_wins_up_to(device_name: str, shape: LayerShape, moe: MoEShape | None = None) -> int:
+    """The largest decode batch the plugin should take on this GPU and shape (``WINS_UP_TO``; with ``moe``, the MoE
+    stack's ``MOE_WINS_UP_TO``), 0 = no limit."""
+    if moe is not None:
+        return MOE_WINS_UP_TO.get((device_name, shape_key(shape), (moe.num_experts, moe.top_k,
+                                                                    moe.expert_intermediate_size)), 0)
     return WINS_UP_TO.get((device_name, shape_key(shape)), 0)

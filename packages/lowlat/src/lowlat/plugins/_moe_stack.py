@@ -10,7 +10,8 @@ from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import moe_ops, ops
 from lowlat.layer import ForwardMeta, KVCache
-from lowlat.spec import Step, StepKind
+from lowlat.plugins._stack import covers_decode
+from lowlat.spec import Step
 
 
 class TritonMoEStack:
@@ -62,7 +63,7 @@ class TritonMoEStack:
         return sum(t.numel() * t.element_size() for t in self._buffers) + self.ws.nbytes
 
     def covers(self, step: Step) -> bool:
-        return step.kind == StepKind.DECODE and step.batch_size <= self.ctx.max_batch_size
+        return covers_decode(step, self.ctx, self.lc)
 
     def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
         """MoE decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""

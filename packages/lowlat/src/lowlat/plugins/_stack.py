@@ -13,6 +13,14 @@ from lowlat.layer import ForwardMeta, KVCache
 from lowlat.spec import Step, StepKind
 
 
+def covers_decode(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
+    """Decode steps up to the agreed batch, and with ``LowlatConfig.measured_coverage`` only up to the largest batch
+    the plugin measured faster than the generic path at (``LaunchConfig.wins_up_to``). Pure."""
+    limit = lc.wins_up_to if ctx.config.measured_coverage else 0
+    return (step.kind == StepKind.DECODE and step.batch_size <= ctx.max_batch_size
+            and (limit == 0 or step.batch_size <= limit))
+
+
 class TritonLayerStack:
     """``Built`` for Llama-style decode with the per-stage kernels (``lowlat.kernels.layer``).
 
@@ -58,11 +66,7 @@ class TritonLayerStack:
         return sum(t.numel() * t.element_size() for t in self._buffers)
 
     def covers(self, step: Step) -> bool:
-        """Decode steps up to the agreed batch, and with ``LowlatConfig.measured_coverage`` only up to the
-        largest batch the plugin measured faster than the generic path at (``LaunchConfig.wins_up_to``)."""
-        limit = self.lc.wins_up_to if self.ctx.config.measured_coverage else 0
-        return (step.kind == StepKind.DECODE and step.batch_size <= self.ctx.max_batch_size
-                and (limit == 0 or step.batch_size <= limit))
+        return covers_decode(step, self.ctx, self.lc)
 
     def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
         """Decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""

@@ -40,7 +40,7 @@ def use_pdl(ctx: BuildContext) -> bool:
 def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
     """Check the loaded weights and allocate the workspaces (``TritonLayerStack``, or
     ``TritonMoEStack`` when ``ctx.moe`` is set)."""
-    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx))
+    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe)
     if ctx.moe is not None:
         return TritonMoEStack("nvidia", ctx, lc)
     return TritonLayerStack("nvidia", ctx, lc)
