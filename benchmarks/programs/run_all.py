@@ -137,6 +137,12 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
     mismatched = pt.tokenize_trace(client, calls)
     total, misses = pt.optimal_misses(calls)
     replay = pt.radix_replay_seconds(calls)
+
+    def server_seconds(name: str, stat: str) -> dict[str, float]:
+        """``<name>_s``: how much the server's ``stat`` (seconds) grew during the run; ``<name>_share``: of the wall."""
+        grew = stats1.get(stat, 0.0) - stats0.get(stat, 0.0)
+        return {f"{name}_s": grew, f"{name}_share": grew / wall}
+
     return {
         "workload": w.name, "config": cfg.name, "programs": len(kwargs), "seconds": wall,
         "programs_per_s": len(kwargs) / wall, "mean_latency_s": sum(latencies) / len(latencies),
@@ -147,13 +153,9 @@ def run_workload(cfg: Config, w: wl.Workload, sizes: wl.Sizes, base_url: str, cl
         "trace_prompt_tokens": total, "token_count_mismatches": mismatched,
         "radix_replay_s": replay, "radix_share": replay / wall,
         # the server's KV-manager host time: radix-tree work, and slot bookkeeping (also without cache)
-        "radix_server_s": stats1.get("radix_time_s", 0.0) - stats0.get("radix_time_s", 0.0),
-        "radix_server_share": (stats1.get("radix_time_s", 0.0) - stats0.get("radix_time_s", 0.0)) / wall,
-        "slot_server_s": stats1.get("slot_time_s", 0.0) - stats0.get("slot_time_s", 0.0),
-        "slot_server_share": (stats1.get("slot_time_s", 0.0) - stats0.get("slot_time_s", 0.0)) / wall,
+        **server_seconds("radix_server", "radix_time_s"), **server_seconds("slot_server", "slot_time_s"),
         # the server's prefill forwards (extend batches, launch to sampled tokens): the time a cache can shorten
-        "prefill_server_s": stats1.get("extend_time_s", 0.0) - stats0.get("extend_time_s", 0.0),
-        "prefill_server_share": (stats1.get("extend_time_s", 0.0) - stats0.get("extend_time_s", 0.0)) / wall,
+        **server_seconds("prefill_server", "extend_time_s"),
         "jump_forward_tokens": stats1.get("jump_forward_tokens", 0) - stats0.get("jump_forward_tokens", 0),
         "sanity_ok": ok, "sanity_label": w.check_label, "errors": errors[:3], "num_errors": len(errors),
     }
