@@ -199,9 +199,9 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 # The interpreter mishandles bf16 arithmetic (kernels/README.md): fp32 and fp16 on the CPU, and
-# (its slowness) not every family in both.
-CASES = {"cpu": [("llama", torch.float32), ("llama", torch.float16), ("qwen3", torch.float16)],
-         "cuda": [(f, d) for f in ("llama", "qwen3") for d in (torch.float32, torch.bfloat16, torch.float16)]}
+# (its slowness) not every family in both. Mixtral runs the fused MoE kernels (`KernelOps.fused_moe`).
+CASES = {"cpu": [("llama", torch.float32), ("llama", torch.float16), ("qwen3", torch.float16), ("mixtral", torch.float32)],
+         "cuda": [(f, d) for f in ("llama", "qwen3", "mixtral") for d in (torch.float32, torch.bfloat16, torch.float16)]}
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -3,9 +3,9 @@
 Four launches after the attention half: (1) ``route_kernel``, one program: RMSNorm of the
 residual stream, router GEMV, softmax, top-k, renormalization, and one int32 *bitmap* per expert
 (bit ``t`` set when token ``t`` chose the expert); (2) ``expert_gate_up_kernel`` and
-(3) ``expert_down_kernel``, grid (expert, column block, row tile): a program loads its expert's
-first weight block *before* it waits on the router (under PDL the launch starts while routing is
-still running), then places the expert's tokens into rows by popcount: token ``t`` goes to row
+(3) ``expert_down_kernel``, grid (expert, column block, row tile): with ``PREFETCH`` a program loads its
+expert's first weight block *before* it waits on the router (under PDL the launch starts while routing is
+still running; but the experts no token chose read that block too), then places the expert's tokens into rows by popcount: token ``t`` goes to row
 ``popcount(bitmap & ((1 << t) - 1))``, tile ``row // ROWS`` with at most ``ROWS = 8`` rows per
 tile; a tile with no row skips its GEMM; (4) ``combine_kernel``: residual + the routing-weighted
 sum of each token's ``top_k`` expert rows, found again by popcount (deterministic, no atomics).
@@ -25,6 +25,13 @@ def _popcount32(v):
     v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
     v = (v + (v >> 4)) & 0x0F0F0F0F
     return (v & 0xFF) + ((v >> 8) & 0xFF) + ((v >> 16) & 0xFF) + ((v >> 24) & 0xFF)
+
+
+@triton.jit
+def _dot(a, w, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
 
 
 @triton.jit
@@ -107,7 +114,7 @@ def expert_gate_up_kernel(
     hn_ptr, w13_ptr, bitmap_ptr, act_ptr,
     MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LOOP_START: tl.constexpr,
 ):
     # act[e, row, n] = silu(hn[tok] @ gate[e, n]) * (hn[tok] @ up[e, n]) for the expert's rows.
     e = tl.program_id(0)
@@ -116,9 +123,10 @@ def expert_gate_up_kernel(
     rt = tl.program_id(2)
     offs_k = tl.arange(0, BLOCK_K)
     base = w13_ptr + e.to(tl.int64) * (2 * INTER * H)
-    wmask = n_mask[None, :] & (offs_k[:, None] < H)
-    wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)  # before the wait
-    wu = tl.load(base + (INTER + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
+    if PREFETCH:  # the first block before the wait (every expert's programs read it, routed or not)
+        wmask = n_mask[None, :] & (offs_k[:, None] < H)
+        wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(base + (INTER + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -128,18 +136,17 @@ def expert_gate_up_kernel(
         offs_r = tl.arange(0, BLOCK_R)
         acc_g = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        if PREFETCH:  # the prefetched first block (LOOP_START = BLOCK_K), then a loop Triton can pipeline
+            a = tl.load(hn_ptr + tok[:, None] * H + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < H), other=0.0)
+            acc_g = _dot(a, wg, acc_g, DOT_F32)
+            acc_u = _dot(a, wu, acc_u, DOT_F32)
+        for k0 in range(LOOP_START, H, BLOCK_K):
             km = (k0 + offs_k) < H
-            if k0 > 0:
-                wg = tl.load(base + offs_n[None, :] * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
-                wu = tl.load(base + (INTER + offs_n[None, :]) * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+            wg = tl.load(base + offs_n[None, :] * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+            wu = tl.load(base + (INTER + offs_n[None, :]) * H + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
             a = tl.load(hn_ptr + tok[:, None] * H + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
-            if DOT_F32:
-                acc_g += tl.dot(a.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-                acc_u += tl.dot(a.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
-            else:
-                acc_g += tl.dot(a, wg)
-                acc_u += tl.dot(a, wu)
+            acc_g = _dot(a, wg, acc_g, DOT_F32)
+            acc_u = _dot(a, wu, acc_u, DOT_F32)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         row = rt * ROWS + offs_r
         ptr = act_ptr + (e * MAX_T + row[:, None]) * INTER + offs_n[None, :]
@@ -151,7 +158,7 @@ def expert_down_kernel(
     act_ptr, w2_ptr, bitmap_ptr, y_ptr,
     MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LOOP_START: tl.constexpr,
 ):
     # y[e, row, n] = act[e, row] @ down[e, n] (float32) for the expert's rows.
     e = tl.program_id(0)
@@ -160,7 +167,8 @@ def expert_down_kernel(
     rt = tl.program_id(2)
     offs_k = tl.arange(0, BLOCK_K)
     base = w2_ptr + e.to(tl.int64) * (H * INTER)
-    w = tl.load(base + offs_n[None, :] * INTER + offs_k[:, None], mask=n_mask[None, :] & (offs_k[:, None] < INTER), other=0.0)
+    if PREFETCH:
+        w = tl.load(base + offs_n[None, :] * INTER + offs_k[:, None], mask=n_mask[None, :] & (offs_k[:, None] < INTER), other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -169,16 +177,16 @@ def expert_down_kernel(
         _tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
         offs_r = tl.arange(0, BLOCK_R)
         row = rt * ROWS + offs_r
+        a_rows = act_ptr + (e * MAX_T + row[:, None]) * INTER
         acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
+        if PREFETCH:
+            a = tl.load(a_rows + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < INTER), other=0.0)
+            acc = _dot(a, w, acc, DOT_F32)
+        for k0 in range(LOOP_START, INTER, BLOCK_K):  # pipelined, as in the gate-up kernel
             km = (k0 + offs_k) < INTER
-            if k0 > 0:
-                w = tl.load(base + offs_n[None, :] * INTER + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
-            a = tl.load(act_ptr + (e * MAX_T + row[:, None]) * INTER + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
+            w = tl.load(base + offs_n[None, :] * INTER + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+            a = tl.load(a_rows + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            acc = _dot(a, w, acc, DOT_F32)
         tl.store(y_ptr + (e * MAX_T + row[:, None]) * H + offs_n[None, :], acc, mask=valid[:, None] & n_mask[None, :])
 
 

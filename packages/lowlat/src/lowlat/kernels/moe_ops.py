@@ -10,11 +10,18 @@ import triton
 from lowlat.errors import ShapeError
 from lowlat.kernels import moe as K
 from lowlat.kernels._jit import next_pow2
-from lowlat.kernels.ops import LaunchConfig, _kw, block_m
+from lowlat.kernels.ops import GemvConfig, LaunchConfig, _kw, block_m
 from lowlat.moe import MoEShape
 
 ROWS_PER_TILE = 8
 MAX_TOKENS = 31  # one int32 bitmap per expert
+# Expert kernels' tiles on a GPU (16-row dot tiles, pipelined K loop). H200, Mixtral-8x7B layer, tokens 1-8: the best
+# of 36 tiles in lmserver's fused-MoE sweep of the same 16-row expert GEMM (benchmarks/kernels/bench_moe.py).
+EXPERT_GATE_UP = GemvConfig("dot", block_n=32, block_k=256, num_warps=4, num_stages=4)
+EXPERT_DOWN = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages=4)
+# Whether the expert kernels read their first weight block before waiting on the router (PDL overlap, but every
+# expert's programs read it, routed or not: 1/16 of the unrouted experts' gate-up weights at block_k 256).
+EXPERT_PREFETCH = False
 
 
 @dataclass
@@ -77,14 +84,17 @@ def moe_mlp(
     row_tiles = triton.cdiv(b, ROWS_PER_TILE)
     block_r = ROWS_PER_TILE if dev.type == "cpu" else 16  # tl.dot needs 16 rows on a GPU; rows >= 8 stay masked
     common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, ROWS=ROWS_PER_TILE, BLOCK_R=block_r, BLOCK_T=max(2, next_pow2(b)),
-                  DOT_F32=f32, USE_PDL=lc.use_pdl)
-    K.expert_gate_up_kernel[(e, triton.cdiv(i, lc.gemv_block_n), row_tiles)](
-        ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=lc.gemv_block_n, BLOCK_K=min(lc.gemv_block_k, next_pow2(h)),
-        **common, **_kw(dev, lc),
+                  DOT_F32=f32, USE_PDL=lc.use_pdl, PREFETCH=EXPERT_PREFETCH)
+    on_cpu = dev.type == "cpu"
+    up = GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k) if on_cpu else EXPERT_GATE_UP
+    down = GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k) if on_cpu else EXPERT_DOWN
+    K.expert_gate_up_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
+        ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=min(up.block_k, next_pow2(h)),
+        LOOP_START=min(up.block_k, next_pow2(h)) if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
     )
-    K.expert_down_kernel[(e, triton.cdiv(h, lc.gemv_block_n), row_tiles)](
-        ws.act, w2, ws.bitmap, ws.y, BLOCK_N=lc.gemv_block_n, BLOCK_K=min(lc.gemv_block_k, next_pow2(i)),
-        **common, **_kw(dev, lc),
+    K.expert_down_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
+        ws.act, w2, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=min(down.block_k, next_pow2(i)),
+        LOOP_START=min(down.block_k, next_pow2(i)) if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=down),
     )
     K.combine_kernel[(b, triton.cdiv(h, lc.gemv_block_n))](
         x1, ws.y, ws.ids, ws.wts, ws.bitmap, out, MAX_T=ws.max_tokens, H=h, TOP_K=k, BLOCK_N=lc.gemv_block_n,

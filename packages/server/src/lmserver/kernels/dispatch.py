@@ -39,6 +39,8 @@ class KernelOps:
     store_kv: Callable[..., None]  # (k, v, k_cache, v_cache, loc), in place
     apply_token_bitmask_inplace: Callable[..., None]  # (logits, bitmask), in place
     top_k_top_p_min_p_probs: Callable[..., torch.Tensor]  # (logits, temps, top_ks, top_ps, min_ps, out=None)
+    # (x, router_logits, w13, w2, top_k) -> new (T, hidden); None: the MoE layer's own torch paths
+    fused_moe: Callable[..., torch.Tensor] | None = None
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +99,7 @@ def native_kernels(reason: str) -> KernelOps:
 def _triton_kernels(reason: str) -> KernelOps:
     from lmserver.kernels.activation import silu_and_mul
     from lmserver.kernels.bitmask import apply_token_bitmask_inplace
+    from lmserver.kernels.fused_moe import fused_moe
     from lmserver.kernels.kv_store import store_kv
     from lmserver.kernels.norm import fused_add_rmsnorm, rmsnorm
     from lmserver.kernels.rope import apply_rope_inplace
@@ -112,6 +115,7 @@ def _triton_kernels(reason: str) -> KernelOps:
         store_kv=store_kv,
         apply_token_bitmask_inplace=apply_token_bitmask_inplace,
         top_k_top_p_min_p_probs=top_k_top_p_min_p_probs,
+        fused_moe=fused_moe,
     )
 
 

@@ -4,7 +4,9 @@ The torch-native path here is the reference for fused GPU MoE kernels. It runs e
 tokens that chose it, which needs the chosen experts on the host (a sync, data-dependent shapes), so
 it cannot be captured in a CUDA graph; under capture (decode graphs) ``moe_forward_dense`` runs
 instead: every expert on every token, weighted 0 where the token did not choose it, which reads
-every expert's weights each step.
+every expert's weights each step. With the Triton kernels (`KernelOps.fused_moe`, any CUDA model in
+a kernel dtype) both are replaced by `lmserver.kernels.fused_moe`: no host sync, and only the
+chosen experts' weights are read.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); no state is mutated."""
+        if self.kernels is not None and self.kernels.fused_moe is not None:
+            return self.kernels.fused_moe(x, self.gate(x), self.w13, self.w2, self.top_k)
         act = silu_and_mul if self.kernels is None else self.kernels.silu_and_mul
         forward = moe_forward_dense if x.is_cuda and torch.cuda.is_current_stream_capturing() else moe_forward_native
         return forward(x, self.gate(x), self.w13, self.w2, self.top_k, act=act)

@@ -1,0 +1,294 @@
+"""Fused expert MLP (Mixtral style) in two Triton launches, with no host sync: CUDA-graph safe.
+
+The token-expert pairs (token t's j-th choice is pair ``t * top_k + j``) are grouped by expert on
+the device (`align_pairs`): each expert's pairs fill whole blocks of ``block_m`` rows, padded
+with an out-of-range pair id, and every block knows its expert. Then
+
+1. gate-up: per (block, tile of the intermediate dimension), the block's token rows times the
+   expert's gate and up rows, ``silu(gate) * up`` in the epilogue -> ``h`` (pairs, inter);
+2. down: per (block, tile of hidden), ``h`` rows times the expert's down rows, scaled by the
+   pair's routing weight -> ``y`` (pairs, hidden); the output sums each token's ``top_k`` rows.
+
+So an expert no token chose is not read, and one chosen by several tokens of a block is read once
+for all of them. Launch shapes depend only on (tokens, top_k, experts, block_m): blocks past the
+used ones exit at once. Rounding follows `lmserver.layers.moe.moe_forward_native` (float32
+accumulation; gate and up, silu, their product, the down output and its weighted value each
+rounded to the activation dtype). Reference: ``moe_forward_native``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from lmserver.kernels._util import KernelInputError, dot_precision
+
+__all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "fused_moe", "route_and_align"]
+
+# One program routes and groups the pairs when the (tokens, experts) tile is at most this many elements (decode
+# batches); larger steps (prefill) run `route` and `align_pairs` as torch ops, whose launches are negligible there.
+ROUTE_ALIGN_MAX_ELEMENTS = 16384
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """Tile sizes of the two launches. ``block_m`` rows of one expert per block (16 at least: ``tl.dot``)."""
+
+    block_m: int = 16
+    block_n_up: int = 32
+    block_n_down: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def choose_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> MoeLaunch:
+    """Tiles for ``num_pairs`` token-expert pairs over ``num_experts``: decode-sized batches (a few
+    rows per expert) stream weights with 16-row blocks; prefill-sized ones use square tiles. Four-byte
+    elements halve ``block_k`` (the same shared memory per pipeline stage)."""
+    # H200, Mixtral-8x7B layer, bf16 (bench_moe.py --sweep decode,prefill): 16-row blocks up to 8 tokens (best of 36),
+    # 128 x 128 x 64 with 8 warps at 256 and 2,048 tokens (best of 32; 1.4x faster than 64 x 64 x 64 with 4 warps)
+    if num_pairs / max(num_experts, 1) <= 16:
+        launch = MoeLaunch()
+    else:
+        launch = MoeLaunch(block_m=128, block_n_up=128, block_n_down=128, block_k=64, num_warps=8, num_stages=3)
+    return replace(launch, block_k=launch.block_k // 2) if element_size > 2 else launch
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks enough for any routing: each of at most min(pairs, experts) used experts pads < block_m rows."""
+    return triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+
+
+def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups the pairs of ``experts`` (tokens, top_k) by expert, in blocks of ``block_m`` rows.
+
+    Returns ``(pair_ids, block_expert)``: ``pair_ids`` (max_blocks * block_m,) int32, each expert's
+    pairs in ascending order from the first row of its first block, the rest of its last block set
+    to ``num_pairs`` (no pair); ``block_expert`` (max_blocks,) int32, the expert of each block and
+    -1 for the unused blocks at the end. Torch ops of fixed shapes only (no host sync).
+    """
+    flat = experts.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    pair_ids = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    pair_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pair_ids, block_expert
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr,
+    tokens, experts, stride_l, num_blocks,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # `route` then `align_pairs` in one program: softmax, top-k (lowest index among equal probabilities), weights;
+    # each expert's pairs in token order from the start of its padded block range; each block's expert.
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    t_ok = offs_t < tokens
+    e_ok = offs_e < experts
+    ok = t_ok[:, None] & e_ok[None, :]
+    logits = tl.load(logits_ptr + offs_t[:, None] * stride_l + offs_e[None, :], mask=ok, other=0.0)
+    logits = tl.where(e_ok[None, :], logits.to(tl.float32), float("-inf"))  # rows past `tokens`: finite, unused
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(e_ok[None, :], p, -1.0)
+    slot = tl.full((BLOCK_T, BLOCK_E), -1, tl.int32)  # which of the token's choices this expert is, -1: none
+    chosen_p = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        idx = tl.min(tl.where(p == best[:, None], offs_e[None, :], BLOCK_E), 1)
+        hit = offs_e[None, :] == idx[:, None]
+        slot = tl.where(hit, j, slot)
+        chosen_p = tl.where(hit, best[:, None], chosen_p)
+        total += best
+        p = tl.where(hit, -1.0, p)
+    if RENORMALIZE:
+        chosen_p = chosen_p / total[:, None]
+    chosen = (slot >= 0) & t_ok[:, None]
+    pair = offs_t[:, None] * TOP_K + slot
+    tl.store(weights_ptr + pair, chosen_p.to(weights_ptr.dtype.element_ty), mask=chosen)
+    hits = chosen.to(tl.int32)
+    counts = tl.sum(hits, 0)  # (BLOCK_E,)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    rank = tl.cumsum(hits, 0) - hits  # earlier tokens that chose the same expert
+    dest = (padded_end - padded)[None, :] + rank
+    num_pairs = tokens * TOP_K
+    for s0 in range(0, num_blocks * BLOCK_M, BLOCK_S):  # every row "no pair" first ...
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        tl.store(pair_ids_ptr + offs_s, tl.full((BLOCK_S,), 0, tl.int32) + num_pairs, mask=offs_s < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # ... then the pairs over them (one program: the barrier orders the two writes)
+    tl.store(pair_ids_ptr + dest, pair, mask=chosen)
+    for b0 in range(0, num_blocks, BLOCK_S):
+        offs_b = b0 + tl.arange(0, BLOCK_S)
+        before = tl.sum((padded_end[None, :] <= (offs_b * BLOCK_M)[:, None]).to(tl.int32), 1)  # searchsorted, right
+        expert = tl.where(before < experts, before, -1)
+        tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < num_blocks)
+
+
+def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights (T, top_k) in dtype, pair_ids, block_expert)``: `lmserver.layers.moe.route`'s weights and
+    `align_pairs`'s grouping of its experts; one Triton program for decode-sized steps, torch ops above
+    ``ROUTE_ALIGN_MAX_ELEMENTS``. Ties between equal probabilities go to the lower expert index in the kernel."""
+    from lmserver.layers.moe import route
+
+    tokens, experts = router_logits.shape
+    block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)
+    if block_t * block_e > ROUTE_ALIGN_MAX_ELEMENTS:
+        weights, chosen = route(router_logits, top_k, renormalize, dtype)
+        return (weights, *align_pairs(chosen, experts, block_m))
+    num_blocks = max_blocks(tokens * top_k, experts, block_m)
+    dev = router_logits.device
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=dev)
+    pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    _route_align_kernel[(1,)](
+        router_logits, weights, pair_ids, block_expert, tokens, experts, router_logits.stride(0), num_blocks,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_S=128,
+        num_warps=4,
+    )
+    return weights, pair_ids, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, pair_ids_ptr, block_expert_ptr,
+    num_pairs, inter, hidden,
+    stride_x, stride_we, stride_wn, stride_h,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_x
+    w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < hidden
+        a = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        u = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_gate = tl.dot(a, tl.trans(g), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision=PRECISION)
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h_rows = h_ptr + pairs[:, None].to(tl.int64) * stride_h
+    tl.store(h_rows + offs_n[None, :], (act * up).to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, y_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr,
+    num_pairs, hidden, inter,
+    stride_h, stride_we, stride_wn, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    safe_pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    h_rows = h_ptr + safe_pairs[:, None] * stride_h
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < inter
+        a = tl.load(h_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    dtype = y_ptr.dtype.element_ty
+    scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(tl.float32)
+    out = (acc.to(dtype).to(tl.float32) * scale[:, None]).to(dtype)
+    tl.store(y_ptr + safe_pairs[:, None] * stride_y + offs_n[None, :], out, mask=valid[:, None] & n_ok[None, :])
+
+
+def _check(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise KernelInputError(f"expected x (T, hidden), w13 (E, 2*inter, hidden), w2 (E, hidden, inter); got "
+                               f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    experts, two_inter, hidden = w13.shape
+    if x.shape[1] != hidden or w2.shape != (experts, hidden, two_inter // 2) or two_inter % 2:
+        raise KernelInputError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if router_logits.shape != (x.shape[0], experts):
+        raise KernelInputError(f"router_logits must be ({x.shape[0]}, {experts}), got {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= experts:
+        raise KernelInputError(f"top_k must be in [1, {experts}], got {top_k}")
+    if x.dtype != w13.dtype or w2.dtype != w13.dtype:
+        raise KernelInputError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if x.stride(1) != 1 or router_logits.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise KernelInputError("x, router_logits, w13 and w2 must be contiguous in their last dimension")
+
+
+def fused_moe(
+    x: torch.Tensor,  # (T, hidden)
+    router_logits: torch.Tensor,  # (T, num_experts)
+    w13: torch.Tensor,  # (E, 2 * inter, hidden): gate rows then up rows
+    w2: torch.Tensor,  # (E, hidden, inter)
+    top_k: int,
+    renormalize: bool = True,
+    launch: MoeLaunch | None = None,
+) -> torch.Tensor:
+    """``moe_forward_native``'s result from two Triton launches; returns a new (T, hidden) tensor.
+    Mutates nothing. ``launch`` overrides `choose_moe_launch` (benchmarks, tests)."""
+    _check(x, router_logits, w13, w2, top_k)
+    tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if tokens == 0:
+        return torch.empty_like(x)
+    num_pairs = tokens * top_k
+    cfg = launch or choose_moe_launch(num_pairs, num_experts, x.element_size())
+    weights, pair_ids, block_expert = route_and_align(router_logits, top_k, renormalize, x.dtype, cfg.block_m)
+    blocks = block_expert.numel()
+    precision = dot_precision(x.dtype)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n_up))](
+        x, w13, h, pair_ids, block_expert, num_pairs, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
+        h, w2, y, weights, pair_ids, block_expert, num_pairs, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else y
