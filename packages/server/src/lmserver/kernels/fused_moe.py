@@ -169,6 +169,14 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 @triton.jit
+def _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    # this program's block: (its expert, -1 past the used blocks; its pair ids; which rows hold a pair)
+    block = tl.program_id(0)
+    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(block_expert_ptr + block), pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, pair_ids_ptr, block_expert_ptr,
     num_pairs, inter, hidden,
@@ -176,12 +184,9 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
     tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -214,12 +219,9 @@ def _down_kernel(
     stride_h, stride_we, stride_wn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
+    expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
     safe_pairs = tl.where(valid, pairs, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
