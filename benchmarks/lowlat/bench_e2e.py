@@ -42,11 +42,25 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
     ),
 }
-# Per-step floor: bytes read per decode step at batch 1 / measured copy bandwidth (4.23 TB/s). SmolLM2: 30 layers of
-# 7.08 MB and the tied lm_head 56.6 MB (0.269 GB; its steps are bound by kernel launches, far above this). Mixtral,
-# 4 layers: per layer qkv 50.3 MB + o_proj 33.6 + two experts' w13 and w2 704.6, then lm_head 262.1 (3.417 GB); a
-# larger batch reads more experts (up to all 8), so its floor is higher.
-FLOOR_MS = {"llama3-8b": 3.55, "smollm2": 0.0636, "mixtral-8x7b-4l": 0.808}
+COPY_BANDWIDTH = 4.23e12  # B/s, the H200's measured device copy (DESIGN.md)
+
+
+def floor_ms(config: dict[str, Any], bytes_per_param: int = 2) -> float:
+    """Per-step floor at batch 1: the weights a decode step reads (every layer's qkv, o_proj, norms and MLP, or its
+    router and top-k experts; then the final norm and lm_head, tied or not) at the copy bandwidth, in ms. A larger
+    batch reads more experts (up to all of them), so an MoE model's floor there is higher. Pure."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", hidden // heads)
+    mlp = 3 * hidden * config["intermediate_size"]
+    experts = config.get("num_local_experts", 0)
+    if experts:
+        mlp = mlp * config["num_experts_per_tok"] + experts * hidden
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + mlp + 2 * hidden
+    params = layers * per_layer + hidden + config["vocab_size"] * hidden
+    return params * bytes_per_param / COPY_BANDWIDTH * 1e3
+
+
 T0 = time.monotonic()
 RESULTS: dict[str, Any] = {"rows": [], "checks": [], "errors": []}
 
@@ -149,7 +163,8 @@ def gpu_state() -> str:
 
 def bench_shape(name: str, smol: str, plugins: list[str], args: argparse.Namespace) -> None:
     path = shape_folder(name, smol)
-    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    config = json.loads((Path(path) / "config.json").read_text())
+    vocab, floor = config["vocab_size"], floor_ms(config)
     reference: list[int] | None = None
     suffix = "+all-batches" if args.all_batches else ""
     for setting in ["off"] + [f"require:{p}{suffix}" for p in plugins]:
@@ -178,8 +193,7 @@ def bench_shape(name: str, smol: str, plugins: list[str], args: argparse.Namespa
             row = {"model": name, "plugins": setting, "concurrency": conc,
                    "tok_s_median": round(statistics.median(rates), 1),
                    "tok_s_p90": round(1 / p90_step, 1), "ms_per_step_median": round(1000 / statistics.median(rates), 3)}
-            if name in FLOOR_MS:
-                row["x_floor"] = round(row["ms_per_step_median"] / FLOOR_MS[name], 2)
+            row["x_floor"] = round(row["ms_per_step_median"] / floor, 2)
             stats = core.get_stats()
             row["plugin_steps"] = stats.get("lowlat_plugin_steps", 0)
             RESULTS["rows"].append(row)
