@@ -146,14 +146,16 @@ def test_fused_moe_matches_the_float64_reference(device: str) -> None:
     launches = [None, small] if device == "cpu" else [None, MoeLaunch(block_m=64, block_n_up=64, block_n_down=64,
                                                                       block_k=64)]
     for hidden, inter, experts, top_k in MOE_SHAPES[device]:
+        # the weights once per shape (Mixtral's are 1.4e9 values), on the device
+        w13_f = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(device)
+        w2_f = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(device)
         for dtype in _dtypes(device) + ([torch.float32] if device == "cuda" else []):  # fp32: halved block_k
+            w13, w2 = w13_f.to(dtype), w2_f.to(dtype)
             for tokens in _scale(device, [1, 3, 19, 70], [1, 4, 8, 300]):  # 70 (CPU), 300: prefill tiles
                 x = torch.randn(tokens, hidden, generator=g)
                 # distinct router logits per row, exact in every dtype (equal ones would leave top-k's pick open)
                 logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]) * 0.25 - experts / 8
-                w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
-                w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-                args = [t.to(dtype).to(device) for t in (x, logits, w13, w2)]
+                args = [x.to(dtype).to(device), logits.to(dtype).to(device), w13, w2]
                 want = moe_forward_native(*(t.double() for t in args), top_k)
                 torch_err = rel_error(moe_forward_native(*args, top_k), want)
                 for launch in launches:
