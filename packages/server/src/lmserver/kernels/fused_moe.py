@@ -1,8 +1,9 @@
 """Fused expert MLP (Mixtral style) in two Triton launches, with no host sync: CUDA-graph safe.
 
-The token-expert pairs (token t's j-th choice is pair ``t * top_k + j``) are grouped by expert on
-the device (`align_pairs`): each expert's pairs fill whole blocks of ``block_m`` rows, padded
-with an out-of-range pair id, and every block knows its expert. Then
+The router's softmax and top-k run on the device and the token-expert pairs (token t's j-th choice
+is pair ``t * top_k + j``) are grouped by expert there (`route_and_align`: one Triton program for
+decode-sized steps, else torch ops, `align_pairs`): each expert's pairs fill whole blocks of
+``block_m`` rows, padded with an out-of-range pair id, and every block knows its expert. Then
 
 1. gate-up: per (block, tile of the intermediate dimension), the block's token rows times the
    expert's gate and up rows, ``silu(gate) * up`` in the epilogue -> ``h`` (pairs, inter);
