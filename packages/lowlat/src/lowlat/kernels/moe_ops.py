@@ -88,13 +88,14 @@ def moe_mlp(
     on_cpu = dev.type == "cpu"
     up = GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k) if on_cpu else EXPERT_GATE_UP
     down = GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k) if on_cpu else EXPERT_DOWN
+    up_k, down_k = min(up.block_k, next_pow2(h)), min(down.block_k, next_pow2(i))
     K.expert_gate_up_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
-        ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=min(up.block_k, next_pow2(h)),
-        LOOP_START=min(up.block_k, next_pow2(h)) if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
+        ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
+        LOOP_START=up_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
     )
     K.expert_down_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
-        ws.act, w2, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=min(down.block_k, next_pow2(i)),
-        LOOP_START=min(down.block_k, next_pow2(i)) if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=down),
+        ws.act, w2, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
+        LOOP_START=down_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=down),
     )
     K.combine_kernel[(b, triton.cdiv(h, lc.gemv_block_n))](
         x1, ws.y, ws.ids, ws.wts, ws.bitmap, out, MAX_T=ws.max_tokens, H=h, TOP_K=k, BLOCK_N=lc.gemv_block_n,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmserver.kernels._util import KernelInputError, dot_precision
+from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, dot_precision
 
 __all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "fused_moe", "route_and_align"]
 
@@ -255,8 +255,7 @@ def _check(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: 
         raise KernelInputError(f"top_k must be in [1, {experts}], got {top_k}")
     if x.dtype != w13.dtype or w2.dtype != w13.dtype:
         raise KernelInputError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    if x.stride(1) != 1 or router_logits.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise KernelInputError("x, router_logits, w13 and w2 must be contiguous in their last dimension")
+    check_last_dim_contiguous(x=x, router_logits=router_logits, w13=w13, w2=w2)
 
 
 def fused_moe(
