@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import measure_copy_bw, rel_error, time_eager, time_graph  # noqa: E402
 
-from lmserver.kernels.fused_moe import MoeLaunch, choose_moe_launch, fused_moe  # noqa: E402
+from lmserver.kernels.fused_moe import MoeLaunch, choose_moe_launch, fused_moe, route_and_align  # noqa: E402
 from lmserver.layers.moe import moe_forward_dense, moe_forward_native, route  # noqa: E402
 
 # (hidden, inter, experts, top_k)
@@ -92,11 +92,9 @@ SWEEPS = {  # tokens, then MoeLaunch candidates
 
 
 def time_route_align(inp: dict, top_k: int, block_m: int) -> float:
-    from lmserver.kernels.fused_moe import align_pairs
-
-    lgs, experts = inp["logits"], inp["w13"].shape[0]
-    return time_graph(lambda i: align_pairs(route(lgs[i], top_k, True, torch.bfloat16)[1], experts, block_m),
-                      NUM_SETS, reps=10)
+    """The routing and grouping step alone, as `fused_moe` runs it (`route_and_align`)."""
+    lgs = inp["logits"]
+    return time_graph(lambda i: route_and_align(lgs[i], top_k, True, torch.bfloat16, block_m), NUM_SETS, reps=10)
 
 
 def sweep(kind: str, shape: tuple[int, int, int, int], g: torch.Generator) -> list[dict]:
