@@ -92,7 +92,7 @@ def test_measured_win_table_is_well_formed() -> None:
     llama = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
     assert tuned_wins_up_to("Some Other GPU", shape=llama) == 0
     assert all(limit >= 1 for limit in (*WINS_UP_TO.values(), *MOE_WINS_UP_TO.values()))
-    # a Mixtral layer's attention half has the dense key: the MoE stack's limit is its own (measured 4 against 8)
+    # a Mixtral layer's attention half has the dense key: the MoE stack's limit is its own (measured 1 against 8)
     assert tuned_wins_up_to("NVIDIA H200", llama) == 8
     assert tuned_wins_up_to("NVIDIA H200", llama, MoEShape(8, 2, 14336)) == 1
     assert tuned_wins_up_to("NVIDIA H200", llama, MoEShape(8, 1, 14336)) == 0

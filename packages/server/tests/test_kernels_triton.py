@@ -134,6 +134,12 @@ MOE_SHAPES = {"cpu": [(32, 48, 4, 2), (40, 24, 3, 1), (16, 16, 5, 3)],
               "cuda": [(4096, 14336, 8, 2), (576, 1536, 8, 2), (1000, 700, 6, 3), (64, 96, 64, 8)]}
 
 
+def _distinct_logits(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
+    """Router logits distinct within each row (a permutation in steps of 1/4, exact in every dtype): which of two
+    equal probabilities top-k picks is not part of its contract."""
+    return torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]) * 0.25 - experts / 8
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_moe_matches_the_float64_reference(device: str) -> None:
     # Oracle: the sparse torch path in float64. Each dtype's error must be within a small factor of the torch path's
@@ -153,9 +159,7 @@ def test_fused_moe_matches_the_float64_reference(device: str) -> None:
             w13, w2 = w13_f.to(dtype), w2_f.to(dtype)
             for tokens in _scale(device, [1, 3, 19, 70], [1, 4, 8, 300]):  # 70 (CPU), 300: prefill tiles
                 x = torch.randn(tokens, hidden, generator=g)
-                # distinct router logits per row, exact in every dtype (equal ones would leave top-k's pick open)
-                logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]) * 0.25 - experts / 8
-                args = [x.to(dtype).to(device), logits.to(dtype).to(device), w13, w2]
+                args = [x.to(dtype).to(device), _distinct_logits(tokens, experts, g).to(dtype).to(device), w13, w2]
                 want = moe_forward_native(*(t.double() for t in args), top_k)
                 torch_err = rel_error(moe_forward_native(*args, top_k), want)
                 for launch in launches:
@@ -178,10 +182,7 @@ def test_moe_route_and_align_kernel_matches_the_torch_ops(device: str) -> None:
                                              (64, 8, 2, 32), (9, 3, 3, 64), (300 if device == "cuda" else 33, 64, 8, 16)]:
         for renormalize in (True, False):
             for dtype in _dtypes(device):
-                # distinct per row (a permutation in steps of 1/4, exact in every dtype): the order of equal
-                # probabilities is not part of top-k's contract
-                perm = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
-                logits = (perm * 0.25 - experts / 8).to(dtype).to(device)
+                logits = _distinct_logits(tokens, experts, g).to(dtype).to(device)
                 want_w, want_e = route(logits, top_k, renormalize, dtype)
                 want_ids, want_blocks = align_pairs(want_e, experts, block_m)
                 w, ids, blocks = route_and_align(logits, top_k, renormalize, dtype, block_m)
