@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lowlat.kernels.layer import _attend_block, _kv_tile_ptrs
+from lowlat.kernels.moe import _dot
 
 
 @triton.jit
@@ -52,7 +53,6 @@ def attn_mlp_persistent_kernel(
     total = end_gu + n_down
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
-    offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, D)
     bad = pid * 0
     for t in range(pid, total, nprog):
@@ -94,16 +94,7 @@ def attn_mlp_persistent_kernel(
             i = t - end_attn
             b = i // NQ
             h = i % NQ
-            target = n_attn
-            cur = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
-            spins = pid * 0
-            while (cur < target) & (spins < SPIN_LIMIT) & (bad == 0):
-                cur = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
-                spins += 1
-            if cur < target:
-                bad = bad + 1
-                tl.atomic_or(err_ptr, 1)
-            tl.debug_barrier()
+            bad = _wait_count(sync_ptr + 2, n_attn, err_ptr, bad, SPIN_LIMIT)
             offs_s = tl.arange(0, BLOCK_S)
             s_mask = offs_s < NUM_SPLITS
             base = (b * NQ + h) * NUM_SPLITS
@@ -115,77 +106,33 @@ def attn_mlp_persistent_kernel(
             tl.store(attn_ptr + b * QD + h * D + offs_d, merged)
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + 3, 1, sem="release")
-        else:
-            # ---- GEMV stages: o_proj + residual, norm + gate-up + SiLU, down + residual ----
-            stage = tl.where(t < end_o, 0, tl.where(t < end_gu, 1, 2))
-            tile = t - tl.where(stage == 0, end_merge, tl.where(stage == 1, end_o, end_gu))
-            k_dim = tl.where(stage == 0, QD, tl.where(stage == 1, H, INTER))
-            n_dim = tl.where(stage == 1, INTER, H)
-            cnt_wait = 3 + stage
-            n_wait = tl.where(stage == 0, n_merge, tl.where(stage == 1, n_o, n_gu))
-            a_ptr = tl.where(stage == 0, attn_ptr, tl.where(stage == 1, x1_ptr, act_ptr))
-            w_ptr = tl.where(stage == 0, wo_ptr, tl.where(stage == 1, wgu_ptr, wd_ptr))
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < n_dim
-            k_mask = offs_k < k_dim
-            wm = n_mask[None, :] & k_mask[:, None]
-            is_gu = (tl.zeros((BLOCK_K, BLOCK_N), tl.int32) + stage) == 1  # full-shape mask (interpreter)
-            # weights prefetched before waiting on the previous stage
-            w1 = tl.load(w_ptr + offs_n[None, :] * k_dim + offs_k[:, None], mask=wm, other=0.0)
-            w2 = tl.load(w_ptr + (INTER + offs_n[None, :]) * k_dim + offs_k[:, None], mask=wm & is_gu, other=0.0)
-            target = n_wait
-            cur = tl.atomic_add(sync_ptr + cnt_wait, 0, sem="acquire")
-            spins = pid * 0
-            while (cur < target) & (spins < SPIN_LIMIT) & (bad == 0):
-                cur = tl.atomic_add(sync_ptr + cnt_wait, 0, sem="acquire")
-                spins += 1
-            if cur < target:
-                bad = bad + 1
-                tl.atomic_or(err_ptr, 1)
+        elif t < end_o:
+            # ---- o_proj + residual (waits for every merged head) ----
+            acc, _, bad = _gemv_task(t - end_merge, attn_ptr, wo_ptr, x1_ptr, post_norm_ptr, sync_ptr + 3, n_merge, err_ptr,
+                                     bad, B, eps, SPIN_LIMIT, H, QD, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            offs_n = (t - end_merge) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = m_mask[:, None] & (offs_n < H)[None, :]
+            res0 = tl.load(x_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(x1_ptr + offs_m[:, None] * H + offs_n[None, :], acc + res0, mask=mask)
             tl.debug_barrier()
-            rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
-            if stage == 1:
-                ss = tl.zeros((BLOCK_M,), tl.float32)
-                for k0 in range(0, H, BLOCK_K):
-                    km = (k0 + offs_k) < H
-                    xv = tl.load(x1_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-                    ss += tl.sum(xv * xv, 1)
-                rstd = 1.0 / tl.sqrt(ss / H + eps)
-            acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k0 in range(0, k_dim, BLOCK_K):
-                km = (k0 + offs_k) < k_dim
-                if k0 > 0:
-                    wm = n_mask[None, :] & km[:, None]
-                    w1 = tl.load(w_ptr + offs_n[None, :] * k_dim + k0 + offs_k[:, None], mask=wm, other=0.0)
-                    w2 = tl.load(w_ptr + (INTER + offs_n[None, :]) * k_dim + k0 + offs_k[:, None], mask=wm & is_gu, other=0.0)
-                av = tl.load(a_ptr + offs_m[:, None] * k_dim + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
-                             cache_modifier=".cg").to(tl.float32)
-                if stage == 1:
-                    gamma = tl.load(post_norm_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
-                    av = av * gamma[None, :]
-                if DOT_F32:
-                    acc1 += tl.dot(av, w1.to(tl.float32), input_precision="ieee")
-                    acc2 += tl.dot(av, w2.to(tl.float32), input_precision="ieee")
-                else:
-                    acc1 += tl.dot(av.to(w1.dtype), w1)
-                    acc2 += tl.dot(av.to(w1.dtype), w2)
-            mask = m_mask[:, None] & n_mask[None, :]
-            if stage == 1:
-                g = acc1 * rstd[:, None]
-                u = acc2 * rstd[:, None]
-                tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], g / (1.0 + tl.exp(-g)) * u, mask=mask)
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + 5, 1, sem="release")
-            elif stage == 0:
-                res0 = tl.load(x_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-                tl.store(x1_ptr + offs_m[:, None] * H + offs_n[None, :], acc1 + res0, mask=mask)
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + 4, 1, sem="release")
-            else:
-                res2 = tl.load(x1_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs_m[:, None] * H + offs_n[None, :], acc1 + res2.to(tl.float32), mask=mask)
+            tl.atomic_add(sync_ptr + 4, 1, sem="release")
+        elif t < end_gu:
+            # ---- RMSNorm + gate-up + SiLU (waits for every o_proj tile) ----
+            g, u, bad = _gemv_task(t - end_o, x1_ptr, wgu_ptr, x1_ptr, post_norm_ptr, sync_ptr + 4, n_o, err_ptr, bad,
+                                   B, eps, SPIN_LIMIT, INTER, H, True, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            offs_n = (t - end_o) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = m_mask[:, None] & (offs_n < INTER)[None, :]
+            tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], g / (1.0 + tl.exp(-g)) * u, mask=mask)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 5, 1, sem="release")
+        else:
+            # ---- down + residual (waits for every gate-up tile) ----
+            acc, _, bad = _gemv_task(t - end_gu, act_ptr, wd_ptr, x1_ptr, post_norm_ptr, sync_ptr + 5, n_gu, err_ptr, bad,
+                                     B, eps, SPIN_LIMIT, H, INTER, False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            offs_n = (t - end_gu) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = m_mask[:, None] & (offs_n < H)[None, :]
+            res2 = tl.load(x1_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_m[:, None] * H + offs_n[None, :], acc + res2.to(tl.float32), mask=mask)
     # NOTE: the last program out is the only one left: no wait of this launch can still read the counters.
     done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
     if done == nprog - 1:
@@ -195,3 +142,75 @@ def attn_mlp_persistent_kernel(
         tl.atomic_xchg(sync_ptr + 5, 0, sem="acq_rel")
         tl.atomic_xchg(sync_ptr + 1, 0, sem="acq_rel")
         tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+
+
+@triton.jit
+def _wait_count(counter_ptr, target, err_ptr, bad, SPIN_LIMIT):
+    """Poll ``counter_ptr`` until it reaches ``target`` (acquire), at most SPIN_LIMIT polls; on giving up set the
+    error flag and return ``bad + 1`` (later waits of the program are skipped), else ``bad``."""
+    cur = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    spins = bad * 0
+    while (cur < target) & (spins < SPIN_LIMIT) & (bad == 0):
+        cur = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        spins += 1
+    if cur < target:
+        bad = bad + 1
+        tl.atomic_or(err_ptr, 1)
+    tl.debug_barrier()
+    return bad
+
+
+@triton.jit
+def _gemv_task(
+    tile, a_ptr, w_ptr, x1_ptr, norm_ptr, counter_ptr, n_wait, err_ptr, bad, B, eps, SPIN_LIMIT,
+    N: tl.constexpr, K: tl.constexpr, GATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One output tile of a GEMV stage: ``a (B, K) @ w[tile rows].T``; with GATE_UP, ``w`` holds gate rows
+    [0, N) and up rows [N, 2N), ``a`` is RMSNorm'd (x1's rstd, norm weight) and both products are returned.
+    The first weight block is loaded before the wait on ``counter_ptr`` (the producing stage); N and K are
+    compile-time constants per stage, so weight rows have a known alignment (vector loads) and the K loop a
+    fixed trip count (software-pipelined: no load under a branch in the loop)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    km = offs_k < K
+    w1 = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+    w2 = w1
+    if GATE_UP:
+        w2 = tl.load(w_ptr + (N + offs_n[None, :]) * K + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
+    bad = _wait_count(counter_ptr, n_wait, err_ptr, bad, SPIN_LIMIT)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # the activations were written by other programs of this launch: read past L1 (.cg)
+    a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
+                cache_modifier=".cg")
+    if GATE_UP:
+        a = a.to(tl.float32) * tl.load(norm_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+    acc1 = _dot(a.to(w1.dtype), w1, acc1, DOT_F32)
+    if GATE_UP:
+        acc2 = _dot(a.to(w1.dtype), w2, acc2, DOT_F32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        km = (k0 + offs_k) < K
+        wm = n_mask[None, :] & km[:, None]
+        w1 = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=wm, other=0.0)
+        a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
+                    cache_modifier=".cg")
+        if GATE_UP:
+            w2 = tl.load(w_ptr + (N + offs_n[None, :]) * K + k0 + offs_k[:, None], mask=wm, other=0.0)
+            a = a.to(tl.float32) * tl.load(norm_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+            acc2 = _dot(a.to(w1.dtype), w2, acc2, DOT_F32)
+        acc1 = _dot(a.to(w1.dtype), w1, acc1, DOT_F32)
+    if GATE_UP:
+        ss = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            km = (k0 + offs_k) < K
+            xv = tl.load(x1_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            ss += tl.sum(xv * xv, 1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc1 = acc1 * rstd[:, None]
+        acc2 = acc2 * rstd[:, None]
+    return acc1, acc2, bad

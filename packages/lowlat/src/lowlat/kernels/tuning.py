@@ -90,6 +90,16 @@ MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
 }
 
 
+# (GPU name, shape) -> the amd plugin's persistent K2 launch (attention .. down): GEMV tile block_n x block_k, warps,
+# pipeline stages, and `programs` the persistent grid (0: one program per compute unit; every program must be
+# co-resident). Measured with the 32-layer stack (benchmarks/RESULTS.md, "lowlat", ninth session): H200 8B, us per
+# layer at batch 1 / 4 / 8, 32 x 256, 4 warps, 3 stages on 2 programs per SM 184.3 / 161.9 / 167.3 (one per SM
+# 194.3 / 182.6 / 195.6; the default 16 x 256 tiles 260.0 / 265.4 / 278.7)
+PERSISTENT: dict[tuple[str, ShapeKey], GemvConfig] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): GemvConfig("dot", 32, 256, 4, 3, programs=2 * 132),
+}
+
+
 def shape_key(shape: LayerShape) -> ShapeKey:
     return (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size)
 
@@ -116,3 +126,8 @@ def tuned_wins_up_to(device_name: str, shape: LayerShape, moe: MoEShape | None =
         return MOE_WINS_UP_TO.get((device_name, shape_key(shape), (moe.num_experts, moe.top_k,
                                                                     moe.expert_intermediate_size)), 0)
     return WINS_UP_TO.get((device_name, shape_key(shape)), 0)
+
+
+def tuned_persistent(device_name: str, shape: LayerShape) -> GemvConfig | None:
+    """The measured persistent K2 launch of the amd plugin for this GPU and shape (``PERSISTENT``), or None."""
+    return PERSISTENT.get((device_name, shape_key(shape)))

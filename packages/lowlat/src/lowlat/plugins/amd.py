@@ -19,7 +19,9 @@ from lowlat.build import BuildContext
 from lowlat.errors import KernelError, Unsupported
 from lowlat.kernels import ops
 from lowlat.kernels._jit import check_device, next_pow2
+from lowlat.kernels.ops import GemvConfig
 from lowlat.kernels.persistent import attn_mlp_persistent_kernel
+from lowlat.kernels.tuning import tuned_persistent
 from lowlat.layer import ForwardMeta, KVCache
 from lowlat.plugins._stack import TritonLayerStack
 from lowlat.plugins.nvidia import ARCHS
@@ -34,9 +36,13 @@ class AmdLayerStack(TritonLayerStack):
         super().__init__("amd", ctx, lc)
         self.mode = ctx.config.amd_mode
         self.spin_limit = ctx.config.spin_limit
-        self.programs = 1 if ctx.device.type == "cpu" else lc.num_sms  # co-resident persistent grid
+        # K2's tiles and grid: measured per GPU and shape (tuning.PERSISTENT), else the launch config's blocks on a
+        # grid of one program per compute unit; every program must be co-resident (a wait spins on the others)
+        tuned = None if ctx.device.type == "cpu" else tuned_persistent(torch.cuda.get_device_name(ctx.device), ctx.shape)
+        self.k2 = tuned or GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k, lc.num_warps, lc.num_stages)
+        self.programs = 1 if ctx.device.type == "cpu" else (self.k2.programs or lc.num_sms)
         if self.mode == "persistent":
-            self.qkv_programs = self.programs
+            self.qkv_programs = 1 if ctx.device.type == "cpu" else lc.num_sms
         self.sync = torch.zeros(8, dtype=torch.int32, device=ctx.device)  # epoch, done, 4 stage counters
         self.error = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         self._buffers += [self.sync, self.error]
@@ -49,7 +55,8 @@ class AmdLayerStack(TritonLayerStack):
         b, s, w, lc, dev = x.shape[0], self.shape, self.weights[layer], self.lc, x.device
         check_device(dev)
         splits = self._splits(b, meta)
-        kw = {} if dev.type == "cpu" else {"num_warps": lc.num_warps}
+        k2 = self.k2
+        kw = {} if dev.type == "cpu" else {"num_warps": k2.num_warps, "num_stages": k2.num_stages}
         attn_mlp_persistent_kernel[(self.programs,)](
             self.q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
             self.part_o, self.part_lse, self.attn,
@@ -60,8 +67,8 @@ class AmdLayerStack(TritonLayerStack):
             H=s.hidden_size, INTER=s.intermediate_size, NQ=s.num_heads, NKV=s.num_kv_heads, D=s.head_dim,
             NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
             BLOCK_G=next_pow2(s.group_size) if dev.type == "cpu" else max(16, next_pow2(s.group_size)),
-            BLOCK_NA=lc.attn_block(b), BLOCK_M=ops.block_m(b, dev), BLOCK_N=lc.gemv_block_n,
-            BLOCK_K=min(lc.gemv_block_k, next_pow2(min(s.hidden_size, s.q_size, s.intermediate_size))),
+            BLOCK_NA=lc.attn_block(b), BLOCK_M=ops.block_m(b, dev), BLOCK_N=k2.block_n,
+            BLOCK_K=min(k2.block_k, next_pow2(min(s.hidden_size, s.q_size, s.intermediate_size))),
             DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **kw,
         )
 
