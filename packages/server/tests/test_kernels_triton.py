@@ -173,13 +173,15 @@ def test_fused_moe_matches_the_float64_reference(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_route_and_align_kernel_matches_the_torch_ops(device: str) -> None:
     # one program (decode-sized steps) against `route` + `align_pairs`: the same pairs in the same rows, the same
-    # block experts, the same weights up to float32 exp/sum rounding; 300 x 64 is past the one-program limit (torch ops) on the GPU
+    # block experts, the same weights up to float32 exp/sum rounding; 300 x 64 is past the one-program limit (torch ops) on the
+    # GPU, 2,048 x 8 its largest tile
     from lmserver.kernels.fused_moe import align_pairs, route_and_align
     from lmserver.layers.moe import route
 
     g = _gen(13)
     for tokens, experts, top_k, block_m in [(1, 8, 2, 16), (3, 5, 1, 16), (17, 8, 2, 16), (40, 20, 4, 16),
-                                             (64, 8, 2, 32), (9, 3, 3, 64), (300 if device == "cuda" else 33, 64, 8, 16)]:
+                                             (64, 8, 2, 32), (9, 3, 3, 64), (300 if device == "cuda" else 33, 64, 8, 16),
+                                             (2048 if device == "cuda" else 70, 8, 2, 128)]:  # Mixtral prefill
         for renormalize in (True, False):
             for dtype in _dtypes(device):
                 logits = _distinct_logits(tokens, experts, g).to(dtype).to(device)
