@@ -147,3 +147,13 @@ def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
     assert parse_lowlat_plugins("off") is None and parse_lowlat_plugins("off+all-batches") is None
     with pytest.raises(ValueError, match="lowlat_plugins"):
         parse_lowlat_plugins(value)
+
+
+def test_eager_decode_warms_every_batch_size_up() -> None:
+    # with decode graphs the captured sizes (1, 2, 4, 8, ...) compile the plugin's kernels; eager decode runs each batch
+    # at its own size, so start-up warms all of them (Session.warmup keeps those the plugin covers)
+    from lmserver.engine.lowlat_hook import WARMUP_BATCH_SIZES, warmup_batch_sizes
+
+    assert warmup_batch_sizes(False, "cuda") == WARMUP_BATCH_SIZES == (1, 2, 4, 8)
+    for eager in (warmup_batch_sizes(True, "cuda"), warmup_batch_sizes(False, "cpu")):
+        assert eager == tuple(range(1, 17))

@@ -174,7 +174,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     """A follower rank: joins, builds its shard of the engine, runs decisions until told to stop."""
     from lmserver.attention.base import default_registry
     from lmserver.engine.kv_pool import KVPool, make_req_to_token
-    from lmserver.engine.lowlat_hook import LowlatHook
+    from lmserver.engine.lowlat_hook import LowlatHook, warmup_batch_sizes
     from lmserver.engine.model_runner import ModelRunner
     from lmserver.model_loader import DTYPES, load_model, read_model_config
     from lowlat import Registry, Unsupported
@@ -222,7 +222,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
         model, pool, table, default_registry().create(rc.attention_backend, pool, table), device
     )
     if lowlat is not None:
-        lowlat.attach(model, pool, table, num_slots)
+        lowlat.attach(model, pool, table, num_slots, warmup_batch_sizes(rc.disable_cuda_graph, device.type))
         runner.lowlat = lowlat
     if not rc.disable_cascade_attention:  # as rank 0 does: the same graphs (and collectives) on every rank
         runner.enable_cascade()

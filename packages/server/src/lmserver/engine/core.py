@@ -136,7 +136,10 @@ class EngineCore:
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
         if self.lowlat is not None:
-            self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size)
+            from lmserver.engine.lowlat_hook import warmup_batch_sizes
+
+            self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size,
+                               warmup_batch_sizes(rc.disable_cuda_graph, self.device.type))
             self.runner.lowlat = self.lowlat
         if not rc.disable_cascade_attention:  # NOTE: every TP rank does it here, before its graph capture
             self.runner.enable_cascade()

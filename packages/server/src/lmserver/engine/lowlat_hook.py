@@ -42,7 +42,8 @@ from lowlat.spec import Step, StepKind
 
 logger = logging.getLogger("lmserver.lowlat")
 
-__all__ = ["WARMUP_BATCH_SIZES", "LowlatHook", "kv_tokens_after_workspace", "parse_lowlat_plugins"]
+__all__ = ["EAGER_WARMUP_BATCH_SIZES", "WARMUP_BATCH_SIZES", "LowlatHook", "kv_tokens_after_workspace", "parse_lowlat_plugins",
+           "warmup_batch_sizes"]
 
 
 ALL_BATCHES = "+all-batches"
@@ -75,6 +76,15 @@ def _registry() -> Registry:
 
 
 WARMUP_BATCH_SIZES = (1, 2, 4, 8)  # every TP rank warms the plugin up for the same sizes
+EAGER_WARMUP_BATCH_SIZES = tuple(range(1, 17))  # every decode batch a plugin may cover (the bundled ones: <= 16)
+
+
+def warmup_batch_sizes(disable_cuda_graph: bool, device_type: str) -> tuple[int, ...]:
+    """Decode batch sizes to warm a plugin up for (`Session.warmup` skips those it does not cover). With decode
+    graphs, the captured sizes compile the rest; decoding eagerly (`--disable-cuda-graph`, or no CUDA device),
+    every batch runs at its own size, and the nvidia plugin's kernels compile once per batch size: all of them at
+    start-up, not on a request's first step of that size."""
+    return EAGER_WARMUP_BATCH_SIZES if disable_cuda_graph or device_type != "cuda" else WARMUP_BATCH_SIZES
 
 
 def kv_tokens_after_workspace(max_total_tokens: int, workspace_bytes: int, bytes_per_slot: int) -> int:
