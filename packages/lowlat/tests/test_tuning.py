@@ -94,3 +94,16 @@ def test_attention_block_by_batch() -> None:
 def test_gemv_config_rejects_what_no_kernel_runs(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GemvConfig(**kwargs)
+
+
+def test_persistent_table_entries_are_dot_tiles_on_a_known_grid() -> None:
+    from lowlat.kernels.tuning import PERSISTENT, tuned_persistent
+
+    assert tuned_persistent("Some Other GPU", LLAMA3_8B) is None  # the amd plugin then takes LaunchConfig's blocks
+    for (gpu, key), cfg in PERSISTENT.items():
+        hidden, heads, kv_heads, head_dim, inter = key
+        shape = LayerShape(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           intermediate_size=inter)
+        assert tuned_persistent(gpu, shape) == cfg
+        assert cfg.variant == "dot"  # K2's GEMV tasks are tensor-core tiles
+        assert min(hidden, heads * head_dim, inter) % cfg.block_n == 0 and cfg.programs >= 0
