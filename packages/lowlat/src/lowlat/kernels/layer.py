@@ -24,6 +24,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, w, acc, DOT_F32: tl.constexpr):
+    """``acc + a @ w``: in float32 at full precision (``ieee``, not TF32) with DOT_F32, else in ``w``'s dtype (``a``
+    cast to it) with float32 accumulation."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a.to(w.dtype), w, acc)
+
+
+@triton.jit
 def rms_rstd(x_ptr, B, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / RMS of each of the first B rows of x (rows of H elements), as (BLOCK_M,) float32."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -72,12 +81,8 @@ def qkv_rope_kernel(
         rstd = rms_rstd(x_ptr, B, eps, H, BLOCK_M, BLOCK_K)
         xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
-        if DOT_F32:
-            acc1 = tl.dot(xn, w1.to(tl.float32), input_precision="ieee")
-            acc2 = tl.dot(xn, w2.to(tl.float32), input_precision="ieee")
-        else:
-            acc1 = tl.dot(xn.to(w1.dtype), w1)
-            acc2 = tl.dot(xn.to(w1.dtype), w2)
+        acc1 = _dot(xn, w1, tl.zeros((BLOCK_M, BLOCK_P), tl.float32), DOT_F32)
+        acc2 = _dot(xn, w2, tl.zeros((BLOCK_M, BLOCK_P), tl.float32), DOT_F32)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             km = (k0 + offs_k) < H
             w1 = tl.load(w_ptr + r1[None, :] * H + k0 + offs_k[:, None], mask=km[:, None], other=0.0)
@@ -85,12 +90,8 @@ def qkv_rope_kernel(
             gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
             xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
             xn = xv.to(tl.float32) * gamma[None, :]
-            if DOT_F32:
-                acc1 += tl.dot(xn, w1.to(tl.float32), input_precision="ieee")
-                acc2 += tl.dot(xn, w2.to(tl.float32), input_precision="ieee")
-            else:
-                acc1 += tl.dot(xn.to(w1.dtype), w1)
-                acc2 += tl.dot(xn.to(w1.dtype), w2)
+            acc1 = _dot(xn, w1, acc1, DOT_F32)
+            acc2 = _dot(xn, w2, acc2, DOT_F32)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, cos, sin, loc, q_ptr,
@@ -155,19 +156,13 @@ def _rope_store(
 @triton.jit
 def _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
     """One K/V tile of online softmax: returns the updated (max, sum, accumulator)."""
-    if DOT_F32:
-        s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(q.to(k.dtype), k)
+    s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
     s = tl.where(n_mask[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
     return m_new, l_i, acc
 
 
@@ -223,8 +218,6 @@ def decode_attention_kernel(
     k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
     v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
     q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
@@ -319,18 +312,12 @@ def _gemv_residual_tile(
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-    if DOT_F32:
-        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(a.to(w.dtype), w)
+    acc = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
         w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=n_mask[None, :] & km[:, None], other=0.0)
         a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a.to(w.dtype), w)
+        acc = _dot(a, w, acc, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
@@ -381,12 +368,8 @@ def _norm_gate_up_tile(
     gamma = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     xn = xv.to(tl.float32) * gamma[None, :]
-    if DOT_F32:
-        g = tl.dot(xn, wg.to(tl.float32), input_precision="ieee")
-        u = tl.dot(xn, wu.to(tl.float32), input_precision="ieee")
-    else:
-        g = tl.dot(xn.to(wg.dtype), wg)
-        u = tl.dot(xn.to(wg.dtype), wu)
+    g = _dot(xn, wg, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32)
+    u = _dot(xn, wu, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32)
     for k0 in range(BLOCK_K, H, BLOCK_K):
         km = (k0 + offs_k) < H
         wm = n_mask[None, :] & km[:, None]
@@ -395,12 +378,8 @@ def _norm_gate_up_tile(
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
         xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
         xn = xv.to(tl.float32) * gamma[None, :]
-        if DOT_F32:
-            g += tl.dot(xn, wg.to(tl.float32), input_precision="ieee")
-            u += tl.dot(xn, wu.to(tl.float32), input_precision="ieee")
-        else:
-            g += tl.dot(xn.to(wg.dtype), wg)
-            u += tl.dot(xn.to(wg.dtype), wu)
+        g = _dot(xn, wg, g, DOT_F32)
+        u = _dot(xn, wu, u, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     g = g * rstd[:, None]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowlat.kernels.layer import _dot
+
 
 @triton.jit
 def _popcount32(v):
@@ -25,13 +27,6 @@ def _popcount32(v):
     v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
     v = (v + (v >> 4)) & 0x0F0F0F0F
     return (v & 0xFF) + ((v >> 8) & 0xFF) + ((v >> 16) & 0xFF) + ((v >> 24) & 0xFF)
-
-
-@triton.jit
-def _dot(a, w, acc, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, w, acc)
 
 
 @triton.jit
@@ -81,10 +76,7 @@ def route_kernel(
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
         hn = (xv.to(tl.float32) * rstd[:, None] * gamma[None, :]).to(hn_ptr.dtype.element_ty)  # rounded as stored
         tl.store(hn_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], hn, mask=m_mask[:, None] & km[None, :])
-        if DOT_F32:
-            logits += tl.dot(hn.to(tl.float32), wr.to(tl.float32), input_precision="ieee")
-        else:
-            logits += tl.dot(hn, wr)
+        logits = _dot(hn, wr, logits, DOT_F32)
     logits = logits.to(router_ptr.dtype.element_ty).to(tl.float32)  # the torch runner's logits dtype
     logits = tl.where(e_mask[None, :], logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, 1)[:, None])

@@ -21,8 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _attend_block, _kv_tile_ptrs
-from lowlat.kernels.moe import _dot
+from lowlat.kernels.layer import _attend_block, _dot, _kv_tile_ptrs
 
 
 @triton.jit
@@ -70,8 +69,6 @@ def attn_mlp_persistent_kernel(
             g_mask = offs_g < G
             heads = kvh * G + offs_g
             q = tl.load(q_ptr + b * QD + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-            if DOT_F32:
-                q = q.to(tl.float32)
             m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_G,), tl.float32)
             acc = tl.zeros((BLOCK_G, D), tl.float32)
