@@ -9,7 +9,8 @@ Routing is random (fresh router logits per input set, as with dummy weights).
 
     python benchmarks/kernels/bench_moe.py [--shape mixtral] [--tokens 1,4,8,64,512] [--sweep decode,prefill] [--json PATH]
 
-`--sweep decode,prefill` also times launch configurations (decode: tokens 1, 4, 8; prefill: 256, 2048)
+`--sweep decode,prefill,wide` also times launch configurations (decode: tokens 1, 4, 8; prefill: 256, 2048; wide:
+more prefill tiles at 1,024 and 2,048)
 and prints the best five of each with the default's time and the routing + grouping ops' share.
 Needs CUDA. Never collected by pytest.
 """
@@ -88,6 +89,12 @@ SWEEPS = {  # tokens, then MoeLaunch candidates
                            in itertools.product((32, 64, 128), (16, 32, 64), (128, 256), (3, 4))]),
     "prefill": ((256, 2048), [MoeLaunch(m, n, n, k, warps, stages) for m, n, k, warps, stages
                               in itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (3, 4))]),
+    # prefill tiles past the first sweep: down tiles 256 wide, longer pipelines, block_k 32 / 128
+    "wide": ((1024, 2048), [MoeLaunch(*t) for t in ((128, 128, 128, 64, 8, 3), (128, 128, 256, 64, 8, 3),
+                                                    (128, 128, 256, 64, 8, 4), (128, 64, 256, 64, 8, 4),
+                                                    (128, 128, 128, 64, 8, 4), (128, 128, 256, 32, 8, 5),
+                                                    (64, 128, 256, 64, 4, 4), (128, 128, 128, 128, 8, 2),
+                                                    (256, 64, 128, 64, 8, 3))]),
 }
 
 
@@ -127,7 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,2,4,8,16,64,256,2048")
-    ap.add_argument("--sweep", default="", help="comma list of launch sweeps to run: decode, prefill")
+    ap.add_argument("--sweep", default="", help="comma list of launch sweeps to run: decode, prefill, wide")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
