@@ -12,8 +12,9 @@ them (CUDA-graph safe), and task counts may change from launch to launch (batch,
 
 Bounded spins: a wait gives up after ``SPIN_LIMIT`` polls, sets the error flag and skips the
 remaining waits; the host reads the flag with ``check_errors`` (never a hang). All programs must be
-co-resident (grid <= number of compute units); under the interpreter ``P`` is 1, so tasks run in
-order and every wait is already satisfied.
+co-resident (the grid fits the GPU at once: one program per compute unit, or the measured count of
+``tuning.PERSISTENT``); under the interpreter ``P`` is 1, so tasks run in order and every wait is
+already satisfied.
 """
 
 from __future__ import annotations
