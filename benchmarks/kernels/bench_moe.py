@@ -28,7 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import measure_copy_bw, rel_error, time_eager, time_graph  # noqa: E402
 
-from lmserver.kernels.fused_moe import MoeLaunch, choose_moe_launch, fused_moe, route_and_align  # noqa: E402
+from lmserver.kernels.fused_moe import (  # noqa: E402
+    MoeLaunch,
+    choose_moe_launch,
+    descriptors_ok,
+    fused_moe,
+    route_and_align,
+)
 from lmserver.layers.moe import moe_forward_dense, moe_forward_native, route  # noqa: E402
 
 # (hidden, inter, experts, top_k)
@@ -69,12 +75,13 @@ def bench_tokens(tokens: int, shape: tuple[int, int, int, int], copy_bw: float, 
     dense = (time_graph(lambda i: moe_forward_dense(xs[i], lgs[i], w13, w2, top_k), NUM_SETS)
              if tokens <= 64 else float("nan"))
     floor = floor_us(inp, shape, copy_bw)
-    cfg = choose_moe_launch(tokens * top_k, experts)
+    cfg = choose_moe_launch(tokens * top_k, experts, xs[0].element_size(), descriptors_ok(xs[0], w13, w2))
     row = {"tokens": tokens, "fused_us": fused, "dense_graph_us": dense, "sparse_eager_us": sparse, "floor_us": floor,
            "fused_x_floor": fused / floor, "err_fused": err_fused, "err_sparse_bf16": err_sparse,
            "launch": vars(cfg)}
     print(f"| {tokens} | {fused:.1f} | {dense:.1f} | {sparse:.1f} | {floor:.1f} | {fused / floor:.2f} | "
-          f"{err_fused:.1e} / {err_sparse:.1e} | {cfg.block_m}/{cfg.block_n_up}/{cfg.block_n_down}/{cfg.block_k} |",
+          f"{err_fused:.1e} / {err_sparse:.1e} | {cfg.block_m}/{cfg.block_n_up}/{cfg.block_n_down}/{cfg.block_k}"
+          f"{' tma' if cfg.tma else ''} |",
           flush=True)
     return row
 
@@ -119,7 +126,7 @@ def sweep(kind: str, shape: tuple[int, int, int, int], g: torch.Generator) -> li
                 continue
             results.append((us, launch))
         results.sort(key=lambda r: r[0])
-        default = choose_moe_launch(tokens * top_k, experts)
+        default = choose_moe_launch(tokens * top_k, experts, 2, descriptors_ok(inp["xs"][0], inp["w13"], inp["w2"]))
         default_us = time_launch(inp, top_k, default)
         overhead = time_route_align(inp, top_k, default.block_m)
         print(f"sweep tokens={tokens}: default {default_us:.1f} us (route + align {overhead:.1f}); best: "

@@ -9,6 +9,7 @@ because the variable must be set before triton is imported.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -149,8 +150,10 @@ def test_fused_moe_matches_the_float64_reference(device: str) -> None:
 
     g = _gen(12)
     small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=16, block_k=16, num_warps=1, num_stages=1)
-    launches = [None, small] if device == "cpu" else [None, MoeLaunch(block_m=64, block_n_up=64, block_n_down=64,
-                                                                      block_k=64)]
+    # tma: the expert weights through tensor descriptors (the default prefill launch on a Hopper GPU)
+    launches = ([None, small, replace(small, tma=True)] if device == "cpu" else
+                [None, MoeLaunch(block_m=64, block_n_up=64, block_n_down=64, block_k=64),
+                 MoeLaunch(block_m=64, block_n_up=64, block_n_down=64, block_k=64, tma=True)])
     for hidden, inter, experts, top_k in MOE_SHAPES[device]:
         # the weights once per shape (Mixtral's are 1.4e9 values), on the device
         w13_f = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(device)
