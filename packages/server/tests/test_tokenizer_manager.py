@@ -132,3 +132,35 @@ def test_a_broken_receive_loop_fails_loudly_instead_of_hanging() -> None:
             await asyncio.wait_for(first, 5)
 
     run(test)
+
+
+def test_terminate_context_gives_up_on_a_term_that_would_block_and_finishes_once_it_can() -> None:
+    # A PUSH socket with an unbounded linger and a message queued for a peer that is not there: plain ctx.term() blocks
+    # until the message is delivered (forever, if the peer never comes). terminate_context returns after its timeout;
+    # when a reader appears, the message is delivered and the term it started finishes.
+    import time
+
+    from lmserver.ipc import terminate_context
+    from lmserver.netutil import free_port
+
+    port = free_port()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")  # nobody listens yet: the message waits in the socket's queue
+    push.send(b"pending")
+    push.close(linger=-1)
+    t0 = time.monotonic()
+    assert terminate_context(ctx, timeout_s=0.3) is False
+    assert time.monotonic() - t0 < 2.0
+    reader_ctx = zmq.Context()
+    pull = reader_ctx.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    assert pull.poll(10_000) and pull.recv() == b"pending"
+    pull.close(linger=0)
+    reader_ctx.term()
+    ctx_done = zmq.Context()
+    assert terminate_context(ctx_done, timeout_s=5.0) is True  # a context with nothing queued terminates at once
+    deadline = time.monotonic() + 10
+    while not ctx.closed and time.monotonic() < deadline:  # the first term returns once the queue is empty
+        time.sleep(0.05)
+    assert ctx.closed

@@ -25,6 +25,7 @@ from lmserver.config import ServerConfig
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput
 from lmserver.ipc import (
     RPC_METHODS,
+    TERM_TIMEOUT_S,
     AbortReq,
     BatchOut,
     CoreFatal,
@@ -34,6 +35,7 @@ from lmserver.ipc import (
     RpcReq,
     RpcResp,
     ShutdownReq,
+    terminate_context,
 )
 
 logger = logging.getLogger("lmserver.core")
@@ -193,7 +195,8 @@ def run_core_process(config: ServerConfig, addrs: IpcAddrs, factory: str,
         # NOTE: linger only to deliver a CoreFatal; after a clean shutdown nobody reads this socket.
         push.close(linger=1000 if code else 0)
         pull.close(linger=0)
-        ctx.term()
+        if not terminate_context(ctx):
+            logger.warning("the ZMQ context did not terminate within %.0f s; exiting without it", TERM_TIMEOUT_S)
     logging.shutdown()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown (torch, CUDA): the parent is waiting for this exit

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmserver.io_struct import ReqOutput
+
+if TYPE_CHECKING:
+    import zmq
+
+# how long a process about to exit waits for its ZMQ context to terminate (`terminate_context`)
+TERM_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,3 +97,22 @@ class IpcAddrs:
         """Fresh ipc:// endpoints in a new private temporary folder (created here)."""
         folder = tempfile.mkdtemp(prefix="lmserver-ipc-")
         return cls(to_core=f"ipc://{folder}/to_core", from_core=f"ipc://{folder}/from_core")
+
+
+def terminate_context(ctx: zmq.Context[Any], timeout_s: float = TERM_TIMEOUT_S) -> bool:
+    """``ctx.term()``, waited for at most ``timeout_s`` in a daemon thread; True if it returned in time.
+
+    term() blocks until every socket of the context is closed and has delivered or dropped its queued
+    messages (its linger); it was seen blocking forever in the front end of a server whose core failed at
+    start-up (a CI run). Both callers are about to exit: on a timeout they go on and the thread ends with
+    the process."""
+    done = threading.Event()
+
+    def term() -> None:
+        try:
+            ctx.term()
+        finally:
+            done.set()
+
+    threading.Thread(target=term, name="zmq-term", daemon=True).start()
+    return done.wait(timeout_s)

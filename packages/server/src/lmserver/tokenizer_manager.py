@@ -21,6 +21,7 @@ import zmq.asyncio
 from lmserver.config import ServerConfig
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
 from lmserver.ipc import (
+    TERM_TIMEOUT_S,
     AbortReq,
     BatchOut,
     CoreFatal,
@@ -30,6 +31,7 @@ from lmserver.ipc import (
     RpcReq,
     RpcResp,
     ShutdownReq,
+    terminate_context,
 )
 from lmserver.metrics import ServerMetrics
 
@@ -135,7 +137,8 @@ class TokenizerManager:
             self._recv_task.cancel()
         self._push.close(linger=500)
         self._pull.close(linger=0)
-        self._ctx.term()
+        if not await asyncio.get_running_loop().run_in_executor(None, terminate_context, self._ctx):
+            logger.warning("the ZMQ context did not terminate within %.0f s; going on without it", TERM_TIMEOUT_S)
 
     async def _recv_loop(self) -> None:
         while True:
