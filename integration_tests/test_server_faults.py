@@ -57,6 +57,18 @@ def test_bad_openai_request(http: httpx.Client, valid_text: str, name: str, path
     assert http.post("/generate", json=VALID).json()["text"] == valid_text
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_regex_whose_bytes_no_token_spells_is_a_bad_request(http: httpx.Client, valid_text: str, path: str) -> None:
+    # U+B1234 (UTF-8 F2 B1 88 B4): SmolLM2 has no token with byte 0xF2. A fuzzed request like this once killed the
+    # engine core (its jump-forward could not tokenize the forced text); now the request alone gets a 400.
+    pattern = "\U000b1234+"
+    body = ({"text": "a", "sampling_params": {"regex": pattern, "max_new_tokens": 3}} if path == "/generate" else
+            {"prompt": "a", "regex": pattern, "max_tokens": 3})
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and "allows no token" in r.json()["error"]["message"], r.text
+    assert http.post("/generate", json=VALID).json()["text"] == valid_text
+
+
 def _idle_stats(http: httpx.Client, timeout_s: float = 60.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -109,6 +109,30 @@ def test_json_object_and_errors(engine: Engine) -> None:
     _idle_check(engine)
 
 
+def test_a_pattern_needing_bytes_no_token_spells_fails_its_request_not_the_engine(engine: Engine) -> None:
+    # U+B1234 is F2 B1 88 B4 in UTF-8, and SmolLM2's vocabulary has no token with byte 0xF2 (a fuzzed request once
+    # killed the server's engine core here: its jump-forward could not tokenize the forced text). Oracle: the
+    # vocabulary itself (no token holds the byte), and the regex module on what was produced.
+    import regex
+
+    char = "\U000b1234"
+    vocab = engine.core.constrained.backend.vocab
+    assert not any(0xF2 in t for t in vocab.tokens)
+    first, middle, either, good = engine.generate(["x", "x", "x", "The capital of France is"], [
+        {"regex": f"{char}+", "max_new_tokens": 4}, {"regex": f"x{char}y", "max_new_tokens": 4, "temperature": 0.0},
+        {"regex": f"(a|{char})b", "max_new_tokens": 4, "temperature": 0.0}, {"max_new_tokens": 3, "temperature": 0.0}])
+    # nothing spellable matches the start: a bad request, no tokens
+    assert "allows no token" in first["meta_info"]["error"] and first["output_ids"] == []
+    # stuck after a valid prefix: the request ends there, the prefix kept, no rejected token appended
+    assert middle["text"] == "x" and middle["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "allows no token" in middle["meta_info"]["finish_reason"]["message"]
+    assert regex.fullmatch(f"x{char}y", middle["text"], partial=True)
+    # the spellable branch is taken
+    assert either["text"] == "ab" and either["meta_info"]["finish_reason"]["type"] == "stop"
+    assert good["meta_info"]["completion_tokens"] == 3
+    _idle_check(engine)
+
+
 def test_compile_timeout_is_a_clear_error(engine: Engine) -> None:
     backend = engine.core.constrained.backend
     saved = backend.compile_timeout_s

@@ -107,7 +107,8 @@ def plan_jump_forward(token_ids: Sequence[int], forced: str, vocab: Vocabulary,
     `encode` must tokenize text without special tokens and without adding a prefix space
     (`cfsm.hf.make_encoder`). The returned tokens spell exactly the bytes of the rolled-back
     tokens followed by `forced`; if the tokenizer cannot reproduce them (for example a
-    sentencepiece prefix space), fewer tokens are rolled back, down to a plain append.
+    sentencepiece prefix space), fewer tokens are rolled back, down to a plain append. Raises
+    ValueError when `forced` has a byte no token of the vocabulary spells.
     """
     forced_bytes = forced.encode("utf-8")
     for k in range(min(window, len(token_ids)), -1, -1):

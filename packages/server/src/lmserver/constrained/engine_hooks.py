@@ -25,7 +25,7 @@ import torch
 
 from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKey, GrammarTicket
 from lmserver.constrained.bitmask import BatchMasker
-from lmserver.constrained.grammar import JumpForward, ReqGrammar
+from lmserver.constrained.grammar import STUCK_MESSAGE, JumpForward, ReqGrammar
 from lmserver.constrained.policy import JumpPolicy, parse_min_tokens
 from lmserver.io_struct import ReqOutput
 from lmserver.scheduler import Req, ReqStatus, ScheduleDecision, Scheduler
@@ -180,6 +180,8 @@ class ConstrainedDecoding:
         self._deferred.pop(state.req.rid, None)
         if g.is_finished():
             return {"type": "stop", "matched": None}
+        if g.is_stuck():  # the output so far is valid; a sampled token could only be rejected
+            return {"type": "abort", "message": STUCK_MESSAGE}
         if not g.jump_forward_enabled:  # nothing is ever forced (a per-token fast path)
             return None
         sreq = state.sreq
@@ -216,7 +218,10 @@ class ConstrainedDecoding:
             self.stats["jump_forward_declined"] += 1
             g.declined = (g.forced_text(), jump.num_new_tokens, len(sreq.output_ids))
             return None
-        return self._jump(scheduler, state, jump)
+        reason = self._jump(scheduler, state, jump)
+        if reason is None and g.is_stuck():
+            return {"type": "abort", "message": STUCK_MESSAGE}
+        return reason
 
     def _remember_size(self, g: ReqGrammar, jump: JumpForward) -> None:
         """Records the net tokens of the jump over `jump.text` and whether it ends the grammar.

@@ -14,7 +14,10 @@ import numpy as np
 
 import cfsm
 
-__all__ = ["JumpForward", "ReqGrammar"]
+__all__ = ["STUCK_MESSAGE", "JumpForward", "ReqGrammar"]
+
+STUCK_MESSAGE = ("the grammar allows no token here: what it requires next has bytes no token of the model's "
+                 "vocabulary spells")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,15 @@ class ReqGrammar:
         """True when the grammar is complete and nothing may follow (only EOS is allowed)."""
         return self.guide.is_finished()
 
+    def is_stuck(self) -> bool:
+        """True when no token may follow and the grammar is not complete: what it requires next has bytes no
+        token of the vocabulary spells (a character outside the tokenizer's alphabet). Sampling there could
+        only produce a rejected token. Pure."""
+        g = self.guide
+        if g.eos_accepted or g.can_stop():
+            return False
+        return int(g.index.mask_row[g.state]) < 0 or not g.index.has_tokens(g.state)
+
     def forced_text(self) -> str:
         """The text the grammar forces from here ("" when none or jump-forward is off), without
         trailing spaces. Cheap (no retokenization). Mutates nothing."""
@@ -98,7 +110,10 @@ class ReqGrammar:
         forced = self.forced_text()
         if not forced:
             return None
-        plan = cfsm.plan_jump_forward(list(output_ids), forced, self.index.vocab, self.encode)
+        try:
+            plan = cfsm.plan_jump_forward(list(output_ids), forced, self.index.vocab, self.encode)
+        except ValueError:  # a forced byte no token spells: no jump (the mask then allows nothing either)
+            return None
         rollback, tokens = plan.num_rollback, plan.token_ids
         if len(tokens) - rollback > max_new_tokens:
             tokens = tokens[: rollback + max_new_tokens]

@@ -23,6 +23,7 @@ import torch
 from lmserver.attention.base import default_registry
 from lmserver.config import ServerConfig
 from lmserver.constrained import ConstrainedDecoding, grammar_key
+from lmserver.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
@@ -348,6 +349,10 @@ class EngineCore:
                 outputs.append(self.constrained.error_output(rid, result))
                 continue
             state.grammar = self.constrained.make_grammar(result, allow_jump_forward=not state.req.return_logprob)
+            if state.grammar.is_stuck():  # nothing this vocabulary spells matches the start: a bad request
+                self.states.pop(rid, None)
+                outputs.append(self.constrained.error_output(rid, ValueError(f"{STUCK_MESSAGE} (at its start)")))
+                continue
             reason = self.constrained.advance_jump(self.scheduler, state)
             if reason is None and state.sreq.max_new_tokens > 0 and state.sreq.remaining_new_tokens == 0:
                 reason = {"type": "length", "length": state.sreq.max_new_tokens}
