@@ -118,8 +118,9 @@ def test_a_pattern_needing_bytes_no_token_spells_fails_its_request_not_the_engin
     char = "\U000b1234"
     vocab = engine.core.constrained.backend.vocab
     assert not any(0xF2 in t for t in vocab.tokens)
-    first, middle, either, good = engine.generate(["x", "x", "x", "The capital of France is"], [
+    first, middle, jumped, either, good = engine.generate(["x", "x", "x", "x", "The capital of France is"], [
         {"regex": f"{char}+", "max_new_tokens": 4}, {"regex": f"x{char}y", "max_new_tokens": 4, "temperature": 0.0},
+        {"regex": f"xyz({char}|\U000b1235)", "max_new_tokens": 6, "temperature": 0.0},
         {"regex": f"(a|{char})b", "max_new_tokens": 4, "temperature": 0.0}, {"max_new_tokens": 3, "temperature": 0.0}])
     # nothing spellable matches the start: a bad request, no tokens
     assert "allows no token" in first["meta_info"]["error"] and first["output_ids"] == []
@@ -127,6 +128,9 @@ def test_a_pattern_needing_bytes_no_token_spells_fails_its_request_not_the_engin
     assert middle["text"] == "x" and middle["meta_info"]["finish_reason"]["type"] == "abort"
     assert "allows no token" in middle["meta_info"]["finish_reason"]["message"]
     assert regex.fullmatch(f"x{char}y", middle["text"], partial=True)
+    # the same after a jump-forward over the forced "xyz"
+    assert jumped["text"] == "xyz" and jumped["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "allows no token" in jumped["meta_info"]["finish_reason"]["message"]
     # the spellable branch is taken
     assert either["text"] == "ab" and either["meta_info"]["finish_reason"]["type"] == "stop"
     assert good["meta_info"]["completion_tokens"] == 3

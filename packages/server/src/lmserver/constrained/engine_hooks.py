@@ -218,10 +218,7 @@ class ConstrainedDecoding:
             self.stats["jump_forward_declined"] += 1
             g.declined = (g.forced_text(), jump.num_new_tokens, len(sreq.output_ids))
             return None
-        reason = self._jump(scheduler, state, jump)
-        if reason is None and g.is_stuck():
-            return {"type": "abort", "message": STUCK_MESSAGE}
-        return reason
+        return self._jump(scheduler, state, jump)
 
     def _remember_size(self, g: ReqGrammar, jump: JumpForward) -> None:
         """Records the net tokens of the jump over `jump.text` and whether it ends the grammar.
@@ -273,7 +270,9 @@ class ConstrainedDecoding:
                 if j is None or j.ends_request(remaining):
                     continue  # NOTE: an ending jump must come with a sampled token (EngineCore finishes it)
             reason = self._jump(scheduler, st, j)
-            if reason is not None:  # pragma: no cover - deferrable jumps neither end nor match stops
+            # NOTE: deferrable jumps neither end the grammar nor match stops; one that leaves it stuck (a pattern
+            # character no token spells) is reported here and the request ends at its next token
+            if reason is not None:  # pragma: no cover
                 logger.warning("request %s: deferred jump-forward ended it (%s); it ends at its next token",
                                st.req.rid, reason)
 
@@ -306,6 +305,8 @@ class ConstrainedDecoding:
             return {"type": "stop", "matched": matched}
         if g.is_finished():
             return {"type": "stop", "matched": None}
+        if g.is_stuck():  # the jumped-over text is valid; nothing may follow it
+            return {"type": "abort", "message": STUCK_MESSAGE}
         return None
 
     @staticmethod
