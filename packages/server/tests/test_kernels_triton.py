@@ -175,7 +175,7 @@ def test_fused_moe_matches_the_float64_reference(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_route_and_align_kernel_matches_the_torch_ops(device: str) -> None:
-    # one program (decode-sized steps) against `route` + `align_pairs`: the same pairs in the same rows, the same
+    # one program (up to ROUTE_ALIGN_MAX_ELEMENTS) against `route` + `align_pairs`: the same pairs in the same rows, the same
     # block experts, the same weights up to float32 exp/sum rounding; 300 x 64 is past the one-program limit (torch ops) on the
     # GPU, 2,048 x 8 its largest tile
     from lmserver.kernels.fused_moe import align_pairs, route_and_align
