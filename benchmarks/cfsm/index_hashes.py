@@ -1,6 +1,11 @@
-"""A hash of every benchmark grammar's compiled output (DFA arrays, byte classes, mask rows and the
-state -> row map), per vocabulary and whitespace mode: run it at two commits and diff the output
-to check that a compile-time change leaves every DFA and mask byte-identical.
+"""A hash of every benchmark grammar's compiled output (DFA arrays, byte classes, every state's mask),
+per vocabulary and whitespace mode (compact and flexible; regexes also wrapped in flexible
+whitespace): run it at two commits and diff the output to check that a compile-time change leaves
+every DFA and every state's mask byte-identical.
+
+The mask rows are hashed in a canonical order (by the first state that uses each, rows no state
+uses left out), so a change in the order the index builds and stores equal rows does not count:
+what a `Guide` reads (`masks[mask_row[s]]` for every state `s`) does.
 
     python benchmarks/cfsm/index_hashes.py [--vocab smollm2 tekken] > hashes.txt
 """
@@ -14,16 +19,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 from bench_cfsm import VOCABS  # noqa: E402
 from grammars import GRAMMARS  # noqa: E402
 
 import cfsm  # noqa: E402
 
+_FLEXIBLE_WS = r"[ \t\n\r]*"
+
+
+def canonical_rows(index: cfsm.Index) -> tuple[np.ndarray, np.ndarray]:
+    """(masks, mask_row) with the rows renumbered by the first state using each (unused rows dropped)."""
+    mask_row = index.mask_row
+    used = mask_row[mask_row >= 0]
+    _, first = np.unique(used, return_index=True)
+    in_order = used[np.sort(first)]
+    renumber = np.full(len(index.masks), -1, dtype=np.int32)
+    renumber[in_order] = np.arange(len(in_order), dtype=np.int32)
+    return np.ascontiguousarray(index.masks[in_order]), np.where(mask_row >= 0, renumber[mask_row], -1)
+
 
 def index_hash(index: cfsm.Index) -> str:
     h = hashlib.sha256()
     dfa = index.dfa
-    for a in (dfa.transitions, dfa.accepting, *dfa.byte_classes, index.masks, index.mask_row):
+    for a in (dfa.transitions, dfa.accepting, *dfa.byte_classes, *canonical_rows(index)):
         h.update(str((a.dtype.str, a.shape)).encode())
         h.update(a.tobytes())
     h.update(str(dfa.start).encode())
@@ -40,10 +59,9 @@ def main() -> None:
         for grammar, (kind, value, _) in GRAMMARS.items():
             for ws in ("compact", "flexible"):
                 cfg = cfsm.CfsmConfig(whitespace=ws)
-                if kind == "regex":
-                    if ws == "flexible":
-                        continue
-                    index = cfsm.compile_regex(value, vocab)
+                if kind == "regex":  # flexible: the pattern between whitespace runs
+                    pattern = value if ws == "compact" else f"{_FLEXIBLE_WS}(?:{value}){_FLEXIBLE_WS}"
+                    index = cfsm.compile_regex(pattern, vocab)
                 elif kind == "schema":
                     index = cfsm.compile_json_schema(value, vocab, cfg)
                 else:

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa
+from cfsm.automaton import Dfa, _small_unique
 from cfsm.compressed import CompressedFsm
 from cfsm.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
 from cfsm.gcpause import without_gc
-from cfsm.mask_rows import _few_rows, _PrefixRows, or_bits
+from cfsm.loops import find_loops
+from cfsm.mask_rows import _few_rows, _PrefixRows, or_bits, pack_rows
 from cfsm.state_classes import _walk_classes
 from cfsm.templates import match_string_states, string_rows
 from cfsm.vocab import Vocabulary
@@ -175,6 +176,10 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
                 fragments.append((k, fm, mine))
     others = np.flatnonzero(generic)
     num_cands = walker.num_candidates(others)
+    # NOTE: states looping on whitespace walk only the tokens whose first byte past it they allow
+    loops = find_loops(dfa, tables, others)
+    if loops is not None:
+        num_cands[np.searchsorted(others, loops.states)] = loops.candidates(np.arange(len(loops.states)))
     if walker.num_broad(others, num_cands) >= _CLASSES_MIN_BROAD:
         classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
         _, first, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
@@ -203,7 +208,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
 
     # one row per class (acceptance, hence EOS, is the same in the whole class)
     class_row = np.empty(len(reps), dtype=np.int32)
-    few, owner, pos = walker.walk_few(reps.astype(np.int64), rep_cands)
+    few, owner, pos = walker.walk_few(reps.astype(np.int64), rep_cands, loops)
     if few.any():
         _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words,
                   tables.max_id)
@@ -230,10 +235,11 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
     mask_row[others] = class_row[class_of.reshape(-1)]
     # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
-    for s_, extra in walker.walk_long(_SHARE_DEPTH, generic).items():
-        row = row_list[int(mask_row[s_])].view(np.uint32).copy()
-        or_bits(row, extra)
-        mask_row[s_] = intern(row)
+    l_owner, l_ids = walker.walk_long(_SHARE_DEPTH, generic, loops)
+    if len(l_owner):
+        l_states, l_group = _small_unique(l_owner)
+        base = np.concatenate(row_list).reshape(len(row_list), words).view(np.uint32)
+        mask_row[l_states] = pack_rows(len(l_states), l_group, l_ids, words, intern, base, mask_row[l_states])
     if _STRING_TABLES:
         string_rows(dfa, vocab.string_tables, match, intern, mask_row)
     for k, fm, mine in fragments:

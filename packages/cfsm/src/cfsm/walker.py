@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cfsm.automaton import Dfa, _stable_argsort, concat_ranges
+from cfsm.loops import Loops
 from cfsm.vocab import TrieTables
 from cfsm.walks import (
     _chain_of,
@@ -17,8 +18,8 @@ from cfsm.walks import (
     _group_steps,
     _walk_all,
     _walk_from,
-    _walk_owned,
     _walk_pairs,
+    _walk_pairs_from,
     _walk_vectorized,
 )
 
@@ -178,13 +179,15 @@ class _Walker:
         """The table with a 257th column, "past the end of the token", that keeps the state."""
         return np.hstack([self.trans, np.arange(self.trans.shape[0], dtype=np.int32)[:, None]]).reshape(-1)
 
-    def walk_few(self, states: np.ndarray, num_candidates: np.ndarray | None = None
+    def walk_few(self, states: np.ndarray, num_candidates: np.ndarray | None = None, loops: Loops | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens of those `states` with few candidates together, in batches.
 
         Returns (which of `states` were walked here, as a bool mask; the owner state and the
         sorted position of every surviving (state, token) pair, grouped by owner). A batch holds
-        at most `_BATCH_PAIRS` pairs, bounding its memory.
+        at most `_BATCH_PAIRS` pairs, bounding its memory. The tokens of `loops`' states that
+        start with a loop byte are walked from their first byte outside the loop (then
+        `num_candidates` counts them so: `Loops.candidates`).
         """
         tables = self.tables
         if num_candidates is None:  # else the caller's `num_candidates(states)`
@@ -196,17 +199,25 @@ class _Walker:
         if len(few):
             counts = tables.first_byte_counts
             live_rows, live_first = self._live_bytes(few, starting_only=True)
+            loop_row = None
+            if loops is not None:
+                loop_row = loops.row[few]
+                at = loop_row[live_rows]
+                drop = at >= 0
+                drop[drop] = loops.member[at[drop], live_first[drop]]
+                live_rows, live_first = live_rows[~drop], live_first[~drop]
             num_candidates = num_candidates[small]
             starts2 = tables.two_byte_starts
             columns = tables.columns
-            spans: list[tuple[int, int]] = [(0, len(live_rows))]  # one batch: every state's live bytes
+            # one batch: every state's live bytes
+            spans: list[tuple[int, int, int, int]] = [(0, len(live_rows), 0, len(few))]
             if int(num_candidates.sum()) >= _BATCH_PAIRS:
                 batch = np.cumsum(num_candidates) // _BATCH_PAIRS
                 spans = []
                 for part in np.split(np.arange(len(few)), np.flatnonzero(np.diff(batch)) + 1):
                     a, b = np.searchsorted(live_rows, [part[0], part[-1] + 1]).tolist() if len(part) else (0, 0)
-                    spans.append((a, b))
-            for a, b in spans:
+                    spans.append((a, b, int(part[0]), int(part[-1]) + 1) if len(part) else (a, b, 0, 0))
+            for a, b, s0, s1 in spans:
                 first = live_first[a:b]
                 owners = few[live_rows[a:b]]
                 # NOTE: a first byte that starts many tokens has its second byte checked per
@@ -229,6 +240,12 @@ class _Walker:
                 own_w, pos_w, _ = _walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead, False)
                 own = np.concatenate([one_owner, own_w, own_n])
                 pos = np.concatenate([one_pos, pos_w, pos_n])
+                rows = loop_row[s0:s1] if loops is not None and loop_row is not None else np.zeros(0, np.int64)
+                if loops is not None and (rows >= 0).any():
+                    l_own, l_pos, l_cur, l_at, o_own, o_pos = loops.pairs(rows[rows >= 0])
+                    w_own, w_pos = _walk_pairs_from(l_pos, l_cur, l_at, l_own, columns, self.tflat, self.dead)
+                    own = np.concatenate([own, w_own, o_own])
+                    pos = np.concatenate([pos, w_pos, o_pos])
                 # NOTE: each owner's pairs contiguous; the walks left them by ending byte (stable)
                 order = _stable_argsort(own, self.trans.shape[0])
                 out_owner.append(own[order])
@@ -237,17 +254,21 @@ class _Walker:
             return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
         return small, np.concatenate(out_owner), np.concatenate(out_pos)
 
-    def walk_long(self, min_len: int, states: np.ndarray | None = None) -> dict[int, np.ndarray]:
-        """Token ids longer than `min_len` bytes allowed in each state (states with none left out;
-        only the states where the bool mask `states` is set, if given).
+    def walk_long(self, min_len: int, states: np.ndarray | None = None, loops: Loops | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens longer than `min_len` bytes allowed in each state, as (state, token id)
+        pairs sorted by state (only the states where the bool mask `states` is set, if given).
 
         States with many such candidates that have a chain (string text) take the ones made
-        only of their group's bytes by length, as `walk` does; the other pairs are walked.
+        only of their group's bytes by length, as `walk` does; the tokens of `loops`' states that
+        start with a loop byte are walked from their first byte outside the loop; the other pairs
+        are walked.
         """
         tables = self.tables
         long_pos, first, lead, lead_at, lead_end = _long_leads(tables, min_len)
+        empty = np.zeros(0, np.int64)
         if len(long_pos) == 0:
-            return {}
+            return empty, empty
         pairs = np.take(self.dfa.class_table[:-1], self.dfa.byte_classes[1][lead], axis=1) != self.dead
         if states is not None:
             pairs &= states[:, None]
@@ -256,32 +277,37 @@ class _Walker:
         k = concat_ranges(lead_at[j], sizes)
         owner = np.repeat(rows, sizes)
         num_states = self.trans.shape[0] - 1
-        resolved = np.zeros(len(owner), dtype=bool)
-        taken = np.zeros(len(owner), dtype=bool)
+        cur = self.trans[owner, first[k]].astype(np.int64)
+        at = np.ones(len(owner), dtype=np.int64)
+        if loops is not None:  # made only of loop bytes: taken; the others from their first byte outside
+            mine, resolved, loop_cur, loop_at = loops.long_pairs(owner, long_pos[k], first[k])
+            cur[mine], at[mine] = loop_cur[mine], loop_at[mine]
+            taken = resolved.copy()
+        else:
+            resolved = np.zeros(len(owner), dtype=bool)
+            taken = np.zeros(len(owner), dtype=bool)
         bounds = np.searchsorted(owner, np.arange(num_states + 1))
         for q in np.flatnonzero(np.diff(bounds) > _LONG_CHAIN_MIN).tolist():
+            if loops is not None and loops.row[q] >= 0:
+                continue
             info = self.chain(q)
             if info is None:
                 continue
             outside, chain = info
             limit = self._chain_limit(chain)
             inside, length = self._long_inside(long_pos, outside, self._utf8_uniform(outside, chain, limit))
-            at = slice(int(bounds[q]), int(bounds[q + 1]))
-            ins, short = inside[k[at]], length[k[at]] < limit
+            span = slice(int(bounds[q]), int(bounds[q + 1]))
+            ins, short = inside[k[span]], length[k[span]] < limit
             # NOTE: as in `walk`: dead from the chain's first dead entry on; unknown past its end
-            resolved[at] = ins if limit < len(chain) else ins & short
-            taken[at] = ins & short
-        out: dict[int, np.ndarray] = {}
+            resolved[span] = ins if limit < len(chain) else ins & short
+            taken[span] = ins & short
         walk = ~resolved
-        cur = self.trans[owner[walk], first[k[walk]]]
-        for own, pos, _ in _walk_owned(long_pos[k[walk]], cur, owner[walk], 1, tables.columns, self.tflat, self.dead):
-            out[own] = tables.order[pos]
-        if taken.any():
-            t_owner, t_ids = owner[taken], tables.order[long_pos[k[taken]]]
-            cuts = np.flatnonzero(np.diff(t_owner)) + 1
-            for o, ids in zip(t_owner[np.concatenate([[0], cuts])].tolist(), np.split(t_ids, cuts), strict=True):
-                out[o] = np.concatenate([out[o], ids]) if o in out else ids
-        return out
+        w_own, w_pos = _walk_pairs_from(long_pos[k[walk]], cur[walk], at[walk], owner[walk], tables.columns,
+                                        self.tflat, self.dead)
+        own = np.concatenate([w_own, owner[taken]])
+        ids = tables.order[np.concatenate([w_pos, long_pos[k[taken]]])].astype(np.int64)
+        order = np.argsort(own, kind="stable")
+        return own[order], ids[order]
 
     def _long_inside(self, long_pos: np.ndarray, outside: np.ndarray, utf8: bool) -> tuple[np.ndarray, np.ndarray]:
         """For the tokens at `long_pos`: whether made only of the group's bytes (with `utf8`, also

@@ -169,3 +169,32 @@ def _chain_of(dfa: Dfa, q: int, max_len: int,
     member[group] = True
     words = np.packbits(~member, bitorder="little").view("<u8").astype(np.uint64)
     return words, np.asarray(chain, dtype=np.int32)
+
+
+def _walk_pairs_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, owner: np.ndarray, columns: np.ndarray,
+                     tflat: np.ndarray, dead: int) -> tuple[np.ndarray, np.ndarray]:
+    """Walk (owner state, token) pairs, each token at sorted position `idx` in state `cur` with
+    `at` bytes read: (owners, positions) of the surviving pairs, in no particular order."""
+    keep = cur != dead
+    n = columns.shape[1]
+    flat = columns.reshape(-1)
+    idx, cur, owner = idx[keep], cur[keep].astype(np.int64), owner[keep]
+    lin = at[keep] * n + idx  # flat index of the next byte of each token
+    out_owner: list[np.ndarray] = []
+    out_pos: list[np.ndarray] = []
+    while idx.size:
+        b = flat.take(lin)
+        end = b < 0
+        if end.any():
+            out_owner.append(owner[end])
+            out_pos.append(idx[end])
+            keep = ~end
+            idx, cur, lin, owner, b = idx[keep], cur[keep], lin[keep], owner[keep], b[keep]
+        cur *= 256
+        cur += b
+        cur = tflat.take(cur).astype(np.int64)
+        keep = cur != dead
+        if not keep.all():
+            idx, cur, lin, owner = idx[keep], cur[keep], lin[keep], owner[keep]
+        lin += n
+    return _concat(out_owner), _concat(out_pos)

@@ -1,0 +1,200 @@
+"""Token walks of states that loop on a byte set most tokens start with (flexible whitespace).
+
+With flexible whitespace, every state before or after a structural character loops on
+``[ \\t\\n\\r]``, and most tokens of a BPE vocabulary start with a space: each such state has
+most of the vocabulary as candidates, although after the run of whitespace only a few bytes
+(`"`, `,`, `}`, a digit) are allowed. From a state q whose bytes S lead into a state W that loops
+on them (W is q itself, or the whitespace state after a number), a token made only of bytes of S
+ends in W, and any other token that starts with a byte of S reads its first byte c outside S in
+W: it survives as its bytes from c on survive from W. So per vocabulary and S, the tokens are
+grouped once by that byte c (with its offset) (`loop_table`), and per compile a loop state walks
+only the tokens whose first byte outside S W allows (`loop_pairs`), from the state after c: a
+few hundred tokens where the plain walk takes them all.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfsm.automaton import Dfa, _stable_argsort, concat_ranges
+from cfsm.vocab import TrieTables
+
+__all__ = ["LoopTable", "Loops", "loop_table", "find_loops"]
+
+# a state is walked as a loop state where its loop bytes start more than this many tokens
+LOOP_MIN_TOKENS = 1024
+# loop sets of at most this many bytes (whitespace); larger ones are string text (`templates`,
+# chains) and keep their walks
+_MAX_LOOP_BYTES = 8
+# tables kept per vocabulary (one per distinct loop byte set; whitespace is one)
+_MAX_TABLES = 8
+
+
+@dataclass(frozen=True)
+class LoopTable:
+    """The tokens of one vocabulary that start with a byte of S, split by their first byte outside S.
+
+    `only`: sorted positions of the tokens made only of S bytes. `lead_pos[bounds[c]:bounds[c+1]]`:
+    the positions of the tokens that start with an S byte and whose first byte outside S is c,
+    and `lead_at` the offset just past that byte (where their walk goes on). Per sorted position,
+    `out_byte` is that byte c (-1 for a token made only of S bytes, -2 for one not starting with
+    an S byte) and `out_at` the offset past it.
+    """
+
+    only: np.ndarray  # (num_only,) int64
+    lead_pos: np.ndarray  # (num_lead,) int64, grouped by c
+    lead_at: np.ndarray  # (num_lead,) int64
+    bounds: np.ndarray  # (257,) int64
+    out_byte: np.ndarray  # (n,) int16
+    out_at: np.ndarray  # (n,) int16
+
+
+_TABLES: weakref.WeakKeyDictionary[TrieTables, dict[bytes, LoopTable]] = weakref.WeakKeyDictionary()
+
+
+def loop_table(tables: TrieTables, member: np.ndarray) -> LoopTable:
+    """The `LoopTable` of the byte set `member` ((256,) bool) over `tables` (cached per vocabulary)."""
+    key = np.packbits(member).tobytes()
+    per = _TABLES.setdefault(tables, {})
+    hit = per.get(key)
+    if hit is not None:
+        return hit
+    starts = tables.first_byte_starts
+    s = np.flatnonzero(member)
+    pos = concat_ranges(starts[s], starts[s + 1] - starts[s])
+    outside = np.ones(257, dtype=bool)  # index -1 (past the end: column value -1) counts as outside
+    outside[:256] = ~member
+    columns = tables.columns
+    at = np.zeros(len(pos), dtype=np.int64)
+    todo = np.arange(len(pos))
+    d = 1
+    while len(todo):  # most tokens leave S at their second byte
+        found = outside[columns[d].take(pos[todo])]
+        at[todo[found]] = d
+        todo = todo[~found]
+        d += 1
+    c = columns[at, pos].astype(np.int64)
+    lead = np.flatnonzero(c >= 0)
+    order = lead[_stable_argsort(c[lead], 256)]
+    out_byte = np.full(len(tables.order), -2, dtype=np.int16)
+    out_at = np.zeros(len(tables.order), dtype=np.int16)
+    out_byte[pos] = c
+    out_at[pos] = at + 1
+    hit = LoopTable(only=pos[c < 0], lead_pos=pos[order], lead_at=at[order] + 1,
+                    bounds=np.searchsorted(c[order], np.arange(257)).astype(np.int64), out_byte=out_byte,
+                    out_at=out_at)
+    for a in (hit.only, hit.lead_pos, hit.lead_at, hit.bounds, hit.out_byte, hit.out_at):
+        a.flags.writeable = False  # shared by every compile over these tables
+    if len(per) >= _MAX_TABLES:
+        per.pop(next(iter(per)))
+    per[key] = hit
+    return hit
+
+
+class Loops:
+    """The loop states of one compile (`find_loops`): per loop state its loop bytes S and W."""
+
+    def __init__(self, dfa: Dfa, tables: TrieTables, states: np.ndarray, member: np.ndarray, into: np.ndarray) -> None:
+        self.trans = dfa.transitions
+        self.dead = dfa.dead
+        self.tables = tables
+        self.states = states  # (m,) sorted state ids
+        self.member = member  # (m, 256) bool: loop bytes
+        self.into = into  # (m,) W
+        self.row = np.full(dfa.transitions.shape[0], -1, dtype=np.int64)  # state -> index, -1: not a loop state
+        self.row[states] = np.arange(len(states))
+        _, first, group = np.unique(np.packbits(member, axis=1), axis=0, return_index=True, return_inverse=True)
+        self.group = group.reshape(-1)  # loop states with one loop byte set share a table
+        self.table = [loop_table(tables, member[k]) for k in first.tolist()]
+
+    def candidates(self, rows: np.ndarray) -> np.ndarray:
+        """Per loop state (index `rows`): how many (state, token) pairs `pairs` and the walk of
+        the tokens starting outside its loop bytes take together."""
+        out = np.zeros(len(rows), dtype=np.int64)
+        counts = self.tables.first_byte_counts
+        for g, table in enumerate(self.table):
+            at = self.group[rows] == g
+            r = rows[at]
+            # the tokens starting outside the loop bytes (from the state), and after a run (from W)
+            own = (self.trans[self.states[r], :256] != self.dead) & ~self.member[r]
+            after = (self.trans[self.into[r], :256] != self.dead) & ~self.member[r]
+            out[at] = own.astype(np.int64) @ counts + after.astype(np.int64) @ np.diff(table.bounds) + len(table.only)
+        return out
+
+    def pairs(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The (state, token) pairs of the loop states `rows` whose token starts with a loop byte:
+        (owner, position, state, offset) of the pairs still to walk (their first byte outside the
+        loop read: `state` is the state after it, `offset` the index of their next byte), then
+        (owner, position) of the tokens made only of loop bytes (they survive, in W).
+
+        The tokens starting outside the loop bytes are the caller's to walk (as from any state).
+        """
+        parts: list[list[np.ndarray]] = [[] for _ in range(6)]
+        for g, table in enumerate(self.table):
+            r = rows[self.group[rows] == g]
+            mine, into = self.states[r], self.into[r]
+            parts[4].append(np.repeat(mine, len(table.only)))
+            parts[5].append(np.tile(table.only, len(mine)))
+            sizes = np.diff(table.bounds)
+            live = (self.trans[into, :256] != self.dead) & ~self.member[r] & (sizes > 0)[None, :]
+            i, c = np.nonzero(live)
+            n = sizes[c]
+            idx = concat_ranges(table.bounds[c], n)
+            parts[0].append(np.repeat(mine[i], n))
+            parts[1].append(table.lead_pos[idx])
+            parts[2].append(np.repeat(self.trans[into[i], c].astype(np.int64), n))
+            parts[3].append(table.lead_at[idx])
+        a, b, c_, d, e, f = (np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
+        return a, b, c_, d, e, f
+
+    def long_pairs(self, owner: np.ndarray, pos: np.ndarray, first: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For (state, token at sorted position, its first byte) pairs: which have a loop state and
+        a loop byte first (handled here); of those, whether the token is made only of loop bytes
+        (it survives, in W), else the state after its first byte outside the loop and the offset
+        past that byte (dead where W does not allow it)."""
+        r = self.row[owner]
+        mine = r >= 0
+        mine[mine] = self.member[r[mine], first[mine]]
+        only = np.zeros(len(owner), dtype=bool)
+        cur = np.full(len(owner), self.dead, dtype=np.int64)
+        at = np.zeros(len(owner), dtype=np.int64)
+        for g, table in enumerate(self.table):
+            sel = np.flatnonzero(mine & (self.group[np.maximum(r, 0)] == g))
+            c = table.out_byte[pos[sel]].astype(np.int64)
+            only[sel] = c < 0
+            lead = c >= 0
+            sel, c = sel[lead], c[lead]
+            cur[sel] = self.trans[self.into[r[sel]], c]
+            at[sel] = table.out_at[pos[sel]]
+        return mine, only, cur, at
+
+
+def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None:
+    """The loop states among `states` (None if there is none).
+
+    A state q is a loop state where the bytes S that lead it into a state W looping on them (every
+    byte of S leads from W back to W; W the target of the looping byte that starts most tokens:
+    q itself, or the whitespace state after a number) are at most `_MAX_LOOP_BYTES` and start
+    more than `LOOP_MIN_TOKENS` tokens. Computed per byte class (bytes of one class step alike).
+    """
+    rep, byte_class = dfa.byte_classes
+    cols = dfa.class_table  # (num_states + 1, num_classes)
+    tgt = cols[states].astype(np.int64)
+    loops = cols[tgt, np.arange(len(rep))[None, :]] == tgt  # class j leads W = tgt[j] back to W
+    loops &= tgt != dfa.dead
+    counts = np.bincount(byte_class, weights=tables.first_byte_counts, minlength=len(rep)).astype(np.int64)
+    # NOTE: W is where the looping class that starts most tokens leads (the space's); other looping
+    # classes (digits into a number) are not in S
+    top = np.where(loops, counts[None, :] + 1, 0).argmax(axis=1)
+    w = tgt[np.arange(len(states)), top]
+    loops &= tgt == w[:, None]
+    sizes = np.bincount(byte_class, minlength=len(rep))
+    num = loops.astype(np.int64) @ sizes
+    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.int64) @ counts > LOOP_MIN_TOKENS)
+    if not ok.any():
+        return None
+    return Loops(dfa, tables, states[ok].astype(np.int64), loops[ok][:, byte_class], w[ok])
