@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cfsm import CfsmConfig, UnsupportedSchemaError
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.formats import URI
-from cfsm.json_schema import json_value_node, schema_to_node
+from cfsm.json_schema import json_value_node, schema_to_node, schema_tree
 
 _VALIDATOR = jsonschema.Draft202012Validator
 
@@ -152,28 +152,118 @@ def test_feature_table(keyword: str, schema: Any, config: CfsmConfig, valid: lis
         assert not dfa.fullmatch(text.encode()), f"{keyword}: invalid instance accepted: {text}"
 
 
+# (schema, keyword, path, valid texts, invalid texts the over-approximation accepts)
+APPROXIMATED: list[tuple[Any, str, str, list[str], list[str]]] = [
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+      "required": ["a"]}, "uniqueItems", "#/properties/a/uniqueItems", ['{"a":[1,2]}'], ['{"a":[1,1]}']),
+    ({"type": "string", "format": "regex"}, "format", "#/format", ['"a+b"'], ['"a(b"']),
+    ({"type": "string", "pattern": "(?=a)"}, "pattern", "#/pattern", ['"abc"'], ['"bcd"']),
+    ({"type": "array", "items": {"not": {"enum": [1, 2]}}}, "not", "#/items/not", ["[3]"], ["[1]"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "dependentRequired", "#/dependentRequired", ['{"a":1,"b":2}', '{"b":2}'],
+     ['{"a":1}']),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"type": "string"}}, "if", "#/if", ["7", '"x"'],
+     ["7.5"]),
+    ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, "oneOf", "#/oneOf", ["-3", "2.5"], ["3"]),
+    ({"type": "number", "multipleOf": 0.25}, "multipleOf", "#/multipleOf", ["0.75"], ["0.3"]),
+]
+
+
+@pytest.mark.parametrize(("schema", "keyword", "path", "valid", "accepted_invalid"), APPROXIMATED,
+                         ids=[a[1] for a in APPROXIMATED])
+def test_approximations_accept_a_superset_and_strict_refuses_them(
+        schema: Any, keyword: str, path: str, valid: list[str], accepted_invalid: list[str]) -> None:
+    node, notes = schema_tree(schema)
+    assert (keyword, path) in {(n.keyword, n.path) for n in notes}
+    dfa = build_dfa(node)
+    for text in valid:
+        assert _valid(schema, text) and dfa.fullmatch(text.encode()), text
+    for text in accepted_invalid:  # the documented superset: invalid, yet accepted
+        assert not _valid(schema, text) and dfa.fullmatch(text.encode()), text
+    with pytest.raises(UnsupportedSchemaError) as info:
+        schema_tree(schema, CfsmConfig(strict=True))
+    assert info.value.keyword == keyword and info.value.path == path and "strict" in str(info.value)
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("schema", "keyword", "path"),
     [
-        ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "uniqueItems",
-         "#/properties/a/uniqueItems"),
-        ({"type": "string", "format": "hostname"}, "format", "#/format"),
-        ({"$ref": "https://example.com/s.json"}, "$ref", "#"),
+        ({"$ref": "https://127.0.0.1:9/s.json"}, "$ref", "#/$ref"),
+        ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "$ref", "#/properties/a/$ref"),
+        ({"$ref": "#/$defs/missing"}, "$ref", "#/$ref"),
         ({"type": "strin"}, "type", "#/type"),
-        ({"type": "string", "pattern": "(?=a)"}, "pattern", "#/pattern"),
-        ({"type": "array", "items": {"not": {"type": "string"}}}, "not", "#/items/not"),
+        ({"type": "string", "minLength": "three"}, "schema", "#"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "maximum": [1]}}}, "schema", "#/properties/a"),
+        (_nested(10_000), "schema", "#"),
+        ("{not json", "schema", "#"),
     ],
 )
-def test_unsupported_keywords_name_keyword_and_path(schema: Any, keyword: str, path: str) -> None:
+def test_malformed_schemas_raise_with_keyword_and_path(schema: Any, keyword: str, path: str) -> None:
     with pytest.raises(UnsupportedSchemaError) as info:
-        schema_to_node(schema)
+        schema_tree(schema)
     assert info.value.keyword == keyword and info.value.path == path
 
 
-def test_ignore_unsupported_skips_unknown_keywords() -> None:
-    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-    dfa = _dfa(schema, CfsmConfig(ignore_unsupported=True))
-    assert dfa.fullmatch(b"[1,2]") and not dfa.fullmatch(b'["a"]')
+def test_unknown_keywords_are_annotations() -> None:
+    plain = {"type": "object", "properties": {"d": {"type": "string", "maxLength": 3}}, "required": ["d"]}
+    noisy = {"type": "object", "properties": {"d": {"type": "string", "maxLength": 3, "_format": "date-time",
+                                                    "x-kubernetes-int-or-string": True, "self": {"vendor": "x"}}},
+             "required": ["d"], "propertiesOrder": ["d"], "id": "urn:thing", "$comment": "c", "examples": [{}]}
+    node, notes = schema_tree(noisy)
+    assert notes == ()
+    a, b = build_dfa(node), build_dfa(schema_to_node(plain))
+    for text in ['{"d":"ab"}', '{"d":"abc"}', '{"d":"abcd"}', '{"d":1}', "{}"]:
+        assert a.fullmatch(text.encode()) == b.fullmatch(text.encode()) == _valid(plain, text), text
+
+
+def test_not_over_types_is_exact() -> None:
+    schema = {"not": {"type": ["string", "null"]}}
+    node, notes = schema_tree(schema)
+    dfa = build_dfa(node)
+    assert notes == ()
+    for text in ["1", "[1]", '{"a":"b"}', "true", '"a"', "null"]:
+        assert dfa.fullmatch(text.encode()) == _valid(schema, text), text
+
+
+def test_refs_resolve_by_id_anchor_and_escaped_pointer() -> None:
+    schema = {
+        "$id": "https://127.0.0.1:9/root.json",
+        "type": "object",
+        "properties": {
+            "a": {"$ref": "item.json"},
+            "b": {"$ref": "#/$defs/a~1b~0c"},
+            "c": {"$ref": "#pos"},
+            "d": {"$ref": "root.json#/$defs/a~1b~0c"},
+        },
+        "required": ["a", "b", "c", "d"],
+        "$defs": {
+            "item": {"$id": "item.json", "type": "string", "maxLength": 2},
+            "a/b~c": {"type": "boolean"},
+            "p": {"$anchor": "pos", "type": "integer", "minimum": 1},
+        },
+    }
+    dfa = build_dfa(schema_to_node(schema))
+    for text in ['{"a":"xy","b":true,"c":3,"d":false}', '{"a":"xyz","b":true,"c":3,"d":false}',
+                 '{"a":"x","b":1,"c":3,"d":false}', '{"a":"x","b":true,"c":0,"d":false}']:
+        assert dfa.fullmatch(text.encode()) == _valid(schema, text), text
+
+
+def test_spec_config_does_not_infer_types() -> None:
+    schema = {"minLength": 3, "maximum": 5}
+    spec = build_dfa(schema_to_node(schema, CfsmConfig.spec()))
+    narrowed = build_dfa(schema_to_node(schema))
+    for text in ['"abc"', '"ab"', "5", "6", "null", "[1]", '{"a":1}']:
+        assert spec.fullmatch(text.encode()) == _valid(schema, text), text
+        if narrowed.fullmatch(text.encode()):  # generation defaults narrow, never widen
+            assert _valid(schema, text), text
+    assert not narrowed.fullmatch(b"null")
 
 
 def test_recursion_is_bounded_by_max_recursion_depth() -> None:

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import cfsm
 from cfsm.automaton import _accept_distance, _byte_classes, _minimize, _runs, _unique_rows, seeded_weights
-from cfsm.gcpause import without_gc
+from cfsm.testing import tiny_vocab
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # the random tables use these bytes; every other byte goes to the dead state
@@ -140,25 +141,18 @@ def test_unique_rows_groups_exactly_the_equal_rows(rows: list[list[int]], dtype:
             assert (inverse[i] == inverse[j]) == bool((a[i] == a[j]).all())
 
 
-def test_without_gc_pauses_and_restores_the_collector() -> None:
-    seen: list[bool] = []
+def test_compiles_leave_the_garbage_collector_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a library compile must never switch off the collector of the process it runs in (a
+    # server's engine loop shares that process)
+    def refuse() -> None:
+        raise AssertionError("cfsm called gc.disable()")
 
-    @without_gc
-    def inner() -> None:
-        seen.append(gc.isenabled())
-
-    @without_gc
-    def outer(fail: bool) -> None:
-        inner()
-        seen.append(gc.isenabled())
-        if fail:
-            raise ValueError("boom")
-
+    monkeypatch.setattr(gc, "disable", refuse)
+    vocab = tiny_vocab()
+    cfsm.compile_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, vocab)
+    cfsm.compile_regex(r"[a-z]{2,5}", vocab)
+    cfsm.compile_json_object(vocab)
     assert gc.isenabled()
-    outer(False)
-    with pytest.raises(ValueError):
-        outer(True)
-    assert seen == [False, False, False, False] and gc.isenabled()
 
 
 @_SETTINGS

@@ -12,6 +12,7 @@ from cfsm.compiler import Compiler, compile_json_object, compile_json_schema, co
 from cfsm.compressed import JumpPlan, plan_jump_forward
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
+    Approximation,
     CfsmError,
     GrammarTooLargeError,
     RejectedTokenError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "Approximation",
     "CfsmConfig",
     "CfsmError",
     "Compiler",

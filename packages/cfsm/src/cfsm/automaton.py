@@ -12,7 +12,6 @@ import numpy as np
 
 from cfsm.charset import utf8_sequences
 from cfsm.errors import GrammarTooLargeError
-from cfsm.gcpause import without_gc
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["Dfa", "DfaNode", "build_dfa", "dfa_from_table", "MAX_DFA_STATES"]
@@ -885,7 +884,6 @@ def dfa_from_table(table: list[list[int]], start: int, accepting: set[int], alph
     return DfaNode(_minimize(dense, acc, start))
 
 
-@without_gc
 def build_dfa(node: Node) -> Dfa:
     """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing."""
     if isinstance(node, DfaNode):

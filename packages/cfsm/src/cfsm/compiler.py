@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -14,10 +15,9 @@ import numpy as np
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.direct import build_dfa_direct
-from cfsm.errors import UnsupportedSchemaError
-from cfsm.gcpause import without_gc
+from cfsm.errors import Approximation, UnsupportedSchemaError
 from cfsm.index import Index, build_index
-from cfsm.json_schema import json_value_node, schema_to_node
+from cfsm.json_schema import json_value_node, schema_tree
 from cfsm.regex_ast import Node
 from cfsm.regex_parser import parse_regex
 from cfsm.vocab import Vocabulary
@@ -39,7 +39,6 @@ def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str) -> Index:
     return build_index(dfa, vocab, grammar=grammar)
 
 
-@without_gc
 def compile_regex(pattern: str, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index:
     """Compile a regex (fullmatch semantics) against `vocab`. No caching; mutates nothing.
 
@@ -56,18 +55,19 @@ def _schema_text(schema: Any) -> str:
     return json.dumps(schema, sort_keys=False, separators=(",", ":"))
 
 
-@without_gc
 def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index:
     """Compile a JSON Schema (dict, bool or JSON text) against `vocab`. No caching.
 
-    Raises `UnsupportedSchemaError` (keyword and JSON path) for what cannot be compiled.
+    Keywords it can only over-approximate are listed in `Index.approximations` (with
+    `config.strict`, they raise). Raises `UnsupportedSchemaError` (keyword and JSON path) for
+    what cannot be compiled.
     """
     cfg = config or CfsmConfig()
-    node = schema_to_node(schema, cfg)
-    return _index_of(node, vocab, f"schema:{_schema_text(schema)}|{cfg.schema_key()}", "schema")
+    node, approximations = schema_tree(schema, cfg)
+    index = _index_of(node, vocab, f"schema:{_schema_text(schema)}|{cfg.schema_key()}", "schema")
+    return dataclasses.replace(index, approximations=approximations) if approximations else index
 
 
-@without_gc
 def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *, object_only: bool = True) -> Index:
     """Free JSON (an object, or any value) nested to `config.json_depth` levels. No caching."""
     cfg = config or CfsmConfig()
@@ -134,7 +134,9 @@ class Compiler:
         with np.load(path) as data:
             dfa = Dfa(transitions=data["transitions"], accepting=data["accepting"], start=int(data["start"]))
             arrays = {name: data[name] for name in _INDEX_ARRAYS}
-        return Index(vocab=self.vocab, dfa=dfa, grammar=grammar, **arrays)
+            notes = json.loads(str(data["approximations"])) if "approximations" in data else []
+        return Index(vocab=self.vocab, dfa=dfa, grammar=grammar, approximations=tuple(Approximation(*n) for n in notes),
+                     **arrays)
 
     def _save(self, key: str, index: Index) -> None:
         path = self._path(key)
@@ -144,5 +146,6 @@ class Compiler:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npz")
         with os.fdopen(fd, "wb") as f:
             np.savez(f, transitions=index.dfa.transitions, accepting=index.dfa.accepting,
-                     start=np.int64(index.dfa.start), **{name: getattr(index, name) for name in _INDEX_ARRAYS})
+                     start=np.int64(index.dfa.start), **{name: getattr(index, name) for name in _INDEX_ARRAYS},
+                     approximations=np.array(json.dumps([[a.keyword, a.path, a.detail] for a in index.approximations])))
         os.replace(tmp, path)

@@ -17,14 +17,23 @@ class CfsmConfig:
       `whitespace_pattern` (a regex) overrides both.
     - `any_order`: object properties may come in any order (each at most once; at most
       `MAX_ANY_ORDER_PROPERTIES` properties per object).
-    - `max_recursion_depth`: how many times one `$ref` may be entered recursively; deeper
-      branches are dropped (a schema that needs more raises `UnsupportedSchemaError`).
+    - `max_recursion_depth`: how many re-entries of `$ref`s already being compiled may nest
+      (recursive schemas are unrolled that deep; deeper branches are dropped, and a schema that
+      needs more raises `UnsupportedSchemaError` at compile time).
     - `json_depth`: nesting depth of free JSON (``{}`` / ``true`` schemas, `json_object`).
-    - `ignore_unsupported`: skip unsupported schema keywords instead of raising.
     - `additional_properties_default`: whether objects without `additionalProperties` may
       have undeclared keys (JSON Schema says yes; constrained decoding usually wants no).
+    - `infer_types`: a schema without `type` whose keywords all belong to some types (say
+      `properties`) is narrowed to those types, as peers do for generation; the specification
+      lets every other type pass (`spec()` turns this off).
+    - `strict`: a keyword cfsm can only over-approximate (the grammar accepts a superset, see
+      `cfsm.Approximation`) raises `UnsupportedSchemaError` naming it, instead of being noted in
+      `Index.approximations` (OpenAI's strict mode refuses such schemas the same way).
     - `cache_size`: compiled `Index` objects kept per `Compiler` (LRU); `cache_dir`: optional
       folder for an on-disk cache.
+
+    `CfsmConfig.spec()` gives the specification's language (undeclared properties allowed, any
+    property order, no type inference); the defaults narrow it the way generation wants.
     """
 
     whitespace: Literal["compact", "flexible"] = "compact"
@@ -32,8 +41,9 @@ class CfsmConfig:
     any_order: bool = False
     max_recursion_depth: int = 3
     json_depth: int = 3
-    ignore_unsupported: bool = False
     additional_properties_default: bool = False
+    infer_types: bool = True
+    strict: bool = False
     cache_size: int = 64
     cache_dir: str | None = None
 
@@ -43,8 +53,16 @@ class CfsmConfig:
         if self.max_recursion_depth < 0 or self.json_depth < 0 or self.cache_size < 0:
             raise ValueError("max_recursion_depth, json_depth and cache_size must be >= 0")
 
+    @classmethod
+    def spec(cls, **overrides: object) -> CfsmConfig:
+        """A config whose schemas mean what the specification says: undeclared properties
+        allowed unless the schema forbids them, properties in any order, no type inference."""
+        fields: dict[str, object] = {"additional_properties_default": True, "any_order": True, "infer_types": False}
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
     def schema_key(self) -> str:
         """The fields that change a compiled JSON Schema (part of cache keys)."""
         return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|"
-                f"rd={self.max_recursion_depth}|jd={self.json_depth}|iu={self.ignore_unsupported}|"
-                f"apd={self.additional_properties_default}")
+                f"rd={self.max_recursion_depth}|jd={self.json_depth}|"
+                f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}")

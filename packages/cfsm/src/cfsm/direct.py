@@ -63,7 +63,6 @@ from cfsm.block_facts import (
     _unit_map,
 )
 from cfsm.errors import GrammarTooLargeError
-from cfsm.gcpause import without_gc
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
@@ -1180,7 +1179,6 @@ def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, con
     return one_block & (literal | same_cont | same_own)  # type: ignore[no-any-return]
 
 
-@without_gc
 def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     """The minimal DFA of `node`, equal to `build_dfa(node)`, or None where the tree does not
     fit the direct construction or (unless `force`) would not be faster: then use `build_dfa`.

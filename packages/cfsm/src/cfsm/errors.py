@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "CfsmError",
     "UnsupportedRegexError",
@@ -9,6 +11,7 @@ __all__ = [
     "RejectedTokenError",
     "VocabularyError",
     "GrammarTooLargeError",
+    "Approximation",
 ]
 
 
@@ -33,10 +36,10 @@ class UnsupportedRegexError(CfsmError, ValueError):
 
 
 class UnsupportedSchemaError(CfsmError, ValueError):
-    """A JSON Schema uses a keyword (or a value of it) that cfsm cannot turn into an automaton.
+    """A JSON Schema is malformed, refers outside itself, or (with `CfsmConfig(strict=True)`)
+    uses a keyword cfsm can only over-approximate.
 
     Attributes: `keyword`, `path` (JSON pointer of the schema node, e.g. `#/properties/a`).
-    Pass `ignore_unsupported=True` in `CfsmConfig` to skip unknown keywords instead.
     """
 
     def __init__(self, keyword: str, path: str, hint: str = "") -> None:
@@ -46,6 +49,23 @@ class UnsupportedSchemaError(CfsmError, ValueError):
         if hint:
             msg += f": {hint}"
         super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class Approximation:
+    """A schema keyword the grammar over-approximates: every valid document is accepted, some
+    invalid ones are too (`uniqueItems` over unbounded arrays, `not` over complex schemas, ...).
+
+    `keyword`, `path` (JSON pointer of the keyword), `detail` (what the grammar does instead).
+    With `CfsmConfig(strict=True)` it raises `UnsupportedSchemaError` instead.
+    """
+
+    keyword: str
+    path: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.keyword} at {self.path}: {self.detail}"
 
 
 class RejectedTokenError(CfsmError, ValueError):

@@ -22,8 +22,8 @@ import numpy as np
 
 from cfsm.automaton import Dfa, _small_unique
 from cfsm.compressed import CompressedFsm
+from cfsm.errors import Approximation
 from cfsm.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
-from cfsm.gcpause import without_gc
 from cfsm.loops import find_loops
 from cfsm.mask_rows import _few_rows, _PrefixRows, or_bits, pack_rows
 from cfsm.state_classes import _walk_classes
@@ -62,6 +62,8 @@ class Index:
     masks: np.ndarray  # (num_rows, ceil(V / 32)) int32
     mask_row: np.ndarray  # (num_states + 1,) int32
     grammar: str = ""
+    # what the grammar over-approximates (JSON Schema keywords it cannot enforce exactly)
+    approximations: tuple[Approximation, ...] = ()
 
     @property
     def start(self) -> int:
@@ -140,7 +142,6 @@ def _f_code(fmt: str) -> np.ndarray | None:
     return None if auto is None else auto[0]
 
 
-@without_gc
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
 

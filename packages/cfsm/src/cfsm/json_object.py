@@ -28,7 +28,10 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
     from cfsm.json_schema import JSON_CHAR, JSON_STRING, MAX_ANY_ORDER_PROPERTIES, json_escape
 
     props: dict[str, Any] = dict(schema.get("properties", {}))
-    required = list(schema.get("required", []))
+    required = schema.get("required", [])
+    if not isinstance(required, list):  # draft 3: "required": true on the property itself
+        comp.approximate("required", f"{path}/required", "a non-list value (draft 3) is not enforced")
+        required = []
     addl = schema.get("additionalProperties", comp.cfg.additional_properties_default)
     pattern_props: dict[str, Any] = schema.get("patternProperties", {})
     for name in required:
@@ -49,7 +52,9 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
         try:
             body = json_escape(parse_regex(pat, search=True))
         except UnsupportedRegexError as exc:
-            raise UnsupportedSchemaError("patternProperties", f"{path}/patternProperties", str(exc)) from exc
+            # NOTE: any key may then take this value (a superset); declared names keep theirs
+            comp.approximate("patternProperties", f"{path}/patternProperties", f"pattern not enforced on keys: {exc}")
+            body = Repeat(JSON_CHAR, 0, None)
         key = cat(lit('"'), Intersect([body, Repeat(JSON_CHAR, 0, None)]), lit('"'))
         pattern_keys.append(key)
         if names:

@@ -1,21 +1,26 @@
 """JSON Schema -> syntax tree (then the usual DFA and `Index`).
 
-Objects list their properties in schema order (or in any order with `CfsmConfig.any_order`);
-strings, numbers and formats are exact languages (see `numeric` and `formats`); `pattern` has
-the specification's search semantics. `oneOf` is compiled like `anyOf` (exclusivity is not
-enforced). Unsupported keywords raise `UnsupportedSchemaError` with their JSON path.
+Drafts 4 to 2020-12 as found in the wild. Objects list their properties in schema order (or in
+any order with `CfsmConfig.any_order`); strings, numbers and formats are exact languages (see
+`numeric` and `formats`); `pattern` has the specification's search semantics. Unknown keywords
+are annotations and are ignored. Keywords a regular language cannot express exactly are
+over-approximated (the grammar accepts a superset) and each is recorded as an `Approximation`
+(`oneOf` as `anyOf`, `uniqueItems`, `not` beyond types, `if`/`then`/`else`, `dependencies`,
+`contains`, `propertyNames`, `unevaluated*`, unknown formats, patterns outside the regular
+subset, `multipleOf` that is not an integer or a power of ten); `CfsmConfig.strict` refuses them
+instead. Malformed schemas raise `UnsupportedSchemaError` with their JSON path.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from cfsm.charset import negate
 from cfsm.config import CfsmConfig
-from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
+from cfsm.errors import Approximation, CfsmError, UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.formats import FORMAT_REGEXES
 from cfsm.json_object import object_members
 from cfsm.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
@@ -36,25 +41,37 @@ from cfsm.regex_ast import (
     lit,
 )
 from cfsm.regex_parser import parse_regex
+from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas
+from cfsm.schema_refs import RefResolver, check_depth
 
-__all__ = ["schema_to_node", "json_value_node", "MAX_ANY_ORDER_PROPERTIES"]
+__all__ = ["schema_to_node", "schema_tree", "json_value_node", "MAX_ANY_ORDER_PROPERTIES", "MAX_SCHEMA_DEPTH"]
 
 MAX_ANY_ORDER_PROPERTIES = 10
+# objects and arrays nested deeper than this in a schema document are refused up front (real
+# schemas stay far below; the compile recurses per level)
+MAX_SCHEMA_DEPTH = 128
 
-_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                "readOnly", "writeOnly", "$defs", "definitions", "contentMediaType", "contentEncoding",
-                "$anchor", "discriminator", "nullable"}
-_KEYWORDS = {"type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
-             "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "minLength",
-             "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-             "multipleOf", "anyOf", "oneOf", "allOf", "$ref", "additionalItems"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+# a schema without `type` takes every type but integer (a subset of number)
+_ALL_TYPES = ("object", "array", "string", "number", "boolean", "null")
 _TYPE_KEYWORDS = {
     "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
-               "maxProperties"},
-    "array": {"items", "prefixItems", "minItems", "maxItems", "additionalItems"},
-    "string": {"minLength", "maxLength", "pattern", "format"},
+               "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
+               "unevaluatedProperties"},
+    "array": {"items", "prefixItems", "minItems", "maxItems", "additionalItems", "uniqueItems", "contains",
+              "minContains", "maxContains", "unevaluatedItems"},
+    "string": {"minLength", "maxLength", "pattern", "format", ALL_PATTERNS, ALL_FORMATS},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+}
+# keywords recorded as approximations when present (what the grammar does instead)
+_IGNORED_ASSERTIONS = {
+    "dependencies": "not enforced (properties that depend on others may be missing)",
+    "dependentRequired": "not enforced (properties that depend on others may be missing)",
+    "dependentSchemas": "not enforced",
+    "propertyNames": "not enforced on property names",
+    "unevaluatedProperties": "not enforced (undeclared properties follow additionalProperties)",
+    "unevaluatedItems": "not enforced",
+    "contains": "not enforced beyond a non-empty array",
 }
 
 _SPECIAL = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
@@ -161,29 +178,23 @@ class _Compiler:
             self.ws = EMPTY
         self.comma = cat(self.ws, lit(","), self.ws)
         self.colon = cat(self.ws, lit(":"), self.ws)
-        self.ref_depth: dict[str, int] = {}
+        # references being compiled (by target) and how many of them are re-entries: recursion
+        # nests at most `max_recursion_depth` re-entries deep, whichever references recur
+        self.active_refs: dict[str, int] = {}
+        self.recursion_level = 0
+        self.refs = RefResolver(root)
+        self.bases: list[str] = [""]  # base URIs of the schema resources being compiled
+        self.approximations: dict[tuple[str, str], Approximation] = {}
         self._any: dict[int, Node] = {}
         # per compile: equal number bounds and formats share one (immutable) syntax tree
         self._memo: dict[tuple[Any, ...], Node] = {}
 
     # ---- helpers ---------------------------------------------------------------------------
-    def unsupported(self, keyword: str, path: str, hint: str = "") -> None:
-        if not self.cfg.ignore_unsupported:
-            raise UnsupportedSchemaError(keyword, path, hint)
-
-    def resolve(self, ref: str, path: str) -> Any:
-        if not ref.startswith("#"):
-            raise UnsupportedSchemaError("$ref", path, f"only local references ('#/...') are supported, got {ref!r}")
-        target = self.root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                raise UnsupportedSchemaError("$ref", path, f"cannot resolve {ref!r}")
-        return target
+    def approximate(self, keyword: str, path: str, detail: str) -> None:
+        """Record that `keyword` at `path` is over-approximated; in strict mode, refuse it."""
+        if self.cfg.strict:
+            raise UnsupportedSchemaError(keyword, path, f"{detail}; refused in strict mode")
+        self.approximations.setdefault((keyword, path), Approximation(keyword, path, detail))
 
     def any_value(self, depth: int) -> Node:
         if depth not in self._any:
@@ -204,58 +215,116 @@ class _Compiler:
 
     # ---- schemas ---------------------------------------------------------------------------
     def node(self, schema: Any, path: str) -> Node:
+        """The tree of `schema` (found at JSON pointer `path`). Raises `UnsupportedSchemaError`."""
+        if not isinstance(schema, dict):
+            return self._node(schema, path)
+        base = self.refs.base_of(schema, self.bases[-1])
+        self.bases.append(base)
+        try:
+            return self._node(schema, path)
+        except CfsmError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, InvalidOperation, OverflowError) as exc:
+            # NOTE: a keyword with a value of the wrong kind ("minLength": "3", "required": true)
+            raise UnsupportedSchemaError("schema", path, f"malformed schema: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.bases.pop()
+
+    def _ref(self, schema: dict[str, Any], path: str) -> Node:
+        key = "$ref" if "$ref" in schema else "$dynamicRef" if "$dynamicRef" in schema else "$recursiveRef"
+        ref = schema[key]
+        if not isinstance(ref, str):
+            raise UnsupportedSchemaError(key, f"{path}/{key}", "must be a string")
+        if key != "$ref":
+            self.approximate(key, f"{path}/{key}", "resolved like $ref (no dynamic scope)")
+        rest = {k: v for k, v in schema.items() if k != key}
+        target, base = self.refs.resolve(ref, self.bases[-1], f"{path}/{key}")
+        if target is True and ref.split("://", 1)[-1].startswith(("json-schema.org", "spec.openapis.org")):
+            self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
+        ident = f"{base}#{id(target)}"
+        reentry = self.active_refs.get(ident, 0) > 0
+        if reentry and self.recursion_level >= self.cfg.max_recursion_depth:
+            return NOTHING
+        self.active_refs[ident] = self.active_refs.get(ident, 0) + 1
+        self.recursion_level += reentry
+        self.bases.append(base)
+        try:
+            if any(_is_assertion(k) for k in rest):
+                return self.node({"allOf": [target, rest]}, path)
+            return self.node(target, f"{path}/{key}")
+        finally:
+            self.bases.pop()
+            self.recursion_level -= reentry
+            self.active_refs[ident] -= 1
+
+    def _resolved(self, sub: Any, path: str) -> Any:
+        """`sub` with its `$ref`s followed (for merging under allOf)."""
+        seen = 0
+        while isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and seen <= self.cfg.max_recursion_depth:
+            extra = {k: v for k, v in sub.items() if k != "$ref"}
+            target, _ = self.refs.resolve(sub["$ref"], self.bases[-1], f"{path}/$ref")
+            sub = extra if target is True else self._merge(target, extra, path) if isinstance(target, dict) else target
+            seen += 1
+        return sub
+
+    def _merge(self, a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
+        return merge_schemas(a, b, path, self.approximate)
+
+    def _branch(self, rest: dict[str, Any], sub: Any, path: str) -> Node:
+        """`rest` and `sub` both (one branch of anyOf / oneOf / if)."""
+        sub = self._resolved(sub, path)
+        if sub is False:
+            return NOTHING
+        return self.node(rest if sub is True else self._merge(rest, sub, path), path)
+
+    def _node(self, schema: Any, path: str) -> Node:
         if schema is True or schema == {}:
             return self.any_value(self.cfg.json_depth)
         if schema is False:
             return NOTHING
         if not isinstance(schema, dict):
             raise UnsupportedSchemaError("schema", path, f"expected an object or a boolean, got {type(schema).__name__}")
-        for key in schema:
-            if key not in _KEYWORDS and key not in _ANNOTATIONS:
-                self.unsupported(key, f"{path}/{key}")
-        if "$ref" in schema:
-            ref = schema["$ref"]
-            rest = {k: v for k, v in schema.items() if k != "$ref"}
-            if self.ref_depth.get(ref, 0) > self.cfg.max_recursion_depth:
-                return NOTHING
-            self.ref_depth[ref] = self.ref_depth.get(ref, 0) + 1
-            try:
-                target = self.resolve(ref, path)
-                if any(k not in _ANNOTATIONS for k in rest):
-                    return self.node({"allOf": [target, rest]}, path)
-                return self.node(target, f"{path}/$ref")
-            finally:
-                self.ref_depth[ref] -= 1
+        if "$ref" in schema or "$dynamicRef" in schema or "$recursiveRef" in schema:
+            return self._ref(schema, path)
         if "allOf" in schema:
+            if not isinstance(schema["allOf"], list):
+                raise UnsupportedSchemaError("allOf", f"{path}/allOf", "must be a list")
             merged = {k: v for k, v in schema.items() if k != "allOf"}
             for i, sub in enumerate(schema["allOf"]):
-                sub_path = f"{path}/allOf/{i}"
-                while isinstance(sub, dict) and "$ref" in sub:
-                    extra = {k: v for k, v in sub.items() if k != "$ref"}
-                    sub = _merge(self.resolve(sub["$ref"], sub_path), extra, sub_path)
+                sub = self._resolved(sub, f"{path}/allOf/{i}")
                 if sub is False:
                     return NOTHING
                 if sub is True:
                     continue
-                merged = _merge(merged, sub, sub_path)
+                merged = self._merge(merged, sub, f"{path}/allOf/{i}")
             return self.node(merged, path)
         for key in ("anyOf", "oneOf"):
             if key in schema:
+                if not isinstance(schema[key], list):
+                    raise UnsupportedSchemaError(key, f"{path}/{key}", "must be a list")
+                if key == "oneOf" and len(schema[key]) > 1:
+                    self.approximate("oneOf", f"{path}/oneOf", "compiled as anyOf (exclusivity not enforced)")
                 rest = {k: v for k, v in schema.items() if k != key}
-                branches = []
-                for i, sub in enumerate(schema[key]):
-                    sub_path = f"{path}/{key}/{i}"
-                    if sub is False:
-                        continue
-                    branches.append(self.node(_merge(rest, sub, sub_path) if sub is not True else rest, sub_path))
-                return alt(*branches) if branches else NOTHING
-        types = schema.get("type")
-        if isinstance(types, str):
-            types = [types]
-        if types is not None:
-            for t in types:
-                if t not in _TYPES:
-                    raise UnsupportedSchemaError("type", f"{path}/type", f"unknown type {t!r}")
+                return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(schema[key])))
+        if "if" in schema:
+            rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+            if "then" in schema and "else" in schema:
+                self.approximate("if", f"{path}/if", "compiled as anyOf [then, else] (the condition is not checked)")
+                return alt(self._branch(rest, schema["then"], f"{path}/then"),
+                           self._branch(rest, schema["else"], f"{path}/else"))
+            if "then" in schema or "else" in schema:
+                self.approximate("if", f"{path}/if", "the conditional branch is not enforced")
+            return self.node(rest, path)
+        return self._typed_union(schema, path)
+
+    def _typed_union(self, schema: dict[str, Any], path: str) -> Node:
+        for key, detail in _IGNORED_ASSERTIONS.items():
+            if key in schema and schema[key] not in (True, {}, [], None) and \
+                    not (key == "unevaluatedProperties" and schema[key] is False and not self.cfg.additional_properties_default):
+                self.approximate(key, f"{path}/{key}", detail)
+        types = self._types(schema, path)
+        if "not" in schema:
+            types = self._not(schema["not"], types, f"{path}/not")
         if "enum" in schema or "const" in schema:
             values = [schema["const"]] if "const" in schema else list(schema["enum"])
             if types is not None:
@@ -263,10 +332,53 @@ class _Compiler:
             return alt(*(lit(_dump(v)) for v in values)) if values else NOTHING
         if types is None:
             inferred = [t for t, kws in _TYPE_KEYWORDS.items() if kws & schema.keys()]
-            if not inferred:
+            if not self.cfg.infer_types:
+                if not inferred:
+                    return self.any_value(self.cfg.json_depth)
+                types = list(_ALL_TYPES)
+            elif not inferred:
                 return self.any_value(self.cfg.json_depth)
-            types = inferred
+            else:
+                types = inferred
+        if "number" in types and "integer" in types:
+            types = [t for t in types if t != "integer"]
         return alt(*(self.typed(t, schema, path) for t in types))
+
+    def _types(self, schema: dict[str, Any], path: str) -> list[str] | None:
+        types = schema.get("type")
+        if types is None:
+            return None
+        if isinstance(types, str):
+            types = [types]
+        if not isinstance(types, list):
+            raise UnsupportedSchemaError("type", f"{path}/type", f"expected a string or a list, got {types!r}")
+        known: list[str] = []
+        for t in types:
+            if t in _TYPES:
+                known.append(t)
+            elif t == "any" or isinstance(t, dict):  # draft 3: "any", or a schema as a type
+                return None
+            else:
+                raise UnsupportedSchemaError("type", f"{path}/type", f"unknown type {t!r}; expected one of {_TYPES}")
+        return known
+
+    def _not(self, sub: Any, types: list[str] | None, path: str) -> list[str] | None:
+        """`not`: exact when it only names types (they are removed) or is a boolean; otherwise
+        recorded as an approximation. Returns the remaining types (None: any)."""
+        if sub is True or sub == {}:
+            return []
+        if sub is False:
+            return types
+        if isinstance(sub, dict) and set(sub) <= {"type", "title", "description", "$comment"}:
+            excluded = self._types(sub, path) or []
+            if "number" in excluded:
+                excluded = [*excluded, "integer"]
+            base = list(types) if types is not None else list(_TYPES)
+            if "integer" in excluded and "number" in base and "number" not in excluded:
+                self.approximate("not", path, "integers are not excluded from numbers")
+            return [t for t in base if t not in excluded]
+        self.approximate("not", path, "not enforced (only `not` over types is)")
+        return types
 
     def typed(self, t: str, schema: dict[str, Any], path: str) -> Node:
         if t == "null":
@@ -283,17 +395,18 @@ class _Compiler:
 
     def string(self, schema: dict[str, Any], path: str) -> Node:
         langs: list[Node] = []
-        fmt = schema.get("format")
-        if fmt is not None:
+        formats = [schema["format"]] if "format" in schema else []
+        for fmt in [*formats, *schema.get(ALL_FORMATS, [])]:
             if fmt in FORMAT_REGEXES:
                 langs.append(piece(format_node(fmt)))
             else:
-                self.unsupported("format", f"{path}/format", f"unknown format {fmt!r}; supported: {sorted(FORMAT_REGEXES)}")
-        if "pattern" in schema:
+                self.approximate("format", f"{path}/format", f"format {fmt!r} is not checked (known: {sorted(FORMAT_REGEXES)})")
+        patterns = [schema["pattern"]] if "pattern" in schema else []
+        for pattern in [*patterns, *schema.get(ALL_PATTERNS, [])]:
             try:
-                langs.append(json_escape(parse_regex(schema["pattern"], search=True)))
+                langs.append(json_escape(parse_regex(pattern, search=True)))
             except UnsupportedRegexError as exc:
-                raise UnsupportedSchemaError("pattern", f"{path}/pattern", str(exc)) from exc
+                self.approximate("pattern", f"{path}/pattern", f"not enforced: {exc}")
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         if hi is not None and lo > int(hi):
             return NOTHING  # NOTE: no string is valid (a Repeat with lo > hi would build some language)
@@ -342,7 +455,8 @@ class _Compiler:
                 base = cat(INT, frac) if dlo is None and dhi is None else decimal_range(dlo, lo_excl, dhi, hi_excl)
                 return Intersect([base, cat(INT, frac)])
             else:
-                self.unsupported("multipleOf", f"{path}/multipleOf", "only integers and powers of ten (0.1, 0.01, ...)")
+                self.approximate("multipleOf", f"{path}/multipleOf",
+                                 "not enforced (only integers and powers of ten: 0.1, 0.01, ...)")
                 mult = None
         if integer:
             ilo = None if dlo is None else int(dlo.to_integral_value(rounding="ROUND_CEILING"))
@@ -368,6 +482,10 @@ class _Compiler:
         rest = None if items is False else (self.any_value(self.cfg.json_depth - 1) if items is None
                                             else self.node(items, f"{path}/items"))
         lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+        if schema.get("uniqueItems") is True and (hi is None or int(hi) > 1):
+            self.approximate("uniqueItems", f"{path}/uniqueItems", "not enforced (items may repeat)")
+        if "contains" in schema and schema["contains"] is not False and schema.get("minContains", 1) != 0:
+            lo = max(lo, 1)
         k = len(nodes)
         options: list[Node] = []
         for c in range(0, k):
@@ -390,6 +508,9 @@ class _Compiler:
         return cat(lit("["), self.ws, alt(*options) if options else NOTHING, self.ws, lit("]"))
 
     def object(self, schema: dict[str, Any], path: str) -> Node:
+        if not _TYPE_KEYWORDS["object"] & schema.keys():
+            # NOTE: an object schema without object keywords is any object, in every config
+            return self.free_object(self.cfg.json_depth)
         return cat(lit("{"), self.ws, Scope(object_members(self, schema, path)), self.ws, lit("}"))
 
 
@@ -402,57 +523,37 @@ def _joined(nodes: list[Node], sep: Node) -> Node:
     return cat(*out)
 
 
-def _merge(a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
-    """allOf: one schema requiring both (keyword by keyword)."""
-    if not isinstance(b, dict):
-        raise UnsupportedSchemaError("allOf", path, "subschemas must be objects")
-    out = dict(a)
-    for k, v in b.items():
-        if k not in out:
-            out[k] = v
-            continue
-        av = out[k]
-        if av == v:
-            continue
-        if k == "properties":
-            merged = dict(av)
-            for pk, pv in v.items():
-                merged[pk] = {"allOf": [merged[pk], pv]} if pk in merged else pv
-            out[k] = merged
-        elif k == "required":
-            out[k] = list(dict.fromkeys(list(av) + list(v)))
-        elif k in ("minimum", "minLength", "minItems", "minProperties", "exclusiveMinimum"):
-            out[k] = max(av, v)
-        elif k in ("maximum", "maxLength", "maxItems", "maxProperties", "exclusiveMaximum"):
-            out[k] = min(av, v)
-        elif k == "type":
-            ta, tb = ([av] if isinstance(av, str) else av), ([v] if isinstance(v, str) else v)
-            both = [t for t in ta if t in tb or (t == "integer" and "number" in tb)]
-            both += [t for t in tb if t == "integer" and "number" in ta and t not in both]
-            out[k] = both
-        elif k == "enum":
-            out[k] = [x for x in av if x in v]
-        elif k in ("items", "additionalProperties") and isinstance(av, dict) and isinstance(v, dict):
-            out[k] = {"allOf": [av, v]}
-        elif k in ("anyOf", "oneOf"):
-            out[k] = [_merge(x, y, path) if isinstance(x, dict) else y for x in av for y in v]
-        elif k == "allOf":
-            out[k] = list(av) + list(v)
-        elif k in _ANNOTATIONS:
-            continue
-        else:
-            raise UnsupportedSchemaError("allOf", path, f"cannot merge two different values of {k!r}")
-    return out
+_STRUCTURAL = {"$schema", "$id", "id", "$defs", "definitions", "$comment", "$anchor", "$dynamicAnchor",
+               "$recursiveAnchor", "$vocabulary", "title", "description", "default", "examples", "deprecated",
+               "readOnly", "writeOnly"}
 
 
-def schema_to_node(schema: Any, config: CfsmConfig | None = None) -> Node:
-    """Syntax tree of the JSON texts valid under `schema` (a dict, bool or JSON string). Pure."""
+def _is_assertion(keyword: str) -> bool:
+    """Whether a keyword beside `$ref` may narrow it (everything but identifiers and annotations)."""
+    return keyword not in _STRUCTURAL
+
+
+def schema_tree(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, tuple[Approximation, ...]]:
+    """Syntax tree of the JSON texts valid under `schema` (a dict, bool or JSON text), and what it
+    over-approximates. Pure. Raises `UnsupportedSchemaError` for a malformed schema, a
+    reference outside it, or (strict mode) a keyword it can only over-approximate."""
     if isinstance(schema, str | bytes):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise UnsupportedSchemaError("schema", "#", f"not valid JSON: {exc}") from exc
-    return _Compiler(schema, config or CfsmConfig()).node(schema, "#")
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise UnsupportedSchemaError("schema", "#", f"not valid JSON: {exc}") from None
+    check_depth(schema, MAX_SCHEMA_DEPTH)
+    comp = _Compiler(schema, config or CfsmConfig())
+    try:
+        node = comp.node(schema, "#")
+    except RecursionError:
+        raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
+    return node, tuple(comp.approximations.values())
+
+
+def schema_to_node(schema: Any, config: CfsmConfig | None = None) -> Node:
+    """`schema_tree(schema, config)`'s tree. Pure."""
+    return schema_tree(schema, config)[0]
 
 
 def json_value_node(config: CfsmConfig | None = None, *, object_only: bool = True) -> Node:

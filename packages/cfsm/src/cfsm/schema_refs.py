@@ -1,0 +1,134 @@
+"""`$ref` resolution inside one JSON Schema document: `$id` / `id` base URIs, JSON pointers and
+anchors. Nothing is ever fetched: a reference outside the document raises
+`UnsupportedSchemaError`, except the published meta-schemas, which resolve to `True` (any JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urldefrag, urljoin
+
+from cfsm.errors import UnsupportedSchemaError
+
+__all__ = ["RefResolver", "check_depth", "is_meta_schema"]
+
+# values of these keywords are data, not schemas: their `$id` keys mean nothing
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+_META_HOSTS = ("json-schema.org/", "spec.openapis.org/")
+
+
+def is_meta_schema(uri: str) -> bool:
+    """Whether `uri` names a published JSON Schema or OpenAPI meta-schema."""
+    rest = uri.split("://", 1)[-1]
+    return rest.startswith(_META_HOSTS)
+
+
+def check_depth(schema: Any, max_depth: int) -> None:
+    """Raise `UnsupportedSchemaError` when `schema` nests objects and arrays deeper than
+    `max_depth` (checked without recursion, so a 10,000-deep schema is refused cleanly)."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > max_depth:
+            raise UnsupportedSchemaError("schema", "#", f"nested deeper than {max_depth} levels")
+        stack.extend((v, depth + 1) for v in children)
+
+
+def _own_id(schema: dict[str, Any]) -> str | None:
+    """`$id`, or draft 4's `id` when it is a string and `$id` is absent."""
+    for key in ("$id", "id"):
+        ident = schema.get(key)
+        if isinstance(ident, str) and ident:
+            return ident
+    return None
+
+
+class RefResolver:
+    """The schema resources of one document by absolute URI, built once per compile.
+
+    `resolve(ref, base)` returns (target schema, the base URI to compile it under). Mutates
+    nothing after construction.
+    """
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.resources: dict[str, Any] = {"": root}
+        self.anchors: dict[str, Any] = {}
+        self._scan(root)
+
+    def _scan(self, root: Any) -> None:
+        stack: list[tuple[Any, str]] = [(root, "")]
+        while stack:
+            value, base = stack.pop()
+            if isinstance(value, list):
+                stack.extend((v, base) for v in value)
+                continue
+            if not isinstance(value, dict):
+                continue
+            ident = _own_id(value)
+            if ident is not None:
+                uri, frag = urldefrag(urljoin(base, ident))
+                if frag and not uri:  # draft 6/7 "$id": "#name" is a plain-name anchor
+                    self.anchors.setdefault(f"{base}#{frag}", value)
+                elif frag:
+                    self.anchors.setdefault(f"{uri}#{frag}", value)
+                    base = uri
+                else:
+                    self.resources.setdefault(uri, value)
+                    base = uri
+            for key in ("$anchor", "$dynamicAnchor"):
+                anchor = value.get(key)
+                if isinstance(anchor, str):
+                    self.anchors.setdefault(f"{base}#{anchor}", value)
+            stack.extend((v, base) for k, v in value.items() if k not in _DATA_KEYWORDS)
+
+    def base_of(self, schema: dict[str, Any], base: str) -> str:
+        """The base URI inside `schema` (its own `$id` joined to `base`, or `base`)."""
+        ident = _own_id(schema)
+        if ident is None:
+            return base
+        uri = urldefrag(urljoin(base, ident))[0]
+        return uri or base
+
+    def resolve(self, ref: str, base: str, path: str) -> tuple[Any, str]:
+        """(target, its base URI). Raises `UnsupportedSchemaError` for a reference outside the
+        document or one that does not resolve."""
+        uri, frag = urldefrag(urljoin(base, ref))
+        if uri not in self.resources:
+            if is_meta_schema(uri):
+                return True, uri
+            raise UnsupportedSchemaError(
+                "$ref", path, f"{ref!r} points outside this schema ({uri!r}); remote references are never fetched: "
+                "inline the referenced schema under $defs")
+        try:
+            return self._walk(self.resources[uri], uri, frag, ref, path)
+        except UnsupportedSchemaError:
+            # NOTE: an `id` used as a plain annotation (not a URI) makes a nested resource; a
+            # document-local reference inside it that fails there is tried against the root
+            if uri == "" or not ref.startswith("#"):
+                raise
+            return self._walk(self.root, "", frag, ref, path)
+
+    def _walk(self, target: Any, uri: str, frag: str, ref: str, path: str) -> tuple[Any, str]:
+        if frag and not frag.startswith("/"):
+            hit = self.anchors.get(f"{uri}#{frag}")
+            if hit is None:
+                raise UnsupportedSchemaError("$ref", path, f"cannot resolve {ref!r}: no anchor {frag!r}")
+            return hit, uri
+        for part in [p for p in frag.split("/") if p]:
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise UnsupportedSchemaError("$ref", path, f"cannot resolve {ref!r}")
+            if isinstance(target, dict):
+                uri = self.base_of(target, uri)
+        return target, uri
