@@ -41,7 +41,7 @@ _FEW_BYTES = 6
 _SMALL_RANGE = 24
 ## states with at most this many candidate tokens (allowed first byte) are walked together, in
 # batches of at most _BATCH_PAIRS (state, token) pairs
-_TINY = 4096
+_TINY = 8192
 _BATCH_PAIRS = 1 << 20
 # states with more than this many candidate tokens longer than the shared depth resolve those
 # inside their chain's group by length
