@@ -2,6 +2,11 @@
 
 Each adapter: `compile(kind, grammar) -> compiled`, `matcher(compiled) -> Matcher`; a Matcher has
 `fill(row)` (writes the bitmask of the next token), `accept(token_id)`, `allowed(token_id)`.
+`walk(compiled, token_ids)` says whether the engine accepts those tokens then EOS, through each
+engine's own accept call (no mask fill: for checking many instances).
+`whitespace` ("compact" or "flexible") picks each engine's JSON whitespace for schemas: cfsm
+`CfsmConfig(whitespace=...)`, xgrammar `any_whitespace`, llguidance `whitespace_flexible`,
+outlines-core its whitespace pattern (`[ \t\n\r]*` when flexible).
 Peers are imported lazily; a missing one is reported, never installed.
 """
 
@@ -28,9 +33,9 @@ class Bundle:
 class CfsmEngine:
     name = "cfsm"
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, whitespace: str = "compact", config: cfsm.CfsmConfig | None = None) -> None:
         self.bundle = bundle
-        self.config = cfsm.CfsmConfig()
+        self.config = config or cfsm.CfsmConfig(whitespace=whitespace)  # type: ignore[arg-type]
         # per-vocabulary preparation (trie tables, JSON string walks), timed by the caller as
         # vocab_prep_ms, like the peers' tokenizer info / compiler / vocabulary construction
         bundle.vocab.prepare()
@@ -47,6 +52,15 @@ class CfsmEngine:
 
     def memory_bytes(self, compiled: cfsm.Index) -> int:
         return compiled.memory_bytes
+
+    def walk(self, compiled: cfsm.Index, token_ids: list[int]) -> bool:
+        guide = cfsm.Guide(compiled)
+        try:
+            guide.advance_many(token_ids)
+            guide.advance(self.bundle.vocab.eos_token_ids[0])
+        except cfsm.RejectedTokenError:
+            return False
+        return True
 
 
 class _CfsmMatcher:
@@ -67,11 +81,12 @@ class _CfsmMatcher:
 class XgrammarEngine:
     name = "xgrammar"
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, whitespace: str = "compact") -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
         self.bundle = bundle
+        self.whitespace = whitespace
         info = xgr.TokenizerInfo.from_huggingface(bundle.tokenizer, vocab_size=bundle.size)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
 
@@ -79,6 +94,8 @@ class XgrammarEngine:
         if kind == "regex":
             return self.compiler.compile_regex(grammar)
         if kind == "schema":
+            if self.whitespace == "flexible":
+                return self.compiler.compile_json_schema(json.dumps(grammar), any_whitespace=True)
             return self.compiler.compile_json_schema(json.dumps(grammar), any_whitespace=False, separators=(",", ":"))
         return self.compiler.compile_builtin_json_grammar()
 
@@ -87,6 +104,12 @@ class XgrammarEngine:
 
     def memory_bytes(self, compiled: Any) -> int:
         return int(compiled.memory_size_bytes) if hasattr(compiled, "memory_size_bytes") else -1
+
+    def walk(self, compiled: Any, token_ids: list[int]) -> bool:
+        m = self.xgr.GrammarMatcher(compiled)
+        # NOTE: accept_token returns False (state unchanged) on a token the grammar forbids,
+        # including EOS before the grammar is complete
+        return all(m.accept_token(t) for t in token_ids) and m.accept_token(self.bundle.vocab.eos_token_ids[0])
 
 
 class _XgrMatcher:
@@ -109,13 +132,14 @@ class _XgrMatcher:
 class LlguidanceEngine:
     name = "llguidance"
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, whitespace: str = "compact") -> None:
         import llguidance
         import llguidance.hf
         import llguidance.numpy
 
         self.ll = llguidance
         self.bundle = bundle
+        self.defaults = {"whitespace_flexible": whitespace == "flexible"}
         self.tok = llguidance.hf.from_tokenizer(bundle.tokenizer, n_vocab=bundle.size)
 
     def compile(self, kind: str, grammar: Any) -> Any:
@@ -123,9 +147,9 @@ class LlguidanceEngine:
         if kind == "regex":
             grm = LLMatcher.grammar_from_regex(grammar)
         elif kind == "schema":
-            grm = LLMatcher.grammar_from_json_schema(grammar, defaults={"whitespace_flexible": False})
+            grm = LLMatcher.grammar_from_json_schema(grammar, defaults=self.defaults)
         else:
-            grm = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+            grm = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=self.defaults)
         matcher = LLMatcher(self.tok, grm)  # compiles here
         if matcher.is_error():
             raise ValueError(matcher.get_error())
@@ -136,6 +160,12 @@ class LlguidanceEngine:
 
     def memory_bytes(self, compiled: Any) -> int:
         return -1
+
+    def walk(self, compiled: Any, token_ids: list[int]) -> bool:
+        m = self.ll.LLMatcher(self.tok, compiled)
+        # NOTE: consume_token returns False on a forbidden token (EOS included) and the matcher
+        # stays in its error state
+        return all(m.consume_token(t) for t in token_ids) and m.consume_token(self.bundle.vocab.eos_token_ids[0])
 
 
 class _LlMatcher:
@@ -158,11 +188,12 @@ class _LlMatcher:
 class OutlinesEngine:
     name = "outlines-core"
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, whitespace: str = "compact") -> None:
         import outlines_core
 
         self.oc = outlines_core
         self.bundle = bundle
+        self.whitespace_pattern = r"[ \t\n\r]*" if whitespace == "flexible" else ""
         groups: dict[bytes, list[int]] = {}
         for i, tok in enumerate(bundle.vocab.tokens):
             if tok and i not in bundle.vocab.special_token_ids:
@@ -175,7 +206,7 @@ class OutlinesEngine:
         if kind == "regex":
             pattern = grammar
         elif kind == "schema":
-            pattern = build_regex_from_schema(json.dumps(grammar), "")
+            pattern = build_regex_from_schema(json.dumps(grammar), self.whitespace_pattern)
         else:
             raise NotImplementedError("outlines-core has no free-JSON grammar (regular only)")
         return self.oc.Index(pattern, self.vocabulary)
@@ -185,6 +216,15 @@ class OutlinesEngine:
 
     def memory_bytes(self, compiled: Any) -> int:
         return -1
+
+    def walk(self, compiled: Any, token_ids: list[int]) -> bool:
+        g = self.oc.Guide(compiled)
+        try:
+            for t in token_ids:
+                g.advance(t)  # raises ValueError on a token without a transition
+        except ValueError:
+            return False
+        return self.bundle.vocab.eos_token_ids[0] in g.get_tokens()
 
 
 class _OutlinesMatcher:
