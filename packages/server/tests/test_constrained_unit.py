@@ -55,6 +55,8 @@ def _longest_match(text: str) -> list[int]:
 
 
 def _backend(**kw: object) -> GrammarBackend:
+    # NOTE: compiles in threads here (these tests replace `_build`); test_grammar_workers.py covers the processes
+    kw.setdefault("compile_workers", 0)
     return GrammarBackend(None, VOCAB.size, VOCAB.eos_token_ids, vocab=VOCAB, encode=_longest_match, **kw)  # type: ignore[arg-type]
 
 

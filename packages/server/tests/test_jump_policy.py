@@ -143,7 +143,8 @@ class _Loop:
 
     def __init__(self, min_tokens: int | str, jump: bool = True, max_running: int = 8) -> None:
         self.cd = ConstrainedDecoding(None, VOCAB.size, VOCAB.eos_token_ids, jump_forward_min_tokens=min_tokens)
-        self.cd.backend = GrammarBackend(None, VOCAB.size, VOCAB.eos_token_ids, vocab=VOCAB, encode=_longest_match)
+        self.cd.backend = GrammarBackend(None, VOCAB.size, VOCAB.eos_token_ids, vocab=VOCAB, encode=_longest_match,
+                                         compile_workers=0)
         self.cd.jump_forward = jump
         self.sched = Scheduler(KVManager(4096), max_running_requests=max_running)
         self.states: list[_State] = []

@@ -61,6 +61,14 @@ class ServerConfig:
                                                 "its forced tokens exceed (this - 1) per running request; 1: always; "
                                                 "auto: 1 on CPU, 8 on GPU (lmserver.constrained.policy)")
     grammar_compile_timeout_s: float = _opt(30.0, "grammar compile timeout in seconds")
+    grammar_compile_workers: int = _opt(2, "grammar compile worker processes (started with the first grammar); 0: "
+                                           "threads of the engine process, which stall decoding (tests only)")
+    grammar_max_pending: int = _opt(256, "distinct grammar compiles queued or running at once; a request needing "
+                                         "one more is answered 503")
+    grammar_strict: bool = _opt(False, "JSON Schema keywords cfsm can only over-approximate are a 400 by default "
+                                       "(per request: sampling_params.json_schema_strict, OpenAI response_format "
+                                       "json_schema.strict)")
+    grammar_max_length: int = _opt(1 << 20, "longest regex or JSON Schema text accepted, in characters")
     # Parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks")
     dp_size: int = _opt(1, "data-parallel replicas behind the router")

@@ -115,7 +115,7 @@ class CoreLoop:
             try:
                 self.core.add_request(msg)
             except InvalidRequestError as exc:
-                self._reject(msg.rid, str(exc))
+                self._reject(msg.rid, str(exc), exc.status)
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
                 logger.exception("add_request failed for %s", msg.rid)
                 with contextlib.suppress(Exception):
@@ -130,10 +130,10 @@ class CoreLoop:
         else:
             logger.warning("core loop: unknown message %r ignored", type(msg).__name__)
 
-    def _reject(self, rid: str, message: str) -> None:
+    def _reject(self, rid: str, message: str, status: int = 400) -> None:
         self.push.send_pyobj(BatchOut([ReqOutput(
             rid=rid, new_token_ids=[], new_text="", finished=True,
-            finish_reason={"type": "abort", "message": message}, error=message)]))
+            finish_reason={"type": "abort", "message": message}, error=message, error_status=status)]))
 
     def _rpc(self, msg: RpcReq) -> RpcResp:
         if msg.method not in RPC_METHODS:
@@ -179,6 +179,7 @@ def run_core_process(config: ServerConfig, addrs: IpcAddrs, factory: str,
     push = ctx.socket(zmq.PUSH)
     push.connect(addrs.from_core)
     code = 0
+    core: Any = None
     try:
         core = load_factory(factory)(config, **(factory_kwargs or {}))
         push.send_pyobj(CoreReady(
@@ -192,6 +193,10 @@ def run_core_process(config: ServerConfig, addrs: IpcAddrs, factory: str,
         with contextlib.suppress(zmq.ZMQError):
             push.send_pyobj(CoreFatal(f"{type(exc).__name__}: {exc}"), zmq.NOBLOCK)
     finally:
+        constrained = getattr(core, "constrained", None)
+        if constrained is not None:  # the grammar compile worker processes (they also exit with this process)
+            with contextlib.suppress(Exception):
+                constrained.shutdown()
         # NOTE: linger only to deliver a CoreFatal; after a clean shutdown nobody reads this socket.
         push.close(linger=1000 if code else 0)
         pull.close(linger=0)

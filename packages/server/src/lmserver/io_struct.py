@@ -21,7 +21,22 @@ from typing import Any
 
 
 class InvalidRequestError(ValueError):
-    """Bad user input; the HTTP layer answers 400 with this message."""
+    """Bad user input; the HTTP layer answers `status` (400) with this message."""
+
+    status = 400
+
+
+class OverloadedError(InvalidRequestError):
+    """A valid request the server cannot take now (e.g. its grammar compile queue is full); the
+    HTTP layer answers 503 with this message (retry later). An `InvalidRequestError`, so every path
+    that hands a request error back to its client hands this one back too."""
+
+    status = 503
+
+
+def request_error(message: str, status: int = 400) -> InvalidRequestError:
+    """The error to raise for a request the engine failed with `message` and HTTP `status`."""
+    return OverloadedError(message) if status == OverloadedError.status else InvalidRequestError(message)
 
 
 @dataclass
@@ -47,6 +62,8 @@ class SamplingParams:
     sampling_seed: int | None = None
     regex: str | None = None
     json_schema: str | None = None
+    # JSON Schema keywords cfsm can only over-approximate are a 400 (None: the server's --grammar-strict)
+    json_schema_strict: bool | None = None
     ebnf: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -115,6 +132,9 @@ class SamplingParams:
         constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
         need(len(constraints) <= 1, "at most one of regex, json_schema, ebnf may be given")
         need(all(isinstance(c, str) for c in constraints), "regex, json_schema and ebnf must be strings")
+        need(self.json_schema_strict is None or isinstance(self.json_schema_strict, bool),
+             "json_schema_strict must be a boolean")
+        need(self.json_schema_strict is None or self.json_schema is not None, "json_schema_strict needs json_schema")
         for flag in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             need(isinstance(getattr(self, flag), bool), f"{flag} must be a boolean")
         if vocab_size is not None:
@@ -180,3 +200,6 @@ class ReqOutput:
     input_token_logprobs: list[TokenLogprob] | None = None  # sent once, with the first output
     input_top_logprobs: list[list[TokenLogprob] | None] | None = None
     error: str | None = None  # set when the request failed inside the engine (e.g. bad grammar)
+    error_status: int = 400  # the HTTP status of `error` (503: overloaded, retry later)
+    # what the request's JSON Schema grammar over-approximates (cfsm.Approximation strings), sent once
+    grammar_approximations: list[str] | None = None

@@ -19,7 +19,14 @@ import zmq
 import zmq.asyncio
 
 from lmserver.config import ServerConfig
-from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, SamplingParams, TokenLogprob
+from lmserver.io_struct import (
+    GenerateReq,
+    InvalidRequestError,
+    ReqOutput,
+    SamplingParams,
+    TokenLogprob,
+    request_error,
+)
 from lmserver.ipc import (
     TERM_TIMEOUT_S,
     AbortReq,
@@ -53,6 +60,7 @@ class GenState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     jump_forward_tokens: int = 0  # output tokens added by jump-forward (constrained decoding)
+    grammar_approximations: list[str] | None = None  # what the JSON Schema grammar over-approximates
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
     input_token_logprobs: list[TokenLogprob] | None = None
@@ -247,7 +255,7 @@ class TokenizerManager:
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:
-                    raise InvalidRequestError(item.error)
+                    raise request_error(item.error, item.error_status)
                 self._apply(state, item, record_metrics)
                 yield state
         finally:
@@ -274,6 +282,8 @@ class TokenizerManager:
         state.completion_tokens = out.completion_tokens or len(state.output_ids)
         state.cached_tokens = out.cached_tokens
         state.jump_forward_tokens = out.jump_forward_tokens or state.jump_forward_tokens
+        if out.grammar_approximations is not None:
+            state.grammar_approximations = list(out.grammar_approximations)
         if out.input_token_logprobs is not None:
             state.input_token_logprobs = list(out.input_token_logprobs)
             state.input_top_logprobs = list(out.input_top_logprobs or [])

@@ -102,7 +102,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONBody:
-        return error_response(400, str(exc))
+        return error_response(exc.status, str(exc))  # 503 for an OverloadedError
 
     @app.exception_handler(ValidationError)
     async def _pydantic(_: Request, exc: ValidationError) -> JSONBody:

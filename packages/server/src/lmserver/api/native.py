@@ -134,6 +134,8 @@ def native_output(state: GenState, req: GenerateReq) -> dict[str, Any]:
         "e2e_latency": round(state.e2e_latency, 6)}
     if state.jump_forward_tokens:
         meta["jump_forward_tokens"] = state.jump_forward_tokens
+    if state.grammar_approximations:
+        meta["grammar_approximations"] = state.grammar_approximations
     if req.return_logprob:
         meta["input_token_logprobs"] = state.input_token_logprobs or []
         meta["output_token_logprobs"] = state.output_token_logprobs
@@ -167,7 +169,7 @@ async def generate(request: Request) -> Response:
                     obj["index"] = i
                 yield sse(obj)
         except InvalidRequestError as exc:
-            yield sse_error(str(exc), 400)
+            yield sse_error(str(exc), exc.status)
         except EngineDeadError as exc:
             yield sse_error(f"the engine is unavailable: {exc}", 503)
         yield DONE

@@ -98,6 +98,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[Sampl
         raise APIError(400, "ebnf constraints are not supported yet; use regex or response_format json_schema",
                        param="ebnf")
     json_schema = req.json_schema
+    strict: bool | None = None
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         if json_schema is not None or req.regex is not None:
@@ -107,7 +108,11 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[Sampl
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-            json_schema = orjson.dumps(fmt.json_schema.schema_).decode()
+            try:
+                json_schema = orjson.dumps(fmt.json_schema.schema_).decode()
+            except orjson.JSONEncodeError as exc:  # nested past orjson's 255 levels
+                raise APIError(400, f"response_format json_schema.schema: {exc}", param="response_format") from None
+            strict = fmt.json_schema.strict
     try:
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
     except ValueError:
@@ -125,7 +130,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[Sampl
         presence_penalty=req.presence_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         n=req.n, logit_bias=bias, sampling_seed=req.seed, regex=req.regex, json_schema=json_schema,
-        skip_special_tokens=req.skip_special_tokens)
+        json_schema_strict=strict, skip_special_tokens=req.skip_special_tokens)
     params.validate()
     return params, max_tokens is not None
 

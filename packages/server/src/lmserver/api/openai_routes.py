@@ -174,7 +174,7 @@ async def completions(request: Request) -> Response:
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                            "choices": [], "usage": _usage(groups)})
         except InvalidRequestError as exc:
-            yield sse_error(str(exc), 400)
+            yield sse_error(str(exc), exc.status)
         except EngineDeadError as exc:
             yield sse_error(f"the engine is unavailable: {exc}", 503)
         yield DONE
@@ -242,7 +242,7 @@ async def chat_completions(request: Request) -> Response:
             if include_usage:
                 yield chunk([], usage=_usage([[final[i] for i in sorted(final)]]))
         except InvalidRequestError as exc:
-            yield sse_error(str(exc), 400)
+            yield sse_error(str(exc), exc.status)
         except EngineDeadError as exc:
             yield sse_error(f"the engine is unavailable: {exc}", 503)
         yield DONE

@@ -1,8 +1,15 @@
-"""Grammar backend: compile regex / JSON Schema constraints with cfsm in a thread pool.
+"""Grammar backend: compile regex / JSON Schema constraints with cfsm, off the engine thread.
 
-Compiled `cfsm.Index` objects are cached by `(kind, text)`; concurrent requests for the same
-grammar share one compilation. A compile that outlives `compile_timeout_s` fails the requests
-waiting on it (the thread keeps running and its result still lands in the cache).
+Compiles run in worker processes (`workers.CompilePool`, started on the first grammar); with
+`compile_workers=0` they run in daemon threads of this process instead (tests only: a thread's
+compile holds the GIL and stalls decoding).
+
+Compiled `cfsm.Index` objects are cached by `GrammarKey` (kind, text, strict; the backend's cfsm
+config is fixed); concurrent requests for one grammar share one compile; a failed compile is
+retried on the next submit. At most `max_pending` distinct compiles are queued or running: a
+new one beyond that fails its request with `GrammarQueueFullError` (HTTP 503). A request whose
+grammar is not ready by its deadline fails with a timeout; in worker processes the compile is
+killed once no request waits for it any more (the latest deadline of its requests passed).
 
     backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids)
     ticket = backend.submit(GrammarKey("regex", r"[0-9]+"))
@@ -12,7 +19,10 @@ waiting on it (the thread keeps running and its result still lands in the cache)
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import hashlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -22,11 +32,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import cfsm
-from lmserver.io_struct import InvalidRequestError, SamplingParams
+from lmserver.constrained.workers import (
+    KINDS,
+    CompileJob,
+    CompilePool,
+    PoolStats,
+    compile_error_message,
+    compile_index,
+)
+from lmserver.io_struct import InvalidRequestError, OverloadedError, SamplingParams
 
-__all__ = ["GrammarBackend", "GrammarError", "GrammarKey", "GrammarTicket", "grammar_key"]
+__all__ = ["KINDS", "GrammarBackend", "GrammarError", "GrammarKey", "GrammarQueueFullError", "GrammarTicket",
+           "grammar_key"]
 
-KINDS = ("regex", "json_schema", "json_object")
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LENGTH = 1 << 20  # characters of a regex or JSON Schema text (--grammar-max-length)
 
 
 class GrammarError(InvalidRequestError):
@@ -34,12 +55,20 @@ class GrammarError(InvalidRequestError):
     answers 400 with this message."""
 
 
+class GrammarQueueFullError(GrammarError, OverloadedError):
+    """Too many distinct grammars are queued or compiling; the HTTP layer answers 503 (retry later)."""
+
+    status = 503
+
+
 @dataclass(frozen=True)
 class GrammarKey:
-    """What to compile: `kind` is "regex", "json_schema" or "json_object"; `text` its source."""
+    """What to compile: `kind` is "regex", "json_schema" or "json_object"; `text` its source;
+    `strict` (JSON Schema only): a keyword cfsm can only over-approximate fails the compile."""
 
     kind: str
     text: str
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,23 +80,33 @@ class GrammarTicket:
     deadline: float
 
 
-def grammar_key(params: SamplingParams) -> GrammarKey | None:
-    """The grammar a request asks for, or None. Raises GrammarError for `ebnf` (not supported
-    yet) and for JSON Schema text that is not JSON. Pure."""
+def grammar_key(params: SamplingParams, *, strict: bool = False, max_length: int = DEFAULT_MAX_LENGTH) -> GrammarKey | None:
+    """The grammar a request asks for, or None. `strict` is the server default of
+    `params.json_schema_strict`. Raises GrammarError for `ebnf` (not supported yet), for a text
+    longer than `max_length` characters, and for JSON Schema text that is not JSON. Pure."""
     if params.ebnf is not None:
         raise GrammarError("ebnf constraints are not supported yet; use regex or json_schema")
+    for name in ("regex", "json_schema"):
+        text = getattr(params, name)
+        if text is not None and len(text) > max_length:
+            raise GrammarError(f"the {name} is {len(text):,} characters long; this server takes at most "
+                               f"{max_length:,} (--grammar-max-length)")
     if params.regex is not None:
         return GrammarKey("regex", params.regex)
     if params.json_schema is not None:
         try:
             schema = json.loads(params.json_schema)
+        except RecursionError:
+            raise GrammarError("json_schema nests too deeply to parse") from None
         except ValueError as exc:
             raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
         # NOTE: {"type": "object"} alone (OpenAI's json_object) means any JSON object; cfsm's
         # default (no undeclared properties) would only allow "{}".
         if schema == {"type": "object"}:
             return GrammarKey("json_object", "")
-        return GrammarKey("json_schema", json.dumps(schema, separators=(",", ":")))
+        per_request = params.json_schema_strict
+        return GrammarKey("json_schema", json.dumps(schema, separators=(",", ":")),
+                          strict=strict if per_request is None else bool(per_request))
     return None
 
 
@@ -102,22 +141,21 @@ class _DaemonPool:
             self._jobs.put(None)
 
 
-def _compile(key: GrammarKey, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -> cfsm.Index:
-    if key.kind == "regex":
-        return cfsm.compile_regex(key.text, vocab, config)
-    if key.kind == "json_schema":
-        return cfsm.compile_json_schema(key.text, vocab, config)
-    if key.kind == "json_object":
-        return cfsm.compile_json_object(vocab, config, object_only=True)
-    raise GrammarError(f"unknown grammar kind {key.kind!r}; expected one of {KINDS}")
+@dataclass(eq=False)
+class _Entry:
+    """A cached grammar: its compile's future, and the pool's handle while it runs."""
+
+    future: cf.Future[cfsm.Index]
+    job: Any = None  # workers._Job of a process compile (its deadline is extended by later requests)
 
 
 class GrammarBackend:
-    """Compiles grammars for one tokenizer in worker threads, with an LRU of `cache_size` keys.
+    """Compiles grammars for one tokenizer in `compile_workers` worker processes (0: two threads
+    of this process), with an LRU of `cache_size` keys. Thread-safe.
 
-    The cfsm `Vocabulary` is built from `tokenizer` on the first compile, in a worker, so servers
-    that never see a constraint pay nothing (tests pass `vocab` and `encode` instead of a
-    tokenizer). Thread-safe.
+    The cfsm `Vocabulary` is built from `tokenizer` with the first compile, off the engine
+    thread, so servers that never see a constraint pay nothing (tests pass `vocab` and `encode`
+    instead of a tokenizer).
     """
 
     def __init__(
@@ -127,7 +165,8 @@ class GrammarBackend:
         eos_token_ids: Sequence[int],
         *,
         compile_timeout_s: float = 30.0,
-        max_workers: int = 2,
+        compile_workers: int = 2,
+        max_pending: int = 256,
         cache_size: int = 256,
         cfsm_config: cfsm.CfsmConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -136,27 +175,43 @@ class GrammarBackend:
     ) -> None:
         if compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        if compile_workers < 0:
+            raise ValueError(f"compile_workers must be >= 0 (0: threads of the engine process), got {compile_workers}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
+        self.compile_workers = compile_workers
+        self.max_pending = max_pending
         self.cache_size = cache_size
         self.cfsm_config = cfsm_config or cfsm.CfsmConfig()
         self.clock = clock
-        self._pool = _DaemonPool(max_workers, "lmserver-grammar")
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[GrammarKey, cf.Future[cfsm.Index]] = OrderedDict()
+        self._threads: _DaemonPool | None = None
+        self._pool: CompilePool | None = None
+        if compile_workers == 0:
+            self._threads = _DaemonPool(2, "lmserver-grammar")
+        else:
+            self._pool = CompilePool(compile_workers, lambda: self.vocab, on_error=self._error,
+                                     on_timeout=self._timeout_error, clock=clock)
+        # NOTE: reentrant: a future's done-callback may run at once, inside submit
+        self._lock = threading.RLock()
+        self._vocab_lock = threading.Lock()
+        self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
+        self._inflight: set[cf.Future[cfsm.Index]] = set()
         self._vocab: cfsm.Vocabulary | None = vocab
         self._encode = encode
         self.hits = 0
         self.misses = 0
+        self.rejected = 0  # compiles refused because `max_pending` were queued or running
 
     # --- vocabulary --------------------------------------------------------------------------
 
     @property
     def vocab(self) -> cfsm.Vocabulary:
         """The cfsm vocabulary of the tokenizer (built once, thread-safe)."""
-        with self._lock:
+        with self._vocab_lock:
             if self._vocab is None:
                 from cfsm.hf import vocabulary_from_hf
 
@@ -172,43 +227,102 @@ class GrammarBackend:
 
     # --- compilation ---------------------------------------------------------------------------
 
-    def submit(self, key: GrammarKey) -> GrammarTicket:
-        """Starts (or joins) the compile of `key`. Mutates the cache (LRU order, new entry)."""
+    @property
+    def num_pending(self) -> int:
+        """Distinct compiles queued or running."""
         with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            return len(self._inflight)
+
+    @property
+    def pool_stats(self) -> PoolStats | None:
+        """Counters of the worker processes (None with threads)."""
+        return None if self._pool is None else self._pool.stats
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the compile worker processes (empty with threads or before the first compile)."""
+        return [] if self._pool is None else self._pool.worker_pids()
+
+    def submit(self, key: GrammarKey) -> GrammarTicket:
+        """Starts (or joins) the compile of `key`; never raises (a refused compile is a failed
+        ticket). Mutates the cache (LRU order, new entry) and the pending set."""
+        deadline = self.clock() + self.compile_timeout_s
+        with self._lock:
+            entry = self._cache.get(key)
+            fut = entry.future if entry is not None else None
+            if entry is not None and fut is not None and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 self.hits += 1
-            else:
-                self.misses += 1
-                fut = self._pool.submit(lambda: self._build(key))
-                self._cache[key] = fut
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        return GrammarTicket(key, fut, self.clock() + self.compile_timeout_s)
+                if entry.job is not None and not fut.done() and self._pool is not None:
+                    self._pool.extend(entry.job, deadline)
+                return GrammarTicket(key, fut, deadline)
+            if len(self._inflight) >= self.max_pending:
+                self.rejected += 1
+                refused: cf.Future[cfsm.Index] = cf.Future()
+                refused.set_exception(GrammarQueueFullError(
+                    f"the server is compiling {len(self._inflight)} grammars already (--grammar-max-pending); "
+                    "retry later"))
+                return GrammarTicket(key, refused, deadline)
+            self.misses += 1
+            entry = self._start(key, deadline)
+            self._cache[key] = entry
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self._inflight.add(entry.future)
+            entry.future.add_done_callback(lambda f: self._done(key, f))
+        return GrammarTicket(key, entry.future, deadline)
+
+    def _start(self, key: GrammarKey, deadline: float) -> _Entry:
+        config = self._config(key)
+        if self._pool is not None:
+            job, fut = self._pool.submit(key.kind, key.text, config, deadline)
+            return _Entry(fut, job)
+        assert self._threads is not None
+        return _Entry(self._threads.submit(lambda: self._build(key)))
+
+    def _config(self, key: GrammarKey) -> cfsm.CfsmConfig:
+        if key.kind == "json_schema" and key.strict != self.cfsm_config.strict:
+            return dataclasses.replace(self.cfsm_config, strict=key.strict)
+        return self.cfsm_config
 
     def _build(self, key: GrammarKey) -> cfsm.Index:
-        return _compile(key, self.vocab, self.cfsm_config)
+        """One compile in this process (the thread pool's work)."""
+        return compile_index(key.kind, key.text, self.vocab, self._config(key))
+
+    def _done(self, key: GrammarKey, fut: cf.Future[cfsm.Index]) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+        if fut.exception() is None:
+            notes = fut.result().approximations
+            if notes:  # NOTE: once per compile, i.e. once per distinct grammar while it stays cached
+                digest = hashlib.sha1(key.text.encode()).hexdigest()[:12]
+                logger.warning("json_schema %s (%s...): the grammar over-approximates %s; every valid document is "
+                               "accepted, some invalid ones too (strict mode refuses such schemas): %s",
+                               digest, key.text[:60], sorted({a.keyword for a in notes}),
+                               "; ".join(str(a) for a in notes))
+
+    def _error(self, kind: str, message: str) -> GrammarError:
+        return GrammarError(message)
+
+    def _timeout_error(self, job: CompileJob | None = None, kind: str | None = None) -> GrammarError:
+        kind = kind or (job.kind if job is not None else "")
+        return GrammarError(
+            f"compiling the {kind} grammar took longer than {self.compile_timeout_s:g} s "
+            "(--grammar-compile-timeout-s); simplify it (bounded repetitions, fewer alternatives)")
 
     def result(self, ticket: GrammarTicket) -> cfsm.Index | None:
-        """The compiled index, None while compiling, or raises GrammarError (bad grammar or
-        timeout). Mutates nothing."""
+        """The compiled index, None while compiling, or raises GrammarError (bad grammar, timeout,
+        full queue). Mutates nothing."""
         fut = ticket.future
         if not fut.done():
             if self.clock() >= ticket.deadline:
-                raise GrammarError(
-                    f"compiling the {ticket.key.kind} grammar took longer than {self.compile_timeout_s:g} s "
-                    "(--grammar-compile-timeout-s); simplify it (bounded repetitions, fewer alternatives)")
+                raise self._timeout_error(kind=ticket.key.kind)
             return None
         exc = fut.exception()
         if exc is None:
             return fut.result()
         if isinstance(exc, GrammarError):
             raise exc
-        if isinstance(exc, cfsm.CfsmError | ValueError | RecursionError | KeyError | TypeError):
-            raise GrammarError(f"invalid {ticket.key.kind} grammar: {exc}") from None
-        # NOTE: whatever else a compile raises fails that request only, never the engine loop
-        raise GrammarError(f"compiling the {ticket.key.kind} grammar failed: {type(exc).__name__}: {exc}") from None
+        raise GrammarError(compile_error_message(ticket.key.kind, exc)) from None
 
     def compile(self, key: GrammarKey) -> cfsm.Index:
         """Blocking compile (cached): waits up to the timeout. Raises GrammarError."""
@@ -225,5 +339,10 @@ class GrammarBackend:
             cf.wait([t.future for t in tickets], timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        """Stops the worker threads once their current compile ends (they are daemon threads)."""
-        self._pool.shutdown()
+        """Stops the worker processes (pending compiles fail) or the threads (once their current
+        compile ends; they are daemon threads). Idempotent."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._threads is not None:
+            self._threads.shutdown()
+

@@ -23,11 +23,18 @@ from typing import Any
 
 import torch
 
-from lmserver.constrained.backend import GrammarBackend, GrammarError, GrammarKey, GrammarTicket
+from lmserver.constrained.backend import (
+    DEFAULT_MAX_LENGTH,
+    GrammarBackend,
+    GrammarError,
+    GrammarKey,
+    GrammarTicket,
+    grammar_key,
+)
 from lmserver.constrained.bitmask import BatchMasker
 from lmserver.constrained.grammar import STUCK_MESSAGE, JumpForward, ReqGrammar
 from lmserver.constrained.policy import JumpPolicy, parse_min_tokens
-from lmserver.io_struct import ReqOutput
+from lmserver.io_struct import ReqOutput, SamplingParams
 from lmserver.scheduler import Req, ReqStatus, ScheduleDecision, Scheduler
 
 __all__ = ["ConstrainedDecoding"]
@@ -48,8 +55,13 @@ class ConstrainedDecoding:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
                  disable_jump_forward: bool = False, compile_timeout_s: float = 30.0,
-                 jump_forward_min_tokens: int | str = "auto", device: str | torch.device | None = None) -> None:
-        self.backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids, compile_timeout_s=compile_timeout_s)
+                 jump_forward_min_tokens: int | str = "auto", device: str | torch.device | None = None,
+                 compile_workers: int = 2, max_pending_compiles: int = 256, strict: bool = False,
+                 max_grammar_length: int = DEFAULT_MAX_LENGTH) -> None:
+        self.backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids, compile_timeout_s=compile_timeout_s,
+                                      compile_workers=compile_workers, max_pending=max_pending_compiles)
+        self.strict = strict  # the default of a request's json_schema_strict
+        self.max_grammar_length = max_grammar_length
         self.masker = BatchMasker(vocab_size)
         self.jump_forward = not disable_jump_forward
         parse_min_tokens(jump_forward_min_tokens)  # raises ValueError now, not at the first jump
@@ -80,8 +92,14 @@ class ConstrainedDecoding:
 
     # --- grammar stage ----------------------------------------------------------------------------
 
+    def grammar_key(self, params: SamplingParams) -> GrammarKey | None:
+        """The grammar of a request, with this server's defaults (`backend.grammar_key`). Raises
+        GrammarError for a bad one. Pure."""
+        return grammar_key(params, strict=self.strict, max_length=self.max_grammar_length)
+
     def submit(self, rid: str, key: GrammarKey) -> None:
-        """Queues `rid` until `key` is compiled. Mutates the grammar queue."""
+        """Queues `rid` until `key` is compiled (a refused compile, e.g. a full queue, comes back
+        failed from `poll`). Mutates the grammar queue."""
         self._waiting[rid] = self.backend.submit(key)
 
     def drop(self, rid: str) -> None:
@@ -120,7 +138,12 @@ class ConstrainedDecoding:
     def error_output(rid: str, error: Exception) -> ReqOutput:
         msg = str(error)
         return ReqOutput(rid=rid, new_token_ids=[], new_text="", finished=True,
-                         finish_reason={"type": "abort", "message": msg}, error=msg)
+                         finish_reason={"type": "abort", "message": msg}, error=msg,
+                         error_status=int(getattr(error, "status", 400)))
+
+    def shutdown(self) -> None:
+        """Stops the grammar compile workers (requests still waiting for a grammar fail)."""
+        self.backend.shutdown()
 
     # --- scheduling ----------------------------------------------------------------------------------
 

@@ -48,6 +48,9 @@ class ReqGrammar:
     def __init__(self, index: cfsm.Index, encode: Callable[[str], list[int]], *, jump_forward: bool = True) -> None:
         self.index = index
         self.guide = cfsm.Guide(index)
+        # what the grammar over-approximates (str of cfsm.Approximation); reported once per request
+        self.approximations = [str(a) for a in getattr(index, "approximations", ())]
+        self._approximations_sent = False
         self.encode = encode
         self.jump_forward_enabled = jump_forward
         self.jump_forward_tokens = 0  # net tokens added by jump-forward so far
@@ -56,6 +59,14 @@ class ReqGrammar:
         # the last jump the policy declined: (forced text, its net new tokens, output length then);
         # engine-owned, lets later steps of the same forced text skip the retokenization
         self.declined: tuple[str, int, int] | None = None
+
+    def take_approximations(self) -> list[str] | None:
+        """The grammar's approximation notes the first time (None after, or when there are none).
+        Mutates the sent flag."""
+        if self._approximations_sent or not self.approximations:
+            return None
+        self._approximations_sent = True
+        return self.approximations
 
     def fill_mask(self, out: np.ndarray, row: int) -> None:
         """Writes this request's allowed-token bitmask into `out[row]`. Mutates `out`."""

@@ -22,7 +22,7 @@ import torch
 
 from lmserver.attention.base import default_registry
 from lmserver.config import ServerConfig
-from lmserver.constrained import ConstrainedDecoding, grammar_key
+from lmserver.constrained import ConstrainedDecoding
 from lmserver.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
@@ -166,6 +166,8 @@ class EngineCore:
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             disable_jump_forward=rc.disable_jump_forward, compile_timeout_s=rc.grammar_compile_timeout_s,
             jump_forward_min_tokens=rc.jump_forward_min_tokens, device=self.device,
+            compile_workers=rc.grammar_compile_workers, max_pending_compiles=rc.grammar_max_pending,
+            strict=rc.grammar_strict, max_grammar_length=rc.grammar_max_length,
         )
         self.states: dict[str, _ReqState] = {}
         self._pending: list[ReqOutput] = []
@@ -209,7 +211,7 @@ class EngineCore:
                 f"the prompt has {len(ids)} tokens; this model's context length is {self.context_length} "
                 f"(prompt + output); shorten the prompt"
             )
-        grammar = grammar_key(p)  # raises GrammarError (an InvalidRequestError) for ebnf, bad JSON
+        grammar = self.constrained.grammar_key(p)  # raises GrammarError (an InvalidRequestError) for ebnf, bad JSON
         if req.return_logprob and req.logprob_start_len >= len(ids):
             raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({len(ids)})")
         max_new = min(p.max_new_tokens, self.context_length - len(ids))
@@ -513,6 +515,7 @@ class EngineCore:
             output_top_logprobs=state.out_top,
             jump_forward_tokens=state.grammar.jump_forward_tokens if state.grammar is not None else 0,
             rollback_tokens=state.rollback_tokens,
+            grammar_approximations=state.grammar.take_approximations() if state.grammar is not None else None,
         )
         state.out_logprobs, state.out_top, state.rollback_tokens = [], [], 0
         if state.req.return_logprob and not state.input_sent:

@@ -292,6 +292,7 @@ class Engine:
         with self._lock:
             self._drain_aborted(list(self.core.states))
             self._sinks.clear()
+            self.core.constrained.shutdown()  # the grammar compile worker processes
             self.core._inflight = None  # an overlapped decode's device tensors
             self.core.lowlat = None  # plugin workspaces and prepared weights
             del self.core.runner, self.core.model, self.core.kv_pool, self.core.req_to_token

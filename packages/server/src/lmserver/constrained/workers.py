@@ -1,0 +1,531 @@
+"""Grammar compile worker processes: cfsm compiles outside the engine process, with kill on timeout.
+
+`CompilePool` keeps `num_workers` processes of the "spawn" context (the engine process holds
+CUDA and torch state and is never forked). Each worker builds the cfsm `Vocabulary` from the
+token table it is started with and calls `prepare()` once, then compiles one job at a time. A
+compiled `cfsm.Index` comes back as its arrays (`index_payload`): the vocabulary never travels
+back, the engine rebuilds the `Index` over its own (`index_from_payload`).
+
+One thread of the engine process (the dispatcher) starts the workers on the first job, hands
+queued jobs to idle workers, receives results, and kills a worker whose job outlived the
+latest deadline of the requests waiting for it (a replacement starts at once). The
+dispatcher waits in `multiprocessing.connection.wait`, without the GIL; its GIL time is the
+receive of a result (about 1 ms for a 5 MB index).
+
+Workers exit with the engine process: `shutdown()`, pipe EOF, a parent-death signal (Linux)
+and a parent-pid watch thread. This module imports no torch (a worker imports only cfsm).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cfsm
+from cfsm.automaton import Dfa
+
+__all__ = ["KINDS", "CompileJob", "CompilePool", "compile_error_message", "compile_index", "index_from_payload",
+           "index_payload", "vocab_spec"]
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("regex", "json_schema", "json_object")
+
+# (tokens, eos_token_ids, size, special_token_ids): what a worker needs to build the Vocabulary
+VocabSpec = tuple[tuple[bytes, ...], tuple[int, ...], int, tuple[int, ...]]
+# (dfa.transitions, dfa.accepting, dfa.start, masks, mask_row, grammar, approximations)
+IndexPayload = tuple[Any, Any, int, Any, Any, str, tuple[cfsm.Approximation, ...]]
+
+_PROTOCOL = 5
+_F_SETPIPE_SZ = 1031  # Linux fcntl: a 1 MiB result pipe needs 5 reads (not 80) for a 5 MB index
+_PIPE_BYTES = 1 << 20
+_READY_TIMEOUT_S = 120.0  # a worker that is not ready by then is killed (and the jobs fail)
+_TICK_S = 0.1  # the dispatcher's longest sleep while jobs exist (deadlines, injected clocks)
+
+
+# --- the compile itself (both sides) ----------------------------------------------------------------
+
+
+def compile_index(kind: str, text: str, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -> cfsm.Index:
+    """Compiles one grammar with cfsm. Raises what cfsm raises, ValueError for an unknown kind."""
+    if kind == "regex":
+        return cfsm.compile_regex(text, vocab, config)
+    if kind == "json_schema":
+        return cfsm.compile_json_schema(text, vocab, config)
+    if kind == "json_object":
+        return cfsm.compile_json_object(vocab, config, object_only=True)
+    raise ValueError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
+
+
+def compile_error_message(kind: str, exc: BaseException) -> str:
+    """The client-facing message of a failed compile (the HTTP layer answers 400 with it). Pure."""
+    if isinstance(exc, RecursionError):
+        return f"invalid {kind} grammar: it nests too deeply to compile ({exc})"
+    if isinstance(exc, cfsm.CfsmError | ValueError | KeyError | TypeError):
+        return f"invalid {kind} grammar: {exc}"
+    # NOTE: whatever else a compile raises fails the requests of that grammar only
+    return f"compiling the {kind} grammar failed: {type(exc).__name__}: {exc}"
+
+
+def index_payload(index: cfsm.Index) -> IndexPayload:
+    """The arrays and notes of `index`, without its vocabulary (what a worker sends back). Pure."""
+    dfa = index.dfa
+    return (dfa.transitions, dfa.accepting, int(dfa.start), index.masks, index.mask_row, index.grammar,
+            tuple(index.approximations))
+
+
+def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> cfsm.Index:
+    """The `Index` of `payload` over `vocab` (the engine's own vocabulary; cf. cfsm `Compiler._load`)."""
+    transitions, accepting, start, masks, mask_row, grammar, approximations = payload
+    dfa = Dfa(transitions=transitions, accepting=accepting, start=int(start))
+    return cfsm.Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar,
+                      approximations=tuple(approximations))
+
+
+def vocab_spec(vocab: cfsm.Vocabulary) -> VocabSpec:
+    """What a worker needs to rebuild `vocab` (about 0.5 MB pickled for a 49k vocabulary). Pure."""
+    return (tuple(vocab.tokens), tuple(vocab.eos_token_ids), int(vocab.size), tuple(sorted(vocab.special_token_ids)))
+
+
+# --- the worker process ---------------------------------------------------------------------------------
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this process when the engine process dies, even by SIGKILL: the kernel's parent-death
+    signal on Linux, and a thread that watches the parent pid elsewhere (and as a fallback)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(0)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _worker_main(jobs: mpc.Connection, results: mpc.Connection, spec: VocabSpec, parent_pid: int) -> None:
+    """A worker process: builds and prepares the vocabulary, then compiles jobs until EOF or None.
+
+    Sends ("ready", pid), then per job ("ok", job_id, payload) or ("error", job_id, message).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the engine stops us in order
+    _exit_with_parent(parent_pid)
+    tokens, eos, size, special = spec
+    vocab = cfsm.Vocabulary(tokens, eos, size=size, special_token_ids=special).prepare()
+    del spec, tokens
+    # NOTE: this process's own garbage collector: the vocabulary tables live as long as the process
+    # (frozen out of every collection), and a compile allocates many short-lived objects with few
+    # cycles, so it runs with the collector off and one collection after it
+    gc.collect()
+    gc.freeze()
+    results.send_bytes(pickle.dumps(("ready", os.getpid()), protocol=_PROTOCOL))
+    while True:
+        try:
+            job: CompileJob | None = pickle.loads(jobs.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        gc.disable()
+        try:
+            index = compile_index(job.kind, job.text, vocab, job.config)
+            msg: tuple[Any, ...] = ("ok", job.job_id, index_payload(index))
+            del index
+        except BaseException as exc:  # noqa: BLE001 - reported to the requests of this grammar
+            msg = ("error", job.job_id, compile_error_message(job.kind, exc))
+        finally:
+            gc.enable()
+        try:
+            data = pickle.dumps(msg, protocol=_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable approximation note
+            data = pickle.dumps(("error", job.job_id, compile_error_message(job.kind, exc)), protocol=_PROTOCOL)
+        del msg
+        gc.collect()
+        try:
+            results.send_bytes(data)
+        except (BrokenPipeError, OSError):
+            return
+
+
+# --- the engine side ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """One compile, as sent to a worker."""
+
+    job_id: int
+    kind: str
+    text: str
+    config: cfsm.CfsmConfig
+
+
+@dataclass(eq=False)
+class _Job:
+    """A queued or running compile and the future its requests wait on (engine side)."""
+
+    job: CompileJob
+    future: cf.Future[cfsm.Index]
+    deadline: float  # the latest deadline of the requests waiting for it; then it is killed
+    worker: _Worker | None = None
+
+
+@dataclass(eq=False)
+class _Worker:
+    proc: Any  # multiprocessing.Process of the spawn context
+    jobs: mpc.Connection  # engine -> worker
+    results: mpc.Connection  # worker -> engine
+    started: float
+    pid: int | None = None  # set by its "ready" message
+    job: _Job | None = None
+    jobs_done: int = 0
+
+
+@dataclass
+class PoolStats:
+    """Counters of a `CompilePool` (read under no lock; approximate while it runs)."""
+
+    started: int = 0  # worker processes started
+    killed: int = 0  # workers killed because their compile timed out
+    died: int = 0  # workers that exited on their own (crash, OOM kill)
+    compiled: int = 0
+    failed: int = 0
+    receive_s: float = 0.0  # dispatcher thread CPU time spent receiving results (recv, unpickle, Index)
+    max_receive_s: float = 0.0
+    rounds: int = 0  # dispatcher rounds (each checks the deadlines)
+
+
+class CompilePool:
+    """Worker processes compiling grammars; thread-safe.
+
+    `submit` queues a job and returns its future; the future gets the `cfsm.Index` (over the
+    vocabulary `vocab()` returns) or `on_error(kind, message)`'s exception. Workers start with
+    the first job; `shutdown()` stops them.
+    """
+
+    def __init__(self, num_workers: int, vocab: Callable[[], cfsm.Vocabulary], *,
+                 on_error: Callable[[str, str], BaseException], on_timeout: Callable[[CompileJob], BaseException],
+                 on_result: Callable[[CompileJob, cfsm.Index], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, name: str = "lmserver-grammar") -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self._vocab_fn = vocab
+        self._on_error = on_error
+        self._on_timeout = on_timeout
+        self._on_result = on_result
+        self.clock = clock
+        self.name = name
+        self.stats = PoolStats()
+        self._ctx = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._workers: list[_Worker] = []
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._job_ids = 0
+        self._spec: VocabSpec | None = None
+        self._vocab: cfsm.Vocabulary | None = None
+        self._start_error: str | None = None
+
+    # --- engine-thread API (any thread) ------------------------------------------------------------
+
+    @property
+    def num_pending(self) -> int:
+        """Jobs queued or running."""
+        with self._lock:
+            return len(self._queue) + sum(w.job is not None for w in self._workers)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the live worker processes (started ones included)."""
+        with self._lock:
+            return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+
+    def busy(self) -> dict[int, str]:
+        """Worker pid -> the kind of the grammar it is compiling."""
+        with self._lock:
+            return {w.proc.pid: w.job.job.kind for w in self._workers if w.job is not None}
+
+    def submit(self, kind: str, text: str, config: cfsm.CfsmConfig, deadline: float) -> tuple[_Job, cf.Future[cfsm.Index]]:
+        """Queues a compile; returns (its handle for `extend`, its future). Starts the pool on first use."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the grammar compile pool is shut down")
+            self._job_ids += 1
+            job = _Job(CompileJob(self._job_ids, kind, text, config), cf.Future(), deadline)
+            self._queue.append(job)
+            self._start_error = None  # a failed start-up is retried for a new job
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"{self.name}-dispatch", daemon=True)
+                self._thread.start()
+        self._wake()
+        return job, job.future
+
+    def extend(self, job: _Job, deadline: float) -> None:
+        """Another request waits for `job` until `deadline`: it is not killed before then."""
+        with self._lock:
+            job.deadline = max(job.deadline, deadline)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stops the dispatcher and the workers (killed if they do not exit in `timeout_s`); pending
+        jobs fail. Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            thread = self._thread
+        self._wake()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        with self._lock:
+            workers, self._workers = self._workers, []
+            queued = list(self._queue)
+            self._queue.clear()
+        for w in workers:
+            with contextlib.suppress(OSError, ValueError):
+                w.jobs.send_bytes(pickle.dumps(None, protocol=_PROTOCOL))
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            w.proc.join(max(deadline - time.monotonic(), 0.0))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(1.0)
+            self._close(w)
+            if w.job is not None:
+                queued.append(w.job)
+        for job in queued:
+            self._fail(job, "the grammar compile pool was shut down")
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # --- the dispatcher thread ----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # noqa: BLE001 - the pool is dead: fail what waits, never hang a request
+            logger.exception("grammar compile dispatcher failed")
+            with self._lock:
+                self._start_error = "the grammar compile dispatcher failed (see the server log)"
+            self._fail_queued()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+            self._ensure_workers()
+            self._dispatch()
+            self._expire()
+            self.stats.rounds += 1
+            with self._lock:
+                busy = bool(self._queue) or any(w.job is not None or w.pid is None for w in self._workers)
+                waitables: list[Any] = [self._wake_r]
+                for w in self._workers:
+                    waitables += [w.results, w.proc.sentinel]
+            ready = mpc.wait(waitables, timeout=_TICK_S if busy else None)
+            for obj in ready:
+                if obj == self._wake_r:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 4096)
+            for w in list(self._workers):
+                if w.results in ready:
+                    self._receive(w)
+                elif w.proc.sentinel in ready:
+                    self._reap(w, "exited")
+
+    def _ensure_workers(self) -> None:
+        """Starts workers up to `num_workers` (the vocabulary first, once)."""
+        with self._lock:
+            missing = self.num_workers - len(self._workers)
+            if missing <= 0 or self._start_error is not None:  # NOTE: a failed start waits for a new job
+                return
+        if self._spec is None:
+            self._vocab = self._vocab_fn()
+            self._spec = vocab_spec(self._vocab)
+        for _ in range(missing):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        assert self._spec is not None
+        jobs_r, jobs_w = self._ctx.Pipe(duplex=False)
+        results_r, results_w = self._ctx.Pipe(duplex=False)
+        with contextlib.suppress(OSError, AttributeError):
+            import fcntl
+
+            fcntl.fcntl(results_w.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
+        index = self.stats.started
+        proc = self._ctx.Process(target=_worker_main, args=(jobs_r, results_w, self._spec, os.getpid()),
+                                 name=f"{self.name}-{index}", daemon=True)
+        proc.start()
+        # NOTE: the child has its ends now; closing ours makes a dead worker read as EOF
+        jobs_r.close()
+        results_w.close()
+        self.stats.started += 1
+        with self._lock:
+            self._workers.append(_Worker(proc, jobs_w, results_r, time.monotonic()))
+
+    def _dispatch(self) -> None:
+        """Hands queued jobs to idle ready workers (FIFO)."""
+        while True:
+            with self._lock:
+                idle = next((w for w in self._workers if w.pid is not None and w.job is None), None)
+                if idle is None or not self._queue:
+                    return
+                job = self._queue.popleft()
+                idle.job, job.worker = job, idle
+            try:
+                idle.jobs.send_bytes(pickle.dumps(job.job, protocol=_PROTOCOL))
+            except (OSError, ValueError):
+                self._reap(idle, "could not take a job")
+
+    def _expire(self) -> None:
+        """Fails the queued jobs past their deadline and kills the workers whose job is."""
+        now = self.clock()
+        with self._lock:
+            late = [j for j in self._queue if now >= j.deadline]
+            for j in late:
+                self._queue.remove(j)
+            running = [w for w in self._workers if w.job is not None and now >= w.job.deadline]
+            starting = [w for w in self._workers if w.pid is None and time.monotonic() - w.started > _READY_TIMEOUT_S]
+        for j in late:
+            self._set(j, exc=self._on_timeout(j.job))
+        for w in running:
+            job = w.job
+            assert job is not None
+            logger.warning("grammar compile %d (%s) outlived its requests' deadline: killing worker %s",
+                           job.job.job_id, job.job.kind, w.pid)
+            self.stats.killed += 1
+            self._remove(w, kill=True)
+            self._set(job, exc=self._on_timeout(job.job))
+        for w in starting:
+            self._reap(w, f"was not ready after {_READY_TIMEOUT_S:g} s", kill=True)
+
+    def _receive(self, w: _Worker) -> None:
+        start = time.thread_time()
+        try:
+            msg = pickle.loads(w.results.recv_bytes())
+        except (EOFError, OSError):
+            self._reap(w, "exited")
+            return
+        except Exception as exc:  # noqa: BLE001 - an unreadable result fails its job, not the pool
+            msg = ("error", w.job.job.job_id if w.job else -1, f"unreadable compile result: {exc!r}")
+        if msg[0] == "ready":
+            with self._lock:
+                w.pid = int(msg[1])
+            return
+        with self._lock:
+            job, w.job = w.job, None
+            w.jobs_done += 1
+        if job is None or job.job.job_id != msg[1]:  # pragma: no cover - one job per worker at a time
+            logger.error("grammar worker %s sent a result for job %s it did not have", w.pid, msg[1])
+            return
+        job.worker = None
+        if msg[0] == "ok":
+            assert self._vocab is not None
+            try:
+                index = index_from_payload(msg[2], self._vocab)
+            except Exception as exc:  # noqa: BLE001
+                self._set(job, exc=self._on_error(job.job.kind, f"compiled {job.job.kind} grammar is unusable: {exc!r}"))
+                return
+            spent = time.thread_time() - start
+            self.stats.receive_s += spent
+            self.stats.max_receive_s = max(self.stats.max_receive_s, spent)
+            self.stats.compiled += 1
+            if self._on_result is not None:
+                with contextlib.suppress(Exception):
+                    self._on_result(job.job, index)
+            self._set(job, index=index)
+        else:
+            self.stats.failed += 1
+            self._set(job, exc=self._on_error(job.job.kind, str(msg[2])))
+
+    def _reap(self, w: _Worker, why: str, kill: bool = False) -> None:
+        """A worker is gone (or must go): its job fails; a replacement starts on the next round
+        (after a failed start-up: with the next job)."""
+        if not kill:
+            self.stats.died += 1
+        exitcode = self._remove(w, kill=True)
+        job = w.job
+        if w.pid is None and job is None:  # it failed while starting: restarting at once could loop forever
+            msg = f"a grammar compile worker {why} while starting (exit code {exitcode}); see the server log"
+            logger.error(msg)
+            with self._lock:
+                self._start_error = msg
+            self._fail_queued()
+            return
+        logger.error("grammar compile worker %s %s (exit code %s)", w.pid, why, exitcode)
+        if job is not None:
+            self._fail(job, f"the grammar compile worker {why} while compiling it (exit code {exitcode}); "
+                            "the grammar may need too much memory")
+
+    def _remove(self, w: _Worker, kill: bool) -> int | None:
+        """Takes `w` out of the pool, killed if `kill`; returns its exit code."""
+        with self._lock:
+            if w in self._workers:
+                self._workers.remove(w)
+        if kill and w.proc.is_alive():
+            w.proc.kill()
+        w.proc.join(5.0)
+        exitcode: int | None = w.proc.exitcode
+        self._close(w)
+        return exitcode
+
+    @staticmethod
+    def _close(w: _Worker) -> None:
+        for conn in (w.jobs, w.results):
+            with contextlib.suppress(OSError):
+                conn.close()
+        with contextlib.suppress(ValueError):
+            w.proc.close()
+
+    def _fail_queued(self) -> None:
+        with self._lock:
+            queued = list(self._queue)
+            self._queue.clear()
+            msg = self._start_error or "the grammar compile workers are unavailable"
+        for job in queued:
+            self._fail(job, msg)
+
+    def _fail(self, job: _Job, message: str) -> None:
+        self.stats.failed += 1
+        self._set(job, exc=self._on_error(job.job.kind, message))
+
+    @staticmethod
+    def _set(job: _Job, index: cfsm.Index | None = None, exc: BaseException | None = None) -> None:
+        if job.future.done():
+            return
+        if exc is not None:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(index)  # type: ignore[arg-type]
+
