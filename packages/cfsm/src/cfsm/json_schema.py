@@ -241,12 +241,9 @@ class _Compiler:
         target, base = self.refs.resolve(ref, self.bases[-1], f"{path}/{key}")
         if target is True and ref.split("://", 1)[-1].startswith(("json-schema.org", "spec.openapis.org")):
             self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
-        ident = f"{base}#{id(target)}"
-        reentry = self.active_refs.get(ident, 0) > 0
-        if reentry and self.recursion_level >= self.cfg.max_recursion_depth:
+        entered: list[tuple[str, bool]] = []
+        if not self._enter(f"{base}#{id(target)}", entered):
             return NOTHING
-        self.active_refs[ident] = self.active_refs.get(ident, 0) + 1
-        self.recursion_level += reentry
         self.bases.append(base)
         try:
             if any(_is_assertion(k) for k in rest):
@@ -254,17 +251,34 @@ class _Compiler:
             return self.node(target, f"{path}/{key}")
         finally:
             self.bases.pop()
-            self.recursion_level -= reentry
-            self.active_refs[ident] -= 1
+            self._leave(entered)
 
-    def _resolved(self, sub: Any, path: str) -> Any:
-        """`sub` with its `$ref`s followed (for merging under allOf)."""
-        seen = 0
-        while isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and seen <= self.cfg.max_recursion_depth:
+    def _enter(self, ident: str, entered: list[tuple[str, bool]]) -> bool:
+        """Mark reference target `ident` as being compiled (appended to `entered`); False when it
+        is a re-entry beyond `max_recursion_depth` (the branch is dropped)."""
+        reentry = self.active_refs.get(ident, 0) > 0
+        if reentry and self.recursion_level >= self.cfg.max_recursion_depth:
+            return False
+        self.active_refs[ident] = self.active_refs.get(ident, 0) + 1
+        self.recursion_level += reentry
+        entered.append((ident, reentry))
+        return True
+
+    def _leave(self, entered: list[tuple[str, bool]]) -> None:
+        for ident, reentry in entered:
+            self.active_refs[ident] -= 1
+            self.recursion_level -= reentry
+        entered.clear()
+
+    def _resolved(self, sub: Any, path: str, entered: list[tuple[str, bool]]) -> Any:
+        """`sub` with its `$ref`s followed (for merging under allOf); the targets are entered
+        (see `_enter`; the caller leaves them after compiling). False when recursion is too deep."""
+        while isinstance(sub, dict) and isinstance(sub.get("$ref"), str):
             extra = {k: v for k, v in sub.items() if k != "$ref"}
-            target, _ = self.refs.resolve(sub["$ref"], self.bases[-1], f"{path}/$ref")
+            target, base = self.refs.resolve(sub["$ref"], self.bases[-1], f"{path}/$ref")
+            if not self._enter(f"{base}#{id(target)}", entered):
+                return False
             sub = extra if target is True else self._merge(target, extra, path) if isinstance(target, dict) else target
-            seen += 1
         return sub
 
     def _merge(self, a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
@@ -272,10 +286,14 @@ class _Compiler:
 
     def _branch(self, rest: dict[str, Any], sub: Any, path: str) -> Node:
         """`rest` and `sub` both (one branch of anyOf / oneOf / if)."""
-        sub = self._resolved(sub, path)
-        if sub is False:
-            return NOTHING
-        return self.node(rest if sub is True else self._merge(rest, sub, path), path)
+        entered: list[tuple[str, bool]] = []
+        try:
+            sub = self._resolved(sub, path, entered)
+            if sub is False:
+                return NOTHING
+            return self.node(rest if sub is True else self._merge(rest, sub, path), path)
+        finally:
+            self._leave(entered)
 
     def _node(self, schema: Any, path: str) -> Node:
         if schema is True or schema == {}:
@@ -290,14 +308,18 @@ class _Compiler:
             if not isinstance(schema["allOf"], list):
                 raise UnsupportedSchemaError("allOf", f"{path}/allOf", "must be a list")
             merged = {k: v for k, v in schema.items() if k != "allOf"}
-            for i, sub in enumerate(schema["allOf"]):
-                sub = self._resolved(sub, f"{path}/allOf/{i}")
-                if sub is False:
-                    return NOTHING
-                if sub is True:
-                    continue
-                merged = self._merge(merged, sub, f"{path}/allOf/{i}")
-            return self.node(merged, path)
+            entered: list[tuple[str, bool]] = []
+            try:
+                for i, sub in enumerate(schema["allOf"]):
+                    sub = self._resolved(sub, f"{path}/allOf/{i}", entered)
+                    if sub is False:
+                        return NOTHING
+                    if sub is True:
+                        continue
+                    merged = self._merge(merged, sub, f"{path}/allOf/{i}")
+                return self.node(merged, path)
+            finally:
+                self._leave(entered)
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 if not isinstance(schema[key], list):

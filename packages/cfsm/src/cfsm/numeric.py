@@ -29,6 +29,8 @@ def _same_len(a: str, b: str) -> Node:
     """Digit strings of len(a) == len(b) between a and b (leading zeros allowed)."""
     if a == b:
         return lit(a)
+    if a.strip("0") == "" and b.strip("9") == "":
+        return Repeat(DIGIT, len(a), len(a))  # NOTE: keeps the recursion linear in the length
     if len(a) == 1:
         return _digits(a, b)
     if a[0] == b[0]:

@@ -100,6 +100,8 @@ class RefResolver:
         """(target, its base URI). Raises `UnsupportedSchemaError` for a reference outside the
         document or one that does not resolve."""
         uri, frag = urldefrag(urljoin(base, ref))
+        if uri not in self.resources and ref.startswith("#"):
+            uri = ""  # NOTE: a base from an annotation-like `id` the scan did not reach this way
         if uri not in self.resources:
             if is_meta_schema(uri):
                 return True, uri
