@@ -342,10 +342,13 @@ def _fixed_count(node: Node) -> bool:
 
 
 def _led(node: Node) -> bool:
-    """The empty string or led by a literal ASCII range (a candidate choice of `_Builder._choice`)."""
+    """The empty string or led by a literal ASCII range or a whitespace run (a candidate choice of
+    `_Builder._choice`)."""
+    from cfsm.direct_loops import is_loop
+
     if isinstance(node, Cat):
-        return not node.items or _is_literal(node.items[0])
-    return _is_literal(node)
+        return not node.items or _is_literal(node.items[0]) or is_loop(node.items[0])
+    return _is_literal(node) or is_loop(node)
 
 
 def _block_nodes(node: Node, out: list[Node]) -> None:

@@ -61,13 +61,15 @@ from cfsm.blocks import (
     _led,
     prepare_blocks,
 )
+from cfsm.direct_loops import LoopStates, is_loop
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
 
 
-class _Builder:
+class _Builder(LoopStates):
     def __init__(self) -> None:
+        self._init_loops()
         self.size = 0
         # per state that can be a continuation (the final state, literal states, block starts):
         # (accepting, shortest accepted length or -1, the bytes its row reads as a 256-bit int)
@@ -123,6 +125,8 @@ class _Builder:
 
     def build(self, node: Node, cont: int) -> int:
         """A state whose language is node's language followed by cont's."""
+        if type(node) is Repeat and is_loop(node):
+            return self.loop(node, cont)
         if isinstance(node, Cat):
             entry, made = self.entry, self.made
             lit_src, lit_lo, lit_hi, lit_dst, lit_dist = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, self.lit_dist
@@ -184,7 +188,8 @@ class _Builder:
             if self.dag_counts.get(self.key(node), 0) <= 1 and self._entries(cont) is not None:
                 return self._literal_states(node, cont)
             return self.block(node, cont)
-        if isinstance(node, Alt | Repeat) and (_holds_prepared(node, self._prep_memo) or _fixed_count(node)):
+        if isinstance(node, Alt | Repeat) and (_holds_prepared(node, self._prep_memo) or _fixed_count(node)
+                                               or bool(self.loops)):  # NOTE: a block would read the runs
             head = self._choice(node, cont)
             if head is not None:
                 return head
@@ -195,7 +200,7 @@ class _Builder:
         union state (a block's state, the final state)."""
         hit = self.multi.get(s)
         if hit is not None:
-            return hit
+            return None if s in self.block_union else hit
         at = self._lit_at
         for i in range(self._lit_done, len(self.lit_src)):  # NOTE: indexed lazily (unions are rare)
             at.setdefault(self.lit_src[i], i)
@@ -209,7 +214,13 @@ class _Builder:
         if isinstance(node, Cat):
             if not node.items:
                 return self.entry[cont][2] if self._entries(cont) is not None else None
+            if is_loop(node.items[0]):  # a whitespace run's bytes, and those of what follows it
+                rest = self._first_bits(Cat(node.items[1:]), cont)
+                return None if rest is None else rest | self.lead_loop(node, cont)
             node = node.items[0]
+        if is_loop(node):
+            rest = self._first_bits(Cat(()), cont)
+            return None if rest is None else rest | self.lead_loop(node, cont)
         if _is_literal(node) and isinstance(node, Chars):
             lo, hi = node.ranges[0]
             return (1 << (hi + 1)) - (1 << lo)
@@ -295,21 +306,34 @@ class _Builder:
         bounded short Repeat of a literal-led item (its optional copies each a union with cont);
         the head state of each choice becomes one union state. None (nothing built) otherwise."""
         if isinstance(node, Alt):
-            bits = 0
+            # NOTE: choices led by whitespace runs on one S may share S (`loop_union` merges them)
+            bits = loop_bits = 0
+            block_item = None  # with whitespace runs: one choice led by a block (`block_choice`)
             for it in node.items:
                 b = self._first_bits(it, cont)
-                if b is None or b & bits:
+                if b is None:
+                    if block_item is not None or not self.loops:
+                        return None
+                    block_item = it
+                    continue
+                lb = self.lead_loop(it, cont)
+                if (lb and loop_bits and lb != loop_bits) or (b & ~lb) & (bits | loop_bits) or lb & bits:
                     return None
-                bits |= b
+                bits |= b & ~lb
+                loop_bits |= lb
             if len(node.items) < 2:
                 return None
-            return self._union([cont if isinstance(it, Cat) and not it.items else self.build(it, cont)
-                                for it in node.items])
+            heads = [cont if isinstance(it, Cat) and not it.items else self.build(it, cont)
+                     for it in node.items if it is not block_item]
+            if block_item is not None:
+                return self.block_choice(heads, self.build(block_item, cont))
+            return self._union(heads)
         lo, hi = node.lo, node.hi
         if hi is None or hi >= _COUNTED_MIN or lo > hi or hi == 0:
             return None
         b = self._first_bits(node.item, cont)
-        if b is None or (hi > lo and (self._entries(cont) is None or b & self.entry[cont][2])):
+        shared = self.lead_loop(node.item, cont) & self.lead_loop(Cat(()), cont)  # runs merged by `loop_union`
+        if b is None or (hi > lo and (self._entries(cont) is None or b & self.entry[cont][2] & ~shared)):
             return None
         s = cont
         for _ in range(hi - lo):
@@ -322,6 +346,9 @@ class _Builder:
         """A new state with the byte ranges of every head (literal or union states, reading disjoint
         bytes): its language is the union of theirs. The heads themselves stay (unreachable
         unless something else leads to them)."""
+        merged = self.loop_union(heads) if self.loops else None
+        if merged is not None:
+            return merged
         entries = []
         for h in heads:
             e = self._entries(h)
@@ -350,6 +377,9 @@ class _Builder:
     def count_blocks(self, node: Node, counts: dict[int, int], seen: set[int]) -> None:
         """How many copies of each block structure `build(node)` makes (the plan's cost)."""
         if isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80:
+            return
+        if is_loop(node):
+            self.saw_loop = True
             return
         if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
             k = self.key(node)
@@ -392,6 +422,8 @@ class _Builder:
             # per-process tree, kept alive by the table)
             blk = self.blocks[key] = ready[1] if ready is not None and ready[0] is node else _Block(node)
         acc, d, first = self.entry[cont]
+        if cont in self.block_union:
+            raise _Fallback("a block before a choice with a block")
         if blk.acc_bits & first:
             raise _Fallback("a piece's end and its continuation read the same byte")
         base = self.size
@@ -497,6 +529,8 @@ class _Builder:
             if ((mine != n) & (theirs != n)).any():
                 raise _Fallback("a piece's end and its continuation read the same byte")
             t[ids] = np.where(mine == n, theirs, mine)
+        if self.block_union:
+            self.finish_block_unions(t)
         return t, byte_map
 
     def classes(self, table: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray | None:
@@ -552,6 +586,9 @@ class _Builder:
             blk_of[ids_] = np.repeat(m[:, 2], m[:, 1])
             cont_of[ids_] = np.repeat(m[:, 3], m[:, 1])
             own_of[ids_] = ids_ - np.repeat(m[:, 0], m[:, 1])
+        if self.block_union:  # NOTE: never proven apart by their keys alone (`direct_loops`)
+            bu = cls[np.fromiter(self.block_union, dtype=np.int64)]
+            blk_of[bu] = (1 << 40) + bu
         used = np.zeros(num, dtype=bool)
         used[cls] = True
         used[0] = False
@@ -604,7 +641,9 @@ class _Builder:
         for i in self.made:
             if i >= 0 and multi and lit_src[i] in multi:
                 s = lit_src[i]
-                key2, live = _union_key([(lit_lo[j], lit_hi[j], cls_l[lit_dst[j]]) for j in multi[s]])
+                loop_k = self.loop_key(s, cls_l, live_l) if self.loops else None
+                key2, live = loop_k if loop_k is not None else _union_key([(lit_lo[j], lit_hi[j], cls_l[lit_dst[j]])
+                                                                   for j in multi[s]])
                 if key2 is None:
                     continue  # every range leads to a state that accepts nothing: stays dead
                 c = ids.get(key2)
@@ -657,6 +696,8 @@ class _Builder:
         # partition (other ids)
         """
         n = self.size
+        if self.loops:  # NOTE: their keys name their own loops (`loop_key`): the loop
+            return None
         src, lo, hi, dst = self._lit("src"), self._lit("lo"), self._lit("hi"), self._lit("dst")
         cls = np.zeros(n + 1, dtype=np.int64)
         cls[self.finals] = 1
@@ -770,6 +811,8 @@ class _Builder:
             if dist_bases:
                 vals = np.where(blk.dist >= 0, blk.dist + np.asarray(ds, dtype=np.int64)[:, None], -1)
                 dist[np.asarray(dist_bases, dtype=np.int64)[:, None] + np.arange(blk.size)] = vals
+        if self.block_union:
+            self.block_union_acceptance(acc)
         return acc, dist
 
 
@@ -836,7 +879,8 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         # NOTE: each distinct block built per compile pays a subset construction's fixed cost; the
         # generic construction pays it once for the whole tree: worth it only where blocks repeat
         # or are prepared (standard pieces, `prepare_blocks`)
-        if not force and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
+        # (with whitespace runs, always: the generic construction's subsets multiply there)
+        if not force and not b.saw_loop and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
             return None
         final = b.final()
         start = b.build(node, final)
