@@ -378,3 +378,23 @@ def test_any_order_and_flexible_whitespace_accept_iff_valid(texts: tuple[str, st
     valid = _valid(ANY_ORDER_SCHEMA, compact) and len(keys) == len(set(keys))
     assert _ANY_ORDER_DFA[0].fullmatch(compact.encode()) == valid, compact
     assert _ANY_ORDER_DFA[1].fullmatch(spaced.encode()) == valid, spaced
+
+
+def _mutually_recursive(k: int) -> dict[str, Any]:
+    names = [f"n{i}" for i in range(k)]
+    anyone = {"anyOf": [{"$ref": f"#/definitions/{n}"} for n in names]}
+    defs = {n: {"type": "object", "properties": {"tag": {"const": n}, "kids": {"type": "array", "items": anyone}},
+                "required": ["tag"], "additionalProperties": False} for n in names}
+    return {"definitions": defs, "$ref": "#/definitions/n0"}
+
+
+def test_exponential_recursion_unrolls_less_deep_or_refuses() -> None:
+    # k definitions that all refer to each other unroll to k^depth subtrees: past the visit
+    # budget the compile starts over with recursion unrolled less deep, and refuses when even
+    # unrolling nothing is too large
+    small = _mutually_recursive(4)
+    dfa = build_dfa(schema_to_node(small))
+    for text in ['{"tag":"n0"}', '{"tag":"n0","kids":[{"tag":"n3","kids":[{"tag":"n1"}]}]}', '{"tag":"n9"}']:
+        assert dfa.fullmatch(text.encode()) == _valid(small, text), text
+    with pytest.raises(UnsupportedSchemaError, match="too large"):
+        schema_tree(_mutually_recursive(12))

@@ -13,6 +13,7 @@ instead. Malformed schemas raise `UnsupportedSchemaError` with their JSON path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from decimal import Decimal, InvalidOperation
@@ -50,6 +51,10 @@ MAX_ANY_ORDER_PROPERTIES = 10
 # objects and arrays nested deeper than this in a schema document are refused up front (real
 # schemas stay far below; the compile recurses per level)
 MAX_SCHEMA_DEPTH = 128
+# schema nodes one compile may visit: recursive references unrolled `max_recursion_depth` deep
+# can grow exponentially (six definitions referring to each other), so past this budget the
+# compile starts over with recursion unrolled less deep (deeper branches dropped)
+MAX_SCHEMA_VISITS = 20_000
 
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 # a schema without `type` takes every type but integer (a subset of number)
@@ -185,6 +190,8 @@ class _Compiler:
         self.refs = RefResolver(root)
         self.bases: list[str] = [""]  # base URIs of the schema resources being compiled
         self.approximations: dict[tuple[str, str], Approximation] = {}
+        self.visits = 0
+        self.recursion_seen = False
         self._any: dict[int, Node] = {}
         # per compile: equal number bounds and formats share one (immutable) syntax tree
         self._memo: dict[tuple[Any, ...], Node] = {}
@@ -222,7 +229,7 @@ class _Compiler:
         self.bases.append(base)
         try:
             return self._node(schema, path)
-        except CfsmError:
+        except (CfsmError, _TooManyVisits):
             raise
         except (TypeError, ValueError, KeyError, AttributeError, InvalidOperation, OverflowError) as exc:
             # NOTE: a keyword with a value of the wrong kind ("minLength": "3", "required": true)
@@ -257,6 +264,7 @@ class _Compiler:
         """Mark reference target `ident` as being compiled (appended to `entered`); False when it
         is a re-entry beyond `max_recursion_depth` (the branch is dropped)."""
         reentry = self.active_refs.get(ident, 0) > 0
+        self.recursion_seen |= reentry
         if reentry and self.recursion_level >= self.cfg.max_recursion_depth:
             return False
         self.active_refs[ident] = self.active_refs.get(ident, 0) + 1
@@ -296,6 +304,9 @@ class _Compiler:
             self._leave(entered)
 
     def _node(self, schema: Any, path: str) -> Node:
+        self.visits += 1
+        if self.visits > MAX_SCHEMA_VISITS:
+            raise _TooManyVisits
         if schema is True or schema == {}:
             return self.any_value(self.cfg.json_depth)
         if schema is False:
@@ -550,6 +561,10 @@ _STRUCTURAL = {"$schema", "$id", "id", "$defs", "definitions", "$comment", "$anc
                "readOnly", "writeOnly"}
 
 
+class _TooManyVisits(Exception):
+    """A compile went past `MAX_SCHEMA_VISITS` (internal: `schema_tree` starts over)."""
+
+
 def _is_assertion(keyword: str) -> bool:
     """Whether a keyword beside `$ref` may narrow it (everything but identifiers and annotations)."""
     return keyword not in _STRUCTURAL
@@ -565,12 +580,20 @@ def schema_tree(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, tu
         except (json.JSONDecodeError, RecursionError) as exc:
             raise UnsupportedSchemaError("schema", "#", f"not valid JSON: {exc}") from None
     check_depth(schema, MAX_SCHEMA_DEPTH)
-    comp = _Compiler(schema, config or CfsmConfig())
-    try:
-        node = comp.node(schema, "#")
-    except RecursionError:
-        raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
-    return node, tuple(comp.approximations.values())
+    cfg = config or CfsmConfig()
+    while True:
+        comp = _Compiler(schema, cfg)
+        try:
+            node = comp.node(schema, "#")
+        except RecursionError:
+            raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
+        except _TooManyVisits:
+            if cfg.max_recursion_depth == 0 or not comp.recursion_seen:
+                raise UnsupportedSchemaError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
+                                             "compile") from None
+            cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
+            continue
+        return node, tuple(comp.approximations.values())
 
 
 def schema_to_node(schema: Any, config: CfsmConfig | None = None) -> Node:

@@ -60,6 +60,7 @@ class RefResolver:
         self.root = root
         self.resources: dict[str, Any] = {"": root}
         self.anchors: dict[str, Any] = {}
+        self._resolved: dict[tuple[str, str], tuple[Any, str]] = {}
         self._scan(root)
 
     def _scan(self, root: Any) -> None:
@@ -98,7 +99,13 @@ class RefResolver:
 
     def resolve(self, ref: str, base: str, path: str) -> tuple[Any, str]:
         """(target, its base URI). Raises `UnsupportedSchemaError` for a reference outside the
-        document or one that does not resolve."""
+        document or one that does not resolve. Mutates only its memo."""
+        hit = self._resolved.get((ref, base))
+        if hit is None:
+            hit = self._resolved[(ref, base)] = self._resolve(ref, base, path)
+        return hit
+
+    def _resolve(self, ref: str, base: str, path: str) -> tuple[Any, str]:
         uri, frag = urldefrag(urljoin(base, ref))
         if uri not in self.resources and ref.startswith("#"):
             uri = ""  # NOTE: a base from an annotation-like `id` the scan did not reach this way
