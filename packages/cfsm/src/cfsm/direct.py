@@ -61,7 +61,7 @@ from cfsm.blocks import (
     _led,
     prepare_blocks,
 )
-from cfsm.direct_loops import LoopStates, is_loop
+from cfsm.direct_loops import LoopStates, is_loop, loop_sep
 from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
@@ -407,6 +407,8 @@ class _Builder(LoopStates):
                 seen.add(id(node))
                 self.count_blocks(node.item, counts, seen)
         else:
+            if loop_sep(node, self._sep_memo):
+                self.loop_sep = True  # a block's ends would read the run, as its continuation does
             k = self.key(node)
             counts[k] = counts.get(k, 0) + 1
             ready = _PREPARED.get(id(node))
@@ -880,7 +882,8 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         # generic construction pays it once for the whole tree: worth it only where blocks repeat
         # or are prepared (standard pieces, `prepare_blocks`)
         # (with whitespace runs, always: the generic construction's subsets multiply there)
-        if not force and not b.saw_loop and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
+        if not force and (b.loop_sep or not b.saw_loop and 2 * len(counts.keys() - b.prepared_keys) > sum(
+                counts.values())):
             return None
         final = b.final()
         start = b.build(node, final)

@@ -24,15 +24,34 @@ import numpy as np
 
 from cfsm.block_facts import _BYTE_CUM, _MASK
 from cfsm.blocks import _Fallback
-from cfsm.regex_ast import Cat, Chars, Node, Repeat
+from cfsm.regex_ast import Alt, Cat, Chars, Intersect, Node, Repeat, Sep
 
-__all__ = ["is_loop", "LoopStates"]
+__all__ = ["is_loop", "loop_sep", "LoopStates"]
 
 
 def is_loop(node: Node) -> bool:
     """An unbounded repeat of ASCII ranges (a whitespace run): one loop state."""
     return (isinstance(node, Repeat) and node.lo == 0 and node.hi is None and isinstance(node.item, Chars)
             and bool(node.item.ranges) and node.item.ranges[-1][1] < 0x80)
+
+
+def loop_sep(node: Node, memo: dict[int, bool]) -> bool:
+    """Whether `node` holds a list (`Sep`) whose separator starts with a whitespace run (free
+    JSON, unbounded arrays): its block would end reading the run that its continuation (the
+    run before the closing bracket) starts with. `memo`: by node id (one tree)."""
+    hit = memo.get(id(node))
+    if hit is None:
+        memo[id(node)] = False  # NOTE: recursive references (Shared) end here
+        if isinstance(node, Sep):
+            sep = node.sep
+            hit = (isinstance(sep, Cat) and bool(sep.items) and is_loop(sep.items[0])) or loop_sep(node.item, memo)
+        elif isinstance(node, Cat | Alt | Intersect):
+            hit = any(loop_sep(it, memo) for it in node.items)
+        else:
+            item = getattr(node, "item", None)
+            hit = item is not None and loop_sep(item, memo)
+        memo[id(node)] = hit
+    return hit
 
 
 def _bits(lo: int, hi: int) -> int:
@@ -75,6 +94,8 @@ class LoopStates:
         self.block_union: dict[int, int] = {}  # block-union state -> its block's start
         self._loop_consed: dict[tuple[object, ...], int] = {}  # `_state`'s states by key
         self.saw_loop = False  # `count_blocks` met a whitespace run
+        self.loop_sep = False  # ... and a list whose separator starts with one (not built here)
+        self._sep_memo: dict[int, bool] = {}  # `loop_sep` by node id
 
     def _ranges(self, s: int) -> list[tuple[int, int, int]]:
         """The literal ranges (lo, hi, target) of a literal, union or block-union state."""

@@ -16,16 +16,17 @@ Built by walking the vocabulary through the DFA, never token by state one at a t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _small_unique
+from cfsm.automaton import Dfa, _small_unique, _unique_rows
 from cfsm.compressed import CompressedFsm
 from cfsm.errors import Approximation
 from cfsm.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
 from cfsm.loops import find_loops
-from cfsm.mask_rows import _few_rows, _PrefixRows, or_bits, pack_rows
+from cfsm.mask_rows import _few_rows, _PrefixRows, _token_weights, or_bits, pack_rows
 from cfsm.state_classes import _walk_classes
 from cfsm.templates import match_string_states, string_rows
 from cfsm.vocab import Vocabulary
@@ -142,6 +143,26 @@ def _f_code(fmt: str) -> np.ndarray | None:
     return None if auto is None else auto[0]
 
 
+def _long_rows(owner: np.ndarray, ids: np.ndarray, mask_row: np.ndarray, row_list: list[np.ndarray], words: int,
+               intern: Callable[[np.ndarray], int], num_ids: int) -> None:
+    """Add the long tokens `ids` (grouped by `owner` state) to their states' rows: each distinct
+    (row, token set) once (whitespace states share both), the sets told apart by two sums of
+    random per-token weights and their size (as `mask_rows._few_rows`; `num_ids` the weights' size)."""
+    states, group = _small_unique(owner)
+    starts = np.flatnonzero(np.diff(group, prepend=-1) != 0)
+    w1, w2 = _token_weights(num_ids)
+    key = np.stack([mask_row[states].astype(np.uint64), np.add.reduceat(w1[ids], starts),
+                    np.add.reduceat(w2[ids], starts), np.diff(np.append(starts, len(ids))).astype(np.uint64)], axis=1)
+    first, inverse = _unique_rows(key)
+    # the pairs of each distinct (row, set)'s first state
+    sel = np.isin(group, first)
+    remap = np.full(len(states), -1, dtype=np.int64)
+    remap[first] = np.arange(len(first))
+    base = np.concatenate(row_list).reshape(len(row_list), words).view(np.uint32)
+    rows = pack_rows(len(first), remap[group[sel]], ids[sel], words, intern, base, mask_row[states[first]])
+    mask_row[states] = rows[inverse]
+
+
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
 
@@ -238,9 +259,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
     l_owner, l_ids = walker.walk_long(_SHARE_DEPTH, generic, loops)
     if len(l_owner):
-        l_states, l_group = _small_unique(l_owner)
-        base = np.concatenate(row_list).reshape(len(row_list), words).view(np.uint32)
-        mask_row[l_states] = pack_rows(len(l_states), l_group, l_ids, words, intern, base, mask_row[l_states])
+        _long_rows(l_owner, l_ids, mask_row, row_list, words, intern, max(tables.max_id, int(eos.max())) + 1)
     if _STRING_TABLES:
         string_rows(dfa, vocab.string_tables, match, intern, mask_row)
     for k, fm, mine in fragments:

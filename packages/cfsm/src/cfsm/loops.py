@@ -15,7 +15,7 @@ few hundred tokens where the plain walk takes them all.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,7 +33,7 @@ _MAX_LOOP_BYTES = 8
 _MAX_TABLES = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoopTable:
     """The tokens of one vocabulary that start with a byte of S, split by their first byte outside S.
 
@@ -50,6 +50,20 @@ class LoopTable:
     bounds: np.ndarray  # (257,) int64
     out_byte: np.ndarray  # (n,) int16
     out_at: np.ndarray  # (n,) int16
+    lengths: np.ndarray  # (n,) int32: the tables' token lengths (`longer_than`)
+    _long: dict[int, LoopTable] = field(default_factory=dict)
+
+    def longer_than(self, min_len: int) -> LoopTable:
+        """This table restricted to the tokens longer than `min_len` bytes (cached)."""
+        hit = self._long.get(min_len)
+        if hit is None:
+            lead = self.lengths[self.lead_pos] > min_len
+            c = np.repeat(np.arange(256), np.diff(self.bounds))[lead]
+            hit = self._long[min_len] = LoopTable(
+                only=self.only[self.lengths[self.only] > min_len], lead_pos=self.lead_pos[lead],
+                lead_at=self.lead_at[lead], bounds=np.searchsorted(c, np.arange(257)).astype(np.int64),
+                out_byte=self.out_byte, out_at=self.out_at, lengths=self.lengths)
+        return hit
 
 
 _TABLES: weakref.WeakKeyDictionary[TrieTables, dict[bytes, LoopTable]] = weakref.WeakKeyDictionary()
@@ -85,7 +99,7 @@ def loop_table(tables: TrieTables, member: np.ndarray) -> LoopTable:
     out_at[pos] = at + 1
     hit = LoopTable(only=pos[c < 0], lead_pos=pos[order], lead_at=at[order] + 1,
                     bounds=np.searchsorted(c[order], np.arange(257)).astype(np.int64), out_byte=out_byte,
-                    out_at=out_at)
+                    out_at=out_at, lengths=tables.lengths)
     for a in (hit.only, hit.lead_pos, hit.lead_at, hit.bounds, hit.out_byte, hit.out_at):
         a.flags.writeable = False  # shared by every compile over these tables
     if len(per) >= _MAX_TABLES:
@@ -124,16 +138,19 @@ class Loops:
             out[at] = own.astype(np.int64) @ counts + after.astype(np.int64) @ np.diff(table.bounds) + len(table.only)
         return out
 
-    def pairs(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The (state, token) pairs of the loop states `rows` whose token starts with a loop byte:
-        (owner, position, state, offset) of the pairs still to walk (their first byte outside the
-        loop read: `state` is the state after it, `offset` the index of their next byte), then
-        (owner, position) of the tokens made only of loop bytes (they survive, in W).
+    def pairs(self, rows: np.ndarray, min_len: int | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The (state, token) pairs of the loop states `rows` whose token starts with a loop byte
+        (and is longer than `min_len` bytes, if given): (owner, position, state, offset) of the
+        pairs still to walk (their first byte outside the loop read: `state` is the state after
+        it, `offset` the index of their next byte), then (owner, position) of the tokens made
+        only of loop bytes (they survive, in W).
 
         The tokens starting outside the loop bytes are the caller's to walk (as from any state).
         """
         parts: list[list[np.ndarray]] = [[] for _ in range(6)]
-        for g, table in enumerate(self.table):
+        for g, whole in enumerate(self.table):
+            table = whole if min_len is None else whole.longer_than(min_len)
             r = rows[self.group[rows] == g]
             mine, into = self.states[r], self.into[r]
             parts[4].append(np.repeat(mine, len(table.only)))
@@ -149,28 +166,6 @@ class Loops:
             parts[3].append(table.lead_at[idx])
         a, b, c_, d, e, f = (np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
         return a, b, c_, d, e, f
-
-    def long_pairs(self, owner: np.ndarray, pos: np.ndarray, first: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """For (state, token at sorted position, its first byte) pairs: which have a loop state and
-        a loop byte first (handled here); of those, whether the token is made only of loop bytes
-        (it survives, in W), else the state after its first byte outside the loop and the offset
-        past that byte (dead where W does not allow it)."""
-        r = self.row[owner]
-        mine = r >= 0
-        mine[mine] = self.member[r[mine], first[mine]]
-        only = np.zeros(len(owner), dtype=bool)
-        cur = np.full(len(owner), self.dead, dtype=np.int64)
-        at = np.zeros(len(owner), dtype=np.int64)
-        for g, table in enumerate(self.table):
-            sel = np.flatnonzero(mine & (self.group[np.maximum(r, 0)] == g))
-            c = table.out_byte[pos[sel]].astype(np.int64)
-            only[sel] = c < 0
-            lead = c >= 0
-            sel, c = sel[lead], c[lead]
-            cur[sel] = self.trans[self.into[r[sel]], c]
-            at[sel] = table.out_at[pos[sel]]
-        return mine, only, cur, at
 
 
 def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None:

@@ -273,23 +273,19 @@ class _Walker:
         if states is not None:
             pairs &= states[:, None]
         rows, j = np.nonzero(pairs)  # sorted by state
+        if loops is not None:  # a loop state's tokens led by a loop byte: below
+            r = loops.row[rows]
+            drop = r >= 0
+            drop[drop] = loops.member[r[drop], lead[j[drop]]]
+            rows, j = rows[~drop], j[~drop]
         sizes = lead_end[j] - lead_at[j]
         k = concat_ranges(lead_at[j], sizes)
         owner = np.repeat(rows, sizes)
         num_states = self.trans.shape[0] - 1
-        cur = self.trans[owner, first[k]].astype(np.int64)
-        at = np.ones(len(owner), dtype=np.int64)
-        if loops is not None:  # made only of loop bytes: taken; the others from their first byte outside
-            mine, resolved, loop_cur, loop_at = loops.long_pairs(owner, long_pos[k], first[k])
-            cur[mine], at[mine] = loop_cur[mine], loop_at[mine]
-            taken = resolved.copy()
-        else:
-            resolved = np.zeros(len(owner), dtype=bool)
-            taken = np.zeros(len(owner), dtype=bool)
+        resolved = np.zeros(len(owner), dtype=bool)
+        taken = np.zeros(len(owner), dtype=bool)
         bounds = np.searchsorted(owner, np.arange(num_states + 1))
         for q in np.flatnonzero(np.diff(bounds) > _LONG_CHAIN_MIN).tolist():
-            if loops is not None and loops.row[q] >= 0:
-                continue
             info = self.chain(q)
             if info is None:
                 continue
@@ -302,10 +298,18 @@ class _Walker:
             resolved[span] = ins if limit < len(chain) else ins & short
             taken[span] = ins & short
         walk = ~resolved
-        w_own, w_pos = _walk_pairs_from(long_pos[k[walk]], cur[walk], at[walk], owner[walk], tables.columns,
-                                        self.tflat, self.dead)
-        own = np.concatenate([w_own, owner[taken]])
-        ids = tables.order[np.concatenate([w_pos, long_pos[k[taken]]])].astype(np.int64)
+        w_owner, w_pos = owner[walk], long_pos[k[walk]]
+        cur = self.trans[w_owner, first[k[walk]]].astype(np.int64)
+        at = np.ones(len(w_owner), dtype=np.int64)
+        t_owner, t_pos = owner[taken], long_pos[k[taken]]
+        if loops is not None:  # from their first byte outside the loop; made only of loop bytes: taken
+            l_own, l_pos, l_cur, l_at, o_own, o_pos = loops.pairs(np.arange(len(loops.states)), min_len)
+            w_owner, w_pos = np.concatenate([w_owner, l_own]), np.concatenate([w_pos, l_pos])
+            cur, at = np.concatenate([cur, l_cur]), np.concatenate([at, l_at])
+            t_owner, t_pos = np.concatenate([t_owner, o_own]), np.concatenate([t_pos, o_pos])
+        w_own, w_pos = _walk_pairs_from(w_pos, cur, at, w_owner, tables.columns, self.tflat, self.dead)
+        own = np.concatenate([w_own, t_owner])
+        ids = tables.order[np.concatenate([w_pos, t_pos])].astype(np.int64)
         order = np.argsort(own, kind="stable")
         return own[order], ids[order]
 
