@@ -15,7 +15,7 @@ from cfsm import CfsmConfig
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.direct import build_dfa_direct
 from cfsm.index import build_index
-from cfsm.json_schema import schema_to_node
+from cfsm.json_schema import json_value_node, schema_to_node
 from cfsm.loops import find_loops
 
 _FLEX = CfsmConfig(whitespace="flexible")
@@ -32,6 +32,9 @@ _LEAVES = [
     {"enum": ["ab", "cd", 7]}, {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
     {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
     {"type": ["string", "null"]}, {"type": "string", "format": "date"},
+    {"type": "array", "items": {"type": "integer"}}, {"type": "array", "items": {"type": "string"}, "minItems": 2},
+    {"type": "array", "items": {"type": "object", "properties": {"q": {"type": "number"}}, "required": ["q"]}},
+    {"type": "object"}, {"type": "array"},
 ]
 
 
@@ -69,6 +72,15 @@ def _sections(n: int) -> dict[str, Any]:
 def test_whitespace_runs_take_the_direct_path() -> None:
     for n in (1, 4):
         node = schema_to_node(_sections(n), _FLEX)
+        direct = build_dfa_direct(node, force=True)
+        assert direct is not None and _same(direct, build_dfa(node))
+
+
+def test_lists_and_free_json_take_the_direct_path() -> None:
+    # unbounded arrays and free JSON: the separator's whitespace run before each item
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}},
+                                               "b": {"type": "object"}}, "required": ["a", "b"]}
+    for node in (schema_to_node(schema, _FLEX), json_value_node(_FLEX, object_only=True)):
         direct = build_dfa_direct(node, force=True)
         assert direct is not None and _same(direct, build_dfa(node))
 
@@ -128,3 +140,27 @@ def test_loop_states_give_the_walked_masks(schema: dict[str, Any], monkeypatch: 
     reached = np.flatnonzero(index.mask_row[: dfa.num_states] >= 0)
     for q in reached.tolist():
         assert rows[q] == oracle[q], q
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_schemas())
+def test_structural_classes_with_runs_and_lists_are_the_refined_partition(schema: dict[str, Any]) -> None:
+    """Where `_Builder.classes` answers (loop, block-union and list states included), its partition
+    is the refinement's."""
+    import cfsm.direct as direct
+    from cfsm.automaton import _refine
+
+    b = direct._Builder()
+    try:
+        b.build(schema_to_node(schema, _FLEX), b.final())
+        table, _ = b.table()
+    except direct._Fallback:
+        return
+    acc, dist = b.arrays()
+    cls = b.classes(table, acc, dist)
+    if cls is None:
+        return
+    live = dist >= 0
+    refined = _refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
+    pairs = np.unique(np.column_stack([cls, refined]), axis=0)
+    assert len(pairs) == len(np.unique(cls)) == len(np.unique(refined))

@@ -127,6 +127,8 @@ class _Builder(LoopStates):
         """A state whose language is node's language followed by cont's."""
         if type(node) is Repeat and is_loop(node):
             return self.loop(node, cont)
+        if type(node) is Sep and self.loops and loop_sep(node, self._sep_memo):
+            return self.loop_list(node, cont)
         if isinstance(node, Cat):
             entry, made = self.entry, self.made
             lit_src, lit_lo, lit_hi, lit_dst, lit_dist = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst, self.lit_dist
@@ -201,6 +203,8 @@ class _Builder(LoopStates):
         hit = self.multi.get(s)
         if hit is not None:
             return None if s in self.block_union else hit
+        if s in self.pending:
+            return None
         at = self._lit_at
         for i in range(self._lit_done, len(self.lit_src)):  # NOTE: indexed lazily (unions are rare)
             at.setdefault(self.lit_src[i], i)
@@ -329,6 +333,8 @@ class _Builder(LoopStates):
                 return self.block_choice(heads, self.build(block_item, cont))
             return self._union(heads)
         lo, hi = node.lo, node.hi
+        if lo == 0 and hi == 1 and self.loops:  # an optional block-led item: as a choice with the empty string
+            return self._choice(Alt((Cat(()), node.item)), cont)
         if hi is None or hi >= _COUNTED_MIN or lo > hi or hi == 0:
             return None
         b = self._first_bits(node.item, cont)
@@ -407,8 +413,10 @@ class _Builder(LoopStates):
                 seen.add(id(node))
                 self.count_blocks(node.item, counts, seen)
         else:
-            if loop_sep(node, self._sep_memo):
-                self.loop_sep = True  # a block's ends would read the run, as its continuation does
+            if isinstance(node, Sep) and loop_sep(node, self._sep_memo):
+                self.count_blocks(node.item, counts, seen)  # as `loop_list` builds it
+                self.count_blocks(node.sep, counts, seen)
+                return
             k = self.key(node)
             counts[k] = counts.get(k, 0) + 1
             ready = _PREPARED.get(id(node))
@@ -588,8 +596,8 @@ class _Builder(LoopStates):
             blk_of[ids_] = np.repeat(m[:, 2], m[:, 1])
             cont_of[ids_] = np.repeat(m[:, 3], m[:, 1])
             own_of[ids_] = ids_ - np.repeat(m[:, 0], m[:, 1])
-        if self.block_union:  # NOTE: never proven apart by their keys alone (`direct_loops`)
-            bu = cls[np.fromiter(self.block_union, dtype=np.int64)]
+        if self.block_union or self.cyclic_states:  # NOTE: never proven apart by their keys alone (`direct_loops`)
+            bu = cls[np.fromiter([*self.block_union, *self.cyclic_states], dtype=np.int64)]
             blk_of[bu] = (1 << 40) + bu
         used = np.zeros(num, dtype=bool)
         used[cls] = True
@@ -882,8 +890,7 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         # generic construction pays it once for the whole tree: worth it only where blocks repeat
         # or are prepared (standard pieces, `prepare_blocks`)
         # (with whitespace runs, always: the generic construction's subsets multiply there)
-        if not force and (b.loop_sep or not b.saw_loop and 2 * len(counts.keys() - b.prepared_keys) > sum(
-                counts.values())):
+        if not force and not b.saw_loop and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
             return None
         final = b.final()
         start = b.build(node, final)

@@ -88,14 +88,19 @@ class LoopStates:
     def _literal_state(self, entries: list[tuple[int, int, int]]) -> int:
         raise NotImplementedError
 
+    def build(self, node: Node, cont: int) -> int:
+        raise NotImplementedError
+
     def _init_loops(self) -> None:
         # loop states (block-union ones too): their loop bytes (256-bit int) and ranges
         self.loops: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self.block_union: dict[int, int] = {}  # block-union state -> its block's start
         self._loop_consed: dict[tuple[object, ...], int] = {}  # `_state`'s states by key
         self.saw_loop = False  # `count_blocks` met a whitespace run
-        self.loop_sep = False  # ... and a list whose separator starts with one (not built here)
         self._sep_memo: dict[int, bool] = {}  # `loop_sep` by node id
+        self.pending: set[int] = set()  # states of `loop_list` whose ranges are not set yet
+        # `loop_list`'s states after an item: their continuation and the separator's first range
+        self.cyclic_states: dict[int, tuple[int, int, int]] = {}
 
     def _ranges(self, s: int) -> list[tuple[int, int, int]]:
         """The literal ranges (lo, hi, target) of a literal, union or block-union state."""
@@ -108,6 +113,8 @@ class LoopStates:
         s_bits = 0
         for lo, hi in ranges:
             s_bits |= _bits(lo, hi)
+        if cont in self.pending:
+            raise _Fallback("a whitespace run before a list's own continuation")
         hit = self.loops.get(cont)
         if hit is not None and hit[0] == s_bits:
             return cont  # S* S* R is S* R
@@ -178,16 +185,73 @@ class LoopStates:
         self._loop_consed[key] = s
         return s
 
+    def loop_list(self, node: Sep, cont: int) -> int:
+        """`build(node, cont)` for a list whose separator starts with a whitespace run (`item (S*
+        sep-rest item)*` before cont, a loop state on the same S: an array's items before ``S* ]``).
+
+        The state U after an item (a loop state on S: the separator's rest or cont's other ranges)
+        is made first and its ranges set once the item is built in front of it. The table is then
+        cyclic: U's class is a fresh one, never proven apart by its key (`loop_key`)."""
+        sep = node.sep
+        if not (isinstance(sep, Cat) and len(sep.items) > 1 and is_loop(sep.items[0])):
+            raise _Fallback("a list separator")
+        first = sep.items[0]
+        assert isinstance(first, Repeat) and isinstance(first.item, Chars)
+        ranges = first.item.ranges
+        s_bits = self.lead_loop(sep, cont)
+        hit = self.loops.get(cont)
+        lead = sep.items[1]
+        if (hit is None or hit[0] != s_bits or cont in self.block_union or not isinstance(lead, Chars)
+                or len(lead.ranges) != 1 or lead.ranges[0][1] >= 0x80):
+            raise _Fallback("a list before a state that is not a run of its separator's bytes")
+        rest_c = self._rest_of(cont, s_bits)
+        u = self.size
+        self.size += 1
+        self.entry[u] = (False, self.entry[cont][1], s_bits | self.entry[cont][2] | _bits(*lead.ranges[0]))
+        # NOTE: U takes its class before the item's states (which lead to it): a fresh one (`loop_key`)
+        pos = len(self.made)
+        self.made.append(-1)
+        self.cyclic_states[u] = (cont, *lead.ranges[0])
+        self.pending.add(u)
+        x = self.build(node.item, u)
+        self.pending.discard(u)
+        p = self.build(Cat(sep.items[1:]), x)
+        if self._entries(p) is None or self.entry[p][2] & s_bits:
+            raise _Fallback("a list separator")
+        rest = [*self._ranges(p), *rest_c]
+        _disjoint(rest, s_bits)
+        d = self.entry[u][1]
+        at = len(self.lit_src)
+        for lo, hi, t in sorted([*rest, *((lo, hi, u) for lo, hi in ranges)]):
+            self.lit_src.append(u)
+            self.lit_lo.append(lo)
+            self.lit_hi.append(hi)
+            self.lit_dst.append(t)
+            self.lit_dist.append(d)
+        self.multi[u] = list(range(at, len(self.lit_src)))
+        self.made[pos] = at
+        self.loops[u] = (s_bits, ranges)
+        return x
+
     def block_choice(self, heads: list[int], start: int) -> int:
-        """The union of literal, union or loop states `heads` (their `_union`) and the block start
-        `start` (a block-union state)."""
-        if self._entries(start) is not None or start in self.finals or start in self.block_union:
+        """The union of literal, union or loop states `heads` (their `_union`) and the state
+        `start` built for a choice led by a block: a literal or union state (their union), a
+        block's start or a block-union state (a block-union state with all their ranges)."""
+        if start in self.finals or start in self.pending:
             raise _Fallback("a choice of blocks")
+        if self._entries(start) is not None:  # not led by a block after all (a shared tail)
+            u = self._union([*heads, start])
+            _disjoint(self._ranges(u))
+            return u
         head = heads[0] if len(heads) == 1 else self._union(heads)
-        hit = self.loops.get(head)
-        s_bits, ranges = hit if hit is not None else (0, ())
-        rest = [e for e in self._ranges(head) if e[2] != head] if s_bits else self._ranges(head)
-        return self._state(s_bits, ranges, rest, start)
+        if self.entry[head][2] & self.entry[start][2]:
+            raise _Fallback("a choice before a block that reads its byte")
+        # NOTE: a loop head keeps its ranges into itself (S* R or the block: not S* (R or the block))
+        rest = self._ranges(head)
+        if start in self.block_union:
+            rest += self._ranges(start)
+            start = self.block_union[start]
+        return self._state(0, (), rest, start)
 
     def _union(self, heads: list[int]) -> int:
         raise NotImplementedError
@@ -240,6 +304,10 @@ class LoopStates:
         start = self.block_union.get(s)
         if start is None and s not in self.loops:
             return None
+        cyc = self.cyclic_states.get(s)
+        if cyc is not None:  # a fresh class, dead where the list's continuation is
+            c, lo, hi = cyc
+            return (("U", s), (live_l[c] + _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]) & _MASK) if cls_l[c] else (None, 0)
         live = 0
         parts: list[list[int]] = []
         for lo, hi, k in sorted((lo, hi, -1 if t == s else cls_l[t]) for lo, hi, t in self._ranges(s)):
