@@ -706,8 +706,6 @@ class _Builder(LoopStates):
         # partition (other ids)
         """
         n = self.size
-        if self.loops:  # NOTE: their keys name their own loops (`loop_key`): the loop
-            return None
         src, lo, hi, dst = self._lit("src"), self._lit("lo"), self._lit("hi"), self._lit("dst")
         cls = np.zeros(n + 1, dtype=np.int64)
         cls[self.finals] = 1
@@ -737,16 +735,30 @@ class _Builder(LoopStates):
         kd = cls[dst]
         if len(kd) and not kd.all():
             return None
+        if self.block_union:  # NOTE: a block-union state reads as its block start too
+            bu = np.fromiter(self.block_union, dtype=np.int64)
+            live[bu] += live[np.fromiter(self.block_union.values(), dtype=np.int64)]
         lit_keys = (lo * 128 + hi) * (num + 1) + kd
         if self.multi:
             in_union = np.zeros(n + 1, dtype=bool)
             in_union[list(self.multi)] = True
             lit_keys = lit_keys[~in_union[src]]
             kd_l = kd.tolist()
+            if self.loops:  # NOTE: a loop state's own loops: -1 (`loop_key`)
+                own = dst == src
+                kd_l = np.where(own, -1, kd).tolist()
             lit_lo, lit_hi = self.lit_lo, self.lit_hi
-            keys = {_union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0] for e in self.multi.values()}
-            # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
-            if len(keys) < len(self.multi) or any(not isinstance(k[0], tuple) for k in keys if k is not None):
+            keys: set[object] = set()
+            for u, e in self.multi.items():
+                k = _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]
+                # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
+                if k is None or not isinstance(k[0], tuple):
+                    return None
+                if u in self.block_union or u in self.cyclic_states:
+                    keys.add(("U", u) if u in self.cyclic_states else ("B", int(cls[self.block_union[u]]), k))
+                else:
+                    keys.add(k)
+            if len(keys) < len(self.multi):
                 return None
         copy_keys = np.asarray([b * (num + 1) + k for _, _, b, k in made], dtype=np.int64)
         if _repeats(lit_keys) or _repeats(copy_keys):

@@ -138,7 +138,13 @@ def match_fragment(dfa: Dfa, ft: FragmentTable) -> FragmentMatch:
     # NOTE: a quick necessary test first (most grammars have no such state): the candidates must
     # be dead exactly where F's start is on the bytes that start its runs
     trans, acc = dfa.transitions, dfa.accepting
-    cand = np.flatnonzero(~acc[:n])
+    # NOTE: first by the number of live bytes (one product over the byte classes: regexes and most
+    # schemas have no state with as many as F's start)
+    _, byte_class = dfa.byte_classes
+    live_count = (dfa.class_table[:n] != dead).astype(np.int64) @ np.bincount(byte_class, minlength=dfa.class_table.shape[1])
+    cand = np.flatnonzero(~acc[:n] & (live_count == int((code[ft.start] != dead_code).sum())))
+    if not len(cand):
+        return FragmentMatch(f, cont)
     for b, dead_b in zip(ft.probe.tolist(), (code[ft.start, ft.probe] == dead_code).tolist(), strict=True):
         cand = cand[(trans[cand, b] == dead) == dead_b]
         if not len(cand):

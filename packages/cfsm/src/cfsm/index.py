@@ -212,7 +212,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     eos32 = eos.astype(np.int32)
     small_rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
-    bits = np.zeros(words * 32, dtype=bool)
+    bits = np.zeros(0, dtype=bool)  # the broad rows' bool array, made on first use
     rows: dict[bytes, int] = {}
 
     def intern(row: np.ndarray) -> int:
@@ -250,7 +250,10 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             hit = small_rows.get(key)
             r = small_rows[key] = intern(sparse_row(tids)) if hit is None else hit
         else:
-            bits[:] = False
+            if len(bits):
+                bits[:] = False
+            else:
+                bits = np.zeros(words * 32, dtype=bool)
             bits[tids] = True
             r = intern(np.packbits(bits, bitorder="little").view("<u4").copy())
         class_row[k] = r

@@ -178,18 +178,27 @@ def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None
     """
     rep, byte_class = dfa.byte_classes
     cols = dfa.class_table  # (num_states + 1, num_classes)
-    tgt = cols[states].astype(np.int64)
-    loops = cols[tgt, np.arange(len(rep))[None, :]] == tgt  # class j leads W = tgt[j] back to W
-    loops &= tgt != dfa.dead
     counts = np.bincount(byte_class, weights=tables.first_byte_counts, minlength=len(rep)).astype(np.int64)
+    sizes = np.bincount(byte_class, minlength=len(rep))
+    small = np.flatnonzero((sizes <= _MAX_LOOP_BYTES) & (counts > 0))  # the classes S can hold
+    n = cols.shape[0] - 1
+    if not len(small) or int(((cols[:n, small] == np.arange(n)[:, None]) @ counts[small]).max(initial=0)) <= (
+            LOOP_MIN_TOKENS):
+        return None  # no state loops on bytes that start that many tokens (compact JSON)
+    tgt = cols[states][:, small].astype(np.int64)
+    loops = cols[tgt, small[None, :]] == tgt  # class small[j] leads W = tgt[:, j] back to W
+    loops &= tgt != dfa.dead
     # NOTE: W is where the looping class that starts most tokens leads (the space's); other looping
     # classes (digits into a number) are not in S
-    top = np.where(loops, counts[None, :] + 1, 0).argmax(axis=1)
+    top = np.where(loops, counts[small][None, :] + 1, 0).argmax(axis=1)
     w = tgt[np.arange(len(states)), top]
     loops &= tgt == w[:, None]
-    sizes = np.bincount(byte_class, minlength=len(rep))
-    num = loops.astype(np.int64) @ sizes
-    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.int64) @ counts > LOOP_MIN_TOKENS)
+    num = loops.astype(np.int64) @ sizes[small]
+    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.int64) @ counts[small] > LOOP_MIN_TOKENS)
     if not ok.any():
         return None
-    return Loops(dfa, tables, states[ok].astype(np.int64), loops[ok][:, byte_class], w[ok])
+    col_of = np.full(len(rep) + 1, len(small), dtype=np.int64)  # classes outside `small`: a False column
+    col_of[small] = np.arange(len(small))
+    member = np.zeros((int(ok.sum()), len(small) + 1), dtype=bool)
+    member[:, : len(small)] = loops[ok]
+    return Loops(dfa, tables, states[ok].astype(np.int64), member[:, col_of[byte_class]], w[ok])
