@@ -20,7 +20,8 @@ Peers are optional: install them in a separate virtual environment (they may pul
 torch) together with `pip install --no-deps -e packages/cfsm` and run this file from there.
 
     python benchmarks/cfsm/bench_cfsm.py [--vocab smollm2 tekken] [--engines cfsm xgrammar ...]
-                                          [--grammars ipv4 schema-8 ...] [--json out.json]
+                                          [--grammars ipv4 schema-8 ...] [--whitespace compact flexible]
+                                          [--json out.json]
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--vocab", nargs="+", default=["smollm2"], choices=list(VOCABS))
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--grammars", nargs="+", default=list(GRAMMARS), choices=list(GRAMMARS))
+    ap.add_argument("--whitespace", nargs="+", default=["compact"], choices=["compact", "flexible"],
+                    help="JSON whitespace of the schema and free-JSON grammars (regexes run once, compact)")
     ap.add_argument("--repeat", type=int, default=3, help="compiles per grammar (median); 1 if one takes >2 s")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
@@ -201,41 +204,46 @@ def main() -> None:
     for vname in args.vocab:
         bundle = VOCABS[vname]()
         for ename in args.engines:
-            t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                engine = ENGINES[ename](bundle)
-            except ImportError as exc:
-                print(f"# {ename}: not installed ({exc}); skipped", file=sys.stderr)
-                continue
-            prep_ms = (time.perf_counter() - t0) * 1e3
-            prep_cpu_ms = (time.process_time() - c0) * 1e3
-            try:  # warm-up: module-level and first-use costs are not the grammar's
-                engine.compile("regex", "[a-z]+")
-            except Exception as exc:  # noqa: BLE001 - reported, the benchmark goes on
-                print(f"# {ename}: warm-up failed: {exc}", file=sys.stderr)
-            for gname in args.grammars:
-                kind, grammar, target = GRAMMARS[gname]
+            for wi, ws in enumerate(args.whitespace):
+                t0, c0 = time.perf_counter(), time.process_time()
                 try:
-                    row = run_one(engine, bundle, kind, grammar, target, args.repeat)
-                except Exception as exc:  # noqa: BLE001 - a peer failing a grammar is a result
-                    row = {"error": f"{type(exc).__name__}: {exc}"[:120]}
-                row.update(vocab=bundle.name, engine=ename, grammar=gname, vocab_prep_ms=prep_ms, vocab_prep_cpu_ms=prep_cpu_ms)
-                results.append(row)
-                print(json.dumps(row), file=sys.stderr)
+                    engine = ENGINES[ename](bundle, whitespace=ws)
+                except ImportError as exc:
+                    print(f"# {ename}: not installed ({exc}); skipped", file=sys.stderr)
+                    continue
+                prep_ms = (time.perf_counter() - t0) * 1e3
+                prep_cpu_ms = (time.process_time() - c0) * 1e3
+                try:  # warm-up: module-level and first-use costs are not the grammar's
+                    engine.compile("regex", "[a-z]+")
+                except Exception as exc:  # noqa: BLE001 - reported, the benchmark goes on
+                    print(f"# {ename}: warm-up failed: {exc}", file=sys.stderr)
+                for gname in args.grammars:
+                    kind, grammar, target = GRAMMARS[gname]
+                    if kind == "regex" and wi:
+                        continue  # whitespace applies to JSON grammars only
+                    try:
+                        row = run_one(engine, bundle, kind, grammar, target, args.repeat)
+                    except Exception as exc:  # noqa: BLE001 - a peer failing a grammar is a result
+                        row = {"error": f"{type(exc).__name__}: {exc}"[:120]}
+                    row.update(vocab=bundle.name, engine=ename, grammar=gname, vocab_prep_ms=prep_ms, vocab_prep_cpu_ms=prep_cpu_ms,
+                               whitespace="-" if kind == "regex" else ws)
+                    results.append(row)
+                    print(json.dumps(row), file=sys.stderr)
     _print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:
-    cols = ["vocab", "grammar", "engine", "vocab_prep_cpu_ms", "compile_ms", "compile_cpu_ms", "first_mask_ms",
+    cols = ["vocab", "grammar", "whitespace", "engine", "vocab_prep_cpu_ms", "compile_ms", "compile_cpu_ms", "first_mask_ms",
             "mask_mean_us", "mask_p50_us", "mask_p99_us", "accept_p50_us", "jump_forward_share", "index_mb",
             "rss_delta_mb"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
         if "error" in r:
-            print(f"| {r['vocab']} | {r['grammar']} | {r['engine']} | error: {r['error']} |" + " |" * (len(cols) - 4))
+            print(f"| {r['vocab']} | {r['grammar']} | {r['whitespace']} | {r['engine']} | error: {r['error']} |"
+                  + " |" * (len(cols) - 5))
             continue
         cells = []
         for c in cols:
@@ -249,7 +257,7 @@ def _print_table(results: list[dict[str, Any]]) -> None:
             else:
                 cells.append(str(v))
         if r.get("rejected_prefix"):
-            cells[2] += f" (failed on valid text: {r['rejected_prefix'][-40:]!r})"
+            cells[3] += f" (failed on valid text: {r['rejected_prefix'][-40:]!r})"
         print("| " + " | ".join(cells) + " |")
 
 
