@@ -58,6 +58,13 @@ def _bits(lo: int, hi: int) -> int:
     return (1 << (hi + 1)) - (1 << lo)
 
 
+def _ranges_bits(ranges: tuple[tuple[int, int], ...]) -> int:
+    bits = 0
+    for lo, hi in ranges:
+        bits |= _bits(lo, hi)
+    return bits
+
+
 def _disjoint(entries: list[tuple[int, int, int]], bits: int = 0) -> int:
     """The bytes `entries` read (with `bits`), raising `_Fallback` where two of them overlap."""
     for lo, hi, _ in entries:
@@ -101,6 +108,7 @@ class LoopStates:
         self.pending: set[int] = set()  # states of `loop_list` whose ranges are not set yet
         # `loop_list`'s states after an item: their continuation and the separator's first range
         self.cyclic_states: dict[int, tuple[int, int, int]] = {}
+        self._run_bits: dict[tuple[tuple[int, int], ...], int] = {}  # a run's bytes by its ranges
 
     def _ranges(self, s: int) -> list[tuple[int, int, int]]:
         """The literal ranges (lo, hi, target) of a literal, union or block-union state."""
@@ -110,20 +118,23 @@ class LoopStates:
         """`build(node, cont)` for a whitespace run (`is_loop`)."""
         assert isinstance(node.item, Chars)
         ranges = node.item.ranges
-        s_bits = 0
-        for lo, hi in ranges:
-            s_bits |= _bits(lo, hi)
+        s_bits = self._run_bits.get(ranges)
+        if s_bits is None:
+            s_bits = self._run_bits[ranges] = _ranges_bits(ranges)
         if cont in self.pending:
             raise _Fallback("a whitespace run before a list's own continuation")
         hit = self.loops.get(cont)
         if hit is not None and hit[0] == s_bits:
             return cont  # S* S* R is S* R
         start = self.block_union.get(cont)
+        cont_bits = self.entry[cont][2]
         if start is None and self._entries(cont) is None:
             if cont in self.finals:
                 raise _Fallback("a whitespace run at the end")
             start = cont  # a block's start
             rest: list[tuple[int, int, int]] = []
+        elif start is None and not cont_bits & s_bits:  # most runs: before a literal state
+            return self._state(s_bits, ranges, self._ranges(cont), None, s_bits | cont_bits)
         else:
             rest = self._rest_of(cont, s_bits)
         if start is not None and self.entry[start][2] & s_bits:
@@ -147,16 +158,18 @@ class LoopStates:
         return out
 
     def _state(self, s_bits: int, ranges: tuple[tuple[int, int], ...], rest: list[tuple[int, int, int]],
-               start: int | None = None) -> int:
+               start: int | None = None, bits: int | None = None) -> int:
         """A state looping on the ranges S (none where `s_bits` is 0) with the other ranges `rest`
-        and, with `start`, the row of that block start (made once per key)."""
+        and, with `start`, the row of that block start (made once per key); `bits`: the bytes
+        read where known to be disjoint (else checked)."""
         key = (ranges, start, *sorted(rest))
         hit = self._loop_consed.get(key)
         if hit is not None:
             return hit
         s = self.size
         self.size += 1
-        bits = _disjoint(rest, s_bits)
+        if bits is None:
+            bits = _disjoint(rest, s_bits)
         dists = [self.entry[t][1] for _, _, t in rest if self.entry[t][1] >= 0]
         acc = False
         if start is not None:
@@ -326,14 +339,15 @@ class LoopStates:
         return ("L", *(tuple(x) for x in parts)), live & _MASK
 
     def finish_block_unions(self, t: np.ndarray) -> None:
-        """Give every block-union state its block start's row (the blocks placed and merged)."""
+        """Give every block-union state its block start's row (the blocks placed and merged; a
+        start is a plain block start, whose row is final by then)."""
         n = t.shape[0] - 1
-        for s in sorted(self.block_union):
-            row = t[self.block_union[s]]
-            mine = t[s]
-            if ((mine != n) & (row != n)).any():
-                raise _Fallback("a choice before a block that reads its byte")
-            t[s] = np.where(mine == n, row, mine)
+        states = np.fromiter(self.block_union, dtype=np.int64, count=len(self.block_union))
+        rows = t[np.fromiter(self.block_union.values(), dtype=np.int64, count=len(self.block_union))]
+        mine = t[states]
+        if ((mine != n) & (rows != n)).any():
+            raise _Fallback("a choice before a block that reads its byte")
+        t[states] = np.where(mine == n, rows, mine)
 
     def block_union_acceptance(self, acc: np.ndarray) -> None:
         """A block-union state accepts where its block start does."""
