@@ -555,6 +555,24 @@ def _refine_weights(k: int) -> np.ndarray:
     return w
 
 
+# tables of at most this many entries (states x columns) are refined in plain Python
+_SMALL_REFINE = 512
+
+
+def _refine_small(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """`_refine` for a small table: Moore rounds on exact row signatures (tuples), in Python
+    (numpy's per-call cost dominates there). The same partition (other ids)."""
+    rows = cols.tolist()
+    c = cls.tolist()
+    num = len(set(c))
+    while True:
+        ids: dict[tuple[int, ...], int] = {}
+        new = [ids.setdefault((c[p], *[c[x] for x in row]), len(ids)) for p, row in enumerate(rows)]
+        if len(ids) == num:
+            return np.asarray(new, dtype=np.int64)
+        c, num = new, len(ids)
+
+
 def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     """Moore refinement to the coarsest congruence, with 64-bit row hashes as signatures.
 
@@ -565,6 +583,8 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     # congruence and, if not, refined again with exact row comparisons.
     """
     n, k = cols.shape
+    if n * k <= _SMALL_REFINE:
+        return _refine_small(cols, cls)
     weights = _refine_weights(k)
     _, cls = np.unique(cls, return_inverse=True)
     cls = cls.reshape(-1).astype(np.int64)
