@@ -147,6 +147,10 @@ def test_loop_states_give_the_walked_masks(schema: dict[str, Any], monkeypatch: 
 def test_structural_classes_with_runs_and_lists_are_the_refined_partition(schema: dict[str, Any]) -> None:
     """Where `_Builder.classes` answers (loop, block-union and list states included), its partition
     is the refinement's."""
+    _check_classes(schema)
+
+
+def _check_classes(schema: dict[str, Any]) -> None:
     import cfsm.direct as direct
     from cfsm.automaton import _refine
 
@@ -164,3 +168,14 @@ def test_structural_classes_with_runs_and_lists_are_the_refined_partition(schema
     refined = _refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
     pairs = np.unique(np.column_stack([cls, refined]), axis=0)
     assert len(pairs) == len(np.unique(cls)) == len(np.unique(refined))
+
+
+def test_a_union_equal_to_a_loop_state_shares_its_class() -> None:
+    # the optional property's value accepts nothing: the state after "{" with its runs is "S* }",
+    # as the loop state before "}" is (a union that reads S into it with the same other ranges)
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"k": {"enum": []}},
+                                                     "required": ["k"]}}, "additionalProperties": False}
+    node = schema_to_node(schema, _FLEX)
+    direct = build_dfa_direct(node, force=True)
+    assert direct is not None and _same(direct, build_dfa(node))
+    _check_classes(schema)  # the union state is unreachable: the partition tells

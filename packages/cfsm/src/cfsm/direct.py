@@ -648,6 +648,7 @@ class _Builder(LoopStates):
         copies = self.copies
         multi = self.multi
         groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
+        loop_rest: dict[int, tuple[object, ...]] = {}  # per loop class: its ranges outside S (`loop_alias`)
         for i in self.made:
             if i >= 0 and multi and lit_src[i] in multi:
                 s = lit_src[i]
@@ -656,10 +657,13 @@ class _Builder(LoopStates):
                                                                    for j in multi[s]])
                 if key2 is None:
                     continue  # every range leads to a state that accepts nothing: stays dead
-                c = ids.get(key2)
+                alias = self.loop_alias(s, cls_l, loop_rest) if self.loops and loop_k is None else None
+                c = ids.get(key2) if alias is None else alias
                 if c is None:
                     c = ids[key2] = num
                     num += 1
+                    if key2[0] == "L":
+                        loop_rest[c] = self.loop_rest_of(key2)
                 cls_l[s] = c
                 live_l[s] = live
             elif i >= 0:
@@ -749,7 +753,13 @@ class _Builder(LoopStates):
                 kd_l = np.where(own, -1, kd).tolist()
             lit_lo, lit_hi = self.lit_lo, self.lit_hi
             keys: set[object] = set()
+            loop_rest = {int(cls[u]): self.loop_rest_of(("L", *k)) for u, k in (
+                (u, _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]) for u, e in self.multi.items()
+                if u in self.loops and u not in self.block_union and u not in self.cyclic_states) if k is not None
+                and isinstance(k[0], tuple)} if self.loops else {}
             for u, e in self.multi.items():
+                if loop_rest and u not in self.loops and self.loop_alias(u, cls, loop_rest) is not None:
+                    return None  # a union state that is a loop state: the loop merges them
                 k = _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]
                 # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
                 if k is None or not isinstance(k[0], tuple):

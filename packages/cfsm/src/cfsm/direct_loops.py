@@ -338,6 +338,43 @@ class LoopStates:
             return ("B", cls_l[start], *(tuple(x) for x in parts)), (live + live_l[start]) & _MASK
         return ("L", *(tuple(x) for x in parts)), live & _MASK
 
+    def loop_alias(self, s: int, cls_l: list[int] | np.ndarray, loop_rest: dict[int, tuple[object, ...]]) -> int | None:
+        """The class of the loop state that union state `s` equals, if any: `s` reads every byte
+        of S (and only those) into one loop class c on S, and its other ranges are c's
+        (`loop_rest`: per loop class its ranges outside S): S L | R is S* R, L itself."""
+        rng = self._ranges(s)
+        loops = {self.loops[t][0] for _, _, t in rng if t in self.loops and t not in self.block_union}
+        if len(loops) != 1:
+            return None
+        s_bits = loops.pop()
+        covered = 0
+        into: set[int] = set()
+        parts: list[list[int]] = []
+        for lo, hi, t in sorted(rng):
+            b = _bits(lo, hi)
+            k = int(cls_l[t])
+            if b & s_bits:
+                if b & ~s_bits:
+                    return None
+                covered |= b
+                into.add(k)
+                k = -1
+            elif k == 0:
+                continue
+            if parts and parts[-1][1] + 1 == lo and parts[-1][2] == k:
+                parts[-1][1] = hi
+            else:
+                parts.append([lo, hi, k])
+        if covered != s_bits or len(into) != 1:
+            return None
+        c = into.pop()
+        return c if loop_rest.get(c) == tuple(tuple(x) for x in parts if x[2] != -1) else None
+
+    @staticmethod
+    def loop_rest_of(key: tuple[object, ...]) -> tuple[object, ...]:
+        """A loop state's ranges outside S from its key (`loop_key`'s "L" keys)."""
+        return tuple(x for x in key[1:] if isinstance(x, tuple) and x[2] != -1)
+
     def finish_block_unions(self, t: np.ndarray) -> None:
         """Give every block-union state its block start's row (the blocks placed and merged; a
         start is a plain block start, whose row is final by then)."""

@@ -232,8 +232,12 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     class_row = np.empty(len(reps), dtype=np.int32)
     few, owner, pos = walker.walk_few(reps.astype(np.int64), rep_cands, loops)
     if few.any():
+        base = None
+        if loops is not None:  # the loop states' tokens made only of loop bytes: one row per loop set
+            at = loops.row[reps]
+            base = (np.where(at >= 0, loops.group[np.maximum(at, 0)], -1), loops.only_ids(is_long, tables.order))
         _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words,
-                  tables.max_id)
+                  tables.max_id, base)
     prefix_rows = _PrefixRows(tables.order, is_long, words)
     for k in np.flatnonzero(~few).tolist():
         rep = int(reps[k])

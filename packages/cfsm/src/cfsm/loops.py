@@ -138,7 +138,12 @@ class Loops:
             out[at] = own.astype(np.int64) @ counts + after.astype(np.int64) @ np.diff(table.bounds) + len(table.only)
         return out
 
-    def pairs(self, rows: np.ndarray, min_len: int | None = None
+    def only_ids(self, is_long: np.ndarray, order: np.ndarray) -> list[np.ndarray]:
+        """Per loop set (`group`): the ids of the tokens made only of its bytes and at most the
+        shared depth long (`is_long` false): allowed in each of its loop states."""
+        return [order[t.only[~is_long[t.only]]].astype(np.int64) for t in self.table]
+
+    def pairs(self, rows: np.ndarray, min_len: int | None = None, with_only: bool = True
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The (state, token) pairs of the loop states `rows` whose token starts with a loop byte
         (and is longer than `min_len` bytes, if given): (owner, position, state, offset) of the
@@ -153,8 +158,9 @@ class Loops:
             table = whole if min_len is None else whole.longer_than(min_len)
             r = rows[self.group[rows] == g]
             mine, into = self.states[r], self.into[r]
-            parts[4].append(np.repeat(mine, len(table.only)))
-            parts[5].append(np.tile(table.only, len(mine)))
+            if with_only:
+                parts[4].append(np.repeat(mine, len(table.only)))
+                parts[5].append(np.tile(table.only, len(mine)))
             sizes = np.diff(table.bounds)
             live = (self.trans[into, :256] != self.dead) & ~self.member[r] & (sizes > 0)[None, :]
             i, c = np.nonzero(live)
@@ -178,23 +184,34 @@ def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None
     """
     rep, byte_class = dfa.byte_classes
     cols = dfa.class_table  # (num_states + 1, num_classes)
-    counts = np.bincount(byte_class, weights=tables.first_byte_counts, minlength=len(rep)).astype(np.int64)
+    counts = np.bincount(byte_class, weights=tables.first_byte_counts, minlength=len(rep))
     sizes = np.bincount(byte_class, minlength=len(rep))
     small = np.flatnonzero((sizes <= _MAX_LOOP_BYTES) & (counts > 0))  # the classes S can hold
     n = cols.shape[0] - 1
-    if not len(small) or int(((cols[:n, small] == np.arange(n)[:, None]) @ counts[small]).max(initial=0)) <= (
-            LOOP_MIN_TOKENS):
+    if not len(small):
+        return None
+    sub = cols[:, small]  # (num_states + 1, num_small)
+    selfl = sub == np.arange(n + 1)[:, None]  # W loops on the class
+    is_w = selfl.astype(np.float64) @ counts[small] > LOOP_MIN_TOKENS  # NOTE: float: a BLAS product
+    is_w[n] = False  # the dead state
+    ws = np.flatnonzero(is_w)  # NOTE: and not string text (it loops on most bytes: `templates`, chains)
+    is_w[ws] = (cols[ws] == ws[:, None]).astype(np.float64) @ sizes <= _MAX_LOOP_BYTES
+    if not is_w.any():
         return None  # no state loops on bytes that start that many tokens (compact JSON)
-    tgt = cols[states][:, small].astype(np.int64)
-    loops = cols[tgt, small[None, :]] == tgt  # class small[j] leads W = tgt[:, j] back to W
-    loops &= tgt != dfa.dead
+    keep = selfl[is_w].any(axis=0)  # the classes some W loops on (whitespace)
+    small, sub, selfl = small[keep], sub[:, keep], selfl[:, keep]
+    tgt = sub[states]
+    states = states[is_w[tgt].any(axis=1)]  # a class into such a W
+    tgt = sub[states].astype(np.int64)
+    # class j leads into W = tgt[:, j], which loops on it
+    loops = selfl[tgt, np.arange(len(small))[None, :]] & is_w[tgt]
     # NOTE: W is where the looping class that starts most tokens leads (the space's); other looping
     # classes (digits into a number) are not in S
     top = np.where(loops, counts[small][None, :] + 1, 0).argmax(axis=1)
     w = tgt[np.arange(len(states)), top]
     loops &= tgt == w[:, None]
-    num = loops.astype(np.int64) @ sizes[small]
-    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.int64) @ counts[small] > LOOP_MIN_TOKENS)
+    num = loops.astype(np.float64) @ sizes[small]
+    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.float64) @ counts[small] > LOOP_MIN_TOKENS)
     if not ok.any():
         return None
     col_of = np.full(len(rep) + 1, len(small), dtype=np.int64)  # classes outside `small`: a False column

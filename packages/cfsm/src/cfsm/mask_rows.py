@@ -30,11 +30,14 @@ def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
 
 def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
               order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
-              intern: Callable[[np.ndarray], int], words: int, max_id: int | None = None) -> None:
+              intern: Callable[[np.ndarray], int], words: int, max_id: int | None = None,
+              base: tuple[np.ndarray, list[np.ndarray]] | None = None) -> None:
     """Rows of the classes walked in batch (`few`): `class_row[k]` for each of them.
 
     Token sets are grouped by two 64-bit sums of random per-token weights (with their size), so
-    each distinct set is packed once from one representative.
+    each distinct set is packed once from one representative. `base` (per rep: the index of a
+    token-id set, or -1; those sets) adds a set to a rep's tokens (disjoint from its pairs: the
+    tokens made only of whitespace of a loop state, `loops.Loops.only_ids`).
     # NOTE: only a collision of both sums and the size (about classes^2 / 2^128) would give two
     # classes one row.
     """
@@ -59,6 +62,14 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
         h[0, seg] = np.add.reduceat(w1[tids], starts)
         h[1, seg] = np.add.reduceat(w2[tids], starts)
         h[2, seg] = np.diff(np.append(starts, len(kk))).astype(np.uint64)
+    base_of = None
+    if base is not None:
+        base_of = base[0][ks]
+        for g, ids in enumerate(base[1]):
+            at = base_of == g
+            h[0, at] += w1[ids].sum(dtype=np.uint64)
+            h[1, at] += w2[ids].sum(dtype=np.uint64)
+            h[2, at] += np.uint64(len(ids))
     acc = accepting[reps[ks]]
     h[0, acc] += w1[eos].sum(dtype=np.uint64)
     h[1, acc] += w2[eos].sum(dtype=np.uint64)
@@ -81,7 +92,13 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     if len(acc_g) and len(eos):
         pair_g = np.concatenate([pair_g, np.repeat(acc_g, len(eos))])
         pair_t = np.concatenate([pair_t, np.tile(eos.astype(np.int64), len(acc_g))])
-    class_row[ks] = pack_rows(len(first), pair_g, pair_t, words, intern)[inverse.reshape(-1)]
+    rows = None
+    if base is not None and base_of is not None:
+        rows = np.zeros((len(base[1]), words), dtype=np.uint32)
+        for g, ids in enumerate(base[1]):
+            or_bits(rows[g], ids)
+    class_row[ks] = pack_rows(len(first), pair_g, pair_t, words, intern, rows,
+                              None if base_of is None else base_of[first])[inverse.reshape(-1)]
 
 
 def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,

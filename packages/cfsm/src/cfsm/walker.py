@@ -187,7 +187,8 @@ class _Walker:
         sorted position of every surviving (state, token) pair, grouped by owner). A batch holds
         at most `_BATCH_PAIRS` pairs, bounding its memory. The tokens of `loops`' states that
         start with a loop byte are walked from their first byte outside the loop (then
-        `num_candidates` counts them so: `Loops.candidates`).
+        `num_candidates` counts them so: `Loops.candidates`); those made only of loop bytes are
+        left out (the same for every loop state of one loop set: `Loops.only_ids`).
         """
         tables = self.tables
         if num_candidates is None:  # else the caller's `num_candidates(states)`
@@ -242,10 +243,11 @@ class _Walker:
                 pos = np.concatenate([one_pos, pos_w, pos_n])
                 rows = loop_row[s0:s1] if loops is not None and loop_row is not None else np.zeros(0, np.int64)
                 if loops is not None and (rows >= 0).any():
-                    l_own, l_pos, l_cur, l_at, o_own, o_pos = loops.pairs(rows[rows >= 0])
+                    # NOTE: the tokens made only of loop bytes are the caller's (`Loops.only_ids`)
+                    l_own, l_pos, l_cur, l_at, _, _ = loops.pairs(rows[rows >= 0], with_only=False)
                     w_own, w_pos = _walk_pairs_from(l_pos, l_cur, l_at, l_own, columns, self.tflat, self.dead)
-                    own = np.concatenate([own, w_own, o_own])
-                    pos = np.concatenate([pos, w_pos, o_pos])
+                    own = np.concatenate([own, w_own])
+                    pos = np.concatenate([pos, w_pos])
                 # NOTE: each owner's pairs contiguous; the walks left them by ending byte (stable)
                 order = _stable_argsort(own, self.trans.shape[0])
                 out_owner.append(own[order])
