@@ -761,10 +761,11 @@ class _Builder(LoopStates):
                 if loop_rest and u not in self.loops and self.loop_alias(u, cls, loop_rest) is not None:
                     return None  # a union state that is a loop state: the loop merges them
                 k = _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]
+                special = u in self.block_union or u in self.cyclic_states
                 # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
-                if k is None or not isinstance(k[0], tuple):
+                if k is None or not (special or isinstance(k[0], tuple)):
                     return None
-                if u in self.block_union or u in self.cyclic_states:
+                if special:
                     keys.add(("U", u) if u in self.cyclic_states else ("B", int(cls[self.block_union[u]]), k))
                 else:
                     keys.add(k)

@@ -342,6 +342,8 @@ class LoopStates:
         """The class of the loop state that union state `s` equals, if any: `s` reads every byte
         of S (and only those) into one loop class c on S, and its other ranges are c's
         (`loop_rest`: per loop class its ranges outside S): S L | R is S* R, L itself."""
+        if s in self.block_union or s in self.loops:  # reads as its block too / its own key
+            return None
         rng = self._ranges(s)
         loops = {self.loops[t][0] for _, _, t in rng if t in self.loops and t not in self.block_union}
         if len(loops) != 1:
