@@ -1,8 +1,12 @@
 """Grammar compile worker processes: cfsm compiles outside the engine process, with kill on timeout.
 
-`CompilePool` keeps `num_workers` processes of the "spawn" context (the engine process holds
-CUDA and torch state and is never forked). Each worker builds the cfsm `Vocabulary` from the
-token table it is started with and calls `prepare()` once, then compiles one job at a time. A
+`CompilePool` keeps `num_workers` worker processes, started as a fresh interpreter (fork + exec,
+what multiprocessing's "spawn" does: the engine process holds CUDA and torch state and is never
+forked) that runs `worker_entry` and talks over two pipes. Unlike multiprocessing's spawn it does
+not re-run the parent's `__main__` script in the worker (an offline `Engine` script without an
+`if __name__ == "__main__"` guard would load its model there), and the worker imports cfsm only.
+Each worker builds the cfsm `Vocabulary` from the token table sent first and calls `prepare()`
+once, then compiles one job at a time. A
 compiled `cfsm.Index` comes back as its arrays (`index_payload`): the vocabulary never travels
 back, the engine rebuilds the `Index` over its own (`index_from_payload`).
 
@@ -23,11 +27,11 @@ import concurrent.futures as cf
 import contextlib
 import gc
 import logging
-import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -35,11 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import cfsm
 from cfsm.automaton import Dfa
 
 __all__ = ["KINDS", "CompileJob", "CompilePool", "compile_error_message", "compile_index", "index_from_payload",
-           "index_payload", "vocab_spec"]
+           "index_payload", "recv_message", "send_message", "vocab_spec", "warm_index", "worker_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ _F_SETPIPE_SZ = 1031  # Linux fcntl: a 1 MiB result pipe needs 5 reads (not 80) 
 _PIPE_BYTES = 1 << 20
 _READY_TIMEOUT_S = 120.0  # a worker that is not ready by then is killed (and the jobs fail)
 _TICK_S = 0.1  # the dispatcher's longest sleep while jobs exist (deadlines, injected clocks)
+_NICE = 5  # scheduling priority of a worker, below the engine's
 
 
 # --- the compile itself (both sides) ----------------------------------------------------------------
@@ -96,9 +103,57 @@ def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> cfsm.In
                       approximations=tuple(approximations))
 
 
+def warm_index(index: cfsm.Index) -> cfsm.Index:
+    """Computes what `Index` builds on first use (forced-string table, per-row token flags, EOS
+    mask), so the engine thread does not at a request's admission (tens of ms for a DFA of 30k
+    states; numpy, mostly without the GIL). Returns `index`."""
+    index.compressed  # noqa: B018
+    index.has_tokens(index.start)
+    index.eos_mask  # noqa: B018
+    return index
+
+
 def vocab_spec(vocab: cfsm.Vocabulary) -> VocabSpec:
     """What a worker needs to rebuild `vocab` (about 0.5 MB pickled for a 49k vocabulary). Pure."""
     return (tuple(vocab.tokens), tuple(vocab.eos_token_ids), int(vocab.size), tuple(sorted(vocab.special_token_ids)))
+
+
+# --- messages: a pickle whose arrays travel out of band --------------------------------------------------
+
+
+def send_message(conn: mpc.Connection, msg: Any) -> None:
+    """Writes `msg` as one frame (pickle protocol 5 without the array data, and the data sizes) then
+    each array's bytes raw, so the reader can read them straight into fresh buffers (`recv_message`).
+    Raises what pickling raises before anything is written."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(msg, protocol=_PROTOCOL, buffer_callback=buffers.append)
+    views = [b.raw() for b in buffers]
+    conn.send_bytes(pickle.dumps(([v.nbytes for v in views], head), protocol=_PROTOCOL))
+    fd = conn.fileno()
+    for view in views:
+        done = 0
+        while done < view.nbytes:
+            done += os.write(fd, view[done:])
+
+
+def recv_message(conn: mpc.Connection) -> Any:
+    """Reads one `send_message` message. The array bytes go from the pipe into their buffers in
+    `os.readv` calls, which run without the GIL: the engine thread barely notices a 30 MB index
+    (a plain unpickle would hold the GIL for its copy, about 20 ms). Raises EOFError at a closed pipe."""
+    sizes, head = pickle.loads(conn.recv_bytes())
+    fd = conn.fileno()
+    buffers = []
+    for size in sizes:
+        buf = np.empty(size, dtype=np.uint8)  # NOTE: pages are touched by the kernel's copy, not here
+        view = buf.data
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:]])
+            if n == 0:
+                raise EOFError("the worker closed its pipe in the middle of a message")
+            done += n
+        buffers.append(buf)
+    return pickle.loads(head, buffers=buffers)
 
 
 # --- the worker process ---------------------------------------------------------------------------------
@@ -125,13 +180,24 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _worker_main(jobs: mpc.Connection, results: mpc.Connection, spec: VocabSpec, parent_pid: int) -> None:
-    """A worker process: builds and prepares the vocabulary, then compiles jobs until EOF or None.
+def worker_entry() -> None:
+    """The worker process's main (`python -c`, argv: jobs fd, results fd, parent pid): reads the
+    vocabulary spec (the first message), builds and prepares the vocabulary, then compiles jobs
+    until EOF or None.
 
     Sends ("ready", pid), then per job ("ok", job_id, payload) or ("error", job_id, message).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the engine stops us in order
+    jobs_fd, results_fd, parent_pid = (int(a) for a in sys.argv[1:4])
     _exit_with_parent(parent_pid)
+    with contextlib.suppress(OSError):
+        os.nice(_NICE)  # where cores are few, the engine's decode goes first
+    jobs = mpc.Connection(jobs_fd, writable=False)
+    results = mpc.Connection(results_fd, readable=False)
+    try:
+        spec: VocabSpec = pickle.loads(jobs.recv_bytes())
+    except (EOFError, OSError):
+        return
     tokens, eos, size, special = spec
     vocab = cfsm.Vocabulary(tokens, eos, size=size, special_token_ids=special).prepare()
     del spec, tokens
@@ -140,7 +206,7 @@ def _worker_main(jobs: mpc.Connection, results: mpc.Connection, spec: VocabSpec,
     # cycles, so it runs with the collector off and one collection after it
     gc.collect()
     gc.freeze()
-    results.send_bytes(pickle.dumps(("ready", os.getpid()), protocol=_PROTOCOL))
+    send_message(results, ("ready", os.getpid()))
     while True:
         try:
             job: CompileJob | None = pickle.loads(jobs.recv_bytes())
@@ -158,18 +224,37 @@ def _worker_main(jobs: mpc.Connection, results: mpc.Connection, spec: VocabSpec,
         finally:
             gc.enable()
         try:
-            data = pickle.dumps(msg, protocol=_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable approximation note
-            data = pickle.dumps(("error", job.job_id, compile_error_message(job.kind, exc)), protocol=_PROTOCOL)
-        del msg
-        gc.collect()
-        try:
-            results.send_bytes(data)
+            send_message(results, msg)
         except (BrokenPipeError, OSError):
             return
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable approximation note
+            send_message(results, ("error", job.job_id, compile_error_message(job.kind, exc)))
+        del msg
+        gc.collect()
 
 
 # --- the engine side ------------------------------------------------------------------------------------
+
+_PATH_ENV = "LMSERVER_GRAMMAR_WORKER_PATH"
+# NOTE: no "" (the current folder) on the worker's path, and the folders the engine imported cfsm and
+# lmserver from where the worker's path lacks them: it compiles with the cfsm the engine rebuilds indexes with
+_WORKER_CODE = (f"import os, sys; sys.path[:] = [p for p in sys.path if p]; "
+                f"sys.path[:0] = [p for p in os.environ.get({_PATH_ENV!r}, '').split(os.pathsep) "
+                f"if p and p not in sys.path]; "
+                f"from lmserver.constrained.workers import worker_entry; worker_entry()")
+
+
+def _worker_env() -> dict[str, str]:
+    """The engine's environment, naming the folders of its cfsm and lmserver."""
+    import lmserver
+
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__ or ""))) for m in (cfsm, lmserver)]
+    return dict(os.environ, **{_PATH_ENV: os.pathsep.join(dict.fromkeys(roots))})
+
+
+def _send_quietly(conn: mpc.Connection, data: bytes) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the worker died first: its EOF is reported elsewhere
+        conn.send_bytes(data)
 
 
 @dataclass(frozen=True)
@@ -194,7 +279,7 @@ class _Job:
 
 @dataclass(eq=False)
 class _Worker:
-    proc: Any  # multiprocessing.Process of the spawn context
+    proc: subprocess.Popen[bytes]
     jobs: mpc.Connection  # engine -> worker
     results: mpc.Connection  # worker -> engine
     started: float
@@ -239,7 +324,6 @@ class CompilePool:
         self.clock = clock
         self.name = name
         self.stats = PoolStats()
-        self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._workers: list[_Worker] = []
@@ -248,7 +332,7 @@ class CompilePool:
         os.set_blocking(self._wake_w, False)
         self._stopping = False
         self._job_ids = 0
-        self._spec: VocabSpec | None = None
+        self._spec: bytes | None = None  # the pickled VocabSpec every worker gets first
         self._vocab: cfsm.Vocabulary | None = None
         self._start_error: str | None = None
 
@@ -263,7 +347,7 @@ class CompilePool:
     def worker_pids(self) -> list[int]:
         """Pids of the live worker processes (started ones included)."""
         with self._lock:
-            return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+            return [w.proc.pid for w in self._workers]
 
     def busy(self) -> dict[int, str]:
         """Worker pid -> the kind of the grammar it is compiling."""
@@ -310,10 +394,12 @@ class CompilePool:
                 w.jobs.send_bytes(pickle.dumps(None, protocol=_PROTOCOL))
         deadline = time.monotonic() + timeout_s
         for w in workers:
-            w.proc.join(max(deadline - time.monotonic(), 0.0))
-            if w.proc.is_alive():
+            try:
+                w.proc.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
                 w.proc.kill()
-                w.proc.join(1.0)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.proc.wait(1.0)
             self._close(w)
             if w.job is not None:
                 queued.append(w.job)
@@ -350,8 +436,8 @@ class CompilePool:
             with self._lock:
                 busy = bool(self._queue) or any(w.job is not None or w.pid is None for w in self._workers)
                 waitables: list[Any] = [self._wake_r]
-                for w in self._workers:
-                    waitables += [w.results, w.proc.sentinel]
+                # NOTE: a worker that exits closes its end of the results pipe: EOF there
+                waitables += [w.results for w in self._workers]
             ready = mpc.wait(waitables, timeout=_TICK_S if busy else None)
             for obj in ready:
                 if obj == self._wake_r:
@@ -360,8 +446,6 @@ class CompilePool:
             for w in list(self._workers):
                 if w.results in ready:
                     self._receive(w)
-                elif w.proc.sentinel in ready:
-                    self._reap(w, "exited")
 
     def _ensure_workers(self) -> None:
         """Starts workers up to `num_workers` (the vocabulary first, once)."""
@@ -371,28 +455,41 @@ class CompilePool:
                 return
         if self._spec is None:
             self._vocab = self._vocab_fn()
-            self._spec = vocab_spec(self._vocab)
+            self._spec = pickle.dumps(vocab_spec(self._vocab), protocol=_PROTOCOL)
         for _ in range(missing):
             self._start_worker()
 
     def _start_worker(self) -> None:
-        assert self._spec is not None
-        jobs_r, jobs_w = self._ctx.Pipe(duplex=False)
-        results_r, results_w = self._ctx.Pipe(duplex=False)
+        spec = self._spec
+        assert spec is not None
+        jobs_r, jobs_w = os.pipe()
+        results_r, results_w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):
             import fcntl
 
-            fcntl.fcntl(results_w.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
-        index = self.stats.started
-        proc = self._ctx.Process(target=_worker_main, args=(jobs_r, results_w, self._spec, os.getpid()),
-                                 name=f"{self.name}-{index}", daemon=True)
-        proc.start()
-        # NOTE: the child has its ends now; closing ours makes a dead worker read as EOF
-        jobs_r.close()
-        results_w.close()
+            fcntl.fcntl(results_w, _F_SETPIPE_SZ, _PIPE_BYTES)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CODE, str(jobs_r), str(results_w), str(os.getpid())],
+                pass_fds=(jobs_r, results_w), stdin=subprocess.DEVNULL, env=_worker_env())
+        except BaseException:
+            for fd in (jobs_r, jobs_w, results_r, results_w):
+                os.close(fd)
+            raise
+        finally:
+            # NOTE: the child has its ends now; closing ours makes a dead worker read as EOF
+            with contextlib.suppress(OSError):
+                os.close(jobs_r)
+            with contextlib.suppress(OSError):
+                os.close(results_w)
+        jobs = mpc.Connection(jobs_w, readable=False)
+        results = mpc.Connection(results_r, writable=False)
+        # NOTE: the spec (0.5 MB for 49k tokens) outgrows the pipe until the child reads it: a thread writes
+        # it, the dispatcher goes on; no job is written before the worker's "ready" (it read the spec then)
+        threading.Thread(target=_send_quietly, args=(jobs, spec), name=f"{self.name}-spec", daemon=True).start()
         self.stats.started += 1
         with self._lock:
-            self._workers.append(_Worker(proc, jobs_w, results_r, time.monotonic()))
+            self._workers.append(_Worker(proc, jobs, results, time.monotonic()))
 
     def _dispatch(self) -> None:
         """Hands queued jobs to idle ready workers (FIFO)."""
@@ -433,7 +530,7 @@ class CompilePool:
     def _receive(self, w: _Worker) -> None:
         start = time.thread_time()
         try:
-            msg = pickle.loads(w.results.recv_bytes())
+            msg = recv_message(w.results)
         except (EOFError, OSError):
             self._reap(w, "exited")
             return
@@ -453,7 +550,7 @@ class CompilePool:
         if msg[0] == "ok":
             assert self._vocab is not None
             try:
-                index = index_from_payload(msg[2], self._vocab)
+                index = warm_index(index_from_payload(msg[2], self._vocab))
             except Exception as exc:  # noqa: BLE001
                 self._set(job, exc=self._on_error(job.job.kind, f"compiled {job.job.kind} grammar is unusable: {exc!r}"))
                 return
@@ -493,20 +590,18 @@ class CompilePool:
         with self._lock:
             if w in self._workers:
                 self._workers.remove(w)
-        if kill and w.proc.is_alive():
+        if kill and w.proc.poll() is None:
             w.proc.kill()
-        w.proc.join(5.0)
-        exitcode: int | None = w.proc.exitcode
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(5.0)
         self._close(w)
-        return exitcode
+        return w.proc.returncode
 
     @staticmethod
     def _close(w: _Worker) -> None:
         for conn in (w.jobs, w.results):
             with contextlib.suppress(OSError):
                 conn.close()
-        with contextlib.suppress(ValueError):
-            w.proc.close()
 
     def _fail_queued(self) -> None:
         with self._lock:
