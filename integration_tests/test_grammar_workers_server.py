@@ -196,6 +196,11 @@ def test_strict_and_approximation_notes(http: httpx.Client, oai: openai.OpenAI) 
         oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Tags?"}], max_tokens=8,
                                     response_format={"type": "json_schema", "json_schema": {
                                         "name": "tags", "schema": UNIQUE, "strict": True}})
+    chat = http.post("/v1/chat/completions", json={
+        "model": "default", "max_tokens": 24, "temperature": 0, "messages": [{"role": "user", "content": "Tags?"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "tags", "schema": UNIQUE}}})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["grammar_approximations"] == notes
     plain = http.post("/generate", json={"text": "x", "sampling_params": {
         "max_new_tokens": 2, "regex": "[ab]+"}}).json()["meta_info"]
     assert "grammar_approximations" not in plain

@@ -212,6 +212,63 @@ def test_a_worker_that_dies_fails_its_grammar_only() -> None:
         b.shutdown()
 
 
+def test_a_full_queue_is_a_503_through_the_http_layer() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from lmserver.api.errors import install_error_handlers
+    from lmserver.constrained import ConstrainedDecoding
+    from lmserver.io_struct import InvalidRequestError, OverloadedError, request_error
+
+    cd = ConstrainedDecoding(None, VOCAB.size, VOCAB.eos_token_ids, max_pending_compiles=1)
+    cd.backend = _backend(compile_workers=1, max_pending=1)
+    try:
+        cd.submit("slow", GrammarKey("regex", SLOW))
+        cd.submit("refused", GrammarKey("regex", "abc"))
+        refused = dict(cd.poll())["refused"]
+        assert isinstance(refused, GrammarQueueFullError)
+    finally:
+        cd.shutdown()
+    out = cd.error_output("refused", refused)
+    assert out.error_status == 503 and out.error is not None and "--grammar-max-pending" in out.error
+    err = request_error(out.error, out.error_status)  # what the front end raises for it
+    assert type(err) is OverloadedError and err.status == 503
+    assert type(request_error("bad grammar")) is InvalidRequestError
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/x")
+    async def x() -> None:
+        raise err
+
+    r = TestClient(app).get("/x")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert "retry later" in r.json()["error"]["message"]
+
+
+_UNGUARDED = """
+import sys
+from cfsm.testing import tiny_vocab
+from lmserver.constrained import GrammarBackend, GrammarKey
+print("top level ran", flush=True)
+v = tiny_vocab()
+b = GrammarBackend(None, v.size, v.eos_token_ids, vocab=v, compile_workers=1)
+print("states", b.compile(GrammarKey("regex", "a+b")).dfa.num_states, flush=True)
+b.shutdown()
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path: object) -> None:
+    # multiprocessing's spawn would run this script again in each worker; the workers never do
+    script = os.path.join(str(tmp_path), "unguarded.py")
+    with open(script, "w") as f:
+        f.write(_UNGUARDED)
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("top level ran") == 1 and "states 3" in done.stdout, done.stdout
+
+
 _ORPHAN = """
 import sys, time
 from cfsm.testing import tiny_vocab

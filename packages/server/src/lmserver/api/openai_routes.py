@@ -64,6 +64,14 @@ def _matched(state: GenState) -> Any:
     return (state.finish_reason or {}).get("matched")
 
 
+def _notes(state: GenState) -> dict[str, Any]:
+    """A choice's `grammar_approximations` (beside `matched_stop`, lmserver's other per-choice
+    extra) once finished: what its JSON Schema grammar over-approximates, if anything."""
+    if state.finished and state.grammar_approximations:
+        return {"grammar_approximations": state.grammar_approximations}
+    return {}
+
+
 def _usage(groups: list[list[GenState]]) -> dict[str, Any]:
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(s.completion_tokens for g in groups for s in g)
@@ -141,7 +149,7 @@ async def completions(request: Request) -> Response:
     if not req.stream:
         states = await _states(request, mgr, reqs)
         choices = [{"index": i, "text": echo_text[i // n] + s.text, "logprobs": logprobs_of(s, i, 0),
-                    "finish_reason": _finish(s), "matched_stop": _matched(s)} for i, s in enumerate(states)]
+                    "finish_reason": _finish(s), "matched_stop": _matched(s), **_notes(s)} for i, s in enumerate(states)]
         groups = [states[k:k + n] for k in range(0, len(states), n)]
         return JSONBody({"id": cid, "object": "text_completion", "created": created, "model": model,
                                "choices": choices, "usage": _usage(groups)})
@@ -167,7 +175,7 @@ async def completions(request: Request) -> Response:
                     final[i] = s
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                            "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(s),
-                                        "matched_stop": _matched(s)}]})
+                                        "matched_stop": _matched(s), **_notes(s)}]})
             if include_usage:
                 states = [final[i] for i in sorted(final)]
                 groups = [states[k:k + n] for k in range(0, len(states), n)]
@@ -206,7 +214,7 @@ async def chat_completions(request: Request) -> Response:
     if not req.stream:
         states = await _states(request, mgr, reqs)
         choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": lp(s, 0),
-                    "finish_reason": _finish(s), "matched_stop": _matched(s)} for i, s in enumerate(states)]
+                    "finish_reason": _finish(s), "matched_stop": _matched(s), **_notes(s)} for i, s in enumerate(states)]
         return JSONBody({"id": cid, "object": "chat.completion", "created": created, "model": model,
                                "choices": choices, "usage": _usage([states])})
 
@@ -238,7 +246,7 @@ async def chat_completions(request: Request) -> Response:
                 if s.finished:
                     final[i] = s
                     yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish(s),
-                                  "matched_stop": _matched(s)}])
+                                  "matched_stop": _matched(s), **_notes(s)}])
             if include_usage:
                 yield chunk([], usage=_usage([[final[i] for i in sorted(final)]]))
         except InvalidRequestError as exc:
