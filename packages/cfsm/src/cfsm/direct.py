@@ -752,15 +752,18 @@ class _Builder(LoopStates):
                 own = dst == src
                 kd_l = np.where(own, -1, kd).tolist()
             lit_lo, lit_hi = self.lit_lo, self.lit_hi
+            raw = {u: _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]
+                   for u, e in self.multi.items()}
+            loop_rest: dict[int, tuple[object, ...]] = {}
+            if self.loops:
+                for u, k in raw.items():
+                    if (k is not None and isinstance(k[0], tuple) and u in self.loops and u not in self.block_union
+                            and u not in self.cyclic_states):
+                        loop_rest[int(cls[u])] = self.loop_rest_of(("L", *k))
             keys: set[object] = set()
-            loop_rest = {int(cls[u]): self.loop_rest_of(("L", *k)) for u, k in (
-                (u, _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]) for u, e in self.multi.items()
-                if u in self.loops and u not in self.block_union and u not in self.cyclic_states) if k is not None
-                and isinstance(k[0], tuple)} if self.loops else {}
-            for u, e in self.multi.items():
+            for u, k in raw.items():
                 if loop_rest and u not in self.loops and self.loop_alias(u, cls, loop_rest) is not None:
                     return None  # a union state that is a loop state: the loop merges them
-                k = _union_key([(lit_lo[j], lit_hi[j], kd_l[j]) for j in e], live=False)[0]
                 special = u in self.block_union or u in self.cyclic_states
                 # NOTE: a union whose ranges merge into one range has a literal state's key: the loop
                 if k is None or not (special or isinstance(k[0], tuple)):

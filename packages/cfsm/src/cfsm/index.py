@@ -158,8 +158,9 @@ def _long_rows(owner: np.ndarray, ids: np.ndarray, mask_row: np.ndarray, row_lis
     sel = np.isin(group, first)
     remap = np.full(len(states), -1, dtype=np.int64)
     remap[first] = np.arange(len(first))
-    base = np.concatenate(row_list).reshape(len(row_list), words).view(np.uint32)
-    rows = pack_rows(len(first), remap[group[sel]], ids[sel], words, intern, base, mask_row[states[first]])
+    need, base_idx = np.unique(mask_row[states[first]], return_inverse=True)  # the rows they start from
+    base = np.concatenate([row_list[r] for r in need.tolist()]).reshape(len(need), words).view(np.uint32)
+    rows = pack_rows(len(first), remap[group[sel]], ids[sel], words, intern, base, base_idx.reshape(-1))
     mask_row[states] = rows[inverse]
 
 
