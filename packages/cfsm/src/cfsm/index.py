@@ -203,7 +203,8 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     loops = find_loops(dfa, tables, others)
     if loops is not None:
         num_cands[np.searchsorted(others, loops.states)] = loops.candidates(np.arange(len(loops.states)))
-    if walker.num_broad(others, num_cands) >= _CLASSES_MIN_BROAD:
+    shared = walker.num_broad(others, num_cands) >= _CLASSES_MIN_BROAD
+    if shared:
         classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
         _, first, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
         reps, rep_cands = others[first], num_cands[first]
@@ -232,11 +233,17 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     # one row per class (acceptance, hence EOS, is the same in the whole class)
     class_row = np.empty(len(reps), dtype=np.int32)
     few, owner, pos = walker.walk_few(reps.astype(np.int64), rep_cands, loops)
+    only_done = None  # loop states whose rows hold every token made only of loop bytes
     if few.any():
         base = None
         if loops is not None:  # the loop states' tokens made only of loop bytes: one row per loop set
             at = loops.row[reps]
-            base = (np.where(at >= 0, loops.group[np.maximum(at, 0)], -1), loops.only_ids(is_long, tables.order))
+            # NOTE: without shared walks a row is its state's alone: the long ones too
+            base = (np.where(at >= 0, loops.group[np.maximum(at, 0)], -1),
+                    loops.only_ids(is_long if shared else None, tables.order))
+            if not shared:
+                only_done = np.zeros(len(loops.states), dtype=bool)
+                only_done[at[few & (at >= 0)]] = True
         _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words,
                   tables.max_id, base)
     prefix_rows = _PrefixRows(tables.order, is_long, words)
@@ -265,7 +272,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
     mask_row[others] = class_row[class_of.reshape(-1)]
     # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
-    l_owner, l_ids = walker.walk_long(_SHARE_DEPTH, generic, loops)
+    l_owner, l_ids = walker.walk_long(_SHARE_DEPTH, generic, loops, only_done)
     if len(l_owner):
         _long_rows(l_owner, l_ids, mask_row, row_list, words, intern, max(tables.max_id, int(eos.max())) + 1)
     if _STRING_TABLES:

@@ -138,10 +138,10 @@ class Loops:
             out[at] = own.astype(np.int64) @ counts + after.astype(np.int64) @ np.diff(table.bounds) + len(table.only)
         return out
 
-    def only_ids(self, is_long: np.ndarray, order: np.ndarray) -> list[np.ndarray]:
-        """Per loop set (`group`): the ids of the tokens made only of its bytes and at most the
-        shared depth long (`is_long` false): allowed in each of its loop states."""
-        return [order[t.only[~is_long[t.only]]].astype(np.int64) for t in self.table]
+    def only_ids(self, is_long: np.ndarray | None, order: np.ndarray) -> list[np.ndarray]:
+        """Per loop set (`group`): the ids of the tokens made only of its bytes (at most the shared
+        depth long where `is_long` is given: those it marks false): allowed in each of its loop states."""
+        return [order[t.only if is_long is None else t.only[~is_long[t.only]]].astype(np.int64) for t in self.table]
 
     def pairs(self, rows: np.ndarray, min_len: int | None = None, with_only: bool = True
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

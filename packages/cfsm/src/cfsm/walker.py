@@ -256,15 +256,15 @@ class _Walker:
             return small, np.zeros(0, np.int64), np.zeros(0, np.int64)
         return small, np.concatenate(out_owner), np.concatenate(out_pos)
 
-    def walk_long(self, min_len: int, states: np.ndarray | None = None, loops: Loops | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+    def walk_long(self, min_len: int, states: np.ndarray | None = None, loops: Loops | None = None,
+                  only_done: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The tokens longer than `min_len` bytes allowed in each state, as (state, token id)
         pairs sorted by state (only the states where the bool mask `states` is set, if given).
 
         States with many such candidates that have a chain (string text) take the ones made
         only of their group's bytes by length, as `walk` does; the tokens of `loops`' states that
-        start with a loop byte are walked from their first byte outside the loop; the other pairs
-        are walked.
+        start with a loop byte are walked from their first byte outside the loop (those made only
+        of loop bytes taken, but for the loop states `only_done` marks); the other pairs are walked.
         """
         tables = self.tables
         long_pos, first, lead, lead_at, lead_end = _long_leads(tables, min_len)
@@ -306,6 +306,9 @@ class _Walker:
         t_owner, t_pos = owner[taken], long_pos[k[taken]]
         if loops is not None:  # from their first byte outside the loop; made only of loop bytes: taken
             l_own, l_pos, l_cur, l_at, o_own, o_pos = loops.pairs(np.arange(len(loops.states)), min_len)
+            if only_done is not None:  # those loop states' rows have them already (`Loops.only_ids`)
+                keep = ~only_done[loops.row[o_own]]
+                o_own, o_pos = o_own[keep], o_pos[keep]
             w_owner, w_pos = np.concatenate([w_owner, l_own]), np.concatenate([w_pos, l_pos])
             cur, at = np.concatenate([cur, l_cur]), np.concatenate([at, l_at])
             t_owner, t_pos = np.concatenate([t_owner, o_own]), np.concatenate([t_pos, o_pos])
