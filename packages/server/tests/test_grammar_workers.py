@@ -123,6 +123,20 @@ def test_failed_compile_is_retried_not_cached(backend: GrammarBackend) -> None:
         backend.compile(GrammarKey("nope", "x"))
 
 
+def test_long_schemas_are_parsed_by_the_worker(backend: GrammarBackend) -> None:
+    from lmserver.constrained.backend import CANONICAL_MAX_LENGTH
+
+    padded = json.dumps({"type": "integer", "description": "x" * CANONICAL_MAX_LENGTH}, indent=1)
+    key = grammar_key(SamplingParams(json_schema=padded))
+    assert key == GrammarKey("json_schema", padded)  # kept as sent: the engine thread does not parse it
+    _same(backend.compile(key), cfsm.compile_json_schema(padded, VOCAB))
+    for text, message in [("{" + " " * CANONICAL_MAX_LENGTH, "invalid json_schema grammar"),
+                          ("[" * 40_000 + "]" * 40_000, "invalid json_schema grammar")]:
+        with pytest.raises(GrammarError, match=message):
+            backend.compile(grammar_key(SamplingParams(json_schema=text)))  # type: ignore[arg-type]
+    assert len(backend.worker_pids()) == 2
+
+
 def test_strict_refuses_an_approximation_naming_keyword_and_path(backend: GrammarBackend) -> None:
     loose = backend.compile(GrammarKey("json_schema", json.dumps(UNIQUE)))
     assert [str(a) for a in loose.approximations] == ["uniqueItems at #/uniqueItems: not enforced (items may repeat)"]

@@ -68,7 +68,7 @@ class ServerConfig:
     grammar_strict: bool = _opt(False, "JSON Schema keywords cfsm can only over-approximate are a 400 by default "
                                        "(per request: sampling_params.json_schema_strict, OpenAI response_format "
                                        "json_schema.strict)")
-    grammar_max_length: int = _opt(1 << 20, "longest regex or JSON Schema text accepted, in characters")
+    grammar_max_length: int = _opt(4 << 20, "longest regex or JSON Schema text accepted, in characters")
     # Parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks")
     dp_size: int = _opt(1, "data-parallel replicas behind the router")

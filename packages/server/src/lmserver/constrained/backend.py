@@ -47,7 +47,11 @@ __all__ = ["KINDS", "GrammarBackend", "GrammarError", "GrammarKey", "GrammarQueu
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LENGTH = 1 << 20  # characters of a regex or JSON Schema text (--grammar-max-length)
+DEFAULT_MAX_LENGTH = 4 << 20  # characters of a regex or JSON Schema text (--grammar-max-length)
+# JSON Schema texts up to this many characters are parsed on the engine thread (a 400 for bad JSON before any
+# compile) and re-serialized compactly (one cache entry for any spacing); longer ones are keyed as sent and
+# parsed by the worker (json.loads of 4 MB would hold the engine thread for tens of ms)
+CANONICAL_MAX_LENGTH = 1 << 16
 
 
 class GrammarError(InvalidRequestError):
@@ -94,6 +98,10 @@ def grammar_key(params: SamplingParams, *, strict: bool = False, max_length: int
     if params.regex is not None:
         return GrammarKey("regex", params.regex)
     if params.json_schema is not None:
+        per_request = params.json_schema_strict
+        strict = strict if per_request is None else bool(per_request)
+        if len(params.json_schema) > CANONICAL_MAX_LENGTH:
+            return GrammarKey("json_schema", params.json_schema, strict=strict)
         try:
             schema = json.loads(params.json_schema)
         except RecursionError:
@@ -104,9 +112,7 @@ def grammar_key(params: SamplingParams, *, strict: bool = False, max_length: int
         # default (no undeclared properties) would only allow "{}".
         if schema == {"type": "object"}:
             return GrammarKey("json_object", "")
-        per_request = params.json_schema_strict
-        return GrammarKey("json_schema", json.dumps(schema, separators=(",", ":")),
-                          strict=strict if per_request is None else bool(per_request))
+        return GrammarKey("json_schema", json.dumps(schema, separators=(",", ":")), strict=strict)
     return None
 
 

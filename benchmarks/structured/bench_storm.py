@@ -1,0 +1,382 @@
+"""A storm of JSON Schema compiles next to plain streams: do the streams keep their pace?
+
+Two phases against one server:
+- `calm`: `--streams` streaming plain-text requests (native `/generate`, `ignore_eos`,
+  `--stream-tokens` new tokens each) arrive at once;
+- `storm`: the same streams again; once each has sent its first chunk, `--schemas` requests with
+  distinct JSON Schemas (never compiled before on this server) arrive at once.
+
+Per phase: the streams' per-user decode speed (tokens after the first over the time from the
+first chunk to the last: mean and slowest), their largest gap between two chunks, and in the storm
+the same over the storm window alone (from the schema requests' arrival to the last answer:
+tokens of each stream that arrived in it, over the window). Per schema: its outcome — `valid`
+(JSON that the `jsonschema` package validates against the schema), `truncated` (the request ran
+out of `--schema-tokens`), `invalid` (finished, but not valid JSON or not valid for the schema),
+`400` (with the server's message), or `other` (another status, an exception) — its time to the
+first token (grammar compile and wait included) and the approximations the server reported.
+
+Schemas: `--schema-dir DIR` (repeatable; every `*.json` below it, e.g. the `data/<subset>` folders
+of a JSONSchemaBench checkout), `--schemas` of them drawn with `--seed`; by default a built-in
+generator of distinct synthetic schemas (objects of 4 to 24 properties: bounded strings, enums,
+numbers with ranges, formats, nested objects and arrays). Every schema gets a random unused
+`description` prefix so that each one compiles, also on a server that saw the folder before.
+
+    python benchmarks/structured/bench_storm.py --url http://127.0.0.1:30000 [--streams 8] [--schemas 96]
+        [--schema-dir DIR] [--stream-tokens 256] [--schema-tokens 256] [--json out.json]
+    python benchmarks/structured/bench_storm.py --server-args "--context-length 4096" ...   (starts a server)
+
+Without `--url` it starts `lmserver serve` with `--server-args` (the embedded SmolLM2 by default)
+and stops it after. The table ends with the storm/calm ratio of the per-user decode speed and
+the largest gap (the issue's targets: >= 0.9 and <= 100 ms on the H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import os
+import random
+import shlex
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import jsonschema
+
+STREAM_PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how bread is made, step by step.",
+                  "Describe a walk through a busy market.", "Tell the history of a small mountain town.",
+                  "Write a letter to a friend about a long trip.", "Describe the life of a honeybee.",
+                  "Explain how a sailing ship works.", "Write a story about two chess players."]
+
+
+@dataclass
+class StreamResult:
+    index: int
+    times: list[float] = field(default_factory=list)  # arrival of each chunk
+    tokens: list[int] = field(default_factory=list)  # completion tokens at each chunk
+    error: str | None = None
+
+    def decode_tok_s(self) -> float:
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return float("nan")
+        return (self.tokens[-1] - self.tokens[0]) / (self.times[-1] - self.times[0])
+
+    def max_gap_s(self, start: float = float("-inf"), end: float = float("inf")) -> float:
+        ts = [t for t in self.times if start <= t <= end]
+        before = [t for t in self.times if t < start][-1:]
+        after = [t for t in self.times if t > end][:1]
+        ts = before + ts + after
+        return max((b - a for a, b in zip(ts, ts[1:], strict=False)), default=float("nan"))
+
+    def tok_s_in(self, start: float, end: float) -> float:
+        """Tokens that arrived in [start, end] over the part of it this stream was decoding."""
+        inside = [(t, n) for t, n in zip(self.times, self.tokens, strict=True) if start <= t <= end]
+        before = [n for t, n in zip(self.times, self.tokens, strict=True) if t < start]
+        if not inside or not before:
+            return float("nan")
+        span = min(end, self.times[-1]) - max(start, self.times[0])
+        return (inside[-1][1] - before[-1]) / span if span > 0 else float("nan")
+
+
+@dataclass
+class SchemaResult:
+    name: str
+    outcome: str = "other"  # valid | truncated | invalid | 400 | other
+    status: int = 0
+    message: str = ""
+    ttft_s: float = float("nan")  # the first token after arrival: compile and queue included
+    e2e_s: float = float("nan")
+    approximations: list[str] = field(default_factory=list)
+
+
+# --- schemas -----------------------------------------------------------------------------------------
+
+
+def synthetic_schemas(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """`n` distinct object schemas of the kinds real APIs use."""
+    rng = random.Random(seed)
+    words = ["id", "name", "title", "email", "count", "price", "status", "created", "tags", "owner", "score",
+             "url", "city", "country", "code", "active", "level", "notes", "items", "version", "kind", "size"]
+
+    def value(depth: int) -> dict[str, Any]:
+        kind = rng.choice(["string", "bounded", "enum", "integer", "number", "boolean", "format", "array", "object"]
+                          if depth < 2 else ["string", "bounded", "enum", "integer", "number", "boolean"])
+        if kind == "string":
+            return {"type": "string"}
+        if kind == "bounded":
+            return {"type": "string", "minLength": rng.randint(1, 3), "maxLength": rng.randint(8, 40)}
+        if kind == "enum":
+            return {"enum": rng.sample(["red", "green", "blue", "small", "large", "open", "closed", "new", "old"],
+                                       rng.randint(2, 5))}
+        if kind == "integer":
+            lo = rng.randint(-100, 100)
+            return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(1, 100000)}
+        if kind == "number":
+            return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 100, 1e6])}
+        if kind == "boolean":
+            return {"type": "boolean"}
+        if kind == "format":
+            return {"type": "string", "format": rng.choice(["date", "date-time", "email", "uuid", "uri", "ipv4"])}
+        if kind == "array":
+            return {"type": "array", "items": value(depth + 1), "maxItems": rng.randint(1, 5)}
+        return obj(depth + 1, rng.randint(2, 6))
+
+    def obj(depth: int, size: int) -> dict[str, Any]:
+        keys = rng.sample(words, min(size, len(words)))
+        props = {f"{k}_{rng.randint(0, 999)}" if rng.random() < 0.3 else k: value(depth) for k in keys}
+        required = [k for k in props if rng.random() < 0.7]
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+    out: list[tuple[str, dict[str, Any]]] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        schema = obj(0, rng.randint(4, 24))
+        text = json.dumps(schema, sort_keys=True)
+        if text not in seen:
+            seen.add(text)
+            out.append((f"synthetic-{len(out)}", schema))
+    return out
+
+
+def folder_schemas(dirs: list[str], n: int, seed: int) -> list[tuple[str, Any]]:
+    paths = sorted(p for d in dirs for p in glob.glob(os.path.join(d, "**", "*.json"), recursive=True))
+    if not paths:
+        raise SystemExit(f"no *.json files under {dirs}")
+    rng = random.Random(seed)
+    out: list[tuple[str, Any]] = []
+    for path in rng.sample(paths, len(paths)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                schema = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            continue
+        out.append((os.path.relpath(path, os.path.commonpath(dirs) if len(dirs) > 1 else dirs[0]), schema))
+        if len(out) == n:
+            break
+    return out
+
+
+def distinct(schema: Any, tag: str) -> Any:
+    """`schema` with an annotation nobody sent before: a cache miss on any server (annotations do
+    not change the language)."""
+    if isinstance(schema, dict):
+        return {"$comment": f"bench_storm {tag}", **schema}
+    return schema
+
+
+# --- requests ------------------------------------------------------------------------------------------
+
+
+def run_stream(client: httpx.Client, i: int, max_new: int, started: threading.Semaphore) -> StreamResult:
+    res = StreamResult(i)
+    body = {"text": STREAM_PROMPTS[i % len(STREAM_PROMPTS)], "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    signalled = False
+    try:
+        with client.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {r.read()[:300]!r}"
+                return res
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                obj = json.loads(line[5:])
+                if "error" in obj:
+                    res.error = str(obj["error"])
+                    break
+                res.times.append(time.perf_counter())
+                res.tokens.append(int(obj["meta_info"]["completion_tokens"]))
+                if not signalled:
+                    signalled = True
+                    started.release()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if not signalled:
+            started.release()
+    return res
+
+
+def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> SchemaResult:
+    res = SchemaResult(name)
+    body = {"text": "Here is a JSON document that follows the schema:\n", "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "json_schema": json.dumps(schema)}}
+    start = time.perf_counter()
+    last: dict[str, Any] | None = None
+    try:
+        with client.stream("POST", "/generate", json=body) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                text = r.read().decode(errors="replace")
+                try:
+                    res.message = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    res.message = text[:300]
+                res.outcome = "400" if r.status_code == 400 else "other"
+                return res
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                obj = json.loads(line[5:])
+                if "error" in obj:
+                    res.message = str(obj["error"].get("message", obj["error"]))
+                    res.outcome = "400" if obj["error"].get("code") == 400 else "other"
+                    return res
+                if obj["meta_info"]["completion_tokens"] and res.ttft_s != res.ttft_s:
+                    res.ttft_s = time.perf_counter() - start
+                last = obj
+    except Exception as exc:  # noqa: BLE001
+        res.message = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e_s = time.perf_counter() - start
+    if last is None:
+        res.message = "no output"
+        return res
+    meta = last["meta_info"]
+    res.approximations = list(meta.get("grammar_approximations", []))
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason == "length":
+        res.outcome = "truncated"
+        return res
+    try:
+        doc = json.loads(last["text"])
+        jsonschema.validators.validator_for(schema)(schema).validate(doc)
+        res.outcome = "valid"
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError, RecursionError) as exc:
+        res.outcome, res.message = "invalid", f"{type(exc).__name__}: {str(exc)[:200]}"
+    except Exception as exc:  # noqa: BLE001 - e.g. a $ref jsonschema cannot resolve
+        res.outcome, res.message = "invalid", f"the validator failed: {type(exc).__name__}: {str(exc)[:200]}"
+    if reason == "abort" and res.outcome != "valid":
+        res.outcome, res.message = "other", str(meta.get("finish_reason"))
+    return res
+
+
+def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[str, Any]],
+          schema_tokens: int) -> dict[str, Any]:
+    started = threading.Semaphore(0)  # released once per stream, at its first chunk
+    limits = httpx.Limits(max_connections=streams + len(schemas) + 8)
+    with httpx.Client(base_url=base_url, timeout=1800, limits=limits) as client, \
+            cf.ThreadPoolExecutor(streams + len(schemas)) as pool:
+        futs = [pool.submit(run_stream, client, i, stream_tokens, started) for i in range(streams)]
+        for _ in range(streams):  # every stream has sent its first chunk
+            started.acquire(timeout=1800)
+        t0 = time.perf_counter()
+        sfuts = [pool.submit(run_schema, client, name, schema, schema_tokens) for name, schema in schemas]
+        schema_results = [f.result() for f in sfuts]
+        t1 = time.perf_counter()
+        stream_results = [f.result() for f in futs]
+    return {"streams": stream_results, "schemas": schema_results, "window": (t0, t1)}
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def _nanmean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def summarize(name: str, res: dict[str, Any], storm: bool) -> dict[str, Any]:
+    streams: list[StreamResult] = res["streams"]
+    t0, t1 = res["window"]
+    speeds = [s.decode_tok_s() for s in streams]
+    row: dict[str, Any] = {
+        "phase": name, "streams": len(streams), "errors": [s.error for s in streams if s.error],
+        "per_user_tok_s_mean": _nanmean(speeds), "per_user_tok_s_min": min(speeds, default=float("nan")),
+        "max_gap_ms": 1e3 * max((s.max_gap_s() for s in streams), default=float("nan")),
+    }
+    if storm:
+        window = [s.tok_s_in(t0, t1) for s in streams]
+        row.update({"storm_window_s": t1 - t0, "window_tok_s_mean": _nanmean(window),
+                    "window_tok_s_min": min(window, default=float("nan")),
+                    "window_max_gap_ms": 1e3 * max((s.max_gap_s(t0, t1) for s in streams), default=float("nan"))})
+    return row
+
+
+def print_report(calm: dict[str, Any], storm: dict[str, Any], schemas: list[SchemaResult]) -> None:
+    cols = ["phase", "streams", "per_user_tok_s_mean", "per_user_tok_s_min", "max_gap_ms", "window_tok_s_mean",
+            "window_tok_s_min", "window_max_gap_ms", "storm_window_s"]
+    print("  ".join(f"{c:>20}" for c in cols))
+    for row in (calm, storm):
+        cells = []
+        for c in cols:
+            v = row.get(c, "")
+            cells.append(f"{v:>20.1f}" if isinstance(v, float) else f"{v!s:>20}")
+        print("  ".join(cells))
+    for row in (calm, storm):
+        for e in row["errors"]:
+            print(f"  {row['phase']} stream error: {e}")
+    ratio = storm.get("window_tok_s_mean", float("nan")) / calm["per_user_tok_s_mean"]
+    print(f"\nper-user decode speed during the storm / calm: {ratio:.2f}; largest gap during the storm: "
+          f"{storm.get('window_max_gap_ms', float('nan')):.0f} ms (calm: {calm['max_gap_ms']:.0f} ms)")
+    counts: dict[str, int] = {}
+    for s in schemas:
+        counts[s.outcome] = counts.get(s.outcome, 0) + 1
+    ttft = sorted(s.ttft_s for s in schemas if s.ttft_s == s.ttft_s)
+    q = (lambda p: ttft[int(p * (len(ttft) - 1))]) if ttft else (lambda p: float("nan"))
+    print(f"schemas: {len(schemas)}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+          + f"; time to first token p50 {q(0.5):.2f} s, p90 {q(0.9):.2f} s, max {q(1.0):.2f} s; "
+          f"with approximation notes: {sum(bool(s.approximations) for s in schemas)}")
+    shown = 0
+    for s in schemas:
+        if s.outcome in ("400", "other", "invalid") and shown < 12:
+            print(f"  {s.outcome:>9} {s.name}: {s.message[:160]}")
+            shown += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running server (default: start one with --server-args)")
+    ap.add_argument("--server-args", default="--context-length 4096", help="lmserver serve options when starting one")
+    ap.add_argument("--streams", type=int, default=8, help="plain streaming requests")
+    ap.add_argument("--stream-tokens", type=int, default=256, help="new tokens per stream")
+    ap.add_argument("--schemas", type=int, default=96, help="distinct JSON Schema requests in the storm")
+    ap.add_argument("--schema-tokens", type=int, default=256, help="max new tokens per schema request")
+    ap.add_argument("--schema-dir", action="append", default=[], help="folder of *.json schemas (repeatable)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", "--json-out", dest="json_out", default=None, help="write every number to this file")
+    args = ap.parse_args()
+
+    server = None
+    url = args.url
+    if url is None:
+        from lmserver.testing import ServerProcess
+
+        server = ServerProcess(shlex.split(args.server_args), core=None)
+        print(f"starting lmserver serve {args.server_args} ...", flush=True)
+        server.start(timeout_s=1800)
+        url = server.base_url
+    try:
+        tag = f"{time.time_ns()}"
+        picked = (folder_schemas(args.schema_dir, args.schemas, args.seed) if args.schema_dir
+                  else synthetic_schemas(args.schemas, args.seed))
+        schemas = [(name, distinct(schema, f"{tag}-{i}")) for i, (name, schema) in enumerate(picked)]
+        with httpx.Client(base_url=url, timeout=600) as client:  # warm: the first forward, the first grammar
+            client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}}).raise_for_status()
+            client.post("/generate", json={"text": "Hi", "sampling_params": {
+                "max_new_tokens": 4, "json_schema": json.dumps({"type": "object", "properties": {"w": {
+                    "type": "string", "description": tag}}})}})
+        calm_res = phase(url, args.streams, args.stream_tokens, [], args.schema_tokens)
+        storm_res = phase(url, args.streams, args.stream_tokens, schemas, args.schema_tokens)
+        calm, storm = summarize("calm", calm_res, False), summarize("storm", storm_res, True)
+        print_report(calm, storm, storm_res["schemas"])
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"args": vars(args), "url": url, "calm": calm, "storm": storm,
+                           "schemas": [asdict(s) for s in storm_res["schemas"]],
+                           "streams": {"calm": [asdict(s) for s in calm_res["streams"]],
+                                       "storm": [asdict(s) for s in storm_res["streams"]]},
+                           "window": storm_res["window"]}, f, indent=1, default=str)
+            print(f"wrote {args.json_out}")
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
