@@ -66,6 +66,9 @@ from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Piece, 
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
 
+# trees with at least this many whitespace runs outside blocks take the direct construction always
+_MANY_RUNS = 8
+
 
 class _Builder(LoopStates):
     def __init__(self) -> None:
@@ -385,7 +388,7 @@ class _Builder(LoopStates):
         if isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80:
             return
         if is_loop(node):
-            self.saw_loop = True
+            self.saw_loop += 1
             return
         if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
             k = self.key(node)
@@ -915,8 +918,9 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         # NOTE: each distinct block built per compile pays a subset construction's fixed cost; the
         # generic construction pays it once for the whole tree: worth it only where blocks repeat
         # or are prepared (standard pieces, `prepare_blocks`)
-        # (with whitespace runs, always: the generic construction's subsets multiply there)
-        if not force and not b.saw_loop and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
+        # (with whitespace runs around many literal pieces, always: the generic construction's
+        # subsets multiply there; free JSON, its runs inside blocks, stays generic)
+        if not force and b.saw_loop < _MANY_RUNS and 2 * len(counts.keys() - b.prepared_keys) > sum(counts.values()):
             return None
         final = b.final()
         start = b.build(node, final)

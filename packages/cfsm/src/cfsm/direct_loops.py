@@ -103,7 +103,7 @@ class LoopStates:
         self.loops: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self.block_union: dict[int, int] = {}  # block-union state -> its block's start
         self._loop_consed: dict[tuple[object, ...], int] = {}  # `_state`'s states by key
-        self.saw_loop = False  # `count_blocks` met a whitespace run
+        self.saw_loop = 0  # whitespace runs `count_blocks` met
         self._sep_memo: dict[int, bool] = {}  # `loop_sep` by node id
         self.pending: set[int] = set()  # states of `loop_list` whose ranges are not set yet
         # `loop_list`'s states after an item: their continuation and the separator's first range

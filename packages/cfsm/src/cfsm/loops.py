@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _stable_argsort, concat_ranges
+from cfsm.automaton import Dfa, concat_ranges
 from cfsm.vocab import TrieTables
 
 __all__ = ["LoopTable", "Loops", "loop_table", "find_loops"]
@@ -51,6 +51,9 @@ class LoopTable:
     out_byte: np.ndarray  # (n,) int16
     out_at: np.ndarray  # (n,) int16
     lengths: np.ndarray  # (n,) int32: the tables' token lengths (`longer_than`)
+    # (256 * 257 + 1,): the lead tokens of c whose next byte is d are [bounds2[k], bounds2[k + 1])
+    # for k = c * 257 + d + 1 (d = -1: the token ends at c); None in a `longer_than` view
+    bounds2: np.ndarray | None = None
     _long: dict[int, LoopTable] = field(default_factory=dict)
 
     def longer_than(self, min_len: int) -> LoopTable:
@@ -92,16 +95,20 @@ def loop_table(tables: TrieTables, member: np.ndarray) -> LoopTable:
         d += 1
     c = columns[at, pos].astype(np.int64)
     lead = np.flatnonzero(c >= 0)
-    order = lead[_stable_argsort(c[lead], 256)]
+    # by c, then by the byte after it (-1: the token ends at c), as `TrieTables.two_byte_starts`
+    two = c[lead] * 257 + columns[at[lead] + 1, pos[lead]].astype(np.int64) + 1
+    order = lead[np.argsort(two, kind="stable")]
     out_byte = np.full(len(tables.order), -2, dtype=np.int16)
     out_at = np.zeros(len(tables.order), dtype=np.int16)
     out_byte[pos] = c
     out_at[pos] = at + 1
     hit = LoopTable(only=pos[c < 0], lead_pos=pos[order], lead_at=at[order] + 1,
                     bounds=np.searchsorted(c[order], np.arange(257)).astype(np.int64), out_byte=out_byte,
-                    out_at=out_at, lengths=tables.lengths)
-    for a in (hit.only, hit.lead_pos, hit.lead_at, hit.bounds, hit.out_byte, hit.out_at):
-        a.flags.writeable = False  # shared by every compile over these tables
+                    out_at=out_at, lengths=tables.lengths,
+                    bounds2=np.searchsorted(np.sort(two), np.arange(256 * 257 + 1)).astype(np.int64))
+    for a in (hit.only, hit.lead_pos, hit.lead_at, hit.bounds, hit.out_byte, hit.out_at, hit.bounds2):
+        if a is not None:
+            a.flags.writeable = False  # shared by every compile over these tables
     if len(per) >= _MAX_TABLES:
         per.pop(next(iter(per)))
     per[key] = hit
@@ -164,11 +171,24 @@ class Loops:
             sizes = np.diff(table.bounds)
             live = (self.trans[into, :256] != self.dead) & ~self.member[r] & (sizes > 0)[None, :]
             i, c = np.nonzero(live)
-            n = sizes[c]
-            idx = concat_ranges(table.bounds[c], n)
-            parts[0].append(np.repeat(mine[i], n))
+            after = self.trans[into[i], c].astype(np.int64)  # the state after c
+            if table.bounds2 is None:  # every token of c
+                n = sizes[c]
+                idx = concat_ranges(table.bounds[c], n)
+                owner, cur = np.repeat(mine[i], n), np.repeat(after, n)
+            else:  # NOTE: only the tokens whose byte after c that state allows (or ending at c)
+                nxt = np.ones((len(i), 257), dtype=bool)
+                nxt[:, 1:] = self.trans[after, :256] != self.dead
+                k = c[:, None] * 257 + np.arange(257)[None, :]  # (pairs, 257)
+                lo2 = table.bounds2[k]
+                n2 = np.where(nxt, table.bounds2[k + 1] - lo2, 0)
+                j, d = np.nonzero(n2)
+                n = n2[j, d]
+                idx = concat_ranges(lo2[j, d], n)
+                owner, cur = np.repeat(mine[i[j]], n), np.repeat(after[j], n)
+            parts[0].append(owner)
             parts[1].append(table.lead_pos[idx])
-            parts[2].append(np.repeat(self.trans[into[i], c].astype(np.int64), n))
+            parts[2].append(cur)
             parts[3].append(table.lead_at[idx])
         a, b, c_, d, e, f = (np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
         return a, b, c_, d, e, f
