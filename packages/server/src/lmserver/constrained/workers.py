@@ -274,7 +274,6 @@ class _Job:
     job: CompileJob
     future: cf.Future[cfsm.Index]
     deadline: float  # the latest deadline of the requests waiting for it; then it is killed
-    worker: _Worker | None = None
 
 
 @dataclass(eq=False)
@@ -312,7 +311,6 @@ class CompilePool:
 
     def __init__(self, num_workers: int, vocab: Callable[[], cfsm.Vocabulary], *,
                  on_error: Callable[[str, str], BaseException], on_timeout: Callable[[CompileJob], BaseException],
-                 on_result: Callable[[CompileJob, cfsm.Index], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, name: str = "lmserver-grammar") -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -320,7 +318,6 @@ class CompilePool:
         self._vocab_fn = vocab
         self._on_error = on_error
         self._on_timeout = on_timeout
-        self._on_result = on_result
         self.clock = clock
         self.name = name
         self.stats = PoolStats()
@@ -390,6 +387,8 @@ class CompilePool:
             queued = list(self._queue)
             self._queue.clear()
         for w in workers:
+            if w.job is not None:  # its compile fails anyway: do not wait for it
+                w.proc.kill()
             with contextlib.suppress(OSError, ValueError):
                 w.jobs.send_bytes(pickle.dumps(None, protocol=_PROTOCOL))
         deadline = time.monotonic() + timeout_s
@@ -473,8 +472,8 @@ class CompilePool:
                 [sys.executable, "-c", _WORKER_CODE, str(jobs_r), str(results_w), str(os.getpid())],
                 pass_fds=(jobs_r, results_w), stdin=subprocess.DEVNULL, env=_worker_env())
         except BaseException:
-            for fd in (jobs_r, jobs_w, results_r, results_w):
-                os.close(fd)
+            os.close(jobs_w)
+            os.close(results_r)
             raise
         finally:
             # NOTE: the child has its ends now; closing ours makes a dead worker read as EOF
@@ -499,7 +498,7 @@ class CompilePool:
                 if idle is None or not self._queue:
                     return
                 job = self._queue.popleft()
-                idle.job, job.worker = job, idle
+                idle.job = job
             try:
                 idle.jobs.send_bytes(pickle.dumps(job.job, protocol=_PROTOCOL))
             except (OSError, ValueError):
@@ -546,7 +545,6 @@ class CompilePool:
         if job is None or job.job.job_id != msg[1]:  # pragma: no cover - one job per worker at a time
             logger.error("grammar worker %s sent a result for job %s it did not have", w.pid, msg[1])
             return
-        job.worker = None
         if msg[0] == "ok":
             assert self._vocab is not None
             try:
@@ -558,9 +556,6 @@ class CompilePool:
             self.stats.receive_s += spent
             self.stats.max_receive_s = max(self.stats.max_receive_s, spent)
             self.stats.compiled += 1
-            if self._on_result is not None:
-                with contextlib.suppress(Exception):
-                    self._on_result(job.job, index)
             self._set(job, index=index)
         else:
             self.stats.failed += 1
