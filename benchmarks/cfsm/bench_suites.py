@@ -86,8 +86,14 @@ def provenance() -> dict[str, Any]:
 
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "packages/cfsm/src").splitlines()]
     diff = git("diff", "HEAD", "--", "packages/cfsm/src")
+    package = Path(cfsm.__file__).resolve().parent
+    files = hashlib.sha256()
+    for f in sorted(package.glob("*.py")):
+        files.update(f.name.encode() + b"\0" + f.read_bytes())
     return {"commit": git("rev-parse", "--short", "HEAD").strip(), "cfsm_dirty": bool(dirty),
             "cfsm_dirty_files": dirty, "cfsm_diff_sha": hashlib.sha256(diff.encode()).hexdigest()[:12] if dirty else "",
+            # what this process imported: this checkout's cfsm, or a copy (PYTHONPATH) of some commit's
+            "cfsm_imported_from_checkout": REPO in package.parents, "cfsm_files_sha": files.hexdigest()[:12],
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -239,7 +245,8 @@ def _cause(engine: str, exc: BaseException, schema: Any) -> tuple[str, bool]:
                 if exc.keyword in ("format", "type") and isinstance(value, str) and len(value) < 40:
                     key = f"{exc.keyword}={value}"
                     break
-            return f"{name}[{key}]", False
+            hint = str(exc).split(f" at {exc.path}", 1)[-1].lstrip(": ")
+            return f"{name}[{key}]" + (f": {_short(hint)[:60]}" if hint else ""), False
         if isinstance(exc, cfsm.UnsupportedRegexError):
             return f"{name}[{exc.construct}]", False
         if isinstance(exc, cfsm.CfsmError):
@@ -429,7 +436,8 @@ class Tally:
             self.not_compiled += 1
             self.causes[res["cause"]] += 1
             if len(self.failed_groups) < 5 * cap:
-                self.failed_groups.append({"group": item.group, "name": item.name, "cause": res["cause"]})
+                self.failed_groups.append({"group": item.group, "name": item.name, "cause": res["cause"],
+                                           "message": res.get("message", "")[:200]})
             if res.get("bug"):
                 bug = self.bugs.setdefault(res["cause"], {"count": 0, "example": f"{item.group}/{item.name}",
                                                           "message": res.get("message", ""),
@@ -520,7 +528,7 @@ def print_coverage(part: str, tallies: dict[Variant, Tally], top: int) -> None:
             print(f"- {n:5d}  {cause}")
         if t.with_approx:
             kws = ", ".join(f"{k} {n}" for k, n in t.approx_keywords.most_common(10))
-            print(f"\n{t.with_approx} compiled schemas report approximations ({kws})")
+            print(f"\n{t.with_approx} compiled schemas report approximations (notes per keyword: {kws})")
         if t.bugs:
             print(f"\n### {part}, {v.label}: errors that are not cfsm.CfsmError ({sum(b['count'] for b in t.bugs.values())})\n")
             for cause, b in sorted(t.bugs.items(), key=lambda kv: -kv[1]["count"]):
@@ -627,6 +635,8 @@ def main() -> None:
           file=sys.stderr)
     bundle = load_smollm2()
     bundle.vocab.prepare()
+    # NOTE: fail fast when cfsm itself is broken (say, a checkout in the middle of an edit)
+    cfsm.compile_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, bundle.vocab)
     for name in {v.engine for v in variants} - {"cfsm"}:
         try:
             _make_engine(bundle, Variant(name, "-", "compact"))
@@ -667,6 +677,8 @@ def main() -> None:
 
     print(f"# commit {start['commit']} (cfsm dirty: {start['cfsm_dirty']}, diff {start['cfsm_diff_sha'] or '-'}); "
           f"at the end {end['commit']} (dirty: {end['cfsm_dirty']}, diff {end['cfsm_diff_sha'] or '-'}); "
+          f"cfsm imported from {'this checkout' if start['cfsm_imported_from_checkout'] else 'a copy'} "
+          f"(files {start['cfsm_files_sha']}); "
           f"SmolLM2 vocabulary, timeout {args.timeout:g} s, {args.workers} workers, {time.monotonic() - t0:.0f} s")
     for part, by_variant in tallies.items():
         print_coverage(part, by_variant, args.top)
