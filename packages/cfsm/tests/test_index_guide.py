@@ -233,8 +233,8 @@ def test_compiler_lru_and_disk_cache(tmp_path) -> None:
 def test_compiler_keys_schema_cache_by_config() -> None:
     vocab = tiny_vocab()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    compact = Compiler(vocab, CfsmConfig())
-    flexible = Compiler(vocab, CfsmConfig(whitespace="flexible"))
+    compact = Compiler(vocab, CfsmConfig(whitespace="compact"))
+    flexible = Compiler(vocab, CfsmConfig())  # the default
     a, b = compact.compile_json_schema(schema), flexible.compile_json_schema(schema)
     # the same schema as JSON text (other spacing) is the same cache entry
     assert compact.compile_json_schema(json.dumps(schema, indent=2)) is a and compact.hits == 1

@@ -12,8 +12,9 @@ __all__ = ["CfsmConfig"]
 class CfsmConfig:
     """How grammars are compiled and cached.
 
-    - `whitespace`: "compact" (no whitespace, like ``json.dumps(separators=(",", ":"))``) or
-      "flexible" (JSON whitespace ``[ \\t\\n\\r]*`` around structural characters);
+    - `whitespace`: "flexible" (the default, as xgrammar's and llguidance's: JSON whitespace
+      ``[ \\t\\n\\r]*`` around structural characters) or "compact" (none, like
+      ``json.dumps(separators=(",", ":"))``: more text is forced, so jump-forward does more);
       `whitespace_pattern` (a regex) overrides both.
     - `any_order`: object properties may come in any order (each at most once; at most
       `MAX_ANY_ORDER_PROPERTIES` properties per object).
@@ -36,7 +37,7 @@ class CfsmConfig:
     property order, no type inference); the defaults narrow it the way generation wants.
     """
 
-    whitespace: Literal["compact", "flexible"] = "compact"
+    whitespace: Literal["compact", "flexible"] = "flexible"
     whitespace_pattern: str | None = None
     any_order: bool = False
     max_recursion_depth: int = 3
