@@ -210,21 +210,22 @@ def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None
     n = cols.shape[0] - 1
     if not len(small):
         return None
-    sub = cols[:, small]  # (num_states + 1, num_small)
-    selfl = sub == np.arange(n + 1)[:, None]  # W loops on the class
-    is_w = selfl.astype(np.float64) @ counts[small] > LOOP_MIN_TOKENS  # NOTE: float: a BLAS product
-    is_w[n] = False  # the dead state
-    ws = np.flatnonzero(is_w)  # NOTE: and not string text (it loops on most bytes: `templates`, chains)
-    is_w[ws] = (cols[ws] == ws[:, None]).astype(np.float64) @ sizes <= _MAX_LOOP_BYTES
-    if not is_w.any():
+    # NOTE: W looked for among `states` only (a W elsewhere leaves its states walked as usual)
+    self_s = cols[states][:, small] == states[:, None]  # W loops on the class
+    w_rows = np.flatnonzero(self_s.astype(np.float64) @ counts[small] > LOOP_MIN_TOKENS)  # float: a BLAS product
+    ws = states[w_rows]  # NOTE: and not string text (it loops on most bytes: `templates`, chains)
+    ok_w = (cols[ws] == ws[:, None]).astype(np.float64) @ sizes <= _MAX_LOOP_BYTES
+    if not ok_w.any():
         return None  # no state loops on bytes that start that many tokens (compact JSON)
-    keep = selfl[is_w].any(axis=0)  # the classes some W loops on (whitespace)
-    small, sub, selfl = small[keep], sub[:, keep], selfl[:, keep]
+    is_w = np.zeros(n + 1, dtype=bool)
+    is_w[ws[ok_w]] = True
+    small = small[self_s[w_rows[ok_w]].any(axis=0)]  # the classes some W loops on (whitespace)
+    sub = cols[:, small]
     tgt = sub[states]
     states = states[is_w[tgt].any(axis=1)]  # a class into such a W
     tgt = sub[states].astype(np.int64)
     # class j leads into W = tgt[:, j], which loops on it
-    loops = selfl[tgt, np.arange(len(small))[None, :]] & is_w[tgt]
+    loops = (cols[tgt, small[None, :]] == tgt) & is_w[tgt]
     # NOTE: W is where the looping class that starts most tokens leads (the space's); other looping
     # classes (digits into a number) are not in S
     top = np.where(loops, counts[small][None, :] + 1, 0).argmax(axis=1)
