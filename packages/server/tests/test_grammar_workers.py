@@ -1,4 +1,4 @@
-"""Grammar compiles in worker processes (`lmserver.constrained.workers` through `GrammarBackend`).
+"""Grammar compiles in worker processes (`lmserver.constrained.workers`, `compile_worker`) through `GrammarBackend`.
 
 Oracles: an in-process `cfsm.compile_*` of the same grammar (every array equal), the pool's
 process ids (`/proc` says whether a killed worker is gone), and the futures' outcomes. Slow
@@ -23,7 +23,7 @@ import pytest
 import cfsm
 from cfsm.testing import tiny_vocab
 from lmserver.constrained import GrammarBackend, GrammarError, GrammarKey, GrammarQueueFullError, grammar_key
-from lmserver.constrained.workers import index_from_payload, index_payload
+from lmserver.constrained.compile_worker import index_from_payload, index_payload
 from lmserver.io_struct import SamplingParams
 
 VOCAB = tiny_vocab()

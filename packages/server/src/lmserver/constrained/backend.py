@@ -32,14 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import cfsm
-from lmserver.constrained.workers import (
-    KINDS,
-    CompileJob,
-    CompilePool,
-    PoolStats,
-    compile_error_message,
-    compile_index,
-)
+from lmserver.constrained.compile_worker import KINDS, CompileJob, compile_error_message, compile_index
+from lmserver.constrained.workers import CompilePool, PoolStats
 from lmserver.io_struct import InvalidRequestError, OverloadedError, SamplingParams
 
 __all__ = ["KINDS", "GrammarBackend", "GrammarError", "GrammarKey", "GrammarQueueFullError", "GrammarTicket",

@@ -1,23 +1,21 @@
 """Grammar compile worker processes: cfsm compiles outside the engine process, with kill on timeout.
 
-`CompilePool` keeps `num_workers` worker processes, started as a fresh interpreter (fork + exec,
-what multiprocessing's "spawn" does: the engine process holds CUDA and torch state and is never
-forked) that runs `worker_entry` and talks over two pipes. Unlike multiprocessing's spawn it does
-not re-run the parent's `__main__` script in the worker (an offline `Engine` script without an
-`if __name__ == "__main__"` guard would load its model there), and the worker imports cfsm only.
-Each worker builds the cfsm `Vocabulary` from the token table sent first and calls `prepare()`
-once, then compiles one job at a time. A
-compiled `cfsm.Index` comes back as its arrays (`index_payload`): the vocabulary never travels
-back, the engine rebuilds the `Index` over its own (`index_from_payload`).
+`CompilePool` keeps `num_workers` worker processes, each a fresh interpreter (fork + exec, what
+multiprocessing's "spawn" does: the engine process holds CUDA and torch state and is never
+forked) that runs `compile_worker.worker_entry` and talks over two pipes. Unlike
+multiprocessing's spawn it does not re-run the parent's `__main__` script in the worker (an
+offline `Engine` script without an `if __name__ == "__main__"` guard would load its model
+there), and the worker imports cfsm only.
 
-One thread of the engine process (the dispatcher) starts the workers on the first job, hands
-queued jobs to idle workers, receives results, and kills a worker whose job outlived the
-latest deadline of the requests waiting for it (a replacement starts at once). The
-dispatcher waits in `multiprocessing.connection.wait`, without the GIL; its GIL time is the
-receive of a result (about 1 ms for a 5 MB index).
+One thread of the engine process (the dispatcher) starts the workers on the first job (the
+vocabulary first), hands queued jobs to idle workers, receives results, and kills a worker
+whose job outlived the latest deadline of the requests waiting for it (a replacement starts at
+once). It waits in `multiprocessing.connection.wait`, without the GIL; a result's arrays are
+read straight into their buffers by `os.readv`, also without it (for a 34 MB index the GIL is
+held about 6 ms: the unpickle of the rest, the `Index`, its lazy caches built ahead).
 
 Workers exit with the engine process: `shutdown()`, pipe EOF, a parent-death signal (Linux)
-and a parent-pid watch thread. This module imports no torch (a worker imports only cfsm).
+and a parent-pid watch thread.
 """
 
 from __future__ import annotations
@@ -25,12 +23,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import gc
 import logging
 import multiprocessing.connection as mpc
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -39,201 +35,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 import cfsm
-from cfsm.automaton import Dfa
+from lmserver.constrained.compile_worker import (
+    PROTOCOL,
+    CompileJob,
+    index_from_payload,
+    recv_message,
+    vocab_spec,
+    warm_index,
+)
 
-__all__ = ["KINDS", "CompileJob", "CompilePool", "compile_error_message", "compile_index", "index_from_payload",
-           "index_payload", "recv_message", "send_message", "vocab_spec", "warm_index", "worker_entry"]
+__all__ = ["CompilePool", "PoolStats"]
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("regex", "json_schema", "json_object")
-
-# (tokens, eos_token_ids, size, special_token_ids): what a worker needs to build the Vocabulary
-VocabSpec = tuple[tuple[bytes, ...], tuple[int, ...], int, tuple[int, ...]]
-# (dfa.transitions, dfa.accepting, dfa.start, masks, mask_row, grammar, approximations)
-IndexPayload = tuple[Any, Any, int, Any, Any, str, tuple[cfsm.Approximation, ...]]
-
-_PROTOCOL = 5
 _F_SETPIPE_SZ = 1031  # Linux fcntl: a 1 MiB result pipe needs 5 reads (not 80) for a 5 MB index
 _PIPE_BYTES = 1 << 20
 _READY_TIMEOUT_S = 120.0  # a worker that is not ready by then is killed (and the jobs fail)
 _TICK_S = 0.1  # the dispatcher's longest sleep while jobs exist (deadlines, injected clocks)
-_NICE = 5  # scheduling priority of a worker, below the engine's
 
-
-# --- the compile itself (both sides) ----------------------------------------------------------------
-
-
-def compile_index(kind: str, text: str, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -> cfsm.Index:
-    """Compiles one grammar with cfsm. Raises what cfsm raises, ValueError for an unknown kind."""
-    if kind == "regex":
-        return cfsm.compile_regex(text, vocab, config)
-    if kind == "json_schema":
-        return cfsm.compile_json_schema(text, vocab, config)
-    if kind == "json_object":
-        return cfsm.compile_json_object(vocab, config, object_only=True)
-    raise ValueError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
-
-
-def compile_error_message(kind: str, exc: BaseException) -> str:
-    """The client-facing message of a failed compile (the HTTP layer answers 400 with it). Pure."""
-    if isinstance(exc, RecursionError):
-        return f"invalid {kind} grammar: it nests too deeply to compile ({exc})"
-    if isinstance(exc, cfsm.CfsmError | ValueError | KeyError | TypeError):
-        return f"invalid {kind} grammar: {exc}"
-    # NOTE: whatever else a compile raises fails the requests of that grammar only
-    return f"compiling the {kind} grammar failed: {type(exc).__name__}: {exc}"
-
-
-def index_payload(index: cfsm.Index) -> IndexPayload:
-    """The arrays and notes of `index`, without its vocabulary (what a worker sends back). Pure."""
-    dfa = index.dfa
-    return (dfa.transitions, dfa.accepting, int(dfa.start), index.masks, index.mask_row, index.grammar,
-            tuple(index.approximations))
-
-
-def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> cfsm.Index:
-    """The `Index` of `payload` over `vocab` (the engine's own vocabulary; cf. cfsm `Compiler._load`)."""
-    transitions, accepting, start, masks, mask_row, grammar, approximations = payload
-    dfa = Dfa(transitions=transitions, accepting=accepting, start=int(start))
-    return cfsm.Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar,
-                      approximations=tuple(approximations))
-
-
-def warm_index(index: cfsm.Index) -> cfsm.Index:
-    """Computes what `Index` builds on first use (forced-string table, per-row token flags, EOS
-    mask), so the engine thread does not at a request's admission (tens of ms for a DFA of 30k
-    states; numpy, mostly without the GIL). Returns `index`."""
-    index.compressed  # noqa: B018
-    index.has_tokens(index.start)
-    index.eos_mask  # noqa: B018
-    return index
-
-
-def vocab_spec(vocab: cfsm.Vocabulary) -> VocabSpec:
-    """What a worker needs to rebuild `vocab` (about 0.5 MB pickled for a 49k vocabulary). Pure."""
-    return (tuple(vocab.tokens), tuple(vocab.eos_token_ids), int(vocab.size), tuple(sorted(vocab.special_token_ids)))
-
-
-# --- messages: a pickle whose arrays travel out of band --------------------------------------------------
-
-
-def send_message(conn: mpc.Connection, msg: Any) -> None:
-    """Writes `msg` as one frame (pickle protocol 5 without the array data, and the data sizes) then
-    each array's bytes raw, so the reader can read them straight into fresh buffers (`recv_message`).
-    Raises what pickling raises before anything is written."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(msg, protocol=_PROTOCOL, buffer_callback=buffers.append)
-    views = [b.raw() for b in buffers]
-    conn.send_bytes(pickle.dumps(([v.nbytes for v in views], head), protocol=_PROTOCOL))
-    fd = conn.fileno()
-    for view in views:
-        done = 0
-        while done < view.nbytes:
-            done += os.write(fd, view[done:])
-
-
-def recv_message(conn: mpc.Connection) -> Any:
-    """Reads one `send_message` message. The array bytes go from the pipe into their buffers in
-    `os.readv` calls, which run without the GIL: the engine thread barely notices a 30 MB index
-    (a plain unpickle would hold the GIL for its copy, about 20 ms). Raises EOFError at a closed pipe."""
-    sizes, head = pickle.loads(conn.recv_bytes())
-    fd = conn.fileno()
-    buffers = []
-    for size in sizes:
-        buf = np.empty(size, dtype=np.uint8)  # NOTE: pages are touched by the kernel's copy, not here
-        view = buf.data
-        done = 0
-        while done < size:
-            n = os.readv(fd, [view[done:]])
-            if n == 0:
-                raise EOFError("the worker closed its pipe in the middle of a message")
-            done += n
-        buffers.append(buf)
-    return pickle.loads(head, buffers=buffers)
-
-
-# --- the worker process ---------------------------------------------------------------------------------
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Ends this process when the engine process dies, even by SIGKILL: the kernel's parent-death
-    signal on Linux, and a thread that watches the parent pid elsewhere (and as a fallback)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(0)
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def worker_entry() -> None:
-    """The worker process's main (`python -c`, argv: jobs fd, results fd, parent pid): reads the
-    vocabulary spec (the first message), builds and prepares the vocabulary, then compiles jobs
-    until EOF or None.
-
-    Sends ("ready", pid), then per job ("ok", job_id, payload) or ("error", job_id, message).
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the engine stops us in order
-    jobs_fd, results_fd, parent_pid = (int(a) for a in sys.argv[1:4])
-    _exit_with_parent(parent_pid)
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)  # where cores are few, the engine's decode goes first
-    jobs = mpc.Connection(jobs_fd, writable=False)
-    results = mpc.Connection(results_fd, readable=False)
-    try:
-        spec: VocabSpec = pickle.loads(jobs.recv_bytes())
-    except (EOFError, OSError):
-        return
-    tokens, eos, size, special = spec
-    vocab = cfsm.Vocabulary(tokens, eos, size=size, special_token_ids=special).prepare()
-    del spec, tokens
-    # NOTE: this process's own garbage collector: the vocabulary tables live as long as the process
-    # (frozen out of every collection), and a compile allocates many short-lived objects with few
-    # cycles, so it runs with the collector off and one collection after it
-    gc.collect()
-    gc.freeze()
-    send_message(results, ("ready", os.getpid()))
-    while True:
-        try:
-            job: CompileJob | None = pickle.loads(jobs.recv_bytes())
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
-        gc.disable()
-        try:
-            index = compile_index(job.kind, job.text, vocab, job.config)
-            msg: tuple[Any, ...] = ("ok", job.job_id, index_payload(index))
-            del index
-        except BaseException as exc:  # noqa: BLE001 - reported to the requests of this grammar
-            msg = ("error", job.job_id, compile_error_message(job.kind, exc))
-        finally:
-            gc.enable()
-        try:
-            send_message(results, msg)
-        except (BrokenPipeError, OSError):
-            return
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable approximation note
-            send_message(results, ("error", job.job_id, compile_error_message(job.kind, exc)))
-        del msg
-        gc.collect()
-
-
-# --- the engine side ------------------------------------------------------------------------------------
 
 _PATH_ENV = "LMSERVER_GRAMMAR_WORKER_PATH"
 # NOTE: no "" (the current folder) on the worker's path, and the folders the engine imported cfsm and
@@ -241,7 +61,7 @@ _PATH_ENV = "LMSERVER_GRAMMAR_WORKER_PATH"
 _WORKER_CODE = (f"import os, sys; sys.path[:] = [p for p in sys.path if p]; "
                 f"sys.path[:0] = [p for p in os.environ.get({_PATH_ENV!r}, '').split(os.pathsep) "
                 f"if p and p not in sys.path]; "
-                f"from lmserver.constrained.workers import worker_entry; worker_entry()")
+                f"from lmserver.constrained.compile_worker import worker_entry; worker_entry()")
 
 
 def _worker_env() -> dict[str, str]:
@@ -255,17 +75,6 @@ def _worker_env() -> dict[str, str]:
 def _send_quietly(conn: mpc.Connection, data: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):  # the worker died first: its EOF is reported elsewhere
         conn.send_bytes(data)
-
-
-@dataclass(frozen=True)
-class CompileJob:
-    """One compile, as sent to a worker."""
-
-    job_id: int
-    kind: str
-    text: str
-    config: cfsm.CfsmConfig
-
 
 @dataclass(eq=False)
 class _Job:
@@ -390,7 +199,7 @@ class CompilePool:
             if w.job is not None:  # its compile fails anyway: do not wait for it
                 w.proc.kill()
             with contextlib.suppress(OSError, ValueError):
-                w.jobs.send_bytes(pickle.dumps(None, protocol=_PROTOCOL))
+                w.jobs.send_bytes(pickle.dumps(None, protocol=PROTOCOL))
         deadline = time.monotonic() + timeout_s
         for w in workers:
             try:
@@ -454,7 +263,7 @@ class CompilePool:
                 return
         if self._spec is None:
             self._vocab = self._vocab_fn()
-            self._spec = pickle.dumps(vocab_spec(self._vocab), protocol=_PROTOCOL)
+            self._spec = pickle.dumps(vocab_spec(self._vocab), protocol=PROTOCOL)
         for _ in range(missing):
             self._start_worker()
 
@@ -500,7 +309,7 @@ class CompilePool:
                 job = self._queue.popleft()
                 idle.job = job
             try:
-                idle.jobs.send_bytes(pickle.dumps(job.job, protocol=_PROTOCOL))
+                idle.jobs.send_bytes(pickle.dumps(job.job, protocol=PROTOCOL))
             except (OSError, ValueError):
                 self._reap(idle, "could not take a job")
 
