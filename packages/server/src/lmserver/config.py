@@ -61,7 +61,8 @@ class ServerConfig:
                                                 "its forced tokens exceed (this - 1) per running request; 1: always; "
                                                 "auto: 1 on CPU, 8 on GPU (lmserver.constrained.policy)")
     grammar_compile_timeout_s: float = _opt(30.0, "grammar compile timeout in seconds")
-    grammar_compile_workers: int = _opt(2, "grammar compile worker processes (started with the first grammar); 0: "
+    grammar_compile_workers: int = _opt(-1, "grammar compile worker processes (started with the first grammar); -1: "
+                                            "auto (a quarter of the CPU cores, 2 to 8); 0: "
                                            "threads of the engine process, which stall decoding (tests only)")
     grammar_max_pending: int = _opt(256, "distinct grammar compiles queued or running at once; a request needing "
                                          "one more is answered 503")

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -149,6 +150,12 @@ class _Entry:
     job: Any = None  # workers._Job of a process compile (its deadline is extended by later requests)
 
 
+def auto_compile_workers(num_cpus: int) -> int:
+    """Compile workers for a machine of `num_cpus` cores: a quarter of them, 2 to 8 (a storm of
+    distinct schemas queues behind too few; the engine loop needs its own core). Pure."""
+    return max(2, min(8, num_cpus // 4))
+
+
 class GrammarBackend:
     """Compiles grammars for one tokenizer in `compile_workers` worker processes (0: two threads
     of this process), with an LRU of `cache_size` keys. Thread-safe.
@@ -165,7 +172,7 @@ class GrammarBackend:
         eos_token_ids: Sequence[int],
         *,
         compile_timeout_s: float = 30.0,
-        compile_workers: int = 2,
+        compile_workers: int = -1,
         max_pending: int = 256,
         cache_size: int = 256,
         cfsm_config: cfsm.CfsmConfig | None = None,
@@ -175,8 +182,11 @@ class GrammarBackend:
     ) -> None:
         if compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
-        if compile_workers < 0:
-            raise ValueError(f"compile_workers must be >= 0 (0: threads of the engine process), got {compile_workers}")
+        if compile_workers < -1:
+            raise ValueError(f"compile_workers must be >= -1 (-1: auto, 0: threads of the engine process), "
+                             f"got {compile_workers}")
+        if compile_workers == -1:
+            compile_workers = auto_compile_workers(os.cpu_count() or 2)
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.tokenizer = tokenizer

@@ -56,7 +56,7 @@ class ConstrainedDecoding:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
                  disable_jump_forward: bool = False, compile_timeout_s: float = 30.0,
                  jump_forward_min_tokens: int | str = "auto", device: str | torch.device | None = None,
-                 compile_workers: int = 2, max_pending_compiles: int = 256, strict: bool = False,
+                 compile_workers: int = -1, max_pending_compiles: int = 256, strict: bool = False,
                  max_grammar_length: int = DEFAULT_MAX_LENGTH) -> None:
         self.backend = GrammarBackend(tokenizer, vocab_size, eos_token_ids, compile_timeout_s=compile_timeout_s,
                                       compile_workers=compile_workers, max_pending=max_pending_compiles)
