@@ -204,8 +204,12 @@ def run_stream(client: httpx.Client, i: int, max_new: int, started: threading.Se
 
 def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> SchemaResult:
     res = SchemaResult(name)
-    body = {"text": "Here is a JSON document that follows the schema:\n", "stream": True,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "json_schema": json.dumps(schema)}}
+    params: dict[str, Any] = {"max_new_tokens": max_new, "temperature": 0}
+    if schema is None:  # --plain-storm: the same requests without a grammar (ignore_eos: the same length)
+        params["ignore_eos"] = True
+    else:
+        params["json_schema"] = json.dumps(schema)
+    body = {"text": "Here is a JSON document that follows the schema:\n", "stream": True, "sampling_params": params}
     start = time.perf_counter()
     last: dict[str, Any] | None = None
     try:
@@ -240,6 +244,9 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
     meta = last["meta_info"]
     res.approximations = list(meta.get("grammar_approximations", []))
     reason = (meta.get("finish_reason") or {}).get("type")
+    if schema is None:
+        res.outcome = "plain"
+        return res
     if reason == "length":
         res.outcome = "truncated"
         return res
@@ -339,6 +346,9 @@ def main() -> None:
     ap.add_argument("--schema-tokens", type=int, default=256, help="max new tokens per schema request")
     ap.add_argument("--schema-dir", action="append", default=[], help="folder of *.json schemas (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain-storm", action="store_true",
+                    help="a third phase: the storm's requests without their grammars (what a batch that large costs the "
+                         "streams anyway)")
     ap.add_argument("--json", "--json-out", dest="json_out", default=None, help="write every number to this file")
     args = ap.parse_args()
 
@@ -365,9 +375,16 @@ def main() -> None:
         storm_res = phase(url, args.streams, args.stream_tokens, schemas, args.schema_tokens)
         calm, storm = summarize("calm", calm_res, False), summarize("storm", storm_res, True)
         print_report(calm, storm, storm_res["schemas"])
+        plain = None
+        if args.plain_storm:
+            plain_res = phase(url, args.streams, args.stream_tokens, [(n, None) for n, _ in schemas], args.schema_tokens)
+            plain = summarize("plain storm", plain_res, True)
+            print(f"plain storm (no grammars): per-user {plain['per_user_tok_s_mean']:.1f} tok/s, largest gap "
+                  f"{plain['max_gap_ms']:.0f} ms; storm / plain storm: "
+                  f"{storm['per_user_tok_s_mean'] / plain['per_user_tok_s_mean']:.2f}")
         if args.json_out:
             with open(args.json_out, "w") as f:
-                json.dump({"args": vars(args), "url": url, "calm": calm, "storm": storm,
+                json.dump({"args": vars(args), "url": url, "calm": calm, "storm": storm, "plain_storm": plain,
                            "schemas": [asdict(s) for s in storm_res["schemas"]],
                            "streams": {"calm": [asdict(s) for s in calm_res["streams"]],
                                        "storm": [asdict(s) for s in storm_res["streams"]]},
