@@ -362,7 +362,15 @@ class _Compiler:
             values = [schema["const"]] if "const" in schema else list(schema["enum"])
             if types is not None:
                 values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
-            return alt(*(lit(_dump(v)) for v in values)) if values else NOTHING
+            if not values:
+                return NOTHING
+            listed = alt(*(self.value_node(v) for v in values))
+            others = {k: v for k, v in schema.items() if k not in ("enum", "const", "type", "not") and _is_assertion(k)}
+            if not others:
+                return listed
+            # NOTE: other keywords still apply to the listed values (exact: the intersection)
+            rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
+            return Intersect([listed, self._typed_union(rest, path)])
         if types is None:
             inferred = [t for t, kws in _TYPE_KEYWORDS.items() if kws & schema.keys()]
             if not self.cfg.infer_types:
@@ -376,6 +384,15 @@ class _Compiler:
         if "number" in types and "integer" in types:
             types = [t for t in types if t != "integer"]
         return alt(*(self.typed(t, schema, path) for t in types))
+
+    def value_node(self, value: Any) -> Node:
+        """The JSON text of `value`, with this compile's whitespace between its tokens."""
+        if isinstance(value, dict):
+            pairs = [cat(lit(_dump(k)), self.colon, self.value_node(v)) for k, v in value.items()]
+            return cat(lit("{"), self.ws, _joined(pairs, self.comma), self.ws, lit("}"))
+        if isinstance(value, list):
+            return cat(lit("["), self.ws, _joined([self.value_node(v) for v in value], self.comma), self.ws, lit("]"))
+        return lit(_dump(value))
 
     def _types(self, schema: dict[str, Any], path: str) -> list[str] | None:
         types = schema.get("type")
