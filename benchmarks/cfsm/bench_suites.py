@@ -4,7 +4,8 @@ Parts (each runs when its data folder is given):
 
 - coverage: JSONSchemaBench (`data/<subset>/*.json`, one schema per file). A schema is covered
   when it compiles within `--timeout` seconds on the SmolLM2 vocabulary. Every compile runs in a
-  worker process (a pool of `--workers`) that is killed at the timeout. Failures are grouped by
+  worker process (a pool of `--workers`) that is killed at the timeout (CPU seconds of that
+  worker by default, so other load on the machine does not count; `--clock wall`). Failures are grouped by
   cause (error class; for cfsm's `UnsupportedSchemaError` its keyword, for
   `UnsupportedRegexError` its construct); cfsm errors that are not a `cfsm.CfsmError` are bugs,
   counted and listed apart with one example schema each.
@@ -49,6 +50,7 @@ import multiprocessing.connection as mpc
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -266,6 +268,7 @@ def _short(msg: str) -> str:
 
 
 def _worker(conn: Any, bundle: Bundle, memory_gb: float) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if memory_gb > 0:
         import resource
 
@@ -314,6 +317,16 @@ def _worker(conn: Any, bundle: Bundle, memory_gb: float) -> None:
         conn.send(("walked", outcomes))
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Pool:
     """`workers` processes forked from this one (the vocabulary already loaded and prepared);
     a worker past its deadline is killed and replaced."""
@@ -338,8 +351,13 @@ class Pool:
         slot.update(self._spawn())
 
     def run(self, tasks: list[tuple[Any, Variant, Item]], timeout_s: float, walk_s: float,
-            on_result: Any) -> None:
-        """Runs every task; calls `on_result(key, variant, item, result)` as each ends."""
+            on_result: Any, clock: str = "cpu") -> None:
+        """Runs every task; calls `on_result(key, variant, item, result)` as each ends.
+
+        `clock`: "wall" kills a compile `timeout_s` seconds after it started; "cpu" once the
+        worker has used `timeout_s` seconds of CPU time on it (or after 3x that on the wall
+        clock), so a loaded machine does not turn slow compiles into timeouts.
+        """
         todo = collections.deque(tasks)
         while todo or any(s["task"] for s in self.slots):
             for slot in self.slots:
@@ -352,6 +370,8 @@ class Pool:
                     slot["conn"].send((variant, item.schema, item.instances))
             busy = [s for s in self.slots if s["task"]]
             wait_s = max(0.0, min(s["deadline"] for s in busy) - time.monotonic())
+            if clock == "cpu" and any(s["phase"] == "compile" for s in busy):
+                wait_s = min(wait_s, 0.25)
             ready = mpc.wait([s["conn"] for s in busy], timeout=wait_s)
             now = time.monotonic()
             for slot in busy:
@@ -368,7 +388,9 @@ class Pool:
                         self._replace(slot)
                     else:
                         if msg[0] == "start":
-                            slot["phase"], slot["deadline"] = "compile", now + timeout_s
+                            slot["phase"] = "compile"
+                            slot["deadline"] = now + (3 * timeout_s if clock == "cpu" else timeout_s)
+                            slot["cpu0"] = _cpu_s(slot["proc"].pid)
                         elif msg[0] == "failed":
                             done = {"status": "error", **msg[1]}
                         elif msg[0] == "compiled":
@@ -377,7 +399,9 @@ class Pool:
                             slot["deadline"] = now + walk_s + 0.05 * len(item.instances)
                         elif msg[0] == "walked":
                             done = {**slot["result"], "outcomes": msg[1]}
-                elif now >= slot["deadline"]:
+                elif now >= slot["deadline"] or (
+                        clock == "cpu" and slot["phase"] == "compile"
+                        and _cpu_s(slot["proc"].pid) - slot["cpu0"] >= timeout_s):
                     phase = slot["phase"]
                     if phase == "compile":
                         done = {"status": "timeout", "cause": f"timeout (>{timeout_s:g} s)"}
@@ -586,6 +610,8 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=None, help="N random schemas per part (with --seed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=10.0, help="compile timeout per schema, seconds")
+    ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
+                    help="what the timeout counts: the worker's CPU time (with a wall-clock cap of 3x) or wall time")
     ap.add_argument("--walk-timeout", type=float, default=120.0, help="instance walks per schema, seconds (+50 ms each)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per worker (0: none)")
@@ -593,6 +619,7 @@ def main() -> None:
     ap.add_argument("--max-examples", type=int, default=1000,
                     help="false accepts and false rejects kept (each) per variant in --json")
     ap.add_argument("--progress-every", type=int, default=200)
+    ap.add_argument("--checkpoint-every", type=int, default=500, help="write --json every N schemas (0: at the end)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -668,9 +695,33 @@ def main() -> None:
                   f"compiled {tallies[key[0]][variant].compiled}, failed {tallies[key[0]][variant].not_compiled}",
                   file=sys.stderr, flush=True)
 
+    def write_json(end: dict[str, Any] | None, interrupted: bool) -> None:
+        if not args.json:
+            return
+        out = {"provenance": {"start": start, "end": end}, "done": done[0], "tasks": len(tasks),
+               "interrupted": interrupted,
+               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                        if k not in ("jsonschemabench", "test_suite", "json")},
+               "results": {part: {v.label: t.summary() for v, t in by_variant.items()}
+                           for part, by_variant in tallies.items()}}
+        args.json.write_text(json.dumps(out, indent=1))
+
+    def checkpoint(key: tuple[str, Variant], variant: Variant, item: Item, res: dict[str, Any]) -> None:
+        on_result(key, variant, item, res)
+        if args.checkpoint_every and done[0] % args.checkpoint_every == 0:
+            write_json(None, True)
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     pool = Pool(bundle, args.workers, args.memory_gb)
+    interrupted = False
     try:
-        pool.run(tasks, args.timeout, args.walk_timeout, on_result)
+        pool.run(tasks, args.timeout, args.walk_timeout, checkpoint, args.clock)
+    except KeyboardInterrupt as exc:  # NOTE: what is done so far is still reported
+        interrupted = True
+        print(f"# interrupted ({exc}) after {done[0]}/{len(tasks)} schemas", file=sys.stderr)
     finally:
         pool.close()
     end = provenance()
@@ -679,19 +730,14 @@ def main() -> None:
           f"at the end {end['commit']} (dirty: {end['cfsm_dirty']}, diff {end['cfsm_diff_sha'] or '-'}); "
           f"cfsm imported from {'this checkout' if start['cfsm_imported_from_checkout'] else 'a copy'} "
           f"(files {start['cfsm_files_sha']}); "
-          f"SmolLM2 vocabulary, timeout {args.timeout:g} s, {args.workers} workers, {time.monotonic() - t0:.0f} s")
+          f"SmolLM2 vocabulary, timeout {args.timeout:g} s ({args.clock} time), {args.workers} workers, {time.monotonic() - t0:.0f} s"
+          + (f"; INTERRUPTED after {done[0]}/{len(tasks)} schemas" if interrupted else ""))
     for part, by_variant in tallies.items():
         print_coverage(part, by_variant, args.top)
         if part != "coverage":
             print_instances(part, by_variant)
             print_worst_groups(part, by_variant, args.top)
-    if args.json:
-        out = {"provenance": {"start": start, "end": end},
-               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                        if k not in ("jsonschemabench", "test_suite", "json")},
-               "results": {part: {v.label: t.summary() for v, t in by_variant.items()}
-                           for part, by_variant in tallies.items()}}
-        args.json.write_text(json.dumps(out, indent=1))
+    write_json(end, interrupted)
 
 
 if __name__ == "__main__":
