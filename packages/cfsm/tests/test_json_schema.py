@@ -398,3 +398,23 @@ def test_exponential_recursion_unrolls_less_deep_or_refuses() -> None:
         assert dfa.fullmatch(text.encode()) == _valid(small, text), text
     with pytest.raises(UnsupportedSchemaError, match="too large"):
         schema_tree(_mutually_recursive(12))
+
+
+def test_spec_config_counts_integral_floats_as_integers_and_format_as_annotation() -> None:
+    # the specification's language: 1.0 is the integer 1, `format` asserts nothing (2019-09 on)
+    cases = [({"type": "integer", "minimum": 0}, ["1", "1.0", "0.00", "-1.0", "1.5", "1.", "1e0x"]),
+             ({"const": 1}, ["1", "1.0", "1.01", "2.0", "true"]),
+             ({"enum": [[0], -2.0]}, ["[0.0]", "[0]", "-2", "-2.0", "-2.5"]),
+             ({"type": "string", "format": "date"}, ['"2024-01-01"', '"06/19/1963"', "3"])]
+    validator = jsonschema.Draft202012Validator
+    for schema, texts in cases:
+        spec = build_dfa(schema_to_node(schema, CfsmConfig.spec(whitespace="compact")))
+        default = build_dfa(schema_to_node(schema, CfsmConfig(whitespace="compact")))
+        for text in texts:
+            try:
+                valid = validator(schema).is_valid(json.loads(text))
+            except ValueError:
+                valid = False  # not JSON
+            assert spec.fullmatch(text.encode()) == valid, (schema, text)
+            if default.fullmatch(text.encode()):  # the defaults narrow, never widen
+                assert valid, (schema, text)

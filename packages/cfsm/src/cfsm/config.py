@@ -27,6 +27,11 @@ class CfsmConfig:
     - `infer_types`: a schema without `type` whose keywords all belong to some types (say
       `properties`) is narrowed to those types, as peers do for generation; the specification
       lets every other type pass (`spec()` turns this off).
+    - `assert_formats`: `format` constrains strings (generation wants it; drafts 2019-09 and
+      later make it an annotation by default, and `spec()` follows them).
+    - `integers_as_floats`: integers (the `integer` type, integral `const` / `enum` values) may
+      also be written with a zero fraction (`1.0`), which the specification counts as the same
+      number (`spec()` turns it on).
     - `strict`: a keyword cfsm can only over-approximate (the grammar accepts a superset, see
       `cfsm.Approximation`) raises `UnsupportedSchemaError` naming it, instead of being noted in
       `Index.approximations` (OpenAI's strict mode refuses such schemas the same way).
@@ -44,6 +49,8 @@ class CfsmConfig:
     json_depth: int = 3
     additional_properties_default: bool = False
     infer_types: bool = True
+    assert_formats: bool = True
+    integers_as_floats: bool = False
     strict: bool = False
     cache_size: int = 64
     cache_dir: str | None = None
@@ -57,8 +64,10 @@ class CfsmConfig:
     @classmethod
     def spec(cls, **overrides: object) -> CfsmConfig:
         """A config whose schemas mean what the specification says: undeclared properties
-        allowed unless the schema forbids them, properties in any order, no type inference."""
-        fields: dict[str, object] = {"additional_properties_default": True, "any_order": True, "infer_types": False}
+        allowed unless the schema forbids them, properties in any order, no type inference,
+        `format` an annotation, integers also written as 1.0."""
+        fields: dict[str, object] = {"additional_properties_default": True, "any_order": True, "infer_types": False,
+                                     "assert_formats": False, "integers_as_floats": True}
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
 
@@ -66,4 +75,5 @@ class CfsmConfig:
         """The fields that change a compiled JSON Schema (part of cache keys)."""
         return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|"
                 f"rd={self.max_recursion_depth}|jd={self.json_depth}|"
-                f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}")
+                f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}|"
+                f"af={self.assert_formats}|if={self.integers_as_floats}")

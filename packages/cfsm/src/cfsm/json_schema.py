@@ -93,6 +93,8 @@ JSON_STRING = cat(lit('"'), Repeat(JSON_CHAR, 0, None), lit('"'))
 # the direct construction finds their blocks built in advance: `standard_pieces`)
 _STRING_BODY = Repeat(JSON_CHAR, 0, None)
 _BOOLEAN = alt(lit("true"), lit("false"))
+# an integer may be written with a zero fraction (`CfsmConfig.integers_as_floats`)
+_ZERO_FRACTION = Repeat(cat(lit("."), Repeat(lit("0"), 1, None)), 0, 1)
 _SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 
 
@@ -392,6 +394,9 @@ class _Compiler:
             return cat(lit("{"), self.ws, _joined(pairs, self.comma), self.ws, lit("}"))
         if isinstance(value, list):
             return cat(lit("["), self.ws, _joined([self.value_node(v) for v in value], self.comma), self.ws, lit("]"))
+        if self.cfg.integers_as_floats and isinstance(value, int | float) and not isinstance(value, bool) \
+                and float(value).is_integer() and abs(value) < 2**63:
+            return cat(lit(str(int(value))), _ZERO_FRACTION)  # 1, 1.0 and 1.00 are one value
         return lit(_dump(value))
 
     def _types(self, schema: dict[str, Any], path: str) -> list[str] | None:
@@ -446,7 +451,9 @@ class _Compiler:
     def string(self, schema: dict[str, Any], path: str) -> Node:
         langs: list[Node] = []
         formats = [schema["format"]] if "format" in schema else []
-        for fmt in [*formats, *schema.get(ALL_FORMATS, [])]:
+        if not self.cfg.assert_formats:
+            formats = []  # NOTE: an annotation, as draft 2019-09 and later say by default
+        for fmt in [*formats, *(schema.get(ALL_FORMATS, []) if self.cfg.assert_formats else [])]:
             if fmt in FORMAT_REGEXES:
                 langs.append(piece(format_node(fmt)))
             else:
@@ -475,7 +482,10 @@ class _Compiler:
         key = ("number", integer, *(repr(schema.get(k)) for k in keys))
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = self._number(schema, path, integer)
+            hit = self._number(schema, path, integer)
+            if integer and self.cfg.integers_as_floats:
+                hit = cat(hit, _ZERO_FRACTION)
+            self._memo[key] = hit
         return hit
 
     def _number(self, schema: dict[str, Any], path: str, integer: bool) -> Node:
