@@ -75,16 +75,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Fills every parameter with seeded random values (norm weights 1); mutates `model`.
+    """Fills every parameter with seeded random values (norm weights 1, norm biases 0); mutates `model`.
 
     Values are drawn where the parameter lives: CPU parameters from a CPU generator, CUDA ones
     on the GPU (seconds instead of minutes for an 8B model; other numbers than the CPU's).
     """
     gens: dict[torch.device, torch.Generator] = {}
+    # NOTE: norms of any kind (a vision tower's LayerNorms too) get weight 1, bias 0
+    norms = {
+        f"{prefix}.{kind}" if prefix else kind
+        for prefix, module in model.named_modules()
+        if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or "norm" in type(module).__name__.lower()
+        for kind in ("weight", "bias")
+    }
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if name.endswith("norm.weight") or name in norms:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
             device = param.device if param.device.type == "cuda" else torch.device("cpu")
             if device not in gens:

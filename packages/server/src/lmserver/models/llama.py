@@ -180,8 +180,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused = False  # the path `LlamaForCausalLM.use_kernels` chose
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (T, hidden)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`input_embeds` (T, hidden), when given, replaces the embedding lookup of `input_ids`;
+        NOTE: the decoder owns it then: it becomes the residual stream and is overwritten."""
+        h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # (T, hidden)
         if not self.fused:
             self.rope.prepare(positions)
         residual: torch.Tensor | None = None
@@ -229,9 +234,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP, MoE)):
                 module.kernels = kernels
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states (T, hidden) after the final norm; writes this forward's K/V into the pool."""
-        return self.model(input_ids, positions, batch)  # type: ignore[no-any-return]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden) after the final norm; writes this forward's K/V into the pool.
+
+        `input_embeds` (T, hidden) in the model's dtype replaces the token embedding lookup (a
+        multimodal prompt's rows); the forward overwrites it (it becomes the residual stream).
+        """
+        return self.model(input_ids, positions, batch, input_embeds)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> float32 logits (N, vocab)."""

@@ -1,0 +1,1 @@
+"""Multimodal inputs (images, video): loading, preprocessing, token counts; see docs/multimodal.md."""
