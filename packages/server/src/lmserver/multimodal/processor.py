@@ -144,7 +144,9 @@ class _Size:
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) after resizing a (height, width) image, as transformers' PilBackend.resize."""
         if self.shortest_edge and self.longest_edge:
-            return _size_with_aspect_ratio(height, width, self.shortest_edge, self.longest_edge)
+            new_height, new_width = _size_with_aspect_ratio(height, width, self.shortest_edge, self.longest_edge)
+            # NOTE: transformers fails on a side rounded to 0 (a 1 x 600 strip); we keep 1 pixel.
+            return max(1, new_height), max(1, new_width)
         if self.shortest_edge:
             return shortest_edge_size(height, width, self.shortest_edge)
         assert self.height is not None and self.width is not None
@@ -418,7 +420,7 @@ class ImageProcessor:
             if pipeline.pad_to_square:
                 image = _expand_to_square(image, pipeline.pad_color)
             pixel_values = pipeline.finish(image)
-        return ProcessedImage(pixel_values, image_size, self._num_image_tokens(image_size))
+        return ProcessedImage(pixel_values, image_size, self.num_image_tokens(image_size))
 
     def _anyres(self, image: Image.Image) -> np.ndarray:
         """LlavaNextImageProcessor: [base image resized to the crop size] + tiles of the image
@@ -439,7 +441,8 @@ class ImageProcessor:
                 patches.append(Image.fromarray(padded[top:top + side, left:left + side]))
         return np.stack([pipeline.finish(patch) for patch in patches])
 
-    def _num_image_tokens(self, image_size: tuple[int, int]) -> int:
+    def num_image_tokens(self, image_size: tuple[int, int]) -> int:
+        """Embedding rows the model produces for an image of `image_size` (height, width)."""
         return token_counts.num_image_tokens(self._token_config, image_size)
 
     # -- video ----------------------------------------------------------------------------------
@@ -458,10 +461,14 @@ class ImageProcessor:
 
         frames = decode_frames(data, num_frames, max_pixels=self.limits.max_pixels,
                                max_decoded_frames=self.limits.max_decoded_frames)
-        pixel_values = np.stack([self.video_pipeline.finish(Image.fromarray(frame)) for frame in frames])
-        return ProcessedVideo(pixel_values, len(frames), self._num_video_tokens(len(frames)))
+        processed = [self.video_pipeline.finish(Image.fromarray(frame)) for frame in frames]
+        if len({frame.shape for frame in processed}) != 1:
+            raise InvalidRequestError("video frames change size mid-stream and this model's processor does not "
+                                      "crop them to one size")
+        return ProcessedVideo(np.stack(processed), len(frames), self.num_video_tokens(len(frames)))
 
-    def _num_video_tokens(self, num_frames: int) -> int:
+    def num_video_tokens(self, num_frames: int) -> int:
+        """Embedding rows the model produces for a video of `num_frames` sampled frames."""
         return token_counts.num_video_tokens(self._token_config, num_frames)
 
 

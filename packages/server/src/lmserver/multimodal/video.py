@@ -13,7 +13,11 @@ import numpy as np
 
 from lmserver.io_struct import InvalidRequestError
 
-__all__ = ["decode_frames", "sample_frame_indices"]
+__all__ = ["VIDEO_CONTAINERS", "decode_frames", "sample_frame_indices"]
+
+# FFmpeg demuxer names accepted (a container's `format.name` lists several, comma-separated):
+# the common video files; FFmpeg's image, playlist and concat demuxers are refused.
+VIDEO_CONTAINERS = frozenset({"mov", "mp4", "matroska", "webm", "avi", "mpegts", "mpeg", "flv", "gif", "ogg"})
 
 
 def _import_av() -> Any:
@@ -69,6 +73,10 @@ def _frame_count_hint(av: Any, data: bytes, max_pixels: int) -> int:
     """The container's frame count of the first video stream (0 when unknown); checks the
     stream's frame size before anything is decoded."""
     with av.open(io.BytesIO(data), mode="r") as container:
+        names = set(container.format.name.split(","))
+        if not names & VIDEO_CONTAINERS:
+            raise InvalidRequestError(f"not a video container this server reads ({container.format.name}); "
+                                      f"accepted: {', '.join(sorted(VIDEO_CONTAINERS))}")
         if not container.streams.video:
             raise InvalidRequestError("no video stream in the file")
         stream = container.streams.video[0]
