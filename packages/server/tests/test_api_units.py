@@ -16,6 +16,7 @@ from lmserver.api.openai_protocol import (
     sampling_params,
 )
 from lmserver.api.streams import due, merge, new_text
+from lmserver.multimodal.frontend import MediaRef
 from lmserver.tokenizer_manager import GenState
 
 
@@ -93,8 +94,18 @@ def test_ebnf_is_refused_and_content_parts_are_joined() -> None:
         "ebnf": "root ::= 'x'"}))
     with pytest.raises(APIError, match="not supported yet"):
         sampling_params(req, None)
-    assert chat_messages(req) == [{"role": "system", "content": "ab"}]
+    assert chat_messages(req) == ([{"role": "system", "content": "ab"}], [])
     img = ChatCompletionRequest.model_validate_json(json.dumps({
-        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
-    with pytest.raises(APIError, match="only text parts"):
-        chat_messages(img)
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                                  {"type": "image_url", "image_url": {"url": "x.png"}},
+                                                  {"type": "video_url", "video_url": {"url": "v.mp4"}}]}]}))
+    messages, media = chat_messages(img)
+    assert messages == [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"},
+                                                     {"type": "video"}]}]
+    assert media == [MediaRef("image", "x.png"), MediaRef("video", "v.mp4")]
+    for bad in ({"type": "audio", "audio": {}}, {"type": "image_url", "image_url": {"url": ""}},
+                {"type": "image_url", "image_url": {}}):
+        req = ChatCompletionRequest.model_validate_json(json.dumps({
+            "messages": [{"role": "user", "content": [bad]}]}))
+        with pytest.raises(APIError, match="content"):
+            chat_messages(req)

@@ -70,6 +70,14 @@ class ServerConfig:
                                        "(per request: sampling_params.json_schema_strict, OpenAI response_format "
                                        "json_schema.strict)")
     grammar_max_length: int = _opt(4 << 20, "longest regex or JSON Schema text accepted, in characters")
+    # Images and video (multimodal models)
+    mm_encoder_cache_size: int = _opt(16384, "vision-encoder outputs kept for repeated images / videos, in embedding "
+                                             "rows (a LLaVA-1.5 image is 576); 0: none kept")
+    mm_max_image_pixels: int = _opt(25_000_000, "largest image accepted, in pixels (checked before decoding)")
+    mm_max_video_frames: int = _opt(64, "most frames sampled from one video")
+    mm_max_items: int = _opt(32, "most images + videos in one prompt")
+    mm_fetch_timeout_s: float = _opt(10.0, "timeout of fetching one image / video URL, in seconds")
+    mm_max_fetch_bytes: int = _opt(64 << 20, "largest image / video accepted (fetched, file or base64), in bytes")
     # Parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks")
     dp_size: int = _opt(1, "data-parallel replicas behind the router")

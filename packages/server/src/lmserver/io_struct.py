@@ -146,6 +146,37 @@ class SamplingParams:
         return self.temperature < 1e-6
 
 
+# An item's tokens in a radix-cache key: pad values are negative, so they never equal a token id.
+_PAD_MASK = (1 << 62) - 1
+
+
+def mm_pad_value(content_hash: int) -> int:
+    """The radix-key value standing for every token of the image or video with `content_hash`
+    (a negative int64: a repeated image is a prefix hit, two images never share KV)."""
+    return -1 - (content_hash & _PAD_MASK)
+
+
+@dataclass
+class MultimodalItem:
+    """One image or video of a prompt, preprocessed: its tokens are
+    `input_ids[offset : offset + num_tokens]` (each the model's image or video token id)."""
+
+    kind: str  # "image" | "video"
+    content_hash: int  # 64-bit hash of the item's bytes (and kind / frame count)
+    offset: int
+    num_tokens: int
+    pixel_values: Any  # numpy float32: (3, H, W), (patches, 3, H, W) or video frames (F, 3, H, W)
+    image_size: tuple[int, int] = (0, 0)  # (height, width) of the original image or frame
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    @property
+    def pad_value(self) -> int:
+        return mm_pad_value(self.content_hash)
+
+
 @dataclass
 class GenerateReq:
     """One tokenized request for the engine core (always n == 1; see `expand_n`)."""
@@ -159,6 +190,7 @@ class GenerateReq:
     return_text_in_logprobs: bool = False
     stream: bool = False
     extra_key: str | None = None
+    mm_items: list[MultimodalItem] = field(default_factory=list)  # images / videos, in prompt order
 
 
 def expand_n(req: GenerateReq) -> list[GenerateReq]:

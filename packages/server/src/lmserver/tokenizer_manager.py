@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -41,6 +41,9 @@ from lmserver.ipc import (
     terminate_context,
 )
 from lmserver.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from lmserver.multimodal.frontend import MediaRef, MultimodalFrontend
 
 logger = logging.getLogger("lmserver")
 
@@ -103,6 +106,7 @@ class TokenizerManager:
         self.stats: dict[str, Any] = {}
         self.dead_reason: str | None = None
         self.shutting_down = False
+        self.mm: MultimodalFrontend | None = None  # images / videos of a multimodal model (set when ready)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def wait_ready(self, timeout_s: float | None = None) -> CoreReady:
@@ -113,6 +117,9 @@ class TokenizerManager:
         if not isinstance(msg, CoreReady):
             raise EngineDeadError(f"unexpected first message from the core: {type(msg).__name__}")
         self.ready, self.tokenizer = msg, msg.tokenizer
+        from lmserver.multimodal.frontend import MultimodalFrontend
+
+        self.mm = MultimodalFrontend.for_model(msg.model_path, msg.tokenizer, self.config)
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
         self._recv_task.add_done_callback(self._recv_done)
         return msg
@@ -143,6 +150,8 @@ class TokenizerManager:
                 await asyncio.wait_for(self._push.send_pyobj(ShutdownReq()), 1.0)
         if self._recv_task is not None:
             self._recv_task.cancel()
+        if self.mm is not None:
+            await self.mm.aclose()
         self._push.close(linger=500)
         self._pull.close(linger=0)
         if not await asyncio.get_running_loop().run_in_executor(None, terminate_context, self._ctx):
@@ -184,14 +193,51 @@ class TokenizerManager:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of `messages` rendered with the tokenizer's chat template plus the generation prompt."""
+        """Token ids of `messages` rendered with the tokenizer's chat template plus the generation prompt.
+
+        A message's content may be a list of parts `{"type": "text", "text": ...}`, `{"type":
+        "image"}`, `{"type": "video"}` (a multimodal model): rendered with each image / video
+        as its placeholder text inside the content string, or, when the template places no
+        placeholders for string contents (HF LLaVA templates), with the parts as they are."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
+        media = [p["type"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+                 if p.get("type") != "text"]
+        text = self._render_chat(self._flatten_parts(messages) if media else messages)
+        if media and self.mm is not None and not self._places(text, media):
+            parts_text = self._render_chat(messages)
+            if self._places(parts_text, media):
+                text = parts_text
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         except Exception as exc:  # noqa: BLE001 - a template error is a bad conversation
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _flatten_parts(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.mm is None:
+            raise InvalidRequestError("this model is text-only: it takes no images or videos")
+        mm = self.mm
+        return [dict(m, content="".join(p["text"] if p["type"] == "text" else mm.token_text(p["type"])
+                                        for p in m["content"])) if isinstance(m.get("content"), list) else m
+                for m in messages]
+
+    def _places(self, text: str, media: list[str]) -> bool:
+        """Whether the rendered `text` holds one placeholder per image / video of `media`."""
+        assert self.mm is not None
+        return all(text.count(self.mm.token_text(kind)) == media.count(kind) for kind in set(media))
+
+    async def prepare_media(self, input_ids: list[int], refs: list[MediaRef]) -> tuple[list[int], list[Any]]:
+        """`input_ids` with each image / video placeholder expanded, and the MultimodalItems of
+        `refs` (loaded and preprocessed); ([ids], []) without refs. Raises InvalidRequestError."""
+        if not refs:
+            return input_ids, []
+        if self.mm is None:
+            raise InvalidRequestError("this model is text-only: it takes no images or videos")
+        media = await self.mm.prepare(refs)
+        return self.mm.expand(input_ids, media)
 
     def check_input_ids(self, input_ids: list[int], params: SamplingParams, max_new_tokens_given: bool) -> None:
         """Validates a prompt against the vocabulary and the context length.

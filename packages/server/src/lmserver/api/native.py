@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from lmserver.api.errors import APIError, JSONBody, read_json, sse_error
 from lmserver.api.streams import DONE, SSE_HEADERS, collect_all, due, merge, prime, sse, until_disconnect
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
+from lmserver.multimodal.frontend import MediaRef
 from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
 
 router = APIRouter()
@@ -21,7 +22,7 @@ router = APIRouter()
 MAX_TOP_LOGPROBS = 100
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "return_text_in_logprobs", "image_data", "extra_key"}
+                  "top_logprobs_num", "return_text_in_logprobs", "image_data", "video_data", "extra_key"}
 
 
 def manager(request: Request) -> TokenizerManager:
@@ -54,8 +55,39 @@ def _typed(value: Any, kind: type | tuple[type, ...], key: str) -> Any:
     return value
 
 
-def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[GenerateReq]], bool, bool]:
-    """Builds the engine requests of a /generate body: one list (n copies) per prompt.
+def _media_source(entry: Any, key: str) -> MediaRef:
+    kind = "image" if key == "image_data" else "video"
+    if isinstance(entry, str) and entry:
+        return MediaRef(kind, entry)
+    if isinstance(entry, dict) and isinstance(entry.get("url"), str) and entry["url"]:
+        frames = entry.get("num_frames")
+        if frames is not None and (not isinstance(frames, int) or isinstance(frames, bool) or kind != "video"):
+            raise APIError(400, f"{key}: num_frames must be an integer (videos only)", param=key)
+        return MediaRef(kind, entry["url"], frames)
+    extra = ' or {"url": ..., "num_frames": n}' if kind == "video" else ""
+    raise APIError(400, f"{key} entries must be non-empty strings (a file path, an http(s) or data: URL, or "
+                        f"base64){extra}", param=key)
+
+
+def _media_refs(body: dict[str, Any], i: int, batch: bool) -> list[MediaRef]:
+    """The images and videos of prompt `i`: one entry, or a list, per prompt (SGLang's layout)."""
+    refs: list[MediaRef] = []
+    for key in ("image_data", "video_data"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if batch:
+            if not isinstance(value, list) or len(value) != body["_num"]:
+                raise APIError(400, f"{key} must have one entry (or list) per prompt: {body['_num']}", param=key)
+            value = value[i]
+        entries = value if isinstance(value, list) else [] if value is None else [value]
+        refs.extend(_media_source(entry, key) for entry in entries)
+    return refs
+
+
+async def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[GenerateReq]], bool, bool]:
+    """Builds the engine requests of a /generate body: one list (n copies) per prompt; loads
+    and preprocesses its images and videos.
 
     Returns (requests per prompt, batch, stream). Raises APIError/InvalidRequestError (400).
     """
@@ -67,8 +99,6 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise APIError(400, "give exactly one of text or input_ids", param="text")
-    if body.get("image_data") is not None:
-        raise APIError(400, "image_data is not supported by this model", param="image_data")
     if text is not None:
         if isinstance(text, str):
             prompts: list[Any] = [text]
@@ -101,6 +131,7 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
                 raise
             raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
         input_ids = mgr.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        input_ids, mm_items = await mgr.prepare_media(input_ids, _media_refs(body, i, batch))
         mgr.check_input_ids(input_ids, params, max_new_tokens_given="max_new_tokens" in sp)
         rid = _per_prompt(body, "rid", i, batch, None)
         rid = _typed(rid, str, "rid") if rid is not None else mgr.new_rid()
@@ -111,7 +142,7 @@ def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Generate
             top_logprobs_num=_typed(_per_prompt(body, "top_logprobs_num", i, batch, 0), int, "top_logprobs_num"),
             return_text_in_logprobs=_typed(body.get("return_text_in_logprobs", False), bool,
                                            "return_text_in_logprobs"),
-            stream=stream, extra_key=body.get("extra_key"))
+            stream=stream, extra_key=body.get("extra_key"), mm_items=mm_items)
         if req.return_logprob and not -1 <= req.logprob_start_len < len(input_ids):
             raise APIError(400, f"logprob_start_len must be -1 or in [0, {len(input_ids) - 1}]",
                            param="logprob_start_len")
@@ -148,7 +179,7 @@ def native_output(state: GenState, req: GenerateReq) -> dict[str, Any]:
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
     mgr = manager(request)
-    per_prompt, batch, stream = parse_generate(mgr, await read_json(request))
+    per_prompt, batch, stream = await parse_generate(mgr, await read_json(request))
     reqs = [r for group in per_prompt for r in group]
     single = not batch and len(reqs) == 1
     if not stream:

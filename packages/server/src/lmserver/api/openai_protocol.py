@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lmserver.api.errors import APIError
 from lmserver.io_struct import SamplingParams, TokenLogprob
+from lmserver.multimodal.frontend import MediaRef
 
 
 class _Base(BaseModel):
@@ -135,22 +136,44 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[Sampl
     return params, max_tokens is not None
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Plain messages for the chat template (text parts joined; images refused)."""
+_MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+
+
+def _media_part(i: int, part: dict[str, Any]) -> MediaRef:
+    kind = _MEDIA_PARTS[part["type"]]
+    value = part.get(part["type"])
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"messages[{i}].content: a {part['type']} part needs {{\"url\": \"...\"}} "
+                            "(an http(s) or data: URL, a file path, or base64)", param="messages")
+    return MediaRef(kind, url)
+
+
+def chat_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """Messages for the chat template, and their images / videos in order. Text-only contents
+    are strings (parts joined); a content with images or videos stays a list of parts
+    (`{"type": "text", "text": ...}`, `{"type": "image"}`, `{"type": "video"}`)."""
     out = []
+    media: list[MediaRef] = []
     for i, m in enumerate(req.messages):
-        content = m.content
+        content: Any = m.content
         if isinstance(content, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported by this model",
+                kind = part.get("type")
+                if kind in _MEDIA_PARTS:
+                    ref = _media_part(i, part)
+                    media.append(ref)
+                    parts.append({"type": ref.kind})
+                elif kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    raise APIError(400, f"messages[{i}].content: parts must be text, image_url or video_url",
                                    param="messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = parts if any(p["type"] != "text" for p in parts) else "".join(p["text"] for p in parts)
         role = "system" if m.role == "developer" else m.role
         out.append({"role": role, "content": content or ""})
-    return out
+    return out, media
 
 
 def token_str(entry: TokenLogprob, decode: Any) -> str:

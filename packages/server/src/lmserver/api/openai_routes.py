@@ -199,11 +199,13 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "tools (function calling) are not supported yet", param="tools")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    ids = mgr.apply_chat_template(chat_messages(req))
+    messages, media = chat_messages(req)
+    ids, mm_items = await mgr.prepare_media(mgr.apply_chat_template(messages), media)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params, given = sampling_params(req, max_tokens)
     reqs = _make_reqs(mgr, [ids], params, given, req.rid, return_logprob=req.logprobs,
-                      top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream)
+                      top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
+                      mm_items=mm_items)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def lp(state: GenState, start: int) -> dict[str, Any] | None:

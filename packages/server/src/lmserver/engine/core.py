@@ -27,6 +27,7 @@ from lmserver.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
+from lmserver.engine.multimodal import MultimodalInputs
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
 from lmserver.engine.resolve import resolve_config
 from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
@@ -147,6 +148,11 @@ class EngineCore:
         from lmserver.engine.cuda_graph import maybe_decode_graph_runner
 
         self.runner.cuda_graph = maybe_decode_graph_runner(rc, self.runner, rc.tp_size)  # None on CPU
+        self.mm: MultimodalInputs | None = None  # images / videos (a model with a vision encoder)
+        if MultimodalInputs.supported(self.model):
+            if rc.tp_size > 1:
+                raise ValueError("multimodal models do not run with tp_size > 1 yet; use tp_size 1 (or dp_size)")
+            self.mm = MultimodalInputs(self.model, self.device, self.dtype, rc.mm_encoder_cache_size)
         if self.tp is not None:
             self.runner = self.tp.wrap_runner(self.runner)
         self.scheduler = Scheduler(
@@ -211,6 +217,10 @@ class EngineCore:
                 f"the prompt has {len(ids)} tokens; this model's context length is {self.context_length} "
                 f"(prompt + output); shorten the prompt"
             )
+        if req.mm_items:
+            if self.mm is None:
+                raise InvalidRequestError("this model is text-only: it takes no images or videos")
+            self.mm.check(ids, req.mm_items)
         grammar = self.constrained.grammar_key(p)  # raises GrammarError (an InvalidRequestError) for ebnf, bad JSON
         if req.return_logprob and req.logprob_start_len >= len(ids):
             raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({len(ids)})")
@@ -219,6 +229,7 @@ class EngineCore:
         sreq = Req(
             req.rid, ids, p, max_new, arrival=self._arrivals, extra_key=req.extra_key,
             logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+            mm_items=tuple(req.mm_items),
         )
         sreq.need_input_logprobs = req.return_logprob and req.logprob_start_len >= 0
         seed = p.sampling_seed if p.sampling_seed is not None else self.resolved_config.random_seed * 1_000_003 + self._arrivals
@@ -286,7 +297,11 @@ class EngineCore:
             self._inflight = self._launch(decision)
             return outputs
         start = time.perf_counter()
-        logits = self.runner.forward(decision)
+        if self.mm is not None and decision.mode == "extend":
+            mm_rows = self.mm.rows(decision, lambda rid: self.states[rid].sreq)
+            logits = self.runner.forward(decision, mm_rows=mm_rows) if mm_rows else self.runner.forward(decision)
+        else:
+            logits = self.runner.forward(decision)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens
@@ -494,6 +509,8 @@ class EngineCore:
             if state.out.stopped is not None:
                 reason = {"type": "stop", "matched": state.out.stopped}
         self.scheduler.finish(state.sreq, reason)
+        if self.mm is not None:
+            self.mm.record_finished(state.sreq)
         self.states.pop(state.req.rid, None)
         return self._output(state, finished=True, reason=reason)
 
@@ -533,8 +550,12 @@ class EngineCore:
     # --- maintenance ------------------------------------------------------------------------
 
     def flush_cache(self) -> bool:
-        """Empties the radix cache; False (nothing done) while requests run or wait."""
-        return self.scheduler.flush_cache()
+        """Empties the radix cache (and the vision-encoder cache); False (nothing done) while
+        requests run or wait."""
+        flushed = self.scheduler.flush_cache()
+        if flushed and self.mm is not None:
+            self.mm.cache.clear()
+        return flushed
 
     def check_memory_invariant(self) -> None:
         """Raises MemoryInvariantError when idle and free + cached != total KV slots."""
@@ -553,6 +574,8 @@ class EngineCore:
         stats["gen_throughput"] = sum(n for _, n in self._recent) / window
         stats["context_length"] = self.context_length
         stats.update(self.constrained.stats)
+        if self.mm is not None:
+            stats.update(self.mm.stats())
         if self.lowlat is not None:
             rep = self.lowlat.report()
             stats["lowlat_plugin_steps"] = rep["plugin_steps"]

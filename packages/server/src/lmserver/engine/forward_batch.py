@@ -44,6 +44,9 @@ class ForwardBatch:
     # DECODE only: rows that share a KV prefix (cascade attention; see attention/shared_prefix.py).
     # Backends without `supports_cascade` ignore it (their result is the same).
     cascade: CascadeMetadata | None = None
+    # EXTEND with images / videos: the decoder's input embeddings (token embeddings with the
+    # vision rows written over them); None: the model looks up input_ids
+    input_embeds: torch.Tensor | None = None  # (num_tokens, hidden)
 
     @property
     def num_tokens(self) -> int:

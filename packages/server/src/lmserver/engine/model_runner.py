@@ -46,6 +46,10 @@ def to_device(data: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], d
     return host_tensor(data, dtype, device).to(device, non_blocking=True)
 
 
+# (index of the item in the decision, offset into its token_ids, embedding rows (n, hidden))
+MMRows = tuple[int, int, torch.Tensor]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -87,8 +91,10 @@ class ModelRunner:
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    def build_batch(self, decision: ScheduleDecision) -> tuple[ForwardBatch, torch.Tensor]:
-        """ForwardBatch of `decision` and the flat token indices whose logits are wanted.
+    def build_batch(self, decision: ScheduleDecision,
+                    mm_rows: Sequence[MMRows] = ()) -> tuple[ForwardBatch, torch.Tensor]:
+        """ForwardBatch of `decision` and the flat token indices whose logits are wanted; with
+        `mm_rows` (EXTEND) the batch's `input_embeds` carry those embedding rows.
 
         Mutates req_to_token (the rows of the decision's requests).
         """
@@ -144,6 +150,8 @@ class ModelRunner:
             starts = [0]
             for e in ext_lens[:-1]:
                 starts.append(starts[-1] + e)
+            if mm_rows:
+                batch.input_embeds = self._input_embeds(batch.input_ids, starts, mm_rows)
             batch.extend_prefix_lens = self._tensor(prefix_lens, torch.int32)
             batch.extend_seq_lens = self._tensor(ext_lens, torch.int32)
             batch.extend_start_loc = self._tensor(starts, torch.int32)
@@ -151,18 +159,33 @@ class ModelRunner:
             batch.extend_seq_lens_cpu = ext_lens
         return batch, self._tensor(logit_idx)
 
+    def _input_embeds(self, input_ids: torch.Tensor, starts: list[int], mm_rows: Sequence[MMRows]) -> torch.Tensor:
+        """Token embeddings of `input_ids` with the `mm_rows` written over their rows."""
+        embeds: torch.Tensor = self.model.embed_tokens(input_ids)  # type: ignore[operator]  # (T, hidden)
+        index: list[int] = []
+        for item_index, offset, rows in mm_rows:
+            start = starts[item_index] + offset
+            index.extend(range(start, start + rows.shape[0]))
+        values = torch.cat([rows for _, _, rows in mm_rows]).to(embeds.dtype)
+        return embeds.index_copy_(0, self._tensor(index), values)
+
     @torch.inference_mode()
-    def forward(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
+                mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
         """Runs the decision's forward; returns float32 logits (num_logit_rows, vocab) in item
         order (each item's `logit_offsets` in order). Mutates the KV pool and req_to_token.
 
         `input_ids` ((bs,) int64 on the device, DECODE only) replaces the items' token ids: the
-        overlap scheduler's tokens that the host has not seen yet (engine/overlap.py)."""
+        overlap scheduler's tokens that the host has not seen yet (engine/overlap.py).
+        `mm_rows` (EXTEND only): vision embeddings that replace the embeddings of image / video
+        tokens (each (decision item index, offset into its token_ids, rows))."""
         if input_ids is not None and decision.mode != "decode":
             raise ValueError("device input_ids are for decode decisions only")
+        if mm_rows and decision.mode != "extend":
+            raise ValueError("multimodal rows are for extend decisions only")
         if self.cuda_graph is not None and self.cuda_graph.can_run(decision):
             return self.cuda_graph.forward(decision, input_ids)
-        batch, logit_idx = self.build_batch(decision)
+        batch, logit_idx = self.build_batch(decision, mm_rows)
         if input_ids is not None:
             batch.input_ids = input_ids
         if batch.mode == ForwardMode.DECODE and self.prefix_planner is not None:
@@ -176,8 +199,11 @@ class ModelRunner:
         """Final-norm hidden states of a planned `batch`: the model's forward, or a lowlat plugin's
         when one is installed and covers the step (see engine/lowlat_hook.py)."""
         def original() -> torch.Tensor:
+            if batch.input_embeds is not None:
+                return self.model(  # type: ignore[no-any-return]
+                    batch.input_ids, batch.positions, batch, input_embeds=batch.input_embeds)
             return self.model(batch.input_ids, batch.positions, batch)  # type: ignore[no-any-return]
 
-        if self.lowlat is None:
+        if self.lowlat is None or batch.input_embeds is not None:
             return original()
         return self.lowlat.hidden(batch, original, capturing=capturing)

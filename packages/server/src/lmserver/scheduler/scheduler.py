@@ -18,7 +18,7 @@ import numpy as np
 
 from lmserver.scheduler.kv import KVManager
 from lmserver.scheduler.policy import order_waiting
-from lmserver.scheduler.req import Req, ReqStatus
+from lmserver.scheduler.req import MMSpan, Req, ReqStatus
 
 # A waiting request sharing this many uncached tokens with one admitted in the same round
 # waits one round, then reuses that request's KV from the cache (in-batch prefix dedup).
@@ -49,6 +49,7 @@ class ForwardItem:
     table_slots: list[int]
     logit_offsets: list[int]  # offsets into token_ids whose logits the caller needs
     completes_prefill: bool  # after this forward the request's KV covers all of fill_ids
+    mm_spans: tuple[MMSpan, ...] = ()  # image / video rows among token_ids (their embeddings replace the tokens')
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,7 @@ class Scheduler:
             table_slots=req.kv[table_start:end].tolist(),
             logit_offsets=offsets,
             completes_prefill=completes,
+            mm_spans=req.mm_spans(prefix, end) if req.mm_items else (),
         )
 
     def _schedule_decode(self) -> tuple[list[ForwardItem], list[str]]:

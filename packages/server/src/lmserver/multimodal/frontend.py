@@ -1,0 +1,168 @@
+"""MultimodalFrontend: the HTTP process's side of images and videos.
+
+References (paths, URLs, base64) -> bytes (`loader`) -> pixel values and token counts
+(`processor`, in a thread) -> the prompt's image / video tokens expanded to one per embedding
+row, with a `MultimodalItem` each (io_struct) for the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lmserver.io_struct import InvalidRequestError, MultimodalItem
+from lmserver.multimodal.loader import LoadLimits, fetch_url, is_remote, load_local
+
+KINDS = ("image", "video")
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One image or video of a request, as the client gave it."""
+
+    kind: str  # "image" | "video"
+    source: str  # file path, http(s) or data: URL, or base64
+    num_frames: int | None = None  # video only; None: the server's default
+
+
+@dataclass(frozen=True)
+class PreparedMedia:
+    kind: str
+    content_hash: int
+    pixel_values: Any  # numpy float32
+    image_size: tuple[int, int]
+    num_tokens: int
+
+
+def content_hash(kind: str, data: bytes, num_frames: int | None = None) -> int:
+    """64-bit hash of an item's bytes (and of what changes its embeddings: kind, frame count)."""
+    h = hashlib.blake2b(data, digest_size=8, person=f"{kind}:{num_frames or 0}".encode()[:16])
+    return int.from_bytes(h.digest(), "little")
+
+
+def _hf_config(model_path: str | Path) -> dict[str, Any]:
+    file = Path(model_path) / "config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _token_id(hf: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = hf.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+class MultimodalFrontend:
+    def __init__(self, processor: Any, image_token_id: int | None, video_token_id: int | None, tokenizer: Any,
+                 limits: LoadLimits, max_items: int = 32, default_num_frames: int = 8,
+                 max_frames: int = 64) -> None:
+        self.processor = processor
+        self.token_ids = {"image": image_token_id, "video": video_token_id}
+        self.token_texts = {kind: (None if tid is None else str(tokenizer.convert_ids_to_tokens(tid)))
+                            for kind, tid in self.token_ids.items()}
+        self.limits = limits
+        self.max_items = max_items
+        self.default_num_frames = default_num_frames
+        self.max_frames = max_frames
+        self._client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def for_model(cls, model_path: str | Path, tokenizer: Any, config: Any) -> MultimodalFrontend | None:
+        """The frontend of a multimodal model folder, None for a text-only model. `config` is
+        the ServerConfig (its mm_* limits)."""
+        hf = _hf_config(model_path)
+        image_id = _token_id(hf, "image_token_index", "image_token_id")
+        if image_id is None:
+            return None
+        from lmserver.multimodal.processor import ImageProcessor, ProcessorLimits
+
+        processor = ImageProcessor.from_model_folder(
+            model_path, ProcessorLimits(max_pixels=config.mm_max_image_pixels, max_frames=config.mm_max_video_frames))
+        if processor is None:
+            return None
+        video_id = _token_id(hf, "video_token_index", "video_token_id")
+        frames = getattr(processor, "default_num_frames", None) or min(8, config.mm_max_video_frames)
+        return cls(processor, image_id, video_id, tokenizer,
+                   LoadLimits(max_bytes=config.mm_max_fetch_bytes, timeout_s=config.mm_fetch_timeout_s),
+                   max_items=config.mm_max_items, default_num_frames=frames, max_frames=config.mm_max_video_frames)
+
+    def token_text(self, kind: str) -> str:
+        """The placeholder text of `kind` in a prompt (e.g. "<image>"); raises for a kind the
+        model does not take."""
+        text = self.token_texts.get(kind)
+        if text is None:
+            raise InvalidRequestError(f"this model does not take {kind} inputs")
+        return text
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def prepare(self, refs: Sequence[MediaRef]) -> list[PreparedMedia]:
+        """Loads and preprocesses `refs` concurrently (fetches async, decoding in threads)."""
+        if len(refs) > self.max_items:
+            raise InvalidRequestError(f"{len(refs)} images / videos in one prompt; the limit is {self.max_items} "
+                                      "(--mm-max-items)")
+        for ref in refs:
+            self.token_text(ref.kind)
+            if ref.num_frames is not None and not 1 <= ref.num_frames <= self.max_frames:
+                raise InvalidRequestError(f"num_frames must be in [1, {self.max_frames}] (--mm-max-video-frames)")
+        return list(await asyncio.gather(*(self._prepare_one(ref) for ref in refs)))
+
+    async def _prepare_one(self, ref: MediaRef) -> PreparedMedia:
+        if is_remote(ref.source):
+            if self._client is None:
+                self._client = httpx.AsyncClient()
+            data = await fetch_url(self._client, ref.source, self.limits)
+        else:
+            data = await asyncio.to_thread(load_local, ref.source, self.limits)
+        return await asyncio.to_thread(self._process, ref, data)
+
+    def _process(self, ref: MediaRef, data: bytes) -> PreparedMedia:
+        if ref.kind == "image":
+            image = self.processor.process_image(data)
+            return PreparedMedia("image", content_hash("image", data), image.pixel_values,
+                                 tuple(image.image_size), int(image.num_tokens))
+        frames = ref.num_frames or self.default_num_frames
+        video = self.processor.process_video(data, frames)
+        size = tuple(video.pixel_values.shape[-2:])
+        return PreparedMedia("video", content_hash("video", data, frames), video.pixel_values, size,
+                             int(video.num_tokens))
+
+    def expand(self, input_ids: Sequence[int], media: Sequence[PreparedMedia]) -> tuple[list[int], list[MultimodalItem]]:
+        """`input_ids` with the k-th image (video) token expanded to `media`'s k-th image's
+        (video's) token count, and the items; raises InvalidRequestError when the prompt's
+        placeholders and the media do not pair up."""
+        for kind in KINDS:
+            token = self.token_ids[kind]
+            given = sum(m.kind == kind for m in media)
+            found = 0 if token is None else sum(t == token for t in input_ids)
+            if given != found:
+                shown = self.token_texts.get(kind) or kind
+                raise InvalidRequestError(
+                    f"the prompt has {found} {kind} placeholder(s) ({shown!r}) for {given} {kind}(s) given; "
+                    f"put one {shown!r} where each {kind} goes")
+        queues = {kind: [m for m in media if m.kind == kind] for kind in KINDS}
+        kind_of = {tid: kind for kind, tid in self.token_ids.items() if tid is not None}
+        out: list[int] = []
+        items: list[MultimodalItem] = []
+        for token in input_ids:
+            found_kind = kind_of.get(token)
+            if found_kind is None:
+                out.append(token)
+                continue
+            m = queues[found_kind].pop(0)
+            items.append(MultimodalItem(kind=m.kind, content_hash=m.content_hash, offset=len(out),
+                                        num_tokens=m.num_tokens, pixel_values=m.pixel_values,
+                                        image_size=m.image_size))
+            out.extend([token] * m.num_tokens)
+        return out, items
