@@ -375,6 +375,9 @@ class ImageProcessor:
                 raise ValueError("image_grid_pinpoints differ between config.json and preprocessor_config.json; "
                                  "the model tiles with config.json's")
         self.patch_side = self._patch_side()
+        if spec.grid_pinpoints is not None and self.patch_side != spec.image_size:
+            raise ValueError(f"anyres tiles of {self.patch_side} pixels (preprocessor crop_size) but a vision tower "
+                             f"of {spec.image_size} (config.json vision_config.image_size): the model cannot pack them")
 
     def _patch_side(self) -> int:
         """The side of each processed image / anyres tile (LlavaNextImageProcessor's patch_size)."""
