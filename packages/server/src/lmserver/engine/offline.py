@@ -12,17 +12,28 @@ import gc
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmserver.config import ServerConfig
 from lmserver.engine.async_call import END, AsyncCall, Result
 from lmserver.engine.core import EngineCore
-from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, SamplingParams, expand_n
+from lmserver.io_struct import (
+    GenerateReq,
+    InvalidRequestError,
+    MultimodalItem,
+    ReqOutput,
+    SamplingParams,
+    expand_n,
+)
+
+if TYPE_CHECKING:
+    from lmserver.multimodal.frontend import MultimodalFrontend
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
+ImageData = str | list[str] | list[str | list[str] | None] | None
 
 
 class Engine:
@@ -43,6 +54,7 @@ class Engine:
         self._inbox: list[tuple[str, AsyncCall]] = []  # ("add" | "abort", call) for the driver
         self._closed = False
         self._driver: threading.Thread | None = None
+        self._mm: MultimodalFrontend | None = None  # images of a multimodal model (built on first use)
 
     # --- building requests ------------------------------------------------------------------
 
@@ -56,6 +68,7 @@ class Engine:
         top_logprobs_num: int | None,
         return_text_in_logprobs: bool,
         rid: str | list[str] | None,
+        image_data: ImageData = None,
     ) -> tuple[list[GenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -72,9 +85,11 @@ class Engine:
         rids = rid if isinstance(rid, list) else [rid] * n
         if len(params_list) != n or len(rids) != n:
             raise InvalidRequestError("sampling_params and rid lists must have one entry per prompt")
+        images = self._images_per_prompt(image_data, n, single)
         reqs: list[GenerateReq] = []
-        for ids, params, r in zip(ids_list, params_list, rids, strict=True):
+        for ids, params, r, refs in zip(ids_list, params_list, rids, images, strict=True):
             sp = SamplingParams.from_dict(params)
+            ids, mm_items = self._expand_media(ids, refs)
             req = GenerateReq(
                 rid=r or f"offline-{next(self._ids)}",
                 input_ids=ids,
@@ -83,9 +98,35 @@ class Engine:
                 logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                 top_logprobs_num=top_logprobs_num or 0,
                 return_text_in_logprobs=return_text_in_logprobs,
+                mm_items=mm_items,
             )
             reqs.extend(expand_n(req))
         return reqs, single and len(reqs) == 1
+
+    @staticmethod
+    def _images_per_prompt(image_data: ImageData, n: int, single: bool) -> list[list[str]]:
+        """SGLang's layout: one prompt takes a str or a list; a batch one entry (str, list or
+        None) per prompt."""
+        if image_data is None:
+            return [[] for _ in range(n)]
+        if single:
+            return [[image_data] if isinstance(image_data, str) else [str(x) for x in image_data]]
+        if not isinstance(image_data, list) or len(image_data) != n:
+            raise InvalidRequestError(f"image_data must have one entry per prompt ({n})")
+        return [[] if x is None else [x] if isinstance(x, str) else list(x) for x in image_data]
+
+    def _expand_media(self, ids: list[int], refs: list[str]) -> tuple[list[int], list[MultimodalItem]]:
+        if not refs:
+            return ids, []
+        if self._mm is None:
+            from lmserver.multimodal.frontend import MultimodalFrontend
+
+            self._mm = MultimodalFrontend.for_model(self.model_path, self.tokenizer, self.core.resolved_config)
+            if self._mm is None:
+                raise InvalidRequestError("this model is text-only: it takes no images or videos")
+        from lmserver.multimodal.frontend import MediaRef
+
+        return self._mm.expand(ids, self._mm.prepare_blocking([MediaRef("image", ref) for ref in refs]))
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -100,12 +141,15 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        image_data: ImageData = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generates for one prompt (a dict), a list of prompts (a list of dicts, n per prompt),
-        or, with `stream=True` and one prompt, an iterator of dicts with cumulative text."""
+        or, with `stream=True` and one prompt, an iterator of dicts with cumulative text.
+        `image_data` (a multimodal model): per prompt an image (file path, URL, base64) or a
+        list of them, one per image placeholder of the prompt."""
         reqs, single = self._requests(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            return_text_in_logprobs, rid,
+            return_text_in_logprobs, rid, image_data,
         )
         if stream:
             if len(reqs) != 1:
@@ -236,13 +280,14 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        image_data: ImageData = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """`generate` without blocking the event loop. Concurrent calls (e.g. under
         `asyncio.gather`) are scheduled together: a driver thread steps the core for all of them,
         so they share prefill and decode batches. Cancelling the call aborts its requests."""
         reqs, single = self._requests(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            return_text_in_logprobs, rid,
+            return_text_in_logprobs, rid, image_data,
         )
         if stream and len(reqs) != 1:
             raise InvalidRequestError("stream=True takes one prompt with n == 1")

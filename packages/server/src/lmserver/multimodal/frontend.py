@@ -8,6 +8,7 @@ row, with a `MultimodalItem` each (io_struct) for the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 from collections.abc import Sequence
@@ -107,8 +108,19 @@ class MultimodalFrontend:
             await self._client.aclose()
             self._client = None
 
-    async def prepare(self, refs: Sequence[MediaRef]) -> list[PreparedMedia]:
-        """Loads and preprocesses `refs` concurrently (fetches async, decoding in threads)."""
+    def prepare_blocking(self, refs: Sequence[MediaRef]) -> list[PreparedMedia]:
+        """`prepare` for callers outside an event loop's thread (the offline Engine): on a loop
+        and HTTP client of its own, in a helper thread."""
+        async def run() -> list[PreparedMedia]:
+            async with httpx.AsyncClient() as client:
+                return await self.prepare(refs, client)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, run()).result()
+
+    async def prepare(self, refs: Sequence[MediaRef], client: httpx.AsyncClient | None = None) -> list[PreparedMedia]:
+        """Loads and preprocesses `refs` concurrently (fetches async, decoding in threads);
+        `client` fetches URLs (default: one the frontend keeps)."""
         if len(refs) > self.max_items:
             raise InvalidRequestError(f"{len(refs)} images / videos in one prompt; the limit is {self.max_items} "
                                       "(--mm-max-items)")
@@ -116,13 +128,15 @@ class MultimodalFrontend:
             self.token_text(ref.kind)
             if ref.num_frames is not None and not 1 <= ref.num_frames <= self.max_frames:
                 raise InvalidRequestError(f"num_frames must be in [1, {self.max_frames}] (--mm-max-video-frames)")
-        return list(await asyncio.gather(*(self._prepare_one(ref) for ref in refs)))
+        return list(await asyncio.gather(*(self._prepare_one(ref, client) for ref in refs)))
 
-    async def _prepare_one(self, ref: MediaRef) -> PreparedMedia:
+    async def _prepare_one(self, ref: MediaRef, client: httpx.AsyncClient | None) -> PreparedMedia:
         if is_remote(ref.source):
-            if self._client is None:
-                self._client = httpx.AsyncClient()
-            data = await fetch_url(self._client, ref.source, self.limits)
+            if client is None:
+                if self._client is None:
+                    self._client = httpx.AsyncClient()
+                client = self._client
+            data = await fetch_url(client, ref.source, self.limits)
         else:
             data = await asyncio.to_thread(load_local, ref.source, self.limits)
         return await asyncio.to_thread(self._process, ref, data)

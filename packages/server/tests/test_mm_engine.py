@@ -1,0 +1,211 @@
+"""Images end to end through the offline Engine on tiny random LLaVA folders (CPU, float32).
+
+Oracle: HF transformers' LlavaForConditionalGeneration / LlavaNextForConditionalGeneration on
+the same folder, fed our preprocessed pixels (the preprocessing has its own oracle tests):
+greedy tokens equal, with 0, 1 and 3 images, through chunked prefill, with radix hits. Reuse:
+a repeated image is a radix hit and an encoder-cache hit; two different images of the same size
+never share KV (the second's output equals a cold run).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmserver import Engine
+from lmserver.io_struct import InvalidRequestError
+from lmserver.multimodal.processor import ImageProcessor
+
+MAX_NEW = 8
+
+
+def _png(seed: int, size: tuple[int, int] = (40, 56)) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=["llava", "llava_next"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lmserver.multimodal.testing import make_tiny_llava_folder
+
+    return make_tiny_llava_folder(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    base = tmp_path_factory.mktemp("images")
+    paths = []
+    for i, size in enumerate([(40, 56), (40, 56), (90, 30), (28, 28)]):  # 0 and 1: same size, other pixels
+        path = base / f"img{i}.png"
+        path.write_bytes(_png(i, size))
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def hf(folder: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoConfig, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
+
+    arch = AutoConfig.from_pretrained(folder).architectures[0]
+    cls = LlavaNextForConditionalGeneration if arch.startswith("LlavaNext") else LlavaForConditionalGeneration
+    return cls.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _engine(folder: Path, **config: object) -> Engine:
+    return Engine(str(folder), dtype="float32", device="cpu", max_total_tokens=8192, max_running_requests=8,
+                  **config)
+
+
+@pytest.fixture(scope="module")
+def engine(folder: Path) -> Iterator[Engine]:
+    eng = _engine(folder)
+    yield eng
+    eng.shutdown()
+
+
+def _prompt(n_images: int) -> str:
+    return "USER: " + "".join(f"<image>\nlook {i}. " for i in range(n_images)) + "What is it? ASSISTANT:"
+
+
+def _hf_greedy(hf, folder: Path, engine: Engine, prompt: str, paths: list[str]) -> list[int]:  # type: ignore[no-untyped-def]
+    """HF's greedy tokens for the prompt, its image tokens expanded as our frontend does."""
+    return _hf_run(hf, folder, engine, prompt, paths)[0]
+
+
+def _hf_run(hf, folder: Path, engine: Engine, prompt: str, paths: list[str]) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
+    """HF's greedy tokens and their logprobs."""
+    proc = ImageProcessor.from_model_folder(folder)
+    assert proc is not None
+    processed = [proc.process_image(Path(p).read_bytes()) for p in paths]
+    ids = list(engine.tokenizer(prompt)["input_ids"])
+    image_id = hf.config.image_token_id
+    expanded: list[int] = []
+    queue = list(processed)
+    for t in ids:
+        expanded.extend([t] * queue.pop(0).num_tokens if t == image_id else [t])
+    kwargs = {}
+    if processed:
+        pixels = [torch.from_numpy(p.pixel_values) for p in processed]
+        if pixels[0].ndim == 4:  # NeXT: (patches, 3, H, W) per image, padded to the most patches
+            most = max(p.shape[0] for p in pixels)
+            pixels = [torch.cat([p, p.new_zeros(most - p.shape[0], *p.shape[1:])]) for p in pixels]
+            kwargs["image_sizes"] = torch.tensor([p.image_size for p in processed])
+        kwargs["pixel_values"] = torch.stack(pixels)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([expanded]), attention_mask=torch.ones(1, len(expanded), dtype=torch.long),
+                          max_new_tokens=MAX_NEW, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                          **kwargs)
+    tokens = [int(t) for t in out.sequences[0, len(expanded):]]
+    logprobs = [float(torch.log_softmax(score[0].double(), -1)[t]) for score, t in zip(out.scores, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def _ours(engine: Engine, prompt: str, paths: list[str], **kw: object) -> dict:  # type: ignore[type-arg]
+    out = engine.generate(prompt, {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+                          image_data=paths or None, **kw)
+    assert isinstance(out, dict)
+    return out
+
+
+def _logprobs(out: dict) -> list[float]:  # type: ignore[type-arg]
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 3])
+def test_greedy_equals_hf(engine: Engine, hf, folder: Path, images: list[str], n_images: int) -> None:  # type: ignore[no-untyped-def]
+    paths = [images[0], images[2], images[3]][:n_images]
+    prompt = _prompt(n_images)
+    want, want_lp = _hf_run(hf, folder, engine, prompt, paths)
+    engine.flush_cache()
+    cold = _ours(engine, prompt, paths, return_logprob=True)
+    assert cold["output_ids"] == want
+    np.testing.assert_allclose(_logprobs(cold), want_lp, rtol=0, atol=1e-4)
+    # a warm run (radix hit on the whole prompt but its last token, encoder cache hits)
+    warm = _ours(engine, prompt, paths)
+    assert warm["output_ids"] == want
+    assert warm["meta_info"]["cached_tokens"] > 0
+    engine.core.check_memory_invariant()
+
+
+def test_chunked_prefill_splits_images(folder: Path, hf, images: list[str]) -> None:  # type: ignore[no-untyped-def]
+    eng = _engine(folder, chunked_prefill_size=5, disable_radix_cache=True)
+    try:
+        paths = [images[0], images[2], images[3]]
+        prompt = _prompt(3)
+        assert _ours(eng, prompt, paths)["output_ids"] == _hf_greedy(hf, folder, eng, prompt, paths)
+        eng.core.check_memory_invariant()
+    finally:
+        eng.shutdown()
+
+
+def test_same_image_hits_and_other_images_never_share_kv(engine: Engine, images: list[str]) -> None:
+    prompt = _prompt(1)
+    engine.flush_cache()
+    cold_b = _ours(engine, prompt, [images[1]], return_logprob=True)
+    engine.flush_cache()
+    first = _ours(engine, prompt, [images[0]], return_logprob=True)
+    stats0 = engine.get_stats()
+    other = _ours(engine, prompt, [images[1]], return_logprob=True)  # same size, other pixels: same token ids
+    image_at = len(engine.tokenizer("USER: ")["input_ids"])
+    assert other["meta_info"]["cached_tokens"] <= image_at  # the text before the image only
+    assert other["output_ids"] == cold_b["output_ids"]
+    np.testing.assert_allclose(_logprobs(other), _logprobs(cold_b), rtol=0, atol=1e-5)
+    # the images matter to this model (else the comparison above proves nothing)
+    assert np.abs(np.subtract(_logprobs(other), _logprobs(first))).max() > 1e-4
+    again = _ours(engine, prompt, [images[0]], return_logprob=True)
+    assert again["output_ids"] == first["output_ids"]
+    np.testing.assert_allclose(_logprobs(again), _logprobs(first), rtol=0, atol=1e-5)
+    assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 1
+    stats = engine.get_stats()
+    assert stats["mm_encoder_cache_misses"] == stats0["mm_encoder_cache_misses"] + 1  # only image 1 was new
+    assert stats["mm_cached_tokens"] > stats0["mm_cached_tokens"]
+    engine.core.check_memory_invariant()
+
+
+def test_encoder_cache_alone_keeps_outputs(folder: Path, images: list[str]) -> None:
+    """Radix cache off: a repeated image skips the encoder only; outputs do not change."""
+    eng = _engine(folder, disable_radix_cache=True)
+    try:
+        a = _ours(eng, _prompt(1), [images[2]])
+        b = _ours(eng, _prompt(1), [images[2]])
+        assert a["output_ids"] == b["output_ids"] and b["meta_info"]["cached_tokens"] == 0
+        stats = eng.get_stats()
+        assert (stats["mm_encoder_cache_hits"], stats["mm_encoder_cache_misses"]) == (1, 1)
+    finally:
+        eng.shutdown()
+
+
+def test_bad_requests(engine: Engine, images: list[str], tmp_path: Path) -> None:
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not an image")
+    truncated = tmp_path / "cut.png"
+    truncated.write_bytes(_png(5)[:200])
+    cases = [
+        (_prompt(1), [str(text_file)]),  # not an image
+        (_prompt(1), [str(truncated)]),  # a truncated PNG
+        (_prompt(1), [images[0], images[1]]),  # more images than placeholders
+        (_prompt(2), [images[0]]),  # fewer
+        (_prompt(1), ["data:image/png;base64,@@not-base64"]),
+    ]
+    for prompt, paths in cases:
+        with pytest.raises(InvalidRequestError):
+            _ours(engine, prompt, paths)
+    assert not engine.core.has_work()
+    engine.core.check_memory_invariant()
+    assert _ours(engine, _prompt(1), [images[0]])["meta_info"]["completion_tokens"] == MAX_NEW
+
+
+def test_text_only_model_refuses_images(images: list[str]) -> None:
+    with Engine(dtype="float32", max_total_tokens=1024, max_running_requests=2) as eng:
+        with pytest.raises(InvalidRequestError, match="text-only"):
+            eng.generate("<image> hi", {"max_new_tokens": 2}, image_data=images[0])
