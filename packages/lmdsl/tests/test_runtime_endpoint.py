@@ -261,3 +261,22 @@ def test_many_calls_in_flight_are_all_sent_at_once() -> None:
         assert results == [None] * parties
     finally:
         srv.shutdown()
+
+
+def test_lmserver_gets_frame_counts_and_names_its_image_token() -> None:
+    """lmserver's model info announces frame counts in requests and its placeholder text."""
+    lm = TranscriptLM("Name: Alice\n", fallback=" x")
+    with FakeNativeServer(lm, model_path="/models/tiny-llava",
+                          model_info={"video_frames_in_requests": True, "image_token": "<img>"}) as server:
+        backend = RuntimeEndpoint(server.url)
+
+        @sgl.function
+        def prog(s):
+            s += sgl.image("cat.png") + sgl.video("clip.mp4", num_frames=4) + "Name:" + sgl.gen("a", max_tokens=2)
+
+        state = prog.run(backend=backend)
+        assert state.error() is None
+        sent = server.requests_to("/generate")[-1]
+    assert sent["video_data"] == [{"url": "clip.mp4", "num_frames": 4}]
+    assert sent["image_data"] == "cat.png"
+    assert sent["text"].startswith("<img><img>Name:")  # one placeholder per image or video

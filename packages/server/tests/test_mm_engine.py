@@ -206,6 +206,6 @@ def test_bad_requests(engine: Engine, images: list[str], tmp_path: Path) -> None
 
 
 def test_text_only_model_refuses_images(images: list[str]) -> None:
-    with Engine(dtype="float32", max_total_tokens=1024, max_running_requests=2) as eng:
-        with pytest.raises(InvalidRequestError, match="text-only"):
-            eng.generate("<image> hi", {"max_new_tokens": 2}, image_data=images[0])
+    with Engine(dtype="float32", max_total_tokens=1024, max_running_requests=2) as eng, \
+            pytest.raises(InvalidRequestError, match="text-only"):
+        eng.generate("<image> hi", {"max_new_tokens": 2}, image_data=images[0])

@@ -8,6 +8,7 @@ rendered with the chat template picked from `/get_model_info`'s `model_path`), p
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -89,6 +90,9 @@ class RuntimeEndpoint(Backend):
             self.chat_template = get_chat_template(chat_template)
         else:
             self.chat_template = get_chat_template_by_model_path(self.model_path)
+            image_token = self.model_info.get("image_token")  # lmserver names its model's placeholder
+            if isinstance(image_token, str) and image_token:
+                self.chat_template = dataclasses.replace(self.chat_template, image_token=image_token)
 
     @property
     def wants_prefix_hints(self) -> bool:
@@ -126,7 +130,10 @@ class RuntimeEndpoint(Backend):
             images = [_image_payload(p) for p in prompt.images]
             data["image_data"] = images if len(images) > 1 else images[0]
         if prompt.videos:
-            data["video_data"] = [_image_payload(p) for p, _ in prompt.videos]
+            if self.model_info.get("video_frames_in_requests"):  # lmserver: the frame count travels along
+                data["video_data"] = [{"url": _image_payload(p), "num_frames": n} for p, n in prompt.videos]
+            else:
+                data["video_data"] = [_image_payload(p) for p, _ in prompt.videos]
         return data
 
     def _sampling(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:

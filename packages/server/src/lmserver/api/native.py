@@ -234,7 +234,12 @@ async def get_model_info(request: Request) -> dict[str, Any]:
             # NOTE: a prefill-only "prefix hint" request never helps here: the scheduler computes a prefix
             # shared by the requests of one batch once (scheduler.IN_BATCH_PREFIX_THRESHOLD), and with the radix cache
             # off nothing is kept; frontends (lmdsl's prefix_hints="auto") skip them
-            "prefix_hints_useful": False}
+            "prefix_hints_useful": False,
+            # images / videos (a multimodal model); video_data entries may be {"url": ..., "num_frames": n}
+            "is_multimodal": mgr.mm is not None,
+            "image_token": mgr.mm.token_texts["image"] if mgr.mm is not None else None,
+            "video_token": mgr.mm.token_texts["video"] if mgr.mm is not None else None,
+            "video_frames_in_requests": True}
 
 
 @router.get("/get_server_info")
