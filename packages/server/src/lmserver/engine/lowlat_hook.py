@@ -121,7 +121,12 @@ class LowlatHook:
         if config is None:
             return None
         session = Session(config, registry if registry is not None else _registry())
-        setup = detect_setup(model_config.architecture, dtype, device=device, tp_size=tp_size,
+        arch = model_config.architecture
+        if model_config.is_multimodal:  # a plugin serves the decoder (decode steps are text-only)
+            from lmserver.models.registry import text_architecture
+
+            arch = text_architecture(str(model_config.hf_config.get("text_config", {}).get("model_type", "llama")))
+        setup = detect_setup(arch, dtype, device=device, tp_size=tp_size,
                              features=features, max_context=max_context)
         session.configure(setup)
         if session.deferred is not None and rank == 0:

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ def _token_id(hf: dict[str, Any], *names: str) -> int | None:
 class MultimodalFrontend:
     def __init__(self, processor: Any, image_token_id: int | None, video_token_id: int | None, tokenizer: Any,
                  limits: LoadLimits, max_items: int = 32, default_num_frames: int = 8,
-                 max_frames: int = 64) -> None:
+                 max_frames: int = 64, processed_cache_items: int = 64) -> None:
         self.processor = processor
         self.token_ids = {"image": image_token_id, "video": video_token_id}
         self.token_texts = {kind: (None if tid is None else str(tokenizer.convert_ids_to_tokens(tid)))
@@ -74,6 +75,9 @@ class MultimodalFrontend:
         self.default_num_frames = default_num_frames
         self.max_frames = max_frames
         self._client: httpx.AsyncClient | None = None
+        # preprocessed items by content hash (LRU): a repeated image skips decoding and resizing
+        self._processed: OrderedDict[int, PreparedMedia] = OrderedDict()
+        self.processed_cache_items = processed_cache_items
 
     @classmethod
     def for_model(cls, model_path: str | Path, tokenizer: Any, config: Any) -> MultimodalFrontend | None:
@@ -93,7 +97,8 @@ class MultimodalFrontend:
         frames = getattr(processor, "default_num_frames", None) or min(8, config.mm_max_video_frames)
         return cls(processor, image_id, video_id, tokenizer,
                    LoadLimits(max_bytes=config.mm_max_fetch_bytes, timeout_s=config.mm_fetch_timeout_s),
-                   max_items=config.mm_max_items, default_num_frames=frames, max_frames=config.mm_max_video_frames)
+                   max_items=config.mm_max_items, default_num_frames=frames, max_frames=config.mm_max_video_frames,
+                   processed_cache_items=64 if config.mm_encoder_cache_size > 0 else 0)
 
     def token_text(self, kind: str) -> str:
         """The placeholder text of `kind` in a prompt (e.g. "<image>"); raises for a kind the
@@ -139,18 +144,27 @@ class MultimodalFrontend:
             data = await fetch_url(client, ref.source, self.limits)
         else:
             data = await asyncio.to_thread(load_local, ref.source, self.limits)
-        return await asyncio.to_thread(self._process, ref, data)
+        frames = None if ref.kind == "image" else ref.num_frames or self.default_num_frames
+        key = content_hash(ref.kind, data, frames)
+        hit = self._processed.get(key)
+        if hit is not None:
+            self._processed.move_to_end(key)
+            return hit
+        prepared = await asyncio.to_thread(self._process, ref.kind, data, key, frames)
+        if self.processed_cache_items > 0:
+            self._processed[key] = prepared
+            while len(self._processed) > self.processed_cache_items:
+                self._processed.popitem(last=False)
+        return prepared
 
-    def _process(self, ref: MediaRef, data: bytes) -> PreparedMedia:
-        if ref.kind == "image":
+    def _process(self, kind: str, data: bytes, key: int, frames: int | None) -> PreparedMedia:
+        if kind == "image":
             image = self.processor.process_image(data)
-            return PreparedMedia("image", content_hash("image", data), image.pixel_values,
-                                 tuple(image.image_size), int(image.num_tokens))
-        frames = ref.num_frames or self.default_num_frames
+            return PreparedMedia("image", key, image.pixel_values, tuple(image.image_size), int(image.num_tokens))
+        assert frames is not None
         video = self.processor.process_video(data, frames)
         size = tuple(video.pixel_values.shape[-2:])
-        return PreparedMedia("video", content_hash("video", data, frames), video.pixel_values, size,
-                             int(video.num_tokens))
+        return PreparedMedia("video", key, video.pixel_values, size, int(video.num_tokens))
 
     def expand(self, input_ids: Sequence[int], media: Sequence[PreparedMedia]) -> tuple[list[int], list[MultimodalItem]]:
         """`input_ids` with the k-th image (video) token expanded to `media`'s k-th image's
