@@ -209,3 +209,18 @@ def test_text_only_model_refuses_images(images: list[str]) -> None:
     with Engine(dtype="float32", max_total_tokens=1024, max_running_requests=2) as eng, \
             pytest.raises(InvalidRequestError, match="text-only"):
         eng.generate("<image> hi", {"max_new_tokens": 2}, image_data=images[0])
+
+
+def test_readme_example() -> None:
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Images and video (LLaVA)") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    namespace: dict[str, object] = {}
+    exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102
+    again = namespace["again"]
+    assert isinstance(again, dict)
+    image_at = 3  # "USER: " then the image: everything up to the end of the image is a hit
+    assert again["meta_info"]["cached_tokens"] > image_at + 16
