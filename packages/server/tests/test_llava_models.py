@@ -293,6 +293,13 @@ def test_anyres_token_counts_match_hf_helpers() -> None:
 # --- LLaVA-NeXT-Video -----------------------------------------------------------------------
 
 
+def _rows(x: Any) -> torch.Tensor:
+    """(N, hidden) rows of a tensor or of (nested) tuples of tensors, in order."""
+    if isinstance(x, (tuple, list)):
+        return torch.cat([_rows(e) for e in x])
+    return x.reshape(-1, x.shape[-1])  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("pool", ["average", "max", "conv"])
 def test_llava_next_video_matches_hf_with_video_and_image(tmp_path: Path, pool: str) -> None:
     folder = _folder(tmp_path, "llava_next_video", {
@@ -313,7 +320,9 @@ def test_llava_next_video_matches_hf_with_video_and_image(tmp_path: Path, pool: 
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids]), pixel_values_videos=frames[None],
                  **_hf_next_inputs(pixels, [size])).logits[0]
-        hf_video = hf.get_video_features(pixel_values_videos=frames[None]).pooler_output[0]
+        # positional, and rows of any nesting: the keyword and the return type changed in transformers 5.2x
+        out = hf.get_video_features(frames[None])
+        hf_video = _rows(out.pooler_output if hasattr(out, "pooler_output") else out[0])
     video = ours.model.encode_video(frames)
     assert video.shape == (n_video, 64)
     torch.testing.assert_close(video, hf_video, atol=ATOL, rtol=0)
@@ -404,20 +413,25 @@ def test_dummy_weights_give_finite_outputs_in_bfloat16(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_bfloat16_on_cuda_stays_close_to_hf(tmp_path: Path) -> None:
+def test_bfloat16_on_cuda_stays_close_to_hf_float32(tmp_path: Path) -> None:
+    """bf16 on CUDA (the fused layer kernels, SDPA in the tower) vs HF in float32 on the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    folder = _folder(tmp_path, "llava_next")
-    hf = getattr(transformers, HF_CLASSES["llava_next"]).from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    folder = _folder(tmp_path, "llava_next_video")
+    hf = _hf(folder, "llava_next_video")
     ours = Harness(folder, dtype=torch.bfloat16, device="cuda")
     cfg = ours.config.hf_config
     pixels = _next_pixels(cfg, NEXT_SIZES)
+    frames = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(9))
     counts = [token_counts.num_image_tokens(cfg, s) for s in NEXT_SIZES]
-    ids = _with_images(7, ours.model.image_token_id, counts)
-    inputs = {k: v.cuda() for k, v in _hf_next_inputs(pixels, NEXT_SIZES).items()}
-    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    ids = _with_images(7, ours.model.image_token_id, counts) + _prompt(
+        49000, [f"{ours.model.video_token_id}x{token_counts.num_video_tokens(cfg, 2)}", 4])
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids]).cuda(), **inputs).logits[0].float()
+        ref = hf(input_ids=torch.tensor([ids]), pixel_values_videos=frames[None],
+                 **_hf_next_inputs(pixels, NEXT_SIZES)).logits[0]
     images = ours.model.encode_images([p.cuda() for p in pixels], NEXT_SIZES)
-    got = ours.logits(ids, images, decode=2)
-    assert (got - ref).abs().max().item() < 0.1
+    video = ours.model.encode_video(frames.cuda())
+    assert all(x.dtype == torch.bfloat16 and x.is_cuda for x in [*images, video])
+    got = ours.logits(ids, images, video, split=20, decode=2).cpu()
+    err = (got - ref).abs().max().item()
+    assert err < 0.02 * ref.abs().max().item(), (err, ref.abs().max().item())

@@ -144,6 +144,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     ) -> list[torch.Tensor]:
         """Per image (3, H, W) its embeddings (num_tokens, hidden) in the text dtype; one tower
         pass for all. `image_sizes` (height, width) of the originals (unused by LLaVA-1.5)."""
+        if len(pixel_values) != len(image_sizes):
+            raise MultimodalInputError(f"{len(pixel_values)} images but {len(image_sizes)} image sizes")
         if not pixel_values:
             return []
         size, _, _ = token_counts.vision_geometry(self.config.hf_config)
