@@ -175,6 +175,20 @@ def vision_tower_ms(model_path: str, dtype: str, image: bytes, device: str, repe
     return statistics.median(times[3:])
 
 
+def preprocess_ms(model_path: str, image: bytes, repeats: int = 20) -> float:
+    """Median time of the server's preprocessing of one image (decode, resize, crop, normalize)."""
+    from lmserver.multimodal.processor import ImageProcessor
+
+    proc = ImageProcessor.from_model_folder(model_path)
+    assert proc is not None
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        proc.process_image(image)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
 async def sequential(base_url: str, bodies: list[dict[str, Any]]) -> list[Done]:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         return [await generate(client, body) for body in bodies]
@@ -186,9 +200,10 @@ def main() -> None:
     parser.add_argument("--server-args", default="--load-format dummy --dtype bfloat16 --device cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[32, 128],
-                        help="answer lengths of the reuse workload (one run per value)")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, nargs="*", default=[32, 128],
+                        help="answer lengths of the reuse workload (one run per value; none: no reuse runs)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32],
+                        help="clients of the reuse workload (one run per value; 120: every request at once)")
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -198,8 +213,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model_path)
     image_id = tok.convert_tokens_to_ids("<image>")
     images = [make_jpeg(i) for i in range(24)]
-    result: dict[str, Any] = {"vision_tower_ms": vision_tower_ms(args.model_path, args.dtype, images[0], args.device)}
-    print(f"vision tower + projector, one image: {result['vision_tower_ms']:.2f} ms", flush=True)
+    result: dict[str, Any] = {"vision_tower_ms": vision_tower_ms(args.model_path, args.dtype, images[0], args.device),
+                              "preprocess_ms": preprocess_ms(args.model_path, images[0])}
+    print(f"vision tower + projector, one image: {result['vision_tower_ms']:.2f} ms; preprocessing (this host's "
+          f"CPU, one thread): {result['preprocess_ms']:.2f} ms", flush=True)
 
     srv = start_server(args.model_path, args.server_args, [])
     try:
@@ -239,6 +256,10 @@ def main() -> None:
 
         # 1. reuse: caches on (this server, caches flushed), then a server with both off
         result["reuse"] = {}
+        info = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()["scheduler"]
+        result["server_encode_ms"] = 1e3 * info["mm_encode_time_s"] / max(info["mm_encoded_items"], 1)
+        print(f"encoder time per item inside the server (host time, includes the copy): "
+              f"{result['server_encode_ms']:.2f} ms", flush=True)
         keys = []
         for i, _q, body in reuse_requests(images, 1):
             ids = tok(body["text"])["input_ids"]
@@ -247,26 +268,31 @@ def main() -> None:
                 key.extend([-1 - i] * tokens_per_image if t == image_id else [t])
             keys.append(key)
         optimal = optimal_hit_tokens(keys) / sum(len(k) for k in keys)
-        rows: dict[int, dict[str, Any]] = {n: {"optimal_hit_rate": optimal} for n in args.max_new_tokens}
+        runs = [(n, c) for n in args.max_new_tokens for c in args.concurrency]
+        rows: dict[tuple[int, int], dict[str, Any]] = {run: {"optimal_hit_rate": optimal} for run in runs}
         for name, extra in (("cached", []), ("off", ["--disable-radix-cache", "--mm-encoder-cache-size", "0"])):
+            if not runs:
+                break
             if name == "off":
                 srv.stop()
                 srv = start_server(args.model_path, args.server_args, extra)
-            for max_new in args.max_new_tokens:
+            for max_new, clients in runs:
                 warm = reuse_requests([make_jpeg(2000 + i) for i in range(4)], max_new)[:4]
                 asyncio.run(run_reuse(srv.base_url, warm, 4))  # warm-up (first forwards, graphs): other images
                 if httpx.post(srv.base_url + "/flush_cache", timeout=60).status_code != 200:
                     raise RuntimeError("flush_cache failed")
                 before = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()["scheduler"]
-                row = asyncio.run(run_reuse(srv.base_url, reuse_requests(images, max_new), args.concurrency))
+                row = asyncio.run(run_reuse(srv.base_url, reuse_requests(images, max_new), clients))
                 after = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()["scheduler"]
-                row["server"] = {k: v - before.get(k, 0) for k, v in after.items()
-                                 if k.startswith("mm_") and isinstance(v, (int, float))}
-                rows[max_new][name] = row
-        for max_new, row in rows.items():
+                counts = {k: v - before.get(k, 0) for k, v in after.items()
+                          if k.startswith("mm_") and isinstance(v, (int, float)) and not k.endswith(("_rate", "_rows"))}
+                counts["mm_radix_hit_rate"] = counts["mm_cached_tokens"] / max(counts["mm_tokens"], 1)
+                row["server"] = counts
+                rows[(max_new, clients)][name] = row
+        for (max_new, clients), row in rows.items():
             row["throughput_ratio"] = row["cached"]["req_per_s"] / row["off"]["req_per_s"]
-            result["reuse"][max_new] = row
-            print(f"reuse, {max_new} new tokens: cached {row['cached']['req_per_s']:.2f} req/s, off "
+            result["reuse"][f"{max_new}tok_c{clients}"] = row
+            print(f"reuse, {max_new} new tokens, {clients} clients: cached {row['cached']['req_per_s']:.2f} req/s, off "
                   f"{row['off']['req_per_s']:.2f} req/s, ratio {row['throughput_ratio']:.2f} (target >= 3); hit "
                   f"rate {row['cached']['hit_rate']:.3f} vs optimal {optimal:.3f}", flush=True)
         srv.stop()

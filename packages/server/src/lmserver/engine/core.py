@@ -153,6 +153,8 @@ class EngineCore:
             if rc.tp_size > 1:
                 raise ValueError("multimodal models do not run with tp_size > 1 yet; use tp_size 1 (or dp_size)")
             self.mm = MultimodalInputs(self.model, self.device, self.dtype, rc.mm_encoder_cache_size)
+            if not rc.disable_cuda_graph:
+                self.mm.capture_encoder_graphs()
         if self.tp is not None:
             self.runner = self.tp.wrap_runner(self.runner)
         self.scheduler = Scheduler(

@@ -32,6 +32,22 @@ class MultimodalInputs:
         self.counters = {"mm_items": 0, "mm_tokens": 0, "mm_cached_tokens": 0, "mm_encoded_items": 0,
                          "mm_encode_time_s": 0.0}
 
+    def capture_encoder_graphs(self) -> bool:
+        """Replays the model's tile encoder (tower + projector) from CUDA graphs (CUDA, a model
+        with `project_tiles`); returns whether it does. Mutates the model's `tile_encoder`."""
+        model: Any = self.model
+        if self.device.type != "cuda" or not callable(getattr(model, "tile_shape", None)):
+            return False
+        from lmserver.engine.encoder_graph import EncoderGraphs
+
+        def eager(pixels: torch.Tensor) -> torch.Tensor:
+            return model.multi_modal_projector(model.vision_features(pixels))  # type: ignore[no-any-return]
+
+        graphs = EncoderGraphs(eager, model.tile_shape(), self.dtype, self.device)
+        graphs.capture()
+        model.tile_encoder = graphs
+        return True
+
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
         """Whether `model` takes images (it has a vision encoder)."""

@@ -13,6 +13,7 @@ with `embed_tokens`, overwrites the image rows with `encode_images` and runs `fo
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         )
         self.image_token_id: int | None = int(self.hf_vlm_config.image_token_id)
         self.video_token_id: int | None = None
+        # replaces `project_tiles`' eager path when set (e.g. CUDA graphs: engine/encoder_graph.py)
+        self.tile_encoder: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # --- vision tower ---------------------------------------------------------------------
 
@@ -129,6 +132,18 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             feats = feats[:, 1:]
         return feats  # type: ignore[no-any-return]
 
+    def project_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(N, 3, S, S) tiles -> projected features (N, rows, hidden): tower, feature selection,
+        projector (through `tile_encoder` when one is installed)."""
+        if self.tile_encoder is not None:
+            return self.tile_encoder(pixel_values)
+        return self.multi_modal_projector(self.vision_features(pixel_values))  # type: ignore[no-any-return]
+
+    def tile_shape(self) -> tuple[int, int, int]:
+        """(3, S, S): what `project_tiles` takes per tile."""
+        size, _, _ = token_counts.vision_geometry(self.config.hf_config)
+        return (3, size, size)
+
     # --- the model contract (docs/multimodal.md) ---------------------------------------------
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -154,7 +169,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 raise MultimodalInputError(
                     f"image {i}: pixel_values of shape {tuple(pixels.shape)}, this model takes (3, {size}, {size})"
                 )
-        feats = self.multi_modal_projector(self.vision_features(torch.stack(pixel_values)))
+        feats = self.project_tiles(torch.stack(pixel_values))
         return list(feats.to(self._text_dtype()).unbind(0))
 
     def encode_video(self, pixel_values: torch.Tensor) -> torch.Tensor:

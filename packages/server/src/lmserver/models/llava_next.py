@@ -64,7 +64,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
                     f"this model takes ({expected}, 3, {size}, {size}) (the base image and the anyres tiles)"
                 )
             counts.append(expected)
-        feats = self.multi_modal_projector(self.vision_features(torch.cat(pixel_values)))
+        feats = self.project_tiles(torch.cat(pixel_values))
         dtype = self._text_dtype()
         return [
             self.pack_image(part, (int(s[0]), int(s[1]))).to(dtype)
