@@ -20,6 +20,12 @@ Steps, as the slow processors do them (uint8 throughout until the last step):
   float32 lookup table per channel: the same float64 -> float32 operations HF applies).
 
 Runs in the HTTP process (in a thread): pure CPU, no torch.
+
+Device path: `decode_image(bytes)` stops after the RGB conversion and returns the decoded uint8
+pixels with an `ImagePlan` (plain data: pad, resize, crop sizes and the lookup table) for the
+rest, which `lmserver.multimodal.gpu_preprocess.run_plan` runs with torch on any device, bit for
+bit equal to `process_image` (the resize is a port of pillow's fixed-point resampling). LLaVA-NeXT
+anyres has no plan (`decode_image` returns None): it stays on `process_image`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from lmserver.multimodal import token_counts
 from lmserver.multimodal.token_counts import select_best_resolution
 
 __all__ = [
+    "DecodedImage",
+    "ImagePlan",
     "ImageProcessor",
     "ProcessedImage",
     "ProcessedVideo",
@@ -116,6 +124,41 @@ class ProcessedVideo:
     pixel_values: np.ndarray  # (num_frames, 3, H, W) float32
     num_frames: int  # frames sampled: min(requested, frames in the video)
     num_tokens: int  # embedding rows the model produces for the video
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePlan:
+    """The steps after decoding, as plain data (picklable, torch-free): from a decoded (H, W, 3)
+    uint8 RGB image, in order: [pad to a square of `pad_color`, centered, offsets floored] ->
+    [PIL resize to `resize_hw` with filter `resample`] -> [HF center crop to `crop_hw`, zero
+    padding when larger] -> `lut[c][pixel]` per channel: (3, H, W) float32 pixel_values.
+    `lmserver.multimodal.gpu_preprocess.run_plan` runs it with torch."""
+
+    pad_square: bool  # LlavaImageProcessor do_pad
+    pad_color: tuple[int, int, int]
+    resize_hw: tuple[int, int] | None  # (height, width) after the pad; None: no resize
+    resample: int  # PIL filter code (0 NEAREST, 1 LANCZOS, 2 BILINEAR, 3 BICUBIC, 4 BOX, 5 HAMMING)
+    crop_hw: tuple[int, int] | None  # (height, width); None: no center crop
+    lut: np.ndarray  # (3, 256) float32, shared by every plan of one processor: never write to it
+
+    def output_hw(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) of the pixel_values this plan makes from a (height, width) image."""
+        if self.pad_square:
+            height = width = max(height, width)
+        if self.resize_hw is not None:
+            height, width = self.resize_hw
+        return self.crop_hw if self.crop_hw is not None else (height, width)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedImage:
+    """One image decoded for device preprocessing: `run_plan(pixels, plan)` equals
+    `process_image(...).pixel_values` bit for bit."""
+
+    pixels: np.ndarray  # (H, W, 3) uint8 RGB, C-contiguous, writable; EXIF orientation applied
+    plan: ImagePlan
+    image_size: tuple[int, int]  # (height, width) of `pixels`
+    num_tokens: int  # embedding rows the model produces for this image
 
 
 @dataclass(frozen=True)
@@ -267,6 +310,16 @@ class _Pipeline:
 
     def resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
         return image.resize((width, height), resample=self.resample)
+
+    def plan(self, height: int, width: int) -> ImagePlan:
+        """The pad (when `pad_to_square`) + `finish` steps for a decoded (height, width) RGB image."""
+        if self.pad_to_square:
+            height = width = max(height, width)
+        return ImagePlan(
+            pad_square=self.pad_to_square, pad_color=self.pad_color,
+            resize_hw=self.size.output_size(height, width) if self.do_resize else None,
+            resample=self.resample, crop_hw=self.crop_size if self.do_center_crop else None, lut=self.lut,
+        )
 
     def finish(self, image: Image.Image) -> np.ndarray:
         """resize -> center crop -> rescale/normalize: (3, H, W) float32."""
@@ -424,6 +477,23 @@ class ImageProcessor:
                 image = _expand_to_square(image, pipeline.pad_color)
             pixel_values = pipeline.finish(image)
         return ProcessedImage(pixel_values, image_size, self.num_image_tokens(image_size))
+
+    @property
+    def has_image_plan(self) -> bool:
+        """Whether `decode_image` gives a plan (False for LLaVA-NeXT anyres: use `process_image`)."""
+        return self.spec.grid_pinpoints is None
+
+    def decode_image(self, data: bytes) -> DecodedImage | None:
+        """`process_image` up to the RGB conversion (the same checks and errors): the decoded
+        pixels and the plan of the remaining steps. None (before decoding anything) when this
+        processor has no plan (`has_image_plan`); then use `process_image`."""
+        if not self.has_image_plan:
+            return None
+        image = _decode_image(data, self.limits)
+        image_size = (image.height, image.width)
+        pixels = np.array(image, dtype=np.uint8)  # a writable copy (np.asarray of a PIL image is read-only)
+        return DecodedImage(pixels, self.image_pipeline.plan(*image_size), image_size,
+                            self.num_image_tokens(image_size))
 
     def _anyres(self, image: Image.Image) -> np.ndarray:
         """LlavaNextImageProcessor: [base image resized to the crop size] + tiles of the image

@@ -1,0 +1,379 @@
+"""Pillow's 8-bit resize and the CLIP-style preprocessing steps in torch, bit for bit, on any device.
+
+`resize_uint8(image, height, width, resample)` equals pillow's `Image.resize((width, height),
+resample)` (`reducing_gap=None`, whole image as the box) of an "RGB" or "L" image exactly, for
+the filters NEAREST (0), LANCZOS (1), BILINEAR (2), BICUBIC (3), BOX (4) and HAMMING (5); other
+codes (pillow 13's MKS2013 / MKS2021) raise ValueError. It is a port of pillow's
+`src/libImaging/Resample.c` (the same in pillow 12.3 and 13.0):
+
+- `precompute_coeffs`: per output pixel a window of input pixels and float64 weights, computed
+  here in numpy with the same float64 operations in the same order (sequential sums, libm
+  sin / cos through `math`), then `normalize_coeffs_8bpc`: fixed-point ints of PRECISION_BITS (22)
+  fractional bits, rounded half away from zero.
+- each pass is `ss = 1 << 21; ss += pixel * k` over the window, then `clip8`: `ss >> 22` clamped
+  to [0, 255]. Here: float64 matmuls (or multiply-adds over the window) of integers below 2^53,
+  which are exact in any summation order, then `floor((acc + 2^21) / 2^22)` clamped.
+- the horizontal pass runs first (only on the rows the vertical pass reads) into a uint8
+  intermediate, then the vertical pass; a pass whose size does not change is skipped, and an
+  unchanged size is a copy.
+- NEAREST is not resampling in pillow but an affine transform (`ImagingScaleAffine`): source
+  index `int(x0 + i * step)` with the position accumulated by repeated float64 additions.
+
+The weights come from float64 arithmetic, so exactness assumes pillow's C code evaluates them
+without fused multiply-adds: true of x86-64 builds (no FMA in the baseline ISA); an aarch64
+pillow build may contract them and differ in a rare coefficient. The tests compare with the
+installed pillow itself.
+
+`run_plan(pixels, plan)` runs an `ImagePlan` (`lmserver.multimodal.processor`): pad to square,
+resize, HF center crop, lookup-table rescale + normalize, returning what
+`ImageProcessor.process_image(...).pixel_values` holds for the same image, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from lmserver.multimodal.processor import ImagePlan
+
+__all__ = ["PRECISION_BITS", "SUPPORTED_FILTERS", "pil_resize_coefficients", "resize_uint8", "run_plan"]
+
+PRECISION_BITS = 32 - 8 - 2
+NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING, MKS2013, MKS2021 = 0, 1, 2, 3, 4, 5, 6, 7
+SUPPORTED_FILTERS = (NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING, MKS2013, MKS2021)
+_HALF = float(1 << (PRECISION_BITS - 1))
+_ONE = float(1 << PRECISION_BITS)
+_MAX_CHUNK_ELEMENTS = 1 << 24  # float64 elements per matmul operand chunk (128 MiB)
+
+
+# -- pillow's filters, element-wise on float64 arrays, each operation as Resample.c writes it ----------
+
+
+def _box(x: np.ndarray) -> np.ndarray:
+    return np.where((x > -0.5) & (x <= 0.5), 1.0, 0.0)
+
+
+def _bilinear(x: np.ndarray) -> np.ndarray:
+    x = np.abs(x)
+    return np.where(x < 1.0, 1.0 - x, 0.0)
+
+
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    a = -0.5
+    x = np.abs(x)
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    far = (((x - 5.0) * x + 8.0) * x - 4.0) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _sinc(x: float) -> float:
+    if x == 0.0:
+        return 1.0
+    x = x * math.pi
+    return math.sin(x) / x
+
+
+def _lanczos(x: np.ndarray) -> np.ndarray:
+    # NOTE: libm's sin through `math` (numpy's own vectorized sin may differ in the last bit)
+    return np.array([_sinc(v) * _sinc(v / 3.0) if -3.0 <= v < 3.0 else 0.0 for v in x.tolist()],
+                    dtype=np.float64).reshape(x.shape)
+
+
+_HAMMING_A = float(np.float32(0.54))  # C float literals 0.54f / 0.46f, promoted to double
+_HAMMING_B = float(np.float32(0.46))
+
+
+def _hamming_scalar(x: float) -> float:
+    x = abs(x)
+    if x == 0.0:
+        return 1.0
+    if x >= 1.0:
+        return 0.0
+    x = x * math.pi
+    return math.sin(x) / x * (_HAMMING_A + _HAMMING_B * math.cos(x))
+
+
+def _hamming(x: np.ndarray) -> np.ndarray:
+    return np.array([_hamming_scalar(v) for v in x.tolist()], dtype=np.float64).reshape(x.shape)
+
+
+def _mks2013(x: np.ndarray) -> np.ndarray:
+    x = np.abs(x)
+    x25 = x - 5.0 / 2.0
+    return np.select([x < 0.5, x < 1.5, x < 2.5],
+                     [17.0 / 16.0 - 7.0 / 4.0 * (x * x), (1.0 - x) * (7.0 / 4.0 - x), -1.0 / 8.0 * (x25 * x25)], 0.0)
+
+
+def _mks2021(x: np.ndarray) -> np.ndarray:
+    # NOTE: pow(v, 2) in the C source; compilers fold it to v * v (both exact to the rounding)
+    x = np.abs(x)
+    x45 = x - 9.0 / 2.0
+    return np.select(
+        [x < 0.5, x < 1.5, x < 2.5, x < 3.5, x < 4.5],
+        [577.0 / 576.0 - 239.0 / 144.0 * (x * x), 35.0 / 36.0 * (x - 1.0) * (x - 239.0 / 140.0),
+         1.0 / 6.0 * (x - 2.0) * (65.0 / 24.0 - x), 1.0 / 36.0 * (x - 3.0) * (x - 15.0 / 4.0),
+         -1.0 / 288.0 * (x45 * x45)], 0.0)
+
+
+_FILTERS: dict[int, tuple[Callable[[np.ndarray], np.ndarray], float]] = {
+    BOX: (_box, 0.5), BILINEAR: (_bilinear, 1.0), HAMMING: (_hamming, 1.0),
+    BICUBIC: (_bicubic, 2.0), LANCZOS: (_lanczos, 3.0), MKS2013: (_mks2013, 2.5), MKS2021: (_mks2021, 4.5),
+}
+
+
+def _check_filter(resample: int) -> None:
+    if resample not in SUPPORTED_FILTERS:
+        raise ValueError(f"resample {resample!r} is not supported on the device (supported pillow filters: "
+                         f"{', '.join(map(str, SUPPORTED_FILTERS))}); preprocess this image with pillow")
+
+
+@functools.lru_cache(maxsize=256)
+def pil_resize_coefficients(in_size: int, out_size: int, resample: int) -> tuple[np.ndarray, np.ndarray]:
+    """pillow's `precompute_coeffs` + `normalize_coeffs_8bpc` for a whole-axis box: (xmin (out,)
+    int64, k (out, ksize) int64): output pixel o is `sum_j in[xmin[o] + j] * k[o, j]` (fixed
+    point, PRECISION_BITS), k is 0 past each window. Read-only arrays, cached."""
+    _check_filter(resample)
+    if resample == NEAREST or in_size < 1 or out_size < 1:
+        raise ValueError(f"no resampling coefficients for filter {resample} from {in_size} to {out_size}")
+    filter_fn, filter_support = _FILTERS[resample]
+    # (double)(in1 - in0) / outSize with float in0 = 0, in1 = in_size (exact below 2^24)
+    scale = float(np.float32(in_size)) / out_size
+    filterscale = max(scale, 1.0)
+    support = filter_support * filterscale
+    ksize = int(math.ceil(support)) * 2 + 1
+    inv_filterscale = 1.0 / filterscale
+    center = 0.0 + (np.arange(out_size, dtype=np.float64) + 0.5) * scale
+    xmin = np.maximum((center - support + 0.5).astype(np.int64), 0)  # (int) truncates toward zero
+    xmax = np.minimum((center + support + 0.5).astype(np.int64), in_size) - xmin
+    offsets = np.arange(ksize, dtype=np.int64)
+    inside = offsets[None, :] < xmax[:, None]
+    positions = ((offsets[None, :] + xmin[:, None]).astype(np.float64) - center[:, None] + 0.5) * inv_filterscale
+    weights = np.zeros((out_size, ksize), dtype=np.float64)
+    weights[inside] = filter_fn(positions[inside])
+    total = np.zeros(out_size, dtype=np.float64)
+    for j in range(ksize):  # a sequential sum, as the C loop (np.sum is pairwise)
+        total = total + weights[:, j]
+    nonzero = total != 0.0
+    weights[nonzero] /= total[nonzero, None]
+    scaled = weights * _ONE
+    fixed = np.where(weights < 0, np.trunc(-0.5 + scaled), np.trunc(0.5 + scaled)).astype(np.int64)
+    xmin.setflags(write=False)
+    fixed.setflags(write=False)
+    return xmin, fixed
+
+
+@functools.lru_cache(maxsize=256)
+def _nearest_indices(in_size: int, out_size: int) -> np.ndarray:
+    """`ImagingScaleAffine`'s source index per output pixel (-1: outside, left at 0 by pillow)."""
+    step = float(np.float32(in_size)) / out_size
+    position = 0.0 + step * 0.5
+    index = np.empty(out_size, dtype=np.int64)
+    for i in range(out_size):  # repeated additions, as the C loop
+        index[i] = -1 if position < 0.0 else int(position)
+        position += step
+    index[(index < 0) | (index >= in_size)] = -1
+    index.setflags(write=False)
+    return index
+
+
+@functools.lru_cache(maxsize=64)
+def _device_coefficients(in_size: int, out_size: int, resample: int,
+                         device: torch.device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(first input index read, number of input indices read from it on, window indices (out,
+    ksize) rebased on the first and clamped, float64 weights (out, ksize)); tensors on `device`."""
+    xmin, fixed = pil_resize_coefficients(in_size, out_size, resample)
+    first = int(xmin[0])
+    index = np.minimum(xmin[:, None] + np.arange(fixed.shape[1])[None, :], in_size - 1) - first
+    return (first, int(index.max()) + 1, torch.from_numpy(index).to(device),
+            torch.from_numpy(fixed.astype(np.float64)).to(device))
+
+
+def _clip8(acc: torch.Tensor) -> torch.Tensor:
+    """pillow's clip8 of `ss = 2^21 + acc`: `ss >> 22` clamped to [0, 255] (acc: exact float64 ints)."""
+    return torch.floor((acc + _HALF) / _ONE).clamp_(0, 255).to(torch.uint8)
+
+
+def _resample_axis(x: torch.Tensor, dim: int, index: torch.Tensor, weights: torch.Tensor,
+                   dense: bool) -> torch.Tensor:
+    """One pillow pass along `dim` (1: rows, 2: columns) of a (C, H, W) uint8 tensor whose `dim`
+    starts at the window base: uint8 (C, H', W)."""
+    out_size, ksize = index.shape
+    in_size = x.shape[dim]
+    if dense:
+        matrix = torch.zeros(out_size, in_size, dtype=torch.float64, device=x.device)
+        matrix.scatter_add_(1, index, weights)  # add: clamped padding indices carry weight 0
+        if dim == 2:  # (C * H, W) @ (W, out) in row chunks
+            flat = x.reshape(-1, in_size)
+            rows = max(1, _MAX_CHUNK_ELEMENTS // max(in_size, out_size))
+            out = torch.empty(flat.shape[0], out_size, dtype=torch.uint8, device=x.device)
+            for start in range(0, flat.shape[0], rows):
+                chunk = flat[start:start + rows].to(torch.float64)
+                out[start:start + rows] = _clip8(chunk @ matrix.T)
+            return out.reshape(x.shape[0], x.shape[1], out_size)
+        cols = max(1, _MAX_CHUNK_ELEMENTS // max(in_size, out_size))
+        out = torch.empty(x.shape[0], out_size, x.shape[2], dtype=torch.uint8, device=x.device)
+        for start in range(0, x.shape[2], cols):
+            chunk = x[:, :, start:start + cols].to(torch.float64)
+            out[:, :, start:start + cols] = _clip8(torch.matmul(matrix, chunk))
+        return out
+    # banded: a multiply-add per window offset (less work than the dense matmul on a CPU)
+    source = x.to(torch.float64)
+    shape = [1, 1, 1]
+    shape[dim] = out_size
+    acc = torch.zeros(*(out_size if d == dim else s for d, s in enumerate(x.shape)),
+                      dtype=torch.float64, device=x.device)
+    for j in range(ksize):
+        acc.add_(source.index_select(dim, index[:, j]) * weights[:, j].reshape(shape))
+    return _clip8(acc)
+
+
+@functools.cache
+def _installed_pillow_major() -> int:
+    try:
+        import PIL
+
+        return int(PIL.__version__.split(".")[0])
+    except (ImportError, ValueError):  # no pillow here: the current rule
+        return 13
+
+
+def _vertical_first_rule(pillow_major: int | None) -> bool:
+    """Whether pillow may run the vertical pass first (13.0 on; 12.x always goes horizontal first)."""
+    return (pillow_major if pillow_major is not None else _installed_pillow_major()) >= 13
+
+
+def _resize_chw(x: torch.Tensor, height: int, width: int, resample: int, method: str,
+                pillow_major: int | None) -> torch.Tensor:
+    """pillow's resize of a (C, H, W) uint8 tensor (`ImagingResampleInner`, or the nearest transform)."""
+    in_height, in_width = x.shape[1], x.shape[2]
+    if (in_height, in_width) == (height, width):
+        return x.clone()
+    if resample == NEAREST:
+        source_rows = torch.from_numpy(_nearest_indices(in_height, height)).to(x.device)
+        source_cols = torch.from_numpy(_nearest_indices(in_width, width)).to(x.device)
+        out = x.index_select(1, source_rows.clamp(min=0)).index_select(2, source_cols.clamp(min=0))
+        valid = (source_rows >= 0)[:, None] & (source_cols >= 0)[None, :]
+        return out * valid.to(torch.uint8)  # never zero in practice: pillow leaves 0 where outside
+    dense = method == "dense" or (method == "auto" and x.device.type != "cpu")
+    need_horizontal, need_vertical = width != in_width, height != in_height
+    shrink = in_height - height
+    vertical_first = _vertical_first_rule(pillow_major) and shrink > 0 and shrink > (in_width - width) * 2
+    if need_vertical:
+        first_row, row_span, row_index, row_weights = _device_coefficients(in_height, height, resample, x.device)
+    if need_horizontal:
+        first_col, col_span, col_index, col_weights = _device_coefficients(in_width, width, resample, x.device)
+    if vertical_first:  # pillow 13: the vertical pass on every column, then the horizontal one
+        x = _resample_axis(x[:, first_row:first_row + row_span], 1, row_index, row_weights, dense)
+        if need_horizontal:
+            x = _resample_axis(x[:, :, first_col:first_col + col_span], 2, col_index, col_weights, dense)
+        return x
+    if not need_horizontal:
+        return _resample_axis(x[:, first_row:first_row + row_span], 1, row_index, row_weights, dense)
+    # the horizontal pass only on the rows the vertical pass reads (ybox_first / ybox_last)
+    rows = slice(first_row, first_row + row_span) if need_vertical else slice(None)
+    x = _resample_axis(x[:, rows, first_col:first_col + col_span], 2, col_index, col_weights, dense)
+    if not need_vertical:
+        return x
+    return _resample_axis(x, 1, row_index, row_weights, dense)
+
+
+def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = BICUBIC, *,
+                 channels_last: bool | None = None, method: str = "auto",
+                 pillow_major: int | None = None) -> torch.Tensor:
+    """pillow's `Image.resize((width, height), resample)` of a uint8 image, bit for bit, on the
+    image's device. `image`: (H, W, C) or (C, H, W) uint8 (C channels resampled independently,
+    as pillow does for "RGB" and "L"; pillow premultiplies "RGBA" by alpha, this does not) or
+    (H, W); `channels_last` picks the layout, None infers it from which end has 3 channels
+    (ValueError when both or neither do). Returns the same layout. `method`: "dense" (one float64
+    matmul per pass; the default on accelerators), "banded" (a multiply-add per window offset;
+    the default on CPU) or "auto"; all are exact. `pillow_major`: the pillow release whose pass
+    order to follow (13 runs the vertical pass first when the height shrinks by more than twice
+    what the width does; 12 never does); default: the installed pillow's. Raises ValueError for
+    a filter not in SUPPORTED_FILTERS (the caller then resizes with pillow)."""
+    if image.dtype != torch.uint8:
+        raise ValueError(f"resize_uint8 takes a uint8 image, got {image.dtype}")
+    if method not in ("auto", "dense", "banded"):
+        raise ValueError(f"method must be 'auto', 'dense' or 'banded', got {method!r}")
+    _check_filter(resample)
+    if height < 1 or width < 1:
+        raise ValueError(f"height and width must be >= 1, got {height} x {width}")
+    if image.ndim == 2:
+        return _resize_chw(image[None], height, width, resample, method, pillow_major)[0]
+    if image.ndim != 3:
+        raise ValueError(f"expected an (H, W, C), (C, H, W) or (H, W) image, got shape {tuple(image.shape)}")
+    if channels_last is None:
+        if (image.shape[-1] == 3) == (image.shape[0] == 3):
+            raise ValueError(f"cannot tell the channel axis of shape {tuple(image.shape)}: pass channels_last")
+        channels_last = image.shape[-1] == 3
+    if image.shape[1] < 1 or image.shape[0 if channels_last else 2] < 1:
+        raise ValueError(f"empty image of shape {tuple(image.shape)}")
+    chw = image.permute(2, 0, 1) if channels_last else image
+    out = _resize_chw(chw, height, width, resample, method, pillow_major)
+    return out.permute(1, 2, 0).contiguous() if channels_last else out
+
+
+# -- the processor's plan ------------------------------------------------------------------------------
+
+
+def _center_crop(x: torch.Tensor, crop_height: int, crop_width: int) -> torch.Tensor:
+    """transformers' `center_crop` on (C, H, W): floor-division offsets; a crop larger than the
+    image pads it with zeros (centered, ceil) first (`processor._center_crop`)."""
+    height, width = x.shape[1], x.shape[2]
+    top, left = (height - crop_height) // 2, (width - crop_width) // 2
+    bottom, right = top + crop_height, left + crop_width
+    if top >= 0 and bottom <= height and left >= 0 and right <= width:
+        return x[:, top:bottom, left:right]
+    new_height, new_width = max(crop_height, height), max(crop_width, width)
+    padded = x.new_zeros(x.shape[0], new_height, new_width)
+    top_pad, left_pad = math.ceil((new_height - height) / 2), math.ceil((new_width - width) / 2)
+    padded[:, top_pad:top_pad + height, left_pad:left_pad + width] = x
+    top, bottom, left, right = top + top_pad, bottom + top_pad, left + left_pad, right + left_pad
+    return padded[:, max(0, top):min(new_height, bottom), max(0, left):min(new_width, right)]
+
+
+def _expand_to_square(x: torch.Tensor, color: tuple[int, int, int]) -> torch.Tensor:
+    """LlavaImageProcessor.pad_to_square on (3, H, W): centered on a square of `color` (offsets floored)."""
+    height, width = x.shape[1], x.shape[2]
+    if height == width:
+        return x
+    side = max(height, width)
+    canvas = torch.tensor(color, dtype=torch.uint8, device=x.device)[:, None, None].repeat(1, side, side)
+    top, left = (side - height) // 2, (side - width) // 2
+    canvas[:, top:top + height, left:left + width] = x
+    return canvas
+
+
+@functools.lru_cache(maxsize=16)
+def _device_lut(lut_bytes: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(lut_bytes), dtype=torch.float32).reshape(3, 256).to(device)
+
+
+def run_plan(pixels: np.ndarray | torch.Tensor, plan: ImagePlan, device: torch.device | str | None = None, *,
+             method: str = "auto", pillow_major: int | None = None) -> torch.Tensor:
+    """An `ImagePlan` on decoded (H, W, 3) uint8 RGB pixels (`DecodedImage.pixels`, numpy or a
+    tensor): (3, H', W') float32 pixel_values on `device` (default: the tensor's device, CPU for
+    numpy), equal bit for bit to `ImageProcessor.process_image(...).pixel_values`. Raises
+    ValueError for a filter the device path does not support (see `resize_uint8`)."""
+    _check_filter(plan.resample)
+    if isinstance(pixels, np.ndarray):
+        pixels = torch.from_numpy(np.ascontiguousarray(pixels))
+    if pixels.dtype != torch.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"run_plan takes (H, W, 3) uint8 RGB pixels, got {tuple(pixels.shape)} {pixels.dtype}")
+    target = torch.device(device) if device is not None else pixels.device
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    x = pixels.to(target, non_blocking=True).permute(2, 0, 1)
+    if plan.pad_square:
+        x = _expand_to_square(x, plan.pad_color)
+    if plan.resize_hw is not None:
+        x = _resize_chw(x, *plan.resize_hw, plan.resample, method, pillow_major)
+    if plan.crop_hw is not None:
+        x = _center_crop(x, *plan.crop_hw)
+    lut = _device_lut(np.ascontiguousarray(plan.lut, dtype=np.float32).tobytes(), target)
+    return torch.gather(lut, 1, x.reshape(3, -1).long()).reshape(x.shape)
