@@ -162,6 +162,7 @@ def test_bad_images_are_400_and_the_server_stays_healthy(http: httpx.Client, ima
         "bad base64": {"text": prompt, "image_data": "data:image/png;base64,%%%not-base64"},
         "more images than placeholders": {"text": prompt, "image_data": [_data_url(_png(1)), _data_url(_png(2))]},
         "not a string": {"text": prompt, "image_data": 42},
+        "video to an image-only model": {"text": prompt, "video_data": _data_url(_png(1))},
     }
     for name, body in cases.items():
         resp = http.post("/generate", json={**body, "sampling_params": GREEDY})

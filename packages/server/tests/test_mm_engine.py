@@ -224,3 +224,58 @@ def test_readme_example() -> None:
     assert isinstance(again, dict)
     image_at = 3  # "USER: " then the image: everything up to the end of the image is a hit
     assert again["meta_info"]["cached_tokens"] > image_at + 16
+
+
+def _mp4(tmp_path: Path, frames: int = 6) -> str:
+    av = pytest.importorskip("av")
+    rng = np.random.default_rng(7)
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), "w", format="mp4") as file:
+        stream = file.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                file.mux(packet)
+        for packet in stream.encode():
+            file.mux(packet)
+    return str(path)
+
+
+def test_video_and_image_equal_hf(tmp_path: Path, images: list[str]) -> None:
+    """LLaVA-NeXT-Video: a video and an image in one prompt; greedy tokens and logprobs equal HF's."""
+    from transformers import LlavaNextVideoForConditionalGeneration
+
+    from lmserver.multimodal.testing import make_tiny_llava_folder
+
+    folder = make_tiny_llava_folder(tmp_path / "video", "llava_next_video", seed=2)
+    video = _mp4(tmp_path)
+    prompt = "USER: <video>\nand <image>\nWhat happens? ASSISTANT:"
+    eng = _engine(folder)
+    try:
+        ours = _ours(eng, prompt, [images[2]], video_data=video, return_logprob=True)
+        stats = eng.get_stats()
+        assert stats["mm_items"] == 2 and stats["mm_encoded_items"] == 2
+        proc = ImageProcessor.from_model_folder(folder)
+        assert proc is not None
+        frames = eng._mm.default_num_frames  # type: ignore[union-attr]
+        vid = proc.process_video(Path(video).read_bytes(), frames)
+        img = proc.process_image(Path(images[2]).read_bytes())
+        ids = list(eng.tokenizer(prompt)["input_ids"])
+    finally:
+        eng.shutdown()
+    hf = LlavaNextVideoForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    expanded: list[int] = []
+    for t in ids:
+        n = vid.num_tokens if t == hf.config.video_token_id else img.num_tokens if t == hf.config.image_token_id else 1
+        expanded.extend([t] * n)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([expanded]), attention_mask=torch.ones(1, len(expanded), dtype=torch.long),
+                          pixel_values_videos=torch.from_numpy(vid.pixel_values)[None],
+                          pixel_values=torch.from_numpy(img.pixel_values)[None],
+                          image_sizes=torch.tensor([img.image_size]), max_new_tokens=MAX_NEW, do_sample=False,
+                          output_scores=True, return_dict_in_generate=True)
+    tokens = [int(t) for t in out.sequences[0, len(expanded):]]
+    assert ours["output_ids"] == tokens
+    want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, tokens, strict=True)]
+    np.testing.assert_allclose(_logprobs(ours), want, rtol=0, atol=1e-4)

@@ -69,6 +69,7 @@ class Engine:
         return_text_in_logprobs: bool,
         rid: str | list[str] | None,
         image_data: ImageData = None,
+        video_data: ImageData = None,
     ) -> tuple[list[GenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -86,10 +87,11 @@ class Engine:
         if len(params_list) != n or len(rids) != n:
             raise InvalidRequestError("sampling_params and rid lists must have one entry per prompt")
         images = self._images_per_prompt(image_data, n, single)
+        videos = self._images_per_prompt(video_data, n, single)
         reqs: list[GenerateReq] = []
-        for ids, params, r, refs in zip(ids_list, params_list, rids, images, strict=True):
+        for ids, params, r, refs, video_refs in zip(ids_list, params_list, rids, images, videos, strict=True):
             sp = SamplingParams.from_dict(params)
-            ids, mm_items = self._expand_media(ids, refs)
+            ids, mm_items = self._expand_media(ids, refs, video_refs)
             req = GenerateReq(
                 rid=r or f"offline-{next(self._ids)}",
                 input_ids=ids,
@@ -115,8 +117,9 @@ class Engine:
             raise InvalidRequestError(f"image_data must have one entry per prompt ({n})")
         return [[] if x is None else [x] if isinstance(x, str) else list(x) for x in image_data]
 
-    def _expand_media(self, ids: list[int], refs: list[str]) -> tuple[list[int], list[MultimodalItem]]:
-        if not refs:
+    def _expand_media(self, ids: list[int], refs: list[str],
+                      video_refs: list[str]) -> tuple[list[int], list[MultimodalItem]]:
+        if not refs and not video_refs:
             return ids, []
         if self._mm is None:
             from lmserver.multimodal.frontend import MultimodalFrontend
@@ -126,7 +129,8 @@ class Engine:
                 raise InvalidRequestError("this model is text-only: it takes no images or videos")
         from lmserver.multimodal.frontend import MediaRef
 
-        return self._mm.expand(ids, self._mm.prepare_blocking([MediaRef("image", ref) for ref in refs]))
+        media = [MediaRef("image", ref) for ref in refs] + [MediaRef("video", ref) for ref in video_refs]
+        return self._mm.expand(ids, self._mm.prepare_blocking(media))
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -142,14 +146,15 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         image_data: ImageData = None,
+        video_data: ImageData = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generates for one prompt (a dict), a list of prompts (a list of dicts, n per prompt),
         or, with `stream=True` and one prompt, an iterator of dicts with cumulative text.
-        `image_data` (a multimodal model): per prompt an image (file path, URL, base64) or a
-        list of them, one per image placeholder of the prompt."""
+        `image_data` / `video_data` (a multimodal model): per prompt an image / video (file
+        path, URL, base64) or a list of them, one per placeholder of the prompt."""
         reqs, single = self._requests(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            return_text_in_logprobs, rid, image_data,
+            return_text_in_logprobs, rid, image_data, video_data,
         )
         if stream:
             if len(reqs) != 1:
@@ -281,13 +286,14 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         image_data: ImageData = None,
+        video_data: ImageData = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """`generate` without blocking the event loop. Concurrent calls (e.g. under
         `asyncio.gather`) are scheduled together: a driver thread steps the core for all of them,
         so they share prefill and decode batches. Cancelling the call aborts its requests."""
         reqs, single = self._requests(
             prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-            return_text_in_logprobs, rid, image_data,
+            return_text_in_logprobs, rid, image_data, video_data,
         )
         if stream and len(reqs) != 1:
             raise InvalidRequestError("stream=True takes one prompt with n == 1")
