@@ -11,7 +11,7 @@ codes (pillow 13's MKS2013 / MKS2021) raise ValueError. It is a port of pillow's
   sin / cos through `math`), then `normalize_coeffs_8bpc`: fixed-point ints of PRECISION_BITS (22)
   fractional bits, rounded half away from zero.
 - each pass is `ss = 1 << 21; ss += pixel * k` over the window, then `clip8`: `ss >> 22` clamped
-  to [0, 255]. Here: float64 matmuls (or multiply-adds over the window) of integers below 2^53,
+  to [0, 255]. Here: float64 matmuls (dense, or a sparse CSR matrix) of integers below 2^53,
   which are exact in any summation order, then `floor((acc + 2^21) / 2^22)` clamped.
 - the horizontal pass runs first (only on the rows the vertical pass reads) into a uint8
   intermediate, then the vertical pass; a pass whose size does not change is skipped, and an
@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,9 +49,9 @@ __all__ = ["PRECISION_BITS", "SUPPORTED_FILTERS", "pil_resize_coefficients", "re
 PRECISION_BITS = 32 - 8 - 2
 NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING, MKS2013, MKS2021 = 0, 1, 2, 3, 4, 5, 6, 7
 SUPPORTED_FILTERS = (NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING, MKS2013, MKS2021)
-_HALF = float(1 << (PRECISION_BITS - 1))
 _ONE = float(1 << PRECISION_BITS)
 _MAX_CHUNK_ELEMENTS = 1 << 24  # float64 elements per matmul operand chunk (128 MiB)
+_MAX_DENSE_ELEMENTS = 1 << 22  # a larger (out, in) matrix (32 MiB) goes sparse (thin strips resized to 336 x 10^5)
 
 
 # -- pillow's filters, element-wise on float64 arrays, each operation as Resample.c writes it ----------
@@ -182,55 +184,81 @@ def _nearest_indices(in_size: int, out_size: int) -> np.ndarray:
     return index
 
 
+@dataclass(frozen=True, eq=False)
+class _Pass:
+    """One axis' resampling on a device: output o reads inputs [first, first + span) with
+    weights `matrix_row(o)`; `index` / `weights` (out, ksize) are the windows rebased on `first`
+    (padding clamped, weight 0), `csr` the same as a sparse (out, span) float64 matrix."""
+
+    first: int
+    span: int
+    index: torch.Tensor
+    weights: torch.Tensor
+    csr: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """(out, span) float64, built on the device (not cached: a few MB for large images)."""
+        matrix = torch.zeros(self.index.shape[0], self.span, dtype=torch.float64, device=self.index.device)
+        return matrix.scatter_add_(1, self.index, self.weights)  # add: padding entries carry weight 0
+
+
 @functools.lru_cache(maxsize=64)
-def _device_coefficients(in_size: int, out_size: int, resample: int,
-                         device: torch.device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """(first input index read, number of input indices read from it on, window indices (out,
-    ksize) rebased on the first and clamped, float64 weights (out, ksize)); tensors on `device`."""
+def _device_pass(in_size: int, out_size: int, resample: int, device: torch.device) -> _Pass:
     xmin, fixed = pil_resize_coefficients(in_size, out_size, resample)
     first = int(xmin[0])
-    index = np.minimum(xmin[:, None] + np.arange(fixed.shape[1])[None, :], in_size - 1) - first
-    return (first, int(index.max()) + 1, torch.from_numpy(index).to(device),
-            torch.from_numpy(fixed.astype(np.float64)).to(device))
+    columns = xmin[:, None] + np.arange(fixed.shape[1])[None, :] - first
+    span = int(columns[fixed != 0].max(initial=0)) + 1
+    index = np.minimum(columns, span - 1)
+    nonzero = fixed != 0  # always inside the window: distinct columns per row
+    crow = np.concatenate([[0], np.cumsum(nonzero.sum(axis=1))])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        csr = torch.sparse_csr_tensor(torch.from_numpy(crow), torch.from_numpy(columns[nonzero]),
+                                      torch.from_numpy(fixed[nonzero].astype(np.float64)), (out_size, span),
+                                      dtype=torch.float64, check_invariants=True)
+    return _Pass(first, span, torch.from_numpy(index).to(device),
+                 torch.from_numpy(fixed.astype(np.float64)).to(device), csr.to(device))
 
 
 def _clip8(acc: torch.Tensor) -> torch.Tensor:
-    """pillow's clip8 of `ss = 2^21 + acc`: `ss >> 22` clamped to [0, 255] (acc: exact float64 ints)."""
-    return torch.floor((acc + _HALF) / _ONE).clamp_(0, 255).to(torch.uint8)
+    """pillow's clip8 of `ss = 2^21 + acc`: `ss >> 22` clamped to [0, 255], from float64 integers
+    `acc` (overwritten). `acc / 2^22 + 0.5` is exact (|acc| < 2^31), so its floor is `ss >> 22`."""
+    return acc.mul_(1.0 / _ONE).add_(0.5).floor_().clamp_(0, 255).to(torch.uint8)
 
 
-def _resample_axis(x: torch.Tensor, dim: int, index: torch.Tensor, weights: torch.Tensor,
-                   dense: bool) -> torch.Tensor:
-    """One pillow pass along `dim` (1: rows, 2: columns) of a (C, H, W) uint8 tensor whose `dim`
-    starts at the window base: uint8 (C, H', W)."""
-    out_size, ksize = index.shape
-    in_size = x.shape[dim]
-    if dense:
-        matrix = torch.zeros(out_size, in_size, dtype=torch.float64, device=x.device)
-        matrix.scatter_add_(1, index, weights)  # add: clamped padding indices carry weight 0
-        if dim == 2:  # (C * H, W) @ (W, out) in row chunks
-            flat = x.reshape(-1, in_size)
-            rows = max(1, _MAX_CHUNK_ELEMENTS // max(in_size, out_size))
-            out = torch.empty(flat.shape[0], out_size, dtype=torch.uint8, device=x.device)
-            for start in range(0, flat.shape[0], rows):
-                chunk = flat[start:start + rows].to(torch.float64)
-                out[start:start + rows] = _clip8(chunk @ matrix.T)
-            return out.reshape(x.shape[0], x.shape[1], out_size)
-        cols = max(1, _MAX_CHUNK_ELEMENTS // max(in_size, out_size))
-        out = torch.empty(x.shape[0], out_size, x.shape[2], dtype=torch.uint8, device=x.device)
-        for start in range(0, x.shape[2], cols):
-            chunk = x[:, :, start:start + cols].to(torch.float64)
-            out[:, :, start:start + cols] = _clip8(torch.matmul(matrix, chunk))
-        return out
-    # banded: a multiply-add per window offset (less work than the dense matmul on a CPU)
-    source = x.to(torch.float64)
-    shape = [1, 1, 1]
-    shape[dim] = out_size
-    acc = torch.zeros(*(out_size if d == dim else s for d, s in enumerate(x.shape)),
-                      dtype=torch.float64, device=x.device)
-    for j in range(ksize):
-        acc.add_(source.index_select(dim, index[:, j]) * weights[:, j].reshape(shape))
-    return _clip8(acc)
+def _resample_axis(x: torch.Tensor, dim: int, op: _Pass, dense: bool, start: int | None = None) -> torch.Tensor:
+    """One pillow pass along `dim` (1: rows, 2: columns) of a (C, H, W) uint8 tensor, reading its
+    `op.span` inputs from `start` (default `op.first`). float64 matmuls of integers below 2^53,
+    exact in any order, in chunks of at most _MAX_CHUNK_ELEMENTS elements. Returns uint8."""
+    x = x.narrow(dim, op.first if start is None else start, op.span)
+    out_size = op.index.shape[0]
+    dense = dense and out_size * op.span <= _MAX_DENSE_ELEMENTS
+    matrix = op.dense() if dense else op.csr
+    step = max(1, _MAX_CHUNK_ELEMENTS // max(op.span, out_size) // (x.shape[0] if dim == 1 else 1))
+    if dim == 2:  # (C * H, span) -> (C * H, out)
+        total = x.shape[0] * x.shape[1]
+        out = torch.empty(total, out_size, dtype=torch.uint8, device=x.device)
+        if dense:
+            flat = x.reshape(total, op.span)
+            for begin in range(0, total, step):
+                out[begin:begin + step] = _clip8(flat[begin:begin + step].to(torch.float64) @ matrix.T)
+        else:  # CSR times contiguous (span, n) matrices (transposed as uint8: cheaper)
+            flat_t = x.permute(2, 0, 1).reshape(op.span, total)
+            for begin in range(0, total, step):
+                chunk = flat_t[:, begin:begin + step].contiguous().to(torch.float64)
+                out[begin:begin + step] = _clip8(matrix @ chunk).T
+        return out.reshape(x.shape[0], x.shape[1], out_size)
+    channels, width = x.shape[0], x.shape[2]  # (C, span, W) -> (C, out, W), in column chunks
+    out = torch.empty(channels, out_size, width, dtype=torch.uint8, device=x.device)
+    for begin in range(0, width, step):
+        part = x[:, :, begin:begin + step]
+        if dense:
+            out[:, :, begin:begin + step] = _clip8(torch.matmul(matrix, part.to(torch.float64)))
+        else:
+            chunk = part.permute(1, 0, 2).reshape(op.span, -1).to(torch.float64)
+            result = _clip8(matrix @ chunk).reshape(out_size, channels, part.shape[2])
+            out[:, :, begin:begin + step] = result.permute(1, 0, 2)
+    return out
 
 
 @functools.cache
@@ -255,32 +283,25 @@ def _resize_chw(x: torch.Tensor, height: int, width: int, resample: int, method:
     if (in_height, in_width) == (height, width):
         return x.clone()
     if resample == NEAREST:
-        source_rows = torch.from_numpy(_nearest_indices(in_height, height)).to(x.device)
-        source_cols = torch.from_numpy(_nearest_indices(in_width, width)).to(x.device)
+        source_rows = torch.tensor(_nearest_indices(in_height, height), device=x.device)
+        source_cols = torch.tensor(_nearest_indices(in_width, width), device=x.device)
         out = x.index_select(1, source_rows.clamp(min=0)).index_select(2, source_cols.clamp(min=0))
         valid = (source_rows >= 0)[:, None] & (source_cols >= 0)[None, :]
         return out * valid.to(torch.uint8)  # never zero in practice: pillow leaves 0 where outside
     dense = method == "dense" or (method == "auto" and x.device.type != "cpu")
     need_horizontal, need_vertical = width != in_width, height != in_height
+    rows = _device_pass(in_height, height, resample, x.device) if need_vertical else None
+    cols = _device_pass(in_width, width, resample, x.device) if need_horizontal else None
     shrink = in_height - height
-    vertical_first = _vertical_first_rule(pillow_major) and shrink > 0 and shrink > (in_width - width) * 2
-    if need_vertical:
-        first_row, row_span, row_index, row_weights = _device_coefficients(in_height, height, resample, x.device)
-    if need_horizontal:
-        first_col, col_span, col_index, col_weights = _device_coefficients(in_width, width, resample, x.device)
-    if vertical_first:  # pillow 13: the vertical pass on every column, then the horizontal one
-        x = _resample_axis(x[:, first_row:first_row + row_span], 1, row_index, row_weights, dense)
-        if need_horizontal:
-            x = _resample_axis(x[:, :, first_col:first_col + col_span], 2, col_index, col_weights, dense)
-        return x
-    if not need_horizontal:
-        return _resample_axis(x[:, first_row:first_row + row_span], 1, row_index, row_weights, dense)
-    # the horizontal pass only on the rows the vertical pass reads (ybox_first / ybox_last)
-    rows = slice(first_row, first_row + row_span) if need_vertical else slice(None)
-    x = _resample_axis(x[:, rows, first_col:first_col + col_span], 2, col_index, col_weights, dense)
-    if not need_vertical:
-        return x
-    return _resample_axis(x, 1, row_index, row_weights, dense)
+    if _vertical_first_rule(pillow_major) and shrink > 0 and shrink > (in_width - width) * 2:
+        assert rows is not None  # pillow 13: the vertical pass first (on every column)
+        x = _resample_axis(x, 1, rows, dense)
+        return _resample_axis(x, 2, cols, dense) if cols is not None else x
+    if rows is not None:  # the horizontal pass only on the rows the vertical one reads (ybox_first / last)
+        x = x.narrow(1, rows.first, rows.span)
+    if cols is not None:
+        x = _resample_axis(x, 2, cols, dense)
+    return _resample_axis(x, 1, rows, dense, start=0) if rows is not None else x
 
 
 def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = BICUBIC, *,
@@ -290,16 +311,17 @@ def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = B
     image's device. `image`: (H, W, C) or (C, H, W) uint8 (C channels resampled independently,
     as pillow does for "RGB" and "L"; pillow premultiplies "RGBA" by alpha, this does not) or
     (H, W); `channels_last` picks the layout, None infers it from which end has 3 channels
-    (ValueError when both or neither do). Returns the same layout. `method`: "dense" (one float64
-    matmul per pass; the default on accelerators), "banded" (a multiply-add per window offset;
-    the default on CPU) or "auto"; all are exact. `pillow_major`: the pillow release whose pass
+    (ValueError when both or neither do). Returns the same layout. `method`: "dense" (float64
+    matmuls; the default on accelerators, for matrices up to 4 M elements, sparse above),
+    "sparse" (a CSR float64 matrix times the image; the default on CPU, where it is about twice
+    as fast) or "auto"; all are exact. `pillow_major`: the pillow release whose pass
     order to follow (13 runs the vertical pass first when the height shrinks by more than twice
     what the width does; 12 never does); default: the installed pillow's. Raises ValueError for
     a filter not in SUPPORTED_FILTERS (the caller then resizes with pillow)."""
     if image.dtype != torch.uint8:
         raise ValueError(f"resize_uint8 takes a uint8 image, got {image.dtype}")
-    if method not in ("auto", "dense", "banded"):
-        raise ValueError(f"method must be 'auto', 'dense' or 'banded', got {method!r}")
+    if method not in ("auto", "dense", "sparse"):
+        raise ValueError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}")
     _check_filter(resample)
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be >= 1, got {height} x {width}")
