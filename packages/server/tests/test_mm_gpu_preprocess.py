@@ -2,9 +2,8 @@
 
 Oracles:
 - `resize_uint8`: the installed pillow's own `Image.resize` ("RGB" and "L" images, every filter it
-  has), compared for exact equality; the pass order of the other pillow release (12.x: always
-  horizontal first; 13.0: vertical first when the height shrinks more than twice as much as the
-  width) against pillow's own one-axis resizes chained in that order.
+  has), compared for exact equality; the pass orders of other pillow releases (before 12.2,
+  12.2 to 12.x, 13.0 on) against pillow's own one-axis resizes chained in that order.
 - `run_plan(decode_image(...))`: `ImageProcessor.process_image(...).pixel_values` (itself equal to
   transformers' slow processors, see test_mm_processor.py), exact (atol 0).
 """
@@ -31,7 +30,7 @@ from lmserver.multimodal.gpu_preprocess import (
 )
 from lmserver.multimodal.processor import ImageProcessor
 
-PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
+PILLOW_VERSION = tuple(int(v) for v in PIL.__version__.split(".")[:2])
 PILLOW_FILTERS = sorted(int(f) for f in Image.Resampling if int(f) in SUPPORTED_FILTERS)
 METHODS = ["sparse", "dense"]
 
@@ -126,29 +125,37 @@ def test_resize_edge_sizes_match_pillow(resample, size, out_size):
                                                    channels_last=True, method=method).numpy(), expected)
 
 
-def test_pass_order_of_each_pillow_release():
-    """pillow 13 runs the vertical pass first when the height shrinks more than twice as much as
-    the width; 12 always starts with the horizontal one. Each order equals pillow's own one-axis
-    resizes chained that way, and the installed pillow picks its own."""
-    rng = np.random.default_rng(0)
-    height, width, out_height, out_width, resample = 26, 13, 3, 58, Image.Resampling.BICUBIC
-    pixels = random_pixels(rng, height, width, 3, style=0)
-    horizontal_first = pil_resize(pil_resize(pixels, height, out_width, resample), out_height, out_width, resample)
-    vertical_first = pil_resize(pil_resize(pixels, out_height, width, resample), out_height, out_width, resample)
-    assert not np.array_equal(horizontal_first, vertical_first)  # the case tells the orders apart
+# (height, width, out_height, out_width, first pass per release: (11, 0) / (12, 3) / (13, 0)); "V": vertical
+PASS_ORDER_CASES = [
+    (26, 13, 3, 58, "HHV"),  # 13.0: the height shrinks by more than twice what the width does
+    (40, 30, 30, 25, "HHH"),  # 13.0: exactly twice: horizontal first still
+    (700, 2, 384, 384, "HVV"),  # 12.2+: over 100 times taller than wide, height shrinks
+    (1000, 5, 999, 1, "HVH"),  # 12.2 to 12.x only
+    (300, 3, 150, 2, "HHV"),  # 100 times taller, not more
+]
+
+
+@pytest.mark.parametrize(("height", "width", "out_height", "out_width", "orders"), PASS_ORDER_CASES)
+def test_pass_order_of_each_pillow_release(height, width, out_height, out_width, orders):
+    """Which pass goes first changed in pillow 12.2 (`Image.resize`: tall images) and 13.0
+    (`ImagingResampleInner`). Each order equals pillow's own one-axis resizes chained that way,
+    and the installed pillow's resize equals ours with its default order."""
+    resample = Image.Resampling.BICUBIC
+    pixels = random_pixels(np.random.default_rng(height + width), height, width, 3, style=0)
+    chained = {
+        "H": pil_resize(pil_resize(pixels, height, out_width, resample), out_height, out_width, resample),
+        "V": pil_resize(pil_resize(pixels, out_height, width, resample), out_height, out_width, resample),
+    }
+    assert not np.array_equal(chained["H"], chained["V"])  # the case tells the orders apart
     source = torch.from_numpy(pixels)
-    for method in METHODS:
-        twelve = resize_uint8(source, out_height, out_width, resample, method=method, pillow_major=12)
-        thirteen = resize_uint8(source, out_height, out_width, resample, method=method, pillow_major=13)
-        np.testing.assert_array_equal(twelve.numpy(), horizontal_first)
-        np.testing.assert_array_equal(thirteen.numpy(), vertical_first)
-    expected = vertical_first if PILLOW_MAJOR >= 13 else horizontal_first
-    np.testing.assert_array_equal(pil_resize(pixels, out_height, out_width, resample), expected)
-    np.testing.assert_array_equal(resize_uint8(source, out_height, out_width, resample).numpy(), expected)
-    # the rule's edge: a shrink of exactly twice the width's keeps the horizontal pass first
-    pixels = random_pixels(rng, 40, 30, 3, style=0)
-    expected = pil_resize(pil_resize(pixels, 40, 25, resample), 30, 25, resample)
-    np.testing.assert_array_equal(resize_uint8(torch.from_numpy(pixels), 30, 25, resample).numpy(), expected)
+    for version, order in zip([(11, 0), (12, 3), (13, 0)], orders, strict=True):
+        for method in METHODS:
+            ours = resize_uint8(source, out_height, out_width, resample, method=method, pillow_version=version)
+            np.testing.assert_array_equal(ours.numpy(), chained[order], err_msg=f"pillow {version} {method}")
+    direct = pil_resize(pixels, out_height, out_width, resample)
+    np.testing.assert_array_equal(resize_uint8(source, out_height, out_width, resample).numpy(), direct)
+    installed = PILLOW_VERSION >= (13, 0) and orders[2] or PILLOW_VERSION >= (12, 2) and orders[1] or orders[0]
+    np.testing.assert_array_equal(direct, chained[installed])
 
 
 def test_layouts_and_errors():

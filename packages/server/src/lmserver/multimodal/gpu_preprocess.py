@@ -2,9 +2,10 @@
 
 `resize_uint8(image, height, width, resample)` equals pillow's `Image.resize((width, height),
 resample)` (`reducing_gap=None`, whole image as the box) of an "RGB" or "L" image exactly, for
-the filters NEAREST (0), LANCZOS (1), BILINEAR (2), BICUBIC (3), BOX (4) and HAMMING (5); other
-codes (pillow 13's MKS2013 / MKS2021) raise ValueError. It is a port of pillow's
-`src/libImaging/Resample.c` (the same in pillow 12.3 and 13.0):
+the filters NEAREST (0), LANCZOS (1), BILINEAR (2), BICUBIC (3), BOX (4), HAMMING (5) and
+pillow 13's MKS2013 (6) / MKS2021 (7); other codes raise ValueError. It ports pillow's
+`src/libImaging/Resample.c` (`precompute_coeffs` and the 8-bit passes are the same from 12.x to
+13.0) and the pass order of the installed pillow release:
 
 - `precompute_coeffs`: per output pixel a window of input pixels and float64 weights, computed
   here in numpy with the same float64 operations in the same order (sequential sums, libm
@@ -13,9 +14,11 @@ codes (pillow 13's MKS2013 / MKS2021) raise ValueError. It is a port of pillow's
 - each pass is `ss = 1 << 21; ss += pixel * k` over the window, then `clip8`: `ss >> 22` clamped
   to [0, 255]. Here: float64 matmuls (dense, or a sparse CSR matrix) of integers below 2^53,
   which are exact in any summation order, then `floor((acc + 2^21) / 2^22)` clamped.
-- the horizontal pass runs first (only on the rows the vertical pass reads) into a uint8
-  intermediate, then the vertical pass; a pass whose size does not change is skipped, and an
-  unchanged size is a copy.
+- two passes through a uint8 intermediate, the horizontal one first (on the rows the vertical
+  one reads only) except: from 13.0 (`ImagingResampleInner`) when the height shrinks by more
+  than twice what the width does; in 12.2 to 12.x (`Image.resize`, two C calls) when the image
+  is over 100 times taller than wide and its height shrinks; then the vertical pass runs first,
+  on every column. A pass whose size does not change is skipped; an unchanged size is a copy.
 - NEAREST is not resampling in pillow but an affine transform (`ImagingScaleAffine`): source
   index `int(x0 + i * step)` with the position accumulated by repeated float64 additions.
 
@@ -213,11 +216,12 @@ def _device_pass(in_size: int, out_size: int, resample: int, device: torch.devic
     crow = np.concatenate([[0], np.cumsum(nonzero.sum(axis=1))])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
         csr = torch.sparse_csr_tensor(torch.from_numpy(crow), torch.from_numpy(columns[nonzero]),
                                       torch.from_numpy(fixed[nonzero].astype(np.float64)), (out_size, span),
-                                      dtype=torch.float64, check_invariants=True)
+                                      dtype=torch.float64, check_invariants=True).to(device)
     return _Pass(first, span, torch.from_numpy(index).to(device),
-                 torch.from_numpy(fixed.astype(np.float64)).to(device), csr.to(device))
+                 torch.from_numpy(fixed.astype(np.float64)).to(device), csr)
 
 
 def _clip8(acc: torch.Tensor) -> torch.Tensor:
@@ -262,22 +266,32 @@ def _resample_axis(x: torch.Tensor, dim: int, op: _Pass, dense: bool, start: int
 
 
 @functools.cache
-def _installed_pillow_major() -> int:
+def _installed_pillow_version() -> tuple[int, int]:
     try:
         import PIL
 
-        return int(PIL.__version__.split(".")[0])
+        major, minor = PIL.__version__.split(".")[:2]
+        return int(major), int(minor)
     except (ImportError, ValueError):  # no pillow here: the current rule
-        return 13
+        return 13, 0
 
 
-def _vertical_first_rule(pillow_major: int | None) -> bool:
-    """Whether pillow may run the vertical pass first (13.0 on; 12.x always goes horizontal first)."""
-    return (pillow_major if pillow_major is not None else _installed_pillow_major()) >= 13
+def _vertical_first(in_height: int, in_width: int, height: int, width: int,
+                    pillow_version: tuple[int, int] | None) -> bool:
+    """Whether pillow resizes the height first. 13.0 on (`ImagingResampleInner`): when the height
+    shrinks by more than twice what the width does. 12.2 to 12.x (`Image.resize`, two C calls):
+    an image over 100 times taller than wide whose height shrinks. Before 12.2: never."""
+    version = pillow_version if pillow_version is not None else _installed_pillow_version()
+    if version >= (13, 0):
+        shrink = in_height - height
+        return shrink > 0 and shrink > (in_width - width) * 2
+    if version >= (12, 2):
+        return in_height > in_width * 100 and height < in_height
+    return False
 
 
 def _resize_chw(x: torch.Tensor, height: int, width: int, resample: int, method: str,
-                pillow_major: int | None) -> torch.Tensor:
+                pillow_version: tuple[int, int] | None) -> torch.Tensor:
     """pillow's resize of a (C, H, W) uint8 tensor (`ImagingResampleInner`, or the nearest transform)."""
     in_height, in_width = x.shape[1], x.shape[2]
     if (in_height, in_width) == (height, width):
@@ -292,9 +306,8 @@ def _resize_chw(x: torch.Tensor, height: int, width: int, resample: int, method:
     need_horizontal, need_vertical = width != in_width, height != in_height
     rows = _device_pass(in_height, height, resample, x.device) if need_vertical else None
     cols = _device_pass(in_width, width, resample, x.device) if need_horizontal else None
-    shrink = in_height - height
-    if _vertical_first_rule(pillow_major) and shrink > 0 and shrink > (in_width - width) * 2:
-        assert rows is not None  # pillow 13: the vertical pass first (on every column)
+    if _vertical_first(in_height, in_width, height, width, pillow_version):
+        assert rows is not None  # the vertical pass first, on every column
         x = _resample_axis(x, 1, rows, dense)
         return _resample_axis(x, 2, cols, dense) if cols is not None else x
     if rows is not None:  # the horizontal pass only on the rows the vertical one reads (ybox_first / last)
@@ -306,7 +319,7 @@ def _resize_chw(x: torch.Tensor, height: int, width: int, resample: int, method:
 
 def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = BICUBIC, *,
                  channels_last: bool | None = None, method: str = "auto",
-                 pillow_major: int | None = None) -> torch.Tensor:
+                 pillow_version: tuple[int, int] | None = None) -> torch.Tensor:
     """pillow's `Image.resize((width, height), resample)` of a uint8 image, bit for bit, on the
     image's device. `image`: (H, W, C) or (C, H, W) uint8 (C channels resampled independently,
     as pillow does for "RGB" and "L"; pillow premultiplies "RGBA" by alpha, this does not) or
@@ -314,9 +327,10 @@ def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = B
     (ValueError when both or neither do). Returns the same layout. `method`: "dense" (float64
     matmuls; the default on accelerators, for matrices up to 4 M elements, sparse above),
     "sparse" (a CSR float64 matrix times the image; the default on CPU, where it is about twice
-    as fast) or "auto"; all are exact. `pillow_major`: the pillow release whose pass
-    order to follow (13 runs the vertical pass first when the height shrinks by more than twice
-    what the width does; 12 never does); default: the installed pillow's. Raises ValueError for
+    as fast) or "auto"; all are exact. `pillow_version`: the (major, minor) pillow
+    release whose pass order to follow (the height goes first: from 13.0 when it shrinks by more
+    than twice what the width does; in 12.2 to 12.x when the image is over 100 times taller than
+    wide and its height shrinks; before 12.2 never); default: the installed pillow's. Raises ValueError for
     a filter not in SUPPORTED_FILTERS (the caller then resizes with pillow)."""
     if image.dtype != torch.uint8:
         raise ValueError(f"resize_uint8 takes a uint8 image, got {image.dtype}")
@@ -326,7 +340,7 @@ def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = B
     if height < 1 or width < 1:
         raise ValueError(f"height and width must be >= 1, got {height} x {width}")
     if image.ndim == 2:
-        return _resize_chw(image[None], height, width, resample, method, pillow_major)[0]
+        return _resize_chw(image[None], height, width, resample, method, pillow_version)[0]
     if image.ndim != 3:
         raise ValueError(f"expected an (H, W, C), (C, H, W) or (H, W) image, got shape {tuple(image.shape)}")
     if channels_last is None:
@@ -336,7 +350,7 @@ def resize_uint8(image: torch.Tensor, height: int, width: int, resample: int = B
     if image.shape[1] < 1 or image.shape[0 if channels_last else 2] < 1:
         raise ValueError(f"empty image of shape {tuple(image.shape)}")
     chw = image.permute(2, 0, 1) if channels_last else image
-    out = _resize_chw(chw, height, width, resample, method, pillow_major)
+    out = _resize_chw(chw, height, width, resample, method, pillow_version)
     return out.permute(1, 2, 0).contiguous() if channels_last else out
 
 
@@ -377,7 +391,7 @@ def _device_lut(lut_bytes: bytes, device: torch.device) -> torch.Tensor:
 
 
 def run_plan(pixels: np.ndarray | torch.Tensor, plan: ImagePlan, device: torch.device | str | None = None, *,
-             method: str = "auto", pillow_major: int | None = None) -> torch.Tensor:
+             method: str = "auto", pillow_version: tuple[int, int] | None = None) -> torch.Tensor:
     """An `ImagePlan` on decoded (H, W, 3) uint8 RGB pixels (`DecodedImage.pixels`, numpy or a
     tensor): (3, H', W') float32 pixel_values on `device` (default: the tensor's device, CPU for
     numpy), equal bit for bit to `ImageProcessor.process_image(...).pixel_values`. Raises
@@ -394,7 +408,7 @@ def run_plan(pixels: np.ndarray | torch.Tensor, plan: ImagePlan, device: torch.d
     if plan.pad_square:
         x = _expand_to_square(x, plan.pad_color)
     if plan.resize_hw is not None:
-        x = _resize_chw(x, *plan.resize_hw, plan.resample, method, pillow_major)
+        x = _resize_chw(x, *plan.resize_hw, plan.resample, method, pillow_version)
     if plan.crop_hw is not None:
         x = _center_crop(x, *plan.crop_hw)
     lut = _device_lut(np.ascontiguousarray(plan.lut, dtype=np.float32).tobytes(), target)
