@@ -279,3 +279,22 @@ def test_video_and_image_equal_hf(tmp_path: Path, images: list[str]) -> None:
     assert ours["output_ids"] == tokens
     want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, tokens, strict=True)]
     np.testing.assert_allclose(_logprobs(ours), want, rtol=0, atol=1e-4)
+
+
+def test_device_preprocessing_path_gives_the_same_outputs(folder: Path, images: list[str]) -> None:
+    """The frontend only decodes and the engine runs the plan (the GPU set-up, here on the CPU):
+    identical logprobs to the CPU preprocessing path (NeXT anyres has no plan: unchanged)."""
+    from lmserver.multimodal.frontend import MultimodalFrontend
+
+    eng = _engine(folder, disable_radix_cache=True, mm_encoder_cache_size=0)
+    try:
+        prompt, paths = _prompt(2), [images[0], images[2]]
+        cpu = _ours(eng, prompt, paths, return_logprob=True)
+        eng._mm = MultimodalFrontend.for_model(folder, eng.tokenizer, eng.core.resolved_config, "cuda")
+        assert eng._mm is not None
+        assert eng._mm.device_preprocess == (eng.core.model_config.architecture == "LlavaForConditionalGeneration")
+        planned = _ours(eng, prompt, paths, return_logprob=True)
+        assert planned["output_ids"] == cpu["output_ids"]
+        assert _logprobs(planned) == _logprobs(cpu)
+    finally:
+        eng.shutdown()

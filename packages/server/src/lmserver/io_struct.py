@@ -167,6 +167,9 @@ class MultimodalItem:
     num_tokens: int
     pixel_values: Any  # numpy float32: (3, H, W), (patches, 3, H, W) or video frames (F, 3, H, W)
     image_size: tuple[int, int] = (0, 0)  # (height, width) of the original image or frame
+    # set: pixel_values are the decoded (H, W, 3) uint8 image and the engine runs this plan of the
+    # remaining steps on its device (multimodal.processor.ImagePlan; bit-identical result)
+    plan: Any = None
 
     @property
     def end(self) -> int:

@@ -119,7 +119,8 @@ class TokenizerManager:
         self.ready, self.tokenizer = msg, msg.tokenizer
         from lmserver.multimodal.frontend import MultimodalFrontend
 
-        self.mm = MultimodalFrontend.for_model(msg.model_path, msg.tokenizer, self.config)
+        self.mm = MultimodalFrontend.for_model(msg.model_path, msg.tokenizer, self.config,
+                                               str(msg.resolved_config.get("device", "cpu")))
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
         self._recv_task.add_done_callback(self._recv_done)
         return msg

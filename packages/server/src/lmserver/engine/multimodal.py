@@ -94,7 +94,7 @@ class MultimodalInputs:
         model: Any = self.model
         with torch.inference_mode():
             if images:
-                pixels = [self._tensor(item.pixel_values) for _, item in images]
+                pixels = [self._image_tensor(item) for _, item in images]
                 encoded = model.encode_images(pixels, [tuple(item.image_size) for _, item in images])
                 out.update((i, rows) for (i, _), rows in zip(images, encoded, strict=True))
             for i, item in enumerate(items):
@@ -106,6 +106,18 @@ class MultimodalInputs:
 
     def _tensor(self, pixel_values: Any) -> torch.Tensor:
         return torch.as_tensor(pixel_values).to(self.device, self.dtype, non_blocking=True)
+
+    def _image_tensor(self, item: MultimodalItem) -> torch.Tensor:
+        """The item's pixel_values on the device; a decoded image with a plan is resized,
+        cropped and normalized there (bit-identical to the processor's CPU path)."""
+        if item.plan is None:
+            return self._tensor(item.pixel_values)
+        from lmserver.multimodal.gpu_preprocess import run_plan
+
+        pixels = torch.from_numpy(item.pixel_values)
+        if self.device.type == "cuda":
+            pixels = pixels.pin_memory().to(self.device, non_blocking=True)
+        return run_plan(pixels, item.plan, self.device).to(self.dtype)
 
     def record_finished(self, req: Req) -> None:
         """Counts a finished request's items and how many of their tokens came from the radix

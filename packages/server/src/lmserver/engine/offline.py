@@ -124,7 +124,8 @@ class Engine:
         if self._mm is None:
             from lmserver.multimodal.frontend import MultimodalFrontend
 
-            self._mm = MultimodalFrontend.for_model(self.model_path, self.tokenizer, self.core.resolved_config)
+            self._mm = MultimodalFrontend.for_model(self.model_path, self.tokenizer, self.core.resolved_config,
+                                                    self.core.device.type)
             if self._mm is None:
                 raise InvalidRequestError("this model is text-only: it takes no images or videos")
         from lmserver.multimodal.frontend import MediaRef

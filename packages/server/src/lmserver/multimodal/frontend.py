@@ -38,9 +38,10 @@ class MediaRef:
 class PreparedMedia:
     kind: str
     content_hash: int
-    pixel_values: Any  # numpy float32
+    pixel_values: Any  # numpy float32, or the decoded uint8 image when `plan` is set
     image_size: tuple[int, int]
     num_tokens: int
+    plan: Any = None  # processor.ImagePlan the engine runs on its device
 
 
 def content_hash(kind: str, data: bytes, num_frames: int | None = None) -> int:
@@ -65,7 +66,7 @@ def _token_id(hf: dict[str, Any], *names: str) -> int | None:
 class MultimodalFrontend:
     def __init__(self, processor: Any, image_token_id: int | None, video_token_id: int | None, tokenizer: Any,
                  limits: LoadLimits, max_items: int = 32, default_num_frames: int = 8,
-                 max_frames: int = 64, processed_cache_items: int = 64) -> None:
+                 max_frames: int = 64, processed_cache_items: int = 64, device_preprocess: bool = False) -> None:
         self.processor = processor
         self.token_ids = {"image": image_token_id, "video": video_token_id}
         self.token_texts = {kind: (None if tid is None else str(tokenizer.convert_ids_to_tokens(tid)))
@@ -78,11 +79,15 @@ class MultimodalFrontend:
         # preprocessed items by content hash (LRU): a repeated image skips decoding and resizing
         self._processed: OrderedDict[int, PreparedMedia] = OrderedDict()
         self.processed_cache_items = processed_cache_items
+        # resize / crop / normalize in the engine, on its GPU (decode only here): see gpu_preprocess
+        self.device_preprocess = device_preprocess and bool(getattr(processor, "has_image_plan", False))
 
     @classmethod
-    def for_model(cls, model_path: str | Path, tokenizer: Any, config: Any) -> MultimodalFrontend | None:
+    def for_model(cls, model_path: str | Path, tokenizer: Any, config: Any,
+                  engine_device: str = "cpu") -> MultimodalFrontend | None:
         """The frontend of a multimodal model folder, None for a text-only model. `config` is
-        the ServerConfig (its mm_* limits)."""
+        the ServerConfig (its mm_* limits); with a CUDA `engine_device` images are only decoded
+        here and the engine resizes and normalizes them on the GPU (bit-identical)."""
         hf = _hf_config(model_path)
         image_id = _token_id(hf, "image_token_index", "image_token_id")
         if image_id is None:
@@ -98,7 +103,8 @@ class MultimodalFrontend:
         return cls(processor, image_id, video_id, tokenizer,
                    LoadLimits(max_bytes=config.mm_max_fetch_bytes, timeout_s=config.mm_fetch_timeout_s),
                    max_items=config.mm_max_items, default_num_frames=frames, max_frames=config.mm_max_video_frames,
-                   processed_cache_items=64 if config.mm_encoder_cache_size > 0 else 0)
+                   processed_cache_items=64 if config.mm_encoder_cache_size > 0 else 0,
+                   device_preprocess=engine_device == "cuda")
 
     def token_text(self, kind: str) -> str:
         """The placeholder text of `kind` in a prompt (e.g. "<image>"); raises for a kind the
@@ -159,6 +165,11 @@ class MultimodalFrontend:
 
     def _process(self, kind: str, data: bytes, key: int, frames: int | None) -> PreparedMedia:
         if kind == "image":
+            if self.device_preprocess:
+                decoded = self.processor.decode_image(data)
+                if decoded is not None:
+                    return PreparedMedia("image", key, decoded.pixels, tuple(decoded.image_size),
+                                         int(decoded.num_tokens), decoded.plan)
             image = self.processor.process_image(data)
             return PreparedMedia("image", key, image.pixel_values, tuple(image.image_size), int(image.num_tokens))
         assert frames is not None
@@ -191,6 +202,6 @@ class MultimodalFrontend:
             m = queues[found_kind].pop(0)
             items.append(MultimodalItem(kind=m.kind, content_hash=m.content_hash, offset=len(out),
                                         num_tokens=m.num_tokens, pixel_values=m.pixel_values,
-                                        image_size=m.image_size))
+                                        image_size=m.image_size, plan=m.plan))
             out.extend([token] * m.num_tokens)
         return out, items
