@@ -70,6 +70,13 @@ class ServerConfig:
                                        "(per request: sampling_params.json_schema_strict, OpenAI response_format "
                                        "json_schema.strict)")
     grammar_max_length: int = _opt(4 << 20, "longest regex or JSON Schema text accepted, in characters")
+    # Speculative decoding
+    speculative_algorithm: str | None = _opt(None, "draft tokens verified by the model in one forward, exactly (greedy "
+                                                   "outputs unchanged, sampled ones distributed as the model's): ngram "
+                                                   "(prompt lookup, no draft model)", ("ngram",))
+    speculative_num_draft_tokens: int = _opt(4, "most draft tokens per request and step")
+    speculative_ngram_min_match: int = _opt(2, "ngram: shortest suffix looked up in the request's tokens")
+    speculative_ngram_max_match: int = _opt(4, "ngram: longest suffix looked up (tried first)")
     # Images and video (multimodal models)
     mm_encoder_cache_size: int = _opt(16384, "vision-encoder outputs kept for repeated images / videos, in embedding "
                                              "rows (a LLaVA-1.5 image is 576); 0: none kept")

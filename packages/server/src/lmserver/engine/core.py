@@ -31,6 +31,7 @@ from lmserver.engine.multimodal import MultimodalInputs
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
 from lmserver.engine.resolve import resolve_config
 from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
+from lmserver.engine.speculative import SpecConfig, Speculator
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
 from lmserver.model_loader import DTYPES, load_model, read_model_config
 from lmserver.scheduler import KVManager, Req, ScheduleDecision, Scheduler
@@ -194,6 +195,14 @@ class EngineCore:
         if rc.enable_overlap_schedule and self.tp is not None:
             logger.warning("overlap schedule: off with tp_size=%d (followers mirror host decisions)", rc.tp_size)
         self._inflight: Launched | None = None  # the decode launched and not landed yet
+        self.spec: Speculator | None = None  # speculative decoding (engine/speculative.py)
+        if rc.speculative_algorithm is not None:
+            self.spec = Speculator(SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
+                                              rc.speculative_ngram_min_match, rc.speculative_ngram_max_match),
+                                   self.context_length)
+            if self.overlap:
+                logger.info("overlap schedule: off with speculative decoding (a step's drafts need its tokens)")
+            self.overlap = False
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -259,6 +268,8 @@ class EngineCore:
             return
         self.scheduler.abort(rid)
         self.constrained.drop(rid)
+        if self.spec is not None:
+            self.spec.forget(rid)
         self._pending.append(self._output(state, finished=True, reason={"type": "abort", "message": "aborted"}))
 
     def has_work(self) -> bool:
@@ -298,6 +309,18 @@ class EngineCore:
                 row_ok(self.states[item.rid], chained=False) for item in decision.items):
             self._inflight = self._launch(decision)
             return outputs
+        if self.spec is not None and decision.mode == "decode":
+            drafts = self.spec.drafts(decision, self.states)
+            if drafts:
+                decision, drafts = self.scheduler.add_drafts(decision, drafts)
+            if drafts:
+                logits = self.runner.forward(decision)
+                self._counters["forwards"] += 1
+                self._counters["forward_tokens"] += decision.num_tokens
+                return outputs + self.spec.verify(
+                    decision, drafts, logits, self.states, self.scheduler,
+                    lambda rows, states: self._sample_rows(logits, rows, states),
+                    lambda state, token: self._append_sampled([(state, token)]))
         start = time.perf_counter()
         if self.mm is not None and decision.mode == "extend":
             mm_rows = self.mm.rows(decision, lambda rid: self.states[rid].sreq)
@@ -409,21 +432,7 @@ class EngineCore:
             self._record_input_logprobs(logits, input_lp_rows)
         outputs: list[ReqOutput] = []
         if sample_rows:
-            # NOTE: a list index would copy it from pageable memory, which waits for the forward
-            raw = logits if len(sample_rows) == logits.shape[0] else logits.index_select(
-                0, to_device(sample_rows, torch.long, logits.device))
-            infos = [s.info for s in sample_states]
-            processed = apply_penalties(raw, infos)
-            want_lp = [s for s in sample_states if s.req.return_logprob]
-            if masked:
-                if processed is raw and want_lp:
-                    processed = raw.clone()  # logprobs stay those of the model
-                with torch.inference_mode():  # masked in place: `raw` may be the forward's logits
-                    self.constrained.apply_masks(processed, sample_states)
-            next_ids = sample(processed, infos)
-            if want_lp:
-                self._record_output_logprobs(raw, sample_states, next_ids)
-            outputs.extend(self._append_sampled(list(zip(sample_states, next_ids, strict=True))))
+            outputs.extend(self._sample_rows(logits, sample_rows, sample_states, masks_ready=True))
         for sreq in completed:
             done_state = self.states.get(sreq.rid)
             if done_state is None:
@@ -437,6 +446,29 @@ class EngineCore:
             if sreq.max_new_tokens == 0 and not done_state.finished:
                 outputs.append(self._finish(done_state, {"type": "length", "length": 0}))
         return outputs
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[int], states: list[_ReqState],
+                     masks_ready: bool = False) -> list[ReqOutput]:
+        """Samples one token for each state from its logits row (penalties, grammar masks,
+        logprobs) and appends it; returns the outputs."""
+        masked = any(s.grammar is not None for s in states)
+        if masked and not masks_ready:
+            self.constrained.prepare_masks(states, logits.device)
+        # NOTE: a list index would copy it from pageable memory, which waits for the forward
+        raw = logits if len(rows) == logits.shape[0] else logits.index_select(
+            0, to_device(rows, torch.long, logits.device))
+        infos = [s.info for s in states]
+        processed = apply_penalties(raw, infos)
+        want_lp = [s for s in states if s.req.return_logprob]
+        if masked:
+            if processed is raw and want_lp:
+                processed = raw.clone()  # logprobs stay those of the model
+            with torch.inference_mode():  # masked in place: `raw` may be the forward's logits
+                self.constrained.apply_masks(processed, states)
+        next_ids = sample(processed, infos)
+        if want_lp:
+            self._record_output_logprobs(raw, states, next_ids)
+        return self._append_sampled(list(zip(states, next_ids, strict=True)))
 
     def _record_input_logprobs(self, logits: torch.Tensor, rows: list[tuple[_ReqState, int, int]]) -> None:
         idx = [r for _, r, _ in rows]
@@ -513,6 +545,8 @@ class EngineCore:
         self.scheduler.finish(state.sreq, reason)
         if self.mm is not None:
             self.mm.record_finished(state.sreq)
+        if self.spec is not None:
+            self.spec.forget(state.req.rid)
         self.states.pop(state.req.rid, None)
         return self._output(state, finished=True, reason=reason)
 
@@ -578,6 +612,8 @@ class EngineCore:
         stats.update(self.constrained.stats)
         if self.mm is not None:
             stats.update(self.mm.stats())
+        if self.spec is not None:
+            stats.update(self.spec.stats())
         if self.lowlat is not None:
             rep = self.lowlat.report()
             stats["lowlat_plugin_steps"] = rep["plugin_steps"]

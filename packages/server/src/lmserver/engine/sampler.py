@@ -124,6 +124,34 @@ def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     return (best * (vocab // chunks) + idx.gather(1, best)).squeeze(1)
 
 
+def _kept_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of processed `logits` (B, V) after temperature, sorted descending, with what top-k /
+    top-p / min-p drop zeroed: (sorted ids, kept probabilities (unnormalized), dropped mask)."""
+    device = logits.device
+    temps = _dev([p.temperature for p in params], torch.float32, device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    top_k = _dev([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
+    top_p = _dev([p.top_p for p in params], torch.float32, device)
+    min_p = _dev([p.min_p for p in params], torch.float32, device)
+    cum = sorted_probs.cumsum(dim=-1)
+    drop = ranks >= top_k[:, None]
+    drop |= (cum - sorted_probs) > top_p[:, None]  # keep the smallest prefix reaching top_p
+    drop |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
+    drop[:, 0] = False
+    return sorted_ids, sorted_probs.masked_fill(drop, 0.0), drop
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distributions `sample` draws from (temperature > 0 rows): (B, V) probabilities of
+    processed `logits` after temperature, top-k, top-p and min-p, renormalized."""
+    sorted_ids, kept, _ = _kept_sorted(logits, params)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(kept).scatter_(1, sorted_ids, kept)
+
+
 def sample(logits: torch.Tensor, infos: list[SamplingInfo]) -> list[int]:
     """Next token per row of processed `logits` (B, V); advances each request's generator."""
     if not infos:
@@ -142,20 +170,8 @@ def sample_tensor(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tens
     all_rows = len(idx) == len(infos)
     idx_t = None if all_rows else _dev(idx, torch.long, device)
     sub = logits if idx_t is None else logits.index_select(0, idx_t)
-    temps = _dev([infos[i].params.temperature for i in idx], torch.float32, device)
-    probs = torch.softmax(sub / temps[:, None], dim=-1)
-    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[-1]
-    ranks = torch.arange(vocab, device=device)[None, :]
-    top_k = _dev([infos[i].params.top_k if infos[i].params.top_k > 0 else vocab for i in idx], torch.long, device)
-    top_p = _dev([infos[i].params.top_p for i in idx], torch.float32, device)
-    min_p = _dev([infos[i].params.min_p for i in idx], torch.float32, device)
-    cum = sorted_probs.cumsum(dim=-1)
-    drop = ranks >= top_k[:, None]
-    drop |= (cum - sorted_probs) > top_p[:, None]  # keep the smallest prefix reaching top_p
-    drop |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
-    drop[:, 0] = False
-    kept = sorted_probs.masked_fill(drop, 0.0)
+    sorted_ids, kept, drop = _kept_sorted(sub, [infos[i].params for i in idx])
+    vocab = kept.shape[-1]
     cdf = kept.cumsum(dim=-1)
     u = torch.cat([torch.rand(1, generator=infos[i].generator) for i in idx])
     u = pinned_for(u, device).to(device, non_blocking=True)

@@ -230,6 +230,19 @@ class KVManager:
         req.kv_len = new_len
         return True
 
+    def shrink(self, req: Req, kv_len: int) -> None:
+        """Forgets `req`'s KV past `kv_len` (rejected draft tokens): frees its request-owned
+        slots past the page holding `kv_len`. Mutates: req.kv_len / kv_alloc / table_valid_len,
+        the allocator."""
+        if not req.cached_len <= kv_len <= req.kv_len:
+            raise ValueError(f"shrink to {kv_len} outside [{req.cached_len}, {req.kv_len}] for {req!r}")
+        keep = -(-kv_len // self.page_size) * self.page_size
+        if req.kv_alloc > keep:
+            self.allocator.free(req.kv[keep:].copy())
+            req.kv_alloc = keep
+        req.kv_len = kv_len
+        req.table_valid_len = min(req.table_valid_len, kv_len)
+
     def slots_needed(self, req: Req, num_tokens: int) -> int:
         """Fresh slots `extend(req, num_tokens)` would allocate (whole pages)."""
         missing = req.kv_len + num_tokens - req.kv_alloc

@@ -10,6 +10,7 @@ Call order per round: `schedule()` -> (caller runs the forward) -> `commit(decis
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,6 +310,36 @@ class Scheduler:
             )
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_new_token_ratio)
         return items, retracted
+
+    def add_drafts(self, decision: ScheduleDecision,
+                   drafts: dict[str, list[int]]) -> tuple[ScheduleDecision, dict[str, list[int]]]:
+        """A decode `decision` turned into a verify forward (mode "extend"): each request with
+        drafts gets its last token and the drafts as new tokens, with a KV slot each and every
+        row's logits. Returns (the decision, the drafts that got slots). Mutates the requests' KV
+        and the allocator (a request whose slots cannot be found keeps its plain decode row)."""
+        items: list[ForwardItem] = []
+        used: dict[str, list[int]] = {}
+        for item in decision.items:
+            d = drafts.get(item.rid)
+            req = self.reqs.get(item.rid)
+            if not d or req is None or not self.kv.extend(req, len(d)):
+                items.append(item)
+                continue
+            pos = item.prefix_len
+            end = pos + 1 + len(d)
+            req.table_valid_len = end
+            used[item.rid] = d
+            items.append(dataclasses.replace(
+                item, token_ids=[*item.token_ids, *d], out_slots=req.kv[pos:end].tolist(),
+                table_slots=req.kv[item.table_start : end].tolist(), logit_offsets=list(range(len(d) + 1))))
+        if not used:
+            return decision, used
+        return ScheduleDecision("extend", items, decision.retracted), used
+
+    def keep_kv(self, req: Req, kv_len: int) -> None:
+        """After a verify forward: `req` keeps the KV of its first `kv_len` tokens (the accepted
+        ones), the rest is freed (KVManager.shrink)."""
+        self.kv.shrink(req, kv_len)
 
     def _retract(self, req: Req) -> None:
         """Preempts `req`: its written KV goes into the tree (so its re-prefill mostly hits the

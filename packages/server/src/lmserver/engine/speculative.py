@@ -1,0 +1,143 @@
+"""Speculative decoding in the engine (`--speculative-algorithm ngram`).
+
+A decode round becomes a verify forward when some running request has draft tokens: each such
+request's item carries its last token and its drafts (one KV slot each, every row's logits),
+requests without drafts keep their one-token row in the same forward. Acceptance is exact
+(speculative/verify.py); the KV of rejected drafts is freed at once, so the radix cache only
+ever receives accepted tokens.
+
+A request drafts when nothing but temperature / top-k / top-p / min-p shapes its rows (no
+grammar, penalties, logit bias, min-new-tokens mask or logprobs: those keep one token a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmserver.engine.model_runner import to_device
+from lmserver.engine.sampler import changes_logits, filtered_probs, greedy_argmax
+from lmserver.io_struct import ReqOutput
+from lmserver.speculative.ngram import NgramIndex
+from lmserver.speculative.verify import accept_greedy, accept_sampled
+
+if TYPE_CHECKING:
+    from lmserver.scheduler import ScheduleDecision, Scheduler
+
+ALGORITHMS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str
+    num_draft_tokens: int = 4
+    ngram_min_match: int = 2
+    ngram_max_match: int = 4
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm {self.algorithm!r} is not supported; supported: "
+                             f"{', '.join(ALGORITHMS)} (a draft model and EAGLE heads are not implemented yet)")
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError("need 1 <= speculative_ngram_min_match <= speculative_ngram_max_match")
+
+
+class Speculator:
+    """Drafts per request and verifies them; owns the acceptance counters."""
+
+    def __init__(self, config: SpecConfig, context_length: int) -> None:
+        self.config = config
+        self.context_length = context_length
+        self._indexes: dict[str, NgramIndex] = {}
+        self.counters = {"spec_verify_steps": 0, "spec_verify_requests": 0, "spec_draft_tokens": 0,
+                         "spec_accepted_tokens": 0, "spec_emitted_tokens": 0}
+
+    def drafts(self, decision: ScheduleDecision, states: dict[str, Any]) -> dict[str, list[int]]:
+        """Draft tokens for the requests of a decode `decision` that may speculate."""
+        out: dict[str, list[int]] = {}
+        for item in decision.items:
+            state = states.get(item.rid)
+            if state is None or state.grammar is not None or state.req.return_logprob or changes_logits(state.info):
+                continue
+            sreq = state.sreq
+            room = min(self.config.num_draft_tokens, sreq.remaining_new_tokens - 1,
+                       self.context_length - sreq.fill_len - 1)
+            if room <= 0:
+                continue
+            index = self._indexes.get(item.rid)
+            if index is None:
+                index = self._indexes[item.rid] = NgramIndex(self.config.ngram_min_match, self.config.ngram_max_match)
+            d = index.propose(sreq.fill_ids, room)
+            if d:
+                out[item.rid] = d
+        return out
+
+    def forget(self, rid: str) -> None:
+        self._indexes.pop(rid, None)
+
+    def verify(self, decision: ScheduleDecision, drafts: dict[str, list[int]], logits: torch.Tensor,
+               states: dict[str, Any], scheduler: Scheduler,
+               sample_plain: Callable[[list[int], list[Any]], list[ReqOutput]],
+               append: Callable[[Any, int], list[ReqOutput]]) -> list[ReqOutput]:
+        """Processes a verify forward's `logits` (rows in item order): plain rows through
+        `sample_plain(rows, states)`, drafted requests by the acceptance rules, each emitted
+        token through `append(state, token)` with the request's KV cut to what the token
+        needs. Mutates the requests, their KV and the counters."""
+        plain_rows: list[int] = []
+        plain_states: list[Any] = []
+        spec: list[tuple[Any, int, list[int], int]] = []  # (state, first row, drafts, prefix_len)
+        row = 0
+        for item in decision.items:
+            d = drafts.get(item.rid)
+            if d:
+                spec.append((states[item.rid], row, d, item.prefix_len))
+                row += len(d) + 1
+            else:
+                plain_rows.append(row)
+                plain_states.append(states[item.rid])
+                row += 1
+        scheduler.commit(decision)
+        outputs = sample_plain(plain_rows, plain_states) if plain_rows else []
+        greedy = [s for s in spec if s[0].info.params.is_greedy]
+        sampled = [s for s in spec if not s[0].info.params.is_greedy]
+        emitted: list[tuple[Any, list[int], int]] = []  # (state, tokens, prefix_len)
+        if greedy:
+            rows = [r for _, start, d, _ in greedy for r in range(start, start + len(d) + 1)]
+            targets = greedy_argmax(logits.index_select(0, to_device(rows, torch.long, logits.device))).tolist()
+            pos = 0
+            for state, _, d, prefix in greedy:
+                emitted.append((state, accept_greedy(targets[pos : pos + len(d) + 1], d), prefix))
+                pos += len(d) + 1
+        for state, start, d, prefix in sampled:
+            rows_t = logits[start : start + len(d) + 1]
+            probs = filtered_probs(rows_t, [state.info.params] * (len(d) + 1))
+            emitted.append((state, accept_sampled(probs, d, state.info.generator), prefix))
+        c = self.counters
+        c["spec_verify_steps"] += 1
+        for state, tokens, prefix in emitted:
+            c["spec_verify_requests"] += 1
+            c["spec_draft_tokens"] += len(drafts[state.req.rid])
+            c["spec_accepted_tokens"] += len(tokens) - 1
+            sreq = state.sreq
+            for j, token in enumerate(tokens):
+                sreq.kv_len = prefix + 1 + j  # the KV of the last token and the drafts accepted before `token`
+                c["spec_emitted_tokens"] += 1
+                outputs.extend(append(state, token))
+                if state.finished:
+                    break
+            if not state.finished:
+                scheduler.keep_kv(sreq, sreq.kv_len)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        stats: dict[str, Any] = dict(c)
+        n = c["spec_verify_requests"]
+        stats["spec_accept_length"] = (c["spec_accepted_tokens"] + n) / n if n else 0.0
+        stats["spec_accept_rate"] = c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else 0.0
+        return stats

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft sources (n-gram prompt lookup) and the exact acceptance rules."""
