@@ -1,0 +1,134 @@
+"""Speculative decoding (n-gram drafts) through the engine on the embedded SmolLM2 (CPU, float32).
+
+Oracle: the same engine without speculation: greedy outputs token for token, finish reasons and
+texts, for a batch mixing copy-heavy prompts (many accepted drafts), plain ones, a JSON Schema
+request, a logprob request and a penalty request (those three never draft), stop strings,
+length limits, radix hits and chunked prefill. KV accounting after every workload and after
+an abort in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lmserver import Engine
+
+pytestmark = pytest.mark.slow
+
+PASSAGE = ("The committee met on Tuesday to review the budget. It approved the road repairs, delayed the "
+           "library renovation, and asked the treasurer for a new estimate of the park maintenance costs.")
+COPY = f"Repeat this text word for word.\nText: {PASSAGE}\nRepeated:"
+EDIT = f"Rewrite the text, replacing Tuesday with Friday.\nText: {PASSAGE}\nRewritten:"
+PLAIN = "List three fruits:"
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                     "required": ["name", "age"]})
+
+
+def _greedy(n: int = 40, **extra: Any) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0.0, **extra}
+
+
+WORKLOAD: list[tuple[str, dict[str, Any]]] = [
+    (COPY, _greedy(32, ignore_eos=True)),
+    (EDIT, _greedy(32)),
+    (PLAIN, _greedy(12)),
+    (COPY, _greedy(32, stop=["library"])),  # a stop string inside accepted drafts
+    (EDIT, _greedy(7, ignore_eos=True)),  # a length limit inside accepted drafts
+    ("Give a person as JSON:", _greedy(24, json_schema=SCHEMA)),
+    (COPY, _greedy(12, frequency_penalty=0.5)),
+]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[Engine, Engine]]:
+    base = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16)
+    spec = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16, speculative_algorithm="ngram",
+                  speculative_num_draft_tokens=5)
+    yield base, spec
+    base.shutdown()
+    spec.shutdown()
+
+
+def _run(engine: Engine, workload: list[tuple[str, dict[str, Any]]], **kw: Any) -> list[dict[str, Any]]:
+    outs = engine.generate([p for p, _ in workload], [s for _, s in workload], **kw)
+    assert isinstance(outs, list)
+    return outs
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x["output_ids"] == y["output_ids"]
+        assert x["text"] == y["text"]
+        assert x["meta_info"]["finish_reason"] == y["meta_info"]["finish_reason"]
+
+
+def test_greedy_outputs_equal_without_speculation(engines: tuple[Engine, Engine]) -> None:
+    base, spec = engines
+    want = _run(base, WORKLOAD)
+    got = _run(spec, WORKLOAD)
+    _same(got, want)
+    stats = spec.get_stats()
+    assert stats["spec_accepted_tokens"] > 15 and stats["spec_accept_length"] > 1.5, stats
+    for eng in engines:
+        eng.core.check_memory_invariant()
+    # warm: the same prompts again are radix hits; speculation must not have cached rejected drafts
+    again = _run(spec, WORKLOAD)
+    _same(again, want)
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+    spec.core.check_memory_invariant()
+
+
+def test_logprobs_request_is_unchanged(engines: tuple[Engine, Engine]) -> None:
+    base, spec = engines
+    kw = {"return_logprob": True, "top_logprobs_num": 2}
+    want = base.generate(COPY, _greedy(16), **kw)
+    got = spec.generate(COPY, _greedy(16), **kw)
+    assert isinstance(want, dict) and isinstance(got, dict)
+    assert got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
+
+
+def test_chunked_prefill_and_pages(engines: tuple[Engine, Engine]) -> None:
+    base, _ = engines
+    want = _run(base, WORKLOAD[:3])
+    with Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, chunked_prefill_size=16,
+                page_size=4, speculative_algorithm="ngram") as eng:
+        _same(_run(eng, WORKLOAD[:3]), want)
+        eng.core.check_memory_invariant()
+
+
+def test_sampling_runs_and_abort_frees_everything(engines: tuple[Engine, Engine]) -> None:
+    _, spec = engines
+    core = spec.core
+    from lmserver.io_struct import GenerateReq, SamplingParams
+
+    ids = list(spec.tokenizer(COPY)["input_ids"])
+    for i in range(3):
+        core.add_request(GenerateReq(f"s{i}", ids, SamplingParams(max_new_tokens=24, temperature=0.7, top_p=0.9,
+                                                                   sampling_seed=i, ignore_eos=True)))
+    steps = 0
+    outs: dict[str, list[int]] = {}
+    while core.has_work():
+        for out in core.step():
+            outs.setdefault(out.rid, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == 6:
+            core.abort_request("s1")
+    assert len(outs["s0"]) == 24 and len(outs["s2"]) == 24
+    assert all(0 <= t < core.vocab_size for t in outs["s0"])
+    core.check_memory_invariant()
+
+
+def test_bad_speculative_settings() -> None:
+    from lmserver.engine.speculative import SpecConfig
+
+    with pytest.raises(ValueError, match="not supported"):
+        SpecConfig("eagle")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpecConfig("ngram", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="min_match"):
+        SpecConfig("ngram", ngram_min_match=3, ngram_max_match=2)
