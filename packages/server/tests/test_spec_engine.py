@@ -132,3 +132,17 @@ def test_bad_speculative_settings() -> None:
         SpecConfig("ngram", num_draft_tokens=0)
     with pytest.raises(ValueError, match="min_match"):
         SpecConfig("ngram", ngram_min_match=3, ngram_max_match=2)
+
+
+def test_readme_example() -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Speculative decoding") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    namespace: dict[str, object] = {}
+    exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102
+    out = namespace["out"]
+    assert isinstance(out, dict) and out["meta_info"]["completion_tokens"] > 0
