@@ -129,3 +129,15 @@ def test_accept_sampled_point_masses_and_shapes() -> None:
         accept_sampled(probs, [1], gen)
     with pytest.raises(ValueError):
         accept_greedy([1, 2], [1, 2])
+
+
+def test_metrics_mirror_the_acceptance_and_multimodal_stats() -> None:
+    from lmserver.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.update_core_stats({"spec_accept_length": 2.5, "spec_accept_rate": 0.375, "mm_radix_hit_rate": 0.8,
+                               "mm_encoder_cache_hit_rate": 0.25})
+    lines = set(metrics.render().decode().splitlines())
+    for line in ("lmserver_spec_accept_length 2.5", "lmserver_spec_accept_rate 0.375",
+                 "lmserver_mm_radix_hit_rate 0.8", "lmserver_mm_encoder_cache_hit_rate 0.25"):
+        assert line in lines

@@ -33,6 +33,14 @@ class ServerMetrics:
         self.kv_usage = Gauge("lmserver_token_usage", "fraction of the KV cache in use", registry=r)
         self.cache_hit_rate = Gauge("lmserver_cache_hit_rate", "prompt tokens served from the cache / prompt tokens",
                                     registry=r)
+        self.spec_accept_length = Gauge("lmserver_spec_accept_length",
+                                        "speculative decoding: tokens emitted per verified request step", registry=r)
+        self.spec_accept_rate = Gauge("lmserver_spec_accept_rate",
+                                      "speculative decoding: accepted draft tokens / draft tokens", registry=r)
+        self.mm_encoder_cache_hit_rate = Gauge("lmserver_mm_encoder_cache_hit_rate",
+                                               "vision-encoder cache hits / lookups", registry=r)
+        self.mm_radix_hit_rate = Gauge("lmserver_mm_radix_hit_rate",
+                                       "image / video tokens served from the radix cache / such tokens", registry=r)
         self.ttft = Histogram("lmserver_time_to_first_token_seconds", "time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("lmserver_time_per_output_token_seconds", "time per output token after the first",
@@ -57,7 +65,10 @@ class ServerMetrics:
         """Mirrors the core's `get_stats()` keys that exist (missing keys leave a gauge as is)."""
         stats = {"token_usage": stats.get("kv_usage"), **stats}
         for key, gauge in (("num_running_reqs", self.running), ("num_waiting_reqs", self.waiting),
-                           ("token_usage", self.kv_usage), ("cache_hit_rate", self.cache_hit_rate)):
+                           ("token_usage", self.kv_usage), ("cache_hit_rate", self.cache_hit_rate),
+                           ("spec_accept_length", self.spec_accept_length), ("spec_accept_rate", self.spec_accept_rate),
+                           ("mm_encoder_cache_hit_rate", self.mm_encoder_cache_hit_rate),
+                           ("mm_radix_hit_rate", self.mm_radix_hit_rate)):
             value = stats.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(value)
