@@ -123,6 +123,16 @@ def test_sampling_runs_and_abort_frees_everything(engines: tuple[Engine, Engine]
     core.check_memory_invariant()
 
 
+def test_simulated_acceptance_for_benchmarks() -> None:
+    with Engine(dtype="float32", max_total_tokens=2048, max_running_requests=4, speculative_algorithm="ngram",
+                speculative_num_draft_tokens=5, speculative_simulate_accept_length=3.5) as eng:
+        outs = eng.generate([PLAIN, COPY], _greedy(29, ignore_eos=True))
+        assert isinstance(outs, list) and all(o["meta_info"]["completion_tokens"] == 29 for o in outs)
+        stats = eng.get_stats()
+        assert 3.0 <= stats["spec_accept_length"] <= 3.6, stats  # 3.5 until the length limit caps the drafts
+        eng.core.check_memory_invariant()
+
+
 def test_bad_speculative_settings() -> None:
     from lmserver.engine.speculative import SpecConfig
 
@@ -132,6 +142,8 @@ def test_bad_speculative_settings() -> None:
         SpecConfig("ngram", num_draft_tokens=0)
     with pytest.raises(ValueError, match="min_match"):
         SpecConfig("ngram", ngram_min_match=3, ngram_max_match=2)
+    with pytest.raises(ValueError, match="simulate_accept_length"):
+        SpecConfig("ngram", num_draft_tokens=2, simulate_accept_length=3.5)
 
 
 def test_readme_example() -> None:

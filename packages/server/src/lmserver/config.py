@@ -77,6 +77,9 @@ class ServerConfig:
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens per request and step")
     speculative_ngram_min_match: int = _opt(2, "ngram: shortest suffix looked up in the request's tokens")
     speculative_ngram_max_match: int = _opt(4, "ngram: longest suffix looked up (tried first)")
+    speculative_simulate_accept_length: float | None = _opt(None, "benchmarks on random weights only: accept this "
+                                                                  "many tokens per step on average whatever the "
+                                                                  "logits (outputs are not the model's)")
     # Images and video (multimodal models)
     mm_encoder_cache_size: int = _opt(16384, "vision-encoder outputs kept for repeated images / videos, in embedding "
                                              "rows (a LLaVA-1.5 image is 576); 0: none kept")

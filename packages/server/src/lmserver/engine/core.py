@@ -198,7 +198,8 @@ class EngineCore:
         self.spec: Speculator | None = None  # speculative decoding (engine/speculative.py)
         if rc.speculative_algorithm is not None:
             self.spec = Speculator(SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
-                                              rc.speculative_ngram_min_match, rc.speculative_ngram_max_match),
+                                              rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
+                                              rc.speculative_simulate_accept_length),
                                    self.context_length)
             if self.overlap:
                 logger.info("overlap schedule: off with speculative decoding (a step's drafts need its tokens)")

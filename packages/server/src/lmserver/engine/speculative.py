@@ -36,6 +36,9 @@ class SpecConfig:
     num_draft_tokens: int = 4
     ngram_min_match: int = 2
     ngram_max_match: int = 4
+    # benchmarks on random weights: every eligible request drafts num_draft_tokens tokens and
+    # accepts this many per step on average, whatever the logits (outputs are then not the model's)
+    simulate_accept_length: float | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -45,6 +48,10 @@ class SpecConfig:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError("need 1 <= speculative_ngram_min_match <= speculative_ngram_max_match")
+        sim = self.simulate_accept_length
+        if sim is not None and not 1.0 <= sim <= self.num_draft_tokens + 1:
+            raise ValueError(f"speculative_simulate_accept_length must be in [1, num_draft_tokens + 1 = "
+                             f"{self.num_draft_tokens + 1}]")
 
 
 class Speculator:
@@ -54,6 +61,7 @@ class Speculator:
         self.config = config
         self.context_length = context_length
         self._indexes: dict[str, NgramIndex] = {}
+        self._simulated = 0.0  # accepted drafts owed by the simulated acceptance length
         self.counters = {"spec_verify_steps": 0, "spec_verify_requests": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0, "spec_emitted_tokens": 0}
 
@@ -68,6 +76,9 @@ class Speculator:
             room = min(self.config.num_draft_tokens, sreq.remaining_new_tokens - 1,
                        self.context_length - sreq.fill_len - 1)
             if room <= 0:
+                continue
+            if self.config.simulate_accept_length is not None:
+                out[item.rid] = [sreq.fill_ids[-1]] * room  # any tokens: acceptance is simulated
                 continue
             index = self._indexes.get(item.rid)
             if index is None:
@@ -103,15 +114,18 @@ class Speculator:
                 row += 1
         scheduler.commit(decision)
         outputs = sample_plain(plain_rows, plain_states) if plain_rows else []
-        greedy = [s for s in spec if s[0].info.params.is_greedy]
-        sampled = [s for s in spec if not s[0].info.params.is_greedy]
+        simulate = self.config.simulate_accept_length is not None
+        greedy = [s for s in spec if simulate or s[0].info.params.is_greedy]
+        sampled = [s for s in spec if not simulate and not s[0].info.params.is_greedy]
         emitted: list[tuple[Any, list[int], int]] = []  # (state, tokens, prefix_len)
         if greedy:
             rows = [r for _, start, d, _ in greedy for r in range(start, start + len(d) + 1)]
             targets = greedy_argmax(logits.index_select(0, to_device(rows, torch.long, logits.device))).tolist()
             pos = 0
             for state, _, d, prefix in greedy:
-                emitted.append((state, accept_greedy(targets[pos : pos + len(d) + 1], d), prefix))
+                mine = targets[pos : pos + len(d) + 1]
+                tokens = self._simulated_tokens(d, mine) if simulate else accept_greedy(mine, d)
+                emitted.append((state, tokens, prefix))
                 pos += len(d) + 1
         for state, start, d, prefix in sampled:
             rows_t = logits[start : start + len(d) + 1]
@@ -133,6 +147,16 @@ class Speculator:
             if not state.finished:
                 scheduler.keep_kv(sreq, sreq.kv_len)
         return outputs
+
+    def _simulated_tokens(self, drafts: list[int], targets: list[int]) -> list[int]:
+        """Simulated acceptance: drafts[:a], then the target's token after them (row a), with a
+        spread over steps so that the mean of a + 1 is the configured length (capped by the
+        number of drafts)."""
+        assert self.config.simulate_accept_length is not None
+        self._simulated += self.config.simulate_accept_length - 1.0
+        a = min(int(self._simulated), len(drafts))
+        self._simulated -= a
+        return [*drafts[:a], targets[a]]
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
