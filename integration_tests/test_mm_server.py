@@ -195,3 +195,25 @@ def test_lmdsl_essay_judge_runs_against_lmserver(server: ServerProcess, tmp_path
 
 def test_zz_memory_invariant(http: httpx.Client) -> None:
     assert http.get("/check_memory_invariant").json() == {"ok": True}
+
+
+def test_lmdsl_openai_backend_sends_image_url_parts(server: ServerProcess, offline: Any, tmp_path: Path) -> None:
+    """lmdsl's OpenAI backend (image_url parts, as for any OpenAI-style API) against lmserver's chat API:
+    the same answer as the native path with the same rendered prompt."""
+    from lmdsl.backend.openai_backend import OpenAI
+
+    image = tmp_path / "q.png"
+    image.write_bytes(_png(11))
+
+    @sgl.function
+    def describe(s, path):  # type: ignore[no-untyped-def]
+        s += sgl.user(sgl.image(path) + "Describe it.")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0))
+
+    backend = OpenAI("tiny-llava", base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    state = describe.run(path=str(image), backend=backend)
+    assert state.error() is None
+    want = offline.tokenizer.decode(offline.generate("USER: <image>\nDescribe it. ASSISTANT:",
+                                                     {"max_new_tokens": 6, "temperature": 0},
+                                                     image_data=str(image))["output_ids"], skip_special_tokens=True)
+    assert state["answer"].strip() == want.strip()

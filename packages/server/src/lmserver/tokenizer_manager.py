@@ -197,18 +197,23 @@ class TokenizerManager:
         """Token ids of `messages` rendered with the tokenizer's chat template plus the generation prompt.
 
         A message's content may be a list of parts `{"type": "text", "text": ...}`, `{"type":
-        "image"}`, `{"type": "video"}` (a multimodal model): rendered with each image / video
-        as its placeholder text inside the content string, or, when the template places no
-        placeholders for string contents (HF LLaVA templates), with the parts as they are."""
+        "image"}`, `{"type": "video"}` (a multimodal model): rendered by the template as parts
+        when it places one placeholder per image / video (HF LLaVA templates), else with each
+        image / video as its placeholder text inside the content string."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions")
         media = [p["type"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
                  if p.get("type") != "text"]
-        text = self._render_chat(self._flatten_parts(messages) if media else messages)
-        if media and self.mm is not None and not self._places(text, media):
-            parts_text = self._render_chat(messages)
-            if self._places(parts_text, media):
-                text = parts_text
+        if not media:
+            text = self._render_chat(messages)
+        else:
+            flat = self._flatten_parts(messages)  # raises for a text-only model
+            try:  # the template's own layout of content parts (HF LLaVA templates) when it places them all
+                text = self._render_chat(messages)
+            except InvalidRequestError:
+                text = ""
+            if not self._places(text, media):
+                text = self._render_chat(flat)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _render_chat(self, messages: list[dict[str, Any]]) -> str:
