@@ -298,3 +298,30 @@ def test_device_preprocessing_path_gives_the_same_outputs(folder: Path, images: 
         assert _logprobs(planned) == _logprobs(cpu)
     finally:
         eng.shutdown()
+
+
+def test_engine_refuses_items_the_model_would_not_encode_so(engine: Engine, images: list[str]) -> None:
+    """A direct EngineCore user with a wrong token count or pixel layout gets a 400-class error, never a
+    failed forward."""
+    import dataclasses
+
+    from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams
+
+    fe = engine._mm
+    if fe is None:  # built on first use
+        engine.generate(_prompt(1), {"max_new_tokens": 1}, image_data=images[0])
+        fe = engine._mm
+    assert fe is not None
+    from lmserver.multimodal.frontend import MediaRef
+
+    ids = list(engine.tokenizer(_prompt(1))["input_ids"])
+    expanded, items = fe.expand(ids, fe.prepare_blocking([MediaRef("image", images[0])]))
+    bad = dataclasses.replace(items[0], num_tokens=items[0].num_tokens - 1)
+    shorter = expanded[: bad.offset] + expanded[bad.offset + 1 :]
+    with pytest.raises(InvalidRequestError, match="takes"):
+        engine.core.add_request(GenerateReq("bad-count", shorter, SamplingParams(max_new_tokens=1), mm_items=[bad]))
+    moved = dataclasses.replace(items[0], offset=0)
+    with pytest.raises(InvalidRequestError, match="not all the model's image token"):
+        engine.core.add_request(GenerateReq("bad-offset", expanded, SamplingParams(max_new_tokens=1), mm_items=[moved]))
+    assert not engine.core.has_work()
+    engine.core.check_memory_invariant()

@@ -67,7 +67,28 @@ class MultimodalInputs:
             if any(t != token for t in input_ids[item.offset : item.end]):
                 raise InvalidRequestError(f"the prompt's tokens [{item.offset}, {item.end}) are not all the "
                                           f"model's {item.kind} token ({token})")
+            self._check_rows(item)
             end = item.end
+
+    def _check_rows(self, item: MultimodalItem) -> None:
+        """The item's token count is what the model's encoder makes of it (a mismatch would fail
+        the forward, not the request)."""
+        from lmserver.multimodal import token_counts
+
+        hf = getattr(self.model, "config", None)
+        hf_config = getattr(hf, "hf_config", None)
+        if not isinstance(hf_config, dict):
+            return
+        frames = len(item.pixel_values) if item.kind == "video" else 0
+        try:
+            height, width = item.image_size
+            want = (token_counts.num_image_tokens(hf_config, (int(height), int(width))) if item.kind == "image"
+                    else token_counts.num_video_tokens(hf_config, frames))
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"a {item.kind} item does not fit this model: {exc}") from None
+        if want != item.num_tokens:
+            raise InvalidRequestError(f"a {item.kind} item of size {tuple(item.image_size)} takes {want} tokens in "
+                                      f"this model, the request has {item.num_tokens}")
 
     def rows(self, decision: ScheduleDecision, req_of: Callable[[str], Req]) -> list[MMRows]:
         """The vision rows of an extend `decision` (see ModelRunner.forward); encodes misses.
