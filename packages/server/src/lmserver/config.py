@@ -70,6 +70,14 @@ class ServerConfig:
                                        "(per request: sampling_params.json_schema_strict, OpenAI response_format "
                                        "json_schema.strict)")
     grammar_max_length: int = _opt(4 << 20, "longest regex or JSON Schema text accepted, in characters")
+    # Tool calling and reasoning output (OpenAI chat API)
+    tool_call_parser: str = _opt("auto", "format of the model's tool calls in /v1/chat/completions: auto (from the "
+                                         "chat template; qwen/hermes <tool_call> for a template with no tool format, "
+                                         "described to the model in the system message), llama3, qwen, mistral, "
+                                         "none (tools are refused)", ("auto", "llama3", "qwen", "mistral", "none"))
+    reasoning_parser: str = _opt("none", "split <think>...</think> into reasoning_content: none, qwen3 (the output "
+                                         "opens <think>), deepseek-r1 (the template opens it)",
+                                 ("none", "qwen3", "deepseek-r1"))
     # Speculative decoding
     speculative_algorithm: str | None = _opt(None, "draft tokens verified by the model in one forward, exactly (greedy "
                                                    "outputs unchanged, sampled ones distributed as the model's): ngram "

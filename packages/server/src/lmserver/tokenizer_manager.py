@@ -193,8 +193,10 @@ class TokenizerManager:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` rendered with the tokenizer's chat template plus the generation prompt.
+        `tools` (OpenAI `{"type": "function", "function": {...}}` objects) go to the template as HF's `tools`.
 
         A message's content may be a list of parts `{"type": "text", "text": ...}`, `{"type":
         "image"}`, `{"type": "video"}` (a multimodal model): rendered by the template as parts
@@ -205,20 +207,21 @@ class TokenizerManager:
         media = [p["type"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
                  if p.get("type") != "text"]
         if not media:
-            text = self._render_chat(messages)
+            text = self._render_chat(messages, tools)
         else:
             flat = self._flatten_parts(messages)  # raises for a text-only model
             try:  # the template's own layout of content parts (HF LLaVA templates) when it places them all
-                text = self._render_chat(messages)
+                text = self._render_chat(messages, tools)
             except InvalidRequestError:
                 text = ""
             if not self._places(text, media):
-                text = self._render_chat(flat)
+                text = self._render_chat(flat, tools)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         try:
-            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            return str(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=True))
         except Exception as exc:  # noqa: BLE001 - a template error is a bad conversation
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
 

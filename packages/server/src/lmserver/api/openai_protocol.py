@@ -90,7 +90,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[SamplingParams, bool]:
@@ -147,6 +149,17 @@ def _media_part(i: int, part: dict[str, Any]) -> MediaRef:
         raise APIError(400, f"messages[{i}].content: a {part['type']} part needs {{\"url\": \"...\"}} "
                             "(an http(s) or data: URL, a file path, or base64)", param="messages")
     return MediaRef(kind, url)
+
+
+def message_extras(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Each message's tool fields as sent: `tool_calls` (assistant), `tool_call_id` and `name` (tool)."""
+    out: list[dict[str, Any]] = []
+    for m in req.messages:
+        extra = dict(m.model_extra or {})
+        if m.name is not None:
+            extra["name"] = m.name
+        out.append({k: extra[k] for k in ("tool_calls", "tool_call_id", "name") if k in extra})
+    return out
 
 
 def chat_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[MediaRef]]:

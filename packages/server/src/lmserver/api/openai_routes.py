@@ -9,9 +9,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from lmserver.api.chat_tools import ChoiceOutput, ToolPlan, plan_tools, prepare_messages
 from lmserver.api.errors import APIError, JSONBody, sse_error
 from lmserver.api.native import manager
 from lmserver.api.openai_protocol import (
@@ -20,8 +22,10 @@ from lmserver.api.openai_protocol import (
     chat_logprobs,
     chat_messages,
     completion_logprobs,
+    message_extras,
     sampling_params,
 )
+from lmserver.api.reasoning import REASONING_PARSERS, ReasoningParser
 from lmserver.api.streams import (
     DONE,
     SSE_HEADERS,
@@ -33,6 +37,7 @@ from lmserver.api.streams import (
     sse,
     until_disconnect,
 )
+from lmserver.api.tool_parsers import choose_parser
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
 from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
 
@@ -195,14 +200,20 @@ async def chat_completions(request: Request) -> Response:
     mgr = manager(request)
     req = ChatCompletionRequest.model_validate_json(await request.body())
     model = _check_model(mgr, req.model)
-    if req.tools:
-        raise APIError(400, "tools (function calling) are not supported yet", param="tools")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    template = getattr(mgr.tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                      choose_parser(mgr.config.tool_call_parser, template))
+    reasoning = (REASONING_PARSERS[mgr.config.reasoning_parser]()
+                 if mgr.config.reasoning_parser in REASONING_PARSERS else None)
     messages, media = chat_messages(req)
-    ids, mm_items = await mgr.prepare_media(mgr.apply_chat_template(messages), media)
+    messages, tools = prepare_messages(messages, message_extras(req), plan, template)
+    ids, mm_items = await mgr.prepare_media(mgr.apply_chat_template(messages, tools), media)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params, given = sampling_params(req, max_tokens)
+    _constrain(params, plan, reasoning)
     reqs = _make_reqs(mgr, [ids], params, given, req.rid, return_logprob=req.logprobs,
                       top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True, stream=req.stream,
                       mm_items=mm_items)
@@ -213,10 +224,17 @@ async def chat_completions(request: Request) -> Response:
             return None
         return chat_logprobs(state.output_token_logprobs[start:], state.output_top_logprobs[start:], mgr.decode)
 
+    def output() -> ChoiceOutput:
+        return ChoiceOutput(plan, reasoning)
+
     if not req.stream:
         states = await _states(request, mgr, reqs)
-        choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": lp(s, 0),
-                    "finish_reason": _finish(s), "matched_stop": _matched(s), **_notes(s)} for i, s in enumerate(states)]
+        choices = []
+        for i, s in enumerate(states):
+            message, called = output().message(s.text)
+            choices.append({"index": i, "message": message, "logprobs": lp(s, 0),
+                            "finish_reason": "tool_calls" if called else _finish(s), "matched_stop": _matched(s),
+                            **_notes(s)})
         return JSONBody({"id": cid, "object": "chat.completion", "created": created, "model": model,
                                "choices": choices, "usage": _usage([states])})
 
@@ -230,24 +248,28 @@ async def chat_completions(request: Request) -> Response:
 
     async def body() -> AsyncIterator[bytes]:
         final: dict[int, GenState] = {}
-        started: set[int] = set()
+        outs: dict[int, ChoiceOutput] = {}
         try:
             async for i, s in events:
-                if i not in started:
-                    started.add(i)
+                if i not in outs:
+                    outs[i] = output()
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
                 if not due(s, interval):
                     continue
                 logprobs = lp(s, s.num_logprobs_sent)
                 s.num_logprobs_sent = len(s.output_token_logprobs)
-                text = new_text(s)
-                if text or logprobs and logprobs["content"]:
-                    yield chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
+                new_text(s)  # NOTE: advances the state's cursor; the deltas come from the whole text
+                deltas = outs[i].deltas(s.text, s.finished)
+                if logprobs and logprobs["content"] and not deltas:
+                    deltas = [{"content": ""}]
+                for k, delta in enumerate(deltas):
+                    yield chunk([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                   "finish_reason": None}])
                 if s.finished:
                     final[i] = s
-                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish(s),
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None,
+                                  "finish_reason": "tool_calls" if outs[i].called else _finish(s),
                                   "matched_stop": _matched(s), **_notes(s)}])
             if include_usage:
                 yield chunk([], usage=_usage([[final[i] for i in sorted(final)]]))
@@ -258,3 +280,22 @@ async def chat_completions(request: Request) -> Response:
         yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _constrain(params: SamplingParams, plan: ToolPlan, reasoning: ReasoningParser | None) -> None:
+    """Puts the tool-call constraint into `params`, and with a reasoning parser lets a regex
+    constraint start after `</think>` (a JSON Schema one cannot: 400). Mutates `params`."""
+    if plan.schema is not None:
+        if params.regex is not None or params.json_schema is not None:
+            raise APIError(400, "tool_choice required or a named function constrains the output; give no "
+                                "response_format, regex or json_schema with it", param="tool_choice")
+        params.json_schema = orjson.dumps(plan.schema).decode()
+    if reasoning is None:
+        return
+    if params.json_schema is not None:
+        raise APIError(400, f"with --reasoning-parser {reasoning.name}, a JSON Schema constraint (response_format, "
+                            "json_schema, tool_choice required or named) cannot start after the reasoning part yet; "
+                            "use a regex constraint or tool_choice auto",
+                       param="tool_choice" if plan.schema is not None else "response_format")
+    if params.regex is not None:
+        params.regex = f"{reasoning.constraint_prefix()}(?:{params.regex})"
