@@ -158,3 +158,43 @@ def test_readme_example() -> None:
     exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102
     out = namespace["out"]
     assert isinstance(out, dict) and out["meta_info"]["completion_tokens"] > 0
+
+
+def _tiny_draft(path: Any, vocab: int) -> str:
+    """A tiny random Llama with `vocab` tokens: a poor but valid draft model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    return str(path)
+
+
+def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_path: Any) -> None:
+    """The target itself as its draft (nearly every draft accepted) and a tiny random draft (few
+    accepted): outputs equal plain decoding; the draft's KV is all given back."""
+    base, _ = engines
+    workload = [WORKLOAD[0], WORKLOAD[2], WORKLOAD[6]]  # copy, plain, a penalty request (never drafts)
+    want = _run(base, workload)
+    vocab = base.core.vocab_size
+    for draft, least in ((base.model_path, 2.5), (_tiny_draft(tmp_path / "tiny", vocab), 1.0)):
+        with Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8,
+                    speculative_algorithm="draft_model", speculative_draft_model_path=draft,
+                    speculative_num_draft_tokens=4) as eng:
+            _same(_run(eng, workload), want)
+            stats = eng.get_stats()
+            assert stats["spec_accept_length"] >= least, stats
+            eng.core.check_memory_invariant()
+            assert eng.core.spec is not None and eng.core.spec.draft_model is not None
+            eng.core.spec.draft_model.check_empty()
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Any) -> None:
+    from lmserver.engine.draft_model import DraftModelError
+
+    path = _tiny_draft(tmp_path / "other", 1000)
+    with pytest.raises(DraftModelError, match="vocabulary"):
+        Engine(dtype="float32", max_total_tokens=1024, speculative_algorithm="draft_model",
+               speculative_draft_model_path=path)

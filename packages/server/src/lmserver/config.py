@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+REDACTED = "***"
+
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -31,7 +33,9 @@ class ServerConfig:
     max_total_tokens: int | None = _opt(None, "KV-cache size in tokens (overrides mem_fraction_static)")
     max_running_requests: int | None = _opt(None, "max concurrently running requests (auto from KV size)")
     max_prefill_tokens: int = _opt(16384, "max new prompt tokens admitted per prefill batch")
-    chunked_prefill_size: int = _opt(8192, "prefill chunk size in tokens; -1 disables chunking")
+    chunked_prefill_size: int | None = _opt(None, "prefill chunk size in tokens; -1 disables chunking; auto: 512 on "
+                                                  "CPU (a long prompt never stalls running requests for long), 8192 "
+                                                  "on CUDA")
     enable_mixed_chunk: bool = _opt(False, "mix prefill chunks and decodes in one batch")
     schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
     schedule_aging_rounds: int = _opt(64, "a waiting request is served first after this many passed-over rounds")
@@ -81,7 +85,10 @@ class ServerConfig:
     # Speculative decoding
     speculative_algorithm: str | None = _opt(None, "draft tokens verified by the model in one forward, exactly (greedy "
                                                    "outputs unchanged, sampled ones distributed as the model's): ngram "
-                                                   "(prompt lookup, no draft model)", ("ngram",))
+                                                   "(prompt lookup, no draft model) or draft_model (a small model of the "
+                                                   "same tokenizer, --speculative-draft-model-path)",
+                                   ("ngram", "draft_model"))
+    speculative_draft_model_path: str | None = _opt(None, "draft_model: the draft model's folder (same vocabulary)")
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens per request and step")
     speculative_ngram_min_match: int = _opt(2, "ngram: shortest suffix looked up in the request's tokens")
     speculative_ngram_max_match: int = _opt(4, "ngram: longest suffix looked up (tried first)")
@@ -107,15 +114,29 @@ class ServerConfig:
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
-    api_key: str | None = _opt(None, "bearer token required on every endpoint except /health")
+    # NOTE: a secret: hidden from repr and redacted by to_dict (config logs, /get_server_info)
+    api_key: str | None = field(default=None, repr=False, metadata={
+        "help": "bearer token required on every endpoint except /health", "choices": None})
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_requests: bool = _opt(False, "log each request and its output")
     stream_interval: int = _opt(1, "stream a chunk every this many tokens")
     log_interval_s: float = _opt(10.0, "seconds between periodic stats log lines")
+    # HTTP limits, streaming and shutdown (issue 32)
+    max_request_bytes: int = _opt(32 << 20, "largest request body accepted, in bytes (a 413 otherwise, answered "
+                                            "before the body is read; images travel as base64 in bodies)")
+    incremental_streaming_output: bool = _opt(False, "native /generate streams: each chunk carries only the new text, "
+                                                     "output_ids and output logprobs (SGLang's "
+                                                     "--incremental-streaming-output); default: cumulative")
+    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM/SIGINT: stop admitting, let running requests finish for this "
+                                           "many seconds, then end the rest with a 503 / an SSE error event")
 
     def replace(self, **changes: Any) -> ServerConfig:
         """A copy with `changes` applied (the config itself is frozen)."""
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, redact_secrets: bool = True) -> dict[str, Any]:
+        """The fields as a dict; secrets (`api_key`) become "***" when set unless `redact_secrets` is False."""
+        out = dataclasses.asdict(self)
+        if redact_secrets and out.get("api_key") is not None:
+            out["api_key"] = REDACTED
+        return out

@@ -197,10 +197,18 @@ class EngineCore:
         self._inflight: Launched | None = None  # the decode launched and not landed yet
         self.spec: Speculator | None = None  # speculative decoding (engine/speculative.py)
         if rc.speculative_algorithm is not None:
-            self.spec = Speculator(SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
-                                              rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
-                                              rc.speculative_simulate_accept_length),
-                                   self.context_length)
+            spec_config = SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
+                                     rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
+                                     rc.speculative_simulate_accept_length, rc.speculative_draft_model_path)
+            draft = None
+            if spec_config.draft_model_path is not None:
+                from lmserver.engine.draft_model import DraftModel
+
+                draft = DraftModel(spec_config.draft_model_path, target_vocab_size=self.vocab_size, dtype=self.dtype,
+                                   device=self.device, context_length=self.context_length,
+                                   max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
+                                   attention_backend=backend.name if hasattr(backend, "name") else rc.attention_backend)
+            self.spec = Speculator(spec_config, self.context_length, draft)
             if self.overlap:
                 logger.info("overlap schedule: off with speculative decoding (a step's drafts need its tokens)")
             self.overlap = False
@@ -311,9 +319,11 @@ class EngineCore:
             self._inflight = self._launch(decision)
             return outputs
         if self.spec is not None and decision.mode == "decode":
-            drafts = self.spec.drafts(decision, self.states)
-            if drafts:
-                decision, drafts = self.scheduler.add_drafts(decision, drafts)
+            proposed = self.spec.drafts(decision, self.states)
+            drafts = proposed
+            if proposed:
+                decision, drafts = self.scheduler.add_drafts(decision, proposed)
+                self.spec.settle([rid for rid in proposed if rid not in drafts], self.states)
             if drafts:
                 logits = self.runner.forward(decision)
                 self._counters["forwards"] += 1

@@ -12,7 +12,7 @@ grammar, penalties, logit bias, min-new-tokens mask or logprobs: those keep one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +25,10 @@ from lmserver.speculative.ngram import NgramIndex
 from lmserver.speculative.verify import accept_greedy, accept_sampled
 
 if TYPE_CHECKING:
+    from lmserver.engine.draft_model import DraftModel
     from lmserver.scheduler import ScheduleDecision, Scheduler
 
-ALGORITHMS = ("ngram",)
+ALGORITHMS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,15 @@ class SpecConfig:
     # benchmarks on random weights: every eligible request drafts num_draft_tokens tokens and
     # accepts this many per step on average, whatever the logits (outputs are then not the model's)
     simulate_accept_length: float | None = None
+    draft_model_path: str | None = None  # draft_model: a model folder sharing the target's tokenizer
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm {self.algorithm!r} is not supported; supported: "
-                             f"{', '.join(ALGORITHMS)} (a draft model and EAGLE heads are not implemented yet)")
+                             f"{', '.join(ALGORITHMS)} (EAGLE heads are not implemented yet)")
+        if (self.algorithm == "draft_model") != (self.draft_model_path is not None):
+            raise ValueError("speculative_draft_model_path is needed by (and only by) speculative_algorithm "
+                             "draft_model")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
@@ -57,9 +62,10 @@ class SpecConfig:
 class Speculator:
     """Drafts per request and verifies them; owns the acceptance counters."""
 
-    def __init__(self, config: SpecConfig, context_length: int) -> None:
+    def __init__(self, config: SpecConfig, context_length: int, draft_model: DraftModel | None = None) -> None:
         self.config = config
         self.context_length = context_length
+        self.draft_model = draft_model
         self._indexes: dict[str, NgramIndex] = {}
         self._simulated = 0.0  # accepted drafts owed by the simulated acceptance length
         self.counters = {"spec_verify_steps": 0, "spec_verify_requests": 0, "spec_draft_tokens": 0,
@@ -68,6 +74,7 @@ class Speculator:
     def drafts(self, decision: ScheduleDecision, states: dict[str, Any]) -> dict[str, list[int]]:
         """Draft tokens for the requests of a decode `decision` that may speculate."""
         out: dict[str, list[int]] = {}
+        rooms: dict[str, int] = {}
         for item in decision.items:
             state = states.get(item.rid)
             if state is None or state.grammar is not None or state.req.return_logprob or changes_logits(state.info):
@@ -80,16 +87,33 @@ class Speculator:
             if self.config.simulate_accept_length is not None:
                 out[item.rid] = [sreq.fill_ids[-1]] * room  # any tokens: acceptance is simulated
                 continue
+            if self.draft_model is not None:
+                rooms[item.rid] = room
+                continue
             index = self._indexes.get(item.rid)
             if index is None:
                 index = self._indexes[item.rid] = NgramIndex(self.config.ngram_min_match, self.config.ngram_max_match)
             d = index.propose(sreq.fill_ids, room)
             if d:
                 out[item.rid] = d
+        if rooms and self.draft_model is not None:
+            out.update(self.draft_model.propose({rid: states[rid].sreq.fill_ids for rid in rooms}, rooms))
         return out
+
+    def settle(self, rids: Iterable[str], states: dict[str, Any]) -> None:
+        """Requests whose drafts were not verified (no KV slots for them): a draft model drops
+        the drafts' KV."""
+        if self.draft_model is None:
+            return
+        for rid in rids:
+            state = states.get(rid)
+            if state is not None:
+                self.draft_model.accepted(rid, state.sreq.fill_ids)
 
     def forget(self, rid: str) -> None:
         self._indexes.pop(rid, None)
+        if self.draft_model is not None:
+            self.draft_model.forget(rid)
 
     def verify(self, decision: ScheduleDecision, drafts: dict[str, list[int]], logits: torch.Tensor,
                states: dict[str, Any], scheduler: Scheduler,
@@ -146,6 +170,8 @@ class Speculator:
                     break
             if not state.finished:
                 scheduler.keep_kv(sreq, sreq.kv_len)
+                if self.draft_model is not None:
+                    self.draft_model.accepted(state.req.rid, sreq.fill_ids)
         return outputs
 
     def _simulated_tokens(self, drafts: list[int], targets: list[int]) -> list[int]:
