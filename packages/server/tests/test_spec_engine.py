@@ -198,3 +198,18 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Any) -> None:
     with pytest.raises(DraftModelError, match="vocabulary"):
         Engine(dtype="float32", max_total_tokens=1024, speculative_algorithm="draft_model",
                speculative_draft_model_path=path)
+
+
+def test_drafts_stop_at_the_context_length(engines: tuple[Engine, Engine]) -> None:
+    """A request whose answer runs into the context length: drafts never pass it, the output equals
+    plain decoding's."""
+    base, _ = engines
+    n_prompt = len(base.tokenizer(COPY)["input_ids"])
+    params = {"temperature": 0.0, "ignore_eos": True}  # max_new_tokens clipped to the room left
+    with Engine(dtype="float32", max_total_tokens=2048, context_length=n_prompt + 9) as plain, \
+            Engine(dtype="float32", max_total_tokens=2048, context_length=n_prompt + 9,
+                   speculative_algorithm="ngram", speculative_num_draft_tokens=8) as spec:
+        want, got = plain.generate(COPY, params), spec.generate(COPY, params)
+        assert isinstance(want, dict) and isinstance(got, dict)
+        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 9
+        spec.core.check_memory_invariant()

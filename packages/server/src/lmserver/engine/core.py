@@ -122,6 +122,7 @@ class EngineCore:
                     kv_tokens = self.lowlat.kv_tokens(rc.max_total_tokens, workspace, mc, self.dtype)
                     self.resolved_config = rc = rc.replace(max_total_tokens=kv_tokens)
             assert rc.max_total_tokens is not None and rc.max_running_requests is not None  # resolved
+            assert rc.chunked_prefill_size is not None  # resolved
             self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
             if self.tp is not None:
                 self.tp.share_num_slots(self.kv_manager.buffer_size)
