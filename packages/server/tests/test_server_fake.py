@@ -368,7 +368,7 @@ def test_info_endpoints(http: httpx.Client) -> None:
     assert info["model_path"] == "SmolLM2-135M-Instruct" and info["is_generation"] is True
     assert info["prefix_hints_useful"] is False  # the scheduler dedups a batch's shared prefixes itself
     server_info = http.get("/server_info").json()
-    assert server_info["context_length"] == 2048 and server_info["api_key"] == KEY
+    assert server_info["context_length"] == 2048 and server_info["api_key"] == "***"  # never the key itself
     assert {"num_running_reqs", "num_waiting_reqs", "cache_hit_rate"} <= set(server_info["scheduler"])
     assert http.get("/health_generate").status_code == 200
 

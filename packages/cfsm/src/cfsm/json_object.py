@@ -27,7 +27,11 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
     """
     from cfsm.json_schema import JSON_CHAR, JSON_STRING, MAX_ANY_ORDER_PROPERTIES, json_escape
 
-    props: dict[str, Any] = dict(schema.get("properties", {}))
+    raw_props = schema.get("properties", {})
+    if not isinstance(raw_props, dict):
+        raise UnsupportedSchemaError("properties", f"{path}/properties", "properties must be an object (property "
+                                     f"names to schemas), got {type(raw_props).__name__}")
+    props: dict[str, Any] = dict(raw_props)
     required = schema.get("required", [])
     if not isinstance(required, list):  # draft 3: "required": true on the property itself
         comp.approximate("required", f"{path}/required", "a non-list value (draft 3) is not enforced")

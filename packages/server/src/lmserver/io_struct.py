@@ -105,12 +105,19 @@ class SamplingParams:
         def is_num(v: Any) -> bool:
             return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            # NOTE: a JSON integer past 64 bits arrives as a float (orjson) or a Python int the engine's
+            # tensors cannot hold; either way the value is out of range, not of the wrong type
+            v = getattr(self, name)
+            big = (is_int(v) and not -(2**63) <= v < 2**63) or (isinstance(v, float) and v.is_integer()
+                                                                and abs(v) >= 2**63)
+            need(not big, f"{name} is out of range (at most {2**63 - 1})")
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
         need(is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
         need(self.min_new_tokens <= max(self.max_new_tokens, 0) or self.max_new_tokens == 0,
              "min_new_tokens must be <= max_new_tokens")
         need(is_num(self.temperature) and self.temperature >= 0, "temperature must be a number >= 0")
-        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be a finite number in (0, 1]")
         need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 or an integer >= 1")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         need(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,

@@ -1,10 +1,11 @@
-"""The FastAPI application: routes, bearer authentication, errors, /metrics."""
+"""The FastAPI application: routes, bearer authentication, request body limit, errors, /metrics."""
 
 from __future__ import annotations
 
 import hmac
 
 from fastapi import FastAPI, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserver.api import native, openai_routes
@@ -30,6 +31,51 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyTooLargeError(StarletteHTTPException):
+    """A request body over `--max-request-bytes` (answered 413 by the HTTP error handler)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              "(--max-request-bytes)")
+
+
+class BodyLimit:
+    """Pure ASGI middleware bounding request bodies to `max_bytes`.
+
+    A declared Content-Length over the limit is answered 413 before any of the body is read;
+    a chunked body is counted as it arrives and the read that passes the limit raises
+    BodyTooLargeError (a 413), so at most `max_bytes` plus one chunk is ever buffered.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.max_bytes <= 0:
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            exc = BodyTooLargeError(self.max_bytes)
+            # NOTE: "Connection: close": the unread body must not be parsed as the next request
+            response = error_response(413, str(exc.detail), code="request_too_large")
+            response.headers["Connection"] = "close"
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLargeError(self.max_bytes)
+            return message
+
+        await self.app(scope, counting_receive, send)
 
 
 class HttpMetrics:
@@ -65,7 +111,8 @@ def create_app(mgr: TokenizerManager) -> FastAPI:
     async def metrics() -> Response:
         return Response(mgr.metrics.render(), media_type=CONTENT_TYPE)
 
-    if mgr.config.api_key:
+    app.add_middleware(BodyLimit, max_bytes=mgr.config.max_request_bytes)
+    if mgr.config.api_key:  # NOTE: outside BodyLimit: a request without the key is refused before its size matters
         app.add_middleware(BearerAuth, expected=f"Bearer {mgr.config.api_key}".encode())
     routes = [*native.router.routes, *openai_routes.router.routes, *app.routes]
     paths = {str(route.path) for route in routes if hasattr(route, "path")}

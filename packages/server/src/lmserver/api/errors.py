@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import orjson
@@ -23,7 +24,7 @@ from lmserver.tokenizer_manager import EngineDeadError
 logger = logging.getLogger("lmserver")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 499: "client_disconnected", 503: "service_unavailable", 500: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 499: "client_disconnected", 503: "service_unavailable", 500: "server_error"}
 
 # Human messages for union-typed fields (pydantic reports one error per union branch).
 _UNION_FIELDS = {
@@ -31,6 +32,12 @@ _UNION_FIELDS = {
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts",
 }
+
+
+# Ranges named when a number field gets NaN or an infinity (pydantic would name one bound only).
+_FINITE_RANGES = {"top_p": " in (0, 1]", "min_p": " in [0, 1]", "temperature": " >= 0",
+                  "presence_penalty": " in [-2, 2]", "frequency_penalty": " in [-2, 2]",
+                  "repetition_penalty": " in (0, 2]"}
 
 
 class JSONBody(Response):
@@ -76,7 +83,13 @@ def format_validation_error(exc: ValidationError | RequestValidationError) -> tu
         name = ".".join(p for p in loc if not any(c in p for c in "[]")) or "body"
         first = first or (loc[0] if loc else None)
         top = loc[-1] if loc and loc[-1] in _UNION_FIELDS else (loc[0] if loc else "")
-        msg = f"{name}: {_UNION_FIELDS[top]}" if top in _UNION_FIELDS else f"{name}: {err.get('msg')}"
+        value = err.get("input")
+        if isinstance(value, float) and not math.isfinite(value):
+            msg = f"{name}: must be a finite number{_FINITE_RANGES.get(top, '')}, got {value}"
+        elif top in _UNION_FIELDS:
+            msg = f"{name}: {_UNION_FIELDS[top]}"
+        else:
+            msg = f"{name}: {err.get('msg')}"
         if msg not in parts:
             parts.append(msg)
         if len(parts) == 3:
@@ -124,7 +137,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONBody:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow (RFC 9110)
+        if exc.status_code == 413:
+            response.headers["Connection"] = "close"  # the rest of the body stays unread
+        return response
 
     @app.exception_handler(Exception)
     async def _other(_: Request, exc: Exception) -> JSONBody:

@@ -6,6 +6,7 @@ Contract: shared reference `native-api.md`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -13,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from lmserver.api.errors import APIError, JSONBody, read_json, sse_error
 from lmserver.api.streams import DONE, SSE_HEADERS, collect_all, due, merge, prime, sse, until_disconnect
+from lmserver.config import REDACTED
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
 from lmserver.multimodal.frontend import MediaRef
 from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
@@ -135,10 +137,16 @@ async def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Ge
         mgr.check_input_ids(input_ids, params, max_new_tokens_given="max_new_tokens" in sp)
         rid = _per_prompt(body, "rid", i, batch, None)
         rid = _typed(rid, str, "rid") if rid is not None else mgr.new_rid()
+        return_logprob = _typed(_per_prompt(body, "return_logprob", i, batch, False), bool, "return_logprob")
+        logprob_start_len = _typed(_per_prompt(body, "logprob_start_len", i, batch, -1), int, "logprob_start_len")
+        if return_logprob and logprob_start_len == -1 and params.max_new_tokens == 0:
+            # NOTE: a prefill-only request scores its prompt: every input token's logprob, the first
+            # one None (SGLang's frontend, e.g. select's unconditional-likelihood normalization,
+            # sends exactly this and assumes that first None)
+            logprob_start_len = 0
         req = GenerateReq(
             rid=rid, input_ids=input_ids, sampling_params=params,
-            return_logprob=_typed(_per_prompt(body, "return_logprob", i, batch, False), bool, "return_logprob"),
-            logprob_start_len=_typed(_per_prompt(body, "logprob_start_len", i, batch, -1), int, "logprob_start_len"),
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=_typed(_per_prompt(body, "top_logprobs_num", i, batch, 0), int, "top_logprobs_num"),
             return_text_in_logprobs=_typed(body.get("return_text_in_logprobs", False), bool,
                                            "return_text_in_logprobs"),
@@ -157,8 +165,26 @@ async def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Ge
     return out, batch, stream
 
 
-def native_output(state: GenState, req: GenerateReq) -> dict[str, Any]:
-    """The native response object of one generation (cumulative)."""
+@dataclass
+class StreamCursor:
+    """What an incremental stream has sent of one generation (text characters, output ids,
+    output logprob entries)."""
+
+    chars: int = 0
+    ids: int = 0
+    logprobs: int = 0
+
+
+def native_output(state: GenState, req: GenerateReq, cursor: StreamCursor | None = None) -> dict[str, Any]:
+    """The native response object of one generation: cumulative, or with `cursor` (an
+    incremental stream) only what is new since the last chunk; advances `cursor`.
+
+    Matches SGLang's tokenizer manager: `meta_info.output_token_logprobs_length` is always the
+    cumulative number of output logprobs; with --incremental-streaming-output a chunk's `text`,
+    `output_ids`, `output_token_logprobs` and `output_top_logprobs` are sliced from the previous
+    chunk's end (its `_slice_streaming_output_meta_info` and `last_output_offset`), while
+    `input_token_logprobs` come whole in every chunk.
+    """
     meta: dict[str, Any] = {
         "id": state.rid, "prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens, "finish_reason": state.finish_reason,
@@ -167,13 +193,21 @@ def native_output(state: GenState, req: GenerateReq) -> dict[str, Any]:
         meta["jump_forward_tokens"] = state.jump_forward_tokens
     if state.grammar_approximations:
         meta["grammar_approximations"] = state.grammar_approximations
+    text, output_ids, lp_from = state.text, state.output_ids, 0
+    if cursor is not None:
+        # NOTE: a jump-forward rollback can shorten output_ids below the cursor: nothing new then
+        text, output_ids = text[cursor.chars:], output_ids[cursor.ids:]
+        lp_from = cursor.logprobs
+        cursor.chars, cursor.ids = len(state.text), max(cursor.ids, len(state.output_ids))
+        cursor.logprobs = len(state.output_token_logprobs)
     if req.return_logprob:
         meta["input_token_logprobs"] = state.input_token_logprobs or []
-        meta["output_token_logprobs"] = state.output_token_logprobs
+        meta["output_token_logprobs"] = state.output_token_logprobs[lp_from:]
+        meta["output_token_logprobs_length"] = len(state.output_token_logprobs)
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = state.input_top_logprobs or []
-            meta["output_top_logprobs"] = state.output_top_logprobs
-    return {"text": state.text, "output_ids": state.output_ids, "meta_info": meta}
+            meta["output_top_logprobs"] = state.output_top_logprobs[lp_from:]
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
@@ -189,13 +223,14 @@ async def generate(request: Request) -> Response:
 
     events = await prime(merge([mgr.generate(r) for r in reqs]))
     interval = mgr.config.stream_interval
+    cursors = [StreamCursor() for _ in reqs] if mgr.config.incremental_streaming_output else None
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for i, state in events:
                 if not due(state, interval):
                     continue
-                obj = native_output(state, reqs[i])
+                obj = native_output(state, reqs[i], cursors[i] if cursors is not None else None)
                 if not single:
                     obj["index"] = i
                 yield sse(obj)
@@ -249,6 +284,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     assert mgr.ready is not None
     stats = await mgr.rpc("get_stats")
     return {**mgr.ready.resolved_config, "model_path": mgr.ready.model_path, "context_length": mgr.context_length,
+            "api_key": REDACTED if mgr.config.api_key else None,  # NOTE: never the secret itself
             "scheduler": stats, "num_pending_http_requests": mgr.num_pending, "core_pid": mgr.ready.pid, "version": _version()}
 
 

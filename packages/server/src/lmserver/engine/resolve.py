@@ -1,5 +1,6 @@
 """Resolves the "auto" values of ServerConfig once (device, dtype, KV size, running requests,
-attention backend, context length) into a new ServerConfig, logged once by the engine."""
+attention backend, context length, prefill chunk size) into a new ServerConfig, logged once by
+the engine."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ GPU_MAX_RUNNING_REQUESTS = 256
 LARGE_GPU_BYTES = 64 << 30
 LARGE_GPU_GRAPH_MAX_BS = 256
 SMALL_GPU_GRAPH_MAX_BS = 32
+# Prefill chunks: one forward of 8,192 tokens takes minutes on a small CPU and stalls every running
+# request meanwhile (issue 32); 512 keeps a CPU forward short. GPUs keep SGLang's 8,192.
+CPU_CHUNKED_PREFILL_SIZE = 512
+GPU_CHUNKED_PREFILL_SIZE = 8192
 
 
 class ConfigError(ValueError):
@@ -91,6 +96,16 @@ def resolve_cuda_graph_max_bs(requested: int | None, device: str, gpu_bytes: int
     return min(LARGE_GPU_GRAPH_MAX_BS if large else SMALL_GPU_GRAPH_MAX_BS, max_running)
 
 
+def resolve_chunked_prefill_size(requested: int | None, device: str) -> int:
+    """The prefill chunk size: `requested` (-1: no chunking), else 512 tokens on a CPU and 8192
+    on CUDA. Pure."""
+    if requested is not None:
+        if requested == 0 or requested < -1:
+            raise ConfigError(f"chunked_prefill_size must be -1 (no chunking) or >= 1, got {requested}")
+        return requested
+    return GPU_CHUNKED_PREFILL_SIZE if device == "cuda" else CPU_CHUNKED_PREFILL_SIZE
+
+
 def resolve_kv_tokens(
     config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
 ) -> int:
@@ -156,6 +171,7 @@ def resolve_config(
         overlap = device == "cuda" and config.tp_size == 1
     return config.replace(
         enable_overlap_schedule=overlap,
+        chunked_prefill_size=resolve_chunked_prefill_size(config.chunked_prefill_size, device),
         model_path=model_path,
         device=device,
         dtype=dtype,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmserver.metrics import CONTENT_TYPE
 from lmserver.netutil import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from lmserver.router.policy import CacheAwareConfig, RoutingPolicy, make_policy
 from lmserver.router.upstream import ShardedClient
@@ -42,6 +45,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     requests_per_connection_pool: int = 16  # requests in flight per upstream httpx client (see upstream.py)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    # NOTE: a secret (repr hidden): when set, every endpoint except /health needs "Authorization: Bearer <key>",
+    # and the header is forwarded to the workers (which serve the same key)
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -91,6 +97,35 @@ class Router:
         if not worker.healthy:
             logger.info("worker %s is back", url)
         worker.healthy, worker.failures = True, 0
+
+
+class RouterMetrics:
+    """Prometheus metrics of the router, in a registry of its own: routed requests by path and
+    status, and each worker's health, requests in flight and requests served."""
+
+    def __init__(self, router: Router) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.router = router
+        self.registry = r = CollectorRegistry()
+        self.http_requests = Counter("lmserver_router_requests", "routed requests answered (and 401s)",
+                                     ["path", "status"], registry=r)
+        self.healthy = Gauge("lmserver_router_worker_healthy", "1 when the worker passes its health checks",
+                             ["worker"], registry=r)
+        self.in_flight = Gauge("lmserver_router_worker_in_flight", "requests in flight to the worker", ["worker"],
+                               registry=r)
+        self.served = Gauge("lmserver_router_worker_served", "requests sent to the worker", ["worker"], registry=r)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        for gauge in (self.healthy, self.in_flight, self.served):
+            gauge.clear()  # NOTE: a removed worker leaves no stale series
+        for url, w in self.router.workers.items():
+            self.healthy.labels(worker=url).set(int(w.healthy))
+            self.in_flight.labels(worker=url).set(w.in_flight)
+            self.served.labels(worker=url).set(w.served)
+        return bytes(generate_latest(self.registry))
 
 
 def routing_text(path: str, body: dict[str, Any]) -> str:
@@ -153,6 +188,20 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
 
     app = FastAPI(title="lmserver router", lifespan=lifespan)
     app.state.router = router
+    metrics = RouterMetrics(router)
+    if config.api_key:
+        expected = f"Bearer {config.api_key}".encode()
+
+        @app.middleware("http")
+        async def bearer_auth(request: Request, call_next: Callable[[Request], Any]) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                metrics.http_requests.labels(path=request.url.path, status="401").inc()
+                return JSONResponse({"error": {"message": "missing or wrong API key: send 'Authorization: Bearer "
+                                                          "<key>'", "type": "authentication_error", "param": None,
+                                               "code": "invalid_api_key"}}, 401)
+            response: Response = await call_next(request)
+            return response
 
     async def forward(path: str, request: Request) -> Response:
         raw = await request.body()
@@ -184,7 +233,9 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
                 continue
             worker.served += 1
             router.mark_success(url)
+            metrics.http_requests.labels(path=path, status=str(upstream.status_code)).inc()
             return RelayResponse(upstream, functools.partial(_finish, worker, upstream_clients, shard))
+        metrics.http_requests.labels(path=path, status="503").inc()
         return JSONResponse(
             {"error": {"message": "no healthy worker could take the request", "code": 503}}, 503
         )
@@ -220,6 +271,10 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
         return JSONResponse(
             {"healthy_workers": sum(w.healthy for w in router.workers.values())}, 200 if ok else 503
         )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
@@ -342,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--health-check-interval-s", type=float, default=5.0)
+    p.add_argument("--api-key", default=os.environ.get("LMSERVER_API_KEY"),
+                   help="bearer token required on every endpoint except /health (default: $LMSERVER_API_KEY); "
+                        "sent on to the workers")
     d = CacheAwareConfig()
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="cache_aware: route by prefix when the best match covers more than this share of the text")
@@ -359,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             health_check_interval_s=args.health_check_interval_s,
+            api_key=args.api_key or None,
             cache_aware=CacheAwareConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold),
         )
     )
