@@ -6,7 +6,9 @@ chunks), 405's Allow, and clear 400s for values that once misled or crashed the 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,12 +24,13 @@ KEY = "sk-reliability-test-5150"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_server_clients.py
 PROMPT = "The capital of France is"
+GRACE_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    srv = ServerProcess(["--context-length", "2048", "--api-key", KEY, "--incremental-streaming-output"],
-                        core=None, env=ENV)
+    srv = ServerProcess(["--context-length", "2048", "--api-key", KEY, "--incremental-streaming-output",
+                         "--shutdown-timeout-s", str(GRACE_S)], core=None, env=ENV)
     srv.start(timeout_s=900)
     yield srv
     assert srv.stop() == 0, srv.log_tail()
@@ -141,3 +144,53 @@ def test_clear_messages_and_the_engine_survives(client: httpx.Client, path: str,
     r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     _still_serves(client)
+
+
+# -- SIGTERM drain (last: it stops the module's server) -----------------------------------------
+def test_zz_sigterm_drains_then_ends_what_remains(server: ServerProcess, client: httpx.Client) -> None:
+    long_params = {"max_new_tokens": 1900, "ignore_eos": True}
+    out: dict[str, Any] = {"events": []}
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=120, headers=AUTH) as c, c.stream(
+                "POST", "/generate", json={"text": "Tell a long story.", "stream": True,
+                                           "sampling_params": long_params}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out["events"].append(line[6:])
+                    streaming.set()
+
+    def call(name: str, max_new_tokens: int, delay_s: float = 0.0) -> None:
+        time.sleep(delay_s)
+        with httpx.Client(base_url=server.base_url, timeout=120, headers=AUTH) as c:
+            out[name] = c.post("/generate", json={"text": "Count on.", "sampling_params": {
+                "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=call, args=("long", 1900))]
+    for t in threads:
+        t.start()
+    assert streaming.wait(60)
+    while client.get("/get_server_info").json()["scheduler"]["num_running_reqs"] < 2:
+        time.sleep(0.05)
+    short = threading.Thread(target=call, args=("short", 4))
+    short.start()
+    time.sleep(0.3)  # the short one is admitted before the signal
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    refused = client.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 1}})
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"], refused.text
+    assert client.get("/health").status_code == 503
+    short.join(30)
+    assert out["short"].status_code == 200 and out["short"].json()["meta_info"]["completion_tokens"] == 4
+    for t in threads:
+        t.join(60)
+    ended_s = time.monotonic() - t0
+    assert GRACE_S - 0.5 <= ended_s < GRACE_S + 10, ended_s
+    assert out["long"].status_code == 503 and "shutting down" in out["long"].json()["error"]["message"]
+    events = out["events"]
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"], events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == 503
+    assert server.proc.wait(20) == 0
+    assert time.monotonic() - t0 < GRACE_S + 8  # measured: 2.5 s after the grace (the core's own stop)

@@ -2,9 +2,11 @@
 
 Start: spawn the core process, wait for its `CoreReady`, serve HTTP with uvicorn, run
 `/health_generate` once internally and then print the ready line (`READY_PREFIX` + URL).
-Stop: SIGINT/SIGTERM stop uvicorn, then the core is asked to shut down, joined, and killed if
-it lingers (exit status 0). A core that dies or fails makes the server unhealthy (503) and the
-process exit with status 1.
+Stop: SIGINT/SIGTERM drain (new requests get 503; running ones finish within
+`--shutdown-timeout-s`, then get a 503 / an SSE error event), then stop uvicorn; the core is
+asked to shut down, joined, and killed if it lingers (exit status 0). A second signal stops at
+once. A core that dies or fails makes the server unhealthy (503) and the process exit with
+status 1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import shutil
 import signal
 import socket
 import sys
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -77,8 +81,9 @@ async def _serve(config: ServerConfig, core_factory: str, core_kwargs: dict[str,
         return await _run_http(config, mgr, proc, stop)
     finally:
         await mgr.shutdown()
-        # NOTE: a core still loading its model does not read ShutdownReq: terminate it at once
-        grace_s = 10.0 if mgr.ready is not None else 0.0
+        # NOTE: a core still loading its model does not read ShutdownReq: terminate it at once; a
+        # core the drain gave up on (mark_dead) is not sent ShutdownReq either: a short grace then
+        grace_s = 0.0 if mgr.ready is None else 10.0 if mgr.dead_reason is None else 2.0
         await loop.run_in_executor(None, _reap, proc, grace_s)
         shutil.rmtree(addrs.folder, ignore_errors=True)
 
@@ -104,17 +109,55 @@ async def _wait_ready(mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> 
                 await task
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGINT/SIGTERM calls `on_signal` (which starts the drain)
+    instead of stopping at once; a second signal stops it at once (uvicorn's own handling)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int, Any], object]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._num_signals = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._num_signals += 1
+        if self._num_signals == 1:
+            self._on_signal(sig, frame)
+            return
+        super().handle_exit(sig, frame)
+
+
+async def _drain(config: ServerConfig, mgr: TokenizerManager, proc: Any) -> None:
+    """Stops admitting requests (new ones get 503), lets the running ones finish for up to
+    `shutdown_timeout_s`, then fails the rest (a JSON 503, or an SSE error event then [DONE])."""
+    loop = asyncio.get_running_loop()
+    mgr.shutting_down = True
+    deadline = loop.time() + config.shutdown_timeout_s
+    if mgr.num_pending:
+        logger.info("draining: %d requests running, waiting up to %.0f s (--shutdown-timeout-s)", mgr.num_pending,
+                    config.shutdown_timeout_s)
+    while mgr.num_pending and loop.time() < deadline and proc.is_alive() and mgr.dead_reason is None:
+        await asyncio.sleep(0.05)
+    if mgr.num_pending and mgr.dead_reason is None:
+        logger.warning("draining: %d requests still running after %.0f s; ending them", mgr.num_pending,
+                       config.shutdown_timeout_s)
+        # NOTE: fails every waiter with EngineDeadError: the routes answer 503 / an SSE error event + [DONE]
+        mgr.mark_dead(f"the server is shutting down (the request did not finish within {config.shutdown_timeout_s:g} "
+                      "s, --shutdown-timeout-s)")
+
+
 async def _run_http(config: ServerConfig, mgr: TokenizerManager, proc: Any, stop: asyncio.Event) -> int:
-    server = uvicorn.Server(uvicorn.Config(
+    loop = asyncio.get_running_loop()
+    server = _DrainingServer(uvicorn.Config(
         create_app(mgr), host=config.host, port=config.port, log_level=config.log_level,
         access_log=config.log_requests, timeout_graceful_shutdown=5, log_config=None,
-        timeout_keep_alive=SERVER_KEEP_ALIVE_S))
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S), on_signal=lambda *_: loop.call_soon_threadsafe(stop.set))
     status = {"code": 0}
 
     async def watch() -> None:
         while not server.should_exit:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             if stop.is_set():
+                await _drain(config, mgr, proc)
                 server.should_exit = True
             elif not proc.is_alive() or mgr.dead_reason is not None:
                 mgr.mark_dead(mgr.dead_reason or f"the engine core process exited with status {proc.exitcode}")

@@ -248,6 +248,8 @@ async def health(request: Request) -> Response:
     mgr = manager(request)
     if mgr.dead_reason is not None:
         raise APIError(503, f"the engine core is dead: {mgr.dead_reason}")
+    if mgr.shutting_down:  # NOTE: draining after SIGTERM: load balancers should send no more
+        raise APIError(503, "the server is shutting down")
     return Response(status_code=200)
 
 
