@@ -141,3 +141,13 @@ def test_metrics_mirror_the_acceptance_and_multimodal_stats() -> None:
     for line in ("lmserver_spec_accept_length 2.5", "lmserver_spec_accept_rate 0.375",
                  "lmserver_mm_radix_hit_rate 0.8", "lmserver_mm_encoder_cache_hit_rate 0.25"):
         assert line in lines
+
+
+@given(st.lists(st.integers(0, 5), max_size=8), st.lists(st.integers(0, 5), max_size=8),
+       st.integers(-10, 20), st.integers(-10, 20), st.integers(1, 6))
+def test_prompt_plus_output_view_equals_the_concatenation(a: list[int], b: list[int], i: int, j: int, k: int) -> None:
+    from lmserver.engine.speculative import _Tokens
+
+    view, full = _Tokens(a, b), a + b
+    assert len(view) == len(full) and view[i:j] == full[i:j] and list(view) == full
+    assert NgramIndex(1, 3).propose(view, k) == naive_propose(full, k, 1, 3)

@@ -12,7 +12,7 @@ grammar, penalties, logit bias, min-new-tokens mask or logprobs: those keep one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,31 @@ class SpecConfig:
                              f"{self.num_draft_tokens + 1}]")
 
 
+class _Tokens(Sequence[int]):
+    """prompt + output without copying them (NgramIndex reads the new tail and short slices)."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, key):  # type: ignore[no-untyped-def, override]
+        n = len(self.prompt)
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return (self.prompt + self.output)[key]
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n : stop - n]
+            return self.prompt[start:] + self.output[: stop - n]
+        if key < 0:
+            key += len(self)
+        return self.prompt[key] if key < n else self.output[key - n]
+
+
 class Speculator:
     """Drafts per request and verifies them; owns the acceptance counters."""
 
@@ -93,7 +118,7 @@ class Speculator:
             index = self._indexes.get(item.rid)
             if index is None:
                 index = self._indexes[item.rid] = NgramIndex(self.config.ngram_min_match, self.config.ngram_max_match)
-            d = index.propose(sreq.fill_ids, room)
+            d = index.propose(_Tokens(sreq.input_ids, sreq.output_ids), room)
             if d:
                 out[item.rid] = d
         if rooms and self.draft_model is not None:
