@@ -109,3 +109,23 @@ def test_ebnf_is_refused_and_content_parts_are_joined() -> None:
             "messages": [{"role": "user", "content": [bad]}]}))
         with pytest.raises(APIError, match="content"):
             chat_messages(req)
+
+
+def test_model_names_served_like_sglang_unless_strict() -> None:
+    from types import SimpleNamespace
+
+    from lmserver.api.openai_routes import _check_model, served_model_name
+    from lmserver.config import ServerConfig
+
+    ready = SimpleNamespace(model_path="/some/cache/SmolLM2-135M-Instruct/")
+    loose = SimpleNamespace(config=ServerConfig(), ready=ready)
+    strict = SimpleNamespace(config=ServerConfig(strict_model_name=True), ready=ready)
+    named = SimpleNamespace(config=ServerConfig(served_model_name="mine"), ready=ready)
+    assert served_model_name(loose) == "SmolLM2-135M-Instruct"  # the folder's name, not the host's path
+    assert served_model_name(named) == "mine"
+    assert _check_model(loose, "gpt-3.5-turbo-instruct") == "SmolLM2-135M-Instruct"
+    for alias in (None, "default", "SmolLM2-135M-Instruct", "/some/cache/SmolLM2-135M-Instruct/"):
+        assert _check_model(strict, alias) == "SmolLM2-135M-Instruct"
+    with pytest.raises(APIError) as err:
+        _check_model(strict, "gpt-3.5-turbo-instruct")
+    assert err.value.status == 404

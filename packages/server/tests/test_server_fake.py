@@ -194,8 +194,12 @@ def test_null_fields_mean_defaults_as_sglang_clients_send_them(http: httpx.Clien
 def test_openai_models_and_model_check(oai: openai.OpenAI) -> None:
     models = oai.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    assert oai.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
-        oai.completions.create(model="gpt-17", prompt="hi", max_tokens=1)
+        oai.models.retrieve("gpt-17")
+    # another model name is served by this model, as SGLang does (--strict-model-name: 404)
+    reply = oai.completions.create(model="gpt-3.5-turbo-instruct", prompt="hi", max_tokens=1)
+    assert reply.model == "SmolLM2-135M-Instruct"
 
 
 def test_openai_completions_prompt_forms(oai: openai.OpenAI, fake: FakeEngineCore) -> None:

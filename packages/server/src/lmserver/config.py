@@ -22,7 +22,9 @@ class ServerConfig:
     # Model
     model_path: str | None = _opt(None, "HF-style model folder; default: the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _opt(None, "tokenizer folder; default: model_path")
-    served_model_name: str | None = _opt(None, "model name reported by /v1/models; default: model_path")
+    served_model_name: str | None = _opt(None, "model name reported by /v1/models; default: the model folder's name")
+    strict_model_name: bool = _opt(False, "answer 404 to OpenAI requests naming another model (default: any name is "
+                                          "served by this model, as SGLang does)")
     load_format: str = _opt("auto", "weights: auto (safetensors) or dummy (random, any config)", ("auto", "dummy"))
     dtype: str = _opt("auto", "auto: bfloat16 on GPU, float32 on CPU", ("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "auto: cuda when available, else cpu", ("auto", "cuda", "cpu"))

@@ -431,7 +431,6 @@ BAD_OPENAI: list[tuple[str, str, Any, int, str]] = [
     ("top_p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "top_p"),
     ("prompt type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
     ("oov prompt ids", "/v1/completions", {"prompt": [5, 10**8]}, 400, "out of the vocabulary"),
-    ("unknown model", "/v1/completions", {"model": "nope", "prompt": "a"}, 404, "does not exist"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
 ]

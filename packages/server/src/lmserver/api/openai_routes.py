@@ -45,15 +45,22 @@ router = APIRouter(prefix="/v1")
 
 
 def served_model_name(mgr: TokenizerManager) -> str:
+    """--served-model-name, else the model folder's name (never a path of the host)."""
     assert mgr.ready is not None
-    return mgr.config.served_model_name or mgr.ready.model_path
+    return mgr.config.served_model_name or os.path.basename(mgr.ready.model_path.rstrip("/")) or "default"
+
+
+def _model_aliases(mgr: TokenizerManager) -> tuple[str | None, ...]:
+    assert mgr.ready is not None
+    return (None, "", "default", served_model_name(mgr), mgr.ready.model_path,
+            os.path.basename(mgr.ready.model_path.rstrip("/")))
 
 
 def _check_model(mgr: TokenizerManager, model: str | None) -> str:
+    """The served name for a request naming `model`: any name is this model (SGLang's behaviour)
+    unless --strict-model-name, then only its own names (404 otherwise)."""
     name = served_model_name(mgr)
-    assert mgr.ready is not None
-    aliases = (None, "", "default", name, mgr.ready.model_path, os.path.basename(mgr.ready.model_path.rstrip("/")))
-    if model not in aliases:
+    if mgr.config.strict_model_name and model not in _model_aliases(mgr):
         raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                        param="model", code="model_not_found")
     return name
@@ -104,11 +111,22 @@ async def _states(request: Request, mgr: TokenizerManager, reqs: list[GenerateRe
 
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(manager(request))]}
+
+
+def _model_card(mgr: TokenizerManager) -> dict[str, Any]:
+    return {"id": served_model_name(mgr), "object": "model", "created": 0, "owned_by": "lmserver",
+            "root": served_model_name(mgr), "max_model_len": mgr.context_length}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    """The model card of one of this server's own names; 404 for any other id."""
     mgr = manager(request)
-    assert mgr.ready is not None
-    return {"object": "list", "data": [{
-        "id": served_model_name(mgr), "object": "model", "created": 0, "owned_by": "lmserver",
-        "root": mgr.ready.model_path, "max_model_len": mgr.context_length}]}
+    if model_id not in _model_aliases(mgr):
+        raise APIError(404, f"the model {model_id!r} does not exist; this server serves {served_model_name(mgr)!r}",
+                       param="model", code="model_not_found")
+    return _model_card(mgr)
 
 
 @router.post("/completions")
