@@ -424,7 +424,15 @@ def test_abort_request_finishes_it_with_abort(http: httpx.Client, server: Server
     assert _wait_idle(http)["num_used_tokens"] == 0
 
 
+def _aborted_count(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('lmserver_requests_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_client_disconnect_mid_stream_frees_kv(http: httpx.Client, server: ServerProcess, fake: FakeEngineCore) -> None:
+    aborted = _aborted_count(http)
     body = {"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 1000}}
     with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as c, \
             c.stream("POST", "/generate", json=body) as r:
@@ -439,6 +447,7 @@ def test_client_disconnect_mid_stream_frees_kv(http: httpx.Client, server: Serve
         c.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 1000}})
     sched = _wait_idle(http)
     assert sched["num_running_reqs"] == 0 and sched["num_used_tokens"] == 0
+    assert _aborted_count(http) == aborted + 2  # both disconnects are counted in /metrics
     assert_still_serves(http, fake)
 
 

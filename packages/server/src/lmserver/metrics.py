@@ -51,6 +51,10 @@ class ServerMetrics:
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
+    def observe_aborted(self) -> None:
+        """A request that ended before finishing (client disconnect)."""
+        self.requests.labels(finish_reason="abort").inc()
+
     def observe_finished(self, state: GenState) -> None:
         reason = (state.finish_reason or {}).get("type", "unknown")
         self.requests.labels(finish_reason=str(reason)).inc()

@@ -318,6 +318,8 @@ class TokenizerManager:
             if not state.finished and self.dead_reason is None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._push.send_pyobj(AbortReq(req.rid))
+                if record_metrics:  # the client went away (or the route gave up): an aborted request
+                    self.metrics.observe_aborted()
             if state.finished and record_metrics:
                 self.metrics.observe_finished(state)
                 if self.config.log_requests:
