@@ -41,13 +41,6 @@ def server() -> Any:
     assert srv.stop() == 0, srv.log_tail()
 
 
-@pytest.fixture(scope="module")
-def oai(server: Any) -> Any:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    yield client
-    client.close()
-
-
 def _check_calls(calls: Any, tools: list[dict[str, Any]]) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     assert calls

@@ -208,7 +208,7 @@ class EngineCore:
                 draft = DraftModel(spec_config.draft_model_path, target_vocab_size=self.vocab_size, dtype=self.dtype,
                                    device=self.device, context_length=self.context_length,
                                    max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
-                                   attention_backend=backend.name if hasattr(backend, "name") else rc.attention_backend)
+                                   attention_backend=rc.attention_backend)
             self.spec = Speculator(spec_config, self.context_length, draft)
             if self.overlap:
                 logger.info("overlap schedule: off with speculative decoding (a step's drafts need its tokens)")
@@ -334,11 +334,10 @@ class EngineCore:
                     lambda rows, states: self._sample_rows(logits, rows, states),
                     lambda state, token: self._append_sampled([(state, token)]))
         start = time.perf_counter()
-        if self.mm is not None and decision.mode == "extend":
-            mm_rows = self.mm.rows(decision, lambda rid: self.states[rid].sreq)
-            logits = self.runner.forward(decision, mm_rows=mm_rows) if mm_rows else self.runner.forward(decision)
-        else:
-            logits = self.runner.forward(decision)
+        mm_rows = self.mm.rows(decision, lambda rid: self.states[rid].sreq) \
+            if self.mm is not None and decision.mode == "extend" else []
+        # NOTE: mm_rows only when there are some: a TP-wrapped runner (no images) takes no such argument
+        logits = self.runner.forward(decision, mm_rows=mm_rows) if mm_rows else self.runner.forward(decision)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens

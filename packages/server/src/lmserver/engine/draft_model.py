@@ -32,6 +32,7 @@ class _DraftReq:
     row: int
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the draft cache
     slots: list[int] = field(default_factory=list)
+    synced: int = 0  # tokens[:synced] are known to equal the target's (checked at the last proposal)
 
 
 class DraftModel:
@@ -45,7 +46,6 @@ class DraftModel:
             raise DraftModelError("a multimodal draft model is not supported; use its text model")
         self.model = load_model(config, model_path, dtype=dtype, device=device, max_positions=context_length)
         self.context_length = context_length
-        self.device = device
         pool = KVPool(num_slots + 1, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                       dtype, device)
         pool.zero_padding(1)
@@ -84,6 +84,7 @@ class DraftModel:
         for rid, req in active.items():
             new = list(contexts[rid][len(req.tokens) :])
             items.append(self._item(rid, req, new))
+            req.synced = len(req.tokens)
         for rid, token in zip(active, self._forward(ScheduleDecision("extend", items)), strict=True):
             drafts[rid].append(token)
         for step in range(1, max(k[rid] for rid in active)):
@@ -99,8 +100,8 @@ class DraftModel:
         req = self._reqs.get(rid)
         if req is None:
             return
-        keep = 0
         limit = min(len(req.tokens), len(context) - 1)  # the last token of `context` has no KV yet
+        keep = min(req.synced, limit)  # NOTE: only the drafted tail is compared, not the whole context
         while keep < limit and req.tokens[keep] == context[keep]:
             keep += 1
         self._drop_kv(req, keep)
@@ -115,6 +116,7 @@ class DraftModel:
         self._free_slots.extend(req.slots[keep:])
         del req.slots[keep:]
         del req.tokens[keep:]
+        req.synced = min(req.synced, keep)
 
     def _item(self, rid: str, req: _DraftReq, new: list[int]) -> ForwardItem:
         start = len(req.tokens)
@@ -128,9 +130,6 @@ class DraftModel:
     def _forward(self, decision: ScheduleDecision) -> list[int]:
         logits = self.runner.forward(decision)
         return [int(t) for t in greedy_argmax(logits).tolist()]
-
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
 
     def check_empty(self) -> None:
         """Raises AssertionError unless every slot and row is free (no request holds any)."""
