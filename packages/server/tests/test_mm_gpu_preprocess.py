@@ -29,36 +29,16 @@ from lmserver.multimodal.gpu_preprocess import (
     run_plan,
 )
 from lmserver.multimodal.processor import ImageProcessor
+from lmserver.multimodal.testing import CLIP_336_PREPROCESSOR, LLAVA_CONFIG, PROCESSOR_CONFIGS
 
 PILLOW_VERSION = tuple(int(v) for v in PIL.__version__.split(".")[:2])
 PILLOW_FILTERS = sorted(int(f) for f in Image.Resampling if int(f) in SUPPORTED_FILTERS)
 METHODS = ["sparse", "dense"]
 
-CLIP_TOWER = {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}
-LLAVA = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "vision_config": CLIP_TOWER,
-         "vision_feature_select_strategy": "default", "image_token_index": 32000}
-CLIP_336 = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 336},
-            "crop_size": {"height": 336, "width": 336}, "resample": 3,
-            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-            "do_resize": True, "do_center_crop": True, "do_rescale": True, "rescale_factor": 1 / 255,
-            "do_normalize": True, "do_convert_rgb": True}
 # the configurations of test_mm_processor.py that have a plan (all but LLaVA-NeXT anyres)
-PLAN_CONFIGS = [
-    ("llava-1.5 CLIP", LLAVA, CLIP_336),
-    ("llava pad-to-square", LLAVA, dict(CLIP_336, image_processor_type="LlavaImageProcessor", do_pad=True)),
-    ("siglip 384 bilinear", dict(LLAVA, vision_config={"model_type": "siglip_vision_model", "image_size": 384,
-                                                       "patch_size": 14}),
-     {"image_processor_type": "SiglipImageProcessor", "size": {"height": 384, "width": 384}, "resample": 2,
-      "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_normalize": True, "do_rescale": True,
-      "rescale_factor": 1 / 255, "do_resize": True}),
-    ("old int sizes, crop > resize", dict(LLAVA, vision_config=dict(CLIP_TOWER, image_size=240)),
-     {"image_processor_type": "CLIPImageProcessor", "size": 224, "crop_size": 240, "resample": 2}),
-    ("shortest+longest edge, lanczos, no normalize", LLAVA,
-     {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 200, "longest_edge": 260},
-      "crop_size": {"height": 224, "width": 224}, "do_normalize": False, "resample": 1}),
-]
+PLAN_CONFIGS = [c for c in PROCESSOR_CONFIGS if c[0] != "llava-next anyres"]
 PLAN_IDS = [name for name, _, _ in PLAN_CONFIGS]
-LLAVA_NEXT = dict(LLAVA, model_type="llava_next", architectures=["LlavaNextForConditionalGeneration"],
+LLAVA_NEXT = dict(LLAVA_CONFIG, model_type="llava_next", architectures=["LlavaNextForConditionalGeneration"],
                   image_grid_pinpoints=[[336, 672], [672, 336], [672, 672]])
 
 
@@ -271,7 +251,7 @@ def test_decoded_image_pickles_and_errors_match():
 
 
 def test_anyres_has_no_plan():
-    processor = processor_for(LLAVA_NEXT, dict(CLIP_336, image_processor_type="LlavaNextImageProcessor"))
+    processor = processor_for(LLAVA_NEXT, dict(CLIP_336_PREPROCESSOR, image_processor_type="LlavaNextImageProcessor"))
     assert not processor.has_image_plan
     assert processor.decode_image(b"never decoded") is None
     assert processor_for(*PLAN_CONFIGS[0][1:]).has_image_plan

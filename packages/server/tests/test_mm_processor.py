@@ -25,38 +25,20 @@ from PIL import Image
 
 from lmserver.io_struct import InvalidRequestError
 from lmserver.multimodal.processor import ImageProcessor, ProcessorLimits, shortest_edge_size
+from lmserver.multimodal.testing import (
+    ANYRES_PINPOINTS,
+    CLIP_336_PREPROCESSOR,
+    CLIP_336_TOWER,
+    LLAVA_CONFIG,
+    LLAVA_NEXT_CONFIG,
+    PROCESSOR_CONFIGS,
+)
 
-CLIP_TOWER = {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}
-LLAVA = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "vision_config": CLIP_TOWER,
-         "vision_feature_select_strategy": "default", "image_token_index": 32000}
-PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
-LLAVA_NEXT = dict(LLAVA, model_type="llava_next", architectures=["LlavaNextForConditionalGeneration"],
-                  image_grid_pinpoints=PINPOINTS)
+CLIP_TOWER, LLAVA, PINPOINTS, LLAVA_NEXT = CLIP_336_TOWER, LLAVA_CONFIG, ANYRES_PINPOINTS, LLAVA_NEXT_CONFIG
 LLAVA_NEXT_VIDEO = dict(LLAVA_NEXT, model_type="llava_next_video", spatial_pool_stride=2,
                         spatial_pool_mode="average", architectures=["LlavaNextVideoForConditionalGeneration"])
-CLIP_336 = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 336},
-            "crop_size": {"height": 336, "width": 336}, "resample": 3,
-            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-            "do_resize": True, "do_center_crop": True, "do_rescale": True, "rescale_factor": 1 / 255,
-            "do_normalize": True, "do_convert_rgb": True}
-
-# (name, config.json, preprocessor_config.json): the configurations compared with transformers
-IMAGE_CONFIGS = [
-    ("llava-1.5 CLIP", LLAVA, CLIP_336),
-    ("llava pad-to-square", LLAVA, dict(CLIP_336, image_processor_type="LlavaImageProcessor", do_pad=True)),
-    ("siglip 384 bilinear", dict(LLAVA, vision_config={"model_type": "siglip_vision_model", "image_size": 384,
-                                                       "patch_size": 14}),
-     {"image_processor_type": "SiglipImageProcessor", "size": {"height": 384, "width": 384}, "resample": 2,
-      "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_normalize": True, "do_rescale": True,
-      "rescale_factor": 1 / 255, "do_resize": True}),
-    ("old int sizes, crop > resize", dict(LLAVA, vision_config=dict(CLIP_TOWER, image_size=240)),
-     {"image_processor_type": "CLIPImageProcessor", "size": 224, "crop_size": 240, "resample": 2}),
-    ("shortest+longest edge, no normalize", LLAVA,
-     {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 200, "longest_edge": 260},
-      "crop_size": {"height": 224, "width": 224}, "do_normalize": False, "resample": 1}),
-    ("llava-next anyres", LLAVA_NEXT, dict(CLIP_336, image_processor_type="LlavaNextImageProcessor",
-                                           image_grid_pinpoints=PINPOINTS)),
-]
+CLIP_336 = CLIP_336_PREPROCESSOR
+IMAGE_CONFIGS = PROCESSOR_CONFIGS
 CONFIG_IDS = [name for name, _, _ in IMAGE_CONFIGS]
 
 MODES = ["RGB", "RGBA", "L", "LA", "P", "P+transparency", "1", "CMYK", "I;16", "RGB+transparency"]

@@ -41,6 +41,40 @@ CHAT_TEMPLATE = (
 )
 
 
+# (name, config.json, preprocessor_config.json): published-shape processor configurations the
+# preprocessing tests compare with transformers (the last, NeXT anyres, has no device plan)
+CLIP_336_TOWER: dict[str, Any] = {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}
+LLAVA_CONFIG: dict[str, Any] = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+                                "vision_config": CLIP_336_TOWER, "vision_feature_select_strategy": "default",
+                                "image_token_index": 32000}
+ANYRES_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+LLAVA_NEXT_CONFIG: dict[str, Any] = dict(LLAVA_CONFIG, model_type="llava_next",
+                                         architectures=["LlavaNextForConditionalGeneration"],
+                                         image_grid_pinpoints=ANYRES_PINPOINTS)
+CLIP_336_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 336},
+    "crop_size": {"height": 336, "width": 336}, "resample": 3, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+    "do_resize": True, "do_center_crop": True, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "do_convert_rgb": True}
+PROCESSOR_CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("llava-1.5 CLIP", LLAVA_CONFIG, CLIP_336_PREPROCESSOR),
+    ("llava pad-to-square", LLAVA_CONFIG,
+     dict(CLIP_336_PREPROCESSOR, image_processor_type="LlavaImageProcessor", do_pad=True)),
+    ("siglip 384 bilinear", dict(LLAVA_CONFIG, vision_config={"model_type": "siglip_vision_model",
+                                                              "image_size": 384, "patch_size": 14}),
+     {"image_processor_type": "SiglipImageProcessor", "size": {"height": 384, "width": 384}, "resample": 2,
+      "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_normalize": True, "do_rescale": True,
+      "rescale_factor": 1 / 255, "do_resize": True}),
+    ("old int sizes, crop > resize", dict(LLAVA_CONFIG, vision_config=dict(CLIP_336_TOWER, image_size=240)),
+     {"image_processor_type": "CLIPImageProcessor", "size": 224, "crop_size": 240, "resample": 2}),
+    ("shortest+longest edge, lanczos, no normalize", LLAVA_CONFIG,
+     {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 200, "longest_edge": 260},
+      "crop_size": {"height": 224, "width": 224}, "do_normalize": False, "resample": 1}),
+    ("llava-next anyres", LLAVA_NEXT_CONFIG,
+     dict(CLIP_336_PREPROCESSOR, image_processor_type="LlavaNextImageProcessor",
+          image_grid_pinpoints=ANYRES_PINPOINTS)),
+]
+
 def tiny_llava_hf_config(
     kind: str, vocab_size: int, image_token_id: int, video_token_id: int | None = None,
     eos_token_id: int = 2, bos_token_id: int = 1, overrides: dict[str, Any] | None = None,
