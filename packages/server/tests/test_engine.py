@@ -277,12 +277,9 @@ def test_core_contract_attributes(engine: Engine) -> None:
 def test_readme_example() -> None:
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Offline engine") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None
-    namespace: dict[str, object] = {}
-    exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102
+    from lmserver.testing import run_readme_section
+
+    namespace = run_readme_section(Path(__file__).parents[1] / "README.md", "## Offline engine")
     out = namespace["out"]
     assert isinstance(out, dict) and out["meta_info"]["completion_tokens"] == 8
     assert len(namespace["outs"]) == 4  # type: ignore[arg-type]

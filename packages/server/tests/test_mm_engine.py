@@ -212,14 +212,11 @@ def test_text_only_model_refuses_images(images: list[str]) -> None:
 
 
 def test_readme_example() -> None:
-    import re
+    from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Images and video (LLaVA)") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None
-    namespace: dict[str, object] = {}
-    exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102
+    from lmserver.testing import run_readme_section
+
+    namespace = run_readme_section(Path(__file__).parents[1] / "README.md", "## Images and video (LLaVA)")
     again = namespace["again"]
     assert isinstance(again, dict)
     image_at = 3  # "USER: " then the image: everything up to the end of the image is a hit

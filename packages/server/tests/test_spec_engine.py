@@ -147,15 +147,11 @@ def test_bad_speculative_settings() -> None:
 
 
 def test_readme_example() -> None:
-    import re
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Speculative decoding") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None
-    namespace: dict[str, object] = {}
-    exec(compile(code.group(1), "README.md", "exec"), namespace)  # noqa: S102
+    from lmserver.testing import run_readme_section
+
+    namespace = run_readme_section(Path(__file__).parents[1] / "README.md", "## Speculative decoding")
     out = namespace["out"]
     assert isinstance(out, dict) and out["meta_info"]["completion_tokens"] > 0
 

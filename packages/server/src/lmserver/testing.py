@@ -55,6 +55,21 @@ def load_test_tokenizer(config: ServerConfig) -> Any:
     return AutoTokenizer.from_pretrained(cache)
 
 
+def run_readme_section(readme: str | os.PathLike[str], heading: str) -> dict[str, object]:
+    """Runs the first ```python block after `heading` in the `readme` file; returns the names it
+    defined (tests check what the example printed from them)."""
+    import re
+    from pathlib import Path
+
+    text = Path(readme).read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S)
+    if code is None:
+        raise AssertionError(f"no python block after {heading!r} in {readme}")
+    namespace: dict[str, object] = {}
+    exec(compile(code.group(1), str(readme), "exec"), namespace)  # noqa: S102
+    return namespace
+
+
 def fake_logprob(token_id: int) -> float:
     """The fake model's log-probability of `token_id` at any position."""
     return -0.5 - (token_id % 13) / 10
