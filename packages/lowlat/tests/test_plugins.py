@@ -85,17 +85,27 @@ def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured
     assert not stack.covers(Step(StepKind.EXTEND, 1, 4, 4))
 
 
-def test_measured_win_table_is_well_formed() -> None:
+def test_measured_win_tables_are_well_formed_and_looked_up_by_their_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowlat.kernels import tuning
     from lowlat.kernels.tuning import MOE_WINS_UP_TO, WINS_UP_TO, tuned_wins_up_to
     from lowlat.moe import MoEShape
 
     llama = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
     assert tuned_wins_up_to("Some Other GPU", shape=llama) == 0
     assert all(limit >= 1 for limit in (*WINS_UP_TO.values(), *MOE_WINS_UP_TO.values()))
-    # a Mixtral layer's attention half has the dense key: the MoE stack's limit is its own (measured 1 against 8)
-    assert tuned_wins_up_to("NVIDIA H200", llama) == 8
-    assert tuned_wins_up_to("NVIDIA H200", llama, MoEShape(8, 2, 14336)) == 1
-    assert tuned_wins_up_to("NVIDIA H200", llama, MoEShape(8, 1, 14336)) == 0
+    for (gpu, key), limit in WINS_UP_TO.items():  # every entry is what its own GPU and shape get
+        assert tuned_wins_up_to(gpu, LayerShape(*key)) == limit
+    for (gpu, key, (experts, top_k, inter)), limit in MOE_WINS_UP_TO.items():
+        assert tuned_wins_up_to(gpu, LayerShape(*key), MoEShape(experts, top_k, inter)) == limit
+    # a Mixtral layer's attention half has the dense key: the MoE stack's limit is its own, and an MoE shape
+    # without an entry has no limit even where the dense key has one (tables of our own, not the measured ones)
+    key = tuning.shape_key(llama)
+    monkeypatch.setattr(tuning, "WINS_UP_TO", {("GPU X", key): 8})
+    monkeypatch.setattr(tuning, "MOE_WINS_UP_TO", {("GPU X", key, (8, 2, 14336)): 1})
+    assert tuning.tuned_wins_up_to("GPU X", llama) == 8
+    assert tuning.tuned_wins_up_to("GPU X", llama, MoEShape(8, 2, 14336)) == 1
+    assert tuning.tuned_wins_up_to("GPU X", llama, MoEShape(8, 1, 14336)) == 0
+    assert tuning.tuned_wins_up_to("GPU Y", llama, MoEShape(8, 2, 14336)) == 0
 
 
 def test_cpu_launch_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

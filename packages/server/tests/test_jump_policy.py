@@ -96,8 +96,12 @@ def test_min_tokens_option() -> None:
     for bad in ("0", "-1", "x", 0, True):
         with pytest.raises(ValueError, match="jump_forward_min_tokens"):
             parse_min_tokens(bad)
-    assert JumpPolicy.for_device("auto", "cpu").min_tokens == AUTO_MIN_TOKENS["cpu"] == 1
+    # "auto" is the device's measured value: on the CPU every jump pays (always), on CUDA short ones wait
+    assert JumpPolicy.for_device("auto", "cpu").min_tokens == AUTO_MIN_TOKENS["cpu"]
+    assert JumpPolicy.for_device("auto", "cpu").always
     assert JumpPolicy.for_device("auto", "cuda").min_tokens == AUTO_MIN_TOKENS["cuda"]
+    assert not JumpPolicy.for_device("auto", "cuda").always
+    assert JumpPolicy.for_device("auto", "rocm").min_tokens == AUTO_MIN_TOKENS["cuda"]  # other accelerators: CUDA's
     assert JumpPolicy.for_device("5", "cuda").min_tokens == 5
     with pytest.raises(ValueError, match="jump_forward_min_tokens"):
         ConstrainedDecoding(None, VOCAB.size, VOCAB.eos_token_ids, jump_forward_min_tokens="many")

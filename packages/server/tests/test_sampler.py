@@ -75,23 +75,45 @@ def test_greedy_and_seeded_rows_are_batch_invariant() -> None:
         assert alone[0] == batch[i]
 
 
+def _naive_penalties(row: list[float], info: SamplingInfo) -> list[float]:
+    """Oracle: one Python loop over the vocabulary per step, in the documented order (bias,
+    repetition over prompt + output, frequency and presence over the output, the min-new-tokens
+    stop mask, the grammar mask)."""
+    p = info.params
+    out = list(row)
+    for tok in range(len(out)):
+        out[tok] += (p.logit_bias or {}).get(tok, 0.0)
+        if tok in info.prompt_ids or tok in info.output_ids:
+            out[tok] = out[tok] / p.repetition_penalty if out[tok] > 0 else out[tok] * p.repetition_penalty
+        count = sum(1 for t in info.output_ids if t == tok)
+        out[tok] -= p.frequency_penalty * count + (p.presence_penalty if count else 0.0)
+        if len(info.output_ids) < p.min_new_tokens and tok in info.stop_ids:
+            out[tok] = float("-inf")
+        if info.allowed_mask is not None and not bool(info.allowed_mask[tok]):
+            out[tok] = float("-inf")
+    return out
+
+
 def test_penalties_match_naive_loops() -> None:
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(1, 30, generator=g)
-    prompt, out = [1, 2, 3], [3, 4, 4, 5, 4]
-    info = _info(prompt=prompt, out=out, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25,
-                 logit_bias={7: 5.0, 8: -1.0})
-    got = apply_penalties(logits, [info])[0]
-    ref = logits[0].clone()
-    ref[7] += 5.0
-    ref[8] -= 1.0
-    for tok in set(prompt) | set(out):
-        ref[tok] = ref[tok] / 1.3 if ref[tok] > 0 else ref[tok] * 1.3
-    for tok in set(out):
-        ref[tok] -= 0.5 * out.count(tok) + 0.25
-    torch.testing.assert_close(got, ref)
-    assert not torch.equal(logits[0], got), "input must not be mutated"
-    assert torch.equal(logits, logits.clone())
+    logits = torch.randn(4, 30, generator=g)
+    mask = torch.rand(30, generator=g) < 0.6
+    infos = [
+        _info(prompt=[1, 2, 3], out=[3, 4, 4, 5, 4], repetition_penalty=1.3, frequency_penalty=0.5,
+              presence_penalty=0.25, logit_bias={7: 5.0, 8: -1.0, 3: 0.5}),
+        _info(temperature=0.7),  # nothing applies: the row passes through
+        _info(prompt=[9, 9], out=[10], stop=[11, 12], min_new_tokens=3, repetition_penalty=0.8, frequency_penalty=-0.3),
+        _info(out=[6, 6, 7], stop=[6], min_new_tokens=4, presence_penalty=1.5),
+    ]
+    infos[3].allowed_mask = mask
+    before = logits.clone()
+    got = apply_penalties(logits, infos)
+    assert torch.equal(logits, before), "the input must not be mutated"
+    for i, info in enumerate(infos):
+        ref = torch.tensor(_naive_penalties(logits[i].tolist(), info))
+        torch.testing.assert_close(got[i], ref, msg=f"row {i}")
+    assert torch.isinf(got[2, 11]) and torch.isinf(got[3, 6]) and torch.isinf(got[3][~mask]).all()
+    assert apply_penalties(logits, [infos[1]] * 4) is logits  # no row changes: no copy
 
 
 @settings(max_examples=60, deadline=None)
@@ -225,8 +247,12 @@ def test_chunked_argmax_matches_argmax_with_ties(rows: int, shape: tuple[int, in
 
 
 def test_greedy_argmax_chunks_split_real_vocabularies() -> None:
-    assert _argmax_chunks(128256) == 1002  # Llama-3: 1002 chunks of 128
-    assert _argmax_chunks(49152) == 768  # SmolLM2: 768 chunks of 64
+    """The chunk count's documented rule, checked by search rather than restated: the largest divisor of the
+    vocabulary up to 1024 that leaves chunks of at least 64 entries, or 1 when none is above 8."""
+    for vocab in (128256, 49152, 65521, 32000, 151936, 64 * 9, 100):
+        chunks = _argmax_chunks(vocab)
+        fits = [c for c in range(9, 1025) if vocab % c == 0 and vocab // c >= 64]
+        assert chunks == (max(fits) if fits else 1), vocab
     assert _argmax_chunks(65521) == 1  # a prime vocabulary: one plain argmax
     logits = torch.randn(3, 49152)
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))  # the CPU path
