@@ -83,6 +83,21 @@ def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured
     stack = TritonLayerStack("nvidia", ctx, replace(lc, wins_up_to=wins_up_to))
     assert [b for b in range(1, 17) if stack.covers(Step.decode(b))] == list(range(1, largest + 1))
     assert not stack.covers(Step(StepKind.EXTEND, 1, 4, 4))
+    # verify rows count like decode rows; at most MAX_VERIFY_ROWS per request
+    assert [n for n in range(1, 17) if stack.covers(Step.verify(n, 1))] == list(range(1, largest + 1))
+    assert stack.covers(Step.verify(min(largest, 8), min(largest, 8))) and not stack.covers(Step.verify(16, 9))
+
+
+def test_nvidia_covers_verify_steps_and_amd_does_not() -> None:
+    from lowlat.kernels.ops import MAX_VERIFY_ROWS
+    from lowlat.plugins import amd, nvidia
+
+    assert nvidia.spec.coverage.why_not(Step.verify(8, 6)) is None
+    assert nvidia.spec.coverage.why_not(Step.verify(16, MAX_VERIFY_ROWS + 1)) is not None
+    assert "speculative" not in nvidia.spec.requirements.forbidden_features
+    assert amd.spec.coverage.why_not(Step.verify(8, 6)) == "step kind verify not covered"
+    with pytest.raises(ValueError, match="max_query_len"):
+        Step.verify(4, 5)
 
 
 def test_measured_win_tables_are_well_formed_and_looked_up_by_their_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -187,6 +187,24 @@ def test_graph_recorder_checks_replays() -> None:
         s.replay(Step.decode(1))
 
 
+def test_verify_steps_replay_decode_graphs() -> None:
+    """A verify step replayed in the decode graph of as many rows: checked against that graph's frozen path,
+    counted by kind; `path_for` and `frozen_path` count nothing."""
+    cov = Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=8, max_query_len=4)
+    s = Session(LowlatConfig(), Registry([fake_spec(coverage=cov, built_max_batch=8)]))
+    start(s)
+    assert s.capture(Step.decode(8)) == PLUGIN
+    assert s.frozen_path(StepKind.DECODE, 8) == PLUGIN and s.frozen_path(StepKind.DECODE, 4) is None
+    assert s.path_for(Step.verify(8, 4)) == PLUGIN and s.path_for(Step.verify(8, 5)) == ORIGINAL
+    assert s.replay(Step.verify(8, 4), graph=(StepKind.DECODE, 8)) == PLUGIN
+    assert s.replay(Step.decode(8)) == PLUGIN
+    with pytest.raises(GraphPathMismatch, match="froze the plugin path"):
+        s.replay(Step.verify(8, 5), graph=(StepKind.DECODE, 8))  # 5 rows of a request: not covered
+    report = s.report()
+    assert dict(report.plugin_steps_by_kind) == {"decode": 1, "verify": 1}
+    assert "steps on plugin: 2 (decode 1, verify 1)" in s.explain()
+
+
 def test_forward_layer_dispatch() -> None:
     s = Session(LowlatConfig(), Registry([fake_spec()]))
     start(s)

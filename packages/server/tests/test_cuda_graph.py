@@ -28,6 +28,7 @@ from lmserver.engine.cuda_graph import (
     maybe_decode_graph_runner,
     pad_decode,
     padded_batch_size,
+    verify_rows,
 )
 from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
@@ -276,3 +277,100 @@ def test_graph_max_bs_auto_depends_on_gpu_memory_and_running_requests() -> None:
     assert resolve_cuda_graph_max_bs(16, "cuda", h200, 256) == 16  # an explicit value wins
     with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
         resolve_cuda_graph_max_bs(0, "cuda", h200, 256)
+
+
+# --- speculative verify steps replayed as decode rows ---------------------------------------
+
+def _verify_item(row: int, prefix: int, ids: list[int], slots: list[int], behind: int = 0) -> ForwardItem:
+    """A verify item as Scheduler.add_drafts makes it: the last token and drafts, every row's logits;
+    `behind`: table writes start that many positions before the first new token."""
+    n = len(ids)
+    return ForwardItem(
+        rid=f"r{row}", req_pool_idx=row, prefix_len=prefix, token_ids=ids, out_slots=slots[prefix : prefix + n],
+        table_start=prefix - behind, table_slots=slots[prefix - behind : prefix + n], logit_offsets=list(range(n)),
+        completes_prefill=False,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=4))
+def test_verify_rows_are_decode_rows_with_the_same_writes(reqs: list[tuple[int, int, int]]) -> None:
+    items = []
+    for row, (prefix, n, behind) in enumerate(reqs):
+        slots = list(range(1000 * (row + 1), 1000 * (row + 1) + 40))
+        items.append(_verify_item(row, prefix, list(range(100 * row, 100 * row + n)), slots, min(behind, prefix)))
+    rows = verify_rows(items)
+    assert len(rows) == sum(len(it.token_ids) for it in items)
+    step = pad_decode(rows, len(rows), pad_row=0)  # every row is a valid decode row
+    # naive oracle: each request's table writes, and its tokens at consecutive positions, in order
+    want_writes, got_writes = {}, {}
+    for it in items:
+        want_writes.update({(it.req_pool_idx, it.table_start + k): s for k, s in enumerate(it.table_slots)})
+    for r in rows:
+        got_writes.update({(r.req_pool_idx, r.table_start + k): s for k, s in enumerate(r.table_slots)})
+    assert got_writes == want_writes
+    want_rows = [(it.req_pool_idx, it.prefix_len + j, t, it.out_slots[j])
+                 for it in items for j, t in enumerate(it.token_ids)]
+    assert list(zip(step.ints[3], step.ints[1], step.ints[0], step.ints[2], strict=True)) == want_rows
+    assert step.seq_lens == [p + 1 for _, p, _, _ in want_rows]
+    bad = dataclasses.replace(items[0], out_slots=items[0].out_slots[:-1] + [1, 2])
+    with pytest.raises(CudaGraphError, match="verify item"):
+        verify_rows([bad])
+
+
+def _verify_run(runner: ModelRunner, graphs: DecodeGraphRunner | None) -> list[torch.Tensor]:
+    """Prefills 3 prompts, then verify steps with 1-4 drafts per request (drafts are the tokens
+    a reference sequence continues with, or random ones), through `graphs` when given, else the
+    eager extend forward; returns every verify step's logits."""
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (7, 3, 12)]
+    slot_sets = [list(range(1 + 60 * i, 1 + 60 * i + 50)) for i in range(len(seqs))]
+    runner.forward(ScheduleDecision("extend", [_item(i, 0, s, slot_sets[i]) for i, s in enumerate(seqs)]))
+    out = []
+    for step in range(4):
+        items = []
+        for r, s in enumerate(seqs):
+            n = 1 + (step + r) % 4
+            s.extend(torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist())
+            items.append(_verify_item(r, len(s) - n, s[-n:], slot_sets[r]))
+        decision = ScheduleDecision("extend", items[: 1 + step % 3])
+        if graphs is not None:
+            assert graphs.can_verify(decision)
+            logits = graphs.forward_verify(decision, greedy=False).clone()
+            assert graphs.greedy_ids[: logits.shape[0]].tolist() == logits.argmax(-1).tolist()
+        else:
+            logits = runner.forward(decision)
+        out.append(logits.cpu())
+        for it, s in zip(items, seqs, strict=True):  # rejected: the next step writes over the last draft
+            if it in decision.items:
+                del s[len(s) - 1 :]
+            else:
+                del s[len(s) - len(it.token_ids) :]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch_native"])
+def test_graph_verify_matches_the_eager_extend_forward(backend: str) -> None:
+    ref = _verify_run(_runner(backend, "cpu"), None)
+    graphed = _runner(backend, "cpu")
+    graphs = DecodeGraphRunner(graphed, 16, pad_row=0, graph_factory=EagerGraph)
+    graphs.capture()
+    got = _verify_run(graphed, graphs)
+    assert graphs.num_verify_replays == len(ref)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    too_many = ScheduleDecision("extend", [_verify_item(r, 0, [1] * 6, list(range(1, 40))) for r in range(3)])
+    assert not graphs.can_verify(too_many)  # 18 rows > 16 captured
+    assert not graphs.can_verify(ScheduleDecision("extend", [_item(0, 0, [1, 2, 3], list(range(1, 9)))]))  # a prefill
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+def test_graph_verify_matches_eager_on_gpu(backend: str) -> None:
+    ref = _verify_run(_runner(backend, "cuda"), None)
+    graphed = _runner(backend, "cuda")
+    graphs = DecodeGraphRunner(graphed, 16)
+    graphs.capture()
+    got = _verify_run(graphed, graphs)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)

@@ -29,7 +29,8 @@ def format_report(report: Report) -> str:
         for g in report.graphs:
             why = f" ({g.reason})" if g.reason else ""
             lines.append(f"    {g.kind.value:7s} bs={g.batch_size:<4d} -> {g.path}{why}, replays={g.replays}")
-    lines.append(f"  steps on plugin: {report.plugin_steps}")
+    kinds = ", ".join(f"{kind} {n}" for kind, n in report.plugin_steps_by_kind)
+    lines.append(f"  steps on plugin: {report.plugin_steps}" + (f" ({kinds})" if kinds else ""))
     if report.fallbacks:
         lines.append("  fallbacks to the original forward:")
         lines.extend(f"    {count:8d}  {reason}" for reason, count in report.fallbacks)

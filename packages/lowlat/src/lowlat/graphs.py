@@ -54,6 +54,10 @@ class PathRecorder:
         self._entries[(kind, batch_size)] = updated
         return updated
 
+    def entry(self, kind: StepKind, batch_size: int) -> GraphEntry | None:
+        """The graph captured for (kind, batch_size), or None. Pure."""
+        return self._entries.get((kind, batch_size))
+
     def entries(self) -> tuple[GraphEntry, ...]:
         """Every captured graph, by kind then batch size."""
         return tuple(self._entries[k] for k in sorted(self._entries, key=lambda k: (k[0].value, k[1])))

@@ -31,7 +31,7 @@ from lowlat.guards import spec_failures
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
 from lowlat.moe import MoELayerWeights, MoEShape
 from lowlat.registry import Registry
-from lowlat.spec import NotCovered, PluginSpec, ServerSetup, Step
+from lowlat.spec import NotCovered, PluginSpec, ServerSetup, Step, StepKind
 
 
 class Stage(enum.IntEnum):
@@ -73,6 +73,7 @@ class Report:
     graphs: tuple[GraphEntry, ...]
     plugin_steps: int
     fallbacks: tuple[tuple[str, int], ...]  # (reason, count), most frequent first
+    plugin_steps_by_kind: tuple[tuple[str, int], ...] = ()  # (step kind, steps on the plugin), by kind
 
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar("lowlat_session", default=None)
@@ -92,6 +93,7 @@ class Session:
         self.recorder = PathRecorder()
         self._stage: Stage | None = None
         self._plugin_steps = 0
+        self._plugin_steps_by_kind: Counter[str] = Counter()
         self._fallbacks: Counter[str] = Counter()
         self._off_reason: str | None = None
         self._group: Group | None = None
@@ -286,6 +288,7 @@ class Session:
         why = self._why_not(step)
         if why is None:
             self._plugin_steps += 1
+            self._plugin_steps_by_kind[step.kind.value] += 1
             return PLUGIN
         self._fallbacks[why.reason] += 1
         return ORIGINAL
@@ -298,11 +301,24 @@ class Session:
         self.recorder.record(step.kind, step.batch_size, path, None if why is None else why.reason)
         return path
 
-    def replay(self, step: Step) -> str:
-        """Check that the graph for ``step`` froze the path ``select`` picks now; counts the step."""
+    def replay(self, step: Step, graph: tuple[StepKind, int] | None = None) -> str:
+        """Check that the graph for ``step`` froze the path ``select`` picks now; counts the step.
+
+        ``graph``: the (kind, batch size) of the captured graph the step replays, when it is not
+        the step's own (a verify step replayed in the decode graph of as many rows)."""
         path = self.select(step)
-        self.recorder.check(step.kind, step.batch_size, path)
+        kind, size = graph if graph is not None else (step.kind, step.batch_size)
+        self.recorder.check(kind, size, path)
         return path
+
+    def path_for(self, step: Step) -> str:
+        """The path ``select`` would pick for ``step``, counting nothing. Pure."""
+        return PLUGIN if self._why_not(step) is None else ORIGINAL
+
+    def frozen_path(self, kind: StepKind, batch_size: int) -> str | None:
+        """The path the graph captured for (kind, batch_size) froze, or None when none was. Pure."""
+        entry = self.recorder.entry(kind, batch_size)
+        return entry.path if entry is not None else None
 
     def forward_layer(
         self,
@@ -333,6 +349,7 @@ class Session:
             workspace_bytes=self.built.workspace_bytes if self.built is not None else 0,
             graphs=self.recorder.entries(),
             plugin_steps=self._plugin_steps,
+            plugin_steps_by_kind=tuple(sorted(self._plugin_steps_by_kind.items())),
             fallbacks=tuple(self._fallbacks.most_common()),
         )
 

@@ -42,6 +42,17 @@ class Step:
         """A decode step of ``batch_size`` requests, one new token each."""
         return cls(StepKind.DECODE, batch_size, batch_size, 1, max_context)
 
+    @classmethod
+    def verify(cls, num_tokens: int, max_query_len: int, max_context: int = 0) -> Step:
+        """A speculative verify step of ``num_tokens`` rows (counting graph padding), at most
+        ``max_query_len`` of them per request (its last token and its drafts). Each row is a decode
+        row of its request at its own position, attending causally up to itself: a runner may
+        replay it in the decode graph of ``num_tokens`` rows. ``batch_size`` counts the fewest
+        requests that many rows can be."""
+        if not 1 <= max_query_len <= num_tokens:
+            raise ValueError(f"need 1 <= max_query_len <= num_tokens, got {max_query_len} and {num_tokens}")
+        return cls(StepKind.VERIFY, -(-num_tokens // max_query_len), num_tokens, max_query_len, max_context)
+
 
 @dataclass(frozen=True)
 class Requirements:

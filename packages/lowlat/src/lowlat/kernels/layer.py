@@ -187,15 +187,17 @@ def decode_attention_kernel(
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile.
     # One split: the output goes straight to out_ptr (B, NQ * D), no partials and no merge launch.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # NOTE: before the wait, the split's first K/V tile: the previous launch (qkv) writes q and the K/V of the newest
-    # token (position seq_len - 1) only; lengths, the request table and older K/V come from earlier launches or steps.
+    # NOTE: before the wait, the split's first K/V tile: the previous launch (qkv) writes q and the K/V of this step's
+    # rows: at most FRESH positions, the last ones of each row (a decode row: its newest token; row j of a verify step:
+    # its request's drafts up to its own, seq_len - 1 - j .. seq_len - 1); the lengths, the request table and older K/V
+    # come from earlier launches or steps.
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(req_idx_ptr + b).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -207,14 +209,14 @@ def decode_attention_kernel(
     offs_d = tl.arange(0, D)
     offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
                                                    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
-    old = n_mask & (offs_n < seq_len - 1)
+    old = n_mask & (offs_n < seq_len - FRESH)
     k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
     v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    newest = n_mask & (offs_n == seq_len - 1)  # the qkv launch's K/V: read after the wait
+    newest = n_mask & (offs_n >= seq_len - FRESH)  # the qkv launch's K/V: read after the wait
     k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
     v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
     q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)

@@ -183,6 +183,12 @@ def qkv_rope(
     K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
 
 
+# Rows of one request a step may carry (speculative verify: the last token and up to 7 drafts, each row a decode row
+# at its own position). The attention launch reads the last MAX_VERIFY_ROWS positions of every row only after its PDL
+# wait, since the qkv launch of the same step may have written any of them.
+MAX_VERIFY_ROWS = 8
+
+
 def attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
     out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
@@ -199,7 +205,7 @@ def attention(
         NQ=shape.num_heads, G=group, D=shape.head_dim,
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
-        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), **_kw(dev, lc),
+        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, **_kw(dev, lc),
     )
     if splits == 1:
         return  # the attention kernel wrote `out` itself

@@ -14,11 +14,16 @@ from lowlat.spec import Step, StepKind
 
 
 def covers_decode(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
-    """Decode steps up to the agreed batch, and with ``LowlatConfig.measured_coverage`` only up to the largest batch
-    the plugin measured faster than the generic path at (``LaunchConfig.wins_up_to``). Pure."""
+    """Decode steps, and verify steps (rows of a request as decode rows at their own positions, at most
+    ``ops.MAX_VERIFY_ROWS`` per request), of up to the agreed number of rows; with
+    ``LowlatConfig.measured_coverage`` only up to the largest batch the plugin measured faster than the generic
+    path at (``LaunchConfig.wins_up_to``; a verify row costs what a decode row does). Pure."""
     limit = lc.wins_up_to if ctx.config.measured_coverage else 0
-    return (step.kind == StepKind.DECODE and step.batch_size <= ctx.max_batch_size
-            and (limit == 0 or step.batch_size <= limit))
+    if step.kind == StepKind.VERIFY:
+        rows_ok = step.max_query_len <= ops.MAX_VERIFY_ROWS
+    else:
+        rows_ok = step.kind == StepKind.DECODE
+    return rows_ok and step.num_tokens <= ctx.max_batch_size and (limit == 0 or step.num_tokens <= limit)
 
 
 class TritonLayerStack:

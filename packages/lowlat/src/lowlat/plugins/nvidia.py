@@ -17,10 +17,10 @@ from typing import Any
 
 from lowlat.build import BuildContext
 from lowlat.kernels._jit import pdl_available
-from lowlat.kernels.ops import LaunchConfig
+from lowlat.kernels.ops import MAX_VERIFY_ROWS, LaunchConfig
 from lowlat.plugins._moe_stack import TritonMoEStack
 from lowlat.plugins._stack import TritonLayerStack
-from lowlat.spec import Coverage, PluginSpec, Requirements
+from lowlat.spec import Coverage, PluginSpec, Requirements, StepKind
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 
@@ -67,10 +67,12 @@ spec = PluginSpec(
         dtypes=("bfloat16", "float16"),
         kv_dtypes=("bfloat16", "float16"),
         tp_sizes=(1,),
-        forbidden_features=frozenset({"lora", "speculative"}),
+        forbidden_features=frozenset({"lora"}),
         max_context=131072,
     ),
-    coverage=Coverage(max_tokens=16),
+    # verify steps: each row is a decode row at its own position (up to MAX_VERIFY_ROWS rows per request)
+    coverage=Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=16,
+                      max_query_len=MAX_VERIFY_ROWS),
     build=build,
     check_model=check_model,
     priority=10,

@@ -326,13 +326,7 @@ class EngineCore:
                 decision, drafts = self.scheduler.add_drafts(decision, proposed)
                 self.spec.settle([rid for rid in proposed if rid not in drafts], self.states)
             if drafts:
-                logits = self.runner.forward(decision)
-                self._counters["forwards"] += 1
-                self._counters["forward_tokens"] += decision.num_tokens
-                return outputs + self.spec.verify(
-                    decision, drafts, logits, self.states, self.scheduler,
-                    lambda rows, states: self._sample_rows(logits, rows, states),
-                    lambda state, token: self._append_sampled([(state, token)]))
+                return outputs + self._verify(decision, drafts)
         start = time.perf_counter()
         mm_rows = self.mm.rows(decision, lambda rid: self.states[rid].sreq) \
             if self.mm is not None and decision.mode == "extend" else []
@@ -345,6 +339,40 @@ class EngineCore:
             self._counters["extend_forwards"] += 1
             self._counters["extend_time_s"] += time.perf_counter() - start
         return outputs
+
+    def _verify(self, decision: ScheduleDecision, drafts: dict[str, list[int]]) -> list[ReqOutput]:
+        """Runs a verify forward (a decode CUDA graph of one row per new token where one fits,
+        else the eager extend forward) and accepts the drafts (Speculator.verify)."""
+        assert self.spec is not None
+        # NOTE: not under TP: the followers mirror the broadcast decision with an eager forward of their own
+        graphs = self.runner.cuda_graph if self.tp is None else None
+        states = [self.states[item.rid] for item in decision.items]
+        logits: torch.Tensor | None = None
+        argmax: torch.Tensor | None = None
+        if graphs is not None and graphs.can_verify(decision):
+            # NOTE: every row's token is its raw argmax (greedy drafted rows, greedy plain rows, nothing masking or
+            # recording them): the graph's own argmax, no logits copied out
+            if all(takes_argmax(s.info) and s.grammar is None and not s.req.return_logprob for s in states):
+                argmax = graphs.forward_verify(decision, greedy=True)
+            else:
+                logits = graphs.forward_verify(decision, greedy=False)
+        else:
+            logits = self.runner.forward(decision)
+        self._counters["forwards"] += 1
+        self._counters["forward_tokens"] += decision.num_tokens
+
+        def sample_plain(rows: list[int], plain: list[Any]) -> list[ReqOutput]:
+            if logits is not None:
+                return self._sample_rows(logits, rows, plain)
+            assert argmax is not None
+            tokens = argmax.index_select(0, to_device(rows, torch.long, argmax.device)).tolist()
+            return self._append_sampled(list(zip(plain, tokens, strict=True)))
+
+        rows = logits if logits is not None else argmax
+        assert rows is not None
+        return self.spec.verify(decision, drafts, rows, self.states,
+                                self.scheduler, sample_plain, lambda state, token: self._append_sampled([(state, token)]),
+                                argmax=argmax is not None)
 
     def _launch(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
                 rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
@@ -629,4 +657,10 @@ class EngineCore:
             rep = self.lowlat.report()
             stats["lowlat_plugin_steps"] = rep["plugin_steps"]
             stats["lowlat_fallback_steps"] = sum(rep["fallbacks"].values())
+            for kind, n in rep["plugin_steps_by_kind"].items():
+                stats[f"lowlat_plugin_steps_{kind}"] = n
+        graphs = self.runner.cuda_graph
+        if graphs is not None:
+            stats["cuda_graph_replays"] = graphs.num_replays
+            stats["cuda_graph_verify_replays"] = graphs.num_verify_replays
         return stats

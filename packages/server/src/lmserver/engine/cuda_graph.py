@@ -16,6 +16,11 @@ with the backend's cascade metadata of that size (all zero at capture: no group)
 rows share enough KV prefix writes that metadata (only when the grouping changed) and replays
 the cascade graph, any other step the plain one.
 
+A speculative verify step (each request's last token and drafts, every row's logits) replays the
+decode graph of as many rows (`verify_rows`, `forward_verify`): row j of a request is a decode row
+at its own position over the request's table row, so the causal verify forward is exactly a
+decode forward of those rows; no graph of its own is captured.
+
 Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
 host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
 `seq_lens_cpu` as an upper bound (the table width), so per-step lengths are read on the device
@@ -28,6 +33,7 @@ same output tensor): it lets the CPU tests check padding and the static buffers.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -56,6 +62,7 @@ __all__ = [
     "maybe_decode_graph_runner",
     "pad_decode",
     "padded_batch_size",
+    "verify_rows",
 ]
 
 PAD_TOKEN_ID = 0
@@ -143,6 +150,31 @@ def pad_decode(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> Pa
         table=[t_rows, t_cols, t_vals],
         logit_rows=logit_rows,
     )
+
+
+def verify_rows(items: Sequence[ForwardItem]) -> list[ForwardItem]:
+    """A verify step's items (speculative decoding: each request's last token and drafts as new
+    tokens, every row's logits wanted) as decode rows, one per new token, in the same order. Pure.
+
+    Row j of a request at prefix p is a decode row of its table row at position p + j: it writes
+    its own slot there and attends over the first p + j + 1 slots, which are the prefix, the rows
+    before it (their K/V are stored before any row attends, in every layer) and itself. So the
+    causal verify forward is exactly a decode forward of these rows, and runs in a decode graph.
+    Table writes before the first new token (a table row behind its KV) stay with row 0.
+    Raises CudaGraphError when an item's slots or table writes do not match its new tokens."""
+    rows: list[ForwardItem] = []
+    for item in items:
+        n, p = len(item.token_ids), item.prefix_len
+        if n == 0 or len(item.out_slots) != n or item.table_start > p or item.table_start + len(item.table_slots) != p + n:
+            raise CudaGraphError(f"verify item {item.rid!r}: {n} tokens, {len(item.out_slots)} slots, table writes "
+                                 f"[{item.table_start}, {item.table_start + len(item.table_slots)}) at prefix {p}")
+        head = p - item.table_start + 1  # the table writes up to and including row 0's slot
+        for j in range(n):
+            start, slots = (item.table_start, item.table_slots[:head]) if j == 0 else (p + j, [item.out_slots[j]])
+            rows.append(dataclasses.replace(
+                item, prefix_len=p + j, token_ids=[item.token_ids[j]], out_slots=[item.out_slots[j]],
+                table_start=start, table_slots=slots, logit_offsets=[0], completes_prefill=False))
+    return rows
 
 
 class Graph(Protocol):
@@ -237,6 +269,7 @@ class DecodeGraphRunner:
         self._padded = [padded_batch_size(b, self.sizes) for b in range(self.max_bs + 1)]
         self.num_replays = 0
         self.num_greedy_replays = 0  # replays whose tokens were the graph's argmax (forward_greedy)
+        self.num_verify_replays = 0  # speculative verify steps replayed as decode rows (forward_verify)
 
     def _static_batch(self, bs: int, cascade: bool = False) -> ForwardBatch:
         return ForwardBatch(
@@ -326,12 +359,50 @@ class DecodeGraphRunner:
         self.num_greedy_replays += 1
         return self.greedy_ids[:bs]
 
-    def _replay(self, decision: ScheduleDecision, input_ids: torch.Tensor | None) -> tuple[PaddedDecode, torch.Tensor]:
-        """Writes a step's inputs and replays its graph; returns the step and the graph's logits."""
-        bs = len(decision.items)
+    def can_verify(self, decision: ScheduleDecision) -> bool:
+        """True when a verify step (`decision` of mode extend whose every item wants all its rows'
+        logits, as `Scheduler.add_drafts` makes them) fits a captured size as decode rows and, with
+        a lowlat plugin, that size's graph froze the path the plugin takes for verify rows. Pure
+        (asks the plugin session without counting)."""
+        items = decision.items
+        if decision.mode != "extend" or not self.graphs or not items:
+            return False
+        if any(len(item.logit_offsets) != len(item.token_ids) or item.mm_spans for item in items):
+            return False
+        n = sum(len(item.token_ids) for item in items)
+        padded = self._padded[n] if n <= self.max_bs else None
+        if padded is None:
+            return False
+        lowlat = self.runner.lowlat
+        rows_per_request = max(len(item.token_ids) for item in items)
+        return lowlat is None or lowlat.graph_serves_verify(padded, rows_per_request, self.table_width)
+
+    @torch.inference_mode()
+    def forward_verify(self, decision: ScheduleDecision, greedy: bool) -> torch.Tensor:
+        """A verify step (see `can_verify`, which must hold) replayed as decode rows
+        (`verify_rows`): returns the rows' (num_rows,) int64 argmax (`greedy`; a view the next
+        replay overwrites) or their float32 logits (num_rows, vocab), rows in item order.
+        Mutates req_to_token, the KV pool and the static buffers."""
+        rows = verify_rows(decision.items)
+        n = len(rows)
+        rows_per_request = max(len(item.token_ids) for item in decision.items)
+        _, logits = self._replay(rows, None, verify_rows_per_request=rows_per_request)
+        self.num_verify_replays += 1
+        if greedy:
+            self.num_greedy_replays += 1
+            return self.greedy_ids[:n]
+        return logits[:n].to(torch.float32, copy=True)
+
+    def _replay(self, decision: ScheduleDecision | list[ForwardItem], input_ids: torch.Tensor | None,
+                verify_rows_per_request: int = 0) -> tuple[PaddedDecode, torch.Tensor]:
+        """Writes a step's inputs and replays its graph; returns the step and the graph's logits.
+        `verify_rows_per_request` > 0: the items are a verify step's rows (never cascade: rows of
+        one request repeat its table row)."""
+        items = decision if isinstance(decision, list) else decision.items
+        bs = len(items)
         padded = self._padded[bs]
         assert padded is not None, f"batch size {bs} has no captured graph"
-        step = pad_decode(decision.items, padded, self.pad_row)
+        step = pad_decode(items, padded, self.pad_row)
         if step.table[2]:
             table = to_device(step.table, torch.int64, self.device)  # (3, k)
             self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
@@ -342,12 +413,13 @@ class DecodeGraphRunner:
         if input_ids is not None and not from_argmax:
             self.ints[0, :bs].copy_(input_ids, non_blocking=True)
         if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
-            self.runner.lowlat.on_replay(padded, self.table_width)
+            self.runner.lowlat.on_replay(padded, self.table_width, verify_rows_per_request)
         graph, logits = self.graphs[padded], self.outputs[padded]  # logits: (padded, vocab)
         planner = self.runner.prefix_planner
         if planner is not None:  # NOTE: every table write is mirrored, whichever graph runs
-            planner.record_decode(decision.items)
-        if padded in self.cascade_graphs and self.runner.cascade_for(step.ints[3][:bs], step.seq_lens[:bs], padded):
+            planner.record_decode(items)
+        if (not verify_rows_per_request and padded in self.cascade_graphs
+                and self.runner.cascade_for(step.ints[3][:bs], step.seq_lens[:bs], padded)):
             graph, logits = self.cascade_graphs[padded], self.cascade_outputs[padded]
             self.num_cascade_replays += 1
         graph.replay()

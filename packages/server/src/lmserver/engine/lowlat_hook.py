@@ -226,9 +226,22 @@ class LowlatHook:
         max_seq_len = 0 if capturing else max(batch.seq_lens_cpu, default=0)
         return decode_forward(self._model, built, batch, self._kvs, self._req_to_token, max_seq_len)
 
-    def on_replay(self, batch_size: int, max_context: int) -> None:
-        """A captured decode graph of `batch_size` is about to replay: count it and check its path."""
+    def on_replay(self, batch_size: int, max_context: int, verify_rows_per_request: int = 0) -> None:
+        """A captured decode graph of `batch_size` is about to replay: count it and check its path.
+        `verify_rows_per_request` > 0: the replay is a verify step of that many rows per request
+        at most, as `batch_size` decode rows (`graph_serves_verify` said the graph fits it)."""
+        if verify_rows_per_request:
+            self.session.replay(Step.verify(batch_size, verify_rows_per_request, max_context),
+                                graph=(StepKind.DECODE, batch_size))
+            return
         self.session.replay(Step.decode(batch_size, max_context))
+
+    def graph_serves_verify(self, batch_size: int, rows_per_request: int, max_context: int) -> bool:
+        """Whether the decode graph of `batch_size` rows froze the path the session picks for a verify
+        step of those rows (at most `rows_per_request` per request). Pure."""
+        frozen = self.session.frozen_path(StepKind.DECODE, batch_size)
+        return frozen is not None and frozen == self.session.path_for(
+            Step.verify(batch_size, rows_per_request, max_context))
 
     def report(self) -> dict[str, Any]:
         """Plain-data account of the session (selected plugin, verdicts, steps, fallbacks)."""
@@ -239,6 +252,7 @@ class LowlatHook:
             "verdicts": [{"plugin": v.plugin, "status": v.status, "reasons": list(v.reasons)} for v in r.verdicts],
             "workspace_bytes": r.workspace_bytes,
             "plugin_steps": r.plugin_steps,
+            "plugin_steps_by_kind": dict(r.plugin_steps_by_kind),
             "fallbacks": dict(r.fallbacks),
             "graphs": [str(g) for g in r.graphs],
             "ranks": self.rank_reports,

@@ -143,11 +143,12 @@ class Speculator:
     def verify(self, decision: ScheduleDecision, drafts: dict[str, list[int]], logits: torch.Tensor,
                states: dict[str, Any], scheduler: Scheduler,
                sample_plain: Callable[[list[int], list[Any]], list[ReqOutput]],
-               append: Callable[[Any, int], list[ReqOutput]]) -> list[ReqOutput]:
+               append: Callable[[Any, int], list[ReqOutput]], argmax: bool = False) -> list[ReqOutput]:
         """Processes a verify forward's `logits` (rows in item order): plain rows through
         `sample_plain(rows, states)`, drafted requests by the acceptance rules, each emitted
         token through `append(state, token)` with the request's KV cut to what the token
-        needs. Mutates the requests, their KV and the counters."""
+        needs. `argmax`: `logits` is already each row's (num_rows,) argmax token (every drafted
+        request greedy). Mutates the requests, their KV and the counters."""
         plain_rows: list[int] = []
         plain_states: list[Any] = []
         spec: list[tuple[Any, int, list[int], int]] = []  # (state, first row, drafts, prefix_len)
@@ -166,10 +167,12 @@ class Speculator:
         simulate = self.config.simulate_accept_length is not None
         greedy = [s for s in spec if simulate or s[0].info.params.is_greedy]
         sampled = [s for s in spec if not simulate and not s[0].info.params.is_greedy]
+        assert not (argmax and sampled), "argmax rows for a sampled request"
         emitted: list[tuple[Any, list[int], int]] = []  # (state, tokens, prefix_len)
         if greedy:
             rows = [r for _, start, d, _ in greedy for r in range(start, start + len(d) + 1)]
-            targets = greedy_argmax(logits.index_select(0, to_device(rows, torch.long, logits.device))).tolist()
+            picked = logits.index_select(0, to_device(rows, torch.long, logits.device))
+            targets = (picked if argmax else greedy_argmax(picked)).tolist()
             pos = 0
             for state, _, d, prefix in greedy:
                 mine = targets[pos : pos + len(d) + 1]
