@@ -2,24 +2,33 @@
 
 Importing `cfsm` imports neither torch nor transformers; `cfsm.torch` and `cfsm.hf` do.
 
-    index = cfsm.compile_json_schema(schema, vocab)   # or cfsm.compile_regex(pattern, vocab)
-    guide = cfsm.Guide(index)                         # one per request
+    index = cfsm.compile_json_schema(schema, vocab)   # or compile_regex, compile_ebnf (GBNF)
+    guide = cfsm.Guide(index)                         # one per request (a GrammarGuide for a CFG)
     guide.fill_mask(bitmask, row)                     # int32 (batch, ceil(V/32))
     guide.advance(token_id)                           # RejectedTokenError if not allowed
 """
 
-from cfsm.compiler import Compiler, compile_json_object, compile_json_schema, compile_regex, regex_dfa
+from cfsm.compiler import (
+    Compiler,
+    compile_ebnf,
+    compile_json_object,
+    compile_json_schema,
+    compile_regex,
+    regex_dfa,
+)
 from cfsm.compressed import JumpPlan, plan_jump_forward
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     Approximation,
     CfsmError,
+    GrammarError,
     GrammarTooLargeError,
     RejectedTokenError,
     UnsupportedRegexError,
     UnsupportedSchemaError,
     VocabularyError,
 )
+from cfsm.grammar import GrammarGuide, GrammarIndex
 from cfsm.guide import Guide, fill_next_token_bitmasks
 from cfsm.index import Index
 from cfsm.vocab import Vocabulary
@@ -32,6 +41,9 @@ __all__ = [
     "CfsmConfig",
     "CfsmError",
     "Compiler",
+    "GrammarError",
+    "GrammarGuide",
+    "GrammarIndex",
     "GrammarTooLargeError",
     "Guide",
     "Index",
@@ -41,6 +53,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "Vocabulary",
     "VocabularyError",
+    "compile_ebnf",
     "compile_json_object",
     "compile_json_schema",
     "compile_regex",

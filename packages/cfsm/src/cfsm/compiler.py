@@ -15,14 +15,15 @@ import numpy as np
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.direct import build_dfa_direct
-from cfsm.errors import Approximation, UnsupportedSchemaError
+from cfsm.errors import Approximation, GrammarError, UnsupportedSchemaError
+from cfsm.grammar import Grammar, GrammarIndex, compile_grammar, inline_rules, parse_ebnf, regular_root
 from cfsm.index import Index, build_index
-from cfsm.json_schema import json_value_node, schema_tree
+from cfsm.json_schema import json_value_grammar, json_value_node, schema_grammar, schema_tree
 from cfsm.regex_ast import Node
 from cfsm.regex_parser import parse_regex
 from cfsm.vocab import Vocabulary
 
-__all__ = ["compile_regex", "compile_json_schema", "compile_json_object", "Compiler", "regex_dfa"]
+__all__ = ["compile_ebnf", "compile_regex", "compile_json_schema", "compile_json_object", "Compiler", "regex_dfa"]
 
 _INDEX_ARRAYS = ("masks", "mask_row")
 
@@ -49,30 +50,80 @@ def compile_regex(pattern: str, vocab: Vocabulary, config: CfsmConfig | None = N
     return build_index(dfa, vocab, grammar=f"regex:{pattern}")
 
 
+def compile_ebnf(text: str, vocab: Vocabulary, config: CfsmConfig | None = None, *,
+                 root: str = "root") -> Index | GrammarIndex:
+    """Compile a GBNF grammar (llama.cpp / xgrammar dialect, start rule `root`) against `vocab`.
+    No caching; mutates nothing.
+
+    A grammar that is regular once its non-recursive rules are inlined compiles to an `Index`
+    (a DFA, as regexes do); a recursive one to a `GrammarIndex` (a pushdown matcher);
+    `cfsm.Guide(index)` takes either. Raises `GrammarError` (line and column) for malformed text,
+    undefined rules, left recursion or an empty language.
+    """
+    del config
+    grammar = inline_rules(parse_ebnf(text, root))
+    key = f"ebnf:{root}:{text}"
+    body = regular_root(grammar)
+    if body is not None:
+        dfa = build_dfa_direct(body) or build_dfa(body)
+        if dfa.num_states == 0:
+            raise GrammarError(f"the language of rule {root!r} is empty", *grammar.positions.get(root, (0, 0)))
+        return build_index(dfa, vocab, grammar=key)
+    return compile_grammar(grammar, vocab, key)
+
+
 def _schema_text(schema: Any) -> str:
     if isinstance(schema, str | bytes):
         schema = json.loads(schema)
     return json.dumps(schema, sort_keys=False, separators=(",", ":"))
 
 
-def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index:
+def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar: str,
+                 approximations: tuple[Approximation, ...] = ()) -> GrammarIndex:
+    start = "root"
+    while start in rules:
+        start += "_"
+    return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations)
+
+
+def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index | GrammarIndex:
     """Compile a JSON Schema (dict, bool or JSON text) against `vocab`. No caching.
 
-    Keywords it can only over-approximate are listed in `Index.approximations` (with
-    `config.strict`, they raise). Raises `UnsupportedSchemaError` (keyword and JSON path) for
-    what cannot be compiled.
+    With `config.recursion == "stack"` (the default) a schema that recurses (`$ref`) or takes
+    free JSON compiles to a `GrammarIndex` (no depth bound), any other to an `Index`. Keywords it
+    can only over-approximate are listed in `approximations` (with `config.strict`, they raise).
+    Intersections (`enum` beside other keywords) over recursion compile unrolled, as "unroll" does.
+    Raises `UnsupportedSchemaError` (keyword and JSON path) for what cannot be compiled.
     """
     cfg = config or CfsmConfig()
-    node, approximations = schema_tree(schema, cfg)
-    index = _index_of(node, vocab, f"schema:{_schema_text(schema)}|{cfg.schema_key()}", "schema")
+    key = f"schema:{_schema_text(schema)}|{cfg.schema_key()}"
+    node: Node | None = None
+    if cfg.recursion == "stack":
+        node, rules, approximations = schema_grammar(schema, cfg)
+        if rules:
+            try:
+                return _rules_index(node, rules, vocab, key, approximations)
+            except GrammarError:
+                # NOTE: an intersection (enum or `not` beside other keywords) over nested free JSON or
+                # a recursive reference has no pushdown form here: the regular compile, unrolled
+                node = None
+    if node is None:
+        node, approximations = schema_tree(schema, cfg)
+    index = _index_of(node, vocab, key, "schema")
     return dataclasses.replace(index, approximations=approximations) if approximations else index
 
 
-def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *, object_only: bool = True) -> Index:
-    """Free JSON (an object, or any value) nested to `config.json_depth` levels. No caching."""
+def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *,
+                        object_only: bool = True) -> Index | GrammarIndex:
+    """Free JSON (an object, or any value). No caching. With `config.recursion == "stack"` (the
+    default) any depth (a `GrammarIndex`), else nested to `config.json_depth` levels (an `Index`)."""
     cfg = config or CfsmConfig()
+    key = f"json:{object_only}|{cfg.schema_key()}"
+    if cfg.recursion == "stack":
+        root, rules = json_value_grammar(cfg, object_only=object_only)
+        return _rules_index(root, rules, vocab, key)
     node = json_value_node(cfg, object_only=object_only)
-    return _index_of(node, vocab, f"json:{object_only}|{cfg.schema_key()}", "json")
+    return _index_of(node, vocab, key, "json")
 
 
 class Compiler:
@@ -86,18 +137,21 @@ class Compiler:
     def __init__(self, vocab: Vocabulary, config: CfsmConfig | None = None) -> None:
         self.vocab = vocab.prepare()  # the per-vocabulary tables, once, before any compile
         self.config = config or CfsmConfig()
-        self._lru: OrderedDict[str, Index] = OrderedDict()
+        self._lru: OrderedDict[str, Index | GrammarIndex] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def compile_regex(self, pattern: str) -> Index:
         return self._get(f"regex:{pattern}", lambda: compile_regex(pattern, self.vocab, self.config))
 
-    def compile_json_schema(self, schema: Any) -> Index:
+    def compile_json_schema(self, schema: Any) -> Index | GrammarIndex:
         key = f"schema:{_schema_text(schema)}|{self.config.schema_key()}"
         return self._get(key, lambda: compile_json_schema(schema, self.vocab, self.config))
 
-    def compile_json_object(self, *, object_only: bool = True) -> Index:
+    def compile_ebnf(self, text: str, *, root: str = "root") -> Index | GrammarIndex:
+        return self._get(f"ebnf:{root}:{text}", lambda: compile_ebnf(text, self.vocab, self.config, root=root))
+
+    def compile_json_object(self, *, object_only: bool = True) -> Index | GrammarIndex:
         key = f"json:{object_only}|{self.config.schema_key()}"
         return self._get(key, lambda: compile_json_object(self.vocab, self.config, object_only=object_only))
 
@@ -105,7 +159,7 @@ class Compiler:
         """Drop the in-memory cache (the disk cache stays)."""
         self._lru.clear()
 
-    def _get(self, grammar: str, build: Any) -> Index:
+    def _get(self, grammar: str, build: Any) -> Any:
         key = hashlib.sha256(f"{grammar}|{self.vocab.fingerprint}".encode()).hexdigest()
         hit = self._lru.get(key)
         if hit is not None:
@@ -138,9 +192,9 @@ class Compiler:
         return Index(vocab=self.vocab, dfa=dfa, grammar=grammar, approximations=tuple(Approximation(*n) for n in notes),
                      **arrays)
 
-    def _save(self, key: str, index: Index) -> None:
+    def _save(self, key: str, index: Index | GrammarIndex) -> None:
         path = self._path(key)
-        if path is None:
+        if path is None or not isinstance(index, Index):  # NOTE: pushdown matchers stay in memory only
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npz")

@@ -18,10 +18,15 @@ class CfsmConfig:
       `whitespace_pattern` (a regex) overrides both.
     - `any_order`: object properties may come in any order (each at most once; at most
       `MAX_ANY_ORDER_PROPERTIES` properties per object).
-    - `max_recursion_depth`: how many re-entries of `$ref`s already being compiled may nest
-      (recursive schemas are unrolled that deep; deeper branches are dropped, and a schema that
-      needs more raises `UnsupportedSchemaError` at compile time).
-    - `json_depth`: nesting depth of free JSON (``{}`` / ``true`` schemas, `json_object`).
+    - `recursion`: "stack" (the default): recursive `$ref`s and free JSON (``{}`` / ``true``
+      schemas, `json_object`) nest without a bound, through the pushdown matcher
+      (`cfsm.GrammarIndex`); schemas without either stay regular (`cfsm.Index`). "unroll": the
+      regular automaton only, recursion cut at the two depths below.
+    - `max_recursion_depth` ("unroll", and recursion through `allOf` merges): how many re-entries
+      of `$ref`s already being compiled may nest (recursive schemas are unrolled that deep;
+      deeper branches are dropped, and a schema that needs more raises `UnsupportedSchemaError`
+      at compile time).
+    - `json_depth` ("unroll" only): nesting depth of free JSON.
     - `additional_properties_default`: whether objects without `additionalProperties` may
       have undeclared keys (JSON Schema says yes; constrained decoding usually wants no).
     - `infer_types`: a schema without `type` whose keywords all belong to some types (say
@@ -44,6 +49,7 @@ class CfsmConfig:
 
     whitespace: Literal["compact", "flexible"] = "flexible"
     whitespace_pattern: str | None = None
+    recursion: Literal["stack", "unroll"] = "stack"
     any_order: bool = False
     max_recursion_depth: int = 3
     json_depth: int = 3
@@ -58,6 +64,8 @@ class CfsmConfig:
     def __post_init__(self) -> None:
         if self.whitespace not in ("compact", "flexible"):
             raise ValueError(f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
+        if self.recursion not in ("stack", "unroll"):
+            raise ValueError(f"recursion must be 'stack' or 'unroll', got {self.recursion!r}")
         if self.max_recursion_depth < 0 or self.json_depth < 0 or self.cache_size < 0:
             raise ValueError("max_recursion_depth, json_depth and cache_size must be >= 0")
 
@@ -73,7 +81,7 @@ class CfsmConfig:
 
     def schema_key(self) -> str:
         """The fields that change a compiled JSON Schema (part of cache keys)."""
-        return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|"
+        return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|rec={self.recursion}|"
                 f"rd={self.max_recursion_depth}|jd={self.json_depth}|"
                 f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}|"
                 f"af={self.assert_formats}|if={self.integers_as_floats}")

@@ -11,6 +11,7 @@ __all__ = [
     "RejectedTokenError",
     "VocabularyError",
     "GrammarTooLargeError",
+    "GrammarError",
     "Approximation",
 ]
 
@@ -86,3 +87,15 @@ class VocabularyError(CfsmError, ValueError):
 
 class GrammarTooLargeError(CfsmError, ValueError):
     """The grammar's automaton exceeds the state limit (`automaton.MAX_DFA_STATES`)."""
+
+
+class GrammarError(CfsmError, ValueError):
+    """An EBNF grammar is malformed or cannot be compiled (undefined rule, left recursion, empty
+    language). `line` and `column` (1-based, 0 when unknown) locate the problem in the text."""
+
+    def __init__(self, message: str, line: int = 0, column: int = 0) -> None:
+        self.detail = message
+        self.line = line
+        self.column = column
+        where = f"line {line}, column {column}: " if line else ""
+        super().__init__(f"{where}{message}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -10,11 +11,17 @@ from cfsm.compressed import JumpPlan, utf8_prefix
 from cfsm.errors import RejectedTokenError
 from cfsm.index import Index
 
+if TYPE_CHECKING:
+    from cfsm.grammar.index import GrammarIndex
+
 __all__ = ["Guide", "fill_next_token_bitmasks"]
 
 
 class Guide:
     """Tracks one generation through an `Index`. Cheap to create and copy; not thread-safe.
+
+    `Guide(grammar_index)` for a `cfsm.GrammarIndex` (a context-free grammar) makes a
+    `cfsm.GrammarGuide`, a subclass with the same methods.
 
     The state is the DFA state after every accepted token; `rollback` restores earlier states.
     After an EOS token is accepted the guide is finished and only EOS stays allowed.
@@ -22,7 +29,19 @@ class Guide:
 
     __slots__ = ("index", "_state", "_history", "_finished")
 
-    def __init__(self, index: Index) -> None:
+    def __new__(cls, index: Index | GrammarIndex, *args: Any) -> Guide:
+        # NOTE: a context-free grammar's index gets its pushdown guide (same methods), so every
+        # caller of Guide(index) takes both kinds of compiled grammar
+        if cls is Guide and not isinstance(index, Index):
+            from cfsm.grammar.guide import GrammarGuide
+
+            return object.__new__(GrammarGuide)
+        return object.__new__(cls)
+
+    index: Index
+
+    def __init__(self, index: Index | GrammarIndex) -> None:
+        assert isinstance(index, Index)  # NOTE: a GrammarIndex makes a GrammarGuide (`__new__`)
         self.index = index
         self._state = index.start
         self._history: list[int] = []
@@ -105,6 +124,11 @@ class Guide:
         """True when the text so far is a complete match (EOS is allowed)."""
         return self._finished or self.index.is_accepting(self._state)
 
+    def has_tokens(self) -> bool:
+        """Whether some non-EOS token may follow (False once EOS was accepted). Pure."""
+        idx = self.index
+        return not self._finished and int(idx.mask_row[self._state]) >= 0 and idx.has_tokens(self._state)
+
     def copy(self) -> Guide:
         """An independent guide at the same state, sharing the read-only `Index`."""
         g = Guide(self.index)
@@ -131,14 +155,14 @@ def fill_next_token_bitmasks(guides: Sequence[Guide], out: np.ndarray,
                              rows: Sequence[int] | None = None) -> None:
     """Fill `out[rows[i]]` from `guides[i]` (rows default to 0..n-1). Mutates `out`.
 
-    Guides over the same `Index` are filled with one gather.
+    `Guide`s over the same `Index` are filled with one gather.
     """
     rows = list(range(len(guides))) if rows is None else list(rows)
     if not guides:
         return
     first = guides[0].index
-    if all(g.index is first and not g._finished for g in guides):
-        out[rows] = first.masks[first.mask_row[[g._state for g in guides]]]
+    if isinstance(first, Index) and all(g.index is first and not g._finished for g in guides):
+        out[rows] = first.masks[first.mask_row[[g.state for g in guides]]]
         return
     for g, r in zip(guides, rows, strict=True):
         g.fill_mask(out, r)

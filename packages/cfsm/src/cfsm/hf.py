@@ -18,6 +18,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('cfsm.hf needs torch and transformers: pip install "cfsm[hf]"') from exc
 
 from cfsm.errors import VocabularyError
+from cfsm.grammar import GrammarIndex
 from cfsm.guide import Guide, fill_next_token_bitmasks
 from cfsm.index import Index
 from cfsm.torch import apply_token_bitmask_
@@ -105,7 +106,7 @@ def make_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
 
 
 class LogitsProcessor(transformers.LogitsProcessor):  # type: ignore[misc]
-    """Constrains `model.generate` to an `Index`: one `Guide` per batch row.
+    """Constrains `model.generate` to an `Index` or `GrammarIndex`: one guide per batch row.
 
     The first call records the prompt length; each later call advances every row's guide with
     the token generated since, then masks disallowed logits to -inf in place. Rows whose guide
@@ -113,7 +114,7 @@ class LogitsProcessor(transformers.LogitsProcessor):  # type: ignore[misc]
     `generate`) starts over. Mutates `scores` and its own guides.
     """
 
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: Index | GrammarIndex) -> None:
         self.index = index
         self.guides: list[Guide] = []
         self._prompt_len = -1

@@ -23,6 +23,7 @@ from cfsm.charset import negate
 from cfsm.config import CfsmConfig
 from cfsm.errors import Approximation, CfsmError, UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.formats import FORMAT_REGEXES
+from cfsm.grammar.rules import RuleRef
 from cfsm.json_object import object_members
 from cfsm.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
 from cfsm.regex_ast import (
@@ -45,7 +46,10 @@ from cfsm.regex_parser import parse_regex
 from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas
 from cfsm.schema_refs import RefResolver, check_depth
 
-__all__ = ["schema_to_node", "schema_tree", "json_value_node", "MAX_ANY_ORDER_PROPERTIES", "MAX_SCHEMA_DEPTH"]
+__all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node", "json_value_grammar",
+           "JSON_VALUE_RULE", "MAX_ANY_ORDER_PROPERTIES", "MAX_SCHEMA_DEPTH"]
+
+JSON_VALUE_RULE = "json_value"  # the rule of free JSON in rule mode
 
 MAX_ANY_ORDER_PROPERTIES = 10
 # objects and arrays nested deeper than this in a schema document are refused up front (real
@@ -174,9 +178,15 @@ def _type_of(value: Any) -> str:
 
 
 class _Compiler:
-    def __init__(self, root: Any, config: CfsmConfig) -> None:
+    """`rules` (a dict, filled here) turns on rule mode: free JSON is a call of rule
+    `JSON_VALUE_RULE`, and a `$ref` re-entered while it is being compiled becomes a call of a
+    rule compiled once from its target, so nesting has no bound (cfsm.grammar matches it)."""
+
+    def __init__(self, root: Any, config: CfsmConfig, rules: dict[str, Node] | None = None) -> None:
         self.root = root
         self.cfg = config
+        self.rules = rules
+        self._rule_of: dict[str, str] = {}  # reference target -> its rule (rule mode)
         if config.whitespace_pattern is not None:
             self.ws: Node = parse_regex(config.whitespace_pattern)
         elif config.whitespace == "flexible":
@@ -206,6 +216,8 @@ class _Compiler:
         self.approximations.setdefault((keyword, path), Approximation(keyword, path, detail))
 
     def any_value(self, depth: int) -> Node:
+        if self.rules is not None:
+            return self._value_rule()
         if depth not in self._any:
             scalars = alt(JSON_STRING, NUMBER, lit("true"), lit("false"), lit("null"))
             if depth <= 0:
@@ -217,6 +229,17 @@ class _Compiler:
                 arr = cat(lit("["), self.ws, Repeat(Sep(inner, self.comma), 0, 1), self.ws, lit("]"))
                 self._any[depth] = alt(obj, arr, scalars)
         return self._any[depth]
+
+    def _value_rule(self) -> Node:
+        assert self.rules is not None
+        if JSON_VALUE_RULE not in self.rules:
+            value = RuleRef(JSON_VALUE_RULE)
+            scalars = alt(JSON_STRING, NUMBER, lit("true"), lit("false"), lit("null"))
+            pair = cat(JSON_STRING, self.colon, value)
+            obj = cat(lit("{"), self.ws, Repeat(Sep(pair, self.comma), 0, 1), self.ws, lit("}"))
+            arr = cat(lit("["), self.ws, Repeat(Sep(value, self.comma), 0, 1), self.ws, lit("]"))
+            self.rules[JSON_VALUE_RULE] = alt(obj, arr, scalars)
+        return RuleRef(JSON_VALUE_RULE)
 
     def free_object(self, depth: int) -> Node:
         pair = cat(JSON_STRING, self.colon, self.any_value(max(depth - 1, 0)))
@@ -251,7 +274,10 @@ class _Compiler:
         if target is True and ref.split("://", 1)[-1].startswith(("json-schema.org", "spec.openapis.org")):
             self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
         entered: list[tuple[str, bool]] = []
-        if not self._enter(f"{base}#{id(target)}", entered):
+        ident = f"{base}#{id(target)}"
+        if self.rules is not None and self.active_refs.get(ident, 0) > 0 and not any(_is_assertion(k) for k in rest):
+            return self._ref_rule(ident, target, base, f"{path}/{key}")
+        if not self._enter(ident, entered):
             return NOTHING
         self.bases.append(base)
         try:
@@ -261,6 +287,20 @@ class _Compiler:
         finally:
             self.bases.pop()
             self._leave(entered)
+
+    def _ref_rule(self, ident: str, target: Any, base: str, path: str) -> Node:
+        """A call of the rule of reference target `ident`, compiled once (rule mode)."""
+        assert self.rules is not None
+        name = self._rule_of.get(ident)
+        if name is None:
+            name = self._rule_of[ident] = f"ref{len(self._rule_of)}"
+            self.rules[name] = NOTHING  # NOTE: a placeholder while the body (which may call it) compiles
+            self.bases.append(base)
+            try:
+                self.rules[name] = self.node(target, path)
+            finally:
+                self.bases.pop()
+        return RuleRef(name)
 
     def _enter(self, ident: str, entered: list[tuple[str, bool]]) -> bool:
         """Mark reference target `ident` as being compiled (appended to `entered`); False when it
@@ -626,6 +666,40 @@ def schema_tree(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, tu
             cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
             continue
         return node, tuple(comp.approximations.values())
+
+
+def schema_grammar(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, dict[str, Node],
+                                                                          tuple[Approximation, ...]]:
+    """Rule mode of `schema_tree`: (the root tree, the rules it calls, approximations). With no
+    rules the root tree is regular (the schema neither recurses nor takes free JSON). Pure."""
+    if isinstance(schema, str | bytes):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise UnsupportedSchemaError("schema", "#", f"not valid JSON: {exc}") from None
+    check_depth(schema, MAX_SCHEMA_DEPTH)
+    cfg = config or CfsmConfig()
+    while True:
+        rules: dict[str, Node] = {}
+        comp = _Compiler(schema, cfg, rules)
+        try:
+            node = comp.node(schema, "#")
+        except RecursionError:
+            raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
+        except _TooManyVisits:
+            if cfg.max_recursion_depth == 0 or not comp.recursion_seen:
+                raise UnsupportedSchemaError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
+                                             "compile") from None
+            cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
+            continue
+        return node, rules, tuple(comp.approximations.values())
+
+
+def json_value_grammar(config: CfsmConfig | None = None, *, object_only: bool = True) -> tuple[Node, dict[str, Node]]:
+    """Free JSON without a depth bound: (the root tree, its rules). Pure."""
+    rules: dict[str, Node] = {}
+    comp = _Compiler({}, config or CfsmConfig(), rules)
+    return (comp.free_object(0) if object_only else comp.any_value(0)), rules
 
 
 def schema_to_node(schema: Any, config: CfsmConfig | None = None) -> Node:

@@ -15,6 +15,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('cfsm.torch needs torch: pip install "cfsm[torch]"') from exc
 
+from cfsm.grammar import GrammarIndex
 from cfsm.guide import Guide
 from cfsm.index import Index
 
@@ -92,7 +93,7 @@ class TokenIdsLogitsProcessor:
     guide before masking. Mutates `logits` in place and returns it.
     """
 
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: Index | GrammarIndex) -> None:
         self.guide = Guide(index)
         self._mask = np.zeros((1, index.vocab.mask_words), dtype=np.int32)
 

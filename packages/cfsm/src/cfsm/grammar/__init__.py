@@ -1,0 +1,31 @@
+"""Context-free grammars: GBNF text (and JSON Schemas that recurse) to a pushdown matcher.
+
+    index = cfsm.compile_ebnf('root ::= "[" (root ("," root)*)? "]"', vocab)
+    guide = cfsm.Guide(index)        # a GrammarGuide: the cfsm.Guide interface
+
+Modules: `rules` (the rule form all frontends produce), `ebnf` (the GBNF parser), `pda` (rules
+to a network of byte DFAs that call each other), `index` (token masks with context-independent
+caches), `guide` (the per-request cursor).
+"""
+
+from __future__ import annotations
+
+from cfsm.errors import Approximation
+from cfsm.grammar.ebnf import parse_ebnf
+from cfsm.grammar.guide import GrammarGuide
+from cfsm.grammar.index import GrammarIndex
+from cfsm.grammar.inline import inline_rules, regular_root
+from cfsm.grammar.pda import Pda, build_pda
+from cfsm.grammar.rules import Grammar, RuleRef
+from cfsm.vocab import Vocabulary
+
+__all__ = ["Grammar", "GrammarGuide", "GrammarIndex", "Pda", "RuleRef", "build_pda", "compile_grammar",
+           "inline_rules", "parse_ebnf", "regular_root"]
+
+
+def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
+                    approximations: tuple[Approximation, ...] = ()) -> GrammarIndex:
+    """Compile rules against `vocab` as a pushdown matcher (non-recursive rules inlined first;
+    the vocabulary walks of every rule position, once). Raises `GrammarError`. Mutates nothing
+    (fills vocabulary caches)."""
+    return GrammarIndex(build_pda(inline_rules(grammar)), vocab, text, approximations)

@@ -1,0 +1,376 @@
+"""`GrammarIndex`: token masks of a `Pda` over one vocabulary, with caches of what needs no context.
+
+A parser configuration is a set of stacks (tuples of states, top last) closed under calls and
+returns (`_close`); configurations are interned as ids (0: the empty, dead one) and stepped by
+bytes through a lazily filled table `(id, byte) -> id`, so advancing a token is a few lookups.
+
+Masks follow xgrammar's split. The tokens allowed by a stack depend only on its top few frames:
+for a key (the top m frames of a stack), a walk of the vocabulary (vectorized over the sorted
+tokens, one byte column per step) from the key's configuration sorts tokens into accepted
+(consumed without returning below the key), rejected, and uncertain (they return below the key
+with bytes left). Keys of one frame are walked at compile time over the whole vocabulary; an
+uncertain token is settled by the key one frame deeper, which walks only the tokens still
+uncertain (few: a closing quote and what may follow it), on first use. A stack's mask is the
+row of its shortest key with nothing uncertain (at the bottom of the stack, uncertain tokens are
+rejected: nothing follows the start rule). A configuration's mask is the union of its stacks'
+rows, plus EOS where the start rule may end; it is cached per configuration id.
+
+Not thread-safe: guides fill the caches as they go (one engine thread).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cfsm.automaton import concat_ranges
+from cfsm.errors import Approximation
+from cfsm.grammar.pda import Pda
+from cfsm.vocab import Vocabulary
+
+__all__ = ["GrammarIndex", "MAX_FORCED_BYTES"]
+
+MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
+_UNKNOWN = -2
+Stack = tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _KeyInfo:
+    row: np.ndarray  # (words,) uint32: tokens accepted by the key (and by every shorter one)
+    uncertain: np.ndarray  # sorted vocabulary positions (`TrieTables.order` indices) still uncertain
+
+
+class GrammarIndex:
+    """A compiled context-free grammar over one vocabulary; shared by every `GrammarGuide` made
+    from it (read-only contract to users; its caches fill as guides use it).
+
+    `start` is the initial configuration id; `dead` (0) the empty one.
+    """
+
+    dead = 0
+
+    def __init__(self, pda: Pda, vocab: Vocabulary, grammar: str = "",
+                 approximations: tuple[Approximation, ...] = (), *, precompute: bool = True) -> None:
+        self.pda = pda
+        self.vocab = vocab
+        self.grammar = grammar
+        self.approximations = approximations
+        self._acc: list[bool] = pda.accepting.tolist()
+        self._has_bytes: list[bool] = pda.has_bytes.tolist()
+        self._states: list[frozenset[Stack]] = [frozenset()]
+        self._ids: dict[frozenset[Stack], int] = {frozenset(): 0}
+        self._table = np.full((64, 256), _UNKNOWN, dtype=np.int32)  # (capacity, 256)
+        self._table[0] = 0
+        self._end = np.zeros(64, dtype=bool)  # (capacity,) a stack of one frame may end its rule
+        # (capacity, 256) the bytes that may follow those rule ends (their rules' FOLLOW sets)
+        self._after_end = np.zeros((64, 256), dtype=bool)
+        self._follow = _follow_sets(pda, self._close)
+        self._keys: dict[Stack, _KeyInfo] = {}
+        self._rows: list[np.ndarray] = []
+        self._row_ids: dict[bytes, int] = {}
+        self._state_row: dict[int, int] = {}
+        self._forced: dict[int, bytes] = {}
+        self.start = self._intern(self._close([pda.start_stack]))
+        if precompute:
+            self.precompute()
+
+    # --- configurations ----------------------------------------------------------------------------
+    def _close(self, stacks: Any) -> frozenset[Stack]:
+        """The stacks reachable by calls and returns without reading a byte, keeping those whose
+        top reads a byte or ends the start rule."""
+        calls, starts, acc, has_bytes = self.pda.calls, self.pda.rule_start, self._acc, self._has_bytes
+        seen = set(stacks)
+        work = list(seen)
+        out = []
+        while work:
+            st = work.pop()
+            top = st[-1]
+            if has_bytes[top] or (len(st) == 1 and acc[top]):
+                out.append(st)
+            for rule, ret in calls[top]:
+                nst = (*st[:-1], ret, starts[rule])
+                if nst not in seen:
+                    seen.add(nst)
+                    work.append(nst)
+            if acc[top] and len(st) > 1:
+                nst = st[:-1]
+                if nst not in seen:
+                    seen.add(nst)
+                    work.append(nst)
+        return frozenset(out)
+
+    def _intern(self, config: frozenset[Stack]) -> int:
+        sid = self._ids.get(config)
+        if sid is not None:
+            return sid
+        sid = len(self._states)
+        self._ids[config] = sid
+        self._states.append(config)
+        if sid >= len(self._end):
+            grow = len(self._end)
+            self._table = np.concatenate([self._table, np.full((grow, 256), _UNKNOWN, dtype=np.int32)])
+            self._end = np.concatenate([self._end, np.zeros(grow, dtype=bool)])
+            self._after_end = np.concatenate([self._after_end, np.zeros((grow, 256), dtype=bool)])
+        acc = self._acc
+        ends = {int(self.pda.state_rule[st[-1]]) for st in config if len(st) == 1 and acc[st[-1]]}
+        self._end[sid] = bool(ends)
+        for rule in ends:
+            self._after_end[sid] |= self._follow[rule]
+        return sid
+
+    def _step(self, sid: int, byte: int) -> int:
+        nxt = int(self._table[sid, byte])
+        if nxt != _UNKNOWN:
+            return nxt
+        trans = self.pda.trans
+        moved = []
+        for st in self._states[sid]:
+            t = int(trans[st[-1], byte])
+            if t >= 0:
+                moved.append((*st[:-1], t))
+        nxt = self._intern(self._close(moved)) if moved else 0
+        self._table[sid, byte] = nxt
+        return nxt
+
+    def walk(self, sid: int, data: bytes) -> int:
+        """The configuration after reading `data` from `sid` (0 if rejected). Fills caches only."""
+        for b in data:
+            sid = self._step(sid, b)
+            if sid == 0:
+                return 0
+        return sid
+
+    def can_end(self, sid: int) -> bool:
+        """Whether the start rule may end in configuration `sid` (EOS is allowed)."""
+        return bool(self._end[sid])
+
+    def stacks(self, sid: int) -> frozenset[Stack]:
+        """The stacks of configuration `sid` (read-only)."""
+        return self._states[sid]
+
+    @property
+    def num_configurations(self) -> int:
+        return len(self._states) - 1
+
+    # --- token masks -------------------------------------------------------------------------------
+    @functools.cached_property
+    def _all_positions(self) -> np.ndarray:
+        return np.arange(len(self.vocab.trie_tables.order), dtype=np.int64)
+
+    def _walk_tokens(self, sid: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted, uncertain) subsets of the vocabulary positions `pos` walked from `sid` as a
+        key's configuration: a stack of one frame at its rule's end returns below the key."""
+        tables = self.vocab.trie_tables
+        cols, lengths = tables.columns, tables.lengths
+        n = len(pos)
+        cur = np.full(n, sid, dtype=np.int32)
+        accepted = np.zeros(n, dtype=bool)
+        uncertain = np.zeros(n, dtype=bool)
+        plen = lengths[pos]
+        d = 0
+        if n == len(tables.order):
+            # the whole vocabulary: the first step by byte ranges (tokens sorted by bytes)
+            nxt0 = np.array([self._step(sid, b) for b in range(256)], dtype=np.int32)
+            starts = tables.first_byte_starts
+            if self._end[sid]:
+                for b in np.flatnonzero(self._after_end[sid]).tolist():
+                    uncertain[starts[b]:starts[b + 1]] = True
+            live = np.flatnonzero(nxt0)
+            idx = concat_ranges(starts[live], starts[live + 1] - starts[live])
+            cur[idx] = np.repeat(nxt0[live], starts[live + 1] - starts[live])
+            d = 1
+        else:
+            idx = np.arange(n)
+        while len(idx):
+            fin = plen[idx] <= d
+            if fin.any():
+                accepted[idx[fin]] = True
+                idx = idx[~fin]
+                if not len(idx):
+                    break
+            st = cur[idx]
+            b = cols[d, pos[idx]].astype(np.int64)
+            # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
+            esc = self._end[st]
+            if esc.any():
+                esc &= self._after_end[st, b]
+                uncertain[idx[esc]] = True
+            nxt = self._table[st, b]
+            miss = nxt == _UNKNOWN
+            if miss.any():
+                for p in np.unique(st[miss].astype(np.int64) * 256 + b[miss]).tolist():
+                    self._step(p >> 8, p & 255)
+                nxt = self._table[st, b]  # NOTE: `_step` may have grown the table
+            cur[idx] = nxt
+            idx = idx[nxt != 0]
+            d += 1
+        return pos[accepted], pos[uncertain & ~accepted]
+
+    def _bits(self, pos: np.ndarray) -> np.ndarray:
+        bits = np.zeros(self.vocab.mask_words * 32, dtype=bool)
+        bits[self.vocab.trie_tables.order[pos]] = True
+        return np.packbits(bits, bitorder="little").view("<u4").copy()
+
+    def _key(self, key: Stack) -> _KeyInfo:
+        info = self._keys.get(key)
+        if info is not None:
+            return info
+        sid = self._intern(self._close([key]))
+        if len(key) == 1:
+            acc, unc = self._walk_tokens(sid, self._all_positions)
+            row = self._bits(acc)
+        else:
+            prev = self._key(key[1:])
+            acc, unc = self._walk_tokens(sid, prev.uncertain)
+            row = prev.row | self._bits(acc) if len(acc) else prev.row
+        info = self._keys[key] = _KeyInfo(row, unc)
+        return info
+
+    def _stack_row(self, st: Stack) -> np.ndarray:
+        m = 1
+        while True:
+            info = self._key(st[-m:])
+            if not len(info.uncertain) or m == len(st):
+                return info.row
+            m += 1
+
+    def _row_of(self, sid: int) -> int:
+        r = self._state_row.get(sid)
+        if r is not None:
+            return r
+        row = np.zeros(self.vocab.mask_words, dtype=np.uint32)
+        for st in self._states[sid]:
+            row |= self._stack_row(st)
+        if self._end[sid]:
+            for e in self.vocab.eos_token_ids:
+                row[e >> 5] |= np.uint32(1 << (e & 31))
+        key = row.tobytes()
+        r = self._row_ids.get(key)
+        if r is None:
+            r = self._row_ids[key] = len(self._rows)
+            self._rows.append(row.view(np.int32))
+        self._state_row[sid] = r
+        return r
+
+    def mask(self, sid: int) -> np.ndarray:
+        """The allowed-token bitmask of configuration `sid` (int32, ceil(V/32) words, EOS included
+        where the grammar may end). A view: do not mutate."""
+        return self._rows[self._row_of(sid)]
+
+    def is_allowed(self, sid: int, token_id: int) -> bool:
+        """Whether the mask of `sid` has `token_id`."""
+        if not 0 <= token_id < self.vocab.size:
+            return False
+        return bool((int(self.mask(sid)[token_id >> 5]) >> (token_id & 31)) & 1)
+
+    def has_tokens(self, sid: int) -> bool:
+        """Whether some non-EOS token is allowed in `sid`."""
+        row = self.mask(sid).view(np.uint32).copy()
+        for e in self.vocab.eos_token_ids:
+            row[e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
+        return bool(row.any())
+
+    def next_state(self, sid: int, token_id: int) -> int:
+        """Configuration after non-EOS `token_id` (0 if not allowed). Fills caches only."""
+        vocab = self.vocab
+        if sid == 0 or token_id in vocab.special_token_ids or not 0 <= token_id < len(vocab.tokens):
+            return 0
+        data = vocab.tokens[token_id]
+        return self.walk(sid, data) if data else 0
+
+    def forced_bytes(self, sid: int) -> bytes:
+        """The bytes every continuation of `sid` starts with (stops where EOS or a choice is
+        possible; at most `MAX_FORCED_BYTES`). Crosses rule boundaries. Cached per configuration."""
+        hit = self._forced.get(sid)
+        if hit is not None:
+            return hit
+        out = bytearray()
+        s = sid
+        trans = self.pda.trans
+        while s and len(out) < MAX_FORCED_BYTES and not self._end[s]:
+            tops = sorted({st[-1] for st in self._states[s]})
+            live = np.flatnonzero((trans[tops] >= 0).any(axis=0))
+            if len(live) != 1:
+                break
+            b = int(live[0])
+            out.append(b)
+            s = self._step(s, b)
+        forced = self._forced[sid] = bytes(out)
+        return forced
+
+    def precompute(self) -> None:
+        """Walk the vocabulary from every state that can be on top of a stack, and the tokens
+        they leave uncertain from every return state below (the costly part of a compile, done
+        once). Fills caches only."""
+        pda = self.pda
+        returns: dict[int, set[int]] = {}
+        for calls in pda.calls:
+            for rule, ret in calls:
+                returns.setdefault(rule, set()).add(ret)
+        for s in np.flatnonzero(pda.has_bytes).tolist():
+            info = self._key((s,))
+            if len(info.uncertain):
+                for ret in sorted(returns.get(int(pda.state_rule[s]), ())):
+                    self._key((ret, s))
+        self._row_of(self.start)
+
+    # --- transport ---------------------------------------------------------------------------------
+    def payload(self) -> dict[str, Any]:
+        """Everything but the vocabulary (plain data and arrays; what a compile worker sends). Pure."""
+        pda = self.pda
+        return {"pda": (pda.trans, pda.calls, pda.accepting, pda.has_bytes, pda.state_rule, pda.rule_start,
+                        pda.rule_names, pda.root),
+                "grammar": self.grammar, "approximations": tuple(self.approximations),
+                "keys": {k: (v.row, v.uncertain) for k, v in self._keys.items()}}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any], vocab: Vocabulary) -> GrammarIndex:
+        """The index of `payload` over `vocab` (the vocabulary it was compiled for)."""
+        trans, calls, accepting, has_bytes, state_rule, rule_start, rule_names, root = payload["pda"]
+        pda = Pda(trans=trans, calls=calls, accepting=accepting, has_bytes=has_bytes, state_rule=state_rule,
+                  rule_start=rule_start, rule_names=rule_names, root=root)
+        index = cls(pda, vocab, payload["grammar"], tuple(payload["approximations"]), precompute=False)
+        index._keys = {k: _KeyInfo(row, unc) for k, (row, unc) in payload["keys"].items()}
+        return index
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the network, the configuration table and the cached rows (approximate)."""
+        keys = sum(v.row.nbytes + v.uncertain.nbytes for v in self._keys.values())
+        return int(self.pda.trans.nbytes + self._table.nbytes + keys + sum(r.nbytes for r in self._rows))
+
+
+def _follow_sets(pda: Pda, close: Any) -> np.ndarray:
+    """(num_rules, 256) bool: the bytes that may come right after each rule ends (fixpoint over
+    call sites; the start rule's own end is followed by nothing)."""
+    num_rules = len(pda.rule_start)
+    first: dict[int, tuple[np.ndarray, bool]] = {}
+    sites: list[list[int]] = [[] for _ in range(num_rules)]
+    for calls in pda.calls:
+        for rule, ret in calls:
+            sites[rule].append(ret)
+            if ret not in first:
+                config = close([(ret,)])
+                tops = sorted({st[-1] for st in config})
+                bytes_ = np.asarray((pda.trans[tops] >= 0).any(axis=0)) if tops else np.zeros(256, dtype=bool)
+                ends = any(len(st) == 1 and pda.accepting[st[-1]] for st in config)
+                first[ret] = (bytes_, ends)
+    follow = np.zeros((num_rules, 256), dtype=bool)
+    changed = True
+    while changed:
+        changed = False
+        for rule in range(num_rules):
+            acc = follow[rule].copy()
+            for ret in sites[rule]:
+                bytes_, ends = first[ret]
+                acc |= bytes_
+                if ends:
+                    acc |= follow[int(pda.state_rule[ret])]
+            if (acc != follow[rule]).any():
+                follow[rule] = acc
+                changed = True
+    return follow

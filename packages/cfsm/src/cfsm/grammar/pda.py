@@ -1,0 +1,377 @@
+"""A `Grammar` to a recursive transition network: one byte DFA per rule whose edges also call rules.
+
+Every maximal part of a rule body without rule references is built by cfsm's regular compiler
+(`automaton.build_dfa`, exact UTF-8) and embedded; references, concatenation, alternation and
+repetition around them are a small NFA per rule, determinized over bytes and called rules.
+States are numbered globally: `trans[s, b]` is the next state on byte b inside the same rule
+(-1: none), `calls[s]` the (called rule, return state) pairs, `accepting[s]` whether the rule may
+end at s. A runtime stack is a tuple of states: return states, then the current state on top.
+
+Checks (all `GrammarError`, naming the rule and where it is defined): an empty language,
+left recursion (a rule that can call itself before reading a byte; write it with repetition).
+Rules that can never complete are removed, and states that cannot reach their rule's end are
+trimmed, so every non-empty stack set can still complete the grammar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cfsm.automaton import build_dfa
+from cfsm.errors import GrammarError
+from cfsm.grammar.rules import Grammar, RuleRef, has_refs
+from cfsm.regex_ast import Alt, Cat, Node, Repeat, Scope, Sep, Shared
+
+__all__ = ["Pda", "build_pda", "MAX_PDA_STATES"]
+
+MAX_PDA_STATES = 200_000
+
+
+@dataclass(frozen=True, eq=False)
+class Pda:
+    """The network of all rules (see the module docstring). Immutable after `build_pda`."""
+
+    trans: np.ndarray  # (num_states, 256) int32, -1: no edge
+    calls: tuple[tuple[tuple[int, int], ...], ...]  # per state: (rule, return state)
+    accepting: np.ndarray  # (num_states,) bool
+    has_bytes: np.ndarray  # (num_states,) bool: some byte edge leaves the state
+    state_rule: np.ndarray  # (num_states,) int32: the rule of each state
+    rule_start: tuple[int, ...]
+    rule_names: tuple[str, ...]
+    root: int  # the start rule
+
+    @property
+    def num_states(self) -> int:
+        return int(self.trans.shape[0])
+
+    @property
+    def start_stack(self) -> tuple[int, ...]:
+        return (self.rule_start[self.root],)
+
+
+class _Nfa:
+    """Thompson NFA of one rule: epsilon edges, byte-range edges and call edges."""
+
+    def __init__(self, names: dict[str, int], memo: dict[int, bool]) -> None:
+        self.eps: list[list[int]] = []
+        self.bytes: list[list[tuple[int, int, int]]] = []
+        self.calls: list[list[tuple[int, int]]] = []
+        self.names = names
+        self.memo = memo
+
+    def new(self) -> int:
+        self.eps.append([])
+        self.bytes.append([])
+        self.calls.append([])
+        if len(self.eps) > MAX_PDA_STATES:
+            raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
+        return len(self.eps) - 1
+
+    def build(self, node: Node) -> tuple[int, int]:
+        if not has_refs(node, self.memo):
+            return self._regular(node)
+        if isinstance(node, RuleRef):
+            s, e = self.new(), self.new()
+            self.calls[s].append((self.names[node.name], e))
+            return s, e
+        if isinstance(node, Cat):
+            s = e = self.new()
+            for item in node.items:
+                a, b = self.build(item)
+                self.eps[e].append(a)
+                e = b
+            return s, e
+        if isinstance(node, Alt):
+            s, e = self.new(), self.new()
+            for item in node.items:
+                a, b = self.build(item)
+                self.eps[s].append(a)
+                self.eps[b].append(e)
+            return s, e
+        if isinstance(node, Repeat):
+            return self._repeat(node.item, node.lo, node.hi)
+        if isinstance(node, Sep):
+            a, b = self.build(node.item)
+            c, d = self.build(node.sep)
+            self.eps[b].append(c)
+            self.eps[d].append(a)
+            return a, b
+        if isinstance(node, Scope | Shared):
+            return self.build(node.item)
+        raise GrammarError(f"{type(node).__name__} over rule references is not supported (only over regular parts)")
+
+    def _repeat(self, item: Node, lo: int, hi: int | None) -> tuple[int, int]:
+        s = e = self.new()
+        for _ in range(lo):
+            a, b = self.build(item)
+            self.eps[e].append(a)
+            e = b
+        if hi is None:
+            a, b = self.build(item)
+            self.eps[e].append(a)
+            self.eps[b].append(a)
+            out = self.new()
+            self.eps[e].append(out)
+            self.eps[b].append(out)
+            return s, out
+        out = self.new()
+        for _ in range(hi - lo):
+            a, b = self.build(item)
+            self.eps[e].append(a)
+            self.eps[e].append(out)
+            e = b
+        self.eps[e].append(out)
+        return s, out
+
+    def _regular(self, node: Node) -> tuple[int, int]:
+        """Embed the minimal DFA of a reference-free part."""
+        dfa = build_dfa(node)
+        s, e = self.new(), self.new()
+        n = dfa.num_states
+        if n == 0:
+            return s, e  # the empty language: no path from s to e
+        base = len(self.eps)
+        for _ in range(n):
+            self.new()
+        table = dfa.transitions
+        dead = dfa.dead
+        for q in range(n):
+            row = table[q]
+            live = np.flatnonzero(row != dead)
+            if len(live):
+                # runs of equal targets over consecutive bytes
+                targets = row[live]
+                cut = np.flatnonzero((np.diff(live) != 1) | (np.diff(targets) != 0)) + 1
+                for a, b in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [len(live)]]).tolist(),
+                                strict=True):
+                    self.bytes[base + q].append((int(live[a]), int(live[b - 1]), base + int(targets[a])))
+            if dfa.accepting[q]:
+                self.eps[base + q].append(e)
+        self.eps[s].append(base + dfa.start)
+        return s, e
+
+
+def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
+    out = set(states)
+    work = list(states)
+    while work:
+        for t in nfa.eps[work.pop()]:
+            if t not in out:
+                out.add(t)
+                work.append(t)
+    return frozenset(out)
+
+
+def _determinize(nfa: _Nfa, start: int, end: int) -> tuple[list[dict[int, int]], list[dict[int, int]], list[bool]]:
+    """Subset construction: per DFA state, byte -> state, rule -> return state, accepting."""
+    first = _closure(nfa, frozenset([start]))
+    ids = {first: 0}
+    sets = [first]
+    byte_edges: list[dict[int, int]] = []
+    call_edges: list[dict[int, int]] = []
+    accepting: list[bool] = []
+    i = 0
+    while i < len(sets):
+        cur = sets[i]
+        i += 1
+        by_byte: dict[int, set[int]] = {}
+        by_rule: dict[int, set[int]] = {}
+        for q in cur:
+            for lo, hi, t in nfa.bytes[q]:
+                for b in range(lo, hi + 1):
+                    by_byte.setdefault(b, set()).add(t)
+            for r, t in nfa.calls[q]:
+                by_rule.setdefault(r, set()).add(t)
+        row: dict[int, int] = {}
+        seen: dict[frozenset[int], int] = {}
+        for b, ts in by_byte.items():
+            key = frozenset(ts)
+            sid = seen.get(key)
+            if sid is None:
+                nxt = _closure(nfa, key)
+                sid = ids.get(nxt)
+                if sid is None:
+                    sid = ids[nxt] = len(sets)
+                    sets.append(nxt)
+                    if len(sets) > MAX_PDA_STATES:
+                        raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
+                seen[key] = sid
+            row[b] = sid
+        calls: dict[int, int] = {}
+        for r, ts in by_rule.items():
+            nxt = _closure(nfa, frozenset(ts))
+            sid = ids.get(nxt)
+            if sid is None:
+                sid = ids[nxt] = len(sets)
+                sets.append(nxt)
+            calls[r] = sid
+        byte_edges.append(row)
+        call_edges.append(calls)
+        accepting.append(end in cur)
+    return byte_edges, call_edges, accepting
+
+
+def _where(grammar: Grammar, name: str) -> tuple[int, int]:
+    return grammar.positions.get(name, (0, 0))
+
+
+def build_pda(grammar: Grammar) -> Pda:
+    """Compile `grammar` (inline it first: `inline.inline_rules`) into a `Pda`. Pure. Raises
+    `GrammarError` (see the module docstring)."""
+    names = {name: i for i, name in enumerate(grammar.rules)}
+    memo: dict[int, bool] = {}
+    rule_of: list[int] = []
+    byte_edges: list[dict[int, int]] = []
+    call_edges: list[dict[int, int]] = []
+    accepting: list[bool] = []
+    starts: list[int] = []
+    for r, (name, body) in enumerate(grammar.rules.items()):
+        nfa = _Nfa(names, memo)
+        try:
+            s, e = nfa.build(body)
+        except GrammarError as exc:
+            if exc.line:
+                raise
+            raise GrammarError(f"rule {name!r}: {exc.detail}", *_where(grammar, name)) from None
+        be, ce, acc = _determinize(nfa, s, e)
+        base = len(rule_of)
+        starts.append(base)
+        for row, calls in zip(be, ce, strict=True):
+            byte_edges.append({b: base + t for b, t in row.items()})
+            call_edges.append({c: base + t for c, t in calls.items()})
+            rule_of.append(r)
+        accepting.extend(acc)
+    n = len(rule_of)
+    if n > MAX_PDA_STATES:
+        raise GrammarError(f"the grammar is too large ({n} automaton states, at most {MAX_PDA_STATES})")
+    productive = _productive(byte_edges, call_edges, accepting, starts, rule_of)
+    root = names[grammar.root]
+    if not productive[root]:
+        raise GrammarError(f"the language of rule {grammar.root!r} is empty (every derivation recurses forever or "
+                           "uses an empty character class)", *_where(grammar, grammar.root))
+    live = _coreachable(byte_edges, call_edges, accepting, productive, n)
+    trans = np.full((n, 256), -1, dtype=np.int32)
+    calls_out: list[tuple[tuple[int, int], ...]] = []
+    for s in range(n):
+        if live[s]:
+            for b, t in byte_edges[s].items():
+                if live[t]:
+                    trans[s, b] = t
+        calls_out.append(tuple(sorted((c, t) for c, t in call_edges[s].items()
+                                      if live[s] and live[t] and productive[c])))
+    pda = Pda(trans=trans, calls=tuple(calls_out), accepting=np.array(accepting, dtype=bool) & live,
+              has_bytes=np.asarray((trans >= 0).any(axis=1)), state_rule=np.array(rule_of, dtype=np.int32), rule_start=tuple(starts), rule_names=tuple(grammar.rules),
+              root=root)
+    _check_left_recursion(pda, grammar)
+    return pda
+
+
+def _productive(byte_edges: list[dict[int, int]], call_edges: list[dict[int, int]], accepting: list[bool],
+                starts: list[int], rule_of: list[int]) -> list[bool]:
+    """Rules that derive at least one string (fixpoint)."""
+    num_rules = len(starts)
+    productive = [False] * num_rules
+    changed = True
+    while changed:
+        changed = False
+        for r in range(num_rules):
+            if productive[r]:
+                continue
+            seen = {starts[r]}
+            work = [starts[r]]
+            while work:
+                s = work.pop()
+                if accepting[s]:
+                    productive[r] = changed = True
+                    break
+                nxt = list(byte_edges[s].values()) + [t for c, t in call_edges[s].items() if productive[c]]
+                for t in nxt:
+                    if t not in seen:
+                        seen.add(t)
+                        work.append(t)
+    return productive
+
+
+def _coreachable(byte_edges: list[dict[int, int]], call_edges: list[dict[int, int]], accepting: list[bool],
+                 productive: list[bool], n: int) -> np.ndarray:
+    back: list[list[int]] = [[] for _ in range(n)]
+    for s in range(n):
+        for t in byte_edges[s].values():
+            back[t].append(s)
+        for c, t in call_edges[s].items():
+            if productive[c]:
+                back[t].append(s)
+    live = np.array(accepting, dtype=bool)
+    work = list(np.flatnonzero(live).tolist())
+    while work:
+        t = work.pop()
+        for s in back[t]:
+            if not live[s]:
+                live[s] = True
+                work.append(s)
+    return live
+
+
+def _check_left_recursion(pda: Pda, grammar: Grammar) -> None:
+    """Raise `GrammarError` when a rule can call itself before reading a byte."""
+    num_rules = len(pda.rule_start)
+    nullable = [False] * num_rules
+    changed = True
+    while changed:
+        changed = False
+        for r in range(num_rules):
+            if not nullable[r] and _reaches_end(pda, pda.rule_start[r], nullable):
+                nullable[r] = changed = True
+    corners: list[set[int]] = []
+    for r in range(num_rules):
+        seen = {pda.rule_start[r]}
+        work = [pda.rule_start[r]]
+        called: set[int] = set()
+        while work:
+            s = work.pop()
+            for c, t in pda.calls[s]:
+                called.add(c)
+                if nullable[c] and t not in seen:
+                    seen.add(t)
+                    work.append(t)
+        corners.append(called)
+    # a cycle in "calls before reading a byte" (depth-first search with colors)
+    color = [0] * num_rules
+    for r0 in range(num_rules):
+        if color[r0]:
+            continue
+        stack: list[tuple[int, list[int]]] = [(r0, sorted(corners[r0]))]
+        color[r0] = 1
+        while stack:
+            r, todo = stack[-1]
+            if not todo:
+                color[r] = 2
+                stack.pop()
+                continue
+            c = todo.pop()
+            if color[c] == 1:
+                cycle = [pda.rule_names[x] for x, _ in stack[[x for x, _ in stack].index(c):]] + [pda.rule_names[c]]
+                name = pda.rule_names[c]
+                raise GrammarError(
+                    f"rule {name!r} is left-recursive ({' -> '.join(cycle)} before any character is read); "
+                    f"rewrite it with repetition, e.g. expr ::= term (\"+\" term)* instead of expr ::= expr \"+\" term",
+                    *_where(grammar, name))
+            if color[c] == 0:
+                color[c] = 1
+                stack.append((c, sorted(corners[c])))
+
+
+def _reaches_end(pda: Pda, start: int, nullable: list[bool]) -> bool:
+    seen = {start}
+    work = [start]
+    while work:
+        s = work.pop()
+        if pda.accepting[s]:
+            return True
+        for c, t in pda.calls[s]:
+            if nullable[c] and t not in seen:
+                seen.add(t)
+                work.append(t)
+    return False
