@@ -61,6 +61,14 @@ class ServerConfig:
     lowlat_plugins: str = _opt("off", "low-latency decode plugins (lowlat): off, auto, or require:<name>; a "
                                       "'+all-batches' suffix also runs the plugin at batches where it measured "
                                       "slower than the generic path")
+    # Quantization (FP8, lmserver.models.quantization)
+    quantization: str | None = _opt(None, "weights: fp8 quantizes an unquantized checkpoint to FP8 e4m3 when it "
+                                          "loads (decoder projections, per-channel scales); an FP8 checkpoint "
+                                          "(quantization_config fp8 or compressed-tensors) is read as FP8 without "
+                                          "it; FP8 needs a CPU or a GPU of compute capability >= 8.9", ("fp8",))
+    kv_cache_dtype: str = _opt("auto", "KV-cache storage: auto (the model's dtype) or fp8_e4m3 (float8_e4m3fn, half "
+                                       "the bytes: twice the tokens; one K and one V scale per layer, 1.0 or the "
+                                       "checkpoint's k_scale / v_scale)", ("auto", "fp8_e4m3"))
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
     jump_forward_min_tokens: str = _opt("auto", "a jump-forward that needs an extend round of its own is made when "

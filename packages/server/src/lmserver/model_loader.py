@@ -114,6 +114,21 @@ def select_layer_kernels(
     return ops, f"fused layer kernels: {ops.reason}"
 
 
+def _prepare_fp8_checkpoint(model: torch.nn.Module, model_path: str | Path | None, group_k: int | None) -> None:
+    """Makes the layers whose checkpoint weights are FP8 `Fp8Linear` (empty, to be loaded)."""
+    from lmserver.models.quantization import QuantizationError, replace_with_fp8_, scan_fp8_modules
+
+    if model_path is None:
+        raise ModelLoadError("load_format='auto' needs a model_path")
+    try:
+        names = scan_fp8_modules(model, model_path)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if not names:
+        raise ModelLoadError(f"{model_path}: config.json declares FP8 quantization but no weight is float8_e4m3fn")
+    replace_with_fp8_(model, names, group_k, quantize=False)
+
+
 def load_model(
     config: ModelConfig,
     model_path: str | Path | None,
@@ -124,15 +139,28 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     disable_fused_kernels: bool = False,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """Builds the model for `config` on `device` in `dtype` and loads weights (or dummy ones).
 
     Its norms, RoPE and MLP activation run lmserver's fused Triton kernels on CUDA (see
     `select_layer_kernels`), the torch ops elsewhere or with `disable_fused_kernels`.
+    FP8 weights (`lmserver.models.quantization`): an FP8 checkpoint (its `quantization_config`)
+    loads into FP8 layers; `quantization="fp8"` quantizes an unquantized one after loading (and
+    random `dummy` weights).
     """
+    from lmserver.models.quantization import QuantizationError, read_fp8_spec
+
+    try:
+        fp8 = read_fp8_spec(config.hf_config, quantization)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from exc
     model_cls = get_model_class(config.architecture)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config, max_positions=max_positions)
+    from_checkpoint = fp8 is not None and fp8.source == "checkpoint" and load_format == "auto"
+    if from_checkpoint:
+        _prepare_fp8_checkpoint(model, model_path, fp8.group_k if fp8 else None)
     kernels, reason = select_layer_kernels(device, dtype, disable_fused_kernels)
     logger.info("model layers: %s", reason)
     model.use_kernels(kernels)
@@ -142,10 +170,22 @@ def load_model(
         if model_path is None:
             raise ModelLoadError("load_format='auto' needs a model_path")
         try:
-            model.load_weights(iter_safetensors(model_path))
+            if from_checkpoint:
+                from lmserver.models.quantization import load_fp8_checkpoint
+
+                assert fp8 is not None
+                load_fp8_checkpoint(model, fp8, iter_safetensors(model_path))
+            else:
+                model.load_weights(iter_safetensors(model_path))
         except ValueError as exc:
             raise ModelLoadError(f"loading weights from {model_path}: {exc}") from exc
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
+    if fp8 is not None:
+        from lmserver.models.quantization import quantize_linears_, use_fp8_path
+
+        if not from_checkpoint:
+            quantize_linears_(model, fp8.group_k)
+        logger.info("model weights: %s; %s", fp8.describe(), use_fp8_path(model, device))
     model.eval()
     return model  # type: ignore[no-any-return]

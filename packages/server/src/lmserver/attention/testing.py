@@ -42,14 +42,14 @@ def step_batch(mode: ForwardMode, rows: list[int], prefix: list[int], new: list[
 def compare_backends(make_ref: BackendFactory, make_other: BackendFactory, *, device: str,
                      shape: tuple[int, int, int], dtype: torch.dtype, num_slots: int, width: int,
                      chunks: list[list[int]], decode_steps: int, tol: float, layers: int = 2,
-                     stale_padding_slot: bool = True) -> None:
+                     stale_padding_slot: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
     """Runs three requests through `chunks` (new tokens per request and extend step), then
     `decode_steps` decodes, on both backends; asserts outputs within `tol` (relative L2) and equal
     KV pools. `shape` = (heads, kv_heads, head_dim); with `stale_padding_slot` False slot 0 (padding)
-    keeps zeros."""
+    keeps zeros; `kv_cache_dtype` (float8_e4m3fn) makes both pools FP8 (scales 1.0)."""
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(0)
-    pools = [KVPool(num_slots, layers, kv_heads, dim, dtype, device) for _ in range(2)]
+    pools = [KVPool(num_slots, layers, kv_heads, dim, dtype, device, kv_cache_dtype) for _ in range(2)]
     first = 0 if stale_padding_slot else 1
     for layer_id in range(layers):  # random stale contents: nothing may read an unwritten slot
         for cache in ("k_cache", "v_cache"):

@@ -74,7 +74,7 @@ class TorchNativeBackend(AttentionBackend):
             ar = torch.arange(max_len, device=rows.device)
             valid = (ar[None, :] < batch.seq_lens[:, None]).view(batch.batch_size, 1, 1, max_len)
             # additive float mask (cheaper in SDPA than a bool one); every row has >= 1 valid key
-            self.decode_mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype, device=rows.device)
+            self.decode_mask = torch.zeros(valid.shape, dtype=self.kv_pool.compute_dtype, device=rows.device)
             self.decode_mask.masked_fill_(~valid, float("-inf"))
             self.decode_shape = (batch.batch_size, max_len)
             if self._plan_dense(batch, max_len):
@@ -116,7 +116,7 @@ class TorchNativeBackend(AttentionBackend):
                 dense.written = [-1] * pool.num_layers
             else:
                 self.dense = None  # frees the old copy first
-                item = torch.empty((), dtype=pool.dtype).element_size()
+                item = torch.empty((), dtype=pool.compute_dtype).element_size()
                 if 2 * pool.num_layers * bs * cap * pool.num_kv_heads * pool.head_dim * item > self.dense_budget_bytes:
                     return False
                 dense = _DenseDecode(list(rows_cpu), cap, pool.num_layers)
@@ -140,19 +140,24 @@ class TorchNativeBackend(AttentionBackend):
             shape = (dense.alloc_bs, dense.cap, layer.num_kv_heads, layer.head_dim)
             pool = self.kv_pool
             # NOTE: zeros, not empty: masked positions are multiplied by 0 in SDPA (NaN * 0 = NaN)
-            kd = dense.k[lid] = torch.zeros(shape, dtype=pool.dtype, device=q.device)
-            vd = dense.v[lid] = torch.zeros(shape, dtype=pool.dtype, device=q.device)
+            kd = dense.k[lid] = torch.zeros(shape, dtype=pool.compute_dtype, device=q.device)
+            vd = dense.v[lid] = torch.zeros(shape, dtype=pool.compute_dtype, device=q.device)
         kd, vd = kd[:bs], vd[:bs]  # contiguous: the leading rows
         if dense.written[lid] == dense.step - 1:  # complete up to the last step: add this token
             flat = (bs * dense.cap, layer.num_kv_heads, layer.head_dim)
+            pool = self.kv_pool
+            if pool.is_fp8:  # NOTE: the copy holds what the pool holds: the FP8-rounded values
+                kq, vq = pool.quantize(lid, k, v)
+                k, v = pool.dequantize_k(lid, kq, kd.dtype), pool.dequantize_v(lid, vq, vd.dtype)
             kd.view(flat).index_copy_(0, self.dense_write, k.to(kd.dtype))
             vd.view(flat).index_copy_(0, self.dense_write, v.to(vd.dtype))
         else:  # (re-)gather; the pool already holds this step's k, v
             if self.decode_slots is None:
                 self.decode_slots = self.req_to_token[self.batch.req_pool_indices, :max_len].long().reshape(-1)
             shape = (bs, max_len, layer.num_kv_heads, layer.head_dim)
-            kd[:, :max_len] = self.kv_pool.k_cache[lid].index_select(0, self.decode_slots).view(shape)
-            vd[:, :max_len] = self.kv_pool.v_cache[lid].index_select(0, self.decode_slots).view(shape)
+            pool = self.kv_pool
+            kd[:, :max_len] = pool.dequantize_k(lid, pool.k_cache[lid].index_select(0, self.decode_slots), kd.dtype).view(shape)
+            vd[:, :max_len] = pool.dequantize_v(lid, pool.v_cache[lid].index_select(0, self.decode_slots), vd.dtype).view(shape)
         dense.written[lid] = dense.step
         kk = kd[:, :max_len].transpose(1, 2).to(q.dtype)  # (bs, KV, L, D), strided
         vv = vd[:, :max_len].transpose(1, 2).to(q.dtype)
@@ -202,8 +207,9 @@ class TorchNativeBackend(AttentionBackend):
         k_cache = self.kv_pool.k_cache[layer.layer_id]
         v_cache = self.kv_pool.v_cache[layer.layer_id]
         shape = (bs, max_tot, layer.num_kv_heads, layer.head_dim)
-        kk = k_cache.index_select(0, self.pad_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)
-        vv = v_cache.index_select(0, self.pad_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)
+        pool, lid = self.kv_pool, layer.layer_id
+        kk = pool.dequantize_k(lid, k_cache.index_select(0, self.pad_slots), q.dtype).view(shape).transpose(1, 2)
+        vv = pool.dequantize_v(lid, v_cache.index_select(0, self.pad_slots), q.dtype).view(shape).transpose(1, 2)
         qq = q[self.pad_q_index].transpose(1, 2)  # (bs, H, max_ext, D)
         out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=self.pad_mask, scale=layer.scaling, enable_gqa=True)
         out = out.transpose(1, 2)[self.pad_valid]  # (num_tokens, H, D), request-major like q
@@ -221,16 +227,17 @@ class TorchNativeBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             assert self.decode_slots is not None
             shape = (*self.decode_shape, layer.num_kv_heads, layer.head_dim)
-            kk = k_cache.index_select(0, self.decode_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)
-            vv = v_cache.index_select(0, self.decode_slots).view(shape).transpose(1, 2).to(q.dtype)  # (bs, KV, L, D)
+            pool, lid = self.kv_pool, layer.layer_id
+            kk = pool.dequantize_k(lid, k_cache.index_select(0, self.decode_slots), q.dtype).view(shape).transpose(1, 2)
+            vv = pool.dequantize_v(lid, v_cache.index_select(0, self.decode_slots), q.dtype).view(shape).transpose(1, 2)
             return self._decode_sdpa(q, kk, vv, layer)
         if self.padded:
             return self._forward_padded(q, layer)
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         for start, ext, slots, mask in self.extend_plan:
             qi = q[start : start + ext].transpose(0, 1)  # (H, ext, D)
-            ki = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # (KV, total, D)
-            vi = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # (KV, total, D)
+            ki = self.kv_pool.dequantize_k(layer.layer_id, k_cache.index_select(0, slots), q.dtype).transpose(0, 1)
+            vi = self.kv_pool.dequantize_v(layer.layer_id, v_cache.index_select(0, slots), q.dtype).transpose(0, 1)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
             out[start : start + ext] = oi.transpose(0, 1)
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)

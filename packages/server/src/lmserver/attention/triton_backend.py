@@ -3,6 +3,11 @@
 Same contract as `torch_native` (its reference): `forward` first stores the new k, v at
 `batch.out_cache_loc` of its layer (Triton KV-store kernel), then attends over every slot of
 each request. Kernels: `lmserver.kernels.decode_attention`, `lmserver.kernels.extend_attention`.
+
+An FP8 KV pool: k, v are quantized by the pool's torch op (`KVPool.quantize`) and the store
+kernel copies the bytes; the attention kernels read FP8 with the layer's scales; the new tokens of
+an extend attend to each other's FP8-rounded K / V, as the torch_native reference does. Cascade
+decode is off (its shared-prefix kernel reads no FP8 yet).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class TritonBackend(AttentionBackend):
         self._outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cascade_meta: dict[int, CascadeMetadata] = {}
         self.cascade: CascadeMetadata | None = None
+        if kv_pool.is_fp8:
+            self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
 
     def cascade_metadata(self, bs: int) -> CascadeMetadata:
         """The cascade metadata of batch size `bs` (made once, then the same object: a CUDA graph
@@ -97,7 +104,15 @@ class TritonBackend(AttentionBackend):
         batch = self.batch
         k_cache = self.kv_pool.k_cache[layer.layer_id]
         v_cache = self.kv_pool.v_cache[layer.layer_id]
-        store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
+        pool, lid = self.kv_pool, layer.layer_id
+        k_scale, v_scale = (pool.k_scale[lid], pool.v_scale[lid]) if pool.is_fp8 else (1.0, 1.0)
+        if pool.is_fp8:
+            kq, vq = pool.quantize(lid, k, v)
+            store_kv(kq, vq, k_cache, v_cache, batch.out_cache_loc)
+            if batch.mode != ForwardMode.DECODE:
+                k, v = pool.dequantize_k(lid, kq, q.dtype), pool.dequantize_v(lid, vq, q.dtype)
+        else:
+            store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         if batch.mode == ForwardMode.DECODE and self.cascade is not None:
@@ -114,7 +129,7 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q, k_cache, v_cache, self.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,
                 out=out, num_kv_splits=self.num_kv_splits, partial_out=part_out, partial_lse=part_lse,
-                block_n=128 if q.is_cuda else 16,
+                block_n=128 if q.is_cuda else 16, k_scale=k_scale, v_scale=v_scale,
             )
         else:
             assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None
@@ -122,5 +137,6 @@ class TritonBackend(AttentionBackend):
             extend_attention(
                 q, k, v, k_cache, v_cache, self.req_to_token, batch.req_pool_indices, batch.extend_prefix_lens,
                 batch.extend_seq_lens, batch.extend_start_loc, layer.scaling, self.max_extend_len, out=out,
+                k_scale=k_scale, v_scale=v_scale,
             )
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)

@@ -25,7 +25,7 @@ from lmserver.config import ServerConfig
 from lmserver.constrained import ConstrainedDecoding
 from lmserver.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.engine.kv_pool import KVPool, kv_cache_options, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.multimodal import MultimodalInputs
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
@@ -106,6 +106,7 @@ class EngineCore:
             max_positions=self.context_length,
             seed=rc.random_seed,
             disable_fused_kernels=rc.disable_fused_kernels,
+            quantization=rc.quantization,
         )
         mc = self.model_config
         self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
@@ -133,7 +134,7 @@ class EngineCore:
         self.kv_pool = KVPool(
             self.kv_manager.buffer_size, mc.num_hidden_layers,
             self.tp.local_kv_heads if self.tp else mc.num_key_value_heads, mc.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, **kv_cache_options(rc.kv_cache_dtype, self.model),
         )
         self.kv_pool.zero_padding(rc.page_size)
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)

@@ -1,6 +1,6 @@
 """Resolves the "auto" values of ServerConfig once (device, dtype, KV size, running requests,
-attention backend, context length, prefill chunk size) into a new ServerConfig, logged once by
-the engine."""
+attention backend, context length, prefill chunk size, FP8 weights and KV cache) into a new
+ServerConfig, logged once by the engine."""
 
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ def resolve_dtype(config: ServerConfig, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: int, tp_size: int = 1) -> int:
+def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: int, tp_size: int = 1,
+                          quantization: str | None = None) -> int:
     """Bytes one rank's weights and buffers take in `dtype`: the model built on the meta device
-    (no memory, no weights), counted; tied weights once. Pure."""
+    (no memory, no weights), counted; tied weights once. With `quantization` "fp8" the decoder
+    projections count one byte per weight plus their per-channel float32 scales. Pure."""
     from lmserver.model_loader import _default_dtype
     from lmserver.models.registry import get_model_class
 
@@ -61,7 +63,59 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: 
         model = get_model_class(model_config.architecture)(model_config, max_positions=max_positions)
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if quantization == "fp8":
+        from lmserver.models.quantization import FP8_LINEAR_NAMES
+
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES:
+                w = module.weight
+                total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0]
     return total // max(tp_size, 1)
+
+
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
+    """The KV pool's storage dtype: `kv_cache_dtype` ("fp8_e4m3", or a model dtype name), the
+    model's `dtype` for "auto". Pure."""
+    if kv_cache_dtype == "auto":
+        return DTYPES[dtype]
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype in DTYPES:
+        return DTYPES[kv_cache_dtype]
+    raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+
+
+def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str, dtype: str) -> tuple[str | None, str]:
+    """(quantization, kv_cache_dtype) resolved: "fp8" for an FP8 checkpoint or `--quantization
+    fp8`, else None; "auto" KV becomes the model dtype's name. Raises ConfigError before anything
+    loads for an unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8 (compute
+    capability < 8.9, named), and FP8 with tensor parallelism or lowlat plugins (not built)."""
+    from lmserver.layers.fp8_linear import fp8_unsupported_reason
+    from lmserver.models.quantization import QuantizationError, read_fp8_spec
+
+    try:
+        spec = read_fp8_spec(model_config.hf_config, config.quantization)
+    except QuantizationError as exc:
+        raise ConfigError(str(exc)) from exc
+    kv = config.kv_cache_dtype
+    kv_storage_dtype(kv, dtype)  # validates
+    kv = dtype if kv == "auto" else kv
+    quant = "fp8" if spec is not None else None
+    wants = [what for what, on in (("FP8 weights", quant is not None), ("an FP8 KV cache", kv == "fp8_e4m3")) if on]
+    if wants:
+        what = " and ".join(wants)
+        why = fp8_unsupported_reason(device)
+        if why is not None:
+            raise ConfigError(f"{what} requested ({spec.describe() if spec else 'kv_cache_dtype fp8_e4m3'}): {why}; "
+                              "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
+        if config.tp_size > 1:
+            raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
+        if config.lowlat_plugins != "off":
+            raise ConfigError(f"{what} with lowlat plugins is not supported yet; use --lowlat-plugins off")
+    return quant, kv
 
 
 # The issue asks `auto` to pick flashinfer when it imports on CUDA; the backend has not run on a
@@ -113,7 +167,8 @@ def resolve_kv_tokens(
     `mem_fraction_static` of the GPU's memory less what is in use and the weights to come
     (`weight_bytes`, estimated from the config when 0)."""
     per_slot = KVPool.bytes_per_slot(
-        model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim, DTYPES[dtype]
+        model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim,
+        kv_storage_dtype(config.kv_cache_dtype, dtype),
     )
     if config.max_total_tokens is not None:
         if config.max_total_tokens < 16:
@@ -125,7 +180,8 @@ def resolve_kv_tokens(
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {fraction}")
         if weight_bytes == 0:
             positions = config.context_length or model_config.max_position_embeddings
-            weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size)
+            weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size,
+                                                 config.quantization)
         free, total = torch.cuda.mem_get_info()
         budget = int(total * fraction) - (total - free) - weight_bytes
         if budget <= per_slot * 16:
@@ -152,6 +208,8 @@ def resolve_config(
     """A new ServerConfig with every "auto"/None engine value filled in."""
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
+    quantization, kv_cache_dtype = resolve_fp8(config, model_config, device, dtype)
+    config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes)
     kv_tokens -= kv_tokens % config.page_size
     context = config.context_length or model_config.max_position_embeddings

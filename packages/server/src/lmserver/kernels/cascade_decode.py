@@ -271,6 +271,8 @@ def cascade_decode_attention(
     and value must already be stored in the cache.
     """
     check_attention_inputs(q, k_cache, v_cache)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        raise KernelInputError("cascade decode attention reads no FP8 cache yet; use decode_attention")
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

@@ -6,7 +6,9 @@ into the rows of one `tl.dot`, padded to 16 rows, so any group size works, SmolL
 writes a partial output and its log-sum-exp. Stage 2 merges the splits. The split length is
 computed on the device from `seq_lens`, so the launch shape depends only on (batch size,
 `num_kv_splits`) and the call can be captured in a CUDA graph.
-Reference: `reference.decode_attention_ref`.
+FP8 caches (float8_e4m3fn, `k_scale` / `v_scale` per tensor): each K / V tile is widened to the
+query dtype (exact), K's scale is folded into the softmax scale and V's applied to the output.
+Reference: `reference.decode_attention_ref` (of the dequantized cache).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _LOG2E = 1.4426950408889634
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_indices_ptr, seq_lens_ptr, kv_start_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    sm_scale_log2e,
+    sm_scale_log2e, v_scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -43,6 +45,7 @@ def _decode_stage1(
     num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_KV_START: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,7 +84,10 @@ def _decode_stage1(
             k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
         )  # (BLOCK_N, BLOCK_D)
-        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
+        if KV_FP8:  # k_scale is folded into sm_scale_log2e
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * sm_scale_log2e
+        else:
+            qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
         qk = tl.where(mask_n[None, :], qk, float("-inf"))  # (BLOCK_H, BLOCK_N), log2 units
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -91,9 +97,14 @@ def _decode_stage1(
             v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_FP8:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     store_mask = mask_h[:, None] & mask_d[None, :]
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -170,13 +181,17 @@ def launch_decode_stage1(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Stage 1 of flash-decoding over tokens [kv_start, seq_len) of each row (inputs checked by
     the caller): the final output when `single_split`, else partial (out, lse) per split in log2
-    units (an empty split gets lse -inf). Mutates `out` or `p_out`, `p_lse`."""
+    units (an empty split gets lse -inf). An FP8 cache is read as values x `k_scale` / `v_scale`.
+    Mutates `out` or `p_out`, `p_lse`."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if bs == 0:
         return
     p_out_strides = (0, 0, 0) if single_split else (p_out.stride(0), p_out.stride(1), p_out.stride(2))
@@ -185,7 +200,7 @@ def launch_decode_stage1(
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         kv_start if kv_start is not None else seq_lens,
         out, p_out, p_lse,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E * (k_scale if kv_fp8 else 1.0), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -196,7 +211,7 @@ def launch_decode_stage1(
         num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, SINGLE_SPLIT=single_split, HAS_KV_START=kv_start is not None,
         BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
-        PRECISION=dot_precision(k_cache.dtype),
+        PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -216,8 +231,12 @@ def decode_attention(
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each request's new query over its cached tokens; returns `out`.
+
+    An FP8 (float8_e4m3fn) cache holds K / k_scale and V / v_scale (`KVPool`).
 
     Mutates `out` (allocated when None) and the scratch buffers `partial_out`, `partial_lse`
     (allocated when None and `num_kv_splits > 1`; pass them preallocated to capture the call in
@@ -253,7 +272,7 @@ def decode_attention(
     launch_decode_stage1(
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale, out, p_out, p_lse,
         num_kv_splits, single_split=num_kv_splits == 1, kv_start=None,
-        block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        block_n=block_n, num_warps=num_warps, num_stages=num_stages, k_scale=k_scale, v_scale=v_scale,
     )
     block_d = next_pow2(head_dim)
     p_out_strides = (p_out.stride(0), p_out.stride(1), p_out.stride(2)) if num_kv_splits > 1 else (0, 0, 0)

@@ -4,7 +4,10 @@ The new tokens of each request attend to the request's cached prefix (any length
 radix-cache hit or the earlier chunks of a chunked prefill; read through `req_to_token`) and
 causally to themselves (read from the contiguous `k_extend`, `v_extend`). A program handles
 `BLOCK_M` new tokens of one request and one query head; its KV head is `head // group`.
-Reference: `reference.extend_attention_ref`.
+An FP8 (float8_e4m3fn) cache holds K / k_scale and V / v_scale (`KVPool`): prefix tiles are widened
+to the query dtype, `k_scale` multiplies their scores and `v_scale` their value sums; the new
+tokens' `k_extend` / `v_extend` come in the query dtype.
+Reference: `reference.extend_attention_ref` (of the dequantized cache).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def _extend_kernel(
     q_ptr, k_ext_ptr, v_ext_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_pool_indices_ptr, prefix_lens_ptr, extend_lens_ptr, start_loc_ptr,
     out_ptr,
-    sm_scale_log2e,
+    sm_scale_log2e, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_ket, stride_keh,
     stride_vet, stride_veh,
@@ -35,6 +38,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -72,7 +76,10 @@ def _extend_kernel(
             k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
         )
-        qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
+        if KV_FP8:
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (sm_scale_log2e * k_scale)
+        else:
+            qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -82,7 +89,10 @@ def _extend_kernel(
             v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_FP8:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * v_scale
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # New tokens before this query block: fully visible, no causal mask needed.
@@ -158,6 +168,8 @@ def extend_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Prefix + causal attention of the new tokens; returns `out`.
 
@@ -165,6 +177,9 @@ def extend_attention(
     value is read on the host. Mutates `out` (allocated when None); the caches are only read.
     """
     check_attention_inputs(q, k_cache, v_cache)
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (k_extend.dtype != q.dtype or v_extend.dtype != q.dtype):
+        raise KernelInputError(f"with an FP8 cache, k_extend and v_extend come in q's dtype ({q.dtype})")
     if k_extend.shape[0] != q.shape[0] or k_extend.shape[1:] != k_cache.shape[1:] or v_extend.shape != k_extend.shape:
         raise KernelInputError(
             f"k_extend and v_extend must be (num_new_tokens={q.shape[0]}, num_kv_heads, head_dim) like the "
@@ -195,7 +210,7 @@ def extend_attention(
         q, k_extend, v_extend, k_cache, v_cache,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
         out,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1),
@@ -204,7 +219,8 @@ def extend_attention(
         req_to_token.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=dot_precision(k_cache.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

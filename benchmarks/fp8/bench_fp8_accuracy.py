@@ -1,0 +1,119 @@
+"""FP8 accuracy of the embedded SmolLM2-135M: top-1 agreement and mean KL against the unquantized
+model over a fixed text of >= 20k tokens (issue 33's CPU accuracy target).
+
+    python benchmarks/fp8/bench_fp8_accuracy.py [--tokens 20480] [--window 1024] [--json out.json]
+
+The text: Python's own language reference topics (`pydoc_data.topics`, part of the standard
+library, sorted by topic name), tokenized by the model's tokenizer, cut into windows of
+`--window` tokens. Each window is one prefill through the real KV pool and torch_native
+attention with logits at every position (so an FP8 KV cache is written and read back for every
+position). The reference is the float32 model (`--dtype`); each row is one setup against it:
+KL(reference || setup) in nats, averaged over positions, and the fraction of positions whose
+argmax tokens agree. Rows: bf16 weights (for scale: what bf16 alone costs), FP8 weights online
+(per channel, `--quantization fp8`; and per (row, 128 columns), not a server option), FP8 KV cache
+(`--kv-cache-dtype fp8_e4m3`, scales 1.0), and the combinations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# (name, weights: "float32" | "bfloat16" | "fp8" (per channel) | "fp8-g128", kv_cache_dtype)
+SETUPS = [
+    ("fp8 weights + fp8 KV (target)", "fp8", "fp8_e4m3"),
+    ("fp8 weights", "fp8", "auto"),
+    ("fp8 KV cache", "float32", "fp8_e4m3"),
+    ("fp8 weights g128 + fp8 KV", "fp8-g128", "fp8_e4m3"),
+    ("bf16 weights + bf16 KV", "bfloat16", "auto"),
+]
+
+
+def text_windows(tokenizer: Any, num_tokens: int, window: int) -> list[list[int]]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < num_tokens:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than --tokens {num_tokens}")
+    n = num_tokens // window
+    return [ids[i * window : (i + 1) * window] for i in range(n)]
+
+
+def build(config: Any, path: Path, weights: str, window: int) -> torch.nn.Module:
+    from lmserver.model_loader import load_model
+    from lmserver.models.quantization import quantize_linears_, use_fp8_path
+
+    if weights == "bfloat16":
+        return load_model(config, path, dtype=torch.bfloat16, max_positions=window)
+    if weights == "fp8":
+        return load_model(config, path, dtype=torch.float32, max_positions=window, quantization="fp8")
+    model = load_model(config, path, dtype=torch.float32, max_positions=window)
+    if weights == "fp8-g128":
+        quantize_linears_(model, 128)
+        use_fp8_path(model, "cpu")
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--tokens", type=int, default=20480)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--setups", nargs="*", default=None, help="names of SETUPS rows (default: all)")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from lmserver.engine.accuracy import agreement, merge, window_logits, window_runner
+    from lmserver.model_loader import load_model, read_model_config
+
+    if args.model_path is None:
+        from lmserver.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = Path(args.model_path)
+    config = read_model_config(path)
+    windows = text_windows(AutoTokenizer.from_pretrained(str(path)), args.tokens, args.window)
+    start = time.perf_counter()
+    ref_model = load_model(config, path, dtype=torch.float32, max_positions=args.window)
+    ref_runner = window_runner(ref_model, args.window)
+    setups = [s for s in SETUPS if not args.setups or s[0] in args.setups]
+    runners = [window_runner(ref_model if weights == "float32" else build(config, path, weights, args.window),
+                             args.window, kv) for _, weights, kv in setups]
+    parts: list[list[Any]] = [[] for _ in setups]
+    seconds = [0.0] * len(setups)
+    # NOTE: window by window, every setup against the reference's logits of that window (all kept
+    # would be 20k x 49k floats)
+    for i, w in enumerate(windows):
+        ref = window_logits(ref_runner, w)
+        for j, runner in enumerate(runners):
+            t0 = time.perf_counter()
+            parts[j].append(agreement(ref, window_logits(runner, w)))
+            seconds[j] += time.perf_counter() - t0
+        print(f"window {i + 1}/{len(windows)}: " + ", ".join(
+            f"{s[0]} {p[-1].top1:.3f}" for s, p in zip(setups, parts, strict=True)), flush=True)
+    rows: list[dict[str, Any]] = []
+    for (name, weights, kv), part, sec in zip(setups, parts, seconds, strict=True):
+        score = merge(part)
+        rows.append({"setup": name, "weights": weights, "kv_cache_dtype": kv, "positions": score.num_positions,
+                     "top1": score.top1, "mean_kl": score.mean_kl, "max_kl": score.max_kl, "seconds": sec})
+    print(f"\n{len(windows)} windows x {args.window} tokens, reference float32; {time.perf_counter() - start:.0f} s\n")
+    print("| setup | weights | KV cache | positions | top-1 agreement | mean KL (nats) | max KL |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['weights']} | {r['kv_cache_dtype']} | {r['positions']} | {r['top1']:.4f} | "
+              f"{r['mean_kl']:.5f} | {r['max_kl']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""FP8 (e4m3) weight linear layer and its three paths, chosen once when the model is built.
+
+`Fp8Linear` holds `weight` (N, K) float8_e4m3fn and `weight_scale` (N, ceil(K / group_k))
+float32 (layout: `lmserver.kernels.fp8_ref`). Its forward:
+
+- `torch` (CPU, or CUDA without Triton): dequantize to the activation dtype, then `F.linear`.
+  The reference of the other two.
+- `triton` (CUDA): up to `GEMV_MAX_M` rows (decode) the FP8 GEMV kernel
+  (`lmserver.kernels.fp8_gemv`: FP8 weight bytes read once, float32 accumulation); more rows
+  (prefill) through `torch._scaled_mm` (cuBLASLt FP8 tensor cores, activations quantized per
+  token on the fly) when the scales are per channel and the GPU is Hopper or newer, else
+  dequantize + matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmserver.kernels.fp8_ref import (
+    FP8_DTYPE,
+    fp8_linear_ref,
+    num_groups,
+    quantize_fp8,
+    quantize_fp8_per_token,
+)
+
+__all__ = ["FP8_MIN_CAPABILITY", "GEMV_MAX_M", "Fp8Linear", "fp8_unsupported_reason"]
+
+GEMV_MAX_M = 16  # rows up to which the Triton GEMV runs (decode); more: _scaled_mm or dequantize
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores and conversions
+SCALED_MM_MIN_CAPABILITY = (9, 0)  # row-wise scaled _scaled_mm (cuBLASLt) on Hopper and newer
+
+
+def fp8_unsupported_reason(device: torch.device | str) -> str | None:
+    """Why FP8 cannot run on `device` (a CUDA GPU below compute capability 8.9), else None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"FP8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
+                f"(Ada, Hopper or newer); {device} ({name}) has compute capability {cap[0]}.{cap[1]}")
+    return None
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (weight * weight_scale).T (+ bias), weights in FP8. Buffers are filled by the
+    loader (an FP8 checkpoint) or by `from_linear` (online quantization)."""
+
+    weight_scale: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_k: int | None,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_k = in_features if group_k is None or group_k >= in_features else group_k
+        groups = num_groups(in_features, self.group_k)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        # NOTE: a buffer, not a parameter: the model's weight loader fills parameters only; the
+        # FP8 loader fills and checks the scales (lmserver.models.quantization).
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32, device=device))
+        self.bias: nn.Parameter | None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.path = "torch"  # "torch" or "triton"; set once by `use_path`
+        self.scaled_mm = False  # prefill through torch._scaled_mm (set by `use_path`)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_k: int | None = None) -> Fp8Linear:
+        """`linear` quantized: per output channel (group_k None) or per (row, group_k columns)."""
+        w = linear.weight.data
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group_k, w.dtype, w.device)
+        q, scale = quantize_fp8(w, None if layer.group_k == linear.in_features else layer.group_k)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            assert layer.bias is not None
+            layer.bias.data.copy_(linear.bias.data)
+        return layer
+
+    def use_path(self, path: str) -> None:
+        """"torch" or "triton" (CUDA); mutates self. `_scaled_mm` serves prefill when the scales
+        are per channel and the GPU is Hopper or newer."""
+        if path not in ("torch", "triton"):
+            raise ValueError(f"unknown FP8 linear path {path!r}")
+        self.path = path
+        dev = self.weight.device
+        self.scaled_mm = (
+            path == "triton" and dev.type == "cuda" and self.weight_scale.shape[1] == 1
+            and tuple(torch.cuda.get_device_capability(dev)) >= SCALED_MM_MIN_CAPABILITY
+            and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        )
+        if self.scaled_mm:
+            self._scale_row = self.weight_scale.view(1, -1).contiguous()  # (1, N) for _scaled_mm's scale_b
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_k={self.group_k}, "
+                f"bias={self.bias is not None}, path={self.path}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N) in x's dtype; mutates nothing."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, K), possibly strided rows
+        if self.path == "triton":
+            if x2.shape[0] <= GEMV_MAX_M:
+                from lmserver.kernels.fp8_gemv import fp8_gemv
+
+                out = fp8_gemv(x2, self.weight, self.weight_scale, self.group_k, self.bias)
+            elif self.scaled_mm:
+                xq, xs = quantize_fp8_per_token(x2)
+                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_row,
+                                       bias=self.bias, out_dtype=x.dtype)
+            else:
+                out = fp8_linear_ref(x2, self.weight, self.weight_scale, self.group_k, self.bias)
+        else:
+            out = fp8_linear_ref(x2, self.weight, self.weight_scale, self.group_k, self.bias)
+        return out.view(*lead, self.out_features)
+
+
+def linear_to_dense(layer: Fp8Linear, dtype: torch.dtype) -> nn.Linear:
+    """An `nn.Linear` holding the dequantized weights (tests, tools); `layer` is not changed."""
+    from lmserver.kernels.fp8_ref import dequantize_fp8
+
+    out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                    dtype=dtype, device=layer.weight.device)
+    with torch.no_grad():
+        out.weight.copy_(dequantize_fp8(layer.weight, layer.weight_scale, layer.group_k, dtype))
+        if layer.bias is not None:
+            out.bias.copy_(layer.bias)
+    return out
+

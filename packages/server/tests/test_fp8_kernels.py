@@ -1,0 +1,119 @@
+"""FP8 Triton kernels against the dequantized float64 references, on fresh random inputs.
+
+CUDA cases are `gpu`-marked (model-like shapes, bf16 activations); the CPU cases run only in the
+TRITON_INTERPRET=1 child that test_fp8.py starts (tiny shapes, float32 activations).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmserver.kernels import reference as ref
+from lmserver.kernels.fp8_ref import FP8_DTYPE, fp8_linear_ref, quantize_fp8, quantize_kv_fp8
+from lmserver.kernels.testing import kernel_devices, random_paged_batch, rel_error
+
+pytest.importorskip("triton")
+
+DEVICES = kernel_devices()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _act_dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+# (M, N, K, group_k): decode rows 1 / 3 / 8 and a 17-row tail tile; per channel (None) and K groups
+GEMV_CASES = [(1, 40, 96, None), (3, 33, 256, 128), (8, 48, 192, 64), (17, 20, 200, 64), (1, 16, 130, 128)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_fp8_gemv_matches_dequantized_reference(device: str, case: tuple[int, int, int, int | None]) -> None:
+    from lmserver.kernels.fp8_gemv import fp8_gemv
+
+    m, n, k, group = case
+    if device == "cuda":
+        m, n, k = m, n * 64, k * 16
+    g = _gen(sum(case[:3]))
+    dtype = _act_dtype(device)
+    w = torch.randn(n, k, generator=g)
+    weight, scale = quantize_fp8(w, group)
+    group_k = k if group is None else group
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    weight, scale, x, bias = weight.to(device), scale.to(device), x.to(device), bias.to(device)
+    expected = fp8_linear_ref(x, weight, scale, group_k, bias, compute_dtype=torch.float64)
+    out = fp8_gemv(x, weight, scale, group_k, bias)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 8e-3)
+    # strided rows (a view of a wider buffer, as the MLP's down projection reads)
+    wide = torch.zeros(m, 2 * k, dtype=dtype, device=device)
+    wide[:, :k] = x
+    assert rel_error(fp8_gemv(wide[:, :k], weight, scale, group_k, bias), expected) < (
+        1e-5 if dtype == torch.float32 else 8e-3)
+
+
+def _fp8_cache(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the FP8 cache of `cache` at `scale`, its dequantized float64 values)."""
+    q = quantize_kv_fp8(cache, scale)
+    return q, q.double() * scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 32)], ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention_reads_fp8_cache(device: str, shape: tuple[int, int, int]) -> None:
+    from lmserver.kernels.decode_attention import decode_attention
+
+    heads, kv_heads, dim = shape
+    dtype = _act_dtype(device)
+    seq_lens = [1, 23, 70] if device == "cpu" else [1, 300, 4096, 64]
+    batch = random_paged_batch([s - 1 for s in seq_lens], [1] * len(seq_lens), heads, kv_heads, dim, dtype,
+                               device, _gen(5))
+    k_scale, v_scale = 0.05, 0.02
+    k8, k_ref = _fp8_cache(batch.k_cache * 3, k_scale)
+    v8, v_ref = _fp8_cache(batch.v_cache, v_scale)
+    assert k8.dtype == FP8_DTYPE
+    expected = ref.decode_attention_ref(batch.q, k_ref, v_ref, batch.req_to_token, batch.req_pool_indices,
+                                        batch.seq_lens, dim**-0.5)
+    for splits in (1, 3):
+        out = decode_attention(batch.q, k8, v8, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                               dim**-0.5, num_kv_splits=splits, block_n=16 if device == "cpu" else 128,
+                               k_scale=k_scale, v_scale=v_scale)
+        assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 1.6e-2), splits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_attention_reads_fp8_prefix(device: str) -> None:
+    from lmserver.kernels.extend_attention import extend_attention
+
+    heads, kv_heads, dim = 6, 2, 32
+    dtype = _act_dtype(device)
+    prefix, ext = ([0, 20, 7], [5, 9, 18]) if device == "cpu" else ([0, 700, 33], [300, 90, 1000])
+    batch = random_paged_batch(prefix, ext, heads, kv_heads, dim, dtype, device, _gen(6))
+    k_scale, v_scale = 0.03, 0.5
+    k8, k_ref = _fp8_cache(batch.k_cache, k_scale)
+    v8, v_ref = _fp8_cache(batch.v_cache, v_scale)
+    expected = ref.extend_attention_ref(
+        batch.q, batch.k_extend, batch.v_extend, k_ref, v_ref, batch.req_to_token, batch.req_pool_indices,
+        batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, dim**-0.5)
+    out = extend_attention(
+        batch.q, batch.k_extend, batch.v_extend, k8, v8, batch.req_to_token, batch.req_pool_indices,
+        batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, dim**-0.5, max(ext),
+        k_scale=k_scale, v_scale=v_scale)
+    assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 1.6e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_backend_with_fp8_pool_matches_torch_native(device: str) -> None:
+    from lmserver.attention.testing import compare_backends
+    from lmserver.attention.torch_native import TorchNativeBackend
+    from lmserver.attention.triton_backend import TritonBackend
+
+    dtype = _act_dtype(device)
+    compare_backends(TorchNativeBackend, TritonBackend, device=device, shape=(6, 2, 32), dtype=dtype,
+                     num_slots=160, width=64, chunks=[[5, 9, 3], [7, 1, 12]], decode_steps=3,
+                     tol=1e-5 if dtype == torch.float32 else 1.6e-2, kv_cache_dtype=FP8_DTYPE)
