@@ -113,8 +113,10 @@ class Fp8Linear(nn.Module):
                 out = fp8_gemv(x2, self.weight, self.weight_scale, self.group_k, self.bias)
             elif self.scaled_mm:
                 xq, xs = quantize_fp8_per_token(x2)
-                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_row,
-                                       bias=self.bias, out_dtype=x.dtype)
+                # NOTE: the bias is added apart: not every torch version takes one with row-wise scales
+                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_row, out_dtype=x.dtype)
+                if self.bias is not None:
+                    out += self.bias
             else:
                 out = fp8_linear_ref(x2, self.weight, self.weight_scale, self.group_k, self.bias)
         else:
