@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from cfsm.automaton import concat_ranges
 from cfsm.errors import Approximation
 from cfsm.grammar.pda import Pda
 from cfsm.vocab import Vocabulary
@@ -41,7 +40,8 @@ Stack = tuple[int, ...]
 @dataclass(frozen=True, eq=False)
 class _KeyInfo:
     row: np.ndarray  # (words,) uint32: tokens accepted by the key (and by every shorter one)
-    uncertain: np.ndarray  # sorted vocabulary positions (`TrieTables.order` indices) still uncertain
+    uncertain: np.ndarray  # sorted token ranks (indices into `TrieTables.by_length`) still uncertain
+    late: np.ndarray  # (len(uncertain),) bool: it returned below the key after reading a byte
 
 
 class GrammarIndex:
@@ -158,62 +158,84 @@ class GrammarIndex:
 
     # --- token masks -------------------------------------------------------------------------------
     @functools.cached_property
-    def _all_positions(self) -> np.ndarray:
-        return np.arange(len(self.vocab.trie_tables.order), dtype=np.int64)
+    def _rank(self) -> np.ndarray:
+        """Sorted vocabulary position -> its index in `TrieTables.by_length` order."""
+        by_length = self.vocab.trie_tables.by_length
+        rank = np.empty(len(by_length), dtype=np.int64)
+        rank[by_length] = np.arange(len(by_length))
+        return rank
 
-    def _walk_tokens(self, sid: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(accepted, uncertain) subsets of the vocabulary positions `pos` walked from `sid` as a
-        key's configuration: a stack of one frame at its rule's end returns below the key."""
+    def _walk_tokens(self, sid: int, ranks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Walk the tokens at `ranks` (sorted indices into `by_length` order; None: all) from `sid`
+        as a key's configuration, where a stack of one frame at its rule's end returns below the
+        key. Returns (accepted, uncertain, late) with accepted and uncertain as sorted ranks and
+        `late[i]`: uncertain token i returned below the key after reading a byte (not only before
+        its first byte). Fills caches only.
+
+        NOTE: tokens are in decreasing length order, so the ones still reading at step d are a
+        prefix of it: full walks step whole prefixes (no index arrays) until few stay alive."""
         tables = self.vocab.trie_tables
-        cols, lengths = tables.columns, tables.lengths
-        n = len(pos)
-        cur = np.full(n, sid, dtype=np.int32)
-        accepted = np.zeros(n, dtype=bool)
-        uncertain = np.zeros(n, dtype=bool)
-        plen = lengths[pos]
-        d = 0
-        if n == len(tables.order):
-            # the whole vocabulary: the first step by byte ranges (tokens sorted by bytes)
-            nxt0 = np.array([self._step(sid, b) for b in range(256)], dtype=np.int32)
-            starts = tables.first_byte_starts
-            if self._end[sid]:
-                for b in np.flatnonzero(self._after_end[sid]).tolist():
-                    uncertain[starts[b]:starts[b + 1]] = True
-            live = np.flatnonzero(nxt0)
-            idx = concat_ranges(starts[live], starts[live + 1] - starts[live])
-            cur[idx] = np.repeat(nxt0[live], starts[live + 1] - starts[live])
-            d = 1
+        cols, counts = tables.length_columns, tables.length_counts
+        n = len(tables.by_length)
+        cur = np.zeros(n, dtype=np.int32)
+        esc0 = np.zeros(n, dtype=bool)
+        late = np.zeros(n, dtype=bool)
+        idx: np.ndarray | None
+        if ranks is None:
+            cur[:] = sid
+            idx = None
         else:
-            idx = np.arange(n)
-        while len(idx):
-            fin = plen[idx] <= d
-            if fin.any():
-                accepted[idx[fin]] = True
-                idx = idx[~fin]
+            cur[ranks] = sid
+            idx = ranks
+        for d in range(len(counts)):
+            nd = int(counts[d])
+            if idx is not None:
+                idx = idx[idx < nd]
                 if not len(idx):
                     break
-            st = cur[idx]
-            b = cols[d, pos[idx]].astype(np.int64)
-            # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
-            esc = self._end[st]
-            if esc.any():
-                esc &= self._after_end[st, b]
-                uncertain[idx[esc]] = True
-            nxt = self._table[st, b]
+                st = cur[idx]
+                b = cols[d, idx]
+            else:
+                st = cur[:nd]
+                b = cols[d, :nd]
+            flat = st.astype(np.int64) * 256 + b
+            nxt = self._table.ravel().take(flat)
             miss = nxt == _UNKNOWN
             if miss.any():
-                for p in np.unique(st[miss].astype(np.int64) * 256 + b[miss]).tolist():
+                for p in np.unique(flat[miss]).tolist():
                     self._step(p >> 8, p & 255)
-                nxt = self._table[st, b]  # NOTE: `_step` may have grown the table
-            cur[idx] = nxt
-            idx = idx[nxt != 0]
-            d += 1
-        return pos[accepted], pos[uncertain & ~accepted]
+                nxt = self._table.ravel().take(flat)  # NOTE: `_step` may have grown the tables
+            # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
+            esc = self._end.take(st)
+            if esc.any():
+                esc &= self._after_end.ravel().take(flat)
+                where = np.flatnonzero(esc) if idx is None else idx[esc]
+                (esc0 if d == 0 else late)[where] = True
+            if idx is None:
+                cur[:nd] = nxt
+                if np.count_nonzero(nxt) * 4 < nd:
+                    idx = np.flatnonzero(nxt)
+            else:
+                cur[idx] = nxt
+                idx = idx[nxt != 0]
+        ok = cur != 0
+        if ranks is not None:
+            sel = np.zeros(n, dtype=bool)
+            sel[ranks] = True
+            ok &= sel
+        unc = (esc0 | late) & ~ok
+        return np.flatnonzero(ok), np.flatnonzero(unc), late[unc]
 
-    def _bits(self, pos: np.ndarray) -> np.ndarray:
+    def _bits(self, ranks: np.ndarray) -> np.ndarray:
+        tables = self.vocab.trie_tables
         bits = np.zeros(self.vocab.mask_words * 32, dtype=bool)
-        bits[self.vocab.trie_tables.order[pos]] = True
+        bits[tables.order[tables.by_length[ranks]]] = True
         return np.packbits(bits, bitorder="little").view("<u4").copy()
+
+    def _has_bits(self, row: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        tables = self.vocab.trie_tables
+        ids = tables.order[tables.by_length[ranks]].astype(np.int64)
+        return ((row[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
     def _key(self, key: Stack) -> _KeyInfo:
         info = self._keys.get(key)
@@ -221,13 +243,23 @@ class GrammarIndex:
             return info
         sid = self._intern(self._close([key]))
         if len(key) == 1:
-            acc, unc = self._walk_tokens(sid, self._all_positions)
-            row = self._bits(acc)
+            acc, unc, late = self._walk_tokens(sid, None)
+            info = _KeyInfo(self._bits(acc), unc, late)
         else:
             prev = self._key(key[1:])
-            acc, unc = self._walk_tokens(sid, prev.uncertain)
-            row = prev.row | self._bits(acc) if len(acc) else prev.row
-        info = self._keys[key] = _KeyInfo(row, unc)
+            # NOTE: a token that left `key[1:]` before reading a byte continues from the stack
+            # (key[0],) alone: the one-frame key of that return state decides it
+            early = prev.uncertain[~prev.late]
+            base = self._key(key[:1])
+            early_acc = early[self._has_bits(base.row, early)]
+            in_base = np.isin(base.uncertain, early, assume_unique=True)
+            acc, unc, late = self._walk_tokens(sid, prev.uncertain[prev.late])
+            row = prev.row | self._bits(np.concatenate([acc, early_acc]))
+            unc_all = np.concatenate([unc, base.uncertain[in_base]])
+            late_all = np.concatenate([late, base.late[in_base]])
+            order = np.argsort(unc_all, kind="stable")
+            info = _KeyInfo(row, unc_all[order], late_all[order])
+        self._keys[key] = info
         return info
 
     def _stack_row(self, st: Stack) -> np.ndarray:
@@ -325,7 +357,7 @@ class GrammarIndex:
         return {"pda": (pda.trans, pda.calls, pda.accepting, pda.has_bytes, pda.state_rule, pda.rule_start,
                         pda.rule_names, pda.root),
                 "grammar": self.grammar, "approximations": tuple(self.approximations),
-                "keys": {k: (v.row, v.uncertain) for k, v in self._keys.items()}}
+                "keys": {k: (v.row, v.uncertain, v.late) for k, v in self._keys.items()}}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any], vocab: Vocabulary) -> GrammarIndex:
@@ -334,13 +366,13 @@ class GrammarIndex:
         pda = Pda(trans=trans, calls=calls, accepting=accepting, has_bytes=has_bytes, state_rule=state_rule,
                   rule_start=rule_start, rule_names=rule_names, root=root)
         index = cls(pda, vocab, payload["grammar"], tuple(payload["approximations"]), precompute=False)
-        index._keys = {k: _KeyInfo(row, unc) for k, (row, unc) in payload["keys"].items()}
+        index._keys = {k: _KeyInfo(row, unc, late) for k, (row, unc, late) in payload["keys"].items()}
         return index
 
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the network, the configuration table and the cached rows (approximate)."""
-        keys = sum(v.row.nbytes + v.uncertain.nbytes for v in self._keys.values())
+        keys = sum(v.row.nbytes + v.uncertain.nbytes + v.late.nbytes for v in self._keys.values())
         return int(self.pda.trans.nbytes + self._table.nbytes + keys + sum(r.nbytes for r in self._rows))
 
 
