@@ -40,7 +40,12 @@ def server() -> Any:
     srv = ServerProcess(["--api-key", KEY, "--max-running-requests", "64", "--log-interval-s", "1"], core="slow")
     srv.start()
     yield srv
+    # after every test of the module, whatever their order: the KV memory invariant once idle
+    with httpx.Client(base_url=srv.base_url, headers=AUTH, timeout=60) as client:
+        _wait_idle(client)
+        r = client.get("/check_memory_invariant")
     code = srv.stop()
+    assert r.status_code == 200 and r.json() == {"ok": True}, r.text
     assert code == 0, srv.log_tail()
 
 
@@ -467,8 +472,10 @@ def test_200_concurrent_requests_all_correct(server: ServerProcess, fake: FakeEn
         expected_text(fake, fake.tokenizer.encode(p), 8) for p in prompts]
 
 
-def test_metrics_exposition(http: httpx.Client) -> None:
+def test_metrics_exposition(http: httpx.Client, server: ServerProcess) -> None:
     http.post("/generate", json={"text": "a b", "sampling_params": {"max_new_tokens": 2}})
+    assert http.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": -1}}).status_code == 400
+    assert httpx.post(server.base_url + "/generate", json={"text": "a"}, timeout=30).status_code == 401
     text = http.get("/metrics").text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
@@ -478,12 +485,18 @@ def test_metrics_exposition(http: httpx.Client) -> None:
     assert values["lmserver_e2e_request_latency_seconds_count"] >= 1
     assert "lmserver_num_running_reqs" in values and "lmserver_cache_hit_rate" in values
     assert values['lmserver_http_requests_total{path="/generate",status="200"}'] >= 1
-    assert values['lmserver_http_requests_total{path="/generate",status="400"}'] >= 1  # the bad-input tests
-    assert values['lmserver_http_requests_total{path="/generate",status="401"}'] >= 1  # the auth test
+    assert values['lmserver_http_requests_total{path="/generate",status="400"}'] >= 1
+    assert values['lmserver_http_requests_total{path="/generate",status="401"}'] >= 1
 
 
-def test_zz_memory_invariant_at_the_end(http: httpx.Client, server: ServerProcess) -> None:
+def test_memory_invariant_when_idle_and_stats_logged(http: httpx.Client, server: ServerProcess) -> None:
+    """Any time the server is idle (the fixture checks it again after the module's last test)."""
+    r = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 8}})
+    assert r.status_code == 200, r.text
     _wait_idle(http)
     r = http.get("/check_memory_invariant")
     assert r.status_code == 200 and r.json() == {"ok": True}
-    assert any("gen throughput" in line for line in server.lines)
+    deadline = time.monotonic() + 10  # --log-interval-s 1: the stats line follows the tokens
+    while not any("gen throughput" in line for line in server.lines):
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.1)
