@@ -334,3 +334,15 @@ def test_fp8_kernels_under_interpreter() -> None:
     summary = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, summary
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+
+
+@pytest.mark.slow
+def test_readme_example() -> None:
+    """The README's FP8 example: the embedded model, FP8 weights and FP8 KV cache, end to end
+    through the engine (prefill and decode), still answers the question."""
+    from lmserver.testing import run_readme_section
+
+    namespace = run_readme_section(Path(__file__).parents[1] / "README.md", "## FP8 weights and KV cache")
+    out: Any = namespace["out"]
+    assert "Paris" in out["text"], out["text"]
+    assert out["meta_info"]["completion_tokens"] >= 1
