@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import urllib.parse
 from typing import Any
@@ -330,17 +331,17 @@ def _instances(draw: st.DrawFn) -> str:
     return "{" + ",".join(parts) + "}"
 
 
-_PROPERTY_DFA: list[Dfa] = []
+@functools.cache
+def _property_dfa() -> Dfa:
+    return _dfa(PROPERTY_SCHEMA, CfsmConfig())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=_instances())
 def test_random_instances_accepted_iff_valid(text: str) -> None:
-    if not _PROPERTY_DFA:
-        _PROPERTY_DFA.append(_dfa(PROPERTY_SCHEMA, CfsmConfig()))
     valid = _valid(PROPERTY_SCHEMA, text) and all(
         _extra_format_ok("date", v) for v in [json.loads(text).get("day")] if isinstance(v, str))
-    assert _PROPERTY_DFA[0].fullmatch(text.encode()) == valid, text
+    assert _property_dfa().fullmatch(text.encode()) == valid, text
 
 
 ANY_ORDER_SCHEMA = {
@@ -350,7 +351,12 @@ ANY_ORDER_SCHEMA = {
     "required": ["a", "c"],
     "additionalProperties": False,
 }
-_ANY_ORDER_DFA: list[Dfa] = []
+
+
+@functools.cache
+def _any_order_dfas() -> tuple[Dfa, Dfa]:
+    return (_dfa(ANY_ORDER_SCHEMA, CfsmConfig(any_order=True)),
+            _dfa(ANY_ORDER_SCHEMA, CfsmConfig(any_order=True, whitespace="flexible")))
 
 
 @st.composite
@@ -369,15 +375,13 @@ def _any_order_instances(draw: st.DrawFn) -> tuple[str, str]:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts=_any_order_instances())
 def test_any_order_and_flexible_whitespace_accept_iff_valid(texts: tuple[str, str]) -> None:
-    if not _ANY_ORDER_DFA:
-        _ANY_ORDER_DFA.append(_dfa(ANY_ORDER_SCHEMA, CfsmConfig(any_order=True)))
-        _ANY_ORDER_DFA.append(_dfa(ANY_ORDER_SCHEMA, CfsmConfig(any_order=True, whitespace="flexible")))
+    compact_dfa, spaced_dfa = _any_order_dfas()
     compact, spaced = texts
     keys = regex.findall(r'"([a-e])":', compact)
     # duplicate keys are valid JSON Schema instances (the last wins) but never generated: excluded
     valid = _valid(ANY_ORDER_SCHEMA, compact) and len(keys) == len(set(keys))
-    assert _ANY_ORDER_DFA[0].fullmatch(compact.encode()) == valid, compact
-    assert _ANY_ORDER_DFA[1].fullmatch(spaced.encode()) == valid, spaced
+    assert compact_dfa.fullmatch(compact.encode()) == valid, compact
+    assert spaced_dfa.fullmatch(spaced.encode()) == valid, spaced
 
 
 def _mutually_recursive(k: int) -> dict[str, Any]:
