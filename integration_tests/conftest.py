@@ -1,8 +1,14 @@
 """Client fixtures shared by the real-server test modules; each module defines its own
-module-scoped `server` fixture (a started `lmserver.testing.ServerProcess`) with its options."""
+module-scoped `server` fixture (a started `lmserver.testing.ServerProcess`) with its options.
+
+`idle_invariant(client)` waits until the server has no running or waiting request, then checks
+the KV memory invariant (the core checks it only when idle). The modules call it in a test of its
+own and again when their server stops, so that it holds after all their tests in any order."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,3 +28,23 @@ def oai(server: Any) -> Any:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     yield client
     client.close()
+
+
+def _idle_invariant(client: httpx.Client, timeout_s: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sched = client.get("/get_server_info").json()["scheduler"]
+        if sched["num_running_reqs"] == 0 and sched["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the server is not idle after {timeout_s} s: {sched}"
+        time.sleep(0.05)
+    r = client.get("/check_memory_invariant")
+    assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+    return dict(sched)
+
+
+@pytest.fixture(scope="session")
+def idle_invariant() -> Callable[..., dict[str, Any]]:
+    """Waits until the client's server is idle, asserts the KV memory invariant, returns the
+    scheduler stats."""
+    return _idle_invariant

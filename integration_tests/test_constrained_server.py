@@ -25,11 +25,13 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
+def server(idle_invariant: Any) -> Any:
     srv = ServerProcess(["--context-length", "1024", "--disable-jump-forward", "--grammar-compile-timeout-s", "20"],
                         core=None, env=ENV)
     srv.start(timeout_s=900)
     yield srv
+    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        idle_invariant(client)  # after the module's tests, in whatever order they ran
     assert srv.stop() == 0, srv.log_tail()
 
 
@@ -101,5 +103,5 @@ def test_lmdsl_typed_and_schema_gens(server: ServerProcess) -> None:
     assert pet["kind"] in ("cat", "dog") and 0 <= pet["age"] <= 30
 
 
-def test_zz_memory_invariant(http: httpx.Client) -> None:
-    assert http.get("/check_memory_invariant").json() == {"ok": True}
+def test_memory_invariant_when_idle(http: httpx.Client, idle_invariant: Any) -> None:
+    idle_invariant(http)

@@ -72,7 +72,14 @@ def server() -> Any:
                         core=None, env={"OMP_NUM_THREADS": "1"})
     srv.start(timeout_s=900)
     yield srv
+    # lifecycle, after the module's tests in whatever order they ran: the workers exit with the server
+    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        workers = _workers(client)
     assert srv.stop() == 0, srv.log_tail()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in workers):
+        assert time.monotonic() < deadline, [p for p in workers if _alive(p)]
+        time.sleep(0.05)
 
 
 def _stream(base_url: str, times: list[float], stop: threading.Event, errors: list[BaseException]) -> None:
@@ -207,12 +214,16 @@ def test_strict_and_approximation_notes(http: httpx.Client, oai: openai.OpenAI) 
     assert "grammar_approximations" not in plain
 
 
-def test_zz_workers_exit_with_the_server(server: ServerProcess, http: httpx.Client) -> None:
+def _workers(http: httpx.Client, timeout_s: float = 60.0) -> list[int]:
+    """The engine core's child processes, once there are as many as workers (they start in the background)."""
     core = http.get("/get_server_info").json()["core_pid"]
-    workers = _children(core)
+    deadline = time.monotonic() + timeout_s
+    while len(workers := [p for p in _children(core) if _alive(p)]) < int(WORKERS) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(workers) == int(WORKERS), workers
-    assert server.stop() == 0, server.log_tail()
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in workers):
-        assert time.monotonic() < deadline, [p for p in workers if _alive(p)]
-        time.sleep(0.05)
+    return workers
+
+
+def test_the_compile_workers_are_children_of_the_core(http: httpx.Client) -> None:
+    """(That they exit with the server is checked when the module's server stops.)"""
+    _workers(http)

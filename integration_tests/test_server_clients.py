@@ -25,10 +25,12 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
+def server(idle_invariant: Any) -> Any:
     srv = ServerProcess(["--context-length", "2048"], core=None, env=ENV)
     srv.start(timeout_s=900)
     yield srv
+    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        idle_invariant(client)  # after the module's tests, in whatever order they ran
     assert srv.stop() == 0, srv.log_tail()
 
 
@@ -216,7 +218,5 @@ def test_response_format_json_schema(oai: Any) -> None:
     assert r.choices[0].finish_reason == "stop"
 
 
-def test_zz_memory_invariant_at_the_end(http: httpx.Client) -> None:
-    assert http.get("/check_memory_invariant").json() == {"ok": True}
-    info = http.get("/get_server_info").json()
-    assert info["scheduler"]["num_running_reqs"] == 0
+def test_memory_invariant_when_idle(http: httpx.Client, idle_invariant: Any) -> None:
+    assert idle_invariant(http)["num_running_reqs"] == 0

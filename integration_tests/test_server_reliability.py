@@ -27,13 +27,30 @@ PROMPT = "The capital of France is"
 GRACE_S = 3.0
 
 
+ARGS = ["--context-length", "2048", "--api-key", KEY, "--incremental-streaming-output", "--shutdown-timeout-s", str(GRACE_S)]
+
+
 @pytest.fixture(scope="module")
 def server() -> Any:
-    srv = ServerProcess(["--context-length", "2048", "--api-key", KEY, "--incremental-streaming-output",
-                         "--shutdown-timeout-s", str(GRACE_S)], core=None, env=ENV)
+    srv = ServerProcess(ARGS, core=None, env=ENV)
     srv.start(timeout_s=900)
     yield srv
     assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture
+def own_server() -> Any:
+    """A server of the test's own, for a test that stops it (the module's server serves the others)."""
+    srv = ServerProcess(ARGS, core=None, env=ENV)
+    srv.start(timeout_s=900)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def own_client(own_server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=own_server.base_url, timeout=120, headers=AUTH) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +163,9 @@ def test_clear_messages_and_the_engine_survives(client: httpx.Client, path: str,
     _still_serves(client)
 
 
-# -- SIGTERM drain (last: it stops the module's server) -----------------------------------------
-def test_zz_sigterm_drains_then_ends_what_remains(server: ServerProcess, client: httpx.Client) -> None:
+# -- SIGTERM drain (on a server of its own: it stops it) -------------------------------------------
+def test_sigterm_drains_then_ends_what_remains(own_server: ServerProcess, own_client: httpx.Client) -> None:
+    server, client = own_server, own_client
     long_params = {"max_new_tokens": 1900, "ignore_eos": True}
     out: dict[str, Any] = {"events": []}
     streaming = threading.Event()
