@@ -305,22 +305,22 @@ def test_torch_native_with_fp8_kv_attends_to_the_dequantized_cache() -> None:
 @pytest.mark.slow
 def test_embedded_model_fp8_agrees_with_float32() -> None:
     """Online FP8 weights + FP8 KV cache against the float32 model, on the fixed text of
-    benchmarks/fp8/bench_fp8_accuracy.py (its first 512 tokens here; the benchmark measures 20k+)."""
+    benchmarks/fp8/bench_fp8_accuracy.py (its first 320 tokens here; the benchmark measures 20k)."""
     from pydoc_data.topics import topics
 
     from lmserver.default_model import default_model_path
     from lmserver.engine.accuracy import agreement, window_logits, window_runner
+    from lmserver.models.quantization import quantize_linears_
 
     path = default_model_path()
     config = read_model_config(path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    ids = tokenizer("\n\n".join(topics[k] for k in sorted(topics)))["input_ids"][:512]
-    ref = load_model(config, path, dtype=torch.float32, max_positions=512)
-    fp8 = load_model(config, path, dtype=torch.float32, max_positions=512, quantization="fp8")
-    a = window_logits(window_runner(ref, 512), ids)
-    b = window_logits(window_runner(fp8, 512, "fp8_e4m3"), ids)
-    score = agreement(a, b)
-    # measured 2026-12: see benchmarks/RESULTS.md (FP8 accuracy); margins below the measured values
+    ids = tokenizer("\n\n".join(topics[k] for k in sorted(topics)))["input_ids"][:320]
+    model = load_model(config, path, dtype=torch.float32, max_positions=320)
+    ref = window_logits(window_runner(model, 320), ids)
+    quantize_linears_(model, None)  # what quantization="fp8" does after loading (one load here)
+    score = agreement(ref, window_logits(window_runner(model, 320, "fp8_e4m3"), ids))
+    # measured on these tokens: top-1 0.91, mean KL 0.028 (20k tokens: benchmarks/RESULTS.md)
     assert score.top1 >= 0.85, score
     assert score.mean_kl <= 0.05, score
 
