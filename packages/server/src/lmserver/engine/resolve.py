@@ -83,16 +83,19 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
         return DTYPES[dtype]
     if kv_cache_dtype in KV_CACHE_DTYPES:
         return KV_CACHE_DTYPES[kv_cache_dtype]
-    if kv_cache_dtype in DTYPES:
-        return DTYPES[kv_cache_dtype]
+    if kv_cache_dtype == dtype:  # a resolved "auto"
+        return DTYPES[dtype]
     raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
 
 
-def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str, dtype: str) -> tuple[str | None, str]:
-    """(quantization, kv_cache_dtype) resolved: "fp8" for an FP8 checkpoint or `--quantization
-    fp8`, else None; "auto" KV becomes the model dtype's name. Raises ConfigError before anything
-    loads for an unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8 (compute
-    capability < 8.9, named), and FP8 with tensor parallelism or lowlat plugins (not built)."""
+def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
+                dtype: str) -> tuple[str | None, str, str]:
+    """(quantization, kv_cache_dtype, lowlat_plugins) resolved: "fp8" for an FP8 checkpoint or
+    `--quantization fp8`, else None; "auto" KV becomes the model dtype's name; lowlat `auto`
+    becomes `off` with FP8 (its plugins read no FP8 yet; logged). Raises ConfigError before
+    anything loads for an unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8
+    (compute capability < 8.9, named), and FP8 with tensor parallelism or a required lowlat
+    plugin (not built)."""
     from lmserver.layers.fp8_linear import fp8_unsupported_reason
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
@@ -113,9 +116,12 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str, dt
                               "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
         if config.tp_size > 1:
             raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
+        if config.lowlat_plugins.startswith("auto"):
+            logger.info("lowlat plugins off: %s is not supported by them yet", what)
+            return quant, kv, "off"
         if config.lowlat_plugins != "off":
             raise ConfigError(f"{what} with lowlat plugins is not supported yet; use --lowlat-plugins off")
-    return quant, kv
+    return quant, kv, config.lowlat_plugins
 
 
 # The issue asks `auto` to pick flashinfer when it imports on CUDA; the backend has not run on a
@@ -208,8 +214,8 @@ def resolve_config(
     """A new ServerConfig with every "auto"/None engine value filled in."""
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
-    quantization, kv_cache_dtype = resolve_fp8(config, model_config, device, dtype)
-    config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    quantization, kv_cache_dtype, lowlat = resolve_fp8(config, model_config, device, dtype)
+    config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype, lowlat_plugins=lowlat)
     kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes)
     kv_tokens -= kv_tokens % config.page_size
     context = config.context_length or model_config.max_position_embeddings
