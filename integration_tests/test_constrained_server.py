@@ -59,7 +59,8 @@ def test_native_bad_grammars_are_400(http: httpx.Client) -> None:
     cases = [({"regex": "(ab"}, "invalid regex grammar"),
              ({"json_schema": "{not json"}, "not valid JSON"),
              ({"json_schema": json.dumps({"type": "integer", "minimum": 5, "maximum": 1})}, "invalid json_schema"),
-             ({"ebnf": "root ::= 'a'"}, "not supported yet")]
+             ({"ebnf": "root ::= '[' \n  item ']'"}, "line 2, column 3: undefined rule 'item'"),
+             ({"ebnf": "root ::= e\ne ::= e '+' 'x' | 'x'"}, "left-recursive")]
     for params, message in cases:
         r = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, **params}})
         assert r.status_code == 400, (params, r.text)
@@ -77,9 +78,9 @@ def test_openai_response_formats_and_errors(oai: openai.OpenAI) -> None:
     r = oai.completions.create(model="default", prompt="The answer is", max_tokens=8, temperature=0.7, n=2, seed=3,
                                extra_body={"regex": " (yes|no|maybe)"})
     assert len(r.choices) == 2 and all(c.text in (" yes", " no", " maybe") for c in r.choices)
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+    with pytest.raises(openai.BadRequestError, match="line 1, column 14"):
         oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                    extra_body={"ebnf": "root ::= 'a'"})
+                                    extra_body={"ebnf": "root ::= 'a' @"})
     with pytest.raises(openai.BadRequestError, match="invalid regex grammar"):
         oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                     extra_body={"regex": "a{3,1}"})
@@ -101,6 +102,43 @@ def test_lmdsl_typed_and_schema_gens(server: ServerProcess) -> None:
     assert state["married"] in ("True", "False")
     pet = json.loads(state["pet"])
     assert pet["kind"] in ("cat", "dog") and 0 <= pet["age"] <= 30
+
+
+# recursive (a pushdown grammar, not regular): nested lists of small numbers
+NESTED = 'root ::= "[" ( item ( ", " item )* )? "]"\nitem ::= [0-9]{1,2} | root'
+
+
+def _in_nested(text: str, complete: bool) -> bool:
+    from cfsm.grammar import parse_ebnf
+    from cfsm.grammar.testing import accepts
+
+    grammar = parse_ebnf(NESTED)
+    if complete:
+        return accepts(grammar, text)
+    return any(accepts(grammar, text + tail) for tail in ("]" * k for k in range(0, 40)))
+
+
+def test_ebnf_native_openai_and_lmdsl(http: httpx.Client, oai: openai.OpenAI, server: ServerProcess) -> None:
+    r = http.post("/generate", json={"text": ["A nested list: ", "Numbers as nested lists: "], "sampling_params": [
+        {"max_new_tokens": 32, "temperature": t, "sampling_seed": 2, "ebnf": NESTED} for t in (0.0, 1.0)]})
+    assert r.status_code == 200, r.text
+    for out in r.json():
+        complete = out["meta_info"]["finish_reason"]["type"] == "stop"
+        assert out["text"].startswith("[") and _in_nested(out["text"], complete), out
+        if complete:
+            assert isinstance(json.loads(out["text"]), list)
+    for kw in ({"extra_body": {"ebnf": NESTED}}, {"response_format": {"type": "ebnf", "ebnf": NESTED}}):
+        c = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "A nested list."}],
+                                        max_tokens=32, temperature=0, **kw)  # type: ignore[call-overload]
+        text = c.choices[0].message.content or ""
+        assert _in_nested(text, c.choices[0].finish_reason == "stop"), (kw, text)
+
+    @sgl.function
+    def nested(s: Any) -> None:
+        s += "A nested list: " + sgl.gen("v", ebnf=NESTED, max_tokens=32, temperature=0)
+
+    state = nested.run(backend=sgl.RuntimeEndpoint(server.base_url))
+    assert state.error() is None and _in_nested(state["v"], False), state["v"]
 
 
 def test_memory_invariant_when_idle(http: httpx.Client, idle_invariant: Any) -> None:

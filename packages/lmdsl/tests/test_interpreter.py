@@ -63,6 +63,7 @@ def test_constraints_reach_the_backend_and_are_validated() -> None:
         s += " s=" + sgl.gen_string("s")
         s += " j=" + sgl.gen("j", json_schema=schema)
         s += " r=" + sgl.gen("r", regex=r"(yes|no)")
+        s += " e=" + sgl.gen("e", ebnf='root ::= "[" (root ("," root)*)? "]"')
 
     state = prog.run(backend=backend)
     calls = backend.calls_of("generate")
@@ -70,8 +71,11 @@ def test_constraints_reach_the_backend_and_are_validated() -> None:
     assert re.fullmatch(calls[1].params.constraint_regex(), state["s"])
     assert json.loads(calls[2].params.to_native()["json_schema"]) == schema
     assert calls[3].params.to_native()["regex"] == "(yes|no)"
+    assert calls[4].params.to_native()["ebnf"] == 'root ::= "[" (root ("," root)*)? "]"'
     with pytest.raises(ValueError, match="at most one"):
         sgl.gen("x", regex="a", dtype=int)
+    with pytest.raises(ValueError, match="at most one"):
+        sgl.gen("x", ebnf="root ::= 'a'", json_schema={})
     with pytest.raises(ValueError, match="dtype"):
         sgl.gen("x", dtype=list)
 

@@ -204,6 +204,15 @@ def test_constraints_need_an_endpoint_that_accepts_them(serve, tmp_path: Path) -
     assert state["age"] == " 30"
     assert server.requests_to("/v1/completions")[-1]["regex"] == r" [0-9]+"
 
+    @sgl.function
+    def age_ebnf(s):
+        s += PREAMBLE + "Age:" + sgl.gen("age", ebnf='root ::= " " [0-9]+', max_tokens=8)
+
+    state = age_ebnf.run(backend=completion_backend(server))
+    assert isinstance(state.error().__cause__, sgl.ConstraintNotSupportedError)
+    age_ebnf.run(backend=completion_backend(server, constrained_decoding=True))
+    assert server.requests_to("/v1/completions")[-1]["ebnf"] == 'root ::= " " [0-9]+'
+
     picture = tmp_path / "p.png"
     picture.write_bytes(b"png")
 

@@ -88,12 +88,21 @@ def test_response_format_becomes_a_json_schema_string() -> None:
     assert json.loads(sampling_params(req, None)[0].json_schema or "") == {"type": "object"}
 
 
-def test_ebnf_is_refused_and_content_parts_are_joined() -> None:
+def test_ebnf_forms_and_content_parts_are_joined() -> None:
     req = ChatCompletionRequest.model_validate_json(json.dumps({
         "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "ebnf": "root ::= 'x'"}))
-    with pytest.raises(APIError, match="not supported yet"):
-        sampling_params(req, None)
+    assert sampling_params(req, None)[0].ebnf == "root ::= 'x'"
+    for fmt in ({"type": "ebnf", "ebnf": "root ::= 'y'"}, {"type": "grammar", "grammar": "root ::= 'y'"}):
+        r = ChatCompletionRequest.model_validate_json(json.dumps({
+            "messages": [{"role": "user", "content": "x"}], "response_format": fmt}))
+        assert sampling_params(r, None)[0].ebnf == "root ::= 'y'"
+    for body in ({"response_format": {"type": "ebnf"}},
+                 {"response_format": {"type": "ebnf", "ebnf": "root ::= 'y'"}, "regex": "a"}):
+        r = ChatCompletionRequest.model_validate_json(json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                                  **body}))
+        with pytest.raises(APIError, match="response_format"):
+            sampling_params(r, None)
     assert chat_messages(req) == ([{"role": "system", "content": "ab"}], [])
     img = ChatCompletionRequest.model_validate_json(json.dumps({
         "messages": [{"role": "user", "content": [{"type": "text", "text": "see"},

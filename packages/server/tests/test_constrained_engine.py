@@ -89,6 +89,33 @@ def test_regex_and_schema_outputs_are_in_the_language(engine: Engine) -> None:
     _idle_check(engine)
 
 
+NESTED_LIST = r"""
+root ::= "[" ( item ( ", " item )* )? "]"
+item ::= [0-9]{1,3} | root
+"""
+
+
+def test_ebnf_outputs_are_in_the_language(engine: Engine) -> None:
+    import cfsm
+    from cfsm.grammar import parse_ebnf
+    from cfsm.grammar.testing import accepts
+
+    grammar = parse_ebnf(NESTED_LIST)
+    outs = engine.generate(["A nested list of small numbers: ", "Matrix 2x2 as nested lists: "], [
+        {"max_new_tokens": 40, "ebnf": NESTED_LIST, "temperature": t, "sampling_seed": 3} for t in (0.0, 0.9)])
+    assert isinstance(outs, list)
+    vocab = engine.core.constrained.backend.vocab
+    index = cfsm.compile_ebnf(NESTED_LIST, vocab)
+    assert isinstance(index, cfsm.GrammarIndex)  # recursive: the pushdown matcher
+    for out in outs:
+        assert engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True) == out["text"]
+        guide = cfsm.Guide(index)
+        guide.advance_many([t for t in out["output_ids"] if t not in vocab.eos_token_ids])  # every token allowed
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert accepts(grammar, out["text"]) and isinstance(json.loads(out["text"]), list), out
+    _idle_check(engine)
+
+
 def test_json_object_and_errors(engine: Engine) -> None:
     out = engine.generate("A JSON object:", {"max_new_tokens": 48, "temperature": 0.0,
                                              "json_schema": '{"type": "object"}'})
@@ -96,14 +123,14 @@ def test_json_object_and_errors(engine: Engine) -> None:
     assert out["text"].startswith("{")
     if out["meta_info"]["finish_reason"]["type"] == "stop":
         assert isinstance(json.loads(out["text"]), dict)
-    with pytest.raises(InvalidRequestError, match="ebnf constraints are not supported yet"):
-        engine.generate("x", {"ebnf": "root ::= 'a'"})
     with pytest.raises(InvalidRequestError, match="json_schema is not valid JSON"):
         engine.generate("x", {"json_schema": "{not json"})
     # a bad grammar fails its own request only
-    bad, good = engine.generate(["x", "The capital of France is"], [
-        {"regex": "(ab", "max_new_tokens": 4}, {"max_new_tokens": 3, "temperature": 0.0}])
+    bad, good, bad_ebnf = engine.generate(["x", "The capital of France is", "y"], [
+        {"regex": "(ab", "max_new_tokens": 4}, {"max_new_tokens": 3, "temperature": 0.0},
+        {"ebnf": "root ::= '[' \nitem ']'", "max_new_tokens": 4}])
     assert "invalid regex grammar" in bad["meta_info"]["error"]
+    assert "line 2, column 1: undefined rule 'item'" in bad_ebnf["meta_info"]["error"]
     assert bad["meta_info"]["finish_reason"]["type"] == "abort" and bad["output_ids"] == []
     assert good["meta_info"]["completion_tokens"] == 3
     _idle_check(engine)

@@ -69,8 +69,9 @@ def test_grammar_key_kinds_and_errors() -> None:
     assert grammar_key(SamplingParams(json_schema='{"type": "object"}')) == GrammarKey("json_object", "")
     key = grammar_key(SamplingParams(json_schema='{"type": "integer",  "minimum": 1}'))
     assert key == GrammarKey("json_schema", '{"type":"integer","minimum":1}')
-    with pytest.raises(GrammarError, match="ebnf constraints are not supported yet"):
-        grammar_key(SamplingParams(ebnf="root ::= 'a'"))
+    assert grammar_key(SamplingParams(ebnf="root ::= 'a'")) == GrammarKey("ebnf", "root ::= 'a'")
+    with pytest.raises(GrammarError, match="the ebnf is 12 characters long"):
+        grammar_key(SamplingParams(ebnf="root ::= 'a'"), max_length=5)
     with pytest.raises(InvalidRequestError, match="json_schema is not valid JSON"):
         grammar_key(SamplingParams(json_schema="{nope"))
 

@@ -60,7 +60,15 @@ def _backend(**kw: object) -> GrammarBackend:
     return GrammarBackend(None, VOCAB.size, VOCAB.eos_token_ids, vocab=VOCAB, **kw)  # type: ignore[arg-type]
 
 
-def _same(a: cfsm.Index, b: cfsm.Index) -> None:
+EBNF = 'root ::= "(" (root | [0-9]+) ")"'
+
+
+def _same(a: cfsm.Index | cfsm.GrammarIndex, b: cfsm.Index | cfsm.GrammarIndex) -> None:
+    if isinstance(a, cfsm.GrammarIndex) or isinstance(b, cfsm.GrammarIndex):
+        assert isinstance(a, cfsm.GrammarIndex) and isinstance(b, cfsm.GrammarIndex)
+        assert np.array_equal(a.pda.trans, b.pda.trans) and a.pda.calls == b.pda.calls
+        assert np.array_equal(a.mask(a.start), b.mask(b.start)) and a.grammar == b.grammar
+        return
     assert np.array_equal(a.dfa.transitions, b.dfa.transitions)
     assert np.array_equal(a.dfa.accepting, b.dfa.accepting) and a.dfa.start == b.dfa.start
     assert np.array_equal(a.masks, b.masks) and np.array_equal(a.mask_row, b.mask_row)
@@ -84,6 +92,7 @@ def test_workers_start_with_the_first_grammar_and_match_an_in_process_compile(ba
     cases = [(GrammarKey("regex", r"[0-9]{2,4}(ab|c)?"), cfsm.compile_regex(r"[0-9]{2,4}(ab|c)?", VOCAB)),
              (GrammarKey("json_schema", json.dumps(schema)), cfsm.compile_json_schema(json.dumps(schema), VOCAB)),
              (GrammarKey("json_object", ""), cfsm.compile_json_object(VOCAB, object_only=True)),
+             (GrammarKey("ebnf", EBNF), cfsm.compile_ebnf(EBNF, VOCAB)),
              (GrammarKey("json_schema", json.dumps(UNIQUE)), cfsm.compile_json_schema(UNIQUE, VOCAB))]
     for key, expected in cases:
         got = backend.compile(key)

@@ -37,24 +37,26 @@ def gen(
     choices_method: Any = None,
     regex: str | None = None,
     json_schema: str | dict[str, Any] | None = None,
+    ebnf: str | None = None,
 ) -> Node:
     """A generation; its text is appended to the prompt and stored as variable `name`.
 
     Unset parameters fall back to the `run(...)` sampling arguments, then to the defaults
     (max_tokens=128, temperature=1.0). `choices=` makes it a `select`. At most one of `regex`,
-    `json_schema`, `dtype` constrains the output.
+    `json_schema`, `ebnf` (a GBNF grammar, start rule `root`), `dtype` constrains the output.
     """
     if choices is not None:
         return select(name, choices, temperature=0.0 if temperature is None else temperature,
                       choices_method=choices_method)
-    if sum(x is not None for x in (regex, json_schema, dtype)) > 1:
-        raise ValueError(f"gen({name!r}): give at most one of regex, json_schema, dtype")
+    if sum(x is not None for x in (regex, json_schema, ebnf, dtype)) > 1:
+        raise ValueError(f"gen({name!r}): give at most one of regex, json_schema, ebnf, dtype")
     params = SamplingParams.build(
         max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
         stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, ignore_eos=ignore_eos,
         return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex, json_schema=json_schema,
+        ebnf=ebnf,
     )
     params.constraint_regex()  # validates dtype now, at the call site
     return Gen(name, params)

@@ -431,7 +431,8 @@ class StreamExecutor:
             return
         speculative = (
             self.num_api_spec_tokens is not None and not self.backend.is_chat_model and not self.stream
-            and params.constraint_regex() is None and params.json_schema is None and (params.n or 1) == 1
+            and params.constraint_regex() is None and params.json_schema is None and params.ebnf is None
+            and (params.n or 1) == 1
             and bool(params.stop)
         )
         if speculative:

@@ -55,6 +55,7 @@ class SamplingParams:
     dtype: Any = None
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None
 
     @staticmethod
     def build(**kw: Any) -> SamplingParams:
@@ -92,7 +93,7 @@ class SamplingParams:
         """The `sampling_params` object of the native `/generate` request (unset fields left out)."""
         out: dict[str, Any] = {}
         for name in ("max_new_tokens", "min_new_tokens", "n", "temperature", "top_p", "top_k", "min_p",
-                     "frequency_penalty", "presence_penalty", "ignore_eos", "json_schema"):
+                     "frequency_penalty", "presence_penalty", "ignore_eos", "json_schema", "ebnf"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

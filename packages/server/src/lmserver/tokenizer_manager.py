@@ -264,8 +264,6 @@ class TokenizerManager:
                 re.compile(pattern)
             except re.error as exc:
                 raise InvalidRequestError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
-        if params.ebnf is not None:
-            raise InvalidRequestError("ebnf constraints are not supported yet; use regex or json_schema")
         n, ctx = len(input_ids), self.context_length
         if n > ctx or (n == ctx and params.max_new_tokens > 0):
             raise InvalidRequestError(

@@ -153,6 +153,12 @@ class OpenAI(Backend):
                     f"{self.model_name}: regex/dtype constraints need an endpoint that accepts 'regex' in the extra "
                     "body (lmserver, SGLang, vLLM); pass OpenAI(..., constrained_decoding=True) if this one does")
             extra["regex"] = regex
+        if params.ebnf is not None:
+            if not self.constrained_decoding:
+                raise ConstraintNotSupportedError(
+                    f"{self.model_name}: ebnf constraints need an endpoint that accepts 'ebnf' in the extra body "
+                    "(lmserver, SGLang); pass OpenAI(..., constrained_decoding=True) if this one does")
+            extra["ebnf"] = params.ebnf
         if params.json_schema is not None:
             schema = {"type": "json_schema", "json_schema": {"name": "output", "schema": json.loads(params.json_schema)}}
             if self.is_chat_model:

@@ -28,8 +28,11 @@ class JsonSchemaFormat(_Base):
 
 
 class ResponseFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "ebnf", "grammar"]
     json_schema: JsonSchemaFormat | None = None
+    # {"type": "ebnf", "ebnf": "root ::= ..."} or {"type": "grammar", "grammar": "root ::= ..."} (GBNF)
+    ebnf: str | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(_Base):
@@ -97,16 +100,20 @@ class ChatCompletionRequest(_SamplingFields):
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[SamplingParams, bool]:
     """The native sampling parameters of an OpenAI request, and whether max_tokens was given."""
-    if req.ebnf is not None:
-        raise APIError(400, "ebnf constraints are not supported yet; use regex or response_format json_schema",
-                       param="ebnf")
     json_schema = req.json_schema
+    ebnf = req.ebnf
     strict: bool | None = None
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
-        if json_schema is not None or req.regex is not None:
-            raise APIError(400, "give only one of response_format, regex and json_schema", param="response_format")
-        if fmt.type == "json_object":
+        if json_schema is not None or req.regex is not None or ebnf is not None:
+            raise APIError(400, "give only one of response_format, regex, json_schema and ebnf",
+                           param="response_format")
+        if fmt.type in ("ebnf", "grammar"):
+            ebnf = fmt.ebnf if fmt.type == "ebnf" else fmt.grammar
+            if ebnf is None:
+                raise APIError(400, f"response_format {fmt.type} needs a {fmt.type!r} field with the GBNF text",
+                               param="response_format")
+        elif fmt.type == "json_object":
             json_schema = '{"type": "object"}'
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -132,7 +139,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> tuple[Sampl
         min_p=req.min_p or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        n=req.n, logit_bias=bias, sampling_seed=req.seed, regex=req.regex, json_schema=json_schema,
+        n=req.n, logit_bias=bias, sampling_seed=req.seed, regex=req.regex, json_schema=json_schema, ebnf=ebnf,
         json_schema_strict=strict, skip_special_tokens=req.skip_special_tokens)
     params.validate()
     return params, max_tokens is not None

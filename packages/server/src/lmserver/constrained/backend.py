@@ -1,4 +1,4 @@
-"""Grammar backend: compile regex / JSON Schema constraints with cfsm, off the engine thread.
+"""Grammar backend: compile regex / JSON Schema / EBNF constraints with cfsm, off the engine thread.
 
 Compiles run in worker processes (`workers.CompilePool`, started on the first grammar); with
 `compile_workers=0` they run in daemon threads of this process instead (tests only: a thread's
@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import cfsm
-from lmserver.constrained.compile_worker import KINDS, CompileJob, compile_error_message, compile_index
+from lmserver.constrained.compile_worker import (
+    KINDS,
+    CompiledIndex,
+    CompileJob,
+    compile_error_message,
+    compile_index,
+)
 from lmserver.constrained.workers import CompilePool, PoolStats
 from lmserver.io_struct import InvalidRequestError, OverloadedError, SamplingParams
 
@@ -42,7 +48,7 @@ __all__ = ["KINDS", "GrammarBackend", "GrammarError", "GrammarKey", "GrammarQueu
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LENGTH = 4 << 20  # characters of a regex or JSON Schema text (--grammar-max-length)
+DEFAULT_MAX_LENGTH = 4 << 20  # characters of a regex, JSON Schema or EBNF text (--grammar-max-length)
 # JSON Schema texts up to this many characters are parsed on the engine thread (a 400 for bad JSON before any
 # compile) and re-serialized compactly (one cache entry for any spacing); longer ones are keyed as sent and
 # parsed by the worker (json.loads of 4 MB would hold the engine thread for tens of ms)
@@ -62,7 +68,8 @@ class GrammarQueueFullError(GrammarError, OverloadedError):
 
 @dataclass(frozen=True)
 class GrammarKey:
-    """What to compile: `kind` is "regex", "json_schema" or "json_object"; `text` its source;
+    """What to compile: `kind` is "regex", "json_schema", "json_object" or "ebnf" (GBNF, start
+    rule `root`); `text` its source;
     `strict` (JSON Schema only): a keyword cfsm can only over-approximate fails the compile."""
 
     kind: str
@@ -75,23 +82,24 @@ class GrammarTicket:
     """A pending compile for one request (its deadline is per request)."""
 
     key: GrammarKey
-    future: cf.Future[cfsm.Index]
+    future: cf.Future[CompiledIndex]
     deadline: float
 
 
 def grammar_key(params: SamplingParams, *, strict: bool = False, max_length: int = DEFAULT_MAX_LENGTH) -> GrammarKey | None:
     """The grammar a request asks for, or None. `strict` is the server default of
-    `params.json_schema_strict`. Raises GrammarError for `ebnf` (not supported yet), for a text
-    longer than `max_length` characters, and for JSON Schema text that is not JSON. Pure."""
-    if params.ebnf is not None:
-        raise GrammarError("ebnf constraints are not supported yet; use regex or json_schema")
-    for name in ("regex", "json_schema"):
+    `params.json_schema_strict`. Raises GrammarError for a text longer than `max_length`
+    characters, and for JSON Schema text that is not JSON (an EBNF's errors come from its
+    compile, with line and column). Pure."""
+    for name in ("regex", "json_schema", "ebnf"):
         text = getattr(params, name)
         if text is not None and len(text) > max_length:
             raise GrammarError(f"the {name} is {len(text):,} characters long; this server takes at most "
                                f"{max_length:,} (--grammar-max-length)")
     if params.regex is not None:
         return GrammarKey("regex", params.regex)
+    if params.ebnf is not None:
+        return GrammarKey("ebnf", params.ebnf)
     if params.json_schema is not None:
         per_request = params.json_schema_strict
         strict = strict if per_request is None else bool(per_request)
@@ -146,7 +154,7 @@ class _DaemonPool:
 class _Entry:
     """A cached grammar: its compile's future, and the pool's handle while it runs."""
 
-    future: cf.Future[cfsm.Index]
+    future: cf.Future[CompiledIndex]
     job: Any = None  # workers._Job of a process compile (its deadline is extended by later requests)
 
 
@@ -209,7 +217,7 @@ class GrammarBackend:
         self._lock = threading.RLock()
         self._vocab_lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
-        self._inflight: set[cf.Future[cfsm.Index]] = set()
+        self._inflight: set[cf.Future[CompiledIndex]] = set()
         self._vocab: cfsm.Vocabulary | None = vocab
         self._encode = encode
         self.hits = 0
@@ -267,7 +275,7 @@ class GrammarBackend:
                 return GrammarTicket(key, fut, deadline)
             if len(self._inflight) >= self.max_pending:
                 self.rejected += 1
-                refused: cf.Future[cfsm.Index] = cf.Future()
+                refused: cf.Future[CompiledIndex] = cf.Future()
                 refused.set_exception(GrammarQueueFullError(
                     f"the server is compiling {len(self._inflight)} grammars already (--grammar-max-pending); "
                     "retry later"))
@@ -294,11 +302,11 @@ class GrammarBackend:
             return dataclasses.replace(self.cfsm_config, strict=key.strict)
         return self.cfsm_config
 
-    def _build(self, key: GrammarKey) -> cfsm.Index:
+    def _build(self, key: GrammarKey) -> CompiledIndex:
         """One compile in this process (the thread pool's work)."""
         return compile_index(key.kind, key.text, self.vocab, self._config(key))
 
-    def _done(self, key: GrammarKey, fut: cf.Future[cfsm.Index]) -> None:
+    def _done(self, key: GrammarKey, fut: cf.Future[CompiledIndex]) -> None:
         with self._lock:
             self._inflight.discard(fut)
         if fut.exception() is None:
@@ -319,7 +327,7 @@ class GrammarBackend:
             f"compiling the {kind} grammar took longer than {self.compile_timeout_s:g} s "
             "(--grammar-compile-timeout-s); simplify it (bounded repetitions, fewer alternatives)")
 
-    def result(self, ticket: GrammarTicket) -> cfsm.Index | None:
+    def result(self, ticket: GrammarTicket) -> CompiledIndex | None:
         """The compiled index, None while compiling, or raises GrammarError (bad grammar, timeout,
         full queue). Mutates nothing."""
         fut = ticket.future
@@ -334,7 +342,7 @@ class GrammarBackend:
             raise exc
         raise GrammarError(compile_error_message(ticket.key.kind, exc)) from None
 
-    def compile(self, key: GrammarKey) -> cfsm.Index:
+    def compile(self, key: GrammarKey) -> CompiledIndex:
         """Blocking compile (cached): waits up to the timeout. Raises GrammarError."""
         ticket = self.submit(key)
         cf.wait([ticket.future], timeout=max(ticket.deadline - self.clock(), 0.0))

@@ -2,9 +2,10 @@
 
 A worker is a fresh interpreter that imports cfsm and this module only (no torch): it reads the
 vocabulary spec (`vocab_spec`) first, builds the cfsm `Vocabulary` and calls `prepare()` once,
-then compiles one `CompileJob` at a time. A compiled `cfsm.Index` goes back as its arrays
-(`index_payload`; the vocabulary never travels back) and the engine rebuilds the `Index` over its
-own (`index_from_payload`). Messages are pickles whose arrays travel out of band (`send_message`,
+then compiles one `CompileJob` at a time. A compiled `cfsm.Index` (or `cfsm.GrammarIndex`, a
+context-free grammar's pushdown matcher) goes back as its arrays (`index_payload`; the
+vocabulary never travels back) and the engine rebuilds the index over its own
+(`index_from_payload`). Messages are pickles whose arrays travel out of band (`send_message`,
 `recv_message`). The engine side is `workers.CompilePool`.
 """
 
@@ -30,12 +31,14 @@ from cfsm.automaton import Dfa
 __all__ = ["KINDS", "CompileJob", "compile_error_message", "compile_index", "index_from_payload", "index_payload",
            "recv_message", "send_message", "vocab_spec", "warm_index", "worker_entry"]
 
-KINDS = ("regex", "json_schema", "json_object")
+KINDS = ("regex", "json_schema", "json_object", "ebnf")
 
 # (tokens, eos_token_ids, size, special_token_ids): what a worker needs to build the Vocabulary
 VocabSpec = tuple[tuple[bytes, ...], tuple[int, ...], int, tuple[int, ...]]
-# (dfa.transitions, dfa.accepting, dfa.start, masks, mask_row, grammar, approximations)
-IndexPayload = tuple[Any, Any, int, Any, Any, str, tuple[cfsm.Approximation, ...]]
+# (dfa.transitions, dfa.accepting, dfa.start, masks, mask_row, grammar, approximations) of an Index,
+# or ("grammar", GrammarIndex.payload()) of a GrammarIndex
+IndexPayload = tuple[Any, ...]
+CompiledIndex = cfsm.Index | cfsm.GrammarIndex
 
 PROTOCOL = 5  # pickle protocol of every message
 _NICE = 5  # scheduling priority of a worker, below the engine's
@@ -54,7 +57,7 @@ class CompileJob:
 # --- the compile itself (both sides) ----------------------------------------------------------------
 
 
-def compile_index(kind: str, text: str, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -> cfsm.Index:
+def compile_index(kind: str, text: str, vocab: cfsm.Vocabulary, config: cfsm.CfsmConfig) -> CompiledIndex:
     """Compiles one grammar with cfsm. Raises what cfsm raises, ValueError for an unknown kind."""
     if kind == "regex":
         return cfsm.compile_regex(text, vocab, config)
@@ -62,6 +65,8 @@ def compile_index(kind: str, text: str, vocab: cfsm.Vocabulary, config: cfsm.Cfs
         return cfsm.compile_json_schema(text, vocab, config)
     if kind == "json_object":
         return cfsm.compile_json_object(vocab, config, object_only=True)
+    if kind == "ebnf":
+        return cfsm.compile_ebnf(text, vocab, config)
     raise ValueError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
 
 
@@ -75,25 +80,32 @@ def compile_error_message(kind: str, exc: BaseException) -> str:
     return f"compiling the {kind} grammar failed: {type(exc).__name__}: {exc}"
 
 
-def index_payload(index: cfsm.Index) -> IndexPayload:
+def index_payload(index: CompiledIndex) -> IndexPayload:
     """The arrays and notes of `index`, without its vocabulary (what a worker sends back). Pure."""
+    if isinstance(index, cfsm.GrammarIndex):
+        return ("grammar", index.payload())
     dfa = index.dfa
     return (dfa.transitions, dfa.accepting, int(dfa.start), index.masks, index.mask_row, index.grammar,
             tuple(index.approximations))
 
 
-def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> cfsm.Index:
-    """The `Index` of `payload` over `vocab` (the engine's own vocabulary; cf. cfsm `Compiler._load`)."""
+def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> CompiledIndex:
+    """The index of `payload` over `vocab` (the engine's own vocabulary; cf. cfsm `Compiler._load`)."""
+    if isinstance(payload[0], str) and payload[0] == "grammar":
+        return cfsm.GrammarIndex.from_payload(payload[1], vocab)
     transitions, accepting, start, masks, mask_row, grammar, approximations = payload
     dfa = Dfa(transitions=transitions, accepting=accepting, start=int(start))
     return cfsm.Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar,
                       approximations=tuple(approximations))
 
 
-def warm_index(index: cfsm.Index) -> cfsm.Index:
+def warm_index(index: CompiledIndex) -> CompiledIndex:
     """Computes what `Index` builds on first use (forced-string table, per-row token flags, EOS
     mask), so the engine thread does not at a request's admission (tens of ms for a DFA of 30k
     states; numpy, mostly without the GIL). Returns `index`."""
+    if isinstance(index, cfsm.GrammarIndex):
+        index.has_tokens(index.start)  # the start configuration's mask (the walks came with the payload)
+        return index
     index.compressed  # noqa: B018
     index.has_tokens(index.start)
     index.eos_mask  # noqa: B018

@@ -45,7 +45,8 @@ class JumpForward:
 class ReqGrammar:
     """The grammar state of one request. Not thread-safe (the engine loop owns it)."""
 
-    def __init__(self, index: cfsm.Index, encode: Callable[[str], list[int]], *, jump_forward: bool = True) -> None:
+    def __init__(self, index: cfsm.Index | cfsm.GrammarIndex, encode: Callable[[str], list[int]], *,
+                 jump_forward: bool = True) -> None:
         self.index = index
         self.guide = cfsm.Guide(index)
         # what the grammar over-approximates (str of cfsm.Approximation); reported once per request
@@ -72,8 +73,8 @@ class ReqGrammar:
         """Writes this request's allowed-token bitmask into `out[row]`. Mutates `out`."""
         self.guide.fill_mask(out, row)
 
-    def mask_key(self) -> tuple[cfsm.Index, int, bool]:
-        """What this request's mask depends on: (index, DFA state, finished). Equal keys (the
+    def mask_key(self) -> tuple[cfsm.Index | cfsm.GrammarIndex, int, bool]:
+        """What this request's mask depends on: (index, DFA state or parser configuration, finished). Equal keys (the
         index by identity) give equal masks, so a mask filled earlier may be used while the key
         is unchanged. Pure."""
         g = self.guide
@@ -99,7 +100,7 @@ class ReqGrammar:
         g = self.guide
         if g.eos_accepted or g.can_stop():
             return False
-        return int(g.index.mask_row[g.state]) < 0 or not g.index.has_tokens(g.state)
+        return not g.has_tokens()
 
     def forced_text(self) -> str:
         """The text the grammar forces from here ("" when none or jump-forward is off), without

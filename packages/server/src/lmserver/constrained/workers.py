@@ -38,6 +38,7 @@ from typing import Any
 import cfsm
 from lmserver.constrained.compile_worker import (
     PROTOCOL,
+    CompiledIndex,
     CompileJob,
     index_from_payload,
     recv_message,
@@ -81,7 +82,7 @@ class _Job:
     """A queued or running compile and the future its requests wait on (engine side)."""
 
     job: CompileJob
-    future: cf.Future[cfsm.Index]
+    future: cf.Future[CompiledIndex]
     deadline: float  # the latest deadline of the requests waiting for it; then it is killed
 
 
@@ -160,7 +161,7 @@ class CompilePool:
         with self._lock:
             return {w.proc.pid: w.job.job.kind for w in self._workers if w.job is not None}
 
-    def submit(self, kind: str, text: str, config: cfsm.CfsmConfig, deadline: float) -> tuple[_Job, cf.Future[cfsm.Index]]:
+    def submit(self, kind: str, text: str, config: cfsm.CfsmConfig, deadline: float) -> tuple[_Job, cf.Future[CompiledIndex]]:
         """Queues a compile; returns (its handle for `extend`, its future). Starts the pool on first use."""
         with self._lock:
             if self._stopping:
@@ -420,7 +421,7 @@ class CompilePool:
         self._set(job, exc=self._on_error(job.job.kind, message))
 
     @staticmethod
-    def _set(job: _Job, index: cfsm.Index | None = None, exc: BaseException | None = None) -> None:
+    def _set(job: _Job, index: CompiledIndex | None = None, exc: BaseException | None = None) -> None:
         if job.future.done():
             return
         if exc is not None:
