@@ -99,7 +99,8 @@ def main() -> None:
             parts[j].append(agreement(ref, window_logits(runner, w)))
             seconds[j] += time.perf_counter() - t0
         print(f"window {i + 1}/{len(windows)}: " + ", ".join(
-            f"{s[0]} {p[-1].top1:.3f}" for s, p in zip(setups, parts, strict=True)), flush=True)
+            f"{s[0]}: top-1 {p[-1].top1:.4f} KL {p[-1].mean_kl:.5f}" for s, p in zip(setups, parts, strict=True)),
+            flush=True)
     rows: list[dict[str, Any]] = []
     for (name, weights, kv), part, sec in zip(setups, parts, seconds, strict=True):
         score = merge(part)
