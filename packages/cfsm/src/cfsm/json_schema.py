@@ -334,8 +334,16 @@ class _Compiler:
     def _merge(self, a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
         return merge_schemas(a, b, path, self.approximate)
 
+    def _plain_ref(self, rest: dict[str, Any], sub: Any) -> bool:
+        """Rule mode, and `sub` a reference that `rest` does not narrow: compiled as a reference
+        (a rule where it recurses) rather than merged (which unrolls)."""
+        return (self.rules is not None and isinstance(sub, dict) and isinstance(sub.get("$ref"), str)
+                and not any(_is_assertion(k) for k in rest))
+
     def _branch(self, rest: dict[str, Any], sub: Any, path: str) -> Node:
         """`rest` and `sub` both (one branch of anyOf / oneOf / if)."""
+        if self._plain_ref(rest, sub):
+            return self.node(sub, path)
         entered: list[tuple[str, bool]] = []
         try:
             sub = self._resolved(sub, path, entered)
@@ -361,6 +369,8 @@ class _Compiler:
             if not isinstance(schema["allOf"], list):
                 raise UnsupportedSchemaError("allOf", f"{path}/allOf", "must be a list")
             merged = {k: v for k, v in schema.items() if k != "allOf"}
+            if len(schema["allOf"]) == 1 and self._plain_ref(merged, schema["allOf"][0]):
+                return self.node(schema["allOf"][0], f"{path}/allOf/0")
             entered: list[tuple[str, bool]] = []
             try:
                 for i, sub in enumerate(schema["allOf"]):
