@@ -272,6 +272,19 @@ def test_fp8_kv_cache_holds_twice_the_tokens() -> None:
     assert resolve_config(ServerConfig(device="cpu", quantization="fp8"), mc, "m").quantization == "fp8"
 
 
+def test_fp8_weight_estimate_counts_one_byte_per_projection_weight() -> None:
+    from lmserver.engine.resolve import estimate_weight_bytes
+
+    mc = _mc()
+    h, inter, layers = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON["num_hidden_layers"]
+    kv = h // COMMON["num_attention_heads"] * COMMON["num_key_value_heads"]
+    rows = h + 2 * kv + h + 2 * inter + h  # qkv, o, gate_up, down output rows
+    weights = (h + 2 * kv) * h + h * h + 2 * inter * h + h * inter
+    saved = layers * (weights * (2 - 1) - 4 * rows)  # bf16 -> one byte, plus a float32 scale per row
+    assert estimate_weight_bytes(mc, "bfloat16", 64, quantization="fp8") == estimate_weight_bytes(
+        mc, "bfloat16", 64) - saved
+
+
 def test_fp8_kv_pool_stores_scaled_values() -> None:
     pool = KVPool(16, 2, 2, 8, torch.float32, "cpu", FP8_DTYPE, k_scales=[0.5, 1.0], v_scales=[2.0, 1.0])
     assert pool.dtype == FP8_DTYPE and pool.compute_dtype == torch.float32 and pool.is_fp8
