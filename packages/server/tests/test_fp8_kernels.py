@@ -117,3 +117,26 @@ def test_triton_backend_with_fp8_pool_matches_torch_native(device: str) -> None:
     compare_backends(TorchNativeBackend, TritonBackend, device=device, shape=(6, 2, 32), dtype=dtype,
                      num_slots=160, width=64, chunks=[[5, 9, 3], [7, 1, 12]], decode_steps=3,
                      tol=1e-5 if dtype == torch.float32 else 1.6e-2, kv_cache_dtype=FP8_DTYPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [None, 128])
+def test_fp8_linear_cuda_paths_match_the_dequantized_linear(group: int | None) -> None:
+    """Fp8Linear on CUDA: the GEMV up to 16 rows, then `_scaled_mm` (per-channel, Hopper+: per-token
+    FP8 activations, a wider tolerance) or dequantize + matmul for a prefill."""
+    from torch import nn
+
+    from lmserver.layers.fp8_linear import Fp8Linear
+
+    g = _gen(7)
+    dense = nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(1024, 4096, generator=g).cuda())
+    layer = Fp8Linear.from_linear(dense, group)
+    layer.use_path("triton")
+    for m in (1, 8, 16, 300):
+        x = torch.randn(m, 4096, generator=g).cuda().bfloat16()
+        expected = fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.group_k, layer.bias,
+                                  compute_dtype=torch.float64)
+        tol = 6e-2 if m > 16 and layer.scaled_mm else 8e-3
+        assert rel_error(layer(x), expected) < tol, (m, layer.scaled_mm)
