@@ -173,31 +173,30 @@ class GrammarIndex:
         its first byte). Fills caches only.
 
         NOTE: tokens are in decreasing length order, so the ones still reading at step d are a
-        prefix of it: full walks step whole prefixes (no index arrays) until few stay alive."""
+        prefix of the walked ones: steps take whole prefixes (no index arrays) until few tokens
+        stay alive, then only the live ones."""
         tables = self.vocab.trie_tables
         cols, counts = tables.length_columns, tables.length_counts
-        n = len(tables.by_length)
-        cur = np.zeros(n, dtype=np.int32)
-        esc0 = np.zeros(n, dtype=bool)
-        late = np.zeros(n, dtype=bool)
-        idx: np.ndarray | None
-        if ranks is None:
-            cur[:] = sid
-            idx = None
-        else:
-            cur[ranks] = sid
-            idx = ranks
+        full = ranks is None
+        r = np.arange(len(tables.by_length)) if ranks is None else ranks
+        m = len(r)
+        cur = np.full(m, sid, dtype=np.int32)
+        esc0 = np.zeros(m, dtype=bool)
+        late = np.zeros(m, dtype=bool)
+        live: np.ndarray | None = None  # local indices of the live tokens (None: every one of the prefix)
         for d in range(len(counts)):
-            nd = int(counts[d])
-            if idx is not None:
-                idx = idx[idx < nd]
-                if not len(idx):
+            nd = int(counts[d]) if full else int(np.searchsorted(r, counts[d]))
+            if live is not None:
+                live = live[live < nd]
+                if not len(live):
                     break
-                st = cur[idx]
-                b = cols[d, idx]
+                st = cur[live]
+                b = cols[d, r[live]]
             else:
+                if nd == 0:
+                    break
                 st = cur[:nd]
-                b = cols[d, :nd]
+                b = cols[d, :nd] if full else cols[d, r[:nd]]
             flat = st.astype(np.int64) * 256 + b
             nxt = self._table.ravel().take(flat)
             miss = nxt == _UNKNOWN
@@ -209,22 +208,18 @@ class GrammarIndex:
             esc = self._end.take(st)
             if esc.any():
                 esc &= self._after_end.ravel().take(flat)
-                where = np.flatnonzero(esc) if idx is None else idx[esc]
+                where = np.flatnonzero(esc) if live is None else live[esc]
                 (esc0 if d == 0 else late)[where] = True
-            if idx is None:
+            if live is None:
                 cur[:nd] = nxt
                 if np.count_nonzero(nxt) * 4 < nd:
-                    idx = np.flatnonzero(nxt)
+                    live = np.flatnonzero(nxt)
             else:
-                cur[idx] = nxt
-                idx = idx[nxt != 0]
+                cur[live] = nxt
+                live = live[nxt != 0]
         ok = cur != 0
-        if ranks is not None:
-            sel = np.zeros(n, dtype=bool)
-            sel[ranks] = True
-            ok &= sel
         unc = (esc0 | late) & ~ok
-        return np.flatnonzero(ok), np.flatnonzero(unc), late[unc]
+        return r[ok], r[unc], late[unc]
 
     def _bits(self, ranks: np.ndarray) -> np.ndarray:
         tables = self.vocab.trie_tables
