@@ -1,0 +1,210 @@
+"""EBNF (GBNF) grammars: cfsm's pushdown matcher against xgrammar, on the SmolLM2 vocabulary.
+
+Grammars: JSON (GBNF), a C-like statement / expression language, an SQL SELECT subset (all three
+recursive, so cfsm takes its pushdown path), and each engine's own free-JSON grammar. Per (grammar, engine): cold compile (median of
+`--repeat` compiles, each from scratch; the vocabulary's own tables are built before), and the
+per-token mask fill time (mean, p99) while replaying the tokenizer's tokenization of a valid
+target text: on the first replay over a fresh compile (`cold`: cfsm settles the tokens a rule
+end leaves uncertain on first use, one frame deeper, and caches them) and on a later replay
+(`warm`, the fastest of `--repeat` replays per token). xgrammar is optional (`pip install
+--no-deps xgrammar` and its tvm-ffi runtime); without it only cfsm's rows are printed.
+
+    python benchmarks/cfsm/bench_ebnf.py [--repeat 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cfsm import load_smollm2  # noqa: E402
+
+import cfsm  # noqa: E402
+
+JSON_GBNF = r'''
+root   ::= value
+value  ::= object | array | string | number | ("true" | "false" | "null")
+object ::= "{" ws ( string ws ":" ws value ws ( "," ws string ws ":" ws value ws )* )? "}"
+array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= "-"? ( [0-9] | [1-9] [0-9]{0,15} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9] [0-9]{0,15} )?
+ws     ::= [ \t\n]{0,20}
+'''
+
+C_GBNF = r'''
+root     ::= ws stmt+
+stmt     ::= decl | assign | ifstmt | whilestmt | retstmt | block
+block    ::= "{" ws stmt* "}" ws
+decl     ::= ("int" | "float" | "char") " " ws ident ws ("=" ws expr)? ";" ws
+assign   ::= ident ws ("=" | "+=" | "-=") ws expr ";" ws
+ifstmt   ::= "if" ws "(" ws expr ")" ws stmt ("else" ws stmt)?
+whilestmt ::= "while" ws "(" ws expr ")" ws stmt
+retstmt  ::= "return" ws expr? ";" ws
+expr     ::= unary (binop ws unary)*
+binop    ::= "+" | "-" | "*" | "/" | "%" | "==" | "!=" | "<=" | ">=" | "<" | ">" | "&&" | "||"
+unary    ::= ("-" | "!")? primary
+primary  ::= number ws | ident ws ( "(" ws ( expr ("," ws expr)* )? ")" ws )? | "(" ws expr ")" ws
+ident    ::= [a-zA-Z_] [a-zA-Z0-9_]{0,31}
+number   ::= [0-9]+ ("." [0-9]+)?
+ws       ::= [ \t\n]*
+'''
+
+SQL_GBNF = r'''
+root     ::= select ";"
+select   ::= "SELECT " ("DISTINCT ")? columns " FROM " tables where? group? order? limit?
+columns  ::= "*" | column (", " column)*
+column   ::= expr (" AS " ident)?
+tables   ::= table (", " table | " JOIN " table " ON " cond)*
+table    ::= ident (" " ident)? | "(" select ")" " " ident
+where    ::= " WHERE " cond
+group    ::= " GROUP BY " expr (", " expr)*
+order    ::= " ORDER BY " expr (" ASC" | " DESC")? (", " expr (" ASC" | " DESC")?)*
+limit    ::= " LIMIT " [0-9]+
+cond     ::= pred ((" AND " | " OR ") pred)*
+pred     ::= expr (" = " | " <> " | " < " | " > " | " <= " | " >= ") expr | expr " IN (" select ")" | "(" cond ")" | "NOT " pred
+expr     ::= term ((" + " | " - " | " * " | " / ") term)*
+term     ::= ident ("." ident)? | [0-9]+ | "'" [^'\n]* "'" | func "(" ("*" | expr) ")" | "(" expr ")"
+func     ::= "COUNT" | "SUM" | "AVG" | "MIN" | "MAX"
+ident    ::= [a-z_] [a-z0-9_]{0,30}
+'''
+
+JSON_TARGET = json.dumps({
+    "id": 1042, "name": "Ada Lovelace", "tags": ["math", "engines", {"nested": [1, 2.5, -3e4, None, True]}],
+    "address": {"street": "12 St James's Square", "city": "London", "geo": {"lat": 51.507, "lng": -0.1357}},
+    "notes": "first \"programmer\"\nwrote notes on the analytical engine", "active": False,
+    "history": [{"year": 1843, "event": "Notes"}, {"year": 1852, "event": "died", "age": 36}]}, indent=2)
+C_TARGET = """int total = 0;
+float ratio;
+while (i < n) {
+  if (values(i) % 2 == 0) total += values(i) * 3; else { total -= 1; }
+  i = i + 1;
+}
+ratio = (total + 0.5) / (n - 1);
+return total;
+"""
+SQL_TARGET = ("SELECT DISTINCT u.name, COUNT(o.id) AS orders, SUM(o.total) AS spent FROM users u JOIN orders o ON "
+              "o.user_id = u.id WHERE u.created > '2024-01-01' AND o.status IN (SELECT s.code FROM statuses s WHERE "
+              "s.active = 1) GROUP BY u.name ORDER BY spent DESC, u.name LIMIT 20;")
+
+# "free-json": each engine's own free-JSON grammar (cfsm: `compile_json_object(object_only=False)`, no
+# depth bound; xgrammar: its built-in JSON grammar), the same target
+BUILTIN = "<builtin json>"
+GRAMMARS = {"json-gbnf": (JSON_GBNF, JSON_TARGET), "c-like": (C_GBNF, C_TARGET), "sql-select": (SQL_GBNF, SQL_TARGET),
+            "free-json": (BUILTIN, JSON_TARGET)}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+class _Cfsm:
+    name = "cfsm"
+
+    def __init__(self, vocab: cfsm.Vocabulary) -> None:
+        self.vocab = vocab
+
+    def compile(self, text: str) -> Any:
+        if text == BUILTIN:
+            return cfsm.compile_json_object(self.vocab, object_only=False)
+        return cfsm.compile_ebnf(text, self.vocab)
+
+    def replay(self, compiled: Any, ids: list[int]) -> list[float]:
+        guide = cfsm.Guide(compiled)
+        out = np.zeros((1, self.vocab.mask_words), dtype=np.int32)
+        times = []
+        for t in ids:
+            start = time.perf_counter()
+            guide.fill_mask(out, 0)
+            times.append(time.perf_counter() - start)
+            assert (int(out[0, t >> 5]) >> (t & 31)) & 1, f"cfsm masked out token {t}"
+            guide.advance(t)
+        assert guide.can_stop(), "cfsm: the target is incomplete"
+        return times
+
+
+class _Xgrammar:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.size = size
+        self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size),
+                                            cache_enabled=False)
+
+    def compile(self, text: str) -> Any:
+        if text == BUILTIN:
+            return self.compiler.compile_builtin_json_grammar()
+        return self.compiler.compile_grammar(text)
+
+    def replay(self, compiled: Any, ids: list[int]) -> list[float]:
+        m = self.xgr.GrammarMatcher(compiled)
+        mask = self.xgr.allocate_token_bitmask(1, self.size)
+        arr = mask.numpy()
+        times = []
+        for t in ids:
+            start = time.perf_counter()
+            m.fill_next_token_bitmask(mask)
+            times.append(time.perf_counter() - start)
+            assert (int(arr[0, t >> 5]) >> (t & 31)) & 1, f"xgrammar masked out token {t}"
+            assert m.accept_token(t)
+        return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--grammars", nargs="+", default=list(GRAMMARS), choices=list(GRAMMARS))
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args()
+    bundle = load_smollm2()
+    vocab = bundle.vocab.prepare()
+    engines: list[Any] = [_Cfsm(vocab)]
+    try:
+        engines.append(_Xgrammar(bundle.tokenizer, bundle.size))
+    except ImportError as exc:
+        print(f"# xgrammar not available ({exc}); cfsm only")
+    rows = []
+    for gname in args.grammars:
+        text, target = GRAMMARS[gname]
+        ids = list(bundle.tokenizer.encode(target, add_special_tokens=False))
+        for eng in engines:
+            eng.compile(text)  # warm-up (imports, first-use tables)
+            compiles, cold, warm_runs = [], [], []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                compiled = eng.compile(text)
+                compiles.append(time.perf_counter() - start)
+                cold.append(eng.replay(compiled, ids))
+                warm_runs.append(eng.replay(compiled, ids))
+            cold_t = [statistics.median(x) for x in zip(*cold, strict=True)]
+            warm_t = [min(x) for x in zip(*warm_runs, strict=True)]
+            row = {"grammar": gname, "engine": eng.name, "tokens": len(ids),
+                   "compile_ms": 1e3 * statistics.median(compiles),
+                   "cold_mean_us": 1e6 * statistics.mean(cold_t), "cold_p99_us": 1e6 * _pct(cold_t, 0.99),
+                   "warm_mean_us": 1e6 * statistics.mean(warm_t), "warm_p99_us": 1e6 * _pct(warm_t, 0.99)}
+            if eng.name == "cfsm" and isinstance(compiled, cfsm.GrammarIndex):
+                row["pda_states"] = compiled.pda.num_states
+            rows.append(row)
+    head = ("grammar", "engine", "tokens", "compile_ms", "cold_mean_us", "cold_p99_us", "warm_mean_us", "warm_p99_us")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(f"{r[h]:.1f}" if isinstance(r[h], float) else str(r[h]) for h in head) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
