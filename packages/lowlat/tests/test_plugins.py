@@ -86,6 +86,12 @@ def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured
     # verify rows count like decode rows; at most MAX_VERIFY_ROWS per request
     assert [n for n in range(1, 17) if stack.covers(Step.verify(n, 1))] == list(range(1, largest + 1))
     assert stack.covers(Step.verify(min(largest, 8), min(largest, 8))) and not stack.covers(Step.verify(16, 9))
+    # a measured verify limit (0: none) replaces the decode one for verify steps, unless coverage is unmeasured
+    for verify_limit, want in ((0, 0), (2, 2)):
+        vstack = TritonLayerStack("nvidia", ctx, replace(lc, wins_up_to=wins_up_to, verify_wins_up_to=verify_limit))
+        got = [n for n in range(1, 17) if vstack.covers(Step.verify(n, 1))]
+        assert got == list(range(1, (want if measured else largest) + 1))
+        assert [b for b in range(1, 17) if vstack.covers(Step.decode(b))] == list(range(1, largest + 1))
 
 
 def test_nvidia_covers_verify_steps_and_amd_does_not() -> None:

@@ -28,7 +28,7 @@ from lowlat import (
 )
 from lowlat.build import BuildContext, Built
 from lowlat.reference import reference_decoder_layer
-from lowlat.spec import Step
+from lowlat.spec import Step, StepKind
 
 pytestmark = pytest.mark.slow
 
@@ -157,3 +157,56 @@ def test_eager_decode_warms_every_batch_size_up() -> None:
     assert warmup_batch_sizes(False, "cuda") == WARMUP_BATCH_SIZES == (1, 2, 4, 8)
     for eager in (warmup_batch_sizes(True, "cuda"), warmup_batch_sizes(False, "cpu")):
         assert eager == tuple(range(1, 17))
+
+
+class VerifyUpTo4Built(ReferenceBuilt):
+    """Covers decode steps, and verify steps of at most 4 rows (a plugin measured slower on larger ones)."""
+
+    def covers(self, step: Step) -> bool:
+        return step.kind == StepKind.DECODE or (step.kind == StepKind.VERIFY and step.num_tokens <= 4)
+
+
+def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculative verify steps replay decode graphs as decode rows; where the plugin declines verify rows
+    that its decode graph serves (8 rows here), a verify graph of that size runs the original path. Oracle:
+    greedy tokens of the engine without lowlat or speculation; every replay's path is checked by lowlat."""
+    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+
+    passages = ["The committee met on Tuesday to review the budget and approved the road repairs.",
+                "The library opens at nine, closes at six, and lends up to ten books per card."]
+    copies = [f"Repeat this text word for word.\nText: {p}\nRepeated:" for p in passages]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    workloads = [copies[:1], copies]  # alone: 4 verify rows (plugin); together: 8 (the verify graph, original)
+    base = _engine()
+    try:
+        expected = [[o["output_ids"] for o in base.generate(w, params)] for w in workloads]  # type: ignore[index]
+    finally:
+        base.shutdown()
+    built: list[ReferenceBuilt] = []
+
+    def build(ctx: BuildContext) -> Built:
+        built.append(VerifyUpTo4Built(ctx))
+        return built[-1]
+
+    spec = PluginSpec(name="cpu-reference", version="1.0", archs=("LlamaForCausalLM",),
+                      requirements=Requirements(vendor="cpu", dtypes=("float32",)),
+                      coverage=Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=8,
+                                        max_query_len=8),
+                      build=build)
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    with use_registry(Registry([spec])):
+        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram",
+                         speculative_num_draft_tokens=3, cuda_graph_max_bs=8)
+    try:
+        graphs = engine.core.runner.cuda_graph
+        assert graphs is not None and sorted(graphs.verify_graphs) == [8]  # only where the paths differ
+        got = [[o["output_ids"] for o in engine.generate(w, params)] for w in workloads]  # type: ignore[index]
+        stats = engine.core.get_stats()
+        report = engine.core.lowlat.report()  # type: ignore[union-attr]
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert stats["cuda_graph_verify_replays"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats.get("lowlat_plugin_steps_verify", 0) > 0  # verify steps of <= 4 rows ran the plugin
+    graph_paths = {g.split(" -> ")[0]: g for g in report["graphs"]}
+    assert any("verify" in g and "original" in g for g in graph_paths.values()), report["graphs"]

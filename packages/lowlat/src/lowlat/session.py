@@ -293,12 +293,16 @@ class Session:
         self._fallbacks[why.reason] += 1
         return ORIGINAL
 
-    def capture(self, step: Step) -> str:
-        """Pick and record the path a CUDA graph for ``step`` freezes (after warm-up; repeatable)."""
+    def capture(self, step: Step, graph: tuple[StepKind, int] | None = None) -> str:
+        """Pick and record the path a CUDA graph for ``step`` freezes (after warm-up; repeatable).
+
+        ``graph``: the (kind, batch size) the graph is recorded under, when it is not the step's own
+        (a verify graph of as many rows as a decode graph: ``(StepKind.VERIFY, rows)``)."""
         self._advance(Stage.CAPTURE)
         why = self._why_not(step)
         path = PLUGIN if why is None else ORIGINAL
-        self.recorder.record(step.kind, step.batch_size, path, None if why is None else why.reason)
+        kind, size = graph if graph is not None else (step.kind, step.batch_size)
+        self.recorder.record(kind, size, path, None if why is None else why.reason)
         return path
 
     def replay(self, step: Step, graph: tuple[StepKind, int] | None = None) -> str:

@@ -84,6 +84,8 @@ class LaunchConfig:
     attn_tuned: tuple[tuple[int, int], ...] = ()
     # the largest decode batch the plugin measured faster than the generic path at (0: no limit)
     wins_up_to: int = 0
+    # the most rows of a verify step it measured faster at (0: none; None: as wins_up_to)
+    verify_wins_up_to: int | None = None
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None) -> LaunchConfig:
@@ -99,12 +101,19 @@ class LaunchConfig:
                 attn_block_n=8,
                 num_sms=1,
             )
-        from lowlat.kernels.tuning import tuned_attention, tuned_pdl_release, tuned_table, tuned_wins_up_to
+        from lowlat.kernels.tuning import (
+            tuned_attention,
+            tuned_pdl_release,
+            tuned_table,
+            tuned_verify_wins_up_to,
+            tuned_wins_up_to,
+        )
 
         props = torch.cuda.get_device_properties(device)
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
                    tuned=tuned_table(props.name, shape), pdl_release=tuned_pdl_release(props.name, shape),
-                   attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe))
+                   attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe),
+                   verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape))
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:

@@ -81,6 +81,14 @@ PDL_RELEASE: dict[tuple[str, ShapeKey], str] = {
 WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
 }
+# (GPU name, shape) -> the most rows of a speculative verify step at which the nvidia plugin measured faster than the
+# generic path (the decode graph of those rows, cuBLAS GEMMs); 0: it takes no verify step. Shapes without an entry: as
+# WINS_UP_TO. H200 8B, bench_spec_serving (RESULTS.md, 2026-12-01): 5 drafts (6 rows, graph of 8), 0.86x per user at
+# concurrency 1 and 0.94x at 8: cuBLAS at M = 8 reads the weights once at about M = 1's cost, our batch-8 `dot`
+# kernels cost 1.36x our batch-1 row-wise ones.
+VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 0,
+}
 # The same for the MoE stack, keyed also by (experts, top_k, expert intermediate size): a Mixtral layer's attention
 # half has Llama-3-8B's key. H200, Mixtral-8x7B layers (4 of them), bench_e2e, eighth session, against lmserver's
 # fused MoE kernels (the generic path until then ran every expert under CUDA graphs: the earlier 2.09x at
@@ -126,6 +134,12 @@ def tuned_wins_up_to(device_name: str, shape: LayerShape, moe: MoEShape | None =
         return MOE_WINS_UP_TO.get((device_name, shape_key(shape), (moe.num_experts, moe.top_k,
                                                                     moe.expert_intermediate_size)), 0)
     return WINS_UP_TO.get((device_name, shape_key(shape)), 0)
+
+
+def tuned_verify_wins_up_to(device_name: str, shape: LayerShape) -> int | None:
+    """The most verify rows the plugin should take on this GPU and shape (``VERIFY_WINS_UP_TO``; 0: none), or None:
+    no entry (the decode limit applies)."""
+    return VERIFY_WINS_UP_TO.get((device_name, shape_key(shape)))
 
 
 def tuned_persistent(device_name: str, shape: LayerShape) -> GemvConfig | None:

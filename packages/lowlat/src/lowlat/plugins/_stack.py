@@ -17,13 +17,18 @@ def covers_decode(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     """Decode steps, and verify steps (rows of a request as decode rows at their own positions, at most
     ``ops.MAX_VERIFY_ROWS`` per request), of up to the agreed number of rows; with
     ``LowlatConfig.measured_coverage`` only up to the largest batch the plugin measured faster than the generic
-    path at (``LaunchConfig.wins_up_to``; a verify row costs what a decode row does). Pure."""
+    path at (``LaunchConfig.wins_up_to``, for verify rows ``verify_wins_up_to`` where measured). Pure."""
     limit = lc.wins_up_to if ctx.config.measured_coverage else 0
     if step.kind == StepKind.VERIFY:
-        rows_ok = step.max_query_len <= ops.MAX_VERIFY_ROWS
-    else:
-        rows_ok = step.kind == StepKind.DECODE
-    return rows_ok and step.num_tokens <= ctx.max_batch_size and (limit == 0 or step.num_tokens <= limit)
+        if step.max_query_len > ops.MAX_VERIFY_ROWS:
+            return False
+        if ctx.config.measured_coverage and lc.verify_wins_up_to is not None:
+            if lc.verify_wins_up_to == 0:
+                return False  # measured slower than the generic verify step at every size
+            limit = lc.verify_wins_up_to
+    elif step.kind != StepKind.DECODE:
+        return False
+    return step.num_tokens <= ctx.max_batch_size and (limit == 0 or step.num_tokens <= limit)
 
 
 class TritonLayerStack:

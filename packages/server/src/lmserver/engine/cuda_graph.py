@@ -19,7 +19,9 @@ the cascade graph, any other step the plain one.
 A speculative verify step (each request's last token and drafts, every row's logits) replays the
 decode graph of as many rows (`verify_rows`, `forward_verify`): row j of a request is a decode row
 at its own position over the request's table row, so the causal verify forward is exactly a
-decode forward of those rows; no graph of its own is captured.
+decode forward of those rows. Only where a lowlat plugin takes another path for verify rows
+than for decode rows of a size (its measured coverage) is a verify graph of that size captured
+as well (`verify_rows`, the most rows per request), into the same logits.
 
 Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
 host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
@@ -46,6 +48,7 @@ from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.model_runner import to_device
 from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS
 from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
+from lowlat.spec import StepKind
 
 if TYPE_CHECKING:
     from lmserver.config import ServerConfig
@@ -230,8 +233,12 @@ class DecodeGraphRunner:
         max_bs: int,
         pad_row: int = 0,
         graph_factory: Callable[[object], Graph] | None = None,
+        verify_rows: int = 0,
     ) -> None:
         self.runner = runner
+        # speculative decoding: the most rows a verify step gives one request (0: none); sizes whose
+        # verify steps take another lowlat path than their decode graph froze get a verify graph
+        self.verify_rows = verify_rows
         self.sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         table_rows, self.table_width = runner.req_to_token.shape
@@ -265,6 +272,7 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> (bs, vocab) logits (model dtype) of the last replay
         self.cascade_graphs: dict[int, Graph] = {}  # the same with cascade attention (sizes >= 2)
         self.cascade_outputs: dict[int, torch.Tensor] = {}
+        self.verify_graphs: dict[int, Graph] = {}  # the same with the lowlat path of verify rows (into `outputs`)
         self.num_cascade_replays = 0
         self._padded = [padded_batch_size(b, self.sizes) for b in range(self.max_bs + 1)]
         self.num_replays = 0
@@ -286,14 +294,15 @@ class DecodeGraphRunner:
             cascade=self.runner.attn_backend.cascade_metadata(bs) if cascade else None,  # type: ignore[attr-defined]
         )
 
-    def _forward_fn(self, bs: int, cascade: bool = False) -> Callable[[], torch.Tensor]:
+    def _forward_fn(self, bs: int, cascade: bool = False, verify_rows: int = 0) -> Callable[[], torch.Tensor]:
         batch = self._static_batch(bs, cascade)
         runner = self.runner
 
         def fn() -> torch.Tensor:
             self._write_inputs(self.ints, self.seq_lens[:bs], runner.req_to_token, PAD_SLOT, self.greedy_ids)
             runner.attn_backend.plan(batch)
-            hidden = runner.hidden(batch, capturing=True)  # (bs, hidden); a lowlat plugin's path is recorded
+            # (bs, hidden); a lowlat plugin's path is recorded (for a verify graph, the path of verify rows)
+            hidden = runner.hidden(batch, capturing=True, verify_rows=verify_rows)
             # NOTE: logits in the model's dtype (argmax is exact on them); `forward` casts the rows it returns
             logits: torch.Tensor = runner.model.compute_raw_logits(hidden)  # type: ignore[operator]  # (bs, vocab)
             self._argmax(logits, out=self.greedy_ids[:bs])
@@ -328,6 +337,19 @@ class DecodeGraphRunner:
                     self.cascade_outputs[bs], self.cascade_graphs[bs] = out, graph
                 else:
                     self.outputs[bs], self.graphs[bs] = out, graph
+        lowlat = self.runner.lowlat
+        for bs in reversed(self.sizes):
+            rows = min(self.verify_rows, bs)  # NOTE: a size below verify_rows holds verify steps of fewer rows
+            if lowlat is None or not rows or not lowlat.needs_verify_graph(bs, rows, self.table_width):
+                continue
+            fn = self._into(self._forward_fn(bs, verify_rows=rows), self.outputs[bs])
+            for _ in range(2):
+                fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            graph = self.graph_factory(pool)
+            graph.capture(fn)
+            self.verify_graphs[bs] = graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -373,9 +395,20 @@ class DecodeGraphRunner:
         padded = self._padded[n] if n <= self.max_bs else None
         if padded is None:
             return False
+        return self._verify_graph(padded, max(len(item.token_ids) for item in items)) is not None
+
+    def _verify_graph(self, padded: int, rows_per_request: int) -> tuple[Graph, StepKind] | None:
+        """The graph of `padded` rows that serves a verify step (the decode graph, or the verify
+        graph where lowlat's path for verify rows differs), with its kind, or None. Pure."""
         lowlat = self.runner.lowlat
-        rows_per_request = max(len(item.token_ids) for item in items)
-        return lowlat is None or lowlat.graph_serves_verify(padded, rows_per_request, self.table_width)
+        if lowlat is None:
+            return self.graphs[padded], StepKind.DECODE
+        kind = lowlat.verify_graph(padded, rows_per_request, self.table_width)
+        if kind == StepKind.DECODE:
+            return self.graphs[padded], kind
+        if kind == StepKind.VERIFY and padded in self.verify_graphs:
+            return self.verify_graphs[padded], kind
+        return None
 
     @torch.inference_mode()
     def forward_verify(self, decision: ScheduleDecision, greedy: bool) -> torch.Tensor:
@@ -412,9 +445,14 @@ class DecodeGraphRunner:
         self._copy_ints(step.ints, padded)
         if input_ids is not None and not from_argmax:
             self.ints[0, :bs].copy_(input_ids, non_blocking=True)
-        if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
-            self.runner.lowlat.on_replay(padded, self.table_width, verify_rows_per_request)
         graph, logits = self.graphs[padded], self.outputs[padded]  # logits: (padded, vocab)
+        kind = StepKind.DECODE
+        if verify_rows_per_request:
+            found = self._verify_graph(padded, verify_rows_per_request)
+            assert found is not None, f"no graph serves a verify step of {padded} rows"
+            graph, kind = found
+        if self.runner.lowlat is not None:  # counts the step; checks it runs the path its graph froze
+            self.runner.lowlat.on_replay(padded, self.table_width, verify_rows_per_request, kind)
         planner = self.runner.prefix_planner
         if planner is not None:  # NOTE: every table write is mirrored, whichever graph runs
             planner.record_decode(items)
@@ -477,7 +515,10 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
     max_bs = min(requested, config.max_running_requests or requested)
     if max_bs < 1:
         raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
-    graphs = DecodeGraphRunner(runner, max_bs, graph_factory=EagerGraph if runner.device.type != "cuda" else None)
+    verify_rows = config.speculative_num_draft_tokens + 1 if config.speculative_algorithm and tp_size == 1 else 0
+    graphs = DecodeGraphRunner(runner, max_bs, graph_factory=EagerGraph if runner.device.type != "cuda" else None,
+                               verify_rows=verify_rows)
     graphs.capture()
-    logger.info("CUDA graphs: captured decode batch sizes %s", graphs.sizes)
+    logger.info("CUDA graphs: captured decode batch sizes %s%s", graphs.sizes,
+                f"; verify graphs (lowlat path of verify rows) {sorted(graphs.verify_graphs)}" if graphs.verify_graphs else "")
     return graphs

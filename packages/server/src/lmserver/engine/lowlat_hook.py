@@ -209,14 +209,21 @@ class LowlatHook:
         ext = batch.extend_seq_lens_cpu or [batch.num_tokens]
         return Step(StepKind.EXTEND, batch.batch_size, batch.num_tokens, max(ext), max(batch.seq_lens_cpu, default=0))
 
-    def hidden(self, batch: ForwardBatch, original: Callable[[], torch.Tensor], capturing: bool = False) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, original: Callable[[], torch.Tensor], capturing: bool = False,
+               verify_rows: int = 0) -> torch.Tensor:
         """Final-norm hidden states of `batch` on the plugin path or the original one.
 
         `capturing`: a CUDA graph is being captured for this batch size (the path is recorded and
         the attention is sized for the whole table width); replays are checked by `on_replay`.
+        `verify_rows` > 0 (with `capturing`): the graph is a verify graph of the batch's decode rows, at
+        most that many per request, recorded as (verify, rows).
         """
         step = self._step(batch)
-        path = self.session.capture(step) if capturing else self.session.select(step)
+        graph = None
+        if verify_rows:
+            step = Step.verify(batch.batch_size, verify_rows, step.max_context)
+            graph = (StepKind.VERIFY, batch.batch_size)
+        path = self.session.capture(step, graph) if capturing else self.session.select(step)
         if path != PLUGIN or batch.mode != ForwardMode.DECODE:
             # NOTE: the adapter maps decode batches only; a plugin declaring extend or verify
             # coverage still gets only decode steps from lmserver.
@@ -226,21 +233,30 @@ class LowlatHook:
         max_seq_len = 0 if capturing else max(batch.seq_lens_cpu, default=0)
         return decode_forward(self._model, built, batch, self._kvs, self._req_to_token, max_seq_len)
 
-    def on_replay(self, batch_size: int, max_context: int, verify_rows_per_request: int = 0) -> None:
-        """A captured decode graph of `batch_size` is about to replay: count it and check its path.
-        `verify_rows_per_request` > 0: the replay is a verify step of that many rows per request
-        at most, as `batch_size` decode rows (`graph_serves_verify` said the graph fits it)."""
+    def on_replay(self, batch_size: int, max_context: int, verify_rows_per_request: int = 0,
+                  graph: StepKind = StepKind.DECODE) -> None:
+        """A captured graph of `batch_size` rows is about to replay: count it and check its path.
+        `verify_rows_per_request` > 0: the replay is a verify step of at most that many rows per
+        request, in the `graph` (decode or verify) that `verify_graph` named."""
         if verify_rows_per_request:
             self.session.replay(Step.verify(batch_size, verify_rows_per_request, max_context),
-                                graph=(StepKind.DECODE, batch_size))
+                                graph=(graph, batch_size))
             return
         self.session.replay(Step.decode(batch_size, max_context))
 
-    def graph_serves_verify(self, batch_size: int, rows_per_request: int, max_context: int) -> bool:
-        """Whether the decode graph of `batch_size` rows froze the path the session picks for a verify
-        step of those rows (at most `rows_per_request` per request). Pure."""
-        frozen = self.session.frozen_path(StepKind.DECODE, batch_size)
-        return frozen is not None and frozen == self.session.path_for(
+    def verify_graph(self, batch_size: int, rows_per_request: int, max_context: int) -> StepKind | None:
+        """The graph of `batch_size` rows that froze the path the session picks for a verify step of
+        those rows (at most `rows_per_request` per request): the decode graph, else a verify graph
+        (captured where the two paths differ), else None. Pure."""
+        want = self.session.path_for(Step.verify(batch_size, rows_per_request, max_context))
+        for kind in (StepKind.DECODE, StepKind.VERIFY):
+            if self.session.frozen_path(kind, batch_size) == want:
+                return kind
+        return None
+
+    def needs_verify_graph(self, batch_size: int, rows_per_request: int, max_context: int) -> bool:
+        """Whether verify steps of `batch_size` rows take another path than that size's decode graph froze. Pure."""
+        return self.session.frozen_path(StepKind.DECODE, batch_size) != self.session.path_for(
             Step.verify(batch_size, rows_per_request, max_context))
 
     def report(self) -> dict[str, Any]:

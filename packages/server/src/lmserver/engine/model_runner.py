@@ -195,9 +195,10 @@ class ModelRunner:
         hidden = self.hidden(batch)  # (num_tokens, hidden)
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
 
-    def hidden(self, batch: ForwardBatch, capturing: bool = False) -> torch.Tensor:
+    def hidden(self, batch: ForwardBatch, capturing: bool = False, verify_rows: int = 0) -> torch.Tensor:
         """Final-norm hidden states of a planned `batch`: the model's forward, or a lowlat plugin's
-        when one is installed and covers the step (see engine/lowlat_hook.py)."""
+        when one is installed and covers the step (see engine/lowlat_hook.py). `verify_rows`: a
+        verify graph's capture (LowlatHook.hidden)."""
         def original() -> torch.Tensor:
             if batch.input_embeds is not None:
                 return self.model(  # type: ignore[no-any-return]
@@ -206,4 +207,4 @@ class ModelRunner:
 
         if self.lowlat is None or batch.input_embeds is not None:
             return original()
-        return self.lowlat.hidden(batch, original, capturing=capturing)
+        return self.lowlat.hidden(batch, original, capturing=capturing, verify_rows=verify_rows)
