@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.grammar import GrammarGuide, GrammarIndex, inline_rules, parse_ebnf
+from cfsm.grammar import GrammarGuide, GrammarIndex, inline_rules, parse_ebnf, parse_lark
 from cfsm.grammar.testing import accepts, byte_vocab, draw_member, greedy_tokens
 from cfsm.testing import allowed_by_advance
 
@@ -62,7 +62,23 @@ word  ::= a a
 a     ::= [x-z]*
 '''
 
-GRAMMARS = {"json": JSON, "expr": EXPR, "sql": SQL, "misc": MISC}
+LARK_JSON = r"""
+start: value
+?value: object
+      | array
+      | ESCAPED_STRING
+      | SIGNED_NUMBER      -> number
+      | "true" | "false" | "null"
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : ESCAPED_STRING ":" value
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""
+
+GRAMMARS = {"json": JSON, "expr": EXPR, "sql": SQL, "misc": MISC, "lark-json": LARK_JSON}
 PIECES = ['{"', '":', '",', '", "', "true", "false", "null", "12", "],", "}]", "SELECT", " FROM", " WHERE",
           " AND", "count", "if", "==", "((", "))", "é", "éx", ")(", "xyz", "ab", ", ", " (", "\\u00"]
 
@@ -78,9 +94,10 @@ _INDEXES: dict[str, tuple[object, object]] = {}
 def _compiled(name: str, vocab: cfsm.Vocabulary) -> tuple[object, GrammarIndex]:
     if name not in _INDEXES:
         text = GRAMMARS[name]
-        index = cfsm.compile_ebnf(text, vocab)
+        lark = name.startswith("lark")
+        index = cfsm.compile_lark(text, vocab) if lark else cfsm.compile_ebnf(text, vocab)
         assert isinstance(index, GrammarIndex)
-        _INDEXES[name] = (parse_ebnf(text), index)
+        _INDEXES[name] = (parse_lark(text) if lark else parse_ebnf(text), index)
     grammar, index = _INDEXES[name]
     assert isinstance(index, GrammarIndex)
     return grammar, index
@@ -236,3 +253,31 @@ def test_payload_round_trip(vocab: cfsm.Vocabulary) -> None:
 def test_inlining_keeps_only_recursive_rules() -> None:
     grammar = inline_rules(parse_ebnf(JSON))
     assert set(grammar.rules) == {"root", "value", "object", "array"}
+
+
+@pytest.mark.parametrize(("text", "line", "column", "words"), [
+    ("start: foo\nfoo: BAR", 2, 6, "undefined terminal 'BAR'"),
+    ("start: foo", 1, 8, "undefined rule 'foo'"),
+    ('start: "a"\n%import other.X', 2, 1, "only %import common"),
+    ("start: A\nA: /a(?=b)/", 2, 4, "regex"),
+    ("start: A\nA: A \"x\"", 2, 1, "recursive"),
+    ('start: ("a"', 1, 12, "expected ')'"),
+    ('value: "a"', 1, 1, "no 'start' rule"),
+])
+def test_malformed_lark(text: str, line: int, column: int, words: str, vocab: cfsm.Vocabulary) -> None:
+    with pytest.raises(cfsm.GrammarError) as info:
+        cfsm.compile_lark(text, vocab)
+    assert (info.value.line, info.value.column) == (line, column), str(info.value)
+    assert words in str(info.value)
+
+
+def test_lark_ignore_ranges_and_flags(vocab: cfsm.Vocabulary) -> None:
+    index = cfsm.compile_lark('start: "select"i NAME ("," NAME)*\nNAME: ("a".."z")+\n%ignore " "', vocab)
+    for text, ok in [("SELECT a, bc", True), ("sElEcT  x ,y ", True), ("select", False), ("select A", False)]:
+        guide = cfsm.Guide(index)
+        try:
+            guide.advance_many(greedy_tokens(vocab, text.encode()))
+            got = guide.can_stop()
+        except cfsm.RejectedTokenError:
+            got = False
+        assert got == ok, text

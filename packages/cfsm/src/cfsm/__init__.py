@@ -13,6 +13,7 @@ from cfsm.compiler import (
     compile_ebnf,
     compile_json_object,
     compile_json_schema,
+    compile_lark,
     compile_regex,
     regex_dfa,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "Vocabulary",
     "VocabularyError",
     "compile_ebnf",
+    "compile_lark",
     "compile_json_object",
     "compile_json_schema",
     "compile_regex",

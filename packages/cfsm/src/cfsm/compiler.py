@@ -16,14 +16,22 @@ from cfsm.automaton import Dfa, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.direct import build_dfa_direct
 from cfsm.errors import Approximation, GrammarError, UnsupportedSchemaError
-from cfsm.grammar import Grammar, GrammarIndex, compile_grammar, inline_rules, parse_ebnf, regular_root
+from cfsm.grammar import (
+    Grammar,
+    GrammarIndex,
+    compile_grammar,
+    inline_rules,
+    parse_ebnf,
+    parse_lark,
+    regular_root,
+)
 from cfsm.index import Index, build_index
 from cfsm.json_schema import json_value_grammar, json_value_node, schema_grammar, schema_tree
 from cfsm.regex_ast import Node
 from cfsm.regex_parser import parse_regex
 from cfsm.vocab import Vocabulary
 
-__all__ = ["compile_ebnf", "compile_regex", "compile_json_schema", "compile_json_object", "Compiler", "regex_dfa"]
+__all__ = ["compile_ebnf", "compile_lark", "compile_regex", "compile_json_schema", "compile_json_object", "Compiler", "regex_dfa"]
 
 _INDEX_ARRAYS = ("masks", "mask_row")
 
@@ -61,8 +69,20 @@ def compile_ebnf(text: str, vocab: Vocabulary, config: CfsmConfig | None = None,
     undefined rules, left recursion or an empty language.
     """
     del config
-    grammar = inline_rules(parse_ebnf(text, root))
-    key = f"ebnf:{root}:{text}"
+    return _compile_rules(parse_ebnf(text, root), vocab, f"ebnf:{root}:{text}")
+
+
+def compile_lark(text: str, vocab: Vocabulary, config: CfsmConfig | None = None, *,
+                 start: str = "start") -> Index | GrammarIndex:
+    """Compile a Lark grammar (the subset `cfsm.grammar.lark` describes; `%ignore` text may come
+    before every terminal) against `vocab`, like `compile_ebnf`. Raises `GrammarError`."""
+    del config
+    return _compile_rules(parse_lark(text, start), vocab, f"lark:{start}:{text}")
+
+
+def _compile_rules(parsed: Grammar, vocab: Vocabulary, key: str) -> Index | GrammarIndex:
+    grammar = inline_rules(parsed)
+    root = grammar.root
     body = regular_root(grammar)
     if body is not None:
         dfa = build_dfa_direct(body) or build_dfa(body)
@@ -150,6 +170,9 @@ class Compiler:
 
     def compile_ebnf(self, text: str, *, root: str = "root") -> Index | GrammarIndex:
         return self._get(f"ebnf:{root}:{text}", lambda: compile_ebnf(text, self.vocab, self.config, root=root))
+
+    def compile_lark(self, text: str, *, start: str = "start") -> Index | GrammarIndex:
+        return self._get(f"lark:{start}:{text}", lambda: compile_lark(text, self.vocab, self.config, start=start))
 
     def compile_json_object(self, *, object_only: bool = True) -> Index | GrammarIndex:
         key = f"json:{object_only}|{self.config.schema_key()}"

@@ -3,7 +3,8 @@
     index = cfsm.compile_ebnf('root ::= "[" (root ("," root)*)? "]"', vocab)
     guide = cfsm.Guide(index)        # a GrammarGuide: the cfsm.Guide interface
 
-Modules: `rules` (the rule form all frontends produce), `ebnf` (the GBNF parser), `pda` (rules
+Modules: `rules` (the rule form all frontends produce), `ebnf` (the GBNF parser), `lark` (a
+Lark subset), `pda` (rules
 to a network of byte DFAs that call each other), `index` (token masks with context-independent
 caches), `guide` (the per-request cursor).
 """
@@ -15,12 +16,13 @@ from cfsm.grammar.ebnf import parse_ebnf
 from cfsm.grammar.guide import GrammarGuide
 from cfsm.grammar.index import GrammarIndex
 from cfsm.grammar.inline import inline_rules, regular_root
+from cfsm.grammar.lark import parse_lark
 from cfsm.grammar.pda import Pda, build_pda
 from cfsm.grammar.rules import Grammar, RuleRef
 from cfsm.vocab import Vocabulary
 
 __all__ = ["Grammar", "GrammarGuide", "GrammarIndex", "Pda", "RuleRef", "build_pda", "compile_grammar",
-           "inline_rules", "parse_ebnf", "regular_root"]
+           "inline_rules", "parse_ebnf", "parse_lark", "regular_root"]
 
 
 def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
