@@ -201,7 +201,7 @@ class GrammarIndex:
             nxt = self._table.ravel().take(flat)
             miss = nxt == _UNKNOWN
             if miss.any():
-                for p in np.unique(flat[miss]).tolist():
+                for p in _distinct(flat[miss]).tolist():
                     self._step(p >> 8, p & 255)
                 nxt = self._table.ravel().take(flat)  # NOTE: `_step` may have grown the tables
             # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
@@ -369,6 +369,15 @@ class GrammarIndex:
         """Bytes held by the network, the configuration table and the cached rows (approximate)."""
         keys = sum(v.row.nbytes + v.uncertain.nbytes + v.late.nbytes for v in self._keys.values())
         return int(self.pda.trans.nbytes + self._table.nbytes + keys + sum(r.nbytes for r in self._rows))
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values of a non-negative int64 array (counted when their range is small,
+    which beats a sort of many repeats)."""
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo <= 4 * len(values) + 4096:
+        return np.flatnonzero(np.bincount(values - lo, minlength=hi - lo + 1)) + lo  # type: ignore[no-any-return]
+    return np.unique(values)
 
 
 def _follow_sets(pda: Pda, close: Any) -> np.ndarray:
