@@ -5,6 +5,7 @@ rule boundaries, and the regular shortcut."""
 
 from __future__ import annotations
 
+import copy as pycopy
 import random
 
 import numpy as np
@@ -224,6 +225,7 @@ def test_guide_contract(vocab: cfsm.Vocabulary) -> None:
     toks = greedy_tokens(vocab, b'[1, {"a": null}]')
     guide.advance_many(toks)
     assert guide.can_stop() and guide.is_finished()  # nothing may follow the root value
+    assert type(pycopy.copy(guide)) is GrammarGuide and pycopy.copy(guide).state == guide.state
     copy = guide.copy()
     copy.advance(eos)
     assert copy.is_finished() and list(copy.allowed_token_ids()) == [eos]

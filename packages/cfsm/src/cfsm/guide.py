@@ -29,10 +29,10 @@ class Guide:
 
     __slots__ = ("index", "_state", "_history", "_finished")
 
-    def __new__(cls, index: Index | GrammarIndex, *args: Any) -> Guide:
+    def __new__(cls, index: Index | GrammarIndex | None = None, *args: Any) -> Guide:
         # NOTE: a context-free grammar's index gets its pushdown guide (same methods), so every
-        # caller of Guide(index) takes both kinds of compiled grammar
-        if cls is Guide and not isinstance(index, Index):
+        # caller of Guide(index) takes both kinds of compiled grammar (no index: copy / pickle)
+        if cls is Guide and index is not None and not isinstance(index, Index):
             from cfsm.grammar.guide import GrammarGuide
 
             return object.__new__(GrammarGuide)
