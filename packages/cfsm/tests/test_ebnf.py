@@ -283,3 +283,19 @@ def test_lark_ignore_ranges_and_flags(vocab: cfsm.Vocabulary) -> None:
         except cfsm.RejectedTokenError:
             got = False
         assert got == ok, text
+
+
+@pytest.mark.parametrize("name", ["json", "expr", "sql"])
+def test_counted_chains_share_walks_exactly(name: str, vocab: cfsm.Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfsm.grammar import index as grammar_index
+
+    pda = _compiled(name, vocab)[1].pda
+    shared = grammar_index.GrammarIndex(pda, vocab)
+    assert shared._chains  # the grammar has counted repetitions
+    monkeypatch.setattr(grammar_index, "_counted_chains", lambda pda: {})
+    walked = grammar_index.GrammarIndex(pda, vocab)
+    assert set(shared._keys) == set(walked._keys)
+    for key, info in walked._keys.items():
+        other = shared._keys[key]
+        assert np.array_equal(info.row, other.row) and np.array_equal(info.uncertain, other.uncertain)
+        assert np.array_equal(info.late, other.late)

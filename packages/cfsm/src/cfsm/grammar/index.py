@@ -74,6 +74,9 @@ class GrammarIndex:
         self._row_ids: dict[bytes, int] = {}
         self._state_row: dict[int, int] = {}
         self._forced: dict[int, bytes] = {}
+        # state -> (head, steps left, byte class) of counted chains (`_counted_chains`)
+        self._chains = _counted_chains(pda)
+        self._runs: dict[bytes, np.ndarray] = {}
         self.start = self._intern(self._close([pda.start_stack]))
         if precompute:
             self.precompute()
@@ -237,7 +240,10 @@ class GrammarIndex:
         if info is not None:
             return info
         sid = self._intern(self._close([key]))
-        if len(key) == 1:
+        link = self._chains.get(key[0]) if len(key) == 1 else None
+        if link is not None:
+            info = self._chain_key(sid, *link)
+        elif len(key) == 1:
             acc, unc, late = self._walk_tokens(sid, None)
             info = _KeyInfo(self._bits(acc), unc, late)
         else:
@@ -256,6 +262,39 @@ class GrammarIndex:
             info = _KeyInfo(row, unc_all[order], late_all[order])
         self._keys[key] = info
         return info
+
+    def _chain_key(self, sid: int, head: int, remaining: int, run_class: bytes) -> _KeyInfo:
+        """The one-frame key of a state `remaining` steps before the end of a counted chain
+        (`_counted_chains`) from the key of the chain's head: a token whose leading run of the
+        chain's bytes fits in `remaining` behaves the same from both; the others are walked."""
+        base = self._key((head,))
+        runs = self._leading_runs(run_class)
+        long = np.flatnonzero(runs > remaining)
+        acc, unc, late = self._walk_tokens(sid, long)
+        keep = ~np.isin(base.uncertain, long, assume_unique=True)
+        row = base.row & ~self._bits(long) | self._bits(acc)
+        unc_all = np.concatenate([base.uncertain[keep], unc])
+        late_all = np.concatenate([base.late[keep], late])
+        order = np.argsort(unc_all, kind="stable")
+        return _KeyInfo(row, unc_all[order], late_all[order])
+
+    def _leading_runs(self, run_class: bytes) -> np.ndarray:
+        """Per token (by rank), how many of its first bytes are in `run_class`. Cached."""
+        hit = self._runs.get(run_class)
+        if hit is not None:
+            return hit
+        tables = self.vocab.trie_tables
+        member = np.zeros(257, dtype=bool)
+        member[list(run_class)] = True
+        runs = np.zeros(len(tables.by_length), dtype=np.int32)
+        alive = np.ones(len(tables.by_length), dtype=bool)
+        for d in range(tables.length_columns.shape[0]):
+            alive &= member[tables.length_columns[d]]
+            if not alive.any():
+                break
+            runs += alive
+        self._runs[run_class] = runs
+        return runs
 
     def _stack_row(self, st: Stack) -> np.ndarray:
         m = 1
@@ -369,6 +408,44 @@ class GrammarIndex:
         """Bytes held by the network, the configuration table and the cached rows (approximate)."""
         keys = sum(v.row.nbytes + v.uncertain.nbytes + v.late.nbytes for v in self._keys.values())
         return int(self.pda.trans.nbytes + self._table.nbytes + keys + sum(r.nbytes for r in self._rows))
+
+
+def _counted_chains(pda: Pda) -> dict[int, tuple[int, int, bytes]]:
+    """States s_1..s_n after the head s_0 of a counted repetition of one byte class B (such as
+    ``[ \t\n]{0,20}``): s_k steps to s_k+1 on B, to nowhere from s_n, and every s_k has the same
+    rule, end flag, calls and other byte edges as s_0. Maps s_k to (s_0, n - k, B).
+
+    NOTE: from s_k a token whose leading run of B bytes has at most n - k bytes goes exactly as
+    from s_0 (both stay in the chain through the run, then step alike); `_chain_key` walks only
+    the others."""
+    trans, acc, calls, rule = pda.trans, pda.accepting, pda.calls, pda.state_rule
+    succ: dict[int, tuple[int, bytes]] = {}
+    for s in np.flatnonzero(pda.has_bytes).tolist():
+        row = trans[s]
+        for t in np.unique(row[row >= 0]).tolist():
+            if t == s or rule[t] != rule[s] or acc[t] != acc[s] or calls[t] != calls[s]:
+                continue
+            in_class = row == t
+            nxt = trans[t][in_class]
+            if not (np.array_equal(trans[t][~in_class], row[~in_class]) and (nxt == nxt[0]).all() and nxt[0] != t):
+                continue
+            succ[s] = (t, bytes(np.flatnonzero(in_class).tolist()))
+            break
+    targets = {t for t, _ in succ.values()}
+    out: dict[int, tuple[int, int, bytes]] = {}
+    for head in succ:
+        if head in targets:
+            continue
+        chain, run_class = [head], succ[head][1]
+        while chain[-1] in succ and succ[chain[-1]][1] == run_class and len(chain) <= pda.num_states:
+            chain.append(succ[chain[-1]][0])
+        last = chain[-1]
+        if not (trans[last][list(run_class)] < 0).all():
+            continue  # NOTE: not a chain that ends: the shared walk would not hold for its last state
+        n = len(chain) - 1
+        for k in range(1, n + 1):
+            out[chain[k]] = (head, n - k, run_class)
+    return out
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
