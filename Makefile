@@ -6,7 +6,7 @@ PKGS := packages/radixcache packages/cfsm packages/lmdsl packages/lowlat package
 PYPROJECTS := requirements-dev.txt $(addsuffix /pyproject.toml,$(PKGS))
 MYPY_SRC := packages/radixcache/src packages/cfsm/src packages/lmdsl/src packages/lowlat/src packages/server/src
 
-.PHONY: serve test test-gpu bench install install-test lint
+.PHONY: serve test test-slow test-gpu bench install install-test lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,9 +34,15 @@ lint: install-test
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy $(MYPY_SRC)
 
-# Lint, import contracts, then the whole CPU suite (exit code 5, "no tests", is not a failure).
+# Lint, import contracts, then the CPU suite without the `slow` tier (exit code 5, "no tests", is not a failure).
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+# The `slow` tier only (long end-to-end runs: load tests, long interpreter runs, model-server fault and drain
+# runs), then the benchmarks' own tests (by path: benchmarks/ is never collected); CI runs it if time allows.
+test-slow: install-test
+	$(PY) -m pytest -q -p no:cacheprovider -m slow --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -p no:cacheprovider benchmarks/programs/test_workloads.py
 
 test-gpu: install-test
 	LMSYS_GPU_ONLY=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

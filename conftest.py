@@ -1,7 +1,8 @@
 """Shared pytest configuration: test tiers (see DESIGN.md, principle 9).
 
 - `gpu`: needs CUDA; skipped automatically when no CUDA device is visible.
-- `slow`: takes more than a few seconds; still runs in the CPU suite.
+- `slow`: a long end-to-end run; `make test` leaves it out (`-m "not slow"`), `make test-slow`
+  runs it alone. Keep a smaller case of its oracle in the default tier.
 """
 
 from __future__ import annotations

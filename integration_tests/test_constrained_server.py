@@ -19,8 +19,6 @@ import regex
 import lmdsl as sgl
 from lmserver.testing import ServerProcess
 
-pytestmark = pytest.mark.slow
-
 ENV = {"OMP_NUM_THREADS": "1"}
 
 

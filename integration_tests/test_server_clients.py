@@ -15,8 +15,6 @@ import pytest
 import lmdsl as sgl
 from lmserver.testing import ServerProcess
 
-pytestmark = pytest.mark.slow
-
 QUESTION = "What is the capital of France?"
 PROMPT = "The capital of France is"
 # NOTE: one torch thread per process: the CI machine has 2 cores shared by the server, its core

@@ -17,8 +17,6 @@ from hypothesis import strategies as st
 
 from lmserver.testing import BAD_NATIVE, BAD_OPENAI, ServerProcess, fuzz_generate_bodies, fuzz_openai_bodies
 
-pytestmark = pytest.mark.slow
-
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_server_clients.py
 VALID = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
@@ -124,6 +122,7 @@ def test_abort_request_and_flush_refused_while_busy(server: ServerProcess, http:
     assert http.post("/flush_cache").status_code == 200
 
 
+@pytest.mark.slow  # a load test; every answer's oracle is also checked one request at a time above
 def test_200_concurrent_requests_with_bad_ones_mixed_in(server: ServerProcess, http: httpx.Client) -> None:
     prompts = [f"Fact number {i}: the sky is" for i in range(10)]
     expected = [http.post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": 3, "temperature": 0,
@@ -144,6 +143,7 @@ def test_200_concurrent_requests_with_bad_ones_mixed_in(server: ServerProcess, h
     assert all(r.json()["meta_info"]["completion_tokens"] == 3 for r in responses[:200])
 
 
+@pytest.mark.slow  # each example a real generation; test_server_fake fuzzes the same bodies against the fake core
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=fuzz_generate_bodies())
 def test_fuzzed_generate_never_crashes_the_engine(http: httpx.Client, body: Any) -> None:
@@ -151,6 +151,7 @@ def test_fuzzed_generate_never_crashes_the_engine(http: httpx.Client, body: Any)
     assert r.status_code in (200, 400), r.text
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=fuzz_openai_bodies(), chat=st.booleans())
 def test_fuzzed_openai_never_crashes_the_engine(http: httpx.Client, body: Any, chat: bool) -> None:

@@ -18,8 +18,6 @@ import pytest
 
 from lmserver.testing import ServerProcess
 
-pytestmark = pytest.mark.slow
-
 KEY = "sk-reliability-test-5150"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_server_clients.py
@@ -164,6 +162,7 @@ def test_clear_messages_and_the_engine_survives(client: httpx.Client, path: str,
 
 
 # -- SIGTERM drain (on a server of its own: it stops it) -------------------------------------------
+@pytest.mark.slow  # a second model server and two 1900-token requests; test_launch checks SIGTERM stops
 def test_sigterm_drains_then_ends_what_remains(own_server: ServerProcess, own_client: httpx.Client) -> None:
     server, client = own_server, own_client
     long_params = {"max_new_tokens": 1900, "ignore_eos": True}

@@ -77,7 +77,6 @@ def _generate(model: Any, tokenizer: Any, index: cfsm.Index, prompt: str, max_ne
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-@pytest.mark.slow
 def test_constrained_generation_with_smollm2(smollm2_model: Any, smollm2_tokenizer: Any) -> None:
     vocab = vocabulary_from_hf(smollm2_tokenizer)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

@@ -177,7 +177,6 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
 def test_agreement_over_gloo_two_processes(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'rendezvous'}"
     env = dict(os.environ, OMP_NUM_THREADS="1")

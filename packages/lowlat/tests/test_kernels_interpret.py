@@ -1,7 +1,8 @@
 """Runs kernel_cases.py in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
 
 TRITON_INTERPRET must be set before triton is imported, so the cases run in a child process and
-the other tests of this session keep the normal Triton.
+the other tests of this session keep the normal Triton. The cases marked `slow` there run in this
+file's slow tests (`make test-slow`); on a GPU every case runs.
 """
 
 from __future__ import annotations
@@ -18,23 +19,33 @@ MOE_CASES = Path(__file__).with_name("moe_cases.py")
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _run(env_extra: dict[str, str], cases: Path = CASES) -> str:
+def _run(env_extra: dict[str, str], cases: Path = CASES, marks: str | None = None) -> str:
+    """The cases of `cases` in a child pytest; `marks`: a `-m` expression (the cases' own slow tier)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
     env.update(env_extra)
+    select = ["-m", marks] if marks else []
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(cases)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *select, str(cases)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     summary = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, summary
     last = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "skipped" not in last and "deselected" not in last, summary
+    assert " passed" in last and "skipped" not in last, summary
+    assert marks is not None or "deselected" not in last, summary
     return last
 
 
-@pytest.mark.slow
+INTERPRET = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 def test_kernels_and_plugins_under_the_interpreter() -> None:
-    _run({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    _run(INTERPRET, marks="not slow")
+
+
+@pytest.mark.slow
+def test_long_kernel_and_plugin_cases_under_the_interpreter() -> None:
+    _run(INTERPRET, marks="slow")
 
 
 @pytest.mark.gpu
@@ -42,9 +53,13 @@ def test_kernels_and_plugins_on_the_gpu() -> None:
     _run({})
 
 
-@pytest.mark.slow
 def test_moe_kernels_and_layer_under_the_interpreter() -> None:
-    _run({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, MOE_CASES)
+    _run(INTERPRET, MOE_CASES, marks="not slow")
+
+
+@pytest.mark.slow
+def test_long_moe_cases_under_the_interpreter() -> None:
+    _run(INTERPRET, MOE_CASES, marks="slow")
 
 
 @pytest.mark.gpu

@@ -298,7 +298,6 @@ _SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo", "priority"])
 def test_cache_matches_naive_model(page_size: int, eviction: str) -> None:
@@ -307,7 +306,6 @@ def test_cache_matches_naive_model(page_size: int, eviction: str) -> None:
     settings(_SETTINGS, max_examples=examples)(machine).TestCase().runTest()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_whole_node_mode_matches_naive_model(page_size: int) -> None:
     """SGLang's granularity: no in-place leaf extension, whole-leaf eviction."""

@@ -25,7 +25,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = kernel_devices()
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_cascade_triton_in_a_child_process() -> None:
     pytest.importorskip("triton")

@@ -161,7 +161,6 @@ def test_eager_graph_runner_matches_the_eager_runner(backend: str, max_bs: int, 
             torch.testing.assert_close(got[used], ref[used], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already the interpreter child")
 def test_triton_backend_under_interpreter() -> None:
     """The triton backend's decode (graph-safe plan, scratch made by the warm-up) through the

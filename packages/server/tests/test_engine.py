@@ -53,7 +53,6 @@ def _idle_check(engine: Engine) -> None:
     engine.core.check_memory_invariant()
 
 
-@pytest.mark.slow
 def test_greedy_equals_hf_generate(engine: Engine, hf_model) -> None:  # type: ignore[no-untyped-def]
     outs = engine.generate(PROMPTS, _greedy(32))
     assert isinstance(outs, list)
@@ -237,7 +236,6 @@ def test_abort_at_each_stage_and_bad_input(engine: Engine) -> None:
     assert not core.has_work()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [
@@ -273,7 +271,6 @@ def test_core_contract_attributes(engine: Engine) -> None:
     assert core.flush_cache() is True
 
 
-@pytest.mark.slow
 def test_readme_example() -> None:
     from pathlib import Path
 

@@ -30,8 +30,6 @@ from lowlat.build import BuildContext, Built
 from lowlat.reference import reference_decoder_layer
 from lowlat.spec import Step, StepKind
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
 MAX_NEW = [24, 16, 8]  # different lengths: the decode batch shrinks 3 -> 2 -> 1
 

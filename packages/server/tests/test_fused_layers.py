@@ -219,7 +219,6 @@ def test_triton_layers_match_the_torch_path(device: str) -> None:
                 assert torch.equal(a[-3:].argmax(-1), b[-3:].argmax(-1))
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_triton_layers_on_the_cpu_in_a_child_process() -> None:
     pytest.importorskip("triton")

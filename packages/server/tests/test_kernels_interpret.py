@@ -15,7 +15,6 @@ from lmserver.kernels.testing import pytest_under_interpreter
 pytest.importorskip("triton")
 
 
-@pytest.mark.slow
 def test_triton_kernels_under_interpreter() -> None:
     tests = Path(__file__).with_name("test_kernels_triton.py")
     proc = pytest_under_interpreter(tests, tests.with_name("test_kernels_triton_backend.py"),

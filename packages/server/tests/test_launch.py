@@ -26,7 +26,6 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_without_orphans(sig: int) -> None:
     srv = ServerProcess(core="fake").start()
@@ -39,7 +38,6 @@ def test_signal_stops_cleanly_without_orphans(sig: int) -> None:
     assert _gone(core_pid), "the core process outlived the server"
 
 
-@pytest.mark.slow
 def test_core_crash_gives_503_and_nonzero_exit() -> None:
     srv = ServerProcess(core="crash").start()  # the fake core raises in its third step
     try:
@@ -56,7 +54,6 @@ def test_core_crash_gives_503_and_nonzero_exit() -> None:
     assert any("engine core is dead" in line for line in srv.lines)
 
 
-@pytest.mark.slow
 def test_core_exits_when_the_server_is_killed() -> None:
     srv = ServerProcess(core="fake").start()
     core_pid = httpx.get(srv.base_url + "/get_server_info", timeout=30).json()["core_pid"]
@@ -77,7 +74,6 @@ def test_port_in_use_exits_1_before_loading_the_model() -> None:
     assert any("Address already in use" in line for line in srv.lines)
 
 
-@pytest.mark.slow
 def test_engine_start_failure_exits_1_with_the_reason(tmp_path: Any) -> None:
     srv = ServerProcess(["--model-path", str(tmp_path / "no-such-model")], core=None)
     with pytest.raises(RuntimeError, match="did not become ready"):
@@ -91,7 +87,6 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
-@pytest.mark.slow
 def test_sigterm_while_the_model_loads_stops_at_once() -> None:
     srv = ServerProcess(core="slow_start").start(wait=False)
     deadline = time.monotonic() + 60

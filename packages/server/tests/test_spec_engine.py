@@ -19,8 +19,6 @@ import pytest
 
 from lmserver import Engine
 
-pytestmark = pytest.mark.slow
-
 PASSAGE = ("The committee met on Tuesday to review the budget. It approved the road repairs, delayed the "
            "library renovation, and asked the treasurer for a new estimate of the park maintenance costs.")
 COPY = f"Repeat this text word for word.\nText: {PASSAGE}\nRepeated:"
@@ -107,6 +105,7 @@ def test_logprobs_request_is_unchanged(engines: tuple[Engine, Engine]) -> None:
         assert tok == want_tok and lp == pytest.approx(want_lp, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_pages(engines: tuple[Engine, Engine]) -> None:
     base, _ = engines
     want = _run(base, WORKLOAD[:3])
@@ -138,6 +137,7 @@ def test_sampling_runs_and_abort_frees_everything(engines: tuple[Engine, Engine]
     core.check_memory_invariant()
 
 
+@pytest.mark.slow
 def test_simulated_acceptance_for_benchmarks() -> None:
     with Engine(dtype="float32", max_total_tokens=2048, max_running_requests=4, speculative_algorithm="ngram",
                 speculative_num_draft_tokens=5, speculative_simulate_accept_length=3.5) as eng:
@@ -211,6 +211,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Any) -> None:
                speculative_draft_model_path=path)
 
 
+@pytest.mark.slow
 def test_drafts_stop_at_the_context_length(engines: tuple[Engine, Engine]) -> None:
     """A request whose answer runs into the context length: drafts never pass it, the output equals
     plain decoding's."""

@@ -22,8 +22,6 @@ from lmserver.config import ServerConfig
 from lmserver.distributed import TensorParallelError, tp_head_counts
 from lmserver.models.config import ModelConfig
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -155,12 +153,15 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# one family in the default tier, the others in the slow one (each a TP=1 and a TP=2 run in child processes)
+@pytest.mark.parametrize("family", [f if f == "llama_gqa" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(FAMILIES)])
 def test_tp2_equals_tp1(tmp_path: Path, family: str) -> None:
     path = _model_folder(tmp_path, family, FAMILIES[family])
     _assert_same(_generate(path), _generate(path, tp_size=2))
 
 
+@pytest.mark.slow
 def test_tp2_with_decode_graphs_on_every_rank_equals_tp1(tmp_path: Path) -> None:
     # --enable-tp-cuda-graph: every rank captures the same sizes (their collectives run inside the
     # captures) and replays the padded size rank 0's decision implies; EagerGraph on the CPU.
@@ -174,6 +175,7 @@ def _second_node(config: ServerConfig) -> None:
     raise SystemExit(run_follower_node(config))
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     from lmserver.testing import free_port
 
@@ -204,6 +206,7 @@ def test_head_counts_that_do_not_split_give_a_clear_error() -> None:
         tp_head_counts(ModelConfig.from_hf(_tiny_config(num_attention_heads=12, num_key_value_heads=8)), 3)
 
 
+@pytest.mark.slow
 def test_smollm2_tp2_error_and_tp3_matches_tp1() -> None:
     from lmserver.default_model import default_model_path
 
@@ -213,6 +216,7 @@ def test_smollm2_tp2_error_and_tp3_matches_tp1() -> None:
     _assert_same(_generate(path, load_format="auto"), _generate(path, load_format="auto", tp_size=3))
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_server(tmp_path: Path) -> None:
     import os
 

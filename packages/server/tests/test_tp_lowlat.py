@@ -29,8 +29,6 @@ from packages.server.tests.test_tensor_parallel import (
     in_child,
 )
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 
 
@@ -144,7 +142,7 @@ def model_and_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, lis
     return path, _generate(path)  # TP=1, lowlat off
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "graphs"])
 def test_tp2_auto_runs_the_sharded_plugin_and_equals_tp1(
     model_and_oracle: tuple[str, list[dict[str, Any]]], graphs: bool
 ) -> None:
@@ -164,6 +162,7 @@ def test_tp2_auto_runs_the_sharded_plugin_and_equals_tp1(
     assert "lowlat rank 1: tp1-only unsupported: needs TP size in [1], server uses 2" in got["log"]
 
 
+@pytest.mark.slow
 def test_tp2_a_check_failing_on_rank_1_turns_the_plugin_off_on_both(
     model_and_oracle: tuple[str, list[dict[str, Any]]],
 ) -> None:
@@ -179,6 +178,7 @@ def test_tp2_a_check_failing_on_rank_1_turns_the_plugin_off_on_both(
     assert any(m.startswith("lowlat off on every rank: ranks [1] cannot run a plugin") for m in got["log"])
 
 
+@pytest.mark.slow
 def test_tp2_require_fails_start_up_with_the_reasons_and_no_hang(
     model_and_oracle: tuple[str, list[dict[str, Any]]],
 ) -> None:
@@ -194,6 +194,7 @@ def test_tp2_require_fails_start_up_with_the_reasons_and_no_hang(
     assert not any("did not stop" in m or "exited with status" in m for m in got["log"]), got["log"]
 
 
+@pytest.mark.slow
 def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp_path: Path) -> None:
     from lmserver.testing import ServerProcess
 
