@@ -382,3 +382,16 @@ def test_jump_forward_extend_rides_along_with_decodes() -> None:
     assert items["a"].token_ids == [10, 11, 12, 13] and items["b"].token_ids == [20]  # b decodes meanwhile
     sched.commit(d)
     assert a.status == ReqStatus.RUNNING and cd.schedule(sched).mode == "decode" and not cd._rewound
+
+
+def test_an_outgrown_pushdown_index_is_compiled_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmserver.constrained.backend as backend_mod
+
+    backend = _backend(compile_workers=0)
+    key = GrammarKey("ebnf", 'root ::= "(" root? ")"')
+    first = backend.compile(key)
+    assert isinstance(first, cfsm.GrammarIndex) and backend.compile(key) is first
+    monkeypatch.setattr(backend_mod, "MAX_GRAMMAR_CONFIGURATIONS", first.num_configurations - 1)
+    again = backend.compile(key)
+    assert again is not first and isinstance(again, cfsm.GrammarIndex)
+    backend.shutdown()

@@ -119,6 +119,15 @@ def grammar_key(params: SamplingParams, *, strict: bool = False, max_length: int
     return None
 
 
+# a pushdown grammar's index caches one row per parser configuration it has seen (about 1.5 KB);
+# past this many, new requests get a fresh compile (the old index goes with its last request)
+MAX_GRAMMAR_CONFIGURATIONS = 200_000
+
+
+def _outgrown(index: CompiledIndex) -> bool:
+    return isinstance(index, cfsm.GrammarIndex) and index.num_configurations > MAX_GRAMMAR_CONFIGURATIONS
+
+
 class _DaemonPool:
     """A minimal thread pool of daemon threads: a compile that never ends (timed out) does not
     keep the process from exiting, unlike `concurrent.futures.ThreadPoolExecutor`."""
@@ -267,6 +276,10 @@ class GrammarBackend:
         with self._lock:
             entry = self._cache.get(key)
             fut = entry.future if entry is not None else None
+            if fut is not None and fut.done() and fut.exception() is None and _outgrown(fut.result()):
+                # NOTE: requests still using the old index keep it; new ones get a fresh compile
+                del self._cache[key]
+                entry = fut = None
             if entry is not None and fut is not None and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 self.hits += 1
