@@ -152,9 +152,11 @@ def test_eager_decode_warms_every_batch_size_up() -> None:
     # at its own size, so start-up warms all of them (Session.warmup keeps those the plugin covers)
     from lmserver.engine.lowlat_hook import WARMUP_BATCH_SIZES, warmup_batch_sizes
 
-    assert warmup_batch_sizes(False, "cuda") == WARMUP_BATCH_SIZES == (1, 2, 4, 8)
+    graphs = warmup_batch_sizes(False, "cuda")
+    assert graphs == WARMUP_BATCH_SIZES and graphs[0] == 1 and list(graphs) == sorted(set(graphs))
     for eager in (warmup_batch_sizes(True, "cuda"), warmup_batch_sizes(False, "cpu")):
-        assert eager == tuple(range(1, 17))
+        # every size from 1 up, a superset of the graph sizes (whatever the tables hold)
+        assert eager == tuple(range(1, max(eager) + 1)) and set(graphs) <= set(eager)
 
 
 class VerifyUpTo4Built(ReferenceBuilt):
