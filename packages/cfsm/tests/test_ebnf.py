@@ -6,6 +6,7 @@ rule boundaries, and the regular shortcut."""
 from __future__ import annotations
 
 import copy as pycopy
+import functools
 import random
 
 import numpy as np
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.grammar import GrammarGuide, GrammarIndex, inline_rules, parse_ebnf, parse_lark
+from cfsm.grammar import Grammar, GrammarGuide, GrammarIndex, inline_rules, parse_ebnf, parse_lark
 from cfsm.grammar.testing import accepts, byte_vocab, draw_member, greedy_tokens
 from cfsm.testing import allowed_by_advance
 
@@ -84,24 +85,28 @@ PIECES = ['{"', '":', '",', '", "', "true", "false", "null", "12", "],", "}]", "
           " AND", "count", "if", "==", "((", "))", "é", "éx", ")(", "xyz", "ab", ", ", " (", "\\u00"]
 
 
-@pytest.fixture(scope="module")
-def vocab() -> cfsm.Vocabulary:
+@functools.cache
+def _vocab() -> cfsm.Vocabulary:
     return byte_vocab(PIECES)
 
 
-_INDEXES: dict[str, tuple[object, object]] = {}
+@pytest.fixture(scope="module")
+def vocab() -> cfsm.Vocabulary:
+    return _vocab()
 
 
-def _compiled(name: str, vocab: cfsm.Vocabulary) -> tuple[object, GrammarIndex]:
-    if name not in _INDEXES:
-        text = GRAMMARS[name]
-        lark = name.startswith("lark")
-        index = cfsm.compile_lark(text, vocab) if lark else cfsm.compile_ebnf(text, vocab)
-        assert isinstance(index, GrammarIndex)
-        _INDEXES[name] = (parse_lark(text) if lark else parse_ebnf(text), index)
-    grammar, index = _INDEXES[name]
+@functools.cache
+def _grammar_and_index(name: str) -> tuple[Grammar, GrammarIndex]:
+    text = GRAMMARS[name]
+    lark = name.startswith("lark")
+    index = cfsm.compile_lark(text, _vocab()) if lark else cfsm.compile_ebnf(text, _vocab())
     assert isinstance(index, GrammarIndex)
-    return grammar, index
+    return (parse_lark(text) if lark else parse_ebnf(text)), index
+
+
+def _compiled(name: str, vocab: cfsm.Vocabulary) -> tuple[Grammar, GrammarIndex]:
+    assert vocab is _vocab()
+    return _grammar_and_index(name)
 
 
 def _run(index: GrammarIndex, vocab: cfsm.Vocabulary, text: str, check_masks: int = 0) -> bool:

@@ -4,6 +4,7 @@ with `jsonschema`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections import deque
@@ -30,21 +31,27 @@ WITH_FREE = {"type": "object", "properties": {"meta": {}, "tags": {"type": "arra
 SCHEMAS = {"tree": TREE, "linked": LINKED, "free": WITH_FREE}
 
 
-@pytest.fixture(scope="module")
-def vocab() -> cfsm.Vocabulary:
+@functools.cache
+def _vocab() -> cfsm.Vocabulary:
     return byte_vocab(['{"', '":', '",', '":"', '"}', "null", "true", "false", "children", "name", "[]", "]}",
                        "}]", "next", '{"v":', "12", ", "])
 
 
-_CACHE: dict[str, cfsm.GrammarIndex] = {}
+@pytest.fixture(scope="module")
+def vocab() -> cfsm.Vocabulary:
+    return _vocab()
+
+
+@functools.cache
+def _schema_index(name: str) -> cfsm.GrammarIndex:
+    index = cfsm.compile_json_schema(SCHEMAS[name], _vocab())
+    assert isinstance(index, cfsm.GrammarIndex)
+    return index
 
 
 def _index(name: str, vocab: cfsm.Vocabulary) -> cfsm.GrammarIndex:
-    if name not in _CACHE:
-        index = cfsm.compile_json_schema(SCHEMAS[name], vocab)
-        assert isinstance(index, cfsm.GrammarIndex)
-        _CACHE[name] = index
-    return _CACHE[name]
+    assert vocab is _vocab()
+    return _schema_index(name)
 
 
 def _accepted(index: cfsm.GrammarIndex | cfsm.Index, vocab: cfsm.Vocabulary, text: str) -> bool:
