@@ -107,6 +107,30 @@ def test_a_chunked_50_mb_upload_is_cut_at_the_limit(client: httpx.Client) -> Non
     _still_serves(client)
 
 
+def test_health_answers_while_a_5_mb_prompt_is_tokenized(client: httpx.Client) -> None:
+    """Tokenization runs off the event loop: /health (and any other request) is answered while a
+    5 MB prompt (1.1 M tokens, seconds of tokenizer work) is tokenized, before that request's own
+    answer (a 400: longer than the context)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 110_000
+    done: dict[str, Any] = {}
+
+    def big() -> None:
+        done["response"] = client.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}})
+        done["at"] = time.monotonic()
+
+    worker = threading.Thread(target=big)
+    worker.start()
+    time.sleep(1.0)  # the body (5 MB) is read and its tokenization under way
+    health = client.get("/health")
+    answered = time.monotonic()
+    worker.join(timeout=300)
+    assert health.status_code == 200
+    r = done["response"]
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text[:300]
+    assert answered < done["at"], "/health waited for the tokenization"
+    _still_serves(client)
+
+
 # -- protocol -----------------------------------------------------------------------------------
 def test_max_new_tokens_0_with_logprobs_scores_the_whole_prompt(client: httpx.Client) -> None:
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}

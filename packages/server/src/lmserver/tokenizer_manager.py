@@ -11,7 +11,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from lmserver.multimodal.frontend import MediaRef, MultimodalFrontend
 
 logger = logging.getLogger("lmserver")
+
+TOKENIZE_THREADS = 2  # tokenizer threads per HTTP process (long inputs only)
+INLINE_TOKENIZE_SIZE = 4096  # characters (or token ids) tokenized on the event loop itself
 
 
 class EngineDeadError(RuntimeError):
@@ -107,6 +111,9 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.shutting_down = False
         self.mm: MultimodalFrontend | None = None  # images / videos of a multimodal model (set when ready)
+        # NOTE: tokenizing a long text (a 5 MB prompt takes seconds) runs here, never on the event loop, so /health
+        # and every other request keep being served; the Rust tokenizer releases the GIL while it works
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # -- life cycle -----------------------------------------------------------------------------
     async def wait_ready(self, timeout_s: float | None = None) -> CoreReady:
@@ -153,6 +160,7 @@ class TokenizerManager:
             self._recv_task.cancel()
         if self.mm is not None:
             await self.mm.aclose()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self._push.close(linger=500)
         self._pull.close(linger=0)
         if not await asyncio.get_running_loop().run_in_executor(None, terminate_context, self._ctx):
@@ -192,6 +200,27 @@ class TokenizerManager:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    async def off_loop(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (tokenizer work on an input of `size` characters or tokens): inline when it is
+        small (a thread hop costs more), else on the tokenizer threads while the event loop goes on."""
+        if size <= INLINE_TOKENIZE_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def encode_async(self, text: str) -> list[int]:
+        """`encode` off the event loop for long texts."""
+        return await self.off_loop(len(text), self.encode, text)  # type: ignore[no-any-return]
+
+    async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode` off the event loop for long id lists."""
+        return await self.off_loop(len(ids), self.decode, ids, skip_special_tokens)  # type: ignore[no-any-return]
+
+    async def apply_chat_template_async(self, messages: list[dict[str, Any]],
+                                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`apply_chat_template` off the event loop for long conversations."""
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        return await self.off_loop(size, self.apply_chat_template, messages, tools)  # type: ignore[no-any-return]
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None) -> list[int]:

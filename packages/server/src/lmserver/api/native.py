@@ -132,7 +132,7 @@ async def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Ge
             if isinstance(exc, InvalidRequestError):
                 raise
             raise APIError(400, f"invalid sampling_params: {exc}", param="sampling_params") from None
-        input_ids = mgr.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        input_ids = await mgr.encode_async(prompt) if isinstance(prompt, str) else list(prompt)
         input_ids, mm_items = await mgr.prepare_media(input_ids, _media_refs(body, i, batch))
         mgr.check_input_ids(input_ids, params, max_new_tokens_given="max_new_tokens" in sp)
         rid = _per_prompt(body, "rid", i, batch, None)
@@ -330,10 +330,10 @@ async def tokenize(request: Request) -> dict[str, Any]:
         return list(mgr.tokenizer.encode(s, add_special_tokens=add_special))
 
     if isinstance(prompt, str):
-        tokens: Any = enc(prompt)
+        tokens: Any = await mgr.off_loop(len(prompt), enc, prompt)
         count: Any = len(tokens)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        tokens = [enc(p) for p in prompt]
+        tokens = [await mgr.off_loop(len(p), enc, p) for p in prompt]
         count = [len(t) for t in tokens]
     else:
         raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
@@ -350,7 +350,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     bad = [t for t in tokens if not 0 <= t < mgr.vocab_size]
     if bad:
         raise APIError(400, f"token id(s) out of the vocabulary (size {mgr.vocab_size}): {bad[:5]}", param="tokens")
-    return {"text": mgr.decode(tokens, skip_special_tokens=False)}
+    return {"text": await mgr.decode_async(tokens, skip_special_tokens=False)}
 
 
 def _version() -> str:

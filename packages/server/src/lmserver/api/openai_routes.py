@@ -140,9 +140,9 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     p = req.prompt
     if isinstance(p, str):
-        prompts = [mgr.encode(p)]
+        prompts = [await mgr.encode_async(p)]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [mgr.encode(x) for x in p]  # type: ignore[arg-type]
+        prompts = [await mgr.encode_async(x) for x in p]  # type: ignore[arg-type]
     elif p and all(isinstance(x, int) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
     elif p and all(isinstance(x, list) for x in p):
@@ -156,7 +156,7 @@ async def completions(request: Request) -> Response:
                       top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True, stream=req.stream)
     n = req.n
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    echo_text = [mgr.decode(ids) if req.echo else "" for ids in prompts]
+    echo_text = [await mgr.decode_async(ids) if req.echo else "" for ids in prompts]
 
     def logprobs_of(state: GenState, i: int, start: int) -> dict[str, Any] | None:
         if not want_lp:
@@ -228,7 +228,7 @@ async def chat_completions(request: Request) -> Response:
                  if mgr.config.reasoning_parser in REASONING_PARSERS else None)
     messages, media = chat_messages(req)
     messages, tools = prepare_messages(messages, message_extras(req), plan, template)
-    ids, mm_items = await mgr.prepare_media(mgr.apply_chat_template(messages, tools), media)
+    ids, mm_items = await mgr.prepare_media(await mgr.apply_chat_template_async(messages, tools), media)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params, given = sampling_params(req, max_tokens)
     _constrain(params, plan, reasoning)
