@@ -47,3 +47,21 @@ def test_replica_env_narrows_cuda_devices_only_on_gpus() -> None:
 def test_visible_devices_follow_the_variable() -> None:
     assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": "1, 0"}) == ["1", "0"]
     assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_the_api_key_reaches_replicas_through_the_environment_only() -> None:
+    from lmserver.cli import API_KEY_ENV
+
+    config = parse_config(["--dp-size", "2", "--api-key", "sk-secret-42"])
+    for i in range(2):
+        args = replica_args(config, i)
+        assert "sk-secret-42" not in " ".join(args) and "--api-key" not in args
+        env = replica_env(config, i, {"PATH": "/bin", API_KEY_ENV: "stale"}, [])
+        assert env[API_KEY_ENV] == "sk-secret-42"
+        assert parse_config(args, env) == config.replace(dp_size=1, port=config.port + 1 + i)
+    keyless = parse_config(["--dp-size", "2"])
+    assert API_KEY_ENV not in replica_env(keyless, 0, {API_KEY_ENV: "stale"}, [])
+    # the variable serves `lmserver serve` too; --api-key wins over it
+    assert parse_config([], {API_KEY_ENV: "from-env"}).api_key == "from-env"
+    assert parse_config(["--api-key", "flag"], {API_KEY_ENV: "from-env"}).api_key == "flag"
+    assert parse_config([], {API_KEY_ENV: ""}).api_key is None

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from lmserver.config import ServerConfig
@@ -52,8 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str]) -> ServerConfig:
-    """The ServerConfig given by command-line options (`serve` optional). Exits on bad options."""
+API_KEY_ENV = "LMSERVER_API_KEY"  # the API key, kept out of the process list (`--api-key` wins over it)
+
+
+def parse_config(argv: list[str], environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig given by command-line options (`serve` optional), the API key from
+    `environ[API_KEY_ENV]` when no `--api-key` is given. Exits on bad options."""
     argv = list(argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["serve", *argv]
@@ -62,6 +68,8 @@ def parse_config(argv: list[str]) -> ServerConfig:
         build_parser().print_help()
         raise SystemExit(2)
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
+    if values.get("api_key") is None and environ is not None and environ.get(API_KEY_ENV):
+        values["api_key"] = environ[API_KEY_ENV]
     return ServerConfig(**values)
 
 
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from lmserver.router.app import main as route_main
 
         return route_main(argv[1:])
-    config = parse_config(argv)
+    config = parse_config(argv, os.environ)
     if config.nnodes > 1 and config.node_rank > 0:
         from lmserver.distributed.tp_engine import run_follower_node
 

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from lmserver.cli import API_KEY_ENV
 from lmserver.config import ServerConfig
 from lmserver.launch import READY_PREFIX
 
@@ -29,12 +30,13 @@ _READY_TIMEOUT_S = 900.0
 
 
 def replica_args(config: ServerConfig, index: int) -> list[str]:
-    """Command-line options reproducing `config` for replica `index` (dp_size 1, own port)."""
+    """Command-line options reproducing `config` for replica `index` (dp_size 1, own port); the API
+    key never goes on a command line (any user can list those): `replica_env` carries it."""
     replica = config.replace(dp_size=1, port=config.port + 1 + index)
     args: list[str] = []
     for f in dataclasses.fields(ServerConfig):
         value = getattr(replica, f.name)
-        if value == f.default:
+        if value == f.default or f.name == "api_key":
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -65,8 +67,12 @@ def visible_cuda_devices(environ: dict[str, str]) -> list[str]:
 
 def replica_env(config: ServerConfig, index: int, environ: dict[str, str], visible: list[str]) -> dict[str, str]:
     """The environment of replica `index`: the parent's, with CUDA_VISIBLE_DEVICES narrowed to the
-    replica's GPUs when the server runs on CUDA and GPUs are visible. Pure."""
+    replica's GPUs when the server runs on CUDA and GPUs are visible, and the API key in
+    `cli.API_KEY_ENV` (set, or removed when the server has none). Pure."""
     env = dict(environ)
+    env.pop(API_KEY_ENV, None)
+    if config.api_key:
+        env[API_KEY_ENV] = config.api_key
     if config.device != "cpu" and visible:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus(index, config.tp_size, visible))
     return env
