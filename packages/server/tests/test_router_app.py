@@ -172,3 +172,23 @@ def test_more_than_a_hundred_requests_are_in_flight_to_workers_at_once() -> None
     finally:
         router.stop()
         worker.stop()
+
+
+def test_a_body_over_the_limit_is_a_413_before_any_worker_sees_it(workers: list[_Server]) -> None:
+    config = RouterConfig(workers=tuple(w.url for w in workers), health_check_interval_s=60, max_request_bytes=1000)
+    with TestClient(build_app(config)) as client:
+        big = client.post("/generate", json={"text": "a" * 2000})
+        assert big.status_code == 413 and "--max-request-bytes" in big.json()["error"]["message"], big.text
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            yield b'{"text": "'
+            for _ in range(4):
+                yield b"a" * 600
+            yield b'"}'
+
+        cut = client.post("/generate", content=chunks(), headers={"Content-Type": "application/json"})
+        assert cut.status_code == 413, cut.text
+        ok = client.post("/generate", json={"text": "a" * 100})
+        assert ok.status_code == 200 and ok.json()["meta_info"]["prompt"] == "a" * 100
+        served = {w["url"]: w["served"] for w in client.get("/workers").json()["workers"]}
+        assert sum(served.values()) == 1  # only the small request reached a worker

@@ -108,7 +108,7 @@ def launch_dp(config: ServerConfig) -> int:
         watcher = threading.Thread(target=_exit_when_all_dead, args=(procs, all_dead), daemon=True)
         watcher.start()
         serve(RouterConfig(workers=tuple(urls), policy=config.router_policy, host=config.host, port=config.port,
-                           api_key=config.api_key),
+                           api_key=config.api_key, max_request_bytes=config.max_request_bytes),
               ready_line=f"{READY_PREFIX}http://{config.host}:{config.port}")
         return 1 if all_dead.is_set() else 0
     finally:

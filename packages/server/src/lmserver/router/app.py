@@ -23,6 +23,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmserver.api.app import BodyLimit, BodyTooLargeError
+from lmserver.api.errors import error_response
 from lmserver.metrics import CONTENT_TYPE
 from lmserver.netutil import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from lmserver.router.policy import CacheAwareConfig, RoutingPolicy, make_policy
@@ -48,6 +50,7 @@ class RouterConfig:
     # NOTE: a secret (repr hidden): when set, every endpoint except /health needs "Authorization: Bearer <key>",
     # and the header is forwarded to the workers (which serve the same key)
     api_key: str | None = field(default=None, repr=False)
+    max_request_bytes: int = 32 << 20  # a larger request body is a 413, answered before it is read (0: no limit)
 
 
 @dataclass
@@ -189,6 +192,11 @@ def build_app(config: RouterConfig, ready_line: str | None = None) -> FastAPI:
     app = FastAPI(title="lmserver router", lifespan=lifespan)
     app.state.router = router
     metrics = RouterMetrics(router)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+
+    @app.exception_handler(BodyTooLargeError)
+    async def too_large(_: Request, exc: BodyTooLargeError) -> Response:
+        return error_response(413, str(exc.detail), code="request_too_large")
     if config.api_key:
         expected = f"Bearer {config.api_key}".encode()
 
@@ -397,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--health-check-interval-s", type=float, default=5.0)
+    p.add_argument("--max-request-bytes", type=int, default=RouterConfig.max_request_bytes,
+                   help="largest request body accepted, in bytes (a 413 otherwise; 0: no limit)")
     p.add_argument("--api-key", default=os.environ.get("LMSERVER_API_KEY"),
                    help="bearer token required on every endpoint except /health (default: $LMSERVER_API_KEY); "
                         "sent on to the workers")
@@ -418,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             health_check_interval_s=args.health_check_interval_s,
             api_key=args.api_key or None,
+            max_request_bytes=args.max_request_bytes,
             cache_aware=CacheAwareConfig(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold),
         )
     )
