@@ -215,7 +215,10 @@ def test_strict_and_approximation_notes(http: httpx.Client, oai: openai.OpenAI) 
 
 
 def _workers(http: httpx.Client, timeout_s: float = 60.0) -> list[int]:
-    """The engine core's child processes, once there are as many as workers (they start in the background)."""
+    """The engine core's child processes, once there are as many as workers (the pool starts them in the
+    background, on its first compile: one is asked for here)."""
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1, "regex": "[ab]"}})
+    assert r.status_code == 200, r.text
     core = http.get("/get_server_info").json()["core_pid"]
     deadline = time.monotonic() + timeout_s
     while len(workers := [p for p in _children(core) if _alive(p)]) < int(WORKERS) and time.monotonic() < deadline:
