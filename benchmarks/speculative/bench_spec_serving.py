@@ -9,7 +9,9 @@ Settings (`--settings`, in one run, side by side):
 - `plain`: no speculation, `--lowlat-plugins off`;      `plain+lowlat`: the same with `auto`;
 - `spec`: `--speculative-algorithm ngram --speculative-simulate-accept-length A
   --speculative-num-draft-tokens D` (every step verifies D drafts and accepts A - 1 on average,
-  whatever the random weights say: the seed's measurement method); `spec+lowlat`: with `auto`.
+  whatever the random weights say: the seed's measurement method); `spec+lowlat`: with `auto`;
+- `eagle`: the same acceptance with an EAGLE head (`--eagle-head FOLDER`) proposing the drafts, so
+  its cost (a catch-up forward and D - 1 head steps, each with the target's LM head) is paid.
 
 Verify steps of up to `--cuda-graph-max-bs` rows replay the decode graphs as decode rows. The
 server's own counters (`/get_server_info`) give the measured acceptance length, verify steps,
@@ -38,6 +40,8 @@ SETTINGS = {
     "plain+lowlat": ["--lowlat-plugins", "auto"],
     "spec": ["SPEC"],
     "spec+lowlat": ["SPEC", "--lowlat-plugins", "auto"],
+    "eagle": ["EAGLE"],
+    "eagle+lowlat": ["EAGLE", "--lowlat-plugins", "auto"],
 }
 
 
@@ -83,9 +87,11 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     extra: list[str] = []
     for a in SETTINGS[name]:
-        if a == "SPEC":
-            extra += ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", str(args.draft_tokens),
+        if a in ("SPEC", "EAGLE"):
+            extra += ["--speculative-num-draft-tokens", str(args.draft_tokens),
                       "--speculative-simulate-accept-length", str(args.accept_length)]
+            extra += ["--speculative-algorithm", "ngram"] if a == "SPEC" else \
+                ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", args.eagle_head]
         else:
             extra.append(a)
     cmd = ["--model-path", args.model_path, *shlex.split(args.server_args),
@@ -123,6 +129,8 @@ def main() -> None:
     p.add_argument("--draft-tokens", type=int, default=5)
     p.add_argument("--accept-length", type=float, default=3.5)
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
+    p.add_argument("--eagle-head", help="eagle settings: the EAGLE head's folder (its config.json is enough with "
+                                        "--load-format dummy)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     results = [run_setting(name, args) for name in args.settings]
@@ -131,7 +139,8 @@ def main() -> None:
     print("|---|" + "---|" * len(args.concurrency))
     for r in results:
         print(f"| {r['setting']} | " + " | ".join(f"{r['by_concurrency'][c]:.1f}" for c in args.concurrency) + " |")
-    for spec, base in (("spec", "plain"), ("spec+lowlat", "plain+lowlat"), ("spec+lowlat", "spec")):
+    for spec, base in (("spec", "plain"), ("spec+lowlat", "plain+lowlat"), ("spec+lowlat", "spec"),
+                       ("eagle", "plain"), ("eagle", "plain+lowlat"), ("eagle", "spec")):
         if spec in by and base in by:
             print(f"{spec} / {base}: " + ", ".join(f"c={c} {by[spec][c] / by[base][c]:.2f}x" for c in args.concurrency))
     for r in results:

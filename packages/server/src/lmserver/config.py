@@ -95,10 +95,12 @@ class ServerConfig:
     # Speculative decoding
     speculative_algorithm: str | None = _opt(None, "draft tokens verified by the model in one forward, exactly (greedy "
                                                    "outputs unchanged, sampled ones distributed as the model's): ngram "
-                                                   "(prompt lookup, no draft model) or draft_model (a small model of the "
-                                                   "same tokenizer, --speculative-draft-model-path)",
-                                   ("ngram", "draft_model"))
-    speculative_draft_model_path: str | None = _opt(None, "draft_model: the draft model's folder (same vocabulary)")
+                                                   "(prompt lookup, no draft model), draft_model (a small model of the "
+                                                   "same tokenizer, --speculative-draft-model-path) or eagle (an EAGLE "
+                                                   "head reading the target's features, --speculative-draft-model-path)",
+                                   ("ngram", "draft_model", "eagle"))
+    speculative_draft_model_path: str | None = _opt(None, "draft_model: the draft model's folder (same vocabulary); "
+                                                          "eagle: the EAGLE head's folder (published EAGLE layout)")
     speculative_num_draft_tokens: int = _opt(4, "most draft tokens per request and step")
     speculative_ngram_min_match: int = _opt(2, "ngram: shortest suffix looked up in the request's tokens")
     speculative_ngram_max_match: int = _opt(4, "ngram: longest suffix looked up (tried first)")

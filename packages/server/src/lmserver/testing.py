@@ -11,6 +11,7 @@ admission (prompt + max_new_tokens) and freed at finish or abort.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -497,3 +498,37 @@ def fuzz_openai_bodies() -> Any:
     max_tokens = st.integers(0, 3) | st.integers(10**5, 10**6) | st.text(max_size=3) | st.none().map(lambda _: -1)
     return st.builds(lambda body, mt: {**body, "max_tokens": mt},
                      st.dictionaries(st.sampled_from(keys), _fuzz_json(), max_size=5), max_tokens)
+
+
+def write_eagle_head(folder: Any, config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Writes a random one-layer EAGLE head in the published layout (`config.json`, safetensors
+    `fc.weight`, `layers.0.*` without `input_layernorm`) to `folder`; returns its tensors."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    inter = config["intermediate_size"]
+    d = config.get("head_dim", h // heads)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    tensors = {
+        "fc.weight": rnd(h, 2 * h),
+        "layers.0.self_attn.q_proj.weight": rnd(heads * d, h),
+        "layers.0.self_attn.k_proj.weight": rnd(kv * d, h),
+        "layers.0.self_attn.v_proj.weight": rnd(kv * d, h),
+        "layers.0.self_attn.o_proj.weight": rnd(h, heads * d),
+        "layers.0.mlp.gate_proj.weight": rnd(inter, h),
+        "layers.0.mlp.up_proj.weight": rnd(inter, h),
+        "layers.0.mlp.down_proj.weight": rnd(h, inter),
+        "layers.0.post_attention_layernorm.weight": 1 + rnd(h),
+    }
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors

@@ -25,6 +25,7 @@ from lmserver.config import ServerConfig
 from lmserver.constrained import ConstrainedDecoding
 from lmserver.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
+from lmserver.engine.draft_model import DraftModel
 from lmserver.engine.kv_pool import KVPool, kv_cache_options, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.multimodal import MultimodalInputs
@@ -140,6 +141,7 @@ class EngineCore:
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
+        self.runner.keep_hidden = rc.speculative_algorithm == "eagle"  # before the decode graphs are captured
         if self.lowlat is not None:
             from lmserver.engine.lowlat_hook import warmup_batch_sizes
 
@@ -202,9 +204,17 @@ class EngineCore:
             spec_config = SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
                                      rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
                                      rc.speculative_simulate_accept_length, rc.speculative_draft_model_path)
-            draft = None
-            if spec_config.draft_model_path is not None:
-                from lmserver.engine.draft_model import DraftModel
+            draft: DraftModel | None = None
+            if spec_config.algorithm == "eagle":
+                from lmserver.engine.eagle import EagleProposer
+
+                assert spec_config.draft_model_path is not None
+                draft = EagleProposer(spec_config.draft_model_path, target=self.model, target_config=mc,
+                                      dtype=self.dtype, device=self.device, context_length=self.context_length,
+                                      max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
+                                      attention_backend=rc.attention_backend, load_format=rc.load_format,
+                                      seed=rc.random_seed)
+            elif spec_config.draft_model_path is not None:
 
                 draft = DraftModel(spec_config.draft_model_path, target_vocab_size=self.vocab_size, dtype=self.dtype,
                                    device=self.device, context_length=self.context_length,
@@ -333,6 +343,8 @@ class EngineCore:
             if self.mm is not None and decision.mode == "extend" else []
         # NOTE: mm_rows only when there are some: a TP-wrapped runner (no images) takes no such argument
         logits = self.runner.forward(decision, mm_rows=mm_rows) if mm_rows else self.runner.forward(decision)
+        if self.spec is not None:  # an EAGLE head reads the features of every computed token
+            self.spec.observe(decision, self.runner.last_hidden)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens
@@ -373,7 +385,7 @@ class EngineCore:
         assert rows is not None
         return self.spec.verify(decision, drafts, rows, self.states,
                                 self.scheduler, sample_plain, lambda state, token: self._append_sampled([(state, token)]),
-                                argmax=argmax is not None)
+                                argmax=argmax is not None, hidden=self.runner.last_hidden)
 
     def _launch(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
                 rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:

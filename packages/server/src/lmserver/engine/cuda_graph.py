@@ -257,6 +257,10 @@ class DecodeGraphRunner:
         self.ints[4].fill_(1)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=self.device)
         self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)  # argmax of the last replay
+        # the hidden states of the last replay's rows, for a runner that keeps them (EAGLE speculation)
+        hidden_size: int = runner.model.config.hidden_size  # type: ignore[union-attr, assignment]
+        self.hidden_out = torch.zeros(self.max_bs, hidden_size, dtype=next(runner.model.parameters()).dtype,
+                                      device=self.device) if runner.keep_hidden else None
         cuda = self.device.type == "cuda"
         # Two pinned host buffers used in turn: a step fills one while the other's copy may still be queued.
         self._staging = [torch.zeros(5, self.max_bs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
@@ -303,6 +307,8 @@ class DecodeGraphRunner:
             runner.attn_backend.plan(batch)
             # (bs, hidden); a lowlat plugin's path is recorded (for a verify graph, the path of verify rows)
             hidden = runner.hidden(batch, capturing=True, verify_rows=verify_rows)
+            if self.hidden_out is not None:
+                self.hidden_out[:bs].copy_(hidden)
             # NOTE: logits in the model's dtype (argmax is exact on them); `forward` casts the rows it returns
             logits: torch.Tensor = runner.model.compute_raw_logits(hidden)  # type: ignore[operator]  # (bs, vocab)
             self._argmax(logits, out=self.greedy_ids[:bs])
@@ -462,6 +468,8 @@ class DecodeGraphRunner:
             self.num_cascade_replays += 1
         graph.replay()
         self.num_replays += 1
+        if self.hidden_out is not None:
+            self.runner.last_hidden = self.hidden_out[:bs]
         return step, logits
 
     def _copy_ints(self, ints: list[list[int]], padded: int) -> None:

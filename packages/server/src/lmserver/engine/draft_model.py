@@ -20,6 +20,7 @@ from lmserver.engine.kv_pool import KVPool, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner
 from lmserver.engine.sampler import greedy_argmax
 from lmserver.model_loader import load_model, read_model_config
+from lmserver.models.config import ModelConfig
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 
@@ -28,7 +29,7 @@ class DraftModelError(ValueError):
 
 
 @dataclass
-class _DraftReq:
+class DraftReq:
     row: int
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the draft cache
     slots: list[int] = field(default_factory=list)
@@ -44,7 +45,14 @@ class DraftModel:
                                   f"the target {target_vocab_size}: a draft model must share the target's tokenizer")
         if config.is_multimodal:
             raise DraftModelError("a multimodal draft model is not supported; use its text model")
-        self.model = load_model(config, model_path, dtype=dtype, device=device, max_positions=context_length)
+        model = load_model(config, model_path, dtype=dtype, device=device, max_positions=context_length)
+        self._init_cache(model, config, dtype=dtype, device=device, context_length=context_length,
+                         max_requests=max_requests, num_slots=num_slots, attention_backend=attention_backend)
+
+    def _init_cache(self, model: torch.nn.Module, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                    context_length: int, max_requests: int, num_slots: int, attention_backend: str) -> None:
+        """The draft's own KV pool, request table and model runner over `model`; mutates self."""
+        self.model = model
         self.context_length = context_length
         pool = KVPool(num_slots + 1, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                       dtype, device)
@@ -55,19 +63,19 @@ class DraftModel:
         self._num_slots = num_slots
         self._free_slots = list(range(num_slots, 0, -1))  # slot 0 is padding
         self._free_rows = list(range(max_requests - 1, -1, -1))
-        self._reqs: dict[str, _DraftReq] = {}
+        self._reqs: dict[str, DraftReq] = {}
 
     def propose(self, contexts: dict[str, Sequence[int]], k: dict[str, int]) -> dict[str, list[int]]:
         """Greedy drafts, `k[rid]` tokens after each request's `contexts[rid]` (its prompt and
         output so far, only ever extended by accepted tokens). Requests the cache has no room
         for get none. Mutates the draft KV cache."""
-        active: dict[str, _DraftReq] = {}
+        active: dict[str, DraftReq] = {}
         for rid, tokens in contexts.items():
             req = self._reqs.get(rid)
             if req is None:
                 if not self._free_rows:
                     continue
-                req = self._reqs[rid] = _DraftReq(self._free_rows.pop())
+                req = self._reqs[rid] = DraftReq(self._free_rows.pop())
             if req.tokens != list(tokens[: len(req.tokens)]):  # the target's tokens changed (jump-forward): restart
                 self._drop_kv(req, 0)
             if len(req.tokens) >= len(tokens):  # the last token is fed again: its logits give the first draft
@@ -112,13 +120,13 @@ class DraftModel:
             self._drop_kv(req, 0)
             self._free_rows.append(req.row)
 
-    def _drop_kv(self, req: _DraftReq, keep: int) -> None:
+    def _drop_kv(self, req: DraftReq, keep: int) -> None:
         self._free_slots.extend(req.slots[keep:])
         del req.slots[keep:]
         del req.tokens[keep:]
         req.synced = min(req.synced, keep)
 
-    def _item(self, rid: str, req: _DraftReq, new: list[int]) -> ForwardItem:
+    def _item(self, rid: str, req: DraftReq, new: list[int]) -> ForwardItem:
         start = len(req.tokens)
         slots = [self._free_slots.pop() for _ in new]
         req.tokens.extend(new)

@@ -66,6 +66,11 @@ class ModelRunner:
         self.device = device
         self.cuda_graph: DecodeGraphRunner | None = None  # decode graphs (lmserver.engine.cuda_graph)
         self.lowlat: LowlatHook | None = None  # a lowlat plugin's decode path (lmserver.engine.lowlat_hook)
+        # EAGLE speculation reads the target's final-norm hidden states of every forward's tokens: with
+        # keep_hidden set (before decode graphs are captured) `last_hidden` holds them (T, hidden), flat in item
+        # order, until the next forward
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.prefix_planner: SharedPrefixPlanner | None = None  # cascade attention (enable_cascade)
 
     def enable_cascade(self) -> bool:
@@ -193,6 +198,8 @@ class ModelRunner:
             batch.cascade = self.cascade_for(batch.req_pool_indices_cpu, batch.seq_lens_cpu, batch.batch_size)
         self.attn_backend.plan(batch)
         hidden = self.hidden(batch)  # (num_tokens, hidden)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
 
     def hidden(self, batch: ForwardBatch, capturing: bool = False, verify_rows: int = 0) -> torch.Tensor:

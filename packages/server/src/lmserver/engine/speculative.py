@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from lmserver.engine.draft_model import DraftModel
     from lmserver.scheduler import ScheduleDecision, Scheduler
 
-ALGORITHMS = ("ngram", "draft_model")
+ALGORITHMS = ("ngram", "draft_model", "eagle")
+MODEL_ALGORITHMS = ("draft_model", "eagle")  # the ones that read --speculative-draft-model-path
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,15 @@ class SpecConfig:
     # benchmarks on random weights: every eligible request drafts num_draft_tokens tokens and
     # accepts this many per step on average, whatever the logits (outputs are then not the model's)
     simulate_accept_length: float | None = None
-    draft_model_path: str | None = None  # draft_model: a model folder sharing the target's tokenizer
+    draft_model_path: str | None = None  # draft_model: a model folder sharing the target's tokenizer; eagle: a head
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm {self.algorithm!r} is not supported; supported: "
-                             f"{', '.join(ALGORITHMS)} (EAGLE heads are not implemented yet)")
-        if (self.algorithm == "draft_model") != (self.draft_model_path is not None):
+                             f"{', '.join(ALGORITHMS)}")
+        if (self.algorithm in MODEL_ALGORITHMS) != (self.draft_model_path is not None):
             raise ValueError("speculative_draft_model_path is needed by (and only by) speculative_algorithm "
-                             "draft_model")
+                             "draft_model and eagle")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
@@ -109,11 +110,11 @@ class Speculator:
                        self.context_length - sreq.fill_len - 1)
             if room <= 0:
                 continue
+            if self.draft_model is not None:  # NOTE: simulated acceptance still pays for the draft model's proposals
+                rooms[item.rid] = room
+                continue
             if self.config.simulate_accept_length is not None:
                 out[item.rid] = [sreq.fill_ids[-1]] * room  # any tokens: acceptance is simulated
-                continue
-            if self.draft_model is not None:
-                rooms[item.rid] = room
                 continue
             index = self._indexes.get(item.rid)
             if index is None:
@@ -135,6 +136,19 @@ class Speculator:
             if state is not None:
                 self.draft_model.accepted(rid, state.sreq.fill_ids)
 
+    def observe(self, decision: ScheduleDecision, hidden: torch.Tensor | None) -> None:
+        """An EAGLE head reads the target's final-norm hidden states (`hidden`, the forward's
+        tokens flat in item order) of every token a forward computed; other draft sources
+        ignore them."""
+        eagle = self.draft_model
+        if hidden is None or eagle is None or not hasattr(eagle, "observe"):
+            return
+        row = 0
+        for item in decision.items:
+            n = len(item.token_ids)
+            eagle.observe(item.rid, item.prefix_len, hidden[row : row + n])
+            row += n
+
     def forget(self, rid: str) -> None:
         self._indexes.pop(rid, None)
         if self.draft_model is not None:
@@ -143,12 +157,15 @@ class Speculator:
     def verify(self, decision: ScheduleDecision, drafts: dict[str, list[int]], logits: torch.Tensor,
                states: dict[str, Any], scheduler: Scheduler,
                sample_plain: Callable[[list[int], list[Any]], list[ReqOutput]],
-               append: Callable[[Any, int], list[ReqOutput]], argmax: bool = False) -> list[ReqOutput]:
+               append: Callable[[Any, int], list[ReqOutput]], argmax: bool = False,
+               hidden: torch.Tensor | None = None) -> list[ReqOutput]:
         """Processes a verify forward's `logits` (rows in item order): plain rows through
         `sample_plain(rows, states)`, drafted requests by the acceptance rules, each emitted
         token through `append(state, token)` with the request's KV cut to what the token
         needs. `argmax`: `logits` is already each row's (num_rows,) argmax token (every drafted
-        request greedy). Mutates the requests, their KV and the counters."""
+        request greedy). `hidden`: the forward's final-norm hidden states (an EAGLE head observes
+        the rows whose KV is kept). Mutates the requests, their KV and the counters."""
+        eagle = self.draft_model if self.draft_model is not None and hasattr(self.draft_model, "observe") else None
         plain_rows: list[int] = []
         plain_states: list[Any] = []
         spec: list[tuple[Any, int, list[int], int]] = []  # (state, first row, drafts, prefix_len)
@@ -161,6 +178,8 @@ class Speculator:
             else:
                 plain_rows.append(row)
                 plain_states.append(states[item.rid])
+                if eagle is not None and hidden is not None:  # before the append that may end the request
+                    eagle.observe(item.rid, item.prefix_len, hidden[row : row + 1])
                 row += 1
         scheduler.commit(decision)
         outputs = sample_plain(plain_rows, plain_states) if plain_rows else []
@@ -183,6 +202,11 @@ class Speculator:
             rows_t = logits[start : start + len(d) + 1]
             probs = filtered_probs(rows_t, [state.info.params] * (len(d) + 1))
             emitted.append((state, accept_sampled(probs, d, state.info.generator), prefix))
+        if eagle is not None and hidden is not None:
+            # the KV each request keeps: its rows up to the last accepted draft (before any append ends it)
+            starts = {id(state): start for state, start, _, _ in spec}
+            for state, tokens, prefix in emitted:
+                eagle.observe(state.req.rid, prefix, hidden[starts[id(state)] : starts[id(state)] + len(tokens)])
         c = self.counters
         c["spec_verify_steps"] += 1
         for state, tokens, prefix in emitted:

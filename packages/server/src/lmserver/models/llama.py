@@ -197,7 +197,7 @@ class LlamaModel(nn.Module):
         return self.norm.add_forward(h, residual)[0]
 
 
-# checkpoint name pattern -> (our parameter name template, shard id); shard ids index `_shard_slices`.
+# checkpoint name pattern -> (our parameter name template, shard id); shard ids are `shard_slice` keys.
 _STACKED = [
     (re.compile(r"(.*)\.self_attn\.q_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", "q"),
     (re.compile(r"(.*)\.self_attn\.k_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", "k"),
@@ -205,6 +205,28 @@ _STACKED = [
     (re.compile(r"(.*)\.mlp\.gate_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", "gate"),
     (re.compile(r"(.*)\.mlp\.up_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", "up"),
 ]
+
+
+def shard_slice(config: ModelConfig, shard: str) -> slice:
+    """The rows of a stacked parameter (qkv_proj, gate_up_proj) that checkpoint shard `shard` fills. Pure."""
+    c = config
+    q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    return {
+        "q": slice(0, q),
+        "k": slice(q, q + kv),
+        "v": slice(q + kv, q + 2 * kv),
+        "gate": slice(0, inter),
+        "up": slice(inter, 2 * inter),
+    }[shard]
+
+
+def map_stacked(name: str, config: ModelConfig) -> tuple[str, tuple[int | slice, ...]]:
+    """A checkpoint tensor name -> (our parameter name, index into it): q/k/v and gate/up go into
+    their stacked parameters, anything else keeps its name. Pure."""
+    for pattern, target, shard in _STACKED:
+        if pattern.match(name):
+            return pattern.sub(target, name), (shard_slice(config, shard),)
+    return name, ()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -255,27 +277,13 @@ class LlamaForCausalLM(nn.Module):
 
     # --- weight loading -------------------------------------------------------------------
 
-    def _shard_slice(self, shard: str) -> slice:
-        c = self.config
-        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-        return {
-            "q": slice(0, q),
-            "k": slice(q, q + kv),
-            "v": slice(q + kv, q + 2 * kv),
-            "gate": slice(0, inter),
-            "up": slice(inter, 2 * inter),
-        }[shard]
-
     def map_weight(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
         """Checkpoint name -> (our parameter name, index into it); None to skip the tensor."""
         if "rotary_emb.inv_freq" in name:
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
-        for pattern, target, shard in _STACKED:
-            if pattern.match(name):
-                return pattern.sub(target, name), (self._shard_slice(shard),)
-        return name, ()
+        return map_stacked(name, self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors into the parameters (mutates them); checks names and shapes.

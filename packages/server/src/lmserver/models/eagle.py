@@ -1,0 +1,135 @@
+"""EAGLE draft head (EAGLE-1/2 layout): Llama decoder layers that read the target's features.
+
+At draft position i the head takes the target's final-norm hidden state of position i (the
+feature its LM head read) and the token of position i + 1: `fc(concat(embed(token), feature))`
+runs through the head's decoder layers (the first without its input norm, as EAGLE trains it)
+and, without a final norm, is the predicted feature of position i + 1, which the target's LM
+head turns into the draft logits. The token embedding and the LM head are the target's unless
+the checkpoint brings its own embedding.
+
+Published layout (e.g. the EAGLE-LLaMA3 checkpoints): `config.json` of a Llama model with the
+head's layer count, tensors `fc.weight` (hidden, 2 * hidden) with an optional `fc.bias`,
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`,
+`layers.{i}.{input,post_attention}_layernorm.weight` (layer 0 without `input_layernorm`), and
+optionally `embed_tokens.weight`; `model.`-prefixed names are taken as well. `*.safetensors`
+or `pytorch_model.bin`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmserver.engine.forward_batch import ForwardBatch
+from lmserver.models.config import ModelConfig
+from lmserver.models.llama import LlamaMLP, LlamaModel, WeightLoadingError, map_stacked
+
+__all__ = ["EagleHead", "iter_checkpoint"]
+
+
+class EagleHead(nn.Module):
+    """The head over the target's embedding and LM head (shared modules, not copies).
+
+    `features` must be set to the (T, hidden) target features of a forward's T tokens before
+    each forward (the proposer does it); the forward returns the predicted features (T, hidden).
+    """
+
+    def __init__(self, config: ModelConfig, target: nn.Module, max_positions: int, fc_bias: bool = False,
+                 own_embedding: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, LlamaMLP, max_positions)
+        del self.model.norm  # EAGLE's head has no final norm
+        self.model.layers[0].input_layernorm = nn.Identity()
+        if not own_embedding:
+            self.model.embed_tokens = target.model.embed_tokens  # type: ignore[union-attr, assignment]
+        self.lm_head: nn.Module = target.lm_head  # type: ignore[assignment]
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
+        self.own_embedding = own_embedding
+        self.features: torch.Tensor | None = None
+
+    def use_kernels(self, kernels: object) -> None:
+        """Torch ops only (the head is one or two layers; its cost is the target's LM head)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        features = self.features
+        assert features is not None and features.shape[0] == input_ids.shape[0], "EagleHead.features not set"
+        h = self.fc(torch.cat([self.model.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        self.model.rope.prepare(positions)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            h, residual = layer(positions, h, residual, batch)
+        assert residual is not None
+        return h + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_raw_logits(hidden).float()
+
+    def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
+
+    def head_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The head's own parameters (not the target's embedding or LM head)."""
+        shared = {id(self.lm_head.weight)} | ({id(self.model.embed_tokens.weight)} if not self.own_embedding else set())
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if id(param) not in shared:
+                yield name, param
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies a published EAGLE checkpoint into the head; raises WeightLoadingError for an
+        unknown tensor, a shape mismatch or a head parameter no tensor filled."""
+        params = dict(self.head_parameters())
+        filled: dict[str, int] = {}
+        for raw_name, tensor in weights:
+            name = raw_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or name == "lm_head.weight":
+                continue
+            if name == "embed_tokens.weight" and not self.own_embedding:
+                continue
+            if not name.startswith("fc."):
+                name = "model." + name
+            target, index = map_stacked(name, self.config)
+            if target not in params:
+                raise WeightLoadingError(f"EAGLE checkpoint tensor {raw_name!r} has no matching parameter")
+            dest = params[target].data[index] if index else params[target].data
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadingError(f"shape mismatch for {raw_name!r}: checkpoint {tuple(tensor.shape)}, "
+                                         f"head {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dest.dtype))
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()]
+        if missing:
+            raise WeightLoadingError(f"EAGLE head parameters not (fully) loaded from the checkpoint: {missing[:8]}")
+
+
+def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a head's `*.safetensors` files, else of its `pytorch_model.bin`."""
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors")):
+        from lmserver.model_loader import iter_safetensors
+
+        yield from iter_safetensors(folder)
+        return
+    bin_file = folder / "pytorch_model.bin"
+    if not bin_file.is_file():
+        raise WeightLoadingError(f"{folder} has neither *.safetensors nor pytorch_model.bin")
+    yield from torch.load(bin_file, map_location="cpu", weights_only=True).items()
+
+
+def checkpoint_names(folder: str | Path) -> set[str]:
+    """The tensor names of a head's checkpoint (reads the safetensors headers, or the .bin)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        names: set[str] = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                names.update(st.keys())
+        return names
+    return {name for name, _ in iter_checkpoint(folder)}

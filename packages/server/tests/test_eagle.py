@@ -1,0 +1,134 @@
+"""EAGLE heads (lmserver.models.eagle, lmserver.engine.eagle) on the CPU.
+
+A head written by the test in the published EAGLE layout (safetensors `fc.weight`,
+`layers.0.*` without `input_layernorm`) over a tiny random target. Oracle: a float64 torch
+implementation of EAGLE's draft chain written here from the published architecture (fc over
+[token embedding, feature], one Llama layer without its input norm, no final norm, the target's
+LM head), against the proposer's greedy drafts; loading errors for a head of another width.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmserver.engine.draft_model import DraftModelError
+from lmserver.engine.eagle import EagleProposer
+from lmserver.model_loader import load_model
+from lmserver.models.config import ModelConfig
+from lmserver.testing import write_eagle_head
+
+TARGET = dict(architectures=["LlamaForCausalLM"], vocab_size=101, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              rms_norm_eps=1e-5, rope_theta=10000.0)
+HEAD = dict(TARGET, num_hidden_layers=1, intermediate_size=80)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """HF Llama rotary embedding (rotate_half form) of x (T, heads, d) at positions pos (T,)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.double()[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _naive_drafts(w: dict[str, torch.Tensor], embed: torch.Tensor, lm_head: torch.Tensor, config: dict,
+                  tokens: list[int], feats: torch.Tensor, k: int) -> list[int]:
+    """EAGLE's chain in float64: position p reads (tokens[p + 1], feats[p]); then its own guesses."""
+    w = {n: t.double() for n, t in w.items()}
+    embed, lm_head = embed.double(), lm_head.double()
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["hidden_size"] // heads
+    eps = config["rms_norm_eps"]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:  # x (T, hidden) at positions 0..T-1, causal
+        t = x.shape[0]
+        pos = torch.arange(t)
+        q = _rope((x @ w["layers.0.self_attn.q_proj.weight"].T).view(t, heads, d), pos, config["rope_theta"])
+        kk = _rope((x @ w["layers.0.self_attn.k_proj.weight"].T).view(t, kv, d), pos, config["rope_theta"])
+        v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(t, kv, d)
+        kk, v = kk.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) / d**0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, heads * d)
+        h2 = x + attn @ w["layers.0.self_attn.o_proj.weight"].T
+        n = h2 * torch.rsqrt(h2.pow(2).mean(-1, keepdim=True) + eps) * w["layers.0.post_attention_layernorm.weight"]
+        mlp = (torch.nn.functional.silu(n @ w["layers.0.mlp.gate_proj.weight"].T) * (n @ w["layers.0.mlp.up_proj.weight"].T))
+        return h2 + mlp @ w["layers.0.mlp.down_proj.weight"].T
+
+    inputs = [torch.cat([embed[tokens[p + 1]], feats[p].double()]) for p in range(len(feats))]
+    drafts: list[int] = []
+    for _ in range(k):
+        x = torch.stack(inputs) @ w["fc.weight"].T
+        out = layer(x)[-1]
+        drafts.append(int((out @ lm_head.T).argmax()))
+        inputs.append(torch.cat([embed[drafts[-1]], out]))
+    return drafts
+
+
+def _target() -> torch.nn.Module:
+    return load_model(ModelConfig.from_hf(TARGET), None, load_format="dummy", dtype=torch.float32, device="cpu",
+                      max_positions=128, seed=3)
+
+
+def _proposer(path: Path, target: torch.nn.Module) -> EagleProposer:
+    return EagleProposer(str(path), target=target, target_config=ModelConfig.from_hf(TARGET), dtype=torch.float32,
+                         device=torch.device("cpu"), context_length=128, max_requests=4, num_slots=200,
+                         attention_backend="torch_native")
+
+
+def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path) -> None:
+    target = _target()
+    weights = write_eagle_head(tmp_path / "head", HEAD)
+    eagle = _proposer(tmp_path / "head", target)
+    g = torch.Generator().manual_seed(7)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()  # type: ignore[union-attr]
+    for rid, n, k in (("a", 9, 4), ("b", 3, 2)):
+        tokens = torch.randint(0, 101, (n + 1,), generator=g).tolist()
+        feats = torch.randn(n, 64, generator=g)
+        eagle.observe(rid, 0, feats[:5])  # in two forwards, like a chunked prefill
+        eagle.observe(rid, 5, feats[5:])
+        got = eagle.propose({rid: tokens}, {rid: k})[rid]
+        assert got == _naive_drafts(weights, embed, lm_head, HEAD, tokens, feats, k)
+    # a proposal keeps only the observed tokens' KV; the next one catches up from there
+    tokens_a2 = [*tokens, 5, 6]
+    eagle.observe("b", 3, torch.randn(2, 64, generator=g))
+    assert len(eagle.propose({"b": tokens_a2}, {"b": 3})["b"]) == 3
+    for rid in ("a", "b"):
+        eagle.forget(rid)
+    eagle.check_empty()
+
+
+def test_a_recomputed_position_restarts_the_request(tmp_path: Path) -> None:
+    target = _target()
+    weights = write_eagle_head(tmp_path / "head", HEAD)
+    eagle = _proposer(tmp_path / "head", target)
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, 101, (8,), generator=g).tolist()
+    eagle.observe("r", 0, torch.randn(7, 64, generator=g))
+    eagle.propose({"r": tokens}, {"r": 2})
+    feats = torch.randn(7, 64, generator=g)  # a retraction: the target prefills again from 0
+    eagle.observe("r", 0, feats)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()  # type: ignore[union-attr]
+    assert eagle.propose({"r": tokens}, {"r": 3})["r"] == _naive_drafts(weights, embed, lm_head, HEAD, tokens, feats, 3)
+    assert eagle.propose({"r": tokens}, {"r": 3}) == {}  # nothing new observed: no drafts
+    eagle.forget("r")
+    eagle.check_empty()
+
+
+def test_a_head_of_another_width_or_an_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
+    target = _target()
+    write_eagle_head(tmp_path / "wide", dict(HEAD, hidden_size=128, num_attention_heads=8))
+    with pytest.raises(DraftModelError, match="hidden_size 128"):
+        _proposer(tmp_path / "wide", target)
+    tensors = write_eagle_head(tmp_path / "partial", HEAD)
+    from safetensors.torch import save_file
+
+    del tensors["layers.0.mlp.down_proj.weight"]
+    save_file(tensors, str(tmp_path / "partial" / "model.safetensors"))
+    with pytest.raises(DraftModelError, match="not .fully. loaded"):
+        _proposer(tmp_path / "partial", target)
