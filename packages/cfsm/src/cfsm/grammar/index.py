@@ -26,15 +26,20 @@ from typing import Any
 
 import numpy as np
 
-from cfsm.errors import Approximation
+from cfsm.errors import Approximation, GrammarError
 from cfsm.grammar.pda import Pda
 from cfsm.vocab import Vocabulary
 
-__all__ = ["GrammarIndex", "MAX_FORCED_BYTES"]
+__all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_STACKS"]
 
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
+MAX_STACKS = 4096  # parses alive at once in one configuration (ambiguous grammars multiply them)
 _UNKNOWN = -2
 Stack = tuple[int, ...]
+
+
+class _TooAmbiguous(Exception):
+    """A configuration passed `MAX_STACKS` stacks (internal)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +73,11 @@ class GrammarIndex:
         self._end = np.zeros(64, dtype=bool)  # (capacity,) a stack of one frame may end its rule
         # (capacity, 256) the bytes that may follow those rule ends (their rules' FOLLOW sets)
         self._after_end = np.zeros((64, 256), dtype=bool)
-        self._follow = _follow_sets(pda, self._close)
+        try:
+            self._follow = _follow_sets(pda, self._close)
+        except _TooAmbiguous:
+            raise GrammarError(f"the grammar is too ambiguous: a rule's start expands to more than {MAX_STACKS} "
+                               "parses") from None
         self._keys: dict[Stack, _KeyInfo] = {}
         self._rows: list[np.ndarray] = []
         self._row_ids: dict[bytes, int] = {}
@@ -78,6 +87,8 @@ class GrammarIndex:
         self._chains = _counted_chains(pda)
         self._runs: dict[bytes, np.ndarray] = {}
         self.start = self._intern(self._close([pda.start_stack]))
+        self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
+        self._compiling = False
         if precompute:
             self.precompute()
 
@@ -90,6 +101,8 @@ class GrammarIndex:
         work = list(seen)
         out = []
         while work:
+            if len(seen) > MAX_STACKS:
+                raise _TooAmbiguous
             st = work.pop()
             top = st[-1]
             if has_bytes[top] or (len(st) == 1 and acc[top]):
@@ -135,7 +148,17 @@ class GrammarIndex:
             t = int(trans[st[-1], byte])
             if t >= 0:
                 moved.append((*st[:-1], t))
-        nxt = self._intern(self._close(moved)) if moved else 0
+        try:
+            nxt = self._intern(self._close(moved)) if moved else 0
+        except _TooAmbiguous:
+            if self._compiling:
+                raise GrammarError(f"the grammar is too ambiguous: more than {MAX_STACKS} parses are alive at once "
+                                   f"(rules {', '.join(self.pda.rule_names)}); make alternatives and repetitions "
+                                   "of nullable rules start differently") from None
+            # NOTE: past the bound a text is refused (the request then stops as stuck) rather than
+            # slowing every step; compiles refuse grammars that get there within one token
+            self.num_overflows += 1
+            nxt = 0
         self._table[sid, byte] = nxt
         return nxt
 
@@ -372,6 +395,13 @@ class GrammarIndex:
         """Walk the vocabulary from every state that can be on top of a stack, and the tokens
         they leave uncertain from every return state below (the costly part of a compile, done
         once). Fills caches only."""
+        self._compiling = True
+        try:
+            self._precompute()
+        finally:
+            self._compiling = False
+
+    def _precompute(self) -> None:
         pda = self.pda
         returns: dict[int, set[int]] = {}
         for calls in pda.calls:
