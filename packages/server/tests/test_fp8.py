@@ -341,8 +341,7 @@ def test_embedded_model_fp8_agrees_with_float32() -> None:
     assert score.mean_kl <= 0.05, score
 
 
-@pytest.mark.slow
-def test_fp8_kernels_under_interpreter() -> None:
+def test_fp8_kernels_under_interpreter() -> None:  # the FP8 kernels' CPU oracle: in the default tier
     from lmserver.kernels.testing import pytest_under_interpreter
 
     pytest.importorskip("triton")
