@@ -75,16 +75,23 @@ def _target() -> torch.nn.Module:
                       max_positions=128, seed=3)
 
 
-def _proposer(path: Path, target: torch.nn.Module) -> EagleProposer:
+def _proposer(path: Path, target: torch.nn.Module, graph_max_bs: int = 0) -> EagleProposer:
     return EagleProposer(str(path), target=target, target_config=ModelConfig.from_hf(TARGET), dtype=torch.float32,
                          device=torch.device("cpu"), context_length=128, max_requests=4, num_slots=200,
-                         attention_backend="torch_native")
+                         attention_backend="torch_native", graph_max_bs=graph_max_bs)
 
 
-def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path) -> None:
+@pytest.mark.parametrize("graph_max_bs", [0, 4], ids=["eager", "graphs"])
+def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path, graph_max_bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager head steps, and head steps replaying decode graphs (EagerGraph on the CPU: the static
+    feature buffer, padding rows) against the float64 chain."""
+    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     target = _target()
     weights = write_eagle_head(tmp_path / "head", HEAD)
-    eagle = _proposer(tmp_path / "head", target)
+    eagle = _proposer(tmp_path / "head", target, graph_max_bs)
+    assert (eagle.runner.cuda_graph is not None) == (graph_max_bs > 0)
     g = torch.Generator().manual_seed(7)
     embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()  # type: ignore[union-attr]
     for rid, n, k in (("a", 9, 4), ("b", 3, 2)):
@@ -100,7 +107,19 @@ def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path) -> None:
     assert len(eagle.propose({"b": tokens_a2}, {"b": 3})["b"]) == 3
     for rid in ("a", "b"):
         eagle.forget(rid)
+    # three requests in one proposal (head steps of 3 rows, a padded graph of 4), each as its own chain
+    seqs = {rid: (torch.randint(0, 101, (n + 1,), generator=g).tolist(), torch.randn(n, 64, generator=g))
+            for rid, n in (("c", 4), ("d", 7), ("e", 2))}
+    for rid, (_, feats) in seqs.items():
+        eagle.observe(rid, 0, feats)
+    got_all = eagle.propose({rid: t for rid, (t, _) in seqs.items()}, {"c": 3, "d": 3, "e": 2})
+    for rid, (tokens, feats) in seqs.items():
+        assert got_all[rid] == _naive_drafts(weights, embed, lm_head, HEAD, tokens, feats, len(got_all[rid])), rid
+    for rid in seqs:
+        eagle.forget(rid)
     eagle.check_empty()
+    if graph_max_bs:
+        assert eagle.runner.cuda_graph is not None and eagle.runner.cuda_graph.num_replays >= 4
 
 
 def test_a_recomputed_position_restarts_the_request(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from lmserver.engine.kv_pool import KVPool, kv_cache_options, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.multimodal import MultimodalInputs
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
-from lmserver.engine.resolve import resolve_config
+from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS, resolve_config
 from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
 from lmserver.engine.speculative import SpecConfig, Speculator
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
@@ -213,7 +213,8 @@ class EngineCore:
                                       dtype=self.dtype, device=self.device, context_length=self.context_length,
                                       max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
                                       attention_backend=rc.attention_backend, load_format=rc.load_format,
-                                      seed=rc.random_seed)
+                                      seed=rc.random_seed, graph_max_bs=0 if rc.disable_cuda_graph else
+                                      min(rc.cuda_graph_max_bs or SMALL_GPU_GRAPH_MAX_BS, rc.max_running_requests))
             elif spec_config.draft_model_path is not None:
 
                 draft = DraftModel(spec_config.draft_model_path, target_vocab_size=self.vocab_size, dtype=self.dtype,

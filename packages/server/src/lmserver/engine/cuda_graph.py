@@ -62,6 +62,7 @@ __all__ = [
     "EagerGraph",
     "PaddedDecode",
     "capture_batch_sizes",
+    "draft_graph_runner",
     "maybe_decode_graph_runner",
     "pad_decode",
     "padded_batch_size",
@@ -529,4 +530,16 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
     graphs.capture()
     logger.info("CUDA graphs: captured decode batch sizes %s%s", graphs.sizes,
                 f"; verify graphs (lowlat path of verify rows) {sorted(graphs.verify_graphs)}" if graphs.verify_graphs else "")
+    return graphs
+
+
+def draft_graph_runner(runner: ModelRunner, max_bs: int) -> DecodeGraphRunner | None:
+    """Captured decode steps of a draft model's runner (an EAGLE head's steps) up to `max_bs`
+    rows: on a CUDA device, or with `EagerGraph` under the test hook; None elsewhere."""
+    cuda = runner.device.type == "cuda"
+    if max_bs < 1 or not cuda and os.environ.get(EAGER_GRAPHS_ENV) != "1":
+        return None
+    graphs = DecodeGraphRunner(runner, max_bs, graph_factory=None if cuda else EagerGraph)
+    graphs.capture()
+    logger.info("CUDA graphs: captured draft decode batch sizes %s", graphs.sizes)
     return graphs

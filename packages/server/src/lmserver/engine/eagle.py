@@ -6,8 +6,9 @@ whose KV the target kept (`observe`: prefill chunks, decode rows, the accepted r
 step). A proposal first catches up: one extend forward of the head over the positions observed
 since the last one (the feature of position p with the token of position p + 1), whose last
 row's logits give the first draft; then k - 1 decode steps, each feeding the head its own
-predicted feature with the draft token before. The KV of those steps is dropped at once (their
-features were the head's guesses); the catch-up KV stays. Drafts are greedy, so the target's
+predicted feature with the draft token before (replaying the head's decode CUDA graphs where
+captured, the features through a static buffer). The KV of those steps is dropped at once
+(their features were the head's guesses); the catch-up KV stays. Drafts are greedy, so the target's
 acceptance rules stay exact for sampled requests too.
 
 The head's KV covers the tokens whose features it saw, in order: a prompt prefix served from the
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lmserver.engine.cuda_graph import draft_graph_runner
 from lmserver.engine.draft_model import DraftModel, DraftModelError, DraftReq
 from lmserver.engine.sampler import greedy_argmax
 from lmserver.model_loader import ModelLoadError, read_model_config
@@ -36,7 +38,7 @@ __all__ = ["EagleProposer"]
 class EagleProposer(DraftModel):
     def __init__(self, model_path: str, *, target: torch.nn.Module, target_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, context_length: int, max_requests: int, num_slots: int,
-                 attention_backend: str, load_format: str = "auto", seed: int = 0) -> None:
+                 attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0) -> None:
         try:
             config = read_model_config(model_path)
         except ModelLoadError as exc:
@@ -69,6 +71,9 @@ class EagleProposer(DraftModel):
         self._init_cache(head, config, dtype=dtype, device=device, context_length=context_length,
                          max_requests=max_requests, num_slots=num_slots, attention_backend=attention_backend)
         self.runner.keep_hidden = True
+        if graph_max_bs > 0:  # the head's decode steps replay captured graphs (features through feature_buffer)
+            head.feature_buffer = torch.zeros(graph_max_bs, config.hidden_size, dtype=dtype, device=device)
+            self.runner.cuda_graph = draft_graph_runner(self.runner, graph_max_bs)
         # per request: target positions observed and not yet in the head's KV, with their features
         self._pending: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self._next_pos: dict[str, int] = {}
@@ -120,8 +125,8 @@ class EagleProposer(DraftModel):
         for step in range(1, max(k[rid] for rid in active)):
             rids = [rid for rid in active if k[rid] > step]
             index = torch.tensor([rows_of[rid] for rid in rids], device=guess.device)
-            self.head.features = guess.index_select(0, index)
             decision = ScheduleDecision("decode", [self._item(rid, active[rid], [drafts[rid][-1]]) for rid in rids])
+            self._set_features(guess.index_select(0, index), decision)
             logits = self.runner.forward(decision)
             assert self.runner.last_hidden is not None
             guess = guess.index_copy(0, index, self.runner.last_hidden)
@@ -131,6 +136,16 @@ class EagleProposer(DraftModel):
         for rid, req in active.items():
             self._drop_kv(req, keep[rid])
         return drafts
+
+    def _set_features(self, features: torch.Tensor, decision: ScheduleDecision) -> None:
+        """The features of a head step: into the graphs' static buffer when the step replays one."""
+        graphs = self.runner.cuda_graph
+        buffer = self.head.feature_buffer
+        if graphs is not None and buffer is not None and graphs.can_run(decision):
+            buffer[: features.shape[0]].copy_(features)
+            self.head.features = None
+        else:
+            self.head.features = features
 
     def accepted(self, rid: str, context: Sequence[int]) -> None:
         """Nothing to drop: a proposal keeps only the KV of observed (target-verified) tokens."""

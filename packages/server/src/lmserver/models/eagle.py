@@ -34,7 +34,8 @@ class EagleHead(nn.Module):
     """The head over the target's embedding and LM head (shared modules, not copies).
 
     `features` must be set to the (T, hidden) target features of a forward's T tokens before
-    each forward (the proposer does it); the forward returns the predicted features (T, hidden).
+    each forward (the proposer does it), or be None with the first T rows of `feature_buffer`
+    holding them (a CUDA-graph step); the forward returns the predicted features (T, hidden).
     """
 
     def __init__(self, config: ModelConfig, target: nn.Module, max_positions: int, fc_bias: bool = False,
@@ -50,6 +51,8 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.own_embedding = own_embedding
         self.features: torch.Tensor | None = None
+        # the features of graph-captured steps (`features` None): rows [:T] of a static buffer the proposer fills
+        self.feature_buffer: torch.Tensor | None = None
 
     def use_kernels(self, kernels: object) -> None:
         """Torch ops only (the head is one or two layers; its cost is the target's LM head)."""
@@ -57,6 +60,8 @@ class EagleHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         features = self.features
+        if features is None and self.feature_buffer is not None:
+            features = self.feature_buffer[: input_ids.shape[0]]
         assert features is not None and features.shape[0] == input_ids.shape[0], "EagleHead.features not set"
         h = self.fc(torch.cat([self.model.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
         self.model.rope.prepare(positions)
