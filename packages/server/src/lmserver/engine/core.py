@@ -203,7 +203,8 @@ class EngineCore:
         if rc.speculative_algorithm is not None:
             spec_config = SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
                                      rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
-                                     rc.speculative_simulate_accept_length, rc.speculative_draft_model_path)
+                                     rc.speculative_simulate_accept_length, rc.speculative_draft_model_path,
+                                     rc.tp_size)
             draft: DraftModel | None = None
             if spec_config.algorithm == "eagle":
                 from lmserver.engine.eagle import EagleProposer
