@@ -100,8 +100,10 @@ class HttpMetrics:
 
 def create_app(mgr: TokenizerManager) -> FastAPI:
     """An app serving `mgr` (stored as `app.state.manager`); `mgr.config.api_key` turns on auth."""
+    # NOTE: /openapi.json describes every endpoint (clients and API fuzzers read it); no /docs page (it loads its
+    # scripts from a CDN)
     app = FastAPI(title="lmserver", default_response_class=JSONBody, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.manager = mgr
     install_error_handlers(app)
     app.include_router(native.router)
