@@ -174,6 +174,10 @@ class GrammarIndex:
         """Whether the start rule may end in configuration `sid` (EOS is allowed)."""
         return bool(self._end[sid])
 
+    def is_accepting(self, sid: int) -> bool:
+        """`can_end` under `cfsm.Index`'s name (what `cfsm.Guide` asks)."""
+        return bool(self._end[sid])
+
     def stacks(self, sid: int) -> frozenset[Stack]:
         """The stacks of configuration `sid` (read-only)."""
         return self._states[sid]
