@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from fastapi import FastAPI, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -98,6 +99,29 @@ class HttpMetrics:
         await self.app(scope, receive, counting_send)
 
 
+def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's description of `app` plus the request bodies the OpenAI routes parse themselves
+    (their pydantic models, so clients and fuzzers see the fields); built once."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    from lmserver.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        operation = schema.get("paths", {}).get(path, {}).get("post")
+        if operation is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema
+    return schema
+
+
 def create_app(mgr: TokenizerManager) -> FastAPI:
     """An app serving `mgr` (stored as `app.state.manager`); `mgr.config.api_key` turns on auth."""
     # NOTE: /openapi.json describes every endpoint (clients and API fuzzers read it); no /docs page (it loads its
@@ -108,6 +132,7 @@ def create_app(mgr: TokenizerManager) -> FastAPI:
     install_error_handlers(app)
     app.include_router(native.router)
     app.include_router(openai_routes.router)
+    app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
 
     @app.get("/metrics")
     async def metrics() -> Response:
