@@ -194,10 +194,18 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
     workload = [WORKLOAD[0], WORKLOAD[2], WORKLOAD[6]]  # copy, plain, a penalty request (never drafts)
     want = _run(base, workload)
     vocab = base.core.vocab_size
-    for draft, least in ((base.model_path, 2.5), (_tiny_draft(tmp_path / "tiny", vocab), 1.0)):
-        with Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8,
-                    speculative_algorithm="draft_model", speculative_draft_model_path=draft,
-                    speculative_num_draft_tokens=4) as eng:
+    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+
+    for draft, least, graphs in ((base.model_path, 2.5, False), (_tiny_draft(tmp_path / "tiny", vocab), 1.0, True)):
+        with pytest.MonkeyPatch.context() as mp:  # the tiny draft's steps (and the target's) replay decode graphs
+            if graphs:
+                mp.setenv(EAGER_GRAPHS_ENV, "1")
+            eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8,
+                         speculative_algorithm="draft_model", speculative_draft_model_path=draft,
+                         speculative_num_draft_tokens=4, cuda_graph_max_bs=4)
+        with eng:
+            assert eng.core.spec is not None and eng.core.spec.draft_model is not None
+            assert (eng.core.spec.draft_model.runner.cuda_graph is not None) == graphs
             _same(_run(eng, workload), want)
             stats = eng.get_stats()
             assert stats["spec_accept_length"] >= least, stats

@@ -206,6 +206,8 @@ class EngineCore:
                                      rc.speculative_simulate_accept_length, rc.speculative_draft_model_path,
                                      rc.tp_size)
             draft: DraftModel | None = None
+            draft_graph_max_bs = 0 if rc.disable_cuda_graph else min(rc.cuda_graph_max_bs or SMALL_GPU_GRAPH_MAX_BS,
+                                                                      rc.max_running_requests)
             if spec_config.algorithm == "eagle":
                 from lmserver.engine.eagle import EagleProposer
 
@@ -214,14 +216,12 @@ class EngineCore:
                                       dtype=self.dtype, device=self.device, context_length=self.context_length,
                                       max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
                                       attention_backend=rc.attention_backend, load_format=rc.load_format,
-                                      seed=rc.random_seed, graph_max_bs=0 if rc.disable_cuda_graph else
-                                      min(rc.cuda_graph_max_bs or SMALL_GPU_GRAPH_MAX_BS, rc.max_running_requests))
+                                      seed=rc.random_seed, graph_max_bs=draft_graph_max_bs)
             elif spec_config.draft_model_path is not None:
-
                 draft = DraftModel(spec_config.draft_model_path, target_vocab_size=self.vocab_size, dtype=self.dtype,
                                    device=self.device, context_length=self.context_length,
                                    max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
-                                   attention_backend=rc.attention_backend)
+                                   attention_backend=rc.attention_backend, graph_max_bs=draft_graph_max_bs)
             self.spec = Speculator(spec_config, self.context_length, draft)
             if self.overlap:
                 logger.info("overlap schedule: off with speculative decoding (a step's drafts need its tokens)")

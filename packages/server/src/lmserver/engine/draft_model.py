@@ -38,7 +38,8 @@ class DraftReq:
 
 class DraftModel:
     def __init__(self, model_path: str, *, target_vocab_size: int, dtype: torch.dtype, device: torch.device,
-                 context_length: int, max_requests: int, num_slots: int, attention_backend: str) -> None:
+                 context_length: int, max_requests: int, num_slots: int, attention_backend: str,
+                 graph_max_bs: int = 0) -> None:
         config = read_model_config(model_path)
         if config.vocab_size != target_vocab_size:
             raise DraftModelError(f"the draft model at {model_path} has a vocabulary of {config.vocab_size} tokens, "
@@ -48,6 +49,10 @@ class DraftModel:
         model = load_model(config, model_path, dtype=dtype, device=device, max_positions=context_length)
         self._init_cache(model, config, dtype=dtype, device=device, context_length=context_length,
                          max_requests=max_requests, num_slots=num_slots, attention_backend=attention_backend)
+        if graph_max_bs > 0:  # the draft's decode steps replay captured graphs
+            from lmserver.engine.cuda_graph import draft_graph_runner
+
+            self.runner.cuda_graph = draft_graph_runner(self.runner, graph_max_bs)
 
     def _init_cache(self, model: torch.nn.Module, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                     context_length: int, max_requests: int, num_slots: int, attention_backend: str) -> None:
