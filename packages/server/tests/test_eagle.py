@@ -151,3 +151,117 @@ def test_a_head_of_another_width_or_an_incomplete_checkpoint_is_refused(tmp_path
     save_file(tensors, str(tmp_path / "partial" / "model.safetensors"))
     with pytest.raises(DraftModelError, match="not .fully. loaded"):
         _proposer(tmp_path / "partial", target)
+
+
+# --- EAGLE-3 -------------------------------------------------------------------------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _naive_eagle3(w: dict[str, torch.Tensor], embed: torch.Tensor, config: dict, tokens: list[int],
+                  aux: torch.Tensor, k: int) -> list[int]:
+    """EAGLE-3's chain in float64: position p reads (tokens[p + 1], fc(aux[p])); then its own pre-norm
+    outputs; logits over the draft vocabulary, mapped to target ids by d2t."""
+    w = {n: t.double() if t.is_floating_point() else t for n, t in w.items()}
+    embed = embed.double()
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["hidden_size"] // heads
+    eps = config["rms_norm_eps"]
+    pre = "midlayer."
+
+    def layer(toks: list[int], feats: torch.Tensor) -> torch.Tensor:
+        t = len(toks)
+        pos = torch.arange(t)
+        x = torch.cat([_rms(embed[toks], w[pre + "input_layernorm.weight"], eps),
+                       _rms(feats, w[pre + "hidden_norm.weight"], eps)], -1)
+        q = _rope((x @ w[pre + "self_attn.q_proj.weight"].T).view(t, heads, d), pos, config["rope_theta"])
+        kk = _rope((x @ w[pre + "self_attn.k_proj.weight"].T).view(t, kv, d), pos, config["rope_theta"])
+        v = (x @ w[pre + "self_attn.v_proj.weight"].T).view(t, kv, d)
+        kk, v = kk.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) / d**0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, heads * d)
+        h2 = feats + attn @ w[pre + "self_attn.o_proj.weight"].T
+        n = _rms(h2, w[pre + "post_attention_layernorm.weight"], eps)
+        mlp = torch.nn.functional.silu(n @ w[pre + "mlp.gate_proj.weight"].T) * (n @ w[pre + "mlp.up_proj.weight"].T)
+        return h2 + mlp @ w[pre + "mlp.down_proj.weight"].T
+
+    toks = [tokens[p + 1] for p in range(len(aux))]
+    feats = aux.double() @ w["fc.weight"].T
+    drafts: list[int] = []
+    for _ in range(k):
+        out = layer(toks, feats)[-1]
+        draft = int((_rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T).argmax())
+        drafts.append(draft + int(w["d2t"][draft]))
+        toks.append(drafts[-1])
+        feats = torch.cat([feats, out[None]])
+    return drafts
+
+
+@pytest.mark.parametrize("graph_max_bs", [0, 4], ids=["eager", "graphs"])
+def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.testing import write_eagle3_head
+
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    target = _target()
+    head3 = dict(HEAD, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]})  # a 2-layer target
+    weights = write_eagle3_head(tmp_path / "head3", head3, draft_vocab=50)
+    eagle = _proposer(tmp_path / "head3", target, graph_max_bs)
+    assert type(eagle.head).__name__ == "Eagle3Head"
+    g = torch.Generator().manual_seed(11)
+    embed = target.model.embed_tokens.weight.detach()  # type: ignore[union-attr]
+    seqs = {rid: (torch.randint(0, 101, (n + 1,), generator=g).tolist(), torch.randn(n, 3 * 64, generator=g))
+            for rid, n in (("x", 6), ("y", 3))}
+    for rid, (_, aux) in seqs.items():
+        eagle.observe(rid, 0, aux)
+    got = eagle.propose({rid: t for rid, (t, _) in seqs.items()}, {"x": 4, "y": 3})
+    for rid, (tokens, aux) in seqs.items():
+        want = _naive_eagle3(weights, embed, HEAD, tokens, aux, len(got[rid]))
+        assert got[rid] == want and all(t % 2 == 0 for t in got[rid]), rid  # draft ids map to even target ids
+    for rid in seqs:
+        eagle.forget(rid)
+    eagle.check_empty()
+
+
+def test_the_target_exposes_the_residual_stream_after_its_aux_layers() -> None:
+    """aux_hidden (T, 2 * hidden) for aux layers (0, 1) of a 2-layer target: the final norm of the last
+    slice is the model's output; the first slice is what a copy cut after layer 0 ends with."""
+    from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+    from lmserver.layers.norm import RMSNorm
+
+    target = _target()
+    inner = target.model  # type: ignore[union-attr]
+    inner.aux_layers = (0, 1)
+
+    from lmserver.attention.base import default_registry
+    from lmserver.engine.kv_pool import KVPool, make_req_to_token
+    from lmserver.engine.model_runner import ModelRunner
+    from lmserver.scheduler import ForwardItem, ScheduleDecision
+
+    cfg = ModelConfig.from_hf(TARGET)
+    pool = KVPool(64, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    table = make_req_to_token(2, 32, "cpu")
+    runner = ModelRunner(target, pool, table, default_registry().create("torch_native", pool, table), torch.device("cpu"))
+    runner.keep_hidden = runner.aux_hidden = True
+    ids = [5, 9, 2, 7, 1]
+    item = ForwardItem(rid="a", req_pool_idx=0, prefix_len=0, token_ids=ids, out_slots=list(range(1, 6)),
+                       table_start=0, table_slots=list(range(1, 6)), logit_offsets=[4], completes_prefill=True)
+    logits = runner.forward(ScheduleDecision("extend", [item]))
+    aux = runner.last_hidden
+    assert aux is not None and aux.shape == (5, 128)
+    norm: RMSNorm = inner.norm
+    final = norm(aux[:, 64:].clone())
+    torch.testing.assert_close(target.compute_logits(final)[4:5], logits, atol=1e-5, rtol=1e-5)  # type: ignore[operator]
+    # the stream after layer 0: run layer 0 alone on the same tokens
+    inner.aux_layers = ()
+    layer1 = inner.layers[1]
+    del inner.layers[1]
+    try:
+        batch_logits = runner.forward(ScheduleDecision("extend", [item]))
+        first = norm(aux[:, :64].clone())
+        torch.testing.assert_close(target.compute_logits(first)[4:5], batch_logits, atol=1e-5, rtol=1e-5)  # type: ignore[operator]
+    finally:
+        inner.layers.append(layer1)
+    assert ForwardBatch and ForwardMode  # imported for the reader: the forward above is an EXTEND batch

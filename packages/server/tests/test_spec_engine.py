@@ -215,11 +215,11 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
 
 
 def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_path: Any) -> None:
-    """A random EAGLE head (published layout, written here) over the embedded model, with decode graphs
+    """Random EAGLE-1 and EAGLE-3 heads (published layouts, written here) over the embedded model, with decode graphs
     (EagerGraph on CPU: the graph path hands the head the target's hidden states too): outputs equal plain
     decoding, the head's KV is all given back."""
     from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
-    from lmserver.testing import write_eagle_head
+    from lmserver.testing import write_eagle3_head, write_eagle_head
 
     base, _ = engines
     hf = base.core.model_config.hf_config
@@ -228,20 +228,23 @@ def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_
                 num_key_value_heads=hf["num_key_value_heads"], max_position_embeddings=2048,
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=hf.get("rope_theta", 10000.0))
     write_eagle_head(tmp_path / "eagle", head)
+    write_eagle3_head(tmp_path / "eagle3", head, draft_vocab=4096)  # reads target layers 1, 14, 26 (the default)
     workload = [WORKLOAD[0], WORKLOAD[2], WORKLOAD[6]]
     want = _run(base, workload)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(EAGER_GRAPHS_ENV, "1")
-        eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, speculative_algorithm="eagle",
-                     speculative_draft_model_path=str(tmp_path / "eagle"), speculative_num_draft_tokens=3,
-                     cuda_graph_max_bs=4)
-    with eng:
-        _same(_run(eng, workload), want)
-        stats = eng.get_stats()
-        assert stats["spec_draft_tokens"] > 0 and stats["cuda_graph_verify_replays"] > 0, stats
-        eng.core.check_memory_invariant()
-        assert eng.core.spec is not None and eng.core.spec.draft_model is not None
-        eng.core.spec.draft_model.check_empty()
+    for folder in ("eagle", "eagle3"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(EAGER_GRAPHS_ENV, "1")
+            eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, speculative_algorithm="eagle",
+                         speculative_draft_model_path=str(tmp_path / folder), speculative_num_draft_tokens=3,
+                         cuda_graph_max_bs=4)
+        with eng:
+            assert eng.core.runner.aux_hidden == (folder == "eagle3")
+            _same(_run(eng, workload), want)
+            stats = eng.get_stats()
+            assert stats["spec_draft_tokens"] > 0 and stats["cuda_graph_verify_replays"] > 0, stats
+            eng.core.check_memory_invariant()
+            assert eng.core.spec is not None and eng.core.spec.draft_model is not None
+            eng.core.spec.draft_model.check_empty()
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Any) -> None:

@@ -532,3 +532,48 @@ def write_eagle_head(folder: Any, config: dict[str, Any], seed: int = 0) -> dict
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return tensors
+
+
+def write_eagle3_head(folder: Any, config: dict[str, Any], draft_vocab: int, seed: int = 0) -> dict[str, Any]:
+    """Writes a random EAGLE-3 head in the published layout (`config.json` with an `*Eagle3*`
+    architecture and `draft_vocab_size`; safetensors `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+    `t2d`) to `folder`; returns its tensors. The draft vocabulary is every other target id."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    inter = config["intermediate_size"]
+    d = config.get("head_dim", h // heads)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    targets = torch.arange(draft_vocab) * 2  # draft id i -> target id 2i
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[targets] = True
+    tensors = {
+        "fc.weight": rnd(h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": rnd(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rnd(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rnd(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rnd(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": rnd(inter, h),
+        "midlayer.mlp.up_proj.weight": rnd(inter, h),
+        "midlayer.mlp.down_proj.weight": rnd(h, inter),
+        "midlayer.input_layernorm.weight": 1 + rnd(h),
+        "midlayer.hidden_norm.weight": 1 + rnd(h),
+        "midlayer.post_attention_layernorm.weight": 1 + rnd(h),
+        "norm.weight": 1 + rnd(h),
+        "lm_head.weight": rnd(draft_vocab, h),
+        "d2t": targets - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(dict(config, architectures=["LlamaForCausalLMEagle3"],
+                                                      draft_vocab_size=draft_vocab)))
+    return tensors

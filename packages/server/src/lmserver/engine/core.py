@@ -142,6 +142,16 @@ class EngineCore:
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
         self.runner.keep_hidden = rc.speculative_algorithm == "eagle"  # before the decode graphs are captured
+        if self.runner.keep_hidden and rc.speculative_draft_model_path:
+            from lmserver.engine.eagle import eagle3_aux_layers
+
+            aux = eagle3_aux_layers(rc.speculative_draft_model_path, mc.num_hidden_layers)
+            if aux is not None:  # an EAGLE-3 head reads the residual stream after three target layers
+                if self.lowlat is not None:
+                    raise ValueError("an EAGLE-3 head reads the target's intermediate layers, which the lowlat plugin "
+                                     "path does not expose; use --lowlat-plugins off")
+                self.model.model.aux_layers = aux  # type: ignore[union-attr]
+                self.runner.aux_hidden = True
         if self.lowlat is not None:
             from lmserver.engine.lowlat_hook import warmup_batch_sizes
 

@@ -260,6 +260,8 @@ class DecodeGraphRunner:
         self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)  # argmax of the last replay
         # the hidden states of the last replay's rows, for a runner that keeps them (EAGLE speculation)
         hidden_size: int = runner.model.config.hidden_size  # type: ignore[union-attr, assignment]
+        if runner.aux_hidden:  # EAGLE-3: the residual stream after each aux layer, side by side
+            hidden_size *= len(runner.model.model.aux_layers)  # type: ignore[union-attr, arg-type]
         self.hidden_out = torch.zeros(self.max_bs, hidden_size, dtype=next(runner.model.parameters()).dtype,
                                       device=self.device) if runner.keep_hidden else None
         cuda = self.device.type == "cuda"
@@ -309,7 +311,8 @@ class DecodeGraphRunner:
             # (bs, hidden); a lowlat plugin's path is recorded (for a verify graph, the path of verify rows)
             hidden = runner.hidden(batch, capturing=True, verify_rows=verify_rows)
             if self.hidden_out is not None:
-                self.hidden_out[:bs].copy_(hidden)
+                self.hidden_out[:bs].copy_(runner.model.model.aux_hidden if runner.aux_hidden  # type: ignore[union-attr, arg-type]
+                                           else hidden)
             # NOTE: logits in the model's dtype (argmax is exact on them); `forward` casts the rows it returns
             logits: torch.Tensor = runner.model.compute_raw_logits(hidden)  # type: ignore[operator]  # (bs, vocab)
             self._argmax(logits, out=self.greedy_ids[:bs])

@@ -19,7 +19,10 @@ output token.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,20 +31,44 @@ from lmserver.engine.draft_model import DraftModel, DraftModelError, DraftReq
 from lmserver.engine.sampler import greedy_argmax
 from lmserver.model_loader import ModelLoadError, read_model_config
 from lmserver.models.config import ModelConfig
-from lmserver.models.eagle import EagleHead, checkpoint_names, iter_checkpoint
+from lmserver.models.eagle import Eagle3Head, EagleHead, checkpoint_names, default_aux_layers, iter_checkpoint
 from lmserver.models.llama import WeightLoadingError
 from lmserver.scheduler import ScheduleDecision
 
-__all__ = ["EagleProposer"]
+__all__ = ["EagleProposer", "eagle3_aux_layers"]
+
+
+def _head_config(model_path: str) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise DraftModelError(f"EAGLE head: {model_path} has no config.json")
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def eagle3_aux_layers(model_path: str, target_layers: int) -> tuple[int, ...] | None:
+    """The target layers an EAGLE-3 head reads (its config's `eagle_config.eagle_aux_hidden_state_layer_ids`,
+    else `default_aux_layers`), or None for an EAGLE-1/2 head. An EAGLE-3 head names an `*Eagle3*`
+    architecture or has a `draft_vocab_size`."""
+    raw = _head_config(model_path)
+    if not any("Eagle3" in a for a in raw.get("architectures", [])) and "draft_vocab_size" not in raw:
+        return None
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(int(i) for i in ids) if ids else default_aux_layers(target_layers)
+    if not all(0 <= i < target_layers for i in layers):
+        raise DraftModelError(f"EAGLE-3 head: aux layers {layers} outside the target's {target_layers} layers")
+    return layers
 
 
 class EagleProposer(DraftModel):
     def __init__(self, model_path: str, *, target: torch.nn.Module, target_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, context_length: int, max_requests: int, num_slots: int,
                  attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0) -> None:
-        try:
-            config = read_model_config(model_path)
-        except ModelLoadError as exc:
+        raw = _head_config(model_path)
+        aux = eagle3_aux_layers(model_path, target_config.num_hidden_layers)
+        try:  # NOTE: an EAGLE-3 config names its own architecture; its fields are a Llama layer's
+            config = ModelConfig.from_hf(dict(raw, architectures=["LlamaForCausalLM"])) if aux \
+                else read_model_config(model_path)
+        except (ModelLoadError, ValueError) as exc:
             raise DraftModelError(f"EAGLE head: {exc}") from exc
         for field in ("vocab_size", "hidden_size"):
             if getattr(config, field) != getattr(target_config, field):
@@ -51,15 +78,22 @@ class EagleProposer(DraftModel):
             raise DraftModelError("EAGLE speculation does not serve multimodal targets yet")
         names = checkpoint_names(model_path) if load_format == "auto" else set()
         own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
+        head: EagleHead | Eagle3Head
         with torch.device(device):
-            head = EagleHead(config, target, context_length, fc_bias="fc.bias" in names,
-                             own_embedding=own_embedding).to(dtype)
+            if aux:
+                head = Eagle3Head(config, target, context_length, int(raw.get("draft_vocab_size", config.vocab_size)),
+                                  len(aux), own_embedding=own_embedding).to(dtype)
+            else:
+                head = EagleHead(config, target, context_length, fc_bias="fc.bias" in names,
+                                 own_embedding=own_embedding).to(dtype)
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
             with torch.no_grad():
                 for name, param in head.head_parameters():
                     if "norm" in name:
                         param.fill_(1.0)
+                    elif param.dim() == 0 or param.dtype == torch.int64:
+                        continue
                     else:
                         param.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
         else:

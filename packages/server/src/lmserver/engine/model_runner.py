@@ -71,6 +71,8 @@ class ModelRunner:
         # order, until the next forward
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # EAGLE-3: `last_hidden` is the model's `aux_hidden` (the residual stream after its aux_layers) instead
+        self.aux_hidden = False
         self.prefix_planner: SharedPrefixPlanner | None = None  # cascade attention (enable_cascade)
 
     def enable_cascade(self) -> bool:
@@ -199,7 +201,7 @@ class ModelRunner:
         self.attn_backend.plan(batch)
         hidden = self.hidden(batch)  # (num_tokens, hidden)
         if self.keep_hidden:
-            self.last_hidden = hidden
+            self.last_hidden = self.model.model.aux_hidden if self.aux_hidden else hidden  # type: ignore[union-attr, assignment]
         return self.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
 
     def hidden(self, batch: ForwardBatch, capturing: bool = False, verify_rows: int = 0) -> torch.Tensor:

@@ -27,7 +27,7 @@ from lmserver.engine.forward_batch import ForwardBatch
 from lmserver.models.config import ModelConfig
 from lmserver.models.llama import LlamaMLP, LlamaModel, WeightLoadingError, map_stacked
 
-__all__ = ["EagleHead", "iter_checkpoint"]
+__all__ = ["Eagle3Head", "EagleHead", "default_aux_layers", "iter_checkpoint"]
 
 
 class EagleHead(nn.Module):
@@ -138,3 +138,123 @@ def checkpoint_names(folder: str | Path) -> set[str]:
                 names.update(st.keys())
         return names
     return {name for name, _ in iter_checkpoint(folder)}
+
+
+class _Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer (its parameter names are the published `midlayer.*`)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module, hidden_norm: nn.Module,
+                 post_attention_layernorm: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm, self.hidden_norm = input_layernorm, hidden_norm
+        self.post_attention_layernorm = post_attention_layernorm
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head: the target's residual stream after three of its layers (`aux_layers`, their
+    concatenation, (T, 3 * hidden)) goes through `fc` to one feature; one decoder layer whose
+    attention reads [input_layernorm(token embedding), hidden_norm(feature)] (2 * hidden wide), then
+    the head's own norm and LM head over a reduced draft vocabulary, mapped to target ids by `d2t`
+    (target id = draft id + d2t[draft id]). A head step's feature is the layer's output before that
+    norm (hidden wide, no fc).
+
+    Published layout (the EAGLE3-* checkpoints): `fc.weight` (hidden, 3 * hidden),
+    `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`,
+    `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `norm.weight`,
+    `lm_head.weight` (draft vocabulary, hidden), `d2t`, optionally `t2d` and `embed_tokens.weight`.
+    """
+
+    def __init__(self, config: ModelConfig, target: nn.Module, max_positions: int, draft_vocab: int,
+                 aux_layers: int = 3, own_embedding: bool = False) -> None:
+        super().__init__()
+        from lmserver.layers.norm import RMSNorm
+        from lmserver.layers.rotary import RotaryEmbedding
+        from lmserver.models.llama import LlamaAttention, RopeTables
+
+        self.config = config
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.own_embedding = own_embedding
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, h) if own_embedding \
+            else target.model.embed_tokens  # type: ignore[union-attr, assignment]
+        self.rope = RopeTables(RotaryEmbedding(config.head_dim, max_positions, config.rope_parameters))
+        attn = LlamaAttention(config, 0, self.rope)
+        attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=False)
+        self.midlayer = _Eagle3Layer(attn, LlamaMLP(config), RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps))
+        self.fc = nn.Linear(aux_layers * h, h, bias=False)
+        self.norm = RMSNorm(h, eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.d2t: torch.Tensor
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+        self.target_vocab = config.vocab_size
+        self.features: torch.Tensor | None = None
+        self.feature_buffer: torch.Tensor | None = None
+
+    def use_kernels(self, kernels: object) -> None:
+        """Torch ops only."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        features = self.features
+        if features is None and self.feature_buffer is not None:
+            features = self.feature_buffer[: input_ids.shape[0]]
+        assert features is not None and features.shape[0] == input_ids.shape[0], "Eagle3Head.features not set"
+        features = features.to(self.fc.weight.dtype)
+        if features.shape[-1] != self.config.hidden_size:  # the target's layers: one feature through fc
+            features = self.fc(features)
+        m = self.midlayer
+        self.rope.prepare(positions)
+        x = torch.cat([m.input_layernorm(self.embed_tokens(input_ids)), m.hidden_norm(features)], dim=-1)
+        h = m.self_attn(positions, x, batch) + features
+        return h + m.mlp(m.post_attention_layernorm(h))  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_raw_logits(hidden).float()
+
+    def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits placed at their target ids (-inf elsewhere), (T, target vocab)."""
+        draft = self.lm_head(self.norm(hidden))
+        full = torch.full((hidden.shape[0], self.target_vocab), float("-inf"), dtype=draft.dtype, device=draft.device)
+        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
+        return full.index_copy_(1, ids, draft)
+
+    def head_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        shared = set() if self.own_embedding else {id(self.embed_tokens.weight)}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if id(param) not in shared:
+                yield name, param
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies a published EAGLE-3 checkpoint; raises WeightLoadingError like `EagleHead`."""
+        params = dict(self.head_parameters())
+        filled: dict[str, int] = {}
+        d2t = False
+        for raw_name, tensor in weights:
+            name = raw_name.removeprefix("model.")
+            if name == "t2d" or "rotary_emb.inv_freq" in name or (name == "embed_tokens.weight" and not self.own_embedding):
+                continue
+            if name == "d2t":
+                if tuple(tensor.shape) != tuple(self.d2t.shape):
+                    raise WeightLoadingError(f"d2t has shape {tuple(tensor.shape)}, the head {tuple(self.d2t.shape)}")
+                self.d2t.copy_(tensor.to(torch.int64))
+                d2t = True
+                continue
+            target, index = map_stacked(name, self.config)
+            if target not in params:
+                raise WeightLoadingError(f"EAGLE-3 checkpoint tensor {raw_name!r} has no matching parameter")
+            dest = params[target].data[index] if index else params[target].data
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadingError(f"shape mismatch for {raw_name!r}: checkpoint {tuple(tensor.shape)}, "
+                                         f"head {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dest.dtype))
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()]
+        if missing or not d2t:
+            raise WeightLoadingError(f"EAGLE-3 head parameters not (fully) loaded from the checkpoint: "
+                                     f"{(missing + ([] if d2t else ['d2t']))[:8]}")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers whose output EAGLE-3 reads when the head's config names none (the
+    residual stream after layers 1, L / 2 - 1 and L - 4, as SGLang captures it)."""
+    return (1, num_layers // 2 - 1, num_layers - 4)

@@ -179,6 +179,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused = False  # the path `LlamaForCausalLM.use_kernels` chose
+        # EAGLE-3 reads the residual stream after these layers: set, each forward leaves them concatenated
+        # in `aux_hidden` (T, len(aux_layers) * hidden)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
@@ -190,8 +194,13 @@ class LlamaModel(nn.Module):
         if not self.fused:
             self.rope.prepare(positions)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
             h, residual = layer(positions, h, residual, batch)
+            if i in self.aux_layers:  # NOTE: a new tensor: the next layer updates h and residual in place
+                aux.append(h + residual)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         if residual is None:  # no layers
             return self.norm(h)  # type: ignore[no-any-return]
         return self.norm.add_forward(h, residual)[0]
