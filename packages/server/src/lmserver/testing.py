@@ -500,13 +500,10 @@ def fuzz_openai_bodies() -> Any:
                      st.dictionaries(st.sampled_from(keys), _fuzz_json(), max_size=5), max_tokens)
 
 
-def write_eagle_head(folder: Any, config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """Writes a random one-layer EAGLE head in the published layout (`config.json`, safetensors
-    `fc.weight`, `layers.0.*` without `input_layernorm`) to `folder`; returns its tensors."""
-    from pathlib import Path
-
+def _head_tensors(config: dict[str, Any], prefix: str, fc_in: int, attn_in: int, seed: int) -> tuple[dict[str, Any], Any]:
+    """Random `fc` (hidden, fc_in * hidden) and one decoder layer's projections and post-attention norm
+    (`{prefix}.*`, attention reading attn_in * hidden), with the generator for more draws."""
     import torch
-    from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -517,16 +514,24 @@ def write_eagle_head(folder: Any, config: dict[str, Any], seed: int = 0) -> dict
         return torch.randn(*shape, generator=g) * 0.2
 
     tensors = {
-        "fc.weight": rnd(h, 2 * h),
-        "layers.0.self_attn.q_proj.weight": rnd(heads * d, h),
-        "layers.0.self_attn.k_proj.weight": rnd(kv * d, h),
-        "layers.0.self_attn.v_proj.weight": rnd(kv * d, h),
-        "layers.0.self_attn.o_proj.weight": rnd(h, heads * d),
-        "layers.0.mlp.gate_proj.weight": rnd(inter, h),
-        "layers.0.mlp.up_proj.weight": rnd(inter, h),
-        "layers.0.mlp.down_proj.weight": rnd(h, inter),
-        "layers.0.post_attention_layernorm.weight": 1 + rnd(h),
+        "fc.weight": rnd(h, fc_in * h),
+        f"{prefix}.self_attn.q_proj.weight": rnd(heads * d, attn_in * h),
+        f"{prefix}.self_attn.k_proj.weight": rnd(kv * d, attn_in * h),
+        f"{prefix}.self_attn.v_proj.weight": rnd(kv * d, attn_in * h),
+        f"{prefix}.self_attn.o_proj.weight": rnd(h, heads * d),
+        f"{prefix}.mlp.gate_proj.weight": rnd(inter, h),
+        f"{prefix}.mlp.up_proj.weight": rnd(inter, h),
+        f"{prefix}.mlp.down_proj.weight": rnd(h, inter),
+        f"{prefix}.post_attention_layernorm.weight": 1 + rnd(h),
     }
+    return tensors, g
+
+
+def _save_head(folder: Any, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
@@ -534,46 +539,31 @@ def write_eagle_head(folder: Any, config: dict[str, Any], seed: int = 0) -> dict
     return tensors
 
 
+def write_eagle_head(folder: Any, config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Writes a random one-layer EAGLE head in the published layout (`config.json`, safetensors
+    `fc.weight`, `layers.0.*` without `input_layernorm`) to `folder`; returns its tensors."""
+    tensors, _ = _head_tensors(config, "layers.0", fc_in=2, attn_in=1, seed=seed)
+    return _save_head(folder, tensors, config)
+
+
 def write_eagle3_head(folder: Any, config: dict[str, Any], draft_vocab: int, seed: int = 0) -> dict[str, Any]:
     """Writes a random EAGLE-3 head in the published layout (`config.json` with an `*Eagle3*`
     architecture and `draft_vocab_size`; safetensors `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
     `t2d`) to `folder`; returns its tensors. The draft vocabulary is every other target id."""
-    from pathlib import Path
-
     import torch
-    from safetensors.torch import save_file
 
-    g = torch.Generator().manual_seed(seed)
-    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    inter = config["intermediate_size"]
-    d = config.get("head_dim", h // heads)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.2
-
+    tensors, g = _head_tensors(config, "midlayer", fc_in=3, attn_in=2, seed=seed)
+    h = config["hidden_size"]
     targets = torch.arange(draft_vocab) * 2  # draft id i -> target id 2i
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
     t2d[targets] = True
-    tensors = {
-        "fc.weight": rnd(h, 3 * h),
-        "midlayer.self_attn.q_proj.weight": rnd(heads * d, 2 * h),
-        "midlayer.self_attn.k_proj.weight": rnd(kv * d, 2 * h),
-        "midlayer.self_attn.v_proj.weight": rnd(kv * d, 2 * h),
-        "midlayer.self_attn.o_proj.weight": rnd(h, heads * d),
-        "midlayer.mlp.gate_proj.weight": rnd(inter, h),
-        "midlayer.mlp.up_proj.weight": rnd(inter, h),
-        "midlayer.mlp.down_proj.weight": rnd(h, inter),
-        "midlayer.input_layernorm.weight": 1 + rnd(h),
-        "midlayer.hidden_norm.weight": 1 + rnd(h),
-        "midlayer.post_attention_layernorm.weight": 1 + rnd(h),
-        "norm.weight": 1 + rnd(h),
-        "lm_head.weight": rnd(draft_vocab, h),
+    tensors.update({
+        "midlayer.input_layernorm.weight": 1 + torch.randn(h, generator=g) * 0.2,
+        "midlayer.hidden_norm.weight": 1 + torch.randn(h, generator=g) * 0.2,
+        "norm.weight": 1 + torch.randn(h, generator=g) * 0.2,
+        "lm_head.weight": torch.randn(draft_vocab, h, generator=g) * 0.2,
         "d2t": targets - torch.arange(draft_vocab),
         "t2d": t2d,
-    }
-    path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(dict(config, architectures=["LlamaForCausalLMEagle3"],
-                                                      draft_vocab_size=draft_vocab)))
-    return tensors
+    })
+    return _save_head(folder, tensors, dict(config, architectures=["LlamaForCausalLMEagle3"],
+                                            draft_vocab_size=draft_vocab))

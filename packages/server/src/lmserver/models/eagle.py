@@ -30,7 +30,79 @@ from lmserver.models.llama import LlamaMLP, LlamaModel, WeightLoadingError, map_
 __all__ = ["Eagle3Head", "EagleHead", "default_aux_layers", "iter_checkpoint"]
 
 
-class EagleHead(nn.Module):
+class _DraftHead(nn.Module):
+    """What both head layouts share: step features (set per forward, or a graph's static buffer),
+    float logits, the head's own parameters (not the target modules it reads) and the loading of
+    a published checkpoint into them."""
+
+    config: ModelConfig
+    own_embedding: bool
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features: torch.Tensor | None = None
+        # the features of graph-captured steps (`features` None): rows [:T] of a static buffer the proposer fills
+        self.feature_buffer: torch.Tensor | None = None
+
+    def use_kernels(self, kernels: object) -> None:
+        """Torch ops only (a head is one or two layers; its cost is an LM head)."""
+
+    def _step_features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        features = self.features
+        if features is None and self.feature_buffer is not None:
+            features = self.feature_buffer[: input_ids.shape[0]]
+        assert features is not None and features.shape[0] == input_ids.shape[0], f"{type(self).__name__}.features not set"
+        return features
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_raw_logits(hidden).float()
+
+    def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _target_modules(self) -> list[nn.Module]:
+        """The target's modules the head reads (their parameters are not the head's)."""
+        raise NotImplementedError
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name (`model.` prefix removed) as the head's parameter name, or None to skip it."""
+        raise NotImplementedError
+
+    def head_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The head's own parameters (not the target's modules)."""
+        shared = {id(p) for m in self._target_modules() for p in m.parameters()}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if id(param) not in shared:
+                yield name, param
+
+    def _loadable(self) -> dict[str, torch.Tensor]:
+        return {name: p.data for name, p in self.head_parameters()}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies a published checkpoint into the head; raises WeightLoadingError for an unknown
+        tensor, a shape mismatch or a head tensor no checkpoint tensor filled."""
+        what = type(self).__name__
+        tensors = self._loadable()
+        filled: dict[str, int] = {}
+        for raw_name, tensor in weights:
+            name = self._checkpoint_name(raw_name.removeprefix("model."))
+            if name is None or "rotary_emb.inv_freq" in name:
+                continue
+            target, index = map_stacked(name, self.config)
+            if target not in tensors:
+                raise WeightLoadingError(f"{what} checkpoint tensor {raw_name!r} has no matching parameter")
+            dest = tensors[target][index] if index else tensors[target]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadingError(f"shape mismatch for {raw_name!r}: checkpoint {tuple(tensor.shape)}, "
+                                         f"head {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dest.dtype))
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [n for n, t in tensors.items() if filled.get(n, 0) < t.numel()]
+        if missing:
+            raise WeightLoadingError(f"{what} parameters not (fully) loaded from the checkpoint: {missing[:8]}")
+
+
+class EagleHead(_DraftHead):
     """The head over the target's embedding and LM head (shared modules, not copies).
 
     `features` must be set to the (T, hidden) target features of a forward's T tokens before
@@ -50,19 +122,10 @@ class EagleHead(nn.Module):
         self.lm_head: nn.Module = target.lm_head  # type: ignore[assignment]
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.own_embedding = own_embedding
-        self.features: torch.Tensor | None = None
-        # the features of graph-captured steps (`features` None): rows [:T] of a static buffer the proposer fills
-        self.feature_buffer: torch.Tensor | None = None
-
-    def use_kernels(self, kernels: object) -> None:
-        """Torch ops only (the head is one or two layers; its cost is the target's LM head)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        features = self.features
-        if features is None and self.feature_buffer is not None:
-            features = self.feature_buffer[: input_ids.shape[0]]
-        assert features is not None and features.shape[0] == input_ids.shape[0], "EagleHead.features not set"
+        features = self._step_features(input_ids)
         h = self.fc(torch.cat([self.model.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
         self.model.rope.prepare(positions)
         residual: torch.Tensor | None = None
@@ -71,44 +134,16 @@ class EagleHead(nn.Module):
         assert residual is not None
         return h + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_raw_logits(hidden).float()
-
     def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # type: ignore[no-any-return]
 
-    def head_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The head's own parameters (not the target's embedding or LM head)."""
-        shared = {id(self.lm_head.weight)} | ({id(self.model.embed_tokens.weight)} if not self.own_embedding else set())
-        for name, param in self.named_parameters(remove_duplicate=False):
-            if id(param) not in shared:
-                yield name, param
+    def _target_modules(self) -> list[nn.Module]:
+        return [self.lm_head] + ([] if self.own_embedding else [self.model.embed_tokens])
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies a published EAGLE checkpoint into the head; raises WeightLoadingError for an
-        unknown tensor, a shape mismatch or a head parameter no tensor filled."""
-        params = dict(self.head_parameters())
-        filled: dict[str, int] = {}
-        for raw_name, tensor in weights:
-            name = raw_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or name == "lm_head.weight":
-                continue
-            if name == "embed_tokens.weight" and not self.own_embedding:
-                continue
-            if not name.startswith("fc."):
-                name = "model." + name
-            target, index = map_stacked(name, self.config)
-            if target not in params:
-                raise WeightLoadingError(f"EAGLE checkpoint tensor {raw_name!r} has no matching parameter")
-            dest = params[target].data[index] if index else params[target].data
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise WeightLoadingError(f"shape mismatch for {raw_name!r}: checkpoint {tuple(tensor.shape)}, "
-                                         f"head {tuple(dest.shape)}")
-            dest.copy_(tensor.to(dest.dtype))
-            filled[target] = filled.get(target, 0) + dest.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()]
-        if missing:
-            raise WeightLoadingError(f"EAGLE head parameters not (fully) loaded from the checkpoint: {missing[:8]}")
+    def _checkpoint_name(self, name: str) -> str | None:
+        if name == "lm_head.weight" or (name == "embed_tokens.weight" and not self.own_embedding):
+            return None
+        return name if name.startswith("fc.") else "model." + name
 
 
 def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -151,7 +186,7 @@ class _Eagle3Layer(nn.Module):
         self.post_attention_layernorm = post_attention_layernorm
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(_DraftHead):
     """EAGLE-3 head: the target's residual stream after three of its layers (`aux_layers`, their
     concatenation, (T, 3 * hidden)) goes through `fc` to one feature; one decoder layer whose
     attention reads [input_layernorm(token embedding), hidden_norm(feature)] (2 * hidden wide), then
@@ -187,19 +222,10 @@ class Eagle3Head(nn.Module):
         self.d2t: torch.Tensor
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
         self.target_vocab = config.vocab_size
-        self.features: torch.Tensor | None = None
-        self.feature_buffer: torch.Tensor | None = None
-
-    def use_kernels(self, kernels: object) -> None:
-        """Torch ops only."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        features = self.features
-        if features is None and self.feature_buffer is not None:
-            features = self.feature_buffer[: input_ids.shape[0]]
-        assert features is not None and features.shape[0] == input_ids.shape[0], "Eagle3Head.features not set"
-        features = features.to(self.fc.weight.dtype)
+        features = self._step_features(input_ids).to(self.fc.weight.dtype)
         if features.shape[-1] != self.config.hidden_size:  # the target's layers: one feature through fc
             features = self.fc(features)
         m = self.midlayer
@@ -208,9 +234,6 @@ class Eagle3Head(nn.Module):
         h = m.self_attn(positions, x, batch) + features
         return h + m.mlp(m.post_attention_layernorm(h))  # type: ignore[no-any-return]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_raw_logits(hidden).float()
-
     def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits placed at their target ids (-inf elsewhere), (T, target vocab)."""
         draft = self.lm_head(self.norm(hidden))
@@ -218,40 +241,14 @@ class Eagle3Head(nn.Module):
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
         return full.index_copy_(1, ids, draft)
 
-    def head_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        shared = set() if self.own_embedding else {id(self.embed_tokens.weight)}
-        for name, param in self.named_parameters(remove_duplicate=False):
-            if id(param) not in shared:
-                yield name, param
+    def _target_modules(self) -> list[nn.Module]:
+        return [] if self.own_embedding else [self.embed_tokens]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies a published EAGLE-3 checkpoint; raises WeightLoadingError like `EagleHead`."""
-        params = dict(self.head_parameters())
-        filled: dict[str, int] = {}
-        d2t = False
-        for raw_name, tensor in weights:
-            name = raw_name.removeprefix("model.")
-            if name == "t2d" or "rotary_emb.inv_freq" in name or (name == "embed_tokens.weight" and not self.own_embedding):
-                continue
-            if name == "d2t":
-                if tuple(tensor.shape) != tuple(self.d2t.shape):
-                    raise WeightLoadingError(f"d2t has shape {tuple(tensor.shape)}, the head {tuple(self.d2t.shape)}")
-                self.d2t.copy_(tensor.to(torch.int64))
-                d2t = True
-                continue
-            target, index = map_stacked(name, self.config)
-            if target not in params:
-                raise WeightLoadingError(f"EAGLE-3 checkpoint tensor {raw_name!r} has no matching parameter")
-            dest = params[target].data[index] if index else params[target].data
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise WeightLoadingError(f"shape mismatch for {raw_name!r}: checkpoint {tuple(tensor.shape)}, "
-                                         f"head {tuple(dest.shape)}")
-            dest.copy_(tensor.to(dest.dtype))
-            filled[target] = filled.get(target, 0) + dest.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()]
-        if missing or not d2t:
-            raise WeightLoadingError(f"EAGLE-3 head parameters not (fully) loaded from the checkpoint: "
-                                     f"{(missing + ([] if d2t else ['d2t']))[:8]}")
+    def _loadable(self) -> dict[str, torch.Tensor]:
+        return {**super()._loadable(), "d2t": self.d2t}  # the draft -> target id offsets load like a weight
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        return None if name == "t2d" or (name == "embed_tokens.weight" and not self.own_embedding) else name
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
