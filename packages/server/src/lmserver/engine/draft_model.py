@@ -107,6 +107,10 @@ class DraftModel:
                 drafts[rid].append(token)
         return drafts
 
+    def observe(self, rid: str, start: int, features: torch.Tensor) -> None:
+        """The target's hidden states of positions it kept: a draft model reads tokens only (an
+        EAGLE head overrides this)."""
+
     def accepted(self, rid: str, context: Sequence[int]) -> None:
         """After verification: the request's tokens are now `context`; the draft keeps the KV
         of its longest prefix and drops the rest (rejected drafts)."""

@@ -144,7 +144,7 @@ class Speculator:
         tokens flat in item order) of every token a forward computed; other draft sources
         ignore them."""
         eagle = self.draft_model
-        if hidden is None or eagle is None or not hasattr(eagle, "observe"):
+        if hidden is None or eagle is None:  # hidden is kept only when a head reads it
             return
         row = 0
         for item in decision.items:
@@ -168,7 +168,7 @@ class Speculator:
         needs. `argmax`: `logits` is already each row's (num_rows,) argmax token (every drafted
         request greedy). `hidden`: the forward's final-norm hidden states (an EAGLE head observes
         the rows whose KV is kept). Mutates the requests, their KV and the counters."""
-        eagle = self.draft_model if self.draft_model is not None and hasattr(self.draft_model, "observe") else None
+        eagle = self.draft_model if hidden is not None else None  # hidden is kept only when a head reads it
         plain_rows: list[int] = []
         plain_states: list[Any] = []
         spec: list[tuple[Any, int, list[int], int]] = []  # (state, first row, drafts, prefix_len)
