@@ -10,7 +10,7 @@ from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import moe_ops, ops
 from lowlat.layer import ForwardMeta, KVCache
-from lowlat.plugins._stack import covers_decode
+from lowlat.plugins._stack import covers_rows
 from lowlat.spec import Step
 
 
@@ -63,7 +63,7 @@ class TritonMoEStack:
         return sum(t.numel() * t.element_size() for t in self._buffers) + self.ws.nbytes
 
     def covers(self, step: Step) -> bool:
-        return covers_decode(step, self.ctx, self.lc)
+        return covers_rows(step, self.ctx, self.lc)
 
     def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
         """MoE decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""

@@ -13,7 +13,7 @@ from lowlat.layer import ForwardMeta, KVCache
 from lowlat.spec import Step, StepKind
 
 
-def covers_decode(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
+def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     """Decode steps, and verify steps (rows of a request as decode rows at their own positions, at most
     ``ops.MAX_VERIFY_ROWS`` per request), of up to the agreed number of rows; with
     ``LowlatConfig.measured_coverage`` only up to the largest batch the plugin measured faster than the generic
@@ -76,7 +76,7 @@ class TritonLayerStack:
         return sum(t.numel() * t.element_size() for t in self._buffers)
 
     def covers(self, step: Step) -> bool:
-        return covers_decode(step, self.ctx, self.lc)
+        return covers_rows(step, self.ctx, self.lc)
 
     def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
         """Decoder layer ``layer`` for one decode token per request; mutates ``kv`` and workspaces."""
