@@ -656,32 +656,21 @@ def schema_tree(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, tu
     """Syntax tree of the JSON texts valid under `schema` (a dict, bool or JSON text), and what it
     over-approximates. Pure. Raises `UnsupportedSchemaError` for a malformed schema, a
     reference outside it, or (strict mode) a keyword it can only over-approximate."""
-    if isinstance(schema, str | bytes):
-        try:
-            schema = json.loads(schema)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise UnsupportedSchemaError("schema", "#", f"not valid JSON: {exc}") from None
-    check_depth(schema, MAX_SCHEMA_DEPTH)
-    cfg = config or CfsmConfig()
-    while True:
-        comp = _Compiler(schema, cfg)
-        try:
-            node = comp.node(schema, "#")
-        except RecursionError:
-            raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
-        except _TooManyVisits:
-            if cfg.max_recursion_depth == 0 or not comp.recursion_seen:
-                raise UnsupportedSchemaError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
-                                             "compile") from None
-            cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
-            continue
-        return node, tuple(comp.approximations.values())
+    node, _, approximations = _compile_schema(schema, config, rule_mode=False)
+    return node, approximations
 
 
 def schema_grammar(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, dict[str, Node],
                                                                           tuple[Approximation, ...]]:
     """Rule mode of `schema_tree`: (the root tree, the rules it calls, approximations). With no
     rules the root tree is regular (the schema neither recurses nor takes free JSON). Pure."""
+    return _compile_schema(schema, config, rule_mode=True)
+
+
+def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool) -> tuple[Node, dict[str, Node],
+                                                                                     tuple[Approximation, ...]]:
+    """Both modes: parse a JSON text, compile, and halve the recursion bound while the schema has
+    too many nodes to compile (rules stay empty outside rule mode). Pure."""
     if isinstance(schema, str | bytes):
         try:
             schema = json.loads(schema)
@@ -691,7 +680,7 @@ def schema_grammar(schema: Any, config: CfsmConfig | None = None) -> tuple[Node,
     cfg = config or CfsmConfig()
     while True:
         rules: dict[str, Node] = {}
-        comp = _Compiler(schema, cfg, rules)
+        comp = _Compiler(schema, cfg, rules if rule_mode else None)
         try:
             node = comp.node(schema, "#")
         except RecursionError:
