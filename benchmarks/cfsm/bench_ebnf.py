@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cfsm import load_smollm2  # noqa: E402
 
 import cfsm  # noqa: E402
+from cfsm.grammar.testing import LARK_JSON  # noqa: E402
 
 JSON_GBNF = r'''
 root   ::= value
@@ -77,18 +78,6 @@ term     ::= ident ("." ident)? | [0-9]+ | "'" [^'\n]* "'" | func "(" ("*" | exp
 func     ::= "COUNT" | "SUM" | "AVG" | "MIN" | "MAX"
 ident    ::= [a-z_] [a-z0-9_]{0,30}
 '''
-
-LARK_JSON = r"""
-start: value
-?value: object | array | ESCAPED_STRING | SIGNED_NUMBER -> number | "true" | "false" | "null"
-array  : "[" [value ("," value)*] "]"
-object : "{" [pair ("," pair)*] "}"
-pair   : ESCAPED_STRING ":" value
-%import common.ESCAPED_STRING
-%import common.SIGNED_NUMBER
-%import common.WS
-%ignore WS
-"""
 
 JSON_TARGET = json.dumps({
     "id": 1042, "name": "Ada Lovelace", "tags": ["math", "engines", {"nested": [1, 2.5, -3e4, None, True]}],

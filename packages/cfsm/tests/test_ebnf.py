@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.grammar import Grammar, GrammarGuide, GrammarIndex, inline_rules, parse_ebnf, parse_lark
-from cfsm.grammar.testing import accepts, byte_vocab, draw_member, greedy_tokens
+from cfsm.grammar.testing import LARK_JSON, accepts, byte_vocab, draw_member, greedy_tokens
 from cfsm.testing import allowed_by_advance
 
 JSON = r'''
@@ -65,22 +65,6 @@ items ::= pair ("," pair){0,2}
 word  ::= a a
 a     ::= [x-z]*
 '''
-
-LARK_JSON = r"""
-start: value
-?value: object
-      | array
-      | ESCAPED_STRING
-      | SIGNED_NUMBER      -> number
-      | "true" | "false" | "null"
-array  : "[" [value ("," value)*] "]"
-object : "{" [pair ("," pair)*] "}"
-pair   : ESCAPED_STRING ":" value
-%import common.ESCAPED_STRING
-%import common.SIGNED_NUMBER
-%import common.WS
-%ignore WS
-"""
 
 GRAMMARS = {"json": JSON, "expr": EXPR, "sql": SQL, "misc": MISC, "lark-json": LARK_JSON}
 PIECES = ['{"', '":', '",', '", "', "true", "false", "null", "12", "],", "}]", "SELECT", " FROM", " WHERE",

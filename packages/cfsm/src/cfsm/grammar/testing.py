@@ -16,6 +16,24 @@ from cfsm.regex_ast import Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared
 __all__ = ["accepts", "byte_vocab", "draw_member", "greedy_tokens"]
 
 
+# The JSON grammar of Lark's tutorial, in the Lark subset `compile_lark` takes (tests and benchmarks share it).
+LARK_JSON = r"""
+start: value
+?value: object
+      | array
+      | ESCAPED_STRING
+      | SIGNED_NUMBER      -> number
+      | "true" | "false" | "null"
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : ESCAPED_STRING ":" value
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""
+
+
 def accepts(grammar: Grammar, text: str) -> bool:
     """Whether `text` is in the language of `grammar` (no left recursion)."""
     rules = grammar.rules
