@@ -123,6 +123,69 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
         assert _rel(act, F.silu(gate) * up) < TOL[dtype]
 
 
+MROW_VARIANTS = ["mrow", "mrow_fma"]
+
+
+@pytest.mark.parametrize("variant", MROW_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch", "programs"), [(2, 0), (6, 3), (8, 0)])
+def test_interpret_mrow_gemv_matches_float64(variant: str, dtype: torch.dtype, batch: int, programs: int) -> None:
+    """The multi-row kernels (``lowlat.kernels.mrow``) on fresh random inputs against float64 torch: GEMV +
+    residual, a plain projection, norm + gate-up + SiLU; 72 / 40 output columns (a partial last tile of 16), K 96
+    in blocks of 32; programs=3: fewer programs than tiles, looping."""
+    g = torch.Generator().manual_seed(31 + batch)
+    d64 = torch.float64
+    lc = _lc(SHAPES[0])
+    cfg = ops.GemvConfig(variant, block_n=16, block_k=32, programs=programs)
+    a = torch.randn(batch, 96, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(72, 96, generator=g) / 10).to(DEVICE, dtype)
+    res = torch.randn(batch, 72, generator=g).to(DEVICE, dtype)
+    mlc = replace(lc, tuned=(("down", 8, cfg), ("gate_up", 8, cfg)))
+    out = torch.full_like(res, float("nan"))
+    ops.gemv_residual(a, w, res, out, mlc, stage="down")
+    assert _rel(out, res.to(d64) + a.to(d64) @ w.to(d64).T) < TOL[dtype]
+    out = torch.full_like(res, float("nan"))
+    ops.gemv_residual(a, w, None, out, mlc, stage="down")
+    assert _rel(out, a.to(d64) @ w.to(d64).T) < TOL[dtype]
+    x = torch.randn(batch, 64, generator=g).to(DEVICE, dtype)
+    nw = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
+    wgu = (torch.randn(2 * 40, 64, generator=g) / 8).to(DEVICE, dtype)
+    gate, up = (rms_norm(x.to(d64), nw.to(d64), 1e-5) @ wgu.to(d64).T).split(40, -1)
+    act = torch.full((batch, 40), float("nan"), device=DEVICE, dtype=dtype)
+    ops.norm_gate_up(x, nw, wgu, act, 1e-5, mlc)
+    assert _rel(act, F.silu(gate) * up) < TOL[dtype]
+
+
+@pytest.mark.parametrize("variant", MROW_VARIANTS)
+@pytest.mark.parametrize(("shape", "dtype"), [(SHAPES[0], DTYPES[0]),
+                                             pytest.param(SHAPES[1], DTYPES[1], marks=pytest.mark.slow)])
+def test_interpret_mrow_qkv_rope_matches_float64(variant: str, shape: LayerShape, dtype: torch.dtype) -> None:
+    """The multi-row qkv kernel (norm + QKV + RoPE + KV write) for 6 rows against float64 torch; other slots
+    untouched."""
+    g = torch.Generator().manual_seed(41)
+    d64 = torch.float64
+    w = random_layer(shape, dtype, DEVICE, generator=g)
+    meta = decode_meta([5, 1, 9, 3, 12, 7], 64, 16, DEVICE, generator=g)
+    kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
+    before = KVCache(kv.k.clone(), kv.v.clone())
+    x = torch.randn(6, shape.hidden_size, generator=g).to(DEVICE, dtype)
+    q = torch.full((6, shape.q_size), float("nan"), device=DEVICE, dtype=dtype)
+    lc = replace(_lc(shape), tuned=(("qkv", 8, ops.GemvConfig(variant, block_n=4, block_k=32, programs=5)),))
+    ops.qkv_rope(x, w, kv, meta, q, shape, lc)
+    qkv = rms_norm(x.to(d64), w.input_norm.to(d64), shape.rms_eps) @ w.qkv.to(d64).T
+    rq, rk, rv = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], -1)
+    inv = w.rope_inv_freq.to(d64)
+    rq = apply_rope(rq.view(6, shape.num_heads, -1), meta.positions, inv).reshape(6, -1)
+    rk = apply_rope(rk.view(6, shape.num_kv_heads, -1), meta.positions, inv)
+    loc = meta.out_cache_loc
+    assert _rel(q, rq) < TOL[dtype]
+    assert _rel(kv.k[loc], rk) < TOL[dtype]
+    assert _rel(kv.v[loc], rv.view(6, shape.num_kv_heads, -1)) < TOL[dtype]
+    others = torch.ones(64, dtype=torch.bool, device=DEVICE)
+    others[loc] = False
+    assert torch.equal(kv.k[others], before.k[others]) and torch.equal(kv.v[others], before.v[others])
+
+
 def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_tokens: int = 8):  # type: ignore[no-untyped-def]
     if name == "nvidia":
         from lowlat.plugins.nvidia import build
@@ -178,14 +241,28 @@ def _verify_meta(prefixes: list[int], rows: int, num_slots: int, max_context: in
                        max_seq_len=int(lens.max()))
 
 
-@pytest.mark.parametrize("plugin", ["nvidia", "amd-staged"])
+def _mrow_stack(variant: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_tokens: int):  # type: ignore[no-untyped-def]
+    """The nvidia plugin's stack with every GEMV stage on a ``lowlat.kernels.mrow`` kernel (as a tuned table would)."""
+    from lowlat.plugins._stack import TritonLayerStack
+
+    cfg = ops.GemvConfig(variant, block_n=16, block_k=32)
+    tuned = tuple((stage, 16, replace(cfg, block_n=4) if stage == "qkv" else cfg) for stage in ops.GEMV_STAGES)
+    return TritonLayerStack("nvidia", _ctx(shape, weights, dtype, max_tokens), replace(_lc(shape), tuned=tuned))
+
+
+@pytest.mark.parametrize("plugin", ["nvidia", "amd-staged", "nvidia-mrow",
+                                    pytest.param("nvidia-mrow_fma", marks=pytest.mark.slow)])
 def test_interpret_verify_rows_match_reference(plugin: str) -> None:
     """Speculative verify: 2 requests x 6 rows as decode rows (each row attends to the rows before it, whose K/V
-    the step itself writes) against the reference layer: the rows' outputs, and the K/V written."""
+    the step itself writes) against the reference layer: the rows' outputs, and the K/V written. nvidia-mrow*: the
+    GEMV stages on the multi-row kernels."""
     shape, dtype = SHAPES[0], torch.float32
     g = torch.Generator().manual_seed(21)
     weights = [random_layer(shape, dtype, DEVICE, generator=g)]
-    built = _build(plugin, shape, weights, dtype, max_tokens=16)
+    if plugin.startswith("nvidia-"):
+        built = _mrow_stack(plugin.split("-")[1], shape, weights, dtype, max_tokens=16)
+    else:
+        built = _build(plugin, shape, weights, dtype, max_tokens=16)
     meta = _verify_meta([9, 2], 6, 64, 24, g)
     kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
     kv_ref = KVCache(kv.k.clone(), kv.v.clone())

@@ -11,6 +11,7 @@ import triton
 from lowlat.errors import ShapeError
 from lowlat.kernels import gemv as GV
 from lowlat.kernels import layer as K
+from lowlat.kernels import mrow as MR
 from lowlat.kernels._jit import check_device, next_pow2
 from lowlat.layer import ForwardMeta, KVCache, LayerShape
 from lowlat.reference import AttentionWeights
@@ -19,15 +20,17 @@ if TYPE_CHECKING:
     from lowlat.moe import MoEShape
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
-GEMV_VARIANTS = ("dot", "rows")
+GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma")
 PDL_RELEASES = ("auto", "early", "late")
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """One GEMV stage's kernel and blocks. ``variant``: ``dot`` (tensor-core ``tl.dot``, batch padded to
-    16 rows) or ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``, rows unrolled). For ``qkv``, ``block_n`` is the
-    number of rotary pairs per tile (it must divide head_dim / 2)."""
+    16 rows), ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``, rows unrolled), or the multi-row kernels of
+    ``lowlat.kernels.mrow`` (the weight tile as the left operand, all rows at once): ``mrow`` (tensor cores) and
+    ``mrow_fma`` (CUDA cores). For ``qkv``, ``block_n`` is the number of rotary pairs per tile (it must divide
+    head_dim / 2)."""
 
     variant: str = "dot"
     block_n: int = 16
@@ -52,6 +55,16 @@ class GemvConfig:
     def row_wise(self) -> bool:
         """Whether the stage runs a ``lowlat.kernels.gemv`` row-wise kernel."""
         return self.variant == "rows"
+
+    @property
+    def multi_row(self) -> bool:
+        """Whether the stage runs a ``lowlat.kernels.mrow`` kernel."""
+        return self.variant.startswith("mrow")
+
+    @property
+    def mma(self) -> bool:
+        """Whether a ``mrow`` kernel uses the tensor cores."""
+        return self.variant == "mrow"
 
 
 def _grid(tiles: int, programs: int) -> tuple[tuple[int], bool]:
@@ -160,6 +173,11 @@ def block_m(batch: int, device: torch.device) -> int:
     return next_pow2(batch) if device.type == "cpu" else max(16, next_pow2(batch))
 
 
+def mrow_block_m(batch: int, device: torch.device, cfg: GemvConfig) -> int:
+    """Rows of a ``mrow`` tile: the batch padded to a power of two (at least 8 for an MMA on a GPU: n = 8)."""
+    return max(8, next_pow2(batch)) if cfg.mma and device.type != "cpu" else next_pow2(batch)
+
+
 def num_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int) -> int:
     """Split-KV partitions: enough programs to fill the GPU, none shorter than one block. Host-only."""
     want = triton.cdiv(2 * lc.num_sms, max(1, batch * shape.num_kv_heads))
@@ -188,6 +206,11 @@ def qkv_rope(
     args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
     if cfg.row_wise:
         GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
+        return
+    if cfg.multi_row:
+        common.pop("B")
+        MR.mrow_qkv_rope_kernel[grid](*args, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
+                                      DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
         return
     K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
 
@@ -225,14 +248,26 @@ def attention(
 
 
 def gemv_residual(
-    a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor, lc: LaunchConfig, stage: str = "o_proj",
+    a: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, lc: LaunchConfig,
+    stage: str = "o_proj",
 ) -> None:
     """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel. Under PDL
-    ``res`` is read before the wait: it must not be written by the launch right before this one."""
+    ``res`` is read before the wait: it must not be written by the launch right before this one. ``res`` None
+    (``mrow`` configs only): ``out = a @ w.T``."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     n, k = w.shape
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
+    if cfg.multi_row:
+        MR.mrow_residual_kernel[grid](
+            a, w, res, out, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma, DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+            HAS_RES=res is not None, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), LOOP=loop,
+            **_kw(dev, lc, cfg=cfg),
+        )
+        return
+    if res is None:
+        raise ShapeError(f"gemv_residual without a residual needs a mrow config, got {cfg}")
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
             a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
@@ -256,6 +291,10 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
                   PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
+        return
+    if cfg.multi_row:
+        MR.mrow_gate_up_kernel[grid](x, norm_w, w, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
+                                     DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
         return
     K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=block_m(b, dev),
                                 DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)

@@ -1,0 +1,210 @@
+"""Multi-row GEMV for 2..16 rows (speculative verify steps, small decode batches): each weight tile read once.
+
+``out[m, n] = sum_k x[m, k] * w[n, k]`` for every row ``m < B``, computed as ``acc (BLOCK_N, BLOCK_M) = w_tile
+(BLOCK_N, BLOCK_K) @ x_tile.T (BLOCK_K, BLOCK_M)``: the weight tile is the left operand and the rows are the narrow
+side (``BLOCK_M`` = the rows padded to a power of two, at least 8 for the tensor cores: an ``mma`` of n = 8 has no
+padding at 8 rows). Two cores over the same tiles (``GemvConfig.variant``):
+
+- ``mrow``: ``tl.dot`` (tensor cores). ``lowlat.kernels.layer``'s ``dot`` kernels put the rows on the left, padded to
+  16, and stage each weight tile through shared memory as the right operand; here the weight rows are the MMA's
+  M side, so a tile of 16-128 weight rows needs no row padding and the activations are the small operand.
+- ``mrow_fma``: a broadcast multiply and one reduction over K per tile step (CUDA cores, no shared memory staging
+  of the weights): ``sum(w[:, None, :] * x[None, :, :], 2)``.
+
+The three GEMV stages of a Llama layer have twins here (``ops`` dispatches on the variant): GEMV + residual (o_proj,
+down; without the residual: any projection), RMSNorm + gate-up + SiLU, RMSNorm + QKV + RoPE + KV write. Like the other
+kernels, each loads its first weight tile (and the residual, and the RoPE factors) before its PDL wait, accumulates
+the norm's sum of squares in the main loop (no pass over x after the wait), and releases its dependent launch after
+the main loop (``PDL_EARLY``: right after the wait). ``B`` is a ``tl.constexpr`` (one compile per row count).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowlat.kernels.layer import _rope_factors, _rope_store
+
+
+@triton.jit
+def _wx(w, x, acc, MMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc (BN, BM) + w (BN, BK) @ x (BM, BK).T``; ``x`` is float32 (already scaled)."""
+    if MMA:
+        if DOT_F32:
+            return tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
+        return tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+    return acc + tl.sum(w.to(tl.float32)[:, None, :] * x[None, :, :], 2)
+
+
+@triton.jit
+def _rows(x_ptr, k0, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of the first B rows of x (rows of K elements) as (BLOCK_M, BLOCK_K) float32."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < B) & (offs_k[None, :] < K),
+                other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _wtile(w_ptr, offs_n, n_mask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows ``offs_n``, columns [k0, k0 + BLOCK_K): (BLOCK_N, BLOCK_K) in the weight dtype."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def mrow_residual_kernel(
+    a_ptr, w_ptr, res_ptr, out_ptr,
+    B: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    LOOP: tl.constexpr,
+):
+    # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k] (o_proj, down; HAS_RES off: a plain projection)
+    # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            _mrow_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_F32,
+                                HAS_RES, USE_PDL, PDL_EARLY)
+    else:
+        _mrow_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA,
+                            DOT_F32, HAS_RES, USE_PDL, PDL_EARLY)
+
+
+@triton.jit
+def _mrow_residual_tile(
+    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    B: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_m[None, :] < B)  # (BLOCK_N, BLOCK_M): the output transposed
+    out_ptrs = out_ptr + offs_m[None, :] * N + offs_n[:, None]
+    w = _wtile(w_ptr, offs_n, n_mask, 0, K, BLOCK_K)
+    # NOTE: the residual before the wait, as in the other GEMV kernels: it comes from two or more launches back
+    res = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[None, :] * N + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    acc = _wx(w, _rows(a_ptr, 0, B, K, BLOCK_M, BLOCK_K), res, MMA, DOT_F32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _wtile(w_ptr, offs_n, n_mask, k0, K, BLOCK_K)
+        acc = _wx(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), acc, MMA, DOT_F32)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _normed_rows(x_ptr, norm_w_ptr, k0, ss, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """``_rows`` scaled by the norm weight, and ``ss`` (BLOCK_M,) plus the rows' sum of squares over the block."""
+    x = _rows(x_ptr, k0, B, K, BLOCK_M, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    gamma = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    return x * gamma[None, :], ss + tl.sum(x * x, 1)
+
+
+@triton.jit
+def mrow_gate_up_kernel(
+    x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    eps,
+    B: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    LOOP: tl.constexpr,
+):
+    # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
+            _mrow_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, eps, B, H, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
+                               MMA, DOT_F32, USE_PDL, PDL_EARLY)
+    else:
+        _mrow_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, eps, B, H, INTER, BLOCK_M, BLOCK_N,
+                           BLOCK_K, MMA, DOT_F32, USE_PDL, PDL_EARLY)
+
+
+@triton.jit
+def _mrow_gate_up_tile(
+    pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    eps,
+    B: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    wg = _wtile(w_ptr, offs_n, n_mask, 0, H, BLOCK_K)
+    wu = _wtile(w_ptr, INTER + offs_n, n_mask, 0, H, BLOCK_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
+    g = _wx(wg, xg, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
+    u = _wx(wu, xg, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
+    for k0 in range(BLOCK_K, H, BLOCK_K):
+        wg = _wtile(w_ptr, offs_n, n_mask, k0, H, BLOCK_K)
+        wu = _wtile(w_ptr, INTER + offs_n, n_mask, k0, H, BLOCK_K)
+        xg, ss = _normed_rows(x_ptr, norm_w_ptr, k0, ss, B, H, BLOCK_M, BLOCK_K)
+        g = _wx(wg, xg, g, MMA, DOT_F32)
+        u = _wx(wu, xg, u, MMA, DOT_F32)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    g = g * rstd[None, :]
+    u = u * rstd[None, :]
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + offs_m[None, :] * INTER + offs_n[:, None], act, mask=n_mask[:, None] & (offs_m[None, :] < B))
+
+
+@triton.jit
+def mrow_qkv_rope_kernel(
+    x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
+    q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
+    eps,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    B: tl.constexpr, H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+):
+    # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head: weight rows r1 and r1 + D/2), weight-stationary
+    HALF: tl.constexpr = D // 2
+    PB: tl.constexpr = HALF // BLOCK_P
+    num_tiles = (NQ + 2 * NKV) * PB
+    offs_p = tl.arange(0, BLOCK_P)
+    always = offs_p < BLOCK_P
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        r1 = (tile // PB) * D + (tile % PB) * BLOCK_P + offs_p
+        r2 = r1 + HALF
+        w1 = _wtile(w_ptr, r1, always, 0, H, BLOCK_K)
+        w2 = _wtile(w_ptr, r2, always, 0, H, BLOCK_K)
+        cos, sin, loc = _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D, BLOCK_M, BLOCK_P)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            if PDL_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+        xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
+        acc1 = _wx(w1, xg, tl.zeros((BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
+        acc2 = _wx(w2, xg, tl.zeros((BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
+        for k0 in range(BLOCK_K, H, BLOCK_K):
+            w1 = _wtile(w_ptr, r1, always, k0, H, BLOCK_K)
+            w2 = _wtile(w_ptr, r2, always, k0, H, BLOCK_K)
+            xg, ss = _normed_rows(x_ptr, norm_w_ptr, k0, ss, B, H, BLOCK_M, BLOCK_K)
+            acc1 = _wx(w1, xg, acc1, MMA, DOT_F32)
+            acc2 = _wx(w2, xg, acc2, MMA, DOT_F32)
+        if USE_PDL and not PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = 1.0 / tl.sqrt(ss / H + eps)
+        _rope_store(tl.trans(acc1) * rstd[:, None], tl.trans(acc2) * rstd[:, None], tile, cos, sin, loc, q_ptr,
+                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh, NQ, NKV, D, BLOCK_M,
+                    BLOCK_P)
