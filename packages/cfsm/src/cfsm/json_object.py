@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from cfsm.automaton import build_dfa
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.regex_ast import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
 from cfsm.regex_parser import parse_regex
@@ -43,7 +44,13 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
             props[name] = addl if isinstance(addl, dict) else True
     names = list(props)
     req = set(required)
-    members = [cat(_key(n), comp.colon, comp.node(props[n], f"{path}/properties/{n}")) for n in names]
+    name_lang = comp.property_names(schema.get("propertyNames", True), f"{path}/propertyNames")
+    # NOTE: a declared name outside `propertyNames` cannot be present (required: no object at all)
+    allowed = [name_lang is None or _name_allowed(name_lang, n) for n in names]
+    members = [cat(_key(n), comp.colon, comp.node(props[n], f"{path}/properties/{n}")) if ok else NOTHING
+               for n, ok in zip(names, allowed, strict=True)]
+    closed = addl is False and not pattern_props
+    deps = _dependencies(comp, schema, names, closed, path)
     min_p = int(schema.get("minProperties", 0))
     max_p = schema.get("maxProperties")
     max_p = None if max_p is None else int(max_p)
@@ -63,10 +70,14 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
         pattern_keys.append(key)
         if names:
             key = Intersect([key, Complement(declared)])
+        if name_lang is not None:
+            key = Intersect([key, name_lang])
         extras.append(cat(key, comp.colon, comp.node(sub, f"{path}/patternProperties/{pat}")))
     if addl is not False:
         excluded = [k for k in ([declared] if names else []) + pattern_keys]
         key = Intersect([JSON_STRING, Complement(alt(*excluded))]) if excluded else JSON_STRING
+        if name_lang is not None:
+            key = Intersect([key, name_lang])
         value = comp.any_value(comp.cfg.json_depth - 1) if addl is True else comp.node(addl, f"{path}/additionalProperties")
         extras.append(cat(key, comp.colon, value))
     extra = alt(*extras) if extras else None
@@ -103,28 +114,91 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
                 options = []
                 if max_p is None or count < max_p:
                     options = [cat(sep, members[i], tail_set(left - {i}, count + 1)) for i in sorted(left)]
-                if not any(names[i] in req for i in left):
+                if not any(names[i] in req for i in left) and _satisfied(deps, frozenset(range(len(names))) - left):
                     options.append(tail_extras(count))
                 memo_set[key] = Shared(alt(*options) if options else NOTHING)
             return memo_set[key]
 
         return tail_set(frozenset(range(len(names))), 0)
 
-    memo: dict[tuple[int, int], Node] = {}
+    relevant = frozenset(deps) | frozenset().union(*deps.values()) if deps else frozenset()
+    memo: dict[tuple[int, int, frozenset[int]], Node] = {}
 
-    def tail(i: int, count: int) -> Node:
+    def tail(i: int, count: int, taken: frozenset[int]) -> Node:
+        # `taken`: the members with a dependency role present so far (`dependentRequired`)
         if min_p == 0 and max_p is None:
             count = min(count, 1)  # only "first member or not" matters
-        key = (i, count)
+        key = (i, count, taken)
         if key not in memo:
             if i == len(names):
-                node = tail_extras(count)
+                node = tail_extras(count) if _satisfied(deps, taken) else NOTHING
             else:
                 sep = EMPTY if count == 0 else comp.comma
-                take = (cat(sep, members[i], tail(i + 1, count + 1))
+                took = taken | {i} if i in relevant else taken
+                take = (cat(sep, members[i], tail(i + 1, count + 1, took))
                         if max_p is None or count < max_p else NOTHING)
-                node = take if names[i] in req else alt(take, tail(i + 1, count))
+                node = take if names[i] in req else alt(take, tail(i + 1, count, taken))
             memo[key] = Shared(node)
         return memo[key]
 
-    return tail(0, 0)
+    return tail(0, 0, frozenset())
+
+
+def _name_allowed(lang: Node, name: str) -> bool:
+    return build_dfa(lang).fullmatch(json.dumps(name, ensure_ascii=False).encode())
+
+
+def _satisfied(deps: dict[int, frozenset[int]], present: frozenset[int]) -> bool:
+    return all(targets <= present for source, targets in deps.items() if source in present)
+
+
+# more members than this with a `dependentRequired` role: the dependencies are approximated
+# (exact tracking multiplies the object's states by 2 per member)
+MAX_DEPENDENCY_MEMBERS = 10
+
+
+def _dependencies(comp: _Compiler, schema: dict[str, Any], names: list[str], closed: bool,
+                  path: str) -> dict[int, frozenset[int]]:
+    """`dependentRequired` (and draft 4-7 `dependencies` with lists, or with schemas that only
+    require names) as {member index: member indices it needs}, exact over the declared members.
+    A dependency on a name that can only come as an undeclared member is approximated unless
+    undeclared members are closed (then a source naming one cannot be present either, which the
+    caller expresses by the empty map entry pointing at an impossible member: see below)."""
+    raw: dict[str, Any] = {}
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        value = schema.get(key)
+        if not isinstance(value, dict):
+            continue
+        for source, need in value.items():
+            if isinstance(need, dict) and set(need) - _ANNOTATIONS <= {"required"} and \
+                    isinstance(need.get("required", []), list):
+                need = need.get("required", [])
+            if need is True or need == {}:
+                continue
+            if not isinstance(need, list):
+                comp.approximate(key, f"{path}/{key}", "a dependent schema is not enforced")
+                continue
+            raw.setdefault(source, []).extend(need)
+    index = {n: i for i, n in enumerate(names)}
+    deps: dict[int, frozenset[int]] = {}
+    for source, need in raw.items():
+        if source not in index:
+            if not closed:
+                comp.approximate("dependentRequired", f"{path}/dependentRequired",
+                                 f"not enforced on the undeclared property {source!r}")
+            continue  # NOTE: closed: the source cannot be present at all
+        missing = [n for n in need if n not in index]
+        if missing and not closed:
+            comp.approximate("dependentRequired", f"{path}/dependentRequired",
+                             f"not enforced for the undeclared properties {missing}")
+            continue
+        # a missing (closed) target can never be present: pointing at `len(names)` makes the source impossible
+        deps[index[source]] = frozenset(index.get(n, len(names)) for n in need) - {index[source]}
+    if len(set(deps) | set().union(*deps.values())) > MAX_DEPENDENCY_MEMBERS:
+        comp.approximate("dependentRequired", f"{path}/dependentRequired",
+                         f"not enforced (more than {MAX_DEPENDENCY_MEMBERS} properties involved)")
+        return {}
+    return deps
+
+
+_ANNOTATIONS = frozenset({"title", "description", "$comment"})

@@ -32,18 +32,20 @@ from cfsm.regex_ast import (
     Alt,
     Cat,
     Chars,
+    Complement,
     Intersect,
     Node,
     Piece,
     Repeat,
     Scope,
     Sep,
+    Shared,
     alt,
     cat,
     lit,
 )
 from cfsm.regex_parser import parse_regex
-from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas
+from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas, same_json
 from cfsm.schema_refs import RefResolver, check_depth
 
 __all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node", "json_value_grammar",
@@ -52,6 +54,10 @@ __all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node",
 JSON_VALUE_RULE = "json_value"  # the rule of free JSON in rule mode
 
 MAX_ANY_ORDER_PROPERTIES = 10
+# `uniqueItems` is exact over items of at most this many scalar values (sequences of distinct
+# values: one automaton state per subset), and `contains` for `minContains` up to this
+MAX_UNIQUE_VALUES = 8
+MAX_MIN_CONTAINS = 4
 # objects and arrays nested deeper than this in a schema document are refused up front (real
 # schemas stay far below; the compile recurses per level)
 MAX_SCHEMA_DEPTH = 128
@@ -74,13 +80,8 @@ _TYPE_KEYWORDS = {
 }
 # keywords recorded as approximations when present (what the grammar does instead)
 _IGNORED_ASSERTIONS = {
-    "dependencies": "not enforced (properties that depend on others may be missing)",
-    "dependentRequired": "not enforced (properties that depend on others may be missing)",
-    "dependentSchemas": "not enforced",
-    "propertyNames": "not enforced on property names",
     "unevaluatedProperties": "not enforced (undeclared properties follow additionalProperties)",
     "unevaluatedItems": "not enforced",
-    "contains": "not enforced beyond a non-empty array",
 }
 
 _SPECIAL = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
@@ -408,12 +409,14 @@ class _Compiler:
                     not (key == "unevaluatedProperties" and schema[key] is False and not self.cfg.additional_properties_default):
                 self.approximate(key, f"{path}/{key}", detail)
         types = self._types(schema, path)
+        excluded: list[Any] = []
         if "not" in schema:
-            types = self._not(schema["not"], types, f"{path}/not")
+            types = self._not(schema["not"], types, f"{path}/not", excluded)
         if "enum" in schema or "const" in schema:
             values = [schema["const"]] if "const" in schema else list(schema["enum"])
             if types is not None:
                 values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
+            values = [v for v in values if not any(same_json(v, x) for x in excluded)]
             if not values:
                 return NOTHING
             listed = alt(*(self.value_node(v) for v in values))
@@ -423,6 +426,13 @@ class _Compiler:
             # NOTE: other keywords still apply to the listed values (exact: the intersection)
             rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
             return Intersect([listed, self._typed_union(rest, path)])
+        if excluded:
+            if types is None:
+                inferred = [t for t, kws in _TYPE_KEYWORDS.items() if kws & schema.keys()]
+                types = inferred if self.cfg.infer_types and inferred else list(_ALL_TYPES)
+            if "number" in types and "integer" in types:
+                types = [t for t in types if t != "integer"]
+            return alt(*(self._excluding(t, self.typed(t, schema, path), excluded, f"{path}/not") for t in types))
         if types is None:
             inferred = [t for t, kws in _TYPE_KEYWORDS.items() if kws & schema.keys()]
             if not self.cfg.infer_types:
@@ -472,12 +482,21 @@ class _Compiler:
                 raise UnsupportedSchemaError("type", f"{path}/type", f"unknown type {t!r}; expected one of {_TYPES}")
         return known
 
-    def _not(self, sub: Any, types: list[str] | None, path: str) -> list[str] | None:
-        """`not`: exact when it only names types (they are removed) or is a boolean; otherwise
+    def _not(self, sub: Any, types: list[str] | None, path: str, excluded: list[Any]) -> list[str] | None:
+        """`not`: exact when it only names types (they are removed), lists values (`const` /
+        `enum`: appended to `excluded`, which the caller removes) or is a boolean; otherwise
         recorded as an approximation. Returns the remaining types (None: any)."""
         if sub is True or sub == {}:
             return []
         if sub is False:
+            return types
+        if isinstance(sub, dict) and set(sub) - _STRUCTURAL == {"anyOf"} and isinstance(sub["anyOf"], list):
+            for i, part in enumerate(sub["anyOf"]):  # neither of them (`not` merged under allOf)
+                types = self._not(part, types, f"{path}/anyOf/{i}", excluded)
+            return types
+        if isinstance(sub, dict) and set(sub) - _STRUCTURAL in ({"const"}, {"enum"}) and \
+                isinstance(sub.get("enum", []), list):
+            excluded.extend([sub["const"]] if "const" in sub else sub["enum"])
             return types
         if isinstance(sub, dict) and set(sub) <= {"type", "title", "description", "$comment"}:
             excluded = self._types(sub, path) or []
@@ -489,6 +508,45 @@ class _Compiler:
             return [t for t in base if t not in excluded]
         self.approximate("not", path, "not enforced (only `not` over types is)")
         return types
+
+    def _excluding(self, t: str, node: Node, excluded: list[Any], path: str) -> Node:
+        """`node` (of type `t`) without the JSON values in `excluded` (`not` of `const` / `enum`).
+        Exact for scalars; numbers are then spelled without an exponent (a subset: the spellings of
+        a number with exponents are not a regular language); objects and arrays are approximated."""
+        mine = [v for v in excluded if _type_of(v) == t or t == "number" and _type_of(v) == "integer"]
+        if not mine:
+            return node
+        if t == "null":
+            return NOTHING
+        if t == "boolean":
+            return alt(*(lit(_dump(b)) for b in (True, False) if not any(same_json(b, v) for v in mine)))
+        if t == "string":
+            return Intersect([node, Complement(alt(*(_string_spellings(v) for v in mine)))])
+        if t in ("number", "integer"):
+            spelled = alt(*(_number_spellings(v) for v in mine))
+            plain = cat(INT, Repeat(cat(lit("."), Repeat(Chars(((48, 57),)), 1, None)), 0, 1))
+            return Intersect([node, plain, Complement(spelled)])
+        self.approximate("not", path, f"{t} values of a const / enum are not excluded")
+        return node
+
+    def property_names(self, sub: Any, path: str) -> Node | None:
+        """`propertyNames` as the language of quoted key texts (None: any key). Exact for string
+        keywords (pattern, lengths, format, enum / const); anything else is approximated."""
+        if sub is True or sub == {}:
+            return None
+        if sub is False:
+            return NOTHING
+        keys = set(sub) - _STRUCTURAL if isinstance(sub, dict) else {"?"}
+        types = sub.get("type", "string") if isinstance(sub, dict) else None
+        if not keys <= _NAME_KEYWORDS or not (types == "string" or isinstance(types, list) and "string" in types):
+            self.approximate("propertyNames", path, "not enforced on property names (only string keywords are)")
+            return None
+        lang = self.string(sub, path)
+        if "enum" in sub or "const" in sub:
+            values = [sub["const"]] if "const" in sub else list(sub["enum"])
+            listed = alt(*(lit(_dump(v)) for v in values if isinstance(v, str)))
+            lang = Intersect([listed, lang])
+        return lang
 
     def typed(self, t: str, schema: dict[str, Any], path: str) -> Node:
         if t == "null":
@@ -597,11 +655,28 @@ class _Compiler:
         rest = None if items is False else (self.any_value(self.cfg.json_depth - 1) if items is None
                                             else self.node(items, f"{path}/items"))
         lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
-        if schema.get("uniqueItems") is True and (hi is None or int(hi) > 1):
-            self.approximate("uniqueItems", f"{path}/uniqueItems", "not enforced (items may repeat)")
-        if "contains" in schema and schema["contains"] is not False and schema.get("minContains", 1) != 0:
-            lo = max(lo, 1)
         k = len(nodes)
+        contains = "contains" in schema and schema.get("minContains", 1) != 0
+        if schema.get("uniqueItems") is True and (hi is None or int(hi) > 1):
+            values = self._finite_values(items) if k == 0 and rest is not None and not contains else None
+            if values is not None:
+                body = _unique_sequences([self.value_node(v) for v in values], self.comma, lo,
+                                         None if hi is None else int(hi))
+                return cat(lit("["), self.ws, body, self.ws, lit("]"))
+            # NOTE: exact only for items of at most MAX_UNIQUE_VALUES scalar values (above)
+            self.approximate("uniqueItems", f"{path}/uniqueItems", "not enforced (items may repeat)")
+        if contains:
+            wanted = int(schema.get("minContains", 1))
+            if schema["contains"] is False:
+                return NOTHING
+            if (k == 0 and rest is not None and lo <= 1 and hi is None and "maxContains" not in schema
+                    and wanted <= MAX_MIN_CONTAINS and schema.get("uniqueItems") is not True):
+                hit = self._branch({} if items is None else {"allOf": [items]}, schema["contains"], f"{path}/contains")
+                loop = Repeat(cat(rest, self.comma), 0, None)
+                body = cat(loop, hit, *([self.comma, loop, hit] * (wanted - 1)), Repeat(cat(self.comma, rest), 0, None))
+                return cat(lit("["), self.ws, body, self.ws, lit("]"))
+            self.approximate("contains", f"{path}/contains", "not enforced beyond a non-empty array")
+            lo = max(lo, 1)
         options: list[Node] = []
         for c in range(0, k):
             if lo <= c and (hi is None or c <= hi):
@@ -622,11 +697,49 @@ class _Compiler:
                 options.append(cat(_joined(nodes, self.comma), Repeat(cat(self.comma, rest), more_lo, more_hi)))
         return cat(lit("["), self.ws, alt(*options) if options else NOTHING, self.ws, lit("]"))
 
+    def _finite_values(self, items: Any) -> list[Any] | None:
+        """The distinct scalar values `items` allows when it only lists them (`enum`, `const`,
+        boolean / null types) and they are at most `MAX_UNIQUE_VALUES`; else None."""
+        if not isinstance(items, dict) or not set(items) - _STRUCTURAL <= {"enum", "const", "type"}:
+            return None
+        types = self._types(items, "#")
+        if "enum" in items or "const" in items:
+            values = [items["const"]] if "const" in items else list(items["enum"])
+            if types is not None:
+                values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
+        elif types is not None and set(types) <= {"boolean", "null"}:
+            values = [*([True, False] if "boolean" in types else []), *([None] if "null" in types else [])]
+        else:
+            return None
+        distinct: list[Any] = []
+        for v in values:
+            if isinstance(v, dict | list):
+                return None
+            if not any(same_json(v, x) for x in distinct):
+                distinct.append(v)
+        return distinct if len(distinct) <= MAX_UNIQUE_VALUES else None
+
     def object(self, schema: dict[str, Any], path: str) -> Node:
         if not _TYPE_KEYWORDS["object"] & schema.keys():
             # NOTE: an object schema without object keywords is any object, in every config
             return self.free_object(self.cfg.json_depth)
         return cat(lit("{"), self.ws, Scope(object_members(self, schema, path)), self.ws, lit("}"))
+
+
+def _unique_sequences(values: list[Node], comma: Node, lo: int, hi: int | None) -> Node:
+    """The sequences of distinct `values` (each at most once, in any order), lo to hi of them."""
+    memo: dict[frozenset[int], Node] = {}
+
+    def rest(used: frozenset[int]) -> Node:
+        if used not in memo:
+            options = [EMPTY] if len(used) >= lo else []
+            if hi is None or len(used) < hi:
+                sep = comma if used else EMPTY
+                options += [cat(sep, v, rest(used | {i})) for i, v in enumerate(values) if i not in used]
+            memo[used] = Shared(alt(*options) if options else NOTHING)
+        return memo[used]
+
+    return Scope(rest(frozenset()))
 
 
 def _joined(nodes: list[Node], sep: Node) -> Node:
@@ -641,6 +754,40 @@ def _joined(nodes: list[Node], sep: Node) -> Node:
 _STRUCTURAL = {"$schema", "$id", "id", "$defs", "definitions", "$comment", "$anchor", "$dynamicAnchor",
                "$recursiveAnchor", "$vocabulary", "title", "description", "default", "examples", "deprecated",
                "readOnly", "writeOnly"}
+
+
+def _string_spellings(value: str) -> Node:
+    """Every text of the JSON string `value` that `JSON_CHAR` allows (escapes included)."""
+    chars: list[Node] = []
+    for ch in value:
+        cp = ord(ch)
+        options: list[Node] = []
+        if cp > 0x1F and ch not in '"\\':
+            options.append(lit(ch))
+        if cp in _SHORT_ESCAPES or ch == "/":
+            options.append(lit(_SHORT_ESCAPES.get(cp, "\\/")))
+        if cp <= 0x1F:
+            hi, lo = f"{cp:04x}"[2], f"{cp:04x}"[3]
+            options.append(cat(lit("\\u00" + hi), Chars(tuple(sorted({(ord(lo), ord(lo)),
+                                                                       (ord(lo.upper()), ord(lo.upper()))})))))
+        chars.append(alt(*options))
+    return cat(lit('"'), *chars, lit('"'))
+
+
+def _number_spellings(value: Any) -> Node:
+    """The exponent-free texts of the number `value` (trailing fraction zeros, and -0 for 0)."""
+    d = Decimal(str(value))
+    if d == 0:
+        return cat(Repeat(lit("-"), 0, 1), lit("0"), _ZERO_FRACTION)
+    text = format(d.normalize(), "f")
+    if "." in text:
+        return cat(lit(text), Repeat(lit("0"), 0, None))
+    return cat(lit(text), _ZERO_FRACTION)
+
+
+# `propertyNames` keywords compiled exactly (names are strings)
+_NAME_KEYWORDS = frozenset({"type", "pattern", "minLength", "maxLength", "format", "enum", "const", ALL_PATTERNS,
+                            ALL_FORMATS})
 
 
 class _TooManyVisits(Exception):

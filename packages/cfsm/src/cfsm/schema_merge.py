@@ -14,7 +14,7 @@ from typing import Any
 
 from cfsm.errors import UnsupportedSchemaError
 
-__all__ = ["merge_schemas", "ALL_PATTERNS", "ALL_FORMATS"]
+__all__ = ["merge_schemas", "same_json", "ALL_PATTERNS", "ALL_FORMATS"]
 
 # merged schemas keep every `pattern` / `format` under these keys (lists), intersected by the compiler
 ALL_PATTERNS = "\x00patterns"
@@ -40,14 +40,14 @@ def _enum_of(schema: dict[str, Any]) -> list[Any] | None:
     return list(schema["enum"]) if "enum" in schema else None
 
 
-def _same_json(a: Any, b: Any) -> bool:
+def same_json(a: Any, b: Any) -> bool:
     """JSON equality (1 == 1.0, but True != 1)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
     return bool(a == b)
 
 
@@ -104,5 +104,5 @@ def merge_schemas(a: dict[str, Any], b: Any, path: str, approximate: Approximate
         # NOTE: any other keyword is an annotation (title, description, vendor keys): first one kept
     if len(enums) == 2:
         out.pop("const", None)
-        out["enum"] = [x for x in enums[0] if any(_same_json(x, y) for y in enums[1])]
+        out["enum"] = [x for x in enums[0] if any(same_json(x, y) for y in enums[1])]
     return out

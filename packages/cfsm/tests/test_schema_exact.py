@@ -1,0 +1,152 @@
+"""Keywords compiled exactly (no approximation reported), checked against `jsonschema` on every
+small instance of a finite universe: `dependentRequired` (and `dependencies` lists),
+`propertyNames` over string keywords, `not` of `const` / `enum` scalars, `uniqueItems` over items
+of a few scalar values, `contains` / `minContains`.
+
+Each schema compiles in the spec config and the default one (compact and flexible whitespace);
+an instance is accepted exactly when the validator says it is valid, except for what the config
+narrows by design (defaults: fixed property order, no undeclared properties, integers without a
+fraction; numbers under a `not` are spelled without an exponent), which only ever rejects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+import cfsm
+from cfsm.automaton import build_dfa
+from cfsm.json_schema import schema_tree
+
+SCALARS = [1, 2, 1.0, 2.5, 0, "a", "b", "a/b", "\n", True, False, None]
+ITEMS = [1, 2, "a", True, False, None, 1.0, {}, []]
+NAMES = ["a", "b", "c", "zz"]
+
+
+def _arrays() -> list[Any]:
+    return [list(p) for n in range(4) for p in itertools.product(ITEMS, repeat=n)]
+
+
+def _objects() -> list[Any]:
+    out: list[Any] = []
+    for n in range(4):
+        for keys in itertools.permutations(NAMES, n):
+            out.append({k: 1 for k in keys})
+    return out
+
+
+def _texts(instance: Any, whitespace: str) -> list[str]:
+    texts = [json.dumps(instance, separators=(",", ":")), json.dumps(instance, separators=(",", ":"), ensure_ascii=False)]
+    if whitespace == "flexible":
+        texts.append(json.dumps(instance))
+    if isinstance(instance, str) and "/" in instance:
+        texts.append(json.dumps(instance).replace("/", "\\/"))  # the other spelling of a slash
+    if instance == "\n":
+        texts += ['"\\u000a"', '"\\u000A"']
+    return list(dict.fromkeys(texts))
+
+
+CASES: list[tuple[str, Any, list[Any]]] = [
+    ("dependentRequired", {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+                           "dependentRequired": {"a": ["b"], "c": ["a"]}}, _objects()),
+    ("dependencies (list, draft 7)", {"type": "object", "properties": {"a": {}, "b": {}},
+                                      "dependencies": {"b": ["a"]}, "additionalProperties": False}, _objects()),
+    ("dependentSchemas that only require", {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+                                            "dependentSchemas": {"a": {"required": ["c"]}}}, _objects()),
+    ("dependentRequired on an undeclared name, closed object",
+     {"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}, "additionalProperties": False},
+     _objects()),
+    ("propertyNames maxLength", {"type": "object", "propertyNames": {"maxLength": 1},
+                                 "additionalProperties": {"type": "integer"}}, _objects()),
+    ("propertyNames pattern and declared names", {"type": "object", "properties": {"a": {}, "zz": {}},
+                                                  "propertyNames": {"pattern": "^[a-c]$"}}, _objects()),
+    ("propertyNames enum", {"type": "object", "propertyNames": {"enum": ["b", "c"]}}, _objects()),
+    ("propertyNames false", {"propertyNames": False}, [*_objects(), 1, "a"]),
+    ("not const", {"not": {"const": 1}}, SCALARS),
+    ("not enum of scalars", {"not": {"enum": [0, "a/b", "\n", True, None, 2.5]}}, SCALARS),
+    ("not const beside enum", {"enum": [1, 2, "a"], "not": {"const": 1.0}}, SCALARS),
+    ("two nots under allOf", {"allOf": [{"not": {"const": 1}}, {"not": {"enum": ["a", False]}}]}, SCALARS),
+    ("typed not", {"type": "string", "not": {"enum": ["a", "a/b"]}}, SCALARS),
+    ("uniqueItems booleans", {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True}, _arrays()),
+    ("uniqueItems enum with bounds", {"type": "array", "items": {"enum": [1, "a", None, 1.0]}, "uniqueItems": True,
+                                      "minItems": 1, "maxItems": 2}, _arrays()),
+    ("contains", {"type": "array", "contains": {"type": "string"}}, _arrays()),
+    ("contains with items", {"type": "array", "items": {"type": ["integer", "string"]}, "contains": {"const": 2}},
+     _arrays()),
+    ("minContains", {"type": "array", "contains": {"type": "boolean"}, "minContains": 2}, _arrays()),
+    ("contains false", {"type": "array", "contains": False}, _arrays()),
+]
+
+CONFIGS = {"spec": cfsm.CfsmConfig.spec(whitespace="compact"), "spec-flexible": cfsm.CfsmConfig.spec(),
+           "default": cfsm.CfsmConfig(whitespace="compact"), "default-flexible": cfsm.CfsmConfig()}
+
+
+def _extras_first(schema: Any, instance: Any) -> bool:
+    """An undeclared property before a declared one (a documented limit of every config)."""
+    declared = schema.get("properties", {}) if isinstance(instance, dict) else {}
+    kinds = [k in declared for k in instance] if declared else []
+    return any(not a and b for a, b in itertools.pairwise(kinds))
+
+
+def _narrowed_by_default(schema: Any, instance: Any) -> bool:
+    """Valid instances the default config rejects by design (see the module docstring)."""
+    if isinstance(instance, float) and instance.is_integer():
+        return True
+    if "type" not in schema and "propertyNames" in schema and not isinstance(instance, dict):
+        return True  # type inference: object keywords make an object
+    if isinstance(instance, list) and any(isinstance(x, float) and x.is_integer() for x in instance):
+        return True
+    if isinstance(instance, dict):
+        declared = list(schema.get("properties", {}))
+        if any(k not in declared for k in instance) and "additionalProperties" not in schema:
+            return True
+        return [k for k in instance if k in declared] != [k for k in declared if k in instance]
+    return False
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(("what", "schema", "universe"), CASES, ids=[c[0] for c in CASES])
+def test_exact_keywords_agree_with_the_validator(what: str, schema: Any, universe: list[Any], config: str) -> None:
+    cfg = CONFIGS[config]
+    node, notes = schema_tree(schema, cfg)
+    assert notes == (), f"{what}: reported as approximated: {notes}"
+    dfa = build_dfa(node)
+    # NOTE: draft 2020-12 replaced `dependencies` (draft 7's validator still enforces it)
+    validator = (jsonschema.Draft7Validator if "dependencies" in schema else jsonschema.Draft202012Validator)(schema)
+    for instance in universe:
+        valid = validator.is_valid(instance)
+        for text in _texts(instance, cfg.whitespace):
+            accepted = dfa.fullmatch(text.encode())
+            if accepted:
+                assert valid, f"{what} ({config}): false accept: {text}"
+            elif valid:
+                assert _extras_first(schema, instance) or config.startswith("default") and \
+                    _narrowed_by_default(schema, instance), \
+                    f"{what} ({config}): false reject: {text}"
+
+
+def test_numbers_under_not_are_spelled_without_an_exponent() -> None:
+    """The documented subset: a valid number written with an exponent is rejected, never an invalid one accepted."""
+    dfa = build_dfa(schema_tree({"type": "number", "not": {"const": 1}}, cfsm.CfsmConfig.spec())[0])
+    validator = jsonschema.Draft202012Validator({"type": "number", "not": {"const": 1}})
+    for text in ["1e0", "10e-1", "0.1E1", "2e0", "1", "1.00", "-1", "2"]:
+        if dfa.fullmatch(text.encode()):
+            assert validator.is_valid(json.loads(text)) and "e" not in text.lower(), text
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"type": "null"}, "maxContains": 1}, "contains"),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}}, "dependentRequired"),
+    ({"type": "object", "propertyNames": {"type": "string", "minimum": 3, "allOf": [{"maxLength": 2}]}},
+     "propertyNames"),
+])
+def test_what_stays_approximated_is_reported(schema: Any, keyword: str) -> None:
+    _, notes = schema_tree(schema, cfsm.CfsmConfig.spec())
+    assert keyword in {n.keyword for n in notes}
+    with pytest.raises(cfsm.UnsupportedSchemaError):
+        schema_tree(schema, cfsm.CfsmConfig.spec(strict=True))
