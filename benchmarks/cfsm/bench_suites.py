@@ -96,7 +96,8 @@ def provenance() -> dict[str, Any]:
             "cfsm_dirty_files": dirty, "cfsm_diff_sha": hashlib.sha256(diff.encode()).hexdigest()[:12] if dirty else "",
             # what this process imported: this checkout's cfsm, or a copy (PYTHONPATH) of some commit's
             "cfsm_imported_from_checkout": REPO in package.parents, "cfsm_files_sha": files.hexdigest()[:12],
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "cpus": os.cpu_count()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,12 +352,13 @@ class Pool:
         slot.update(self._spawn())
 
     def run(self, tasks: list[tuple[Any, Variant, Item]], timeout_s: float, walk_s: float,
-            on_result: Any, clock: str = "cpu") -> None:
+            on_result: Any, clock: str = "cpu", wall_factor: float = 3.0) -> None:
         """Runs every task; calls `on_result(key, variant, item, result)` as each ends.
 
         `clock`: "wall" kills a compile `timeout_s` seconds after it started; "cpu" once the
-        worker has used `timeout_s` seconds of CPU time on it (or after 3x that on the wall
-        clock), so a loaded machine does not turn slow compiles into timeouts.
+        worker has used `timeout_s` seconds of CPU time on it (or after `wall_factor` times that
+        on the wall clock: a separate cause), so a loaded machine does not turn slow compiles
+        into timeouts.
         """
         todo = collections.deque(tasks)
         while todo or any(s["task"] for s in self.slots):
@@ -389,7 +391,7 @@ class Pool:
                     else:
                         if msg[0] == "start":
                             slot["phase"] = "compile"
-                            slot["deadline"] = now + (3 * timeout_s if clock == "cpu" else timeout_s)
+                            slot["deadline"] = now + (wall_factor * timeout_s if clock == "cpu" else timeout_s)
                             slot["cpu0"] = _cpu_s(slot["proc"].pid)
                         elif msg[0] == "failed":
                             done = {"status": "error", **msg[1]}
@@ -404,7 +406,10 @@ class Pool:
                         and _cpu_s(slot["proc"].pid) - slot["cpu0"] >= timeout_s):
                     phase = slot["phase"]
                     if phase == "compile":
-                        done = {"status": "timeout", "cause": f"timeout (>{timeout_s:g} s)"}
+                        cpu = _cpu_s(slot["proc"].pid) - slot["cpu0"]
+                        cause = (f"timeout (>{timeout_s:g} s)" if clock == "wall" or cpu >= timeout_s
+                                 else f"timeout (wall cap {wall_factor * timeout_s:g} s, {cpu:.1f} CPU s: machine load)")
+                        done = {"status": "timeout", "cause": cause}
                     elif phase == "walk":
                         done = {**slot["result"], "status": "walk-timeout"}
                     else:
@@ -612,6 +617,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=10.0, help="compile timeout per schema, seconds")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
                     help="what the timeout counts: the worker's CPU time (with a wall-clock cap of 3x) or wall time")
+    ap.add_argument("--wall-factor", type=float, default=3.0,
+                    help="with --clock cpu: a compile is also stopped after this many times --timeout of wall time")
     ap.add_argument("--walk-timeout", type=float, default=120.0, help="instance walks per schema, seconds (+50 ms each)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per worker (0: none)")
@@ -718,7 +725,7 @@ def main() -> None:
     pool = Pool(bundle, args.workers, args.memory_gb)
     interrupted = False
     try:
-        pool.run(tasks, args.timeout, args.walk_timeout, checkpoint, args.clock)
+        pool.run(tasks, args.timeout, args.walk_timeout, checkpoint, args.clock, args.wall_factor)
     except KeyboardInterrupt as exc:  # NOTE: what is done so far is still reported
         interrupted = True
         print(f"# interrupted ({exc}) after {done[0]}/{len(tasks)} schemas", file=sys.stderr)

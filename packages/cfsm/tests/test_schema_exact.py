@@ -1,7 +1,8 @@
 """Keywords compiled exactly (no approximation reported), checked against `jsonschema` on every
 small instance of a finite universe: `dependentRequired` (and `dependencies` lists),
 `propertyNames` over string keywords, `not` of `const` / `enum` scalars, `uniqueItems` over items
-of a few scalar values, `contains` / `minContains`.
+of a few scalar values, `contains` / `minContains`, `unevaluatedProperties` / `unevaluatedItems`
+of the outermost schema (they see what allOf and `$ref` siblings evaluate).
 
 Each schema compiles in the spec config and the default one (compact and flexible whitespace);
 an instance is accepted exactly when the validator says it is valid, except for what the config
@@ -79,6 +80,16 @@ CASES: list[tuple[str, Any, list[Any]]] = [
      _arrays()),
     ("minContains", {"type": "array", "contains": {"type": "boolean"}, "minContains": 2}, _arrays()),
     ("contains false", {"type": "array", "contains": False}, _arrays()),
+    ("unevaluatedProperties sees allOf", {"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}],
+                                          "unevaluatedProperties": False}, _objects()),
+    ("unevaluatedProperties schema", {"type": "object", "properties": {"a": {}},
+                                      "unevaluatedProperties": {"type": "string"}}, _objects()),
+    ("unevaluatedProperties beside $ref", {"$defs": {"d": {"properties": {"b": {}}}}, "$ref": "#/$defs/d",
+                                           "properties": {"a": {}}, "unevaluatedProperties": False}, _objects()),
+    ("unevaluatedItems after prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}],
+                                            "unevaluatedItems": False}, _arrays()),
+    ("unevaluatedItems schema", {"type": "array", "allOf": [{"prefixItems": [True]}],
+                                 "unevaluatedItems": {"type": "boolean"}}, _arrays()),
 ]
 
 CONFIGS = {"spec": cfsm.CfsmConfig.spec(whitespace="compact"), "spec-flexible": cfsm.CfsmConfig.spec(),
@@ -144,6 +155,8 @@ def test_numbers_under_not_are_spelled_without_an_exponent() -> None:
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}}, "dependentRequired"),
     ({"type": "object", "propertyNames": {"type": "string", "minimum": 3, "allOf": [{"maxLength": 2}]}},
      "propertyNames"),
+    ({"type": "object", "allOf": [{"properties": {"a": {}}, "unevaluatedProperties": False}],
+      "properties": {"b": {}}}, "unevaluatedProperties"),
 ])
 def test_what_stays_approximated_is_reported(schema: Any, keyword: str) -> None:
     _, notes = schema_tree(schema, cfsm.CfsmConfig.spec())

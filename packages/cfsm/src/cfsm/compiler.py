@@ -15,7 +15,13 @@ import numpy as np
 from cfsm.automaton import Dfa, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.direct import build_dfa_direct
-from cfsm.errors import Approximation, GrammarError, UnsupportedSchemaError
+from cfsm.errors import (
+    Approximation,
+    GrammarError,
+    GrammarTooLargeError,
+    SchemaTooLargeError,
+    UnsupportedSchemaError,
+)
 from cfsm.grammar import (
     Grammar,
     GrammarIndex,
@@ -117,18 +123,30 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
     """
     cfg = config or CfsmConfig()
     key = f"schema:{_schema_text(schema)}|{cfg.schema_key()}"
-    node: Node | None = None
-    if cfg.recursion == "stack":
+    if cfg.recursion != "stack":
+        return _regular_schema_index(schema, vocab, cfg, key)
+    try:
         node, rules, approximations = schema_grammar(schema, cfg)
-        if rules:
-            try:
-                return _rules_index(node, rules, vocab, key, approximations)
-            except GrammarError:
-                # NOTE: an intersection (enum or `not` beside other keywords) over nested free JSON or
-                # a recursive reference has no pushdown form here: the regular compile, unrolled
-                node = None
-    if node is None:
-        node, approximations = schema_tree(schema, cfg)
+        if not rules:
+            index = _index_of(node, vocab, key, "schema")
+            return dataclasses.replace(index, approximations=approximations) if approximations else index
+        try:
+            return _rules_index(node, rules, vocab, key, approximations)
+        except GrammarError:
+            # NOTE: an intersection (enum or `not` beside other keywords) over nested free JSON or
+            # a recursive reference has no pushdown form here: the regular compile, unrolled
+            return _regular_schema_index(schema, vocab, cfg, key)
+    except (GrammarTooLargeError, SchemaTooLargeError):
+        # references copied inline made the automaton (or the tree) too large: each reference
+        # target becomes one rule of a pushdown matcher instead, compiled once
+        node, rules, approximations = schema_grammar(schema, cfg, refs_as_rules=True)
+        if not rules:
+            raise
+        return _rules_index(node, rules, vocab, key, approximations)
+
+
+def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str) -> Index:
+    node, approximations = schema_tree(schema, cfg)
     index = _index_of(node, vocab, key, "schema")
     return dataclasses.replace(index, approximations=approximations) if approximations else index
 

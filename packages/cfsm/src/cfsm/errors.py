@@ -8,6 +8,7 @@ __all__ = [
     "CfsmError",
     "UnsupportedRegexError",
     "UnsupportedSchemaError",
+    "SchemaTooLargeError",
     "RejectedTokenError",
     "VocabularyError",
     "GrammarTooLargeError",
@@ -67,6 +68,11 @@ class Approximation:
 
     def __str__(self) -> str:
         return f"{self.keyword} at {self.path}: {self.detail}"
+
+
+class SchemaTooLargeError(UnsupportedSchemaError):
+    """A JSON Schema has more nodes to compile than `cfsm.json_schema.MAX_SCHEMA_VISITS` (its
+    references, copied where they are used, multiply)."""
 
 
 class RejectedTokenError(CfsmError, ValueError):

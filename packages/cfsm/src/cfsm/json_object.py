@@ -38,6 +38,17 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
         comp.approximate("required", f"{path}/required", "a non-list value (draft 3) is not enforced")
         required = []
     addl = schema.get("additionalProperties", comp.cfg.additional_properties_default)
+    unevaluated = schema.get("unevaluatedProperties", True)
+    if "additionalProperties" not in schema and unevaluated not in (True, {}):
+        # NOTE: what properties and patternProperties (merged in from in-place applicators too)
+        # leave unevaluated is what additionalProperties would see; `if` and dependent schemas
+        # could evaluate more (they are approximated themselves, so the result stays a superset
+        # only if the unevaluated keyword is too)
+        if {"if", "dependentSchemas"} & schema.keys():
+            comp.approximate("unevaluatedProperties", f"{path}/unevaluatedProperties",
+                             "not enforced beside if / dependentSchemas")
+        else:
+            addl = unevaluated
     pattern_props: dict[str, Any] = schema.get("patternProperties", {})
     for name in required:
         if name not in props:

@@ -21,7 +21,13 @@ from typing import Any
 
 from cfsm.charset import negate
 from cfsm.config import CfsmConfig
-from cfsm.errors import Approximation, CfsmError, UnsupportedRegexError, UnsupportedSchemaError
+from cfsm.errors import (
+    Approximation,
+    CfsmError,
+    SchemaTooLargeError,
+    UnsupportedRegexError,
+    UnsupportedSchemaError,
+)
 from cfsm.formats import FORMAT_REGEXES
 from cfsm.grammar.rules import RuleRef
 from cfsm.json_object import object_members
@@ -79,10 +85,7 @@ _TYPE_KEYWORDS = {
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
 }
 # keywords recorded as approximations when present (what the grammar does instead)
-_IGNORED_ASSERTIONS = {
-    "unevaluatedProperties": "not enforced (undeclared properties follow additionalProperties)",
-    "unevaluatedItems": "not enforced",
-}
+_UNEVALUATED = frozenset({"unevaluatedProperties", "unevaluatedItems"})
 
 _SPECIAL = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
 _HEX = Chars(((48, 57), (65, 70), (97, 102)))
@@ -183,10 +186,14 @@ class _Compiler:
     `JSON_VALUE_RULE`, and a `$ref` re-entered while it is being compiled becomes a call of a
     rule compiled once from its target, so nesting has no bound (cfsm.grammar matches it)."""
 
-    def __init__(self, root: Any, config: CfsmConfig, rules: dict[str, Node] | None = None) -> None:
+    def __init__(self, root: Any, config: CfsmConfig, rules: dict[str, Node] | None = None,
+                 refs_as_rules: bool = False) -> None:
         self.root = root
         self.cfg = config
         self.rules = rules
+        # every plain `$ref` is a call of its target's rule, compiled once (rule mode; for schemas
+        # whose references, copied inline, make too large an automaton)
+        self.refs_as_rules = refs_as_rules and rules is not None
         self._rule_of: dict[str, str] = {}  # reference target -> its rule (rule mode)
         if config.whitespace_pattern is not None:
             self.ws: Node = parse_regex(config.whitespace_pattern)
@@ -276,14 +283,16 @@ class _Compiler:
             self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
         entered: list[tuple[str, bool]] = []
         ident = f"{base}#{id(target)}"
-        if self.rules is not None and self.active_refs.get(ident, 0) > 0 and not any(_is_assertion(k) for k in rest):
+        if self.rules is not None and (self.refs_as_rules or self.active_refs.get(ident, 0) > 0) and \
+                not any(_is_assertion(k) for k in rest):
             return self._ref_rule(ident, target, base, f"{path}/{key}")
         if not self._enter(ident, entered):
             return NOTHING
         self.bases.append(base)
         try:
             if any(_is_assertion(k) for k in rest):
-                return self.node({"allOf": [target, rest]}, path)
+                # NOTE: `rest` is the outer schema (its unevaluated* see the target's evaluations)
+                return self.node({**rest, "allOf": [target, *rest.get("allOf", [])]}, path)
             return self.node(target, f"{path}/{key}")
         finally:
             self.bases.pop()
@@ -329,10 +338,18 @@ class _Compiler:
             target, base = self.refs.resolve(sub["$ref"], self.bases[-1], f"{path}/$ref")
             if not self._enter(f"{base}#{id(target)}", entered):
                 return False
-            sub = extra if target is True else self._merge(target, extra, path) if isinstance(target, dict) else target
+            sub = extra if target is True else self._merge(extra, target, path) if isinstance(target, dict) else target
         return sub
 
     def _merge(self, a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
+        """`a` and `b` both; `b` is the inner schema (a subschema `a` applies in place): its
+        `unevaluated*` keywords would see only its own evaluations, which the merge loses, so
+        they are dropped (approximated). `a`'s see `b`'s properties and items, as the spec says."""
+        if isinstance(b, dict) and _UNEVALUATED & b.keys():
+            for key in sorted(_UNEVALUATED & b.keys()):
+                if b[key] not in (True, {}):
+                    self.approximate(key, f"{path}/{key}", "not enforced inside an in-place applicator")
+            b = {k: v for k, v in b.items() if k not in _UNEVALUATED}
         return merge_schemas(a, b, path, self.approximate)
 
     def _plain_ref(self, rest: dict[str, Any], sub: Any) -> bool:
@@ -404,10 +421,6 @@ class _Compiler:
         return self._typed_union(schema, path)
 
     def _typed_union(self, schema: dict[str, Any], path: str) -> Node:
-        for key, detail in _IGNORED_ASSERTIONS.items():
-            if key in schema and schema[key] not in (True, {}, [], None) and \
-                    not (key == "unevaluatedProperties" and schema[key] is False and not self.cfg.additional_properties_default):
-                self.approximate(key, f"{path}/{key}", detail)
         types = self._types(schema, path)
         excluded: list[Any] = []
         if "not" in schema:
@@ -651,6 +664,12 @@ class _Compiler:
         items = schema.get("items")
         if isinstance(items, list):  # draft 4-7 tuple form
             prefix, items = items, schema.get("additionalItems")
+        unevaluated = schema.get("unevaluatedItems", True)
+        if unevaluated not in (True, {}) and items is None:
+            if "contains" in schema:
+                self.approximate("unevaluatedItems", f"{path}/unevaluatedItems", "not enforced beside contains")
+            else:
+                items = unevaluated  # NOTE: the items after the prefix are the unevaluated ones
         nodes = [self.node(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
         rest = None if items is False else (self.any_value(self.cfg.json_depth - 1) if items is None
                                             else self.node(items, f"{path}/items"))
@@ -807,15 +826,17 @@ def schema_tree(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, tu
     return node, approximations
 
 
-def schema_grammar(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, dict[str, Node],
-                                                                          tuple[Approximation, ...]]:
+def schema_grammar(schema: Any, config: CfsmConfig | None = None, *,
+                   refs_as_rules: bool = False) -> tuple[Node, dict[str, Node], tuple[Approximation, ...]]:
     """Rule mode of `schema_tree`: (the root tree, the rules it calls, approximations). With no
-    rules the root tree is regular (the schema neither recurses nor takes free JSON). Pure."""
-    return _compile_schema(schema, config, rule_mode=True)
+    rules the root tree is regular (the schema neither recurses nor takes free JSON).
+    `refs_as_rules`: every `$ref` not narrowed by siblings calls a rule of its target (compiled
+    once) instead of copying it, recursive or not. Pure."""
+    return _compile_schema(schema, config, rule_mode=True, refs_as_rules=refs_as_rules)
 
 
-def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool) -> tuple[Node, dict[str, Node],
-                                                                                     tuple[Approximation, ...]]:
+def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool,
+                    refs_as_rules: bool = False) -> tuple[Node, dict[str, Node], tuple[Approximation, ...]]:
     """Both modes: parse a JSON text, compile, and halve the recursion bound while the schema has
     too many nodes to compile (rules stay empty outside rule mode). Pure."""
     if isinstance(schema, str | bytes):
@@ -827,15 +848,15 @@ def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool) -> 
     cfg = config or CfsmConfig()
     while True:
         rules: dict[str, Node] = {}
-        comp = _Compiler(schema, cfg, rules if rule_mode else None)
+        comp = _Compiler(schema, cfg, rules if rule_mode else None, refs_as_rules)
         try:
             node = comp.node(schema, "#")
         except RecursionError:
             raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
         except _TooManyVisits:
             if cfg.max_recursion_depth == 0 or not comp.recursion_seen:
-                raise UnsupportedSchemaError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
-                                             "compile") from None
+                raise SchemaTooLargeError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
+                                          "compile") from None
             cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
             continue
         return node, rules, tuple(comp.approximations.values())

@@ -1,0 +1,103 @@
+"""Schemas too large to compile as one automaton fall back to the pushdown matcher with one rule
+per reference target (`schema_grammar(refs_as_rules=True)`): the same language, checked against
+`jsonschema` and against the regular compile of the same schema. The limits are lowered here so
+that small schemas reach them (the real ones take large schemas and seconds)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+import cfsm
+import cfsm.automaton
+import cfsm.direct
+import cfsm.grammar.inline
+import cfsm.json_schema
+from cfsm.json_schema import schema_grammar
+
+BYTES = cfsm.Vocabulary([bytes([b]) for b in range(256)] + [b""], [256])
+EOS = 256
+DEPTH = 5
+
+
+def _dag(depth: int) -> dict[str, Any]:
+    """Each definition refers twice to the next: 2**depth copies when references are inlined."""
+    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"},
+                                                                       "b": {"$ref": f"#/$defs/d{i + 1}"}},
+                                      "required": ["a"]} for i in range(depth)}
+    defs[f"d{depth}"] = {"type": "integer", "minimum": 3}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _instances(depth: int) -> list[str]:
+    def build(i: int, both: bool) -> Any:
+        if i == depth:
+            return 3
+        out = {"a": build(i + 1, both)}
+        if both and i % 2 == 0:
+            out["b"] = build(i + 1, False)
+        return out
+
+    texts = []
+    for both in (False, True):
+        text = json.dumps(build(0, both), separators=(",", ":"))
+        texts += [text, text.replace("3", "2", 1), text.replace('"a"', '"c"', 1), text[:-1], text.replace("3", "3.5")]
+    return texts
+
+
+def _accepts(index: Any, text: str) -> bool:
+    guide = cfsm.Guide(index)
+    try:
+        guide.advance_many(list(text.encode()))
+        guide.advance(EOS)
+    except cfsm.RejectedTokenError:
+        return False
+    return True
+
+
+def _check_language(index: Any, schema: Any) -> None:
+    regular = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact", recursion="unroll"))
+    assert isinstance(regular, cfsm.Index)
+    validator = jsonschema.Draft202012Validator(schema)
+    for text in _instances(DEPTH):
+        accepted = _accepts(index, text)
+        try:
+            valid = validator.is_valid(json.loads(text))
+        except json.JSONDecodeError:
+            valid = False
+        assert accepted == valid, text
+        assert accepted == _accepts(regular, text), text
+
+
+def test_refs_as_rules_keeps_the_language() -> None:
+    schema = _dag(DEPTH)
+    _, rules, _ = schema_grammar(schema, cfsm.CfsmConfig(whitespace="compact"), refs_as_rules=True)
+    assert rules  # every plain reference became a rule (the inliner may put small ones back)
+    _, plain_rules, _ = schema_grammar(schema, cfsm.CfsmConfig(whitespace="compact"))
+    assert not plain_rules  # not recursive: the default compile stays regular
+
+
+def test_too_many_schema_nodes_falls_back_to_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = _dag(DEPTH)
+    monkeypatch.setattr(cfsm.json_schema, "MAX_SCHEMA_VISITS", 40)
+    with pytest.raises(cfsm.SchemaTooLargeError):
+        cfsm.json_schema.schema_tree(schema, cfsm.CfsmConfig(whitespace="compact"))
+    index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    assert isinstance(index, cfsm.GrammarIndex)
+    monkeypatch.undo()
+    _check_language(index, schema)
+
+
+def test_too_many_dfa_states_falls_back_to_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = _dag(DEPTH)
+    size = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact")).dfa.num_states
+    for module in (cfsm.automaton, cfsm.direct):
+        monkeypatch.setattr(module, "MAX_DFA_STATES", size // 2)
+    monkeypatch.setattr(cfsm.grammar.inline, "MAX_INLINE_NODES", 64)  # rules stay rules (bodies stay small)
+    index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    assert isinstance(index, cfsm.GrammarIndex)
+    monkeypatch.undo()
+    _check_language(index, schema)
