@@ -240,10 +240,11 @@ def test_abort_at_each_stage_and_bad_input(engine: Engine) -> None:
     "config",
     [
         {"chunked_prefill_size": 8, "page_size": 4},
-        {"disable_radix_cache": True, "enable_mixed_chunk": True, "chunked_prefill_size": 16},
+        # mixed steps are the default: the prefill-first path without them
+        {"disable_radix_cache": True, "enable_mixed_chunk": False, "chunked_prefill_size": 16},
         {"max_total_tokens": 160, "max_running_requests": 8, "schedule_policy": "fcfs"},
     ],
-    ids=["chunked-paged", "nocache-mixed", "tiny-kv-retraction"],
+    ids=["chunked-paged", "nocache-serial", "tiny-kv-retraction"],
 )
 def test_other_configs_give_the_same_greedy_tokens(engine: Engine, config: dict[str, object]) -> None:
     prompts = [p + " and then" * 3 for p in PROMPTS[:6]]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from lmserver.io_struct import SamplingParams
 from lmserver.scheduler import KVManager, Req, ReqStatus, ScheduleDecision, Scheduler
+from lmserver.scheduler.pacer import MAX_STEP_FACTOR, PacerConfig, PrefillPacer
 
 VOCAB = 50
 
@@ -377,3 +378,77 @@ def test_random_workloads_keep_every_invariant(
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+# --- the prefill pacer of mixed steps: a model of step cost (fixed overhead + cost per prompt token) ---
+
+
+def _step_seconds(overhead: float, per_token: float, tokens: int) -> float:
+    return overhead + per_token * tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(overhead_share=st.floats(0.0, 0.5), per_token=st.floats(1e-6, 1e-3), target=st.floats(0.01, 2.0),
+       start=st.integers(1, 20_000), most=st.integers(1, 20_000))
+def test_pacer_converges_monotonically_to_the_target_size(
+        overhead_share: float, per_token: float, target: float, start: int, most: int) -> None:
+    # NOTE: near its fixed point the size contracts at the rate overhead / target; an overhead
+    # close to the target (a step that cannot get shorter) converges slowly, so it stays <= half
+    overhead = overhead_share * target
+    least = max(1, most // 64)
+    pacer = PrefillPacer(PacerConfig(target_s=target, min_tokens=least, max_tokens=most, start_tokens=start))
+    # the size whose step takes `target`, within the bounds
+    ideal = min(max((target - overhead) / per_token, least), most)
+    sizes = [pacer.tokens]
+    for _ in range(80):
+        n = pacer.tokens
+        pacer.observe(n, _step_seconds(overhead, per_token, n))
+        sizes.append(pacer.tokens)
+        assert least <= pacer.tokens <= most
+    # never overshoots: moves only toward the ideal size (integer truncation aside), at most 2x a step
+    below = sizes[0] <= ideal
+    for a, b in zip(sizes, sizes[1:], strict=False):
+        assert (b >= a - 1) if below else (b <= a + 1)
+        assert b <= a * MAX_STEP_FACTOR + 1 and b >= a / MAX_STEP_FACTOR - 1
+    assert abs(sizes[-1] - ideal) <= max(2.0, 0.02 * ideal)
+
+
+def test_short_steps_of_a_small_remainder_do_not_grow_or_shrink_the_size() -> None:
+    pacer = PrefillPacer(PacerConfig(target_s=0.06, min_tokens=16, max_tokens=8192, start_tokens=2048))
+    pacer.observe(100, 0.004)  # the prompts ran out: a small fast step says nothing about 2,048
+    assert pacer.tokens == 2048
+    pacer.observe(100, 0.5)  # a small step that overran (the decode rows alone are slow): shrink
+    assert pacer.tokens < 2048
+
+
+@pytest.mark.parametrize("bad", [dict(target_s=0.0), dict(min_tokens=0), dict(min_tokens=10, max_tokens=5)])
+def test_bad_pacer_configs_are_refused(bad: dict[str, float]) -> None:
+    kw: dict[str, float] = dict(target_s=0.1, min_tokens=1, max_tokens=8, start_tokens=4)
+    kw.update(bad)
+    with pytest.raises(ValueError):
+        PacerConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_mixed_steps_carry_the_decodes_and_at_most_the_pacers_prompt_tokens() -> None:
+    pacer = PrefillPacer(PacerConfig(target_s=1.0, min_tokens=4, max_tokens=64, start_tokens=16))
+    eng = FakeEngine(num_slots=1024, enable_mixed_chunk=True, chunked_prefill_size=64, pacer=pacer)
+    eng.add("stream", [1, 2, 3], 40)
+    eng.step()  # its prefill
+    long_prompt = [7] * 300
+    eng.add("long", long_prompt, 3)
+    prefill_rounds = 0
+    while "long" in eng.sched.reqs and eng.sched.reqs["long"].kv_len < len(long_prompt):
+        d = eng.step()
+        rids = [item.rid for item in d.items]
+        assert "stream" in rids, "a running request skipped a round while a prompt prefilled"
+        prompt_tokens = sum(len(item.token_ids) for item in d.items if item.rid == "long")
+        assert prompt_tokens == d.paced_prefill_tokens <= pacer.tokens
+        # a fake clock: this step took 1 s per 8 prompt tokens, so the pacer settles at 8
+        pacer.observe(prompt_tokens, prompt_tokens / 8.0)
+        prefill_rounds += 1
+    assert pacer.tokens == 8
+    assert prefill_rounds >= 300 // 16
+    eng.run()
+    assert eng.finished["stream"].output_ids == _expected_output([1, 2, 3], 40)
+    assert eng.finished["long"].output_ids == _expected_output(long_prompt, 3)
+    eng.sched.check_memory_invariant()

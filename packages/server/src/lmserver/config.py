@@ -38,7 +38,11 @@ class ServerConfig:
     chunked_prefill_size: int | None = _opt(None, "prefill chunk size in tokens; -1 disables chunking; auto: 512 on "
                                                   "CPU (a long prompt never stalls running requests for long), 8192 "
                                                   "on CUDA")
-    enable_mixed_chunk: bool = _opt(False, "mix prefill chunks and decodes in one batch")
+    enable_mixed_chunk: bool = _opt(True, "while requests decode, prefill chunks ride in the same step as their "
+                                          "decode rows (a long prompt never pauses running streams)")
+    prefill_step_target_ms: float | None = _opt(None, "while requests decode, size each mixed step's prefill part so "
+                                                      "the step takes about this long (their gap between two "
+                                                      "tokens); 0: full chunks; auto: 60 on CUDA, 500 on CPU")
     schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
     schedule_aging_rounds: int = _opt(64, "a waiting request is served first after this many passed-over rounds")
     page_size: int = _opt(1, "KV-cache page size in tokens")

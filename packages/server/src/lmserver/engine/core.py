@@ -30,7 +30,7 @@ from lmserver.engine.kv_pool import KVPool, kv_cache_options, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.multimodal import MultimodalInputs
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
-from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS, resolve_config
+from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS, prefill_pacer, resolve_config
 from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
 from lmserver.engine.speculative import SpecConfig, Speculator
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
@@ -180,6 +180,7 @@ class EngineCore:
             schedule_policy=rc.schedule_policy,
             aging_rounds=rc.schedule_aging_rounds,
             enable_mixed_chunk=rc.enable_mixed_chunk,
+            pacer=prefill_pacer(rc),
         )
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -360,6 +361,8 @@ class EngineCore:
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens
+        if decision.paced_prefill_tokens and self.scheduler.pacer is not None:
+            self.scheduler.pacer.observe(decision.paced_prefill_tokens, time.perf_counter() - start)
         if decision.mode == "extend":
             self._counters["extend_forwards"] += 1
             self._counters["extend_time_s"] += time.perf_counter() - start
@@ -673,6 +676,9 @@ class EngineCore:
         stats["cache_hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
         stats["gen_throughput"] = sum(n for _, n in self._recent) / window
         stats["context_length"] = self.context_length
+        pool = self.kv_pool
+        stats["kv_pool_bytes"] = pool.num_slots * pool.bytes_per_slot(pool.num_layers, pool.num_kv_heads,
+                                                                      pool.head_dim, pool.dtype)
         stats.update(self.constrained.stats)
         if self.mm is not None:
             stats.update(self.mm.stats())

@@ -1,5 +1,5 @@
 """Resolves the "auto" values of ServerConfig once (device, dtype, KV size, running requests,
-attention backend, context length, prefill chunk size, FP8 weights and KV cache) into a new
+attention backend, context length, prefill chunk size and pacing, FP8 weights and KV cache) into a new
 ServerConfig, logged once by the engine."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from lmserver.config import ServerConfig
 from lmserver.engine.kv_pool import KVPool
 from lmserver.model_loader import DTYPES
 from lmserver.models.config import ModelConfig
+from lmserver.scheduler.pacer import PacerConfig, PrefillPacer
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,11 @@ SMALL_GPU_GRAPH_MAX_BS = 32
 # request meanwhile (issue 32); 512 keeps a CPU forward short. GPUs keep SGLang's 8,192.
 CPU_CHUNKED_PREFILL_SIZE = 512
 GPU_CHUNKED_PREFILL_SIZE = 8192
+# Mixed steps (prefill chunks with the running requests' decode rows): the step duration the prefill
+# pacer aims for, i.e. the running requests' gap between two tokens while prompts prefill (issue 32:
+# <= 100 ms on the H200, <= 2 s on a small CPU; a fixed 8,192-token chunk of an 8B model took 220 ms).
+GPU_PREFILL_STEP_TARGET_MS = 60.0
+CPU_PREFILL_STEP_TARGET_MS = 500.0
 
 
 class ConfigError(ValueError):
@@ -166,6 +172,28 @@ def resolve_chunked_prefill_size(requested: int | None, device: str) -> int:
     return GPU_CHUNKED_PREFILL_SIZE if device == "cuda" else CPU_CHUNKED_PREFILL_SIZE
 
 
+def resolve_prefill_step_target_ms(requested: float | None, device: str) -> float:
+    """The mixed-step duration the prefill pacer aims for (0: no pacing). Pure."""
+    if requested is not None:
+        if not requested >= 0 or requested == float("inf"):
+            raise ConfigError(f"prefill_step_target_ms must be a finite number >= 0, got {requested}")
+        return requested
+    return GPU_PREFILL_STEP_TARGET_MS if device == "cuda" else CPU_PREFILL_STEP_TARGET_MS
+
+
+def prefill_pacer(rc: ServerConfig) -> PrefillPacer | None:
+    """The pacer of mixed steps for a resolved config (None without mixed steps or a target):
+    at most one prefill chunk (or the prefill budget), at least 1/64 of it, starting at 1/4."""
+    target_ms = rc.prefill_step_target_ms or 0.0
+    if not rc.enable_mixed_chunk or target_ms <= 0:
+        return None
+    chunk = rc.chunked_prefill_size or -1
+    most = min(chunk, rc.max_prefill_tokens) if chunk > 0 else rc.max_prefill_tokens
+    most = max(most, 1)
+    return PrefillPacer(PacerConfig(target_s=target_ms / 1000.0, min_tokens=max(1, most // 64),
+                                    max_tokens=most, start_tokens=max(1, most // 4)))
+
+
 def resolve_kv_tokens(
     config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
 ) -> int:
@@ -236,6 +264,7 @@ def resolve_config(
     return config.replace(
         enable_overlap_schedule=overlap,
         chunked_prefill_size=resolve_chunked_prefill_size(config.chunked_prefill_size, device),
+        prefill_step_target_ms=resolve_prefill_step_target_ms(config.prefill_step_target_ms, device),
         model_path=model_path,
         device=device,
         dtype=dtype,

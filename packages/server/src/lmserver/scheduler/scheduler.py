@@ -2,7 +2,9 @@
 
 Each round is either an EXTEND batch (prefill chunks of admitted requests, plus the running
 decodes when mixed batches are on) or a DECODE batch of every running request. Prefill goes
-first (new requests join the running batch as soon as memory allows, as in SGLang).
+first (new requests join the running batch as soon as memory allows, as in SGLang); with mixed
+batches the running requests decode in every round, and a `PrefillPacer` sizes the prefill part
+so that such a round keeps their gap between two tokens near its target.
 
 Call order per round: `schedule()` -> (caller runs the forward) -> `commit(decision)` ->
 (caller appends sampled tokens to `req.output_ids`) -> `finish(req, reason)` for finished ones.
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from lmserver.scheduler.kv import KVManager
+from lmserver.scheduler.pacer import PrefillPacer
 from lmserver.scheduler.policy import order_waiting
 from lmserver.scheduler.req import MMSpan, Req, ReqStatus
 
@@ -58,6 +61,9 @@ class ScheduleDecision:
     mode: str  # "extend" | "decode" | "idle"
     items: list[ForwardItem] = field(default_factory=list)
     retracted: list[str] = field(default_factory=list)
+    # prompt tokens of a mixed step sized by the pacer (0: not paced); the caller reports the
+    # step's duration to `Scheduler.pacer.observe`
+    paced_prefill_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +83,7 @@ class Scheduler:
         enable_mixed_chunk: bool = False,
         init_new_token_ratio: float = NEW_TOKEN_RATIO_INIT,
         min_new_token_ratio: float = NEW_TOKEN_RATIO_MIN,
+        pacer: PrefillPacer | None = None,
     ) -> None:
         self.kv = kv
         self.max_running_requests = max_running_requests
@@ -85,6 +92,8 @@ class Scheduler:
         self.schedule_policy = schedule_policy
         self.aging_rounds = aging_rounds
         self.enable_mixed_chunk = enable_mixed_chunk
+        # sizes the prefill of mixed steps (None: full chunks); only while requests decode
+        self.pacer = pacer
         self.reqs: dict[str, Req] = {}
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -156,9 +165,11 @@ class Scheduler:
         if self.enable_mixed_chunk and self.running:
             # decodes get their slots first; prefill chunks use what is left
             decode_items, retracted = self._schedule_decode()
-            items = self._schedule_extend()
+            cap = self.pacer.tokens if self.pacer is not None else None
+            items = self._schedule_extend(cap)
             if items:
-                return ScheduleDecision("extend", items + decode_items, retracted)
+                paced = sum(len(item.token_ids) for item in items) if cap is not None else 0
+                return ScheduleDecision("extend", items + decode_items, retracted, paced_prefill_tokens=paced)
             return ScheduleDecision("decode", decode_items, retracted)
         items = self._schedule_extend()
         if items:
@@ -172,10 +183,11 @@ class Scheduler:
         ratio = self.new_token_ratio
         return int(sum(min(r.remaining_new_tokens, RESERVE_CLIP_TOKENS) * ratio for r in reqs))
 
-    def _schedule_extend(self) -> list[ForwardItem]:
+    def _schedule_extend(self, cap: int | None = None) -> list[ForwardItem]:
+        """Prefill chunks of at most `cap` tokens in all (None: the chunk and prefill budgets)."""
         items: list[ForwardItem] = []
-        chunk_left = self.chunked_prefill_size
-        prefill_left = self.max_prefill_tokens
+        chunk_left = self.chunked_prefill_size if cap is None else min(self.chunked_prefill_size, cap)
+        prefill_left = self.max_prefill_tokens if cap is None else min(self.max_prefill_tokens, cap)
         # 1. continue requests whose prefill is not complete (chunked prefill)
         for req in list(self.prefilling):
             n = min(req.fill_len - req.kv_len, chunk_left, max(prefill_left, 1))
@@ -425,4 +437,7 @@ class Scheduler:
             # lpm peeks) and slot bookkeeping (allocation, request slot buffers; also without cache)
             "radix_time_s": self.kv.radix_time_s,
             "slot_time_s": self.kv.slot_time_s,
+            # the prompt tokens of the next mixed step and how many steps sized it (None: no pacer)
+            "prefill_pacer_tokens": self.pacer.tokens if self.pacer is not None else None,
+            "prefill_paced_steps": self.pacer.num_observed if self.pacer is not None else 0,
         }
