@@ -6,7 +6,7 @@ PKGS := packages/radixcache packages/cfsm packages/lmdsl packages/lowlat package
 PYPROJECTS := requirements-dev.txt $(addsuffix /pyproject.toml,$(PKGS))
 MYPY_SRC := packages/radixcache/src packages/cfsm/src packages/lmdsl/src packages/lowlat/src packages/server/src
 
-.PHONY: serve test test-slow test-gpu bench install install-test lint
+.PHONY: serve test test-slow test-gpu sglang-frontend bench install install-test lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,6 +22,15 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-dev.txt
 	$(PIP) install -q -r requirements-dev.txt -e "packages/radixcache[test]" -e "packages/cfsm[test]" -e "packages/lmdsl[test]" -e "packages/lowlat[test]" -e "packages/server[test]"
 	touch $@
 
+# SGLang's frontend beside our venv (its wheel and the few modules `import sglang` needs, without dependencies),
+# for integration_tests/test_sglang_frontend.py, which runs SGLang's own programs against our server.
+SGLANG_FRONTEND := .sglang-frontend
+$(SGLANG_FRONTEND)/.installed: requirements-sglang-frontend.txt | $(VENV)/.installed
+	$(PIP) install -q --no-deps --upgrade --target $(SGLANG_FRONTEND) -r requirements-sglang-frontend.txt
+	touch $@
+
+sglang-frontend: $(SGLANG_FRONTEND)/.installed
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
@@ -35,12 +44,12 @@ lint: install-test
 	$(VENV)/bin/mypy $(MYPY_SRC)
 
 # Lint, import contracts, then the CPU suite without the `slow` tier (exit code 5, "no tests", is not a failure).
-test: lint
+test: lint sglang-frontend
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 # The `slow` tier only (long end-to-end runs: load tests, long interpreter runs, model-server fault and drain
 # runs), then the benchmarks' own tests (by path: benchmarks/ is never collected); CI runs it if time allows.
-test-slow: install-test
+test-slow: install-test sglang-frontend
 	$(PY) -m pytest -q -p no:cacheprovider -m slow --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	$(PY) -m pytest -q -p no:cacheprovider benchmarks/programs/test_workloads.py
 
