@@ -108,10 +108,11 @@ def gaps_in(times: list[float], lo: float, hi: float) -> list[float]:
 
 
 def rate_in(s: Stream, lo: float, hi: float) -> float:
-    pts = [(t, n) for t, n in zip(s.times, s.tokens, strict=True) if lo <= t <= hi]
-    if len(pts) < 2:
-        return 0.0
-    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+    """Tokens per second the stream received in [lo, hi] (a stall inside the window counts)."""
+    def tokens_at(t: float) -> int:
+        return max([n for at, n in zip(s.times, s.tokens, strict=True) if at <= t], default=0)
+
+    return (tokens_at(hi) - tokens_at(lo)) / (hi - lo)
 
 
 def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -210,6 +210,11 @@ class EngineCore:
         if rc.enable_overlap_schedule and self.tp is not None:
             logger.warning("overlap schedule: off with tp_size=%d (followers mirror host decisions)", rc.tp_size)
         self._inflight: Launched | None = None  # the decode launched and not landed yet
+        # (step number, end time) of the last paced mixed step: back-to-back paced steps are timed
+        # end to end, so the pacer sees the running requests' whole gap between two tokens (the
+        # loop's messaging and scheduling included), not only the forward
+        self._steps = 0
+        self._paced_end = (-1, 0.0)
         self.spec: Speculator | None = None  # speculative decoding (engine/speculative.py)
         if rc.speculative_algorithm is not None:
             spec_config = SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
@@ -319,6 +324,7 @@ class EngineCore:
         With the overlap schedule a decode's tokens come with the next call (engine/overlap.py)."""
         outputs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
+        self._steps += 1
         if prev is not None:
             if self.overlap and chain_ready(self.scheduler, prev, self.states, self.constrained.num_waiting):
                 rounds, ratio = self.scheduler.num_rounds, self.scheduler.new_token_ratio
@@ -362,7 +368,11 @@ class EngineCore:
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens
         if decision.paced_prefill_tokens and self.scheduler.pacer is not None:
-            self.scheduler.pacer.observe(decision.paced_prefill_tokens, time.perf_counter() - start)
+            now = time.perf_counter()
+            last_step, last_end = self._paced_end
+            self.scheduler.pacer.observe(decision.paced_prefill_tokens,
+                                         now - (last_end if last_step == self._steps - 1 else start))
+            self._paced_end = (self._steps, now)
         if decision.mode == "extend":
             self._counters["extend_forwards"] += 1
             self._counters["extend_time_s"] += time.perf_counter() - start
