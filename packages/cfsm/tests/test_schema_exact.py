@@ -2,7 +2,9 @@
 small instance of a finite universe: `dependentRequired` (and `dependencies` lists),
 `propertyNames` over string keywords, `not` of `const` / `enum` scalars, `uniqueItems` over items
 of a few scalar values, `contains` / `minContains`, `unevaluatedProperties` / `unevaluatedItems`
-of the outermost schema (they see what allOf and `$ref` siblings evaluate).
+of the outermost schema (they see what allOf and `$ref` siblings evaluate), `if` / `then` /
+`else` whose condition has a simple negation (booleans, types, scalar values, one numeric bound),
+`maxContains` over such a `contains`.
 
 Each schema compiles in the spec config and the default one (compact and flexible whitespace);
 an instance is accepted exactly when the validator says it is valid, except for what the config
@@ -80,6 +82,22 @@ CASES: list[tuple[str, Any, list[Any]]] = [
      _arrays()),
     ("minContains", {"type": "array", "contains": {"type": "boolean"}, "minContains": 2}, _arrays()),
     ("contains false", {"type": "array", "contains": False}, _arrays()),
+    ("if on a numeric bound", {"type": "number", "if": {"exclusiveMaximum": 0}, "then": {"minimum": -10},
+                               "else": {"multipleOf": 2}}, [*SCALARS, -100, -5, 3, 4, -0.5]),
+    ("if true", {"if": True, "then": {"const": "a"}, "else": {"const": "b"}}, SCALARS),
+    ("if false", {"if": False, "then": {"const": "a"}, "else": {"const": "b"}}, SCALARS),
+    ("if const, then false", {"if": {"const": 1}, "then": False}, SCALARS),
+    ("if const, else false", {"if": {"enum": [1, "a"]}, "else": False}, SCALARS),
+    ("if type", {"if": {"type": "string"}, "then": {"maxLength": 1}, "else": {"type": "integer"}}, SCALARS),
+    ("maxContains", {"type": "array", "contains": {"const": 1}, "maxContains": 2, "minContains": 2}, _arrays()),
+    ("maxContains, minContains 0", {"type": "array", "contains": {"const": 1}, "minContains": 0, "maxContains": 1},
+     _arrays()),
+    ("maxContains over items", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 1},
+                                "maxContains": 1}, _arrays()),
+    ("uniqueItems over prefixItems", {"type": "array", "prefixItems": [{"type": "boolean"}, {"type": "boolean"}],
+                                      "uniqueItems": True, "items": False}, _arrays()),
+    ("uniqueItems over prefixItems and items", {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, True]}],
+                                                "uniqueItems": True, "items": {"enum": [1, 2, "a"]}}, _arrays()),
     ("unevaluatedProperties sees allOf", {"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}],
                                           "unevaluatedProperties": False}, _objects()),
     ("unevaluatedProperties schema", {"type": "object", "properties": {"a": {}},
@@ -151,7 +169,7 @@ def test_numbers_under_not_are_spelled_without_an_exponent() -> None:
 
 @pytest.mark.parametrize(("schema", "keyword"), [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-    ({"type": "array", "contains": {"type": "null"}, "maxContains": 1}, "contains"),
+    ({"type": "array", "contains": {"type": "object", "required": ["a"]}, "maxContains": 1}, "contains"),
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}}, "dependentRequired"),
     ({"type": "object", "propertyNames": {"type": "string", "minimum": 3, "allOf": [{"maxLength": 2}]}},
      "propertyNames"),

@@ -411,6 +411,11 @@ class _Compiler:
                 return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(schema[key])))
         if "if" in schema:
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+            negated = _negation(schema["if"]) if "then" in schema or "else" in schema else None
+            if negated is not None:
+                # exact: (if and then) or (not if and else), `not if` spelled as a schema
+                return alt(self._branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
+                           self._branch(rest, {"allOf": [negated, schema.get("else", True)]}, f"{path}/else"))
             if "then" in schema and "else" in schema:
                 self.approximate("if", f"{path}/if", "compiled as anyOf [then, else] (the condition is not checked)")
                 return alt(self._branch(rest, schema["then"], f"{path}/then"),
@@ -675,25 +680,41 @@ class _Compiler:
                                             else self.node(items, f"{path}/items"))
         lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
         k = len(nodes)
-        contains = "contains" in schema and schema.get("minContains", 1) != 0
+        contains = "contains" in schema and (schema.get("minContains", 1) != 0 or "maxContains" in schema)
         if schema.get("uniqueItems") is True and (hi is None or int(hi) > 1):
-            values = self._finite_values(items) if k == 0 and rest is not None and not contains else None
-            if values is not None:
-                body = _unique_sequences([self.value_node(v) for v in values], self.comma, lo,
-                                         None if hi is None else int(hi))
+            listed = [self._finite_values(p) for p in prefix]
+            more = [] if items is False else self._finite_values(items)
+            if not contains and more is not None and all(v is not None for v in listed):
+                distinct: list[Any] = []
+                for v in [x for values in [*listed, more] for x in values or ()]:
+                    if not any(same_json(v, x) for x in distinct):
+                        distinct.append(v)
+                where = [[next(i for i, x in enumerate(distinct) if same_json(v, x)) for v in values or ()]
+                         for values in [*listed, more]]
+                body = _unique_sequences([self.value_node(v) for v in distinct], where[:-1], where[-1], self.comma,
+                                         lo, None if hi is None else int(hi))
                 return cat(lit("["), self.ws, body, self.ws, lit("]"))
             # NOTE: exact only for items of at most MAX_UNIQUE_VALUES scalar values (above)
             self.approximate("uniqueItems", f"{path}/uniqueItems", "not enforced (items may repeat)")
         if contains:
             wanted = int(schema.get("minContains", 1))
             if schema["contains"] is False:
-                return NOTHING
-            if (k == 0 and rest is not None and lo <= 1 and hi is None and "maxContains" not in schema
-                    and wanted <= MAX_MIN_CONTAINS and schema.get("uniqueItems") is not True):
-                hit = self._branch({} if items is None else {"allOf": [items]}, schema["contains"], f"{path}/contains")
+                return NOTHING if wanted else self.array({k: v for k, v in schema.items() if k != "contains"}, path)
+            most = schema.get("maxContains")
+            simple = k == 0 and rest is not None and lo <= 1 and hi is None and schema.get("uniqueItems") is not True
+            base = {} if items is None else {"allOf": [items]}
+            if simple and most is None and wanted <= MAX_MIN_CONTAINS:
+                hit = self._branch(base, schema["contains"], f"{path}/contains")
                 loop = Repeat(cat(rest, self.comma), 0, None)
                 body = cat(loop, hit, *([self.comma, loop, hit] * (wanted - 1)), Repeat(cat(self.comma, rest), 0, None))
                 return cat(lit("["), self.ws, body, self.ws, lit("]"))
+            negated = _negation(schema["contains"])
+            if simple and negated is not None and most is not None and int(most) <= MAX_MIN_CONTAINS:
+                # exact: items that match `contains` counted between minContains and maxContains
+                hit = self._branch(base, schema["contains"], f"{path}/contains")
+                miss = self._branch(base, negated, f"{path}/contains")
+                counts = [_counted(hit, miss, self.comma, j) for j in range(wanted, int(most) + 1)]
+                return cat(lit("["), self.ws, alt(*counts) if counts else NOTHING, self.ws, lit("]"))
             self.approximate("contains", f"{path}/contains", "not enforced beyond a non-empty array")
             lo = max(lo, 1)
         options: list[Node] = []
@@ -745,20 +766,68 @@ class _Compiler:
         return cat(lit("{"), self.ws, Scope(object_members(self, schema, path)), self.ws, lit("}"))
 
 
-def _unique_sequences(values: list[Node], comma: Node, lo: int, hi: int | None) -> Node:
-    """The sequences of distinct `values` (each at most once, in any order), lo to hi of them."""
-    memo: dict[frozenset[int], Node] = {}
+def _counted(hit: Node, miss: Node, comma: Node, count: int) -> Node:
+    """Comma-separated sequences of `hit` and `miss` items with exactly `count` hits."""
+    more_misses = Repeat(cat(comma, miss), 0, None)
+    if count == 0:
+        return alt(EMPTY, cat(miss, more_misses))
+    out = [Repeat(cat(miss, comma), 0, None), hit, more_misses]
+    for _ in range(count - 1):
+        out += [comma, hit, more_misses]
+    return cat(*out)
 
-    def rest(used: frozenset[int]) -> Node:
-        if used not in memo:
-            options = [EMPTY] if len(used) >= lo else []
-            if hi is None or len(used) < hi:
-                sep = comma if used else EMPTY
-                options += [cat(sep, v, rest(used | {i})) for i, v in enumerate(values) if i not in used]
-            memo[used] = Shared(alt(*options) if options else NOTHING)
-        return memo[used]
 
-    return Scope(rest(frozenset()))
+_BOUND_NEGATIONS = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
+                    "exclusiveMinimum": "maximum", "exclusiveMaximum": "minimum"}
+
+
+def _negation(sub: Any) -> Any:
+    """A schema that accepts exactly the values `sub` rejects, where one is easy to spell: a
+    boolean, types (but integer without number), scalar `const` / `enum` (as `not`, which
+    compiles exactly), one numeric bound (the opposite bound over numbers); else None."""
+    if isinstance(sub, bool):
+        return not sub
+    if not isinstance(sub, dict):
+        return None
+    keys = set(sub) - _STRUCTURAL
+    if not keys:
+        return False
+    if keys == {"type"}:
+        named = [sub["type"]] if isinstance(sub["type"], str) else sub["type"]
+        if not isinstance(named, list) or not set(named) <= set(_TYPES) or "integer" in named and "number" not in named:
+            return None
+        return {"type": [t for t in _TYPES if t not in named and not (t == "integer" and "number" in named)]}
+    if keys in ({"const"}, {"enum"}):
+        values = [sub["const"]] if "const" in sub else sub["enum"]
+        if isinstance(values, list) and not any(isinstance(v, dict | list) for v in values):
+            return {"not": {k: sub[k] for k in keys}}
+        return None
+    if len(keys) == 1:
+        (key,) = keys
+        value = sub[key]
+        if key in _BOUND_NEGATIONS and isinstance(value, int | float) and not isinstance(value, bool):
+            return {"type": "number", _BOUND_NEGATIONS[key]: value}
+    return None
+
+
+def _unique_sequences(values: list[Node], prefix: list[list[int]], more: list[int], comma: Node, lo: int,
+                      hi: int | None) -> Node:
+    """Sequences of distinct `values` (indices: `prefix[i]` the ones allowed at position i, `more`
+    those allowed after the prefix), lo to hi items long."""
+    memo: dict[tuple[int, frozenset[int]], Node] = {}
+
+    def rest(pos: int, used: frozenset[int]) -> Node:
+        key = (pos, used)
+        if key not in memo:
+            options = [EMPTY] if pos >= lo else []
+            if hi is None or pos < hi:
+                sep = comma if pos else EMPTY
+                allowed = prefix[pos] if pos < len(prefix) else more
+                options += [cat(sep, values[i], rest(pos + 1, used | {i})) for i in allowed if i not in used]
+            memo[key] = Shared(alt(*options) if options else NOTHING)
+        return memo[key]
+
+    return Scope(rest(0, frozenset()))
 
 
 def _joined(nodes: list[Node], sep: Node) -> Node:
