@@ -6,7 +6,7 @@ PKGS := packages/radixcache packages/cfsm packages/lmdsl packages/lowlat package
 PYPROJECTS := requirements-dev.txt $(addsuffix /pyproject.toml,$(PKGS))
 MYPY_SRC := packages/radixcache/src packages/cfsm/src packages/lmdsl/src packages/lowlat/src packages/server/src
 
-.PHONY: serve test test-slow test-gpu sglang-frontend bench install install-test lint
+.PHONY: serve test test-slow test-gpu test-leaves sglang-frontend bench install install-test lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -55,6 +55,22 @@ test-slow: install-test sglang-frontend
 
 test-gpu: install-test
 	LMSYS_GPU_ONLY=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+# Each leaf alone (DESIGN.md: "each leaf's tests pass with only that package installed"): a fresh venv
+# per leaf under build/leaf-venvs holding that leaf (built as a wheel) with its [test] extra, torch==2.13.0
+# first only when the leaf's own dependencies name torch, then that leaf's whole test folder. Slow (it
+# installs every time): not part of `make test`.
+LEAVES := radixcache cfsm lmdsl lowlat
+LEAF_VENVS := build/leaf-venvs
+test-leaves:
+	@set -e; for leaf in $(LEAVES); do \
+	  venv=$(LEAF_VENVS)/$$leaf; echo "== $$leaf (fresh venv $$venv)"; rm -rf $$venv; python3 -m venv $$venv; \
+	  if python3 -c "import sys, tomllib; deps = tomllib.load(open(sys.argv[1], 'rb'))['project']['dependencies']; \
+	      sys.exit(not any(d.startswith('torch') for d in deps))" packages/$$leaf/pyproject.toml; then \
+	    $$venv/bin/python -m pip install -q torch==2.13.0; fi; \
+	  $$venv/bin/python -m pip install -q "./packages/$$leaf[test]"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider packages/$$leaf/tests; \
+	done
 
 bench:
 	@echo "Benchmarks (never collected by pytest); run each with $(PY) <path> --help:"
