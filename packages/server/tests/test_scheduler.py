@@ -405,10 +405,11 @@ def test_pacer_converges_monotonically_to_the_target_size(
         pacer.observe(n, _step_seconds(overhead, per_token, n))
         sizes.append(pacer.tokens)
         assert least <= pacer.tokens <= most
-    # never overshoots: moves only toward the ideal size (integer truncation aside), at most 2x a step
+    # never overshoots: moves only toward the ideal size (up to 2 tokens of integer truncation: the
+    # size is a float, each step runs its integer part), at most 2x a step
     below = sizes[0] <= ideal
     for a, b in zip(sizes, sizes[1:], strict=False):
-        assert (b >= a - 1) if below else (b <= a + 1)
+        assert (b >= a - 2) if below else (b <= a + 2)
         assert b <= a * MAX_STEP_FACTOR + 1 and b >= a / MAX_STEP_FACTOR - 1
     assert abs(sizes[-1] - ideal) <= max(2.0, 0.02 * ideal)
 
