@@ -28,9 +28,9 @@ SCRIPT = Path(__file__).with_name("sglang_programs.py")
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_server_clients.py
 # programs that stream or score (the protocol details SGLang's frontend depends on): every run
 QUICK = ["stream_logprobs", "select", "unconditional_select", "stream"]
-# the rest of SGLang's TestSRTBackend set (minus hellaswag, which downloads data): the slow tier
-REST = ["few_shot_qa", "mt_bench", "decode_int", "expert_answer", "tool_use", "parallel_decoding", "regex",
-        "dtype_gen", "gen_min_new_tokens"]
+# the rest of SGLang's TestSRTBackend set, the slow tier; without hellaswag (it downloads data) and
+# few_shot_qa / decode_int (they assert answers a 135M model does not know, with no switch to skip that)
+REST = ["mt_bench", "expert_answer", "tool_use", "parallel_decoding", "regex", "dtype_gen", "gen_min_new_tokens"]
 
 pytestmark = pytest.mark.skipif(not (FRONTEND / "sglang").is_dir(),
                                 reason="SGLang's frontend is not installed: run `make sglang-frontend`")

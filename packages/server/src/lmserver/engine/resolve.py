@@ -183,14 +183,15 @@ def resolve_prefill_step_target_ms(requested: float | None, device: str) -> floa
 
 def prefill_pacer(rc: ServerConfig) -> PrefillPacer | None:
     """The pacer of mixed steps for a resolved config (None without mixed steps or a target):
-    at most one prefill chunk (or the prefill budget), at least 1/64 of it, starting at 1/4."""
+    at most one prefill chunk (or the prefill budget), starting at 1/4 of it and never below 1/8
+    (where the decode rows alone overrun the target, prompts still prefill at a useful rate)."""
     target_ms = rc.prefill_step_target_ms or 0.0
     if not rc.enable_mixed_chunk or target_ms <= 0:
         return None
     chunk = rc.chunked_prefill_size or -1
     most = min(chunk, rc.max_prefill_tokens) if chunk > 0 else rc.max_prefill_tokens
     most = max(most, 1)
-    return PrefillPacer(PacerConfig(target_s=target_ms / 1000.0, min_tokens=max(1, most // 64),
+    return PrefillPacer(PacerConfig(target_s=target_ms / 1000.0, min_tokens=max(1, most // 8),
                                     max_tokens=most, start_tokens=max(1, most // 4)))
 
 
