@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lowlat import LayerShape
-from lowlat.kernels.ops import GEMV_STAGES, GemvConfig, LaunchConfig
+from lowlat.kernels.ops import GEMV_STAGES, GEMV_VARIANTS, GemvConfig, LaunchConfig
 from lowlat.kernels.tuning import TABLES, tuned_table
 
 LLAMA3_8B = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
@@ -35,7 +35,7 @@ def test_tables_are_usable(key: tuple[str, tuple[int, ...]], entries: tuple) -> 
             assert any(name == stage and batch <= mb for name, mb, _ in entries), (stage, batch)
     for stage, _, cfg in entries:
         assert stage in GEMV_STAGES
-        assert cfg.variant in ("dot", "rows")
+        assert cfg.variant in GEMV_VARIANTS
         if stage == "qkv":
             assert (head_dim // 2) % cfg.block_n == 0
     assert lc.gemv_config("o_proj", 1) in [c for s, _, c in entries if s == "o_proj"]

@@ -16,6 +16,22 @@ down; without the residual: any projection), RMSNorm + gate-up + SiLU, RMSNorm +
 kernels, each loads its first weight tile (and the residual, and the RoPE factors) before its PDL wait, accumulates
 the norm's sum of squares in the main loop (no pass over x after the wait), and releases its dependent launch after
 the main loop (``PDL_EARLY``: right after the wait). ``B`` is a ``tl.constexpr`` (one compile per row count).
+
+Measured on the H200 (benchmarks/speculative/bench_verify_gemv.py, 8B shapes, PDL-chained over distinct weights;
+benchmarks/RESULTS.md issue 34, 2026-12-02):
+
+- ``mrow``'s time does not grow with the rows, as cuBLAS's does not: 1 to 8 rows within 1-5% (o_proj 10.9 us,
+  gate-up 60.0, down 31.0, LM head 237), 3.8-4.4 TB/s; but 1.03-1.11x the row-wise M = 1 kernel at one row.
+- The weight rows per tile (the MMA's M side) must be 32 or more: tiles of 16 rows cost 1.2-2.4x (o_proj 13.3-14.3
+  us vs 10.9), and some configs of gate-up (two accumulators) collapse to 1-2 ms (32 x 512 x 4 warps x 3 stages;
+  8 warps), likely register spills: never pick one unmeasured. Best: o_proj 32 x 256 (4 warps, 4 stages), gate-up 64 x 128
+  (4, 4) or 128 x 128 (8, 3), down 32 x 512 (4, 3), LM head 64 x 128-256.
+- The qkv twin (two dots of BLOCK_P rows, r1 and r1 + D/2) is the slowest stage: with BLOCK_P 32 (the MMA's M 32)
+  there are only 96 tiles for 132 SMs: 23.5 us against 20.6 for the ``dot`` kernel and 14.7 row-wise at M = 1;
+  BLOCK_P 16 is under the MMA's size (39 us). Next lever: one dot over the 2 * BLOCK_P rows of a tile (M = 32 with
+  192 tiles), split into the two halves for RoPE.
+- ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
+  registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
         ("gate_up", 4, GemvConfig("dot", 32, 128, 4, 3)),
         ("o_proj", 4, GemvConfig("dot", 32, 512, 4, 4)),
         ("qkv", 4, GemvConfig("dot", 32, 256, 4, 3)),
+        # batches 5-8 (speculative verify rows: 6 per request, graph of 8): the multi-row kernels where they measured
+        # faster than the dot ones (benchmarks/speculative/bench_verify_gemv.py, RESULTS.md issue 34, 2026-12-02:
+        # at 8 rows o_proj 10.86 vs 11.17 us, gate-up 60.04 vs 63.60; qkv stays dot, 20.60 vs 23.52; down equal)
+        ("o_proj", 8, GemvConfig("mrow", 32, 256, 4, 4)),
+        ("gate_up", 8, GemvConfig("mrow", 64, 128, 4, 4)),
         ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
         ("gate_up", 16, GemvConfig("dot", 64, 128, 4, 4)),
@@ -83,11 +88,11 @@ WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 }
 # (GPU name, shape) -> the most rows of a speculative verify step at which the nvidia plugin measured faster than the
 # generic path (the decode graph of those rows, cuBLAS GEMMs); 0: it takes no verify step. Shapes without an entry: as
-# WINS_UP_TO. H200 8B, bench_spec_serving (RESULTS.md, 2026-12-01): 5 drafts (6 rows, graph of 8), 0.86x per user at
-# concurrency 1 and 0.94x at 8: cuBLAS at M = 8 reads the weights once at about M = 1's cost, our batch-8 `dot`
-# kernels cost 1.36x our batch-1 row-wise ones.
+# WINS_UP_TO. H200 8B: the earlier 0.86x (RESULTS.md, 2026-12-01) was measured on a head_dim-64 variant of the shape,
+# which has no tuned table (default dot blocks); on the real shape, with the multi-row kernels at 5-8 rows:
+# measured in bench_spec_serving (RESULTS.md issue 34, 2026-12-02).
 VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
-    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 0,
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 16,
 }
 # The same for the MoE stack, keyed also by (experts, top_k, expert intermediate size): a Mixtral layer's attention
 # half has Llama-3-8B's key. H200, Mixtral-8x7B layers (4 of them), bench_e2e, eighth session, against lmserver's
