@@ -27,6 +27,7 @@ from lmserver.engine.cuda_graph import (
     capture_batch_sizes,
     maybe_decode_graph_runner,
     pad_decode,
+    pad_verify,
     padded_batch_size,
     verify_rows,
 )
@@ -315,6 +316,14 @@ def test_verify_rows_are_decode_rows_with_the_same_writes(reqs: list[tuple[int, 
     bad = dataclasses.replace(items[0], out_slots=items[0].out_slots[:-1] + [1, 2])
     with pytest.raises(CudaGraphError, match="verify item"):
         verify_rows([bad])
+    # the graph runner's path: the padded arrays straight from the verify items, equal to the per-row items' padding
+    for extra in (0, 3):
+        assert pad_verify(items, len(rows) + extra, pad_row=7) == pad_decode(rows, len(rows) + extra, pad_row=7)
+    for broken in (bad, dataclasses.replace(items[0], out_slots=[s + 1 for s in items[0].out_slots])):
+        with pytest.raises(CudaGraphError, match="verify item"):
+            pad_verify([broken], 8, pad_row=0)
+    with pytest.raises(CudaGraphError, match="padded batch size"):
+        pad_verify(items, len(rows) - 1, pad_row=0)
 
 
 def _verify_run(runner: ModelRunner, graphs: DecodeGraphRunner | None) -> list[torch.Tensor]:

@@ -65,6 +65,7 @@ __all__ = [
     "draft_graph_runner",
     "maybe_decode_graph_runner",
     "pad_decode",
+    "pad_verify",
     "padded_batch_size",
     "verify_rows",
 ]
@@ -179,6 +180,46 @@ def verify_rows(items: Sequence[ForwardItem]) -> list[ForwardItem]:
                 item, prefix_len=p + j, token_ids=[item.token_ids[j]], out_slots=[item.out_slots[j]],
                 table_start=start, table_slots=slots, logit_offsets=[0], completes_prefill=False))
     return rows
+
+
+def pad_verify(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> PaddedDecode:
+    """`pad_decode(verify_rows(items), padded_bs, pad_row)` built straight from a verify step's items (no
+    per-row items): row j of a request at prefix p is token j at position p + j, its slot, its table row,
+    length p + j + 1; table writes before the first new token go with the step. Pure.
+
+    Raises CudaGraphError when an item's slots or table writes do not match its new tokens (the table
+    writes must end with the new tokens' slots), or when padded_bs is too small."""
+    ids: list[int] = []
+    pos: list[int] = []
+    loc: list[int] = []
+    rows: list[int] = []
+    t_rows: list[int] = []
+    t_cols: list[int] = []
+    t_vals: list[int] = []
+    for item in items:
+        n, p, start = len(item.token_ids), item.prefix_len, item.table_start
+        if (n == 0 or len(item.out_slots) != n or start > p or start + len(item.table_slots) != p + n
+                or item.table_slots[p - start:] != item.out_slots):
+            raise CudaGraphError(f"verify item {item.rid!r}: {n} tokens, {len(item.out_slots)} slots, table writes "
+                                 f"[{start}, {start + len(item.table_slots)}) at prefix {p}")
+        ids.extend(item.token_ids)
+        pos.extend(range(p, p + n))
+        loc.extend(item.out_slots)
+        rows.extend([item.req_pool_idx] * n)
+        if start < p:  # NOTE: rare (a table row behind its KV); the graph writes each row's own slot
+            t_rows.extend([item.req_pool_idx] * (p - start))
+            t_cols.extend(range(start, p))
+            t_vals.extend(item.table_slots[: p - start])
+    bs = len(ids)
+    if padded_bs < bs:
+        raise CudaGraphError(f"padded batch size {padded_bs} < batch size {bs}")
+    pad = padded_bs - bs
+    return PaddedDecode(
+        ints=[ids + [PAD_TOKEN_ID] * pad, pos + [0] * pad, loc + [PAD_SLOT] * pad, rows + [pad_row] * pad,
+              [q + 1 for q in pos] + [1] * pad],
+        table=[t_rows, t_cols, t_vals],
+        logit_rows=list(range(bs)),
+    )
 
 
 class Graph(Protocol):
@@ -426,10 +467,9 @@ class DecodeGraphRunner:
         (`verify_rows`): returns the rows' (num_rows,) int64 argmax (`greedy`; a view the next
         replay overwrites) or their float32 logits (num_rows, vocab), rows in item order.
         Mutates req_to_token, the KV pool and the static buffers."""
-        rows = verify_rows(decision.items)
-        n = len(rows)
+        n = sum(len(item.token_ids) for item in decision.items)
         rows_per_request = max(len(item.token_ids) for item in decision.items)
-        _, logits = self._replay(rows, None, verify_rows_per_request=rows_per_request)
+        _, logits = self._replay(decision, None, verify_rows_per_request=rows_per_request)
         self.num_verify_replays += 1
         if greedy:
             self.num_greedy_replays += 1
@@ -439,13 +479,13 @@ class DecodeGraphRunner:
     def _replay(self, decision: ScheduleDecision | list[ForwardItem], input_ids: torch.Tensor | None,
                 verify_rows_per_request: int = 0) -> tuple[PaddedDecode, torch.Tensor]:
         """Writes a step's inputs and replays its graph; returns the step and the graph's logits.
-        `verify_rows_per_request` > 0: the items are a verify step's rows (never cascade: rows of
-        one request repeat its table row)."""
+        `verify_rows_per_request` > 0: the items are a verify step's (`pad_verify`: one decode row per
+        new token; never cascade: rows of one request repeat its table row)."""
         items = decision if isinstance(decision, list) else decision.items
-        bs = len(items)
+        bs = sum(len(item.token_ids) for item in items) if verify_rows_per_request else len(items)
         padded = self._padded[bs]
         assert padded is not None, f"batch size {bs} has no captured graph"
-        step = pad_decode(items, padded, self.pad_row)
+        step = (pad_verify if verify_rows_per_request else pad_decode)(items, padded, self.pad_row)
         if step.table[2]:
             table = to_device(step.table, torch.int64, self.device)  # (3, k)
             self.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
@@ -465,7 +505,7 @@ class DecodeGraphRunner:
             self.runner.lowlat.on_replay(padded, self.table_width, verify_rows_per_request, kind)
         planner = self.runner.prefix_planner
         if planner is not None:  # NOTE: every table write is mirrored, whichever graph runs
-            planner.record_decode(items)
+            planner.record_decode(verify_rows(items) if verify_rows_per_request else items)
         if (not verify_rows_per_request and padded in self.cascade_graphs
                 and self.runner.cascade_for(step.ints[3][:bs], step.seq_lens[:bs], padded)):
             graph, logits = self.cascade_graphs[padded], self.cascade_outputs[padded]
