@@ -24,6 +24,7 @@ from lmserver.kernels._util import (
     dot_precision,
     next_pow2,
 )
+from lmserver.kernels.online_softmax import merge_partials, online_softmax_step, split_partial
 
 __all__ = ["choose_num_kv_splits", "decode_attention", "launch_decode_stage1"]
 
@@ -89,10 +90,7 @@ def _decode_stage1(
         else:
             qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
         qk = tl.where(mask_n[None, :], qk, float("-inf"))  # (BLOCK_H, BLOCK_N), log2 units
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, p, alpha = online_softmax_step(m_i, l_i, qk)
         v = tl.load(
             v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
@@ -113,10 +111,7 @@ def _decode_stage1(
             out.to(out_ptr.dtype.element_ty), mask=store_mask,
         )
     else:
-        has_work = end > start
-        safe_l = tl.where(has_work, l_i, 1.0)
-        out = tl.where(has_work, acc / safe_l[:, None], 0.0)
-        lse = tl.where(has_work, m_i + tl.log2(safe_l), float("-inf"))  # log2 units
+        out, lse = split_partial(acc, m_i, l_i, end > start)  # lse in log2 units
         tl.store(
             partial_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
             out, mask=store_mask,
@@ -140,13 +135,11 @@ def _decode_stage2(
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(partial_lse_ptr + b * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
     part = tl.load(
         partial_out_ptr + b * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
         mask=mask_s[:, None] & mask_d[None, :], other=0.0,
     )  # (BLOCK_S, BLOCK_D)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    out = merge_partials(part, lse)  # empty splits: lse -inf, weight 0
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from lmserver.kernels._util import KernelInputError, check_attention_inputs, dot_precision, next_pow2
+from lmserver.kernels.online_softmax import online_softmax_step
 
 __all__ = ["extend_attention"]
 
@@ -81,10 +82,7 @@ def _extend_kernel(
         else:
             qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, p, alpha = online_softmax_step(m_i, l_i, qk)
         v = tl.load(
             v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
@@ -106,10 +104,7 @@ def _extend_kernel(
             mask=mask_d[None, :], other=0.0,
         )
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, p, alpha = online_softmax_step(m_i, l_i, qk)
         v = tl.load(
             v_ext_ptr + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
             mask=mask_d[None, :], other=0.0,
@@ -130,10 +125,7 @@ def _extend_kernel(
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * sm_scale_log2e
         causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
         qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, p, alpha = online_softmax_step(m_i, l_i, qk)
         v = tl.load(
             v_ext_ptr + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
