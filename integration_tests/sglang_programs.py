@@ -31,6 +31,19 @@ def _statement(s: Any, statement: str) -> None:
     s += "Answer:" + sgl.select("answer", CHOICES, choices_method=sgl.unconditional_likelihood_normalized)
 
 
+@sgl.function
+def _long_answer(s: Any) -> None:
+    s += sgl.user("What is the capital of the United States?")
+    s += sgl.assistant(sgl.gen("answer", min_tokens=64, max_tokens=128))
+
+
+def min_tokens() -> dict[str, Any]:
+    """SGLang's test_gen_min_new_tokens program; its own check loads a tokenizer by the served
+    model's name through modules that need torchvision, so the counts come from the meta info."""
+    ret = _long_answer.run()
+    return {"completion_tokens": ret.get_meta_info("answer")["completion_tokens"]}
+
+
 def unconditional_select() -> dict[str, Any]:
     ret = _statement.run(statement="The capital of Germany is Berlin.")
     meta = ret.get_meta_info("answer")
@@ -51,7 +64,7 @@ PROGRAMS: dict[str, Callable[[], Any]] = {
     "stream_logprobs": programs.test_stream_logprobs,
     "regex": programs.test_regex,
     "dtype_gen": programs.test_dtype_gen,
-    "gen_min_new_tokens": programs.test_gen_min_new_tokens,
+    "min_tokens": min_tokens,
     "unconditional_select": unconditional_select,
 }
 
