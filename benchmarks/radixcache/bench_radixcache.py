@@ -96,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-touch", action="store_true",
                     help="order with peek only (no LRU refresh of waiting requests' prefixes); "
                          "SGLang's ordering always touches, since its match_prefix does")
+    ap.add_argument("--merge-leaves", choices=["on", "off"], help="radixcache's merge_leaves (default: its default)")
+    ap.add_argument("--trim-leaves", choices=["on", "off"], help="radixcache's trim_leaves (default: its default)")
     args = ap.parse_args(argv)
 
     options = {"merge_leaves": False, "trim_leaves": False} if args.whole_nodes else {}
+    for name in ("merge_leaves", "trim_leaves"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name) == "on"
     impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size, args.eviction, **options)]
     if args.sglang:
         import sglang_adapter

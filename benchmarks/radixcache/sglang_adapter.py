@@ -120,8 +120,9 @@ class SGLangAdapter:
     def indices_to_numpy(self, indices: Any) -> np.ndarray:
         return indices.numpy()
 
-    def insert(self, key: Any, value: Any) -> int:
-        return int(self.cache.insert(self._Insert(key=key, value=value)).prefix_len)
+    def insert(self, key: Any, value: Any, cached_len: int, finished: bool) -> tuple[int, None]:
+        # NOTE: SGLang's RadixCache leaves the frees to its scheduler (the engine model does them)
+        return int(self.cache.insert(self._Insert(key=key, value=value)).prefix_len), None
 
     def lock(self, handle: Any) -> None:
         self.cache.inc_lock_ref(handle)

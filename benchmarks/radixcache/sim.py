@@ -33,7 +33,8 @@ class CacheAdapter(Protocol):
     def native_value(self, slots: np.ndarray) -> Any: ...
     def match(self, key: Any) -> tuple[int, Any, Any]: ...  # (length, handle, native indices)
     def indices_to_numpy(self, indices: Any) -> np.ndarray: ...
-    def insert(self, key: Any, value: Any) -> int: ...  # prefix_len
+    def insert(self, key: Any, value: Any, cached_len: int, finished: bool) -> tuple[int, np.ndarray | None]: ...
+    # (prefix_len, the slots to free, or None: the engine works them out, as SGLang's scheduler)
     def lock(self, handle: Any) -> None: ...
     def unlock(self, handle: Any) -> None: ...
     def evict(self, num_tokens: int) -> np.ndarray: ...
@@ -63,8 +64,9 @@ class RadixCacheAdapter:
     def indices_to_numpy(self, indices: Any) -> np.ndarray:
         return indices
 
-    def insert(self, key: Any, value: Any) -> int:
-        return self.cache.insert(key, value).prefix_len
+    def insert(self, key: Any, value: Any, cached_len: int, finished: bool) -> tuple[int, np.ndarray | None]:
+        r = self.cache.insert(key, value, cached_len=cached_len, finished=finished)
+        return r.prefix_len, r.free
 
     def lock(self, handle: Any) -> None:
         self.cache.lock(handle)
@@ -214,8 +216,9 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
             # cache each prompt now so that later rounds can share it (cache_unfinished_req)
             for key, run in prefilled:
                 n_prompt = len(run.req.prompt)
-                prefix = timed("insert", cache.insert, key, cache.native_value(run.kv[:n_prompt]))
-                alloc.free(run.kv[run.cached_len : prefix])
+                prefix, free = timed("insert", cache.insert, key, cache.native_value(run.kv[:n_prompt]),
+                                     run.cached_len, False)
+                alloc.free(run.kv[run.cached_len : prefix] if free is None else free)
                 length2, handle2, idx2 = timed("match", cache.match, key)
                 timed("lock", cache.lock, handle2)
                 timed("lock", cache.unlock, run.handle)
@@ -232,10 +235,13 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
             if run.remaining > 0:
                 still.append(run)
                 continue
-            prefix = timed("insert", cache.insert, run.full_key, cache.native_value(run.kv))
-            alloc.free(run.kv[run.cached_len : prefix])
-            n_full = len(run.req.prompt) + len(run.req.output)
-            alloc.free(run.kv[n_full - n_full % cache.page_size :])  # the unaligned tail's pages
+            prefix, free = timed("insert", cache.insert, run.full_key, cache.native_value(run.kv), run.cached_len, True)
+            if free is None:  # the duplicates, then the unaligned tail's pages
+                alloc.free(run.kv[run.cached_len : prefix])
+                n_full = len(run.req.prompt) + len(run.req.output)
+                alloc.free(run.kv[n_full - n_full % cache.page_size :])
+            else:
+                alloc.free(free)
             timed("lock", cache.unlock, run.handle)
             res.requests += 1
             for child in children.get(run.req.rid, ()):

@@ -135,10 +135,10 @@ def test_insert_extends_a_leaf_in_place() -> None:
     cache = RadixCache()
     _ins(cache, [1, 2, 3], 10)
     node = cache.match_prefix([1, 2, 3]).last_node
-    cache.lock(node)  # a running request holds the leaf
-    r = cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
+    cache.lock(node)  # a running request holds the leaf and appends to its own key
+    r = cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14], cached_len=3)
     assert r.prefix_len == 3 and r.last_node is node and cache.num_nodes() == 1
-    assert cache.protected_size == 5 and cache.evictable_size == 0  # the lock covers the new tail
+    assert cache.protected_size == 5 and cache.evictable_size == 0  # its lock covers its new tail
     assert cache.unlock(node) == 5
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == [10, 11, 12, 13, 14]
     chained = RadixCache(merge_leaves=False)
@@ -147,6 +147,22 @@ def test_insert_extends_a_leaf_in_place() -> None:
     assert chained.num_nodes() == 2
     cache.check_integrity()
     chained.check_integrity()
+
+
+def test_no_lock_protects_tokens_another_request_appended() -> None:
+    """A leaf grows in place only for its own single holder: when another request holds it (or
+    the holder is unknown: no cached_len), the insert hangs a new leaf, which stays evictable."""
+    for holders, cached_len in ((1, None), (1, 0), (2, 3)):
+        cache = RadixCache()
+        _ins(cache, [1, 2, 3], 10)
+        node = cache.match_prefix([1, 2, 3]).last_node
+        for _ in range(holders):
+            cache.lock(node)
+        r = cache.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14], cached_len=cached_len)
+        assert r.last_node is not node and r.last_node.parent is node and cache.num_nodes() == 2
+        assert cache.sizes()[1:3] == (2, 3)  # evictable, protected: the lock covers only its tokens
+        assert cache.evict(5).tolist() == [13, 14]
+        cache.check_integrity()
 
 
 def test_lock_of_evicted_node_raises() -> None:
@@ -490,5 +506,6 @@ def test_an_extended_leaf_key_is_joined_when_read() -> None:
     assert upper is not None and upper.key == np.arange(1, 7, dtype=np.int64).tobytes()
     assert leaf.token_ids().tolist() == [7, 8, 9, 10, 11, 12]
     c.check_integrity()
-    assert len(c.evict(3)) == 4 and leaf.token_ids().tolist() in ([7, 8], [7, 8, 9, 10, 11, 12])
+    assert len(c.evict(3)) == 4  # whole pages; the leaf, if trimmed, keeps the head of its key
+    assert leaf.removed or leaf.token_ids().tolist() == [7, 8, 9, 10, 11, 12][: leaf.num_tokens]
     c.check_integrity()

@@ -35,13 +35,19 @@ def test_lru_order() -> None:
     assert _evict_order(cache) == [1, 3, 2, 0]
 
 
-def test_lru_split_leaves_unused_tail_older() -> None:
-    cache = RadixCache(eviction="lru")
-    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
-    cache.insert([5], [20])
-    cache.match_prefix([1, 2])  # splits: [1,2] is fresh, its tail [3,4] keeps the old clock
-    assert cache.evict(2).tolist() == [12, 13]
-    assert cache.evict(1).tolist() == [20]
+def test_lru_split_refreshes_both_halves() -> None:
+    """A match that ends inside an edge refreshes the clock of the whole edge, its unmatched
+    lower half included (as SGLang's tree: the split happens on a node the match touched)."""
+    for match in ("match_prefix", "insert"):
+        cache = RadixCache(eviction="lru")
+        cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+        cache.insert([5], [20])
+        if match == "match_prefix":
+            cache.match_prefix([1, 2, 9])  # splits after [1, 2]
+        else:
+            cache.insert([1, 2, 9], [10, 11, 30])  # splits after [1, 2], adds [9]
+        assert cache.evict(1).tolist() == [20]  # the untouched leaf is the oldest
+        assert cache.peek_prefix_len([1, 2, 3, 4]) == 4
 
 
 def test_lfu_order() -> None:

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixcache import PrefixPath, RadixCache, SlotAllocator, TreeNode
+from radixcache import MatchResult, PrefixPath, RadixCache, SlotAllocator, TreeNode
 from radixcache.testing import NaivePrefixCache
 
 NUM_SLOTS = 512
@@ -312,3 +312,163 @@ def test_whole_node_mode_matches_naive_model(page_size: int) -> None:
     options = {"merge_leaves": False, "trim_leaves": False}
     machine = type(f"MachineWhole_{page_size}", (CacheMachine,), {"page_size": page_size, "options": options})
     settings(_SETTINGS, max_examples=15)(machine).TestCase().runTest()
+
+
+class EngineApiMachine(CacheMachine):
+    """The same engine through the bookkeeping-owning API: the cache is given the allocator,
+    admits match with `limit` (keys as lists or int32 arrays), `alloc` evicts when short,
+    `insert(..., cached_len=...)` frees the duplicates (and at finish the unaligned tail), `evict`
+    and `reset` free into the allocator. Checked as well: `sizes()` agrees with the naive model
+    and the allocator, and `free + total + held by requests == NUM_SLOTS` after every step."""
+
+    @initialize()
+    def setup(self) -> None:
+        super().setup()
+        self.cache = RadixCache(self.page_size, self.eviction, allocator=self.alloc, **self.options)
+        self.finished: list[tuple[np.ndarray, str | None]] = []
+
+    def _alloc(self, num_tokens: int) -> np.ndarray | None:
+        """`cache.alloc`; the model drops what it evicted. None only when free + evictable
+        cannot cover it (then nothing was evicted)."""
+        before = self._tree_slots()
+        free_before, evictable = self.alloc.available, self.cache.evictable_size
+        new = self.cache.alloc(num_tokens)
+        evicted = sorted(before - self._tree_slots())
+        if evicted:
+            self.model.remove_slots(np.asarray(evicted, dtype=np.int64))
+        if new is None:
+            assert self.alloc.alloc_size(num_tokens) > free_before + evictable and not evicted
+        else:
+            assert len(new) == self.alloc.alloc_size(num_tokens)
+        return new
+
+    def _evict_into_allocator(self, num_tokens: int) -> None:
+        locked = {int(s) for r in self.running.values() for s in r.kv[: r.cached_len]}
+        before = self.model.slots()
+        assert len(self.cache.evict(num_tokens)) == 0  # freed into the allocator
+        cached_now = self._tree_slots()
+        freed = sorted(before - cached_now)
+        assert not locked.intersection(freed), "evicted a locked slot"
+        assert len(freed) >= min(num_tokens, len(before) - len(locked)) or not self.cache.evictable_size
+        self.model.remove_slots(np.asarray(freed, dtype=np.int64))
+        for s in freed:
+            assert not self.alloc.is_allocated(s), f"evicted slot {s} not back in the allocator"
+
+    def _tree_slots(self) -> set[int]:
+        out: set[int] = set()
+        for node in self.cache._walk():
+            out.update(node.value.tolist())
+        return out
+
+    @rule(
+        target=CacheMachine.requests,
+        chunks=st.lists(st.integers(0, 3), max_size=6),
+        tail=st.lists(st.integers(0, 3), max_size=20),
+        ns=st.sampled_from([None, None, "a"]),
+        kind=st.sampled_from(["list", "int32", "int64"]),
+        cut=st.integers(0, 3),
+        budget=st.integers(0, 200),
+    )
+    def admit(self, chunks: list[int], tail: list[int], ns: str | None, kind: str, cut: int, budget: int) -> int:
+        """Admission with a decode budget: slots past the key, held until the finish."""
+        key = self._key(chunks, tail)
+        m = self._match_limited(key, ns, kind, cut)
+        self.cache.lock(m.last_node)
+        new = self._alloc(len(key) - m.length + budget)
+        if new is None:
+            self.cache.unlock(m.last_node)
+            return -1
+        kv = np.concatenate([m.indices, new])
+        rid = self.next_id
+        self.next_id += 1
+        self.running[rid] = _Req(key, ns, kv, m.length, m.last_node)
+        return rid
+
+    def _match_limited(self, key: np.ndarray, ns: str | None, kind: str, cut: int) -> MatchResult:
+        limit = max(len(key) - cut, 0)
+        want_len, want_slots = self.model.longest_prefix(key[:limit], ns)
+        given = key.tolist() if kind == "list" else key.astype(np.int32) if kind == "int32" else key
+        m = self.cache.match_prefix(given, ns, limit=limit)
+        assert (m.length, m.indices.tolist()) == (want_len, want_slots) and m.length <= limit
+        return m
+
+    @rule(i=st.integers(0, 7), kind=st.sampled_from(["list", "int32", "int64"]), cut=st.integers(0, 2))
+    def match_finished_again(self, i: int, kind: str, cut: int) -> None:
+        """A finished request's key again (often cached whole): the limit must hold."""
+        if self.finished:
+            key, ns = self.finished[i % len(self.finished)]
+            self._match_limited(key, ns, kind, cut)
+
+    @rule(rid=CacheMachine.requests, tail=st.lists(st.integers(0, 3), min_size=1, max_size=20))
+    def decode(self, rid: int, tail: list[int]) -> None:
+        """The key grows into the request's spare slots first, then into `cache.alloc`'s."""
+        req = self.running.get(rid)
+        if req is None:
+            return
+        need = len(tail) - (len(req.kv) - len(req.key))
+        if need > 0:
+            new = self._alloc(need)
+            if new is None:
+                return
+            req.kv = np.concatenate([req.kv, new])
+        req.key = np.concatenate([req.key, np.asarray(tail, dtype=np.int64)])
+
+    def _settle(self, req: _Req, finished: bool) -> int:
+        value = req.kv if finished else req.kv[: len(req.key)]
+        held_before = self._req_pages(value[req.cached_len :])
+        r = self.cache.insert(req.key, value, req.extra_key, cached_len=req.cached_len, finished=finished)
+        assert len(r.free) == 0  # freed into the allocator
+        assert r.prefix_len == self.model.insert(req.key, req.kv, req.extra_key) >= req.cached_len
+        aligned = self.cache.aligned_len(len(req.key))
+        kept = self._req_pages(value[r.prefix_len : aligned]) | (set() if finished else self._req_pages(value[aligned:]))
+        for page in held_before:  # exactly the pages neither the tree took nor the request keeps
+            assert self.alloc.is_allocated(page * self.page_size) == (page in kept), page
+        return r.prefix_len
+
+    def _req_pages(self, slots: np.ndarray) -> set[int]:
+        return {int(s) // self.page_size for s in slots}
+
+    @rule(rid=consumes(CacheMachine.requests))
+    def finish(self, rid: int) -> None:
+        req = self.running.pop(rid, None)
+        if req is None:
+            return
+        self._settle(req, finished=True)
+        self.cache.unlock(req.last_node)
+        self.finished = [*self.finished[-7:], (req.key, req.extra_key)]
+
+    @rule(rid=CacheMachine.requests)
+    def checkpoint(self, rid: int) -> None:
+        req = self.running.get(rid)
+        if req is None:
+            return
+        self._settle(req, finished=False)
+        m = self.cache.match_prefix(req.key, req.extra_key)
+        self.cache.lock(m.last_node)
+        self.cache.unlock(req.last_node)
+        req.kv = np.concatenate([m.indices, req.kv[m.length :]])
+        req.cached_len = m.length
+        req.last_node = m.last_node
+
+    @precondition(lambda self: not self.running)
+    @rule()
+    def reset_when_idle(self) -> None:
+        assert len(self.cache.reset()) == 0
+        self.model.reset()
+
+    @invariant()
+    def sizes_agree(self) -> None:
+        s = self.cache.sizes()
+        assert s.total == s.evictable + s.protected == self.model.total_size
+        held = {p for r in self.running.values() for p in self._req_pages(r.kv[r.cached_len :])}
+        assert s.free == self.alloc.available
+        assert s.free + s.total + len(held) * self.page_size == NUM_SLOTS, "a slot leaked"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("merge", [True, False])
+def test_engine_api_conserves_slots(page_size: int, merge: bool) -> None:
+    """The bookkeeping-owning API (allocator given to the cache) against the naive model."""
+    options = {} if merge else {"merge_leaves": False, "trim_leaves": False}
+    machine = type(f"EngineApi_{page_size}_{merge}", (EngineApiMachine,), {"page_size": page_size, "options": options})
+    settings(_SETTINGS, max_examples=30)(machine).TestCase().runTest()

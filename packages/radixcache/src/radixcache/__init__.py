@@ -5,7 +5,7 @@ ownership protocol an engine follows.
 """
 
 from radixcache.allocator import SlotAllocator
-from radixcache.cache import InsertResult, MatchResult, PrefixPath, RadixCache, TouchPlan, as_key
+from radixcache.cache import CacheSizes, InsertResult, MatchResult, PrefixPath, RadixCache, TouchPlan
 from radixcache.config import RadixCacheConfig
 from radixcache.errors import (
     IntegrityError,
@@ -16,6 +16,7 @@ from radixcache.errors import (
     UnknownPolicyError,
 )
 from radixcache.events import AllCleared, Event, PageRemoved, PageStored
+from radixcache.keys import KeyLike, as_key
 from radixcache.node import TreeNode
 from radixcache.ordering import AgingQueue, Ordering, PrefixIndex, dfs_weight_order, longest_prefix_first
 from radixcache.policy import (
@@ -34,12 +35,14 @@ __all__ = [
     "BUILTIN_POLICIES",
     "AgingQueue",
     "AllCleared",
+    "CacheSizes",
     "Event",
     "EvictionPolicy",
     "FIFOPolicy",
     "InsertResult",
     "IntegrityError",
     "InvalidKeyError",
+    "KeyLike",
     "LFUPolicy",
     "LRUPolicy",
     "LockError",

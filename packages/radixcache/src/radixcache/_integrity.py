@@ -8,7 +8,8 @@ import numpy as np
 
 from radixcache.errors import IntegrityError
 from radixcache.events import chain_hashes, hash_to_bytes, namespace_seed
-from radixcache.node import TOKEN_BYTES, TreeNode
+from radixcache.keys import TOKEN_BYTES
+from radixcache.node import TreeNode
 
 if TYPE_CHECKING:
     from radixcache.cache import RadixCache

@@ -11,16 +11,23 @@ from radixcache.errors import SlotError
 class SlotAllocator:
     """Hands out KV-cache slot ids in whole pages of `page_size` slots.
 
-    There are `num_slots` usable slots, ids `page_size .. num_slots + page_size - 1`; page 0
-    (slots `0 .. page_size - 1`) is never handed out, so slot 0 can pad batches. A KV buffer for
-    this allocator needs `buffer_size = num_slots + page_size` rows.
+    Sizing, explicitly: `num_slots` usable slots (a multiple of `page_size`: `num_pages` pages),
+    ids `page_size .. num_slots + page_size - 1`; page 0 (slots `0 .. page_size - 1`) is never
+    handed out, so slot 0 can pad batches. A KV buffer for this allocator needs
+    `buffer_size = num_slots + page_size` rows. To fit an existing buffer of R rows, use
+    `SlotAllocator.for_buffer(R, page_size)` (`num_slots = R - page_size`, rounded down to pages).
+    `alloc(n)` hands out `alloc_size(n)` slots (`n` rounded up to whole pages).
     """
 
     def __init__(self, num_slots: int, page_size: int = 1) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise SlotError(f"page_size must be a positive int, got {page_size!r}")
         if not isinstance(num_slots, int) or num_slots < 0 or num_slots % page_size:
-            raise SlotError(f"num_slots must be an int >= 0 and a multiple of page_size={page_size}, got {num_slots!r}")
+            raise SlotError(
+                f"num_slots must be an int >= 0 and a multiple of page_size={page_size}, got {num_slots!r} "
+                "(num_slots counts usable slots; the padding page is extra: buffer_size = num_slots + page_size; "
+                "SlotAllocator.for_buffer(rows, page_size) sizes one to a buffer)"
+            )
         self._page_size = page_size
         self._num_pages = num_slots // page_size
         self._offsets = np.arange(page_size, dtype=np.int64)
@@ -32,9 +39,28 @@ class SlotAllocator:
         self._top = self._num_pages
         self._allocated = np.zeros(self._num_pages + 1, dtype=bool)
 
+    @classmethod
+    def for_buffer(cls, buffer_size: int, page_size: int = 1) -> SlotAllocator:
+        """The largest allocator whose `buffer_size` fits in `buffer_size` rows (the padding page
+        included): `num_slots = (buffer_size // page_size - 1) * page_size`."""
+        if not isinstance(buffer_size, int) or not isinstance(page_size, int) or page_size < 1:
+            raise SlotError(f"buffer_size and page_size must be ints (page_size >= 1), got {buffer_size!r}, {page_size!r}")
+        if buffer_size < page_size:
+            raise SlotError(f"buffer_size={buffer_size} cannot hold the padding page (page_size={page_size})")
+        return cls((buffer_size // page_size - 1) * page_size, page_size)
+
     @property
     def page_size(self) -> int:
         return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Usable pages (`num_slots // page_size`); page 0, the padding page, is not counted."""
+        return self._num_pages
+
+    def alloc_size(self, num_tokens: int) -> int:
+        """Slots `alloc(num_tokens)` hands out: `num_tokens` rounded up to whole pages."""
+        return -(-num_tokens // self._page_size) * self._page_size
 
     @property
     def num_slots(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, TextIO
 import numpy as np
 import numpy.typing as npt
 
+from radixcache.allocator import SlotAllocator
 from radixcache.config import RadixCacheConfig
 from radixcache.errors import InvalidKeyError, LockError
 from radixcache.events import (
@@ -25,14 +26,12 @@ from radixcache.events import (
     hash_to_bytes,
     namespace_seed,
 )
-from radixcache.node import TOKEN_BYTES, TreeNode
+from radixcache.keys import EMPTY as _EMPTY
+from radixcache.keys import INT64 as _INT64
+from radixcache.keys import TOKEN_BYTES, KeyLike, as_key
+from radixcache.keys import key_bytes as _key_bytes
+from radixcache.node import TreeNode
 from radixcache.policy import EvictionPolicy, make_policy
-
-KeyLike = npt.ArrayLike  # 1-D sequence of int token ids; an int64 ndarray avoids a conversion
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.setflags(write=False)
-_INT64 = np.dtype(np.int64)  # positional to np.frombuffer: half the cost of dtype=np.int64
 
 
 class MatchResult(NamedTuple):
@@ -40,8 +39,9 @@ class MatchResult(NamedTuple):
 
     - `indices`: slot ids of the matched prefix, read-only, shape (length,). Owned by the tree.
     - `last_node`: the node that ends exactly at `length` when returned. Lock it at once (before
-      any `evict`) and keep it locked while the slots are in use; a locked node may later grow by
-      an in-place extension or be split, and it still protects these slots.
+      any `evict`) and keep it locked while the slots are in use; a locked node may later be
+      split (or grow in place by its single holder's own insert), and it still protects these
+      slots.
     - `length`: number of matched tokens, a multiple of `page_size`.
     """
 
@@ -91,39 +91,32 @@ class InsertResult(NamedTuple):
     - `prefix_len`: leading tokens that were already cached before this call; the caller's
       slots `value[:prefix_len]` were NOT taken by the tree (free the ones you allocated).
     - `last_node`: the node that ends at the inserted (page-aligned) length.
+    - `free`: with `insert(..., cached_len=...)`, exactly the slots of `value` the caller must
+      now free (duplicates of what the tree already held, and with `finished` the unaligned
+      tail and anything past the key); empty when the cache frees them through its allocator,
+      or without `cached_len`.
     """
 
     prefix_len: int
     last_node: TreeNode
+    free: npt.NDArray[np.int64] = _EMPTY
 
 
-def as_key(key: KeyLike) -> npt.NDArray[np.int64]:
-    """`key` as a 1-D int64 array (no copy when it already is one); raises `InvalidKeyError`."""
-    if type(key) is np.ndarray and key.dtype is _INT64 and key.ndim == 1:  # the usual key: fast
-        return key
-    if isinstance(key, np.ndarray) and key.dtype == np.int64 and key.ndim == 1:
-        return key
-    try:
-        arr = np.asarray(key, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise InvalidKeyError(f"key must be a 1-D sequence of int token ids: {exc}") from exc
-    if arr.ndim != 1:
-        raise InvalidKeyError(f"key must be 1-D, got shape {arr.shape}")
-    return arr
+class CacheSizes(NamedTuple):
+    """Result of `RadixCache.sizes()`, in slots (= tokens).
 
+    - `total`: held by the tree (`evictable + protected`).
+    - `evictable`: held by unlocked nodes (`evict` can reclaim them).
+    - `protected`: held by locked nodes.
+    - `free`: free in the attached `SlotAllocator` (None without one). With an allocator,
+      `free + evictable` is what `alloc` can hand out now, and `free + total + (slots held by
+      requests) == allocator.num_slots` at all times.
+    """
 
-def _key_bytes(arr: npt.NDArray[np.int64], n: int) -> bytes:
-    """`arr[:n].tobytes()` (arr: a 1-D int64 key); no copy when `arr` is exactly the bytes
-    object it views (a key made by `np.frombuffer(bytes)`, or a whole-length view of one)."""
-    base = arr.base
-    if type(base) is bytes:  # np.frombuffer(base): contiguous, so all of base when as long
-        if len(base) == n * TOKEN_BYTES:
-            return base
-    elif type(base) is np.ndarray and n == len(arr) and arr.strides == (TOKEN_BYTES,):
-        outer = base.base  # a view of a frombuffer array: all of its bytes when as long
-        if type(outer) is bytes and len(outer) == n * TOKEN_BYTES:
-            return outer
-    return arr[:n].tobytes()
+    total: int
+    evictable: int
+    protected: int
+    free: int | None
 
 
 class RadixCache:
@@ -135,9 +128,15 @@ class RadixCache:
 
     `merge_leaves=True`: an insert that continues a leaf (the next chat turn, an agent's next
     step) extends that leaf in place instead of hanging a one-child chain under it, so paths stay
-    short. `trim_leaves=True`: `evict` frees exactly what is asked (rounded up to pages) by
+    short; a locked leaf only for its single holder (an insert with `cached_len` ending at it, or
+    `insert_below` it), so no lock ever protects tokens another request appended. `trim_leaves=True`: `evict` frees exactly what is asked (rounded up to pages) by
     cutting the tail of the policy's first leaf, instead of freeing whole leaves. Setting both to
     False gives SGLang's granularity.
+
+    `allocator`: a `SlotAllocator` of the same page size that the cache then frees into itself:
+    `evict`, `reset` and `insert(..., cached_len=...)` return empty arrays (nothing left for the
+    caller to free), `alloc` evicts as needed, and `sizes().free` is the allocator's.
+    Without one, each of those calls returns the slots the caller must free.
     """
 
     def __init__(
@@ -148,9 +147,13 @@ class RadixCache:
         enable_events: bool = False,
         merge_leaves: bool = True,
         trim_leaves: bool = True,
+        allocator: SlotAllocator | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if allocator is not None and allocator.page_size != page_size:
+            raise ValueError(f"allocator.page_size={allocator.page_size} != page_size={page_size}")
+        self._allocator = allocator
         self._page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
         self._policy = make_policy(eviction)
@@ -170,10 +173,11 @@ class RadixCache:
         self._events: list[Event] = []
 
     @classmethod
-    def from_config(cls, config: RadixCacheConfig) -> RadixCache:
-        """A cache built from `config` (page size, eviction policy, events)."""
+    def from_config(cls, config: RadixCacheConfig, allocator: SlotAllocator | None = None) -> RadixCache:
+        """A cache built from `config` (page size, eviction policy, events), freeing into
+        `allocator` when given."""
         return cls(config.page_size, config.eviction, enable_events=config.enable_events,
-                   merge_leaves=config.merge_leaves, trim_leaves=config.trim_leaves)
+                   merge_leaves=config.merge_leaves, trim_leaves=config.trim_leaves, allocator=allocator)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -205,6 +209,34 @@ class RadixCache:
         return self._evictable + self._protected
 
     @property
+    def allocator(self) -> SlotAllocator | None:
+        """The attached `SlotAllocator` (the cache frees evicted and surplus slots into it)."""
+        return self._allocator
+
+    def sizes(self) -> CacheSizes:
+        """`CacheSizes(total, evictable, protected, free)`. Mutates nothing."""
+        a = self._allocator
+        return CacheSizes(self._evictable + self._protected, self._evictable, self._protected,
+                          None if a is None else a.available)
+
+    def alloc(self, num_tokens: int) -> npt.NDArray[np.int64] | None:
+        """`allocator.alloc(num_tokens)` (whole pages: `allocator.alloc_size(num_tokens)` slots),
+        evicting unlocked leaves in policy order first when too few slots are free; None (and
+        nothing evicted) when free + evictable cannot cover it. The request owns the slots.
+        Needs an attached allocator. Mutates: the allocator, the tree (eviction)."""
+        a = self._allocator
+        if a is None:
+            raise ValueError("alloc needs a cache built with allocator=SlotAllocator(...)")
+        slots = a.alloc(num_tokens)
+        if slots is None:
+            need = a.alloc_size(num_tokens) - a.available
+            if need > self._evictable:
+                return None
+            self.evict(need)
+            slots = a.alloc(num_tokens)
+        return slots
+
+    @property
     def version(self) -> int:
         """Structure counter: unchanged means every `find_prefix` result is still exact (no node
         was added, extended, trimmed, split or removed since). Clocks and locks do not count."""
@@ -215,14 +247,17 @@ class RadixCache:
         return num_tokens - num_tokens % self._page_size
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, key: KeyLike, extra_key: Hashable = None) -> MatchResult:
-        """Longest cached page-aligned prefix of `key` in namespace `extra_key`.
+    def match_prefix(self, key: KeyLike, extra_key: Hashable = None, *, limit: int | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of `key` in namespace `extra_key`, at most `limit`
+        tokens when given (an engine passes `len(key) - 1`: the last token is computed for its
+        logits). `key`: any 1-D int sequence (see `as_key`).
 
         Mutates: the access clock and hit count of every node on the matched path, and splits
         the last node when the match ends inside its edge (so `last_node` ends exactly at
-        `length`). Never changes which slots are cached, nor any size.
+        `length`; the unmatched lower half's clock is refreshed too). Never changes which slots
+        are cached, nor any size.
         """
-        arr = as_key(key)
+        arr = _limited(as_key(key), limit)
         root = self._roots.get(extra_key)
         n = len(arr) - len(arr) % self._page_size
         if root is None or n == 0:
@@ -246,6 +281,7 @@ class RadixCache:
             cl = len(ck)
             if kb[pos : pos + cl] != ck:
                 m = self._common_len(ck, arr, pos // TOKEN_BYTES)
+                child.last_access = tick  # NOTE: the unmatched lower half is refreshed too (as SGLang)
                 child = self._split(child, m)
                 cl = m * TOKEN_BYTES
             child.last_access = tick
@@ -275,6 +311,7 @@ class RadixCache:
         self._tick += 1
         tick = self._tick
         if partial is not None:  # split where the match ends, as match_prefix does
+            partial.last_access = tick
             node = self._split(partial, path.length - self.path_len(node))
         values = self._stamp_path_values(node, tick)
         if not values:
@@ -320,7 +357,14 @@ class RadixCache:
         return sum(map(len, self._stamp_path_values(node, self._tick)))
 
     def insert(
-        self, key: KeyLike, value: KeyLike, extra_key: Hashable = None, priority: int = 0
+        self,
+        key: KeyLike,
+        value: KeyLike,
+        extra_key: Hashable = None,
+        priority: int = 0,
+        *,
+        cached_len: int | None = None,
+        finished: bool = True,
     ) -> InsertResult:
         """Cache `value[i]` (a slot id) as the KV of token `key[i]` for the page-aligned part.
 
@@ -330,20 +374,70 @@ class RadixCache:
         the caller keeps `value[:prefix_len]` (and frees the duplicates it allocated there) and
         the rest `value[aligned:]` (the unaligned tail).
 
+        With `cached_len` (the request's cached prefix length at admission, locked since), the
+        cache settles the request's slots: `value` is every slot the request holds, token by
+        token (`value[:cached_len]` the tree's), and `free` in the result is exactly what the
+        caller must free: the duplicates `value[cached_len:prefix_len]` (another request cached
+        those tokens meanwhile) and, when `finished` (the request is done with these slots), all
+        of `value[aligned:]`. With `finished=False` (a checkpoint of a running request) the
+        request keeps `value[aligned:]`; re-lock at `last_node` (`match_node` gives the tree's
+        slots for `value[:aligned]`). With an attached allocator the cache frees them itself.
+        Raises `ValueError` for a `cached_len` that is not page-aligned or past the aligned key,
+        and `LockError` when the tree no longer held the first `cached_len` tokens (the request
+        did not keep its match locked; the tree may then hold a slot twice).
+
         Mutates: adds at most one leaf or extends one leaf in place (and splits at most one
         node), refreshes the access clock along the path, raises node priorities to at least
         `priority`, grows `total_size` by `aligned - prefix_len` (as `protected_size` when the
-        extended leaf is locked, else `evictable_size`).
+        extended leaf is locked, else `evictable_size`); with `cached_len` and an allocator, the
+        allocator.
         """
         arr, val, n = self._key_value(key, value)
+        if cached_len is not None:
+            self._check_cached_len(cached_len, 0, n)
         root = self._roots.get(extra_key)
         if root is None:
             if n == 0:
-                return InsertResult(0, self._root)
+                r = InsertResult(0, self._root)
+                return r if cached_len is None else self._settle(r, val, 0, n, cached_len, finished)
             root = self._new_root(extra_key)
         self._tick += 1
         root.last_access = self._tick
-        return self._insert_below(root, 0, arr, val, n, priority)
+        r = self._insert_below(root, 0, arr, val, n, priority, cached_len)
+        return r if cached_len is None else self._settle(r, val, 0, n, cached_len, finished)
+
+    def _check_cached_len(self, cached_len: int, depth: int, n: int) -> None:
+        if cached_len % self._page_size or not depth <= cached_len <= depth + n:
+            raise ValueError(
+                f"cached_len={cached_len} must be page-aligned (page_size={self._page_size}) and within "
+                f"[{depth}, {depth + n}] (the path below the node, then the page-aligned key)"
+            )
+
+    def _settle(
+        self, r: InsertResult, val: npt.NDArray[np.int64], depth: int, n: int, cached_len: int, finished: bool
+    ) -> InsertResult:
+        """`r` with `free`: the caller's duplicates `val[cached_len - depth : prefix_len - depth]`
+        and, when `finished`, `val[n:]` (`val` starts at token `depth`, `n` its aligned part);
+        freed into the allocator instead when one is attached."""
+        if r.prefix_len < cached_len:
+            raise LockError(
+                f"the tree held {r.prefix_len} < cached_len={cached_len} tokens of the key: the request's "
+                "match was not kept locked (lock(m.last_node) until this insert)"
+            )
+        lo, hi = cached_len - depth, r.prefix_len - depth
+        dup = val[lo:hi]
+        tail = val[n:] if finished else _EMPTY
+        if not len(tail):
+            free = dup
+        elif not len(dup):
+            free = tail
+        else:
+            free = np.concatenate((dup, tail))
+        if self._allocator is not None:
+            if len(free):
+                self._allocator.free(free)
+            free = _EMPTY
+        return InsertResult(r.prefix_len, r.last_node, free)
 
     def _key_value(self, key: KeyLike, value: KeyLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
         """(key, value) as int64 arrays and the key's page-aligned length; raises
@@ -358,19 +452,30 @@ class RadixCache:
         return arr, val, n
 
     def insert_below(
-        self, node: TreeNode, key: KeyLike, value: KeyLike, priority: int = 0
+        self,
+        node: TreeNode,
+        key: KeyLike,
+        value: KeyLike,
+        priority: int = 0,
+        *,
+        cached_len: int | None = None,
+        finished: bool = True,
     ) -> InsertResult:
         """`insert(path + key, path_slots + value, node.extra_key, priority)`, where `path` is
         the whole key that ends at `node` (from its namespace root) and `path_slots` its slots,
         without walking that path: the same tree, clocks, hit counts, priorities and result
         (`prefix_len` counts from the namespace root). For a caller that holds `node` locked as
         the end of its key's cached prefix (appending what it computed since). A root stands for
-        an empty path. Raises `ValueError` for a removed node."""
+        an empty path. `cached_len` and `finished` as for `insert`, where `value` holds the
+        request's slots from `path_len(node)` on (so `cached_len >= path_len(node)`). Raises
+        `ValueError` for a removed node."""
         if node.removed:
             raise ValueError("insert_below needs a live node")
         if node.parent is None:
-            return self.insert(key, value, node.extra_key, priority)
+            return self.insert(key, value, node.extra_key, priority, cached_len=cached_len, finished=finished)
         arr, val, n = self._key_value(key, value)
+        if cached_len is not None:
+            self._check_cached_len(cached_len, self.path_len(node), n)
         self._tick += 1
         tick = self._tick
         depth = 0
@@ -383,11 +488,12 @@ class RadixCache:
             depth += len(cur.value)
             cur = cur.parent
         cur.last_access = tick
-        return self._insert_below(node, depth, arr, val, n, priority)
+        r = self._insert_below(node, depth, arr, val, n, priority, depth)
+        return r if cached_len is None else self._settle(r, val, depth, n, cached_len, finished)
 
     def path_len(self, node: TreeNode) -> int:
         """Tokens of the path from the namespace root to `node` (0 for a root); a walk up.
-        A locked node keeps it unless another insert extends it in place (`merge_leaves`)."""
+        A locked node keeps it unless its single holder's own insert extends it in place."""
         depth = 0
         while node.parent is not None:
             depth += len(node.value)
@@ -402,9 +508,11 @@ class RadixCache:
         val: npt.NDArray[np.int64],
         n: int,
         priority: int,
+        own_len: int | None,
     ) -> InsertResult:
         """insert's walk from `node` (ending at `depth` tokens, its clock already set) for the
-        first `n` (page-aligned) tokens of `arr`, slots `val`; at the current tick."""
+        first `n` (page-aligned) tokens of `arr`, slots `val`; at the current tick. `own_len`:
+        where the caller's own lock ends on this key (None: unknown)."""
         tick = self._tick
         kb = _key_bytes(arr, n)
         nb = len(kb)
@@ -418,6 +526,7 @@ class RadixCache:
             cl = len(ck)
             if kb[pos : pos + cl] != ck:
                 m = self._common_len(ck, arr, pos // TOKEN_BYTES)
+                child.last_access = tick  # the unmatched lower half too, as match_prefix
                 child = self._split(child, m)
                 cl = m * TOKEN_BYTES
             child.last_access = tick
@@ -430,15 +539,19 @@ class RadixCache:
                 break
         matched = pos // TOKEN_BYTES
         if pos < nb:
-            if self._merge_leaves and node.parent is not None and not node.children:
+            # NOTE: a leaf grows in place only when no other request's lock would then protect
+            # the new tokens: unlocked, or locked once by this caller (it ends where its lock does)
+            if (self._merge_leaves and node.parent is not None and not node.children
+                    and (node.lock_ref == 0 or (node.lock_ref == 1 and depth + matched == own_len))):
                 self._extend_leaf(node, kb[pos:], val[matched:n], priority, tick)
             else:
                 node = self._add_leaf(node, kb[pos:], val[matched:n], priority, tick)
         return InsertResult(depth + matched, node)
 
-    def peek_prefix_len(self, key: KeyLike, extra_key: Hashable = None) -> int:
-        """Length of the longest cached page-aligned prefix of `key`. Mutates nothing."""
-        return self._peek(as_key(key), extra_key)[0]
+    def peek_prefix_len(self, key: KeyLike, extra_key: Hashable = None, *, limit: int | None = None) -> int:
+        """Length of the longest cached page-aligned prefix of `key` (at most `limit`).
+        Mutates nothing."""
+        return self._peek(_limited(as_key(key), limit), extra_key)[0]
 
     def touch_prefix(self, key: KeyLike, extra_key: Hashable = None) -> int:
         """Refresh the access clock of the cached path of `key` (the node where the match ends
@@ -449,11 +562,12 @@ class RadixCache:
         """
         return self.touch_path(self.find_prefix(key, extra_key))
 
-    def find_prefix(self, key: KeyLike, extra_key: Hashable = None) -> PrefixPath:
-        """Where the longest cached page-aligned prefix of `key` ends (see `PrefixPath`).
-        Mutates nothing. A scheduler that peeks the same waiting request every round can keep
-        the path and reuse it while `version` is unchanged."""
-        length, node, partial, page = self._peek(as_key(key), extra_key)
+    def find_prefix(self, key: KeyLike, extra_key: Hashable = None, *, limit: int | None = None) -> PrefixPath:
+        """Where the longest cached page-aligned prefix of `key` (at most `limit`) ends (see
+        `PrefixPath`; it stands for the key cut at `limit`). Mutates nothing. A scheduler that
+        peeks the same waiting request every round can keep the path and reuse it while
+        `version` is unchanged."""
+        length, node, partial, page = self._peek(_limited(as_key(key), limit), extra_key)
         return PrefixPath(length, node, partial, self._version, page)
 
     def refresh_prefix(self, path: PrefixPath, key: KeyLike, extra_key: Hashable = None) -> PrefixPath:
@@ -590,8 +704,8 @@ class RadixCache:
         With `trim_leaves` (default) the last leaf visited loses only its tail, so exactly
         `num_tokens` rounded up to whole pages are freed when that many are evictable.
 
-        Returns the freed slot ids (the caller frees them in its allocator). Mutates the tree and
-        sizes.
+        Returns the freed slot ids for the caller to free in its allocator; empty when the
+        cache has an allocator (it freed them there). Mutates the tree, sizes (the allocator).
         """
         if num_tokens <= 0:
             return _EMPTY
@@ -625,11 +739,16 @@ class RadixCache:
             self._delete_leaf(node)
         if not freed:
             return _EMPTY
-        return freed[0].copy() if len(freed) == 1 else np.concatenate(freed)
+        out = freed[0].copy() if len(freed) == 1 else np.concatenate(freed)
+        if self._allocator is not None:
+            self._allocator.free(out)
+            return _EMPTY
+        return out
 
     def reset(self) -> npt.NDArray[np.int64]:
         """Drop every node (locked or not). Returns all slot ids the tree held, for the caller to
-        free. Old node handles become invalid (`lock`/`unlock` on them raise `LockError`)."""
+        free (empty with an allocator: freed there). Old node handles become invalid
+        (`lock`/`unlock` on them raise `LockError`)."""
         held: list[npt.NDArray[np.int64]] = []
         stack = list(self._roots.values())
         while stack:
@@ -646,7 +765,11 @@ class RadixCache:
         self._protected = 0
         if self._enable_events:
             self._events.append(AllCleared())
-        return np.concatenate(held) if held else _EMPTY.copy()
+        out = np.concatenate(held) if held else _EMPTY.copy()
+        if self._allocator is not None:
+            self._allocator.free(out)
+            return _EMPTY
+        return out
 
     def take_events(self) -> list[Event]:
         """Stored/removed page events since the last call (empty unless `enable_events`).
@@ -858,3 +981,12 @@ class RadixCache:
             pos += len(ck)
             node = child
         return pos // TOKEN_BYTES, node, None, None
+
+
+def _limited(arr: npt.NDArray[np.int64], limit: int | None) -> npt.NDArray[np.int64]:
+    """`arr[:limit]` (a view), or `arr` when `limit` is None or not shorter."""
+    if limit is None or limit >= len(arr):
+        return arr
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    return arr[:limit]

@@ -7,8 +7,6 @@ from collections.abc import Hashable
 import numpy as np
 import numpy.typing as npt
 
-TOKEN_BYTES = 8  # keys are stored as int64 bytes
-
 
 class TreeNode:
     """A node of `RadixCache`; callers treat it as an opaque handle (for `lock`/`unlock`).

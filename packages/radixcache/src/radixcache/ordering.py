@@ -23,7 +23,8 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from radixcache.cache import KeyLike, RadixCache, as_key
+from radixcache.cache import RadixCache
+from radixcache.keys import KeyLike, as_key
 from radixcache.node import TreeNode
 
 

@@ -11,7 +11,7 @@ from collections.abc import Hashable
 import numpy as np
 import numpy.typing as npt
 
-from radixcache.cache import KeyLike, as_key
+from radixcache.keys import KeyLike, as_key
 
 _Prefix = tuple[Hashable, tuple[int, ...]]
 
