@@ -2,7 +2,7 @@
 small instance of a finite universe: `dependentRequired` (and `dependencies` lists),
 `propertyNames` over string keywords, `not` of `const` / `enum` scalars, `uniqueItems` over items
 of a few scalar values, `contains` / `minContains`, `unevaluatedProperties` / `unevaluatedItems`
-of the outermost schema (they see what allOf and `$ref` siblings evaluate), `if` / `then` /
+in a schema without in-place applicators, `if` / `then` /
 `else` whose condition has a simple negation (booleans, types, scalar values, one numeric bound),
 `maxContains` over such a `contains`.
 
@@ -98,16 +98,14 @@ CASES: list[tuple[str, Any, list[Any]]] = [
                                       "uniqueItems": True, "items": False}, _arrays()),
     ("uniqueItems over prefixItems and items", {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, True]}],
                                                 "uniqueItems": True, "items": {"enum": [1, 2, "a"]}}, _arrays()),
-    ("unevaluatedProperties sees allOf", {"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}],
-                                          "unevaluatedProperties": False}, _objects()),
+    ("unevaluatedProperties false", {"type": "object", "properties": {"a": {}}, "patternProperties": {"^b": {}},
+                                     "unevaluatedProperties": False}, _objects()),
     ("unevaluatedProperties schema", {"type": "object", "properties": {"a": {}},
                                       "unevaluatedProperties": {"type": "string"}}, _objects()),
-    ("unevaluatedProperties beside $ref", {"$defs": {"d": {"properties": {"b": {}}}}, "$ref": "#/$defs/d",
-                                           "properties": {"a": {}}, "unevaluatedProperties": False}, _objects()),
     ("unevaluatedItems after prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}],
                                             "unevaluatedItems": False}, _arrays()),
-    ("unevaluatedItems schema", {"type": "array", "allOf": [{"prefixItems": [True]}],
-                                 "unevaluatedItems": {"type": "boolean"}}, _arrays()),
+    ("unevaluatedItems schema", {"type": "array", "prefixItems": [True], "unevaluatedItems": {"type": "boolean"}},
+     _arrays()),
 ]
 
 CONFIGS = {"spec": cfsm.CfsmConfig.spec(whitespace="compact"), "spec-flexible": cfsm.CfsmConfig.spec(),
@@ -175,6 +173,9 @@ def test_numbers_under_not_are_spelled_without_an_exponent() -> None:
      "propertyNames"),
     ({"type": "object", "allOf": [{"properties": {"a": {}}, "unevaluatedProperties": False}],
       "properties": {"b": {}}}, "unevaluatedProperties"),
+    ({"type": "object", "properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}, {"required": ["a"]}],
+      "unevaluatedProperties": False}, "unevaluatedProperties"),
+    ({"$defs": {"d": {"prefixItems": [True]}}, "$ref": "#/$defs/d", "unevaluatedItems": False}, "unevaluatedItems"),
 ])
 def test_what_stays_approximated_is_reported(schema: Any, keyword: str) -> None:
     _, notes = schema_tree(schema, cfsm.CfsmConfig.spec())

@@ -86,6 +86,9 @@ _TYPE_KEYWORDS = {
 }
 # keywords recorded as approximations when present (what the grammar does instead)
 _UNEVALUATED = frozenset({"unevaluatedProperties", "unevaluatedItems"})
+# keywords that apply subschemas to the same instance (their evaluations count for unevaluated*)
+_IN_PLACE = frozenset({"allOf", "anyOf", "oneOf", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+                       "dependentSchemas", "dependencies"})
 
 _SPECIAL = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
 _HEX = Chars(((48, 57), (65, 70), (97, 102)))
@@ -381,6 +384,14 @@ class _Compiler:
             return NOTHING
         if not isinstance(schema, dict):
             raise UnsupportedSchemaError("schema", path, f"expected an object or a boolean, got {type(schema).__name__}")
+        if _UNEVALUATED & schema.keys() and _IN_PLACE & schema.keys():
+            # NOTE: in-place applicators evaluate properties / items the merged schema cannot
+            # attribute (anyOf branches that also match, `if`, conflicting prefixItems): the
+            # unevaluated* keywords beside them are approximated (dropped); alone, they are exact
+            for key in sorted(_UNEVALUATED & schema.keys()):
+                if schema[key] not in (True, {}):
+                    self.approximate(key, f"{path}/{key}", "not enforced beside in-place applicators")
+            schema = {k: v for k, v in schema.items() if k not in _UNEVALUATED}
         if "$ref" in schema or "$dynamicRef" in schema or "$recursiveRef" in schema:
             return self._ref(schema, path)
         if "allOf" in schema:
