@@ -89,8 +89,9 @@ WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 # (GPU name, shape) -> the most rows of a speculative verify step at which the nvidia plugin measured faster than the
 # generic path (the decode graph of those rows, cuBLAS GEMMs); 0: it takes no verify step. Shapes without an entry: as
 # WINS_UP_TO. H200 8B: the earlier 0.86x (RESULTS.md, 2026-12-01) was measured on a head_dim-64 variant of the shape,
-# which has no tuned table (default dot blocks); on the real shape, with the multi-row kernels at 5-8 rows:
-# measured in bench_spec_serving (RESULTS.md issue 34, 2026-12-02).
+# which has no tuned table (default dot blocks). On the real shape, with the multi-row kernels at 5-8 rows,
+# bench_spec_serving (RESULTS.md issue 34, 2026-12-02; 5 drafts, 6 rows per request): 1.03x per user at concurrency 1
+# (graph of 8 rows) and 1.03x at 2 (graph of 16); more rows are beyond the plugin's 16-token coverage.
 VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 16,
 }
