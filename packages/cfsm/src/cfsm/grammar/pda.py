@@ -60,6 +60,9 @@ class _Nfa:
         self.calls: list[list[tuple[int, int]]] = []
         self.names = names
         self.memo = memo
+        # per enclosing Scope: the fragment of each Shared node, built once (Shared nodes sit in
+        # tail position, so every reference may enter the same fragment, as in `automaton`)
+        self.shared: list[dict[int, tuple[int, int]]] = [{}]
 
     def new(self) -> int:
         self.eps.append([])
@@ -70,6 +73,17 @@ class _Nfa:
         return len(self.eps) - 1
 
     def build(self, node: Node) -> tuple[int, int]:
+        if isinstance(node, Shared):
+            memo = self.shared[-1]
+            if id(node) not in memo:
+                memo[id(node)] = self.build(node.item)
+            return memo[id(node)]
+        if isinstance(node, Scope) and has_refs(node, self.memo):
+            self.shared.append({})
+            try:
+                return self.build(node.item)
+            finally:
+                self.shared.pop()
         if not has_refs(node, self.memo):
             return self._regular(node)
         if isinstance(node, RuleRef):
@@ -98,7 +112,7 @@ class _Nfa:
             self.eps[b].append(c)
             self.eps[d].append(a)
             return a, b
-        if isinstance(node, Scope | Shared):
+        if isinstance(node, Scope):
             return self.build(node.item)
         raise GrammarError(f"{type(node).__name__} over rule references is not supported (only over regular parts)")
 
