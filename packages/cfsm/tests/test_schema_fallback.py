@@ -127,3 +127,28 @@ def test_optional_members_with_free_json_share_their_tails() -> None:
             assert validator.is_valid(instance), text
         else:  # the default config fixes the property order
             assert not validator.is_valid(instance) or list(instance) != sorted(instance, key=lambda k: int(k[1:])), text
+
+
+def test_long_string_bounds_are_approximated_as_a_last_resort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No references to turn into rules: the compile drops string bounds above
+    `MAX_EXACT_LENGTH` and reports it (a superset: every valid text still accepted)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 300},
+                                               "n": {"type": "integer"}}, "required": ["name"]}
+    exact = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    assert isinstance(exact, cfsm.Index) and not exact.approximations
+    for module in (cfsm.automaton, cfsm.direct):
+        monkeypatch.setattr(module, "MAX_DFA_STATES", exact.dfa.num_states // 2)
+    loose = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    assert [(a.keyword, a.path) for a in loose.approximations] == [("maxLength", "#/properties/name")]
+    with pytest.raises(cfsm.UnsupportedSchemaError):
+        cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact", strict=True))
+    monkeypatch.undo()
+    validator = jsonschema.Draft202012Validator(schema)
+    for name in ["", "a", "a" * 300, "a" * 301, "é" * 40]:
+        for extra in ["", ',"n":3', ',"n":"x"']:
+            text = '{"name":' + json.dumps(name, ensure_ascii=False) + extra + "}"
+            valid = validator.is_valid(json.loads(text))
+            if valid:
+                assert _accepts(loose, text), text
+            elif _accepts(loose, text):
+                assert len(name) > 300, text  # only the approximated bound lets an invalid text through

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -140,9 +141,13 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
         # references copied inline made the automaton (or the tree) too large: each reference
         # target becomes one rule of a pushdown matcher instead, compiled once
         node, rules, approximations = schema_grammar(schema, cfg, refs_as_rules=True)
-        if not rules:
-            raise
-        return _rules_index(node, rules, vocab, key, approximations)
+        if rules:
+            with contextlib.suppress(GrammarError, GrammarTooLargeError):
+                return _rules_index(node, rules, vocab, key, approximations)
+        # last resort: long string bounds approximated (reported; refused in strict mode)
+        node, approximations = schema_tree(schema, cfg, loose_lengths=True)
+        index = _index_of(node, vocab, key, "schema")
+        return dataclasses.replace(index, approximations=approximations)
 
 
 def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str) -> Index:

@@ -63,6 +63,9 @@ MAX_ANY_ORDER_PROPERTIES = 10
 # `uniqueItems` is exact over items of at most this many scalar values (sequences of distinct
 # values: one automaton state per subset), and `contains` for `minContains` up to this
 MAX_UNIQUE_VALUES = 8
+# string lengths counted exactly when a schema's exact automaton is too large (`schema_tree(...,
+# loose_lengths=True)`, the compiler's last resort)
+MAX_EXACT_LENGTH = 256
 MAX_MIN_CONTAINS = 4
 # objects and arrays nested deeper than this in a schema document are refused up front (real
 # schemas stay far below; the compile recurses per level)
@@ -190,13 +193,16 @@ class _Compiler:
     rule compiled once from its target, so nesting has no bound (cfsm.grammar matches it)."""
 
     def __init__(self, root: Any, config: CfsmConfig, rules: dict[str, Node] | None = None,
-                 refs_as_rules: bool = False) -> None:
+                 refs_as_rules: bool = False, loose_lengths: bool = False) -> None:
         self.root = root
         self.cfg = config
         self.rules = rules
         # every plain `$ref` is a call of its target's rule, compiled once (rule mode; for schemas
         # whose references, copied inline, make too large an automaton)
         self.refs_as_rules = refs_as_rules and rules is not None
+        # string length bounds above MAX_EXACT_LENGTH are approximated (for schemas whose exact
+        # automaton is too large: each counted character is a few states)
+        self.loose_lengths = loose_lengths
         self._rule_of: dict[str, str] = {}  # reference target -> its rule (rule mode)
         if config.whitespace_pattern is not None:
             self.ws: Node = parse_regex(config.whitespace_pattern)
@@ -609,6 +615,11 @@ class _Compiler:
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         if hi is not None and lo > int(hi):
             return NOTHING  # NOTE: no string is valid (a Repeat with lo > hi would build some language)
+        if self.loose_lengths and (lo > MAX_EXACT_LENGTH or hi is not None and int(hi) > MAX_EXACT_LENGTH):
+            self.approximate("maxLength" if hi is not None and int(hi) > MAX_EXACT_LENGTH else "minLength", path,
+                             f"length bounds above {MAX_EXACT_LENGTH} are not enforced (the exact automaton is too large)")
+            lo = lo if lo <= MAX_EXACT_LENGTH else 0
+            hi = hi if hi is not None and int(hi) <= MAX_EXACT_LENGTH else None
         if lo or hi is not None:
             langs.append(Repeat(JSON_CHAR, lo, None if hi is None else int(hi)))
         if not langs:
@@ -898,11 +909,13 @@ def _is_assertion(keyword: str) -> bool:
     return keyword not in _STRUCTURAL
 
 
-def schema_tree(schema: Any, config: CfsmConfig | None = None) -> tuple[Node, tuple[Approximation, ...]]:
+def schema_tree(schema: Any, config: CfsmConfig | None = None, *,
+                loose_lengths: bool = False) -> tuple[Node, tuple[Approximation, ...]]:
     """Syntax tree of the JSON texts valid under `schema` (a dict, bool or JSON text), and what it
     over-approximates. Pure. Raises `UnsupportedSchemaError` for a malformed schema, a
-    reference outside it, or (strict mode) a keyword it can only over-approximate."""
-    node, _, approximations = _compile_schema(schema, config, rule_mode=False)
+    reference outside it, or (strict mode) a keyword it can only over-approximate.
+    `loose_lengths`: string length bounds above `MAX_EXACT_LENGTH` are approximated."""
+    node, _, approximations = _compile_schema(schema, config, rule_mode=False, loose_lengths=loose_lengths)
     return node, approximations
 
 
@@ -915,8 +928,8 @@ def schema_grammar(schema: Any, config: CfsmConfig | None = None, *,
     return _compile_schema(schema, config, rule_mode=True, refs_as_rules=refs_as_rules)
 
 
-def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool,
-                    refs_as_rules: bool = False) -> tuple[Node, dict[str, Node], tuple[Approximation, ...]]:
+def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool, refs_as_rules: bool = False,
+                    loose_lengths: bool = False) -> tuple[Node, dict[str, Node], tuple[Approximation, ...]]:
     """Both modes: parse a JSON text, compile, and halve the recursion bound while the schema has
     too many nodes to compile (rules stay empty outside rule mode). Pure."""
     if isinstance(schema, str | bytes):
@@ -928,7 +941,7 @@ def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool,
     cfg = config or CfsmConfig()
     while True:
         rules: dict[str, Node] = {}
-        comp = _Compiler(schema, cfg, rules if rule_mode else None, refs_as_rules)
+        comp = _Compiler(schema, cfg, rules if rule_mode else None, refs_as_rules, loose_lengths)
         try:
             node = comp.node(schema, "#")
         except RecursionError:
