@@ -354,6 +354,8 @@ class _Compiler:
         """`a` and `b` both; `b` is the inner schema (a subschema `a` applies in place): its
         `unevaluated*` keywords would see only its own evaluations, which the merge loses, so
         they are dropped (approximated). `a`'s see `b`'s properties and items, as the spec says."""
+        if isinstance(b, dict) and _CONDITIONAL & b.keys():
+            b = _conditional_kept_together(b)
         if isinstance(b, dict) and _UNEVALUATED & b.keys():
             for key in sorted(_UNEVALUATED & b.keys()):
                 if b[key] not in (True, {}):
@@ -797,6 +799,24 @@ def _counted(hit: Node, miss: Node, comma: Node, count: int) -> Node:
     for _ in range(count - 1):
         out += [comma, hit, more_misses]
     return cat(*out)
+
+
+_CONDITIONAL = frozenset({"if", "then", "else"})
+
+
+def _conditional_kept_together(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` about to be merged into another (allOf, a branch): its `if` / `then` / `else`
+    apply together, not with another subschema's, so they become an `anyOf` of (if and then),
+    (not if and else) where the negation is simple; `then` / `else` without `if` (and `if`
+    alone) assert nothing and are dropped. Otherwise they stay (approximated when compiled)."""
+    rest = {k: v for k, v in schema.items() if k not in _CONDITIONAL}
+    if "if" not in schema or not {"then", "else"} & schema.keys():
+        return rest
+    negated = _negation(schema["if"])
+    if negated is None:
+        return schema
+    branches = [{"allOf": [schema["if"], schema.get("then", True)]}, {"allOf": [negated, schema.get("else", True)]}]
+    return {**rest, "allOf": [*rest.get("allOf", []), {"anyOf": branches}]}
 
 
 _BOUND_NEGATIONS = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
