@@ -4,7 +4,7 @@ small instance of a finite universe: `dependentRequired` (and `dependencies` lis
 of a few scalar values, `contains` / `minContains`, `unevaluatedProperties` / `unevaluatedItems`
 in a schema without in-place applicators, `if` / `then` /
 `else` whose condition has a simple negation (booleans, types, scalar values, one numeric bound),
-`maxContains` over such a `contains`.
+`maxContains` over such a `contains`, up to three dependent schemas (absent, or present and valid).
 
 Each schema compiles in the spec config and the default one (compact and flexible whitespace);
 an instance is accepted exactly when the validator says it is valid, except for what the config
@@ -62,6 +62,12 @@ CASES: list[tuple[str, Any, list[Any]]] = [
                                             "dependentSchemas": {"a": {"required": ["c"]}}}, _objects()),
     ("dependentRequired on an undeclared name, closed object",
      {"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}, "additionalProperties": False},
+     _objects()),
+    ("dependentSchemas", {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+                          "dependentSchemas": {"a": {"properties": {"b": {"enum": [1, 2]}}}, "b": {"required": ["c"]}}},
+     _objects()),
+    ("dependencies with a schema (draft 7)", {"type": "object", "properties": {"a": {}, "b": {}},
+                                              "dependencies": {"a": {"properties": {"b": {"type": "string"}}}}},
      _objects()),
     ("propertyNames maxLength", {"type": "object", "propertyNames": {"maxLength": 1},
                                  "additionalProperties": {"type": "integer"}}, _objects()),
@@ -174,6 +180,8 @@ def test_numbers_under_not_are_spelled_without_an_exponent() -> None:
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "contains": {"type": "object", "required": ["a"]}, "maxContains": 1}, "contains"),
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}}, "dependentRequired"),
+    ({"type": "object", "dependentSchemas": {k: {"properties": {"a": {"type": "string"}}} for k in "wxyz"}},
+     "dependentSchemas"),
     ({"type": "object", "propertyNames": {"type": "string", "minimum": 3, "allOf": [{"maxLength": 2}]}},
      "propertyNames"),
     ({"type": "object", "allOf": [{"properties": {"a": {}}, "unevaluatedProperties": False}],

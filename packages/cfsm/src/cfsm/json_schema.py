@@ -428,6 +428,13 @@ class _Compiler:
                     self.approximate("oneOf", f"{path}/oneOf", "compiled as anyOf (exclusivity not enforced)")
                 rest = {k: v for k, v in schema.items() if k != key}
                 return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(schema[key])))
+        dependent = _dependent_schema(schema)
+        if dependent is not None:
+            # exact: either the property is absent, or present and the dependent schema holds
+            key, name, sub, rest = dependent
+            present = {**rest, "required": [*rest.get("required", []), name]}
+            absent = {**rest, "properties": {**rest.get("properties", {}), name: False}}
+            return alt(self._branch(present, sub, f"{path}/{key}/{name}"), self.node(absent, path))
         if "if" in schema:
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
             negated = _negation(schema["if"]) if "then" in schema or "else" in schema else None
@@ -802,6 +809,24 @@ def _counted(hit: Node, miss: Node, comma: Node, count: int) -> Node:
 
 
 _CONDITIONAL = frozenset({"if", "then", "else"})
+# dependent schemas expanded exactly per schema node (each doubles the branches)
+MAX_DEPENDENT_SCHEMAS = 3
+
+
+def _dependent_schema(schema: dict[str, Any]) -> tuple[str, str, Any, dict[str, Any]] | None:
+    """The first dependent schema of `schema` (`dependentSchemas`, or a draft 4-7 `dependencies`
+    entry with a schema) as (keyword, property, subschema, the schema without it), when there
+    are at most `MAX_DEPENDENT_SCHEMAS`; else None (the object compiler approximates them)."""
+    found = [(key, name, sub) for key in ("dependentSchemas", "dependencies") if isinstance(schema.get(key), dict)
+             for name, sub in schema[key].items() if isinstance(sub, dict | bool) and sub not in (True, {})]
+    if not found or len(found) > MAX_DEPENDENT_SCHEMAS:
+        return None
+    key, name, sub = found[0]
+    left = {k: v for k, v in schema[key].items() if k != name}
+    rest = {k: v for k, v in schema.items() if k != key}
+    if left:
+        rest[key] = left
+    return key, name, sub, rest
 
 
 def _conditional_kept_together(schema: dict[str, Any]) -> dict[str, Any]:
