@@ -195,3 +195,16 @@ def test_what_stays_approximated_is_reported(schema: Any, keyword: str) -> None:
     assert keyword in {n.keyword for n in notes}
     with pytest.raises(cfsm.UnsupportedSchemaError):
         schema_tree(schema, cfsm.CfsmConfig.spec(strict=True))
+
+
+def test_ref_beside_an_id_resolves_inside_its_target() -> None:
+    """A `$ref` whose target has its own `$id` (and relative references under it): merged with the
+    target first, the target's base stays the base of what it contains (JSON-Schema-Test-Suite)."""
+    schema = {"$id": "http://example.com/a.json", "$ref": "b.json",
+              "properties": {"foo": {"$id": "b.json", "$defs": {"inner": {"properties": {"bar": {"type": "string"}}}},
+                                     "$ref": "#/$defs/inner"}}}
+    dfa = build_dfa(schema_tree(schema, cfsm.CfsmConfig.spec(whitespace="compact"))[0])
+    validator = jsonschema.Draft202012Validator(schema)
+    for instance in [{"foo": {"bar": 1}, "bar": "a"}, {"foo": {"bar": "a"}, "bar": 1}, {"foo": {"bar": "a"}, "bar": "a"}]:
+        text = json.dumps(instance, separators=(",", ":"))
+        assert dfa.fullmatch(text.encode()) == validator.is_valid(instance), text

@@ -300,8 +300,7 @@ class _Compiler:
         self.bases.append(base)
         try:
             if any(_is_assertion(k) for k in rest):
-                # NOTE: `rest` is the outer schema (its unevaluated* see the target's evaluations)
-                return self.node({**rest, "allOf": [target, *rest.get("allOf", [])]}, path)
+                return self.node({"allOf": [target, rest]}, path)
             return self.node(target, f"{path}/{key}")
         finally:
             self.bases.pop()
@@ -347,13 +346,19 @@ class _Compiler:
             target, base = self.refs.resolve(sub["$ref"], self.bases[-1], f"{path}/$ref")
             if not self._enter(f"{base}#{id(target)}", entered):
                 return False
-            sub = extra if target is True else self._merge(extra, target, path) if isinstance(target, dict) else target
+            # NOTE: the target first, so that its `$id` stays the base of what it contains
+            sub = extra if target is True else merge_schemas(self._inner(target, path), extra, path, self.approximate) \
+                if isinstance(target, dict) else target
         return sub
 
     def _merge(self, a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
-        """`a` and `b` both; `b` is the inner schema (a subschema `a` applies in place): its
-        `unevaluated*` keywords would see only its own evaluations, which the merge loses, so
-        they are dropped (approximated). `a`'s see `b`'s properties and items, as the spec says."""
+        """`a` and `b` both; `b` is the inner schema (a subschema `a` applies in place)."""
+        return merge_schemas(a, self._inner(b, path), path, self.approximate)
+
+    def _inner(self, b: Any, path: str) -> Any:
+        """`b` made ready to merge into the schema that applies it in place: its conditionals kept
+        together (`_conditional_kept_together`), its `unevaluated*` keywords (which would see only
+        its own evaluations, lost in the merge) dropped and approximated."""
         if isinstance(b, dict) and _CONDITIONAL & b.keys():
             b = _conditional_kept_together(b)
         if isinstance(b, dict) and _UNEVALUATED & b.keys():
@@ -361,7 +366,7 @@ class _Compiler:
                 if b[key] not in (True, {}):
                     self.approximate(key, f"{path}/{key}", "not enforced inside an in-place applicator")
             b = {k: v for k, v in b.items() if k not in _UNEVALUATED}
-        return merge_schemas(a, b, path, self.approximate)
+        return b
 
     def _plain_ref(self, rest: dict[str, Any], sub: Any) -> bool:
         """Rule mode, and `sub` a reference that `rest` does not narrow: compiled as a reference
