@@ -208,3 +208,13 @@ def test_ref_beside_an_id_resolves_inside_its_target() -> None:
     for instance in [{"foo": {"bar": 1}, "bar": "a"}, {"foo": {"bar": "a"}, "bar": 1}, {"foo": {"bar": "a"}, "bar": "a"}]:
         text = json.dumps(instance, separators=(",", ":"))
         assert dfa.fullmatch(text.encode()) == validator.is_valid(instance), text
+
+
+@pytest.mark.parametrize("schema", [
+    {"properties": {"foo": {}}, "dependentSchemas": {"foo": {"properties": {"bar": {}}, "additionalProperties": False}}},
+    {"properties": {"foo2": {}}, "dependentSchemas": {"foo2": {"properties": {"bar": {}}}}, "additionalProperties": False},
+])
+def test_dependent_schemas_beside_additional_properties_stay_approximated(schema: Any) -> None:
+    """Merged, additionalProperties would see the other schema's properties (test-suite cases)."""
+    _, notes = schema_tree(schema, cfsm.CfsmConfig.spec())
+    assert "dependentSchemas" in {n.keyword for n in notes}

@@ -814,6 +814,9 @@ def _counted(hit: Node, miss: Node, comma: Node, count: int) -> Node:
 
 
 _CONDITIONAL = frozenset({"if", "then", "else"})
+# keywords whose meaning depends on their siblings (what properties / prefixItems declare)
+_SIBLING_RELATIVE = frozenset({"additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+                               "items"})
 # dependent schemas expanded exactly per schema node (each doubles the branches)
 MAX_DEPENDENT_SCHEMAS = 3
 
@@ -827,6 +830,9 @@ def _dependent_schema(schema: dict[str, Any]) -> tuple[str, str, Any, dict[str, 
     if not found or len(found) > MAX_DEPENDENT_SCHEMAS:
         return None
     key, name, sub = found[0]
+    if isinstance(sub, dict) and (_SIBLING_RELATIVE & sub.keys() or _SIBLING_RELATIVE & schema.keys()
+                                  and {"properties", "patternProperties", "prefixItems", "items"} & sub.keys()):
+        return None  # NOTE: merged, additionalProperties / items would see the other's properties / items
     left = {k: v for k, v in schema[key].items() if k != name}
     rest = {k: v for k, v in schema.items() if k != key}
     if left:
