@@ -31,20 +31,19 @@ class RefKV:
     def peek(self, req: Req, touch: bool) -> int:
         if self.disable:
             return 0
-        key = np.asarray(req.fill_ids, dtype=np.int64)
-        n = self.cache.touch_prefix(key, req.extra_key) if touch else self.cache.peek_prefix_len(key, req.extra_key)
-        return min(n, req.prefix_cap(self.page_size))
+        key = np.asarray(req.fill_ids, dtype=np.int64)[: req.prefix_cap(self.page_size)]  # as SGLang: len - 1
+        return self.cache.touch_prefix(key, req.extra_key) if touch else self.cache.peek_prefix_len(key, req.extra_key)
 
     def admit(self, req: Req) -> int:
         cap = req.prefix_cap(self.page_size)
         if self.disable or cap == 0:
             req.last_node = self.cache.root
             return 0
-        m = self.cache.match_prefix(req.fill_ids, req.extra_key)
+        m = self.cache.match_prefix(req.fill_ids[:cap], req.extra_key)
         self.cache.lock(m.last_node)
         req.last_node = m.last_node
-        length = min(m.length, cap)
-        req.kv = np.array(m.indices[:length], dtype=np.int64)
+        length = m.length
+        req.kv = np.array(m.indices, dtype=np.int64)
         req.kv_len = req.cached_len = length
         return length
 
@@ -69,7 +68,8 @@ class RefKV:
         if self.disable:
             return False
         key = req.fill_ids[: req.kv_len]
-        r = self.cache.insert(key, req.kv[: req.kv_len], req.extra_key)
+        # cached_len: the request's own locked leaf may grow in place (the frees stay manual here)
+        r = self.cache.insert(key, req.kv[: req.kv_len], req.extra_key, cached_len=req.cached_len)
         replaced = r.prefix_len > req.cached_len
         if replaced:
             self.allocator.free(req.kv[req.cached_len : r.prefix_len])
@@ -86,7 +86,8 @@ class RefKV:
 
     def release(self, req: Req, cache_tokens: bool) -> None:
         if cache_tokens and not self.disable and req.kv_len > 0:
-            r = self.cache.insert(req.fill_ids[: req.kv_len], req.kv[: req.kv_len], req.extra_key)
+            r = self.cache.insert(req.fill_ids[: req.kv_len], req.kv[: req.kv_len], req.extra_key,
+                                  cached_len=req.cached_len)
             if r.prefix_len > req.cached_len:
                 self.allocator.free(req.kv[req.cached_len : r.prefix_len])
             tail_start = max(self.cache.aligned_len(req.kv_len), r.prefix_len, req.cached_len)

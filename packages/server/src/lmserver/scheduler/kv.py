@@ -52,7 +52,8 @@ class KVManager:
         num_slots -= num_slots % page_size
         self.page_size = page_size
         self.allocator = SlotAllocator(num_slots, page_size)
-        self.cache = RadixCache(page_size=page_size, eviction="lru")
+        # the tree frees evicted slots and a request's surplus slots into the allocator itself
+        self.cache = RadixCache(page_size=page_size, eviction="lru", allocator=self.allocator)
         self.disable_radix_cache = disable_radix_cache
         self.radix_time_s = 0.0  # radix-tree work, accumulated by the @_timed methods
         self.slot_time_s = 0.0  # slot bookkeeping (runs with the cache off too), idem
@@ -72,7 +73,9 @@ class KVManager:
     @property
     def available(self) -> int:
         """Slots obtainable now: free plus evictable."""
-        return self.allocator.available + self.cache.evictable_size
+        sizes = self.cache.sizes()
+        assert sizes.free is not None
+        return sizes.free + sizes.evictable
 
     @_timed
     def peek_prefix_len(self, req: Req, touch: bool = False) -> int:
@@ -125,7 +128,7 @@ class KVManager:
         return nodes
 
     def _path(self, req: Req) -> PrefixPath:
-        """The tree path of `req`'s tokens; kept on the request (`req.peek_memo`) while its
+        """The tree path of `req`'s tokens (at most its prefix cap); kept on the request (`req.peek_memo`) while its
         tokens are unchanged: reused as is while the tree's structure (`cache.version`) is
         unchanged, else brought up to date by `cache.refresh_path` (neither the key nor a walk
         when the tree changed elsewhere than where the path ends), else found again."""
@@ -137,10 +140,10 @@ class KVManager:
                 if kept is not memo[1]:
                     req.peek_memo = (memo[0], kept)
                 return kept
-            path = cache.find_prefix(req.fill_key(), req.extra_key)
+            path = cache.find_prefix(req.fill_key(), req.extra_key, limit=req.prefix_cap(self.page_size))
             req.peek_memo = (memo[0], path)
             return path
-        path = cache.find_prefix(req.fill_key(), req.extra_key)
+        path = cache.find_prefix(req.fill_key(), req.extra_key, limit=req.prefix_cap(self.page_size))
         req.peek_memo = (list(req.output_ids), path)
         return path
 
@@ -162,16 +165,16 @@ class KVManager:
         start = time.perf_counter()
         cache = self.cache
         memo = req.peek_memo  # a path peeked since the last change of the tree: no key needed
-        if memo is not None and memo[1].version == cache.version and memo[0] == req.output_ids:
+        if (memo is not None and memo[1].version == cache.version and memo[0] == req.output_ids
+                and memo[1].length <= cap):
             m = cache.match_path(memo[1])
         else:
-            m = cache.match_prefix(req.fill_key(), req.extra_key)
+            m = cache.match_prefix(req.fill_key(), req.extra_key, limit=cap)
         cache.lock(m.last_node)
         self._tree_s += time.perf_counter() - start
         req.last_node = m.last_node
-        req.locked_len = m.length  # may exceed the reused length (the cap)
-        length = min(m.length, cap)
-        req.set_kv(m.indices[:length], capacity)
+        req.locked_len = length = m.length  # at most the cap
+        req.set_kv(m.indices, capacity)
         req.kv_len = length
         req.cached_len = length
         return length
@@ -253,12 +256,10 @@ class KVManager:
     def _alloc(self, num_tokens: int) -> np.ndarray | None:
         slots = self.allocator.alloc(num_tokens)
         if slots is None:
-            need = -(-num_tokens // self.page_size) * self.page_size - self.allocator.available
+            need = self.allocator.alloc_size(num_tokens) - self.allocator.available
             start = time.perf_counter()
-            freed = self.cache.evict(need)
+            self.cache.evict(need)  # frees into the allocator
             self._tree_s += time.perf_counter() - start
-            if len(freed):
-                self.allocator.free(freed)
             slots = self.allocator.alloc(num_tokens)
         return slots
 
@@ -272,9 +273,9 @@ class KVManager:
         """
         if self.disable_radix_cache:
             return False
-        start = time.perf_counter()  # one timed region: the tree work first, the slots after
+        start = time.perf_counter()  # one timed region: the tree work (and the duplicates' free)
         cache = self.cache
-        r = self._insert_written(req)
+        r = self._insert_written(req, finished=False)  # frees the request's duplicates
         replaced = r.prefix_len > req.cached_len
         # the inserted key ends at r.last_node (a root only when it had no whole page)
         node = r.last_node
@@ -290,26 +291,28 @@ class KVManager:
         cache.lock(node)
         cache.unlock(req.last_node)
         self._tree_s += time.perf_counter() - start
-        if replaced:  # the request's duplicates of what the tree already held
-            self.allocator.free(req.kv[req.cached_len : r.prefix_len])
+        if replaced:  # the tree's slots instead of the request's duplicates (freed by insert)
             req.kv[:length] = indices
         req.last_node = node
         req.locked_len = length
         req.cached_len = length
         return replaced
 
-    def _insert_written(self, req: Req) -> InsertResult:
-        """`cache.insert` of the written tokens `fill_key()[:kv_len]` with slots `kv[:kv_len]`;
-        below the locked `last_node` (no walk of its path, no conversion of its tokens) when that
-        node still ends at `locked_len`, inside the written part."""
+    def _insert_written(self, req: Req, finished: bool) -> InsertResult:
+        """`cache.insert` of the written tokens `fill_key()[:kv_len]` with the request's slots
+        (`cached_len`: the cache frees the request's duplicates and, when `finished`, every slot
+        past the aligned written part); below the locked `last_node` (no walk of its path, no
+        conversion of its tokens) when that node still ends at `locked_len` (== cached_len)."""
         node, depth, end = req.last_node, req.locked_len, req.kv_len
         cache = self.cache
-        # NOTE: the node still ends at locked_len unless another insert extended it in place
-        # (then its path may go on with other tokens): the plain insert then
+        slots = req.kv if finished else req.kv[:end]
+        # NOTE: path_len guards the case where the node no longer ends at locked_len (an
+        # in-place extension grew it since): the plain insert then
         if (node is not None and node.parent is not None and not node.removed and depth <= end
-                and cache.path_len(node) == depth):
-            return cache.insert_below(node, req.fill_key_range(depth, end), req.kv[depth:end])
-        return cache.insert(req.fill_key()[:end], req.kv[:end], req.extra_key)
+                and depth == req.cached_len and cache.path_len(node) == depth):
+            return cache.insert_below(node, req.fill_key_range(depth, end), slots[depth:],
+                                      cached_len=req.cached_len, finished=finished)
+        return cache.insert(req.fill_key()[:end], slots, req.extra_key, cached_len=req.cached_len, finished=finished)
 
     @_timed
     def release(self, req: Req, cache_tokens: bool = True) -> None:
@@ -320,42 +323,35 @@ class KVManager:
             req.reset_kv()
             return
         if cache_tokens and not self.disable_radix_cache and req.kv_len > 0:
-            start = time.perf_counter()  # one timed region: insert and unlock; the slots after
-            r = self._insert_written(req)
+            start = time.perf_counter()  # one timed region: insert (it frees the request's
+            self._insert_written(req, finished=True)  # duplicates and unaligned tail) and unlock
             self.cache.unlock(req.last_node)
             self._tree_s += time.perf_counter() - start
-            if r.prefix_len > req.cached_len:
-                self.allocator.free(req.kv[req.cached_len : r.prefix_len])
-            tail_start = max(self.cache.aligned_len(req.kv_len), r.prefix_len, req.cached_len)
         else:
             if not self.disable_radix_cache:  # else last_node is the root: nothing to unlock
                 start = time.perf_counter()
                 self.cache.unlock(req.last_node)
                 self._tree_s += time.perf_counter() - start
-            tail_start = req.cached_len
-        if req.kv_alloc > tail_start:
-            # NOTE: with pages, the page holding `tail_start` may be partly tree-owned only when
-            # tail_start is page-aligned, so freeing from tail_start frees request pages only.
-            self.allocator.free(req.kv[tail_start:])
+            if req.kv_alloc > req.cached_len:  # cached_len is page-aligned: request pages only
+                self.allocator.free(req.kv[req.cached_len :])
         req.reset_kv()
 
     @_timed
     def flush(self) -> None:
         """Drops the whole tree (only when no request holds KV); mutates tree and allocator."""
         start = time.perf_counter()
-        freed = self.cache.reset()
+        self.cache.reset()  # frees into the allocator
         self._tree_s += time.perf_counter() - start
-        if len(freed):
-            self.allocator.free(freed)
 
     def check_invariant(self) -> None:
         """Raises MemoryInvariantError unless free + cached == total (call when no request holds KV)."""
-        free, cached, total = self.allocator.available, self.cache.total_size, self.num_slots
-        if free + cached != total:
+        sizes, total = self.cache.sizes(), self.num_slots
+        assert sizes.free is not None
+        if sizes.free + sizes.total != total:
             raise MemoryInvariantError(
-                f"KV accounting broken: free {free} + cached {cached} != total {total} "
-                f"(leak of {total - free - cached} slots)"
+                f"KV accounting broken: free {sizes.free} + cached {sizes.total} != total {total} "
+                f"(leak of {total - sizes.free - sizes.total} slots)"
             )
-        if self.cache.protected_size != 0:
-            raise MemoryInvariantError(f"{self.cache.protected_size} cached tokens still locked while idle")
+        if sizes.protected != 0:
+            raise MemoryInvariantError(f"{sizes.protected} cached tokens still locked while idle")
         self.cache.check_integrity()
