@@ -13,6 +13,7 @@ import pytest
 
 import cfsm
 import cfsm.automaton
+import cfsm.compiler
 import cfsm.direct
 import cfsm.grammar.inline
 import cfsm.json_schema
@@ -152,3 +153,21 @@ def test_long_string_bounds_are_approximated_as_a_last_resort(monkeypatch: pytes
                 assert _accepts(loose, text), text
             elif _accepts(loose, text):
                 assert len(name) > 300, text  # only the approximated bound lets an invalid text through
+
+
+def test_rules_nested_too_deep_for_python_are_not_an_escape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inlining a deep chain of rules may pass Python's stack (a JSONSchemaBench schema): that is a
+    `GrammarError`, so a recursive schema compiles unrolled and the rule fallback goes on to the
+    last resort, instead of a RecursionError escaping."""
+    def too_deep(*args: Any, **kwargs: Any) -> Any:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(cfsm.compiler, "compile_grammar", too_deep)
+    tree = {"$defs": {"t": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/t"}}}, "required": ["v"]}}, "$ref": "#/$defs/t"}
+    index = cfsm.compile_json_schema(tree, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    assert isinstance(index, cfsm.Index)  # unrolled
+    assert _accepts(index, '{"v":1,"kids":[{"v":2}]}') and not _accepts(index, '{"kids":[]}')
+    monkeypatch.setattr(cfsm.json_schema, "MAX_SCHEMA_VISITS", 40)
+    with pytest.raises(cfsm.CfsmError):  # the last resort unrolls the references again: still too large
+        cfsm.compile_json_schema(_dag(DEPTH), BYTES, cfsm.CfsmConfig(whitespace="compact"))

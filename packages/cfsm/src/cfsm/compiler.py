@@ -110,7 +110,11 @@ def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar:
     start = "root"
     while start in rules:
         start += "_"
-    return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations)
+    try:
+        return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations)
+    except RecursionError:
+        # NOTE: rules nested deeper than Python's stack while inlining (a JSONSchemaBench schema)
+        raise GrammarError("the grammar nests too deep to compile") from None
 
 
 def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index | GrammarIndex:
