@@ -159,10 +159,13 @@ def test_logprob_requests_fall_back_and_stay_identical(core: EngineCore) -> None
 
 
 def test_tiny_kv_cache_queue_retractions_and_eager_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """4 request rows for 7 requests (a standing queue) in 120 KV slots (retractions)."""
+    """4 request rows for 7 requests (a standing queue) in 120 KV slots (retractions). Prefill-first
+    rounds: mixed steps admit against the running requests' reserve after their decode slots, and
+    this workload then never needs a retraction, the path under test."""
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     small = EngineCore(ServerConfig(dtype="float32", max_total_tokens=120, max_running_requests=4,
-                                    schedule_policy="fcfs", cuda_graph_max_bs=4, enable_overlap_schedule=True))
+                                    schedule_policy="fcfs", cuda_graph_max_bs=4, enable_overlap_schedule=True,
+                                    enable_mixed_chunk=False))
     graphs = small.runner.cuda_graph
     assert graphs is not None
     chained_with_queue = []

@@ -739,7 +739,7 @@ class _Compiler:
             most = schema.get("maxContains")
             simple = k == 0 and rest is not None and lo <= 1 and hi is None and schema.get("uniqueItems") is not True
             base = {} if items is None else {"allOf": [items]}
-            if simple and most is None and wanted <= MAX_MIN_CONTAINS:
+            if simple and rest is not None and most is None and wanted <= MAX_MIN_CONTAINS:
                 hit = self._branch(base, schema["contains"], f"{path}/contains")
                 loop = Repeat(cat(rest, self.comma), 0, None)
                 body = cat(loop, hit, *([self.comma, loop, hit] * (wanted - 1)), Repeat(cat(self.comma, rest), 0, None))
@@ -897,7 +897,7 @@ def _unique_sequences(values: list[Node], prefix: list[list[int]], more: list[in
     def rest(pos: int, used: frozenset[int]) -> Node:
         key = (pos, used)
         if key not in memo:
-            options = [EMPTY] if pos >= lo else []
+            options: list[Node] = [EMPTY] if pos >= lo else []
             if hi is None or pos < hi:
                 sep = comma if pos else EMPTY
                 allowed = prefix[pos] if pos < len(prefix) else more

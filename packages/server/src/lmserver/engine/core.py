@@ -338,8 +338,10 @@ class EngineCore:
             if nxt is not None and not nxt.alive(self.states):  # prev finished every request of nxt
                 self._inflight = None
                 self._land(nxt)  # nothing to overlap with: lands now (and undoes its schedule)
-            if nxt is not None:
-                return outputs
+            # NOTE: a landed launch's tokens go out before any other forward runs: the next call
+            # schedules. A mixed step run here would give its rows a second token in the same
+            # call, so an abort or a client between the two could no longer stop the second.
+            return outputs
         if self.constrained.num_waiting:
             outputs.extend(self._admit_constrained())
         decision = self.constrained.schedule(self.scheduler)  # = scheduler.schedule() without jump-forward
