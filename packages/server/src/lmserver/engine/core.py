@@ -26,6 +26,7 @@ from lmserver.constrained import ConstrainedDecoding
 from lmserver.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.draft_model import DraftModel
+from lmserver.engine.eagle import eagle3_aux_layers
 from lmserver.engine.kv_pool import KVPool, kv_cache_options, make_req_to_token
 from lmserver.engine.model_runner import ModelRunner, to_device
 from lmserver.engine.multimodal import MultimodalInputs
@@ -143,8 +144,6 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
         self.runner.keep_hidden = rc.speculative_algorithm == "eagle"  # before the decode graphs are captured
         if self.runner.keep_hidden and rc.speculative_draft_model_path:
-            from lmserver.engine.eagle import eagle3_aux_layers
-
             aux = eagle3_aux_layers(rc.speculative_draft_model_path, mc.num_hidden_layers)
             if aux is not None:  # an EAGLE-3 head reads the residual stream after three target layers
                 if self.lowlat is not None:
