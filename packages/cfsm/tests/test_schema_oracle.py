@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, assume, currently_in_test_context, given, no
 from hypothesis import strategies as st
 
 import cfsm
+from cfsm.testing import accepts_bytes
 
 BYTES = cfsm.Vocabulary([bytes([b]) for b in range(256)] + [b""], [256])
 EOS = 256
@@ -285,13 +286,7 @@ def _index(schema: Any, config: cfsm.CfsmConfig) -> cfsm.Index | None:
 def _accepts(index: cfsm.Index | None, text: str) -> bool:
     if index is None:
         return False
-    guide = cfsm.Guide(index)
-    try:
-        guide.advance_many(list(text.encode()))
-        guide.advance(EOS)
-    except cfsm.RejectedTokenError:
-        return False
-    return True
+    return accepts_bytes(index, text, EOS)
 
 
 def _texts(instance: Any, whitespace: str) -> list[str]:

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from cfsm.errors import RejectedTokenError
 from cfsm.guide import Guide
+from cfsm.index import Index
 from cfsm.vocab import Vocabulary
 
-__all__ = ["allowed_by_advance", "char_vocab", "tiny_vocab"]
+__all__ = ["accepts_bytes", "allowed_by_advance", "char_vocab", "tiny_vocab"]
+
+
+def accepts_bytes(index: Index, text: str, eos_id: int) -> bool:
+    """Whether `index` (over a byte vocabulary: token id = byte value) accepts the UTF-8 bytes of
+    `text` followed by EOS `eos_id`."""
+    guide = Guide(index)
+    try:
+        guide.advance_many(list(text.encode()))
+        guide.advance(eos_id)
+    except RejectedTokenError:
+        return False
+    return True
 
 
 def allowed_by_advance(guide: Guide, vocab_size: int) -> set[int]:
