@@ -110,6 +110,11 @@ class CacheMachine(RuleBasedStateMachine):
         if new is None:
             self._evict_into_allocator(need - self.alloc.available + self.page_size)
             new = self.alloc.alloc(need)
+        return self._hold(key, ns, m, new)
+
+    def _hold(self, key: np.ndarray, ns: str | None, m: MatchResult, new: np.ndarray | None) -> int:
+        """Registers a running request holding the locked match `m` plus `new` slots; without
+        slots (`new` None) unlocks the match and returns -1."""
         if new is None:
             self.cache.unlock(m.last_node)
             return -1
@@ -375,14 +380,7 @@ class EngineApiMachine(CacheMachine):
         m = self._match_limited(key, ns, kind, cut)
         self.cache.lock(m.last_node)
         new = self._alloc(len(key) - m.length + budget)
-        if new is None:
-            self.cache.unlock(m.last_node)
-            return -1
-        kv = np.concatenate([m.indices, new])
-        rid = self.next_id
-        self.next_id += 1
-        self.running[rid] = _Req(key, ns, kv, m.length, m.last_node)
-        return rid
+        return self._hold(key, ns, m, new)
 
     def _match_limited(self, key: np.ndarray, ns: str | None, kind: str, cut: int) -> MatchResult:
         limit = max(len(key) - cut, 0)
