@@ -4,18 +4,19 @@ random inputs, then FP8 GEMV vs bf16 GEMV timings at the Llama-3-8B decode shape
     python benchmarks/fp8/check_fp8_gpu.py [--seed N] [--sweep] [--json out.json]
 
 Checks (each prints PASS / FAIL with its relative error; the exit status is 1 when one fails):
-- `fp8_gemv` (Triton) at M = 1, 3, 8, 16 on the 8B shapes, per-channel and 128-column group
-  scales, with a bias, and on strided rows;
+- `fp8_gemv` (Triton; the chosen, the row-wise and the tensor-core kernel) at M = 1, 3, 8, 16 on
+  the 8B shapes, per-channel and 128-column group scales, with a bias, and on strided rows;
 - `Fp8Linear` forward on each path (the GEMV up to 16 rows; `torch._scaled_mm` or dequantize for
   a 512-row prefill), against the float64 dequantized linear (the `_scaled_mm` path quantizes
   activations per token, so its tolerance is wider);
 - decode attention (1 and 8 splits) and extend attention reading an FP8 KV cache with scales;
 - the Triton attention backend over an FP8 KV pool against torch_native (prefill chunks + decode).
 
-Timings (`triton.testing.do_bench`, median): y = x @ W.T for M = 1 and 8 at
+Timings (`triton.testing.do_bench`, median, L2 flushed): y = x @ W.T for M = 1, 2, 4, 8, 16 at
 4096x6144 (qkv), 4096x4096 (o), 4096x28672 (gate-up), 14336x4096 (down) (K x N), bf16 `F.linear`
-(cuBLAS) vs the FP8 GEMV, with the weight bytes each reads per microsecond. `--sweep` also times
-a few GEMV tile configurations and reports the best (for tuning `Fp8GemvConfig`).
+(cuBLAS) vs the FP8 GEMV (the launch `config_for` chooses), and the FP8 memory floor (weight bytes
+/ a 1 GiB copy's bandwidth). `--sweep` also times row-wise and tensor-core tile configurations and
+prints the best per shape and M as entries for `lmserver.kernels.fp8_gemv.TUNED`.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_gemv(c: Checks, gen: torch.Generator) -> None:
-    from lmserver.kernels.fp8_gemv import fp8_gemv
+    from lmserver.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
     from lmserver.kernels.fp8_ref import fp8_linear_ref, quantize_fp8
 
     for name, (k, n) in SHAPES.items():
@@ -75,9 +76,13 @@ def check_gemv(c: Checks, gen: torch.Generator) -> None:
             for m in (1, 3, 8, 16):
                 x = torch.randn(m, k, generator=gen, device=DEVICE).to(ACT)
                 ref = fp8_linear_ref(x, weight, scale, group_k, bias, compute_dtype=torch.float64)
-                out = fp8_gemv(x, weight, scale, group_k, bias)
-                c.check(f"fp8_gemv {name} {k}x{n} M={m} {'g128' if group else 'per-channel'}", rel_error(out, ref),
-                        BF16_TOL)
+                for variant, cfg in (("auto", None), ("rows", Fp8GemvConfig("rows", 4, 2048, 8, 1)),
+                                     ("dot", Fp8GemvConfig("dot", 32, 512, 4, 4))):
+                    if variant == "rows" and m > 8:
+                        continue
+                    out = fp8_gemv(x, weight, scale, group_k, bias, config=cfg)
+                    c.check(f"fp8_gemv {variant} {name} {k}x{n} M={m} {'g128' if group else 'per-channel'}",
+                            rel_error(out, ref), BF16_TOL)
             wide = torch.randn(8, 2 * k, generator=gen, device=DEVICE).to(ACT)
             ref = fp8_linear_ref(wide[:, :k], weight, scale, group_k, None, compute_dtype=torch.float64)
             c.check(f"fp8_gemv {name} strided rows {'g128' if group else 'per-channel'}",
@@ -148,37 +153,60 @@ def bench(fn: Callable[[], Any]) -> float:
     """Median microseconds of `fn` (triton.testing.do_bench flushes L2 between runs)."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")) * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-memory bytes per microsecond of a large copy (read + write): the floor's bandwidth."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / bench(lambda: b.copy_(a))
+
+
+ROWS_SWEEP = [("rows", bn, bk, nw, 1) for bn, bk, nw in
+              ((2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 2048, 8), (8, 1024, 4),
+               (16, 512, 4))]
+DOT_SWEEP = [("dot", bn, bk, 4, ns) for bn, bk, ns in
+             ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 3), (32, 1024, 3), (16, 1024, 3))]
 
 
 def time_gemv(sweep: bool, gen: torch.Generator) -> list[dict[str, Any]]:
-    from lmserver.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+    from lmserver.kernels.fp8_gemv import ROWS_MAX_M, Fp8GemvConfig, config_for, fp8_gemv
     from lmserver.kernels.fp8_ref import quantize_fp8
 
-    configs = [Fp8GemvConfig()]
-    if sweep:
-        configs += [Fp8GemvConfig(bn, bk, nw, ns) for bn in (16, 32, 64) for bk in (128, 256)
-                    for nw in (4, 8) for ns in (2, 4)]
+    bw = copy_bandwidth()
+    print(f"\ncopy bandwidth {bw / 1e3:.2f} TB/s (the floor: weight bytes / this)")
     rows = []
-    print("\n| shape | K x N | M | bf16 us | fp8 us | speedup | bf16 GB/s | fp8 GB/s | best config |")
+    print("\n| shape | K x N | M | bf16 us | fp8 us (chosen) | fp8 us (best) | speedup | fp8 % of floor | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, generator=gen, device=DEVICE).to(ACT)
         weight, scale = quantize_fp8(w, None)
-        for m in (1, 8):
+        for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(ACT)
             t_bf16 = bench(lambda: F.linear(x, w))  # noqa: B023
-            best = min((bench(lambda cfg=cfg: fp8_gemv(x, weight, scale, k, config=cfg)), i)  # noqa: B023
-                       for i, cfg in enumerate(configs))
-            t_fp8, i = best
-            cfg = configs[i]
-            row = {"shape": name, "K": k, "N": n, "M": m, "bf16_us": t_bf16, "fp8_us": t_fp8,
-                   "speedup": t_bf16 / t_fp8, "bf16_GBps": 2 * k * n / t_bf16 / 1e3, "fp8_GBps": k * n / t_fp8 / 1e3,
-                   "config": vars(cfg)}
+            chosen = config_for(m, k, n, x.device)
+            configs = [chosen]
+            if sweep:
+                configs += [Fp8GemvConfig(*c) for c in (ROWS_SWEEP if m <= ROWS_MAX_M else []) + DOT_SWEEP]
+            times = [bench(lambda cfg=cfg: fp8_gemv(x, weight, scale, k, config=cfg)) for cfg in configs]  # noqa: B023
+            t_best = min(times)
+            cfg = configs[times.index(t_best)]
+            floor_us = k * n / bw
+            row = {"shape": name, "K": k, "N": n, "M": m, "bf16_us": t_bf16, "fp8_us": times[0], "fp8_best_us": t_best,
+                   "speedup": t_bf16 / t_best, "floor_us": floor_us, "pct_floor": floor_us / t_best,
+                   "config": vars(cfg), "chosen": vars(chosen)}
             rows.append(row)
-            print(f"| {name} | {k}x{n} | {m} | {t_bf16:.1f} | {t_fp8:.1f} | {row['speedup']:.2f}x | "
-                  f"{row['bf16_GBps']:.0f} | {row['fp8_GBps']:.0f} | {cfg.block_n}/{cfg.block_k}/"
-                  f"w{cfg.num_warps}/s{cfg.num_stages} |", flush=True)
+            print(f"| {name} | {k}x{n} | {m} | {t_bf16:.1f} | {times[0]:.1f} | {t_best:.1f} | {row['speedup']:.2f}x | "
+                  f"{100 * row['pct_floor']:.0f}% | {cfg.variant} {cfg.block_n}/{cfg.block_k}/w{cfg.num_warps}/"
+                  f"s{cfg.num_stages} |", flush=True)
+    if sweep:  # entries for lmserver.kernels.fp8_gemv.TUNED
+        dev = torch.cuda.get_device_name()
+        print("\nTUNED entries:")
+        for r in rows:
+            c = r["config"]
+            print(f'    ("{dev}", {r["M"]}, {r["K"]}, {r["N"]}): Fp8GemvConfig("{c["variant"]}", {c["block_n"]}, '
+                  f'{c["block_k"]}, {c["num_warps"]}, {c["num_stages"]}),')
     return rows
 
 

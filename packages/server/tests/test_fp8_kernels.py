@@ -32,8 +32,15 @@ GEMV_CASES = [(1, 40, 96, None), (3, 33, 256, 128), (17, 20, 200, 64), (1, 16, 1
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_fp8_gemv_matches_dequantized_reference(device: str, case: tuple[int, int, int, int | None]) -> None:
-    from lmserver.kernels.fp8_gemv import fp8_gemv
+@pytest.mark.parametrize("variant", ["rows", "dot", "auto"])
+def test_fp8_gemv_matches_dequantized_reference(device: str, case: tuple[int, int, int, int | None],
+                                                variant: str) -> None:
+    from lmserver.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+
+    # rows: 4-feature programs over 64-column tiles (several K steps, a masked tail); past ROWS_MAX_M
+    # rows the wrapper takes the dot kernel. auto: the tuned / default choice
+    config = {"rows": Fp8GemvConfig("rows", 4, 64, 4, 1), "dot": Fp8GemvConfig("dot", 16, 64, 4, 2),
+              "auto": None}[variant]
 
     m, n, k, group = case
     if device == "cuda":
@@ -47,13 +54,13 @@ def test_fp8_gemv_matches_dequantized_reference(device: str, case: tuple[int, in
     bias = torch.randn(n, generator=g).to(dtype)
     weight, scale, x, bias = weight.to(device), scale.to(device), x.to(device), bias.to(device)
     expected = fp8_linear_ref(x, weight, scale, group_k, bias, compute_dtype=torch.float64)
-    out = fp8_gemv(x, weight, scale, group_k, bias)
+    out = fp8_gemv(x, weight, scale, group_k, bias, config=config)
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_error(out, expected) < (1e-5 if dtype == torch.float32 else 8e-3)
     # strided rows (a view of a wider buffer, as the MLP's down projection reads)
     wide = torch.zeros(m, 2 * k, dtype=dtype, device=device)
     wide[:, :k] = x
-    assert rel_error(fp8_gemv(wide[:, :k], weight, scale, group_k, bias), expected) < (
+    assert rel_error(fp8_gemv(wide[:, :k], weight, scale, group_k, bias, config=config), expected) < (
         1e-5 if dtype == torch.float32 else 8e-3)
 
 

@@ -1,0 +1,117 @@
+"""FP8 against bf16 through the HTTP server, side by side in one run (issue 33's end-to-end targets).
+
+One `lmserver serve` per setting (same model folder and `--server-args`, e.g. the Llama-3-8B config
+with `--load-format dummy`), each measured the same way:
+
+- decode: streaming greedy `/generate` requests of random `--input-len`-token prompts (EOS ignored)
+  at each concurrency of `--concurrency`; per-user tokens/s = median over requests of
+  (tokens - 1) / (first to last token) (bench_spec_serving's measure);
+- prefill: `--prefill-requests` requests of `--prefill-len` random tokens, one at a time, one new
+  token each; prefill tokens/s = prompt tokens / request time (median);
+- KV capacity: the resolved `max_total_tokens` of `/get_server_info` (tokens the KV pool holds).
+
+Settings: `bf16` (the model dtype everywhere), `fp8` (`--quantization fp8 --kv-cache-dtype
+fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (FP8 weights only).
+
+    python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
+        --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
+from bench_spec_serving import drive  # noqa: E402
+
+SETTINGS = {
+    "bf16": [],
+    "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
+    "fp8-weights": ["--quantization", "fp8"],
+}
+
+
+def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int) -> float:
+    """Median prompt tokens/s of `n` one-at-a-time requests of `length` random tokens, 1 new token each."""
+    rng = random.Random(seed)
+    rates = []
+    with httpx.Client(timeout=600) as client:
+        for _ in range(n):
+            ids = [rng.randrange(100, vocab) for _ in range(length)]
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
+            t0 = time.perf_counter()
+            client.post(url + "/generate", json=body).raise_for_status()
+            rates.append(length / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from lmserver.testing import ServerProcess
+
+    cmd = ["--model-path", args.model_path, *shlex.split(args.server_args), *SETTINGS[name]]
+    srv = ServerProcess(cmd, core=None)
+    t0 = time.perf_counter()
+    srv.start(timeout_s=600)
+    out: dict[str, Any] = {"setting": name, "start_s": round(time.perf_counter() - t0, 1), "decode": {}}
+    try:
+        info = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()
+        out["kv_tokens"] = info.get("max_total_tokens")
+        asyncio.run(drive(srv.base_url, 1, 1, args.input_len, 32, args.vocab, 0))  # warm-up
+        prefill_rate(srv.base_url, 1, args.prefill_len, args.vocab, 7)  # warm-up
+        for c in args.concurrency:
+            speeds = asyncio.run(drive(srv.base_url, c, args.rounds, args.input_len, args.output_len, args.vocab,
+                                       1000 + c))
+            out["decode"][c] = round(statistics.median(speeds), 1)
+            print(f"  {name:12s} c={c:<3d} {out['decode'][c]:8.1f} tok/s per user", flush=True)
+        out["prefill_tok_s"] = round(prefill_rate(srv.base_url, args.prefill_requests, args.prefill_len, args.vocab,
+                                                  11), 0)
+        print(f"  {name:12s} prefill {args.prefill_len} tokens: {out['prefill_tok_s']:.0f} tok/s; KV capacity "
+              f"{out['kv_tokens']} tokens; start {out['start_s']} s", flush=True)
+    finally:
+        srv.stop()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--server-args", default="--load-format dummy --dtype bfloat16 --device cuda --context-length 8192")
+    p.add_argument("--settings", nargs="+", default=["bf16", "fp8"], choices=list(SETTINGS))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--rounds", type=int, default=2, help="requests per user, one after the other")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prefill-len", type=int, default=4096)
+    p.add_argument("--prefill-requests", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    results = [run_setting(name, args) for name in args.settings]
+    cols = [f"c={c} tok/s per user" for c in args.concurrency]
+    print("\n| setting | " + " | ".join(cols) + f" | prefill tok/s ({args.prefill_len}) | KV tokens |")
+    print("|---|" + "---|" * (len(cols) + 2))
+    for r in results:
+        print(f"| {r['setting']} | " + " | ".join(f"{r['decode'][c]:.1f}" for c in args.concurrency)
+              + f" | {r['prefill_tok_s']:.0f} | {r['kv_tokens']} |")
+    base = results[0]
+    for r in results[1:]:
+        print(f"{r['setting']} / {base['setting']}: " + ", ".join(
+            f"c={c} {r['decode'][c] / base['decode'][c]:.2f}x" for c in args.concurrency)
+            + f", prefill {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x, KV {r['kv_tokens'] / base['kv_tokens']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
