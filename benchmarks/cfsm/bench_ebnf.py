@@ -1,22 +1,32 @@
-"""EBNF (GBNF) grammars: cfsm's pushdown matcher against xgrammar, on the SmolLM2 vocabulary.
+"""EBNF (GBNF) grammars: cfsm's pushdown matcher side by side with xgrammar and llguidance.
 
 Grammars: JSON (GBNF), a C-like statement / expression language, an SQL SELECT subset (all three
 recursive, so cfsm takes its pushdown path), each engine's own free-JSON grammar, and a Lark
-JSON grammar (cfsm only). Per (grammar, engine): cold compile (median of
-`--repeat` compiles, each from scratch; the vocabulary's own tables are built before), and the
-per-token mask fill time (mean, p99) while replaying the tokenizer's tokenization of a valid
-target text: on the first replay over a fresh compile (`cold`: cfsm settles the tokens a rule
-end leaves uncertain on first use, one frame deeper, and caches them) and on a later replay
-(`warm`, the fastest of `--repeat` replays per token). xgrammar is optional (`pip install
---no-deps xgrammar` and its tvm-ffi runtime); without it only cfsm's rows are printed.
+JSON grammar (xgrammar takes no Lark: cfsm and llguidance only). Vocabularies: SmolLM2 (49,152)
+and Mistral's Tekken (131,072; from the mistral-common wheel, as `bench_cfsm.py` loads it).
 
-    python benchmarks/cfsm/bench_ebnf.py [--repeat 3] [--json out.json]
+Per (vocabulary, grammar, engine):
+- `compile_ms`: cold compile (median of `--repeat` compiles, each from scratch; the vocabulary's
+  own tables are built before; llguidance: its matcher's construction, which compiles lazily);
+- `cold_*`: mask fill per token while replaying the tokenizer's tokenization of a valid target
+  text on the first replay over a fresh compile (median over the compiles, per token);
+- `warm_*`: the same on a later replay (fastest of `--repeat` replays, per token);
+- `walk_*`: first-use masks: a fresh compile, then `--members` random members of the grammar
+  (`cfsm.grammar.testing.draw_member`, seeded; the JSON grammars draw from the JSON GBNF), each
+  tokenized and replayed through a new matcher, every mask fill timed once (mean, p99, max):
+  masks of stack configurations no earlier text reached.
+xgrammar and llguidance are optional (`pip install xgrammar llguidance`; Tekken needs
+`mistral-common`); a missing peer is reported and skipped.
+
+    python benchmarks/cfsm/bench_ebnf.py [--vocab smollm2 tekken] [--engines cfsm xgrammar llguidance]
+        [--repeat 3] [--members 30] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -27,10 +37,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cfsm import load_smollm2  # noqa: E402
+from bench_cfsm import VOCABS, load_smollm2  # noqa: E402, F401
+from engines import Bundle  # noqa: E402
 
 import cfsm  # noqa: E402
-from cfsm.grammar.testing import LARK_JSON  # noqa: E402
+from cfsm.grammar import parse_ebnf  # noqa: E402
+from cfsm.grammar.testing import LARK_JSON, draw_member  # noqa: E402
 
 JSON_GBNF = r'''
 root   ::= value
@@ -109,6 +121,10 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+class Rejected(Exception):
+    """An engine refused a token of a text of the grammar."""
+
+
 class _Cfsm:
     name = "cfsm"
 
@@ -130,21 +146,23 @@ class _Cfsm:
             start = time.perf_counter()
             guide.fill_mask(out, 0)
             times.append(time.perf_counter() - start)
-            assert (int(out[0, t >> 5]) >> (t & 31)) & 1, f"cfsm masked out token {t}"
+            if not (int(out[0, t >> 5]) >> (t & 31)) & 1:
+                raise Rejected(f"cfsm masked out token {t}")
             guide.advance(t)
-        assert guide.can_stop(), "cfsm: the target is incomplete"
+        if not guide.can_stop():
+            raise Rejected("cfsm: the text is incomplete")
         return times
 
 
 class _Xgrammar:
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, size: int) -> None:
+    def __init__(self, bundle: Bundle) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.size = size
-        self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size),
+        self.size = bundle.size
+        self.compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(bundle.tokenizer, vocab_size=self.size),
                                             cache_enabled=False)
 
     def compile(self, text: str) -> Any:
@@ -163,54 +181,152 @@ class _Xgrammar:
             start = time.perf_counter()
             m.fill_next_token_bitmask(mask)
             times.append(time.perf_counter() - start)
-            assert (int(arr[0, t >> 5]) >> (t & 31)) & 1, f"xgrammar masked out token {t}"
-            assert m.accept_token(t)
+            if not (int(arr[0, t >> 5]) >> (t & 31)) & 1 or not m.accept_token(t):
+                raise Rejected(f"xgrammar masked out token {t}")
+        if not m.is_terminated() and not m.accept_token(self.eos):
+            raise Rejected("xgrammar: the text is incomplete")
         return times
+
+
+class _Llguidance:
+    name = "llguidance"
+
+    def __init__(self, bundle: Bundle) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        self.ll = llguidance
+        self.to_lark = any_to_lark
+        self.size = bundle.size
+        self.tok = llguidance.hf.from_tokenizer(bundle.tokenizer, n_vocab=self.size)
+
+    def compile(self, text: str) -> Any:
+        ll = self.ll
+        if text == BUILTIN:
+            grm = ll.LLMatcher.grammar_from_json_schema({}, defaults={"whitespace_flexible": True})
+        else:
+            grm = ll.LLMatcher.grammar_from_lark(text if text == LARK_JSON else self.to_lark(text))
+        matcher = ll.LLMatcher(self.tok, grm)  # compiles here (lazily: masks on first use)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return grm
+
+    def replay(self, compiled: Any, ids: list[int]) -> list[float]:
+        ll = self.ll
+        m = ll.LLMatcher(self.tok, compiled)
+        mask = ll.numpy.allocate_token_bitmask(1, self.size)
+        times = []
+        for t in ids:
+            start = time.perf_counter()
+            ll.numpy.fill_next_token_bitmask(m, mask, 0)
+            times.append(time.perf_counter() - start)
+            if not (int(mask[0, t >> 5]) >> (t & 31)) & 1 or not m.consume_token(t):
+                raise Rejected(f"llguidance masked out token {t}")
+        if not m.is_accepting():
+            raise Rejected("llguidance: the text is incomplete")
+        return times
+
+
+def _members(gname: str, count: int, seed: int = 0) -> list[str]:
+    """`count` random members of grammar `gname` (the JSON grammars draw from the JSON GBNF)."""
+    text = GRAMMARS[gname][0]
+    grammar = parse_ebnf(JSON_GBNF if text in (BUILTIN, LARK_JSON) else text)
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < count:
+        member = draw_member(grammar, rng, max_depth=8, max_repeat=4)
+        if 0 < len(member) <= 4000:
+            out.append(member)
+    return out
+
+
+def _engines(names: list[str], bundle: Bundle, vocab: cfsm.Vocabulary) -> list[Any]:
+    out: list[Any] = []
+    for name in names:
+        try:
+            if name == "cfsm":
+                out.append(_Cfsm(vocab))
+            elif name == "xgrammar":
+                eng = _Xgrammar(bundle)
+                eng.eos = vocab.eos_token_ids[0]
+                out.append(eng)
+            else:
+                out.append(_Llguidance(bundle))
+        except ImportError as exc:
+            print(f"# {name} not available ({exc}); skipped")
+    return out
+
+
+def _bench(eng: Any, bundle: Bundle, gname: str, repeat: int, members: list[str]) -> dict[str, Any] | None:
+    text, target = GRAMMARS[gname]
+    ids = list(bundle.tokenizer.encode(target, add_special_tokens=False))
+    try:
+        eng.compile(text)  # warm-up (imports, first-use tables)
+    except NotImplementedError:
+        return None
+    compiles, cold, warm_runs = [], [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        compiled = eng.compile(text)
+        compiles.append(time.perf_counter() - start)
+        cold.append(eng.replay(compiled, ids))
+        warm_runs.append(eng.replay(compiled, ids))
+    cold_t = [statistics.median(x) for x in zip(*cold, strict=True)]
+    warm_t = [min(x) for x in zip(*warm_runs, strict=True)]
+    row: dict[str, Any] = {
+        "vocab": bundle.name, "grammar": gname, "engine": eng.name, "tokens": len(ids),
+        "compile_ms": 1e3 * statistics.median(compiles),
+        "cold_mean_us": 1e6 * statistics.mean(cold_t), "cold_p99_us": 1e6 * _pct(cold_t, 0.99),
+        "warm_mean_us": 1e6 * statistics.mean(warm_t), "warm_p99_us": 1e6 * _pct(warm_t, 0.99)}
+    if isinstance(compiled, cfsm.GrammarIndex):
+        row["pda_states"] = compiled.pda.num_states
+    if members:
+        fresh = eng.compile(text)
+        walk: list[float] = []
+        rejected = 0
+        for member in members:
+            try:
+                walk.extend(eng.replay(fresh, list(bundle.tokenizer.encode(member, add_special_tokens=False))))
+            except Rejected:
+                rejected += 1
+        row.update({"walk_masks": len(walk), "walk_rejected": rejected,
+                    "walk_mean_us": 1e6 * statistics.mean(walk) if walk else float("nan"),
+                    "walk_p99_us": 1e6 * _pct(walk, 0.99) if walk else float("nan"),
+                    "walk_max_us": 1e6 * max(walk) if walk else float("nan")})
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--grammars", nargs="+", default=list(GRAMMARS), choices=list(GRAMMARS))
+    ap.add_argument("--vocab", nargs="+", default=["smollm2"], choices=list(VOCABS))
+    ap.add_argument("--engines", nargs="+", default=["cfsm", "xgrammar", "llguidance"],
+                    choices=["cfsm", "xgrammar", "llguidance"])
+    ap.add_argument("--members", type=int, default=30, help="random members per grammar for the first-use walk")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
-    bundle = load_smollm2()
-    vocab = bundle.vocab.prepare()
-    engines: list[Any] = [_Cfsm(vocab)]
-    try:
-        engines.append(_Xgrammar(bundle.tokenizer, bundle.size))
-    except ImportError as exc:
-        print(f"# xgrammar not available ({exc}); cfsm only")
     rows = []
-    for gname in args.grammars:
-        text, target = GRAMMARS[gname]
-        ids = list(bundle.tokenizer.encode(target, add_special_tokens=False))
-        for eng in engines:
-            try:
-                eng.compile(text)  # warm-up (imports, first-use tables)
-            except NotImplementedError:
-                continue
-            compiles, cold, warm_runs = [], [], []
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                compiled = eng.compile(text)
-                compiles.append(time.perf_counter() - start)
-                cold.append(eng.replay(compiled, ids))
-                warm_runs.append(eng.replay(compiled, ids))
-            cold_t = [statistics.median(x) for x in zip(*cold, strict=True)]
-            warm_t = [min(x) for x in zip(*warm_runs, strict=True)]
-            row = {"grammar": gname, "engine": eng.name, "tokens": len(ids),
-                   "compile_ms": 1e3 * statistics.median(compiles),
-                   "cold_mean_us": 1e6 * statistics.mean(cold_t), "cold_p99_us": 1e6 * _pct(cold_t, 0.99),
-                   "warm_mean_us": 1e6 * statistics.mean(warm_t), "warm_p99_us": 1e6 * _pct(warm_t, 0.99)}
-            if eng.name == "cfsm" and isinstance(compiled, cfsm.GrammarIndex):
-                row["pda_states"] = compiled.pda.num_states
-            rows.append(row)
-    head = ("grammar", "engine", "tokens", "compile_ms", "cold_mean_us", "cold_p99_us", "warm_mean_us", "warm_p99_us")
+    for vname in args.vocab:
+        bundle = VOCABS[vname]()
+        vocab = bundle.vocab.prepare()
+        engines = _engines(args.engines, bundle, vocab)
+        for gname in args.grammars:
+            members = _members(gname, args.members) if args.members else []
+            for eng in engines:
+                row = _bench(eng, bundle, gname, args.repeat, members)
+                if row is not None:
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+    head = ("vocab", "grammar", "engine", "tokens", "compile_ms", "cold_mean_us", "cold_p99_us", "warm_mean_us",
+            "warm_p99_us", "walk_masks", "walk_rejected", "walk_mean_us", "walk_p99_us", "walk_max_us")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        print("| " + " | ".join(f"{r[h]:.1f}" if isinstance(r[h], float) else str(r[h]) for h in head) + " |")
+        print("| " + " | ".join(f"{r[h]:.1f}" if isinstance(r.get(h), float) else str(r.get(h, "-"))
+                                 for h in head) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -207,6 +207,16 @@ class GrammarIndex:
         stay alive, then only the live ones."""
         tables = self.vocab.trie_tables
         cols, counts = tables.length_columns, tables.length_counts
+        # NOTE: a token whose first byte neither steps nor leaves the key is rejected: walk only
+        # the others (most states take a few first bytes: digits, a quote, a keyword's letter)
+        first = np.zeros(257, dtype=bool)
+        first[:256] = self._first_bytes(sid)
+        if ranks is None:
+            keep = first.take(cols[0])
+            if np.count_nonzero(keep) * 2 < len(keep):
+                ranks = np.flatnonzero(keep)
+        else:
+            ranks = ranks[first.take(cols[0].take(ranks))]
         full = ranks is None
         r = np.arange(len(tables.by_length)) if ranks is None else ranks
         m = len(r)
@@ -250,6 +260,16 @@ class GrammarIndex:
         ok = cur != 0
         unc = (esc0 | late) & ~ok
         return r[ok], r[unc], late[unc]
+
+    def _first_bytes(self, sid: int) -> np.ndarray:
+        """(256,) bool: the bytes that step from `sid` or leave it at a rule end (FOLLOW)."""
+        tops = sorted({st[-1] for st in self._states[sid]})
+        out = np.zeros(256, dtype=bool)
+        if tops:
+            np.any(self.pda.trans[tops] >= 0, axis=0, out=out)
+        if self._end[sid]:
+            out |= self._after_end[sid]
+        return out
 
     def _bits(self, ranks: np.ndarray) -> np.ndarray:
         tables = self.vocab.trie_tables
