@@ -28,6 +28,7 @@ from cfsm.json_schema import schema_tree
 SCALARS = [1, 2, 1.0, 2.5, 0, "a", "b", "a/b", "\n", True, False, None]
 ITEMS = [1, 2, "a", True, False, None, 1.0, {}, []]
 NAMES = ["a", "b", "c", "zz"]
+STRINGS = ["", "x", "ab", "abc", "abcd", "abcde", "abcdef", "\u00e9\u00e9"]
 
 
 def _arrays() -> list[Any]:
@@ -117,6 +118,29 @@ CASES: list[tuple[str, Any, list[Any]]] = [
                                             "unevaluatedItems": False}, _arrays()),
     ("unevaluatedItems schema", {"type": "array", "prefixItems": [True], "unevaluatedItems": {"type": "boolean"}},
      _arrays()),
+    ("oneOf of overlapping string lengths", {"type": "string", "oneOf": [{"minLength": 2}, {"maxLength": 4}]}, STRINGS),
+    ("oneOf of overlapping numeric bounds", {"oneOf": [{"minimum": 2}, {"exclusiveMaximum": 5}]},
+     [*SCALARS, -1, 4, 5, 7.5]),
+    ("oneOf of boolean schemas", {"oneOf": [True, {"const": 1}, False]}, SCALARS),
+    ("oneOf with an empty schema", {"oneOf": [{"type": "number"}, {}]}, SCALARS),
+    ("oneOf of disjoint types", {"oneOf": [{"type": "string", "maxLength": 1}, {"type": "integer", "minimum": 1},
+                                           {"enum": [None, False]}]}, [*SCALARS, *STRINGS]),
+    ("oneOf of required properties", {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+                                      "oneOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}, _objects()),
+    ("oneOf of several keywords each", {"oneOf": [{"type": "string", "maxLength": 1}, {"type": ["string", "boolean"]},
+                                                  {"minimum": 1, "maximum": 2}]}, [*SCALARS, *STRINGS]),
+    ("oneOf as a discriminated union", {"oneOf": [
+        {"type": "object", "properties": {"k": {"const": 1}, "a": {}}, "required": ["k"]},
+        {"type": "object", "properties": {"k": {"enum": [2, "a"]}, "b": {"type": "string"}}, "required": ["k"]}]},
+     [{"k": k, **extra} for k in (1, 2, "a", None) for extra in ({}, {"a": 1}, {"b": "x"}, {"b": 1})]),
+    ("oneOf through references", {"$defs": {"s": {"type": "string"}, "n": {"type": "number"}},
+                                  "oneOf": [{"$ref": "#/$defs/s"}, {"$ref": "#/$defs/n"}]}, SCALARS),
+    ("maxContains over objects that require", {"type": "array", "contains": {"type": "object", "required": ["a"]},
+                                               "maxContains": 1},
+     [[], [{}], [{"a": 1}], [{"a": 1}, {"a": 2}], [{"a": 1}, {}, 1], [{}, {"a": 1}, {"a": 2}]]),
+    ("if on required properties", {"type": "object", "properties": {"a": {}, "b": {}, "c": {}},
+                                   "if": {"required": ["a", "b"]}, "then": {"maxProperties": 2},
+                                   "else": {"required": ["c"]}}, _objects()),
 ]
 
 CONFIGS = {"spec": cfsm.CfsmConfig.spec(whitespace="compact"), "spec-flexible": cfsm.CfsmConfig.spec(),
@@ -178,7 +202,9 @@ def test_numbers_under_not_are_spelled_without_an_exponent() -> None:
 
 @pytest.mark.parametrize(("schema", "keyword"), [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-    ({"type": "array", "contains": {"type": "object", "required": ["a"]}, "maxContains": 1}, "contains"),
+    ({"type": "array", "contains": {"type": "object", "properties": {"a": {"const": 1}}}, "maxContains": 1}, "contains"),
+    ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "oneOf"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {"const": 1}}}, {"required": ["a"]}]}, "oneOf"),
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["zz"]}}, "dependentRequired"),
     ({"type": "object", "dependentSchemas": {k: {"properties": {"a": {"type": "string"}}} for k in "wxyz"}},
      "dependentSchemas"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -67,6 +68,9 @@ MAX_UNIQUE_VALUES = 8
 # loose_lengths=True)`, the compiler's last resort)
 MAX_EXACT_LENGTH = 256
 MAX_MIN_CONTAINS = 4
+# `oneOf` of branches that may overlap is exact as the alternatives "branch i and no other" when
+# there are at most this many branches, each with a simple negation
+MAX_ONE_OF_PRODUCT = 4
 # objects and arrays nested deeper than this in a schema document are refused up front (real
 # schemas stay far below; the compile recurses per level)
 MAX_SCHEMA_DEPTH = 128
@@ -429,10 +433,11 @@ class _Compiler:
             if key in schema:
                 if not isinstance(schema[key], list):
                     raise UnsupportedSchemaError(key, f"{path}/{key}", "must be a list")
-                if key == "oneOf" and len(schema[key]) > 1:
-                    self.approximate("oneOf", f"{path}/oneOf", "compiled as anyOf (exclusivity not enforced)")
                 rest = {k: v for k, v in schema.items() if k != key}
-                return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(schema[key])))
+                branches = list(schema[key])
+                if key == "oneOf" and len(branches) > 1:
+                    branches = self._exclusive(branches, f"{path}/oneOf")
+                return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(branches)))
         dependent = _dependent_schema(schema)
         if dependent is not None:
             # exact: either the property is absent, or present and the dependent schema holds
@@ -455,6 +460,31 @@ class _Compiler:
                 self.approximate("if", f"{path}/if", "the conditional branch is not enforced")
             return self.node(rest, path)
         return self._typed_union(schema, path)
+
+    def _exclusive(self, branches: list[Any], path: str) -> list[Any]:
+        """`oneOf` as alternatives that are exact where they can be: the branches themselves when
+        no two can match one value (`_disjoint`), else branch i with every other branch negated
+        where each has a simple negation (`_negation`); otherwise the branches as `anyOf`, reported."""
+        resolved = [self._peek(b) for b in branches]
+        if all(_disjoint(a, b) for a, b in itertools.combinations(resolved, 2)):
+            return branches
+        negated = [_negation(b) for b in resolved]
+        if len(branches) <= MAX_ONE_OF_PRODUCT and all(n is not None for n in negated):
+            return [{"allOf": [b, *(n for j, n in enumerate(negated) if j != i)]} for i, b in enumerate(branches)]
+        self.approximate("oneOf", path, "compiled as anyOf (exclusivity not enforced)")
+        return branches
+
+    def _peek(self, sub: Any) -> Any:
+        """`sub` with a plain `$ref` followed (for comparisons only; nothing is entered), or
+        `sub` itself where the reference does not resolve here."""
+        for _ in range(8):
+            if not (isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and not set(sub) - _STRUCTURAL - {"$ref"}):
+                break
+            try:
+                sub, _base = self.refs.resolve(sub["$ref"], self.bases[-1], "#")
+            except CfsmError:
+                break
+        return sub
 
     def _typed_union(self, schema: dict[str, Any], path: str) -> Node:
         types = self._types(schema, path)
@@ -857,6 +887,51 @@ def _conditional_kept_together(schema: dict[str, Any]) -> dict[str, Any]:
 
 _BOUND_NEGATIONS = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
                     "exclusiveMinimum": "maximum", "exclusiveMaximum": "minimum"}
+# count bounds: (the type they apply to, the opposite bound, its offset)
+_COUNT_NEGATIONS = {"minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
+                    "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1),
+                    "minProperties": ("object", "maxProperties", -1), "maxProperties": ("object", "minProperties", 1)}
+# a value's JSON types for disjointness (integers are numbers)
+_DISJOINT_TYPES = ("object", "array", "string", "number", "boolean", "null")
+
+
+def _type_set(schema: Any) -> set[str]:
+    """The JSON types (`_DISJOINT_TYPES`) that `schema` may accept, by its `type`, `const` and
+    `enum` alone (every type where they do not say)."""
+    if schema is False:
+        return set()
+    out = set(_DISJOINT_TYPES)
+    if not isinstance(schema, dict):
+        return out
+    named = schema.get("type")
+    if isinstance(named, str):
+        named = [named]
+    if isinstance(named, list) and all(isinstance(t, str) and t in _TYPES for t in named):
+        out &= {"number" if t == "integer" else t for t in named}
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        out &= {"number" if t == "integer" else t for t in map(_type_of, values)}
+    return out
+
+
+def _disjoint(a: Any, b: Any) -> bool:
+    """Whether no JSON value can be valid under both `a` and `b` (a sufficient test: disjoint
+    types, disjoint `const` / `enum` lists, or objects that require one property with disjoint
+    schemas: a discriminated union)."""
+    if not _type_set(a) & _type_set(b):
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    va = [a["const"]] if "const" in a else a.get("enum")
+    vb = [b["const"]] if "const" in b else b.get("enum")
+    if isinstance(va, list) and isinstance(vb, list) and not any(same_json(x, y) for x in va for y in vb):
+        return True
+    if _type_set(a) == _type_set(b) == {"object"}:
+        pa, pb = a.get("properties"), b.get("properties")
+        ra, rb = a.get("required"), b.get("required")
+        if isinstance(pa, dict) and isinstance(pb, dict) and isinstance(ra, list) and isinstance(rb, list):
+            return any(name in pa and name in pb and name in rb and _disjoint(pa[name], pb[name]) for name in ra)
+    return False
 
 
 def _negation(sub: Any) -> Any:
@@ -885,7 +960,29 @@ def _negation(sub: Any) -> Any:
         value = sub[key]
         if key in _BOUND_NEGATIONS and isinstance(value, int | float) and not isinstance(value, bool):
             return {"type": "number", _BOUND_NEGATIONS[key]: value}
+        if key in _COUNT_NEGATIONS and isinstance(value, int | float) and not isinstance(value, bool) and \
+                float(value).is_integer():
+            t, opposite, step = _COUNT_NEGATIONS[key]
+            bound = int(value) + step
+            return False if bound < 0 else {"type": t, opposite: bound}
+        if key == "required" and isinstance(value, list) and all(isinstance(n, str) for n in value):
+            # some required property absent: objects with one of them declared `false`
+            absent = [{"type": "object", "properties": {n: False}} for n in dict.fromkeys(value)]
+            return False if not absent else absent[0] if len(absent) == 1 else {"anyOf": absent}
+        return None
+    if len(keys) <= MAX_NEGATED_KEYWORDS and keys <= _INDEPENDENT:
+        # not (k1 and k2 ...) = (not k1) or (not k2) ..., each keyword asserting on its own
+        parts = [_negation({k: sub[k]}) for k in sorted(keys)]
+        if any(p is None for p in parts):
+            return None
+        kept = [p for p in parts if p is not False]
+        return False if not kept else kept[0] if len(kept) == 1 else {"anyOf": kept}
     return None
+
+
+# keywords whose assertions do not depend on each other (a schema of several is their conjunction)
+_INDEPENDENT = frozenset({"type", "const", "enum", *_BOUND_NEGATIONS, *_COUNT_NEGATIONS, "required"})
+MAX_NEGATED_KEYWORDS = 3
 
 
 def _unique_sequences(values: list[Node], prefix: list[list[int]], more: list[int], comma: Node, lo: int,
