@@ -16,6 +16,16 @@ from radixcache.errors import (
     UnknownPolicyError,
 )
 from radixcache.events import AllCleared, Event, PageRemoved, PageStored
+from radixcache.hicache import (
+    WRITE_POLICIES,
+    HierarchicalCache,
+    KVTransfer,
+    Residency,
+    TieredMatch,
+    TieredSizes,
+    TierStats,
+    WritePolicy,
+)
 from radixcache.keys import KeyLike, as_key
 from radixcache.node import TreeNode
 from radixcache.ordering import AgingQueue, Ordering, PrefixIndex, dfs_weight_order, longest_prefix_first
@@ -33,15 +43,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BUILTIN_POLICIES",
+    "WRITE_POLICIES",
     "AgingQueue",
     "AllCleared",
     "CacheSizes",
     "Event",
     "EvictionPolicy",
     "FIFOPolicy",
+    "HierarchicalCache",
     "InsertResult",
     "IntegrityError",
     "InvalidKeyError",
+    "KVTransfer",
     "KeyLike",
     "LFUPolicy",
     "LRUPolicy",
@@ -56,11 +69,16 @@ __all__ = [
     "RadixCache",
     "RadixCacheConfig",
     "RadixCacheError",
+    "Residency",
     "SlotAllocator",
     "SlotError",
+    "TierStats",
+    "TieredMatch",
+    "TieredSizes",
     "TouchPlan",
     "TreeNode",
     "UnknownPolicyError",
+    "WritePolicy",
     "__version__",
     "as_key",
     "dfs_weight_order",

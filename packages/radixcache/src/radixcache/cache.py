@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TextIO
 
 import numpy as np
@@ -171,6 +171,9 @@ class RadixCache:
         self._evictable = 0
         self._protected = 0
         self._events: list[Event] = []
+        # NOTE: called as on_evict(node, keep) by `evict` before `node.value[keep:]` leaves the
+        # tree (node still linked, so its path can be read); a host tier offloads there
+        self.on_evict: Callable[[TreeNode, int], None] | None = None
 
     @classmethod
     def from_config(cls, config: RadixCacheConfig, allocator: SlotAllocator | None = None) -> RadixCache:
@@ -705,7 +708,8 @@ class RadixCache:
         `num_tokens` rounded up to whole pages are freed when that many are evictable.
 
         Returns the freed slot ids for the caller to free in its allocator; empty when the
-        cache has an allocator (it freed them there). Mutates the tree, sizes (the allocator).
+        cache has an allocator (it freed them there). Calls `on_evict(node, keep)` (when set)
+        before each leaf loses `node.value[keep:]`. Mutates the tree, sizes (the allocator).
         """
         if num_tokens <= 0:
             return _EMPTY
@@ -728,12 +732,16 @@ class RadixCache:
             if self._trim_leaves and need < len(node.value):
                 keep = len(node.value) - (need + (-need) % self._page_size)
                 if keep > 0:
+                    if self.on_evict is not None:
+                        self.on_evict(node, keep)
                     freed.append(node.value[keep:])
                     got += len(node.value) - keep
                     self._trim_leaf(node, keep)
                     break
             heapq.heappop(heap)
             node.in_heap = False
+            if self.on_evict is not None:
+                self.on_evict(node, 0)
             freed.append(node.value)
             got += len(node.value)
             self._delete_leaf(node)

@@ -83,3 +83,32 @@ class NaivePrefixCache:
     def reset(self) -> None:
         self._pages.clear()
         self._owner.clear()
+
+
+class FakeKVTransfer:
+    """A `KVTransfer` over two dicts standing for the engine's pools: `device[slot]` and
+    `host[slot]` hold whatever the test wrote as a slot's KV (e.g. the token prefix it encodes).
+    `offload` and `load` copy entries, and raise `AssertionError` when a source slot holds none
+    (a copy of KV that was never computed). Counts the tokens each way."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, object] = {}
+        self.host: dict[int, object] = {}
+        self.offloaded = 0
+        self.loaded = 0
+
+    def offload(self, device_slots: npt.NDArray[np.int64], host_slots: npt.NDArray[np.int64]) -> None:
+        assert len(device_slots) == len(host_slots), "offload of unequal slot lists"
+        for d, h in zip(device_slots.tolist(), host_slots.tolist(), strict=True):
+            if d not in self.device:
+                raise AssertionError(f"offload of device slot {d}, which holds no KV")
+            self.host[h] = self.device[d]
+        self.offloaded += len(device_slots)
+
+    def load(self, host_slots: npt.NDArray[np.int64], device_slots: npt.NDArray[np.int64]) -> None:
+        assert len(device_slots) == len(host_slots), "load of unequal slot lists"
+        for h, d in zip(host_slots.tolist(), device_slots.tolist(), strict=True):
+            if h not in self.host:
+                raise AssertionError(f"load of host slot {h}, which holds no KV")
+            self.device[d] = self.host[h]
+        self.loaded += len(device_slots)
