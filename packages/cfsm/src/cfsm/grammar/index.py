@@ -33,6 +33,7 @@ from cfsm.vocab import Vocabulary
 __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_STACKS"]
 
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
+_SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
 MAX_STACKS = 4096  # parses alive at once in one configuration (ambiguous grammars multiply them)
 _UNKNOWN = -2
 Stack = tuple[int, ...]
@@ -217,6 +218,8 @@ class GrammarIndex:
                 ranks = np.flatnonzero(keep)
         else:
             ranks = ranks[first.take(cols[0].take(ranks))]
+        if ranks is not None and len(ranks) <= _SCALAR_WALK:
+            return self._walk_scalar(sid, ranks)
         full = ranks is None
         r = np.arange(len(tables.by_length)) if ranks is None else ranks
         m = len(r)
@@ -260,6 +263,32 @@ class GrammarIndex:
         ok = cur != 0
         unc = (esc0 | late) & ~ok
         return r[ok], r[unc], late[unc]
+
+    def _walk_scalar(self, sid: int, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_walk_tokens` for a few tokens, one at a time (no per-step array work: the deep keys
+        of a first-use mask settle a handful of tokens)."""
+        tables, tokens = self.vocab.trie_tables, self.vocab.tokens
+        ids = tables.order[tables.by_length[ranks]].tolist()
+        acc: list[int] = []
+        unc: list[int] = []
+        late: list[bool] = []
+        for rank, tid in zip(ranks.tolist(), ids, strict=True):
+            cur = sid
+            escaped = is_late = False
+            for d, b in enumerate(tokens[tid]):
+                if self._end[cur] and self._after_end[cur, b]:
+                    escaped = True
+                    is_late = is_late or d > 0
+                nxt = int(self._table[cur, b])
+                cur = self._step(cur, b) if nxt == _UNKNOWN else nxt
+                if cur == 0:
+                    break
+            if cur:
+                acc.append(rank)
+            elif escaped:
+                unc.append(rank)
+                late.append(is_late)
+        return (np.array(acc, dtype=ranks.dtype), np.array(unc, dtype=ranks.dtype), np.array(late, dtype=bool))
 
     def _first_bytes(self, sid: int) -> np.ndarray:
         """(256,) bool: the bytes that step from `sid` or leave it at a rule end (FOLLOW)."""

@@ -16,6 +16,7 @@ trimmed, so every non-empty stack set can still complete the grammar.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,8 @@ class Pda:
 class _Nfa:
     """Thompson NFA of one rule: epsilon edges, byte-range edges and call edges."""
 
-    def __init__(self, names: dict[str, int], memo: dict[int, bool]) -> None:
+    def __init__(self, names: dict[str, int], memo: dict[int, bool], dfas: dict[int, Any] | None = None) -> None:
+        self.dfas = {} if dfas is None else dfas  # id(node) -> minimal DFA (a part inlined twice is built once)
         self.eps: list[list[int]] = []
         self.bytes: list[list[tuple[int, int, int]]] = []
         self.calls: list[list[tuple[int, int]]] = []
@@ -141,7 +143,9 @@ class _Nfa:
 
     def _regular(self, node: Node) -> tuple[int, int]:
         """Embed the minimal DFA of a reference-free part."""
-        dfa = build_dfa(node)
+        dfa = self.dfas.get(id(node))
+        if dfa is None:
+            dfa = self.dfas[id(node)] = build_dfa(node)
         s, e = self.new(), self.new()
         n = dfa.num_states
         if n == 0:
@@ -236,13 +240,14 @@ def build_pda(grammar: Grammar) -> Pda:
     `GrammarError` (see the module docstring)."""
     names = {name: i for i, name in enumerate(grammar.rules)}
     memo: dict[int, bool] = {}
+    dfas: dict[int, Any] = {}
     rule_of: list[int] = []
     byte_edges: list[dict[int, int]] = []
     call_edges: list[dict[int, int]] = []
     accepting: list[bool] = []
     starts: list[int] = []
     for r, (name, body) in enumerate(grammar.rules.items()):
-        nfa = _Nfa(names, memo)
+        nfa = _Nfa(names, memo, dfas)
         try:
             s, e = nfa.build(body)
         except GrammarError as exc:
