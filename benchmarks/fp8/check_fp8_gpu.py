@@ -89,6 +89,16 @@ def check_gemv(c: Checks, gen: torch.Generator) -> None:
                     rel_error(fp8_gemv(wide[:, :k], weight, scale, group_k), ref), BF16_TOL)
 
 
+def check_quantizer(c: Checks, gen: torch.Generator) -> None:
+    from lmserver.kernels.fp8_gemv import quantize_fp8_per_token
+    from lmserver.kernels.fp8_ref import quantize_fp8_per_token as reference
+
+    x = torch.randn(777, 14336, generator=gen, device=DEVICE).to(ACT) * 3
+    (q, s), (q_ref, s_ref) = quantize_fp8_per_token(x), reference(x)
+    same = bool(torch.equal(s, s_ref)) and bool(torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)))
+    c.check("per-token FP8 quantizer (Triton) vs torch: identical bytes and scales", 0.0 if same else float("inf"), 1.0)
+
+
 def check_linear_paths(c: Checks, gen: torch.Generator) -> None:
     from lmserver.kernels.fp8_ref import fp8_linear_ref
     from lmserver.layers.fp8_linear import Fp8Linear
@@ -164,10 +174,45 @@ def copy_bandwidth() -> float:
 
 
 ROWS_SWEEP = [("rows", bn, bk, nw, 1) for bn, bk, nw in
-              ((2, 1024, 4), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 2048, 8), (8, 1024, 4),
-               (16, 512, 4))]
+              ((2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (4, 4096, 8), (8, 2048, 8), (8, 1024, 4), (16, 512, 4),
+               (8, 4096, 8), (16, 1024, 8), (16, 2048, 8), (32, 512, 8), (8, 1024, 8), (16, 1024, 4))]
 DOT_SWEEP = [("dot", bn, bk, 4, ns) for bn, bk, ns in
-             ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 3), (32, 1024, 3), (16, 1024, 3))]
+             ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 3), (32, 1024, 3), (16, 1024, 3),
+              (64, 256, 4), (64, 512, 3), (128, 256, 3), (32, 256, 5), (16, 256, 6))]
+
+
+def time_prefill(gen: torch.Generator, m: int = 4096) -> list[dict[str, Any]]:
+    """Prefill GEMMs at M rows: bf16 cuBLAS vs `torch._scaled_mm` (row-wise scales, with and without
+    fast accumulation) and the per-token activation quantizer, each error against float64."""
+    from lmserver.kernels.fp8_gemv import quantize_fp8_per_token
+    from lmserver.kernels.fp8_ref import fp8_linear_ref, quantize_fp8
+
+    rows = []
+    print("\n| shape | K x N | M | bf16 us | quantize us | _scaled_mm us | fast-accum us | fp8 total (fast) / bf16 "
+          "speed | rel err accurate / fast |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, (k, n) in SHAPES.items():
+        w = torch.randn(n, k, generator=gen, device=DEVICE).to(ACT)
+        weight, scale = quantize_fp8(w, None)
+        x = torch.randn(m, k, generator=gen, device=DEVICE).to(ACT)
+        srow = scale.view(1, -1).contiguous()
+        xq, xs = quantize_fp8_per_token(x)
+
+        def mm(fast: bool) -> torch.Tensor:
+            return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=srow, out_dtype=ACT,  # noqa: B023
+                                    use_fast_accum=fast)
+
+        t_bf16 = bench(lambda: F.linear(x, w))  # noqa: B023
+        t_q = bench(lambda: quantize_fp8_per_token(x))  # noqa: B023
+        t_mm, t_fast = bench(lambda: mm(False)), bench(lambda: mm(True))  # noqa: B023
+        ref = fp8_linear_ref(x, weight, scale, k, compute_dtype=torch.float64)
+        e_acc, e_fast = rel_error(mm(False), ref), rel_error(mm(True), ref)
+        row = {"shape": name, "K": k, "N": n, "M": m, "bf16_us": t_bf16, "quant_us": t_q, "scaled_mm_us": t_mm,
+               "scaled_mm_fast_us": t_fast, "speedup_fast": t_bf16 / (t_q + t_fast), "err": e_acc, "err_fast": e_fast}
+        rows.append(row)
+        print(f"| {name} | {k}x{n} | {m} | {t_bf16:.1f} | {t_q:.1f} | {t_mm:.1f} | {t_fast:.1f} | "
+              f"{row['speedup_fast']:.2f}x | {e_acc:.1e} / {e_fast:.1e} |", flush=True)
+    return rows
 
 
 def time_gemv(sweep: bool, gen: torch.Generator) -> list[dict[str, Any]]:
@@ -175,7 +220,7 @@ def time_gemv(sweep: bool, gen: torch.Generator) -> list[dict[str, Any]]:
     from lmserver.kernels.fp8_ref import quantize_fp8
 
     bw = copy_bandwidth()
-    print(f"\ncopy bandwidth {bw / 1e3:.2f} TB/s (the floor: weight bytes / this)")
+    print(f"\ncopy bandwidth {bw / 1e6:.2f} TB/s (the floor: weight bytes / this)")
     rows = []
     print("\n| shape | K x N | M | bf16 us | fp8 us (chosen) | fp8 us (best) | speedup | fp8 % of floor | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -231,13 +276,15 @@ def main() -> int:
     gen = torch.Generator(DEVICE).manual_seed(seed)
     c = Checks()
     check_gemv(c, gen)
+    check_quantizer(c, gen)
     check_linear_paths(c, gen)
     check_attention(c, torch.Generator().manual_seed(seed))
     timings = time_gemv(args.sweep, gen)
+    prefill = time_prefill(gen)
     print(f"\n{len(c.rows) - len(c.failed)} of {len(c.rows)} checks passed"
           + (f"; FAILED: {', '.join(c.failed)}" if c.failed else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"seed": seed, "checks": c.rows, "timings": timings}, indent=2))
+        Path(args.json).write_text(json.dumps({"seed": seed, "checks": c.rows, "timings": timings, "prefill": prefill}, indent=2))
     return 1 if c.failed else 0
 
 

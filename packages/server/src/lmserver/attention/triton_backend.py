@@ -106,11 +106,12 @@ class TritonBackend(AttentionBackend):
         v_cache = self.kv_pool.v_cache[layer.layer_id]
         pool, lid = self.kv_pool, layer.layer_id
         k_scale, v_scale = (pool.k_scale[lid], pool.v_scale[lid]) if pool.is_fp8 else (1.0, 1.0)
-        if pool.is_fp8:
+        if pool.is_fp8 and batch.mode == ForwardMode.DECODE:  # quantized inside the store (one launch)
+            store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale)
+        elif pool.is_fp8:  # extend attends to the new tokens as the cache will hold them
             kq, vq = pool.quantize(lid, k, v)
             store_kv(kq, vq, k_cache, v_cache, batch.out_cache_loc)
-            if batch.mode != ForwardMode.DECODE:
-                k, v = pool.dequantize_k(lid, kq, q.dtype), pool.dequantize_v(lid, vq, q.dtype)
+            k, v = pool.dequantize_k(lid, kq, q.dtype), pool.dequantize_v(lid, vq, q.dtype)
         else:
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         num_tokens = q.shape[0]

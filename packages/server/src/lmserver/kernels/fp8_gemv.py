@@ -16,7 +16,8 @@ Scales (`lmserver.kernels.fp8_ref` layout): per channel / per tensor (one column
 to the finished sums; per (row, group_k columns) groups (128 x 128 block checkpoints) to each tile's
 partial sums, the tile never straddling two groups. Reference: `fp8_ref.fp8_linear_ref`.
 
-Tile choice: `config_for` (the measured H200 table `TUNED`, else a shape rule).
+Tile choice: `config_for` (the measured H200 table `TUNED`, else a shape rule). Also here: the
+one-launch per-token activation quantizer of the `torch._scaled_mm` prefill path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton.language as tl
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, dot_precision
 from lmserver.kernels.fp8_ref import FP8_DTYPE
 
-__all__ = ["Fp8GemvConfig", "config_for", "fp8_gemv"]
+__all__ = ["Fp8GemvConfig", "config_for", "fp8_gemv", "quantize_fp8_per_token"]
 
 
 @triton.jit
@@ -131,15 +132,32 @@ class Fp8GemvConfig:
 ROWS_MAX_M = 8  # the row-wise kernel unrolls its rows: beyond a few, the tensor cores win
 # Measured on the H200 (benchmarks/fp8/check_fp8_gpu.py --sweep; benchmarks/RESULTS.md "FP8 (issue 33)"):
 # (device name, max M, K, N) -> config; first matching max M >= M wins. Shapes not listed: `_default_config`.
-TUNED: dict[tuple[str, int, int, int], Fp8GemvConfig] = {}
+# H200 2026-12-02 (commit 5b9c704, L2 flushed, us per call, % of the FP8 floor at 4.25 TB/s): Llama-3-8B
+# decode shapes; at M = 1 row-wise 8 x 1024-2048 tiles (qkv 13.8, o 10.7, gate-up 41.3, down 23.8), above the
+# tensor-core kernel (M = 8: 18.9, 16.2, 47.9, 33.6; bf16 cuBLAS 22.8, 18.7, 69.2, 42.3)
+_H200 = "NVIDIA H200"
+TUNED: dict[tuple[str, int, int, int], Fp8GemvConfig] = {
+    (_H200, 1, 4096, 6144): Fp8GemvConfig("rows", 8, 1024, 4, 1),
+    (_H200, 16, 4096, 6144): Fp8GemvConfig("dot", 32, 512, 4, 4),
+    (_H200, 1, 4096, 4096): Fp8GemvConfig("rows", 8, 2048, 8, 1),
+    (_H200, 2, 4096, 4096): Fp8GemvConfig("rows", 8, 1024, 4, 1),
+    (_H200, 4, 4096, 4096): Fp8GemvConfig("dot", 32, 1024, 4, 3),
+    (_H200, 8, 4096, 4096): Fp8GemvConfig("dot", 32, 256, 4, 4),
+    (_H200, 16, 4096, 4096): Fp8GemvConfig("dot", 32, 512, 4, 4),
+    (_H200, 1, 4096, 28672): Fp8GemvConfig("rows", 8, 2048, 8, 1),
+    (_H200, 16, 4096, 28672): Fp8GemvConfig("dot", 32, 256, 4, 4),
+    (_H200, 1, 14336, 4096): Fp8GemvConfig("rows", 8, 2048, 8, 1),
+    (_H200, 8, 14336, 4096): Fp8GemvConfig("dot", 32, 1024, 4, 3),
+    (_H200, 16, 14336, 4096): Fp8GemvConfig("dot", 32, 512, 4, 4),
+}
 
 
 def _default_config(m: int, k: int, n: int) -> Fp8GemvConfig:
-    """The shape rule for untuned shapes: row-wise whole-row tiles at batch 1 (lowlat's H200
-    finding for bf16: 4 rows x 4096 columns, 8 warps), the tensor cores above."""
+    """The shape rule for untuned shapes: row-wise 8 x 2048 tiles at batch 1 (the best H200 tile
+    on three of the four 8B shapes), the tensor cores above."""
     if m == 1:
-        block_k = min(4096, triton.next_power_of_2(k))
-        return Fp8GemvConfig("rows", 4, block_k, 8 if block_k >= 2048 else 4, 1)
+        block_k = min(2048, triton.next_power_of_2(k))
+        return Fp8GemvConfig("rows", 8, block_k, 8 if block_k >= 2048 else 4, 1)
     return Fp8GemvConfig("dot", 32, 512, 4, 4)
 
 
@@ -212,3 +230,33 @@ def fp8_gemv(
             *args, GROUP_K=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+@triton.jit
+def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    # one program per row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    # NOTE: div_rn (IEEE rounding, as torch divides): the same FP8 bytes as the torch reference
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
+    q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+    tl.store(q_ptr + row.to(tl.int64) * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (float8_e4m3fn (M, K), float32 scale (M, 1)) in one launch (the activations of
+    `torch._scaled_mm` prefill); the same values as `fp8_ref.quantize_fp8_per_token`. Pure."""
+    if x.dim() != 2:
+        raise KernelInputError(f"expected x (M, K); got {tuple(x.shape)}")
+    check_last_dim_contiguous(x=x)
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block_k = triton.next_power_of_2(k)
+        _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k,
+                                         num_warps=max(1, min(16, block_k // 512)))
+    return q, scale

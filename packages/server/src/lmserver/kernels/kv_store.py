@@ -19,7 +19,7 @@ __all__ = ["store_kv"]
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
     stride_kt, stride_vt, stride_kcs, stride_vcs,
-    width, BLOCK: tl.constexpr,
+    width, k_scale, v_scale, BLOCK: tl.constexpr, FP8: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -27,6 +27,9 @@ def _store_kv_kernel(
     slot = tl.load(loc_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    if FP8:  # fp8_ref.quantize_kv_fp8: x / scale (IEEE division, as torch), saturated at +-448
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -448.0, 448.0)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -448.0, 448.0)
     tl.store(k_cache_ptr + slot * stride_kcs + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * stride_vcs + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -42,8 +45,11 @@ def store_kv(
     v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
     loc: torch.Tensor,  # (num_tokens,) slot ids, distinct
     block: int = 1024,
+    k_scale: float = 1.0,  # FP8 caches: the values stored are k / k_scale, v / v_scale, saturated
+    v_scale: float = 1.0,
 ) -> None:
-    """`k_cache[loc] = k; v_cache[loc] = v`. Mutates k_cache and v_cache."""
+    """`k_cache[loc] = k; v_cache[loc] = v` (FP8 caches: quantized as `fp8_ref.quantize_kv_fp8`
+    does, in the same launch). Mutates k_cache and v_cache."""
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[1:] or v_cache.shape != k_cache.shape:
         raise KernelInputError(
             f"expected k, v (T, num_kv_heads, head_dim) matching the caches' last dims; got k {tuple(k.shape)}, "
@@ -60,5 +66,5 @@ def store_kv(
     _store_kv_kernel[(k.shape[0], triton.cdiv(width, block))](
         k, v, k_cache, v_cache, loc,
         k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        width, BLOCK=block, num_warps=4,
+        width, float(k_scale), float(v_scale), BLOCK=block, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
     )

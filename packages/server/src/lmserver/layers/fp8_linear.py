@@ -17,19 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserver.kernels.fp8_ref import (
-    FP8_DTYPE,
-    fp8_linear_ref,
-    num_groups,
-    quantize_fp8,
-    quantize_fp8_per_token,
-)
+from lmserver.kernels.fp8_ref import FP8_DTYPE, fp8_linear_ref, num_groups, quantize_fp8
 
 __all__ = ["FP8_MIN_CAPABILITY", "GEMV_MAX_M", "Fp8Linear", "fp8_unsupported_reason"]
 
 GEMV_MAX_M = 16  # rows up to which the Triton GEMV runs (decode); more: _scaled_mm or dequantize
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores and conversions
 SCALED_MM_MIN_CAPABILITY = (9, 0)  # row-wise scaled _scaled_mm (cuBLASLt) on Hopper and newer
+SCALED_MM_FAST_ACCUM = True
 
 
 def fp8_unsupported_reason(device: torch.device | str) -> str | None:
@@ -112,9 +107,14 @@ class Fp8Linear(nn.Module):
 
                 out = fp8_gemv(x2, self.weight, self.weight_scale, self.group_k, self.bias)
             elif self.scaled_mm:
-                xq, xs = quantize_fp8_per_token(x2)
-                # NOTE: the bias is added apart: not every torch version takes one with row-wise scales
-                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_row, out_dtype=x.dtype)
+                from lmserver.kernels.fp8_gemv import quantize_fp8_per_token as quantize_rows
+
+                xq, xs = quantize_rows(x2 if x2.stride(-1) == 1 else x2.contiguous())
+                # NOTE: the bias is added apart: not every torch version takes one with row-wise scales.
+                # use_fast_accum: Hopper's FP8 MMA accumulates without the periodic float32 promotion, as
+                # vLLM's and SGLang's FP8 GEMMs do (the check script measures both, RESULTS.md FP8 (issue 33))
+                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_row, out_dtype=x.dtype,
+                                       use_fast_accum=SCALED_MM_FAST_ACCUM)
                 if self.bias is not None:
                     out += self.bias
             else:
