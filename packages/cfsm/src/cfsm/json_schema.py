@@ -54,6 +54,7 @@ from cfsm.regex_ast import (
 from cfsm.regex_parser import parse_regex
 from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas, same_json
 from cfsm.schema_refs import RefResolver, check_depth
+from cfsm.schema_unevaluated import expand_unevaluated, mentions_unevaluated
 
 __all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node", "json_value_grammar",
            "JSON_VALUE_RULE", "MAX_ANY_ORDER_PROPERTIES", "MAX_SCHEMA_DEPTH"]
@@ -71,6 +72,9 @@ MAX_MIN_CONTAINS = 4
 # `oneOf` of branches that may overlap is exact as the alternatives "branch i and no other" when
 # there are at most this many branches, each with a simple negation
 MAX_ONE_OF_PRODUCT = 4
+# unevaluated* expansions nested in one another's flat schemas (a reference with siblings back
+# to an ancestor would expand forever; past this the approximation takes over)
+MAX_EXPANSION_NESTING = 8
 # objects and arrays nested deeper than this in a schema document are refused up front (real
 # schemas stay far below; the compile recurses per level)
 MAX_SCHEMA_DEPTH = 128
@@ -225,6 +229,9 @@ class _Compiler:
         self.approximations: dict[tuple[str, str], Approximation] = {}
         self.visits = 0
         self.recursion_seen = False
+        # whether the document names unevaluated* at all (most do not: no expansion to look for)
+        self.mentions_unevaluated = "unevaluated" in json.dumps(root, default=str)
+        self.expansions = 0  # unevaluated* expansions being compiled, one inside another
         self._any: dict[int, Node] = {}
         # per compile: equal number bounds and formats share one (immutable) syntax tree
         self._memo: dict[tuple[Any, ...], Node] = {}
@@ -401,6 +408,17 @@ class _Compiler:
             return NOTHING
         if not isinstance(schema, dict):
             raise UnsupportedSchemaError("schema", path, f"expected an object or a boolean, got {type(schema).__name__}")
+        if _IN_PLACE & schema.keys() and set(schema) - _STRUCTURAL != {"$ref"} and \
+                self.expansions < MAX_EXPANSION_NESTING and mentions_unevaluated(self, schema):
+            # exact where it can be: alternatives whose evaluated properties / items are known
+            # (a plain `$ref` compiles its target, which expands itself)
+            flats = expand_unevaluated(self, schema, path)
+            if flats is not None:
+                self.expansions += 1
+                try:
+                    return alt(*(self.node(flat, path) for flat in flats)) if flats else NOTHING
+                finally:
+                    self.expansions -= 1
         if _UNEVALUATED & schema.keys() and _IN_PLACE & schema.keys():
             # NOTE: in-place applicators evaluate properties / items the merged schema cannot
             # attribute (anyOf branches that also match, `if`, conflicting prefixItems): the
