@@ -280,3 +280,31 @@ def test_dependent_schemas_beside_additional_properties_stay_approximated(schema
     """Merged, additionalProperties would see the other schema's properties (test-suite cases)."""
     _, notes = schema_tree(schema, cfsm.CfsmConfig.spec())
     assert "dependentSchemas" in {n.keyword for n in notes}
+
+
+@pytest.mark.parametrize("config", ["spec", "default"])
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"type": "boolean"}], "uniqueItems": True},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, True, None]}], "uniqueItems": True,
+     "minItems": 1, "maxItems": 3},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, True]}, {"const": False}], "uniqueItems": True,
+     "minItems": 3},
+])
+def test_unique_items_over_a_finite_prefix_and_free_items(schema: Any, config: str) -> None:
+    """The approximation is a superset that still keeps the prefix items distinct: every valid
+    array is accepted, and an accepted invalid one repeats a value only with a later item."""
+    cfg = CONFIGS[config]
+    node, notes = schema_tree(schema, cfg)
+    assert [n.keyword for n in notes] == ["uniqueItems"]
+    dfa = build_dfa(node)
+    validator = jsonschema.Draft202012Validator(schema)
+    k = len(schema["prefixItems"])
+    for instance in _arrays():
+        text = json.dumps(instance, separators=(",", ":"))
+        accepted, valid = dfa.fullmatch(text.encode()), validator.is_valid(instance)
+        if valid:
+            assert accepted or config == "default" and _narrowed_by_default(schema, instance), text
+        elif accepted:
+            head = instance[:k]
+            assert jsonschema.Draft202012Validator({"uniqueItems": True}).is_valid(head), text
+            assert jsonschema.Draft202012Validator({**schema, "uniqueItems": False}).is_valid(instance), text

@@ -779,6 +779,27 @@ class _Compiler:
                                          lo, None if hi is None else int(hi))
                 return cat(lit("["), self.ws, body, self.ws, lit("]"))
             # NOTE: exact only for items of at most MAX_UNIQUE_VALUES scalar values (above)
+            if not contains and k > 1 and rest is not None and all(v is not None for v in listed):
+                # the prefix items distinct from each other; the later ones may repeat any item
+                self.approximate("uniqueItems", f"{path}/uniqueItems",
+                                 "enforced among the prefix items only (later items may repeat)")
+                distinct = []
+                for v in [x for values in listed for x in values or ()]:
+                    if not any(same_json(v, x) for x in distinct):
+                        distinct.append(v)
+                where = [[next(i for i, x in enumerate(distinct) if same_json(v, x)) for v in values or ()]
+                         for values in listed]
+                values = [self.value_node(v) for v in distinct]
+                top = None if hi is None else int(hi)
+                options = []
+                if lo < k and (top is None or top >= 0):
+                    options.append(_unique_sequences(values, where, [], self.comma, lo, min(k - 1, top if top is not None
+                                                                                          else k - 1)))
+                if top is None or top >= k:
+                    full = _unique_sequences(values, where, [], self.comma, k, k)
+                    tail_hi = None if top is None else top - k
+                    options.append(cat(full, Repeat(cat(self.comma, rest), max(0, lo - k), tail_hi)))
+                return cat(lit("["), self.ws, alt(*options) if options else NOTHING, self.ws, lit("]"))
             self.approximate("uniqueItems", f"{path}/uniqueItems", "not enforced (items may repeat)")
         if contains:
             wanted = int(schema.get("minContains", 1))
