@@ -791,7 +791,7 @@ class _Compiler:
                          for values in listed]
                 values = [self.value_node(v) for v in distinct]
                 top = None if hi is None else int(hi)
-                options = []
+                options: list[Node] = []
                 if lo < k and (top is None or top >= 0):
                     options.append(_unique_sequences(values, where, [], self.comma, lo, min(k - 1, top if top is not None
                                                                                           else k - 1)))
@@ -822,7 +822,7 @@ class _Compiler:
                 return cat(lit("["), self.ws, alt(*counts) if counts else NOTHING, self.ws, lit("]"))
             self.approximate("contains", f"{path}/contains", "not enforced beyond a non-empty array")
             lo = max(lo, 1)
-        options: list[Node] = []
+        options = []
         for c in range(0, k):
             if lo <= c and (hi is None or c <= hi):
                 options.append(_joined(nodes[:c], self.comma))
