@@ -47,6 +47,14 @@ class ServerConfig:
     schedule_aging_rounds: int = _opt(64, "a waiting request is served first after this many passed-over rounds")
     page_size: int = _opt(1, "KV-cache page size in tokens")
     disable_radix_cache: bool = _opt(False, "no prefix reuse (same code path, nothing cached)")
+    enable_hierarchical_cache: bool = _opt(False, "host-memory KV tier (HiCache): KV evicted from the device pool "
+                                                  "is copied to a pinned host pool and loaded back on a later "
+                                                  "prefix match instead of being recomputed")
+    host_kv_size_gb: float | None = _opt(None, "host KV pool size in GB for --enable-hierarchical-cache (auto: twice "
+                                               "the device KV pool)")
+    hicache_write_policy: str = _opt("write_back", "host tier: write_back copies KV to the host when the device "
+                                                   "evicts it; write_through copies each cached prefix at once",
+                                     ("write_back", "write_through"))
     # Kernels and graphs
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")

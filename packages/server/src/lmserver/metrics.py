@@ -41,6 +41,17 @@ class ServerMetrics:
                                                "vision-encoder cache hits / lookups", registry=r)
         self.mm_radix_hit_rate = Gauge("lmserver_mm_radix_hit_rate",
                                        "image / video tokens served from the radix cache / such tokens", registry=r)
+        # the host KV tier (--enable-hierarchical-cache); cumulative counts mirrored from the core
+        self.hicache = {
+            key: Gauge(f"lmserver_{key}", doc, registry=r) for key, doc in (
+                ("hicache_host_hits", "prefix matches that loaded KV back from the host tier"),
+                ("hicache_loaded_tokens", "tokens of KV loaded back from the host tier"),
+                ("hicache_offloaded_tokens", "tokens of KV copied from the device to the host tier"),
+                ("hicache_dropped_tokens", "tokens of KV evicted from the device without a host copy"),
+                ("hicache_host_used_slots", "host KV pool slots holding cached KV"),
+                ("hicache_host_usage", "fraction of the host KV pool holding cached KV"),
+            )
+        }
         self.ttft = Histogram("lmserver_time_to_first_token_seconds", "time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("lmserver_time_per_output_token_seconds", "time per output token after the first",
@@ -73,6 +84,10 @@ class ServerMetrics:
                            ("spec_accept_length", self.spec_accept_length), ("spec_accept_rate", self.spec_accept_rate),
                            ("mm_encoder_cache_hit_rate", self.mm_encoder_cache_hit_rate),
                            ("mm_radix_hit_rate", self.mm_radix_hit_rate)):
+            value = stats.get(key)
+            if isinstance(value, (int, float)):
+                gauge.set(value)
+        for key, gauge in self.hicache.items():
             value = stats.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(value)

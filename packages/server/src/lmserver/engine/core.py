@@ -139,6 +139,7 @@ class EngineCore:
             self.dtype, self.device, **kv_cache_options(rc.kv_cache_dtype, self.model),
         )
         self.kv_pool.zero_padding(rc.page_size)
+        self.host_kv = self._start_host_tier(rc) if rc.enable_hierarchical_cache else None
         self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
         backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
         self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
@@ -675,6 +676,27 @@ class EngineCore:
         """Raises MemoryInvariantError when idle and free + cached != total KV slots."""
         if not self.states:
             self.scheduler.check_memory_invariant()
+
+    def _start_host_tier(self, rc: ServerConfig) -> Any:
+        """The host KV pool (`--host-kv-size-gb`, auto twice the device pool) behind the radix
+        cache (radixcache's HierarchicalCache); refuses what it does not cover."""
+        from lmserver.engine.host_kv import HostKVPool
+
+        if rc.tp_size > 1 or rc.speculative_algorithm is not None:
+            raise ValueError("--enable-hierarchical-cache runs with tp_size 1 and without speculative decoding")
+        per_slot = HostKVPool.bytes_per_slot(self.kv_pool)
+        if rc.host_kv_size_gb is None:
+            host_slots = 2 * self.kv_manager.num_slots
+        elif rc.host_kv_size_gb > 0:
+            host_slots = int(rc.host_kv_size_gb * 1e9) // per_slot
+        else:
+            raise ValueError(f"--host-kv-size-gb must be > 0, got {rc.host_kv_size_gb}")
+        host_slots -= host_slots % rc.page_size
+        host = HostKVPool(self.kv_pool, host_slots + rc.page_size)  # plus the padding page
+        self.kv_manager.enable_host_tier(host_slots, host, rc.hicache_write_policy)  # type: ignore[arg-type]
+        logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GB, %s)", host_slots,
+                 host_slots * per_slot / 1e9, rc.hicache_write_policy)
+        return host
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler state, token counters, cache hit rate and recent generation throughput."""

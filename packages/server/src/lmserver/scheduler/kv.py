@@ -14,7 +14,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lmserver.scheduler.req import Req
-from radixcache import InsertResult, PrefixPath, RadixCache, SlotAllocator, TouchPlan
+from radixcache import (
+    HierarchicalCache,
+    InsertResult,
+    KVTransfer,
+    PrefixPath,
+    RadixCache,
+    SlotAllocator,
+    TouchPlan,
+    WritePolicy,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,6 +69,40 @@ class KVManager:
         self._tree_s = 0.0  # tree time of the @_timed call in progress
         # (cache version, requests, their output_ids copies, lengths, TouchPlan) of the last peeks
         self._last_round: tuple[int, list[Req], list[list[int]], list[int], TouchPlan] | None = None
+        self.tier: HierarchicalCache | None = None  # the host-memory tier (enable_host_tier)
+
+    def enable_host_tier(self, host_slots: int, transfer: KVTransfer, write_policy: WritePolicy = "write_back") -> None:
+        """Backs the device cache with a host tier of `host_slots` slots (rounded down to pages):
+        evicted KV is copied there through `transfer` and loaded back by `admit`. Call before
+        anything is cached. Mutates: `tier`, `cache.on_evict`."""
+        if self.disable_radix_cache:
+            raise ValueError("the hierarchical cache needs the radix cache (drop --disable-radix-cache)")
+        ps = self.page_size
+        host_slots -= host_slots % ps
+        if host_slots <= 0:
+            raise ValueError(f"the host KV pool needs at least one page ({ps} slots), got {host_slots}")
+        host = RadixCache(page_size=ps, eviction="lru", allocator=SlotAllocator(host_slots, ps))
+        self.tier = HierarchicalCache(self.cache, host, transfer, write_policy=write_policy)
+
+    def host_stats(self) -> dict[str, Any]:
+        """The host tier's counters and pool usage (empty without a tier). Mutates nothing."""
+        tier = self.tier
+        if tier is None:
+            return {}
+        st = tier.stats
+        host = tier.host.sizes()
+        assert host.free is not None
+        return {
+            "hicache_host_total_slots": host.free + host.total,
+            "hicache_host_used_slots": host.total,
+            "hicache_host_usage": host.total / (host.free + host.total),
+            "hicache_host_hits": st.host_hits,
+            "hicache_host_hit_tokens": st.host_hit_tokens,
+            "hicache_loaded_tokens": st.host_hit_tokens,
+            "hicache_offloaded_tokens": st.offloaded_tokens,
+            "hicache_dropped_tokens": st.dropped_tokens,
+            "hicache_load_failures": st.load_failures,
+        }
 
     @property
     def num_slots(self) -> int:
@@ -165,7 +208,10 @@ class KVManager:
         start = time.perf_counter()
         cache = self.cache
         memo = req.peek_memo  # a path peeked since the last change of the tree: no key needed
-        if (memo is not None and memo[1].version == cache.version and memo[0] == req.output_ids
+        m: Any
+        if self.tier is not None:  # the device match, extended by what the host tier loads back
+            m = self.tier.match_prefix(req.fill_key(), req.extra_key, limit=cap)
+        elif (memo is not None and memo[1].version == cache.version and memo[0] == req.output_ids
                 and memo[1].length <= cap):
             m = cache.match_path(memo[1])
         else:
@@ -276,6 +322,8 @@ class KVManager:
         start = time.perf_counter()  # one timed region: the tree work (and the duplicates' free)
         cache = self.cache
         r = self._insert_written(req, finished=False)  # frees the request's duplicates
+        if self.tier is not None and self.tier.write_policy == "write_through":
+            self.tier.backup(r.last_node)
         replaced = r.prefix_len > req.cached_len
         # the inserted key ends at r.last_node (a root only when it had no whole page)
         node = r.last_node
@@ -324,7 +372,9 @@ class KVManager:
             return
         if cache_tokens and not self.disable_radix_cache and req.kv_len > 0:
             start = time.perf_counter()  # one timed region: insert (it frees the request's
-            self._insert_written(req, finished=True)  # duplicates and unaligned tail) and unlock
+            r = self._insert_written(req, finished=True)  # duplicates and unaligned tail) and unlock
+            if self.tier is not None and self.tier.write_policy == "write_through":
+                self.tier.backup(r.last_node)
             self.cache.unlock(req.last_node)
             self._tree_s += time.perf_counter() - start
         else:
@@ -340,7 +390,10 @@ class KVManager:
     def flush(self) -> None:
         """Drops the whole tree (only when no request holds KV); mutates tree and allocator."""
         start = time.perf_counter()
-        self.cache.reset()  # frees into the allocator
+        if self.tier is not None:
+            self.tier.reset()  # both tiers, each into its allocator
+        else:
+            self.cache.reset()  # frees into the allocator
         self._tree_s += time.perf_counter() - start
 
     def check_invariant(self) -> None:
@@ -355,3 +408,10 @@ class KVManager:
         if sizes.protected != 0:
             raise MemoryInvariantError(f"{sizes.protected} cached tokens still locked while idle")
         self.cache.check_integrity()
+        if self.tier is not None:
+            host = self.tier.host.sizes()
+            assert host.free is not None and self.tier.host.allocator is not None
+            if host.free + host.total != self.tier.host.allocator.num_slots or host.protected:
+                raise MemoryInvariantError(f"host KV accounting broken: free {host.free} + cached {host.total} != "
+                                           f"{self.tier.host.allocator.num_slots} or {host.protected} locked while idle")
+            self.tier.host.check_integrity()

@@ -440,4 +440,5 @@ class Scheduler:
             # the prompt tokens of the next mixed step and how many steps sized it (None: no pacer)
             "prefill_pacer_tokens": self.pacer.tokens if self.pacer is not None else None,
             "prefill_paced_steps": self.pacer.num_observed if self.pacer is not None else 0,
+            **self.kv.host_stats(),  # the host KV tier's hits, loads, offloads, usage (when on)
         }

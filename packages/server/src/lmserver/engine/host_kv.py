@@ -1,0 +1,106 @@
+"""HostKVPool: the host-memory KV tier's tensors and copies (radixcache's `KVTransfer`).
+
+The host pool mirrors the device `KVPool` one slot per token, all layers in one tensor per K
+and V: (num_layers, num_slots, num_kv_heads, head_dim), stored as bytes (so an FP8 pool copies
+as is), pinned on a CUDA host. Which host slots are free is decided by the scheduler's host
+`SlotAllocator` (radixcache's `HierarchicalCache`); this module only copies by slot ids.
+
+- `offload(device_slots, host_slots)`: gathers the rows on the device (the current stream, so
+  after every forward already queued that wrote them), copies them to the host and scatters them
+  into the host pool; synchronous (it runs only when the device evicts).
+- `load(host_slots, device_slots)`: gathers the host rows into a pinned buffer, copies them on a
+  side CUDA stream (after the current stream's queued work, which may still read the slots' old
+  contents) and scatters them into the device pool; the current stream then waits on an event,
+  so the forward that reads the slots comes after the copy while the CPU goes on scheduling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from lmserver.engine.kv_pool import KVPool
+
+
+class HostKVPool:
+    """A host KV pool of `num_slots` rows (slot 0 padding) for the device `pool`."""
+
+    def __init__(self, pool: KVPool, num_slots: int, pin_memory: bool | None = None) -> None:
+        self.pool = pool
+        self.num_slots = num_slots
+        self.device = pool.k_cache[0].device
+        self.on_cuda = self.device.type == "cuda"
+        pin = self.on_cuda if pin_memory is None else pin_memory
+        row = self._bytes(pool.k_cache[0]).shape[1:]  # (num_kv_heads, head_dim * element size)
+        shape = (pool.num_layers, num_slots, *row)
+        # NOTE: `empty`: untouched host pages cost nothing on CPU; every slot read was written first
+        self.k = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        self.v = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.offloaded_tokens = 0
+        self.loaded_tokens = 0
+
+    @staticmethod
+    def bytes_per_slot(pool: KVPool) -> int:
+        """Host bytes of one token (K and V, all layers): the device pool's."""
+        return pool.bytes_per_slot(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8)  # (num_slots, num_kv_heads, head_dim * element size)
+
+    def _index(self, slots: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(device)
+
+    def offload(self, device_slots: npt.NDArray[np.int64], host_slots: npt.NDArray[np.int64]) -> None:
+        """Copies device rows `device_slots` into host rows `host_slots` (all layers, K and V);
+        returns when the host pool holds them. Mutates the host pool."""
+        n = len(device_slots)
+        if n == 0:
+            return
+        dev_idx = self._index(device_slots, self.device)
+        host_idx = self._index(host_slots, torch.device("cpu"))
+        pool = self.pool
+        for caches, host in ((pool.k_cache, self.k), (pool.v_cache, self.v)):
+            rows = torch.stack([self._bytes(c).index_select(0, dev_idx) for c in caches])  # (L, n, KV, D')
+            host.index_copy_(1, host_idx, rows.cpu())
+        self.offloaded_tokens += n
+
+    def load(self, host_slots: npt.NDArray[np.int64], device_slots: npt.NDArray[np.int64]) -> None:
+        """Copies host rows `host_slots` into device rows `device_slots`; on CUDA asynchronously,
+        ordered before any later work of the current stream. Mutates the device pool."""
+        n = len(host_slots)
+        if n == 0:
+            return
+        host_idx = self._index(host_slots, torch.device("cpu"))
+        staged = []
+        for host in (self.k, self.v):
+            buf = torch.empty((host.shape[0], n, *host.shape[2:]), dtype=torch.uint8, pin_memory=self.on_cuda)
+            torch.index_select(host, 1, host_idx, out=buf)  # (L, n, KV, D')
+            # NOTE: a pinned buffer comes from torch's caching host allocator, which keeps it
+            # until the non_blocking copy that reads it has run
+            staged.append(buf)
+        pool = self.pool
+        if self.stream is None:
+            dev_idx = self._index(device_slots, self.device)
+            for caches, rows in zip((pool.k_cache, pool.v_cache), staged, strict=True):
+                for layer, c in enumerate(caches):
+                    self._bytes(c).index_copy_(0, dev_idx, rows[layer])
+        else:
+            main = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(main)  # the slots' previous readers and writers go first
+            with torch.cuda.stream(self.stream):
+                dev_idx = self._index(device_slots, self.device)
+                for caches, rows in zip((pool.k_cache, pool.v_cache), staged, strict=True):
+                    on_dev = rows.to(self.device, non_blocking=True)
+                    for layer, c in enumerate(caches):
+                        self._bytes(c).index_copy_(0, dev_idx, on_dev[layer])
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            main.wait_event(done)
+        self.loaded_tokens += n
+
+    def usage_bytes(self, used_slots: int) -> int:
+        """Host bytes that `used_slots` slots hold."""
+        return used_slots * self.bytes_per_slot(self.pool)

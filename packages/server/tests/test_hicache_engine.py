@@ -1,0 +1,89 @@
+"""The host KV tier on the CPU: a device pool too small for the conversations' histories and a
+large host pool give the greedy outputs of a device pool large enough to never evict, with host
+hits (KV loaded back, not recomputed); and the host pool's copies by slot ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lmserver.engine.host_kv import HostKVPool
+from lmserver.engine.kv_pool import KVPool
+from lmserver.engine.offline import Engine
+
+_GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+_TURNS = ["Tell me about the moon.", " And the sun?", " Which is larger?"]
+_CONVERSATIONS = 3
+
+
+def _chat(engine: Engine) -> list[list[int]]:
+    """`_CONVERSATIONS` chats of `_TURNS` turns, one request at a time, round-robin (the other
+    chats push each history out of a small device pool before its next turn)."""
+    tok = engine.tokenizer
+    histories = [tok.encode(f"Conversation {c}: you are a helpful assistant number {c}.") for c in range(_CONVERSATIONS)]
+    outputs: list[list[int]] = []
+    for turn in _TURNS:
+        for c in range(_CONVERSATIONS):
+            histories[c] = histories[c] + tok.encode(turn, add_special_tokens=False)
+            out = engine.generate(input_ids=histories[c], sampling_params=_GREEDY)
+            assert isinstance(out, dict)
+            histories[c] = histories[c] + out["output_ids"]
+            outputs.append(out["output_ids"])
+    return outputs
+
+
+def _run(**config: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    engine = Engine(dtype="float32", max_running_requests=2, chunked_prefill_size=-1, **config)
+    try:
+        outs = _chat(engine)
+        engine.core.check_memory_invariant()
+        return outs, engine.core.get_stats()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_small_device_pool_with_host_tier_matches_a_large_pool() -> None:
+    want, big = _run(max_total_tokens=4096)
+    assert big.get("hicache_host_hits") is None
+    for policy in ("write_back", "write_through"):
+        got, stats = _run(max_total_tokens=64, enable_hierarchical_cache=True, host_kv_size_gb=0.05,
+                          hicache_write_policy=policy)
+        assert got == want, policy
+        assert stats["hicache_host_hits"] > 0 and stats["hicache_loaded_tokens"] > 0, stats
+        assert stats["hicache_offloaded_tokens"] > 0 and stats["hicache_dropped_tokens"] == 0
+        # every turn after the first reuses its whole history: the big pool's hits, from the host
+        assert stats["cached_tokens"] == big["cached_tokens"], (stats, big)
+
+
+def test_host_pool_copies_rows_by_slot_ids() -> None:
+    torch.manual_seed(0)
+    pool = KVPool(16, 3, 2, 4, torch.bfloat16, "cpu")
+    for layer in range(3):
+        pool.k_cache[layer].copy_(torch.randn(16, 2, 4))
+        pool.v_cache[layer].copy_(torch.randn(16, 2, 4))
+    want_k = [c.clone() for c in pool.k_cache]
+    want_v = [c.clone() for c in pool.v_cache]
+    host = HostKVPool(pool, 10)
+    dev = np.array([3, 7, 1, 12], dtype=np.int64)
+    hst = np.array([9, 2, 5, 4], dtype=np.int64)
+    host.offload(dev, hst)
+    for layer in range(3):  # wipe the device rows, then bring them back elsewhere
+        pool.k_cache[layer][dev] = 0
+        pool.v_cache[layer][dev] = 0
+    back = np.array([14, 2, 6, 8], dtype=np.int64)
+    host.load(hst, back)
+    for layer in range(3):
+        assert torch.equal(pool.k_cache[layer][back], want_k[layer][dev])
+        assert torch.equal(pool.v_cache[layer][back], want_v[layer][dev])
+    assert (host.offloaded_tokens, host.loaded_tokens) == (4, 4)
+
+
+def test_host_tier_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="host-kv-size-gb"):
+        Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True, host_kv_size_gb=-1.0)
+    with pytest.raises(ValueError, match="radix cache"):
+        Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True, disable_radix_cache=True)
