@@ -10,8 +10,9 @@ attention with logits at every position (so an FP8 KV cache is written and read 
 position). The reference is the float32 model (`--dtype`); each row is one setup against it:
 KL(reference || setup) in nats, averaged over positions, and the fraction of positions whose
 argmax tokens agree. Rows: bf16 weights (for scale: what bf16 alone costs), FP8 weights online
-(per channel, `--quantization fp8`; and per (row, 128 columns), not a server option), FP8 KV cache
-(`--kv-cache-dtype fp8_e4m3`, scales 1.0), and the combinations.
+(per channel, `--quantization fp8`; per (row, 128 columns) and per channel with the last decoder
+layer left unquantized, not server options), FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, scales 1.0),
+and the combinations.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from typing import Any
 
 import torch
 
-# (name, weights: "float32" | "bfloat16" | "fp8" (per channel) | "fp8-g128", kv_cache_dtype)
+# (name, weights: "float32" | "bfloat16" | "fp8" (per channel) | "fp8-g128" | "fp8-keep-last", kv_cache_dtype)
 SETUPS = [
     ("fp8 weights + fp8 KV (target)", "fp8", "fp8_e4m3"),
     ("fp8 weights", "fp8", "auto"),
     ("fp8 KV cache", "float32", "fp8_e4m3"),
     ("fp8 weights g128 + fp8 KV", "fp8-g128", "fp8_e4m3"),
     ("bf16 weights + bf16 KV", "bfloat16", "auto"),
+    ("fp8 weights, last layer bf16 + fp8 KV", "fp8-keep-last", "fp8_e4m3"),
+    ("fp8 weights, last layer bf16", "fp8-keep-last", "auto"),
 ]
 
 
@@ -56,7 +59,9 @@ def build(config: Any, path: Path, weights: str, window: int) -> torch.nn.Module
     model = load_model(config, path, dtype=torch.float32, max_positions=window)
     if weights == "fp8-g128":
         quantize_linears_(model, 128)
-        use_fp8_path(model, "cpu")
+    elif weights == "fp8-keep-last":  # per channel, the last decoder layer's projections unquantized
+        quantize_linears_(model, None, keep_layers=(-1,))
+    use_fp8_path(model, "cpu")
     return model
 
 

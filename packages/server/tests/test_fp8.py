@@ -233,6 +233,23 @@ def test_online_fp8_quantizes_the_decoder_projections(tmp_path: Path) -> None:
     assert (a - b).norm() / b.norm() < 0.1
 
 
+def test_online_fp8_keeps_the_named_decoder_layers(tmp_path: Path) -> None:
+    from lmserver.models.quantization import quantize_linears_
+
+    src = _hf_folder(tmp_path)
+    config = read_model_config(src)
+    model = load_model(config, src, dtype=torch.float32, max_positions=64)
+    last = config.num_hidden_layers - 1
+    before = {n: m.weight.detach().clone() for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and f"layers.{last}." in n}
+    names = quantize_linears_(model, None, keep_layers=(-1,))
+    assert names and not any(f"layers.{last}." in n for n in names)
+    assert all(".layers." in n for n in names) and len(names) == 4 * last
+    kept = {n: m for n, m in model.named_modules() if f"layers.{last}." in n and isinstance(m, nn.Linear)}
+    assert set(kept) == set(before) and not any(isinstance(m, Fp8Linear) for m in kept.values())
+    assert all(torch.equal(kept[n].weight, w) for n, w in before.items())
+
+
 # --- configuration: capability, KV size, unsupported combinations ---------------------------------------
 
 

@@ -24,7 +24,7 @@ the LM head, norms and MoE experts stay in the model dtype.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,11 +204,21 @@ def replace_with_fp8_(model: nn.Module, names: Iterable[str], group_k: int | Non
         setattr(parent, attr, new)
 
 
-def quantize_linears_(model: nn.Module, group_k: int | None) -> list[str]:
+def _decoder_layer_index(name: str) -> int | None:
+    found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(found.group(1)) if found else None
+
+
+def quantize_linears_(model: nn.Module, group_k: int | None, keep_layers: Collection[int] = ()) -> list[str]:
     """Online FP8: the decoder projections (`FP8_LINEAR_NAMES`) become `Fp8Linear`; returns their
-    names. Mutates `model`."""
+    names. Decoder layers whose index is in `keep_layers` (negative: counted from the last, -1 the
+    last layer) keep the model dtype. Mutates `model`."""
+    config: Any = getattr(model, "config", None)
+    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    kept = {i + num_layers if i < 0 else i for i in keep_layers}
     names = [name for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES]
+             if isinstance(m, nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES
+             and _decoder_layer_index(name) not in kept]
     replace_with_fp8_(model, names, group_k, quantize=True)
     return names
 
