@@ -1,13 +1,15 @@
 """HostKVPool: the host-memory KV tier's tensors and copies (radixcache's `KVTransfer`).
 
-The host pool mirrors the device `KVPool` one slot per token, all layers in one tensor per K
-and V: (num_layers, num_slots, num_kv_heads, head_dim), stored as bytes (so an FP8 pool copies
-as is), pinned on a CUDA host. Which host slots are free is decided by the scheduler's host
-`SlotAllocator` (radixcache's `HierarchicalCache`); this module only copies by slot ids.
+The host pool mirrors the device `KVPool` one slot per token, token-major: one row per slot
+holding that token's K and V of every layer, (num_slots, num_layers, 2, num_kv_heads, row bytes),
+stored as bytes (an FP8 pool copies as is), pinned on a CUDA host. A copy of n tokens then moves
+n contiguous rows on the host side (one gather or scatter of large rows) and one transfer.
+Which host slots are free is decided by the scheduler's host `SlotAllocator` (radixcache's
+`HierarchicalCache`); this module only copies by slot ids.
 
 - `offload(device_slots, host_slots)`: gathers the rows on the device (the current stream, so
-  after every forward already queued that wrote them), copies them to the host and scatters them
-  into the host pool; synchronous (it runs only when the device evicts).
+  after every forward already queued that wrote them), copies them to a pinned staging buffer
+  and scatters them into the host pool; synchronous (it runs only when the device evicts).
 - `load(host_slots, device_slots)`: gathers the host rows into a pinned buffer, copies them on a
   side CUDA stream (after the current stream's queued work, which may still read the slots' old
   contents) and scatters them into the device pool; the current stream then waits on an event,
@@ -15,6 +17,8 @@ as is), pinned on a CUDA host. Which host slots are free is decided by the sched
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext as _nullcontext
 
 import numpy as np
 import numpy.typing as npt
@@ -31,12 +35,10 @@ class HostKVPool:
         self.num_slots = num_slots
         self.device = pool.k_cache[0].device
         self.on_cuda = self.device.type == "cuda"
-        pin = self.on_cuda if pin_memory is None else pin_memory
-        row = self._bytes(pool.k_cache[0]).shape[1:]  # (num_kv_heads, head_dim * element size)
-        shape = (pool.num_layers, num_slots, *row)
+        self.pin = self.on_cuda if pin_memory is None else pin_memory
+        self.row_shape = (pool.num_layers, 2, *self._bytes(pool.k_cache[0]).shape[1:])  # (L, K|V, KV, D')
         # NOTE: `empty`: untouched host pages cost nothing on CPU; every slot read was written first
-        self.k = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        self.kv = torch.empty((num_slots, *self.row_shape), dtype=torch.uint8, pin_memory=self.pin)
         self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.offloaded_tokens = 0
         self.loaded_tokens = 0
@@ -50,7 +52,8 @@ class HostKVPool:
     def _bytes(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8)  # (num_slots, num_kv_heads, head_dim * element size)
 
-    def _index(self, slots: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def _index(slots: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(device)
 
     def offload(self, device_slots: npt.NDArray[np.int64], host_slots: npt.NDArray[np.int64]) -> None:
@@ -60,11 +63,16 @@ class HostKVPool:
         if n == 0:
             return
         dev_idx = self._index(device_slots, self.device)
-        host_idx = self._index(host_slots, torch.device("cpu"))
         pool = self.pool
-        for caches, host in ((pool.k_cache, self.k), (pool.v_cache, self.v)):
-            rows = torch.stack([self._bytes(c).index_select(0, dev_idx) for c in caches])  # (L, n, KV, D')
-            host.index_copy_(1, host_idx, rows.cpu())
+        rows = torch.stack([
+            torch.stack((self._bytes(k).index_select(0, dev_idx), self._bytes(v).index_select(0, dev_idx)), 1)
+            for k, v in zip(pool.k_cache, pool.v_cache, strict=True)
+        ], 1)  # (n, L, 2, KV, D')
+        if self.on_cuda:
+            staged = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=self.pin)
+            staged.copy_(rows)  # waits for the gather (the current stream's queued work first)
+            rows = staged
+        self.kv.index_copy_(0, self._index(host_slots, torch.device("cpu")), rows)
         self.offloaded_tokens += n
 
     def load(self, host_slots: npt.NDArray[np.int64], device_slots: npt.NDArray[np.int64]) -> None:
@@ -73,29 +81,21 @@ class HostKVPool:
         n = len(host_slots)
         if n == 0:
             return
-        host_idx = self._index(host_slots, torch.device("cpu"))
-        staged = []
-        for host in (self.k, self.v):
-            buf = torch.empty((host.shape[0], n, *host.shape[2:]), dtype=torch.uint8, pin_memory=self.on_cuda)
-            torch.index_select(host, 1, host_idx, out=buf)  # (L, n, KV, D')
-            # NOTE: a pinned buffer comes from torch's caching host allocator, which keeps it
-            # until the non_blocking copy that reads it has run
-            staged.append(buf)
+        staged = torch.empty((n, *self.row_shape), dtype=torch.uint8, pin_memory=self.pin)
+        # NOTE: a pinned buffer comes from torch's caching host allocator, which keeps it until
+        # the non_blocking copy that reads it has run
+        torch.index_select(self.kv, 0, self._index(host_slots, torch.device("cpu")), out=staged)
         pool = self.pool
-        if self.stream is None:
-            dev_idx = self._index(device_slots, self.device)
-            for caches, rows in zip((pool.k_cache, pool.v_cache), staged, strict=True):
-                for layer, c in enumerate(caches):
-                    self._bytes(c).index_copy_(0, dev_idx, rows[layer])
-        else:
-            main = torch.cuda.current_stream(self.device)
+        main = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        if self.stream is not None and main is not None:
             self.stream.wait_stream(main)  # the slots' previous readers and writers go first
-            with torch.cuda.stream(self.stream):
-                dev_idx = self._index(device_slots, self.device)
-                for caches, rows in zip((pool.k_cache, pool.v_cache), staged, strict=True):
-                    on_dev = rows.to(self.device, non_blocking=True)
-                    for layer, c in enumerate(caches):
-                        self._bytes(c).index_copy_(0, dev_idx, on_dev[layer])
+        with torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
+            dev_idx = self._index(device_slots, self.device)
+            rows = staged.to(self.device, non_blocking=True)
+            for layer in range(pool.num_layers):
+                self._bytes(pool.k_cache[layer]).index_copy_(0, dev_idx, rows[:, layer, 0])
+                self._bytes(pool.v_cache[layer]).index_copy_(0, dev_idx, rows[:, layer, 1])
+        if self.stream is not None and main is not None:
             done = torch.cuda.Event()
             done.record(self.stream)
             main.wait_event(done)
