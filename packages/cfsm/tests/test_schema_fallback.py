@@ -5,6 +5,7 @@ that small schemas reach them (the real ones take large schemas and seconds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -166,3 +167,31 @@ def test_rules_nested_too_deep_for_python_are_not_an_escape(monkeypatch: pytest.
     monkeypatch.setattr(cfsm.json_schema, "MAX_SCHEMA_VISITS", 40)
     with pytest.raises(cfsm.CfsmError):  # the last resort unrolls the references again: still too large
         cfsm.compile_json_schema(_dag(DEPTH), BYTES, cfsm.CfsmConfig(whitespace="compact"))
+
+
+@pytest.mark.parametrize("config", [cfsm.CfsmConfig(whitespace="compact"), cfsm.CfsmConfig.spec(whitespace="compact")])
+def test_thousands_of_counted_characters_and_items_are_approximated_up_front(config: cfsm.CfsmConfig) -> None:
+    """Past MAX_COUNTED counted characters / items the bounds above MAX_EXACT_LENGTH / MAX_EXACT_ITEMS
+    are approximated before any automaton is built (reported; a superset); strict mode keeps them
+    exact; bounds at or below those limits stay exact."""
+    schema = {"type": "object", "properties": {
+        "text": {"type": "string", "maxLength": 5000},
+        "short": {"type": "string", "maxLength": 3},
+        "list": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 100}},
+        "required": ["short"]}
+    node, notes = cfsm.json_schema.schema_tree(schema, config)
+    assert {n.keyword for n in notes} == {"maxLength", "maxItems"}
+    dfa = cfsm.automaton.build_dfa(node)
+    validator = jsonschema.Draft202012Validator(schema)
+    for instance in [{"short": "abc"}, {"short": "abcd"}, {"text": "x" * 5000, "short": ""}, {"short": "", "list": []},
+                     {"short": "", "list": [1] * 100}, {"text": "x" * 5001, "short": ""}, {"short": "", "list": [1] * 101},
+                     {"short": "", "list": ["a"]}]:
+        text = json.dumps(instance, separators=(",", ":"))
+        if validator.is_valid(instance):
+            assert dfa.fullmatch(text.encode()), text  # a superset
+        elif len(instance.get("text", "")) <= 5000 and len(instance.get("list", [])) <= 100:
+            assert not dfa.fullmatch(text.encode()), text  # what stays exact
+    strict = cfsm.json_schema.schema_tree({"type": "string", "maxLength": 5000}, dataclasses.replace(config, strict=True))
+    assert strict[1] == ()
+    small = {"type": "string", "maxLength": cfsm.json_schema.MAX_COUNTED}
+    assert cfsm.json_schema.schema_tree(small, config)[1] == ()

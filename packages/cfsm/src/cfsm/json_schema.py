@@ -68,6 +68,11 @@ MAX_UNIQUE_VALUES = 8
 # string lengths counted exactly when a schema's exact automaton is too large (`schema_tree(...,
 # loose_lengths=True)`, the compiler's last resort)
 MAX_EXACT_LENGTH = 256
+# likewise item counts (`minItems` / `maxItems` over items that are not free JSON)
+MAX_EXACT_ITEMS = 64
+# counted characters and items above those bounds that one exact compile spells out; past this
+# (outside strict mode) the bounds above them are approximated up front (reported)
+MAX_COUNTED = 2048
 MAX_MIN_CONTAINS = 4
 # `oneOf` of branches that may overlap is exact as the alternatives "branch i and no other" when
 # there are at most this many branches, each with a simple negation
@@ -211,6 +216,9 @@ class _Compiler:
         # string length bounds above MAX_EXACT_LENGTH are approximated (for schemas whose exact
         # automaton is too large: each counted character is a few states)
         self.loose_lengths = loose_lengths
+        # characters and items counted exactly above those bounds (past MAX_COUNTED, the compile
+        # starts over with loose bounds instead of building a giant automaton)
+        self.counted = 0
         self._rule_of: dict[str, str] = {}  # reference target -> its rule (rule mode)
         if config.whitespace_pattern is not None:
             self.ws: Node = parse_regex(config.whitespace_pattern)
@@ -677,6 +685,8 @@ class _Compiler:
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         if hi is not None and lo > int(hi):
             return NOTHING  # NOTE: no string is valid (a Repeat with lo > hi would build some language)
+        if not self.loose_lengths and (lo > MAX_EXACT_LENGTH or hi is not None and int(hi) > MAX_EXACT_LENGTH):
+            self.counted += max(lo, 0 if hi is None else int(hi))
         if self.loose_lengths and (lo > MAX_EXACT_LENGTH or hi is not None and int(hi) > MAX_EXACT_LENGTH):
             self.approximate("maxLength" if hi is not None and int(hi) > MAX_EXACT_LENGTH else "minLength", path,
                              f"length bounds above {MAX_EXACT_LENGTH} are not enforced (the exact automaton is too large)")
@@ -763,6 +773,15 @@ class _Compiler:
         rest = None if items is False else (self.any_value(self.cfg.json_depth - 1) if items is None
                                             else self.node(items, f"{path}/items"))
         lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+        if rest is not None and (lo > MAX_EXACT_ITEMS or hi is not None and int(hi) > MAX_EXACT_ITEMS):
+            if not self.loose_lengths:
+                self.counted += max(lo, 0 if hi is None else int(hi))
+            else:
+                self.approximate("maxItems" if hi is not None and int(hi) > MAX_EXACT_ITEMS else "minItems", path,
+                                 f"item counts above {MAX_EXACT_ITEMS} are not enforced (the exact automaton is too "
+                                 "large)")
+                lo = min(lo, MAX_EXACT_ITEMS)
+                hi = hi if hi is None or int(hi) <= MAX_EXACT_ITEMS else None
         k = len(nodes)
         contains = "contains" in schema and (schema.get("minContains", 1) != 0 or "maxContains" in schema)
         if schema.get("uniqueItems") is True and (hi is None or int(hi) > 1):
@@ -1143,6 +1162,11 @@ def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool, ref
                 raise SchemaTooLargeError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
                                           "compile") from None
             cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
+            continue
+        if comp.counted > MAX_COUNTED and not loose_lengths and not cfg.strict:
+            # NOTE: thousands of counted characters / items make automata that take longer to build
+            # than any timeout allows (a 5,000-character maxLength: 130,000 states to minimize)
+            loose_lengths = True
             continue
         return node, rules, tuple(comp.approximations.values())
 
