@@ -106,7 +106,8 @@ class TritonBackend(AttentionBackend):
         v_cache = self.kv_pool.v_cache[layer.layer_id]
         pool, lid = self.kv_pool, layer.layer_id
         k_scale, v_scale = (pool.k_scale[lid], pool.v_scale[lid]) if pool.is_fp8 else (1.0, 1.0)
-        if pool.is_fp8 and batch.mode == ForwardMode.DECODE:  # quantized inside the store (one launch)
+        if pool.is_fp8 and batch.mode == ForwardMode.DECODE and k.is_cuda:  # quantized inside the store (one launch)
+            # NOTE: on the GPU only: Triton's interpreter narrows to e4m3 without a rounded-up mantissa's carry
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale)
         elif pool.is_fp8:  # extend attends to the new tokens as the cache will hold them
             kq, vq = pool.quantize(lid, k, v)
