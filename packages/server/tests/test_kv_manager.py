@@ -306,3 +306,35 @@ def test_fill_key_range_is_a_slice_of_fill_key(input_ids: list[int], output_ids:
     end = data.draw(st.integers(0, req.fill_len))
     start = data.draw(st.integers(0, end))
     assert req.fill_key_range(start, end).tolist() == req.fill_key()[start:end].tolist()
+
+
+def test_host_tier_keeps_every_history_of_a_small_device_pool() -> None:
+    """KVManager with radixcache's host tier (FakeKVTransfer pools): three chats whose histories
+    outgrow a 64-slot device pool reuse their whole history every turn, part of it loaded back,
+    each slot holding the KV of its token's prefix; accounting holds in both tiers."""
+    from radixcache.testing import FakeKVTransfer
+
+    for policy in ("write_back", "write_through"):
+        kv = KVManager(64, 1)
+        pools = FakeKVTransfer()
+        kv.enable_host_tier(512, pools, policy)  # type: ignore[arg-type]
+        histories = [[100 * c + i for i in range(1, 21)] for c in range(3)]
+        for turn in range(3):
+            for c, hist in enumerate(histories):
+                hist.extend(range(1000 + 10 * turn, 1010 + 10 * turn))
+                req = Req(f"c{c}t{turn}", list(hist), SamplingParams(max_new_tokens=1), 1, arrival=0)
+                reused = kv.admit(req)
+                assert reused == (0 if turn == 0 else len(hist) - 10), (policy, turn, c, reused)
+                for i, slot in enumerate(req.kv[:reused].tolist()):  # the reused KV is this prefix's
+                    assert pools.device[slot] == tuple(hist[: i + 1])
+                assert kv.extend(req, req.fill_len - req.kv_len)
+                for i in range(reused, req.kv_len):  # "the forward"
+                    pools.device[int(req.kv[i])] = tuple(hist[: i + 1])
+                kv.release(req)
+                kv.check_invariant()
+        stats = Scheduler(kv, max_running_requests=2).stats()
+        assert stats["hicache_host_hits"] > 0 and stats["hicache_loaded_tokens"] == pools.loaded > 0
+        assert stats["hicache_offloaded_tokens"] == pools.offloaded > 0 and stats["hicache_dropped_tokens"] == 0
+        kv.flush()
+        kv.check_invariant()
+        assert kv.host_stats()["hicache_host_used_slots"] == 0
