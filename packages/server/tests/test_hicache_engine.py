@@ -99,5 +99,8 @@ def test_host_pool_copies_rows_by_slot_ids(device: str) -> None:
 def test_host_tier_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="host-kv-size-gb"):
         Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True, host_kv_size_gb=-1.0)
+    with pytest.raises(ValueError, match="free memory"):
+        Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True,
+               host_kv_size_gb=HostKVPool.available_host_bytes() / 1e9)
     with pytest.raises(ValueError, match="radix cache"):
         Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True, disable_radix_cache=True)

@@ -685,10 +685,14 @@ class EngineCore:
         if rc.tp_size > 1 or rc.speculative_algorithm is not None:
             raise ValueError("--enable-hierarchical-cache runs with tp_size 1 and without speculative decoding")
         per_slot = HostKVPool.bytes_per_slot(self.kv_pool)
-        if rc.host_kv_size_gb is None:
-            host_slots = 2 * self.kv_manager.num_slots
+        free_bytes = HostKVPool.available_host_bytes()
+        if rc.host_kv_size_gb is None:  # twice the device pool, at most half the free host memory
+            host_slots = min(2 * self.kv_manager.num_slots, free_bytes // 2 // per_slot)
         elif rc.host_kv_size_gb > 0:
             host_slots = int(rc.host_kv_size_gb * 1e9) // per_slot
+            if host_slots * per_slot > 0.9 * free_bytes:
+                raise ValueError(f"--host-kv-size-gb {rc.host_kv_size_gb} is more than 90% of the host's free memory "
+                                 f"({free_bytes / 1e9:.1f} GB); ask for less")
         else:
             raise ValueError(f"--host-kv-size-gb must be > 0, got {rc.host_kv_size_gb}")
         host_slots -= host_slots % rc.page_size

@@ -18,6 +18,7 @@ Which host slots are free is decided by the scheduler's host `SlotAllocator` (ra
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext as _nullcontext
 
 import numpy as np
@@ -47,6 +48,11 @@ class HostKVPool:
     def bytes_per_slot(pool: KVPool) -> int:
         """Host bytes of one token (K and V, all layers): the device pool's."""
         return pool.bytes_per_slot(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+
+    @staticmethod
+    def available_host_bytes() -> int:
+        """Host memory free now (physical pages not in use), in bytes."""
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> torch.Tensor:
