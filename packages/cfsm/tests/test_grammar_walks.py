@@ -65,6 +65,7 @@ def _same_keys(a: GrammarIndex, b: GrammarIndex) -> None:
         assert np.array_equal(info.row, other.row), key
         assert np.array_equal(info.uncertain, other.uncertain), key
         assert np.array_equal(info.late, other.late), key
+        assert np.array_equal(info.esc_rank, other.esc_rank) and np.array_equal(info.esc_at, other.esc_at), key
 
 
 def _masks_along(index: GrammarIndex, vocab: cfsm.Vocabulary, text: str, slow: bool) -> list[bytes]:
@@ -136,3 +137,28 @@ _original_init = grammar_pda._Nfa.__init__
 
 def _unshared_init(self: grammar_pda._Nfa, names: dict[str, int], memo: dict[int, bool], dfas: object = None) -> None:
     _original_init(self, names, memo, None)
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_compiled_settlements_leave_no_walk_for_first_use(name: str, vocab: cfsm.Vocabulary, seed: int) -> None:
+    """What a compile worker sends (`payload`) settles every deep stack of random members without a
+    vocabulary walk on the engine's side, and its masks are those `advance` accepts."""
+    compiled = _index(name, vocab)
+    engine_side = GrammarIndex.from_payload(compiled.payload(), vocab)
+
+    def no_walk(*args: object) -> None:
+        raise AssertionError("a vocabulary walk after the compile")
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(GrammarIndex, "_walk_tokens", no_walk)
+        mp.setattr(GrammarIndex, "_walk_pairs", no_walk)
+        grammar = parse_ebnf(GRAMMARS[name])
+        rng = random.Random(seed)
+        for k in range(3):
+            member = draw_member(grammar, rng, max_depth=8)
+            _masks_along(engine_side, vocab, member, slow=k == 0)
+    finally:
+        mp.undo()

@@ -21,6 +21,7 @@ Not thread-safe: guides fill the caches as they go (one engine thread).
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +31,13 @@ from cfsm.errors import Approximation, GrammarError
 from cfsm.grammar.pda import Pda
 from cfsm.vocab import Vocabulary
 
-__all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_STACKS"]
+__all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
 
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
+# escape sets settled at compile time, at most (and at most twice the one-frame keys that have
+# escapes, plus 256: grammars whose escape sets keep shifting settle the rest on first use)
+MAX_SETTLEMENTS = 4096
 MAX_STACKS = 4096  # parses alive at once in one configuration (ambiguous grammars multiply them)
 _UNKNOWN = -2
 Stack = tuple[int, ...]
@@ -48,6 +52,24 @@ class _KeyInfo:
     row: np.ndarray  # (words,) uint32: tokens accepted by the key (and by every shorter one)
     uncertain: np.ndarray  # sorted token ranks (indices into `TrieTables.by_length`) still uncertain
     late: np.ndarray  # (len(uncertain),) bool: it returned below the key after reading a byte
+    # the escapes of the uncertain tokens, sorted by (rank, offset): token `esc_rank[i]` may
+    # return below the key before its byte `esc_at[i]` (every such offset is listed)
+    esc_rank: np.ndarray
+    esc_at: np.ndarray
+    digest: bytes  # of the escape pairs (equal pairs: equal settlement by any frame below)
+
+
+def _info(row: np.ndarray, esc_rank: np.ndarray, esc_at: np.ndarray) -> _KeyInfo:
+    """A key's info from its row and escape pairs (sorted here); uncertain and late follow."""
+    order = np.lexsort((esc_at, esc_rank))
+    esc_rank = np.ascontiguousarray(esc_rank[order], dtype=np.int64)
+    esc_at = np.ascontiguousarray(esc_at[order], dtype=np.int32)
+    uncertain, first = np.unique(esc_rank, return_index=True)
+    # NOTE: offsets are sorted per token: its last pair has its largest offset
+    last = np.append(first[1:], len(esc_rank)) - 1
+    late = esc_at[last] > 0 if len(esc_rank) else np.zeros(0, dtype=bool)
+    digest = hashlib.blake2b(esc_rank.tobytes() + b"|" + esc_at.tobytes(), digest_size=16).digest()
+    return _KeyInfo(row, uncertain, late, esc_rank, esc_at, digest)
 
 
 class GrammarIndex:
@@ -80,6 +102,8 @@ class GrammarIndex:
             raise GrammarError(f"the grammar is too ambiguous: a rule's start expands to more than {MAX_STACKS} "
                                "parses") from None
         self._keys: dict[Stack, _KeyInfo] = {}
+        # (return state, digest of escape pairs) -> the settlement of those escapes by that frame
+        self._settled: dict[tuple[int, bytes], _KeyInfo] = {}
         self._rows: list[np.ndarray] = []
         self._row_ids: dict[bytes, int] = {}
         self._state_row: dict[int, int] = {}
@@ -90,6 +114,7 @@ class GrammarIndex:
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
         self._compiling = False
+        self.max_settlements = MAX_SETTLEMENTS
         if precompute:
             self.precompute()
 
@@ -199,9 +224,9 @@ class GrammarIndex:
     def _walk_tokens(self, sid: int, ranks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens at `ranks` (sorted indices into `by_length` order; None: all) from `sid`
         as a key's configuration, where a stack of one frame at its rule's end returns below the
-        key. Returns (accepted, uncertain, late) with accepted and uncertain as sorted ranks and
-        `late[i]`: uncertain token i returned below the key after reading a byte (not only before
-        its first byte). Fills caches only.
+        key. Returns (accepted ranks, sorted; escape pairs (rank, offset) of the tokens not
+        accepted: the token may return below the key before its byte at that offset). Fills
+        caches only.
 
         NOTE: tokens are in decreasing length order, so the ones still reading at step d are a
         prefix of the walked ones: steps take whole prefixes (no index arrays) until few tokens
@@ -219,13 +244,13 @@ class GrammarIndex:
         else:
             ranks = ranks[first.take(cols[0].take(ranks))]
         if ranks is not None and len(ranks) <= _SCALAR_WALK:
-            return self._walk_scalar(sid, ranks)
+            return self._walk_scalar(sid, ranks, np.zeros(len(ranks), dtype=np.int32))
         full = ranks is None
         r = np.arange(len(tables.by_length)) if ranks is None else ranks
         m = len(r)
         cur = np.full(m, sid, dtype=np.int32)
-        esc0 = np.zeros(m, dtype=bool)
-        late = np.zeros(m, dtype=bool)
+        esc_where: list[np.ndarray] = []
+        esc_d: list[int] = []
         live: np.ndarray | None = None  # local indices of the live tokens (None: every one of the prefix)
         for d in range(len(counts)):
             nd = int(counts[d]) if full else int(np.searchsorted(r, counts[d]))
@@ -252,7 +277,9 @@ class GrammarIndex:
             if esc.any():
                 esc &= self._after_end.ravel().take(flat)
                 where = np.flatnonzero(esc) if live is None else live[esc]
-                (esc0 if d == 0 else late)[where] = True
+                if len(where):
+                    esc_where.append(where)
+                    esc_d.append(d)
             if live is None:
                 cur[:nd] = nxt
                 if np.count_nonzero(nxt) * 4 < nd:
@@ -261,34 +288,97 @@ class GrammarIndex:
                 cur[live] = nxt
                 live = live[nxt != 0]
         ok = cur != 0
-        unc = (esc0 | late) & ~ok
-        return r[ok], r[unc], late[unc]
+        if not esc_where:
+            return r[ok], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        where = np.concatenate(esc_where)
+        at = np.repeat(np.array(esc_d, dtype=np.int32), [len(w) for w in esc_where])
+        keep = ~ok[where]
+        return r[ok], r[where[keep]].astype(np.int64), at[keep]
 
-    def _walk_scalar(self, sid: int, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`_walk_tokens` for a few tokens, one at a time (no per-step array work: the deep keys
-        of a first-use mask settle a handful of tokens)."""
+    def _walk_scalar(self, sid: int, ranks: np.ndarray, offsets: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_walk_tokens` / `_walk_pairs` for a few (token, offset) pairs, one at a time (no
+        per-step array work). Returns (accepted ranks, sorted and distinct; escape pairs of the
+        tokens no pair accepted)."""
         tables, tokens = self.vocab.trie_tables, self.vocab.tokens
         ids = tables.order[tables.by_length[ranks]].tolist()
-        acc: list[int] = []
-        unc: list[int] = []
-        late: list[bool] = []
-        for rank, tid in zip(ranks.tolist(), ids, strict=True):
+        acc: set[int] = set()
+        esc: list[tuple[int, int]] = []
+        for rank, tid, start in zip(ranks.tolist(), ids, offsets.tolist(), strict=True):
             cur = sid
-            escaped = is_late = False
-            for d, b in enumerate(tokens[tid]):
+            data = tokens[tid]
+            for d in range(start, len(data)):
+                b = data[d]
+                # NOTE: the tables grow in `_step`: read them through self
                 if self._end[cur] and self._after_end[cur, b]:
-                    escaped = True
-                    is_late = is_late or d > 0
+                    esc.append((rank, d))
                 nxt = int(self._table[cur, b])
                 cur = self._step(cur, b) if nxt == _UNKNOWN else nxt
                 if cur == 0:
                     break
             if cur:
-                acc.append(rank)
-            elif escaped:
-                unc.append(rank)
-                late.append(is_late)
-        return (np.array(acc, dtype=ranks.dtype), np.array(unc, dtype=ranks.dtype), np.array(late, dtype=bool))
+                acc.add(rank)
+        esc = [e for e in esc if e[0] not in acc]
+        return (np.array(sorted(acc), dtype=np.int64), np.array([e[0] for e in esc], dtype=np.int64),
+                np.array([e[1] for e in esc], dtype=np.int32))
+
+    def _walk_pairs(self, sid: int, ranks: np.ndarray, offsets: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Walk token `ranks[i]` from its byte `offsets[i]` on, from configuration `sid` (the
+        escapes of a key continued in the frame below it). Returns what `_walk_scalar` does."""
+        if len(ranks) <= _SCALAR_WALK:
+            return self._walk_scalar(sid, ranks, offsets)
+        cols = self.vocab.trie_tables.length_columns
+        lengths = self._lengths
+        cur = np.full(len(ranks), sid, dtype=np.int32)
+        pos = offsets.astype(np.int64)
+        ends = lengths.take(ranks)
+        live = np.arange(len(ranks))
+        ok = np.zeros(len(ranks), dtype=bool)
+        esc_r: list[np.ndarray] = []
+        esc_o: list[np.ndarray] = []
+        table = self._table
+        while len(live):
+            done = pos.take(live) >= ends.take(live)
+            if done.any():
+                ok[live[done]] = True
+                live = live[~done]
+                if not len(live):
+                    break
+            st = cur.take(live)
+            p = pos.take(live)
+            b = cols[p, ranks.take(live)]
+            flat = st.astype(np.int64) * 256 + b
+            nxt = table.ravel().take(flat)
+            miss = nxt == _UNKNOWN
+            if miss.any():
+                for q in _distinct(flat[miss]).tolist():
+                    self._step(q >> 8, q & 255)
+                table = self._table
+                nxt = table.ravel().take(flat)
+            esc = self._end.take(st)
+            if esc.any():
+                esc &= self._after_end.ravel().take(flat)
+                if esc.any():
+                    esc_r.append(ranks.take(live[esc]))
+                    esc_o.append(p[esc])
+            cur[live] = nxt
+            pos[live] = p + 1
+            live = live[nxt != 0]
+        acc = np.unique(ranks[ok])
+        if not esc_r:
+            return acc, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        er = np.concatenate(esc_r).astype(np.int64)
+        eo = np.concatenate(esc_o).astype(np.int32)
+        keep = ~np.isin(er, acc)
+        return acc, er[keep], eo[keep]
+
+    @functools.cached_property
+    def _lengths(self) -> np.ndarray:
+        """Token length per rank (`TrieTables.by_length` order)."""
+        counts = self.vocab.trie_tables.length_counts
+        n = len(self.vocab.trie_tables.by_length)
+        return np.searchsorted(-counts, -np.arange(n), side="left").astype(np.int64)  # type: ignore[no-any-return]
 
     def _first_bytes(self, sid: int) -> np.ndarray:
         """(256,) bool: the bytes that step from `sid` or leave it at a rule end (FOLLOW)."""
@@ -315,44 +405,56 @@ class GrammarIndex:
         info = self._keys.get(key)
         if info is not None:
             return info
-        sid = self._intern(self._close([key]))
-        link = self._chains.get(key[0]) if len(key) == 1 else None
-        if link is not None:
-            info = self._chain_key(sid, *link)
-        elif len(key) == 1:
-            acc, unc, late = self._walk_tokens(sid, None)
-            info = _KeyInfo(self._bits(acc), unc, late)
+        if len(key) == 1:
+            link = self._chains.get(key[0])
+            sid = self._intern(self._close([key]))
+            if link is not None:
+                info = self._chain_key(sid, *link)
+            else:
+                acc, esc_rank, esc_at = self._walk_tokens(sid, None)
+                info = _info(self._bits(acc), esc_rank, esc_at)
         else:
             prev = self._key(key[1:])
-            # NOTE: a token that left `key[1:]` before reading a byte continues from the stack
-            # (key[0],) alone: the one-frame key of that return state decides it
-            early = prev.uncertain[~prev.late]
-            base = self._key(key[:1])
-            early_acc = early[self._has_bits(base.row, early)]
-            in_base = np.isin(base.uncertain, early, assume_unique=True)
-            acc, unc, late = self._walk_tokens(sid, prev.uncertain[prev.late])
-            row = prev.row | self._bits(np.concatenate([acc, early_acc]))
-            unc_all = np.concatenate([unc, base.uncertain[in_base]])
-            late_all = np.concatenate([late, base.late[in_base]])
-            order = np.argsort(unc_all, kind="stable")
-            info = _KeyInfo(row, unc_all[order], late_all[order])
+            below = self._settle(key[0], prev)
+            info = _KeyInfo(prev.row | below.row, below.uncertain, below.late, below.esc_rank, below.esc_at,
+                            below.digest)
         self._keys[key] = info
+        return info
+
+    def _settle(self, ret: int, prev: _KeyInfo) -> _KeyInfo:
+        """The escapes of `prev` continued in the frame `ret` below it: the tokens they accept
+        (`row`) and the escapes below `ret` of the others. Cached per (ret, escape pairs), so a new
+        deep stack costs lookups once its escapes were seen under any other stack.
+
+        NOTE: a token that escapes only before its first byte goes as from the one-frame key of
+        `ret` (accepted, rejected or escaping alike): no walk."""
+        hit = self._settled.get((ret, prev.digest))
+        if hit is not None:
+            return hit
+        base = self._key((ret,))
+        early = prev.uncertain[~prev.late]
+        early_acc = early[self._has_bits(base.row, early)]
+        in_base = np.isin(base.esc_rank, early)
+        acc, esc_rank, esc_at = self._walk_pairs(self._intern(self._close([(ret,)])),
+                                                 prev.esc_rank[np.isin(prev.esc_rank, prev.uncertain[prev.late])],
+                                                 prev.esc_at[np.isin(prev.esc_rank, prev.uncertain[prev.late])])
+        info = _info(self._bits(np.concatenate([acc, early_acc])), np.concatenate([esc_rank, base.esc_rank[in_base]]),
+                     np.concatenate([esc_at, base.esc_at[in_base]]))
+        self._settled[(ret, prev.digest)] = info
         return info
 
     def _chain_key(self, sid: int, head: int, remaining: int, run_class: bytes) -> _KeyInfo:
         """The one-frame key of a state `remaining` steps before the end of a counted chain
         (`_counted_chains`) from the key of the chain's head: a token whose leading run of the
-        chain's bytes fits in `remaining` behaves the same from both; the others are walked."""
+        chain's bytes fits in `remaining` behaves the same from both (same escapes too); the
+        others are walked."""
         base = self._key((head,))
         runs = self._leading_runs(run_class)
         long = np.flatnonzero(runs > remaining)
-        acc, unc, late = self._walk_tokens(sid, long)
-        keep = ~np.isin(base.uncertain, long, assume_unique=True)
+        acc, esc_rank, esc_at = self._walk_tokens(sid, long)
+        keep = ~np.isin(base.esc_rank, long)
         row = base.row & ~self._bits(long) | self._bits(acc)
-        unc_all = np.concatenate([base.uncertain[keep], unc])
-        late_all = np.concatenate([base.late[keep], late])
-        order = np.argsort(unc_all, kind="stable")
-        return _KeyInfo(row, unc_all[order], late_all[order])
+        return _info(row, np.concatenate([base.esc_rank[keep], esc_rank]), np.concatenate([base.esc_at[keep], esc_at]))
 
     def _leading_runs(self, run_class: bytes) -> np.ndarray:
         """Per token (by rank), how many of its first bytes are in `run_class`. Cached."""
@@ -460,11 +562,24 @@ class GrammarIndex:
         for calls in pda.calls:
             for rule, ret in calls:
                 returns.setdefault(rule, set()).add(ret)
+        # the escapes of every one-frame key settled by every frame that may lie below it, then
+        # what those leave uncertain by the frames below them, and so on, until no new escape set
+        # shows up (or the budget of `MAX_SETTLEMENTS`): a first-use mask of a deep stack is then lookups only
+        work: list[tuple[_KeyInfo, int]] = []
         for s in np.flatnonzero(pda.has_bytes).tolist():
             info = self._key((s,))
             if len(info.uncertain):
-                for ret in sorted(returns.get(int(pda.state_rule[s]), ())):
-                    self._key((ret, s))
+                work.append((info, int(pda.state_rule[s])))
+        rets = {rule: sorted(r) for rule, r in returns.items()}
+        budget = min(self.max_settlements, 2 * len(work) + 256)
+        while work and len(self._settled) < budget:
+            info, rule = work.pop()
+            for ret in rets.get(rule, ()):
+                if (ret, info.digest) in self._settled:
+                    continue
+                below = self._settle(ret, info)
+                if len(below.uncertain):
+                    work.append((below, int(pda.state_rule[ret])))
         self._row_of(self.start)
 
     # --- transport ---------------------------------------------------------------------------------
@@ -474,7 +589,8 @@ class GrammarIndex:
         return {"pda": (pda.trans, pda.calls, pda.accepting, pda.has_bytes, pda.state_rule, pda.rule_start,
                         pda.rule_names, pda.root),
                 "grammar": self.grammar, "approximations": tuple(self.approximations),
-                "keys": {k: (v.row, v.uncertain, v.late) for k, v in self._keys.items()}}
+                "keys": {k: (v.row, v.esc_rank, v.esc_at) for k, v in self._keys.items()},
+                "settled": {k: (v.row, v.esc_rank, v.esc_at) for k, v in self._settled.items()}}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any], vocab: Vocabulary) -> GrammarIndex:
@@ -483,13 +599,16 @@ class GrammarIndex:
         pda = Pda(trans=trans, calls=calls, accepting=accepting, has_bytes=has_bytes, state_rule=state_rule,
                   rule_start=rule_start, rule_names=rule_names, root=root)
         index = cls(pda, vocab, payload["grammar"], tuple(payload["approximations"]), precompute=False)
-        index._keys = {k: _KeyInfo(row, unc, late) for k, (row, unc, late) in payload["keys"].items()}
+        index._keys = {k: _info(row, esc_rank, esc_at) for k, (row, esc_rank, esc_at) in payload["keys"].items()}
+        index._settled = {k: _info(row, esc_rank, esc_at)
+                          for k, (row, esc_rank, esc_at) in payload.get("settled", {}).items()}
         return index
 
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the network, the configuration table and the cached rows (approximate)."""
-        keys = sum(v.row.nbytes + v.uncertain.nbytes + v.late.nbytes for v in self._keys.values())
+        keys = sum(v.row.nbytes + v.uncertain.nbytes + v.late.nbytes + v.esc_rank.nbytes + v.esc_at.nbytes
+                   for v in self._keys.values())
         return int(self.pda.trans.nbytes + self._table.nbytes + keys + sum(r.nbytes for r in self._rows))
 
 
