@@ -254,6 +254,24 @@ class TieredMachine(RuleBasedStateMachine):
         if self.write_policy == "write_through" and self._lossless():
             assert self.hier.host.peek_prefix_len(req.key, req.ns) == self.hier.device.aligned_len(len(req.key))
 
+    @rule(rid=requests)
+    def checkpoint(self, rid: int) -> None:
+        """A running request caches what it computed so far and re-locks at its end (with
+        write-through the path is copied to the host while locked on the device)."""
+        req = self.running.get(rid)
+        if req is None:
+            return
+        dev = self.hier.device
+        r = self.hier.insert(req.key, req.kv, req.ns, cached_len=req.cached_len, finished=False)
+        m = dev.match_prefix(req.key, req.ns) if r.last_node.is_root else dev.match_node(r.last_node)
+        assert m.length == dev.aligned_len(len(req.key))
+        dev.lock(m.last_node)
+        dev.unlock(req.last_node)
+        req.kv = np.concatenate((m.indices, req.kv[m.length :]))
+        req.cached_len = m.length
+        req.last_node = m.last_node
+        self._remember(req.key[: m.length], req.ns)
+
     @rule(rid=consumes(requests))
     def abort(self, rid: int) -> None:
         req = self.running.pop(rid, None)
