@@ -245,6 +245,31 @@ def test_in_batch_prefix_dedup_defers_sharers() -> None:
     assert eng.finished["y"].cached_tokens == len(system)
 
 
+def test_sharers_wait_for_a_prefix_still_prefilling_in_chunks() -> None:
+    """A request sharing the uncached part of a prompt that another request is prefilling in
+    chunks waits for those chunks to reach the cache (then hits all of the shared part) instead of
+    computing the same KV alongside; an unrelated request is admitted meanwhile."""
+    eng = FakeEngine(num_slots=2048, max_running_requests=8, chunked_prefill_size=64)
+    system = list(range(1, 200))
+    eng.add("x", system + [1], 2)
+    assert [i.rid for i in eng.step().items] == ["x"]  # first chunk of x
+    eng.add("y", system + [2], 2)
+    eng.add("z", [900] * 10, 2)
+    rounds_deferred = 0
+    while eng.sched.reqs["x"].status.name == "PREFILLING":
+        rids = [i.rid for i in eng.step().items]
+        if "x" in rids and eng.sched.reqs["x"].status.name == "PREFILLING":
+            assert "y" not in rids
+            rounds_deferred += 1
+    assert rounds_deferred >= 1
+    eng.run()
+    from lmserver.scheduler.scheduler import IN_BATCH_PREFIX_THRESHOLD as T
+
+    # x's last chunk (8 tokens) runs beside y: a share shorter than T is not worth a wait
+    assert len(system) - T <= eng.finished["y"].cached_tokens <= len(system)
+    assert eng.finished["z"].cached_tokens == 0 and "z" in eng.finished
+
+
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_a_full_batch_does_not_order_the_waiting_queue(policy: str) -> None:
     """With no free row nothing can be admitted: no round peeks or touches the waiting queue

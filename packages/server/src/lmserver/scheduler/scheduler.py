@@ -24,8 +24,9 @@ from lmserver.scheduler.pacer import PrefillPacer
 from lmserver.scheduler.policy import order_waiting
 from lmserver.scheduler.req import MMSpan, Req, ReqStatus
 
-# A waiting request sharing this many uncached tokens with one admitted in the same round
-# waits one round, then reuses that request's KV from the cache (in-batch prefix dedup).
+# A waiting request sharing this many uncached tokens with one admitted in the same round, or
+# with one still prefilling, waits until that request's chunks are cached, then reuses its KV
+# (in-batch prefix dedup; SGLang compares within the round only).
 IN_BATCH_PREFIX_THRESHOLD = 32
 # Decode-memory reserve per running request: min(remaining tokens, clip) * new_token_ratio.
 RESERVE_CLIP_TOKENS = 4096
@@ -203,8 +204,13 @@ class Scheduler:
             return items
         # 2. admit waiting requests in policy order
         admitted: list[Req] = []
-        # admitted requests by (namespace, first token): only these can share a prefix with req
+        # requests whose prompt KV is not all cached yet (admitted this round, or still prefilling
+        # in chunks) by (namespace, first token): only these can share an uncached prefix with req,
+        # which then waits for their chunks to reach the cache instead of computing the same KV
         by_first: dict[tuple[str | None, int], list[Req]] = {}
+        for req in self.prefilling:
+            if req.fill_len:
+                by_first.setdefault((req.extra_key, _first_token(req)), []).append(req)
         for req in order_waiting(self.waiting, self.kv, self.schedule_policy, self.aging_rounds):
             if not self.has_free_row:
                 break
