@@ -522,6 +522,8 @@ class _Compiler:
             if types is not None:
                 values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
             values = [v for v in values if not any(same_json(v, x) for x in excluded)]
+            if any(x is _NON_INTEGER for x in excluded):
+                values = [v for v in values if _type_of(v) != "integer"]
             if not values:
                 return NOTHING
             listed = alt(*(self.value_node(v) for v in values))
@@ -604,13 +606,15 @@ class _Compiler:
             excluded.extend([sub["const"]] if "const" in sub else sub["enum"])
             return types
         if isinstance(sub, dict) and set(sub) <= {"type", "title", "description", "$comment"}:
-            excluded = self._types(sub, path) or []
-            if "number" in excluded:
-                excluded = [*excluded, "integer"]
+            named = self._types(sub, path) or []
+            if "number" in named:
+                named = [*named, "integer"]
             base = list(types) if types is not None else list(_TYPES)
-            if "integer" in excluded and "number" in base and "number" not in excluded:
-                self.approximate("not", path, "integers are not excluded from numbers")
-            return [t for t in base if t not in excluded]
+            if "integer" in named and "number" in base and "number" not in named:
+                # numbers that are not integers: spelled with a non-zero fraction digit and no
+                # exponent (`_excluding`; a subset, as for excluded values)
+                excluded.append(_NON_INTEGER)
+            return [t for t in base if t not in named]
         self.approximate("not", path, "not enforced (only `not` over types is)")
         return types
 
@@ -618,6 +622,12 @@ class _Compiler:
         """`node` (of type `t`) without the JSON values in `excluded` (`not` of `const` / `enum`).
         Exact for scalars; numbers are then spelled without an exponent (a subset: the spellings of
         a number with exponents are not a regular language); objects and arrays are approximated."""
+        if any(v is _NON_INTEGER for v in excluded):
+            excluded = [v for v in excluded if v is not _NON_INTEGER]
+            if t == "integer":
+                return NOTHING
+            if t == "number":
+                node = Intersect([node, _NON_INTEGER_TEXT])
         mine = [v for v in excluded if _type_of(v) == t or t == "number" and _type_of(v) == "integer"]
         if not mine:
             return node
@@ -708,7 +718,10 @@ class _Compiler:
         hit = self._memo.get(key)
         if hit is None:
             hit = self._number(schema, path, integer)
-            if integer and self.cfg.integers_as_floats:
+            mult = schema.get("multipleOf")
+            whole = integer or isinstance(mult, int | float) and not isinstance(mult, bool) and mult > 0 and \
+                float(mult).is_integer()  # `_number` spells multiples of an integer as integers
+            if whole and self.cfg.integers_as_floats:
                 hit = cat(hit, _ZERO_FRACTION)
             self._memo[key] = hit
         return hit
@@ -1071,6 +1084,12 @@ def _joined(nodes: list[Node], sep: Node) -> Node:
         out.append(n)
     return cat(*out)
 
+
+# `excluded` marker of `not: {type: integer}` beside numbers (see `_not`)
+_NON_INTEGER = object()
+_DIGIT = Chars(((48, 57),))
+_NON_INTEGER_TEXT = cat(Repeat(lit("-"), 0, 1), alt(lit("0"), cat(Chars(((49, 57),)), Repeat(_DIGIT, 0, None))), lit("."),
+                        Repeat(_DIGIT, 0, None), Chars(((49, 57),)), Repeat(_DIGIT, 0, None))
 
 _STRUCTURAL = {"$schema", "$id", "id", "$defs", "definitions", "$comment", "$anchor", "$dynamicAnchor",
                "$recursiveAnchor", "$vocabulary", "title", "description", "default", "examples", "deprecated",

@@ -3,12 +3,13 @@
 Keywords that merge exactly: bounds (the tighter one), `required` and `properties` (union, with
 shared properties merged recursively), `type` and `enum` / `const` (intersection), `items`,
 `additionalProperties` (nested `allOf`), `not` (nested `anyOf`), `pattern` and `format` (all kept, intersected
-later), `anyOf` / `oneOf` (the cross product). Any other keyword given two different values keeps
+later), `anyOf` / `oneOf` (the cross product), integer `multipleOf` (their least common multiple). Any other keyword given two different values keeps
 the first one: the merged schema accepts a superset, which the caller records (`approximate`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,10 @@ _ASSERTIONS = frozenset({"multipleOf", "uniqueItems", "prefixItems", "patternPro
                          "dependentSchemas", "dependencies", "if", "then", "else", "$ref", "exclusiveMinimum",
                          "exclusiveMaximum"})
 Approximate = Callable[[str, str, str], None]
+
+
+def _integral(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and float(value).is_integer()
 
 
 def _types(value: Any) -> list[str]:
@@ -90,6 +95,8 @@ def merge_schemas(a: dict[str, Any], b: Any, path: str, approximate: Approximate
             out[bucket] = [*out.get(bucket, []), v]
         elif k in _NESTED and isinstance(av, dict | bool) and isinstance(v, dict | bool):
             out[k] = {"allOf": [av, v]}
+        elif k == "multipleOf" and _integral(av) and _integral(v):
+            out[k] = math.lcm(int(av), int(v))  # a multiple of both integers is a multiple of their lcm
         elif k == "not":
             out[k] = {"anyOf": [av, v]}  # neither a nor b
         elif k in ("anyOf", "oneOf"):
