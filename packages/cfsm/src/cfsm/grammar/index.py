@@ -451,6 +451,8 @@ class GrammarIndex:
         base = self._key((head,))
         runs = self._leading_runs(run_class)
         long = np.flatnonzero(runs > remaining)
+        if not len(long):
+            return base  # NOTE: every token goes as from the head (same row, same escapes)
         acc, esc_rank, esc_at = self._walk_tokens(sid, long)
         keep = ~np.isin(base.esc_rank, long)
         row = base.row & ~self._bits(long) | self._bits(acc)
