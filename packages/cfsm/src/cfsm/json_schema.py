@@ -778,10 +778,14 @@ class _Compiler:
             prefix, items = items, schema.get("additionalItems")
         unevaluated = schema.get("unevaluatedItems", True)
         if unevaluated not in (True, {}) and items is None:
-            if "contains" in schema:
-                self.approximate("unevaluatedItems", f"{path}/unevaluatedItems", "not enforced beside contains")
-            else:
+            negated = _negation(schema["contains"]) if "contains" in schema else None
+            if "contains" not in schema:
                 items = unevaluated  # NOTE: the items after the prefix are the unevaluated ones
+            elif negated is not None:
+                # an item after the prefix matches `contains` (evaluated) or is unevaluated
+                items = {"anyOf": [schema["contains"], {"allOf": [negated, unevaluated]}]}
+            else:
+                self.approximate("unevaluatedItems", f"{path}/unevaluatedItems", "not enforced beside contains")
         nodes = [self.node(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
         rest = None if items is False else (self.any_value(self.cfg.json_depth - 1) if items is None
                                             else self.node(items, f"{path}/items"))
