@@ -44,8 +44,11 @@ lint: install-test
 	$(VENV)/bin/mypy $(MYPY_SRC)
 
 # Lint, import contracts, then the CPU suite without the `slow` tier (exit code 5, "no tests", is not a failure).
+# Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures start once);
+# TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 test: lint sglang-frontend
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 # The `slow` tier only (long end-to-end runs: load tests, long interpreter runs, model-server fault and drain
 # runs), then the benchmarks' own tests (by path: benchmarks/ is never collected); CI runs it if time allows.

@@ -126,9 +126,16 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
 MROW_VARIANTS = ["mrow", "mrow_fma"]
 
 
-@pytest.mark.parametrize("variant", MROW_VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("batch", "programs"), [(2, 0), (6, 3), (8, 0)])
+# the interpreter's fast tier: each variant once in each dtype (odd batch, looping programs, or the padded 8);
+# the other combinations in the slow tier (every case runs on a GPU)
+_MROW_FAST = {("mrow", torch.float32, 6), ("mrow", torch.bfloat16, 2), ("mrow_fma", torch.bfloat16, 8)}
+MROW_GEMV_CASES = [
+    pytest.param(v, d, b, p, marks=() if (v, d, b) in _MROW_FAST else pytest.mark.slow)
+    for v in MROW_VARIANTS for d in DTYPES for b, p in [(2, 0), (6, 3), (8, 0)]
+]
+
+
+@pytest.mark.parametrize(("variant", "dtype", "batch", "programs"), MROW_GEMV_CASES)
 def test_interpret_mrow_gemv_matches_float64(variant: str, dtype: torch.dtype, batch: int, programs: int) -> None:
     """The multi-row kernels (``lowlat.kernels.mrow``) on fresh random inputs against float64 torch: GEMV +
     residual, a plain projection, norm + gate-up + SiLU; 72 / 40 output columns (a partial last tile of 16), K 96

@@ -187,6 +187,7 @@ def _tiny_draft(path: Any, vocab: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # the EAGLE head's engine test below keeps a model-drafted engine run in the fast tier
 def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_path: Any) -> None:
     """The target itself as its draft (nearly every draft accepted) and a tiny random draft (few
     accepted): outputs equal plain decoding; the draft's KV is all given back."""
