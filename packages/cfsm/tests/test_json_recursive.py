@@ -146,3 +146,36 @@ def test_non_recursive_schemas_stay_regular(vocab: cfsm.Vocabulary) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/$defs/s"}},
               "$defs": {"s": {"type": "string"}}, "required": ["a", "b"]}
     assert isinstance(cfsm.compile_json_schema(schema, vocab), cfsm.Index)
+
+
+def test_a_pushdown_matcher_past_the_position_limit_compiles_unrolled(vocab: cfsm.Vocabulary) -> None:
+    """`max_pushdown_positions`: the same schema compiles to the pushdown matcher under the limit
+    and unrolled (an `Index`, free JSON cut at `json_depth`) over it; the two accept the same
+    documents up to that depth (and `jsonschema` validates them), only the matcher deeper ones."""
+    positions = int(cfsm.compile_json_schema(WITH_FREE, vocab).pda.has_bytes.sum())
+    stack = cfsm.compile_json_schema(WITH_FREE, vocab, cfsm.CfsmConfig(max_pushdown_positions=positions))
+    unrolled = cfsm.compile_json_schema(WITH_FREE, vocab, cfsm.CfsmConfig(max_pushdown_positions=positions - 1))
+    assert isinstance(stack, cfsm.GrammarIndex) and isinstance(unrolled, cfsm.Index)
+    rng = random.Random(7)
+
+    def value(depth: int) -> Any:
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(["x", 12, None, True, 1.5])
+        if rng.random() < 0.5:
+            return [value(depth - 1) for _ in range(rng.randrange(3))]
+        return {rng.choice("ab"): value(depth - 1) for _ in range(rng.randrange(3))}
+
+    for _ in range(40):
+        doc = {"meta": value(2), "tags": [value(1) for _ in range(rng.randrange(3))]}
+        jsonschema.validate(doc, WITH_FREE)
+        text = json.dumps(doc)
+        assert _accepted(stack, vocab, text) and _accepted(unrolled, vocab, text), text
+        for cut in (text[:-1], text + "}"):
+            assert not _accepted(stack, vocab, cut) and not _accepted(unrolled, vocab, cut)
+    deep: Any = 1
+    for _ in range(8):
+        deep = [deep]
+    text = json.dumps({"meta": deep, "tags": []})
+    assert _accepted(stack, vocab, text) and not _accepted(unrolled, vocab, text)
+    with pytest.raises(ValueError):
+        cfsm.CfsmConfig(max_pushdown_positions=-1)

@@ -20,6 +20,7 @@ from cfsm.errors import (
     Approximation,
     GrammarError,
     GrammarTooLargeError,
+    PushdownTooLargeError,
     SchemaTooLargeError,
     UnsupportedSchemaError,
 )
@@ -106,12 +107,13 @@ def _schema_text(schema: Any) -> str:
 
 
 def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar: str,
-                 approximations: tuple[Approximation, ...] = ()) -> GrammarIndex:
+                 approximations: tuple[Approximation, ...] = (), max_positions: int = 0) -> GrammarIndex:
     start = "root"
     while start in rules:
         start += "_"
     try:
-        return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations)
+        return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations,
+                               max_positions)
     except RecursionError:
         # NOTE: rules nested deeper than Python's stack while inlining (a JSONSchemaBench schema)
         raise GrammarError("the grammar nests too deep to compile") from None
@@ -136,10 +138,14 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
             index = _index_of(node, vocab, key, "schema")
             return dataclasses.replace(index, approximations=approximations) if approximations else index
         try:
-            return _rules_index(node, rules, vocab, key, approximations)
+            return _rules_index(node, rules, vocab, key, approximations, cfg.max_pushdown_positions)
         except GrammarError:
             # NOTE: an intersection (enum or `not` beside other keywords) over nested free JSON or
             # a recursive reference has no pushdown form here: the regular compile, unrolled
+            return _regular_schema_index(schema, vocab, cfg, key)
+        except PushdownTooLargeError:
+            # NOTE: a vocabulary walk per rule position (f8c7c83 made "stack" the default: a JSONSchemaBench
+            # schema with one free JSON value took 2 s unrolled, 38 s this way): unrolled, as "unroll" does
             return _regular_schema_index(schema, vocab, cfg, key)
     except (GrammarTooLargeError, SchemaTooLargeError):
         # references copied inline made the automaton (or the tree) too large: each reference

@@ -27,6 +27,12 @@ class CfsmConfig:
       deeper branches are dropped, and a schema that needs more raises `UnsupportedSchemaError`
       at compile time).
     - `json_depth` ("unroll" only): nesting depth of free JSON.
+    - `max_pushdown_positions` ("stack"): a JSON Schema whose pushdown matcher would have more
+      rule positions than this compiles as "unroll" does instead (recursion cut at the two depths
+      above; a narrower language, never a wider one). Each position costs the compile one walk
+      of the vocabulary (about a millisecond): a large real-world schema with one free JSON value
+      (``patternProperties: {"^x-": {}}``) has thousands, the regular compile shares that work.
+      0: no limit.
     - `additional_properties_default`: whether objects without `additionalProperties` may
       have undeclared keys (JSON Schema says yes; constrained decoding usually wants no).
     - `infer_types`: a schema without `type` whose keywords all belong to some types (say
@@ -53,6 +59,7 @@ class CfsmConfig:
     any_order: bool = False
     max_recursion_depth: int = 3
     json_depth: int = 3
+    max_pushdown_positions: int = 2048
     additional_properties_default: bool = False
     infer_types: bool = True
     assert_formats: bool = True
@@ -66,8 +73,8 @@ class CfsmConfig:
             raise ValueError(f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
         if self.recursion not in ("stack", "unroll"):
             raise ValueError(f"recursion must be 'stack' or 'unroll', got {self.recursion!r}")
-        if self.max_recursion_depth < 0 or self.json_depth < 0 or self.cache_size < 0:
-            raise ValueError("max_recursion_depth, json_depth and cache_size must be >= 0")
+        if min(self.max_recursion_depth, self.json_depth, self.cache_size, self.max_pushdown_positions) < 0:
+            raise ValueError("max_recursion_depth, json_depth, max_pushdown_positions and cache_size must be >= 0")
 
     @classmethod
     def spec(cls, **overrides: object) -> CfsmConfig:
@@ -82,6 +89,6 @@ class CfsmConfig:
     def schema_key(self) -> str:
         """The fields that change a compiled JSON Schema (part of cache keys)."""
         return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|rec={self.recursion}|"
-                f"rd={self.max_recursion_depth}|jd={self.json_depth}|"
+                f"rd={self.max_recursion_depth}|jd={self.json_depth}|mpp={self.max_pushdown_positions}|"
                 f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}|"
                 f"af={self.assert_formats}|if={self.integers_as_floats}")

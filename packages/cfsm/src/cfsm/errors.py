@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "CfsmError",
+    "PushdownTooLargeError",
     "UnsupportedRegexError",
     "UnsupportedSchemaError",
     "SchemaTooLargeError",
@@ -93,6 +94,16 @@ class VocabularyError(CfsmError, ValueError):
 
 class GrammarTooLargeError(CfsmError, ValueError):
     """The grammar's automaton exceeds the state limit (`automaton.MAX_DFA_STATES`)."""
+
+
+class PushdownTooLargeError(CfsmError, ValueError):
+    """A pushdown matcher would walk the vocabulary from more rule positions than the caller's
+    limit (`CfsmConfig.max_pushdown_positions` for JSON Schemas): each costs a vocabulary walk."""
+
+    def __init__(self, positions: int, limit: int) -> None:
+        super().__init__(f"the pushdown matcher has {positions} rule positions (limit {limit})")
+        self.positions = positions
+        self.limit = limit
 
 
 class GrammarError(CfsmError, ValueError):

@@ -11,7 +11,9 @@ caches), `guide` (the per-request cursor).
 
 from __future__ import annotations
 
-from cfsm.errors import Approximation
+import numpy as np
+
+from cfsm.errors import Approximation, PushdownTooLargeError
 from cfsm.grammar.ebnf import parse_ebnf
 from cfsm.grammar.guide import GrammarGuide
 from cfsm.grammar.index import GrammarIndex
@@ -26,8 +28,13 @@ __all__ = ["Grammar", "GrammarGuide", "GrammarIndex", "Pda", "RuleRef", "build_p
 
 
 def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
-                    approximations: tuple[Approximation, ...] = ()) -> GrammarIndex:
+                    approximations: tuple[Approximation, ...] = (), max_positions: int = 0) -> GrammarIndex:
     """Compile rules against `vocab` as a pushdown matcher (non-recursive rules inlined first;
-    the vocabulary walks of every rule position, once). Raises `GrammarError`. Mutates nothing
-    (fills vocabulary caches)."""
-    return GrammarIndex(build_pda(inline_rules(grammar)), vocab, text, approximations)
+    the vocabulary walks of every rule position, once). Raises `GrammarError`, and
+    `PushdownTooLargeError` before any walk when `max_positions` (> 0) is below the number of
+    rule positions that read bytes. Mutates nothing (fills vocabulary caches)."""
+    pda = build_pda(inline_rules(grammar))
+    positions = int(np.count_nonzero(pda.has_bytes))
+    if 0 < max_positions < positions:
+        raise PushdownTooLargeError(positions, max_positions)
+    return GrammarIndex(pda, vocab, text, approximations)
