@@ -242,7 +242,9 @@ def test_abort_at_each_stage_and_bad_input(engine: Engine) -> None:
         {"chunked_prefill_size": 8, "page_size": 4},
         # mixed steps are the default: the prefill-first path without them
         {"disable_radix_cache": True, "enable_mixed_chunk": False, "chunked_prefill_size": 16},
-        {"max_total_tokens": 160, "max_running_requests": 8, "schedule_policy": "fcfs"},
+        # retraction under memory pressure: the scheduler's own tests in the fast tier, the engine's here
+        pytest.param({"max_total_tokens": 160, "max_running_requests": 8, "schedule_policy": "fcfs"},
+                     marks=pytest.mark.slow),
     ],
     ids=["chunked-paged", "nocache-serial", "tiny-kv-retraction"],
 )

@@ -166,6 +166,7 @@ class VerifyUpTo4Built(ReferenceBuilt):
         return step.kind == StepKind.DECODE or (step.kind == StepKind.VERIFY and step.num_tokens <= 4)
 
 
+@pytest.mark.slow  # 100 s on 2 cores; the verify rows' kernels: lowlat's interpreter cases, the decode path: below
 def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest.MonkeyPatch) -> None:
     """Speculative verify steps replay decode graphs as decode rows; where the plugin declines verify rows
     that its decode graph serves (8 rows here), a verify graph of that size runs the original path. Oracle:

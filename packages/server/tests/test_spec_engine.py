@@ -187,7 +187,7 @@ def _tiny_draft(path: Any, vocab: int) -> str:
     return str(path)
 
 
-@pytest.mark.slow  # the EAGLE head's engine test below keeps a model-drafted engine run in the fast tier
+@pytest.mark.slow  # model drafts in the slow tier (an EAGLE chain against float64: test_eagle)
 def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_path: Any) -> None:
     """The target itself as its draft (nearly every draft accepted) and a tiny random draft (few
     accepted): outputs equal plain decoding; the draft's KV is all given back."""
@@ -215,6 +215,7 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
             eng.core.spec.draft_model.check_empty()
 
 
+@pytest.mark.slow  # 60 s on 2 cores; the head's drafts against a float64 chain: test_eagle
 def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_path: Any) -> None:
     """Random EAGLE-1 and EAGLE-3 heads (published layouts, written here) over the embedded model, with decode graphs
     (EagerGraph on CPU: the graph path hands the head the target's hidden states too): outputs equal plain
