@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from radixcache import HierarchicalCache, RadixCache, SlotAllocator, TreeNode
-from radixcache.testing import FakeKVTransfer, NaivePrefixCache
+from radixcache.testing import FakeKVTransfer, NaivePrefixCache, chunk_pool
 
 
 class WipingAllocator(SlotAllocator):
@@ -166,13 +166,6 @@ class _Req:
     last_node: TreeNode
 
 
-def _chunk_pool(page_size: int) -> list[list[int]]:
-    if page_size == 1:
-        return [[0], [1], [2], [3]]
-    half = page_size // 2
-    return [[0] * page_size, [0] * half + [1] * half, [1] * page_size, [2] * page_size]
-
-
 class TieredMachine(RuleBasedStateMachine):
     """match / insert / lock / evict (device, host) / offload / load-back, checking slot
     conservation in both tiers, the KV each tree slot holds, and (while nothing was lost) the
@@ -198,7 +191,7 @@ class TieredMachine(RuleBasedStateMachine):
         self.model_slot = 0
         self.running: dict[int, _Req] = {}
         self.next_id = 0
-        self.pool = _chunk_pool(ps)
+        self.pool = chunk_pool(ps)
 
     def _key(self, chunks: list[int], tail: list[int]) -> np.ndarray:
         toks = [t for c in chunks for t in self.pool[c]] + tail

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 )
 
 from radixcache import MatchResult, PrefixPath, RadixCache, SlotAllocator, TreeNode
-from radixcache.testing import NaivePrefixCache
+from radixcache.testing import NaivePrefixCache, chunk_pool
 
 NUM_SLOTS = 512
 
@@ -39,13 +39,6 @@ class _Req:
     kv: np.ndarray  # slots for key[i]; kv[:cached_len] tree-owned, the rest request-owned
     cached_len: int
     last_node: TreeNode
-
-
-def _chunk_pool(page_size: int) -> list[list[int]]:
-    if page_size == 1:
-        return [[0], [1], [2], [3]]
-    half = page_size // 2
-    return [[0] * page_size, [0] * half + [1] * half, [1] * page_size, [2] * page_size]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -62,7 +55,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.model = NaivePrefixCache(self.page_size)
         self.running: dict[int, _Req] = {}
         self.next_id = 0
-        self.pool = _chunk_pool(self.page_size)
+        self.pool = chunk_pool(self.page_size)
         self.paths: list[tuple[np.ndarray, str | None, PrefixPath]] = []  # kept find_prefix results
         # slot arrays handed out by match (read-only views of node slots) and their contents
         # then: no later split, extension or trim may change them

@@ -16,6 +16,15 @@ from radixcache.keys import KeyLike, as_key
 _Prefix = tuple[Hashable, tuple[int, ...]]
 
 
+def chunk_pool(page_size: int) -> list[list[int]]:
+    """Four token chunks for random keys of property tests: at page size 1 four distinct tokens; else
+    whole pages of one token, and a page that shares its first half with another (partial-page matches)."""
+    if page_size == 1:
+        return [[0], [1], [2], [3]]
+    half = page_size // 2
+    return [[0] * page_size, [0] * half + [1] * half, [1] * page_size, [2] * page_size]
+
+
 class NaivePrefixCache:
     """A set of cached prefixes (namespace, token ids), one entry per whole page."""
 
