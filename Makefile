@@ -45,7 +45,7 @@ lint: install-test
 
 # Lint, import contracts, then the CPU suite without the `slow` tier (exit code 5, "no tests", is not a failure).
 # Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures start once);
-# TEST_WORKERS=0 runs in this process.
+# TEST_WORKERS=0 runs in this process. Each worker gets cores / workers OpenMP threads (conftest.py).
 TEST_WORKERS ?= 2
 test: lint sglang-frontend
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
