@@ -14,8 +14,10 @@ submission to the step that returns its first token).
         --host-kv-size-gb 10 --json $OUT/hicache.json
 
 Prints one row per setting (wall time, requests/s, output and prompt tokens/s, TTFT p50/p90,
-cache hit rate, host-tier counters) and the ratios tier / plain, and whether every greedy
-output is the same.
+cache hit rate, host-tier counters) and the ratios tier / plain. The `control` setting is the
+same server with a device pool that holds the whole working set (`--control-total-tokens`, default
+the working set plus a margin): nothing is evicted, so every setting's greedy outputs should equal
+its outputs token for token (the exactness check of the tier: same weights, KV reused in both).
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def _workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], li
 
 
 def run_setting(args: argparse.Namespace, name: str, extra: dict[str, Any]) -> dict[str, Any]:
-    kwargs = {**_engine_kwargs(args.engine_args), **extra}
+    kwargs = {"max_total_tokens": args.max_total_tokens, **_engine_kwargs(args.engine_args), **extra}
     t0 = time.perf_counter()
-    engine = Engine(args.model_path, max_total_tokens=args.max_total_tokens, max_running_requests=args.concurrency,
+    engine = Engine(args.model_path, max_running_requests=args.concurrency,
                     cuda_graph_max_bs=args.concurrency, context_length=args.context_length, **kwargs)
     start_s = time.perf_counter() - t0
     core = engine.core
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=20000, help="the device KV pool (tokens)")
     ap.add_argument("--host-kv-size-gb", type=float, default=None)
     ap.add_argument("--write-policy", default="write_back", choices=["write_back", "write_through"])
+    ap.add_argument("--io-backend", default="auto", choices=["auto", "kernel", "direct"])
+    ap.add_argument("--control-total-tokens", type=int, default=None,
+                    help="the control's device pool (default: the working set plus 10%% and 4,096 tokens)")
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settings", nargs="+", default=["hicache", "plain"], choices=["hicache", "plain"])
+    ap.add_argument("--settings", nargs="+", default=["hicache", "plain", "control"],
+                    choices=["hicache", "plain", "control"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     final = args.system_len + args.turns * (args.user_len + args.output_len)
@@ -172,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         extra: dict[str, Any] = {}
         if name == "hicache":
             extra = {"enable_hierarchical_cache": True, "host_kv_size_gb": args.host_kv_size_gb,
-                     "hicache_write_policy": args.write_policy}
+                     "hicache_write_policy": args.write_policy, "hicache_io_backend": args.io_backend}
+        elif name == "control":
+            extra = {"max_total_tokens": args.control_total_tokens
+                     or int(1.1 * args.conversations * final) + 4096}
         rows.append(run_setting(args, name, extra))
         if args.json:
             with open(args.json, "w") as f:
@@ -181,10 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     if "hicache" in by and "plain" in by:
         h, p = by["hicache"], by["plain"]
         same = sum(h["outputs"][k] == p["outputs"][k] for k in p["outputs"])
-        summary = {"throughput_ratio": h["req_per_s"] / p["req_per_s"], "ttft_p50_ratio": h["ttft_p50_ms"] / p["ttft_p50_ms"],
-                   "same_outputs": same, "requests": len(p["outputs"])}
+        summary: dict[str, Any] = {
+            "throughput_ratio": h["req_per_s"] / p["req_per_s"], "ttft_p50_ratio": h["ttft_p50_ms"] / p["ttft_p50_ms"],
+            "same_outputs": same, "requests": len(p["outputs"])}
         print(f"tier / plain: throughput {summary['throughput_ratio']:.2f}x  TTFT p50 {summary['ttft_p50_ratio']:.2f}x  "
               f"same greedy outputs {same}/{len(p['outputs'])}", flush=True)
+        if "control" in by:
+            ctl = by["control"]["outputs"]
+            for name in ("hicache", "plain"):
+                summary[f"{name}_same_as_control"] = sum(by[name]["outputs"][k] == ctl[k] for k in ctl)
+            print(f"same greedy outputs as the never-evicting control: tier {summary['hicache_same_as_control']}/"
+                  f"{len(ctl)}, plain {summary['plain_same_as_control']}/{len(ctl)}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "rows": rows, "summary": summary}, f)

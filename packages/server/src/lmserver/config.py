@@ -55,6 +55,10 @@ class ServerConfig:
     hicache_write_policy: str = _opt("write_back", "host tier: write_back copies KV to the host when the device "
                                                    "evicts it; write_through copies each cached prefix at once",
                                      ("write_back", "write_through"))
+    hicache_io_backend: str = _opt("auto", "host tier copies: kernel (GPU kernels read and write the pinned host pool "
+                                           "through unified addressing), direct (one DMA per run of host slots), "
+                                           "auto (kernel where the device can address the host pool)",
+                                    ("auto", "kernel", "direct"))
     # Kernels and graphs
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")

@@ -696,10 +696,10 @@ class EngineCore:
         else:
             raise ValueError(f"--host-kv-size-gb must be > 0, got {rc.host_kv_size_gb}")
         host_slots -= host_slots % rc.page_size
-        host = HostKVPool(self.kv_pool, host_slots + rc.page_size)  # plus the padding page
+        host = HostKVPool(self.kv_pool, host_slots + rc.page_size, io_backend=rc.hicache_io_backend)  # + padding page
         self.kv_manager.enable_host_tier(host_slots, host, rc.hicache_write_policy)  # type: ignore[arg-type]
-        logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GB, %s)", host_slots,
-                 host_slots * per_slot / 1e9, rc.hicache_write_policy)
+        logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GB, %s, io %s)", host_slots,
+                    host_slots * per_slot / 1e9, rc.hicache_write_policy, host.io_backend)
         return host
 
     def get_stats(self) -> dict[str, Any]:
