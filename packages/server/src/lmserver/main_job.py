@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from lmserver.testing import ServerProcess
+from lmserver.server_process import ServerProcess
 
 QUESTION = "What is the capital of France?"
 
