@@ -1,11 +1,13 @@
 """Torch-light units of the engine's image path: the encoder LRU against a naive model, the
-radix key of a prompt with images, and the spans chunked prefill hands the runner."""
+radix key of a prompt with images, the spans chunked prefill hands the runner, and the host
+staging buffer images go to the device through."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,3 +107,75 @@ def test_chunk_spans_tile_every_item(sizes: list[int], gap: int, chunk: int, dat
         pos = end
     for i, item in enumerate(items):
         assert covered[i] == list(range(max(0, start - item.offset), item.num_tokens))
+
+
+_DTYPES = [np.uint8, np.float32, np.int64, np.float16]
+
+
+@given(st.lists(st.lists(st.tuples(st.sampled_from(range(len(_DTYPES))),
+                                   st.lists(st.integers(0, 5), min_size=0, max_size=3)), min_size=0, max_size=5),
+                min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_host_staging_uploads_equal_their_arrays(calls: list[list[tuple[int, list[int]]]], seed: int) -> None:
+    """Oracle: the arrays themselves. Every upload's tensors keep their values after later uploads
+    (the buffer is reused and grows), with shapes and dtypes preserved; arrays of odd byte sizes and
+    non-contiguous ones included."""
+    from lmserver.engine.multimodal import HostStaging
+
+    staging = HostStaging(torch.device("cpu"))
+    rng = np.random.default_rng(seed)
+    kept: list[tuple[np.ndarray, torch.Tensor]] = []
+    for call in calls:
+        arrays = []
+        for dtype_index, shape in call:
+            a = (rng.random(shape) * 250).astype(_DTYPES[dtype_index])
+            if a.ndim >= 2 and a.shape[0] > 1:
+                a = a[::2]  # not contiguous
+            arrays.append(a)
+        got = staging.upload(arrays)
+        assert len(got) == len(arrays)
+        kept.extend(zip(arrays, got, strict=True))
+        for a, t in kept:  # earlier uploads untouched by this one
+            assert t.dtype == torch.from_numpy(np.empty(0, a.dtype)).dtype and tuple(t.shape) == a.shape
+            np.testing.assert_array_equal(t.numpy(), a)
+    assert staging.allocations <= len(calls)
+
+
+def test_host_staging_reuses_its_buffer() -> None:
+    from lmserver.engine.multimodal import HostStaging
+
+    staging = HostStaging(torch.device("cpu"))
+    image = np.arange(480 * 640 * 3, dtype=np.uint32).astype(np.uint8).reshape(480, 640, 3)
+    for _ in range(5):
+        (out,) = staging.upload([image])
+        assert torch.equal(out, torch.from_numpy(image))
+    assert staging.allocations == 1 and staging.uploads == 5
+    assert staging.capacity_bytes == 1 << 20  # 921,600 bytes, rounded up to a power of two
+    staging.upload([image, image])  # grows once
+    assert staging.allocations == 2 and staging.capacity_bytes == 1 << 21
+
+
+@pytest.mark.gpu
+def test_host_staging_on_cuda_keeps_every_upload() -> None:
+    """The page-locked path: back-to-back uploads (the second waits for the first's copy before
+    it rewrites the buffer) each equal their arrays, behind a busy stream too."""
+    from lmserver.engine.multimodal import HostStaging
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    staging = HostStaging(torch.device("cuda"))
+    rng = np.random.default_rng(0)
+    busy = torch.randn(2048, 2048, device="cuda")
+    uploads = []
+    for i in range(6):
+        for _ in range(4):
+            busy = busy @ busy / 2048  # queue work ahead of the copies
+        arrays = [rng.integers(0, 255, (480, 640, 3), dtype=np.uint8), rng.random((3, 336, 336)).astype(np.float32)]
+        uploads.append((arrays, staging.upload(arrays[: 1 + i % 2])))
+    torch.cuda.synchronize()
+    for arrays, got in uploads:
+        for a, t in zip(arrays, got, strict=False):
+            assert t.device.type == "cuda"
+            np.testing.assert_array_equal(t.cpu().numpy(), a)
+    assert staging.allocations <= 2

@@ -379,10 +379,17 @@ def _expand_to_square(x: torch.Tensor, color: tuple[int, int, int]) -> torch.Ten
     if height == width:
         return x
     side = max(height, width)
-    canvas = torch.tensor(color, dtype=torch.uint8, device=x.device)[:, None, None].repeat(1, side, side)
+    canvas = _device_color(color, x.device)[:, None, None].repeat(1, side, side)
     top, left = (side - height) // 2, (side - width) // 2
     canvas[:, top:top + height, left:left + width] = x
     return canvas
+
+
+@functools.lru_cache(maxsize=16)
+def _device_color(color: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """(3,) uint8 on `device`, made once: a host-to-device copy of a fresh host tensor waits for
+    the device's queued work (an image in the middle of an engine step would)."""
+    return torch.tensor(color, dtype=torch.uint8).to(device)
 
 
 @functools.lru_cache(maxsize=16)
