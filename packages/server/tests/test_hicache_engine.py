@@ -13,6 +13,7 @@ import torch
 from lmserver.engine.host_kv import HostKVPool
 from lmserver.engine.kv_pool import KVPool
 from lmserver.engine.offline import Engine
+from lmserver.io_struct import GenerateReq, SamplingParams
 
 _GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 _TURNS = ["Tell me about the moon.", " And the sun?", " Which is larger?"]
@@ -104,3 +105,43 @@ def test_host_tier_flags_are_checked() -> None:
                host_kv_size_gb=HostKVPool.available_host_bytes() / 1e9)
     with pytest.raises(ValueError, match="radix cache"):
         Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True, disable_radix_cache=True)
+
+
+def _concurrent_chat(engine: Engine) -> list[list[int]]:
+    """The chats of `_chat`, each turn of every chat submitted at once (they run side by side:
+    admissions in one round load host KV while the others' loads and offloads are in flight)."""
+    tok, core = engine.tokenizer, engine.core
+    histories = [tok.encode(f"Conversation {c}: you are a helpful assistant number {c}.") for c in range(_CONVERSATIONS)]
+    outputs: list[list[int]] = []
+    params = SamplingParams.from_dict(_GREEDY)
+    for t, turn in enumerate(_TURNS):
+        got: dict[str, list[int]] = {}
+        for c in range(_CONVERSATIONS):
+            histories[c] = histories[c] + tok.encode(turn, add_special_tokens=False)
+            core.add_request(GenerateReq(f"c{c}t{t}", list(histories[c]), params))
+            got[f"c{c}t{t}"] = []
+        while core.has_work():
+            for out in core.step():
+                got[out.rid].extend(out.new_token_ids)
+        for c in range(_CONVERSATIONS):
+            histories[c] = histories[c] + got[f"c{c}t{t}"]
+            outputs.append(got[f"c{c}t{t}"])
+    return outputs
+
+
+@pytest.mark.slow
+def test_concurrent_chats_with_host_tier_match_a_large_pool() -> None:
+    def run(**config: Any) -> tuple[list[list[int]], dict[str, Any]]:
+        engine = Engine(dtype="float32", max_running_requests=_CONVERSATIONS, chunked_prefill_size=-1, **config)
+        try:
+            outs = _concurrent_chat(engine)
+            engine.core.check_memory_invariant()
+            return outs, engine.core.get_stats()
+        finally:
+            engine.shutdown()
+
+    want, big = run(max_total_tokens=4096)
+    got, stats = run(max_total_tokens=96, enable_hierarchical_cache=True, host_kv_size_gb=0.05)
+    assert got == want
+    assert stats["hicache_host_hits"] > 0 and stats["hicache_dropped_tokens"] == 0, stats
+    assert stats["cached_tokens"] == big["cached_tokens"], (stats, big)

@@ -189,39 +189,41 @@ def test_bad_arguments_are_refused() -> None:
         host.load(np.array([1], dtype=np.int64), np.array([1, 2], dtype=np.int64))
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
-def test_gpu_copies_match_the_torch_reference(io_backend: str) -> None:
-    """Fresh random KV (bf16, Llama-3-8B's heads): offload to shuffled host slots (the host rows
-    equal a torch.stack reference), wipe, load back into other device slots and read on the main
-    stream without a synchronize; chunked (chunk 500 of 1,500 tokens)."""
-    if not torch.cuda.is_available():
+def test_copies_match_the_torch_reference(io_backend: str, device: str) -> None:
+    """Fresh random KV (bf16, Llama-3-8B's heads): offload to shuffled host slots with one long
+    run among them (the host rows equal a torch.stack reference), wipe, load back into other
+    device slots and read on the main stream without a synchronize; chunked (500 of 1,500)."""
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    gen = torch.Generator("cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator(device).manual_seed(int(torch.randint(0, 2**31, ())))
     layers, slots, n = 4, 4096, 1500
-    pool = KVPool(slots, layers, 8, 128, torch.bfloat16, "cuda")
+    pool = KVPool(slots, layers, 8, 128, torch.bfloat16, device)
     for i in range(layers):
-        pool.k_cache[i].copy_(torch.randn(pool.k_cache[i].shape, generator=gen, device="cuda"))
-        pool.v_cache[i].copy_(torch.randn(pool.v_cache[i].shape, generator=gen, device="cuda"))
+        pool.k_cache[i].copy_(torch.randn(pool.k_cache[i].shape, generator=gen, device=device))
+        pool.v_cache[i].copy_(torch.randn(pool.v_cache[i].shape, generator=gen, device=device))
     host = HostKVPool(pool, 6000, io_backend=io_backend, chunk_tokens=500)
-    assert host.io_backend == io_backend and host.kv.is_pinned()
-    perm = torch.randperm(slots - 1, generator=gen, device="cuda").cpu().numpy() + 1
+    assert host.io_backend == io_backend and host.kv.is_pinned() == (device == "cuda")
+    perm = torch.randperm(slots - 1, generator=gen, device=device).cpu().numpy() + 1
     dev, back = perm[:n].astype(np.int64), perm[n : 2 * n].astype(np.int64)
-    hst = (torch.randperm(5999, generator=gen, device="cuda").cpu().numpy()[:n] + 1).astype(np.int64)
-    hst[:300] = np.arange(2000, 2300)  # one long run among scattered slots
-    d = torch.from_numpy(dev).cuda()
+    others = np.setdiff1d(np.arange(1, 6000), np.arange(2000, 2300))
+    others = others[torch.randperm(len(others), generator=gen, device=device).cpu().numpy()[: n - 300]]
+    hst = np.concatenate((np.arange(2000, 2300), others)).astype(np.int64)  # distinct; one run of 300
+    d = torch.from_numpy(dev).to(device)
     want_k = [c[d].clone() for c in pool.k_cache]
     want_v = [c[d].clone() for c in pool.v_cache]
     host.offload(dev, hst)
     for i in range(layers):  # the freed slots are rewritten at once (main stream)
         pool.k_cache[i][d] = 0
         pool.v_cache[i][d] = 0
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     ref_rows = torch.stack([torch.stack((want_k[i], want_v[i]), 1) for i in range(layers)], 1)  # (n, L, 2, KV, D)
     got_rows = host.kv[torch.from_numpy(hst)].view(torch.uint8).view(torch.bfloat16).view(ref_rows.shape)
     assert torch.equal(got_rows, ref_rows.cpu())
     host.load(hst, back)
-    b = torch.from_numpy(back).cuda()
+    b = torch.from_numpy(back).to(device)
     got_k = [c[b].clone() for c in pool.k_cache]  # NOTE: no synchronize: the main stream waits for the load
     got_v = [c[b].clone() for c in pool.v_cache]
     for i in range(layers):

@@ -98,7 +98,8 @@ class EngineCore:
         from lmserver.engine.lowlat_hook import LowlatHook
 
         self.lowlat = LowlatHook.start(rc.lowlat_plugins, self.model_config, rc.dtype, rc.device, rc.tp_size,
-                                       self.context_length)
+                                       self.context_length, quantization=rc.quantization,
+                                       kv_cache_dtype=rc.kv_cache_dtype)
         self.model = load_model(
             self.model_config,
             model_path,
