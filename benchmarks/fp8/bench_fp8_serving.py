@@ -11,7 +11,9 @@ with `--load-format dummy`), each measured the same way:
 - KV capacity: the resolved `max_total_tokens` of `/get_server_info` (tokens the KV pool holds).
 
 Settings: `bf16` (the model dtype everywhere), `fp8` (`--quantization fp8 --kv-cache-dtype
-fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (FP8 weights only).
+fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (FP8 weights only);
+`bf16+plugin` / `fp8+plugin`: the same with `--lowlat-plugins auto` (the nvidia plugin's decode steps,
+counted from `/get_server_info`).
 
     python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
         --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
@@ -39,7 +41,24 @@ SETTINGS = {
     "bf16": [],
     "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
     "fp8-weights": ["--quantization", "fp8"],
+    "bf16+plugin": ["--lowlat-plugins", "auto"],
+    "fp8+plugin": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto"],
 }
+
+
+def find_stats(obj: Any, prefix: str) -> dict[str, Any]:
+    """Every `prefix*` key anywhere in a JSON object (the core's stats inside `/get_server_info`)."""
+    found: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(key, str) and key.startswith(prefix):
+                found[key] = value
+            else:
+                found.update(find_stats(value, prefix))
+    elif isinstance(obj, list):
+        for value in obj:
+            found.update(find_stats(value, prefix))
+    return found
 
 
 def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int) -> float:
@@ -76,8 +95,9 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {name:12s} c={c:<3d} {out['decode'][c]:8.1f} tok/s per user", flush=True)
         out["prefill_tok_s"] = round(prefill_rate(srv.base_url, args.prefill_requests, args.prefill_len, args.vocab,
                                                   11), 0)
+        out["lowlat"] = find_stats(httpx.get(srv.base_url + "/get_server_info", timeout=60).json(), "lowlat_")
         print(f"  {name:12s} prefill {args.prefill_len} tokens: {out['prefill_tok_s']:.0f} tok/s; KV capacity "
-              f"{out['kv_tokens']} tokens; start {out['start_s']} s", flush=True)
+              f"{out['kv_tokens']} tokens; start {out['start_s']} s; {out['lowlat'] or 'no plugin'}", flush=True)
     finally:
         srv.stop()
     return out

@@ -8,7 +8,11 @@ every candidate kernel configuration (``dot`` and ``rows``), next to cuBLAS
 first. Prints microseconds per launch, GB/s, the best candidate per stage and batch, the sum of
 the stages against the bandwidth floor, and the ``lowlat.kernels.tuning.TABLES`` entry to paste.
 
-    python benchmarks/lowlat/bench_gemv.py [--batches 1,8] [--budget-s 300] [--json out.json]
+    python benchmarks/lowlat/bench_gemv.py [--batches 1,8] [--budget-s 300] [--json out.json] [--fp8]
+
+``--fp8``: the layers' projections in FP8 e4m3 with per-row scales (``lowlat.quantize_layer_fp8``), checked against
+the dequantized weights; cuBLAS then runs on bf16 copies of the dequantized weights (the bf16 path's time), and the
+entries printed are for ``lowlat.kernels.tuning.FP8_TABLES``.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_layer import SHAPES, gpu_layer, time_graph  # noqa: E402
 
-from lowlat import KVCache, LayerShape  # noqa: E402
+from lowlat import KVCache, LayerShape, quantize_layer_fp8  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
 from lowlat.kernels.tuning import shape_key  # noqa: E402
+from lowlat.layer import dequantized  # noqa: E402
 from lowlat.reference import apply_rope, decode_attention, rms_norm  # noqa: E402
 from lowlat.testing import decode_meta  # noqa: E402
 
@@ -82,6 +87,7 @@ def main() -> None:
                     help="time only these GEMV configs instead of the sweep: comma list of [stage=]variant:block_n:"
                          "block_k:warps:stages (qkv: block_n = rotary pairs), e.g. qkv=rows:4:1024:8:2,dot:32:256:4:3")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
+    ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 projections with per-row scales")
     args = ap.parse_args()
     t0 = time.time()
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape]
@@ -104,7 +110,11 @@ def main() -> None:
             return list(first.values())
     torch.manual_seed(0)
     weights = [gpu_layer(shape, bf16, dev) for _ in range(args.layers)]
-    base = replace(ops.LaunchConfig.for_device(dev, shape, use_pdl=True), tuned=())
+    if args.fp8:
+        weights = [quantize_layer_fp8(w) for w in weights]
+    dense = {name: dequantized(getattr(weights[0], name), getattr(weights[0], f"{name}_scale"), bf16)
+             for name in ("qkv", "o_proj", "gate_up", "down")}  # cuBLAS's bf16 matrices (layer 0's, reused)
+    base = replace(ops.LaunchConfig.for_device(dev, shape, use_pdl=True, fp8=args.fp8), tuned=())
     gpu_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device={gpu_name} sms={base.num_sms} pdl={base.use_pdl}", flush=True)
     c = args.context
@@ -129,8 +139,9 @@ def main() -> None:
         max_splits = 16
         part_o = torch.empty(b, shape.num_heads, max_splits, shape.head_dim, device=dev, dtype=torch.float32)
         part_lse = torch.empty(b, shape.num_heads, max_splits, device=dev, dtype=torch.float32)
-        wb = {"qkv": weights[0].qkv.numel() * 2, "o_proj": weights[0].o_proj.numel() * 2,
-              "gate_up": weights[0].gate_up.numel() * 2, "down": weights[0].down.numel() * 2,
+        el = weights[0].qkv.element_size()
+        wb = {"qkv": weights[0].qkv.numel() * el, "o_proj": weights[0].o_proj.numel() * el,
+              "gate_up": weights[0].gate_up.numel() * el, "down": weights[0].down.numel() * el,
               "attention": b * c * shape.num_kv_heads * shape.head_dim * 2 * 2}
 
         def run_stage(stage: str, lc: ops.LaunchConfig, i: int, splits: int = 0) -> torch.Tensor:
@@ -144,26 +155,26 @@ def main() -> None:
                 ops.attention(attn_in, kvs[i], meta, part_o, part_lse, attn_out, shape, lc, splits)
                 return attn_out
             if stage == "o_proj":
-                ops.gemv_residual(attn_in, w.o_proj, x, out_h, lc, stage="o_proj")
+                ops.gemv_residual(attn_in, w.o_proj, x, out_h, lc, stage="o_proj", scale=w.o_proj_scale)
                 return out_h
             if stage == "gate_up":
-                ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc)
+                ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc, scale=w.gate_up_scale)
                 return act
-            ops.gemv_residual(act_in, w.down, x, out_h, lc, stage="down")
+            ops.gemv_residual(act_in, w.down, x, out_h, lc, stage="down", scale=w.down_scale)
             return out_h
 
         def reference(stage: str) -> torch.Tensor | None:
             w = weights[0]
             if stage == "o_proj":
-                return x.float() + attn_in.float() @ w.o_proj.float().T
+                return x.float() + attn_in.float() @ dense["o_proj"].float().T
             if stage == "down":
-                return x.float() + act_in.float() @ w.down.float().T
+                return x.float() + act_in.float() @ dense["down"].float().T
             if stage == "gate_up":
-                g, u = (rms_norm(x.float(), w.post_norm.float(), shape.rms_eps) @ w.gate_up.float().T).split(
+                g, u = (rms_norm(x.float(), w.post_norm.float(), shape.rms_eps) @ dense["gate_up"].float().T).split(
                     shape.intermediate_size, -1)
                 return torch.nn.functional.silu(g) * u
             if stage == "qkv":  # q only (the K/V cache writes: the kernel tests and bench_layer)
-                rq = (rms_norm(x.float(), w.input_norm.float(), shape.rms_eps) @ w.qkv.float().T)[:, :shape.q_size]
+                rq = (rms_norm(x.float(), w.input_norm.float(), shape.rms_eps) @ dense["qkv"].float().T)[:, :shape.q_size]
                 return apply_rope(rq.view(b, shape.num_heads, -1), meta.positions, w.rope_inv_freq).reshape(b, -1)
             if stage == "attention":
                 return decode_attention(attn_in.float().view(b, shape.num_heads, -1), KVCache(kvs[0].k.float(), kvs[0].v.float()),
@@ -171,9 +182,9 @@ def main() -> None:
             return None
 
         def cublas(stage: str, i: int) -> None:
-            w = weights[i]
-            a, wt, o = {"qkv": (x, w.qkv, qkv_out), "o_proj": (attn_in, w.o_proj, out_h),
-                        "gate_up": (x, w.gate_up, gu_out), "down": (act_in, w.down, out_h)}[stage]
+            w = dense if args.fp8 else vars(weights[i])  # NOTE: FP8: layer 0's bf16 matrices for every layer (L2-warm)
+            a, wt, o = {"qkv": (x, w["qkv"], qkv_out), "o_proj": (attn_in, w["o_proj"], out_h),
+                        "gate_up": (x, w["gate_up"], gu_out), "down": (act_in, w["down"], out_h)}[stage]
             torch.mm(a, wt.t(), out=o)
 
         def timed(fn: Any) -> float:
@@ -230,9 +241,9 @@ def main() -> None:
             tables.append((stage, b, cfg))
     for b in sorted({b for _, b in best}):
         tot = sum(us for (s, bb), (us, _) in best.items() if bb == b)
-        floor = (shape.weight_bytes(2) + b * c * shape.num_kv_heads * shape.head_dim * 4) / (args.bandwidth_tbs * 1e6)
+        floor = (shape.weight_bytes(weights[0].qkv.element_size()) + b * c * shape.num_kv_heads * shape.head_dim * 4) / (args.bandwidth_tbs * 1e6)
         print(f"b={b}: sum of best stages {tot:.1f} us per layer (floor {floor:.1f}: {floor / tot:.0%} of the bandwidth)")
-    print("\nTABLES entry:")
+    print("\nFP8_TABLES entry:" if args.fp8 else "\nTABLES entry:")
     print(f"    ({gpu_name!r}, {shape_key(shape)}): (")
     for stage, b, cfg in tables:
         programs = f", {cfg.programs}" if cfg.programs else ""

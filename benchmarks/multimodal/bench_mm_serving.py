@@ -122,7 +122,10 @@ def optimal_hit_tokens(keys: list[list[int]]) -> int:
 
 async def run_reuse(base_url: str, reqs: list[tuple[int, int, dict[str, Any]]], concurrency: int) -> dict[str, Any]:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+    # NOTE: httpx's default pool opens at most 100 connections: at 120 clients the last 20 requests
+    # waited for the first ones to finish instead of arriving with the rest
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         async def one(body: dict[str, Any]) -> Done:
             async with sem:
                 return await generate(client, body)
@@ -146,8 +149,10 @@ def start_server(model_path: str, server_args: str, extra: list[str]) -> Any:
     return srv
 
 
-def vision_tower_ms(model_path: str, dtype: str, image: bytes, device: str, repeats: int = 20) -> float:
-    """Median time of one image through our model's encoder (tower + projector), synchronized."""
+def vision_tower_ms(model_path: str, dtype: str, image: bytes, device: str, repeats: int = 20,
+                    graphs: bool = False) -> float:
+    """Median time of one image through our model's encoder (tower + projector), synchronized;
+    `graphs`: replayed from the CUDA graphs the server captures (engine/encoder_graph.py)."""
     import torch
 
     from lmserver.model_loader import DTYPES, load_model, read_model_config
@@ -159,6 +164,11 @@ def vision_tower_ms(model_path: str, dtype: str, image: bytes, device: str, repe
     proc = ImageProcessor.from_model_folder(model_path)
     assert proc is not None
     pixels = torch.from_numpy(proc.process_image(image).pixel_values).to(device, DTYPES[dtype])
+    if graphs:
+        from lmserver.engine.multimodal import MultimodalInputs
+
+        if not MultimodalInputs(model, torch.device(device), DTYPES[dtype], 0).capture_encoder_graphs():
+            raise RuntimeError("no encoder graphs on this device / model")
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 3):
@@ -215,8 +225,12 @@ def main() -> None:
     images = [make_jpeg(i) for i in range(24)]
     result: dict[str, Any] = {"vision_tower_ms": vision_tower_ms(args.model_path, args.dtype, images[0], args.device),
                               "preprocess_ms": preprocess_ms(args.model_path, images[0])}
-    print(f"vision tower + projector, one image: {result['vision_tower_ms']:.2f} ms; preprocessing (this host's "
-          f"CPU, one thread): {result['preprocess_ms']:.2f} ms", flush=True)
+    if args.device == "cuda":
+        result["vision_tower_graph_ms"] = vision_tower_ms(args.model_path, args.dtype, images[0], args.device,
+                                                          graphs=True)
+    print(f"vision tower + projector, one image: {result['vision_tower_ms']:.2f} ms eager, "
+          f"{result.get('vision_tower_graph_ms', float('nan')):.2f} ms from CUDA graphs (as the server runs it); "
+          f"preprocessing (this host's CPU, one thread): {result['preprocess_ms']:.2f} ms", flush=True)
 
     srv = start_server(args.model_path, args.server_args, [])
     try:
@@ -233,10 +247,13 @@ def main() -> None:
         text_runs = asyncio.run(sequential(srv.base_url, texts))[2:]
         ttft_img = statistics.median(d.ttft_s for d in img_runs) * 1e3
         ttft_text = statistics.median(d.ttft_s for d in text_runs) * 1e3
+        tower = result.get("vision_tower_graph_ms", result["vision_tower_ms"])
         result["ttft"] = {"prompt_tokens": n_prompt, "image_ms": ttft_img, "text_ms": ttft_text,
-                          "ratio_to_tower_plus_text": ttft_img / (result["vision_tower_ms"] + ttft_text)}
+                          "ratio_to_tower_plus_text": ttft_img / (tower + ttft_text),
+                          "ratio_to_eager_tower_plus_text": ttft_img / (result["vision_tower_ms"] + ttft_text)}
         print(f"TTFT ({n_prompt} tokens): one image {ttft_img:.1f} ms, text-only {ttft_text:.1f} ms, "
-              f"image / (tower + text) = {result['ttft']['ratio_to_tower_plus_text']:.3f} (target <= 1.10)", flush=True)
+              f"image / (tower + text) = {result['ttft']['ratio_to_tower_plus_text']:.3f} with the graphed tower, "
+              f"{result['ttft']['ratio_to_eager_tower_plus_text']:.3f} with the eager one (target <= 1.10)", flush=True)
 
         # 3. decode at batch 1: an image in the context vs text-only of the same length
         gen = {"max_new_tokens": args.decode_tokens, "temperature": 0.0, "ignore_eos": True}

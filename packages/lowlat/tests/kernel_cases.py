@@ -322,7 +322,7 @@ def test_interpret_greedy_tokens_identical_over_n_steps(plugin: str, num_layers:
 def _to(w):  # type: ignore[no-untyped-def]
     from dataclasses import fields, replace
 
-    return replace(w, **{f.name: getattr(w, f.name).to(DEVICE) for f in fields(w)})
+    return replace(w, **{f.name: getattr(w, f.name).to(DEVICE) for f in fields(w) if getattr(w, f.name) is not None})
 
 
 def test_interpret_persistent_spin_is_bounded_and_flags_an_error() -> None:

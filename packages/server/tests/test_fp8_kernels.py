@@ -76,16 +76,16 @@ def test_per_token_quantizer_matches_reference(device: str) -> None:
     q, scale = quantize_fp8_per_token(x)
     q_ref, scale_ref = reference(x)
     assert q.dtype == FP8_DTYPE and scale.shape == (rows, 1)
+    # NOTE: exact on both: the reference divides amax by 448 (a device tensor, not a Python float: CUDA torch turns
+    # `tensor / python_scalar` into a product with the rounded reciprocal, one ulp off the quotient for some rows,
+    # which failed this test on the H200 until 2026-12-02)
     assert torch.equal(scale, scale_ref)
     same = q.view(torch.uint8) == q_ref.view(torch.uint8)
     if device == "cuda":
-        # NOTE: not every byte: on the H200 a few values differ from torch's (Triton's float32 -> e4m3
-        # narrowing, seen 2026-12-02); each must be the neighbouring e4m3 value, same sign
-        codes = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
-        assert float(same.double().mean()) > 0.999 and int(codes.max()) <= 1
+        assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} bytes differ"
     else:
-        # NOTE: Triton's interpreter narrows to e4m3 without carrying a rounded-up mantissa into the
-        # exponent (124 -> 64, not 128): a few values differ there
+        # NOTE: Triton's interpreter narrows to e4m3 without carrying a rounded-up mantissa into the exponent
+        # (124 -> 64, not 128): a few values differ there
         assert float(same.double().mean()) > 0.97
 
 

@@ -75,14 +75,17 @@ def _decode_batch(device: torch.device, g: torch.Generator) -> tuple[ForwardBatc
     return batch, table
 
 
-def _pools(config: ModelConfig, device: torch.device, g: torch.Generator) -> tuple[KVPool, KVPool]:
+def _pools(config: ModelConfig, device: torch.device, g: torch.Generator, kv_fp8: bool = False) -> tuple[KVPool, KVPool]:
+    # FP8: per-layer K / V scales, powers of two (lmserver's store divides by the scale, lowlat multiplies by its
+    # reciprocal: the same values only when the reciprocal is exact)
+    fp8 = dict(kv_cache_dtype=torch.float8_e4m3fn, k_scales=[0.5, 0.25], v_scales=[0.25, 2.0]) if kv_fp8 else {}
     pools = tuple(KVPool(NUM_SLOTS, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                         torch.float32, device) for _ in range(2))
+                         torch.float32, device, **fp8) for _ in range(2))  # type: ignore[arg-type]
     for i in range(config.num_hidden_layers):  # random stale contents: the cached tokens of each request
         for cache in ("k_cache", "v_cache"):
             noise = torch.randn(NUM_SLOTS, config.num_key_value_heads, config.head_dim, generator=g).to(device)
             for pool in pools:
-                getattr(pool, cache)[i].copy_(noise)
+                getattr(pool, cache)[i].copy_(noise.to(pool.dtype))
     return pools  # type: ignore[return-value]
 
 
@@ -91,14 +94,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def compare_decode_step(num_experts: int, plugin: bool) -> None:
-    """One decode step: lmserver's model forward (torch_native attention) vs the adapted lowlat path."""
+def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> None:
+    """One decode step: lmserver's model forward (torch_native attention) vs the adapted lowlat path. ``fp8``: the
+    model's projections quantized online (``quantize_linears_``, per-channel scales) and an FP8 KV pool."""
     device = torch.device("cuda" if plugin and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
     config = _config(num_experts)
     model = _model(config, device)
+    if fp8:
+        from lmserver.models.quantization import quantize_linears_, use_fp8_path
+
+        quantize_linears_(model, None)
+        use_fp8_path(model, device)
     g = torch.Generator().manual_seed(7)
     batch, table = _decode_batch(device, g)
-    pool_ref, pool_ll = _pools(config, device, g)
+    pool_ref, pool_ll = _pools(config, device, g, kv_fp8=fp8)
     stale_k = [k.clone() for k in pool_ll.k_cache]
     backend = TorchNativeBackend(pool_ref, table)
     backend.plan(batch)
@@ -113,7 +122,8 @@ def compare_decode_step(num_experts: int, plugin: bool) -> None:
             from lowlat.plugins.nvidia import build
             from lowlat.testing import fake_setup
 
-            ctx = BuildContext(layers.shape, () if layers.moe else layers.weights, device, torch.float32, torch.float32,  # type: ignore[arg-type]
+            kv_dtype = pool_ll.dtype
+            ctx = BuildContext(layers.shape, () if layers.moe else layers.weights, device, torch.float32, kv_dtype,  # type: ignore[arg-type]
                                Coverage(max_tokens=4), LowlatConfig(), fake_setup(vendor=device.type, arch=config.architecture),
                                MAX_CONTEXT, moe=layers.moe, moe_weights=layers.weights if layers.moe else ())  # type: ignore[arg-type]
             built = build(ctx)
@@ -126,6 +136,8 @@ def compare_decode_step(num_experts: int, plugin: bool) -> None:
         # whole caches compared: the new tokens' slots written alike, every other slot untouched
         assert _rel(pool_ll.k_cache[i], pool_ref.k_cache[i]) < tol and _rel(pool_ll.v_cache[i], pool_ref.v_cache[i]) < tol
         assert not torch.equal(pool_ll.k_cache[i][batch.out_cache_loc], stale_k[i][batch.out_cache_loc])
+    if fp8:
+        assert layers.weights[0].fp8 and pool_ll.is_fp8  # type: ignore[union-attr]
 
 
 class _ReferenceBuilt:
@@ -158,6 +170,24 @@ def test_reference_path_matches_lmserver_forward(num_experts: int) -> None:
     compare_decode_step(num_experts, plugin=False)
 
 
+def test_reference_path_matches_lmserver_fp8_forward() -> None:
+    """FP8 weights (per-channel scales, views of the model's Fp8Linear buffers) and an FP8 KV pool with its scales."""
+    compare_decode_step(0, plugin=False, fp8=True)
+
+
+def test_adapter_refuses_fp8_block_scales_and_fp8_moe() -> None:
+    from lmserver.models.quantization import quantize_linears_
+
+    model = _model(_config(), torch.device("cpu"))
+    quantize_linears_(model, 32)  # one scale per (row, 32 columns): a block-scaled checkpoint's layout
+    with pytest.raises(LowlatAdapterError, match="one scale per output row"):
+        plugin_layers(model)
+    moe = _model(_config(4), torch.device("cpu"))
+    quantize_linears_(moe, None)
+    with pytest.raises(LowlatAdapterError, match="FP8 weights in a MoE model"):
+        plugin_layers(moe)
+
+
 def test_adapter_refuses_bias_qk_norm_and_extend() -> None:
     with pytest.raises(LowlatAdapterError, match="attention bias"):
         plugin_layers(_model(_config(attention_bias=True), torch.device("cpu")))
@@ -177,7 +207,7 @@ def _child(env_extra: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
     env.update(env_extra)
     code = (f"import runpy; f = runpy.run_path({str(Path(__file__))!r})['compare_decode_step']; "
-            "f(0, plugin=True); f(4, plugin=True); print('ok')")
+            "f(0, plugin=True); f(4, plugin=True); f(0, plugin=True, fp8=True); print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -190,3 +220,29 @@ def test_plugin_path_matches_lmserver_forward_under_the_interpreter() -> None:
 def test_plugin_path_matches_lmserver_forward_on_the_gpu() -> None:
     _child({})
 
+
+
+@pytest.mark.parametrize(("quantization", "kv", "hf_extra"), [
+    ("fp8", "fp8_e4m3", {}), (None, "auto", {"quantization_config": {"quant_method": "fp8"}}), (None, "auto", {})])
+def test_hook_puts_fp8_weights_and_kv_into_the_setup(quantization: str | None, kv: str,
+                                                     hf_extra: dict[str, object]) -> None:
+    """`--quantization fp8` or an FP8 checkpoint: the FP8_WEIGHTS feature (the amd plugin is refused for it, with the
+    reason in explain()); `--kv-cache-dtype fp8_e4m3`: the set-up's KV dtype, and the plugin's KV slots counted in
+    FP8 bytes."""
+    from lmserver.engine.lowlat_hook import LowlatHook
+    from lowlat import FP8_WEIGHTS, Registry
+    from lowlat.plugins.amd import spec as amd_spec
+    from lowlat.plugins.nvidia import spec as nvidia_spec
+
+    config = _config(hf_config={"model_type": "llama", **hf_extra})
+    hook = LowlatHook.start("auto", config, "bfloat16", "cpu", 1, MAX_CONTEXT, quantization=quantization,
+                            kv_cache_dtype=kv, registry=Registry([nvidia_spec, amd_spec]))
+    assert hook is not None and hook.session.setup is not None
+    fp8_weights = quantization == "fp8" or bool(hf_extra)
+    assert (FP8_WEIGHTS in hook.session.setup.features) == fp8_weights
+    assert hook.session.setup.kv_dtype == ("fp8_e4m3" if kv == "fp8_e4m3" else "bfloat16")
+    text = hook.explain()
+    assert (f"cannot run with server feature '{FP8_WEIGHTS}'" in text) == fp8_weights
+    per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim  # bytes of one FP8 slot
+    tokens = hook.kv_tokens(1000, 10 * per_slot, config, torch.bfloat16)
+    assert tokens == (990 if kv == "fp8_e4m3" else 995)

@@ -23,17 +23,27 @@ from lowlat.errors import (
 from lowlat.explain import explain, format_report, report
 from lowlat.graphs import ORIGINAL, PLUGIN, PathRecorder
 from lowlat.guards import detect_setup, requirement_failures, spec_failures
-from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights, rope_inv_freq
+from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights, quantize_layer_fp8, rope_inv_freq
 from lowlat.moe import MoELayerWeights, MoEShape, reference_moe_decoder_layer
 from lowlat.reference import reference_decoder_layer
 from lowlat.registry import ENTRY_POINT_GROUP, Registry, current_registry, register, use_registry
 from lowlat.session import Report, Session, Stage, Verdict
-from lowlat.spec import Coverage, NotCovered, PluginSpec, Requirements, ServerSetup, Step, StepKind
+from lowlat.spec import (
+    FP8_WEIGHTS,
+    Coverage,
+    NotCovered,
+    PluginSpec,
+    Requirements,
+    ServerSetup,
+    Step,
+    StepKind,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "FP8_WEIGHTS",
     "ORIGINAL",
     "PLUGIN",
     "Agreement",
@@ -81,6 +91,7 @@ __all__ = [
     "register",
     "report",
     "requirement_failures",
+    "quantize_layer_fp8",
     "rope_inv_freq",
     "spec_failures",
     "use_registry",

@@ -1,8 +1,14 @@
-"""Data types of a Llama-style decoder layer: shapes, weights, KV cache and per-step metadata."""
+"""Data types of a Llama-style decoder layer: shapes, weights, KV cache and per-step metadata.
+
+FP8 (e4m3): a projection may hold ``float8_e4m3fn`` weights with one float32 scale per output row
+(``W = weight * scale[:, None]``; per-tensor scales are the same value in every row); a ``KVCache`` may hold
+``float8_e4m3fn`` K / V with one scale each (the cache stores ``k * (1 / k_scale)`` saturated at +-448, readers
+multiply back). ``quantize_layer_fp8`` makes such a layer from a dense one.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,9 +69,20 @@ class LayerWeights:
     gate_up: torch.Tensor  # (2 * intermediate, hidden): gate rows, then up rows
     down: torch.Tensor  # (hidden, intermediate)
     rope_inv_freq: torch.Tensor  # (head_dim // 2,) float32
+    # FP8 weights: (out_features,) float32 per-row scales of qkv, o_proj, gate_up, down (all four or none)
+    qkv_scale: torch.Tensor | None = None
+    o_proj_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the four projections hold FP8 (e4m3) weights with per-row scales."""
+        return self.qkv.dtype == FP8_DTYPE
 
     def validate(self, shape: LayerShape) -> None:
-        """Raise ``ShapeError`` when a tensor does not match ``shape``. Reads only."""
+        """Raise ``ShapeError`` when a tensor does not match ``shape`` (FP8: every projection FP8 with its
+        (out_features,) float32 scales). Reads only."""
         h, i = shape.hidden_size, shape.intermediate_size
         expect = {
             "input_norm": (h,),
@@ -80,14 +97,63 @@ class LayerWeights:
             got = tuple(getattr(self, name).shape)
             if got != want:
                 raise ShapeError(f"LayerWeights.{name} has shape {got}, expected {want}")
+        for name in PROJECTIONS:
+            w, scale = getattr(self, name), getattr(self, f"{name}_scale")
+            if (w.dtype == FP8_DTYPE) != self.fp8:
+                raise ShapeError(f"LayerWeights.{name} is {w.dtype}: FP8 weights need all four projections in FP8")
+            if not self.fp8:
+                if scale is not None:
+                    raise ShapeError(f"LayerWeights.{name}_scale is for FP8 weights, {name} is {w.dtype}")
+                continue
+            if scale is None or tuple(scale.shape) != (w.shape[0],) or scale.dtype != torch.float32:
+                found = None if scale is None else (scale.dtype, tuple(scale.shape))
+                raise ShapeError(f"LayerWeights.{name}_scale must be float32 ({w.shape[0]},) per-row scales of the "
+                                 f"FP8 weight, got {found}")
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (float8_e4m3fn (N, K), float32 (N,) scales): each row's absolute maximum / 448, the row
+    divided by it and saturated (round to nearest even, as torch converts). Pure."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+    return (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous(), scale.contiguous()
+
+
+def quantize_layer_fp8(weights: LayerWeights) -> LayerWeights:
+    """``weights`` with its four projections quantized to FP8 per output row (norms, rotary table kept). Pure."""
+    fields: dict[str, torch.Tensor] = {}
+    for name in PROJECTIONS:
+        fields[name], fields[f"{name}_scale"] = quantize_rows_fp8(getattr(weights, name))
+    return replace(weights, **fields)
+
+
+def dequantized(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A projection's (N, K) weight in ``dtype``: FP8 times its row scales (computed in float32, float64 for a
+    float64 ``dtype``), else ``w`` as it is. Pure."""
+    if scale is None:
+        return w
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return (w.to(compute) * scale.to(compute)[:, None]).to(dtype)
 
 
 @dataclass(frozen=True)
 class KVCache:
-    """One layer's paged KV cache, one slot per token."""
+    """One layer's paged KV cache, one slot per token. FP8 caches (``float8_e4m3fn``) hold ``k * (1 / k_scale)``
+    and ``v * (1 / v_scale)`` saturated at +-448; other dtypes ignore the scales."""
 
     k: torch.Tensor  # (num_slots, num_kv_heads, head_dim)
     v: torch.Tensor  # (num_slots, num_kv_heads, head_dim)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def fp8(self) -> bool:
+        return self.k.dtype == FP8_DTYPE
 
 
 @dataclass(frozen=True)

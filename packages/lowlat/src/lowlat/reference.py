@@ -3,7 +3,9 @@
 Llama-style: RMSNorm, fused QKV, rotary embedding (rotate-half), paged KV write through a
 ``req_to_token`` table, grouped-query attention, o_proj + residual, RMSNorm, gate-up with
 SiLU(gate) * up, down + residual. Matrix products run in the weights' dtype (as a torch model
-runner would); norms, rotary embedding and softmax run in float32.
+runner would); norms, rotary embedding and softmax run in float32. FP8 weights (``LayerWeights.fp8``) are
+dequantized with their row scales and multiplied in float32; an FP8 KV cache stores ``k * (1 / k_scale)``
+saturated at +-448 (``quantize_kv``) and is read back times its scale.
 
 Usable by any torch model runner: ``reference_decoder_layer`` takes the residual stream of the
 step's tokens and returns the next one; it writes the new tokens' K and V into the cache.
@@ -23,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
+from lowlat.layer import FP8_MAX, ForwardMeta, KVCache, LayerShape, LayerWeights, dequantized
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,11 +44,35 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` in ``w``'s dtype; FP8 ``w`` (``scale`` its rows' scales): dequantized, in float32 (float64 for a
+    float64 ``x``). Returns x's dtype. Pure."""
+    if scale is None:
+        return F.linear(x, w)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return F.linear(x.to(compute), dequantized(w, scale, compute)).to(x.dtype)
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """K or V values as a cache of ``dtype`` stores them: FP8 ``x * (1 / scale)`` in float32 (the reciprocal rounded
+    to float32 once, as the kernels take it), saturated at +-448, rounded to nearest even; others ``x`` cast. Pure."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache rows -> float32 values (FP8: times ``scale``). Pure."""
+    return x.float() * scale if x.dtype == torch.float8_e4m3fn else x.float()
+
+
 def write_kv(kv: KVCache, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-    """Store ``k``, ``v`` (tokens, kv_heads, head_dim) at slots ``out_cache_loc``; mutates ``kv``."""
+    """Store ``k``, ``v`` (tokens, kv_heads, head_dim) at slots ``out_cache_loc`` (quantized for an FP8 cache);
+    mutates ``kv``."""
     loc = out_cache_loc.long()
-    kv.k[loc] = k.to(kv.k.dtype)
-    kv.v[loc] = v.to(kv.v.dtype)
+    kv.k[loc] = quantize_kv(k, kv.k_scale, kv.k.dtype)
+    kv.v[loc] = quantize_kv(v, kv.v_scale, kv.v.dtype)
 
 
 def decode_attention(q: torch.Tensor, kv: KVCache, meta: ForwardMeta, scale: float) -> torch.Tensor:
@@ -60,8 +86,8 @@ def decode_attention(q: torch.Tensor, kv: KVCache, meta: ForwardMeta, scale: flo
     group = num_heads // num_kv_heads
     max_len = meta.max_seq_len or meta.req_to_token.shape[1]
     slots = meta.req_to_token[meta.req_pool_indices.long(), :max_len].long()  # (batch, max_len)
-    keys = kv.k[slots].float()  # (batch, max_len, kv_heads, head_dim)
-    values = kv.v[slots].float()
+    keys = dequantize_kv(kv.k[slots], kv.k_scale)  # (batch, max_len, kv_heads, head_dim)
+    values = dequantize_kv(kv.v[slots], kv.v_scale)
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bshd->bhgs", qg, keys) * scale  # (batch, kv_heads, group, max_len)
     valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:, None]
@@ -83,8 +109,8 @@ def extend_attention(q: torch.Tensor, kv: KVCache, meta: ForwardMeta, scale: flo
     start = 0
     for r, (n_new, seq_len) in enumerate(zip(meta.extend_lens.tolist(), meta.seq_lens.tolist(), strict=True)):
         slots = meta.req_to_token[int(meta.req_pool_indices[r]), :seq_len].long()
-        keys = kv.k[slots].float().repeat_interleave(group, dim=1)  # (seq_len, heads, head_dim)
-        values = kv.v[slots].float().repeat_interleave(group, dim=1)
+        keys = dequantize_kv(kv.k[slots], kv.k_scale).repeat_interleave(group, dim=1)  # (seq_len, heads, head_dim)
+        values = dequantize_kv(kv.v[slots], kv.v_scale).repeat_interleave(group, dim=1)
         qr = q[start : start + n_new].float()
         scores = torch.einsum("thd,shd->hts", qr, keys) * scale
         q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device)[:, None]
@@ -123,7 +149,7 @@ def attention_block(
     """
     n = x.shape[0]
     h = rms_norm(x, weights.input_norm, shape.rms_eps)
-    qkv = F.linear(h, weights.qkv)
+    qkv = linear(h, weights.qkv, getattr(weights, "qkv_scale", None))
     q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
     q = apply_rope(q.view(n, shape.num_heads, shape.head_dim), meta.positions, weights.rope_inv_freq)
     k = apply_rope(k.view(n, shape.num_kv_heads, shape.head_dim), meta.positions, weights.rope_inv_freq)
@@ -134,7 +160,7 @@ def attention_block(
         attn = decode_attention(q, kv, meta, scale)
     else:
         attn = extend_attention(q, kv, meta, scale)
-    out = F.linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj)
+    out = linear(attn.to(x.dtype).reshape(n, shape.q_size), weights.o_proj, getattr(weights, "o_proj_scale", None))
     if all_reduce is not None:
         out = all_reduce(out)
     return (x.float() + out.float()).to(x.dtype)
@@ -155,9 +181,9 @@ def reference_decoder_layer(
     """
     x1 = attention_block(x, weights, kv, meta, shape, all_reduce)
     h2 = rms_norm(x1, weights.post_norm, shape.rms_eps)
-    gate, up = F.linear(h2, weights.gate_up).split(shape.intermediate_size, dim=-1)
+    gate, up = linear(h2, weights.gate_up, weights.gate_up_scale).split(shape.intermediate_size, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(x.dtype)
-    out = F.linear(act, weights.down)
+    out = linear(act, weights.down, weights.down_scale)
     if all_reduce is not None:
         out = all_reduce(out)
     return (x1.float() + out.float()).to(x.dtype)

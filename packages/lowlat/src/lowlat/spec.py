@@ -74,6 +74,11 @@ class Requirements:
     max_context: int | None = None
 
 
+# Server feature: the model's linear weights are FP8 (e4m3) with scales (a checkpoint's or online quantization);
+# a plugin that cannot read them lists it in ``forbidden_features``, so the guard says so before any weight loads.
+FP8_WEIGHTS = "fp8_weights"
+
+
 @dataclass(frozen=True)
 class Coverage:
     """Which steps a plugin's forward serves; every other step runs the original forward.

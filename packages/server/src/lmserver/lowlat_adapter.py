@@ -7,6 +7,10 @@ engine's ``KVPool`` into per-layer ``lowlat.KVCache`` and a decode ``ForwardBatc
 ``lowlat.ForwardMeta``. ``decode_forward`` runs the model's decoder layers through a built
 plugin (the plugin path of a decode step); the model runner decides when to call it.
 
+FP8: ``Fp8Linear`` projections (an FP8 checkpoint or ``--quantization fp8``) are passed as their e4m3 weights
+with per-row scales (``LayerWeights.qkv_scale`` ...; a per-tensor scale is already one value per row); K-group
+(128 x 128 block) scales are refused with a reason. An FP8 KV pool is passed with each layer's K / V scales.
+
 Tensor parallelism: on a sharded model (``lmserver.distributed.shard``) the views are this rank's
 shards and the shape counts this rank's heads and intermediate features; the plugin gets the TP
 sum through ``BuildContext.all_reduce``. The embedding and final norm used by ``decode_forward``
@@ -68,6 +72,20 @@ def moe_shape(config: ModelConfig) -> MoEShape | None:
     return MoEShape(config.num_experts, config.num_experts_per_tok, config.intermediate_size)
 
 
+def _projection(module: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, per-row scale or None) of a linear layer in lowlat's layout; raises ``LowlatAdapterError`` for FP8
+    scales per K group. Reads only."""
+    from lmserver.layers.fp8_linear import Fp8Linear
+
+    if not isinstance(module, Fp8Linear):
+        return module.weight.data, None
+    if module.weight_scale.shape[1] != 1:
+        raise LowlatAdapterError(
+            f"{name}: FP8 weights with scales per {module.group_k}-column group (block-scaled checkpoint); lowlat "
+            "kernels read one scale per output row: serve it without the plugin")
+    return module.weight.data, module.weight_scale.view(-1)
+
+
 def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
     """Views of every decoder layer's weights in lowlat's layout (no copies); reads only.
 
@@ -91,25 +109,35 @@ def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
     inv_freq = compute_inv_freq(config.head_dim, config.rope_parameters).to(device=device, dtype=torch.float32)
     moe = moe_shape(config)
     layers: list[Any] = []
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        common = dict(
+        qkv, qkv_scale = _projection(attn.qkv_proj, f"layer {i} qkv_proj")
+        o_proj, o_proj_scale = _projection(attn.o_proj, f"layer {i} o_proj")
+        common: dict[str, Any] = dict(
             input_norm=layer.input_layernorm.weight.data,
-            qkv=attn.qkv_proj.weight.data,
-            o_proj=attn.o_proj.weight.data,
+            qkv=qkv,
+            o_proj=o_proj,
             post_norm=layer.post_attention_layernorm.weight.data,
             rope_inv_freq=inv_freq,
         )
         if moe is None:
-            layers.append(LayerWeights(gate_up=mlp.gate_up_proj.weight.data, down=mlp.down_proj.weight.data, **common))
+            gate_up, gate_up_scale = _projection(mlp.gate_up_proj, f"layer {i} gate_up_proj")
+            down, down_scale = _projection(mlp.down_proj, f"layer {i} down_proj")
+            layers.append(LayerWeights(gate_up=gate_up, down=down, qkv_scale=qkv_scale, o_proj_scale=o_proj_scale,
+                                       gate_up_scale=gate_up_scale, down_scale=down_scale, **common))
+        elif qkv_scale is not None:
+            raise LowlatAdapterError(f"{config.architecture}: FP8 weights in a MoE model: the plugin's MoE stack reads "
+                                     "model-dtype weights; serve it without the plugin")
         else:
             layers.append(MoELayerWeights(router=mlp.gate.weight.data, w13=mlp.w13.data, w2=mlp.w2.data, **common))
     return PluginLayers(layer_shape(config, tp_size), tuple(layers), moe)
 
 
 def kv_caches(pool: KVPool) -> list[KVCache]:
-    """Per-layer views of the engine's KV pool (same storage: plugin writes land in the pool)."""
-    return [KVCache(k, v) for k, v in zip(pool.k_cache, pool.v_cache, strict=True)]
+    """Per-layer views of the engine's KV pool (same storage: plugin writes land in the pool), with each layer's
+    K / V scales (used by an FP8 pool)."""
+    return [KVCache(k, v, ks, vs)
+            for k, v, ks, vs in zip(pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, strict=True)]
 
 
 def forward_meta(batch: ForwardBatch, req_to_token: torch.Tensor, max_seq_len: int = 0) -> ForwardMeta:

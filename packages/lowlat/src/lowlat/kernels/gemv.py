@@ -9,7 +9,8 @@ the two is faster per shape and batch is measured (``benchmarks/lowlat/bench_gem
 recorded in ``lowlat.kernels.tuning``. The qkv (RMSNorm + QKV + RoPE + KV write) and gate-up
 (RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight scales each activation
 row, its sum of squares is accumulated in the main loop (no pass over x after the PDL wait), and ``1 / rms``
-is applied to the sums.
+is applied to the sums. FP8 (e4m3) weights (``HAS_SCALE``): each tile is widened to float32 in registers (the
+same code) and the finished sums are multiplied by each output row's scale (``layer.row_scales``).
 """
 
 from __future__ import annotations
@@ -17,35 +18,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _rope_factors, _rope_store
+from lowlat.kernels.layer import _rope_factors, _rope_store, row_scales
 
 
 @triton.jit
 def gemv_rows_residual_kernel(
-    a_ptr, w_ptr, res_ptr, out_ptr,
+    a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, USE_PDL, PDL_EARLY)
+            _gemv_rows_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
     else:
-        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY)
+        _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
 
 
 @triton.jit
 def _gemv_rows_residual_tile(
-    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    pid, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,6 +69,7 @@ def _gemv_rows_residual_tile(
         acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+    acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
 
 
@@ -102,13 +104,13 @@ def _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, k_mask, 
 
 @triton.jit
 def qkv_rope_rows_kernel(
-    x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
+    x_ptr, norm_w_ptr, w_ptr, s_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
     B, eps,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head), row-wise: weights (BLOCK_P, BLOCK_K)
     HALF: tl.constexpr = D // 2
@@ -140,38 +142,40 @@ def qkv_rope_rows_kernel(
         rstd = 1.0 / tl.sqrt(ss / H + eps)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, cos, sin, loc, q_ptr,
-                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
-                    NQ, NKV, D, BLOCK_M, BLOCK_P)
+        s1 = row_scales(s_ptr, r1, r1 >= 0, HAS_SCALE)
+        s2 = row_scales(s_ptr, r2, r2 >= 0, HAS_SCALE)
+        _rope_store(acc1 * rstd[:, None] * s1[None, :], acc2 * rstd[:, None] * s2[None, :], tile, cos, sin, loc, q_ptr,
+                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
+                    NQ, NKV, D, BLOCK_M, BLOCK_P, KV_FP8)
 
 
 @triton.jit
 def norm_gate_up_rows_kernel(
-    x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr,
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
-            _norm_gate_up_rows_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY)
+            _norm_gate_up_rows_tile(tile, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
     else:
-        _norm_gate_up_rows_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER,
-                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY)
+        _norm_gate_up_rows_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, B, eps, H, INTER,
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
 
 
 @triton.jit
 def _norm_gate_up_rows_tile(
-    pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    pid, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr,
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,7 +203,7 @@ def _norm_gate_up_rows_tile(
     rstd = 1.0 / tl.sqrt(ss / H + eps)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    g = g * rstd[:, None]
-    u = u * rstd[:, None]
+    g = g * rstd[:, None] * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
+    u = u * rstd[:, None] * row_scales(s_ptr, INTER + offs_n, n_mask, HAS_SCALE)[None, :]
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], act, mask=(offs_m[:, None] < B) & n_mask[None, :])

@@ -11,6 +11,10 @@ GQA group packed in one tile; (3) split merge (none with one split); (4) GEMV + 
 (5) RMSNorm + gate-up GEMV + SiLU(gate) * up.
 ``DOT_F32`` runs every dot in float32 at full precision (`input_precision="ieee"`, not TF32: float32 layers
 match the float32 reference on a GPU as on the interpreter; the interpreter's bf16 dot is not reliable).
+FP8 (e4m3) weights: ``HAS_SCALE`` kernels widen each weight tile in registers (``_dot``: to bf16 for the tensor
+cores, exact) and multiply the finished float32 sums by each output row's scale (``s_ptr``). FP8 KV caches
+(``KV_FP8``): the qkv epilogue stores ``k * inv_k_scale`` saturated and rounded to e4m3 (``e4m3_rne``), the
+attention multiplies the scores by ``k_scale`` (folded into ``scale``) and its output by ``v_scale``.
 The batch ``B`` of the three GEMV kernels is a ``tl.constexpr``: one compile per batch size (lmserver's decode graphs
 capture 1, 2, 4, 8, then multiples of 8; its warm-up compiles 1, 2, 4, 8), and a runtime ``B`` cost the 8B layer on the H200 12 us
 per gate-up launch from batch 2 (73.3 against 61.6 us at batch 4; batch 1 was already specialized by Triton,
@@ -29,7 +33,30 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
     cast to it) with float32 accumulation."""
     if DOT_F32:
         return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    if w.dtype.is_fp8():  # FP8 weights or KV: widened to bf16 (every e4m3 value is one), the other side too
+        return tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
     return tl.dot(a.to(w.dtype), w, acc)
+
+
+@triton.jit
+def e4m3_rne(y):
+    """``y`` (float32, within +-448) rounded to the nearest e4m3 value, ties to even, as float32: the narrowing store
+    after it is exact. The GPU's conversion rounds the same way; Triton's interpreter drops the carry of a rounded-up
+    mantissa (124 -> 64), so the rounding is done here, on the bits: 20 of float32's 23 mantissa bits dropped
+    (normal e4m3), or to a multiple of 2^-9 below 2^-6 (subnormal e4m3)."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
+    sub = (tl.abs(y) + 24576.0) - 24576.0  # 1.5 * 2^14: float32's step there is 2^-9
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign (-0 too)
+    return tl.where(tl.abs(y) < 0.015625, sub, normal)
+
+
+@triton.jit
+def row_scales(s_ptr, rows, mask, HAS_SCALE: tl.constexpr):
+    """Per-output-row FP8 weight scales of ``rows`` (float32), or 1.0 without ``HAS_SCALE``."""
+    if HAS_SCALE:
+        return tl.load(s_ptr + rows, mask=mask, other=0.0)
+    return tl.full(rows.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -48,13 +75,14 @@ def rms_rstd(x_ptr, B, eps, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.
 
 @triton.jit
 def qkv_rope_kernel(
-    x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
+    x_ptr, norm_w_ptr, w_ptr, s_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
     B: tl.constexpr, eps,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    HAS_SCALE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One tile = BLOCK_P rotary pairs (rows r1 and r1 + D/2) of one q, k or v head, for all rows.
     HALF: tl.constexpr = D // 2
@@ -94,9 +122,11 @@ def qkv_rope_kernel(
             acc2 = _dot(xn, w2, acc2, DOT_F32)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        _rope_store(acc1 * rstd[:, None], acc2 * rstd[:, None], tile, cos, sin, loc, q_ptr,
-                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
-                    NQ, NKV, D, BLOCK_M, BLOCK_P)
+        s1 = row_scales(s_ptr, r1, r1 >= 0, HAS_SCALE)
+        s2 = row_scales(s_ptr, r2, r2 >= 0, HAS_SCALE)
+        _rope_store(acc1 * rstd[:, None] * s1[None, :], acc2 * rstd[:, None] * s2[None, :], tile, cos, sin, loc, q_ptr,
+                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
+                    NQ, NKV, D, BLOCK_M, BLOCK_P, KV_FP8)
 
 
 @triton.jit
@@ -117,12 +147,14 @@ def _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D: tl.constexpr, BLOC
 @triton.jit
 def _rope_store(
     a, b, tile, cos, sin, loc, q_ptr, k_cache_ptr, v_cache_ptr,
-    B, stride_ks, stride_kh, stride_vs, stride_vh,
+    B, stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
     NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Epilogue of a qkv tile: ``a``, ``b`` (BLOCK_M, BLOCK_P) are the normalized projections of rows
     r1 and r1 + D/2 of one head; RoPE (``_rope_factors``) for q and k heads, then q to ``q_ptr``, k and v
-    to the cache at each row's slot ``loc``."""
+    to the cache at each row's slot ``loc`` (``KV_FP8``: times ``inv_k_scale`` / ``inv_v_scale``, saturated at
+    +-448 and rounded to e4m3)."""
     HALF: tl.constexpr = D // 2
     PB: tl.constexpr = HALF // BLOCK_P
     head = tile // PB
@@ -143,6 +175,10 @@ def _rope_store(
     qp = q_ptr + offs_m[:, None] * (NQ * D) + head * D + col[None, :]
     tl.store(qp, o1, mask=q_mask)
     tl.store(qp + HALF, o2, mask=q_mask)
+    if KV_FP8:
+        inv = tl.where(is_k, inv_k_scale, inv_v_scale)
+        o1 = e4m3_rne(tl.clamp(o1 * inv, -448.0, 448.0))
+        o2 = e4m3_rne(tl.clamp(o2 * inv, -448.0, 448.0))
     kh = head - NQ
     kp = k_cache_ptr + loc[:, None] * stride_ks + kh * stride_kh + col[None, :]
     tl.store(kp, o1, mask=k_mask_s)
@@ -184,12 +220,13 @@ def _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
-    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale,
+    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
 ):
-    # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile.
+    # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile. An FP8 cache: `scale`
+    # includes k_scale, the output is multiplied by v_scale (1.0 otherwise).
     # One split: the output goes straight to out_ptr (B, NQ * D), no partials and no merge launch.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -234,7 +271,7 @@ def decode_attention_kernel(
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
     else:
@@ -273,31 +310,31 @@ def merge_splits_kernel(
 
 @triton.jit
 def gemv_residual_kernel(
-    a_ptr, w_ptr, res_ptr, out_ptr,
+    a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
     B: tl.constexpr,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual)
+    # out[b, n] = res[b, n] + s[n] * sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual; s: FP8 scales)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _gemv_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                DOT_F32, USE_PDL, PDL_EARLY)
+            _gemv_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
     else:
-        _gemv_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                            BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
+        _gemv_residual_tile(tl.program_id(0), a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
+                            BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
 
 
 @triton.jit
 def _gemv_residual_tile(
-    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    pid, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
     B: tl.constexpr,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
@@ -322,36 +359,37 @@ def _gemv_residual_tile(
         acc = _dot(a, w, acc, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+    acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
 
 
 @triton.jit
 def norm_gate_up_kernel(
-    x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr,
     B: tl.constexpr, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
-            _norm_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M, BLOCK_N,
-                               BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
+            _norm_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, B, eps, H, INTER, BLOCK_M, BLOCK_N,
+                               BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
     else:
-        _norm_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
-                           BLOCK_N, BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY)
+        _norm_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
 
 
 @triton.jit
 def _norm_gate_up_tile(
-    pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    pid, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr,
     B: tl.constexpr, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
@@ -384,7 +422,7 @@ def _norm_gate_up_tile(
         u = _dot(xn, wu, u, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    g = g * rstd[:, None]
-    u = u * rstd[:, None]
+    g = g * rstd[:, None] * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
+    u = u * rstd[:, None] * row_scales(s_ptr, INTER + offs_n, n_mask, HAS_SCALE)[None, :]
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + offs_m[:, None] * INTER + offs_n[None, :], act, mask=m_mask[:, None] & n_mask[None, :])

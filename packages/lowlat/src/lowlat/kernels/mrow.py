@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _rope_factors, _rope_store
+from lowlat.kernels.layer import _rope_factors, _rope_store, row_scales
 
 
 @triton.jit
@@ -185,13 +185,14 @@ def _mrow_gate_up_tile(
 
 @triton.jit
 def mrow_qkv_rope_kernel(
-    x_ptr, norm_w_ptr, w_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
+    x_ptr, norm_w_ptr, w_ptr, s_ptr, inv_freq_ptr, pos_ptr, loc_ptr,  # inputs
     q_ptr, k_cache_ptr, v_cache_ptr,  # outputs
     eps,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
     B: tl.constexpr, H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    HAS_SCALE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head: weight rows r1 and r1 + D/2), weight-stationary
     HALF: tl.constexpr = D // 2
@@ -221,6 +222,8 @@ def mrow_qkv_rope_kernel(
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         rstd = 1.0 / tl.sqrt(ss / H + eps)
-        _rope_store(tl.trans(acc1) * rstd[:, None], tl.trans(acc2) * rstd[:, None], tile, cos, sin, loc, q_ptr,
-                    k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh, NQ, NKV, D, BLOCK_M,
-                    BLOCK_P)
+        s1 = row_scales(s_ptr, r1, always, HAS_SCALE)
+        s2 = row_scales(s_ptr, r2, always, HAS_SCALE)
+        _rope_store(tl.trans(acc1) * rstd[:, None] * s1[None, :], tl.trans(acc2) * rstd[:, None] * s2[None, :], tile,
+                    cos, sin, loc, q_ptr, k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
+                    inv_k_scale, inv_v_scale, NQ, NKV, D, BLOCK_M, BLOCK_P, KV_FP8)

@@ -99,14 +99,18 @@ class LaunchConfig:
     wins_up_to: int = 0
     # the most rows of a verify step it measured faster at (0: none; None: as wins_up_to)
     verify_wins_up_to: int | None = None
+    # FP8 (e4m3) weights: the stages run the dot / rows kernels (a ``mrow`` entry runs as ``dot`` with its blocks)
+    fp8: bool = False
 
     @classmethod
-    def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None) -> LaunchConfig:
+    def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
+                   fp8: bool = False) -> LaunchConfig:
         """GPU: tensor-core friendly blocks plus the measured per-stage table (``lowlat.kernels.tuning``)
-        of this GPU and shape (``moe``: the MoE stack's measured coverage); CPU (interpreter): small blocks that
-        divide the shape."""
+        of this GPU and shape (``moe``: the MoE stack's measured coverage; ``fp8``: FP8 weights, their own table);
+        CPU (interpreter): small blocks that divide the shape."""
         if device.type == "cpu":
             return cls(
+                fp8=fp8,
                 use_pdl=False,
                 gemv_block_n=min(16, next_pow2(shape.hidden_size)),
                 gemv_block_k=min(32, next_pow2(shape.hidden_size)),
@@ -124,7 +128,7 @@ class LaunchConfig:
 
         props = torch.cuda.get_device_properties(device)
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
-                   tuned=tuned_table(props.name, shape), pdl_release=tuned_pdl_release(props.name, shape),
+                   tuned=tuned_table(props.name, shape, fp8), pdl_release=tuned_pdl_release(props.name, shape), fp8=fp8,
                    attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe),
                    verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape))
 
@@ -152,6 +156,8 @@ class LaunchConfig:
         """The kernel and blocks of GEMV ``stage`` (one of ``GEMV_STAGES``) at ``batch`` rows."""
         for name, max_batch, cfg in self.tuned:
             if name == stage and batch <= max_batch:
+                if self.fp8 and cfg.multi_row:  # NOTE: the mrow kernels read model-dtype weights only
+                    return GemvConfig("dot", cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.programs)
                 return cfg
         block_n = self.qkv_block_p if stage == "qkv" else self.gemv_block_n
         return GemvConfig("dot", block_n, self.gemv_block_k, self.num_warps, self.num_stages)
@@ -193,17 +199,21 @@ def qkv_rope(
     x: torch.Tensor, w: AttentionWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
     grid_programs: int | None = None,
 ) -> None:
-    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc."""
+    """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc (FP8 weights:
+    ``w.qkv_scale``; an FP8 cache: quantized with ``kv``'s scales)."""
     b, dev = x.shape[0], x.device
+    scale: torch.Tensor | None = getattr(w, "qkv_scale", None)
     cfg = lc.gemv_config("qkv", b)
     block_p = cfg.block_n  # NOTE: divides head_dim / 2 (LaunchConfig.qkv_block_errors, checked at build)
     tiles = (shape.num_heads + 2 * shape.num_kv_heads) * (shape.head_dim // 2 // block_p)
     grid, _ = _grid(tiles, grid_programs or cfg.programs)  # NOTE: the qkv kernels always loop over tiles
     common = dict(B=b, eps=shape.rms_eps, stride_ks=kv.k.stride(0), stride_kh=kv.k.stride(1), stride_vs=kv.v.stride(0),
-                  stride_vh=kv.v.stride(1), H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
+                  stride_vh=kv.v.stride(1), inv_k_scale=1.0 / kv.k_scale, inv_v_scale=1.0 / kv.v_scale,
+                  HAS_SCALE=scale is not None, KV_FP8=kv.fp8, H=shape.hidden_size, NQ=shape.num_heads, NKV=shape.num_kv_heads,
                   D=shape.head_dim, BLOCK_P=block_p, BLOCK_K=min(cfg.block_k, next_pow2(shape.hidden_size)),
                   USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
-    args = (x, w.input_norm, w.qkv, w.rope_inv_freq, meta.positions, meta.out_cache_loc, q_out, kv.k, kv.v)
+    args = (x, w.input_norm, w.qkv, w.qkv if scale is None else scale, w.rope_inv_freq, meta.positions,
+            meta.out_cache_loc, q_out, kv.k, kv.v)
     if cfg.row_wise:
         GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
         return
@@ -233,7 +243,8 @@ def attention(
     K.decode_attention_kernel[grid](
         q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
         part_o, part_lse, out,
-        meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1), shape.head_dim**-0.5,
+        meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
+        shape.head_dim**-0.5 * (kv.k_scale if kv.fp8 else 1.0), kv.v_scale if kv.fp8 else 1.0,
         NQ=shape.num_heads, G=group, D=shape.head_dim,
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
@@ -249,13 +260,16 @@ def attention(
 
 def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, lc: LaunchConfig,
-    stage: str = "o_proj",
+    stage: str = "o_proj", scale: torch.Tensor | None = None,
 ) -> None:
-    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel. Under PDL
-    ``res`` is read before the wait: it must not be written by the launch right before this one. ``res`` None
-    (``mrow`` configs only): ``out = a @ w.T``."""
+    """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel (FP8 ``w``:
+    ``scale`` (N,) its rows' scales). Under PDL ``res`` is read before the wait: it must not be written by the launch
+    right before this one. ``res`` None (``mrow`` configs only): ``out = a @ w.T``."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
+    if scale is not None and cfg.multi_row:
+        raise ShapeError(f"FP8 weights need a dot or rows config, got {cfg} (LaunchConfig.fp8 maps mrow to dot)")
+    s_arg = w if scale is None else scale
     n, k = w.shape
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
     if cfg.multi_row:
@@ -270,31 +284,39 @@ def gemv_residual(
         raise ShapeError(f"gemv_residual without a residual needs a mrow config, got {cfg}")
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
-            a, w, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
+            a, w, s_arg, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
+            HAS_SCALE=scale is not None,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[grid](
-        a, w, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
-        BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+        a, w, s_arg, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
+        HAS_SCALE=scale is not None,
+        BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
     )
 
 
-def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig) -> None:
-    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden)."""
+def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig,
+                 scale: torch.Tensor | None = None) -> None:
+    """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden) (FP8 ``w``:
+    ``scale`` (2I,) its rows' scales)."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
+    if scale is not None and cfg.multi_row:
+        raise ShapeError(f"FP8 weights need a dot or rows config, got {cfg} (LaunchConfig.fp8 maps mrow to dot)")
+    s_arg = w if scale is None else scale
     inter, h = w.shape[0] // 2, w.shape[1]
     grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg.programs)
     common = dict(H=h, INTER=inter, BLOCK_N=cfg.block_n, LOOP=loop, BLOCK_K=min(cfg.block_k, next_pow2(h)), USE_PDL=lc.use_pdl,
                   PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
-        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=next_pow2(b), **common)
+        GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, s_arg, act, b, eps, BLOCK_M=next_pow2(b),
+                                          HAS_SCALE=scale is not None, **common)
         return
     if cfg.multi_row:
         MR.mrow_gate_up_kernel[grid](x, norm_w, w, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
                                      DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
         return
-    K.norm_gate_up_kernel[grid](x, norm_w, w, act, b, eps, BLOCK_M=block_m(b, dev),
-                                DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
+    K.norm_gate_up_kernel[grid](x, norm_w, w, s_arg, act, b, eps, BLOCK_M=block_m(b, dev), HAS_SCALE=scale is not None,
+                                DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)

@@ -60,6 +60,11 @@ TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
 }
 
 
+# FP8 (e4m3) weights with per-row scales: (GPU name, shape) -> entries as TABLES; a shape without an FP8 entry takes
+# its TABLES entries (measured with the model dtype's weights: the same blocks read half the bytes).
+FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {}
+
+
 # (GPU name, shape) -> ((max batch, decode attention block_n), ...) (LaunchConfig.attn_tuned): bench_gemv's
 # attention sweep, context 512, H200 2026-11-30 (benchmarks/RESULTS.md): block 32 at batch 1 (8B 5.04 us vs
 # 6.20 with 64; SmolLM2 3.45 vs 3.95), 128 from batch 4 (8B 7.46 / 10.38 us vs 8.11 / 11.82 at batches 4 / 8)
@@ -118,9 +123,10 @@ def shape_key(shape: LayerShape) -> ShapeKey:
     return (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size)
 
 
-def tuned_table(device_name: str, shape: LayerShape) -> tuple[Entry, ...]:
-    """The measured entries for this GPU and shape, or none."""
-    return TABLES.get((device_name, shape_key(shape)), ())
+def tuned_table(device_name: str, shape: LayerShape, fp8: bool = False) -> tuple[Entry, ...]:
+    """The measured entries for this GPU and shape (``fp8``: FP8 weights, ``FP8_TABLES`` first), or none."""
+    key = (device_name, shape_key(shape))
+    return (FP8_TABLES.get(key, ()) if fp8 else ()) or TABLES.get(key, ())
 
 
 def tuned_pdl_release(device_name: str, shape: LayerShape) -> str:

@@ -9,7 +9,7 @@ import torch
 from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import ops
-from lowlat.layer import ForwardMeta, KVCache
+from lowlat.layer import FP8_DTYPE, ForwardMeta, KVCache
 from lowlat.spec import Step, StepKind
 
 
@@ -31,15 +31,24 @@ def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     return step.num_tokens <= ctx.max_batch_size and (limit == 0 or step.num_tokens <= limit)
 
 
+def fp8_weights(ctx: BuildContext) -> bool:
+    """Whether the context's dense layers hold FP8 weights (its first layer decides; the stack checks the rest). Pure."""
+    return bool(ctx.weights) and ctx.weights[0].fp8
+
+
 class TritonLayerStack:
     """``Built`` for Llama-style decode with the per-stage kernels (``lowlat.kernels.layer``).
 
     Owns every intermediate buffer, sized for the agreed coverage at build time; ``forward``
     allocates nothing and never syncs the host. Subclasses override ``_attention_and_mlp`` to
     fuse differently (the ``amd`` persistent mode) and may set ``qkv_programs`` (the qkv launch's grid).
+
+    FP8: with ``supports_fp8`` the stack takes FP8 (e4m3) weights with per-row scales (``LayerWeights.fp8``: every
+    layer or none; ``lc.fp8`` must say so) and an FP8 KV cache (``BuildContext.kv_dtype``); without it, refuses both.
     """
 
     qkv_programs: int | None = None  # None: one program per qkv tile (the tuned config's grid)
+    supports_fp8 = False
 
     def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
         s = ctx.shape
@@ -49,11 +58,22 @@ class TritonLayerStack:
             raise Unsupported(name, (str(exc),)) from exc
         if lc.qkv_block_errors(s):
             raise Unsupported(name, lc.qkv_block_errors(s))
+        fp8 = fp8_weights(ctx)
+        if (fp8 or ctx.kv_dtype == FP8_DTYPE) and not self.supports_fp8:
+            raise Unsupported(name, ("FP8 weights or KV cache: this plugin's kernels read model-dtype weights and KV",))
+        if fp8 != lc.fp8:
+            raise Unsupported(name, (f"LaunchConfig.fp8={lc.fp8} but the weights are {'' if fp8 else 'not '}FP8",))
+        want = FP8_DTYPE if fp8 else ctx.dtype
         for i, w in enumerate(ctx.weights):
-            w.validate(s)
+            try:
+                w.validate(s)
+            except ShapeError as exc:
+                raise Unsupported(name, (f"layer {i}: {exc}",)) from exc
+            if w.fp8 != fp8:
+                raise Unsupported(name, (f"layer {i}: FP8 weights in some layers only (every layer or none)",))
             for t in (w.qkv, w.o_proj, w.gate_up, w.down):
-                if t.device.type != ctx.device.type or t.dtype != ctx.dtype or not t.is_contiguous():
-                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {ctx.dtype} on {ctx.device}",))
+                if t.device.type != ctx.device.type or t.dtype != want or not t.is_contiguous():
+                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {want} on {ctx.device}",))
         self.name = name
         self.ctx = ctx
         self.shape = s
@@ -96,9 +116,9 @@ class TritonLayerStack:
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
         ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
-        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
-        ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc)
-        ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc, stage="down")
+        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc, scale=w.o_proj_scale)
+        ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc, scale=w.gate_up_scale)
+        ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc, stage="down", scale=w.down_scale)
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         """Compile and run every kernel per batch size on a scratch KV cache of its own."""

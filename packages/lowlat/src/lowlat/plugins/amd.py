@@ -26,7 +26,7 @@ from lowlat.layer import ForwardMeta, KVCache
 from lowlat.plugins._stack import TritonLayerStack
 from lowlat.plugins.nvidia import ARCHS
 from lowlat.plugins.nvidia import check_model as _nvidia_check_model
-from lowlat.spec import Coverage, PluginSpec, Requirements
+from lowlat.spec import FP8_WEIGHTS, Coverage, PluginSpec, Requirements
 
 
 class AmdLayerStack(TritonLayerStack):
@@ -113,7 +113,7 @@ spec = PluginSpec(
         dtypes=("bfloat16", "float16"),
         kv_dtypes=("bfloat16", "float16"),
         tp_sizes=(1,),
-        forbidden_features=frozenset({"lora", "speculative"}),
+        forbidden_features=frozenset({"lora", "speculative", FP8_WEIGHTS}),
         max_context=131072,
     ),
     coverage=Coverage(max_tokens=16),

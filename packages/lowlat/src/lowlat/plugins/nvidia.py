@@ -19,7 +19,7 @@ from lowlat.build import BuildContext
 from lowlat.kernels._jit import pdl_available
 from lowlat.kernels.ops import MAX_VERIFY_ROWS, LaunchConfig
 from lowlat.plugins._moe_stack import TritonMoEStack
-from lowlat.plugins._stack import TritonLayerStack
+from lowlat.plugins._stack import TritonLayerStack, fp8_weights
 from lowlat.spec import Coverage, PluginSpec, Requirements, StepKind
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
@@ -37,13 +37,20 @@ def use_pdl(ctx: BuildContext) -> bool:
     return ok
 
 
+class NvidiaLayerStack(TritonLayerStack):
+    """The per-stage stack; also serves FP8 (e4m3) weights with per-row scales and an FP8 KV cache."""
+
+    supports_fp8 = True
+
+
 def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
-    """Check the loaded weights and allocate the workspaces (``TritonLayerStack``, or
+    """Check the loaded weights and allocate the workspaces (``NvidiaLayerStack``, FP8 weights and KV included, or
     ``TritonMoEStack`` when ``ctx.moe`` is set)."""
-    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe)
+    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe, fp8=fp8_weights(ctx))
     if ctx.moe is not None:
         return TritonMoEStack("nvidia", ctx, lc)
-    return TritonLayerStack("nvidia", ctx, lc)
+    return NvidiaLayerStack("nvidia", ctx, lc)
+
 
 
 def check_model(model: Any) -> tuple[str, ...]:
@@ -65,7 +72,7 @@ spec = PluginSpec(
         vendor="nvidia",
         min_capability=(8, 0),
         dtypes=("bfloat16", "float16"),
-        kv_dtypes=("bfloat16", "float16"),
+        kv_dtypes=("bfloat16", "float16", "fp8_e4m3"),
         tp_sizes=(1,),
         forbidden_features=frozenset({"lora"}),
         max_context=131072,
@@ -76,5 +83,6 @@ spec = PluginSpec(
     build=build,
     check_model=check_model,
     priority=10,
-    description="Triton decode layer: norm+QKV+RoPE+KV write, split-KV GQA attention, fused GEMV epilogues, PDL-chained",
+    description="Triton decode layer: norm+QKV+RoPE+KV write, split-KV GQA attention, fused GEMV epilogues, PDL-chained; "
+                "bf16/fp16 or FP8 e4m3 weights (per-row scales), model-dtype or FP8 e4m3 KV cache",
 )

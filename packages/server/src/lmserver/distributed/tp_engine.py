@@ -190,7 +190,8 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     mc = read_model_config(info["model_path"])
     assert rc.context_length is not None and rc.max_running_requests is not None
     lowlat = LowlatHook.start(rc.lowlat_plugins, mc, rc.dtype, str(device), size, rc.context_length,
-                              rank=rank, registry=Registry(info["lowlat_specs"]))
+                              rank=rank, registry=Registry(info["lowlat_specs"]), quantization=rc.quantization,
+                              kv_cache_dtype=rc.kv_cache_dtype)
     model = load_model(
         mc,
         info["model_path"],

@@ -10,6 +10,10 @@ records the path each decode batch size froze (`hidden(..., capturing=True)`), r
 Decode steps inside the agreed coverage run every decoder layer through the plugin (via
 `lmserver.lowlat_adapter`); every other step runs the model's forward and its reason is counted.
 
+FP8: the set-up names an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`: KV dtype `fp8_e4m3`) and FP8 weights
+(`--quantization fp8` or an FP8 checkpoint: server feature `lowlat.FP8_WEIGHTS`), so a plugin that reads neither
+is refused before the weights load, with that reason in `explain()`; the `nvidia` plugin takes both.
+
 Tensor parallelism: every rank runs its own hook (rank 0 in the engine core, the others in
 `distributed.tp_engine.follower_main`) over the same registry (rank 0's plugin specs) and set-up.
 `after_load` gets the loaded shard and the TP group: each rank checks its shard, the ranks agree
@@ -33,7 +37,7 @@ from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
 from lmserver.engine.kv_pool import KVPool
 from lmserver.lowlat_adapter import LowlatAdapterError, decode_forward, kv_caches, plugin_layers
 from lmserver.models.config import ModelConfig
-from lowlat import LowlatConfig, Session, TorchGroup
+from lowlat import FP8_WEIGHTS, LowlatConfig, Session, TorchGroup
 from lowlat.errors import RegistryError
 from lowlat.graphs import PLUGIN
 from lowlat.guards import detect_setup
@@ -98,9 +102,10 @@ def kv_tokens_after_workspace(max_total_tokens: int, workspace_bytes: int, bytes
 class LowlatHook:
     """One engine's (one TP rank's) lowlat session and the dispatch of its forward steps."""
 
-    def __init__(self, session: Session, tp_size: int = 1, rank: int = 0) -> None:
+    def __init__(self, session: Session, tp_size: int = 1, rank: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.session = session
         self.tp_size, self.rank = tp_size, rank
+        self.kv_dtype = kv_dtype  # the KV pool's storage dtype when it differs from the model's (FP8), else None
         self.rank_reports: list[dict[str, Any]] = []  # every rank's start-up account (TP), in rank order
         self._model: Any = None
         self._kvs: list[Any] = []
@@ -109,8 +114,12 @@ class LowlatHook:
     @classmethod
     def start(cls, value: str, model_config: ModelConfig, dtype: str, device: str, tp_size: int,
               max_context: int, features: frozenset[str] = frozenset(), rank: int = 0,
-              registry: Registry | None = None) -> LowlatHook | None:
+              registry: Registry | None = None, quantization: str | None = None,
+              kv_cache_dtype: str = "auto") -> LowlatHook | None:
         """Configures a session before the weights load; None when `value` is `off`.
+
+        `quantization` / `kv_cache_dtype`: the server's options; FP8 weights (`quantization` fp8 or an FP8
+        checkpoint) add the `FP8_WEIGHTS` feature, an `fp8_e4m3` KV cache sets the set-up's KV dtype.
 
         `registry`: the plugins to consider (followers get rank 0's); default: the active
         registry, else the installed plugins. Raises `lowlat.Unsupported` in `require` mode when
@@ -126,12 +135,17 @@ class LowlatHook:
             from lmserver.models.registry import text_architecture
 
             arch = text_architecture(str(model_config.hf_config.get("text_config", {}).get("model_type", "llama")))
-        setup = detect_setup(arch, dtype, device=device, tp_size=tp_size,
+        from lmserver.models.quantization import read_fp8_spec
+
+        if read_fp8_spec(model_config.hf_config, quantization) is not None:
+            features = features | {FP8_WEIGHTS}
+        fp8_kv = kv_cache_dtype == "fp8_e4m3"
+        setup = detect_setup(arch, dtype, kv_dtype="fp8_e4m3" if fp8_kv else None, device=device, tp_size=tp_size,
                              features=features, max_context=max_context)
         session.configure(setup)
         if session.deferred is not None and rank == 0:
             raise session.deferred  # no follower exists yet: every rank has this set-up
-        return cls(session, tp_size, rank)
+        return cls(session, tp_size, rank, kv_dtype=torch.float8_e4m3fn if fp8_kv else None)
 
     def after_load(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                    group: TPGroup | None = None) -> int:
@@ -153,7 +167,8 @@ class LowlatHook:
         self.session.agree(agreement_group)
         if layers is not None:
             all_reduce = group.all_reduce if group is not None and tp else None
-            self.session.build(layers.shape, layers.weights, device, dtype, moe=layers.moe, all_reduce=all_reduce)
+            self.session.build(layers.shape, layers.weights, device, dtype, kv_dtype=self.kv_dtype, moe=layers.moe,
+                               all_reduce=all_reduce)
         else:
             self.session.build(None, (), device, dtype)  # type: ignore[arg-type]  # nothing selected: no-op
         workspace = self.session.memory_measured()
@@ -164,9 +179,10 @@ class LowlatHook:
         return workspace
 
     def kv_tokens(self, max_total_tokens: int, workspace: int, config: ModelConfig, dtype: torch.dtype) -> int:
-        """`max_total_tokens` less the workspace, counted in this rank's KV slots. Pure."""
+        """`max_total_tokens` less the workspace, counted in this rank's KV slots (of the KV storage dtype: FP8 when
+        the hook was started with an FP8 cache, else `dtype`). Pure."""
         _, kv_heads = tp_head_counts(config, self.tp_size)
-        per_slot = KVPool.bytes_per_slot(config.num_hidden_layers, kv_heads, config.head_dim, dtype)
+        per_slot = KVPool.bytes_per_slot(config.num_hidden_layers, kv_heads, config.head_dim, self.kv_dtype or dtype)
         return kv_tokens_after_workspace(max_total_tokens, workspace, per_slot)
 
     def _rank_report(self, workspace: int) -> dict[str, Any]:

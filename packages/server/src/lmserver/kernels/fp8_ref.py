@@ -76,8 +76,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> (float8_e4m3fn (M, K), float32 scale (M, 1)): one dynamic scale per row
-    (the activations of `torch._scaled_mm` prefill). Pure."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
+    (the activations of `torch._scaled_mm` prefill), amax / 448 correctly rounded. Pure."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    # NOTE: divided by a tensor on x's device, not the Python float: CUDA torch computes `tensor / python_scalar` as
+    # tensor * fl(1 / scalar) (one ulp off the quotient for some values), the CPU divides; this is a division on both
+    scale = (amax / amax.new_tensor(FP8_MAX)).clamp_min(_MIN_SCALE)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

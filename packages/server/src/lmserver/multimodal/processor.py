@@ -569,8 +569,8 @@ def _decode_image(data: bytes, limits: ProcessorLimits) -> Image.Image:
     try:
         # NOTE: a full decode here, so a truncated or corrupt file fails now and never later.
         image.load()
-        oriented = ImageOps.exif_transpose(image)
-        return _convert_rgb(image if oriented is None else oriented)
+        ImageOps.exif_transpose(image, in_place=True)  # NOTE: in place: no copy of an unrotated image
+        return _convert_rgb(image)
     except InvalidRequestError:
         raise
     except Exception as e:

@@ -1,0 +1,116 @@
+"""The nvidia plugin's decode stack with FP8 weights and FP8 KV against bf16, on a CUDA GPU (never collected by pytest).
+
+A 32-layer Llama-3-8B-shaped stack (random bf16 weights; FP8 = the same weights quantized per output row with
+``lowlat.quantize_layer_fp8``) in one CUDA graph at each batch of ``--batches``, context ``--context``: microseconds
+per layer for bf16 weights + bf16 KV, FP8 weights + bf16 KV, FP8 weights + FP8 KV, against each one's memory floor
+(weights + KV read at ``--bandwidth-tbs``). First, layer 0 of each against the reference layer (``lowlat.reference``:
+the dequantized weights in float32, the same cache) on fresh random inputs. ``--tables``: a JSON list of
+``[stage, max_batch, variant, block_n, block_k, warps, stages]`` entries to time as the FP8 stack's table too.
+
+    python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_layer import LLAMA3_8B, build_context, gpu_layer, rel, time_graph  # noqa: E402
+
+from lowlat import KVCache, quantize_layer_fp8, reference_decoder_layer  # noqa: E402
+from lowlat.kernels import ops  # noqa: E402
+from lowlat.layer import FP8_DTYPE  # noqa: E402
+from lowlat.plugins import nvidia  # noqa: E402
+from lowlat.reference import quantize_kv  # noqa: E402
+from lowlat.testing import decode_meta  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
+    ap.add_argument("--tables", default="", help="JSON list of FP8 table entries to time as variant 'fp8-table'")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.time()
+    dev, bf16, shape, c = torch.device("cuda"), torch.bfloat16, LLAMA3_8B, args.context
+    batches = [int(v) for v in args.batches.split(",")]
+    torch.manual_seed(0)
+    dense = [gpu_layer(shape, bf16, dev) for _ in range(args.layers)]
+    fp8 = [quantize_layer_fp8(w) for w in dense]
+    max_b = max(batches)
+    slots = max_b * c + 64
+    stacks: dict[str, Any] = {}
+    for name, weights, kv_dtype in (("bf16", dense, bf16), ("fp8w", fp8, bf16), ("fp8w+kv", fp8, FP8_DTYPE)):
+        ctx = replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype)
+        stacks[name] = (nvidia.build(ctx), weights, kv_dtype)
+    if args.tables:
+        entries = tuple((s, mb, ops.GemvConfig(v, bn, bk, nw, ns)) for s, mb, v, bn, bk, nw, ns in json.loads(args.tables))
+        bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
+        bl.lc = replace(bl.lc, tuned=entries)
+        stacks["fp8w+kv table"] = (bl, fp8, FP8_DTYPE)
+    print(f"device={torch.cuda.get_device_name()} build {time.time() - t0:.0f}s", flush=True)
+
+    def caches(kv_dtype: torch.dtype, layers: int) -> list[KVCache]:
+        out = []
+        for _ in range(layers):
+            k = torch.randn(slots, shape.num_kv_heads, shape.head_dim, device=dev)
+            v = torch.randn(slots, shape.num_kv_heads, shape.head_dim, device=dev)
+            if kv_dtype == FP8_DTYPE:
+                out.append(KVCache(quantize_kv(k, 0.05, FP8_DTYPE), quantize_kv(v, 0.02, FP8_DTYPE), 0.05, 0.02))
+            else:
+                out.append(KVCache(k.to(bf16), v.to(bf16)))
+        return out
+
+    print("\ncheck, layer 0 against the reference (rel. L2 error of the output; of the K cache)")
+    for name, (bl, weights, kv_dtype) in stacks.items():
+        for b, ctx_len in ((1, c), (max_b, 2000)):
+            g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs per run
+            torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+            meta = decode_meta([ctx_len] * b, slots, max(c, ctx_len), dev, generator=g)
+            kv = caches(kv_dtype, 1)[0]
+            kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
+            x = torch.randn(b, shape.hidden_size, generator=g).to(dev, bf16)
+            bl.out.fill_(float("nan"))
+            out = bl.forward(0, x, kv, meta)
+            ref = reference_decoder_layer(x, weights[0], kv_ref, meta, shape)
+            print(f"  {name:14s} b={b} ctx={ctx_len}: out {rel(out, ref):.2e}  k {rel(kv.k.float(), kv_ref.k.float()):.2e}",
+                  flush=True)
+
+    rows = []
+    print(f"\nstack of {args.layers} layers in one CUDA graph, ctx {c}: us per layer (floor: weights + KV at "
+          f"{args.bandwidth_tbs} TB/s)")
+    for b in batches:
+        meta = decode_meta([c] * b, slots, c, dev, generator=torch.Generator().manual_seed(b))
+        for name, (bl, weights, kv_dtype) in stacks.items():
+            kvs = caches(kv_dtype, args.layers)
+            x0 = torch.randn(b, shape.hidden_size, device=dev, dtype=bf16)
+
+            def run(bl: Any = bl, kvs: list[KVCache] = kvs, x0: torch.Tensor = x0, meta: Any = meta) -> None:
+                x = x0
+                for i in range(args.layers):
+                    x = bl.forward(i, x, kvs[i], meta)
+            us = time_graph(run, args.iters) / args.layers
+            kv_bytes = b * c * shape.kv_size * 2 * (1 if kv_dtype == FP8_DTYPE else 2)
+            floor = (shape.weight_bytes(weights[0].qkv.element_size()) + kv_bytes) / (args.bandwidth_tbs * 1e6)
+            rows.append(dict(batch=b, stack=name, us=us, floor=floor))
+            print(f"  b={b} {name:14s} {us:7.1f} us  floor {floor:6.1f}  {floor / us:4.0%}", flush=True)
+            del kvs
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
