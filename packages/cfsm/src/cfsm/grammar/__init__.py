@@ -32,8 +32,9 @@ def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
     """Compile rules against `vocab` as a pushdown matcher (non-recursive rules inlined first;
     the vocabulary walks of every rule position, once). Raises `GrammarError`, and
     `PushdownTooLargeError` before any walk when `max_positions` (> 0) is below the number of
-    rule positions that read bytes. Mutates nothing (fills vocabulary caches)."""
-    pda = build_pda(inline_rules(grammar))
+    rule positions that read bytes (while building the network, as soon as the count passes it:
+    `build_pda`). Mutates nothing (fills vocabulary caches)."""
+    pda = build_pda(inline_rules(grammar), max_positions)
     positions = int(np.count_nonzero(pda.has_bytes))
     if 0 < max_positions < positions:
         raise PushdownTooLargeError(positions, max_positions)

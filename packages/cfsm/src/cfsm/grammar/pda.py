@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cfsm.automaton import build_dfa
-from cfsm.errors import GrammarError
+from cfsm.errors import GrammarError, PushdownTooLargeError
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
 from cfsm.regex_ast import Alt, Cat, Node, Repeat, Scope, Sep, Shared
 
@@ -182,8 +182,11 @@ def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
     return frozenset(out)
 
 
-def _determinize(nfa: _Nfa, start: int, end: int) -> tuple[list[dict[int, int]], list[dict[int, int]], list[bool]]:
-    """Subset construction: per DFA state, byte -> state, rule -> return state, accepting."""
+def _determinize(nfa: _Nfa, start: int, end: int, reading: int = 0, limit: int = 0
+                 ) -> tuple[list[dict[int, int]], list[dict[int, int]], list[bool]]:
+    """Subset construction: per DFA state, byte -> state, rule -> return state, accepting.
+    `limit` > 0: raise `PushdownTooLargeError` once `reading` (states that read a byte, of the
+    rules before this one) plus this rule's pass it."""
     first = _closure(nfa, frozenset([start]))
     ids = {first: 0}
     sets = [first]
@@ -228,6 +231,10 @@ def _determinize(nfa: _Nfa, start: int, end: int) -> tuple[list[dict[int, int]],
         byte_edges.append(row)
         call_edges.append(calls)
         accepting.append(end in cur)
+        if row:
+            reading += 1
+            if 0 < limit < reading:
+                raise PushdownTooLargeError(reading, limit)
     return byte_edges, call_edges, accepting
 
 
@@ -235,9 +242,13 @@ def _where(grammar: Grammar, name: str) -> tuple[int, int]:
     return grammar.positions.get(name, (0, 0))
 
 
-def build_pda(grammar: Grammar) -> Pda:
+def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
     """Compile `grammar` (inline it first: `inline.inline_rules`) into a `Pda`. Pure. Raises
-    `GrammarError` (see the module docstring)."""
+    `GrammarError` (see the module docstring), and with `max_positions` > 0
+    `PushdownTooLargeError` as soon as the rules determinized so far have more states that read
+    a byte (counted before trimming, which only removes states that cannot complete: an upper
+    bound of the final positions, equal to it for grammars without dead ends), so a network far
+    over the limit is not built whole."""
     names = {name: i for i, name in enumerate(grammar.rules)}
     memo: dict[int, bool] = {}
     dfas: dict[int, Any] = {}
@@ -246,6 +257,7 @@ def build_pda(grammar: Grammar) -> Pda:
     call_edges: list[dict[int, int]] = []
     accepting: list[bool] = []
     starts: list[int] = []
+    reading = 0  # states so far that read a byte
     for r, (name, body) in enumerate(grammar.rules.items()):
         nfa = _Nfa(names, memo, dfas)
         try:
@@ -254,7 +266,8 @@ def build_pda(grammar: Grammar) -> Pda:
             if exc.line:
                 raise
             raise GrammarError(f"rule {name!r}: {exc.detail}", *_where(grammar, name)) from None
-        be, ce, acc = _determinize(nfa, s, e)
+        be, ce, acc = _determinize(nfa, s, e, reading, max_positions)
+        reading += sum(1 for row in be if row)
         base = len(rule_of)
         starts.append(base)
         for row, calls in zip(be, ce, strict=True):
