@@ -18,6 +18,7 @@ import torch
 
 from lmserver.engine.host_kv import HostKVPool, _runs
 from lmserver.engine.kv_pool import KVPool
+from radixcache import HierarchicalCache, SlotAllocator
 
 _LAYERS, _HEADS, _DIM = 3, 2, 4
 
@@ -228,3 +229,83 @@ def test_copies_match_the_torch_reference(io_backend: str, device: str) -> None:
     got_v = [c[b].clone() for c in pool.v_cache]
     for i in range(layers):
         assert torch.equal(got_k[i], want_k[i]) and torch.equal(got_v[i], want_v[i])
+
+
+def _prefix_content(key: list[int], i: int) -> torch.Tensor:
+    """The KV token `i` of `key` has: a function of the prefix it ends (exact in float32)."""
+    return _content(hash(tuple(key[: i + 1])) % 100_000)
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+@pytest.mark.parametrize("seed", range(6))
+def test_tier_driven_async_copies_equal_a_never_evicting_pool(write_policy: str, seed: int) -> None:
+    """radixcache's HierarchicalCache decides every eviction, offload, load and slot reuse; the
+    copies and the simulated forwards run deferred in random interleavings. Every reused token's
+    KV (read on the main stream when its forward runs) and every slot either tree holds at the
+    end equals what that prefix's forward computed, as a never-evicting pool would give; both
+    pools' slots are conserved."""
+    rng = random.Random(seed)
+    streams = DeferredStreams(random.Random(seed + 500))
+    dev_alloc, host_alloc = SlotAllocator(48, 1), SlotAllocator(400, 1)
+    pool = KVPool(dev_alloc.buffer_size, _LAYERS, _HEADS, _DIM, torch.float32, "cpu")
+    host = HostKVPool(pool, host_alloc.buffer_size, io_backend=rng.choice(["kernel", "direct"]), streams=streams,
+                      chunk_tokens=rng.choice([3, 4096]))
+    tier = HierarchicalCache.build(dev_alloc, host_alloc, host, write_policy=write_policy)  # type: ignore[arg-type]
+    dev = tier.device
+    chats = [[1000 * c + t for t in range(rng.randint(2, 6))] for c in range(5)]
+    reads = [0]
+
+    def forward(key: list[int], kv: np.ndarray, start: int) -> None:
+        for i, slot in enumerate(kv.tolist()):
+            if i < start:  # reused KV: loaded back or kept on the device
+
+                def read(slot: int = slot, i: int = i) -> None:
+                    assert torch.equal(_read_device(pool, slot), _prefix_content(key, i)), (slot, i)
+                    reads[0] += 1
+
+                streams.on_main(read)
+            else:
+                c = _prefix_content(key, i)
+                streams.on_main(lambda slot=slot, c=c: _write_device_rows(pool, slot, c))
+
+    running: list[tuple[list[int], np.ndarray, int, object]] = []
+    for _ in range(30):
+        c = rng.randrange(len(chats))
+        if any(r[0][: len(chats[c])] == chats[c] for r in running):
+            continue  # that chat's previous turn still runs
+        chats[c] = chats[c] + [rng.randrange(1, 999) for _ in range(rng.randint(1, 5))]
+        key = chats[c]
+        m = tier.match_prefix(key, limit=len(key) - 1)
+        dev.lock(m.last_node)
+        new = dev.alloc(len(key) - m.length)
+        if new is None:
+            dev.unlock(m.last_node)
+            continue
+        kv = np.concatenate((m.indices, new))
+        forward(key, kv, m.length)
+        running.append((key, kv, m.length, m.last_node))
+        while running and (len(running) > 2 or rng.random() < 0.5):  # finish one, in any order
+            key, kv, cached, node = running.pop(rng.randrange(len(running)))
+            tier.insert(key, kv, cached_len=cached)
+            dev.unlock(node)  # type: ignore[arg-type]
+        streams.step(rng.randint(0, 40))
+    for key, kv, cached, node in running:
+        tier.insert(key, kv, cached_len=cached)
+        dev.unlock(node)  # type: ignore[arg-type]
+    streams.drain()
+    assert reads[0] > 0 and tier.stats.host_hits > 0 and tier.stats.dropped_tokens == 0
+    tier.check_integrity()
+    sizes = tier.sizes()
+    assert sizes.device.free + sizes.device.total == dev_alloc.num_slots and sizes.device.protected == 0
+    assert sizes.host.free + sizes.host.total == host_alloc.num_slots and sizes.host.protected == 0
+    for key in chats:  # what each tree holds is what the prefixes computed
+        for i, slot in enumerate(dev.match_prefix(key).indices.tolist()):
+            assert torch.equal(_read_device(pool, slot), _prefix_content(key, i))
+        for i, slot in enumerate(tier.host.match_prefix(key).indices.tolist()):
+            assert torch.equal(_host_row(host, slot), _prefix_content(key, i))
+
+
+def _write_device_rows(pool: KVPool, slot: int, c: torch.Tensor) -> None:
+    for i in range(_LAYERS):
+        pool.k_cache[i][slot] = c[i, 0]
+        pool.v_cache[i][slot] = c[i, 1]
