@@ -45,7 +45,9 @@ class KVTransfer(Protocol):
 
     Both are called with equal-length int64 arrays. When a call returns, the source slots may be
     reused by later work on the engine's side (the engine orders its later writes after the copy:
-    a synchronous copy, or one on a stream that later work waits for)."""
+    a synchronous copy, or one on a stream that later work waits for), and the copies take effect
+    in call order (a host slot offloaded to, then loaded from, or loaded from, then reused by a
+    later offload, is read and written in that order: lmserver issues all of them on one stream)."""
 
     def offload(self, device_slots: npt.NDArray[np.int64], host_slots: npt.NDArray[np.int64]) -> None:
         """Copy the KV of `device_slots[i]` into `host_slots[i]`."""
