@@ -469,10 +469,6 @@ KNOWN_LIMITS = {
     "string with a u-escape of a non-ASCII character": "\\u escapes only for control characters",
     "undeclared property before a declared one": "undeclared properties come after the declared ones",
     "bounded number with an exponent": "numbers with minimum / maximum / multipleOf are spelled without an exponent",
-    "additionalProperties does not see properties in allOf": "allOf is merged keyword by keyword",
-    "items does not see prefixItems in allOf": "allOf is merged keyword by keyword",
-    "two patternProperties match one name": "a key matching several patternProperties satisfies one",
-    "properties and a matching patternProperties": "a declared property does not also take patternProperties",
 }
 
 

@@ -257,5 +257,5 @@ class Compiler:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, transitions=index.dfa.transitions, accepting=index.dfa.accepting,
                      start=np.int64(index.dfa.start), **{name: getattr(index, name) for name in _INDEX_ARRAYS},
-                     approximations=np.array(json.dumps([[a.keyword, a.path, a.detail] for a in index.approximations])))
+                     approximations=np.array(json.dumps([[a.keyword, a.path, a.detail, a.kind] for a in index.approximations])))
         os.replace(tmp, path)

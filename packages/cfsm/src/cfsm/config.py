@@ -43,8 +43,14 @@ class CfsmConfig:
     - `integers_as_floats`: integers (the `integer` type, integral `const` / `enum` values) may
       also be written with a zero fraction (`1.0`), which the specification counts as the same
       number (`spec()` turns it on).
+    - `narrow`: where a keyword cannot be compiled exactly (`uniqueItems` over items that are
+      not a few scalar values, `not` / `if` / `oneOf` without a simple negation, `$dynamicRef`,
+      ...), compile a documented subset of its language (items of distinct JSON types, the
+      types the negated schema cannot have, ...: never wider than the schema), reported as an
+      `Approximation` of kind "subset". Off (`spec()`): the superset, reported as kind
+      "superset" (every valid document accepted).
     - `strict`: a keyword cfsm can only over-approximate (the grammar accepts a superset, see
-      `cfsm.Approximation`) raises `UnsupportedSchemaError` naming it, instead of being noted in
+      `cfsm.Approximation`), or with `narrow` compiles to a subset, raises `UnsupportedSchemaError` naming it, instead of being noted in
       `Index.approximations` (OpenAI's strict mode refuses such schemas the same way).
     - `cache_size`: compiled `Index` objects kept per `Compiler` (LRU); `cache_dir`: optional
       folder for an on-disk cache.
@@ -64,6 +70,7 @@ class CfsmConfig:
     infer_types: bool = True
     assert_formats: bool = True
     integers_as_floats: bool = False
+    narrow: bool = True
     strict: bool = False
     cache_size: int = 64
     cache_dir: str | None = None
@@ -80,9 +87,10 @@ class CfsmConfig:
     def spec(cls, **overrides: object) -> CfsmConfig:
         """A config whose schemas mean what the specification says: undeclared properties
         allowed unless the schema forbids them, properties in any order, no type inference,
-        `format` an annotation, integers also written as 1.0."""
+        `format` an annotation, integers also written as 1.0, supersets (not subsets) where a
+        keyword cannot be exact."""
         fields: dict[str, object] = {"additional_properties_default": True, "any_order": True, "infer_types": False,
-                                     "assert_formats": False, "integers_as_floats": True}
+                                     "assert_formats": False, "integers_as_floats": True, "narrow": False}
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
 
@@ -91,4 +99,4 @@ class CfsmConfig:
         return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|rec={self.recursion}|"
                 f"rd={self.max_recursion_depth}|jd={self.json_depth}|mpp={self.max_pushdown_positions}|"
                 f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}|"
-                f"af={self.assert_formats}|if={self.integers_as_floats}")
+                f"af={self.assert_formats}|if={self.integers_as_floats}|nw={self.narrow}")

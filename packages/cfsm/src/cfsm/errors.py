@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = [
     "CfsmError",
@@ -56,8 +57,11 @@ class UnsupportedSchemaError(CfsmError, ValueError):
 
 @dataclass(frozen=True)
 class Approximation:
-    """A schema keyword the grammar over-approximates: every valid document is accepted, some
-    invalid ones are too (`uniqueItems` over unbounded arrays, `not` over complex schemas, ...).
+    """A schema keyword the grammar cannot compile exactly. `kind` "superset": the grammar
+    over-approximates it (every valid document is accepted, some invalid ones are too:
+    `uniqueItems` over unbounded arrays, `not` over complex schemas, ...); "subset" (with
+    `CfsmConfig.narrow`, the default): it narrows it (every accepted document is valid, some
+    valid ones are not accepted).
 
     `keyword`, `path` (JSON pointer of the keyword), `detail` (what the grammar does instead).
     With `CfsmConfig(strict=True)` it raises `UnsupportedSchemaError` instead.
@@ -66,9 +70,11 @@ class Approximation:
     keyword: str
     path: str
     detail: str
+    kind: Literal["superset", "subset"] = "superset"
 
     def __str__(self) -> str:
-        return f"{self.keyword} at {self.path}: {self.detail}"
+        narrowed = "narrowed: " if self.kind == "subset" else ""
+        return f"{self.keyword} at {self.path}: {narrowed}{self.detail}"
 
 
 class SchemaTooLargeError(UnsupportedSchemaError):

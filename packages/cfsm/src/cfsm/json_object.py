@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import regex
+
 from cfsm.automaton import build_dfa
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.regex_ast import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
@@ -14,6 +16,19 @@ if TYPE_CHECKING:
     from cfsm.json_schema import _Compiler
 
 __all__ = ["object_members"]
+
+
+# patternProperties whose overlaps are compiled exactly (2^n - 1 key regions)
+MAX_OVERLAPPING_PATTERNS = 3
+
+
+def _search(pattern: str, name: str) -> bool:
+    """Whether `pattern` (search semantics) matches the property name (False where `regex` cannot
+    parse it: the compiler then reports the pattern itself)."""
+    try:
+        return regex.search(pattern, name) is not None
+    except (regex.error, TypeError):
+        return False
 
 
 def _key(name: str) -> Node:
@@ -50,6 +65,12 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
         else:
             addl = unevaluated
     pattern_props: dict[str, Any] = schema.get("patternProperties", {})
+    if isinstance(pattern_props, dict):
+        # a declared name that matches patterns takes their schemas too
+        for name in list(props):
+            matching = [sub for pat, sub in pattern_props.items() if _search(pat, name)]
+            if matching:
+                props[name] = {"allOf": [props[name], *matching]}
     for name in required:
         if name not in props:
             props[name] = addl if isinstance(addl, dict) else True
@@ -70,20 +91,33 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
     declared = alt(*(_key(n) for n in names)) if names else NOTHING
     extras: list[Node] = []
     pattern_keys: list[Node] = []
-    for pat, sub in pattern_props.items():
+    for pat in pattern_props:
         try:
             body = json_escape(parse_regex(pat, search=True))
         except UnsupportedRegexError as exc:
             # NOTE: any key may then take this value (a superset); declared names keep theirs
             comp.approximate("patternProperties", f"{path}/patternProperties", f"pattern not enforced on keys: {exc}")
             body = Repeat(JSON_CHAR, 0, None)
-        key = cat(lit('"'), Intersect([body, Repeat(JSON_CHAR, 0, None)]), lit('"'))
-        pattern_keys.append(key)
+        pattern_keys.append(cat(lit('"'), Intersect([body, Repeat(JSON_CHAR, 0, None)]), lit('"')))
+    pats = list(pattern_props.items())
+    if 2 <= len(pats) <= MAX_OVERLAPPING_PATTERNS:
+        # exact: a key matching several patterns takes all their schemas (one region per subset)
+        regions = [[i for i in range(len(pats)) if mask >> i & 1] for mask in range(1, 1 << len(pats))]
+    else:
+        regions = [[i] for i in range(len(pats))]  # NOTE: a key matching several may take any one's value
+    for region in regions:
+        parts = [pattern_keys[i] for i in region]
+        if len(regions) > len(pats):
+            parts += [Complement(pattern_keys[i]) for i in range(len(pats)) if i not in region]
+        key = parts[0] if len(parts) == 1 else Intersect(parts)
         if names:
             key = Intersect([key, Complement(declared)])
         if name_lang is not None:
             key = Intersect([key, name_lang])
-        extras.append(cat(key, comp.colon, comp.node(sub, f"{path}/patternProperties/{pat}")))
+        subs = [pats[i][1] for i in region]
+        where = f"{path}/patternProperties/{pats[region[0]][0]}"
+        value = comp.node(subs[0] if len(subs) == 1 else {"allOf": subs}, where)
+        extras.append(cat(key, comp.colon, value))
     if addl is not False:
         excluded = [k for k in ([declared] if names else []) + pattern_keys]
         key = Intersect([JSON_STRING, Complement(alt(*excluded))]) if excluded else JSON_STRING

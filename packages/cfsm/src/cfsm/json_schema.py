@@ -55,6 +55,7 @@ from cfsm.regex_ast import (
 )
 from cfsm.regex_parser import parse_regex
 from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas, same_json
+from cfsm.schema_narrow import META_SCHEMA_SUBSET, multiple_of_subset, negation_subset, unique_by_type
 from cfsm.schema_refs import RefResolver, check_depth
 from cfsm.schema_unevaluated import expand_unevaluated, mentions_unevaluated
 
@@ -253,6 +254,13 @@ class _Compiler:
             raise UnsupportedSchemaError(keyword, path, f"{detail}; refused in strict mode")
         self.approximations.setdefault((keyword, path), Approximation(keyword, path, detail))
 
+    def narrowed(self, keyword: str, path: str, detail: str) -> None:
+        """Record that `keyword` at `path` compiles to a subset of its language
+        (`CfsmConfig.narrow`); in strict mode, refuse it."""
+        if self.cfg.strict:
+            raise UnsupportedSchemaError(keyword, path, f"{detail}; refused in strict mode")
+        self.approximations.setdefault((keyword, path), Approximation(keyword, path, detail, "subset"))
+
     def any_value(self, depth: int) -> Node:
         if self.rules is not None:
             return self._value_rule()
@@ -305,12 +313,18 @@ class _Compiler:
         ref = schema[key]
         if not isinstance(ref, str):
             raise UnsupportedSchemaError(key, f"{path}/{key}", "must be a string")
-        if key != "$ref":
-            self.approximate(key, f"{path}/{key}", "resolved like $ref (no dynamic scope)")
         rest = {k: v for k, v in schema.items() if k != key}
         target, base = self.refs.resolve(ref, self.bases[-1], f"{path}/{key}")
+        if key != "$ref":
+            dynamic = self._dynamic_target(key, ref, target, base, rest, path)
+            if dynamic is not None:
+                return dynamic
         if target is True and ref.split("://", 1)[-1].startswith(("json-schema.org", "spec.openapis.org")):
-            self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
+            if self.cfg.narrow:
+                self.narrowed(key, f"{path}/{key}", "a meta-schema reference accepts the schemas true, false and {}")
+                target = META_SCHEMA_SUBSET
+            else:
+                self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
         entered: list[tuple[str, bool]] = []
         ident = f"{base}#{id(target)}"
         if self.rules is not None and (self.refs_as_rules or self.active_refs.get(ident, 0) > 0) and \
@@ -326,6 +340,36 @@ class _Compiler:
         finally:
             self.bases.pop()
             self._leave(entered)
+
+    def _dynamic_target(self, key: str, ref: str, target: Any, base: str, rest: dict[str, Any],
+                        path: str) -> Node | None:
+        """`$dynamicRef` / `$recursiveRef`: None where the caller compiles it like `$ref` (exact when
+        its static target is no dynamic anchor; else approximated and reported); else the node of
+        the target the dynamic scope picks: the root resource's anchor of that name where it has
+        one (outermost in every dynamic scope: exact), otherwise all the document's anchors of
+        that name together (a subset, with `CfsmConfig.narrow`)."""
+        name = ref.rsplit("#", 1)[-1] if key == "$dynamicRef" else ""
+        anchor_key = "$dynamicAnchor" if key == "$dynamicRef" else "$recursiveAnchor"
+        bookend = isinstance(target, dict) and (target.get(anchor_key) == name if key == "$dynamicRef"
+                                                else target.get(anchor_key) is True)
+        if key == "$dynamicRef" and not bookend:
+            return None  # NOTE: the static target is no dynamic anchor: exactly a `$ref`
+        if not bookend or not name:
+            self.approximate(key, f"{path}/{key}", "resolved like $ref (no dynamic scope)")
+            return None
+        candidates = self.refs.dynamic_anchors(name)
+        root_base = self.refs.base_of(self.root, "") if isinstance(self.root, dict) else ""
+        outer = [c for c, b in candidates if b == root_base]
+        chosen: list[tuple[Any, str]] = [(outer[0], root_base)] if outer else candidates
+        if len(chosen) > 1 or chosen[0][0] is not target:
+            if len(chosen) > 1:
+                if not self.cfg.narrow or any(b == "" and self.bases[-1] != "" for _, b in chosen):
+                    self.approximate(key, f"{path}/{key}", "resolved like $ref (no dynamic scope)")
+                    return None
+                self.narrowed(key, f"{path}/{key}", f"every $dynamicAnchor {name!r} of the document applies")
+            refs = [{"$ref": f"{b}#{name}"} for _, b in chosen]
+            return self.node({"allOf": [*refs, *([rest] if rest else [])]}, path)
+        return None
 
     def _ref_rule(self, ident: str, target: Any, base: str, path: str) -> Node:
         """A call of the rule of reference target `ident`, compiled once (rule mode)."""
@@ -433,10 +477,16 @@ class _Compiler:
             # NOTE: in-place applicators evaluate properties / items the merged schema cannot
             # attribute (anyOf branches that also match, `if`, conflicting prefixItems): the
             # unevaluated* keywords beside them are approximated (dropped); alone, they are exact
+            narrowed = _unevaluated_narrowed(schema) if self.cfg.narrow else None
             for key in sorted(_UNEVALUATED & schema.keys()):
-                if schema[key] not in (True, {}):
+                if schema[key] in (True, {}):
+                    continue
+                if narrowed is not None:
+                    self.narrowed(key, f"{path}/{key}", "applied to every member the schema's own keywords do not "
+                                  "declare (also those its in-place applicators evaluate)")
+                else:
                     self.approximate(key, f"{path}/{key}", "not enforced beside in-place applicators")
-            schema = {k: v for k, v in schema.items() if k not in _UNEVALUATED}
+            schema = narrowed if narrowed is not None else {k: v for k, v in schema.items() if k not in _UNEVALUATED}
         if "$ref" in schema or "$dynamicRef" in schema or "$recursiveRef" in schema:
             return self._ref(schema, path)
         if "allOf" in schema:
@@ -467,6 +517,12 @@ class _Compiler:
                     branches = self._exclusive(branches, f"{path}/oneOf")
                 return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(branches)))
         dependent = _dependent_schema(schema)
+        if dependent is None and self.cfg.narrow:
+            absent = _dependents_absent(schema)
+            if absent is not None:
+                self.narrowed("dependentSchemas", f"{path}/dependentSchemas", "the properties with dependent schemas "
+                              "are absent")
+                return self.node(absent, path)
         if dependent is not None:
             # exact: either the property is absent, or present and the dependent schema holds
             key, name, sub, rest = dependent
@@ -480,6 +536,14 @@ class _Compiler:
                 # exact: (if and then) or (not if and else), `not if` spelled as a schema
                 return alt(self._branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
                            self._branch(rest, {"allOf": [negated, schema.get("else", True)]}, f"{path}/else"))
+            if self.cfg.narrow and ("then" in schema or "else" in schema):
+                # a subset: (if and then) or (a subset of `not if`, and else)
+                self.narrowed("if", f"{path}/if", "the else branch only for values the condition surely rejects "
+                              "(by type or simple keywords)")
+                subset = negation_subset(schema["if"], declare=not self.mentions_unevaluated)
+                return alt(self._branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
+                           self._branch(rest, {"allOf": [subset, schema.get("else", True)]}, f"{path}/else")
+                           if subset is not False else NOTHING)
             if "then" in schema and "else" in schema:
                 self.approximate("if", f"{path}/if", "compiled as anyOf [then, else] (the condition is not checked)")
                 return alt(self._branch(rest, schema["then"], f"{path}/then"),
@@ -487,6 +551,13 @@ class _Compiler:
             if "then" in schema or "else" in schema:
                 self.approximate("if", f"{path}/if", "the conditional branch is not enforced")
             return self.node(rest, path)
+        if self.cfg.narrow and "not" in schema and not _not_exact(schema["not"]):
+            # a subset: the values failing one of the negated schema's simple keywords, or of a type it cannot have
+            self.narrowed("not", f"{path}/not", "only values that surely fail the negated schema (by type, simple "
+                          "keywords or properties)")
+            subset = negation_subset(schema["not"], declare=not self.mentions_unevaluated)
+            rest = {k: v for k, v in schema.items() if k != "not"}
+            return NOTHING if subset is False else self._branch(rest, subset, f"{path}/not")
         return self._typed_union(schema, path)
 
     def _exclusive(self, branches: list[Any], path: str) -> list[Any]:
@@ -499,6 +570,12 @@ class _Compiler:
         negated = [_negation(b) for b in resolved]
         if len(branches) <= MAX_ONE_OF_PRODUCT and all(n is not None for n in negated):
             return [{"allOf": [b, *(n for j, n in enumerate(negated) if j != i)]} for i, b in enumerate(branches)]
+        if self.cfg.narrow:
+            subsets = [negation_subset(b, declare=not self.mentions_unevaluated) for b in resolved]
+            if all(n is not False for n in subsets):
+                self.narrowed("oneOf", path, "each branch only where no other branch can match (by type or simple "
+                              "keywords)")
+                return [{"allOf": [b, *(n for j, n in enumerate(subsets) if j != i)]} for i, b in enumerate(branches)]
         self.approximate("oneOf", path, "compiled as anyOf (exclusivity not enforced)")
         return branches
 
@@ -617,6 +694,11 @@ class _Compiler:
                 # exponent (`_excluding`; a subset, as for excluded values)
                 excluded.append(_NON_INTEGER)
             return [t for t in base if t not in named]
+        if self.cfg.narrow:
+            self.narrowed("not", path, "only the JSON types the negated schema cannot have")
+            rejected = _type_set(sub)
+            base = list(types) if types is not None else list(_TYPES)
+            return [t for t in base if ("number" if t == "integer" else t) not in rejected]
         self.approximate("not", path, "not enforced (only `not` over types is)")
         return types
 
@@ -754,6 +836,10 @@ class _Compiler:
                 frac = Repeat(cat(lit("."), Repeat(Chars(((48, 57),)), 1, places)), 0, 1)
                 base = cat(INT, frac) if dlo is None and dhi is None else decimal_range(dlo, lo_excl, dhi, hi_excl)
                 return Intersect([base, cat(INT, frac)])
+            elif self.cfg.narrow:
+                mult = multiple_of_subset(dm)
+                self.narrowed("multipleOf", f"{path}/multipleOf", f"integer multiples of {mult}" if mult else "only 0")
+                integer = True
             else:
                 self.approximate("multipleOf", f"{path}/multipleOf",
                                  "not enforced (only integers and powers of ten: 0.1, 0.01, ...)")
@@ -766,6 +852,8 @@ class _Compiler:
             if ihi is not None and hi_excl and Decimal(ihi) == dhi:
                 ihi -= 1
             rng = piece(INT) if ilo is None and ihi is None else int_range(ilo, ihi)
+            if mult == 0:
+                return Intersect([rng, lit("0")])
             if mult is not None and int(Decimal(str(mult))) != 1:
                 return Intersect([rng, multiple_of(int(Decimal(str(mult))))])
             return rng
@@ -817,6 +905,8 @@ class _Compiler:
                                          lo, None if hi is None else int(hi))
                 return cat(lit("["), self.ws, body, self.ws, lit("]"))
             # NOTE: exact only for items of at most MAX_UNIQUE_VALUES scalar values (above)
+            if self.cfg.narrow and not contains:
+                return unique_by_type(self, prefix, items, lo, None if hi is None else int(hi), path)
             if not contains and k > 1 and rest is not None and all(v is not None for v in listed):
                 # the prefix items distinct from each other; the later ones may repeat any item
                 self.approximate("uniqueItems", f"{path}/uniqueItems",
@@ -907,6 +997,52 @@ class _Compiler:
             # NOTE: an object schema without object keywords is any object, in every config
             return self.free_object(self.cfg.json_depth)
         return cat(lit("{"), self.ws, Scope(object_members(self, schema, path)), self.ws, lit("}"))
+
+
+def _unevaluated_narrowed(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """`schema` with its unevaluated* keywords applied to every member its own keywords do not
+    evaluate (`additionalProperties` / `items`; merges carry them onto the members in-place
+    applicators declare): a subset of its language. None where its own keywords already use them."""
+    out = {k: v for k, v in schema.items() if k not in _UNEVALUATED}
+    props, items = schema.get("unevaluatedProperties", True), schema.get("unevaluatedItems", True)
+    if props not in (True, {}):
+        if {"additionalProperties", "patternProperties"} & schema.keys():
+            return None
+        out["additionalProperties"] = props
+    if items not in (True, {}):
+        if {"items", "prefixItems", "contains", "additionalItems"} & schema.keys():
+            return None
+        out["items"] = items
+    return out
+
+
+def _dependents_absent(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """`schema` with every property that has a dependent schema (`dependentSchemas`, schema
+    entries of `dependencies`) declared `false` (absent): a subset. None where there are none."""
+    names = [name for key in ("dependentSchemas", "dependencies") if isinstance(schema.get(key), dict)
+             for name, sub in schema[key].items() if isinstance(sub, dict | bool) and sub not in (True, {})]
+    if not names:
+        return None
+    out = {k: v for k, v in schema.items() if k != "dependentSchemas"}
+    if isinstance(schema.get("dependencies"), dict):
+        out["dependencies"] = {k: v for k, v in schema["dependencies"].items() if isinstance(v, list)}
+    out["properties"] = {**(schema.get("properties") or {}), **dict.fromkeys(names, False)}
+    return out
+
+
+def _not_exact(sub: Any) -> bool:
+    """Whether `_Compiler._not` compiles `not: sub` exactly (types, scalar values, booleans)."""
+    if isinstance(sub, bool) or sub == {}:
+        return True
+    if not isinstance(sub, dict):
+        return False
+    keys = set(sub) - _STRUCTURAL
+    if keys == {"anyOf"} and isinstance(sub["anyOf"], list):
+        return all(_not_exact(part) for part in sub["anyOf"])
+    if keys in ({"const"}, {"enum"}):
+        values = [sub["const"]] if "const" in sub else sub["enum"]
+        return isinstance(values, list) and not any(isinstance(v, dict | list) for v in values)
+    return set(sub) <= {"type", "title", "description", "$comment"}
 
 
 def _counted(hit: Node, miss: Node, comma: Node, count: int) -> Node:

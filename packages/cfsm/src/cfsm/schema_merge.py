@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import regex
+
 from cfsm.errors import UnsupportedSchemaError
 
 __all__ = ["merge_schemas", "same_json", "ALL_PATTERNS", "ALL_FORMATS"]
@@ -112,4 +114,46 @@ def merge_schemas(a: dict[str, Any], b: Any, path: str, approximate: Approximate
     if len(enums) == 2:
         out.pop("const", None)
         out["enum"] = [x for x in enums[0] if any(same_json(x, y) for y in enums[1])]
+    _close_declared(out, a, b)
+    _close_prefix(out, a, b)
     return out
+
+
+def _close_prefix(out: dict[str, Any], a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The prefix items one side declares are items for the other side (draft 2020-12 `items`
+    beside no `prefixItems`): its `items` applies to them too."""
+    for side, other in ((a, b), (b, a)):
+        items, prefix = side.get("items"), other.get("prefixItems")
+        if "prefixItems" in side or items in (None, True, {}) or isinstance(items, list):
+            continue
+        if out.get("prefixItems") is prefix and isinstance(prefix, list):
+            out["prefixItems"] = [{"allOf": [p, items]} for p in prefix]
+
+
+def _close_declared(out: dict[str, Any], a: dict[str, Any], b: dict[str, Any]) -> None:
+    """A name one side declares is an undeclared member for the other side, whose
+    `additionalProperties` (or the `patternProperties` it matches) applies to it: added to the
+    merged declaration (which `additionalProperties` no longer sees)."""
+    merged = out.get("properties")
+    if not isinstance(merged, dict):
+        return
+    for side, other in ((a, b), (b, a)):
+        addl = side.get("additionalProperties")
+        theirs = other.get("properties")
+        if addl in (None, True, {}) or not isinstance(theirs, dict):
+            continue
+        mine: dict[str, Any] = side["properties"] if isinstance(side.get("properties"), dict) else {}
+        patterns: dict[str, Any] = side["patternProperties"] if isinstance(side.get("patternProperties"), dict) else {}
+        for name in theirs:
+            if name in mine or name not in merged:
+                continue
+            matched = [sub for pat, sub in patterns.items() if _search(pat, name)]
+            if not matched:
+                merged[name] = {"allOf": [merged[name], addl]}
+
+
+def _search(pattern: str, name: str) -> bool:
+    try:
+        return regex.search(pattern, name) is not None
+    except (regex.error, TypeError):
+        return False

@@ -89,6 +89,11 @@ class RefResolver:
                     self.anchors.setdefault(f"{base}#{anchor}", value)
             stack.extend((v, base) for k, v in value.items() if k not in _DATA_KEYWORDS)
 
+    def dynamic_anchors(self, name: str) -> list[tuple[Any, str]]:
+        """Every schema with `"$dynamicAnchor": name`, with its base URI (document order)."""
+        return [(value, key[: -len(name) - 1]) for key, value in self.anchors.items()
+                if key.endswith(f"#{name}") and isinstance(value, dict) and value.get("$dynamicAnchor") == name]
+
     def base_of(self, schema: dict[str, Any], base: str) -> str:
         """The base URI inside `schema` (its own `$id` joined to `base`, or `base`)."""
         ident = _own_id(schema)

@@ -195,8 +195,12 @@ def _list(schema: dict[str, Any], key: str) -> list[Any]:
 def _conditional(comp: _Compiler, schema: dict[str, Any], path: str, base: str, depth: int) -> list[Alternative]:
     """`if` / `then` / `else`: (if and then, both evaluated) or (not if and else, else evaluated)."""
     from cfsm.json_schema import _negation
+    from cfsm.schema_narrow import negation_subset
 
     negated = _negation(schema["if"])
+    if negated is None and comp.cfg.narrow and ("then" in schema or "else" in schema):
+        comp.narrowed("if", f"{path}/if", "the else branch only for values the condition surely rejects")
+        negated = negation_subset(schema["if"], declare=False)
     if negated is None:
         if "then" in schema or "else" in schema:
             comp.approximate("if", f"{path}/if", "the condition is not checked on the else branch")

@@ -1,0 +1,146 @@
+"""Narrowings (`CfsmConfig.narrow`, the default): where a keyword cannot be compiled exactly, the
+default config compiles a subset of its language, reported as an `Approximation` of kind
+"subset", while `CfsmConfig.spec()` keeps the superset (kind "superset") and strict mode refuses.
+
+The oracle is `jsonschema` (draft 2020-12): every short member of the compiled language (all
+of them up to a length, breadth-first over a small alphabet) and every accepted instance of a
+finite universe must be valid; a typical valid instance the narrowing keeps is accepted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+import cfsm
+from cfsm.automaton import Dfa, build_dfa
+from cfsm.json_schema import schema_tree
+from cfsm.testing import accepts_bytes
+
+# bytes of short JSON texts: structure, digits, a few letters, the literals' letters
+ALPHABET = sorted(set(b'[]{}",:-.012ab') | set(b"truefalsn"))
+MAX_VISITS = 10_000
+MAX_LENGTH = 16
+
+ITEMS: list[Any] = [1, 2, 1.0, 2.5, "a", "b", True, False, None, {}, {"a": 1}, [], [1]]
+
+
+def _universe() -> list[Any]:
+    arrays = [list(p) for n in range(4) for p in itertools.product(ITEMS, repeat=n)]
+    objects = [{k: v for k, v in zip(keys, values, strict=True)} for n in range(3)
+               for keys in itertools.permutations(["a", "b", "foo"], n) for values in itertools.product([1, "a", []], repeat=n)]
+    return [*ITEMS, *arrays, *objects, 35, 3, 4.5, -3]
+
+
+UNIVERSE = _universe()
+
+
+def _members(dfa: Dfa) -> list[bytes]:
+    """Accepted strings over `ALPHABET`, shortest first: all of them up to the length where the
+    breadth-first walk passes `MAX_VISITS` strings (at most `MAX_LENGTH` bytes)."""
+    steps = dfa.transitions[:, ALPHABET]  # (num_states + 1, len(ALPHABET))
+    out: list[bytes] = []
+    level: list[tuple[int, bytes]] = [(dfa.start, b"")]
+    visited = 0
+    while level and visited < MAX_VISITS:
+        nxt_level: list[tuple[int, bytes]] = []
+        for state, text in level:
+            visited += 1
+            if dfa.accepting[state]:
+                out.append(text)
+            if len(text) < MAX_LENGTH:
+                nxt_level += [(int(q), text + bytes([ALPHABET[i]])) for i, q in enumerate(steps[state]) if q != dfa.dead]
+        level = nxt_level
+    return out
+
+
+def _compile(schema: Any, config: cfsm.CfsmConfig) -> tuple[Dfa, tuple[cfsm.Approximation, ...]]:
+    node, approximations = schema_tree(schema, config)
+    return build_dfa(node), approximations
+
+
+def _valid(schema: Any, instance: Any) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(instance)
+
+
+NARROW = cfsm.CfsmConfig(whitespace="compact", recursion="unroll", json_depth=2)
+
+# (name, schema, keyword narrowed, an instance the narrowing keeps)
+CASES: list[tuple[str, Any, str, Any]] = [
+    ("uniqueItems over free items", {"uniqueItems": True}, "uniqueItems", [1, "a", {}, [], True, None]),
+    ("uniqueItems over strings", {"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems",
+     ["a"]),
+    ("uniqueItems over objects", {"type": "array", "items": {"type": "object"}, "uniqueItems": True,
+                                  "minItems": 1}, "uniqueItems", [{"a": 1}]),
+    ("uniqueItems after boolean prefix items", {"prefixItems": [{"type": "boolean"}, {"type": "boolean"}],
+                                                "uniqueItems": True}, "uniqueItems", [True]),
+    ("uniqueItems over numbers or strings, maxItems", {"type": "array", "items": {"type": ["number", "string"]},
+                                                       "uniqueItems": True, "maxItems": 3}, "uniqueItems", [1.5, "b"]),
+    ("not of an object schema", {"not": {"type": "object", "properties": {"foo": {"type": "string"}}}}, "not",
+     {"foo": 1}),
+    ("not of properties without type", {"not": {"properties": {"a": {"type": "integer"}}, "required": ["b"]}},
+     "not", {"a": "a"}),
+    ("if without a simple negation", {"type": "object", "properties": {"a": {}, "b": {}},
+                                      "if": {"properties": {"a": {"const": 1}}},
+                                      "then": {"required": ["b"]}, "else": {"properties": {"b": {"type": "array"}}}},
+     "if", {"a": 2, "b": []}),
+    ("oneOf of overlapping branches", {"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "oneOf", 1),
+    ("oneOf of objects", {"type": "object", "properties": {"a": {}, "b": {}},
+                          "oneOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "string"}}}]},
+     "oneOf", {"a": 1, "b": 1}),
+    ("multipleOf 1.5", {"multipleOf": 1.5}, "multipleOf", 3),
+    ("dependentSchemas beside additionalProperties", {"properties": {"foo": {}, "bar": {}},
+                                                      "dependentSchemas": {"foo": {"properties": {"bar": {}},
+                                                                                   "additionalProperties": False}}},
+     "dependentSchemas", {"bar": 1}),
+    ("meta-schema reference", {"$ref": "https://json-schema.org/draft/2020-12/schema"}, "$ref", {}),
+    ("dynamicRef with several anchors", {
+        "$id": "https://example.com/root", "$ref": "list", "$defs": {
+            "list": {"$id": "list", "type": "array", "items": {"$dynamicRef": "#item"},
+                     "$defs": {"item": {"$dynamicAnchor": "item", "type": ["string", "number"]}}},
+            "other": {"$id": "other", "$defs": {"item": {"$dynamicAnchor": "item", "type": "string"}}}}},
+     "$dynamicRef", ["a"]),
+]
+
+
+@pytest.mark.parametrize(("name", "schema", "keyword", "kept"), CASES, ids=[c[0] for c in CASES])
+def test_narrowed_language_is_valid(name: str, schema: Any, keyword: str, kept: Any) -> None:
+    dfa, approximations = _compile(schema, NARROW)
+    kinds = {a.kind for a in approximations if a.keyword == keyword}
+    assert kinds == {"subset"}, approximations
+    assert all(a.kind == "subset" for a in approximations), approximations
+    members = _members(dfa)
+    assert members, "the narrowed language has short members"
+    for text in members:
+        assert _valid(schema, json.loads(text)), text
+    for instance in UNIVERSE:
+        if dfa.fullmatch(json.dumps(instance, separators=(",", ":")).encode()):
+            assert _valid(schema, instance), instance
+    assert _valid(schema, kept)
+    assert dfa.fullmatch(json.dumps(kept, separators=(",", ":")).encode()), kept
+
+
+@pytest.mark.parametrize(("name", "schema", "keyword", "kept"), CASES, ids=[c[0] for c in CASES])
+def test_spec_keeps_the_superset_and_strict_refuses(name: str, schema: Any, keyword: str, kept: Any) -> None:
+    dfa, approximations = _compile(schema, cfsm.CfsmConfig.spec(whitespace="compact", recursion="unroll",
+                                                                  json_depth=2))
+    assert {a.kind for a in approximations if a.keyword == keyword} == {"superset"}, approximations
+    for instance in UNIVERSE:
+        # NOTE: objects of one member: an undeclared member before a declared one is a known spec-mode limit
+        if _valid(schema, instance) and not (isinstance(instance, dict) and len(instance) > 1):
+            assert dfa.fullmatch(json.dumps(instance, separators=(",", ":")).encode()), instance
+    with pytest.raises(cfsm.UnsupportedSchemaError) as err:
+        _compile(schema, cfsm.CfsmConfig(strict=True, recursion="unroll", json_depth=2))
+    assert err.value.keyword == keyword
+
+
+def test_narrowing_is_reported_in_the_index() -> None:
+    vocab = cfsm.Vocabulary([bytes([b]) for b in range(128)] + [b""], eos_token_ids=[128])  # token id = byte
+    index = cfsm.compile_json_schema({"uniqueItems": True}, vocab, cfsm.CfsmConfig(whitespace="compact"))
+    assert accepts_bytes(index, '[1,"a"]', 128) and not accepts_bytes(index, "[1,2]", 128)
+    (note,) = [a for a in index.approximations if a.keyword == "uniqueItems"]
+    assert note.kind == "subset" and str(note).startswith("uniqueItems at #/uniqueItems: narrowed: ")
