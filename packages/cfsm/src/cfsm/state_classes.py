@@ -12,19 +12,32 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     """Per d in 0..depth: classes of states that agree on every byte string of at most d bytes.
 
     Two states agree when, after any such string, both are dead or both are live with the same
-    acceptance; so every token of at most d bytes is allowed in both or in neither. Moore rounds
-    on two 64-bit signatures `h[p] = sum_j w_j * cls[succ_j(p)]`, updated only for the
-    predecessors of states whose class changed; only classes holding such a state are re-sorted.
-    # NOTE: only a collision of both signatures (about rounds * states^2 / 2^128) would merge
-    # two classes.
+    acceptance; so every token of at most d bytes is allowed in both or in neither.
     """
     if rep is None:  # a representative byte of each byte class
         cols = dfa.class_table
     else:
         cols = np.take(dfa.transitions, rep, axis=1)
-    n, k = cols.shape
     cls = dfa.accepting.astype(np.int64)
     cls[dfa.dead] = 2
+    return refine_classes(cols, cls, dfa.dead, depth)
+
+
+def refine_classes(cols: np.ndarray, init: np.ndarray, dead: int, depth: int, *, history: bool = True
+                   ) -> list[np.ndarray]:
+    """Moore rounds: per d in 0..depth, classes of the rows of `cols` (n, k) (`cols[p, j]`: the
+    successor of p on edge label j) that `init` (n,) puts alike and whose successors on every
+    label sequence of at most d edges are alike. `dead` is a row alone in its `init` class whose
+    edges all lead to itself. Stops early at the fixpoint (the coarsest such partition: the
+    remaining entries repeat it). `history=False`: only the last entry, `[classes]`. Pure.
+
+    Moore rounds on two 64-bit signatures `h[p] = sum_j w_j * cls[succ_j(p)]`, updated only for
+    the predecessors of states whose class changed; only classes holding such a state are re-sorted.
+    # NOTE: only a collision of both signatures (about rounds * states^2 / 2^128) would merge
+    # two classes.
+    """
+    n, k = cols.shape
+    cls = np.asarray(init, dtype=np.int64).copy()
     rng = np.random.default_rng(0xC1A55)
     w = rng.integers(1, 2**63, size=(2, k), dtype=np.uint64)
     succ = cls[cols].astype(np.uint64)
@@ -32,14 +45,15 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
     # reverse edges grouped by target, but for those into the dead state (alone in its class
     # from the start, it never changes class)
     flat_dst = cols.reshape(-1).astype(np.int64)
-    edge = np.flatnonzero(flat_dst != dfa.dead)
+    edge = np.flatnonzero(flat_dst != dead)
     edge = edge[_stable_argsort(flat_dst[edge], n)]
     edge_src, edge_w = edge // k, w[:, edge % k]
     bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
-    num = 3
+    num = int(cls.max()) + 1 if n else 0
     out = [cls.copy()]
     sub = np.arange(n)
-    while len(out) <= depth:
+    rounds = 0
+    while rounds < depth:
         o = sub[np.lexsort((h[1, sub], h[0, sub], cls[sub]))]
         changed, new_ids, num_new = _split_round(o, cls, (h[0], h[1]), num)
         if num_new == 0:
@@ -47,7 +61,9 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
         delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
         cls[changed] = new_ids
         num += num_new
-        out.append(cls.copy())
+        rounds += 1
+        if history:
+            out.append(cls.copy())
         idx, sizes = _in_edges(bounds, changed)
         if not len(idx):
             break
@@ -58,6 +74,8 @@ def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[
         hit = np.zeros(num, dtype=bool)
         hit[cls[touched]] = True
         sub = np.flatnonzero(hit[cls])
+    if not history:
+        return [cls]
     out.extend([cls] * (depth + 1 - len(out)))
     return out
 

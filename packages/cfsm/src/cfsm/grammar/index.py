@@ -15,6 +15,10 @@ row of its shortest key with nothing uncertain (at the bottom of the stack, unce
 rejected: nothing follows the start rule). A configuration's mask is the union of its stacks'
 rows, plus EOS where the start rule may end; it is cached per configuration id.
 
+States of the network that no byte string tells apart (`walk_representatives`: same bytes to
+states alike, same calls with returns alike, same end and FOLLOW set) walk the vocabulary alike
+from any stack: their one-frame keys and their settlements are one walk.
+
 Not thread-safe: guides fill the caches as they go (one engine thread).
 """
 
@@ -29,6 +33,7 @@ import numpy as np
 
 from cfsm.errors import Approximation, GrammarError
 from cfsm.grammar.pda import Pda
+from cfsm.state_classes import refine_classes
 from cfsm.vocab import Vocabulary
 
 __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
@@ -82,7 +87,8 @@ class GrammarIndex:
     dead = 0
 
     def __init__(self, pda: Pda, vocab: Vocabulary, grammar: str = "",
-                 approximations: tuple[Approximation, ...] = (), *, precompute: bool = True) -> None:
+                 approximations: tuple[Approximation, ...] = (), *, precompute: bool = True,
+                 reps: np.ndarray | None = None) -> None:
         self.pda = pda
         self.vocab = vocab
         self.grammar = grammar
@@ -101,6 +107,8 @@ class GrammarIndex:
         except _TooAmbiguous:
             raise GrammarError(f"the grammar is too ambiguous: a rule's start expands to more than {MAX_STACKS} "
                                "parses") from None
+        # state -> the state whose walks it shares (`walk_representatives`)
+        self._rep: list[int] = (walk_representatives(pda, self._follow) if reps is None else reps).tolist()
         self._keys: dict[Stack, _KeyInfo] = {}
         # (return state, digest of escape pairs) -> the settlement of those escapes by that frame
         self._settled: dict[tuple[int, bytes], _KeyInfo] = {}
@@ -406,6 +414,10 @@ class GrammarIndex:
         if info is not None:
             return info
         if len(key) == 1:
+            rep = self._rep[key[0]]
+            if rep != key[0]:
+                info = self._keys[key] = self._key((rep,))
+                return info
             link = self._chains.get(key[0])
             sid = self._intern(self._close([key]))
             if link is not None:
@@ -428,6 +440,7 @@ class GrammarIndex:
 
         NOTE: a token that escapes only before its first byte goes as from the one-frame key of
         `ret` (accepted, rejected or escaping alike): no walk."""
+        ret = self._rep[ret]
         hit = self._settled.get((ret, prev.digest))
         if hit is not None:
             return hit
@@ -568,12 +581,18 @@ class GrammarIndex:
         # what those leave uncertain by the frames below them, and so on, until no new escape set
         # shows up (or the budget of `MAX_SETTLEMENTS`): a first-use mask of a deep stack is then lookups only
         work: list[tuple[_KeyInfo, int]] = []
+        queued: set[tuple[bytes, int]] = set()  # NOTE: a settlement depends on (escapes, frame) only
+        uncertain = 0
         for s in np.flatnonzero(pda.has_bytes).tolist():
             info = self._key((s,))
             if len(info.uncertain):
-                work.append((info, int(pda.state_rule[s])))
-        rets = {rule: sorted(r) for rule, r in returns.items()}
-        budget = min(self.max_settlements, 2 * len(work) + 256)
+                uncertain += 1
+                rule = int(pda.state_rule[s])
+                if (info.digest, rule) not in queued:
+                    queued.add((info.digest, rule))
+                    work.append((info, rule))
+        rets = {rule: sorted({self._rep[t] for t in r}) for rule, r in returns.items()}
+        budget = min(self.max_settlements, 2 * uncertain + 256)
         while work and len(self._settled) < budget:
             info, rule = work.pop()
             for ret in rets.get(rule, ()):
@@ -592,6 +611,7 @@ class GrammarIndex:
                         pda.rule_names, pda.root),
                 "grammar": self.grammar, "approximations": tuple(self.approximations),
                 "keys": {k: (v.row, v.esc_rank, v.esc_at) for k, v in self._keys.items()},
+                "reps": np.asarray(self._rep, dtype=np.int32),
                 "settled": {k: (v.row, v.esc_rank, v.esc_at) for k, v in self._settled.items()}}
 
     @classmethod
@@ -600,8 +620,11 @@ class GrammarIndex:
         trans, calls, accepting, has_bytes, state_rule, rule_start, rule_names, root = payload["pda"]
         pda = Pda(trans=trans, calls=calls, accepting=accepting, has_bytes=has_bytes, state_rule=state_rule,
                   rule_start=rule_start, rule_names=rule_names, root=root)
-        index = cls(pda, vocab, payload["grammar"], tuple(payload["approximations"]), precompute=False)
-        index._keys = {k: _info(row, esc_rank, esc_at) for k, (row, esc_rank, esc_at) in payload["keys"].items()}
+        index = cls(pda, vocab, payload["grammar"], tuple(payload["approximations"]), precompute=False,
+                    reps=payload.get("reps"))
+        infos: dict[int, _KeyInfo] = {}  # NOTE: keys sharing one walk share one info
+        index._keys = {k: infos.setdefault(id(row), _info(row, esc_rank, esc_at))
+                       for k, (row, esc_rank, esc_at) in payload["keys"].items()}
         index._settled = {k: _info(row, esc_rank, esc_at)
                           for k, (row, esc_rank, esc_at) in payload.get("settled", {}).items()}
         return index
@@ -650,6 +673,39 @@ def _counted_chains(pda: Pda) -> dict[int, tuple[int, int, bytes]]:
         for k in range(1, n + 1):
             out[chain[k]] = (head, n - k, run_class)
     return out
+
+
+def walk_representatives(pda: Pda, follow: np.ndarray) -> np.ndarray:
+    """(num_states,) int32: per state of `pda`, the least state that no byte string tells apart
+    from it (the coarsest partition where states alike end their rules alike, with the same
+    FOLLOW set, step on every byte to states alike and call the same rules with returns alike;
+    Moore rounds, `state_classes.refine_classes`). Such states walk every token alike from any
+    stack: same configurations up to the states' names, same escapes. Pure.
+
+    NOTE: `follow` is `_follow_sets(pda, ...)` (num_rules, 256)."""
+    n = pda.num_states
+    if n == 0:
+        return np.zeros(0, dtype=np.int32)
+    _, first = np.unique(pda.trans.T, axis=0, return_index=True)  # one byte of each byte class
+    num_rules = len(pda.rule_start)
+    cols = np.full((n + 1, len(first) + num_rules), n, dtype=np.int64)  # row n: the dead state
+    trans = pda.trans[:, np.sort(first)]
+    cols[:n, :len(first)] = np.where(trans >= 0, trans, n)
+    for s, calls in enumerate(pda.calls):
+        for rule, ret in calls:
+            cols[s, len(first) + rule] = ret
+    _, follow_id = np.unique(follow, axis=0, return_inverse=True)
+    init = np.zeros(n + 1, dtype=np.int64)
+    acc = np.flatnonzero(pda.accepting)
+    init[acc] = 1 + np.asarray(follow_id).reshape(-1)[pda.state_rule[acc]]
+    init[n] = int(init.max()) + 1
+    cls = refine_classes(cols, init, n, n + 1, history=False)[0][:n]
+    order = np.argsort(cls, kind="stable")
+    starts = np.flatnonzero(np.r_[True, cls[order][1:] != cls[order][:-1]])
+    least = np.minimum.reduceat(order, starts)
+    rep = np.empty(n, dtype=np.int32)
+    rep[order] = np.repeat(least, np.diff(np.r_[starts, n]))
+    return rep
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
