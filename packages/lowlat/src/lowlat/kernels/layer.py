@@ -31,11 +31,16 @@ import triton.language as tl
 def _dot(a, w, acc, DOT_F32: tl.constexpr):
     """``acc + a @ w``: in float32 at full precision (``ieee``, not TF32) with DOT_F32, else in ``w``'s dtype (``a``
     cast to it) with float32 accumulation."""
+    # NOTE: one if / elif / else: Triton traces the code after a static if that returns, so a fall-through dot in
+    # fp8 would be traced (and fail its K >= 32 check at head_dim 16, seen on the H200) even when not taken
+    W_FP8: tl.constexpr = w.dtype.is_fp8()
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    if w.dtype.is_fp8():  # FP8 weights or KV: widened to bf16 (every e4m3 value is one), the other side too
-        return tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
-    return tl.dot(a.to(w.dtype), w, acc)
+        out = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    elif W_FP8:  # FP8 weights or KV: widened to bf16 (every e4m3 value is one), the other side too
+        out = tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+    else:
+        out = tl.dot(a.to(w.dtype), w, acc)
+    return out
 
 
 @triton.jit

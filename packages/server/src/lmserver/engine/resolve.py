@@ -97,11 +97,11 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
 def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
                 dtype: str) -> tuple[str | None, str, str]:
     """(quantization, kv_cache_dtype, lowlat_plugins) resolved: "fp8" for an FP8 checkpoint or
-    `--quantization fp8`, else None; "auto" KV becomes the model dtype's name; lowlat `auto`
-    becomes `off` with FP8 (its plugins read no FP8 yet; logged). Raises ConfigError before
-    anything loads for an unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8
-    (compute capability < 8.9, named), and FP8 with tensor parallelism or a required lowlat
-    plugin (not built)."""
+    `--quantization fp8`, else None; "auto" KV becomes the model dtype's name; lowlat plugins as
+    asked (the set-up names FP8 weights and KV: a plugin that reads neither is refused with that
+    reason, the nvidia plugin takes both). Raises ConfigError before anything loads for an
+    unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8 (compute capability < 8.9,
+    named), and FP8 with tensor parallelism."""
     from lmserver.layers.fp8_linear import fp8_unsupported_reason
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
@@ -122,11 +122,6 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
                               "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
         if config.tp_size > 1:
             raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
-        if config.lowlat_plugins.startswith("auto"):
-            logger.info("lowlat plugins off: %s is not supported by them yet", what)
-            return quant, kv, "off"
-        if config.lowlat_plugins != "off":
-            raise ConfigError(f"{what} with lowlat plugins is not supported yet; use --lowlat-plugins off")
     return quant, kv, config.lowlat_plugins
 
 
