@@ -15,6 +15,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cfsm
 from cfsm.automaton import Dfa, build_dfa
@@ -39,14 +41,14 @@ def _universe() -> list[Any]:
 UNIVERSE = _universe()
 
 
-def _members(dfa: Dfa) -> list[bytes]:
+def _members(dfa: Dfa, max_visits: int = 0) -> list[bytes]:
     """Accepted strings over `ALPHABET`, shortest first: all of them up to the length where the
     breadth-first walk passes `MAX_VISITS` strings (at most `MAX_LENGTH` bytes)."""
     steps = dfa.transitions[:, ALPHABET]  # (num_states + 1, len(ALPHABET))
     out: list[bytes] = []
     level: list[tuple[int, bytes]] = [(dfa.start, b"")]
     visited = 0
-    while level and visited < MAX_VISITS:
+    while level and visited < (max_visits or MAX_VISITS):
         nxt_level: list[tuple[int, bytes]] = []
         for state, text in level:
             visited += 1
@@ -67,6 +69,7 @@ def _valid(schema: Any, instance: Any) -> bool:
     return jsonschema.Draft202012Validator(schema).is_valid(instance)
 
 
+BYTES = cfsm.Vocabulary([bytes([b]) for b in range(128)] + [b""], eos_token_ids=[128])  # token id = byte, EOS 128
 NARROW = cfsm.CfsmConfig(whitespace="compact", recursion="unroll", json_depth=2)
 
 # (name, schema, keyword narrowed, an instance the narrowing keeps)
@@ -139,8 +142,59 @@ def test_spec_keeps_the_superset_and_strict_refuses(name: str, schema: Any, keyw
 
 
 def test_narrowing_is_reported_in_the_index() -> None:
-    vocab = cfsm.Vocabulary([bytes([b]) for b in range(128)] + [b""], eos_token_ids=[128])  # token id = byte
-    index = cfsm.compile_json_schema({"uniqueItems": True}, vocab, cfsm.CfsmConfig(whitespace="compact"))
+    index = cfsm.compile_json_schema({"uniqueItems": True}, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert accepts_bytes(index, '[1,"a"]', 128) and not accepts_bytes(index, "[1,2]", 128)
     (note,) = [a for a in index.approximations if a.keyword == "uniqueItems"]
     assert note.kind == "subset" and str(note).startswith("uniqueItems at #/uniqueItems: narrowed: ")
+
+
+# ---- property test: random schemas that need narrowings -------------------------------------------------------------
+
+_LEAVES = st.sampled_from([
+    {"type": "integer"}, {"type": "string"}, {"type": "object"}, {"type": ["string", "null"]}, {"minimum": 2},
+    {"maxLength": 1}, {"const": 1}, {"enum": ["a", None]}, {"required": ["a"]}, True, False,
+    {"type": "object", "properties": {"a": {"type": "integer"}}}, {"properties": {"a": {"const": "a"}}},
+    {"type": "array", "items": {"type": "integer"}}, {"not": {"type": "integer"}},
+])
+
+
+def _combined(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        inner.map(lambda s: {"not": s}),
+        st.tuples(inner, inner, inner).map(lambda t: {"if": t[0], "then": t[1], "else": t[2]}),
+        st.lists(inner, min_size=2, max_size=3).map(lambda b: {"oneOf": b}),
+        inner.map(lambda s: {"type": "array", "items": s, "uniqueItems": True, "maxItems": 3}),
+        st.tuples(inner, inner).map(lambda t: {"allOf": [t[0], {"not": t[1]}]}),
+        st.tuples(inner, inner).map(lambda t: {"type": "object", "properties": {"a": t[0], "b": {}},
+                                               "dependentSchemas": {"a": {"properties": {"b": t[1]},
+                                                                          "additionalProperties": False}}}),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.recursive(_LEAVES, _combined, max_leaves=4))
+def test_random_narrowed_schemas_accept_only_valid_documents(schema: Any) -> None:
+    try:
+        dfa, approximations = _compile(schema, NARROW)
+    except cfsm.UnsupportedSchemaError as err:
+        assert "accepts no string" in str(err), err  # a narrowing may leave no document at all
+        return
+    if any(a.kind == "superset" for a in approximations):
+        return  # NOTE: a reported superset (a `oneOf` whose narrowing would be empty, ...)
+    for text in _members(dfa, max_visits=3000):
+        assert _valid(schema, json.loads(text)), (schema, text)
+    for instance in UNIVERSE:
+        if dfa.fullmatch(json.dumps(instance, separators=(",", ":")).encode()):
+            assert _valid(schema, instance), (schema, instance)
+
+
+def test_a_narrowing_that_leaves_no_document_compiles_the_superset() -> None:
+    """`not` of patternProperties narrows to the non-objects, which the `enum` rules out: the
+    compile falls back to the reported superset instead of refusing a schema with valid documents."""
+    schema = {"allOf": [{"enum": [{"a": "bar"}]},
+                        {"not": {"patternProperties": {"a*": {"type": "integer"}, "aaa*": {"maximum": 20}}}}]}
+    assert _valid(schema, {"a": "bar"})
+    assert build_dfa(schema_tree(schema, NARROW)[0]).num_states == 0
+    index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    assert {a.kind for a in index.approximations} == {"superset"}, index.approximations
+    assert accepts_bytes(index, '{"a":"bar"}', 128)

@@ -127,8 +127,19 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
     can only over-approximate are listed in `approximations` (with `config.strict`, they raise).
     Intersections (`enum` beside other keywords) over recursion compile unrolled, as "unroll" does.
     Raises `UnsupportedSchemaError` (keyword and JSON path) for what cannot be compiled.
+    Where `config.narrow`'s subsets leave no document at all, the superset is compiled instead
+    (its approximations reported as kind "superset").
     """
     cfg = config or CfsmConfig()
+    try:
+        return _compile_json_schema(schema, vocab, cfg)
+    except UnsupportedSchemaError as err:
+        if not cfg.narrow or cfg.strict or "accepts no string" not in str(err):
+            raise
+        return _compile_json_schema(schema, vocab, dataclasses.replace(cfg, narrow=False))
+
+
+def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Index | GrammarIndex:
     key = f"schema:{_schema_text(schema)}|{cfg.schema_key()}"
     if cfg.recursion != "stack":
         return _regular_schema_index(schema, vocab, cfg, key)

@@ -55,7 +55,13 @@ from cfsm.regex_ast import (
 )
 from cfsm.regex_parser import parse_regex
 from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas, same_json
-from cfsm.schema_narrow import META_SCHEMA_SUBSET, multiple_of_subset, negation_subset, unique_by_type
+from cfsm.schema_narrow import (
+    META_SCHEMA_SUBSET,
+    multiple_of_subset,
+    negation_subset,
+    possible_types,
+    unique_by_type,
+)
 from cfsm.schema_refs import RefResolver, check_depth
 from cfsm.schema_unevaluated import expand_unevaluated, mentions_unevaluated
 
@@ -572,7 +578,9 @@ class _Compiler:
             return [{"allOf": [b, *(n for j, n in enumerate(negated) if j != i)]} for i, b in enumerate(branches)]
         if self.cfg.narrow:
             subsets = [negation_subset(b, declare=not self.mentions_unevaluated) for b in resolved]
-            if all(n is not False for n in subsets):
+            kept = [possible_types({"allOf": [b, *(n for j, n in enumerate(subsets) if j != i)]})
+                    for i, b in enumerate(resolved)]
+            if all(kept):  # NOTE: else a branch would lose every value (objects negated only by type)
                 self.narrowed("oneOf", path, "each branch only where no other branch can match (by type or simple "
                               "keywords)")
                 return [{"allOf": [b, *(n for j, n in enumerate(subsets) if j != i)]} for i, b in enumerate(branches)]

@@ -28,7 +28,7 @@ from cfsm.regex_ast import EMPTY, NOTHING, Node, Scope, Shared, alt, cat, lit
 if TYPE_CHECKING:
     from cfsm.json_schema import _Compiler
 
-__all__ = ["unique_by_type", "negation_subset", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
+__all__ = ["unique_by_type", "negation_subset", "possible_types", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
 
 # `uniqueItems` narrowing: one item per bucket at most (values of different buckets differ)
 TYPE_BUCKETS = ("object", "array", "string", "number", "boolean", "null")
@@ -73,6 +73,21 @@ def negation_subset(sub: Any, depth: int = 0, *, declare: bool = True) -> Any:
     if not parts:
         return False
     return parts[0] if len(parts) == 1 else {"anyOf": parts}
+
+
+def possible_types(schema: Any) -> set[str]:
+    """The JSON types (`json_schema._DISJOINT_TYPES`) a schema built here may accept (a superset:
+    by `type`, `const`, `enum` and `anyOf` / `allOf`)."""
+    from cfsm.json_schema import _type_set
+
+    out = _type_set(schema)
+    if isinstance(schema, dict):
+        if isinstance(schema.get("anyOf"), list):
+            out &= set().union(*(possible_types(part) for part in schema["anyOf"]))
+        if isinstance(schema.get("allOf"), list):
+            for part in schema["allOf"]:
+                out &= possible_types(part)
+    return out
 
 
 def unique_by_type(comp: _Compiler, prefix: list[Any], items: Any, lo: int, hi: int | None, path: str) -> Node:
