@@ -1,7 +1,9 @@
 """Instruction mix of the nvidia plugin's kernels, cross-compiled for Hopper on any machine (no GPU needed).
 
     python benchmarks/lowlat/ptx_mix.py [--shape llama3-8b] [--batches 1,4] [--stages qkv,o_proj,gate_up,down]
-                                        [--gpu "NVIDIA H200"] [--arch 90] [--dump DIR]
+                                        [--gpu "NVIDIA H200"] [--arch 90] [--dump DIR] [--fp8]
+
+``--fp8``: FP8 e4m3 projections with per-row scales and an FP8 KV cache (the FP8 table, where one exists).
 
 Each stage is launched through its real `lowlat.kernels.ops` launcher on `meta` tensors of the layer's shapes,
 with the per-stage configs of `lowlat.kernels.tuning` for `--gpu`; the launch is captured instead of run, the
@@ -40,7 +42,7 @@ COUNTED = [
     ("ldg.v4", r"ld\.global(\.[a-z]+)*\.v4"), ("ldg.v2", r"ld\.global(\.[a-z]+)*\.v2"),
     ("ldg.1", r"ld\.global(\.[a-z]+)*\.(b|u|s|f)(8|16|32|64)\b"), ("cp.async", r"cp\.async\.c[ag]"),
     ("ldmatrix", r"ldmatrix"), ("mma", r"\bmma\.sync|wgmma"), ("fma.f32", r"\bfma\.rn\.f32"),
-    ("bar.sync", r"bar\.sync"), ("pdl", r"griddepcontrol"),
+    ("bar.sync", r"bar\.sync"), ("pdl", r"griddepcontrol"), ("cvt.fp8", r"cvt\.[a-z0-9.]*e4m3"),
 ]
 
 
@@ -56,9 +58,10 @@ class Captured:
         return launch
 
 
-def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig) -> list[tuple[Any, tuple, dict]]:
-    """The kernel launches of one stage at `batch` rows, on meta tensors (nothing runs)."""
+def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig, fp8: bool = False) -> list[tuple[Any, tuple, dict]]:
+    """The kernel launches of one stage at `batch` rows, on meta tensors (nothing runs); `fp8`: FP8 weights and KV."""
     dev, bf16, f32 = torch.device("meta"), torch.bfloat16, torch.float32
+    wdt = torch.float8_e4m3fn if fp8 else bf16
 
     def t(*size: int, dtype: torch.dtype = bf16) -> torch.Tensor:
         return torch.empty(*size, device=dev, dtype=dtype)
@@ -69,9 +72,13 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig) -> 
         setattr(mod, name, Captured(fn, sink))
     try:
         h, ctx, slots = shape.hidden_size, 512, batch * 512 + 64
-        w = LayerWeights(t(h), t(shape.qkv_size, h), t(h, shape.q_size), t(h), t(2 * shape.intermediate_size, h),
-                         t(h, shape.intermediate_size), t(shape.head_dim // 2, dtype=f32))
-        kv = KVCache(t(slots, shape.num_kv_heads, shape.head_dim), t(slots, shape.num_kv_heads, shape.head_dim))
+        scales = (t(shape.qkv_size, dtype=f32), t(h, dtype=f32), t(2 * shape.intermediate_size, dtype=f32),
+                  t(h, dtype=f32)) if fp8 else (None,) * 4
+        w = LayerWeights(t(h), t(shape.qkv_size, h, dtype=wdt), t(h, shape.q_size, dtype=wdt), t(h),
+                         t(2 * shape.intermediate_size, h, dtype=wdt), t(h, shape.intermediate_size, dtype=wdt),
+                         t(shape.head_dim // 2, dtype=f32), *scales)
+        kv = KVCache(t(slots, shape.num_kv_heads, shape.head_dim, dtype=wdt),
+                     t(slots, shape.num_kv_heads, shape.head_dim, dtype=wdt))
         meta = ForwardMeta(t(batch, ctx + 1, dtype=torch.int32), t(batch, dtype=torch.int64), t(batch, dtype=torch.int32),
                            t(batch, dtype=torch.int64), t(batch, dtype=torch.int64), max_seq_len=ctx)
         x, a_q, act = t(batch, h), t(batch, shape.q_size), t(batch, shape.intermediate_size)
@@ -82,11 +89,11 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig) -> 
             part_o, part_lse = t(batch, shape.num_heads, 16, shape.head_dim, dtype=f32), t(batch, shape.num_heads, 16, dtype=f32)
             ops.attention(a_q, kv, meta, part_o, part_lse, t(batch, shape.q_size), shape, lc, splits)
         elif stage == "o_proj":
-            ops.gemv_residual(a_q, w.o_proj, x, t(batch, h), lc, stage="o_proj")
+            ops.gemv_residual(a_q, w.o_proj, x, t(batch, h), lc, stage="o_proj", scale=w.o_proj_scale)
         elif stage == "gate_up":
-            ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc)
+            ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc, scale=w.gate_up_scale)
         else:
-            ops.gemv_residual(act, w.down, x, t(batch, h), lc, stage="down")
+            ops.gemv_residual(act, w.down, x, t(batch, h), lc, stage="down", scale=w.down_scale)
     finally:
         for (mod, name), fn in saved.items():
             setattr(mod, name, fn)
@@ -138,17 +145,18 @@ def main() -> None:
     ap.add_argument("--gpu", default="NVIDIA H200", help="whose lowlat.kernels.tuning entries to use")
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an int (90: Hopper)")
     ap.add_argument("--dump", default=None, help="write each kernel's PTX into this folder")
+    ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights (per-row scales) and KV cache")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132,
-                          tuned=tuned_table(args.gpu, shape), pdl_release=tuned_pdl_release(args.gpu, shape),
-                          attn_tuned=tuned_attention(args.gpu, shape))
+                          tuned=tuned_table(args.gpu, shape, args.fp8), pdl_release=tuned_pdl_release(args.gpu, shape),
+                          attn_tuned=tuned_attention(args.gpu, shape), fp8=args.fp8)
     names = [n for n, _ in COUNTED]
     print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>22s} {'ptx':>5s} {'smem':>6s} " +
           " ".join(f"{n:>8.8s}" for n in names))
     for b in [int(v) for v in args.batches.split(",")]:
         for stage in args.stages.split(","):
-            for fn, largs, kwargs in capture(stage, shape, b, lc):
+            for fn, largs, kwargs in capture(stage, shape, b, lc, args.fp8):
                 cfg = lc.gemv_config(stage, b) if stage in ops.GEMV_STAGES else None
                 label = f"{cfg.variant} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}" if cfg else "-"
                 kernel = compile_launch(fn, largs, kwargs, args.arch)
