@@ -227,3 +227,28 @@ def test_fp8_weights_in_some_layers_only_are_refused() -> None:
     dense = random_layer(shape, DTYPE, DEVICE, generator=g)
     with pytest.raises(Unsupported, match="every layer or none"):
         _build(shape, [fp8_layer(shape, g), dense], DTYPE)
+
+
+def test_moe_layer_reads_and_writes_an_fp8_cache() -> None:
+    """The MoE stack's attention half over an FP8 KV cache (the nvidia spec takes an FP8 cache for Mixtral too)
+    against the reference MoE layer on the same cache; two decode steps."""
+    from lowlat import MoEShape
+    from lowlat.moe import reference_moe_decoder_layer
+    from lowlat.plugins.nvidia import build
+    from lowlat.testing import random_moe_layer
+
+    shape, moe, g = SHAPES[0], MoEShape(4, 2, 32), _gen(21)
+    w = random_moe_layer(shape, moe, DTYPE, DEVICE, generator=g, router_scale=6.0)
+    ctx = BuildContext(shape, (), DEVICE, DTYPE, FP8_DTYPE, Coverage(max_tokens=8), LowlatConfig(),
+                       fake_setup(vendor="cpu" if not GPU else "nvidia", arch="MixtralForCausalLM"), 64, moe=moe,
+                       moe_weights=(w,))
+    built = build(ctx)
+    kv = fp8_kv(shape, 96, g, 0.5, 0.125)
+    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
+    meta = decode_meta([7, 1, 14], 96, 24, DEVICE, generator=g)
+    x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
+    out = built.forward(0, x, kv, meta)
+    ref = reference_moe_decoder_layer(x, w, kv_ref, meta, shape, moe)
+    assert _rel(out, ref) < 3 * TOL
+    codes = kv.k.view(torch.uint8) != kv_ref.k.view(torch.uint8)
+    assert float(codes.double().mean()) < (0.02 if GPU else 1e-3)
