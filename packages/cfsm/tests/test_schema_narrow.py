@@ -154,7 +154,8 @@ _LEAVES = st.sampled_from([
     {"type": "integer"}, {"type": "string"}, {"type": "object"}, {"type": ["string", "null"]}, {"minimum": 2},
     {"maxLength": 1}, {"const": 1}, {"enum": ["a", None]}, {"required": ["a"]}, True, False,
     {"type": "object", "properties": {"a": {"type": "integer"}}}, {"properties": {"a": {"const": "a"}}},
-    {"type": "array", "items": {"type": "integer"}}, {"not": {"type": "integer"}},
+    {"type": "array", "items": {"type": "integer"}}, {"not": {"type": "integer"}}, {"required": ["b"]},
+    {"properties": {"b": {"type": "string"}}}, {"prefixItems": [True, {"const": 1}]},
 ])
 
 
@@ -165,6 +166,9 @@ def _combined(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         st.lists(inner, min_size=2, max_size=3).map(lambda b: {"oneOf": b}),
         inner.map(lambda s: {"type": "array", "items": s, "uniqueItems": True, "maxItems": 3}),
         st.tuples(inner, inner).map(lambda t: {"allOf": [t[0], {"not": t[1]}]}),
+        st.tuples(inner, inner).map(lambda t: {"type": "object", "properties": {"a": {}}, "allOf": [t[0]],
+                                               "not": t[1], "unevaluatedProperties": False}),
+        inner.map(lambda s: {"prefixItems": [{"type": "integer"}], "not": {"not": s}, "unevaluatedItems": False}),
         st.tuples(inner, inner).map(lambda t: {"type": "object", "properties": {"a": t[0], "b": {}},
                                                "dependentSchemas": {"a": {"properties": {"b": t[1]},
                                                                           "additionalProperties": False}}}),
@@ -198,3 +202,14 @@ def test_a_narrowing_that_leaves_no_document_compiles_the_superset() -> None:
     index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert {a.kind for a in index.approximations} == {"superset"}, index.approximations
     assert accepts_bytes(index, '{"a":"bar"}', 128)
+
+
+def test_a_double_negation_does_not_evaluate_properties() -> None:
+    """`not: {not: x}` is x, except that x's evaluated properties do not count for
+    `unevaluatedProperties` (test-suite case): the narrowing must not accept `bar`."""
+    schema = {"type": "object", "properties": {"foo": {"type": "string"}},
+              "not": {"not": {"properties": {"bar": {"const": "bar"}}, "required": ["bar"]}},
+              "unevaluatedProperties": False}
+    assert not _valid(schema, {"foo": "foo", "bar": "bar"})
+    dfa, _ = _compile(schema, NARROW)
+    assert not dfa.fullmatch(b'{"foo":"foo","bar":"bar"}')

@@ -36,6 +36,10 @@ TYPE_BUCKETS = ("object", "array", "string", "number", "boolean", "null")
 META_SCHEMA_SUBSET: dict[str, Any] = {"enum": [True, False, {}]}
 # the largest integer multiple spelled out (a counter automaton of this many states), else only 0
 MAX_NARROWED_MULTIPLE = 10_000
+# keywords whose evaluations `unevaluated*` would see (not inside a `not`)
+_EVALUATING = frozenset({"properties", "patternProperties", "additionalProperties", "prefixItems", "items", "contains",
+                         "allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "then", "else", "dependentSchemas",
+                         "unevaluatedProperties", "unevaluatedItems"})
 # `properties` nested this deep in a negated schema are negated (deeper: not at all, a subset)
 MAX_NEGATION_DEPTH = 3
 
@@ -52,8 +56,9 @@ def negation_subset(sub: Any, depth: int = 0, *, declare: bool = True) -> Any:
     negated = _negation(sub)
     if negated is not None:
         return negated
-    if isinstance(sub, dict) and set(sub) - _STRUCTURAL == {"not"}:
-        return sub["not"]  # NOTE: exact, not (not x) = x
+    if isinstance(sub, dict) and set(sub) - _STRUCTURAL == {"not"} and \
+            (declare or not (isinstance(sub["not"], dict) and _EVALUATING & sub["not"].keys())):
+        return sub["not"]  # NOTE: exact, not (not x) = x (but x's evaluations do not count)
     allowed = _type_set(sub)
     others = [t for t in _ALL_TYPES if t not in allowed]
     parts: list[Any] = [{"type": others}] if others else []
