@@ -5,7 +5,7 @@ A 32-layer Llama-3-8B-shaped stack (random bf16 weights; FP8 = the same weights 
 per layer for bf16 weights + bf16 KV, FP8 weights + bf16 KV, FP8 weights + FP8 KV, against each one's memory floor
 (weights + KV read at ``--bandwidth-tbs``). First, layer 0 of each against the reference layer (``lowlat.reference``:
 the dequantized weights in float32, the same cache) on fresh random inputs. ``--tables``: a JSON list of
-``[stage, max_batch, variant, block_n, block_k, warps, stages]`` entries to time as the FP8 stack's table too.
+``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too.
 
     python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--json out.json]
 """
@@ -57,7 +57,8 @@ def main() -> None:
         ctx = replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype)
         stacks[name] = (nvidia.build(ctx), weights, kv_dtype)
     if args.tables:
-        entries = tuple((s, mb, ops.GemvConfig(v, bn, bk, nw, ns)) for s, mb, v, bn, bk, nw, ns in json.loads(args.tables))
+        entries = tuple((e[0], e[1], ops.GemvConfig(*e[2:7], vec=e[7] if len(e) > 7 else 0))
+                        for e in json.loads(args.tables))
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
         bl.lc = replace(bl.lc, tuned=entries)
         stacks["fp8w+kv table"] = (bl, fp8, FP8_DTYPE)

@@ -46,14 +46,15 @@ QKV_ROWS_BLOCKS = [(4, 1024), (8, 512), (8, 1024), (16, 512)]
 WARPS_STAGES = [(4, 3), (4, 4), (8, 3)]
 
 
-def candidates(stage: str) -> list[ops.GemvConfig]:
+def candidates(stage: str, fp8: bool = False) -> list[ops.GemvConfig]:
+    """Every config of ``stage`` to sweep; ``fp8``: each row-wise one also with 8-element weight loads (vec 8)."""
     out = []
     blocks = [(p, k) for p in (8, 16, 32) for k in (128, 256, 512)] if stage == "qkv" else DOT_BLOCKS
     for (bn, bk), (nw, ns) in itertools.product(blocks, WARPS_STAGES):
         out.append(ops.GemvConfig("dot", bn, bk, nw, ns))
     rows = QKV_ROWS_BLOCKS if stage == "qkv" else ROWS_BLOCKS  # qkv: block_n = rotary pairs per tile
     for (bn, bk), (nw, ns) in itertools.product(rows, [(4, 2), (4, 3), (8, 2)]):
-        out.append(ops.GemvConfig("rows", bn, bk, nw, ns))
+        out.extend(ops.GemvConfig("rows", bn, bk, nw, ns, vec=v) for v in ((0, 8) if fp8 else (0,)))
     return out
 
 
@@ -63,9 +64,10 @@ def configs_from_arg(text: str) -> Any:
     for item in filter(None, text.split(",")):
         stage, _, spec = item.rpartition("=")
         variant, *nums = spec.split(":")
-        if len(nums) != 4:
-            raise SystemExit(f"--configs: {item!r} is not [stage=]variant:block_n:block_k:warps:stages")
-        entries.append((stage, ops.GemvConfig(variant, *(int(v) for v in nums))))
+        if len(nums) not in (4, 5):
+            raise SystemExit(f"--configs: {item!r} is not [stage=]variant:block_n:block_k:warps:stages[:vec]")
+        vals = [int(v) for v in nums]
+        entries.append((stage, ops.GemvConfig(variant, *vals[:4], vec=vals[4] if len(vals) == 5 else 0)))
 
     def cands(stage: str) -> list[ops.GemvConfig]:
         return [cfg for only, cfg in entries if only in ("", stage)]
@@ -85,13 +87,17 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default="",
                     help="time only these GEMV configs instead of the sweep: comma list of [stage=]variant:block_n:"
-                         "block_k:warps:stages (qkv: block_n = rotary pairs), e.g. qkv=rows:4:1024:8:2,dot:32:256:4:3")
+                         "block_k:warps:stages[:vec] (qkv: block_n = rotary pairs; vec: GemvConfig.vec), e.g. "
+                         "qkv=rows:4:1024:8:2,dot:32:256:4:3,rows:4:4096:8:2:8")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 projections with per-row scales")
     args = ap.parse_args()
     t0 = time.time()
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape]
-    timer, cands = time_graph, candidates
+    timer = time_graph
+
+    def cands(stage: str) -> list[ops.GemvConfig]:
+        return candidates(stage, args.fp8)
     if args.configs:
         cands = configs_from_arg(args.configs)
     if args.cpu_smoke:
@@ -247,8 +253,9 @@ def main() -> None:
     print(f"    ({gpu_name!r}, {shape_key(shape)}): (")
     for stage, b, cfg in tables:
         programs = f", {cfg.programs}" if cfg.programs else ""
+        vec = f", vec={cfg.vec}" if cfg.vec else ""
         print(f"        ({stage!r}, {b}, GemvConfig({cfg.variant!r}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, "
-              f"{cfg.num_stages}{programs})),")
+              f"{cfg.num_stages}{programs}{vec})),")
     print("    ),")
     for (stage, b), (us, cfg) in sorted(best.items()):
         if stage == "attention":

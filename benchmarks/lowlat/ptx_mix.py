@@ -20,6 +20,7 @@ import argparse
 import re
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +147,15 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an int (90: Hopper)")
     ap.add_argument("--dump", default=None, help="write each kernel's PTX into this folder")
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights (per-row scales) and KV cache")
+    ap.add_argument("--vec", type=int, default=None, help="GemvConfig.vec of every tuned entry (rows kernels' loads)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
-    lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132,
-                          tuned=tuned_table(args.gpu, shape, args.fp8), pdl_release=tuned_pdl_release(args.gpu, shape),
-                          attn_tuned=tuned_attention(args.gpu, shape), fp8=args.fp8)
+    tuned = tuned_table(args.gpu, shape, args.fp8)
+    if args.vec is not None:
+        tuned = tuple((stage, mb, replace(cfg, vec=args.vec)) for stage, mb, cfg in tuned)
+    lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132, tuned=tuned,
+                          pdl_release=tuned_pdl_release(args.gpu, shape), attn_tuned=tuned_attention(args.gpu, shape),
+                          fp8=args.fp8)
     names = [n for n, _ in COUNTED]
     print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>22s} {'ptx':>5s} {'smem':>6s} " +
           " ".join(f"{n:>8.8s}" for n in names))

@@ -35,6 +35,8 @@ if GPU:
     SHAPES.append(LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336))
 # the second interpreter shape's qkv and layer cases in the slow tier (about 12 of the interpreter's 27 s)
 SHAPE_PARAMS = [SHAPES[0], pytest.param(SHAPES[1], marks=() if GPU else pytest.mark.slow), *SHAPES[2:]]
+# rows8 (8-element weight loads): a compiler hint the interpreter ignores, so on the GPU only
+ROWS8 = ["rows8"] if GPU else []
 # activations: float32 on the interpreter (exact products), bf16 on a GPU (the served dtype)
 DTYPE = torch.bfloat16 if GPU else torch.float32
 TOL = 2e-2 if GPU else 2e-5
@@ -70,10 +72,12 @@ def _lc(shape: LayerShape, variant: str | None, batch: int) -> ops.LaunchConfig:
     lc = ops.LaunchConfig.for_device(DEVICE, shape, use_pdl=False, fp8=True)
     if variant is None:
         return lc
-    blocks = {"rows": (2, 64), "dot": (16, 64)}[variant]
+    # rows8: the row-wise kernels with 8-element weight loads (GemvConfig.vec; a hint the interpreter ignores)
+    blocks = {"rows": (2, 64), "rows8": (2, 64), "dot": (16, 64)}[variant]
     if GPU:
-        blocks = {"rows": (4, 1024), "dot": (32, 256)}[variant]
-    entries = tuple((stage, 16, ops.GemvConfig(variant, blocks[0] if stage != "qkv" else 2, blocks[1]))
+        blocks = {"rows": (4, 1024), "rows8": (4, 1024), "dot": (32, 256)}[variant]
+    kind, vec = ("rows", 8) if variant == "rows8" else (variant, 0)
+    entries = tuple((stage, 16, ops.GemvConfig(kind, blocks[0] if stage != "qkv" else 2, blocks[1], vec=vec))
                     for stage in ops.GEMV_STAGES)
     return replace(lc, tuned=entries)
 
@@ -103,7 +107,7 @@ def test_e4m3_rounding_matches_torch() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s.hidden_size}")
-@pytest.mark.parametrize("variant", ["rows", "dot", None], ids=["rows", "dot", "tuned"])
+@pytest.mark.parametrize("variant", ["rows", "dot", None, *ROWS8], ids=lambda v: v or "tuned")
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp8_gemv_stages_match_float64(shape: LayerShape, variant: str | None, batch: int) -> None:
     """o_proj / down + residual and norm + gate-up + SiLU with FP8 weights against float64 on the dequantized ones."""
@@ -126,7 +130,7 @@ def test_fp8_gemv_stages_match_float64(shape: LayerShape, variant: str | None, b
 
 
 @pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=lambda s: f"h{s.hidden_size}")
-@pytest.mark.parametrize("variant", ["rows", "dot"])
+@pytest.mark.parametrize("variant", ["rows", "dot", *ROWS8])
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv-model-dtype", "kv-fp8"])
 def test_fp8_qkv_rope_kv_write_matches_float64(shape: LayerShape, variant: str, kv_fp8: bool) -> None:
     g = _gen(7)

@@ -10,7 +10,11 @@ recorded in ``lowlat.kernels.tuning``. The qkv (RMSNorm + QKV + RoPE + KV write)
 (RMSNorm + gate-up + SiLU) stages have row-wise twins here too: the norm's weight scales each activation
 row, its sum of squares is accumulated in the main loop (no pass over x after the PDL wait), and ``1 / rms``
 is applied to the sums. FP8 (e4m3) weights (``HAS_SCALE``): each tile is widened to float32 in registers (the
-same code) and the finished sums are multiplied by each output row's scale (``layer.row_scales``).
+same code) and the finished sums are multiplied by each output row's scale (``layer.row_scales``). ``W_VEC``
+(``GemvConfig.vec``) caps a weight load at that many contiguous elements: a 16-byte load holds 16 FP8 weights
+but 8 bf16 activations, and on sm_90 Triton then stages the activation row through shared memory to match the
+tile's register layout; ``W_VEC`` 8 loads FP8 weights 8 bytes at a time in the activation's layout instead (no
+staging; a no-op for bf16 weights). Which is faster is for ``benchmarks/lowlat/bench_gemv.py --fp8`` to measure.
 """
 
 from __future__ import annotations
@@ -28,16 +32,16 @@ def gemv_rows_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr,
 ):
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
             _gemv_rows_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
+                                     BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC)
     else:
         _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
+                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC)
 
 
 @triton.jit
@@ -46,16 +50,18 @@ def _gemv_rows_residual_tile(
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: the hint inline (through a helper function the compiler loses it)
+    wk = tl.max_contiguous(tl.multiple_of(offs_k, W_VEC), W_VEC) if W_VEC > 0 else offs_k
     # NOTE: the first weight tile and the residual are requested before waiting on the previous launch (PDL): the
     # residual comes from two or more launches back (o_proj: the layer input; down: o_proj's output), which had
     # finished before the previous launch passed its own wait, the point where this launch may start
-    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    w = tl.load(w_ptr + offs_n[:, None] * K + wk[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     mask = (offs_m[:, None] < B) & n_mask[None, :]
     res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     if USE_PDL:
@@ -65,7 +71,7 @@ def _gemv_rows_residual_tile(
     acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
-        wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
+        wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + wk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
         acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
@@ -110,20 +116,22 @@ def qkv_rope_rows_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh, inv_k_scale, inv_v_scale,
     H: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, KV_FP8: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, KV_FP8: tl.constexpr, W_VEC: tl.constexpr,
 ):
     # layer.qkv_rope_kernel's tiles (BLOCK_P rotary pairs of one head), row-wise: weights (BLOCK_P, BLOCK_K)
     HALF: tl.constexpr = D // 2
     PB: tl.constexpr = HALF // BLOCK_P
     num_tiles = (NQ + 2 * NKV) * PB
     offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: the hint inline (through a helper function the compiler loses it)
+    wk = tl.max_contiguous(tl.multiple_of(offs_k, W_VEC), W_VEC) if W_VEC > 0 else offs_k
     offs_p = tl.arange(0, BLOCK_P)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         r1 = (tile // PB) * D + (tile % PB) * BLOCK_P + offs_p
         r2 = r1 + HALF
         km = offs_k < H
-        w1 = tl.load(w_ptr + r1[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
-        w2 = tl.load(w_ptr + r2[:, None] * H + offs_k[None, :], mask=km[None, :], other=0.0)
+        w1 = tl.load(w_ptr + r1[:, None] * H + wk[None, :], mask=km[None, :], other=0.0)
+        w2 = tl.load(w_ptr + r2[:, None] * H + wk[None, :], mask=km[None, :], other=0.0)
         gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
         cos, sin, loc = _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D, BLOCK_M, BLOCK_P)
         if USE_PDL:
@@ -135,8 +143,8 @@ def qkv_rope_rows_kernel(
                                            offs_k, km, B, H, BLOCK_M)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             km = (k0 + offs_k) < H
-            w1 = tl.load(w_ptr + r1[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
-            w2 = tl.load(w_ptr + r2[:, None] * H + k0 + offs_k[None, :], mask=km[None, :], other=0.0)
+            w1 = tl.load(w_ptr + r1[:, None] * H + k0 + wk[None, :], mask=km[None, :], other=0.0)
+            w2 = tl.load(w_ptr + r2[:, None] * H + k0 + wk[None, :], mask=km[None, :], other=0.0)
             gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
             acc1, acc2, ss = _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
         rstd = 1.0 / tl.sqrt(ss / H + eps)
@@ -156,17 +164,17 @@ def norm_gate_up_rows_kernel(
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u, g, u = rmsnorm(x)[b] . w[j], w[INTER + j], row-wise (layer.norm_gate_up_kernel's twin)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
             _norm_gate_up_rows_tile(tile, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, B, eps, H, INTER, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
+                                    BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC)
     else:
         _norm_gate_up_rows_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, B, eps, H, INTER,
-                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE)
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC)
 
 
 @triton.jit
@@ -175,16 +183,18 @@ def _norm_gate_up_rows_tile(
     B, eps,
     H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: the hint inline (through a helper function the compiler loses it)
+    wk = tl.max_contiguous(tl.multiple_of(offs_k, W_VEC), W_VEC) if W_VEC > 0 else offs_k
     km = offs_k < H
     wm = n_mask[:, None] & km[None, :]
-    wg = tl.load(w_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wm, other=0.0)
-    wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + offs_k[None, :], mask=wm, other=0.0)
+    wg = tl.load(w_ptr + offs_n[:, None] * H + wk[None, :], mask=wm, other=0.0)
+    wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + wk[None, :], mask=wm, other=0.0)
     gamma = tl.load(norm_w_ptr + offs_k, mask=km, other=0.0).to(tl.float32)  # a constant: before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -196,8 +206,8 @@ def _norm_gate_up_rows_tile(
     for k0 in range(BLOCK_K, H, BLOCK_K):
         km = (k0 + offs_k) < H
         wm = n_mask[:, None] & km[None, :]
-        wg = tl.load(w_ptr + offs_n[:, None] * H + k0 + offs_k[None, :], mask=wm, other=0.0)
-        wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + offs_k[None, :], mask=wm, other=0.0)
+        wg = tl.load(w_ptr + offs_n[:, None] * H + k0 + wk[None, :], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + wk[None, :], mask=wm, other=0.0)
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
         g, u, ss = _add_rows2_normed(g, u, ss, wg, wu, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
     rstd = 1.0 / tl.sqrt(ss / H + eps)

@@ -40,6 +40,9 @@ class GemvConfig:
     # 0: one program per output tile; N > 0: at most N programs, each looping over tiles (a grid that
     # fits the GPU at once, so the next launch's programs can be resident early under PDL)
     programs: int = 0
+    # rows kernels: at most this many contiguous weight elements per load (0: as Triton infers; 8 with FP8 weights:
+    # 8-byte loads in the activation row's register layout, no shared-memory staging; lowlat.kernels.gemv)
+    vec: int = 0
 
     def __post_init__(self) -> None:
         if self.variant not in GEMV_VARIANTS:
@@ -50,6 +53,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two (a tl.arange extent), got {value}")
         if self.num_warps < 1 or self.num_stages < 1 or self.programs < 0:
             raise ValueError(f"GemvConfig needs num_warps, num_stages >= 1 and programs >= 0, got {self}")
+        if self.vec < 0 or self.vec & (self.vec - 1):
+            raise ValueError(f"GemvConfig.vec must be 0 or a power of two, got {self.vec}")
 
     @property
     def row_wise(self) -> bool:
@@ -157,7 +162,7 @@ class LaunchConfig:
         for name, max_batch, cfg in self.tuned:
             if name == stage and batch <= max_batch:
                 if self.fp8 and cfg.multi_row:  # NOTE: the mrow kernels read model-dtype weights only
-                    return GemvConfig("dot", cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.programs)
+                    return GemvConfig("dot", cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.programs, cfg.vec)
                 return cfg
         block_n = self.qkv_block_p if stage == "qkv" else self.gemv_block_n
         return GemvConfig("dot", block_n, self.gemv_block_k, self.num_warps, self.num_stages)
@@ -215,7 +220,7 @@ def qkv_rope(
     args = (x, w.input_norm, w.qkv, w.qkv if scale is None else scale, w.rope_inv_freq, meta.positions,
             meta.out_cache_loc, q_out, kv.k, kv.v)
     if cfg.row_wise:
-        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), **common)
+        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), W_VEC=cfg.vec, **common)
         return
     if cfg.multi_row:
         common.pop("B")
@@ -285,7 +290,7 @@ def gemv_residual(
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
             a, w, s_arg, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
-            HAS_SCALE=scale is not None,
+            HAS_SCALE=scale is not None, W_VEC=cfg.vec,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
@@ -312,7 +317,7 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
                   PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, s_arg, act, b, eps, BLOCK_M=next_pow2(b),
-                                          HAS_SCALE=scale is not None, **common)
+                                          HAS_SCALE=scale is not None, W_VEC=cfg.vec, **common)
         return
     if cfg.multi_row:
         MR.mrow_gate_up_kernel[grid](x, norm_w, w, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
