@@ -60,7 +60,7 @@ def main() -> None:
         entries = tuple((e[0], e[1], ops.GemvConfig(*e[2:7], vec=e[7] if len(e) > 7 else 0))
                         for e in json.loads(args.tables))
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
-        bl.lc = replace(bl.lc, tuned=entries)
+        bl.lc = replace(bl.lc, tuned=entries + bl.lc.tuned)  # first match wins: these, then the stack's own
         stacks["fp8w+kv table"] = (bl, fp8, FP8_DTYPE)
     print(f"device={torch.cuda.get_device_name()} build {time.time() - t0:.0f}s", flush=True)
 
