@@ -256,3 +256,17 @@ def test_moe_layer_reads_and_writes_an_fp8_cache() -> None:
     assert _rel(out, ref) < 3 * TOL
     codes = kv.k.view(torch.uint8) != kv_ref.k.view(torch.uint8)
     assert float(codes.double().mean()) < (0.02 if GPU else 1e-3)
+
+
+def test_fp8_on_a_gpu_below_compute_capability_8_9_is_refused() -> None:
+    """FP8 conversions need Ada / Hopper: an A100-like set-up (8.0) gets the reason, before any kernel compiles."""
+    from lowlat.plugins._stack import fp8_capability_errors
+
+    shape = SHAPES[0]
+    ctx = BuildContext(shape, (fp8_layer(shape, _gen(5)),), torch.device("cuda"), DTYPE, DTYPE, Coverage(max_tokens=8),
+                       LowlatConfig(), fake_setup(vendor="nvidia", capability=(8, 0)), 2048)
+    assert any("8.9" in r for r in fp8_capability_errors(ctx))
+    assert fp8_capability_errors(replace(ctx, setup=fake_setup(vendor="nvidia", capability=(9, 0)))) == ()
+    dense = replace(ctx, weights=(random_layer(shape, DTYPE, DEVICE, generator=_gen(6)),))
+    assert fp8_capability_errors(dense) == ()  # no FP8 asked
+    assert fp8_capability_errors(replace(dense, kv_dtype=FP8_DTYPE))  # an FP8 cache alone

@@ -10,7 +10,7 @@ from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import moe_ops, ops
 from lowlat.layer import ForwardMeta, KVCache
-from lowlat.plugins._stack import covers_rows
+from lowlat.plugins._stack import covers_rows, fp8_capability_errors
 from lowlat.spec import Step
 
 
@@ -32,6 +32,8 @@ class TritonMoEStack:
             raise Unsupported(name, (str(exc),)) from exc
         if lc.qkv_block_errors(s):
             raise Unsupported(name, lc.qkv_block_errors(s))
+        if fp8_capability_errors(ctx):
+            raise Unsupported(name, fp8_capability_errors(ctx))
         if ctx.max_batch_size > moe_ops.MAX_TOKENS:
             raise Unsupported(name, (f"MoE kernels place at most {moe_ops.MAX_TOKENS} tokens per step, coverage asks "
                                      f"{ctx.max_batch_size}",))

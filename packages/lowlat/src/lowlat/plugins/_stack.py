@@ -36,6 +36,19 @@ def fp8_weights(ctx: BuildContext) -> bool:
     return bool(ctx.weights) and ctx.weights[0].fp8
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions (cvt ... e4m3x2): Ada and Hopper or newer
+
+
+def fp8_capability_errors(ctx: BuildContext) -> tuple[str, ...]:
+    """Why this CUDA device cannot run FP8 weights or an FP8 KV cache (compute capability below 8.9), if it is
+    asked to. Pure."""
+    cap = ctx.setup.capability
+    wants = fp8_weights(ctx) or ctx.kv_dtype == FP8_DTYPE
+    if not wants or ctx.device.type != "cuda" or cap is None or cap >= FP8_MIN_CAPABILITY:
+        return ()
+    return (f"FP8 weights or KV cache need compute capability >= 8.9, the device has {cap[0]}.{cap[1]}",)
+
+
 class TritonLayerStack:
     """``Built`` for Llama-style decode with the per-stage kernels (``lowlat.kernels.layer``).
 
@@ -61,6 +74,8 @@ class TritonLayerStack:
         fp8 = fp8_weights(ctx)
         if (fp8 or ctx.kv_dtype == FP8_DTYPE) and not self.supports_fp8:
             raise Unsupported(name, ("FP8 weights or KV cache: this plugin's kernels read model-dtype weights and KV",))
+        if fp8_capability_errors(ctx):
+            raise Unsupported(name, fp8_capability_errors(ctx))
         if fp8 != lc.fp8:
             raise Unsupported(name, (f"LaunchConfig.fp8={lc.fp8} but the weights are {'' if fp8 else 'not '}FP8",))
         want = FP8_DTYPE if fp8 else ctx.dtype

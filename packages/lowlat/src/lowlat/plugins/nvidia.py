@@ -52,7 +52,6 @@ def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
     return NvidiaLayerStack("nvidia", ctx, lc)
 
 
-
 def check_model(model: Any) -> tuple[str, ...]:
     """Reasons a loaded model cannot use this plugin: attention biases, shared experts."""
     cfg = getattr(model, "config", model)
