@@ -58,8 +58,8 @@ def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     to float32 once, as the kernels take it), saturated at +-448, rounded to nearest even; others ``x`` cast. Pure."""
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
-    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
-    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    # NOTE: a product with a Python float (rounded to float32 on CPU and CUDA alike; no device tensor: graph-safe)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
