@@ -107,13 +107,14 @@ def _schema_text(schema: Any) -> str:
 
 
 def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar: str,
-                 approximations: tuple[Approximation, ...] = (), max_positions: int = 0) -> GrammarIndex:
+                 approximations: tuple[Approximation, ...] = (), max_positions: int = 0,
+                 lazy_positions: int = 0) -> GrammarIndex:
     start = "root"
     while start in rules:
         start += "_"
     try:
         return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations,
-                               max_positions)
+                               max_positions, lazy_positions)
     except RecursionError:
         # NOTE: rules nested deeper than Python's stack while inlining (a JSONSchemaBench schema)
         raise GrammarError("the grammar nests too deep to compile") from None
@@ -164,7 +165,10 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
         node, rules, approximations = schema_grammar(schema, cfg, refs_as_rules=True)
         if rules:
             with contextlib.suppress(GrammarError, GrammarTooLargeError):
-                return _rules_index(node, rules, vocab, key, approximations)
+                # NOTE: no unrolled form is left to fall back to: past max_pushdown_positions the
+                # keys are walked on first use instead of one walk per position here
+                return _rules_index(node, rules, vocab, key, approximations,
+                                    lazy_positions=cfg.max_pushdown_positions)
         # last resort: long string bounds approximated (reported; refused in strict mode)
         node, approximations = schema_tree(schema, cfg, loose_lengths=True)
         index = _index_of(node, vocab, key, "schema")

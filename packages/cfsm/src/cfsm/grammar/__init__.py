@@ -28,14 +28,21 @@ __all__ = ["Grammar", "GrammarGuide", "GrammarIndex", "Pda", "RuleRef", "build_p
 
 
 def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
-                    approximations: tuple[Approximation, ...] = (), max_positions: int = 0) -> GrammarIndex:
+                    approximations: tuple[Approximation, ...] = (), max_positions: int = 0,
+                    lazy_positions: int = 0) -> GrammarIndex:
     """Compile rules against `vocab` as a pushdown matcher (non-recursive rules inlined first;
     the vocabulary walks of every rule position, once). Raises `GrammarError`, and
     `PushdownTooLargeError` before any walk when `max_positions` (> 0) is below the number of
     rule positions that read bytes (while building the network, as soon as the count passes it:
-    `build_pda`). Mutates nothing (fills vocabulary caches)."""
+    `build_pda`). With more positions than `lazy_positions` (> 0) nothing is walked at compile
+    time: each key is walked on its first use (a millisecond or so per new key on the guide's
+    thread instead of a walk per position here). Mutates nothing (fills vocabulary caches)."""
     pda = build_pda(inline_rules(grammar), max_positions)
     positions = int(np.count_nonzero(pda.has_bytes))
     if 0 < max_positions < positions:
         raise PushdownTooLargeError(positions, max_positions)
+    if 0 < lazy_positions < positions:
+        index = GrammarIndex(pda, vocab, text, approximations, precompute=False)
+        index.mask(index.start)
+        return index
     return GrammarIndex(pda, vocab, text, approximations)

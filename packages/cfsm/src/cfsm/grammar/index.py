@@ -649,7 +649,7 @@ def _counted_chains(pda: Pda) -> dict[int, tuple[int, int, bytes]]:
     succ: dict[int, tuple[int, bytes]] = {}
     for s in np.flatnonzero(pda.has_bytes).tolist():
         row = trans[s]
-        for t in np.unique(row[row >= 0]).tolist():
+        for t in sorted(set(row[row >= 0].tolist())):
             if t == s or rule[t] != rule[s] or acc[t] != acc[s] or calls[t] != calls[s]:
                 continue
             in_class = row == t
@@ -675,6 +675,25 @@ def _counted_chains(pda: Pda) -> dict[int, tuple[int, int, bytes]]:
     return out
 
 
+def _byte_class_reps(trans: np.ndarray) -> np.ndarray:
+    """The first byte of each class of bytes whose columns of `trans` (n, 256) are equal: bytes
+    grouped by a random projection of their columns (float BLAS over row chunks), then each
+    checked against its group's first byte (a byte that differs becomes a class of its own:
+    finer classes are still exact)."""
+    n = trans.shape[0]
+    w: np.ndarray = np.random.default_rng(0xB17E5).random(n) + 1.0
+    h = np.zeros(256)
+    for lo in range(0, n, 16384):
+        h += w[lo:lo + 16384] @ trans[lo:lo + 16384].astype(np.float64)
+    _, first, group = np.unique(h, return_index=True, return_inverse=True)
+    lead = first[np.asarray(group).reshape(-1)]
+    same = np.ones(256, dtype=bool)
+    for lo in range(0, n, 16384):
+        block = trans[lo:lo + 16384]
+        same &= (block == block[:, lead]).all(axis=0)
+    return np.flatnonzero((lead == np.arange(256)) | ~same)
+
+
 def walk_representatives(pda: Pda, follow: np.ndarray) -> np.ndarray:
     """(num_states,) int32: per state of `pda`, the least state that no byte string tells apart
     from it (the coarsest partition where states alike end their rules alike, with the same
@@ -686,10 +705,10 @@ def walk_representatives(pda: Pda, follow: np.ndarray) -> np.ndarray:
     n = pda.num_states
     if n == 0:
         return np.zeros(0, dtype=np.int32)
-    _, first = np.unique(pda.trans.T, axis=0, return_index=True)  # one byte of each byte class
+    first = _byte_class_reps(pda.trans)
     num_rules = len(pda.rule_start)
     cols = np.full((n + 1, len(first) + num_rules), n, dtype=np.int64)  # row n: the dead state
-    trans = pda.trans[:, np.sort(first)]
+    trans = pda.trans[:, first]
     cols[:n, :len(first)] = np.where(trans >= 0, trans, n)
     for s, calls in enumerate(pda.calls):
         for rule, ret in calls:
