@@ -681,7 +681,7 @@ def _byte_class_reps(trans: np.ndarray) -> np.ndarray:
     checked against its group's first byte (a byte that differs becomes a class of its own:
     finer classes are still exact)."""
     n = trans.shape[0]
-    w: np.ndarray = np.random.default_rng(0xB17E5).random(n) + 1.0
+    w = np.asarray(np.random.default_rng(0xB17E5).random(size=n), dtype=np.float64) + 1.0
     h = np.zeros(256)
     for lo in range(0, n, 16384):
         h += w[lo:lo + 16384] @ trans[lo:lo + 16384].astype(np.float64)
