@@ -3,11 +3,12 @@
 For each trace and capacity: hit rate, the optimal hit rate (infinite cache, every distinct token
 computed once), evictions, and microseconds per match / insert / evict / lock (mean, p50, p99) and
 per request, measured inside an engine model (`sim.py`). With `--sglang`, SGLang's Python
-RadixCache runs side by side in the same process on the same traces (needs torch and sglang in
-the interpreter; see benchmarks/RESULTS.md for the setup).
+RadixCache and/or its UnifiedRadixCache (Rust tree core; `--sglang-impl classic|unified|both`)
+run side by side in the same process on the same traces (needs torch and sglang in the
+interpreter; see README.md for the setup).
 
     python benchmarks/radixcache/bench_radixcache.py [--traces fewshot,chat] [--capacities 200000,20000]
-        [--repeats 3] [--sglang] [--json out.json]
+        [--repeats 3] [--sglang [--sglang-impl both]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default=",".join(traces.TRACES), help="comma-separated: " + ",".join(traces.TRACES))
     ap.add_argument("--capacities", default="200000,20000", help="KV slots, comma-separated")
     ap.add_argument("--repeats", type=int, default=1, help="runs per cell; the fastest (least disturbed) is kept")
-    ap.add_argument("--sglang", action="store_true", help="also run SGLang's Python RadixCache side by side")
+    ap.add_argument("--sglang", action="store_true", help="also run SGLang's cache(s) side by side")
+    ap.add_argument("--sglang-impl", default="classic", choices=["classic", "unified", "both"],
+                    help="with --sglang: the Python RadixCache, the UnifiedRadixCache (Rust tree core), or both")
     ap.add_argument("--json", type=Path, help="write all results to this JSON file")
     ap.add_argument("--order", default="lpm", choices=["lpm", "dfs-weight", "fcfs"],
                     help="waiting-queue order: longest prefix first, DFS by subtree weight, or arrival")
@@ -105,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name) == "on"
     impls: list[Any] = [lambda: sim.RadixCacheAdapter(args.page_size, args.eviction, **options)]
-    if args.sglang:
+    if args.sglang and args.sglang_impl in ("classic", "both"):
         import sglang_adapter
 
         impls.append(lambda: sglang_adapter.SGLangAdapter(args.page_size))
+    if args.sglang and args.sglang_impl in ("unified", "both"):
+        import sglang_unified_adapter
+
+        impls.append(lambda: sglang_unified_adapter.SGLangUnifiedAdapter(args.page_size))
     names = [n for n in args.traces.split(",") if n]
     unknown = [n for n in names if n not in traces.TRACES]
     if unknown:
@@ -143,15 +150,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:16s} {cap:7d} {row['impl'][:14]:14s} {row['hit_rate']:6.3f} {optimal:6.3f} {ratio:>7s} "
                       f"{row['evict_calls']:6d} {row['per_request_us']:7.1f} {row['per_request_p50_us']:7.1f} {fmt('match'):>20s} {fmt('insert'):>20s} "
                       f"{fmt('evict'):>20s} {fmt('lock'):>18s} {row['order_per_request_us']:12.1f}", flush=True)
-            if len(cell) == 2:
-                ours, theirs = cell
-                print(f"{'':16s} {'':7s} -> cache work per request, radixcache/sglang: mean "
+            ours = cell[0]
+            for theirs in cell[1:]:
+                print(f"{'':16s} {'':7s} -> cache work per request, radixcache/{theirs['impl']}: mean "
                       f"{ours['per_request_us'] / theirs['per_request_us']:.2f}, at medians "
                       f"{ours['per_request_p50_us'] / theirs['per_request_p50_us']:.2f}; hit rate delta "
                       f"{ours['hit_rate'] - theirs['hit_rate']:+.4f}")
     if args.json:
         meta = {"commit": _commit(), "python": platform.python_version(), "machine": platform.machine(),
-                "argv": sys.argv[1:], "page_size": args.page_size, "radixcache_options": options, "eviction": args.eviction,
+                "argv": sys.argv[1:], "sglang_impl": args.sglang_impl if args.sglang else None, "page_size": args.page_size, "radixcache_options": options, "eviction": args.eviction,
                 "sim": vars(sim.SimConfig(capacity=0, touch=not args.no_touch, order=args.order))}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")

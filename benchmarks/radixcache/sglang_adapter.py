@@ -47,8 +47,11 @@ class _Inert:
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, stubbed: tuple[str, ...] = _STUBBED) -> None:
+        self.stubbed = stubbed
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if any(name == r or name.startswith(r + ".") for r in _STUBBED):
+        if any(name == r or name.startswith(r + ".") for r in self.stubbed):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -62,16 +65,23 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+def install_stubs(extra: tuple[str, ...] = ()) -> None:
+    """Put a finder for the stubbed modules (plus `extra`) first on `sys.meta_path`, once per set."""
+    stubbed = _STUBBED + extra
+    if not any(isinstance(f, _StubFinder) and f.stubbed == stubbed for f in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder(stubbed))
+
+
 def import_sglang_radix_cache() -> types.ModuleType:
     try:
         import torch  # noqa: F401
     except ImportError as exc:
-        raise SystemExit("--sglang needs torch and sglang in this interpreter; see benchmarks/RESULTS.md") from exc
-    sys.meta_path.insert(0, _StubFinder())
+        raise SystemExit("--sglang needs torch and sglang in this interpreter; see benchmarks/radixcache/README.md") from exc
+    install_stubs()
     try:
         import sglang.srt.mem_cache.radix_cache as rc
     except ImportError as exc:
-        raise SystemExit(f"--sglang: cannot import sglang's radix cache ({exc}); see benchmarks/RESULTS.md") from exc
+        raise SystemExit(f"--sglang: cannot import sglang's radix cache ({exc}); see benchmarks/radixcache/README.md") from exc
     return rc
 
 
@@ -92,6 +102,8 @@ class _FreedSink:
 
 class SGLangAdapter:
     """SGLang's RadixCache with its native types: `RadixKey(array('q'))` keys, int64 tensors."""
+
+    frees_tail = False  # insert returns None: the engine model frees duplicates and tail
 
     def __init__(self, page_size: int = 1) -> None:
         import torch

@@ -28,6 +28,7 @@ class CacheAdapter(Protocol):
 
     name: str
     page_size: int
+    frees_tail: bool  # when insert returns its frees: whether they include the unaligned tail at finish
 
     def native_key(self, tokens: np.ndarray) -> Any: ...
     def native_value(self, slots: np.ndarray) -> Any: ...
@@ -46,6 +47,7 @@ class CacheAdapter(Protocol):
 
 class RadixCacheAdapter:
     name = "radixcache"
+    frees_tail = True
 
     def __init__(self, page_size: int = 1, eviction: str = "lru", **options: Any) -> None:
         self.cache = RadixCache(page_size, eviction, **options)
@@ -236,12 +238,14 @@ def simulate(trace: list[TraceReq], cache: CacheAdapter, cfg: SimConfig) -> SimR
                 still.append(run)
                 continue
             prefix, free = timed("insert", cache.insert, run.full_key, cache.native_value(run.kv), run.cached_len, True)
+            n_full = len(run.req.prompt) + len(run.req.output)
             if free is None:  # the duplicates, then the unaligned tail's pages
                 alloc.free(run.kv[run.cached_len : prefix])
-                n_full = len(run.req.prompt) + len(run.req.output)
                 alloc.free(run.kv[n_full - n_full % cache.page_size :])
             else:
                 alloc.free(free)
+                if not cache.frees_tail:  # the cache freed the duplicates, the engine frees the tail
+                    alloc.free(run.kv[n_full - n_full % cache.page_size :])
             timed("lock", cache.unlock, run.handle)
             res.requests += 1
             for child in children.get(run.req.rid, ()):
