@@ -175,9 +175,24 @@ def _combined(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.recursive(_LEAVES, _combined, max_leaves=4))
+_SCHEMAS = st.recursive(_LEAVES, _combined, max_leaves=4)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_SCHEMAS)
 def test_random_narrowed_schemas_accept_only_valid_documents(schema: Any) -> None:
+    _check_narrowed(schema)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_SCHEMAS)
+def test_random_narrowed_schemas_accept_only_valid_documents_more(schema: Any) -> None:
+    _check_narrowed(schema)
+
+
+def _check_narrowed(schema: Any) -> None:
+    """Every short member of the narrowed language, and every accepted universe instance, is valid."""
     try:
         dfa, approximations = _compile(schema, NARROW)
     except cfsm.UnsupportedSchemaError as err:
