@@ -400,6 +400,11 @@ class GrammarIndex:
 
     def _bits(self, ranks: np.ndarray) -> np.ndarray:
         tables = self.vocab.trie_tables
+        if len(ranks) <= 2048:  # NOTE: few tokens (escapes, settlements): set their bits, no full-size pack
+            ids = tables.order[tables.by_length[ranks]].astype(np.int64)
+            words = np.zeros(self.vocab.mask_words, dtype=np.uint32)
+            np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+            return words
         bits = np.zeros(self.vocab.mask_words * 32, dtype=bool)
         bits[tables.order[tables.by_length[ranks]]] = True
         return np.packbits(bits, bitorder="little").view("<u4").copy()
@@ -479,13 +484,15 @@ class GrammarIndex:
         tables = self.vocab.trie_tables
         member = np.zeros(257, dtype=bool)
         member[list(run_class)] = True
+        cols = tables.length_columns
         runs = np.zeros(len(tables.by_length), dtype=np.int32)
-        alive = np.ones(len(tables.by_length), dtype=bool)
-        for d in range(tables.length_columns.shape[0]):
-            alive &= member[tables.length_columns[d]]
-            if not alive.any():
+        live = np.flatnonzero(member.take(cols[0]))  # NOTE: only tokens that start in the class
+        for d in range(1, cols.shape[0] + 1):
+            if not len(live):
                 break
-            runs += alive
+            runs[live] += 1
+            if d < cols.shape[0]:
+                live = live[member.take(cols[d].take(live))]
         self._runs[run_class] = runs
         return runs
 
