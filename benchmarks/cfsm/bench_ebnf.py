@@ -6,7 +6,8 @@ JSON grammar (xgrammar takes no Lark: cfsm and llguidance only). Vocabularies: S
 and Mistral's Tekken (131,072; from the mistral-common wheel, as `bench_cfsm.py` loads it).
 
 Per (vocabulary, grammar, engine):
-- `compile_ms`: cold compile (median of `--repeat` compiles, each from scratch; the vocabulary's
+- `compile_ms`: cold compile (median of `--repeat` compiles, each from scratch, wall or `--clock cpu`
+  time; the vocabulary's
   own tables are built before; llguidance: its matcher's construction, which compiles lazily);
 - `cold_*`: mask fill per token while replaying the tokenizer's tokenization of a valid target
   text on the first replay over a fresh compile (median over the compiles, per token);
@@ -259,7 +260,8 @@ def _engines(names: list[str], bundle: Bundle, vocab: cfsm.Vocabulary) -> list[A
     return out
 
 
-def _bench(eng: Any, bundle: Bundle, gname: str, repeat: int, members: list[str]) -> dict[str, Any] | None:
+def _bench(eng: Any, bundle: Bundle, gname: str, repeat: int, members: list[str], cpu_clock: bool = False
+           ) -> dict[str, Any] | None:
     text, target = GRAMMARS[gname]
     ids = list(bundle.tokenizer.encode(target, add_special_tokens=False))
     try:
@@ -267,10 +269,11 @@ def _bench(eng: Any, bundle: Bundle, gname: str, repeat: int, members: list[str]
     except NotImplementedError:
         return None
     compiles, cold, warm_runs = [], [], []
+    clock = time.process_time if cpu_clock else time.perf_counter
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         compiled = eng.compile(text)
-        compiles.append(time.perf_counter() - start)
+        compiles.append(clock() - start)
         cold.append(eng.replay(compiled, ids))
         warm_runs.append(eng.replay(compiled, ids))
     cold_t = [statistics.median(x) for x in zip(*cold, strict=True)]
@@ -307,6 +310,9 @@ def main() -> None:
                     choices=["cfsm", "xgrammar", "llguidance"])
     ap.add_argument("--members", type=int, default=30, help="random members per grammar for the first-use walk")
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="compile_ms as wall time or as this process's CPU time (all its threads; steadier on a "
+                         "loaded machine)")
     args = ap.parse_args()
     rows = []
     for vname in args.vocab:
@@ -316,7 +322,7 @@ def main() -> None:
         for gname in args.grammars:
             members = _members(gname, args.members) if args.members else []
             for eng in engines:
-                row = _bench(eng, bundle, gname, args.repeat, members)
+                row = _bench(eng, bundle, gname, args.repeat, members, args.clock == "cpu")
                 if row is not None:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
 """A `Grammar` to a recursive transition network: one byte DFA per rule whose edges also call rules.
 
 Every maximal part of a rule body without rule references is built by cfsm's regular compiler
-(`automaton.build_dfa`, exact UTF-8) and embedded; references, concatenation, alternation and
-repetition around them are a small NFA per rule, determinized over bytes and called rules.
+(`automaton.build_dfa`, exact UTF-8) and embedded when the subset construction first reaches it;
+references, concatenation, alternation and repetition around them are a small NFA per rule,
+determinized over bytes and called rules.
 States are numbered globally: `trans[s, b]` is the next state on byte b inside the same rule
 (-1: none), `calls[s]` the (called rule, return state) pairs, `accepting[s]` whether the rule may
 end at s. A runtime stack is a tuple of states: return states, then the current state on top.
@@ -65,6 +66,8 @@ class _Nfa:
         # per enclosing Scope: the fragment of each Shared node, built once (Shared nodes sit in
         # tail position, so every reference may enter the same fragment, as in `automaton`)
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
+        # entry state -> (reference-free part, exit state) not embedded yet (`embed`)
+        self.pending: dict[int, tuple[Node, int]] = {}
 
     def new(self) -> int:
         self.eps.append([])
@@ -142,14 +145,22 @@ class _Nfa:
         return s, out
 
     def _regular(self, node: Node) -> tuple[int, int]:
-        """Embed the minimal DFA of a reference-free part."""
+        """A reference-free part: its entry and exit states; its minimal DFA is built and
+        embedded when the subset construction first reaches the entry (`embed`), so a build
+        stopped at a position limit never builds the parts it did not reach."""
+        s, e = self.new(), self.new()
+        self.pending[s] = (node, e)
+        return s, e
+
+    def embed(self, s: int) -> None:
+        """Embed the minimal DFA of the part pending at entry state `s` (see `_regular`)."""
+        node, e = self.pending.pop(s)
         dfa = self.dfas.get(id(node))
         if dfa is None:
             dfa = self.dfas[id(node)] = build_dfa(node)
-        s, e = self.new(), self.new()
         n = dfa.num_states
         if n == 0:
-            return s, e  # the empty language: no path from s to e
+            return  # the empty language: no path from s to e
         base = len(self.eps)
         for _ in range(n):
             self.new()
@@ -168,14 +179,17 @@ class _Nfa:
             if dfa.accepting[q]:
                 self.eps[base + q].append(e)
         self.eps[s].append(base + dfa.start)
-        return s, e
 
 
 def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
     out = set(states)
     work = list(states)
+    pending = nfa.pending
     while work:
-        for t in nfa.eps[work.pop()]:
+        q = work.pop()
+        if q in pending:
+            nfa.embed(q)
+        for t in nfa.eps[q]:
             if t not in out:
                 out.add(t)
                 work.append(t)
