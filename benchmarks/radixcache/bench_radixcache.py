@@ -111,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.sglang and args.sglang_impl in ("classic", "both"):
         import sglang_adapter
 
+        sglang_adapter.import_sglang_radix_cache()  # fail before any cell runs
         impls.append(lambda: sglang_adapter.SGLangAdapter(args.page_size))
     if args.sglang and args.sglang_impl in ("unified", "both"):
         import sglang_unified_adapter
 
+        sglang_unified_adapter.import_sglang_unified_cache()
         impls.append(lambda: sglang_unified_adapter.SGLangUnifiedAdapter(args.page_size))
     names = [n for n in args.traces.split(",") if n]
     unknown = [n for n in names if n not in traces.TRACES]
