@@ -42,7 +42,10 @@ def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
     if 0 < max_positions < positions:
         raise PushdownTooLargeError(positions, max_positions)
     if 0 < lazy_positions < positions:
-        index = GrammarIndex(pda, vocab, text, approximations, precompute=False)
+        # NOTE: no shared walks: finding them over a network this large takes seconds, and only
+        # the keys in use get walked
+        index = GrammarIndex(pda, vocab, text, approximations, precompute=False,
+                             reps=np.arange(pda.num_states, dtype=np.int32))
         index.mask(index.start)
         return index
     return GrammarIndex(pda, vocab, text, approximations)

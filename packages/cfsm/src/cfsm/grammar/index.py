@@ -116,8 +116,6 @@ class GrammarIndex:
         self._row_ids: dict[bytes, int] = {}
         self._state_row: dict[int, int] = {}
         self._forced: dict[int, bytes] = {}
-        # state -> (head, steps left, byte class) of counted chains (`_counted_chains`)
-        self._chains = _counted_chains(pda)
         self._runs: dict[bytes, np.ndarray] = {}
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
@@ -221,6 +219,12 @@ class GrammarIndex:
         return len(self._states) - 1
 
     # --- token masks -------------------------------------------------------------------------------
+    @functools.cached_property
+    def _chains(self) -> dict[int, tuple[int, int, bytes]]:
+        """State -> (head, steps left, byte class) of counted chains (`_counted_chains`), found
+        on the first key walk."""
+        return _counted_chains(self.pda)
+
     @functools.cached_property
     def _rank(self) -> np.ndarray:
         """Sorted vocabulary position -> its index in `TrieTables.by_length` order."""
