@@ -47,6 +47,25 @@ number ::= "-"? ( [0-9] | [1-9] [0-9]{0,3} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{
 ws     ::= [ \t\n]{0,3}
 '''
 
+SQL = r'''
+root     ::= select ";"
+select   ::= "SELECT " ("DISTINCT ")? columns " FROM " tables where? group? order? limit?
+columns  ::= "*" | column (", " column)*
+column   ::= expr (" AS " ident)?
+tables   ::= table (", " table | " JOIN " table " ON " cond)*
+table    ::= ident (" " ident)? | "(" select ")" " " ident
+where    ::= " WHERE " cond
+group    ::= " GROUP BY " expr (", " expr)*
+order    ::= " ORDER BY " expr (" ASC" | " DESC")? (", " expr (" ASC" | " DESC")?)*
+limit    ::= " LIMIT " [0-9]+
+cond     ::= pred ((" AND " | " OR ") pred)*
+pred     ::= expr (" = " | " <> " | " < " | " > " | " <= " | " >= ") expr | expr " IN (" select ")" | "(" cond ")" | "NOT " pred
+expr     ::= term ((" + " | " - " | " * " | " / ") term)*
+term     ::= ident ("." ident)? | [0-9]+ | "'" [^'\n]* "'" | func "(" ("*" | expr) ")" | "(" expr ")"
+func     ::= "COUNT" | "SUM" | "AVG" | "MIN" | "MAX"
+ident    ::= [a-z_] [a-z0-9_]{0,30}
+'''
+
 GRAMMARS = {"c-like": C_LIKE, "json": JSON}
 # tokens that cross rule ends (a return, then more bytes), as BPE vocabularies have them
 PIECES = [") ", ");", "))", ")) ", " (", " x", " +", "x)", "1;", "1)", " 1", "int", "return", " =", "= ", "x ",
@@ -174,6 +193,13 @@ def _same_walks(shared: GrammarIndex, plain: GrammarIndex) -> None:
             assert np.array_equal(info.esc_rank, other.esc_rank) and np.array_equal(info.esc_at, other.esc_at), key
 
 
+def _same_settled(shared: GrammarIndex, plain: GrammarIndex) -> None:
+    """The compile settled for the shared index every escape set it settled without sharing (so
+    first-use masks need no more walks), each once per class of returns."""
+    for ret, digest in plain._settled:
+        assert (shared._rep[ret], digest) in shared._settled, (ret, shared._rep[ret])
+
+
 def _plain_index(pda: Pda, vocab: cfsm.Vocabulary) -> GrammarIndex:
     """The index of `pda` with every state walking on its own (no shared walks)."""
     mp = pytest.MonkeyPatch()
@@ -193,6 +219,7 @@ def test_shared_walks_give_the_plain_keys_and_masks(name: str, vocab: cfsm.Vocab
     shared = _index(name, vocab)
     assert len(set(shared._rep)) < shared.pda.num_states  # the grammar has states to share
     plain = _plain_index(shared.pda, vocab)
+    _same_settled(shared, plain)
     _same_walks(shared, plain)
     grammar = parse_ebnf(GRAMMARS[name])
     rng = random.Random(seed)
@@ -238,6 +265,7 @@ def test_random_grammars_share_walks_exactly(text: str, seed: int) -> None:
     except cfsm.GrammarError:
         return  # NOTE: left-recursive, empty or too ambiguous: refused alike either way
     plain = _plain_index(pda, vocab)
+    _same_settled(shared, plain)
     _same_walks(shared, plain)
     grammar = parse_ebnf(text)
     rng = random.Random(seed)
@@ -281,3 +309,13 @@ def test_lazy_keys_give_the_compiled_masks(name: str, vocab: cfsm.Vocabulary) ->
     for k in range(3):
         member = draw_member(grammar, rng, max_depth=6)
         assert _masks_along(lazy, vocab, member, slow=k == 0) == _masks_along(eager, vocab, member, slow=False)
+
+
+def test_shared_returns_keep_every_compiled_settlement() -> None:
+    """SQL's rules return to states that share walks across rules: what a shared settlement leaves
+    uncertain is still settled below each return's own rule at compile time (as without sharing)."""
+    vocab = byte_vocab(PIECES + [" FROM ", "SELECT ", " AS ", ", ", ") ", "))", " = ", "'a'", "a.", ".b", "1)", "x,"])
+    pda = build_pda(inline_rules(parse_ebnf(SQL)))
+    shared = GrammarIndex(pda, vocab)
+    assert len(set(shared._rep)) < pda.num_states
+    _same_settled(shared, _plain_index(pda, vocab))

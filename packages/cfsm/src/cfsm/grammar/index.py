@@ -602,16 +602,18 @@ class GrammarIndex:
                 if (info.digest, rule) not in queued:
                     queued.add((info.digest, rule))
                     work.append((info, rule))
-        rets = {rule: sorted({self._rep[t] for t in r}) for rule, r in returns.items()}
+        rets = {rule: sorted(r) for rule, r in returns.items()}
         budget = min(self.max_settlements, 2 * uncertain + 256)
         while work and len(self._settled) < budget:
             info, rule = work.pop()
             for ret in rets.get(rule, ()):
-                if (ret, info.digest) in self._settled:
-                    continue
+                # NOTE: returns that share walks share the settlement (a lookup), but what it
+                # leaves uncertain goes on below each return's own rule
                 below = self._settle(ret, info)
-                if len(below.uncertain):
-                    work.append((below, int(pda.state_rule[ret])))
+                below_rule = int(pda.state_rule[ret])
+                if len(below.uncertain) and (below.digest, below_rule) not in queued:
+                    queued.add((below.digest, below_rule))
+                    work.append((below, below_rule))
         self._row_of(self.start)
 
     # --- transport ---------------------------------------------------------------------------------
