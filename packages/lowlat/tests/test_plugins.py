@@ -129,6 +129,25 @@ def test_measured_win_tables_are_well_formed_and_looked_up_by_their_own_keys(mon
     assert tuning.tuned_wins_up_to("GPU Y", llama, MoEShape(8, 2, 14336)) == 0
 
 
+def test_fp8_weights_have_their_own_measured_limits_else_the_bf16_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowlat.kernels import tuning
+
+    for (gpu, key), limit in tuning.FP8_WINS_UP_TO.items():
+        assert tuning.tuned_wins_up_to(gpu, LayerShape(*key), fp8=True) == limit
+    for (gpu, key), rows in tuning.FP8_VERIFY_WINS_UP_TO.items():
+        assert tuning.tuned_verify_wins_up_to(gpu, LayerShape(*key), fp8=True) == rows
+    llama = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+    key = tuning.shape_key(llama)
+    monkeypatch.setattr(tuning, "WINS_UP_TO", {("GPU X", key): 8, ("GPU Y", key): 4})
+    monkeypatch.setattr(tuning, "FP8_WINS_UP_TO", {("GPU X", key): 1})
+    monkeypatch.setattr(tuning, "VERIFY_WINS_UP_TO", {("GPU X", key): 16})
+    monkeypatch.setattr(tuning, "FP8_VERIFY_WINS_UP_TO", {("GPU X", key): 0})
+    assert [tuning.tuned_wins_up_to("GPU X", llama, fp8=f) for f in (False, True)] == [8, 1]
+    assert [tuning.tuned_wins_up_to("GPU Y", llama, fp8=f) for f in (False, True)] == [4, 4]  # no FP8 entry
+    assert [tuning.tuned_verify_wins_up_to("GPU X", llama, fp8=f) for f in (False, True)] == [16, 0]
+    assert tuning.tuned_verify_wins_up_to("GPU Y", llama, fp8=True) is None  # the decode limit applies
+
+
 def test_cpu_launch_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)

@@ -134,8 +134,8 @@ class LaunchConfig:
         props = torch.cuda.get_device_properties(device)
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
                    tuned=tuned_table(props.name, shape, fp8), pdl_release=tuned_pdl_release(props.name, shape), fp8=fp8,
-                   attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe),
-                   verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape))
+                   attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe, fp8),
+                   verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape, fp8))
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:

@@ -100,6 +100,15 @@ WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 16,
 }
+# The same with FP8 (e4m3) weights, which run the bf16 tables' tiles until FP8_TABLES has entries. H200 8B, FP8 weights
+# and FP8 KV through HTTP (bench_fp8_serving, RESULTS.md issue 33, commit 38e717e): 352.8 vs 338.5 tok/s per user at
+# concurrency 1 (1.04x), 187.6 vs 224.2 at 8 (0.84x): batch 1 only. FP8 verify steps: not measured, declined (0).
+FP8_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
+}
+FP8_VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 0,
+}
 # The same for the MoE stack, keyed also by (experts, top_k, expert intermediate size): a Mixtral layer's attention
 # half has Llama-3-8B's key. H200, Mixtral-8x7B layers (4 of them), bench_e2e, eighth session, against lmserver's
 # fused MoE kernels (the generic path until then ran every expert under CUDA graphs: the earlier 2.09x at
@@ -139,19 +148,25 @@ def tuned_attention(device_name: str, shape: LayerShape) -> tuple[tuple[int, int
     return ATTENTION.get((device_name, shape_key(shape)), ())
 
 
-def tuned_wins_up_to(device_name: str, shape: LayerShape, moe: MoEShape | None = None) -> int:
+def tuned_wins_up_to(device_name: str, shape: LayerShape, moe: MoEShape | None = None, fp8: bool = False) -> int:
     """The largest decode batch the plugin should take on this GPU and shape (``WINS_UP_TO``; with ``moe``, the MoE
-    stack's ``MOE_WINS_UP_TO``), 0 = no limit."""
+    stack's ``MOE_WINS_UP_TO``; with ``fp8`` weights, ``FP8_WINS_UP_TO`` where it has the shape), 0 = no limit."""
     if moe is not None:
         return MOE_WINS_UP_TO.get((device_name, shape_key(shape), (moe.num_experts, moe.top_k,
                                                                     moe.expert_intermediate_size)), 0)
-    return WINS_UP_TO.get((device_name, shape_key(shape)), 0)
+    key = (device_name, shape_key(shape))
+    if fp8 and key in FP8_WINS_UP_TO:
+        return FP8_WINS_UP_TO[key]
+    return WINS_UP_TO.get(key, 0)
 
 
-def tuned_verify_wins_up_to(device_name: str, shape: LayerShape) -> int | None:
-    """The most verify rows the plugin should take on this GPU and shape (``VERIFY_WINS_UP_TO``; 0: none), or None:
-    no entry (the decode limit applies)."""
-    return VERIFY_WINS_UP_TO.get((device_name, shape_key(shape)))
+def tuned_verify_wins_up_to(device_name: str, shape: LayerShape, fp8: bool = False) -> int | None:
+    """The most verify rows the plugin should take on this GPU and shape (``VERIFY_WINS_UP_TO``, with ``fp8`` weights
+    ``FP8_VERIFY_WINS_UP_TO`` where it has the shape; 0: none), or None: no entry (the decode limit applies)."""
+    key = (device_name, shape_key(shape))
+    if fp8 and key in FP8_VERIFY_WINS_UP_TO:
+        return FP8_VERIFY_WINS_UP_TO[key]
+    return VERIFY_WINS_UP_TO.get(key)
 
 
 def tuned_persistent(device_name: str, shape: LayerShape) -> GemvConfig | None:
