@@ -177,7 +177,7 @@ def _second_node(config: ServerConfig) -> None:
 
 @pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
-    from lmserver.testing import free_port
+    from lmserver.netutil import free_port
 
     path = _model_folder(tmp_path, "two_nodes", FAMILIES["llama_gqa"])
     addr = f"127.0.0.1:{free_port()}"
