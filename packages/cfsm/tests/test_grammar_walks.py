@@ -253,7 +253,9 @@ def _random_grammars(draw: st.DrawFn) -> str:
     return "\n".join(f"{name} ::= {alternatives(0)}" for name in names)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# NOTE: derandomized (the same examples every run, no example database): a random draw can build a DFA toward
+# its 200,000-state limit for minutes, so a drawn grammar must not decide whether CI passes
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(text=_random_grammars(), seed=st.integers(0, 2**32 - 1))
 def test_random_grammars_share_walks_exactly(text: str, seed: int) -> None:
     """On random grammars the masks with shared walks are those without, along random members

@@ -106,7 +106,9 @@ def _random_grammars(draw: st.DrawFn) -> str:
     return "\n".join(f"{name} ::= {alternatives(0)}" for name in names)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# NOTE: derandomized (the same examples every run, no example database): a random draw can build a DFA toward
+# its 200,000-state limit for minutes, so a drawn grammar must not decide whether CI passes
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(text=_random_grammars())
 def test_random_grammars_never_pass_the_limit(text: str) -> None:
     grammar = inline_rules(parse_ebnf(text))
