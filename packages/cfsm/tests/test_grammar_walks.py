@@ -17,7 +17,7 @@ import cfsm
 from cfsm.grammar import GrammarGuide, GrammarIndex, Pda, build_pda, inline_rules, parse_ebnf
 from cfsm.grammar import index as grammar_index
 from cfsm.grammar import pda as grammar_pda
-from cfsm.grammar.testing import byte_vocab, draw_member, greedy_tokens
+from cfsm.grammar.testing import JSON_GBNF, byte_vocab, draw_member, greedy_tokens
 from cfsm.testing import allowed_by_advance
 
 C_LIKE = r'''
@@ -37,15 +37,6 @@ number   ::= [0-9]+ ("." [0-9]+)?
 ws       ::= [ \t\n]*
 '''
 
-JSON = r'''
-root   ::= value
-value  ::= object | array | string | number | ("true" | "false" | "null")
-object ::= "{" ws ( string ws ":" ws value ws ( "," ws string ws ":" ws value ws )* )? "}"
-array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
-number ::= "-"? ( [0-9] | [1-9] [0-9]{0,3} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,2} )?
-ws     ::= [ \t\n]{0,3}
-'''
 
 SQL = r'''
 root     ::= select ";"
@@ -66,7 +57,7 @@ func     ::= "COUNT" | "SUM" | "AVG" | "MIN" | "MAX"
 ident    ::= [a-z_] [a-z0-9_]{0,30}
 '''
 
-GRAMMARS = {"c-like": C_LIKE, "json": JSON}
+GRAMMARS = {"c-like": C_LIKE, "json": JSON_GBNF}
 # tokens that cross rule ends (a return, then more bytes), as BPE vocabularies have them
 PIECES = [") ", ");", "))", ")) ", " (", " x", " +", "x)", "1;", "1)", " 1", "int", "return", " =", "= ", "x ",
           "if (", "{\"", "\":", "\",", "\"}", "}]", "],", "]}", ", ", " \"", "12", "1.5", "true", "null", "\n}",

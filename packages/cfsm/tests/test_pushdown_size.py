@@ -12,17 +12,9 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.grammar import Grammar, Pda, build_pda, inline_rules, parse_ebnf
+from cfsm.grammar.testing import JSON_GBNF
 from cfsm.json_schema import schema_grammar
 
-JSON = r'''
-root   ::= value
-value  ::= object | array | string | number | ("true" | "false" | "null")
-object ::= "{" ws ( string ws ":" ws value ws ( "," ws string ws ":" ws value ws )* )? "}"
-array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
-number ::= "-"? ( [0-9] | [1-9] [0-9]{0,3} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,2} )?
-ws     ::= [ \t\n]{0,3}
-'''
 SCHEMAS = {
     "free": {"type": "object", "properties": {"meta": {}, "tags": {"type": "array"}}, "required": ["meta", "tags"]},
     "tree": {"$defs": {"node": {"type": "object", "properties": {
@@ -79,7 +71,7 @@ def test_schema_networks_stop_exactly_at_the_limit(name: str) -> None:
 
 
 def test_json_gbnf_stops_exactly_at_the_limit() -> None:
-    _check(inline_rules(parse_ebnf(JSON)), exact=True)
+    _check(inline_rules(parse_ebnf(JSON_GBNF)), exact=True)
 
 
 @st.composite

@@ -13,8 +13,19 @@ from cfsm import Vocabulary
 from cfsm.grammar import Grammar, RuleRef
 from cfsm.regex_ast import Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["accepts", "byte_vocab", "draw_member", "greedy_tokens"]
+__all__ = ["JSON_GBNF", "LARK_JSON", "accepts", "byte_vocab", "draw_member", "greedy_tokens"]
 
+
+# A JSON grammar in GBNF with bounded runs (numbers, whitespace), so that its pushdown network stays small (tests share it).
+JSON_GBNF = r'''
+root   ::= value
+value  ::= object | array | string | number | ("true" | "false" | "null")
+object ::= "{" ws ( string ws ":" ws value ws ( "," ws string ws ":" ws value ws )* )? "}"
+array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= "-"? ( [0-9] | [1-9] [0-9]{0,3} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,2} )?
+ws     ::= [ \t\n]{0,3}
+'''
 
 # The JSON grammar of Lark's tutorial, in the Lark subset `compile_lark` takes (tests and benchmarks share it).
 LARK_JSON = r"""
