@@ -4,6 +4,7 @@ hits (KV loaded back, not recomputed); and the host pool's copies by slot ids.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,10 +37,12 @@ def _chat(engine: Engine) -> list[list[int]]:
     return outputs
 
 
-def _run(**config: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    engine = Engine(dtype="float32", max_running_requests=2, chunked_prefill_size=-1, **config)
+def _run(chat: Callable[[Engine], list[list[int]]] | None = None, max_running_requests: int = 2,
+         **config: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    """`chat` (default `_chat`) on an engine of `config`: its outputs and stats, memory invariant checked."""
+    engine = Engine(dtype="float32", max_running_requests=max_running_requests, chunked_prefill_size=-1, **config)
     try:
-        outs = _chat(engine)
+        outs = (chat or _chat)(engine)
         engine.core.check_memory_invariant()
         return outs, engine.core.get_stats()
     finally:
@@ -131,17 +134,9 @@ def _concurrent_chat(engine: Engine) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_concurrent_chats_with_host_tier_match_a_large_pool() -> None:
-    def run(**config: Any) -> tuple[list[list[int]], dict[str, Any]]:
-        engine = Engine(dtype="float32", max_running_requests=_CONVERSATIONS, chunked_prefill_size=-1, **config)
-        try:
-            outs = _concurrent_chat(engine)
-            engine.core.check_memory_invariant()
-            return outs, engine.core.get_stats()
-        finally:
-            engine.shutdown()
-
-    want, big = run(max_total_tokens=4096)
-    got, stats = run(max_total_tokens=96, enable_hierarchical_cache=True, host_kv_size_gb=0.05)
+    want, big = _run(_concurrent_chat, _CONVERSATIONS, max_total_tokens=4096)
+    got, stats = _run(_concurrent_chat, _CONVERSATIONS, max_total_tokens=96, enable_hierarchical_cache=True,
+                      host_kv_size_gb=0.05)
     assert got == want
     assert stats["hicache_host_hits"] > 0 and stats["hicache_dropped_tokens"] == 0, stats
     assert stats["cached_tokens"] == big["cached_tokens"], (stats, big)
