@@ -5,9 +5,10 @@ A 32-layer Llama-3-8B-shaped stack (random bf16 weights; FP8 = the same weights 
 per layer for bf16 weights + bf16 KV, FP8 weights + bf16 KV, FP8 weights + FP8 KV, against each one's memory floor
 (weights + KV read at ``--bandwidth-tbs``). First, layer 0 of each against the reference layer (``lowlat.reference``:
 the dequantized weights in float32, the same cache) on fresh random inputs. ``--tables``: a JSON list of
-``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too.
+``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too
+(``fp8w+kv table``); ``--stacks``: which of the stacks to build and time.
 
-    python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--json out.json]
+    python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--stacks fp8w+kv,table] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
     ap.add_argument("--tables", default="", help="JSON list of FP8 table entries to time as variant 'fp8-table'")
+    ap.add_argument("--stacks", default="bf16,fp8w,fp8w+kv,table",
+                    help="comma list of bf16, fp8w, fp8w+kv, table (table: with --tables)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -53,10 +56,13 @@ def main() -> None:
     max_b = max(batches)
     slots = max_b * max(c, 2000) + 64  # the check's longest case: max_b requests of 2,000 tokens
     stacks: dict[str, Any] = {}
+    chosen = set(args.stacks.split(","))
     for name, weights, kv_dtype in (("bf16", dense, bf16), ("fp8w", fp8, bf16), ("fp8w+kv", fp8, FP8_DTYPE)):
+        if name not in chosen:
+            continue
         ctx = replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype)
         stacks[name] = (nvidia.build(ctx), weights, kv_dtype)
-    if args.tables:
+    if args.tables and "table" in chosen:
         entries = tuple((e[0], e[1], ops.GemvConfig(*e[2:7], vec=e[7] if len(e) > 7 else 0))
                         for e in json.loads(args.tables))
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))

@@ -47,14 +47,15 @@ WARPS_STAGES = [(4, 3), (4, 4), (8, 3)]
 
 
 def candidates(stage: str, fp8: bool = False) -> list[ops.GemvConfig]:
-    """Every config of ``stage`` to sweep; ``fp8``: each row-wise one also with 8-element weight loads (vec 8)."""
+    """Every config of ``stage`` to sweep; ``fp8``: each row-wise one also with 8- and 16-element weight loads (vec 8:
+    in the activation's layout; vec 16: the activation loaded in the weight tile's layout, ``lowlat.kernels.gemv``)."""
     out = []
     blocks = [(p, k) for p in (8, 16, 32) for k in (128, 256, 512)] if stage == "qkv" else DOT_BLOCKS
     for (bn, bk), (nw, ns) in itertools.product(blocks, WARPS_STAGES):
         out.append(ops.GemvConfig("dot", bn, bk, nw, ns))
     rows = QKV_ROWS_BLOCKS if stage == "qkv" else ROWS_BLOCKS  # qkv: block_n = rotary pairs per tile
     for (bn, bk), (nw, ns) in itertools.product(rows, [(4, 2), (4, 3), (8, 2)]):
-        out.extend(ops.GemvConfig("rows", bn, bk, nw, ns, vec=v) for v in ((0, 8) if fp8 else (0,)))
+        out.extend(ops.GemvConfig("rows", bn, bk, nw, ns, vec=v) for v in ((0, 8, 16) if fp8 else (0,)))
     return out
 
 

@@ -72,12 +72,16 @@ def _lc(shape: LayerShape, variant: str | None, batch: int) -> ops.LaunchConfig:
     lc = ops.LaunchConfig.for_device(DEVICE, shape, use_pdl=False, fp8=True)
     if variant is None:
         return lc
-    # rows8: the row-wise kernels with 8-element weight loads (GemvConfig.vec; a hint the interpreter ignores)
-    blocks = {"rows": (2, 64), "rows8": (2, 64), "dot": (16, 64)}[variant]
+    # rows8: the row-wise kernels with 8-element weight loads (GemvConfig.vec; a hint the interpreter ignores);
+    # rows16: 16-element weight loads with the activations loaded in the weight tile's shape (its own code path);
+    # mrow: the multi-row kernels (qkv: 8 rotary pairs, an MMA of 16 weight rows on a GPU)
+    blocks = {"rows": (2, 64), "rows8": (2, 64), "rows16": (2, 64), "dot": (16, 64), "mrow": (16, 32)}[variant]
+    qkv_p = 2
     if GPU:
-        blocks = {"rows": (4, 1024), "rows8": (4, 1024), "dot": (32, 256)}[variant]
-    kind, vec = ("rows", 8) if variant == "rows8" else (variant, 0)
-    entries = tuple((stage, 16, ops.GemvConfig(kind, blocks[0] if stage != "qkv" else 2, blocks[1], vec=vec))
+        blocks = {"rows": (4, 1024), "rows8": (4, 1024), "rows16": (4, 1024), "dot": (32, 256), "mrow": (32, 256)}[variant]
+        qkv_p = 8 if variant == "mrow" else 2
+    kind, vec = ("rows", int(variant[4:])) if variant.startswith("rows") and variant != "rows" else (variant, 0)
+    entries = tuple((stage, 16, ops.GemvConfig(kind, blocks[0] if stage != "qkv" else qkv_p, blocks[1], vec=vec))
                     for stage in ops.GEMV_STAGES)
     return replace(lc, tuned=entries)
 
@@ -107,7 +111,7 @@ def test_e4m3_rounding_matches_torch() -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s.hidden_size}")
-@pytest.mark.parametrize("variant", ["rows", "dot", None, *ROWS8], ids=lambda v: v or "tuned")
+@pytest.mark.parametrize("variant", ["rows", "rows16", "dot", "mrow", None, *ROWS8], ids=lambda v: v or "tuned")
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp8_gemv_stages_match_float64(shape: LayerShape, variant: str | None, batch: int) -> None:
     """o_proj / down + residual and norm + gate-up + SiLU with FP8 weights against float64 on the dequantized ones."""
@@ -130,7 +134,7 @@ def test_fp8_gemv_stages_match_float64(shape: LayerShape, variant: str | None, b
 
 
 @pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=lambda s: f"h{s.hidden_size}")
-@pytest.mark.parametrize("variant", ["rows", "dot", *ROWS8])
+@pytest.mark.parametrize("variant", ["rows", "rows16", "dot", "mrow", *ROWS8])
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv-model-dtype", "kv-fp8"])
 def test_fp8_qkv_rope_kv_write_matches_float64(shape: LayerShape, variant: str, kv_fp8: bool) -> None:
     g = _gen(7)

@@ -14,7 +14,10 @@ same code) and the finished sums are multiplied by each output row's scale (``la
 (``GemvConfig.vec``) caps a weight load at that many contiguous elements: a 16-byte load holds 16 FP8 weights
 but 8 bf16 activations, and on sm_90 Triton then stages the activation row through shared memory to match the
 tile's register layout; ``W_VEC`` 8 loads FP8 weights 8 bytes at a time in the activation's layout instead (no
-staging; a no-op for bf16 weights). Which is faster is for ``benchmarks/lowlat/bench_gemv.py --fp8`` to measure.
+staging; a no-op for bf16 weights). ``W_VEC`` 16 keeps FP8 weights' 16-byte loads and loads each activation row in the
+weight tile's shape instead (``x[m, k]`` for every tile row, the same addresses: served by L1), so that Triton gives
+both loads one register layout (16 elements per thread: one 16-byte weight load, two activation loads) and stages
+nothing through shared memory. Which is faster is for ``benchmarks/lowlat/bench_gemv.py --fp8`` to measure.
 """
 
 from __future__ import annotations
@@ -68,11 +71,12 @@ def _gemv_rows_residual_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M)
+    acc = _add_rows(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w.to(tl.float32), a_ptr, 0, offs_k, offs_k < K, B, K, BLOCK_M,
+                    W_VEC >= 16)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         km = (k0 + offs_k) < K
         wf = tl.load(w_ptr + offs_n[:, None] * K + k0 + wk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M)
+        acc = _add_rows(acc, wf, a_ptr, k0, offs_k, km, B, K, BLOCK_M, W_VEC >= 16)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
@@ -80,28 +84,48 @@ def _gemv_rows_residual_tile(
 
 
 @triton.jit
-def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled)."""
+def _add_rows(acc, wf, a_ptr, k0, offs_k, k_mask, B, K: tl.constexpr, BLOCK_M: tl.constexpr, X2D: tl.constexpr):
+    """`acc[m, :] += wf @ a[m, k0:k0 + BLOCK_K]` for every row m < B (rows unrolled). ``X2D``: each activation row
+    loaded in ``wf``'s shape (``W_VEC`` 16, module docstring)."""
     offs_m = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
-        xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
-        acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
+        if X2D:
+            xm2 = _row_as_tile(a_ptr + m * K + k0, offs_k, k_mask, m, B, wf.shape[0])
+            acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm2, 1)[None, :], acc)
+        else:
+            xm = tl.load(a_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
+            acc = tl.where(offs_m[:, None] == m, acc + tl.sum(wf * xm[None, :], 1)[None, :], acc)
     return acc
 
 
 @triton.jit
+def _row_as_tile(ptr, offs_k, k_mask, m, B, ROWS: tl.constexpr):
+    """``ptr[offs_k]`` (float32; zeros unless ``m < B``) repeated over ``ROWS`` rows: one load in the shape of a
+    (ROWS, BLOCK_K) weight tile, so that both share one register layout (``W_VEC`` 16)."""
+    zn = tl.zeros((ROWS, 1), tl.int32)
+    mask = k_mask[None, :] & (zn + m < B)
+    return tl.load(ptr + zn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, k_mask, B, K: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
+                      BLOCK_M: tl.constexpr, X2D: tl.constexpr = False, norm_w_ptr=None):
     """RMSNorm'd `_add_rows` for two weight tiles: `acc[m, :] += w @ (x[m, k0:k0 + BLOCK_K] * gamma)` for both
     tiles and `ss[m] += sum(x[m, k0:k0 + BLOCK_K] ** 2)` (the norm's sum of squares, so no separate pass over x
     after the PDL wait; the caller applies 1 / rms to the sums). Each activation row is loaded once; the norm
-    weight ``gamma`` (float32, BLOCK_K) scales the activation, not the weight tile."""
+    weight ``gamma`` (float32, BLOCK_K) scales the activation, not the weight tile. ``X2D`` (``W_VEC`` 16): the
+    activation rows and the norm weight (``norm_w_ptr``; ``gamma`` unused) loaded in the weight tiles' shape."""
     offs_m = tl.arange(0, BLOCK_M)
     w1f = w1.to(tl.float32)
     w2f = w2.to(tl.float32)
+    if X2D:
+        gamma2 = _row_as_tile(norm_w_ptr + k0, offs_k, k_mask, 0, 1, w1.shape[0])
     for m in tl.static_range(BLOCK_M):
         xm = tl.load(x_ptr + m * K + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < B), other=0.0).to(tl.float32)
-        xg = (xm * gamma)[None, :]
+        if X2D:
+            xg = _row_as_tile(x_ptr + m * K + k0, offs_k, k_mask, m, B, w1.shape[0]) * gamma2
+        else:
+            xg = (xm * gamma)[None, :]
         acc1 = tl.where(offs_m[:, None] == m, acc1 + tl.sum(w1f * xg, 1)[None, :], acc1)
         acc2 = tl.where(offs_m[:, None] == m, acc2 + tl.sum(w2f * xg, 1)[None, :], acc2)
         ss = tl.where(offs_m == m, ss + tl.sum(xm * xm, 0), ss)
@@ -140,13 +164,14 @@ def qkv_rope_rows_kernel(
                 tl.extra.cuda.gdc_launch_dependents()
         zero = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
         acc1, acc2, ss = _add_rows2_normed(zero, zero, tl.zeros((BLOCK_M,), tl.float32), w1, w2, gamma, x_ptr, 0,
-                                           offs_k, km, B, H, BLOCK_M)
+                                           offs_k, km, B, H, BLOCK_M, W_VEC >= 16, norm_w_ptr)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             km = (k0 + offs_k) < H
             w1 = tl.load(w_ptr + r1[:, None] * H + k0 + wk[None, :], mask=km[None, :], other=0.0)
             w2 = tl.load(w_ptr + r2[:, None] * H + k0 + wk[None, :], mask=km[None, :], other=0.0)
             gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
-            acc1, acc2, ss = _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
+            acc1, acc2, ss = _add_rows2_normed(acc1, acc2, ss, w1, w2, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M,
+                                               W_VEC >= 16, norm_w_ptr)
         rstd = 1.0 / tl.sqrt(ss / H + eps)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
@@ -202,14 +227,15 @@ def _norm_gate_up_rows_tile(
             tl.extra.cuda.gdc_launch_dependents()
     zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     g, u, ss = _add_rows2_normed(zero, zero, tl.zeros((BLOCK_M,), tl.float32), wg, wu, gamma, x_ptr, 0, offs_k, km, B,
-                                 H, BLOCK_M)
+                                 H, BLOCK_M, W_VEC >= 16, norm_w_ptr)
     for k0 in range(BLOCK_K, H, BLOCK_K):
         km = (k0 + offs_k) < H
         wm = n_mask[:, None] & km[None, :]
         wg = tl.load(w_ptr + offs_n[:, None] * H + k0 + wk[None, :], mask=wm, other=0.0)
         wu = tl.load(w_ptr + (INTER + offs_n[:, None]) * H + k0 + wk[None, :], mask=wm, other=0.0)
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
-        g, u, ss = _add_rows2_normed(g, u, ss, wg, wu, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M)
+        g, u, ss = _add_rows2_normed(g, u, ss, wg, wu, gamma, x_ptr, k0, offs_k, km, B, H, BLOCK_M, W_VEC >= 16,
+                                     norm_w_ptr)
     rstd = 1.0 / tl.sqrt(ss / H + eps)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()

@@ -26,10 +26,13 @@ benchmarks/RESULTS.md issue 34, 2026-12-02):
   us vs 10.9), and some configs of gate-up (two accumulators) collapse to 1-2 ms (32 x 512 x 4 warps x 3 stages;
   8 warps), likely register spills: never pick one unmeasured. Best: o_proj 32 x 256 (4 warps, 4 stages), gate-up 64 x 128
   (4, 4) or 128 x 128 (8, 3), down 32 x 512 (4, 3), LM head 64 x 128-256.
-- The qkv twin (two dots of BLOCK_P rows, r1 and r1 + D/2) is the slowest stage: with BLOCK_P 32 (the MMA's M 32)
+- The qkv twin as two dots of BLOCK_P rows (r1 and r1 + D/2) was the slowest stage: with BLOCK_P 32 (the MMA's M 32)
   there are only 96 tiles for 132 SMs: 23.5 us against 20.6 for the ``dot`` kernel and 14.7 row-wise at M = 1;
-  BLOCK_P 16 is under the MMA's size (39 us). Next lever: one dot over the 2 * BLOCK_P rows of a tile (M = 32 with
-  192 tiles), split into the two halves for RoPE.
+  BLOCK_P 16 was under the MMA's size (39 us). It now runs one dot over the 2 * BLOCK_P rows of a tile, interleaved
+  (BLOCK_P 16: M = 32 on 192 tiles), split into the two halves for RoPE after the loop.
+
+FP8 (e4m3) weights (``HAS_SCALE``): each tile is widened to bf16 in registers before the MMA (exact) and the finished
+float32 sums take their rows' scales (before the residual).
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
@@ -44,12 +47,19 @@ from lowlat.kernels.layer import _rope_factors, _rope_store, row_scales
 
 @triton.jit
 def _wx(w, x, acc, MMA: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc (BN, BM) + w (BN, BK) @ x (BM, BK).T``; ``x`` is float32 (already scaled)."""
-    if MMA:
-        if DOT_F32:
-            return tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
-        return tl.dot(w, tl.trans(x.to(w.dtype)), acc)
-    return acc + tl.sum(w.to(tl.float32)[:, None, :] * x[None, :, :], 2)
+    """``acc (BN, BM) + w (BN, BK) @ x (BM, BK).T``; ``x`` is float32 (already scaled). FP8 (e4m3) weights: the tile
+    widened to bf16 in registers (exact: every e4m3 value is one), the rows rounded to bf16 as for bf16 weights."""
+    # NOTE: one if / elif / else chain (layer._dot's note: a fall-through fp8 dot would be traced)
+    W_FP8: tl.constexpr = w.dtype.is_fp8()
+    if not MMA:
+        out = acc + tl.sum(w.to(tl.float32)[:, None, :] * x[None, :, :], 2)
+    elif DOT_F32:
+        out = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
+    elif W_FP8:
+        out = tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)), acc)
+    else:
+        out = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+    return out
 
 
 @triton.jit
@@ -72,29 +82,30 @@ def _wtile(w_ptr, offs_n, n_mask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mrow_residual_kernel(
-    a_ptr, w_ptr, res_ptr, out_ptr,
+    a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
     B: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k] (o_proj, down; HAS_RES off: a plain projection)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _mrow_residual_tile(tile, a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_F32,
-                                HAS_RES, USE_PDL, PDL_EARLY)
+            _mrow_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA,
+                                DOT_F32, HAS_RES, USE_PDL, PDL_EARLY, HAS_SCALE)
     else:
-        _mrow_residual_tile(tl.program_id(0), a_ptr, w_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA,
-                            DOT_F32, HAS_RES, USE_PDL, PDL_EARLY)
+        _mrow_residual_tile(tl.program_id(0), a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            MMA, DOT_F32, HAS_RES, USE_PDL, PDL_EARLY, HAS_SCALE)
 
 
 @triton.jit
 def _mrow_residual_tile(
-    pid, a_ptr, w_ptr, res_ptr, out_ptr,
+    pid, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
     B: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,12 +121,17 @@ def _mrow_residual_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = _wx(w, _rows(a_ptr, 0, B, K, BLOCK_M, BLOCK_K), res, MMA, DOT_F32)
+    # FP8 weights: the sums start at zero and take their rows' scales before the residual; else the residual is the
+    # accumulator's start
+    acc = _wx(w, _rows(a_ptr, 0, B, K, BLOCK_M, BLOCK_K), tl.zeros((BLOCK_N, BLOCK_M), tl.float32) if HAS_SCALE else res,
+              MMA, DOT_F32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = _wtile(w_ptr, offs_n, n_mask, k0, K, BLOCK_K)
         acc = _wx(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), acc, MMA, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+    if HAS_SCALE:
+        acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None] + res
     tl.store(out_ptrs, acc, mask=mask)
 
 
@@ -131,30 +147,31 @@ def _normed_rows(x_ptr, norm_w_ptr, k0, ss, B: tl.constexpr, K: tl.constexpr, BL
 
 @triton.jit
 def mrow_gate_up_kernel(
-    x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr,
     eps,
     B: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # act[b, j] = silu(g) * u with g, u = rmsnorm(x)[b] . w[j], w[INTER + j]
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(INTER, BLOCK_N), tl.num_programs(0)):
-            _mrow_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, act_ptr, eps, B, H, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
-                               MMA, DOT_F32, USE_PDL, PDL_EARLY)
+            _mrow_gate_up_tile(tile, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, eps, B, H, INTER, BLOCK_M, BLOCK_N,
+                               BLOCK_K, MMA, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
     else:
-        _mrow_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, act_ptr, eps, B, H, INTER, BLOCK_M, BLOCK_N,
-                           BLOCK_K, MMA, DOT_F32, USE_PDL, PDL_EARLY)
+        _mrow_gate_up_tile(tl.program_id(0), x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr, eps, B, H, INTER, BLOCK_M,
+                           BLOCK_N, BLOCK_K, MMA, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
 
 
 @triton.jit
 def _mrow_gate_up_tile(
-    pid, x_ptr, norm_w_ptr, w_ptr, act_ptr,
+    pid, x_ptr, norm_w_ptr, w_ptr, s_ptr, act_ptr,
     eps,
     B: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,8 +194,8 @@ def _mrow_gate_up_tile(
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 1.0 / tl.sqrt(ss / H + eps)
-    g = g * rstd[None, :]
-    u = u * rstd[None, :]
+    g = g * rstd[None, :] * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None]
+    u = u * rstd[None, :] * row_scales(s_ptr, INTER + offs_n, n_mask, HAS_SCALE)[:, None]
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + offs_m[None, :] * INTER + offs_n[:, None], act, mask=n_mask[:, None] & (offs_m[None, :] < B))
 
@@ -199,31 +216,30 @@ def mrow_qkv_rope_kernel(
     PB: tl.constexpr = HALF // BLOCK_P
     num_tiles = (NQ + 2 * NKV) * PB
     offs_p = tl.arange(0, BLOCK_P)
-    always = offs_p < BLOCK_P
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         r1 = (tile // PB) * D + (tile % PB) * BLOCK_P + offs_p
         r2 = r1 + HALF
-        w1 = _wtile(w_ptr, r1, always, 0, H, BLOCK_K)
-        w2 = _wtile(w_ptr, r2, always, 0, H, BLOCK_K)
+        # both halves of the rotary pairs in one tile of 2 * BLOCK_P weight rows, interleaved (r1[0], r2[0], r1[1],
+        # ...): one MMA of M = 2 * BLOCK_P per K step (BLOCK_P 16: M 32 on twice the tiles of BLOCK_P 32), split into
+        # the halves after the loop
+        rows = tl.reshape(tl.join(r1, r2), (2 * BLOCK_P,))
+        w = _wtile(w_ptr, rows, rows >= 0, 0, H, BLOCK_K)
         cos, sin, loc = _rope_factors(tile, pos_ptr, loc_ptr, inv_freq_ptr, B, D, BLOCK_M, BLOCK_P)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
         xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
-        acc1 = _wx(w1, xg, tl.zeros((BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
-        acc2 = _wx(w2, xg, tl.zeros((BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
+        acc = _wx(w, xg, tl.zeros((2 * BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
         for k0 in range(BLOCK_K, H, BLOCK_K):
-            w1 = _wtile(w_ptr, r1, always, k0, H, BLOCK_K)
-            w2 = _wtile(w_ptr, r2, always, k0, H, BLOCK_K)
+            w = _wtile(w_ptr, rows, rows >= 0, k0, H, BLOCK_K)
             xg, ss = _normed_rows(x_ptr, norm_w_ptr, k0, ss, B, H, BLOCK_M, BLOCK_K)
-            acc1 = _wx(w1, xg, acc1, MMA, DOT_F32)
-            acc2 = _wx(w2, xg, acc2, MMA, DOT_F32)
+            acc = _wx(w, xg, acc, MMA, DOT_F32)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         rstd = 1.0 / tl.sqrt(ss / H + eps)
-        s1 = row_scales(s_ptr, r1, always, HAS_SCALE)
-        s2 = row_scales(s_ptr, r2, always, HAS_SCALE)
-        _rope_store(tl.trans(acc1) * rstd[:, None] * s1[None, :], tl.trans(acc2) * rstd[:, None] * s2[None, :], tile,
+        acc = acc * row_scales(s_ptr, rows, rows >= 0, HAS_SCALE)[:, None]
+        acc1, acc2 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_P, 2, BLOCK_M)), (0, 2, 1)))
+        _rope_store(tl.trans(acc1) * rstd[:, None], tl.trans(acc2) * rstd[:, None], tile,
                     cos, sin, loc, q_ptr, k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,
                     inv_k_scale, inv_v_scale, NQ, NKV, D, BLOCK_M, BLOCK_P, KV_FP8)

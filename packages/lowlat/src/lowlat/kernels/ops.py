@@ -41,7 +41,8 @@ class GemvConfig:
     # fits the GPU at once, so the next launch's programs can be resident early under PDL)
     programs: int = 0
     # rows kernels: at most this many contiguous weight elements per load (0: as Triton infers; 8 with FP8 weights:
-    # 8-byte loads in the activation row's register layout, no shared-memory staging; lowlat.kernels.gemv)
+    # 8-byte loads in the activation row's register layout, no shared-memory staging; 16: 16-byte FP8 loads with the
+    # activation rows loaded in the weight tile's shape, no staging either; lowlat.kernels.gemv)
     vec: int = 0
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class LaunchConfig:
     wins_up_to: int = 0
     # the most rows of a verify step it measured faster at (0: none; None: as wins_up_to)
     verify_wins_up_to: int | None = None
-    # FP8 (e4m3) weights: the stages run the dot / rows kernels (a ``mrow`` entry runs as ``dot`` with its blocks)
+    # FP8 (e4m3) weights with per-row scales (every kernel variant reads them; the tables: ``tuning.FP8_TABLES``)
     fp8: bool = False
 
     @classmethod
@@ -161,8 +162,6 @@ class LaunchConfig:
         """The kernel and blocks of GEMV ``stage`` (one of ``GEMV_STAGES``) at ``batch`` rows."""
         for name, max_batch, cfg in self.tuned:
             if name == stage and batch <= max_batch:
-                if self.fp8 and cfg.multi_row:  # NOTE: the mrow kernels read model-dtype weights only
-                    return GemvConfig("dot", cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.programs, cfg.vec)
                 return cfg
         block_n = self.qkv_block_p if stage == "qkv" else self.gemv_block_n
         return GemvConfig("dot", block_n, self.gemv_block_k, self.num_warps, self.num_stages)
@@ -272,17 +271,15 @@ def gemv_residual(
     right before this one. ``res`` None (``mrow`` configs only): ``out = a @ w.T``."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
-    if scale is not None and cfg.multi_row:
-        raise ShapeError(f"FP8 weights need a dot or rows config, got {cfg} (LaunchConfig.fp8 maps mrow to dot)")
     s_arg = w if scale is None else scale
     n, k = w.shape
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
     if cfg.multi_row:
         MR.mrow_residual_kernel[grid](
-            a, w, res, out, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma, DOT_F32=dev.type == "cpu" or w.dtype == torch.float32,
+            a, w, s_arg, res, out, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma, DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
             HAS_RES=res is not None, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), LOOP=loop,
-            **_kw(dev, lc, cfg=cfg),
+            HAS_SCALE=scale is not None, **_kw(dev, lc, cfg=cfg),
         )
         return
     if res is None:
@@ -308,8 +305,6 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
     ``scale`` (2I,) its rows' scales)."""
     b, dev = x.shape[0], x.device
     cfg = lc.gemv_config("gate_up", b)
-    if scale is not None and cfg.multi_row:
-        raise ShapeError(f"FP8 weights need a dot or rows config, got {cfg} (LaunchConfig.fp8 maps mrow to dot)")
     s_arg = w if scale is None else scale
     inter, h = w.shape[0] // 2, w.shape[1]
     grid, loop = _grid(triton.cdiv(inter, cfg.block_n), cfg.programs)
@@ -320,8 +315,9 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
                                           HAS_SCALE=scale is not None, W_VEC=cfg.vec, **common)
         return
     if cfg.multi_row:
-        MR.mrow_gate_up_kernel[grid](x, norm_w, w, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
-                                     DOT_F32=dev.type == "cpu" or w.dtype == torch.float32, **common)
+        MR.mrow_gate_up_kernel[grid](x, norm_w, w, s_arg, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
+                                     DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, HAS_SCALE=scale is not None,
+                                     **common)
         return
     K.norm_gate_up_kernel[grid](x, norm_w, w, s_arg, act, b, eps, BLOCK_M=block_m(b, dev), HAS_SCALE=scale is not None,
                                 DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
