@@ -32,12 +32,14 @@ from bench_layer import SHAPES  # noqa: E402
 from lowlat import KVCache  # noqa: E402
 from lowlat.kernels import gemv as GV  # noqa: E402
 from lowlat.kernels import layer as K  # noqa: E402
+from lowlat.kernels import mrow as MR  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
 from lowlat.kernels.tuning import tuned_attention, tuned_pdl_release, tuned_table  # noqa: E402
 from lowlat.layer import ForwardMeta, LayerShape, LayerWeights  # noqa: E402
 
 KERNELS = ("qkv_rope_kernel", "gemv_residual_kernel", "norm_gate_up_kernel", "decode_attention_kernel",
-           "merge_splits_kernel", "qkv_rope_rows_kernel", "gemv_rows_residual_kernel", "norm_gate_up_rows_kernel")
+           "merge_splits_kernel", "qkv_rope_rows_kernel", "gemv_rows_residual_kernel", "norm_gate_up_rows_kernel",
+           "mrow_residual_kernel", "mrow_gate_up_kernel", "mrow_qkv_rope_kernel")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 COUNTED = [
     ("ldg.v4", r"ld\.global(\.[a-z]+)*\.v4"), ("ldg.v2", r"ld\.global(\.[a-z]+)*\.v2"),
@@ -68,7 +70,7 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig, fp8
         return torch.empty(*size, device=dev, dtype=dtype)
 
     sink: list[tuple[Any, tuple, dict]] = []
-    saved = {(mod, name): getattr(mod, name) for mod in (K, GV) for name in KERNELS if hasattr(mod, name)}
+    saved = {(mod, name): getattr(mod, name) for mod in (K, GV, MR) for name in KERNELS if hasattr(mod, name)}
     for (mod, name), fn in saved.items():
         setattr(mod, name, Captured(fn, sink))
     try:
