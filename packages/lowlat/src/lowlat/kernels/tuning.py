@@ -62,7 +62,25 @@ TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
 
 # FP8 (e4m3) weights with per-row scales: (GPU name, shape) -> entries as TABLES; a shape without an FP8 entry takes
 # its TABLES entries (measured with the model dtype's weights: the same blocks read half the bytes).
-FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {}
+FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
+    # H200, Llama-3-8B layer, FP8 weights (per-row scales), context 512 (benchmarks/RESULTS.md issue 33, 2026-12-02,
+    # bench_gemv --fp8, 16 layers PDL-chained, us per launch). Batch 1: row-wise, half the bf16 tile's K and 4 warps,
+    # 16-byte weight loads with the activations in the tile's layout (vec 16) where that won: qkv 10.16 (vec 8; 10.81
+    # with the bf16 entry), o_proj 6.00 (7.15), gate-up 32.54 (37.30), down 16.96 (the bf16 entry; vec 16 17.32): sum
+    # 65.7 against 72.2, the 32-layer FP8 stack (FP8 KV) 70.0 against 76.6 us per layer. Batches 2-16 as measured at 8:
+    # qkv dot 20.26 (mrow 23.28), o_proj dot 11.16 (mrow 16.17), gate-up mrow 51.69 (dot 56.75), down dot 30.08 (mrow
+    # 47.64); stack 138.6 against 152.3 us per layer at batch 8
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
+        ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2, vec=8)),
+        ("o_proj", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
+        ("gate_up", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
+        ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
+        ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
+        ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
+        ("gate_up", 16, GemvConfig("mrow", 128, 128, 8, 3)),
+        ("down", 16, GemvConfig("dot", 32, 512, 4, 3)),
+    ),
+}
 
 
 # (GPU name, shape) -> ((max batch, decode attention block_n), ...) (LaunchConfig.attn_tuned): bench_gemv's
