@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.automaton import Dfa, build_dfa
-from cfsm.json_schema import schema_tree
+from cfsm.json_schema import schema_grammar, schema_tree
+from cfsm.regex_ast import Node
+from cfsm.schema_merge import MAX_MERGED_ALTERNATIVES, finite_values, implies, is_empty, merge_schemas
 from cfsm.testing import accepts_bytes
 
 # bytes of short JSON texts: structure, digits, a few letters, the literals' letters
@@ -228,3 +230,227 @@ def test_a_double_negation_does_not_evaluate_properties() -> None:
     assert not _valid(schema, {"foo": "foo", "bar": "bar"})
     dfa, _ = _compile(schema, NARROW)
     assert not dfa.fullmatch(b'{"foo":"foo","bar":"bar"}')
+
+
+# ---- allOf merges of anyOf / oneOf lists (`cfsm.schema_merge`) -----------------------------------------------------
+# distributed only as far as needed, the product bounded (defaults: a subset; spec: a superset), and the tests that
+# prune it (`implies`, `is_empty`, `finite_values`) sound against the validator. The blow-up itself (a narrowed
+# `oneOf` whose negated branches multiplied under `allOf`: 4^(n-1) alternatives per branch) is caught by the size of
+# the syntax tree, which must grow linearly with the number of branches.
+
+MERGE_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SPEC = cfsm.CfsmConfig.spec(whitespace="compact", recursion="unroll", json_depth=2)
+# strings the universe adds for `pattern` / `const` checks
+WORDS = ["a", "b", "ab", "BLANK", "STRING", "a\n"]
+INSTANCES: list[Any] = [*UNIVERSE, *WORDS, {"a": "a"}, {"a": "BLANK"}, {"a": "STRING", "b": 1}, {"b": "a"}]
+
+
+def _tree_size(node: Node) -> int:
+    """Distinct nodes of a syntax tree (shared subtrees once)."""
+    seen: set[int] = set()
+    stack: list[Any] = [node]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        for value in vars(item).values() if hasattr(item, "__dict__") else \
+                (getattr(item, slot) for slot in getattr(type(item), "__slots__", ())):
+            if isinstance(value, Node):
+                stack.append(value)
+            elif isinstance(value, tuple | list):
+                stack.extend(v for v in value if isinstance(v, Node))
+    return len(seen)
+
+
+# ---- implies / is_empty / finite_values against the validator -----------------------------------------------------
+
+_LEAVES = st.sampled_from([
+    True, False, {}, {"type": "object"}, {"type": "string"}, {"type": ["string", "null"]}, {"type": "integer"},
+    {"type": "number"}, {"const": "a"}, {"enum": ["a", "b", 1]}, {"enum": [1.0, None]}, {"required": ["a"]},
+    {"required": ["a", "b"]}, {"not": {"enum": ["a"]}}, {"not": {"type": "string"}}, {"not": {"type": "integer"}},
+    {"pattern": "^(a|b)$"}, {"type": "string", "pattern": "^BLANK$"}, {"type": "string", "pattern": "^(a|ab)$"},
+    {"pattern": "^a|b$"}, {"minLength": 2}, {"maxLength": 1}, {"minProperties": 2}, {"maxProperties": 0},
+    {"additionalProperties": False}, {"properties": {"a": False}},
+])
+
+
+def _schemas(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2).map(lambda p: {"properties": p}),
+        st.tuples(inner, inner).map(lambda t: {"allOf": list(t)}),
+        st.lists(inner, min_size=1, max_size=3).map(lambda parts: {"anyOf": parts}),
+        st.tuples(inner, inner).map(lambda t: {**t[0], **t[1]} if isinstance(t[0], dict) and isinstance(t[1], dict)
+                                    else t[0]),
+    )
+
+
+_SCHEMAS = st.recursive(_LEAVES, _schemas, max_leaves=5)
+
+
+@MERGE_SETTINGS
+@given(_SCHEMAS, _SCHEMAS)
+def test_implies_is_sound(a: Any, b: Any) -> None:
+    if implies(a, b):
+        for instance in INSTANCES:
+            if _valid(a, instance):
+                assert _valid(b, instance), (a, b, instance)
+
+
+@MERGE_SETTINGS
+@given(_SCHEMAS)
+def test_is_empty_and_finite_values_are_sound(schema: Any) -> None:
+    if is_empty(schema):
+        assert not any(_valid(schema, x) for x in INSTANCES), schema
+    values = finite_values(schema)
+    if values is not None:
+        for instance in INSTANCES:
+            if _valid(schema, instance):
+                assert any(instance == v and type(instance) is type(v) or
+                           isinstance(instance, int | float) and not isinstance(instance, bool) and instance == v
+                           for v in values), (schema, values, instance)
+
+
+def test_implies_and_is_empty_find_the_discriminated_cases() -> None:
+    """What the pruning relies on (so that the tests above do not pass by always saying no)."""
+    branch = {"type": "object", "required": ["kind"], "properties": {"kind": {"type": "string", "enum": ["A"]}}}
+    assert implies(branch, {"type": "object", "required": ["kind"], "properties": {"kind": {"not": {"enum": ["B"]}}}})
+    assert implies(branch, {"anyOf": [{"type": "array"}, {"required": ["kind"]}]})
+    assert not implies(branch, {"required": ["other"]})
+    assert is_empty({"allOf": [branch, {"type": ["array", "string"]}]})
+    assert is_empty({"type": "object", "required": ["kind"],
+                     "properties": {"kind": {"allOf": [{"type": "string", "pattern": "^BLANK$"}, {"const": "STRING"}]}}})
+    assert not is_empty({"properties": {"kind": False}, "required": ["kind"]})  # non-objects are valid
+    assert finite_values({"type": "string", "pattern": "^(A|B)$"}) == ["A", "A\n", "B", "B\n"]
+    assert finite_values({"type": "string", "pattern": "^A|B$"}) is None
+
+
+# ---- merged products -----------------------------------------------------------------------------------------------
+
+def _anyof_product(lists: int) -> dict[str, Any]:
+    """`lists` anyOf lists of three alternatives under allOf, none prunable: 3^lists combinations."""
+    return {"type": "object", "properties": {"a": {}, "b": {}},
+            "allOf": [{"anyOf": [{"required": ["a"]}, {"required": ["b"]}, {"maxProperties": i}]}
+                      for i in range(lists)]}
+
+
+def test_the_product_is_cut_to_a_subset_with_the_defaults() -> None:
+    schema = _anyof_product(4)  # 81 > MAX_MERGED_ALTERNATIVES
+    assert MAX_MERGED_ALTERNATIVES < 3 ** 4
+    node, approximations = schema_tree(schema, NARROW)
+    assert [a.kind for a in approximations if a.keyword == "anyOf"] == ["subset"], approximations
+    dfa = build_dfa(node)
+    for text in _members(dfa):
+        assert _valid(schema, json.loads(text)), text
+    for instance in INSTANCES:
+        if dfa.fullmatch(json.dumps(instance, separators=(",", ":")).encode()):
+            assert _valid(schema, instance), instance
+    assert dfa.fullmatch(b'{"a":1}')  # the first alternatives are kept
+    with pytest.raises(cfsm.UnsupportedSchemaError):
+        schema_tree(schema, cfsm.CfsmConfig(strict=True))
+
+
+def test_the_product_is_cut_to_a_superset_in_spec_mode() -> None:
+    schema = _anyof_product(4)
+    node, approximations = schema_tree(schema, SPEC)
+    assert [a.kind for a in approximations if a.keyword == "anyOf"] == ["superset"], approximations
+    dfa = build_dfa(node)
+    for instance in INSTANCES:
+        if _valid(schema, instance) and not (isinstance(instance, dict) and len(instance) > 1):
+            assert dfa.fullmatch(json.dumps(instance, separators=(",", ":")).encode()), instance
+
+
+@pytest.mark.parametrize("lists", [1, 2, 3])
+def test_small_products_stay_exact(lists: int) -> None:
+    schema = _anyof_product(lists)
+    for config in (NARROW, SPEC):
+        node, approximations = schema_tree(schema, config)
+        assert not [a for a in approximations if a.keyword == "anyOf"], approximations
+        dfa = build_dfa(node)
+        for instance in INSTANCES:
+            text = json.dumps(instance, separators=(",", ":")).encode()
+            if isinstance(instance, dict) and list(instance) not in ([], ["a"], ["b"], ["a", "b"]):
+                continue  # NOTE: the defaults keep properties in schema order and no undeclared ones
+            assert dfa.fullmatch(text) == _valid(schema, instance), (config, instance)
+
+
+def test_merge_drops_alternatives_the_rest_rules_out_or_implies() -> None:
+    notes: list[tuple[str, str, str]] = []
+    rest = {"type": "object", "required": ["kind"], "properties": {"kind": {"enum": ["A"]}}}
+    negated_b = {"anyOf": [{"type": ["array", "string", "number", "boolean", "null"]},
+                           {"type": "object", "required": ["kind"], "properties": {"kind": {"not": {"enum": ["B"]}}}}]}
+    assert "anyOf" not in merge_schemas(rest, negated_b, "#", lambda *n: notes.append(n))  # implied: dropped
+    other = {"anyOf": [{"type": "string"}, {"required": ["x"]}, {"required": ["y"]}]}
+    assert merge_schemas(rest, other, "#", lambda *n: notes.append(n))["anyOf"] == other["anyOf"][1:]
+    assert not notes
+
+
+def _discriminated(branches: int) -> dict[str, Any]:
+    """A union like Azure's linked services: the discriminator `kind` is required beside the
+    `oneOf`, each branch names it without requiring it."""
+    return {
+        "type": "object", "required": ["kind", "body"],
+        "allOf": [{"properties": {"note": {"type": "string"}}},
+                  {"oneOf": [{"$ref": f"#/$defs/b{i}"} for i in range(branches)]}],
+        "$defs": {f"b{i}": {"type": "object", "properties": {
+            "kind": {"type": "string", "enum": [f"k{i}"]},
+            "body": {"type": "object", "required": [f"f{i}"], "properties": {f"f{i}": {"type": "integer"}},
+                     "additionalProperties": False}}} for i in range(branches)},
+    }
+
+
+def test_a_discriminated_one_of_stays_linear_and_exact() -> None:
+    small, large = (_tree_size(schema_grammar(_discriminated(n), NARROW)[0]) for n in (3, 6))
+    # NOTE: linear growth; multiplying the negated branches gave 4^(n-1) alternatives per branch
+    assert large <= 3 * small, (small, large)
+    schema = _discriminated(4)
+    node, approximations = schema_tree(schema, NARROW)
+    assert not approximations, approximations  # disjoint beside `required`: exact, nothing narrowed
+    dfa = build_dfa(node)
+    for i in range(4):
+        for j in range(4):
+            doc = {"kind": f"k{i}", "body": {f"f{j}": 1}}
+            assert dfa.fullmatch(json.dumps(doc, separators=(",", ":")).encode()) == _valid(schema, doc) == (i == j)
+
+
+def test_a_discriminator_by_literal_pattern_is_exact() -> None:
+    """tree-sitter's grammar schema: branches told apart by `"pattern": "^BLANK$"`-like literals."""
+    schema = {"oneOf": [{"type": "object", "required": ["type"], "properties": {"type": {"type": "string",
+                                                                                                 "pattern": f"^{t}$"}}}
+                        for t in ("BLANK", "STRING", "(SEQ|CHOICE)")]}
+    node, approximations = schema_tree(schema, NARROW)
+    assert not approximations, approximations
+    dfa = build_dfa(node)
+    for value in ("BLANK", "STRING", "SEQ", "CHOICE", "OTHER"):
+        doc = {"type": value}
+        assert dfa.fullmatch(json.dumps(doc).replace(" ", "").encode()) == _valid(schema, doc)
+
+
+def test_a_conditional_branch_into_another_resource_resolves_there() -> None:
+    """`then` / `else` referencing resources with their own `$id` and a `$dynamicRef`: the narrowed
+    `if` compiles each branch under that resource's base (merged with the root, the root's `$id`
+    took over and `#item` did not resolve)."""
+    schema = {
+        "$id": "https://example.com/root",
+        "if": {"properties": {"kind": {"const": "n"}}, "required": ["kind"]},
+        "then": {"$ref": "numbers"}, "else": {"$ref": "strings"},
+        "$defs": {
+            "generic": {"$id": "generic", "properties": {"list": {"items": {"$dynamicRef": "#item"}}},
+                        "$defs": {"default": {"$dynamicAnchor": "item"}}},
+            "numbers": {"$id": "numbers", "$defs": {"item": {"$dynamicAnchor": "item", "type": "number"}},
+                        "$ref": "generic"},
+            "strings": {"$id": "strings", "$defs": {"item": {"$dynamicAnchor": "item", "type": "string"}},
+                        "$ref": "generic"},
+        },
+    }
+    node, approximations = schema_tree(schema, NARROW)
+    assert all(a.kind == "subset" for a in approximations), approximations
+    dfa = build_dfa(node)
+    for doc in ({"kind": "n", "list": [1]}, {"kind": "s", "list": ["a"]}, {"list": ["a"]}, {"kind": "n", "list": ["a"]},
+                {"kind": "s", "list": [1]}):
+        if dfa.fullmatch(json.dumps(doc, separators=(",", ":")).encode()):
+            assert _valid(schema, doc), doc
+    # NOTE: every `item` anchor applies at once (the narrowing of `$dynamicRef`): lists stay empty here
+    assert dfa.fullmatch(b'{"kind":"n","list":[]}')
+    assert dfa.fullmatch(b'{"kind":"s","list":[]}') or dfa.fullmatch(b'{"list":[],"kind":"s"}')

@@ -54,7 +54,18 @@ from cfsm.regex_ast import (
     lit,
 )
 from cfsm.regex_parser import parse_regex
-from cfsm.schema_merge import ALL_FORMATS, ALL_PATTERNS, merge_schemas, same_json
+from cfsm.schema_merge import (
+    ALL_FORMATS,
+    ALL_PATTERNS,
+    JSON_TYPES,
+    Approximate,
+    finite_values,
+    merge_schemas,
+    quiet_merge,
+    same_json,
+)
+from cfsm.schema_merge import json_type as _type_of
+from cfsm.schema_merge import type_set as _type_set
 from cfsm.schema_narrow import (
     META_SCHEMA_SUBSET,
     multiple_of_subset,
@@ -97,7 +108,7 @@ MAX_SCHEMA_DEPTH = 128
 # compile starts over with recursion unrolled less deep (deeper branches dropped)
 MAX_SCHEMA_VISITS = 20_000
 
-_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_TYPES = JSON_TYPES
 # a schema without `type` takes every type but integer (a subset of number)
 _ALL_TYPES = ("object", "array", "string", "number", "boolean", "null")
 _TYPE_KEYWORDS = {
@@ -193,20 +204,6 @@ def standard_pieces() -> tuple[Node, ...]:
 
 def _dump(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def _type_of(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "integer" if value.is_integer() else "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
 
 
 class _Compiler:
@@ -418,13 +415,19 @@ class _Compiler:
             if not self._enter(f"{base}#{id(target)}", entered):
                 return False
             # NOTE: the target first, so that its `$id` stays the base of what it contains
-            sub = extra if target is True else merge_schemas(self._inner(target, path), extra, path, self.approximate) \
-                if isinstance(target, dict) else target
+            sub = extra if target is True else merge_schemas(self._inner(target, path), extra, path, self.approximate,
+                                                             self._cut) if isinstance(target, dict) else target
         return sub
 
     def _merge(self, a: dict[str, Any], b: Any, path: str) -> dict[str, Any]:
         """`a` and `b` both; `b` is the inner schema (a subschema `a` applies in place)."""
-        return merge_schemas(a, self._inner(b, path), path, self.approximate)
+        return merge_schemas(a, self._inner(b, path), path, self.approximate, self._cut)
+
+    @property
+    def _cut(self) -> Approximate | None:
+        """How merges cut a product of alternatives too large to spell out: to a subset (reported
+        by `narrowed`, `CfsmConfig.narrow`), else to a superset (None: reported by `approximate`)."""
+        return self.narrowed if self.cfg.narrow else None
 
     def _inner(self, b: Any, path: str) -> Any:
         """`b` made ready to merge into the schema that applies it in place: its conditionals kept
@@ -447,7 +450,8 @@ class _Compiler:
 
     def _branch(self, rest: dict[str, Any], sub: Any, path: str) -> Node:
         """`rest` and `sub` both (one branch of anyOf / oneOf / if)."""
-        if self._plain_ref(rest, sub):
+        if self._plain_ref(rest, sub) or not any(_is_assertion(k) for k in rest):
+            # NOTE: `rest` asserts nothing: `sub` alone, under the current base (merged, `rest`'s `$id` would win)
             return self.node(sub, path)
         entered: list[tuple[str, bool]] = []
         try:
@@ -520,7 +524,7 @@ class _Compiler:
                 rest = {k: v for k, v in schema.items() if k != key}
                 branches = list(schema[key])
                 if key == "oneOf" and len(branches) > 1:
-                    branches = self._exclusive(branches, f"{path}/oneOf")
+                    branches = self._exclusive(branches, f"{path}/oneOf", rest)
                 return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(branches)))
         dependent = _dependent_schema(schema)
         if dependent is None and self.cfg.narrow:
@@ -566,12 +570,14 @@ class _Compiler:
             return NOTHING if subset is False else self._branch(rest, subset, f"{path}/not")
         return self._typed_union(schema, path)
 
-    def _exclusive(self, branches: list[Any], path: str) -> list[Any]:
+    def _exclusive(self, branches: list[Any], path: str, rest: dict[str, Any] | None = None) -> list[Any]:
         """`oneOf` as alternatives that are exact where they can be: the branches themselves when
-        no two can match one value (`_disjoint`), else branch i with every other branch negated
-        where each has a simple negation (`_negation`); otherwise the branches as `anyOf`, reported."""
+        no two can match one value beside the schema's other keywords `rest` (`_disjoint`), else
+        branch i with every other branch negated where each has a simple negation (`_negation`);
+        otherwise the branches as `anyOf`, reported."""
         resolved = [self._peek(b) for b in branches]
-        if all(_disjoint(a, b) for a, b in itertools.combinations(resolved, 2)):
+        applied = [quiet_merge(rest, b) if isinstance(b, dict) and rest else b for b in resolved]
+        if all(_disjoint(a, b) for a, b in itertools.combinations(applied, 2)):
             return branches
         negated = [_negation(b) for b in resolved]
         if len(branches) <= MAX_ONE_OF_PRODUCT and all(n is not None for n in negated):
@@ -1112,42 +1118,18 @@ _BOUND_NEGATIONS = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum"
 _COUNT_NEGATIONS = {"minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
                     "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1),
                     "minProperties": ("object", "maxProperties", -1), "maxProperties": ("object", "minProperties", 1)}
-# a value's JSON types for disjointness (integers are numbers)
-_DISJOINT_TYPES = ("object", "array", "string", "number", "boolean", "null")
-
-
-def _type_set(schema: Any) -> set[str]:
-    """The JSON types (`_DISJOINT_TYPES`) that `schema` may accept, by its `type`, `const` and
-    `enum` alone (every type where they do not say)."""
-    if schema is False:
-        return set()
-    out = set(_DISJOINT_TYPES)
-    if not isinstance(schema, dict):
-        return out
-    named = schema.get("type")
-    if isinstance(named, str):
-        named = [named]
-    if isinstance(named, list) and all(isinstance(t, str) and t in _TYPES for t in named):
-        out &= {"number" if t == "integer" else t for t in named}
-    values = [schema["const"]] if "const" in schema else schema.get("enum")
-    if isinstance(values, list):
-        out &= {"number" if t == "integer" else t for t in map(_type_of, values)}
-    return out
-
-
 def _disjoint(a: Any, b: Any) -> bool:
     """Whether no JSON value can be valid under both `a` and `b` (a sufficient test: disjoint
-    types, disjoint `const` / `enum` lists, or objects that require one property with disjoint
+    types, disjoint `const` / `enum` lists or literal patterns (`finite_values`), or objects that require one property with disjoint
     schemas: a discriminated union)."""
     if not _type_set(a) & _type_set(b):
         return True
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
-    va = [a["const"]] if "const" in a else a.get("enum")
-    vb = [b["const"]] if "const" in b else b.get("enum")
-    if isinstance(va, list) and isinstance(vb, list) and not any(same_json(x, y) for x in va for y in vb):
+    va, vb = finite_values(a), finite_values(b)
+    if va is not None and vb is not None and not any(same_json(x, y) for x in va for y in vb):
         return True
-    if _type_set(a) == _type_set(b) == {"object"}:
+    if _type_set(a) & _type_set(b) == {"object"}:  # a value valid under both is an object
         pa, pb = a.get("properties"), b.get("properties")
         ra, rb = a.get("required"), b.get("required")
         if isinstance(pa, dict) and isinstance(pb, dict) and isinstance(ra, list) and isinstance(rb, list):

@@ -14,6 +14,8 @@ __all__ = ["RefResolver", "check_depth", "is_meta_schema"]
 
 # values of these keywords are data, not schemas: their `$id` keys mean nothing
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+# keywords whose value maps names to subschemas (a name such as "default" or "enum" is no keyword there)
+_NAME_MAPS = frozenset({"$defs", "definitions", "properties", "patternProperties", "dependentSchemas", "dependencies"})
 _META_HOSTS = ("json-schema.org/", "spec.openapis.org/")
 
 
@@ -65,6 +67,7 @@ class RefResolver:
 
     def _scan(self, root: Any) -> None:
         stack: list[tuple[Any, str]] = [(root, "")]
+        names: set[int] = set()  # ids of the name maps met (`_NAME_MAPS` values)
         while stack:
             value, base = stack.pop()
             if isinstance(value, list):
@@ -72,6 +75,10 @@ class RefResolver:
                 continue
             if not isinstance(value, dict):
                 continue
+            if id(value) in names:
+                stack.extend((v, base) for v in value.values())
+                continue
+            names.update(id(v) for k, v in value.items() if k in _NAME_MAPS and isinstance(v, dict))
             ident = _own_id(value)
             if ident is not None:
                 uri, frag = urldefrag(urljoin(base, ident))
