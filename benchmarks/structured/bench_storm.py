@@ -92,6 +92,7 @@ class SchemaResult:
     ttft_s: float = float("nan")  # the first token after arrival: compile and queue included
     e2e_s: float = float("nan")
     approximations: list[str] = field(default_factory=list)
+    decode_tok_s: float = float("nan")  # tokens after the first over first-to-last chunk (its batch's step rate)
 
 
 # --- schemas -----------------------------------------------------------------------------------------
@@ -212,6 +213,7 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
     body = {"text": "Here is a JSON document that follows the schema:\n", "stream": True, "sampling_params": params}
     start = time.perf_counter()
     last: dict[str, Any] | None = None
+    first: tuple[float, int] | None = None  # (time, completion tokens) at the first chunk with a token
     try:
         with client.stream("POST", "/generate", json=body) as r:
             res.status = r.status_code
@@ -231,8 +233,12 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
                     res.message = str(obj["error"].get("message", obj["error"]))
                     res.outcome = "400" if obj["error"].get("code") == 400 else "other"
                     return res
-                if obj["meta_info"]["completion_tokens"] and res.ttft_s != res.ttft_s:
-                    res.ttft_s = time.perf_counter() - start
+                n = int(obj["meta_info"]["completion_tokens"])
+                if n and first is None:
+                    first = (time.perf_counter(), n)
+                    res.ttft_s = first[0] - start
+                elif first is not None and n > first[1]:
+                    res.decode_tok_s = (n - first[1]) / (time.perf_counter() - first[0])
                 last = obj
     except Exception as exc:  # noqa: BLE001
         res.message = f"{type(exc).__name__}: {exc}"
@@ -263,6 +269,20 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
     return res
 
 
+STAT_KEYS = ("forwards", "forward_tokens", "extend_forwards", "extend_time_s", "overlap_steps", "overlap_grammar_steps",
+             "cuda_graph_replays", "jump_forward_steps", "jump_forward_tokens", "jump_forward_declined", "mask_prepare_s",
+             "mask_apply_s", "mask_fill_s", "mask_rows", "mask_stale_rows", "generation_tokens")
+
+
+def server_stats(client: httpx.Client) -> dict[str, float]:
+    """The engine counters of `STAT_KEYS` (those the server has) from /get_server_info."""
+    try:
+        sched = client.get("/get_server_info").json().get("scheduler", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {k: float(sched[k]) for k in STAT_KEYS if k in sched}
+
+
 def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[str, Any]],
           schema_tokens: int) -> dict[str, Any]:
     started = threading.Semaphore(0)  # released once per stream, at its first chunk
@@ -272,12 +292,18 @@ def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[s
         futs = [pool.submit(run_stream, client, i, stream_tokens, started) for i in range(streams)]
         for _ in range(streams):  # every stream has sent its first chunk
             started.acquire(timeout=1800)
+        before = server_stats(client)
         t0 = time.perf_counter()
         sfuts = [pool.submit(run_schema, client, name, schema, schema_tokens) for name, schema in schemas]
         schema_results = [f.result() for f in sfuts]
         t1 = time.perf_counter()
+        window_stats = server_stats(client)
         stream_results = [f.result() for f in futs]
-    return {"streams": stream_results, "schemas": schema_results, "window": (t0, t1)}
+        after = server_stats(client)
+    delta = {k: round(window_stats[k] - before[k], 4) for k in window_stats if k in before}
+    rest = {k: round(after[k] - window_stats[k], 4) for k in after if k in window_stats}
+    return {"streams": stream_results, "schemas": schema_results, "window": (t0, t1),
+            "server_window": delta, "server_after_window": rest}
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -297,6 +323,11 @@ def summarize(name: str, res: dict[str, Any], storm: bool) -> dict[str, Any]:
         "per_user_tok_s_mean": _nanmean(speeds), "per_user_tok_s_min": min(speeds, default=float("nan")),
         "max_gap_ms": 1e3 * max((s.max_gap_s() for s in streams), default=float("nan")),
     }
+    row["server_window"] = res.get("server_window", {})
+    row["server_after_window"] = res.get("server_after_window", {})
+    decode = [s.decode_tok_s for s in res["schemas"] if s.decode_tok_s == s.decode_tok_s]
+    if decode:  # the storm requests' own per-user decode speed (after their first token)
+        row["storm_req_decode_tok_s_median"] = statistics.median(decode)
     if storm:
         window = [s.tok_s_in(t0, t1) for s in streams]
         row.update({"storm_window_s": t1 - t0, "window_tok_s_mean": _nanmean(window),
@@ -329,6 +360,11 @@ def print_report(calm: dict[str, Any], storm: dict[str, Any], schemas: list[Sche
     print(f"schemas: {len(schemas)}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
           + f"; time to first token p50 {q(0.5):.2f} s, p90 {q(0.9):.2f} s, max {q(1.0):.2f} s; "
           f"with approximation notes: {sum(bool(s.approximations) for s in schemas)}")
+    for row in (calm, storm):
+        if row.get("server_window"):
+            print(f"  server counters, {row['phase']} window: {row['server_window']}")
+    if "storm_req_decode_tok_s_median" in storm:
+        print(f"  storm requests' own decode speed (median per user): {storm['storm_req_decode_tok_s_median']:.1f} tok/s")
     shown = 0
     for s in schemas:
         if s.outcome in ("400", "other", "invalid") and shown < 12:
@@ -379,9 +415,12 @@ def main() -> None:
         if args.plain_storm:
             plain_res = phase(url, args.streams, args.stream_tokens, [(n, None) for n, _ in schemas], args.schema_tokens)
             plain = summarize("plain storm", plain_res, True)
-            print(f"plain storm (no grammars): per-user {plain['per_user_tok_s_mean']:.1f} tok/s, largest gap "
-                  f"{plain['max_gap_ms']:.0f} ms; storm / plain storm: "
-                  f"{storm['per_user_tok_s_mean'] / plain['per_user_tok_s_mean']:.2f}")
+            print(f"plain storm (no grammars): per-user {plain['per_user_tok_s_mean']:.1f} tok/s (window "
+                  f"{plain['window_tok_s_mean']:.1f}, {plain['window_tok_s_mean'] / calm['per_user_tok_s_mean']:.2f} of "
+                  f"calm, {plain['storm_window_s']:.2f} s), largest gap {plain['max_gap_ms']:.0f} ms; storm / plain "
+                  f"storm: {storm['per_user_tok_s_mean'] / plain['per_user_tok_s_mean']:.2f}; the plain requests' own "
+                  f"decode speed (median per user) {plain.get('storm_req_decode_tok_s_median', float('nan')):.1f} tok/s")
+            print(f"  server counters, plain storm window: {plain['server_window']}")
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump({"args": vars(args), "url": url, "calm": calm, "storm": storm, "plain_storm": plain,

@@ -77,6 +77,9 @@ class ConstrainedDecoding:
         # (id of the grammar index, forced text) -> (net new tokens, the grammar ends after it),
         # from earlier plans; only for estimates (an evicted index's id may come back)
         self._sizes: OrderedDict[tuple[int, str], tuple[int, bool]] = OrderedDict()
+        # True while the engine lands a decode with a chained launch in flight (engine/overlap.py):
+        # that launch holds a row of every running request, so no jump may move one (declined)
+        self.hold_jumps = False
         self.stats = {"jump_forward_tokens": 0, "jump_forward_steps": 0, "jump_forward_declined": 0,
                       "grammar_errors": 0}
 
@@ -110,6 +113,22 @@ class ConstrainedDecoding:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def num_chain_blockers(self) -> int:
+        """Grammar-stage events the next schedule must see (a chained launch would skip them):
+        deferred jumps, plus 1 when some request's compile ended (ready, failed or past its
+        deadline). Compiles still running block nothing. Pure (reads the futures and the clock)."""
+        n = len(self._deferred)
+        if self._waiting:
+            now = self.backend.clock()
+            n += any(t.future.done() or now >= t.deadline for t in self._waiting.values())
+        return n
+
+    def mask_time_stats(self) -> dict[str, float]:
+        """The batch masker's host-time counters (seconds) and row counts, for `get_stats`. Pure."""
+        m = self.masker
+        return {"mask_prepare_s": m.prepare_time_s, "mask_apply_s": m.apply_time_s, "mask_fill_s": m.fill_time_s,
+                "mask_rows": m.num_masked_rows, "mask_stale_rows": m.num_stale_rows}
 
     def poll(self, wait_s: float = 0.0) -> list[tuple[str, IndexOrError]]:
         """Requests whose grammar is ready (index) or failed (GrammarError), in arrival order;
@@ -176,6 +195,14 @@ class ConstrainedDecoding:
         self._device_type = device.type
         self.masker.prepare([s.grammar for s in states], device)
 
+    def mask_rows(self, logits: torch.Tensor, grammars: Sequence[ReqGrammar | None]) -> torch.Tensor:
+        """Fills and applies the masks of `grammars` (row i of `logits` (B, V); None: unmasked)
+        at once: the delayed sampling of a chained launch, whose forward already runs. Mutates
+        `logits` in place; returns it."""
+        self._device_type = logits.device.type
+        self.masker.prepare(grammars, logits.device)
+        return self.masker.apply(logits, grammars)
+
     def apply_masks(self, logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
         """Masks the rows of constrained `states` in `logits` (B, V), in place; returns it."""
         self._device_type = logits.device.type
@@ -210,6 +237,8 @@ class ConstrainedDecoding:
         sreq = state.sreq
         p = sreq.sampling_params
         decoding = sreq.status == ReqStatus.RUNNING
+        if decoding and self.hold_jumps:  # a chained launch holds its row: the mask forces the text instead
+            return None
         deferrable = not (p.stop or p.stop_regex)
         extend_pending = bool(scheduler.prefilling)
         remaining = sreq.max_new_tokens - len(sreq.output_ids)

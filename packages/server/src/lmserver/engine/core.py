@@ -204,7 +204,8 @@ class EngineCore:
                           # on the host: the share of a run that a prefix cache can shorten. NOTE: an extend
                           # that samples nothing (a middle chunk of a long prompt) is timed to its launch only
                           "extend_forwards": 0, "extend_time_s": 0.0,
-                          "overlap_steps": 0, "overlap_discarded_tokens": 0}  # chained launches, rows thrown away
+                          "overlap_steps": 0, "overlap_discarded_tokens": 0,  # chained launches, rows thrown away
+                          "overlap_grammar_steps": 0}  # chained launches sampled after the landing (grammar rows)
         self._recent: list[tuple[float, int]] = []  # (time, generated tokens) per step, last 10 s
         # the overlap scheduler (engine/overlap.py); a plain attribute, so benchmarks can flip it
         self.overlap = rc.enable_overlap_schedule and self.tp is None
@@ -327,15 +328,22 @@ class EngineCore:
         prev, self._inflight = self._inflight, None
         self._steps += 1
         if prev is not None:
-            if self.overlap and chain_ready(self.scheduler, prev, self.states, self.constrained.num_waiting):
+            if self.overlap and chain_ready(self.scheduler, prev, self.states, self.constrained.num_chain_blockers()):
                 rounds, ratio = self.scheduler.num_rounds, self.scheduler.new_token_ratio
                 decision = self.constrained.schedule(self.scheduler)
                 assert decision.mode == "decode" and not decision.retracted, decision.mode
                 ids = next_input_ids(prev, [item.rid for item in decision.items])
                 self._inflight = self._launch(decision, ids, rounds, ratio)  # before prev lands
                 self._counters["overlap_steps"] += 1
-            outputs.extend(self._land(prev))
+            # NOTE: a chained launch holds a row of every running request: no jump-forward may move one
+            self.constrained.hold_jumps = self._inflight is not None
+            try:
+                outputs.extend(self._land(prev))
+            finally:
+                self.constrained.hold_jumps = False
             nxt = self._inflight
+            if nxt is not None and nxt.needs_sampling:  # grammar rows: masks from the landed tokens
+                self._sample_launched(nxt)
             if nxt is not None and not nxt.alive(self.states):  # prev finished every request of nxt
                 self._inflight = None
                 self._land(nxt)  # nothing to overlap with: lands now (and undoes its schedule)
@@ -423,16 +431,45 @@ class EngineCore:
         states = [self.states[item.rid] for item in decision.items]
         infos = [s.info for s in states]
         graphs = self.runner.cuda_graph
+        masked = any(s.grammar is not None for s in states)
         ids = None
-        if graphs is not None and graphs.can_run(decision) and all(takes_argmax(info) for info in infos):
+        if not masked and graphs is not None and graphs.can_run(decision) and all(takes_argmax(info) for info in infos):
             ids = graphs.forward_greedy(decision, input_ids)  # the graph's own argmax: no logits copied out
+        chained = input_ids is not None
         if ids is None:
             logits = self.runner.forward(decision, input_ids=input_ids)
+            if masked:  # sampled once the grammars saw the previous tokens: at once unless chained
+                self._counters["forwards"] += 1
+                self._counters["forward_tokens"] += decision.num_tokens
+                self.scheduler.commit(decision)
+                launched = Launched.unsampled(decision, states, logits, chained, rounds_before, ratio_before)
+                if not chained:
+                    self._sample_launched(launched)
+                else:
+                    self._counters["overlap_grammar_steps"] += 1
+                return launched
             ids = sample_tensor(apply_penalties(logits, infos), infos)
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         self.scheduler.commit(decision)  # a decode: nothing to insert (kept for the call order)
-        return Launched.start(decision, states, ids, input_ids is not None, rounds_before, ratio_before)
+        return Launched.start(decision, states, ids, chained, rounds_before, ratio_before)
+
+    def _sample_launched(self, launched: Launched) -> None:
+        """Delayed sampling of a launch with grammar rows (engine/overlap.py): penalties and masks
+        from the host state now (the previous launch landed), then sampling on the device and the
+        tokens' host copy. Rows of requests that ended meanwhile are sampled unmasked (thrown
+        away when the launch lands)."""
+        logits = launched.logits
+        assert logits is not None
+        states = launched.states
+        live = [self.states.get(s.req.rid) is s for s in states]
+        infos = [s.info for s in states]
+        grammars = [s.grammar if ok else None for s, ok in zip(states, live, strict=True)]
+        with torch.inference_mode():  # masked in place: the forward's own logits
+            processed = apply_penalties(logits, infos)
+            if any(g is not None for g in grammars):
+                self.constrained.mask_rows(processed, grammars)
+            launched.set_ids(sample_tensor(processed, infos))
 
     def _land(self, launched: Launched) -> list[ReqOutput]:
         """Appends a launched decode's tokens on the host; rows of requests that ended since the
@@ -718,6 +755,7 @@ class EngineCore:
         stats["kv_pool_bytes"] = pool.num_slots * pool.bytes_per_slot(pool.num_layers, pool.num_kv_heads,
                                                                       pool.head_dim, pool.dtype)
         stats.update(self.constrained.stats)
+        stats.update(self.constrained.mask_time_stats())
         if self.mm is not None:
             stats.update(self.mm.stats())
         if self.spec is not None:

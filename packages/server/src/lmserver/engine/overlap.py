@@ -21,13 +21,23 @@ the radix cache and the allocator see what the serial path would, and its row of
 away when N+1 lands. Aborts free every slot anyway; their rows are thrown away too.
 
 A launch is *chained* only when the serial path would schedule the same decode: no prefilling
-or grammar-compiling request; no waiting request either, unless none can be admitted (every
-request-table row taken) and no request of the previous launch can finish with its token (a
-finish frees a row); every running request in the previous launch and `row_ok` (no grammar, no
-penalties reading host tokens, no logprobs, and no min-new-tokens mask that turns off at this
-very token); and the decode's new slots come from free slots (no eviction or retraction, whose
-choices depend on finishes the host has not seen). Otherwise the previous launch lands first and
-the step runs as in serial. A chained launch whose requests all ended by the time it lands is
+request, no compiled grammar waiting for admission and no deferred jump-forward (requests whose
+compile is still running do not stop it: their compile's end is an arrival); no waiting request
+either, unless none can be admitted (every request-table row taken) and no request of the
+previous launch can finish with its token (a finish frees a row; a grammar row always may);
+every running request in the previous launch and `row_ok` (no penalties reading host tokens, no
+logprobs, and no min-new-tokens mask that turns off at this very token); and the decode's new
+slots come from free slots (no eviction or retraction, whose choices depend on finishes the host
+has not seen). Otherwise the previous launch lands first and the step runs as in serial.
+
+Grammar rows chain with *delayed sampling* (what SGLang's overlap does for constrained requests):
+the launch runs the forward only; its logits wait on the device while the previous launch lands
+(the host accepts its tokens into the grammars), then the masks are filled from the grammars'
+states, applied, and the tokens sampled and copied (`Launched.needs_sampling`,
+`EngineCore._sample_launched`). A jump-forward cannot move a request that a launch in flight
+holds a row of: while a chained launch is in flight the landing's jumps are declined
+(`ConstrainedDecoding.hold_jumps`; the mask forces the same text token by token), so the tokens
+of a request with forced text may differ from the serial path's, the text stays in the grammar. A chained launch whose requests all ended by the time it lands is
 one the serial path never scheduled: the scheduler's round counter and new-token ratio are
 restored (`undo_phantom`).
 
@@ -62,13 +72,14 @@ class Launched:
 
     decision: ScheduleDecision
     states: list[_ReqState]  # one per row, in the decision's order
-    ids: torch.Tensor  # (bs,) int64 sampled ids on the device
-    host_ids: torch.Tensor  # (bs,) int64 host copy (pinned on CUDA), valid once `event` completed
+    ids: torch.Tensor | None  # (bs,) int64 sampled ids on the device (None: logits wait for their masks)
+    host_ids: torch.Tensor | None  # (bs,) int64 host copy (pinned on CUDA), valid once `event` completed
     event: torch.cuda.Event | None  # None on the CPU (the copy is done)
     chained: bool  # scheduled before the previous launch landed (its requests are a slot ahead)
     rounds_before: int = 0  # scheduler.num_rounds / new_token_ratio before this schedule (chained)
     ratio_before: float = 0.0
     row_of: dict[str, int] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # (bs, V) of a launch with grammar rows, until sampled (delayed sampling)
 
     def __post_init__(self) -> None:
         self.row_of = {item.rid: i for i, item in enumerate(self.decision.items)}
@@ -78,16 +89,36 @@ class Launched:
               rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
         """Starts the non-blocking host copy of `ids` (no host sync). `ids` may be a view of a graph's
         static output that the next replay overwrites: the copy is queued (or, on the CPU, made) first."""
+        launched = cls(decision, states, None, None, None, chained, rounds_before, ratio_before)
+        launched.set_ids(ids)
+        return launched
+
+    @classmethod
+    def unsampled(cls, decision: ScheduleDecision, states: list[_ReqState], logits: torch.Tensor, chained: bool,
+                  rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
+        """A launch whose `logits` wait for their masks (`set_ids` once sampled)."""
+        return cls(decision, states, None, None, None, chained, rounds_before, ratio_before, logits=logits)
+
+    @property
+    def needs_sampling(self) -> bool:
+        return self.ids is None
+
+    def set_ids(self, ids: torch.Tensor) -> None:
+        """The sampled ids of this launch: starts their host copy (see `start`). Mutates self."""
+        self.logits = None
+        self.ids = ids
         if ids.device.type != "cuda":
-            return cls(decision, states, ids, ids.clone(), None, chained, rounds_before, ratio_before)
+            self.host_ids = ids.clone()
+            return
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(decision, states, ids, host, event, chained, rounds_before, ratio_before)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        self.host_ids = host
 
     def tokens(self) -> list[int]:
         """The sampled ids on the host (waits for this launch's forward and copy only)."""
+        assert self.host_ids is not None, "a launch is sampled before it lands"
         if self.event is not None:
             self.event.synchronize()
         return [int(t) for t in self.host_ids.tolist()]
@@ -107,7 +138,7 @@ def row_ok(state: _ReqState, chained: bool) -> bool:
     """True when a request's next token can be sampled on the device without host tokens. With
     `chained`, its previous token is not on the host yet (`output_ids` is one short). Pure."""
     p = state.sreq.sampling_params
-    if state.grammar is not None or state.req.return_logprob:
+    if state.req.return_logprob:
         return False
     if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         return False
@@ -121,13 +152,17 @@ def may_finish(state: _ReqState) -> bool:
     sreq = state.sreq
     p = sreq.sampling_params
     n = len(sreq.output_ids) + 1  # with the token in flight
+    if state.grammar is not None:  # the grammar may end with any token
+        return True
     return n >= sreq.max_new_tokens or (n >= p.min_new_tokens and bool(state.info.stop_ids or p.stop or p.stop_regex))
 
 
-def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, _ReqState], compiling: int) -> bool:
+def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, _ReqState], grammar_blocks: int) -> bool:
     """True when the next round, scheduled now (before `prev` lands), is the decode the serial
-    path would schedule after it, plus rows for the requests `prev` finishes. Pure."""
-    if compiling or scheduler.prefilling or not scheduler.running:
+    path would schedule after it, plus rows for the requests `prev` finishes. `grammar_blocks`:
+    compiled grammars waiting for admission plus deferred jumps
+    (`ConstrainedDecoding.num_chain_blockers`). Pure."""
+    if grammar_blocks or scheduler.prefilling or not scheduler.running:
         return False
     if scheduler.waiting:  # admission must stay impossible after prev lands
         if scheduler.has_free_row:
@@ -145,7 +180,9 @@ def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, _ReqStat
 def next_input_ids(prev: Launched, items: Sequence[str]) -> torch.Tensor:
     """Input ids of a chained decode with rows `items` (request ids), read on the device from
     `prev`'s sampled ids (no host sync)."""
+    ids = prev.ids
+    assert ids is not None, "a launch is sampled before the next one chains on it"
     src = [prev.row_of[rid] for rid in items]
     if src == list(range(len(prev.states))):
-        return prev.ids
-    return prev.ids.index_select(0, to_device(src, torch.int64, prev.ids.device))
+        return ids
+    return ids.index_select(0, to_device(src, torch.int64, ids.device))
