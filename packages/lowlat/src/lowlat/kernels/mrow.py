@@ -28,11 +28,13 @@ benchmarks/RESULTS.md issue 34, 2026-12-02):
   (4, 4) or 128 x 128 (8, 3), down 32 x 512 (4, 3), LM head 64 x 128-256.
 - The qkv twin as two dots of BLOCK_P rows (r1 and r1 + D/2) was the slowest stage: with BLOCK_P 32 (the MMA's M 32)
   there are only 96 tiles for 132 SMs: 23.5 us against 20.6 for the ``dot`` kernel and 14.7 row-wise at M = 1;
-  BLOCK_P 16 was under the MMA's size (39 us). It now runs one dot over the 2 * BLOCK_P rows of a tile, interleaved
-  (BLOCK_P 16: M = 32 on 192 tiles), split into the two halves for RoPE after the loop.
+  BLOCK_P 16 was under the MMA's size (39 us). It now runs one dot over the 2 * BLOCK_P rows of a tile, interleaved,
+  split into the two halves for RoPE after the loop: BLOCK_P 32 (M 64) 21.25 us, still above ``dot``'s 20.67; BLOCK_P
+  16 (M 32 on 192 tiles, the expected lever) 29.4, 8 35.0 (RESULTS.md issue 34, fifth session). qkv stays ``dot``.
 
 FP8 (e4m3) weights (``HAS_SCALE``): each tile is widened to bf16 in registers before the MMA (exact) and the finished
-float32 sums take their rows' scales (before the residual).
+float32 sums take their rows' scales (before the residual). At 8 rows on the H200 8B shape they win gate-up only
+(128 x 128, 8 warps: 51.7 us vs ``dot`` 56.8) and lose 45-58% on o_proj and down (16.2 vs 11.2, 47.6 vs 30.1).
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """

@@ -118,9 +118,11 @@ WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 16,
 }
-# The same with FP8 (e4m3) weights, which run the bf16 tables' tiles until FP8_TABLES has entries. H200 8B, FP8 weights
-# and FP8 KV through HTTP (bench_fp8_serving, RESULTS.md issue 33, commit 38e717e): 352.8 vs 338.5 tok/s per user at
-# concurrency 1 (1.04x), 187.6 vs 224.2 at 8 (0.84x): batch 1 only. FP8 verify steps: not measured, declined (0).
+# The same with FP8 (e4m3) weights. H200 8B, FP8 weights and FP8 KV through HTTP (bench_fp8_serving, RESULTS.md issue
+# 33): with the bf16 tables' tiles (commit 38e717e) 352.8 vs 338.5 tok/s per user at concurrency 1 (1.04x), 187.6 vs
+# 224.2 at 8 (0.84x); with FP8_TABLES (0a22b7f) 383.8 vs 338.7 at 1 (1.13x), concurrency 8 not measured end to end (the
+# stack at 8 rows, 138.6 us per layer, predicts a step slower than the generic path's): batch 1 only. FP8 verify
+# steps: not measured end to end, declined (0) on the same prediction.
 FP8_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
 }
