@@ -121,18 +121,28 @@ def optimal_hit_tokens(keys: list[list[int]]) -> int:
 
 
 async def run_reuse(base_url: str, reqs: list[tuple[int, int, dict[str, Any]]], concurrency: int) -> dict[str, Any]:
-    sem = asyncio.Semaphore(concurrency)
-    # NOTE: httpx's default pool opens at most 100 connections: at 120 clients the last 20 requests
-    # waited for the first ones to finish instead of arriving with the rest
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        async def one(body: dict[str, Any]) -> Done:
-            async with sem:
-                return await generate(client, body)
+    """Sends `reqs` in order from `concurrency` workers, each with an HTTP client (and connection) of its own.
 
-        start = time.perf_counter()
-        done = await asyncio.gather(*(one(body) for _, _, body in reqs))
-        wall = time.perf_counter() - start
+    NOTE: one httpx client shared by all workers scans its whole connection pool on every request event
+    (httpcore's `_assign_requests_to_connections`, quadratic in the connections): at 120 connections that
+    was most of the client's CPU time in a profile on the dev CPU, so the client, not the server, bounded
+    the cached server's throughput. A client per worker keeps each pool at one connection."""
+    import ssl
+
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for _, _, body in reqs:
+        queue.put_nowait(body)
+    done: list[Done] = []
+    context = ssl.create_default_context()  # one for all clients (each would load the CA bundle)
+
+    async def worker() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=600, verify=context) as client:
+            while not queue.empty():
+                done.append(await generate(client, queue.get_nowait()))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(reqs)))))
+    wall = time.perf_counter() - start
     prompt = sum(d.prompt_tokens for d in done)
     return {"requests": len(done), "wall_s": wall, "req_per_s": len(done) / wall,
             "output_tok_per_s": sum(d.completion_tokens for d in done) / wall,

@@ -36,6 +36,7 @@ from lmserver.ipc import (
     RpcResp,
     ShutdownReq,
     terminate_context,
+    unpack,
 )
 
 logger = logging.getLogger("lmserver.core")
@@ -105,7 +106,8 @@ class CoreLoop:
     def _drain(self) -> None:
         while True:
             try:
-                msg = self.pull.recv_pyobj(zmq.NOBLOCK)
+                # NOTE: a request's pixels arrive as frames of their own, unpickled without a copy
+                msg = unpack(self.pull.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return
             self._handle(msg)

@@ -8,6 +8,7 @@ Core -> front end: `CoreReady` (once), `BatchOut`, `RpcResp`, `CoreStats` (perio
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -97,6 +98,22 @@ class IpcAddrs:
         """Fresh ipc:// endpoints in a new private temporary folder (created here)."""
         folder = tempfile.mkdtemp(prefix="lmserver-ipc-")
         return cls(to_core=f"ipc://{folder}/to_core", from_core=f"ipc://{folder}/from_core")
+
+
+def pack(msg: Any) -> list[Any]:
+    """`msg` as ZMQ frames: its pickle (protocol 5), then each buffer it holds out of band (numpy
+    arrays, e.g. a request's pixels), sent without a copy. A message without such buffers is one
+    frame, which `recv_pyobj` reads as well."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    return [head, *(b.raw() for b in buffers)]
+
+
+def unpack(frames: list[Any]) -> Any:
+    """The message of `pack`'s frames (`zmq.Frame`s or bytes); large arrays come back as views of their
+    frames (no copy)."""
+    head, *rest = frames
+    return pickle.loads(getattr(head, "buffer", head), buffers=[getattr(f, "buffer", f) for f in rest])
 
 
 def terminate_context(ctx: zmq.Context[Any], timeout_s: float = TERM_TIMEOUT_S) -> bool:

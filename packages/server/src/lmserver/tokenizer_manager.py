@@ -39,6 +39,7 @@ from lmserver.ipc import (
     RpcReq,
     RpcResp,
     ShutdownReq,
+    pack,
     terminate_context,
 )
 from lmserver.metrics import ServerMetrics
@@ -331,7 +332,8 @@ class TokenizerManager:
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
         try:
-            await self._push.send_pyobj(req)
+            # NOTE: the pixels of images / videos go as frames of their own (no pickle copy, see ipc.pack)
+            await self._push.send_multipart(pack(req), copy=False)
             while not state.finished:
                 item = await q.get()
                 if isinstance(item, BaseException):
