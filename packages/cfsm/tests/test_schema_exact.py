@@ -24,6 +24,7 @@ import pytest
 import cfsm
 from cfsm.automaton import build_dfa
 from cfsm.json_schema import schema_tree
+from cfsm.schema_refs import META_FRAGMENTS
 
 SCALARS = [1, 2, 1.0, 2.5, 0, "a", "b", "a/b", "\n", True, False, None]
 ITEMS = [1, 2, "a", True, False, None, 1.0, {}, []]
@@ -321,3 +322,31 @@ def test_unique_items_over_a_finite_prefix_and_free_items(schema: Any, config: s
             head = instance[:k]
             assert jsonschema.Draft202012Validator({"uniqueItems": True}).is_valid(head), text
             assert jsonschema.Draft202012Validator({**schema, "uniqueItems": False}).is_valid(instance), text
+
+
+_META_URIS = ["http://json-schema.org/draft-04/schema", "http://json-schema.org/draft-07/schema"]
+
+
+@pytest.mark.parametrize("uri", _META_URIS)
+@pytest.mark.parametrize("pointer", sorted(META_FRAGMENTS))
+def test_meta_schema_fragments_agree_with_the_published_meta_schemas(uri: str, pointer: str) -> None:
+    """A `$ref` into a meta-schema (swagger-2.0's `.../draft-04/schema#/properties/title`) compiles
+    that part of the meta-schema, which `jsonschema` resolves from its own copy: an instance is
+    accepted exactly when valid (a reported narrowing: only valid instances are accepted)."""
+    import referencing.exceptions
+
+    schema = {"$ref": f"{uri}#{pointer}"}
+    validator = jsonschema.validators.validator_for({"$schema": f"{uri}#"})(schema)
+    try:
+        validator.is_valid(None)
+    except referencing.exceptions.Unresolvable:
+        pytest.skip(f"{pointer} is not part of {uri}")
+    node, notes = schema_tree(schema, CONFIGS["default"])
+    dfa = build_dfa(node)
+    for instance in [*SCALARS, *_arrays()[:60], {}, {"a": 1}, 0.5, -1, ["a", "a"], ["string", "null"], ["x"]]:
+        valid = validator.is_valid(instance)
+        text = json.dumps(instance, separators=(",", ":"))
+        if dfa.fullmatch(text.encode()):
+            assert valid, (pointer, text)
+        elif valid and not notes and not (isinstance(instance, float) and instance.is_integer()):
+            raise AssertionError(f"{pointer}: false reject of {text}")

@@ -21,6 +21,7 @@ import itertools
 import json
 from decimal import Decimal, InvalidOperation
 from typing import Any
+from urllib.parse import urldefrag
 
 from cfsm.charset import negate
 from cfsm.config import CfsmConfig
@@ -73,7 +74,7 @@ from cfsm.schema_narrow import (
     possible_types,
     unique_by_type,
 )
-from cfsm.schema_refs import RefResolver, check_depth
+from cfsm.schema_refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
 from cfsm.schema_unevaluated import expand_unevaluated, mentions_unevaluated
 
 __all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node", "json_value_grammar",
@@ -322,10 +323,22 @@ class _Compiler:
             dynamic = self._dynamic_target(key, ref, target, base, rest, path)
             if dynamic is not None:
                 return dynamic
-        if target is True and ref.split("://", 1)[-1].startswith(("json-schema.org", "spec.openapis.org")):
+        fragment = urldefrag(ref)[1]
+        if target is True and is_meta_schema(base) and fragment.strip("/"):
+            # NOTE: a part of a meta-schema: its own subschema where it is known (exact), else any JSON
+            known = meta_schema_fragment(base, fragment)
+            if known is not None:
+                target = known
+            elif self.cfg.narrow:
+                self.narrowed(key, f"{path}/{key}", "an unknown part of a meta-schema accepts nothing")
+                target = False
+            else:
+                self.approximate(key, f"{path}/{key}", "an unknown part of a meta-schema accepts any JSON")
+        elif target is True and ref.split("://", 1)[-1].startswith(("json-schema.org", "spec.openapis.org")):
             if self.cfg.narrow:
                 self.narrowed(key, f"{path}/{key}", "a meta-schema reference accepts the schemas true, false and {}")
-                target = META_SCHEMA_SUBSET
+                # NOTE: draft 4's meta-schema takes objects only
+                target = {"const": {}} if "draft-04" in base or "draft-03" in base else META_SCHEMA_SUBSET
             else:
                 self.approximate(key, f"{path}/{key}", "a meta-schema reference accepts any JSON")
         entered: list[tuple[str, bool]] = []
@@ -412,6 +425,9 @@ class _Compiler:
         while isinstance(sub, dict) and isinstance(sub.get("$ref"), str):
             extra = {k: v for k, v in sub.items() if k != "$ref"}
             target, base = self.refs.resolve(sub["$ref"], self.bases[-1], f"{path}/$ref")
+            if target is True and is_meta_schema(base):
+                known = meta_schema_fragment(base, urldefrag(sub["$ref"])[1])
+                target = True if known is None else known
             if not self._enter(f"{base}#{id(target)}", entered):
                 return False
             # NOTE: the target first, so that its `$id` stays the base of what it contains

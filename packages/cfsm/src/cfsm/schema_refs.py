@@ -10,13 +10,55 @@ from urllib.parse import unquote, urldefrag, urljoin
 
 from cfsm.errors import UnsupportedSchemaError
 
-__all__ = ["RefResolver", "check_depth", "is_meta_schema"]
+__all__ = ["RefResolver", "check_depth", "is_meta_schema", "meta_schema_fragment", "META_FRAGMENTS"]
 
 # values of these keywords are data, not schemas: their `$id` keys mean nothing
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
 # keywords whose value maps names to subschemas (a name such as "default" or "enum" is no keyword there)
 _NAME_MAPS = frozenset({"$defs", "definitions", "properties", "patternProperties", "dependentSchemas", "dependencies"})
 _META_HOSTS = ("json-schema.org/", "spec.openapis.org/")
+
+
+_NON_NEGATIVE: dict[str, Any] = {"type": "integer", "minimum": 0}
+_STRING: dict[str, Any] = {"type": "string"}
+_SIMPLE_TYPES: dict[str, Any] = {"enum": ["array", "boolean", "integer", "null", "number", "object", "string"]}
+# the subschemas of the draft 4 to 7 meta-schemas that real schemas reference by JSON pointer (the
+# meta-schemas' own text, where it holds no reference back to a whole schema)
+META_FRAGMENTS: dict[str, Any] = {
+    "/definitions/positiveInteger": _NON_NEGATIVE, "/definitions/positiveIntegerDefault0": _NON_NEGATIVE,
+    "/definitions/nonNegativeInteger": _NON_NEGATIVE, "/definitions/nonNegativeIntegerDefault0": _NON_NEGATIVE,
+    "/definitions/simpleTypes": _SIMPLE_TYPES,
+    "/definitions/stringArray": {"type": "array", "items": _STRING, "uniqueItems": True},
+    "/properties/id": _STRING, "/properties/$id": _STRING, "/properties/$schema": _STRING,
+    "/properties/$ref": _STRING, "/properties/$comment": _STRING, "/properties/title": _STRING,
+    "/properties/description": _STRING, "/properties/default": True, "/properties/examples": {"type": "array"},
+    "/properties/multipleOf": {"type": "number", "exclusiveMinimum": 0}, "/properties/maximum": {"type": "number"},
+    "/properties/minimum": {"type": "number"}, "/properties/format": _STRING,
+    "/properties/pattern": _STRING, "/properties/uniqueItems": {"type": "boolean"},
+    "/properties/readOnly": {"type": "boolean"}, "/properties/enum": {"type": "array", "minItems": 1, "uniqueItems": True},
+    "/properties/type": {"anyOf": [_SIMPLE_TYPES, {"type": "array", "items": _SIMPLE_TYPES, "minItems": 1,
+                                                   "uniqueItems": True}]},
+    **{f"/properties/{k}": _NON_NEGATIVE for k in ("maxLength", "minLength", "maxItems", "minItems",
+                                                    "maxProperties", "minProperties")},
+}
+# draft 4 (and 3) meta-schemas: their booleans are numeric-bound modifiers (draft 6 on: numbers)
+_DRAFT4_FRAGMENTS: dict[str, Any] = {"/properties/exclusiveMaximum": {"type": "boolean"},
+                                     "/properties/exclusiveMinimum": {"type": "boolean"},
+                                     "/definitions/stringArray": {"type": "array", "items": _STRING, "minItems": 1,
+                                                                  "uniqueItems": True}}
+
+
+def meta_schema_fragment(uri: str, fragment: str) -> Any | None:
+    """The subschema at JSON pointer `fragment` of the published meta-schema `uri` where it is
+    known here (`META_FRAGMENTS`), else None."""
+    pointer = unquote(fragment)
+    if "draft-04" in uri or "draft-03" in uri:
+        hit = _DRAFT4_FRAGMENTS.get(pointer)
+        if hit is not None:
+            return hit
+    elif pointer in ("/properties/exclusiveMaximum", "/properties/exclusiveMinimum"):
+        return {"type": "number"}
+    return META_FRAGMENTS.get(pointer)
 
 
 def is_meta_schema(uri: str) -> bool:
