@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,6 +170,32 @@ def test_grammar_key_strict_default_per_request_and_limits() -> None:
         grammar_key(SamplingParams(json_schema="[" * 10_000 + "]" * 10_000))
     with pytest.raises(ValueError, match="json_schema_strict needs json_schema"):
         SamplingParams(regex="a", json_schema_strict=True).validate()
+
+
+def test_a_worker_takes_its_next_job_before_the_last_result_is_rebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker, two queued compiles: while the engine side rebuilds the first result's index
+    (GIL time in the engine process), the worker already compiles the second."""
+    from lmserver.constrained import workers
+
+    seen: list[dict[int, str]] = []
+    warm = workers.warm_index
+
+    def spy(index: Any) -> Any:
+        if not seen:
+            seen.append(b._pool.busy() if b._pool is not None else {})
+        return warm(index)
+
+    monkeypatch.setattr(workers, "warm_index", spy)
+    b = _backend(compile_workers=1)
+    try:
+        first = b.submit(GrammarKey("regex", "[0-9]{1,3}"))
+        second = b.submit(GrammarKey("regex", "[a-c]+x"))
+        cf.wait([first.future, second.future], timeout=120)
+        assert len(seen) == 1 and list(seen[0].values()) == ["regex"]  # the second was running
+        for t, pattern in ((first, "[0-9]{1,3}"), (second, "[a-c]+x")):
+            _same(b.result(t), cfsm.compile_regex(pattern, VOCAB))  # type: ignore[arg-type]
+    finally:
+        b.shutdown()
 
 
 def test_bounded_queue_refuses_new_grammars_with_503() -> None:

@@ -352,6 +352,9 @@ class CompilePool:
         with self._lock:
             job, w.job = w.job, None
             w.jobs_done += 1
+        # NOTE: the worker gets its next job before the index is rebuilt and warmed here (GIL time in
+        # the engine's process, longer while its decode loop is busy): it compiles meanwhile
+        self._dispatch()
         if job is None or job.job.job_id != msg[1]:  # pragma: no cover - one job per worker at a time
             logger.error("grammar worker %s sent a result for job %s it did not have", w.pid, msg[1])
             return
