@@ -312,3 +312,131 @@ def test_shared_returns_keep_every_compiled_settlement() -> None:
     shared = GrammarIndex(pda, vocab)
     assert len(set(shared._rep)) < pda.num_states
     _same_settled(shared, _plain_index(pda, vocab))
+
+
+def _walk_sets(index: GrammarIndex, sid: int, walk: tuple[np.ndarray, np.ndarray, np.ndarray]
+               ) -> tuple[set[int], set[tuple[int, int]]]:
+    acc, esc_rank, esc_at = walk
+    assert len(set(acc.tolist())) == len(acc)
+    return set(acc.tolist()), set(zip(esc_rank.tolist(), esc_at.tolist(), strict=True))
+
+
+def _check_trie_walks(index: GrammarIndex) -> None:
+    """Every one-frame key walked over the trie (alone and batched) against the token-at-a-time
+    walk of the whole vocabulary (`_walk_scalar`)."""
+    ranks = np.arange(len(index.vocab.trie_tables.by_length), dtype=np.int64)
+    states = np.flatnonzero(index.pda.has_bytes).tolist()
+    sids = [index._intern(index._close([(s,)])) for s in states]
+    a_key, a_pos, e_key, e_pos, e_at = index._walk_trie_many(sids)
+    rank = index.vocab.trie_levels.rank
+    for k, sid in enumerate(sids):
+        want = _walk_sets(index, sid, index._walk_scalar(sid, ranks, np.zeros(len(ranks), dtype=np.int32)))
+        assert _walk_sets(index, sid, index._walk_trie(sid)) == want
+        acc = set(rank[a_pos[a_key == k]].tolist())
+        esc = {(r, d) for r, d in zip(rank[e_pos[e_key == k]].tolist(), e_at[e_key == k].tolist(), strict=True)
+               if r not in acc}
+        assert (acc, esc) == want
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_trie_walks_equal_token_walks(name: str, vocab: cfsm.Vocabulary) -> None:
+    _check_trie_walks(_index(name, vocab))
+
+
+def _plain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configurations stepped one byte at a time (no `_fill_row`)."""
+    monkeypatch.setattr(GrammarIndex, "_fill_row", lambda self, sid: self._filled.add(sid))
+
+
+def _same_infos(a: dict[object, object], b: dict[object, object]) -> None:
+    assert set(a) == set(b)
+    for key, info in a.items():
+        other = b[key]
+        for field in ("row", "uncertain", "late", "esc_rank", "esc_at"):
+            assert np.array_equal(getattr(info, field), getattr(other, field)), (key, field)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_random_grammars(), seed=st.integers(0, 2**32 - 1))
+def test_random_grammars_batched_walks_and_row_fills_are_exact(text: str, seed: int) -> None:
+    """On random grammars: trie walks (alone and batched) equal token-at-a-time walks, and an
+    index whose configurations are stepped byte by byte (no row fills, one-frame keys walked
+    one at a time) has the same keys, settlements and masks along random strings."""
+    vocab = byte_vocab(["ab", "ba", "abc", "ca", "aa", "cc", "bab", "cab"])
+    try:
+        pda = build_pda(inline_rules(parse_ebnf(text)))
+        fast = GrammarIndex(pda, vocab)
+    except cfsm.GrammarError:
+        return
+    mp = pytest.MonkeyPatch()
+    try:
+        _plain_steps(mp)
+        mp.setattr(GrammarIndex, "_one_frame_keys", lambda self, states: None)
+        try:
+            plain = GrammarIndex(pda, vocab)
+        except cfsm.GrammarError:
+            pytest.fail("the byte-by-byte index refused a grammar the row fills compiled")
+    finally:
+        mp.undo()
+    _check_trie_walks(fast)
+    _same_infos(fast._keys, plain._keys)
+    _same_infos(fast._settled, plain._settled)
+    rng = random.Random(seed)
+    for _ in range(4):
+        s = "".join(rng.choice("abc") for _ in range(rng.randrange(8)))
+        a, b = GrammarGuide(fast), GrammarGuide(plain)
+        for tid in greedy_tokens(vocab, s.encode()):
+            allowed = a.allowed_token_ids().tolist()
+            assert allowed == b.allowed_token_ids().tolist(), (text, s)
+            if tid not in allowed:
+                break
+            a.advance(tid)
+            b.advance(tid)
+        assert a.can_stop() == b.can_stop()
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_row_fills_give_the_byte_by_byte_masks(name: str, vocab: cfsm.Vocabulary) -> None:
+    """Configurations stepped a row at a time give the keys, settlements and masks (along
+    random members, checked against `advance`) of byte-by-byte steps."""
+    fast = _index(name, vocab)
+    mp = pytest.MonkeyPatch()
+    try:
+        _plain_steps(mp)
+        mp.setattr(GrammarIndex, "_one_frame_keys", lambda self, states: None)
+        plain = _index(name, vocab)
+        grammar = parse_ebnf(GRAMMARS[name])
+        rng = random.Random(7)
+        for k in range(3):
+            member = draw_member(grammar, rng, max_depth=6)
+            assert _masks_along(fast, vocab, member, slow=k == 0) == _masks_along(plain, vocab, member, slow=False)
+    finally:
+        mp.undo()
+    _same_infos(fast._keys, plain._keys)
+    _same_infos(fast._settled, plain._settled)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.binary(min_size=1, max_size=6).map(lambda b: bytes(x % 4 + 97 for x in b)),
+                       min_size=1, max_size=40))
+def test_trie_levels_are_the_token_trie(tokens: list[bytes]) -> None:
+    """`Vocabulary.trie_levels` against the prefixes of the tokens (repeated tokens included)."""
+    vocab = cfsm.Vocabulary([b"", *tokens], eos_token_ids=[0])
+    tables, levels = vocab.trie_tables, vocab.trie_levels
+    toks = tables.sorted_tokens
+    assert len(levels.byte) == max(len(t) for t in tokens)
+    for d in range(len(levels.byte)):
+        prefixes = sorted({t[:d + 1] for t in toks if len(t) > d})
+        assert len(levels.byte[d]) == len(prefixes)
+        for k, p in enumerate(prefixes):
+            lo, hi = int(levels.tok_lo[d][k]), int(levels.tok_hi[d][k])
+            assert levels.byte[d][k] == p[-1]
+            assert [i for i, t in enumerate(toks) if t.startswith(p)] == list(range(lo, hi))
+            assert int(levels.end_count[d][k]) == sum(t == p for t in toks)
+            assert all(t == p for t in toks[lo:lo + int(levels.end_count[d][k])])
+            if d + 1 < len(levels.byte):
+                kids = [q for q in sorted({t[:d + 2] for t in toks if len(t) > d + 1}) if q.startswith(p)]
+                lo_c, hi_c = int(levels.child_lo[d][k]), int(levels.child_hi[d][k])
+                assert hi_c - lo_c == len(kids)
+                assert all(levels.byte[d + 1][c] == q[-1] for c, q in zip(range(lo_c, hi_c), kids, strict=True))
+    assert np.array_equal(levels.rank[tables.by_length], np.arange(len(toks)))

@@ -45,6 +45,7 @@ _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a t
 MAX_SETTLEMENTS = 4096
 MAX_STACKS = 4096  # parses alive at once in one configuration (ambiguous grammars multiply them)
 _UNKNOWN = -2
+_HASH_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 2**63, size=MAX_STACKS + 1, dtype=np.uint64) | np.uint64(1)
 Stack = tuple[int, ...]
 
 
@@ -99,6 +100,8 @@ class GrammarIndex:
         self._ids: dict[frozenset[Stack], int] = {frozenset(): 0}
         self._table = np.full((64, 256), _UNKNOWN, dtype=np.int32)  # (capacity, 256)
         self._table[0] = 0
+        self._filled: set[int] = {0}  # configurations whose row `_fill_row` filled
+        self._moves: dict[int, tuple[np.ndarray, list[tuple[int, np.ndarray]]]] = {}  # `_moves_of`
         self._end = np.zeros(64, dtype=bool)  # (capacity,) a stack of one frame may end its rule
         # (capacity, 256) the bytes that may follow those rule ends (their rules' FOLLOW sets)
         self._after_end = np.zeros((64, 256), dtype=bool)
@@ -174,6 +177,11 @@ class GrammarIndex:
         nxt = int(self._table[sid, byte])
         if nxt != _UNKNOWN:
             return nxt
+        if sid not in self._filled:
+            self._fill_row(sid)
+            nxt = int(self._table[sid, byte])
+            if nxt != _UNKNOWN:
+                return nxt
         trans = self.pda.trans
         moved = []
         for st in self._states[sid]:
@@ -193,6 +201,80 @@ class GrammarIndex:
             nxt = 0
         self._table[sid, byte] = nxt
         return nxt
+
+    def _moves_of(self, state: int) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """The bytes `state` does not read, and per state it steps to, the bytes that go there.
+        Cached per state."""
+        hit = self._moves.get(state)
+        if hit is None:
+            row = self.pda.trans[state]
+            live = np.flatnonzero(row >= 0)
+            targets, inverse = np.unique(row[live], return_inverse=True)
+            inverse = np.asarray(inverse).reshape(-1)
+            order = np.argsort(inverse, kind="stable")
+            bounds = np.searchsorted(inverse[order], np.arange(len(targets) + 1))
+            hit = self._moves[state] = (row < 0, [(int(t), live[order[bounds[g]:bounds[g + 1]]])
+                                                  for g, t in enumerate(targets.tolist())])
+        return hit
+
+    def _resolve(self, flat: np.ndarray) -> None:
+        """Fill the table entries `flat` (sid * 256 + byte, unknown ones): the rows of their
+        configurations at once, then any entry a row left to `_step`. Fills caches only."""
+        wanted = _distinct(flat)
+        for sid in _distinct(wanted >> 8).tolist():
+            if sid not in self._filled:
+                self._fill_row(sid)
+        for p in wanted[self._table.ravel().take(wanted) == _UNKNOWN].tolist():
+            self._step(p >> 8, p & 255)
+
+    def _fill_row(self, sid: int) -> None:
+        """Step configuration `sid` by every byte at once: bytes no stack reads go to 0 with no
+        closure, bytes that move every stack alike share one closure. A closure that passes
+        `MAX_STACKS` is left to `_step` (which refuses it as before). Fills caches only."""
+        self._filled.add(sid)
+        stacks = list(self._states[sid])
+        if not stacks:
+            return
+        if len(stacks) == 1:
+            dead, moves = self._moves_of(stacks[0][-1])
+            self._table[sid, dead] = 0
+            prefix = stacks[0][:-1]
+            for t, byte_ids in moves:
+                try:
+                    nxt = self._intern(self._close([(*prefix, t)]))
+                except _TooAmbiguous:
+                    continue
+                self._table[sid, byte_ids] = nxt  # NOTE: `_intern` may have grown the table
+            return
+        targets = self.pda.trans[[st[-1] for st in stacks]]  # (stacks, 256)
+        live = (targets >= 0).any(axis=0)
+        self._table[sid, ~live] = 0
+        byte_ids = np.flatnonzero(live)
+        if not len(byte_ids):
+            return
+        cols = targets[:, byte_ids]
+        if len(stacks) == 1:
+            groups, inverse = np.unique(cols[0], return_inverse=True)
+            moved_of = [[(*stacks[0][:-1], int(t))] for t in groups.tolist()]
+        else:
+            # NOTE: columns grouped by a random 64-bit hash, checked exactly (np.unique over rows
+            # is several times slower); a collision falls back to the row sort
+            h = _HASH_WEIGHTS[:len(stacks)] @ (cols.astype(np.uint64) + np.uint64(1))
+            _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+            inverse = np.asarray(inverse).reshape(-1)
+            if (cols == cols[:, first[inverse]]).all():
+                groups = cols[:, first].T
+            else:
+                groups, inverse = np.unique(cols.T, axis=0, return_inverse=True)
+            moved_of = [[(*st[:-1], int(t)) for st, t in zip(stacks, col, strict=True) if t >= 0]
+                        for col in groups.tolist()]
+        inverse = np.asarray(inverse).reshape(-1)
+        for g, moved in enumerate(moved_of):
+            try:
+                nxt = self._intern(self._close(moved))
+            except _TooAmbiguous:
+                continue
+            self._table[sid, byte_ids[inverse == g]] = nxt  # NOTE: `_intern` may have grown the table
 
     def walk(self, sid: int, data: bytes) -> int:
         """The configuration after reading `data` from `sid` (0 if rejected). Fills caches only."""
@@ -243,18 +325,15 @@ class GrammarIndex:
         NOTE: tokens are in decreasing length order, so the ones still reading at step d are a
         prefix of the walked ones: steps take whole prefixes (no index arrays) until few tokens
         stay alive, then only the live ones."""
+        if ranks is None:
+            return self._walk_trie(sid)
         tables = self.vocab.trie_tables
         cols, counts = tables.length_columns, tables.length_counts
         # NOTE: a token whose first byte neither steps nor leaves the key is rejected: walk only
         # the others (most states take a few first bytes: digits, a quote, a keyword's letter)
         first = np.zeros(257, dtype=bool)
         first[:256] = self._first_bytes(sid)
-        if ranks is None:
-            keep = first.take(cols[0])
-            if np.count_nonzero(keep) * 2 < len(keep):
-                ranks = np.flatnonzero(keep)
-        else:
-            ranks = ranks[first.take(cols[0].take(ranks))]
+        ranks = ranks[first.take(cols[0].take(ranks))]
         if ranks is not None and len(ranks) <= _SCALAR_WALK:
             return self._walk_scalar(sid, ranks, np.zeros(len(ranks), dtype=np.int32))
         full = ranks is None
@@ -281,8 +360,7 @@ class GrammarIndex:
             nxt = self._table.ravel().take(flat)
             miss = nxt == _UNKNOWN
             if miss.any():
-                for p in _distinct(flat[miss]).tolist():
-                    self._step(p >> 8, p & 255)
+                self._resolve(flat[miss])
                 nxt = self._table.ravel().take(flat)  # NOTE: `_step` may have grown the tables
             # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
             esc = self._end.take(st)
@@ -306,6 +384,111 @@ class GrammarIndex:
         at = np.repeat(np.array(esc_d, dtype=np.int32), [len(w) for w in esc_where])
         keep = ~ok[where]
         return r[ok], r[where[keep]].astype(np.int64), at[keep]
+
+    def _walk_trie(self, sid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_walk_tokens` of the whole vocabulary from `sid` (`_walk_trie_many` of one key):
+        (accepted ranks, distinct; escape pairs (rank, offset) of the tokens not accepted)."""
+        acc_key, acc_pos, esc_key, esc_pos, esc_at = self._walk_trie_many([sid])
+        rank = self.vocab.trie_levels.rank
+        accepted = np.zeros(len(rank), dtype=bool)
+        accepted[acc_pos] = True
+        keep = ~accepted.take(esc_pos)
+        return rank.take(acc_pos), rank.take(esc_pos[keep]), esc_at[keep]
+
+    def _walk_trie_many(self, sids: list[int]
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Walk the whole vocabulary from every configuration of `sids` (one key each) at once,
+        over its trie (`Vocabulary.trie_levels`): each distinct prefix is stepped once per key,
+        and a prefix that dies drops its subtree. Returns (key, sorted position) of the accepted
+        tokens and (key, sorted position, offset) of every escape (a token under a prefix whose
+        last byte leaves the key there; accepted ones included). Fills caches only.
+
+        NOTE: children expand in their parents' order, so every level's arrays stay sorted by key."""
+        levels = self.vocab.trie_levels
+        n0 = len(levels.byte[0]) if levels.byte else 0
+        key = np.repeat(np.arange(len(sids), dtype=np.int64), n0)
+        nodes = np.tile(np.arange(n0, dtype=np.int64), len(sids))
+        st = np.repeat(np.asarray(sids, dtype=np.int64), n0)
+        acc_key: list[np.ndarray] = []
+        acc_pos: list[np.ndarray] = []
+        esc_key: list[np.ndarray] = []
+        esc_lo: list[np.ndarray] = []
+        esc_cnt: list[np.ndarray] = []
+        esc_d: list[int] = []
+        for d in range(len(levels.byte)):
+            if not len(nodes):
+                break
+            flat = st * 256 + levels.byte[d].take(nodes)
+            nxt = self._table.ravel().take(flat)
+            miss = nxt == _UNKNOWN
+            if miss.any():
+                self._resolve(flat[miss])
+                nxt = self._table.ravel().take(flat)  # NOTE: `_step` may have grown the tables
+            # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
+            esc = self._end.take(st)
+            if esc.any():
+                esc &= self._after_end.ravel().take(flat)
+                if esc.any():
+                    where = nodes[esc]
+                    lo = levels.tok_lo[d].take(where)
+                    esc_key.append(key[esc])
+                    esc_lo.append(lo)
+                    esc_cnt.append(levels.tok_hi[d].take(where) - lo)
+                    esc_d.append(d)
+            alive = nxt != 0
+            nodes, key, st = nodes[alive], key[alive], nxt[alive].astype(np.int64)
+            cnt = levels.end_count[d].take(nodes)
+            has = cnt > 0
+            if has.any():
+                acc_key.append(np.repeat(key[has], cnt[has]))
+                acc_pos.append(_expand(levels.tok_lo[d].take(nodes[has]), cnt[has]))
+            if d + 1 == len(levels.byte):
+                break
+            lo = levels.child_lo[d].take(nodes)
+            cnt = levels.child_hi[d].take(nodes) - lo
+            nodes = _expand(lo, cnt)
+            key = np.repeat(key, cnt)
+            st = np.repeat(st, cnt)
+        empty = np.zeros(0, dtype=np.int64)
+        a_key = np.concatenate(acc_key) if acc_key else empty
+        a_pos = np.concatenate(acc_pos) if acc_pos else empty
+        if not esc_d:
+            return a_key, a_pos, empty, empty, np.zeros(0, dtype=np.int32)
+        cnt = np.concatenate(esc_cnt)
+        e_key = np.repeat(np.concatenate(esc_key), cnt)
+        e_pos = _expand(np.concatenate(esc_lo), cnt)
+        e_at = np.repeat(np.repeat(np.array(esc_d, dtype=np.int32), [len(x) for x in esc_lo]), cnt)
+        return a_key, a_pos, e_key, e_pos, e_at
+
+    def _one_frame_keys(self, states: list[int]) -> None:
+        """The one-frame keys of `states` (their own walk representatives, no counted chain
+        links) from one batched walk of the vocabulary (`_walk_trie_many`): the same infos
+        `_key` gives one at a time. Fills caches only."""
+        states = [s for s in states if (s,) not in self._keys]
+        if not states:
+            return
+        sids = [self._intern(self._close([(s,)])) for s in states]
+        a_key, a_pos, e_key, e_pos, e_at = self._walk_trie_many(sids)
+        levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
+        words = self.vocab.mask_words
+        ids = tables.order.take(a_pos).astype(np.int64)
+        # NOTE: each (key, token) is accepted once: the sum of its distinct bits is their OR
+        # (exact in float64 below 2**53)
+        rows = np.bincount(a_key * words + (ids >> 5), weights=np.left_shift(1, ids & 31).astype(np.float64),
+                           minlength=len(states) * words).astype(np.int64).astype(np.uint32).reshape(len(states), words)
+        if len(e_key):
+            e_ids = tables.order.take(e_pos).astype(np.int64)
+            keep = (rows.ravel().take(e_key * words + (e_ids >> 5)) >> (e_ids & 31).astype(np.uint32)) & 1 == 0
+            e_key, e_rank, e_at = e_key[keep], levels.rank.take(e_pos[keep]), e_at[keep]
+            order = np.argsort(e_key, kind="stable")
+            e_key, e_rank, e_at = e_key[order], e_rank[order], e_at[order]
+            bounds = np.searchsorted(e_key, np.arange(len(states) + 1))
+        else:
+            e_rank = e_key
+            bounds = np.zeros(len(states) + 1, dtype=np.int64)
+        for k, s in enumerate(states):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            self._keys[(s,)] = _info(rows[k], e_rank[lo:hi], e_at[lo:hi])
 
     def _walk_scalar(self, sid: int, ranks: np.ndarray, offsets: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -364,8 +547,7 @@ class GrammarIndex:
             nxt = table.ravel().take(flat)
             miss = nxt == _UNKNOWN
             if miss.any():
-                for q in _distinct(flat[miss]).tolist():
-                    self._step(q >> 8, q & 255)
+                self._resolve(flat[miss])
                 table = self._table
                 nxt = table.ravel().take(flat)
             esc = self._end.take(st)
@@ -594,7 +776,10 @@ class GrammarIndex:
         work: list[tuple[_KeyInfo, int]] = []
         queued: set[tuple[bytes, int]] = set()  # NOTE: a settlement depends on (escapes, frame) only
         uncertain = 0
-        for s in np.flatnonzero(pda.has_bytes).tolist():
+        positions = np.flatnonzero(pda.has_bytes).tolist()
+        chains = self._chains
+        self._one_frame_keys([s for s in positions if self._rep[s] == s and s not in chains])
+        for s in positions:
             info = self._key((s,))
             if len(info.uncertain):
                 uncertain += 1
@@ -738,6 +923,14 @@ def walk_representatives(pda: Pda, follow: np.ndarray) -> np.ndarray:
     rep = np.empty(n, dtype=np.int32)
     rep[order] = np.repeat(least, np.diff(np.r_[starts, n]))
     return rep
+
+
+def _expand(lo: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """The concatenated ranges [lo[i], lo[i] + cnt[i]) (int64). Pure."""
+    total = int(cnt.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(lo - np.cumsum(cnt) + cnt, cnt) + np.arange(total)  # type: ignore[no-any-return]
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
