@@ -271,7 +271,8 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
 
 STAT_KEYS = ("forwards", "forward_tokens", "extend_forwards", "extend_time_s", "overlap_steps", "overlap_grammar_steps",
              "cuda_graph_replays", "jump_forward_steps", "jump_forward_tokens", "jump_forward_declined", "mask_prepare_s",
-             "mask_apply_s", "mask_fill_s", "mask_rows", "mask_stale_rows", "generation_tokens")
+             "mask_apply_s", "mask_fill_s", "mask_rows", "mask_stale_rows", "generation_tokens", "compile_done",
+             "compile_failed", "compile_workers_killed", "compile_receive_s")
 
 
 def server_stats(client: httpx.Client) -> dict[str, float]:

@@ -198,6 +198,28 @@ def test_a_worker_takes_its_next_job_before_the_last_result_is_rebuilt(monkeypat
         b.shutdown()
 
 
+def test_quick_compiles_do_not_queue_behind_a_long_one() -> None:
+    """One worker busy with a long compile while another job waits: an extra worker starts and
+    compiles it; once idle with nothing queued the extra worker exits."""
+    from lmserver.constrained.workers import CompilePool
+
+    pool = CompilePool(1, lambda: VOCAB, on_error=lambda kind, msg: GrammarError(msg),
+                       on_timeout=lambda job: GrammarError("timeout"), long_job_s=0.2)
+    try:
+        _, slow = pool.submit("regex", SLOW, cfsm.CfsmConfig(), time.monotonic() + 600)
+        _until(lambda: pool.busy(), what="the slow compile running")
+        _, quick = pool.submit("regex", "[a-c]+x", cfsm.CfsmConfig(), time.monotonic() + 600)
+        _until(quick.done, timeout_s=120, what="the quick compile")
+        cf.wait([slow], timeout=300)
+        assert pool.stats.extra_started == 1 and pool.stats.started == 2
+        _same(quick.result(), cfsm.compile_regex("[a-c]+x", VOCAB))
+        _same(slow.result(), cfsm.compile_regex(SLOW, VOCAB))
+        _until(lambda: len(pool.worker_pids()) == 1, timeout_s=60, what="the extra worker's exit")
+        assert pool.stats.retired == 1
+    finally:
+        pool.shutdown()
+
+
 def test_bounded_queue_refuses_new_grammars_with_503() -> None:
     b = _backend(compile_workers=1, max_pending=1)
     try:

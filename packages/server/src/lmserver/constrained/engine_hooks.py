@@ -125,10 +125,21 @@ class ConstrainedDecoding:
         return n
 
     def mask_time_stats(self) -> dict[str, float]:
-        """The batch masker's host-time counters (seconds) and row counts, for `get_stats`. Pure."""
+        """The batch masker's host-time counters (seconds) and row counts, and the compile pool's
+        counters (`compile_*`: workers started / killed / died, compiles done / failed, the
+        dispatcher's CPU seconds receiving results, its longest receive, compiles queued or running),
+        for `get_stats`. Pure."""
         m = self.masker
-        return {"mask_prepare_s": m.prepare_time_s, "mask_apply_s": m.apply_time_s, "mask_fill_s": m.fill_time_s,
-                "mask_rows": m.num_masked_rows, "mask_stale_rows": m.num_stale_rows}
+        out: dict[str, float] = {
+            "mask_prepare_s": m.prepare_time_s, "mask_apply_s": m.apply_time_s, "mask_fill_s": m.fill_time_s,
+            "mask_rows": m.num_masked_rows, "mask_stale_rows": m.num_stale_rows}
+        pool = self.backend.pool_stats
+        if pool is not None:
+            out.update({"compile_workers_started": pool.started, "compile_workers_killed": pool.killed,
+                        "compile_workers_died": pool.died, "compile_done": pool.compiled, "compile_failed": pool.failed,
+                        "compile_receive_s": pool.receive_s, "compile_max_receive_s": pool.max_receive_s,
+                        "compile_pending": self.backend.num_pending})
+        return out
 
     def poll(self, wait_s: float = 0.0) -> list[tuple[str, IndexOrError]]:
         """Requests whose grammar is ready (index) or failed (GrammarError), in arrival order;

@@ -14,6 +14,13 @@ once). It waits in `multiprocessing.connection.wait`, without the GIL; a result'
 read straight into their buffers by `os.readv`, also without it (for a 34 MB index the GIL is
 held about 6 ms: the unpickle of the rest, the `Index`, its lazy caches built ahead).
 
+Jobs are handed out in arrival order, and a compile cannot be paused, so a few slow compiles
+would hold every worker while quick ones queue behind them (a storm of real-world schemas: most
+compile in milliseconds, a few take 20 s; the quick ones waited 16-22 s and timed out in the
+queue). So when every worker has been on its job for `long_job_s` and jobs wait, one more worker
+starts (up to `max_workers`, twice `num_workers` by default); workers beyond `num_workers` exit
+once they are idle with nothing queued.
+
 Workers exit with the engine process: `shutdown()`, pipe EOF, a parent-death signal (Linux)
 and a parent-pid watch thread.
 """
@@ -94,6 +101,7 @@ class _Worker:
     started: float
     pid: int | None = None  # set by its "ready" message
     job: _Job | None = None
+    job_started: float = 0.0  # time.monotonic() when it got its job
     jobs_done: int = 0
 
 
@@ -102,6 +110,8 @@ class PoolStats:
     """Counters of a `CompilePool` (read under no lock; approximate while it runs)."""
 
     started: int = 0  # worker processes started
+    extra_started: int = 0  # of which beyond num_workers, because every worker was on a long job
+    retired: int = 0  # extra workers that exited idle
     killed: int = 0  # workers killed because their compile timed out
     died: int = 0  # workers that exited on their own (crash, OOM kill)
     compiled: int = 0
@@ -121,10 +131,13 @@ class CompilePool:
 
     def __init__(self, num_workers: int, vocab: Callable[[], cfsm.Vocabulary], *,
                  on_error: Callable[[str, str], BaseException], on_timeout: Callable[[CompileJob], BaseException],
-                 clock: Callable[[], float] = time.monotonic, name: str = "lmserver-grammar") -> None:
+                 clock: Callable[[], float] = time.monotonic, name: str = "lmserver-grammar",
+                 max_workers: int | None = None, long_job_s: float = 1.0) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
+        self.max_workers = 2 * num_workers if max_workers is None else max(max_workers, num_workers)
+        self.long_job_s = long_job_s
         self._vocab_fn = vocab
         self._on_error = on_error
         self._on_timeout = on_timeout
@@ -240,6 +253,7 @@ class CompilePool:
                     return
             self._ensure_workers()
             self._dispatch()
+            self._retire()
             self._expire()
             self.stats.rounds += 1
             with self._lock:
@@ -260,6 +274,12 @@ class CompilePool:
         """Starts workers up to `num_workers` (the vocabulary first, once)."""
         with self._lock:
             missing = self.num_workers - len(self._workers)
+            now = time.monotonic()
+            if missing <= 0 and self._queue and len(self._workers) < self.max_workers and all(
+                    w.pid is not None and w.job is not None and now - w.job_started >= self.long_job_s
+                    for w in self._workers):
+                missing = 1  # every worker is on a long compile while jobs wait: one more (one at a time)
+                self.stats.extra_started += 1
             if missing <= 0 or self._start_error is not None:  # NOTE: a failed start waits for a new job
                 return
         if self._spec is None:
@@ -309,10 +329,23 @@ class CompilePool:
                     return
                 job = self._queue.popleft()
                 idle.job = job
+                idle.job_started = time.monotonic()
             try:
                 idle.jobs.send_bytes(pickle.dumps(job.job, protocol=PROTOCOL))
             except (OSError, ValueError):
                 self._reap(idle, "could not take a job")
+
+    def _retire(self) -> None:
+        """Lets idle workers beyond `num_workers` exit while nothing is queued."""
+        with self._lock:
+            extra = len(self._workers) - self.num_workers
+            if extra <= 0 or self._queue:
+                return
+            idle = [w for w in self._workers if w.pid is not None and w.job is None][:extra]
+        for w in idle:
+            _send_quietly(w.jobs, pickle.dumps(None, protocol=PROTOCOL))  # it exits at once
+            self._remove(w, kill=False)
+            self.stats.retired += 1
 
     def _expire(self) -> None:
         """Fails the queued jobs past their deadline and kills the workers whose job is."""
