@@ -360,8 +360,8 @@ def _same_infos(a: dict[object, object], b: dict[object, object]) -> None:
 @given(text=_random_grammars(), seed=st.integers(0, 2**32 - 1))
 def test_random_grammars_batched_walks_and_row_fills_are_exact(text: str, seed: int) -> None:
     """On random grammars: trie walks (alone and batched) equal token-at-a-time walks, and an
-    index whose configurations are stepped byte by byte (no row fills, one-frame keys walked
-    one at a time) has the same keys, settlements and masks along random strings."""
+    index whose configurations are stepped byte by byte (no row fills, one-frame and counted-chain
+    keys walked one at a time) has the same keys, settlements and masks along random strings."""
     vocab = byte_vocab(["ab", "ba", "abc", "ca", "aa", "cc", "bab", "cab"])
     try:
         pda = build_pda(inline_rules(parse_ebnf(text)))
@@ -372,6 +372,7 @@ def test_random_grammars_batched_walks_and_row_fills_are_exact(text: str, seed: 
     try:
         _plain_steps(mp)
         mp.setattr(GrammarIndex, "_one_frame_keys", lambda self, states: None)
+        mp.setattr(GrammarIndex, "_chain_keys", lambda self, states: None)
         try:
             plain = GrammarIndex(pda, vocab)
         except cfsm.GrammarError:
@@ -397,13 +398,15 @@ def test_random_grammars_batched_walks_and_row_fills_are_exact(text: str, seed: 
 
 @pytest.mark.parametrize("name", sorted(GRAMMARS))
 def test_row_fills_give_the_byte_by_byte_masks(name: str, vocab: cfsm.Vocabulary) -> None:
-    """Configurations stepped a row at a time give the keys, settlements and masks (along
-    random members, checked against `advance`) of byte-by-byte steps."""
+    """Configurations stepped a row at a time and keys walked in batches give the keys,
+    settlements and masks (along random members, checked against `advance`) of byte-by-byte
+    steps and keys walked one at a time."""
     fast = _index(name, vocab)
     mp = pytest.MonkeyPatch()
     try:
         _plain_steps(mp)
         mp.setattr(GrammarIndex, "_one_frame_keys", lambda self, states: None)
+        mp.setattr(GrammarIndex, "_chain_keys", lambda self, states: None)
         plain = _index(name, vocab)
         grammar = parse_ebnf(GRAMMARS[name])
         rng = random.Random(7)

@@ -120,6 +120,7 @@ class GrammarIndex:
         self._state_row: dict[int, int] = {}
         self._forced: dict[int, bytes] = {}
         self._runs: dict[bytes, np.ndarray] = {}
+        self._runs_sorted: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
         self._compiling = False
@@ -523,14 +524,26 @@ class GrammarIndex:
         escapes of a key continued in the frame below it). Returns what `_walk_scalar` does."""
         if len(ranks) <= _SCALAR_WALK:
             return self._walk_scalar(sid, ranks, offsets)
+        ok, esc_i, esc_o = self._walk_pairs_many(np.full(len(ranks), sid, dtype=np.int32), ranks, offsets)
+        acc = np.unique(ranks[ok])
+        if not len(esc_i):
+            return acc, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        er = ranks.take(esc_i).astype(np.int64)
+        keep = ~np.isin(er, acc)
+        return acc, er[keep], esc_o[keep]
+
+    def _walk_pairs_many(self, cur: np.ndarray, ranks: np.ndarray, offsets: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Walk token `ranks[i]` from its byte `offsets[i]` on, from configuration `cur[i]` (int32;
+        overwritten), every pair at once. Returns (per pair: it read its token to the end;
+        escapes: pair index, offset). Fills caches only."""
         cols = self.vocab.trie_tables.length_columns
         lengths = self._lengths
-        cur = np.full(len(ranks), sid, dtype=np.int32)
         pos = offsets.astype(np.int64)
         ends = lengths.take(ranks)
         live = np.arange(len(ranks))
         ok = np.zeros(len(ranks), dtype=bool)
-        esc_r: list[np.ndarray] = []
+        esc_i: list[np.ndarray] = []
         esc_o: list[np.ndarray] = []
         table = self._table
         while len(live):
@@ -554,18 +567,14 @@ class GrammarIndex:
             if esc.any():
                 esc &= self._after_end.ravel().take(flat)
                 if esc.any():
-                    esc_r.append(ranks.take(live[esc]))
+                    esc_i.append(live[esc])
                     esc_o.append(p[esc])
             cur[live] = nxt
             pos[live] = p + 1
             live = live[nxt != 0]
-        acc = np.unique(ranks[ok])
-        if not esc_r:
-            return acc, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        er = np.concatenate(esc_r).astype(np.int64)
-        eo = np.concatenate(esc_o).astype(np.int32)
-        keep = ~np.isin(er, acc)
-        return acc, er[keep], eo[keep]
+        if not esc_i:
+            return ok, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        return ok, np.concatenate(esc_i).astype(np.int64), np.concatenate(esc_o).astype(np.int32)
 
     @functools.cached_property
     def _lengths(self) -> np.ndarray:
@@ -661,6 +670,66 @@ class GrammarIndex:
         keep = ~np.isin(base.esc_rank, long)
         row = base.row & ~self._bits(long) | self._bits(acc)
         return _info(row, np.concatenate([base.esc_rank[keep], esc_rank]), np.concatenate([base.esc_at[keep], esc_at]))
+
+    def _chain_keys(self, states: list[int]) -> None:
+        """The one-frame keys of counted-chain states (`_chain_key`), their long tokens walked
+        in one batch (`_walk_pairs_many`). Fills caches only."""
+        states = [s for s in states if (s,) not in self._keys]
+        if not states:
+            return
+        links = [self._chains[s] for s in states]
+        bases = [self._key((head,)) for head, _, _ in links]
+        cols0 = self.vocab.trie_tables.length_columns[0]
+        longs: list[np.ndarray] = []
+        walked: list[np.ndarray] = []
+        sids: list[int] = []
+        for s, (_, remaining, run_class) in zip(states, links, strict=True):
+            order, sorted_runs = self._runs_order(run_class)
+            long = order[:int(np.searchsorted(-sorted_runs, -remaining, side="left"))]
+            longs.append(long)
+            sid = self._intern(self._close([(s,)]))
+            sids.append(sid)
+            first = np.zeros(257, dtype=bool)
+            first[:256] = self._first_bytes(sid)
+            walked.append(long[first.take(cols0.take(long))])
+        counts = [len(w) for w in walked]
+        ranks = np.concatenate(walked) if walked else np.zeros(0, dtype=np.int64)
+        cur = np.repeat(np.asarray(sids, dtype=np.int32), counts)
+        ok, esc_i, esc_o = self._walk_pairs_many(cur, ranks, np.zeros(len(ranks), dtype=np.int32))
+        owner = np.repeat(np.arange(len(states)), counts)
+        e_owner = owner.take(esc_i)
+        keep = ~ok.take(esc_i)
+        e_owner, e_rank, e_at = e_owner[keep], ranks.take(esc_i[keep]), esc_o[keep]
+        order = np.argsort(e_owner, kind="stable")
+        e_owner, e_rank, e_at = e_owner[order], e_rank[order], e_at[order]
+        e_bounds = np.searchsorted(e_owner, np.arange(len(states) + 1))
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        cleared: dict[tuple[bytes, int], np.ndarray] = {}  # NOTE: chains of one class share their long sets
+        for k, s in enumerate(states):
+            base, long = bases[k], longs[k]
+            if not len(long):
+                self._keys[(s,)] = base  # NOTE: every token goes as from the head (same row, same escapes)
+                continue
+            _, remaining, run_class = links[k]
+            mask = cleared.get((run_class, remaining))
+            if mask is None:
+                mask = cleared[(run_class, remaining)] = ~self._bits(long)
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            acc = ranks[lo:hi][ok[lo:hi]]
+            row = base.row & mask | self._bits(acc)
+            keep_base = self._leading_runs(run_class).take(base.esc_rank) <= remaining
+            elo, ehi = int(e_bounds[k]), int(e_bounds[k + 1])
+            self._keys[(s,)] = _info(row, np.concatenate([base.esc_rank[keep_base], e_rank[elo:ehi]]),
+                                     np.concatenate([base.esc_at[keep_base], e_at[elo:ehi]]))
+
+    def _runs_order(self, run_class: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """Token ranks by decreasing leading run of `run_class` bytes, and those runs. Cached."""
+        hit = self._runs_sorted.get(run_class)
+        if hit is None:
+            runs = self._leading_runs(run_class)
+            order = np.argsort(-runs, kind="stable")
+            hit = self._runs_sorted[run_class] = (order, runs[order])
+        return hit
 
     def _leading_runs(self, run_class: bytes) -> np.ndarray:
         """Per token (by rank), how many of its first bytes are in `run_class`. Cached."""
@@ -779,6 +848,7 @@ class GrammarIndex:
         positions = np.flatnonzero(pda.has_bytes).tolist()
         chains = self._chains
         self._one_frame_keys([s for s in positions if self._rep[s] == s and s not in chains])
+        self._chain_keys([s for s in positions if self._rep[s] == s and s in chains])
         for s in positions:
             info = self._key((s,))
             if len(info.uncertain):
