@@ -220,6 +220,16 @@ def test_quick_compiles_do_not_queue_behind_a_long_one() -> None:
         pool.shutdown()
 
 
+def test_auto_workers_follow_the_cpus_this_process_may_use() -> None:
+    from lmserver.constrained.backend import auto_compile_workers, available_cpus, cgroup_cpu_limit
+
+    assert cgroup_cpu_limit("max 100000") is None and cgroup_cpu_limit("") is None
+    assert cgroup_cpu_limit("400000 100000") == 4.0 and cgroup_cpu_limit("50000 100000") == 0.5
+    assert cgroup_cpu_limit("x 1") is None and cgroup_cpu_limit("0 100000") is None
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+    assert [auto_compile_workers(n) for n in (1, 4, 16, 64)] == [2, 2, 4, 8]
+
+
 def test_bounded_queue_refuses_new_grammars_with_503() -> None:
     b = _backend(compile_workers=1, max_pending=1)
     try:

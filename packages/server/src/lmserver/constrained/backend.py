@@ -167,6 +167,36 @@ class _Entry:
     job: Any = None  # workers._Job of a process compile (its deadline is extended by later requests)
 
 
+def cgroup_cpu_limit(cpu_max: str) -> float | None:
+    """CPUs a cgroup v2 `cpu.max` text ("QUOTA PERIOD", or "max PERIOD" for none) allows, or None
+    (no quota, unreadable). Pure."""
+    parts = cpu_max.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    try:
+        quota, period = float(parts[0]), float(parts[1])
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity set, lowered by a cgroup v2 CPU quota (a container
+    limited to 4 CPUs on a 16-core host reports 16 in `os.cpu_count()`). At least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            limit = cgroup_cpu_limit(f.read())
+    except OSError:
+        limit = None
+    if limit is not None:
+        cpus = min(cpus, max(int(limit), 1))
+    return max(cpus, 1)
+
+
 def auto_compile_workers(num_cpus: int) -> int:
     """Compile workers for a machine of `num_cpus` cores: a quarter of them, 2 to 8 (a storm of
     distinct schemas queues behind too few; the engine loop needs its own core). Pure."""
@@ -203,7 +233,7 @@ class GrammarBackend:
             raise ValueError(f"compile_workers must be >= -1 (-1: auto, 0: threads of the engine process), "
                              f"got {compile_workers}")
         if compile_workers == -1:
-            compile_workers = auto_compile_workers(os.cpu_count() or 2)
+            compile_workers = auto_compile_workers(available_cpus())
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.tokenizer = tokenizer
