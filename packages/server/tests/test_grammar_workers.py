@@ -230,6 +230,19 @@ def test_auto_workers_follow_the_cpus_this_process_may_use() -> None:
     assert [auto_compile_workers(n) for n in (1, 4, 16, 64)] == [2, 2, 4, 8]
 
 
+@pytest.mark.parametrize(("cpus", "workers", "most"), [(2, 2, 2), (3, 2, 2), (4, 2, 3), (16, 4, 8), (16, 1, 2)])
+def test_extra_workers_leave_the_engine_a_cpu(monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int,
+                                              most: int) -> None:
+    from lmserver.constrained import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "available_cpus", lambda: cpus)
+    b = _backend(compile_workers=workers)  # NOTE: the pool starts no process before its first job
+    try:
+        assert b._pool is not None and b._pool.max_workers == most
+    finally:
+        b.shutdown()
+
+
 def test_bounded_queue_refuses_new_grammars_with_503() -> None:
     b = _backend(compile_workers=1, max_pending=1)
     try:

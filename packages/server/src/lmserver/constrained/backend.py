@@ -250,8 +250,10 @@ class GrammarBackend:
         if compile_workers == 0:
             self._threads = _DaemonPool(2, "lmserver-grammar")
         else:
+            # NOTE: extra workers (while every worker is on a long compile) only where the engine keeps a CPU
+            extra_cap = max(compile_workers, min(2 * compile_workers, available_cpus() - 1))
             self._pool = CompilePool(compile_workers, lambda: self.vocab, on_error=self._error,
-                                     on_timeout=self._timeout_error, clock=clock)
+                                     on_timeout=self._timeout_error, clock=clock, max_workers=extra_cap)
         # NOTE: reentrant: a future's done-callback may run at once, inside submit
         self._lock = threading.RLock()
         self._vocab_lock = threading.Lock()
