@@ -23,6 +23,7 @@ from cfsm.automaton import Dfa, build_dfa
 from cfsm.json_schema import schema_grammar, schema_tree
 from cfsm.regex_ast import Node
 from cfsm.schema_merge import MAX_MERGED_ALTERNATIVES, finite_values, implies, is_empty, merge_schemas
+from cfsm.schema_narrow import negation_subset, prefer_declared
 from cfsm.testing import accepts_bytes
 
 # bytes of short JSON texts: structure, digits, a few letters, the literals' letters
@@ -272,7 +273,8 @@ _LEAVES = st.sampled_from([
     {"required": ["a", "b"]}, {"not": {"enum": ["a"]}}, {"not": {"type": "string"}}, {"not": {"type": "integer"}},
     {"pattern": "^(a|b)$"}, {"type": "string", "pattern": "^BLANK$"}, {"type": "string", "pattern": "^(a|ab)$"},
     {"pattern": "^a|b$"}, {"minLength": 2}, {"maxLength": 1}, {"minProperties": 2}, {"maxProperties": 0},
-    {"additionalProperties": False}, {"properties": {"a": False}},
+    {"additionalProperties": False}, {"properties": {"a": False}}, {"minimum": 2}, {"exclusiveMaximum": 2},
+    {"maximum": 1}, {"type": "number", "exclusiveMinimum": 1},
 ])
 
 
@@ -312,6 +314,16 @@ def test_is_empty_and_finite_values_are_sound(schema: Any) -> None:
                            for v in values), (schema, values, instance)
 
 
+@MERGE_SETTINGS
+@given(_SCHEMAS, st.sampled_from([{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {"type": "string"}}},
+                                  {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"]}]))
+def test_prefer_declared_keeps_a_subset_of_the_negation(negated: Any, branch: Any) -> None:
+    subset = prefer_declared(negation_subset(negated), branch)
+    for instance in INSTANCES:
+        if _valid({"allOf": [branch, subset]}, instance):
+            assert not _valid(negated, instance), (negated, subset, instance)
+
+
 def test_implies_and_is_empty_find_the_discriminated_cases() -> None:
     """What the pruning relies on (so that the tests above do not pass by always saying no)."""
     branch = {"type": "object", "required": ["kind"], "properties": {"kind": {"type": "string", "enum": ["A"]}}}
@@ -324,6 +336,9 @@ def test_implies_and_is_empty_find_the_discriminated_cases() -> None:
     assert not is_empty({"properties": {"kind": False}, "required": ["kind"]})  # non-objects are valid
     assert finite_values({"type": "string", "pattern": "^(A|B)$"}) == ["A", "A\n", "B", "B\n"]
     assert finite_values({"type": "string", "pattern": "^A|B$"}) is None
+    assert is_empty({"type": "string", "enum": ["A", "B"], "not": {"enum": ["A", "B"]}})
+    assert is_empty({"type": "number", "minimum": 0, "maximum": 12, "anyOf": [{"exclusiveMinimum": 12},
+                                                                            {"exclusiveMaximum": 0}]})
 
 
 # ---- merged products -----------------------------------------------------------------------------------------------

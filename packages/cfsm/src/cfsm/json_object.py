@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import regex
 
-from cfsm.automaton import build_dfa
+from cfsm.automaton import DfaNode, build_dfa
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.regex_ast import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
 from cfsm.regex_parser import parse_regex
@@ -20,6 +20,19 @@ __all__ = ["object_members"]
 
 # patternProperties whose overlaps are compiled exactly (2^n - 1 key regions)
 MAX_OVERLAPPING_PATTERNS = 3
+
+
+def _shared_key(comp: _Compiler, shape: tuple[Any, ...] | None, key: Node) -> Node:
+    """`key` (a key language of products and complements) as a ready DFA, built once per compile
+    for each object `shape` (patterns, declared names, region): objects copied where references
+    are unrolled repeat them (JSONSchemaBench's govuk schemas: 224 complements of a few shapes)."""
+    if shape is None:
+        return key
+    hit = comp._memo.get(shape)
+    if hit is None:
+        dfa = build_dfa(key)
+        hit = comp._memo[shape] = DfaNode(dfa) if dfa.num_states else NOTHING
+    return hit
 
 
 def _search(pattern: str, name: str) -> bool:
@@ -105,13 +118,14 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
         regions = [[i for i in range(len(pats)) if mask >> i & 1] for mask in range(1, 1 << len(pats))]
     else:
         regions = [[i] for i in range(len(pats))]  # NOTE: a key matching several may take any one's value
+    shape = (tuple(pattern_props), tuple(names)) if name_lang is None else None
     for region in regions:
         parts = [pattern_keys[i] for i in region]
         if len(regions) > len(pats):
             parts += [Complement(pattern_keys[i]) for i in range(len(pats)) if i not in region]
         key = parts[0] if len(parts) == 1 else Intersect(parts)
         if names:
-            key = Intersect([key, Complement(declared)])
+            key = _shared_key(comp, shape and ("pattern key", *shape, tuple(region)), Intersect([key, Complement(declared)]))
         if name_lang is not None:
             key = Intersect([key, name_lang])
         subs = [pats[i][1] for i in region]
@@ -120,7 +134,8 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
         extras.append(cat(key, comp.colon, value))
     if addl is not False:
         excluded = [k for k in ([declared] if names else []) + pattern_keys]
-        key = Intersect([JSON_STRING, Complement(alt(*excluded))]) if excluded else JSON_STRING
+        key = _shared_key(comp, shape and ("other key", *shape), Intersect([JSON_STRING, Complement(alt(*excluded))])) \
+            if excluded else JSON_STRING
         if name_lang is not None:
             key = Intersect([key, name_lang])
         value = comp.any_value(comp.cfg.json_depth - 1) if addl is True else comp.node(addl, f"{path}/additionalProperties")

@@ -72,6 +72,7 @@ from cfsm.schema_narrow import (
     multiple_of_subset,
     negation_subset,
     possible_types,
+    prefer_declared,
     unique_by_type,
 )
 from cfsm.schema_refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
@@ -605,7 +606,8 @@ class _Compiler:
             if all(kept):  # NOTE: else a branch would lose every value (objects negated only by type)
                 self.narrowed("oneOf", path, "each branch only where no other branch can match (by type or simple "
                               "keywords)")
-                return [{"allOf": [b, *(n for j, n in enumerate(subsets) if j != i)]} for i, b in enumerate(branches)]
+                return [{"allOf": [b, *(prefer_declared(n, applied[i]) for j, n in enumerate(subsets) if j != i)]}
+                        for i, b in enumerate(branches)]
         self.approximate("oneOf", path, "compiled as anyOf (exclusivity not enforced)")
         return branches
 

@@ -290,6 +290,13 @@ def is_empty(schema: Any, depth: int = 0) -> bool:
             if isinstance(low, int | float) and isinstance(high, int | float) and _count(low) and _count(high) and \
                     low > high:
                 return True
+    if types == {"number"} and _bounds_cross(schema):
+        return True
+    parts = schema.get("anyOf")
+    if isinstance(parts, list):
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        if all(is_empty(quiet_merge(rest, part), depth + 1) for part in parts):
+            return True
     props = schema.get("properties")
     if types == {"object"} and isinstance(props, dict) and isinstance(schema.get("required"), list):
         return any(isinstance(name, str) and name in props and is_empty(props[name], depth + 1)
@@ -310,7 +317,11 @@ def finite_values(schema: Any) -> list[Any] | None:
         values = None if literal is None else sorted(literal)
     if values is None:
         return None
-    return [v for v in values if not isinstance(v, str) or all(_search(p, v) for p in patterns)]
+    banned = schema.get("not")
+    excluded = _enum_of(banned) if isinstance(banned, dict) and not set(banned) - _ANNOTATIONS - {"enum", "const"} \
+        else None
+    return [v for v in values if (not isinstance(v, str) or all(_search(p, v) for p in patterns))
+            and not any(same_json(v, x) for x in excluded or [])]
 
 
 def _literal_strings(pattern: str) -> set[str] | None:
@@ -327,6 +338,14 @@ def _literal_strings(pattern: str) -> set[str] | None:
     if any(set(part) & _METACHARACTERS for part in parts):
         return None
     return {*parts, *(part + "\n" for part in parts)}
+
+
+def _bounds_cross(schema: dict[str, Any]) -> bool:
+    """Whether no number lies within the numeric bounds of `schema` (draft 4's boolean
+    exclusive flags are ignored: a superset)."""
+    lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if _count(v := schema.get(k))]
+    highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if _count(v := schema.get(k))]
+    return any(lo > hi or lo == hi and (open_lo or open_hi) for lo, open_lo in lows for hi, open_hi in highs)
 
 
 def _count(value: Any) -> bool:

@@ -9,7 +9,8 @@ exact-safe by construction: every value it accepts is valid under the schema.
   different types are never equal, so the items are distinct.
 - `not`, `if` and `oneOf` where a subschema has no simple negation: `negation_subset` stands for
   its negation, the JSON types the subschema cannot accept at all (`False` where it may accept
-  every type).
+  every type); in a `oneOf` branch, the alternatives that require no property the branch leaves
+  undeclared where there are such (`prefer_declared`).
 - `$dynamicRef`: the static target and every `$dynamicAnchor` of that name in the document, all
   of them (the one the dynamic scope picks is among them).
 - A reference to a published meta-schema: the schemas `true`, `false` and `{}`.
@@ -28,7 +29,7 @@ from cfsm.regex_ast import EMPTY, NOTHING, Node, Scope, Shared, alt, cat, lit
 if TYPE_CHECKING:
     from cfsm.json_schema import _Compiler
 
-__all__ = ["unique_by_type", "negation_subset", "possible_types", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
+__all__ = ["unique_by_type", "negation_subset", "prefer_declared", "possible_types", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
 
 # `uniqueItems` narrowing: one item per bucket at most (values of different buckets differ)
 TYPE_BUCKETS = ("object", "array", "string", "number", "boolean", "null")
@@ -78,6 +79,24 @@ def negation_subset(sub: Any, depth: int = 0, *, declare: bool = True) -> Any:
     if not parts:
         return False
     return parts[0] if len(parts) == 1 else {"anyOf": parts}
+
+
+def prefer_declared(subset: Any, branch: Any) -> Any:
+    """`subset` (a `negation_subset`) narrowed further for values of `branch`: where some of its
+    alternatives require no property `branch` leaves undeclared, only those (the others would
+    make a branch's documents carry another branch's properties, of the wrong kind)."""
+    if not isinstance(subset, dict) or set(subset) != {"anyOf"} or not isinstance(branch, dict):
+        return subset
+    declared = branch.get("properties") if isinstance(branch.get("properties"), dict) else {}
+
+    def foreign(part: Any) -> bool:
+        required = part.get("required") if isinstance(part, dict) else None
+        return isinstance(required, list) and any(name not in declared for name in required)
+
+    kept = [part for part in subset["anyOf"] if not foreign(part)]
+    if not kept or len(kept) == len(subset["anyOf"]):
+        return subset
+    return kept[0] if len(kept) == 1 else {"anyOf": kept}
 
 
 def possible_types(schema: Any) -> set[str]:
