@@ -343,8 +343,10 @@ def _literal_strings(pattern: str) -> set[str] | None:
 def _bounds_cross(schema: dict[str, Any]) -> bool:
     """Whether no number lies within the numeric bounds of `schema` (draft 4's boolean
     exclusive flags are ignored: a superset)."""
-    lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if _count(v := schema.get(k))]
-    highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if _count(v := schema.get(k))]
+    lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum")
+            if isinstance(v := schema.get(k), int | float) and _count(v)]
+    highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum")
+             if isinstance(v := schema.get(k), int | float) and _count(v)]
     return any(lo > hi or lo == hi and (open_lo or open_hi) for lo, open_lo in lows for hi, open_hi in highs)
 
 

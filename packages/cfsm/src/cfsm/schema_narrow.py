@@ -87,7 +87,7 @@ def prefer_declared(subset: Any, branch: Any) -> Any:
     make a branch's documents carry another branch's properties, of the wrong kind)."""
     if not isinstance(subset, dict) or set(subset) != {"anyOf"} or not isinstance(branch, dict):
         return subset
-    declared = branch.get("properties") if isinstance(branch.get("properties"), dict) else {}
+    declared: dict[str, Any] = branch["properties"] if isinstance(branch.get("properties"), dict) else {}
 
     def foreign(part: Any) -> bool:
         required = part.get("required") if isinstance(part, dict) else None
