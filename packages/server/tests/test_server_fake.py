@@ -420,8 +420,15 @@ def test_abort_request_finishes_it_with_abort(http: httpx.Client, server: Server
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.3)
-    assert http.post("/abort_request", json={"rid": "to-abort"}).json()["aborted"] is True
+    # abort once the request is running and has had time to decode (a fixed sleep raced a loaded machine)
+    deadline = time.monotonic() + 20
+    while http.get("/get_server_info").json()["scheduler"]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline and t.is_alive(), "the request never started running"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    while not http.post("/abort_request", json={"rid": "to-abort"}).json()["aborted"]:
+        assert time.monotonic() < deadline and t.is_alive(), "the request was never running to be aborted"
+        time.sleep(0.05)
     t.join(10)
     out = result["r"].json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
