@@ -344,8 +344,8 @@ def test_trie_walks_equal_token_walks(name: str, vocab: cfsm.Vocabulary) -> None
 
 
 def _plain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Configurations stepped one byte at a time (no `_fill_row`)."""
-    monkeypatch.setattr(GrammarIndex, "_fill_row", lambda self, sid: self._filled.add(sid))
+    """Configurations stepped one byte at a time (no `_fill_bytes`)."""
+    monkeypatch.setattr(GrammarIndex, "_fill_bytes", lambda self, sid, byte_ids: None)
 
 
 def _same_infos(a: dict[object, object], b: dict[object, object]) -> None:

@@ -100,8 +100,6 @@ class GrammarIndex:
         self._ids: dict[frozenset[Stack], int] = {frozenset(): 0}
         self._table = np.full((64, 256), _UNKNOWN, dtype=np.int32)  # (capacity, 256)
         self._table[0] = 0
-        self._filled: set[int] = {0}  # configurations whose row `_fill_row` filled
-        self._moves: dict[int, tuple[np.ndarray, list[tuple[int, np.ndarray]]]] = {}  # `_moves_of`
         self._end = np.zeros(64, dtype=bool)  # (capacity,) a stack of one frame may end its rule
         # (capacity, 256) the bytes that may follow those rule ends (their rules' FOLLOW sets)
         self._after_end = np.zeros((64, 256), dtype=bool)
@@ -178,11 +176,6 @@ class GrammarIndex:
         nxt = int(self._table[sid, byte])
         if nxt != _UNKNOWN:
             return nxt
-        if sid not in self._filled:
-            self._fill_row(sid)
-            nxt = int(self._table[sid, byte])
-            if nxt != _UNKNOWN:
-                return nxt
         trans = self.pda.trans
         moved = []
         for st in self._states[sid]:
@@ -203,57 +196,29 @@ class GrammarIndex:
         self._table[sid, byte] = nxt
         return nxt
 
-    def _moves_of(self, state: int) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """The bytes `state` does not read, and per state it steps to, the bytes that go there.
-        Cached per state."""
-        hit = self._moves.get(state)
-        if hit is None:
-            row = self.pda.trans[state]
-            live = np.flatnonzero(row >= 0)
-            targets, inverse = np.unique(row[live], return_inverse=True)
-            inverse = np.asarray(inverse).reshape(-1)
-            order = np.argsort(inverse, kind="stable")
-            bounds = np.searchsorted(inverse[order], np.arange(len(targets) + 1))
-            hit = self._moves[state] = (row < 0, [(int(t), live[order[bounds[g]:bounds[g + 1]]])
-                                                  for g, t in enumerate(targets.tolist())])
-        return hit
-
     def _resolve(self, flat: np.ndarray) -> None:
-        """Fill the table entries `flat` (sid * 256 + byte, unknown ones): the rows of their
-        configurations at once, then any entry a row left to `_step`. Fills caches only."""
+        """Fill the table entries `flat` (sid * 256 + byte, unknown ones), a configuration's bytes
+        at once (`_fill_bytes`), then any entry left to `_step`. Fills caches only."""
         wanted = _distinct(flat)
-        for sid in _distinct(wanted >> 8).tolist():
-            if sid not in self._filled:
-                self._fill_row(sid)
+        sids = wanted >> 8
+        starts = np.flatnonzero(np.r_[True, sids[1:] != sids[:-1]])
+        for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(wanted)], strict=True):
+            self._fill_bytes(int(sids[lo]), wanted[lo:hi] & 255)
         for p in wanted[self._table.ravel().take(wanted) == _UNKNOWN].tolist():
             self._step(p >> 8, p & 255)
 
-    def _fill_row(self, sid: int) -> None:
-        """Step configuration `sid` by every byte at once: bytes no stack reads go to 0 with no
-        closure, bytes that move every stack alike share one closure. A closure that passes
-        `MAX_STACKS` is left to `_step` (which refuses it as before). Fills caches only."""
-        self._filled.add(sid)
+    def _fill_bytes(self, sid: int, byte_ids: np.ndarray) -> None:
+        """Step configuration `sid` by each of `byte_ids` (distinct) at once: bytes no stack reads
+        go to 0 with no closure, bytes that move every stack alike share one closure. A closure
+        that passes `MAX_STACKS` is left unknown (for `_step`, which refuses it as before). Fills
+        caches only."""
         stacks = list(self._states[sid])
-        if not stacks:
-            return
-        if len(stacks) == 1:
-            dead, moves = self._moves_of(stacks[0][-1])
-            self._table[sid, dead] = 0
-            prefix = stacks[0][:-1]
-            for t, byte_ids in moves:
-                try:
-                    nxt = self._intern(self._close([(*prefix, t)]))
-                except _TooAmbiguous:
-                    continue
-                self._table[sid, byte_ids] = nxt  # NOTE: `_intern` may have grown the table
-            return
-        targets = self.pda.trans[[st[-1] for st in stacks]]  # (stacks, 256)
+        targets = self.pda.trans[[st[-1] for st in stacks]][:, byte_ids]  # (stacks, bytes)
         live = (targets >= 0).any(axis=0)
-        self._table[sid, ~live] = 0
-        byte_ids = np.flatnonzero(live)
-        if not len(byte_ids):
+        self._table[sid, byte_ids[~live]] = 0
+        if not live.any():
             return
-        cols = targets[:, byte_ids]
+        byte_ids, cols = byte_ids[live], targets[:, live]
         if len(stacks) == 1:
             groups, inverse = np.unique(cols[0], return_inverse=True)
             moved_of = [[(*stacks[0][:-1], int(t))] for t in groups.tolist()]
@@ -275,7 +240,8 @@ class GrammarIndex:
                 nxt = self._intern(self._close(moved))
             except _TooAmbiguous:
                 continue
-            self._table[sid, byte_ids[inverse == g]] = nxt  # NOTE: `_intern` may have grown the table
+            # NOTE: `self._table` read after `_intern`, which may grow it
+            self._table[sid, byte_ids[inverse == g] if len(moved_of) > 1 else byte_ids] = nxt
 
     def walk(self, sid: int, data: bytes) -> int:
         """The configuration after reading `data` from `sid` (0 if rejected). Fills caches only."""
