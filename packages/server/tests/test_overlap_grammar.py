@@ -25,22 +25,22 @@ from lmserver.io_struct import GenerateReq, SamplingParams
 from lmserver.scheduler.scheduler import NEW_TOKEN_RATIO_INIT
 
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]( and 20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9])*"
-PERSON = {
+ITEM = {  # an order line (any small object will do)
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"enum": ["Paris", "London", "Tokyo"]},
-        "is_student": {"type": "boolean"},
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 50},
+        "gift": {"type": "boolean"},
+        "size": {"enum": ["S", "M", "L"]},
     },
-    "required": ["name", "age", "city", "is_student"],
+    "required": ["sku", "qty", "gift", "size"],
 }
 REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
     ("plain", "Once upon a time", {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}),
-    ("person", "A person as JSON:", {"max_new_tokens": 40, "temperature": 0.0, "json_schema": json.dumps(PERSON)}),
+    ("item", "A person as JSON:", {"max_new_tokens": 40, "temperature": 0.0, "json_schema": json.dumps(ITEM)}),
     ("dates", "Two dates:", {"max_new_tokens": 16, "temperature": 0.0, "regex": DATE}),
     ("seeded", "Another person:", {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 3,
-                                   "json_schema": json.dumps(PERSON)}),
+                                   "json_schema": json.dumps(ITEM)}),
     ("plain-sampled", "The weather today", {"max_new_tokens": 8, "temperature": 0.7, "sampling_seed": 9}),
 ]
 
@@ -79,10 +79,10 @@ def _run(core: EngineCore, overlap: bool, tag: str) -> dict[str, dict[str, Any]]
 
 
 def _check_languages(got: dict[str, dict[str, Any]]) -> None:
-    for name in ("person", "seeded"):
+    for name in ("item", "seeded"):
         out = got[name]
         if out["reason"]["type"] == "stop":
-            jsonschema.validate(json.loads(out["text"]), PERSON)
+            jsonschema.validate(json.loads(out["text"]), ITEM)
         else:  # out of tokens: a prefix of a document (never an invalid character)
             assert out["reason"]["type"] == "length", out
     dates = got["dates"]
