@@ -343,9 +343,15 @@ def test_trie_walks_equal_token_walks(name: str, vocab: cfsm.Vocabulary) -> None
     _check_trie_walks(_index(name, vocab))
 
 
+_batched_settle = GrammarIndex._settle_many
+
+
 def _plain_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Configurations stepped one byte at a time (no `_fill_bytes`)."""
+    """Configurations stepped one byte at a time (no `_fill_bytes`), settlements walked one
+    return at a time."""
     monkeypatch.setattr(GrammarIndex, "_fill_bytes", lambda self, sid, byte_ids: None)
+    monkeypatch.setattr(GrammarIndex, "_settle_many",
+                        lambda self, rets, prev: [_batched_settle(self, [r], prev)[0] for r in rets])
 
 
 def _same_infos(a: dict[object, object], b: dict[object, object]) -> None:

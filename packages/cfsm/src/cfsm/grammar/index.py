@@ -606,21 +606,40 @@ class GrammarIndex:
 
         NOTE: a token that escapes only before its first byte goes as from the one-frame key of
         `ret` (accepted, rejected or escaping alike): no walk."""
-        ret = self._rep[ret]
-        hit = self._settled.get((ret, prev.digest))
-        if hit is not None:
-            return hit
-        base = self._key((ret,))
-        early = prev.uncertain[~prev.late]
-        early_acc = early[self._has_bits(base.row, early)]
-        in_base = np.isin(base.esc_rank, early)
-        acc, esc_rank, esc_at = self._walk_pairs(self._intern(self._close([(ret,)])),
-                                                 prev.esc_rank[np.isin(prev.esc_rank, prev.uncertain[prev.late])],
-                                                 prev.esc_at[np.isin(prev.esc_rank, prev.uncertain[prev.late])])
-        info = _info(self._bits(np.concatenate([acc, early_acc])), np.concatenate([esc_rank, base.esc_rank[in_base]]),
-                     np.concatenate([esc_at, base.esc_at[in_base]]))
-        self._settled[(ret, prev.digest)] = info
-        return info
+        return self._settle_many([ret], prev)[0]
+
+    def _settle_many(self, rets: list[int], prev: _KeyInfo) -> list[_KeyInfo]:
+        """`_settle` of `prev` below each of `rets`, the walks of the returns not cached yet in
+        one batch (the same (token, offset) pairs from each return's configuration)."""
+        reps = [self._rep[r] for r in rets]
+        todo = sorted({r for r in reps if (r, prev.digest) not in self._settled})
+        if todo:
+            late = np.isin(prev.esc_rank, prev.uncertain[prev.late])
+            ranks, offsets = prev.esc_rank[late], prev.esc_at[late]
+            m = len(ranks)
+            if len(todo) == 1 or m * len(todo) <= _SCALAR_WALK:
+                walks = [self._walk_pairs(self._intern(self._close([(r,)])), ranks, offsets) for r in todo]
+            else:
+                sids = [self._intern(self._close([(r,)])) for r in todo]
+                ok, esc_i, esc_o = self._walk_pairs_many(np.repeat(np.asarray(sids, dtype=np.int32), m),
+                                                         np.tile(ranks, len(todo)), np.tile(offsets, len(todo)))
+                owner = esc_i // max(m, 1)
+                walks = []
+                for k in range(len(todo)):
+                    acc = np.unique(ranks[ok[k * m:(k + 1) * m]])
+                    sel = owner == k
+                    er = ranks.take(esc_i[sel] - k * m).astype(np.int64)
+                    keep = ~np.isin(er, acc)
+                    walks.append((acc, er[keep], esc_o[sel][keep]))
+            early = prev.uncertain[~prev.late]
+            for r, (acc, esc_rank, esc_at) in zip(todo, walks, strict=True):
+                base = self._key((r,))
+                early_acc = early[self._has_bits(base.row, early)]
+                in_base = np.isin(base.esc_rank, early)
+                self._settled[(r, prev.digest)] = _info(
+                    self._bits(np.concatenate([acc, early_acc])), np.concatenate([esc_rank, base.esc_rank[in_base]]),
+                    np.concatenate([esc_at, base.esc_at[in_base]]))
+        return [self._settled[(r, prev.digest)] for r in reps]
 
     def _chain_key(self, sid: int, head: int, remaining: int, run_class: bytes) -> _KeyInfo:
         """The one-frame key of a state `remaining` steps before the end of a counted chain
@@ -827,10 +846,10 @@ class GrammarIndex:
         budget = min(self.max_settlements, 2 * uncertain + 256)
         while work and len(self._settled) < budget:
             info, rule = work.pop()
-            for ret in rets.get(rule, ()):
+            below_rets = rets.get(rule, [])
+            for ret, below in zip(below_rets, self._settle_many(below_rets, info), strict=True):
                 # NOTE: returns that share walks share the settlement (a lookup), but what it
                 # leaves uncertain goes on below each return's own rule
-                below = self._settle(ret, info)
                 below_rule = int(pda.state_rule[ret])
                 if len(below.uncertain) and (below.digest, below_rule) not in queued:
                     queued.add((below.digest, below_rule))
