@@ -5,10 +5,16 @@ recursive, so cfsm takes its pushdown path), each engine's own free-JSON grammar
 JSON grammar (xgrammar takes no Lark: cfsm and llguidance only). Vocabularies: SmolLM2 (49,152)
 and Mistral's Tekken (131,072; from the mistral-common wheel, as `bench_cfsm.py` loads it).
 
+Per-vocabulary work (once per tokenizer, shared by every grammar; timed as `prep_ms`, CPU time,
+one line per engine and vocabulary): cfsm `Vocabulary.prepare()` (sorted trie tables and the trie
+level by level, the JSON string / format tables of the schema path; of it, `trie_levels_ms` for
+the trie the pushdown walks use); xgrammar `TokenizerInfo` + `GrammarCompiler`; llguidance its
+tokenizer. Per-grammar work is the rest:
+
 Per (vocabulary, grammar, engine):
-- `compile_ms`: cold compile (median of `--repeat` compiles, each from scratch, wall or `--clock cpu`
-  time; the vocabulary's
-  own tables are built before; llguidance: its matcher's construction, which compiles lazily);
+- `compile_ms`: cold compile of the grammar on the prepared vocabulary (median of `--repeat`
+  compiles, each from scratch: nothing a compile builds for a grammar is kept between compiles;
+  wall or `--clock cpu` time; llguidance: its matcher's construction, which compiles lazily);
 - `cold_*`: mask fill per token while replaying the tokenizer's tokenization of a valid target
   text on the first replay over a fresh compile (median over the compiles, per token);
 - `warm_*`: the same on a later replay (fastest of `--repeat` replays, per token);
@@ -44,6 +50,11 @@ from engines import Bundle  # noqa: E402
 import cfsm  # noqa: E402
 from cfsm.grammar import parse_ebnf  # noqa: E402
 from cfsm.grammar.testing import LARK_JSON, draw_member  # noqa: E402
+
+try:
+    from cfsm.vocab import build_trie_levels  # noqa: E402
+except ImportError:  # NOTE: a cfsm tree from before the trie levels (A/B runs of older commits)
+    build_trie_levels = None  # type: ignore[assignment]
 
 JSON_GBNF = r'''
 root   ::= value
@@ -246,6 +257,7 @@ def _members(gname: str, count: int, seed: int = 0) -> list[str]:
 def _engines(names: list[str], bundle: Bundle, vocab: cfsm.Vocabulary) -> list[Any]:
     out: list[Any] = []
     for name in names:
+        start = time.process_time()
         try:
             if name == "cfsm":
                 out.append(_Cfsm(vocab))
@@ -257,6 +269,8 @@ def _engines(names: list[str], bundle: Bundle, vocab: cfsm.Vocabulary) -> list[A
                 out.append(_Llguidance(bundle))
         except ImportError as exc:
             print(f"# {name} not available ({exc}); skipped")
+            continue
+        out[-1].prep_ms = 1e3 * (time.process_time() - start)
     return out
 
 
@@ -317,8 +331,19 @@ def main() -> None:
     rows = []
     for vname in args.vocab:
         bundle = VOCABS[vname]()
+        start = time.process_time()
         vocab = bundle.vocab.prepare()
+        prep = {"vocab": bundle.name, "cfsm_prep_ms": 1e3 * (time.process_time() - start)}
+        if build_trie_levels is not None:
+            start = time.process_time()
+            build_trie_levels(vocab.trie_tables)  # NOTE: timed again alone (prepare() built it once)
+            prep["trie_levels_ms"] = 1e3 * (time.process_time() - start)
         engines = _engines(args.engines, bundle, vocab)
+        for eng in engines:
+            if eng.name != "cfsm":
+                prep[f"{eng.name}_prep_ms"] = eng.prep_ms
+        print("# per-vocabulary preparation, CPU ms: " + json.dumps(prep), flush=True)
+        rows.append({"prep": prep})
         for gname in args.grammars:
             members = _members(gname, args.members) if args.members else []
             for eng in engines:
@@ -331,6 +356,8 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
+        if "prep" in r:
+            continue
         print("| " + " | ".join(f"{r[h]:.1f}" if isinstance(r.get(h), float) else str(r.get(h, "-"))
                                  for h in head) + " |")
     if args.json:
