@@ -123,6 +123,21 @@ def test_interpret_gemv_epilogues(dtype: torch.dtype, batch: int) -> None:
         assert _rel(act, F.silu(gate) * up) < TOL[dtype]
 
 
+@pytest.mark.parametrize("variant", ["dot", "rows", "mrow"])
+def test_interpret_gemv_without_residual(variant: str) -> None:
+    """``res`` None: ``out = a @ w.T`` (a row-parallel partial under TP), with and without FP8-style row scales."""
+    g = torch.Generator().manual_seed(19)
+    a = torch.randn(3, 96, generator=g).to(DEVICE)
+    w = (torch.randn(72, 96, generator=g) / 10).to(DEVICE)
+    scale = (0.5 + torch.rand(72, generator=g)).to(DEVICE)
+    lc = replace(_lc(SHAPES[0]), tuned=(("o_proj", 8, ops.GemvConfig(variant, block_n=16, block_k=32, programs=2)),))
+    for s in (None, scale):
+        out = torch.full((3, 72), float("nan"), device=DEVICE)
+        ops.gemv_residual(a, w, None, out, lc, scale=s)
+        want = a.double() @ (w.double() * (1.0 if s is None else s.double()[:, None])).T
+        assert _rel(out, want) < TOL[torch.float32], (variant, s is not None)
+
+
 MROW_VARIANTS = ["mrow", "mrow_fma"]
 
 

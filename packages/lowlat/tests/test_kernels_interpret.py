@@ -1,4 +1,4 @@
-"""Runs kernel_cases.py (and moe_cases.py, fp8_cases.py) in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
+"""Runs kernel_cases.py (and moe_cases.py, fp8_cases.py, tp_cases.py) in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
 
 TRITON_INTERPRET must be set before triton is imported, so the cases run in a child process and
 the other tests of this session keep the normal Triton. The cases marked `slow` there run in this
@@ -17,11 +17,13 @@ import pytest
 CASES = Path(__file__).with_name("kernel_cases.py")
 MOE_CASES = Path(__file__).with_name("moe_cases.py")
 FP8_CASES = Path(__file__).with_name("fp8_cases.py")
+TP_CASES = Path(__file__).with_name("tp_cases.py")
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _run(env_extra: dict[str, str], cases: Path = CASES, marks: str | None = None) -> str:
-    """The cases of `cases` in a child pytest; `marks`: a `-m` expression (the cases' own slow tier)."""
+def _run(env_extra: dict[str, str], cases: Path = CASES, marks: str | None = None, skips: bool = False) -> str:
+    """The cases of `cases` in a child pytest; `marks`: a `-m` expression (the cases' own slow tier); `skips`: cases
+    may skip (the TP cases on a machine with fewer GPUs than ranks)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
     env.update(env_extra)
     select = ["-m", marks] if marks else []
@@ -32,7 +34,7 @@ def _run(env_extra: dict[str, str], cases: Path = CASES, marks: str | None = Non
     summary = proc.stdout[-6000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, summary
     last = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "skipped" not in last, summary
+    assert " passed" in last and (skips or "skipped" not in last), summary
     assert marks is not None or "deselected" not in last, summary
     return last
 
@@ -80,3 +82,18 @@ def test_long_fp8_cases_under_the_interpreter() -> None:
 @pytest.mark.gpu
 def test_fp8_kernels_and_layer_on_the_gpu() -> None:
     _run({}, FP8_CASES)
+
+
+def test_tp_plugin_ranks_under_the_interpreter() -> None:
+    _run(INTERPRET, TP_CASES, marks="not slow")
+
+
+@pytest.mark.slow
+def test_long_tp_cases_under_the_interpreter() -> None:
+    _run(INTERPRET, TP_CASES, marks="slow")
+
+
+@pytest.mark.gpu
+def test_tp_plugin_on_the_gpu() -> None:
+    """One GPU: the simulated-peer cases; a GPU per rank: the NCCL ranks too (fewer GPUs: those skip)."""
+    _run({}, TP_CASES, skips=True)

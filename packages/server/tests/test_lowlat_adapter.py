@@ -203,6 +203,33 @@ def test_adapted_weights_are_views_of_the_model() -> None:
     assert w.qkv.data_ptr() == model.model.layers[1].self_attn.qkv_proj.weight.data_ptr()  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("num_experts", [0, 4], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("tp", [2, 4])  # 4: each of the 2 KV heads on two ranks
+def test_sharded_model_gives_lowlat_shards_of_the_whole_layers(num_experts: int, tp: int) -> None:
+    """lmserver's shards of a model (`shard_model_`) as the adapter passes them to a plugin equal lowlat's own
+    shards of the whole layers (`lowlat.tp`), and the shape counts one rank's heads and features: a plugin that
+    shards its test inputs with `lowlat.tp` runs what a TP server gives it."""
+    import copy
+
+    from lmserver.distributed import TPGroup, shard_model_
+    from lowlat.tp import rank_moe_shape, rank_shape, shard_layer, shard_moe_layer
+
+    config = _config(num_experts)
+    model = _model(config, torch.device("cpu"))
+    whole = plugin_layers(model)
+    for rank in range(tp):
+        part = plugin_layers(shard_model_(copy.deepcopy(model), config, TPGroup(rank, tp)), tp)
+        assert part.shape == rank_shape(whole.shape, tp)
+        if num_experts:
+            assert whole.moe is not None and part.moe == rank_moe_shape(whole.moe, tp)
+        for w, got in zip(whole.weights, part.weights, strict=True):
+            want = (shard_moe_layer(w, whole.shape, whole.moe, rank, tp) if whole.moe is not None  # type: ignore[arg-type]
+                    else shard_layer(w, whole.shape, rank, tp))  # type: ignore[arg-type]
+            for name in ("input_norm", "qkv", "o_proj", "post_norm", "rope_inv_freq",
+                         *(("router", "w13", "w2") if num_experts else ("gate_up", "down"))):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (rank, name)
+
+
 def _child(env_extra: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
     env.update(env_extra)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -12,6 +12,9 @@ from lowlat.config import LowlatConfig
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
 from lowlat.moe import MoELayerWeights, MoEShape
 from lowlat.spec import Coverage, ServerSetup, Step
+
+if TYPE_CHECKING:
+    from lowlat.tp import Reducer
 
 
 @dataclass(frozen=True)
@@ -25,9 +28,10 @@ class BuildContext:
 
     Tensor parallelism (``setup.tp_size > 1``): ``weights`` are rank ``tp_rank``'s shards and
     ``shape`` counts this rank's heads and intermediate features (attention heads and gate/up
-    rows column-split, o_proj and down columns row-split); ``all_reduce`` sums a tensor over the
-    ranks in place (a collective of the runner's TP group, graph-safe on NCCL). A plugin that runs
-    sharded must sum o_proj's and down's partial outputs with it before each residual add.
+    rows column-split, o_proj and down columns row-split; ``lowlat.tp.shard_layer``); ``all_reduce`` sums
+    a tensor over the ranks in place (a collective of the runner's TP group, graph-safe on NCCL), or
+    ``reducer`` (a ``lowlat.tp.Reducer``) does. A plugin that runs sharded must sum o_proj's and down's
+    partial outputs with it before each residual add.
     """
 
     shape: LayerShape
@@ -43,6 +47,11 @@ class BuildContext:
     moe_weights: tuple[MoELayerWeights, ...] = ()
     tp_rank: int = 0
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reducer: Reducer | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.setup.tp_size
 
     @property
     def num_layers(self) -> int:

@@ -32,6 +32,7 @@ from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights
 from lowlat.moe import MoELayerWeights, MoEShape
 from lowlat.registry import Registry
 from lowlat.spec import NotCovered, PluginSpec, ServerSetup, Step, StepKind
+from lowlat.tp import Reducer
 
 
 class Stage(enum.IntEnum):
@@ -203,12 +204,13 @@ class Session:
         kv_dtype: torch.dtype | None = None,
         moe: MoEShape | None = None,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        reducer: Reducer | None = None,
     ) -> Built | None:
         """Build the selected plugin (prepare weights, allocate workspaces); before KV sizing.
 
         A mixture-of-experts model passes ``moe`` and ``MoELayerWeights`` per layer. Under TP
         the weights are this rank's shards and ``all_reduce`` sums a tensor over the ranks in
-        place (see ``BuildContext``).
+        place, or ``reducer`` (a ``lowlat.tp.Reducer``) does (see ``BuildContext``).
 
         A build that raises ``Unsupported`` turns the plugin off (``require`` mode re-raises).
         Under TP (``agree`` got a group) the ranks exchange their build outcomes (a collective):
@@ -233,6 +235,7 @@ class Session:
             moe_weights=tuple(cast("Sequence[MoELayerWeights]", weights)) if moe is not None else (),
             tp_rank=self._group.rank if self._group is not None else 0,
             all_reduce=all_reduce,
+            reducer=reducer,
         )
         built: Built | None = None
         failure: tuple[str, ...] = ()

@@ -65,11 +65,12 @@ def layer_shape(config: ModelConfig, tp_size: int = 1) -> LayerShape:
     )
 
 
-def moe_shape(config: ModelConfig) -> MoEShape | None:
-    """The lowlat ``MoEShape`` of a Mixtral-style config, or None for a dense model. Pure."""
+def moe_shape(config: ModelConfig, tp_size: int = 1) -> MoEShape | None:
+    """The lowlat ``MoEShape`` of a Mixtral-style config (each expert's intermediate features on one of ``tp_size``
+    ranks), or None for a dense model. Pure."""
     if not config.num_experts:
         return None
-    return MoEShape(config.num_experts, config.num_experts_per_tok, config.intermediate_size)
+    return MoEShape(config.num_experts, config.num_experts_per_tok, config.intermediate_size // tp_size)
 
 
 def _projection(module: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,8 +91,9 @@ def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
     """Views of every decoder layer's weights in lowlat's layout (no copies); reads only.
 
     ``model`` is an lmserver ``LlamaForCausalLM`` (or a subclass: Mistral, Qwen2 without bias,
-    Mixtral), sharded for one of ``tp_size`` ranks when ``tp_size > 1``. Raises
-    ``LowlatAdapterError`` for attention biases, per-head q/k norms and a sharded MoE model.
+    Mixtral), sharded for one of ``tp_size`` ranks when ``tp_size > 1`` (the views then equal
+    ``lowlat.tp.shard_layer`` / ``shard_moe_layer`` of the whole layers). Raises
+    ``LowlatAdapterError`` for attention biases and per-head q/k norms.
     """
     config: ModelConfig = model.config  # type: ignore[assignment]
     if config.attention_bias or config.qk_norm:
@@ -99,15 +101,10 @@ def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
             f"{config.architecture}: lowlat layers have no attention bias and no q/k norm "
             f"(attention_bias={config.attention_bias}, qk_norm={config.qk_norm}); serve it without the plugin"
         )
-    if tp_size > 1 and config.num_experts:
-        raise LowlatAdapterError(
-            f"{config.architecture}: the adapter does not express sharded experts (tp_size={tp_size}); "
-            "serve it without the plugin"
-        )
     inner: Any = model.model
     device = inner.layers[0].input_layernorm.weight.device
     inv_freq = compute_inv_freq(config.head_dim, config.rope_parameters).to(device=device, dtype=torch.float32)
-    moe = moe_shape(config)
+    moe = moe_shape(config, tp_size)
     layers: list[Any] = []
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -129,7 +126,9 @@ def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
             raise LowlatAdapterError(f"{config.architecture}: FP8 weights in a MoE model: the plugin's MoE stack reads "
                                      "model-dtype weights; serve it without the plugin")
         else:
-            layers.append(MoELayerWeights(router=mlp.gate.weight.data, w13=mlp.w13.data, w2=mlp.w2.data, **common))
+            experts = getattr(mlp, "moe", mlp)  # sharded: lmserver's TPMoE around this rank's experts
+            layers.append(MoELayerWeights(router=experts.gate.weight.data, w13=experts.w13.data, w2=experts.w2.data,
+                                          **common))
     return PluginLayers(layer_shape(config, tp_size), tuple(layers), moe)
 
 

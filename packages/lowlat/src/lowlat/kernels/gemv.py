@@ -35,16 +35,17 @@ def gemv_rows_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
+    # HAS_RES off: no residual (a row-parallel partial under TP)
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
             _gemv_rows_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                                     BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC)
+                                     BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC, HAS_RES)
     else:
         _gemv_rows_residual_tile(tl.program_id(0), a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC)
+                                 BLOCK_N, BLOCK_K, USE_PDL, PDL_EARLY, HAS_SCALE, W_VEC, HAS_RES)
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _gemv_rows_residual_tile(
     B,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr,
+    PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr, W_VEC: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,7 +67,10 @@ def _gemv_rows_residual_tile(
     # finished before the previous launch passed its own wait, the point where this launch may start
     w = tl.load(w_ptr + offs_n[:, None] * K + wk[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     mask = (offs_m[:, None] < B) & n_mask[None, :]
-    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        res = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
@@ -80,7 +84,7 @@ def _gemv_rows_residual_tile(
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res, mask=mask)
 
 
 @triton.jit

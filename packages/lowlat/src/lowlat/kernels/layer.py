@@ -320,17 +320,18 @@ def gemv_residual_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     # out[b, n] = res[b, n] + s[n] * sum_k a[b, k] * w[n, k]   (o_proj + residual, down + residual; s: FP8 scales)
+    # HAS_RES off: no residual (a row-parallel partial under TP, summed over the ranks before the residual add)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
             _gemv_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
+                                DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE, HAS_RES)
     else:
         _gemv_residual_tile(tl.program_id(0), a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N,
-                            BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE)
+                            BLOCK_K, DOT_F32, USE_PDL, PDL_EARLY, HAS_SCALE, HAS_RES)
 
 
 @triton.jit
@@ -340,6 +341,7 @@ def _gemv_residual_tile(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
@@ -350,7 +352,10 @@ def _gemv_residual_tile(
     w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
     # NOTE: the residual before the wait too: it comes from two or more launches back (gemv_rows_residual_kernel)
     mask = m_mask[:, None] & n_mask[None, :]
-    res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        res = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
@@ -365,7 +370,21 @@ def _gemv_residual_tile(
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res.to(tl.float32), mask=mask)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc + res, mask=mask)
+
+
+@triton.jit
+def residual_add_kernel(x_ptr, r_ptr, out_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    # out[b, n] = x[b, n] + r[b, n] in float32, stored in out's dtype; grid (rows, column blocks). Under TP: the
+    # residual add after a row-parallel projection's partials were summed over the ranks (r, the reduced sum).
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + b * N + offs, mask=mask, other=0.0)  # the residual: from launches before the reduce
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    r = tl.load(r_ptr + b * N + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + b * N + offs, x.to(tl.float32) + r.to(tl.float32), mask=mask)
 
 
 @triton.jit

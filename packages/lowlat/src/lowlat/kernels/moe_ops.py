@@ -69,8 +69,10 @@ def moe_mlp(
     eps: float,
     ws: MoEWorkspace,
     lc: LaunchConfig,
+    residual: torch.Tensor | None = None,
 ) -> None:
-    """``out = x1 + MoE(rmsnorm(x1))``: route, expert gate-up, expert down, combine. Mutates ``out`` and ``ws``."""
+    """``out = x1 + MoE(rmsnorm(x1))``: route, expert gate-up, expert down, combine. Mutates ``out`` and ``ws``.
+    ``residual``: added instead of ``x1`` (zeros: the MoE output alone, a rank's partial under TP)."""
     b, h, dev = x1.shape[0], x1.shape[1], x1.device
     if b > ws.max_tokens:
         raise ShapeError(f"MoE step of {b} tokens exceeds the workspace's {ws.max_tokens}")
@@ -98,6 +100,6 @@ def moe_mlp(
         LOOP_START=down_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=down),
     )
     K.combine_kernel[(b, triton.cdiv(h, lc.gemv_block_n))](
-        x1, ws.y, ws.ids, ws.wts, ws.bitmap, out, MAX_T=ws.max_tokens, H=h, TOP_K=k, BLOCK_N=lc.gemv_block_n,
+        x1 if residual is None else residual, ws.y, ws.ids, ws.wts, ws.bitmap, out, MAX_T=ws.max_tokens, H=h, TOP_K=k, BLOCK_N=lc.gemv_block_n,
         USE_PDL=lc.use_pdl, **_kw(dev, lc),
     )

@@ -268,7 +268,7 @@ def gemv_residual(
 ) -> None:
     """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel (FP8 ``w``:
     ``scale`` (N,) its rows' scales). Under PDL ``res`` is read before the wait: it must not be written by the launch
-    right before this one. ``res`` None (``mrow`` configs only): ``out = a @ w.T``."""
+    right before this one. ``res`` None: ``out = a @ w.T`` (a row-parallel partial under TP)."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     s_arg = w if scale is None else scale
@@ -282,21 +282,33 @@ def gemv_residual(
             HAS_SCALE=scale is not None, **_kw(dev, lc, cfg=cfg),
         )
         return
-    if res is None:
-        raise ShapeError(f"gemv_residual without a residual needs a mrow config, got {cfg}")
+    has_res = res is not None
+    r_arg = out if res is None else res  # NOTE: never read without HAS_RES
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
-            a, w, s_arg, res, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
-            HAS_SCALE=scale is not None, W_VEC=cfg.vec,
+            a, w, s_arg, r_arg, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
+            HAS_SCALE=scale is not None, W_VEC=cfg.vec, HAS_RES=has_res,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[grid](
-        a, w, s_arg, res, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
-        HAS_SCALE=scale is not None,
+        a, w, s_arg, r_arg, out, b, N=n, K=k, BLOCK_M=block_m(b, dev), BLOCK_N=cfg.block_n, LOOP=loop,
+        HAS_SCALE=scale is not None, HAS_RES=has_res,
         BLOCK_K=min(cfg.block_k, next_pow2(k)), DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
     )
+
+
+RESIDUAL_ADD_BLOCK = 1024  # columns per program of the residual add (on a GPU; the interpreter: 64)
+
+
+def residual_add(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor, lc: LaunchConfig) -> None:
+    """``out = x + r`` (B, N) in float32, stored in ``out``'s dtype: the residual add after a row-parallel
+    projection's partials ``r`` were summed over the TP ranks. ``x`` is read before the PDL wait."""
+    b, n, dev = x.shape[0], x.shape[1], x.device
+    block = min(RESIDUAL_ADD_BLOCK if dev.type != "cpu" else 64, next_pow2(n))
+    K.residual_add_kernel[(b, triton.cdiv(n, block))](x, r, out, N=n, BLOCK_N=block, USE_PDL=lc.use_pdl,
+                                                       **_kw(dev, lc))
 
 
 def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig,

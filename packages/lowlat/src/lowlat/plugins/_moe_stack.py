@@ -10,7 +10,7 @@ from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import moe_ops, ops
 from lowlat.layer import ForwardMeta, KVCache
-from lowlat.plugins._stack import covers_rows, fp8_capability_errors
+from lowlat.plugins._stack import covers_rows, fp8_capability_errors, tp_reducer
 from lowlat.spec import Step
 
 
@@ -19,7 +19,9 @@ class TritonMoEStack:
     residual, then route -> expert gate-up -> expert down -> combine (``lowlat.kernels.moe``).
 
     Owns every intermediate buffer, sized for the agreed coverage at build; ``forward`` allocates
-    nothing and never syncs the host.
+    nothing and never syncs the host. Tensor parallelism: this rank's shards (``lowlat.tp.shard_moe_layer``: each
+    expert's intermediate features split); o_proj's partial and the MoE output (combined without the residual)
+    are summed by the reducer, then the residual is added (``TritonLayerStack.row_parallel``'s order).
     """
 
     def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
@@ -37,6 +39,7 @@ class TritonMoEStack:
         if ctx.max_batch_size > moe_ops.MAX_TOKENS:
             raise Unsupported(name, (f"MoE kernels place at most {moe_ops.MAX_TOKENS} tokens per step, coverage asks "
                                      f"{ctx.max_batch_size}",))
+        self.reducer = tp_reducer(name, ctx, supports_tp=True)
         for i, w in enumerate(ctx.moe_weights):
             w.validate(s, moe)
             for t in (w.qkv, w.o_proj, w.router, w.w13, w.w2):
@@ -59,6 +62,10 @@ class TritonMoEStack:
         self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
         self.ws = moe_ops.MoEWorkspace.allocate(moe, s.hidden_size, m, dev, dt)
         self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.out]
+        if self.reducer is not None:  # partials summed over the ranks in place; zeros: the combine's residual
+            self.partial = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
+            self.zeros = torch.zeros(m, s.hidden_size, device=dev, dtype=dt)
+            self._buffers += [self.partial, self.zeros]
 
     @property
     def workspace_bytes(self) -> int:
@@ -77,9 +84,19 @@ class TritonMoEStack:
         max_len = meta.max_seq_len or meta.req_to_token.shape[1]
         splits = ops.num_splits(b, s, max_len, lc, self.max_splits)
         ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], s, lc, splits)
-        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
         out = self.out[layer % 2, :b]
-        moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc)
+        if self.reducer is None:
+            ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
+            moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc)
+            return out
+        part = self.partial[:b]
+        ops.gemv_residual(self.attn[:b], w.o_proj, None, part, lc)
+        self.reducer.all_reduce(part)
+        ops.residual_add(x, part, self.x1[:b], lc)
+        moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, part, self.moe, s.rms_eps, self.ws, lc,
+                        residual=self.zeros[:b])
+        self.reducer.all_reduce(part)
+        ops.residual_add(self.x1[:b], part, out, lc)
         return out
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:

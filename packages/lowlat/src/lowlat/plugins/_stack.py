@@ -11,6 +11,7 @@ from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import ops
 from lowlat.layer import FP8_DTYPE, ForwardMeta, KVCache
 from lowlat.spec import Step, StepKind
+from lowlat.tp import Reducer, context_reducer
 
 
 def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
@@ -36,6 +37,23 @@ def fp8_weights(ctx: BuildContext) -> bool:
     return bool(ctx.weights) and ctx.weights[0].fp8
 
 
+def tp_reducer(name: str, ctx: BuildContext, supports_tp: bool) -> Reducer | None:
+    """The reducer of a sharded build (None at TP 1); raises ``Unsupported`` with the reason when the stack does not
+    run sharded, has no way to sum over the ranks, or the reducer spans another number of ranks. Pure."""
+    tp = ctx.tp_size
+    if tp == 1:
+        return None
+    if not supports_tp:
+        raise Unsupported(name, (f"TP {tp}: this stack's kernels run unsharded layers only",))
+    reducer = context_reducer(ctx.reducer, ctx.all_reduce, tp)
+    if reducer is None:
+        raise Unsupported(name, (f"TP {tp} needs BuildContext.all_reduce or reducer to sum the row-parallel "
+                                 "projections' partial outputs",))
+    if reducer.world_size != tp:
+        raise Unsupported(name, (f"the reducer spans {reducer.world_size} ranks, the set-up TP {tp}",))
+    return reducer
+
+
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions (cvt ... e4m3x2): Ada and Hopper or newer
 
 
@@ -58,10 +76,16 @@ class TritonLayerStack:
 
     FP8: with ``supports_fp8`` the stack takes FP8 (e4m3) weights with per-row scales (``LayerWeights.fp8``: every
     layer or none; ``lc.fp8`` must say so) and an FP8 KV cache (``BuildContext.kv_dtype``); without it, refuses both.
+
+    Tensor parallelism: with ``supports_tp`` the stack runs this rank's shards (``BuildContext``, ``lowlat.tp``):
+    o_proj and down write their partial outputs (no residual), the reducer sums them over the ranks, and one
+    launch adds the residual (the next RMSNorm stays fused into the next GEMV's prologue, as at TP 1). A reducer
+    with ``fused`` set takes the whole row-parallel step instead (``row_parallel``: the later GPU step).
     """
 
     qkv_programs: int | None = None  # None: one program per qkv tile (the tuned config's grid)
     supports_fp8 = False
+    supports_tp = False
 
     def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
         s = ctx.shape
@@ -71,6 +95,7 @@ class TritonLayerStack:
             raise Unsupported(name, (str(exc),)) from exc
         if lc.qkv_block_errors(s):
             raise Unsupported(name, lc.qkv_block_errors(s))
+        self.reducer = tp_reducer(name, ctx, self.supports_tp)
         fp8 = fp8_weights(ctx)
         if (fp8 or ctx.kv_dtype == FP8_DTYPE) and not self.supports_fp8:
             raise Unsupported(name, ("FP8 weights or KV cache: this plugin's kernels read model-dtype weights and KV",))
@@ -105,6 +130,9 @@ class TritonLayerStack:
         self.act = torch.empty(m, s.intermediate_size, device=dev, dtype=dt)
         self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
         self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out]
+        if self.reducer is not None:  # the row-parallel partials, summed over the ranks in place
+            self.partial = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
+            self._buffers.append(self.partial)
 
     @property
     def workspace_bytes(self) -> int:
@@ -131,9 +159,24 @@ class TritonLayerStack:
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
         ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
-        ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc, scale=w.o_proj_scale)
+        self.row_parallel(self.attn[:b], w.o_proj, w.o_proj_scale, x, self.x1[:b], "o_proj")
         ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc, scale=w.gate_up_scale)
-        ops.gemv_residual(self.act[:b], w.down, self.x1[:b], out, lc, stage="down", scale=w.down_scale)
+        self.row_parallel(self.act[:b], w.down, w.down_scale, self.x1[:b], out, "down")
+
+    def row_parallel(self, a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, res: torch.Tensor,
+                     out: torch.Tensor, stage: str) -> None:
+        """``out = res + sum over the TP ranks of a @ w.T`` (o_proj, down; FP8 ``w``: ``scale`` its rows' scales); at
+        TP 1 one GEMV with the residual in its epilogue."""
+        if self.reducer is None:
+            ops.gemv_residual(a, w, res, out, self.lc, stage=stage, scale=scale)
+            return
+        if getattr(self.reducer, "fused", False):  # the reducer owns the projection (epilogue-launched reduction)
+            self.reducer.row_parallel(a, w, scale, res, out, stage, self.lc)  # type: ignore[attr-defined]
+            return
+        part = self.partial[: a.shape[0]]
+        ops.gemv_residual(a, w, None, part, self.lc, stage=stage, scale=scale)
+        self.reducer.all_reduce(part)
+        ops.residual_add(res, part, out, self.lc)
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         """Compile and run every kernel per batch size on a scratch KV cache of its own."""

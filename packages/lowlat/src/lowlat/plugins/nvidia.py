@@ -21,6 +21,7 @@ from lowlat.kernels.ops import MAX_VERIFY_ROWS, LaunchConfig
 from lowlat.plugins._moe_stack import TritonMoEStack
 from lowlat.plugins._stack import TritonLayerStack, fp8_weights
 from lowlat.spec import Coverage, PluginSpec, Requirements, StepKind
+from lowlat.tp import TP_SIZES
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 
@@ -38,9 +39,11 @@ def use_pdl(ctx: BuildContext) -> bool:
 
 
 class NvidiaLayerStack(TritonLayerStack):
-    """The per-stage stack; also serves FP8 (e4m3) weights with per-row scales and an FP8 KV cache."""
+    """The per-stage stack; also serves FP8 (e4m3) weights with per-row scales, an FP8 KV cache, and this rank's
+    shards under tensor parallelism (TP 2, 4, 8: partials summed by the build's reducer, ``lowlat.tp``)."""
 
     supports_fp8 = True
+    supports_tp = True
 
 
 def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
@@ -72,7 +75,7 @@ spec = PluginSpec(
         min_capability=(8, 0),
         dtypes=("bfloat16", "float16"),
         kv_dtypes=("bfloat16", "float16", "fp8_e4m3"),
-        tp_sizes=(1,),
+        tp_sizes=TP_SIZES,
         forbidden_features=frozenset({"lora"}),
         max_context=131072,
     ),
@@ -83,5 +86,5 @@ spec = PluginSpec(
     check_model=check_model,
     priority=10,
     description="Triton decode layer: norm+QKV+RoPE+KV write, split-KV GQA attention, fused GEMV epilogues, PDL-chained; "
-                "bf16/fp16 or FP8 e4m3 weights (per-row scales), model-dtype or FP8 e4m3 KV cache",
+                "bf16/fp16 or FP8 e4m3 weights (per-row scales), model-dtype or FP8 e4m3 KV cache; TP 1, 2, 4, 8",
 )
