@@ -350,3 +350,16 @@ def test_meta_schema_fragments_agree_with_the_published_meta_schemas(uri: str, p
             assert valid, (pointer, text)
         elif valid and not notes and not (isinstance(instance, float) and instance.is_integer()):
             raise AssertionError(f"{pointer}: false reject of {text}")
+
+
+def test_a_pointer_through_empty_keys_resolves() -> None:
+    """JSON pointers name the key "" by an empty segment (`#/$defs//$defs/`); a trailing slash
+    written in the wild (`#/$defs/a/`, not a pointer `jsonschema` resolves) still reads `#/$defs/a`."""
+    schema = {"$defs": {"": {"$defs": {"": {"type": "number"}}}, "a": {"type": "string"}},
+              "properties": {"n": {"$ref": "#/$defs//$defs/"}, "s": {"$ref": "#/$defs/a"}}, "type": "object"}
+    sloppy = {**schema, "properties": {**schema["properties"], "s": {"$ref": "#/$defs/a/"}}}
+    dfa, dfa_sloppy = (build_dfa(schema_tree(s, CONFIGS["default"])[0]) for s in (schema, sloppy))
+    validator = jsonschema.Draft202012Validator(schema)
+    for instance in [{"n": 1}, {"n": "x"}, {"s": "x"}, {"s": 1}, {"n": 1, "s": "x"}]:
+        text = json.dumps(instance, separators=(",", ":")).encode()
+        assert dfa.fullmatch(text) == dfa_sloppy.fullmatch(text) == validator.is_valid(instance), instance

@@ -184,10 +184,13 @@ class RefResolver:
             if hit is None:
                 raise UnsupportedSchemaError("$ref", path, f"cannot resolve {ref!r}: no anchor {frag!r}")
             return hit, uri
-        for part in [p for p in frag.split("/") if p]:
+        # NOTE: an empty segment is the key "" where there is one (else skipped: "#/", "#/a//b/" as written in the wild)
+        for part in frag.split("/")[1:]:
             part = unquote(part).replace("~1", "/").replace("~0", "~")
             if isinstance(target, dict) and part in target:
                 target = target[part]
+            elif not part:
+                continue
             elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
                 target = target[int(part)]
             else:
