@@ -54,7 +54,7 @@ test: lint sglang-frontend
 # runs), then the benchmarks' own tests (by path: benchmarks/ is never collected); CI runs it if time allows.
 test-slow: install-test sglang-frontend
 	$(PY) -m pytest -q -p no:cacheprovider -m slow --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
-	$(PY) -m pytest -q -p no:cacheprovider benchmarks/programs/test_workloads.py
+	$(PY) -m pytest -q -p no:cacheprovider benchmarks/programs/test_workloads.py benchmarks/tp/test_bench_lowlat_tp.py
 
 test-gpu: install-test
 	LMSYS_GPU_ONLY=1 $(PY) -m pytest -q -p no:cacheprovider -m gpu; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

@@ -70,6 +70,23 @@ def model_folder(shape: str, tokenizer: Path) -> str:
     return str(folder)
 
 
+def decode_step_s(engine: Any, prompts: list[list[int]], decode_tokens: int) -> float:
+    """Seconds per decode step of `prompts` together (greedy): a warm-up, a prefill-only run, then `decode_tokens`
+    steps after the prefill, the prefill-only run's time taken off; the prefix cache flushed between runs."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 4})  # warm-up
+    engine.core.flush_cache()
+    t = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 1})
+    prefill_s = time.perf_counter() - t
+    engine.core.flush_cache()
+    t = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": decode_tokens + 1})
+    total_s = time.perf_counter() - t
+    engine.core.flush_cache()
+    return (total_s - prefill_s) / decode_tokens
+
+
 def run(tp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
     from lmserver import Engine
 
@@ -101,22 +118,10 @@ def run(tp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[tp={tp}] greedy check done", flush=True)
         for bs in args.batch_sizes:
             prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_len)] for _ in range(bs)]
-            engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 4})  # warm-up
-            engine.core.flush_cache()
-            t = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": 1})
-            prefill_s = time.perf_counter() - t
-            engine.core.flush_cache()
-            t = time.perf_counter()
-            engine.generate(
-                input_ids=prompts, sampling_params={**greedy, "max_new_tokens": args.decode_tokens + 1}
-            )
-            total_s = time.perf_counter() - t
-            step_s = (total_s - prefill_s) / args.decode_tokens
+            step_s = decode_step_s(engine, prompts, args.decode_tokens)
             result[f"bs{bs}_step_ms"] = step_s * 1e3
             result[f"bs{bs}_tok_s_per_user"] = 1 / step_s
             print(f"[tp={tp}] bs{bs}: {step_s * 1e3:.2f} ms/step", flush=True)
-            engine.core.flush_cache()
         return result
     finally:
         if engine.core.tp is not None:
