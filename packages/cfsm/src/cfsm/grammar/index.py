@@ -40,6 +40,7 @@ __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
 
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
+_FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
 # escape sets settled at compile time, at most (and at most twice the one-frame keys that have
 # escapes, plus 256: grammars whose escape sets keep shifting settle the rest on first use)
 MAX_SETTLEMENTS = 4096
@@ -219,6 +220,19 @@ class GrammarIndex:
         if not live.any():
             return
         byte_ids, cols = byte_ids[live], targets[:, live]
+        if len(byte_ids) <= _FEW_BYTES:
+            # NOTE: few bytes (most misses of a walk): grouped in Python, no array sort
+            by_col: dict[tuple[int, ...], list[int]] = {}
+            for b, col in zip(byte_ids.tolist(), cols.T.tolist(), strict=True):
+                by_col.setdefault(tuple(col), []).append(b)
+            for col, bs in by_col.items():
+                try:
+                    nxt = self._intern(self._close([(*st[:-1], t) for st, t in zip(stacks, col, strict=True)
+                                                    if t >= 0]))
+                except _TooAmbiguous:
+                    continue
+                self._table[sid, bs] = nxt
+            return
         if len(stacks) == 1:
             groups, inverse = np.unique(cols[0], return_inverse=True)
             moved_of = [[(*stacks[0][:-1], int(t))] for t in groups.tolist()]
