@@ -266,7 +266,7 @@ def _session(rank: int, world: int, dev: torch.device, coverage: Coverage, bad_s
     s.configure(replace(_setup(world, torch.float32), capability=None))
     s.loaded()
     s.check_model(None)
-    s.agree(TorchGroup())
+    s.agree(TorchGroup(device=DEVICE.type))  # NCCL: the agreement's tensors on the GPU
     s.build(rank_shape(FULL, world), shards, dev, torch.float32, reducer=TorchReducer())
     s.memory_measured()
     s.kv_sized(64)
