@@ -197,6 +197,15 @@ class GrammarIndex:
         self._table[sid, byte] = nxt
         return nxt
 
+    def _next(self, flat: np.ndarray) -> np.ndarray:
+        """The table entries `flat` (sid * 256 + byte), unknown ones filled first (`_resolve`)."""
+        nxt = self._table.ravel().take(flat)
+        miss = nxt == _UNKNOWN
+        if miss.any():
+            self._resolve(flat[miss])
+            nxt = self._table.ravel().take(flat)  # NOTE: `_resolve` may have grown the tables
+        return nxt  # type: ignore[no-any-return]
+
     def _resolve(self, flat: np.ndarray) -> None:
         """Fill the table entries `flat` (sid * 256 + byte, unknown ones), a configuration's bytes
         at once (`_fill_bytes`), then any entry left to `_step`. Fills caches only."""
@@ -297,8 +306,8 @@ class GrammarIndex:
         return rank
 
     def _walk_tokens(self, sid: int, ranks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Walk the tokens at `ranks` (sorted indices into `by_length` order; None: all) from `sid`
-        as a key's configuration, where a stack of one frame at its rule's end returns below the
+        """Walk the tokens at `ranks` (sorted indices into `by_length` order; None: all, over the
+        vocabulary's trie: `_walk_trie`) from `sid` as a key's configuration, where a stack of one frame at its rule's end returns below the
         key. Returns (accepted ranks, sorted; escape pairs (rank, offset) of the tokens not
         accepted: the token may return below the key before its byte at that offset). Fills
         caches only.
@@ -315,17 +324,16 @@ class GrammarIndex:
         first = np.zeros(257, dtype=bool)
         first[:256] = self._first_bytes(sid)
         ranks = ranks[first.take(cols[0].take(ranks))]
-        if ranks is not None and len(ranks) <= _SCALAR_WALK:
+        if len(ranks) <= _SCALAR_WALK:
             return self._walk_scalar(sid, ranks, np.zeros(len(ranks), dtype=np.int32))
-        full = ranks is None
-        r = np.arange(len(tables.by_length)) if ranks is None else ranks
+        r = ranks
         m = len(r)
         cur = np.full(m, sid, dtype=np.int32)
         esc_where: list[np.ndarray] = []
         esc_d: list[int] = []
         live: np.ndarray | None = None  # local indices of the live tokens (None: every one of the prefix)
         for d in range(len(counts)):
-            nd = int(counts[d]) if full else int(np.searchsorted(r, counts[d]))
+            nd = int(np.searchsorted(r, counts[d]))
             if live is not None:
                 live = live[live < nd]
                 if not len(live):
@@ -336,13 +344,9 @@ class GrammarIndex:
                 if nd == 0:
                     break
                 st = cur[:nd]
-                b = cols[d, :nd] if full else cols[d, r[:nd]]
+                b = cols[d, r[:nd]]
             flat = st.astype(np.int64) * 256 + b
-            nxt = self._table.ravel().take(flat)
-            miss = nxt == _UNKNOWN
-            if miss.any():
-                self._resolve(flat[miss])
-                nxt = self._table.ravel().take(flat)  # NOTE: `_step` may have grown the tables
+            nxt = self._next(flat)
             # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
             esc = self._end.take(st)
             if esc.any():
@@ -400,11 +404,7 @@ class GrammarIndex:
             if not len(nodes):
                 break
             flat = st * 256 + levels.byte[d].take(nodes)
-            nxt = self._table.ravel().take(flat)
-            miss = nxt == _UNKNOWN
-            if miss.any():
-                self._resolve(flat[miss])
-                nxt = self._table.ravel().take(flat)  # NOTE: `_step` may have grown the tables
+            nxt = self._next(flat)
             # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
             esc = self._end.take(st)
             if esc.any():
@@ -525,7 +525,6 @@ class GrammarIndex:
         ok = np.zeros(len(ranks), dtype=bool)
         esc_i: list[np.ndarray] = []
         esc_o: list[np.ndarray] = []
-        table = self._table
         while len(live):
             done = pos.take(live) >= ends.take(live)
             if done.any():
@@ -537,12 +536,7 @@ class GrammarIndex:
             p = pos.take(live)
             b = cols[p, ranks.take(live)]
             flat = st.astype(np.int64) * 256 + b
-            nxt = table.ravel().take(flat)
-            miss = nxt == _UNKNOWN
-            if miss.any():
-                self._resolve(flat[miss])
-                table = self._table
-                nxt = table.ravel().take(flat)
+            nxt = self._next(flat)
             esc = self._end.take(st)
             if esc.any():
                 esc &= self._after_end.ravel().take(flat)
