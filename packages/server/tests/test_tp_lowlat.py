@@ -3,7 +3,8 @@ agree before any workspace is built, and a plugin off on one rank is off on all.
 
 The plugins are module-level (so rank 0's specs pickle to the followers): `reference-tp` runs
 lowlat's torch reference layer on this rank's shards with the TP sum before each residual add
-(exact under TP), `tp1-only` declares `tp_sizes=(1,)`, `picky` refuses its shard on rank 1 only.
+(exact under TP), `tp1-only` declares `tp_sizes=(1,)`, `picky` refuses its shard on rank 1 only; `nvidia` (slow)
+is the real plugin with CPU requirements, its kernels under the interpreter.
 Oracle: the same tiny model with TP=1 and lowlat off, greedy.
 """
 
@@ -71,6 +72,19 @@ TP1_ONLY = PluginSpec(
 PICKY = PluginSpec(
     "picky", "1.0", ("LlamaForCausalLM",), _CPU, _COVER, build_reference, check_model=refuse_on_rank_1, priority=9
 )
+
+
+def _nvidia_on_the_cpu() -> PluginSpec:
+    """The real `nvidia` plugin with requirements a float32 CPU set-up passes (its kernels under the interpreter)."""
+    from dataclasses import replace
+
+    from lowlat.plugins.nvidia import spec
+
+    req = replace(spec.requirements, vendor="cpu", min_capability=None, dtypes=("float32",), kv_dtypes=())
+    return replace(spec, requirements=req)
+
+
+NVIDIA_CPU = _nvidia_on_the_cpu()
 
 
 class _Records(logging.Handler):
@@ -163,6 +177,24 @@ def test_tp2_auto_runs_the_sharded_plugin_and_equals_tp1(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two ranks' interpreter warm-ups (batches 1-16) and decode on two loaded cores
+def test_tp2_runs_the_nvidia_plugin_on_both_ranks_under_the_interpreter(
+    model_and_oracle: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real plugin's sharded kernels (TRITON_INTERPRET=1 in the ranks' processes) under a TP=2 engine: every
+    rank builds it on its shard with the TP group's all-reduce, every decode step runs it, and the tokens and
+    logprobs equal TP=1 without lowlat."""
+    path, oracle = model_and_oracle
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by rank 0's child and its follower
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    got = _in_child(_serve, path, (NVIDIA_CPU,), "require:nvidia", 2, timeout_s=1500)
+    _assert_same(oracle, got["outputs"])
+    report = got["report"]
+    assert report["selected"] == "nvidia" and report["plugin_steps"] == 10 - 1
+    assert [(r["rank"], r["selected"], r["built"]) for r in report["ranks"]] == [(0, "nvidia", True), (1, "nvidia", True)]
+
+
+@pytest.mark.slow
 def test_tp2_a_check_failing_on_rank_1_turns_the_plugin_off_on_both(
     model_and_oracle: tuple[str, list[dict[str, Any]]],
 ) -> None:
@@ -195,7 +227,7 @@ def test_tp2_require_fails_start_up_with_the_reasons_and_no_hang(
 
 
 @pytest.mark.slow
-def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp_path: Path) -> None:
+def test_server_with_tp2_and_a_plugin_that_cannot_serve_it_exits_with_the_reason(tmp_path: Path) -> None:
     from lmserver.testing import ServerProcess
 
     path = _model_folder(tmp_path, "serve", FAMILIES["llama_gqa"])
@@ -208,7 +240,8 @@ def test_server_with_tp2_and_a_plugin_that_excludes_it_exits_with_the_reason(tmp
         srv.start(timeout_s=300)
     assert srv.proc.poll() not in (None, 0)
     log = srv.log_tail(200)
-    assert "lowlat plugin 'nvidia' is unsupported here" in log and "nvidia: needs TP size in [1], server uses 2" in log
+    # the nvidia plugin takes TP 2 (issue 35), not a CPU
+    assert "lowlat plugin 'nvidia' is unsupported here" in log and "nvidia: needs vendor nvidia, server runs on cpu" in log
 
 
 def test_the_agreed_workspace_comes_off_each_ranks_kv_budget_in_its_own_slots() -> None:
