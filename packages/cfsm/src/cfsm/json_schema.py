@@ -573,8 +573,13 @@ class _Compiler:
                            if subset is not False else NOTHING)
             if "then" in schema and "else" in schema:
                 self.approximate("if", f"{path}/if", "compiled as anyOf [then, else] (the condition is not checked)")
-                return alt(self._branch(rest, schema["then"], f"{path}/then"),
-                           self._branch(rest, schema["else"], f"{path}/else"))
+                # NOTE: (if and then) or else, a superset still; the condition's property names are declared
+                # (asserting nothing) in both, so that they may come before the branches' own
+                cond = schema["if"]
+                names = {"properties": dict.fromkeys(cond["properties"], {})} \
+                    if isinstance(cond, dict) and isinstance(cond.get("properties"), dict) else {}
+                return alt(self._branch(rest, {"allOf": [cond, schema["then"]]}, f"{path}/then"),
+                           self._branch(rest, {"allOf": [names, schema["else"]]}, f"{path}/else"))
             if "then" in schema or "else" in schema:
                 self.approximate("if", f"{path}/if", "the conditional branch is not enforced")
             return self.node(rest, path)
