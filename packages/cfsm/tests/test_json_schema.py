@@ -164,8 +164,9 @@ APPROXIMATED: list[tuple[Any, str, str, list[str], list[str]]] = [
       "dependentSchemas": {"a": {"properties": {"b": {"maximum": 0}}}, **{k: {"minProperties": 3} for k in "xyz"}}},
      "dependentSchemas", "#/dependentSchemas",
      ['{"a":1,"b":0}', '{"b":2}'], ['{"a":1,"b":2}']),
-    ({"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"type": "string"}}, "if", "#/if", ["7", '"x"'],
-     ["7.5"]),
+    # NOTE: compiled as (if and then) or else: an integer that only `else` admits
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"maximum": 0}}, "if", "#/if", ["7", "-0.5"],
+     ["-3"]),
     ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, "oneOf", "#/oneOf", ["-3", "2.5"], ["3"]),
     ({"type": "number", "multipleOf": 0.25}, "multipleOf", "#/multipleOf", ["0.75"], ["0.3"]),
 ]

@@ -84,6 +84,14 @@ def check_depth(schema: Any, max_depth: int) -> None:
         stack.extend((v, depth + 1) for v in children)
 
 
+def _join(base: str, ref: str) -> str:
+    """`ref` resolved against `base` (`urljoin`, which leaves a fragment alone under schemes it
+    does not know, such as `urn:`)."""
+    if ref.startswith("#") and base:
+        return urldefrag(base)[0] + ref
+    return urljoin(base, ref)
+
+
 def _own_id(schema: dict[str, Any]) -> str | None:
     """`$id`, or draft 4's `id` when it is a string and `$id` is absent."""
     for key in ("$id", "id"):
@@ -105,6 +113,7 @@ class RefResolver:
         self.resources: dict[str, Any] = {"": root}
         self.anchors: dict[str, Any] = {}
         self._resolved: dict[tuple[str, str], tuple[Any, str]] = {}
+        self._uri_of: dict[int, str] = {}  # id of a document schema with `$id` -> its base URI (from the scan)
         self._scan(root)
 
     def _scan(self, root: Any) -> None:
@@ -123,7 +132,7 @@ class RefResolver:
             names.update(id(v) for k, v in value.items() if k in _NAME_MAPS and isinstance(v, dict))
             ident = _own_id(value)
             if ident is not None:
-                uri, frag = urldefrag(urljoin(base, ident))
+                uri, frag = urldefrag(_join(base, ident))
                 if frag and not uri:  # draft 6/7 "$id": "#name" is a plain-name anchor
                     self.anchors.setdefault(f"{base}#{frag}", value)
                 elif frag:
@@ -132,6 +141,7 @@ class RefResolver:
                 else:
                     self.resources.setdefault(uri, value)
                     base = uri
+                self._uri_of.setdefault(id(value), base)
             for key in ("$anchor", "$dynamicAnchor"):
                 anchor = value.get(key)
                 if isinstance(anchor, str):
@@ -148,7 +158,10 @@ class RefResolver:
         ident = _own_id(schema)
         if ident is None:
             return base
-        uri = urldefrag(urljoin(base, ident))[0]
+        known = self._uri_of.get(id(schema))
+        if known is not None:
+            return known  # NOTE: where the document puts it (the caller's base may already be this one's)
+        uri = urldefrag(_join(base, ident))[0]
         return uri or base
 
     def resolve(self, ref: str, base: str, path: str) -> tuple[Any, str]:
@@ -160,7 +173,7 @@ class RefResolver:
         return hit
 
     def _resolve(self, ref: str, base: str, path: str) -> tuple[Any, str]:
-        uri, frag = urldefrag(urljoin(base, ref))
+        uri, frag = urldefrag(_join(base, ref))
         if uri not in self.resources and ref.startswith("#"):
             uri = ""  # NOTE: a base from an annotation-like `id` the scan did not reach this way
         if uri not in self.resources:
