@@ -576,7 +576,7 @@ class _Compiler:
                 # NOTE: (if and then) or else, a superset still; the condition's property names are declared
                 # (asserting nothing) in both, so that they may come before the branches' own
                 cond = schema["if"]
-                names = {"properties": dict.fromkeys(cond["properties"], {})} \
+                names: dict[str, Any] = {"properties": dict.fromkeys(cond["properties"], {})} \
                     if isinstance(cond, dict) and isinstance(cond.get("properties"), dict) else {}
                 return alt(self._branch(rest, {"allOf": [cond, schema["then"]]}, f"{path}/then"),
                            self._branch(rest, {"allOf": [names, schema["else"]]}, f"{path}/else"))
