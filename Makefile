@@ -36,7 +36,7 @@ install-test: $(VENV)/.installed-test
 
 # The main job: the server on the embedded default model, then one sample chat request.
 serve: install
-	$(PY) -m lmserver.main_job
+	$(PY) -m lmserver.edge.main_job
 
 lint: install-test
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""lmdsl's in-process backend (`lmserver.lmdsl_backend`) against lmdsl's HTTP backend.
+"""lmdsl's in-process backend (`lmserver.edge.lmdsl_backend`) against lmdsl's HTTP backend.
 
 Oracle: the same lmdsl programs through `RuntimeEndpoint` against a real `lmserver serve` of the
 same model and options (embedded SmolLM2, CPU, float32): equal greedy texts, equal select
@@ -22,7 +22,7 @@ import regex
 
 import lmdsl as sgl
 from lmserver import Engine
-from lmserver.lmdsl_backend import EngineBackend, Runtime
+from lmserver.edge.lmdsl_backend import EngineBackend, Runtime
 from lmserver.testing import ServerProcess
 
 OPTIONS = {"dtype": "float32", "max_total_tokens": 4096, "context_length": 2048}
@@ -188,7 +188,7 @@ def test_images_reach_the_engine(tmp_path: Path) -> None:
     import numpy as np
     from PIL import Image
 
-    from lmserver.multimodal.testing import make_tiny_llava_folder
+    from lmserver.testing.multimodal import make_tiny_llava_folder
 
     folder = make_tiny_llava_folder(tmp_path / "llava", "llava", seed=3)
     image = tmp_path / "img.png"

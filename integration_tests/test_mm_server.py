@@ -44,7 +44,7 @@ def _png(seed: int, width: int = 48, height: int = 40) -> bytes:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lmserver.multimodal.testing import make_tiny_llava_folder
+    from lmserver.testing.multimodal import make_tiny_llava_folder
 
     return make_tiny_llava_folder(tmp_path_factory.mktemp("tiny-llava"), "llava", seed=5)
 

@@ -49,7 +49,7 @@ def text_windows(tokenizer: Any, num_tokens: int, window: int) -> list[list[int]
 
 
 def build(config: Any, path: Path, weights: str, window: int) -> torch.nn.Module:
-    from lmserver.model_loader import load_model
+    from lmserver.models.loader import load_model
     from lmserver.models.quantization import quantize_linears_, use_fp8_path
 
     if weights == "bfloat16":
@@ -76,11 +76,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from lmserver.engine.accuracy import agreement, merge, window_logits, window_runner
-    from lmserver.model_loader import load_model, read_model_config
+    from lmserver.models.loader import load_model, read_model_config
+    from lmserver.runner.accuracy import agreement, merge, window_logits, window_runner
 
     if args.model_path is None:
-        from lmserver.default_model import default_model_path
+        from lmserver.models.default_model import default_model_path
 
         path = default_model_path()
     else:

@@ -122,14 +122,14 @@ def check_linear_paths(c: Checks, gen: torch.Generator) -> None:
 
 
 def check_attention(c: Checks, cpu_gen: torch.Generator) -> None:
-    from lmserver.attention.testing import compare_backends
-    from lmserver.attention.torch_native import TorchNativeBackend
-    from lmserver.attention.triton_backend import TritonBackend
     from lmserver.kernels import reference as ref
     from lmserver.kernels.decode_attention import decode_attention
     from lmserver.kernels.extend_attention import extend_attention
     from lmserver.kernels.fp8_ref import FP8_DTYPE, quantize_kv_fp8
     from lmserver.kernels.testing import random_paged_batch
+    from lmserver.runner.attention.testing import compare_backends
+    from lmserver.runner.attention.torch_native import TorchNativeBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
 
     heads, kv_heads, dim = ATTN["shape"]
     k_scale, v_scale = 0.05, 0.02

@@ -54,11 +54,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from lmserver.default_model import default_model_path
-    from lmserver.engine import kv_pool
-    from lmserver.engine.accuracy import Agreement, agreement, merge, window_logits, window_runner
-    from lmserver.model_loader import load_model, read_model_config
+    from lmserver.forward import kv_pool
+    from lmserver.models.default_model import default_model_path
+    from lmserver.models.loader import load_model, read_model_config
     from lmserver.models.quantization import FP8_LINEAR_NAMES, replace_with_fp8_, use_fp8_path
+    from lmserver.runner.accuracy import Agreement, agreement, merge, window_logits, window_runner
 
     path = default_model_path()
     config = read_model_config(path)

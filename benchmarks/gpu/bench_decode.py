@@ -217,8 +217,8 @@ def main() -> None:
                     help="fused Triton layer kernels (off = --disable-fused-kernels); both: one engine each")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("lmserver.engine.resolve").setLevel(logging.INFO)
-    logging.getLogger("lmserver.engine.cuda_graph").setLevel(logging.INFO)
+    logging.getLogger("lmserver.runner.resolve").setLevel(logging.INFO)
+    logging.getLogger("lmserver.runner.cuda_graph").setLevel(logging.INFO)
     import triton
 
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

@@ -25,6 +25,6 @@ case "${1:-}" in
            python3 -m pip install -q --no-index --no-deps .whl/*.whl; }
     python3 -m pip install -q --no-index --no-deps --no-build-isolation packages/radixcache packages/cfsm \
       packages/lmdsl packages/lowlat packages/server
-    python3 -c "import fastapi, uvicorn, zmq, orjson, gguf, lmserver.api, lowlat, cfsm, radixcache, lmdsl; print('device ready')" ;;
+    python3 -c "import fastapi, uvicorn, zmq, orjson, gguf, lmserver.edge.api, lowlat, cfsm, radixcache, lmdsl; print('device ready')" ;;
   *) echo "usage: $0 download|install" >&2; exit 2 ;;
 esac

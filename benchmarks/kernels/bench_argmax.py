@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmserver.engine.sampler import _argmax_chunks, chunked_argmax
+from lmserver.runner.sampler import _argmax_chunks, chunked_argmax
 
 
 def timed(fn: Callable[[], torch.Tensor], eager: bool, iters: int = 200) -> float:

@@ -35,7 +35,8 @@ from lmserver.kernels.fused_moe import (  # noqa: E402
     fused_moe,
     route_and_align,
 )
-from lmserver.layers.moe import moe_forward_dense, moe_forward_native, route  # noqa: E402
+from lmserver.kernels.reference import route
+from lmserver.layers.moe import moe_forward_dense, moe_forward_native
 
 # (hidden, inter, experts, top_k)
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "small": (1024, 2816, 16, 4)}

@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from lmserver.attention.shared_prefix import SharedPrefixPlanner
 from lmserver.kernels.cascade_decode import CascadeMetadata, cascade_decode_attention
 from lmserver.kernels.decode_attention import choose_num_kv_splits, decode_attention
 from lmserver.kernels.reference import decode_attention_ref
+from lmserver.runner.attention.shared_prefix import SharedPrefixPlanner
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 

@@ -101,7 +101,7 @@ def host_profile(core: Any, vocab: int, steps: int, top: int) -> None:
 def anatomy(core: Any, vocab: int, steps: int) -> dict[str, float]:
     from lmserver.engine import core as core_mod
     from lmserver.engine.overlap import Launched
-    from lmserver.engine.sampler import greedy_argmax
+    from lmserver.runner.sampler import greedy_argmax
 
     row: dict[str, float] = {}
     graphs = core.runner.cuda_graph

@@ -162,10 +162,10 @@ def start_server(model_path: str, server_args: str, extra: list[str]) -> Any:
 def vision_tower_ms(model_path: str, dtype: str, image: bytes, device: str, repeats: int = 20,
                     graphs: bool = False) -> float:
     """Median time of one image through our model's encoder (tower + projector), synchronized;
-    `graphs`: replayed from the CUDA graphs the server captures (engine/encoder_graph.py)."""
+    `graphs`: replayed from the CUDA graphs the server captures (runner/encoder_graph.py)."""
     import torch
 
-    from lmserver.model_loader import DTYPES, load_model, read_model_config
+    from lmserver.models.loader import DTYPES, load_model, read_model_config
     from lmserver.multimodal.processor import ImageProcessor
 
     config = read_model_config(model_path)

@@ -16,8 +16,8 @@ import time
 
 from transformers import AutoTokenizer
 
-from lmserver.default_model import default_model_path
 from lmserver.engine.detokenizer import IncrementalDetokenizer
+from lmserver.models.default_model import default_model_path
 
 WORDS = ["the", "model", "answers", "in", "plain", "text,", "with", "numbers", "12", "345,", "code", "`x", "=", "f(y)`,", "accents", "é", "ü,", "CJK", "你好", "and", "emoji", "🙂🚀", "so", "that", "multi-byte", "tokens", "are", "held", "back", "now", "and", "then"]
 

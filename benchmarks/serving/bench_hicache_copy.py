@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from lmserver.engine.host_kv import HostKVPool
-from lmserver.engine.kv_pool import KVPool
+from lmserver.forward.kv_pool import KVPool
+from lmserver.runner.host_kv import HostKVPool
 
 
 def _time(fn: object, repeats: int) -> float:

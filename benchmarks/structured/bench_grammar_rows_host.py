@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import cfsm
-from lmserver.constrained import BatchMasker, ReqGrammar
+from lmserver.engine.constrained import BatchMasker, ReqGrammar
 
 
 def _cpu_s() -> float:

@@ -1,5 +1,5 @@
 """Where the host time of a batch mask goes on CUDA, and what it adds to a step when it overlaps
-a forward. A micro-benchmark of lmserver.constrained.BatchMasker beside the engine benchmark.
+a forward. A micro-benchmark of lmserver.engine.constrained.BatchMasker beside the engine benchmark.
 
 Part 1 (each call alone, the device idle in between; median host microseconds): the pieces of
 a mask step: `ndarray.fill(-1)` of the pinned buffer, the cfsm fill, an event's `query()` and
@@ -36,9 +36,9 @@ import torch
 from bench_structured import LONG_KEY_SCHEMA
 
 import cfsm
-from lmserver.constrained import BatchMasker, GrammarBackend, GrammarKey, ReqGrammar
+from lmserver.engine.constrained import BatchMasker, GrammarBackend, GrammarKey, ReqGrammar
 from lmserver.kernels.bitmask import apply_token_bitmask_inplace
-from lmserver.model_loader import read_model_config
+from lmserver.models.loader import read_model_config
 
 
 def _median_us(fn: Callable[[], Any], iters: int, sync: bool = True) -> float:
@@ -204,7 +204,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     if args.model_path is None:
-        from lmserver.default_model import default_model_path
+        from lmserver.models.default_model import default_model_path
 
         args.model_path = str(default_model_path())
     grammars, vocab = _grammars(args.model_path, args.rows, args.free_rows, seed=0)

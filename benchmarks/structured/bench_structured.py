@@ -30,7 +30,7 @@ is on, for reference). `--sync-probe` instead times the forward alone between tw
 `torch.cuda.synchronize()` calls (the old probe: the device time of the forward, with the host
 work around it serialized).
 
-Mask host times per decode step (lmserver.constrained.BatchMasker): `mask_prepare_ms` (the fill
+Mask host times per decode step (lmserver.engine.constrained.BatchMasker): `mask_prepare_ms` (the fill
 and the copy launch, issued right after the forward's launch, so they overlap it),
 `mask_apply_ms` (the apply launch at sampling, before the read-back), `mask_fill_ms` (the cfsm
 fills alone); `stale_rows` counts rows refilled at sampling (0: every mask was prepared ahead).

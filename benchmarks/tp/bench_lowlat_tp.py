@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         return
     if args.tokenizer is None:
-        from lmserver.default_model import default_model_path
+        from lmserver.models.default_model import default_model_path
 
         args.tokenizer = str(default_model_path())
     path = model_folder(args.shape, Path(args.tokenizer))

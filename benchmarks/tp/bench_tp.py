@@ -150,7 +150,7 @@ def main() -> None:
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip() and b != "none"]
     if args.tokenizer is None:
-        from lmserver.default_model import default_model_path
+        from lmserver.models.default_model import default_model_path
 
         args.tokenizer = str(default_model_path())
     path = model_folder(args.shape, Path(args.tokenizer))

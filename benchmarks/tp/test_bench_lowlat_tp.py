@@ -28,9 +28,9 @@ def test_settings_parse_and_bad_ones_are_named() -> None:
 def test_rank_bytes_equal_the_parameters_of_lmservers_shard(tp: int) -> None:
     """Oracle: the parameters lmserver's sharded model holds on one rank (every decoder layer, the final norm and the
     LM head's vocabulary shard; the embedding is read a row per token, not counted)."""
-    from lmserver.distributed import TPGroup, shard_model_
     from lmserver.models.config import ModelConfig
     from lmserver.models.llama import LlamaForCausalLM
+    from lmserver.runner.distributed import TPGroup, shard_model_
 
     cfg = dict(B.SHAPES["tiny"], vocab_size=1001)  # a vocabulary the ranks split unevenly (padded shards)
     config = ModelConfig.from_hf(cfg)

@@ -8,16 +8,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from lmserver.api.errors import APIError
-from lmserver.api.openai_protocol import (
+from lmserver.edge.api.errors import APIError
+from lmserver.edge.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     sampling_params,
 )
-from lmserver.api.streams import due, merge, new_text
+from lmserver.edge.api.streams import due, merge, new_text
+from lmserver.edge.tokenizer_manager import GenState
 from lmserver.multimodal.frontend import MediaRef
-from lmserver.tokenizer_manager import GenState
 
 
 def test_due_streams_first_every_interval_and_last() -> None:
@@ -123,8 +123,8 @@ def test_ebnf_forms_and_content_parts_are_joined() -> None:
 def test_model_names_served_like_sglang_unless_strict() -> None:
     from types import SimpleNamespace
 
-    from lmserver.api.openai_routes import _check_model, served_model_name
     from lmserver.config import ServerConfig
+    from lmserver.edge.api.openai_routes import _check_model, served_model_name
 
     ready = SimpleNamespace(model_path="/some/cache/SmolLM2-135M-Instruct/")
     loose = SimpleNamespace(config=ServerConfig(), ready=ready)

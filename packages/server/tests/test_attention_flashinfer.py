@@ -15,17 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from lmserver.attention.base import (
-    AttentionBackend,
-    UnknownAttentionBackendError,
-    default_registry,
-)
-from lmserver.attention.testing import compare_backends
-from lmserver.attention.torch_native import TorchNativeBackend
-from lmserver.engine import resolve
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.forward.batch import AttentionBackend
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
+from lmserver.runner import resolve
+from lmserver.runner.attention.registry import UnknownAttentionBackendError, default_registry
+from lmserver.runner.attention.testing import compare_backends
+from lmserver.runner.attention.torch_native import TorchNativeBackend
 
-BACKEND_MODULE = "lmserver.attention.flashinfer_backend"
+BACKEND_MODULE = "lmserver.runner.attention.flashinfer_backend"
 
 
 # ---- a fake flashinfer: the documented paged semantics, in torch -------------------------------------------
@@ -110,12 +107,12 @@ class _FakePrefill(_FakeWrapper):
 
 def _drop_backend_module() -> None:
     """Forgets the imported backend module (sys.modules and the package attribute that
-    `from lmserver.attention import flashinfer_backend` would reuse)."""
-    import lmserver.attention
+    `from lmserver.runner.attention import flashinfer_backend` would reuse)."""
+    import lmserver.runner.attention
 
     sys.modules.pop(BACKEND_MODULE, None)
-    if hasattr(lmserver.attention, "flashinfer_backend"):
-        delattr(lmserver.attention, "flashinfer_backend")
+    if hasattr(lmserver.runner.attention, "flashinfer_backend"):
+        delattr(lmserver.runner.attention, "flashinfer_backend")
 
 
 @pytest.fixture
@@ -146,7 +143,7 @@ def no_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_registered_only_when_importable(fake_flashinfer: types.ModuleType) -> None:
     registry = default_registry()
     assert "flashinfer" in registry.names()
-    from lmserver.attention.flashinfer_backend import FlashInferBackend
+    from lmserver.runner.attention.flashinfer_backend import FlashInferBackend
 
     assert FlashInferBackend.supports_cuda_graph is False
     assert AttentionBackend.supports_cuda_graph is True
@@ -188,8 +185,8 @@ def test_auto_default_is_triton() -> None:
 
 def test_graph_runner_falls_back_to_eager(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
                                           caplog: pytest.LogCaptureFixture) -> None:
-    from lmserver.attention import flashinfer_backend
-    from lmserver.engine import cuda_graph
+    from lmserver.runner import cuda_graph
+    from lmserver.runner.attention import flashinfer_backend
 
     monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
     monkeypatch.setenv(cuda_graph.EAGER_GRAPHS_ENV, "1")  # CPU runners would get graphs
@@ -204,7 +201,7 @@ def test_graph_runner_falls_back_to_eager(fake_flashinfer: types.ModuleType, mon
 
 
 def test_cpu_and_float32_are_refused(fake_flashinfer: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmserver.attention import flashinfer_backend
+    from lmserver.runner.attention import flashinfer_backend
 
     with pytest.raises(RuntimeError, match="CUDA device"):
         flashinfer_backend.FlashInferBackend(KVPool(16, 1, 1, 8, torch.bfloat16, "cpu"), make_req_to_token(2, 8, "cpu"))
@@ -216,7 +213,7 @@ def test_cpu_and_float32_are_refused(fake_flashinfer: types.ModuleType, monkeypa
 @pytest.mark.parametrize(("heads", "kv_heads", "want"), [(4, 4, False), (8, 4, False), (32, 8, False),
                                                           (9, 3, True), (64, 8, True)])
 def test_tensor_core_decode_choice(fake_flashinfer: types.ModuleType, heads: int, kv_heads: int, want: bool) -> None:
-    from lmserver.attention.flashinfer_backend import use_tensor_cores_for_decode
+    from lmserver.runner.attention.flashinfer_backend import use_tensor_cores_for_decode
 
     assert use_tensor_cores_for_decode(heads, kv_heads) is want
 
@@ -227,8 +224,8 @@ def test_tensor_core_decode_choice(fake_flashinfer: types.ModuleType, heads: int
 def _compare(ref_cls: type[AttentionBackend], device: str, shape: tuple[int, int, int], num_slots: int,
              width: int, chunks: list[list[int]], decode_steps: int, tol: float) -> None:
     """The same random steps through `ref_cls` and the flashinfer backend (bf16, padding slot 0
-    left zero): equal outputs within `tol` and equal pools (lmserver.attention.testing)."""
-    from lmserver.attention.flashinfer_backend import FlashInferBackend
+    left zero): equal outputs within `tol` and equal pools (lmserver.runner.attention.testing)."""
+    from lmserver.runner.attention.flashinfer_backend import FlashInferBackend
 
     compare_backends(ref_cls, FlashInferBackend, device=device, shape=shape, dtype=torch.bfloat16,
                      num_slots=num_slots, width=width, chunks=chunks, decode_steps=decode_steps, tol=tol,
@@ -240,7 +237,7 @@ def test_indices_match_torch_native_through_fake(fake_flashinfer: types.ModuleTy
                                                  shape: tuple[int, int, int]) -> None:
     """The page lists, indptrs and causal alignment the backend hands flashinfer, checked through
     a fake with flashinfer's documented semantics against torch_native; one plan per forward."""
-    from lmserver.attention import flashinfer_backend
+    from lmserver.runner.attention import flashinfer_backend
 
     monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
     _compare(TorchNativeBackend, "cpu", shape, num_slots=300, width=128, chunks=[[30, 5, 17], [0, 40, 1]],
@@ -261,9 +258,9 @@ def test_engine_with_fake_flashinfer(fake_flashinfer: types.ModuleType, monkeypa
     group 3): radix-cache prefix hits, chunked prefill (extends over a cached prefix), mixed
     batches and batched decodes; greedy tokens equal torch_native's."""
     transformers = pytest.importorskip("transformers")
-    from lmserver.attention import flashinfer_backend
-    from lmserver.default_model import default_model_path
     from lmserver.engine.offline import Engine
+    from lmserver.models.default_model import default_model_path
+    from lmserver.runner.attention import flashinfer_backend
 
     monkeypatch.setattr(flashinfer_backend, "REQUIRE_CUDA", False)
     # NOTE: float32 (the fake computes in float32) so the two runs agree token for token
@@ -307,7 +304,7 @@ def test_flashinfer_matches_triton_on_gpu(shape: tuple[int, int, int]) -> None:
     extends, then decode steps (bf16)."""
     pytest.importorskip("flashinfer")
     _drop_backend_module()  # NOTE: a CPU test may have bound it to the fake
-    from lmserver.attention.triton_backend import TritonBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
 
     _compare(TritonBackend, "cuda", shape, num_slots=20000, width=8192, chunks=[[3000, 512, 1], [700, 0, 2000]],
              decode_steps=3, tol=1.6e-2)

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.attention.shared_prefix import SharedPrefixPlanner
 from lmserver.kernels.testing import kernel_devices
+from lmserver.runner.attention.shared_prefix import SharedPrefixPlanner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = kernel_devices()
@@ -159,13 +159,12 @@ def test_planner_caches_and_restricts() -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_backend_with_cascade_matches_torch_native(device: str) -> None:
-    from lmserver.attention.base import AttentionLayer
-    from lmserver.attention.testing import step_batch
-    from lmserver.attention.torch_native import TorchNativeBackend
-    from lmserver.attention.triton_backend import TritonBackend
-    from lmserver.engine.forward_batch import ForwardMode
-    from lmserver.engine.kv_pool import KVPool, make_req_to_token
+    from lmserver.forward.batch import AttentionLayer, ForwardMode
+    from lmserver.forward.kv_pool import KVPool, make_req_to_token
     from lmserver.kernels.testing import rel_error
+    from lmserver.runner.attention.testing import step_batch
+    from lmserver.runner.attention.torch_native import TorchNativeBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
 
     heads, kv_heads, dim = 9, 3, 64
     g = torch.Generator().manual_seed(3)
@@ -223,12 +222,12 @@ def test_greedy_tokens_with_cascade_equal_torch_native(tmp_path: Path, device: s
     cascade on (eager forwards, and the decode-graph runner with EagerGraph) equal `torch_native`'s,
     and the cascade path ran."""
     transformers = pytest.importorskip("transformers")
-    from lmserver.attention.torch_native import TorchNativeBackend
-    from lmserver.attention.triton_backend import TritonBackend
-    from lmserver.engine.cuda_graph import DecodeGraphRunner, EagerGraph
-    from lmserver.engine.kv_pool import KVPool, make_req_to_token
-    from lmserver.engine.model_runner import ModelRunner
-    from lmserver.model_loader import load_model, read_model_config
+    from lmserver.forward.kv_pool import KVPool, make_req_to_token
+    from lmserver.models.loader import load_model, read_model_config
+    from lmserver.runner.attention.torch_native import TorchNativeBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
+    from lmserver.runner.cuda_graph import DecodeGraphRunner, EagerGraph
+    from lmserver.runner.model_runner import ModelRunner
     from lmserver.scheduler import ForwardItem, ScheduleDecision
 
     torch.manual_seed(0)

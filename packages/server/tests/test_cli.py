@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from lmserver.cli import build_parser, parse_config
 from lmserver.config import ServerConfig
+from lmserver.edge.cli import build_parser, parse_config
 
 
 def test_every_config_field_is_an_option() -> None:

@@ -1,4 +1,4 @@
-"""The batch mask of lmserver.constrained through both paths: torch ops (CPU logits) and the
+"""The batch mask of lmserver.engine.constrained through both paths: torch ops (CPU logits) and the
 Triton kernel of lmserver.kernels.bitmask (CUDA logits), here under Triton's interpreter.
 
 Oracle: the torch path (itself checked against `Guide.advance` in test_constrained_unit.py);
@@ -31,7 +31,7 @@ def _cases() -> list[tuple[list[int | None], torch.dtype]]:
 def test_interpret_kernel_path_equals_torch_path() -> None:
     import cfsm
     from cfsm.testing import tiny_vocab
-    from lmserver.constrained import BatchMasker, ReqGrammar
+    from lmserver.engine.constrained import BatchMasker, ReqGrammar
 
     vocab = tiny_vocab()  # 140 tokens: the last mask word is partial
     byte_token = {t: i for i, t in enumerate(vocab.tokens) if len(t) == 1 and i not in vocab.special_token_ids}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lmserver import Engine
-from lmserver.constrained import BatchMasker
+from lmserver.engine.constrained import BatchMasker
 
 PERSON = {
     "type": "object",

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.testing import allowed_by_advance, tiny_vocab
-from lmserver.constrained import BatchMasker, ReqGrammar
+from lmserver.engine.constrained import BatchMasker, ReqGrammar
 
 VOCAB = tiny_vocab()  # 140 tokens: the last mask word is partial
 PATTERNS = [r'\{"name":"[a-c]+","age":[0-9]{1,3}\}', r"(true|false|null)", r"ip 10\.[0-9]\.0\.[0-9]", r"[a-c]+x?"]

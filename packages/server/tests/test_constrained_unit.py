@@ -1,4 +1,4 @@
-"""lmserver.constrained without a model: grammar keys, the compile stage (cache, errors,
+"""lmserver.engine.constrained without a model: grammar keys, the compile stage (cache, errors,
 timeout), batch masks, jump-forward planning and the scheduler rewind.
 
 Oracles: the `regex` module (fullmatch of decoded text), `Guide.advance` on a copy (which
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.testing import allowed_by_advance, tiny_vocab
-from lmserver.constrained import (
+from lmserver.engine.constrained import (
     BatchMasker,
     ConstrainedDecoding,
     GrammarBackend,
@@ -385,7 +385,7 @@ def test_jump_forward_extend_rides_along_with_decodes() -> None:
 
 
 def test_an_outgrown_pushdown_index_is_compiled_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lmserver.constrained.backend as backend_mod
+    import lmserver.engine.constrained.backend as backend_mod
 
     backend = _backend(compile_workers=0)
     key = GrammarKey("ebnf", 'root ::= "(" root? ")"')

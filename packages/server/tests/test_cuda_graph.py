@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (lmserver.engine.cuda_graph) and GPU KV sizing (engine.resolve).
+"""Decode CUDA graphs (lmserver.runner.cuda_graph) and GPU KV sizing (engine.resolve).
 
 CPU: batch-size buckets and padding against a naive oracle; the graph runner with `EagerGraph`
 (static buffers, padding rows, in-place metadata) against the eager model runner on a tiny
@@ -17,9 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.attention.base import default_registry
 from lmserver.config import ServerConfig
-from lmserver.engine.cuda_graph import (
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
+from lmserver.kernels.testing import pytest_under_interpreter
+from lmserver.models.config import ModelConfig
+from lmserver.models.loader import load_model
+from lmserver.runner.attention.registry import default_registry
+from lmserver.runner.cuda_graph import (
     PAD_SLOT,
     CudaGraphError,
     DecodeGraphRunner,
@@ -31,12 +35,8 @@ from lmserver.engine.cuda_graph import (
     padded_batch_size,
     verify_rows,
 )
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner
-from lmserver.engine.resolve import ConfigError, estimate_weight_bytes, resolve_kv_tokens
-from lmserver.kernels.testing import pytest_under_interpreter
-from lmserver.model_loader import load_model
-from lmserver.models.config import ModelConfig
+from lmserver.runner.model_runner import ModelRunner
+from lmserver.runner.resolve import ConfigError, estimate_weight_bytes, resolve_kv_tokens
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 # head_dim 16 (the smallest tl.dot size on a GPU), GQA group 3 like SmolLM2.
@@ -196,7 +196,7 @@ def test_graphs_are_off_on_cpu_when_disabled_and_with_tensor_parallelism(caplog:
     rc = ServerConfig(max_running_requests=TABLE_ROWS)
     assert maybe_decode_graph_runner(rc, runner) is None  # CPU: eager decode
     runner.device = torch.device("cuda")  # only the flags are read before capturing
-    with caplog.at_level(logging.INFO, logger="lmserver.engine.cuda_graph"):
+    with caplog.at_level(logging.INFO, logger="lmserver.runner.cuda_graph"):
         assert maybe_decode_graph_runner(rc.replace(disable_cuda_graph=True), runner) is None
         assert maybe_decode_graph_runner(rc.replace(enable_tp_cuda_graph=False), runner, tp_size=2) is None
     assert "--disable-cuda-graph" in caplog.text and "tp_size=2" in caplog.text
@@ -267,7 +267,7 @@ def test_engine_greedy_output_same_with_and_without_cuda_graphs() -> None:
 
 
 def test_graph_max_bs_auto_depends_on_gpu_memory_and_running_requests() -> None:
-    from lmserver.engine.resolve import resolve_cuda_graph_max_bs
+    from lmserver.runner.resolve import resolve_cuda_graph_max_bs
 
     h200, l4 = 141 << 30, 24 << 30
     assert resolve_cuda_graph_max_bs(None, "cuda", h200, 256) == 256

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmserver.cli import parse_config
-from lmserver.dp_launch import replica_args, replica_env, replica_gpus, visible_cuda_devices
+from lmserver.edge.cli import parse_config
+from lmserver.edge.dp_launch import replica_args, replica_env, replica_gpus, visible_cuda_devices
 
 
 def test_replica_args_reproduce_the_config_with_dp_1_and_own_port() -> None:
@@ -50,7 +50,7 @@ def test_visible_devices_follow_the_variable() -> None:
 
 
 def test_the_api_key_reaches_replicas_through_the_environment_only() -> None:
-    from lmserver.cli import API_KEY_ENV
+    from lmserver.config import API_KEY_ENV
 
     config = parse_config(["--dp-size", "2", "--api-key", "sk-secret-42"])
     for i in range(2):

@@ -1,4 +1,4 @@
-"""EAGLE heads (lmserver.models.eagle, lmserver.engine.eagle) on the CPU.
+"""EAGLE heads (lmserver.models.eagle, lmserver.runner.eagle) on the CPU.
 
 A head written by the test in the published EAGLE layout (safetensors `fc.weight`,
 `layers.0.*` without `input_layernorm`) over a tiny random target. Oracle: a float64 torch
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserver.engine.draft_model import DraftModelError
-from lmserver.engine.eagle import EagleProposer
-from lmserver.model_loader import load_model
 from lmserver.models.config import ModelConfig
+from lmserver.models.loader import load_model
+from lmserver.runner.draft_model import DraftModelError
+from lmserver.runner.eagle import EagleProposer
 from lmserver.testing import write_eagle_head
 
 TARGET = dict(architectures=["LlamaForCausalLM"], vocab_size=101, hidden_size=64, intermediate_size=96,
@@ -85,7 +85,7 @@ def _proposer(path: Path, target: torch.nn.Module, graph_max_bs: int = 0) -> Eag
 def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path, graph_max_bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager head steps, and head steps replaying decode graphs (EagerGraph on the CPU: the static
     feature buffer, padding rows) against the float64 chain."""
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     target = _target()
@@ -201,7 +201,7 @@ def _naive_eagle3(w: dict[str, torch.Tensor], embed: torch.Tensor, config: dict,
 
 @pytest.mark.parametrize("graph_max_bs", [0, 4], ids=["eager", "graphs"])
 def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
     from lmserver.testing import write_eagle3_head
 
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
@@ -228,16 +228,16 @@ def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int
 def test_the_target_exposes_the_residual_stream_after_its_aux_layers() -> None:
     """aux_hidden (T, 2 * hidden) for aux layers (0, 1) of a 2-layer target: the final norm of the last
     slice is the model's output; the first slice is what a copy cut after layer 0 ends with."""
-    from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
+    from lmserver.forward.batch import ForwardBatch, ForwardMode
     from lmserver.layers.norm import RMSNorm
 
     target = _target()
     inner = target.model  # type: ignore[union-attr]
     inner.aux_layers = (0, 1)
 
-    from lmserver.attention.base import default_registry
-    from lmserver.engine.kv_pool import KVPool, make_req_to_token
-    from lmserver.engine.model_runner import ModelRunner
+    from lmserver.forward.kv_pool import KVPool, make_req_to_token
+    from lmserver.runner.attention.registry import default_registry
+    from lmserver.runner.model_runner import ModelRunner
     from lmserver.scheduler import ForwardItem, ScheduleDecision
 
     cfg = ModelConfig.from_hf(TARGET)

@@ -1,4 +1,4 @@
-"""Vision-encoder CUDA graphs (engine/encoder_graph.py) against the eager encoder on tiny LLaVA
+"""Vision-encoder CUDA graphs (runner/encoder_graph.py) against the eager encoder on tiny LLaVA
 folders: every tile count (padded up, split past the largest capture), and whole generations
 through the engine with graphs on and off."""
 
@@ -14,14 +14,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module", params=["llava", "llava_next"])
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lmserver.multimodal.testing import make_tiny_llava_folder
+    from lmserver.testing.multimodal import make_tiny_llava_folder
 
     return make_tiny_llava_folder(tmp_path_factory.mktemp(request.param), request.param, seed=4)
 
 
 def test_graphs_equal_the_eager_encoder(folder: Path) -> None:
-    from lmserver.engine.encoder_graph import EncoderGraphs
-    from lmserver.model_loader import load_model, read_model_config
+    from lmserver.models.loader import load_model, read_model_config
+    from lmserver.runner.encoder_graph import EncoderGraphs
 
     config = read_model_config(folder)
     model = load_model(config, folder, dtype=torch.float32, device="cuda")

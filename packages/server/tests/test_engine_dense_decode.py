@@ -14,10 +14,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lmserver.attention.base import AttentionLayer
-from lmserver.attention.torch_native import TorchNativeBackend
-from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
+from lmserver.forward.batch import AttentionLayer, ForwardBatch, ForwardMode
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
+from lmserver.runner.attention.torch_native import TorchNativeBackend
 
 HEADS, KV_HEADS, DIM, LAYERS, SLOTS, ROWS, WIDTH = 4, 2, 8, 2, 700, 6, 128
 

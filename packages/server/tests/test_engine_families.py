@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmserver import Engine
-from lmserver.default_model import default_model_path
+from lmserver.models.default_model import default_model_path
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """lowlat plugins inside the engine (`lowlat_plugins`), on the CPU with the real SmolLM2 weights.
 
 The plugin under test runs lowlat's torch reference decoder layer on the weights the adapter
-hands it (`lmserver.lowlat_adapter`), so it exercises the whole path: start-up order (configure
+hands it (`lmserver.runner.lowlat_adapter`), so it exercises the whole path: start-up order (configure
 before the weights load, build before the KV cache is sized), per-step dispatch from the agreed
 coverage (decode steps of at most 2 requests), fallbacks counted by reason, and the engine's KV
 pool written by the plugin. Oracle: the same engine with lowlat off, greedy, 3 prompts.
@@ -131,7 +131,7 @@ def test_unsupported_setups_fall_back_or_fail_loudly() -> None:
     ("auto", "auto", (), True), (" require:nvidia ", "require", ("nvidia",), True),
     ("require:nvidia+all-batches", "require", ("nvidia",), False), ("auto+all-batches", "auto", (), False)])
 def test_lowlat_plugins_option(value: str, mode: str, plugins: tuple[str, ...], measured: bool) -> None:
-    from lmserver.engine.lowlat_hook import parse_lowlat_plugins
+    from lmserver.runner.lowlat_hook import parse_lowlat_plugins
 
     config = parse_lowlat_plugins(value)
     assert config is not None
@@ -140,7 +140,7 @@ def test_lowlat_plugins_option(value: str, mode: str, plugins: tuple[str, ...], 
 
 @pytest.mark.parametrize("value", ["require:", "sometimes", "nvidia", "+all-batches", "auto+all"])
 def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
-    from lmserver.engine.lowlat_hook import parse_lowlat_plugins
+    from lmserver.runner.lowlat_hook import parse_lowlat_plugins
 
     assert parse_lowlat_plugins("off") is None and parse_lowlat_plugins("off+all-batches") is None
     with pytest.raises(ValueError, match="lowlat_plugins"):
@@ -150,7 +150,7 @@ def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
 def test_eager_decode_warms_every_batch_size_up() -> None:
     # with decode graphs the captured sizes (1, 2, 4, 8, ...) compile the plugin's kernels; eager decode runs each batch
     # at its own size, so start-up warms all of them (Session.warmup keeps those the plugin covers)
-    from lmserver.engine.lowlat_hook import WARMUP_BATCH_SIZES, warmup_batch_sizes
+    from lmserver.runner.lowlat_hook import WARMUP_BATCH_SIZES, warmup_batch_sizes
 
     graphs = warmup_batch_sizes(False, "cuda")
     assert graphs == WARMUP_BATCH_SIZES and graphs[0] == 1 and list(graphs) == sorted(set(graphs))
@@ -171,7 +171,7 @@ def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest
     """Speculative verify steps replay decode graphs as decode rows; where the plugin declines verify rows
     that its decode graph serves (8 rows here), a verify graph of that size runs the original path. Oracle:
     greedy tokens of the engine without lowlat or speculation; every replay's path is checked by lowlat."""
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
     passages = ["The committee met on Tuesday to review the budget and approved the road repairs.",
                 "The library opens at nine, closes at six, and lends up to ten books per card."]

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from lmserver.config import ServerConfig
-from lmserver.engine.kv_pool import KVPool
-from lmserver.engine.resolve import ConfigError, resolve_config, resolve_kv_tokens
+from lmserver.forward.kv_pool import KVPool
 from lmserver.kernels.fp8_ref import (
     FP8_DTYPE,
     dequantize_fp8,
@@ -24,9 +23,10 @@ from lmserver.kernels.fp8_ref import (
     quantize_fp8,
 )
 from lmserver.layers.fp8_linear import Fp8Linear
-from lmserver.model_loader import ModelLoadError, load_model, read_model_config
 from lmserver.models.config import ModelConfig
+from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.models.quantization import Fp8Spec, QuantizationError, read_fp8_spec
+from lmserver.runner.resolve import ConfigError, resolve_config, resolve_kv_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,7 +172,7 @@ def _write_fp8_checkpoint(src: Path, dst: Path, layout: str, drop: str | None = 
 
 
 def _logits(model: nn.Module, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
-    from lmserver.engine.accuracy import window_logits, window_runner
+    from lmserver.runner.accuracy import window_logits, window_runner
 
     return window_logits(window_runner(model, 64, kv_cache_dtype), ids)
 
@@ -193,7 +193,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_twin(tmp_path: Path, layout: st
     ids = list(range(3, 40))
     torch.testing.assert_close(_logits(model, ids), _logits(twin, ids), rtol=0, atol=1e-4)
     if layout.startswith("ct"):  # the checkpoint's KV scales reach the FP8 KV pool
-        from lmserver.engine.kv_pool import kv_cache_options
+        from lmserver.runner.resolve import kv_cache_options
 
         opts = kv_cache_options("fp8_e4m3", model)
         assert opts["k_scales"][:2] == [0.5, 1.0] and opts["v_scales"][:2] == [0.25, 1.0]
@@ -258,7 +258,7 @@ def _mc(**hf: Any) -> ModelConfig:
 
 
 def test_fp8_on_a_gpu_without_fp8_names_the_capability(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmserver.engine import resolve
+    from lmserver.runner import resolve
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
@@ -290,7 +290,7 @@ def test_fp8_kv_cache_holds_twice_the_tokens() -> None:
 
 
 def test_fp8_weight_estimate_counts_one_byte_per_projection_weight() -> None:
-    from lmserver.engine.resolve import estimate_weight_bytes
+    from lmserver.runner.resolve import estimate_weight_bytes
 
     mc = _mc()
     h, inter, layers = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON["num_hidden_layers"]
@@ -321,8 +321,8 @@ def test_fp8_kv_pool_stores_scaled_values() -> None:
 
 
 def test_torch_native_with_fp8_kv_attends_to_the_dequantized_cache() -> None:
-    from lmserver.attention.testing import compare_backends
-    from lmserver.attention.torch_native import TorchNativeBackend
+    from lmserver.runner.attention.testing import compare_backends
+    from lmserver.runner.attention.torch_native import TorchNativeBackend
 
     class Dense(TorchNativeBackend):  # the same backend with the dense decode copy off
         dense_budget_bytes = 0
@@ -341,9 +341,9 @@ def test_embedded_model_fp8_agrees_with_float32() -> None:
     benchmarks/fp8/bench_fp8_accuracy.py (its first 320 tokens here; the benchmark measures 20k)."""
     from pydoc_data.topics import topics
 
-    from lmserver.default_model import default_model_path
-    from lmserver.engine.accuracy import agreement, window_logits, window_runner
+    from lmserver.models.default_model import default_model_path
     from lmserver.models.quantization import quantize_linears_
+    from lmserver.runner.accuracy import agreement, window_logits, window_runner
 
     path = default_model_path()
     config = read_model_config(path)

@@ -163,9 +163,9 @@ def test_extend_attention_reads_fp8_prefix(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_backend_with_fp8_pool_matches_torch_native(device: str) -> None:
-    from lmserver.attention.testing import compare_backends
-    from lmserver.attention.torch_native import TorchNativeBackend
-    from lmserver.attention.triton_backend import TritonBackend
+    from lmserver.runner.attention.testing import compare_backends
+    from lmserver.runner.attention.torch_native import TorchNativeBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
 
     dtype = _act_dtype(device)
     compare_backends(TorchNativeBackend, TritonBackend, device=device, shape=(6, 2, 32), dtype=dtype,

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from lmserver.attention.base import default_registry
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
 from lmserver.kernels import KernelOps, native_kernels, select_kernels
 from lmserver.kernels.testing import kernel_devices, pytest_under_interpreter
-from lmserver.model_loader import load_model, select_layer_kernels
 from lmserver.models.config import ModelConfig
+from lmserver.models.loader import load_model, select_layer_kernels
+from lmserver.runner.attention.registry import default_registry
+from lmserver.runner.model_runner import ModelRunner
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -130,7 +130,7 @@ def test_layer_kernels_are_chosen_once_at_build_torch_ops_off_cuda() -> None:
 
 
 def test_disable_fused_kernels_is_a_server_option() -> None:
-    from lmserver.cli import parse_config
+    from lmserver.edge.cli import parse_config
 
     assert parse_config(["serve", "--disable-fused-kernels"]).disable_fused_kernels
     assert not parse_config([]).disable_fused_kernels

@@ -1,4 +1,4 @@
-"""Grammar compiles in worker processes (`lmserver.constrained.workers`, `compile_worker`) through `GrammarBackend`.
+"""Grammar compiles in worker processes (`lmserver.engine.constrained.workers`, `compile_worker`) through `GrammarBackend`.
 
 Oracles: an in-process `cfsm.compile_*` of the same grammar (every array equal), the pool's
 process ids (`/proc` says whether a killed worker is gone), and the futures' outcomes. Slow
@@ -23,8 +23,14 @@ import pytest
 
 import cfsm
 from cfsm.testing import tiny_vocab
-from lmserver.constrained import GrammarBackend, GrammarError, GrammarKey, GrammarQueueFullError, grammar_key
-from lmserver.constrained.compile_worker import index_from_payload, index_payload
+from lmserver.engine.constrained import (
+    GrammarBackend,
+    GrammarError,
+    GrammarKey,
+    GrammarQueueFullError,
+    grammar_key,
+)
+from lmserver.engine.constrained.compile_worker import index_from_payload, index_payload
 from lmserver.io_struct import SamplingParams
 
 VOCAB = tiny_vocab()
@@ -134,7 +140,7 @@ def test_failed_compile_is_retried_not_cached(backend: GrammarBackend) -> None:
 
 
 def test_long_schemas_are_parsed_by_the_worker(backend: GrammarBackend) -> None:
-    from lmserver.constrained.backend import CANONICAL_MAX_LENGTH
+    from lmserver.engine.constrained.backend import CANONICAL_MAX_LENGTH
 
     padded = json.dumps({"type": "integer", "description": "x" * CANONICAL_MAX_LENGTH}, indent=1)
     key = grammar_key(SamplingParams(json_schema=padded))
@@ -175,7 +181,7 @@ def test_grammar_key_strict_default_per_request_and_limits() -> None:
 def test_a_worker_takes_its_next_job_before_the_last_result_is_rebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker, two queued compiles: while the engine side rebuilds the first result's index
     (GIL time in the engine process), the worker already compiles the second."""
-    from lmserver.constrained import workers
+    from lmserver.engine.constrained import workers
 
     seen: list[dict[int, str]] = []
     warm = workers.warm_index
@@ -201,7 +207,7 @@ def test_a_worker_takes_its_next_job_before_the_last_result_is_rebuilt(monkeypat
 def test_quick_compiles_do_not_queue_behind_a_long_one() -> None:
     """One worker busy with a long compile while another job waits: an extra worker starts and
     compiles it; once idle with nothing queued the extra worker exits."""
-    from lmserver.constrained.workers import CompilePool
+    from lmserver.engine.constrained.workers import CompilePool
 
     pool = CompilePool(1, lambda: VOCAB, on_error=lambda kind, msg: GrammarError(msg),
                        on_timeout=lambda job: GrammarError("timeout"), long_job_s=0.2)
@@ -221,7 +227,7 @@ def test_quick_compiles_do_not_queue_behind_a_long_one() -> None:
 
 
 def test_auto_workers_follow_the_cpus_this_process_may_use() -> None:
-    from lmserver.constrained.backend import auto_compile_workers, available_cpus, cgroup_cpu_limit
+    from lmserver.engine.constrained.backend import auto_compile_workers, available_cpus, cgroup_cpu_limit
 
     assert cgroup_cpu_limit("max 100000") is None and cgroup_cpu_limit("") is None
     assert cgroup_cpu_limit("400000 100000") == 4.0 and cgroup_cpu_limit("50000 100000") == 0.5
@@ -233,7 +239,7 @@ def test_auto_workers_follow_the_cpus_this_process_may_use() -> None:
 @pytest.mark.parametrize(("cpus", "workers", "most"), [(2, 2, 2), (3, 2, 2), (4, 2, 3), (16, 4, 8), (16, 1, 2)])
 def test_extra_workers_leave_the_engine_a_cpu(monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int,
                                               most: int) -> None:
-    from lmserver.constrained import backend as backend_module
+    from lmserver.engine.constrained import backend as backend_module
 
     monkeypatch.setattr(backend_module, "available_cpus", lambda: cpus)
     b = _backend(compile_workers=workers)  # NOTE: the pool starts no process before its first job
@@ -314,8 +320,8 @@ def test_a_full_queue_is_a_503_through_the_http_layer() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from lmserver.api.errors import install_error_handlers
-    from lmserver.constrained import ConstrainedDecoding
+    from lmserver.edge.api.errors import install_error_handlers
+    from lmserver.engine.constrained import ConstrainedDecoding
     from lmserver.io_struct import InvalidRequestError, OverloadedError, request_error
 
     cd = ConstrainedDecoding(None, VOCAB.size, VOCAB.eos_token_ids, max_pending_compiles=1)
@@ -348,7 +354,7 @@ def test_a_full_queue_is_a_503_through_the_http_layer() -> None:
 _UNGUARDED = """
 import sys
 from cfsm.testing import tiny_vocab
-from lmserver.constrained import GrammarBackend, GrammarKey
+from lmserver.engine.constrained import GrammarBackend, GrammarKey
 print("top level ran", flush=True)
 v = tiny_vocab()
 b = GrammarBackend(None, v.size, v.eos_token_ids, vocab=v, compile_workers=1)
@@ -370,7 +376,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: object) -> None:
 _ORPHAN = """
 import sys, time
 from cfsm.testing import tiny_vocab
-from lmserver.constrained import GrammarBackend, GrammarKey
+from lmserver.engine.constrained import GrammarBackend, GrammarKey
 v = tiny_vocab()
 b = GrammarBackend(None, v.size, v.eos_token_ids, vocab=v, compile_workers=2)
 b.compile(GrammarKey("regex", "a+"))

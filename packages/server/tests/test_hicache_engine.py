@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from lmserver.engine.host_kv import HostKVPool
-from lmserver.engine.kv_pool import KVPool
 from lmserver.engine.offline import Engine
+from lmserver.forward.kv_pool import KVPool
 from lmserver.io_struct import GenerateReq, SamplingParams
+from lmserver.runner.host_kv import HostKVPool
 
 _GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 _TURNS = ["Tell me about the moon.", " And the sun?", " Which is larger?"]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmserver.engine.host_kv import HostKVPool, _runs
-from lmserver.engine.kv_pool import KVPool
+from lmserver.forward.kv_pool import KVPool
+from lmserver.runner.host_kv import HostKVPool, _runs
 from radixcache import HierarchicalCache, SlotAllocator
 
 _LAYERS, _HEADS, _DIM = 3, 2, 4

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from lmserver.edge.ipc import AbortReq, pack, unpack
 from lmserver.io_struct import GenerateReq, MultimodalItem, SamplingParams
-from lmserver.ipc import AbortReq, pack, unpack
 
 _ARRAYS = hnp.arrays(dtype=st.sampled_from([np.uint8, np.float32, np.int64]),
                      shape=hnp.array_shapes(min_dims=1, max_dims=4, max_side=9))

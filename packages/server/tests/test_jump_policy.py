@@ -1,4 +1,4 @@
-"""The jump-forward policy (lmserver.constrained.policy) and its use by ConstrainedDecoding.
+"""The jump-forward policy (lmserver.engine.constrained.policy) and its use by ConstrainedDecoding.
 
 Oracles: a round-by-round cost simulation with a fake clock (is the total request time lower
 with the round's jumps than without?), the `regex` module (fullmatch of decoded text), the text
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.testing import tiny_vocab
-from lmserver.constrained import ConstrainedDecoding, GrammarBackend, ReqGrammar
-from lmserver.constrained.policy import AUTO_MIN_TOKENS, JumpPolicy, parse_min_tokens
+from lmserver.engine.constrained import ConstrainedDecoding, GrammarBackend, ReqGrammar
+from lmserver.engine.constrained.policy import AUTO_MIN_TOKENS, JumpPolicy, parse_min_tokens
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.io_struct import SamplingParams
 from lmserver.scheduler import KVManager, Req, ReqStatus, Scheduler
@@ -126,7 +126,7 @@ class _Tok:
 
 @dataclass
 class _State:
-    """The duck-typed engine request state (EngineCore's `_ReqState`)."""
+    """The duck-typed engine request state (EngineCore's `ReqState`)."""
 
     req: Any
     sreq: Req
@@ -215,7 +215,7 @@ class _Loop:
 
 
 def cfsm_key(pattern: str) -> Any:
-    from lmserver.constrained import GrammarKey
+    from lmserver.engine.constrained import GrammarKey
 
     return GrammarKey("regex", pattern)
 

@@ -179,7 +179,7 @@ def test_moe_route_and_align_kernel_matches_the_torch_ops(device: str) -> None:
     # block experts, the same weights up to float32 exp/sum rounding; 300 x 64 is past the one-program limit (torch ops) on the
     # GPU, 2,048 x 8 its largest tile
     from lmserver.kernels.fused_moe import align_pairs, route_and_align
-    from lmserver.layers.moe import route
+    from lmserver.kernels.reference import route
 
     g = _gen(13)
     for tokens, experts, top_k, block_m in [(1, 8, 2, 16), (3, 5, 1, 16), (17, 8, 2, 16), (40, 20, 4, 16),

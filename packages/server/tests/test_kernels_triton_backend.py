@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from lmserver.attention.testing import compare_backends
-from lmserver.attention.torch_native import TorchNativeBackend
 from lmserver.kernels.testing import kernel_devices
+from lmserver.runner.attention.testing import compare_backends
+from lmserver.runner.attention.torch_native import TorchNativeBackend
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = kernel_devices()
@@ -27,7 +27,7 @@ if not INTERPRET:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_backend_matches_torch_native(device: str, shape: tuple[int, int, int]) -> None:
-    from lmserver.attention.triton_backend import TritonBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     cpu = device == "cpu"

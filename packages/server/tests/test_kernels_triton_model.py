@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserver.attention.torch_native import TorchNativeBackend
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
 from lmserver.kernels.testing import kernel_devices
-from lmserver.model_loader import load_model, read_model_config
+from lmserver.models.loader import load_model, read_model_config
+from lmserver.runner.attention.torch_native import TorchNativeBackend
+from lmserver.runner.model_runner import ModelRunner
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 transformers = pytest.importorskip("transformers")
@@ -44,7 +44,7 @@ def _folder(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
 
 
 def _runner(folder: Path, backend: str, device: str) -> ModelRunner:
-    from lmserver.attention.triton_backend import TritonBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend
 
     config = read_model_config(folder)
     model = load_model(config, folder, dtype=torch.float32, device=device, max_positions=128)

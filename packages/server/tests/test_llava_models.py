@@ -1,6 +1,6 @@
 """LLaVA-1.5 / LLaVA-NeXT / LLaVA-NeXT-Video vs HF transformers on tiny random models (float32).
 
-Each model is written by `lmserver.multimodal.testing.make_tiny_llava_folder` (transformers'
+Each model is written by `lmserver.testing.multimodal.make_tiny_llava_folder` (transformers'
 `save_pretrained`), loaded by HF and by lmserver's loader (also from the checkpoint with its
 tensors renamed to the other published layouts), and run through the real KV pool + torch_native
 attention with the image rows given as `input_embeds`, as the engine does: logits, encoder
@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from lmserver.attention.torch_native import TorchNativeBackend
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner
-from lmserver.model_loader import ModelLoadError, load_model, read_model_config
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
 from lmserver.models.config import ModelConfig
 from lmserver.models.llava import MultimodalInputError
+from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.multimodal import token_counts
-from lmserver.multimodal.testing import make_tiny_llava_folder
+from lmserver.runner.attention.torch_native import TorchNativeBackend
+from lmserver.runner.model_runner import ModelRunner
 from lmserver.scheduler import ForwardItem, ScheduleDecision
+from lmserver.testing.multimodal import make_tiny_llava_folder
 
 transformers = pytest.importorskip("transformers")
 

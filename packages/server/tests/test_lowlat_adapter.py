@@ -16,11 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserver.attention.torch_native import TorchNativeBackend
-from lmserver.engine.forward_batch import ForwardBatch, ForwardMode
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.lowlat_adapter import LowlatAdapterError, decode_forward, forward_meta, kv_caches, plugin_layers
+from lmserver.forward.batch import ForwardBatch, ForwardMode
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
 from lmserver.models.config import ModelConfig
+from lmserver.runner.attention.torch_native import TorchNativeBackend
+from lmserver.runner.lowlat_adapter import (
+    LowlatAdapterError,
+    decode_forward,
+    forward_meta,
+    kv_caches,
+    plugin_layers,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 NUM_SLOTS, MAX_CONTEXT = 96, 32
@@ -211,7 +217,7 @@ def test_sharded_model_gives_lowlat_shards_of_the_whole_layers(num_experts: int,
     shards its test inputs with `lowlat.tp` runs what a TP server gives it."""
     import copy
 
-    from lmserver.distributed import TPGroup, shard_model_
+    from lmserver.runner.distributed import TPGroup, shard_model_
     from lowlat.tp import rank_moe_shape, rank_shape, shard_layer, shard_moe_layer
 
     config = _config(num_experts)
@@ -256,7 +262,7 @@ def test_hook_puts_fp8_weights_and_kv_into_the_setup(quantization: str | None, k
     """`--quantization fp8` or an FP8 checkpoint: the FP8_WEIGHTS feature (the amd plugin is refused for it, with the
     reason in explain()); `--kv-cache-dtype fp8_e4m3`: the set-up's KV dtype, and the plugin's KV slots counted in
     FP8 bytes."""
-    from lmserver.engine.lowlat_hook import LowlatHook
+    from lmserver.runner.lowlat_hook import LowlatHook
     from lowlat import FP8_WEIGHTS, Registry
     from lowlat.plugins.amd import spec as amd_spec
     from lowlat.plugins.nvidia import spec as nvidia_spec

@@ -36,7 +36,7 @@ def _png(seed: int, size: tuple[int, int] = (40, 56)) -> bytes:
 
 @pytest.fixture(scope="module", params=["llava", "llava_next"])
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lmserver.multimodal.testing import make_tiny_llava_folder
+    from lmserver.testing.multimodal import make_tiny_llava_folder
 
     return make_tiny_llava_folder(tmp_path_factory.mktemp(request.param), request.param, seed=3)
 
@@ -243,7 +243,7 @@ def test_video_and_image_equal_hf(tmp_path: Path, images: list[str]) -> None:
     """LLaVA-NeXT-Video: a video and an image in one prompt; greedy tokens and logprobs equal HF's."""
     from transformers import LlavaNextVideoForConditionalGeneration
 
-    from lmserver.multimodal.testing import make_tiny_llava_folder
+    from lmserver.testing.multimodal import make_tiny_llava_folder
 
     folder = make_tiny_llava_folder(tmp_path / "video", "llava_next_video", seed=2)
     video = _mp4(tmp_path)

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.engine.encoder_cache import EncoderCache
 from lmserver.io_struct import MultimodalItem, SamplingParams, mm_pad_value
+from lmserver.runner.encoder_cache import EncoderCache
 from lmserver.scheduler import Req
 
 IMAGE = 7

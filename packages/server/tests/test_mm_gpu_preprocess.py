@@ -29,7 +29,7 @@ from lmserver.multimodal.gpu_preprocess import (
     run_plan,
 )
 from lmserver.multimodal.processor import ImageProcessor
-from lmserver.multimodal.testing import CLIP_336_PREPROCESSOR, LLAVA_CONFIG, PROCESSOR_CONFIGS
+from lmserver.testing.multimodal import CLIP_336_PREPROCESSOR, LLAVA_CONFIG, PROCESSOR_CONFIGS
 
 PILLOW_VERSION = tuple(int(v) for v in PIL.__version__.split(".")[:2])
 PILLOW_FILTERS = sorted(int(f) for f in Image.Resampling if int(f) in SUPPORTED_FILTERS)

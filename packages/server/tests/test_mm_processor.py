@@ -25,7 +25,7 @@ from PIL import Image
 
 from lmserver.io_struct import InvalidRequestError
 from lmserver.multimodal.processor import ImageProcessor, ProcessorLimits, shortest_edge_size
-from lmserver.multimodal.testing import (
+from lmserver.testing.multimodal import (
     ANYRES_PINPOINTS,
     CLIP_336_PREPROCESSOR,
     CLIP_336_TOWER,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserver.attention.torch_native import TorchNativeBackend
-from lmserver.engine.kv_pool import KVPool, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner
-from lmserver.model_loader import ModelLoadError, load_model, read_model_config
+from lmserver.forward.kv_pool import KVPool, make_req_to_token
+from lmserver.models.loader import ModelLoadError, load_model, read_model_config
+from lmserver.runner.attention.torch_native import TorchNativeBackend
+from lmserver.runner.model_runner import ModelRunner
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
 transformers = pytest.importorskip("transformers")

@@ -18,9 +18,9 @@ import pytest
 from lmserver.config import ServerConfig
 from lmserver.engine import core as core_module
 from lmserver.engine.core import EngineCore
-from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
 from lmserver.engine.overlap import chain_ready
 from lmserver.io_struct import GenerateReq, SamplingParams
+from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 from lmserver.scheduler.scheduler import NEW_TOKEN_RATIO_INIT
 
 CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -195,8 +195,8 @@ def test_eager_graphs_mixed_workload(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_overlap_default_resolves_by_device_and_a_config_field() -> None:
-    from lmserver.engine.resolve import resolve_config
     from lmserver.models.config import ModelConfig
+    from lmserver.runner.resolve import resolve_config
 
     assert ServerConfig().enable_overlap_schedule is None  # resolved: on with CUDA and TP 1
     assert ServerConfig(enable_overlap_schedule=True).replace(tp_size=1).enable_overlap_schedule

@@ -18,8 +18,8 @@ import pytest
 import regex
 
 from lmserver.config import ServerConfig
-from lmserver.constrained import GrammarKey
-from lmserver.constrained.backend import GrammarTicket
+from lmserver.engine.constrained import GrammarKey
+from lmserver.engine.constrained.backend import GrammarTicket
 from lmserver.engine.core import EngineCore
 from lmserver.io_struct import GenerateReq, SamplingParams
 from lmserver.scheduler.scheduler import NEW_TOKEN_RATIO_INIT

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lmserver.config import ServerConfig
-from lmserver.default_model import default_model_path
 from lmserver.engine.core import EngineCore
 from lmserver.io_struct import GenerateReq, SamplingParams
+from lmserver.models.default_model import default_model_path
 from lmserver.scheduler.scheduler import NEW_TOKEN_RATIO_INIT
 
 VOCAB, EOS = 64, 2

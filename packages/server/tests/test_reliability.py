@@ -11,13 +11,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from lmserver.api.app import BodyLimit
-from lmserver.api.errors import install_error_handlers, read_json
-from lmserver.api.native import StreamCursor, native_output
 from lmserver.config import REDACTED, ServerConfig
+from lmserver.edge.api.app import BodyLimit
+from lmserver.edge.api.errors import install_error_handlers, read_json
+from lmserver.edge.api.native import StreamCursor, native_output
+from lmserver.edge.router.app import RouterConfig, build_app
+from lmserver.edge.tokenizer_manager import GenState
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams
-from lmserver.router.app import RouterConfig, build_app
-from lmserver.tokenizer_manager import GenState
 
 KEY = "sk-very-secret-4711"
 
@@ -137,7 +137,7 @@ def test_sampling_messages_say_what_is_wrong(field: str, value: Any, message: st
 def test_openai_nan_message_names_the_finite_range() -> None:
     from pydantic import BaseModel, Field, ValidationError
 
-    from lmserver.api.errors import format_validation_error
+    from lmserver.edge.api.errors import format_validation_error
 
     class M(BaseModel):
         top_p: float | None = Field(None, gt=0, le=1)
@@ -159,8 +159,8 @@ def test_a_schema_whose_properties_is_not_an_object_says_so() -> None:
 def test_chunked_prefill_size_resolves_small_on_cpu_and_8192_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from lmserver.engine import resolve
     from lmserver.models.config import ModelConfig
+    from lmserver.runner import resolve
 
     mc = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
                               "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
+from lmserver.edge.router.app import RouterConfig, build_app, routing_text
 from lmserver.netutil import free_port
-from lmserver.router.app import RouterConfig, build_app, routing_text
 
 
 def _fake_worker(name: str) -> FastAPI:

@@ -7,8 +7,8 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.router.policy import CacheAware, CacheAwareConfig, RoundRobin, ShortestQueue
-from lmserver.router.prefix_tree import PrefixTree
+from lmserver.edge.router.policy import CacheAware, CacheAwareConfig, RoundRobin, ShortestQueue
+from lmserver.edge.router.prefix_tree import PrefixTree
 
 WORKERS = ["w0", "w1", "w2"]
 texts = st.text(alphabet="abc", min_size=0, max_size=12)
@@ -96,7 +96,7 @@ def test_simple_policies() -> None:
 
 
 def test_router_config_reaches_the_cache_aware_policy() -> None:
-    from lmserver.router.app import Router, RouterConfig
+    from lmserver.edge.router.app import Router, RouterConfig
 
     text = "shared prefix " * 10
     for abs_threshold, expected in ((64, "a"), (16, "b")):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.router.upstream import ShardedClient
+from lmserver.edge.router.upstream import ShardedClient
 
 
 @settings(max_examples=60, deadline=None)
@@ -78,7 +78,7 @@ class _FakeUpstream:
 def _relay_once(send_fails: bool, spec: str, disconnect_at_once: bool) -> tuple[int, int, list[bytes]]:
     from starlette.requests import ClientDisconnect
 
-    from lmserver.router.app import RelayResponse
+    from lmserver.edge.router.app import RelayResponse
 
     upstream = _FakeUpstream()
     finished: list[int] = []

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
-from lmserver.engine.sampler import (
+from lmserver.io_struct import SamplingParams
+from lmserver.runner.sampler import (
     SamplingInfo,
     _argmax_chunks,
     apply_penalties,
@@ -21,7 +22,6 @@ from lmserver.engine.sampler import (
     sample,
     takes_argmax,
 )
-from lmserver.io_struct import SamplingParams
 
 
 def _info(seed: int = 0, prompt: list[int] | None = None, out: list[int] | None = None, stop: list[int] | None = None,
@@ -155,7 +155,7 @@ def test_min_new_tokens_masks_stop_ids_until_reached() -> None:
 def tokenizer():  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
-    from lmserver.default_model import default_model_path
+    from lmserver.models.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(str(default_model_path()))
 

@@ -45,7 +45,7 @@ WORKLOAD: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[Engine, Engine]]:
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
     base = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16)
     # the speculating engine gets decode graphs (EagerGraph on CPU): verify steps of up to 16 rows replay them as
@@ -195,7 +195,7 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
     workload = [WORKLOAD[0], WORKLOAD[2], WORKLOAD[6]]  # copy, plain, a penalty request (never drafts)
     want = _run(base, workload)
     vocab = base.core.vocab_size
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
     for draft, least, graphs in ((base.model_path, 2.5, False), (_tiny_draft(tmp_path / "tiny", vocab), 1.0, True)):
         with pytest.MonkeyPatch.context() as mp:  # the tiny draft's steps (and the target's) replay decode graphs
@@ -220,7 +220,7 @@ def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_
     """Random EAGLE-1 and EAGLE-3 heads (published layouts, written here) over the embedded model, with decode graphs
     (EagerGraph on CPU: the graph path hands the head the target's hidden states too): outputs equal plain
     decoding, the head's KV is all given back."""
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
     from lmserver.testing import write_eagle3_head, write_eagle_head
 
     base, _ = engines
@@ -250,7 +250,7 @@ def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Any) -> None:
-    from lmserver.engine.draft_model import DraftModelError
+    from lmserver.runner.draft_model import DraftModelError
 
     path = _tiny_draft(tmp_path / "other", 1000)
     with pytest.raises(DraftModelError, match="vocabulary"):

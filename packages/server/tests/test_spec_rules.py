@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.speculative.ngram import NgramIndex
-from lmserver.speculative.verify import accept_greedy, accept_sampled
+from lmserver.runner.ngram import NgramIndex
+from lmserver.runner.verify import accept_greedy, accept_sampled
 
 
 def naive_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -132,7 +132,7 @@ def test_accept_sampled_point_masses_and_shapes() -> None:
 
 
 def test_metrics_mirror_the_acceptance_and_multimodal_stats() -> None:
-    from lmserver.metrics import ServerMetrics
+    from lmserver.edge.metrics import ServerMetrics
 
     metrics = ServerMetrics()
     metrics.update_core_stats({"spec_accept_length": 2.5, "spec_accept_rate": 0.375, "mm_radix_hit_rate": 0.8,

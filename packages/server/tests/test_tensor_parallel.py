@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from lmserver.config import ServerConfig
-from lmserver.distributed import TensorParallelError, tp_head_counts
 from lmserver.models.config import ModelConfig
+from lmserver.runner.distributed import TensorParallelError, tp_head_counts
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -46,7 +46,7 @@ def _tiny_config(**overrides: Any) -> dict[str, Any]:
 
 
 def _model_folder(tmp_path: Path, name: str, hf_config: dict[str, Any]) -> str:
-    from lmserver.default_model import default_model_path
+    from lmserver.models.default_model import default_model_path
 
     folder = tmp_path / name
     folder.mkdir()
@@ -61,7 +61,7 @@ def _generate_here(model_path: str, config: dict[str, Any]) -> list[dict[str, An
 
     eager_graphs = config.pop("eager_graphs", False)
     if eager_graphs:  # the decode graph runner with EagerGraph on every rank (inherited by the followers)
-        from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+        from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
         os.environ[EAGER_GRAPHS_ENV] = "1"
 
@@ -170,7 +170,7 @@ def test_tp2_with_decode_graphs_on_every_rank_equals_tp1(tmp_path: Path) -> None
 
 
 def _second_node(config: ServerConfig) -> None:
-    from lmserver.distributed.tp_engine import run_follower_node
+    from lmserver.runner.tp_engine import run_follower_node
 
     raise SystemExit(run_follower_node(config))
 
@@ -208,7 +208,7 @@ def test_head_counts_that_do_not_split_give_a_clear_error() -> None:
 
 @pytest.mark.slow
 def test_smollm2_tp2_error_and_tp3_matches_tp1() -> None:
-    from lmserver.default_model import default_model_path
+    from lmserver.models.default_model import default_model_path
 
     path = str(default_model_path())
     with pytest.raises(TensorParallelError, match="tp_size among"):
@@ -258,9 +258,9 @@ def test_tp_moe_shards_sum_to_the_full_expert_mlp_and_record_their_size() -> Non
 
     import torch
 
-    from lmserver.distributed.group import TPGroup
-    from lmserver.distributed.layers import TPMoE
     from lmserver.layers.moe import MoE
+    from lmserver.runner.distributed.group import TPGroup
+    from lmserver.runner.distributed.layers import TPMoE
 
     torch.manual_seed(0)
     full = MoE(hidden_size=8, intermediate_size=6, num_experts=3, top_k=2)

@@ -11,9 +11,9 @@ import zmq
 import zmq.asyncio
 
 from lmserver.config import ServerConfig
+from lmserver.edge.ipc import AbortReq, BatchOut, CoreFatal, CoreReady, IpcAddrs, RpcReq, RpcResp
+from lmserver.edge.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
 from lmserver.io_struct import GenerateReq, ReqOutput, SamplingParams
-from lmserver.ipc import AbortReq, BatchOut, CoreFatal, CoreReady, IpcAddrs, RpcReq, RpcResp
-from lmserver.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
 
 
 class ScriptedCore:
@@ -140,7 +140,7 @@ def test_terminate_context_gives_up_on_a_term_that_would_block_and_finishes_once
     # when a reader appears, the message is delivered and the term it started finishes.
     import time
 
-    from lmserver.ipc import terminate_context
+    from lmserver.edge.ipc import terminate_context
     from lmserver.netutil import free_port
 
     port = free_port()

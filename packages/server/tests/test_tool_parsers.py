@@ -15,10 +15,10 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmserver.api.chat_tools import ChoiceOutput, ToolPlan, check_schema, plan_tools, prepare_messages
-from lmserver.api.errors import APIError
-from lmserver.api.reasoning import REASONING_PARSERS, not_containing
-from lmserver.api.tool_parsers import (
+from lmserver.edge.api.chat_tools import ChoiceOutput, ToolPlan, check_schema, plan_tools, prepare_messages
+from lmserver.edge.api.errors import APIError
+from lmserver.edge.api.reasoning import REASONING_PARSERS, not_containing
+from lmserver.edge.api.tool_parsers import (
     PARSERS,
     Llama3Parser,
     MistralParser,

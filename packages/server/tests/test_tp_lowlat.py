@@ -105,7 +105,7 @@ def _serve(model_path: str, specs: tuple[PluginSpec, ...], lowlat_plugins: str, 
     import os
 
     from lmserver import Engine
-    from lmserver.engine.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
     from lowlat import use_registry
 
     if graphs:
@@ -245,9 +245,9 @@ def test_server_with_tp2_and_a_plugin_that_cannot_serve_it_exits_with_the_reason
 
 
 def test_the_agreed_workspace_comes_off_each_ranks_kv_budget_in_its_own_slots() -> None:
-    from lmserver.engine.kv_pool import KVPool
-    from lmserver.engine.lowlat_hook import LowlatHook, kv_tokens_after_workspace
+    from lmserver.forward.kv_pool import KVPool
     from lmserver.models.config import ModelConfig
+    from lmserver.runner.lowlat_hook import LowlatHook, kv_tokens_after_workspace
     from lowlat import LowlatConfig, Session
 
     mc = ModelConfig.from_hf(FAMILIES["llama_gqa"])  # 2 layers, 2 KV heads of 16

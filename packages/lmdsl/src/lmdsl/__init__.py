@@ -66,7 +66,7 @@ def __getattr__(name: str) -> object:
     if name in ("Runtime", "Engine"):
         raise AttributeError(
             f"lmdsl.{name} (a model in this process) lives in the server package, which lmdsl does not import: "
-            "`from lmserver.lmdsl_backend import Runtime` (then lmdsl.set_default_backend(Runtime())), or start "
+            "`from lmserver.edge.lmdsl_backend import Runtime` (then lmdsl.set_default_backend(Runtime())), or start "
             "`lmserver serve` and use lmdsl.RuntimeEndpoint(url)")
     raise AttributeError(f"module 'lmdsl' has no attribute {name!r}")
 

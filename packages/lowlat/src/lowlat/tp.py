@@ -1,6 +1,6 @@
 """Tensor parallelism for the plugins: how a layer is split over ranks, and the reducer interface.
 
-Sharding (``shard_layer``, ``shard_moe_layer``) is lmserver's (``lmserver.distributed.shard``), in lowlat's layout:
+Sharding (``shard_layer``, ``shard_moe_layer``) is lmserver's (``lmserver.runner.distributed.shard``), in lowlat's layout:
 query heads split over the ranks; KV heads split, or each replicated on ``tp / num_kv_heads`` ranks when the
 ranks outnumber them; qkv and gate-up column-parallel (their output rows split: this rank's q, k and v heads, its
 gate and up features), o_proj and down row-parallel (their input columns split). Norms, rotary table and the MoE

@@ -1,5 +1,5 @@
 import sys
 
-from lmserver.cli import main
+from lmserver.edge.cli import main
 
 sys.exit(main())

@@ -89,7 +89,7 @@ class ServerConfig:
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
     jump_forward_min_tokens: str = _opt("auto", "a jump-forward that needs an extend round of its own is made when "
                                                 "its forced tokens exceed (this - 1) per running request; 1: always; "
-                                                "auto: 1 on CPU, 8 on GPU (lmserver.constrained.policy)")
+                                                "auto: 1 on CPU, 8 on GPU (lmserver.engine.constrained.policy)")
     grammar_compile_timeout_s: float = _opt(30.0, "grammar compile timeout in seconds")
     grammar_compile_workers: int = _opt(-1, "grammar compile worker processes (started with the first grammar); -1: "
                                             "auto (a quarter of the CPU cores, 2 to 8); 0: "
@@ -168,3 +168,6 @@ class ServerConfig:
         if redact_secrets and out.get("api_key") is not None:
             out["api_key"] = REDACTED
         return out
+
+
+API_KEY_ENV = "LMSERVER_API_KEY"  # the API key, kept out of the process list (`--api-key` wins over it)

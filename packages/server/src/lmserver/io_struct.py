@@ -1,6 +1,6 @@
 """Plain-data messages between the HTTP front end and the engine core (no torch).
 
-This is the contract between `lmserver.api` (HTTP, tokenization, ZMQ) and `lmserver.engine`
+This is the contract between `lmserver.edge.api` (HTTP, tokenization, ZMQ) and `lmserver.engine`
 (scheduler + model runner). Field names follow SGLang's `GenerateReqInput` and `SamplingParams`
 (see shared/reference/native-api.md). Changes must be additive.
 

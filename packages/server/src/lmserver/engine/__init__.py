@@ -1,4 +1,6 @@
-"""The engine: model runner, KV pool, sampler, detokenizer, EngineCore and the offline Engine."""
+"""The engine core: `EngineCore` (requests in, one step at a time, outputs out), the offline
+`Engine`, and what a step composes: detokenizer, constrained decoding, speculative decoding,
+multimodal inputs, the overlap schedule. The runner below turns each decision into tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # NOTE: lazy, so the attention backends can import engine.forward_batch without a cycle
+    # lazy: importing a torch-free engine module (detokenizer, constrained policy) stays torch-free
     if name == "EngineCore":
         from lmserver.engine.core import EngineCore
 

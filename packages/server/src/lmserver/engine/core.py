@@ -13,30 +13,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmserver.attention.base import default_registry
 from lmserver.config import ServerConfig
-from lmserver.constrained import ConstrainedDecoding
-from lmserver.constrained.grammar import STUCK_MESSAGE
+from lmserver.engine.builder import EngineBuilder
+from lmserver.engine.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
-from lmserver.engine.draft_model import DraftModel
-from lmserver.engine.eagle import eagle3_aux_layers
-from lmserver.engine.kv_pool import KVPool, kv_cache_options, make_req_to_token
-from lmserver.engine.model_runner import ModelRunner, to_device
-from lmserver.engine.multimodal import MultimodalInputs
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
-from lmserver.engine.resolve import SMALL_GPU_GRAPH_MAX_BS, prefill_pacer, resolve_config
-from lmserver.engine.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
-from lmserver.engine.speculative import SpecConfig, Speculator
+from lmserver.engine.req_state import ReqState
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
-from lmserver.model_loader import DTYPES, load_model, read_model_config
-from lmserver.scheduler import KVManager, Req, ScheduleDecision, Scheduler
+from lmserver.runner.host_tensors import to_device
+from lmserver.runner.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
+from lmserver.scheduler import Req, ScheduleDecision
 
 logger = logging.getLogger(__name__)
 
@@ -50,151 +41,35 @@ def _valid_token_ids(ids: list[int], vocab_size: int) -> bool:
     return bool(arr.min() >= 0 and arr.max() < vocab_size)
 
 
-@dataclass
-class _ReqState:
-    """Engine-side state of one request (the scheduler holds the KV side in `sreq`)."""
-
-    req: GenerateReq
-    sreq: Req
-    detok: IncrementalDetokenizer
-    out: OutputText
-    info: SamplingInfo
-    sent_tokens: int = 0
-    input_logprobs: list[TokenLogprob] = field(default_factory=list)
-    input_top: list[list[TokenLogprob] | None] = field(default_factory=list)
-    input_sent: bool = False
-    out_logprobs: list[TokenLogprob] = field(default_factory=list)
-    out_top: list[list[TokenLogprob] | None] = field(default_factory=list)
-    finished: bool = False
-    grammar: Any = None  # lmserver.constrained.ReqGrammar of a constrained request (once compiled)
-    rollback_tokens: int = 0  # sent token ids taken back by jump-forward, reported with the next output
-
-
 class EngineCore:
     def __init__(self, config: ServerConfig | None = None) -> None:
-        config = config or ServerConfig()
-        if config.model_path is None:
-            from lmserver.default_model import default_model_path
-
-            model_path = str(default_model_path())
-        else:
-            model_path = str(config.model_path)
-            if not Path(model_path).is_dir():
-                raise InvalidRequestError(f"model_path {model_path!r} is not a folder")
-        self.model_path = model_path
-        self.model_config = read_model_config(model_path)
-        self.resolved_config = resolve_config(config, self.model_config, model_path)
-        rc = self.resolved_config
-        logger.info("lmserver engine config (resolved): %s", rc.to_dict())
-        self.device = torch.device(rc.device)
-        self.dtype = DTYPES[rc.dtype]
-        assert rc.context_length is not None and rc.max_total_tokens is not None
-        assert rc.max_running_requests is not None
-        self.context_length: int = rc.context_length
-        self.vocab_size = self.model_config.vocab_size
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(rc.tokenizer_path or model_path)
-        from lmserver.engine.lowlat_hook import LowlatHook
-
-        self.lowlat = LowlatHook.start(rc.lowlat_plugins, self.model_config, rc.dtype, rc.device, rc.tp_size,
-                                       self.context_length, quantization=rc.quantization,
-                                       kv_cache_dtype=rc.kv_cache_dtype)
-        self.model = load_model(
-            self.model_config,
-            model_path,
-            load_format=rc.load_format,
-            dtype=self.dtype,
-            device=self.device,
-            max_positions=self.context_length,
-            seed=rc.random_seed,
-            disable_fused_kernels=rc.disable_fused_kernels,
-            quantization=rc.quantization,
-        )
-        mc = self.model_config
-        self.tp = None  # lmserver.distributed.tp_engine.TPContext when tp_size > 1 (this is rank 0)
-        if rc.tp_size > 1:  # shards the model: lowlat checks and builds on this rank's shard
-            from lmserver.distributed.tp_engine import start_tensor_parallel
-
-            specs = self.lowlat.session.registry.specs() if self.lowlat is not None else ()
-            self.tp = start_tensor_parallel(rc, mc, model_path, self.model, specs)
-        try:
-            if self.lowlat is not None:  # every rank agrees and takes the same workspace off its KV budget
-                workspace = self.lowlat.after_load(
-                    self.model, self.device, self.dtype, self.tp.group if self.tp is not None else None)
-                if workspace and config.max_total_tokens is None:
-                    kv_tokens = self.lowlat.kv_tokens(rc.max_total_tokens, workspace, mc, self.dtype)
-                    self.resolved_config = rc = rc.replace(max_total_tokens=kv_tokens)
-            assert rc.max_total_tokens is not None and rc.max_running_requests is not None  # resolved
-            assert rc.chunked_prefill_size is not None  # resolved
-            self.kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
-            if self.tp is not None:
-                self.tp.share_num_slots(self.kv_manager.buffer_size)
-        except BaseException:
-            if self.tp is not None:  # the followers wait for the slot count: tell them to stop instead
-                self.tp.shutdown()
-            raise
-        self.kv_pool = KVPool(
-            self.kv_manager.buffer_size, mc.num_hidden_layers,
-            self.tp.local_kv_heads if self.tp else mc.num_key_value_heads, mc.head_dim,
-            self.dtype, self.device, **kv_cache_options(rc.kv_cache_dtype, self.model),
-        )
-        self.kv_pool.zero_padding(rc.page_size)
-        self.host_kv = self._start_host_tier(rc) if rc.enable_hierarchical_cache else None
-        self.req_to_token = make_req_to_token(rc.max_running_requests, self.context_length, self.device)
-        backend = default_registry().create(rc.attention_backend, self.kv_pool, self.req_to_token)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.req_to_token, backend, self.device)
-        self.runner.keep_hidden = rc.speculative_algorithm == "eagle"  # before the decode graphs are captured
-        if self.runner.keep_hidden and rc.speculative_draft_model_path:
-            aux = eagle3_aux_layers(rc.speculative_draft_model_path, mc.num_hidden_layers)
-            if aux is not None:  # an EAGLE-3 head reads the residual stream after three target layers
-                if self.lowlat is not None:
-                    raise ValueError("an EAGLE-3 head reads the target's intermediate layers, which the lowlat plugin "
-                                     "path does not expose; use --lowlat-plugins off")
-                self.model.model.aux_layers = aux  # type: ignore[union-attr]
-                self.runner.aux_hidden = True
-        if self.lowlat is not None:
-            from lmserver.engine.lowlat_hook import warmup_batch_sizes
-
-            self.lowlat.attach(self.model, self.kv_pool, self.req_to_token, self.kv_manager.buffer_size,
-                               warmup_batch_sizes(rc.disable_cuda_graph, self.device.type))
-            self.runner.lowlat = self.lowlat
-        if not rc.disable_cascade_attention:  # NOTE: every TP rank does it here, before its graph capture
-            self.runner.enable_cascade()
-        from lmserver.engine.cuda_graph import maybe_decode_graph_runner
-
-        self.runner.cuda_graph = maybe_decode_graph_runner(rc, self.runner, rc.tp_size)  # None on CPU
-        self.mm: MultimodalInputs | None = None  # images / videos (a model with a vision encoder)
-        if MultimodalInputs.supported(self.model):
-            if rc.tp_size > 1:
-                raise ValueError("multimodal models do not run with tp_size > 1 yet; use tp_size 1 (or dp_size)")
-            self.mm = MultimodalInputs(self.model, self.device, self.dtype, rc.mm_encoder_cache_size)
-            if not rc.disable_cuda_graph:
-                self.mm.capture_encoder_graphs()
-        if self.tp is not None:
-            self.runner = self.tp.wrap_runner(self.runner)
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            max_running_requests=rc.max_running_requests,
-            max_prefill_tokens=rc.max_prefill_tokens,
-            chunked_prefill_size=rc.chunked_prefill_size,
-            schedule_policy=rc.schedule_policy,
-            aging_rounds=rc.schedule_aging_rounds,
-            enable_mixed_chunk=rc.enable_mixed_chunk,
-            pacer=prefill_pacer(rc),
-        )
-        eos = set(mc.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = sorted(eos)
-        self.constrained = ConstrainedDecoding(
-            self.tokenizer, self.vocab_size, self.eos_token_ids,
-            disable_jump_forward=rc.disable_jump_forward, compile_timeout_s=rc.grammar_compile_timeout_s,
-            jump_forward_min_tokens=rc.jump_forward_min_tokens, device=self.device,
-            compile_workers=rc.grammar_compile_workers, max_pending_compiles=rc.grammar_max_pending,
-            strict=rc.grammar_strict, max_grammar_length=rc.grammar_max_length,
-        )
-        self.states: dict[str, _ReqState] = {}
+        """Builds the engine's parts from `config` (`EngineBuilder`: the config resolved and logged once)."""
+        parts = EngineBuilder(config or ServerConfig()).build()
+        self.model_path = parts.model_path
+        self.model_config = parts.model_config
+        self.resolved_config = parts.config
+        self.device = parts.device
+        self.dtype = parts.dtype
+        assert parts.config.context_length is not None  # resolved
+        self.context_length: int = parts.config.context_length
+        self.vocab_size = parts.model_config.vocab_size
+        self.tokenizer = parts.tokenizer
+        self.lowlat = parts.lowlat
+        self.model = parts.model
+        self.tp = parts.tp  # lmserver.runner.tp_engine.TPContext when tp_size > 1 (this is rank 0)
+        self.kv_manager = parts.kv_manager
+        self.kv_pool = parts.kv_pool
+        self.host_kv = parts.host_kv
+        self.req_to_token = parts.req_to_token
+        self.runner = parts.runner
+        self.mm = parts.mm  # images / videos (a model with a vision encoder)
+        self.scheduler = parts.scheduler
+        self.eos_token_ids = parts.eos_token_ids
+        self.constrained = parts.constrained
+        self.spec = parts.spec  # speculative decoding (engine/speculative.py)
+        # the overlap scheduler (engine/overlap.py); a plain attribute, so benchmarks can flip it
+        self.overlap = parts.overlap
+        self.states: dict[str, ReqState] = {}
         self._pending: list[ReqOutput] = []
         self._arrivals = 0
         self._started = time.monotonic()
@@ -207,43 +82,12 @@ class EngineCore:
                           "overlap_steps": 0, "overlap_discarded_tokens": 0,  # chained launches, rows thrown away
                           "overlap_grammar_steps": 0}  # chained launches sampled after the landing (grammar rows)
         self._recent: list[tuple[float, int]] = []  # (time, generated tokens) per step, last 10 s
-        # the overlap scheduler (engine/overlap.py); a plain attribute, so benchmarks can flip it
-        self.overlap = rc.enable_overlap_schedule and self.tp is None
-        if rc.enable_overlap_schedule and self.tp is not None:
-            logger.warning("overlap schedule: off with tp_size=%d (followers mirror host decisions)", rc.tp_size)
         self._inflight: Launched | None = None  # the decode launched and not landed yet
         # (step number, end time) of the last paced mixed step: back-to-back paced steps are timed
         # end to end, so the pacer sees the running requests' whole gap between two tokens (the
         # loop's messaging and scheduling included), not only the forward
         self._steps = 0
         self._paced_end = (-1, 0.0)
-        self.spec: Speculator | None = None  # speculative decoding (engine/speculative.py)
-        if rc.speculative_algorithm is not None:
-            spec_config = SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
-                                     rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
-                                     rc.speculative_simulate_accept_length, rc.speculative_draft_model_path,
-                                     rc.tp_size)
-            draft: DraftModel | None = None
-            draft_graph_max_bs = 0 if rc.disable_cuda_graph else min(rc.cuda_graph_max_bs or SMALL_GPU_GRAPH_MAX_BS,
-                                                                      rc.max_running_requests)
-            if spec_config.algorithm == "eagle":
-                from lmserver.engine.eagle import EagleProposer
-
-                assert spec_config.draft_model_path is not None
-                draft = EagleProposer(spec_config.draft_model_path, target=self.model, target_config=mc,
-                                      dtype=self.dtype, device=self.device, context_length=self.context_length,
-                                      max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
-                                      attention_backend=rc.attention_backend, load_format=rc.load_format,
-                                      seed=rc.random_seed, graph_max_bs=draft_graph_max_bs)
-            elif spec_config.draft_model_path is not None:
-                draft = DraftModel(spec_config.draft_model_path, target_vocab_size=self.vocab_size, dtype=self.dtype,
-                                   device=self.device, context_length=self.context_length,
-                                   max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
-                                   attention_backend=rc.attention_backend, graph_max_bs=draft_graph_max_bs)
-            self.spec = Speculator(spec_config, self.context_length, draft)
-            if self.overlap:
-                logger.info("overlap schedule: off with speculative decoding (a step's drafts need its tokens)")
-            self.overlap = False
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -287,7 +131,7 @@ class EngineCore:
         seed = p.sampling_seed if p.sampling_seed is not None else self.resolved_config.random_seed * 1_000_003 + self._arrivals
         generator = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF)
         stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids)))
-        state = _ReqState(
+        state = ReqState(
             req=req,
             sreq=sreq,
             detok=IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens),
@@ -483,7 +327,7 @@ class EngineCore:
             return []
         return self._append_sampled(live)
 
-    def _append_sampled(self, rows: list[tuple[_ReqState, int]]) -> list[ReqOutput]:
+    def _append_sampled(self, rows: list[tuple[ReqState, int]]) -> list[ReqOutput]:
         """Appends one sampled token per (request, token) row; counts them; returns the outputs."""
         self._recent.append((time.monotonic(), len(rows)))
         self._counters["generation_tokens"] += len(rows)
@@ -524,8 +368,8 @@ class EngineCore:
     def _process(self, decision: ScheduleDecision, logits: torch.Tensor) -> list[ReqOutput]:
         row = 0
         sample_rows: list[int] = []
-        sample_states: list[_ReqState] = []
-        input_lp_rows: list[tuple[_ReqState, int, int]] = []  # (state, logits row, token position)
+        sample_states: list[ReqState] = []
+        input_lp_rows: list[tuple[ReqState, int, int]] = []  # (state, logits row, token position)
         for item in decision.items:
             state = self.states[item.rid]
             sreq = state.sreq
@@ -564,7 +408,7 @@ class EngineCore:
                 outputs.append(self._finish(done_state, {"type": "length", "length": 0}))
         return outputs
 
-    def _sample_rows(self, logits: torch.Tensor, rows: list[int], states: list[_ReqState],
+    def _sample_rows(self, logits: torch.Tensor, rows: list[int], states: list[ReqState],
                      masks_ready: bool = False) -> list[ReqOutput]:
         """Samples one token for each state from its logits row (penalties, grammar masks,
         logprobs) and appends it; returns the outputs."""
@@ -587,7 +431,7 @@ class EngineCore:
             self._record_output_logprobs(raw, states, next_ids)
         return self._append_sampled(list(zip(states, next_ids, strict=True)))
 
-    def _record_input_logprobs(self, logits: torch.Tensor, rows: list[tuple[_ReqState, int, int]]) -> None:
+    def _record_input_logprobs(self, logits: torch.Tensor, rows: list[tuple[ReqState, int, int]]) -> None:
         idx = [r for _, r, _ in rows]
         tokens = [s.sreq.input_ids[p] for s, _, p in rows]
         lp = torch.log_softmax(logits[idx], dim=-1)
@@ -597,7 +441,7 @@ class EngineCore:
             state.input_logprobs.append(self._lp_entry(value, state.sreq.input_ids[pos], state.req))
             state.input_top.append(top)
 
-    def _record_output_logprobs(self, raw: torch.Tensor, states: list[_ReqState], next_ids: list[int]) -> None:
+    def _record_output_logprobs(self, raw: torch.Tensor, states: list[ReqState], next_ids: list[int]) -> None:
         lp = torch.log_softmax(raw, dim=-1)
         chosen = lp.gather(1, torch.tensor(next_ids, device=lp.device)[:, None]).squeeze(1).tolist()
         tops = self._top_logprobs(lp, [s.req.top_logprobs_num for s in states], [s.req for s in states])
@@ -621,7 +465,7 @@ class EngineCore:
         text = str(self.tokenizer.decode([token])) if req.return_text_in_logprobs else None
         return (value, int(token), text)
 
-    def _append_token(self, state: _ReqState, token: int) -> ReqOutput | None:
+    def _append_token(self, state: ReqState, token: int) -> ReqOutput | None:
         sreq = state.sreq
         p = sreq.sampling_params
         sreq.output_ids.append(token)
@@ -644,7 +488,7 @@ class EngineCore:
             return self._finish(state, reason)
         return self._output(state, finished=False)
 
-    def _finish(self, state: _ReqState, reason: dict[str, Any]) -> ReqOutput:
+    def _finish(self, state: ReqState, reason: dict[str, Any]) -> ReqOutput:
         ahead = self._inflight
         row = ahead.row_of.get(state.req.rid) if ahead is not None and ahead.chained else None
         if ahead is not None and row is not None and ahead.states[row] is state:
@@ -667,7 +511,7 @@ class EngineCore:
         self.states.pop(state.req.rid, None)
         return self._output(state, finished=True, reason=reason)
 
-    def _output(self, state: _ReqState, finished: bool, reason: dict[str, Any] | None = None) -> ReqOutput:
+    def _output(self, state: ReqState, finished: bool, reason: dict[str, Any] | None = None) -> ReqOutput:
         state.finished = finished
         sreq = state.sreq
         new_ids = sreq.output_ids[state.sent_tokens :]
@@ -714,31 +558,6 @@ class EngineCore:
         """Raises MemoryInvariantError when idle and free + cached != total KV slots."""
         if not self.states:
             self.scheduler.check_memory_invariant()
-
-    def _start_host_tier(self, rc: ServerConfig) -> Any:
-        """The host KV pool (`--host-kv-size-gb`, auto twice the device pool) behind the radix
-        cache (radixcache's HierarchicalCache); refuses what it does not cover."""
-        from lmserver.engine.host_kv import HostKVPool
-
-        if rc.tp_size > 1 or rc.speculative_algorithm is not None:
-            raise ValueError("--enable-hierarchical-cache runs with tp_size 1 and without speculative decoding")
-        per_slot = HostKVPool.bytes_per_slot(self.kv_pool)
-        free_bytes = HostKVPool.available_host_bytes()
-        if rc.host_kv_size_gb is None:  # twice the device pool, at most half the free host memory
-            host_slots = min(2 * self.kv_manager.num_slots, free_bytes // 2 // per_slot)
-        elif rc.host_kv_size_gb > 0:
-            host_slots = int(rc.host_kv_size_gb * 1e9) // per_slot
-            if host_slots * per_slot > 0.9 * free_bytes:
-                raise ValueError(f"--host-kv-size-gb {rc.host_kv_size_gb} is more than 90% of the host's free memory "
-                                 f"({free_bytes / 1e9:.1f} GB); ask for less")
-        else:
-            raise ValueError(f"--host-kv-size-gb must be > 0, got {rc.host_kv_size_gb}")
-        host_slots -= host_slots % rc.page_size
-        host = HostKVPool(self.kv_pool, host_slots + rc.page_size, io_backend=rc.hicache_io_backend)  # + padding page
-        self.kv_manager.enable_host_tier(host_slots, host, rc.hicache_write_policy)  # type: ignore[arg-type]
-        logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GB, %s, io %s)", host_slots,
-                    host_slots * per_slot / 1e9, rc.hicache_write_policy, host.io_backend)
-        return host
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler state, token counters, cache hit rate and recent generation throughput."""

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmserver.engine.encoder_cache import EncoderCache
-from lmserver.engine.model_runner import MMRows
 from lmserver.io_struct import InvalidRequestError, MultimodalItem
+from lmserver.runner.encoder_cache import EncoderCache
+from lmserver.runner.model_runner import MMRows
 from lmserver.scheduler import Req, ScheduleDecision
 
 _ALIGN_BYTES = 64  # every array starts at a multiple of this offset (any dtype's alignment)
@@ -98,7 +98,7 @@ class MultimodalInputs:
         model: Any = self.model
         if self.device.type != "cuda" or not callable(getattr(model, "tile_shape", None)):
             return False
-        from lmserver.engine.encoder_graph import EncoderGraphs
+        from lmserver.runner.encoder_graph import EncoderGraphs
 
         def eager(pixels: torch.Tensor) -> torch.Tensor:
             return model.multi_modal_projector(model.vision_features(pixels))  # type: ignore[no-any-return]

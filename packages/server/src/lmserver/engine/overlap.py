@@ -57,11 +57,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmserver.engine.model_runner import to_device
+from lmserver.runner.host_tensors import to_device
 from lmserver.scheduler import ScheduleDecision, Scheduler
 
 if TYPE_CHECKING:
-    from lmserver.engine.core import _ReqState
+    from lmserver.engine.req_state import ReqState
 
 __all__ = ["Launched", "chain_ready", "may_finish", "next_input_ids", "row_ok"]
 
@@ -71,7 +71,7 @@ class Launched:
     """A decode forward in flight whose sampled ids the host has not read."""
 
     decision: ScheduleDecision
-    states: list[_ReqState]  # one per row, in the decision's order
+    states: list[ReqState]  # one per row, in the decision's order
     ids: torch.Tensor | None  # (bs,) int64 sampled ids on the device (None: logits wait for their masks)
     host_ids: torch.Tensor | None  # (bs,) int64 host copy (pinned on CUDA), valid once `event` completed
     event: torch.cuda.Event | None  # None on the CPU (the copy is done)
@@ -85,7 +85,7 @@ class Launched:
         self.row_of = {item.rid: i for i, item in enumerate(self.decision.items)}
 
     @classmethod
-    def start(cls, decision: ScheduleDecision, states: list[_ReqState], ids: torch.Tensor, chained: bool,
+    def start(cls, decision: ScheduleDecision, states: list[ReqState], ids: torch.Tensor, chained: bool,
               rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
         """Starts the non-blocking host copy of `ids` (no host sync). `ids` may be a view of a graph's
         static output that the next replay overwrites: the copy is queued (or, on the CPU, made) first."""
@@ -94,7 +94,7 @@ class Launched:
         return launched
 
     @classmethod
-    def unsampled(cls, decision: ScheduleDecision, states: list[_ReqState], logits: torch.Tensor, chained: bool,
+    def unsampled(cls, decision: ScheduleDecision, states: list[ReqState], logits: torch.Tensor, chained: bool,
                   rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:
         """A launch whose `logits` wait for their masks (`set_ids` once sampled)."""
         return cls(decision, states, None, None, None, chained, rounds_before, ratio_before, logits=logits)
@@ -123,7 +123,7 @@ class Launched:
             self.event.synchronize()
         return [int(t) for t in self.host_ids.tolist()]
 
-    def alive(self, states: dict[str, _ReqState]) -> bool:
+    def alive(self, states: dict[str, ReqState]) -> bool:
         """True while some row's request is still live (its token will be used). Pure."""
         return any(states.get(s.req.rid) is s for s in self.states)
 
@@ -134,7 +134,7 @@ class Launched:
         scheduler.new_token_ratio = self.ratio_before
 
 
-def row_ok(state: _ReqState, chained: bool) -> bool:
+def row_ok(state: ReqState, chained: bool) -> bool:
     """True when a request's next token can be sampled on the device without host tokens. With
     `chained`, its previous token is not on the host yet (`output_ids` is one short). Pure."""
     p = state.sreq.sampling_params
@@ -147,7 +147,7 @@ def row_ok(state: _ReqState, chained: bool) -> bool:
     return not (chained and state.info.stop_ids and len(state.sreq.output_ids) + 1 == p.min_new_tokens)
 
 
-def may_finish(state: _ReqState) -> bool:
+def may_finish(state: ReqState) -> bool:
     """True when the token in flight (not on the host yet) can end the request. Pure."""
     sreq = state.sreq
     p = sreq.sampling_params
@@ -157,7 +157,7 @@ def may_finish(state: _ReqState) -> bool:
     return n >= sreq.max_new_tokens or (n >= p.min_new_tokens and bool(state.info.stop_ids or p.stop or p.stop_regex))
 
 
-def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, _ReqState], grammar_blocks: int) -> bool:
+def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, ReqState], grammar_blocks: int) -> bool:
     """True when the next round, scheduled now (before `prev` lands), is the decode the serial
     path would schedule after it, plus rows for the requests `prev` finishes. `grammar_blocks`:
     compiled grammars waiting for admission plus deferred jumps

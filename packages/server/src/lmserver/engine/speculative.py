@@ -3,7 +3,7 @@
 A decode round becomes a verify forward when some running request has draft tokens: each such
 request's item carries its last token and its drafts (one KV slot each, every row's logits),
 requests without drafts keep their one-token row in the same forward. Acceptance is exact
-(speculative/verify.py); the KV of rejected drafts is freed at once, so the radix cache only
+(runner/verify.py); the KV of rejected drafts is freed at once, so the radix cache only
 ever receives accepted tokens.
 
 A request drafts when nothing but temperature / top-k / top-p / min-p shapes its rows (no
@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmserver.engine.model_runner import to_device
-from lmserver.engine.sampler import changes_logits, filtered_probs, greedy_argmax
 from lmserver.io_struct import ReqOutput
-from lmserver.speculative.ngram import NgramIndex
-from lmserver.speculative.verify import accept_greedy, accept_sampled
+from lmserver.runner.host_tensors import to_device
+from lmserver.runner.ngram import NgramIndex
+from lmserver.runner.sampler import changes_logits, filtered_probs, greedy_argmax
+from lmserver.runner.verify import accept_greedy, accept_sampled
 
 if TYPE_CHECKING:
-    from lmserver.engine.draft_model import DraftModel
+    from lmserver.runner.draft_model import DraftModel
     from lmserver.scheduler import ScheduleDecision, Scheduler
 
 ALGORITHMS = ("ngram", "draft_model", "eagle")

@@ -3,7 +3,7 @@
 `select_kernels` is called once when a model runner is built; the returned `KernelOps` holds
 the chosen callables (all with the Triton functions' signatures and in-place semantics) and a
 `reason` that says why that path was or was not taken. Attention kernels are chosen by the
-attention backend registry instead (`lmserver.attention`). Triton is imported only here, and
+attention backend registry instead (`lmserver.runner.attention`). Triton is imported only here, and
 only when it is chosen.
 """
 

@@ -177,10 +177,10 @@ def route_and_align_warps(elements: int) -> int:
 
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(weights (T, top_k) in dtype, pair_ids, block_expert)``: `lmserver.layers.moe.route`'s weights and
+    """``(weights (T, top_k) in dtype, pair_ids, block_expert)``: `lmserver.kernels.reference.route`'s weights and
     `align_pairs`'s grouping of its experts; one Triton program up to ``ROUTE_ALIGN_MAX_ELEMENTS`` (tokens x
     experts, padded to powers of two), torch ops above. Ties between equal probabilities go to the lower expert index in the kernel."""
-    from lmserver.layers.moe import route
+    from lmserver.kernels.reference import route
 
     tokens, experts = router_logits.shape
     block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)

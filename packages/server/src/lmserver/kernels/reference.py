@@ -12,6 +12,7 @@ Shapes follow the KV layout shared with the engine: per layer `k_cache`, `v_cach
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "apply_token_bitmask_ref",
@@ -191,3 +192,13 @@ def top_k_top_p_min_p_probs_ref(
     keep[:, 0] = True
     filtered = torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
     return filtered / filtered.sum(-1, keepdim=True)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, top_k) in ``dtype``, expert ids (T, top_k)): softmax, top-k, optionally renormalized."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), experts

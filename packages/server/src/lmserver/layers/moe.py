@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmserver.kernels.dispatch import KernelOps
+from lmserver.kernels.reference import route
 from lmserver.layers.activation import silu_and_mul
 
 
@@ -57,16 +57,6 @@ def moe_forward_dense(
         w_e = (weights * (experts == e)).sum(dim=-1, keepdim=True)  # (T, 1): one non-zero term at most
         out += (act(x @ w13[e].t()) @ w2[e].t()) * w_e
     return out
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (T, top_k) in ``dtype``, expert ids (T, top_k)): softmax, top-k, optionally renormalized."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), experts
 
 
 class MoE(nn.Module):

@@ -6,10 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmserver.layers.rotary import rope_parameters_from_hf
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not implemented by lmserver."""
+from lmserver.models.registry import UnsupportedModelError, architecture_defaults, text_architecture
 
 
 @dataclass(frozen=True)
@@ -42,8 +39,6 @@ class ModelConfig:
         `model_type` (llama, mistral, qwen2) picks the text defaults; `hf_config` keeps the whole
         dict (the vision fields are read from it).
         """
-        from lmserver.models.registry import architecture_defaults, text_architecture
-
         archs = hf.get("architectures") or []
         if not archs:
             raise UnsupportedModelError("config.json has no 'architectures' entry; cannot pick a model class")

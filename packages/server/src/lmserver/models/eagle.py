@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmserver.engine.forward_batch import ForwardBatch
+from lmserver.forward.batch import ForwardBatch
 from lmserver.models.config import ModelConfig
 from lmserver.models.llama import LlamaMLP, LlamaModel, WeightLoadingError, map_stacked
 
@@ -150,7 +150,7 @@ def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of a head's `*.safetensors` files, else of its `pytorch_model.bin`."""
     folder = Path(folder)
     if any(folder.glob("*.safetensors")):
-        from lmserver.model_loader import iter_safetensors
+        from lmserver.models.loader import iter_safetensors
 
         yield from iter_safetensors(folder)
         return

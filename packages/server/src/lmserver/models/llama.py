@@ -19,8 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lmserver.attention.base import AttentionLayer
-from lmserver.engine.forward_batch import ForwardBatch
+from lmserver.forward.batch import AttentionLayer, ForwardBatch
 from lmserver.kernels.dispatch import KernelOps
 from lmserver.layers.activation import silu_and_mul_
 from lmserver.layers.moe import MoE

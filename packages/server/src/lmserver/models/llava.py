@@ -82,7 +82,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         )
         self.image_token_id: int | None = int(self.hf_vlm_config.image_token_id)
         self.video_token_id: int | None = None
-        # replaces `project_tiles`' eager path when set (e.g. CUDA graphs: engine/encoder_graph.py)
+        # replaces `project_tiles`' eager path when set (e.g. CUDA graphs: runner/encoder_graph.py)
         self.tile_encoder: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # --- vision tower ---------------------------------------------------------------------

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmserver.models.config import UnsupportedModelError
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not implemented by lmserver."""
+
 
 # name -> (module, class, config defaults for fields HF leaves implicit)
 _ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {

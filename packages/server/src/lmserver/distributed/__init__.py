@@ -1,7 +1,0 @@
-"""Tensor parallelism on torch.distributed: the group, parallel layers, model sharding, and the
-rank processes of the engine (rank 0 schedules and broadcasts each decision)."""
-
-from lmserver.distributed.group import TPGroup
-from lmserver.distributed.shard import TensorParallelError, shard_model_, tp_head_counts
-
-__all__ = ["TPGroup", "TensorParallelError", "shard_model_", "tp_head_counts"]

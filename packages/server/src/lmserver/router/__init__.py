@@ -1,6 +1,0 @@
-"""Data-parallel router: approximate prefix tree, routing policies, HTTP proxy."""
-
-from lmserver.router.policy import CacheAware, RoundRobin, ShortestQueue, make_policy
-from lmserver.router.prefix_tree import PrefixMatch, PrefixTree
-
-__all__ = ["CacheAware", "PrefixMatch", "PrefixTree", "RoundRobin", "ShortestQueue", "make_policy"]

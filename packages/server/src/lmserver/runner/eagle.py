@@ -1,0 +1,190 @@
+"""EagleProposer: an EAGLE head drafting from the target's features
+(`--speculative-algorithm eagle --speculative-draft-model-path FOLDER`, lmserver.models.eagle).
+
+After every target forward the engine hands over the final-norm hidden states of the tokens
+whose KV the target kept (`observe`: prefill chunks, decode rows, the accepted rows of a verify
+step). A proposal first catches up: one extend forward of the head over the positions observed
+since the last one (the feature of position p with the token of position p + 1), whose last
+row's logits give the first draft; then k - 1 decode steps, each feeding the head its own
+predicted feature with the draft token before (replaying the head's decode CUDA graphs where
+captured, the features through a static buffer). The KV of those steps is dropped at once
+(their features were the head's guesses); the catch-up KV stays. Drafts are greedy, so the target's
+acceptance rules stay exact for sampled requests too.
+
+The head's KV covers the tokens whose features it saw, in order: a prompt prefix served from the
+radix cache (no forward, no features) is not in it, and the head's positions count the tokens it
+has (RoPE positions shift by the skipped prefix). That only lowers acceptance, never changes an
+output token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmserver.models.config import ModelConfig
+from lmserver.models.eagle import Eagle3Head, EagleHead, checkpoint_names, default_aux_layers, iter_checkpoint
+from lmserver.models.llama import WeightLoadingError
+from lmserver.models.loader import ModelLoadError, read_model_config
+from lmserver.runner.cuda_graph import draft_graph_runner
+from lmserver.runner.draft_model import DraftModel, DraftModelError, DraftReq
+from lmserver.runner.sampler import greedy_argmax
+from lmserver.scheduler import ScheduleDecision
+
+__all__ = ["EagleProposer", "eagle3_aux_layers"]
+
+
+def _head_config(model_path: str) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise DraftModelError(f"EAGLE head: {model_path} has no config.json")
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def eagle3_aux_layers(model_path: str, target_layers: int) -> tuple[int, ...] | None:
+    """The target layers an EAGLE-3 head reads (its config's `eagle_config.eagle_aux_hidden_state_layer_ids`,
+    else `default_aux_layers`), or None for an EAGLE-1/2 head. An EAGLE-3 head names an `*Eagle3*`
+    architecture or has a `draft_vocab_size`."""
+    raw = _head_config(model_path)
+    if not any("Eagle3" in a for a in raw.get("architectures", [])) and "draft_vocab_size" not in raw:
+        return None
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(int(i) for i in ids) if ids else default_aux_layers(target_layers)
+    if not all(0 <= i < target_layers for i in layers):
+        raise DraftModelError(f"EAGLE-3 head: aux layers {layers} outside the target's {target_layers} layers")
+    return layers
+
+
+class EagleProposer(DraftModel):
+    def __init__(self, model_path: str, *, target: torch.nn.Module, target_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, context_length: int, max_requests: int, num_slots: int,
+                 attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0) -> None:
+        raw = _head_config(model_path)
+        aux = eagle3_aux_layers(model_path, target_config.num_hidden_layers)
+        try:  # NOTE: an EAGLE-3 config names its own architecture; its fields are a Llama layer's
+            config = ModelConfig.from_hf(dict(raw, architectures=["LlamaForCausalLM"])) if aux \
+                else read_model_config(model_path)
+        except (ModelLoadError, ValueError) as exc:
+            raise DraftModelError(f"EAGLE head: {exc}") from exc
+        for field in ("vocab_size", "hidden_size"):
+            if getattr(config, field) != getattr(target_config, field):
+                raise DraftModelError(f"the EAGLE head at {model_path} has {field} {getattr(config, field)}, the target "
+                                      f"{getattr(target_config, field)}: a head must be trained for this target")
+        if target_config.is_multimodal:
+            raise DraftModelError("EAGLE speculation does not serve multimodal targets yet")
+        names = checkpoint_names(model_path) if load_format == "auto" else set()
+        own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
+        head: EagleHead | Eagle3Head
+        with torch.device(device):
+            if aux:
+                head = Eagle3Head(config, target, context_length, int(raw.get("draft_vocab_size", config.vocab_size)),
+                                  len(aux), own_embedding=own_embedding).to(dtype)
+            else:
+                head = EagleHead(config, target, context_length, fc_bias="fc.bias" in names,
+                                 own_embedding=own_embedding).to(dtype)
+        if load_format == "dummy":
+            gen = torch.Generator(device=device).manual_seed(seed)
+            with torch.no_grad():
+                for name, param in head.head_parameters():
+                    if "norm" in name:
+                        param.fill_(1.0)
+                    elif param.dim() == 0 or param.dtype == torch.int64:
+                        continue
+                    else:
+                        param.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
+        else:
+            try:
+                head.load_weights(iter_checkpoint(model_path))
+            except WeightLoadingError as exc:
+                raise DraftModelError(f"EAGLE head at {model_path}: {exc}") from exc
+        self.head = head
+        self._init_cache(head, config, dtype=dtype, device=device, context_length=context_length,
+                         max_requests=max_requests, num_slots=num_slots, attention_backend=attention_backend)
+        self.runner.keep_hidden = True
+        if graph_max_bs > 0:  # the head's decode steps replay captured graphs (features through feature_buffer)
+            head.feature_buffer = torch.zeros(graph_max_bs, config.hidden_size, dtype=dtype, device=device)
+            self.runner.cuda_graph = draft_graph_runner(self.runner, graph_max_bs)
+        # per request: target positions observed and not yet in the head's KV, with their features
+        self._pending: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        self._next_pos: dict[str, int] = {}
+
+    def observe(self, rid: str, start: int, features: torch.Tensor) -> None:
+        """The target kept the KV of positions start .. start + len(features) - 1 of `rid`, whose
+        final-norm hidden states are `features` (copied: the caller's buffer is reused). A start
+        before the last observed end (the target recomputed tokens: a retraction, a jump-forward)
+        restarts the request's head state."""
+        if start < self._next_pos.get(rid, 0):
+            self.forget(rid)
+        positions, rows = self._pending.setdefault(rid, ([], []))
+        positions.extend(range(start, start + features.shape[0]))
+        rows.append(features.detach().clone())
+        self._next_pos[rid] = start + features.shape[0]
+
+    def propose(self, contexts: dict[str, Sequence[int]], k: dict[str, int]) -> dict[str, list[int]]:
+        """Greedy drafts, `k[rid]` tokens after each request's `contexts[rid]`; requests with no
+        observed features, or no room in the head's cache, get none. Mutates the head's cache."""
+        active: dict[str, DraftReq] = {}
+        for rid, tokens in contexts.items():
+            positions = self._pending.get(rid, ([], []))[0]
+            if not positions or positions[-1] + 1 >= len(tokens):
+                continue
+            req = self._reqs.get(rid)
+            if req is None:
+                if not self._free_rows:
+                    continue
+                req = self._reqs[rid] = DraftReq(self._free_rows.pop())
+            if len(positions) + k[rid] - 1 > len(self._free_slots) or \
+                    len(req.tokens) + len(positions) + k[rid] > self.context_length:
+                continue
+            active[rid] = req
+        if not active:
+            return {}
+        items, feats = [], []
+        for rid, req in active.items():
+            positions, rows = self._pending.pop(rid)
+            items.append(self._item(rid, req, [int(contexts[rid][p + 1]) for p in positions]))
+            feats.append(torch.cat(rows))
+        keep = {rid: len(req.tokens) for rid, req in active.items()}  # the catch-up KV stays
+        self.head.features = torch.cat(feats)
+        logits = self.runner.forward(ScheduleDecision("extend", items))
+        assert self.runner.last_hidden is not None
+        ends = torch.tensor([len(item.token_ids) for item in items], device=logits.device).cumsum(0) - 1
+        guess = self.runner.last_hidden.index_select(0, ends)  # (requests, hidden): each one's predicted feature
+        drafts = {rid: [int(t)] for rid, t in zip(active, greedy_argmax(logits).tolist(), strict=True)}
+        rows_of = {rid: i for i, rid in enumerate(active)}
+        for step in range(1, max(k[rid] for rid in active)):
+            rids = [rid for rid in active if k[rid] > step]
+            index = torch.tensor([rows_of[rid] for rid in rids], device=guess.device)
+            decision = ScheduleDecision("decode", [self._item(rid, active[rid], [drafts[rid][-1]]) for rid in rids])
+            self._set_features(guess.index_select(0, index), decision)
+            logits = self.runner.forward(decision)
+            assert self.runner.last_hidden is not None
+            guess = guess.index_copy(0, index, self.runner.last_hidden)
+            for rid, token in zip(rids, greedy_argmax(logits).tolist(), strict=True):
+                drafts[rid].append(int(token))
+        self.head.features = None
+        for rid, req in active.items():
+            self._drop_kv(req, keep[rid])
+        return drafts
+
+    def _set_features(self, features: torch.Tensor, decision: ScheduleDecision) -> None:
+        """The features of a head step: into the graphs' static buffer when the step replays one."""
+        graphs = self.runner.cuda_graph
+        buffer = self.head.feature_buffer
+        if graphs is not None and buffer is not None and graphs.can_run(decision):
+            buffer[: features.shape[0]].copy_(features)
+            self.head.features = None
+        else:
+            self.head.features = features
+
+    def accepted(self, rid: str, context: Sequence[int]) -> None:
+        """Nothing to drop: a proposal keeps only the KV of observed (target-verified) tokens."""
+
+    def forget(self, rid: str) -> None:
+        super().forget(rid)
+        self._pending.pop(rid, None)
+        self._next_pos.pop(rid, None)

@@ -1,0 +1,176 @@
+"""Adapter from lmserver's Llama-family model and KV layout to a lowlat plugin layer stack.
+
+``lowlat`` knows nothing of lmserver: this module turns an ``LlamaDecoderLayer`` (fused
+``qkv_proj``, ``o_proj``, ``gate_up_proj`` / MoE ``w13``+``w2``, the two RMSNorms, rotary
+frequencies) into ``lowlat.LayerWeights`` / ``lowlat.MoELayerWeights`` (views, no copies), the
+engine's ``KVPool`` into per-layer ``lowlat.KVCache`` and a decode ``ForwardBatch`` into a
+``lowlat.ForwardMeta``. ``decode_forward`` runs the model's decoder layers through a built
+plugin (the plugin path of a decode step); the model runner decides when to call it.
+
+FP8: ``Fp8Linear`` projections (an FP8 checkpoint or ``--quantization fp8``) are passed as their e4m3 weights
+with per-row scales (``LayerWeights.qkv_scale`` ...; a per-tensor scale is already one value per row); K-group
+(128 x 128 block) scales are refused with a reason. An FP8 KV pool is passed with each layer's K / V scales.
+
+Tensor parallelism: on a sharded model (``lmserver.runner.distributed.shard``) the views are this rank's
+shards and the shape counts this rank's heads and intermediate features; the plugin gets the TP
+sum through ``BuildContext.all_reduce``. The embedding and final norm used by ``decode_forward``
+are the model's own (vocab-parallel embedding included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmserver.forward.batch import ForwardBatch, ForwardMode
+from lmserver.forward.kv_pool import KVPool
+from lmserver.layers.rotary import compute_inv_freq
+from lmserver.models.config import ModelConfig
+from lowlat import ForwardMeta, KVCache, LayerShape, LayerWeights, MoELayerWeights, MoEShape
+from lowlat.build import Built
+
+
+class LowlatAdapterError(ValueError):
+    """The model or batch cannot be expressed as a lowlat plugin layer (the reason says which part)."""
+
+
+@dataclass(frozen=True)
+class PluginLayers:
+    """What ``Session.build`` needs: ``session.build(p.shape, p.weights, device, dtype, moe=p.moe)``."""
+
+    shape: LayerShape
+    weights: tuple[LayerWeights, ...] | tuple[MoELayerWeights, ...]
+    moe: MoEShape | None
+
+
+def layer_shape(config: ModelConfig, tp_size: int = 1) -> LayerShape:
+    """The lowlat ``LayerShape`` of one decoder layer of ``config`` on one of ``tp_size`` ranks.
+
+    Pure; raises ``TensorParallelError`` when the heads do not split (as sharding does).
+    """
+    from lmserver.runner.distributed.shard import tp_head_counts
+
+    heads, kv_heads = tp_head_counts(config, tp_size)
+    return LayerShape(
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size // tp_size,
+        rms_eps=config.rms_norm_eps,
+    )
+
+
+def moe_shape(config: ModelConfig, tp_size: int = 1) -> MoEShape | None:
+    """The lowlat ``MoEShape`` of a Mixtral-style config (each expert's intermediate features on one of ``tp_size``
+    ranks), or None for a dense model. Pure."""
+    if not config.num_experts:
+        return None
+    return MoEShape(config.num_experts, config.num_experts_per_tok, config.intermediate_size // tp_size)
+
+
+def _projection(module: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, per-row scale or None) of a linear layer in lowlat's layout; raises ``LowlatAdapterError`` for FP8
+    scales per K group. Reads only."""
+    from lmserver.layers.fp8_linear import Fp8Linear
+
+    if not isinstance(module, Fp8Linear):
+        return module.weight.data, None
+    if module.weight_scale.shape[1] != 1:
+        raise LowlatAdapterError(
+            f"{name}: FP8 weights with scales per {module.group_k}-column group (block-scaled checkpoint); lowlat "
+            "kernels read one scale per output row: serve it without the plugin")
+    return module.weight.data, module.weight_scale.view(-1)
+
+
+def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
+    """Views of every decoder layer's weights in lowlat's layout (no copies); reads only.
+
+    ``model`` is an lmserver ``LlamaForCausalLM`` (or a subclass: Mistral, Qwen2 without bias,
+    Mixtral), sharded for one of ``tp_size`` ranks when ``tp_size > 1`` (the views then equal
+    ``lowlat.tp.shard_layer`` / ``shard_moe_layer`` of the whole layers). Raises
+    ``LowlatAdapterError`` for attention biases and per-head q/k norms.
+    """
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    if config.attention_bias or config.qk_norm:
+        raise LowlatAdapterError(
+            f"{config.architecture}: lowlat layers have no attention bias and no q/k norm "
+            f"(attention_bias={config.attention_bias}, qk_norm={config.qk_norm}); serve it without the plugin"
+        )
+    inner: Any = model.model
+    device = inner.layers[0].input_layernorm.weight.device
+    inv_freq = compute_inv_freq(config.head_dim, config.rope_parameters).to(device=device, dtype=torch.float32)
+    moe = moe_shape(config, tp_size)
+    layers: list[Any] = []
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_scale = _projection(attn.qkv_proj, f"layer {i} qkv_proj")
+        o_proj, o_proj_scale = _projection(attn.o_proj, f"layer {i} o_proj")
+        common: dict[str, Any] = dict(
+            input_norm=layer.input_layernorm.weight.data,
+            qkv=qkv,
+            o_proj=o_proj,
+            post_norm=layer.post_attention_layernorm.weight.data,
+            rope_inv_freq=inv_freq,
+        )
+        if moe is None:
+            gate_up, gate_up_scale = _projection(mlp.gate_up_proj, f"layer {i} gate_up_proj")
+            down, down_scale = _projection(mlp.down_proj, f"layer {i} down_proj")
+            layers.append(LayerWeights(gate_up=gate_up, down=down, qkv_scale=qkv_scale, o_proj_scale=o_proj_scale,
+                                       gate_up_scale=gate_up_scale, down_scale=down_scale, **common))
+        elif qkv_scale is not None:
+            raise LowlatAdapterError(f"{config.architecture}: FP8 weights in a MoE model: the plugin's MoE stack reads "
+                                     "model-dtype weights; serve it without the plugin")
+        else:
+            experts = getattr(mlp, "moe", mlp)  # sharded: lmserver's TPMoE around this rank's experts
+            layers.append(MoELayerWeights(router=experts.gate.weight.data, w13=experts.w13.data, w2=experts.w2.data,
+                                          **common))
+    return PluginLayers(layer_shape(config, tp_size), tuple(layers), moe)
+
+
+def kv_caches(pool: KVPool) -> list[KVCache]:
+    """Per-layer views of the engine's KV pool (same storage: plugin writes land in the pool), with each layer's
+    K / V scales (used by an FP8 pool)."""
+    return [KVCache(k, v, ks, vs)
+            for k, v, ks, vs in zip(pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, strict=True)]
+
+
+def forward_meta(batch: ForwardBatch, req_to_token: torch.Tensor, max_seq_len: int = 0) -> ForwardMeta:
+    """lowlat metadata of a decode ``batch`` over ``req_to_token``; no host sync, reads only.
+
+    ``max_seq_len`` bounds the sequence lengths (sizes the split-KV work); 0 means the table's
+    width (what a CUDA graph must use, since it is captured once for every length).
+    """
+    if batch.mode != ForwardMode.DECODE:
+        raise LowlatAdapterError(f"lowlat plugins cover decode steps only, got a {batch.mode.value} batch")
+    return ForwardMeta(
+        req_to_token=req_to_token,
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc,
+        max_seq_len=max_seq_len,
+    )
+
+
+def decode_forward(
+    model: nn.Module,
+    built: Built,
+    batch: ForwardBatch,
+    kvs: Sequence[KVCache],
+    req_to_token: torch.Tensor,
+    max_seq_len: int = 0,
+) -> torch.Tensor:
+    """Hidden states (bs, hidden) after the final norm, as ``model.forward`` returns them, with every
+    decoder layer run by ``built``. Mutates ``kvs`` (the engine's pool: the new tokens' K and V)
+    and the plugin's workspaces."""
+    meta = forward_meta(batch, req_to_token, max_seq_len)
+    inner: Any = model.model
+    h = inner.embed_tokens(batch.input_ids)  # (bs, hidden)
+    for i in range(len(inner.layers)):
+        h = built.forward(i, h, kvs[i], meta)
+    return inner.norm(h)  # type: ignore[no-any-return]

@@ -1,0 +1,296 @@
+"""Resolves the "auto" values of ServerConfig once (device, dtype, KV size, running requests,
+attention backend, context length, prefill chunk size and pacing, FP8 weights and KV cache) into a new
+ServerConfig, logged once by the engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from lmserver.config import ServerConfig
+from lmserver.forward.kv_pool import KVPool
+from lmserver.kernels.fp8_ref import FP8_DTYPE
+from lmserver.models.config import ModelConfig
+from lmserver.models.loader import DTYPES
+from lmserver.scheduler.pacer import PacerConfig, PrefillPacer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+CPU_KV_BUDGET_BYTES = 1 << 30  # CPU default: at most 1 GiB of KV cache
+CPU_MAX_RUNNING_REQUESTS = 64
+GPU_MAX_RUNNING_REQUESTS = 256
+# Decode graphs: large-memory GPUs capture up to the default running batch (decode at 128-256 rows
+# was eager and ~2x slower per step on the H200, benchmarks/RESULTS.md); smaller ones keep 32.
+LARGE_GPU_BYTES = 64 << 30
+LARGE_GPU_GRAPH_MAX_BS = 256
+SMALL_GPU_GRAPH_MAX_BS = 32
+# Prefill chunks: one forward of 8,192 tokens takes minutes on a small CPU and stalls every running
+# request meanwhile (issue 32); 512 keeps a CPU forward short. GPUs keep SGLang's 8,192.
+CPU_CHUNKED_PREFILL_SIZE = 512
+GPU_CHUNKED_PREFILL_SIZE = 8192
+# Mixed steps (prefill chunks with the running requests' decode rows): the step duration the prefill
+# pacer aims for, i.e. the running requests' gap between two tokens while prompts prefill (issue 32:
+# <= 100 ms on the H200, <= 2 s on a small CPU; a fixed 8,192-token chunk of an 8B model took 220 ms).
+GPU_PREFILL_STEP_TARGET_MS = 60.0
+CPU_PREFILL_STEP_TARGET_MS = 500.0
+
+
+class ConfigError(ValueError):
+    """A config value is invalid for this machine or model."""
+
+
+def resolve_device(config: ServerConfig) -> str:
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is visible; use device='cpu' or 'auto'")
+    return config.device
+
+
+def resolve_dtype(config: ServerConfig, device: str) -> str:
+    if config.dtype != "auto":
+        if config.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {config.dtype!r}")
+        return config.dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: int, tp_size: int = 1,
+                          quantization: str | None = None) -> int:
+    """Bytes one rank's weights and buffers take in `dtype`: the model built on the meta device
+    (no memory, no weights), counted; tied weights once. With `quantization` "fp8" the decoder
+    projections count one byte per weight plus their per-channel float32 scales. Pure."""
+    from lmserver.models.loader import _default_dtype
+    from lmserver.models.registry import get_model_class
+
+    with _default_dtype(DTYPES[dtype]), torch.device("meta"):
+        model = get_model_class(model_config.architecture)(model_config, max_positions=max_positions)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if quantization == "fp8":
+        from lmserver.models.quantization import FP8_LINEAR_NAMES
+
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES:
+                w = module.weight
+                total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0]
+    return total // max(tp_size, 1)
+
+
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
+    """The KV pool's storage dtype: `kv_cache_dtype` ("fp8_e4m3", or a model dtype name), the
+    model's `dtype` for "auto". Pure."""
+    if kv_cache_dtype == "auto":
+        return DTYPES[dtype]
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype == dtype:  # a resolved "auto"
+        return DTYPES[dtype]
+    raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+
+
+def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
+                dtype: str) -> tuple[str | None, str, str]:
+    """(quantization, kv_cache_dtype, lowlat_plugins) resolved: "fp8" for an FP8 checkpoint or
+    `--quantization fp8`, else None; "auto" KV becomes the model dtype's name; lowlat plugins as
+    asked (the set-up names FP8 weights and KV: a plugin that reads neither is refused with that
+    reason, the nvidia plugin takes both). Raises ConfigError before anything loads for an
+    unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8 (compute capability < 8.9,
+    named), and FP8 with tensor parallelism."""
+    from lmserver.layers.fp8_linear import fp8_unsupported_reason
+    from lmserver.models.quantization import QuantizationError, read_fp8_spec
+
+    try:
+        spec = read_fp8_spec(model_config.hf_config, config.quantization)
+    except QuantizationError as exc:
+        raise ConfigError(str(exc)) from exc
+    kv = config.kv_cache_dtype
+    kv_storage_dtype(kv, dtype)  # validates
+    kv = dtype if kv == "auto" else kv
+    quant = "fp8" if spec is not None else None
+    wants = [what for what, on in (("FP8 weights", quant is not None), ("an FP8 KV cache", kv == "fp8_e4m3")) if on]
+    if wants:
+        what = " and ".join(wants)
+        why = fp8_unsupported_reason(device)
+        if why is not None:
+            raise ConfigError(f"{what} requested ({spec.describe() if spec else 'kv_cache_dtype fp8_e4m3'}): {why}; "
+                              "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
+        if config.tp_size > 1:
+            raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
+    return quant, kv, config.lowlat_plugins
+
+
+# The issue asks `auto` to pick flashinfer when it imports on CUDA; the backend has not run on a
+# GPU yet, so `auto` keeps triton. Set once test_attention_flashinfer's GPU test passed on an H200.
+AUTO_PREFERS_FLASHINFER = False
+
+
+def resolve_attention_backend(requested: str, device: str) -> str:
+    """The attention backend for `requested` on `device`. auto: on CUDA flashinfer (when it
+    imports and AUTO_PREFERS_FLASHINFER), else triton (when it imports), else torch_native.
+    Any other value is returned as is (the registry's `create` names a missing package)."""
+    if requested != "auto":
+        return requested
+    if device != "cuda":
+        return "torch_native"
+    from lmserver.runner.attention.registry import default_registry
+
+    names = default_registry().names()
+    if AUTO_PREFERS_FLASHINFER and "flashinfer" in names:
+        return "flashinfer"
+    return "triton" if "triton" in names else "torch_native"
+
+
+def resolve_cuda_graph_max_bs(requested: int | None, device: str, gpu_bytes: int, max_running: int) -> int:
+    """The largest decode batch to capture: `requested`, else 256 on a CUDA device with at least
+    LARGE_GPU_BYTES of memory and 32 otherwise; never above `max_running`. Pure."""
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {requested}")
+        return min(requested, max_running)
+    large = device == "cuda" and gpu_bytes >= LARGE_GPU_BYTES
+    return min(LARGE_GPU_GRAPH_MAX_BS if large else SMALL_GPU_GRAPH_MAX_BS, max_running)
+
+
+def resolve_chunked_prefill_size(requested: int | None, device: str) -> int:
+    """The prefill chunk size: `requested` (-1: no chunking), else 512 tokens on a CPU and 8192
+    on CUDA. Pure."""
+    if requested is not None:
+        if requested == 0 or requested < -1:
+            raise ConfigError(f"chunked_prefill_size must be -1 (no chunking) or >= 1, got {requested}")
+        return requested
+    return GPU_CHUNKED_PREFILL_SIZE if device == "cuda" else CPU_CHUNKED_PREFILL_SIZE
+
+
+def resolve_prefill_step_target_ms(requested: float | None, device: str) -> float:
+    """The mixed-step duration the prefill pacer aims for (0: no pacing). Pure."""
+    if requested is not None:
+        if not requested >= 0 or requested == float("inf"):
+            raise ConfigError(f"prefill_step_target_ms must be a finite number >= 0, got {requested}")
+        return requested
+    return GPU_PREFILL_STEP_TARGET_MS if device == "cuda" else CPU_PREFILL_STEP_TARGET_MS
+
+
+def prefill_pacer(rc: ServerConfig) -> PrefillPacer | None:
+    """The pacer of mixed steps for a resolved config (None without mixed steps or a target):
+    at most one prefill chunk (or the prefill budget), starting at 1/4 of it and never below 1/8
+    (where the decode rows alone overrun the target, prompts still prefill at a useful rate)."""
+    target_ms = rc.prefill_step_target_ms or 0.0
+    if not rc.enable_mixed_chunk or target_ms <= 0:
+        return None
+    chunk = rc.chunked_prefill_size or -1
+    most = min(chunk, rc.max_prefill_tokens) if chunk > 0 else rc.max_prefill_tokens
+    most = max(most, 1)
+    return PrefillPacer(PacerConfig(target_s=target_ms / 1000.0, min_tokens=max(1, most // 8),
+                                    max_tokens=most, start_tokens=max(1, most // 4)))
+
+
+def resolve_kv_tokens(
+    config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
+) -> int:
+    """KV-cache size in tokens: max_total_tokens, else a memory budget. On CUDA the budget is
+    `mem_fraction_static` of the GPU's memory less what is in use and the weights to come
+    (`weight_bytes`, estimated from the config when 0)."""
+    per_slot = KVPool.bytes_per_slot(
+        model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim,
+        kv_storage_dtype(config.kv_cache_dtype, dtype),
+    )
+    if config.max_total_tokens is not None:
+        if config.max_total_tokens < 16:
+            raise ConfigError("max_total_tokens must be >= 16")
+        return int(config.max_total_tokens)
+    if device == "cuda":
+        fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        if not 0.0 < fraction < 1.0:
+            raise ConfigError(f"mem_fraction_static must be in (0, 1), got {fraction}")
+        if weight_bytes == 0:
+            positions = config.context_length or model_config.max_position_embeddings
+            weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size,
+                                                 config.quantization)
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * fraction) - (total - free) - weight_bytes
+        if budget <= per_slot * 16:
+            raise ConfigError(
+                f"not enough GPU memory for the KV cache (budget {budget / 2**30:.2f} GiB at "
+                f"mem_fraction_static={fraction}); raise mem_fraction_static or use a smaller model"
+            )
+        logger.info(
+            "KV cache budget: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB in use - %.2f GiB weights",
+            budget / 2**30, fraction, total / 2**30, (total - free) / 2**30, weight_bytes / 2**30,
+        )
+        return budget // per_slot  # NOTE: with tp_size > 1 a rank holds fewer KV heads: conservative
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = CPU_KV_BUDGET_BYTES * 4
+    budget = min(CPU_KV_BUDGET_BYTES, avail // 4)
+    return max(budget // per_slot, 1024)
+
+
+def resolve_config(
+    config: ServerConfig, model_config: ModelConfig, model_path: str, weight_bytes: int = 0
+) -> ServerConfig:
+    """A new ServerConfig with every "auto"/None engine value filled in."""
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
+    quantization, kv_cache_dtype, lowlat = resolve_fp8(config, model_config, device, dtype)
+    config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype, lowlat_plugins=lowlat)
+    kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes)
+    kv_tokens -= kv_tokens % config.page_size
+    context = config.context_length or model_config.max_position_embeddings
+    if context < 2:
+        raise ConfigError("context_length must be >= 2")
+    # NOTE: a lone request must always fit in the KV cache, so retraction can always make progress
+    context = min(context, kv_tokens)
+    running = config.max_running_requests
+    if running is None:
+        running = GPU_MAX_RUNNING_REQUESTS if device == "cuda" else CPU_MAX_RUNNING_REQUESTS
+        running = max(1, min(running, kv_tokens // 16))
+    gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if device == "cuda" else 0
+    graph_max_bs = resolve_cuda_graph_max_bs(config.cuda_graph_max_bs, device, gpu_bytes, running)
+    backend = resolve_attention_backend(config.attention_backend, device)
+    overlap = config.enable_overlap_schedule
+    if overlap is None:  # NOTE: measured on the H200 (benchmarks/RESULTS.md); no gain on CPUs, off under TP
+        overlap = device == "cuda" and config.tp_size == 1
+    return config.replace(
+        enable_overlap_schedule=overlap,
+        chunked_prefill_size=resolve_chunked_prefill_size(config.chunked_prefill_size, device),
+        prefill_step_target_ms=resolve_prefill_step_target_ms(config.prefill_step_target_ms, device),
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        max_total_tokens=kv_tokens,
+        context_length=context,
+        max_running_requests=running,
+        cuda_graph_max_bs=graph_max_bs,
+        attention_backend=backend,
+        mem_fraction_static=config.mem_fraction_static or (DEFAULT_MEM_FRACTION_STATIC if device == "cuda" else None),
+    )
+
+
+def kv_cache_options(kv_cache_dtype: str, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """KVPool keyword arguments of a resolved `kv_cache_dtype` ("fp8_e4m3" or the model dtype's
+    name): the FP8 storage dtype and the checkpoint's per-layer scales (`model`'s
+    `fp8_kv_scales`, 1.0 where absent); nothing for a model-dtype cache."""
+    if kv_cache_dtype != "fp8_e4m3":
+        return {}
+    from lmserver.models.quantization import FP8_KV_SCALES_ATTR
+
+    scales: dict[int, dict[str, float]] = getattr(model, FP8_KV_SCALES_ATTR, None) or {}
+    if not scales:
+        return {"kv_cache_dtype": FP8_DTYPE}
+    layers = 1 + max(scales)
+    config = getattr(model, "config", None)
+    layers = max(layers, int(getattr(config, "num_hidden_layers", layers)))
+    return {
+        "kv_cache_dtype": FP8_DTYPE,
+        "k_scales": [scales.get(i, {}).get("k", 1.0) for i in range(layers)],
+        "v_scales": [scales.get(i, {}).get("v", 1.0) for i in range(layers)],
+    }

@@ -1,0 +1,279 @@
+"""Rank processes of a tensor-parallel engine.
+
+Rank 0 is the engine core process: it schedules, broadcasts each `ScheduleDecision` over the
+gloo control group, runs its shard of the forward and samples. Ranks 1..N-1 ("followers") run
+`follower_main`: join the group, receive the resolved config, load and shard the same model,
+build the same KV layout, then run every broadcast decision until rank 0 sends None.
+
+Start-up order on rank 0: load the full model -> spawn this node's followers -> join the group
+-> broadcast the resolved config (and rank 0's lowlat plugin specs) -> shard -> lowlat: check the
+shard, agree, build (every rank, collectives over the group) -> size the KV cache -> broadcast its
+slot count (`TPContext.share_num_slots`; None instead tells the followers start-up failed, as
+`TPContext.shutdown` does). A lowlat `require` failure is raised by every rank at the agreement:
+followers then wait for rank 0's stop and exit cleanly, rank 0 reports it. Liveness: rank 0 watches its followers and exits the
+core process (status 1, with the rank and its exit status in the log) when one dies, so the
+server reports unhealthy and exits instead of hanging in a collective; followers exit when
+their parent dies. Several nodes: `--nnodes`, `--node-rank`, `--dist-init-addr host:port`;
+nodes other than 0 run `run_follower_node` (no HTTP) with ranks node_rank * per_node + i.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmserver.config import ServerConfig
+from lmserver.models.config import ModelConfig
+from lmserver.netutil import free_port
+from lmserver.runner.distributed.group import TPGroup
+from lmserver.runner.distributed.shard import shard_model_, tp_head_counts
+
+logger = logging.getLogger("lmserver.tp")
+
+_WATCH_INTERVAL_S = 0.5
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _ranks_per_node(config: ServerConfig) -> int:
+    if config.tp_size % config.nnodes:
+        raise ValueError(f"tp_size ({config.tp_size}) must be divisible by nnodes ({config.nnodes})")
+    return config.tp_size // config.nnodes
+
+
+def _init_method(config: ServerConfig) -> str:
+    if config.nnodes > 1 and not config.dist_init_addr:
+        raise ValueError("several nodes need --dist-init-addr host:port (node 0's address)")
+    return f"tcp://{config.dist_init_addr}" if config.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
+
+
+def _watch_followers(procs: list[Any], stopping: threading.Event) -> None:
+    """Exits this process (status 1) when a follower dies, unless we are stopping anyway."""
+
+    def loop() -> None:
+        while not stopping.is_set():
+            for rank, proc in enumerate(procs, start=1):
+                if proc.exitcode is not None and not stopping.is_set():
+                    logger.error(
+                        "tensor-parallel rank %d exited with status %s; stopping the engine",
+                        rank,
+                        proc.exitcode,
+                    )
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(_WATCH_INTERVAL_S)
+
+    threading.Thread(target=loop, name="lmserver-tp-watchdog", daemon=True).start()
+
+
+@dataclass
+class TPContext:
+    """Rank 0's handle on the group: wraps the model runner and stops the followers."""
+
+    group: TPGroup
+    local_kv_heads: int
+    procs: list[Any] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def wrap_runner(self, runner: Any) -> Any:
+        return _BroadcastingRunner(runner, self)
+
+    def share_num_slots(self, num_slots: int) -> None:
+        """Sends the KV pool size (decided after lowlat's agreed workspace) to every follower."""
+        self.group.broadcast_object(num_slots)
+
+    def shutdown(self) -> None:
+        """Tells every rank to stop, joins this node's followers (terminating stragglers)."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        with contextlib.suppress(Exception):  # a peer already gone: nothing left to tell
+            self.group.broadcast_object(None)
+        for rank, proc in enumerate(self.procs, start=1):
+            proc.join(timeout=10)
+            if proc.is_alive():
+                logger.warning("tensor-parallel rank %d did not stop when told to; terminating it", rank)
+                proc.terminate()
+                proc.join(timeout=5)
+        self.group.destroy()
+
+
+class _BroadcastingRunner:
+    """The model runner of rank 0: every decision goes to all ranks before the local forward."""
+
+    def __init__(self, runner: Any, ctx: TPContext) -> None:
+        self._runner = runner
+        self._ctx = ctx
+
+    def forward(self, decision: Any) -> torch.Tensor:
+        self._ctx.group.broadcast_object(decision)
+        return self._runner.forward(decision)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+def start_tensor_parallel(
+    config: ServerConfig, model_config: ModelConfig, model_path: str, model: torch.nn.Module,
+    lowlat_specs: tuple[Any, ...] = (),
+) -> TPContext:
+    """Rank 0: spawns this node's followers, joins the group, shares the config, shards `model`.
+
+    `config` is the resolved config; `lowlat_specs` the lowlat plugins rank 0 considers (every
+    rank uses the same ones). The caller sends the KV pool size with `share_num_slots` next.
+    Raises TensorParallelError (model does not split) or ValueError (a plugin spec cannot reach
+    the other ranks) before spawning anything.
+    """
+    _, local_kv_heads = tp_head_counts(model_config, config.tp_size)
+    try:
+        pickle.dumps(lowlat_specs)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same thing
+        raise ValueError(
+            "lowlat plugin specs must be picklable to reach the tensor-parallel ranks "
+            f"(define them at module level): {exc}"
+        ) from exc
+    per_node = _ranks_per_node(config)
+    init_method = _init_method(config)
+    backend = _backend(config.device)
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for local_rank in range(1, per_node):
+        proc = ctx.Process(
+            target=follower_main,
+            args=(local_rank, config.tp_size, init_method, backend, local_rank),
+            name=f"lmserver-tp-rank{local_rank}",
+        )
+        proc.start()
+        logger.info("tensor-parallel rank %d started (pid %d)", local_rank, proc.pid)
+        procs.append(proc)
+    stopping = threading.Event()
+    _watch_followers(procs, stopping)
+    tp = TPContext(TPGroup.init(0, config.tp_size, init_method, backend), local_kv_heads, procs, stopping)
+    tp.group.broadcast_object({"config": config, "model_path": model_path, "lowlat_specs": lowlat_specs})
+    shard_model_(model, model_config, tp.group)
+    atexit.register(tp.shutdown)
+    logger.info(
+        "tensor parallelism: %d ranks (%s), %d KV heads per rank", config.tp_size, backend, local_kv_heads
+    )
+    return tp
+
+
+def follower_main(rank: int, size: int, init_method: str, backend: str, local_rank: int) -> None:
+    """A follower rank: joins, builds its shard of the engine, runs decisions until told to stop."""
+    from lmserver.forward.kv_pool import KVPool, make_req_to_token
+    from lmserver.models.loader import DTYPES, load_model, read_model_config
+    from lmserver.runner.attention.registry import default_registry
+    from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
+    from lmserver.runner.model_runner import ModelRunner
+    from lowlat import Registry, Unsupported
+
+    _exit_with_parent()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    group = TPGroup.init(rank, size, init_method, backend)
+    info = group.broadcast_object()
+    rc: ServerConfig = info["config"]
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    dtype = DTYPES[rc.dtype]
+    mc = read_model_config(info["model_path"])
+    assert rc.context_length is not None and rc.max_running_requests is not None
+    lowlat = LowlatHook.start(rc.lowlat_plugins, mc, rc.dtype, str(device), size, rc.context_length,
+                              rank=rank, registry=Registry(info["lowlat_specs"]), quantization=rc.quantization,
+                              kv_cache_dtype=rc.kv_cache_dtype)
+    model = load_model(
+        mc,
+        info["model_path"],
+        load_format=rc.load_format,
+        dtype=dtype,
+        device=device,
+        max_positions=rc.context_length,
+        seed=rc.random_seed,
+        disable_fused_kernels=rc.disable_fused_kernels,
+    )
+    shard_model_(model, mc, group)
+    failed: Unsupported | None = None
+    if lowlat is not None:
+        try:
+            lowlat.after_load(model, device, dtype, group)
+        except Unsupported as exc:  # raised on every rank alike; rank 0 reports it and stops us
+            failed = exc
+    num_slots = group.broadcast_object()
+    if num_slots is None:  # rank 0 failed to start (or is stopping)
+        group.destroy()
+        return
+    if failed is not None:
+        raise RuntimeError(f"rank {rank} failed lowlat start-up but rank 0 went on: {failed}")
+    _, kv_heads = tp_head_counts(mc, size)
+    pool = KVPool(num_slots, mc.num_hidden_layers, kv_heads, mc.head_dim, dtype, device)
+    pool.zero_padding(rc.page_size)
+    table = make_req_to_token(rc.max_running_requests, rc.context_length, device)
+    runner = ModelRunner(
+        model, pool, table, default_registry().create(rc.attention_backend, pool, table), device
+    )
+    if lowlat is not None:
+        lowlat.attach(model, pool, table, num_slots, warmup_batch_sizes(rc.disable_cuda_graph, device.type))
+        runner.lowlat = lowlat
+    if not rc.disable_cascade_attention:  # as rank 0 does: the same graphs (and collectives) on every rank
+        runner.enable_cascade()
+    from lmserver.runner.cuda_graph import maybe_decode_graph_runner
+
+    # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)
+    runner.cuda_graph = maybe_decode_graph_runner(rc, runner, size)
+    while True:
+        decision = group.broadcast_object()
+        if decision is None:
+            break
+        runner.forward(decision)
+    group.destroy()
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+
+    def loop() -> None:
+        while parent is None or parent.is_alive():
+            time.sleep(_WATCH_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=loop, name="lmserver-tp-parent-watch", daemon=True).start()
+
+
+def run_follower_node(config: ServerConfig) -> int:
+    """A node with node_rank > 0: runs its ranks as followers until they stop; exit status."""
+    per_node = _ranks_per_node(config)
+    init_method = _init_method(config)
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = _backend(device)
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for local_rank in range(per_node):
+        rank = config.node_rank * per_node + local_rank
+        proc = ctx.Process(
+            target=follower_main,
+            args=(rank, config.tp_size, init_method, backend, local_rank),
+            name=f"lmserver-tp-rank{rank}",
+        )
+        proc.start()
+        procs.append(proc)
+    print(
+        f"lmserver: node {config.node_rank} runs tensor-parallel ranks "
+        f"{config.node_rank * per_node}..{config.node_rank * per_node + per_node - 1}",
+        flush=True,
+    )
+    status = 0
+    for proc in procs:
+        proc.join()
+        status = status or (proc.exitcode or 0)
+    return status

@@ -1,1 +1,0 @@
-"""Speculative decoding: draft sources (n-gram prompt lookup) and the exact acceptance rules."""
