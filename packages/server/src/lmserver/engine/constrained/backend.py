@@ -232,8 +232,9 @@ class GrammarBackend:
         if compile_workers < -1:
             raise ValueError(f"compile_workers must be >= -1 (-1: auto, 0: threads of the engine process), "
                              f"got {compile_workers}")
+        cpus = available_cpus()
         if compile_workers == -1:
-            compile_workers = auto_compile_workers(available_cpus())
+            compile_workers = auto_compile_workers(cpus)
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.tokenizer = tokenizer
@@ -251,7 +252,7 @@ class GrammarBackend:
             self._threads = _DaemonPool(2, "lmserver-grammar")
         else:
             # NOTE: extra workers (while every worker is on a long compile) only where the engine keeps a CPU
-            extra_cap = max(compile_workers, min(2 * compile_workers, available_cpus() - 1))
+            extra_cap = max(compile_workers, min(2 * compile_workers, cpus - 1))
             self._pool = CompilePool(compile_workers, lambda: self.vocab, on_error=self._error,
                                      on_timeout=self._timeout_error, clock=clock, max_workers=extra_cap)
         # NOTE: reentrant: a future's done-callback may run at once, inside submit
