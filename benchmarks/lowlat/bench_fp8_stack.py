@@ -6,7 +6,9 @@ per layer for bf16 weights + bf16 KV, FP8 weights + bf16 KV, FP8 weights + FP8 K
 (weights + KV read at ``--bandwidth-tbs``). First, layer 0 of each against the reference layer (``lowlat.reference``:
 the dequantized weights in float32, the same cache) on fresh random inputs. ``--tables``: a JSON list of
 ``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too
-(``fp8w+kv table``); ``--stacks``: which of the stacks to build and time.
+(``fp8w+kv table``); ``--stacks``: which of the stacks to build and time. ``--merge-ab``: each stack also with its
+split-KV merge as a launch of its own (``LaunchConfig.fused_merge`` off: the kernels before the fused merge), timed
+right before it; ``--profile``: each stack's per-kernel marginal time per layer (``kprof.py``).
 
     python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--stacks fp8w+kv,table] [--json out.json]
 """
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_layer import LLAMA3_8B, build_context, gpu_layer, rel, time_graph  # noqa: E402
+import kprof  # noqa: E402
+from bench_layer import LLAMA3_8B, build_context, capture, gpu_layer, rel, time_graph  # noqa: E402
 
 from lowlat import KVCache, quantize_layer_fp8, reference_decoder_layer  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
@@ -45,6 +48,9 @@ def main() -> None:
     ap.add_argument("--tables", default="", help="JSON list of FP8 table entries to time as variant 'fp8-table'")
     ap.add_argument("--stacks", default="bf16,fp8w,fp8w+kv,table",
                     help="comma list of bf16, fp8w, fp8w+kv, table (table: with --tables)")
+    ap.add_argument("--merge-ab", action="store_true",
+                    help="also time each stack with the split merge as its own launch (LaunchConfig.fused_merge off)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel marginal time of each stack (kprof.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -68,6 +74,12 @@ def main() -> None:
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
         bl.lc = replace(bl.lc, tuned=entries + bl.lc.tuned)  # first match wins: these, then the stack's own
         stacks["fp8w+kv table"] = (bl, fp8, FP8_DTYPE)
+    if args.merge_ab:  # the same stacks with the merge launch of before (first in the table: A before B)
+        for name in list(stacks):
+            bl, weights, kv_dtype = stacks[name]
+            old = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
+            old.lc = replace(bl.lc, fused_merge=False)
+            stacks = {f"{name} merge launch": (old, weights, kv_dtype), **stacks}
     print(f"device={torch.cuda.get_device_name()} build {time.time() - t0:.0f}s", flush=True)
 
     def caches(kv_dtype: torch.dtype, layers: int) -> list[KVCache]:
@@ -110,6 +122,11 @@ def main() -> None:
                 for i in range(args.layers):
                     x = bl.forward(i, x, kvs[i], meta)
             us = time_graph(run, args.iters) / args.layers
+            if args.profile:
+                graph = capture(run)
+                print(f"  b={b} {name}: per-kernel (kprof, {args.layers} layers)\n"
+                      + kprof.table(kprof.breakdown(graph.replay, reps=3), per=args.layers, unit="us per layer"), flush=True)
+                del graph
             kv_bytes = b * c * shape.kv_size * 2 * (1 if kv_dtype == FP8_DTYPE else 2)
             floor = (shape.weight_bytes(weights[0].qkv.element_size()) + kv_bytes) / (args.bandwidth_tbs * 1e6)
             rows.append(dict(batch=b, stack=name, us=us, floor=floor))

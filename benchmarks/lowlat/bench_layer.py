@@ -124,8 +124,8 @@ def check(built: dict[str, Any], shape: LayerShape, w0: LayerWeights, dev: torch
     return rows
 
 
-def time_graph(fn: Any, iters: int) -> float:
-    """Median microseconds of one replay of a graph capturing ``fn``."""
+def capture(fn: Any) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` (run twice on a side stream first: compiles and allocations stay out of it)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -135,6 +135,11 @@ def time_graph(fn: Any, iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def replay_us(graph: Any, iters: int) -> float:
+    """Median microseconds of one replay of ``graph`` (CUDA events around each, after 3 warm-up replays)."""
     for _ in range(3):
         graph.replay()
     times = []
@@ -147,6 +152,11 @@ def time_graph(fn: Any, iters: int) -> float:
         times.append(a.elapsed_time(b) * 1000)
     times.sort()
     return times[len(times) // 2]
+
+
+def time_graph(fn: Any, iters: int) -> float:
+    """Median microseconds of one replay of a graph capturing ``fn``."""
+    return replay_us(capture(fn), iters)
 
 
 SWEEP = [(16, 256, 4, 3), (32, 128, 4, 4), (16, 512, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (16, 128, 4, 4)]

@@ -90,6 +90,42 @@ def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, spl
     assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize(("shape", "dtype", "splits"), [
+    (SHAPES[0], torch.bfloat16, 2), (SHAPES[0], torch.float32, 5), (SHAPES[1], torch.bfloat16, 3),
+])
+def test_interpret_split_kv_attention_fused_merge(shape: LayerShape, dtype: torch.dtype, splits: int) -> None:
+    """The last split program of each row and KV head merges the partials (no merge launch): against the reference
+    on fresh inputs, twice over the same counters (each launch leaves them zero), with splits past a row's length."""
+    counts = torch.zeros(5 * shape.num_kv_heads + 3, dtype=torch.int32, device=DEVICE)
+    for rnd in range(2):
+        g = torch.Generator().manual_seed(40 + 7 * splits + rnd)
+        lens = [1, 17, 40, 6, 23][: 4 + rnd]
+        b = len(lens)
+        meta = decode_meta(lens, 140, 48, DEVICE, generator=g)
+        kv = random_kv(shape, 140, dtype, DEVICE, generator=g)
+        q = torch.randn(b, shape.q_size, generator=g).to(DEVICE, dtype)
+        part_o = torch.full((b, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+        part_lse = torch.full((b, shape.num_heads, splits), float("nan"), device=DEVICE)
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written by the merging programs
+        ops.attention(q, kv, meta, part_o, part_lse, out, shape, _lc(shape), splits, counts=counts)
+        ref = decode_attention(q.view(b, shape.num_heads, -1), kv, meta, shape.head_dim**-0.5).reshape(b, -1)
+        assert _rel(out, ref) < TOL[dtype]
+        assert int(counts.abs().sum()) == 0
+
+
+def test_attention_counts_are_checked() -> None:
+    shape = SHAPES[0]
+    g = torch.Generator().manual_seed(3)
+    meta = decode_meta([5, 9], 40, 12, DEVICE, generator=g)
+    kv = random_kv(shape, 40, torch.float32, DEVICE, generator=g)
+    q = torch.randn(2, shape.q_size, generator=g).to(DEVICE)
+    part_o = torch.empty(2, shape.num_heads, 2, shape.head_dim, device=DEVICE)
+    part_lse = torch.empty(2, shape.num_heads, 2, device=DEVICE)
+    for bad in (torch.zeros(2 * shape.num_kv_heads - 1, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
+        with pytest.raises(ShapeError, match="counts"):
+            ops.attention(q, kv, meta, part_o, part_lse, torch.empty_like(q), shape, _lc(shape), 2, counts=bad.to(DEVICE))
+
+
 # (variant, programs) of the GEMV stages beyond the defaults; programs > 0: fewer programs than tiles, looping
 VARIANT_PROGRAMS = [("rows", 0), ("dot", 2), ("rows", 2)]
 
@@ -209,10 +245,13 @@ def test_interpret_mrow_qkv_rope_matches_float64(variant: str, shape: LayerShape
 
 
 def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_tokens: int = 8):  # type: ignore[no-untyped-def]
-    if name == "nvidia":
+    if name.startswith("nvidia"):
         from lowlat.plugins.nvidia import build
 
-        return build(_ctx(shape, weights, dtype, max_tokens))
+        built = build(_ctx(shape, weights, dtype, max_tokens))
+        if name == "nvidia-splits":  # as on a GPU of 64 SMs: split-KV attention, the last split merging
+            built.lc = replace(built.lc, num_sms=64)
+        return built
     from lowlat.plugins.amd import build as amd_build
 
     return amd_build(_ctx(shape, weights, dtype, max_tokens, amd_mode=name.split("-")[1], spin_limit=1 << 16))
@@ -221,6 +260,7 @@ def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_
 # NOTE: on the CPU, amd-staged launches exactly the nvidia kernels (PDL is off), so one case suffices.
 LAYER_CASES = [(p, sh, dt) for p in ("nvidia", "amd-persistent") for sh, dt in zip(SHAPES, DTYPES, strict=True)]
 LAYER_CASES.append(("amd-staged", SHAPES[1], torch.bfloat16))
+LAYER_CASES.append(("nvidia-splits", SHAPES[0], torch.float32))
 
 
 @pytest.mark.parametrize(("plugin", "shape", "dtype"), LAYER_CASES)
@@ -232,6 +272,7 @@ def test_interpret_layer_matches_reference(plugin: str, shape: LayerShape, dtype
     kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
     kv_ref = KVCache(kv.k.clone(), kv.v.clone())
     x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, dtype)
+    assert plugin != "nvidia-splits" or built._splits(3, meta) > 1
     for layer in range(2):  # layer 1 reads layer 0's output buffer: checks ping-pong buffers
         out = built.forward(layer, x, kv, meta)
         ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
@@ -272,16 +313,16 @@ def _mrow_stack(variant: str, shape: LayerShape, weights: list, dtype: torch.dty
     return TritonLayerStack("nvidia", _ctx(shape, weights, dtype, max_tokens), replace(_lc(shape), tuned=tuned))
 
 
-@pytest.mark.parametrize("plugin", ["nvidia", "amd-staged", "nvidia-mrow",
+@pytest.mark.parametrize("plugin", ["nvidia", "amd-staged", "nvidia-mrow", "nvidia-splits",
                                     pytest.param("nvidia-mrow_fma", marks=pytest.mark.slow)])
 def test_interpret_verify_rows_match_reference(plugin: str) -> None:
     """Speculative verify: 2 requests x 6 rows as decode rows (each row attends to the rows before it, whose K/V
     the step itself writes) against the reference layer: the rows' outputs, and the K/V written. nvidia-mrow*: the
-    GEMV stages on the multi-row kernels."""
+    GEMV stages on the multi-row kernels; nvidia-splits: split-KV attention with the fused merge."""
     shape, dtype = SHAPES[0], torch.float32
     g = torch.Generator().manual_seed(21)
     weights = [random_layer(shape, dtype, DEVICE, generator=g)]
-    if plugin.startswith("nvidia-"):
+    if plugin.startswith("nvidia-mrow"):
         built = _mrow_stack(plugin.split("-")[1], shape, weights, dtype, max_tokens=16)
     else:
         built = _build(plugin, shape, weights, dtype, max_tokens=16)
@@ -289,6 +330,7 @@ def test_interpret_verify_rows_match_reference(plugin: str) -> None:
     kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
     kv_ref = KVCache(kv.k.clone(), kv.v.clone())
     x = torch.randn(12, shape.hidden_size, generator=g).to(DEVICE, dtype)
+    assert plugin != "nvidia-splits" or built._splits(12, meta) > 1
     out = built.forward(0, x, kv, meta)
     ref = reference_decoder_layer(x, weights[0], kv_ref, meta, shape)
     assert _rel(out, ref) < 3 * TOL[dtype]

@@ -224,15 +224,18 @@ def _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, count_ptr,
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
+    FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile. An FP8 cache: `scale`
     # includes k_scale, the output is multiplied by v_scale (1.0 otherwise).
     # One split: the output goes straight to out_ptr (B, NQ * D), no partials and no merge launch.
+    # FUSED_MERGE (several splits): the split program that finishes last for its (row, KV head) merges the group's
+    # partials into out_ptr itself (`_merge_if_last`, a counter per (row, KV head) in count_ptr), so no merge launch.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -284,6 +287,39 @@ def decode_attention_kernel(
         base = (b * NQ + heads) * NUM_SPLITS + split
         tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + base, lse, mask=g_mask)
+        if FUSED_MERGE:
+            _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, heads,
+                           g_mask, NQ, D, NUM_SPLITS, BLOCK_S)
+
+
+@triton.jit
+def _merge_if_last(count_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, heads, g_mask, NQ: tl.constexpr, D: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """After a split program stored its partials: count it at ``count_ptr`` (one int32 per (row, KV head)); the
+    program that counts last merges the NUM_SPLITS partials of its GQA group's ``heads`` into ``out_ptr`` (as
+    ``merge_splits_kernel``) and sets the counter back to 0 for the next launch. The barrier orders every thread's
+    partial stores before the count; the count is acquire-release at GPU scope, so the last program's reads (through
+    L2: ``.cg``) see every split's stores."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        first = (b * NQ + heads) * NUM_SPLITS  # (BLOCK_G,)
+        offs_s = tl.arange(0, BLOCK_S)
+        lse = tl.load(part_lse_ptr + first[:, None] + offs_s[None, :], mask=g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS),
+                      other=float("-inf"), cache_modifier=".cg")
+        mx = tl.max(lse, 1)
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros((heads.shape[0], D), tl.float32)
+        den = tl.zeros((heads.shape[0],), tl.float32)
+        for s in range(NUM_SPLITS):
+            ls = tl.load(part_lse_ptr + first + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+            w = tl.where(ls == float("-inf"), 0.0, tl.exp(ls - mx))
+            o = tl.load(part_o_ptr + (first + s)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+                        cache_modifier=".cg")
+            acc += w[:, None] * o
+            den += w
+        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], acc / den[:, None], mask=g_mask[:, None])
 
 
 @triton.jit

@@ -107,6 +107,9 @@ class LaunchConfig:
     verify_wins_up_to: int | None = None
     # FP8 (e4m3) weights with per-row scales (every kernel variant reads them; the tables: ``tuning.FP8_TABLES``)
     fp8: bool = False
+    # split-KV attention: the last split program of each row and KV head merges the partials (no merge launch;
+    # ``attention``'s ``counts``); False: a merge launch after the attention (the earlier kernel pair)
+    fused_merge: bool = True
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -237,24 +240,30 @@ MAX_VERIFY_ROWS = 8
 
 def attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
-    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int, counts: torch.Tensor | None = None,
 ) -> None:
     """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials and a
-    merge launch, or with ``splits == 1`` in one launch."""
+    merge launch, or with ``splits == 1`` in one launch. ``counts``: int32 zeros, at least B * kv_heads of them
+    (left zero again by every launch): the split program that finishes last for its row and KV head merges the
+    partials itself, one launch in all (``decode_attention_kernel``'s ``FUSED_MERGE``)."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
     grid = (b, shape.num_kv_heads, splits)
+    fused = counts is not None and splits > 1
+    if counts is not None and fused and (counts.dtype != torch.int32 or counts.numel() < b * shape.num_kv_heads):
+        raise ShapeError(f"attention counts: int32, at least {b * shape.num_kv_heads} of them")
     K.decode_attention_kernel[grid](
         q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-        part_o, part_lse, out,
+        part_o, part_lse, out, counts if fused else meta.seq_lens,
         meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
         shape.head_dim**-0.5 * (kv.k_scale if kv.fp8 else 1.0), kv.v_scale if kv.fp8 else 1.0,
         NQ=shape.num_heads, G=group, D=shape.head_dim,
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
-        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, **_kw(dev, lc),
+        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, FUSED_MERGE=fused,
+        BLOCK_S=next_pow2(splits), **_kw(dev, lc),
     )
-    if splits == 1:
+    if splits == 1 or fused:
         return  # the attention kernel wrote `out` itself
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),

@@ -129,7 +129,9 @@ class TritonLayerStack:
         self.x1 = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
         self.act = torch.empty(m, s.intermediate_size, device=dev, dtype=dt)
         self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
-        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out]
+        # the split-KV attention's counters (one per row and KV head; every launch leaves them zero again)
+        self.attn_counts = torch.zeros(m * s.num_kv_heads, device=dev, dtype=torch.int32)
+        self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out, self.attn_counts]
         if self.reducer is not None:  # the row-parallel partials, summed over the ranks in place
             self.partial = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
             self._buffers.append(self.partial)
@@ -158,7 +160,8 @@ class TritonLayerStack:
 
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
-        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta))
+        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta),
+                      counts=self.attn_counts if lc.fused_merge else None)
         self.row_parallel(self.attn[:b], w.o_proj, w.o_proj_scale, x, self.x1[:b], "o_proj")
         ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc, scale=w.gate_up_scale)
         self.row_parallel(self.act[:b], w.down, w.down_scale, self.x1[:b], out, "down")
