@@ -8,7 +8,8 @@ the dequantized weights in float32, the same cache) on fresh random inputs. ``--
 ``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too
 (``fp8w+kv table``); ``--stacks``: which of the stacks to build and time. ``--merge-ab``: each stack also with its
 split-KV merge as a launch of its own (``LaunchConfig.fused_merge`` off: the kernels before the fused merge), timed
-right before it; ``--profile``: each stack's per-kernel marginal time per layer (``kprof.py``).
+right before it; ``--attn-blocks``: each stack also with that decode-attention KV block at every batch; ``--profile``:
+each stack's per-kernel marginal time per layer (``kprof.py``).
 
     python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--stacks fp8w+kv,table] [--json out.json]
 """
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--merge-ab", action="store_true",
                     help="also time each stack with the split merge as its own launch (LaunchConfig.fused_merge off)")
     ap.add_argument("--profile", action="store_true", help="per-kernel marginal time of each stack (kprof.py)")
+    ap.add_argument("--attn-blocks", default="", help="comma list of decode-attention KV blocks: each stack also with "
+                                                      "that block at every batch (LaunchConfig.attn_tuned)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -80,6 +83,12 @@ def main() -> None:
             old = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
             old.lc = replace(bl.lc, fused_merge=False)
             stacks = {f"{name} merge launch": (old, weights, kv_dtype), **stacks}
+    for block in [int(v) for v in args.attn_blocks.split(",") if v]:
+        for name in [n for n in stacks if "merge launch" not in n and " attn" not in n]:
+            bl, weights, kv_dtype = stacks[name]
+            other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
+            other.lc = replace(bl.lc, attn_tuned=((1 << 30, block),))
+            stacks[f"{name} attn{block}"] = (other, weights, kv_dtype)
     print(f"device={torch.cuda.get_device_name()} build {time.time() - t0:.0f}s", flush=True)
 
     def caches(kv_dtype: torch.dtype, layers: int) -> list[KVCache]:

@@ -229,7 +229,7 @@ def decode_attention_kernel(
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, BLOCK_GM: tl.constexpr = 1,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile. An FP8 cache: `scale`
     # includes k_scale, the output is multiplied by v_scale (1.0 otherwise).
@@ -288,38 +288,37 @@ def decode_attention_kernel(
         tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + base, lse, mask=g_mask)
         if FUSED_MERGE:
-            _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, heads,
-                           g_mask, NQ, D, NUM_SPLITS, BLOCK_S)
+            _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ, G,
+                           D, NUM_SPLITS, BLOCK_S, BLOCK_GM)
 
 
 @triton.jit
-def _merge_if_last(count_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, heads, g_mask, NQ: tl.constexpr, D: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_if_last(count_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ: tl.constexpr, G: tl.constexpr,
+                   D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GM: tl.constexpr):
     """After a split program stored its partials: count it at ``count_ptr`` (one int32 per (row, KV head)); the
-    program that counts last merges the NUM_SPLITS partials of its GQA group's ``heads`` into ``out_ptr`` (as
-    ``merge_splits_kernel``) and sets the counter back to 0 for the next launch. The barrier orders every thread's
-    partial stores before the count; the count is acquire-release at GPU scope, so the last program's reads (through
-    L2: ``.cg``) see every split's stores."""
+    program that counts last merges the NUM_SPLITS partials of the G heads of KV head ``kvh`` into ``out_ptr`` (as
+    ``merge_splits_kernel``, all (head, split) partials in one (BLOCK_GM, BLOCK_S, D) load: one round trip, not one per
+    split) and sets the counter back to 0 for the next launch. The barrier orders every thread's partial stores
+    before the count; the count is acquire-release at GPU scope, so the last program's reads (through L2: ``.cg``)
+    see every split's stores."""
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if done == NUM_SPLITS - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-        first = (b * NQ + heads) * NUM_SPLITS  # (BLOCK_G,)
+        offs_h = tl.arange(0, BLOCK_GM)
         offs_s = tl.arange(0, BLOCK_S)
-        lse = tl.load(part_lse_ptr + first[:, None] + offs_s[None, :], mask=g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS),
-                      other=float("-inf"), cache_modifier=".cg")
-        mx = tl.max(lse, 1)
         offs_d = tl.arange(0, D)
-        acc = tl.zeros((heads.shape[0], D), tl.float32)
-        den = tl.zeros((heads.shape[0],), tl.float32)
-        for s in range(NUM_SPLITS):
-            ls = tl.load(part_lse_ptr + first + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(ls == float("-inf"), 0.0, tl.exp(ls - mx))
-            o = tl.load(part_o_ptr + (first + s)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                        cache_modifier=".cg")
-            acc += w[:, None] * o
-            den += w
-        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], acc / den[:, None], mask=g_mask[:, None])
+        heads = kvh * G + offs_h
+        first = (b * NQ + heads) * NUM_SPLITS  # (BLOCK_GM,)
+        hs_mask = (offs_h[:, None] < G) & (offs_s[None, :] < NUM_SPLITS)  # (BLOCK_GM, BLOCK_S)
+        idx = first[:, None] + offs_s[None, :]
+        lse = tl.load(part_lse_ptr + idx, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + idx[:, :, None] * D + offs_d[None, None, :], mask=hs_mask[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # (BLOCK_GM, BLOCK_S, D)
+        mx = tl.max(lse, 1)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx[:, None]))
+        out = tl.sum(w[:, :, None] * o, 1) / tl.sum(w, 1)[:, None]
+        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=(offs_h < G)[:, None])
 
 
 @triton.jit

@@ -261,7 +261,7 @@ def attention(
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
         PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, FUSED_MERGE=fused,
-        BLOCK_S=next_pow2(splits), **_kw(dev, lc),
+        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), **_kw(dev, lc),
     )
     if splits == 1 or fused:
         return  # the attention kernel wrote `out` itself
