@@ -249,8 +249,8 @@ def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_
         from lowlat.plugins.nvidia import build
 
         built = build(_ctx(shape, weights, dtype, max_tokens))
-        if name == "nvidia-splits":  # as on a GPU of 64 SMs: split-KV attention, the last split merging
-            built.lc = replace(built.lc, num_sms=64)
+        if name == "nvidia-splits":  # as on a GPU of 64 SMs with 16-token KV blocks: split-KV attention, the last split
+            built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=())  # merging (any device)
         return built
     from lowlat.plugins.amd import build as amd_build
 
@@ -326,7 +326,7 @@ def test_interpret_verify_rows_match_reference(plugin: str) -> None:
         built = _mrow_stack(plugin.split("-")[1], shape, weights, dtype, max_tokens=16)
     else:
         built = _build(plugin, shape, weights, dtype, max_tokens=16)
-    meta = _verify_meta([9, 2], 6, 64, 24, g)
+    meta = _verify_meta([19, 2] if plugin == "nvidia-splits" else [9, 2], 6, 64, 32, g)  # 25 positions: 2 splits of 16
     kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
     kv_ref = KVCache(kv.k.clone(), kv.v.clone())
     x = torch.randn(12, shape.hidden_size, generator=g).to(DEVICE, dtype)
