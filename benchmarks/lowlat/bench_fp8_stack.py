@@ -6,8 +6,8 @@ per layer for bf16 weights + bf16 KV, FP8 weights + bf16 KV, FP8 weights + FP8 K
 (weights + KV read at ``--bandwidth-tbs``). First, layer 0 of each against the reference layer (``lowlat.reference``:
 the dequantized weights in float32, the same cache) on fresh random inputs. ``--tables``: a JSON list of
 ``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too
-(``fp8w+kv table``); ``--stacks``: which of the stacks to build and time. ``--merge-ab``: each stack also with its
-split-KV merge as a launch of its own (``LaunchConfig.fused_merge`` off: the kernels before the fused merge), timed
+(``fp8w+kv table``); ``--stacks``: which of the stacks to build and time. ``--merge-ab``: each stack also with the other
+split-KV merge (``LaunchConfig.fused_merge`` flipped: a merge launch of its own, or the last split merging), timed
 right before it; ``--attn-blocks``: each stack also with that decode-attention KV block at every batch; ``--profile``:
 each stack's per-kernel marginal time per layer (``kprof.py``).
 
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--stacks", default="bf16,fp8w,fp8w+kv,table",
                     help="comma list of bf16, fp8w, fp8w+kv, table (table: with --tables)")
     ap.add_argument("--merge-ab", action="store_true",
-                    help="also time each stack with the split merge as its own launch (LaunchConfig.fused_merge off)")
+                    help="also time each stack with the other split merge (LaunchConfig.fused_merge flipped)")
     ap.add_argument("--profile", action="store_true", help="per-kernel marginal time of each stack (kprof.py)")
     ap.add_argument("--attn-blocks", default="", help="comma list of decode-attention KV blocks: each stack also with "
                                                       "that block at every batch (LaunchConfig.attn_tuned)")
@@ -77,14 +77,16 @@ def main() -> None:
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
         bl.lc = replace(bl.lc, tuned=entries + bl.lc.tuned)  # first match wins: these, then the stack's own
         stacks["fp8w+kv table"] = (bl, fp8, FP8_DTYPE)
-    if args.merge_ab:  # the same stacks with the merge launch of before (first in the table: A before B)
-        for name in list(stacks):
+    base = list(stacks)
+    if args.merge_ab:  # the same stacks with the other split merge (first in the table: A before B)
+        for name in base:
             bl, weights, kv_dtype = stacks[name]
-            old = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
-            old.lc = replace(bl.lc, fused_merge=False)
-            stacks = {f"{name} merge launch": (old, weights, kv_dtype), **stacks}
+            other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
+            other.lc = replace(bl.lc, fused_merge=not bl.lc.fused_merge)
+            label = "fused merge" if other.lc.fused_merge else "merge launch"
+            stacks = {f"{name} {label}": (other, weights, kv_dtype), **stacks}
     for block in [int(v) for v in args.attn_blocks.split(",") if v]:
-        for name in [n for n in stacks if "merge launch" not in n and " attn" not in n]:
+        for name in base:
             bl, weights, kv_dtype = stacks[name]
             other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
             other.lc = replace(bl.lc, attn_tuned=((1 << 30, block),))

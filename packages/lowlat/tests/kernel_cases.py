@@ -250,7 +250,7 @@ def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_
 
         built = build(_ctx(shape, weights, dtype, max_tokens))
         if name == "nvidia-splits":  # as on a GPU of 64 SMs with 16-token KV blocks: split-KV attention, the last split
-            built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=())  # merging (any device)
+            built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=(), fused_merge=True)  # merging
         return built
     from lowlat.plugins.amd import build as amd_build
 

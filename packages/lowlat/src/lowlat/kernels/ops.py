@@ -108,8 +108,11 @@ class LaunchConfig:
     # FP8 (e4m3) weights with per-row scales (every kernel variant reads them; the tables: ``tuning.FP8_TABLES``)
     fp8: bool = False
     # split-KV attention: the last split program of each row and KV head merges the partials (no merge launch;
-    # ``attention``'s ``counts``); False: a merge launch after the attention (the earlier kernel pair)
-    fused_merge: bool = True
+    # ``attention``'s ``counts``); False: a merge launch after the attention. Off: on the H200 (8B shape, 32-layer
+    # FP8 stack, batch 1) the fused merge took attention + merge from 4.1 + 3.0 to 6.5 us of marginal time per layer
+    # but the stack from 70.2 to 71.6 us per layer (the o_proj after it started later); bf16 at 8 rows 135.5 against
+    # 137.8 with the per-split merge loop of fec71e2 (benchmarks/RESULTS.md, issue 33, 2026-12-02)
+    fused_merge: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
