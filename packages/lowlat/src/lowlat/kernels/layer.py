@@ -7,7 +7,8 @@ launch, so weight traffic overlaps the previous kernel's tail, and lets its own 
 start after its main loop (``PDL_EARLY``: right after the wait instead, ``LaunchConfig.pdl_early``).
 
 Stages: (1) RMSNorm + QKV GEMV + RoPE + paged KV write; (2) split-KV decode attention with the
-GQA group packed in one tile; (3) split merge (none with one split); (4) GEMV + residual (o_proj, down);
+GQA group packed in one tile; (3) split merge (none with one split, none with ``FUSED_MERGE``: the last split
+program merges); (4) GEMV + residual (o_proj, down);
 (5) RMSNorm + gate-up GEMV + SiLU(gate) * up.
 ``DOT_F32`` runs every dot in float32 at full precision (`input_precision="ieee"`, not TF32: float32 layers
 match the float32 reference on a GPU as on the interpreter; the interpreter's bf16 dot is not reliable).
