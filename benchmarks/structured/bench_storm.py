@@ -272,7 +272,38 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
 STAT_KEYS = ("forwards", "forward_tokens", "extend_forwards", "extend_time_s", "overlap_steps", "overlap_grammar_steps",
              "cuda_graph_replays", "jump_forward_steps", "jump_forward_tokens", "jump_forward_declined", "mask_prepare_s",
              "mask_apply_s", "mask_fill_s", "mask_rows", "mask_stale_rows", "generation_tokens", "compile_done",
-             "compile_failed", "compile_workers_killed", "compile_receive_s")
+             "compile_failed", "compile_workers_killed", "compile_receive_s", "compile_max_receive_s",
+             "step_gap_max_s", "admission_deferred_rounds")
+
+
+def server_gaps(client: httpx.Client, start: float, end: float) -> dict[str, Any]:
+    """The server's gap records (`/get_step_trace`, a server started with `--step-trace N`) that
+    ended in [start, end] (the server's perf_counter: the same clock on one machine): the longest
+    with what filled them, the causes of those over 50 ms, and the mean gap with and without a
+    prefill in it. Empty without a trace."""
+    try:
+        r = client.get("/get_step_trace")
+        data = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    fields = data.get("fields", [])
+    recs = [dict(zip(fields, row, strict=True)) for row in data.get("records", [])]
+    recs = [rec for rec in recs if start <= rec["end"] <= end]
+    if not recs:
+        return {}
+    causes: dict[str, int] = {}
+    for rec in recs:
+        if rec["gap_s"] > 0.05:
+            causes[rec["cause"]] = causes.get(rec["cause"], 0) + 1
+    plain = [rec["gap_s"] for rec in recs if not rec["extend_forwards"]]
+    extend = [rec["gap_s"] for rec in recs if rec["extend_forwards"]]
+    top = sorted(recs, key=lambda rec: -rec["gap_s"])[:6]
+    return {"gaps": len(recs), "mean_gap_ms": 1e3 * statistics.fmean(rec["gap_s"] for rec in recs),
+            "decode_gaps": len(plain), "decode_mean_ms": 1e3 * statistics.fmean(plain) if plain else float("nan"),
+            "extend_gaps": len(extend), "extend_mean_ms": 1e3 * statistics.fmean(extend) if extend else float("nan"),
+            "causes_over_50ms": causes,
+            "top": [{k: (round(v * 1e3, 2) if k.endswith("_s") else v) for k, v in rec.items() if k != "end"}
+                    for rec in top]}
 
 
 def server_stats(client: httpx.Client) -> dict[str, float]:
@@ -299,12 +330,13 @@ def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[s
         schema_results = [f.result() for f in sfuts]
         t1 = time.perf_counter()
         window_stats = server_stats(client)
+        gaps = server_gaps(client, t0, t1)
         stream_results = [f.result() for f in futs]
         after = server_stats(client)
     delta = {k: round(window_stats[k] - before[k], 4) for k in window_stats if k in before}
     rest = {k: round(after[k] - window_stats[k], 4) for k in after if k in window_stats}
     return {"streams": stream_results, "schemas": schema_results, "window": (t0, t1),
-            "server_window": delta, "server_after_window": rest}
+            "server_window": delta, "server_after_window": rest, "server_gaps": gaps}
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -326,6 +358,7 @@ def summarize(name: str, res: dict[str, Any], storm: bool) -> dict[str, Any]:
     }
     row["server_window"] = res.get("server_window", {})
     row["server_after_window"] = res.get("server_after_window", {})
+    row["server_gaps"] = res.get("server_gaps", {})
     decode = [s.decode_tok_s for s in res["schemas"] if s.decode_tok_s == s.decode_tok_s]
     if decode:  # the storm requests' own per-user decode speed (after their first token)
         row["storm_req_decode_tok_s_median"] = statistics.median(decode)
@@ -364,6 +397,13 @@ def print_report(calm: dict[str, Any], storm: dict[str, Any], schemas: list[Sche
     for row in (calm, storm):
         if row.get("server_window"):
             print(f"  server counters, {row['phase']} window: {row['server_window']}")
+    gaps = storm.get("server_gaps") or {}
+    if gaps:
+        print(f"  server gaps in the storm window: {gaps['gaps']}, mean {gaps['mean_gap_ms']:.2f} ms (decode "
+              f"{gaps['decode_gaps']} at {gaps['decode_mean_ms']:.2f}, with a prefill {gaps['extend_gaps']} at "
+              f"{gaps['extend_mean_ms']:.2f}); over 50 ms by cause: {gaps['causes_over_50ms']}")
+        for rec in gaps["top"]:
+            print(f"    {rec}")
     if "storm_req_decode_tok_s_median" in storm:
         print(f"  storm requests' own decode speed (median per user): {storm['storm_req_decode_tok_s_median']:.1f} tok/s")
     shown = 0

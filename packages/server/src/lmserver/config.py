@@ -43,6 +43,12 @@ class ServerConfig:
     prefill_step_target_ms: float | None = _opt(None, "while requests decode, size each mixed step's prefill part so "
                                                       "the step takes about this long (their gap between two "
                                                       "tokens); 0: full chunks; auto: 60 on CUDA, 500 on CPU")
+    decode_step_target_ms: float | None = _opt(None, "SLO admission: while requests decode, a waiting request is "
+                                                     "admitted only while the predicted decode step stays within "
+                                                     "this (their gap between two tokens, learned from measured "
+                                                     "steps) and the prefill steps it costs are paid for by steps "
+                                                     "below it (lmserver.scheduler.admission); new requests wait "
+                                                     "instead; None or 0: off (admitted as memory allows)")
     schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
     schedule_aging_rounds: int = _opt(64, "a waiting request is served first after this many passed-over rounds")
     page_size: int = _opt(1, "KV-cache page size in tokens")
@@ -149,6 +155,9 @@ class ServerConfig:
     log_requests: bool = _opt(False, "log each request and its output")
     stream_interval: int = _opt(1, "stream a chunk every this many tokens")
     log_interval_s: float = _opt(10.0, "seconds between periodic stats log lines")
+    step_trace: int = _opt(0, "keep the last N records of the running requests' gaps between two tokens (what "
+                              "filled each: forwards, grammar admissions, added requests; engine/step_trace.py) "
+                              "for /get_step_trace; 0: only the longest gaps (step_gaps_top in the stats)")
     # HTTP limits, streaming and shutdown (issue 32)
     max_request_bytes: int = _opt(32 << 20, "largest request body accepted, in bytes (a 413 otherwise, answered "
                                             "before the body is read; images travel as base64 in bodies)")

@@ -43,6 +43,10 @@ logger = logging.getLogger("lmserver.core")
 
 DEFAULT_CORE_FACTORY = "lmserver.engine:EngineCore"
 _IDLE_POLL_MS = 50
+# While the core has work, one drain handles messages for at most this long, then a step runs (the
+# rest stay queued, in order): 96 JSON Schema requests arriving at once (each parsed by add_request)
+# were one long gap for the running streams.
+_DRAIN_BUDGET_S = 0.005
 _STATS_INTERVAL_S = 1.0
 
 
@@ -91,7 +95,7 @@ class CoreLoop:
             # for messages instead of spinning, so background work in this process gets the GIL.
             timeout_ms = (1 if stalled else 0) if busy else _IDLE_POLL_MS
             if poller.poll(timeout_ms):
-                self._drain()
+                self._drain(_DRAIN_BUDGET_S if busy else None)
             if self._stopping:
                 break
             stalled = False
@@ -103,7 +107,9 @@ class CoreLoop:
                     self.push.send_pyobj(BatchOut(outputs))
             self._periodic()
 
-    def _drain(self) -> None:
+    def _drain(self, budget_s: float | None = None) -> None:
+        """Handles the queued messages in order; with `budget_s`, stops after that long (at least one)."""
+        end = time.perf_counter() + budget_s if budget_s is not None else None
         while True:
             try:
                 # NOTE: a request's pixels arrive as frames of their own, unpickled without a copy
@@ -111,6 +117,8 @@ class CoreLoop:
             except zmq.Again:
                 return
             self._handle(msg)
+            if end is not None and time.perf_counter() >= end:
+                return
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):

@@ -39,7 +39,7 @@ class RpcReq:
     method: str
 
 
-RPC_METHODS = ("flush_cache", "get_stats", "check_memory_invariant")
+RPC_METHODS = ("flush_cache", "get_stats", "check_memory_invariant", "get_step_trace")
 
 
 @dataclass(frozen=True)

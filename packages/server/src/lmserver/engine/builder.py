@@ -34,7 +34,13 @@ from lmserver.runner.eagle import EagleProposer, eagle3_aux_layers
 from lmserver.runner.host_kv import HostKVPool
 from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
 from lmserver.runner.model_runner import ModelRunner
-from lmserver.runner.resolve import SMALL_GPU_GRAPH_MAX_BS, kv_cache_options, prefill_pacer, resolve_config
+from lmserver.runner.resolve import (
+    SMALL_GPU_GRAPH_MAX_BS,
+    kv_cache_options,
+    prefill_pacer,
+    resolve_config,
+    step_budget,
+)
 from lmserver.runner.tp_engine import TPContext, start_tensor_parallel
 from lmserver.scheduler import KVManager, Scheduler
 
@@ -142,6 +148,7 @@ class EngineBuilder:
             aging_rounds=rc.schedule_aging_rounds,
             enable_mixed_chunk=rc.enable_mixed_chunk,
             pacer=prefill_pacer(rc),
+            admission=step_budget(rc),
         )
         eos = set(mc.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:

@@ -11,6 +11,7 @@ for offline use.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -24,12 +25,18 @@ from lmserver.engine.constrained.grammar import STUCK_MESSAGE
 from lmserver.engine.detokenizer import IncrementalDetokenizer, OutputText
 from lmserver.engine.overlap import Launched, chain_ready, next_input_ids, row_ok
 from lmserver.engine.req_state import ReqState
+from lmserver.engine.step_trace import StepTrace
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
 from lmserver.runner.host_tensors import to_device
 from lmserver.runner.sampler import SamplingInfo, apply_penalties, sample, sample_tensor, takes_argmax
-from lmserver.scheduler import Req, ScheduleDecision
+from lmserver.scheduler import Req, ReqStatus, ScheduleDecision
 
 logger = logging.getLogger(__name__)
+
+# While requests run, a step spends at most about this much host time moving requests whose grammar
+# compiled into the scheduler (grammar objects, the jump-forward at admission); the rest wait for the
+# next steps. A storm's quick compiles finish together: all at once they were one long gap.
+GRAMMAR_ADMIT_BUDGET_S = 0.004
 
 
 def _valid_token_ids(ids: list[int], vocab_size: int) -> bool:
@@ -83,11 +90,17 @@ class EngineCore:
                           "overlap_grammar_steps": 0}  # chained launches sampled after the landing (grammar rows)
         self._recent: list[tuple[float, int]] = []  # (time, generated tokens) per step, last 10 s
         self._inflight: Launched | None = None  # the decode launched and not landed yet
+        # compiled (or failed) grammars polled and not admitted yet (GRAMMAR_ADMIT_BUDGET_S)
+        self._compiled: collections.deque[tuple[str, Any]] = collections.deque()
         # (step number, end time) of the last paced mixed step: back-to-back paced steps are timed
         # end to end, so the pacer sees the running requests' whole gap between two tokens (the
         # loop's messaging and scheduling included), not only the forward
         self._steps = 0
         self._paced_end = (-1, 0.0)
+        # the running requests' gaps between two tokens and what filled them (engine/step_trace.py)
+        self.trace = StepTrace(keep=parts.config.step_trace)
+        self._decode_rows = 0  # rows of the current step that got a token after their first
+        self._receive_s = 0.0  # the grammar dispatcher's receive time already given to the trace
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -96,6 +109,13 @@ class EngineCore:
 
         Raises InvalidRequestError for bad input. Mutates the waiting queue.
         """
+        start = time.perf_counter()
+        try:
+            self._add_request(req)
+        finally:
+            self.trace.add_request(time.perf_counter() - start)
+
+    def _add_request(self, req: GenerateReq) -> None:
         p = req.sampling_params
         if p.n != 1:
             raise InvalidRequestError("EngineCore takes n == 1 requests; split them with io_struct.expand_n")
@@ -153,6 +173,8 @@ class EngineCore:
             return
         self.scheduler.abort(rid)
         self.constrained.drop(rid)
+        if self._compiled:
+            self._compiled = collections.deque(entry for entry in self._compiled if entry[0] != rid)
         if self.spec is not None:
             self.spec.forget(rid)
         self._pending.append(self._output(state, finished=True, reason={"type": "abort", "message": "aborted"}))
@@ -160,6 +182,7 @@ class EngineCore:
     def has_work(self) -> bool:
         # NOTE: a launch whose requests all ended is not work: the next step lands it first
         return (self.scheduler.has_work() or bool(self._pending) or self.constrained.num_waiting > 0
+                or bool(self._compiled)
                 or (self._inflight is not None and self._inflight.alive(self.states)))
 
     # --- the loop ---------------------------------------------------------------------------
@@ -168,11 +191,30 @@ class EngineCore:
         """One scheduling round with at most one forward; returns the outputs that progressed.
 
         With the overlap schedule a decode's tokens come with the next call (engine/overlap.py)."""
+        trace = self.trace
+        if not self.scheduler.running and self._inflight is None:
+            trace.idle()  # no running request waits: no gap across this
+        start = time.perf_counter()
+        self._decode_rows = 0
+        try:
+            return self._step()
+        finally:
+            end = time.perf_counter()
+            pool = self.constrained.backend.pool_stats
+            if pool is not None and pool.receive_s != self._receive_s:
+                trace.receive(pool.receive_s - self._receive_s)
+                self._receive_s = pool.receive_s
+            rec = trace.step(start, end, self._decode_rows)
+            if rec is not None and self.scheduler.admission is not None:
+                self.scheduler.admission.observe(rec.decode_rows, rec.prefill_rows, rec.gap_s)
+
+    def _step(self) -> list[ReqOutput]:
         outputs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         self._steps += 1
         if prev is not None:
-            if self.overlap and chain_ready(self.scheduler, prev, self.states, self.constrained.num_chain_blockers()):
+            blockers = self.constrained.num_chain_blockers() + len(self._compiled)
+            if self.overlap and chain_ready(self.scheduler, prev, self.states, blockers):
                 rounds, ratio = self.scheduler.num_rounds, self.scheduler.new_token_ratio
                 decision = self.constrained.schedule(self.scheduler)
                 assert decision.mode == "decode" and not decision.retracted, decision.mode
@@ -195,8 +237,10 @@ class EngineCore:
             # schedules. A mixed step run here would give its rows a second token in the same
             # call, so an abort or a client between the two could no longer stop the second.
             return outputs
-        if self.constrained.num_waiting:
-            outputs.extend(self._admit_constrained())
+        if self.constrained.num_waiting or self._compiled:
+            admit_start = time.perf_counter()
+            admitted = self._admit_constrained(outputs)
+            self.trace.admission(admitted, time.perf_counter() - admit_start)
         decision = self.constrained.schedule(self.scheduler)  # = scheduler.schedule() without jump-forward
         if decision.mode == "idle":
             return outputs
@@ -213,6 +257,8 @@ class EngineCore:
             if drafts:
                 return outputs + self._verify(decision, drafts)
         start = time.perf_counter()
+        prefill = [item for item in decision.items if decision.mode == "extend"
+                   and self.scheduler.reqs[item.rid].status == ReqStatus.PREFILLING]
         mm_rows = self.mm.rows(decision, lambda rid: self.states[rid].sreq) \
             if self.mm is not None and decision.mode == "extend" else []
         # NOTE: mm_rows only when there are some: a TP-wrapped runner (no images) takes no such argument
@@ -222,6 +268,7 @@ class EngineCore:
         self._counters["forwards"] += 1
         self._counters["forward_tokens"] += decision.num_tokens
         outputs.extend(self._process(decision, logits))  # NOTE: waits for the sampled tokens
+        self.trace.forward(time.perf_counter() - start, len(prefill), sum(len(item.token_ids) for item in prefill))
         if decision.paced_prefill_tokens and self.scheduler.pacer is not None:
             now = time.perf_counter()
             last_step, last_end = self._paced_end
@@ -333,20 +380,30 @@ class EngineCore:
         self._counters["generation_tokens"] += len(rows)
         outputs: list[ReqOutput] = []
         for state, token in rows:
+            self._decode_rows += len(state.sreq.output_ids) > 0  # not its first token
             out = self._append_token(state, token)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _admit_constrained(self) -> list[ReqOutput]:
+    def _admit_constrained(self, outputs: list[ReqOutput]) -> int:
         """Moves requests whose grammar compiled from the grammar stage to the scheduler (after
-        a jump-forward over text forced from the start); failed grammars finish with an error."""
-        outputs: list[ReqOutput] = []
-        wait_s = 0.0 if self.scheduler.has_work() else 0.005
-        for rid, result in self.constrained.poll(wait_s):
+        a jump-forward over text forced from the start); failed grammars finish with an error
+        (appended to `outputs`). Returns how many requests left the grammar stage. While requests
+        run, stops after GRAMMAR_ADMIT_BUDGET_S (at least one each step); the rest wait in order."""
+        done = 0
+        if self.constrained.num_waiting:
+            wait_s = 0.0 if self.scheduler.has_work() or self._compiled else 0.005
+            self._compiled.extend(self.constrained.poll(wait_s))
+        end = time.perf_counter() + GRAMMAR_ADMIT_BUDGET_S if self.scheduler.running else float("inf")
+        while self._compiled:
+            if done and time.perf_counter() >= end:
+                break
+            rid, result = self._compiled.popleft()
             state = self.states.get(rid)
             if state is None:
                 continue
+            done += 1
             if isinstance(result, Exception):
                 self.states.pop(rid, None)
                 outputs.append(self.constrained.error_output(rid, result))
@@ -363,7 +420,7 @@ class EngineCore:
                 outputs.append(self._finish(state, reason))
             else:
                 self.scheduler.add(state.sreq)
-        return outputs
+        return done
 
     def _process(self, decision: ScheduleDecision, logits: torch.Tensor) -> list[ReqOutput]:
         row = 0
@@ -559,6 +616,11 @@ class EngineCore:
         if not self.states:
             self.scheduler.check_memory_invariant()
 
+    def get_step_trace(self) -> dict[str, Any]:
+        """The last `step_trace` records of the running requests' gaps (engine/step_trace.py), as
+        rows of their field names (none with step_trace 0)."""
+        return self.trace.rows()
+
     def get_stats(self) -> dict[str, Any]:
         """Scheduler state, token counters, cache hit rate and recent generation throughput."""
         now = time.monotonic()
@@ -575,6 +637,7 @@ class EngineCore:
                                                                       pool.head_dim, pool.dtype)
         stats.update(self.constrained.stats)
         stats.update(self.constrained.mask_time_stats())
+        stats.update(self.trace.stats())
         if self.mm is not None:
             stats.update(self.mm.stats())
         if self.spec is not None:

@@ -165,7 +165,9 @@ def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, ReqState
     if grammar_blocks or scheduler.prefilling or not scheduler.running:
         return False
     if scheduler.waiting:  # admission must stay impossible after prev lands
-        if scheduler.has_free_row:
+        # NOTE: the SLO admission's refusal counts as impossible: its answer after prev lands (a new
+        # measurement) may differ, and the request is then admitted one step later than serially
+        if scheduler.can_admit:
             return False
         if any(may_finish(states[r.rid]) for r in scheduler.running if r.rid in states):
             return False

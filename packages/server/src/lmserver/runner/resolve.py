@@ -15,6 +15,7 @@ from lmserver.forward.kv_pool import KVPool
 from lmserver.kernels.fp8_ref import FP8_DTYPE
 from lmserver.models.config import ModelConfig
 from lmserver.models.loader import DTYPES
+from lmserver.scheduler.admission import AdmissionConfig, StepBudget
 from lmserver.scheduler.pacer import PacerConfig, PrefillPacer
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,25 @@ def prefill_pacer(rc: ServerConfig) -> PrefillPacer | None:
                                     max_tokens=most, start_tokens=max(1, most // 4)))
 
 
+def resolve_decode_step_target_ms(requested: float | None) -> float | None:
+    """The SLO admission's decode step target (None: off; 0 means off too). Pure."""
+    if requested is None or requested == 0:
+        return None
+    if not requested > 0 or requested == float("inf"):
+        raise ConfigError(f"decode_step_target_ms must be a finite number > 0 (0 or unset: off), got {requested}")
+    return float(requested)
+
+
+def step_budget(rc: ServerConfig) -> StepBudget | None:
+    """The SLO admission of a resolved config (None: off): its admitting steps bounded by the
+    pacer's mixed-step target where there is one."""
+    if rc.decode_step_target_ms is None:
+        return None
+    most = rc.prefill_step_target_ms or 0.0
+    return StepBudget(AdmissionConfig(target_s=rc.decode_step_target_ms / 1000.0,
+                                      max_step_s=most / 1000.0 if most > 0 else float("inf")))
+
+
 def resolve_kv_tokens(
     config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
 ) -> int:
@@ -263,6 +283,7 @@ def resolve_config(
         enable_overlap_schedule=overlap,
         chunked_prefill_size=resolve_chunked_prefill_size(config.chunked_prefill_size, device),
         prefill_step_target_ms=resolve_prefill_step_target_ms(config.prefill_step_target_ms, device),
+        decode_step_target_ms=resolve_decode_step_target_ms(config.decode_step_target_ms),
         model_path=model_path,
         device=device,
         dtype=dtype,

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from lmserver.scheduler.admission import StepBudget
 from lmserver.scheduler.kv import KVManager
 from lmserver.scheduler.pacer import PrefillPacer
 from lmserver.scheduler.policy import order_waiting
@@ -85,6 +86,7 @@ class Scheduler:
         init_new_token_ratio: float = NEW_TOKEN_RATIO_INIT,
         min_new_token_ratio: float = NEW_TOKEN_RATIO_MIN,
         pacer: PrefillPacer | None = None,
+        admission: StepBudget | None = None,
     ) -> None:
         self.kv = kv
         self.max_running_requests = max_running_requests
@@ -95,6 +97,9 @@ class Scheduler:
         self.enable_mixed_chunk = enable_mixed_chunk
         # sizes the prefill of mixed steps (None: full chunks); only while requests decode
         self.pacer = pacer
+        # SLO admission (scheduler/admission.py): while requests decode, admits only what keeps their
+        # step within its target; the caller reports each measured gap to `admission.observe`
+        self.admission = admission
         self.reqs: dict[str, Req] = {}
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -158,6 +163,19 @@ class Scheduler:
         request-table row). Pure."""
         return self.num_active < self.max_running_requests and bool(self.free_rows)
 
+    def admission_limit(self) -> int | None:
+        """How many waiting requests the SLO admission lets in this round (None: no limit beyond
+        rows and memory). Pure."""
+        if self.admission is None:
+            return None
+        return self.admission.admit_limit(self.num_active, len(self.running))
+
+    @property
+    def can_admit(self) -> bool:
+        """True when a waiting request could be admitted now as far as rows and the SLO admission
+        go (memory aside). Pure."""
+        return self.has_free_row and self.admission_limit() != 0
+
     # --- scheduling -----------------------------------------------------------------------
 
     def schedule(self) -> ScheduleDecision:
@@ -202,6 +220,11 @@ class Scheduler:
         # prefix matching while the batch is full
         if chunk_left <= 0 or prefill_left <= 0 or not self.waiting or not self.has_free_row:
             return items
+        limit = self.admission_limit()
+        if limit == 0:  # NOTE: as with no free row, the waiting queue is not ordered
+            assert self.admission is not None
+            self.admission.num_deferred += 1
+            return items
         # 2. admit waiting requests in policy order
         admitted: list[Req] = []
         # requests whose prompt KV is not all cached yet (admitted this round, or still prefilling
@@ -213,6 +236,10 @@ class Scheduler:
                 by_first.setdefault((req.extra_key, _first_token(req)), []).append(req)
         for req in order_waiting(self.waiting, self.kv, self.schedule_policy, self.aging_rounds):
             if not self.has_free_row:
+                break
+            if limit is not None and len(admitted) >= limit:
+                assert self.admission is not None
+                self.admission.num_deferred += 1
                 break
             if chunk_left <= 0 or prefill_left <= 0:
                 break
@@ -446,5 +473,6 @@ class Scheduler:
             # the prompt tokens of the next mixed step and how many steps sized it (None: no pacer)
             "prefill_pacer_tokens": self.pacer.tokens if self.pacer is not None else None,
             "prefill_paced_steps": self.pacer.num_observed if self.pacer is not None else 0,
+            **(self.admission.stats() if self.admission is not None else {}),
             **self.kv.host_stats(),  # the host KV tier's hits, loads, offloads, usage (when on)
         }

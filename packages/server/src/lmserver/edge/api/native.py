@@ -290,6 +290,16 @@ async def get_server_info(request: Request) -> dict[str, Any]:
             "scheduler": stats, "num_pending_http_requests": mgr.num_pending, "core_pid": mgr.ready.pid, "version": _version()}
 
 
+@router.get("/get_step_trace")
+async def get_step_trace(request: Request) -> dict[str, Any]:
+    """The core's last `--step-trace` records of the running requests' gaps between two tokens and
+    what filled each (lmserver.engine.step_trace: fields, then one row per gap)."""
+    try:
+        return dict(await manager(request).rpc("get_step_trace"))
+    except RuntimeError as exc:  # a core without a trace (a test double)
+        raise APIError(501, f"step trace unavailable: {exc}") from None
+
+
 @router.get("/check_memory_invariant")
 async def check_memory_invariant(request: Request) -> dict[str, Any]:
     """Runs the core's memory accounting check; 500 with the violation when it fails."""

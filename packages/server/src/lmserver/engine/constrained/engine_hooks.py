@@ -314,9 +314,13 @@ class ConstrainedDecoding:
         live = [(st, j, n) for st, j, n, n_out in deferred.values() if self._unchanged(scheduler, st.sreq, n_out)]
         if not live:
             return
-        waiting_admissible = bool(scheduler.waiting) and scheduler.has_free_row
-        if not self.policy.batch([n for _, _, n in live], len(scheduler.running),
-                                 extend_pending=bool(scheduler.prefilling) or waiting_admissible):
+        waiting_admissible = bool(scheduler.waiting) and scheduler.can_admit
+        extend_pending = bool(scheduler.prefilling) or waiting_admissible
+        budget = scheduler.admission  # SLO admission: a jump's own extend round must be paid for, as an admission's
+        unpaid = (budget is not None and not extend_pending
+                  and not budget.extend_affordable(len(scheduler.running), len(live)))
+        if unpaid or not self.policy.batch([n for _, _, n in live], len(scheduler.running),
+                                           extend_pending=extend_pending):
             self.stats["jump_forward_declined"] += len(live)
             for st, _, n in live:
                 if st.grammar.declined is None:  # later steps of its forced text estimate from it
