@@ -52,7 +52,7 @@ from cfsm.grammar import parse_ebnf  # noqa: E402
 from cfsm.grammar.testing import LARK_JSON, draw_member  # noqa: E402
 
 try:
-    from cfsm.vocab import build_trie_levels  # noqa: E402
+    from cfsm.masks.vocab import build_trie_levels  # noqa: E402
 except ImportError:  # NOTE: a cfsm tree from before the trie levels (A/B runs of older commits)
     build_trie_levels = None  # type: ignore[assignment]
 

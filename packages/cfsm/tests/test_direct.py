@@ -1,4 +1,4 @@
-"""The direct DFA construction (`cfsm.direct`) against the generic one: the very same `Dfa`."""
+"""The direct DFA construction (`cfsm.automata.direct`) against the generic one: the very same `Dfa`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm import CfsmConfig
-from cfsm.automaton import Dfa, build_dfa
-from cfsm.direct import build_dfa_direct
-from cfsm.index import build_index
-from cfsm.json_schema import format_node, schema_to_node
-from cfsm.regex_ast import Chars, Node, Repeat, cat, lit
-from cfsm.regex_parser import parse_regex
+from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.automata.direct import build_dfa_direct
+from cfsm.masks.index import build_index
+from cfsm.regex.parser import parse_regex
+from cfsm.regex.syntax import Chars, Node, Repeat, cat, lit
+from cfsm.schema.json_schema import format_node, schema_to_node
 
 
 def _same(a: Dfa, b: Dfa) -> bool:
@@ -171,7 +171,7 @@ def test_direct_dfa_is_the_generic_dfa_on_regex_trees(pattern: str) -> None:
 
 def test_prepared_blocks_are_the_blocks_built_at_compile_time() -> None:
     """`prepare_blocks` holds, for every per-process value tree, the very block `_Block` builds."""
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     direct.prepare_blocks()
     assert len(direct._PREPARED) >= 8
@@ -190,7 +190,7 @@ def test_prepared_blocks_are_the_blocks_built_at_compile_time() -> None:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_schemas(), st.sampled_from(["compact", "flexible"]))
 def test_direct_dfa_with_and_without_prepared_blocks(schema: dict[str, Any], whitespace: str) -> None:
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     direct.prepare_blocks()
     node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
@@ -209,7 +209,7 @@ def test_direct_dfa_with_and_without_prepared_blocks(schema: dict[str, Any], whi
 def _built(node: Node) -> Any:
     """(builder, start, table, byte_map, accepting, shortest lengths) of the direct construction,
     or None where it declines."""
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     b = direct._Builder()
     try:
@@ -228,7 +228,7 @@ def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _refined(table: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
-    from cfsm.automaton import _refine
+    from cfsm.automata.automaton import _refine
 
     live = dist >= 0
     return _refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
@@ -286,8 +286,8 @@ def test_structural_classes_take_repeated_sections_and_decline_the_email_loop() 
 @pytest.mark.parametrize("lo, hi", [(0, 8), (3, 9), (9, 9), (0, None), (1, None), (2, None), (9, None), (12, None)])
 @pytest.mark.parametrize("unit", [lit("ab"), cat(lit("a"), Repeat(lit("b"), 0, 1), lit("c")), Chars(((0x41, 0x5A), (0xE9, 0xE9)))])
 def test_counted_block_classes_are_its_own_minimal_classes(unit: Node, lo: int, hi: int | None) -> None:
-    import cfsm.block_facts as facts
-    import cfsm.direct as direct
+    import cfsm.automata.block_facts as facts
+    import cfsm.automata.direct as direct
 
     node = Repeat(unit, lo, hi)
     blk = direct._Block(node)
@@ -300,8 +300,8 @@ def test_counted_block_classes_are_its_own_minimal_classes(unit: Node, lo: int, 
 @given(_patterns())
 def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
     """`_facts_small` (plain Python, small blocks) gives what the numpy path gives."""
-    import cfsm.block_facts as facts
-    import cfsm.direct as direct
+    import cfsm.automata.block_facts as facts
+    import cfsm.automata.direct as direct
 
     node = parse_regex(pattern)
     try:
@@ -327,7 +327,7 @@ _STRING_VOCAB = cfsm.Vocabulary([b"", b'"', b'",', b'"}', b"a", b"ab", b"abc", b
 def test_proven_string_states_match_as_the_verification_does(schema: dict[str, Any]) -> None:
     """The string text states the direct construction proves (`string_text_states`, left out of
     the verification) are matched with the very bounds and continuations as when checked."""
-    from cfsm.templates import match_string_states
+    from cfsm.masks.templates import match_string_states
 
     direct = build_dfa_direct(schema_to_node(schema, CfsmConfig()), force=True)
     if direct is None or "string_text_states" not in direct.__dict__:
@@ -354,7 +354,7 @@ def test_bounded_and_free_string_bodies_are_proven() -> None:
 @given(_schemas(), st.sampled_from(["compact", "flexible"]))
 def test_fresh_classes_are_the_hash_consed_ones(schema: dict[str, Any], whitespace: str) -> None:
     """`_fresh_classes` (every key new, at once) gives the partition of the hash-consing loop."""
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     built = _built(schema_to_node(schema, CfsmConfig(whitespace=whitespace)))
     if built is None:
@@ -378,7 +378,7 @@ _LEADS = ["a", "b", ",", "]", "cb", ",a", "d", "]x", "e", "fg", "h", "i"]
 def _choice_trees(draw: st.DrawFn, depth: int = 0) -> Node:
     """Trees of literal-led alternations and short bounded repeats (the direct construction's
     union states, `_Builder._choice`), with blocks and empty strings among them."""
-    from cfsm.regex_ast import EMPTY, Alt
+    from cfsm.regex.syntax import EMPTY, Alt
 
     kind = draw(st.integers(0, 4 if depth < 3 else 1))
     if kind == 0:
@@ -399,7 +399,7 @@ def _choice_trees(draw: st.DrawFn, depth: int = 0) -> Node:
 def test_union_states_give_the_generic_dfa_and_the_refined_partition(tree: Node, after: str) -> None:
     from unittest import mock
 
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     node = cat(lit("["), tree, lit(after)) if after else cat(lit("["), tree)
     # NOTE: every choice is tried as union states (not only those around prepared blocks)
@@ -413,7 +413,7 @@ def test_union_states_give_the_generic_dfa_and_the_refined_partition(tree: Node,
 def test_arrays_of_strings_are_union_states_with_proven_string_text() -> None:
     """An array of strings with maxItems: literal states and string-body copies (no block of its
     own), its string states handed to the string tables as proven."""
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     schema = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
               "required": ["t"]}
@@ -441,7 +441,7 @@ _FORMAT_TOKENS = [b"", b"a", b"b", b"@", b".", b"a@", b"b.", b'"', b'",', b'"}',
 def test_proven_format_states_give_the_matched_masks(values: list[dict[str, Any]], whitespace: str) -> None:
     """The direct construction names its email/uri states (`fragment_states`, from each format
     block's map onto F); the index built from them equals the one that matches F's states."""
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     direct.prepare_blocks()
     vocab = cfsm.Vocabulary(_FORMAT_TOKENS, eos_token_ids=[0])
@@ -458,9 +458,9 @@ def test_proven_format_states_give_the_matched_masks(values: list[dict[str, Any]
 
 
 def test_format_blocks_map_onto_f() -> None:
-    import cfsm.direct as direct
-    from cfsm.fragments import TABLE_FORMATS
-    from cfsm.json_schema import piece
+    import cfsm.automata.direct as direct
+    from cfsm.masks.fragments import TABLE_FORMATS
+    from cfsm.schema.json_schema import piece
 
     direct.prepare_blocks()
     for fmt in TABLE_FORMATS:
@@ -475,8 +475,8 @@ def test_format_blocks_map_onto_f() -> None:
 def test_loop_free_literal_pieces_are_literal_states(lo: int, span: int, words: list[str], copies: int) -> None:
     """Integer ranges and enums (loop-free literal trees) become literal and union states once
     (`_Builder._literal_states`), a block when copied: the generic DFA and the refined partition."""
-    from cfsm.numeric import int_range
-    from cfsm.regex_ast import Alt
+    from cfsm.regex.syntax import Alt
+    from cfsm.schema.numeric import int_range
 
     enum = Alt([lit(json.dumps(w)) for w in words])
     value = cat(lit('{"a":'), int_range(lo, lo + span), lit(',"b":'), enum, lit("}"))
@@ -489,7 +489,7 @@ def test_loop_free_literal_pieces_are_literal_states(lo: int, span: int, words: 
 def test_schemas_of_prepared_pieces_take_the_direct_path() -> None:
     """Blocks prepared once per process cost a compile nothing: a schema made of them (and of
     literal states) takes the direct construction even where no block repeats."""
-    import cfsm.direct as direct
+    import cfsm.automata.direct as direct
 
     direct.prepare_blocks()
     schema = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "boolean"},

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.grammar import Grammar, GrammarGuide, GrammarIndex, inline_rules, parse_ebnf, parse_lark
+from cfsm.grammar import Grammar, GrammarIndex, inline_rules, parse_ebnf, parse_lark
 from cfsm.grammar.testing import LARK_JSON, accepts, byte_vocab, draw_member, greedy_tokens
+from cfsm.guide import GrammarGuide
 from cfsm.testing import allowed_by_advance
 
 JSON = r'''

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.grammar import GrammarGuide, GrammarIndex, Pda, build_pda, inline_rules, parse_ebnf
+from cfsm.grammar import GrammarIndex, Pda, build_pda, inline_rules, parse_ebnf
 from cfsm.grammar import index as grammar_index
 from cfsm.grammar import pda as grammar_pda
 from cfsm.grammar.testing import JSON_GBNF, byte_vocab, draw_member, greedy_tokens
+from cfsm.guide import GrammarGuide
 from cfsm.testing import allowed_by_advance
 
 C_LIKE = r'''

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm import CfsmConfig, Compiler, Guide, RejectedTokenError, Vocabulary, VocabularyError
-from cfsm.compressed import utf8_prefix
+from cfsm.masks.compressed import utf8_prefix
 from cfsm.testing import char_vocab, tiny_vocab
 
 PATTERNS = [
@@ -80,10 +80,10 @@ def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: i
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # large enough that the trie descent, the range walk and the whole-vocabulary walk all run;
     # a share depth of 2 makes most tokens "long" (walked per state, not shared per class)
-    import cfsm.index
-    import cfsm.walker
+    import cfsm.masks.index
+    import cfsm.masks.walker
 
-    monkeypatch.setattr(cfsm.index, "_SHARE_DEPTH", share_depth)
+    monkeypatch.setattr(cfsm.masks.index, "_SHARE_DEPTH", share_depth)
     _check_index_against_oracle(cfsm.compile_regex(pattern, _random_vocab(len(pattern), 1500)))
 
 
@@ -95,7 +95,7 @@ def test_states_with_equal_masks_share_rows() -> None:
 
 
 def _encoder(vocab: Vocabulary):  # greedy longest-match tokenizer: a stand-in for a real one
-    from cfsm.compressed import _greedy_tokens
+    from cfsm.masks.compressed import _greedy_tokens
 
     return lambda text: _greedy_tokens(text.encode(), vocab)
 
@@ -268,19 +268,19 @@ def test_jump_forward_is_none_inside_a_utf8_character() -> None:
 def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     # every counter value of a bounded JSON string has its own "after a backslash" state; they
     # share one candidate split (cached) and must still match the naive walk exactly
-    import cfsm.walker
+    import cfsm.masks.walker
 
     calls: list[int] = []
-    real = cfsm.walker._Walker._candidates
+    real = cfsm.masks.walker._Walker._candidates
 
     def spy(self, allowed, chained, outside, utf8):  # type: ignore[no-untyped-def]
         calls.append(len(self._cand))
         return real(self, allowed, chained, outside, utf8)
 
-    monkeypatch.setattr(cfsm.walker._Walker, "_candidates", spy)
-    monkeypatch.setattr(cfsm.walker, "_TINY", 4)  # walk even small candidate sets this way
-    monkeypatch.setattr(cfsm.walker, "_TINY_PYTHON", 4)
-    monkeypatch.setattr(cfsm.walker, "_BROAD", 0.9)  # as in a large vocabulary: escapes are not broad
+    monkeypatch.setattr(cfsm.masks.walker._Walker, "_candidates", spy)
+    monkeypatch.setattr(cfsm.masks.walker, "_TINY", 4)  # walk even small candidate sets this way
+    monkeypatch.setattr(cfsm.masks.walker, "_TINY_PYTHON", 4)
+    monkeypatch.setattr(cfsm.masks.walker, "_BROAD", 0.9)  # as in a large vocabulary: escapes are not broad
     rng = random.Random(7)
     alphabet = list('abfnrtu019"\\/ ') + ["é"]
     toks = {"".join(rng.choice(alphabet) for _ in range(rng.choice([1, 2, 3, 5]))).encode() for _ in range(900)}
@@ -294,7 +294,7 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
 @pytest.mark.parametrize("batch_pairs", [1, 97])
 def test_few_candidate_states_walked_in_small_batches(batch_pairs: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # batches cut between states (1 pair: one state per batch) give the naive walk's masks
-    import cfsm.walker
+    import cfsm.masks.walker
 
-    monkeypatch.setattr(cfsm.walker, "_BATCH_PAIRS", batch_pairs)
+    monkeypatch.setattr(cfsm.masks.walker, "_BATCH_PAIRS", batch_pairs)
     _check_index_against_oracle(cfsm.compile_regex(PATTERNS[1], _random_vocab(3, 600)))

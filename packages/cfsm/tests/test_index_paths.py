@@ -15,19 +15,19 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-import cfsm.index
-import cfsm.mask_rows
-import cfsm.walker
-import cfsm.walks
+import cfsm.masks.index
+import cfsm.masks.rows
+import cfsm.masks.walker
+import cfsm.masks.walks
 from cfsm import Vocabulary
-from cfsm.automaton import Dfa, build_dfa
-from cfsm.formats import FORMAT_REGEXES
-from cfsm.fragments import match_fragment
-from cfsm.index import build_index
-from cfsm.json_schema import json_value_node, schema_to_node
-from cfsm.mask_rows import or_bits
-from cfsm.regex_parser import parse_regex
-from cfsm.templates import match_string_states
+from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.masks.fragments import match_fragment
+from cfsm.masks.index import build_index
+from cfsm.masks.rows import or_bits
+from cfsm.masks.templates import match_string_states
+from cfsm.regex.parser import parse_regex
+from cfsm.schema.formats import FORMAT_REGEXES
+from cfsm.schema.json_schema import json_value_node, schema_to_node
 
 _ALPHABET = list('abfnrtu0159"\\/{}[]:,.- ') + ["é", "€", "😀"]
 
@@ -73,31 +73,31 @@ _SCHEMAS = st.recursive(_LEAF, _objects, max_leaves=5).map(
 _VOCAB = _json_vocab(11, 1200)
 
 
-def _plain_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
+def _plain_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
     with monkeypatch.context() as m:
-        m.setattr(cfsm.walks, "_MIN_GROUP_BYTES", 10**6)  # no chains (no counted-repeat lookups)
-        m.setattr(cfsm.walker, "_TINY", -1)  # no batched walks
-        m.setattr(cfsm.walker, "_TINY_PYTHON", -1)
-        m.setattr(cfsm.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
-        m.setattr(cfsm.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
-        m.setattr(cfsm.index, "_STRING_TABLES", False)  # no per-vocabulary string walks
-        m.setattr(cfsm.index, "_FRAGMENT_TABLES", False)  # no per-vocabulary format walks
+        m.setattr(cfsm.masks.walks, "_MIN_GROUP_BYTES", 10**6)  # no chains (no counted-repeat lookups)
+        m.setattr(cfsm.masks.walker, "_TINY", -1)  # no batched walks
+        m.setattr(cfsm.masks.walker, "_TINY_PYTHON", -1)
+        m.setattr(cfsm.masks.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
+        m.setattr(cfsm.masks.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
+        m.setattr(cfsm.masks.index, "_STRING_TABLES", False)  # no per-vocabulary string walks
+        m.setattr(cfsm.masks.index, "_FRAGMENT_TABLES", False)  # no per-vocabulary format walks
         return build_index(dfa, vocab)
 
 
-def _fast_index(dfa: cfsm.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
+def _fast_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
                 strings: bool = False) -> cfsm.Index:
     # thresholds scaled to the small vocabulary so that every fast path runs (as with 49k tokens)
     with monkeypatch.context() as m:
-        m.setattr(cfsm.walker, "_TINY", 60)
-        m.setattr(cfsm.walker, "_TINY_PYTHON", 8)
-        m.setattr(cfsm.walker, "_BATCH_PAIRS", 400)
-        m.setattr(cfsm.index, "_SHARE_DEPTH", 6)
-        m.setattr(cfsm.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
-        m.setattr(cfsm.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
-        m.setattr(cfsm.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
-        m.setattr(cfsm.index, "_STRING_TABLES", strings)
-        m.setattr(cfsm.index, "_CLASSES_MIN_BROAD", 0)  # walk classes always
+        m.setattr(cfsm.masks.walker, "_TINY", 60)
+        m.setattr(cfsm.masks.walker, "_TINY_PYTHON", 8)
+        m.setattr(cfsm.masks.walker, "_BATCH_PAIRS", 400)
+        m.setattr(cfsm.masks.index, "_SHARE_DEPTH", 6)
+        m.setattr(cfsm.masks.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
+        m.setattr(cfsm.masks.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
+        m.setattr(cfsm.masks.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
+        m.setattr(cfsm.masks.index, "_STRING_TABLES", strings)
+        m.setattr(cfsm.masks.index, "_CLASSES_MIN_BROAD", 0)  # walk classes always
         return build_index(dfa, vocab)
 
 
@@ -117,13 +117,13 @@ def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypat
 def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # guard for the property above: the schemas' string states do take the chain lookup here
     used: list[bool] = []
-    real = cfsm.walker._Walker._inside_group
+    real = cfsm.masks.walker._Walker._inside_group
 
     def spy(self, outside, utf8):  # type: ignore[no-untyped-def]
         used.append(utf8)
         return real(self, outside, utf8)
 
-    monkeypatch.setattr(cfsm.walker._Walker, "_inside_group", spy)
+    monkeypatch.setattr(cfsm.masks.walker._Walker, "_inside_group", spy)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
     dfa = build_dfa(schema_to_node(schema))
     fast = _fast_index(dfa, _VOCAB, monkeypatch)
@@ -148,7 +148,7 @@ def test_two_byte_starts_hold_exactly_the_tokens_of_each_prefix() -> None:
     assert np.array_equal(starts[:, 257], tables.first_byte_starts[1:])
 
 
-# --- JSON string states from the vocabulary's string tables (cfsm.templates) ---
+# --- JSON string states from the vocabulary's string tables (cfsm.masks.templates) ---
 
 _SVOCAB = _json_vocab(23, 900)
 _CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
@@ -156,8 +156,8 @@ _CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 
 def _both(dfa: Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> tuple[cfsm.Index, cfsm.Index]:
     with monkeypatch.context() as m:
-        m.setattr(cfsm.index, "_STRING_TABLES", False)
-        m.setattr(cfsm.index, "_FRAGMENT_TABLES", False)
+        m.setattr(cfsm.masks.index, "_STRING_TABLES", False)
+        m.setattr(cfsm.masks.index, "_FRAGMENT_TABLES", False)
         generic = build_index(dfa, vocab)
     return generic, build_index(dfa, vocab)
 
@@ -255,7 +255,7 @@ def test_benchmark_grammars_on_smollm2_give_the_generic_masks(smollm2_tokenizer:
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 10), min_size=10, max_size=10), st.lists(st.booleans(), min_size=10, max_size=10))
 def test_chain_ends_follow_the_chain_to_its_first_terminal(a: list[int], terminal: list[bool]) -> None:
-    from cfsm.templates import _chain_ends
+    from cfsm.masks.templates import _chain_ends
 
     end, dist = _chain_ends(np.asarray(a, dtype=np.int64), np.asarray(terminal))
     for i in range(len(a)):
@@ -269,7 +269,7 @@ def test_chain_ends_follow_the_chain_to_its_first_terminal(a: list[int], termina
 
 
 def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cfsm.templates
+    import cfsm.masks.templates
 
     schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 300}},
               "required": ["a"]}
@@ -280,27 +280,27 @@ def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypa
     assert int((m.t == _SVOCAB.string_tables.text).sum()) >= 300
     generic, tabled = _both(dfa, _SVOCAB, monkeypatch)
     _assert_same_masks(generic, tabled)
-    monkeypatch.setattr(cfsm.templates, "_MAX_PASSES", 0)
+    monkeypatch.setattr(cfsm.masks.templates, "_MAX_PASSES", 0)
     assert (match_string_states(dfa, _SVOCAB.string_tables).t < 0).all()
     _assert_same_masks(generic, build_index(dfa, _SVOCAB))
 
 
 def _proposals(dfa: Dfa) -> tuple[np.ndarray, ...]:
     """The (t, rem, need, cont) that `match_string_states` hands to `_verify`."""
-    import cfsm.templates
+    import cfsm.masks.templates
 
     got: list[tuple[np.ndarray, ...]] = []
-    real = cfsm.templates._verify
+    real = cfsm.masks.templates._verify
 
     def spy(dfa_: Dfa, st_: Any, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
         got.append((t.copy(), rem.copy(), need.copy(), cont.copy()))
         real(dfa_, st_, t, rem, need, cont)
 
-    cfsm.templates._verify = spy
+    cfsm.masks.templates._verify = spy
     try:
         match_string_states(dfa, _SVOCAB.string_tables)
     finally:
-        cfsm.templates._verify = real
+        cfsm.masks.templates._verify = real
     return got[0] if got else ()
 
 
@@ -310,8 +310,8 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
                                                               flips: int) -> None:
     """`_all_pass` (all proposed states checked at once) says True exactly when the passes of
     `_verify` would unmark nothing, also on proposals made wrong on purpose."""
-    import cfsm.templates
-    from cfsm.templates import _all_pass, joint_reps
+    import cfsm.masks.templates
+    from cfsm.masks.templates import _all_pass, joint_reps
 
     dfa = build_dfa(schema_to_node(schema))
     props = _proposals(dfa)
@@ -324,7 +324,7 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
         if field == 0:
             t[q] = (t[q] + 1) % _SVOCAB.string_tables.num_t
         elif field == 1:
-            rem[q] = max(rem[q] - 1, 0) if rem[q] < cfsm.templates.INF else 3
+            rem[q] = max(rem[q] - 1, 0) if rem[q] < cfsm.masks.templates.INF else 3
         elif field == 2:
             need[q] += 1
         elif field == 3:
@@ -340,13 +340,13 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
     said = _all_pass(dfa, stt, stt.code[:, reps], table, t, rem, need, cont, stt.byte_class[reps], t >= 0)
     assert np.array_equal(t, before)  # pure
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(cfsm.templates, "_ONE_CHECK_MAX", -1)  # the passes only
-        cfsm.templates._verify(dfa, stt, t, rem, need, cont)
+        m.setattr(cfsm.masks.templates, "_ONE_CHECK_MAX", -1)  # the passes only
+        cfsm.masks.templates._verify(dfa, stt, t, rem, need, cont)
     event(f"all pass: {said}")
     assert said == bool(np.array_equal(t, before))
 
 
-# --- `format` strings (email, uri) from the vocabulary's fragment tables (cfsm.fragments) ---
+# --- `format` strings (email, uri) from the vocabulary's fragment tables (cfsm.masks.fragments) ---
 
 _FALPHABET = list('ab.-@:/?#%"\\,{}[]01 _') + ["é", "a@b", "x.y", '",', '"}', "://", "%2"]
 
@@ -437,8 +437,8 @@ def test_pack_rows_equal_rows_packed_one_by_one(sets: list[list[int]], base_at: 
         got.append(row.tobytes())
         return len(got) - 1
 
-    monkeypatch.setattr(cfsm.mask_rows, "_PACK_CHUNK_WORDS", chunk_words)  # chunks of one row and more
-    ids = cfsm.mask_rows.pack_rows(len(sets), pair_g, pair_t, words, intern, base, base_idx)
+    monkeypatch.setattr(cfsm.masks.rows, "_PACK_CHUNK_WORDS", chunk_words)  # chunks of one row and more
+    ids = cfsm.masks.rows.pack_rows(len(sets), pair_g, pair_t, words, intern, base, base_idx)
     for g, s in enumerate(sets):
         row = base[base_idx[g]].copy() if base_idx[g] >= 0 else np.zeros(words, dtype=np.uint32)
         or_bits(row, np.asarray(sorted(set(s)), dtype=np.int64))
@@ -449,7 +449,7 @@ def test_pack_rows_equal_rows_packed_one_by_one(sets: list[list[int]], base_at: 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.binary(max_size=5), min_size=1, max_size=8), st.sampled_from(['"a{0,3}",?[xy]*', "[a-c]+x?", "é|a*"]))
 def test_live_suffixes_equal_one_walk_per_pair(suffixes: list[bytes], pattern: str) -> None:
-    from cfsm.templates import live_suffixes, suffix_table
+    from cfsm.masks.templates import live_suffixes, suffix_table
 
     dfa = build_dfa(parse_regex(pattern))
     conts = np.arange(dfa.num_states + 1, dtype=np.int64)  # the dead state too
@@ -464,8 +464,8 @@ def test_live_suffixes_equal_one_walk_per_pair(suffixes: list[bytes], pattern: s
 def test_string_row_groups_are_the_byte_row_groups(pairs: list[tuple[int, int]]) -> None:
     """`templates._by_state_and_cut` groups (T state, cut) pairs in the order and with the first
     members that `_unique_rows` gives on their byte rows (the order rows are interned in)."""
-    from cfsm.automaton import _unique_rows
-    from cfsm.templates import _by_state_and_cut
+    from cfsm.automata.automaton import _unique_rows
+    from cfsm.masks.templates import _by_state_and_cut
 
     s = np.array([p[0] for p in pairs], dtype=np.int64)
     c = np.array([p[1] for p in pairs], dtype=np.int64)
@@ -481,7 +481,7 @@ def test_string_row_groups_are_the_byte_row_groups(pairs: list[tuple[int, int]])
 def test_live_suffixes_against_one_walk_per_pair(seed: int, suffixes: list[bytes], pattern: str) -> None:
     """`live_suffixes` (suffixes walked by decreasing length, a leading slice per depth) equals
     walking each (continuation, suffix) pair through the DFA alone."""
-    from cfsm.templates import live_suffixes, suffix_table
+    from cfsm.masks.templates import live_suffixes, suffix_table
 
     dfa = build_dfa(parse_regex(pattern))
     rng = random.Random(seed)

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cfsm import CfsmConfig, UnsupportedSchemaError
-from cfsm.automaton import Dfa, build_dfa
-from cfsm.formats import URI
-from cfsm.json_schema import json_value_node, schema_to_node, schema_tree
+from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.schema.formats import URI
+from cfsm.schema.json_schema import json_value_node, schema_to_node, schema_tree
 
 _VALIDATOR = jsonschema.Draft202012Validator
 

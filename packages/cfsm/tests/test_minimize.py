@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.automaton import _accept_distance, _byte_classes, _minimize, _runs, _unique_rows, seeded_weights
+from cfsm.automata.automaton import (
+    _accept_distance,
+    _byte_classes,
+    _minimize,
+    _runs,
+    _unique_rows,
+    seeded_weights,
+)
 from cfsm.testing import tiny_vocab
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

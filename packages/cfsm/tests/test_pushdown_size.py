@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import cfsm
 from cfsm.grammar import Grammar, Pda, build_pda, inline_rules, parse_ebnf
 from cfsm.grammar.testing import JSON_GBNF
-from cfsm.json_schema import schema_grammar
+from cfsm.schema.json_schema import schema_grammar
 
 SCHEMAS = {
     "free": {"type": "object", "properties": {"meta": {}, "tags": {"type": "array"}}, "required": ["meta", "tags"]},

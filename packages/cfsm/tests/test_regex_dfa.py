@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cfsm import UnsupportedRegexError
-from cfsm.automaton import build_dfa
-from cfsm.regex_parser import parse_regex
+from cfsm.automata.automaton import build_dfa
+from cfsm.regex.parser import parse_regex
 
 _ALPHABET = "ab-.\n\té 1Z_€😀"
 _ATOMS = ["a", "b", "[ab]", "[^a]", "\\d", "\\w", "\\s", "\\D", "\\W", ".", "[a-c\\d]", "é", "\\u20ac",
@@ -51,7 +51,7 @@ def test_dfa_accepts_exactly_what_regex_fullmatch_accepts(pattern: str, data: st
     for s in strings:
         assert dfa.fullmatch(s.encode()) == (compiled.fullmatch(s) is not None), (pattern, s)
     # the byte classes cached by the construction (from its byte intervals) are the table's
-    from cfsm.automaton import _byte_classes
+    from cfsm.automata.automaton import _byte_classes
 
     rep, cls = dfa.byte_classes
     _, exact = _byte_classes(dfa.transitions)
@@ -124,9 +124,9 @@ def test_dfa_is_minimal_on_a_known_language() -> None:
 
 def test_state_limit_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import cfsm
-    import cfsm.automaton
+    import cfsm.automata.automaton
 
-    monkeypatch.setattr(cfsm.automaton, "MAX_DFA_STATES", 10)
+    monkeypatch.setattr(cfsm.automata.automaton, "MAX_DFA_STATES", 10)
     with pytest.raises(cfsm.GrammarTooLargeError, match="exceeds 10 states"):
         build_dfa(parse_regex("[a-z]{0,40}"))
 
@@ -134,7 +134,7 @@ def test_state_limit_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> No
 def _canonical(dfa: object) -> list[tuple[bool, tuple[int, ...]]]:
     """The DFA's states renumbered in breadth-first order from the start (equal for equal languages
     of minimal DFAs)."""
-    from cfsm.automaton import Dfa
+    from cfsm.automata.automaton import Dfa
 
     assert isinstance(dfa, Dfa)
     order = {dfa.start: 0}
@@ -166,16 +166,16 @@ def test_counted_repeats_from_the_unit_dfa_equal_the_unrolled_nfa(atoms: list[st
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # prefix-code units (single characters, escapes) are built as one counted fragment; the others
     # (or when the count is small) as copies of the unit's NFA: the minimal DFAs are the same
-    import cfsm.automaton
+    import cfsm.automata.automaton
 
     quant = f"{{{lo},}}" if extra is None else f"{{{lo},{lo + extra}}}"
     pattern = "|".join(atoms) if alternate else "".join(atoms)
     for unit in (pattern, "(é|\\d)", "(a|bc|b[^c])", "(a|ab)", "a*b", "\\\\[nt]|[^\\\\]"):
         node = parse_regex(f"(?:{unit}){quant}")
         with monkeypatch.context() as m:
-            m.setattr(cfsm.automaton, "_COUNTED_MIN", 10**9)
+            m.setattr(cfsm.automata.automaton, "_COUNTED_MIN", 10**9)
             unrolled = build_dfa(node)
         with monkeypatch.context() as m:
-            m.setattr(cfsm.automaton, "_COUNTED_MIN", 1)
+            m.setattr(cfsm.automata.automaton, "_COUNTED_MIN", 1)
             counted = build_dfa(node)
         assert _canonical(counted) == _canonical(unrolled), (unit, quant)

@@ -22,9 +22,9 @@ import jsonschema
 import pytest
 
 import cfsm
-from cfsm.automaton import build_dfa
-from cfsm.json_schema import schema_tree
-from cfsm.schema_refs import META_FRAGMENTS
+from cfsm.automata.automaton import build_dfa
+from cfsm.schema.json_schema import schema_tree
+from cfsm.schema.refs import META_FRAGMENTS
 
 SCALARS = [1, 2, 1.0, 2.5, 0, "a", "b", "a/b", "\n", True, False, None]
 ITEMS = [1, 2, "a", True, False, None, 1.0, {}, []]
@@ -304,7 +304,7 @@ def test_dependent_schemas_beside_additional_properties_stay_approximated(schema
 def test_unique_items_over_a_finite_prefix_and_free_items(schema: Any, config: str) -> None:
     """Spec: the approximation is a superset that still keeps the prefix items distinct: every
     valid array is accepted, and an accepted invalid one repeats a value only with a later item.
-    Default: narrowed (`cfsm.schema_narrow`), every accepted array is valid."""
+    Default: narrowed (`cfsm.schema.narrow`), every accepted array is valid."""
     cfg = CONFIGS[config]
     node, notes = schema_tree(schema, cfg)
     assert [n.keyword for n in notes] == ["uniqueItems"]

@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 
 import cfsm
-import cfsm.automaton
+import cfsm.automata.automaton
+import cfsm.automata.direct
 import cfsm.compiler
-import cfsm.direct
 import cfsm.grammar.inline
-import cfsm.json_schema
-from cfsm.json_schema import schema_grammar
+import cfsm.schema.json_schema
+from cfsm.schema.json_schema import schema_grammar
 from cfsm.testing import accepts_bytes
 
 BYTES = cfsm.Vocabulary([bytes([b]) for b in range(256)] + [b""], [256])
@@ -79,9 +79,9 @@ def test_refs_as_rules_keeps_the_language() -> None:
 
 def test_too_many_schema_nodes_falls_back_to_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     schema = _dag(DEPTH)
-    monkeypatch.setattr(cfsm.json_schema, "MAX_SCHEMA_VISITS", 40)
+    monkeypatch.setattr(cfsm.schema.json_schema, "MAX_SCHEMA_VISITS", 40)
     with pytest.raises(cfsm.SchemaTooLargeError):
-        cfsm.json_schema.schema_tree(schema, cfsm.CfsmConfig(whitespace="compact"))
+        cfsm.schema.json_schema.schema_tree(schema, cfsm.CfsmConfig(whitespace="compact"))
     index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert isinstance(index, cfsm.GrammarIndex)
     monkeypatch.undo()
@@ -91,7 +91,7 @@ def test_too_many_schema_nodes_falls_back_to_rules(monkeypatch: pytest.MonkeyPat
 def test_too_many_dfa_states_falls_back_to_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     schema = _dag(DEPTH)
     size = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact")).dfa.num_states
-    for module in (cfsm.automaton, cfsm.direct):
+    for module in (cfsm.automata.automaton, cfsm.automata.direct):
         monkeypatch.setattr(module, "MAX_DFA_STATES", size // 2)
     monkeypatch.setattr(cfsm.grammar.inline, "MAX_INLINE_NODES", 64)  # rules stay rules (bodies stay small)
     index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
@@ -133,7 +133,7 @@ def test_long_string_bounds_are_approximated_as_a_last_resort(monkeypatch: pytes
                                                "n": {"type": "integer"}}, "required": ["name"]}
     exact = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert isinstance(exact, cfsm.Index) and not exact.approximations
-    for module in (cfsm.automaton, cfsm.direct):
+    for module in (cfsm.automata.automaton, cfsm.automata.direct):
         monkeypatch.setattr(module, "MAX_DFA_STATES", exact.dfa.num_states // 2)
     loose = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert [(a.keyword, a.path) for a in loose.approximations] == [("maxLength", "#/properties/name")]
@@ -164,7 +164,7 @@ def test_rules_nested_too_deep_for_python_are_not_an_escape(monkeypatch: pytest.
     index = cfsm.compile_json_schema(tree, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert isinstance(index, cfsm.Index)  # unrolled
     assert _accepts(index, '{"v":1,"kids":[{"v":2}]}') and not _accepts(index, '{"kids":[]}')
-    monkeypatch.setattr(cfsm.json_schema, "MAX_SCHEMA_VISITS", 40)
+    monkeypatch.setattr(cfsm.schema.json_schema, "MAX_SCHEMA_VISITS", 40)
     with pytest.raises(cfsm.CfsmError):  # the last resort unrolls the references again: still too large
         cfsm.compile_json_schema(_dag(DEPTH), BYTES, cfsm.CfsmConfig(whitespace="compact"))
 
@@ -179,9 +179,9 @@ def test_thousands_of_counted_characters_and_items_are_approximated_up_front(con
         "short": {"type": "string", "maxLength": 3},
         "list": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 100}},
         "required": ["short"]}
-    node, notes = cfsm.json_schema.schema_tree(schema, config)
+    node, notes = cfsm.schema.json_schema.schema_tree(schema, config)
     assert {n.keyword for n in notes} == {"maxLength", "maxItems"}
-    dfa = cfsm.automaton.build_dfa(node)
+    dfa = cfsm.automata.automaton.build_dfa(node)
     validator = jsonschema.Draft202012Validator(schema)
     for instance in [{"short": "abc"}, {"short": "abcd"}, {"text": "x" * 5000, "short": ""}, {"short": "", "list": []},
                      {"short": "", "list": [1] * 100}, {"text": "x" * 5001, "short": ""}, {"short": "", "list": [1] * 101},
@@ -191,7 +191,7 @@ def test_thousands_of_counted_characters_and_items_are_approximated_up_front(con
             assert dfa.fullmatch(text.encode()), text  # a superset
         elif len(instance.get("text", "")) <= 5000 and len(instance.get("list", [])) <= 100:
             assert not dfa.fullmatch(text.encode()), text  # what stays exact
-    strict = cfsm.json_schema.schema_tree({"type": "string", "maxLength": 5000}, dataclasses.replace(config, strict=True))
+    strict = cfsm.schema.json_schema.schema_tree({"type": "string", "maxLength": 5000}, dataclasses.replace(config, strict=True))
     assert strict[1] == ()
-    small = {"type": "string", "maxLength": cfsm.json_schema.MAX_COUNTED}
-    assert cfsm.json_schema.schema_tree(small, config)[1] == ()
+    small = {"type": "string", "maxLength": cfsm.schema.json_schema.MAX_COUNTED}
+    assert cfsm.schema.json_schema.schema_tree(small, config)[1] == ()

@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.automaton import Dfa, build_dfa
-from cfsm.json_schema import schema_grammar, schema_tree
-from cfsm.regex_ast import Node
-from cfsm.schema_merge import MAX_MERGED_ALTERNATIVES, finite_values, implies, is_empty, merge_schemas
-from cfsm.schema_narrow import negation_subset, prefer_declared
+from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.regex.syntax import Node
+from cfsm.schema.json_schema import schema_grammar, schema_tree
+from cfsm.schema.merge import MAX_MERGED_ALTERNATIVES, finite_values, implies, is_empty, merge_schemas
+from cfsm.schema.narrow import negation_subset, prefer_declared
 from cfsm.testing import accepts_bytes
 
 # bytes of short JSON texts: structure, digits, a few letters, the literals' letters
@@ -233,7 +233,7 @@ def test_a_double_negation_does_not_evaluate_properties() -> None:
     assert not dfa.fullmatch(b'{"foo":"foo","bar":"bar"}')
 
 
-# ---- allOf merges of anyOf / oneOf lists (`cfsm.schema_merge`) -----------------------------------------------------
+# ---- allOf merges of anyOf / oneOf lists (`cfsm.schema.merge`) -----------------------------------------------------
 # distributed only as far as needed, the product bounded (defaults: a subset; spec: a superset), and the tests that
 # prune it (`implies`, `is_empty`, `finite_values`) sound against the validator. The blow-up itself (a narrowed
 # `oneOf` whose negated branches multiplied under `allOf`: 4^(n-1) alternatives per branch) is caught by the size of

@@ -1,4 +1,4 @@
-"""Flexible whitespace: loop states in the direct construction and in the index (`cfsm.loops`)."""
+"""Flexible whitespace: loop states in the direct construction and in the index (`cfsm.masks.loops`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
-import cfsm.loops
+import cfsm.masks.loops
 from cfsm import CfsmConfig
-from cfsm.automaton import Dfa, build_dfa
-from cfsm.direct import build_dfa_direct
-from cfsm.index import build_index
-from cfsm.json_schema import json_value_node, schema_to_node
-from cfsm.loops import find_loops
+from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.automata.direct import build_dfa_direct
+from cfsm.masks.index import build_index
+from cfsm.masks.loops import find_loops
+from cfsm.schema.json_schema import json_value_node, schema_to_node
 
 _FLEX = CfsmConfig(whitespace="flexible")
 
@@ -131,7 +131,7 @@ def _rows(index: cfsm.Index) -> list[set[int]]:
 def test_loop_states_give_the_walked_masks(schema: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     dfa = build_dfa(schema_to_node(schema, _FLEX))
     with monkeypatch.context() as m:
-        m.setattr(cfsm.loops, "LOOP_MIN_TOKENS", 0)  # every whitespace state a loop state here
+        m.setattr(cfsm.masks.loops, "LOOP_MIN_TOKENS", 0)  # every whitespace state a loop state here
         loops = find_loops(dfa, _VOCAB.trie_tables, np.arange(dfa.num_states))
         index = build_index(dfa, _VOCAB)
     assert loops is not None and len(loops.states)
@@ -151,8 +151,8 @@ def test_structural_classes_with_runs_and_lists_are_the_refined_partition(schema
 
 
 def _check_classes(schema: dict[str, Any]) -> None:
-    import cfsm.direct as direct
-    from cfsm.automaton import _refine
+    import cfsm.automata.direct as direct
+    from cfsm.automata.automaton import _refine
 
     b = direct._Builder()
     try:

@@ -149,7 +149,7 @@ def test_openai_nan_message_names_the_finite_range() -> None:
 
 def test_a_schema_whose_properties_is_not_an_object_says_so() -> None:
     from cfsm.errors import UnsupportedSchemaError
-    from cfsm.json_schema import schema_to_node
+    from cfsm.schema.json_schema import schema_to_node
 
     with pytest.raises(UnsupportedSchemaError, match="properties must be an object"):
         schema_to_node({"type": "object", "properties": 5})

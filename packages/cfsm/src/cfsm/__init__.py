@@ -17,7 +17,6 @@ from cfsm.compiler import (
     compile_regex,
     regex_dfa,
 )
-from cfsm.compressed import JumpPlan, plan_jump_forward
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     Approximation,
@@ -31,10 +30,11 @@ from cfsm.errors import (
     UnsupportedSchemaError,
     VocabularyError,
 )
-from cfsm.grammar import GrammarGuide, GrammarIndex
-from cfsm.guide import Guide, fill_next_token_bitmasks
-from cfsm.index import Index
-from cfsm.vocab import Vocabulary
+from cfsm.grammar import GrammarIndex
+from cfsm.guide import GrammarGuide, Guide, fill_next_token_bitmasks
+from cfsm.masks.compressed import JumpPlan, plan_jump_forward
+from cfsm.masks.index import Index
+from cfsm.masks.vocab import Vocabulary
 
 __version__ = "0.1.0"
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from cfsm.automaton import Dfa, build_dfa
+from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.automata.direct import build_dfa_direct
 from cfsm.config import CfsmConfig
-from cfsm.direct import build_dfa_direct
 from cfsm.errors import (
     Approximation,
     GrammarError,
@@ -33,11 +33,11 @@ from cfsm.grammar import (
     parse_lark,
     regular_root,
 )
-from cfsm.index import Index, build_index
-from cfsm.json_schema import json_value_grammar, json_value_node, schema_grammar, schema_tree
-from cfsm.regex_ast import Node
-from cfsm.regex_parser import parse_regex
-from cfsm.vocab import Vocabulary
+from cfsm.masks.index import Index, build_index
+from cfsm.masks.vocab import Vocabulary
+from cfsm.regex.parser import parse_regex
+from cfsm.regex.syntax import Node
+from cfsm.schema.json_schema import json_value_grammar, json_value_node, schema_grammar, schema_tree
 
 __all__ = ["compile_ebnf", "compile_lark", "compile_regex", "compile_json_schema", "compile_json_object", "Compiler", "regex_dfa"]
 

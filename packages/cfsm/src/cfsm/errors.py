@@ -78,7 +78,7 @@ class Approximation:
 
 
 class SchemaTooLargeError(UnsupportedSchemaError):
-    """A JSON Schema has more nodes to compile than `cfsm.json_schema.MAX_SCHEMA_VISITS` (its
+    """A JSON Schema has more nodes to compile than `cfsm.schema.json_schema.MAX_SCHEMA_VISITS` (its
     references, copied where they are used, multiply)."""
 
 

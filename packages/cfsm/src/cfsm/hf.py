@@ -20,9 +20,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from cfsm.errors import VocabularyError
 from cfsm.grammar import GrammarIndex
 from cfsm.guide import Guide, fill_next_token_bitmasks
-from cfsm.index import Index
+from cfsm.masks.index import Index
+from cfsm.masks.vocab import Vocabulary
 from cfsm.torch import apply_token_bitmask_
-from cfsm.vocab import Vocabulary
 
 __all__ = ["vocabulary_from_hf", "make_encoder", "LogitsProcessor"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cfsm.errors import RejectedTokenError
 from cfsm.guide import Guide
-from cfsm.index import Index
-from cfsm.vocab import Vocabulary
+from cfsm.masks.index import Index
+from cfsm.masks.vocab import Vocabulary
 
 __all__ = ["accepts_bytes", "allowed_by_advance", "char_vocab", "tiny_vocab"]
 

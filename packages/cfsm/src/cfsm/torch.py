@@ -17,7 +17,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from cfsm.grammar import GrammarIndex
 from cfsm.guide import Guide
-from cfsm.index import Index
+from cfsm.masks.index import Index
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 

@@ -1,12 +1,12 @@
 """Context-free grammars: GBNF text (and JSON Schemas that recurse) to a pushdown matcher.
 
     index = cfsm.compile_ebnf('root ::= "[" (root ("," root)*)? "]"', vocab)
-    guide = cfsm.Guide(index)        # a GrammarGuide: the cfsm.Guide interface
+    guide = cfsm.Guide(index)        # a cfsm.GrammarGuide: the cfsm.Guide interface
 
 Modules: `rules` (the rule form all frontends produce), `ebnf` (the GBNF parser), `lark` (a
-Lark subset), `pda` (rules
-to a network of byte DFAs that call each other), `index` (token masks with context-independent
-caches), `guide` (the per-request cursor).
+Lark subset), `pda` (rules to a network of byte DFAs that call each other), `index` (token
+masks with context-independent caches). The per-request cursor, `GrammarGuide`, is in
+`cfsm.guide` beside the `Guide` it extends.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ import numpy as np
 
 from cfsm.errors import Approximation, PushdownTooLargeError
 from cfsm.grammar.ebnf import parse_ebnf
-from cfsm.grammar.guide import GrammarGuide
 from cfsm.grammar.index import GrammarIndex
 from cfsm.grammar.inline import inline_rules, regular_root
 from cfsm.grammar.lark import parse_lark
 from cfsm.grammar.pda import Pda, build_pda
 from cfsm.grammar.rules import Grammar, RuleRef
-from cfsm.vocab import Vocabulary
+from cfsm.masks.vocab import Vocabulary
 
-__all__ = ["Grammar", "GrammarGuide", "GrammarIndex", "Pda", "RuleRef", "build_pda", "compile_grammar",
+__all__ = ["Grammar", "GrammarIndex", "Pda", "RuleRef", "build_pda", "compile_grammar",
            "inline_rules", "parse_ebnf", "parse_lark", "regular_root"]
 
 

@@ -13,10 +13,10 @@ line and column.
 
 from __future__ import annotations
 
-from cfsm.charset import MAX_CP, Ranges, negate, normalize
 from cfsm.errors import GrammarError
 from cfsm.grammar.rules import Grammar, RuleRef
-from cfsm.regex_ast import EMPTY, Chars, Node, Repeat, alt, cat, lit
+from cfsm.regex.charset import MAX_CP, Ranges, negate, normalize
+from cfsm.regex.syntax import EMPTY, Chars, Node, Repeat, alt, cat, lit
 
 __all__ = ["parse_ebnf", "MAX_REPEAT"]
 

@@ -33,8 +33,8 @@ import numpy as np
 
 from cfsm.errors import Approximation, GrammarError
 from cfsm.grammar.pda import Pda
-from cfsm.state_classes import refine_classes
-from cfsm.vocab import Vocabulary
+from cfsm.masks.state_classes import refine_classes
+from cfsm.masks.vocab import Vocabulary
 
 __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
 

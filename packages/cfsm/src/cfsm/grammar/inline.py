@@ -9,7 +9,7 @@ inlined tree would pass `MAX_INLINE_NODES` stays a rule too (no exponential grow
 from __future__ import annotations
 
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
-from cfsm.regex_ast import Alt, Cat, Node, Repeat, Scope, Sep, Shared
+from cfsm.regex.syntax import Alt, Cat, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["inline_rules", "regular_root", "MAX_INLINE_NODES"]
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import regex as re
 
-from cfsm.charset import case_close, normalize
 from cfsm.errors import GrammarError, UnsupportedRegexError
 from cfsm.grammar.rules import Grammar, RuleRef
-from cfsm.regex_ast import EMPTY, Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared, alt, cat, lit
-from cfsm.regex_parser import parse_regex
+from cfsm.regex.charset import case_close, normalize
+from cfsm.regex.parser import parse_regex
+from cfsm.regex.syntax import EMPTY, Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared, alt, cat, lit
 
 __all__ = ["parse_lark", "COMMON_TERMINALS"]
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from cfsm.automaton import build_dfa
+from cfsm.automata.automaton import build_dfa
 from cfsm.errors import GrammarError, PushdownTooLargeError
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
-from cfsm.regex_ast import Alt, Cat, Node, Repeat, Scope, Sep, Shared
+from cfsm.regex.syntax import Alt, Cat, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["Pda", "build_pda", "MAX_PDA_STATES"]
 

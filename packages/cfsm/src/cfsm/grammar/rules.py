@@ -1,6 +1,6 @@
 """A context-free grammar as named rules over cfsm's syntax trees, plus the `RuleRef` leaf.
 
-Rule bodies are `cfsm.regex_ast` trees (characters, concatenation, alternation, repetition)
+Rule bodies are `cfsm.regex.syntax` trees (characters, concatenation, alternation, repetition)
 whose `RuleRef` leaves call other rules; every frontend (GBNF, JSON Schema) produces this form.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cfsm.regex_ast import Alt, Cat, Node, Repeat, Scope, Sep, Shared
+from cfsm.regex.syntax import Alt, Cat, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["Grammar", "RuleRef", "has_refs"]
 

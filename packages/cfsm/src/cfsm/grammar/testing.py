@@ -9,9 +9,9 @@ import functools
 import random
 from collections.abc import Callable
 
-from cfsm import Vocabulary
 from cfsm.grammar import Grammar, RuleRef
-from cfsm.regex_ast import Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared
+from cfsm.masks.vocab import Vocabulary
+from cfsm.regex.syntax import Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["JSON_GBNF", "LARK_JSON", "accepts", "byte_vocab", "draw_member", "greedy_tokens"]
 

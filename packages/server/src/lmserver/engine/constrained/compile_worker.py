@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 import cfsm
-from cfsm.automaton import Dfa
+from cfsm.automata.automaton import Dfa
 
 __all__ = ["KINDS", "CompileJob", "compile_error_message", "compile_index", "index_from_payload", "index_payload",
            "recv_message", "send_message", "vocab_spec", "warm_index", "worker_entry"]

@@ -13,8 +13,8 @@ import numpy as np
 from cfsm.errors import VocabularyError
 
 if TYPE_CHECKING:
-    from cfsm.fragments import FragmentTable
-    from cfsm.templates import StringTables
+    from cfsm.masks.fragments import FragmentTable
+    from cfsm.masks.templates import StringTables
 
 __all__ = ["TrieLevels", "TrieTables", "Vocabulary"]
 
@@ -246,14 +246,14 @@ class Vocabulary:
     @functools.cached_property
     def string_tables(self) -> StringTables:
         """Every token walked through the JSON string automaton (built once per vocabulary)."""
-        from cfsm.templates import build_string_tables
+        from cfsm.masks.templates import build_string_tables
 
         return build_string_tables(self.trie_tables, self.mask_words)
 
     @functools.cached_property
     def fragment_tables(self) -> tuple[FragmentTable, ...]:
         """Every token walked through the broad `format` automata (built once per vocabulary)."""
-        from cfsm.fragments import build_fragment_tables
+        from cfsm.masks.fragments import build_fragment_tables
 
         return build_fragment_tables(self.trie_tables, self.mask_words)
 
@@ -263,11 +263,11 @@ class Vocabulary:
         Grammar-independent: the sorted trie tables (and the trie level by level), the JSON string walks, the walks of the
         broad `format` strings (email, uri) with their suffix tables ordered by length, the
         syntax trees of all formats and (once per process) the DFA blocks of the value trees
-        schemas share (`cfsm.direct.prepare_blocks`) and the random hash weights.
+        schemas share (`cfsm.automata.direct.prepare_blocks`) and the random hash weights.
         """
-        from cfsm.direct import prepare_blocks
-        from cfsm.formats import FORMAT_REGEXES
-        from cfsm.json_schema import format_node
+        from cfsm.automata.direct import prepare_blocks
+        from cfsm.schema.formats import FORMAT_REGEXES
+        from cfsm.schema.json_schema import format_node
 
         for fmt in FORMAT_REGEXES:
             format_node(fmt)
@@ -280,16 +280,16 @@ class Vocabulary:
         self.string_tables.stay_keys  # noqa: B018
         self.string_tables.text_bytes  # noqa: B018
         self.fragment_tables  # noqa: B018
-        from cfsm.templates import _by_length
+        from cfsm.masks.templates import _by_length
 
         for cols in [self.string_tables.suffix_columns, *(ft.suffix_columns for ft in self.fragment_tables)]:
             _by_length(cols)  # the suffix tables by decreasing length (`live_suffixes`)
-        from cfsm.automaton import seeded_weights
+        from cfsm.automata.automaton import seeded_weights
 
         seeded_weights(0xB17E, 1 << 15)  # byte classes of tables up to 32k states (more: drawn then)
         seeded_weights(0x100C, 256)  # look-ahead hashes (`block_facts`)
-        from cfsm.index import _SHARE_DEPTH
-        from cfsm.mask_rows import _token_weights
+        from cfsm.masks.index import _SHARE_DEPTH
+        from cfsm.masks.rows import _token_weights
 
         # the per-token hash weights of batched rows (`mask_rows`)
         _token_weights(max(self.trie_tables.max_id, max(self.eos_token_ids, default=0)) + 1)

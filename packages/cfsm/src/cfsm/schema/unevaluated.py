@@ -26,10 +26,10 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 from cfsm.errors import CfsmError
-from cfsm.schema_merge import merge_schemas
+from cfsm.schema.merge import merge_schemas
 
 if TYPE_CHECKING:
-    from cfsm.json_schema import _Compiler
+    from cfsm.schema.json_schema import _Compiler
 
 __all__ = ["expand_unevaluated", "mentions_unevaluated", "MAX_ALTERNATIVES"]
 
@@ -194,8 +194,8 @@ def _list(schema: dict[str, Any], key: str) -> list[Any]:
 
 def _conditional(comp: _Compiler, schema: dict[str, Any], path: str, base: str, depth: int) -> list[Alternative]:
     """`if` / `then` / `else`: (if and then, both evaluated) or (not if and else, else evaluated)."""
-    from cfsm.json_schema import _negation
-    from cfsm.schema_narrow import negation_subset
+    from cfsm.schema.json_schema import _negation
+    from cfsm.schema.narrow import negation_subset
 
     negated = _negation(schema["if"])
     if negated is None and comp.cfg.narrow and ("then" in schema or "else" in schema):

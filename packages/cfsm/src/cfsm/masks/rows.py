@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cfsm.automaton import _unique_rows, concat_ranges
-from cfsm.walker import Prefix
+from cfsm.automata.automaton import _unique_rows, concat_ranges
+from cfsm.masks.walker import Prefix
 
 # token sets larger than this are set through a bool array and packbits (one pass over V/8
 # bytes), smaller ones bit by bit (ufunc.at costs per element)

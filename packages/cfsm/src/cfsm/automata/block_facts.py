@@ -1,15 +1,15 @@
-"""Facts about one block of the direct construction (`cfsm.direct`) and its copies' states, used to
+"""Facts about one block of the direct construction (`cfsm.automata.direct`) and its copies' states, used to
 find the minimal DFA's classes from the structure: a block's own classes (its minimal DFA's),
 the hash of each state's live-byte set, a few Moore rounds on chosen states, and the map of a
-JSON string body's states onto the string automaton T (`cfsm.templates`).
+JSON string body's states onto the string automaton T (`cfsm.masks.templates`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import _refine, _Unit, _unit, seeded_weights
-from cfsm.regex_ast import Node, Repeat
+from cfsm.automata.automaton import _refine, _Unit, _unit, seeded_weights
+from cfsm.regex.syntax import Node, Repeat
 
 _MASK = (1 << 64) - 1
 # the hash of a byte set: the sum of its bytes' weights, modulo 2 ** 64 (additive over disjoint sets)
@@ -38,7 +38,7 @@ _SMALL_BLOCK = 48
 
 
 def _t_code() -> tuple[np.ndarray, int]:
-    from cfsm.templates import t_automaton
+    from cfsm.masks.templates import t_automaton
 
     return t_automaton()
 
@@ -48,7 +48,7 @@ def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: 
     string automaton T and how many characters it completed (-1 for every state of an unbounded
     body), by walking both from (start, T's text state); None where a state meets two (then the
     block proves nothing). Pure."""
-    from cfsm.templates import joint_reps
+    from cfsm.masks.templates import joint_reps
 
     code, text = _t_code()
     num_t = code.shape[0]
@@ -81,7 +81,7 @@ def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: 
 
 
 def _t_byte_class() -> np.ndarray:
-    from cfsm.templates import t_automaton_classes
+    from cfsm.masks.templates import t_automaton_classes
 
     return t_automaton_classes()
 
@@ -143,7 +143,7 @@ def _unit_string_map(unit: _Unit) -> np.ndarray | None:
 
 
 def _is_json_char(node: Node) -> bool:
-    from cfsm.json_schema import JSON_CHAR
+    from cfsm.schema.json_schema import JSON_CHAR
 
     return node is JSON_CHAR
 

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import regex
 
-from cfsm.automaton import DfaNode, build_dfa
+from cfsm.automata.automaton import DfaNode, build_dfa
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
-from cfsm.regex_ast import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
-from cfsm.regex_parser import parse_regex
+from cfsm.regex.parser import parse_regex
+from cfsm.regex.syntax import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
 
 if TYPE_CHECKING:
-    from cfsm.json_schema import _Compiler
+    from cfsm.schema.json_schema import _Compiler
 
 __all__ = ["object_members"]
 
@@ -54,7 +54,7 @@ def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
     # NOTE: the `Shared` suffix nodes are only referenced in tail position, so they may be
     # entered from several places (see `regex_ast.Shared`); the caller wraps this in a `Scope`.
     """
-    from cfsm.json_schema import JSON_CHAR, JSON_STRING, MAX_ANY_ORDER_PROPERTIES, json_escape
+    from cfsm.schema.json_schema import JSON_CHAR, JSON_STRING, MAX_ANY_ORDER_PROPERTIES, json_escape
 
     raw_props = schema.get("properties", {})
     if not isinstance(raw_props, dict):

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _small_unique, _unique_rows, build_dfa
-from cfsm.mask_rows import or_bits
-from cfsm.templates import _walk_t, exit_coded, joint_reps, live_suffixes, suffix_table
-from cfsm.vocab import TrieTables
+from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows, build_dfa
+from cfsm.masks.rows import or_bits
+from cfsm.masks.templates import _walk_t, exit_coded, joint_reps, live_suffixes, suffix_table
+from cfsm.masks.vocab import TrieTables
 
 __all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows", "f_automaton",
            "TABLE_FORMATS"]
@@ -37,8 +37,8 @@ def f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
     """F as a code table (states, 256): an F state, `EXIT` (= states) or `DEAD` (= states + 1);
     and its start. None if F's end is not one final state without transitions. One read-only
     table per format per process (the vocabularies' tables and `direct`'s block maps share it)."""
-    from cfsm.json_schema import format_node
-    from cfsm.regex_ast import cat, lit
+    from cfsm.regex.syntax import cat, lit
+    from cfsm.schema.json_schema import format_node
 
     dfa = build_dfa(cat(format_node(fmt), lit('"')))
     final = np.flatnonzero(dfa.accepting[:-1])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import (
+from cfsm.automata.automaton import (
     _COUNTED_MIN,
     MAX_DFA_STATES,
     Dfa,
@@ -42,14 +42,14 @@ from cfsm.automaton import (
     _small_unique,
     concat_ranges,
 )
-from cfsm.block_facts import (
+from cfsm.automata.block_facts import (
     _BYTE_CUM,
     _BYTE_CUM_U64,
     _LOOK_AHEAD,
     _MASK,
     _look_ahead,
 )
-from cfsm.blocks import (
+from cfsm.automata.blocks import (
     _DAG_MAX,
     _PREPARED,
     _Block,
@@ -61,8 +61,8 @@ from cfsm.blocks import (
     _led,
     prepare_blocks,
 )
-from cfsm.direct_loops import LoopStates, is_loop, loop_sep
-from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
+from cfsm.automata.direct_loops import LoopStates, is_loop, loop_sep
+from cfsm.regex.syntax import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cfsm.charset import Ranges
+from cfsm.regex.charset import Ranges
 
 __all__ = ["Node", "Chars", "Cat", "Alt", "Repeat", "Shared", "Intersect", "Complement", "Scope", "Piece", "Sep", "NOTHING", "EMPTY",
            "cat", "alt", "lit"]

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _small_unique, _unique_rows
-from cfsm.compressed import CompressedFsm
+from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows
 from cfsm.errors import Approximation
-from cfsm.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
-from cfsm.loops import find_loops
-from cfsm.mask_rows import _few_rows, _PrefixRows, _token_weights, or_bits, pack_rows
-from cfsm.state_classes import _walk_classes
-from cfsm.templates import match_string_states, string_rows
-from cfsm.vocab import Vocabulary
-from cfsm.walker import _Walker
+from cfsm.masks.compressed import CompressedFsm
+from cfsm.masks.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
+from cfsm.masks.loops import find_loops
+from cfsm.masks.rows import _few_rows, _PrefixRows, _token_weights, or_bits, pack_rows
+from cfsm.masks.state_classes import _walk_classes
+from cfsm.masks.templates import match_string_states, string_rows
+from cfsm.masks.vocab import Vocabulary
+from cfsm.masks.walker import _Walker
 
 __all__ = ["Index", "build_index"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 import regex
 
-from cfsm.charset import MAX_CP, Ranges, case_close, class_ranges, negate, normalize, union
 from cfsm.errors import UnsupportedRegexError
-from cfsm.regex_ast import EMPTY, Chars, Node, Repeat, alt, cat
+from cfsm.regex.charset import MAX_CP, Ranges, case_close, class_ranges, negate, normalize, union
+from cfsm.regex.syntax import EMPTY, Chars, Node, Repeat, alt, cat
 
 __all__ = ["parse_regex"]
 

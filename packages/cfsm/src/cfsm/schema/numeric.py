@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from cfsm.regex_ast import EMPTY, NOTHING, Chars, Node, Repeat, alt, cat, lit
+from cfsm.regex.syntax import EMPTY, NOTHING, Chars, Node, Repeat, alt, cat, lit
 
 __all__ = ["int_range", "decimal_range", "multiple_of", "DIGIT", "NAT", "INT", "NUMBER"]
 
@@ -135,7 +135,7 @@ def _nonneg_decimal(lo: Decimal, lo_excl: bool, hi: Decimal | None, hi_excl: boo
         le_parts.append(EMPTY)
     le = alt(*le_parts)
     if a_int == b_int:
-        from cfsm.regex_ast import Intersect
+        from cfsm.regex.syntax import Intersect
 
         return cat(lit(str(a_int)), Intersect([ge, le]))
     parts = [cat(lit(str(a_int)), ge), cat(lit(str(b_int)), le)]
@@ -173,10 +173,10 @@ def multiple_of(k: int) -> Node:
         return INT
     # states are remainders; the regex is built by unrolling remainder classes into a DFA
     # embedded through Intersect with a digit automaton: accept digit strings whose value % k == 0.
-    from cfsm.automaton import dfa_from_table
+    from cfsm.automata.automaton import dfa_from_table
 
     table = [[(10 * r + d) % k for d in range(10)] for r in range(k)]
     divisible = dfa_from_table(table, start=0, accepting={0}, alphabet=b"0123456789")
-    from cfsm.regex_ast import Intersect
+    from cfsm.regex.syntax import Intersect
 
     return cat(Repeat(lit("-"), 0, 1), Intersect([NAT, divisible]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import (
+from cfsm.automata.automaton import (
     _COUNTED_MIN,
     DfaNode,
     _accept_distance,
@@ -22,7 +22,7 @@ from cfsm.automaton import (
     _Unit,
     _unit,
 )
-from cfsm.block_facts import (
+from cfsm.automata.block_facts import (
     _SMALL_BLOCK,
     _counted_classes,
     _counted_string_map,
@@ -34,7 +34,7 @@ from cfsm.block_facts import (
     _unit_map,
 )
 from cfsm.errors import GrammarTooLargeError
-from cfsm.regex_ast import Alt, Cat, Chars, Node, Piece, Repeat, Scope, Shared
+from cfsm.regex.syntax import Alt, Cat, Chars, Node, Piece, Repeat, Scope, Shared
 
 __all__ = ["prepare_blocks"]
 
@@ -134,7 +134,7 @@ class _Block:
         # what `_Builder.string_states` and `fragment_states` take from each copy (shifted by its base)
         self.string_facts: tuple[np.ndarray, ...] | None = None
         if self.string_body and self.string_map is not None:
-            from cfsm.templates import INF
+            from cfsm.masks.templates import INF
 
             keep = np.flatnonzero(classes >= 0)
             ts, js = self.string_map
@@ -163,8 +163,8 @@ def _fragment_map(node: Piece, t: np.ndarray, acc: np.ndarray, col_of: np.ndarra
     (the format, per block state its state s in the format's F, -1 for states that accept
     nothing), proven by walking both in step: state q's language followed by a closing quote is
     exactly F's from s (every byte checked). None for other pieces or where a step disagrees."""
-    from cfsm.fragments import TABLE_FORMATS, f_automaton
-    from cfsm.json_schema import format_node
+    from cfsm.masks.fragments import TABLE_FORMATS, f_automaton
+    from cfsm.schema.json_schema import format_node
 
     fmt = next((f for f in TABLE_FORMATS if node.item is format_node(f)), None)
     auto = None if fmt is None else f_automaton(fmt)
@@ -344,7 +344,7 @@ def _fixed_count(node: Node) -> bool:
 def _led(node: Node) -> bool:
     """The empty string or led by a literal ASCII range or a whitespace run (a candidate choice of
     `_Builder._choice`)."""
-    from cfsm.direct_loops import is_loop
+    from cfsm.automata.direct_loops import is_loop
 
     if isinstance(node, Cat):
         return not node.items or _is_literal(node.items[0]) or is_loop(node.items[0])
@@ -371,7 +371,7 @@ def prepare_blocks() -> None:
     boolean, number, integer, formats: `json_schema.standard_pieces`) once, so that compiles
     copy them instead of running their subset constructions. Grammar-independent; called by
     `Vocabulary.prepare()`. Idempotent."""
-    from cfsm.json_schema import JSON_CHAR, standard_pieces
+    from cfsm.schema.json_schema import JSON_CHAR, standard_pieces
 
     for piece in standard_pieces():
         found: list[Node] = []

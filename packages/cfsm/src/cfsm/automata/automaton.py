@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.charset import utf8_sequences
 from cfsm.errors import GrammarTooLargeError
-from cfsm.regex_ast import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
+from cfsm.regex.charset import utf8_sequences
+from cfsm.regex.syntax import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["Dfa", "DfaNode", "build_dfa", "dfa_from_table", "MAX_DFA_STATES"]
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _stable_argsort
-from cfsm.vocab import TrieTables
+from cfsm.automata.automaton import Dfa, _stable_argsort
+from cfsm.masks.vocab import TrieTables
 
 # states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
 _MIN_GROUP_BYTES = 32

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.block_facts import _BYTE_CUM, _MASK
-from cfsm.blocks import _Fallback
-from cfsm.regex_ast import Alt, Cat, Chars, Intersect, Node, Repeat, Sep
+from cfsm.automata.block_facts import _BYTE_CUM, _MASK
+from cfsm.automata.blocks import _Fallback
+from cfsm.regex.syntax import Alt, Cat, Chars, Intersect, Node, Repeat, Sep
 
 __all__ = ["is_loop", "loop_sep", "LoopStates"]
 

@@ -23,7 +23,6 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import urldefrag
 
-from cfsm.charset import negate
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     Approximation,
@@ -32,11 +31,10 @@ from cfsm.errors import (
     UnsupportedRegexError,
     UnsupportedSchemaError,
 )
-from cfsm.formats import FORMAT_REGEXES
 from cfsm.grammar.rules import RuleRef
-from cfsm.json_object import object_members
-from cfsm.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
-from cfsm.regex_ast import (
+from cfsm.regex.charset import negate
+from cfsm.regex.parser import parse_regex
+from cfsm.regex.syntax import (
     EMPTY,
     NOTHING,
     Alt,
@@ -54,8 +52,9 @@ from cfsm.regex_ast import (
     cat,
     lit,
 )
-from cfsm.regex_parser import parse_regex
-from cfsm.schema_merge import (
+from cfsm.schema.formats import FORMAT_REGEXES
+from cfsm.schema.json_object import object_members
+from cfsm.schema.merge import (
     ALL_FORMATS,
     ALL_PATTERNS,
     JSON_TYPES,
@@ -65,9 +64,9 @@ from cfsm.schema_merge import (
     quiet_merge,
     same_json,
 )
-from cfsm.schema_merge import json_type as _type_of
-from cfsm.schema_merge import type_set as _type_set
-from cfsm.schema_narrow import (
+from cfsm.schema.merge import json_type as _type_of
+from cfsm.schema.merge import type_set as _type_set
+from cfsm.schema.narrow import (
     META_SCHEMA_SUBSET,
     multiple_of_subset,
     negation_subset,
@@ -75,8 +74,9 @@ from cfsm.schema_narrow import (
     prefer_declared,
     unique_by_type,
 )
-from cfsm.schema_refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
-from cfsm.schema_unevaluated import expand_unevaluated, mentions_unevaluated
+from cfsm.schema.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
+from cfsm.schema.refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
+from cfsm.schema.unevaluated import expand_unevaluated, mentions_unevaluated
 
 __all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node", "json_value_grammar",
            "JSON_VALUE_RULE", "MAX_ANY_ORDER_PROPERTIES", "MAX_SCHEMA_DEPTH"]
@@ -200,7 +200,7 @@ def piece(node: Node) -> Piece:
 
 def standard_pieces() -> tuple[Node, ...]:
     """The per-process value trees that schemas share (unbounded string body, boolean, number,
-    integer, every format): `cfsm.direct.prepare_blocks` builds their blocks once."""
+    integer, every format): `cfsm.automata.direct.prepare_blocks` builds their blocks once."""
     return (_STRING_BODY, piece(_BOOLEAN), piece(NUMBER), piece(INT), *(piece(format_node(f)) for f in FORMAT_REGEXES))
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automaton import Dfa
-from cfsm.vocab import Vocabulary
+from cfsm.automata.automaton import Dfa
+from cfsm.masks.vocab import Vocabulary
 
 __all__ = ["CompressedFsm", "JumpPlan", "plan_jump_forward", "utf8_prefix"]
 

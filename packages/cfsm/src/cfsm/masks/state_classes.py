@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _in_edges, _split_round, _stable_argsort
-from cfsm.vocab import TrieTables
+from cfsm.automata.automaton import Dfa, _in_edges, _split_round, _stable_argsort
+from cfsm.masks.vocab import TrieTables
 
 
 def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[np.ndarray]:

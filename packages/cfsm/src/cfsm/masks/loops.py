@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cfsm.automaton import Dfa, concat_ranges
-from cfsm.vocab import TrieTables
+from cfsm.automata.automaton import Dfa, concat_ranges
+from cfsm.masks.vocab import TrieTables
 
 __all__ = ["LoopTable", "Loops", "loop_table", "find_loops"]
 

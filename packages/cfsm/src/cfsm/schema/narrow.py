@@ -24,10 +24,10 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from cfsm.regex_ast import EMPTY, NOTHING, Node, Scope, Shared, alt, cat, lit
+from cfsm.regex.syntax import EMPTY, NOTHING, Node, Scope, Shared, alt, cat, lit
 
 if TYPE_CHECKING:
-    from cfsm.json_schema import _Compiler
+    from cfsm.schema.json_schema import _Compiler
 
 __all__ = ["unique_by_type", "negation_subset", "prefer_declared", "possible_types", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
 
@@ -52,7 +52,7 @@ def negation_subset(sub: Any, depth: int = 0, *, declare: bool = True) -> Any:
     subset, recursively); else the JSON types `sub` cannot accept (by its `type`, `const` and
     `enum`), or `False`. `declare=False`: no part declares a property with a schema other than
     `false` (where declared names count as evaluated: `unevaluatedProperties`)."""
-    from cfsm.json_schema import _ALL_TYPES, _INDEPENDENT, _STRUCTURAL, _negation, _type_set
+    from cfsm.schema.json_schema import _ALL_TYPES, _INDEPENDENT, _STRUCTURAL, _negation, _type_set
 
     negated = _negation(sub)
     if negated is not None:
@@ -102,7 +102,7 @@ def prefer_declared(subset: Any, branch: Any) -> Any:
 def possible_types(schema: Any) -> set[str]:
     """The JSON types (`json_schema._DISJOINT_TYPES`) a schema built here may accept (a superset:
     by `type`, `const`, `enum` and `anyOf` / `allOf`)."""
-    from cfsm.json_schema import _type_set
+    from cfsm.schema.json_schema import _type_set
 
     out = _type_set(schema)
     if isinstance(schema, dict):
@@ -117,7 +117,7 @@ def possible_types(schema: Any) -> set[str]:
 def unique_by_type(comp: _Compiler, prefix: list[Any], items: Any, lo: int, hi: int | None, path: str) -> Node:
     """`uniqueItems` narrowed: arrays (prefix items, then `items`; None: any value) lo to hi items
     long whose items all have different JSON types (`TYPE_BUCKETS`)."""
-    from cfsm.json_schema import _type_set
+    from cfsm.schema.json_schema import _type_set
 
     comp.narrowed("uniqueItems", f"{path}/uniqueItems",
                   "items of distinct JSON types (at most one object, array, string, number, boolean, null)")

@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cfsm.automaton import Dfa, _stable_argsort, concat_ranges
-from cfsm.loops import Loops
-from cfsm.vocab import TrieTables
-from cfsm.walks import (
+from cfsm.automata.automaton import Dfa, _stable_argsort, concat_ranges
+from cfsm.masks.loops import Loops
+from cfsm.masks.vocab import TrieTables
+from cfsm.masks.walks import (
     _chain_of,
     _concat,
     _group_steps,
