@@ -386,3 +386,36 @@ def test_same_forced_text_is_planned_once_across_requests(monkeypatch: pytest.Mo
     loop.cd.jump_forward_min_tokens = 4  # 33 > 3 * 3: made, each planned in its own context now
     d = loop.cd.schedule(loop.sched)
     assert d.mode == "extend" and plans == [1, 1, 1] and all(_text(s) == "b:qrstuvwxyz" for s in reqs)
+
+
+def test_slo_credit_that_cannot_pay_keeps_jumps_out_of_the_deferred_set() -> None:
+    """With the SLO admission's credit short of an extend round, a running request's jump is not
+    deferred (a deferred jump stops the overlap chain; declined anyway, it was deferred again at
+    every forced token): the text is written token by token. With credit, the jump waits for
+    `schedule()` and is made, as without the admission. The text is the same either way."""
+    from lmserver.scheduler.admission import AdmissionConfig, StepBudget
+
+    texts = []
+    for credit in (-1.0, 1.0):
+        loop = _Loop(8)
+        budget = StepBudget(AdmissionConfig(target_s=0.005))
+        budget.observe(1, 0, 0.004)  # a decode step measured: a prefill step is predicted
+        budget.credit = credit
+        loop.sched.admission = budget
+        s = loop.add("r", LONG, seed=0)
+        loop.sched.commit(loop.cd.schedule(loop.sched))
+        assert _sampled(loop, s, TOKEN[b"b"]) is None
+        if credit < 0:
+            assert not loop.cd._deferred and s.grammar is not None and s.grammar.jump_forward_tokens == 0
+            for _ in range(3):  # the forced text, one token a step, never deferred
+                d = loop.cd.schedule(loop.sched)
+                assert d.mode == "decode"
+                loop.sched.commit(d)
+                _sampled(loop, s, loop._sample(s))
+                assert not loop.cd._deferred
+        else:
+            assert "r" in loop.cd._deferred
+        loop.run()  # with credit: the deferred jump is made at the next schedule
+        assert s.grammar is not None and s.grammar.jump_forward_tokens == (0 if credit < 0 else 11)
+        texts.append(_text(s))
+    assert texts[0] == texts[1]

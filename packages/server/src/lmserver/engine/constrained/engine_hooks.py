@@ -265,7 +265,7 @@ class ConstrainedDecoding:
                     estimate = min(known[0], remaining - 1)
             if estimate is not None:
                 if estimate >= 1:
-                    self._deferred[sreq.rid] = (state, None, estimate, len(sreq.output_ids))
+                    self._defer(scheduler, state, None, estimate)
                 return None
         jump = g.plan_jump(sreq.output_ids, remaining)
         if jump is None:
@@ -275,13 +275,26 @@ class ConstrainedDecoding:
         decision = self.policy.now(jump.num_new_tokens, decoding=decoding, ends_request=ends,
                                    extend_pending=extend_pending, deferrable=deferrable)
         if decision == "defer":
-            self._deferred[sreq.rid] = (state, jump, jump.num_new_tokens, len(sreq.output_ids))
+            if not self._defer(scheduler, state, jump, jump.num_new_tokens):
+                g.declined = (g.forced_text(), jump.num_new_tokens, len(sreq.output_ids))  # later steps estimate
             return None
         if decision == "skip":
             self.stats["jump_forward_declined"] += 1
             g.declined = (g.forced_text(), jump.num_new_tokens, len(sreq.output_ids))
             return None
         return self._jump(scheduler, state, jump)
+
+    def _defer(self, scheduler: Scheduler, state: Any, jump: JumpForward | None, new_tokens: int) -> bool:
+        """Leaves a running request's jump to the next `schedule()` (True), unless the SLO admission's
+        credit cannot pay for an extend round of its own now (False: the mask forces the text token by
+        token). NOTE: a deferred jump stops the overlap chain for a step; one the credit would decline
+        anyway, deferred again at each token of its forced text, kept every such step serial."""
+        budget = scheduler.admission
+        if budget is not None and not scheduler.prefilling and not budget.extend_affordable(
+                len(scheduler.running), len(self._deferred) + 1):
+            return False
+        self._deferred[state.sreq.rid] = (state, jump, new_tokens, len(state.sreq.output_ids))
+        return True
 
     def _remember_size(self, g: ReqGrammar, jump: JumpForward) -> None:
         """Records the net tokens of the jump over `jump.text` and whether it ends the grammar.
