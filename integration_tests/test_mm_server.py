@@ -112,8 +112,10 @@ def test_native_generate_matches_the_offline_engine(http: httpx.Client, offline:
     again = http.post("/generate", json={"text": prompt, "image_data": str(path), "sampling_params": GREEDY}).json()
     assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 1
     info = http.get("/get_server_info").json()["scheduler"]
-    # five requests with the same image bytes: encoded once, the rest radix hits (no encoder lookup)
+    # five requests with the same image bytes: encoded once, the rest radix hits (no encoder lookup); the
+    # four after the first went to the engine by the image's hash alone, without pixels (same outputs)
     assert info["mm_encoder_cache_misses"] == 1 and info["mm_radix_hit_rate"] > 0.5
+    assert info["mm_items_by_hash"] >= 4
     model = http.get("/get_model_info").json()
     assert model["is_multimodal"] is True and model["image_token"] == "<image>"
 

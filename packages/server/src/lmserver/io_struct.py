@@ -34,6 +34,14 @@ class OverloadedError(InvalidRequestError):
     status = 503
 
 
+class PixelsNeededError(InvalidRequestError):
+    """The engine holds neither the vision embeddings nor the pixels of an image the front end sent
+    by its hash alone (`MultimodalItem.pixel_values` None): the front end sends the request again
+    with its pixels. Never reaches a client."""
+
+    status = 409
+
+
 def request_error(message: str, status: int = 400) -> InvalidRequestError:
     """The error to raise for a request the engine failed with `message` and HTTP `status`."""
     return OverloadedError(message) if status == OverloadedError.status else InvalidRequestError(message)
@@ -172,11 +180,16 @@ class MultimodalItem:
     content_hash: int  # 64-bit hash of the item's bytes (and kind / frame count)
     offset: int
     num_tokens: int
-    pixel_values: Any  # numpy float32: (3, H, W), (patches, 3, H, W) or video frames (F, 3, H, W)
+    # numpy float32: (3, H, W), (patches, 3, H, W) or video frames (F, 3, H, W); None: an image sent by
+    # its hash alone (the engine had it: see engine.multimodal.MultimodalInputs.check)
+    pixel_values: Any
     image_size: tuple[int, int] = (0, 0)  # (height, width) of the original image or frame
     # set: pixel_values are the decoded (H, W, 3) uint8 image and the engine runs this plan of the
     # remaining steps on its device (multimodal.processor.ImagePlan; bit-identical result)
     plan: Any = None
+    # engine side only: the item's vision embeddings (num_tokens, hidden), taken from the encoder cache
+    # when the item came without pixels (kept here, the cache may evict them before the forward)
+    embeds: Any = None
 
     @property
     def end(self) -> int:

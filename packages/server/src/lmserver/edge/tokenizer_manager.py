@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import re
@@ -38,6 +39,7 @@ from lmserver.edge.metrics import ServerMetrics
 from lmserver.io_struct import (
     GenerateReq,
     InvalidRequestError,
+    PixelsNeededError,
     ReqOutput,
     SamplingParams,
     TokenLogprob,
@@ -331,13 +333,23 @@ class TokenizerManager:
         state = GenState(rid=req.rid, prompt_tokens=len(req.input_ids))
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens, %s", req.rid, len(req.input_ids), req.sampling_params)
+        # an image the engine got before goes by its hash alone (MultimodalFrontend.for_engine)
+        wire = req if self.mm is None or not req.mm_items else dataclasses.replace(
+            req, mm_items=self.mm.for_engine(req.mm_items))
         try:
             # NOTE: the pixels of images / videos go as frames of their own (no pickle copy, see ipc.pack)
-            await self._push.send_multipart(pack(req), copy=False)
+            await self._push.send_multipart(pack(wire), copy=False)
             while not state.finished:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None and item.error_status == PixelsNeededError.status and wire is not req:
+                    # the engine dropped an image sent by its hash (evicted): once more, every pixel with it
+                    assert self.mm is not None
+                    self.mm.sent_in_full(req.mm_items)
+                    wire = req
+                    await self._push.send_multipart(pack(req), copy=False)
+                    continue
                 if item.error is not None:
                     raise request_error(item.error, item.error_status)
                 self._apply(state, item, record_metrics)
@@ -401,6 +413,8 @@ class TokenizerManager:
             self._rpcs.pop(rid, None)
         if resp.error is not None:
             raise RuntimeError(resp.error)
+        if method == "flush_cache" and resp.result and self.mm is not None:
+            self.mm.forget_sent()  # the engine's encoder cache is empty now
         return resp.result
 
     async def health_generate(self, timeout_s: float = 20.0) -> bool:

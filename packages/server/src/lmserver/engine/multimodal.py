@@ -8,13 +8,15 @@ one encode call go to the device through one reusable page-locked buffer (`HostS
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import weakref
+from collections.abc import Callable, MutableSequence, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmserver.io_struct import InvalidRequestError, MultimodalItem
+from lmserver.io_struct import InvalidRequestError, MultimodalItem, PixelsNeededError
 from lmserver.runner.encoder_cache import EncoderCache
 from lmserver.runner.model_runner import MMRows
 from lmserver.scheduler import Req, ScheduleDecision
@@ -89,8 +91,11 @@ class MultimodalInputs:
         self.video_token_id: int | None = getattr(model, "video_token_id", None)
         self.cache = EncoderCache(encoder_cache_rows)
         self.staging = HostStaging(device)
+        # the pixels of the images of live requests, by content hash: an image sent by its hash alone
+        # (see `check`) right after a request with its pixels, before those are encoded, takes them here
+        self._live_pixels: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
         self.counters = {"mm_items": 0, "mm_tokens": 0, "mm_cached_tokens": 0, "mm_encoded_items": 0,
-                         "mm_encode_time_s": 0.0}
+                         "mm_encode_time_s": 0.0, "mm_items_by_hash": 0}
 
     def capture_encoder_graphs(self) -> bool:
         """Replays the model's tile encoder (tower + projector) from CUDA graphs (CUDA, a model
@@ -113,9 +118,19 @@ class MultimodalInputs:
         """Whether `model` takes images (it has a vision encoder)."""
         return callable(getattr(model, "encode_images", None))
 
-    def check(self, input_ids: Sequence[int], items: Sequence[MultimodalItem]) -> None:
+    def check(self, input_ids: Sequence[int], items: MutableSequence[MultimodalItem]) -> None:
         """Raises InvalidRequestError unless every item covers its own run of the model's image
-        (video) token ids inside the prompt, items in order and apart."""
+        (video) token ids inside the prompt, items in order and apart.
+
+        An image sent by its hash alone (`pixel_values` None: the front end's fast path for an image
+        it sent before) is replaced in `items` (mutated) by a copy carrying its embeddings from the
+        encoder cache, else the pixels of a live request's copy; with neither, PixelsNeededError
+        (the front end sends the request again with the pixels)."""
+        for index, item in enumerate(items):
+            if item.pixel_values is None and item.embeds is None:
+                items[index] = self._resolve(item)
+            elif isinstance(item.pixel_values, np.ndarray):
+                self._live_pixels[item.content_hash] = item.pixel_values
         end = 0
         for item in sorted(items, key=lambda it: it.offset):
             token = self.image_token_id if item.kind == "image" else self.video_token_id
@@ -130,11 +145,29 @@ class MultimodalInputs:
             self._check_rows(item)
             end = item.end
 
+    def _resolve(self, item: MultimodalItem) -> MultimodalItem:
+        """`item` (sent without pixels) with its embeddings or pixels; raises PixelsNeededError.
+        Mutates the cache's LRU order and the counters."""
+        if item.kind != "image":
+            raise InvalidRequestError(f"a {item.kind} item needs its pixels")
+        rows = self.cache.lookup(item.content_hash)
+        if rows is not None and rows.shape[0] == item.num_tokens:
+            resolved = dataclasses.replace(item, embeds=rows)
+        else:
+            pixels = self._live_pixels.get(item.content_hash)
+            if pixels is None:
+                raise PixelsNeededError("the engine holds no copy of an image sent by its hash; send its pixels")
+            resolved = dataclasses.replace(item, pixel_values=pixels)
+        self.counters["mm_items_by_hash"] += 1
+        return resolved
+
     def _check_rows(self, item: MultimodalItem) -> None:
         """The item's token count is what the model's encoder makes of it (a mismatch would fail
         the forward, not the request)."""
         from lmserver.multimodal import token_counts
 
+        if item.embeds is not None:
+            return  # rows of the encoder cache, counted when they were encoded (and checked: `_resolve`)
         hf = getattr(self.model, "config", None)
         hf_config = getattr(hf, "hf_config", None)
         if not isinstance(hf_config, dict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from lmserver.io_struct import InvalidRequestError, MultimodalItem
 from lmserver.multimodal.loader import LoadLimits, fetch_url, is_remote, load_local
 
 KINDS = ("image", "video")
+INLINE_DECODE_CHARS = 1 << 20  # a data: URL up to this size is decoded on the event loop
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ def _token_id(hf: dict[str, Any], *names: str) -> int | None:
 class MultimodalFrontend:
     def __init__(self, processor: Any, image_token_id: int | None, video_token_id: int | None, tokenizer: Any,
                  limits: LoadLimits, max_items: int = 32, default_num_frames: int = 8,
-                 max_frames: int = 64, processed_cache_items: int = 64, device_preprocess: bool = False) -> None:
+                 max_frames: int = 64, processed_cache_items: int = 64, device_preprocess: bool = False,
+                 engine_cache_rows: int = 0) -> None:
         self.processor = processor
         self.token_ids = {"image": image_token_id, "video": video_token_id}
         self.token_texts = {kind: (None if tid is None else str(tokenizer.convert_ids_to_tokens(tid)))
@@ -81,6 +84,11 @@ class MultimodalFrontend:
         self.processed_cache_items = processed_cache_items
         # resize / crop / normalize in the engine, on its GPU (decode only here): see gpu_preprocess
         self.device_preprocess = device_preprocess and bool(getattr(processor, "has_image_plan", False))
+        # the images whose pixels went to the engine, by hash (LRU, in embedding rows, the engine's encoder
+        # cache budget): a repeat goes by its hash alone (`for_engine`); 0 rows: every image with its pixels
+        self.engine_cache_rows = engine_cache_rows
+        self._sent: OrderedDict[int, int] = OrderedDict()
+        self._sent_rows = 0
 
     @classmethod
     def for_model(cls, model_path: str | Path, tokenizer: Any, config: Any,
@@ -104,7 +112,7 @@ class MultimodalFrontend:
                    LoadLimits(max_bytes=config.mm_max_fetch_bytes, timeout_s=config.mm_fetch_timeout_s),
                    max_items=config.mm_max_items, default_num_frames=frames, max_frames=config.mm_max_video_frames,
                    processed_cache_items=64 if config.mm_encoder_cache_size > 0 else 0,
-                   device_preprocess=engine_device == "cuda")
+                   device_preprocess=engine_device == "cuda", engine_cache_rows=config.mm_encoder_cache_size)
 
     def token_text(self, kind: str) -> str:
         """The placeholder text of `kind` in a prompt (e.g. "<image>"); raises for a kind the
@@ -148,6 +156,10 @@ class MultimodalFrontend:
                     self._client = httpx.AsyncClient()
                 client = self._client
             data = await fetch_url(client, ref.source, self.limits)
+        elif ref.source.startswith("data:") and len(ref.source) <= INLINE_DECODE_CHARS:
+            # NOTE: a photo's base64 decodes in well under a millisecond, holding the GIL: a thread hop
+            # costs more than it saves; files and large payloads still go to a thread
+            data = load_local(ref.source, self.limits)
         else:
             data = await asyncio.to_thread(load_local, ref.source, self.limits)
         frames = None if ref.kind == "image" else ref.num_frames or self.default_num_frames
@@ -176,6 +188,40 @@ class MultimodalFrontend:
         video = self.processor.process_video(data, frames)
         size = tuple(video.pixel_values.shape[-2:])
         return PreparedMedia("video", key, video.pixel_values, size, int(video.num_tokens))
+
+    def for_engine(self, items: Sequence[MultimodalItem]) -> list[MultimodalItem]:
+        """`items` as the engine gets them: an image whose pixels went to the engine before (within
+        its encoder cache's budget) goes by its hash alone (pixel_values None; the engine takes its
+        embeddings from its encoder cache, see engine.multimodal); the others in full, remembered as
+        sent. Mutates the record of sent images."""
+        out = []
+        for item in items:
+            rows = self._sent.get(item.content_hash)
+            if item.kind == "image" and rows == item.num_tokens:
+                self._sent.move_to_end(item.content_hash)
+                out.append(dataclasses.replace(item, pixel_values=None))
+            else:
+                self.sent_in_full([item])
+                out.append(item)
+        return out
+
+    def sent_in_full(self, items: Sequence[MultimodalItem]) -> None:
+        """Records `items` as sent to the engine with their pixels (LRU by rows, like its encoder
+        cache). Mutates the record."""
+        for item in items:
+            if item.kind != "image" or item.num_tokens > self.engine_cache_rows:
+                continue
+            old = self._sent.pop(item.content_hash, None)
+            self._sent_rows -= old or 0
+            self._sent[item.content_hash] = item.num_tokens
+            self._sent_rows += item.num_tokens
+            while self._sent_rows > self.engine_cache_rows:
+                self._sent_rows -= self._sent.popitem(last=False)[1]
+
+    def forget_sent(self) -> None:
+        """Forgets which images the engine got (its encoder cache was flushed). Mutates the record."""
+        self._sent.clear()
+        self._sent_rows = 0
 
     def expand(self, input_ids: Sequence[int], media: Sequence[PreparedMedia]) -> tuple[list[int], list[MultimodalItem]]:
         """`input_ids` with the k-th image (video) token expanded to `media`'s k-th image's

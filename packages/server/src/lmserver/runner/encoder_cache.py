@@ -34,10 +34,18 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def lookup(self, content_hash: int) -> torch.Tensor | None:
+        """The rows kept for `content_hash` (marked as just used), None when not kept."""
+        hit = self._entries.get(content_hash)
+        if hit is not None:
+            self._entries.move_to_end(content_hash)
+        return hit
+
     def get_many(self, items: Sequence[MultimodalItem], encode: EncodeFn) -> list[torch.Tensor]:
         """The embeddings of `items` (one tensor each), encoding the misses with one `encode`
-        call (each distinct hash once). Mutates the cache (LRU order, inserts, evictions) and its
-        counters."""
+        call (each distinct hash once); an item that carries its embeddings (`embeds`, taken from
+        this cache when it arrived) is a hit and is kept again. Mutates the cache (LRU order,
+        inserts, evictions) and its counters."""
         found: dict[int, torch.Tensor] = {}
         missing: dict[int, MultimodalItem] = {}
         for item in items:
@@ -48,6 +56,10 @@ class EncoderCache:
             if hit is not None:
                 self._entries.move_to_end(h)
                 found[h] = hit
+                self.hits += 1
+            elif item.embeds is not None:
+                found[h] = item.embeds
+                self._put(h, item.embeds)
                 self.hits += 1
             else:
                 missing[h] = item
