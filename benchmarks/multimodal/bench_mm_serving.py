@@ -134,21 +134,30 @@ async def run_reuse(base_url: str, reqs: list[tuple[int, int, dict[str, Any]]], 
         queue.put_nowait(body)
     done: list[Done] = []
     context = ssl.create_default_context()  # one for all clients (each would load the CA bundle)
+    # NOTE: the clients exist before the clock starts (120 of them took 0.29 s to build on the dev CPU, time
+    # in which the later workers' first requests waited): the run times the server, not the client's set-up
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=600, verify=context)
+               for _ in range(min(concurrency, len(reqs)))]
+    sent: list[float] = []
 
-    async def worker() -> None:
-        async with httpx.AsyncClient(base_url=base_url, timeout=600, verify=context) as client:
+    async def worker(client: httpx.AsyncClient) -> None:
+        async with client:
             while not queue.empty():
+                sent.append(time.perf_counter())
                 done.append(await generate(client, queue.get_nowait()))
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(reqs)))))
+    await asyncio.gather(*(worker(client) for client in clients))
     wall = time.perf_counter() - start
     prompt = sum(d.prompt_tokens for d in done)
     return {"requests": len(done), "wall_s": wall, "req_per_s": len(done) / wall,
             "output_tok_per_s": sum(d.completion_tokens for d in done) / wall,
             "prompt_tokens": prompt, "cached_tokens": sum(d.cached_tokens for d in done),
             "hit_rate": sum(d.cached_tokens for d in done) / prompt,
-            "mean_latency_s": statistics.mean(d.latency_s for d in done)}
+            "mean_latency_s": statistics.mean(d.latency_s for d in done),
+            "mean_ttft_s": statistics.mean(d.ttft_s for d in done),
+            # when the last request left the client, from the start (all 120 at once: the client's own pace)
+            "last_sent_s": max(sent) - start}
 
 
 def start_server(model_path: str, server_args: str, extra: list[str]) -> Any:
