@@ -114,3 +114,21 @@ def test_engine_admission_holds_new_requests_and_keeps_tokens() -> None:
     rows = core.get_step_trace()
     recs = [dict(zip(rows["fields"], r, strict=True)) for r in rows["records"]]
     assert recs and all(r["gap_s"] > 0 and r["decode_rows"] >= 1 for r in recs)
+
+
+def test_garbage_collections_are_counted_in_their_gap() -> None:
+    import gc
+
+    trace = StepTrace(keep=10)
+    ours = gc.callbacks[-1]
+    trace.step(0.0, 0.001, 2)
+    gc.collect()  # a full collection inside the gap
+    rec = trace.step(0.002, 0.003, 2)
+    assert rec is not None and rec.gc_full >= 1 and rec.gc_s > 0.0
+    assert trace.stats()["gc_full_collections"] >= 1
+    rec = trace.step(0.004, 0.005, 2)
+    assert rec is not None and rec.gc_full == 0  # none in this one
+    del trace, rec
+    gc.collect()  # the callback of a trace that is gone removes itself
+    gc.collect()
+    assert ours not in gc.callbacks

@@ -9,6 +9,7 @@ periodic stats log line, and exits when its parent process dies (no orphans).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -192,6 +193,11 @@ def run_core_process(config: ServerConfig, addrs: IpcAddrs, factory: str,
     core: Any = None
     try:
         core = load_factory(factory)(config, **(factory_kwargs or {}))
+        # NOTE: the start-up heap (torch, the model's modules, the tokenizer) lives as long as the process:
+        # frozen out of the collector, a full collection walks only what came since (a full collection of the
+        # whole heap is a candidate for the #27 storm's longest gaps, see engine/step_trace.py; vLLM does the same)
+        gc.collect()
+        gc.freeze()
         push.send_pyobj(CoreReady(
             tokenizer=core.tokenizer, model_path=str(core.model_path), vocab_size=int(core.vocab_size),
             context_length=int(core.context_length), resolved_config=_config_dict(core.resolved_config)))

@@ -6,7 +6,9 @@ steps that gave no token (a prefill that samples nothing), the forward of the st
 admission of requests whose grammar compiled (grammar objects, jump-forward at admission), the
 requests added by the serving loop (`add_request`: validation, JSON Schema parsing), and
 whatever else holds the interpreter (the grammar pool's dispatcher thread receiving compiled
-indexes). `StepTrace` closes one record per such gap (`GapRecord`) with those parts measured,
+indexes), and the cyclic garbage collector's pauses (any thread's allocations can start one;
+a full collection walks every tracked object of the process). `StepTrace` closes one record per
+such gap (`GapRecord`) with those parts measured,
 keeps the longest ones and the recent ones, and names the largest part (`GapRecord.cause`).
 
 Always on: a record costs a few microseconds per step. `EngineCore.get_stats` reports the
@@ -19,8 +21,11 @@ second). No torch.
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import heapq
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +34,7 @@ __all__ = ["GapRecord", "StepTrace"]
 TOP_GAPS = 8  # the longest gaps kept
 # a record as one row (`StepTrace.rows`): its fields, then its outside time and cause
 FIELDS = ("end", "gap_s", "steps", "step_s", "decode_rows", "extend_forwards", "prefill_rows", "prefill_tokens",
-          "forward_s", "admitted", "admit_s", "added", "add_s", "receive_s", "outside_s", "cause")
+          "forward_s", "admitted", "admit_s", "added", "add_s", "receive_s", "gc_s", "gc_full", "outside_s", "cause")
 
 
 @dataclass
@@ -50,6 +55,8 @@ class GapRecord:
     added: int = 0  # requests added (add_request) in the gap
     add_s: float = 0.0
     receive_s: float = 0.0  # CPU time the grammar dispatcher thread spent receiving results in the gap
+    gc_s: float = 0.0  # garbage-collector pauses in the gap (any thread; inside the parts above too)
+    gc_full: int = 0  # of which oldest-generation collections
 
     @property
     def outside_s(self) -> float:
@@ -58,19 +65,21 @@ class GapRecord:
 
     @property
     def cause(self) -> str:
-        """The largest measured part of the gap: forward-extend, forward-decode, grammar-admission,
-        add-request, other-in-step, or outside-step."""
+        """The largest measured part of the gap: garbage-collection (when its pauses are the
+        largest part: they fall inside the others), forward-extend, forward-decode,
+        grammar-admission, add-request, other-in-step, or outside-step."""
         forward = "forward-extend" if self.extend_forwards else "forward-decode"
         parts = {forward: self.forward_s, "grammar-admission": self.admit_s, "add-request": self.add_s,
                  "other-in-step": max(self.step_s - self.forward_s - self.admit_s, 0.0),
                  "outside-step": self.outside_s}
-        return max(parts, key=lambda k: parts[k])
+        cause = max(parts, key=lambda k: parts[k])
+        return "garbage-collection" if self.gc_s >= parts[cause] else cause
 
     def as_row(self) -> list[Any]:
         """The record's values in `FIELDS` order."""
         return [self.end, self.gap_s, self.steps, self.step_s, self.decode_rows, self.extend_forwards,
                 self.prefill_rows, self.prefill_tokens, self.forward_s, self.admitted, self.admit_s, self.added,
-                self.add_s, self.receive_s, self.outside_s, self.cause]
+                self.add_s, self.receive_s, self.gc_s, self.gc_full, self.outside_s, self.cause]
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -91,6 +100,21 @@ class StepTrace:
         self._last_end: float | None = None
         self._cur = GapRecord()
         self.max_gap_s = 0.0
+        self.gc_s = 0.0  # all collections' pauses since start
+        self.gc_full = 0
+        self._gc_start = 0.0
+        gc.callbacks.append(_gc_callback(weakref.ref(self)))
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = self.clock()
+            return
+        seconds = self.clock() - self._gc_start
+        full = info.get("generation") == 2
+        self.gc_s += seconds
+        self.gc_full += full
+        self._cur.gc_s += seconds
+        self._cur.gc_full += full
 
     # --- parts of the current gap ---------------------------------------------------------------------
 
@@ -150,9 +174,23 @@ class StepTrace:
 
     def stats(self) -> dict[str, Any]:
         """The longest gap, the number of gaps, the longest gaps' records (cheap: for the stats)."""
-        return {"step_gap_max_s": self.max_gap_s, "step_gaps": self._n,
-                "step_gaps_top": [r.as_dict() for r in self.top()]}
+        return {"step_gap_max_s": self.max_gap_s, "step_gaps": self._n, "gc_pause_s": self.gc_s,
+                "gc_full_collections": self.gc_full, "step_gaps_top": [r.as_dict() for r in self.top()]}
 
     def rows(self) -> dict[str, Any]:
         """The kept records as rows of `FIELDS` (empty with keep=0)."""
         return {"fields": list(FIELDS), "records": [r.as_row() for r in self.records] if self.keep > 0 else []}
+
+
+def _gc_callback(ref: weakref.ReferenceType[StepTrace]) -> Any:
+    """A `gc.callbacks` entry feeding the trace behind `ref`; it removes itself once the trace is gone."""
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        trace = ref()
+        if trace is None:
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(callback)
+            return
+        trace._gc(phase, info)
+
+    return callback
