@@ -273,7 +273,7 @@ STAT_KEYS = ("forwards", "forward_tokens", "extend_forwards", "extend_time_s", "
              "cuda_graph_replays", "jump_forward_steps", "jump_forward_tokens", "jump_forward_declined", "mask_prepare_s",
              "mask_apply_s", "mask_fill_s", "mask_rows", "mask_stale_rows", "generation_tokens", "compile_done",
              "compile_failed", "compile_workers_killed", "compile_receive_s", "compile_max_receive_s",
-             "step_gap_max_s", "admission_deferred_rounds")
+             "step_gap_max_s", "admission_deferred_rounds", "gc_pause_s", "gc_full_collections")
 
 
 def server_gaps(client: httpx.Client, start: float, end: float) -> dict[str, Any]:
