@@ -20,6 +20,7 @@ from lmserver.kernels.fp8_ref import (
     dequantize_fp8,
     expand_block_scale,
     fp8_linear_ref,
+    hadamard,
     quantize_fp8,
 )
 from lmserver.layers.fp8_linear import Fp8Linear
@@ -330,6 +331,71 @@ def test_torch_native_with_fp8_kv_attends_to_the_dequantized_cache() -> None:
     compare_backends(TorchNativeBackend, Dense, device="cpu", shape=(6, 2, 16), dtype=torch.float32,
                      num_slots=128, width=48, chunks=[[5, 9, 3], [7, 1, 12]], decode_steps=4, tol=1e-6,
                      kv_cache_dtype=FP8_DTYPE)
+
+
+@pytest.mark.parametrize("n", [64, 128, 80, 6, 1])
+def test_hadamard_is_orthonormal_and_symmetric(n: int) -> None:
+    h = hadamard(n, torch.float64)
+    assert torch.allclose(h @ h, torch.eye(n, dtype=torch.float64), atol=1e-12)  # its own inverse
+    assert torch.equal(h, h.T)
+    block = n & -n  # every entry +-1/sqrt(block) inside the diagonal blocks, 0 outside
+    inside = torch.block_diag(*[torch.ones(block, block, dtype=torch.float64)] * (n // block)).bool()
+    assert torch.allclose(h.abs()[inside], torch.full((int(inside.sum()),), block**-0.5, dtype=torch.float64))
+    assert (h[~inside] == 0).all()
+
+
+def _attend(pool: KVPool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One prefill of q / k / v (T, heads, D) through AttentionLayer and torch_native over `pool`."""
+    from lmserver.forward.batch import AttentionLayer, ForwardMode
+    from lmserver.runner.attention.testing import step_batch
+    from lmserver.runner.attention.torch_native import TorchNativeBackend
+
+    t = q.shape[0]
+    table = torch.zeros(1, t, dtype=torch.int32)
+    table[0] = torch.arange(1, t + 1, dtype=torch.int32)
+    backend = TorchNativeBackend(pool, table)
+    batch = step_batch(ForwardMode.EXTEND, [0], [0], [t], torch.arange(1, t + 1), "cpu")
+    batch.attn_backend = backend
+    backend.plan(batch)
+    dim = q.shape[-1]
+    return AttentionLayer(0, q.shape[1], k.shape[1], dim, dim**-0.5)(q, k, v, batch)  # type: ignore[no-any-return]
+
+
+def test_rotated_k_attends_as_unrotated_and_stores_k_rotated() -> None:
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(12, h, 16, generator=g) for h in (4, 2, 2))
+    plain, rotated = (KVPool(16, 1, 2, 16, torch.float32, "cpu", rotate_k=r) for r in (False, True))
+    assert plain.k_rotation is None and rotated.k_rotation is not None
+    assert torch.allclose(_attend(rotated, q, k, v), _attend(plain, q, k, v), atol=1e-5)
+    want = (k.double() @ hadamard(16, torch.float64)).float()
+    assert torch.allclose(rotated.k_cache[0][1:13], want, atol=1e-6)
+    assert torch.equal(rotated.v_cache[0][1:13], v)  # V as computed
+
+
+def test_rotated_fp8_k_spreads_the_rounding_error_of_shared_channels() -> None:
+    """q and k share two large channels (as this model's attention does): FP8 K's rounding error on the
+    scores rides on them unrotated; in the Hadamard basis it averages over the head. Against float64."""
+    g = torch.Generator().manual_seed(11)
+    t, dim = 64, 64
+    q, k, v = (torch.randn(t, 2, dim, generator=g) for _ in range(3))
+    for x, big in ((q, 6.0), (k, 12.0)):
+        x[..., 3] *= big
+        x[..., 40] *= big
+    k = k * 0.7
+    ref = _attend(KVPool(t + 1, 1, 2, dim, torch.float64, "cpu"), q.double(), k.double(), v.double())
+    errors = []
+    for rotate in (False, True):
+        pool = KVPool(t + 1, 1, 2, dim, torch.float32, "cpu", FP8_DTYPE, rotate_k=rotate)
+        errors.append(float((_attend(pool, q, k, v).double() - ref).norm() / ref.norm()))
+    assert errors[1] < 0.5 * errors[0], errors
+
+
+def test_fp8_kv_options_rotate_k_unless_told() -> None:
+    from lmserver.runner.resolve import kv_cache_options
+
+    assert kv_cache_options("fp8_e4m3")["rotate_k"] is True
+    assert kv_cache_options("fp8_e4m3", rotate_k=False)["rotate_k"] is False  # a lowlat plugin reads the pool
+    assert kv_cache_options("bfloat16") == {}
 
 
 # --- the embedded model and the kernels ------------------------------------------------------------------

@@ -162,7 +162,8 @@ def test_extend_attention_reads_fp8_prefix(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_backend_with_fp8_pool_matches_torch_native(device: str) -> None:
+@pytest.mark.parametrize("rotate_k", [False, True], ids=["k", "rotated_k"])
+def test_triton_backend_with_fp8_pool_matches_torch_native(device: str, rotate_k: bool) -> None:
     from lmserver.runner.attention.testing import compare_backends
     from lmserver.runner.attention.torch_native import TorchNativeBackend
     from lmserver.runner.attention.triton_backend import TritonBackend
@@ -170,7 +171,7 @@ def test_triton_backend_with_fp8_pool_matches_torch_native(device: str) -> None:
     dtype = _act_dtype(device)
     compare_backends(TorchNativeBackend, TritonBackend, device=device, shape=(6, 2, 32), dtype=dtype,
                      num_slots=160, width=64, chunks=[[5, 9, 3], [7, 1, 12]], decode_steps=3,
-                     tol=1e-5 if dtype == torch.float32 else 1.6e-2, kv_cache_dtype=FP8_DTYPE)
+                     tol=1e-5 if dtype == torch.float32 else 1.6e-2, kv_cache_dtype=FP8_DTYPE, rotate_k=rotate_k)
 
 
 @pytest.mark.gpu

@@ -125,9 +125,12 @@ class EngineBuilder:
             if tp is not None:  # the followers wait for the slot count: tell them to stop instead
                 tp.shutdown()
             raise
+        # NOTE: an FP8 cache stores K in the Hadamard basis unless a lowlat plugin serves decode steps: the
+        # plugins write and read K unrotated (forward/kv_pool.py), and every path must see one basis
+        plugin = lowlat.session.selected if lowlat is not None else None
         kv_pool = KVPool(kv_manager.buffer_size, mc.num_hidden_layers,
                          tp.local_kv_heads if tp else mc.num_key_value_heads, mc.head_dim,
-                         dtype, device, **kv_cache_options(rc.kv_cache_dtype, model))
+                         dtype, device, **kv_cache_options(rc.kv_cache_dtype, model, rotate_k=plugin is None))
         kv_pool.zero_padding(rc.page_size)
         host_kv = start_host_tier(rc, kv_pool, kv_manager) if rc.enable_hierarchical_cache else None
         req_to_token = make_req_to_token(rc.max_running_requests, context_length, device)

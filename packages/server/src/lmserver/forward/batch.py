@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmserver.kernels.fp8_ref import rotate_heads
+
 if TYPE_CHECKING:
     from lmserver.forward.kv_pool import KVPool
     from lmserver.kernels.cascade_decode import CascadeMetadata
@@ -67,8 +69,12 @@ class AttentionLayer(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q (T, H, D), k and v (T, KV, D) -> (T, H * D). Writes k, v into the KV pool."""
+        """q (T, H, D), k and v (T, KV, D) -> (T, H * D). Writes k, v into the KV pool (k, and the
+        q it attends with, in the pool's rotated basis when it has one: `KVPool.k_rotation`)."""
         assert batch.attn_backend is not None, "ForwardBatch has no attention backend"
+        rotation = batch.attn_backend.kv_pool.k_rotation
+        if rotation is not None:
+            q, k = rotate_heads(q, rotation), rotate_heads(k, rotation)
         return batch.attn_backend.forward(q, k, v, self)
 
 

@@ -7,6 +7,15 @@ FP8 KV cache (`kv_cache_dtype` float8_e4m3fn): the caches hold K / k_scale and V
 saturated at +-448, one scale per layer for K and one for V (per tensor, as SGLang and vLLM
 keep them: 1.0, or the checkpoint's `k_scale` / `v_scale`); readers multiply back
 (`dequantize_k` / `dequantize_v`, or the Triton kernels' `k_scale` / `v_scale` arguments).
+
+K in a rotated basis (`rotate_k`, on for an FP8 cache by `runner.resolve.kv_cache_options`): the
+cache holds k @ R per head, R = `fp8_ref.hadamard(head_dim)` (orthonormal, symmetric), and every
+reader attends with q @ R: `AttentionLayer` rotates q and k before the backend sees them, so scores
+are unchanged and no attention kernel knows of R. Why: e4m3 keeps 3 mantissa bits per value, and a
+score q . k of this model rides on a few channels that q and k share, whose rounding errors then
+dominate it; after R every channel carries a share of them and the errors average out (embedded
+SmolLM2, FP8 K: mean KL 0.0081 -> 0.0047 nats; benchmarks/RESULTS.md, FP8 (issue 33)). No bytes
+are added (the scales stay per layer); the cost is two (head_dim x head_dim) products per token.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmserver.kernels.fp8_ref import FP8_DTYPE, quantize_kv_fp8
+from lmserver.kernels.fp8_ref import FP8_DTYPE, hadamard, quantize_kv_fp8
 
 
 class KVPool:
@@ -35,6 +44,7 @@ class KVPool:
         kv_cache_dtype: torch.dtype | None = None,
         k_scales: Sequence[float] | None = None,  # (num_layers,) FP8 only; default 1.0
         v_scales: Sequence[float] | None = None,
+        rotate_k: bool = False,  # store K (and attend with q) in the Hadamard basis (module docstring)
     ) -> None:
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -49,6 +59,8 @@ class KVPool:
         self.v_scale = [float(s) for s in v_scales] if v_scales is not None else [1.0] * num_layers
         if len(self.k_scale) != num_layers or len(self.v_scale) != num_layers:
             raise ValueError(f"k_scales and v_scales need one value per layer ({num_layers})")
+        # (head_dim, head_dim) in the compute dtype, or None: K stored as computed
+        self.k_rotation = hadamard(head_dim, dtype, device) if rotate_k else None
         # NOTE: `empty`, not `zeros`: on CPU untouched pages then cost no memory. Every slot a
         # backend reads is written first (a table row only names slots of computed tokens, or
         # the padding page, which is zeroed here so masked-out reads stay finite).

@@ -19,9 +19,11 @@ __all__ = [
     "dequantize_fp8",
     "expand_block_scale",
     "fp8_linear_ref",
+    "hadamard",
     "quantize_fp8",
     "quantize_fp8_per_token",
     "quantize_kv_fp8",
+    "rotate_heads",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -88,3 +90,24 @@ def quantize_kv_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """K or V values -> float8_e4m3fn of x / scale, saturated at +-448 (a KV-cache write). Pure."""
     y = x.float() if scale == 1.0 else x.float() / scale
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n, n) orthonormal, symmetric Hadamard-type matrix (its own inverse): Sylvester's normalized
+    Hadamard matrix of the largest power-of-two block dividing n, repeated on the diagonal (n = 64, 128:
+    one block). The FP8 KV cache stores K in this basis (`KVPool.k_rotation`). Built in float64. Pure."""
+    if n < 1:
+        raise ValueError(f"hadamard needs n >= 1, got {n}")
+    block = n & -n  # the largest power of two dividing n
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h = h / block**0.5
+    full = h if block == n else torch.block_diag(*[h] * (n // block))
+    return full.to(dtype=dtype, device=device)
+
+
+def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x (..., D) @ rotation (D, D), in x's dtype (what an attention layer does to q and k when the KV
+    cache stores K rotated: q . k is unchanged for an orthogonal rotation). Pure."""
+    return torch.matmul(x, rotation.to(x.dtype))

@@ -296,22 +296,25 @@ def resolve_config(
     )
 
 
-def kv_cache_options(kv_cache_dtype: str, model: torch.nn.Module | None = None) -> dict[str, Any]:
+def kv_cache_options(kv_cache_dtype: str, model: torch.nn.Module | None = None,
+                     rotate_k: bool = True) -> dict[str, Any]:
     """KVPool keyword arguments of a resolved `kv_cache_dtype` ("fp8_e4m3" or the model dtype's
-    name): the FP8 storage dtype and the checkpoint's per-layer scales (`model`'s
-    `fp8_kv_scales`, 1.0 where absent); nothing for a model-dtype cache."""
+    name): the FP8 storage dtype, K in the Hadamard basis (`KVPool` `rotate_k`: off when a reader that
+    does not rotate q writes or reads the cache, i.e. a lowlat plugin) and the checkpoint's per-layer
+    scales (`model`'s `fp8_kv_scales`, 1.0 where absent); nothing for a model-dtype cache."""
     if kv_cache_dtype != "fp8_e4m3":
         return {}
     from lmserver.models.quantization import FP8_KV_SCALES_ATTR
 
     scales: dict[int, dict[str, float]] = getattr(model, FP8_KV_SCALES_ATTR, None) or {}
     if not scales:
-        return {"kv_cache_dtype": FP8_DTYPE}
+        return {"kv_cache_dtype": FP8_DTYPE, "rotate_k": rotate_k}
     layers = 1 + max(scales)
     config = getattr(model, "config", None)
     layers = max(layers, int(getattr(config, "num_hidden_layers", layers)))
     return {
         "kv_cache_dtype": FP8_DTYPE,
+        "rotate_k": rotate_k,
         "k_scales": [scales.get(i, {}).get("k", 1.0) for i in range(layers)],
         "v_scales": [scales.get(i, {}).get("v", 1.0) for i in range(layers)],
     }

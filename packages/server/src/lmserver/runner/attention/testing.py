@@ -41,14 +41,17 @@ def step_batch(mode: ForwardMode, rows: list[int], prefix: list[int], new: list[
 def compare_backends(make_ref: BackendFactory, make_other: BackendFactory, *, device: str,
                      shape: tuple[int, int, int], dtype: torch.dtype, num_slots: int, width: int,
                      chunks: list[list[int]], decode_steps: int, tol: float, layers: int = 2,
-                     stale_padding_slot: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
+                     stale_padding_slot: bool = True, kv_cache_dtype: torch.dtype | None = None,
+                     rotate_k: bool = False) -> None:
     """Runs three requests through `chunks` (new tokens per request and extend step), then
-    `decode_steps` decodes, on both backends; asserts outputs within `tol` (relative L2) and equal
-    KV pools. `shape` = (heads, kv_heads, head_dim); with `stale_padding_slot` False slot 0 (padding)
-    keeps zeros; `kv_cache_dtype` (float8_e4m3fn) makes both pools FP8 (scales 1.0)."""
+    `decode_steps` decodes, on both backends (each call through `AttentionLayer`, as a model makes
+    it); asserts outputs within `tol` (relative L2) and equal KV pools. `shape` = (heads, kv_heads,
+    head_dim); with `stale_padding_slot` False slot 0 (padding) keeps zeros; `kv_cache_dtype`
+    (float8_e4m3fn) makes both pools FP8 (scales 1.0); `rotate_k` stores K in the Hadamard basis."""
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(0)
-    pools = [KVPool(num_slots, layers, kv_heads, dim, dtype, device, kv_cache_dtype) for _ in range(2)]
+    pools = [KVPool(num_slots, layers, kv_heads, dim, dtype, device, kv_cache_dtype, rotate_k=rotate_k)
+             for _ in range(2)]
     first = 0 if stale_padding_slot else 1
     for layer_id in range(layers):  # random stale contents: nothing may read an unwritten slot
         for cache in ("k_cache", "v_cache"):
@@ -73,15 +76,17 @@ def compare_backends(make_ref: BackendFactory, make_other: BackendFactory, *, de
             loc += slots
         args = ([rows[i] for i in active], [lens[i] for i in active], [new[i] for i in active],
                 torch.tensor(loc, dtype=torch.int64), device)
-        ref.plan(step_batch(mode, *args))
-        other.plan(step_batch(mode, *args))
+        ref_batch, other_batch = step_batch(mode, *args), step_batch(mode, *args)
+        ref_batch.attn_backend, other_batch.attn_backend = ref, other
+        ref.plan(ref_batch)
+        other.plan(other_batch)
         total = sum(new)
         for layer in attn:
             q = torch.randn(total, heads, dim, generator=g).to(dtype).to(device)
             k = torch.randn(total, kv_heads, dim, generator=g).to(dtype).to(device)
             v = torch.randn(total, kv_heads, dim, generator=g).to(dtype).to(device)
-            want = ref.forward(q, k, v, layer)
-            got = other.forward(q, k, v, layer)
+            want = layer(q, k, v, ref_batch)
+            got = layer(q, k, v, other_batch)
             assert got.shape == want.shape == (total, heads * dim)
             assert rel_error(got, want) < tol, f"{mode} layer {layer.layer_id}: {rel_error(got, want)}"
         for i in active:
