@@ -22,7 +22,15 @@ import numpy as np
 
 from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows, build_dfa
 from cfsm.masks.rows import or_bits
-from cfsm.masks.templates import _walk_t, exit_coded, joint_reps, live_suffixes, suffix_table
+from cfsm.masks.templates import (
+    SuffixOrder,
+    exit_coded,
+    joint_reps,
+    live_suffixes,
+    suffix_order,
+    suffix_table,
+    walk_t,
+)
 from cfsm.masks.vocab import TrieTables
 
 __all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows", "f_automaton",
@@ -72,6 +80,11 @@ class FragmentTable:
     def num_f(self) -> int:
         return int(self.code.shape[0])
 
+    @functools.cached_property
+    def suffixes_by_length(self) -> SuffixOrder:
+        """`suffix_order(suffix_columns)`, kept with this table (`live_suffixes`)."""
+        return suffix_order(self.suffix_columns)
+
     @property
     def nbytes(self) -> int:
         return int(self.stay_rows.nbytes + self.suffix_columns.nbytes
@@ -91,7 +104,7 @@ def build_fragment_tables(tables: TrieTables, words: int,
         rows = np.zeros((code.shape[0], words), dtype=np.uint32)
         exit_ids, exit_suffix = [], []
         for s in range(code.shape[0]):
-            pos, _, epos, _, eat = _walk_t(code, -1, s, tables)  # no text state: no character count
+            pos, _, epos, _, eat = walk_t(code, -1, s, tables)  # no text state: no character count
             tids = tables.order[pos]
             or_bits(rows[s], tids)
             sufs = [tables.sorted_tokens[p][a + 1 :] for p, a in zip(epos.tolist(), eat.tolist(), strict=True)]
@@ -199,7 +212,7 @@ def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndar
     if not len(states):
         return
     conts, c_idx = _small_unique(m.cont[states])
-    live = live_suffixes(dfa, conts, ft.suffix_columns)
+    live = live_suffixes(dfa, conts, ft.suffix_columns, ft.suffixes_by_length)
     key = m.f[states] * len(conts) + c_idx
     uniq, inverse = _small_unique(key)
     rows = np.empty(len(uniq), dtype=np.int32)

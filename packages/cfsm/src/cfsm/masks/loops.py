@@ -14,7 +14,6 @@ few hundred tokens where the plain walk takes them all.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,13 +68,11 @@ class LoopTable:
         return hit
 
 
-_TABLES: weakref.WeakKeyDictionary[TrieTables, dict[bytes, LoopTable]] = weakref.WeakKeyDictionary()
-
-
 def loop_table(tables: TrieTables, member: np.ndarray) -> LoopTable:
-    """The `LoopTable` of the byte set `member` ((256,) bool) over `tables` (cached per vocabulary)."""
+    """The `LoopTable` of the byte set `member` ((256,) bool) over `tables` (cached by the tables, at
+    most `_MAX_TABLES` loop sets)."""
     key = np.packbits(member).tobytes()
-    per = _TABLES.setdefault(tables, {})
+    per = tables.derived_cache("loop_tables")
     hit = per.get(key)
     if hit is not None:
         return hit

@@ -24,7 +24,8 @@ from cfsm.masks.rows import or_bits, pack_rows
 from cfsm.masks.vocab import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
-           "joint_reps", "live_suffixes", "suffix_table", "t_automaton", "t_automaton_classes"]
+           "joint_reps", "live_suffixes", "suffix_order", "suffix_table", "t_automaton", "t_automaton_classes",
+           "walk_t", "SuffixOrder"]
 
 # "no upper bound" for `rem` (an unbounded string); decrementing keeps it
 INF = 1 << 40
@@ -36,6 +37,11 @@ _MAX_PASSES = 64
 # `_verify` first checks all proposed states at once (`_all_pass`) when they times the byte
 # classes are at most this many (a bound on its memory)
 _ONE_CHECK_MAX = 200_000
+
+
+# a suffix table by decreasing length (`suffix_order`): per depth d the bytes at d of the suffixes
+# longer than d, and each suffix's place in that order
+SuffixOrder = tuple[tuple[np.ndarray, ...], np.ndarray]
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,6 +111,11 @@ class StringTables:
         return int(self.code.shape[0])
 
     @functools.cached_property
+    def suffixes_by_length(self) -> SuffixOrder:
+        """`suffix_order(suffix_columns)`, kept with these tables (`live_suffixes`)."""
+        return suffix_order(self.suffix_columns)
+
+    @functools.cached_property
     def byte_class(self) -> np.ndarray:
         """T's own byte classes (bytes with equal columns in `code`), int64 per byte."""
         return _unique_rows(self.code.T)[1].astype(np.int64)
@@ -152,7 +163,7 @@ class StringTables:
         return int(sum(r.nbytes for r in self.stay_rows) + self.suffix_columns.nbytes)
 
 
-def _walk_t(code: np.ndarray, text: int, s: int, tables: TrieTables
+def walk_t(code: np.ndarray, text: int, s: int, tables: TrieTables
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every token from T state s: (positions that stay, their v), (positions that leave, their
     characters before the quote, the byte index of the quote)."""
@@ -194,7 +205,7 @@ def build_string_tables(tables: TrieTables, words: int) -> StringTables:
     suffix_id: dict[bytes, int] = {}
     stay_values, stay_rows, exit_ids, exit_chars, exit_suffix = [], [], [], [], []
     for s in range(code.shape[0]):
-        pos, v, epos, ek, eat = _walk_t(code, text, s, tables)
+        pos, v, epos, ek, eat = walk_t(code, text, s, tables)
         order = np.argsort(v, kind="stable")
         pos, v = pos[order], v[order]
         values, starts = np.unique(v, return_index=True)
@@ -232,31 +243,24 @@ def suffix_table(suffixes: list[bytes]) -> np.ndarray:
     return cols
 
 
-# per suffix table (`suffix_table`, per vocabulary): its columns by decreasing length (`_by_length`)
-_BY_LENGTH: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]] = {}
-
-
-def _by_length(cols: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+def suffix_order(cols: np.ndarray) -> SuffixOrder:
     """The suffixes of `cols` by decreasing length (stable): per depth d, the bytes at d of the
     suffixes longer than d (a prefix of that order, int64), and each suffix's place in the order.
-    Cached per table (a per-vocabulary table: grammar-independent)."""
-    hit = _BY_LENGTH.get(id(cols))
-    if hit is None or hit[0] is not cols:
-        lengths = (cols >= 0).sum(axis=0)
-        order = np.argsort(-lengths, kind="stable")
-        by_depth = tuple(cols[d, order[: int((lengths > d).sum())]].astype(np.int64) for d in range(cols.shape[0]))
-        place = np.empty(len(order), dtype=np.int64)
-        place[order] = np.arange(len(order))
-        if len(_BY_LENGTH) >= 64:  # a few tables per vocabulary: bounded all the same
-            _BY_LENGTH.clear()
-        hit = _BY_LENGTH[id(cols)] = (cols, by_depth, place)
-    return hit[1], hit[2]
+    Pure: the per-vocabulary tables keep theirs (`StringTables.suffixes_by_length`,
+    `FragmentTable.suffixes_by_length`)."""
+    lengths = (cols >= 0).sum(axis=0)
+    order = np.argsort(-lengths, kind="stable")
+    by_depth = tuple(cols[d, order[: int((lengths > d).sum())]].astype(np.int64) for d in range(cols.shape[0]))
+    place = np.empty(len(order), dtype=np.int64)
+    place[order] = np.arange(len(order))
+    return by_depth, place
 
 
-def live_suffixes(dfa: Dfa, conts: np.ndarray, cols: np.ndarray) -> np.ndarray:
+def live_suffixes(dfa: Dfa, conts: np.ndarray, cols: np.ndarray, by_length: SuffixOrder | None = None) -> np.ndarray:
     """(len(conts), num suffixes) bool: whether suffix j (`suffix_table` columns) walked from
     state conts[i] stays alive; all (continuation, suffix) pairs walked as one 2-D array, a
     column frozen once its suffix has ended (-1 bytes are only past a suffix's end).
+    `by_length`: `suffix_order(cols)` (the per-vocabulary tables keep theirs; computed when None).
 
     # NOTE: the suffixes walked by decreasing length, so the ones still going at each depth are
     # a leading slice of the columns (no gather and scatter per byte)
@@ -264,7 +268,7 @@ def live_suffixes(dfa: Dfa, conts: np.ndarray, cols: np.ndarray) -> np.ndarray:
     num_suf = cols.shape[1]
     if not num_suf or not len(conts):
         return np.zeros((len(conts), num_suf), dtype=bool)
-    by_depth, place = _by_length(cols)
+    by_depth, place = by_length if by_length is not None else suffix_order(cols)
     cur = np.repeat(conts.astype(np.int64)[:, None], num_suf, axis=1)
     tflat = dfa.transitions.reshape(-1)
     for b in by_depth:
@@ -570,7 +574,7 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
         return
     # which suffixes live from each continuation: one walk of all (continuation, suffix) pairs
     conts, c_idx = _small_unique(cont[states])  # sorted distinct continuations, each state's index into them
-    live = live_suffixes(dfa, conts, st.suffix_columns)
+    live = live_suffixes(dfa, conts, st.suffix_columns, st.suffixes_by_length)
     ts = m.t[states]
     words = st.stay_rows[0].shape[1]
     zero = np.zeros(words, dtype=np.uint32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +42,13 @@ class TrieTables:
     # (256, 258) int64: tokens starting with bytes a, b are [s[a, b + 1], s[a, b + 2]); the
     # one-byte token a (repeated if the vocabulary repeats it) is [s[a, 0], s[a, 1])
     two_byte_starts: np.ndarray
+    # tables derived from these, per kind ("longer_than", "long_leads": `walker`, "loop_tables": `loops`):
+    # owned by these tables, so they live and go with their vocabulary
+    derived: dict[str, dict[Any, Any]] = field(default_factory=dict, repr=False)
+
+    def derived_cache(self, kind: str) -> dict[Any, Any]:
+        """The cache of one kind of table derived from these (see `derived`)."""
+        return self.derived.setdefault(kind, {})
 
     @functools.cached_property
     def max_length(self) -> int:
@@ -55,7 +62,7 @@ class TrieTables:
 
     def longer_than(self, depth: int) -> np.ndarray:
         """Per sorted position: whether the token is longer than `depth` bytes (read-only, cached)."""
-        per = self.__dict__.setdefault("_longer_than", {})
+        per = self.derived_cache("longer_than")
         hit = per.get(depth)
         if hit is None:
             hit = per[depth] = self.lengths > depth
@@ -280,10 +287,9 @@ class Vocabulary:
         self.string_tables.stay_keys  # noqa: B018
         self.string_tables.text_bytes  # noqa: B018
         self.fragment_tables  # noqa: B018
-        from cfsm.masks.templates import _by_length
-
-        for cols in [self.string_tables.suffix_columns, *(ft.suffix_columns for ft in self.fragment_tables)]:
-            _by_length(cols)  # the suffix tables by decreasing length (`live_suffixes`)
+        self.string_tables.suffixes_by_length  # noqa: B018  (the suffix tables by decreasing length: `live_suffixes`)
+        for ft in self.fragment_tables:
+            ft.suffixes_by_length  # noqa: B018
         from cfsm.automata.automaton import seeded_weights
 
         seeded_weights(0xB17E, 1 << 15)  # byte classes of tables up to 32k states (more: drawn then)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -84,13 +83,10 @@ class Prefix:
     cut: int
 
 
-_LONG_LEADS: weakref.WeakKeyDictionary[TrieTables, dict[int, tuple[np.ndarray, ...]]] = weakref.WeakKeyDictionary()
-
-
 def _long_leads(tables: TrieTables, min_len: int) -> tuple[np.ndarray, ...]:
     """The tokens longer than `min_len` bytes (sorted positions, first bytes) and their distinct
-    first bytes with the [start, end) range of each among them (per vocabulary, cached)."""
-    per = _LONG_LEADS.setdefault(tables, {})
+    first bytes with the [start, end) range of each among them (cached by the tables)."""
+    per = tables.derived_cache("long_leads")
     hit = per.get(min_len)
     if hit is None:
         long_pos = np.flatnonzero(tables.lengths > min_len)
