@@ -24,6 +24,7 @@ Not thread-safe: guides fill the caches as they go (one engine thread).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
 _FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
+_BOOL_ROWS = 1 << 20  # batched key rows of at most this many words are set as bools, then packed
 # escape sets settled at compile time, at most (and at most twice the one-frame keys that have
 # escapes, plus 256: grammars whose escape sets keep shifting settle the rest on first use)
 MAX_SETTLEMENTS = 4096
@@ -66,17 +68,68 @@ class _KeyInfo:
     digest: bytes  # of the escape pairs (equal pairs: equal settlement by any frame below)
 
 
-def _info(row: np.ndarray, esc_rank: np.ndarray, esc_at: np.ndarray) -> _KeyInfo:
-    """A key's info from its row and escape pairs (sorted here); uncertain and late follow."""
-    order = np.lexsort((esc_at, esc_rank))
-    esc_rank = np.ascontiguousarray(esc_rank[order], dtype=np.int64)
-    esc_at = np.ascontiguousarray(esc_at[order], dtype=np.int32)
-    uncertain, first = np.unique(esc_rank, return_index=True)
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+_NO_RANKS = _frozen(np.zeros(0, dtype=np.int64))
+_NO_OFFSETS = _frozen(np.zeros(0, dtype=np.int32))
+_NO_FLAGS = _frozen(np.zeros(0, dtype=bool))
+_NO_ESCAPES = hashlib.blake2b(b"|", digest_size=16).digest()
+
+
+def _sorted_pairs(esc_rank: np.ndarray, esc_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Escape pairs sorted by (rank, offset): (int64 ranks, int32 offsets). Pure.
+
+    NOTE: one sort of rank * 2**16 + offset (offsets are byte positions inside a token), several
+    times faster than a lexsort of the two columns."""
+    if len(esc_at) and int(esc_at.max()) >= 1 << 16:  # NOTE: never for real tokens; kept exact anyway
+        order = np.lexsort((esc_at, esc_rank))
+        return (np.ascontiguousarray(esc_rank[order], dtype=np.int64),
+                np.ascontiguousarray(esc_at[order], dtype=np.int32))
+    pairs = np.sort(esc_rank.astype(np.int64) << 16 | esc_at.astype(np.int64))
+    return pairs >> 16, (pairs & 0xFFFF).astype(np.int32)
+
+
+def _info(row: np.ndarray, esc_rank: np.ndarray, esc_at: np.ndarray, presorted: bool = False) -> _KeyInfo:
+    """A key's info from its row and escape pairs (sorted here unless `presorted`: by (rank,
+    offset), int64 ranks and int32 offsets); uncertain and late follow."""
+    if not len(esc_rank):
+        return _KeyInfo(row, _NO_RANKS, _NO_FLAGS, _NO_RANKS, _NO_OFFSETS, _NO_ESCAPES)
+    if presorted:
+        esc_rank = np.ascontiguousarray(esc_rank, dtype=np.int64)
+        esc_at = np.ascontiguousarray(esc_at, dtype=np.int32)
+    else:
+        esc_rank, esc_at = _sorted_pairs(esc_rank, esc_at)
+    new = np.empty(len(esc_rank), dtype=bool)
+    new[0] = True
+    np.not_equal(esc_rank[1:], esc_rank[:-1], out=new[1:])
+    first = np.flatnonzero(new)
+    uncertain = esc_rank[first]
     # NOTE: offsets are sorted per token: its last pair has its largest offset
-    last = np.append(first[1:], len(esc_rank)) - 1
-    late = esc_at[last] > 0 if len(esc_rank) else np.zeros(0, dtype=bool)
+    late = esc_at[np.append(first[1:], len(esc_rank)) - 1] > 0
     digest = hashlib.blake2b(esc_rank.tobytes() + b"|" + esc_at.tobytes(), digest_size=16).digest()
     return _KeyInfo(row, uncertain, late, esc_rank, esc_at, digest)
+
+
+def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Per value: whether it is in `sorted_set` (ascending). Pure."""
+    if not len(sorted_set) or not len(values):
+        return np.zeros(len(values), dtype=bool)
+    at = np.searchsorted(sorted_set, values)
+    at[at == len(sorted_set)] = 0
+    return sorted_set.take(at) == values  # type: ignore[no-any-return]
+
+
+def _sorted_distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an ascending array. Pure."""
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 class GrammarIndex:
@@ -120,6 +173,7 @@ class GrammarIndex:
         self._forced: dict[int, bytes] = {}
         self._runs: dict[bytes, np.ndarray] = {}
         self._runs_sorted: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._trans_rows: dict[int, list[int]] = {}  # state -> its row of `pda.trans` (`_trans_row`)
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
         self._compiling = False
@@ -223,6 +277,9 @@ class GrammarIndex:
         that passes `MAX_STACKS` is left unknown (for `_step`, which refuses it as before). Fills
         caches only."""
         stacks = list(self._states[sid])
+        if len(byte_ids) <= _FEW_BYTES and len(stacks) <= _FEW_BYTES:
+            self._fill_few(sid, stacks, byte_ids.tolist())
+            return
         targets = self.pda.trans[[st[-1] for st in stacks]][:, byte_ids]  # (stacks, bytes)
         live = (targets >= 0).any(axis=0)
         self._table[sid, byte_ids[~live]] = 0
@@ -258,13 +315,38 @@ class GrammarIndex:
             moved_of = [[(*st[:-1], int(t)) for st, t in zip(stacks, col, strict=True) if t >= 0]
                         for col in groups.tolist()]
         inverse = np.asarray(inverse).reshape(-1)
+        group_sid = np.full(len(moved_of), _UNKNOWN, dtype=np.int32)  # NOTE: a closure past MAX_STACKS stays unknown
         for g, moved in enumerate(moved_of):
+            with contextlib.suppress(_TooAmbiguous):
+                group_sid[g] = self._intern(self._close(moved))
+        # NOTE: `self._table` read after `_intern`, which may grow it
+        self._table[sid, byte_ids] = group_sid.take(inverse)
+
+    def _fill_few(self, sid: int, stacks: list[Stack], byte_ids: list[int]) -> None:
+        """`_fill_bytes` of few bytes from few stacks, in Python over the rows of the network
+        (`_trans_row`: no array work per byte). Fills caches only."""
+        rows = [self._trans_row(st[-1]) for st in stacks]
+        by_col: dict[tuple[int, ...], list[int]] = {}
+        for b in byte_ids:
+            col = tuple(row[b] for row in rows)
+            if max(col) < 0:
+                self._table[sid, b] = 0
+            else:
+                by_col.setdefault(col, []).append(b)
+        for col, bs in by_col.items():
             try:
-                nxt = self._intern(self._close(moved))
+                nxt = self._intern(self._close([(*st[:-1], t) for st, t in zip(stacks, col, strict=True) if t >= 0]))
             except _TooAmbiguous:
                 continue
             # NOTE: `self._table` read after `_intern`, which may grow it
-            self._table[sid, byte_ids[inverse == g] if len(moved_of) > 1 else byte_ids] = nxt
+            self._table[sid, bs] = nxt
+
+    def _trans_row(self, state: int) -> list[int]:
+        """Row `state` of the network's byte table as a list (cached)."""
+        row = self._trans_rows.get(state)
+        if row is None:
+            row = self._trans_rows[state] = self.pda.trans[state].tolist()
+        return row
 
     def walk(self, sid: int, data: bytes) -> int:
         """The configuration after reading `data` from `sid` (0 if rejected). Fills caches only."""
@@ -452,24 +534,43 @@ class GrammarIndex:
         a_key, a_pos, e_key, e_pos, e_at = self._walk_trie_many(sids)
         levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
         words = self.vocab.mask_words
+        presorted = False
         ids = tables.order.take(a_pos).astype(np.int64)
-        # NOTE: each (key, token) is accepted once: the sum of its distinct bits is their OR
-        # (exact in float64 below 2**53)
-        rows = np.bincount(a_key * words + (ids >> 5), weights=np.left_shift(1, ids & 31).astype(np.float64),
-                           minlength=len(states) * words).astype(np.int64).astype(np.uint32).reshape(len(states), words)
+        bits: np.ndarray | None = None
+        if len(states) * words <= _BOOL_ROWS:
+            # NOTE: one bool per (key, token), packed: fewer passes than the bincount below
+            bits = np.zeros(len(states) * words * 32, dtype=bool)
+            bits[a_key * (words * 32) + ids] = True
+            rows = np.packbits(bits.reshape(len(states), words * 32), axis=1, bitorder="little").view("<u4")
+        else:
+            # NOTE: each (key, token) is accepted once: the sum of its distinct bits is their OR
+            # (exact in float64 below 2**53)
+            rows = np.bincount(a_key * words + (ids >> 5), weights=np.left_shift(1, ids & 31).astype(np.float64),
+                               minlength=len(states) * words).astype(np.int64).astype(np.uint32).reshape(len(states),
+                                                                                                          words)
         if len(e_key):
             e_ids = tables.order.take(e_pos).astype(np.int64)
-            keep = (rows.ravel().take(e_key * words + (e_ids >> 5)) >> (e_ids & 31).astype(np.uint32)) & 1 == 0
+            if bits is not None:
+                keep = ~bits.take(e_key * (words * 32) + e_ids)
+            else:
+                keep = (rows.ravel().take(e_key * words + (e_ids >> 5)) >> (e_ids & 31).astype(np.uint32)) & 1 == 0
             e_key, e_rank, e_at = e_key[keep], levels.rank.take(e_pos[keep]), e_at[keep]
-            order = np.argsort(e_key, kind="stable")
-            e_key, e_rank, e_at = e_key[order], e_rank[order], e_at[order]
+            if len(e_at) and int(e_at.max()) < 1 << 16 and len(levels.rank) < 1 << 24:
+                # NOTE: one sort by (key, rank, offset) for every key: each key's pairs come out
+                # sorted for `_info`
+                pairs = np.sort(e_key << 40 | e_rank << 16 | e_at.astype(np.int64))
+                e_key, e_rank, e_at = pairs >> 40, pairs >> 16 & ((1 << 24) - 1), (pairs & 0xFFFF).astype(np.int32)
+                presorted = True
+            else:
+                order = np.argsort(e_key, kind="stable")
+                e_key, e_rank, e_at = e_key[order], e_rank[order], e_at[order]
             bounds = np.searchsorted(e_key, np.arange(len(states) + 1))
         else:
             e_rank = e_key
             bounds = np.zeros(len(states) + 1, dtype=np.int64)
         for k, s in enumerate(states):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
-            self._keys[(s,)] = _info(rows[k], e_rank[lo:hi], e_at[lo:hi])
+            self._keys[(s,)] = _info(rows[k], e_rank[lo:hi], e_at[lo:hi], presorted)
 
     def _walk_scalar(self, sid: int, ranks: np.ndarray, offsets: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -505,11 +606,11 @@ class GrammarIndex:
         if len(ranks) <= _SCALAR_WALK:
             return self._walk_scalar(sid, ranks, offsets)
         ok, esc_i, esc_o = self._walk_pairs_many(np.full(len(ranks), sid, dtype=np.int32), ranks, offsets)
-        acc = np.unique(ranks[ok])
+        acc = _sorted_distinct(ranks[ok])  # NOTE: `ranks` ascending (a key's escape pairs)
         if not len(esc_i):
             return acc, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         er = ranks.take(esc_i).astype(np.int64)
-        keep = ~np.isin(er, acc)
+        keep = ~_member(er, acc)
         return acc, er[keep], esc_o[keep]
 
     def _walk_pairs_many(self, cur: np.ndarray, ranks: np.ndarray, offsets: np.ndarray
@@ -622,7 +723,9 @@ class GrammarIndex:
         reps = [self._rep[r] for r in rets]
         todo = sorted({r for r in reps if (r, prev.digest) not in self._settled})
         if todo:
-            late = np.isin(prev.esc_rank, prev.uncertain[prev.late])
+            # NOTE: pair i belongs to uncertain token (new tokens up to i) - 1 (`esc_rank` ascending)
+            er = prev.esc_rank
+            late = prev.late[np.cumsum(np.r_[True, er[1:] != er[:-1]]) - 1] if len(er) else np.zeros(0, dtype=bool)
             ranks, offsets = prev.esc_rank[late], prev.esc_at[late]
             m = len(ranks)
             if len(todo) == 1 or m * len(todo) <= _SCALAR_WALK:
@@ -634,16 +737,16 @@ class GrammarIndex:
                 owner = esc_i // max(m, 1)
                 walks = []
                 for k in range(len(todo)):
-                    acc = np.unique(ranks[ok[k * m:(k + 1) * m]])
+                    acc = _sorted_distinct(ranks[ok[k * m:(k + 1) * m]])
                     sel = owner == k
                     er = ranks.take(esc_i[sel] - k * m).astype(np.int64)
-                    keep = ~np.isin(er, acc)
+                    keep = ~_member(er, acc)
                     walks.append((acc, er[keep], esc_o[sel][keep]))
             early = prev.uncertain[~prev.late]
             for r, (acc, esc_rank, esc_at) in zip(todo, walks, strict=True):
                 base = self._key((r,))
                 early_acc = early[self._has_bits(base.row, early)]
-                in_base = np.isin(base.esc_rank, early)
+                in_base = _member(base.esc_rank, early)
                 self._settled[(r, prev.digest)] = _info(
                     self._bits(np.concatenate([acc, early_acc])), np.concatenate([esc_rank, base.esc_rank[in_base]]),
                     np.concatenate([esc_at, base.esc_at[in_base]]))
@@ -660,7 +763,7 @@ class GrammarIndex:
         if not len(long):
             return base  # NOTE: every token goes as from the head (same row, same escapes)
         acc, esc_rank, esc_at = self._walk_tokens(sid, long)
-        keep = ~np.isin(base.esc_rank, long)
+        keep = ~_member(base.esc_rank, long)
         row = base.row & ~self._bits(long) | self._bits(acc)
         return _info(row, np.concatenate([base.esc_rank[keep], esc_rank]), np.concatenate([base.esc_at[keep], esc_at]))
 
@@ -677,8 +780,8 @@ class GrammarIndex:
         walked: list[np.ndarray] = []
         sids: list[int] = []
         for s, (_, remaining, run_class) in zip(states, links, strict=True):
-            order, sorted_runs = self._runs_order(run_class)
-            long = order[:int(np.searchsorted(-sorted_runs, -remaining, side="left"))]
+            order, neg_runs = self._runs_order(run_class)
+            long = order[:int(np.searchsorted(neg_runs, -remaining, side="left"))]
             longs.append(long)
             sid = self._intern(self._close([(s,)]))
             sids.append(sid)
@@ -716,12 +819,13 @@ class GrammarIndex:
                                      np.concatenate([base.esc_at[keep_base], e_at[elo:ehi]]))
 
     def _runs_order(self, run_class: bytes) -> tuple[np.ndarray, np.ndarray]:
-        """Token ranks by decreasing leading run of `run_class` bytes, and those runs. Cached."""
+        """Token ranks by decreasing leading run of `run_class` bytes, and those runs negated
+        (ascending, for `searchsorted`). Cached."""
         hit = self._runs_sorted.get(run_class)
         if hit is None:
             runs = self._leading_runs(run_class)
             order = np.argsort(-runs, kind="stable")
-            hit = self._runs_sorted[run_class] = (order, runs[order])
+            hit = self._runs_sorted[run_class] = (order, -runs[order].astype(np.int64))
         return hit
 
     def _leading_runs(self, run_class: bytes) -> np.ndarray:
@@ -865,6 +969,22 @@ class GrammarIndex:
         self._row_of(self.start)
 
     # --- transport ---------------------------------------------------------------------------------
+    def copy(self) -> GrammarIndex:
+        """An independent index in this one's state: what it compiled and cached so far (the
+        network, walks and key infos shared: never mutated; the configuration table and the
+        caches copied, so guides of the copy fill only the copy's). Pure."""
+        new = object.__new__(GrammarIndex)
+        new.__dict__.update(self.__dict__)
+        new._states = list(self._states)
+        new._ids = dict(self._ids)
+        new._table = self._table.copy()
+        new._end = self._end.copy()
+        new._after_end = self._after_end.copy()
+        for name in ("_keys", "_settled", "_row_ids", "_state_row", "_forced", "_runs", "_runs_sorted", "_trans_rows"):
+            setattr(new, name, dict(getattr(self, name)))
+        new._rows = list(self._rows)
+        return new
+
     def payload(self) -> dict[str, Any]:
         """Everything but the vocabulary (plain data and arrays; what a compile worker sends). Pure."""
         pda = self.pda
@@ -884,9 +1004,9 @@ class GrammarIndex:
         index = cls(pda, vocab, payload["grammar"], tuple(payload["approximations"]), precompute=False,
                     reps=payload.get("reps"))
         infos: dict[int, _KeyInfo] = {}  # NOTE: keys sharing one walk share one info
-        index._keys = {k: infos.setdefault(id(row), _info(row, esc_rank, esc_at))
+        index._keys = {k: infos.setdefault(id(row), _info(row, esc_rank, esc_at, presorted=True))
                        for k, (row, esc_rank, esc_at) in payload["keys"].items()}
-        index._settled = {k: _info(row, esc_rank, esc_at)
+        index._settled = {k: _info(row, esc_rank, esc_at, presorted=True)
                           for k, (row, esc_rank, esc_at) in payload.get("settled", {}).items()}
         return index
 
@@ -906,19 +1026,8 @@ def _counted_chains(pda: Pda) -> dict[int, tuple[int, int, bytes]]:
     NOTE: from s_k a token whose leading run of B bytes has at most n - k bytes goes exactly as
     from s_0 (both stay in the chain through the run, then step alike); `_chain_key` walks only
     the others."""
-    trans, acc, calls, rule = pda.trans, pda.accepting, pda.calls, pda.state_rule
-    succ: dict[int, tuple[int, bytes]] = {}
-    for s in np.flatnonzero(pda.has_bytes).tolist():
-        row = trans[s]
-        for t in sorted(set(row[row >= 0].tolist())):
-            if t == s or rule[t] != rule[s] or acc[t] != acc[s] or calls[t] != calls[s]:
-                continue
-            in_class = row == t
-            nxt = trans[t][in_class]
-            if not (np.array_equal(trans[t][~in_class], row[~in_class]) and (nxt == nxt[0]).all() and nxt[0] != t):
-                continue
-            succ[s] = (t, bytes(np.flatnonzero(in_class).tolist()))
-            break
+    trans = pda.trans
+    succ = _chain_links(pda)
     targets = {t for t, _ in succ.values()}
     out: dict[int, tuple[int, int, bytes]] = {}
     for head in succ:
@@ -934,6 +1043,36 @@ def _counted_chains(pda: Pda) -> dict[int, tuple[int, int, bytes]]:
         for k in range(1, n + 1):
             out[chain[k]] = (head, n - k, run_class)
     return out
+
+
+def _chain_links(pda: Pda) -> dict[int, tuple[int, bytes]]:
+    """The links of `_counted_chains`, by increasing state s: s -> (t, B), t the least state
+    that s steps to on the bytes B only (B = every byte from s to t) in the same rule, with the
+    same end flag and calls, whose row equals s's off B and steps every byte of B to one state
+    other than t. Pure."""
+    trans, acc, calls, rule = pda.trans, pda.accepting, pda.calls, pda.state_rule
+    succ: dict[int, tuple[int, bytes]] = {}
+    # candidate links (s, t): t a target of s (ascending per s) in the same rule with the same
+    # end flag; then, in chunks, t's row equals s's off the bytes s -> t, and those bytes all
+    # step t to one other state
+    positions = np.flatnonzero(pda.has_bytes)
+    n = pda.num_states
+    rows = trans[positions]
+    pair = np.unique((np.arange(len(positions), dtype=np.int64)[:, None] * (n + 1) + rows)[rows >= 0])
+    src, dst = positions[pair // (n + 1)], pair % (n + 1)
+    ok = (dst != src) & (rule[dst] == rule[src]) & (acc[dst] == acc[src])
+    src, dst = src[ok], dst[ok]
+    for lo in range(0, len(src), 4096):
+        s_row, t_row, t = trans[src[lo:lo + 4096]], trans[dst[lo:lo + 4096]], dst[lo:lo + 4096, None]
+        in_class = s_row == t
+        first = t_row[np.arange(len(t)), in_class.argmax(axis=1)]
+        link = (((t_row == s_row) | in_class).all(axis=1) & (~in_class | (t_row == first[:, None])).all(axis=1)
+                & (first != t[:, 0]))
+        for k in np.flatnonzero(link).tolist():
+            a, b = int(src[lo + k]), int(dst[lo + k])
+            if a not in succ and calls[a] == calls[b]:
+                succ[a] = (b, bytes(np.flatnonzero(in_class[k]).tolist()))
+    return succ
 
 
 def _byte_class_reps(trans: np.ndarray) -> np.ndarray:

@@ -162,22 +162,25 @@ class _Nfa:
         if n == 0:
             return  # the empty language: no path from s to e
         base = len(self.eps)
-        for _ in range(n):
-            self.new()
-        table = dfa.transitions
-        dead = dfa.dead
-        for q in range(n):
-            row = table[q]
-            live = np.flatnonzero(row != dead)
-            if len(live):
-                # runs of equal targets over consecutive bytes
-                targets = row[live]
-                cut = np.flatnonzero((np.diff(live) != 1) | (np.diff(targets) != 0)) + 1
-                for a, b in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [len(live)]]).tolist(),
-                                strict=True):
-                    self.bytes[base + q].append((int(live[a]), int(live[b - 1]), base + int(targets[a])))
-            if dfa.accepting[q]:
-                self.eps[base + q].append(e)
+        if base + n > MAX_PDA_STATES:
+            raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
+        self.eps.extend([] for _ in range(n))
+        self.bytes.extend([] for _ in range(n))
+        self.calls.extend([] for _ in range(n))
+        # runs of equal targets over consecutive bytes, of every row at once (row-major order:
+        # each row's runs by increasing byte, one start and one end per run)
+        table = dfa.transitions[:n]
+        live = table != dfa.dead
+        same = np.zeros((n, 256), dtype=bool)
+        same[:, 1:] = live[:, 1:] & live[:, :-1] & (table[:, 1:] == table[:, :-1])
+        starts = np.flatnonzero(live & ~same)
+        ends = np.flatnonzero(live & ~np.concatenate([same[:, 1:], np.zeros((n, 1), dtype=bool)], axis=1))
+        edges = self.bytes
+        for at, end, t in zip(starts.tolist(), (ends & 255).tolist(), (table.ravel().take(starts) + base).tolist(),
+                              strict=True):
+            edges[base + (at >> 8)].append((at & 255, end, t))
+        for q in np.flatnonzero(dfa.accepting[:n]).tolist():
+            self.eps[base + q].append(e)
         self.eps[s].append(base + dfa.start)
 
 
@@ -196,33 +199,56 @@ def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
     return frozenset(out)
 
 
+def _pieces(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[int]]]:
+    """The byte ranges (lo, hi, target) of one subset's states as disjoint ranges of bytes with
+    the same target set: (lo, hi, targets), in the order their bytes first appear in `ranges`
+    (each range's bytes ascending), which numbers new subsets as stepping byte by byte would."""
+    if len(ranges) <= 1:
+        return [(lo, hi, frozenset((t,))) for lo, hi, t in ranges]
+    by_lo = sorted(ranges)
+    if all(a[1] < b[0] for a, b in zip(by_lo, by_lo[1:], strict=False)):
+        return [(lo, hi, frozenset((t,))) for lo, hi, t in ranges]  # NOTE: disjoint (most subsets)
+    cuts = sorted({lo for lo, _, _ in ranges} | {hi + 1 for _, hi, _ in ranges})
+    at = {c: i for i, c in enumerate(cuts)}
+    targets: list[set[int]] = [set() for _ in cuts]
+    for lo, hi, t in ranges:
+        for i in range(at[lo], at[hi + 1]):
+            targets[i].add(t)
+    out: list[tuple[int, int, frozenset[int]]] = []
+    done = [False] * len(cuts)
+    for lo, hi, _ in ranges:
+        for i in range(at[lo], at[hi + 1]):
+            if not done[i]:
+                done[i] = True
+                out.append((cuts[i], cuts[i + 1] - 1, frozenset(targets[i])))
+    return out
+
+
 def _determinize(nfa: _Nfa, start: int, end: int, reading: int = 0, limit: int = 0
-                 ) -> tuple[list[dict[int, int]], list[dict[int, int]], list[bool]]:
-    """Subset construction: per DFA state, byte -> state, rule -> return state, accepting.
+                 ) -> tuple[list[list[tuple[int, int, int]]], list[dict[int, int]], list[bool]]:
+    """Subset construction: per DFA state, byte ranges (lo, hi, state), rule -> return state,
+    accepting.
     `limit` > 0: raise `PushdownTooLargeError` once `reading` (states that read a byte, of the
     rules before this one) plus this rule's pass it."""
     first = _closure(nfa, frozenset([start]))
     ids = {first: 0}
     sets = [first]
-    byte_edges: list[dict[int, int]] = []
+    byte_edges: list[list[tuple[int, int, int]]] = []
     call_edges: list[dict[int, int]] = []
     accepting: list[bool] = []
     i = 0
     while i < len(sets):
         cur = sets[i]
         i += 1
-        by_byte: dict[int, set[int]] = {}
+        ranges: list[tuple[int, int, int]] = []
         by_rule: dict[int, set[int]] = {}
         for q in cur:
-            for lo, hi, t in nfa.bytes[q]:
-                for b in range(lo, hi + 1):
-                    by_byte.setdefault(b, set()).add(t)
+            ranges.extend(nfa.bytes[q])
             for r, t in nfa.calls[q]:
                 by_rule.setdefault(r, set()).add(t)
-        row: dict[int, int] = {}
+        row: list[tuple[int, int, int]] = []
         seen: dict[frozenset[int], int] = {}
-        for b, ts in by_byte.items():
-            key = frozenset(ts)
+        for lo, hi, key in _pieces(ranges):
             sid = seen.get(key)
             if sid is None:
                 nxt = _closure(nfa, key)
@@ -233,7 +259,7 @@ def _determinize(nfa: _Nfa, start: int, end: int, reading: int = 0, limit: int =
                     if len(sets) > MAX_PDA_STATES:
                         raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
                 seen[key] = sid
-            row[b] = sid
+            row.append((lo, hi, sid))
         calls: dict[int, int] = {}
         for r, ts in by_rule.items():
             nxt = _closure(nfa, frozenset(ts))
@@ -267,7 +293,7 @@ def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
     memo: dict[int, bool] = {}
     dfas: dict[int, Any] = {}
     rule_of: list[int] = []
-    byte_edges: list[dict[int, int]] = []
+    byte_edges: list[list[tuple[int, int, int]]] = []
     call_edges: list[dict[int, int]] = []
     accepting: list[bool] = []
     starts: list[int] = []
@@ -285,7 +311,7 @@ def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
         base = len(rule_of)
         starts.append(base)
         for row, calls in zip(be, ce, strict=True):
-            byte_edges.append({b: base + t for b, t in row.items()})
+            byte_edges.append([(lo, hi, base + t) for lo, hi, t in row])
             call_edges.append({c: base + t for c, t in calls.items()})
             rule_of.append(r)
         accepting.extend(acc)
@@ -299,14 +325,18 @@ def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
                            "uses an empty character class)", *_where(grammar, grammar.root))
     live = _coreachable(byte_edges, call_edges, accepting, productive, n)
     trans = np.full((n, 256), -1, dtype=np.int32)
-    calls_out: list[tuple[tuple[int, int], ...]] = []
-    for s in range(n):
-        if live[s]:
-            for b, t in byte_edges[s].items():
-                if live[t]:
-                    trans[s, b] = t
-        calls_out.append(tuple(sorted((c, t) for c, t in call_edges[s].items()
-                                      if live[s] and live[t] and productive[c])))
+    edges = [(s, lo, hi, t) for s, row in enumerate(byte_edges) for lo, hi, t in row]
+    if edges:
+        src, lo, hi, dst = np.array(edges, dtype=np.int64).T
+        keep = live[src] & live[dst]
+        src, lo, dst, width = src[keep], lo[keep], dst[keep], hi[keep] - lo[keep] + 1
+        # NOTE: the byte ranges of one state are disjoint: one fancy assignment of every edge's bytes
+        trans[np.repeat(src, width), np.repeat(lo - np.cumsum(width) + width, width) + np.arange(int(width.sum()))] \
+            = np.repeat(dst, width)
+    is_live: list[bool] = live.tolist()
+    calls_out: list[tuple[tuple[int, int], ...]] = [
+        tuple(sorted((c, t) for c, t in call_edges[s].items() if is_live[t] and productive[c])) if is_live[s] else ()
+        for s in range(n)]
     pda = Pda(trans=trans, calls=tuple(calls_out), accepting=np.array(accepting, dtype=bool) & live,
               has_bytes=np.asarray((trans >= 0).any(axis=1)), state_rule=np.array(rule_of, dtype=np.int32), rule_start=tuple(starts), rule_names=tuple(grammar.rules),
               root=root)
@@ -314,7 +344,7 @@ def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
     return pda
 
 
-def _productive(byte_edges: list[dict[int, int]], call_edges: list[dict[int, int]], accepting: list[bool],
+def _productive(byte_edges: list[list[tuple[int, int, int]]], call_edges: list[dict[int, int]], accepting: list[bool],
                 starts: list[int], rule_of: list[int]) -> list[bool]:
     """Rules that derive at least one string (fixpoint)."""
     num_rules = len(starts)
@@ -332,7 +362,7 @@ def _productive(byte_edges: list[dict[int, int]], call_edges: list[dict[int, int
                 if accepting[s]:
                     productive[r] = changed = True
                     break
-                nxt = list(byte_edges[s].values()) + [t for c, t in call_edges[s].items() if productive[c]]
+                nxt = [t for _, _, t in byte_edges[s]] + [t for c, t in call_edges[s].items() if productive[c]]
                 for t in nxt:
                     if t not in seen:
                         seen.add(t)
@@ -340,11 +370,11 @@ def _productive(byte_edges: list[dict[int, int]], call_edges: list[dict[int, int
     return productive
 
 
-def _coreachable(byte_edges: list[dict[int, int]], call_edges: list[dict[int, int]], accepting: list[bool],
+def _coreachable(byte_edges: list[list[tuple[int, int, int]]], call_edges: list[dict[int, int]], accepting: list[bool],
                  productive: list[bool], n: int) -> np.ndarray:
     back: list[list[int]] = [[] for _ in range(n)]
     for s in range(n):
-        for t in byte_edges[s].values():
+        for _, _, t in byte_edges[s]:
             back[t].append(s)
         for c, t in call_edges[s].items():
             if productive[c]:
