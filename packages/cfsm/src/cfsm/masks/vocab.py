@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from cfsm.masks.templates import StringTables
 
 __all__ = ["TrieLevels", "TrieTables", "Vocabulary"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -302,6 +304,15 @@ class Vocabulary:
         self.trie_tables.max_length  # noqa: B018
         self.trie_tables.longer_than(_SHARE_DEPTH)
         return self
+
+    def derived(self, key: str, build: Callable[[], T]) -> T:
+        """`build()`, once per vocabulary and `key` (later calls return the first result): values
+        that depend on this vocabulary alone, such as the compile of a fixed grammar. Callers
+        must not mutate the result (copy it). Kept as long as the vocabulary is."""
+        memo: dict[str, Any] = self.__dict__.setdefault("_derived", {})
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]  # type: ignore[no-any-return]
 
     @property
     def mask_words(self) -> int:
