@@ -91,7 +91,9 @@ def test_interpret_split_kv_attention(shape: LayerShape, dtype: torch.dtype, spl
 
 
 @pytest.mark.parametrize(("shape", "dtype", "splits"), [
-    (SHAPES[0], torch.bfloat16, 2), (SHAPES[0], torch.float32, 5), (SHAPES[1], torch.bfloat16, 3),
+    (SHAPES[0], torch.bfloat16, 2),
+    pytest.param(SHAPES[0], torch.float32, 5, marks=pytest.mark.slow),
+    pytest.param(SHAPES[1], torch.bfloat16, 3, marks=pytest.mark.slow),
 ])
 def test_interpret_split_kv_attention_fused_merge(shape: LayerShape, dtype: torch.dtype, splits: int) -> None:
     """The last split program of each row and KV head merges the partials (no merge launch): against the reference
@@ -258,9 +260,9 @@ def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_
 
 
 # NOTE: on the CPU, amd-staged launches exactly the nvidia kernels (PDL is off), so one case suffices.
-LAYER_CASES = [(p, sh, dt) for p in ("nvidia", "amd-persistent") for sh, dt in zip(SHAPES, DTYPES, strict=True)]
+LAYER_CASES: list[object] = [(p, sh, dt) for p in ("nvidia", "amd-persistent") for sh, dt in zip(SHAPES, DTYPES, strict=True)]
 LAYER_CASES.append(("amd-staged", SHAPES[1], torch.bfloat16))
-LAYER_CASES.append(("nvidia-splits", SHAPES[0], torch.float32))
+LAYER_CASES.append(pytest.param("nvidia-splits", SHAPES[0], torch.float32, marks=pytest.mark.slow))
 
 
 @pytest.mark.parametrize(("plugin", "shape", "dtype"), LAYER_CASES)
