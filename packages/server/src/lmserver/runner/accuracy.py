@@ -36,14 +36,15 @@ class Agreement:
 
 
 def window_runner(model: torch.nn.Module, window: int, kv_cache_dtype: str = "auto",
-                  attention_backend: str = "torch_native") -> ModelRunner:
-    """A ModelRunner over `model` with a KV pool of one `window` (slot 0 is padding)."""
+                  attention_backend: str = "torch_native", rotate_k: bool = True) -> ModelRunner:
+    """A ModelRunner over `model` with a KV pool of one `window` (slot 0 is padding); an FP8 pool
+    stores K in the Hadamard basis as the engine's does, unless `rotate_k` is False."""
     param = next(model.parameters())
     config: Any = model.config
     device = param.device
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
     pool = KVPool(window + 1, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype,
-                  device, **kv_cache_options(kv_cache_dtype, model))
+                  device, **kv_cache_options(kv_cache_dtype, model, rotate_k=rotate_k))
     table = make_req_to_token(1, window, device)
     backend = default_registry().create(attention_backend, pool, table)
     return ModelRunner(model, pool, table, backend, device)
