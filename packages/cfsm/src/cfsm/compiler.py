@@ -49,8 +49,21 @@ def regex_dfa(pattern: str) -> Dfa:
     return build_dfa(parse_regex(pattern))
 
 
-def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str) -> Index:
-    dfa = build_dfa_direct(node) or build_dfa(node)  # the same Dfa either way
+# a refused pushdown matcher's unrolled fallback is tried within this many DFA states (its subset
+# construction's, and the minimal DFA's; `build_dfa`'s NFA cap follows): a larger one compiles to
+# the pushdown matcher with one rule per reference target and keys walked on first use, instead
+# of paying for the whole unrolled automaton and its index (JSONSchemaBench's govuk schemas: the
+# unrolled try ran 12-14 s into the 200,000-state limit, or 38 s to an 84,000-state Index, where
+# the pushdown matcher takes 1.6 s; the unrolled ones that compile in a few seconds stay below)
+FALLBACK_DFA_STATES = 32_768
+
+
+def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str, max_states: int | None = None) -> Index:
+    """The `Index` of a syntax tree; `max_states`: `GrammarTooLargeError` past that many DFA states
+    (`build_dfa`'s cap; the direct construction's DFA is checked after)."""
+    dfa = build_dfa_direct(node) or build_dfa(node, max_states)  # the same Dfa either way
+    if max_states is not None and dfa.num_states > max_states:
+        raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
     if dfa.num_states == 0:
         raise UnsupportedSchemaError(what, "#", "the grammar accepts no string (check bounds, enum, recursion depth)")
     return build_index(dfa, vocab, grammar=grammar)
@@ -127,6 +140,10 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
     free JSON compiles to a `GrammarIndex` (no depth bound), any other to an `Index`. Keywords it
     can only over-approximate are listed in `approximations` (with `config.strict`, they raise).
     Intersections (`enum` beside other keywords) over recursion compile unrolled, as "unroll" does.
+    A pushdown matcher over `config.max_pushdown_positions` compiles unrolled too, when that
+    automaton has at most `FALLBACK_DFA_STATES` states; a larger one compiles as the pushdown
+    matcher with one rule per reference target (the schema's own language, no depth bound) whose
+    keys are walked on first use.
     Raises `UnsupportedSchemaError` (keyword and JSON path) for what cannot be compiled.
     Where `config.narrow`'s subsets leave no document at all, the superset is compiled instead
     (its approximations reported as kind "superset").
@@ -157,27 +174,42 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
             return _regular_schema_index(schema, vocab, cfg, key)
         except PushdownTooLargeError:
             # NOTE: a vocabulary walk per rule position (f8c7c83 made "stack" the default: a JSONSchemaBench
-            # schema with one free JSON value took 2 s unrolled, 38 s this way): unrolled, as "unroll" does
-            return _regular_schema_index(schema, vocab, cfg, key)
+            # schema with one free JSON value took 2 s unrolled, 38 s this way): unrolled, as "unroll" does,
+            # while that automaton stays small; past FALLBACK_DFA_STATES it stops early for the rules below
+            try:
+                return _regular_schema_index(schema, vocab, cfg, key, FALLBACK_DFA_STATES)
+            except GrammarTooLargeError:
+                index = _refs_rules_index(schema, vocab, cfg, key)
+                # NOTE: no rule form (an intersection over references): the whole unrolled try
+                return _regular_schema_index(schema, vocab, cfg, key) if index is None else index
     except (GrammarTooLargeError, SchemaTooLargeError):
         # references copied inline made the automaton (or the tree) too large: each reference
         # target becomes one rule of a pushdown matcher instead, compiled once
-        node, rules, approximations = schema_grammar(schema, cfg, refs_as_rules=True)
-        if rules:
-            with contextlib.suppress(GrammarError, GrammarTooLargeError):
-                # NOTE: no unrolled form is left to fall back to: past max_pushdown_positions the
-                # keys are walked on first use instead of one walk per position here
-                return _rules_index(node, rules, vocab, key, approximations,
-                                    lazy_positions=cfg.max_pushdown_positions)
+        index = _refs_rules_index(schema, vocab, cfg, key)
+        if index is not None:
+            return index
         # last resort: long string bounds approximated (reported; refused in strict mode)
         node, approximations = schema_tree(schema, cfg, loose_lengths=True)
         index = _index_of(node, vocab, key, "schema")
         return dataclasses.replace(index, approximations=approximations)
 
 
-def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str) -> Index:
+def _refs_rules_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str) -> GrammarIndex | None:
+    """The pushdown matcher with one rule per reference target (`schema_grammar(refs_as_rules=True)`),
+    or None where the schema has no such form (no rules, or one the network refuses)."""
+    node, rules, approximations = schema_grammar(schema, cfg, refs_as_rules=True)
+    if rules:
+        with contextlib.suppress(GrammarError, GrammarTooLargeError):
+            # NOTE: no unrolled form is left to fall back to: past max_pushdown_positions the
+            # keys are walked on first use instead of one walk per position here
+            return _rules_index(node, rules, vocab, key, approximations, lazy_positions=cfg.max_pushdown_positions)
+    return None
+
+
+def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str,
+                          max_states: int | None = None) -> Index:
     node, approximations = schema_tree(schema, cfg)
-    index = _index_of(node, vocab, key, "schema")
+    index = _index_of(node, vocab, key, "schema", max_states)
     return dataclasses.replace(index, approximations=approximations) if approximations else index
 
 

@@ -64,7 +64,10 @@ class Dfa:
 
 
 class _Nfa:
-    def __init__(self) -> None:
+    def __init__(self, max_states: int = 0) -> None:
+        # > 0: `GrammarTooLargeError` once the NFA would pass this many states (`build_dfa`'s
+        # cap, checked as states are made, so a build far over it stops early)
+        self.max_states = max_states
         self.eps: list[list[int]] = []
         self.trans: list[list[tuple[int, int, int]]] = []
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
@@ -73,6 +76,8 @@ class _Nfa:
         self.presorted: set[int] = set()
 
     def new(self) -> int:
+        if self.max_states and len(self.eps) >= self.max_states:
+            raise GrammarTooLargeError(f"the NFA exceeds {self.max_states} states")
         self.eps.append([])
         self.trans.append([])
         return len(self.eps) - 1
@@ -352,9 +357,12 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return all(x[1] < y[0] for x, y in zip(ranges, ranges[1:], strict=False))
 
 
-def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _subset_construction(nfa: _Nfa, start: int, final: int, max_states: int | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subset construction: (transition table over byte intervals with the dead state last,
-    accepting flags, the interval (column) of each byte)."""
+    accepting flags, the interval (column) of each byte). Raises `GrammarTooLargeError` past
+    `max_states` states (None: `MAX_DFA_STATES`; never more than that)."""
+    limit = MAX_DFA_STATES if max_states is None else min(max_states, MAX_DFA_STATES)
     closures: dict[int, frozenset[int]] = {}
     eps, ntrans = nfa.eps, nfa.trans
 
@@ -381,9 +389,9 @@ def _subset_construction(nfa: _Nfa, start: int, final: int) -> tuple[np.ndarray,
     def intern(key: frozenset[int]) -> int:
         i = ids.get(key)
         if i is None:
-            if len(states) >= MAX_DFA_STATES:
+            if len(states) >= limit:
                 raise GrammarTooLargeError(
-                    f"the DFA exceeds {MAX_DFA_STATES} states; shorten counted repeats (maxLength, {{m,n}}) "
+                    f"the DFA exceeds {limit} states; shorten counted repeats (maxLength, {{m,n}}) "
                     "or split the grammar")
             i = ids[key] = len(states)
             states.append(key)
@@ -904,11 +912,22 @@ def dfa_from_table(table: list[list[int]], start: int, accepting: set[int], alph
     return DfaNode(_minimize(dense, acc, start))
 
 
-def build_dfa(node: Node) -> Dfa:
-    """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing."""
+# `build_dfa(node, max_states)` stops once its NFA passes this many times `max_states` states
+# (JSON Schema trees: their subset constructions make 0.2-0.35 DFA states per NFA state)
+NFA_STATES_PER_DFA_STATE = 4
+
+
+def build_dfa(node: Node, max_states: int | None = None) -> Dfa:
+    """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing.
+
+    `max_states`: raise `GrammarTooLargeError` as soon as the subset construction passes that
+    many states, or the NFA `NFA_STATES_PER_DFA_STATE` times as many (a build known to be too
+    large stops early; None: `MAX_DFA_STATES`). A build within the cap is the same `Dfa`."""
     if isinstance(node, DfaNode):
+        if max_states is not None and node.dfa.num_states > max_states:
+            raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
         return node.dfa
-    nfa = _Nfa()
+    nfa = _Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states)
     s, e = nfa.build(node)
-    table, accepting, byte_map = _subset_construction(nfa, s, e)
+    table, accepting, byte_map = _subset_construction(nfa, s, e, max_states)
     return _minimize(table, accepting, 0, byte_map)
