@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows, build_dfa
+from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows, _unit, build_dfa
 from cfsm.masks.rows import or_bits, pack_rows
 from cfsm.masks.vocab import TrieTables
+from cfsm.regex.json_lexical import JSON_CHAR
+from cfsm.regex.syntax import Repeat, cat, lit
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
            "joint_reps", "live_suffixes", "suffix_order", "suffix_table", "t_automaton", "t_automaton_classes",
@@ -63,10 +65,6 @@ def t_automaton_classes() -> np.ndarray:
 def _t_automaton() -> tuple[np.ndarray, int]:
     """T as a code table (states, 256): a T state, `EXIT` (= states) or `DEAD` (= states + 1);
     and the text state (characters complete)."""
-    from cfsm.automata.automaton import _unit
-    from cfsm.regex.syntax import Repeat, cat, lit
-    from cfsm.schema.json_schema import JSON_CHAR
-
     _unit(JSON_CHAR)  # also cache its unit DFA (counted strings are built from it)
     dfa = build_dfa(cat(Repeat(JSON_CHAR, 0, None), lit('"')))
     final = np.flatnonzero(dfa.accepting[:-1])

@@ -9,20 +9,23 @@ import regex
 
 from cfsm.automata.automaton import DfaNode, build_dfa
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
+from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, json_escape
 from cfsm.regex.parser import parse_regex
 from cfsm.regex.syntax import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
 
 if TYPE_CHECKING:
-    from cfsm.schema.json_schema import _Compiler
+    from cfsm.schema.json_schema import SchemaCompiler
 
-__all__ = ["object_members"]
+__all__ = ["MAX_ANY_ORDER_PROPERTIES", "object_members"]
 
-
+# `CfsmConfig.any_order` compiles objects of at most this many properties (every order: one automaton
+# state per subset of the properties written)
+MAX_ANY_ORDER_PROPERTIES = 10
 # patternProperties whose overlaps are compiled exactly (2^n - 1 key regions)
 MAX_OVERLAPPING_PATTERNS = 3
 
 
-def _shared_key(comp: _Compiler, shape: tuple[Any, ...] | None, key: Node) -> Node:
+def _shared_key(comp: SchemaCompiler, shape: tuple[Any, ...] | None, key: Node) -> Node:
     """`key` (a key language of products and complements) as a ready DFA, built once per compile
     for each object `shape` (patterns, declared names, region): objects copied where references
     are unrolled repeat them (JSONSchemaBench's govuk schemas: 224 complements of a few shapes)."""
@@ -48,13 +51,12 @@ def _key(name: str) -> Node:
     return lit(json.dumps(name, ensure_ascii=False))
 
 
-def object_members(comp: _Compiler, schema: dict[str, Any], path: str) -> Node:
+def object_members(comp: SchemaCompiler, schema: dict[str, Any], path: str) -> Node:
     """The text between the braces: declared properties, then undeclared ("extra") members.
 
     # NOTE: the `Shared` suffix nodes are only referenced in tail position, so they may be
     # entered from several places (see `regex_ast.Shared`); the caller wraps this in a `Scope`.
     """
-    from cfsm.schema.json_schema import JSON_CHAR, JSON_STRING, MAX_ANY_ORDER_PROPERTIES, json_escape
 
     raw_props = schema.get("properties", {})
     if not isinstance(raw_props, dict):
@@ -217,7 +219,7 @@ def _satisfied(deps: dict[int, frozenset[int]], present: frozenset[int]) -> bool
 MAX_DEPENDENCY_MEMBERS = 10
 
 
-def _dependencies(comp: _Compiler, schema: dict[str, Any], names: list[str], closed: bool,
+def _dependencies(comp: SchemaCompiler, schema: dict[str, Any], names: list[str], closed: bool,
                   path: str) -> dict[int, frozenset[int]]:
     """`dependentRequired` (and draft 4-7 `dependencies` with lists, or with schemas that only
     require names) as {member index: member indices it needs}, exact over the declared members.

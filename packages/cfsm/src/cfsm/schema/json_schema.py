@@ -32,13 +32,11 @@ from cfsm.errors import (
     UnsupportedSchemaError,
 )
 from cfsm.grammar.rules import RuleRef
-from cfsm.regex.charset import negate
+from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, SHORT_ESCAPES, json_escape
 from cfsm.regex.parser import parse_regex
 from cfsm.regex.syntax import (
     EMPTY,
     NOTHING,
-    Alt,
-    Cat,
     Chars,
     Complement,
     Intersect,
@@ -53,7 +51,12 @@ from cfsm.regex.syntax import (
     lit,
 )
 from cfsm.schema.formats import FORMAT_REGEXES
-from cfsm.schema.json_object import object_members
+from cfsm.schema.json_object import MAX_ANY_ORDER_PROPERTIES, object_members
+from cfsm.schema.keywords import (
+    ALL_TYPES,
+    STRUCTURAL,
+    negation,
+)
 from cfsm.schema.merge import (
     ALL_FORMATS,
     ALL_PATTERNS,
@@ -83,7 +86,6 @@ __all__ = ["schema_to_node", "schema_tree", "schema_grammar", "json_value_node",
 
 JSON_VALUE_RULE = "json_value"  # the rule of free JSON in rule mode
 
-MAX_ANY_ORDER_PROPERTIES = 10
 # `uniqueItems` is exact over items of at most this many scalar values (sequences of distinct
 # values: one automaton state per subset), and `contains` for `minContains` up to this
 MAX_UNIQUE_VALUES = 8
@@ -111,8 +113,6 @@ MAX_SCHEMA_DEPTH = 128
 MAX_SCHEMA_VISITS = 20_000
 
 _TYPES = JSON_TYPES
-# a schema without `type` takes every type but integer (a subset of number)
-_ALL_TYPES = ("object", "array", "string", "number", "boolean", "null")
 _TYPE_KEYWORDS = {
     "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
                "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
@@ -128,60 +128,12 @@ _UNEVALUATED = frozenset({"unevaluatedProperties", "unevaluatedItems"})
 _IN_PLACE = frozenset({"allOf", "anyOf", "oneOf", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
                        "dependentSchemas", "dependencies"})
 
-_SPECIAL = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
-_HEX = Chars(((48, 57), (65, 70), (97, 102)))
-_PLAIN = Chars(negate(_SPECIAL))
-# NOTE: `\\uXXXX` escapes are limited to control characters (`\\u0000`-`\\u001F`): other characters
-# are written as themselves (UTF-8). General `\\u` escapes would add four hex states per character
-# position, which multiplies the index size of every length-bounded string.
-JSON_CHAR = alt(_PLAIN, cat(lit("\\"), Chars(((0x22, 0x22), (0x2F, 0x2F), (0x5C, 0x5C), (0x62, 0x62), (0x66, 0x66),
-                                              (0x6E, 0x6E), (0x72, 0x72), (0x74, 0x74)))),
-                cat(lit("\\u00"), Chars(((0x30, 0x31),)), _HEX))
-JSON_STRING = cat(lit('"'), Repeat(JSON_CHAR, 0, None), lit('"'))
 # the pieces of every schema's unbounded string and boolean (one node each per process, so that
 # the direct construction finds their blocks built in advance: `standard_pieces`)
 _STRING_BODY = Repeat(JSON_CHAR, 0, None)
 _BOOLEAN = alt(lit("true"), lit("false"))
 # an integer may be written with a zero fraction (`CfsmConfig.integers_as_floats`)
 _ZERO_FRACTION = Repeat(cat(lit("."), Repeat(lit("0"), 1, None)), 0, 1)
-_SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
-
-
-def _escape_code_point(cp: int) -> Node:
-    if cp in _SHORT_ESCAPES:
-        return lit(_SHORT_ESCAPES[cp])
-    hi, lo = f"{cp:04x}"[2], f"{cp:04x}"[3]
-    return cat(lit("\\u00" + hi), Chars(tuple(sorted({(ord(lo), ord(lo)), (ord(lo.upper()), ord(lo.upper()))}))))
-
-
-def json_escape(node: Node) -> Node:
-    """Map a tree over decoded characters to the tree of their JSON string encodings."""
-    if isinstance(node, Chars):
-        plain: list[tuple[int, int]] = []
-        specials: list[int] = []
-        for lo, hi in node.ranges:
-            cur = lo
-            for slo, shi in _SPECIAL:
-                if shi < cur or slo > hi:
-                    continue
-                if slo > cur:
-                    plain.append((cur, slo - 1))
-                specials.extend(range(max(cur, slo), min(hi, shi) + 1))
-                cur = shi + 1
-            if cur <= hi:
-                plain.append((cur, hi))
-        parts: list[Node] = [Chars(tuple(plain))] if plain else []
-        parts += [_escape_code_point(c) for c in specials]
-        return alt(*parts) if parts else NOTHING
-    if isinstance(node, Cat):
-        return Cat([json_escape(x) for x in node.items])
-    if isinstance(node, Alt):
-        return Alt([json_escape(x) for x in node.items])
-    if isinstance(node, Repeat):
-        return Repeat(json_escape(node.item), node.lo, node.hi)
-    if isinstance(node, Intersect):
-        return Intersect([json_escape(x) for x in node.items])
-    raise TypeError(f"cannot JSON-escape {type(node).__name__}")
 
 
 @functools.cache
@@ -208,7 +160,7 @@ def _dump(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-class _Compiler:
+class SchemaCompiler:
     """`rules` (a dict, filled here) turns on rule mode: free JSON is a call of rule
     `JSON_VALUE_RULE`, and a `$ref` re-entered while it is being compiled becomes a call of a
     rule compiled once from its target, so nesting has no bound (cfsm.grammar matches it)."""
@@ -489,7 +441,7 @@ class _Compiler:
             return NOTHING
         if not isinstance(schema, dict):
             raise UnsupportedSchemaError("schema", path, f"expected an object or a boolean, got {type(schema).__name__}")
-        if _IN_PLACE & schema.keys() and set(schema) - _STRUCTURAL != {"$ref"} and \
+        if _IN_PLACE & schema.keys() and set(schema) - STRUCTURAL != {"$ref"} and \
                 self.expansions < MAX_EXPANSION_NESTING and mentions_unevaluated(self, schema):
             # exact where it can be: alternatives whose evaluated properties / items are known
             # (a plain `$ref` compiles its target, which expands itself)
@@ -558,7 +510,7 @@ class _Compiler:
             return alt(self._branch(present, sub, f"{path}/{key}/{name}"), self.node(absent, path))
         if "if" in schema:
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
-            negated = _negation(schema["if"]) if "then" in schema or "else" in schema else None
+            negated = negation(schema["if"]) if "then" in schema or "else" in schema else None
             if negated is not None:
                 # exact: (if and then) or (not if and else), `not if` spelled as a schema
                 return alt(self._branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
@@ -595,13 +547,13 @@ class _Compiler:
     def _exclusive(self, branches: list[Any], path: str, rest: dict[str, Any] | None = None) -> list[Any]:
         """`oneOf` as alternatives that are exact where they can be: the branches themselves when
         no two can match one value beside the schema's other keywords `rest` (`_disjoint`), else
-        branch i with every other branch negated where each has a simple negation (`_negation`);
+        branch i with every other branch negated where each has a simple negation (`negation`);
         otherwise the branches as `anyOf`, reported."""
         resolved = [self._peek(b) for b in branches]
         applied = [quiet_merge(rest, b) if isinstance(b, dict) and rest else b for b in resolved]
         if all(_disjoint(a, b) for a, b in itertools.combinations(applied, 2)):
             return branches
-        negated = [_negation(b) for b in resolved]
+        negated = [negation(b) for b in resolved]
         if len(branches) <= MAX_ONE_OF_PRODUCT and all(n is not None for n in negated):
             return [{"allOf": [b, *(n for j, n in enumerate(negated) if j != i)]} for i, b in enumerate(branches)]
         if self.cfg.narrow:
@@ -620,7 +572,7 @@ class _Compiler:
         """`sub` with a plain `$ref` followed (for comparisons only; nothing is entered), or
         `sub` itself where the reference does not resolve here."""
         for _ in range(8):
-            if not (isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and not set(sub) - _STRUCTURAL - {"$ref"}):
+            if not (isinstance(sub, dict) and isinstance(sub.get("$ref"), str) and not set(sub) - STRUCTURAL - {"$ref"}):
                 break
             try:
                 sub, _base = self.refs.resolve(sub["$ref"], self.bases[-1], "#")
@@ -652,7 +604,7 @@ class _Compiler:
         if excluded:
             if types is None:
                 inferred = [t for t, kws in _TYPE_KEYWORDS.items() if kws & schema.keys()]
-                types = inferred if self.cfg.infer_types and inferred else list(_ALL_TYPES)
+                types = inferred if self.cfg.infer_types and inferred else list(ALL_TYPES)
             if "number" in types and "integer" in types:
                 types = [t for t in types if t != "integer"]
             return alt(*(self._excluding(t, self.typed(t, schema, path), excluded, f"{path}/not") for t in types))
@@ -661,7 +613,7 @@ class _Compiler:
             if not self.cfg.infer_types:
                 if not inferred:
                     return self.any_value(self.cfg.json_depth)
-                types = list(_ALL_TYPES)
+                types = list(ALL_TYPES)
             elif not inferred:
                 return self.any_value(self.cfg.json_depth)
             else:
@@ -713,11 +665,11 @@ class _Compiler:
             return []
         if sub is False:
             return types
-        if isinstance(sub, dict) and set(sub) - _STRUCTURAL == {"anyOf"} and isinstance(sub["anyOf"], list):
+        if isinstance(sub, dict) and set(sub) - STRUCTURAL == {"anyOf"} and isinstance(sub["anyOf"], list):
             for i, part in enumerate(sub["anyOf"]):  # neither of them (`not` merged under allOf)
                 types = self._not(part, types, f"{path}/anyOf/{i}", excluded)
             return types
-        if isinstance(sub, dict) and set(sub) - _STRUCTURAL in ({"const"}, {"enum"}) and \
+        if isinstance(sub, dict) and set(sub) - STRUCTURAL in ({"const"}, {"enum"}) and \
                 isinstance(sub.get("enum", []), list):
             excluded.extend([sub["const"]] if "const" in sub else sub["enum"])
             return types
@@ -772,7 +724,7 @@ class _Compiler:
             return None
         if sub is False:
             return NOTHING
-        keys = set(sub) - _STRUCTURAL if isinstance(sub, dict) else {"?"}
+        keys = set(sub) - STRUCTURAL if isinstance(sub, dict) else {"?"}
         types = sub.get("type", "string") if isinstance(sub, dict) else None
         if not keys <= _NAME_KEYWORDS or not (types == "string" or isinstance(types, list) and "string" in types):
             self.approximate("propertyNames", path, "not enforced on property names (only string keywords are)")
@@ -905,7 +857,7 @@ class _Compiler:
             prefix, items = items, schema.get("additionalItems")
         unevaluated = schema.get("unevaluatedItems", True)
         if unevaluated not in (True, {}) and items is None:
-            negated = _negation(schema["contains"]) if "contains" in schema else None
+            negated = negation(schema["contains"]) if "contains" in schema else None
             if "contains" not in schema:
                 items = unevaluated  # NOTE: the items after the prefix are the unevaluated ones
             elif negated is not None:
@@ -978,7 +930,7 @@ class _Compiler:
                 loop = Repeat(cat(rest, self.comma), 0, None)
                 body = cat(loop, hit, *([self.comma, loop, hit] * (wanted - 1)), Repeat(cat(self.comma, rest), 0, None))
                 return cat(lit("["), self.ws, body, self.ws, lit("]"))
-            negated = _negation(schema["contains"])
+            negated = negation(schema["contains"])
             if simple and negated is not None and most is not None and int(most) <= MAX_MIN_CONTAINS:
                 # exact: items that match `contains` counted between minContains and maxContains
                 hit = self._branch(base, schema["contains"], f"{path}/contains")
@@ -1010,7 +962,7 @@ class _Compiler:
     def _finite_values(self, items: Any) -> list[Any] | None:
         """The distinct scalar values `items` allows when it only lists them (`enum`, `const`,
         boolean / null types) and they are at most `MAX_UNIQUE_VALUES`; else None."""
-        if not isinstance(items, dict) or not set(items) - _STRUCTURAL <= {"enum", "const", "type"}:
+        if not isinstance(items, dict) or not set(items) - STRUCTURAL <= {"enum", "const", "type"}:
             return None
         types = self._types(items, "#")
         if "enum" in items or "const" in items:
@@ -1068,12 +1020,12 @@ def _dependents_absent(schema: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _not_exact(sub: Any) -> bool:
-    """Whether `_Compiler._not` compiles `not: sub` exactly (types, scalar values, booleans)."""
+    """Whether `SchemaCompiler._not` compiles `not: sub` exactly (types, scalar values, booleans)."""
     if isinstance(sub, bool) or sub == {}:
         return True
     if not isinstance(sub, dict):
         return False
-    keys = set(sub) - _STRUCTURAL
+    keys = set(sub) - STRUCTURAL
     if keys == {"anyOf"} and isinstance(sub["anyOf"], list):
         return all(_not_exact(part) for part in sub["anyOf"])
     if keys in ({"const"}, {"enum"}):
@@ -1128,19 +1080,13 @@ def _conditional_kept_together(schema: dict[str, Any]) -> dict[str, Any]:
     rest = {k: v for k, v in schema.items() if k not in _CONDITIONAL}
     if "if" not in schema or not {"then", "else"} & schema.keys():
         return rest
-    negated = _negation(schema["if"])
+    negated = negation(schema["if"])
     if negated is None:
         return schema
     branches = [{"allOf": [schema["if"], schema.get("then", True)]}, {"allOf": [negated, schema.get("else", True)]}]
     return {**rest, "allOf": [*rest.get("allOf", []), {"anyOf": branches}]}
 
 
-_BOUND_NEGATIONS = {"minimum": "exclusiveMaximum", "maximum": "exclusiveMinimum",
-                    "exclusiveMinimum": "maximum", "exclusiveMaximum": "minimum"}
-# count bounds: (the type they apply to, the opposite bound, its offset)
-_COUNT_NEGATIONS = {"minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
-                    "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1),
-                    "minProperties": ("object", "maxProperties", -1), "maxProperties": ("object", "minProperties", 1)}
 def _disjoint(a: Any, b: Any) -> bool:
     """Whether no JSON value can be valid under both `a` and `b` (a sufficient test: disjoint
     types, disjoint `const` / `enum` lists or literal patterns (`finite_values`), or objects that require one property with disjoint
@@ -1160,55 +1106,9 @@ def _disjoint(a: Any, b: Any) -> bool:
     return False
 
 
-def _negation(sub: Any) -> Any:
-    """A schema that accepts exactly the values `sub` rejects, where one is easy to spell: a
-    boolean, types (but integer without number), scalar `const` / `enum` (as `not`, which
-    compiles exactly), one numeric bound (the opposite bound over numbers); else None."""
-    if isinstance(sub, bool):
-        return not sub
-    if not isinstance(sub, dict):
-        return None
-    keys = set(sub) - _STRUCTURAL
-    if not keys:
-        return False
-    if keys == {"type"}:
-        named = [sub["type"]] if isinstance(sub["type"], str) else sub["type"]
-        if not isinstance(named, list) or not set(named) <= set(_TYPES) or "integer" in named and "number" not in named:
-            return None
-        return {"type": [t for t in _TYPES if t not in named and not (t == "integer" and "number" in named)]}
-    if keys in ({"const"}, {"enum"}):
-        values = [sub["const"]] if "const" in sub else sub["enum"]
-        if isinstance(values, list) and not any(isinstance(v, dict | list) for v in values):
-            return {"not": {k: sub[k] for k in keys}}
-        return None
-    if len(keys) == 1:
-        (key,) = keys
-        value = sub[key]
-        if key in _BOUND_NEGATIONS and isinstance(value, int | float) and not isinstance(value, bool):
-            return {"type": "number", _BOUND_NEGATIONS[key]: value}
-        if key in _COUNT_NEGATIONS and isinstance(value, int | float) and not isinstance(value, bool) and \
-                float(value).is_integer():
-            t, opposite, step = _COUNT_NEGATIONS[key]
-            bound = int(value) + step
-            return False if bound < 0 else {"type": t, opposite: bound}
-        if key == "required" and isinstance(value, list) and all(isinstance(n, str) for n in value):
-            # some required property absent: objects with one of them declared `false`
-            absent = [{"type": "object", "properties": {n: False}} for n in dict.fromkeys(value)]
-            return False if not absent else absent[0] if len(absent) == 1 else {"anyOf": absent}
-        return None
-    if len(keys) <= MAX_NEGATED_KEYWORDS and keys <= _INDEPENDENT:
-        # not (k1 and k2 ...) = (not k1) or (not k2) ..., each keyword asserting on its own
-        parts = [_negation({k: sub[k]}) for k in sorted(keys)]
-        if any(p is None for p in parts):
-            return None
-        kept = [p for p in parts if p is not False]
-        return False if not kept else kept[0] if len(kept) == 1 else {"anyOf": kept}
-    return None
 
 
-# keywords whose assertions do not depend on each other (a schema of several is their conjunction)
-_INDEPENDENT = frozenset({"type", "const", "enum", *_BOUND_NEGATIONS, *_COUNT_NEGATIONS, "required"})
-MAX_NEGATED_KEYWORDS = 3
+
 
 
 def _unique_sequences(values: list[Node], prefix: list[list[int]], more: list[int], comma: Node, lo: int,
@@ -1246,9 +1146,6 @@ _DIGIT = Chars(((48, 57),))
 _NON_INTEGER_TEXT = cat(Repeat(lit("-"), 0, 1), alt(lit("0"), cat(Chars(((49, 57),)), Repeat(_DIGIT, 0, None))), lit("."),
                         Repeat(_DIGIT, 0, None), Chars(((49, 57),)), Repeat(_DIGIT, 0, None))
 
-_STRUCTURAL = {"$schema", "$id", "id", "$defs", "definitions", "$comment", "$anchor", "$dynamicAnchor",
-               "$recursiveAnchor", "$vocabulary", "title", "description", "default", "examples", "deprecated",
-               "readOnly", "writeOnly"}
 
 
 def _string_spellings(value: str) -> Node:
@@ -1259,8 +1156,8 @@ def _string_spellings(value: str) -> Node:
         options: list[Node] = []
         if cp > 0x1F and ch not in '"\\':
             options.append(lit(ch))
-        if cp in _SHORT_ESCAPES or ch == "/":
-            options.append(lit(_SHORT_ESCAPES.get(cp, "\\/")))
+        if cp in SHORT_ESCAPES or ch == "/":
+            options.append(lit(SHORT_ESCAPES.get(cp, "\\/")))
         if cp <= 0x1F:
             hi, lo = f"{cp:04x}"[2], f"{cp:04x}"[3]
             options.append(cat(lit("\\u00" + hi), Chars(tuple(sorted({(ord(lo), ord(lo)),
@@ -1291,7 +1188,7 @@ class _TooManyVisits(Exception):
 
 def _is_assertion(keyword: str) -> bool:
     """Whether a keyword beside `$ref` may narrow it (everything but identifiers and annotations)."""
-    return keyword not in _STRUCTURAL
+    return keyword not in STRUCTURAL
 
 
 def schema_tree(schema: Any, config: CfsmConfig | None = None, *,
@@ -1326,7 +1223,7 @@ def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool, ref
     cfg = config or CfsmConfig()
     while True:
         rules: dict[str, Node] = {}
-        comp = _Compiler(schema, cfg, rules if rule_mode else None, refs_as_rules, loose_lengths)
+        comp = SchemaCompiler(schema, cfg, rules if rule_mode else None, refs_as_rules, loose_lengths)
         try:
             node = comp.node(schema, "#")
         except RecursionError:
@@ -1348,7 +1245,7 @@ def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool, ref
 def json_value_grammar(config: CfsmConfig | None = None, *, object_only: bool = True) -> tuple[Node, dict[str, Node]]:
     """Free JSON without a depth bound: (the root tree, its rules). Pure."""
     rules: dict[str, Node] = {}
-    comp = _Compiler({}, config or CfsmConfig(), rules)
+    comp = SchemaCompiler({}, config or CfsmConfig(), rules)
     return (comp.free_object(0) if object_only else comp.any_value(0)), rules
 
 
@@ -1360,7 +1257,7 @@ def schema_to_node(schema: Any, config: CfsmConfig | None = None) -> Node:
 def json_value_node(config: CfsmConfig | None = None, *, object_only: bool = True) -> Node:
     """Free JSON to `config.json_depth` levels: an object (`json_object` mode) or any value."""
     cfg = config or CfsmConfig()
-    comp = _Compiler({}, cfg)
+    comp = SchemaCompiler({}, cfg)
     return comp.free_object(cfg.json_depth) if object_only else comp.any_value(cfg.json_depth)
 
 

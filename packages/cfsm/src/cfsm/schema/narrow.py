@@ -1,7 +1,7 @@
 """Narrowings (`CfsmConfig.narrow`, the default): subsets of a keyword's language where cfsm
 cannot compile it exactly, so that generation never produces an invalid document.
 
-Each narrowing is recorded as an `Approximation` of kind "subset" (`_Compiler.narrowed`) and is
+Each narrowing is recorded as an `Approximation` of kind "subset" (`SchemaCompiler.narrowed`) and is
 exact-safe by construction: every value it accepts is valid under the schema.
 
 - `uniqueItems` over items that are not a few scalar values: the items have distinct JSON types
@@ -25,9 +25,11 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from cfsm.regex.syntax import EMPTY, NOTHING, Node, Scope, Shared, alt, cat, lit
+from cfsm.schema.keywords import ALL_TYPES, INDEPENDENT, STRUCTURAL, negation
+from cfsm.schema.merge import type_set
 
 if TYPE_CHECKING:
-    from cfsm.schema.json_schema import _Compiler
+    from cfsm.schema.json_schema import SchemaCompiler
 
 __all__ = ["unique_by_type", "negation_subset", "prefer_declared", "possible_types", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
 
@@ -47,24 +49,23 @@ MAX_NEGATION_DEPTH = 3
 
 def negation_subset(sub: Any, depth: int = 0, *, declare: bool = True) -> Any:
     """A schema accepting only values `sub` rejects: its exact negation where one is easy to
-    spell (`json_schema._negation`); for a conjunction of simple keywords and `properties`, the
+    spell (`keywords.negation`); for a conjunction of simple keywords and `properties`, the
     values failing one of them (a property present and failing its schema: this negation's
     subset, recursively); else the JSON types `sub` cannot accept (by its `type`, `const` and
     `enum`), or `False`. `declare=False`: no part declares a property with a schema other than
     `false` (where declared names count as evaluated: `unevaluatedProperties`)."""
-    from cfsm.schema.json_schema import _ALL_TYPES, _INDEPENDENT, _STRUCTURAL, _negation, _type_set
 
-    negated = _negation(sub)
+    negated = negation(sub)
     if negated is not None:
         return negated
-    if isinstance(sub, dict) and set(sub) - _STRUCTURAL == {"not"} and \
+    if isinstance(sub, dict) and set(sub) - STRUCTURAL == {"not"} and \
             (declare or not (isinstance(sub["not"], dict) and _EVALUATING & sub["not"].keys())):
         return sub["not"]  # NOTE: exact, not (not x) = x (but x's evaluations do not count)
-    allowed = _type_set(sub)
-    others = [t for t in _ALL_TYPES if t not in allowed]
+    allowed = type_set(sub)
+    others = [t for t in ALL_TYPES if t not in allowed]
     parts: list[Any] = [{"type": others}] if others else []
-    keys = set(sub) - _STRUCTURAL if isinstance(sub, dict) else set()
-    if isinstance(sub, dict) and keys and keys <= _INDEPENDENT | {"properties"} and depth < MAX_NEGATION_DEPTH:
+    keys = set(sub) - STRUCTURAL if isinstance(sub, dict) else set()
+    if isinstance(sub, dict) and keys and keys <= INDEPENDENT | {"properties"} and depth < MAX_NEGATION_DEPTH:
         # not (k1 and k2 ...) = (not k1) or (not k2) ...; a subset of any of them is a subset
         for key in sorted(keys):
             if key == "properties" and isinstance(sub[key], dict) and declare:
@@ -73,7 +74,7 @@ def negation_subset(sub: Any, depth: int = 0, *, declare: bool = True) -> Any:
                     if failing is not False:
                         parts.append({"type": "object", "required": [name], "properties": {name: failing}})
             elif key != "properties":
-                part = _negation({key: sub[key]})
+                part = negation({key: sub[key]})
                 if part is not None and part is not False:
                     parts.append(part)
     if not parts:
@@ -102,9 +103,7 @@ def prefer_declared(subset: Any, branch: Any) -> Any:
 def possible_types(schema: Any) -> set[str]:
     """The JSON types (`json_schema._DISJOINT_TYPES`) a schema built here may accept (a superset:
     by `type`, `const`, `enum` and `anyOf` / `allOf`)."""
-    from cfsm.schema.json_schema import _type_set
-
-    out = _type_set(schema)
+    out = type_set(schema)
     if isinstance(schema, dict):
         if isinstance(schema.get("anyOf"), list):
             out &= set().union(*(possible_types(part) for part in schema["anyOf"]))
@@ -114,11 +113,9 @@ def possible_types(schema: Any) -> set[str]:
     return out
 
 
-def unique_by_type(comp: _Compiler, prefix: list[Any], items: Any, lo: int, hi: int | None, path: str) -> Node:
+def unique_by_type(comp: SchemaCompiler, prefix: list[Any], items: Any, lo: int, hi: int | None, path: str) -> Node:
     """`uniqueItems` narrowed: arrays (prefix items, then `items`; None: any value) lo to hi items
     long whose items all have different JSON types (`TYPE_BUCKETS`)."""
-    from cfsm.schema.json_schema import _type_set
-
     comp.narrowed("uniqueItems", f"{path}/uniqueItems",
                   "items of distinct JSON types (at most one object, array, string, number, boolean, null)")
 
@@ -126,7 +123,7 @@ def unique_by_type(comp: _Compiler, prefix: list[Any], items: Any, lo: int, hi: 
         if sub is False:
             return {}
         sub = True if sub is None else sub
-        allowed = _type_set(comp._peek(sub))
+        allowed = type_set(comp._peek(sub))
         out: dict[int, Node] = {}
         for i, t in enumerate(TYPE_BUCKETS):
             if t in allowed:
