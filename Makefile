@@ -61,8 +61,8 @@ test-gpu: install-test
 
 # Each leaf alone (DESIGN.md: "each leaf's tests pass with only that package installed"): a fresh venv
 # per leaf under build/leaf-venvs holding that leaf (built as a wheel) with its [test] extra, torch==2.13.0
-# first only when the leaf's own dependencies name torch, then that leaf's whole test folder. Slow (it
-# installs every time): not part of `make test`.
+# first only when the leaf's own dependencies name torch, then that leaf's test folder without the `slow` tier (which
+# `make test-slow` runs with everything installed). Slow (it installs every time): not part of `make test`.
 LEAVES := radixcache cfsm lmdsl lowlat
 LEAF_VENVS := build/leaf-venvs
 test-leaves:
@@ -72,7 +72,7 @@ test-leaves:
 	      sys.exit(not any(d.startswith('torch') for d in deps))" packages/$$leaf/pyproject.toml; then \
 	    $$venv/bin/python -m pip install -q torch==2.13.0; fi; \
 	  $$venv/bin/python -m pip install -q "./packages/$$leaf[test]"; \
-	  $$venv/bin/python -m pytest -q -p no:cacheprovider packages/$$leaf/tests; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not slow" packages/$$leaf/tests; \
 	done
 
 bench:
