@@ -1,18 +1,26 @@
 """The pushdown compile's shortcuts against plain references: the subset construction's byte
 pieces against stepping byte by byte, the vectorized counted-chain search against the search
-state by state, the escape-pair sorting against a lexsort."""
+state by state, the escape-pair sorting against a lexsort, and free JSON compiled once per
+vocabulary against a fresh compile (keys, settlements and masks along random members)."""
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cfsm
-from cfsm.grammar import build_pda, inline_rules, parse_ebnf
+from cfsm import compiler as cfsm_compiler
+from cfsm.compiler import _rules_index
+from cfsm.grammar import GrammarIndex, build_pda, inline_rules, parse_ebnf
 from cfsm.grammar import index as grammar_index
 from cfsm.grammar import pda as grammar_pda
-from cfsm.grammar.testing import JSON_GBNF
+from cfsm.grammar.testing import JSON_GBNF, byte_vocab, draw_member, greedy_tokens
+from cfsm.schema.json_schema import json_value_grammar
 
 _ranges = st.lists(st.tuples(st.integers(0, 255), st.integers(0, 40), st.integers(0, 5)), max_size=8).map(
     lambda xs: [(lo, min(255, lo + w), t) for lo, w, t in xs])
@@ -121,3 +129,69 @@ def test_sorted_set_helpers(values: list[int], members: list[int]) -> None:
     s = np.unique(np.array(members, dtype=np.int64))
     assert np.array_equal(grammar_index._member(v, s), np.isin(v, s))
     assert np.array_equal(grammar_index._sorted_distinct(np.sort(v)), np.unique(v))
+
+
+# tokens that cross JSON's rule ends, as BPE vocabularies have them
+_JSON_PIECES = ["{\"", "\":", "\",", "\"}", "}]", "],", "]}", ", ", " \"", "12", "1.5", "true", "null", "\n}", "\n  ",
+                "ab", "\": \"", "[{", "}}", "e5", "-0"]
+
+
+def _masks(index: GrammarIndex, vocab: cfsm.Vocabulary, text: str) -> list[bytes]:
+    """The masks along `text`'s tokens, up to the first token refused (then b"refused")."""
+    guide = cfsm.Guide(index)
+    out = np.zeros((1, vocab.mask_words), dtype=np.int32)
+    masks = []
+    for tid in greedy_tokens(vocab, text.encode()):
+        guide.fill_mask(out, 0)
+        masks.append(out.tobytes())
+        try:
+            guide.advance(tid)
+        except cfsm.RejectedTokenError:
+            return [*masks, b"refused"]
+    return [*masks, b"end" if guide.can_stop() else b"open"]
+
+
+def test_free_json_is_compiled_once_per_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call gets its own copy of one compile per vocabulary: equal to a fresh compile (keys,
+    settlements, masks along random members of JSON), and guides on a copy leave the compile
+    that later calls copy as it was."""
+    vocab = byte_vocab(_JSON_PIECES)
+    config = cfsm.CfsmConfig()
+    root, rules = json_value_grammar(config, object_only=False)
+    fresh = _rules_index(root, rules, vocab, "fresh")
+    compiles: list[str] = []
+
+    def counted(*args: Any, **kwargs: Any) -> GrammarIndex:
+        compiles.append(args[3])
+        return _rules_index(*args, **kwargs)
+
+    monkeypatch.setattr(cfsm_compiler, "_rules_index", counted)
+    first = cfsm.compile_json_object(vocab, object_only=False)
+    second = cfsm.compile_json_object(vocab, object_only=False)
+    assert len(compiles) == 1
+    assert isinstance(first, GrammarIndex) and isinstance(second, GrammarIndex) and first is not second
+    for index in (first, second):
+        assert set(index._keys) == set(fresh._keys) and set(index._settled) == set(fresh._settled)
+        for key, info in fresh._keys.items():
+            other = index._keys[key]
+            assert np.array_equal(info.row, other.row) and np.array_equal(info.esc_rank, other.esc_rank), key
+            assert np.array_equal(info.esc_at, other.esc_at) and info.digest == other.digest, key
+        assert index._states == fresh._states
+    grammar = parse_ebnf(JSON_GBNF)
+    rng = random.Random(7)
+    compiled = first.num_configurations
+    ends = []
+    for _ in range(8):
+        text = draw_member(grammar, rng, max_depth=6)
+        masks = _masks(first, vocab, text)
+        assert masks == _masks(fresh, vocab, text), text
+        ends.append(masks[-1])
+    assert ends.count(b"end") >= 4, ends  # NOTE: free JSON takes most members of the JSON GBNF
+    assert first.num_configurations > compiled  # NOTE: the walk reached configurations the compile did not
+    third = cfsm.compile_json_object(vocab, object_only=False)
+    assert isinstance(third, GrammarIndex)
+    assert third.num_configurations == second.num_configurations == compiled
+    # another vocabulary (even an equal one) compiles its own
+    again = cfsm.compile_json_object(byte_vocab(_JSON_PIECES), object_only=False)
+    assert len(compiles) == 2
+    assert isinstance(again, GrammarIndex) and again.vocab is not vocab and set(again._keys) == set(second._keys)

@@ -215,13 +215,19 @@ def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: 
 
 def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *,
                         object_only: bool = True) -> Index | GrammarIndex:
-    """Free JSON (an object, or any value). No caching. With `config.recursion == "stack"` (the
-    default) any depth (a `GrammarIndex`), else nested to `config.json_depth` levels (an `Index`)."""
+    """Free JSON (an object, or any value). With `config.recursion == "stack"` (the default) any
+    depth (a `GrammarIndex`: compiled once per vocabulary and configuration, kept by `vocab`,
+    each call a copy of that compile), else nested to `config.json_depth` levels (an `Index`;
+    no caching)."""
     cfg = config or CfsmConfig()
     key = f"json:{object_only}|{cfg.schema_key()}"
     if cfg.recursion == "stack":
-        root, rules = json_value_grammar(cfg, object_only=object_only)
-        return _rules_index(root, rules, vocab, key)
+        def build() -> GrammarIndex:
+            root, rules = json_value_grammar(cfg, object_only=object_only)
+            return _rules_index(root, rules, vocab, key)
+
+        # NOTE: a fixed grammar per (object_only, config); guides fill only their copy's caches
+        return vocab.derived(f"grammar:{key}", build).copy()
     node = json_value_node(cfg, object_only=object_only)
     return _index_of(node, vocab, key, "json")
 

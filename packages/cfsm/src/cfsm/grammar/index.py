@@ -801,20 +801,29 @@ class GrammarIndex:
         e_bounds = np.searchsorted(e_owner, np.arange(len(states) + 1))
         bounds = np.concatenate([[0], np.cumsum(counts)])
         cleared: dict[tuple[bytes, int], np.ndarray] = {}  # NOTE: chains of one class share their long sets
+        base_runs: dict[tuple[int, bytes], tuple[np.ndarray, int]] = {}  # (head, class): runs of its escapes, max
         for k, s in enumerate(states):
             base, long = bases[k], longs[k]
             if not len(long):
                 self._keys[(s,)] = base  # NOTE: every token goes as from the head (same row, same escapes)
                 continue
-            _, remaining, run_class = links[k]
+            head, remaining, run_class = links[k]
             mask = cleared.get((run_class, remaining))
             if mask is None:
                 mask = cleared[(run_class, remaining)] = ~self._bits(long)
             lo, hi = int(bounds[k]), int(bounds[k + 1])
             acc = ranks[lo:hi][ok[lo:hi]]
             row = base.row & mask | self._bits(acc)
-            keep_base = self._leading_runs(run_class).take(base.esc_rank) <= remaining
+            runs = base_runs.get((head, run_class))
+            if runs is None:
+                esc_runs = self._leading_runs(run_class).take(base.esc_rank)
+                runs = base_runs[(head, run_class)] = (esc_runs, int(esc_runs.max(initial=0)))
             elo, ehi = int(e_bounds[k]), int(e_bounds[k + 1])
+            if elo == ehi and runs[1] <= remaining:
+                # NOTE: the head's escape pairs, every one kept, none added: its sorted arrays and digest as they are
+                self._keys[(s,)] = _KeyInfo(row, base.uncertain, base.late, base.esc_rank, base.esc_at, base.digest)
+                continue
+            keep_base = runs[0] <= remaining
             self._keys[(s,)] = _info(row, np.concatenate([base.esc_rank[keep_base], e_rank[elo:ehi]]),
                                      np.concatenate([base.esc_at[keep_base], e_at[elo:ehi]]))
 
