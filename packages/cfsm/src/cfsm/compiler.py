@@ -179,15 +179,15 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
             try:
                 return _regular_schema_index(schema, vocab, cfg, key, FALLBACK_DFA_STATES)
             except GrammarTooLargeError:
-                index = _refs_rules_index(schema, vocab, cfg, key)
+                matcher = _refs_rules_index(schema, vocab, cfg, key)
                 # NOTE: no rule form (an intersection over references): the whole unrolled try
-                return _regular_schema_index(schema, vocab, cfg, key) if index is None else index
+                return _regular_schema_index(schema, vocab, cfg, key) if matcher is None else matcher
     except (GrammarTooLargeError, SchemaTooLargeError):
         # references copied inline made the automaton (or the tree) too large: each reference
         # target becomes one rule of a pushdown matcher instead, compiled once
-        index = _refs_rules_index(schema, vocab, cfg, key)
-        if index is not None:
-            return index
+        matcher = _refs_rules_index(schema, vocab, cfg, key)
+        if matcher is not None:
+            return matcher
         # last resort: long string bounds approximated (reported; refused in strict mode)
         node, approximations = schema_tree(schema, cfg, loose_lengths=True)
         index = _index_of(node, vocab, key, "schema")
