@@ -55,7 +55,7 @@ def object_members(comp: SchemaCompiler, schema: dict[str, Any], path: str) -> N
     """The text between the braces: declared properties, then undeclared ("extra") members.
 
     # NOTE: the `Shared` suffix nodes are only referenced in tail position, so they may be
-    # entered from several places (see `regex_ast.Shared`); the caller wraps this in a `Scope`.
+    # entered from several places (see `cfsm.regex.syntax.Shared`); the caller wraps this in a `Scope`.
     """
 
     raw_props = schema.get("properties", {})

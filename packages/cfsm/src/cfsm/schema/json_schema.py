@@ -7,7 +7,7 @@ are annotations and are ignored. Keywords a regular language cannot express exac
 over-approximated (the grammar accepts a superset) and each is recorded as an `Approximation`
 (`oneOf` as `anyOf` where its branches may overlap and lack simple negations, `uniqueItems`,
 `not` beyond types and values, `if`/`then`/`else` without a simple negation, `dependencies`,
-`contains`, `propertyNames`, `unevaluated*` where `schema_unevaluated` cannot expand them, unknown
+`contains`, `propertyNames`, `unevaluated*` where `unevaluated` cannot expand them, unknown
 formats, patterns outside the regular subset, `multipleOf` that is not an integer or a power of
 ten, thousands of counted characters / items: `MAX_COUNTED`); `CfsmConfig.strict` refuses them
 instead. Malformed schemas raise `UnsupportedSchemaError` with their JSON path.

@@ -13,7 +13,7 @@ can have no value), and an `anyOf` one of whose alternatives the rest already im
 A product still larger than `MAX_MERGED_ALTERNATIVES` is cut: with `narrowed` (the defaults) to a subset of its
 alternatives (every alternative of the first list kept, with the first ones of the second; reported as narrowed),
 else to the first list alone (the second not enforced: a superset, reported). Narrowed `not` / `if` / `oneOf`
-(`schema_narrow`) produce such lists, one per negated branch, which would otherwise multiply.
+(`narrow`) produce such lists, one per negated branch, which would otherwise multiply.
 """
 
 from __future__ import annotations
