@@ -170,14 +170,14 @@ def test_direct_dfa_is_the_generic_dfa_on_regex_trees(pattern: str) -> None:
 
 
 def test_prepared_blocks_are_the_blocks_built_at_compile_time() -> None:
-    """`prepare_blocks` holds, for every per-process value tree, the very block `_Block` builds."""
+    """`prepare_blocks` holds, for every per-process value tree, the very block `Block` builds."""
     import cfsm.automata.direct as direct
 
     direct.prepare_blocks()
-    assert len(direct._PREPARED) >= 8
-    for node, blk in direct._PREPARED.values():
-        fresh = direct._Block(node)
-        for name in direct._Block.__slots__:
+    assert len(direct.PREPARED) >= 8
+    for node, blk in direct.PREPARED.values():
+        fresh = direct.Block(node)
+        for name in direct.Block.__slots__:
             a, b = getattr(blk, name), getattr(fresh, name)
             if name in ("fragment", "string_facts", "fragment_facts") and a is not None:
                 assert b is not None and len(a) == len(b), name
@@ -195,12 +195,12 @@ def test_direct_dfa_with_and_without_prepared_blocks(schema: dict[str, Any], whi
     direct.prepare_blocks()
     node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
     with_prepared = build_dfa_direct(node, force=True)
-    saved = dict(direct._PREPARED)
-    direct._PREPARED.clear()
+    saved = dict(direct.PREPARED)
+    direct.PREPARED.clear()
     try:
         without = build_dfa_direct(node, force=True)
     finally:
-        direct._PREPARED.update(saved)
+        direct.PREPARED.update(saved)
     assert (with_prepared is None) == (without is None)
     if with_prepared is not None and without is not None:
         assert _same(with_prepared, without)
@@ -216,7 +216,7 @@ def _built(node: Node) -> Any:
         final = b.final()
         start = b.build(node, final)
         table, byte_map = b.table()
-    except direct._Fallback:
+    except direct.Fallback:
         return None
     acc, dist = b.arrays()
     return b, start, table, byte_map, acc, dist
@@ -228,10 +228,10 @@ def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _refined(table: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
-    from cfsm.automata.automaton import _refine
+    from cfsm.automata.automaton import refine
 
     live = dist >= 0
-    return _refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
+    return refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -290,29 +290,29 @@ def test_counted_block_classes_are_its_own_minimal_classes(unit: Node, lo: int, 
     import cfsm.automata.direct as direct
 
     node = Repeat(unit, lo, hi)
-    blk = direct._Block(node)
+    blk = direct.Block(node)
     acc = np.zeros(blk.size, dtype=bool)
     acc[blk.accepting] = True
-    assert _same_partition(blk.classes, facts._own_classes(blk.rows, acc, blk.dist))
+    assert _same_partition(blk.classes, facts.own_classes(blk.rows, acc, blk.dist))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_patterns())
 def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
-    """`_facts_small` (plain Python, small blocks) gives what the numpy path gives."""
+    """`facts_small` (plain Python, small blocks) gives what the numpy path gives."""
     import cfsm.automata.block_facts as facts
     import cfsm.automata.direct as direct
 
     node = parse_regex(pattern)
     try:
-        blk = direct._Block(node)
-    except direct._Fallback:
+        blk = direct.Block(node)
+    except direct.Fallback:
         return
     t, dist = blk.rows, blk.dist
     acc = np.zeros(blk.size, dtype=bool)
     acc[blk.accepting] = True
-    classes, live = facts._facts_small(t, acc, dist, blk.col_of)
-    assert _same_partition(classes, facts._own_classes(t, acc, dist))
+    classes, live = facts.facts_small(t, acc, dist, blk.col_of)
+    assert _same_partition(classes, facts.own_classes(t, acc, dist))
     assert np.array_equal(classes < 0, dist < 0)
     assert np.array_equal(live, facts._live_bytes(t, classes, blk.col_of))
 
@@ -403,7 +403,7 @@ def test_union_states_give_the_generic_dfa_and_the_refined_partition(tree: Node,
 
     node = cat(lit("["), tree, lit(after)) if after else cat(lit("["), tree)
     # NOTE: every choice is tried as union states (not only those around prepared blocks)
-    with mock.patch.object(direct, "_holds_prepared", lambda node, memo: True):
+    with mock.patch.object(direct, "holds_prepared", lambda node, memo: True):
         built = build_dfa_direct(node, force=True)
         if built is not None:
             assert _same(built, build_dfa(node))
@@ -422,7 +422,7 @@ def test_arrays_of_strings_are_union_states_with_proven_string_text() -> None:
     assert built is not None
     b = built[0]
     assert b.multi and all(c[1].string_body for c in b.copies)
-    assert not any(isinstance(c[1], direct._Block) and c[1].size > 20 for c in b.copies)
+    assert not any(isinstance(c[1], direct.Block) and c[1].size > 20 for c in b.copies)
     dfa = build_dfa_direct(node, force=True)
     assert dfa is not None and _same(dfa, build_dfa(node))
     assert int(dfa.__dict__["string_text_states"].sum()) >= 4
@@ -464,9 +464,9 @@ def test_format_blocks_map_onto_f() -> None:
 
     direct.prepare_blocks()
     for fmt in TABLE_FORMATS:
-        blk = direct._Block(piece(format_node(fmt)))
+        blk = direct.Block(piece(format_node(fmt)))
         assert blk.fragment is not None and blk.fragment[0] == fmt and (blk.fragment[1] >= 0).all()
-    assert direct._Block(piece(format_node("date"))).fragment is None
+    assert direct.Block(piece(format_node("date"))).fragment is None
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -83,7 +83,7 @@ def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: i
     import cfsm.masks.index
     import cfsm.masks.walker
 
-    monkeypatch.setattr(cfsm.masks.index, "_SHARE_DEPTH", share_depth)
+    monkeypatch.setattr(cfsm.masks.index, "SHARE_DEPTH", share_depth)
     _check_index_against_oracle(cfsm.compile_regex(pattern, _random_vocab(len(pattern), 1500)))
 
 
@@ -271,13 +271,13 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
     import cfsm.masks.walker
 
     calls: list[int] = []
-    real = cfsm.masks.walker._Walker._candidates
+    real = cfsm.masks.walker.Walker._candidates
 
     def spy(self, allowed, chained, outside, utf8):  # type: ignore[no-untyped-def]
         calls.append(len(self._cand))
         return real(self, allowed, chained, outside, utf8)
 
-    monkeypatch.setattr(cfsm.masks.walker._Walker, "_candidates", spy)
+    monkeypatch.setattr(cfsm.masks.walker.Walker, "_candidates", spy)
     monkeypatch.setattr(cfsm.masks.walker, "_TINY", 4)  # walk even small candidate sets this way
     monkeypatch.setattr(cfsm.masks.walker, "_TINY_PYTHON", 4)
     monkeypatch.setattr(cfsm.masks.walker, "_BROAD", 0.9)  # as in a large vocabulary: escapes are not broad

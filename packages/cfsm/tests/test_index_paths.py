@@ -79,7 +79,7 @@ def _plain_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, monkeypatc
         m.setattr(cfsm.masks.walker, "_TINY", -1)  # no batched walks
         m.setattr(cfsm.masks.walker, "_TINY_PYTHON", -1)
         m.setattr(cfsm.masks.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
-        m.setattr(cfsm.masks.index, "_SHARE_DEPTH", 10**4)  # classes = equivalent states only
+        m.setattr(cfsm.masks.index, "SHARE_DEPTH", 10**4)  # classes = equivalent states only
         m.setattr(cfsm.masks.index, "_STRING_TABLES", False)  # no per-vocabulary string walks
         m.setattr(cfsm.masks.index, "_FRAGMENT_TABLES", False)  # no per-vocabulary format walks
         return build_index(dfa, vocab)
@@ -92,7 +92,7 @@ def _fast_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, monkeypatch
         m.setattr(cfsm.masks.walker, "_TINY", 60)
         m.setattr(cfsm.masks.walker, "_TINY_PYTHON", 8)
         m.setattr(cfsm.masks.walker, "_BATCH_PAIRS", 400)
-        m.setattr(cfsm.masks.index, "_SHARE_DEPTH", 6)
+        m.setattr(cfsm.masks.index, "SHARE_DEPTH", 6)
         m.setattr(cfsm.masks.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
         m.setattr(cfsm.masks.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
         m.setattr(cfsm.masks.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
@@ -117,13 +117,13 @@ def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypat
 def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # guard for the property above: the schemas' string states do take the chain lookup here
     used: list[bool] = []
-    real = cfsm.masks.walker._Walker._inside_group
+    real = cfsm.masks.walker.Walker._inside_group
 
     def spy(self, outside, utf8):  # type: ignore[no-untyped-def]
         used.append(utf8)
         return real(self, outside, utf8)
 
-    monkeypatch.setattr(cfsm.masks.walker._Walker, "_inside_group", spy)
+    monkeypatch.setattr(cfsm.masks.walker.Walker, "_inside_group", spy)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
     dfa = build_dfa(schema_to_node(schema))
     fast = _fast_index(dfa, _VOCAB, monkeypatch)
@@ -463,14 +463,14 @@ def test_live_suffixes_equal_one_walk_per_pair(suffixes: list[bytes], pattern: s
                 min_size=1, max_size=60))
 def test_string_row_groups_are_the_byte_row_groups(pairs: list[tuple[int, int]]) -> None:
     """`templates._by_state_and_cut` groups (T state, cut) pairs in the order and with the first
-    members that `_unique_rows` gives on their byte rows (the order rows are interned in)."""
-    from cfsm.automata.automaton import _unique_rows
+    members that `unique_rows` gives on their byte rows (the order rows are interned in)."""
+    from cfsm.automata.automaton import unique_rows
     from cfsm.masks.templates import _by_state_and_cut
 
     s = np.array([p[0] for p in pairs], dtype=np.int64)
     c = np.array([p[1] for p in pairs], dtype=np.int64)
     key = np.hstack([s.astype(">i8")[:, None].view(np.uint8), c[:, None].view(np.uint8)])
-    f1, i1 = _unique_rows(key)
+    f1, i1 = unique_rows(key)
     f2, i2 = _by_state_and_cut(s, c)
     assert np.array_equal(f1, f2) and np.array_equal(i1, i2)
 

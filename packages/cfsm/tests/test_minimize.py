@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm.automata.automaton import (
-    _accept_distance,
     _byte_classes,
     _minimize,
     _runs,
-    _unique_rows,
+    accept_distance,
     seeded_weights,
+    unique_rows,
 )
 from cfsm.testing import tiny_vocab
 
@@ -111,7 +111,7 @@ def test_accept_distance_is_the_shortest_accepted_length(case: tuple[np.ndarray,
     n = table.shape[0]
     dead = n - 1
     rep, _ = _byte_classes(table)
-    dist = _accept_distance(np.take(table, rep, axis=1), accepting, dead)
+    dist = accept_distance(np.take(table, rep, axis=1), accepting, dead)
     # oracle: Bellman-Ford style relaxation over all 256 bytes, edges into dead left out as there
     best = [0 if accepting[q] else -1 for q in range(n)]
     for _ in range(n):
@@ -140,7 +140,7 @@ def test_runs_count_the_live_steps_along_one_byte(step: list[int], live: list[bo
        st.sampled_from([np.int64, np.uint8, np.uint64]))
 def test_unique_rows_groups_exactly_the_equal_rows(rows: list[list[int]], dtype: type) -> None:
     a = np.asarray(rows, dtype=np.int64).reshape(-1, 3).astype(dtype)
-    first, inverse = _unique_rows(a)
+    first, inverse = unique_rows(a)
     assert len(inverse) == len(a) and len(set(first.tolist())) == len(first)
     assert (inverse[first] == np.arange(len(first))).all()
     for i in range(len(a)):

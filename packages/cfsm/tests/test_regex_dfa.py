@@ -173,9 +173,9 @@ def test_counted_repeats_from_the_unit_dfa_equal_the_unrolled_nfa(atoms: list[st
     for unit in (pattern, "(é|\\d)", "(a|bc|b[^c])", "(a|ab)", "a*b", "\\\\[nt]|[^\\\\]"):
         node = parse_regex(f"(?:{unit}){quant}")
         with monkeypatch.context() as m:
-            m.setattr(cfsm.automata.automaton, "_COUNTED_MIN", 10**9)
+            m.setattr(cfsm.automata.automaton, "COUNTED_MIN", 10**9)
             unrolled = build_dfa(node)
         with monkeypatch.context() as m:
-            m.setattr(cfsm.automata.automaton, "_COUNTED_MIN", 1)
+            m.setattr(cfsm.automata.automaton, "COUNTED_MIN", 1)
             counted = build_dfa(node)
         assert _canonical(counted) == _canonical(unrolled), (unit, quant)

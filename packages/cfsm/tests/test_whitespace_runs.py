@@ -152,20 +152,20 @@ def test_structural_classes_with_runs_and_lists_are_the_refined_partition(schema
 
 def _check_classes(schema: dict[str, Any]) -> None:
     import cfsm.automata.direct as direct
-    from cfsm.automata.automaton import _refine
+    from cfsm.automata.automaton import refine
 
     b = direct._Builder()
     try:
         b.build(schema_to_node(schema, _FLEX), b.final())
         table, _ = b.table()
-    except direct._Fallback:
+    except direct.Fallback:
         return
     acc, dist = b.arrays()
     cls = b.classes(table, acc, dist)
     if cls is None:
         return
     live = dist >= 0
-    refined = _refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
+    refined = refine(table, np.where(live, (acc.astype(np.int64) + 1) * (int(dist.max()) + 2) + dist + 1, 0))
     pairs = np.unique(np.column_stack([cls, refined]), axis=0)
     assert len(pairs) == len(np.unique(cls)) == len(np.unique(refined))
 

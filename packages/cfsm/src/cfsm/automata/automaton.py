@@ -147,7 +147,7 @@ class _Nfa:
         raise TypeError(f"unknown node {node!r}")
 
     def _repeat(self, node: Repeat) -> tuple[int, int]:
-        if (node.lo if node.hi is None else node.hi) >= _COUNTED_MIN:
+        if (node.lo if node.hi is None else node.hi) >= COUNTED_MIN:
             unit = _unit(node.item)
             if unit is not None:
                 return self._counted(unit, node.lo, node.hi)
@@ -174,7 +174,7 @@ class _Nfa:
             e = e2
         return s, end
 
-    def _counted(self, unit: _Unit, lo: int, hi: int | None) -> tuple[int, int]:
+    def _counted(self, unit: Unit, lo: int, hi: int | None) -> tuple[int, int]:
         """`unit` repeated lo..hi times (hi None: unbounded) as one deterministic fragment: its
         DFA states with a counter of completed units, instead of hi copies of its NFA."""
         top = lo if hi is None else hi
@@ -233,11 +233,11 @@ class _Nfa:
 
 
 # counted repeats of at least this many units are built from the unit's DFA (`_Nfa._counted`)
-_COUNTED_MIN = 8
+COUNTED_MIN = 8
 
 
 @dataclass(frozen=True, eq=False)
-class _Unit:
+class Unit:
     """The DFA of a prefix code (no string of it is a proper prefix of another, the empty
     string not included) whose start state has no incoming edge: per non-final state its byte
     ranges (lo, hi, target), target -1 the final state (a unit completed)."""
@@ -246,11 +246,11 @@ class _Unit:
     rows: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
-_UNITS: dict[int, tuple[Node, _Unit | None]] = {}
+_UNITS: dict[int, tuple[Node, Unit | None]] = {}
 
 
-def _unit(node: Node) -> _Unit | None:
-    """`_Unit` of `node`, or None if it is not a prefix code; cached by node identity."""
+def _unit(node: Node) -> Unit | None:
+    """`Unit` of `node`, or None if it is not a prefix code; cached by node identity."""
     hit = _UNITS.get(id(node))
     if hit is not None and hit[0] is node:
         return hit[1]
@@ -274,7 +274,7 @@ def _unit(node: Node) -> _Unit | None:
             ends = [*(cuts - 1).tolist(), 255]
             rows.append(tuple((a, b, new_id[int(row[a])]) for a, b in zip(starts, ends, strict=True)
                               if int(row[a]) != dfa.dead))
-        unit = _Unit(start=new_id[dfa.start], rows=tuple(rows))
+        unit = Unit(start=new_id[dfa.start], rows=tuple(rows))
     if len(_UNITS) > 256:
         _UNITS.clear()
     _UNITS[id(node)] = (node, unit)
@@ -357,7 +357,7 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return all(x[1] < y[0] for x, y in zip(ranges, ranges[1:], strict=False))
 
 
-def _subset_construction(nfa: _Nfa, start: int, final: int, max_states: int | None = None
+def subset_construction(nfa: _Nfa, start: int, final: int, max_states: int | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subset construction: (transition table over byte intervals with the dead state last,
     accepting flags, the interval (column) of each byte). Raises `GrammarTooLargeError` past
@@ -463,7 +463,7 @@ def concat_ranges(lo: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.repeat(lo - offsets, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)  # type: ignore[no-any-return]
 
 
-def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
+def stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
     """`np.argsort(keys, kind="stable")` for keys in [0, bound): as 16-bit keys where they fit,
     which numpy sorts by radix (linear) instead of a merge sort."""
     if bound <= 2**15:
@@ -471,7 +471,7 @@ def _stable_argsort(keys: np.ndarray, bound: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(index of the first row of each distinct row, distinct-row index of every row) of a 2-D
     array: rows compared as raw bytes (one sort of fixed-size byte strings, much faster than
     `np.unique(axis=0)`); the order of the distinct rows is unspecified."""
@@ -483,7 +483,7 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.reshape(-1)
 
 
-def _small_unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def small_unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`np.unique(x, return_inverse=True)` for a non-empty array of small non-negative ints (state
     ids, byte cuts, continuation keys): marked in a bool array instead of sorted."""
     present = np.zeros(int(x.max()) + 1, dtype=bool)
@@ -491,7 +491,7 @@ def _small_unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(present), (np.cumsum(present) - 1)[x]
 
 
-def _accept_distance(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
+def accept_distance(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.ndarray:
     """Per state: the length of its shortest accepted string, -1 if it accepts none (reverse BFS
     over byte classes, level by level).
 
@@ -503,7 +503,7 @@ def _accept_distance(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.n
     keep[:, 1:] &= cols[:, 1:] != cols[:, :-1]
     edge = np.flatnonzero(keep.reshape(-1))
     dst = cols.reshape(-1)[edge]
-    order = _stable_argsort(dst, n)
+    order = stable_argsort(dst, n)
     preds = (edge[order] // k).tolist()
     bounds = np.searchsorted(dst[order], np.arange(n + 1)).tolist()
     dist = np.where(accepting, 0, -1).tolist()
@@ -521,7 +521,7 @@ def _accept_distance(cols: np.ndarray, accepting: np.ndarray, dead: int) -> np.n
     return np.asarray(dist, dtype=np.int64)
 
 
-def _split_round(
+def split_round(
     order: np.ndarray, cls: np.ndarray, sigs: tuple[np.ndarray, ...], num: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """One Moore round over the states `order`, sorted by (class, *sigs): where a class's members
@@ -546,7 +546,7 @@ def _split_round(
     return order[fresh], num + np.cumsum(split)[group_start[fresh]] - 1, num_new
 
 
-def _in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions of the reverse edges into `states` (edges grouped by target, target q's at
     bounds[q]:bounds[q + 1]) and how many each state has. Pure."""
     lo, hi = bounds[states], bounds[states + 1]
@@ -556,7 +556,7 @@ def _in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.nd
 
 @functools.lru_cache(maxsize=16)
 def _refine_weights(k: int) -> np.ndarray:
-    """`_refine`'s random odd 64-bit column weights (fixed seed), read-only."""
+    """`refine`'s random odd 64-bit column weights (fixed seed), read-only."""
     rng = np.random.default_rng(0x5EED)
     w = np.asarray(rng.integers(1, 2**63, size=k, dtype=np.uint64)) | np.uint64(1)
     w.flags.writeable = False
@@ -568,7 +568,7 @@ _SMALL_REFINE = 512
 
 
 def _refine_small(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
-    """`_refine` for a small table: Moore rounds on exact row signatures (tuples), in Python
+    """`refine` for a small table: Moore rounds on exact row signatures (tuples), in Python
     (numpy's per-call cost dominates there). The same partition (other ids)."""
     rows = cols.tolist()
     c = cls.tolist()
@@ -581,7 +581,7 @@ def _refine_small(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         c, num = new, len(ids)
 
 
-def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
+def refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     """Moore refinement to the coarsest congruence, with 64-bit row hashes as signatures.
 
     Incremental: a class that splits keeps its id for its first part and gives fresh ids to the
@@ -607,7 +607,7 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     edge = np.flatnonzero(flat_dst != n - 1)
     edge = edge[~closed[succ.reshape(-1)[edge]]]
     dst = flat_dst[edge]
-    by_dst = _stable_argsort(dst, n)
+    by_dst = stable_argsort(dst, n)
     edge, dst = edge[by_dst], dst[by_dst]
     edge_src = edge // k
     edge_w = weights[edge % k]
@@ -618,13 +618,13 @@ def _refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
     sub = np.arange(n)
     while len(sub):
         o = sub[np.lexsort((h[sub], cls[sub]))]
-        changed, new_ids, num_new = _split_round(o, cls, (h,), num)
+        changed, new_ids, num_new = split_round(o, cls, (h,), num)
         if num_new == 0:
             break
         delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
         cls[changed] = new_ids
         num += num_new
-        idx, sizes = _in_edges(bounds, changed)
+        idx, sizes = in_edges(bounds, changed)
         if not len(idx):
             break
         touched = edge_src[idx]
@@ -747,7 +747,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
               dist: np.ndarray | None = None, bfs: bool = False) -> Dfa:
     """Trimmed minimal DFA of `table` (the dead state last; one column per byte, or per group of
     bytes where `byte_map[b]` is the column of byte b). `dist`, when given, is what
-    `_accept_distance` would compute (the caller knows it by construction). States are numbered
+    `accept_distance` would compute (the caller knows it by construction). States are numbered
     in first-seen order from state 0 (`bfs`: in breadth-first order from `start`, where the table
     is not in that order or holds unreachable states)."""
     n = table.shape[0]  # includes the dead state (last row)
@@ -760,7 +760,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     # trim: states that cannot reach acceptance behave like the dead state
     # NOTE: the shortest accepted length is a property of the state's language too: states far
     # apart in a document (a key's string in one section and in the next) split at once
-    dist = _accept_distance(cols, accepting, dead) if dist is None else dist.copy()
+    dist = accept_distance(cols, accepting, dead) if dist is None else dist.copy()
     dist[dead] = -1
     live = dist >= 0
     cls = np.where(live, accepting.astype(np.int64) + 1, 0)
@@ -771,7 +771,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     widest = int(np.argmax(np.bincount(byte_class.reshape(-1))))
     runs = _runs(cols[:, widest], live)
     cls = cls * (int(runs.max()) + 1) + np.where(live, runs, 0)
-    cls = _refine(cols, cls)
+    cls = refine(cols, cls)
     num = int(cls.max()) + 1
     dead_cls = int(cls[dead])
     if bfs:
@@ -793,10 +793,10 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
     return _renumbered(cols, accepting, start, byte_class.reshape(-1), cls, num, order)
 
 
-def _minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray,
+def minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray,
                  cls: np.ndarray) -> tuple[Dfa, np.ndarray]:
     """`_minimize(table, accepting, start, byte_map, bfs=True)` where the classes of equivalent
-    states are known (`cls`, any ids, one per language: the partition `_refine` would give): the
+    states are known (`cls`, any ids, one per language: the partition `refine` would give): the
     same `Dfa`, byte classes included, without refinement rounds; and each state's state in it.
     The table's columns are byte intervals in ascending byte order (`byte_map[b]` the column of
     byte b), the dead state last."""
@@ -929,5 +929,5 @@ def build_dfa(node: Node, max_states: int | None = None) -> Dfa:
         return node.dfa
     nfa = _Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states)
     s, e = nfa.build(node)
-    table, accepting, byte_map = _subset_construction(nfa, s, e, max_states)
+    table, accepting, byte_map = subset_construction(nfa, s, e, max_states)
     return _minimize(table, accepting, 0, byte_map)

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automata.automaton import _refine, _Unit, _unit, seeded_weights
+from cfsm.automata.automaton import Unit, _unit, refine, seeded_weights
 from cfsm.regex.syntax import Node, Repeat
 
-_MASK = (1 << 64) - 1
+MASK = (1 << 64) - 1
 # the hash of a byte set: the sum of its bytes' weights, modulo 2 ** 64 (additive over disjoint sets)
 _BYTE_W = np.random.default_rng(0xB7E5).integers(1, 2**63, size=256, dtype=np.uint64)
-_BYTE_CUM = [0]
+BYTE_CUM = [0]
 for _w in _BYTE_W.tolist():
-    _BYTE_CUM.append((_BYTE_CUM[-1] + _w) & _MASK)
-_BYTE_CUM_U64 = np.asarray(_BYTE_CUM, dtype=np.uint64)  # the same as an array (differences wrap alike)
+    BYTE_CUM.append((BYTE_CUM[-1] + _w) & MASK)
+BYTE_CUM_U64 = np.asarray(BYTE_CUM, dtype=np.uint64)  # the same as an array (differences wrap alike)
 
 
 def _column_weights(col_of: np.ndarray, k: int) -> np.ndarray:
@@ -34,7 +34,7 @@ def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.nd
 
 
 # blocks of at most this many states find their own classes by plain Python rounds
-_SMALL_BLOCK = 48
+SMALL_BLOCK = 48
 
 
 def _t_code() -> tuple[np.ndarray, int]:
@@ -44,7 +44,7 @@ def _t_code() -> tuple[np.ndarray, int]:
 
 
 def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: int) -> np.ndarray | None:
-    """Per state of a string body's table (`_Block.string_body`), as two rows: its state in the
+    """Per state of a string body's table (`Block.string_body`), as two rows: its state in the
     string automaton T and how many characters it completed (-1 for every state of an unbounded
     body), by walking both from (start, T's text state); None where a state meets two (then the
     block proves nothing). Pure."""
@@ -86,10 +86,10 @@ def _t_byte_class() -> np.ndarray:
     return t_automaton_classes()
 
 
-_COUNTED_MAPS: dict[int, tuple[_Unit, np.ndarray | None]] = {}
+_COUNTED_MAPS: dict[int, tuple[Unit, np.ndarray | None]] = {}
 
 
-def _unit_map(unit: _Unit) -> np.ndarray | None:
+def unit_map(unit: Unit) -> np.ndarray | None:
     """`_unit_string_map(unit)`, cached per unit."""
     hit = _COUNTED_MAPS.get(id(unit))
     if hit is None or hit[0] is not unit:
@@ -99,13 +99,13 @@ def _unit_map(unit: _Unit) -> np.ndarray | None:
     return hit[1]
 
 
-def _counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
+def counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
     """`_string_map` of a counted string body (state j * n + q: the unit's state q after j
     characters; the bounded form's last state: all characters read) from the unit's map. Pure."""
     unit = _unit(node.item)
     if unit is None or node.hi is None:
         return None
-    umap = _unit_map(unit)
+    umap = unit_map(unit)
     if umap is None:
         return None
     n = len(unit.rows)
@@ -115,7 +115,7 @@ def _counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
     return np.stack([ts, j])
 
 
-def _unit_string_map(unit: _Unit) -> np.ndarray | None:
+def _unit_string_map(unit: Unit) -> np.ndarray | None:
     """Per state of JSON_CHAR's unit DFA: its state in T (the unit's start: T's text state), by
     walking both over every byte; None where they disagree."""
     code, text = _t_code()
@@ -142,13 +142,13 @@ def _unit_string_map(unit: _Unit) -> np.ndarray | None:
     return np.asarray(m, dtype=np.int64)
 
 
-def _is_json_char(node: Node) -> bool:
+def is_json_char(node: Node) -> bool:
     from cfsm.schema.json_schema import JSON_CHAR
 
     return node is JSON_CHAR
 
 
-def _own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
+def own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray:
     """Per state of a block's table (dead entries -1): its class in the block's own minimal DFA
     (0, 1, ...), -1 where it accepts nothing. Pure."""
     n = len(t)
@@ -156,7 +156,7 @@ def _own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray
     d = np.append(dist, -1)
     live = d >= 0
     cls = np.where(live, (np.append(acc, False).astype(np.int64) + 1) * (int(d.max()) + 2) + d + 1, 0)
-    cls = _refine(cols, cls)[:n]
+    cls = refine(cols, cls)[:n]
     out = np.full(n, -1, dtype=np.int64)
     mine = np.flatnonzero(live[:n])
     _, inv = np.unique(cls[mine], return_inverse=True)
@@ -164,9 +164,9 @@ def _own_classes(t: np.ndarray, acc: np.ndarray, dist: np.ndarray) -> np.ndarray
     return out
 
 
-def _facts_small(t: np.ndarray, acc: np.ndarray, dist: np.ndarray, col_of: np.ndarray
+def facts_small(t: np.ndarray, acc: np.ndarray, dist: np.ndarray, col_of: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(own classes, live-byte hashes) of a small block (see `_Block`), by plain Python: Moore
+    """(own classes, live-byte hashes) of a small block (see `Block`), by plain Python: Moore
     rounds over tuples. Pure."""
     n, k = t.shape
     dl = dist.tolist()
@@ -186,12 +186,12 @@ def _facts_small(t: np.ndarray, acc: np.ndarray, dist: np.ndarray, col_of: np.nd
         classes[~void] = inv.reshape(-1)
         classes[void] = -1
     width = _column_weights(col_of, k).tolist()
-    live = [sum(width[j] for j, x in enumerate(row) if x >= 0) & _MASK for row in rows]
+    live = [sum(width[j] for j, x in enumerate(row) if x >= 0) & MASK for row in rows]
     return classes, np.asarray(live, dtype=np.uint64)
 
 
-def _counted_classes(node: Repeat, size: int, unit: _Unit | None) -> np.ndarray:
-    """`_own_classes` of a counted block (`_counted`), by its structure: state j * n + q (state q
+def counted_classes(node: Repeat, size: int, unit: Unit | None) -> np.ndarray:
+    """`own_classes` of a counted block (`_counted`), by its structure: state j * n + q (state q
     of the unit after j completed units) has its own language except, when the repeat is
     unbounded, the rows top - 1 and top (top = lo), whose non-start states both complete this
     unit and then read any number of units. Pure."""
@@ -209,10 +209,10 @@ def _counted_classes(node: Repeat, size: int, unit: _Unit | None) -> np.ndarray:
 
 
 # Moore rounds on the classes whose invariants are equal (`_Builder.classes`)
-_LOOK_AHEAD = 3
+LOOK_AHEAD = 3
 
 
-def _look_ahead(table: np.ndarray, h0: np.ndarray, states: np.ndarray, rounds: int) -> np.ndarray:
+def look_ahead(table: np.ndarray, h0: np.ndarray, states: np.ndarray, rounds: int) -> np.ndarray:
     """Per state of `states`: a hash of `h0` (a per-state invariant of the language) over every
     path of at most `rounds` bytes from it (the rounds of Moore's refinement started from `h0`),
     computed on those states' neighbourhood only. Pure."""

@@ -14,24 +14,24 @@ from __future__ import annotations
 import numpy as np
 
 from cfsm.automata.automaton import (
-    _COUNTED_MIN,
+    COUNTED_MIN,
     DfaNode,
-    _accept_distance,
+    Unit,
     _Nfa,
-    _subset_construction,
-    _Unit,
     _unit,
+    accept_distance,
+    subset_construction,
 )
 from cfsm.automata.block_facts import (
-    _SMALL_BLOCK,
-    _counted_classes,
-    _counted_string_map,
-    _facts_small,
-    _is_json_char,
+    SMALL_BLOCK,
     _live_bytes,
-    _own_classes,
     _string_map,
-    _unit_map,
+    counted_classes,
+    counted_string_map,
+    facts_small,
+    is_json_char,
+    own_classes,
+    unit_map,
 )
 from cfsm.errors import GrammarTooLargeError
 from cfsm.regex.syntax import Alt, Cat, Chars, Node, Piece, Repeat, Scope, Shared
@@ -39,11 +39,11 @@ from cfsm.regex.syntax import Alt, Cat, Chars, Node, Piece, Repeat, Scope, Share
 __all__ = ["prepare_blocks"]
 
 
-class _Fallback(Exception):
+class Fallback(Exception):
     """The tree does not fit the direct construction."""
 
 
-class _Block:
+class Block:
     """A piece's DFA, ready to copy: rows without the dead state, dead entries -1.
 
     # NOTE: not minimized (the whole table is, once): a block is its subset construction
@@ -57,7 +57,7 @@ class _Block:
         # a JSON string's text with at most a bound of characters (or none and no minimum): each
         # state behaves exactly like a state of the vocabulary's string automaton once a closing
         # quote follows (`templates`)
-        body = node if isinstance(node, Repeat) and _is_json_char(node.item) and (
+        body = node if isinstance(node, Repeat) and is_json_char(node.item) and (
             node.hi is not None or node.lo == 0) else None
         self.string_body = body is not None
         self.string_bounds: tuple[int, int | None] = (body.lo, body.hi) if body is not None else (0, None)
@@ -67,28 +67,28 @@ class _Block:
         if counted is not None and isinstance(node, Repeat):
             t, acc, dist, col_of = counted  # one column per byte interval of the unit
             n, start = len(t), 0
-            classes = _counted_classes(node, t.shape[0], _unit(node.item))
+            classes = counted_classes(node, t.shape[0], _unit(node.item))
         elif isinstance(node, DfaNode):
             dfa = node.dfa
             n, start = dfa.num_states, dfa.start
             if n == 0:
-                raise _Fallback("a piece accepts nothing")
+                raise Fallback("a piece accepts nothing")
             t = dfa.transitions[:n].astype(np.int64)
             acc = dfa.accepting[:n]
-            dist = _accept_distance(dfa.transitions, dfa.accepting, n)[:n]
+            dist = accept_distance(dfa.transitions, dfa.accepting, n)[:n]
             classes = np.arange(n, dtype=np.int64)  # a Dfa is minimal and trimmed
         else:
             nfa = _Nfa()
             s, e = nfa.build(node)
             try:
-                narrow, accepting, byte_map = _subset_construction(nfa, s, e)
+                narrow, accepting, byte_map = subset_construction(nfa, s, e)
             except GrammarTooLargeError as exc:
-                raise _Fallback("too large: the generic construction reports it") from exc
+                raise Fallback("too large: the generic construction reports it") from exc
             n, start = narrow.shape[0] - 1, 0
             t = narrow[:n].astype(np.int64)  # one column per byte group of the construction
             t[t == n] = -1
             acc = accepting[:n]
-            dist = _accept_distance(narrow, accepting, n)[:n]
+            dist = accept_distance(narrow, accepting, n)[:n]
             col_of = np.asarray(byte_map, dtype=np.int64)
         if col_of is None:
             t[t == n] = -1
@@ -110,11 +110,11 @@ class _Block:
         self.acc_bits = _bits(np.asarray((t[self.accepting] >= 0).any(axis=0))[col_of])
         # per state: its class in the block's own minimal DFA (-1: accepts nothing) and the hash of
         # the set of bytes that lead to a state accepting something (an invariant of its language)
-        if n <= _SMALL_BLOCK and classes is None:
-            classes, self.live_bytes = _facts_small(t, acc, dist, col_of)
+        if n <= SMALL_BLOCK and classes is None:
+            classes, self.live_bytes = facts_small(t, acc, dist, col_of)
         else:
             if classes is None:
-                classes = _own_classes(t, acc, dist)
+                classes = own_classes(t, acc, dist)
             self.live_bytes = _live_bytes(t, classes, col_of)
         self.classes = classes
         self.num_classes = int(classes.max()) + 1 if n else 0
@@ -125,7 +125,7 @@ class _Block:
         # for a string body: per state its T state and completed characters (`_string_map`)
         self.string_map: np.ndarray | None = None
         if body is not None and n:
-            self.string_map = _string_map(body, t, col_of, start, n) if counted is None else _counted_string_map(
+            self.string_map = _string_map(body, t, col_of, start, n) if counted is None else counted_string_map(
                 body, n)
             if self.string_map is None:
                 self.string_body = False
@@ -199,11 +199,11 @@ def _fragment_map(node: Piece, t: np.ndarray, acc: np.ndarray, col_of: np.ndarra
 
 
 # a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
-_DENSE_UNITS: dict[int, tuple[_Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
+_DENSE_UNITS: dict[int, tuple[Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
 _COUNTED_MAX_STATES = 50_000
 
 
-def _dense_unit(unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _dense_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The unit's table with one column per byte interval (-1 dead, -2 the unit completed), each
     state's shortest completion, and the column of each byte; cached per unit."""
     hit = _DENSE_UNITS.get(id(unit))
@@ -219,7 +219,7 @@ def _dense_unit(unit: _Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     table = np.vstack([table, np.full((2, 256), n + 1)])
     acc = np.zeros(n + 2, dtype=bool)
     acc[n] = True
-    d = _accept_distance(table, acc, n + 1)[:n]
+    d = accept_distance(table, acc, n + 1)[:n]
     step = np.ones(256, dtype=bool)
     step[1:] = (u[:, 1:] != u[:, :-1]).any(axis=0)
     col_of = np.cumsum(step) - 1
@@ -239,7 +239,7 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     dead). None if the item is not a prefix code. Start: state 0."""
     lo, hi = node.lo, node.hi
     top = lo if hi is None else hi
-    if hi is not None and (top < _COUNTED_MIN or lo > hi):
+    if hi is not None and (top < COUNTED_MIN or lo > hi):
         return None  # small (the subset construction is as cheap), or empty
     unit = _unit(node.item)
     if unit is None or top == 0:
@@ -279,26 +279,26 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 # blocks of per-process value trees, built once (`prepare_blocks`): id(node) -> (node, block)
-_PREPARED: dict[int, tuple[Node, _Block]] = {}
+PREPARED: dict[int, tuple[Node, Block]] = {}
 
 
-def _is_literal(node: Node) -> bool:
+def is_literal(node: Node) -> bool:
     """One ASCII range: a literal state of the construction, not a block."""
     return isinstance(node, Chars) and len(node.ranges) == 1 and node.ranges[0][1] < 0x80
 
 
-def _holds_prepared(node: Node, memo: dict[int, bool]) -> bool:
+def holds_prepared(node: Node, memo: dict[int, bool]) -> bool:
     """Whether a prepared block (a standard value tree, an unbounded string body) lies inside
     `node`: then its choices are worth union states (`_Builder._choice`), which copy those blocks
     instead of building a block around them per compile. `memo`: by node id (one tree)."""
     hit = memo.get(id(node))
     if hit is None:
-        if id(node) in _PREPARED and _PREPARED[id(node)][0] is node:
+        if id(node) in PREPARED and PREPARED[id(node)][0] is node:
             hit = True
         elif isinstance(node, Cat | Alt):
-            hit = any(_holds_prepared(it, memo) for it in node.items)
+            hit = any(holds_prepared(it, memo) for it in node.items)
         elif isinstance(node, Repeat):
-            hit = _holds_prepared(node.item, memo)
+            hit = holds_prepared(node.item, memo)
         else:
             hit = False
         memo[id(node)] = hit
@@ -306,10 +306,10 @@ def _holds_prepared(node: Node, memo: dict[int, bool]) -> bool:
 
 
 # `_Builder._literal_states` takes loop-free literal trees of at most this many nodes
-_DAG_MAX = 400
+DAG_MAX = 400
 
 
-def _dag_size(node: Node, memo: dict[int, int]) -> int:
+def dag_size(node: Node, memo: dict[int, int]) -> int:
     """The node count of a tree made of literal ASCII ranges, concatenation, alternation and
     repeats with an upper bound (no loop; repeats counted unrolled), -1 if it is not one.
     `memo`: by node id (one tree)."""
@@ -318,24 +318,24 @@ def _dag_size(node: Node, memo: dict[int, int]) -> int:
         return hit
     size = -1
     if isinstance(node, Chars):
-        size = 1 if _is_literal(node) else -1
+        size = 1 if is_literal(node) else -1
     elif isinstance(node, Cat | Alt):
         if not (isinstance(node, Alt) and not node.items):
             size = 1
             for it in node.items:
-                k = _dag_size(it, memo)
+                k = dag_size(it, memo)
                 if k < 0:
                     size = -1
                     break
                 size += k
     elif isinstance(node, Repeat) and node.hi is not None and node.lo <= node.hi:
-        k = _dag_size(node.item, memo)
+        k = dag_size(node.item, memo)
         size = -1 if k < 0 else 1 + k * max(node.hi, 1)
     memo[id(node)] = size
     return size
 
 
-def _fixed_count(node: Node) -> bool:
+def fixed_count(node: Node) -> bool:
     """A repeat with lo == hi (`[0-9]{5}`): as `_Builder._choice` builds it, no union state, only
     copies of its item (literal states for a literal item)."""
     return isinstance(node, Repeat) and node.lo == node.hi
@@ -347,13 +347,13 @@ def _led(node: Node) -> bool:
     from cfsm.automata.direct_loops import is_loop
 
     if isinstance(node, Cat):
-        return not node.items or _is_literal(node.items[0]) or is_loop(node.items[0])
-    return _is_literal(node) or is_loop(node)
+        return not node.items or is_literal(node.items[0]) or is_loop(node.items[0])
+    return is_literal(node) or is_loop(node)
 
 
 def _block_nodes(node: Node, out: list[Node]) -> None:
     """The nodes that `_Builder.build(node)` makes blocks of (as `count_blocks` walks it)."""
-    if _is_literal(node):
+    if is_literal(node):
         return
     if isinstance(node, Cat):
         for item in node.items:
@@ -377,16 +377,16 @@ def prepare_blocks() -> None:
         found: list[Node] = []
         _block_nodes(piece, found)
         for node in found:
-            if id(node) not in _PREPARED:
+            if id(node) not in PREPARED:
                 try:
-                    _PREPARED[id(node)] = (node, _Block(node))
-                except _Fallback:
+                    PREPARED[id(node)] = (node, Block(node))
+                except Fallback:
                     continue
     # the JSON character's unit tables, which every counted string body (`maxLength`) reads
     unit = _unit(JSON_CHAR)
     if unit is not None:
         _dense_unit(unit)
-        _unit_map(unit)
+        unit_map(unit)
 
 
 def _bits(mask: np.ndarray) -> int:

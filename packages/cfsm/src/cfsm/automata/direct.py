@@ -31,34 +31,34 @@ from __future__ import annotations
 import numpy as np
 
 from cfsm.automata.automaton import (
-    _COUNTED_MIN,
+    COUNTED_MIN,
     MAX_DFA_STATES,
     Dfa,
     DfaNode,
-    _minimal_dfa,
     _minimize,
     _Nfa,
     _segments,
-    _small_unique,
     concat_ranges,
+    minimal_dfa,
+    small_unique,
 )
 from cfsm.automata.block_facts import (
-    _BYTE_CUM,
-    _BYTE_CUM_U64,
-    _LOOK_AHEAD,
-    _MASK,
-    _look_ahead,
+    BYTE_CUM,
+    BYTE_CUM_U64,
+    LOOK_AHEAD,
+    MASK,
+    look_ahead,
 )
 from cfsm.automata.blocks import (
-    _DAG_MAX,
-    _PREPARED,
-    _Block,
-    _dag_size,
-    _Fallback,
-    _fixed_count,
-    _holds_prepared,
-    _is_literal,
+    DAG_MAX,
+    PREPARED,
+    Block,
+    Fallback,
     _led,
+    dag_size,
+    fixed_count,
+    holds_prepared,
+    is_literal,
     prepare_blocks,
 )
 from cfsm.automata.direct_loops import LoopStates, is_loop, loop_sep
@@ -88,8 +88,8 @@ class _Builder(LoopStates):
         self.lit_dist: list[int] = []
         self.finals: list[int] = []
         # block copies: (first state id, block, continuation, its accepting flag and length)
-        self.copies: list[tuple[int, _Block, int, bool, int]] = []
-        self.blocks: dict[int, _Block] = {}  # by structure key
+        self.copies: list[tuple[int, Block, int, bool, int]] = []
+        self.blocks: dict[int, Block] = {}  # by structure key
         self.keys: dict[int, int] = {}  # id(node) -> structure key
         self.interned: dict[tuple[object, ...], int] = {}
         self.nodes: list[Node] = []  # keeps keyed nodes alive while their ids are in use
@@ -102,11 +102,11 @@ class _Builder(LoopStates):
         self._lit_at: dict[int, int] = {}  # literal state -> its (first) entry (`_entries`)
         self._lit_done = 0  # entries indexed in _lit_at so far
         self._consed: dict[tuple[tuple[int, int, int], ...], int] = {}  # `_literal_state`'s states by ranges
-        # loop-free literal trees (`_dag_size`) by structure key: how many copies (`count_blocks`)
+        # loop-free literal trees (`dag_size`) by structure key: how many copies (`count_blocks`)
         self.dag_counts: dict[int, int] = {}
         self.prepared_keys: set[int] = set()  # structure keys of prepared blocks (`count_blocks`)
-        self._dag_memo: dict[int, int] = {}  # `_dag_size` by node id
-        self._prep_memo: dict[int, bool] = {}  # `_holds_prepared` by node id
+        self._dag_memo: dict[int, int] = {}  # `dag_size` by node id
+        self._prep_memo: dict[int, bool] = {}  # `holds_prepared` by node id
         self._lit_np: dict[str, np.ndarray] = {}  # `_lit`
 
     def _lit(self, name: str) -> np.ndarray:
@@ -185,15 +185,15 @@ class _Builder(LoopStates):
             if hit is None:
                 hit = memo[id(node)] = (self.build(node.item, cont), cont)
             if hit[1] != cont:  # NOTE: Shared's contract (one continuation) broken: be safe
-                raise _Fallback("a shared piece with two continuations")
+                raise Fallback("a shared piece with two continuations")
             return hit[0]
-        if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
+        if isinstance(node, Alt | Repeat) and 0 <= dag_size(node, self._dag_memo) <= DAG_MAX:
             # NOTE: a structure copied several times is one block built once (cheaper than one
             # subset construction per copy); before a block (whose row is placed later) too
             if self.dag_counts.get(self.key(node), 0) <= 1 and self._entries(cont) is not None:
                 return self._literal_states(node, cont)
             return self.block(node, cont)
-        if isinstance(node, Alt | Repeat) and (_holds_prepared(node, self._prep_memo) or _fixed_count(node)
+        if isinstance(node, Alt | Repeat) and (holds_prepared(node, self._prep_memo) or fixed_count(node)
                                                or bool(self.loops)):  # NOTE: a block would read the runs
             head = self._choice(node, cont)
             if head is not None:
@@ -228,13 +228,13 @@ class _Builder(LoopStates):
         if is_loop(node):
             rest = self._first_bits(Cat(()), cont)
             return None if rest is None else rest | self.lead_loop(node, cont)
-        if _is_literal(node) and isinstance(node, Chars):
+        if is_literal(node) and isinstance(node, Chars):
             lo, hi = node.ranges[0]
             return (1 << (hi + 1)) - (1 << lo)
         return None
 
     def _literal_states(self, node: Node, cont: int) -> int:
-        """`build(node, cont)` for a tree of literal ASCII ranges without loops (`_dag_size`: an
+        """`build(node, cont)` for a tree of literal ASCII ranges without loops (`dag_size`: an
         enum, an integer range): its minimal DFA as literal and union states, made from the
         node's NFA by a subset construction that creates a state after its targets and reuses
         any state with the same ranges into the same states (so none is made twice), the NFA's end
@@ -267,7 +267,7 @@ class _Builder(LoopStates):
                 for lo, hi, _ in entries:
                     bits |= (1 << (hi + 1)) - (1 << lo)
                 if bits & cont_bits:
-                    raise _Fallback("a piece's end and its continuation read the same byte")
+                    raise Fallback("a piece's end and its continuation read the same byte")
                 if not entries:
                     memo[group] = cont
                     return cont
@@ -338,7 +338,7 @@ class _Builder(LoopStates):
         lo, hi = node.lo, node.hi
         if lo == 0 and hi == 1 and self.loops:  # an optional block-led item: as a choice with the empty string
             return self._choice(Alt((Cat(()), node.item)), cont)
-        if hi is None or hi >= _COUNTED_MIN or lo > hi or hi == 0:
+        if hi is None or hi >= COUNTED_MIN or lo > hi or hi == 0:
             return None
         b = self._first_bits(node.item, cont)
         shared = self.lead_loop(node.item, cont) & self.lead_loop(Cat(()), cont)  # runs merged by `loop_union`
@@ -390,7 +390,7 @@ class _Builder(LoopStates):
         if is_loop(node):
             self.saw_loop += 1
             return
-        if isinstance(node, Alt | Repeat) and 0 <= _dag_size(node, self._dag_memo) <= _DAG_MAX:
+        if isinstance(node, Alt | Repeat) and 0 <= dag_size(node, self._dag_memo) <= DAG_MAX:
             k = self.key(node)
             self.dag_counts[k] = self.dag_counts.get(k, 0) + 1
             if self.dag_counts[k] == 2:  # built as a block (`build`), counted as one from now on
@@ -403,12 +403,12 @@ class _Builder(LoopStates):
                 # NOTE: literal characters (most items: keys) skipped here, not in a call each
                 if type(item) is not Chars or len(item.ranges) != 1 or item.ranges[0][1] >= 0x80:
                     self.count_blocks(item, counts, seen)
-        elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and _holds_prepared(
+        elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and holds_prepared(
                 node, self._prep_memo):
             for item in node.items:  # NOTE: as `_choice` builds it, if the bytes turn out disjoint
                 self.count_blocks(item, counts, seen)
-        elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < _COUNTED_MIN and _led(node.item)
-              and (_holds_prepared(node, self._prep_memo) or _fixed_count(node))):
+        elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < COUNTED_MIN and _led(node.item)
+              and (holds_prepared(node, self._prep_memo) or fixed_count(node))):
             for _ in range(node.hi):
                 self.count_blocks(node.item, counts, seen)
         elif isinstance(node, Scope | Shared) and type(node) is not Piece:
@@ -422,7 +422,7 @@ class _Builder(LoopStates):
                 return
             k = self.key(node)
             counts[k] = counts.get(k, 0) + 1
-            ready = _PREPARED.get(id(node))
+            ready = PREPARED.get(id(node))
             if ready is not None and ready[0] is node:
                 self.prepared_keys.add(k)
 
@@ -430,19 +430,19 @@ class _Builder(LoopStates):
         key = self.key(node)
         blk = self.blocks.get(key)
         if blk is None:
-            ready = _PREPARED.get(id(node))
-            # NOTE: a prepared block is the very block `_Block(node)` would build (the node is a
+            ready = PREPARED.get(id(node))
+            # NOTE: a prepared block is the very block `Block(node)` would build (the node is a
             # per-process tree, kept alive by the table)
-            blk = self.blocks[key] = ready[1] if ready is not None and ready[0] is node else _Block(node)
+            blk = self.blocks[key] = ready[1] if ready is not None and ready[0] is node else Block(node)
         acc, d, first = self.entry[cont]
         if cont in self.block_union:
-            raise _Fallback("a block before a choice with a block")
+            raise Fallback("a block before a choice with a block")
         if blk.acc_bits & first:
-            raise _Fallback("a piece's end and its continuation read the same byte")
+            raise Fallback("a piece's end and its continuation read the same byte")
         base = self.size
         self.size += blk.size
         if self.size > MAX_DFA_STATES:
-            raise _Fallback("too large: the generic construction reports it")
+            raise Fallback("too large: the generic construction reports it")
         self.made.append(~len(self.copies))
         self.copies.append((base, blk, cont, acc, d))
         start = base + blk.start
@@ -475,7 +475,7 @@ class _Builder(LoopStates):
         elif isinstance(node, DfaNode):
             sig = ("D", id(node))
         else:
-            raise _Fallback(f"unknown node {type(node).__name__}")
+            raise Fallback(f"unknown node {type(node).__name__}")
         k = self.interned.setdefault(sig, len(self.interned))
         self.keys[id(node)] = k
         self.nodes.append(node)
@@ -489,7 +489,7 @@ class _Builder(LoopStates):
         cuts = [np.array([0]), lo, hi + 1]
         for blk in {id(c[1]): c[1] for c in self.copies}.values():
             cuts.append(blk.cuts)
-        starts = _small_unique(np.concatenate(cuts))[0]  # the cuts are bytes 0..256
+        starts = small_unique(np.concatenate(cuts))[0]  # the cuts are bytes 0..256
         starts = starts[starts < 256]
         byte_map = np.searchsorted(starts, np.arange(256), side="right") - 1
         width = len(starts)
@@ -502,7 +502,7 @@ class _Builder(LoopStates):
             for i in np.flatnonzero(~one).tolist():
                 t[src[i], clo[i] : chi[i] + 1] = dst[i]
         # every block's copies placed at once (their rows shifted by each copy's first id)
-        groups: dict[int, tuple[_Block, list[int], list[int]]] = {}
+        groups: dict[int, tuple[Block, list[int], list[int]]] = {}
         for base, blk, cont, *_ in self.copies:
             g = groups.get(id(blk))
             if g is None:
@@ -520,7 +520,7 @@ class _Builder(LoopStates):
         # accepting rows take their continuation's row: at once where that row is final (not
         # itself a merged accepting row), then the others one by one in the order copies were
         # made (backward: a copy's continuation, a smaller id, and its own merge come first)
-        later: list[tuple[int, _Block, int]] = []
+        later: list[tuple[int, Block, int]] = []
         for blk, bases, conts in groups.values():
             if not len(blk.accepting):
                 continue
@@ -533,14 +533,14 @@ class _Builder(LoopStates):
             mine = t[ids]
             theirs = t[c][:, None, :]
             if ((mine != n) & (theirs != n)).any():
-                raise _Fallback("a piece's end and its continuation read the same byte")
+                raise Fallback("a piece's end and its continuation read the same byte")
             t[ids] = np.where(mine == n, theirs, mine)
         for base, blk, cont in sorted(later, key=lambda x: x[0]):
             ids = blk.accepting + base
             mine = t[ids]
             theirs = t[cont]
             if ((mine != n) & (theirs != n)).any():
-                raise _Fallback("a piece's end and its continuation read the same byte")
+                raise Fallback("a piece's end and its continuation read the same byte")
             t[ids] = np.where(mine == n, theirs, mine)
         if self.block_union:
             self.finish_block_unions(t)
@@ -557,7 +557,7 @@ class _Builder(LoopStates):
         language is the empty string, or the dead state's class where it accepts nothing.
         # NOTE: that partition never merges too much. It merges enough where no two of its
         # classes with equal invariants (acceptance, shortest accepted length, the set of live
-        # bytes; then also those of every state up to `_LOOK_AHEAD` bytes further) could be
+        # bytes; then also those of every state up to `LOOK_AHEAD` bytes further) could be
         # equal: two literal classes never are (different first bytes or different rests); two
         # classes of one block with one
         # continuation class are not (the block's own classes differ and no accepting state of
@@ -620,7 +620,7 @@ class _Builder(LoopStates):
                 grp = np.repeat(np.arange(len(starts)), sizes)
                 sel = np.flatnonzero(~ok[grp])
                 h0 = live * np.uint64(0xC2B2AE3D27D4EB4F) + (dist * 2 + acc + 2).astype(np.uint64)
-                sig = _look_ahead(table, h0, any_rep[o[sel]], _LOOK_AHEAD)
+                sig = look_ahead(table, h0, any_rep[o[sel]], LOOK_AHEAD)
                 order2 = np.lexsort((sig, grp[sel]))
                 o2 = o[sel][order2]
                 s_sorted, g_sorted = sig[order2], grp[sel][order2]
@@ -632,7 +632,7 @@ class _Builder(LoopStates):
         return cls
 
     def _hash_consed_classes(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]], dict[
-            int, tuple[_Block, list[int], list[int], list[int], list[int]]]]:
+            int, tuple[Block, list[int], list[int], list[int], list[int]]]]:
         """The classes of the states that pieces lead to (literal states, block starts, the final
         state), hash-consed one by one in id order, with their live-byte hashes; the classes made
         from blocks (first id, number, block number, continuation class); and per block its copies
@@ -650,7 +650,7 @@ class _Builder(LoopStates):
         lit_src, lit_lo, lit_hi, lit_dst = self.lit_src, self.lit_lo, self.lit_hi, self.lit_dst
         copies = self.copies
         multi = self.multi
-        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
+        groups: dict[int, tuple[Block, list[int], list[int], list[int], list[int]]] = {}
         loop_rest: dict[int, tuple[object, ...]] = {}  # per loop class: its ranges outside S (`loop_alias`)
         for i in self.made:
             if i >= 0 and multi and lit_src[i] in multi:
@@ -682,7 +682,7 @@ class _Builder(LoopStates):
                     c = ids[key] = num
                     num += 1
                 cls_l[s] = c
-                live_l[s] = (_BYTE_CUM[lit_hi[i] + 1] - _BYTE_CUM[lo]) & _MASK
+                live_l[s] = (BYTE_CUM[lit_hi[i] + 1] - BYTE_CUM[lo]) & MASK
             else:
                 base, blk, cont, _, _ = copies[~i]
                 kc = cls_l[cont]
@@ -699,11 +699,11 @@ class _Builder(LoopStates):
                 st = base + blk.start
                 own = blk.start_class
                 cls_l[st] = off + own if own >= 0 else (kc if own == -1 else 0)
-                live_l[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
+                live_l[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & MASK
         return np.asarray(cls_l, dtype=np.int64), np.asarray(live_l, dtype=np.uint64), made, groups
 
     def _fresh_classes(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]], dict[
-            int, tuple[_Block, list[int], list[int], list[int], list[int]]]] | None:
+            int, tuple[Block, list[int], list[int], list[int], list[int]]]] | None:
         """`_hash_consed_classes` where no key repeats (no two literal states with one byte range
         into one class, no two copies of one block with one continuation class): every literal
         state its own class at once, the copies in id order; None where a key repeats or a piece
@@ -719,13 +719,13 @@ class _Builder(LoopStates):
         cls[src] = 2 + np.arange(len(src))  # a union state: its last entry's (one id per state)
         live = np.zeros(n + 1, dtype=np.uint64)
         if self.multi:  # NOTE: a union state's live bytes: the sum over its ranges (wrapping)
-            np.add.at(live, src, _BYTE_CUM_U64[hi + 1] - _BYTE_CUM_U64[lo])
+            np.add.at(live, src, BYTE_CUM_U64[hi + 1] - BYTE_CUM_U64[lo])
         else:
-            live[src] = _BYTE_CUM_U64[hi + 1] - _BYTE_CUM_U64[lo]
+            live[src] = BYTE_CUM_U64[hi + 1] - BYTE_CUM_U64[lo]
         num = 2 + len(src)
         made: list[tuple[int, int, int, int]] = []
         block_no: dict[int, int] = {}
-        groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]] = {}
+        groups: dict[int, tuple[Block, list[int], list[int], list[int], list[int]]] = {}
         for base, blk, cont, _, _ in self.copies:  # NOTE: in id order (continuations first)
             kc = int(cls[cont])
             own = blk.start_class
@@ -738,7 +738,7 @@ class _Builder(LoopStates):
             _add_copy(groups, blk, base, off, kc, lk)
             st = base + blk.start
             cls[st] = off + own if own >= 0 else kc
-            live[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & _MASK
+            live[st] = (blk.start_live + (lk if blk.start_accepting else 0)) & MASK
         kd = cls[dst]
         if len(kd) and not kd.all():
             return None
@@ -794,7 +794,7 @@ class _Builder(LoopStates):
         return self.lit_dst[i] if self.lit_lo[i] == self.lit_hi[i] == 0x22 else None
 
     def string_states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The states of copies of JSON string bodies (`_Block.string_body`) followed by a
+        """The states of copies of JSON string bodies (`Block.string_body`) followed by a
         literal closing quote, each behaving exactly like a state of the string automaton T: (the
         states, their T state, characters still allowed, still required, the state after the
         closing quote)."""
@@ -812,7 +812,7 @@ class _Builder(LoopStates):
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(5))  # type: ignore[return-value]
 
     def fragment_states(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per format with a block map (`_Block.fragment`): the states of its copies followed by a
+        """Per format with a block map (`Block.fragment`): the states of its copies followed by a
         literal closing quote, their F states and the state after the quote."""
         parts: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {}
         for base, blk, cont, _, _ in self.copies:
@@ -834,7 +834,7 @@ class _Builder(LoopStates):
             dist[s] = 0
         dist[self._lit("src")] = self._lit("dist")
         # every block's copies at once (copies occupy disjoint ids)
-        groups: dict[int, tuple[_Block, list[int], list[int], list[int]]] = {}
+        groups: dict[int, tuple[Block, list[int], list[int], list[int]]] = {}
         for base, blk, _, cacc, d in self.copies:
             g = groups.get(id(blk))
             if g is None:
@@ -861,7 +861,7 @@ def _repeats(keys: np.ndarray) -> bool:
     return bool((k[1:] == k[:-1]).any())
 
 
-def _add_copy(groups: dict[int, tuple[_Block, list[int], list[int], list[int], list[int]]], blk: _Block, base: int,
+def _add_copy(groups: dict[int, tuple[Block, list[int], list[int], list[int], list[int]]], blk: Block, base: int,
               off: int, kc: int, lk: int) -> None:
     """Records one copy of `blk` (first id, first class, continuation class and live hash) in its block's group."""
     g = groups.get(id(blk))
@@ -891,8 +891,8 @@ def _union_key(ranges: list[tuple[int, int, int]], live: bool = True) -> tuple[t
         return key, 0
     h = 0
     for lo, hi, _ in out:
-        h += _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]
-    return key, h & _MASK
+        h += BYTE_CUM[hi + 1] - BYTE_CUM[lo]
+    return key, h & MASK
 
 
 def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, cont_of: np.ndarray,
@@ -927,7 +927,7 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         if start == final:
             return None  # the empty string: nothing to gain
         t, byte_map = b.table()
-    except _Fallback:
+    except Fallback:
         return None
     acc, dist = b.arrays()
     # NOTE: unreachable states (a literal state whose every entry was merged into a block's
@@ -937,7 +937,7 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
         dfa = _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
         new_ids = None
     else:
-        dfa, new_ids = _minimal_dfa(t, acc, start, byte_map, cls)
+        dfa, new_ids = minimal_dfa(t, acc, start, byte_map, cls)
     if new_ids is not None:
         strings, ts, rem, need, cont = b.string_states()
         if len(strings):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automata.block_facts import _BYTE_CUM, _MASK
-from cfsm.automata.blocks import _Fallback
+from cfsm.automata.block_facts import BYTE_CUM, MASK
+from cfsm.automata.blocks import Fallback
 from cfsm.regex.syntax import Alt, Cat, Chars, Intersect, Node, Repeat, Sep
 
 __all__ = ["is_loop", "loop_sep", "LoopStates"]
@@ -66,11 +66,11 @@ def _ranges_bits(ranges: tuple[tuple[int, int], ...]) -> int:
 
 
 def _disjoint(entries: list[tuple[int, int, int]], bits: int = 0) -> int:
-    """The bytes `entries` read (with `bits`), raising `_Fallback` where two of them overlap."""
+    """The bytes `entries` read (with `bits`), raising `Fallback` where two of them overlap."""
     for lo, hi, _ in entries:
         b = _bits(lo, hi)
         if b & bits:
-            raise _Fallback("two choices after a whitespace run read the same byte")
+            raise Fallback("two choices after a whitespace run read the same byte")
         bits |= b
     return bits
 
@@ -122,7 +122,7 @@ class LoopStates:
         if s_bits is None:
             s_bits = self._run_bits[ranges] = _ranges_bits(ranges)
         if cont in self.pending:
-            raise _Fallback("a whitespace run before a list's own continuation")
+            raise Fallback("a whitespace run before a list's own continuation")
         hit = self.loops.get(cont)
         if hit is not None and hit[0] == s_bits:
             return cont  # S* S* R is S* R
@@ -130,7 +130,7 @@ class LoopStates:
         cont_bits = self.entry[cont][2]
         if start is None and self._entries(cont) is None:
             if cont in self.finals:
-                raise _Fallback("a whitespace run at the end")
+                raise Fallback("a whitespace run at the end")
             start = cont  # a block's start
             rest: list[tuple[int, int, int]] = []
         elif start is None and not cont_bits & s_bits:  # most runs: before a literal state
@@ -138,7 +138,7 @@ class LoopStates:
         else:
             rest = self._rest_of(cont, s_bits)
         if start is not None and self.entry[start][2] & s_bits:
-            raise _Fallback("a whitespace run before a block that reads it")
+            raise Fallback("a whitespace run before a block that reads it")
         return self._state(s_bits, ranges, rest, start)
 
     def _rest_of(self, s: int, s_bits: int) -> list[tuple[int, int, int]]:
@@ -154,7 +154,7 @@ class LoopStates:
             hit = self.loops.get(t)
             if (b & ~s_bits or hit is None or hit[0] != s_bits or t in self.block_union
                     or not set(self._rest_of(t, s_bits)) <= mine):
-                raise _Fallback("a whitespace run before a state that reads it otherwise")
+                raise Fallback("a whitespace run before a state that reads it otherwise")
         return out
 
     def _state(self, s_bits: int, ranges: tuple[tuple[int, int], ...], rest: list[tuple[int, int, int]],
@@ -175,7 +175,7 @@ class LoopStates:
         if start is not None:
             acc, d0, b0 = self.entry[start]
             if b0 & bits:
-                raise _Fallback("a choice before a block that reads its byte")
+                raise Fallback("a choice before a block that reads its byte")
             bits |= b0
             dists.extend([d0 - 1] if d0 >= 0 else [])
         d = min(dists) + 1 if dists else -1
@@ -188,7 +188,7 @@ class LoopStates:
             self.lit_dst.append(t)
             self.lit_dist.append(d)
         if len(self.lit_src) == first:
-            raise _Fallback("a block choice without literal ranges")
+            raise Fallback("a block choice without literal ranges")
         self.multi[s] = list(range(first, len(self.lit_src)))
         self.made.append(first)
         if s_bits:
@@ -207,7 +207,7 @@ class LoopStates:
         cyclic: U's class is a fresh one, never proven apart by its key (`loop_key`)."""
         sep = node.sep
         if not (isinstance(sep, Cat) and len(sep.items) > 1 and is_loop(sep.items[0])):
-            raise _Fallback("a list separator")
+            raise Fallback("a list separator")
         first = sep.items[0]
         assert isinstance(first, Repeat) and isinstance(first.item, Chars)
         ranges = first.item.ranges
@@ -216,7 +216,7 @@ class LoopStates:
         lead = sep.items[1]
         if (hit is None or hit[0] != s_bits or cont in self.block_union or not isinstance(lead, Chars)
                 or len(lead.ranges) != 1 or lead.ranges[0][1] >= 0x80):
-            raise _Fallback("a list before a state that is not a run of its separator's bytes")
+            raise Fallback("a list before a state that is not a run of its separator's bytes")
         rest_c = self._rest_of(cont, s_bits)
         u = self.size
         self.size += 1
@@ -230,7 +230,7 @@ class LoopStates:
         self.pending.discard(u)
         p = self.build(Cat(sep.items[1:]), x)
         if self._entries(p) is None or self.entry[p][2] & s_bits:
-            raise _Fallback("a list separator")
+            raise Fallback("a list separator")
         rest = [*self._ranges(p), *rest_c]
         _disjoint(rest, s_bits)
         d = self.entry[u][1]
@@ -251,14 +251,14 @@ class LoopStates:
         `start` built for a choice led by a block: a literal or union state (their union), a
         block's start or a block-union state (a block-union state with all their ranges)."""
         if start in self.finals or start in self.pending:
-            raise _Fallback("a choice of blocks")
+            raise Fallback("a choice of blocks")
         if self._entries(start) is not None:  # not led by a block after all (a shared tail)
             u = self._union([*heads, start])
             _disjoint(self._ranges(u))
             return u
         head = heads[0] if len(heads) == 1 else self._union(heads)
         if self.entry[head][2] & self.entry[start][2]:
-            raise _Fallback("a choice before a block that reads its byte")
+            raise Fallback("a choice before a block that reads its byte")
         # NOTE: a loop head keeps its ranges into itself (S* R or the block: not S* (R or the block))
         rest = self._ranges(head)
         if start in self.block_union:
@@ -294,7 +294,7 @@ class LoopStates:
             return None
         s_bits, ranges = self.loops[loops[0]]
         if any(self.loops[h][0] != s_bits for h in loops):
-            raise _Fallback("a union of runs of different bytes")
+            raise Fallback("a union of runs of different bytes")
         rest: dict[tuple[int, int, int], None] = {}
         for h in loops:
             for e in self._rest_of(h, s_bits):
@@ -306,7 +306,7 @@ class LoopStates:
         extra: list[tuple[int, int, int]] = []
         for h in others:
             if self._entries(h) is None or self.entry[h][2] & s_bits:
-                raise _Fallback("a union of a run and a state that reads it")
+                raise Fallback("a union of a run and a state that reads it")
             extra.extend(self._ranges(h))
         _disjoint([*rest, *extra])
         return self._literal_state([*((lo, hi, merged) for lo, hi in ranges), *rest, *extra])
@@ -320,13 +320,13 @@ class LoopStates:
         cyc = self.cyclic_states.get(s)
         if cyc is not None:  # a fresh class, dead where the list's continuation is
             c, lo, hi = cyc
-            return (("U", s), (live_l[c] + _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]) & _MASK) if cls_l[c] else (None, 0)
+            return (("U", s), (live_l[c] + BYTE_CUM[hi + 1] - BYTE_CUM[lo]) & MASK) if cls_l[c] else (None, 0)
         live = 0
         parts: list[list[int]] = []
         for lo, hi, k in sorted((lo, hi, -1 if t == s else cls_l[t]) for lo, hi, t in self._ranges(s)):
             if k == 0:
                 continue  # into a state that accepts nothing
-            live += _BYTE_CUM[hi + 1] - _BYTE_CUM[lo]
+            live += BYTE_CUM[hi + 1] - BYTE_CUM[lo]
             if parts and parts[-1][1] + 1 == lo and parts[-1][2] == k:  # as `_union_key`: one range per run
                 parts[-1][1] = hi
             else:
@@ -335,8 +335,8 @@ class LoopStates:
         if not live_start and all(k == -1 for _, _, k in parts):
             return None, 0  # no way out of the loop: accepts nothing (dead)
         if start is not None and live_start:
-            return ("B", cls_l[start], *(tuple(x) for x in parts)), (live + live_l[start]) & _MASK
-        return ("L", *(tuple(x) for x in parts)), live & _MASK
+            return ("B", cls_l[start], *(tuple(x) for x in parts)), (live + live_l[start]) & MASK
+        return ("L", *(tuple(x) for x in parts)), live & MASK
 
     def loop_alias(self, s: int, cls_l: list[int] | np.ndarray, loop_rest: dict[int, tuple[object, ...]]) -> int | None:
         """The class of the loop state that union state `s` equals, if any: `s` reads every byte
@@ -385,7 +385,7 @@ class LoopStates:
         rows = t[np.fromiter(self.block_union.values(), dtype=np.int64, count=len(self.block_union))]
         mine = t[states]
         if ((mine != n) & (rows != n)).any():
-            raise _Fallback("a choice before a block that reads its byte")
+            raise Fallback("a choice before a block that reads its byte")
         t[states] = np.where(mine == n, rows, mine)
 
     def block_union_acceptance(self, acc: np.ndarray) -> None:

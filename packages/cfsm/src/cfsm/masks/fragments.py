@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows, build_dfa
+from cfsm.automata.automaton import Dfa, build_dfa, small_unique, unique_rows
 from cfsm.masks.rows import or_bits
 from cfsm.masks.templates import (
     SuffixOrder,
@@ -119,7 +119,7 @@ def build_fragment_tables(tables: TrieTables, words: int,
         probe[2 * m :] = np.concatenate([dead_at[m:], live_at[m:]])
         out.append(FragmentTable(name=fmt, code=code, start=start, stay_rows=rows, exit_ids=tuple(exit_ids),
                                  exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id)),
-                                 probe=probe, byte_class=_unique_rows(code.T)[1].astype(np.int64)))
+                                 probe=probe, byte_class=unique_rows(code.T)[1].astype(np.int64)))
     return tuple(out)
 
 
@@ -211,10 +211,10 @@ def fragment_rows(dfa: Dfa, ft: FragmentTable, m: FragmentMatch, states: np.ndar
     """Mask rows of the matched `states` (written into `mask_row`); equal rows interned once."""
     if not len(states):
         return
-    conts, c_idx = _small_unique(m.cont[states])
+    conts, c_idx = small_unique(m.cont[states])
     live = live_suffixes(dfa, conts, ft.suffix_columns, ft.suffixes_by_length)
     key = m.f[states] * len(conts) + c_idx
-    uniq, inverse = _small_unique(key)
+    uniq, inverse = small_unique(key)
     rows = np.empty(len(uniq), dtype=np.int32)
     for g, k in enumerate(uniq.tolist()):
         s, ci = divmod(k, len(conts))

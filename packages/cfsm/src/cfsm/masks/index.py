@@ -1,7 +1,7 @@
 """Token-level `Index`: per DFA state, the allowed tokens as an int32 bitmask row.
 
 Built by walking the vocabulary through the DFA, never token by state one at a time:
-- states share one walk when they allow the same tokens of up to `_SHARE_DEPTH` bytes for
+- states share one walk when they allow the same tokens of up to `SHARE_DEPTH` bytes for
   sure (`state_classes`: they agree on every string as long as their longest candidate); the
   few longer tokens are walked for every state in one batch;
 - the vocabulary is sorted by bytes, so every trie node is a contiguous range (`walker`,
@@ -21,21 +21,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows
+from cfsm.automata.automaton import Dfa, small_unique, unique_rows
 from cfsm.errors import Approximation
 from cfsm.masks.compressed import CompressedFsm
 from cfsm.masks.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
 from cfsm.masks.loops import find_loops
-from cfsm.masks.rows import _few_rows, _PrefixRows, _token_weights, or_bits, pack_rows
-from cfsm.masks.state_classes import _walk_classes
+from cfsm.masks.rows import PrefixRows, few_rows, or_bits, pack_rows, token_weights
+from cfsm.masks.state_classes import walk_classes
 from cfsm.masks.templates import match_string_states, string_rows
 from cfsm.masks.vocab import Vocabulary
-from cfsm.masks.walker import _Walker
+from cfsm.masks.walker import Walker
 
 __all__ = ["Index", "build_index"]
 
 # states agreeing on all strings of at most this many bytes share the walk of tokens that short
-_SHARE_DEPTH = 16
+SHARE_DEPTH = 16
 ## token sets up to this size are packed by scattering bits (larger ones through a bool array)
 _SPARSE_ROW = 2048
 # JSON string states take their masks from the vocabulary's string tables (`templates`)
@@ -147,13 +147,13 @@ def _long_rows(owner: np.ndarray, ids: np.ndarray, mask_row: np.ndarray, row_lis
                intern: Callable[[np.ndarray], int], num_ids: int) -> None:
     """Add the long tokens `ids` (grouped by `owner` state) to their states' rows: each distinct
     (row, token set) once (whitespace states share both), the sets told apart by two sums of
-    random per-token weights and their size (as `mask_rows._few_rows`; `num_ids` the weights' size)."""
-    states, group = _small_unique(owner)
+    random per-token weights and their size (as `mask_rows.few_rows`; `num_ids` the weights' size)."""
+    states, group = small_unique(owner)
     starts = np.flatnonzero(np.diff(group, prepend=-1) != 0)
-    w1, w2 = _token_weights(num_ids)
+    w1, w2 = token_weights(num_ids)
     key = np.stack([mask_row[states].astype(np.uint64), np.add.reduceat(w1[ids], starts),
                     np.add.reduceat(w2[ids], starts), np.diff(np.append(starts, len(ids))).astype(np.uint64)], axis=1)
-    first, inverse = _unique_rows(key)
+    first, inverse = unique_rows(key)
     # the pairs of each distinct (row, set)'s first state
     sel = np.isin(group, first)
     remap = np.full(len(states), -1, dtype=np.int64)
@@ -167,13 +167,13 @@ def _long_rows(owner: np.ndarray, ids: np.ndarray, mask_row: np.ndarray, row_lis
 def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
 
-    States that agree on every string of at most `_SHARE_DEPTH` bytes share one walk for the
+    States that agree on every string of at most `SHARE_DEPTH` bytes share one walk for the
     tokens of that length; the few longer tokens are walked for every state in one batch.
     Every live state gets a mask row.
     """
     tables = vocab.trie_tables
     num_states = dfa.num_states
-    walker = _Walker(dfa, tables)
+    walker = Walker(dfa, tables)
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
     if _STRING_TABLES:
@@ -205,12 +205,12 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         num_cands[np.searchsorted(others, loops.states)] = loops.candidates(np.arange(len(loops.states)))
     shared = walker.num_broad(others, num_cands) >= _CLASSES_MIN_BROAD
     if shared:
-        classes = _walk_classes(dfa, tables, _SHARE_DEPTH)
+        classes = walk_classes(dfa, tables, SHARE_DEPTH)
         _, first, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
         reps, rep_cands = others[first], num_cands[first]
     else:  # every state its own walk
         reps, class_of, rep_cands = others, np.arange(len(others)), num_cands
-    is_long = tables.longer_than(_SHARE_DEPTH)
+    is_long = tables.longer_than(SHARE_DEPTH)
     eos32 = eos.astype(np.int32)
     small_rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
@@ -244,9 +244,9 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
             if not shared:
                 only_done = np.zeros(len(loops.states), dtype=bool)
                 only_done[at[few & (at >= 0)]] = True
-        _few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words,
+        few_rows(few, owner, pos, reps, dfa.accepting, tables.order, is_long, eos32, class_row, intern, words,
                   tables.max_id, base)
-    prefix_rows = _PrefixRows(tables.order, is_long, words)
+    prefix_rows = PrefixRows(tables.order, is_long, words)
     for k in np.flatnonzero(~few).tolist():
         rep = int(reps[k])
         prefix, pos = walker.walk(rep)
@@ -271,8 +271,8 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         class_row[k] = r
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
     mask_row[others] = class_row[class_of.reshape(-1)]
-    # the few tokens longer than _SHARE_DEPTH bytes, walked for every state in one batch
-    l_owner, l_ids = walker.walk_long(_SHARE_DEPTH, generic, loops, only_done)
+    # the few tokens longer than SHARE_DEPTH bytes, walked for every state in one batch
+    l_owner, l_ids = walker.walk_long(SHARE_DEPTH, generic, loops, only_done)
     if len(l_owner):
         _long_rows(l_owner, l_ids, mask_row, row_list, words, intern, max(tables.max_id, int(eos.max())) + 1)
     if _STRING_TABLES:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cfsm.automata.automaton import _unique_rows, concat_ranges
+from cfsm.automata.automaton import concat_ranges, unique_rows
 from cfsm.masks.walker import Prefix
 
 # token sets larger than this are set through a bool array and packbits (one pass over V/8
@@ -28,7 +28,7 @@ def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
         np.bitwise_or.at(row, tids >> 5, np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
 
 
-def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
+def few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarray, accepting: np.ndarray,
               order: np.ndarray, is_long: np.ndarray, eos: np.ndarray, class_row: np.ndarray,
               intern: Callable[[np.ndarray], int], words: int, max_id: int | None = None,
               base: tuple[np.ndarray, list[np.ndarray]] | None = None) -> None:
@@ -48,7 +48,7 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     k_of[reps[ks]] = np.arange(len(ks))
     kk = k_of[owner]  # grouped: every owner's pairs are contiguous
     top = int(order.max(initial=0)) if max_id is None else max_id  # `TrieTables.max_id`: order's max
-    w1, w2 = _token_weights(max(top, int(eos.max(initial=0))) + 1)
+    w1, w2 = token_weights(max(top, int(eos.max(initial=0))) + 1)
     if len(kk):  # where kk changes (np.diff with prepend=-1, without its concatenation)
         change = np.empty(len(kk), dtype=bool)
         change[0] = kk[0] != -1
@@ -74,7 +74,7 @@ def _few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndar
     h[0, acc] += w1[eos].sum(dtype=np.uint64)
     h[1, acc] += w2[eos].sum(dtype=np.uint64)
     h[2, acc] += np.uint64(len(eos))
-    first, inverse = _unique_rows(h.T)
+    first, inverse = unique_rows(h.T)
     seg_of = np.full(len(ks), -1, dtype=np.int64)
     if len(kk):
         seg_of[kk[starts]] = np.arange(len(starts))
@@ -132,8 +132,8 @@ def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,
     return out
 
 
-class _PrefixRows:
-    """Mask rows (tokens of at most `_SHARE_DEPTH` bytes) of prefixes of shared position lists.
+class PrefixRows:
+    """Mask rows (tokens of at most `SHARE_DEPTH` bytes) of prefixes of shared position lists.
 
     Per list, the rows of the cuts asked for so far are kept; a new cut starts from the row of
     the largest smaller one and adds the tokens in between.
@@ -166,6 +166,6 @@ class _PrefixRows:
 
 
 @functools.lru_cache(maxsize=4)
-def _token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
+def token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0x70CE5)
     return (rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(1, 2**63, size=n, dtype=np.uint64))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _in_edges, _split_round, _stable_argsort
+from cfsm.automata.automaton import Dfa, in_edges, split_round, stable_argsort
 from cfsm.masks.vocab import TrieTables
 
 
@@ -46,7 +46,7 @@ def refine_classes(cols: np.ndarray, init: np.ndarray, dead: int, depth: int, *,
     # from the start, it never changes class)
     flat_dst = cols.reshape(-1).astype(np.int64)
     edge = np.flatnonzero(flat_dst != dead)
-    edge = edge[_stable_argsort(flat_dst[edge], n)]
+    edge = edge[stable_argsort(flat_dst[edge], n)]
     edge_src, edge_w = edge // k, w[:, edge % k]
     bounds = np.searchsorted(flat_dst[edge], np.arange(n + 1))
     num = int(cls.max()) + 1 if n else 0
@@ -55,7 +55,7 @@ def refine_classes(cols: np.ndarray, init: np.ndarray, dead: int, depth: int, *,
     rounds = 0
     while rounds < depth:
         o = sub[np.lexsort((h[1, sub], h[0, sub], cls[sub]))]
-        changed, new_ids, num_new = _split_round(o, cls, (h[0], h[1]), num)
+        changed, new_ids, num_new = split_round(o, cls, (h[0], h[1]), num)
         if num_new == 0:
             break
         delta = (new_ids - cls[changed]).astype(np.uint64)  # positive: fresh ids are the largest
@@ -64,7 +64,7 @@ def refine_classes(cols: np.ndarray, init: np.ndarray, dead: int, depth: int, *,
         rounds += 1
         if history:
             out.append(cls.copy())
-        idx, sizes = _in_edges(bounds, changed)
+        idx, sizes = in_edges(bounds, changed)
         if not len(idx):
             break
         touched = edge_src[idx]
@@ -80,7 +80,7 @@ def refine_classes(cols: np.ndarray, init: np.ndarray, dead: int, depth: int, *,
     return out
 
 
-def _walk_classes(dfa: Dfa, tables: TrieTables, depth: int) -> np.ndarray:
+def walk_classes(dfa: Dfa, tables: TrieTables, depth: int) -> np.ndarray:
     """Classes of states whose tokens of at most `depth` bytes are allowed alike (one walk each).
 
     A state's tokens of at most `depth` bytes all have at most D bytes, D the longest such token

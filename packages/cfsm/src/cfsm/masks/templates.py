@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _small_unique, _unique_rows, _unit, build_dfa
+from cfsm.automata.automaton import Dfa, _unit, build_dfa, small_unique, unique_rows
 from cfsm.masks.rows import or_bits, pack_rows
 from cfsm.masks.vocab import TrieTables
 from cfsm.regex.json_lexical import JSON_CHAR
@@ -57,7 +57,7 @@ def t_automaton() -> tuple[np.ndarray, int]:
 @functools.lru_cache(maxsize=1)
 def t_automaton_classes() -> np.ndarray:
     """T's byte classes (bytes with equal columns in its code table), int64 per byte."""
-    out = _unique_rows(t_automaton()[0].T)[1].astype(np.int64)
+    out = unique_rows(t_automaton()[0].T)[1].astype(np.int64)
     out.flags.writeable = False
     return out
 
@@ -116,7 +116,7 @@ class StringTables:
     @functools.cached_property
     def byte_class(self) -> np.ndarray:
         """T's own byte classes (bytes with equal columns in `code`), int64 per byte."""
-        return _unique_rows(self.code.T)[1].astype(np.int64)
+        return unique_rows(self.code.T)[1].astype(np.int64)
 
     @functools.cached_property
     def inner_edges(self) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -547,7 +547,7 @@ def _target_columns(tcode: np.ndarray, num_t: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _by_state_and_cut(s_all: np.ndarray, cut_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`_unique_rows` of the rows (T state as 8 big-endian bytes, cut as 8 native bytes): the
+    """`unique_rows` of the rows (T state as 8 big-endian bytes, cut as 8 native bytes): the
     groups in that byte order (T state, then cut's bytes from the lowest; -1 last), each group's
     first state and every state's group.
 
@@ -560,7 +560,7 @@ def _by_state_and_cut(s_all: np.ndarray, cut_all: np.ndarray) -> tuple[np.ndarra
         first, inverse = np.unique((s_all.astype(np.int64) << 17) | low, return_index=True, return_inverse=True)[1:]
         return first, inverse.reshape(-1)
     key = np.hstack([s_all.astype(">i8")[:, None].view(np.uint8), cut_all.astype(np.int64)[:, None].view(np.uint8)])
-    return _unique_rows(key)
+    return unique_rows(key)
 
 
 def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np.ndarray], int],
@@ -571,7 +571,7 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
     if not len(states):
         return
     # which suffixes live from each continuation: one walk of all (continuation, suffix) pairs
-    conts, c_idx = _small_unique(cont[states])  # sorted distinct continuations, each state's index into them
+    conts, c_idx = small_unique(cont[states])  # sorted distinct continuations, each state's index into them
     live = live_suffixes(dfa, conts, st.suffix_columns, st.suffixes_by_length)
     ts = m.t[states]
     words = st.stay_rows[0].shape[1]
@@ -603,7 +603,7 @@ def string_rows(dfa: Dfa, st: StringTables, m: StringMatch, intern: Callable[[np
         eids, ek, esuf = st.exit_ids[x], st.exit_chars[x], st.exit_suffix[x]
         allowed = (ek[None, :] >= need[:, None]) & (ek[None, :] <= rem[:, None]) & live[c_idx[sel][:, None], esuf[None, :]]
         key = np.hstack([cut[sel].astype(np.int64)[:, None].view(np.uint8), np.packbits(allowed, axis=1)])
-        first, inverse = _unique_rows(key)
+        first, inverse = unique_rows(key)
         # each group's row: its stay row (zero without one) plus its allowed exit tokens
         pair_g, pair_e = np.nonzero(allowed[first])
         rows = pack_rows(len(first), pair_g, eids[pair_e].astype(np.int64), words, intern, st.stay_rows[x],

@@ -296,13 +296,13 @@ class Vocabulary:
 
         seeded_weights(0xB17E, 1 << 15)  # byte classes of tables up to 32k states (more: drawn then)
         seeded_weights(0x100C, 256)  # look-ahead hashes (`block_facts`)
-        from cfsm.masks.index import _SHARE_DEPTH
-        from cfsm.masks.rows import _token_weights
+        from cfsm.masks.index import SHARE_DEPTH
+        from cfsm.masks.rows import token_weights
 
         # the per-token hash weights of batched rows (`mask_rows`)
-        _token_weights(max(self.trie_tables.max_id, max(self.eos_token_ids, default=0)) + 1)
+        token_weights(max(self.trie_tables.max_id, max(self.eos_token_ids, default=0)) + 1)
         self.trie_tables.max_length  # noqa: B018
-        self.trie_tables.longer_than(_SHARE_DEPTH)
+        self.trie_tables.longer_than(SHARE_DEPTH)
         return self
 
     def derived(self, key: str, build: Callable[[], T]) -> T:

@@ -1,4 +1,4 @@
-"""`_Walker`: the per-compile token walks of single states (chains, escapes, batches)."""
+"""`Walker`: the per-compile token walks of single states (chains, escapes, batches)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _stable_argsort, concat_ranges
+from cfsm.automata.automaton import Dfa, concat_ranges, stable_argsort
 from cfsm.masks.loops import Loops
 from cfsm.masks.vocab import TrieTables
 from cfsm.masks.walks import (
-    _chain_of,
-    _concat,
-    _group_steps,
-    _walk_all,
-    _walk_from,
-    _walk_pairs,
-    _walk_pairs_from,
-    _walk_vectorized,
+    chain_of,
+    concat,
+    group_steps,
+    walk_all,
+    walk_from,
+    walk_pairs,
+    walk_pairs_from,
+    walk_vectorized,
 )
 
 # valid multi-byte UTF-8 sequences as byte ranges: (lead), (continuation)... (RFC 3629)
@@ -61,7 +61,7 @@ def _expand(lo: np.ndarray, sizes: np.ndarray, owner: np.ndarray, cur: np.ndarra
 
 
 class _Cands(NamedTuple):
-    """`_Walker._candidates`: the candidate tokens of a first-byte-then-chain state."""
+    """`Walker._candidates`: the candidate tokens of a first-byte-then-chain state."""
 
     inside: np.ndarray  # tails inside the group, sorted by tail length
     steps: np.ndarray  # their tail lengths (characters with utf8)
@@ -100,7 +100,7 @@ def _long_leads(tables: TrieTables, min_len: int) -> tuple[np.ndarray, ...]:
     return hit
 
 
-class _Walker:
+class Walker:
     """Per-compile caches shared by the walks of all states."""
 
     def __init__(self, dfa: Dfa, tables: TrieTables) -> None:
@@ -224,7 +224,7 @@ class _Walker:
                 narrow = ~wide
                 idx_n, owner_n, cur_n = _expand(starts2[first[narrow], 0], counts[first[narrow]], owners[narrow],
                                                 self.trans[owners[narrow], first[narrow]])
-                own_n, pos_n, _ = _walk_pairs(idx_n, cur_n, owner_n, 1, columns, self.tflat, self.dead, False)
+                own_n, pos_n, _ = walk_pairs(idx_n, cur_n, owner_n, 1, columns, self.tflat, self.dead, False)
                 first_w, owners_w = first[wide], owners[wide]
                 after = self.trans[owners_w, first_w]
                 # the one-byte tokens (several if the vocabulary repeats one) survive as they are
@@ -234,18 +234,18 @@ class _Walker:
                 lo = starts2[first_w[k], second + 1]
                 idx_w, owner_w, cur_w = _expand(lo, starts2[first_w[k], second + 2] - lo, owners_w[k],
                                                 self.trans[after[k], second])
-                own_w, pos_w, _ = _walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead, False)
+                own_w, pos_w, _ = walk_pairs(idx_w, cur_w, owner_w, 2, columns, self.tflat, self.dead, False)
                 own = np.concatenate([one_owner, own_w, own_n])
                 pos = np.concatenate([one_pos, pos_w, pos_n])
                 rows = loop_row[s0:s1] if loops is not None and loop_row is not None else np.zeros(0, np.int64)
                 if loops is not None and (rows >= 0).any():
                     # NOTE: the tokens made only of loop bytes are the caller's (`Loops.only_ids`)
                     l_own, l_pos, l_cur, l_at, _, _ = loops.pairs(rows[rows >= 0], with_only=False)
-                    w_own, w_pos = _walk_pairs_from(l_pos, l_cur, l_at, l_own, columns, self.tflat, self.dead)
+                    w_own, w_pos = walk_pairs_from(l_pos, l_cur, l_at, l_own, columns, self.tflat, self.dead)
                     own = np.concatenate([own, w_own])
                     pos = np.concatenate([pos, w_pos])
                 # NOTE: each owner's pairs contiguous; the walks left them by ending byte (stable)
-                order = _stable_argsort(own, self.trans.shape[0])
+                order = stable_argsort(own, self.trans.shape[0])
                 out_owner.append(own[order])
                 out_pos.append(pos[order])
         if not out_owner:
@@ -308,7 +308,7 @@ class _Walker:
             w_owner, w_pos = np.concatenate([w_owner, l_own]), np.concatenate([w_pos, l_pos])
             cur, at = np.concatenate([cur, l_cur]), np.concatenate([at, l_at])
             t_owner, t_pos = np.concatenate([t_owner, o_own]), np.concatenate([t_pos, o_pos])
-        w_own, w_pos = _walk_pairs_from(w_pos, cur, at, w_owner, tables.columns, self.tflat, self.dead)
+        w_own, w_pos = walk_pairs_from(w_pos, cur, at, w_owner, tables.columns, self.tflat, self.dead)
         own = np.concatenate([w_own, t_owner])
         ids = tables.order[np.concatenate([w_pos, t_pos])].astype(np.int64)
         order = np.argsort(own, kind="stable")
@@ -338,18 +338,18 @@ class _Walker:
             hit = self._allowed[q] = np.flatnonzero(self.trans[q] != self.dead).astype(np.int16)
         return hit
 
-    def _group_steps(self, group: np.ndarray) -> tuple[list[int], list[bool]]:
-        """`_group_steps` for every state, memoized per byte group (shared by its chains)."""
+    def group_steps(self, group: np.ndarray) -> tuple[list[int], list[bool]]:
+        """`group_steps` for every state, memoized per byte group (shared by its chains)."""
         key = group.tobytes()
         hit = self._steps.get(key)
         if hit is None:
-            hit = self._steps[key] = _group_steps(self.trans, group)
+            hit = self._steps[key] = group_steps(self.trans, group)
         return hit
 
     def chain(self, q: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """`_chain_of` for state `q`, memoized."""
+        """`chain_of` for state `q`, memoized."""
         if q not in self._chain_memo:
-            self._chain_memo[q] = _chain_of(self.dfa, q, self._max_len, self._group_steps)
+            self._chain_memo[q] = chain_of(self.dfa, q, self._max_len, self.group_steps)
         return self._chain_memo[q]
 
     def _row(self, q: int) -> list[int]:
@@ -381,7 +381,7 @@ class _Walker:
                 lengths = self.tables.lengths
             pos_in = np.flatnonzero(inside)
             lens = lengths[pos_in]
-            by_len = _stable_argsort(lens, int(lens.max(initial=0)) + 1)
+            by_len = stable_argsort(lens, int(lens.max(initial=0)) + 1)
             others = np.flatnonzero(~inside)
             first_out = self._first_outside(others, outside)
             at0 = first_out == 0
@@ -496,20 +496,20 @@ class _Walker:
             known = first_out < limit
             idx = np.concatenate([idx0, others[known]])
             at = np.concatenate([np.zeros(total, np.int64), first_out[known]])
-            _walk_from(idx, chain[at], at, tables.columns, self.tflat, dead, out_pos, out_next)
+            walk_from(idx, chain[at], at, tables.columns, self.tflat, dead, out_pos, out_next)
             if limit == len(chain):
                 rest = np.concatenate([others[~known], pos_in[cut:]])
-                _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat,
+                walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, tables.columns, self.tflat,
                                  dead, out_pos, out_next)
-            return prefix, _concat(out_pos)
+            return prefix, concat(out_pos)
         if broad:
-            return None, _walk_all(q, self.stay_flat, dead, tables)[0]
+            return None, walk_all(q, self.stay_flat, dead, tables)[0]
         if len(allowed) > _FEW_BYTES:
             done, head = self._walk_first_then_chain(q, allowed, out_pos, out_next)
             if done:
-                return head, _concat(out_pos)
+                return head, concat(out_pos)
         self._walk_ranges(q, out_pos, out_next)
-        return None, _concat(out_pos)
+        return None, concat(out_pos)
 
     def _candidates(self, allowed: np.ndarray, chained: np.ndarray, outside: np.ndarray, utf8: bool) -> _Cands:
         """Tokens starting with an `allowed` byte, split by whether their tail stays in a byte group.
@@ -542,7 +542,7 @@ class _Walker:
             steps = tables.lengths[idx] - 1  # bytes after the first one
         inside &= chained[first]  # tokens of an unchained first byte are walked
         idx_in, steps_in, first_in = idx[inside], steps[inside], first[inside]
-        order = _stable_argsort(steps_in, int(steps_in.max(initial=0)) + 1)
+        order = stable_argsort(steps_in, int(steps_in.max(initial=0)) + 1)
         rest, rest_first = idx[~inside], first[~inside]
         ch = chained[rest_first]
         hit = self._cand[key] = _Cands(idx_in[order], steps_in[order], first_in[order], rest[ch], rest_first[ch],
@@ -587,7 +587,7 @@ class _Walker:
         before = cands.rest_at - 1  # group bytes after the first byte
         lim = limits[t]
         known = before < lim
-        _walk_from(cands.rest[known], table[t[known], before[known]], cands.rest_at[known], self.tables.columns,
+        walk_from(cands.rest[known], table[t[known], before[known]], cands.rest_at[known], self.tables.columns,
                    self.tflat, self.dead, out_pos, out_next)
         todo = [cands.loose, cands.rest[~known & (lim == sizes[t])]]
         prefix = None
@@ -605,7 +605,7 @@ class _Walker:
             out_next.append(table[tgt[sel], steps_in[sel]])
             todo.append(idx_in[~sel & (lim == sizes[tgt])])
         rest = np.concatenate(todo)
-        _walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
+        walk_vectorized(rest, np.full(len(rest), q, dtype=np.int32), 0, self.tables.columns, self.tflat, self.dead,
                          out_pos, out_next)
         return True, prefix
 
@@ -672,5 +672,5 @@ class _Walker:
             else:
                 # concatenated sub-ranges of the allowed next bytes
                 idx = concat_ranges(lefts[nz] + lo, sizes[nz])
-            _walk_vectorized(idx, np.full(total, q, dtype=np.int32), d, columns, self.tflat, self.dead,
+            walk_vectorized(idx, np.full(total, q, dtype=np.int32), d, columns, self.tflat, self.dead,
                              out_pos, out_next)

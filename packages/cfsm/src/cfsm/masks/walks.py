@@ -10,18 +10,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _stable_argsort
+from cfsm.automata.automaton import Dfa, stable_argsort
 from cfsm.masks.vocab import TrieTables
 
 # states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
 _MIN_GROUP_BYTES = 32
 #
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
+def concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarray, tflat: np.ndarray,
+def walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarray, tflat: np.ndarray,
                      dead: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
     """Walk the tokens at sorted positions `idx` (in states `cur`, `j` bytes read) to their ends."""
     while idx.size:
@@ -41,7 +41,7 @@ def _walk_vectorized(idx: np.ndarray, cur: np.ndarray, j: int, columns: np.ndarr
         j += 1
 
 
-def _walk_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, columns: np.ndarray, tflat: np.ndarray,
+def walk_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, columns: np.ndarray, tflat: np.ndarray,
                dead: int, out_pos: list[np.ndarray], out_next: list[np.ndarray]) -> None:
     """Walk the tokens at sorted positions `idx`, each in state `cur` with `at` bytes read."""
     keep = cur != dead
@@ -66,7 +66,7 @@ def _walk_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, columns: np.nda
         lin += n
 
 
-def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
+def walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
                 tflat: np.ndarray, dead: int, by_owner: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Walk (owner state, token) pairs together: (owners, positions, next states) of the
     surviving pairs, sorted by owner (stable: by the byte where they end, then as given); without
@@ -97,14 +97,14 @@ def _walk_pairs(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, col
     all_owner = np.concatenate(out_owner)
     if not by_owner:
         return all_owner, np.concatenate(out_pos), np.concatenate(out_next)
-    order = _stable_argsort(all_owner, int(all_owner.max()) + 1)
+    order = stable_argsort(all_owner, int(all_owner.max()) + 1)
     return all_owner[order], np.concatenate(out_pos)[order], np.concatenate(out_next)[order]
 
 
 def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, columns: np.ndarray,
                 tflat: np.ndarray, dead: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """`_walk_pairs` split per owner: (owner, sorted positions, next states)."""
-    all_owner, all_pos, all_next = _walk_pairs(idx, cur, owner, j, columns, tflat, dead)
+    """`walk_pairs` split per owner: (owner, sorted positions, next states)."""
+    all_owner, all_pos, all_next = walk_pairs(idx, cur, owner, j, columns, tflat, dead)
     if not len(all_owner):
         return []
     cuts = np.flatnonzero(np.diff(all_owner)) + 1
@@ -112,7 +112,7 @@ def _walk_owned(idx: np.ndarray, cur: np.ndarray, owner: np.ndarray, j: int, col
                                                  np.split(all_next, cuts), strict=True)]
 
 
-def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> tuple[np.ndarray, np.ndarray]:
+def walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> tuple[np.ndarray, np.ndarray]:
     """Walk every token at once (no compaction): contiguous slices of the length-sorted table."""
     n = len(tables.order)
     cur = np.full(n, q, dtype=np.int32)
@@ -126,13 +126,13 @@ def _walk_all(q: int, stay_flat: np.ndarray, dead: int, tables: TrieTables) -> t
     return tables.by_length[alive].astype(np.int64), cur[alive]
 
 
-def _group_steps(trans: np.ndarray, group: np.ndarray) -> tuple[list[int], list[bool]]:
+def group_steps(trans: np.ndarray, group: np.ndarray) -> tuple[list[int], list[bool]]:
     """Per state: where the first byte of `group` leads, and whether every byte of it leads there."""
     nxt = trans[:, group[0]]
     return nxt.tolist(), (np.take(trans, group, axis=1) == nxt[:, None]).all(axis=1).tolist()
 
 
-def _chain_of(dfa: Dfa, q: int, max_len: int,
+def chain_of(dfa: Dfa, q: int, max_len: int,
               steps_of: Callable[[np.ndarray], tuple[list[int], list[bool]]] | None = None
               ) -> tuple[np.ndarray, np.ndarray] | None:
     """For a broad state q: (complement of its main byte group P as 4 uint64 words, chain).
@@ -152,7 +152,7 @@ def _chain_of(dfa: Dfa, q: int, max_len: int,
     if counts[main] < _MIN_GROUP_BYTES:
         return None
     group = np.flatnonzero(row == main)
-    nxt, uniform = steps_of(group) if steps_of is not None else _group_steps(trans, group)
+    nxt, uniform = steps_of(group) if steps_of is not None else group_steps(trans, group)
     chain = [q, main]
     while len(chain) <= max_len:
         cur = chain[-1]
@@ -171,7 +171,7 @@ def _chain_of(dfa: Dfa, q: int, max_len: int,
     return words, np.asarray(chain, dtype=np.int32)
 
 
-def _walk_pairs_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, owner: np.ndarray, columns: np.ndarray,
+def walk_pairs_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, owner: np.ndarray, columns: np.ndarray,
                      tflat: np.ndarray, dead: int) -> tuple[np.ndarray, np.ndarray]:
     """Walk (owner state, token) pairs, each token at sorted position `idx` in state `cur` with
     `at` bytes read: (owners, positions) of the surviving pairs, in no particular order."""
@@ -197,4 +197,4 @@ def _walk_pairs_from(idx: np.ndarray, cur: np.ndarray, at: np.ndarray, owner: np
         if not keep.all():
             idx, cur, lin, owner = idx[keep], cur[keep], lin[keep], owner[keep]
         lin += n
-    return _concat(out_owner), _concat(out_pos)
+    return concat(out_owner), concat(out_pos)
