@@ -25,6 +25,7 @@ from lmserver.config import ServerConfig
 from lmserver.edge.server_process import (
     ServerProcess as ServerProcess,  # re-exported: tests and benchmarks import it here
 )
+from lmserver.engine.step_trace import FIELDS as STEP_TRACE_FIELDS
 from lmserver.io_struct import GenerateReq, InvalidRequestError, ReqOutput, TokenLogprob
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -202,6 +203,10 @@ class FakeEngineCore:
             "token_usage": self._used_tokens / self.capacity_tokens,
             "cache_hit_rate": self._cached_tokens_total / max(self._prompt_tokens_total, 1),
         }
+
+    def get_step_trace(self) -> dict[str, Any]:
+        """The real core's trace shape with no records: the fake core steps without a device."""
+        return {"fields": list(STEP_TRACE_FIELDS), "records": []}
 
     def check_memory_invariant(self) -> None:
         """Raises AssertionError when the reserved tokens disagree with the live requests."""
