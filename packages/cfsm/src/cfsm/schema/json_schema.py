@@ -45,7 +45,6 @@ from cfsm.regex.syntax import (
     Repeat,
     Scope,
     Sep,
-    Shared,
     alt,
     cat,
     lit,
@@ -76,6 +75,7 @@ from cfsm.schema.narrow import (
     possible_types,
     prefer_declared,
     unique_by_type,
+    unique_sequences,
 )
 from cfsm.schema.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
 from cfsm.schema.refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
@@ -1113,22 +1113,9 @@ def _disjoint(a: Any, b: Any) -> bool:
 
 def _unique_sequences(values: list[Node], prefix: list[list[int]], more: list[int], comma: Node, lo: int,
                       hi: int | None) -> Node:
-    """Sequences of distinct `values` (indices: `prefix[i]` the ones allowed at position i, `more`
-    those allowed after the prefix), lo to hi items long."""
-    memo: dict[tuple[int, frozenset[int]], Node] = {}
-
-    def rest(pos: int, used: frozenset[int]) -> Node:
-        key = (pos, used)
-        if key not in memo:
-            options: list[Node] = [EMPTY] if pos >= lo else []
-            if hi is None or pos < hi:
-                sep = comma if pos else EMPTY
-                allowed = prefix[pos] if pos < len(prefix) else more
-                options += [cat(sep, values[i], rest(pos + 1, used | {i})) for i in allowed if i not in used]
-            memo[key] = Shared(alt(*options) if options else NOTHING)
-        return memo[key]
-
-    return Scope(rest(0, frozenset()))
+    """`unique_sequences` over one list of `values` (indices: `prefix[i]` the ones allowed at
+    position i, `more` those allowed after the prefix)."""
+    return unique_sequences([{i: values[i] for i in p} for p in prefix], {i: values[i] for i in more}, comma, lo, hi)
 
 
 def _joined(nodes: list[Node], sep: Node) -> Node:

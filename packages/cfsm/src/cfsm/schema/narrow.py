@@ -134,6 +134,13 @@ def unique_by_type(comp: SchemaCompiler, prefix: list[Any], items: Any, lo: int,
 
     at = [classes(p, f"{path}/prefixItems/{i}") for i, p in enumerate(prefix)]
     more = classes(items, f"{path}/items")
+    return cat(lit("["), comp.ws, unique_sequences(at, more, comp.comma, lo, hi), comp.ws, lit("]"))
+
+
+def unique_sequences(prefix: list[dict[int, Node]], more: dict[int, Node], comma: Node, lo: int,
+                     hi: int | None) -> Node:
+    """Sequences of items with distinct keys, lo to hi items long: `prefix[i]` maps the keys allowed
+    at position i to their item nodes, `more` those allowed after the prefix."""
     memo: dict[tuple[int, frozenset[int]], Node] = {}
 
     def rest(pos: int, used: frozenset[int]) -> Node:
@@ -141,13 +148,13 @@ def unique_by_type(comp: SchemaCompiler, prefix: list[Any], items: Any, lo: int,
         if key not in memo:
             options: list[Node] = [EMPTY] if pos >= lo else []
             if hi is None or pos < hi:
-                sep = comp.comma if pos else EMPTY
-                allowed = at[pos] if pos < len(at) else more
+                sep = comma if pos else EMPTY
+                allowed = prefix[pos] if pos < len(prefix) else more
                 options += [cat(sep, node, rest(pos + 1, used | {i})) for i, node in allowed.items() if i not in used]
             memo[key] = Shared(alt(*options) if options else NOTHING)
         return memo[key]
 
-    return cat(lit("["), comp.ws, Scope(rest(0, frozenset())), comp.ws, lit("]"))
+    return Scope(rest(0, frozenset()))
 
 
 def multiple_of_subset(mult: Any) -> int:
