@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import regex
 
 import lmdsl as sgl
 from lmserver.testing import ServerProcess
+from lmserver.testing.multimodal import random_png
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +33,8 @@ ENV = {"OMP_NUM_THREADS": "1"}
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 
-def _png(seed: int, width: int = 48, height: int = 40) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
+def _png(seed: int) -> bytes:
+    return random_png(seed, 48, 40)
 
 
 @pytest.fixture(scope="module")

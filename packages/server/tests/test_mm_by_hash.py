@@ -9,7 +9,6 @@ scripted core on the other end of the TokenizerManager's sockets.
 from __future__ import annotations
 
 import asyncio
-import io
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,18 +28,14 @@ from lmserver.engine.core import EngineCore
 from lmserver.io_struct import GenerateReq, MultimodalItem, PixelsNeededError, ReqOutput, SamplingParams
 from lmserver.multimodal.frontend import MediaRef, MultimodalFrontend
 from lmserver.multimodal.loader import LoadLimits
+from lmserver.testing.multimodal import random_png
 
 MAX_NEW = 6
 PROMPTS = ["USER: <image>\nWhat is it? ASSISTANT:", "USER: <image>\nWhich colors? ASSISTANT:"]
 
 
 def _png(seed: int, size: tuple[int, int] = (40, 56)) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
+    return random_png(seed, *size)
 
 
 @pytest.fixture(scope="module")

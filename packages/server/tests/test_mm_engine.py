@@ -9,7 +9,6 @@ never share KV (the second's output equals a cold run).
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,18 +19,13 @@ import torch
 from lmserver import Engine
 from lmserver.io_struct import InvalidRequestError
 from lmserver.multimodal.processor import ImageProcessor
+from lmserver.testing.multimodal import random_png
 
 MAX_NEW = 8
 
 
 def _png(seed: int, size: tuple[int, int] = (40, 56)) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
+    return random_png(seed, *size)
 
 
 @pytest.fixture(scope="module", params=["llava", "llava_next"])

@@ -9,6 +9,7 @@ tokenizer with `<image>` (and `<video>`) added as special tokens, a llava-hf sty
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,17 @@ PROCESSOR_CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      dict(CLIP_336_PREPROCESSOR, image_processor_type="LlavaNextImageProcessor",
           image_grid_pinpoints=ANYRES_PINPOINTS)),
 ]
+
+def random_png(seed: int, width: int = 40, height: int = 56) -> bytes:
+    """A PNG of uniformly random RGB pixels, deterministic per seed (PIL writes it)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
 
 def tiny_llava_hf_config(
     kind: str, vocab_size: int, image_token_id: int, video_token_id: int | None = None,
