@@ -450,3 +450,110 @@ def test_trie_levels_are_the_token_trie(tokens: list[bytes]) -> None:
                 assert hi_c - lo_c == len(kids)
                 assert all(levels.byte[d + 1][c] == q[-1] for c, q in zip(range(lo_c, hi_c), kids, strict=True))
     assert np.array_equal(levels.rank[tables.by_length], np.arange(len(toks)))
+
+
+def _naive_below(toks: tuple[bytes, ...], prefix: bytes) -> set[int]:
+    return {b for t in toks if t.startswith(prefix) for b in t[len(prefix):]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.binary(min_size=1, max_size=6).map(lambda b: bytes(x % 5 * 55 + 2 for x in b)),
+                       min_size=1, max_size=40))
+def test_trie_levels_below_are_the_bytes_under_each_prefix(tokens: list[bytes]) -> None:
+    """`TrieLevels.below` against the bytes past each prefix of the tokens that have it."""
+    vocab = cfsm.Vocabulary([b"", *tokens], eos_token_ids=[0])
+    toks, levels = vocab.trie_tables.sorted_tokens, vocab.trie_levels
+    for d in range(len(levels.byte)):
+        prefixes = sorted({t[:d + 1] for t in toks if len(t) > d})
+        assert levels.below[d].shape == (len(prefixes), 4)
+        for k, p in enumerate(prefixes):
+            words = [int(w) for w in levels.below[d][k]]
+            got = {b for b in range(256) if (words[b >> 6] >> (b & 63)) & 1}
+            assert got == _naive_below(toks, p), (d, p)
+
+
+# string-like grammars: self-loops on most bytes (string bodies), escapes, rule ends inside loops
+_LOOP_PARTS = ['"\\"" [^"\\\\]* "\\""', '[^"]*', '[^a]*', '[a-c]+', '"a"', '"\\\\" [ab"]', '[^"\\\\\\x00-\\x1F]*',
+               '[^\\n]*', '"é"']
+_LOOP_BYTES = [b"a", b"b", b"c", b'"', b"\\", b"\n", "é".encode(), b"x", b" ", b"<", b">"]
+
+
+@st.composite
+def _loop_grammars(draw: st.DrawFn) -> str:
+    """A random GBNF grammar of string-like parts (loops on most bytes) that call each other;
+    every rule recurses (`"<" rule ">"`), so none is inlined: configurations of several stacks
+    whose tops loop on different bytes."""
+    names = ["root"] + [f"r{i}" for i in range(1, draw(st.integers(1, 3)))]
+
+    def item() -> str:
+        if draw(st.integers(0, 3)) == 0:
+            return draw(st.sampled_from(names)) + draw(st.sampled_from(["", "?", "*"]))
+        return "(" + draw(st.sampled_from(_LOOP_PARTS)) + ")" + draw(st.sampled_from(["", "", "?", "{0,2}"]))
+
+    def alternatives() -> str:
+        return " | ".join(" ".join(item() for _ in range(draw(st.integers(1, 3))))
+                          for _ in range(draw(st.integers(1, 2))))
+
+    return "\n".join(f'{name} ::= {alternatives()} | "<" {name} ">"' for name in names)
+
+
+def _uncut_walk(index: GrammarIndex, sids: list[int]) -> tuple[np.ndarray, ...]:
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(grammar_index, "_LOOP_CUT", False)
+        return index._walk_trie_many(sids)
+    finally:
+        mp.undo()
+
+
+def _walk_set(walk: tuple[np.ndarray, ...]) -> tuple[set[tuple[int, int]], set[tuple[int, int, int]]]:
+    a_key, a_pos, e_key, e_pos, e_at = (x.tolist() for x in walk)
+    acc = list(zip(a_key, a_pos, strict=True))
+    assert len(set(acc)) == len(acc)  # every accepted token once
+    accepted = set(acc)
+    # NOTE: the escapes of accepted tokens count for nothing (a cut subtree does not list them)
+    return accepted, {e for e in zip(e_key, e_pos, e_at, strict=True) if e[:2] not in accepted}
+
+
+# NOTE: derandomized, as the other random-grammar tests (a draw must not decide whether CI passes)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_loop_grammars(), tokens=st.lists(st.lists(st.sampled_from(_LOOP_BYTES), min_size=2, max_size=7)
+                                              .map(b"".join), min_size=1, max_size=60),
+       seed=st.integers(0, 2**32 - 1))
+def test_loop_cut_walks_equal_plain_trie_walks(text: str, tokens: list[bytes], seed: int) -> None:
+    """Trie walks that accept a subtree whole where its bytes loop the configuration (`_LOOP_CUT`)
+    against the plain trie walk and the token-at-a-time walk, for every one-frame key and for
+    configurations reached along random strings (deep stacks, rule ends inside loops); and an
+    index compiled without the cut has the same keys, settlements and masks."""
+    vocab = cfsm.Vocabulary([bytes([b]) for b in range(256)] + tokens + [b""], eos_token_ids=[256 + len(tokens)])
+    try:
+        pda = build_pda(inline_rules(parse_ebnf(text)))
+        fast = GrammarIndex(pda, vocab)
+    except cfsm.GrammarError:
+        return
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(grammar_index, "_LOOP_CUT", False)
+        plain = GrammarIndex(pda, vocab)
+    finally:
+        mp.undo()
+    _same_infos(fast._keys, plain._keys)
+    _same_infos(fast._settled, plain._settled)
+    _check_trie_walks(fast)
+    rng = random.Random(seed)
+    alphabet = [b.decode() for b in _LOOP_BYTES]
+    sids = set(range(1, fast.num_configurations + 1))
+    for _ in range(4):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randrange(10)))
+        a, b = GrammarGuide(fast), GrammarGuide(plain)
+        for tid in greedy_tokens(vocab, s.encode()):
+            allowed = a.allowed_token_ids().tolist()
+            assert allowed == b.allowed_token_ids().tolist(), (text, s)
+            if tid not in allowed:
+                break
+            a.advance(tid)
+            b.advance(tid)
+        assert a.can_stop() == b.can_stop()
+    # every configuration seen so far (multi-stack ones included) walked as a key, both ways
+    sids = sorted(set(range(1, fast.num_configurations + 1)) | sids)
+    assert _walk_set(fast._walk_trie_many(sids)) == _walk_set(_uncut_walk(fast, sids))

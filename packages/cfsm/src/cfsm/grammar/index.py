@@ -41,6 +41,7 @@ __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
 
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
+_LOOP_CUT = True  # trie walks accept a subtree whole where its bytes all loop the configuration (tests switch it off)
 _FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
 _BOOL_ROWS = 1 << 20  # batched key rows of at most this many words are set as bools, then packed
 # escape sets settled at compile time, at most (and at most twice the one-frame keys that have
@@ -157,6 +158,11 @@ class GrammarIndex:
         self._end = np.zeros(64, dtype=bool)  # (capacity,) a stack of one frame may end its rule
         # (capacity, 256) the bytes that may follow those rule ends (their rules' FOLLOW sets)
         self._after_end = np.zeros((64, 256), dtype=bool)
+        # (capacity,) per configuration: its loop bytes are known (`_loop_flags`), it has some;
+        # (capacity, 4) uint64 the bytes that step it to itself with no escape, as 256 bits
+        self._loop_known = np.zeros(64, dtype=bool)
+        self._has_loop = np.zeros(64, dtype=bool)
+        self._loop = np.zeros((64, 4), dtype=np.uint64)
         try:
             self._follow = _follow_sets(pda, self._close)
         except _TooAmbiguous:
@@ -220,6 +226,9 @@ class GrammarIndex:
             self._table = np.concatenate([self._table, np.full((grow, 256), _UNKNOWN, dtype=np.int32)])
             self._end = np.concatenate([self._end, np.zeros(grow, dtype=bool)])
             self._after_end = np.concatenate([self._after_end, np.zeros((grow, 256), dtype=bool)])
+            self._loop_known = np.concatenate([self._loop_known, np.zeros(grow, dtype=bool)])
+            self._has_loop = np.concatenate([self._has_loop, np.zeros(grow, dtype=bool)])
+            self._loop = np.concatenate([self._loop, np.zeros((grow, 4), dtype=np.uint64)])
         acc = self._acc
         ends = {int(self.pda.state_rule[st[-1]]) for st in config if len(st) == 1 and acc[st[-1]]}
         self._end[sid] = bool(ends)
@@ -348,6 +357,38 @@ class GrammarIndex:
             row = self._trans_rows[state] = self.pda.trans[state].tolist()
         return row
 
+    @functools.cached_property
+    def _state_loops(self) -> np.ndarray:
+        """(num_states, 4) uint64: per state of the network, the bytes that step it to itself."""
+        trans = self.pda.trans
+        same = trans == np.arange(len(trans), dtype=trans.dtype)[:, None]
+        return np.ascontiguousarray(np.packbits(same, axis=1, bitorder="little").view("<u8"))
+
+    def _loop_flags(self, sids: np.ndarray) -> np.ndarray:
+        """Per configuration of `sids` (int64, none dead): whether some byte steps it to itself (its
+        bytes in `_loop`, filled here on first sight). Fills caches only.
+
+        NOTE: the loop bytes are those on which every stack's top steps to itself (then the moved
+        stacks are the configuration's own, and their closure is the configuration again). Bytes
+        that reach the same configuration some other way are left out: a loop byte is exact, the
+        set need not be complete."""
+        known = self._loop_known.take(sids)
+        if not known.all():
+            new = _distinct(sids[~known])
+            tops: list[int] = []
+            sizes: list[int] = []
+            states = self._states
+            for sid in new.tolist():
+                ts = {st[-1] for st in states[sid]}
+                tops.extend(ts)
+                sizes.append(len(ts))
+            starts = np.cumsum([0, *sizes[:-1]])
+            loop = np.bitwise_and.reduceat(self._state_loops.take(tops, axis=0), starts, axis=0)
+            self._loop[new] = loop
+            self._has_loop[new] = loop.any(axis=1)
+            self._loop_known[new] = True
+        return self._has_loop.take(sids)  # type: ignore[no-any-return]
+
     def walk(self, sid: int, data: bytes) -> int:
         """The configuration after reading `data` from `sid` (0 if rejected). Fills caches only."""
         for b in data:
@@ -466,9 +507,11 @@ class GrammarIndex:
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Walk the whole vocabulary from every configuration of `sids` (one key each) at once,
         over its trie (`Vocabulary.trie_levels`): each distinct prefix is stepped once per key,
-        and a prefix that dies drops its subtree. Returns (key, sorted position) of the accepted
-        tokens and (key, sorted position, offset) of every escape (a token under a prefix whose
-        last byte leaves the key there; accepted ones included). Fills caches only.
+        a prefix that dies drops its subtree, and one whose tokens read on only bytes that loop
+        its configuration accepts them whole (`_LOOP_CUT`). Returns (key, sorted position) of the
+        accepted tokens, each once, and (key, sorted position, offset) of every escape of a token
+        not accepted (a token under a prefix whose last byte leaves the key there; some accepted
+        ones may be listed too). Fills caches only.
 
         NOTE: children expand in their parents' order, so every level's arrays stay sorted by key."""
         levels = self.vocab.trie_levels
@@ -500,6 +543,23 @@ class GrammarIndex:
                     esc_d.append(d)
             alive = nxt != 0
             nodes, key, st = nodes[alive], key[alive], nxt[alive].astype(np.int64)
+            if _LOOP_CUT and len(st):
+                # NOTE: a node whose tokens read on only bytes that loop its configuration (a string
+                # body: every byte but the quote and the backslash) accepts them all: its subtree is
+                # not walked (nor its escapes listed: those of accepted tokens count for nothing)
+                loops = self._loop_flags(st)
+                if loops.any():
+                    cand = np.flatnonzero(loops)
+                    rest = levels.below[d].take(nodes.take(cand), axis=0) & ~self._loop.take(st.take(cand), axis=0)
+                    whole = cand[~rest.any(axis=1)]
+                    if len(whole):
+                        lo = levels.tok_lo[d].take(nodes.take(whole))
+                        cnt = levels.tok_hi[d].take(nodes.take(whole)) - lo
+                        acc_key.append(np.repeat(key.take(whole), cnt))
+                        acc_pos.append(_expand(lo, cnt))
+                        keep = np.ones(len(nodes), dtype=bool)
+                        keep[whole] = False
+                        nodes, key, st = nodes[keep], key[keep], st[keep]
             cnt = levels.end_count[d].take(nodes)
             has = cnt > 0
             if has.any():
@@ -989,6 +1049,9 @@ class GrammarIndex:
         new._table = self._table.copy()
         new._end = self._end.copy()
         new._after_end = self._after_end.copy()
+        new._loop_known = self._loop_known.copy()
+        new._has_loop = self._has_loop.copy()
+        new._loop = self._loop.copy()
         for name in ("_keys", "_settled", "_row_ids", "_state_row", "_forced", "_runs", "_runs_sorted", "_trans_rows"):
             setattr(new, name, dict(getattr(self, name)))
         new._rows = list(self._rows)

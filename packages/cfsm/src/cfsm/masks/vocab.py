@@ -92,6 +92,31 @@ class TrieLevels:
     end_count: tuple[np.ndarray, ...]
     rank: np.ndarray  # (n,) int64: sorted position -> its index in `TrieTables.by_length`
 
+    @functools.cached_property
+    def below(self) -> tuple[np.ndarray, ...]:
+        """Per level (n_d, 4) uint64: the bytes of the node's tokens past its prefix (bit b % 64
+        of word b // 64 set if a token under the node has byte b after its first d + 1 bytes; 0
+        for a node whose tokens all end there). A walk whose configuration loops on every such
+        byte accepts the node's tokens whole (`GrammarIndex._walk_trie_many`). Read-only."""
+        levels = len(self.byte)
+        out: list[np.ndarray] = [np.zeros((0, 4), dtype=np.uint64)] * levels
+        for d in range(levels - 1, -1, -1):
+            n = len(self.byte[d])
+            acc = np.zeros((n, 4), dtype=np.uint64)
+            if d + 1 < levels and len(self.byte[d + 1]):
+                # NOTE: each child contributes its own byte and what lies below it; the children of
+                # the nodes that have any are consecutive ranges covering the next level in order
+                child = out[d + 1].copy()
+                b = self.byte[d + 1]
+                child[np.arange(len(b)), b >> 6] |= np.left_shift(np.uint64(1), (b & 63).astype(np.uint64))
+                lo, hi = self.child_lo[d], self.child_hi[d]
+                has = np.flatnonzero(hi > lo)
+                if len(has):
+                    acc[has] = np.bitwise_or.reduceat(child, lo[has], axis=0)
+            acc.flags.writeable = False
+            out[d] = acc
+        return tuple(out)
+
 
 def build_trie_levels(tables: TrieTables) -> TrieLevels:
     """The `TrieLevels` of sorted trie tables. Pure."""
@@ -282,7 +307,7 @@ class Vocabulary:
             format_node(fmt)
         prepare_blocks()
         self.trie_tables  # noqa: B018
-        self.trie_levels  # noqa: B018
+        self.trie_levels.below  # noqa: B018
         self.string_tables.inner_edges  # noqa: B018
         self.string_tables.byte_class  # noqa: B018
         self.string_tables.target_columns  # noqa: B018
