@@ -467,3 +467,61 @@ def test_readme_example() -> None:
     out: Any = namespace["out"]
     assert "Paris" in out["text"], out["text"]
     assert out["meta_info"]["completion_tokens"] >= 1
+
+
+# --- tensor parallelism: the followers' KV pool -----------------------------------------------------------
+
+
+def test_tp_follower_builds_its_kv_pool_as_rank_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor-parallel follower's KV pool has rank 0's configuration (FP8 storage, K in the Hadamard basis,
+    KV scales), not a model-dtype pool: `follower_main` runs here on a fake group that hands it rank 0's
+    resolved config and slot count, and the pool it builds is compared field by field with rank 0's."""
+    import shutil
+
+    from lmserver.engine.builder import EngineBuilder
+    from lmserver.forward import kv_pool as kv_pool_module
+    from lmserver.models.default_model import default_model_path
+    from lmserver.runner import tp_engine
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_path() / f, folder / f)
+    hf = {"architectures": ["LlamaForCausalLM"], **COMMON, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+          "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(hf))
+    parts = EngineBuilder(ServerConfig(model_path=str(folder), load_format="dummy", device="cpu", dtype="float32",
+                                       kv_cache_dtype="fp8_e4m3", context_length=64, max_total_tokens=256,
+                                       disable_cuda_graph=True)).build()
+    rank0 = parts.kv_pool
+    built: list[KVPool] = []
+
+    class RecordingPool(KVPool):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    messages = iter([{"config": parts.config, "model_path": str(folder), "lowlat_specs": ()}, rank0.num_slots, None])
+
+    class FakeGroup:
+        size, rank = 1, 0  # one rank: shard_model_ leaves the model whole, like rank 0's
+
+        def broadcast_object(self, obj: Any = None) -> Any:
+            return next(messages)
+
+        def destroy(self) -> None:
+            pass
+
+    monkeypatch.setattr(kv_pool_module, "KVPool", RecordingPool)
+    monkeypatch.setattr(tp_engine.TPGroup, "init", staticmethod(lambda *a, **k: FakeGroup()))
+    monkeypatch.setattr(tp_engine, "_exit_with_parent", lambda: None)
+    tp_engine.follower_main(1, 1, "unused://", "gloo", 0)
+
+    def describe(p: KVPool) -> tuple[Any, ...]:
+        rotation = None if p.k_rotation is None else p.k_rotation.tolist()
+        return (p.num_slots, p.num_layers, p.num_kv_heads, p.head_dim, p.compute_dtype, p.dtype, p.k_scale,
+                p.v_scale, rotation)
+
+    assert len(built) == 1
+    assert rank0.is_fp8 and rank0.k_rotation is not None  # what the follower must match
+    assert describe(built[0]) == describe(rank0)

@@ -36,7 +36,7 @@ from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
 from lmserver.runner.model_runner import ModelRunner
 from lmserver.runner.resolve import (
     SMALL_GPU_GRAPH_MAX_BS,
-    kv_cache_options,
+    engine_kv_pool_options,
     prefill_pacer,
     resolve_config,
     step_budget,
@@ -125,12 +125,10 @@ class EngineBuilder:
             if tp is not None:  # the followers wait for the slot count: tell them to stop instead
                 tp.shutdown()
             raise
-        # NOTE: an FP8 cache stores K in the Hadamard basis unless a lowlat plugin serves decode steps: the
-        # plugins write and read K unrotated (forward/kv_pool.py), and every path must see one basis
-        plugin = lowlat.session.selected if lowlat is not None else None
+        # NOTE: the TP followers build theirs with the same options (runner/tp_engine.py follower_main)
         kv_pool = KVPool(kv_manager.buffer_size, mc.num_hidden_layers,
                          tp.local_kv_heads if tp else mc.num_key_value_heads, mc.head_dim,
-                         dtype, device, **kv_cache_options(rc.kv_cache_dtype, model, rotate_k=plugin is None))
+                         dtype, device, **engine_kv_pool_options(rc, model, lowlat))
         kv_pool.zero_padding(rc.page_size)
         host_kv = start_host_tier(rc, kv_pool, kv_manager) if rc.enable_hierarchical_cache else None
         req_to_token = make_req_to_token(rc.max_running_requests, context_length, device)

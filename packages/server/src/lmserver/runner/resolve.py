@@ -38,6 +38,9 @@ GPU_CHUNKED_PREFILL_SIZE = 8192
 # <= 100 ms on the H200, <= 2 s on a small CPU; a fixed 8,192-token chunk of an 8B model took 220 ms).
 GPU_PREFILL_STEP_TARGET_MS = 60.0
 CPU_PREFILL_STEP_TARGET_MS = 500.0
+# SLO admission, relative target (scheduler/admission.py): while requests that started calm decode, new
+# ones join only as far as those keep 1 / 1.05 of the speed they started at (issue 27's storm: >= 0.9).
+DECODE_STEP_SLOWDOWN = 1.05
 
 
 class ConfigError(ValueError):
@@ -194,7 +197,7 @@ def prefill_pacer(rc: ServerConfig) -> PrefillPacer | None:
 
 
 def resolve_decode_step_target_ms(requested: float | None) -> float | None:
-    """The SLO admission's decode step target (None: off; 0 means off too). Pure."""
+    """The SLO admission's absolute decode step target (None: off; 0 means off too). Pure."""
     if requested is None or requested == 0:
         return None
     if not requested > 0 or requested == float("inf"):
@@ -202,14 +205,30 @@ def resolve_decode_step_target_ms(requested: float | None) -> float | None:
     return float(requested)
 
 
+def resolve_decode_step_slowdown(requested: float | None, device: str) -> float:
+    """The SLO admission's relative target (0: off): `requested`, else DECODE_STEP_SLOWDOWN on
+    CUDA and off on a CPU (its step times are too noisy to limit by, and tests stay timing-free).
+    Pure."""
+    if requested is None:
+        return DECODE_STEP_SLOWDOWN if device == "cuda" else 0.0
+    if requested == 0:
+        return 0.0
+    if not requested > 1.0 or requested == float("inf"):
+        raise ConfigError(f"decode_step_slowdown must be a finite number > 1 (0: off), got {requested}")
+    return float(requested)
+
+
 def step_budget(rc: ServerConfig) -> StepBudget | None:
-    """The SLO admission of a resolved config (None: off): its admitting steps bounded by the
-    pacer's mixed-step target where there is one."""
-    if rc.decode_step_target_ms is None:
-        return None
+    """The SLO admission of a resolved config (None: off): the absolute target where one is set,
+    else the relative one; its admitting steps bounded by the pacer's mixed-step target where
+    there is one."""
     most = rc.prefill_step_target_ms or 0.0
-    return StepBudget(AdmissionConfig(target_s=rc.decode_step_target_ms / 1000.0,
-                                      max_step_s=most / 1000.0 if most > 0 else float("inf")))
+    max_step_s = most / 1000.0 if most > 0 else float("inf")
+    if rc.decode_step_target_ms is not None:
+        return StepBudget(AdmissionConfig(target_s=rc.decode_step_target_ms / 1000.0, max_step_s=max_step_s))
+    if rc.decode_step_slowdown:
+        return StepBudget(AdmissionConfig(slowdown=rc.decode_step_slowdown, max_step_s=max_step_s))
+    return None
 
 
 def resolve_kv_tokens(
@@ -284,6 +303,7 @@ def resolve_config(
         chunked_prefill_size=resolve_chunked_prefill_size(config.chunked_prefill_size, device),
         prefill_step_target_ms=resolve_prefill_step_target_ms(config.prefill_step_target_ms, device),
         decode_step_target_ms=resolve_decode_step_target_ms(config.decode_step_target_ms),
+        decode_step_slowdown=resolve_decode_step_slowdown(config.decode_step_slowdown, device),
         model_path=model_path,
         device=device,
         dtype=dtype,
@@ -294,6 +314,15 @@ def resolve_config(
         attention_backend=backend,
         mem_fraction_static=config.mem_fraction_static or (DEFAULT_MEM_FRACTION_STATIC if device == "cuda" else None),
     )
+
+
+def engine_kv_pool_options(config: ServerConfig, model: torch.nn.Module, lowlat: Any = None) -> dict[str, Any]:
+    """KVPool keyword arguments of an engine's KV pool from its resolved `config`: rank 0's and every
+    tensor-parallel follower's alike (each with its own `model` and `LowlatHook` or None). An FP8
+    cache stores K in the Hadamard basis unless a lowlat plugin serves decode steps: the plugins
+    write and read K unrotated (forward/kv_pool.py), and every path of every rank must see one basis."""
+    plugin = lowlat.session.selected if lowlat is not None else None
+    return kv_cache_options(config.kv_cache_dtype, model, rotate_k=plugin is None)
 
 
 def kv_cache_options(kv_cache_dtype: str, model: torch.nn.Module | None = None,

@@ -177,6 +177,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     from lmserver.runner.attention.registry import default_registry
     from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
     from lmserver.runner.model_runner import ModelRunner
+    from lmserver.runner.resolve import engine_kv_pool_options
     from lowlat import Registry, Unsupported
 
     _exit_with_parent()
@@ -201,6 +202,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
         max_positions=rc.context_length,
         seed=rc.random_seed,
         disable_fused_kernels=rc.disable_fused_kernels,
+        quantization=rc.quantization,
     )
     shard_model_(model, mc, group)
     failed: Unsupported | None = None
@@ -216,7 +218,9 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     if failed is not None:
         raise RuntimeError(f"rank {rank} failed lowlat start-up but rank 0 went on: {failed}")
     _, kv_heads = tp_head_counts(mc, size)
-    pool = KVPool(num_slots, mc.num_hidden_layers, kv_heads, mc.head_dim, dtype, device)
+    # NOTE: rank 0's options (FP8 storage, K basis, KV scales): engine/builder.py builds its pool the same way
+    pool = KVPool(num_slots, mc.num_hidden_layers, kv_heads, mc.head_dim, dtype, device,
+                  **engine_kv_pool_options(rc, model, lowlat))
     pool.zero_padding(rc.page_size)
     table = make_req_to_token(rc.max_running_requests, rc.context_length, device)
     runner = ModelRunner(
