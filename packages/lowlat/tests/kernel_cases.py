@@ -115,6 +115,67 @@ def test_interpret_split_kv_attention_fused_merge(shape: LayerShape, dtype: torc
         assert int(counts.abs().sum()) == 0
 
 
+def _attention_f64(q: torch.Tensor, kv: KVCache, meta, group: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Float64 oracle: each row's heads over its own request's first seq_len positions (a host loop)."""
+    b, nq, d = q.shape
+    out = torch.empty(b, nq, d, dtype=torch.float64)
+    k, v = kv.k.double().cpu(), kv.v.double().cpu()
+    table, rows, lens = meta.req_to_token.cpu().long(), meta.req_pool_indices.cpu().long(), meta.seq_lens.cpu().long()
+    for i in range(b):
+        slots = table[rows[i], : lens[i]]
+        for h in range(nq):
+            s = (k[slots, h // group] @ q[i, h].double().cpu()) * d**-0.5
+            out[i, h] = torch.softmax(s, 0) @ v[slots, h // group]
+    return out
+
+
+def _rows_meta(runs: list[tuple[int, int, int]], num_slots: int, max_context: int, g: torch.Generator):  # type: ignore[no-untyped-def]
+    """Rows as ``(table row, prefix, rows)`` runs: each run's row j at position prefix + j (seq_len prefix + j + 1)
+    over its table row; a table row may come back in a later run (the same request again, not adjacent)."""
+    from lowlat.layer import ForwardMeta
+
+    table = torch.randperm(num_slots, generator=g)[: 8 * max_context].view(8, max_context).to(torch.int32)  # distinct
+    req = torch.tensor([t for t, _, n in runs for _ in range(n)], dtype=torch.int64)
+    pos = torch.tensor([p + j for _, p, n in runs for j in range(n)], dtype=torch.int64)
+    lens = (pos + 1).to(torch.int32)
+    loc = table[req, pos].to(torch.int64)
+    return ForwardMeta(table.to(DEVICE), req.to(DEVICE), lens.to(DEVICE), pos.to(DEVICE), loc.to(DEVICE),
+                       max_seq_len=max_context)
+
+
+# (runs, num_sms, block): a verify step (one request's 6 rows + 2 padding rows, length 1), two requests' 6 rows each (the
+# second one crosses the 8-row block: two runs), decode rows of distinct requests, a padding run longer than 8 rows,
+# a request's rows split by another request's; num_sms sets how many splits the kernel uses
+ROWS_CASES = [
+    ([(0, 30, 6), (7, 0, 2)], 16, 8),
+    ([(0, 21, 6), (3, 9, 6)], 1, 8),
+    ([(0, 13, 1), (1, 1, 1), (2, 40, 1), (3, 27, 1)], 4, 16),
+    pytest.param([(2, 33, 3), (7, 0, 10)], 8, 8, marks=pytest.mark.slow),
+    pytest.param([(0, 17, 3), (1, 5, 2), (0, 20, 1)], 64, 8, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("runs", "num_sms", "block"), ROWS_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpret_rows_attention_matches_float64(runs: list, num_sms: int, block: int, dtype: torch.dtype) -> None:
+    """``rows_attention`` (a leader program per run of rows of one request) against the float64 oracle, with
+    poisoned outputs and partials (every element written), twice: all splits of the grid, and one split."""
+    shape = SHAPES[1] if dtype == torch.bfloat16 else SHAPES[0]
+    g = torch.Generator().manual_seed(50 + num_sms)
+    meta = _rows_meta(runs, 400, 48, g)
+    b = int(meta.seq_lens.shape[0])
+    kv = random_kv(shape, 400, dtype, DEVICE, generator=g)
+    q = torch.randn(b, shape.q_size, generator=g).to(DEVICE, dtype)
+    ref = _attention_f64(q.view(b, shape.num_heads, -1), kv, meta, shape.group_size).reshape(b, -1)
+    lc = replace(_lc(shape), num_sms=num_sms, rows_attn_block=block)
+    for splits in (ops.rows_splits(shape, 48, lc, 8), 1):
+        part_o = torch.full((b, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+        part_lse = torch.full((b, shape.num_heads, splits), float("nan"), device=DEVICE)
+        out = torch.full_like(q, float("nan"))
+        ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, splits)
+        assert _rel(out.cpu(), ref) < TOL[dtype], splits
+
+
 def test_attention_counts_are_checked() -> None:
     shape = SHAPES[0]
     g = torch.Generator().manual_seed(3)

@@ -12,6 +12,7 @@ from lowlat.errors import ShapeError
 from lowlat.kernels import gemv as GV
 from lowlat.kernels import layer as K
 from lowlat.kernels import mrow as MR
+from lowlat.kernels import rows_attn as RA
 from lowlat.kernels._jit import check_device, next_pow2
 from lowlat.layer import ForwardMeta, KVCache, LayerShape
 from lowlat.reference import AttentionWeights
@@ -113,6 +114,11 @@ class LaunchConfig:
     # but the stack from 70.2 to 71.6 us per layer (the o_proj after it started later); bf16 at 8 rows 135.5 against
     # 137.8 with the per-split merge loop of fec71e2 (benchmarks/RESULTS.md, issue 33, 2026-12-02)
     fused_merge: bool = False
+    # decode / verify batches of 2 to this many rows run ``rows_attention`` (each request's K/V read once for all of
+    # its rows, the split count picked on the device from the number of requests; 0: never), in KV blocks of
+    # ``rows_attn_block`` tokens; not with ``fused_merge``
+    rows_attention_up_to: int = 0
+    rows_attn_block: int = 64
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -129,6 +135,8 @@ class LaunchConfig:
                 qkv_block_p=min(8, shape.head_dim // 2),
                 attn_block_n=8,
                 num_sms=1,
+                rows_attention_up_to=16,
+                rows_attn_block=8,
             )
         from lowlat.kernels.tuning import (
             tuned_attention,
@@ -142,7 +150,8 @@ class LaunchConfig:
         return cls(use_pdl=use_pdl, qkv_block_p=min(16, shape.head_dim // 2), num_sms=props.multi_processor_count,
                    tuned=tuned_table(props.name, shape, fp8), pdl_release=tuned_pdl_release(props.name, shape), fp8=fp8,
                    attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe, fp8),
-                   verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape, fp8))
+                   verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape, fp8),
+                   rows_attention_up_to=16)
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:
@@ -153,6 +162,10 @@ class LaunchConfig:
         if self.pdl_release == "auto":
             return programs <= self.num_sms
         return self.pdl_release == "early"
+
+    def uses_rows_attention(self, batch: int) -> bool:
+        """Whether a decode / verify batch of ``batch`` rows runs ``rows_attention`` (else ``attention``)."""
+        return 2 <= batch <= self.rows_attention_up_to and not self.fused_merge
 
     def attn_block(self, batch: int) -> int:
         """The decode attention's KV block (tokens per inner step) at ``batch`` rows."""
@@ -198,6 +211,12 @@ def num_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig
     """Split-KV partitions: enough programs to fill the GPU, none shorter than one block. Host-only."""
     want = triton.cdiv(2 * lc.num_sms, max(1, batch * shape.num_kv_heads))
     return max(1, min(max_splits, want, triton.cdiv(max(1, max_seq_len), lc.attn_block(batch))))
+
+
+def rows_splits(shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int) -> int:
+    """The grid's split count of ``rows_attention``: as many as its KV blocks allow, at most ``max_splits`` (the
+    kernel uses fewer where the launch holds many requests). Host-only."""
+    return max(1, min(max_splits, triton.cdiv(max(1, max_seq_len), lc.rows_attn_block)))
 
 
 def check_head_dim(shape: LayerShape) -> None:
@@ -268,6 +287,36 @@ def attention(
     )
     if splits == 1 or fused:
         return  # the attention kernel wrote `out` itself
+    K.merge_splits_kernel[(b, shape.num_heads)](
+        part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_heads), **_kw(dev, lc),
+    )
+
+
+def rows_attention(
+    q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
+) -> None:
+    """``attention`` with each run of rows of one request (at most ``rows_attn.ROWS_PER_RUN``, a verify step's rows)
+    read against each K/V tile once (``rows_attn.rows_attention_kernel``), then the merge launch (none with
+    ``splits == 1``). ``splits``: the grid's (``rows_splits``); the kernel picks how many of them do work from the
+    number of requests in the launch."""
+    b, dev = q.shape[0], q.device
+    group = shape.group_size
+    block_gp = next_pow2(group)
+    r = RA.ROWS_PER_RUN
+    block_m = r * block_gp if dev.type == "cpu" else max(16, r * block_gp)
+    RA.rows_attention_kernel[(b, shape.num_kv_heads, splits)](
+        q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens, part_o, part_lse, out,
+        b, meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
+        shape.head_dim**-0.5 * (kv.k_scale if kv.fp8 else 1.0), kv.v_scale if kv.fp8 else 1.0,
+        NQ=shape.num_heads, G=group, D=shape.head_dim, KVH=shape.num_kv_heads, R=r, BLOCK_GP=block_gp, BLOCK_M=block_m,
+        BLOCK_B=next_pow2(b), BLOCK_N=lc.rows_attn_block, NUM_SPLITS=splits, TARGET=2 * lc.num_sms,
+        DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
+        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, **_kw(dev, lc),
+    )
+    if splits == 1:
+        return
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_heads), **_kw(dev, lc),

@@ -160,8 +160,13 @@ class TritonLayerStack:
 
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
-        ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc, self._splits(b, meta),
-                      counts=self.attn_counts if lc.fused_merge else None)
+        if lc.uses_rows_attention(b):  # each request's K/V read once for all of its rows (verify steps)
+            max_len = meta.max_seq_len or meta.req_to_token.shape[1]
+            ops.rows_attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
+                               ops.rows_splits(self.shape, max_len, lc, self.max_splits))
+        else:
+            ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
+                          self._splits(b, meta), counts=self.attn_counts if lc.fused_merge else None)
         self.row_parallel(self.attn[:b], w.o_proj, w.o_proj_scale, x, self.x1[:b], "o_proj")
         ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc, scale=w.gate_up_scale)
         self.row_parallel(self.act[:b], w.down, w.down_scale, self.x1[:b], out, "down")

@@ -1,0 +1,243 @@
+"""The plugin's verify step against the generic one, old kernels against new, in one device call (CUDA GPU only).
+
+Part 1, attention alone (no engine): the nvidia plugin's per-row split-KV attention (`ops.attention`, grid rows x KV
+heads x splits) against `ops.rows_attention` (one leader program per run of a request's rows, its K/V read once for
+them; the split count picked on the device from the number of requests), on a verify step (one request's 6 rows + 2
+padding rows of length 1, the graph of 8 rows) and a decode step of 8 requests, Llama-3-8B shape, bf16. Each variant
+is first checked against a float64 oracle on fresh random inputs (outputs poisoned with NaN first), then timed as 32
+chained launches over 32 layers' own KV caches in one CUDA graph (median of replays, us per layer).
+
+Part 2, the step (as `benchmarks/lowlat/bench_step_kernels.py`): per setting one `EngineCore` in this process
+(dummy bf16 weights, CUDA graphs up to 8 rows, n-gram drafts: 5 per step, acceptance simulated at 3.5), one user's
+request (random 512-token prompt, greedy), then the graph of 8 rows (which holds that request's last verify step of 6
+rows) replayed back to back (CUDA events) and under the torch profiler (each kernel's marginal time). Settings:
+`spec` (generic verify: cuBLAS + lmserver's kernels), `spec+plugin-perrow` (the plugin with `rows_attention_up_to=0`:
+the per-row attention, as before this change), `spec+plugin` (the plugin as built now).
+
+`--alias-tables` (default on): on a GPU other than the H200 the plugin's measured tables (`lowlat.kernels.tuning`,
+keyed by the GPU's name) are the H200's, copied under this GPU's name in this process only: the tiles were measured
+on the H200, which has the H100's 132 SMs and architecture; without them an H100 runs the default tiles.
+
+    python benchmarks/speculative/bench_verify_step.py --model-path MODEL_DIR [--json OUT/verify_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "lowlat"))
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def alias_tables(name: str, source: str = "NVIDIA H200") -> list[str]:
+    """Copy every ``lowlat.kernels.tuning`` entry keyed by ``source`` under ``name`` (this process only)."""
+    from lowlat.kernels import tuning
+
+    copied = []
+    for attr in dir(tuning):
+        table = getattr(tuning, attr)
+        if not (attr.isupper() and isinstance(table, dict)):
+            continue
+        for key in list(table):
+            if isinstance(key, tuple) and key and key[0] == source:
+                new = (name, *key[1:])
+                if new not in table:
+                    table[new] = table[key]
+                    copied.append(attr)
+    return sorted(set(copied))
+
+
+# -- part 1: attention alone ---------------------------------------------------------------------------------------
+
+LLAMA3_8B = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+
+
+def _meta(runs: list[tuple[int, int, int]], table_rows: int, context: int, slots: int, dev: torch.device,
+          g: torch.Generator) -> Any:
+    """Rows as (table row, prefix, rows) runs (row j of a run at position prefix + j); every table row's slots
+    distinct (a scattered, paged layout)."""
+    from lowlat.layer import ForwardMeta
+
+    table = torch.randperm(slots, generator=g)[: table_rows * context].view(table_rows, context).to(torch.int32)
+    req = torch.tensor([t for t, _, n in runs for _ in range(n)], dtype=torch.int64)
+    pos = torch.tensor([p + j for _, p, n in runs for j in range(n)], dtype=torch.int64)
+    lens = (pos + 1).to(torch.int32)
+    loc = table[req, pos].to(torch.int64)
+    return ForwardMeta(table.to(dev), req.to(dev), lens.to(dev), pos.to(dev), loc.to(dev), max_seq_len=context)
+
+
+def _f64(q: torch.Tensor, kv: Any, meta: Any, group: int) -> torch.Tensor:
+    b, nq, d = q.shape
+    table, rows, lens = meta.req_to_token.long(), meta.req_pool_indices.long(), meta.seq_lens.long()
+    out = torch.empty(b, nq, d, dtype=torch.float64, device=q.device)
+    for i in range(b):
+        slots = table[rows[i], : lens[i]]
+        k = kv.k[slots].double().repeat_interleave(group, 1)  # (n, nq, d)
+        v = kv.v[slots].double().repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * d**-0.5
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
+    return out
+
+
+def attention_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    from lowlat import LayerShape
+    from lowlat.kernels import ops
+    from lowlat.kernels._jit import pdl_available
+
+    dev = torch.device("cuda")
+    shape = LayerShape(**LLAMA3_8B)
+    lc = ops.LaunchConfig.for_device(dev, shape, use_pdl=pdl_available())
+    ctx, layers = args.attn_context, 32
+    cases = {  # verify: one request's 6 rows + 2 padding rows (table row 9, length 1); decode: 8 requests
+        "verify 6+2": [(0, ctx - 6, 6), (9, 0, 2)],
+        "verify 2x6 (16)": [(0, ctx - 6, 6), (1, ctx - 40, 6), (9, 0, 4)],
+        "decode 8": [(i, ctx - 1 - 7 * i, 1) for i in range(8)],
+    }
+    for case, runs in cases.items():
+        _attention_case(case, runs, shape, lc, ctx, layers, dev, results)
+        torch.cuda.empty_cache()
+
+
+def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc: Any, ctx: int, layers: int,
+                    dev: torch.device, results: dict[str, Any]) -> None:
+    from bench_layer import time_graph
+
+    from lowlat import KVCache
+    from lowlat.kernels import ops
+
+    slots, max_splits = 10 * ctx + 64, 16
+    g = torch.Generator().manual_seed(len(case))
+    meta = _meta(runs, 10, ctx, slots, dev, g)
+    b = int(meta.seq_lens.shape[0])
+    kvs = [KVCache(torch.randn(slots, 8, 128, device=dev, dtype=torch.bfloat16),
+                   torch.randn(slots, 8, 128, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
+    q = torch.randn(b, shape.q_size, device=dev, dtype=torch.bfloat16)
+    part_o = torch.empty(b, shape.num_heads, max_splits, shape.head_dim, device=dev)
+    part_lse = torch.empty(b, shape.num_heads, max_splits, device=dev)
+    out = torch.empty_like(q)
+    ref = _f64(q.view(b, shape.num_heads, -1), kvs[0], meta, shape.group_size).reshape(b, -1)
+    per_row = ops.num_splits(b, shape, ctx, lc, max_splits)
+    rows_s = ops.rows_splits(shape, ctx, lc, max_splits)
+
+    def old(kv: Any) -> None:
+        ops.attention(q, kv, meta, part_o, part_lse, out, shape, lc, per_row)
+
+    def new(kv: Any) -> None:
+        ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, rows_s)
+
+    variants = {f"per-row ({per_row} splits, {b * 8 * per_row} programs)": old,
+                f"rows ({rows_s}-split grid, {b * 8 * rows_s} programs)": new}
+    for name, fn in variants.items():
+        out.fill_(float("nan"))
+        fn(kvs[0])
+        torch.cuda.synchronize()
+        err = float((out.double() - ref).norm() / ref.norm())
+        ok = bool(err < 2e-2 and not torch.isnan(out).any())
+
+        def chain(fn: Any = fn) -> None:
+            for kv in kvs:
+                fn(kv)
+        us = time_graph(chain, 30) / layers
+        results["attention"].append(dict(case=case, variant=name, rel_err=err, ok=ok, us_per_layer=us))
+        log(f"attention {case:16s} {name:36s} rel err {err:.2e} {'ok' if ok else 'FAILED'}  {us:7.2f} us/layer")
+
+
+# -- part 2: the step ----------------------------------------------------------------------------------------------
+
+def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    import kprof
+    from bench_e2e import prompts_for, run
+    from bench_layer import replay_us
+    from bench_step_kernels import SETTINGS, make_core
+
+    from lowlat.kernels import ops
+
+    vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
+    original = ops.LaunchConfig.for_device.__func__  # type: ignore[attr-defined]
+    for setting in args.settings:
+        base = "spec+plugin" if setting.startswith("spec+plugin") else setting
+        if setting == "spec+plugin-perrow":
+            ops.LaunchConfig.for_device = classmethod(  # type: ignore[method-assign]
+                lambda cls, *a, **k: replace(original(cls, *a, **k), rows_attention_up_to=0))
+        else:
+            ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        core = make_core(args.model_path, SETTINGS[base], args.context)
+        build_s = time.monotonic() - t0
+        run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
+        _, rates, steps = run(core, prompts_for(1, vocab, 1), args.new_tokens)
+        stats = {k: v for k, v in core.get_stats().items() if "lowlat" in k or k.startswith("spec")}
+        log(f"=== {setting}: built in {build_s:.0f}s; engine c=1 {rates[0]:.1f} tok/s per user, step median "
+            f"{1e6 * statistics.median(steps):.0f} us; {stats}")
+        graph = core.runner.cuda_graph.graphs.get(8)
+        if graph is None:
+            log("  no graph of 8 rows")
+        else:
+            us = [replay_us(graph, 50) for _ in range(3)]
+            rows = kprof.breakdown(graph.replay, reps=3)
+            log(f"  graph of 8 rows (the last verify step): replay {us} us\n" + kprof.table(rows, top=args.top,
+                                                                                          unit="us per replay"))
+            results["step"].append(dict(setting=setting, replay_us=us, engine_tok_s=rates[0],
+                                        step_median_us=1e6 * statistics.median(steps), kernels=rows, stats=stats))
+        del core, graph
+        gc.collect()
+        torch.cuda.empty_cache()
+    ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="config.json + tokenizer (part 2; none: part 1 only)")
+    ap.add_argument("--settings", nargs="+", default=["spec", "spec+plugin-perrow", "spec+plugin"],
+                    choices=["spec", "spec+plugin-perrow", "spec+plugin"])
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--attn-context", type=int, default=608, help="part 1: the rows' context (512 + 96 as part 2)")
+    ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--alias-tables", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    results: dict[str, Any] = {"device": name, "attention": [], "step": [], "aliased": []}
+    if args.alias_tables and name != "NVIDIA H200":
+        results["aliased"] = alias_tables(name)
+        log(f"{name}: the H200's tuning entries copied under this name: {results['aliased']}")
+    log(f"device {name}, torch {torch.__version__}")
+    try:
+        attention_part(args, results)
+    finally:
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.model_path:
+        try:
+            step_part(args, results)
+        finally:
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    print("\nattention, us per layer (32 chained launches in one CUDA graph):")
+    for r in results["attention"]:
+        print(f"  {r['case']:16s} {r['variant']:36s} {r['us_per_layer']:7.2f}  err {r['rel_err']:.1e} "
+              f"{'ok' if r['ok'] else 'FAILED'}")
+    print("verify step, graph of 8 rows (us per replay, 3 x median of 50):")
+    for r in results["step"]:
+        print(f"  {r['setting']:20s} {min(r['replay_us']):9.1f}  {r['replay_us']}  engine {r['engine_tok_s']:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Split-KV decode attention that reads each request's K/V once for all of its rows (speculative verify steps).
+
+A verify step runs as decode rows: row j of a request is a decode row at its own position over the request's table
+row (``lowlat.plugins._stack.covers_rows``), so the per-row kernel (``layer.decode_attention_kernel``, grid (rows,
+KV heads, splits)) reads the request's K/V once per row, 6-8 times from L2, and at 8 rows and 5 splits launches 320
+programs on 132 SMs, which delays the next stage's start (benchmarks/RESULTS.md, issue 34, 2026-12-02: o_proj 13.47 us
+in the chained step against 10.86 alone).
+
+``rows_attention_kernel`` keeps the per-row grid (the same graph serves decode and verify steps of a size, so the
+kernel cannot know at capture which it runs), but only a *leader* program works: row ``b`` leads when it starts a run
+of rows of one request (its table row differs from row ``b - 1``'s, or ``b`` starts an aligned block of ``R`` rows).
+The leader takes that run (at most ``R`` rows, within its aligned block) as one tile of ``R x G`` query rows against
+each K/V tile it reads; the other rows' programs return at once. The split count is chosen *per launch on the device*
+from the number of runs (``TARGET`` programs over runs x KV heads, at most the grid's ``NUM_SPLITS``): a decode
+step of 8 requests splits as the per-row kernel did (5 at 132 SMs), a verify step of one request over up to 16 splits.
+Splits past a run's effective count are empty and store ``lse = -inf`` partials; the merge launch is the per-row one.
+
+Rows of one run attend to different lengths (row j of a request to ``prefix + j + 1`` positions): each query row
+masks the positions at or past its own length, and the K/V tiles span the run's longest row.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowlat.kernels.layer import _dot, _kv_tile_ptrs
+
+ROWS_PER_RUN = 8  # R: the most rows of one request a leader takes (ops.MAX_VERIFY_ROWS)
+
+
+@triton.jit
+def _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One K/V tile of online softmax over query rows with their own length limits ``lim`` (BLOCK_M,): positions
+    ``>= lim`` are masked. Rows masked over every position so far keep (max, sum, acc) = (-inf, 0, 0), no NaN."""
+    s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
+    s = tl.where(offs_n[None, :] < lim[:, None], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def rows_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
+    B, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
+    NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KVH: tl.constexpr,
+    R: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TARGET: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
+):
+    # grid (B, KV heads, NUM_SPLITS). Query tile row m = r * BLOCK_GP + g: run row r (row b + r), head kvh * G + g.
+    # One split (NUM_SPLITS == 1): the output goes straight to out_ptr; else partials for merge_splits_kernel.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(req_idx_ptr + b)
+    prev = tl.load(req_idx_ptr + tl.maximum(b - 1, 0))
+    if (b % R == 0) | (prev != row):  # a leader (else: another row's program computes this row)
+        # runs in the launch: the split count that gives about TARGET busy programs
+        offs_b = tl.arange(0, BLOCK_B)
+        in_b = offs_b < B
+        rq = tl.load(req_idx_ptr + offs_b, mask=in_b, other=-1)
+        rq_prev = tl.load(req_idx_ptr + offs_b - 1, mask=in_b & (offs_b > 0), other=-1)
+        runs = tl.sum((in_b & ((offs_b % R == 0) | (rq != rq_prev))).to(tl.int32), 0)
+        eff = tl.minimum(tl.maximum(tl.cdiv(TARGET, runs * KVH), 1), NUM_SPLITS)
+        # this leader's run: rows b .. b + n - 1 of table row `row`, inside the aligned block of R rows
+        offs_r = tl.arange(0, R)
+        rows_r = b + offs_r
+        in_blk = (rows_r < B) & (rows_r // R == b // R)
+        same = in_blk & (tl.load(req_idx_ptr + rows_r, mask=in_blk, other=-1) == row)
+        n = tl.min(tl.where(same, R, offs_r), 0)
+        lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
+        max_len = tl.max(lens_r, 0)
+        chunk = tl.cdiv(tl.cdiv(max_len, eff), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(max_len, start + chunk)
+        offs_m = tl.arange(0, BLOCK_M)
+        r_m = offs_m // BLOCK_GP
+        g_m = offs_m % BLOCK_GP
+        m_ok = (r_m < n) & (g_m < G)
+        lim = tl.minimum(tl.load(seq_lens_ptr + b + r_m, mask=m_ok, other=0), end)  # (BLOCK_M,)
+        heads = kvh * G + g_m
+        offs_d = tl.arange(0, D)
+        row64 = row.to(tl.int64)
+        # NOTE: before the wait, the first K/V tile's positions older than the run's FRESH last ones (the qkv launch
+        # writes each row's own position: at most FRESH of them, the last of the run's longest row; as the per-row
+        # kernel's note in layer.decode_attention_kernel)
+        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
+                                                       v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
+                                                       stride_vh, D, BLOCK_N)
+        old = n_mask & (offs_n < max_len - FRESH)
+        k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            if PDL_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+        newest = n_mask & (offs_n >= max_len - FRESH)
+        k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+        q = tl.load(q_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=m_ok[:, None],
+                    other=0.0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        if start < end:
+            m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
+        for t0 in range(start + BLOCK_N, end, BLOCK_N):
+            offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
+                                                           v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
+                                                           stride_vh, D, BLOCK_N)
+            k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+            m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
+        if USE_PDL and not PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+        empty = l_i == 0.0
+        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], out,
+                     mask=m_ok[:, None])
+        else:
+            lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+            base = ((b + r_m) * NQ + heads) * NUM_SPLITS + split
+            tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
+            tl.store(part_lse_ptr + base, lse, mask=m_ok)
