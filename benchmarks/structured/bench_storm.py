@@ -306,13 +306,18 @@ def server_gaps(client: httpx.Client, start: float, end: float) -> dict[str, Any
                     for rec in top]}
 
 
-def server_stats(client: httpx.Client) -> dict[str, float]:
-    """The engine counters of `STAT_KEYS` (those the server has) from /get_server_info."""
+# levels, not counters: the SLO admission's current target and the line it fitted (read before the storm)
+LEVEL_KEYS = ("admission_target_s", "admission_base_rows", "admission_decode_a_s", "admission_decode_b_s",
+              "admission_credit_s")
+
+
+def server_stats(client: httpx.Client, keys: tuple[str, ...] = STAT_KEYS) -> dict[str, float]:
+    """The engine values of `keys` (those the server has) from /get_server_info."""
     try:
         sched = client.get("/get_server_info").json().get("scheduler", {})
     except (httpx.HTTPError, ValueError):
         return {}
-    return {k: float(sched[k]) for k in STAT_KEYS if k in sched}
+    return {k: float(sched[k]) for k in keys if k in sched and sched[k] is not None}
 
 
 def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[str, Any]],
@@ -325,6 +330,7 @@ def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[s
         for _ in range(streams):  # every stream has sent its first chunk
             started.acquire(timeout=1800)
         before = server_stats(client)
+        levels = server_stats(client, LEVEL_KEYS)
         t0 = time.perf_counter()
         sfuts = [pool.submit(run_schema, client, name, schema, schema_tokens) for name, schema in schemas]
         schema_results = [f.result() for f in sfuts]
@@ -336,7 +342,7 @@ def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[s
     delta = {k: round(window_stats[k] - before[k], 4) for k in window_stats if k in before}
     rest = {k: round(after[k] - window_stats[k], 4) for k in after if k in window_stats}
     return {"streams": stream_results, "schemas": schema_results, "window": (t0, t1),
-            "server_window": delta, "server_after_window": rest, "server_gaps": gaps}
+            "server_window": delta, "server_after_window": rest, "server_gaps": gaps, "server_levels": levels}
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -359,6 +365,7 @@ def summarize(name: str, res: dict[str, Any], storm: bool) -> dict[str, Any]:
     row["server_window"] = res.get("server_window", {})
     row["server_after_window"] = res.get("server_after_window", {})
     row["server_gaps"] = res.get("server_gaps", {})
+    row["server_levels_before"] = res.get("server_levels", {})
     decode = [s.decode_tok_s for s in res["schemas"] if s.decode_tok_s == s.decode_tok_s]
     if decode:  # the storm requests' own per-user decode speed (after their first token)
         row["storm_req_decode_tok_s_median"] = statistics.median(decode)
@@ -397,6 +404,8 @@ def print_report(calm: dict[str, Any], storm: dict[str, Any], schemas: list[Sche
     for row in (calm, storm):
         if row.get("server_window"):
             print(f"  server counters, {row['phase']} window: {row['server_window']}")
+    if storm.get("server_levels_before"):
+        print(f"  SLO admission before the storm: {storm['server_levels_before']}")
     gaps = storm.get("server_gaps") or {}
     if gaps:
         print(f"  server gaps in the storm window: {gaps['gaps']}, mean {gaps['mean_gap_ms']:.2f} ms (decode "

@@ -48,7 +48,17 @@ class ServerConfig:
                                                      "this (their gap between two tokens, learned from measured "
                                                      "steps) and the prefill steps it costs are paid for by steps "
                                                      "below it (lmserver.scheduler.admission); new requests wait "
-                                                     "instead; None or 0: off (admitted as memory allows)")
+                                                     "instead; None or 0: off (then --decode-step-slowdown "
+                                                     "applies)")
+    decode_step_slowdown: float | None = _opt(None, "SLO admission by a relative target (when no "
+                                                    "--decode-step-target-ms is set): a request that started with "
+                                                    "nothing waiting keeps its decode step within this multiple "
+                                                    "of the step of the batch it started in (the step fitted to "
+                                                    "measured steps, a + b * rows); requests arriving while such "
+                                                    "requests decode wait instead of slowing them more (requests "
+                                                    "admitted from a backlog protect nothing: bursts and offline "
+                                                    "batches run as memory allows); auto: 1.05 on CUDA, off on "
+                                                    "CPU; 0: off")
     schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs"))
     schedule_aging_rounds: int = _opt(64, "a waiting request is served first after this many passed-over rounds")
     page_size: int = _opt(1, "KV-cache page size in tokens")

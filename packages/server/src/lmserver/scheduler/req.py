@@ -98,6 +98,9 @@ class Req:
         self.num_retractions = 0
         self.cached_tokens = 0  # prefix-cache hit at first admission (reported to the user)
         self.admitted_once = False
+        # SLO admission (relative target): the batch this request started in, when it started with
+        # nothing waiting (a protected request); None: not protected (scheduler/admission.py)
+        self.slo_base_rows: int | None = None
         self.finish_reason: dict[str, Any] | None = None
         # set by the engine: compute input-token logprobs during the (next) prefill
         self.need_input_logprobs = False

@@ -181,6 +181,8 @@ class Scheduler:
     def schedule(self) -> ScheduleDecision:
         """Picks the next forward. Mutates: queues, request KV (allocation, eviction, retraction)."""
         self.num_rounds += 1
+        if self.admission is not None and self.admission.relative:
+            self.admission.protect(self._protected_base_rows())
         if self.enable_mixed_chunk and self.running:
             # decodes get their slots first; prefill chunks use what is left
             decode_items, retracted = self._schedule_decode()
@@ -276,7 +278,19 @@ class Scheduler:
         if admitted:
             for req in self.waiting:
                 req.wait_rounds += 1
+            if self.admission is not None and self.admission.relative and not self.waiting:
+                # started with nothing waiting: protected, by the batch it starts in
+                for req in admitted:
+                    if req.slo_base_rows is None:
+                        req.slo_base_rows = self.num_active
         return items
+
+    def _protected_base_rows(self) -> int | None:
+        """The smallest start batch of the active protected requests (SLO admission, relative
+        target); None: none is active. Pure."""
+        rows = [r.slo_base_rows for r in self.running if r.slo_base_rows is not None]
+        rows += [r.slo_base_rows for r in self.prefilling if r.slo_base_rows is not None]
+        return min(rows, default=None)
 
     def _shares_uncached_prefix(self, req: Req, by_first: dict[tuple[str | None, int], list[Req]]) -> bool:
         if self.schedule_policy == "fcfs" or self.kv.disable_radix_cache or not req.fill_len:
