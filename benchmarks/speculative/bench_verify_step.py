@@ -12,7 +12,8 @@ Part 2, the step (as `benchmarks/lowlat/bench_step_kernels.py`): per setting one
 request (random 512-token prompt, greedy), then the graph of 8 rows (which holds that request's last verify step of 6
 rows) replayed back to back (CUDA events) and under the torch profiler (each kernel's marginal time). Settings:
 `spec` (generic verify: cuBLAS + lmserver's kernels), `spec+plugin-perrow` (the plugin with `rows_attention_up_to=0`:
-the per-row attention, as before this change), `spec+plugin` (the plugin as built now).
+the per-row attention, as before this change), `spec+plugin` (the plugin as built now), and `spec+plugin+...`: the
+plugin with one GEMV stage's kernel at 2-8 rows swapped (`VARIANTS`).
 
 `--alias-tables` (default on): on a GPU other than the H200 the plugin's measured tables (`lowlat.kernels.tuning`,
 keyed by the GPU's name) are the H200's, copied under this GPU's name in this process only: the tiles were measured
@@ -133,16 +134,18 @@ def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc:
     out = torch.empty_like(q)
     ref = _f64(q.view(b, shape.num_heads, -1), kvs[0], meta, shape.group_size).reshape(b, -1)
     per_row = ops.num_splits(b, shape, ctx, lc, max_splits)
-    rows_s = ops.rows_splits(shape, ctx, lc, max_splits)
 
     def old(kv: Any) -> None:
         ops.attention(q, kv, meta, part_o, part_lse, out, shape, lc, per_row)
 
-    def new(kv: Any) -> None:
-        ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, rows_s)
+    variants = {f"per-row ({per_row} splits, {b * 8 * per_row} programs)": old}
+    for block in (64, 32, 128):  # 64: the default (LaunchConfig.rows_attn_block)
+        lcb = replace(lc, rows_attn_block=block)
+        rows_s = ops.rows_splits(shape, ctx, lcb, max_splits)
 
-    variants = {f"per-row ({per_row} splits, {b * 8 * per_row} programs)": old,
-                f"rows ({rows_s}-split grid, {b * 8 * rows_s} programs)": new}
+        def new(kv: Any, lcb: Any = lcb, rows_s: int = rows_s) -> None:
+            ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcb, rows_s)
+        variants[f"rows {block} ({rows_s}-split grid)"] = new
     for name, fn in variants.items():
         out.fill_(float("nan"))
         fn(kvs[0])
@@ -160,6 +163,27 @@ def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc:
 
 # -- part 2: the step ----------------------------------------------------------------------------------------------
 
+def _first(stage: str, cfg_args: tuple[Any, ...]) -> Any:
+    """A LaunchConfig change: ``stage`` at 1 < rows <= 8 on GemvConfig(*cfg_args) (its entry before the table's)."""
+    from lowlat.kernels.ops import GemvConfig
+
+    def change(lc: Any) -> Any:
+        one = tuple(e for e in lc.tuned if e[0] == stage and e[1] == 1)
+        return replace(lc, tuned=one + ((stage, 8, GemvConfig(*cfg_args)),) + lc.tuned)
+    return change
+
+
+# setting -> (bench_step_kernels setting, LaunchConfig change on a GPU or None)
+VARIANTS: dict[str, tuple[str, Any]] = {
+    "spec": ("spec", None),
+    "spec+plugin-perrow": ("spec+plugin", lambda lc: replace(lc, rows_attention_up_to=0)),
+    "spec+plugin": ("spec+plugin", None),
+    "spec+plugin+oproj-dot": ("spec+plugin", _first("o_proj", ("dot", 32, 256, 4, 4))),
+    "spec+plugin+down-mrow": ("spec+plugin", _first("down", ("mrow", 32, 512, 4, 3))),
+    "spec+plugin+qkv-dot64": ("spec+plugin", _first("qkv", ("dot", 64, 256, 4, 3))),
+}
+
+
 def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
     import kprof
     from bench_e2e import prompts_for, run
@@ -171,14 +195,15 @@ def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
     original = ops.LaunchConfig.for_device.__func__  # type: ignore[attr-defined]
     for setting in args.settings:
-        base = "spec+plugin" if setting.startswith("spec+plugin") else setting
-        if setting == "spec+plugin-perrow":
-            ops.LaunchConfig.for_device = classmethod(  # type: ignore[method-assign]
-                lambda cls, *a, **k: replace(original(cls, *a, **k), rows_attention_up_to=0))
-        else:
-            ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
+        base, change = VARIANTS[setting]
+
+        def for_device(cls: Any, *a: Any, change: Any = change, **k: Any) -> Any:
+            lc = original(cls, *a, **k)
+            return change(lc) if change is not None and lc.num_sms > 1 else lc
+        ops.LaunchConfig.for_device = classmethod(for_device)  # type: ignore[method-assign]
         t0 = time.monotonic()
         core = make_core(args.model_path, SETTINGS[base], args.context)
+        ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
         build_s = time.monotonic() - t0
         run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
         _, rates, steps = run(core, prompts_for(1, vocab, 1), args.new_tokens)
@@ -205,7 +230,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="config.json + tokenizer (part 2; none: part 1 only)")
     ap.add_argument("--settings", nargs="+", default=["spec", "spec+plugin-perrow", "spec+plugin"],
-                    choices=["spec", "spec+plugin-perrow", "spec+plugin"])
+                    choices=list(VARIANTS))
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--attn-context", type=int, default=608, help="part 1: the rows' context (512 + 96 as part 2)")

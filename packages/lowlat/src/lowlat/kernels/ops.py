@@ -311,9 +311,10 @@ def rows_attention(
         b, meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
         shape.head_dim**-0.5 * (kv.k_scale if kv.fp8 else 1.0), kv.v_scale if kv.fp8 else 1.0,
         NQ=shape.num_heads, G=group, D=shape.head_dim, KVH=shape.num_kv_heads, R=r, BLOCK_GP=block_gp, BLOCK_M=block_m,
-        BLOCK_B=next_pow2(b), BLOCK_N=lc.rows_attn_block, NUM_SPLITS=splits, TARGET=2 * lc.num_sms,
-        DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
-        PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, **_kw(dev, lc),
+        BLOCK_B=next_pow2(b), BLOCK_N=lc.rows_attn_block if dev.type == "cpu" else max(16, lc.rows_attn_block),
+        NUM_SPLITS=splits, TARGET=2 * lc.num_sms, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32,
+        USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS,
+        BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), **_kw(dev, lc),
     )
     if splits == 1:
         return

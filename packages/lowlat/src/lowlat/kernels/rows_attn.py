@@ -10,7 +10,9 @@ in the chained step against 10.86 alone).
 kernel cannot know at capture which it runs), but only a *leader* program works: row ``b`` leads when it starts a run
 of rows of one request (its table row differs from row ``b - 1``'s, or ``b`` starts an aligned block of ``R`` rows).
 The leader takes that run (at most ``R`` rows, within its aligned block) as one tile of ``R x G`` query rows against
-each K/V tile it reads; the other rows' programs return at once. The split count is chosen *per launch on the device*
+each K/V tile it reads; the other rows' programs return at once. A run of one row (a decode row) takes the per-row
+kernel's program instead (``_one_row``: its GQA tile and KV block), so a decode step of distinct requests runs as
+before (on the H200 a tile of 8 x 4 rows in KV blocks of 64 cost a decode step of 8 rows 18.9 -> 23.0 us per layer). The split count is chosen *per launch on the device*
 from the number of runs (``TARGET`` programs over runs x KV heads, at most the grid's ``NUM_SPLITS``): a decode
 step of 8 requests splits as the per-row kernel did (5 at 132 SMs), a verify step of one request over up to 16 splits.
 Splits past a run's effective count are empty and store ``lse = -inf`` partials; the merge launch is the per-row one.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _dot, _kv_tile_ptrs
+from lowlat.kernels.layer import _attend_block, _dot, _kv_tile_ptrs
 
 ROWS_PER_RUN = 8  # R: the most rows of one request a leader takes (ops.MAX_VERIFY_ROWS)
 
@@ -45,6 +47,60 @@ def _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32: tl.constex
 
 
 @triton.jit
+def _one_row(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    b, kvh, split, row, seq_len, eff, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
+    NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    FRESH: tl.constexpr,
+):
+    """A run of one row (a decode row): ``layer.decode_attention_kernel``'s program for (b, kvh, split) over ``eff``
+    splits, with its GQA tile of BLOCK_G rows and KV blocks of BLOCK_N (no tile of R rows of which one is used)."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, eff), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(seq_len, start + chunk)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g
+    offs_d = tl.arange(0, D)
+    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                   stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
+    old = n_mask & (offs_n < seq_len - FRESH)
+    k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+    v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    newest = n_mask & (offs_n >= seq_len - FRESH)
+    k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+    v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+    q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    if start < end:
+        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
+    for t0 in range(start + BLOCK_N, end, BLOCK_N):
+        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                       stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    empty = l_i == 0.0
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        base = (b * NQ + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
+
+
+@triton.jit
 def rows_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
@@ -53,6 +109,7 @@ def rows_attention_kernel(
     R: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TARGET: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
+    BLOCK_G1: tl.constexpr = 16, BLOCK_N1: tl.constexpr = 64,
 ):
     # grid (B, KV heads, NUM_SPLITS). Query tile row m = r * BLOCK_GP + g: run row r (row b + r), head kvh * G + g.
     # One split (NUM_SPLITS == 1): the output goes straight to out_ptr; else partials for merge_splits_kernel.
@@ -75,58 +132,64 @@ def rows_attention_kernel(
         in_blk = (rows_r < B) & (rows_r // R == b // R)
         same = in_blk & (tl.load(req_idx_ptr + rows_r, mask=in_blk, other=-1) == row)
         n = tl.min(tl.where(same, R, offs_r), 0)
-        lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
-        max_len = tl.max(lens_r, 0)
-        chunk = tl.cdiv(tl.cdiv(max_len, eff), BLOCK_N) * BLOCK_N
-        start = split * chunk
-        end = tl.minimum(max_len, start + chunk)
-        offs_m = tl.arange(0, BLOCK_M)
-        r_m = offs_m // BLOCK_GP
-        g_m = offs_m % BLOCK_GP
-        m_ok = (r_m < n) & (g_m < G)
-        lim = tl.minimum(tl.load(seq_lens_ptr + b + r_m, mask=m_ok, other=0), end)  # (BLOCK_M,)
-        heads = kvh * G + g_m
-        offs_d = tl.arange(0, D)
-        row64 = row.to(tl.int64)
-        # NOTE: before the wait, the first K/V tile's positions older than the run's FRESH last ones (the qkv launch
-        # writes each row's own position: at most FRESH of them, the last of the run's longest row; as the per-row
-        # kernel's note in layer.decode_attention_kernel)
-        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
-                                                       v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
-                                                       stride_vh, D, BLOCK_N)
-        old = n_mask & (offs_n < max_len - FRESH)
-        k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            if PDL_EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
-        newest = n_mask & (offs_n >= max_len - FRESH)
-        k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
-        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
-        q = tl.load(q_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=m_ok[:, None],
-                    other=0.0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        if start < end:
-            m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
-        for t0 in range(start + BLOCK_N, end, BLOCK_N):
-            offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
+        if n == 1:  # a decode row: the per-row program (its own tile and KV block)
+            _one_row(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
+                     row.to(tl.int64), tl.load(seq_lens_ptr + b), eff, stride_rt, stride_ks, stride_kh, stride_vs,
+                     stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS, DOT_F32, USE_PDL, PDL_EARLY,
+                     FRESH)
+        else:
+            lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
+            max_len = tl.max(lens_r, 0)
+            chunk = tl.cdiv(tl.cdiv(max_len, eff), BLOCK_N) * BLOCK_N
+            start = split * chunk
+            end = tl.minimum(max_len, start + chunk)
+            offs_m = tl.arange(0, BLOCK_M)
+            r_m = offs_m // BLOCK_GP
+            g_m = offs_m % BLOCK_GP
+            m_ok = (r_m < n) & (g_m < G)
+            lim = tl.minimum(tl.load(seq_lens_ptr + b + r_m, mask=m_ok, other=0), end)  # (BLOCK_M,)
+            heads = kvh * G + g_m
+            offs_d = tl.arange(0, D)
+            row64 = row.to(tl.int64)
+            # NOTE: before the wait, the first K/V tile's positions older than the run's FRESH last ones (the qkv launch
+            # writes each row's own position: at most FRESH of them, the last of the run's longest row; as the per-row
+            # kernel's note in layer.decode_attention_kernel)
+            offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
                                                            v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
                                                            stride_vh, D, BLOCK_N)
-            k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-            m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
-        if USE_PDL and not PDL_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-        empty = l_i == 0.0
-        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-        if NUM_SPLITS == 1:
-            tl.store(out_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], out,
-                     mask=m_ok[:, None])
-        else:
-            lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-            base = ((b + r_m) * NQ + heads) * NUM_SPLITS + split
-            tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
-            tl.store(part_lse_ptr + base, lse, mask=m_ok)
+            old = n_mask & (offs_n < max_len - FRESH)
+            k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+                if PDL_EARLY:
+                    tl.extra.cuda.gdc_launch_dependents()
+            newest = n_mask & (offs_n >= max_len - FRESH)
+            k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+            v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+            q = tl.load(q_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=m_ok[:, None],
+                        other=0.0)
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            if start < end:
+                m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
+            for t0 in range(start + BLOCK_N, end, BLOCK_N):
+                offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
+                                                               v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
+                                                               stride_vh, D, BLOCK_N)
+                k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+                m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
+            if USE_PDL and not PDL_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+            empty = l_i == 0.0
+            out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+            if NUM_SPLITS == 1:
+                tl.store(out_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], out,
+                         mask=m_ok[:, None])
+            else:
+                lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+                base = ((b + r_m) * NQ + heads) * NUM_SPLITS + split
+                tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
+                tl.store(part_lse_ptr + base, lse, mask=m_ok)
