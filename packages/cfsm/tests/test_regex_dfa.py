@@ -101,8 +101,8 @@ def test_regex_features(pattern: str, yes: list[str], no: list[str]) -> None:
         (r"\bfoo", "word boundary", 0),
         ("a*+", "possessive", 2),
         ("(?>ab)", "atomic group", 0),
-        ("a^b", "anchor not at the start", 1),
-        ("a$b", "anchor not at the end", 2),
+        ("(a^b)", "anchor not at the start", 2),  # at top level an assertion (test_regex_anchors.py)
+        ("(a$b)", "anchor not at the end", 3),
         ("(ab", "without a matching ')'", 0),
         ("a**", "multiple repeat", 2),
         (r"\q", "bad escape", 0),

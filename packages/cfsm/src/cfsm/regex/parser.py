@@ -3,7 +3,8 @@
 Supported: literals, escapes, classes with ranges and negation, ``\\d \\w \\s \\D \\W \\S .``,
 ``\\p{..}`` / ``\\P{..}``, POSIX ``[[:name:]]``, groups (capturing, non-capturing, named, branch
 reset), alternation, ``* + ? {m} {m,} {,n} {m,n}`` and their lazy forms, inline flags ``i s m x
-a u`` (global or scoped), ``^``/``\\A`` at the start and ``$``/``\\Z`` at the end. Everything
+a u`` (global or scoped), ``^``/``\\A`` and ``$``/``\\Z`` as assertions (start / end of the input, anywhere in a top-level
+branch, at the ends inside groups). Everything
 else raises `UnsupportedRegexError` with the construct and its position.
 """
 
@@ -16,7 +17,7 @@ import regex
 
 from cfsm.errors import UnsupportedRegexError
 from cfsm.regex.charset import MAX_CP, Ranges, case_close, class_ranges, negate, normalize, union
-from cfsm.regex.syntax import EMPTY, Chars, Node, Repeat, alt, cat
+from cfsm.regex.syntax import EMPTY, NOTHING, Alt, Cat, Chars, Node, Repeat, alt, cat
 
 __all__ = ["parse_regex"]
 
@@ -35,6 +36,7 @@ class _Flags:
     dotall: bool = False
     verbose: bool = False
     ascii: bool = False
+    multiline: bool = False
 
 
 class _Parser:
@@ -43,6 +45,7 @@ class _Parser:
         self.i = 0
         self.nested_anchor: int | None = None
         self.seq_anchored = False
+        self.starts = 0  # `^` anchors read so far
 
     # ---- helpers -------------------------------------------------------------------------
     def error(self, construct: str, pos: int | None = None, hint: str = "") -> UnsupportedRegexError:
@@ -77,22 +80,24 @@ class _Parser:
         return node
 
     def parse_alt(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, bool]:
-        """Returns (node, ended) where `ended` says a `$` closed every branch."""
+        """Returns (node, ended): `_ENDS_ALL` where a `$` closed every branch, `_ENDS_SOME` where it
+        closed some, `_ENDS_NONE` where none."""
         branches = []
-        ended_all = True
+        ends = set()
         while True:
             node, ended, flags = self.parse_seq(flags, at_start, depth)
             branches.append(node)
-            ended_all = ended_all and ended
+            ends.add(ended)
             if self.peek() == "|":
                 self.i += 1
                 continue
             break
-        return (alt(*branches) if len(branches) > 1 else branches[0]), ended_all
+        ended = ends.pop() if len(ends) == 1 else _ENDS_SOME
+        return (alt(*branches) if len(branches) > 1 else branches[0]), ended
 
-    def parse_seq(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, bool, _Flags]:
+    def parse_seq(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, int, _Flags]:
         items: list[Node] = []
-        ended = False
+        ended = _ENDS_NONE
         start = at_start
         while True:
             self.skip_verbose(flags)
@@ -100,28 +105,50 @@ class _Parser:
             if c == "" or c == "|" or c == ")":
                 return cat(*items) if items else EMPTY, ended, flags
             pos = self.i
+            if flags.multiline and c in "^$":
+                raise self.error(f"'{c}' under the multiline flag", pos, "line anchors are not supported")
             if c == "^" or self.startswith("\\A"):
                 self.i += 1 if c == "^" else 2
+                self.starts += 1
                 if not start:
-                    raise self.error("'^' (anchor not at the start)", pos, "anchors are only supported at the ends")
+                    if depth:
+                        raise self.error("'^' (anchor not at the start)", pos, "anchors are only supported at the ends")
+                    # NOTE: an assertion (ECMA and `regex`, no multiline): what comes before it in
+                    # this branch can only have matched the empty string, or the branch matches nothing
+                    items = [] if all(_nullable(it) for it in items) else [NOTHING]
                 self.seq_anchored = True
                 if depth and self.nested_anchor is None:
                     self.nested_anchor = pos
                 continue
             if c == "$" or self.startswith("\\Z") or self.startswith("\\z"):
                 self.i += 1 if c == "$" else 2
-                ended = True
+                ended = _ENDS_ALL
                 if depth and self.nested_anchor is None:
                     self.nested_anchor = pos
                 continue
             if c == "(" and self.startswith("(?") and self._is_flag_group():
                 flags = self.parse_global_flags(flags)
                 continue
+            starts = self.starts
             atom, atom_ended = self.parse_atom(flags, start, depth)
-            atom = self.parse_quantifiers(atom, flags)
-            if ended:
+            quantified = self.parse_quantifiers(atom, flags)
+            if self.starts != starts and quantified is not atom and (
+                    not isinstance(quantified, Repeat) or quantified.hi is None or quantified.hi > 1):
+                raise self.error("'^' (anchor inside a repeated group)", pos, "anchors are only supported at the ends")
+            if atom_ended and quantified is not atom:
+                if not isinstance(quantified, Repeat) or quantified.hi is None or quantified.hi > 1:
+                    raise self.error("'$' (anchor inside a repeated group)", pos, "anchors are only supported at the ends")
+                if quantified.lo == 0:
+                    atom_ended = _ENDS_SOME  # the group may be skipped
+            atom = quantified
+            if ended == _ENDS_SOME or ended == _ENDS_ALL and depth:
                 raise self.error("'$' (anchor not at the end)", pos, "anchors are only supported at the ends")
-            ended = atom_ended
+            if ended == _ENDS_ALL:
+                # NOTE: `$` is an assertion (end of input): what follows it in this branch can only
+                # match the empty string, or the branch matches nothing
+                atom = EMPTY if _nullable(atom) else NOTHING
+            else:
+                ended = atom_ended
             items.append(atom)
             start = False
 
@@ -153,11 +180,13 @@ class _Parser:
                 flags = replace(flags, verbose=on)
             elif c == "a":
                 flags = replace(flags, ascii=on)
+            elif c == "m":
+                flags = replace(flags, multiline=on)
             elif c == "L":
                 raise self.error("flag 'L' (locale)", pos)
         return flags, on
 
-    def parse_atom(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, bool]:
+    def parse_atom(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, int]:
         c = self.peek()
         pos = self.i
         if c == "(":
@@ -187,7 +216,7 @@ class _Parser:
             ranges = case_close(ranges)
         return Chars(ranges)
 
-    def parse_group(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, bool]:
+    def parse_group(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, int]:
         pos = self.i
         self.i += 1
         if self.peek() == "?":
@@ -415,6 +444,22 @@ class _Parser:
         return ord(c)
 
 
+_ENDS_NONE, _ENDS_SOME, _ENDS_ALL = 0, 1, 2
+
+
+def _nullable(node: Node) -> bool:
+    """Whether the parser's tree `node` matches the empty string."""
+    if isinstance(node, Chars):
+        return False
+    if isinstance(node, Cat):
+        return all(_nullable(it) for it in node.items)
+    if isinstance(node, Alt):
+        return any(_nullable(it) for it in node.items)
+    if isinstance(node, Repeat):
+        return node.lo == 0 or _nullable(node.item)
+    raise TypeError(f"unexpected node {type(node).__name__}")
+
+
 def parse_regex(pattern: str, *, search: bool = False) -> Node:
     """Parse `pattern` into a syntax tree. Mutates nothing.
 
@@ -433,7 +478,7 @@ def parse_regex(pattern: str, *, search: bool = False) -> Node:
     while True:
         parser.seq_anchored = False
         node, ended, flags = parser.parse_seq(flags, True, 0)
-        branches.append(cat(*([] if parser.seq_anchored else [anything]), node, *([] if ended else [anything])))
+        branches.append(cat(*([] if parser.seq_anchored else [anything]), node, *([] if ended == _ENDS_ALL else [anything])))
         if parser.peek() == "|":
             parser.i += 1
             continue
