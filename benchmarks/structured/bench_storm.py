@@ -36,6 +36,7 @@ import argparse
 import concurrent.futures as cf
 import glob
 import json
+import math
 import os
 import random
 import shlex
@@ -73,13 +74,16 @@ class StreamResult:
         ts = before + ts + after
         return max((b - a for a, b in zip(ts, ts[1:], strict=False)), default=float("nan"))
 
-    def tok_s_in(self, start: float, end: float) -> float:
-        """Tokens that arrived in [start, end] over the part of it this stream was decoding."""
+    def tok_s_in(self, start: float, end: float, stall_s: float = math.inf) -> float:
+        """Tokens that arrived in [start, end] over the part of it this stream was decoding, less
+        the gaps longer than `stall_s` that ended in it (default: none left out)."""
         inside = [(t, n) for t, n in zip(self.times, self.tokens, strict=True) if start <= t <= end]
         before = [n for t, n in zip(self.times, self.tokens, strict=True) if t < start]
         if not inside or not before:
             return float("nan")
         span = min(end, self.times[-1]) - max(start, self.times[0])
+        span -= sum(b - a for a, b in zip(self.times, self.times[1:], strict=False)
+                    if b - a > stall_s and start <= b <= end)
         return (inside[-1][1] - before[-1]) / span if span > 0 else float("nan")
 
 
@@ -302,7 +306,8 @@ def server_gaps(client: httpx.Client, start: float, end: float) -> dict[str, Any
             "decode_gaps": len(plain), "decode_mean_ms": 1e3 * statistics.fmean(plain) if plain else float("nan"),
             "extend_gaps": len(extend), "extend_mean_ms": 1e3 * statistics.fmean(extend) if extend else float("nan"),
             "causes_over_50ms": causes,
-            "top": [{k: (round(v * 1e3, 2) if k.endswith("_s") else v) for k, v in rec.items() if k != "end"}
+            "top": [{"at_s": round(rec["end"] - start, 3),  # its end, seconds after the storm's arrival
+                     **{k: (round(v * 1e3, 2) if k.endswith("_s") else v) for k, v in rec.items() if k != "end"}}
                     for rec in top]}
 
 
@@ -347,6 +352,10 @@ def phase(base_url: str, streams: int, stream_tokens: int, schemas: list[tuple[s
 
 # --- report ------------------------------------------------------------------------------------------
 
+# a stream gap longer than this is a stall (a step that stopped the batch), not the batch's pace: the
+# storm's speed is also reported without them, which splits a slower pace (a larger batch) from stalls
+STALL_S = 0.045
+
 
 def _nanmean(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
@@ -371,7 +380,9 @@ def summarize(name: str, res: dict[str, Any], storm: bool) -> dict[str, Any]:
         row["storm_req_decode_tok_s_median"] = statistics.median(decode)
     if storm:
         window = [s.tok_s_in(t0, t1) for s in streams]
+        steady = [s.tok_s_in(t0, t1, STALL_S) for s in streams]
         row.update({"storm_window_s": t1 - t0, "window_tok_s_mean": _nanmean(window),
+                    "window_tok_s_mean_without_stalls": _nanmean(steady),
                     "window_tok_s_min": min(window, default=float("nan")),
                     "window_max_gap_ms": 1e3 * max((s.max_gap_s(t0, t1) for s in streams), default=float("nan"))})
     return row
@@ -392,7 +403,9 @@ def print_report(calm: dict[str, Any], storm: dict[str, Any], schemas: list[Sche
             print(f"  {row['phase']} stream error: {e}")
     ratio = storm.get("window_tok_s_mean", float("nan")) / calm["per_user_tok_s_mean"]
     print(f"\nper-user decode speed during the storm / calm: {ratio:.2f}; largest gap during the storm: "
-          f"{storm.get('window_max_gap_ms', float('nan')):.0f} ms (calm: {calm['max_gap_ms']:.0f} ms)")
+          f"{storm.get('window_max_gap_ms', float('nan')):.0f} ms (calm: {calm['max_gap_ms']:.0f} ms); without "
+          f"the gaps over {STALL_S * 1e3:.0f} ms: "
+          f"{storm.get('window_tok_s_mean_without_stalls', float('nan')) / calm['per_user_tok_s_mean']:.2f}")
     counts: dict[str, int] = {}
     for s in schemas:
         counts[s.outcome] = counts.get(s.outcome, 0) + 1
