@@ -854,35 +854,52 @@ def _with_classes(dfa: Dfa, min_cols: np.ndarray, byte_class: np.ndarray) -> Dfa
 
 
 def _product(a: Dfa, b: Dfa) -> Dfa:
-    """DFA of the intersection of two DFAs' languages."""
+    """DFA of the intersection of two DFAs' languages.
+
+    Breadth-first over pairs of states, one frontier at a time and one column per joint byte
+    class (bytes both DFAs step alike): pairs are numbered in the order a pair-by-pair walk
+    meets them (the frontier's rows in order, each row's targets by ascending pair key), so the
+    minimal DFA is the one that walk gives. Pairs with a dead side are not states."""
+    ca = a.byte_classes[1].astype(np.int64)
+    cb = b.byte_classes[1].astype(np.int64)
+    _, reps, byte_map = np.unique(ca * (int(cb.max()) + 1) + cb, return_index=True, return_inverse=True)
+    ta = np.take(a.transitions, reps, axis=1).astype(np.int64)  # (states + 1, joint classes)
+    tb = np.take(b.transitions, reps, axis=1).astype(np.int64)
     nb = b.num_states + 1
     ids: dict[int, int] = {a.start * nb + b.start: 0}
-    pairs = [(a.start, b.start)]
-    rows: list[np.ndarray] = []
-    k = 0
-    while k < len(pairs):
-        x, y = pairs[k]
-        keys = a.transitions[x].astype(np.int64) * nb + b.transitions[y]
-        row = np.empty(256, dtype=np.int64)
-        dead_mask = (a.transitions[x] == a.dead) | (b.transitions[y] == b.dead)
-        uniq, inv = np.unique(keys, return_inverse=True)
-        mapped = []
-        for key in uniq.tolist():
-            i = ids.get(key)
+    fx = np.array([a.start], dtype=np.int64)
+    fy = np.array([b.start], dtype=np.int64)
+    xs, ys, rows = [fx], [fy], []
+    while len(fx):
+        ax = np.take(ta, fx, axis=0)
+        by = np.take(tb, fy, axis=0)
+        keys = ax * nb + by
+        keys[(ax == a.dead) | (by == b.dead)] = -1
+        flat = np.sort(keys, axis=1).reshape(-1)
+        uniq, first = np.unique(flat[flat >= 0], return_index=True)
+        order = np.argsort(first, kind="stable")  # the keys in the order the walk meets them
+        found = np.empty(len(uniq), dtype=np.int64)
+        new_keys = []
+        get = ids.get
+        for j, key in zip(order.tolist(), uniq[order].tolist()):
+            i = get(key)
             if i is None:
-                i = ids[key] = len(pairs)
-                pairs.append((key // nb, key % nb))
-            mapped.append(i)
-        row[:] = np.asarray(mapped, dtype=np.int64)[inv.reshape(-1)]
-        row[dead_mask] = -1
+                i = ids[key] = len(ids)
+                new_keys.append(key)
+            found[j] = i
+        row = np.take(found, np.searchsorted(uniq, keys)) if len(uniq) else np.zeros(keys.shape, dtype=np.int64)
+        row[keys < 0] = -1
         rows.append(row)
-        k += 1
-    n = len(pairs)
-    table = np.stack(rows)
+        nk = np.array(new_keys, dtype=np.int64)
+        fx, fy = nk // nb, nk % nb
+        xs.append(fx)
+        ys.append(fy)
+    n = len(ids)
+    table = np.concatenate([*rows, np.full((1, ta.shape[1]), n, dtype=np.int64)])
     table[table < 0] = n
-    table = np.vstack([table, np.full((1, 256), n)]).astype(np.int32)
-    acc = np.array([bool(a.accepting[x] and b.accepting[y]) for x, y in pairs] + [False])
-    return _minimize(table, acc, 0)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    acc = np.append(a.accepting[x] & b.accepting[y], False)
+    return _minimize(table.astype(np.int32), acc, 0, byte_map.reshape(-1))
 
 
 def _complement(a: Dfa) -> Dfa:
