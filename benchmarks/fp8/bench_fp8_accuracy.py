@@ -40,6 +40,10 @@ SETUPS = [
     ("bf16 weights + bf16 KV", "bfloat16", "auto"),
     ("fp8 weights, last layer bf16 + fp8 KV", "fp8-keep-last", "fp8_e4m3"),
     ("fp8 weights, last layer bf16", "fp8-keep-last", "auto"),
+    ("fp8 gptq weights + fp8 KV", "fp8-gptq", "fp8_e4m3"),
+    ("fp8 gptq weights", "fp8-gptq", "auto"),
+    ("fp8 gptq weights (float Hessians) + fp8 KV", "fp8-gptq-float", "fp8_e4m3"),
+    ("fp8 gptq weights, last layer bf16 + fp8 KV", "fp8-gptq-keep-last", "fp8_e4m3"),
 ]
 REFERENCES = ("float32", "bfloat16")
 
@@ -55,7 +59,31 @@ def text_windows(tokenizer: Any, num_tokens: int, window: int) -> list[list[int]
     return [ids[i * window : (i + 1) * window] for i in range(n)]
 
 
-def build(config: Any, path: Path, weights: str, window: int) -> torch.nn.Module:
+# calibration text of the GPTQ setups (not the evaluation text): the sources of these standard
+# library modules (code, comments and docstrings), `--calib-tokens` in sequences of `--calib-len`,
+# taken from each module in turn
+CALIBRATION_MODULES = ("textwrap", "difflib", "argparse", "logging", "email.message", "http.client")
+
+
+def calibration_sequences(tokenizer: Any, num_tokens: int, seq_len: int) -> list[list[int]]:
+    import importlib
+
+    sources = [tokenizer(Path(importlib.import_module(m).__file__ or "").read_text())["input_ids"]
+               for m in CALIBRATION_MODULES]
+    out: list[list[int]] = []
+    offset = 0
+    while sum(map(len, out)) < num_tokens:
+        for ids in sources:
+            chunk = ids[offset : offset + seq_len]
+            if len(chunk) == seq_len and sum(map(len, out)) < num_tokens:
+                out.append(chunk)
+        offset += seq_len
+        if offset >= max(map(len, sources)):
+            break
+    return out
+
+
+def build(config: Any, path: Path, weights: str, window: int, calib: list[list[int]] | None = None) -> torch.nn.Module:
     from lmserver.models.loader import load_model
     from lmserver.models.quantization import quantize_linears_, use_fp8_path
 
@@ -63,6 +91,26 @@ def build(config: Any, path: Path, weights: str, window: int) -> torch.nn.Module
         return load_model(config, path, dtype=torch.bfloat16, max_positions=window)
     if weights == "fp8":
         return load_model(config, path, dtype=torch.float32, max_positions=window, quantization="fp8")
+    if weights.startswith("fp8-gptq"):  # per channel, GPTQ rounding with the calibration text's Hessians
+        from lmserver.models.fp8_gptq import gptq_quantize_linears_
+        from lmserver.runner.accuracy import calibration_forward
+
+        assert calib is not None
+        model = load_model(config, path, dtype=torch.float32, max_positions=max(window, *map(len, calib)))
+        sequential = "-float" not in weights
+        t0 = time.perf_counter()
+        if sequential:
+            reports = gptq_quantize_linears_(model, lambda: calibration_forward(model, calib),
+                                             keep_layers=(-1,) if weights.endswith("-keep-last") else ())
+        else:
+            reports = gptq_quantize_linears_(model, lambda: [calibration_forward(model, [c]) for c in calib],
+                                             sequential=False)
+        g, r = (sum(getattr(x, a) for x in reports) / len(reports) for a in ("gptq", "rtn"))
+        print(f"{weights}: {len(reports)} projections rounded in {time.perf_counter() - t0:.0f} s on "
+              f"{sum(map(len, calib))} calibration tokens; mean relative output error on them {g:.3g} "
+              f"(round to nearest {r:.3g})", flush=True)
+        use_fp8_path(model, "cpu")
+        return model
     model = load_model(config, path, dtype=torch.float32, max_positions=window)
     if weights == "fp8-g128":
         quantize_linears_(model, 128)
@@ -79,6 +127,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--setups", nargs="*", default=None, help="names of SETUPS rows (default: all)")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--calib-tokens", type=int, default=4096, help="GPTQ setups: calibration tokens")
+    parser.add_argument("--calib-len", type=int, default=512, help="GPTQ setups: tokens per calibration sequence")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -93,15 +143,20 @@ def main() -> None:
     else:
         path = Path(args.model_path)
     config = read_model_config(path)
-    windows = text_windows(AutoTokenizer.from_pretrained(str(path)), args.tokens, args.window)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    windows = text_windows(tokenizer, args.tokens, args.window)
     start = time.perf_counter()
     ref_model = load_model(config, path, dtype=torch.float32, max_positions=args.window)
     bf16_model = build(config, path, "bfloat16", args.window)
     ref_runners = [window_runner(ref_model, args.window), window_runner(bf16_model, args.window)]
     setups = [s for s in SETUPS if not args.setups or s[0] in args.setups]
-    models = {"float32": ref_model, "bfloat16": bf16_model}
-    runners = [window_runner(models[weights] if weights in models else build(config, path, weights, args.window),
-                             args.window, kv.removesuffix("-unrotated"), rotate_k=not kv.endswith("-unrotated"))
+    models: dict[str, torch.nn.Module] = {"float32": ref_model, "bfloat16": bf16_model}
+    calib = calibration_sequences(tokenizer, args.calib_tokens, args.calib_len)
+    for _, weights, _ in setups:  # one model per weights kind (a GPTQ model is calibrated once)
+        if weights not in models:
+            models[weights] = build(config, path, weights, args.window, calib)
+    runners = [window_runner(models[weights], args.window, kv.removesuffix("-unrotated"),
+                             rotate_k=not kv.endswith("-unrotated"))
                for _, weights, kv in setups]
     # parts[reference][setup]: the bf16 reference's own row against float32 comes first
     parts: list[list[list[Any]]] = [[[] for _ in setups] for _ in REFERENCES]

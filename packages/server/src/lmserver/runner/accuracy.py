@@ -20,7 +20,7 @@ from lmserver.runner.model_runner import ModelRunner
 from lmserver.runner.resolve import kv_cache_options
 from lmserver.scheduler import ForwardItem, ScheduleDecision
 
-__all__ = ["Agreement", "agreement", "window_logits", "window_runner"]
+__all__ = ["Agreement", "agreement", "calibration_forward", "window_logits", "window_runner"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,29 @@ def window_logits(runner: ModelRunner, ids: Sequence[int]) -> torch.Tensor:
     item = ForwardItem(rid="w", req_pool_idx=0, prefix_len=0, token_ids=list(ids), out_slots=slots,
                        table_start=0, table_slots=slots, logit_offsets=list(range(n)), completes_prefill=True)
     return runner.forward(ScheduleDecision("extend", [item]))
+
+
+def calibration_forward(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
+                        attention_backend: str = "torch_native") -> None:
+    """One prefill of all `sequences` together (one extend batch, each its own request, a
+    model-dtype KV pool of their total length, the last position's logits only): the single
+    forward that `lmserver.models.fp8_gptq`'s sequential calibration needs. Runs the model."""
+    param = next(model.parameters())
+    config: Any = model.config
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
+    total, longest = sum(len(s) for s in sequences), max(len(s) for s in sequences)
+    pool = KVPool(total + 1, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype,
+                  param.device)
+    table = make_req_to_token(len(sequences), longest, param.device)
+    runner = ModelRunner(model, pool, table, default_registry().create(attention_backend, pool, table), param.device)
+    items, start = [], 1
+    for i, ids in enumerate(sequences):
+        slots = list(range(start, start + len(ids)))
+        start += len(ids)
+        items.append(ForwardItem(rid=f"c{i}", req_pool_idx=i, prefix_len=0, token_ids=list(ids), out_slots=slots,
+                                 table_start=0, table_slots=slots, logit_offsets=[len(ids) - 1],
+                                 completes_prefill=True))
+    runner.forward(ScheduleDecision("extend", items))
 
 
 def agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> Agreement:
