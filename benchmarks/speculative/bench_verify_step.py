@@ -139,13 +139,15 @@ def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc:
         ops.attention(q, kv, meta, part_o, part_lse, out, shape, lc, per_row)
 
     variants = {f"per-row ({per_row} splits, {b * 8 * per_row} programs)": old}
-    for block in (64, 32, 128):  # 64: the default (LaunchConfig.rows_attn_block)
+    # the stack's choice (the per-row split count, KV block attn_block), then larger grids (as many splits as blocks)
+    grids = [(0, per_row)] + [(block, ops.rows_splits(b, shape, ctx, replace(lc, rows_attn_block=block), max_splits,
+                                                       dev)) for block in (64, 32, 128)]
+    for block, rows_s in grids:
         lcb = replace(lc, rows_attn_block=block)
-        rows_s = ops.rows_splits(shape, ctx, lcb, max_splits)
 
         def new(kv: Any, lcb: Any = lcb, rows_s: int = rows_s) -> None:
             ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcb, rows_s)
-        variants[f"rows {block} ({rows_s}-split grid)"] = new
+        variants[f"rows {ops.rows_block(b, lcb, dev)} ({rows_s}-split grid){' stack' if not block else ''}"] = new
     for name, fn in variants.items():
         out.fill_(float("nan"))
         fn(kvs[0])

@@ -168,8 +168,8 @@ def test_interpret_rows_attention_matches_float64(runs: list, num_sms: int, bloc
     kv = random_kv(shape, 400, dtype, DEVICE, generator=g)
     q = torch.randn(b, shape.q_size, generator=g).to(DEVICE, dtype)
     ref = _attention_f64(q.view(b, shape.num_heads, -1), kv, meta, shape.group_size).reshape(b, -1)
-    lc = replace(_lc(shape), num_sms=num_sms, rows_attn_block=block if DEVICE.type == "cpu" else max(16, block))
-    for splits in (ops.rows_splits(shape, 48, lc, 8), 1):
+    lc = replace(_lc(shape), num_sms=num_sms, rows_attn_block=block)
+    for splits in (ops.rows_splits(b, shape, 48, lc, 8, DEVICE), ops.num_splits(b, shape, 48, lc, 8), 1):
         part_o = torch.full((b, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
         part_lse = torch.full((b, shape.num_heads, splits), float("nan"), device=DEVICE)
         out = torch.full_like(q, float("nan"))
@@ -315,6 +315,8 @@ def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_
         built = build(_ctx(shape, weights, dtype, max_tokens))
         if name == "nvidia-splits":  # as on a GPU of 64 SMs with 16-token KV blocks: split-KV attention, the last split
             built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=(), fused_merge=True)  # merging
+        if name == "nvidia-rows-splits":  # the same with rows_attention (runs of rows of a request) and a merge launch
+            built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=())
         return built
     from lowlat.plugins.amd import build as amd_build
 
@@ -377,12 +379,13 @@ def _mrow_stack(variant: str, shape: LayerShape, weights: list, dtype: torch.dty
     return TritonLayerStack("nvidia", _ctx(shape, weights, dtype, max_tokens), replace(_lc(shape), tuned=tuned))
 
 
-@pytest.mark.parametrize("plugin", ["nvidia", "amd-staged", "nvidia-mrow", "nvidia-splits",
+@pytest.mark.parametrize("plugin", ["nvidia", "amd-staged", "nvidia-mrow", "nvidia-splits", "nvidia-rows-splits",
                                     pytest.param("nvidia-mrow_fma", marks=pytest.mark.slow)])
 def test_interpret_verify_rows_match_reference(plugin: str) -> None:
     """Speculative verify: 2 requests x 6 rows as decode rows (each row attends to the rows before it, whose K/V
     the step itself writes) against the reference layer: the rows' outputs, and the K/V written. nvidia-mrow*: the
-    GEMV stages on the multi-row kernels; nvidia-splits: split-KV attention with the fused merge."""
+    GEMV stages on the multi-row kernels; nvidia-splits: split-KV attention with the fused merge; nvidia-rows-splits:
+    split-KV rows_attention (a leader program per run of a request's rows) and the merge launch."""
     shape, dtype = SHAPES[0], torch.float32
     g = torch.Generator().manual_seed(21)
     weights = [random_layer(shape, dtype, DEVICE, generator=g)]
@@ -390,11 +393,13 @@ def test_interpret_verify_rows_match_reference(plugin: str) -> None:
         built = _mrow_stack(plugin.split("-")[1], shape, weights, dtype, max_tokens=16)
     else:
         built = _build(plugin, shape, weights, dtype, max_tokens=16)
-    meta = _verify_meta([19, 2] if plugin == "nvidia-splits" else [9, 2], 6, 64, 32, g)  # 25 positions: 2 splits of 16
+    splits = plugin in ("nvidia-splits", "nvidia-rows-splits")
+    meta = _verify_meta([19, 2] if splits else [9, 2], 6, 64, 32, g)  # 25 positions: 2 splits of 16
     kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
     kv_ref = KVCache(kv.k.clone(), kv.v.clone())
     x = torch.randn(12, shape.hidden_size, generator=g).to(DEVICE, dtype)
-    assert plugin != "nvidia-splits" or built._splits(12, meta) > 1
+    assert not splits or built._splits(12, meta) > 1
+    assert built.lc.uses_rows_attention(12) == (plugin != "nvidia-splits")
     out = built.forward(0, x, kv, meta)
     ref = reference_decoder_layer(x, weights[0], kv_ref, meta, shape)
     assert _rel(out, ref) < 3 * TOL[dtype]

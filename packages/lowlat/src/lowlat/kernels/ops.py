@@ -115,10 +115,14 @@ class LaunchConfig:
     # 137.8 with the per-split merge loop of fec71e2 (benchmarks/RESULTS.md, issue 33, 2026-12-02)
     fused_merge: bool = False
     # decode / verify batches of 2 to this many rows run ``rows_attention`` (each request's K/V read once for all of
-    # its rows, the split count picked on the device from the number of requests; 0: never), in KV blocks of
-    # ``rows_attn_block`` tokens; not with ``fused_merge``
+    # its rows; 0: never; not with ``fused_merge``) in KV blocks of ``rows_attn_block`` tokens (0: ``attn_block``), on
+    # the per-row kernel's split count (the stack's). H200, 8B shape, context 608, attention alone (benchmarks/RESULTS.md
+    # issue 34, 2026-12-02): at 8 rows and 5 splits in blocks of 128, verify 6 + 2 rows 14.48 -> 12.44 us per layer,
+    # decode of 8 requests 19.14 -> 18.88; more splits help verify rows (10 splits of 64: 10.88, 16 of 32: 9.80) but
+    # cost a decode step of 8 requests (22.30, 28.04: the empty splits' programs and a wider merge), and one graph
+    # serves both
     rows_attention_up_to: int = 0
-    rows_attn_block: int = 64
+    rows_attn_block: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -136,7 +140,6 @@ class LaunchConfig:
                 attn_block_n=8,
                 num_sms=1,
                 rows_attention_up_to=16,
-                rows_attn_block=8,
             )
         from lowlat.kernels.tuning import (
             tuned_attention,
@@ -213,10 +216,18 @@ def num_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig
     return max(1, min(max_splits, want, triton.cdiv(max(1, max_seq_len), lc.attn_block(batch))))
 
 
-def rows_splits(shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int) -> int:
-    """The grid's split count of ``rows_attention``: as many as its KV blocks allow, at most ``max_splits`` (the
-    kernel uses fewer where the launch holds many requests). Host-only."""
-    return max(1, min(max_splits, triton.cdiv(max(1, max_seq_len), lc.rows_attn_block)))
+def rows_block(batch: int, lc: LaunchConfig, device: torch.device) -> int:
+    """``rows_attention``'s KV block at ``batch`` rows (``rows_attn_block``, else ``attn_block``; >= 16 on a GPU for
+    ``tl.dot``)."""
+    block = lc.rows_attn_block or lc.attn_block(batch)
+    return block if device.type == "cpu" else max(16, block)
+
+
+def rows_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int,
+                device: torch.device) -> int:
+    """As many splits as ``rows_attention``'s KV blocks allow, at most ``max_splits`` (a larger grid than the stack
+    launches: the kernel then uses fewer where the launch holds many requests; benchmarks and tests). Host-only."""
+    return max(1, min(max_splits, triton.cdiv(max(1, max_seq_len), rows_block(batch, lc, device))))
 
 
 def check_head_dim(shape: LayerShape) -> None:
@@ -299,8 +310,8 @@ def rows_attention(
 ) -> None:
     """``attention`` with each run of rows of one request (at most ``rows_attn.ROWS_PER_RUN``, a verify step's rows)
     read against each K/V tile once (``rows_attn.rows_attention_kernel``), then the merge launch (none with
-    ``splits == 1``). ``splits``: the grid's (``rows_splits``); the kernel picks how many of them do work from the
-    number of requests in the launch."""
+    ``splits == 1``). ``splits``: the grid's (the stack passes ``num_splits``, as for ``attention``); the kernel uses
+    fewer where the launch holds more requests than ``2 * num_sms`` programs over KV heads and splits allow."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
     block_gp = next_pow2(group)
@@ -311,7 +322,7 @@ def rows_attention(
         b, meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
         shape.head_dim**-0.5 * (kv.k_scale if kv.fp8 else 1.0), kv.v_scale if kv.fp8 else 1.0,
         NQ=shape.num_heads, G=group, D=shape.head_dim, KVH=shape.num_kv_heads, R=r, BLOCK_GP=block_gp, BLOCK_M=block_m,
-        BLOCK_B=next_pow2(b), BLOCK_N=lc.rows_attn_block if dev.type == "cpu" else max(16, lc.rows_attn_block),
+        BLOCK_B=next_pow2(b), BLOCK_N=rows_block(b, lc, dev),
         NUM_SPLITS=splits, TARGET=2 * lc.num_sms, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS,
         BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), **_kw(dev, lc),

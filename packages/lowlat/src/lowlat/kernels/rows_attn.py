@@ -2,20 +2,25 @@
 
 A verify step runs as decode rows: row j of a request is a decode row at its own position over the request's table
 row (``lowlat.plugins._stack.covers_rows``), so the per-row kernel (``layer.decode_attention_kernel``, grid (rows,
-KV heads, splits)) reads the request's K/V once per row, 6-8 times from L2, and at 8 rows and 5 splits launches 320
-programs on 132 SMs, which delays the next stage's start (benchmarks/RESULTS.md, issue 34, 2026-12-02: o_proj 13.47 us
-in the chained step against 10.86 alone).
+KV heads, splits)) reads the request's K/V once per row, 6-8 times from L2, with 320 programs at 8 rows and 5 splits.
+(The o_proj after it does not start later for that: 13.3 us per layer in the chained verify step with either kernel,
+benchmarks/RESULTS.md issue 34.)
 
 ``rows_attention_kernel`` keeps the per-row grid (the same graph serves decode and verify steps of a size, so the
 kernel cannot know at capture which it runs), but only a *leader* program works: row ``b`` leads when it starts a run
 of rows of one request (its table row differs from row ``b - 1``'s, or ``b`` starts an aligned block of ``R`` rows).
 The leader takes that run (at most ``R`` rows, within its aligned block) as one tile of ``R x G`` query rows against
 each K/V tile it reads; the other rows' programs return at once. A run of one row (a decode row) takes the per-row
-kernel's program instead (``_one_row``: its GQA tile and KV block), so a decode step of distinct requests runs as
-before (on the H200 a tile of 8 x 4 rows in KV blocks of 64 cost a decode step of 8 rows 18.9 -> 23.0 us per layer). The split count is chosen *per launch on the device*
-from the number of runs (``TARGET`` programs over runs x KV heads, at most the grid's ``NUM_SPLITS``): a decode
-step of 8 requests splits as the per-row kernel did (5 at 132 SMs), a verify step of one request over up to 16 splits.
-Splits past a run's effective count are empty and store ``lse = -inf`` partials; the merge launch is the per-row one.
+kernel's program instead (``_one_row``: its GQA tile and KV block). The split count is chosen *per launch on the
+device* from the number of runs (``TARGET`` programs over runs x KV heads, at most the grid's ``NUM_SPLITS``); splits
+past a run's effective count are empty and store ``lse = -inf`` partials; the merge launch is the per-row one.
+
+The stack launches the per-row kernel's grid (its split count; ``LaunchConfig.rows_attention_up_to``), so a decode
+step of distinct requests costs what it did. A larger grid (more splits for a verify run) measured faster on verify
+rows and slower on decode rows (H200, 8B shape, context 608, attention alone, us per layer: verify 6 + 2 rows: per-row
+14.48, this kernel on 5 splits of 128 12.44, 10 of 64 10.88, 16 of 32 9.80; decode of 8 requests: 19.14, 18.88,
+22.30, 28.04: the empty splits' programs and the wider merge). Verify steps would take the larger grid in a graph of
+their own (lmserver captures one only where the plugin's path differs), or with a merge that skips empty splits.
 
 Rows of one run attend to different lengths (row j of a request to ``prefix + j + 1`` positions): each query row
 masks the positions at or past its own length, and the K/V tiles span the run's longest row.

@@ -161,9 +161,8 @@ class TritonLayerStack:
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
         if lc.uses_rows_attention(b):  # each request's K/V read once for all of its rows (verify steps)
-            max_len = meta.max_seq_len or meta.req_to_token.shape[1]
             ops.rows_attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
-                               ops.rows_splits(self.shape, max_len, lc, self.max_splits))
+                               self._splits(b, meta))
         else:
             ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
                           self._splits(b, meta), counts=self.attn_counts if lc.fused_merge else None)
