@@ -13,7 +13,8 @@ request (random 512-token prompt, greedy), then the graph of 8 rows (which holds
 rows) replayed back to back (CUDA events) and under the torch profiler (each kernel's marginal time). Settings:
 `spec` (generic verify: cuBLAS + lmserver's kernels), `spec+plugin-perrow` (the plugin with `rows_attention_up_to=0`:
 the per-row attention, as before this change), `spec+plugin` (the plugin as built now), and `spec+plugin+...`: the
-plugin with one GEMV stage's kernel at 2-8 rows swapped (`VARIANTS`).
+plugin with one GEMV stage's kernel at 2-8 rows swapped, or `rows-wide`: `rows_attention` on 16 splits of 64 tokens
+whose unused splits return (`LaunchConfig.rows_wide_splits`; `VARIANTS`).
 
 `--alias-tables` (default on): on a GPU other than the H200 the plugin's measured tables (`lowlat.kernels.tuning`,
 keyed by the GPU's name) are the H200's, copied under this GPU's name in this process only: the tiles were measured
@@ -148,6 +149,14 @@ def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc:
         def new(kv: Any, lcb: Any = lcb, rows_s: int = rows_s) -> None:
             ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcb, rows_s)
         variants[f"rows {ops.rows_block(b, lcb, dev)} ({rows_s}-split grid){' stack' if not block else ''}"] = new
+    used = torch.zeros(b, dtype=torch.int32, device=dev)
+    for block in (64, 32):  # LaunchConfig.rows_wide_splits: the large grid, its unused splits skipped
+        lcb = replace(lc, rows_attn_block=block)
+        rows_s = ops.rows_splits(b, shape, ctx, lcb, max_splits, dev)
+
+        def wide(kv: Any, lcb: Any = lcb, rows_s: int = rows_s) -> None:
+            ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcb, rows_s, used=used)
+        variants[f"rows {block} ({rows_s}-split grid, skip)"] = wide
     for name, fn in variants.items():
         out.fill_(float("nan"))
         fn(kvs[0])
@@ -180,6 +189,7 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "spec": ("spec", None),
     "spec+plugin-perrow": ("spec+plugin", lambda lc: replace(lc, rows_attention_up_to=0)),
     "spec+plugin": ("spec+plugin", None),
+    "spec+plugin+rows-wide": ("spec+plugin", lambda lc: replace(lc, rows_wide_splits=16, rows_attn_block=64)),
     "spec+plugin+oproj-dot": ("spec+plugin", _first("o_proj", ("dot", 32, 256, 4, 4))),
     "spec+plugin+down-mrow": ("spec+plugin", _first("down", ("mrow", 32, 512, 4, 3))),
     "spec+plugin+qkv-dot64": ("spec+plugin", _first("qkv", ("dot", 64, 256, 4, 3))),

@@ -160,7 +160,9 @@ ROWS_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_interpret_rows_attention_matches_float64(runs: list, num_sms: int, block: int, dtype: torch.dtype) -> None:
     """``rows_attention`` (a leader program per run of rows of one request) against the float64 oracle, with
-    poisoned outputs and partials (every element written), twice: all splits of the grid, and one split."""
+    poisoned outputs and partials (every element written): on a grid of as many splits as KV blocks, the per-row
+    kernel's split count and one split; then the large grid with ``used`` (its unused splits' partials stay poisoned:
+    the merge must not read them; every row's used count written)."""
     shape = SHAPES[1] if dtype == torch.bfloat16 else SHAPES[0]
     g = torch.Generator().manual_seed(50 + num_sms)
     meta = _rows_meta(runs, 400, 48, g)
@@ -175,6 +177,14 @@ def test_interpret_rows_attention_matches_float64(runs: list, num_sms: int, bloc
         out = torch.full_like(q, float("nan"))
         ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, splits)
         assert _rel(out.cpu(), ref) < TOL[dtype], splits
+    splits = ops.rows_splits(b, shape, 48, lc, 8, DEVICE)
+    used = torch.full((b + 3,), -7, dtype=torch.int32, device=DEVICE)
+    part_o = torch.full((b, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+    part_lse = torch.full((b, shape.num_heads, splits), float("nan"), device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, splits, used=used)
+    assert _rel(out.cpu(), ref) < TOL[dtype]
+    assert bool(((used[:b] >= 1) & (used[:b] <= splits)).all()) and bool((used[b:] == -7).all())
 
 
 def test_attention_counts_are_checked() -> None:
@@ -317,6 +327,8 @@ def _build(name: str, shape: LayerShape, weights: list, dtype: torch.dtype, max_
             built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=(), fused_merge=True)  # merging
         if name == "nvidia-rows-splits":  # the same with rows_attention (runs of rows of a request) and a merge launch
             built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=())
+        if name == "nvidia-rows-wide":  # rows_attention on a grid of as many splits as 8-token blocks (up to 8)
+            built.lc = replace(built.lc, num_sms=64, attn_block_n=16, attn_tuned=(), rows_wide_splits=8, rows_attn_block=8)
         return built
     from lowlat.plugins.amd import build as amd_build
 
@@ -380,12 +392,13 @@ def _mrow_stack(variant: str, shape: LayerShape, weights: list, dtype: torch.dty
 
 
 @pytest.mark.parametrize("plugin", ["nvidia", "amd-staged", "nvidia-mrow", "nvidia-splits", "nvidia-rows-splits",
-                                    pytest.param("nvidia-mrow_fma", marks=pytest.mark.slow)])
+                                    "nvidia-rows-wide", pytest.param("nvidia-mrow_fma", marks=pytest.mark.slow)])
 def test_interpret_verify_rows_match_reference(plugin: str) -> None:
     """Speculative verify: 2 requests x 6 rows as decode rows (each row attends to the rows before it, whose K/V
     the step itself writes) against the reference layer: the rows' outputs, and the K/V written. nvidia-mrow*: the
     GEMV stages on the multi-row kernels; nvidia-splits: split-KV attention with the fused merge; nvidia-rows-splits:
-    split-KV rows_attention (a leader program per run of a request's rows) and the merge launch."""
+    split-KV rows_attention (a leader program per run of a request's rows) and the merge launch; nvidia-rows-wide: the
+    same on a larger grid, whose unused splits return (``LaunchConfig.rows_wide_splits``)."""
     shape, dtype = SHAPES[0], torch.float32
     g = torch.Generator().manual_seed(21)
     weights = [random_layer(shape, dtype, DEVICE, generator=g)]
@@ -393,7 +406,7 @@ def test_interpret_verify_rows_match_reference(plugin: str) -> None:
         built = _mrow_stack(plugin.split("-")[1], shape, weights, dtype, max_tokens=16)
     else:
         built = _build(plugin, shape, weights, dtype, max_tokens=16)
-    splits = plugin in ("nvidia-splits", "nvidia-rows-splits")
+    splits = plugin in ("nvidia-splits", "nvidia-rows-splits", "nvidia-rows-wide")
     meta = _verify_meta([19, 2] if splits else [9, 2], 6, 64, 32, g)  # 25 positions: 2 splits of 16
     kv = random_kv(shape, 64, dtype, DEVICE, generator=g)
     kv_ref = KVCache(kv.k.clone(), kv.v.clone())

@@ -123,6 +123,10 @@ class LaunchConfig:
     # serves both
     rows_attention_up_to: int = 0
     rows_attn_block: int = 0
+    # > 0: ``rows_attention`` on a grid of as many splits as its KV blocks allow, at most this many, of which the kernel
+    # uses as many as the launch's requests need (the empty splits' programs return, the merge reads the used ones);
+    # 0: the per-row kernel's split count (measured above). Not measured end to end yet (issue 34)
+    rows_wide_splits: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -306,28 +310,40 @@ def attention(
 
 def rows_attention(
     q: torch.Tensor, kv: KVCache, meta: ForwardMeta, part_o: torch.Tensor, part_lse: torch.Tensor,
-    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int,
+    out: torch.Tensor, shape: LayerShape, lc: LaunchConfig, splits: int, used: torch.Tensor | None = None,
 ) -> None:
     """``attention`` with each run of rows of one request (at most ``rows_attn.ROWS_PER_RUN``, a verify step's rows)
     read against each K/V tile once (``rows_attn.rows_attention_kernel``), then the merge launch (none with
     ``splits == 1``). ``splits``: the grid's (the stack passes ``num_splits``, as for ``attention``); the kernel uses
-    fewer where the launch holds more requests than ``2 * num_sms`` programs over KV heads and splits allow."""
+    fewer where the launch holds more requests than ``2 * num_sms`` programs over KV heads and splits allow.
+    ``used``: int32, at least B of them: the unused splits' programs return at once and the merge reads each row's
+    used splits only (``rows_attn.rows_merge_kernel``), for grids larger than the per-row one (``rows_wide_splits``)."""
     b, dev = q.shape[0], q.device
+    skip = used is not None and splits > 1
+    if skip and (used.dtype != torch.int32 or used.numel() < b):  # type: ignore[union-attr]
+        raise ShapeError(f"rows_attention used: int32, at least {b} of them")
     group = shape.group_size
     block_gp = next_pow2(group)
     r = RA.ROWS_PER_RUN
     block_m = r * block_gp if dev.type == "cpu" else max(16, r * block_gp)
     RA.rows_attention_kernel[(b, shape.num_kv_heads, splits)](
         q, kv.k, kv.v, meta.req_to_token, meta.req_pool_indices, meta.seq_lens, part_o, part_lse, out,
-        b, meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
+        used if skip else meta.seq_lens, b, meta.req_to_token.stride(0), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0), kv.v.stride(1),
         shape.head_dim**-0.5 * (kv.k_scale if kv.fp8 else 1.0), kv.v_scale if kv.fp8 else 1.0,
         NQ=shape.num_heads, G=group, D=shape.head_dim, KVH=shape.num_kv_heads, R=r, BLOCK_GP=block_gp, BLOCK_M=block_m,
         BLOCK_B=next_pow2(b), BLOCK_N=rows_block(b, lc, dev),
         NUM_SPLITS=splits, TARGET=2 * lc.num_sms, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS,
-        BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), **_kw(dev, lc),
+        BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), SKIP_EMPTY=skip,
+        **_kw(dev, lc),
     )
     if splits == 1:
+        return
+    if skip:
+        RA.rows_merge_kernel[(b, shape.num_heads)](
+            part_o, part_lse, out, used, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits,
+            BLOCK_S=next_pow2(splits), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_heads), **_kw(dev, lc),
+        )
         return
     K.merge_splits_kernel[(b, shape.num_heads)](
         part_o, part_lse, out, NQ=shape.num_heads, D=shape.head_dim, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),

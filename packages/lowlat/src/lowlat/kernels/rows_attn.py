@@ -108,16 +108,18 @@ def _one_row(
 @triton.jit
 def rows_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_idx_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, used_ptr,
     B, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KVH: tl.constexpr,
     R: tl.constexpr, BLOCK_GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TARGET: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
-    BLOCK_G1: tl.constexpr = 16, BLOCK_N1: tl.constexpr = 64,
+    BLOCK_G1: tl.constexpr = 16, BLOCK_N1: tl.constexpr = 64, SKIP_EMPTY: tl.constexpr = False,
 ):
     # grid (B, KV heads, NUM_SPLITS). Query tile row m = r * BLOCK_GP + g: run row r (row b + r), head kvh * G + g.
-    # One split (NUM_SPLITS == 1): the output goes straight to out_ptr; else partials for merge_splits_kernel.
+    # One split (NUM_SPLITS == 1): the output goes straight to out_ptr; else partials for merge_splits_kernel, or with
+    # SKIP_EMPTY for rows_merge_kernel: the programs of splits past the effective count return without a store, and
+    # split 0's program of each run stores that count for the run's rows at used_ptr (int32, one per row).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,64 +139,101 @@ def rows_attention_kernel(
         in_blk = (rows_r < B) & (rows_r // R == b // R)
         same = in_blk & (tl.load(req_idx_ptr + rows_r, mask=in_blk, other=-1) == row)
         n = tl.min(tl.where(same, R, offs_r), 0)
-        if n == 1:  # a decode row: the per-row program (its own tile and KV block)
-            _one_row(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
-                     row.to(tl.int64), tl.load(seq_lens_ptr + b), eff, stride_rt, stride_ks, stride_kh, stride_vs,
-                     stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS, DOT_F32, USE_PDL, PDL_EARLY,
-                     FRESH)
-        else:
-            lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
-            max_len = tl.max(lens_r, 0)
-            chunk = tl.cdiv(tl.cdiv(max_len, eff), BLOCK_N) * BLOCK_N
-            start = split * chunk
-            end = tl.minimum(max_len, start + chunk)
-            offs_m = tl.arange(0, BLOCK_M)
-            r_m = offs_m // BLOCK_GP
-            g_m = offs_m % BLOCK_GP
-            m_ok = (r_m < n) & (g_m < G)
-            lim = tl.minimum(tl.load(seq_lens_ptr + b + r_m, mask=m_ok, other=0), end)  # (BLOCK_M,)
-            heads = kvh * G + g_m
-            offs_d = tl.arange(0, D)
-            row64 = row.to(tl.int64)
-            # NOTE: before the wait, the first K/V tile's positions older than the run's FRESH last ones (the qkv launch
-            # writes each row's own position: at most FRESH of them, the last of the run's longest row; as the per-row
-            # kernel's note in layer.decode_attention_kernel)
-            offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
-                                                           v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
-                                                           stride_vh, D, BLOCK_N)
-            old = n_mask & (offs_n < max_len - FRESH)
-            k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-                if PDL_EARLY:
-                    tl.extra.cuda.gdc_launch_dependents()
-            newest = n_mask & (offs_n >= max_len - FRESH)
-            k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
-            v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
-            q = tl.load(q_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=m_ok[:, None],
-                        other=0.0)
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
-            if start < end:
-                m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
-            for t0 in range(start + BLOCK_N, end, BLOCK_N):
-                offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
+        # NOTE: before the PDL wait: the launch before this one (qkv) waited for every earlier one, so no merge of the
+        # previous layer still reads used_ptr
+        if SKIP_EMPTY:  # noqa: SIM102 (a static if around a runtime one)
+            if (split == 0) & (kvh == 0):
+                tl.store(used_ptr + rows_r, tl.zeros((R,), tl.int32) + eff, mask=offs_r < n)
+        limit = eff  # SKIP_EMPTY: the splits past the effective count return (the merge reads only `eff`)
+        if not SKIP_EMPTY:
+            limit = eff * 0 + NUM_SPLITS
+        if split < limit:
+            if n == 1:  # a decode row: the per-row program (its own tile and KV block)
+                _one_row(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
+                         row.to(tl.int64), tl.load(seq_lens_ptr + b), eff, stride_rt, stride_ks, stride_kh, stride_vs,
+                         stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS, DOT_F32, USE_PDL, PDL_EARLY,
+                         FRESH)
+            else:
+                lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
+                max_len = tl.max(lens_r, 0)
+                chunk = tl.cdiv(tl.cdiv(max_len, eff), BLOCK_N) * BLOCK_N
+                start = split * chunk
+                end = tl.minimum(max_len, start + chunk)
+                offs_m = tl.arange(0, BLOCK_M)
+                r_m = offs_m // BLOCK_GP
+                g_m = offs_m % BLOCK_GP
+                m_ok = (r_m < n) & (g_m < G)
+                lim = tl.minimum(tl.load(seq_lens_ptr + b + r_m, mask=m_ok, other=0), end)  # (BLOCK_M,)
+                heads = kvh * G + g_m
+                offs_d = tl.arange(0, D)
+                row64 = row.to(tl.int64)
+                # NOTE: before the wait, the first K/V tile's positions older than the run's FRESH last ones (the qkv launch
+                # writes each row's own position: at most FRESH of them, the last of the run's longest row; as the per-row
+                # kernel's note in layer.decode_attention_kernel)
+                offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
                                                                v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
                                                                stride_vh, D, BLOCK_N)
-                k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-                m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
-            if USE_PDL and not PDL_EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
-            empty = l_i == 0.0
-            out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-            if NUM_SPLITS == 1:
-                tl.store(out_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], out,
-                         mask=m_ok[:, None])
-            else:
-                lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-                base = ((b + r_m) * NQ + heads) * NUM_SPLITS + split
-                tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
-                tl.store(part_lse_ptr + base, lse, mask=m_ok)
+                old = n_mask & (offs_n < max_len - FRESH)
+                k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+                if USE_PDL:
+                    tl.extra.cuda.gdc_wait()
+                    if PDL_EARLY:
+                        tl.extra.cuda.gdc_launch_dependents()
+                newest = n_mask & (offs_n >= max_len - FRESH)
+                k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+                v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+                q = tl.load(q_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=m_ok[:, None],
+                            other=0.0)
+                m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_M,), tl.float32)
+                acc = tl.zeros((BLOCK_M, D), tl.float32)
+                if start < end:
+                    m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
+                for t0 in range(start + BLOCK_N, end, BLOCK_N):
+                    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
+                                                                   v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
+                                                                   stride_vh, D, BLOCK_N)
+                    k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+                    v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+                    m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
+                if USE_PDL and not PDL_EARLY:
+                    tl.extra.cuda.gdc_launch_dependents()
+                empty = l_i == 0.0
+                out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+                if NUM_SPLITS == 1:
+                    tl.store(out_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], out,
+                             mask=m_ok[:, None])
+                else:
+                    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+                    base = ((b + r_m) * NQ + heads) * NUM_SPLITS + split
+                    tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
+                    tl.store(part_lse_ptr + base, lse, mask=m_ok)
+
+@triton.jit
+def rows_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, used_ptr,
+    NQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
+):
+    """``layer.merge_splits_kernel`` over the first ``used_ptr[b]`` splits of row ``b`` (``rows_attention_kernel``
+    with SKIP_EMPTY stored them; the others hold stale partials). Grid (batch, heads)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    used = tl.load(used_ptr + b)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = (offs_s < NUM_SPLITS) & (offs_s < used)
+    offs_d = tl.arange(0, D)
+    base = (b * NQ + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
+    o = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)

@@ -161,8 +161,14 @@ class TritonLayerStack:
     def _attention_and_mlp(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta, out: torch.Tensor) -> None:
         b, w, lc = x.shape[0], self.weights[layer], self.lc
         if lc.uses_rows_attention(b):  # each request's K/V read once for all of its rows (verify steps)
-            ops.rows_attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
-                               self._splits(b, meta))
+            if lc.rows_wide_splits:  # a larger grid; the counters (unused without fused_merge) hold the used splits
+                max_len = meta.max_seq_len or meta.req_to_token.shape[1]
+                splits = ops.rows_splits(b, self.shape, max_len, lc, min(lc.rows_wide_splits, self.max_splits), x.device)
+                ops.rows_attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
+                                   splits, used=self.attn_counts)
+            else:
+                ops.rows_attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
+                                   self._splits(b, meta))
         else:
             ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
                           self._splits(b, meta), counts=self.attn_counts if lc.fused_merge else None)
