@@ -23,10 +23,14 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import urldefrag
 
+import numpy as np
+
+from cfsm.automata.automaton import MAX_DFA_STATES, Dfa, DfaNode, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     Approximation,
     CfsmError,
+    GrammarTooLargeError,
     SchemaTooLargeError,
     UnsupportedRegexError,
     UnsupportedSchemaError,
@@ -92,6 +96,9 @@ MAX_UNIQUE_VALUES = 8
 # string lengths counted exactly when a schema's exact automaton is too large (`schema_tree(...,
 # loose_lengths=True)`, the compiler's last resort)
 MAX_EXACT_LENGTH = 256
+# a string's length bounds beside a `pattern` are exact while the pattern's DFA states times the
+# bound stay within this (their product's size); past it the bounds are approximated (reported)
+MAX_PATTERN_LENGTH_STATES = 20_000
 # likewise item counts (`minItems` / `maxItems` over items that are not free JSON)
 MAX_EXACT_ITEMS = 64
 # counted characters and items above those bounds that one exact compile spells out; past this
@@ -760,14 +767,27 @@ class SchemaCompiler:
             else:
                 self.approximate("format", f"{path}/format", f"format {fmt!r} is not checked (known: {sorted(FORMAT_REGEXES)})")
         patterns = [schema["pattern"]] if "pattern" in schema else []
+        pattern_states = 1
         for pattern in [*patterns, *schema.get(ALL_PATTERNS, [])]:
             try:
-                langs.append(json_escape(parse_regex(pattern, search=True)))
+                lang, states = _pattern_lang(pattern)
             except UnsupportedRegexError as exc:
                 self.approximate("pattern", f"{path}/pattern", f"not enforced: {exc}")
+            else:
+                langs.append(lang)
+                pattern_states *= states
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         if hi is not None and lo > int(hi):
             return NOTHING  # NOTE: no string is valid (a Repeat with lo > hi would build some language)
+        if (lo or hi is not None) and pattern_states > 1:
+            # NOTE: the exact language beside a pattern is their product, up to the pattern's states
+            # times the bound (a word-count pattern {0,199} beside maxLength 300: ~10^6 states)
+            size = pattern_states * (max(lo, 0 if hi is None else int(hi)) + 1)
+            if size > MAX_PATTERN_LENGTH_STATES:
+                self.approximate("maxLength" if hi is not None else "minLength", path,
+                                 f"length bounds beside `pattern` are not enforced (the exact automaton would "
+                                 f"have up to {size} states)")
+                lo, hi = 0, None
         if not self.loose_lengths and (lo > MAX_EXACT_LENGTH or hi is not None and int(hi) > MAX_EXACT_LENGTH):
             self.counted += max(lo, 0 if hi is None else int(hi))
         if self.loose_lengths and (lo > MAX_EXACT_LENGTH or hi is not None and int(hi) > MAX_EXACT_LENGTH):
@@ -1176,6 +1196,49 @@ class _TooManyVisits(Exception):
 def _is_assertion(keyword: str) -> bool:
     """Whether a keyword beside `$ref` may narrow it (everything but identifiers and annotations)."""
     return keyword not in STRUCTURAL
+
+
+@functools.lru_cache(maxsize=128)
+def _pattern_lang(pattern: str) -> tuple[Node, int]:
+    """A JSON string body matching `pattern` (search semantics) as its ready DFA (built once per
+    process and pattern: a counted pattern such as a word count `(?:\\S+\\s+){0,199}` is thousands of
+    NFA copies), and its size for length bounds (`_cycle_states`); a pattern past the DFA limit
+    stays a tree and counts as that limit. Raises `UnsupportedRegexError`."""
+    tree = json_escape(parse_regex(pattern, search=True))
+    try:
+        dfa = build_dfa(tree)
+    except GrammarTooLargeError:
+        return tree, MAX_DFA_STATES
+    return (DfaNode(dfa) if dfa.num_states else NOTHING), _cycle_states(dfa)
+
+
+def _cycle_states(dfa: Dfa) -> int:
+    """`dfa`'s number of states when its language is infinite, 1 when finite (length bounds then
+    cut no cycle: their product stays near the pattern's size)."""
+    n = dfa.num_states
+    table = dfa.class_table[:n]
+    src = np.repeat(np.arange(n), table.shape[1])
+    dst = table.reshape(-1).astype(np.int64)
+    live = dst != n
+    src, dst = src[live], dst[live]
+    # Kahn's order: a state left with incoming edges is on a cycle
+    pairs = np.unique(src * (n + 1) + dst)
+    src, dst = pairs // (n + 1), pairs % (n + 1)
+    indeg = np.bincount(dst, minlength=n)
+    order = np.argsort(src, kind="stable")
+    starts = np.searchsorted(src[order], np.arange(n + 1))
+    out = dst[order].tolist()
+    todo = np.flatnonzero(indeg == 0).tolist()
+    deg = indeg.tolist()
+    seen = 0
+    while todo:
+        q = todo.pop()
+        seen += 1
+        for r in out[starts[q]:starts[q + 1]]:
+            deg[r] -= 1
+            if deg[r] == 0:
+                todo.append(r)
+    return max(1, n) if seen < n else 1
 
 
 def schema_tree(schema: Any, config: CfsmConfig | None = None, *,
