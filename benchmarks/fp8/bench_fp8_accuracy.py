@@ -15,7 +15,9 @@ weights online (per channel, `--quantization fp8`; per (row, 128 columns) and pe
 the last decoder layer left unquantized, not server options), FP8 KV cache (`--kv-cache-dtype
 fp8_e4m3`, scales 1.0, K in the Hadamard basis as the engine stores it; the "K unrotated" rows as
 before d88728f), and the combinations. A setup's model and KV cache compute in float32 unless
-named bf16.
+named bf16. The "gptq" rows: an offline FP8 checkpoint (gptq_fp8_checkpoint.py: GPTQ rounding and
+calibrated per-layer KV scales from standard library sources, never the evaluation text), written
+to a temporary folder (or `--gptq-checkpoint`) and loaded by `load_model` as the server loads it.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def calibration_sequences(tokenizer: Any, num_tokens: int, seq_len: int) -> list
     return out
 
 
-def build(config: Any, path: Path, weights: str, window: int, calib: list[list[int]] | None = None) -> torch.nn.Module:
+def build(config: Any, path: Path, weights: str, window: int, calib: list[list[int]] | None = None,
+          gptq_checkpoint: str | None = None) -> torch.nn.Module:
     from lmserver.models.loader import load_model
     from lmserver.models.quantization import quantize_linears_, use_fp8_path
 
@@ -91,24 +94,28 @@ def build(config: Any, path: Path, weights: str, window: int, calib: list[list[i
         return load_model(config, path, dtype=torch.bfloat16, max_positions=window)
     if weights == "fp8":
         return load_model(config, path, dtype=torch.float32, max_positions=window, quantization="fp8")
-    if weights.startswith("fp8-gptq"):  # per channel, GPTQ rounding with the calibration text's Hessians
+    if weights in ("fp8-gptq", "fp8-gptq-keep-last"):  # offline GPTQ checkpoint, loaded as the server loads it
+        import tempfile
+
+        from gptq_fp8_checkpoint import make_gptq_checkpoint
+
+        from lmserver.models.loader import read_model_config
+
+        assert calib is not None
+        keep_last = weights.endswith("-keep-last")
+        if gptq_checkpoint is not None and not keep_last:
+            folder = Path(gptq_checkpoint)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="gptq-fp8-"))
+            make_gptq_checkpoint(path, folder, sum(map(len, calib)), len(calib[0]), keep_last)
+        return load_model(read_model_config(folder), folder, dtype=torch.float32, max_positions=window)
+    if weights == "fp8-gptq-float":  # GPTQ with Hessians of the unquantized model (one pass per sequence)
         from lmserver.models.fp8_gptq import gptq_quantize_linears_
         from lmserver.runner.accuracy import calibration_forward
 
         assert calib is not None
         model = load_model(config, path, dtype=torch.float32, max_positions=max(window, *map(len, calib)))
-        sequential = "-float" not in weights
-        t0 = time.perf_counter()
-        if sequential:
-            reports = gptq_quantize_linears_(model, lambda: calibration_forward(model, calib),
-                                             keep_layers=(-1,) if weights.endswith("-keep-last") else ())
-        else:
-            reports = gptq_quantize_linears_(model, lambda: [calibration_forward(model, [c]) for c in calib],
-                                             sequential=False)
-        g, r = (sum(getattr(x, a) for x in reports) / len(reports) for a in ("gptq", "rtn"))
-        print(f"{weights}: {len(reports)} projections rounded in {time.perf_counter() - t0:.0f} s on "
-              f"{sum(map(len, calib))} calibration tokens; mean relative output error on them {g:.3g} "
-              f"(round to nearest {r:.3g})", flush=True)
+        gptq_quantize_linears_(model, lambda: [calibration_forward(model, [c]) for c in calib], sequential=False)
         use_fp8_path(model, "cpu")
         return model
     model = load_model(config, path, dtype=torch.float32, max_positions=window)
@@ -128,7 +135,10 @@ def main() -> None:
     parser.add_argument("--setups", nargs="*", default=None, help="names of SETUPS rows (default: all)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--calib-tokens", type=int, default=4096, help="GPTQ setups: calibration tokens")
+    # NOTE: the calibration text is `calibration_sequences` (CALIBRATION_MODULES), disjoint from the evaluation text
     parser.add_argument("--calib-len", type=int, default=512, help="GPTQ setups: tokens per calibration sequence")
+    parser.add_argument("--gptq-checkpoint", default=None,
+                        help="the fp8-gptq setups' checkpoint, written by gptq_fp8_checkpoint.py (default: written now)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -154,7 +164,7 @@ def main() -> None:
     calib = calibration_sequences(tokenizer, args.calib_tokens, args.calib_len)
     for _, weights, _ in setups:  # one model per weights kind (a GPTQ model is calibrated once)
         if weights not in models:
-            models[weights] = build(config, path, weights, args.window, calib)
+            models[weights] = build(config, path, weights, args.window, calib, args.gptq_checkpoint)
     runners = [window_runner(models[weights], args.window, kv.removesuffix("-unrotated"),
                              rotate_k=not kv.endswith("-unrotated"))
                for _, weights, kv in setups]

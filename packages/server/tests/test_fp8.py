@@ -674,3 +674,34 @@ def test_gptq_model_written_as_a_compressed_tensors_checkpoint_loads_back(tmp_pa
         assert torch.equal(layer.weight_scale, theirs[name].weight_scale), name
     ids = list(range(3, 40))
     torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
+
+
+def test_calibrated_kv_scales_put_the_calibration_maximum_at_448_over_headroom(tmp_path: Path) -> None:
+    """calibrate_kv_scales: an FP8 KV pool with those scales, written by the calibration text itself (K in the
+    Hadamard basis, as the engine stores it), holds codes whose absolute maximum per layer is 448 / headroom
+    (to e4m3's rounding); the scales survive write_fp8_checkpoint and load_model into the pool options."""
+    from lmserver.models.fp8_gptq import KV_SCALE_HEADROOM, calibrate_kv_scales, write_fp8_checkpoint
+    from lmserver.models.quantization import quantize_linears_
+    from lmserver.runner.accuracy import calibration_forward, window_logits, window_runner
+    from lmserver.runner.resolve import kv_cache_options
+
+    src = _hf_folder(tmp_path)
+    config = read_model_config(src)
+    model = load_model(config, src, dtype=torch.float32, max_positions=64)
+    ids = torch.randint(3, 96, (60,), generator=torch.Generator().manual_seed(9)).tolist()
+    scales = calibrate_kv_scales(model, lambda: calibration_forward(model, [ids]))
+    assert sorted(scales) == list(range(COMMON["num_hidden_layers"]))
+    runner = window_runner(model, 64, "fp8_e4m3")
+    window_logits(runner, ids)
+    pool = runner.kv_pool
+    for layer in range(COMMON["num_hidden_layers"]):
+        for cache in (pool.k_cache[layer], pool.v_cache[layer]):
+            top = float(cache[1 : len(ids) + 1].float().abs().max())
+            assert abs(top - 448 / KV_SCALE_HEADROOM) <= 448 / KV_SCALE_HEADROOM / 16, (layer, top)
+    quantize_linears_(model, None)  # RTN: the checkpoint writer takes any per-channel FP8 layers
+    dst = write_fp8_checkpoint(model, src, tmp_path / "with-kv-scales")
+    loaded = load_model(read_model_config(dst), dst, dtype=torch.float32, max_positions=64)
+    opts = kv_cache_options("fp8_e4m3", loaded)
+    for layer, entry in scales.items():
+        assert opts["k_scales"][layer] == pytest.approx(entry["k"], rel=1e-6)
+        assert opts["v_scales"][layer] == pytest.approx(entry["v"], rel=1e-6)
