@@ -557,3 +557,72 @@ def test_loop_cut_walks_equal_plain_trie_walks(text: str, tokens: list[bytes], s
     # every configuration seen so far (multi-stack ones included) walked as a key, both ways
     sids = sorted(set(range(1, fast.num_configurations + 1)) | sids)
     assert _walk_set(fast._walk_trie_many(sids)) == _walk_set(_uncut_walk(fast, sids))
+
+
+_CHAIN_PARTS = ['[ \\t]{0,3}', '[ \\t]{0,2}', '[ab]{1,3}', '" "', '"a"', '[ x]', '"<"', '"x"{0,2}']
+_CHAIN_BYTES = [b" ", b" ", b"\t", b"a", b"b", b"x", b"<", b">"]
+
+
+@st.composite
+def _chain_grammars(draw: st.DrawFn) -> str:
+    """A random GBNF grammar of counted runs (counted chains) that call each other and end rules
+    inside or after runs; every alternative starts with a byte (no left recursion), every rule
+    has one without references (a language) and recurses (`"<" rule ">"`: none is inlined)."""
+    names = ["root"] + [f"r{i}" for i in range(1, draw(st.integers(1, 3)))]
+    leads = ['"a"', '" "', '[ x]', '[ab]{1,3}', '"x"']
+
+    def item(refs: bool) -> str:
+        if refs and draw(st.integers(0, 2)) == 0:
+            # NOTE: no starred references: a nullable rule repeated multiplies the parses
+            # a rule followed by a run byte: chain states at its end may escape on run bytes
+            return draw(st.sampled_from(names)) + draw(st.sampled_from(["", "?", ' " "', ' [ \\t]']))
+        return draw(st.sampled_from(_CHAIN_PARTS))
+
+    def alternative(refs: bool) -> str:
+        return " ".join([draw(st.sampled_from(leads))] + [item(refs) for _ in range(draw(st.integers(0, 3)))])
+
+    return "\n".join(f'{name} ::= {alternative(False)} | {alternative(True)} | "<" {name} ">"' for name in names)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_chain_grammars(), tokens=st.lists(st.lists(st.sampled_from(_CHAIN_BYTES), min_size=2, max_size=7)
+                                               .map(b"".join), min_size=1, max_size=40),
+       seed=st.integers(0, 2**32 - 1))
+def test_derived_chain_keys_equal_walked_ones(text: str, tokens: list[bytes], seed: int) -> None:
+    """Counted-chain keys derived without a walk (`_CHAIN_DERIVE`: tokens whose leading run
+    passes the chain's end die there, escaping where the head does) against chain keys whose long
+    tokens are walked, and against an index with no counted chains at all (every key a plain
+    walk): same keys, settlements and masks along random strings."""
+    # NOTE: runs longer than the chains, some followed by other bytes
+    runs = [b"   ", b"    ", b" \t ", b"\t\t\t\t", b"  a", b"   x", b" <", b"  >"]
+    tokens = sorted(set(tokens) | set(runs))
+    vocab = cfsm.Vocabulary([bytes([b]) for b in range(256)] + tokens + [b""], eos_token_ids=[256 + len(tokens)])
+    try:
+        pda = build_pda(inline_rules(parse_ebnf(text)))
+        fast = GrammarIndex(pda, vocab)
+    except cfsm.GrammarError:
+        return
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(grammar_index, "_CHAIN_DERIVE", False)
+        walked = GrammarIndex(pda, vocab)
+        mp.setattr(grammar_index, "_counted_chains", lambda pda: {})
+        plain = GrammarIndex(pda, vocab)
+    finally:
+        mp.undo()
+    for other in (walked, plain):
+        _same_infos(fast._keys, other._keys)
+        _same_infos(fast._settled, other._settled)
+    rng = random.Random(seed)
+    alphabet = [b.decode() for b in _CHAIN_BYTES]
+    for _ in range(4):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+        a, b = GrammarGuide(fast), GrammarGuide(plain)
+        for tid in greedy_tokens(vocab, s.encode()):
+            allowed = a.allowed_token_ids().tolist()
+            assert allowed == b.allowed_token_ids().tolist(), (text, s)
+            if tid not in allowed:
+                break
+            a.advance(tid)
+            b.advance(tid)
+        assert a.can_stop() == b.can_stop()

@@ -41,6 +41,7 @@ __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
 
 MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
+_CHAIN_DERIVE = True  # counted-chain keys derived without walks where `_chain_escapes` allows (tests switch it off)
 _LOOP_CUT = True  # trie walks accept a subtree whole where its bytes all loop the configuration (tests switch it off)
 _FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
 _BOOL_ROWS = 1 << 20  # batched key rows of at most this many words are set as bools, then packed
@@ -178,7 +179,7 @@ class GrammarIndex:
         self._state_row: dict[int, int] = {}
         self._forced: dict[int, bytes] = {}
         self._runs: dict[bytes, np.ndarray] = {}
-        self._runs_sorted: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._runs_sorted: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._trans_rows: dict[int, list[int]] = {}  # state -> its row of `pda.trans` (`_trans_row`)
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
@@ -839,15 +840,33 @@ class GrammarIndex:
         longs: list[np.ndarray] = []
         walked: list[np.ndarray] = []
         sids: list[int] = []
-        for s, (_, remaining, run_class) in zip(states, links, strict=True):
-            order, neg_runs = self._runs_order(run_class)
-            long = order[:int(np.searchsorted(neg_runs, -remaining, side="left"))]
+        derived: dict[tuple[int, bytes], np.ndarray | None] = {}  # (head, class) -> `_chain_escapes`
+        for s, (head, remaining, run_class) in zip(states, links, strict=True):
+            starting, order, neg_runs = self._runs_order(run_class)
+            if remaining:
+                long = order[:int(np.searchsorted(neg_runs, -remaining, side="left"))]
+            else:
+                long = starting
             longs.append(long)
-            sid = self._intern(self._close([(s,)]))
+            if _CHAIN_DERIVE and len(long):
+                if (head, run_class) not in derived:
+                    derived[(head, run_class)] = self._chain_escapes(head, run_class)
+                if derived[(head, run_class)] is not None:
+                    sids.append(0)  # NOTE: no walk, no configuration (see `_chain_escapes`)
+                    walked.append(long[:0])
+                    continue
+            sid = self._intern(self._close([(s,)])) if len(long) else 0
             sids.append(sid)
+            if remaining or not len(long):
+                # NOTE: a long token starts with a byte of the class, which steps every link but the last
+                walked.append(long)
+                continue
             first = np.zeros(257, dtype=bool)
             first[:256] = self._first_bytes(sid)
-            walked.append(long[first.take(cols0.take(long))])
+            if not first[list(run_class)].any():
+                walked.append(long[:0])
+            else:
+                walked.append(long[first.take(cols0.take(long))])
         counts = [len(w) for w in walked]
         ranks = np.concatenate(walked) if walked else np.zeros(0, dtype=np.int64)
         cur = np.repeat(np.asarray(sids, dtype=np.int32), counts)
@@ -871,30 +890,79 @@ class GrammarIndex:
             mask = cleared.get((run_class, remaining))
             if mask is None:
                 mask = cleared[(run_class, remaining)] = ~self._bits(long)
-            lo, hi = int(bounds[k]), int(bounds[k + 1])
-            acc = ranks[lo:hi][ok[lo:hi]]
-            row = base.row & mask | self._bits(acc)
             runs = base_runs.get((head, run_class))
             if runs is None:
                 esc_runs = self._leading_runs(run_class).take(base.esc_rank)
                 runs = base_runs[(head, run_class)] = (esc_runs, int(esc_runs.max(initial=0)))
-            elo, ehi = int(e_bounds[k]), int(e_bounds[k + 1])
-            if elo == ehi and runs[1] <= remaining:
+            escapes = derived.get((head, run_class)) if _CHAIN_DERIVE else None
+            if escapes is not None:
+                # NOTE: every long token dies at the chain's end; it escapes where the head's
+                # configuration does on the bytes it read (`_chain_escapes`)
+                row = base.row & mask
+                new_rank, new_at = self._chain_long_escapes(long, remaining, escapes)
+            else:
+                lo, hi = int(bounds[k]), int(bounds[k + 1])
+                row = base.row & mask | self._bits(ranks[lo:hi][ok[lo:hi]])
+                elo, ehi = int(e_bounds[k]), int(e_bounds[k + 1])
+                new_rank, new_at = e_rank[elo:ehi], e_at[elo:ehi]
+            if not len(new_rank) and runs[1] <= remaining:
                 # NOTE: the head's escape pairs, every one kept, none added: its sorted arrays and digest as they are
                 self._keys[(s,)] = _KeyInfo(row, base.uncertain, base.late, base.esc_rank, base.esc_at, base.digest)
                 continue
             keep_base = runs[0] <= remaining
-            self._keys[(s,)] = _info(row, np.concatenate([base.esc_rank[keep_base], e_rank[elo:ehi]]),
-                                     np.concatenate([base.esc_at[keep_base], e_at[elo:ehi]]))
+            self._keys[(s,)] = _info(row, np.concatenate([base.esc_rank[keep_base], new_rank]),
+                                     np.concatenate([base.esc_at[keep_base], new_at]))
 
-    def _runs_order(self, run_class: bytes) -> tuple[np.ndarray, np.ndarray]:
-        """Token ranks by decreasing leading run of `run_class` bytes, and those runs negated
+    def _chain_escapes(self, head: int, run_class: bytes) -> np.ndarray | None:
+        """(257,) bool: the bytes of `run_class` on which the head's configuration returns below
+        its key, when the keys of the chain's states may be derived without a walk; else None.
+        Fills caches only.
+
+        NOTE: the configuration of a chain state s_k is (s_k,) plus the stacks Y its calls open
+        (the calls of s_0 and s_k are the same, a one-frame stack never returns: Y is the same
+        for every k). Where no top of Y reads a byte of the class, a byte of the class steps
+        (s_k,) to (s_k+1,) and drops Y, and the closure gives Y back: a token whose leading run
+        passes the chain's end goes through the chain states to s_n, which reads no byte of the
+        class, and dies there; at each of those bytes it escapes where the head's configuration
+        does (the same one-frame stacks end: (s_k,) alike to (s_0,), Y's alike)."""
+        pda = self.pda
+        seeds = [(ret, int(pda.rule_start[rule])) for rule, ret in pda.calls[head]]
+        try:
+            rest = self._close(seeds) if seeds else frozenset()
+        except _TooAmbiguous:
+            return None
+        cls = list(run_class)
+        tops = sorted({st[-1] for st in rest})
+        if tops and (pda.trans[np.asarray(tops)][:, cls] >= 0).any():
+            return None
+        sid = self._intern(self._close([(head,)]))
+        out = np.zeros(257, dtype=bool)
+        if self._end[sid]:
+            out[cls] = self._after_end[sid, cls]
+        return out
+
+    def _chain_long_escapes(self, long: np.ndarray, remaining: int, escapes: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray]:
+        """The escape pairs (rank, offset) of the long tokens `long` of a chain state `remaining`
+        steps before its end (`_chain_escapes`): offsets 0..remaining where the token's byte is
+        one of `escapes`. Pure."""
+        if not len(long) or not escapes.any():
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        cols = self.vocab.trie_tables.length_columns
+        hit = escapes.take(cols[:remaining + 1].take(long, axis=1))  # (remaining + 1, tokens)
+        at, which = np.nonzero(hit)
+        return long.take(which).astype(np.int64), at.astype(np.int32)
+
+    def _runs_order(self, run_class: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ranks of the tokens that start with a `run_class` byte (ascending), those with a
+        leading run of at least two such bytes by decreasing run, and their runs negated
         (ascending, for `searchsorted`). Cached."""
         hit = self._runs_sorted.get(run_class)
         if hit is None:
             runs = self._leading_runs(run_class)
-            order = np.argsort(-runs, kind="stable")
-            hit = self._runs_sorted[run_class] = (order, -runs[order].astype(np.int64))
+            two = np.flatnonzero(runs >= 2)
+            order = two[np.argsort(-runs.take(two), kind="stable")]
+            hit = self._runs_sorted[run_class] = (np.flatnonzero(runs), order, -runs.take(order).astype(np.int64))
         return hit
 
     def _leading_runs(self, run_class: bytes) -> np.ndarray:
