@@ -196,7 +196,7 @@ def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest
                       build=build)
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     with use_registry(Registry([spec])):
-        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram",
+        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram", context_length=256,
                          speculative_num_draft_tokens=3, cuda_graph_max_bs=8)
     try:
         graphs = engine.core.runner.cuda_graph

@@ -162,8 +162,10 @@ def test_tiny_kv_cache_queue_retractions_and_eager_graphs(monkeypatch: pytest.Mo
     """4 request rows for 7 requests (a standing queue) in 120 KV slots (retractions). Prefill-first
     rounds: mixed steps admit against the running requests' reserve after their decode slots, and
     this workload then never needs a retraction, the path under test."""
+    # NOTE: eager graphs plan every replay for the full context (a graph's static upper bound): a short context keeps
+    # the CPU's attention over it short
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
-    small = EngineCore(ServerConfig(dtype="float32", max_total_tokens=120, max_running_requests=4,
+    small = EngineCore(ServerConfig(dtype="float32", max_total_tokens=120, max_running_requests=4, context_length=256,
                                     schedule_policy="fcfs", cuda_graph_max_bs=4, enable_overlap_schedule=True,
                                     enable_mixed_chunk=False))
     graphs = small.runner.cuda_graph
@@ -186,7 +188,7 @@ def test_tiny_kv_cache_queue_retractions_and_eager_graphs(monkeypatch: pytest.Mo
 def test_eager_graphs_mixed_workload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     graphed = EngineCore(ServerConfig(dtype="float32", max_total_tokens=4096, max_running_requests=16,
-                                      cuda_graph_max_bs=8))
+                                      cuda_graph_max_bs=8, context_length=256))
     graphs = graphed.runner.cuda_graph
     assert graphs is not None
     _compare(graphed, MIXED)

@@ -47,12 +47,14 @@ WORKLOAD: list[tuple[str, dict[str, Any]]] = [
 def engines() -> Iterator[tuple[Engine, Engine]]:
     from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
-    base = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16)
+    # NOTE: a short context for both: eager graphs plan every replay for the full context (a graph's static bound)
+    base = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16, context_length=512)
     # the speculating engine gets decode graphs (EagerGraph on CPU): verify steps of up to 16 rows replay them as
     # decode rows, larger ones run the eager extend forward, as on a GPU
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(EAGER_GRAPHS_ENV, "1")
-        spec = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16, speculative_algorithm="ngram",
+        spec = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=16, context_length=512,
+                      speculative_algorithm="ngram",
                       speculative_num_draft_tokens=5)
     yield base, spec
     base.shutdown()
@@ -201,7 +203,7 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
         with pytest.MonkeyPatch.context() as mp:  # the tiny draft's steps (and the target's) replay decode graphs
             if graphs:
                 mp.setenv(EAGER_GRAPHS_ENV, "1")
-            eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8,
+            eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, context_length=512,
                          speculative_algorithm="draft_model", speculative_draft_model_path=draft,
                          speculative_num_draft_tokens=4, cuda_graph_max_bs=4)
         with eng:
@@ -236,7 +238,8 @@ def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_
     for folder in ("eagle", "eagle3"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(EAGER_GRAPHS_ENV, "1")
-            eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, speculative_algorithm="eagle",
+            eng = Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, context_length=512,
+                         speculative_algorithm="eagle",
                          speculative_draft_model_path=str(tmp_path / folder), speculative_num_draft_tokens=3,
                          cuda_graph_max_bs=4)
         with eng:
