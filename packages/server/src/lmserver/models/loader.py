@@ -11,8 +11,10 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lmserver.kernels.dispatch import KernelOps, select_kernels
 from lmserver.models.config import ModelConfig
@@ -72,6 +74,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+class _ZeroInsteadOfRandomInit(TorchFunctionMode):
+    """While a model is built: a parameter's random initialization (nn.Linear's kaiming_uniform_, nn.Embedding's
+    normal_) writes zeros instead. Every parameter is overwritten next, by the checkpoint or `init_dummy_weights`,
+    and both check that they filled all of them; drawing random numbers first cost ~4 s per build of the embedded
+    135M model on one CPU core. Thread-local (a torch function mode), active only inside `load_model`."""
+
+    _RANDOM_FILLS = frozenset({
+        torch.Tensor.uniform_, torch.Tensor.normal_, torch.nn.init.uniform_, torch.nn.init.normal_,
+        torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_,
+        torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func in self._RANDOM_FILLS:
+            with torch.no_grad():
+                return (args[0] if args else kwargs["tensor"]).zero_()
+        return func(*args, **(kwargs or {}))
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -156,7 +176,7 @@ def load_model(
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from exc
     model_cls = get_model_class(config.architecture)
-    with _default_dtype(dtype), torch.device(device):
+    with _default_dtype(dtype), torch.device(device), _ZeroInsteadOfRandomInit():
         model = model_cls(config, max_positions=max_positions)
     from_checkpoint = fp8 is not None and fp8.source == "checkpoint" and load_format == "auto"
     if from_checkpoint:
