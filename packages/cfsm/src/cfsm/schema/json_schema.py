@@ -9,7 +9,8 @@ over-approximated (the grammar accepts a superset) and each is recorded as an `A
 `not` beyond types and values, `if`/`then`/`else` without a simple negation, `dependencies`,
 `contains`, `propertyNames`, `unevaluated*` where `unevaluated` cannot expand them, unknown
 formats, patterns outside the regular subset, `multipleOf` that is not an integer or a power of
-ten, thousands of counted characters / items: `MAX_COUNTED`); `CfsmConfig.strict` refuses them
+ten, thousands of counted characters / items: `MAX_COUNTED`, length bounds beside a `pattern` whose
+product passes `MAX_PATTERN_LENGTH_STATES`); `CfsmConfig.strict` refuses them
 instead. Malformed schemas raise `UnsupportedSchemaError` with their JSON path.
 """
 
