@@ -36,6 +36,18 @@ def test_cascade_triton_in_a_child_process() -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
+def test_long_cascade_triton_cases_in_a_child_process() -> None:
+    pytest.importorskip("triton")
+    from lmserver.kernels.testing import SLOW_CASES, pytest_under_interpreter
+
+    proc = pytest_under_interpreter(Path(__file__), marks=SLOW_CASES)
+    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, summary
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+
+
 # --- the planner (host only) ---------------------------------------------------------------
 
 
@@ -215,7 +227,8 @@ CONFIG = dict(
 )
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# 2 minutes under the interpreter: the slow tier on the CPU (the backend-level case above stays in the default tier)
+@pytest.mark.parametrize("device", kernel_devices(slow_on_cpu=True))
 def test_greedy_tokens_with_cascade_equal_torch_native(tmp_path: Path, device: str) -> None:
     """Five requests, four of them behind one shared 37-token prompt (their table rows name the
     same slots, as the radix cache hands them out), decoded greedily: the tokens of `triton` with

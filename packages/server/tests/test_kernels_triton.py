@@ -15,14 +15,13 @@ import pytest
 import torch
 
 from lmserver.kernels import reference as ref
-from lmserver.kernels.testing import random_paged_batch, rel_error
+from lmserver.kernels.testing import kernel_devices, random_paged_batch, rel_error
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # The CPU cases exist only in the TRITON_INTERPRET=1 child (test_kernels_interpret.py).
-DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
-if INTERPRET:
-    DEVICES.append(pytest.param("cpu", id="interpret"))
+DEVICES = kernel_devices()
+SLOW_ON_CPU = kernel_devices(slow_on_cpu=True)  # the interpreter's longest cases (40-90 s on 2 busy cores)
 # (num_heads, num_kv_heads, head_dim): SmolLM2-135M (GQA group 3), Llama-3-8B (group 4), MHA, odd dim.
 SHAPES = [(9, 3, 64), (32, 8, 128), (4, 4, 32), (6, 2, 80)]
 
@@ -141,7 +140,7 @@ def _distinct_logits(tokens: int, experts: int, g: torch.Generator) -> torch.Ten
     return torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]) * 0.25 - experts / 8
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SLOW_ON_CPU)
 def test_fused_moe_matches_the_float64_reference(device: str) -> None:
     # Oracle: the sparse torch path in float64. Each dtype's error must be within a small factor of the torch path's
     # own (same roundings), and every launch shape (decode-sized 16-row blocks, prefill-sized tiles) is exercised.
@@ -274,7 +273,7 @@ def _check_filtered(out: torch.Tensor, expected: torch.Tensor, logits: torch.Ten
     torch.testing.assert_close(out, want / want.sum(-1, keepdim=True), rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", SLOW_ON_CPU)
 def test_top_k_top_p_min_p_probs(device: str) -> None:
     from lmserver.kernels.sampling import top_k_top_p_min_p_probs
 

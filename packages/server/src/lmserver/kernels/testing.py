@@ -93,28 +93,34 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(diff.norm() / ref.double().norm().clamp_min(1e-30))
 
 
-def kernel_devices() -> list[Any]:
+def kernel_devices(slow_on_cpu: bool = False) -> list[Any]:
     """pytest parameters for a kernel test's device: "cuda" (marked `gpu`) and, in a process run
-    with TRITON_INTERPRET=1 (`pytest_under_interpreter`), "cpu" under the interpreter."""
+    with TRITON_INTERPRET=1 (`pytest_under_interpreter`), "cpu" under the interpreter (marked `slow`
+    with `slow_on_cpu`: a case that takes the interpreter a minute runs in the slow tier only)."""
     import pytest
 
     devices = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
     if os.environ.get("TRITON_INTERPRET") == "1":
-        devices.append(pytest.param("cpu", id="interpret"))
+        devices.append(pytest.param("cpu", id="interpret", marks=pytest.mark.slow if slow_on_cpu else ()))
     return devices
 
 
-def pytest_under_interpreter(*test_files: str | Path, select: str = "interpret",
+# `marks` of pytest_under_interpreter: the default tier's cases and the slow tier's
+FAST_CASES = "not gpu and not slow"
+SLOW_CASES = "not gpu and slow"
+
+
+def pytest_under_interpreter(*test_files: str | Path, select: str = "interpret", marks: str = FAST_CASES,
                              timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
-    """Runs pytest on `test_files` (the tests matching `-k select`, GPU-marked ones deselected) in
-    a child process with TRITON_INTERPRET=1 and no visible GPU: the interpreter must be chosen
-    before triton is imported. The repository root is three folders above the first file
-    (`packages/<pkg>/tests/<file>`). Returns the finished process (output captured)."""
+    """Runs pytest on `test_files` (the tests matching `-k select` and `-m marks`: by default the
+    default tier's CPU cases) in a child process with TRITON_INTERPRET=1 and no visible GPU: the
+    interpreter must be chosen before triton is imported. The repository root is three folders
+    above the first file (`packages/<pkg>/tests/<file>`). Returns the finished process (output captured)."""
     root = Path(test_files[0]).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k != "LMSYS_GPU_ONLY"}
     env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--rootdir", str(root),
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, "--rootdir", str(root),
          "-k", select, *map(str, test_files)],
         cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s,
     )
