@@ -881,7 +881,7 @@ def _product(a: Dfa, b: Dfa) -> Dfa:
         found = np.empty(len(uniq), dtype=np.int64)
         new_keys = []
         get = ids.get
-        for j, key in zip(order.tolist(), uniq[order].tolist()):
+        for j, key in zip(order.tolist(), uniq[order].tolist(), strict=True):
             i = get(key)
             if i is None:
                 i = ids[key] = len(ids)

@@ -79,7 +79,7 @@ class _Parser:
             raise self.error("')' without a matching '('")
         return node
 
-    def parse_alt(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, bool]:
+    def parse_alt(self, flags: _Flags, at_start: bool, depth: int) -> tuple[Node, int]:
         """Returns (node, ended): `_ENDS_ALL` where a `$` closed every branch, `_ENDS_SOME` where it
         closed some, `_ENDS_NONE` where none."""
         branches = []
