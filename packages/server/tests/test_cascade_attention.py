@@ -28,24 +28,20 @@ DEVICES = kernel_devices()
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_cascade_triton_in_a_child_process() -> None:
     pytest.importorskip("triton")
-    from lmserver.kernels.testing import pytest_under_interpreter
+    from lmserver.kernels.testing import assert_interpreter_run_passed, pytest_under_interpreter
 
     proc = pytest_under_interpreter(Path(__file__))
-    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, summary
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+    assert_interpreter_run_passed(proc)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_long_cascade_triton_cases_in_a_child_process() -> None:
     pytest.importorskip("triton")
-    from lmserver.kernels.testing import SLOW_CASES, pytest_under_interpreter
+    from lmserver.kernels.testing import SLOW_CASES, assert_interpreter_run_passed, pytest_under_interpreter
 
     proc = pytest_under_interpreter(Path(__file__), marks=SLOW_CASES)
-    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, summary
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+    assert_interpreter_run_passed(proc)
 
 
 # --- the planner (host only) ---------------------------------------------------------------

@@ -448,13 +448,11 @@ def test_embedded_model_rotated_fp8_k_agrees_better() -> None:
 
 
 def test_fp8_kernels_under_interpreter() -> None:  # the FP8 kernels' CPU oracle: in the default tier
-    from lmserver.kernels.testing import pytest_under_interpreter
+    from lmserver.kernels.testing import assert_interpreter_run_passed, pytest_under_interpreter
 
     pytest.importorskip("triton")
     proc = pytest_under_interpreter(Path(__file__).with_name("test_fp8_kernels.py"))
-    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, summary
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+    assert_interpreter_run_passed(proc)
 
 
 @pytest.mark.slow

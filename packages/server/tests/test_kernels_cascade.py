@@ -17,7 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmserver.kernels import reference as ref
-from lmserver.kernels.testing import kernel_devices, pytest_under_interpreter, rel_error
+from lmserver.kernels.testing import (
+    assert_interpreter_run_passed,
+    kernel_devices,
+    pytest_under_interpreter,
+    rel_error,
+)
 
 pytest.importorskip("triton")
 
@@ -28,9 +33,7 @@ DEVICES = kernel_devices()
 @pytest.mark.skipif(INTERPRET, reason="this is the parent of the interpreter run")
 def test_cascade_kernels_in_a_child_process() -> None:
     proc = pytest_under_interpreter(Path(__file__))
-    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, summary
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+    assert_interpreter_run_passed(proc)
 
 
 def shared_prefix_table(

@@ -6,12 +6,11 @@ and the other tests of this session keep the normal Triton.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from lmserver.kernels.testing import SLOW_CASES, pytest_under_interpreter
+from lmserver.kernels.testing import SLOW_CASES, assert_interpreter_run_passed, pytest_under_interpreter
 
 pytest.importorskip("triton")
 
@@ -20,16 +19,10 @@ TESTS = Path(__file__).with_name("test_kernels_triton.py")
 FILES = (TESTS, TESTS.with_name("test_kernels_triton_backend.py"), TESTS.with_name("test_kernels_triton_model.py"))
 
 
-def _passed(proc: subprocess.CompletedProcess[str]) -> None:
-    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, summary
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
-
-
 def test_triton_kernels_under_interpreter() -> None:
-    _passed(pytest_under_interpreter(*FILES))
+    assert_interpreter_run_passed(pytest_under_interpreter(*FILES))
 
 
 @pytest.mark.slow
 def test_long_triton_kernel_cases_under_interpreter() -> None:
-    _passed(pytest_under_interpreter(*FILES, marks=SLOW_CASES))
+    assert_interpreter_run_passed(pytest_under_interpreter(*FILES, marks=SLOW_CASES))

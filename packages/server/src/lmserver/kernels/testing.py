@@ -105,6 +105,13 @@ def kernel_devices(slow_on_cpu: bool = False) -> list[Any]:
     return devices
 
 
+def assert_interpreter_run_passed(proc: subprocess.CompletedProcess[str]) -> None:
+    """A `pytest_under_interpreter` run passed, ran tests and skipped none (the tail of its output as the message)."""
+    summary = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, summary
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], summary
+
+
 # `marks` of pytest_under_interpreter: the default tier's cases and the slow tier's
 FAST_CASES = "not gpu and not slow"
 SLOW_CASES = "not gpu and slow"
