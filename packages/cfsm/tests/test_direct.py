@@ -15,9 +15,10 @@ from cfsm import CfsmConfig
 from cfsm.automata.automaton import Dfa, build_dfa
 from cfsm.automata.direct import build_dfa_direct
 from cfsm.masks.index import build_index
+from cfsm.regex.json_values import format_node
 from cfsm.regex.parser import parse_regex
 from cfsm.regex.syntax import Chars, Node, Repeat, cat, lit
-from cfsm.schema.json_schema import format_node, schema_to_node
+from cfsm.schema.json_schema import schema_to_node
 
 
 def _same(a: Dfa, b: Dfa) -> bool:
@@ -459,8 +460,8 @@ def test_proven_format_states_give_the_matched_masks(values: list[dict[str, Any]
 
 def test_format_blocks_map_onto_f() -> None:
     import cfsm.automata.direct as direct
-    from cfsm.masks.fragments import TABLE_FORMATS
-    from cfsm.schema.json_schema import piece
+    from cfsm.automata.json_automata import TABLE_FORMATS
+    from cfsm.regex.json_values import piece
 
     direct.prepare_blocks()
     for fmt in TABLE_FORMATS:

@@ -25,8 +25,8 @@ from cfsm.masks.fragments import match_fragment
 from cfsm.masks.index import build_index
 from cfsm.masks.rows import or_bits
 from cfsm.masks.templates import match_string_states
+from cfsm.regex.formats import FORMAT_REGEXES
 from cfsm.regex.parser import parse_regex
-from cfsm.schema.formats import FORMAT_REGEXES
 from cfsm.schema.json_schema import json_value_node, schema_to_node
 
 _ALPHABET = list('abfnrtu0159"\\/{}[]:,.- ') + ["é", "€", "😀"]
@@ -311,7 +311,8 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
     """`_all_pass` (all proposed states checked at once) says True exactly when the passes of
     `_verify` would unmark nothing, also on proposals made wrong on purpose."""
     import cfsm.masks.templates
-    from cfsm.masks.templates import _all_pass, joint_reps
+    from cfsm.automata.json_automata import INF, joint_reps
+    from cfsm.masks.templates import _all_pass
 
     dfa = build_dfa(schema_to_node(schema))
     props = _proposals(dfa)
@@ -324,7 +325,7 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
         if field == 0:
             t[q] = (t[q] + 1) % _SVOCAB.string_tables.num_t
         elif field == 1:
-            rem[q] = max(rem[q] - 1, 0) if rem[q] < cfsm.masks.templates.INF else 3
+            rem[q] = max(rem[q] - 1, 0) if rem[q] < INF else 3
         elif field == 2:
             need[q] += 1
         elif field == 3:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cfsm import CfsmConfig, UnsupportedSchemaError
 from cfsm.automata.automaton import Dfa, build_dfa
-from cfsm.schema.formats import URI
+from cfsm.regex.formats import URI
 from cfsm.schema.json_schema import json_value_node, schema_to_node, schema_tree
 
 _VALIDATOR = jsonschema.Draft202012Validator

@@ -14,7 +14,7 @@ from cfsm.errors import GrammarTooLargeError
 from cfsm.regex.charset import utf8_sequences
 from cfsm.regex.syntax import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["Dfa", "DfaNode", "build_dfa", "dfa_from_table", "MAX_DFA_STATES"]
+__all__ = ["Dfa", "DfaNode", "Unit", "build_dfa", "dfa_from_table", "unit_of", "MAX_DFA_STATES"]
 
 MAX_DFA_STATES = 200_000
 
@@ -148,7 +148,7 @@ class _Nfa:
 
     def _repeat(self, node: Repeat) -> tuple[int, int]:
         if (node.lo if node.hi is None else node.hi) >= COUNTED_MIN:
-            unit = _unit(node.item)
+            unit = unit_of(node.item)
             if unit is not None:
                 return self._counted(unit, node.lo, node.hi)
         s = e = self.new()
@@ -249,7 +249,7 @@ class Unit:
 _UNITS: dict[int, tuple[Node, Unit | None]] = {}
 
 
-def _unit(node: Node) -> Unit | None:
+def unit_of(node: Node) -> Unit | None:
     """`Unit` of `node`, or None if it is not a prefix code; cached by node identity."""
     hit = _UNITS.get(id(node))
     if hit is not None and hit[0] is node:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cfsm.automata.automaton import Unit, _unit, refine, seeded_weights
+from cfsm.automata.automaton import Unit, refine, seeded_weights, unit_of
+from cfsm.automata.json_automata import joint_reps, t_automaton, t_automaton_classes
+from cfsm.regex.json_lexical import JSON_CHAR
 from cfsm.regex.syntax import Node, Repeat
 
 MASK = (1 << 64) - 1
@@ -37,23 +39,15 @@ def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.nd
 SMALL_BLOCK = 48
 
 
-def _t_code() -> tuple[np.ndarray, int]:
-    from cfsm.masks.templates import t_automaton
-
-    return t_automaton()
-
-
 def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: int) -> np.ndarray | None:
     """Per state of a string body's table (`Block.string_body`), as two rows: its state in the
     string automaton T and how many characters it completed (-1 for every state of an unbounded
     body), by walking both from (start, T's text state); None where a state meets two (then the
     block proves nothing). Pure."""
-    from cfsm.masks.templates import joint_reps
-
-    code, text = _t_code()
+    code, text = t_automaton()
     num_t = code.shape[0]
     bounded = node.hi is not None
-    t_byte_class = _t_byte_class()
+    t_byte_class = t_automaton_classes()
     reps = joint_reps(col_of, t_byte_class).tolist()
     cols = col_of[reps].tolist()
     rows = t.tolist()
@@ -80,12 +74,6 @@ def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: 
     return np.asarray([ts, js], dtype=np.int64)
 
 
-def _t_byte_class() -> np.ndarray:
-    from cfsm.masks.templates import t_automaton_classes
-
-    return t_automaton_classes()
-
-
 _COUNTED_MAPS: dict[int, tuple[Unit, np.ndarray | None]] = {}
 
 
@@ -102,7 +90,7 @@ def unit_map(unit: Unit) -> np.ndarray | None:
 def counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
     """`_string_map` of a counted string body (state j * n + q: the unit's state q after j
     characters; the bounded form's last state: all characters read) from the unit's map. Pure."""
-    unit = _unit(node.item)
+    unit = unit_of(node.item)
     if unit is None or node.hi is None:
         return None
     umap = unit_map(unit)
@@ -111,14 +99,14 @@ def counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
     n = len(unit.rows)
     j = np.arange(size, dtype=np.int64) // n
     ts = np.tile(umap, size // n + 1)[:size]
-    ts[-1], j[-1] = _t_code()[1], node.hi  # the last state: hi characters read (T's text state)
+    ts[-1], j[-1] = t_automaton()[1], node.hi  # the last state: hi characters read (T's text state)
     return np.stack([ts, j])
 
 
 def _unit_string_map(unit: Unit) -> np.ndarray | None:
     """Per state of JSON_CHAR's unit DFA: its state in T (the unit's start: T's text state), by
     walking both over every byte; None where they disagree."""
-    code, text = _t_code()
+    code, text = t_automaton()
     num_t = code.shape[0]
     m = [-1] * len(unit.rows)
     m[unit.start] = text
@@ -143,8 +131,6 @@ def _unit_string_map(unit: Unit) -> np.ndarray | None:
 
 
 def is_json_char(node: Node) -> bool:
-    from cfsm.schema.json_schema import JSON_CHAR
-
     return node is JSON_CHAR
 
 

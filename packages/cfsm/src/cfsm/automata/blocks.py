@@ -18,9 +18,9 @@ from cfsm.automata.automaton import (
     DfaNode,
     Unit,
     _Nfa,
-    _unit,
     accept_distance,
     subset_construction,
+    unit_of,
 )
 from cfsm.automata.block_facts import (
     SMALL_BLOCK,
@@ -33,7 +33,10 @@ from cfsm.automata.block_facts import (
     own_classes,
     unit_map,
 )
+from cfsm.automata.json_automata import INF, TABLE_FORMATS, f_automaton
 from cfsm.errors import GrammarTooLargeError
+from cfsm.regex.json_lexical import JSON_CHAR
+from cfsm.regex.json_values import format_node, standard_pieces
 from cfsm.regex.syntax import Alt, Cat, Chars, Node, Piece, Repeat, Scope, Shared
 
 __all__ = ["prepare_blocks"]
@@ -67,7 +70,7 @@ class Block:
         if counted is not None and isinstance(node, Repeat):
             t, acc, dist, col_of = counted  # one column per byte interval of the unit
             n, start = len(t), 0
-            classes = counted_classes(node, t.shape[0], _unit(node.item))
+            classes = counted_classes(node, t.shape[0], unit_of(node.item))
         elif isinstance(node, DfaNode):
             dfa = node.dfa
             n, start = dfa.num_states, dfa.start
@@ -134,8 +137,6 @@ class Block:
         # what `_Builder.string_states` and `fragment_states` take from each copy (shifted by its base)
         self.string_facts: tuple[np.ndarray, ...] | None = None
         if self.string_body and self.string_map is not None:
-            from cfsm.masks.templates import INF
-
             keep = np.flatnonzero(classes >= 0)
             ts, js = self.string_map
             node_lo, node_hi = self.string_bounds
@@ -159,13 +160,10 @@ _IDENTITY = np.arange(256)
 
 def _fragment_map(node: Piece, t: np.ndarray, acc: np.ndarray, col_of: np.ndarray, start: int,
                   classes: np.ndarray) -> tuple[str, np.ndarray] | None:
-    """For the block of a format piece with per-vocabulary tables (`fragments.TABLE_FORMATS`):
+    """For the block of a format piece with per-vocabulary tables (`json_automata.TABLE_FORMATS`):
     (the format, per block state its state s in the format's F, -1 for states that accept
     nothing), proven by walking both in step: state q's language followed by a closing quote is
     exactly F's from s (every byte checked). None for other pieces or where a step disagrees."""
-    from cfsm.masks.fragments import TABLE_FORMATS, f_automaton
-    from cfsm.schema.json_schema import format_node
-
     fmt = next((f for f in TABLE_FORMATS if node.item is format_node(f)), None)
     auto = None if fmt is None else f_automaton(fmt)
     if fmt is None or auto is None:
@@ -241,7 +239,7 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     top = lo if hi is None else hi
     if hi is not None and (top < COUNTED_MIN or lo > hi):
         return None  # small (the subset construction is as cheap), or empty
-    unit = _unit(node.item)
+    unit = unit_of(node.item)
     if unit is None or top == 0:
         return None
     u, du, col_of = _dense_unit(unit)
@@ -280,6 +278,12 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 # blocks of per-process value trees, built once (`prepare_blocks`): id(node) -> (node, block)
 PREPARED: dict[int, tuple[Node, Block]] = {}
+
+
+def is_loop(node: Node) -> bool:
+    """An unbounded repeat of ASCII ranges (a whitespace run): one loop state (`direct_loops`)."""
+    return (isinstance(node, Repeat) and node.lo == 0 and node.hi is None and isinstance(node.item, Chars)
+            and bool(node.item.ranges) and node.item.ranges[-1][1] < 0x80)
 
 
 def is_literal(node: Node) -> bool:
@@ -341,11 +345,9 @@ def fixed_count(node: Node) -> bool:
     return isinstance(node, Repeat) and node.lo == node.hi
 
 
-def _led(node: Node) -> bool:
+def led(node: Node) -> bool:
     """The empty string or led by a literal ASCII range or a whitespace run (a candidate choice of
     `_Builder._choice`)."""
-    from cfsm.automata.direct_loops import is_loop
-
     if isinstance(node, Cat):
         return not node.items or is_literal(node.items[0]) or is_loop(node.items[0])
     return is_literal(node) or is_loop(node)
@@ -368,11 +370,9 @@ def _block_nodes(node: Node, out: list[Node]) -> None:
 
 def prepare_blocks() -> None:
     """Build the blocks of the per-process value trees that schemas share (string body,
-    boolean, number, integer, formats: `json_schema.standard_pieces`) once, so that compiles
+    boolean, number, integer, formats: `cfsm.regex.json_values.standard_pieces`) once, so that compiles
     copy them instead of running their subset constructions. Grammar-independent; called by
     `Vocabulary.prepare()`. Idempotent."""
-    from cfsm.schema.json_schema import JSON_CHAR, standard_pieces
-
     for piece in standard_pieces():
         found: list[Node] = []
         _block_nodes(piece, found)
@@ -383,7 +383,7 @@ def prepare_blocks() -> None:
                 except Fallback:
                     continue
     # the JSON character's unit tables, which every counted string body (`maxLength`) reads
-    unit = _unit(JSON_CHAR)
+    unit = unit_of(JSON_CHAR)
     if unit is not None:
         _dense_unit(unit)
         unit_map(unit)

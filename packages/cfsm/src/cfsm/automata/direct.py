@@ -54,14 +54,15 @@ from cfsm.automata.blocks import (
     PREPARED,
     Block,
     Fallback,
-    _led,
     dag_size,
     fixed_count,
     holds_prepared,
     is_literal,
+    is_loop,
+    led,
     prepare_blocks,
 )
-from cfsm.automata.direct_loops import LoopStates, is_loop, loop_sep
+from cfsm.automata.direct_loops import LoopStates, loop_sep
 from cfsm.regex.syntax import Alt, Cat, Chars, Complement, Intersect, Node, Piece, Repeat, Scope, Sep, Shared
 
 __all__ = ["build_dfa_direct", "prepare_blocks"]
@@ -403,11 +404,11 @@ class _Builder(LoopStates):
                 # NOTE: literal characters (most items: keys) skipped here, not in a call each
                 if type(item) is not Chars or len(item.ranges) != 1 or item.ranges[0][1] >= 0x80:
                     self.count_blocks(item, counts, seen)
-        elif isinstance(node, Alt) and len(node.items) > 1 and all(_led(it) for it in node.items) and holds_prepared(
+        elif isinstance(node, Alt) and len(node.items) > 1 and all(led(it) for it in node.items) and holds_prepared(
                 node, self._prep_memo):
             for item in node.items:  # NOTE: as `_choice` builds it, if the bytes turn out disjoint
                 self.count_blocks(item, counts, seen)
-        elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < COUNTED_MIN and _led(node.item)
+        elif (isinstance(node, Repeat) and node.hi is not None and 0 < node.hi < COUNTED_MIN and led(node.item)
               and (holds_prepared(node, self._prep_memo) or fixed_count(node))):
             for _ in range(node.hi):
                 self.count_blocks(node.item, counts, seen)

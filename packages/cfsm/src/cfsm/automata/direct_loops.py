@@ -23,16 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from cfsm.automata.block_facts import BYTE_CUM, MASK
-from cfsm.automata.blocks import Fallback
+from cfsm.automata.blocks import Fallback, is_loop
 from cfsm.regex.syntax import Alt, Cat, Chars, Intersect, Node, Repeat, Sep
 
-__all__ = ["is_loop", "loop_sep", "LoopStates"]
-
-
-def is_loop(node: Node) -> bool:
-    """An unbounded repeat of ASCII ranges (a whitespace run): one loop state."""
-    return (isinstance(node, Repeat) and node.lo == 0 and node.hi is None and isinstance(node.item, Chars)
-            and bool(node.item.ranges) and node.item.ranges[-1][1] < 0x80)
+__all__ = ["loop_sep", "LoopStates"]
 
 
 def loop_sep(node: Node, memo: dict[int, bool]) -> bool:

@@ -1,7 +1,7 @@
 """`format` strings (email, uri) resolved from per-vocabulary tables (built once per `Vocabulary`).
 
 The body of a formatted JSON string followed by its closing quote is the same small automaton F
-in every schema (`json_schema` builds it from `FORMAT_REGEXES`); only what follows the quote
+in every schema (`cfsm.automata.json_automata.f_automaton`, from `FORMAT_REGEXES`); only what follows the quote
 differs. Per vocabulary, every token is walked through F once from each F state: it dies, stays
 inside F, or leaves it at the closing quote with a suffix. Per compile, DFA states that step
 exactly like F state s followed by continuation state c are recognized (`match_fragment`: every
@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, build_dfa, small_unique, unique_rows
+from cfsm.automata.automaton import Dfa, small_unique, unique_rows
+from cfsm.automata.json_automata import TABLE_FORMATS, f_automaton, joint_reps
 from cfsm.masks.rows import or_bits
 from cfsm.masks.templates import (
     SuffixOrder,
-    exit_coded,
-    joint_reps,
     live_suffixes,
     suffix_order,
     suffix_table,
@@ -33,29 +32,7 @@ from cfsm.masks.templates import (
 )
 from cfsm.masks.vocab import TrieTables
 
-__all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows", "f_automaton",
-           "TABLE_FORMATS"]
-
-# formats with per-vocabulary tables (their states allow most ASCII bytes)
-TABLE_FORMATS = ("email", "uri")
-
-
-@functools.cache
-def f_automaton(fmt: str) -> tuple[np.ndarray, int] | None:
-    """F as a code table (states, 256): an F state, `EXIT` (= states) or `DEAD` (= states + 1);
-    and its start. None if F's end is not one final state without transitions. One read-only
-    table per format per process (the vocabularies' tables and `direct`'s block maps share it)."""
-    from cfsm.regex.syntax import cat, lit
-    from cfsm.schema.json_schema import format_node
-
-    dfa = build_dfa(cat(format_node(fmt), lit('"')))
-    final = np.flatnonzero(dfa.accepting[:-1])
-    if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any() or int(final[0]) == dfa.start:
-        return None
-    code, start = exit_coded(dfa, int(final[0]))
-    code.flags.writeable = False
-    return code, start
-
+__all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows"]
 
 @dataclass(frozen=True, eq=False)
 class FragmentTable:

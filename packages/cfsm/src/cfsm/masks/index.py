@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, small_unique, unique_rows
+from cfsm.automata.json_automata import f_automaton
 from cfsm.errors import Approximation
 from cfsm.masks.compressed import CompressedFsm
-from cfsm.masks.fragments import FragmentMatch, f_automaton, fragment_rows, match_fragment
+from cfsm.masks.fragments import FragmentMatch, fragment_rows, match_fragment
 from cfsm.masks.loops import find_loops
 from cfsm.masks.rows import PrefixRows, few_rows, or_bits, pack_rows, token_weights
 from cfsm.masks.state_classes import walk_classes

@@ -19,18 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, _unit, build_dfa, small_unique, unique_rows
+from cfsm.automata.automaton import Dfa, small_unique, unique_rows
+from cfsm.automata.json_automata import INF, build_t_automaton, joint_reps
 from cfsm.masks.rows import or_bits, pack_rows
 from cfsm.masks.vocab import TrieTables
-from cfsm.regex.json_lexical import JSON_CHAR
-from cfsm.regex.syntax import Repeat, cat, lit
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
-           "joint_reps", "live_suffixes", "suffix_order", "suffix_table", "t_automaton", "t_automaton_classes",
-           "walk_t", "SuffixOrder"]
+           "live_suffixes", "suffix_order", "suffix_table", "walk_t", "SuffixOrder"]
 
-# "no upper bound" for `rem` (an unbounded string); decrementing keeps it
-INF = 1 << 40
 # `StringTables.stay_keys`: room for a value up to INF (rem) under each T state's key
 _KEY_STRIDE = INF << 1
 # verification passes (each drops the states whose successors were dropped by the previous
@@ -44,44 +40,6 @@ _ONE_CHECK_MAX = 200_000
 # a suffix table by decreasing length (`suffix_order`): per depth d the bytes at d of the suffixes
 # longer than d, and each suffix's place in that order
 SuffixOrder = tuple[tuple[np.ndarray, ...], np.ndarray]
-
-
-@functools.lru_cache(maxsize=1)
-def t_automaton() -> tuple[np.ndarray, int]:
-    """`_t_automaton()`, built once (read-only)."""
-    code, text = _t_automaton()
-    code.flags.writeable = False
-    return code, text
-
-
-@functools.lru_cache(maxsize=1)
-def t_automaton_classes() -> np.ndarray:
-    """T's byte classes (bytes with equal columns in its code table), int64 per byte."""
-    out = unique_rows(t_automaton()[0].T)[1].astype(np.int64)
-    out.flags.writeable = False
-    return out
-
-
-def _t_automaton() -> tuple[np.ndarray, int]:
-    """T as a code table (states, 256): a T state, `EXIT` (= states) or `DEAD` (= states + 1);
-    and the text state (characters complete)."""
-    _unit(JSON_CHAR)  # also cache its unit DFA (counted strings are built from it)
-    dfa = build_dfa(cat(Repeat(JSON_CHAR, 0, None), lit('"')))
-    final = np.flatnonzero(dfa.accepting[:-1])
-    if len(final) != 1 or (dfa.transitions[final[0]] != dfa.dead).any():
-        raise AssertionError("the JSON string automaton has one final state without transitions")
-    return exit_coded(dfa, int(final[0]))
-
-
-def exit_coded(dfa: Dfa, final: int) -> tuple[np.ndarray, int]:
-    """`dfa`'s transitions as a code table for a walk that stops at `final`, its one final state
-    (which has no transitions): the other states renumbered 0..n-1 in order, `EXIT` = n (entering
-    `final`), `DEAD` = n + 1; and the start's code."""
-    live = [q for q in range(dfa.num_states) if q != final]
-    code = np.full(dfa.num_states + 1, len(live) + 1, dtype=np.int64)  # DEAD by default
-    code[live] = np.arange(len(live))
-    code[final] = len(live)  # EXIT
-    return code[dfa.transitions[live]], int(code[dfa.start])
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,7 +157,7 @@ def walk_t(code: np.ndarray, text: int, s: int, tables: TrieTables
 
 def build_string_tables(tables: TrieTables, words: int) -> StringTables:
     """Walk the vocabulary through T from every T state (once per vocabulary)."""
-    code, text = _t_automaton()
+    code, text = build_t_automaton()
     suffix_id: dict[bytes, int] = {}
     stay_values, stay_rows, exit_ids, exit_chars, exit_suffix = [], [], [], [], []
     for s in range(code.shape[0]):
@@ -223,13 +181,6 @@ def build_string_tables(tables: TrieTables, words: int) -> StringTables:
     return StringTables(code=code, text=text, stay_values=tuple(stay_values), stay_rows=tuple(stay_rows),
                         exit_ids=tuple(exit_ids), exit_chars=tuple(exit_chars),
                         exit_suffix=tuple(exit_suffix), suffix_columns=suffix_table(list(suffix_id)))
-
-
-def joint_reps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Sorted bytes, the first of each class of the joint partition of two byte partitions
-    (class ids per byte): bytes that step alike in both automata, one representative each."""
-    _, first = np.unique(a.astype(np.int64) * (int(b.max()) + 1) + b, return_index=True)
-    return np.sort(first)
 
 
 def suffix_table(suffixes: list[bytes]) -> np.ndarray:

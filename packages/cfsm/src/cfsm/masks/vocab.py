@@ -300,8 +300,8 @@ class Vocabulary:
         schemas share (`cfsm.automata.direct.prepare_blocks`) and the random hash weights.
         """
         from cfsm.automata.direct import prepare_blocks
-        from cfsm.schema.formats import FORMAT_REGEXES
-        from cfsm.schema.json_schema import format_node
+        from cfsm.regex.formats import FORMAT_REGEXES
+        from cfsm.regex.json_values import format_node
 
         for fmt in FORMAT_REGEXES:
             format_node(fmt)

@@ -37,7 +37,9 @@ from cfsm.errors import (
     UnsupportedSchemaError,
 )
 from cfsm.grammar.rules import RuleRef
+from cfsm.regex.formats import FORMAT_REGEXES
 from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, SHORT_ESCAPES, json_escape
+from cfsm.regex.json_values import BOOLEAN, INT, NUMBER, STRING_BODY, format_node, piece
 from cfsm.regex.parser import parse_regex
 from cfsm.regex.syntax import (
     EMPTY,
@@ -46,7 +48,6 @@ from cfsm.regex.syntax import (
     Complement,
     Intersect,
     Node,
-    Piece,
     Repeat,
     Scope,
     Sep,
@@ -54,7 +55,6 @@ from cfsm.regex.syntax import (
     cat,
     lit,
 )
-from cfsm.schema.formats import FORMAT_REGEXES
 from cfsm.schema.json_object import MAX_ANY_ORDER_PROPERTIES, object_members
 from cfsm.schema.keywords import (
     ALL_TYPES,
@@ -82,7 +82,7 @@ from cfsm.schema.narrow import (
     unique_by_type,
     unique_sequences,
 )
-from cfsm.schema.numeric import INT, NUMBER, decimal_range, int_range, multiple_of
+from cfsm.schema.numeric import decimal_range, int_range, multiple_of
 from cfsm.schema.refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
 from cfsm.schema.unevaluated import expand_unevaluated, mentions_unevaluated
 
@@ -136,32 +136,8 @@ _UNEVALUATED = frozenset({"unevaluatedProperties", "unevaluatedItems"})
 _IN_PLACE = frozenset({"allOf", "anyOf", "oneOf", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
                        "dependentSchemas", "dependencies"})
 
-# the pieces of every schema's unbounded string and boolean (one node each per process, so that
-# the direct construction finds their blocks built in advance: `standard_pieces`)
-_STRING_BODY = Repeat(JSON_CHAR, 0, None)
-_BOOLEAN = alt(lit("true"), lit("false"))
 # an integer may be written with a zero fraction (`CfsmConfig.integers_as_floats`)
 _ZERO_FRACTION = Repeat(cat(lit("."), Repeat(lit("0"), 1, None)), 0, 1)
-
-
-@functools.cache
-def format_node(fmt: str) -> Node:
-    """The JSON-escaped syntax tree of a `format` (one immutable tree per format per process;
-    `Vocabulary.prepare()` builds them all)."""
-    return json_escape(parse_regex(FORMAT_REGEXES[fmt]))
-
-
-@functools.cache
-def piece(node: Node) -> Piece:
-    """`node` kept whole inside a schema's tree: one `Piece` per standard value tree per process,
-    so the direct construction copies its block prepared once (`direct.prepare_blocks`)."""
-    return Piece(node)
-
-
-def standard_pieces() -> tuple[Node, ...]:
-    """The per-process value trees that schemas share (unbounded string body, boolean, number,
-    integer, every format): `cfsm.automata.direct.prepare_blocks` builds their blocks once."""
-    return (_STRING_BODY, piece(_BOOLEAN), piece(NUMBER), piece(INT), *(piece(format_node(f)) for f in FORMAT_REGEXES))
 
 
 def _dump(value: Any) -> str:
@@ -748,7 +724,7 @@ class SchemaCompiler:
         if t == "null":
             return lit("null")
         if t == "boolean":
-            return piece(_BOOLEAN)
+            return piece(BOOLEAN)
         if t == "string":
             return self.string(schema, path)
         if t in ("integer", "number"):
@@ -799,7 +775,7 @@ class SchemaCompiler:
         if lo or hi is not None:
             langs.append(Repeat(JSON_CHAR, lo, None if hi is None else int(hi)))
         if not langs:
-            body: Node = _STRING_BODY
+            body: Node = STRING_BODY
         elif len(langs) == 1:
             body = langs[0]
         else:

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from cfsm.regex.syntax import EMPTY, NOTHING, Chars, Node, Repeat, alt, cat, lit
+from cfsm.automata.automaton import dfa_from_table
+from cfsm.regex.json_values import DIGIT, FRACTION, INT, NAT, NONZERO, NUMBER
+from cfsm.regex.syntax import EMPTY, NOTHING, Chars, Intersect, Node, Repeat, alt, cat, lit
 
 __all__ = ["int_range", "decimal_range", "multiple_of", "DIGIT", "NAT", "INT", "NUMBER"]
-
-DIGIT = Chars(((48, 57),))
-_NONZERO = Chars(((49, 57),))
-NAT = alt(lit("0"), cat(_NONZERO, Repeat(DIGIT, 0, None)))
-INT = cat(Repeat(lit("-"), 0, 1), NAT)
-_FRAC = cat(lit("."), Repeat(DIGIT, 1, None))
-_EXP = cat(Chars(((69, 69), (101, 101))), Repeat(Chars(((43, 43), (45, 45))), 0, 1), Repeat(DIGIT, 1, None))
-NUMBER = cat(INT, Repeat(_FRAC, 0, 1), Repeat(_EXP, 0, 1))
 
 
 def _digits(lo: str, hi: str) -> Node:
@@ -60,10 +54,10 @@ def _nat_range(lo: int, hi: int | None) -> Node:
         return alt(*parts)
     parts.append(_same_len(str(lo), "9" * la))
     if lb is None:
-        parts.append(cat(_NONZERO, Repeat(DIGIT, la, None)))
+        parts.append(cat(NONZERO, Repeat(DIGIT, la, None)))
     else:
         for length in range(la + 1, lb):
-            parts.append(cat(_NONZERO, Repeat(DIGIT, length - 1, length - 1)))
+            parts.append(cat(NONZERO, Repeat(DIGIT, length - 1, length - 1)))
         parts.append(_same_len("1" + "0" * (lb - 1), str(hi)))
     return alt(*parts)
 
@@ -90,7 +84,7 @@ def _frac_ge(s: str, strict: bool) -> Node:
         if s[i] != "9":
             parts.append(cat(lit(s[:i]), _digits(str(int(s[i]) + 1), "9"), any_digits))
     if strict:
-        parts.append(cat(lit(s), any_digits, _NONZERO, any_digits))
+        parts.append(cat(lit(s), any_digits, NONZERO, any_digits))
     else:
         parts.append(cat(lit(s), any_digits) if s else Repeat(DIGIT, 1, None))
     return alt(*parts)
@@ -127,7 +121,7 @@ def _nonneg_decimal(lo: Decimal, lo_excl: bool, hi: Decimal | None, hi_excl: boo
         ge_parts.append(EMPTY)
     ge = alt(*ge_parts)
     if hi is None:
-        middle = cat(_nat_range(a_int + 1, None), Repeat(_FRAC, 0, 1))
+        middle = cat(_nat_range(a_int + 1, None), Repeat(FRACTION, 0, 1))
         return alt(cat(lit(str(a_int)), ge), middle)
     b_int, b_frac = _split(hi)
     le_parts = [cat(dot, _frac_le(b_frac, hi_excl))]
@@ -135,12 +129,10 @@ def _nonneg_decimal(lo: Decimal, lo_excl: bool, hi: Decimal | None, hi_excl: boo
         le_parts.append(EMPTY)
     le = alt(*le_parts)
     if a_int == b_int:
-        from cfsm.regex.syntax import Intersect
-
         return cat(lit(str(a_int)), Intersect([ge, le]))
     parts = [cat(lit(str(a_int)), ge), cat(lit(str(b_int)), le)]
     if b_int - a_int >= 2:
-        parts.append(cat(_nat_range(a_int + 1, b_int - 1), Repeat(_FRAC, 0, 1)))
+        parts.append(cat(_nat_range(a_int + 1, b_int - 1), Repeat(FRACTION, 0, 1)))
     return alt(*parts)
 
 
@@ -173,10 +165,6 @@ def multiple_of(k: int) -> Node:
         return INT
     # states are remainders; the regex is built by unrolling remainder classes into a DFA
     # embedded through Intersect with a digit automaton: accept digit strings whose value % k == 0.
-    from cfsm.automata.automaton import dfa_from_table
-
     table = [[(10 * r + d) % k for d in range(10)] for r in range(k)]
     divisible = dfa_from_table(table, start=0, accepting={0}, alphabet=b"0123456789")
-    from cfsm.regex.syntax import Intersect
-
     return cat(Repeat(lit("-"), 0, 1), Intersect([NAT, divisible]))
