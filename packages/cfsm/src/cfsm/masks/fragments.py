@@ -30,7 +30,7 @@ from cfsm.masks.templates import (
     suffix_table,
     walk_t,
 )
-from cfsm.masks.vocab import TrieTables
+from cfsm.masks.trie import TrieTables
 
 __all__ = ["FragmentTable", "FragmentMatch", "build_fragment_tables", "match_fragment", "fragment_rows"]
 

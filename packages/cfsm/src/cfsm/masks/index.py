@@ -30,14 +30,13 @@ from cfsm.masks.loops import find_loops
 from cfsm.masks.rows import PrefixRows, few_rows, or_bits, pack_rows, token_weights
 from cfsm.masks.state_classes import walk_classes
 from cfsm.masks.templates import match_string_states, string_rows
+from cfsm.masks.trie import SHARE_DEPTH
 from cfsm.masks.vocab import Vocabulary
 from cfsm.masks.walker import Walker
 
 __all__ = ["Index", "build_index"]
 
-# states agreeing on all strings of at most this many bytes share the walk of tokens that short
-SHARE_DEPTH = 16
-## token sets up to this size are packed by scattering bits (larger ones through a bool array)
+# token sets up to this size are packed by scattering bits (larger ones through a bool array)
 _SPARSE_ROW = 2048
 # JSON string states take their masks from the vocabulary's string tables (`templates`)
 _STRING_TABLES = True

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, concat_ranges
-from cfsm.masks.vocab import TrieTables
+from cfsm.masks.trie import TrieTables
 
 __all__ = ["LoopTable", "Loops", "loop_table", "find_loops"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, in_edges, split_round, stable_argsort
-from cfsm.masks.vocab import TrieTables
+from cfsm.masks.trie import TrieTables
 
 
 def _depth_classes(dfa: Dfa, depth: int, rep: np.ndarray | None = None) -> list[np.ndarray]:

@@ -22,7 +22,7 @@ import numpy as np
 from cfsm.automata.automaton import Dfa, small_unique, unique_rows
 from cfsm.automata.json_automata import INF, build_t_automaton, joint_reps
 from cfsm.masks.rows import or_bits, pack_rows
-from cfsm.masks.vocab import TrieTables
+from cfsm.masks.trie import TrieTables
 
 __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_states", "string_rows",
            "live_suffixes", "suffix_order", "suffix_table", "walk_t", "SuffixOrder"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from cfsm.automata.automaton import Dfa, concat_ranges, stable_argsort
 from cfsm.masks.loops import Loops
-from cfsm.masks.vocab import TrieTables
+from cfsm.masks.trie import TrieTables
 from cfsm.masks.walks import (
     chain_of,
     concat,

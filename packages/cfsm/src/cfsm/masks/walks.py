@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, stable_argsort
-from cfsm.masks.vocab import TrieTables
+from cfsm.masks.trie import TrieTables
 
 # states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
 _MIN_GROUP_BYTES = 32
