@@ -110,7 +110,10 @@ def _info(row: np.ndarray, esc_rank: np.ndarray, esc_at: np.ndarray, presorted: 
     first = np.flatnonzero(new)
     uncertain = esc_rank[first]
     # NOTE: offsets are sorted per token: its last pair has its largest offset
-    late = esc_at[np.append(first[1:], len(esc_rank)) - 1] > 0
+    last = np.empty(len(first), dtype=np.int64)
+    last[:-1] = first[1:] - 1
+    last[-1] = len(esc_rank) - 1
+    late = esc_at.take(last) > 0
     digest = hashlib.blake2b(esc_rank.tobytes() + b"|" + esc_at.tobytes(), digest_size=16).digest()
     return _KeyInfo(row, uncertain, late, esc_rank, esc_at, digest)
 
@@ -506,13 +509,29 @@ class GrammarIndex:
 
     def _walk_trie_many(self, sids: list[int]
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`_walk_trie_split` with the escapes before a token's first byte listed per token, first
+        (as the other escapes: (key, sorted position, offset 0))."""
+        a_key, a_pos, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
+        if not len(f_key):
+            return a_key, a_pos, e_key, e_pos, e_at
+        levels = self.vocab.trie_levels
+        lo = levels.tok_lo[0].take(f_node)
+        cnt = levels.tok_hi[0].take(f_node) - lo
+        return (a_key, a_pos, np.concatenate([np.repeat(f_key, cnt), e_key]), np.concatenate([_expand(lo, cnt), e_pos]),
+                np.concatenate([np.zeros(int(cnt.sum()), dtype=np.int32), e_at]))
+
+    def _walk_trie_split(self, sids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                         np.ndarray, np.ndarray]:
         """Walk the whole vocabulary from every configuration of `sids` (one key each) at once,
         over its trie (`Vocabulary.trie_levels`): each distinct prefix is stepped once per key,
         a prefix that dies drops its subtree, and one whose tokens read on only bytes that loop
         its configuration accepts them whole (`_LOOP_CUT`). Returns (key, sorted position) of the
         accepted tokens, each once, and (key, sorted position, offset) of every escape of a token
         not accepted (a token under a prefix whose last byte leaves the key there; some accepted
-        ones may be listed too). Fills caches only.
+        ones may be listed too) past a token's first byte, and (key, level-0 node) where every
+        token under the node may escape before its first byte (a rule end that its first byte may
+        follow: often a third of the vocabulary, the tokens that start with a space; listed per
+        node, not per token). Fills caches only.
 
         NOTE: children expand in their parents' order, so every level's arrays stay sorted by key."""
         levels = self.vocab.trie_levels
@@ -526,6 +545,7 @@ class GrammarIndex:
         esc_lo: list[np.ndarray] = []
         esc_cnt: list[np.ndarray] = []
         esc_d: list[int] = []
+        f_key = f_node = np.zeros(0, dtype=np.int64)
         for d in range(len(levels.byte)):
             if not len(nodes):
                 break
@@ -537,11 +557,14 @@ class GrammarIndex:
                 esc &= self._after_end.ravel().take(flat)
                 if esc.any():
                     where = nodes[esc]
-                    lo = levels.tok_lo[d].take(where)
-                    esc_key.append(key[esc])
-                    esc_lo.append(lo)
-                    esc_cnt.append(levels.tok_hi[d].take(where) - lo)
-                    esc_d.append(d)
+                    if d == 0:
+                        f_key, f_node = key[esc], where
+                    else:
+                        lo = levels.tok_lo[d].take(where)
+                        esc_key.append(key[esc])
+                        esc_lo.append(lo)
+                        esc_cnt.append(levels.tok_hi[d].take(where) - lo)
+                        esc_d.append(d)
             alive = nxt != 0
             nodes, key, st = nodes[alive], key[alive], nxt[alive].astype(np.int64)
             if _LOOP_CUT and len(st):
@@ -577,12 +600,12 @@ class GrammarIndex:
         a_key = np.concatenate(acc_key) if acc_key else empty
         a_pos = np.concatenate(acc_pos) if acc_pos else empty
         if not esc_d:
-            return a_key, a_pos, empty, empty, np.zeros(0, dtype=np.int32)
+            return a_key, a_pos, empty, empty, np.zeros(0, dtype=np.int32), f_key, f_node
         cnt = np.concatenate(esc_cnt)
         e_key = np.repeat(np.concatenate(esc_key), cnt)
         e_pos = _expand(np.concatenate(esc_lo), cnt)
         e_at = np.repeat(np.repeat(np.array(esc_d, dtype=np.int32), [len(x) for x in esc_lo]), cnt)
-        return a_key, a_pos, e_key, e_pos, e_at
+        return a_key, a_pos, e_key, e_pos, e_at, f_key, f_node
 
     def _one_frame_keys(self, states: list[int]) -> None:
         """The one-frame keys of `states` (their own walk representatives, no counted chain
@@ -592,7 +615,7 @@ class GrammarIndex:
         if not states:
             return
         sids = [self._intern(self._close([(s,)])) for s in states]
-        a_key, a_pos, e_key, e_pos, e_at = self._walk_trie_many(sids)
+        a_key, a_pos, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
         levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
         words = self.vocab.mask_words
         presorted = False
@@ -629,9 +652,57 @@ class GrammarIndex:
         else:
             e_rank = e_key
             bounds = np.zeros(len(states) + 1, dtype=np.int64)
+            presorted = True
+        first = self._first_escapes(f_key, f_node, rows, bits)
         for k, s in enumerate(states):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
-            self._keys[(s,)] = _info(rows[k], e_rank[lo:hi], e_at[lo:hi], presorted)
+            esc_rank, esc_at, ordered = e_rank[lo:hi], e_at[lo:hi], presorted
+            early = first.get(k)
+            if early is not None:
+                if not len(esc_rank):
+                    esc_rank, esc_at, ordered = early, np.zeros(len(early), dtype=np.int32), True
+                elif presorted:
+                    # NOTE: a merge of two sorted lists (offset 0 sorts before a token's later offsets)
+                    a, b = early << 16, esc_rank << 16 | esc_at.astype(np.int64)
+                    pairs = np.insert(a, np.searchsorted(a, b), b)
+                    esc_rank, esc_at = pairs >> 16, (pairs & 0xFFFF).astype(np.int32)
+                else:
+                    esc_rank = np.concatenate([early, esc_rank])
+                    esc_at = np.concatenate([np.zeros(len(early), dtype=np.int32), esc_at])
+            self._keys[(s,)] = _info(rows[k], esc_rank, esc_at, ordered)
+
+    def _first_escapes(self, f_key: np.ndarray, f_node: np.ndarray, rows: np.ndarray, bits: np.ndarray | None
+                       ) -> dict[int, np.ndarray]:
+        """Per key of a batched walk (`_walk_trie_split`'s (key, level-0 node) pairs), the ranks
+        of the tokens that may escape it before their first byte and that it does not accept
+        (ascending; `rows`, or `bits` where set, are the keys' accepted tokens). Pure.
+
+        NOTE: many tokens (those under a space, say): the tokens whose first byte is one of the
+        nodes' bytes, read off the first column in rank order (no sort); few: their ranks sorted."""
+        out: dict[int, np.ndarray] = {}
+        if not len(f_key):
+            return out
+        levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
+        cols0 = tables.length_columns[0]
+        words = self.vocab.mask_words
+        lo_all = levels.tok_lo[0].take(f_node)
+        cnt_all = levels.tok_hi[0].take(f_node) - lo_all
+        starts = np.flatnonzero(np.r_[True, f_key[1:] != f_key[:-1]]).tolist()
+        for a, b in zip(starts, [*starts[1:], len(f_key)], strict=True):
+            k = int(f_key[a])
+            if int(cnt_all[a:b].sum()) * 16 > len(cols0):
+                member = np.zeros(257, dtype=bool)
+                member[levels.byte[0].take(f_node[a:b])] = True
+                ranks = np.flatnonzero(member.take(cols0))
+            else:
+                ranks = np.sort(levels.rank.take(_expand(lo_all[a:b], cnt_all[a:b])))
+            ids = tables.order.take(tables.by_length.take(ranks)).astype(np.int64)
+            if bits is not None:
+                keep = ~bits.take(k * (words * 32) + ids)
+            else:
+                keep = (rows[k].take(ids >> 5) >> (ids & 31).astype(np.uint32)) & 1 == 0
+            out[k] = ranks[keep].astype(np.int64)
+        return out
 
     def _walk_scalar(self, sid: int, ranks: np.ndarray, offsets: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
