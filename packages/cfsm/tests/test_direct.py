@@ -326,12 +326,12 @@ _STRING_VOCAB = cfsm.Vocabulary([b"", b'"', b'",', b'"}', b"a", b"ab", b"abc", b
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_schemas())
 def test_proven_string_states_match_as_the_verification_does(schema: dict[str, Any]) -> None:
-    """The string text states the direct construction proves (`string_text_states`, left out of
+    """The string text states the direct construction proves (`DirectFacts.string_text`, left out of
     the verification) are matched with the very bounds and continuations as when checked."""
     from cfsm.masks.templates import match_string_states
 
     direct = build_dfa_direct(schema_to_node(schema, CfsmConfig()), force=True)
-    if direct is None or "string_text_states" not in direct.__dict__:
+    if direct is None or direct.facts is None or direct.facts.string_text is None:
         return
     st_ = _STRING_VOCAB.prepare().string_tables
     proven = match_string_states(direct, st_)
@@ -341,13 +341,13 @@ def test_proven_string_states_match_as_the_verification_does(schema: dict[str, A
         assert np.array_equal(getattr(proven, name), getattr(checked, name)), name
     # every proven state is marked: it passed the checks it was spared
     marked = checked.t[: direct.num_states] >= 0
-    assert marked[direct.__dict__["string_text_states"][:-1]].all()
+    assert marked[direct.facts.string_text[0][:-1]].all()
 
 
 def test_bounded_and_free_string_bodies_are_proven() -> None:
     dfa = build_dfa_direct(schema_to_node(_sections(3), CfsmConfig()))
-    assert dfa is not None
-    proven = dfa.__dict__["string_text_states"]
+    assert dfa is not None and dfa.facts is not None and dfa.facts.string_text is not None
+    proven = dfa.facts.string_text[0]
     assert proven.sum() >= 3 * 21  # the three label strings (maxLength 20), at least
 
 
@@ -426,7 +426,8 @@ def test_arrays_of_strings_are_union_states_with_proven_string_text() -> None:
     assert not any(isinstance(c[1], direct.Block) and c[1].size > 20 for c in b.copies)
     dfa = build_dfa_direct(node, force=True)
     assert dfa is not None and _same(dfa, build_dfa(node))
-    assert int(dfa.__dict__["string_text_states"].sum()) >= 4
+    assert dfa.facts is not None and dfa.facts.string_text is not None
+    assert int(dfa.facts.string_text[0].sum()) >= 4
 
 
 _FORMAT_TOKENS = [b"", b"a", b"b", b"@", b".", b"a@", b"b.", b'"', b'",', b'"}', b'a"', b'.a"}', b"x", b"-", b"{",
@@ -440,7 +441,7 @@ _FORMAT_TOKENS = [b"", b"a", b"b", b"@", b".", b"a@", b"b.", b'"', b'",', b'"}',
                                  {"type": "string"}, {"type": "integer"}]), min_size=1, max_size=4),
        st.sampled_from(["compact", "flexible"]))
 def test_proven_format_states_give_the_matched_masks(values: list[dict[str, Any]], whitespace: str) -> None:
-    """The direct construction names its email/uri states (`fragment_states`, from each format
+    """The direct construction names its email/uri states (`DirectFacts.fragment_states`, from each format
     block's map onto F); the index built from them equals the one that matches F's states."""
     import cfsm.automata.direct as direct
 
@@ -450,7 +451,7 @@ def test_proven_format_states_give_the_matched_masks(values: list[dict[str, Any]
               "required": [f"k{i}" for i in range(len(values))]}
     node = schema_to_node(schema, CfsmConfig(whitespace=whitespace))
     built = build_dfa_direct(node, force=True)
-    if built is None or "fragment_states" not in built.__dict__:
+    if built is None or built.facts is None:
         return
     generic = build_dfa(node)
     assert _same(built, generic)

@@ -5,8 +5,9 @@ The DFA works on UTF-8 bytes, so it fits byte-level BPE and sentencepiece byte f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -14,9 +15,38 @@ from cfsm.errors import GrammarTooLargeError
 from cfsm.regex.charset import utf8_sequences
 from cfsm.regex.syntax import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["Dfa", "DfaNode", "Unit", "build_dfa", "dfa_from_table", "unit_of", "MAX_DFA_STATES"]
+__all__ = ["ByteClasses", "Dfa", "DfaNode", "DirectFacts", "Unit", "build_dfa", "dfa_from_table", "unit_of", "MAX_DFA_STATES"]
 
 MAX_DFA_STATES = 200_000
+
+
+@dataclass(frozen=True, eq=False)
+class ByteClasses:
+    """A DFA's byte classes (bytes that step alike from every state) as its construction found
+    them: `reps` a representative byte of each class (by class id), `of_byte` each byte's
+    class, `table` the transitions with one column per class."""
+
+    reps: np.ndarray  # (num_classes,) int64
+    of_byte: np.ndarray  # (256,) int64
+    table: np.ndarray  # (num_states + 1, num_classes) int32
+
+
+@dataclass(frozen=True, eq=False)
+class DirectFacts:
+    """What the direct construction (`cfsm.automata.direct`) proves about its DFA's states, for
+    the index (`cfsm.masks.templates.match_string_states`, `cfsm.masks.index.build_index`),
+    which then skips its own recognition of those states.
+
+    - `string_text` (None if it proved none): (states, values): per state ((num_states + 1,)
+      bool) whether it is proven to be JSON string text followed by its closing quote, and
+      ((4, num_states + 1) int64) its T state, characters still allowed and required, and the
+      state after the closing quote (-1 where not proven).
+    - `fragment_states`: per broad format (`json_automata.TABLE_FORMATS`) with states in the DFA,
+      each state's F state (-1: none) and the state after the closing quote (formats absent: none).
+    """
+
+    string_text: tuple[np.ndarray, np.ndarray] | None = None
+    fragment_states: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,12 +54,16 @@ class Dfa:
     """A trimmed, minimal DFA over bytes.
 
     `transitions` has shape (num_states + 1, 256); row `dead` (the last) is the dead state and
-    every transition into a state that cannot reach acceptance goes to `dead`.
+    every transition into a state that cannot reach acceptance goes to `dead`. `known_classes`:
+    its byte classes where the construction found them (else computed on first use);
+    `facts`: what the direct construction proved about its states (None: built otherwise).
     """
 
     transitions: np.ndarray  # (num_states + 1, 256) int32
     accepting: np.ndarray  # (num_states + 1,) bool
     start: int
+    known_classes: ByteClasses | None = field(default=None, repr=False)
+    facts: DirectFacts | None = field(default=None, repr=False)
 
     @property
     def dead(self) -> int:
@@ -53,13 +87,18 @@ class Dfa:
     @functools.cached_property
     def byte_classes(self) -> tuple[np.ndarray, np.ndarray]:
         """(representative byte of each class, class of each byte): bytes that step alike from
-        every state. Computed on first use."""
+        every state. Computed on first use (or `known_classes`)."""
+        if self.known_classes is not None:
+            return self.known_classes.reps, self.known_classes.of_byte
         return _byte_classes(self.transitions)
 
     @functools.cached_property
     def class_table(self) -> np.ndarray:
         """The transitions with one column per byte class (`byte_classes`' representative byte of
-        each), (num_states + 1, num_classes) int32. Computed on first use (set by `_minimize`)."""
+        each), (num_states + 1, num_classes) int32. Computed on first use (or `known_classes`,
+        set by `_minimize`)."""
+        if self.known_classes is not None:
+            return self.known_classes.table
         return np.take(self.transitions, self.byte_classes[0], axis=1)
 
 
@@ -847,10 +886,9 @@ def _with_classes(dfa: Dfa, min_cols: np.ndarray, byte_class: np.ndarray) -> Dfa
     rep2, cls2 = _byte_classes(min_cols)
     classes = cls2[byte_class]
     _, rep_bytes = np.unique(classes, return_index=True)  # a byte of each class, by class id
-    dfa.__dict__["byte_classes"] = (rep_bytes, classes)
     # the table of one column per final class, from the narrow table (not the 256-wide one)
-    dfa.__dict__["class_table"] = np.take(min_cols, byte_class[rep_bytes], axis=1)
-    return dfa
+    table = np.take(min_cols, byte_class[rep_bytes], axis=1)
+    return dataclasses.replace(dfa, known_classes=ByteClasses(reps=rep_bytes, of_byte=classes, table=table))
 
 
 def _product(a: Dfa, b: Dfa) -> Dfa:

@@ -22,11 +22,13 @@ very `Dfa` that `build_dfa` returns, arrays and byte classes included. The class
 states come from the structure (`_Builder.classes`: a block's own classes with its
 continuation's class, literal states hash-consed) where invariants prove them apart, else from
 `_minimize`'s refinement rounds. The states of JSON string bodies followed by their closing
-quote are handed to the string tables as proven (`string_text_states`, `string_text_values`
-on the `Dfa`, read by `templates.match_string_states`).
+quote, and the states of broad formats, are handed to the index as proven (`Dfa.facts`, a
+`DirectFacts`, read by `templates.match_string_states` and `index.build_index`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -35,6 +37,7 @@ from cfsm.automata.automaton import (
     MAX_DFA_STATES,
     Dfa,
     DfaNode,
+    DirectFacts,
     _minimize,
     _Nfa,
     _segments,
@@ -940,21 +943,19 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     else:
         dfa, new_ids = minimal_dfa(t, acc, start, byte_map, cls)
     if new_ids is not None:
+        text: tuple[np.ndarray, np.ndarray] | None = None
         strings, ts, rem, need, cont = b.string_states()
         if len(strings):
             at = new_ids[strings]
             live = at < dfa.num_states  # reachable
             mine = np.zeros(dfa.num_states + 1, dtype=bool)
             mine[at[live]] = True
-            # NOTE: read by `templates.match_string_states`: states proven to be string text, and
-            # per state its T state, characters still allowed and required, and the state after
-            # the closing quote (-1 where not proven)
+            # NOTE: `DirectFacts.string_text`
             values = np.full((4, dfa.num_states + 1), -1, dtype=np.int64)
             values[:, at[live]] = np.stack([ts[live], rem[live], need[live], new_ids[cont[live]]])
-            dfa.__dict__["string_text_states"] = mine
-            dfa.__dict__["string_text_values"] = values
-        # NOTE: read by `index.build_index` instead of `fragments.match_fragment`: per format, each
-        # state's F state (-1: none) and the state after the closing quote (formats absent: none)
+            text = (mine, values)
+        # NOTE: `DirectFacts.fragment_states` (read by `index.build_index` instead of
+        # `fragments.match_fragment`)
         frags = {}
         for fmt, (states, fs, conts) in b.fragment_states().items():
             at = new_ids[states]
@@ -964,5 +965,5 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
             f[at[live]] = fs[live]
             c[at[live]] = new_ids[conts[live]]
             frags[fmt] = (f, c)
-        dfa.__dict__["fragment_states"] = frags
+        dfa = dataclasses.replace(dfa, facts=DirectFacts(string_text=text, fragment_states=frags))
     return dfa

@@ -185,7 +185,7 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     if _FRAGMENT_TABLES:
         # NOTE: a DFA of the direct construction knows its format states (`direct`: copies of a
         # format's block, proven to step like F); states it does not name are walked (exact too)
-        proven = dfa.__dict__.get("fragment_states")
+        proven = None if dfa.facts is None else dfa.facts.fragment_states
         for k, ft in enumerate(vocab.fragment_tables):
             if proven is None or ft.code is not _f_code(ft.name):
                 fm = match_fragment(dfa, ft)

@@ -290,8 +290,9 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
     # NOTE: states the DFA's construction proved to be string text come with their match
     # (`direct`); where no other state is a candidate, that is the whole match (the proposal
     # below would give them the same values and mark nothing else)
-    proven = dfa.__dict__.get("string_text_states")
-    if proven is not None:
+    proven_text = None if dfa.facts is None else dfa.facts.string_text
+    if proven_text is not None:
+        proven, values = proven_text
         others = _candidates(dfa, g0, group, rows & ~proven[:n])
         # NOTE: a candidate that reads the closing quote and nothing else is T's text state with
         # nothing left (rem = need = 0), followed by the quote's target: the chains and the checks
@@ -300,7 +301,6 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
         after = trans[others, quote].astype(np.int64)
         closing = (live_count == 1) & (after != dead)
         if closing.all():
-            values = dfa.__dict__["string_text_values"]
             mine = np.flatnonzero(proven)
             t[mine], rem[mine], need[mine], cont[mine] = values[:, mine]
             t[others], rem[others], need[others], cont[others] = text, 0, 0, after
@@ -368,7 +368,7 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     # NOTE: states the DFA's construction proved to be string text (`direct`: a JSON string body
     # followed by its closing quote; their proposed bounds follow from that) are not checked;
     # they still serve as the targets of the others' checks
-    proven = dfa.__dict__.get("string_text_states")
+    proven = None if dfa.facts is None or dfa.facts.string_text is None else dfa.facts.string_text[0]
     check = t >= 0 if proven is None else (t >= 0) & ~proven
     # (n + 1, r): one byte per class; only the rows of the states to check are read
     if proven is None:
