@@ -315,7 +315,7 @@ def test_small_block_facts_are_the_numpy_ones(pattern: str) -> None:
     classes, live = facts.facts_small(t, acc, dist, blk.col_of)
     assert _same_partition(classes, facts.own_classes(t, acc, dist))
     assert np.array_equal(classes < 0, dist < 0)
-    assert np.array_equal(live, facts._live_bytes(t, classes, blk.col_of))
+    assert np.array_equal(live, facts.live_bytes(t, classes, blk.col_of))
 
 
 _STRING_VOCAB = cfsm.Vocabulary([b"", b'"', b'",', b'"}', b"a", b"ab", b"abc", b"\\", b'\\"', b"\\u00", b"1f", b"\xc3",

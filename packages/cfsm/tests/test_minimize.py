@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 import cfsm
 from cfsm.automata.automaton import (
     _byte_classes,
-    _minimize,
     _runs,
     accept_distance,
+    minimize,
     seeded_weights,
     unique_rows,
 )
@@ -77,7 +77,7 @@ def test_byte_classes_group_exactly_the_equal_columns(case: tuple[np.ndarray, np
 @given(_tables())
 def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarray, int]) -> None:
     table, accepting, start = case
-    dfa = _minimize(table, accepting, start)
+    dfa = minimize(table, accepting, start)
     oracle = _language_classes(table, accepting)
     # every state maps to a minimal state accepting the same language: compare on all strings
     # of up to 4 of the used bytes
@@ -99,7 +99,7 @@ def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarr
     # also through a narrow table (one column per byte group), as the constructions hand it over
     used = np.unique(np.concatenate([[0], np.flatnonzero((table[:, 1:] != table[:, :-1]).any(axis=0)) + 1]))
     byte_map = np.searchsorted(used, np.arange(256), side="right") - 1
-    narrow = _minimize(np.ascontiguousarray(table[:, used]), accepting, start, byte_map)
+    narrow = minimize(np.ascontiguousarray(table[:, used]), accepting, start, byte_map)
     assert np.array_equal(narrow.transitions, dfa.transitions) and narrow.start == dfa.start
     assert np.array_equal(narrow.class_table, np.take(narrow.transitions, narrow.byte_classes[0], axis=1))
 

@@ -39,7 +39,7 @@ def _pairwise_product(a: A.Dfa, b: A.Dfa) -> A.Dfa:
     table[table < 0] = n
     table = np.vstack([table, np.full((1, 256), n)]).astype(np.int32)
     acc = np.array([bool(a.accepting[x] and b.accepting[y]) for x, y in pairs] + [False])
-    return A._minimize(table, acc, 0)
+    return A.minimize(table, acc, 0)
 
 
 _PIECES = [r"\S+\s", r"[a-c]{1,3}", r"\d", r"é?", r"[^\"\\]", r".", r"(ab|b)*", r"x{0,2}", r"[\u00e0-\u07ff]", r"\w"]

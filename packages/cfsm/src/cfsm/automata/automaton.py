@@ -96,13 +96,13 @@ class Dfa:
     def class_table(self) -> np.ndarray:
         """The transitions with one column per byte class (`byte_classes`' representative byte of
         each), (num_states + 1, num_classes) int32. Computed on first use (or `known_classes`,
-        set by `_minimize`)."""
+        set by `minimize`)."""
         if self.known_classes is not None:
             return self.known_classes.table
         return np.take(self.transitions, self.byte_classes[0], axis=1)
 
 
-class _Nfa:
+class Nfa:
     def __init__(self, max_states: int = 0) -> None:
         # > 0: `GrammarTooLargeError` once the NFA would pass this many states (`build_dfa`'s
         # cap, checked as states are made, so a build far over it stops early)
@@ -271,7 +271,7 @@ class _Nfa:
         return s, e
 
 
-# counted repeats of at least this many units are built from the unit's DFA (`_Nfa._counted`)
+# counted repeats of at least this many units are built from the unit's DFA (`Nfa._counted`)
 COUNTED_MIN = 8
 
 
@@ -367,7 +367,7 @@ def _sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, in
     return tuple(out)
 
 
-def _segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[int]]]:
+def byte_segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[int]]]:
     """Split byte ranges (lo, hi, target) into disjoint segments (lo, hi, targets), by a sweep."""
     if len(trs) == 1:
         lo, hi, t = trs[0]
@@ -396,7 +396,7 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return all(x[1] < y[0] for x, y in zip(ranges, ranges[1:], strict=False))
 
 
-def subset_construction(nfa: _Nfa, start: int, final: int, max_states: int | None = None
+def subset_construction(nfa: Nfa, start: int, final: int, max_states: int | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subset construction: (transition table over byte intervals with the dead state last,
     accepting flags, the interval (column) of each byte). Raises `GrammarTooLargeError` past
@@ -465,7 +465,7 @@ def subset_construction(nfa: _Nfa, start: int, final: int, max_states: int | Non
             trs = sorted([t for q in members for t in ntrans[q]])
             disjoint = _disjoint(trs)
         # NOTE: disjoint ranges (most states) have one target each: no sweep, no target sets
-        segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = trs if disjoint else _segments(trs)
+        segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = trs if disjoint else byte_segments(trs)
         for a, b, tg in segs:
             dst = target_cache.get(tg)
             if dst is None:
@@ -782,7 +782,7 @@ def _bfs_order(cols: np.ndarray, start: int, dead: int) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
-def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None = None,
+def minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None = None,
               dist: np.ndarray | None = None, bfs: bool = False) -> Dfa:
     """Trimmed minimal DFA of `table` (the dead state last; one column per byte, or per group of
     bytes where `byte_map[b]` is the column of byte b). `dist`, when given, is what
@@ -834,7 +834,7 @@ def _minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np
 
 def minimal_dfa(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray,
                  cls: np.ndarray) -> tuple[Dfa, np.ndarray]:
-    """`_minimize(table, accepting, start, byte_map, bfs=True)` where the classes of equivalent
+    """`minimize(table, accepting, start, byte_map, bfs=True)` where the classes of equivalent
     states are known (`cls`, any ids, one per language: the partition `refine` would give): the
     same `Dfa`, byte classes included, without refinement rounds; and each state's state in it.
     The table's columns are byte intervals in ascending byte order (`byte_map[b]` the column of
@@ -937,14 +937,14 @@ def _product(a: Dfa, b: Dfa) -> Dfa:
     table[table < 0] = n
     x, y = np.concatenate(xs), np.concatenate(ys)
     acc = np.append(a.accepting[x] & b.accepting[y], False)
-    return _minimize(table.astype(np.int32), acc, 0, byte_map.reshape(-1))
+    return minimize(table.astype(np.int32), acc, 0, byte_map.reshape(-1))
 
 
 def _complement(a: Dfa) -> Dfa:
     n = a.num_states + 1  # the old dead state becomes an accepting sink
     table = np.vstack([a.transitions, np.full((1, 256), n, dtype=np.int32)]).astype(np.int32)
     acc = np.concatenate([~a.accepting, [False]])
-    return _minimize(table, acc, a.start)
+    return minimize(table, acc, a.start)
 
 
 class DfaNode(Node):
@@ -964,7 +964,7 @@ def dfa_from_table(table: list[list[int]], start: int, accepting: set[int], alph
         for i, b in enumerate(alphabet):
             dense[q, b] = row[i]
     acc = np.array([q in accepting for q in range(n)] + [False])
-    return DfaNode(_minimize(dense, acc, start))
+    return DfaNode(minimize(dense, acc, start))
 
 
 # `build_dfa(node, max_states)` stops once its NFA passes this many times `max_states` states
@@ -982,7 +982,7 @@ def build_dfa(node: Node, max_states: int | None = None) -> Dfa:
         if max_states is not None and node.dfa.num_states > max_states:
             raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
         return node.dfa
-    nfa = _Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states)
+    nfa = Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states)
     s, e = nfa.build(node)
     table, accepting, byte_map = subset_construction(nfa, s, e, max_states)
-    return _minimize(table, accepting, 0, byte_map)
+    return minimize(table, accepting, 0, byte_map)

@@ -28,7 +28,7 @@ def _column_weights(col_of: np.ndarray, k: int) -> np.ndarray:
     return w
 
 
-def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.ndarray:
+def live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.ndarray:
     """Per state of a block's table: the hash of the set of bytes that lead to a state accepting
     something (the sum of their `_BYTE_W`). Pure."""
     live_t = (t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)
@@ -39,7 +39,7 @@ def _live_bytes(t: np.ndarray, classes: np.ndarray, col_of: np.ndarray) -> np.nd
 SMALL_BLOCK = 48
 
 
-def _string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: int) -> np.ndarray | None:
+def string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: int) -> np.ndarray | None:
     """Per state of a string body's table (`Block.string_body`), as two rows: its state in the
     string automaton T and how many characters it completed (-1 for every state of an unbounded
     body), by walking both from (start, T's text state); None where a state meets two (then the
@@ -88,7 +88,7 @@ def unit_map(unit: Unit) -> np.ndarray | None:
 
 
 def counted_string_map(node: Repeat, size: int) -> np.ndarray | None:
-    """`_string_map` of a counted string body (state j * n + q: the unit's state q after j
+    """`string_map` of a counted string body (state j * n + q: the unit's state q after j
     characters; the bounded form's last state: all characters read) from the unit's map. Pure."""
     unit = unit_of(node.item)
     if unit is None or node.hi is None:

@@ -16,21 +16,21 @@ import numpy as np
 from cfsm.automata.automaton import (
     COUNTED_MIN,
     DfaNode,
+    Nfa,
     Unit,
-    _Nfa,
     accept_distance,
     subset_construction,
     unit_of,
 )
 from cfsm.automata.block_facts import (
     SMALL_BLOCK,
-    _live_bytes,
-    _string_map,
     counted_classes,
     counted_string_map,
     facts_small,
     is_json_char,
+    live_bytes,
     own_classes,
+    string_map,
     unit_map,
 )
 from cfsm.automata.json_automata import INF, TABLE_FORMATS, f_automaton
@@ -81,7 +81,7 @@ class Block:
             dist = accept_distance(dfa.transitions, dfa.accepting, n)[:n]
             classes = np.arange(n, dtype=np.int64)  # a Dfa is minimal and trimmed
         else:
-            nfa = _Nfa()
+            nfa = Nfa()
             s, e = nfa.build(node)
             try:
                 narrow, accepting, byte_map = subset_construction(nfa, s, e)
@@ -118,17 +118,17 @@ class Block:
         else:
             if classes is None:
                 classes = own_classes(t, acc, dist)
-            self.live_bytes = _live_bytes(t, classes, col_of)
+            self.live_bytes = live_bytes(t, classes, col_of)
         self.classes = classes
         self.num_classes = int(classes.max()) + 1 if n else 0
         # states whose own language is the empty string (accepting, no byte leads to a state that
         # accepts something): a copy's such state is its continuation
         self.eps = np.flatnonzero(acc & ~((t >= 0) & (np.take(classes, np.maximum(t, 0)) >= 0)).any(axis=1))
         self.void = np.flatnonzero(classes < 0)  # states that accept nothing: a copy's are dead
-        # for a string body: per state its T state and completed characters (`_string_map`)
+        # for a string body: per state its T state and completed characters (`string_map`)
         self.string_map: np.ndarray | None = None
         if body is not None and n:
-            self.string_map = _string_map(body, t, col_of, start, n) if counted is None else counted_string_map(
+            self.string_map = string_map(body, t, col_of, start, n) if counted is None else counted_string_map(
                 body, n)
             if self.string_map is None:
                 self.string_body = False
@@ -231,7 +231,7 @@ def _dense_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """(rows, accepting, shortest accepted lengths, column of each byte) of `item{lo,hi}` for a
     prefix-code item, built as numpy blocks: state j * n + q is the unit's state q after j
-    completed units (the generic construction's counter fragment, `_Nfa._counted`, already
+    completed units (the generic construction's counter fragment, `Nfa._counted`, already
     deterministic); bounded, one last state (hi units read). Rows have one column per byte
     interval of the unit (bytes whose columns in the unit's table are equal and adjacent; -1:
     dead). None if the item is not a prefix code. Start: state 0."""

@@ -21,7 +21,7 @@ DFA is numbered identically (each class by its shortlex-least access word): the 
 very `Dfa` that `build_dfa` returns, arrays and byte classes included. The classes of equivalent
 states come from the structure (`_Builder.classes`: a block's own classes with its
 continuation's class, literal states hash-consed) where invariants prove them apart, else from
-`_minimize`'s refinement rounds. The states of JSON string bodies followed by their closing
+`minimize`'s refinement rounds. The states of JSON string bodies followed by their closing
 quote, and the states of broad formats, are handed to the index as proven (`Dfa.facts`, a
 `DirectFacts`, read by `templates.match_string_states` and `index.build_index`).
 """
@@ -38,11 +38,11 @@ from cfsm.automata.automaton import (
     Dfa,
     DfaNode,
     DirectFacts,
-    _minimize,
-    _Nfa,
-    _segments,
+    Nfa,
+    byte_segments,
     concat_ranges,
     minimal_dfa,
+    minimize,
     small_unique,
 )
 from cfsm.automata.block_facts import (
@@ -243,7 +243,7 @@ class _Builder(LoopStates):
         node's NFA by a subset construction that creates a state after its targets and reuses
         any state with the same ranges into the same states (so none is made twice), the NFA's end
         being cont (its ranges taken into the states that may end)."""
-        nfa = _Nfa()
+        nfa = Nfa()
         s0, end = nfa.build(node)
         eps, trans = nfa.eps, nfa.trans
         cont_entries = self._entries(cont)
@@ -265,7 +265,7 @@ class _Builder(LoopStates):
             if hit is not None:
                 return hit
             ranges = [t for q in group for t in trans[q]]
-            entries = [(lo, hi, det(closure(tg))) for lo, hi, tg in (_segments(ranges) if ranges else [])]
+            entries = [(lo, hi, det(closure(tg))) for lo, hi, tg in (byte_segments(ranges) if ranges else [])]
             if end in group:
                 bits = 0
                 for lo, hi, _ in entries:
@@ -938,7 +938,7 @@ def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
     # accepting rows) are dropped by the breadth-first numbering
     cls = b.classes(t, acc, dist)
     if cls is None:
-        dfa = _minimize(t, acc, start, byte_map, dist=dist, bfs=True)
+        dfa = minimize(t, acc, start, byte_map, dist=dist, bfs=True)
         new_ids = None
     else:
         dfa, new_ids = minimal_dfa(t, acc, start, byte_map, cls)
