@@ -6,6 +6,7 @@ so that small schemas reach them."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Any
@@ -61,15 +62,15 @@ def _texts(doc: dict[str, Any]) -> list[str]:
             text.replace('"v":1', '"v":1.5', 1), text.replace("[", '[{"v":1},', 1)]
 
 
-def _fallbacks(monkeypatch: pytest.MonkeyPatch, cap: int) -> Any:
-    monkeypatch.setattr(cfsm.compiler, "FALLBACK_DFA_STATES", cap)
-    return cfsm.compile_json_schema(TREE, BYTES, COMPACT)
+def _fallbacks(cap: int) -> Any:
+    config = dataclasses.replace(COMPACT, limits=cfsm.CfsmLimits(fallback_dfa_states=cap))
+    return cfsm.compile_json_schema(TREE, BYTES, config)
 
 
-def test_a_large_unrolled_fallback_compiles_as_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    unrolled = _fallbacks(monkeypatch, 10**6)
+def test_a_large_unrolled_fallback_compiles_as_rules() -> None:
+    unrolled = _fallbacks(10**6)
     assert isinstance(unrolled, cfsm.Index)  # the pushdown matcher is refused: unrolled, as before
-    rules = _fallbacks(monkeypatch, unrolled.dfa.num_states // 3)
+    rules = _fallbacks(unrolled.dfa.num_states // 3)
     assert isinstance(rules, cfsm.GrammarIndex)
     validator = jsonschema.Draft202012Validator(TREE)
     depth = cfsm.CfsmConfig().max_recursion_depth
@@ -86,8 +87,7 @@ def test_a_large_unrolled_fallback_compiles_as_rules(monkeypatch: pytest.MonkeyP
 
 @functools.cache
 def _rules_fallback() -> Any:
-    with pytest.MonkeyPatch.context() as mp:
-        return _fallbacks(mp, 8)
+    return _fallbacks(8)
 
 
 @settings(max_examples=40, deadline=None)

@@ -146,7 +146,8 @@ def test_shared_dfas_give_the_same_network(monkeypatch: pytest.MonkeyPatch) -> N
 _original_init = grammar_pda._Nfa.__init__
 
 
-def _unshared_init(self: grammar_pda._Nfa, names: dict[str, int], memo: dict[int, bool], dfas: object = None) -> None:
+def _unshared_init(self: grammar_pda._Nfa, names: dict[str, int], memo: dict[int, bool], dfas: object = None,
+                   limits: object = None) -> None:
     _original_init(self, names, memo, None)
 
 

@@ -122,13 +122,14 @@ def test_dfa_is_minimal_on_a_known_language() -> None:
     assert dfa.fullmatch(b"babb") and not dfa.fullmatch(b"abba")
 
 
-def test_state_limit_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_state_limit_raises_a_typed_error() -> None:
     import cfsm
-    import cfsm.automata.automaton
 
-    monkeypatch.setattr(cfsm.automata.automaton, "MAX_DFA_STATES", 10)
     with pytest.raises(cfsm.GrammarTooLargeError, match="exceeds 10 states"):
-        build_dfa(parse_regex("[a-z]{0,40}"))
+        build_dfa(parse_regex("[a-z]{0,40}"), limit=10)
+    with pytest.raises(cfsm.GrammarTooLargeError, match="exceeds 10 states"):
+        cfsm.compile_regex("[a-z]{0,40}", cfsm.Vocabulary([b"a"], eos_token_ids=[0]),
+                           cfsm.CfsmConfig(limits=cfsm.CfsmLimits(max_dfa_states=10)))
 
 
 def _canonical(dfa: object) -> list[tuple[bool, tuple[int, ...]]]:

@@ -14,9 +14,7 @@ import pytest
 
 import cfsm
 import cfsm.automata.automaton
-import cfsm.automata.direct
 import cfsm.compiler
-import cfsm.grammar.inline
 import cfsm.schema.json_schema
 from cfsm.schema.json_schema import schema_grammar
 from cfsm.testing import accepts_bytes
@@ -77,26 +75,23 @@ def test_refs_as_rules_keeps_the_language() -> None:
     assert not plain_rules  # not recursive: the default compile stays regular
 
 
-def test_too_many_schema_nodes_falls_back_to_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_many_schema_nodes_falls_back_to_rules() -> None:
     schema = _dag(DEPTH)
-    monkeypatch.setattr(cfsm.schema.json_schema, "MAX_SCHEMA_VISITS", 40)
+    config = cfsm.CfsmConfig(whitespace="compact", limits=cfsm.CfsmLimits(max_schema_visits=40))
     with pytest.raises(cfsm.SchemaTooLargeError):
-        cfsm.schema.json_schema.schema_tree(schema, cfsm.CfsmConfig(whitespace="compact"))
-    index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+        cfsm.schema.json_schema.schema_tree(schema, config)
+    index = cfsm.compile_json_schema(schema, BYTES, config)
     assert isinstance(index, cfsm.GrammarIndex)
-    monkeypatch.undo()
     _check_language(index, schema)
 
 
-def test_too_many_dfa_states_falls_back_to_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_many_dfa_states_falls_back_to_rules() -> None:
     schema = _dag(DEPTH)
     size = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact")).dfa.num_states
-    for module in (cfsm.automata.automaton, cfsm.automata.direct):
-        monkeypatch.setattr(module, "MAX_DFA_STATES", size // 2)
-    monkeypatch.setattr(cfsm.grammar.inline, "MAX_INLINE_NODES", 64)  # rules stay rules (bodies stay small)
-    index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    # rules stay rules (bodies stay small: max_inline_nodes)
+    limits = cfsm.CfsmLimits(max_dfa_states=size // 2, max_inline_nodes=64)
+    index = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact", limits=limits))
     assert isinstance(index, cfsm.GrammarIndex)
-    monkeypatch.undo()
     _check_language(index, schema)
 
 
@@ -126,20 +121,18 @@ def test_optional_members_with_free_json_share_their_tails() -> None:
             assert not validator.is_valid(instance) or list(instance) != sorted(instance, key=lambda k: int(k[1:])), text
 
 
-def test_long_string_bounds_are_approximated_as_a_last_resort(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_string_bounds_are_approximated_as_a_last_resort() -> None:
     """No references to turn into rules: the compile drops string bounds above
     `MAX_EXACT_LENGTH` and reports it (a superset: every valid text still accepted)."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 300},
                                                "n": {"type": "integer"}}, "required": ["name"]}
     exact = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert isinstance(exact, cfsm.Index) and not exact.approximations
-    for module in (cfsm.automata.automaton, cfsm.automata.direct):
-        monkeypatch.setattr(module, "MAX_DFA_STATES", exact.dfa.num_states // 2)
-    loose = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact"))
+    limits = cfsm.CfsmLimits(max_dfa_states=exact.dfa.num_states // 2)
+    loose = cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact", limits=limits))
     assert [(a.keyword, a.path) for a in loose.approximations] == [("maxLength", "#/properties/name")]
     with pytest.raises(cfsm.UnsupportedSchemaError):
-        cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact", strict=True))
-    monkeypatch.undo()
+        cfsm.compile_json_schema(schema, BYTES, cfsm.CfsmConfig(whitespace="compact", strict=True, limits=limits))
     validator = jsonschema.Draft202012Validator(schema)
     for name in ["", "a", "a" * 300, "a" * 301, "é" * 40]:
         for extra in ["", ',"n":3', ',"n":"x"']:
@@ -164,9 +157,9 @@ def test_rules_nested_too_deep_for_python_are_not_an_escape(monkeypatch: pytest.
     index = cfsm.compile_json_schema(tree, BYTES, cfsm.CfsmConfig(whitespace="compact"))
     assert isinstance(index, cfsm.Index)  # unrolled
     assert _accepts(index, '{"v":1,"kids":[{"v":2}]}') and not _accepts(index, '{"kids":[]}')
-    monkeypatch.setattr(cfsm.schema.json_schema, "MAX_SCHEMA_VISITS", 40)
+    config = cfsm.CfsmConfig(whitespace="compact", limits=cfsm.CfsmLimits(max_schema_visits=40))
     with pytest.raises(cfsm.CfsmError):  # the last resort unrolls the references again: still too large
-        cfsm.compile_json_schema(_dag(DEPTH), BYTES, cfsm.CfsmConfig(whitespace="compact"))
+        cfsm.compile_json_schema(_dag(DEPTH), BYTES, config)
 
 
 @pytest.mark.parametrize("config", [cfsm.CfsmConfig(whitespace="compact"), cfsm.CfsmConfig.spec(whitespace="compact")])

@@ -17,7 +17,7 @@ from cfsm.compiler import (
     compile_regex,
     regex_dfa,
 )
-from cfsm.config import CfsmConfig
+from cfsm.config import CfsmConfig, CfsmLimits
 from cfsm.errors import (
     Approximation,
     CfsmError,
@@ -42,6 +42,7 @@ __all__ = [
     "__version__",
     "Approximation",
     "CfsmConfig",
+    "CfsmLimits",
     "CfsmError",
     "Compiler",
     "GrammarError",

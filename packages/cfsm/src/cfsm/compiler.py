@@ -15,7 +15,7 @@ import numpy as np
 
 from cfsm.automata.automaton import Dfa, build_dfa
 from cfsm.automata.direct import build_dfa_direct
-from cfsm.config import CfsmConfig
+from cfsm.config import CfsmConfig, CfsmLimits
 from cfsm.errors import (
     Approximation,
     GrammarError,
@@ -49,19 +49,12 @@ def regex_dfa(pattern: str) -> Dfa:
     return build_dfa(parse_regex(pattern))
 
 
-# a refused pushdown matcher's unrolled fallback is tried within this many DFA states (its subset
-# construction's, and the minimal DFA's; `build_dfa`'s NFA cap follows): a larger one compiles to
-# the pushdown matcher with one rule per reference target and keys walked on first use, instead
-# of paying for the whole unrolled automaton and its index (JSONSchemaBench's govuk schemas: the
-# unrolled try ran 12-14 s into the 200,000-state limit, or 38 s to an 84,000-state Index, where
-# the pushdown matcher takes 1.6 s; the unrolled ones that compile in a few seconds stay below)
-FALLBACK_DFA_STATES = 32_768
-
-
-def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str, max_states: int | None = None) -> Index:
+def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str, limits: CfsmLimits,
+              max_states: int | None = None) -> Index:
     """The `Index` of a syntax tree; `max_states`: `GrammarTooLargeError` past that many DFA states
     (`build_dfa`'s cap; the direct construction's DFA is checked after)."""
-    dfa = build_dfa_direct(node) or build_dfa(node, max_states)  # the same Dfa either way
+    limit = limits.max_dfa_states
+    dfa = build_dfa_direct(node, limit=limit) or build_dfa(node, max_states, limit=limit)  # the same Dfa either way
     if max_states is not None and dfa.num_states > max_states:
         raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
     if dfa.num_states == 0:
@@ -74,8 +67,8 @@ def compile_regex(pattern: str, vocab: Vocabulary, config: CfsmConfig | None = N
 
     Raises `UnsupportedRegexError` for constructs outside the regular subset.
     """
-    del config
-    dfa = regex_dfa(pattern)
+    cfg = config or CfsmConfig()
+    dfa = build_dfa(parse_regex(pattern), limit=cfg.limits.max_dfa_states)
     return build_index(dfa, vocab, grammar=f"regex:{pattern}")
 
 
@@ -89,28 +82,28 @@ def compile_ebnf(text: str, vocab: Vocabulary, config: CfsmConfig | None = None,
     `cfsm.Guide(index)` takes either. Raises `GrammarError` (line and column) for malformed text,
     undefined rules, left recursion or an empty language.
     """
-    del config
-    return _compile_rules(parse_ebnf(text, root), vocab, f"ebnf:{root}:{text}")
+    cfg = config or CfsmConfig()
+    return _compile_rules(parse_ebnf(text, root), vocab, f"ebnf:{root}:{text}", cfg.limits)
 
 
 def compile_lark(text: str, vocab: Vocabulary, config: CfsmConfig | None = None, *,
                  start: str = "start") -> Index | GrammarIndex:
     """Compile a Lark grammar (the subset `cfsm.grammar.lark` describes; `%ignore` text may come
     before every terminal) against `vocab`, like `compile_ebnf`. Raises `GrammarError`."""
-    del config
-    return _compile_rules(parse_lark(text, start), vocab, f"lark:{start}:{text}")
+    cfg = config or CfsmConfig()
+    return _compile_rules(parse_lark(text, start), vocab, f"lark:{start}:{text}", cfg.limits)
 
 
-def _compile_rules(parsed: Grammar, vocab: Vocabulary, key: str) -> Index | GrammarIndex:
-    grammar = inline_rules(parsed)
+def _compile_rules(parsed: Grammar, vocab: Vocabulary, key: str, limits: CfsmLimits) -> Index | GrammarIndex:
+    grammar = inline_rules(parsed, limits.max_inline_nodes)
     root = grammar.root
     body = regular_root(grammar)
     if body is not None:
-        dfa = build_dfa_direct(body) or build_dfa(body)
+        dfa = build_dfa_direct(body, limit=limits.max_dfa_states) or build_dfa(body, limit=limits.max_dfa_states)
         if dfa.num_states == 0:
             raise GrammarError(f"the language of rule {root!r} is empty", *grammar.positions.get(root, (0, 0)))
         return build_index(dfa, vocab, grammar=key)
-    return compile_grammar(grammar, vocab, key)
+    return compile_grammar(grammar, vocab, key, limits=limits)
 
 
 def _schema_text(schema: Any) -> str:
@@ -119,7 +112,7 @@ def _schema_text(schema: Any) -> str:
     return json.dumps(schema, sort_keys=False, separators=(",", ":"))
 
 
-def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar: str,
+def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar: str, limits: CfsmLimits | None = None,
                  approximations: tuple[Approximation, ...] = (), max_positions: int = 0,
                  lazy_positions: int = 0) -> GrammarIndex:
     start = "root"
@@ -127,7 +120,7 @@ def _rules_index(root: Node, rules: dict[str, Node], vocab: Vocabulary, grammar:
         start += "_"
     try:
         return compile_grammar(Grammar(rules={start: root, **rules}, root=start), vocab, grammar, approximations,
-                               max_positions, lazy_positions)
+                               max_positions, lazy_positions, limits)
     except RecursionError:
         # NOTE: rules nested deeper than Python's stack while inlining (a JSONSchemaBench schema)
         raise GrammarError("the grammar nests too deep to compile") from None
@@ -141,7 +134,7 @@ def compile_json_schema(schema: Any, vocab: Vocabulary, config: CfsmConfig | Non
     can only over-approximate are listed in `approximations` (with `config.strict`, they raise).
     Intersections (`enum` beside other keywords) over recursion compile unrolled, as "unroll" does.
     A pushdown matcher over `config.max_pushdown_positions` compiles unrolled too, when that
-    automaton has at most `FALLBACK_DFA_STATES` states; a larger one compiles as the pushdown
+    automaton has at most `config.limits.fallback_dfa_states` states; a larger one compiles as the pushdown
     matcher with one rule per reference target (the schema's own language, no depth bound) whose
     keys are walked on first use.
     Raises `UnsupportedSchemaError` (keyword and JSON path) for what cannot be compiled.
@@ -164,10 +157,10 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
     try:
         node, rules, approximations = schema_grammar(schema, cfg)
         if not rules:
-            index = _index_of(node, vocab, key, "schema")
+            index = _index_of(node, vocab, key, "schema", cfg.limits)
             return dataclasses.replace(index, approximations=approximations) if approximations else index
         try:
-            return _rules_index(node, rules, vocab, key, approximations, cfg.max_pushdown_positions)
+            return _rules_index(node, rules, vocab, key, cfg.limits, approximations, cfg.max_pushdown_positions)
         except GrammarError:
             # NOTE: an intersection (enum or `not` beside other keywords) over nested free JSON or
             # a recursive reference has no pushdown form here: the regular compile, unrolled
@@ -175,9 +168,10 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
         except PushdownTooLargeError:
             # NOTE: a vocabulary walk per rule position (f8c7c83 made "stack" the default: a JSONSchemaBench
             # schema with one free JSON value took 2 s unrolled, 38 s this way): unrolled, as "unroll" does,
-            # while that automaton stays small; past FALLBACK_DFA_STATES it stops early for the rules below
+            # while that automaton stays small (`CfsmLimits.fallback_dfa_states`: JSONSchemaBench's govuk
+            # schemas ran 12-14 s unrolled into the DFA limit, 1.6 s as rules); past it, the rules below
             try:
-                return _regular_schema_index(schema, vocab, cfg, key, FALLBACK_DFA_STATES)
+                return _regular_schema_index(schema, vocab, cfg, key, cfg.limits.fallback_dfa_states)
             except GrammarTooLargeError:
                 matcher = _refs_rules_index(schema, vocab, cfg, key)
                 # NOTE: no rule form (an intersection over references): the whole unrolled try
@@ -190,7 +184,7 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
             return matcher
         # last resort: long string bounds approximated (reported; refused in strict mode)
         node, approximations = schema_tree(schema, cfg, loose_lengths=True)
-        index = _index_of(node, vocab, key, "schema")
+        index = _index_of(node, vocab, key, "schema", cfg.limits)
         return dataclasses.replace(index, approximations=approximations)
 
 
@@ -202,14 +196,15 @@ def _refs_rules_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str)
         with contextlib.suppress(GrammarError, GrammarTooLargeError):
             # NOTE: no unrolled form is left to fall back to: past max_pushdown_positions the
             # keys are walked on first use instead of one walk per position here
-            return _rules_index(node, rules, vocab, key, approximations, lazy_positions=cfg.max_pushdown_positions)
+            return _rules_index(node, rules, vocab, key, cfg.limits, approximations,
+                                lazy_positions=cfg.max_pushdown_positions)
     return None
 
 
 def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str,
                           max_states: int | None = None) -> Index:
     node, approximations = schema_tree(schema, cfg)
-    index = _index_of(node, vocab, key, "schema", max_states)
+    index = _index_of(node, vocab, key, "schema", cfg.limits, max_states)
     return dataclasses.replace(index, approximations=approximations) if approximations else index
 
 
@@ -224,12 +219,12 @@ def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *,
     if cfg.recursion == "stack":
         def build() -> GrammarIndex:
             root, rules = json_value_grammar(cfg, object_only=object_only)
-            return _rules_index(root, rules, vocab, key)
+            return _rules_index(root, rules, vocab, key, cfg.limits)
 
         # NOTE: a fixed grammar per (object_only, config); guides fill only their copy's caches
         return vocab.derived(f"grammar:{key}", build).copy()
     node = json_value_node(cfg, object_only=object_only)
-    return _index_of(node, vocab, key, "json")
+    return _index_of(node, vocab, key, "json", cfg.limits)
 
 
 class Compiler:
@@ -248,17 +243,17 @@ class Compiler:
         self.misses = 0
 
     def compile_regex(self, pattern: str) -> Index:
-        return self._get(f"regex:{pattern}", lambda: compile_regex(pattern, self.vocab, self.config))
+        return self._get(f"regex:{pattern}{self.config.grammar_key()}", lambda: compile_regex(pattern, self.vocab, self.config))
 
     def compile_json_schema(self, schema: Any) -> Index | GrammarIndex:
         key = f"schema:{_schema_text(schema)}|{self.config.schema_key()}"
         return self._get(key, lambda: compile_json_schema(schema, self.vocab, self.config))
 
     def compile_ebnf(self, text: str, *, root: str = "root") -> Index | GrammarIndex:
-        return self._get(f"ebnf:{root}:{text}", lambda: compile_ebnf(text, self.vocab, self.config, root=root))
+        return self._get(f"ebnf:{root}:{text}{self.config.grammar_key()}", lambda: compile_ebnf(text, self.vocab, self.config, root=root))
 
     def compile_lark(self, text: str, *, start: str = "start") -> Index | GrammarIndex:
-        return self._get(f"lark:{start}:{text}", lambda: compile_lark(text, self.vocab, self.config, start=start))
+        return self._get(f"lark:{start}:{text}{self.config.grammar_key()}", lambda: compile_lark(text, self.vocab, self.config, start=start))
 
     def compile_json_object(self, *, object_only: bool = True) -> Index | GrammarIndex:
         key = f"json:{object_only}|{self.config.schema_key()}"

@@ -2,10 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["CfsmConfig"]
+__all__ = ["CfsmConfig", "CfsmLimits"]
+
+
+@dataclass(frozen=True)
+class CfsmLimits:
+    """The size limits of a compile (`CfsmConfig.limits`): where a grammar is refused, or where
+    the compile switches to another construction. Past a limit the compile raises a typed error
+    or falls back (a JSON Schema: to the pushdown matcher, then to approximated bounds), so a
+    lower limit can change what a grammar compiles to; part of `CfsmConfig.schema_key()`.
+
+    - `max_dfa_states`: states of one byte DFA (`GrammarTooLargeError` past it; the subset
+      construction and the direct construction stop as soon as they pass it).
+    - `max_schema_visits`: schema nodes one JSON Schema compile visits (references copied where
+      used count every time; past it the recursion bound is halved, then `SchemaTooLargeError`).
+    - `max_inline_nodes`: a non-recursive grammar rule whose inlined tree would pass this many
+      nodes stays a rule (`cfsm.grammar.inline`).
+    - `max_pda_states`: automaton states of a pushdown matcher's network (`GrammarError` past it).
+    - `fallback_dfa_states`: a JSON Schema whose pushdown matcher is refused
+      (`CfsmConfig.max_pushdown_positions`) compiles unrolled only while that DFA stays within
+      this many states; a larger one compiles as rules per reference target instead.
+    """
+
+    max_dfa_states: int = 200_000
+    max_schema_visits: int = 20_000
+    max_inline_nodes: int = 4096
+    max_pda_states: int = 200_000
+    # NOTE: JSONSchemaBench's govuk schemas: the unrolled try ran 12-14 s into the 200,000-state
+    # limit, or 38 s to an 84,000-state Index, where the pushdown matcher takes 1.6 s; the
+    # unrolled ones that compile in a few seconds stay below
+    fallback_dfa_states: int = 32_768
+
+    def __post_init__(self) -> None:
+        if min(self.max_dfa_states, self.max_schema_visits, self.max_inline_nodes, self.max_pda_states,
+               self.fallback_dfa_states) < 1:
+            raise ValueError("every CfsmLimits field must be >= 1")
+
+    def key(self) -> str:
+        """The limits as text (part of cache keys)."""
+        return (f"ds={self.max_dfa_states}|sv={self.max_schema_visits}|in={self.max_inline_nodes}|"
+                f"ps={self.max_pda_states}|fd={self.fallback_dfa_states}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +93,7 @@ class CfsmConfig:
       `Index.approximations` (OpenAI's strict mode refuses such schemas the same way).
     - `cache_size`: compiled `Index` objects kept per `Compiler` (LRU); `cache_dir`: optional
       folder for an on-disk cache.
+    - `limits`: the size limits of a compile (`CfsmLimits`).
 
     `CfsmConfig.spec()` gives the specification's language (undeclared properties allowed, any
     property order, no type inference); the defaults narrow it the way generation wants.
@@ -74,6 +114,7 @@ class CfsmConfig:
     strict: bool = False
     cache_size: int = 64
     cache_dir: str | None = None
+    limits: CfsmLimits = field(default_factory=CfsmLimits)
 
     def __post_init__(self) -> None:
         if self.whitespace not in ("compact", "flexible"):
@@ -99,4 +140,10 @@ class CfsmConfig:
         return (f"ws={self.whitespace}|wsp={self.whitespace_pattern}|ao={self.any_order}|rec={self.recursion}|"
                 f"rd={self.max_recursion_depth}|jd={self.json_depth}|mpp={self.max_pushdown_positions}|"
                 f"apd={self.additional_properties_default}|it={self.infer_types}|st={self.strict}|"
-                f"af={self.assert_formats}|if={self.integers_as_floats}|nw={self.narrow}")
+                f"af={self.assert_formats}|if={self.integers_as_floats}|nw={self.narrow}"
+                + ("" if self.limits == CfsmLimits() else f"|{self.limits.key()}"))
+
+    def grammar_key(self) -> str:
+        """The fields that change a compiled grammar (GBNF, Lark; part of cache keys): the limits
+        where they are not the defaults."""
+        return "" if self.limits == CfsmLimits() else f"|{self.limits.key()}"

@@ -78,7 +78,7 @@ class Approximation:
 
 
 class SchemaTooLargeError(UnsupportedSchemaError):
-    """A JSON Schema has more nodes to compile than `cfsm.schema.json_schema.MAX_SCHEMA_VISITS` (its
+    """A JSON Schema has more nodes to compile than `CfsmLimits.max_schema_visits` (its
     references, copied where they are used, multiply)."""
 
 
@@ -99,7 +99,7 @@ class VocabularyError(CfsmError, ValueError):
 
 
 class GrammarTooLargeError(CfsmError, ValueError):
-    """The grammar's automaton exceeds the state limit (`automaton.MAX_DFA_STATES`)."""
+    """The grammar's automaton exceeds the state limit (`CfsmLimits.max_dfa_states`)."""
 
 
 class PushdownTooLargeError(CfsmError, ValueError):

@@ -11,13 +11,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cfsm.config import CfsmLimits
 from cfsm.errors import GrammarTooLargeError
 from cfsm.regex.charset import utf8_sequences
 from cfsm.regex.syntax import Alt, Cat, Chars, Complement, Intersect, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["ByteClasses", "Dfa", "DfaNode", "DirectFacts", "Unit", "build_dfa", "dfa_from_table", "unit_of", "MAX_DFA_STATES"]
+__all__ = ["ByteClasses", "Dfa", "DfaNode", "DirectFacts", "Unit", "build_dfa", "dfa_from_table", "unit_of"]
 
-MAX_DFA_STATES = 200_000
+# the default of `CfsmLimits.max_dfa_states` (builds outside a compile: fixed trees such as the
+# JSON string automaton, a unit's DFA, a grammar's regular parts)
+DEFAULT_MAX_DFA_STATES = CfsmLimits().max_dfa_states
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,10 +106,12 @@ class Dfa:
 
 
 class Nfa:
-    def __init__(self, max_states: int = 0) -> None:
+    def __init__(self, max_states: int = 0, dfa_limit: int = DEFAULT_MAX_DFA_STATES) -> None:
         # > 0: `GrammarTooLargeError` once the NFA would pass this many states (`build_dfa`'s
         # cap, checked as states are made, so a build far over it stops early)
         self.max_states = max_states
+        # the DFA limit of the DFAs built inside (intersections, complements: `build_dfa`'s `limit`)
+        self.dfa_limit = dfa_limit
         self.eps: list[list[int]] = []
         self.trans: list[list[tuple[int, int, int]]] = []
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
@@ -157,12 +162,12 @@ class Nfa:
         if isinstance(node, Repeat):
             return self._repeat(node)
         if isinstance(node, Intersect):
-            dfa = build_dfa(node.items[0])
+            dfa = build_dfa(node.items[0], limit=self.dfa_limit)
             for other in node.items[1:]:
-                dfa = _product(dfa, build_dfa(other))
+                dfa = _product(dfa, build_dfa(other, limit=self.dfa_limit))
             return self._embed(dfa)
         if isinstance(node, Complement):
-            return self._embed(_complement(build_dfa(node.item)))
+            return self._embed(_complement(build_dfa(node.item, limit=self.dfa_limit)))
         if isinstance(node, DfaNode):
             return self._embed(node.dfa)
         if isinstance(node, Shared):
@@ -396,12 +401,12 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return all(x[1] < y[0] for x, y in zip(ranges, ranges[1:], strict=False))
 
 
-def subset_construction(nfa: Nfa, start: int, final: int, max_states: int | None = None
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def subset_construction(nfa: Nfa, start: int, final: int, max_states: int | None = None,
+                        limit: int = DEFAULT_MAX_DFA_STATES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subset construction: (transition table over byte intervals with the dead state last,
     accepting flags, the interval (column) of each byte). Raises `GrammarTooLargeError` past
-    `max_states` states (None: `MAX_DFA_STATES`; never more than that)."""
-    limit = MAX_DFA_STATES if max_states is None else min(max_states, MAX_DFA_STATES)
+    `max_states` states (None: `limit`, `CfsmLimits.max_dfa_states`; never more than that)."""
+    limit = limit if max_states is None else min(max_states, limit)
     closures: dict[int, frozenset[int]] = {}
     eps, ntrans = nfa.eps, nfa.trans
 
@@ -972,17 +977,18 @@ def dfa_from_table(table: list[list[int]], start: int, accepting: set[int], alph
 NFA_STATES_PER_DFA_STATE = 4
 
 
-def build_dfa(node: Node, max_states: int | None = None) -> Dfa:
+def build_dfa(node: Node, max_states: int | None = None, *, limit: int = DEFAULT_MAX_DFA_STATES) -> Dfa:
     """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing.
 
     `max_states`: raise `GrammarTooLargeError` as soon as the subset construction passes that
     many states, or the NFA `NFA_STATES_PER_DFA_STATE` times as many (a build known to be too
-    large stops early; None: `MAX_DFA_STATES`). A build within the cap is the same `Dfa`."""
+    large stops early; None: `limit`, the compile's `CfsmLimits.max_dfa_states`, for the DFA
+    only). A build within the cap is the same `Dfa`."""
     if isinstance(node, DfaNode):
         if max_states is not None and node.dfa.num_states > max_states:
             raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
         return node.dfa
-    nfa = Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states)
+    nfa = Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states, limit)
     s, e = nfa.build(node)
-    table, accepting, byte_map = subset_construction(nfa, s, e, max_states)
+    table, accepting, byte_map = subset_construction(nfa, s, e, max_states, limit)
     return minimize(table, accepting, 0, byte_map)

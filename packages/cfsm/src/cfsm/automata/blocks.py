@@ -15,6 +15,7 @@ import numpy as np
 
 from cfsm.automata.automaton import (
     COUNTED_MIN,
+    DEFAULT_MAX_DFA_STATES,
     DfaNode,
     Nfa,
     Unit,
@@ -56,7 +57,7 @@ class Block:
                  "start_dist", "start_accepting", "classes", "num_classes", "eps", "void", "live_bytes", "start_class",
                  "start_live", "string_body", "string_map", "string_bounds", "fragment", "string_facts", "fragment_facts")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, limit: int = DEFAULT_MAX_DFA_STATES) -> None:
         # a JSON string's text with at most a bound of characters (or none and no minimum): each
         # state behaves exactly like a state of the vocabulary's string automaton once a closing
         # quote follows (`templates`)
@@ -81,10 +82,10 @@ class Block:
             dist = accept_distance(dfa.transitions, dfa.accepting, n)[:n]
             classes = np.arange(n, dtype=np.int64)  # a Dfa is minimal and trimmed
         else:
-            nfa = Nfa()
+            nfa = Nfa(0, limit)
             s, e = nfa.build(node)
             try:
-                narrow, accepting, byte_map = subset_construction(nfa, s, e)
+                narrow, accepting, byte_map = subset_construction(nfa, s, e, limit=limit)
             except GrammarTooLargeError as exc:
                 raise Fallback("too large: the generic construction reports it") from exc
             n, start = narrow.shape[0] - 1, 0

@@ -34,7 +34,7 @@ import numpy as np
 
 from cfsm.automata.automaton import (
     COUNTED_MIN,
-    MAX_DFA_STATES,
+    DEFAULT_MAX_DFA_STATES,
     Dfa,
     DfaNode,
     DirectFacts,
@@ -75,8 +75,9 @@ _MANY_RUNS = 8
 
 
 class _Builder(LoopStates):
-    def __init__(self) -> None:
+    def __init__(self, limit: int = DEFAULT_MAX_DFA_STATES) -> None:
         self._init_loops()
+        self.limit = limit  # `CfsmLimits.max_dfa_states`: past it, `Fallback` (the generic build reports it)
         self.size = 0
         # per state that can be a continuation (the final state, literal states, block starts):
         # (accepting, shortest accepted length or -1, the bytes its row reads as a 256-bit int)
@@ -437,7 +438,7 @@ class _Builder(LoopStates):
             ready = PREPARED.get(id(node))
             # NOTE: a prepared block is the very block `Block(node)` would build (the node is a
             # per-process tree, kept alive by the table)
-            blk = self.blocks[key] = ready[1] if ready is not None and ready[0] is node else Block(node)
+            blk = self.blocks[key] = ready[1] if ready is not None and ready[0] is node else Block(node, self.limit)
         acc, d, first = self.entry[cont]
         if cont in self.block_union:
             raise Fallback("a block before a choice with a block")
@@ -445,7 +446,7 @@ class _Builder(LoopStates):
             raise Fallback("a piece's end and its continuation read the same byte")
         base = self.size
         self.size += blk.size
-        if self.size > MAX_DFA_STATES:
+        if self.size > self.limit:
             raise Fallback("too large: the generic construction reports it")
         self.made.append(~len(self.copies))
         self.copies.append((base, blk, cont, acc, d))
@@ -911,11 +912,11 @@ def _proven_apart(order: np.ndarray, starts: np.ndarray, blk_of: np.ndarray, con
     return one_block & (literal | same_cont | same_own)  # type: ignore[no-any-return]
 
 
-def build_dfa_direct(node: Node, *, force: bool = False) -> Dfa | None:
-    """The minimal DFA of `node`, equal to `build_dfa(node)`, or None where the tree does not
-    fit the direct construction or (unless `force`) would not be faster: then use `build_dfa`.
-    Mutates nothing."""
-    b = _Builder()
+def build_dfa_direct(node: Node, *, force: bool = False, limit: int = DEFAULT_MAX_DFA_STATES) -> Dfa | None:
+    """The minimal DFA of `node`, equal to `build_dfa(node, limit=limit)`, or None where the tree
+    does not fit the direct construction, would pass `limit` states (`CfsmLimits.max_dfa_states`)
+    or (unless `force`) would not be faster: then use `build_dfa`. Mutates nothing."""
+    b = _Builder(limit)
     try:
         counts: dict[int, int] = {}
         b.count_blocks(node, counts, set())

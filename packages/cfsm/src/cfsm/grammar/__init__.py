@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cfsm.config import CfsmLimits
 from cfsm.errors import Approximation, PushdownTooLargeError
 from cfsm.grammar.ebnf import parse_ebnf
 from cfsm.grammar.index import GrammarIndex
@@ -28,15 +29,17 @@ __all__ = ["Grammar", "GrammarIndex", "Pda", "RuleRef", "build_pda", "compile_gr
 
 def compile_grammar(grammar: Grammar, vocab: Vocabulary, text: str = "",
                     approximations: tuple[Approximation, ...] = (), max_positions: int = 0,
-                    lazy_positions: int = 0) -> GrammarIndex:
+                    lazy_positions: int = 0, limits: CfsmLimits | None = None) -> GrammarIndex:
     """Compile rules against `vocab` as a pushdown matcher (non-recursive rules inlined first;
     the vocabulary walks of every rule position, once). Raises `GrammarError`, and
     `PushdownTooLargeError` before any walk when `max_positions` (> 0) is below the number of
     rule positions that read bytes (while building the network, as soon as the count passes it:
     `build_pda`). With more positions than `lazy_positions` (> 0) nothing is walked at compile
     time: each key is walked on its first use (a millisecond or so per new key on the guide's
-    thread instead of a walk per position here). Mutates nothing (fills vocabulary caches)."""
-    pda = build_pda(inline_rules(grammar), max_positions)
+    thread instead of a walk per position here). `limits`: the size limits (`CfsmLimits`: inlined
+    rule size, network states, DFA states). Mutates nothing (fills vocabulary caches)."""
+    limits = limits or CfsmLimits()
+    pda = build_pda(inline_rules(grammar, limits.max_inline_nodes), max_positions, limits)
     positions = int(np.count_nonzero(pda.has_bytes))
     if 0 < max_positions < positions:
         raise PushdownTooLargeError(positions, max_positions)

@@ -3,17 +3,16 @@
 Fewer rules mean fewer returns at runtime (a token that leaves a rule needs the stack below to be
 decided), and a grammar whose start rule inlines to no reference at all is regular: it compiles
 through cfsm's regular path (`regular_root`). Rules on a cycle of calls stay rules. A rule whose
-inlined tree would pass `MAX_INLINE_NODES` stays a rule too (no exponential growth).
+inlined tree would pass `CfsmLimits.max_inline_nodes` stays a rule too (no exponential growth).
 """
 
 from __future__ import annotations
 
+from cfsm.config import CfsmLimits
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
 from cfsm.regex.syntax import Alt, Cat, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["inline_rules", "regular_root", "MAX_INLINE_NODES"]
-
-MAX_INLINE_NODES = 4096
+__all__ = ["inline_rules", "regular_root"]
 
 
 def _refs(node: Node, out: set[str], seen: set[int]) -> None:
@@ -93,9 +92,10 @@ def _subst(node: Node, bodies: dict[str, Node], memo: dict[int, Node]) -> Node:
     return out
 
 
-def inline_rules(grammar: Grammar) -> Grammar:
+def inline_rules(grammar: Grammar, max_nodes: int = CfsmLimits.max_inline_nodes) -> Grammar:
     """The same language with every non-recursive rule (but the start rule) inlined into its
-    callers and dropped, and rules the start rule never reaches dropped. Pure."""
+    callers and dropped, and rules the start rule never reaches dropped; a rule whose inlined
+    tree has more than `max_nodes` nodes stays a rule. Pure."""
     calls: dict[str, set[str]] = {}
     for name, body in grammar.rules.items():
         refs: set[str] = set()
@@ -115,7 +115,7 @@ def inline_rules(grammar: Grammar) -> Grammar:
             if callee not in recursive:
                 resolve(callee)
         body = _subst(grammar.rules[name], bodies, {})
-        if name not in recursive and _size(body, sizes) <= MAX_INLINE_NODES:
+        if name not in recursive and _size(body, sizes) <= max_nodes:
             bodies[name] = body
         else:
             new_rules[name] = body

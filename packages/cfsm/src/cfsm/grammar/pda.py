@@ -22,13 +22,12 @@ from typing import Any
 import numpy as np
 
 from cfsm.automata.automaton import build_dfa
+from cfsm.config import CfsmLimits
 from cfsm.errors import GrammarError, PushdownTooLargeError
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
 from cfsm.regex.syntax import Alt, Cat, Node, Repeat, Scope, Sep, Shared
 
-__all__ = ["Pda", "build_pda", "MAX_PDA_STATES"]
-
-MAX_PDA_STATES = 200_000
+__all__ = ["Pda", "build_pda"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,8 +55,10 @@ class Pda:
 class _Nfa:
     """Thompson NFA of one rule: epsilon edges, byte-range edges and call edges."""
 
-    def __init__(self, names: dict[str, int], memo: dict[int, bool], dfas: dict[int, Any] | None = None) -> None:
+    def __init__(self, names: dict[str, int], memo: dict[int, bool], dfas: dict[int, Any] | None = None,
+                 limits: CfsmLimits | None = None) -> None:
         self.dfas = {} if dfas is None else dfas  # id(node) -> minimal DFA (a part inlined twice is built once)
+        self.limits = limits or CfsmLimits()
         self.eps: list[list[int]] = []
         self.bytes: list[list[tuple[int, int, int]]] = []
         self.calls: list[list[tuple[int, int]]] = []
@@ -73,8 +74,8 @@ class _Nfa:
         self.eps.append([])
         self.bytes.append([])
         self.calls.append([])
-        if len(self.eps) > MAX_PDA_STATES:
-            raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
+        if len(self.eps) > self.limits.max_pda_states:
+            raise GrammarError(f"the grammar is too large (more than {self.limits.max_pda_states} automaton states)")
         return len(self.eps) - 1
 
     def build(self, node: Node) -> tuple[int, int]:
@@ -157,13 +158,13 @@ class _Nfa:
         node, e = self.pending.pop(s)
         dfa = self.dfas.get(id(node))
         if dfa is None:
-            dfa = self.dfas[id(node)] = build_dfa(node)
+            dfa = self.dfas[id(node)] = build_dfa(node, limit=self.limits.max_dfa_states)
         n = dfa.num_states
         if n == 0:
             return  # the empty language: no path from s to e
         base = len(self.eps)
-        if base + n > MAX_PDA_STATES:
-            raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
+        if base + n > self.limits.max_pda_states:
+            raise GrammarError(f"the grammar is too large (more than {self.limits.max_pda_states} automaton states)")
         self.eps.extend([] for _ in range(n))
         self.bytes.extend([] for _ in range(n))
         self.calls.extend([] for _ in range(n))
@@ -256,8 +257,9 @@ def _determinize(nfa: _Nfa, start: int, end: int, reading: int = 0, limit: int =
                 if sid is None:
                     sid = ids[nxt] = len(sets)
                     sets.append(nxt)
-                    if len(sets) > MAX_PDA_STATES:
-                        raise GrammarError(f"the grammar is too large (more than {MAX_PDA_STATES} automaton states)")
+                    if len(sets) > nfa.limits.max_pda_states:
+                        raise GrammarError("the grammar is too large (more than "
+                                           f"{nfa.limits.max_pda_states} automaton states)")
                 seen[key] = sid
             row.append((lo, hi, sid))
         calls: dict[int, int] = {}
@@ -282,13 +284,15 @@ def _where(grammar: Grammar, name: str) -> tuple[int, int]:
     return grammar.positions.get(name, (0, 0))
 
 
-def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
+def build_pda(grammar: Grammar, max_positions: int = 0, limits: CfsmLimits | None = None) -> Pda:
     """Compile `grammar` (inline it first: `inline.inline_rules`) into a `Pda`. Pure. Raises
     `GrammarError` (see the module docstring), and with `max_positions` > 0
     `PushdownTooLargeError` as soon as the rules determinized so far have more states that read
     a byte (counted before trimming, which only removes states that cannot complete: an upper
     bound of the final positions, equal to it for grammars without dead ends), so a network far
-    over the limit is not built whole."""
+    over the limit is not built whole. `limits`: `CfsmLimits.max_pda_states` (and the DFA limit
+    of its regular parts)."""
+    limits = limits or CfsmLimits()
     names = {name: i for i, name in enumerate(grammar.rules)}
     memo: dict[int, bool] = {}
     dfas: dict[int, Any] = {}
@@ -299,7 +303,7 @@ def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
     starts: list[int] = []
     reading = 0  # states so far that read a byte
     for r, (name, body) in enumerate(grammar.rules.items()):
-        nfa = _Nfa(names, memo, dfas)
+        nfa = _Nfa(names, memo, dfas, limits)
         try:
             s, e = nfa.build(body)
         except GrammarError as exc:
@@ -316,8 +320,8 @@ def build_pda(grammar: Grammar, max_positions: int = 0) -> Pda:
             rule_of.append(r)
         accepting.extend(acc)
     n = len(rule_of)
-    if n > MAX_PDA_STATES:
-        raise GrammarError(f"the grammar is too large ({n} automaton states, at most {MAX_PDA_STATES})")
+    if n > limits.max_pda_states:
+        raise GrammarError(f"the grammar is too large ({n} automaton states, at most {limits.max_pda_states})")
     productive = _productive(byte_edges, call_edges, accepting, starts, rule_of)
     root = names[grammar.root]
     if not productive[root]:

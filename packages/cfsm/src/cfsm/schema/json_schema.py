@@ -26,7 +26,7 @@ from urllib.parse import urldefrag
 
 import numpy as np
 
-from cfsm.automata.automaton import MAX_DFA_STATES, Dfa, DfaNode, build_dfa
+from cfsm.automata.automaton import Dfa, DfaNode, build_dfa
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     Approximation,
@@ -115,10 +115,9 @@ MAX_EXPANSION_NESTING = 8
 # objects and arrays nested deeper than this in a schema document are refused up front (real
 # schemas stay far below; the compile recurses per level)
 MAX_SCHEMA_DEPTH = 128
-# schema nodes one compile may visit: recursive references unrolled `max_recursion_depth` deep
-# can grow exponentially (six definitions referring to each other), so past this budget the
-# compile starts over with recursion unrolled less deep (deeper branches dropped)
-MAX_SCHEMA_VISITS = 20_000
+# schema nodes one compile may visit: `CfsmLimits.max_schema_visits` (recursive references
+# unrolled `max_recursion_depth` deep can grow exponentially: six definitions referring to each
+# other; past it the compile starts over with recursion unrolled less deep)
 
 _TYPES = JSON_TYPES
 _TYPE_KEYWORDS = {
@@ -417,7 +416,7 @@ class SchemaCompiler:
 
     def _node(self, schema: Any, path: str) -> Node:
         self.visits += 1
-        if self.visits > MAX_SCHEMA_VISITS:
+        if self.visits > self.cfg.limits.max_schema_visits:
             raise _TooManyVisits
         if schema is True or schema == {}:
             return self.any_value(self.cfg.json_depth)
@@ -747,7 +746,7 @@ class SchemaCompiler:
         pattern_states = 1
         for pattern in [*patterns, *schema.get(ALL_PATTERNS, [])]:
             try:
-                lang, states = _pattern_lang(pattern)
+                lang, states = _pattern_lang(pattern, self.cfg.limits.max_dfa_states)
             except UnsupportedRegexError as exc:
                 self.approximate("pattern", f"{path}/pattern", f"not enforced: {exc}")
             else:
@@ -1167,7 +1166,7 @@ _NAME_KEYWORDS = frozenset({"type", "pattern", "minLength", "maxLength", "format
 
 
 class _TooManyVisits(Exception):
-    """A compile went past `MAX_SCHEMA_VISITS` (internal: `schema_tree` starts over)."""
+    """A compile went past `CfsmLimits.max_schema_visits` (internal: `schema_tree` starts over)."""
 
 
 def _is_assertion(keyword: str) -> bool:
@@ -1175,17 +1174,18 @@ def _is_assertion(keyword: str) -> bool:
     return keyword not in STRUCTURAL
 
 
+# NOTE: pure memoization of immutable inputs (a pattern and a DFA limit), bounded (128 entries)
 @functools.lru_cache(maxsize=128)
-def _pattern_lang(pattern: str) -> tuple[Node, int]:
+def _pattern_lang(pattern: str, limit: int) -> tuple[Node, int]:
     """A JSON string body matching `pattern` (search semantics) as its ready DFA (built once per
     process and pattern: a counted pattern such as a word count `(?:\\S+\\s+){0,199}` is thousands of
     NFA copies), and its size for length bounds (`_cycle_states`); a pattern past the DFA limit
     stays a tree and counts as that limit. Raises `UnsupportedRegexError`."""
     tree = json_escape(parse_regex(pattern, search=True))
     try:
-        dfa = build_dfa(tree)
+        dfa = build_dfa(tree, limit=limit)
     except GrammarTooLargeError:
-        return tree, MAX_DFA_STATES
+        return tree, limit
     return (DfaNode(dfa) if dfa.num_states else NOTHING), _cycle_states(dfa)
 
 
@@ -1257,7 +1257,7 @@ def _compile_schema(schema: Any, config: CfsmConfig | None, rule_mode: bool, ref
             raise UnsupportedSchemaError("schema", "#", "too deeply nested or recursive to compile") from None
         except _TooManyVisits:
             if cfg.max_recursion_depth == 0 or not comp.recursion_seen:
-                raise SchemaTooLargeError("schema", "#", f"too large: more than {MAX_SCHEMA_VISITS} schema nodes to "
+                raise SchemaTooLargeError("schema", "#", f"too large: more than {cfg.limits.max_schema_visits} schema nodes to "
                                           "compile") from None
             cfg = dataclasses.replace(cfg, max_recursion_depth=cfg.max_recursion_depth // 2)
             continue
