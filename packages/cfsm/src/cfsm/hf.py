@@ -27,6 +27,7 @@ from cfsm.torch import apply_token_bitmask_
 __all__ = ["vocabulary_from_hf", "make_encoder", "LogitsProcessor"]
 
 
+# NOTE: pure memoization of a constant (no inputs)
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """Inverse of the GPT-2 byte-to-printable-unicode map used by byte-level BPE."""

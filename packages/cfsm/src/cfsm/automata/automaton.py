@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -284,12 +285,17 @@ COUNTED_MIN = 8
 class Unit:
     """The DFA of a prefix code (no string of it is a proper prefix of another, the empty
     string not included) whose start state has no incoming edge: per non-final state its byte
-    ranges (lo, hi, target), target -1 the final state (a unit completed)."""
+    ranges (lo, hi, target), target -1 the final state (a unit completed). `derived`: tables
+    derived from the unit alone (`blocks`' dense table, `block_facts`' map onto the string
+    automaton), owned by it: they live and go with the unit."""
 
     start: int
     rows: tuple[tuple[tuple[int, int, int], ...], ...]
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
+# NOTE: pure memoization of immutable inputs, bounded: a syntax tree is immutable, the node is
+# kept beside its unit (so its id is not reused while cached), and past 256 nodes it starts over
 _UNITS: dict[int, tuple[Node, Unit | None]] = {}
 
 
@@ -325,6 +331,7 @@ def unit_of(node: Node) -> Unit | None:
     return unit
 
 
+# NOTE: pure memoization of immutable inputs (code point ranges), bounded (4096 entries)
 @functools.lru_cache(maxsize=4096)
 def _char_dag(ranges: tuple[tuple[int, int], ...]) -> tuple[int, tuple[tuple[int, int, int, int], ...]]:
     """The UTF-8 byte automaton of a code point set: (number of nodes, edges (src, lo, hi, dst)),
@@ -360,6 +367,7 @@ def _char_dag(ranges: tuple[tuple[int, int], ...]) -> tuple[int, tuple[tuple[int
     return len(order), edges
 
 
+# NOTE: pure memoization of immutable inputs (code point ranges), bounded (4096 entries)
 @functools.lru_cache(maxsize=4096)
 def _sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
     """UTF-8 byte-range sequences of a code point set (ASCII ranges are one step)."""
@@ -598,6 +606,7 @@ def in_edges(bounds: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.nda
     return concat_ranges(lo, sizes), sizes
 
 
+# NOTE: pure memoization of immutable inputs (a width), bounded (16 entries)
 @functools.lru_cache(maxsize=16)
 def _refine_weights(k: int) -> np.ndarray:
     """`refine`'s random odd 64-bit column weights (fixed seed), read-only."""
@@ -689,6 +698,8 @@ def refine(cols: np.ndarray, cls: np.ndarray) -> np.ndarray:
         cls, num = new_cls, int(new_cls.max()) + 1
 
 
+# NOTE: pure memoization of immutable inputs, bounded: one read-only draw per fixed seed (three
+# seeds, each draw as long as the longest asked for), the same values a fresh draw gives
 _SEEDED: dict[int, np.ndarray] = {}
 
 

@@ -74,17 +74,11 @@ def string_map(node: Repeat, t: np.ndarray, col_of: np.ndarray, start: int, n: i
     return np.asarray([ts, js], dtype=np.int64)
 
 
-_COUNTED_MAPS: dict[int, tuple[Unit, np.ndarray | None]] = {}
-
-
 def unit_map(unit: Unit) -> np.ndarray | None:
-    """`_unit_string_map(unit)`, cached per unit."""
-    hit = _COUNTED_MAPS.get(id(unit))
-    if hit is None or hit[0] is not unit:
-        if len(_COUNTED_MAPS) > 64:
-            _COUNTED_MAPS.clear()
-        hit = _COUNTED_MAPS[id(unit)] = (unit, _unit_string_map(unit))
-    return hit[1]
+    """`_unit_string_map(unit)`, kept by the unit (`Unit.derived`)."""
+    if "string_map" not in unit.derived:
+        unit.derived["string_map"] = _unit_string_map(unit)
+    return unit.derived["string_map"]  # type: ignore[no-any-return]
 
 
 def counted_string_map(node: Repeat, size: int) -> np.ndarray | None:

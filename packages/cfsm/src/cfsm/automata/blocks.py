@@ -197,17 +197,15 @@ def _fragment_map(node: Piece, t: np.ndarray, acc: np.ndarray, col_of: np.ndarra
     return fmt, np.asarray(fm, dtype=np.int64)
 
 
-# a unit's dense table (-1 dead, -2 the unit completed) and each state's shortest completion
-_DENSE_UNITS: dict[int, tuple[Unit, np.ndarray, np.ndarray, np.ndarray]] = {}
 _COUNTED_MAX_STATES = 50_000
 
 
 def _dense_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The unit's table with one column per byte interval (-1 dead, -2 the unit completed), each
-    state's shortest completion, and the column of each byte; cached per unit."""
-    hit = _DENSE_UNITS.get(id(unit))
-    if hit is not None and hit[0] is unit:
-        return hit[1], hit[2], hit[3]
+    state's shortest completion, and the column of each byte; kept by the unit (`Unit.derived`)."""
+    hit = unit.derived.get("dense")
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
     n = len(unit.rows)
     u = np.full((n, 256), -1, dtype=np.int64)
     for q, ranges in enumerate(unit.rows):
@@ -223,9 +221,7 @@ def _dense_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     step[1:] = (u[:, 1:] != u[:, :-1]).any(axis=0)
     col_of = np.cumsum(step) - 1
     u = np.ascontiguousarray(u[:, np.flatnonzero(step)])
-    if len(_DENSE_UNITS) > 256:
-        _DENSE_UNITS.clear()
-    _DENSE_UNITS[id(unit)] = (unit, u, d, col_of)
+    unit.derived["dense"] = (u, d, col_of)
     return u, d, col_of
 
 
@@ -278,6 +274,8 @@ def _counted(node: Repeat) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 # blocks of per-process value trees, built once (`prepare_blocks`): id(node) -> (node, block)
+# NOTE: pure memoization of immutable inputs, bounded: only the standard value trees of
+# `cfsm.regex.json_values` (one per format and a few more), each kept beside its block
 PREPARED: dict[int, tuple[Node, Block]] = {}
 
 

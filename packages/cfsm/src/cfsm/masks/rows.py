@@ -165,6 +165,7 @@ class PrefixRows:
         return row
 
 
+# NOTE: pure memoization of immutable inputs (a vocabulary size; fixed seed), bounded (4 entries)
 @functools.lru_cache(maxsize=4)
 def token_weights(n: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0x70CE5)

@@ -63,6 +63,7 @@ def from_chars(chars: Iterable[int]) -> Ranges:
     return normalize((c, c) for c in chars)
 
 
+# NOTE: pure memoization of a constant (no inputs)
 @functools.cache
 def _all_codepoints() -> str:
     # NOTE: surrogates are left out: they have no UTF-8 encoding, so no byte string matches them.
@@ -73,6 +74,8 @@ def _index_to_cp(i: int) -> int:
     return i if i < _SURR_LO else i + (_SURR_HI - _SURR_LO + 1)
 
 
+# NOTE: pure memoization of immutable inputs, bounded by the classes the `regex` module knows
+# (unknown ones raise, and are not kept)
 @functools.cache
 def class_ranges(class_regex: str) -> Ranges:
     """Code points that the one-character `regex` class `class_regex` matches (e.g. ``\\p{L}``).
@@ -93,6 +96,7 @@ def class_ranges(class_regex: str) -> Ranges:
     return normalize(fixed)
 
 
+# NOTE: pure memoization of a constant (no inputs)
 @functools.cache
 def _case_classes() -> tuple[list[int], list[tuple[int, ...]]]:
     """Simple case-folding equivalence classes, as the `regex` module's (?i) uses them."""

@@ -150,6 +150,7 @@ def alt(*items: Node) -> Node:
 
 
 # one immutable node per literal character (keys and literals repeat the same few)
+# NOTE: pure memoization of immutable inputs, bounded (4096 characters)
 _LIT_CHARS: dict[str, Chars] = {}
 
 
