@@ -76,15 +76,14 @@ def test_index_matches_naive_walk_on_tiny_vocab(pattern: str) -> None:
 
 @pytest.mark.parametrize("share_depth", [16, 2])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: int,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: int) -> None:
     # large enough that the trie descent, the range walk and the whole-vocabulary walk all run;
     # a share depth of 2 makes most tokens "long" (walked per state, not shared per class)
     import cfsm.masks.index
     import cfsm.masks.walker
 
-    monkeypatch.setattr(cfsm.masks.index, "SHARE_DEPTH", share_depth)
-    _check_index_against_oracle(cfsm.compile_regex(pattern, _random_vocab(len(pattern), 1500)))
+    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(share_depth=share_depth))
+    _check_index_against_oracle(cfsm.compile_regex(pattern, _random_vocab(len(pattern), 1500), config))
 
 
 def test_states_with_equal_masks_share_rows() -> None:
@@ -278,23 +277,22 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
         return real(self, allowed, chained, outside, utf8)
 
     monkeypatch.setattr(cfsm.masks.walker.Walker, "_candidates", spy)
-    monkeypatch.setattr(cfsm.masks.walker, "_TINY", 4)  # walk even small candidate sets this way
-    monkeypatch.setattr(cfsm.masks.walker, "_TINY_PYTHON", 4)
-    monkeypatch.setattr(cfsm.masks.walker, "_BROAD", 0.9)  # as in a large vocabulary: escapes are not broad
+    # walk even small candidate sets this way; as in a large vocabulary: escapes are not broad
+    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(walk_tiny=4, walk_tiny_python=4, walk_broad=0.9))
     rng = random.Random(7)
     alphabet = list('abfnrtu019"\\/ ') + ["é"]
     toks = {"".join(rng.choice(alphabet) for _ in range(rng.choice([1, 2, 3, 5]))).encode() for _ in range(900)}
     tokens = [b""] + sorted(toks)
     vocab = Vocabulary(tokens, [0])
-    index = cfsm.compile_regex(r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,9}"', vocab)
+    index = cfsm.compile_regex(r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,9}"', vocab, config)
     _check_index_against_oracle(index)
     assert len(calls) >= 5 and max(calls) >= 1  # the split was reused by later counter values
 
 
 @pytest.mark.parametrize("batch_pairs", [1, 97])
-def test_few_candidate_states_walked_in_small_batches(batch_pairs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_few_candidate_states_walked_in_small_batches(batch_pairs: int) -> None:
     # batches cut between states (1 pair: one state per batch) give the naive walk's masks
     import cfsm.masks.walker
 
-    monkeypatch.setattr(cfsm.masks.walker, "_BATCH_PAIRS", batch_pairs)
-    _check_index_against_oracle(cfsm.compile_regex(PATTERNS[1], _random_vocab(3, 600)))
+    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(walk_batch_pairs=batch_pairs))
+    _check_index_against_oracle(cfsm.compile_regex(PATTERNS[1], _random_vocab(3, 600), config))

@@ -73,42 +73,38 @@ _SCHEMAS = st.recursive(_LEAF, _objects, max_leaves=5).map(
 _VOCAB = _json_vocab(11, 1200)
 
 
-def _plain_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> cfsm.Index:
-    with monkeypatch.context() as m:
-        m.setattr(cfsm.masks.walks, "_MIN_GROUP_BYTES", 10**6)  # no chains (no counted-repeat lookups)
-        m.setattr(cfsm.masks.walker, "_TINY", -1)  # no batched walks
-        m.setattr(cfsm.masks.walker, "_TINY_PYTHON", -1)
-        m.setattr(cfsm.masks.walker, "_BROAD", 2.0)  # no whole-vocabulary walks: trie descent only
-        m.setattr(cfsm.masks.index, "SHARE_DEPTH", 10**4)  # classes = equivalent states only
-        m.setattr(cfsm.masks.index, "_STRING_TABLES", False)  # no per-vocabulary string walks
-        m.setattr(cfsm.masks.index, "_FRAGMENT_TABLES", False)  # no per-vocabulary format walks
-        return build_index(dfa, vocab)
+_PLAIN = cfsm.IndexTuning(
+    min_group_bytes=10**6,  # no chains (no counted-repeat lookups)
+    walk_tiny=-1, walk_tiny_python=-1,  # no batched walks
+    walk_broad=2.0,  # no whole-vocabulary walks: trie descent only
+    share_depth=10**4,  # classes = equivalent states only
+    string_tables=False, fragment_tables=False)  # no per-vocabulary string / format walks
 
 
-def _fast_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
-                strings: bool = False) -> cfsm.Index:
+def _plain_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary) -> cfsm.Index:
+    return build_index(dfa, vocab, tuning=_PLAIN)
+
+
+def _fast_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, strings: bool = False) -> cfsm.Index:
     # thresholds scaled to the small vocabulary so that every fast path runs (as with 49k tokens)
-    with monkeypatch.context() as m:
-        m.setattr(cfsm.masks.walker, "_TINY", 60)
-        m.setattr(cfsm.masks.walker, "_TINY_PYTHON", 8)
-        m.setattr(cfsm.masks.walker, "_BATCH_PAIRS", 400)
-        m.setattr(cfsm.masks.index, "SHARE_DEPTH", 6)
-        m.setattr(cfsm.masks.walker, "_BROAD", 0.3)  # escape states: not broad, as in a large vocabulary
-        m.setattr(cfsm.masks.walker, "_LONG_CHAIN_MIN", 2)  # long tokens of string states by chain length
-        m.setattr(cfsm.masks.walker, "_WIDE_FIRST", 4)  # second byte checked before expanding tokens
-        m.setattr(cfsm.masks.index, "_STRING_TABLES", strings)
-        m.setattr(cfsm.masks.index, "_CLASSES_MIN_BROAD", 0)  # walk classes always
-        return build_index(dfa, vocab)
+    tuning = cfsm.IndexTuning(
+        walk_tiny=60, walk_tiny_python=8, walk_batch_pairs=400, share_depth=6,
+        walk_broad=0.3,  # escape states: not broad, as in a large vocabulary
+        walk_long_chain_min=2,  # long tokens of string states by chain length
+        walk_wide_first=4,  # second byte checked before expanding tokens
+        string_tables=strings,
+        classes_min_broad=0)  # walk classes always
+    return build_index(dfa, vocab, tuning=tuning)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schema=_SCHEMAS)
-def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any]) -> None:
     dfa = build_dfa(schema_to_node(schema))
-    plain = _plain_index(dfa, _VOCAB, monkeypatch)
+    plain = _plain_index(dfa, _VOCAB)
     live = np.flatnonzero(plain.mask_row >= 0)
-    fasts = (build_index(dfa, _VOCAB), _fast_index(dfa, _VOCAB, monkeypatch),
-             _fast_index(dfa, _VOCAB, monkeypatch, strings=True))
+    fasts = (build_index(dfa, _VOCAB), _fast_index(dfa, _VOCAB),
+             _fast_index(dfa, _VOCAB, strings=True))
     for fast in fasts:
         assert np.array_equal(fast.mask_row >= 0, plain.mask_row >= 0)
         assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
@@ -126,9 +122,9 @@ def test_counted_string_states_use_the_chain_path(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cfsm.masks.walker.Walker, "_inside_group", spy)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}}, "required": ["a"]}
     dfa = build_dfa(schema_to_node(schema))
-    fast = _fast_index(dfa, _VOCAB, monkeypatch)
+    fast = _fast_index(dfa, _VOCAB)
     assert len(used) >= 5 and any(used)  # multi-byte characters stepped along the chain too
-    plain = _plain_index(dfa, _VOCAB, monkeypatch)
+    plain = _plain_index(dfa, _VOCAB)
     live = np.flatnonzero(fast.mask_row >= 0)
     assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
 
@@ -154,11 +150,8 @@ _SVOCAB = _json_vocab(23, 900)
 _CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 
 
-def _both(dfa: Dfa, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> tuple[cfsm.Index, cfsm.Index]:
-    with monkeypatch.context() as m:
-        m.setattr(cfsm.masks.index, "_STRING_TABLES", False)
-        m.setattr(cfsm.masks.index, "_FRAGMENT_TABLES", False)
-        generic = build_index(dfa, vocab)
+def _both(dfa: Dfa, vocab: Vocabulary) -> tuple[cfsm.Index, cfsm.Index]:
+    generic = build_index(dfa, vocab, tuning=cfsm.IndexTuning(string_tables=False, fragment_tables=False))
     return generic, build_index(dfa, vocab)
 
 
@@ -170,10 +163,9 @@ def _assert_same_masks(a: cfsm.Index, b: cfsm.Index) -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schema=_SCHEMAS)
-def test_string_tables_give_the_generic_masks_on_random_schemas(schema: dict[str, Any],
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_string_tables_give_the_generic_masks_on_random_schemas(schema: dict[str, Any]) -> None:
     dfa = build_dfa(schema_to_node(schema))
-    _assert_same_masks(*_both(dfa, _SVOCAB, monkeypatch))
+    _assert_same_masks(*_both(dfa, _SVOCAB))
 
 
 # JSON-string-like regexes: the exact character language with counted bounds, and near misses
@@ -188,12 +180,11 @@ _AFTER = st.sampled_from(["", "x", ',"k":1', "(,|})", "a*", r'"\w{0,3}', ":[0-9]
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(body=_BODIES, bounds=_BOUNDS, after=_AFTER, twice=st.booleans())
-def test_string_tables_on_string_like_regexes(body: str, bounds: str, after: str, twice: bool,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_string_tables_on_string_like_regexes(body: str, bounds: str, after: str, twice: bool) -> None:
     one = f'"{body}{bounds}"{after}'
     pattern = f"{one}(;{one})?" if twice else one
     dfa = build_dfa(parse_regex(pattern))
-    generic, tabled = _both(dfa, _SVOCAB, monkeypatch)
+    generic, tabled = _both(dfa, _SVOCAB)
     _assert_same_masks(generic, tabled)
     m = match_string_states(dfa, _SVOCAB.string_tables)
     # near misses are never taken for JSON string text with a character left (a state allowing
@@ -217,10 +208,10 @@ def test_string_states_are_matched_with_their_bounds() -> None:
     assert m.t[qb] == text and m.rem[qb] >= 1 << 40  # unbounded
 
 
-def test_free_json_string_states_use_the_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_free_json_string_states_use_the_tables() -> None:
     dfa = build_dfa(json_value_node(cfsm.CfsmConfig(json_depth=2)))
     assert (match_string_states(dfa, _SVOCAB.string_tables).t >= 0).sum() > 10
-    _assert_same_masks(*_both(dfa, _SVOCAB, monkeypatch))
+    _assert_same_masks(*_both(dfa, _SVOCAB))
 
 
 def _bench_grammars() -> dict[str, tuple[str, Any, str]] | None:
@@ -234,8 +225,7 @@ def _bench_grammars() -> dict[str, tuple[str, Any, str]] | None:
     return dict(module.GRAMMARS)
 
 
-def test_benchmark_grammars_on_smollm2_give_the_generic_masks(smollm2_tokenizer: Any,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_benchmark_grammars_on_smollm2_give_the_generic_masks(smollm2_tokenizer: Any) -> None:
     from cfsm.hf import vocabulary_from_hf
 
     grammars = _bench_grammars()
@@ -249,7 +239,7 @@ def test_benchmark_grammars_on_smollm2_give_the_generic_masks(smollm2_tokenizer:
             node = schema_to_node(grammar)
         else:
             node = json_value_node(cfsm.CfsmConfig())
-        _assert_same_masks(*_both(build_dfa(node), vocab, monkeypatch))
+        _assert_same_masks(*_both(build_dfa(node), vocab))
 
 
 @settings(max_examples=100, deadline=None)
@@ -268,7 +258,7 @@ def test_chain_ends_follow_the_chain_to_its_first_terminal(a: list[int], termina
             assert end[i] == -1
 
 
-def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_counted_strings_are_matched_and_too_many_passes_fall_back() -> None:
     import cfsm.masks.templates
 
     schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 300}},
@@ -278,11 +268,10 @@ def test_long_counted_strings_are_matched_and_too_many_passes_fall_back(monkeypa
     q = dfa.walk(dfa.start, b'{"a":"')
     assert (m.rem[q], m.need[q]) == (300, 3)
     assert int((m.t == _SVOCAB.string_tables.text).sum()) >= 300
-    generic, tabled = _both(dfa, _SVOCAB, monkeypatch)
+    generic, tabled = _both(dfa, _SVOCAB)
     _assert_same_masks(generic, tabled)
-    monkeypatch.setattr(cfsm.masks.templates, "_MAX_PASSES", 0)
-    assert (match_string_states(dfa, _SVOCAB.string_tables).t < 0).all()
-    _assert_same_masks(generic, build_index(dfa, _SVOCAB))
+    assert (match_string_states(dfa, _SVOCAB.string_tables, max_passes=0).t < 0).all()
+    _assert_same_masks(generic, build_index(dfa, _SVOCAB, tuning=cfsm.IndexTuning(string_passes=0)))
 
 
 def _proposals(dfa: Dfa) -> tuple[np.ndarray, ...]:
@@ -292,9 +281,10 @@ def _proposals(dfa: Dfa) -> tuple[np.ndarray, ...]:
     got: list[tuple[np.ndarray, ...]] = []
     real = cfsm.masks.templates._verify
 
-    def spy(dfa_: Dfa, st_: Any, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
+    def spy(dfa_: Dfa, st_: Any, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray,
+            *args: Any) -> None:
         got.append((t.copy(), rem.copy(), need.copy(), cont.copy()))
-        real(dfa_, st_, t, rem, need, cont)
+        real(dfa_, st_, t, rem, need, cont, *args)
 
     cfsm.masks.templates._verify = spy
     try:
@@ -340,9 +330,7 @@ def test_one_check_of_all_string_states_agrees_with_the_passes(schema: dict[str,
     before = t.copy()
     said = _all_pass(dfa, stt, stt.code[:, reps], table, t, rem, need, cont, stt.byte_class[reps], t >= 0)
     assert np.array_equal(t, before)  # pure
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(cfsm.masks.templates, "_ONE_CHECK_MAX", -1)  # the passes only
-        cfsm.masks.templates._verify(dfa, stt, t, rem, need, cont)
+    cfsm.masks.templates._verify(dfa, stt, t, rem, need, cont, one_check_max=-1)  # the passes only
     event(f"all pass: {said}")
     assert said == bool(np.array_equal(t, before))
 
@@ -376,10 +364,9 @@ _FORMAT_SCHEMAS = st.recursive(_FORMAT_LEAF, _objects, max_leaves=4)
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schema=_FORMAT_SCHEMAS)
-def test_fragment_tables_give_the_generic_masks_on_random_schemas(schema: dict[str, Any],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fragment_tables_give_the_generic_masks_on_random_schemas(schema: dict[str, Any]) -> None:
     dfa = build_dfa(schema_to_node(schema))
-    _assert_same_masks(*_both(dfa, _FVOCAB, monkeypatch))
+    _assert_same_masks(*_both(dfa, _FVOCAB))
 
 
 _EMAIL = FORMAT_REGEXES["email"]
@@ -389,12 +376,11 @@ _EMAIL = FORMAT_REGEXES["email"]
 @given(body=st.sampled_from([_EMAIL, _EMAIL.replace("0-9]", "0-8]"), _EMAIL.replace("+@", "*@"), _EMAIL + "-?",
                              FORMAT_REGEXES["uri"], FORMAT_REGEXES["uri"].replace("%", "&")]),
        after=st.sampled_from(["", "x", ',"k":1', "(,|})", '"', "@a*"]), twice=st.booleans())
-def test_fragment_tables_on_format_like_regexes(body: str, after: str, twice: bool,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fragment_tables_on_format_like_regexes(body: str, after: str, twice: bool) -> None:
     one = f'"{body}"{after}'
     pattern = f"{one}(;{one})?" if twice else one
     dfa = build_dfa(parse_regex(pattern))
-    _assert_same_masks(*_both(dfa, _FVOCAB, monkeypatch))
+    _assert_same_masks(*_both(dfa, _FVOCAB))
     start = dfa.walk(dfa.start, b'"')
     matched = [t.name for t in _FVOCAB.fragment_tables if match_fragment(dfa, t).f[start] >= 0]
     # the exact format bodies are recognized (with any continuation), near misses never
@@ -424,8 +410,7 @@ def test_or_bits_sets_exactly_the_given_token_bits(tids: set[int], start: int) -
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sets=st.lists(st.lists(st.integers(0, 32 * 5 - 1), max_size=40), min_size=0, max_size=9),
        base_at=st.lists(st.integers(-1, 2), min_size=9, max_size=9), chunk_words=st.integers(1, 12))
-def test_pack_rows_equal_rows_packed_one_by_one(sets: list[list[int]], base_at: list[int], chunk_words: int,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pack_rows_equal_rows_packed_one_by_one(sets: list[list[int]], base_at: list[int], chunk_words: int) -> None:
     words = 5
     base = np.random.default_rng(len(sets)).integers(0, 2**32, size=(3, words), dtype=np.uint32)
     base_idx = np.asarray(base_at[: len(sets)], dtype=np.int64)
@@ -438,8 +423,8 @@ def test_pack_rows_equal_rows_packed_one_by_one(sets: list[list[int]], base_at: 
         got.append(row.tobytes())
         return len(got) - 1
 
-    monkeypatch.setattr(cfsm.masks.rows, "_PACK_CHUNK_WORDS", chunk_words)  # chunks of one row and more
-    ids = cfsm.masks.rows.pack_rows(len(sets), pair_g, pair_t, words, intern, base, base_idx)
+    # chunks of one row and more
+    ids = cfsm.masks.rows.pack_rows(len(sets), pair_g, pair_t, words, intern, base, base_idx, chunk_words=chunk_words)
     for g, s in enumerate(sets):
         row = base[base_idx[g]].copy() if base_idx[g] >= 0 else np.zeros(words, dtype=np.uint32)
         or_bits(row, np.asarray(sorted(set(s)), dtype=np.int64))

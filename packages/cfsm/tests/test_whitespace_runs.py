@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -128,12 +127,11 @@ def _rows(index: cfsm.Index) -> list[set[int]]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schema=_schemas())
-def test_loop_states_give_the_walked_masks(schema: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loop_states_give_the_walked_masks(schema: dict[str, Any]) -> None:
     dfa = build_dfa(schema_to_node(schema, _FLEX))
-    with monkeypatch.context() as m:
-        m.setattr(cfsm.masks.loops, "LOOP_MIN_TOKENS", 0)  # every whitespace state a loop state here
-        loops = find_loops(dfa, _VOCAB.trie_tables, np.arange(dfa.num_states))
-        index = build_index(dfa, _VOCAB)
+    # every whitespace state a loop state here
+    loops = find_loops(dfa, _VOCAB.trie_tables, np.arange(dfa.num_states), min_tokens=0)
+    index = build_index(dfa, _VOCAB, tuning=cfsm.IndexTuning(loop_min_tokens=0))
     assert loops is not None and len(loops.states)
     oracle = _oracle_rows(dfa)
     rows = _rows(index)

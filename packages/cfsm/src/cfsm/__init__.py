@@ -17,7 +17,7 @@ from cfsm.compiler import (
     compile_regex,
     regex_dfa,
 )
-from cfsm.config import CfsmConfig, CfsmLimits
+from cfsm.config import CfsmConfig, CfsmLimits, IndexTuning
 from cfsm.errors import (
     Approximation,
     CfsmError,
@@ -43,6 +43,7 @@ __all__ = [
     "Approximation",
     "CfsmConfig",
     "CfsmLimits",
+    "IndexTuning",
     "CfsmError",
     "Compiler",
     "GrammarError",

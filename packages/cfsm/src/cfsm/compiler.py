@@ -15,7 +15,7 @@ import numpy as np
 
 from cfsm.automata.automaton import Dfa, build_dfa
 from cfsm.automata.direct import build_dfa_direct
-from cfsm.config import CfsmConfig, CfsmLimits
+from cfsm.config import CfsmConfig, CfsmLimits, IndexTuning
 from cfsm.errors import (
     Approximation,
     GrammarError,
@@ -49,17 +49,17 @@ def regex_dfa(pattern: str) -> Dfa:
     return build_dfa(parse_regex(pattern))
 
 
-def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str, limits: CfsmLimits,
+def _index_of(node: Node, vocab: Vocabulary, grammar: str, what: str, cfg: CfsmConfig,
               max_states: int | None = None) -> Index:
     """The `Index` of a syntax tree; `max_states`: `GrammarTooLargeError` past that many DFA states
     (`build_dfa`'s cap; the direct construction's DFA is checked after)."""
-    limit = limits.max_dfa_states
+    limit = cfg.limits.max_dfa_states
     dfa = build_dfa_direct(node, limit=limit) or build_dfa(node, max_states, limit=limit)  # the same Dfa either way
     if max_states is not None and dfa.num_states > max_states:
         raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
     if dfa.num_states == 0:
         raise UnsupportedSchemaError(what, "#", "the grammar accepts no string (check bounds, enum, recursion depth)")
-    return build_index(dfa, vocab, grammar=grammar)
+    return build_index(dfa, vocab, grammar=grammar, tuning=cfg.tuning)
 
 
 def compile_regex(pattern: str, vocab: Vocabulary, config: CfsmConfig | None = None) -> Index:
@@ -69,7 +69,7 @@ def compile_regex(pattern: str, vocab: Vocabulary, config: CfsmConfig | None = N
     """
     cfg = config or CfsmConfig()
     dfa = build_dfa(parse_regex(pattern), limit=cfg.limits.max_dfa_states)
-    return build_index(dfa, vocab, grammar=f"regex:{pattern}")
+    return build_index(dfa, vocab, grammar=f"regex:{pattern}", tuning=cfg.tuning)
 
 
 def compile_ebnf(text: str, vocab: Vocabulary, config: CfsmConfig | None = None, *,
@@ -83,7 +83,7 @@ def compile_ebnf(text: str, vocab: Vocabulary, config: CfsmConfig | None = None,
     undefined rules, left recursion or an empty language.
     """
     cfg = config or CfsmConfig()
-    return _compile_rules(parse_ebnf(text, root), vocab, f"ebnf:{root}:{text}", cfg.limits)
+    return _compile_rules(parse_ebnf(text, root), vocab, f"ebnf:{root}:{text}", cfg.limits, cfg.tuning)
 
 
 def compile_lark(text: str, vocab: Vocabulary, config: CfsmConfig | None = None, *,
@@ -91,10 +91,11 @@ def compile_lark(text: str, vocab: Vocabulary, config: CfsmConfig | None = None,
     """Compile a Lark grammar (the subset `cfsm.grammar.lark` describes; `%ignore` text may come
     before every terminal) against `vocab`, like `compile_ebnf`. Raises `GrammarError`."""
     cfg = config or CfsmConfig()
-    return _compile_rules(parse_lark(text, start), vocab, f"lark:{start}:{text}", cfg.limits)
+    return _compile_rules(parse_lark(text, start), vocab, f"lark:{start}:{text}", cfg.limits, cfg.tuning)
 
 
-def _compile_rules(parsed: Grammar, vocab: Vocabulary, key: str, limits: CfsmLimits) -> Index | GrammarIndex:
+def _compile_rules(parsed: Grammar, vocab: Vocabulary, key: str, limits: CfsmLimits,
+                   tuning: IndexTuning) -> Index | GrammarIndex:
     grammar = inline_rules(parsed, limits.max_inline_nodes)
     root = grammar.root
     body = regular_root(grammar)
@@ -102,7 +103,7 @@ def _compile_rules(parsed: Grammar, vocab: Vocabulary, key: str, limits: CfsmLim
         dfa = build_dfa_direct(body, limit=limits.max_dfa_states) or build_dfa(body, limit=limits.max_dfa_states)
         if dfa.num_states == 0:
             raise GrammarError(f"the language of rule {root!r} is empty", *grammar.positions.get(root, (0, 0)))
-        return build_index(dfa, vocab, grammar=key)
+        return build_index(dfa, vocab, grammar=key, tuning=tuning)
     return compile_grammar(grammar, vocab, key, limits=limits)
 
 
@@ -157,7 +158,7 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
     try:
         node, rules, approximations = schema_grammar(schema, cfg)
         if not rules:
-            index = _index_of(node, vocab, key, "schema", cfg.limits)
+            index = _index_of(node, vocab, key, "schema", cfg)
             return dataclasses.replace(index, approximations=approximations) if approximations else index
         try:
             return _rules_index(node, rules, vocab, key, cfg.limits, approximations, cfg.max_pushdown_positions)
@@ -184,7 +185,7 @@ def _compile_json_schema(schema: Any, vocab: Vocabulary, cfg: CfsmConfig) -> Ind
             return matcher
         # last resort: long string bounds approximated (reported; refused in strict mode)
         node, approximations = schema_tree(schema, cfg, loose_lengths=True)
-        index = _index_of(node, vocab, key, "schema", cfg.limits)
+        index = _index_of(node, vocab, key, "schema", cfg)
         return dataclasses.replace(index, approximations=approximations)
 
 
@@ -204,7 +205,7 @@ def _refs_rules_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str)
 def _regular_schema_index(schema: Any, vocab: Vocabulary, cfg: CfsmConfig, key: str,
                           max_states: int | None = None) -> Index:
     node, approximations = schema_tree(schema, cfg)
-    index = _index_of(node, vocab, key, "schema", cfg.limits, max_states)
+    index = _index_of(node, vocab, key, "schema", cfg, max_states)
     return dataclasses.replace(index, approximations=approximations) if approximations else index
 
 
@@ -224,7 +225,7 @@ def compile_json_object(vocab: Vocabulary, config: CfsmConfig | None = None, *,
         # NOTE: a fixed grammar per (object_only, config); guides fill only their copy's caches
         return vocab.derived(f"grammar:{key}", build).copy()
     node = json_value_node(cfg, object_only=object_only)
-    return _index_of(node, vocab, key, "json", cfg.limits)
+    return _index_of(node, vocab, key, "json", cfg)
 
 
 class Compiler:

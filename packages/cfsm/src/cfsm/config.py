@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["CfsmConfig", "CfsmLimits"]
+__all__ = ["CfsmConfig", "CfsmLimits", "IndexTuning"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,46 @@ class CfsmLimits:
         """The limits as text (part of cache keys)."""
         return (f"ds={self.max_dfa_states}|sv={self.max_schema_visits}|in={self.max_inline_nodes}|"
                 f"ps={self.max_pda_states}|fd={self.fallback_dfa_states}")
+
+
+@dataclass(frozen=True)
+class IndexTuning:
+    """How the token-level `Index` is built (`cfsm.masks`): thresholds that choose between paths
+    that give the same masks (so not part of any cache key); tests set them to force a path.
+
+    - `share_depth`: states that allow the same tokens of up to this many bytes share one walk
+      of those tokens; longer tokens are walked for every state.
+    - `string_tables` / `fragment_tables`: JSON string states / broad `format` states take their
+      masks from the vocabulary's precomputed tables (`templates`, `fragments`).
+    - `classes_min_broad`: walk classes (Moore rounds over the DFA) are computed only when at
+      least this many states have more candidate tokens than a batched walk takes.
+    - `string_passes`: verification passes of the proposed string states (0: none recognized).
+    - `walk_tiny`: states with at most this many candidate tokens are walked together, in
+      batches of at most `walk_batch_pairs` (state, token) pairs; `walk_wide_first`: in those
+      batches, first bytes starting more than this many tokens have their second byte checked
+      first; `walk_long_chain_min`: states with more candidates longer than `share_depth` than
+      this resolve them inside their chain's group by length.
+    - `walk_tiny_python`: a state with at most this many candidates, not walked in a batch, is
+      walked in plain Python; `walk_broad`: a state whose allowed first bytes start more than
+      this share of the vocabulary walks it whole.
+    - `min_group_bytes`: a state's main byte group of fewer bytes has no chain (counted repeats).
+    - `loop_min_tokens`: a state looping on a byte set (whitespace) is walked as a loop state
+      where those bytes start more than this many tokens (`loops`).
+    """
+
+    share_depth: int = 16
+    string_tables: bool = True
+    fragment_tables: bool = True
+    classes_min_broad: int = 16
+    string_passes: int = 64
+    walk_tiny: int = 8192
+    walk_batch_pairs: int = 1 << 20
+    walk_wide_first: int = 64
+    walk_long_chain_min: int = 64
+    walk_tiny_python: int = 96
+    walk_broad: float = 0.15
+    min_group_bytes: int = 32
+    loop_min_tokens: int = 1024
 
 
 @dataclass(frozen=True)
@@ -94,6 +134,7 @@ class CfsmConfig:
     - `cache_size`: compiled `Index` objects kept per `Compiler` (LRU); `cache_dir`: optional
       folder for an on-disk cache.
     - `limits`: the size limits of a compile (`CfsmLimits`).
+    - `tuning`: how the token-level index is built (`IndexTuning`; the same masks whatever it is).
 
     `CfsmConfig.spec()` gives the specification's language (undeclared properties allowed, any
     property order, no type inference); the defaults narrow it the way generation wants.
@@ -115,6 +156,7 @@ class CfsmConfig:
     cache_size: int = 64
     cache_dir: str | None = None
     limits: CfsmLimits = field(default_factory=CfsmLimits)
+    tuning: IndexTuning = field(default_factory=IndexTuning)
 
     def __post_init__(self) -> None:
         if self.whitespace not in ("compact", "flexible"):

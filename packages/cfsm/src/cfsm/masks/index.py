@@ -1,7 +1,7 @@
 """Token-level `Index`: per DFA state, the allowed tokens as an int32 bitmask row.
 
 Built by walking the vocabulary through the DFA, never token by state one at a time:
-- states share one walk when they allow the same tokens of up to `SHARE_DEPTH` bytes for
+- states share one walk when they allow the same tokens of up to `IndexTuning.share_depth` bytes for
   sure (`state_classes`: they agree on every string as long as their longest candidate); the
   few longer tokens are walked for every state in one batch;
 - the vocabulary is sorted by bytes, so every trie node is a contiguous range (`walker`,
@@ -23,6 +23,7 @@ import numpy as np
 
 from cfsm.automata.automaton import Dfa, small_unique, unique_rows
 from cfsm.automata.json_automata import f_automaton
+from cfsm.config import IndexTuning
 from cfsm.errors import Approximation
 from cfsm.masks.compressed import CompressedFsm
 from cfsm.masks.fragments import FragmentMatch, fragment_rows, match_fragment
@@ -30,7 +31,6 @@ from cfsm.masks.loops import find_loops
 from cfsm.masks.rows import PrefixRows, few_rows, or_bits, pack_rows, token_weights
 from cfsm.masks.state_classes import walk_classes
 from cfsm.masks.templates import match_string_states, string_rows
-from cfsm.masks.trie import SHARE_DEPTH
 from cfsm.masks.vocab import Vocabulary
 from cfsm.masks.walker import Walker
 
@@ -38,14 +38,12 @@ __all__ = ["Index", "build_index"]
 
 # token sets up to this size are packed by scattering bits (larger ones through a bool array)
 _SPARSE_ROW = 2048
-# JSON string states take their masks from the vocabulary's string tables (`templates`)
-_STRING_TABLES = True
-# states of broad `format` strings (email, uri) take theirs from its fragment tables (`fragments`)
-_FRAGMENT_TABLES = True
-# walk classes are computed (Moore rounds over the whole DFA) only when at least this many of
-# the other states have more candidates than a batched walk takes: few-candidate states are
-# walked together in batches anyway, and the rounds cost more than they save there
-_CLASSES_MIN_BROAD = 16
+# JSON string states take their masks from the vocabulary's string tables (`templates`), states
+# of broad `format` strings (email, uri) theirs from its fragment tables (`fragments`), unless
+# `IndexTuning` says otherwise; walk classes (Moore rounds over the whole DFA) are computed only
+# when at least `IndexTuning.classes_min_broad` of the other states have more candidates than a
+# batched walk takes: few-candidate states are walked together in batches anyway, and the rounds
+# cost more than they save there
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,25 +162,27 @@ def _long_rows(owner: np.ndarray, ids: np.ndarray, mask_row: np.ndarray, row_lis
     mask_row[states] = rows[inverse]
 
 
-def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
+def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "", tuning: IndexTuning | None = None) -> Index:
     """Compile `dfa` against `vocab` into an `Index`. Mutates nothing (caches vocab tables).
 
-    States that agree on every string of at most `SHARE_DEPTH` bytes share one walk for the
-    tokens of that length; the few longer tokens are walked for every state in one batch.
-    Every live state gets a mask row.
+    States that agree on every string of at most `tuning.share_depth` bytes share one walk for
+    the tokens of that length; the few longer tokens are walked for every state in one batch.
+    Every live state gets a mask row. `tuning` (`IndexTuning`) picks the paths, not the masks.
     """
+    tuning = tuning or IndexTuning()
+    share_depth = tuning.share_depth
     tables = vocab.trie_tables
     num_states = dfa.num_states
-    walker = Walker(dfa, tables)
+    walker = Walker(dfa, tables, tuning)
     words = vocab.mask_words
     eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
-    if _STRING_TABLES:
-        match = match_string_states(dfa, vocab.string_tables)
+    if tuning.string_tables:
+        match = match_string_states(dfa, vocab.string_tables, tuning.string_passes)
         generic = match.t[:num_states] < 0
     else:
         generic = np.ones(num_states, dtype=bool)
     fragments: list[tuple[int, FragmentMatch, np.ndarray]] = []
-    if _FRAGMENT_TABLES:
+    if tuning.fragment_tables:
         # NOTE: a DFA of the direct construction knows its format states (`direct`: copies of a
         # format's block, proven to step like F); states it does not name are walked (exact too)
         proven = None if dfa.facts is None else dfa.facts.fragment_states
@@ -200,17 +200,17 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
     others = np.flatnonzero(generic)
     num_cands = walker.num_candidates(others)
     # NOTE: states looping on whitespace walk only the tokens whose first byte past it they allow
-    loops = find_loops(dfa, tables, others)
+    loops = find_loops(dfa, tables, others, tuning.loop_min_tokens)
     if loops is not None:
         num_cands[np.searchsorted(others, loops.states)] = loops.candidates(np.arange(len(loops.states)))
-    shared = walker.num_broad(others, num_cands) >= _CLASSES_MIN_BROAD
+    shared = walker.num_broad(others, num_cands) >= tuning.classes_min_broad
     if shared:
-        classes = walk_classes(dfa, tables, SHARE_DEPTH)
+        classes = walk_classes(dfa, tables, share_depth)
         _, first, class_of = np.unique(classes[others], return_index=True, return_inverse=True)
         reps, rep_cands = others[first], num_cands[first]
     else:  # every state its own walk
         reps, class_of, rep_cands = others, np.arange(len(others)), num_cands
-    is_long = tables.longer_than(SHARE_DEPTH)
+    is_long = tables.longer_than(share_depth)
     eos32 = eos.astype(np.int32)
     small_rows: dict[bytes, int] = {}
     row_list: list[np.ndarray] = []
@@ -271,11 +271,11 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "") -> Index:
         class_row[k] = r
     mask_row = np.full(num_states + 1, -1, dtype=np.int32)
     mask_row[others] = class_row[class_of.reshape(-1)]
-    # the few tokens longer than SHARE_DEPTH bytes, walked for every state in one batch
-    l_owner, l_ids = walker.walk_long(SHARE_DEPTH, generic, loops, only_done)
+    # the few tokens longer than `share_depth` bytes, walked for every state in one batch
+    l_owner, l_ids = walker.walk_long(share_depth, generic, loops, only_done)
     if len(l_owner):
         _long_rows(l_owner, l_ids, mask_row, row_list, words, intern, max(tables.max_id, int(eos.max())) + 1)
-    if _STRING_TABLES:
+    if tuning.string_tables:
         string_rows(dfa, vocab.string_tables, match, intern, mask_row)
     for k, fm, mine in fragments:
         fragment_rows(dfa, vocab.fragment_tables[k], fm, mine, intern, mask_row)

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, concat_ranges
+from cfsm.config import IndexTuning
 from cfsm.masks.trie import TrieTables
 
 __all__ = ["LoopTable", "Loops", "loop_table", "find_loops"]
 
-# a state is walked as a loop state where its loop bytes start more than this many tokens
-LOOP_MIN_TOKENS = 1024
+# a state is walked as a loop state where its loop bytes start more than
+# `IndexTuning.loop_min_tokens` tokens
 # loop sets of at most this many bytes (whitespace); larger ones are string text (`templates`,
 # chains) and keep their walks
 _MAX_LOOP_BYTES = 8
@@ -191,13 +192,14 @@ class Loops:
         return a, b, c_, d, e, f
 
 
-def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None:
+def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray,
+               min_tokens: int = IndexTuning.loop_min_tokens) -> Loops | None:
     """The loop states among `states` (None if there is none).
 
     A state q is a loop state where the bytes S that lead it into a state W looping on them (every
     byte of S leads from W back to W; W the target of the looping byte that starts most tokens:
     q itself, or the whitespace state after a number) are at most `_MAX_LOOP_BYTES` and start
-    more than `LOOP_MIN_TOKENS` tokens. Computed per byte class (bytes of one class step alike).
+    more than `min_tokens` tokens (`IndexTuning.loop_min_tokens`). Computed per byte class (bytes of one class step alike).
     """
     rep, byte_class = dfa.byte_classes
     cols = dfa.class_table  # (num_states + 1, num_classes)
@@ -209,7 +211,7 @@ def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None
         return None
     # NOTE: W looked for among `states` only (a W elsewhere leaves its states walked as usual)
     self_s = cols[states][:, small] == states[:, None]  # W loops on the class
-    w_rows = np.flatnonzero(self_s.astype(np.float64) @ counts[small] > LOOP_MIN_TOKENS)  # float: a BLAS product
+    w_rows = np.flatnonzero(self_s.astype(np.float64) @ counts[small] > min_tokens)  # float: a BLAS product
     ws = states[w_rows]  # NOTE: and not string text (it loops on most bytes: `templates`, chains)
     ok_w = (cols[ws] == ws[:, None]).astype(np.float64) @ sizes <= _MAX_LOOP_BYTES
     if not ok_w.any():
@@ -229,7 +231,7 @@ def find_loops(dfa: Dfa, tables: TrieTables, states: np.ndarray) -> Loops | None
     w = tgt[np.arange(len(states)), top]
     loops &= tgt == w[:, None]
     num = loops.astype(np.float64) @ sizes[small]
-    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.float64) @ counts[small] > LOOP_MIN_TOKENS)
+    ok = (num > 0) & (num <= _MAX_LOOP_BYTES) & (loops.astype(np.float64) @ counts[small] > min_tokens)
     if not ok.any():
         return None
     col_of = np.full(len(rep) + 1, len(small), dtype=np.int64)  # classes outside `small`: a False column

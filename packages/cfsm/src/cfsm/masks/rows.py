@@ -14,8 +14,8 @@ from cfsm.masks.walker import Prefix
 # token sets larger than this are set through a bool array and packbits (one pass over V/8
 # bytes), smaller ones bit by bit (ufunc.at costs per element)
 _PACK_MIN = 256
-# `pack_rows` packs at most this many uint32 words (rows x row width) at a time
-_PACK_CHUNK_WORDS = 1 << 20
+# `pack_rows` packs at most this many uint32 words (rows x row width) at a time (its default)
+PACK_CHUNK_WORDS = 1 << 20
 
 
 def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
@@ -103,15 +103,15 @@ def few_rows(few: np.ndarray, owner: np.ndarray, pos: np.ndarray, reps: np.ndarr
 
 def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,
               intern: Callable[[np.ndarray], int], base: np.ndarray | None = None,
-              base_idx: np.ndarray | None = None) -> np.ndarray:
+              base_idx: np.ndarray | None = None, chunk_words: int = PACK_CHUNK_WORDS) -> np.ndarray:
     """Rows 0..num-1 (uint32, `words` wide; row g starts as `base[base_idx[g]]` where that index
     is >= 0, else zero) with
     token `pair_t[i]` set in row `pair_g[i]`, packed in chunks and interned in order: the
-    interned id of each row."""
+    interned id of each row. `chunk_words`: at most this many words packed at a time."""
     out = np.empty(num, dtype=np.int32)
     if num == 0:
         return out
-    chunk = max(1, _PACK_CHUNK_WORDS // max(words, 1))
+    chunk = max(1, chunk_words // max(words, 1))
     if num <= chunk:  # one chunk: every pair in it (bits are OR-ed, in any order)
         cuts = np.array([0, len(pair_g)])
     else:
@@ -133,7 +133,7 @@ def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,
 
 
 class PrefixRows:
-    """Mask rows (tokens of at most `SHARE_DEPTH` bytes) of prefixes of shared position lists.
+    """Mask rows (tokens of at most `IndexTuning.share_depth` bytes) of prefixes of shared position lists.
 
     Per list, the rows of the cuts asked for so far are kept; a new cut starts from the row of
     the largest smaller one and adds the tokens in between.

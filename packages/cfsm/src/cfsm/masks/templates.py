@@ -21,6 +21,7 @@ import numpy as np
 
 from cfsm.automata.automaton import Dfa, small_unique, unique_rows
 from cfsm.automata.json_automata import INF, build_t_automaton, joint_reps
+from cfsm.config import IndexTuning
 from cfsm.masks.rows import or_bits, pack_rows
 from cfsm.masks.trie import TrieTables
 
@@ -30,11 +31,10 @@ __all__ = ["StringTables", "StringMatch", "build_string_tables", "match_string_s
 # `StringTables.stay_keys`: room for a value up to INF (rem) under each T state's key
 _KEY_STRIDE = INF << 1
 # verification passes (each drops the states whose successors were dropped by the previous
-# one); past this many, every proposed state is left to the generic walks
-_MAX_PASSES = 64
+# one): `IndexTuning.string_passes`; past them, every proposed state is left to the generic walks
 # `_verify` first checks all proposed states at once (`_all_pass`) when they times the byte
-# classes are at most this many (a bound on its memory)
-_ONE_CHECK_MAX = 200_000
+# classes are at most this many (a bound on its memory; its `one_check_max` default)
+ONE_CHECK_MAX = 200_000
 
 
 # a suffix table by decreasing length (`suffix_order`): per depth d the bytes at d of the suffixes
@@ -257,8 +257,9 @@ def _chain_ends(a: np.ndarray, terminal: np.ndarray) -> tuple[np.ndarray, np.nda
     return end[:m], dist[:m]
 
 
-def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
-    """Recognize the DFA states that behave exactly like a T state (pure).
+def match_string_states(dfa: Dfa, st: StringTables, max_passes: int = IndexTuning.string_passes) -> StringMatch:
+    """Recognize the DFA states that behave exactly like a T state (pure); `max_passes`:
+    verification passes (`IndexTuning.string_passes`).
 
     Proposes (T state, rem, need, cont) from the text states' chains, then drops every state
     whose transitions do not all agree with T until the rest is closed: so each kept state's
@@ -338,7 +339,7 @@ def match_string_states(dfa: Dfa, st: StringTables) -> StringMatch:
             src2, dst = src[live], dst[live]
             t[dst], rem[dst], need[dst], cont[dst] = s2, rem[src2], need[src2], cont[src2]
             frontier.append((s2, dst))
-    _verify(dfa, st, t, rem, need, cont)
+    _verify(dfa, st, t, rem, need, cont, max_passes)
     return StringMatch(t, rem, need, cont)
 
 
@@ -355,7 +356,8 @@ def _candidates(dfa: Dfa, g0: np.ndarray, group: np.ndarray, rows: np.ndarray) -
     return np.flatnonzero(cand)
 
 
-def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray) -> None:
+def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np.ndarray, cont: np.ndarray,
+            max_passes: int = IndexTuning.string_passes, one_check_max: int = ONE_CHECK_MAX) -> None:
     """Unmark (t = -1) proposed states until every marked one steps exactly like its T state."""
     dead = dfa.dead
     code, text, num_t = st.code, st.text, st.num_t
@@ -380,10 +382,10 @@ def _verify(dfa: Dfa, st: StringTables, t: np.ndarray, rem: np.ndarray, need: np
     # NOTE: usually every proposed state passes: one check of all of them at once says so (the
     # passes below would then unmark nothing; they cost a few numpy calls per T state, which
     # dominate for few states); otherwise they run as they always did
-    if _MAX_PASSES and int(check.sum()) * tcode.shape[1] <= _ONE_CHECK_MAX and _all_pass(
+    if max_passes and int(check.sum()) * tcode.shape[1] <= one_check_max and _all_pass(
             dfa, st, tcode, table, t, rem, need, cont, st.byte_class[reps], check):
         return
-    for _ in range(_MAX_PASSES):
+    for _ in range(max_passes):
         bad_any = False
         for s in range(num_t):
             q = np.flatnonzero((t == s) if proven is None else (t == s) & ~proven)

@@ -9,11 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SHARE_DEPTH", "TrieLevels", "TrieTables", "build_trie_levels"]
-
-# states that allow the same tokens of up to this many bytes share one walk (`cfsm.masks.index`);
-# the longer tokens (`TrieTables.longer_than(SHARE_DEPTH)`) are walked for every state
-SHARE_DEPTH = 16
+__all__ = ["TrieLevels", "TrieTables", "build_trie_levels"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,11 +11,12 @@ import numpy as np
 
 from cfsm.automata.automaton import seeded_weights
 from cfsm.automata.blocks import prepare_blocks
+from cfsm.config import IndexTuning
 from cfsm.errors import VocabularyError
 from cfsm.masks.fragments import FragmentTable, build_fragment_tables
 from cfsm.masks.rows import token_weights
 from cfsm.masks.templates import StringTables, build_string_tables
-from cfsm.masks.trie import SHARE_DEPTH, TrieLevels, TrieTables, build_trie_levels
+from cfsm.masks.trie import TrieLevels, TrieTables, build_trie_levels
 from cfsm.regex.formats import FORMAT_REGEXES
 from cfsm.regex.json_values import format_node
 
@@ -186,7 +187,7 @@ class Vocabulary:
         # the per-token hash weights of batched rows (`mask_rows`)
         token_weights(max(self.trie_tables.max_id, max(self.eos_token_ids, default=0)) + 1)
         self.trie_tables.max_length  # noqa: B018
-        self.trie_tables.longer_than(SHARE_DEPTH)
+        self.trie_tables.longer_than(IndexTuning.share_depth)  # the default (`build_index`'s long tokens)
         return self
 
     def derived(self, key: str, build: Callable[[], T]) -> T:

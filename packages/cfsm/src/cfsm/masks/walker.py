@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, concat_ranges, stable_argsort
+from cfsm.config import IndexTuning
 from cfsm.masks.loops import Loops
 from cfsm.masks.trie import TrieTables
 from cfsm.masks.walks import (
@@ -38,20 +39,7 @@ _ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 _FEW_BYTES = 6
 # ranges at most this long are walked directly
 _SMALL_RANGE = 24
-## states with at most this many candidate tokens (allowed first byte) are walked together, in
-# batches of at most _BATCH_PAIRS (state, token) pairs
-_TINY = 8192
-_BATCH_PAIRS = 1 << 20
-# states with more than this many candidate tokens longer than the shared depth resolve those
-# inside their chain's group by length
-_LONG_CHAIN_MIN = 64
-# in those batches, first bytes starting more than this many tokens have their second byte
-# checked before the tokens are expanded
-_WIDE_FIRST = 64
-# a state not walked in a batch, with at most this many candidates, is walked in plain Python
-_TINY_PYTHON = 96
-# states whose allowed first bytes start more than this share of the vocabulary walk it whole
-_BROAD = 0.15
+# the thresholds between the walks (batched, plain Python, whole vocabulary, chains): `IndexTuning`
 
 
 def _expand(lo: np.ndarray, sizes: np.ndarray, owner: np.ndarray, cur: np.ndarray
@@ -103,7 +91,8 @@ def _long_leads(tables: TrieTables, min_len: int) -> tuple[np.ndarray, ...]:
 class Walker:
     """Per-compile caches shared by the walks of all states."""
 
-    def __init__(self, dfa: Dfa, tables: TrieTables) -> None:
+    def __init__(self, dfa: Dfa, tables: TrieTables, tuning: IndexTuning | None = None) -> None:
+        self.tuning = tuning or IndexTuning()
         self.dfa = dfa
         self.dead = dfa.dead
         self.trans = dfa.transitions
@@ -125,7 +114,7 @@ class Walker:
         """How many of `states` have more candidate tokens than `walk_few` takes."""
         if num_candidates is None:
             num_candidates = self.num_candidates(states)
-        return int((num_candidates > _TINY).sum())
+        return int((num_candidates > self.tuning.walk_tiny).sum())
 
     @functools.cached_property
     def _class_counts(self) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +170,7 @@ class Walker:
 
         Returns (which of `states` were walked here, as a bool mask; the owner state and the
         sorted position of every surviving (state, token) pair, grouped by owner). A batch holds
-        at most `_BATCH_PAIRS` pairs, bounding its memory. The tokens of `loops`' states that
+        at most `IndexTuning.walk_batch_pairs` pairs, bounding its memory. The tokens of `loops`' states that
         start with a loop byte are walked from their first byte outside the loop (then
         `num_candidates` counts them so: `Loops.candidates`); those made only of loop bytes are
         left out (the same for every loop state of one loop set: `Loops.only_ids`).
@@ -189,7 +178,7 @@ class Walker:
         tables = self.tables
         if num_candidates is None:  # else the caller's `num_candidates(states)`
             num_candidates = self.num_candidates(states)
-        small = num_candidates <= _TINY
+        small = num_candidates <= self.tuning.walk_tiny
         few = states[small]
         out_owner: list[np.ndarray] = []
         out_pos: list[np.ndarray] = []
@@ -208,8 +197,8 @@ class Walker:
             columns = tables.columns
             # one batch: every state's live bytes
             spans: list[tuple[int, int, int, int]] = [(0, len(live_rows), 0, len(few))]
-            if int(num_candidates.sum()) >= _BATCH_PAIRS:
-                batch = np.cumsum(num_candidates) // _BATCH_PAIRS
+            if int(num_candidates.sum()) >= self.tuning.walk_batch_pairs:
+                batch = np.cumsum(num_candidates) // self.tuning.walk_batch_pairs
                 spans = []
                 for part in np.split(np.arange(len(few)), np.flatnonzero(np.diff(batch)) + 1):
                     a, b = np.searchsorted(live_rows, [part[0], part[-1] + 1]).tolist() if len(part) else (0, 0)
@@ -220,7 +209,7 @@ class Walker:
                 # NOTE: a first byte that starts many tokens has its second byte checked per
                 # (state, first byte) before tokens are expanded (a forced key letter: only the
                 # tokens of the surviving two-byte prefixes are walked on); the others expand at once
-                wide = counts[first] > _WIDE_FIRST
+                wide = counts[first] > self.tuning.walk_wide_first
                 narrow = ~wide
                 idx_n, owner_n, cur_n = _expand(starts2[first[narrow], 0], counts[first[narrow]], owners[narrow],
                                                 self.trans[owners[narrow], first[narrow]])
@@ -283,7 +272,7 @@ class Walker:
         resolved = np.zeros(len(owner), dtype=bool)
         taken = np.zeros(len(owner), dtype=bool)
         bounds = np.searchsorted(owner, np.arange(num_states + 1))
-        for q in np.flatnonzero(np.diff(bounds) > _LONG_CHAIN_MIN).tolist():
+        for q in np.flatnonzero(np.diff(bounds) > self.tuning.walk_long_chain_min).tolist():
             info = self.chain(q)
             if info is None:
                 continue
@@ -349,7 +338,8 @@ class Walker:
     def chain(self, q: int) -> tuple[np.ndarray, np.ndarray] | None:
         """`chain_of` for state `q`, memoized."""
         if q not in self._chain_memo:
-            self._chain_memo[q] = chain_of(self.dfa, q, self._max_len, self.group_steps)
+            self._chain_memo[q] = chain_of(self.dfa, q, self._max_len, self.group_steps,
+                                           self.tuning.min_group_bytes)
         return self._chain_memo[q]
 
     def _row(self, q: int) -> list[int]:
@@ -465,9 +455,9 @@ class Walker:
         dead = self.dead
         allowed = self.allowed(q)
         num_candidates = int(tables.first_byte_counts[allowed].sum())
-        if num_candidates <= _TINY_PYTHON:
+        if num_candidates <= self.tuning.walk_tiny_python:
             return None, self._walk_tiny(q, allowed)[0]
-        broad = num_candidates > _BROAD * self.n
+        broad = num_candidates > self.tuning.walk_broad * self.n
         chain_info = self.chain(q)
         out_pos: list[np.ndarray] = []
         out_next: list[np.ndarray] = []

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, stable_argsort
+from cfsm.config import IndexTuning
 from cfsm.masks.trie import TrieTables
 
-# states whose main byte group has at least this many bytes resolve its tokens by a chain lookup
-_MIN_GROUP_BYTES = 32
-#
+# states whose main byte group has at least `IndexTuning.min_group_bytes` bytes resolve its
+# tokens by a chain lookup
 
 def concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -133,13 +133,13 @@ def group_steps(trans: np.ndarray, group: np.ndarray) -> tuple[list[int], list[b
 
 
 def chain_of(dfa: Dfa, q: int, max_len: int,
-              steps_of: Callable[[np.ndarray], tuple[list[int], list[bool]]] | None = None
-              ) -> tuple[np.ndarray, np.ndarray] | None:
+              steps_of: Callable[[np.ndarray], tuple[list[int], list[bool]]] | None = None,
+              min_group: int = IndexTuning.min_group_bytes) -> tuple[np.ndarray, np.ndarray] | None:
     """For a broad state q: (complement of its main byte group P as 4 uint64 words, chain).
 
     P is the largest set of bytes leading from q to one state; `chain[k]` is the state after any
     k bytes of P, for every k < len(chain) (the chain stops where P's bytes stop agreeing).
-    None when P has fewer than `_MIN_GROUP_BYTES` bytes.
+    None when P has fewer than `min_group` bytes (`IndexTuning.min_group_bytes`).
     """
     trans = dfa.transitions
     dead = dfa.dead
@@ -149,7 +149,7 @@ def chain_of(dfa: Dfa, q: int, max_len: int,
     counts = np.bincount(row, minlength=dead + 1)
     counts[dead] = 0
     main = int(counts.argmax())
-    if counts[main] < _MIN_GROUP_BYTES:
+    if counts[main] < min_group:
         return None
     group = np.flatnonzero(row == main)
     nxt, uniform = steps_of(group) if steps_of is not None else group_steps(trans, group)
