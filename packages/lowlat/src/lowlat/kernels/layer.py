@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowlat.kernels.online_softmax import merge_partials, softmax_step, split_partial
+
 
 @triton.jit
 def _dot(a, w, acc, DOT_F32: tl.constexpr):
@@ -196,16 +198,25 @@ def _rope_store(
 
 
 @triton.jit
-def _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
-    """One K/V tile of online softmax: returns the updated (max, sum, accumulator)."""
+def _attend_block(q, k, v, s_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One K/V tile of online softmax (``online_softmax.softmax_step``): scores masked by ``s_mask`` (broadcast to
+    (rows, BLOCK_N)); returns the updated (max, sum, accumulator)."""
     s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
-    s = tl.where(n_mask[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    s = tl.where(s_mask, s * scale, float("-inf"))
+    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s)
     acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _score_mask(offs_n, n_mask, lim, ROW_LIMITS: tl.constexpr):
+    """The scores' mask of a K/V tile: positions in range (``n_mask``, (1, BLOCK_N)), or with ROW_LIMITS each query
+    row's own limit (positions ``< lim``, (rows, BLOCK_N); ``lim`` (rows,) within the split's end)."""
+    if ROW_LIMITS:
+        mask = offs_n[None, :] < lim[:, None]
+    else:
+        mask = n_mask[None, :]
+    return mask
 
 
 @triton.jit
@@ -220,6 +231,81 @@ def _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
     k_ptrs = k_cache_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
     v_ptrs = v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
     return offs_n, n_mask, k_ptrs, v_ptrs
+
+
+@triton.jit
+def _attend_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    q_off, q_mask, part_row, lim, row, kvh, split, start, end, fresh_from,
+    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr,
+    DOT_F32: tl.constexpr, ROW_LIMITS: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+):
+    """One split of split-KV attention for a tile of query rows against KV head ``kvh`` of request-table row ``row``:
+    positions [start, end) in tiles of BLOCK_N, online softmax (``online_softmax``), then the rows' output (v_scale
+    applied) to ``out_ptr`` (without PARTIALS) or their partial and log-sum-exp at ``(part_row * NUM_SPLITS + split)``
+    for a merge. Query row i is at ``q_ptr + q_off[i]`` (D values; ``out_ptr`` likewise), live where ``q_mask``; with
+    ROW_LIMITS it attends to positions ``< lim[i]`` only (``lim`` within ``end``). The first tile's positions below
+    ``fresh_from`` are read before the PDL wait (the previous launch writes only later ones), q and the rest after it.
+    Shared by ``decode_attention_kernel``, ``rows_attn`` (both paths) and ``persistent`` (no PDL, always PARTIALS)."""
+    offs_d = tl.arange(0, D)
+    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                   stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
+    old = n_mask & (offs_n < fresh_from)
+    k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+    v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    newest = n_mask & (offs_n >= fresh_from)  # the previous launch's K/V: read after the wait
+    k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+    v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_mask[:, None], other=0.0)
+    m_i = tl.full((q_off.shape[0],), float("-inf"), tl.float32)
+    l_i = tl.zeros((q_off.shape[0],), tl.float32)
+    acc = tl.zeros((q_off.shape[0], D), tl.float32)
+    if start < end:
+        m_i, l_i, acc = _attend_block(q, k, v, _score_mask(offs_n, n_mask, lim, ROW_LIMITS), scale, m_i, l_i, acc,
+                                      DOT_F32)
+    for t0 in range(start + BLOCK_N, end, BLOCK_N):
+        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
+                                                       stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, _score_mask(offs_n, n_mask, lim, ROW_LIMITS), scale, m_i, l_i, acc,
+                                      DOT_F32)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    out, lse = split_partial(acc, m_i, l_i, v_scale)
+    if PARTIALS:
+        base = part_row * NUM_SPLITS + split
+        tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=q_mask[:, None])
+        tl.store(part_lse_ptr + base, lse, mask=q_mask)
+    else:
+        tl.store(out_ptr + q_off[:, None] + offs_d[None, :], out, mask=q_mask[:, None])
+
+
+@triton.jit
+def _decode_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    b, kvh, split, splits, row, seq_len, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
+    NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    FRESH: tl.constexpr,
+):
+    """Decode row ``b``'s program for KV head ``kvh`` and split ``split`` of ``splits`` (at most NUM_SPLITS, by which
+    the partials are laid out): its GQA group of G heads in one tile of BLOCK_G query rows against the split's K/V
+    tiles (``_attend_split``); at most FRESH of its last positions come from the previous launch."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(seq_len, start + chunk)
+    offs_g = tl.arange(0, BLOCK_G)
+    heads = kvh * G + offs_g
+    _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+                  b * (NQ * D) + heads * D, offs_g < G, b * NQ + heads, end, row, kvh, split, start, end,
+                  seq_len - FRESH, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
+                  D, BLOCK_N, NUM_SPLITS, NUM_SPLITS > 1, DOT_F32, False, USE_PDL, PDL_EARLY)
 
 
 @triton.jit
@@ -244,53 +330,13 @@ def decode_attention_kernel(
     # rows: at most FRESH positions, the last ones of each row (a decode row: its newest token; row j of a verify step:
     # its request's drafts up to its own, seq_len - 1 - j .. seq_len - 1); the lengths, the request table and older K/V
     # come from earlier launches or steps.
-    seq_len = tl.load(seq_lens_ptr + b)
-    row = tl.load(req_idx_ptr + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(seq_len, start + chunk)
-    offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < G
-    heads = kvh * G + offs_g
-    offs_d = tl.arange(0, D)
-    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
-                                                   stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
-    old = n_mask & (offs_n < seq_len - FRESH)
-    k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-    v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if PDL_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    newest = n_mask & (offs_n >= seq_len - FRESH)  # the qkv launch's K/V: read after the wait
-    k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
-    v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
-    q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, D), tl.float32)
-    if start < end:
-        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
-    for t0 in range(start + BLOCK_N, end, BLOCK_N):
-        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
-                                                       stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
-    if USE_PDL and not PDL_EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-    empty = l_i == 0.0
-    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-        base = (b * NQ + heads) * NUM_SPLITS + split
-        tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + base, lse, mask=g_mask)
-        if FUSED_MERGE:
-            _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ, G,
-                           D, NUM_SPLITS, BLOCK_S, BLOCK_GM)
+    _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
+                  NUM_SPLITS, tl.load(req_idx_ptr + b).to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt, stride_ks,
+                  stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G, BLOCK_N, NUM_SPLITS, DOT_F32,
+                  USE_PDL, PDL_EARLY, FRESH)
+    if FUSED_MERGE and NUM_SPLITS > 1:
+        _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ, G, D,
+                       NUM_SPLITS, BLOCK_S, BLOCK_GM)
 
 
 @triton.jit
@@ -316,9 +362,7 @@ def _merge_if_last(count_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ: tl.
         lse = tl.load(part_lse_ptr + idx, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(part_o_ptr + idx[:, :, None] * D + offs_d[None, None, :], mask=hs_mask[:, :, None], other=0.0,
                     cache_modifier=".cg")  # (BLOCK_GM, BLOCK_S, D)
-        mx = tl.max(lse, 1)
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx[:, None]))
-        out = tl.sum(w[:, :, None] * o, 1) / tl.sum(w, 1)[:, None]
+        out = merge_partials(o, lse, 1)
         tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=(offs_h < G)[:, None])
 
 
@@ -340,10 +384,8 @@ def merge_splits_kernel(
     offs_d = tl.arange(0, D)
     base = (b * NQ + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
     o = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    out = merge_partials(o, lse, 0)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)

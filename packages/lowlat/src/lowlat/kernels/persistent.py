@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _attend_block, _dot, _kv_tile_ptrs
+from lowlat.kernels.layer import _attend_split, _dot
+from lowlat.kernels.online_softmax import merge_partials
 
 
 @triton.jit
@@ -67,24 +68,11 @@ def attn_mlp_persistent_kernel(
             start = split * chunk
             stop = tl.minimum(seq_len, start + chunk)
             offs_g = tl.arange(0, BLOCK_G)
-            g_mask = offs_g < G
             heads = kvh * G + offs_g
-            q = tl.load(q_ptr + b * QD + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-            m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_G,), tl.float32)
-            acc = tl.zeros((BLOCK_G, D), tl.float32)
-            for t0 in range(start, stop, BLOCK_NA):
-                _, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, stop, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
-                                                          stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_NA)
-                k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-                m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
-            empty = l_i == 0.0
-            o = acc / tl.where(empty, 1.0, l_i)[:, None]
-            lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-            base = (b * NQ + heads) * NUM_SPLITS + split
-            tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], o, mask=g_mask[:, None])
-            tl.store(part_lse_ptr + base, lse, mask=g_mask)
+            _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, attn_ptr,
+                          b * QD + heads * D, offs_g < G, b * NQ + heads, stop, row, kvh, split, start, stop, stop,
+                          stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, 1.0, D, BLOCK_NA, NUM_SPLITS,
+                          True, DOT_F32, False, False, False)
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + 2, 1, sem="release")
         elif t < end_merge:
@@ -97,10 +85,8 @@ def attn_mlp_persistent_kernel(
             s_mask = offs_s < NUM_SPLITS
             base = (b * NQ + h) * NUM_SPLITS
             lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-            mx = tl.max(lse, 0)
-            wts = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
             po = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
-            merged = tl.sum(wts[:, None] * po, 0) / tl.sum(wts, 0)
+            merged = merge_partials(po, lse, 0)
             tl.store(attn_ptr + b * QD + h * D + offs_d, merged)
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + 3, 1, sem="release")

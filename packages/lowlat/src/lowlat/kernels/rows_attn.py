@@ -11,7 +11,7 @@ kernel cannot know at capture which it runs), but only a *leader* program works:
 of rows of one request (its table row differs from row ``b - 1``'s, or ``b`` starts an aligned block of ``R`` rows).
 The leader takes that run (at most ``R`` rows, within its aligned block) as one tile of ``R x G`` query rows against
 each K/V tile it reads; the other rows' programs return at once. A run of one row (a decode row) takes the per-row
-kernel's program instead (``_one_row``: its GQA tile and KV block). The split count is chosen *per launch on the
+kernel's program instead (``layer._decode_split``: its GQA tile and KV block). The split count is chosen *per launch on the
 device* from the number of runs (``TARGET`` programs over runs x KV heads, at most the grid's ``NUM_SPLITS``); splits
 past a run's effective count are empty and store ``lse = -inf`` partials; the merge launch is the per-row one.
 
@@ -31,78 +31,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _attend_block, _dot, _kv_tile_ptrs
+from lowlat.kernels.layer import _attend_split, _decode_split
+from lowlat.kernels.online_softmax import merge_partials
 
 ROWS_PER_RUN = 8  # R: the most rows of one request a leader takes (ops.MAX_VERIFY_ROWS)
-
-
-@triton.jit
-def _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
-    """One K/V tile of online softmax over query rows with their own length limits ``lim`` (BLOCK_M,): positions
-    ``>= lim`` are masked. Rows masked over every position so far keep (max, sum, acc) = (-inf, 0, 0), no NaN."""
-    s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
-    s = tl.where(offs_n[None, :] < lim[:, None], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_use)
-    p = tl.exp(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _one_row(
-    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    b, kvh, split, row, seq_len, eff, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
-    NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    FRESH: tl.constexpr,
-):
-    """A run of one row (a decode row): ``layer.decode_attention_kernel``'s program for (b, kvh, split) over ``eff``
-    splits, with its GQA tile of BLOCK_G rows and KV blocks of BLOCK_N (no tile of R rows of which one is used)."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, eff), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(seq_len, start + chunk)
-    offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < G
-    heads = kvh * G + offs_g
-    offs_d = tl.arange(0, D)
-    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
-                                                   stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
-    old = n_mask & (offs_n < seq_len - FRESH)
-    k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-    v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if PDL_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    newest = n_mask & (offs_n >= seq_len - FRESH)
-    k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
-    v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
-    q = tl.load(q_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, D), tl.float32)
-    if start < end:
-        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
-    for t0 in range(start + BLOCK_N, end, BLOCK_N):
-        offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
-                                                       stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, n_mask, scale, m_i, l_i, acc, DOT_F32)
-    if USE_PDL and not PDL_EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-    empty = l_i == 0.0
-    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b * (NQ * D) + heads[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-        base = (b * NQ + heads) * NUM_SPLITS + split
-        tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + base, lse, mask=g_mask)
 
 
 @triton.jit
@@ -149,10 +81,10 @@ def rows_attention_kernel(
             limit = eff * 0 + NUM_SPLITS
         if split < limit:
             if n == 1:  # a decode row: the per-row program (its own tile and KV block)
-                _one_row(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
-                         row.to(tl.int64), tl.load(seq_lens_ptr + b), eff, stride_rt, stride_ks, stride_kh, stride_vs,
-                         stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS, DOT_F32, USE_PDL, PDL_EARLY,
-                         FRESH)
+                _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b,
+                              kvh, split, eff, row.to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt, stride_ks,
+                              stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS,
+                              DOT_F32, USE_PDL, PDL_EARLY, FRESH)
             else:
                 lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
                 max_len = tl.max(lens_r, 0)
@@ -165,50 +97,15 @@ def rows_attention_kernel(
                 m_ok = (r_m < n) & (g_m < G)
                 lim = tl.minimum(tl.load(seq_lens_ptr + b + r_m, mask=m_ok, other=0), end)  # (BLOCK_M,)
                 heads = kvh * G + g_m
-                offs_d = tl.arange(0, D)
-                row64 = row.to(tl.int64)
-                # NOTE: before the wait, the first K/V tile's positions older than the run's FRESH last ones (the qkv launch
-                # writes each row's own position: at most FRESH of them, the last of the run's longest row; as the per-row
-                # kernel's note in layer.decode_attention_kernel)
-                offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
-                                                               v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
-                                                               stride_vh, D, BLOCK_N)
-                old = n_mask & (offs_n < max_len - FRESH)
-                k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
-                if USE_PDL:
-                    tl.extra.cuda.gdc_wait()
-                    if PDL_EARLY:
-                        tl.extra.cuda.gdc_launch_dependents()
-                newest = n_mask & (offs_n >= max_len - FRESH)
-                k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
-                v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
-                q = tl.load(q_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], mask=m_ok[:, None],
-                            other=0.0)
-                m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-                l_i = tl.zeros((BLOCK_M,), tl.float32)
-                acc = tl.zeros((BLOCK_M, D), tl.float32)
-                if start < end:
-                    m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
-                for t0 in range(start + BLOCK_N, end, BLOCK_N):
-                    offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row64, kvh, req_to_token_ptr, k_cache_ptr,
-                                                                   v_cache_ptr, stride_rt, stride_ks, stride_kh, stride_vs,
-                                                                   stride_vh, D, BLOCK_N)
-                    k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-                    v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-                    m_i, l_i, acc = _attend_rows(q, k, v, lim, offs_n, scale, m_i, l_i, acc, DOT_F32)
-                if USE_PDL and not PDL_EARLY:
-                    tl.extra.cuda.gdc_launch_dependents()
-                empty = l_i == 0.0
-                out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-                if NUM_SPLITS == 1:
-                    tl.store(out_ptr + (b + r_m)[:, None] * (NQ * D) + heads[:, None] * D + offs_d[None, :], out,
-                             mask=m_ok[:, None])
-                else:
-                    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-                    base = ((b + r_m) * NQ + heads) * NUM_SPLITS + split
-                    tl.store(part_o_ptr + base[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
-                    tl.store(part_lse_ptr + base, lse, mask=m_ok)
+                # NOTE: the first K/V tile's positions older than the run's FRESH last ones are read before the wait (the
+                # qkv launch writes each row's own position: at most FRESH of them, the last of the run's longest row; as
+                # the per-row kernel's note in layer.decode_attention_kernel)
+                _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+                              (b + r_m) * (NQ * D) + heads * D, m_ok, (b + r_m) * NQ + heads, lim, row.to(tl.int64), kvh,
+                              split, start, end, max_len - FRESH, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh,
+                              scale, v_scale, D, BLOCK_N, NUM_SPLITS, NUM_SPLITS > 1, DOT_F32, True, USE_PDL,
+                              PDL_EARLY)
+
 
 @triton.jit
 def rows_merge_kernel(
@@ -230,10 +127,8 @@ def rows_merge_kernel(
     offs_d = tl.arange(0, D)
     base = (b * NQ + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - mx))
     o = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    out = merge_partials(o, lse, 0)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)
