@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from cfsm.errors import RejectedTokenError
+from cfsm.grammar.index import GrammarIndex
 from cfsm.masks.compressed import JumpPlan, utf8_prefix
 from cfsm.masks.index import Index
-
-if TYPE_CHECKING:
-    from cfsm.grammar.index import GrammarIndex
 
 __all__ = ["GrammarGuide", "Guide", "fill_next_token_bitmasks"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import regex
 
@@ -12,9 +12,7 @@ from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
 from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, json_escape
 from cfsm.regex.parser import parse_regex
 from cfsm.regex.syntax import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
-
-if TYPE_CHECKING:
-    from cfsm.schema.json_schema import SchemaCompiler
+from cfsm.schema.compiling import SchemaCompiling
 
 __all__ = ["MAX_ANY_ORDER_PROPERTIES", "object_members"]
 
@@ -25,16 +23,16 @@ MAX_ANY_ORDER_PROPERTIES = 10
 MAX_OVERLAPPING_PATTERNS = 3
 
 
-def _shared_key(comp: SchemaCompiler, shape: tuple[Any, ...] | None, key: Node) -> Node:
+def _shared_key(comp: SchemaCompiling, shape: tuple[Any, ...] | None, key: Node) -> Node:
     """`key` (a key language of products and complements) as a ready DFA, built once per compile
     for each object `shape` (patterns, declared names, region): objects copied where references
     are unrolled repeat them (JSONSchemaBench's govuk schemas: 224 complements of a few shapes)."""
     if shape is None:
         return key
-    hit = comp._memo.get(shape)
+    hit = comp.memo.get(shape)
     if hit is None:
         dfa = build_dfa(key)
-        hit = comp._memo[shape] = DfaNode(dfa) if dfa.num_states else NOTHING
+        hit = comp.memo[shape] = DfaNode(dfa) if dfa.num_states else NOTHING
     return hit
 
 
@@ -51,7 +49,7 @@ def _key(name: str) -> Node:
     return lit(json.dumps(name, ensure_ascii=False))
 
 
-def object_members(comp: SchemaCompiler, schema: dict[str, Any], path: str) -> Node:
+def object_members(comp: SchemaCompiling, schema: dict[str, Any], path: str) -> Node:
     """The text between the braces: declared properties, then undeclared ("extra") members.
 
     # NOTE: the `Shared` suffix nodes are only referenced in tail position, so they may be
@@ -219,7 +217,7 @@ def _satisfied(deps: dict[int, frozenset[int]], present: frozenset[int]) -> bool
 MAX_DEPENDENCY_MEMBERS = 10
 
 
-def _dependencies(comp: SchemaCompiler, schema: dict[str, Any], names: list[str], closed: bool,
+def _dependencies(comp: SchemaCompiling, schema: dict[str, Any], names: list[str], closed: bool,
                   path: str) -> dict[int, frozenset[int]]:
     """`dependentRequired` (and draft 4-7 `dependencies` with lists, or with schemas that only
     require names) as {member index: member indices it needs}, exact over the declared members.

@@ -67,12 +67,12 @@ from cfsm.schema.merge import (
     JSON_TYPES,
     Approximate,
     finite_values,
+    json_type,
     merge_schemas,
     quiet_merge,
     same_json,
+    type_set,
 )
-from cfsm.schema.merge import json_type as _type_of
-from cfsm.schema.merge import type_set as _type_set
 from cfsm.schema.narrow import (
     META_SCHEMA_SUBSET,
     multiple_of_subset,
@@ -185,7 +185,7 @@ class SchemaCompiler:
         self.expansions = 0  # unevaluated* expansions being compiled, one inside another
         self._any: dict[int, Node] = {}
         # per compile: equal number bounds and formats share one (immutable) syntax tree
-        self._memo: dict[tuple[Any, ...], Node] = {}
+        self.memo: dict[tuple[Any, ...], Node] = {}
 
     # ---- helpers ---------------------------------------------------------------------------
     def approximate(self, keyword: str, path: str, detail: str) -> None:
@@ -400,7 +400,7 @@ class SchemaCompiler:
         return (self.rules is not None and isinstance(sub, dict) and isinstance(sub.get("$ref"), str)
                 and not any(_is_assertion(k) for k in rest))
 
-    def _branch(self, rest: dict[str, Any], sub: Any, path: str) -> Node:
+    def branch(self, rest: dict[str, Any], sub: Any, path: str) -> Node:
         """`rest` and `sub` both (one branch of anyOf / oneOf / if)."""
         if self._plain_ref(rest, sub) or not any(_is_assertion(k) for k in rest):
             # NOTE: `rest` asserts nothing: `sub` alone, under the current base (merged, `rest`'s `$id` would win)
@@ -476,8 +476,8 @@ class SchemaCompiler:
                 rest = {k: v for k, v in schema.items() if k != key}
                 branches = list(schema[key])
                 if key == "oneOf" and len(branches) > 1:
-                    branches = self._exclusive(branches, f"{path}/oneOf", rest)
-                return alt(*(self._branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(branches)))
+                    branches = self.exclusive(branches, f"{path}/oneOf", rest)
+                return alt(*(self.branch(rest, sub, f"{path}/{key}/{i}") for i, sub in enumerate(branches)))
         dependent = _dependent_schema(schema)
         if dependent is None and self.cfg.narrow:
             absent = _dependents_absent(schema)
@@ -490,21 +490,21 @@ class SchemaCompiler:
             key, name, sub, rest = dependent
             present = {**rest, "required": [*rest.get("required", []), name]}
             absent = {**rest, "properties": {**rest.get("properties", {}), name: False}}
-            return alt(self._branch(present, sub, f"{path}/{key}/{name}"), self.node(absent, path))
+            return alt(self.branch(present, sub, f"{path}/{key}/{name}"), self.node(absent, path))
         if "if" in schema:
             rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
             negated = negation(schema["if"]) if "then" in schema or "else" in schema else None
             if negated is not None:
                 # exact: (if and then) or (not if and else), `not if` spelled as a schema
-                return alt(self._branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
-                           self._branch(rest, {"allOf": [negated, schema.get("else", True)]}, f"{path}/else"))
+                return alt(self.branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
+                           self.branch(rest, {"allOf": [negated, schema.get("else", True)]}, f"{path}/else"))
             if self.cfg.narrow and ("then" in schema or "else" in schema):
                 # a subset: (if and then) or (a subset of `not if`, and else)
                 self.narrowed("if", f"{path}/if", "the else branch only for values the condition surely rejects "
                               "(by type or simple keywords)")
                 subset = negation_subset(schema["if"], declare=not self.mentions_unevaluated)
-                return alt(self._branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
-                           self._branch(rest, {"allOf": [subset, schema.get("else", True)]}, f"{path}/else")
+                return alt(self.branch(rest, {"allOf": [schema["if"], schema.get("then", True)]}, f"{path}/then"),
+                           self.branch(rest, {"allOf": [subset, schema.get("else", True)]}, f"{path}/else")
                            if subset is not False else NOTHING)
             if "then" in schema and "else" in schema:
                 self.approximate("if", f"{path}/if", "compiled as anyOf [then, else] (the condition is not checked)")
@@ -513,8 +513,8 @@ class SchemaCompiler:
                 cond = schema["if"]
                 names: dict[str, Any] = {"properties": dict.fromkeys(cond["properties"], {})} \
                     if isinstance(cond, dict) and isinstance(cond.get("properties"), dict) else {}
-                return alt(self._branch(rest, {"allOf": [cond, schema["then"]]}, f"{path}/then"),
-                           self._branch(rest, {"allOf": [names, schema["else"]]}, f"{path}/else"))
+                return alt(self.branch(rest, {"allOf": [cond, schema["then"]]}, f"{path}/then"),
+                           self.branch(rest, {"allOf": [names, schema["else"]]}, f"{path}/else"))
             if "then" in schema or "else" in schema:
                 self.approximate("if", f"{path}/if", "the conditional branch is not enforced")
             return self.node(rest, path)
@@ -524,15 +524,15 @@ class SchemaCompiler:
                           "keywords or properties)")
             subset = negation_subset(schema["not"], declare=not self.mentions_unevaluated)
             rest = {k: v for k, v in schema.items() if k != "not"}
-            return NOTHING if subset is False else self._branch(rest, subset, f"{path}/not")
+            return NOTHING if subset is False else self.branch(rest, subset, f"{path}/not")
         return self._typed_union(schema, path)
 
-    def _exclusive(self, branches: list[Any], path: str, rest: dict[str, Any] | None = None) -> list[Any]:
+    def exclusive(self, branches: list[Any], path: str, rest: dict[str, Any] | None = None) -> list[Any]:
         """`oneOf` as alternatives that are exact where they can be: the branches themselves when
         no two can match one value beside the schema's other keywords `rest` (`_disjoint`), else
         branch i with every other branch negated where each has a simple negation (`negation`);
         otherwise the branches as `anyOf`, reported."""
-        resolved = [self._peek(b) for b in branches]
+        resolved = [self.peek(b) for b in branches]
         applied = [quiet_merge(rest, b) if isinstance(b, dict) and rest else b for b in resolved]
         if all(_disjoint(a, b) for a, b in itertools.combinations(applied, 2)):
             return branches
@@ -551,7 +551,7 @@ class SchemaCompiler:
         self.approximate("oneOf", path, "compiled as anyOf (exclusivity not enforced)")
         return branches
 
-    def _peek(self, sub: Any) -> Any:
+    def peek(self, sub: Any) -> Any:
         """`sub` with a plain `$ref` followed (for comparisons only; nothing is entered), or
         `sub` itself where the reference does not resolve here."""
         for _ in range(8):
@@ -571,10 +571,10 @@ class SchemaCompiler:
         if "enum" in schema or "const" in schema:
             values = [schema["const"]] if "const" in schema else list(schema["enum"])
             if types is not None:
-                values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
+                values = [v for v in values if json_type(v) in types or (json_type(v) == "integer" and "number" in types)]
             values = [v for v in values if not any(same_json(v, x) for x in excluded)]
             if any(x is _NON_INTEGER for x in excluded):
-                values = [v for v in values if _type_of(v) != "integer"]
+                values = [v for v in values if json_type(v) != "integer"]
             if not values:
                 return NOTHING
             listed = alt(*(self.value_node(v) for v in values))
@@ -668,7 +668,7 @@ class SchemaCompiler:
             return [t for t in base if t not in named]
         if self.cfg.narrow:
             self.narrowed("not", path, "only the JSON types the negated schema cannot have")
-            rejected = _type_set(sub)
+            rejected = type_set(sub)
             base = list(types) if types is not None else list(_TYPES)
             return [t for t in base if ("number" if t == "integer" else t) not in rejected]
         self.approximate("not", path, "not enforced (only `not` over types is)")
@@ -684,7 +684,7 @@ class SchemaCompiler:
                 return NOTHING
             if t == "number":
                 node = Intersect([node, _NON_INTEGER_TEXT])
-        mine = [v for v in excluded if _type_of(v) == t or t == "number" and _type_of(v) == "integer"]
+        mine = [v for v in excluded if json_type(v) == t or t == "number" and json_type(v) == "integer"]
         if not mine:
             return node
         if t == "null":
@@ -784,7 +784,7 @@ class SchemaCompiler:
     def number(self, schema: dict[str, Any], path: str, integer: bool) -> Node:
         keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
         key = ("number", integer, *(repr(schema.get(k)) for k in keys))
-        hit = self._memo.get(key)
+        hit = self.memo.get(key)
         if hit is None:
             hit = self._number(schema, path, integer)
             mult = schema.get("multipleOf")
@@ -792,7 +792,7 @@ class SchemaCompiler:
                 float(mult).is_integer()  # `_number` spells multiples of an integer as integers
             if whole and self.cfg.integers_as_floats:
                 hit = cat(hit, _ZERO_FRACTION)
-            self._memo[key] = hit
+            self.memo[key] = hit
         return hit
 
     def _number(self, schema: dict[str, Any], path: str, integer: bool) -> Node:
@@ -922,15 +922,15 @@ class SchemaCompiler:
             simple = k == 0 and rest is not None and lo <= 1 and hi is None and schema.get("uniqueItems") is not True
             base = {} if items is None else {"allOf": [items]}
             if simple and rest is not None and most is None and wanted <= MAX_MIN_CONTAINS:
-                hit = self._branch(base, schema["contains"], f"{path}/contains")
+                hit = self.branch(base, schema["contains"], f"{path}/contains")
                 loop = Repeat(cat(rest, self.comma), 0, None)
                 body = cat(loop, hit, *([self.comma, loop, hit] * (wanted - 1)), Repeat(cat(self.comma, rest), 0, None))
                 return cat(lit("["), self.ws, body, self.ws, lit("]"))
             negated = negation(schema["contains"])
             if simple and negated is not None and most is not None and int(most) <= MAX_MIN_CONTAINS:
                 # exact: items that match `contains` counted between minContains and maxContains
-                hit = self._branch(base, schema["contains"], f"{path}/contains")
-                miss = self._branch(base, negated, f"{path}/contains")
+                hit = self.branch(base, schema["contains"], f"{path}/contains")
+                miss = self.branch(base, negated, f"{path}/contains")
                 counts = [_counted(hit, miss, self.comma, j) for j in range(wanted, int(most) + 1)]
                 return cat(lit("["), self.ws, alt(*counts) if counts else NOTHING, self.ws, lit("]"))
             self.approximate("contains", f"{path}/contains", "not enforced beyond a non-empty array")
@@ -964,7 +964,7 @@ class SchemaCompiler:
         if "enum" in items or "const" in items:
             values = [items["const"]] if "const" in items else list(items["enum"])
             if types is not None:
-                values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
+                values = [v for v in values if json_type(v) in types or (json_type(v) == "integer" and "number" in types)]
         elif types is not None and set(types) <= {"boolean", "null"}:
             values = [*([True, False] if "boolean" in types else []), *([None] if "null" in types else [])]
         else:
@@ -1087,14 +1087,14 @@ def _disjoint(a: Any, b: Any) -> bool:
     """Whether no JSON value can be valid under both `a` and `b` (a sufficient test: disjoint
     types, disjoint `const` / `enum` lists or literal patterns (`finite_values`), or objects that require one property with disjoint
     schemas: a discriminated union)."""
-    if not _type_set(a) & _type_set(b):
+    if not type_set(a) & type_set(b):
         return True
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
     va, vb = finite_values(a), finite_values(b)
     if va is not None and vb is not None and not any(same_json(x, y) for x in va for y in vb):
         return True
-    if _type_set(a) & _type_set(b) == {"object"}:  # a value valid under both is an object
+    if type_set(a) & type_set(b) == {"object"}:  # a value valid under both is an object
         pa, pb = a.get("properties"), b.get("properties")
         ra, rb = a.get("required"), b.get("required")
         if isinstance(pa, dict) and isinstance(pb, dict) and isinstance(ra, list) and isinstance(rb, list):

@@ -1,7 +1,7 @@
 """Narrowings (`CfsmConfig.narrow`, the default): subsets of a keyword's language where cfsm
 cannot compile it exactly, so that generation never produces an invalid document.
 
-Each narrowing is recorded as an `Approximation` of kind "subset" (`SchemaCompiler.narrowed`) and is
+Each narrowing is recorded as an `Approximation` of kind "subset" (`SchemaCompiling.narrowed`) and is
 exact-safe by construction: every value it accepts is valid under the schema.
 
 - `uniqueItems` over items that are not a few scalar values: the items have distinct JSON types
@@ -22,14 +22,12 @@ exact-safe by construction: every value it accepts is valid under the schema.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cfsm.regex.syntax import EMPTY, NOTHING, Node, Scope, Shared, alt, cat, lit
+from cfsm.schema.compiling import SchemaCompiling
 from cfsm.schema.keywords import ALL_TYPES, INDEPENDENT, STRUCTURAL, negation
 from cfsm.schema.merge import type_set
-
-if TYPE_CHECKING:
-    from cfsm.schema.json_schema import SchemaCompiler
 
 __all__ = ["unique_by_type", "negation_subset", "prefer_declared", "possible_types", "META_SCHEMA_SUBSET", "multiple_of_subset", "TYPE_BUCKETS"]
 
@@ -113,7 +111,7 @@ def possible_types(schema: Any) -> set[str]:
     return out
 
 
-def unique_by_type(comp: SchemaCompiler, prefix: list[Any], items: Any, lo: int, hi: int | None, path: str) -> Node:
+def unique_by_type(comp: SchemaCompiling, prefix: list[Any], items: Any, lo: int, hi: int | None, path: str) -> Node:
     """`uniqueItems` narrowed: arrays (prefix items, then `items`; None: any value) lo to hi items
     long whose items all have different JSON types (`TYPE_BUCKETS`)."""
     comp.narrowed("uniqueItems", f"{path}/uniqueItems",
@@ -123,11 +121,11 @@ def unique_by_type(comp: SchemaCompiler, prefix: list[Any], items: Any, lo: int,
         if sub is False:
             return {}
         sub = True if sub is None else sub
-        allowed = type_set(comp._peek(sub))
+        allowed = type_set(comp.peek(sub))
         out: dict[int, Node] = {}
         for i, t in enumerate(TYPE_BUCKETS):
             if t in allowed:
-                node = comp._branch({"type": t}, sub, where)
+                node = comp.branch({"type": t}, sub, where)
                 if node is not NOTHING:
                     out[i] = node
         return out

@@ -8,7 +8,7 @@ names, `patternProperties` patterns, whether `additionalProperties` saw the rest
 length and whether `items` saw the rest. An `unevaluated*` keyword then becomes the
 `additionalProperties` / `items` of each flat schema. `anyOf` takes every non-empty subset of
 its branches (the subset of branches that match is the one whose evaluations count), `oneOf`
-each branch alone (with the others negated where `_exclusive` can), `if` the two cases (the
+each branch alone (with the others negated where `SchemaCompiling.exclusive` can), `if` the two cases (the
 failed condition's evaluations dropped). A subschema's own `unevaluated*` applies to what it
 evaluates alone (cousins do not see each other), so conjunctions merge each side's
 `additionalProperties` / `items` only over the members that side does not declare itself.
@@ -23,14 +23,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cfsm.errors import CfsmError
+from cfsm.schema.compiling import SchemaCompiling
 from cfsm.schema.keywords import negation
 from cfsm.schema.merge import merge_schemas
-
-if TYPE_CHECKING:
-    from cfsm.schema.json_schema import SchemaCompiler
+from cfsm.schema.narrow import negation_subset
 
 __all__ = ["expand_unevaluated", "mentions_unevaluated", "MAX_ALTERNATIVES"]
 
@@ -68,7 +67,7 @@ class _Inexact(Exception):
 Alternative = tuple[dict[str, Any], Evaluated]
 
 
-def mentions_unevaluated(comp: SchemaCompiler, schema: Any, depth: int = 0) -> bool:
+def mentions_unevaluated(comp: SchemaCompiling, schema: Any, depth: int = 0) -> bool:
     """Whether an `unevaluated*` keyword sits in `schema` or a subschema it applies in place."""
     if not isinstance(schema, dict) or depth > MAX_DEPTH or not comp.mentions_unevaluated:
         return False
@@ -87,7 +86,7 @@ def mentions_unevaluated(comp: SchemaCompiler, schema: Any, depth: int = 0) -> b
     return any(mentions_unevaluated(comp, s, depth + 1) for s in subs)
 
 
-def expand_unevaluated(comp: SchemaCompiler, schema: dict[str, Any], path: str) -> list[dict[str, Any]] | None:
+def expand_unevaluated(comp: SchemaCompiling, schema: dict[str, Any], path: str) -> list[dict[str, Any]] | None:
     """`schema` as flat alternatives (see the module docstring), or None where that is not exact."""
     try:
         return [_declare_required(flat) for flat, _ in _alternatives(comp, schema, path, comp.bases[-1], 0)]
@@ -123,13 +122,13 @@ def _evaluated(local: dict[str, Any]) -> Evaluated:
                      "additionalProperties" in local, prefix, all_items, "contains" in local)
 
 
-def _product(comp: SchemaCompiler, a: list[Alternative], b: list[Alternative], path: str) -> list[Alternative]:
+def _product(comp: SchemaCompiling, a: list[Alternative], b: list[Alternative], path: str) -> list[Alternative]:
     if len(a) * len(b) > MAX_ALTERNATIVES:
         raise _Inexact
     return [(_conjoin(comp, fa, fb, path), ea | eb) for fa, ea in a for fb, eb in b]
 
 
-def _alternatives(comp: SchemaCompiler, schema: Any, path: str, base: str, depth: int) -> list[Alternative]:
+def _alternatives(comp: SchemaCompiling, schema: Any, path: str, base: str, depth: int) -> list[Alternative]:
     if depth > MAX_DEPTH:
         raise _Inexact
     if schema is True or schema == {}:
@@ -170,7 +169,7 @@ def _alternatives(comp: SchemaCompiler, schema: Any, path: str, base: str, depth
     branches = _list(schema, "oneOf")
     if branches:
         if len(branches) > 1:
-            branches = comp._exclusive(branches, f"{path}/oneOf")
+            branches = comp.exclusive(branches, f"{path}/oneOf")
         options = [x for i, b in enumerate(branches) for x in _alternatives(comp, b, f"{path}/oneOf/{i}", base,
                                                                             depth + 1)]
         acc = _product(comp, acc, options, path)
@@ -193,10 +192,8 @@ def _list(schema: dict[str, Any], key: str) -> list[Any]:
     return value
 
 
-def _conditional(comp: SchemaCompiler, schema: dict[str, Any], path: str, base: str, depth: int) -> list[Alternative]:
+def _conditional(comp: SchemaCompiling, schema: dict[str, Any], path: str, base: str, depth: int) -> list[Alternative]:
     """`if` / `then` / `else`: (if and then, both evaluated) or (not if and else, else evaluated)."""
-    from cfsm.schema.narrow import negation_subset
-
     negated = negation(schema["if"])
     if negated is None and comp.cfg.narrow and ("then" in schema or "else" in schema):
         comp.narrowed("if", f"{path}/if", "the else branch only for values the condition surely rejects")
@@ -234,7 +231,7 @@ def _own_unevaluated(schema: dict[str, Any], flat: dict[str, Any], ev: Evaluated
     return flat, ev
 
 
-def _conjoin(comp: SchemaCompiler, a: dict[str, Any], b: dict[str, Any], path: str) -> dict[str, Any]:
+def _conjoin(comp: SchemaCompiling, a: dict[str, Any], b: dict[str, Any], path: str) -> dict[str, Any]:
     """Both flat schemas, each side's `additionalProperties` / `items` applying to what that side
     does not declare (merge_schemas would let it see the other side's declarations)."""
     out = merge_schemas({k: v for k, v in a.items() if k not in _MEMBERWISE},
