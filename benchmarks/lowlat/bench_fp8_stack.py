@@ -5,7 +5,7 @@ A 32-layer Llama-3-8B-shaped stack (random bf16 weights; FP8 = the same weights 
 per layer for bf16 weights + bf16 KV, FP8 weights + bf16 KV, FP8 weights + FP8 KV, against each one's memory floor
 (weights + KV read at ``--bandwidth-tbs``). First, layer 0 of each against the reference layer (``lowlat.reference``:
 the dequantized weights in float32, the same cache) on fresh random inputs. ``--tables``: a JSON list of
-``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec)]`` entries to time as the FP8 stack's table too
+``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec(, acc2d))]`` entries to time as the FP8 stack's table too
 (``fp8w+kv table``); ``--stacks``: which of the stacks to build and time. ``--merge-ab``: each stack also with the other
 split-KV merge (``LaunchConfig.fused_merge`` flipped: a merge launch of its own, or the last split merging), timed
 right before it; ``--attn-blocks``: each stack also with that decode-attention KV block at every batch; ``--profile``:
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-kernel marginal time of each stack (kprof.py)")
     ap.add_argument("--attn-blocks", default="", help="comma list of decode-attention KV blocks: each stack also with "
                                                       "that block at every batch (LaunchConfig.attn_tuned)")
+    ap.add_argument("--l2-prefetch", default="", help="comma list of MiB: each stack also with LaunchConfig.l2_prefetch "
+                                                       "of that many MiB (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -72,7 +74,8 @@ def main() -> None:
         ctx = replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype)
         stacks[name] = (nvidia.build(ctx), weights, kv_dtype)
     if args.tables and "table" in chosen:
-        entries = tuple((e[0], e[1], ops.GemvConfig(*e[2:7], vec=e[7] if len(e) > 7 else 0))
+        entries = tuple((e[0], e[1], ops.GemvConfig(*e[2:7], vec=e[7] if len(e) > 7 else 0,
+                                                    acc2d=len(e) > 8 and bool(e[8])))
                         for e in json.loads(args.tables))
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
         bl.lc = replace(bl.lc, tuned=entries + bl.lc.tuned)  # first match wins: these, then the stack's own
@@ -91,6 +94,12 @@ def main() -> None:
             other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
             other.lc = replace(bl.lc, attn_tuned=((1 << 30, block),))
             stacks[f"{name} attn{block}"] = (other, weights, kv_dtype)
+    for mib in [int(v) for v in args.l2_prefetch.split(",") if v]:
+        for name in base:
+            bl, weights, kv_dtype = stacks[name]
+            other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
+            other.lc = replace(bl.lc, l2_prefetch=mib << 20)
+            stacks[f"{name} pf{mib}"] = (other, weights, kv_dtype)
     print(f"device={torch.cuda.get_device_name()} build {time.time() - t0:.0f}s", flush=True)
 
     def caches(kv_dtype: torch.dtype, layers: int) -> list[KVCache]:

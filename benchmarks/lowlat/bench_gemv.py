@@ -65,10 +65,11 @@ def configs_from_arg(text: str) -> Any:
     for item in filter(None, text.split(",")):
         stage, _, spec = item.rpartition("=")
         variant, *nums = spec.split(":")
-        if len(nums) not in (4, 5):
-            raise SystemExit(f"--configs: {item!r} is not [stage=]variant:block_n:block_k:warps:stages[:vec]")
+        if len(nums) not in (4, 5, 6):
+            raise SystemExit(f"--configs: {item!r} is not [stage=]variant:block_n:block_k:warps:stages[:vec[:acc2d]]")
         vals = [int(v) for v in nums]
-        entries.append((stage, ops.GemvConfig(variant, *vals[:4], vec=vals[4] if len(vals) == 5 else 0)))
+        entries.append((stage, ops.GemvConfig(variant, *vals[:4], vec=vals[4] if len(vals) >= 5 else 0,
+                                              acc2d=len(vals) == 6 and vals[5] == 1)))
 
     def cands(stage: str) -> list[ops.GemvConfig]:
         return [cfg for only, cfg in entries if only in ("", stage)]
@@ -88,7 +89,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default="",
                     help="time only these GEMV configs instead of the sweep: comma list of [stage=]variant:block_n:"
-                         "block_k:warps:stages[:vec] (qkv: block_n = rotary pairs; vec: GemvConfig.vec), e.g. "
+                         "block_k:warps:stages[:vec[:acc2d]] (qkv: block_n = rotary pairs; vec: GemvConfig.vec; acc2d 1: "
+                         "GemvConfig.acc2d), e.g. "
                          "qkv=rows:4:1024:8:2,dot:32:256:4:3,rows:4:4096:8:2:8")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 projections with per-row scales")
@@ -255,6 +257,7 @@ def main() -> None:
     for stage, b, cfg in tables:
         programs = f", {cfg.programs}" if cfg.programs else ""
         vec = f", vec={cfg.vec}" if cfg.vec else ""
+        vec += ", acc2d=True" if cfg.acc2d else ""
         print(f"        ({stage!r}, {b}, GemvConfig({cfg.variant!r}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, "
               f"{cfg.num_stages}{programs}{vec})),")
     print("    ),")

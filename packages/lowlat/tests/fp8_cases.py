@@ -75,13 +75,20 @@ def _lc(shape: LayerShape, variant: str | None, batch: int) -> ops.LaunchConfig:
     # rows8: the row-wise kernels with 8-element weight loads (GemvConfig.vec; a hint the interpreter ignores);
     # rows16: 16-element weight loads with the activations loaded in the weight tile's shape (its own code path);
     # mrow: the multi-row kernels (qkv: 8 rotary pairs, an MMA of 16 weight rows on a GPU)
-    blocks = {"rows": (2, 64), "rows8": (2, 64), "rows16": (2, 64), "dot": (16, 64), "mrow": (16, 32)}[variant]
+    # rowsa / rows16a: with the tile-shaped accumulator (GemvConfig.acc2d; at one row); mrow_f16: the multi-row kernels'
+    # MMA in fp16
+    acc2d = variant.endswith("a") and variant.startswith("rows")
+    variant = variant[:-1] if acc2d else variant
+    blocks = {"rows": (2, 64), "rows8": (2, 64), "rows16": (2, 64), "dot": (16, 64), "mrow": (16, 32),
+              "mrow_f16": (16, 32)}[variant]
     qkv_p = 2
     if GPU:
-        blocks = {"rows": (4, 1024), "rows8": (4, 1024), "rows16": (4, 1024), "dot": (32, 256), "mrow": (32, 256)}[variant]
-        qkv_p = 8 if variant == "mrow" else 2
+        blocks = {"rows": (4, 1024), "rows8": (4, 1024), "rows16": (4, 1024), "dot": (32, 256), "mrow": (32, 256),
+                  "mrow_f16": (32, 256)}[variant]
+        qkv_p = 8 if variant.startswith("mrow") else 2
     kind, vec = ("rows", int(variant[4:])) if variant.startswith("rows") and variant != "rows" else (variant, 0)
-    entries = tuple((stage, 16, ops.GemvConfig(kind, blocks[0] if stage != "qkv" else qkv_p, blocks[1], vec=vec))
+    entries = tuple((stage, 16, ops.GemvConfig(kind, blocks[0] if stage != "qkv" else qkv_p, blocks[1], vec=vec,
+                                               acc2d=acc2d))
                     for stage in ops.GEMV_STAGES)
     return replace(lc, tuned=entries)
 
@@ -115,7 +122,13 @@ GEMV_CASES = [
     pytest.param(shape, variant, batch, id=f"{batch}-{variant or 'tuned'}-h{shape.hidden_size}",
                  marks=pytest.mark.slow if variant == "rows16" and not GPU and (shape, batch) != (SHAPES[0], 3) else ())
     for shape in SHAPES for variant in ["rows", "rows16", "dot", "mrow", None, *ROWS8] for batch in [1, 3]
-]
+] + [  # the tile-shaped accumulator (one row only: at 3 rows it is "rows"); the fp16 MMA (on a GPU: the interpreter
+    # runs every mrow dot in float32)
+    pytest.param(shape, variant, 1, id=f"1-{variant}-h{shape.hidden_size}",
+                 marks=pytest.mark.slow if not GPU and shape != SHAPES[0] else ())
+    for shape in SHAPES for variant in ["rowsa", *(["rows16a"] if GPU else [])]
+] + [pytest.param(shape, "mrow_f16", batch, id=f"{batch}-mrow_f16-h{shape.hidden_size}")
+     for shape in (SHAPES if GPU else []) for batch in [1, 3]]
 
 
 @pytest.mark.parametrize(("shape", "variant", "batch"), GEMV_CASES)
@@ -142,7 +155,7 @@ def test_fp8_gemv_stages_match_float64(shape: LayerShape, variant: str | None, b
 QKV_CASES = [  # rows16 with a model-dtype cache in the interpreter's slow tier (as GEMV_CASES)
     pytest.param(kv_fp8, variant, id=f"{'kv-fp8' if kv_fp8 else 'kv-model-dtype'}-{variant}",
                  marks=pytest.mark.slow if variant == "rows16" and not kv_fp8 and not GPU else ())
-    for variant in ["rows", "rows16", "dot", "mrow", *ROWS8] for kv_fp8 in [False, True]
+    for variant in ["rows", "rows16", "dot", "mrow", *(["mrow_f16"] if GPU else []), *ROWS8] for kv_fp8 in [False, True]
 ]
 
 
@@ -171,6 +184,34 @@ def test_fp8_qkv_rope_kv_write_matches_float64(shape: LayerShape, variant: str, 
     else:
         assert _rel(kv.k[loc], rk) < TOL and _rel(kv.v[loc], rv) < TOL
     others = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    others[loc] = False
+    assert torch.equal(kv.k[others].view(torch.uint8), before.k[others].view(torch.uint8))
+    assert torch.equal(kv.v[others].view(torch.uint8), before.v[others].view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=lambda s: f"h{s.hidden_size}")
+@pytest.mark.parametrize("variant", ["rowsa", *(["rows16a"] if GPU else [])])
+def test_fp8_qkv_one_row_acc2d_matches_float64(shape: LayerShape, variant: str) -> None:
+    """The qkv + RoPE + FP8 KV write with the tile-shaped accumulator (``GemvConfig.acc2d``: one row only) against
+    float64 on the dequantized weights; the K/V bytes of every other slot untouched."""
+    g = _gen(11)
+    w = fp8_layer(shape, g)
+    meta = decode_meta([7], 16, 8, DEVICE, generator=g)
+    kv = fp8_kv(shape, 16, g, 0.07, 0.02)
+    before = KVCache(kv.k.clone(), kv.v.clone())
+    x = torch.randn(1, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
+    q = torch.full((1, shape.q_size), float("nan"), device=DEVICE, dtype=DTYPE)
+    ops.qkv_rope(x, w, kv, meta, q, shape, _lc(shape, variant, 1))
+    h = rms_norm(x.double(), w.input_norm.double(), shape.rms_eps)
+    rq, rk, rv = (h @ dequantized(w.qkv, w.qkv_scale, torch.float64).T).split(
+        [shape.q_size, shape.kv_size, shape.kv_size], -1)
+    rq = apply_rope(rq.view(1, shape.num_heads, -1), meta.positions, w.rope_inv_freq).reshape(1, -1)
+    rk = apply_rope(rk.view(1, shape.num_kv_heads, -1), meta.positions, w.rope_inv_freq)
+    loc = meta.out_cache_loc.long()
+    assert _rel(q, rq) < TOL
+    assert _rel(kv.k[loc].double() * kv.k_scale, rk) < 4e-2
+    assert _rel(kv.v[loc].double() * kv.v_scale, rv.view(1, shape.num_kv_heads, -1)) < 4e-2
+    others = torch.ones(16, dtype=torch.bool, device=DEVICE)
     others[loc] = False
     assert torch.equal(kv.k[others].view(torch.uint8), before.k[others].view(torch.uint8))
     assert torch.equal(kv.v[others].view(torch.uint8), before.v[others].view(torch.uint8))
@@ -233,6 +274,33 @@ def test_fp8_layer_matches_reference(shape: LayerShape, kv_fp8: bool) -> None:
         else:
             assert _rel(kv.k, kv_ref.k) < TOL and _rel(kv.v, kv_ref.v) < TOL
         x = out.clone()
+
+
+def _layers_with_l2_prefetch_match_reference(shape: LayerShape) -> None:
+    """The built stack at one row with ``LaunchConfig.l2_prefetch`` on (every row-wise GEMV launch requests its share
+    of the next stage's weights into L2, layer 0's down the next layer's qkv): a hint only, the outputs and the FP8
+    cache as without it."""
+    g = _gen(15)
+    weights = [fp8_layer(shape, g) for _ in range(2)]
+    built = _build(shape, weights, FP8_DTYPE)
+    one_row = tuple((stage, 1, ops.GemvConfig("rows", 2, 1024, 4, 2, vec=16)) for stage in ops.GEMV_STAGES)
+    built.lc = replace(built.lc, l2_prefetch=32 << 20, tuned=one_row + built.lc.tuned)
+    meta = decode_meta([700], 800, 1024, DEVICE, generator=g)
+    kv = fp8_kv(shape, 800, g, 0.06, 0.04)
+    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
+    x = torch.randn(1, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
+    for layer in range(2):
+        out = built.forward(layer, x, kv, meta)
+        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
+        assert _rel(out, ref) < 3 * TOL, layer
+        assert _rel(kv.k.float(), kv_ref.k.float()) < 4e-2 and _rel(kv.v.float(), kv_ref.v.float()) < 4e-2
+        x = out.clone()
+
+
+# the L2 prefetch is inline PTX (sm_90): a GPU case only (the interpreter parents allow no skipped case)
+if GPU:
+    test_fp8_layers_with_l2_prefetch_match_reference = pytest.mark.parametrize(
+        "shape", SHAPES, ids=lambda s: f"h{s.hidden_size}")(_layers_with_l2_prefetch_match_reference)
 
 
 def test_amd_plugin_refuses_fp8_weights_with_a_reason() -> None:

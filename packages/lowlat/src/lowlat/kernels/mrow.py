@@ -35,6 +35,11 @@ benchmarks/RESULTS.md issue 34, 2026-12-02):
 FP8 (e4m3) weights (``HAS_SCALE``): each tile is widened to bf16 in registers before the MMA (exact) and the finished
 float32 sums take their rows' scales (before the residual). At 8 rows on the H200 8B shape they win gate-up only
 (128 x 128, 8 warps: 51.7 us vs ``dot`` 56.8) and lose 45-58% on o_proj and down (16.2 vs 11.2, 47.6 vs 30.1).
+- ``mrow_f16`` (FP8 weights widened to fp16, one conversion per two weights, instead of bf16 through float32: in
+  the sm_90 code of an FP8 gate-up tile 256 slow-pipe ``F2F`` conversions per step go away): at one row on the H200
+  (RESULTS.md issue 33, 2026-12-02) gate-up 64 x 256 (4 warps, 3 stages) 32.98 us against the row-wise 33.32 (noise),
+  o_proj 8.72 (32 x 256) against 6.04, down 22.26 (32 x 512) against 16.93, qkv 16.52 (32 pairs) against 10.16; at
+  8 rows not measured. In no table. Activations above 65,504 in magnitude would overflow fp16.
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
@@ -50,13 +55,18 @@ from lowlat.kernels.layer import _rope_factors, _rope_store, row_scales
 @triton.jit
 def _wx(w, x, acc, MMA: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc (BN, BM) + w (BN, BK) @ x (BM, BK).T``; ``x`` is float32 (already scaled). FP8 (e4m3) weights: the tile
-    widened to bf16 in registers (exact: every e4m3 value is one), the rows rounded to bf16 as for bf16 weights."""
+    widened to bf16 in registers (exact: every e4m3 value is one), the rows rounded to bf16 as for bf16 weights;
+    ``MMA`` 2 (``mrow_f16``): to fp16 instead (exact too; one ``cvt.rn.f16x2.e4m3x2`` per two weights, where bf16
+    goes through float32: three conversions on the slow conversion pipe), the rows rounded to fp16 (more mantissa than
+    bf16; finite only below 65504 in magnitude)."""
     # NOTE: one if / elif / else chain (layer._dot's note: a fall-through fp8 dot would be traced)
     W_FP8: tl.constexpr = w.dtype.is_fp8()
     if not MMA:
         out = acc + tl.sum(w.to(tl.float32)[:, None, :] * x[None, :, :], 2)
     elif DOT_F32:
         out = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
+    elif W_FP8 and MMA == 2:
+        out = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc)
     elif W_FP8:
         out = tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)), acc)
     else:

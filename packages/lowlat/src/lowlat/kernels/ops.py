@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lowlat.moe import MoEShape
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
-GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma")
+GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma", "mrow_f16")
 PDL_RELEASES = ("auto", "early", "late")
 
 
@@ -45,6 +45,10 @@ class GemvConfig:
     # 8-byte loads in the activation row's register layout, no shared-memory staging; 16: 16-byte FP8 loads with the
     # activation rows loaded in the weight tile's shape, no staging either; lowlat.kernels.gemv)
     vec: int = 0
+    # rows kernels at one row: per-element FMAs into a tile-shaped float32 accumulator over all of K, one reduction
+    # after the loop (else a reduction across the threads per K step; lowlat.kernels.gemv: measured slower on the H200
+    # FP8 8B stages, in no table)
+    acc2d: bool = False
 
     def __post_init__(self) -> None:
         if self.variant not in GEMV_VARIANTS:
@@ -71,7 +75,12 @@ class GemvConfig:
     @property
     def mma(self) -> bool:
         """Whether a ``mrow`` kernel uses the tensor cores."""
-        return self.variant == "mrow"
+        return self.variant in ("mrow", "mrow_f16")
+
+    @property
+    def mma_kind(self) -> int:
+        """The ``mrow`` kernels' ``MMA``: 0 CUDA cores, 1 tensor cores, 2 tensor cores in fp16 for FP8 weights."""
+        return 2 if self.variant == "mrow_f16" else int(self.mma)
 
 
 def _grid(tiles: int, programs: int) -> tuple[tuple[int], bool]:
@@ -127,6 +136,12 @@ class LaunchConfig:
     # uses as many as the launch's requests need (the empty splits' programs return, the merge reads the used ones);
     # 0: the per-row kernel's split count (measured above). Not measured end to end yet (issue 34)
     rows_wide_splits: int = 0
+    # > 0: the row-wise GEMV launches (qkv, o_proj, gate-up, down) request up to this many bytes of the next stage's
+    # weights into L2 after their own tiles (``gemv.l2_prefetch``; the stack passes the qkv launch o_proj's weights,
+    # o_proj gate-up's, gate-up down's, down the next layer's qkv), so that the memory keeps streaming through launch
+    # tails and the attention; 0: none. H200, FP8 8B stack at batch 1 (benchmarks/RESULTS.md issue 33, 2026-12-02):
+    # 70.4 us per layer without, 74.2 / 80.1 / 86.2 with 16 / 32 / 64 MiB: off (tuning.FP8_L2_PREFETCH empty)
+    l2_prefetch: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -147,6 +162,7 @@ class LaunchConfig:
             )
         from lowlat.kernels.tuning import (
             tuned_attention,
+            tuned_l2_prefetch,
             tuned_pdl_release,
             tuned_table,
             tuned_verify_wins_up_to,
@@ -158,7 +174,7 @@ class LaunchConfig:
                    tuned=tuned_table(props.name, shape, fp8), pdl_release=tuned_pdl_release(props.name, shape), fp8=fp8,
                    attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe, fp8),
                    verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape, fp8),
-                   rows_attention_up_to=16)
+                   rows_attention_up_to=16, l2_prefetch=tuned_l2_prefetch(props.name, shape, fp8))
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:
@@ -191,6 +207,15 @@ class LaunchConfig:
                 return cfg
         block_n = self.qkv_block_p if stage == "qkv" else self.gemv_block_n
         return GemvConfig("dot", block_n, self.gemv_block_k, self.num_warps, self.num_stages)
+
+
+def _prefetch_kw(prefetch: torch.Tensor | None, lc: LaunchConfig, cfg: GemvConfig) -> dict[str, object]:
+    """The row-wise kernels' L2 prefetch arguments: up to ``lc.l2_prefetch`` bytes of ``prefetch`` (a contiguous
+    tensor; none on the CPU, in other kernels, or without a tensor)."""
+    if prefetch is None or lc.l2_prefetch <= 0 or prefetch.device.type != "cuda" or not cfg.row_wise:
+        return {}
+    nbytes = min(lc.l2_prefetch, prefetch.numel() * prefetch.element_size()) // 16 * 16
+    return {"pf_ptr": prefetch, "pf_bytes": nbytes, "PREFETCH": nbytes > 0} if nbytes else {}
 
 
 def _kw(dev: torch.device, lc: LaunchConfig, pdl: bool = True, cfg: GemvConfig | None = None) -> dict[str, object]:
@@ -241,10 +266,11 @@ def check_head_dim(shape: LayerShape) -> None:
 
 def qkv_rope(
     x: torch.Tensor, w: AttentionWeights, kv: KVCache, meta: ForwardMeta, q_out: torch.Tensor, shape: LayerShape, lc: LaunchConfig,
-    grid_programs: int | None = None,
+    grid_programs: int | None = None, prefetch: torch.Tensor | None = None,
 ) -> None:
     """RMSNorm + QKV + RoPE of ``x`` (B, hidden): writes ``q_out`` (B, q_size) and K/V at out_cache_loc (FP8 weights:
-    ``w.qkv_scale``; an FP8 cache: quantized with ``kv``'s scales)."""
+    ``w.qkv_scale``; an FP8 cache: quantized with ``kv``'s scales). ``prefetch``: the next stage's weights
+    (``LaunchConfig.l2_prefetch``)."""
     b, dev = x.shape[0], x.device
     scale: torch.Tensor | None = getattr(w, "qkv_scale", None)
     cfg = lc.gemv_config("qkv", b)
@@ -259,11 +285,12 @@ def qkv_rope(
     args = (x, w.input_norm, w.qkv, w.qkv if scale is None else scale, w.rope_inv_freq, meta.positions,
             meta.out_cache_loc, q_out, kv.k, kv.v)
     if cfg.row_wise:
-        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), W_VEC=cfg.vec, **common)
+        GV.qkv_rope_rows_kernel[grid](*args, BLOCK_M=next_pow2(b), W_VEC=cfg.vec, ACC2D=cfg.acc2d and b == 1,
+                                      **_prefetch_kw(prefetch, lc, cfg), **common)
         return
     if cfg.multi_row:
         common.pop("B")
-        MR.mrow_qkv_rope_kernel[grid](*args, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
+        MR.mrow_qkv_rope_kernel[grid](*args, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma_kind,
                                       DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
         return
     K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
@@ -353,7 +380,7 @@ def rows_attention(
 
 def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, lc: LaunchConfig,
-    stage: str = "o_proj", scale: torch.Tensor | None = None,
+    stage: str = "o_proj", scale: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
 ) -> None:
     """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel (FP8 ``w``:
     ``scale`` (N,) its rows' scales). Under PDL ``res`` is read before the wait: it must not be written by the launch
@@ -366,7 +393,7 @@ def gemv_residual(
     if cfg.multi_row:
         MR.mrow_residual_kernel[grid](
             a, w, s_arg, res, out, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma, DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma_kind, DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
             HAS_RES=res is not None, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), LOOP=loop,
             HAS_SCALE=scale is not None, **_kw(dev, lc, cfg=cfg),
         )
@@ -376,8 +403,8 @@ def gemv_residual(
     if cfg.row_wise:
         GV.gemv_rows_residual_kernel[grid](
             a, w, s_arg, r_arg, out, b, N=n, K=k, BLOCK_M=next_pow2(b), BLOCK_N=cfg.block_n, LOOP=loop,
-            HAS_SCALE=scale is not None, W_VEC=cfg.vec, HAS_RES=has_res,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
+            HAS_SCALE=scale is not None, W_VEC=cfg.vec, HAS_RES=has_res, ACC2D=cfg.acc2d and b == 1,
+            **_prefetch_kw(prefetch, lc, cfg), BLOCK_K=min(cfg.block_k, next_pow2(k)), USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg),
         )
         return
     K.gemv_residual_kernel[grid](
@@ -401,7 +428,7 @@ def residual_add(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor, lc: Launch
 
 
 def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: torch.Tensor, eps: float, lc: LaunchConfig,
-                 scale: torch.Tensor | None = None) -> None:
+                 scale: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> None:
     """``act = silu(g) * u`` with ``[g, u] = rmsnorm(x) @ w.T`` for x (B, hidden), w (2I, hidden) (FP8 ``w``:
     ``scale`` (2I,) its rows' scales)."""
     b, dev = x.shape[0], x.device
@@ -413,10 +440,11 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
                   PDL_EARLY=lc.pdl_early(grid[0]), **_kw(dev, lc, cfg=cfg))
     if cfg.row_wise:
         GV.norm_gate_up_rows_kernel[grid](x, norm_w, w, s_arg, act, b, eps, BLOCK_M=next_pow2(b),
-                                          HAS_SCALE=scale is not None, W_VEC=cfg.vec, **common)
+                                          HAS_SCALE=scale is not None, W_VEC=cfg.vec, ACC2D=cfg.acc2d and b == 1,
+                                          **_prefetch_kw(prefetch, lc, cfg), **common)
         return
     if cfg.multi_row:
-        MR.mrow_gate_up_kernel[grid](x, norm_w, w, s_arg, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma,
+        MR.mrow_gate_up_kernel[grid](x, norm_w, w, s_arg, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma_kind,
                                      DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, HAS_SCALE=scale is not None,
                                      **common)
         return

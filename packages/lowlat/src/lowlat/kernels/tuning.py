@@ -83,6 +83,14 @@ FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
 }
 
 
+# FP8 weights: (GPU name, shape) -> LaunchConfig.l2_prefetch, the bytes of the next stage's weights each row-wise GEMV
+# launch requests into L2 after its tiles (lowlat.kernels.gemv.l2_prefetch). H200 8B, 32-layer FP8 stack (FP8 KV) at
+# batch 1 (benchmarks/RESULTS.md issue 33, 2026-12-02): 70.4 us per layer without, 74.2 / 80.1 / 86.2 with 16 / 32 /
+# 64 MiB per launch: no entry (none).
+FP8_L2_PREFETCH: dict[tuple[str, ShapeKey], int] = {
+}
+
+
 # (GPU name, shape) -> ((max batch, decode attention block_n), ...) (LaunchConfig.attn_tuned): bench_gemv's
 # attention sweep, context 512, H200 2026-11-30 (benchmarks/RESULTS.md): block 32 at batch 1 (8B 5.04 us vs
 # 6.20 with 64; SmolLM2 3.45 vs 3.95), 128 from batch 4 (8B 7.46 / 10.38 us vs 8.11 / 11.82 at batches 4 / 8)
@@ -156,6 +164,12 @@ def tuned_table(device_name: str, shape: LayerShape, fp8: bool = False) -> tuple
     """The measured entries for this GPU and shape (``fp8``: FP8 weights, ``FP8_TABLES`` first), or none."""
     key = (device_name, shape_key(shape))
     return (FP8_TABLES.get(key, ()) if fp8 else ()) or TABLES.get(key, ())
+
+
+def tuned_l2_prefetch(device_name: str, shape: LayerShape, fp8: bool = False) -> int:
+    """The measured L2 prefetch of the row-wise GEMV launches for this GPU and shape (``FP8_L2_PREFETCH`` with FP8
+    weights), else 0 (none)."""
+    return FP8_L2_PREFETCH.get((device_name, shape_key(shape)), 0) if fp8 else 0
 
 
 def tuned_pdl_release(device_name: str, shape: LayerShape) -> str:

@@ -149,7 +149,8 @@ class TritonLayerStack:
         if b > self.ctx.max_batch_size or meta.extend_lens is not None:
             raise ShapeError(f"{self.name}: decode batch of at most {self.ctx.max_batch_size} expected, got {b}")
         w = self.weights[layer]
-        ops.qkv_rope(x, w, kv, meta, self.q[:b], self.shape, self.lc, grid_programs=self.qkv_programs)
+        ops.qkv_rope(x, w, kv, meta, self.q[:b], self.shape, self.lc, grid_programs=self.qkv_programs,
+                     prefetch=w.o_proj)
         out = self.out[layer % 2, :b]
         self._attention_and_mlp(layer, x, kv, meta, out)
         return out
@@ -172,16 +173,19 @@ class TritonLayerStack:
         else:
             ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], self.shape, lc,
                           self._splits(b, meta), counts=self.attn_counts if lc.fused_merge else None)
-        self.row_parallel(self.attn[:b], w.o_proj, w.o_proj_scale, x, self.x1[:b], "o_proj")
-        ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc, scale=w.gate_up_scale)
-        self.row_parallel(self.act[:b], w.down, w.down_scale, self.x1[:b], out, "down")
+        # the L2 prefetch of each stage's successor (LaunchConfig.l2_prefetch; the last layer's down: none)
+        nxt = self.weights[layer + 1].qkv if layer + 1 < len(self.weights) else None
+        self.row_parallel(self.attn[:b], w.o_proj, w.o_proj_scale, x, self.x1[:b], "o_proj", prefetch=w.gate_up)
+        ops.norm_gate_up(self.x1[:b], w.post_norm, w.gate_up, self.act[:b], self.shape.rms_eps, lc, scale=w.gate_up_scale,
+                         prefetch=w.down)
+        self.row_parallel(self.act[:b], w.down, w.down_scale, self.x1[:b], out, "down", prefetch=nxt)
 
     def row_parallel(self, a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, res: torch.Tensor,
-                     out: torch.Tensor, stage: str) -> None:
+                     out: torch.Tensor, stage: str, prefetch: torch.Tensor | None = None) -> None:
         """``out = res + sum over the TP ranks of a @ w.T`` (o_proj, down; FP8 ``w``: ``scale`` its rows' scales); at
         TP 1 one GEMV with the residual in its epilogue."""
         if self.reducer is None:
-            ops.gemv_residual(a, w, res, out, self.lc, stage=stage, scale=scale)
+            ops.gemv_residual(a, w, res, out, self.lc, stage=stage, scale=scale, prefetch=prefetch)
             return
         if getattr(self.reducer, "fused", False):  # the reducer owns the projection (epilogue-launched reduction)
             self.reducer.row_parallel(a, w, scale, res, out, stage, self.lc)  # type: ignore[attr-defined]
