@@ -214,7 +214,9 @@ def run_schema(client: httpx.Client, name: str, schema: Any, max_new: int) -> Sc
         params["ignore_eos"] = True
     else:
         params["json_schema"] = json.dumps(schema)
-    body = {"text": "Here is a JSON document that follows the schema:\n", "stream": True, "sampling_params": params}
+    # NOTE: the request id names the schema (unique per run), so the server's step trace names it too (admit_max_rid)
+    body = {"text": "Here is a JSON document that follows the schema:\n", "stream": True, "sampling_params": params,
+            "rid": f"storm-{name}-{time.time_ns()}"}
     start = time.perf_counter()
     last: dict[str, Any] | None = None
     first: tuple[float, int] | None = None  # (time, completion tokens) at the first chunk with a token

@@ -5,6 +5,9 @@
 #   bash benchmarks/structured/storm_device.sh MODEL_DIR SCHEMA_DIR OUT_DIR [WHEEL_DIR] -- NAME=ARGS ...
 # MODEL_DIR: the 8B config.json with SmolLM2's tokenizer files (dummy weights); SCHEMA_DIR: the storm's
 # schemas; WHEEL_DIR: wheels installed only where `import jsonschema` fails (jsonschema and its needs).
+# ARGS starting with @DIR run that variant with DIR/packages/server/src first on PYTHONPATH (another commit's
+# lmserver, e.g. a `git archive` of the commit before, against the same installed cfsm and kernels), then the
+# rest of ARGS: "old=@.devdata/storm/old" measures the previous commit side by side.
 # Env: STORM_TIMEOUT_S (grammar compile timeout, 15), STORM_RUN_S (cap per variant, 150).
 # Writes OUT_DIR/run.log, OUT_DIR/storm_NAME.{log,json}.
 set -uo pipefail
@@ -35,8 +38,14 @@ names=()
 for variant in "$@"; do
   name=${variant%%=*}; extra=${variant#*=}
   names+=("$name")
-  log "== $name: $extra (load $(cut -d' ' -f1-3 /proc/loadavg))"
-  PYTHONUNBUFFERED=1 timeout "${STORM_RUN_S:-150}" python3 benchmarks/structured/bench_storm.py \
+  pypath=${PYTHONPATH:-}
+  if [ "${extra:0:1}" = "@" ]; then
+    tree=${extra%% *}; tree=$(cd "${tree:1}" && pwd); extra=${extra#"@"*}; extra=${extra#"${extra%% *}"}
+    pypath="$tree/packages/server/src${pypath:+:$pypath}"
+  fi
+  log "== $name: $extra (PYTHONPATH ${pypath:-none}; load $(cut -d' ' -f1-3 /proc/loadavg))"
+  PYTHONPATH="$pypath" python3 -c "import lmserver; print('$name: lmserver from', lmserver.__file__)" | tee -a "$OUT/run.log"
+  PYTHONPATH="$pypath" PYTHONUNBUFFERED=1 timeout "${STORM_RUN_S:-150}" python3 benchmarks/structured/bench_storm.py \
     --server-args "$BASE $extra" --streams 8 --stream-tokens 800 --schemas 96 --schema-tokens 128 \
     --schema-dir "$SCHEMAS" --json "$OUT/storm_$name.json" >"$OUT/storm_$name.log" 2>&1
   log "$name rc=$?"

@@ -101,6 +101,7 @@ class EngineCore:
         self.trace = StepTrace(keep=parts.config.step_trace)
         self._decode_rows = 0  # rows of the current step that got a token after their first
         self._receive_s = 0.0  # the grammar dispatcher's receive time already given to the trace
+        self._mask_fill_s = 0.0  # the batch masker's fill time already given to the trace
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -204,6 +205,10 @@ class EngineCore:
             if pool is not None and pool.receive_s != self._receive_s:
                 trace.receive(pool.receive_s - self._receive_s)
                 self._receive_s = pool.receive_s
+            fill_s = self.constrained.masker.fill_time_s
+            if fill_s != self._mask_fill_s:
+                trace.mask(fill_s - self._mask_fill_s)
+                self._mask_fill_s = fill_s
             rec = trace.step(start, end, self._decode_rows)
             if rec is not None and self.scheduler.admission is not None:
                 self.scheduler.admission.observe(rec.decode_rows, rec.prefill_rows, rec.gap_s)
@@ -239,8 +244,8 @@ class EngineCore:
             return outputs
         if self.constrained.num_waiting or self._compiled:
             admit_start = time.perf_counter()
-            admitted = self._admit_constrained(outputs)
-            self.trace.admission(admitted, time.perf_counter() - admit_start)
+            admitted, slowest = self._admit_constrained(outputs)
+            self.trace.admission(admitted, time.perf_counter() - admit_start, slowest)
         decision = self.constrained.schedule(self.scheduler)  # = scheduler.schedule() without jump-forward
         if decision.mode == "idle":
             return outputs
@@ -386,12 +391,15 @@ class EngineCore:
                 outputs.append(out)
         return outputs
 
-    def _admit_constrained(self, outputs: list[ReqOutput]) -> int:
+    def _admit_constrained(self, outputs: list[ReqOutput]) -> tuple[int, tuple[str, float] | None]:
         """Moves requests whose grammar compiled from the grammar stage to the scheduler (after
         a jump-forward over text forced from the start); failed grammars finish with an error
-        (appended to `outputs`). Returns how many requests left the grammar stage. While requests
-        run, stops after GRAMMAR_ADMIT_BUDGET_S (at least one each step); the rest wait in order."""
+        (appended to `outputs`). Returns how many requests left the grammar stage, and the slowest
+        one's (request id, seconds) for the step trace. While requests run, stops after
+        GRAMMAR_ADMIT_BUDGET_S (at least one each step); the rest wait in order. (The masks an
+        admission reads were computed off this thread: compile_worker.warm_admission.)"""
         done = 0
+        slowest: tuple[str, float] | None = None
         if self.constrained.num_waiting:
             wait_s = 0.0 if self.scheduler.has_work() or self._compiled else 0.005
             self._compiled.extend(self.constrained.poll(wait_s))
@@ -404,23 +412,32 @@ class EngineCore:
             if state is None:
                 continue
             done += 1
-            if isinstance(result, Exception):
-                self.states.pop(rid, None)
-                outputs.append(self.constrained.error_output(rid, result))
-                continue
-            state.grammar = self.constrained.make_grammar(result, allow_jump_forward=not state.req.return_logprob)
-            if state.grammar.is_stuck():  # nothing this vocabulary spells matches the start: a bad request
-                self.states.pop(rid, None)
-                outputs.append(self.constrained.error_output(rid, ValueError(f"{STUCK_MESSAGE} (at its start)")))
-                continue
-            reason = self.constrained.advance_jump(self.scheduler, state)
-            if reason is None and state.sreq.max_new_tokens > 0 and state.sreq.remaining_new_tokens == 0:
-                reason = {"type": "length", "length": state.sreq.max_new_tokens}
-            if reason is not None:
-                outputs.append(self._finish(state, reason))
-            else:
-                self.scheduler.add(state.sreq)
-        return done
+            start = time.perf_counter()
+            self._admit_one(outputs, state, result)
+            spent = time.perf_counter() - start
+            if slowest is None or spent > slowest[1]:
+                slowest = (rid, spent)
+        return done, slowest
+
+    def _admit_one(self, outputs: list[ReqOutput], state: ReqState, result: Any) -> None:
+        """`_admit_constrained` of one request: fails it, finishes it, or hands it to the scheduler."""
+        rid = state.req.rid
+        if isinstance(result, Exception):
+            self.states.pop(rid, None)
+            outputs.append(self.constrained.error_output(rid, result))
+            return
+        state.grammar = self.constrained.make_grammar(result, allow_jump_forward=not state.req.return_logprob)
+        if state.grammar.is_stuck():  # nothing this vocabulary spells matches the start: a bad request
+            self.states.pop(rid, None)
+            outputs.append(self.constrained.error_output(rid, ValueError(f"{STUCK_MESSAGE} (at its start)")))
+            return
+        reason = self.constrained.advance_jump(self.scheduler, state)
+        if reason is None and state.sreq.max_new_tokens > 0 and state.sreq.remaining_new_tokens == 0:
+            reason = {"type": "length", "length": state.sreq.max_new_tokens}
+        if reason is not None:
+            outputs.append(self._finish(state, reason))
+        else:
+            self.scheduler.add(state.sreq)
 
     def _process(self, decision: ScheduleDecision, logits: torch.Tensor) -> list[ReqOutput]:
         row = 0

@@ -23,8 +23,9 @@ away when N+1 lands. Aborts free every slot anyway; their rows are thrown away t
 A launch is *chained* only when the serial path would schedule the same decode: no prefilling
 request, no compiled grammar waiting for admission and no deferred jump-forward (requests whose
 compile is still running do not stop it: their compile's end is an arrival); no waiting request
-either, unless none can be admitted (every request-table row taken) and no request of the
-previous launch can finish with its token (a finish frees a row; a grammar row always may);
+either, unless none can be admitted: every request-table row taken and no request of the
+previous launch can finish with its token (a finish frees a row; a grammar row always may), or
+rows free and the SLO admission refusing (its next answer may differ: admitted a step later);
 every running request in the previous launch and `row_ok` (no penalties reading host tokens, no
 logprobs, and no min-new-tokens mask that turns off at this very token); and the decode's new
 slots come from free slots (no eviction or retraction, whose choices depend on finishes the host
@@ -166,10 +167,14 @@ def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, ReqState
         return False
     if scheduler.waiting:  # admission must stay impossible after prev lands
         # NOTE: the SLO admission's refusal counts as impossible: its answer after prev lands (a new
-        # measurement) may differ, and the request is then admitted one step later than serially
+        # measurement, a finish that frees its rows) may differ, and the request is then admitted one
+        # step later than serially. So only where every request-table row is taken does a finish
+        # (which frees a row) stop the chain; where rows are free the admission is what refuses, and
+        # a grammar row (which may always finish) no longer makes every step serial while requests wait
         if scheduler.can_admit:
             return False
-        if any(may_finish(states[r.rid]) for r in scheduler.running if r.rid in states):
+        if not scheduler.has_free_row and any(may_finish(states[r.rid]) for r in scheduler.running
+                                              if r.rid in states):
             return False
     for req in scheduler.running:
         state = states.get(req.rid)

@@ -34,7 +34,8 @@ __all__ = ["GapRecord", "StepTrace"]
 TOP_GAPS = 8  # the longest gaps kept
 # a record as one row (`StepTrace.rows`): its fields, then its outside time and cause
 FIELDS = ("end", "gap_s", "steps", "step_s", "decode_rows", "extend_forwards", "prefill_rows", "prefill_tokens",
-          "forward_s", "admitted", "admit_s", "added", "add_s", "receive_s", "gc_s", "gc_full", "outside_s", "cause")
+          "forward_s", "admitted", "admit_s", "added", "add_s", "receive_s", "gc_s", "gc_full", "admit_max_s",
+          "admit_max_rid", "mask_s", "outside_s", "cause")
 
 
 @dataclass
@@ -57,6 +58,9 @@ class GapRecord:
     receive_s: float = 0.0  # CPU time the grammar dispatcher thread spent receiving results in the gap
     gc_s: float = 0.0  # garbage-collector pauses in the gap (any thread; inside the parts above too)
     gc_full: int = 0  # of which oldest-generation collections
+    admit_max_s: float = 0.0  # the slowest single admission in the gap (inside admit_s)
+    admit_max_rid: str = ""  # its request id
+    mask_s: float = 0.0  # host time filling grammar masks in the gap (inside forward_s or the step's other time)
 
     @property
     def outside_s(self) -> float:
@@ -67,19 +71,23 @@ class GapRecord:
     def cause(self) -> str:
         """The largest measured part of the gap: garbage-collection (when its pauses are the
         largest part: they fall inside the others), forward-extend, forward-decode,
-        grammar-admission, add-request, other-in-step, or outside-step."""
+        grammar-admission, add-request, other-in-step, or outside-step; grammar-mask when the host's
+        mask fills (first use of a parser configuration walks the vocabulary) are the largest part."""
         forward = "forward-extend" if self.extend_forwards else "forward-decode"
         parts = {forward: self.forward_s, "grammar-admission": self.admit_s, "add-request": self.add_s,
                  "other-in-step": max(self.step_s - self.forward_s - self.admit_s, 0.0),
                  "outside-step": self.outside_s}
         cause = max(parts, key=lambda k: parts[k])
-        return "garbage-collection" if self.gc_s >= parts[cause] else cause
+        if self.gc_s >= parts[cause]:
+            return "garbage-collection"
+        return "grammar-mask" if self.mask_s >= parts[cause] else cause
 
     def as_row(self) -> list[Any]:
         """The record's values in `FIELDS` order."""
         return [self.end, self.gap_s, self.steps, self.step_s, self.decode_rows, self.extend_forwards,
                 self.prefill_rows, self.prefill_tokens, self.forward_s, self.admitted, self.admit_s, self.added,
-                self.add_s, self.receive_s, self.gc_s, self.gc_full, self.outside_s, self.cause]
+                self.add_s, self.receive_s, self.gc_s, self.gc_full, self.admit_max_s, self.admit_max_rid,
+                self.mask_s, self.outside_s, self.cause]
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -122,9 +130,16 @@ class StepTrace:
         self._cur.added += 1
         self._cur.add_s += seconds
 
-    def admission(self, count: int, seconds: float) -> None:
-        self._cur.admitted += count
-        self._cur.admit_s += seconds
+    def admission(self, count: int, seconds: float, slowest: tuple[str, float] | None = None) -> None:
+        """`count` requests admitted in `seconds`; `slowest`: (request id, seconds) of the slowest one."""
+        cur = self._cur
+        cur.admitted += count
+        cur.admit_s += seconds
+        if slowest is not None and slowest[1] >= cur.admit_max_s:
+            cur.admit_max_rid, cur.admit_max_s = slowest
+
+    def mask(self, seconds: float) -> None:
+        self._cur.mask_s += seconds
 
     def forward(self, seconds: float, prefill_rows: int, prefill_tokens: int) -> None:
         cur = self._cur

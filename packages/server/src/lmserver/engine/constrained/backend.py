@@ -39,6 +39,7 @@ from lmserver.engine.constrained.compile_worker import (
     CompileJob,
     compile_error_message,
     compile_index,
+    warm_index,
 )
 from lmserver.engine.constrained.workers import CompilePool, PoolStats
 from lmserver.io_struct import InvalidRequestError, OverloadedError, SamplingParams
@@ -349,8 +350,8 @@ class GrammarBackend:
         return self.cfsm_config
 
     def _build(self, key: GrammarKey) -> CompiledIndex:
-        """One compile in this process (the thread pool's work)."""
-        return compile_index(key.kind, key.text, self.vocab, self._config(key))
+        """One compile in this process (the thread pool's work), warmed as a worker's result is."""
+        return warm_index(compile_index(key.kind, key.text, self.vocab, self._config(key)))
 
     def _done(self, key: GrammarKey, fut: cf.Future[CompiledIndex]) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ vocabulary never travels back) and the engine rebuilds the index over its own
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import multiprocessing.connection as mpc
 import os
@@ -29,7 +30,7 @@ import cfsm
 from cfsm.automata.automaton import Dfa
 
 __all__ = ["KINDS", "CompileJob", "compile_error_message", "compile_index", "index_from_payload", "index_payload",
-           "recv_message", "send_message", "vocab_spec", "warm_index", "worker_entry"]
+           "recv_message", "send_message", "vocab_spec", "warm_admission", "warm_index", "worker_entry"]
 
 KINDS = ("regex", "json_schema", "json_object", "ebnf")
 
@@ -80,10 +81,28 @@ def compile_error_message(kind: str, exc: BaseException) -> str:
     return f"compiling the {kind} grammar failed: {type(exc).__name__}: {exc}"
 
 
+# what a pushdown index derives from its network alone on first use, in pure Python, and
+# `GrammarIndex.payload` leaves out (cached properties of cfsm's GrammarIndex): shipped beside the
+# payload, so the engine does not recompute them (`_chains`: ~0.3 s on the 2-core CPU for some
+# real-world schemas, inside the first mask after the rebuild: a stall of the engine loop)
+_SHIPPED_PROPERTIES = ("_chains",)
+# the same kind of cached properties derived from the vocabulary or the network with numpy (a few ms):
+# computed by the dispatcher's `warm_index`, not on the engine thread
+_WARMED_PROPERTIES = ("_rank", "_lengths", "_state_loops")
+
+
+def _cached_properties(index: cfsm.GrammarIndex, names: tuple[str, ...]) -> list[str]:
+    """The names in `names` that are cached properties of `index`'s class (cfsm internals: a name
+    that is gone or no longer a cached property is skipped)."""
+    return [n for n in names if isinstance(getattr(type(index), n, None), functools.cached_property)]
+
+
 def index_payload(index: CompiledIndex) -> IndexPayload:
-    """The arrays and notes of `index`, without its vocabulary (what a worker sends back). Pure."""
+    """The arrays and notes of `index`, without its vocabulary (what a worker sends back), with the
+    first-use tables of a pushdown index (`_SHIPPED_PROPERTIES`). Pure (but computes those)."""
     if isinstance(index, cfsm.GrammarIndex):
-        return ("grammar", index.payload())
+        shipped = {n: getattr(index, n) for n in _cached_properties(index, _SHIPPED_PROPERTIES)}
+        return ("grammar", index.payload(), shipped)
     dfa = index.dfa
     return (dfa.transitions, dfa.accepting, int(dfa.start), index.masks, index.mask_row, index.grammar,
             tuple(index.approximations))
@@ -92,20 +111,54 @@ def index_payload(index: CompiledIndex) -> IndexPayload:
 def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> CompiledIndex:
     """The index of `payload` over `vocab` (the engine's own vocabulary; cf. cfsm `Compiler._load`)."""
     if isinstance(payload[0], str) and payload[0] == "grammar":
-        return cfsm.GrammarIndex.from_payload(payload[1], vocab)
+        index = cfsm.GrammarIndex.from_payload(payload[1], vocab)
+        shipped = payload[2] if len(payload) > 2 else {}
+        for name in _cached_properties(index, tuple(shipped)):
+            index.__dict__[name] = shipped[name]  # NOTE: where functools.cached_property keeps its value
+        return index
     transitions, accepting, start, masks, mask_row, grammar, approximations = payload
     dfa = Dfa(transitions=transitions, accepting=accepting, start=int(start))
     return cfsm.Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar,
                       approximations=tuple(approximations))
 
 
+def admission_configurations(index: cfsm.GrammarIndex) -> list[int]:
+    """The parser configurations whose masks a request's admission reads (`EngineCore.
+    _admit_constrained`): the start, and the one after the jump-forward over the text forced from
+    it (as `ReqGrammar.forced_text` cuts it: without trailing spaces; and with them). Fills the
+    index's configuration table only."""
+    sids = [index.start]
+    forced = cfsm.Guide(index).jump_forward()
+    if forced:
+        for text in dict.fromkeys((forced.rstrip(" "), forced)):
+            sid = index.walk(index.start, text.encode()) if text else 0
+            if sid:
+                sids.append(sid)
+    return sids
+
+
+def warm_admission(index: CompiledIndex) -> CompiledIndex:
+    """Computes the masks of a pushdown index's `admission_configurations`, in the worker after a
+    compile (the walks and key infos they need travel with the payload) and again in the engine
+    after the rebuild (the rows themselves, from those keys: lookups). A configuration's first
+    mask walks the vocabulary from its stacks: 50-500 ms on the 2-core CPU for the configuration
+    after the forced `{"` of some real-world schemas, which the engine thread paid inside the step
+    that admitted the request (issue 27's storm stalls). Returns `index`."""
+    if isinstance(index, cfsm.GrammarIndex):
+        for sid in admission_configurations(index):
+            index.has_tokens(sid)
+    return index
+
+
 def warm_index(index: CompiledIndex) -> CompiledIndex:
     """Computes what `Index` builds on first use (forced-string table, per-row token flags, EOS
     mask), so the engine thread does not at a request's admission (tens of ms for a DFA of 30k
-    states; numpy, mostly without the GIL). Returns `index`."""
+    states; numpy, mostly without the GIL); for a `GrammarIndex`, the masks its admission reads
+    (`warm_admission`). Returns `index`."""
     if isinstance(index, cfsm.GrammarIndex):
-        index.has_tokens(index.start)  # the start configuration's mask (the walks came with the payload)
-        return index
+        for name in _cached_properties(index, _WARMED_PROPERTIES):
+            getattr(index, name)
+        return warm_admission(index)  # the walks came with the payload: builds the rows from them
     index.compressed  # noqa: B018
     index.has_tokens(index.start)
     index.eos_mask  # noqa: B018
@@ -215,7 +268,7 @@ def worker_entry() -> None:
             return
         gc.disable()
         try:
-            index = compile_index(job.kind, job.text, vocab, job.config)
+            index = warm_admission(compile_index(job.kind, job.text, vocab, job.config))
             msg: tuple[Any, ...] = ("ok", job.job_id, index_payload(index))
             del index
         except BaseException as exc:  # noqa: BLE001 - reported to the requests of this grammar

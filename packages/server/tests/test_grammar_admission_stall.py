@@ -1,0 +1,239 @@
+"""The engine thread does no grammar walks when a compiled grammar is admitted (issue 27's storm
+stalls), and grammar rows keep the overlap chain while the SLO admission holds requests.
+
+The stalls: a pushdown index (`cfsm.GrammarIndex`) computes a parser configuration's mask on its
+first use by walking the vocabulary from its stacks. At admission the engine jumps over the text
+forced from the start and asks the configuration after it for tokens (`ReqGrammar.is_stuck`);
+for some real-world schemas that configuration's key was not among the compile's precomputed
+ones, and its walk (plus the index's counted chains, which the payload did not carry) took
+50-500 ms inside the step that admitted the request. `compile_worker.warm_admission` now walks
+those configurations where the compile runs and the payload carries the chains.
+
+Oracles: counters on the walking methods of `GrammarIndex` (a walk on the engine thread is the
+stall, whatever the machine's speed), masks against a freshly compiled index, and the engine's
+greedy tokens of a plain stream against the same stream run alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cfsm
+from cfsm.grammar import index as grammar_index
+from cfsm.testing import tiny_vocab
+from lmserver.engine.constrained.compile_worker import (
+    admission_configurations,
+    compile_index,
+    index_from_payload,
+    index_payload,
+    warm_admission,
+    warm_index,
+)
+from lmserver.engine.overlap import chain_ready
+
+VOCAB = tiny_vocab()
+# forced `{"k": ` from the start, then a recursive value: the pushdown matcher
+NESTED = 'root ::= "{\\"k\\": " value "}"\nvalue ::= "[" (value ("," [ ]{0,8} value)*)? "]" | "\\"" [a-z]{1,12} "\\""'
+WALKS = ("_walk_tokens", "_walk_pairs", "_walk_pairs_many", "_walk_trie_many")
+
+
+class WalkCounter:
+    """Counts `GrammarIndex` vocabulary walks and counted-chain searches, per thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, str]] = []  # (thread name, what)
+        for name in WALKS:
+            if hasattr(grammar_index.GrammarIndex, name):
+                monkeypatch.setattr(grammar_index.GrammarIndex, name, self._wrap(name, getattr(grammar_index.GrammarIndex, name)))
+        if hasattr(grammar_index, "_counted_chains"):
+            monkeypatch.setattr(grammar_index, "_counted_chains", self._wrap("_counted_chains", grammar_index._counted_chains))
+
+    def _wrap(self, what: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            self.calls.append((threading.current_thread().name, what))
+            return fn(*args, **kw)
+
+        return wrapped
+
+    def take(self) -> list[tuple[str, str]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+def _unprecomputed(index: cfsm.GrammarIndex) -> cfsm.GrammarIndex:
+    """`index` as a compile that did not precompute the keys of its admission configurations (what
+    the storm's schemas showed): those one-frame keys and the counted chains forgotten."""
+    for sid in admission_configurations(index)[1:]:
+        for stack in index.stacks(sid):
+            index._keys.pop(stack[-1:], None)
+    index.__dict__.pop("_chains", None)
+    return index
+
+
+def _admission_path(index: cfsm.GrammarIndex) -> list[np.ndarray]:
+    """What `EngineCore._admit_constrained` reads of a fresh index: the start's tokens, the jump over
+    the forced text, the tokens after it; returns the masks of those configurations."""
+    guide = cfsm.Guide(index)
+    assert guide.has_tokens()
+    forced = guide.jump_forward()
+    assert forced
+    sid = index.walk(index.start, forced.rstrip(" ").encode())
+    assert sid and index.has_tokens(sid)
+    return [index.mask(index.start).copy(), index.mask(sid).copy()]
+
+
+def test_a_warmed_payload_leaves_no_walk_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh = cfsm.compile_ebnf(NESTED, VOCAB)
+    assert isinstance(fresh, cfsm.GrammarIndex)
+    expected = _admission_path(fresh)
+    counter = WalkCounter(monkeypatch)
+
+    # as before: the payload of a compile whose admission keys were not precomputed, rebuilt and warmed at the start
+    before = index_from_payload(index_payload(_unprecomputed(cfsm.compile_ebnf(NESTED, VOCAB)))[:2], VOCAB)
+    before.has_tokens(before.start)
+    counter.take()
+    assert [np.array_equal(a, b) for a, b in zip(_admission_path(before), expected, strict=True)] == [True, True]
+    assert counter.take(), "the set-up must reproduce a first-use walk at admission"
+
+    # now: the worker warms the admission (its walks travel in the payload), the dispatcher builds the rows
+    worker_side = warm_admission(_unprecomputed(cfsm.compile_ebnf(NESTED, VOCAB)))
+    assert "_chains" in worker_side.__dict__
+    payload = index_payload(worker_side)
+    counter.take()
+    rebuilt = warm_index(index_from_payload(payload, VOCAB))
+    assert "_chains" in rebuilt.__dict__ and rebuilt._chains == worker_side._chains
+    assert not [c for c in counter.take() if c[1] == "_counted_chains"]  # shipped, not recomputed
+    masks = _admission_path(rebuilt)
+    assert counter.take() == []  # nothing walked on the admitting thread
+    assert [np.array_equal(a, b) for a, b in zip(masks, expected, strict=True)] == [True, True]
+
+
+def test_payloads_without_the_shipped_tables_still_load() -> None:
+    """An older worker's payload (no shipped tables) rebuilds to the same masks."""
+    index = cfsm.compile_ebnf(NESTED, VOCAB)
+    old_style = index_payload(index)[:2]
+    rebuilt = warm_index(index_from_payload(old_style, VOCAB))
+    assert [np.array_equal(a, b) for a, b in zip(_admission_path(rebuilt), _admission_path(index), strict=True)] == [True, True]
+    dfa = compile_index("regex", "[0-9]{2,4}", VOCAB, cfsm.CfsmConfig())
+    assert warm_admission(dfa) is dfa  # a DFA index: nothing to do
+
+
+# --- the overlap chain while the SLO admission holds requests -----------------------------------------------
+
+
+def _state(rid: str, grammar: bool) -> Any:
+    params = SimpleNamespace(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, min_new_tokens=0,
+                             stop=None, stop_regex=None)
+    sreq = SimpleNamespace(rid=rid, sampling_params=params, output_ids=[1, 2], max_new_tokens=100)
+    return SimpleNamespace(req=SimpleNamespace(rid=rid, return_logprob=False), sreq=sreq,
+                           info=SimpleNamespace(stop_ids=[]), grammar=object() if grammar else None)
+
+
+def _scheduler(free_row: bool, slo_refuses: bool) -> Any:
+    running = [SimpleNamespace(rid="plain"), SimpleNamespace(rid="json")]
+    kv = SimpleNamespace(slots_needed=lambda req, n: 1, allocator=SimpleNamespace(available=100))
+    return SimpleNamespace(prefilling=[], running=running, waiting=[SimpleNamespace(rid="new")], kv=kv,
+                           has_free_row=free_row, can_admit=free_row and not slo_refuses)
+
+
+@pytest.mark.parametrize(("free_row", "slo_refuses", "chains"), [
+    (True, True, True),  # rows free, the SLO admission refuses: a grammar row's possible finish changes nothing
+    (True, False, False),  # admissible now: serial
+    (False, False, False),  # every row taken and a grammar row may finish (freeing one): serial
+])
+def test_grammar_rows_chain_while_the_slo_admission_holds_requests(free_row: bool, slo_refuses: bool,
+                                                                   chains: bool) -> None:
+    states = {"plain": _state("plain", grammar=False), "json": _state("json", grammar=True)}
+    prev = SimpleNamespace(row_of={"plain": 0, "json": 1})
+    assert chain_ready(_scheduler(free_row, slo_refuses), prev, states, 0) is chains  # type: ignore[arg-type]
+
+
+def test_rows_taken_and_nothing_may_finish_still_chains() -> None:
+    states = {"plain": _state("plain", grammar=False), "json": _state("json", grammar=False)}
+    prev = SimpleNamespace(row_of={"plain": 0, "json": 1})
+    assert chain_ready(_scheduler(False, False), prev, states, 0) is True  # type: ignore[arg-type]
+    assert chain_ready(_scheduler(True, True), prev, states, 1) is False  # type: ignore[arg-type]  # a compiled grammar waits
+
+
+# --- a burst of compiles next to a plain stream (the engine on the embedded model) ------------------------------
+
+
+def _grammar(i: int) -> str:
+    """A distinct recursive grammar (the pushdown matcher, a forced prefix) per `i`."""
+    return NESTED.replace('\\"k\\"', f'\\"k{i}\\"')
+
+
+@pytest.fixture(scope="module")
+def core() -> Iterator[Any]:
+    from lmserver.config import ServerConfig
+    from lmserver.engine.core import EngineCore
+
+    c = EngineCore(ServerConfig(dtype="float32", max_total_tokens=4096, max_running_requests=16, step_trace=512,
+                                grammar_compile_workers=0))  # compile threads: their walks are not the engine thread's
+    yield c
+    c.constrained.shutdown()
+
+
+def _req(rid: str, prompt: str, params: dict[str, Any], core: Any) -> Any:
+    from lmserver.io_struct import GenerateReq, SamplingParams
+
+    return GenerateReq(rid=rid, input_ids=core.tokenizer.encode(prompt), sampling_params=SamplingParams(**params))
+
+
+@pytest.mark.slow  # about 70 s on the loaded 2-core machine (the vocabulary, 64 CPU decode steps)
+def test_a_burst_of_compiles_admits_without_walks_and_the_stream_keeps_its_tokens(
+        core: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmserver.engine.core as core_module
+
+    plain = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    core.add_request(_req("alone", "Once upon a time", plain, core))
+    alone: list[int] = []
+    while core.has_work():
+        for out in core.step():
+            alone += out.new_token_ids
+
+    counter = WalkCounter(monkeypatch)
+    admitting = threading.local()
+    admit = core._admit_constrained
+
+    def spy(outputs: list[Any]) -> Any:
+        admitting.on = True
+        counter.take()
+        try:
+            return admit(outputs)
+        finally:
+            admitting.on = False
+            walked = [c for c in counter.take() if c[0] == threading.current_thread().name]
+            assert walked == [], f"the engine thread walked while admitting: {walked}"
+
+    monkeypatch.setattr(core, "_admit_constrained", spy)
+    monkeypatch.setattr(core_module, "GRAMMAR_ADMIT_BUDGET_S", 0.0)  # one admission per step while requests run
+    core.add_request(_req("stream", "Once upon a time", plain, core))
+    stream: list[int] = []
+    burst = [f"tree{i}" for i in range(6)]
+    outs: dict[str, Any] = {}
+    steps = 0
+    while core.has_work():
+        if steps == 2:  # the stream decodes: the burst arrives
+            for i, rid in enumerate(burst):
+                core.add_request(_req(rid, "A tree as JSON:", {"max_new_tokens": 16, "temperature": 0.0,
+                                                               "ebnf": _grammar(i)}, core))
+        for out in core.step():
+            if out.rid == "stream":
+                stream += out.new_token_ids
+            elif out.finished:
+                outs[out.rid] = out
+        steps += 1
+    assert stream == alone  # the burst changed nothing in the stream's tokens
+    assert sorted(outs) == burst and all(o.error is None for o in outs.values())
+    rows = core.get_step_trace()
+    recs = [dict(zip(rows["fields"], r, strict=True)) for r in rows["records"]]
+    admitted = [r for r in recs if r["admitted"]]
+    assert admitted and all(r["admitted"] == 1 and r["admit_max_rid"] in burst for r in admitted
+                            if r["decode_rows"])  # named, one per step while the stream ran
