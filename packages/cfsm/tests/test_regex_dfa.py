@@ -158,25 +158,17 @@ def _canonical(dfa: object) -> list[tuple[bool, tuple[int, ...]]]:
 _SMALL_ATOMS = ["a", "b", "[ab]", "[^a]", "\\d", ".", "[a-c\\d]", "é", "\\u20ac", "(?i:a)", "\\x2d", "😀"]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(atoms=st.lists(st.sampled_from(_SMALL_ATOMS), min_size=1, max_size=3), lo=st.integers(0, 9),
        extra=st.one_of(st.none(), st.integers(0, 4)), alternate=st.booleans())
 def test_counted_repeats_from_the_unit_dfa_equal_the_unrolled_nfa(atoms: list[str], lo: int, extra: int | None,
-                                                                   alternate: bool,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   alternate: bool) -> None:
     # prefix-code units (single characters, escapes) are built as one counted fragment; the others
     # (or when the count is small) as copies of the unit's NFA: the minimal DFAs are the same
-    import cfsm.automata.automaton
-
     quant = f"{{{lo},}}" if extra is None else f"{{{lo},{lo + extra}}}"
     pattern = "|".join(atoms) if alternate else "".join(atoms)
     for unit in (pattern, "(é|\\d)", "(a|bc|b[^c])", "(a|ab)", "a*b", "\\\\[nt]|[^\\\\]"):
         node = parse_regex(f"(?:{unit}){quant}")
-        with monkeypatch.context() as m:
-            m.setattr(cfsm.automata.automaton, "COUNTED_MIN", 10**9)
-            unrolled = build_dfa(node)
-        with monkeypatch.context() as m:
-            m.setattr(cfsm.automata.automaton, "COUNTED_MIN", 1)
-            counted = build_dfa(node)
+        unrolled = build_dfa(node, counted_min=10**9)
+        counted = build_dfa(node, counted_min=1)
         assert _canonical(counted) == _canonical(unrolled), (unit, quant)

@@ -107,12 +107,16 @@ class Dfa:
 
 
 class Nfa:
-    def __init__(self, max_states: int = 0, dfa_limit: int = DEFAULT_MAX_DFA_STATES) -> None:
+    def __init__(self, max_states: int = 0, dfa_limit: int = DEFAULT_MAX_DFA_STATES,
+                 counted_min: int | None = None) -> None:
         # > 0: `GrammarTooLargeError` once the NFA would pass this many states (`build_dfa`'s
         # cap, checked as states are made, so a build far over it stops early)
         self.max_states = max_states
         # the DFA limit of the DFAs built inside (intersections, complements: `build_dfa`'s `limit`)
         self.dfa_limit = dfa_limit
+        # counted repeats of at least this many prefix-code units: one counter fragment
+        # (`COUNTED_MIN` by default; either way the same minimal DFA)
+        self.counted_min = COUNTED_MIN if counted_min is None else counted_min
         self.eps: list[list[int]] = []
         self.trans: list[list[tuple[int, int, int]]] = []
         self.shared: list[dict[int, tuple[int, int]]] = [{}]
@@ -163,12 +167,12 @@ class Nfa:
         if isinstance(node, Repeat):
             return self._repeat(node)
         if isinstance(node, Intersect):
-            dfa = build_dfa(node.items[0], limit=self.dfa_limit)
+            dfa = build_dfa(node.items[0], limit=self.dfa_limit, counted_min=self.counted_min)
             for other in node.items[1:]:
-                dfa = _product(dfa, build_dfa(other, limit=self.dfa_limit))
+                dfa = _product(dfa, build_dfa(other, limit=self.dfa_limit, counted_min=self.counted_min))
             return self._embed(dfa)
         if isinstance(node, Complement):
-            return self._embed(_complement(build_dfa(node.item, limit=self.dfa_limit)))
+            return self._embed(_complement(build_dfa(node.item, limit=self.dfa_limit, counted_min=self.counted_min)))
         if isinstance(node, DfaNode):
             return self._embed(node.dfa)
         if isinstance(node, Shared):
@@ -192,7 +196,7 @@ class Nfa:
         raise TypeError(f"unknown node {node!r}")
 
     def _repeat(self, node: Repeat) -> tuple[int, int]:
-        if (node.lo if node.hi is None else node.hi) >= COUNTED_MIN:
+        if (node.lo if node.hi is None else node.hi) >= self.counted_min:
             unit = unit_of(node.item)
             if unit is not None:
                 return self._counted(unit, node.lo, node.hi)
@@ -988,18 +992,19 @@ def dfa_from_table(table: list[list[int]], start: int, accepting: set[int], alph
 NFA_STATES_PER_DFA_STATE = 4
 
 
-def build_dfa(node: Node, max_states: int | None = None, *, limit: int = DEFAULT_MAX_DFA_STATES) -> Dfa:
+def build_dfa(node: Node, max_states: int | None = None, *, limit: int = DEFAULT_MAX_DFA_STATES,
+              counted_min: int | None = None) -> Dfa:
     """Compile a syntax tree into a trimmed minimal byte DFA. Mutates nothing.
 
     `max_states`: raise `GrammarTooLargeError` as soon as the subset construction passes that
     many states, or the NFA `NFA_STATES_PER_DFA_STATE` times as many (a build known to be too
     large stops early; None: `limit`, the compile's `CfsmLimits.max_dfa_states`, for the DFA
-    only). A build within the cap is the same `Dfa`."""
+    only). A build within the cap is the same `Dfa`. `counted_min`: `Nfa`'s (tests)."""
     if isinstance(node, DfaNode):
         if max_states is not None and node.dfa.num_states > max_states:
             raise GrammarTooLargeError(f"the DFA exceeds {max_states} states")
         return node.dfa
-    nfa = Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states, limit)
+    nfa = Nfa(0 if max_states is None else NFA_STATES_PER_DFA_STATE * max_states, limit, counted_min)
     s, e = nfa.build(node)
     table, accepting, byte_map = subset_construction(nfa, s, e, max_states, limit)
     return minimize(table, accepting, 0, byte_map)
