@@ -57,7 +57,7 @@ def compile_one(fn: triton.JITFunction, consts: dict[str, object], types: dict[s
     insts = re.findall(r"/\*[0-9a-f]{4}\*/\s+([A-Z][A-Z0-9_.]*)", sass)
     return {"regs": int(use.get("REG", -1)), "stack": int(use.get("STACK", -1)), "local": int(use.get("LOCAL", -1)),
             "shared": k.metadata.shared, "sass": len(insts), "mufu": sum(i.startswith("MUFU") for i in insts),
-            "hmma": sum(i.startswith("HMMA") for i in insts), "stl": sum(i.startswith("STL") for i in insts),
+            "hmma": sum(i.startswith("HMMA") for i in insts), "hgmma": sum(i.startswith("HGMMA") for i in insts), "stl": sum(i.startswith("STL") for i in insts),
             "ldl": sum(i.startswith("LDL") for i in insts)}
 
 

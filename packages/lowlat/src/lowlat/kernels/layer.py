@@ -240,27 +240,33 @@ def _attend_split(
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr,
     DOT_F32: tl.constexpr, ROW_LIMITS: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    FRESH_FROM: tl.constexpr = True,
 ):
     """One split of split-KV attention for a tile of query rows against KV head ``kvh`` of request-table row ``row``:
     positions [start, end) in tiles of BLOCK_N, online softmax (``online_softmax``), then the rows' output (v_scale
     applied) to ``out_ptr`` (without PARTIALS) or their partial and log-sum-exp at ``(part_row * NUM_SPLITS + split)``
     for a merge. Query row i is at ``q_ptr + q_off[i]`` (D values; ``out_ptr`` likewise), live where ``q_mask``; with
     ROW_LIMITS it attends to positions ``< lim[i]`` only (``lim`` within ``end``). The first tile's positions below
-    ``fresh_from`` are read before the PDL wait (the previous launch writes only later ones), q and the rest after it.
+    ``fresh_from`` are read before the PDL wait (the previous launch writes only later ones), q and the rest after it;
+    without FRESH_FROM (no PDL, nothing of the previous launch to wait for: the persistent kernel) in one load each.
     Shared by ``decode_attention_kernel``, ``rows_attn`` (both paths) and ``persistent`` (no PDL, always PARTIALS)."""
     offs_d = tl.arange(0, D)
     offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
                                                    stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
-    old = n_mask & (offs_n < fresh_from)
-    k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-    v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if PDL_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    newest = n_mask & (offs_n >= fresh_from)  # the previous launch's K/V: read after the wait
-    k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
-    v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+    if FRESH_FROM:
+        old = n_mask & (offs_n < fresh_from)
+        k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            if PDL_EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+        newest = n_mask & (offs_n >= fresh_from)  # the previous launch's K/V: read after the wait
+        k = tl.where(newest[None, :], tl.load(k_ptrs, mask=newest[None, :], other=0.0), k)
+        v = tl.where(newest[:, None], tl.load(v_ptrs, mask=newest[:, None], other=0.0), v)
+    else:  # nothing written by the previous launch (no PDL wait here)
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_mask[:, None], other=0.0)
     m_i = tl.full((q_off.shape[0],), float("-inf"), tl.float32)
     l_i = tl.zeros((q_off.shape[0],), tl.float32)
@@ -291,12 +297,13 @@ def _decode_split(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     b, kvh, split, splits, row, seq_len, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    FRESH: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
 ):
     """Decode row ``b``'s program for KV head ``kvh`` and split ``split`` of ``splits`` (at most NUM_SPLITS, by which
     the partials are laid out): its GQA group of G heads in one tile of BLOCK_G query rows against the split's K/V
-    tiles (``_attend_split``); at most FRESH of its last positions come from the previous launch."""
+    tiles (``_attend_split``: partials with PARTIALS, else the output); at most FRESH of its last positions come from
+    the previous launch."""
     chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)
@@ -305,7 +312,7 @@ def _decode_split(
     _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
                   b * (NQ * D) + heads * D, offs_g < G, b * NQ + heads, end, row, kvh, split, start, end,
                   seq_len - FRESH, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
-                  D, BLOCK_N, NUM_SPLITS, NUM_SPLITS > 1, DOT_F32, False, USE_PDL, PDL_EARLY)
+                  D, BLOCK_N, NUM_SPLITS, PARTIALS, DOT_F32, False, USE_PDL, PDL_EARLY, USE_PDL or FRESH > 0)
 
 
 @triton.jit
@@ -332,8 +339,8 @@ def decode_attention_kernel(
     # come from earlier launches or steps.
     _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
                   NUM_SPLITS, tl.load(req_idx_ptr + b).to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt, stride_ks,
-                  stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G, BLOCK_N, NUM_SPLITS, DOT_F32,
-                  USE_PDL, PDL_EARLY, FRESH)
+                  stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G, BLOCK_N, NUM_SPLITS,
+                  NUM_SPLITS > 1, DOT_F32, USE_PDL, PDL_EARLY, FRESH)
     if FUSED_MERGE and NUM_SPLITS > 1:
         _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ, G, D,
                        NUM_SPLITS, BLOCK_S, BLOCK_GM)
@@ -367,12 +374,12 @@ def _merge_if_last(count_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ: tl.
 
 
 @triton.jit
-def merge_splits_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
-    NQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr,
-):
-    # grid (batch, heads): log-sum-exp merge of the split partials into (batch, heads * D).
+def _merge_program(part_o_ptr, part_lse_ptr, out_ptr, used_ptr, NQ: tl.constexpr, D: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+                   HAS_USED: tl.constexpr):
+    """Program (b, h) of a merge launch: the log-sum-exp merge (``online_softmax.merge_partials``) of row ``b``'s
+    split partials of head ``h`` into ``out_ptr`` (batch, heads * D); with HAS_USED only its first ``used_ptr[b]``
+    splits (the others may hold stale partials)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     if USE_PDL:
@@ -381,6 +388,8 @@ def merge_splits_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < NUM_SPLITS
+    if HAS_USED:
+        s_mask = s_mask & (offs_s < tl.load(used_ptr + b))
     offs_d = tl.arange(0, D)
     base = (b * NQ + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
@@ -389,6 +398,17 @@ def merge_splits_kernel(
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    NQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_EARLY: tl.constexpr,
+):
+    # grid (batch, heads): log-sum-exp merge of the split partials into (batch, heads * D).
+    _merge_program(part_o_ptr, part_lse_ptr, out_ptr, part_lse_ptr, NQ, D, NUM_SPLITS, BLOCK_S, USE_PDL, PDL_EARLY,
+                   False)
 
 
 @triton.jit

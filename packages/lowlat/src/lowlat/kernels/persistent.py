@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _attend_split, _dot
+from lowlat.kernels.layer import _decode_split, _dot
 from lowlat.kernels.online_softmax import merge_partials
 
 
@@ -62,17 +62,11 @@ def attn_mlp_persistent_kernel(
             b = t // (NKV * NUM_SPLITS)
             kvh = (t // NUM_SPLITS) % NKV
             split = t % NUM_SPLITS
-            seq_len = tl.load(seq_lens_ptr + b)
-            row = tl.load(req_idx_ptr + b).to(tl.int64)
-            chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_NA) * BLOCK_NA
-            start = split * chunk
-            stop = tl.minimum(seq_len, start + chunk)
-            offs_g = tl.arange(0, BLOCK_G)
-            heads = kvh * G + offs_g
-            _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, attn_ptr,
-                          b * QD + heads * D, offs_g < G, b * NQ + heads, stop, row, kvh, split, start, stop, stop,
-                          stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, 1.0, D, BLOCK_NA, NUM_SPLITS,
-                          True, DOT_F32, False, False, False)
+            # (no PDL: FRESH 0, every position read in the loop; partials even for one split: the merge tasks read them)
+            _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, attn_ptr, b, kvh,
+                          split, NUM_SPLITS, tl.load(req_idx_ptr + b).to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt,
+                          stride_ks, stride_kh, stride_vs, stride_vh, scale, 1.0, NQ, G, D, BLOCK_G, BLOCK_NA, NUM_SPLITS,
+                          True, DOT_F32, False, False, 0)
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + 2, 1, sem="release")
         elif t < end_merge:

@@ -31,8 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _attend_split, _decode_split
-from lowlat.kernels.online_softmax import merge_partials
+from lowlat.kernels.layer import _attend_split, _decode_split, _merge_program
 
 ROWS_PER_RUN = 8  # R: the most rows of one request a leader takes (ops.MAX_VERIFY_ROWS)
 
@@ -84,7 +83,7 @@ def rows_attention_kernel(
                 _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b,
                               kvh, split, eff, row.to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt, stride_ks,
                               stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS,
-                              DOT_F32, USE_PDL, PDL_EARLY, FRESH)
+                              NUM_SPLITS > 1, DOT_F32, USE_PDL, PDL_EARLY, FRESH)
             else:
                 lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
                 max_len = tl.max(lens_r, 0)
@@ -115,20 +114,4 @@ def rows_merge_kernel(
 ):
     """``layer.merge_splits_kernel`` over the first ``used_ptr[b]`` splits of row ``b`` (``rows_attention_kernel``
     with SKIP_EMPTY stored them; the others hold stale partials). Grid (batch, heads)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        if PDL_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-    used = tl.load(used_ptr + b)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = (offs_s < NUM_SPLITS) & (offs_s < used)
-    offs_d = tl.arange(0, D)
-    base = (b * NQ + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    o = tl.load(part_o_ptr + (base + offs_s[:, None]) * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = merge_partials(o, lse, 0)
-    if USE_PDL and not PDL_EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + b * (NQ * D) + h * D + offs_d, out)
+    _merge_program(part_o_ptr, part_lse_ptr, out_ptr, used_ptr, NQ, D, NUM_SPLITS, BLOCK_S, USE_PDL, PDL_EARLY, True)
