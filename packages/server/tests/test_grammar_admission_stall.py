@@ -139,7 +139,8 @@ def _scheduler(free_row: bool, slo_refuses: bool) -> Any:
     running = [SimpleNamespace(rid="plain"), SimpleNamespace(rid="json")]
     kv = SimpleNamespace(slots_needed=lambda req, n: 1, allocator=SimpleNamespace(available=100))
     return SimpleNamespace(prefilling=[], running=running, waiting=[SimpleNamespace(rid="new")], kv=kv,
-                           has_free_row=free_row, can_admit=free_row and not slo_refuses)
+                           has_free_row=free_row, can_admit=free_row and not slo_refuses,
+                           refresh_admission=lambda: None)
 
 
 @pytest.mark.parametrize(("free_row", "slo_refuses", "chains"), [
@@ -159,6 +160,68 @@ def test_rows_taken_and_nothing_may_finish_still_chains() -> None:
     prev = SimpleNamespace(row_of={"plain": 0, "json": 1})
     assert chain_ready(_scheduler(False, False), prev, states, 0) is True  # type: ignore[arg-type]
     assert chain_ready(_scheduler(True, True), prev, states, 1) is False  # type: ignore[arg-type]  # a compiled grammar waits
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_chain_allowed_by_the_admission_schedules_a_decode(seed: int) -> None:
+    """A real scheduler with the relative SLO admission: protected streams (some ending while a
+    burst waits) and grammar-like rows (each may finish). Whenever `chain_ready` allows a chained
+    launch, the schedule that follows is a decode that admits nothing (the engine asserts it: a
+    target lifted by a finished protected request once made it an extend)."""
+    import random
+
+    from lmserver.io_struct import SamplingParams
+    from lmserver.scheduler import KVManager, Req, Scheduler
+    from lmserver.scheduler.admission import AdmissionConfig, StepBudget
+
+    rng = random.Random(seed)
+    budget = StepBudget(AdmissionConfig(slowdown=1.05))
+    sched = Scheduler(KVManager(16384, 1, False), max_running_requests=64, enable_mixed_chunk=True,
+                      chunked_prefill_size=256, admission=budget)
+
+    def req(rid: str, n: int, arrival: int) -> Req:
+        return Req(rid, [arrival * 7 % 50 + 1 + k % 3 for k in range(8)], SamplingParams(max_new_tokens=n), n,
+                   arrival=arrival)
+
+    # protected streams: s0 alone first (its start batch of 1 row sets the target), three more later; s0
+    # ends while the burst waits, which lifts the target to the others' start batch
+    sched.add(req("s0", rng.randint(20, 60), 0))
+    states: dict[str, Any] = {}
+    chained = 0
+    prev_rows: dict[str, int] = {}
+    for step in range(2000):
+        if step == 3:
+            for i in range(1, 4):
+                sched.add(req(f"s{i}", rng.randint(80, 120), i))
+        if step == 6:
+            for i in range(30):
+                sched.add(req(f"b{i}", rng.randint(5, 40), 10 + i))
+        if not sched.has_work():
+            break
+        for r in sched.running:
+            states.setdefault(r.rid, _state(r.rid, grammar=r.rid.startswith("b")))
+        prev = SimpleNamespace(row_of=prev_rows)
+        ok = bool(sched.running) and chain_ready(sched, prev, states, 0)  # type: ignore[arg-type]
+        d = sched.schedule()
+        if ok:
+            chained += 1
+            assert d.mode == "decode" and not d.retracted, (step, d.mode)
+        prev_rows = {it.rid: i for i, it in enumerate(d.items)} if d.mode == "decode" else {}
+        sched.commit(d)
+        for it in d.items:
+            r = sched.reqs.get(it.rid)
+            if r is None or it.prefix_len + len(it.token_ids) != r.fill_len:
+                continue
+            r.output_ids.append(1)
+            if r.remaining_new_tokens == 0:
+                sched.finish(r, {"type": "length"})
+        rows = sum(1 for it in d.items if len(it.token_ids) == 1)
+        # a step: 5 ms + 0.2 ms a row + 1 ms a prefill row, with noise (the credit goes negative at times)
+        cost = (0.005 + 0.0002 * len(d.items) + 0.001 * (len(d.items) - rows)) * rng.uniform(0.8, 1.4)
+        budget.observe(rows, len(d.items) - rows, cost)
+    else:
+        raise AssertionError("no progress")
+    assert chained > 0 and budget.num_deferred > 0  # chains happened while the admission held requests
 
 
 # --- a burst of compiles next to a plain stream (the engine on the embedded model) ------------------------------

@@ -162,7 +162,8 @@ def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, ReqState
     """True when the next round, scheduled now (before `prev` lands), is the decode the serial
     path would schedule after it, plus rows for the requests `prev` finishes. `grammar_blocks`:
     compiled grammars waiting for admission plus deferred jumps
-    (`ConstrainedDecoding.num_chain_blockers`). Pure."""
+    (`ConstrainedDecoding.num_chain_blockers`). Pure but for `Scheduler.refresh_admission` (which the
+    next schedule() makes anyway)."""
     if grammar_blocks or scheduler.prefilling or not scheduler.running:
         return False
     if scheduler.waiting:  # admission must stay impossible after prev lands
@@ -171,6 +172,9 @@ def chain_ready(scheduler: Scheduler, prev: Launched, states: dict[str, ReqState
         # step later than serially. So only where every request-table row is taken does a finish
         # (which frees a row) stop the chain; where rows are free the admission is what refuses, and
         # a grammar row (which may always finish) no longer makes every step serial while requests wait
+        # NOTE: the protected start batch as the next schedule() sets it: a protected request that the last
+        # landing finished may have lifted the target (a stale refusal chained a launch that admitted: an extend)
+        scheduler.refresh_admission()
         if scheduler.can_admit:
             return False
         if not scheduler.has_free_row and any(may_finish(states[r.rid]) for r in scheduler.running

@@ -176,13 +176,20 @@ class Scheduler:
         go (memory aside). Pure."""
         return self.has_free_row and self.admission_limit() != 0
 
+    def refresh_admission(self) -> None:
+        """Brings the SLO admission's protected start batch up to date with the active requests
+        (what `schedule` does first), so that `can_admit` answers as the next `schedule` will
+        (engine/overlap.py's chain test asks between a finish and that schedule). Mutates the
+        admission's target (and credit: see `StepBudget.protect`)."""
+        if self.admission is not None and self.admission.relative:
+            self.admission.protect(self._protected_base_rows())
+
     # --- scheduling -----------------------------------------------------------------------
 
     def schedule(self) -> ScheduleDecision:
         """Picks the next forward. Mutates: queues, request KV (allocation, eviction, retraction)."""
         self.num_rounds += 1
-        if self.admission is not None and self.admission.relative:
-            self.admission.protect(self._protected_base_rows())
+        self.refresh_admission()
         if self.enable_mixed_chunk and self.running:
             # decodes get their slots first; prefill chunks use what is left
             decode_items, retracted = self._schedule_decode()
