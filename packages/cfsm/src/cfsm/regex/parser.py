@@ -19,7 +19,7 @@ from cfsm.errors import UnsupportedRegexError
 from cfsm.regex.charset import MAX_CP, Ranges, case_close, class_ranges, negate, normalize, union
 from cfsm.regex.syntax import EMPTY, NOTHING, Alt, Cat, Chars, Node, Repeat, alt, cat
 
-__all__ = ["parse_regex"]
+__all__ = ["ANY_TEXT", "parse_regex", "search_branches"]
 
 _SIMPLE_ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "a": 7, "e": 27}
 _CLASS_ESCAPES = {"d": r"\d", "w": r"\w", "s": r"\s", "D": r"\d", "W": r"\w", "S": r"\s"}
@@ -467,18 +467,32 @@ def parse_regex(pattern: str, *, search: bool = False) -> Node:
     `regex.search` and of JSON Schema `pattern`): unanchored ends get any text.
     Raises `UnsupportedRegexError` (construct and position) for non-regular or malformed input.
     """
+    if not search:
+        if not isinstance(pattern, str):
+            raise TypeError(f"pattern must be str, got {type(pattern).__name__}")
+        return _Parser(pattern).parse()
+    return alt(*(cat(node, ANY_TEXT) if open_end else node for node, open_end in search_branches(pattern)))
+
+
+# any text (what an unanchored end of a search pattern adds)
+ANY_TEXT = Repeat(Chars(((0, MAX_CP),)), 0, None)
+
+
+def search_branches(pattern: str) -> list[tuple[Node, bool]]:
+    """The top-level branches of a search pattern as (tree, open end): the search language is the
+    union of `tree` for closed branches and `tree` followed by `ANY_TEXT` for open ones (an
+    unanchored start is part of `tree`). `parse_regex(pattern, search=True)` is that union; a
+    caller may build the open branches' "then anything" itself (`cfsm.schema`: by first match).
+    Raises `UnsupportedRegexError`."""
     if not isinstance(pattern, str):
         raise TypeError(f"pattern must be str, got {type(pattern).__name__}")
     parser = _Parser(pattern)
-    if not search:
-        return parser.parse()
-    anything = Repeat(Chars(((0, MAX_CP),)), 0, None)
     flags = _Flags()
     branches = []
     while True:
         parser.seq_anchored = False
         node, ended, flags = parser.parse_seq(flags, True, 0)
-        branches.append(cat(*([] if parser.seq_anchored else [anything]), node, *([] if ended == _ENDS_ALL else [anything])))
+        branches.append((cat(*([] if parser.seq_anchored else [ANY_TEXT]), node), ended != _ENDS_ALL))
         if parser.peek() == "|":
             parser.i += 1
             continue
@@ -487,5 +501,4 @@ def parse_regex(pattern: str, *, search: bool = False) -> Node:
         raise parser.error("')' without a matching '('")
     if parser.nested_anchor is not None:
         raise parser.error("anchor inside a group of a search pattern", parser.nested_anchor)
-    return alt(*branches)
-
+    return branches
