@@ -198,12 +198,12 @@ def _rope_store(
 
 
 @triton.jit
-def _attend_block(q, k, v, s_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
-    """One K/V tile of online softmax (``online_softmax.softmax_step``): scores masked by ``s_mask`` (broadcast to
-    (rows, BLOCK_N)); returns the updated (max, sum, accumulator)."""
+def _attend_block(q, k, v, s_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr, GUARD: tl.constexpr):
+    """One K/V tile of online softmax (``online_softmax.softmax_step``, GUARD for rows that may have no key yet):
+    scores masked by ``s_mask`` (broadcast to (rows, BLOCK_N)); returns the updated (max, sum, accumulator)."""
     s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
     s = tl.where(s_mask, s * scale, float("-inf"))
-    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s)
+    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, GUARD)
     acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
     return m_i, l_i, acc
 
@@ -273,14 +273,14 @@ def _attend_split(
     acc = tl.zeros((q_off.shape[0], D), tl.float32)
     if start < end:
         m_i, l_i, acc = _attend_block(q, k, v, _score_mask(offs_n, n_mask, lim, ROW_LIMITS), scale, m_i, l_i, acc,
-                                      DOT_F32)
+                                      DOT_F32, ROW_LIMITS)
     for t0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
                                                        stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
         k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, _score_mask(offs_n, n_mask, lim, ROW_LIMITS), scale, m_i, l_i, acc,
-                                      DOT_F32)
+                                      DOT_F32, ROW_LIMITS)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     out, lse = split_partial(acc, m_i, l_i, v_scale)
