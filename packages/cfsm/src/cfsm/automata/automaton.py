@@ -197,7 +197,7 @@ class Nfa:
 
     def _repeat(self, node: Repeat) -> tuple[int, int]:
         if (node.lo if node.hi is None else node.hi) >= self.counted_min:
-            unit = unit_of(node.item)
+            unit = counted_unit(node.item)
             if unit is not None:
                 return self._counted(unit, node.lo, node.hi)
         s = e = self.new()
@@ -332,6 +332,46 @@ def unit_of(node: Node) -> Unit | None:
     if len(_UNITS) > 256:
         _UNITS.clear()
     _UNITS[id(node)] = (node, unit)
+    return unit
+
+
+# NOTE: pure memoization of immutable inputs, bounded, as `_UNITS`
+_ENTRY_UNITS: dict[int, tuple[Node, Unit | None]] = {}
+
+
+def counted_unit(node: Node) -> Unit | None:
+    """`unit_of(node)`, or where `node` is a prefix code whose start state has incoming edges (an
+    item led by whitespace, `[ \\t]*,x`: JSON array items after the comma), its DFA with a fresh
+    start state (a copy of the start's row that nothing enters): a `Unit` of the same language for
+    `Nfa._counted` (a repeat of such items was one NFA copy per item: JSONSchemaBench o9958,
+    1,000 items). Not minimal (the copy equals the start), so only counted fragments take it.
+    Cached by node identity."""
+    unit = unit_of(node)
+    if unit is not None:
+        return unit
+    hit = _ENTRY_UNITS.get(id(node))
+    if hit is not None and hit[0] is node:
+        return hit[1]
+    dfa = build_dfa(node)
+    trans = dfa.transitions
+    final = np.flatnonzero(dfa.accepting)
+    if len(final) == 1 and int(final[0]) != dfa.start and (trans[int(final[0])] == dfa.dead).all():
+        f = int(final[0])
+        keep = [q for q in range(dfa.num_states) if q != f]
+        new_id = {q: i for i, q in enumerate(keep)}
+        new_id[f] = -1
+        rows = []
+        for q in [*keep, dfa.start]:  # the fresh start last: a copy of the start's row
+            row = trans[q]
+            cuts = np.flatnonzero(np.diff(row)) + 1
+            starts = [0, *cuts.tolist()]
+            ends = [*(cuts - 1).tolist(), 255]
+            rows.append(tuple((a, b, new_id[int(row[a])]) for a, b in zip(starts, ends, strict=True)
+                              if int(row[a]) != dfa.dead))
+        unit = Unit(start=len(keep), rows=tuple(rows))
+    if len(_ENTRY_UNITS) > 256:
+        _ENTRY_UNITS.clear()
+    _ENTRY_UNITS[id(node)] = (node, unit)
     return unit
 
 
