@@ -12,11 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from lowlat import Coverage, KVCache, LayerShape, LowlatConfig, reference_decoder_layer
 from lowlat.build import BuildContext
 from lowlat.errors import ShapeError
 from lowlat.kernels import ops
+from lowlat.kernels.online_softmax import merge_partials, softmax_step, split_partial
 from lowlat.reference import apply_rope, decode_attention, rms_norm
 from lowlat.testing import TinyModel, decode_meta, fake_setup, greedy_decode, random_kv, random_layer
 
@@ -204,6 +207,86 @@ def test_attention_counts_are_checked() -> None:
     for bad in (torch.zeros(2 * shape.num_kv_heads - 1, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
         with pytest.raises(ShapeError, match="counts"):
             ops.attention(q, kv, meta, part_o, part_lse, torch.empty_like(q), shape, _lc(shape), 2, counts=bad.to(DEVICE))
+
+
+@triton.jit
+def _softmax_splits_probe(s_ptr, v_ptr, part_ptr, lse_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK: tl.constexpr, GUARD: tl.constexpr):
+    """Scores (M, N) against values (N, D): split ``sp`` takes keys [sp * N / SPLITS, (sp + 1) * N / SPLITS) in blocks
+    of BLOCK through ``softmax_step`` and stores its ``split_partial`` at (row, sp)."""
+    offs_m = tl.arange(0, M)
+    offs_d = tl.arange(0, D)
+    for sp in tl.static_range(SPLITS):
+        m_i = tl.full((M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((M,), tl.float32)
+        acc = tl.zeros((M, D), tl.float32)
+        for t in tl.static_range(N // SPLITS // BLOCK):
+            offs_n = sp * (N // SPLITS) + t * BLOCK + tl.arange(0, BLOCK)
+            s = tl.load(s_ptr + offs_m[:, None] * N + offs_n[None, :])
+            v = tl.load(v_ptr + offs_n[:, None] * D + offs_d[None, :])
+            m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, GUARD)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        out, lse = split_partial(acc, m_i, l_i, 1.0)
+        tl.store(part_ptr + (offs_m[:, None] * SPLITS + sp) * D + offs_d[None, :], out)
+        tl.store(lse_ptr + offs_m * SPLITS + sp, lse)
+
+
+@triton.jit
+def _merge_probe(part_ptr, lse_ptr, out_ptr, out3_ptr, M: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    """``merge_partials`` both ways: row by row over axis 0 ((SPLITS, D) with (SPLITS,)), and all rows at once over
+    axis 1 ((M, SPLITS, D) with (M, SPLITS))."""
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    for r in tl.static_range(M):
+        lse = tl.load(lse_ptr + r * SPLITS + offs_s)
+        part = tl.load(part_ptr + (r * SPLITS + offs_s[:, None]) * D + offs_d[None, :])
+        tl.store(out_ptr + r * D + offs_d, merge_partials(part, lse, 0))
+    offs_m = tl.arange(0, M)
+    idx = offs_m[:, None] * SPLITS + offs_s[None, :]
+    lse2 = tl.load(lse_ptr + idx)
+    part3 = tl.load(part_ptr + idx[:, :, None] * D + offs_d[None, None, :])
+    tl.store(out3_ptr + offs_m[:, None] * D + offs_d[None, :], merge_partials(part3, lse2, 1))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the unguarded -inf - -inf (NaN)
+def test_online_softmax_functions_match_float64() -> None:
+    """``lowlat.kernels.online_softmax`` on its own, against a float64 softmax: per-split partials (out, lse) over
+    blocks of keys, and their merge over either axis. Row 1 has no key in split 0 (partial (0, -inf), weight 0 in the
+    merge); row 2 none in split 1's first block; row 3 a score of 80 (the running max must rescale). Without GUARD a
+    row with no key so far gets NaN; rows with a key in every split's first block get the same values either way."""
+    m, n, d, splits, block = 4, 32, 16, 2, 8
+    g = torch.Generator().manual_seed(30)
+    s = torch.randn(m, n, generator=g, dtype=torch.float64) * 3
+    s[1, : n // splits] = float("-inf")
+    s[2, n // splits : n // splits + block] = float("-inf")
+    s[2, n // splits + block + 3] = float("-inf")
+    s[3, 5] = 80.0
+    v = torch.randn(n, d, generator=g, dtype=torch.float64)
+    ref_part = torch.zeros(m, splits, d, dtype=torch.float64)
+    ref_lse = torch.full((m, splits), float("-inf"), dtype=torch.float64)
+    for sp in range(splits):
+        ss = s[:, sp * n // splits : (sp + 1) * n // splits]
+        live = torch.isfinite(ss).any(1)
+        ref_lse[live, sp] = torch.logsumexp(ss[live], 1)
+        ref_part[live, sp] = torch.softmax(ss[live], 1) @ v[sp * n // splits : (sp + 1) * n // splits]
+    ref = torch.softmax(s, 1) @ v
+    results = {}
+    for guard in (True, False):
+        part = torch.full((m, splits, d), float("nan"), device=DEVICE)
+        lse = torch.full((m, splits), float("nan"), device=DEVICE)
+        _softmax_splits_probe[(1,)](s.float().to(DEVICE), v.float().to(DEVICE), part, lse, m, n, d, splits, block, guard)
+        results[guard] = (part.cpu().double(), lse.cpu().double())
+    part, lse = results[True]
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and bool(torch.isfinite(part).all())
+    assert float((part - ref_part).abs().max()) < 1e-5 and float((lse - ref_lse).nan_to_num(0.0).abs().max()) < 1e-5
+    part_u, _ = results[False]
+    assert bool(part_u[1, 0].isnan().all()) and bool(part_u[2, 1].isnan().all())  # no key yet: NaN without GUARD
+    assert torch.equal(part_u[[0, 3]], part[[0, 3]])
+    out = torch.full((m, d), float("nan"), device=DEVICE)
+    out3 = torch.full((m, d), float("nan"), device=DEVICE)
+    _merge_probe[(1,)](part.float().to(DEVICE), lse.float().to(DEVICE), out, out3, m, d, splits)
+    assert float((out.cpu().double() - ref).abs().max()) < 1e-5
+    assert float((out3.cpu().double() - ref).abs().max()) < 1e-5
 
 
 # (variant, programs) of the GEMV stages beyond the defaults; programs > 0: fewer programs than tiles, looping
