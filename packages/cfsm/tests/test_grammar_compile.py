@@ -1,7 +1,8 @@
 """The pushdown compile's shortcuts against plain references: the subset construction's byte
 pieces against stepping byte by byte, the vectorized counted-chain search against the search
-state by state, the escape-pair sorting against a lexsort, and free JSON compiled once per
-vocabulary against a fresh compile (keys, settlements and masks along random members)."""
+state by state, the escape-pair sorting against a lexsort, the direct DFAs of ASCII chains
+against the regular compiler's, and free JSON compiled once per vocabulary against a fresh
+compile (keys, settlements and masks along random members)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm import compiler as cfsm_compiler
+from cfsm.automata.automaton import build_dfa
 from cfsm.compiler import _rules_index
 from cfsm.grammar import GrammarIndex, build_pda, inline_rules, parse_ebnf
 from cfsm.grammar import index as grammar_index
 from cfsm.grammar import pda as grammar_pda
 from cfsm.grammar.testing import JSON_GBNF, byte_vocab, draw_member, greedy_tokens
+from cfsm.regex.syntax import Alt, Cat, Chars, Node, Repeat
 from cfsm.schema.json_schema import json_value_grammar
 
 _ranges = st.lists(st.tuples(st.integers(0, 255), st.integers(0, 40), st.integers(0, 5)), max_size=8).map(
@@ -47,6 +50,63 @@ def test_pieces_are_the_byte_steps(ranges: list[tuple[int, int, int]]) -> None:
             order.append(key)
     assert got == want
     assert order == list(dict.fromkeys(want[b] for b in by_byte))
+
+
+def _class_of(byte_set: set[int]) -> Chars:
+    """The class of `byte_set` as sorted, disjoint, non-adjacent ranges."""
+    ranges: list[tuple[int, int]] = []
+    for b in sorted(byte_set):
+        if ranges and ranges[-1][1] == b - 1:
+            ranges[-1] = (ranges[-1][0], b)
+        else:
+            ranges.append((b, b))
+    return Chars(tuple(ranges))
+
+
+_ascii_classes = st.sets(st.integers(0, 127), min_size=1, max_size=12).map(_class_of)
+
+
+@st.composite
+def _ascii_chains(draw: Any) -> Node:
+    """One ASCII class, a concatenation of them, or one repeated; sometimes a node the direct
+    construction must leave to `build_dfa` (an empty concatenation, a class past ASCII, a
+    class inside an alternation)."""
+    kind = draw(st.sampled_from(["chars", "cat", "repeat", "other"]))
+    if kind == "chars":
+        return draw(_ascii_classes)  # type: ignore[no-any-return]
+    if kind == "cat":
+        return Cat(draw(st.lists(_ascii_classes, max_size=5)))
+    if kind == "repeat":
+        lo = draw(st.integers(0, 4))
+        hi = draw(st.one_of(st.none(), st.integers(0, 6).map(lambda k: lo + k)))
+        return Repeat(draw(_ascii_classes), lo, hi)
+    return draw(st.sampled_from([Chars(((97, 200),)), Alt([Chars(((97, 98),)), Chars(((120, 120),))]),
+                                 Repeat(Cat([Chars(((97, 97),)), Chars(((98, 98),))]), 0, None), Repeat(Chars(((97, 97),)), 0, 0)]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(node=_ascii_chains())
+def test_ascii_chains_are_the_regular_compilers_dfas(node: Node) -> None:
+    """`pda._ascii_dfa` gives the DFA `build_dfa` gives (same states, numbering, edges and
+    accepting states), or None."""
+    got = grammar_pda._ascii_dfa(node)
+    want = build_dfa(node)
+    if got is None:
+        return
+    n = want.num_states
+    assert got.num_states == n
+    assert got.start == want.start
+    assert np.array_equal(got.accepting[:n], want.accepting[:n])
+    assert np.array_equal(np.where(got.transitions[:n] == got.dead, -1, got.transitions[:n]),
+                          np.where(want.transitions[:n] == want.dead, -1, want.transitions[:n]))
+
+
+def test_ascii_chains_cover_the_json_grammars_literals() -> None:
+    """The JSON GBNF's literals, punctuation and whitespace runs take the direct construction."""
+    for node in (Chars(((123, 123),)), Cat([Chars(((110, 110),)), Chars(((117, 117),)), Chars(((108, 108),))]),
+                 Repeat(Chars(((9, 10), (32, 32))), 0, 20), Repeat(Chars(((9, 10), (13, 13), (32, 32))), 0, None),
+                 Repeat(Chars(((48, 57),)), 1, None)):
+        assert grammar_pda._ascii_dfa(node) is not None
 
 
 def _links_state_by_state(pda: grammar_pda.Pda) -> dict[int, tuple[int, bytes]]:

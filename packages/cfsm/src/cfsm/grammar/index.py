@@ -43,6 +43,9 @@ MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
 _CHAIN_DERIVE = True  # counted-chain keys derived without walks where `_chain_escapes` allows (tests switch it off)
 _LOOP_CUT = True  # trie walks accept a subtree whole where its bytes all loop the configuration (tests switch it off)
+# escapes before the first byte of more than 1/_FIRST_BY_COLUMN of the vocabulary are read off
+# the first byte column (`_first_escapes`), fewer sorted (tests change it to take either path)
+_FIRST_BY_COLUMN = 16
 _FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
 _BOOL_ROWS = 1 << 20  # batched key rows of at most this many words are set as bools, then packed
 # escape sets settled at compile time, at most (and at most twice the one-frame keys that have
@@ -114,7 +117,10 @@ def _info(row: np.ndarray, esc_rank: np.ndarray, esc_at: np.ndarray, presorted: 
     last[:-1] = first[1:] - 1
     last[-1] = len(esc_rank) - 1
     late = esc_at.take(last) > 0
-    digest = hashlib.blake2b(esc_rank.tobytes() + b"|" + esc_at.tobytes(), digest_size=16).digest()
+    h = hashlib.blake2b(esc_rank.data, digest_size=16)  # NOTE: of the rank bytes, "|", the offset bytes (no copies)
+    h.update(b"|")
+    h.update(esc_at.data)
+    digest = h.digest()
     return _KeyInfo(row, uncertain, late, esc_rank, esc_at, digest)
 
 
@@ -690,7 +696,7 @@ class GrammarIndex:
         starts = np.flatnonzero(np.r_[True, f_key[1:] != f_key[:-1]]).tolist()
         for a, b in zip(starts, [*starts[1:], len(f_key)], strict=True):
             k = int(f_key[a])
-            if int(cnt_all[a:b].sum()) * 16 > len(cols0):
+            if int(cnt_all[a:b].sum()) * _FIRST_BY_COLUMN > len(cols0):
                 member = np.zeros(257, dtype=bool)
                 member[levels.byte[0].take(f_node[a:b])] = True
                 ranks = np.flatnonzero(member.take(cols0))
@@ -1152,8 +1158,11 @@ class GrammarIndex:
         uncertain = 0
         positions = np.flatnonzero(pda.has_bytes).tolist()
         chains = self._chains
-        self._one_frame_keys([s for s in positions if self._rep[s] == s and s not in chains])
-        self._chain_keys([s for s in positions if self._rep[s] == s and s in chains])
+        # NOTE: the return states too (settlements start from their keys): one batched walk
+        rep = self._rep
+        keyed = sorted({rep[s] for s in positions} | {rep[ret] for ret_set in returns.values() for ret in ret_set})
+        self._one_frame_keys([s for s in keyed if s not in chains])
+        self._chain_keys([s for s in keyed if s in chains])
         for s in positions:
             info = self._key((s,))
             if len(info.uncertain):

@@ -25,7 +25,7 @@ from cfsm.automata.automaton import build_dfa
 from cfsm.config import CfsmLimits
 from cfsm.errors import GrammarError, PushdownTooLargeError
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
-from cfsm.regex.syntax import Alt, Cat, Node, Repeat, Scope, Sep, Shared
+from cfsm.regex.syntax import Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared
 
 __all__ = ["Pda", "build_pda"]
 
@@ -158,7 +158,10 @@ class _Nfa:
         node, e = self.pending.pop(s)
         dfa = self.dfas.get(id(node))
         if dfa is None:
-            dfa = self.dfas[id(node)] = build_dfa(node, limit=self.limits.max_dfa_states)
+            limit = self.limits.max_dfa_states
+            chain = _ascii_dfa(node)
+            dfa = self.dfas[id(node)] = (chain if chain is not None and chain.num_states <= limit
+                                         else build_dfa(node, limit=limit))
         n = dfa.num_states
         if n == 0:
             return  # the empty language: no path from s to e
@@ -185,7 +188,77 @@ class _Nfa:
         self.eps[s].append(base + dfa.start)
 
 
+@dataclass(frozen=True, eq=False)
+class _Chain:
+    """The minimal DFA of an ASCII chain (`_ascii_dfa`), as the fields of `Dfa` that `embed` reads."""
+
+    transitions: np.ndarray  # (num_states + 1, 256) int32; row num_states: the dead state
+    accepting: np.ndarray  # (num_states + 1,) bool
+    start: int
+    dead: int
+    num_states: int
+
+
+def _ascii_class(node: Node) -> list[int] | None:
+    """The bytes of `node` if it is one character out of ASCII ranges, else None. Pure."""
+    if not isinstance(node, Chars) or not node.ranges or node.ranges[-1][1] >= 128:
+        return None
+    return [b for lo, hi in node.ranges for b in range(lo, hi + 1)]
+
+
+def _ascii_dfa(node: Node) -> _Chain | None:
+    """The minimal DFA `automaton.build_dfa` gives, built directly where `node` is a chain of
+    ASCII classes: one class, a concatenation of classes (a literal), or one class repeated
+    `{lo,hi}` / `{lo,}` times; else None. Pure.
+
+    NOTE: such a DFA is the chain itself (states 0..k in reading order, no two alike: each
+    reads a different number of bytes before it must end), as `build_dfa` numbers it; the
+    regular compiler's general path (NFA, subset construction, minimization) took ~0.2-1 ms
+    per part, most of a small grammar's network."""
+    if isinstance(node, Cat):
+        classes = [_ascii_class(item) for item in node.items]
+        if not classes or any(c is None for c in classes):
+            return None
+        links: list[list[int]] = [c for c in classes if c is not None]
+        final = len(links)
+        loop: list[int] = []
+        ends = [final]
+    elif isinstance(node, Repeat):
+        item = _ascii_class(node.item)
+        if item is None or (node.hi is not None and not 0 < node.hi <= 64):
+            return None
+        if node.hi is None:
+            links, loop = [item] * node.lo, item
+            final = node.lo
+            ends = [final]
+        else:
+            if node.lo > node.hi:
+                return None
+            links, loop = [item] * node.hi, []
+            final = node.hi
+            ends = list(range(node.lo, node.hi + 1))
+    else:
+        item = _ascii_class(node)
+        if item is None:
+            return None
+        links, loop, final, ends = [item], [], 1, [1]
+    n = final + 1
+    table = np.full((n + 1, 256), n, dtype=np.int32)
+    for k, bytes_ in enumerate(links):
+        table[k, bytes_] = k + 1
+    if loop:
+        table[final, loop] = final
+    accepting = np.zeros(n + 1, dtype=bool)
+    accepting[ends] = True
+    return _Chain(transitions=table, accepting=accepting, start=0, dead=n, num_states=n)
+
+
 def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
+    if len(states) == 1:
+        # NOTE: most subsets inside an embedded DFA: one state without epsilon edges
+        (q,) = states
+        if not nfa.eps[q] and q not in nfa.pending:
+            return states
     out = set(states)
     work = list(states)
     pending = nfa.pending
