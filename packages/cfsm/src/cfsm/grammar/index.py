@@ -81,7 +81,19 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 _NO_RANKS = _frozen(np.zeros(0, dtype=np.int64))
 _NO_OFFSETS = _frozen(np.zeros(0, dtype=np.int32))
 _NO_FLAGS = _frozen(np.zeros(0, dtype=bool))
-_NO_ESCAPES = hashlib.blake2b(b"|", digest_size=16).digest()
+
+
+def _digest(esc_rank: np.ndarray, esc_at: np.ndarray) -> bytes:
+    """16 bytes of SHA-256 over the rank bytes, "|", the offset bytes (contiguous int64 / int32
+    arrays: hashed in place). NOTE: SHA-256 runs on the CPU's SHA instructions here, about twice
+    as fast as BLAKE2b over the ~32k escape pairs of a key that a space may leave."""
+    h = hashlib.sha256(esc_rank.data)
+    h.update(b"|")
+    h.update(esc_at.data)
+    return h.digest()[:16]
+
+
+_NO_ESCAPES = _digest(_NO_RANKS, _NO_OFFSETS)
 
 
 def _sorted_pairs(esc_rank: np.ndarray, esc_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -117,11 +129,7 @@ def _info(row: np.ndarray, esc_rank: np.ndarray, esc_at: np.ndarray, presorted: 
     last[:-1] = first[1:] - 1
     last[-1] = len(esc_rank) - 1
     late = esc_at.take(last) > 0
-    h = hashlib.blake2b(esc_rank.data, digest_size=16)  # NOTE: of the rank bytes, "|", the offset bytes (no copies)
-    h.update(b"|")
-    h.update(esc_at.data)
-    digest = h.digest()
-    return _KeyInfo(row, uncertain, late, esc_rank, esc_at, digest)
+    return _KeyInfo(row, uncertain, late, esc_rank, esc_at, _digest(esc_rank, esc_at))
 
 
 def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
