@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cfsm.automata.automaton import Dfa, build_dfa
+from cfsm.config import CfsmConfig
 from cfsm.errors import UnsupportedRegexError
 from cfsm.regex.json_lexical import json_escape
 from cfsm.regex.parser import parse_regex
-from cfsm.schema.json_schema import _pattern_lang
+from cfsm.schema.json_schema import _pattern_lang, schema_tree
+from cfsm.schema.patterns import search_body
 
 # no newline: Python's `$` also matches before a final newline, ECMA's (cfsm's) does not
 _ALPHABET = ['a', 'b', '/', '"', '\\', '\t', 'é']
@@ -45,6 +47,7 @@ def _check(pattern: str) -> None:
         tree = json_escape(parse_regex(pattern, search=True))
     except UnsupportedRegexError:
         return
+    search_body.cache_clear()
     _pattern_lang.cache_clear()
     node, _ = _pattern_lang(pattern, 200_000)
     plain = build_dfa(tree)
@@ -79,6 +82,7 @@ def test_time_zone_alternation_compiles_fast() -> None:
     # minimal DFA of ~70
     pattern = "UTC|" + "|".join(f"({zone}/[A-Za-z]+)" for zone in (
         "Africa", "America", "Antarctica", "Arctic", "Asia", "Atlantic", "Australia", "Europe", "Indian", "Pacific"))
+    search_body.cache_clear()
     _pattern_lang.cache_clear()
     t = time.process_time()
     node, _ = _pattern_lang(pattern, 200_000)
@@ -88,3 +92,16 @@ def test_time_zone_alternation_compiles_fast() -> None:
     for s in ["UTC", "x Europe/Paris y", "Europe/", "Asia", "America/X", "Pacific/Ab\\t", "utc", "Arctic/é"]:
         body = json.dumps(s, ensure_ascii=False)[1:-1].encode()
         assert dfa.fullmatch(body) == validator.is_valid(s), s
+
+
+@pytest.mark.parametrize("pattern", ["a|b/", "^a", "b$", "(?:ab|ba)", "é"])
+def test_pattern_property_keys_by_first_match(pattern: str) -> None:
+    # `patternProperties` keys take the same first-match DFA (JSONSchemaBench o48425's game names)
+    schema = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}, "additionalProperties": False}
+    dfa = build_dfa(schema_tree(schema, CfsmConfig(whitespace="compact"))[0])
+    validator = jsonschema.Draft202012Validator(schema)
+    for key in _STRINGS:
+        for value in (1, "x"):
+            instance = {key: value}
+            text = json.dumps(instance, ensure_ascii=False, separators=(",", ":")).encode()
+            assert dfa.fullmatch(text) == validator.is_valid(instance), (pattern, instance)

@@ -9,10 +9,10 @@ import regex
 
 from cfsm.automata.automaton import DfaNode, build_dfa
 from cfsm.errors import UnsupportedRegexError, UnsupportedSchemaError
-from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, json_escape
-from cfsm.regex.parser import parse_regex
+from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING
 from cfsm.regex.syntax import EMPTY, NOTHING, Complement, Intersect, Node, Repeat, Sep, Shared, alt, cat, lit
 from cfsm.schema.compiling import SchemaCompiling
+from cfsm.schema.patterns import search_body
 
 __all__ = ["MAX_ANY_ORDER_PROPERTIES", "object_members"]
 
@@ -106,7 +106,7 @@ def object_members(comp: SchemaCompiling, schema: dict[str, Any], path: str) -> 
     pattern_keys: list[Node] = []
     for pat in pattern_props:
         try:
-            body = json_escape(parse_regex(pat, search=True))
+            body = search_body(pat, comp.cfg.limits.max_dfa_states)[0]
         except UnsupportedRegexError as exc:
             # NOTE: any key may then take this value (a superset); declared names keep theirs
             comp.approximate("patternProperties", f"{path}/patternProperties", f"pattern not enforced on keys: {exc}")

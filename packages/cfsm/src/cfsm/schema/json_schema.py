@@ -26,21 +26,20 @@ from urllib.parse import urldefrag
 
 import numpy as np
 
-from cfsm.automata.automaton import Dfa, DfaNode, build_dfa, minimize
+from cfsm.automata.automaton import Dfa
 from cfsm.config import CfsmConfig
 from cfsm.errors import (
     Approximation,
     CfsmError,
-    GrammarTooLargeError,
     SchemaTooLargeError,
     UnsupportedRegexError,
     UnsupportedSchemaError,
 )
 from cfsm.grammar.rules import RuleRef
 from cfsm.regex.formats import FORMAT_REGEXES
-from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, SHORT_ESCAPES, json_escape
+from cfsm.regex.json_lexical import JSON_CHAR, JSON_STRING, SHORT_ESCAPES
 from cfsm.regex.json_values import BOOLEAN, INT, NUMBER, STRING_BODY, format_node, piece
-from cfsm.regex.parser import ANY_TEXT, parse_regex, search_branches
+from cfsm.regex.parser import parse_regex
 from cfsm.regex.syntax import (
     EMPTY,
     NOTHING,
@@ -83,6 +82,7 @@ from cfsm.schema.narrow import (
     unique_sequences,
 )
 from cfsm.schema.numeric import decimal_range, int_range, multiple_of
+from cfsm.schema.patterns import search_body
 from cfsm.schema.refs import RefResolver, check_depth, is_meta_schema, meta_schema_fragment
 from cfsm.schema.unevaluated import expand_unevaluated, mentions_unevaluated
 
@@ -1181,49 +1181,8 @@ def _pattern_lang(pattern: str, limit: int) -> tuple[Node, int]:
     process and pattern: a counted pattern such as a word count `(?:\\S+\\s+){0,199}` is thousands of
     NFA copies), and its size for length bounds (`_cycle_states`); a pattern past the DFA limit
     stays a tree and counts as that limit. Raises `UnsupportedRegexError`."""
-    branches = [(json_escape(node), open_end) for node, open_end in search_branches(pattern)]
-    tree = alt(*(cat(node, _ANY_BODY) if open_end else node for node, open_end in branches))
-    try:
-        opened = [node for node, open_end in branches if open_end]
-        closed = [node for node, open_end in branches if not open_end]
-        first = build_dfa(alt(*opened), limit=limit) if opened else None
-        parts = [DfaNode(_then_any_body(first))] if first is not None and first.num_states else []
-        dfa = build_dfa(alt(*parts, *closed), limit=limit)
-    except GrammarTooLargeError:
-        return tree, limit
-    return (DfaNode(dfa) if dfa.num_states else NOTHING), _cycle_states(dfa)
-
-
-# any JSON string body (the text an open end of a search pattern adds), and its DFA
-_ANY_BODY = json_escape(ANY_TEXT)
-
-
-@functools.cache
-def _any_body_dfa() -> Dfa:
-    return build_dfa(_ANY_BODY)
-
-
-def _then_any_body(dfa: Dfa) -> Dfa:
-    """The DFA of `dfa`'s language followed by any JSON string body, by first match: an accepting
-    state steps as the start of "any body" does. Exact for a language of whole JSON string bodies
-    (escaped code points: a prefix code), where u and uv in the language of bodies make v a body:
-    a text has a prefix in the language followed by a body iff its first such prefix is followed
-    by a body. The subset construction of `L` then "anything" directly keeps every partial match
-    after the first (`o47656`'s time zone alternation: 20,000 subset states for a minimal 48,
-    > 20 s; this way 0.1 s)."""
-    body = _any_body_dfa()
-    n, m = dfa.num_states, body.num_states
-    dead = n + m
-    table = np.full((n + m + 1, 256), dead, dtype=np.int32)
-    own = dfa.transitions[:n]
-    table[:n] = np.where(own == dfa.dead, dead, own)
-    rest = body.transitions[:m]
-    table[n:n + m] = np.where(rest == body.dead, dead, rest + n)
-    accepting = np.zeros(n + m + 1, dtype=bool)
-    accepting[:n] = dfa.accepting[:n]
-    accepting[n:n + m] = body.accepting[:m]
-    table[:n][accepting[:n]] = table[n + body.start]
-    return minimize(table, accepting, dfa.start, bfs=True)
+    node, dfa = search_body(pattern, limit)
+    return (node, limit) if dfa is None else (node, _cycle_states(dfa))
 
 
 def _cycle_states(dfa: Dfa) -> int:
