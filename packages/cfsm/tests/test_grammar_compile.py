@@ -6,6 +6,7 @@ compile (keys, settlements and masks along random members)."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -180,6 +181,16 @@ def test_key_infos_sort_escapes_as_lexsort(pairs: list[tuple[int, int]]) -> None
         assert np.array_equal(info.uncertain, uncertain)
         assert np.array_equal(info.late, want_at[last] > 0 if len(pairs) else np.zeros(0, dtype=bool))
     assert grammar_index._info(row, rank, at).digest == grammar_index._info(row, rank[::-1], at[::-1]).digest
+
+
+@pytest.mark.parametrize("n", [0, 1, 1023, 1024, 3000])
+def test_escape_digests_hash_the_pair_bytes(n: int) -> None:
+    """`_digest` is 16 bytes of SHA-256 over the rank bytes, "|", the offset bytes, whichever way
+    it feeds them (joined below 1,024 pairs, in place above)."""
+    rank = np.arange(n, dtype=np.int64) * 3
+    at = (np.arange(n) % 5).astype(np.int32)
+    want = hashlib.sha256(rank.tobytes() + b"|" + at.tobytes()).digest()[:16]
+    assert grammar_index._digest(rank, at) == want
 
 
 @settings(max_examples=200, deadline=None)
