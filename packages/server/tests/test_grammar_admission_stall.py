@@ -7,7 +7,8 @@ forced from the start and asks the configuration after it for tokens (`ReqGramma
 for some real-world schemas that configuration's key was not among the compile's precomputed
 ones, and its walk (plus the index's counted chains, which the payload did not carry) took
 50-500 ms inside the step that admitted the request. `compile_worker.warm_admission` now walks
-those configurations where the compile runs and the payload carries the chains.
+those configurations where the compile runs (`GrammarIndex.warm`) and the payload carries the
+chains (`GrammarIndex.payload`).
 
 Oracles: counters on the walking methods of `GrammarIndex` (a walk on the engine thread is the
 stall, whatever the machine's speed), masks against a freshly compiled index, and the engine's
@@ -66,14 +67,15 @@ class WalkCounter:
         return out
 
 
-def _unprecomputed(index: cfsm.GrammarIndex) -> cfsm.GrammarIndex:
-    """`index` as a compile that did not precompute the keys of its admission configurations (what
-    the storm's schemas showed): those one-frame keys and the counted chains forgotten."""
-    for sid in admission_configurations(index)[1:]:
-        for stack in index.stacks(sid):
-            index._keys.pop(stack[-1:], None)
-    index.__dict__.pop("_chains", None)
-    return index
+def _unprecomputed(index: cfsm.GrammarIndex) -> dict[str, Any]:
+    """The payload of `index` as a compile that did not precompute the keys of its admission
+    configurations would give it (what the storm's schemas showed): without those one-frame keys
+    and without the counted chains."""
+    forget = {stack[-1:] for sid in admission_configurations(index)[1:] for stack in index.stacks(sid)}
+    payload = index.payload()
+    payload["keys"] = {k: v for k, v in payload["keys"].items() if k not in forget}
+    del payload["chains"]
+    return payload
 
 
 def _admission_path(index: cfsm.GrammarIndex) -> list[np.ndarray]:
@@ -94,34 +96,40 @@ def test_a_warmed_payload_leaves_no_walk_to_the_engine(monkeypatch: pytest.Monke
     expected = _admission_path(fresh)
     counter = WalkCounter(monkeypatch)
 
-    # as before: the payload of a compile whose admission keys were not precomputed, rebuilt and warmed at the start
-    before = index_from_payload(index_payload(_unprecomputed(cfsm.compile_ebnf(NESTED, VOCAB)))[:2], VOCAB)
-    before.has_tokens(before.start)
+    # as before: a compile whose admission keys were not precomputed, rebuilt and warmed at the start only
+    stripped = _unprecomputed(cfsm.compile_ebnf(NESTED, VOCAB))
+    before = cfsm.GrammarIndex.from_payload(stripped, VOCAB)
+    before.warm([before.start])
     counter.take()
     assert [np.array_equal(a, b) for a, b in zip(_admission_path(before), expected, strict=True)] == [True, True]
     assert counter.take(), "the set-up must reproduce a first-use walk at admission"
 
-    # now: the worker warms the admission (its walks travel in the payload), the dispatcher builds the rows
-    worker_side = warm_admission(_unprecomputed(cfsm.compile_ebnf(NESTED, VOCAB)))
-    assert "_chains" in worker_side.__dict__
+    # now: the worker warms the admission (its walks and the chains travel in the payload), the
+    # dispatcher builds the rows from them
+    worker_side = warm_admission(cfsm.GrammarIndex.from_payload(stripped, VOCAB))
     payload = index_payload(worker_side)
+    assert payload[1]["chains"] == fresh.payload()["chains"]
     counter.take()
     rebuilt = warm_index(index_from_payload(payload, VOCAB))
-    assert "_chains" in rebuilt.__dict__ and rebuilt._chains == worker_side._chains
     assert not [c for c in counter.take() if c[1] == "_counted_chains"]  # shipped, not recomputed
     masks = _admission_path(rebuilt)
     assert counter.take() == []  # nothing walked on the admitting thread
     assert [np.array_equal(a, b) for a, b in zip(masks, expected, strict=True)] == [True, True]
+    assert rebuilt.payload()["chains"] == payload[1]["chains"]
+    assert counter.take() == []  # the rebuilt index kept the shipped chains
 
 
-def test_payloads_without_the_shipped_tables_still_load() -> None:
-    """An older worker's payload (no shipped tables) rebuilds to the same masks."""
+def test_payloads_without_the_chains_still_load() -> None:
+    """A payload without the chains (a compile that stopped before its first key walk, an older
+    worker's) rebuilds to the same masks, the chains found again."""
     index = cfsm.compile_ebnf(NESTED, VOCAB)
-    old_style = index_payload(index)[:2]
-    rebuilt = warm_index(index_from_payload(old_style, VOCAB))
+    payload = index.payload()
+    del payload["chains"]
+    rebuilt = warm_index(index_from_payload(("grammar", payload), VOCAB))
     assert [np.array_equal(a, b) for a, b in zip(_admission_path(rebuilt), _admission_path(index), strict=True)] == [True, True]
+    assert rebuilt.payload()["chains"] == index.payload()["chains"]
     dfa = compile_index("regex", "[0-9]{2,4}", VOCAB, cfsm.CfsmConfig())
-    assert warm_admission(dfa) is dfa  # a DFA index: nothing to do
+    assert warm_admission(dfa) is dfa and warm_index(dfa) is dfa  # a DFA index: its own first-use tables
 
 
 # --- the overlap chain while the SLO admission holds requests -----------------------------------------------

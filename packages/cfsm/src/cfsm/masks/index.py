@@ -129,6 +129,15 @@ class Index:
         bits[list(self.vocab.eos_token_ids)] = True
         return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
 
+    def warm(self) -> Index:
+        """Computes now what this index builds on first use (the forced-string table of
+        `compressed`, the per-row token flags of `has_tokens`, `eos_mask`: tens of ms for a DFA of
+        30k states), so that a guide's first steps are lookups. Fills caches only; returns self."""
+        self.compressed  # noqa: B018
+        self._row_has_tokens  # noqa: B018
+        self.eos_mask  # noqa: B018
+        return self
+
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the mask rows, the state map and the DFA."""

@@ -12,7 +12,6 @@ vocabulary never travels back) and the engine rebuilds the index over its own
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import multiprocessing.connection as mpc
 import os
@@ -37,7 +36,7 @@ KINDS = ("regex", "json_schema", "json_object", "ebnf")
 # (tokens, eos_token_ids, size, special_token_ids): what a worker needs to build the Vocabulary
 VocabSpec = tuple[tuple[bytes, ...], tuple[int, ...], int, tuple[int, ...]]
 # (dfa.transitions, dfa.accepting, dfa.start, masks, mask_row, grammar, approximations) of an Index,
-# or ("grammar", GrammarIndex.payload()) of a GrammarIndex
+# or ("grammar", GrammarIndex.payload()) of a GrammarIndex (its counted chains included)
 IndexPayload = tuple[Any, ...]
 CompiledIndex = cfsm.Index | cfsm.GrammarIndex
 
@@ -81,28 +80,12 @@ def compile_error_message(kind: str, exc: BaseException) -> str:
     return f"compiling the {kind} grammar failed: {type(exc).__name__}: {exc}"
 
 
-# what a pushdown index derives from its network alone on first use, in pure Python, and
-# `GrammarIndex.payload` leaves out (cached properties of cfsm's GrammarIndex): shipped beside the
-# payload, so the engine does not recompute them (`_chains`: ~0.3 s on the 2-core CPU for some
-# real-world schemas, inside the first mask after the rebuild: a stall of the engine loop)
-_SHIPPED_PROPERTIES = ("_chains",)
-# the same kind of cached properties derived from the vocabulary or the network with numpy (a few ms):
-# computed by the dispatcher's `warm_index`, not on the engine thread
-_WARMED_PROPERTIES = ("_rank", "_lengths", "_state_loops")
-
-
-def _cached_properties(index: cfsm.GrammarIndex, names: tuple[str, ...]) -> list[str]:
-    """The names in `names` that are cached properties of `index`'s class (cfsm internals: a name
-    that is gone or no longer a cached property is skipped)."""
-    return [n for n in names if isinstance(getattr(type(index), n, None), functools.cached_property)]
-
-
 def index_payload(index: CompiledIndex) -> IndexPayload:
-    """The arrays and notes of `index`, without its vocabulary (what a worker sends back), with the
-    first-use tables of a pushdown index (`_SHIPPED_PROPERTIES`). Pure (but computes those)."""
+    """The arrays and notes of `index`, without its vocabulary (what a worker sends back). A pushdown
+    index's payload carries what its first masks would otherwise derive on the engine's thread (the
+    counted chains: ~0.3 s on the 2-core CPU for some real-world schemas). Pure (but fills caches)."""
     if isinstance(index, cfsm.GrammarIndex):
-        shipped = {n: getattr(index, n) for n in _cached_properties(index, _SHIPPED_PROPERTIES)}
-        return ("grammar", index.payload(), shipped)
+        return ("grammar", index.payload())
     dfa = index.dfa
     return (dfa.transitions, dfa.accepting, int(dfa.start), index.masks, index.mask_row, index.grammar,
             tuple(index.approximations))
@@ -111,11 +94,7 @@ def index_payload(index: CompiledIndex) -> IndexPayload:
 def index_from_payload(payload: IndexPayload, vocab: cfsm.Vocabulary) -> CompiledIndex:
     """The index of `payload` over `vocab` (the engine's own vocabulary; cf. cfsm `Compiler._load`)."""
     if isinstance(payload[0], str) and payload[0] == "grammar":
-        index = cfsm.GrammarIndex.from_payload(payload[1], vocab)
-        shipped = payload[2] if len(payload) > 2 else {}
-        for name in _cached_properties(index, tuple(shipped)):
-            index.__dict__[name] = shipped[name]  # NOTE: where functools.cached_property keeps its value
-        return index
+        return cfsm.GrammarIndex.from_payload(payload[1], vocab)
     transitions, accepting, start, masks, mask_row, grammar, approximations = payload
     dfa = Dfa(transitions=transitions, accepting=accepting, start=int(start))
     return cfsm.Index(vocab=vocab, dfa=dfa, masks=masks, mask_row=mask_row, grammar=grammar,
@@ -145,24 +124,19 @@ def warm_admission(index: CompiledIndex) -> CompiledIndex:
     after the forced `{"` of some real-world schemas, which the engine thread paid inside the step
     that admitted the request (issue 27's storm stalls). Returns `index`."""
     if isinstance(index, cfsm.GrammarIndex):
-        for sid in admission_configurations(index):
-            index.has_tokens(sid)
+        index.warm(admission_configurations(index))
     return index
 
 
 def warm_index(index: CompiledIndex) -> CompiledIndex:
-    """Computes what `Index` builds on first use (forced-string table, per-row token flags, EOS
-    mask), so the engine thread does not at a request's admission (tens of ms for a DFA of 30k
-    states; numpy, mostly without the GIL); for a `GrammarIndex`, the masks its admission reads
-    (`warm_admission`). Returns `index`."""
+    """Computes what `index` builds on first use (`cfsm.Index.warm`: forced-string table, per-row
+    token flags, EOS mask; `cfsm.GrammarIndex.warm`: its vocabulary and network tables and the masks
+    its admission reads, `admission_configurations`), so the engine thread does not at a request's
+    admission (tens of ms for a DFA of 30k states; numpy, mostly without the GIL). Returns `index`."""
     if isinstance(index, cfsm.GrammarIndex):
-        for name in _cached_properties(index, _WARMED_PROPERTIES):
-            getattr(index, name)
-        return warm_admission(index)  # the walks came with the payload: builds the rows from them
-    index.compressed  # noqa: B018
-    index.has_tokens(index.start)
-    index.eos_mask  # noqa: B018
-    return index
+        # NOTE: the walks came with the payload: builds the rows from them
+        return index.warm(admission_configurations(index))
+    return index.warm()
 
 
 def vocab_spec(vocab: cfsm.Vocabulary) -> VocabSpec:
