@@ -51,9 +51,10 @@ test: lint sglang-frontend
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 # The `slow` tier only (long end-to-end runs: load tests, long interpreter runs, model-server fault and drain
-# runs), then the benchmarks' own tests (by path: benchmarks/ is never collected); CI runs it if time allows.
+# runs), then the benchmarks' own tests (by path: benchmarks/ is never collected); CI runs it after `make test`
+# and `make test-leaves` (about 10 minutes on 2 cores), in the same two workers as `make test`.
 test-slow: install-test sglang-frontend
-	$(PY) -m pytest -q -p no:cacheprovider -m slow --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -p no:cacheprovider -m slow -n $(TEST_WORKERS) --dist loadfile --durations=20; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	$(PY) -m pytest -q -p no:cacheprovider benchmarks/programs/test_workloads.py benchmarks/tp/test_bench_lowlat_tp.py
 
 test-gpu: install-test

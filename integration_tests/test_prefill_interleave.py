@@ -1,6 +1,7 @@
 """Issue 32, no head-of-line blocking, against the real server (engine core on SmolLM2, CPU, the
 defaults): while an 8,000-token prompt prefills, a running stream keeps getting tokens (its
-largest gap between two chunks stays within 2 s), the engine core's memory stays within what it
+largest gap between two chunks stays within 2 s, or within 1/30 of the prefill's duration on a
+machine slowed by other work), the engine core's memory stays within what it
 held before plus the KV pool plus 1 GiB, and both answers equal those of the same requests run
 alone (greedy)."""
 
@@ -20,7 +21,8 @@ from lmserver.testing import ServerProcess
 
 ENV = {"OMP_NUM_THREADS": "1"}  # see test_server_clients.py
 LONG_PROMPT_TOKENS = 8000
-MAX_GAP_S = 2.0
+MAX_GAP_S = 2.0  # about 1/30 of the prefill on a quiet 2-core machine
+MIN_PIECES = 30  # the prefill reaches the stream in at least this many pieces, however loaded the machine
 SLACK_BYTES = 1 << 30
 
 pytestmark = pytest.mark.slow  # an 8k-token prefill takes about a minute on two cores
@@ -96,7 +98,9 @@ def test_a_long_prefill_never_stalls_a_running_stream(server: ServerProcess) -> 
     t.join()
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1]
     assert len(gaps) > 10, "the stream got no tokens while the prompt prefilled"
-    assert max(gaps) <= MAX_GAP_S, f"largest gap {max(gaps):.2f} s during a {t1 - t0:.1f} s prefill"
+    # A loaded machine slows the prefill and every gap alike; a stall is one gap of a large part of the prefill.
+    bound = max(MAX_GAP_S, (t1 - t0) / MIN_PIECES)
+    assert max(gaps) <= bound, f"largest gap {max(gaps):.2f} s during a {t1 - t0:.1f} s prefill (bound {bound:.2f} s)"
     # memory: what the core held before, the KV pool (if not yet touched) and 1 GiB
     assert peak[0] <= before + kv_bytes + SLACK_BYTES, (before, peak[0], kv_bytes)
 
