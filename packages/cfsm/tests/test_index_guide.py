@@ -74,15 +74,18 @@ def test_index_matches_naive_walk_on_tiny_vocab(pattern: str) -> None:
     _check_index_against_oracle(cfsm.compile_regex(pattern, tiny_vocab()))
 
 
+@pytest.mark.parametrize("tiny", [False, True])
 @pytest.mark.parametrize("share_depth", [16, 2])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: int) -> None:
+def test_index_matches_naive_walk_on_a_random_vocab(pattern: str, share_depth: int, tiny: bool) -> None:
     # large enough that the trie descent, the range walk and the whole-vocabulary walk all run;
     # a share depth of 2 makes most tokens "long" (walked per state, not shared per class)
     import cfsm.masks.index
     import cfsm.masks.walker
 
-    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(share_depth=share_depth))
+    # tiny: every state walks the trie at once (`masks.tiny`), else the general path
+    tuning = cfsm.IndexTuning(share_depth=share_depth, tiny_states=10**6 if tiny else 0, tiny_pairs=10**9)
+    config = cfsm.CfsmConfig(tuning=tuning)
     _check_index_against_oracle(cfsm.compile_regex(pattern, _random_vocab(len(pattern), 1500), config))
 
 
@@ -278,7 +281,8 @@ def test_escape_states_of_a_counted_string_share_candidates(monkeypatch: pytest.
 
     monkeypatch.setattr(cfsm.masks.walker.Walker, "_candidates", spy)
     # walk even small candidate sets this way; as in a large vocabulary: escapes are not broad
-    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(walk_tiny=4, walk_tiny_python=4, walk_broad=0.9))
+    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(walk_tiny=4, walk_tiny_python=4, walk_broad=0.9,
+                                                     tiny_states=0))
     rng = random.Random(7)
     alphabet = list('abfnrtu019"\\/ ') + ["é"]
     toks = {"".join(rng.choice(alphabet) for _ in range(rng.choice([1, 2, 3, 5]))).encode() for _ in range(900)}
@@ -294,5 +298,5 @@ def test_few_candidate_states_walked_in_small_batches(batch_pairs: int) -> None:
     # batches cut between states (1 pair: one state per batch) give the naive walk's masks
     import cfsm.masks.walker
 
-    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(walk_batch_pairs=batch_pairs))
+    config = cfsm.CfsmConfig(tuning=cfsm.IndexTuning(walk_batch_pairs=batch_pairs, tiny_states=0))
     _check_index_against_oracle(cfsm.compile_regex(PATTERNS[1], _random_vocab(3, 600), config))

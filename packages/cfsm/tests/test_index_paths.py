@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import cfsm
 import cfsm.masks.index
 import cfsm.masks.rows
+import cfsm.masks.tiny
 import cfsm.masks.walker
 import cfsm.masks.walks
 from cfsm import Vocabulary
@@ -78,7 +79,10 @@ _PLAIN = cfsm.IndexTuning(
     walk_tiny=-1, walk_tiny_python=-1,  # no batched walks
     walk_broad=2.0,  # no whole-vocabulary walks: trie descent only
     share_depth=10**4,  # classes = equivalent states only
-    string_tables=False, fragment_tables=False)  # no per-vocabulary string / format walks
+    string_tables=False, fragment_tables=False,  # no per-vocabulary string / format walks
+    tiny_states=0)  # no all-states trie walk
+# the all-states trie walk of small DFAs (`masks.tiny`) wherever it fits
+_TINY = cfsm.IndexTuning(tiny_states=10**6, tiny_pairs=10**9)
 
 
 def _plain_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary) -> cfsm.Index:
@@ -93,7 +97,8 @@ def _fast_index(dfa: cfsm.automata.automaton.Dfa, vocab: Vocabulary, strings: bo
         walk_long_chain_min=2,  # long tokens of string states by chain length
         walk_wide_first=4,  # second byte checked before expanding tokens
         string_tables=strings,
-        classes_min_broad=0)  # walk classes always
+        classes_min_broad=0,  # walk classes always
+        tiny_states=0)  # the general path
     return build_index(dfa, vocab, tuning=tuning)
 
 
@@ -104,7 +109,7 @@ def test_fast_paths_give_the_plain_paths_masks(schema: dict[str, Any]) -> None:
     plain = _plain_index(dfa, _VOCAB)
     live = np.flatnonzero(plain.mask_row >= 0)
     fasts = (build_index(dfa, _VOCAB), _fast_index(dfa, _VOCAB),
-             _fast_index(dfa, _VOCAB, strings=True))
+             _fast_index(dfa, _VOCAB, strings=True), build_index(dfa, _VOCAB, tuning=_TINY))
     for fast in fasts:
         assert np.array_equal(fast.mask_row >= 0, plain.mask_row >= 0)
         assert np.array_equal(fast.masks[fast.mask_row[live]], plain.masks[plain.mask_row[live]])
@@ -151,8 +156,8 @@ _CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 
 
 def _both(dfa: Dfa, vocab: Vocabulary) -> tuple[cfsm.Index, cfsm.Index]:
-    generic = build_index(dfa, vocab, tuning=cfsm.IndexTuning(string_tables=False, fragment_tables=False))
-    return generic, build_index(dfa, vocab)
+    generic = build_index(dfa, vocab, tuning=cfsm.IndexTuning(string_tables=False, fragment_tables=False, tiny_states=0))
+    return generic, build_index(dfa, vocab, tuning=cfsm.IndexTuning(tiny_states=0))
 
 
 def _assert_same_masks(a: cfsm.Index, b: cfsm.Index) -> None:
@@ -271,7 +276,7 @@ def test_long_counted_strings_are_matched_and_too_many_passes_fall_back() -> Non
     generic, tabled = _both(dfa, _SVOCAB)
     _assert_same_masks(generic, tabled)
     assert (match_string_states(dfa, _SVOCAB.string_tables, max_passes=0).t < 0).all()
-    _assert_same_masks(generic, build_index(dfa, _SVOCAB, tuning=cfsm.IndexTuning(string_passes=0)))
+    _assert_same_masks(generic, build_index(dfa, _SVOCAB, tuning=cfsm.IndexTuning(string_passes=0, tiny_states=0)))
 
 
 def _proposals(dfa: Dfa) -> tuple[np.ndarray, ...]:
@@ -476,3 +481,65 @@ def test_live_suffixes_against_one_walk_per_pair(seed: int, suffixes: list[bytes
     got = live_suffixes(dfa, conts, cols)
     want = np.array([[dfa.walk(int(c), x) != dfa.dead for x in suffixes] for c in conts.tolist()], dtype=bool)
     assert np.array_equal(got, want)
+
+
+# --- the all-states trie walk of small DFAs (cfsm.masks.tiny) ---
+
+_PIECES = ["a", "b", "[0-9]", "[a-f]", r"\.", "é", "(ab|c)", "[^a]", "x?", "[0-5]{1,3}", "(a|bc)*", '"', "[ -~]{0,4}"]
+
+
+def _walked_masks(dfa: Dfa, vocab: Vocabulary) -> list[bytes]:
+    """The oracle: per state, every token's bytes walked through the DFA (EOS where it accepts)."""
+    out = []
+    for s in range(dfa.num_states):
+        bits = np.zeros(vocab.mask_words * 32, dtype=bool)
+        for t, tok in enumerate(vocab.tokens):
+            bits[t] = bool(tok) and t not in vocab.special_token_ids and dfa.walk(s, tok) != dfa.dead
+        bits[list(vocab.eos_token_ids)] = bool(dfa.accepting[s])
+        out.append(np.packbits(bits, bitorder="little").tobytes())
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6), budget=st.sampled_from([0, 40, 10**9]))
+def test_the_tiny_walk_gives_every_states_walked_tokens(pieces: list[str], budget: int) -> None:
+    dfa = build_dfa(parse_regex("".join(pieces)))
+    got = cfsm.masks.tiny.tiny_rows(dfa, _VOCAB, budget)
+    if got is None:  # only a budget refuses; the general path then
+        assert budget < 10**9
+        event("over the budget")
+        index = build_index(dfa, _VOCAB, tuning=cfsm.IndexTuning(tiny_pairs=budget))
+    else:
+        index = cfsm.Index(vocab=_VOCAB, dfa=dfa, masks=got[0], mask_row=got[1])
+        assert len({row.tobytes() for row in got[0]}) == len(got[0])  # equal masks share a row
+        assert got[1][dfa.num_states] == -1 and (got[1][: dfa.num_states] >= 0).all()
+    assert [index.mask(s).tobytes() for s in range(dfa.num_states)] == _walked_masks(dfa, _VOCAB)
+
+
+def test_small_regexes_take_the_tiny_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # guard for the property above: a small regex's default compile is the tiny walk's
+    taken: list[bool] = []
+    real = cfsm.masks.index.tiny_rows
+
+    def spy(dfa: Dfa, vocab: Vocabulary, max_pairs: int) -> Any:
+        out = real(dfa, vocab, max_pairs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cfsm.masks.index, "tiny_rows", spy)
+    index = cfsm.compile_regex(r"((25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])", _VOCAB)
+    assert taken == [True]
+    plain = _plain_index(index.dfa, _VOCAB)
+    _assert_same_masks(plain, index)
+
+
+def test_deep_walks_take_the_general_path() -> None:
+    # a state looping on a byte of long run tokens (whitespace) and a walk past the level cap: the
+    # general path, with the same masks
+    vocab = Vocabulary([b"", b" " * 12, b" ", b"a", b"ab", b"a" * 30, b"b"], [0])
+    cases = [("a *b?", False), ("a {0,3}b?", True), ("a{30}b?", False), ("a{3}b?", True)]
+    for pattern, tiny in cases:
+        dfa = build_dfa(parse_regex(pattern))
+        assert (cfsm.masks.tiny.tiny_rows(dfa, vocab, 10**9) is not None) == tiny, pattern
+        index = build_index(dfa, vocab)
+        assert [index.mask(s).tobytes() for s in range(dfa.num_states)] == _walked_masks(dfa, vocab)

@@ -11,9 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cfsm
+import cfsm.automata.automaton
 from cfsm.automata.automaton import (
     _byte_classes,
+    _minimize_small,
     _runs,
+    _runs_small,
     accept_distance,
     minimize,
     seeded_weights,
@@ -104,6 +107,31 @@ def test_minimize_gives_the_minimal_trimmed_dfa(case: tuple[np.ndarray, np.ndarr
     assert np.array_equal(narrow.class_table, np.take(narrow.transitions, narrow.byte_classes[0], axis=1))
 
 
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=_tables(), narrow=st.booleans())
+def test_the_plain_python_minimization_is_the_same_dfa(case: tuple[np.ndarray, np.ndarray, int], narrow: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_minimize_small` (small tables) gives the numpy path's `Dfa`: numbering, table, byte classes and
+    their ids, dtypes."""
+    table, accepting, start = case
+    byte_map = None
+    if narrow:  # one column per byte interval, as the subset construction hands it over
+        used = np.unique(np.concatenate([[0], np.flatnonzero((table[:, 1:] != table[:, :-1]).any(axis=0)) + 1]))
+        byte_map = np.searchsorted(used, np.arange(256), side="right") - 1
+        table = np.ascontiguousarray(table[:, used])
+    small = _minimize_small(table, accepting, start, byte_map)
+    monkeypatch.setattr(cfsm.automata.automaton, "_SMALL_MINIMIZE", -1)  # the numpy path
+    full = minimize(table, accepting, start, byte_map)
+    assert small is not None and small.start == full.start
+    assert small.known_classes is not None and full.known_classes is not None
+    for a, b in ((small.transitions, full.transitions), (small.accepting, full.accepting),
+                 (small.known_classes.reps, full.known_classes.reps),
+                 (small.known_classes.of_byte, full.known_classes.of_byte),
+                 (small.known_classes.table, full.known_classes.table)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 @_SETTINGS
 @given(_tables())
 def test_accept_distance_is_the_shortest_accepted_length(case: tuple[np.ndarray, np.ndarray, int]) -> None:
@@ -127,6 +155,7 @@ def test_accept_distance_is_the_shortest_accepted_length(case: tuple[np.ndarray,
 def test_runs_count_the_live_steps_along_one_byte(step: list[int], live: list[bool]) -> None:
     n = len(step)
     runs = _runs(np.asarray(step, dtype=np.int32), np.asarray(live))
+    assert _runs_small(step, live) == runs.tolist()
     for q in range(n):
         count, cur = 0, q
         while count < n and live[step[cur]]:  # a cycle of live states: capped at n

@@ -131,7 +131,7 @@ def test_loop_states_give_the_walked_masks(schema: dict[str, Any]) -> None:
     dfa = build_dfa(schema_to_node(schema, _FLEX))
     # every whitespace state a loop state here
     loops = find_loops(dfa, _VOCAB.trie_tables, np.arange(dfa.num_states), min_tokens=0)
-    index = build_index(dfa, _VOCAB, tuning=cfsm.IndexTuning(loop_min_tokens=0))
+    index = build_index(dfa, _VOCAB, tuning=cfsm.IndexTuning(loop_min_tokens=0, tiny_states=0))
     assert loops is not None and len(loops.states)
     oracle = _oracle_rows(dfa)
     rows = _rows(index)

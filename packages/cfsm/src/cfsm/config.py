@@ -70,6 +70,10 @@ class IndexTuning:
     - `min_group_bytes`: a state's main byte group of fewer bytes has no chain (counted repeats).
     - `loop_min_tokens`: a state looping on a byte set (whitespace) is walked as a loop state
       where those bytes start more than this many tokens (`loops`).
+    - `tiny_states` / `tiny_pairs`: a DFA of at most `tiny_states` states walks all its states
+      down the vocabulary's trie at once (`masks.tiny`) while that visits at most `tiny_pairs`
+      (state, trie node) pairs and stays shallow (a small regex; not a state looping on a byte of
+      long run tokens, whitespace: `masks.tiny`); past it, or with 0, the paths above.
     """
 
     share_depth: int = 16
@@ -85,6 +89,8 @@ class IndexTuning:
     walk_broad: float = 0.15
     min_group_bytes: int = 32
     loop_min_tokens: int = 1024
+    tiny_states: int = 128
+    tiny_pairs: int = 16384
 
 
 @dataclass(frozen=True)

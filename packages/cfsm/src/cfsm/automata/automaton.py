@@ -842,6 +842,135 @@ def _bfs_order(cols: np.ndarray, start: int, dead: int) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
+# tables of at most this many entries (states x columns) are minimized in plain Python
+# (`_minimize_small`: a small regex's DFA, where numpy's per-call cost was most of the time)
+_SMALL_MINIMIZE = 1024
+
+
+def _runs_small(step: list[int], live: list[bool]) -> list[int]:
+    """`_runs` in plain Python: per state, how many steps along `step` stay in live states
+    (capped at the number of states: a cycle of live states)."""
+    n = len(step)
+    run = [-1] * n  # -2: on the path being followed
+    for q in range(n):
+        path = []
+        x = q
+        while run[x] == -1:
+            run[x] = -2
+            path.append(x)
+            if not live[step[x]]:
+                x = -1  # the path's last step leaves the live states
+                break
+            x = step[x]
+        if x >= 0 and run[x] == -2:  # the path closed a cycle of live states
+            for p in path:
+                run[p] = n
+            continue
+        base = 0 if x < 0 else run[x] + 1
+        for i, p in enumerate(reversed(path)):
+            run[p] = min(base + i, n)
+    return run
+
+
+def _minimize_small(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None) -> Dfa | None:
+    """`minimize(table, accepting, start, byte_map)` (first-seen numbering) of a small table in
+    plain Python: the same `Dfa`, byte classes included (their ids are the ranks of the same
+    column hashes as `_byte_classes`'). None where two distinct columns of the minimal table
+    share a hash (the numpy path's exact fallback orders them then)."""
+    n = table.shape[0]
+    dead = n - 1
+    col_ids: dict[tuple[int, ...], int] = {}
+    col_of = [col_ids.setdefault(c, len(col_ids)) for c in zip(*table.tolist(), strict=True)]
+    rows = list(zip(*col_ids, strict=True))  # per state: its target in each distinct column
+    k = len(col_ids)
+    acc = accepting.tolist()
+    # trim: the length of each state's shortest accepted string (-1: none), a reverse BFS
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for p, row in enumerate(rows):
+        for q in set(row):
+            preds[q].append(p)
+    dist = [0 if a else -1 for a in acc]
+    dist[dead] = -1
+    frontier = [q for q in range(n) if dist[q] == 0]
+    d = 0
+    while frontier:
+        d += 1
+        nxt_front = []
+        for q in frontier:
+            for p in preds[q]:
+                if dist[p] < 0 and p != dead:
+                    dist[p] = d
+                    nxt_front.append(p)
+        frontier = nxt_front
+    live = [x >= 0 for x in dist]
+    # the first split, as `minimize`'s (properties of each state's language: acceptance, shortest
+    # accepted length, how many bytes of the widest column in a row), then Moore rounds
+    byte_col = np.array(col_of, dtype=np.int64)  # the distinct column of each byte
+    if byte_map is not None:
+        byte_col = byte_col[byte_map]
+    widest = int(np.argmax(np.bincount(byte_col, minlength=k)))
+    runs = _runs_small([row[widest] for row in rows], live)
+    keys: dict[tuple[int, ...], int] = {(-1,): 0}  # class 0: the states that accept nothing
+    c = [keys.setdefault((acc[q], dist[q], runs[q]) if live[q] else (-1,), len(keys)) for q in range(n)]
+    live_states = [q for q in range(n) if live[q]]
+    groups: dict[int, list[int]] = {}
+    for q in live_states:
+        groups.setdefault(c[q], []).append(q)
+    # NOTE: a class that splits keeps its id for its first part (the others get fresh ids), so
+    # only classes of several states are looked at again; splitting on ids updated within a
+    # round is still splitting by the successors' classes: the same coarsest congruence
+    open_groups = [g for g in groups.values() if len(g) > 1]
+    num = len(keys)
+    get = c.__getitem__
+    while open_groups:
+        still: list[list[int]] = []
+        split = False
+        for g in open_groups:
+            parts: dict[tuple[int, ...], list[int]] = {}
+            for p in g:
+                parts.setdefault(tuple(map(get, rows[p])), []).append(p)
+            if len(parts) == 1:
+                still.append(g)
+                continue
+            split = True
+            for i, part in enumerate(parts.values()):
+                if i:
+                    for p in part:
+                        c[p] = num
+                    num += 1
+                if len(part) > 1:
+                    still.append(part)
+        if not split:
+            break
+        open_groups = still
+    # renumber: the classes in first-seen order, the dead class (class 0) last
+    new_of: dict[int, int] = {}
+    reps: list[int] = []
+    for q in live_states:
+        if c[q] not in new_of:
+            new_of[c[q]] = len(reps)
+            reps.append(q)
+    m = len(reps)
+    sid = [new_of.get(x, m) for x in c]
+    sid[dead] = m
+    min_rows = [[sid[x] for x in rows[r]] for r in reps]
+    min_rows.append([m] * k)
+    # the minimal DFA's byte classes: its distinct columns, numbered by the rank of their hash
+    narrow = np.array(min_rows, dtype=np.int32)  # (m + 1, k)
+    hashes = (seeded_weights(0xB17E, m + 1) @ narrow.astype(np.uint64)).tolist()  # modulo 2^64
+    first_of = {h: j for j, h in reversed(list(enumerate(hashes)))}
+    if len(first_of) != len(set(zip(*min_rows, strict=True))):  # equal hashes of distinct columns
+        return None
+    rank = {h: i for i, h in enumerate(sorted(first_of))}
+    of_byte = np.array([rank[h] for h in hashes], dtype=np.int64)[byte_col]
+    rep_bytes = np.unique(of_byte, return_index=True)[1]  # the first byte of each class
+    by_class = [first_of[h] for h in sorted(first_of)]  # a column of `narrow` per class
+    classes = ByteClasses(reps=rep_bytes, of_byte=of_byte, table=np.take(narrow, by_class, axis=1))
+    trans = np.take(narrow, byte_col, axis=1)
+    accept = np.array([acc[r] for r in reps] + [False], dtype=bool)
+    return Dfa(transitions=trans, accepting=accept, start=sid[start], known_classes=classes)
+
+
 def minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.ndarray | None = None,
               dist: np.ndarray | None = None, bfs: bool = False) -> Dfa:
     """Trimmed minimal DFA of `table` (the dead state last; one column per byte, or per group of
@@ -849,6 +978,10 @@ def minimize(table: np.ndarray, accepting: np.ndarray, start: int, byte_map: np.
     `accept_distance` would compute (the caller knows it by construction). States are numbered
     in first-seen order from state 0 (`bfs`: in breadth-first order from `start`, where the table
     is not in that order or holds unreachable states)."""
+    if not bfs and dist is None and table.size <= _SMALL_MINIMIZE:
+        small = _minimize_small(table, accepting, start, byte_map)
+        if small is not None:
+            return small
     n = table.shape[0]  # includes the dead state (last row)
     dead = n - 1
     # byte classes: bytes whose columns are equal behave the same everywhere

@@ -11,6 +11,8 @@ Built by walking the vocabulary through the DFA, never token by state one at a t
   the walks of the others at their first byte outside the group;
 - rows are packed once per distinct token set (`mask_rows`) and equal rows are stored once.
   The next state of a token is its bytes walked through the DFA.
+A small DFA whose tokens die within a few bytes skips all that: its states walk the trie together
+(`tiny`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cfsm.masks.loops import find_loops
 from cfsm.masks.rows import PrefixRows, few_rows, or_bits, pack_rows, token_weights
 from cfsm.masks.state_classes import walk_classes
 from cfsm.masks.templates import match_string_states, string_rows
+from cfsm.masks.tiny import tiny_rows
 from cfsm.masks.vocab import Vocabulary
 from cfsm.masks.walker import Walker
 
@@ -179,6 +182,10 @@ def build_index(dfa: Dfa, vocab: Vocabulary, grammar: str = "", tuning: IndexTun
     Every live state gets a mask row. `tuning` (`IndexTuning`) picks the paths, not the masks.
     """
     tuning = tuning or IndexTuning()
+    if 0 < dfa.num_states <= tuning.tiny_states:
+        tiny = tiny_rows(dfa, vocab, tuning.tiny_pairs)
+        if tiny is not None:
+            return Index(vocab=vocab, dfa=dfa, masks=tiny[0], mask_row=tiny[1], grammar=grammar)
     share_depth = tuning.share_depth
     tables = vocab.trie_tables
     num_states = dfa.num_states

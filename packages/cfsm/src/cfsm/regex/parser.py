@@ -23,6 +23,8 @@ __all__ = ["ANY_TEXT", "parse_regex", "search_branches"]
 
 _SIMPLE_ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "a": 7, "e": 27}
 _CLASS_ESCAPES = {"d": r"\d", "w": r"\w", "s": r"\s", "D": r"\d", "W": r"\w", "S": r"\s"}
+# a counted repeat `{m}`, `{m,}`, `{,n}`, `{m,n}` (spaces allowed, as `regex` takes them)
+_QUANTIFIER = regex.compile(r"\{\s*(\d*)\s*(,\s*(\d*)\s*)?\}")
 _ASCII_CLASSES = {
     "d": ((48, 57),),
     "w": ((48, 57), (65, 90), (95, 95), (97, 122)),
@@ -107,7 +109,8 @@ class _Parser:
             pos = self.i
             if flags.multiline and c in "^$":
                 raise self.error(f"'{c}' under the multiline flag", pos, "line anchors are not supported")
-            if c == "^" or self.startswith("\\A"):
+            escaped = c == "\\"
+            if c == "^" or escaped and self.startswith("\\A"):
                 self.i += 1 if c == "^" else 2
                 self.starts += 1
                 if not start:
@@ -120,7 +123,7 @@ class _Parser:
                 if depth and self.nested_anchor is None:
                     self.nested_anchor = pos
                 continue
-            if c == "$" or self.startswith("\\Z") or self.startswith("\\z"):
+            if c == "$" or escaped and (self.startswith("\\Z") or self.startswith("\\z")):
                 self.i += 1 if c == "$" else 2
                 ended = _ENDS_ALL
                 if depth and self.nested_anchor is None:
@@ -267,7 +270,7 @@ class _Parser:
         self.i = end + 1
 
     def _quantifier_ahead(self) -> bool:
-        return regex.match(r"\{\s*\d*\s*(,\s*\d*\s*)?\}", self.p[self.i :]) is not None
+        return _QUANTIFIER.match(self.p, self.i) is not None
 
     def parse_quantifiers(self, atom: Node, flags: _Flags) -> Node:
         self.skip_verbose(flags)
@@ -277,9 +280,9 @@ class _Parser:
             self.i += 1
             lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
         elif c == "{" and self._quantifier_ahead():
-            m = regex.match(r"\{\s*(\d*)\s*(,\s*(\d*)\s*)?\}", self.p[self.i :])
+            m = _QUANTIFIER.match(self.p, self.i)
             assert m is not None
-            self.i += m.end()
+            self.i = m.end()
             if m.group(2) is None:
                 if not m.group(1):
                     raise self.error("empty repeat {}", pos)
