@@ -13,7 +13,8 @@ with `--load-format dummy`), each measured the same way:
 Settings: `bf16` (the model dtype everywhere), `fp8` (`--quantization fp8 --kv-cache-dtype
 fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (FP8 weights only);
 `bf16+plugin` / `fp8+plugin`: the same with `--lowlat-plugins auto` (the nvidia plugin's decode steps,
-counted from `/get_server_info`).
+counted from `/get_server_info`); `fp8+plugin-all`: `auto+all-batches` (the plugin at every batch it covers, also
+above its measured coverage).
 
     python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
         --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
@@ -43,6 +44,7 @@ SETTINGS = {
     "fp8-weights": ["--quantization", "fp8"],
     "bf16+plugin": ["--lowlat-plugins", "auto"],
     "fp8+plugin": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto"],
+    "fp8+plugin-all": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto+all-batches"],
 }
 
 

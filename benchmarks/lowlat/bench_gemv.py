@@ -65,11 +65,13 @@ def configs_from_arg(text: str) -> Any:
     for item in filter(None, text.split(",")):
         stage, _, spec = item.rpartition("=")
         variant, *nums = spec.split(":")
-        if len(nums) not in (4, 5, 6):
-            raise SystemExit(f"--configs: {item!r} is not [stage=]variant:block_n:block_k:warps:stages[:vec[:acc2d]]")
+        if len(nums) not in (4, 5, 6, 7):
+            raise SystemExit(f"--configs: {item!r} is not "
+                             "[stage=]variant:block_n:block_k:warps:stages[:vec[:acc2d[:split_k]]]")
         vals = [int(v) for v in nums]
         entries.append((stage, ops.GemvConfig(variant, *vals[:4], vec=vals[4] if len(vals) >= 5 else 0,
-                                              acc2d=len(vals) == 6 and vals[5] == 1)))
+                                              acc2d=len(vals) >= 6 and vals[5] == 1,
+                                              split_k=vals[6] if len(vals) == 7 else 0)))
 
     def cands(stage: str) -> list[ops.GemvConfig]:
         return [cfg for only, cfg in entries if only in ("", stage)]
@@ -89,8 +91,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default="",
                     help="time only these GEMV configs instead of the sweep: comma list of [stage=]variant:block_n:"
-                         "block_k:warps:stages[:vec[:acc2d]] (qkv: block_n = rotary pairs; vec: GemvConfig.vec; acc2d 1: "
-                         "GemvConfig.acc2d), e.g. "
+                         "block_k:warps:stages[:vec[:acc2d[:split_k]]] (qkv: block_n = rotary pairs; vec: GemvConfig.vec; "
+                         "acc2d 1: GemvConfig.acc2d; split_k: GemvConfig.split_k, o_proj / down multi-row), e.g. "
                          "qkv=rows:4:1024:8:2,dot:32:256:4:3,rows:4:4096:8:2:8")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU (TRITON_INTERPRET=1): checks the script")
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 projections with per-row scales")
@@ -148,6 +150,9 @@ def main() -> None:
         max_splits = 16
         part_o = torch.empty(b, shape.num_heads, max_splits, shape.head_dim, device=dev, dtype=torch.float32)
         part_lse = torch.empty(b, shape.num_heads, max_splits, device=dev, dtype=torch.float32)
+        # split-K partials (up to 8 splits) and zero counters (one per output tile of 16 or more rows)
+        split_ws = (torch.empty(8 * b * shape.hidden_size, device=dev, dtype=torch.float32),
+                    torch.zeros(shape.hidden_size // 16 + 1, device=dev, dtype=torch.int32))
         el = weights[0].qkv.element_size()
         wb = {"qkv": weights[0].qkv.numel() * el, "o_proj": weights[0].o_proj.numel() * el,
               "gate_up": weights[0].gate_up.numel() * el, "down": weights[0].down.numel() * el,
@@ -164,12 +169,13 @@ def main() -> None:
                 ops.attention(attn_in, kvs[i], meta, part_o, part_lse, attn_out, shape, lc, splits)
                 return attn_out
             if stage == "o_proj":
-                ops.gemv_residual(attn_in, w.o_proj, x, out_h, lc, stage="o_proj", scale=w.o_proj_scale)
+                ops.gemv_residual(attn_in, w.o_proj, x, out_h, lc, stage="o_proj", scale=w.o_proj_scale,
+                                  split_ws=split_ws)
                 return out_h
             if stage == "gate_up":
                 ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc, scale=w.gate_up_scale)
                 return act
-            ops.gemv_residual(act_in, w.down, x, out_h, lc, stage="down", scale=w.down_scale)
+            ops.gemv_residual(act_in, w.down, x, out_h, lc, stage="down", scale=w.down_scale, split_ws=split_ws)
             return out_h
 
         def reference(stage: str) -> torch.Tensor | None:
@@ -258,6 +264,7 @@ def main() -> None:
         programs = f", {cfg.programs}" if cfg.programs else ""
         vec = f", vec={cfg.vec}" if cfg.vec else ""
         vec += ", acc2d=True" if cfg.acc2d else ""
+        vec += f", split_k={cfg.split_k}" if cfg.split_k else ""
         print(f"        ({stage!r}, {b}, GemvConfig({cfg.variant!r}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, "
               f"{cfg.num_stages}{programs}{vec})),")
     print("    ),")

@@ -8,7 +8,10 @@ kernel's marginal time, PDL overlaps counted once, and the idle time between ker
 the graph of 8 rows is what a batch-1 verify step of 6 rows (5 drafts + 1) replays: the last request left its
 verify rows in it. The engine's own per-step time of that request (median) is printed too.
 
-Settings: `fp8` / `fp8+plugin` (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, lowlat off / auto), `bf16` /
+`--concurrency 8`: the measured run is 8 concurrent requests, so the graph of 8 rows holds 8 live decode rows.
+
+Settings: `fp8` / `fp8+plugin` (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, lowlat off / auto; `fp8+plugin-all`:
+`auto+all-batches`, the plugin also above its measured coverage), `bf16` /
 `bf16+plugin`, `spec` / `spec+plugin` (bf16, n-gram drafts: 5 per step, acceptance simulated at 3.5).
 
     PYTHONPATH=... python benchmarks/lowlat/bench_step_kernels.py --model-path MODEL_DIR \\
@@ -40,6 +43,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "bf16+plugin": dict(lowlat_plugins="auto"),
     "fp8": dict(FP8, lowlat_plugins="off"),
     "fp8+plugin": dict(FP8, lowlat_plugins="auto"),
+    "fp8+plugin-all": dict(FP8, lowlat_plugins="auto+all-batches"),
     "spec": dict(SPEC, lowlat_plugins="off"),
     "spec+plugin": dict(SPEC, lowlat_plugins="auto"),
 }
@@ -63,6 +67,8 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["fp8+plugin"], choices=list(SETTINGS))
     ap.add_argument("--sizes", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="concurrent requests of the measured run (8: the graph of 8 rows keeps 8 live rows)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", default=None)
@@ -74,10 +80,10 @@ def main() -> None:
         core = make_core(args.model_path, SETTINGS[setting], args.context)
         build_s = time.monotonic() - t0
         run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
-        _, rates, steps = run(core, prompts_for(1, vocab, 1), args.new_tokens)
+        _, rates, steps = run(core, prompts_for(args.concurrency, vocab, 1), args.new_tokens)
         stats = {k: v for k, v in core.get_stats().items() if "lowlat" in k or k.startswith("spec")}
-        print(f"\n=== {setting}: built in {build_s:.0f}s; engine c=1 {rates[0]:.1f} tok/s per user, step median "
-              f"{1e6 * statistics.median(steps):.0f} us; {stats}", flush=True)
+        print(f"\n=== {setting}: built in {build_s:.0f}s; engine c={args.concurrency} {statistics.median(rates):.1f} "
+              f"tok/s per user, step median {1e6 * statistics.median(steps):.0f} us; {stats}", flush=True)
         graphs = core.runner.cuda_graph
         for bs in args.sizes:
             graph = graphs.graphs.get(bs)
@@ -88,7 +94,7 @@ def main() -> None:
             rows = kprof.breakdown(graph.replay, reps=3)
             print(f"  graph of {bs} rows: replay {us:.1f} us\n" + kprof.table(rows, top=args.top, unit="us per replay"),
                   flush=True)
-            results.append(dict(setting=setting, rows=bs, replay_us=us, engine_tok_s=rates[0], kernels=rows))
+            results.append(dict(setting=setting, rows=bs, replay_us=us, engine_tok_s=statistics.median(rates), concurrency=args.concurrency, kernels=rows))
         del core, graphs
         gc.collect()
         torch.cuda.empty_cache()

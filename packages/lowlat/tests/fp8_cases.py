@@ -18,10 +18,10 @@ import triton.language as tl
 
 from lowlat import Coverage, KVCache, LayerShape, LowlatConfig, quantize_layer_fp8, reference_decoder_layer
 from lowlat.build import BuildContext
-from lowlat.errors import Unsupported
+from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import ops
 from lowlat.kernels.layer import e4m3_rne
-from lowlat.layer import FP8_DTYPE, dequantized
+from lowlat.layer import FP8_DTYPE, dequantized, quantize_rows_fp8
 from lowlat.reference import apply_rope, quantize_kv, rms_norm
 from lowlat.testing import decode_meta, fake_setup, random_kv, random_layer
 
@@ -128,7 +128,10 @@ GEMV_CASES = [
                  marks=pytest.mark.slow if not GPU and shape != SHAPES[0] else ())
     for shape in SHAPES for variant in ["rowsa", *(["rows16a"] if GPU else [])]
 ] + [pytest.param(shape, "mrow_f16", batch, id=f"{batch}-mrow_f16-h{shape.hidden_size}")
-     for shape in (SHAPES if GPU else []) for batch in [1, 3]]
+     for shape in (SHAPES if GPU else []) for batch in [1, 3]
+] + [  # 8 rows (a decode batch of 8) on the 8B shape: its FP8 table's entries at 2-8 rows, and the fp16 MMA
+    pytest.param(shape, variant, 8, id=f"8-{variant or 'tuned'}-h{shape.hidden_size}")
+    for shape in (SHAPES[2:] if GPU else []) for variant in [None, "mrow_f16"]]
 
 
 @pytest.mark.parametrize(("shape", "variant", "batch"), GEMV_CASES)
@@ -150,6 +153,41 @@ def test_fp8_gemv_stages_match_float64(shape: LayerShape, variant: str | None, b
     xn = rms_norm(x.double(), w.post_norm.double(), shape.rms_eps)
     gate, up = (xn @ dequantized(w.gate_up, w.gate_up_scale, torch.float64).T).split(i, dim=-1)
     assert _rel(act, torch.nn.functional.silu(gate) * up) < TOL
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
+@pytest.mark.parametrize("split", [2, 3])
+def test_mrow_split_k_matches_float64(fp8: bool, split: int) -> None:
+    """o_proj / down's multi-row kernel with K split over ``split`` programs per output tile (``GemvConfig.split_k``)
+    against float64 on the dequantized weights, twice on one workspace: the counters are zero again after each launch
+    (the second launch, on fresh inputs, is right too), every output written (NaN-poisoned first)."""
+    g = _gen(17 + split)
+    block_n, block_k = (16, 32) if not GPU else (32, 256)
+    n, k = (48, split * block_k * 2) if not GPU else (512, split * block_k * 3)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    scale = None
+    if fp8:
+        w, scale = quantize_rows_fp8(w)
+        scale = scale.to(DEVICE)
+    w = w.to(DEVICE, w.dtype if fp8 else DTYPE)
+    dense = dequantized(w, scale, torch.float64).double()
+    cfg = ops.GemvConfig("mrow_f16" if GPU else "mrow", block_n, block_k, split_k=split)
+    assert ops.split_k_of(cfg, k) == split
+    lc = replace(ops.LaunchConfig.for_device(DEVICE, SHAPES[0], use_pdl=False, fp8=fp8),
+                 tuned=(("down", 16, cfg),))
+    part = torch.full((split * 5 * n,), float("nan"), device=DEVICE)
+    counts = torch.zeros(-(-n // block_n), device=DEVICE, dtype=torch.int32)
+    assert ops.split_ws_errors(lc, 5, n, part, counts) == ()
+    for batch in (5, 3):
+        a = torch.randn(batch, k, generator=g).to(DEVICE, DTYPE)
+        res = torch.randn(batch, n, generator=g).to(DEVICE, DTYPE)
+        out = torch.full((batch, n), float("nan"), device=DEVICE, dtype=DTYPE)
+        ops.gemv_residual(a, w, res, out, lc, stage="down", scale=scale, split_ws=(part, counts))
+        assert _rel(out, res.double() + a.double() @ dense.T) < TOL
+        assert int(counts.abs().sum()) == 0
+    with pytest.raises(ShapeError, match="split workspace"):
+        ops.gemv_residual(a, w, res, out, lc, stage="down", scale=scale)
+    assert ops.split_ws_errors(lc, 8, n, part, counts)  # partials for 5 rows only
 
 
 QKV_CASES = [  # rows16 with a model-dtype cache in the interpreter's slow tier (as GEMV_CASES)
@@ -276,6 +314,25 @@ def test_fp8_layer_matches_reference(shape: LayerShape, kv_fp8: bool) -> None:
         x = out.clone()
 
 
+def _layer_eight_rows_matches_reference(shape: LayerShape) -> None:
+    """The built stack at 8 decode rows (its tuned kernels at 2-8 rows, FP8 cache) over two FP8 layers against the
+    reference layer on fresh random inputs: outputs and the cache."""
+    g = _gen(16)
+    weights = [fp8_layer(shape, g) for _ in range(2)]
+    built = _build(shape, weights, FP8_DTYPE)
+    lens = [int(v) for v in torch.randint(1, 1000, (8,), generator=g)]
+    meta = decode_meta(lens, 8 * 1024, 1024, DEVICE, generator=g)
+    kv = fp8_kv(shape, 8 * 1024, g, 0.06, 0.04)
+    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
+    x = torch.randn(8, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
+    for layer in range(2):
+        out = built.forward(layer, x, kv, meta)
+        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
+        assert _rel(out, ref) < 3 * TOL, layer
+        assert _rel(kv.k.float(), kv_ref.k.float()) < 4e-2 and _rel(kv.v.float(), kv_ref.v.float()) < 4e-2
+        x = out.clone()
+
+
 def _layers_with_l2_prefetch_match_reference(shape: LayerShape) -> None:
     """The built stack at one row with ``LaunchConfig.l2_prefetch`` on (every row-wise GEMV launch requests its share
     of the next stage's weights into L2, layer 0's down the next layer's qkv): a hint only, the outputs and the FP8
@@ -301,6 +358,9 @@ def _layers_with_l2_prefetch_match_reference(shape: LayerShape) -> None:
 if GPU:
     test_fp8_layers_with_l2_prefetch_match_reference = pytest.mark.parametrize(
         "shape", SHAPES, ids=lambda s: f"h{s.hidden_size}")(_layers_with_l2_prefetch_match_reference)
+    # 8 rows of the 8B shape (the interpreter's tiny shapes run the 3-row layer case above)
+    test_fp8_layer_eight_rows_matches_reference = pytest.mark.parametrize(
+        "shape", SHAPES[2:], ids=lambda s: f"h{s.hidden_size}")(_layer_eight_rows_matches_reference)
 
 
 def test_amd_plugin_refuses_fp8_weights_with_a_reason() -> None:

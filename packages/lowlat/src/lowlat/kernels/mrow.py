@@ -38,8 +38,15 @@ float32 sums take their rows' scales (before the residual). At 8 rows on the H20
 - ``mrow_f16`` (FP8 weights widened to fp16, one conversion per two weights, instead of bf16 through float32: in
   the sm_90 code of an FP8 gate-up tile 256 slow-pipe ``F2F`` conversions per step go away): at one row on the H200
   (RESULTS.md issue 33, 2026-12-02) gate-up 64 x 256 (4 warps, 3 stages) 32.98 us against the row-wise 33.32 (noise),
-  o_proj 8.72 (32 x 256) against 6.04, down 22.26 (32 x 512) against 16.93, qkv 16.52 (32 pairs) against 10.16; at
-  8 rows not measured. In no table. Activations above 65,504 in magnitude would overflow fp16.
+  o_proj 8.72 (32 x 256) against 6.04, down 22.26 (32 x 512) against 16.93, qkv 16.52 (32 pairs) against 10.16. At
+  8 rows (2026-12-03) as fast as at one: qkv 16.27, o_proj 8.68, gate-up 32.65, down 22.68 us against the bf16-widening
+  kernels' 20.14, 10.88, 52.00, 29.75: ``tuning.FP8_TABLES`` at 2-8 rows. Activations above 65,504 in magnitude would
+  overflow fp16.
+- Split-K (``SPLIT``, ``GemvConfig.split_k``; o_proj / down): SPLIT programs per output tile over K / SPLIT columns
+  each, partials through a float32 workspace, the last program of a tile (an int32 counter, as the fused attention
+  merge) summing them in split order onto the residual. Meant for grids of few tiles (o_proj and down: 128 tiles of 32
+  rows for 132 SMs); at 8 rows with FP8 weights it lost (o_proj 9.69 with 4 splits vs 8.68, down 24.54-26.46 with
+  4-7 vs 22.68, 2026-12-03): in no table.
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
@@ -94,15 +101,21 @@ def _wtile(w_ptr, offs_n, n_mask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mrow_residual_kernel(
-    a_ptr, w_ptr, s_ptr, res_ptr, out_ptr,
+    a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
     B: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr,
+    LOOP: tl.constexpr, HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
     # out[b, n] = res[b, n] + sum_k a[b, k] * w[n, k] (o_proj, down; HAS_RES off: a plain projection)
     # LOOP: fewer programs than tiles, each looping over tiles (GemvConfig.programs); else one tile each
-    if LOOP:
+    # SPLIT > 1 (split-K, GemvConfig.split_k; never with LOOP): SPLIT programs per tile, each over K / SPLIT columns
+    # (a multiple of BLOCK_K), partials through part_ptr, the last one of a tile finishing it (_split_finish)
+    if SPLIT > 1:
+        _mrow_residual_split(tl.program_id(0) // SPLIT, tl.program_id(0) % SPLIT, a_ptr, w_ptr, s_ptr, res_ptr,
+                             out_ptr, part_ptr, count_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA, DOT_F32, HAS_RES,
+                             USE_PDL, PDL_EARLY, HAS_SCALE, SPLIT)
+    elif LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
             _mrow_residual_tile(tile, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MMA,
                                 DOT_F32, HAS_RES, USE_PDL, PDL_EARLY, HAS_SCALE)
@@ -145,6 +158,59 @@ def _mrow_residual_tile(
     if HAS_SCALE:
         acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None] + res
     tl.store(out_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _mrow_residual_split(
+    tile, split, a_ptr, w_ptr, s_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
+    B: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Columns [split * K / SPLIT, (split + 1) * K / SPLIT) of output tile ``tile``: the scaled partial sums stored to
+    ``part_ptr`` (SPLIT, B, N) float32, then ``_split_finish``."""
+    KS: tl.constexpr = K // SPLIT
+    k_lo = split * KS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_m[None, :] < B)  # (BLOCK_N, BLOCK_M): the output transposed
+    w = _wtile(w_ptr, offs_n, n_mask, k_lo, K, BLOCK_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    acc = _wx(w, _rows(a_ptr, k_lo, B, K, BLOCK_M, BLOCK_K), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
+    for k0 in range(k_lo + BLOCK_K, k_lo + KS, BLOCK_K):
+        w = _wtile(w_ptr, offs_n, n_mask, k0, K, BLOCK_K)
+        acc = _wx(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), acc, MMA, DOT_F32)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None]
+    tl.store(part_ptr + (split * B + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+    _split_finish(count_ptr + tile, part_ptr, res_ptr, out_ptr, offs_m, offs_n, mask, B, N, HAS_RES, SPLIT)
+
+
+@triton.jit
+def _split_finish(count_ptr, part_ptr, res_ptr, out_ptr, offs_m, offs_n, mask, B: tl.constexpr, N: tl.constexpr,
+                  HAS_RES: tl.constexpr, SPLIT: tl.constexpr):
+    """After a split program stored its partials: count it at ``count_ptr`` (one int32 per output tile); the program
+    that counts last sums the SPLIT partials in split order (the same sum whichever program finishes last) onto the
+    residual, stores the tile and sets the counter back to 0 for the next launch. As ``layer._merge_if_last``: the
+    barrier orders every thread's partial stores before the count, the count is acquire-release at GPU scope, and the
+    last program reads the partials through L2 (``.cg``). The residual is read here, after the wait (PDL)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        total = tl.zeros(mask.shape, tl.float32)
+        if HAS_RES:
+            total = tl.load(res_ptr + offs_m[None, :] * N + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+        for s in tl.static_range(SPLIT):
+            total += tl.load(part_ptr + (s * B + offs_m[None, :]) * N + offs_n[:, None], mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(out_ptr + offs_m[None, :] * N + offs_n[:, None], total, mask=mask)
 
 
 @triton.jit

@@ -49,6 +49,11 @@ class GemvConfig:
     # after the loop (else a reduction across the threads per K step; lowlat.kernels.gemv: measured slower on the H200
     # FP8 8B stages, in no table)
     acc2d: bool = False
+    # multi-row kernels of o_proj and down (``mrow_residual_kernel``): > 1 splits K over this many programs per output
+    # tile (more programs for a grid of few tiles), the last one of a tile summing the partials; it needs the stack's
+    # split workspace (``gemv_residual``'s ``split_ws``) and K a multiple of split_k x block_k (else one program per
+    # tile). 0 / 1: none
+    split_k: int = 0
 
     def __post_init__(self) -> None:
         if self.variant not in GEMV_VARIANTS:
@@ -61,6 +66,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig needs num_warps, num_stages >= 1 and programs >= 0, got {self}")
         if self.vec < 0 or self.vec & (self.vec - 1):
             raise ValueError(f"GemvConfig.vec must be 0 or a power of two, got {self.vec}")
+        if self.split_k < 0 or (self.split_k > 1 and not self.multi_row):
+            raise ValueError(f"GemvConfig.split_k: 0 or a split count of a multi-row variant, got {self}")
 
     @property
     def row_wise(self) -> bool:
@@ -378,24 +385,53 @@ def rows_attention(
     )
 
 
+def split_k_of(cfg: GemvConfig, k: int) -> int:
+    """The split count a multi-row GEMV launch of ``cfg`` over K = ``k`` runs with: ``cfg.split_k`` where K is a
+    multiple of split_k x its K block, else 1. Pure."""
+    block_k = min(cfg.block_k, next_pow2(k))
+    return cfg.split_k if cfg.split_k > 1 and cfg.multi_row and k % (cfg.split_k * block_k) == 0 else 1
+
+
+def split_ws_errors(lc: LaunchConfig, batch: int, n: int, part: torch.Tensor, counts: torch.Tensor) -> tuple[str, ...]:
+    """Why ``(part, counts)`` cannot serve the split-K launches of ``lc``'s o_proj / down entries at up to ``batch`` rows
+    and N = ``n`` (float32 partials of split_k x batch x n, int32 zero counters, one per output tile). Pure."""
+    errors = []
+    for stage, _, cfg in lc.tuned:
+        if stage in ("o_proj", "down") and cfg.split_k > 1:
+            if part.dtype != torch.float32 or part.numel() < cfg.split_k * batch * n:
+                errors.append(f"{stage}: split_k {cfg.split_k} needs {cfg.split_k * batch * n} float32 partials")
+            if counts.dtype != torch.int32 or counts.numel() < triton.cdiv(n, cfg.block_n):
+                errors.append(f"{stage}: split_k needs {triton.cdiv(n, cfg.block_n)} int32 counters")
+    return tuple(errors)
+
+
 def gemv_residual(
     a: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, lc: LaunchConfig,
     stage: str = "o_proj", scale: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
+    split_ws: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``out = res + a @ w.T`` for a (B, K), w (N, K), res/out (B, N), with ``stage``'s tuned kernel (FP8 ``w``:
     ``scale`` (N,) its rows' scales). Under PDL ``res`` is read before the wait: it must not be written by the launch
-    right before this one. ``res`` None: ``out = a @ w.T`` (a row-parallel partial under TP)."""
+    right before this one. ``res`` None: ``out = a @ w.T`` (a row-parallel partial under TP). ``split_ws``: float32
+    partials (at least split_k x B x N) and int32 counters (one per output tile, zero; every launch leaves them zero
+    again) for a split-K config (``GemvConfig.split_k``; ``split_ws_errors`` checks them)."""
     b, dev = a.shape[0], a.device
     cfg = lc.gemv_config(stage, b)
     s_arg = w if scale is None else scale
     n, k = w.shape
     grid, loop = _grid(triton.cdiv(n, cfg.block_n), cfg.programs)
     if cfg.multi_row:
+        split = split_k_of(cfg, k)
+        if split > 1 and split_ws is None:
+            raise ShapeError(f"{stage}: split_k {split} needs a split workspace (gemv_residual's split_ws)")
+        part, counts = split_ws if split > 1 and split_ws is not None else (out, out)  # NOTE: never read without SPLIT
+        if split > 1:  # split programs per tile, tile-major (a tile's splits run side by side); never looping
+            grid, loop = (triton.cdiv(n, cfg.block_n) * split,), False
         MR.mrow_residual_kernel[grid](
-            a, w, s_arg, res, out, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
+            a, w, s_arg, res, out, part, counts, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
             BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma_kind, DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
             HAS_RES=res is not None, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), LOOP=loop,
-            HAS_SCALE=scale is not None, **_kw(dev, lc, cfg=cfg),
+            HAS_SCALE=scale is not None, SPLIT=split, **_kw(dev, lc, cfg=cfg),
         )
         return
     has_res = res is not None

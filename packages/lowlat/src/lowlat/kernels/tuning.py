@@ -69,12 +69,21 @@ FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
     # with the bf16 entry), o_proj 6.00 (7.15), gate-up 32.54 (37.30), down 16.96 (the bf16 entry; vec 16 17.32): sum
     # 65.7 against 72.2, the 32-layer FP8 stack (FP8 KV) 70.0 against 76.6 us per layer. Batches 2-16 as measured at 8:
     # qkv dot 20.26 (mrow 23.28), o_proj dot 11.16 (mrow 16.17), gate-up mrow 51.69 (dot 56.75), down dot 30.08 (mrow
-    # 47.64); stack 138.6 against 152.3 us per layer at batch 8
+    # 47.64); stack 138.6 against 152.3 us per layer at batch 8. Batches 2-8 (2026-12-03, bench_gemv --fp8 --batches
+    # 8): the multi-row kernels in fp16 (mrow_f16: one e4m3x2 -> f16x2 conversion per two weights, where the dot / mrow
+    # kernels widen to bf16 through float32 on the slow conversion pipe), as fast at 8 rows as at one: qkv 16.27 (dot
+    # 20.14), o_proj 8.68 (dot 10.88; cuBLAS bf16 8.77), gate-up 32.65 (mrow 52.00), down 22.68 (dot 29.75): sum 80.3
+    # against 112.8; the 32-layer stack (FP8 KV) at 8 rows 104.8 against 139.6 us per layer. Split-K (split_k 2-7)
+    # lost on o_proj and down (9.69-10.48, 24.54-26.46)
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
         ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2, vec=8)),
         ("o_proj", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
         ("gate_up", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
         ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
+        ("qkv", 8, GemvConfig("mrow_f16", 32, 256, 4, 3)),
+        ("o_proj", 8, GemvConfig("mrow_f16", 32, 256, 4, 4)),
+        ("gate_up", 8, GemvConfig("mrow_f16", 64, 256, 4, 3)),
+        ("down", 8, GemvConfig("mrow_f16", 32, 512, 4, 3)),
         ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
         ("gate_up", 16, GemvConfig("mrow", 128, 128, 8, 3)),
@@ -130,7 +139,10 @@ VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 # 33): with the bf16 tables' tiles (commit 38e717e) 352.8 vs 338.5 tok/s per user at concurrency 1 (1.04x), 187.6 vs
 # 224.2 at 8 (0.84x); with FP8_TABLES (0a22b7f) 383.8 vs 338.7 at 1 (1.13x), concurrency 8 not measured end to end (the
 # stack at 8 rows, 138.6 us per layer, predicts a step slower than the generic path's): batch 1 only. FP8 verify
-# steps: not measured end to end, declined (0) on the same prediction.
+# steps: not measured end to end, declined (0) on the same prediction. With the mrow_f16 entries at 2-8 rows
+# (2026-12-03) the stack at 8 rows is 104.8 us per layer (~3.35 ms of layers per step against the generic step's
+# 4.46 ms at c=8): a win predicted, not yet measured end to end, so still 1 (benchmarks/fp8/device_fp8_c8.sh measures
+# it: `fp8+plugin-all` against `fp8` at concurrency 1 / 8 / 32)
 FP8_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
 }

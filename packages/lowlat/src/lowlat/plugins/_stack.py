@@ -132,6 +132,15 @@ class TritonLayerStack:
         # the split-KV attention's counters (one per row and KV head; every launch leaves them zero again)
         self.attn_counts = torch.zeros(m * s.num_kv_heads, device=dev, dtype=torch.int32)
         self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.act, self.out, self.attn_counts]
+        # split-K o_proj / down (GemvConfig.split_k in the tuned table): float32 partials and a counter per output tile
+        # (every launch leaves them zero again), shared by both stages (one launch's partials are read before the next
+        # such launch passes its PDL wait)
+        self.split_ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        splits = [(cfg.split_k, cfg.block_n) for stage, _, cfg in lc.tuned if stage in ("o_proj", "down") and cfg.split_k > 1]
+        if splits:
+            self.split_ws = (torch.empty(max(k for k, _ in splits) * m * s.hidden_size, device=dev, dtype=f32),
+                             torch.zeros(-(-s.hidden_size // min(n for _, n in splits)), device=dev, dtype=torch.int32))
+            self._buffers.extend(self.split_ws)
         if self.reducer is not None:  # the row-parallel partials, summed over the ranks in place
             self.partial = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
             self._buffers.append(self.partial)
@@ -185,13 +194,13 @@ class TritonLayerStack:
         """``out = res + sum over the TP ranks of a @ w.T`` (o_proj, down; FP8 ``w``: ``scale`` its rows' scales); at
         TP 1 one GEMV with the residual in its epilogue."""
         if self.reducer is None:
-            ops.gemv_residual(a, w, res, out, self.lc, stage=stage, scale=scale, prefetch=prefetch)
+            ops.gemv_residual(a, w, res, out, self.lc, stage=stage, scale=scale, prefetch=prefetch, split_ws=self.split_ws)
             return
         if getattr(self.reducer, "fused", False):  # the reducer owns the projection (epilogue-launched reduction)
             self.reducer.row_parallel(a, w, scale, res, out, stage, self.lc)  # type: ignore[attr-defined]
             return
         part = self.partial[: a.shape[0]]
-        ops.gemv_residual(a, w, None, part, self.lc, stage=stage, scale=scale)
+        ops.gemv_residual(a, w, None, part, self.lc, stage=stage, scale=scale, split_ws=self.split_ws)
         self.reducer.all_reduce(part)
         ops.residual_add(res, part, out, self.lc)
 
