@@ -314,6 +314,37 @@ def test_fp8_layer_matches_reference(shape: LayerShape, kv_fp8: bool) -> None:
         x = out.clone()
 
 
+def test_fp8_layer_with_split_k_matches_reference() -> None:
+    """The built nvidia stack with split-K o_proj and down (``GemvConfig.split_k``: the stack allocates the split
+    workspace from its table, both stages share it) over two FP8 layers against the reference layer, 3 rows."""
+    from lowlat.plugins.nvidia import NvidiaLayerStack
+
+    shape = SHAPES[-1] if GPU else SHAPES[0]
+    g = _gen(18)
+    weights = [fp8_layer(shape, g) for _ in range(2)]
+    ctx = BuildContext(shape, tuple(weights), DEVICE, DTYPE, FP8_DTYPE, Coverage(max_tokens=8), LowlatConfig(),
+                       fake_setup(vendor="cpu" if not GPU else "nvidia"), 2048)
+    (bn, bk), splits = ((32, 512), (2, 7)) if GPU else ((16, 32), (2, 3))
+    tuned = (("o_proj", 16, ops.GemvConfig("mrow_f16" if GPU else "mrow", bn, bk, split_k=splits[0])),
+             ("down", 16, ops.GemvConfig("mrow_f16" if GPU else "mrow", bn, bk, split_k=splits[1])))
+    lc = replace(ops.LaunchConfig.for_device(DEVICE, shape, use_pdl=GPU, fp8=True), tuned=tuned)
+    assert ops.split_k_of(tuned[0][2], shape.q_size) == splits[0]
+    assert ops.split_k_of(tuned[1][2], shape.intermediate_size) == splits[1]
+    built = NvidiaLayerStack("nvidia", ctx, lc)
+    assert built.split_ws is not None and ops.split_ws_errors(lc, 8, shape.hidden_size, *built.split_ws) == ()
+    slots = 1100 if GPU else 64
+    meta = decode_meta([7, 1000 if GPU else 30, 1], slots, 1024 if GPU else 32, DEVICE, generator=g)
+    kv = fp8_kv(shape, slots, g, 0.06, 0.04)
+    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
+    x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
+    for layer in range(2):
+        out = built.forward(layer, x, kv, meta)
+        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
+        assert _rel(out, ref) < 3 * TOL, layer
+        x = out.clone()
+    assert int(built.split_ws[1].abs().sum()) == 0
+
+
 def _layer_eight_rows_matches_reference(shape: LayerShape) -> None:
     """The built stack at 8 decode rows (its tuned kernels at 2-8 rows, FP8 cache) over two FP8 layers against the
     reference layer on fresh random inputs: outputs and the cache."""
