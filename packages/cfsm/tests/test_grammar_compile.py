@@ -72,11 +72,14 @@ def _ascii_chains(draw: Any) -> Node:
     """One ASCII class, a concatenation of them, or one repeated; sometimes a node the direct
     construction must leave to `build_dfa` (an empty concatenation, a class past ASCII, a
     class inside an alternation)."""
-    kind = draw(st.sampled_from(["chars", "cat", "repeat", "other"]))
+    kind = draw(st.sampled_from(["chars", "cat", "cat-loops", "repeat", "other"]))
     if kind == "chars":
         return draw(_ascii_classes)  # type: ignore[no-any-return]
     if kind == "cat":
         return Cat(draw(st.lists(_ascii_classes, max_size=5)))
+    if kind == "cat-loops":  # NOTE: classes and `{lo,}` repeats (two in a row, or overlapping the next: None)
+        item = st.one_of(_ascii_classes, st.builds(Repeat, _ascii_classes, st.integers(0, 2), st.none()))
+        return Cat(draw(st.lists(item, max_size=5)))
     if kind == "repeat":
         lo = draw(st.integers(0, 4))
         hi = draw(st.one_of(st.none(), st.integers(0, 6).map(lambda k: lo + k)))
@@ -100,14 +103,29 @@ def test_ascii_chains_are_the_regular_compilers_dfas(node: Node) -> None:
     assert np.array_equal(got.accepting[:n], want.accepting[:n])
     assert np.array_equal(np.where(got.transitions[:n] == got.dead, -1, got.transitions[:n]),
                           np.where(want.transitions[:n] == want.dead, -1, want.transitions[:n]))
+    # the edges `embed` takes from the chain: each state's maximal byte ranges of one target, in byte order
+    for k in range(n):
+        row = want.transitions[k].tolist()
+        runs = [(b, b, t) for b, t in enumerate(row) if t != want.dead]
+        merged: list[tuple[int, int, int]] = []
+        for lo, hi, t in runs:
+            if merged and merged[-1][1] == lo - 1 and merged[-1][2] == t:
+                merged[-1] = (merged[-1][0], hi, t)
+            else:
+                merged.append((lo, hi, t))
+        assert list(got.runs[k]) == merged
+    assert list(got.ends) == np.flatnonzero(want.accepting[:n]).tolist()
 
 
 def test_ascii_chains_cover_the_json_grammars_literals() -> None:
-    """The JSON GBNF's literals, punctuation and whitespace runs take the direct construction."""
+    """The JSON GBNF's literals, punctuation and whitespace runs take the direct construction, and
+    so does free JSON's separator (whitespace, a comma, whitespace); `a* b*` does not."""
+    ws = Repeat(Chars(((9, 10), (13, 13), (32, 32))), 0, None)
     for node in (Chars(((123, 123),)), Cat([Chars(((110, 110),)), Chars(((117, 117),)), Chars(((108, 108),))]),
-                 Repeat(Chars(((9, 10), (32, 32))), 0, 20), Repeat(Chars(((9, 10), (13, 13), (32, 32))), 0, None),
-                 Repeat(Chars(((48, 57),)), 1, None)):
+                 Repeat(Chars(((9, 10), (32, 32))), 0, 20), ws, Repeat(Chars(((48, 57),)), 1, None),
+                 Cat([ws, Chars(((44, 44),)), ws]), Cat([Chars(((49, 57),)), Repeat(Chars(((48, 57),)), 0, None)])):
         assert grammar_pda._ascii_dfa(node) is not None
+    assert grammar_pda._ascii_dfa(Cat([ws, Repeat(Chars(((97, 97),)), 0, None)])) is None
 
 
 def _links_state_by_state(pda: grammar_pda.Pda) -> dict[int, tuple[int, bytes]]:

@@ -292,69 +292,86 @@ class GrammarIndex:
         return nxt  # type: ignore[no-any-return]
 
     def _resolve(self, flat: np.ndarray) -> None:
-        """Fill the table entries `flat` (sid * 256 + byte, unknown ones), a configuration's bytes
-        at once (`_fill_bytes`), then any entry left to `_step`. Fills caches only."""
+        """Fill the table entries `flat` (sid * 256 + byte, unknown ones), every configuration's
+        bytes at once (`_fill_pairs`), then any entry left to `_step`. Fills caches only."""
         wanted = _distinct(flat)
-        sids = wanted >> 8
-        starts = np.flatnonzero(np.r_[True, sids[1:] != sids[:-1]])
-        for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(wanted)], strict=True):
-            self._fill_bytes(int(sids[lo]), wanted[lo:hi] & 255)
+        self._fill_pairs(wanted)
         for p in wanted[self._table.ravel().take(wanted) == _UNKNOWN].tolist():
             self._step(p >> 8, p & 255)
 
-    def _fill_bytes(self, sid: int, byte_ids: np.ndarray) -> None:
-        """Step configuration `sid` by each of `byte_ids` (distinct) at once: bytes no stack reads
-        go to 0 with no closure, bytes that move every stack alike share one closure. A closure
-        that passes `MAX_STACKS` is left unknown (for `_step`, which refuses it as before). Fills
-        caches only."""
-        stacks = list(self._states[sid])
-        if len(byte_ids) <= _FEW_BYTES and len(stacks) <= _FEW_BYTES:
-            self._fill_few(sid, stacks, byte_ids.tolist())
+    def _fill_pairs(self, wanted: np.ndarray) -> None:
+        """Step each configuration of `wanted` (sid * 256 + byte, distinct, ascending) by its bytes,
+        every pair at once: pairs no stack reads go to 0 with no closure, the pairs of one
+        configuration that move every stack alike share one closure. A closure that passes
+        `MAX_STACKS` is left unknown (for `_step`, which refuses it as before). Fills caches only.
+
+        NOTE: the network's targets of every (pair, stack) in one flat array (a configuration's
+        stacks in one fixed order); pairs grouped by (sid, a random 64-bit hash of their targets),
+        checked exactly (a collision falls back to one closure per pair)."""
+        sids = wanted >> 8
+        starts = np.flatnonzero(np.r_[True, sids[1:] != sids[:-1]])
+        uniq = sids.take(starts).tolist()
+        if len(wanted) <= _FEW_BYTES and all(len(self._states[s]) <= _FEW_BYTES for s in uniq):
+            # NOTE: few pairs (the deep levels of a walk): grouped in Python, no array work
+            ends = [*starts[1:].tolist(), len(wanted)]
+            for s, lo, hi in zip(uniq, starts.tolist(), ends, strict=True):
+                self._fill_few(s, list(self._states[s]), (wanted[lo:hi] & 255).tolist())
             return
-        targets = self.pda.trans[[st[-1] for st in stacks]][:, byte_ids]  # (stacks, bytes)
-        live = (targets >= 0).any(axis=0)
-        self._table[sid, byte_ids[~live]] = 0
+        stacks_of = [list(self._states[s]) for s in uniq]
+        sizes = np.fromiter((len(x) for x in stacks_of), dtype=np.int64, count=len(uniq))
+        offsets = np.cumsum(sizes) - sizes
+        tops = np.fromiter((st[-1] for x in stacks_of for st in x), dtype=np.int64, count=int(sizes.sum()))
+        owner = np.repeat(np.arange(len(uniq)), np.diff(np.r_[starts, len(wanted)]))  # pair -> its config's index
+        per = sizes.take(owner)  # stacks per pair
+        first = np.cumsum(per) - per  # the pair's first (pair, stack) entry
+        stack = _expand(offsets.take(owner), per)  # (pair, stack) -> index into `tops`
+        targets = self.pda.trans.ravel().take(tops.take(stack) * 256 + np.repeat(wanted & 255, per))
+        live = np.maximum.reduceat(targets, first) >= 0
+        table = self._table.ravel()
+        table[wanted[~live]] = 0
         if not live.any():
             return
-        byte_ids, cols = byte_ids[live], targets[:, live]
-        if len(byte_ids) <= _FEW_BYTES:
-            # NOTE: few bytes (most misses of a walk): grouped in Python, no array sort
-            by_col: dict[tuple[int, ...], list[int]] = {}
-            for b, col in zip(byte_ids.tolist(), cols.T.tolist(), strict=True):
-                by_col.setdefault(tuple(col), []).append(b)
-            for col, bs in by_col.items():
-                try:
-                    nxt = self._intern(self._close([(*st[:-1], t) for st, t in zip(stacks, col, strict=True)
-                                                    if t >= 0]))
-                except _TooAmbiguous:
-                    continue
-                self._table[sid, bs] = nxt
-            return
-        if len(stacks) == 1:
-            groups, inverse = np.unique(cols[0], return_inverse=True)
-            moved_of = [[(*stacks[0][:-1], int(t))] for t in groups.tolist()]
-        else:
-            # NOTE: columns grouped by a random 64-bit hash, checked exactly (np.unique over rows
-            # is several times slower); a collision falls back to the row sort
-            h = _HASH_WEIGHTS[:len(stacks)] @ (cols.astype(np.uint64) + np.uint64(1))
-            _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-            inverse = np.asarray(inverse).reshape(-1)
-            if (cols == cols[:, first[inverse]]).all():
-                groups = cols[:, first].T
-            else:
-                groups, inverse = np.unique(cols.T, axis=0, return_inverse=True)
-            moved_of = [[(*st[:-1], int(t)) for st, t in zip(stacks, col, strict=True) if t >= 0]
-                        for col in groups.tolist()]
-        inverse = np.asarray(inverse).reshape(-1)
-        group_sid = np.full(len(moved_of), _UNKNOWN, dtype=np.int32)  # NOTE: a closure past MAX_STACKS stays unknown
-        for g, moved in enumerate(moved_of):
-            with contextlib.suppress(_TooAmbiguous):
-                group_sid[g] = self._intern(self._close(moved))
+        # per live pair: a hash of its targets (weights by the stack's place in its configuration)
+        place = np.arange(len(stack)) - np.repeat(first, per)
+        h = np.add.reduceat(_HASH_WEIGHTS.take(place) * (targets.astype(np.uint64) + np.uint64(1)), first)
+        pairs = np.flatnonzero(live)
+        order = np.lexsort((h.take(pairs), owner.take(pairs)))
+        pairs = pairs.take(order)
+        po, ph = owner.take(pairs), h.take(pairs)
+        new = np.r_[True, (po[1:] != po[:-1]) | (ph[1:] != ph[:-1])]
+        group = np.cumsum(new) - 1
+        lead = pairs[new]  # each group's first pair
+        # NOTE: exact check: every pair's targets equal its group's first pair's
+        count = per.take(pairs)
+        same = targets.take(_expand(first.take(pairs), count)) == targets.take(_expand(first.take(lead.take(group)),
+                                                                                         count))
+        if not same.all():
+            bad = np.zeros(len(pairs), dtype=bool)
+            bad[np.repeat(np.arange(len(pairs)), count)[~same]] = True
+            # NOTE: a hash collision: those pairs one closure each (their groups of one)
+            group = np.where(bad, len(lead) + np.arange(len(pairs)), group)
+            lead = np.r_[lead, pairs]
+        group_sid = np.full(len(lead), _UNKNOWN, dtype=np.int32)  # NOTE: a closure past MAX_STACKS stays unknown
+        used = np.zeros(len(lead), dtype=bool)
+        used[group] = True
+        trans_targets = targets.tolist()
+        close, intern = self._close, self._intern
+        seen: dict[tuple[Stack, ...], int] = {}  # NOTE: groups of different configurations often move to one stack
+        for g, p in zip(np.flatnonzero(used).tolist(), lead[used].tolist(), strict=True):
+            f = int(first[p])
+            moved = tuple((*st[:-1], t) for st, t in zip(stacks_of[int(owner[p])], trans_targets[f:f + int(per[p])],
+                                                         strict=True) if t >= 0)
+            hit = seen.get(moved)
+            if hit is None:
+                with contextlib.suppress(_TooAmbiguous):
+                    hit = seen[moved] = intern(close(moved))
+            if hit is not None:
+                group_sid[g] = hit
         # NOTE: `self._table` read after `_intern`, which may grow it
-        self._table[sid, byte_ids] = group_sid.take(inverse)
+        self._table.ravel()[wanted.take(pairs)] = group_sid.take(group)
 
     def _fill_few(self, sid: int, stacks: list[Stack], byte_ids: list[int]) -> None:
-        """`_fill_bytes` of few bytes from few stacks, in Python over the rows of the network
+        """`_fill_pairs` of few bytes from few stacks, in Python over the rows of the network
         (`_trans_row`: no array work per byte). Fills caches only."""
         rows = [self._trans_row(st[-1]) for st in stacks]
         by_col: dict[tuple[int, ...], list[int]] = {}
@@ -382,18 +399,18 @@ class GrammarIndex:
     @functools.cached_property
     def _state_loops(self) -> np.ndarray:
         """(num_states, 4) uint64: per state of the network, the bytes that step it to itself."""
-        trans = self.pda.trans
-        same = trans == np.arange(len(trans), dtype=trans.dtype)[:, None]
-        return np.ascontiguousarray(np.packbits(same, axis=1, bitorder="little").view("<u8"))
+        return np.ascontiguousarray(np.packbits(self._state_loop_bytes, axis=1, bitorder="little").view("<u8"))
 
     def _loop_flags(self, sids: np.ndarray) -> np.ndarray:
         """Per configuration of `sids` (int64, none dead): whether some byte steps it to itself (its
         bytes in `_loop`, filled here on first sight). Fills caches only.
 
-        NOTE: the loop bytes are those on which every stack's top steps to itself (then the moved
-        stacks are the configuration's own, and their closure is the configuration again). Bytes
-        that reach the same configuration some other way are left out: a loop byte is exact, the
-        set need not be complete."""
+        NOTE: a loop byte steps every stack's top to itself (then the moved stacks are the
+        configuration's own, and their closure is the configuration again), or steps some tops to
+        themselves and kills the others where the closure of the survivors gives the whole
+        configuration back (a run of spaces between values: the whitespace loops, the value's
+        start dies and comes back through the call). Bytes that reach the same configuration some
+        other way are left out: a loop byte is exact, the set need not be complete."""
         known = self._loop_known.take(sids)
         if not known.all():
             new = _distinct(sids[~known])
@@ -405,11 +422,57 @@ class GrammarIndex:
                 tops.extend(ts)
                 sizes.append(len(ts))
             starts = np.cumsum([0, *sizes[:-1]])
-            loop = np.bitwise_and.reduceat(self._state_loops.take(tops, axis=0), starts, axis=0)
+            top_loops = self._state_loops.take(tops, axis=0)
+            loop = np.bitwise_and.reduceat(top_loops, starts, axis=0)
+            # NOTE: candidates of `_survivor_loops`: bytes that some tops loop on and every other top dies on
+            cand = (np.bitwise_or.reduceat(top_loops, starts, axis=0)
+                    & np.bitwise_and.reduceat(top_loops | self._state_dead.take(tops, axis=0), starts, axis=0) & ~loop)
+            for k in np.flatnonzero(cand.any(axis=1)).tolist():
+                lo = int(starts[k])
+                extra = self._survivor_loops(int(new[k]), tops[lo:lo + sizes[k]], cand[k])
+                if extra is not None:
+                    loop[k] |= extra
             self._loop[new] = loop
             self._has_loop[new] = loop.any(axis=1)
             self._loop_known[new] = True
         return self._has_loop.take(sids)  # type: ignore[no-any-return]
+
+    def _survivor_loops(self, sid: int, tops: list[int], cand: np.ndarray) -> np.ndarray | None:
+        """(4,) uint64: the bytes of `cand` ((4,) uint64: bytes on which some tops of configuration
+        `sid` step to themselves and the others die) whose survivors close back to the
+        configuration (`_loop_flags`), with those table entries filled (`sid`); None where there
+        are none. Fills caches only."""
+        bits = np.unpackbits(cand.view(np.uint8), bitorder="little").astype(bool)
+        looping = self._state_loop_bytes.take(tops, axis=0)[:, bits]  # (tops, candidate bytes)
+        byte_ids = np.flatnonzero(bits)
+        config = self._states[sid]
+        out = np.zeros(256, dtype=bool)
+        groups: dict[tuple[bool, ...], list[int]] = {}
+        for b, col in zip(byte_ids.tolist(), looping.T.tolist(), strict=True):
+            groups.setdefault(tuple(col), []).append(b)
+        for col, bs in groups.items():
+            kept = {t for t, keep in zip(tops, col, strict=True) if keep}
+            try:
+                back = self._close([st for st in config if st[-1] in kept])
+            except _TooAmbiguous:
+                continue
+            if back == config:
+                out[bs] = True
+                self._table[sid, bs] = sid
+        if not out.any():
+            return None
+        return np.packbits(out, bitorder="little").view("<u8")
+
+    @functools.cached_property
+    def _state_loop_bytes(self) -> np.ndarray:
+        """(num_states, 256) bool: per state of the network, the bytes that step it to itself."""
+        trans = self.pda.trans
+        return trans == np.arange(len(trans), dtype=trans.dtype)[:, None]  # type: ignore[no-any-return]
+
+    @functools.cached_property
+    def _state_dead(self) -> np.ndarray:
+        """(num_states, 4) uint64: per state of the network, the bytes it reads no edge on."""
+        return np.ascontiguousarray(np.packbits(self.pda.trans < 0, axis=1, bitorder="little").view("<u8"))
 
     def walk(self, sid: int, data: bytes) -> int:
         """The configuration after reading `data` from `sid` (0 if rejected). Fills caches only."""
@@ -672,13 +735,19 @@ class GrammarIndex:
             bounds = np.zeros(len(states) + 1, dtype=np.int64)
             presorted = True
         first = self._first_escapes(f_key, f_node, rows, bits)
+        only_early: dict[int, _KeyInfo] = {}  # NOTE: keys alike share their escapes' arrays (`_first_escapes`)
         for k, s in enumerate(states):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
             esc_rank, esc_at, ordered = e_rank[lo:hi], e_at[lo:hi], presorted
             early = first.get(k)
             if early is not None:
                 if not len(esc_rank):
-                    esc_rank, esc_at, ordered = early, np.zeros(len(early), dtype=np.int32), True
+                    done = only_early.get(id(early))
+                    if done is None:
+                        done = only_early[id(early)] = _info(rows[k], early, np.zeros(len(early), dtype=np.int32), True)
+                    self._keys[(s,)] = _KeyInfo(rows[k], done.uncertain, done.late, done.esc_rank, done.esc_at,
+                                                done.digest)
+                    continue
                 elif presorted:
                     # NOTE: a merge of two sorted lists (offset 0 sorts before a token's later offsets)
                     a, b = early << 16, esc_rank << 16 | esc_at.astype(np.int64)
@@ -706,20 +775,33 @@ class GrammarIndex:
         lo_all = levels.tok_lo[0].take(f_node)
         cnt_all = levels.tok_hi[0].take(f_node) - lo_all
         starts = np.flatnonzero(np.r_[True, f_key[1:] != f_key[:-1]]).tolist()
+        # NOTE: keys alike (the end states of a number: the same first bytes escape, and none of
+        # them accepts a token that starts with one) share the tokens' arrays and the result
+        by_nodes: dict[bytes, tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]] = {}
         for a, b in zip(starts, [*starts[1:], len(f_key)], strict=True):
             k = int(f_key[a])
-            if int(cnt_all[a:b].sum()) * _FIRST_BY_COLUMN > len(cols0):
-                member = np.zeros(257, dtype=bool)
-                member[levels.byte[0].take(f_node[a:b])] = True
-                ranks = np.flatnonzero(member.take(cols0))
-            else:
-                ranks = np.sort(levels.rank.take(_expand(lo_all[a:b], cnt_all[a:b])))
-            ids = tables.order.take(tables.by_length.take(ranks)).astype(np.int64)
+            nodes = f_node[a:b]
+            hit = by_nodes.get(nodes.tobytes())
+            if hit is None:
+                if int(cnt_all[a:b].sum()) * _FIRST_BY_COLUMN > len(cols0):
+                    member = np.zeros(257, dtype=bool)
+                    member[levels.byte[0].take(nodes)] = True
+                    ranks = np.flatnonzero(member.take(cols0))
+                else:
+                    ranks = np.sort(levels.rank.take(_expand(lo_all[a:b], cnt_all[a:b])))
+                hit = by_nodes[nodes.tobytes()] = (ranks, self._rank_ids.take(ranks), [], self._bits(ranks))
+            ranks, ids, made, row = hit
+            if not (rows[k] & row).any():
+                out[k] = ranks  # NOTE: the key accepts none of them (one word pass, no pass over the tokens)
+                continue
             if bits is not None:
                 keep = ~bits.take(k * (words * 32) + ids)
             else:
                 keep = (rows[k].take(ids >> 5) >> (ids & 31).astype(np.uint32)) & 1 == 0
-            out[k] = ranks[keep].astype(np.int64)
+            got = ranks[keep].astype(np.int64)
+            out[k] = next((m for m in made if np.array_equal(m, got)), got)
+            if out[k] is got:
+                made.append(got)
         return out
 
     def _walk_scalar(self, sid: int, ranks: np.ndarray, offsets: np.ndarray
@@ -727,8 +809,8 @@ class GrammarIndex:
         """`_walk_tokens` / `_walk_pairs` for a few (token, offset) pairs, one at a time (no
         per-step array work). Returns (accepted ranks, sorted and distinct; escape pairs of the
         tokens no pair accepted)."""
-        tables, tokens = self.vocab.trie_tables, self.vocab.tokens
-        ids = tables.order[tables.by_length[ranks]].tolist()
+        tokens = self.vocab.tokens
+        ids = self._rank_ids.take(ranks).tolist()
         acc: set[int] = set()
         esc: list[tuple[int, int]] = []
         for rank, tid, start in zip(ranks.tolist(), ids, offsets.tolist(), strict=True):
@@ -801,12 +883,15 @@ class GrammarIndex:
             return ok, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
         return ok, np.concatenate(esc_i).astype(np.int64), np.concatenate(esc_o).astype(np.int32)
 
-    @functools.cached_property
+    @property
     def _lengths(self) -> np.ndarray:
-        """Token length per rank (`TrieTables.by_length` order)."""
-        counts = self.vocab.trie_tables.length_counts
-        n = len(self.vocab.trie_tables.by_length)
-        return np.searchsorted(-counts, -np.arange(n), side="left").astype(np.int64)  # type: ignore[no-any-return]
+        """Token length per rank (`TrieTables.by_length` order; the vocabulary's table)."""
+        return self.vocab.trie_tables.rank_lengths
+
+    @property
+    def _rank_ids(self) -> np.ndarray:
+        """Token id per rank (`TrieTables.by_length` order, int64; the vocabulary's table)."""
+        return self.vocab.trie_tables.rank_ids
 
     def _first_bytes(self, sid: int) -> np.ndarray:
         """(256,) bool: the bytes that step from `sid` or leave it at a rule end (FOLLOW)."""
@@ -819,20 +904,15 @@ class GrammarIndex:
         return out
 
     def _bits(self, ranks: np.ndarray) -> np.ndarray:
-        tables = self.vocab.trie_tables
+        """(mask_words,) uint32: the bits of the tokens at `ranks` (distinct). Pure."""
         if len(ranks) <= 2048:  # NOTE: few tokens (escapes, settlements): set their bits, no full-size pack
-            ids = tables.order[tables.by_length[ranks]].astype(np.int64)
-            words = np.zeros(self.vocab.mask_words, dtype=np.uint32)
-            np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
-            return words
+            # NOTE: distinct tokens: the sum of a word's distinct bits is their OR (exact in float64)
+            ids = self._rank_ids.take(ranks)
+            return np.bincount(ids >> 5, weights=np.left_shift(1, ids & 31).astype(np.float64),
+                               minlength=self.vocab.mask_words).astype(np.uint32)
         bits = np.zeros(self.vocab.mask_words * 32, dtype=bool)
-        bits[tables.order[tables.by_length[ranks]]] = True
+        bits[self._rank_ids.take(ranks)] = True
         return np.packbits(bits, bitorder="little").view("<u4").copy()
-
-    def _has_bits(self, row: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-        tables = self.vocab.trie_tables
-        ids = tables.order[tables.by_length[ranks]].astype(np.int64)
-        return ((row[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
     def _key(self, key: Stack) -> _KeyInfo:
         info = self._keys.get(key)
@@ -875,8 +955,11 @@ class GrammarIndex:
         if todo:
             # NOTE: pair i belongs to uncertain token (new tokens up to i) - 1 (`esc_rank` ascending)
             er = prev.esc_rank
-            late = prev.late[np.cumsum(np.r_[True, er[1:] != er[:-1]]) - 1] if len(er) else np.zeros(0, dtype=bool)
-            ranks, offsets = prev.esc_rank[late], prev.esc_at[late]
+            if prev.late.any():
+                late = prev.late[np.cumsum(np.r_[True, er[1:] != er[:-1]]) - 1]
+                ranks, offsets = prev.esc_rank[late], prev.esc_at[late]
+            else:  # NOTE: every escape before a first byte (a number's end): nothing to walk
+                ranks, offsets = _NO_RANKS, _NO_OFFSETS
             m = len(ranks)
             if len(todo) == 1 or m * len(todo) <= _SCALAR_WALK:
                 walks = [self._walk_pairs(self._intern(self._close([(r,)])), ranks, offsets) for r in todo]
@@ -893,12 +976,13 @@ class GrammarIndex:
                     keep = ~_member(er, acc)
                     walks.append((acc, er[keep], esc_o[sel][keep]))
             early = prev.uncertain[~prev.late]
+            # NOTE: the early tokens a return's key accepts: its row and theirs (one bit pass)
+            early_row = self._bits(early)
             for r, (acc, esc_rank, esc_at) in zip(todo, walks, strict=True):
                 base = self._key((r,))
-                early_acc = early[self._has_bits(base.row, early)]
                 in_base = _member(base.esc_rank, early)
                 self._settled[(r, prev.digest)] = _info(
-                    self._bits(np.concatenate([acc, early_acc])), np.concatenate([esc_rank, base.esc_rank[in_base]]),
+                    self._bits(acc) | (base.row & early_row), np.concatenate([esc_rank, base.esc_rank[in_base]]),
                     np.concatenate([esc_at, base.esc_at[in_base]]))
         return [self._settled[(r, prev.digest)] for r in reps]
 
@@ -1067,6 +1151,12 @@ class GrammarIndex:
         live = np.flatnonzero(member.take(cols[0]))  # NOTE: only tokens that start in the class
         for d in range(1, cols.shape[0] + 1):
             if not len(live):
+                break
+            if len(live) <= _SCALAR_WALK:
+                # NOTE: the few long runs (SmolLM2: spaces up to 80 bytes) by `bytes.lstrip`, not a step per byte
+                toks = tables.sorted_tokens
+                order = tables.by_length.take(live).tolist()
+                runs[live] = [len(toks[i]) - len(toks[i].lstrip(run_class)) for i in order]
                 break
             runs[live] += 1
             if d < cols.shape[0]:
@@ -1366,10 +1456,13 @@ def walk_representatives(pda: Pda, follow: np.ndarray) -> np.ndarray:
     for s, calls in enumerate(pda.calls):
         for rule, ret in calls:
             cols[s, len(first) + rule] = ret
-    _, follow_id = np.unique(follow, axis=0, return_inverse=True)
+    # NOTE: the rules' FOLLOW sets numbered by their bytes (a dict: `np.unique(axis=0)` took ~0.5 ms)
+    ids: dict[bytes, int] = {}
+    follow_id = np.array([ids.setdefault(row, len(ids)) for row in map(bytes, np.packbits(follow, axis=1))],
+                         dtype=np.int64)
     init = np.zeros(n + 1, dtype=np.int64)
     acc = np.flatnonzero(pda.accepting)
-    init[acc] = 1 + np.asarray(follow_id).reshape(-1)[pda.state_rule[acc]]
+    init[acc] = 1 + follow_id[pda.state_rule[acc]]
     init[n] = int(init.max()) + 1
     cls = refine_classes(cols, init, n, n + 1, history=False)[0][:n]
     order = np.argsort(cls, kind="stable")

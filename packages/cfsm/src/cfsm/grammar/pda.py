@@ -171,6 +171,14 @@ class _Nfa:
         self.eps.extend([] for _ in range(n))
         self.bytes.extend([] for _ in range(n))
         self.calls.extend([] for _ in range(n))
+        if isinstance(dfa, _Chain):
+            # NOTE: a chain's edges are its classes' byte ranges (no table scan: most parts are chains)
+            for k, ranges in enumerate(dfa.runs):
+                self.bytes[base + k].extend((lo, hi, base + t) for lo, hi, t in ranges)
+            for q in dfa.ends:
+                self.eps[base + q].append(e)
+            self.eps[s].append(base + dfa.start)
+            return
         # runs of equal targets over consecutive bytes, of every row at once (row-major order:
         # each row's runs by increasing byte, one start and one end per run)
         table = dfa.transitions[:n]
@@ -197,6 +205,8 @@ class _Chain:
     start: int
     dead: int
     num_states: int
+    runs: tuple[tuple[tuple[int, int, int], ...], ...]  # per state: its edges (lo, hi, target) by increasing byte
+    ends: tuple[int, ...]  # the accepting states, ascending
 
 
 def _ascii_class(node: Node) -> list[int] | None:
@@ -206,51 +216,81 @@ def _ascii_class(node: Node) -> list[int] | None:
     return [b for lo, hi in node.ranges for b in range(lo, hi + 1)]
 
 
+def _byte_runs(edges: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Edges (byte, target) (distinct bytes) as ranges (lo, hi, target) of consecutive bytes with
+    one target, by increasing byte. Pure."""
+    out: list[tuple[int, int, int]] = []
+    for b, t in sorted(edges):
+        if out and out[-1][1] == b - 1 and out[-1][2] == t:
+            out[-1] = (out[-1][0], b, t)
+        else:
+            out.append((b, b, t))
+    return tuple(out)
+
+
 def _ascii_dfa(node: Node) -> _Chain | None:
     """The minimal DFA `automaton.build_dfa` gives, built directly where `node` is a chain of
-    ASCII classes: one class, a concatenation of classes (a literal), or one class repeated
-    `{lo,hi}` / `{lo,}` times; else None. Pure.
+    ASCII classes: one class, a concatenation of classes (a literal) where a class may also
+    repeat `{lo,}` times (``[ \\t]* "," [ \\t]*``: no two repeats in a row, a repeat's bytes
+    not those of the class after it), or one class repeated `{lo,hi}` / `{lo,}` times; else None.
+    Pure.
 
-    NOTE: such a DFA is the chain itself (states 0..k in reading order, no two alike: each
-    reads a different number of bytes before it must end), as `build_dfa` numbers it; the
-    regular compiler's general path (NFA, subset construction, minimization) took ~0.2-1 ms
-    per part, most of a small grammar's network."""
+    NOTE: such a DFA is the chain itself (states 0..k in reading order, a repeat a loop on its
+    state; no two alike: each reads a different number of bytes at least before it may end), as
+    `build_dfa` numbers it; the regular compiler's general path (NFA, subset construction,
+    minimization) took ~0.2-1 ms per part, most of a small grammar's network."""
+    loops: dict[int, list[int]] = {}  # state -> the bytes that step it to itself
     if isinstance(node, Cat):
-        classes = [_ascii_class(item) for item in node.items]
-        if not classes or any(c is None for c in classes):
+        if not node.items:
             return None
-        links: list[list[int]] = [c for c in classes if c is not None]
+        links: list[list[int]] = []
+        for item in node.items:
+            cls = _ascii_class(item)
+            if cls is not None:
+                links.append(cls)
+                continue
+            if not isinstance(item, Repeat) or item.hi is not None or (cls := _ascii_class(item.item)) is None:
+                return None
+            links.extend([cls] * item.lo)
+            if len(links) in loops:
+                return None  # NOTE: two repeats in a row (`a* b*`): not a chain
+            loops[len(links)] = cls
+        if any(k < len(links) and set(cls) & set(links[k]) for k, cls in loops.items()):
+            return None  # NOTE: a loop's byte would also step on (not deterministic as a chain)
         final = len(links)
-        loop: list[int] = []
         ends = [final]
     elif isinstance(node, Repeat):
         item = _ascii_class(node.item)
         if item is None or (node.hi is not None and not 0 < node.hi <= 64):
             return None
         if node.hi is None:
-            links, loop = [item] * node.lo, item
+            links = [item] * node.lo
             final = node.lo
+            loops[final] = item
             ends = [final]
         else:
             if node.lo > node.hi:
                 return None
-            links, loop = [item] * node.hi, []
+            links = [item] * node.hi
             final = node.hi
             ends = list(range(node.lo, node.hi + 1))
     else:
         item = _ascii_class(node)
         if item is None:
             return None
-        links, loop, final, ends = [item], [], 1, [1]
+        links, final, ends = [item], 1, [1]
     n = final + 1
     table = np.full((n + 1, 256), n, dtype=np.int32)
     for k, bytes_ in enumerate(links):
         table[k, bytes_] = k + 1
-    if loop:
-        table[final, loop] = final
+    for k, bytes_ in loops.items():
+        table[k, bytes_] = k
     accepting = np.zeros(n + 1, dtype=bool)
     accepting[ends] = True
-    return _Chain(transitions=table, accepting=accepting, start=0, dead=n, num_states=n)
+    runs = tuple(_byte_runs(([(b, k + 1) for b in links[k]] if k < final else []) + [(b, k) for b in loops.get(k, [])])
+                 for k in range(n))
+    return _Chain(transitions=table, accepting=accepting, start=0, dead=n, num_states=n, runs=runs,
+                  ends=tuple(sorted(set(ends))))
 
 
 def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:

@@ -49,6 +49,20 @@ class TrieTables:
         return int(self.lengths.max()) if len(self.order) else 0
 
     @functools.cached_property
+    def rank_ids(self) -> np.ndarray:
+        """(n,) int64: the token id at each index of `by_length` order (read-only)."""
+        out = self.order.take(self.by_length).astype(np.int64)
+        out.flags.writeable = False
+        return out
+
+    @functools.cached_property
+    def rank_lengths(self) -> np.ndarray:
+        """(n,) int64: the length of the token at each index of `by_length` order (read-only)."""
+        out = self.lengths.take(self.by_length).astype(np.int64)
+        out.flags.writeable = False
+        return out
+
+    @functools.cached_property
     def max_id(self) -> int:
         """The largest token id in the tables (0 without tokens)."""
         return int(self.order.max(initial=0))

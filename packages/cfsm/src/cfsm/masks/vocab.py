@@ -187,6 +187,8 @@ class Vocabulary:
         # the per-token hash weights of batched rows (`mask_rows`)
         token_weights(max(self.trie_tables.max_id, max(self.eos_token_ids, default=0)) + 1)
         self.trie_tables.max_length  # noqa: B018
+        self.trie_tables.rank_ids  # noqa: B018  (the grammar walks' token ids and lengths by rank)
+        self.trie_tables.rank_lengths  # noqa: B018
         self.trie_tables.longer_than(IndexTuning.share_depth)  # the default (`build_index`'s long tokens)
         return self
 
