@@ -14,10 +14,12 @@ import cfsm
 import cfsm.automata.automaton
 from cfsm.automata.automaton import (
     _byte_classes,
+    _disjoint,
     _minimize_small,
     _runs,
     _runs_small,
     accept_distance,
+    byte_segments,
     minimize,
     seeded_weights,
     unique_rows,
@@ -200,3 +202,20 @@ def test_seeded_weights_equal_a_fresh_draw(sizes: list[int], seed: int) -> None:
         assert not w.flags.writeable
         fresh = np.random.default_rng(seed).integers(1, 2**63, size=n, dtype=np.uint64)
         assert np.array_equal(w, fresh)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.lists(st.tuples(st.integers(0, 255), st.integers(0, 40), st.integers(0, 5)), min_size=1, max_size=12))
+def test_byte_segments_split_the_ranges_by_target_set(raw: list[tuple[int, int, int]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each segment holds exactly the targets of the ranges over its bytes, by a sweep or (few
+    ranges) directly; every byte of a range is in one segment."""
+    trs = sorted((lo, min(255, lo + width), t) for lo, width, t in raw)
+    segments = byte_segments(trs)
+    by_byte = {b: frozenset(t for lo, hi, t in trs if lo <= b <= hi) for b in range(256)}
+    covered = [b for lo, hi, _ in segments for b in range(lo, hi + 1)]
+    assert covered == sorted(b for b, ts in by_byte.items() if ts)  # in order, each byte once
+    assert all(by_byte[b] == ts for lo, hi, ts in segments for b in range(lo, hi + 1))
+    assert _disjoint(trs) == all(sum(lo <= b <= hi for lo, hi, _ in trs) <= 1 for b in range(256))
+    monkeypatch.setattr(cfsm.automata.automaton, "_FEW_RANGES", 0)  # the sweep always
+    assert byte_segments(trs) == segments

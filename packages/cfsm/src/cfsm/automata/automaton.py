@@ -424,11 +424,24 @@ def _sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, in
     return tuple(out)
 
 
+# `byte_segments` of at most this many ranges checks each range per segment (no sweep)
+_FEW_RANGES = 8
+
+
 def byte_segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[int]]]:
-    """Split byte ranges (lo, hi, target) into disjoint segments (lo, hi, targets), by a sweep."""
+    """Split byte ranges (lo, hi, target) into disjoint segments (lo, hi, targets), by a sweep
+    (few ranges: each segment's ranges looked up directly)."""
     if len(trs) == 1:
         lo, hi, t = trs[0]
         return [(lo, hi, frozenset((t,)))]
+    if len(trs) <= _FEW_RANGES:
+        points = sorted({x for lo, hi, _ in trs for x in (lo, hi + 1)})
+        segs = []
+        for p, nxt in zip(points, points[1:], strict=False):
+            targets = frozenset([t for lo, hi, t in trs if lo <= p <= hi])
+            if targets:
+                segs.append((p, nxt - 1, targets))
+        return segs
     events: dict[int, list[tuple[int, int]]] = {}
     for lo, hi, t in trs:
         events.setdefault(lo, []).append((1, t))
@@ -450,7 +463,12 @@ def byte_segments(trs: list[tuple[int, int, int]]) -> list[tuple[int, int, froze
 
 def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     """True when sorted byte ranges (lo, hi, target) do not overlap."""
-    return all(x[1] < y[0] for x, y in zip(ranges, ranges[1:], strict=False))
+    end = -1
+    for lo, hi, _ in ranges:
+        if lo <= end:
+            return False
+        end = hi
+    return True
 
 
 def subset_construction(nfa: Nfa, start: int, final: int, max_states: int | None = None,
