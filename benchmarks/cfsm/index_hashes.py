@@ -1,4 +1,5 @@
-"""A hash of every benchmark grammar's compiled output (DFA arrays, byte classes, every state's mask),
+"""A hash of every benchmark grammar's compiled output (DFA arrays, byte classes, every state's mask;
+for a pushdown matcher, free JSON: its network, key rows and the masks along the target text),
 per vocabulary and whitespace mode (compact and flexible; regexes also wrapped in flexible
 whitespace): run it at two commits and diff the output to check that a compile-time change leaves
 every DFA and every state's mask byte-identical.
@@ -49,6 +50,26 @@ def index_hash(index: cfsm.Index) -> str:
     return h.hexdigest()[:16]
 
 
+def grammar_hash(index: cfsm.GrammarIndex, target: str) -> str:
+    """The network and key rows of a pushdown matcher, and the mask of every configuration its
+    target text passes through (byte by byte)."""
+    h = hashlib.sha256()
+    payload = index.payload()
+    for a in payload["pda"]:
+        h.update(repr(a.tolist() if isinstance(a, np.ndarray) else a).encode())
+    for key in sorted(payload["keys"]):
+        h.update(repr(key).encode())
+        h.update(payload["keys"][key][0].tobytes())
+    sid = index.start
+    h.update(index.mask(sid).tobytes())
+    for b in target.encode():
+        sid = index.walk(sid, bytes([b]))
+        if sid == 0:
+            break
+        h.update(index.mask(sid).tobytes())
+    return h.hexdigest()[:16]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", nargs="+", default=list(VOCABS), choices=list(VOCABS))
@@ -56,7 +77,7 @@ def main() -> None:
     for name in args.vocab:
         bundle = VOCABS[name]()
         vocab = bundle.vocab.prepare()
-        for grammar, (kind, value, _) in GRAMMARS.items():
+        for grammar, (kind, value, target) in GRAMMARS.items():
             for ws in ("compact", "flexible"):
                 cfg = cfsm.CfsmConfig(whitespace=ws)
                 if kind == "regex":  # flexible: the pattern between whitespace runs
@@ -66,7 +87,10 @@ def main() -> None:
                     index = cfsm.compile_json_schema(value, vocab, cfg)
                 else:
                     index = cfsm.compile_json_object(vocab, cfg)
-                print(f"{bundle.name}\t{grammar}\t{ws}\t{index.dfa.num_states}\t{index_hash(index)}", flush=True)
+                if isinstance(index, cfsm.GrammarIndex):
+                    print(f"{bundle.name}\t{grammar}\t{ws}\tpda\t{grammar_hash(index, target)}", flush=True)
+                else:
+                    print(f"{bundle.name}\t{grammar}\t{ws}\t{index.dfa.num_states}\t{index_hash(index)}", flush=True)
 
 
 if __name__ == "__main__":
