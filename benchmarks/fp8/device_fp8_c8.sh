@@ -43,7 +43,7 @@ fi
 if has check; then
   echo "[$((SECONDS - t0)) s] checks"
   timeout 150 python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/fp8_cases.py \
-    -k "8-tuned-h4096 or 8-mrow_f16-h4096 or eight_rows or 3-tuned-h4096 or split_k or (layer_matches and h4096)" 2>&1 \
+    -k "8-tuned-h4096 or 8-mrow_f16-h4096 or eight_rows or 3-tuned-h4096 or split_k or large_and_small or (layer_matches and h4096)" 2>&1 \
     | tee "$OUT/check.log" | tail -3
 fi
 if has step; then
