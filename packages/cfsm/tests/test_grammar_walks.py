@@ -366,6 +366,17 @@ def _same_keys_filled(fast: GrammarIndex, plain: GrammarIndex) -> None:
     _same_infos(fast._keys, plain._keys)
 
 
+def _same_tail_walks(pda: Pda, vocab: cfsm.Vocabulary, index: GrammarIndex) -> None:
+    """Indexes whose trie walks go level by level as arrays to the end, or node by node from the
+    second level on (`_walk_tail`), have the keys and settlements of `index`."""
+    for tail in (0, 1 << 30):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(grammar_index, "_TAIL_NODES", tail)
+            other = GrammarIndex(pda, vocab)
+        _same_infos(other._keys, index._keys)
+        _same_infos(other._settled, index._settled)
+
+
 def _same_infos(a: dict[object, object], b: dict[object, object]) -> None:
     assert set(a) == set(b)
     for key, info in a.items():
@@ -408,6 +419,7 @@ def test_random_grammars_batched_walks_and_row_fills_are_exact(text: str, seed: 
         sorting = GrammarIndex(pda, vocab)
     _same_infos(sorting._keys, fast._keys)
     _same_infos(sorting._settled, fast._settled)
+    _same_tail_walks(pda, vocab, fast)
     with pytest.MonkeyPatch.context() as mp:
         # NOTE: every pair of a configuration hashed alike: `_fill_pairs`'s exact check splits the groups
         mp.setattr(grammar_index, "_HASH_WEIGHTS", np.zeros_like(grammar_index._HASH_WEIGHTS))
@@ -574,6 +586,7 @@ def test_loop_cut_walks_equal_plain_trie_walks(text: str, tokens: list[bytes], s
         mp.undo()
     _same_infos(fast._keys, plain._keys)
     _same_infos(fast._settled, plain._settled)
+    _same_tail_walks(pda, vocab, fast)
     _check_trie_walks(fast)
     _check_loop_bytes(fast)
     rng = random.Random(seed)

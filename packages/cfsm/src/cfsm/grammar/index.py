@@ -44,6 +44,7 @@ MAX_FORCED_BYTES = 256  # longest forced string one jump-forward looks at
 _SCALAR_WALK = 64  # token walks of at most this many tokens go one token at a time
 _CHAIN_DERIVE = True  # counted-chain keys derived without walks where `_chain_escapes` allows (tests switch it off)
 _LOOP_CUT = True  # trie walks accept a subtree whole where its bytes all loop the configuration (tests switch it off)
+_TAIL_NODES = 16  # trie walks with at most this many prefixes left go on node by node (tests change it)
 # escapes before the first byte of more than 1/_FIRST_BY_COLUMN of the vocabulary are read off
 # the first byte column (`_first_escapes`), fewer sorted (tests change it to take either path)
 _FIRST_BY_COLUMN = 16
@@ -319,27 +320,27 @@ class GrammarIndex:
             return
         stacks_of = [list(self._states[s]) for s in uniq]
         sizes = np.fromiter((len(x) for x in stacks_of), dtype=np.int64, count=len(uniq))
-        offsets = np.cumsum(sizes) - sizes
+        offsets = sizes.cumsum() - sizes
         tops = np.fromiter((st[-1] for x in stacks_of for st in x), dtype=np.int64, count=int(sizes.sum()))
         owner = np.repeat(np.arange(len(uniq)), np.diff(np.r_[starts, len(wanted)]))  # pair -> its config's index
         per = sizes.take(owner)  # stacks per pair
-        first = np.cumsum(per) - per  # the pair's first (pair, stack) entry
+        first = per.cumsum() - per  # the pair's first (pair, stack) entry
         stack = _expand(offsets.take(owner), per)  # (pair, stack) -> index into `tops`
-        targets = self.pda.trans.ravel().take(tops.take(stack) * 256 + np.repeat(wanted & 255, per))
+        targets = self.pda.trans.ravel().take(tops.take(stack) * 256 + (wanted & 255).repeat(per))
         live = np.maximum.reduceat(targets, first) >= 0
         table = self._table.ravel()
         table[wanted[~live]] = 0
         if not live.any():
             return
         # per live pair: a hash of its targets (weights by the stack's place in its configuration)
-        place = np.arange(len(stack)) - np.repeat(first, per)
+        place = np.arange(len(stack)) - first.repeat(per)
         h = np.add.reduceat(_HASH_WEIGHTS.take(place) * (targets.astype(np.uint64) + np.uint64(1)), first)
-        pairs = np.flatnonzero(live)
+        pairs = live.nonzero()[0]
         order = np.lexsort((h.take(pairs), owner.take(pairs)))
         pairs = pairs.take(order)
         po, ph = owner.take(pairs), h.take(pairs)
         new = np.r_[True, (po[1:] != po[:-1]) | (ph[1:] != ph[:-1])]
-        group = np.cumsum(new) - 1
+        group = new.cumsum() - 1
         lead = pairs[new]  # each group's first pair
         # NOTE: exact check: every pair's targets equal its group's first pair's
         count = per.take(pairs)
@@ -630,6 +631,22 @@ class GrammarIndex:
         for d in range(len(levels.byte)):
             if not len(nodes):
                 break
+            if d and len(nodes) <= _TAIL_NODES:
+                # NOTE: few prefixes left (SmolLM2: runs of UTF-8 dashes inside a string, ~20 levels of
+                # 2-10 nodes): walked node by node in Python, no array work per level
+                acc: list[tuple[int, int, int]] = []
+                escs: list[tuple[int, int, int, int]] = []
+                self._walk_tail(d, nodes.tolist(), key.tolist(), st.tolist(), acc, escs)
+                if acc:
+                    k, lo, cnt = (np.array(x, dtype=np.int64) for x in zip(*acc, strict=True))
+                    acc_key.append(np.repeat(k, cnt))
+                    acc_pos.append(_expand(lo, cnt))
+                for k_, lo_, cnt_, d_ in escs:
+                    esc_key.append(np.array([k_], dtype=np.int64))
+                    esc_lo.append(np.array([lo_], dtype=np.int64))
+                    esc_cnt.append(np.array([cnt_], dtype=np.int64))
+                    esc_d.append(d_)
+                break
             flat = st * 256 + levels.byte[d].take(nodes)
             nxt = self._next(flat)
             # NOTE: returning below the key needs the next byte in the FOLLOW set of the rule left
@@ -654,13 +671,13 @@ class GrammarIndex:
                 # not walked (nor its escapes listed: those of accepted tokens count for nothing)
                 loops = self._loop_flags(st)
                 if loops.any():
-                    cand = np.flatnonzero(loops)
+                    cand = loops.nonzero()[0]
                     rest = levels.below[d].take(nodes.take(cand), axis=0) & ~self._loop.take(st.take(cand), axis=0)
                     whole = cand[~rest.any(axis=1)]
                     if len(whole):
                         lo = levels.tok_lo[d].take(nodes.take(whole))
                         cnt = levels.tok_hi[d].take(nodes.take(whole)) - lo
-                        acc_key.append(np.repeat(key.take(whole), cnt))
+                        acc_key.append(key.take(whole).repeat(cnt))
                         acc_pos.append(_expand(lo, cnt))
                         keep = np.ones(len(nodes), dtype=bool)
                         keep[whole] = False
@@ -668,15 +685,15 @@ class GrammarIndex:
             cnt = levels.end_count[d].take(nodes)
             has = cnt > 0
             if has.any():
-                acc_key.append(np.repeat(key[has], cnt[has]))
+                acc_key.append(key[has].repeat(cnt[has]))
                 acc_pos.append(_expand(levels.tok_lo[d].take(nodes[has]), cnt[has]))
             if d + 1 == len(levels.byte):
                 break
             lo = levels.child_lo[d].take(nodes)
             cnt = levels.child_hi[d].take(nodes) - lo
             nodes = _expand(lo, cnt)
-            key = np.repeat(key, cnt)
-            st = np.repeat(st, cnt)
+            key = key.repeat(cnt)
+            st = st.repeat(cnt)
         empty = np.zeros(0, dtype=np.int64)
         a_key = np.concatenate(acc_key) if acc_key else empty
         a_pos = np.concatenate(acc_pos) if acc_pos else empty
@@ -687,6 +704,39 @@ class GrammarIndex:
         e_pos = _expand(np.concatenate(esc_lo), cnt)
         e_at = np.repeat(np.repeat(np.array(esc_d, dtype=np.int32), [len(x) for x in esc_lo]), cnt)
         return a_key, a_pos, e_key, e_pos, e_at, f_key, f_node
+
+    def _walk_tail(self, d: int, nodes: list[int], keys: list[int], sids: list[int], acc: list[tuple[int, int, int]],
+                   escs: list[tuple[int, int, int, int]]) -> None:
+        """`_walk_trie_split` from level `d` on for the few (node, key, configuration before the
+        node's byte) left, node by node: appends (key, first sorted position, count) of the accepted
+        tokens to `acc` and (key, first sorted position, count, offset) of the escapes to `escs`
+        (as the level-by-level walk lists them). Fills caches only."""
+        levels = self.vocab.trie_levels
+        depth = len(levels.byte)
+        work = [(d, n, k, s) for n, k, s in zip(nodes, keys, sids, strict=True)]
+        while work:
+            d, node, k, s = work.pop()
+            b = int(levels.byte[d][node])
+            lo, hi = int(levels.tok_lo[d][node]), int(levels.tok_hi[d][node])
+            if self._end[s] and self._after_end[s, b]:
+                escs.append((k, lo, hi - lo, d))
+            nxt = int(self._table[s, b])
+            if nxt == _UNKNOWN:
+                nxt = self._step(s, b)
+            if nxt == 0:
+                continue
+            if _LOOP_CUT:
+                if not self._loop_known[nxt]:
+                    self._loop_flags(np.array([nxt], dtype=np.int64))
+                if self._has_loop[nxt] and not (levels.below[d][node] & ~self._loop[nxt]).any():
+                    acc.append((k, lo, hi - lo))  # NOTE: the subtree accepted whole, as in the level walk
+                    continue
+            cnt = int(levels.end_count[d][node])
+            if cnt:
+                acc.append((k, lo, cnt))
+            if d + 1 < depth:
+                work.extend((d + 1, c, k, nxt) for c in range(int(levels.child_lo[d][node]),
+                                                              int(levels.child_hi[d][node])))
 
     def _one_frame_keys(self, states: list[int]) -> None:
         """The one-frame keys of `states` (their own walk representatives, no counted chain
@@ -1478,7 +1528,7 @@ def _expand(lo: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     total = int(cnt.sum())
     if not total:
         return np.zeros(0, dtype=np.int64)
-    return np.repeat(lo - np.cumsum(cnt) + cnt, cnt) + np.arange(total)  # type: ignore[no-any-return]
+    return (lo - cnt.cumsum() + cnt).repeat(cnt) + np.arange(total)  # type: ignore[no-any-return]
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ trimmed, so every non-empty stack set can still complete the grammar.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,15 +199,30 @@ class _Nfa:
 
 @dataclass(frozen=True, eq=False)
 class _Chain:
-    """The minimal DFA of an ASCII chain (`_ascii_dfa`), as the fields of `Dfa` that `embed` reads."""
+    """The minimal DFA of an ASCII chain (`_ascii_dfa`): its edges, which `embed` reads, and the
+    fields of `Dfa` (built on first use: tests compare them with `build_dfa`'s)."""
 
-    transitions: np.ndarray  # (num_states + 1, 256) int32; row num_states: the dead state
-    accepting: np.ndarray  # (num_states + 1,) bool
     start: int
     dead: int
     num_states: int
     runs: tuple[tuple[tuple[int, int, int], ...], ...]  # per state: its edges (lo, hi, target) by increasing byte
     ends: tuple[int, ...]  # the accepting states, ascending
+
+    @functools.cached_property
+    def transitions(self) -> np.ndarray:
+        """(num_states + 1, 256) int32; row num_states: the dead state."""
+        table = np.full((self.num_states + 1, 256), self.dead, dtype=np.int32)
+        for k, runs in enumerate(self.runs):
+            for lo, hi, t in runs:
+                table[k, lo:hi + 1] = t
+        return table
+
+    @functools.cached_property
+    def accepting(self) -> np.ndarray:
+        """(num_states + 1,) bool."""
+        out = np.zeros(self.num_states + 1, dtype=bool)
+        out[list(self.ends)] = True
+        return out
 
 
 def _ascii_class(node: Node) -> list[int] | None:
@@ -280,17 +296,9 @@ def _ascii_dfa(node: Node) -> _Chain | None:
             return None
         links, final, ends = [item], 1, [1]
     n = final + 1
-    table = np.full((n + 1, 256), n, dtype=np.int32)
-    for k, bytes_ in enumerate(links):
-        table[k, bytes_] = k + 1
-    for k, bytes_ in loops.items():
-        table[k, bytes_] = k
-    accepting = np.zeros(n + 1, dtype=bool)
-    accepting[ends] = True
     runs = tuple(_byte_runs(([(b, k + 1) for b in links[k]] if k < final else []) + [(b, k) for b in loops.get(k, [])])
                  for k in range(n))
-    return _Chain(transitions=table, accepting=accepting, start=0, dead=n, num_states=n, runs=runs,
-                  ends=tuple(sorted(set(ends))))
+    return _Chain(start=0, dead=n, num_states=n, runs=runs, ends=tuple(sorted(set(ends))))
 
 
 def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
