@@ -1391,13 +1391,14 @@ class GrammarIndex:
     def warm(self, configurations: Iterable[int] = ()) -> GrammarIndex:
         """Computes now what the first masks derive on first use, so that they are lookups later
         (say, in a process that rebuilt this index with `from_payload`, before its first request):
-        the vocabulary's rank and length tables, the network's loop bytes and counted chains
+        the vocabulary's rank and length tables, the network's loop and dead bytes and counted chains
         (unless the payload carried them), and the masks of `configurations` (configuration ids;
         the walks their keys need where the payload did not carry them). Fills caches only;
         returns self."""
         self._rank  # noqa: B018
         self._lengths  # noqa: B018
         self._state_loops  # noqa: B018
+        self._state_dead  # noqa: B018
         self._chains  # noqa: B018
         for sid in configurations:
             self.mask(sid)
