@@ -400,7 +400,9 @@ class _Parser:
                 self.i += 1
                 break
             first = False
-            if self.startswith("[:") or self.startswith("[:^"):
+            if c == "[":
+                if not self.startswith("[:"):  # `[:name:]` and `[:^name:]`
+                    raise self.error("nested set or set operation in a class", self.i)
                 end = self.p.find(":]", self.i)
                 if end < 0:
                     raise self.error("malformed POSIX class", self.i)
@@ -411,8 +413,6 @@ class _Parser:
                     raise self.error(f"unknown POSIX class {name}", self.i) from exc
                 self.i = end + 2
                 continue
-            if c == "[":
-                raise self.error("nested set or set operation in a class", self.i)
             lo_pos = self.i
             lo = self._class_atom(flags, items, neg_items)
             if lo is None:
@@ -427,10 +427,10 @@ class _Parser:
                 items.append(((lo, hi),))
             else:
                 items.append(((lo, lo),))
-        ranges = union(*items, *(negate(n) for n in neg_items))
+        ranges = union(*items, *(negate(n) for n in neg_items))  # normalized
         if flags.ignorecase:
-            ranges = case_close(ranges)
-        return negate(ranges) if negated else normalize(ranges)
+            ranges = normalize(case_close(ranges))
+        return negate(ranges) if negated else ranges
 
     def _class_atom(self, flags: _Flags, items: list[Ranges], neg_items: list[Ranges]) -> int | None:
         c = self.peek()
