@@ -23,6 +23,9 @@ __all__ = ["tiny_rows"]
 # DFA takes the general path (its loop walks); nor does any walk go past `_MAX_LEVELS` levels
 _MAX_RUN = 8
 _MAX_LEVELS = 24
+# nor one level of more than this share of the pairs (a broad class such as letters: refused
+# after a level or two instead of walking most of the budget first)
+_LEVEL_SHARE = 4
 
 
 def _long_runs(tables: TrieTables) -> np.ndarray:
@@ -39,7 +42,8 @@ def _long_runs(tables: TrieTables) -> np.ndarray:
 
 def _walk(dfa: Dfa, vocab: Vocabulary, max_pairs: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(owner state, token id) of every token allowed in every state (EOS aside), or None once
-    more than `max_pairs` (state, trie node) pairs are visited or the walk passes `_MAX_LEVELS`."""
+    more than `max_pairs` (state, trie node) pairs are visited (or more than `max_pairs // _LEVEL_SHARE`
+    on one level) or the walk passes `_MAX_LEVELS`."""
     levels = vocab.trie_levels
     n, dead = dfa.num_states, dfa.dead
     empty = np.zeros(0, np.int64)
@@ -68,8 +72,9 @@ def _walk(dfa: Dfa, vocab: Vocabulary, max_pairs: int) -> tuple[np.ndarray, np.n
             break
         lo = levels.child_lo[d][k]
         sizes = levels.child_hi[d][k] - lo
-        visited += int(sizes.sum())
-        if visited > max_pairs:
+        expand = int(sizes.sum())
+        visited += expand
+        if visited > max_pairs or expand > max_pairs // _LEVEL_SHARE:
             return None
         kids = concat_ranges(lo, sizes)
         d += 1
