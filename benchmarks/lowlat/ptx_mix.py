@@ -116,7 +116,7 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, arch: int) -> Any:
     constexprs: dict[tuple[int, ...], Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, p in enumerate(fn.params):
-        value = values[p.name]
+        value = values.get(p.name, p.default)  # a parameter left at its default (pf_ptr, ...)
         if p.is_constexpr:
             signature[p.name], constexprs[(i,)] = "constexpr", value
             continue
@@ -150,11 +150,16 @@ def main() -> None:
     ap.add_argument("--dump", default=None, help="write each kernel's PTX into this folder")
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights (per-row scales) and KV cache")
     ap.add_argument("--vec", type=int, default=None, help="GemvConfig.vec of every tuned entry (rows kernels' loads)")
+    ap.add_argument("--f16-variant", default=None, choices=["mrow_f16", "mrow_f16s"],
+                    help="the variant of every tuned mrow_f16 entry (mrow_f16s: rows scaled into fp16's range)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     tuned = tuned_table(args.gpu, shape, args.fp8)
     if args.vec is not None:
         tuned = tuple((stage, mb, replace(cfg, vec=args.vec)) for stage, mb, cfg in tuned)
+    if args.f16_variant is not None:
+        tuned = tuple((stage, mb, replace(cfg, variant=args.f16_variant) if cfg.variant.startswith("mrow_f16") else cfg)
+                      for stage, mb, cfg in tuned)
     lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132, tuned=tuned,
                           pdl_release=tuned_pdl_release(args.gpu, shape), attn_tuned=tuned_attention(args.gpu, shape),
                           fp8=args.fp8)

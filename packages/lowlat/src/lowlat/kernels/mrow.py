@@ -40,8 +40,9 @@ float32 sums take their rows' scales (before the residual). At 8 rows on the H20
   (RESULTS.md issue 33, 2026-12-02) gate-up 64 x 256 (4 warps, 3 stages) 32.98 us against the row-wise 33.32 (noise),
   o_proj 8.72 (32 x 256) against 6.04, down 22.26 (32 x 512) against 16.93, qkv 16.52 (32 pairs) against 10.16. At
   8 rows (2026-12-03) as fast as at one: qkv 16.27, o_proj 8.68, gate-up 32.65, down 22.68 us against the bf16-widening
-  kernels' 20.14, 10.88, 52.00, 29.75: ``tuning.FP8_TABLES`` at 2-8 rows. Activations above 65,504 in magnitude would
-  overflow fp16.
+  kernels' 20.14, 10.88, 52.00, 29.75: ``tuning.FP8_TABLES`` at 2-8 rows. Activations above 65,504 in magnitude
+  overflow fp16 (NaN rows on the H200); ``mrow_f16s`` scales the rows by 2^-4 first (up to ~1.05e6; PTX checked
+  cross-compiled, not yet run on a GPU).
 - Split-K (``SPLIT``, ``GemvConfig.split_k``; o_proj / down): SPLIT programs per output tile over K / SPLIT columns
   each, partials through a float32 workspace, the last program of a tile (an int32 counter, as the fused attention
   merge) summing them in split order onto the residual. Meant for grids of few tiles (o_proj and down: 128 tiles of 32
@@ -74,6 +75,14 @@ def _wx(w, x, acc, MMA: tl.constexpr, DOT_F32: tl.constexpr):
         out = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
     elif W_FP8 and MMA == 2:
         out = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc)
+    elif W_FP8 and MMA == 3:
+        # mrow_f16s: the rows times 2^-4 before the cast, the product times 2^4 (exact, powers of two), so fp16 holds
+        # activations up to ~1.05e6 (65,504 unscaled). The multiply is inline PTX: written as `x * 0.0625`, LLVM
+        # narrows it past the cast (`cvt.rn.f16x2.f32` then `mul.f16x2`: x comes from a bf16 load) and the cast
+        # overflows first (the H200's NaN rows of 2026-12-03; benchmarks/fp8/GPU_NOTES.md)
+        xs = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                       pack=1)
+        out = acc + tl.dot(w.to(tl.float16), tl.trans(xs.to(tl.float16))) * 16.0
     elif W_FP8:
         out = tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)), acc)
     else:

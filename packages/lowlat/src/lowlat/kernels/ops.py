@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lowlat.moe import MoEShape
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
-GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma", "mrow_f16")
+GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma", "mrow_f16", "mrow_f16s")
 PDL_RELEASES = ("auto", "early", "late")
 
 
@@ -82,12 +82,13 @@ class GemvConfig:
     @property
     def mma(self) -> bool:
         """Whether a ``mrow`` kernel uses the tensor cores."""
-        return self.variant in ("mrow", "mrow_f16")
+        return self.variant in ("mrow", "mrow_f16", "mrow_f16s")
 
     @property
     def mma_kind(self) -> int:
-        """The ``mrow`` kernels' ``MMA``: 0 CUDA cores, 1 tensor cores, 2 tensor cores in fp16 for FP8 weights."""
-        return 2 if self.variant == "mrow_f16" else int(self.mma)
+        """The ``mrow`` kernels' ``MMA``: 0 CUDA cores, 1 tensor cores, 2 tensor cores in fp16 for FP8 weights, 3 the
+        same with the activation rows scaled into fp16's range first (``mrow_f16s``)."""
+        return {"mrow_f16": 2, "mrow_f16s": 3}.get(self.variant, int(self.mma))
 
 
 def _grid(tiles: int, programs: int) -> tuple[tuple[int], bool]:

@@ -74,16 +74,18 @@ FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
     # kernels widen to bf16 through float32 on the slow conversion pipe), as fast at 8 rows as at one: qkv 16.27 (dot
     # 20.14), o_proj 8.68 (dot 10.88; cuBLAS bf16 8.77), gate-up 32.65 (mrow 52.00), down 22.68 (dot 29.75): sum 80.3
     # against 112.8; the 32-layer stack (FP8 KV) at 8 rows 104.8 against 139.6 us per layer. Split-K (split_k 2-7)
-    # lost on o_proj and down (9.69-10.48, 24.54-26.46)
+    # lost on o_proj and down (9.69-10.48, 24.54-26.46). mrow_f16 turns rows beyond fp16's range into NaN (H200,
+    # 2026-12-03), so the lines at 2-8 rows are mrow_f16s (the rows scaled by 2^-4 first: one float32 multiply per
+    # activation; compiled for sm_90 here, not yet timed or run on a GPU; FP8_WINS_UP_TO keeps batches above 1 off them)
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
         ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2, vec=8)),
         ("o_proj", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
         ("gate_up", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
         ("down", 1, GemvConfig("rows", 4, 2048, 4, 2)),
-        ("qkv", 8, GemvConfig("mrow_f16", 32, 256, 4, 3)),
-        ("o_proj", 8, GemvConfig("mrow_f16", 32, 256, 4, 4)),
-        ("gate_up", 8, GemvConfig("mrow_f16", 64, 256, 4, 3)),
-        ("down", 8, GemvConfig("mrow_f16", 32, 512, 4, 3)),
+        ("qkv", 8, GemvConfig("mrow_f16s", 32, 256, 4, 3)),
+        ("o_proj", 8, GemvConfig("mrow_f16s", 32, 256, 4, 4)),
+        ("gate_up", 8, GemvConfig("mrow_f16s", 64, 256, 4, 3)),
+        ("down", 8, GemvConfig("mrow_f16s", 32, 512, 4, 3)),
         ("qkv", 16, GemvConfig("dot", 32, 256, 4, 3)),
         ("o_proj", 16, GemvConfig("dot", 32, 256, 4, 4)),
         ("gate_up", 16, GemvConfig("mrow", 128, 128, 8, 3)),
