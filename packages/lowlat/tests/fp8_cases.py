@@ -344,6 +344,20 @@ def test_fp8_layer_matches_reference(shape: LayerShape, kv_fp8: bool) -> None:
         x = out.clone()
 
 
+def _stack_matches_reference(built, weights: list, shape: LayerShape, x: torch.Tensor, kv: KVCache,  # type: ignore[no-untyped-def]
+                             meta) -> None:
+    """``built``'s layers one after the other against the reference layer on a copy of the FP8 cache, from the rows
+    ``x``: outputs and the cache's values."""
+    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
+    x = x.to(DEVICE, DTYPE)
+    for layer in range(len(weights)):
+        out = built.forward(layer, x, kv, meta)
+        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
+        assert _rel(out, ref) < 3 * TOL, layer
+        assert _rel(kv.k.float(), kv_ref.k.float()) < 4e-2 and _rel(kv.v.float(), kv_ref.v.float()) < 4e-2
+        x = out.clone()
+
+
 def test_fp8_layer_with_split_k_matches_reference() -> None:
     """The built nvidia stack with split-K o_proj and down (``GemvConfig.split_k``: the stack allocates the split
     workspace from its table, both stages share it) over two FP8 layers against the reference layer, 3 rows."""
@@ -365,13 +379,7 @@ def test_fp8_layer_with_split_k_matches_reference() -> None:
     slots = 1100 if GPU else 64
     meta = decode_meta([7, 1000 if GPU else 30, 1], slots, 1024 if GPU else 32, DEVICE, generator=g)
     kv = fp8_kv(shape, slots, g, 0.06, 0.04)
-    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
-    x = torch.randn(3, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
-    for layer in range(2):
-        out = built.forward(layer, x, kv, meta)
-        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
-        assert _rel(out, ref) < 3 * TOL, layer
-        x = out.clone()
+    _stack_matches_reference(built, weights, shape, torch.randn(3, shape.hidden_size, generator=g), kv, meta)
     assert int(built.split_ws[1].abs().sum()) == 0
 
 
@@ -384,14 +392,7 @@ def _layer_eight_rows_matches_reference(shape: LayerShape) -> None:
     lens = [int(v) for v in torch.randint(1, 1000, (8,), generator=g)]
     meta = decode_meta(lens, 8 * 1024, 1024, DEVICE, generator=g)
     kv = fp8_kv(shape, 8 * 1024, g, 0.06, 0.04)
-    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
-    x = torch.randn(8, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
-    for layer in range(2):
-        out = built.forward(layer, x, kv, meta)
-        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
-        assert _rel(out, ref) < 3 * TOL, layer
-        assert _rel(kv.k.float(), kv_ref.k.float()) < 4e-2 and _rel(kv.v.float(), kv_ref.v.float()) < 4e-2
-        x = out.clone()
+    _stack_matches_reference(built, weights, shape, torch.randn(8, shape.hidden_size, generator=g), kv, meta)
 
 
 def _layers_with_l2_prefetch_match_reference(shape: LayerShape) -> None:
@@ -405,14 +406,7 @@ def _layers_with_l2_prefetch_match_reference(shape: LayerShape) -> None:
     built.lc = replace(built.lc, l2_prefetch=32 << 20, tuned=one_row + built.lc.tuned)
     meta = decode_meta([700], 800, 1024, DEVICE, generator=g)
     kv = fp8_kv(shape, 800, g, 0.06, 0.04)
-    kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
-    x = torch.randn(1, shape.hidden_size, generator=g).to(DEVICE, DTYPE)
-    for layer in range(2):
-        out = built.forward(layer, x, kv, meta)
-        ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
-        assert _rel(out, ref) < 3 * TOL, layer
-        assert _rel(kv.k.float(), kv_ref.k.float()) < 4e-2 and _rel(kv.v.float(), kv_ref.v.float()) < 4e-2
-        x = out.clone()
+    _stack_matches_reference(built, weights, shape, torch.randn(1, shape.hidden_size, generator=g), kv, meta)
 
 
 # the L2 prefetch is inline PTX (sm_90): a GPU case only (the interpreter parents allow no skipped case)
