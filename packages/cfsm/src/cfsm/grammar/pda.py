@@ -276,25 +276,25 @@ def _ascii_dfa(node: Node) -> _Chain | None:
         final = len(links)
         ends = [final]
     elif isinstance(node, Repeat):
-        item = _ascii_class(node.item)
-        if item is None or (node.hi is not None and not 0 < node.hi <= 64):
+        unit = _ascii_class(node.item)
+        if unit is None or (node.hi is not None and not 0 < node.hi <= 64):
             return None
         if node.hi is None:
-            links = [item] * node.lo
+            links = [unit] * node.lo
             final = node.lo
-            loops[final] = item
+            loops[final] = unit
             ends = [final]
         else:
             if node.lo > node.hi:
                 return None
-            links = [item] * node.hi
+            links = [unit] * node.hi
             final = node.hi
             ends = list(range(node.lo, node.hi + 1))
     else:
-        item = _ascii_class(node)
-        if item is None:
+        unit = _ascii_class(node)
+        if unit is None:
             return None
-        links, final, ends = [item], 1, [1]
+        links, final, ends = [unit], 1, [1]
     n = final + 1
     runs = tuple(_byte_runs(([(b, k + 1) for b in links[k]] if k < final else []) + [(b, k) for b in loops.get(k, [])])
                  for k in range(n))
