@@ -197,7 +197,8 @@ def _plain_index(pda: Pda, vocab: cfsm.Vocabulary) -> GrammarIndex:
     """The index of `pda` with every state walking on its own (no shared walks)."""
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(grammar_index, "walk_representatives", lambda pda, follow: np.arange(pda.num_states, dtype=np.int32))
+        mp.setattr(grammar_index, "walk_representatives",
+                   lambda pda, follow, leads=None: np.arange(pda.num_states, dtype=np.int32))
         return GrammarIndex(pda, vocab)
     finally:
         mp.undo()

@@ -192,7 +192,11 @@ class GrammarIndex:
             raise GrammarError(f"the grammar is too ambiguous: a rule's start expands to more than {MAX_STACKS} "
                                "parses") from None
         # state -> the state whose walks it shares (`walk_representatives`)
-        self._rep: list[int] = (walk_representatives(pda, self._follow) if reps is None else reps).tolist()
+        if reps is None:
+            # NOTE: where `_byte_lead` (a cached property) keeps its table, computed once for both
+            leads = self.__dict__["_byte_lead"] = _byte_leads(pda.trans)
+            reps = walk_representatives(pda, self._follow, leads)
+        self._rep: list[int] = reps.tolist()
         self._keys: dict[Stack, _KeyInfo] = {}
         # (return state, digest of escape pairs) -> the settlement of those escapes by that frame
         self._settled: dict[tuple[int, bytes], _KeyInfo] = {}
@@ -203,6 +207,7 @@ class GrammarIndex:
         self._runs: dict[bytes, np.ndarray] = {}
         self._runs_sorted: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._trans_rows: dict[int, list[int]] = {}  # state -> its row of `pda.trans` (`_trans_row`)
+        self._closed: dict[tuple[Stack, ...], int] = {}  # stacks -> the id of their closure (`_config_of`)
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
         self._compiling = False
@@ -259,6 +264,14 @@ class GrammarIndex:
             self._after_end[sid] |= self._follow[rule]
         return sid
 
+    def _config_of(self, stacks: tuple[Stack, ...]) -> int:
+        """The id of the closure of `stacks` (`_close`, interned; cached by `stacks`: the steps of
+        different configurations and bytes often move to the same stacks). Fills caches only."""
+        sid = self._closed.get(stacks)
+        if sid is None:
+            sid = self._closed[stacks] = self._intern(self._close(stacks))
+        return sid
+
     def _step(self, sid: int, byte: int) -> int:
         nxt = int(self._table[sid, byte])
         if nxt != _UNKNOWN:
@@ -270,7 +283,7 @@ class GrammarIndex:
             if t >= 0:
                 moved.append((*st[:-1], t))
         try:
-            nxt = self._intern(self._close(moved)) if moved else 0
+            nxt = self._config_of(tuple(moved)) if moved else 0
         except _TooAmbiguous:
             if self._compiling:
                 raise GrammarError(f"the grammar is too ambiguous: more than {MAX_STACKS} parses are alive at once "
@@ -294,11 +307,31 @@ class GrammarIndex:
 
     def _resolve(self, flat: np.ndarray) -> None:
         """Fill the table entries `flat` (sid * 256 + byte, unknown ones), every configuration's
-        bytes at once (`_fill_pairs`), then any entry left to `_step`. Fills caches only."""
+        bytes at once (`_fill_pairs`), then any entry left to `_step`. Fills caches only.
+
+        NOTE: a step reads only the network's column of its byte: each configuration is stepped
+        once per class of bytes with equal columns (`_byte_lead`: a level-0 walk of free JSON,
+        235 first bytes, reads ~40 classes), the other bytes of the class copy its entry."""
         wanted = _distinct(flat)
-        self._fill_pairs(wanted)
-        for p in wanted[self._table.ravel().take(wanted) == _UNKNOWN].tolist():
+        lead = (wanted & ~255) | self._byte_lead.take(wanted & 255)
+        table = self._table.ravel()
+        if not np.array_equal(lead, wanted):
+            todo = _distinct(lead)
+            todo = todo[table.take(todo) == _UNKNOWN]
+            if len(todo):
+                self._fill_pairs(todo)
+                table = self._table.ravel()  # NOTE: `_fill_pairs` may have grown the tables
+            table[wanted] = table.take(lead)
+        else:
+            self._fill_pairs(wanted)
+            table = self._table.ravel()
+        for p in wanted[table.take(wanted) == _UNKNOWN].tolist():
             self._step(p >> 8, p & 255)
+
+    @functools.cached_property
+    def _byte_lead(self) -> np.ndarray:
+        """(256,) int64: per byte, the first byte of its class in the network (`_byte_leads`)."""
+        return _byte_leads(self.pda.trans)
 
     def _fill_pairs(self, wanted: np.ndarray) -> None:
         """Step each configuration of `wanted` (sid * 256 + byte, distinct, ascending) by its bytes,
@@ -356,18 +389,13 @@ class GrammarIndex:
         used = np.zeros(len(lead), dtype=bool)
         used[group] = True
         trans_targets = targets.tolist()
-        close, intern = self._close, self._intern
-        seen: dict[tuple[Stack, ...], int] = {}  # NOTE: groups of different configurations often move to one stack
+        config_of = self._config_of  # NOTE: groups of different configurations often move to one stack
         for g, p in zip(np.flatnonzero(used).tolist(), lead[used].tolist(), strict=True):
             f = int(first[p])
             moved = tuple((*st[:-1], t) for st, t in zip(stacks_of[int(owner[p])], trans_targets[f:f + int(per[p])],
                                                          strict=True) if t >= 0)
-            hit = seen.get(moved)
-            if hit is None:
-                with contextlib.suppress(_TooAmbiguous):
-                    hit = seen[moved] = intern(close(moved))
-            if hit is not None:
-                group_sid[g] = hit
+            with contextlib.suppress(_TooAmbiguous):
+                group_sid[g] = config_of(moved)
         # NOTE: `self._table` read after `_intern`, which may grow it
         self._table.ravel()[wanted.take(pairs)] = group_sid.take(group)
 
@@ -384,7 +412,7 @@ class GrammarIndex:
                 by_col.setdefault(col, []).append(b)
         for col, bs in by_col.items():
             try:
-                nxt = self._intern(self._close([(*st[:-1], t) for st, t in zip(stacks, col, strict=True) if t >= 0]))
+                nxt = self._config_of(tuple((*st[:-1], t) for st, t in zip(stacks, col, strict=True) if t >= 0))
             except _TooAmbiguous:
                 continue
             # NOTE: `self._table` read after `_intern`, which may grow it
@@ -745,7 +773,7 @@ class GrammarIndex:
         states = [s for s in states if (s,) not in self._keys]
         if not states:
             return
-        sids = [self._intern(self._close([(s,)])) for s in states]
+        sids = [self._config_of(((s,),)) for s in states]
         a_key, a_pos, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
         levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
         words = self.vocab.mask_words
@@ -974,7 +1002,7 @@ class GrammarIndex:
                 info = self._keys[key] = self._key((rep,))
                 return info
             link = self._chains.get(key[0])
-            sid = self._intern(self._close([key]))
+            sid = self._config_of((key,))
             if link is not None:
                 info = self._chain_key(sid, *link)
             else:
@@ -1012,9 +1040,9 @@ class GrammarIndex:
                 ranks, offsets = _NO_RANKS, _NO_OFFSETS
             m = len(ranks)
             if len(todo) == 1 or m * len(todo) <= _SCALAR_WALK:
-                walks = [self._walk_pairs(self._intern(self._close([(r,)])), ranks, offsets) for r in todo]
+                walks = [self._walk_pairs(self._config_of(((r,),)), ranks, offsets) for r in todo]
             else:
-                sids = [self._intern(self._close([(r,)])) for r in todo]
+                sids = [self._config_of(((r,),)) for r in todo]
                 ok, esc_i, esc_o = self._walk_pairs_many(np.repeat(np.asarray(sids, dtype=np.int32), m),
                                                          np.tile(ranks, len(todo)), np.tile(offsets, len(todo)))
                 owner = esc_i // max(m, 1)
@@ -1078,7 +1106,7 @@ class GrammarIndex:
                     sids.append(0)  # NOTE: no walk, no configuration (see `_chain_escapes`)
                     walked.append(long[:0])
                     continue
-            sid = self._intern(self._close([(s,)])) if len(long) else 0
+            sid = self._config_of(((s,),)) if len(long) else 0
             sids.append(sid)
             if remaining or not len(long):
                 # NOTE: a long token starts with a byte of the class, which steps every link but the last
@@ -1158,7 +1186,7 @@ class GrammarIndex:
         tops = sorted({st[-1] for st in rest})
         if tops and (pda.trans[np.asarray(tops)][:, cls] >= 0).any():
             return None
-        sid = self._intern(self._close([(head,)]))
+        sid = self._config_of(((head,),))
         out = np.zeros(257, dtype=bool)
         if self._end[sid]:
             out[cls] = self._after_end[sid, cls]
@@ -1352,7 +1380,8 @@ class GrammarIndex:
         new._loop_known = self._loop_known.copy()
         new._has_loop = self._has_loop.copy()
         new._loop = self._loop.copy()
-        for name in ("_keys", "_settled", "_row_ids", "_state_row", "_forced", "_runs", "_runs_sorted", "_trans_rows"):
+        for name in ("_keys", "_settled", "_row_ids", "_state_row", "_forced", "_runs", "_runs_sorted", "_trans_rows",
+                     "_closed"):
             setattr(new, name, dict(getattr(self, name)))
         new._rows = list(self._rows)
         return new
@@ -1391,14 +1420,15 @@ class GrammarIndex:
     def warm(self, configurations: Iterable[int] = ()) -> GrammarIndex:
         """Computes now what the first masks derive on first use, so that they are lookups later
         (say, in a process that rebuilt this index with `from_payload`, before its first request):
-        the vocabulary's rank and length tables, the network's loop and dead bytes and counted chains
-        (unless the payload carried them), and the masks of `configurations` (configuration ids;
-        the walks their keys need where the payload did not carry them). Fills caches only;
-        returns self."""
+        the vocabulary's rank and length tables, the network's loop and dead bytes, byte classes
+        and counted chains (unless the payload carried them), and the masks of `configurations`
+        (configuration ids; the walks their keys need where the payload did not carry them). Fills
+        caches only; returns self."""
         self._rank  # noqa: B018
         self._lengths  # noqa: B018
         self._state_loops  # noqa: B018
         self._state_dead  # noqa: B018
+        self._byte_lead  # noqa: B018
         self._chains  # noqa: B018
         for sid in configurations:
             self.mask(sid)
@@ -1469,37 +1499,38 @@ def _chain_links(pda: Pda) -> dict[int, tuple[int, bytes]]:
     return succ
 
 
-def _byte_class_reps(trans: np.ndarray) -> np.ndarray:
-    """The first byte of each class of bytes whose columns of `trans` (n, 256) are equal: bytes
-    grouped by a random projection of their columns (float BLAS over row chunks), then each
-    checked against its group's first byte (a byte that differs becomes a class of its own:
-    finer classes are still exact)."""
+def _byte_leads(trans: np.ndarray) -> np.ndarray:
+    """(256,) int64: per byte, the first byte of its class of bytes whose columns of `trans`
+    (n, 256) are equal: bytes grouped by a random projection of their columns (float BLAS over
+    row chunks), then each checked against its group's first byte (a byte that differs leads a
+    class of its own: finer classes are still exact). Pure."""
     n = trans.shape[0]
     w = np.asarray(np.random.default_rng(0xB17E5).random(size=n), dtype=np.float64) + 1.0
     h = np.zeros(256)
     for lo in range(0, n, 16384):
         h += w[lo:lo + 16384] @ trans[lo:lo + 16384].astype(np.float64)
     _, first, group = np.unique(h, return_index=True, return_inverse=True)
-    lead = first[np.asarray(group).reshape(-1)]
+    lead = first[np.asarray(group).reshape(-1)].astype(np.int64)
     same = np.ones(256, dtype=bool)
     for lo in range(0, n, 16384):
         block = trans[lo:lo + 16384]
         same &= (block == block[:, lead]).all(axis=0)
-    return np.flatnonzero((lead == np.arange(256)) | ~same)
+    return np.where(same, lead, np.arange(256))  # type: ignore[no-any-return]
 
 
-def walk_representatives(pda: Pda, follow: np.ndarray) -> np.ndarray:
+def walk_representatives(pda: Pda, follow: np.ndarray, leads: np.ndarray | None = None) -> np.ndarray:
     """(num_states,) int32: per state of `pda`, the least state that no byte string tells apart
     from it (the coarsest partition where states alike end their rules alike, with the same
     FOLLOW set, step on every byte to states alike and call the same rules with returns alike;
     Moore rounds, `state_classes.refine_classes`). Such states walk every token alike from any
     stack: same configurations up to the states' names, same escapes. Pure.
 
-    NOTE: `follow` is `_follow_sets(pda, ...)` (num_rules, 256)."""
+    NOTE: `follow` is `_follow_sets(pda, ...)` (num_rules, 256); `leads`, where given, is
+    `_byte_leads(pda.trans)`."""
     n = pda.num_states
     if n == 0:
         return np.zeros(0, dtype=np.int32)
-    first = _byte_class_reps(pda.trans)
+    first = np.flatnonzero((_byte_leads(pda.trans) if leads is None else leads) == np.arange(256))
     num_rules = len(pda.rule_start)
     cols = np.full((n + 1, len(first) + num_rules), n, dtype=np.int64)  # row n: the dead state
     trans = pda.trans[:, first]
