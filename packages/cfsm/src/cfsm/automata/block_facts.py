@@ -197,8 +197,11 @@ def look_ahead(table: np.ndarray, h0: np.ndarray, states: np.ndarray, rounds: in
     path of at most `rounds` bytes from it (the rounds of Moore's refinement started from `h0`),
     computed on those states' neighbourhood only. Pure."""
     near = [states]
+    seen = np.zeros(table.shape[0], dtype=bool)  # NOTE: marked, not sorted: the same sorted ids as np.unique
     for _ in range(rounds):
-        near.append(np.unique(np.concatenate([near[-1], table[near[-1]].reshape(-1)])))
+        seen[near[-1]] = True
+        seen[table[near[-1]].reshape(-1)] = True
+        near.append(np.flatnonzero(seen))
     weights = seeded_weights(0x100C, table.shape[1])
     cur = h0.copy()
     for r in range(rounds - 1, -1, -1):

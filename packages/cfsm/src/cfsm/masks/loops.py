@@ -125,9 +125,15 @@ class Loops:
         self.into = into  # (m,) W
         self.row = np.full(dfa.transitions.shape[0], -1, dtype=np.int64)  # state -> index, -1: not a loop state
         self.row[states] = np.arange(len(states))
-        _, first, group = np.unique(np.packbits(member, axis=1), axis=0, return_index=True, return_inverse=True)
-        self.group = group.reshape(-1)  # loop states with one loop byte set share a table
-        self.table = [loop_table(tables, member[k]) for k in first.tolist()]
+        # loop states with one loop byte set share a table: the sets numbered in the order of
+        # their packed bytes (as `np.unique(..., axis=0)` would, whose per-call cost dominated here)
+        keys = [r.tobytes() for r in np.packbits(member, axis=1)]
+        first_of: dict[bytes, int] = {}
+        for i, k in enumerate(keys):
+            first_of.setdefault(k, i)
+        rank = {k: g for g, k in enumerate(sorted(first_of))}
+        self.group = np.fromiter((rank[k] for k in keys), dtype=np.int64, count=len(keys))
+        self.table = [loop_table(tables, member[first_of[k]]) for k in sorted(first_of)]
 
     def candidates(self, rows: np.ndarray) -> np.ndarray:
         """Per loop state (index `rows`): how many (state, token) pairs `pairs` and the walk of
@@ -177,12 +183,15 @@ class Loops:
             else:  # NOTE: only the tokens whose byte after c that state allows (or ending at c)
                 nxt = np.ones((len(i), 257), dtype=bool)
                 nxt[:, 1:] = self.trans[after, :256] != self.dead
-                k = c[:, None] * 257 + np.arange(257)[None, :]  # (pairs, 257)
+                # NOTE: the allowed (pair, next byte) entries first (a few per row), in row-major
+                # order, then those that start tokens
+                j, d = np.nonzero(nxt)
+                k = c[j] * 257 + d
                 lo2 = table.bounds2[k]
-                n2 = np.where(nxt, table.bounds2[k + 1] - lo2, 0)
-                j, d = np.nonzero(n2)
-                n = n2[j, d]
-                idx = concat_ranges(lo2[j, d], n)
+                n = table.bounds2[k + 1] - lo2
+                some = n > 0
+                j, n = j[some], n[some]
+                idx = concat_ranges(lo2[some], n)
                 owner, cur = np.repeat(mine[i[j]], n), np.repeat(after[j], n)
             parts[0].append(owner)
             parts[1].append(table.lead_pos[idx])
