@@ -24,7 +24,6 @@ Not thread-safe: guides fill the caches as they go (one engine thread).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 from collections.abc import Iterable
@@ -390,12 +389,15 @@ class GrammarIndex:
         used[group] = True
         trans_targets = targets.tolist()
         config_of = self._config_of  # NOTE: groups of different configurations often move to one stack
-        for g, p in zip(np.flatnonzero(used).tolist(), lead[used].tolist(), strict=True):
-            f = int(first[p])
-            moved = tuple((*st[:-1], t) for st, t in zip(stacks_of[int(owner[p])], trans_targets[f:f + int(per[p])],
-                                                         strict=True) if t >= 0)
-            with contextlib.suppress(_TooAmbiguous):
+        used_groups = np.flatnonzero(used)
+        leads = lead.take(used_groups)
+        for g, f, o, n in zip(used_groups.tolist(), first.take(leads).tolist(), owner.take(leads).tolist(),
+                              per.take(leads).tolist(), strict=True):
+            moved = tuple((*st[:-1], t) for st, t in zip(stacks_of[o], trans_targets[f:f + n], strict=True) if t >= 0)
+            try:
                 group_sid[g] = config_of(moved)
+            except _TooAmbiguous:
+                continue
         # NOTE: `self._table` read after `_intern`, which may grow it
         self._table.ravel()[wanted.take(pairs)] = group_sid.take(group)
 
@@ -1059,9 +1061,17 @@ class GrammarIndex:
             for r, (acc, esc_rank, esc_at) in zip(todo, walks, strict=True):
                 base = self._key((r,))
                 in_base = _member(base.esc_rank, early)
-                self._settled[(r, prev.digest)] = _info(
-                    self._bits(acc) | (base.row & early_row), np.concatenate([esc_rank, base.esc_rank[in_base]]),
-                    np.concatenate([esc_at, base.esc_at[in_base]]))
+                row = self._bits(acc) | (base.row & early_row)
+                if len(esc_rank):
+                    info = _info(row, np.concatenate([esc_rank, base.esc_rank[in_base]]),
+                                 np.concatenate([esc_at, base.esc_at[in_base]]))
+                elif in_base.all():
+                    # NOTE: base's escapes whole (a number's end below a value: ~32k tokens that
+                    # start with a space on SmolLM2): its arrays and what `_info` derives from them
+                    info = _KeyInfo(row, base.uncertain, base.late, base.esc_rank, base.esc_at, base.digest)
+                else:
+                    info = _info(row, base.esc_rank[in_base], base.esc_at[in_base], presorted=True)  # NOTE: a subsequence
+                self._settled[(r, prev.digest)] = info
         return [self._settled[(r, prev.digest)] for r in reps]
 
     def _chain_key(self, sid: int, head: int, remaining: int, run_class: bytes) -> _KeyInfo:
