@@ -824,7 +824,10 @@ class GrammarIndex:
                 if not len(esc_rank):
                     done = only_early.get(id(early))
                     if done is None:
-                        done = only_early[id(early)] = _info(rows[k], early, np.zeros(len(early), dtype=np.int32), True)
+                        # NOTE: `_info` of distinct ascending ranks at offset 0 (one pair per token, none late)
+                        ranks, zero = np.ascontiguousarray(early, dtype=np.int64), np.zeros(len(early), dtype=np.int32)
+                        done = only_early[id(early)] = _KeyInfo(rows[k], ranks, np.zeros(len(early), dtype=bool), ranks,
+                                                                zero, _digest(ranks, zero))
                     self._keys[(s,)] = _KeyInfo(rows[k], done.uncertain, done.late, done.esc_rank, done.esc_at,
                                                 done.digest)
                     continue
