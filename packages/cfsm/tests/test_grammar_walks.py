@@ -713,3 +713,17 @@ def test_derived_chain_keys_equal_walked_ones(text: str, tokens: list[bytes], se
             a.advance(tid)
             b.advance(tid)
         assert a.can_stop() == b.can_stop()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_byte_leads_are_the_least_byte_with_an_equal_column(states: int, values: int, seed: int) -> None:
+    """`_byte_leads`: each byte's lead is the least byte whose column of the table equals its own
+    (checked against a dictionary of the columns), the table the batched steps copy entries by."""
+    rng = np.random.default_rng(seed)
+    trans = rng.integers(-1, values, size=(states, 256)).astype(np.int32)
+    if seed % 2:
+        trans[:, rng.integers(0, 256, size=64)] = trans[:, rng.integers(0, 256, size=64)]  # NOTE: more equal columns
+    least: dict[bytes, int] = {}
+    want = [least.setdefault(trans[:, b].tobytes(), b) for b in range(256)]
+    assert grammar_index._byte_leads(trans).tolist() == want
