@@ -536,14 +536,6 @@ class GrammarIndex:
         on the first key walk."""
         return _counted_chains(self.pda)
 
-    @functools.cached_property
-    def _rank(self) -> np.ndarray:
-        """Sorted vocabulary position -> its index in `TrieTables.by_length` order."""
-        by_length = self.vocab.trie_tables.by_length
-        rank = np.empty(len(by_length), dtype=np.int64)
-        rank[by_length] = np.arange(len(by_length))
-        return rank
-
     def _walk_tokens(self, sid: int, ranks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Walk the tokens at `ranks` (sorted indices into `by_length` order; None: all, over the
         vocabulary's trie: `_walk_trie`) from `sid` as a key's configuration, where a stack of one frame at its rule's end returns below the
@@ -1433,11 +1425,10 @@ class GrammarIndex:
     def warm(self, configurations: Iterable[int] = ()) -> GrammarIndex:
         """Computes now what the first masks derive on first use, so that they are lookups later
         (say, in a process that rebuilt this index with `from_payload`, before its first request):
-        the vocabulary's rank and length tables, the network's loop and dead bytes, byte classes
+        the vocabulary's length table, the network's loop and dead bytes, byte classes
         and counted chains (unless the payload carried them), and the masks of `configurations`
         (configuration ids; the walks their keys need where the payload did not carry them). Fills
         caches only; returns self."""
-        self._rank  # noqa: B018
         self._lengths  # noqa: B018
         self._state_loops  # noqa: B018
         self._state_dead  # noqa: B018

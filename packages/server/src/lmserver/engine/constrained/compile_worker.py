@@ -134,8 +134,7 @@ def warm_index(index: CompiledIndex) -> CompiledIndex:
     its admission reads, `admission_configurations`), so the engine thread does not at a request's
     admission (tens of ms for a DFA of 30k states; numpy, mostly without the GIL). Returns `index`."""
     if isinstance(index, cfsm.GrammarIndex):
-        # NOTE: the walks came with the payload: builds the rows from them
-        return index.warm(admission_configurations(index))
+        return warm_admission(index)  # NOTE: the walks came with the payload: builds the rows from them
     return index.warm()
 
 
