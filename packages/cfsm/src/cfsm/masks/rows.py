@@ -18,6 +18,11 @@ _PACK_MIN = 256
 PACK_CHUNK_WORDS = 1 << 20
 
 
+def or_row_bits(block: np.ndarray, rows: np.ndarray, tids: np.ndarray) -> None:
+    """Set bit `tids[i]` in row `rows[i]` of the uint32 mask rows `block` (in place)."""
+    np.bitwise_or.at(block, (rows, tids >> 5), np.left_shift(np.uint32(1), (tids & 31).astype(np.uint32)))
+
+
 def or_bits(row: np.ndarray, tids: np.ndarray) -> None:
     """Set the bits of token ids `tids` in the uint32 mask row `row` (in place)."""
     if len(tids) > _PACK_MIN:
@@ -126,7 +131,7 @@ def pack_rows(num: int, pair_g: np.ndarray, pair_t: np.ndarray, words: int,
             block[bi >= 0] = base[bi[bi >= 0]]
         g, t = pair_g[cuts[c] : cuts[c + 1]] - g0, pair_t[cuts[c] : cuts[c + 1]]
         if len(t):
-            np.bitwise_or.at(block, (g, t >> 5), np.left_shift(np.uint32(1), (t & 31).astype(np.uint32)))
+            or_row_bits(block, g, t)
         for j in range(g1 - g0):
             out[g0 + j] = intern(block[j])
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from cfsm.automata.automaton import Dfa, concat_ranges
+from cfsm.masks.rows import or_row_bits
 from cfsm.masks.trie import TrieTables
 from cfsm.masks.vocab import Vocabulary
 
@@ -119,7 +120,7 @@ def tiny_rows(dfa: Dfa, vocab: Vocabulary, max_pairs: int) -> tuple[np.ndarray, 
     g = np.repeat(np.arange(len(firsts), dtype=np.int64), sizes)
     t = tids[concat_ranges(lo, sizes)]
     block = np.zeros((len(firsts), vocab.mask_words), dtype=np.uint32)
-    np.bitwise_or.at(block, (g, t >> 5), np.left_shift(np.uint32(1), (t & 31).astype(np.uint32)))
+    or_row_bits(block, g, t)
     acc_rows = np.flatnonzero([accepting[s] for s in firsts])
     for e in vocab.eos_token_ids:
         block[acc_rows, e >> 5] |= np.uint32(1 << (e & 31))
