@@ -190,8 +190,8 @@ def test_mrow_split_k_matches_float64(fp8: bool, split: int) -> None:
     assert ops.split_ws_errors(lc, 8, n, part, counts)  # partials for 5 rows only
 
 
-# the fp16 MMA (mrow_f16) does not hold rows beyond fp16's range: NaN on the H200 (2026-12-03); why
-# tuning.FP8_WINS_UP_TO stays 1 (benchmarks/fp8/GPU_NOTES.md). mrow_f16s scales the rows into the range first.
+# the fp16 MMA (mrow_f16) does not hold rows beyond fp16's range: NaN on the H200 (2026-12-03). mrow_f16s (what
+# FP8_TABLES' 2-8-row lines serve) scales the rows into the range first: passes on the H200 (2026-12-03).
 F16_RANGE = pytest.mark.xfail(strict=True, reason="fp16 MMA: rows beyond 65,504 come out NaN")
 
 

@@ -76,7 +76,8 @@ FP8_TABLES: dict[tuple[str, ShapeKey], tuple[Entry, ...]] = {
     # against 112.8; the 32-layer stack (FP8 KV) at 8 rows 104.8 against 139.6 us per layer. Split-K (split_k 2-7)
     # lost on o_proj and down (9.69-10.48, 24.54-26.46). mrow_f16 turns rows beyond fp16's range into NaN (H200,
     # 2026-12-03), so the lines at 2-8 rows are mrow_f16s (the rows scaled by 2^-4 first: one float32 multiply per
-    # activation; compiled for sm_90 here, not yet timed or run on a GPU; FP8_WINS_UP_TO keeps batches above 1 off them)
+    # activation; H200 at 8 rows: 16.94 / 9.35 / 32.88 / 24.91 us against mrow_f16's 16.35 / 8.46 / 32.76 / 22.72,
+    # 84.1 against 80.3 per layer; rows of ~8e5 stay finite and accurate there)
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): (
         ("qkv", 1, GemvConfig("rows", 2, 1024, 1, 2, vec=8)),
         ("o_proj", 1, GemvConfig("rows", 4, 2048, 4, 2, vec=16)),
@@ -143,10 +144,11 @@ VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 # stack at 8 rows, 138.6 us per layer, predicts a step slower than the generic path's): batch 1 only. FP8 verify
 # steps: not measured end to end, declined (0) on the same prediction. With the mrow_f16 entries at 2-8 rows
 # (2026-12-03) the stack at 8 rows is 104.8 us per layer (~3.35 ms of layers per step against the generic step's
-# 4.46 ms at c=8): a win predicted, not yet measured end to end, so still 1 (benchmarks/fp8/device_fp8_c8.sh measures
-# it: `fp8+plugin-all` against `fp8` at concurrency 1 / 8 / 32)
+# 4.46 ms at c=8). Measured end to end with mrow_f16s at 2-8 rows (device_fp8_c8.sh, `fp8+plugin-all` vs `fp8`, one
+# call): c=1 385.5 vs 319.5 (1.21x), c=8 244.6 vs 214.2 (1.14x); the large-activation check passes on the H200: 8.
+# Batches 9-16 stay generic (their dot / mrow lines widen FP8 through float32: not measured as a win).
 FP8_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
-    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 1,
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
 }
 FP8_VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 0,
