@@ -1,0 +1,81 @@
+"""Where a long prompt's prefill time goes, kernel by kernel, bf16 against FP8 (issue 33; CUDA GPU only).
+
+For each setting one `EngineCore` is built in this process (dummy weights), then fresh prompts of `--length` random
+tokens (no radix hits: a new seed per call) are prefilled with one new token each, under the torch profiler
+(`benchmarks/lowlat/kprof.py`: each kernel's marginal time, overlaps counted once, and the idle time, i.e. host
+work between kernels). Times are per layer (divided by the model's layer count) and the whole prefill.
+
+    PYTHONPATH=... python benchmarks/fp8/bench_prefill_kernels.py --model-path MODEL_DIR --settings bf16 fp8 fp8w
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "lowlat"))
+import kprof  # noqa: E402
+from bench_e2e import prompts_for, run  # noqa: E402
+from bench_step_kernels import make_core  # noqa: E402
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "bf16": dict(lowlat_plugins="off"),
+    "fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", lowlat_plugins="off"),
+    "fp8w": dict(quantization="fp8", lowlat_plugins="off"),
+}
+
+
+def profile_prefill(core: Any, vocab: int, length: int, reps: int) -> tuple[float, list[dict[str, Any]]]:
+    """The median wall ms of a fresh prompt's prefill (one new token) and its kernel breakdown over ``reps`` more."""
+    seeds = iter(range(1000, 2000))
+
+    def prefill() -> None:
+        run(core, prompts_for(1, vocab, next(seeds), length), 1)
+        torch.cuda.synchronize()
+
+    prefill()
+    walls = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        prefill()
+        walls.append(time.perf_counter() - t)
+    return 1e3 * sorted(walls)[len(walls) // 2], kprof.breakdown(prefill, reps=reps, warmup=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True, help="a folder with the model's config.json and tokenizer")
+    ap.add_argument("--settings", nargs="+", default=["bf16", "fp8"], choices=list(SETTINGS))
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    config = json.loads((Path(args.model_path) / "config.json").read_text())
+    vocab, layers = config["vocab_size"], config["num_hidden_layers"]
+    results: list[dict[str, Any]] = []
+    for setting in args.settings:
+        t0 = time.monotonic()
+        core = make_core(args.model_path, SETTINGS[setting], args.length + 64)
+        build_s = time.monotonic() - t0
+        wall_ms, rows = profile_prefill(core, vocab, args.length, args.reps)
+        print(f"\n=== {setting}: built in {build_s:.0f}s; prefill of {args.length} tokens {wall_ms:.2f} ms wall "
+              f"({args.length / wall_ms * 1e3:,.0f} tok/s)\n"
+              + kprof.table(rows, per=layers, top=args.top, unit="us per layer"), flush=True)
+        results.append(dict(setting=setting, length=args.length, wall_ms=wall_ms, layers=layers, kernels=rows))
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
