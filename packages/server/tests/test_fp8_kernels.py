@@ -111,6 +111,27 @@ def test_store_kv_quantizes_into_fp8_cache(device: str) -> None:
     assert not k_cache[untouched.to(device)].float().any()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_kv_gives_back_what_the_fp8_cache_holds(device: str) -> None:
+    """k_out / v_out (an extend step's K / V): the stored bytes scaled back, as KVPool.dequantize_k / _v give them,
+    from strided k / v rows (views of a wider qkv buffer, as the attention layer passes them)."""
+    from lmserver.forward.kv_pool import KVPool
+    from lmserver.kernels._util import KernelInputError
+    from lmserver.kernels.kv_store import store_kv
+
+    dtype = _act_dtype(device)
+    qkv = (torch.randn(7, 4, 2, 64, generator=_gen(17)) * 30).to(dtype).to(device)  # some beyond 448 * scale
+    k, v = qkv[:, 1], qkv[:, 3]
+    pool = KVPool(16, 1, 2, 64, dtype, device, FP8_DTYPE, k_scales=[0.25], v_scales=[1.0])
+    loc = torch.tensor([3, 9, 1, 15, 4, 7, 0], device=device)
+    k_out, v_out = torch.full_like(k.contiguous(), float("nan")), torch.full_like(v.contiguous(), float("nan"))
+    store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_scale=0.25, v_scale=1.0, k_out=k_out, v_out=v_out)
+    assert torch.equal(k_out, pool.dequantize_k(0, pool.k_cache[0][loc], dtype))
+    assert torch.equal(v_out, pool.dequantize_v(0, pool.v_cache[0][loc], dtype))
+    with pytest.raises(KernelInputError, match="k_out and v_out"):
+        store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_out=k_out)
+
+
 def _fp8_cache(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the FP8 cache of `cache` at `scale`, its dequantized float64 values)."""
     q = quantize_kv_fp8(cache, scale)

@@ -88,6 +88,28 @@ def test_extend_attention_matches_reference(device: str, shape: tuple[int, int, 
         assert err < _tol(dtype), f"{dtype}: rel error {err}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_attention_without_prefix_loop_matches_reference(device: str) -> None:
+    """has_prefix=False (fresh prompts only): the kernel without its prefix loop, same outputs as with it."""
+    from lmserver.kernels.extend_attention import extend_attention
+
+    dtype = _dtypes(device)[-1]
+    new = _scale(device, [21, 1, 9], [700, 1, 2000])
+    batch = random_paged_batch([0] * len(new), new, 4, 2, 64, dtype, device, _gen(31))
+    args = (
+        batch.q, batch.k_extend, batch.v_extend, batch.k_cache, batch.v_cache, batch.req_to_token,
+        batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, 64**-0.5,
+    )
+    expected = ref.extend_attention_ref(*args)
+    outs = []
+    for has_prefix in (True, False):
+        out = torch.full_like(batch.q, float("nan"))
+        extend_attention(*args, max(new), out=out, has_prefix=has_prefix)
+        assert rel_error(out, expected) < _tol(dtype), has_prefix
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Equal up to rounding: the kernels compute in float32 and round where the reference does,
     but exp, rsqrt and sums may differ in their last float32 bit, which can flip one rounding."""

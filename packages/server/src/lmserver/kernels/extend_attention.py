@@ -39,7 +39,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, HAS_PREFIX: tl.constexpr = True,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -67,9 +67,10 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Cached prefix: every new token sees all of it.
+    # Cached prefix: every new token sees all of it. NOTE: HAS_PREFIX False (no request of the batch has one)
+    # compiles the loop away: the kernel of a fresh prompt is then the same for every cache dtype.
     token_row = req_to_token_ptr + req * stride_rt
-    for n in range(0, prefix_len, BLOCK_N):
+    for n in range(0, prefix_len if HAS_PREFIX else 0, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix_len
         slots = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -162,11 +163,14 @@ def extend_attention(
     num_stages: int = 3,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    has_prefix: bool = True,
 ) -> torch.Tensor:
     """Prefix + causal attention of the new tokens; returns `out`.
 
     `max_extend_len` (a host int, >= every `extend_seq_lens[b]`) sizes the grid, so no device
-    value is read on the host. Mutates `out` (allocated when None); the caches are only read.
+    value is read on the host; `has_prefix` False (a host fact: every `extend_prefix_lens[b]` is
+    0) launches the kernel without its prefix loop. Mutates `out` (allocated when None); the
+    caches are only read.
     """
     check_attention_inputs(q, k_cache, v_cache)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -213,6 +217,6 @@ def extend_attention(
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_PREFIX=has_prefix, num_warps=num_warps, num_stages=num_stages,
     )
     return out

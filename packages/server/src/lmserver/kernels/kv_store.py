@@ -1,7 +1,10 @@
 """Triton KV-cache store: scatter the new tokens' keys and values into their cache slots.
 
 One program per (token, column block) copies that token's `num_kv_heads * head_dim` values of
-both k and v. Reference: `reference.store_kv_ref`.
+both k and v. An FP8 cache stores them quantized (`fp8_ref.quantize_kv_fp8`) and, when asked, the
+same launch writes the values as the cache now holds them back in k's dtype (`k_out`, `v_out`: what
+an extend step attends to, so prefill and later decode steps see one K / V). Reference:
+`reference.store_kv_ref`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ __all__ = ["store_kv"]
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
-    stride_kt, stride_vt, stride_kcs, stride_vcs,
-    width, k_scale, v_scale, BLOCK: tl.constexpr, FP8: tl.constexpr = False,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, k_out_ptr, v_out_ptr,
+    stride_kt, stride_vt, stride_kcs, stride_vcs, stride_ot,
+    width, k_scale, v_scale, BLOCK: tl.constexpr, FP8: tl.constexpr = False, DEQUANT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -30,8 +33,14 @@ def _store_kv_kernel(
     if FP8:  # fp8_ref.quantize_kv_fp8: x / scale (IEEE division, as torch), saturated at +-448
         k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -448.0, 448.0)
         v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -448.0, 448.0)
-    tl.store(k_cache_ptr + slot * stride_kcs + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vcs + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    kq = k.to(k_cache_ptr.dtype.element_ty)
+    vq = v.to(v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + slot * stride_kcs + offs, kq, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + offs, vq, mask=mask)
+    if DEQUANT:  # KVPool.dequantize_k / _v: (stored * scale) in float32, then the output dtype
+        ty = k_out_ptr.dtype.element_ty
+        tl.store(k_out_ptr + t * stride_ot + offs, (kq.to(tl.float32) * k_scale).to(ty), mask=mask)
+        tl.store(v_out_ptr + t * stride_ot + offs, (vq.to(tl.float32) * v_scale).to(ty), mask=mask)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -47,9 +56,12 @@ def store_kv(
     block: int = 1024,
     k_scale: float = 1.0,  # FP8 caches: the values stored are k / k_scale, v / v_scale, saturated
     v_scale: float = 1.0,
+    k_out: torch.Tensor | None = None,  # FP8 caches: (num_tokens, num_kv_heads, head_dim), contiguous, k's dtype
+    v_out: torch.Tensor | None = None,
 ) -> None:
     """`k_cache[loc] = k; v_cache[loc] = v` (FP8 caches: quantized as `fp8_ref.quantize_kv_fp8`
-    does, in the same launch). Mutates k_cache and v_cache."""
+    does, in the same launch; with `k_out` / `v_out` also the stored values scaled back, as
+    `KVPool.dequantize_k` / `dequantize_v` give them). Mutates k_cache, v_cache, k_out, v_out."""
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[1:] or v_cache.shape != k_cache.shape:
         raise KernelInputError(
             f"expected k, v (T, num_kv_heads, head_dim) matching the caches' last dims; got k {tuple(k.shape)}, "
@@ -60,11 +72,19 @@ def store_kv(
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not _rows_contiguous(t):
             raise KernelInputError(f"{name} must be contiguous within each token (stride {t.stride()})")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    dequant = k_out is not None or v_out is not None
+    if dequant:
+        if not fp8 or k_out is None or v_out is None:
+            raise KernelInputError("k_out and v_out come together, with an FP8 cache only")
+        if k_out.shape != k.shape or v_out.shape != k.shape or not (k_out.is_contiguous() and v_out.is_contiguous()):
+            raise KernelInputError(f"k_out and v_out must be contiguous {tuple(k.shape)}; got "
+                                   f"{tuple(k_out.shape)}, {tuple(v_out.shape)}")
     if k.shape[0] == 0:
         return
     width = k.shape[1] * k.shape[2]
     _store_kv_kernel[(k.shape[0], triton.cdiv(width, block))](
-        k, v, k_cache, v_cache, loc,
-        k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        width, float(k_scale), float(v_scale), BLOCK=block, FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        k, v, k_cache, v_cache, loc, k if k_out is None else k_out, v if v_out is None else v_out,
+        k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0), width,
+        width, float(k_scale), float(v_scale), BLOCK=block, FP8=fp8, DEQUANT=dequant, num_warps=4,
     )

@@ -55,6 +55,7 @@ class TritonBackend(AttentionBackend):
         self._outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cascade_meta: dict[int, CascadeMetadata] = {}
         self.cascade: CascadeMetadata | None = None
+        self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
 
@@ -80,6 +81,8 @@ class TritonBackend(AttentionBackend):
             return
         assert batch.extend_seq_lens_cpu is not None, "EXTEND batch without extend_seq_lens_cpu"
         self.max_extend_len = max(batch.extend_seq_lens_cpu, default=0)
+        prefixes = batch.extend_prefix_lens_cpu
+        self.extend_has_prefix = prefixes is None or any(prefixes)
 
     def _decode_scratch(self, bs: int, num_heads: int, head_dim: int, device: torch.device,
                         splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +111,12 @@ class TritonBackend(AttentionBackend):
         if pool.is_fp8 and batch.mode == ForwardMode.DECODE and k.is_cuda:  # quantized inside the store (one launch)
             # NOTE: on the GPU only: Triton's interpreter narrows to e4m3 without a rounded-up mantissa's carry
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale)
-        elif pool.is_fp8:  # extend attends to the new tokens as the cache will hold them
+        elif pool.is_fp8 and k.is_cuda:  # extend attends to the new tokens as the cache holds them: one launch
+            k_held, v_held = (torch.empty(k.shape, dtype=q.dtype, device=k.device) for _ in range(2))
+            store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale,
+                     k_out=k_held, v_out=v_held)
+            k, v = k_held, v_held
+        elif pool.is_fp8:  # the same in torch ops (the interpreter's e4m3 narrowing differs, see above)
             kq, vq = pool.quantize(lid, k, v)
             store_kv(kq, vq, k_cache, v_cache, batch.out_cache_loc)
             k, v = pool.dequantize_k(lid, kq, q.dtype), pool.dequantize_v(lid, vq, q.dtype)
@@ -138,6 +146,6 @@ class TritonBackend(AttentionBackend):
             extend_attention(
                 q, k, v, k_cache, v_cache, self.req_to_token, batch.req_pool_indices, batch.extend_prefix_lens,
                 batch.extend_seq_lens, batch.extend_start_loc, layer.scaling, self.max_extend_len, out=out,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=k_scale, v_scale=v_scale, has_prefix=self.extend_has_prefix,
             )
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
