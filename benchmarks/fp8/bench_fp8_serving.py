@@ -39,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
 from bench_spec_serving import drive  # noqa: E402
 
 SETTINGS = {
-    "bf16": [],
-    "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
-    "fp8-weights": ["--quantization", "fp8"],
+    "bf16": ["--lowlat-plugins", "off"],
+    "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "off"],
+    "fp8-weights": ["--quantization", "fp8", "--lowlat-plugins", "off"],
+    "bf16-default": [],  # the server's defaults (lowlat auto on a GPU)
+    "fp8-default": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
     "bf16+plugin": ["--lowlat-plugins", "auto"],
     "fp8+plugin": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto"],
     "fp8+plugin-all": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto+all-batches"],

@@ -36,11 +36,11 @@ from typing import Any
 import httpx
 
 SETTINGS = {
-    "plain": [],
+    "plain": ["--lowlat-plugins", "off"],
     "plain+lowlat": ["--lowlat-plugins", "auto"],
-    "spec": ["SPEC"],
+    "spec": ["SPEC", "--lowlat-plugins", "off"],
     "spec+lowlat": ["SPEC", "--lowlat-plugins", "auto"],
-    "eagle": ["EAGLE"],
+    "eagle": ["EAGLE", "--lowlat-plugins", "off"],
     "eagle+lowlat": ["EAGLE", "--lowlat-plugins", "auto"],
 }
 

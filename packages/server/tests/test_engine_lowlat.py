@@ -147,6 +147,19 @@ def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
         parse_lowlat_plugins(value)
 
 
+@pytest.mark.parametrize(("given", "device", "resolved"), [
+    (None, "cuda", "auto"), (None, "cuda:1", "auto"), (None, "cpu", "off"),
+    ("off", "cuda", "off"), ("auto", "cpu", "auto"), ("require:nvidia", "cuda", "require:nvidia"),
+])
+def test_lowlat_plugins_default_is_auto_on_a_gpu_and_off_on_the_cpu(given: str | None, device: str,
+                                                                    resolved: str) -> None:
+    from lmserver.config import ServerConfig
+    from lmserver.runner.resolve import resolve_lowlat_plugins
+
+    assert ServerConfig(model_path="m").lowlat_plugins is None  # the default: resolved with the device
+    assert resolve_lowlat_plugins(given, device) == resolved
+
+
 def test_eager_decode_warms_every_batch_size_up() -> None:
     # with decode graphs the captured sizes (1, 2, 4, 8, ...) compile the plugin's kernels; eager decode runs each batch
     # at its own size, so start-up warms all of them (Session.warmup keeps those the plugin covers)

@@ -112,11 +112,12 @@ class LowlatHook:
         self._req_to_token: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, value: str, model_config: ModelConfig, dtype: str, device: str, tp_size: int,
+    def start(cls, value: str | None, model_config: ModelConfig, dtype: str, device: str, tp_size: int,
               max_context: int, features: frozenset[str] = frozenset(), rank: int = 0,
               registry: Registry | None = None, quantization: str | None = None,
               kv_cache_dtype: str = "auto") -> LowlatHook | None:
-        """Configures a session before the weights load; None when `value` is `off`.
+        """Configures a session before the weights load; None when `value` is `off` (or None: a config that did not
+        go through `resolve_config`, whose default it is on the CPU).
 
         `quantization` / `kv_cache_dtype`: the server's options; FP8 weights (`quantization` fp8 or an FP8
         checkpoint) add the `FP8_WEIGHTS` feature, an `fp8_e4m3` KV cache sets the set-up's KV dtype.
@@ -126,7 +127,7 @@ class LowlatHook:
         no plugin fits the set-up (under TP on rank 0 only: followers raise it at the agreement,
         together with every other rank).
         """
-        config = parse_lowlat_plugins(value)
+        config = parse_lowlat_plugins(value or "off")
         if config is None:
             return None
         session = Session(config, registry if registry is not None else _registry())

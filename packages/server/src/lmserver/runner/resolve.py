@@ -128,7 +128,16 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
                               "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
         if config.tp_size > 1:
             raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
-    return quant, kv, config.lowlat_plugins
+    return quant, kv, resolve_lowlat_plugins(config.lowlat_plugins, device)
+
+
+def resolve_lowlat_plugins(value: str | None, device: str) -> str:
+    """`--lowlat-plugins` as given, else the default: `auto` on a CUDA (or ROCm) GPU, where each plugin serves only
+    the batches its measured tables say it wins (`lowlat.LowlatConfig.measured_coverage`), `off` elsewhere (the
+    bundled plugins run on GPUs only; an explicit `auto` on the CPU logs their reasons). Pure."""
+    if value is not None:
+        return value
+    return "auto" if device.startswith("cuda") else "off"
 
 
 # The issue asks `auto` to pick flashinfer when it imports on CUDA; the backend has not run on a
