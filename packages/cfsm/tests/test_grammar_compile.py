@@ -1,6 +1,6 @@
 """The pushdown compile's shortcuts against plain references: the subset construction's byte
 pieces against stepping byte by byte, the vectorized counted-chain search against the search
-state by state, the escape-pair sorting against a lexsort, the direct DFAs of ASCII chains
+state by state, the escape-pair sorting against a lexsort, the direct DFAs of ASCII chains and small parts
 against the regular compiler's, and free JSON compiled once per vocabulary against a fresh
 compile (keys, settlements and masks along random members)."""
 
@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 import cfsm
 from cfsm import compiler as cfsm_compiler
-from cfsm.automata.automaton import build_dfa
+from cfsm.automata.automaton import Nfa, build_dfa, subset_construction
 from cfsm.compiler import _rules_index
-from cfsm.grammar import GrammarIndex, build_pda, inline_rules, parse_ebnf
+from cfsm.errors import GrammarTooLargeError
+from cfsm.grammar import Grammar, GrammarIndex, build_pda, inline_rules, parse_ebnf
 from cfsm.grammar import index as grammar_index
 from cfsm.grammar import pda as grammar_pda
 from cfsm.grammar.testing import JSON_GBNF, byte_vocab, draw_member, greedy_tokens
@@ -88,15 +89,9 @@ def _ascii_chains(draw: Any) -> Node:
                                  Repeat(Cat([Chars(((97, 97),)), Chars(((98, 98),))]), 0, None), Repeat(Chars(((97, 97),)), 0, 0)]))
 
 
-@settings(max_examples=300, deadline=None)
-@given(node=_ascii_chains())
-def test_ascii_chains_are_the_regular_compilers_dfas(node: Node) -> None:
-    """`pda._ascii_dfa` gives the DFA `build_dfa` gives (same states, numbering, edges and
-    accepting states), or None."""
-    got = grammar_pda._ascii_dfa(node)
-    want = build_dfa(node)
-    if got is None:
-        return
+def _assert_same_dfa(got: Any, want: Any) -> None:
+    """A `pda._Chain` is the `Dfa` `build_dfa` gives: same states, numbering, edges (the maximal
+    byte ranges of one target `embed` takes, in byte order) and accepting states."""
     n = want.num_states
     assert got.num_states == n
     assert got.start == want.start
@@ -115,6 +110,87 @@ def test_ascii_chains_are_the_regular_compilers_dfas(node: Node) -> None:
                 merged.append((lo, hi, t))
         assert list(got.runs[k]) == merged
     assert list(got.ends) == np.flatnonzero(want.accepting[:n]).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(node=_ascii_chains())
+def test_ascii_chains_are_the_regular_compilers_dfas(node: Node) -> None:
+    """`pda._ascii_dfa` gives the DFA `build_dfa` gives, or None."""
+    got = grammar_pda._ascii_dfa(node)
+    if got is not None:
+        _assert_same_dfa(got, build_dfa(node))
+
+
+# code point classes: ASCII, two-, three- and four-byte UTF-8 (surrogates and the last code point included)
+_code_points = st.one_of(st.integers(0, 127), st.integers(0x80, 0x7FF), st.integers(0x800, 0xFFFF),
+                         st.integers(0x10000, 0x10FFFF))
+_char_classes = st.lists(st.tuples(_code_points, st.sampled_from([0, 1, 30, 5000, 0x10FFFF])), min_size=1,
+                         max_size=3).map(lambda xs: _class_of_ranges([(lo, min(0x10FFFF, lo + w)) for lo, w in xs]))
+
+
+def _class_of_ranges(ranges: list[tuple[int, int]]) -> Chars:
+    """Code point ranges as one class (sorted, merged where they overlap or touch)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(hi, out[-1][1]))
+        else:
+            out.append((lo, hi))
+    return Chars(tuple(out))
+
+
+_regular_trees = st.recursive(
+    _char_classes,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3).map(Cat),
+        st.lists(inner, min_size=1, max_size=3).map(Alt),
+        st.tuples(inner, st.integers(0, 2), st.one_of(st.none(), st.integers(0, 3))).map(
+            lambda t: Repeat(t[0], t[1], None if t[2] is None else t[1] + t[2]))),
+    max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(node=_regular_trees)
+def test_small_dfas_are_the_regular_compilers_dfas(node: Node) -> None:
+    """`pda._small_dfa` (reference-free parts built in Python: subset construction over byte
+    ranges, Moore rounds, breadth-first numbering) gives the DFA `build_dfa` gives, or None
+    only where that DFA is empty or past its limits."""
+    got = grammar_pda._small_dfa(node, 400)
+    try:
+        want = build_dfa(node, limit=400)
+    except GrammarTooLargeError:
+        assert got is None
+        return
+    if got is None:
+        nfa = Nfa(0, 400)
+        start, final = nfa.build(node)
+        subsets = subset_construction(nfa, start, final, None, 400)[0].shape[0] - 1
+        assert want.num_states == 0 or max(len(nfa.eps), subsets) > grammar_pda._SMALL_NFA
+        return
+    _assert_same_dfa(got, want)
+
+
+def test_free_json_parts_skip_the_regular_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free JSON's network (its number and strings with any code point) is built without
+    `build_dfa`, and is the network built with it."""
+    root, rules = json_value_grammar(cfsm.CfsmConfig(), object_only=False)
+    grammar = inline_rules(Grammar(rules={"root": root, **rules}, root="root"))
+    reference = build_pda(grammar)
+    with monkeypatch.context() as m:
+        m.setattr(grammar_pda, "build_dfa", _refuse)
+        direct = build_pda(grammar)
+    with monkeypatch.context() as m:
+        m.setattr(grammar_pda, "_small_dfa", lambda node, limit: None)
+        m.setattr(grammar_pda, "_ascii_dfa", lambda node: None)
+        generic = build_pda(grammar)
+    for pda in (reference, direct):
+        assert np.array_equal(pda.trans, generic.trans)
+        assert pda.calls == generic.calls and pda.rule_start == generic.rule_start
+        assert np.array_equal(pda.accepting, generic.accepting)
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("build_dfa called")
 
 
 def test_ascii_chains_cover_the_json_grammars_literals() -> None:

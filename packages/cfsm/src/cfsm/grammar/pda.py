@@ -1,7 +1,8 @@
 """A `Grammar` to a recursive transition network: one byte DFA per rule whose edges also call rules.
 
-Every maximal part of a rule body without rule references is built by cfsm's regular compiler
-(`automaton.build_dfa`, exact UTF-8) and embedded when the subset construction first reaches it;
+Every maximal part of a rule body without rule references is built as the minimal DFA cfsm's
+regular compiler gives (`automaton.build_dfa`, exact UTF-8; small parts directly: `_ascii_dfa`,
+`_small_dfa`) and embedded when the subset construction first reaches it;
 references, concatenation, alternation and repetition around them are a small NFA per rule,
 determinized over bytes and called rules.
 States are numbered globally: `trans[s, b]` is the next state on byte b inside the same rule
@@ -22,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from cfsm.automata.automaton import build_dfa
+from cfsm.automata.automaton import Nfa, build_dfa, byte_segments
 from cfsm.config import CfsmLimits
-from cfsm.errors import GrammarError, PushdownTooLargeError
+from cfsm.errors import GrammarError, GrammarTooLargeError, PushdownTooLargeError
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
 from cfsm.regex.syntax import Alt, Cat, Chars, Node, Repeat, Scope, Sep, Shared
 
@@ -161,6 +162,8 @@ class _Nfa:
         if dfa is None:
             limit = self.limits.max_dfa_states
             chain = _ascii_dfa(node)
+            if chain is None or chain.num_states > limit:
+                chain = _small_dfa(node, limit)
             dfa = self.dfas[id(node)] = (chain if chain is not None and chain.num_states <= limit
                                          else build_dfa(node, limit=limit))
         n = dfa.num_states
@@ -199,8 +202,9 @@ class _Nfa:
 
 @dataclass(frozen=True, eq=False)
 class _Chain:
-    """The minimal DFA of an ASCII chain (`_ascii_dfa`): its edges, which `embed` reads, and the
-    fields of `Dfa` (built on first use: tests compare them with `build_dfa`'s)."""
+    """A minimal DFA built without the regular compiler (`_ascii_dfa`, `_small_dfa`): its edges,
+    which `embed` reads, and the fields of `Dfa` (built on first use: tests compare them with
+    `build_dfa`'s)."""
 
     start: int
     dead: int
@@ -299,6 +303,146 @@ def _ascii_dfa(node: Node) -> _Chain | None:
     runs = tuple(_byte_runs(([(b, k + 1) for b in links[k]] if k < final else []) + [(b, k) for b in loops.get(k, [])])
                  for k in range(n))
     return _Chain(start=0, dead=n, num_states=n, runs=runs, ends=tuple(sorted(set(ends))))
+
+
+# parts whose NFA (`automaton.Nfa`) has at most this many states, and their subset construction
+# at most this many subsets, are built by `_small_dfa`; larger ones by `build_dfa`
+_SMALL_NFA = 256
+
+
+def _small_dfa(node: Node, limit: int) -> _Chain | None:
+    """The minimal DFA `automaton.build_dfa(node, limit=limit)` gives, built in Python over byte
+    ranges where the part is small: the regular compiler's NFA of it, a subset construction over
+    the NFA's ranges, trimmed, Moore rounds on each subset's runs of target classes, the classes
+    numbered breadth-first from the start, each state's targets by ascending byte; None where
+    the NFA or the subsets pass `_SMALL_NFA`, the DFA passes `limit` or the language is empty
+    (`build_dfa` then builds or refuses it). Pure.
+
+    NOTE: the regular compiler's subset construction also discovers states breadth-first by
+    ascending byte and its minimization numbers classes in first-seen order: each minimal state
+    gets the rank of its shortlex-least access word either way, so the numbering is the same
+    (`_ascii_dfa`'s chains: the same order). The numpy tables of `build_dfa` took ~0.3-0.5 ms
+    per part (free JSON's number, quoted string and string body: ~1.2 ms of its compile)."""
+    nfa = Nfa(_SMALL_NFA, limit)
+    try:
+        start, final = nfa.build(node)
+    except GrammarTooLargeError:
+        return None
+    eps, ntrans = nfa.eps, nfa.trans
+    closures: dict[int, frozenset[int]] = {}
+
+    def closure(q: int) -> frozenset[int]:
+        """The states of `q`'s epsilon closure that read a byte, and the final state."""
+        c = closures.get(q)
+        if c is None:
+            seen = {q}
+            work = [q]
+            while work:
+                for y in eps[work.pop()]:
+                    if y not in seen:
+                        seen.add(y)
+                        work.append(y)
+            c = closures[q] = frozenset(x for x in seen if ntrans[x] or x == final)
+        return c
+
+    first = closure(start)
+    ids = {first: 0}
+    sets = [first]
+    rows: list[list[tuple[int, int, int]]] = []
+    accepting: list[bool] = []
+    targets: dict[int | frozenset[int], int] = {}  # a segment's NFA target(s) -> its subset (-1: none)
+    i = 0
+    while i < len(sets):
+        cur = sets[i]
+        i += 1
+        ranges = sorted(t for q in cur for t in ntrans[q])
+        row: list[tuple[int, int, int]] = []
+        # NOTE: disjoint ranges (most subsets) have one target each: no sweep, no target sets
+        segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = (
+            ranges if all(a[1] < b[0] for a, b in zip(ranges, ranges[1:], strict=False)) else byte_segments(ranges))
+        for lo, hi, tg in segs:
+            j = targets.get(tg)
+            if j is None:
+                key = closure(tg) if isinstance(tg, int) else frozenset().union(*(closure(x) for x in tg))
+                j = ids.get(key, -1) if key else -1
+                if j < 0 and key:
+                    if len(sets) >= min(_SMALL_NFA, limit):
+                        return None
+                    j = ids[key] = len(sets)
+                    sets.append(key)
+                targets[tg] = j
+            if j >= 0:
+                row.append((lo, hi, j))
+        rows.append(row)
+        accepting.append(final in cur)
+    # trim: the subsets that reach an accepting one, with the length of their shortest accepted string
+    n = len(sets)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for p, row in enumerate(rows):
+        for _, _, t in row:
+            preds[t].append(p)
+    dist = [0 if a else -1 for a in accepting]
+    frontier = [q for q in range(n) if accepting[q]]
+    d = 0
+    while frontier:
+        d += 1
+        nxt: list[int] = []
+        for q in frontier:
+            for p in preds[q]:
+                if dist[p] < 0:
+                    dist[p] = d
+                    nxt.append(p)
+        frontier = nxt
+    if dist[0] < 0:
+        return None
+    states = [q for q in range(n) if dist[q] >= 0]
+    rows = [[e for e in row if dist[e[2]] >= 0] for row in rows]
+    # Moore rounds: a state's signature is its class and its runs of target classes; the first
+    # classes (acceptance, shortest accepted length: properties of a state's language) leave few rounds
+    first_cls: dict[tuple[bool, int], int] = {}
+    cls = [first_cls.setdefault((accepting[q], dist[q]), len(first_cls)) if dist[q] >= 0 else -1 for q in range(n)]
+    num = len(first_cls)
+    while True:
+        sig: dict[tuple[Any, ...], int] = {}
+        new = cls.copy()
+        for q in states:
+            new[q] = sig.setdefault((cls[q], _class_runs(rows[q], cls)), len(sig))
+        cls = new
+        if len(sig) == num:
+            break
+        num = len(sig)
+    # renumber breadth-first from the start, each state's targets by ascending byte
+    rep: dict[int, int] = {}
+    for q in states:
+        rep.setdefault(cls[q], q)
+    order = [cls[0]]
+    new_id = {cls[0]: 0}
+    k = 0
+    while k < len(order):
+        for _, _, c in _class_runs(rows[rep[order[k]]], cls):
+            if c not in new_id:
+                new_id[c] = len(order)
+                order.append(c)
+        k += 1
+    m = len(order)
+    if m > limit:
+        return None
+    runs = tuple(tuple((lo, hi, new_id[c]) for lo, hi, c in _class_runs(rows[rep[c0]], cls)) for c0 in order)
+    ends = tuple(k for k, c0 in enumerate(order) if accepting[rep[c0]])
+    return _Chain(start=0, dead=m, num_states=m, runs=runs, ends=ends)
+
+
+def _class_runs(row: list[tuple[int, int, int]], cls: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Sorted disjoint byte ranges (lo, hi, state) as maximal runs (lo, hi, class of the state) of
+    consecutive bytes with one class. Pure."""
+    out: list[tuple[int, int, int]] = []
+    for lo, hi, t in row:
+        c = cls[t]
+        if out and out[-1][1] == lo - 1 and out[-1][2] == c:
+            out[-1] = (out[-1][0], hi, c)
+        else:
+            out.append((lo, hi, c))
+    return tuple(out)
 
 
 def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
