@@ -48,6 +48,8 @@ _TAIL_NODES = 16  # trie walks with at most this many prefixes left go on node b
 # the first byte column (`_first_escapes`), fewer sorted (tests change it to take either path)
 _FIRST_BY_COLUMN = 16
 _FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
+_FEW_BITS = 8  # rows of at most this many tokens are set in Python (`_bits`)
+_WHOLE_ROW = 4  # keys of a batched walk that accept at least 1/_WHOLE_ROW of the tokens: rows from ranges
 _BOOL_ROWS = 1 << 20  # batched key rows of at most this many words are set as bools, then packed
 # escape sets settled at compile time, at most (and at most twice the one-frame keys that have
 # escapes, plus 256: grammars whose escape sets keep shifting settle the rest on first use)
@@ -207,6 +209,9 @@ class GrammarIndex:
         self._runs_sorted: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._trans_rows: dict[int, list[int]] = {}  # state -> its row of `pda.trans` (`_trans_row`)
         self._closed: dict[tuple[Stack, ...], int] = {}  # stacks -> the id of their closure (`_config_of`)
+        # id of a rank array -> (that array, its `_bits`): rows of the escapes before a first byte
+        # (`_first_escapes`), which settlements of those escapes read again (`_settle_many`)
+        self._rank_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.start = self._intern(self._close([pda.start_stack]))
         self.num_overflows = 0  # configurations refused for passing MAX_STACKS (after the compile)
         self._compiling = False
@@ -615,7 +620,8 @@ class GrammarIndex:
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`_walk_trie_split` with the escapes before a token's first byte listed per token, first
         (as the other escapes: (key, sorted position, offset 0))."""
-        a_key, a_pos, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
+        r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
+        a_key, a_pos = np.repeat(r_key, r_cnt), _expand(r_lo, r_cnt)
         if not len(f_key):
             return a_key, a_pos, e_key, e_pos, e_at
         levels = self.vocab.trie_levels
@@ -625,12 +631,13 @@ class GrammarIndex:
                 np.concatenate([np.zeros(int(cnt.sum()), dtype=np.int32), e_at]))
 
     def _walk_trie_split(self, sids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                         np.ndarray, np.ndarray]:
+                                                         np.ndarray, np.ndarray, np.ndarray]:
         """Walk the whole vocabulary from every configuration of `sids` (one key each) at once,
         over its trie (`Vocabulary.trie_levels`): each distinct prefix is stepped once per key,
         a prefix that dies drops its subtree, and one whose tokens read on only bytes that loop
-        its configuration accepts them whole (`_LOOP_CUT`). Returns (key, sorted position) of the
-        accepted tokens, each once, and (key, sorted position, offset) of every escape of a token
+        its configuration accepts them whole (`_LOOP_CUT`). Returns (key, first sorted position, count)
+        of the accepted tokens' ranges of sorted positions (each token once: the subtrees accepted
+        whole are one range each), and (key, sorted position, offset) of every escape of a token
         not accepted (a token under a prefix whose last byte leaves the key there; some accepted
         ones may be listed too) past a token's first byte, and (key, level-0 node) where every
         token under the node may escape before its first byte (a rule end that its first byte may
@@ -644,7 +651,8 @@ class GrammarIndex:
         nodes = np.tile(np.arange(n0, dtype=np.int64), len(sids))
         st = np.repeat(np.asarray(sids, dtype=np.int64), n0)
         acc_key: list[np.ndarray] = []
-        acc_pos: list[np.ndarray] = []
+        acc_lo: list[np.ndarray] = []
+        acc_cnt: list[np.ndarray] = []
         esc_key: list[np.ndarray] = []
         esc_lo: list[np.ndarray] = []
         esc_cnt: list[np.ndarray] = []
@@ -661,8 +669,9 @@ class GrammarIndex:
                 self._walk_tail(d, nodes.tolist(), key.tolist(), st.tolist(), acc, escs)
                 if acc:
                     k, lo, cnt = (np.array(x, dtype=np.int64) for x in zip(*acc, strict=True))
-                    acc_key.append(np.repeat(k, cnt))
-                    acc_pos.append(_expand(lo, cnt))
+                    acc_key.append(k)
+                    acc_lo.append(lo)
+                    acc_cnt.append(cnt)
                 for k_, lo_, cnt_, d_ in escs:
                     esc_key.append(np.array([k_], dtype=np.int64))
                     esc_lo.append(np.array([lo_], dtype=np.int64))
@@ -699,16 +708,18 @@ class GrammarIndex:
                     if len(whole):
                         lo = levels.tok_lo[d].take(nodes.take(whole))
                         cnt = levels.tok_hi[d].take(nodes.take(whole)) - lo
-                        acc_key.append(key.take(whole).repeat(cnt))
-                        acc_pos.append(_expand(lo, cnt))
+                        acc_key.append(key.take(whole))
+                        acc_lo.append(lo)
+                        acc_cnt.append(cnt)
                         keep = np.ones(len(nodes), dtype=bool)
                         keep[whole] = False
                         nodes, key, st = nodes[keep], key[keep], st[keep]
             cnt = levels.end_count[d].take(nodes)
             has = cnt > 0
             if has.any():
-                acc_key.append(key[has].repeat(cnt[has]))
-                acc_pos.append(_expand(levels.tok_lo[d].take(nodes[has]), cnt[has]))
+                acc_key.append(key[has])
+                acc_lo.append(levels.tok_lo[d].take(nodes[has]))
+                acc_cnt.append(cnt[has])
             if d + 1 == len(levels.byte):
                 break
             lo = levels.child_lo[d].take(nodes)
@@ -717,15 +728,16 @@ class GrammarIndex:
             key = key.repeat(cnt)
             st = st.repeat(cnt)
         empty = np.zeros(0, dtype=np.int64)
-        a_key = np.concatenate(acc_key) if acc_key else empty
-        a_pos = np.concatenate(acc_pos) if acc_pos else empty
+        r_key = np.concatenate(acc_key) if acc_key else empty
+        r_lo = np.concatenate(acc_lo) if acc_lo else empty
+        r_cnt = np.concatenate(acc_cnt) if acc_cnt else empty
         if not esc_d:
-            return a_key, a_pos, empty, empty, np.zeros(0, dtype=np.int32), f_key, f_node
+            return r_key, r_lo, r_cnt, empty, empty, np.zeros(0, dtype=np.int32), f_key, f_node
         cnt = np.concatenate(esc_cnt)
         e_key = np.repeat(np.concatenate(esc_key), cnt)
         e_pos = _expand(np.concatenate(esc_lo), cnt)
         e_at = np.repeat(np.repeat(np.array(esc_d, dtype=np.int32), [len(x) for x in esc_lo]), cnt)
-        return a_key, a_pos, e_key, e_pos, e_at, f_key, f_node
+        return r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node
 
     def _walk_tail(self, d: int, nodes: list[int], keys: list[int], sids: list[int], acc: list[tuple[int, int, int]],
                    escs: list[tuple[int, int, int, int]]) -> None:
@@ -768,18 +780,22 @@ class GrammarIndex:
         if not states:
             return
         sids = [self._config_of(((s,),)) for s in states]
-        a_key, a_pos, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
+        r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
         levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
         words = self.vocab.mask_words
         presorted = False
-        ids = tables.order.take(a_pos).astype(np.int64)
         bits: np.ndarray | None = None
         if len(states) * words <= _BOOL_ROWS:
             # NOTE: one bool per (key, token), packed: fewer passes than the bincount below
-            bits = np.zeros(len(states) * words * 32, dtype=bool)
-            bits[a_key * (words * 32) + ids] = True
-            rows = np.packbits(bits.reshape(len(states), words * 32), axis=1, bitorder="little").view("<u4")
+            width = words * 32
+            bits = np.zeros(len(states) * width, dtype=bool)
+            r_key, r_lo, r_cnt = self._whole_rows(bits, width, r_key, r_lo, r_cnt)
+            a_key, a_pos = np.repeat(r_key, r_cnt), _expand(r_lo, r_cnt)
+            bits[a_key * width + tables.order.take(a_pos)] = True
+            rows = np.packbits(bits.reshape(len(states), width), axis=1, bitorder="little").view("<u4")
         else:
+            a_key, a_pos = np.repeat(r_key, r_cnt), _expand(r_lo, r_cnt)
+            ids = tables.order.take(a_pos).astype(np.int64)
             # NOTE: each (key, token) is accepted once: the sum of its distinct bits is their OR
             # (exact in float64 below 2**53)
             rows = np.bincount(a_key * words + (ids >> 5), weights=np.left_shift(1, ids & 31).astype(np.float64),
@@ -833,6 +849,41 @@ class GrammarIndex:
                     esc_at = np.concatenate([np.zeros(len(early), dtype=np.int32), esc_at])
             self._keys[(s,)] = _info(rows[k], esc_rank, esc_at, ordered)
 
+    def _whole_rows(self, bits: np.ndarray, width: int, r_key: np.ndarray, r_lo: np.ndarray, r_cnt: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Set the bits (`bits`: one bool per (key, token id), `width` per key) of the keys of a
+        batched walk that accept at least 1/_WHOLE_ROW of the vocabulary (a string body: nearly
+        every token) from their ranges of sorted positions (`_walk_trie_split`'s); returns the
+        other keys' ranges. Fills `bits` only.
+
+        NOTE: such a key's row is every token of the trie but those in the gaps between its
+        ranges (a few hundred): one copy of the trie's row per key instead of a scatter of ~49k
+        bits (SmolLM2: two keys of free JSON)."""
+        n = len(self.vocab.trie_tables.order)
+        total = np.bincount(r_key, weights=r_cnt, minlength=1)
+        big = np.flatnonzero(total * _WHOLE_ROW >= n)
+        if not len(big):
+            return r_key, r_lo, r_cnt
+        in_trie = np.zeros(width, dtype=bool)
+        in_trie[self._rank_ids] = True
+        order = self.vocab.trie_tables.order
+        for k in big.tolist():
+            mine = r_key == k
+            lo = r_lo[mine]
+            by_lo = np.argsort(lo)
+            lo = lo.take(by_lo)
+            hi = lo + r_cnt[mine].take(by_lo)
+            # NOTE: the ranges are disjoint: the gaps between them (and after the last) are what the key rejects
+            gap_lo = np.r_[0, hi]
+            gap = _expand(gap_lo, np.r_[lo, n] - gap_lo)
+            row = bits[k * width:(k + 1) * width]
+            row[:] = in_trie
+            row[order.take(gap).astype(np.int64)] = False
+        rest = np.ones(len(total), dtype=bool)
+        rest[big] = False
+        keep = rest.take(r_key)
+        return r_key[keep], r_lo[keep], r_cnt[keep]
+
     def _first_escapes(self, f_key: np.ndarray, f_node: np.ndarray, rows: np.ndarray, bits: np.ndarray | None
                        ) -> dict[int, np.ndarray]:
         """Per key of a batched walk (`_walk_trie_split`'s (key, level-0 node) pairs), the ranks
@@ -865,6 +916,7 @@ class GrammarIndex:
                 else:
                     ranks = np.sort(levels.rank.take(_expand(lo_all[a:b], cnt_all[a:b])))
                 hit = by_nodes[nodes.tobytes()] = (ranks, self._rank_ids.take(ranks), [], self._bits(ranks))
+                self._rank_rows[id(ranks)] = (ranks, hit[3])
             ranks, ids, made, row = hit
             if not (rows[k] & row).any():
                 out[k] = ranks  # NOTE: the key accepts none of them (one word pass, no pass over the tokens)
@@ -980,6 +1032,12 @@ class GrammarIndex:
 
     def _bits(self, ranks: np.ndarray) -> np.ndarray:
         """(mask_words,) uint32: the bits of the tokens at `ranks` (distinct). Pure."""
+        if len(ranks) <= _FEW_BITS:
+            # NOTE: none or a few (most settlements): set in Python, no array pass over the words
+            row = np.zeros(self.vocab.mask_words, dtype=np.uint32)
+            for i in self._rank_ids.take(ranks).tolist():
+                row[i >> 5] |= 1 << (i & 31)
+            return row
         if len(ranks) <= 2048:  # NOTE: few tokens (escapes, settlements): set their bits, no full-size pack
             # NOTE: distinct tokens: the sum of a word's distinct bits is their OR (exact in float64)
             ids = self._rank_ids.take(ranks)
@@ -1050,9 +1108,11 @@ class GrammarIndex:
                     er = ranks.take(esc_i[sel] - k * m).astype(np.int64)
                     keep = ~_member(er, acc)
                     walks.append((acc, er[keep], esc_o[sel][keep]))
-            early = prev.uncertain[~prev.late]
-            # NOTE: the early tokens a return's key accepts: its row and theirs (one bit pass)
-            early_row = self._bits(early)
+            early = prev.uncertain[~prev.late] if m else prev.uncertain
+            # NOTE: the early tokens a return's key accepts: its row and theirs (one bit pass; a
+            # number's end: the ~32k tokens after a space, their row made by `_first_escapes`)
+            known = self._rank_rows.get(id(early))
+            early_row = known[1] if known is not None and known[0] is early else self._bits(early)
             for r, (acc, esc_rank, esc_at) in zip(todo, walks, strict=True):
                 base = self._key((r,))
                 in_base = _member(base.esc_rank, early)
@@ -1386,7 +1446,7 @@ class GrammarIndex:
         new._has_loop = self._has_loop.copy()
         new._loop = self._loop.copy()
         for name in ("_keys", "_settled", "_row_ids", "_state_row", "_forced", "_runs", "_runs_sorted", "_trans_rows",
-                     "_closed"):
+                     "_closed", "_rank_rows"):
             setattr(new, name, dict(getattr(self, name)))
         new._rows = list(self._rows)
         return new
