@@ -90,7 +90,7 @@ def check_gemv(c: Checks, gen: torch.Generator) -> None:
 
 
 def check_quantizer(c: Checks, gen: torch.Generator) -> None:
-    from lmserver.kernels.fp8_gemv import quantize_fp8_per_token
+    from lmserver.kernels.fp8_quant import quantize_fp8_per_token
     from lmserver.kernels.fp8_ref import quantize_fp8_per_token as reference
 
     x = torch.randn(777, 14336, generator=gen, device=DEVICE).to(ACT) * 3
@@ -186,7 +186,7 @@ DOT_SWEEP = [("dot", bn, bk, 4, ns) for bn, bk, ns in
 def time_prefill(gen: torch.Generator, m: int = 4096) -> list[dict[str, Any]]:
     """Prefill GEMMs at M rows: bf16 cuBLAS vs `torch._scaled_mm` (row-wise scales, with and without
     fast accumulation) and the per-token activation quantizer, each error against float64."""
-    from lmserver.kernels.fp8_gemv import quantize_fp8_per_token
+    from lmserver.kernels.fp8_quant import quantize_fp8_per_token
     from lmserver.kernels.fp8_ref import fp8_linear_ref, quantize_fp8
 
     rows = []

@@ -12,7 +12,16 @@ import triton.language as tl
 
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous
 
-__all__ = ["silu_and_mul"]
+__all__ = ["silu_and_mul", "silu_mul"]
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in gate's dtype, silu rounded to that dtype first (HF's rounding); shared by
+    the fused SiLU-and-mul + FP8 quantizer (`lmserver.kernels.fp8_quant`) so both round alike."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -21,10 +30,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.conste
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(gate.dtype), mask=mask)
+    up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:

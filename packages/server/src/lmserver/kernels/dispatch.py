@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from lmserver.kernels import reference as ref
+from lmserver.kernels.fp8_ref import quantize_fp8_per_token
 
 __all__ = ["KernelOps", "KernelUnavailableError", "native_kernels", "select_kernels"]
 
@@ -35,6 +36,8 @@ class KernelOps:
     rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, out=None) -> out
     fused_add_rmsnorm: Callable[..., None]  # (x, residual, weight, eps), in place
     silu_and_mul: Callable[..., torch.Tensor]  # (x, out=None) -> out
+    # (gate_up) -> per-token FP8 rows of silu_and_mul(gate_up): (float8_e4m3fn (T, d), float32 scale (T, 1))
+    silu_and_mul_fp8: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     apply_rope_inplace: Callable[..., None]  # (positions, q, k, cos_sin_cache), in place
     store_kv: Callable[..., None]  # (k, v, k_cache, v_cache, loc), in place
     apply_token_bitmask_inplace: Callable[..., None]  # (logits, bitmask), in place
@@ -57,6 +60,10 @@ def _fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def _silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     result = ref.silu_and_mul_ref(x)
     return result if out is None else out.copy_(result)
+
+
+def _silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_fp8_per_token(ref.silu_and_mul_ref(x))
 
 
 def _rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -89,6 +96,7 @@ def native_kernels(reason: str) -> KernelOps:
         rmsnorm=_rmsnorm,
         fused_add_rmsnorm=_fused_add_rmsnorm,
         silu_and_mul=_silu_and_mul,
+        silu_and_mul_fp8=_silu_and_mul_fp8,
         apply_rope_inplace=_rope,
         store_kv=ref.store_kv_ref,
         apply_token_bitmask_inplace=_bitmask,
@@ -99,6 +107,7 @@ def native_kernels(reason: str) -> KernelOps:
 def _triton_kernels(reason: str) -> KernelOps:
     from lmserver.kernels.activation import silu_and_mul
     from lmserver.kernels.bitmask import apply_token_bitmask_inplace
+    from lmserver.kernels.fp8_quant import silu_and_mul_quantize_fp8
     from lmserver.kernels.fused_moe import fused_moe
     from lmserver.kernels.kv_store import store_kv
     from lmserver.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -111,6 +120,7 @@ def _triton_kernels(reason: str) -> KernelOps:
         rmsnorm=rmsnorm,
         fused_add_rmsnorm=fused_add_rmsnorm,
         silu_and_mul=silu_and_mul,
+        silu_and_mul_fp8=silu_and_mul_quantize_fp8,
         apply_rope_inplace=apply_rope_inplace,
         store_kv=store_kv,
         apply_token_bitmask_inplace=apply_token_bitmask_inplace,

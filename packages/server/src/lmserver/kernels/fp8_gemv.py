@@ -16,8 +16,8 @@ Scales (`lmserver.kernels.fp8_ref` layout): per channel / per tensor (one column
 to the finished sums; per (row, group_k columns) groups (128 x 128 block checkpoints) to each tile's
 partial sums, the tile never straddling two groups. Reference: `fp8_ref.fp8_linear_ref`.
 
-Tile choice: `config_for` (the measured H200 table `TUNED`, else a shape rule). Also here: the
-one-launch per-token activation quantizer of the `torch._scaled_mm` prefill path.
+Tile choice: `config_for` (the measured H200 table `TUNED`, else a shape rule). The per-token
+activation quantizers of the `torch._scaled_mm` prefill path: `lmserver.kernels.fp8_quant`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton.language as tl
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, dot_precision
 from lmserver.kernels.fp8_ref import FP8_DTYPE
 
-__all__ = ["Fp8GemvConfig", "config_for", "fp8_gemv", "quantize_fp8_per_token"]
+__all__ = ["Fp8GemvConfig", "config_for", "fp8_gemv"]
 
 
 @triton.jit
@@ -230,33 +230,3 @@ def fp8_gemv(
             *args, GROUP_K=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
-
-
-@triton.jit
-def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-    # one program per row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token)
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    mask = offs < K
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    # NOTE: div_rn (IEEE rounding, as torch divides): the same FP8 bytes as the torch reference
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
-    q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
-    tl.store(q_ptr + row.to(tl.int64) * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (float8_e4m3fn (M, K), float32 scale (M, 1)) in one launch (the activations of
-    `torch._scaled_mm` prefill); the same values as `fp8_ref.quantize_fp8_per_token`. Pure."""
-    if x.dim() != 2:
-        raise KernelInputError(f"expected x (M, K); got {tuple(x.shape)}")
-    check_last_dim_contiguous(x=x)
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m:
-        block_k = triton.next_power_of_2(k)
-        _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k,
-                                         num_warps=max(1, min(16, block_k // 512)))
-    return q, scale

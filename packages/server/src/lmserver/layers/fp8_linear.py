@@ -9,7 +9,9 @@ float32 (layout: `lmserver.kernels.fp8_ref`). Its forward:
   (`lmserver.kernels.fp8_gemv`: FP8 weight bytes read once, float32 accumulation); more rows
   (prefill) through `torch._scaled_mm` (cuBLASLt FP8 tensor cores, activations quantized per
   token on the fly) when the scales are per channel and the GPU is Hopper or newer, else
-  dequantize + matmul.
+  dequantize + matmul. A caller holding the activation quantized already calls
+  `forward_fp8_rows` when `takes_fp8_rows(M)`: the dense MLP's down projection, whose input comes
+  from the fused SiLU-and-mul + FP8 quantizer (`lmserver.kernels.fp8_quant`).
 """
 
 from __future__ import annotations
@@ -78,24 +80,47 @@ class Fp8Linear(nn.Module):
             layer.bias.data.copy_(linear.bias.data)
         return layer
 
-    def use_path(self, path: str) -> None:
+    def use_path(self, path: str, scaled_mm: bool | None = None) -> None:
         """"torch" or "triton" (CUDA); mutates self. `_scaled_mm` serves prefill when the scales
-        are per channel and the GPU is Hopper or newer."""
+        are per channel and the GPU is Hopper or newer (`scaled_mm` None), or when `scaled_mm` is
+        True on the triton path with per-channel scales (tests: torch's CPU `_scaled_mm` under the
+        Triton interpreter)."""
         if path not in ("torch", "triton"):
             raise ValueError(f"unknown FP8 linear path {path!r}")
         self.path = path
         dev = self.weight.device
-        self.scaled_mm = (
-            path == "triton" and dev.type == "cuda" and self.weight_scale.shape[1] == 1
-            and tuple(torch.cuda.get_device_capability(dev)) >= SCALED_MM_MIN_CAPABILITY
-            and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        )
+        if scaled_mm is None:
+            scaled_mm = dev.type == "cuda" and (
+                tuple(torch.cuda.get_device_capability(dev)) >= SCALED_MM_MIN_CAPABILITY
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0)
+        self.scaled_mm = path == "triton" and self.weight_scale.shape[1] == 1 and scaled_mm
         if self.scaled_mm:
             self._scale_row = self.weight_scale.view(1, -1).contiguous()  # (1, N) for _scaled_mm's scale_b
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_k={self.group_k}, "
                 f"bias={self.bias is not None}, path={self.path}")
+
+    def takes_fp8_rows(self, m: int) -> bool:
+        """Whether a forward of `m` rows quantizes its activation per token first (the `_scaled_mm`
+        prefill), so a caller that has it quantized already may call `forward_fp8_rows` instead."""
+        return self.scaled_mm and m > GEMV_MAX_M
+
+    def forward_fp8_rows(self, xq: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The forward of x = xq * x_scale: xq (M, K) float8_e4m3fn, x_scale (M, 1) float32 (per-token
+        rows, `lmserver.kernels.fp8_quant`) -> (M, N) `out_dtype`. Through `_scaled_mm` when this layer
+        takes it (`use_path`), else the dequantizing reference on the dequantized rows. Mutates nothing."""
+        if self.scaled_mm:
+            # NOTE: the bias is added apart: not every torch version takes one with row-wise scales.
+            # use_fast_accum: Hopper's FP8 MMA accumulates without the periodic float32 promotion, as
+            # vLLM's and SGLang's FP8 GEMMs do (the check script measures both, RESULTS.md FP8 (issue 33))
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_row, out_dtype=out_dtype,
+                                   use_fast_accum=SCALED_MM_FAST_ACCUM)
+            if self.bias is not None:
+                out += self.bias
+            return out
+        x = (xq.float() * x_scale).to(out_dtype)
+        return fp8_linear_ref(x, self.weight, self.weight_scale, self.group_k, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype; mutates nothing."""
@@ -107,16 +132,10 @@ class Fp8Linear(nn.Module):
 
                 out = fp8_gemv(x2, self.weight, self.weight_scale, self.group_k, self.bias)
             elif self.scaled_mm:
-                from lmserver.kernels.fp8_gemv import quantize_fp8_per_token as quantize_rows
+                from lmserver.kernels.fp8_quant import quantize_fp8_per_token
 
-                xq, xs = quantize_rows(x2 if x2.stride(-1) == 1 else x2.contiguous())
-                # NOTE: the bias is added apart: not every torch version takes one with row-wise scales.
-                # use_fast_accum: Hopper's FP8 MMA accumulates without the periodic float32 promotion, as
-                # vLLM's and SGLang's FP8 GEMMs do (the check script measures both, RESULTS.md FP8 (issue 33))
-                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_row, out_dtype=x.dtype,
-                                       use_fast_accum=SCALED_MM_FAST_ACCUM)
-                if self.bias is not None:
-                    out += self.bias
+                out = self.forward_fp8_rows(*quantize_fp8_per_token(x2 if x2.stride(-1) == 1 else x2.contiguous()),
+                                            out_dtype=x.dtype)
             else:
                 out = fp8_linear_ref(x2, self.weight, self.weight_scale, self.group_k, self.bias)
         else:

@@ -7,8 +7,10 @@ the caller needs.
 Two paths, chosen once when the model is built (`use_kernels`): plain torch ops (the default;
 norms and RoPE bit-identical to HF in every dtype), or lmserver's fused Triton kernels on a GPU:
 residual add + RMSNorm in place, RoPE in place on q and k (views of the QKV output: no cat, no
-split, no cos/sin gather), SiLU-and-mul. The decoder layers carry the residual stream separately from the layer
-output (x, residual) on both paths; the arithmetic is HF's `residual + hidden` either way.
+split, no cos/sin gather), SiLU-and-mul (fused with the per-token FP8 quantization of down_proj's
+input when down_proj is an `Fp8Linear` taking FP8 rows: the `_scaled_mm` prefill). The decoder
+layers carry the residual stream separately from the layer output (x, residual) on both paths;
+the arithmetic is HF's `residual + hidden` either way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from lmserver.forward.batch import AttentionLayer, ForwardBatch
 from lmserver.kernels.dispatch import KernelOps
 from lmserver.layers.activation import silu_and_mul_
+from lmserver.layers.fp8_linear import Fp8Linear
 from lmserver.layers.moe import MoE
 from lmserver.layers.norm import RMSNorm
 from lmserver.layers.rotary import RotaryEmbedding
@@ -131,6 +134,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
         if self.kernels is not None:
+            down = self.down_proj
+            if isinstance(down, Fp8Linear) and down.takes_fp8_rows(gate_up.shape[0]):
+                # FP8 prefill: SiLU-and-mul and down_proj's per-token FP8 quantization in one launch
+                return down.forward_fp8_rows(*self.kernels.silu_and_mul_fp8(gate_up), out_dtype=gate_up.dtype)
             return self.down_proj(self.kernels.silu_and_mul(gate_up))  # type: ignore[no-any-return]
         # NOTE: in place: no new (T, inter) buffer; down_proj reads the strided half
         return self.down_proj(silu_and_mul_(gate_up))  # type: ignore[no-any-return]

@@ -1,0 +1,125 @@
+"""Per-token FP8 (e4m3) activation quantizers of the `torch._scaled_mm` prefill (`Fp8Linear`).
+
+Each row x gets scale = amax(|x|) / 448 (at least 1e-12) and the bytes e4m3(clamp(x / scale)), both
+divisions IEEE-rounded (`tl.div_rn`, as torch divides): the same values as
+`fp8_ref.quantize_fp8_per_token`. One program per row, one launch:
+
+- `quantize_fp8_per_token`: the rows of x (the inputs of qkv, o_proj, gate_up).
+- `silu_and_mul_quantize_fp8`: the rows of silu(gate) * up for a gate-up output (the input of
+  down_proj), rounded to the activation dtype exactly as `kernels.activation.silu_and_mul` does, so
+  the bytes equal `quantize_fp8_per_token(silu_and_mul(gate_up))`; the (M, d) product is never written.
+
+`QuantLaunch` says how a row is walked: in one tile held in registers (one pass: read once), or in
+`block_k`-column steps in two passes (amax, then quantize: the second reads the row again, mostly
+from L2, and a gated row recomputes its SiLU), so a 14,336-wide row needs no 16k-element tile.
+`quant_launch` picks one per row width. Reference: `fp8_ref.quantize_fp8_per_token`
+(`reference.silu_and_mul_ref` first for the gated one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, next_pow2
+from lmserver.kernels.activation import silu_mul
+from lmserver.kernels.fp8_ref import FP8_DTYPE
+
+__all__ = ["ONE_PASS_MAX_K", "QuantLaunch", "quant_launch", "quantize_fp8_per_token", "silu_and_mul_quantize_fp8"]
+
+ONE_PASS_MAX_K = 4096  # rows up to this width (padded to a power of two) stay in registers: one pass
+TWO_PASS_BLOCK_K, TWO_PASS_WARPS = 4096, 8  # wider rows: 4,096-column steps (16 per thread), two passes
+
+
+@dataclass(frozen=True)
+class QuantLaunch:
+    """`block_k` columns per step (a power of two; >= the row width: one pass) and the warps of a program."""
+
+    block_k: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"QuantLaunch.{name} must be a power of two, got {value}")
+
+
+def quant_launch(k: int) -> QuantLaunch:
+    """The launch for rows of `k` values: one pass up to `ONE_PASS_MAX_K` (the pre-existing launch:
+    the padded row, 512 columns per warp, 1-8 warps), else two passes over 4,096-column steps."""
+    block = next_pow2(k)
+    if block <= ONE_PASS_MAX_K:
+        return QuantLaunch(block, max(1, min(16, block // 512)))
+    return QuantLaunch(TWO_PASS_BLOCK_K, TWO_PASS_WARPS)
+
+
+@triton.jit
+def _row_values(row_ptr, offs, mask, K, GATED: tl.constexpr):
+    # float32 values of one row's columns `offs`: x, or silu(gate) * up rounded to the activation dtype
+    if GATED:
+        gate = tl.load(row_ptr + offs, mask=mask, other=0.0)
+        up = tl.load(row_ptr + K + offs, mask=mask, other=0.0)
+        return silu_mul(gate, up).to(tl.float32)
+    return tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+                               GATED: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    # one program per row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token).
+    # K: the quantized row's width (a gated row reads 2K values: gate then up)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    if ONE_PASS:  # BLOCK_K >= K: the row stays in registers
+        mask = offs < K
+        x = _row_values(x_row, offs, mask, K, GATED)
+        # NOTE: div_rn (IEEE rounding, as torch divides): the same FP8 bytes as the torch reference
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
+        tl.store(q_row + offs, tl.clamp(tl.div_rn(x, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+    else:  # two passes over BLOCK_K-column steps (a maximum is exact in any order: the same scale)
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(_row_values(x_row, k0 + offs, k0 + offs < K, K, GATED)))
+        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = _row_values(x_row, k0 + offs, mask, K, GATED)
+            tl.store(q_row + k0 + offs, tl.clamp(tl.div_rn(x, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty),
+                     mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def _quantize_rows(x: torch.Tensor, k: int, gated: bool, launch: QuantLaunch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    check_last_dim_contiguous(x=x)
+    m = x.shape[0]
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m and k:
+        cfg = launch or quant_launch(k)
+        _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), GATED=gated,
+                                         BLOCK_K=cfg.block_k, ONE_PASS=cfg.block_k >= k, num_warps=cfg.num_warps)
+    return q, scale
+
+
+def quantize_fp8_per_token(x: torch.Tensor, launch: QuantLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (float8_e4m3fn (M, K), float32 scale (M, 1)) in one launch (`launch`: None for
+    `quant_launch(K)`); the same values as `fp8_ref.quantize_fp8_per_token` for any launch. Pure."""
+    if x.dim() != 2:
+        raise KernelInputError(f"expected x (M, K); got {tuple(x.shape)}")
+    return _quantize_rows(x, x.shape[1], False, launch)
+
+
+def silu_and_mul_quantize_fp8(gate_up: torch.Tensor,
+                              launch: QuantLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up (M, 2 * d) -> the per-token FP8 rows of silu(gate) * up: (float8_e4m3fn (M, d), float32
+    scale (M, 1)) in one launch, the bytes of `quantize_fp8_per_token(activation.silu_and_mul(gate_up))`
+    (reference: `fp8_ref.quantize_fp8_per_token(reference.silu_and_mul_ref(gate_up))`). Pure."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise KernelInputError(f"expected gate_up (M, 2 * d); got {tuple(gate_up.shape)}")
+    return _quantize_rows(gate_up, gate_up.shape[1] // 2, True, launch)
