@@ -34,7 +34,6 @@ import numpy as np
 
 from cfsm.errors import Approximation, GrammarError
 from cfsm.grammar.pda import Pda
-from cfsm.masks.state_classes import refine_classes
 from cfsm.masks.vocab import Vocabulary
 
 __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
@@ -347,7 +346,7 @@ class GrammarIndex:
         stacks in one fixed order); pairs grouped by (sid, a random 64-bit hash of their targets),
         checked exactly (a collision falls back to one closure per pair)."""
         sids = wanted >> 8
-        starts = np.flatnonzero(np.r_[True, sids[1:] != sids[:-1]])
+        starts = np.flatnonzero(_run_starts(sids))
         uniq = sids.take(starts).tolist()
         if len(wanted) <= _FEW_BYTES and all(len(self._states[s]) <= _FEW_BYTES for s in uniq):
             # NOTE: few pairs (the deep levels of a walk): grouped in Python, no array work
@@ -359,7 +358,10 @@ class GrammarIndex:
         sizes = np.fromiter((len(x) for x in stacks_of), dtype=np.int64, count=len(uniq))
         offsets = sizes.cumsum() - sizes
         tops = np.fromiter((st[-1] for x in stacks_of for st in x), dtype=np.int64, count=int(sizes.sum()))
-        owner = np.repeat(np.arange(len(uniq)), np.diff(np.r_[starts, len(wanted)]))  # pair -> its config's index
+        counts = np.empty(len(starts), dtype=np.int64)
+        counts[:-1] = starts[1:] - starts[:-1]
+        counts[-1] = len(wanted) - starts[-1]
+        owner = np.repeat(np.arange(len(uniq)), counts)  # pair -> its config's index
         per = sizes.take(owner)  # stacks per pair
         first = per.cumsum() - per  # the pair's first (pair, stack) entry
         stack = _expand(offsets.take(owner), per)  # (pair, stack) -> index into `tops`
@@ -376,7 +378,7 @@ class GrammarIndex:
         order = np.lexsort((h.take(pairs), owner.take(pairs)))
         pairs = pairs.take(order)
         po, ph = owner.take(pairs), h.take(pairs)
-        new = np.r_[True, (po[1:] != po[:-1]) | (ph[1:] != ph[:-1])]
+        new = _run_starts(po) | _run_starts(ph)
         group = new.cumsum() - 1
         lead = pairs[new]  # each group's first pair
         # NOTE: exact check: every pair's targets equal its group's first pair's
@@ -396,13 +398,22 @@ class GrammarIndex:
         config_of = self._config_of  # NOTE: groups of different configurations often move to one stack
         used_groups = np.flatnonzero(used)
         leads = lead.take(used_groups)
+        closed = self._closed
         for g, f, o, n in zip(used_groups.tolist(), first.take(leads).tolist(), owner.take(leads).tolist(),
                               per.take(leads).tolist(), strict=True):
-            moved = tuple((*st[:-1], t) for st, t in zip(stacks_of[o], trans_targets[f:f + n], strict=True) if t >= 0)
-            try:
-                group_sid[g] = config_of(moved)
-            except _TooAmbiguous:
-                continue
+            moved: tuple[Stack, ...]
+            if n == 1:  # NOTE: one stack (most configurations), live: its target is a state
+                moved = (stacks_of[o][0][:-1] + (trans_targets[f],),)
+            else:
+                moved = tuple((*st[:-1], t) for st, t in zip(stacks_of[o], trans_targets[f:f + n], strict=True)
+                              if t >= 0)
+            sid = closed.get(moved)
+            if sid is None:
+                try:
+                    sid = config_of(moved)
+                except _TooAmbiguous:
+                    continue
+            group_sid[g] = sid
         # NOTE: `self._table` read after `_intern`, which may grow it
         self._table.ravel()[wanted.take(pairs)] = group_sid.take(group)
 
@@ -874,8 +885,8 @@ class GrammarIndex:
             lo = lo.take(by_lo)
             hi = lo + r_cnt[mine].take(by_lo)
             # NOTE: the ranges are disjoint: the gaps between them (and after the last) are what the key rejects
-            gap_lo = np.r_[0, hi]
-            gap = _expand(gap_lo, np.r_[lo, n] - gap_lo)
+            gap_lo = np.concatenate(([0], hi))
+            gap = _expand(gap_lo, np.concatenate((lo, [n])) - gap_lo)
             row = bits[k * width:(k + 1) * width]
             row[:] = in_trie
             row[order.take(gap).astype(np.int64)] = False
@@ -900,10 +911,10 @@ class GrammarIndex:
         words = self.vocab.mask_words
         lo_all = levels.tok_lo[0].take(f_node)
         cnt_all = levels.tok_hi[0].take(f_node) - lo_all
-        starts = np.flatnonzero(np.r_[True, f_key[1:] != f_key[:-1]]).tolist()
+        starts = np.flatnonzero(_run_starts(f_key)).tolist()
         # NOTE: keys alike (the end states of a number: the same first bytes escape, and none of
         # them accepts a token that starts with one) share the tokens' arrays and the result
-        by_nodes: dict[bytes, tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]] = {}
+        by_nodes: dict[bytes, tuple[np.ndarray, list[np.ndarray], np.ndarray]] = {}
         for a, b in zip(starts, [*starts[1:], len(f_key)], strict=True):
             k = int(f_key[a])
             nodes = f_node[a:b]
@@ -915,12 +926,13 @@ class GrammarIndex:
                     ranks = np.flatnonzero(member.take(cols0))
                 else:
                     ranks = np.sort(levels.rank.take(_expand(lo_all[a:b], cnt_all[a:b])))
-                hit = by_nodes[nodes.tobytes()] = (ranks, self._rank_ids.take(ranks), [], self._bits(ranks))
-                self._rank_rows[id(ranks)] = (ranks, hit[3])
-            ranks, ids, made, row = hit
+                hit = by_nodes[nodes.tobytes()] = (ranks, [], self._bits(ranks))
+                self._rank_rows[id(ranks)] = (ranks, hit[2])
+            ranks, made, row = hit
             if not (rows[k] & row).any():
                 out[k] = ranks  # NOTE: the key accepts none of them (one word pass, no pass over the tokens)
                 continue
+            ids = self._rank_ids.take(ranks)
             if bits is not None:
                 keep = ~bits.take(k * (words * 32) + ids)
             else:
@@ -1089,7 +1101,7 @@ class GrammarIndex:
             # NOTE: pair i belongs to uncertain token (new tokens up to i) - 1 (`esc_rank` ascending)
             er = prev.esc_rank
             if prev.late.any():
-                late = prev.late[np.cumsum(np.r_[True, er[1:] != er[:-1]]) - 1]
+                late = prev.late[np.cumsum(_run_starts(er)) - 1]
                 ranks, offsets = prev.esc_rank[late], prev.esc_at[late]
             else:  # NOTE: every escape before a first byte (a number's end): nothing to walk
                 ranks, offsets = _NO_RANKS, _NO_OFFSETS
@@ -1406,8 +1418,12 @@ class GrammarIndex:
         # NOTE: the return states too (settlements start from their keys): one batched walk
         rep = self._rep
         keyed = sorted({rep[s] for s in positions} | {rep[ret] for ret_set in returns.values() for ret in ret_set})
-        self._one_frame_keys([s for s in keyed if s not in chains])
-        self._chain_keys([s for s in keyed if s in chains])
+        # NOTE: a chain of one link (free JSON's exponent sign) costs more to derive (`_chain_keys`:
+        # the vocabulary's leading runs of its bytes) than its state adds to the batched walk
+        longer = {head for head, remaining, _ in chains.values() if remaining}
+        derived = {s for s in keyed if s in chains and (chains[s][1] or chains[s][0] in longer)}
+        self._one_frame_keys([s for s in keyed if s not in derived])
+        self._chain_keys([s for s in keyed if s in derived])
         for s in positions:
             info = self._key((s,))
             if len(info.uncertain):
@@ -1586,7 +1602,7 @@ def walk_representatives(pda: Pda, follow: np.ndarray, leads: np.ndarray | None 
     """(num_states,) int32: per state of `pda`, the least state that no byte string tells apart
     from it (the coarsest partition where states alike end their rules alike, with the same
     FOLLOW set, step on every byte to states alike and call the same rules with returns alike;
-    Moore rounds, `state_classes.refine_classes`). Such states walk every token alike from any
+    Moore rounds: `_coarsest`). Such states walk every token alike from any
     stack: same configurations up to the states' names, same escapes. Pure.
 
     NOTE: `follow` is `_follow_sets(pda, ...)` (num_rules, 256); `leads`, where given, is
@@ -1610,13 +1626,46 @@ def walk_representatives(pda: Pda, follow: np.ndarray, leads: np.ndarray | None 
     acc = np.flatnonzero(pda.accepting)
     init[acc] = 1 + follow_id[pda.state_rule[acc]]
     init[n] = int(init.max()) + 1
-    cls = refine_classes(cols, init, n, n + 1, history=False)[0][:n]
+    cls = _coarsest(cols, init)[:n]
     order = np.argsort(cls, kind="stable")
     starts = np.flatnonzero(np.r_[True, cls[order][1:] != cls[order][:-1]])
     least = np.minimum.reduceat(order, starts)
     rep = np.empty(n, dtype=np.int32)
     rep[order] = np.repeat(least, np.diff(np.r_[starts, n]))
     return rep
+
+
+def _coarsest(cols: np.ndarray, init: np.ndarray) -> np.ndarray:
+    """(n,) int64: the coarsest partition of the rows of `cols` (n, k) (`cols[p, j]`: p's successor
+    on label j) that refines `init` (n,) and puts rows alike whose successors are alike on every
+    label (Moore rounds: a row's class and its successors' classes as one byte string, numbered by
+    `np.unique`). Pure.
+
+    NOTE: a few dozen rows (a network's states): whole rounds of a handful of array calls beat
+    `state_classes.refine_classes`' incremental rounds, made for DFAs of many thousand states."""
+    n, k = cols.shape
+    sig = np.empty((n, k + 1), dtype=np.int64)
+    cls = np.asarray(init, dtype=np.int64)
+    num = -1
+    while True:
+        sig[:, 0] = cls
+        np.take(cls, cols, out=sig[:, 1:])
+        _, first, inverse = np.unique(sig.view(np.dtype((np.void, 8 * (k + 1)))).reshape(-1), return_index=True,
+                                      return_inverse=True)
+        cls = inverse.reshape(-1).astype(np.int64)
+        if len(first) == num:
+            return cls
+        num = len(first)
+
+
+def _run_starts(values: np.ndarray) -> np.ndarray:
+    """(len(values),) bool: where a run of equal values starts (the first, and each value unlike
+    the one before it). Pure. NOTE: `np.r_[True, a[1:] != a[:-1]]` without `np.r_`'s ~4 us."""
+    out = np.empty(len(values), dtype=bool)
+    if len(values):
+        out[0] = True
+        np.not_equal(values[1:], values[:-1], out=out[1:])
+    return out
 
 
 def _expand(lo: np.ndarray, cnt: np.ndarray) -> np.ndarray:
