@@ -134,9 +134,13 @@ WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 # WINS_UP_TO. H200 8B: the earlier 0.86x (RESULTS.md, 2026-12-01) was measured on a head_dim-64 variant of the shape,
 # which has no tuned table (default dot blocks). On the real shape, with the multi-row kernels at 5-8 rows,
 # bench_spec_serving (RESULTS.md issue 34, 2026-12-02; 5 drafts, 6 rows per request): 1.03x per user at concurrency 1
-# (graph of 8 rows) and 1.03x at 2 (graph of 16); more rows are beyond the plugin's 16-token coverage.
+# (graph of 8 rows) and 1.03x at 2 (graph of 16); more rows are beyond the plugin's 16-token coverage. Re-measured
+# 2026-12-03 with the stack as built since 65a5d0c (bench_verify_step, one call, graph of 8 rows holding a 6-row verify
+# step): generic 4,706.6 us, plugin 4,944.6 (0.95x; rows_attention's 5-split stack 17.1 us per layer), the plugin with
+# rows_wide_splits 4,665.3 (1.01x) but 626 vs 660 tok/s in the engine loop (0.95x): declined (0) until a verify stack
+# measures faster end to end; decode steps keep WINS_UP_TO.
 VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
-    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 16,
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 0,
 }
 # The same with FP8 (e4m3) weights. H200 8B, FP8 weights and FP8 KV through HTTP (bench_fp8_serving, RESULTS.md issue
 # 33): with the bf16 tables' tiles (commit 38e717e) 352.8 vs 338.5 tok/s per user at concurrency 1 (1.04x), 187.6 vs
