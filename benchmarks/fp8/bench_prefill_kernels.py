@@ -29,6 +29,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "bf16": dict(lowlat_plugins="off"),
     "fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", lowlat_plugins="off"),
     "fp8w": dict(quantization="fp8", lowlat_plugins="off"),
+    # the server's defaults on a GPU (lowlat auto: where the plugin serves decode, K is stored unrotated)
+    "bf16-default": {},
+    "fp8-default": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
 }
 
 
