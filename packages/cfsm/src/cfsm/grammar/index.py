@@ -1106,7 +1106,9 @@ class GrammarIndex:
             else:  # NOTE: every escape before a first byte (a number's end): nothing to walk
                 ranks, offsets = _NO_RANKS, _NO_OFFSETS
             m = len(ranks)
-            if len(todo) == 1 or m * len(todo) <= _SCALAR_WALK:
+            if not m:
+                walks = [(_NO_RANKS, _NO_RANKS, _NO_OFFSETS)] * len(todo)  # NOTE: nothing to walk
+            elif len(todo) == 1 or m * len(todo) <= _SCALAR_WALK:
                 walks = [self._walk_pairs(self._config_of(((r,),)), ranks, offsets) for r in todo]
             else:
                 sids = [self._config_of(((r,),)) for r in todo]
@@ -1677,11 +1679,16 @@ def _expand(lo: np.ndarray, cnt: np.ndarray) -> np.ndarray:
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
-    """The distinct values of a non-negative int64 array (counted when their range is small,
-    which beats a sort of many repeats)."""
+    """The distinct values of a non-negative int64 array, ascending (marked in a bool array over
+    their range when it is small, which beats a sort of many repeats, and a count: ~2-6x; a
+    sort for a few values)."""
+    if len(values) <= 32:
+        return np.unique(values)
     lo, hi = int(values.min()), int(values.max())
-    if hi - lo <= 4 * len(values) + 4096:
-        return np.flatnonzero(np.bincount(values - lo, minlength=hi - lo + 1)) + lo  # type: ignore[no-any-return]
+    if hi - lo <= 16 * len(values) + 65536:
+        seen = np.zeros(hi - lo + 1, dtype=bool)
+        seen[values - lo] = True
+        return np.flatnonzero(seen) + lo  # type: ignore[no-any-return]
     return np.unique(values)
 
 
