@@ -5,7 +5,9 @@ At M = 4096 rows (a 4k-token prefill, Llama-3-8B widths), each case checked agai
 - down_proj's input: `silu_and_mul` then `quantize_fp8_per_token` (two launches; the quantizer with the old
   one-pass launch, 16,384-column tile and 16 warps, and with the launch `quant_launch` chooses now) vs the fused
   `silu_and_mul_quantize_fp8` (one launch); then the whole step with the `_scaled_mm` GEMM (14336 x 4096).
-- the standalone quantizer at K = 4096 (qkv, o_proj, gate_up inputs) and K = 14336: old launch vs chosen.
+- qkv's / gate_up's input: `fused_add_rmsnorm` then `quantize_fp8_per_token` (two launches) vs the fused
+  `rmsnorm_quantize_fp8` (one launch: residual add, RMSNorm and the quantizer), hidden 4096.
+- the standalone quantizer at K = 4096 (o_proj's input) and K = 14336: old launch vs chosen.
 
 `--sweep` also times every `QuantLaunch` of SWEEP (each checked to give the chosen launch's bytes) and prints the
 best per case. Times: `triton.testing.do_bench` medians (L2 flushed), µs; GB/s = bytes read and written / time.
@@ -31,11 +33,13 @@ from lmserver.kernels.fp8_quant import (
     QuantLaunch,
     quant_launch,
     quantize_fp8_per_token,
+    rmsnorm_quantize_fp8,
     silu_and_mul_quantize_fp8,
 )
 from lmserver.kernels.fp8_ref import quantize_fp8
 from lmserver.kernels.fp8_ref import quantize_fp8_per_token as reference
-from lmserver.kernels.reference import silu_and_mul_ref
+from lmserver.kernels.norm import fused_add_rmsnorm
+from lmserver.kernels.reference import fused_add_rmsnorm_ref, silu_and_mul_ref
 
 ACT = torch.bfloat16
 OLD_WIDE = QuantLaunch(16384, 16)  # the launch of 14,336-wide rows before the fused kernel: one 16k tile, 16 warps
@@ -130,6 +134,29 @@ def down_input(r: Report, m: int, h: int, d: int, sweep: bool, gen: torch.Genera
             r.check(False, f"fused {launch}: the chosen launch's bytes")
 
 
+def norm_input(r: Report, m: int, h: int, gen: torch.Generator) -> None:
+    """qkv's / gate_up's input: fused_add_rmsnorm + quantizer (two launches) vs the fused norm + quantizer."""
+    x, residual = graded(m, h, gen), graded(m, h, gen).flip(0).contiguous()
+    weight = (torch.rand(h, generator=gen, device="cuda") + 0.5).to(ACT)
+    normed, summed = fused_add_rmsnorm_ref(x, residual, weight, 1e-5)
+    res = residual.clone()
+    fused = rmsnorm_quantize_fp8(x, weight, 1e-5, res)
+    r.check(torch.equal(res, summed), "fused norm + quantizer: the residual sum")
+    r.check(close_to_reference(*fused, normed), "fused norm + quantizer vs torch")
+    out, res = x.clone(), residual.clone()
+    fused_add_rmsnorm(out, res, weight, 1e-5)
+    r.check(same(fused, quantize_fp8_per_token(out)), "fused == fused_add_rmsnorm + quantizer")
+    xs, rs = x.clone(), residual.clone()  # the timed calls add into rs again and again: the bytes are the same
+
+    def two() -> object:
+        fused_add_rmsnorm(xs, rs, weight, 1e-5)
+        return quantize_fp8_per_token(xs)
+
+    r.time("norm input", "fused_add_rmsnorm", lambda: fused_add_rmsnorm(xs, rs, weight, 1e-5), 4 * m * h * 2)
+    r.time("norm input", "fused_add_rmsnorm + quantizer", two, 4 * m * h * 2 + m * h * 3 + 4 * m)
+    r.time("norm input", "fused", lambda: rmsnorm_quantize_fp8(x, weight, 1e-5, rs), 3 * m * h * 2 + m * h + 4 * m)
+
+
 def quantizer(r: Report, m: int, k: int, sweep: bool, gen: torch.Generator) -> None:
     """The standalone quantizer at width k: the old launch, the chosen one and (sweep) the others."""
     x = graded(m, k, gen)
@@ -159,6 +186,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), f"M={args.m} hidden={args.hidden} inter={args.inter}")
     r = Report()
     down_input(r, args.m, args.hidden, args.inter, args.sweep, gen)
+    norm_input(r, args.m, args.hidden, gen)
     for k in (args.hidden, args.inter):  # qkv, o_proj, gate_up inputs; a row as wide as down's input
         quantizer(r, args.m, k, args.sweep, gen)
     for case, (us, launch) in r.best.items():

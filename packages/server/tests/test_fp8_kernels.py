@@ -150,6 +150,43 @@ def test_silu_and_mul_quantizer_matches_reference(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_rmsnorm_quantizer_matches_reference(device: str, with_residual: bool) -> None:
+    from lmserver.kernels.fp8_quant import quantize_fp8_per_token, rmsnorm_quantize_fp8
+    from lmserver.kernels.fp8_ref import quantize_fp8_per_token as reference
+    from lmserver.kernels.norm import fused_add_rmsnorm, rmsnorm
+
+    for rows, hidden in ([(5, 200), (3, 64)] if device == "cpu" else [(300, 4096), (37, 1000)]):
+        x = _graded_rows(rows, hidden, device, rows + hidden)
+        residual = _graded_rows(rows, hidden, device, rows + hidden + 1).flip(0).contiguous() if with_residual else None
+        weight = (torch.rand(hidden, generator=_gen(hidden)) + 0.5).to(x.dtype).to(device)
+        x_before = x.clone()
+        # the two-launch path it replaces (the norm kernel's output, then the quantizer) and the torch reference
+        if residual is None:
+            q_two, scale_two = quantize_fp8_per_token(rmsnorm(x, weight, 1e-6))
+            normed, summed = ref.rmsnorm_ref(x, weight, 1e-6), None
+        else:
+            normed, summed = ref.fused_add_rmsnorm_ref(x, residual, weight, 1e-6)
+            out, res_two = x.clone(), residual.clone()
+            fused_add_rmsnorm(out, res_two, weight, 1e-6)
+            q_two, scale_two = quantize_fp8_per_token(out)
+        q, scale = rmsnorm_quantize_fp8(x, weight, 1e-6, residual)
+        assert q.dtype == FP8_DTYPE and q.shape == (rows, hidden) and scale.shape == (rows, 1)
+        assert torch.equal(x, x_before)
+        if residual is not None:
+            assert torch.equal(residual, res_two) and torch.equal(residual, summed)
+        assert torch.equal(scale, scale_two) and torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
+        q_ref, scale_ref = reference(normed)
+        # the norm kernel rounds like torch up to an ulp of the activation dtype (test_kernels_triton's tolerance)
+        ulp = 2.0**-20 if x.dtype == torch.float32 else 2.0**-7
+        assert float(((scale - scale_ref).abs() / scale_ref).max()) <= ulp
+        deq, exact = q.double() * scale.double(), normed.double()
+        within = (deq - exact).abs() <= exact.abs() * (2.0**-4 + 2 * ulp) + scale.double() * 2.0**-9
+        share = float(within.double().mean())
+        assert share == 1.0 if device == "cuda" else share > 0.95
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fp8_linear_takes_fused_fp8_rows(device: str, bias: bool) -> None:
     """`Fp8Linear` fed the fused quantizer's rows (`forward_fp8_rows`, the MLP's prefill path) gives what it gives
@@ -318,11 +355,12 @@ def test_fp8_linear_cuda_paths_match_the_dequantized_linear(group: int | None) -
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_llama_prefill_takes_the_fused_quantizer(tmp_path: Path, device: str) -> None:
-    """A tiny Llama with online FP8 weights and the Triton layer kernels: a prefill's MLPs feed down_proj (through
-    `_scaled_mm`; torch's CPU one under the interpreter) from the fused SiLU-and-mul + FP8 quantizer, a prompt of
-    at most GEMV_MAX_M tokens takes the GEMV on bf16 / float32 rows as before. Logits identical to the two-launch
-    path (silu_and_mul, then the per-token quantizer) the fusion replaces, and near the unquantized model's."""
+def test_fp8_llama_prefill_takes_the_fused_quantizers(tmp_path: Path, device: str) -> None:
+    """A tiny Llama with online FP8 weights and the Triton layer kernels: a prefill feeds qkv_proj and gate_up_proj
+    from the fused (add +) RMSNorm + FP8 quantizer and down_proj from the fused SiLU-and-mul + FP8 quantizer (all
+    through `_scaled_mm`; torch's CPU one under the interpreter); a prompt of at most GEMV_MAX_M tokens takes the
+    GEMV on bf16 / float32 rows as before. Logits identical to the two-launch path (the norm or silu_and_mul kernel,
+    then the per-token quantizer) the fusions replace, and near the unquantized model's."""
     transformers = pytest.importorskip("transformers")
     from lmserver.kernels.dispatch import select_kernels
     from lmserver.kernels.fp8_quant import quantize_fp8_per_token
@@ -345,25 +383,40 @@ def test_fp8_llama_prefill_takes_the_fused_quantizer(tmp_path: Path, device: str
             layer.use_path("triton", scaled_mm=True)
     assert all(layer.scaled_mm for layer in fp8_linear_layers(model).values())
     kernels = select_kernels(device, interpret=device == "cpu")
-    fused_rows: list[int] = []
+    fused_rows: list[tuple[str, int]] = []
 
-    def fused(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fused_rows.append(gate_up.shape[0])
+    def fused_act(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_rows.append(("silu", gate_up.shape[0]))
         return kernels.silu_and_mul_fp8(gate_up)
 
-    def two_launches(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_rows.append(("norm" if residual is None else "add_norm", x.shape[0]))
+        return kernels.rmsnorm_fp8(x, weight, eps, residual)
+
+    def two_launches_act(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8_per_token(kernels.silu_and_mul(gate_up))
+
+    def two_launches_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return quantize_fp8_per_token(kernels.rmsnorm(x, weight, eps))
+        kernels.fused_add_rmsnorm(x, residual, weight, eps)  # x is the layer's to overwrite
+        return quantize_fp8_per_token(x)
 
     ids = torch.randint(0, 128, (37,), generator=_gen(3)).tolist()
     logits = {}
-    for name, act in (("fused", fused), ("two", two_launches)):
-        model.use_kernels(replace(kernels, silu_and_mul_fp8=act))
+    for name, act, norm in (("fused", fused_act, fused_norm), ("two", two_launches_act, two_launches_norm)):
+        model.use_kernels(replace(kernels, silu_and_mul_fp8=act, rmsnorm_fp8=norm))
         logits[name] = window_logits(window_runner(model, 64), ids)
-    assert fused_rows == [len(ids)] * config.num_hidden_layers
+    t = len(ids)
+    assert fused_rows == [("norm", t), ("add_norm", t), ("silu", t)] + [
+        ("add_norm", t), ("add_norm", t), ("silu", t)] * (config.num_hidden_layers - 1)
     assert torch.equal(logits["fused"], logits["two"])
     # FP8 weights and per-token FP8 activations of every projection (0.106 under the interpreter, whose e4m3
     # narrowing adds to it)
     assert rel_error(logits["fused"], window_logits(window_runner(dense, 64), ids)) < 0.15
     # a short prompt: the GEMV path, the fused quantizer not called
+    calls = len(fused_rows)
     window_logits(window_runner(model, 64), ids[:GEMV_MAX_M])
-    assert fused_rows == [len(ids)] * config.num_hidden_layers
+    assert len(fused_rows) == calls

@@ -35,6 +35,9 @@ class KernelOps:
     reason: str
     rmsnorm: Callable[..., torch.Tensor]  # (x, weight, eps, out=None) -> out
     fused_add_rmsnorm: Callable[..., None]  # (x, residual, weight, eps), in place
+    # (x, weight, eps, residual=None) -> per-token FP8 rows of rmsnorm(x) (with residual: residual <- x + residual
+    # in place first, then rmsnorm(residual)): (float8_e4m3fn (T, hidden), float32 scale (T, 1))
+    rmsnorm_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]  # (x, out=None) -> out
     # (gate_up) -> per-token FP8 rows of silu_and_mul(gate_up): (float8_e4m3fn (T, d), float32 scale (T, 1))
     silu_and_mul_fp8: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -55,6 +58,15 @@ def _fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     normed, summed = ref.fused_add_rmsnorm_ref(x, residual, weight, eps)
     residual.copy_(summed)
     x.copy_(normed)
+
+
+def _rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        return quantize_fp8_per_token(ref.rmsnorm_ref(x, weight, eps))
+    normed, summed = ref.fused_add_rmsnorm_ref(x, residual, weight, eps)
+    residual.copy_(summed)
+    return quantize_fp8_per_token(normed)
 
 
 def _silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,6 +107,7 @@ def native_kernels(reason: str) -> KernelOps:
         reason=reason,
         rmsnorm=_rmsnorm,
         fused_add_rmsnorm=_fused_add_rmsnorm,
+        rmsnorm_fp8=_rmsnorm_fp8,
         silu_and_mul=_silu_and_mul,
         silu_and_mul_fp8=_silu_and_mul_fp8,
         apply_rope_inplace=_rope,
@@ -107,7 +120,7 @@ def native_kernels(reason: str) -> KernelOps:
 def _triton_kernels(reason: str) -> KernelOps:
     from lmserver.kernels.activation import silu_and_mul
     from lmserver.kernels.bitmask import apply_token_bitmask_inplace
-    from lmserver.kernels.fp8_quant import silu_and_mul_quantize_fp8
+    from lmserver.kernels.fp8_quant import rmsnorm_quantize_fp8, silu_and_mul_quantize_fp8
     from lmserver.kernels.fused_moe import fused_moe
     from lmserver.kernels.kv_store import store_kv
     from lmserver.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -119,6 +132,7 @@ def _triton_kernels(reason: str) -> KernelOps:
         reason=reason,
         rmsnorm=rmsnorm,
         fused_add_rmsnorm=fused_add_rmsnorm,
+        rmsnorm_fp8=rmsnorm_quantize_fp8,
         silu_and_mul=silu_and_mul,
         silu_and_mul_fp8=silu_and_mul_quantize_fp8,
         apply_rope_inplace=apply_rope_inplace,

@@ -8,12 +8,15 @@ divisions IEEE-rounded (`tl.div_rn`, as torch divides): the same values as
 - `silu_and_mul_quantize_fp8`: the rows of silu(gate) * up for a gate-up output (the input of
   down_proj), rounded to the activation dtype exactly as `kernels.activation.silu_and_mul` does, so
   the bytes equal `quantize_fp8_per_token(silu_and_mul(gate_up))`; the (M, d) product is never written.
+- `rmsnorm_quantize_fp8`: the rows of the (residual-add +) RMSNorm of `kernels.norm` (the inputs of
+  qkv and gate_up), the same bytes as quantizing that kernel's output, which is never written.
 
 `QuantLaunch` says how a row is walked: in one tile held in registers (one pass: read once), or in
 `block_k`-column steps in two passes (amax, then quantize: the second reads the row again, mostly
 from L2, and a gated row recomputes its SiLU), so a 14,336-wide row needs no 16k-element tile.
-`quant_launch` picks one per row width. Reference: `fp8_ref.quantize_fp8_per_token`
-(`reference.silu_and_mul_ref` first for the gated one).
+`quant_launch` picks one per row width (the norm's rows: one tile, as `kernels.norm`). Reference:
+`fp8_ref.quantize_fp8_per_token` (after `reference.silu_and_mul_ref`, `rmsnorm_ref`,
+`fused_add_rmsnorm_ref` for the fused ones).
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ import triton.language as tl
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, next_pow2
 from lmserver.kernels.activation import silu_mul
 from lmserver.kernels.fp8_ref import FP8_DTYPE
+from lmserver.kernels.norm import add_rmsnorm_row, check_norm_inputs, norm_warps
 
-__all__ = ["ONE_PASS_MAX_K", "QuantLaunch", "quant_launch", "quantize_fp8_per_token", "silu_and_mul_quantize_fp8"]
+__all__ = [
+    "ONE_PASS_MAX_K",
+    "QuantLaunch",
+    "quant_launch",
+    "quantize_fp8_per_token",
+    "rmsnorm_quantize_fp8",
+    "silu_and_mul_quantize_fp8",
+]
 
 ONE_PASS_MAX_K = 4096  # rows up to this width (padded to a power of two) stay in registers: one pass
 TWO_PASS_BLOCK_K, TWO_PASS_WARPS = 4096, 8  # wider rows: 4,096-column steps (16 per thread), two passes
@@ -68,6 +79,25 @@ def _row_values(row_ptr, offs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _fp8_scale(amax):
+    # NOTE: div_rn (IEEE rounding, as torch divides): the same scales and FP8 bytes as the torch reference
+    return tl.maximum(tl.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
+def _to_fp8(x, scale, q_ptr):
+    return tl.clamp(tl.div_rn(x, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_fp8_row(q_row, s_at, offs, mask, x):
+    # a whole row's float32 values x (masked columns 0) -> its scale at s_at, its FP8 bytes at q_row + offs
+    scale = _fp8_scale(tl.max(tl.abs(x), 0))
+    tl.store(q_row + offs, _to_fp8(x, scale, q_row), mask=mask)
+    tl.store(s_at, scale)
+
+
+@triton.jit
 def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
                                GATED: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     # one program per row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token).
@@ -78,33 +108,45 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     offs = tl.arange(0, BLOCK_K)
     if ONE_PASS:  # BLOCK_K >= K: the row stays in registers
         mask = offs < K
-        x = _row_values(x_row, offs, mask, K, GATED)
-        # NOTE: div_rn (IEEE rounding, as torch divides): the same FP8 bytes as the torch reference
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
-        tl.store(q_row + offs, tl.clamp(tl.div_rn(x, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+        _store_fp8_row(q_row, s_ptr + row, offs, mask, _row_values(x_row, offs, mask, K, GATED))
     else:  # two passes over BLOCK_K-column steps (a maximum is exact in any order: the same scale)
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.abs(_row_values(x_row, k0 + offs, k0 + offs < K, K, GATED)))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+        scale = _fp8_scale(tl.max(amax, 0))
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = _row_values(x_row, k0 + offs, mask, K, GATED)
-            tl.store(q_row + k0 + offs, tl.clamp(tl.div_rn(x, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty),
-                     mask=mask)
-    tl.store(s_ptr + row, scale)
+            tl.store(q_row + k0 + offs, _to_fp8(x, scale, q_row), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _rmsnorm_quantize_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, hidden, eps, stride_x, stride_r, stride_q,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: [residual <- x + residual;] rmsnorm * weight (norm.add_rmsnorm_row), then quantized
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    y = add_rmsnorm_row(x_ptr + row * stride_x, r_ptr + row * stride_r, w_ptr, offs, mask, hidden, eps, HAS_RESIDUAL)
+    _store_fp8_row(q_ptr + row * stride_q, s_ptr + row, offs, mask, y.to(tl.float32))
 
 
 def _quantize_rows(x: torch.Tensor, k: int, gated: bool, launch: QuantLaunch | None) -> tuple[torch.Tensor, torch.Tensor]:
     check_last_dim_contiguous(x=x)
     m = x.shape[0]
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    q, scale = _empty_rows(x, k)
     if m and k:
         cfg = launch or quant_launch(k)
         _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), GATED=gated,
                                          BLOCK_K=cfg.block_k, ONE_PASS=cfg.block_k >= k, num_warps=cfg.num_warps)
     return q, scale
+
+
+def _empty_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m = x.shape[0]
+    return (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(m, 1, dtype=torch.float32, device=x.device))
 
 
 def quantize_fp8_per_token(x: torch.Tensor, launch: QuantLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,3 +165,21 @@ def silu_and_mul_quantize_fp8(gate_up: torch.Tensor,
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise KernelInputError(f"expected gate_up (M, 2 * d); got {tuple(gate_up.shape)}")
     return _quantize_rows(gate_up, gate_up.shape[1] // 2, True, launch)
+
+
+def rmsnorm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                         residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token FP8 rows of rmsnorm(x) * weight, x (T, hidden) (with `residual`: first
+    `residual <- x + residual` in place, then of rmsnorm(residual) * weight, as
+    `norm.fused_add_rmsnorm`): (float8_e4m3fn (T, hidden), float32 scale (T, 1)) in one launch, the
+    bytes of `quantize_fp8_per_token` of the norm kernels' output, which is never written (the input
+    of an FP8 qkv / gate-up projection). Mutates `residual` only."""
+    check_norm_inputs(x, weight, residual)
+    q, scale = _empty_rows(x, x.shape[1])
+    if x.shape[0]:
+        block = next_pow2(x.shape[1])
+        _rmsnorm_quantize_kernel[(x.shape[0],)](
+            x, residual if residual is not None else x, weight, q, scale, x.shape[1], eps, x.stride(0),
+            residual.stride(0) if residual is not None else 0, q.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block))
+    return q, scale

@@ -10,18 +10,22 @@ float32 (layout: `lmserver.kernels.fp8_ref`). Its forward:
   (prefill) through `torch._scaled_mm` (cuBLASLt FP8 tensor cores, activations quantized per
   token on the fly) when the scales are per channel and the GPU is Hopper or newer, else
   dequantize + matmul. A caller holding the activation quantized already calls
-  `forward_fp8_rows` when `takes_fp8_rows(M)`: the dense MLP's down projection, whose input comes
-  from the fused SiLU-and-mul + FP8 quantizer (`lmserver.kernels.fp8_quant`).
+  `forward_fp8_rows` when `takes_fp8_rows(M)`, or passes `Fp8Rows` to `forward`: the dense MLP's
+  down projection, whose input comes from the fused SiLU-and-mul + FP8 quantizer, and the qkv and
+  gate-up projections, whose inputs come from the fused RMSNorm + FP8 quantizer
+  (`lmserver.kernels.fp8_quant`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from lmserver.kernels.fp8_ref import FP8_DTYPE, fp8_linear_ref, num_groups, quantize_fp8
 
-__all__ = ["FP8_MIN_CAPABILITY", "GEMV_MAX_M", "Fp8Linear", "fp8_unsupported_reason"]
+__all__ = ["FP8_MIN_CAPABILITY", "GEMV_MAX_M", "Fp8Linear", "Fp8Rows", "fp8_unsupported_reason", "takes_fp8_rows"]
 
 GEMV_MAX_M = 16  # rows up to which the Triton GEMV runs (decode); more: _scaled_mm or dequantize
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores and conversions
@@ -40,6 +44,22 @@ def fp8_unsupported_reason(device: torch.device | str) -> str | None:
         return (f"FP8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} "
                 f"(Ada, Hopper or newer); {device} ({name}) has compute capability {cap[0]}.{cap[1]}")
     return None
+
+
+class Fp8Rows(NamedTuple):
+    """An activation quantized per token (`lmserver.kernels.fp8_quant`), as an `Fp8Linear` that
+    `takes_fp8_rows` consumes it: x = q * scale, q (M, K) float8_e4m3fn, scale (M, 1) float32;
+    `dtype` the activation dtype it stands for (the linear's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def takes_fp8_rows(layer: nn.Module, m: int) -> bool:
+    """Whether `layer` is an `Fp8Linear` whose forward of `m` rows quantizes them per token first (the
+    `_scaled_mm` prefill), so that its producer may hand it `Fp8Rows` made in its own launch."""
+    return isinstance(layer, Fp8Linear) and layer.takes_fp8_rows(m)
 
 
 class Fp8Linear(nn.Module):
@@ -122,8 +142,11 @@ class Fp8Linear(nn.Module):
         x = (xq.float() * x_scale).to(out_dtype)
         return fp8_linear_ref(x, self.weight, self.weight_scale, self.group_k, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> (..., N) in x's dtype; mutates nothing."""
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x (..., K) -> (..., N) in x's dtype (rows quantized already: `Fp8Rows`, (M, K) -> (M, N)
+        through `forward_fp8_rows`); mutates nothing."""
+        if isinstance(x, Fp8Rows):
+            return self.forward_fp8_rows(x.q, x.scale, x.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K), possibly strided rows
         if self.path == "triton":

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lmserver.kernels.dispatch import KernelOps
+from lmserver.layers.fp8_linear import Fp8Rows
 
 
 class RMSNorm(nn.Module):
@@ -31,6 +32,15 @@ class RMSNorm(nn.Module):
         out = (h * rstd).to(dtype)
         # HF's `weight * out`, in place on the new tensor when that keeps the result dtype
         return out.mul_(self.weight) if self.weight.dtype == dtype else self.weight * out
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[Fp8Rows, torch.Tensor]:
+        """Kernel path only, for an FP8 linear that `takes_fp8_rows`: (this norm's output quantized per
+        token in the norm's launch, `KernelOps.rmsnorm_fp8`; the residual stream). x (T, dim). With
+        `residual`: `residual <- residual + x` first, as `add_forward` (mutates residual); None (the
+        first layer): x is the residual stream (not mutated)."""
+        assert self.kernels is not None, "the fused FP8 norm runs on the kernel path"
+        q, scale = self.kernels.rmsnorm_fp8(x, self.weight, self.eps, residual)
+        return Fp8Rows(q, scale, x.dtype), x if residual is None else residual
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual <- residual + x` (rounded to the dtype, as HF's `residual + hidden`), then

@@ -7,8 +7,9 @@ the caller needs.
 Two paths, chosen once when the model is built (`use_kernels`): plain torch ops (the default;
 norms and RoPE bit-identical to HF in every dtype), or lmserver's fused Triton kernels on a GPU:
 residual add + RMSNorm in place, RoPE in place on q and k (views of the QKV output: no cat, no
-split, no cos/sin gather), SiLU-and-mul (fused with the per-token FP8 quantization of down_proj's
-input when down_proj is an `Fp8Linear` taking FP8 rows: the `_scaled_mm` prefill). The decoder
+split, no cos/sin gather), SiLU-and-mul. In an FP8 model's prefill (`Fp8Linear`s taking FP8 rows:
+`_scaled_mm`) SiLU-and-mul and the two norms also quantize per token for down_proj, gate_up_proj and
+qkv_proj in their own launch (`Fp8Rows`), as those projections would first. The decoder
 layers carry the residual stream separately from the layer output (x, residual) on both paths;
 the arithmetic is HF's `residual + hidden` either way.
 """
@@ -24,7 +25,7 @@ from torch import nn
 from lmserver.forward.batch import AttentionLayer, ForwardBatch
 from lmserver.kernels.dispatch import KernelOps
 from lmserver.layers.activation import silu_and_mul_
-from lmserver.layers.fp8_linear import Fp8Linear
+from lmserver.layers.fp8_linear import Fp8Rows, takes_fp8_rows
 from lmserver.layers.moe import MoE
 from lmserver.layers.norm import RMSNorm
 from lmserver.layers.rotary import RotaryEmbedding
@@ -99,8 +100,9 @@ class LlamaAttention(nn.Module):
         self.attn = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.kernels: KernelOps | None = None  # None: torch ops; set once at model build
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden); writes this layer's K/V into the pool. Mutates nothing else."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, batch: ForwardBatch) -> torch.Tensor:
+        """x (T, hidden) (or its per-token FP8 rows, for an FP8 qkv_proj that takes them) -> (T, hidden);
+        writes this layer's K/V into the pool. Mutates nothing else."""
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         t, h, kv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv, d)  # (T, KV, D)
@@ -131,16 +133,22 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.kernels: KernelOps | None = None  # None: torch ops; set once at model build
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x (T, hidden) (or its per-token FP8 rows, for an FP8 gate_up_proj that takes them) -> (T, hidden)."""
         gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
         if self.kernels is not None:
-            down = self.down_proj
-            if isinstance(down, Fp8Linear) and down.takes_fp8_rows(gate_up.shape[0]):
+            if takes_fp8_rows(self.down_proj, gate_up.shape[0]):
                 # FP8 prefill: SiLU-and-mul and down_proj's per-token FP8 quantization in one launch
-                return down.forward_fp8_rows(*self.kernels.silu_and_mul_fp8(gate_up), out_dtype=gate_up.dtype)
+                return self.down_proj(Fp8Rows(*self.kernels.silu_and_mul_fp8(gate_up), gate_up.dtype))  # type: ignore[no-any-return]
             return self.down_proj(self.kernels.silu_and_mul(gate_up))  # type: ignore[no-any-return]
         # NOTE: in place: no new (T, inter) buffer; down_proj reads the strided half
         return self.down_proj(silu_and_mul_(gate_up))  # type: ignore[no-any-return]
+
+
+def _norm_quantizes_for(norm: nn.Module, consumer: nn.Module, rows: int) -> bool:
+    """FP8 prefill: whether `norm` (a kernel-path RMSNorm) hands `consumer` (an `Fp8Linear` that takes
+    FP8 rows) its output quantized per token in the norm's own launch (`RMSNorm.forward_fp8`)."""
+    return takes_fp8_rows(consumer, rows) and isinstance(norm, RMSNorm) and norm.kernels is not None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,13 +170,21 @@ class LlamaDecoderLayer(nn.Module):
         NOTE: mutates x and residual in place: both are owned by the decoder (the embedding
         output, then tensors made by the layers), read by nothing else.
         """
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        t = x.shape[0]
+        h: torch.Tensor | Fp8Rows
+        if _norm_quantizes_for(self.input_layernorm, self.self_attn.qkv_proj, t):
+            h, residual = self.input_layernorm.forward_fp8(x, residual)
+        elif residual is None:
+            residual, h = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(positions, x, batch)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(positions, h, batch)
+        mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
+        if _norm_quantizes_for(self.post_attention_layernorm, mlp_in, t):
+            h, residual = self.post_attention_layernorm.forward_fp8(x, residual)
+        else:
+            h, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
