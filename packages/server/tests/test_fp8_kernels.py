@@ -117,6 +117,23 @@ def test_per_token_quantizer_matches_reference(device: str) -> None:
         assert torch.equal(q.view(torch.uint8), first.view(torch.uint8)), launch
 
 
+def _assert_near_reference(q: torch.Tensor, scale: torch.Tensor, act: torch.Tensor, device: str) -> None:
+    """A fused kernel's FP8 rows against torch's activation `act`: the Triton norm and SiLU round like torch up to
+    test_kernels_triton's tolerance (exp, rsqrt and sums may differ in their last float32 bit, which can flip one
+    rounding to the activation dtype), so the scales agree within it, and each value within one e4m3 rounding (half
+    a step: 2^-4 of the value, 2^-10 of the scale below the normal range) plus twice it (all on CUDA; under the
+    interpreter, whose e4m3 narrowing drops a carry, most)."""
+    from lmserver.kernels.fp8_ref import quantize_fp8_per_token as reference
+
+    scale_ref = reference(act)[1]
+    tol = 1e-5 if act.dtype == torch.float32 else 2.5 * torch.finfo(act.dtype).eps
+    assert float(((scale - scale_ref).abs() / scale_ref).max()) <= tol
+    deq, exact = q.double() * scale.double(), act.double()
+    within = (deq - exact).abs() <= exact.abs() * (2.0**-4 + 2 * tol) + scale.double() * 2.0**-9
+    share = float(within.double().mean())
+    assert share == 1.0 if device == "cuda" else share > 0.95, share
+
+
 # (rows, d): non-powers of two, one step or several; on CUDA the Llama-3-8B down_proj input and a tail
 SILU_FP8_CASES = {"cpu": [(5, 200), (3, 1000), (2, 64)], "cuda": [(300, 14336), (37, 1000)]}
 
@@ -132,28 +149,20 @@ def test_silu_and_mul_quantizer_matches_reference(device: str) -> None:
         # the two-launch path it replaces: the same bytes and scales (same SiLU rounding, same quantizer)
         q_two, scale_two = quantize_fp8_per_token(silu_and_mul(gate_up))
         act = ref.silu_and_mul_ref(gate_up)
-        q_ref, scale_ref = reference(act)
         for launch in _launches(device, d):
             q, scale = silu_and_mul_quantize_fp8(gate_up, launch)
             assert q.dtype == FP8_DTYPE and q.shape == (rows, d) and scale.shape == (rows, 1)
             assert torch.equal(scale, scale_two) and torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
-            # against torch: Triton's SiLU may round a value one ulp (of the activation dtype) off torch's
-            ulp = 2.0**-23 if act.dtype == torch.float32 else 2.0**-7
-            assert float(((scale - scale_ref).abs() / scale_ref).max()) <= ulp, (rows, d, launch)
-            deq, exact = q.double() * scale.double(), act.double()
-            # one e4m3 rounding (half a step: 2^-4 of the value, 2^-10 of the scale for subnormals) plus that ulp
-            within = (deq - exact).abs() <= exact.abs() * (2.0**-4 + 2 * ulp) + scale.double() * 2.0**-9
-            assert float(within.double().mean()) == 1.0 if device == "cuda" else float(within.double().mean()) > 0.95
-            assert not deq[1].any()  # the zero row
+            _assert_near_reference(q, scale, act, device)
+            assert not q[1].float().any()  # the zero row
             if act.dtype == torch.float32:
-                _same_bytes(q, q_ref, device, 0.95)
+                _same_bytes(q, reference(act)[0], device, 0.95)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
 def test_rmsnorm_quantizer_matches_reference(device: str, with_residual: bool) -> None:
     from lmserver.kernels.fp8_quant import quantize_fp8_per_token, rmsnorm_quantize_fp8
-    from lmserver.kernels.fp8_ref import quantize_fp8_per_token as reference
     from lmserver.kernels.norm import fused_add_rmsnorm, rmsnorm
 
     for rows, hidden in ([(5, 200), (3, 64)] if device == "cpu" else [(300, 4096), (37, 1000)]):
@@ -176,14 +185,7 @@ def test_rmsnorm_quantizer_matches_reference(device: str, with_residual: bool) -
         if residual is not None:
             assert torch.equal(residual, res_two) and torch.equal(residual, summed)
         assert torch.equal(scale, scale_two) and torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
-        q_ref, scale_ref = reference(normed)
-        # the norm kernel rounds like torch up to an ulp of the activation dtype (test_kernels_triton's tolerance)
-        ulp = 2.0**-20 if x.dtype == torch.float32 else 2.0**-7
-        assert float(((scale - scale_ref).abs() / scale_ref).max()) <= ulp
-        deq, exact = q.double() * scale.double(), normed.double()
-        within = (deq - exact).abs() <= exact.abs() * (2.0**-4 + 2 * ulp) + scale.double() * 2.0**-9
-        share = float(within.double().mean())
-        assert share == 1.0 if device == "cuda" else share > 0.95
+        _assert_near_reference(q, scale, normed, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
