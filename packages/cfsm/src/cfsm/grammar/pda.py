@@ -334,7 +334,9 @@ def _small_dfa(node: Node, limit: int) -> _Chain | None:
     def closure(q: int) -> frozenset[int]:
         """The states of `q`'s epsilon closure that read a byte, and the final state."""
         c = closures.get(q)
-        if c is None:
+        if c is None and not eps[q]:  # NOTE: most states (a class's byte steps)
+            c = closures[q] = frozenset((q,)) if ntrans[q] or q == final else frozenset()
+        elif c is None:
             seen = {q}
             work = [q]
             while work:
@@ -355,11 +357,20 @@ def _small_dfa(node: Node, limit: int) -> _Chain | None:
     while i < len(sets):
         cur = sets[i]
         i += 1
-        ranges = sorted(t for q in cur for t in ntrans[q])
+        if len(cur) == 1:
+            (q,) = cur
+            ranges = sorted(ntrans[q])
+        else:
+            ranges = sorted([t for q in cur for t in ntrans[q]])
         row: list[tuple[int, int, int]] = []
         # NOTE: disjoint ranges (most subsets) have one target each: no sweep, no target sets
-        segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = (
-            ranges if all(a[1] < b[0] for a, b in zip(ranges, ranges[1:], strict=False)) else byte_segments(ranges))
+        segs: list[tuple[int, int, int]] | list[tuple[int, int, frozenset[int]]] = ranges
+        end = -1
+        for lo, hi, _ in ranges:
+            if lo <= end:
+                segs = byte_segments(ranges)
+                break
+            end = hi
         for lo, hi, tg in segs:
             j = targets.get(tg)
             if j is None:
