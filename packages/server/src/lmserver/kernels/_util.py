@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KernelInputError", "check_attention_inputs", "check_last_dim_contiguous", "dot_precision", "next_pow2"]
+__all__ = [
+    "KernelInputError",
+    "check_attention_inputs",
+    "check_last_dim_contiguous",
+    "dot_precision",
+    "next_pow2",
+    "row_warps",
+]
 
 
 class KernelInputError(ValueError):
@@ -14,6 +21,12 @@ class KernelInputError(ValueError):
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def row_warps(block: int) -> int:
+    """Warps of a one-program-per-row kernel walking `block` columns at a time (the norms, the FP8
+    quantizers): 256 columns per warp (8 per thread), 1 to 16."""
+    return min(16, max(1, block // 256))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, next_pow2
+from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, next_pow2, row_warps
 from lmserver.kernels.activation import silu_mul
 from lmserver.kernels.fp8_ref import FP8_DTYPE
-from lmserver.kernels.norm import add_rmsnorm_row, check_norm_inputs, norm_warps
+from lmserver.kernels.norm import add_rmsnorm_row, check_norm_inputs
 
 __all__ = [
     "ONE_PASS_MAX_K",
@@ -41,8 +41,8 @@ __all__ = [
     "silu_and_mul_quantize_fp8",
 ]
 
-ONE_PASS_MAX_K = 4096  # rows up to this width (padded to a power of two) stay in registers: one pass
-TWO_PASS_BLOCK_K, TWO_PASS_WARPS = 4096, 8  # wider rows: 4,096-column steps (16 per thread), two passes
+ONE_PASS_MAX_K = 4096  # rows up to this width (padded to a power of two) stay in registers: one pass; wider
+# rows: two passes over steps of this many columns
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,15 @@ class QuantLaunch:
 
 
 def quant_launch(k: int) -> QuantLaunch:
-    """The launch for rows of `k` values: one pass up to `ONE_PASS_MAX_K` (the pre-existing launch:
-    the padded row, 512 columns per warp, 1-8 warps), else two passes over 4,096-column steps."""
-    block = next_pow2(k)
-    if block <= ONE_PASS_MAX_K:
-        return QuantLaunch(block, max(1, min(16, block // 512)))
-    return QuantLaunch(TWO_PASS_BLOCK_K, TWO_PASS_WARPS)
+    """The launch for rows of `k` values: the padded row in one pass up to `ONE_PASS_MAX_K`, else two
+    passes over `ONE_PASS_MAX_K`-column steps; 256 columns per warp (`row_warps`, as the norms).
+    NOTE: from sm_90 register counts (Triton 3.9, ptxas): 16 warps of 8 columns per thread take ~40
+    registers, 3 programs (48 warps) per SM, and hold 3 rows per SM between the two passes (a gated
+    14,336-wide row: 57 KB, ~23 MB in all, inside the 50 MB L2 for the second pass); the launch before
+    (a 16k tile, 16 warps) took 89 registers: one program per SM. Measure with
+    benchmarks/fp8/bench_quant_kernels.py --sweep."""
+    block = min(next_pow2(k), ONE_PASS_MAX_K)
+    return QuantLaunch(block, row_warps(block))
 
 
 @triton.jit
@@ -98,9 +101,9 @@ def _store_fp8_row(q_row, s_at, offs, mask, x):
 
 
 @triton.jit
-def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-                               GATED: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    # one program per row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token).
+def _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+                  GATED: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    # this program's row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token).
     # K: the quantized row's width (a gated row reads 2K values: gate then up)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -121,6 +124,19 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
         tl.store(s_ptr + row, scale)
 
 
+# NOTE: two kernels of one body, so that a profile names the fused one apart
+@triton.jit
+def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+                               BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, False, BLOCK_K, ONE_PASS)
+
+
+@triton.jit
+def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
+                                  BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, True, BLOCK_K, ONE_PASS)
+
+
 @triton.jit
 def _rmsnorm_quantize_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, hidden, eps, stride_x, stride_r, stride_q,
                              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -138,8 +154,9 @@ def _quantize_rows(x: torch.Tensor, k: int, gated: bool, launch: QuantLaunch | N
     q, scale = _empty_rows(x, k)
     if m and k:
         cfg = launch or quant_launch(k)
-        _quantize_per_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), GATED=gated,
-                                         BLOCK_K=cfg.block_k, ONE_PASS=cfg.block_k >= k, num_warps=cfg.num_warps)
+        kernel = _silu_and_mul_quantize_kernel if gated else _quantize_per_token_kernel
+        kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=cfg.block_k, ONE_PASS=cfg.block_k >= k,
+                     num_warps=cfg.num_warps)
     return q, scale
 
 
@@ -181,5 +198,5 @@ def rmsnorm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rmsnorm_quantize_kernel[(x.shape[0],)](
             x, residual if residual is not None else x, weight, q, scale, x.shape[1], eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, q.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block))
     return q, scale

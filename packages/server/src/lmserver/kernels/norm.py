@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, next_pow2
+from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, next_pow2, row_warps
 
-__all__ = ["add_rmsnorm_row", "check_norm_inputs", "fused_add_rmsnorm", "norm_warps", "rmsnorm"]
+__all__ = ["add_rmsnorm_row", "check_norm_inputs", "fused_add_rmsnorm", "rmsnorm"]
 
 
 @triton.jit
@@ -62,11 +62,6 @@ def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
         check_last_dim_contiguous(residual=residual)
 
 
-def norm_warps(block: int) -> int:
-    """Warps of a program normalizing a `block`-wide (padded) row: 256 columns per warp, 1-16."""
-    return min(16, max(1, block // 256))
-
-
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
     if x.shape[0] == 0:
         return
@@ -76,7 +71,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         x.shape[1], eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=norm_warps(block),
+        num_warps=row_warps(block),
     )
 
 
