@@ -278,12 +278,17 @@ def test_key_infos_sort_escapes_as_lexsort(pairs: list[tuple[int, int]]) -> None
 
 
 @pytest.mark.parametrize("n", [0, 1, 1023, 1024, 3000])
-def test_escape_digests_hash_the_pair_bytes(n: int) -> None:
+@pytest.mark.parametrize("wide", [False, True])
+def test_escape_digests_hash_the_pair_bytes(n: int, wide: bool) -> None:
     """`_digest` is 16 bytes of SHA-256 over the rank bytes, "|", the offset bytes, whichever way
-    it feeds them (joined below 1,024 pairs, in place above)."""
-    rank = np.arange(n, dtype=np.int64) * 3
+    it feeds them (joined below 1,024 pairs, in place above); from 1,024 pairs on, ranks below
+    2**31 and offsets below 2**16 as int32 and uint16 bytes with "#" between them."""
+    rank = np.arange(n, dtype=np.int64) * 3 + (2**31 if wide else 0)
     at = (np.arange(n) % 5).astype(np.int32)
-    want = hashlib.sha256(rank.tobytes() + b"|" + at.tobytes()).digest()[:16]
+    if n >= 1024 and not wide:
+        want = hashlib.sha256(rank.astype(np.int32).tobytes() + b"#" + at.astype(np.uint16).tobytes()).digest()[:16]
+    else:
+        want = hashlib.sha256(rank.tobytes() + b"|" + at.tobytes()).digest()[:16]
     assert grammar_index._digest(rank, at) == want
 
 
