@@ -471,6 +471,21 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return True
 
 
+def byte_closure(eps: list[list[int]], trans: list[list[tuple[int, int, int]]], final: int, q: int) -> frozenset[int]:
+    """The states of NFA state `q`'s epsilon closure (`eps`, `trans`: an `Nfa`'s lists) that
+    matter to a subset construction: those with byte transitions, and `final`. Pure."""
+    if not eps[q]:  # NOTE: most states of deterministic fragments
+        return frozenset((q,)) if trans[q] or q == final else frozenset()
+    seen = {q}
+    stack = [q]
+    while stack:
+        for y in eps[stack.pop()]:
+            if y not in seen:
+                seen.add(y)
+                stack.append(y)
+    return frozenset(x for x in seen if trans[x] or x == final)
+
+
 def subset_construction(nfa: Nfa, start: int, final: int, max_states: int | None = None,
                         limit: int = DEFAULT_MAX_DFA_STATES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Subset construction: (transition table over byte intervals with the dead state last,
@@ -483,18 +498,7 @@ def subset_construction(nfa: Nfa, start: int, final: int, max_states: int | None
     def closure(q: int) -> frozenset[int]:
         c = closures.get(q)
         if c is None:
-            if not eps[q]:  # most states of deterministic fragments
-                c = closures[q] = frozenset((q,)) if ntrans[q] or q == final else frozenset()
-                return c
-            seen = {q}
-            stack = [q]
-            while stack:
-                for y in eps[stack.pop()]:
-                    if y not in seen:
-                        seen.add(y)
-                        stack.append(y)
-            # keep only states that matter: with byte transitions, or the final state
-            c = closures[q] = frozenset(x for x in seen if ntrans[x] or x == final)
+            c = closures[q] = byte_closure(eps, ntrans, final, q)
         return c
 
     ids: dict[frozenset[int], int] = {}

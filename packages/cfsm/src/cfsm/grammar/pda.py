@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from cfsm.automata.automaton import Nfa, build_dfa, byte_segments
+from cfsm.automata.automaton import Nfa, build_dfa, byte_closure, byte_segments
 from cfsm.config import CfsmLimits
 from cfsm.errors import GrammarError, GrammarTooLargeError, PushdownTooLargeError
 from cfsm.grammar.rules import Grammar, RuleRef, has_refs
@@ -332,19 +332,9 @@ def _small_dfa(node: Node, limit: int) -> _Chain | None:
     closures: dict[int, frozenset[int]] = {}
 
     def closure(q: int) -> frozenset[int]:
-        """The states of `q`'s epsilon closure that read a byte, and the final state."""
         c = closures.get(q)
-        if c is None and not eps[q]:  # NOTE: most states (a class's byte steps)
-            c = closures[q] = frozenset((q,)) if ntrans[q] or q == final else frozenset()
-        elif c is None:
-            seen = {q}
-            work = [q]
-            while work:
-                for y in eps[work.pop()]:
-                    if y not in seen:
-                        seen.add(y)
-                        work.append(y)
-            c = closures[q] = frozenset(x for x in seen if ntrans[x] or x == final)
+        if c is None:
+            c = closures[q] = byte_closure(eps, ntrans, final, q)
         return c
 
     first = closure(start)
