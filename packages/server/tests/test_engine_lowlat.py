@@ -10,6 +10,7 @@ pool written by the plugin. Oracle: the same engine with lowlat off, greedy, 3 p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -158,6 +159,28 @@ def test_lowlat_plugins_default_is_auto_on_a_gpu_and_off_on_the_cpu(given: str |
 
     assert ServerConfig(model_path="m").lowlat_plugins is None  # the default: resolved with the device
     assert resolve_lowlat_plugins(given, device) == resolved
+
+
+def test_lowlat_default_is_off_with_an_eagle3_head(tmp_path: Path) -> None:
+    """An EAGLE-3 head reads intermediate target layers, which the plugin path does not expose: the default stays off
+    on a GPU then (an explicit auto still reaches the builder's clear refusal); an EAGLE-1 head keeps auto."""
+    import json
+
+    from lmserver.config import ServerConfig
+    from lmserver.runner.resolve import _eagle3_draft, resolve_lowlat_plugins
+
+    heads = {"eagle3": {"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3v": {"draft_vocab_size": 32000},
+             "eagle1": {"architectures": ["LlamaForCausalLM"]}}
+    for name, raw in heads.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    config = ServerConfig(model_path="m", speculative_algorithm="eagle")
+    found = {name: _eagle3_draft(config.replace(speculative_draft_model_path=str(tmp_path / name))) for name in heads}
+    assert found == {"eagle3": True, "eagle3v": True, "eagle1": False}
+    assert not _eagle3_draft(config.replace(speculative_draft_model_path=str(tmp_path / "missing")))
+    assert not _eagle3_draft(ServerConfig(model_path="m", speculative_draft_model_path=str(tmp_path / "eagle3")))
+    assert [resolve_lowlat_plugins(None, "cuda", e) for e in (True, False)] == ["off", "auto"]
+    assert resolve_lowlat_plugins("auto", "cuda", True) == "auto"
 
 
 def test_eager_decode_warms_every_batch_size_up() -> None:

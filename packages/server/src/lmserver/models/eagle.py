@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from lmserver.forward.batch import ForwardBatch
 from lmserver.models.config import ModelConfig
 from lmserver.models.llama import LlamaMLP, LlamaModel, WeightLoadingError, map_stacked
 
-__all__ = ["Eagle3Head", "EagleHead", "default_aux_layers", "iter_checkpoint"]
+__all__ = ["Eagle3Head", "EagleHead", "default_aux_layers", "is_eagle3_config", "iter_checkpoint"]
 
 
 class _DraftHead(nn.Module):
@@ -249,6 +250,12 @@ class Eagle3Head(_DraftHead):
 
     def _checkpoint_name(self, name: str) -> str | None:
         return None if name == "t2d" or (name == "embed_tokens.weight" and not self.own_embedding) else name
+
+
+def is_eagle3_config(raw: dict[str, Any]) -> bool:
+    """Whether a draft head's config.json (as a dict) is an EAGLE-3 head: an `*Eagle3*` architecture or a
+    `draft_vocab_size`. Pure."""
+    return any("Eagle3" in a for a in raw.get("architectures", [])) or "draft_vocab_size" in raw
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:

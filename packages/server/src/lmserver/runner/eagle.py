@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from lmserver.models.config import ModelConfig
-from lmserver.models.eagle import Eagle3Head, EagleHead, checkpoint_names, default_aux_layers, iter_checkpoint
+from lmserver.models.eagle import (
+    Eagle3Head,
+    EagleHead,
+    checkpoint_names,
+    default_aux_layers,
+    is_eagle3_config,
+    iter_checkpoint,
+)
 from lmserver.models.llama import WeightLoadingError
 from lmserver.models.loader import ModelLoadError, read_model_config
 from lmserver.runner.cuda_graph import draft_graph_runner
@@ -50,7 +57,7 @@ def eagle3_aux_layers(model_path: str, target_layers: int) -> tuple[int, ...] | 
     else `default_aux_layers`), or None for an EAGLE-1/2 head. An EAGLE-3 head names an `*Eagle3*`
     architecture or has a `draft_vocab_size`."""
     raw = _head_config(model_path)
-    if not any("Eagle3" in a for a in raw.get("architectures", [])) and "draft_vocab_size" not in raw:
+    if not is_eagle3_config(raw):
         return None
     ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     layers = tuple(int(i) for i in ids) if ids else default_aux_layers(target_layers)

@@ -4,8 +4,10 @@ ServerConfig, logged once by the engine."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from lmserver.config import ServerConfig
 from lmserver.forward.kv_pool import KVPool
 from lmserver.kernels.fp8_ref import FP8_DTYPE
 from lmserver.models.config import ModelConfig
+from lmserver.models.eagle import is_eagle3_config
 from lmserver.models.loader import DTYPES
 from lmserver.scheduler.admission import AdmissionConfig, StepBudget
 from lmserver.scheduler.pacer import PacerConfig, PrefillPacer
@@ -128,15 +131,31 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
                               "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
         if config.tp_size > 1:
             raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
-    return quant, kv, resolve_lowlat_plugins(config.lowlat_plugins, device)
+    return quant, kv, resolve_lowlat_plugins(config.lowlat_plugins, device, _eagle3_draft(config))
 
 
-def resolve_lowlat_plugins(value: str | None, device: str) -> str:
+def _eagle3_draft(config: ServerConfig) -> bool:
+    """Whether the server drafts with an EAGLE-3 head (its config.json says so; a missing or unreadable one is the
+    draft loader's error to raise, later)."""
+    if config.speculative_algorithm != "eagle" or not config.speculative_draft_model_path:
+        return False
+    try:
+        raw = json.loads((Path(config.speculative_draft_model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and is_eagle3_config(raw)
+
+
+def resolve_lowlat_plugins(value: str | None, device: str, eagle3: bool = False) -> str:
     """`--lowlat-plugins` as given, else the default: `auto` on a CUDA (or ROCm) GPU, where each plugin serves only
     the batches its measured tables say it wins (`lowlat.LowlatConfig.measured_coverage`), `off` elsewhere (the
-    bundled plugins run on GPUs only; an explicit `auto` on the CPU logs their reasons). Pure."""
+    bundled plugins run on GPUs only; an explicit `auto` on the CPU logs their reasons) and with an EAGLE-3 draft
+    head (it reads intermediate target layers, which the plugin path does not expose). Pure but for one log line."""
     if value is not None:
         return value
+    if eagle3 and device.startswith("cuda"):
+        logger.info("lowlat plugins off by default: the EAGLE-3 head reads intermediate target layers")
+        return "off"
     return "auto" if device.startswith("cuda") else "off"
 
 
