@@ -4,7 +4,7 @@ Each row x gets scale = amax(|x|) / 448 (at least 1e-12) and the bytes e4m3(clam
 divisions IEEE-rounded (`tl.div_rn`, as torch divides): the same values as
 `fp8_ref.quantize_fp8_per_token`. One program per row, one launch:
 
-- `quantize_fp8_per_token`: the rows of x (the inputs of qkv, o_proj, gate_up).
+- `quantize_fp8_per_token`: the rows of x (o_proj's input, and any input its producer did not quantize).
 - `silu_and_mul_quantize_fp8`: the rows of silu(gate) * up for a gate-up output (the input of
   down_proj), rounded to the activation dtype exactly as `kernels.activation.silu_and_mul` does, so
   the bytes equal `quantize_fp8_per_token(silu_and_mul(gate_up))`; the (M, d) product is never written.
