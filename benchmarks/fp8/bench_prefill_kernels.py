@@ -3,7 +3,9 @@
 For each setting one `EngineCore` is built in this process (dummy weights), then fresh prompts of `--length` random
 tokens (no radix hits: a new seed per call) are prefilled with one new token each, under the torch profiler
 (`benchmarks/lowlat/kprof.py`: each kernel's marginal time, overlaps counted once, and the idle time, i.e. host
-work between kernels). Times are per layer (divided by the model's layer count) and the whole prefill.
+work between kernels). Times are per layer (divided by the model's layer count) and the whole prefill. `--host`
+also lists the host's CUDA runtime calls and device reads of one prefill (`kprof.host_calls`): a synchronizing
+call there is what leaves the device idle.
 
     PYTHONPATH=... python benchmarks/fp8/bench_prefill_kernels.py --model-path MODEL_DIR --settings bf16 fp8 fp8w
 """
@@ -15,6 +17,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +38,20 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def profile_prefill(core: Any, vocab: int, length: int, reps: int) -> tuple[float, list[dict[str, Any]]]:
-    """The median wall ms of a fresh prompt's prefill (one new token) and its kernel breakdown over ``reps`` more."""
-    seeds = iter(range(1000, 2000))
+def prefill_call(core: Any, vocab: int, length: int) -> Callable[[], None]:
+    """A call that prefills one fresh prompt of ``length`` random tokens (a new seed each time: no radix hits)."""
+    seeds = iter(range(1000, 100_000))
 
     def prefill() -> None:
         run(core, prompts_for(1, vocab, next(seeds), length), 1)
         torch.cuda.synchronize()
 
+    return prefill
+
+
+def profile_prefill(core: Any, vocab: int, length: int, reps: int) -> tuple[float, list[dict[str, Any]]]:
+    """The median wall ms of a fresh prompt's prefill (one new token) and its kernel breakdown over ``reps`` more."""
+    prefill = prefill_call(core, vocab, length)
     prefill()
     walls = []
     for _ in range(reps):
@@ -59,6 +68,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--host", action="store_true", help="also list the host's CUDA runtime calls of one prefill")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     config = json.loads((Path(args.model_path) / "config.json").read_text())
@@ -72,7 +82,12 @@ def main() -> None:
         print(f"\n=== {setting}: built in {build_s:.0f}s; prefill of {args.length} tokens {wall_ms:.2f} ms wall "
               f"({args.length / wall_ms * 1e3:,.0f} tok/s)\n"
               + kprof.table(rows, per=layers, top=args.top, unit="us per layer"), flush=True)
-        results.append(dict(setting=setting, length=args.length, wall_ms=wall_ms, layers=layers, kernels=rows))
+        result = dict(setting=setting, length=args.length, wall_ms=wall_ms, layers=layers, kernels=rows)
+        if args.host:  # the host's CUDA runtime calls and device reads of one prefill: where idle gaps come from
+            result["host"] = kprof.host_calls(prefill_call(core, vocab, args.length))
+            print("  host calls of one prefill (calls, host us):\n" + "\n".join(
+                f"  {r['call'][:48]:48s} {r['calls']:6d} {r['host_us']:10.1f}" for r in result["host"][:args.top]))
+        results.append(result)
         del core
         gc.collect()
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ before it costs ~0 here. ``own`` is the plain sum of durations (overlaps counted
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -102,3 +102,33 @@ def table(rows: list[dict[str, Any]], per: float = 1.0, unit: str = "us", top: i
         if r["kernel"].startswith("("):
             lines.append(f"  {r['kernel']:48s} {r['marginal_us'] / per:9.2f}")
     return "\n".join(lines)
+
+
+def host_calls(fn: Callable[[], object], names: tuple[str, ...] = ("cuda", "aten::item", "aten::_local_scalar_dense",
+                                                                    "aten::to", "aten::copy_")) -> list[dict[str, Any]]:
+    """One profiled call of ``fn`` with host activity: per host event whose name starts with one of ``names`` (the
+    CUDA runtime's calls, e.g. ``cudaStreamSynchronize`` / ``cudaMemcpyAsync``, and the torch ops that read a device
+    value on the host) its count and host us; largest time first. Where a device timeline shows idle gaps, a
+    synchronizing call here is the usual cause."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return summarize_host_events(((e.name, e.device_type == torch.autograd.DeviceType.CPU,
+                                   float(e.time_range.end - e.time_range.start)) for e in prof.events()), names)
+
+
+def summarize_host_events(events: Iterable[tuple[str, bool, float]], names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """(name, on the host, us) events -> per host name of the given prefixes: calls and us, largest us first. Pure."""
+    out: dict[str, list[float]] = {}
+    for name, on_host, us in events:
+        if on_host and name.startswith(names):
+            row = out.setdefault(name, [0.0, 0.0])
+            row[0] += 1
+            row[1] += us
+    rows = [dict(call=k, calls=int(v[0]), host_us=v[1]) for k, v in out.items()]
+    rows.sort(key=lambda r: -r["host_us"])
+    return rows
