@@ -16,7 +16,7 @@ echo "[$((SECONDS - t0)) s] tests"
 LMSYS_GPU_ONLY=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/server/tests/test_fp8_kernels.py \
   -k "quantizer or fused or fp8_linear" 2>&1 | tee "$OUT/tests.log" | tail -4
 echo "[$((SECONDS - t0)) s] kernels"
-timeout 180 python3 benchmarks/fp8/bench_quant_kernels.py --sweep --json "$OUT/quant.json" 2>&1 \
+timeout 240 python3 benchmarks/fp8/bench_quant_kernels.py --sweep --json "$OUT/quant.json" 2>&1 \
   | tee "$OUT/quant.log" | grep -v "| fused sweep |\|| sweep " | tail -32
 echo "[$((SECONDS - t0)) s] prefill"
 timeout $((590 - (SECONDS - t0))) python3 benchmarks/fp8/bench_prefill_kernels.py --model-path "$MODEL" \

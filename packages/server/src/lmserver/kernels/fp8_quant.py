@@ -47,10 +47,13 @@ ONE_PASS_MAX_K = 4096  # rows up to this width (padded to a power of two) stay i
 
 @dataclass(frozen=True)
 class QuantLaunch:
-    """`block_k` columns per step (a power of two; >= the row width: one pass) and the warps of a program."""
+    """`block_k` columns per step (a power of two; >= the row width: one pass) and the warps of a program;
+    `l2_hints` (two passes only): the first pass loads with evict_last, the second with evict_first, so that
+    a row stays in L2 for its second read and leaves it after."""
 
     block_k: int
     num_warps: int
+    l2_hints: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_k", "num_warps"):
@@ -65,20 +68,21 @@ def quant_launch(k: int) -> QuantLaunch:
     NOTE: from sm_90 register counts (Triton 3.9, ptxas): 16 warps of 8 columns per thread take ~40
     registers, 3 programs (48 warps) per SM, and hold 3 rows per SM between the two passes (a gated
     14,336-wide row: 57 KB, ~23 MB in all, inside the 50 MB L2 for the second pass); the launch before
-    (a 16k tile, 16 warps) took 89 registers: one program per SM. Measure with
+    (a 16k tile, 16 warps) took 89 registers: one program per SM. The second pass's reads hit L2 only
+    if the rows stay there meanwhile (`QuantLaunch.l2_hints`). Measure with
     benchmarks/fp8/bench_quant_kernels.py --sweep."""
     block = min(next_pow2(k), ONE_PASS_MAX_K)
     return QuantLaunch(block, row_warps(block))
 
 
 @triton.jit
-def _row_values(row_ptr, offs, mask, K, GATED: tl.constexpr):
+def _row_values(row_ptr, offs, mask, K, GATED: tl.constexpr, EVICT: tl.constexpr = ""):
     # float32 values of one row's columns `offs`: x, or silu(gate) * up rounded to the activation dtype
     if GATED:
-        gate = tl.load(row_ptr + offs, mask=mask, other=0.0)
-        up = tl.load(row_ptr + K + offs, mask=mask, other=0.0)
+        gate = tl.load(row_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+        up = tl.load(row_ptr + K + offs, mask=mask, other=0.0, eviction_policy=EVICT)
         return silu_mul(gate, up).to(tl.float32)
-    return tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(row_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
 
 
 @triton.jit
@@ -101,8 +105,8 @@ def _store_fp8_row(q_row, s_at, offs, mask, x):
 
 
 @triton.jit
-def _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-                  GATED: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+def _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ONE_PASS: tl.constexpr, FIRST_EVICT: tl.constexpr, SECOND_EVICT: tl.constexpr):
     # this program's row: amax -> scale = amax / 448 -> x / scale saturated to e4m3 (fp8_ref.quantize_fp8_per_token).
     # K: the quantized row's width (a gated row reads 2K values: gate then up)
     row = tl.program_id(0).to(tl.int64)
@@ -115,26 +119,26 @@ def _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     else:  # two passes over BLOCK_K-column steps (a maximum is exact in any order: the same scale)
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            amax = tl.maximum(amax, tl.abs(_row_values(x_row, k0 + offs, k0 + offs < K, K, GATED)))
+            amax = tl.maximum(amax, tl.abs(_row_values(x_row, k0 + offs, k0 + offs < K, K, GATED, FIRST_EVICT)))
         scale = _fp8_scale(tl.max(amax, 0))
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
-            x = _row_values(x_row, k0 + offs, mask, K, GATED)
+            x = _row_values(x_row, k0 + offs, mask, K, GATED, SECOND_EVICT)
             tl.store(q_row + k0 + offs, _to_fp8(x, scale, q_row), mask=mask)
         tl.store(s_ptr + row, scale)
 
 
 # NOTE: two kernels of one body, so that a profile names the fused one apart
 @triton.jit
-def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-                               BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, False, BLOCK_K, ONE_PASS)
+def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
+                               ONE_PASS: tl.constexpr, FIRST_EVICT: tl.constexpr, SECOND_EVICT: tl.constexpr):
+    _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, False, BLOCK_K, ONE_PASS, FIRST_EVICT, SECOND_EVICT)
 
 
 @triton.jit
-def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
-                                  BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, True, BLOCK_K, ONE_PASS)
+def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr,
+                                  ONE_PASS: tl.constexpr, FIRST_EVICT: tl.constexpr, SECOND_EVICT: tl.constexpr):
+    _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, True, BLOCK_K, ONE_PASS, FIRST_EVICT, SECOND_EVICT)
 
 
 @triton.jit
@@ -155,7 +159,9 @@ def _quantize_rows(x: torch.Tensor, k: int, gated: bool, launch: QuantLaunch | N
     if m and k:
         cfg = launch or quant_launch(k)
         kernel = _silu_and_mul_quantize_kernel if gated else _quantize_per_token_kernel
+        hints = cfg.l2_hints and cfg.block_k < k
         kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=cfg.block_k, ONE_PASS=cfg.block_k >= k,
+                     FIRST_EVICT="evict_last" if hints else "", SECOND_EVICT="evict_first" if hints else "",
                      num_warps=cfg.num_warps)
     return q, scale
 
