@@ -34,6 +34,7 @@ import numpy as np
 
 from cfsm.errors import Approximation, GrammarError
 from cfsm.grammar.pda import Pda
+from cfsm.masks.state_classes import refine_classes
 from cfsm.masks.vocab import Vocabulary
 
 __all__ = ["GrammarIndex", "MAX_FORCED_BYTES", "MAX_SETTLEMENTS", "MAX_STACKS"]
@@ -48,7 +49,8 @@ _TAIL_NODES = 16  # trie walks with at most this many prefixes left go on node b
 _FIRST_BY_COLUMN = 16
 _FEW_BYTES = 24  # configurations stepped by at most this many bytes at once are grouped in Python
 _FEW_BITS = 8  # rows of at most this many tokens are set in Python (`_bits`)
-_WHOLE_ROW = 4  # keys of a batched walk that accept at least 1/_WHOLE_ROW of the tokens: rows from ranges
+_COARSEST_STATES = 128  # networks of at most this many states: walk representatives by whole Moore rounds
+_WHOLE_ROW = 0.75  # keys of a batched walk that accept at least this share of the tokens: rows from their gaps
 _BOOL_ROWS = 1 << 20  # batched key rows of at most this many words are set as bools, then packed
 # escape sets settled at compile time, at most (and at most twice the one-frame keys that have
 # escapes, plus 256: grammars whose escape sets keep shifting settle the rest on first use)
@@ -639,7 +641,7 @@ class GrammarIndex:
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`_walk_trie_split` with the escapes before a token's first byte listed per token, first
         (as the other escapes: (key, sorted position, offset 0))."""
-        r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
+        r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node, _ = self._walk_trie_split(sids)
         a_key, a_pos = np.repeat(r_key, r_cnt), _expand(r_lo, r_cnt)
         if not len(f_key):
             return a_key, a_pos, e_key, e_pos, e_at
@@ -650,7 +652,7 @@ class GrammarIndex:
                 np.concatenate([np.zeros(int(cnt.sum()), dtype=np.int32), e_at]))
 
     def _walk_trie_split(self, sids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                         np.ndarray, np.ndarray, np.ndarray]:
+                                                         np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Walk the whole vocabulary from every configuration of `sids` (one key each) at once,
         over its trie (`Vocabulary.trie_levels`): each distinct prefix is stepped once per key,
         a prefix that dies drops its subtree, and one whose tokens read on only bytes that loop
@@ -661,7 +663,8 @@ class GrammarIndex:
         ones may be listed too) past a token's first byte, and (key, level-0 node) where every
         token under the node may escape before its first byte (a rule end that its first byte may
         follow: often a third of the vocabulary, the tokens that start with a space; listed per
-        node, not per token). Fills caches only.
+        node, not per token), and per key how many of its accepted tokens are in subtrees accepted
+        whole by the level walk (float64). Fills caches only.
 
         NOTE: children expand in their parents' order, so every level's arrays stay sorted by key."""
         levels = self.vocab.trie_levels
@@ -677,6 +680,7 @@ class GrammarIndex:
         esc_cnt: list[np.ndarray] = []
         esc_d: list[int] = []
         f_key = f_node = np.zeros(0, dtype=np.int64)
+        in_whole = np.zeros(len(sids))
         for d in range(len(levels.byte)):
             if not len(nodes):
                 break
@@ -730,6 +734,7 @@ class GrammarIndex:
                         acc_key.append(key.take(whole))
                         acc_lo.append(lo)
                         acc_cnt.append(cnt)
+                        in_whole += np.bincount(key.take(whole), weights=cnt, minlength=len(sids))
                         keep = np.ones(len(nodes), dtype=bool)
                         keep[whole] = False
                         nodes, key, st = nodes[keep], key[keep], st[keep]
@@ -751,12 +756,12 @@ class GrammarIndex:
         r_lo = np.concatenate(acc_lo) if acc_lo else empty
         r_cnt = np.concatenate(acc_cnt) if acc_cnt else empty
         if not esc_d:
-            return r_key, r_lo, r_cnt, empty, empty, np.zeros(0, dtype=np.int32), f_key, f_node
+            return r_key, r_lo, r_cnt, empty, empty, np.zeros(0, dtype=np.int32), f_key, f_node, in_whole
         cnt = np.concatenate(esc_cnt)
         e_key = np.repeat(np.concatenate(esc_key), cnt)
         e_pos = _expand(np.concatenate(esc_lo), cnt)
         e_at = np.repeat(np.repeat(np.array(esc_d, dtype=np.int32), [len(x) for x in esc_lo]), cnt)
-        return r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node
+        return r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node, in_whole
 
     def _walk_tail(self, d: int, nodes: list[int], keys: list[int], sids: list[int], acc: list[tuple[int, int, int]],
                    escs: list[tuple[int, int, int, int]]) -> None:
@@ -799,7 +804,7 @@ class GrammarIndex:
         if not states:
             return
         sids = [self._config_of(((s,),)) for s in states]
-        r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node = self._walk_trie_split(sids)
+        r_key, r_lo, r_cnt, e_key, e_pos, e_at, f_key, f_node, in_whole = self._walk_trie_split(sids)
         levels, tables = self.vocab.trie_levels, self.vocab.trie_tables
         words = self.vocab.mask_words
         presorted = False
@@ -808,7 +813,7 @@ class GrammarIndex:
             # NOTE: one bool per (key, token), packed: fewer passes than the bincount below
             width = words * 32
             bits = np.zeros(len(states) * width, dtype=bool)
-            r_key, r_lo, r_cnt = self._whole_rows(bits, width, r_key, r_lo, r_cnt)
+            r_key, r_lo, r_cnt = self._whole_rows(bits, width, r_key, r_lo, r_cnt, in_whole)
             a_key, a_pos = np.repeat(r_key, r_cnt), _expand(r_lo, r_cnt)
             bits[a_key * width + tables.order.take(a_pos)] = True
             rows = np.packbits(bits.reshape(len(states), width), axis=1, bitorder="little").view("<u4")
@@ -868,40 +873,45 @@ class GrammarIndex:
                     esc_at = np.concatenate([np.zeros(len(early), dtype=np.int32), esc_at])
             self._keys[(s,)] = _info(rows[k], esc_rank, esc_at, ordered)
 
-    def _whole_rows(self, bits: np.ndarray, width: int, r_key: np.ndarray, r_lo: np.ndarray, r_cnt: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _whole_rows(self, bits: np.ndarray, width: int, r_key: np.ndarray, r_lo: np.ndarray, r_cnt: np.ndarray,
+                    in_whole: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Set the bits (`bits`: one bool per (key, token id), `width` per key) of the keys of a
-        batched walk that accept at least 1/_WHOLE_ROW of the vocabulary (a string body: nearly
-        every token) from their ranges of sorted positions (`_walk_trie_split`'s); returns the
-        other keys' ranges. Fills `bits` only.
+        batched walk whose subtrees accepted whole (`in_whole`, per key) hold at least
+        `_WHOLE_ROW` of the vocabulary (a string body: nearly every token), from their ranges of
+        sorted positions (`_walk_trie_split`'s); returns the other keys' ranges (all of them where
+        those keys have more than one range per 16 tokens). Fills `bits` only.
 
         NOTE: such a key's row is every token of the trie but those in the gaps between its
-        ranges (a few hundred): one copy of the trie's row per key instead of a scatter of ~49k
-        bits (SmolLM2: two keys of free JSON)."""
-        n = len(self.vocab.trie_tables.order)
-        total = np.bincount(r_key, weights=r_cnt, minlength=1)
-        big = np.flatnonzero(total * _WHOLE_ROW >= n)
-        if not len(big):
+        ranges (few): a copy of the trie's row and a scatter of the gaps instead of a scatter of
+        ~49k bits per key (SmolLM2: two keys of free JSON); all such keys' gaps at once."""
+        order = self.vocab.trie_tables.order
+        n = len(order)
+        is_big = in_whole >= _WHOLE_ROW * n
+        if not is_big.any():
             return r_key, r_lo, r_cnt
+        sel = is_big.take(r_key)
+        key, lo = r_key[sel], r_lo[sel]
+        if len(key) * 16 > int(in_whole[is_big].sum()):
+            return r_key, r_lo, r_cnt  # NOTE: many small ranges: sorting them costs more than their bits
+        hi = lo + r_cnt[sel]
+        by = np.lexsort((lo, key))
+        key, lo, hi = key.take(by), lo.take(by), hi.take(by)
+        # NOTE: a key's ranges are disjoint: its gaps are before each range (from the end of the
+        # one before it, or 0) and after its last one
+        first = _run_starts(key)
+        last = np.empty(len(key), dtype=bool)
+        last[:-1] = first[1:]
+        last[-1] = True
+        before = np.concatenate(([0], hi[:-1]))
+        before[first] = 0
+        gap_key = np.concatenate((key, key[last]))
+        gap_lo = np.concatenate((before, hi[last]))
+        gap_cnt = np.concatenate((lo - before, n - hi[last]))
         in_trie = np.zeros(width, dtype=bool)
         in_trie[self._rank_ids] = True
-        order = self.vocab.trie_tables.order
-        for k in big.tolist():
-            mine = r_key == k
-            lo = r_lo[mine]
-            by_lo = np.argsort(lo)
-            lo = lo.take(by_lo)
-            hi = lo + r_cnt[mine].take(by_lo)
-            # NOTE: the ranges are disjoint: the gaps between them (and after the last) are what the key rejects
-            gap_lo = np.concatenate(([0], hi))
-            gap = _expand(gap_lo, np.concatenate((lo, [n])) - gap_lo)
-            row = bits[k * width:(k + 1) * width]
-            row[:] = in_trie
-            row[order.take(gap).astype(np.int64)] = False
-        rest = np.ones(len(total), dtype=bool)
-        rest[big] = False
-        keep = rest.take(r_key)
-        return r_key[keep], r_lo[keep], r_cnt[keep]
+        bits.reshape(-1, width)[np.flatnonzero(is_big)] = in_trie
+        bits[np.repeat(gap_key, gap_cnt) * width + order.take(_expand(gap_lo, gap_cnt))] = False
+        return r_key[~sel], r_lo[~sel], r_cnt[~sel]
 
     def _first_escapes(self, f_key: np.ndarray, f_node: np.ndarray, rows: np.ndarray, bits: np.ndarray | None
                        ) -> dict[int, np.ndarray]:
@@ -1612,7 +1622,7 @@ def walk_representatives(pda: Pda, follow: np.ndarray, leads: np.ndarray | None 
     """(num_states,) int32: per state of `pda`, the least state that no byte string tells apart
     from it (the coarsest partition where states alike end their rules alike, with the same
     FOLLOW set, step on every byte to states alike and call the same rules with returns alike;
-    Moore rounds: `_coarsest`). Such states walk every token alike from any
+    Moore rounds: `_coarsest`, `state_classes.refine_classes`). Such states walk every token alike from any
     stack: same configurations up to the states' names, same escapes. Pure.
 
     NOTE: `follow` is `_follow_sets(pda, ...)` (num_rules, 256); `leads`, where given, is
@@ -1636,7 +1646,9 @@ def walk_representatives(pda: Pda, follow: np.ndarray, leads: np.ndarray | None 
     acc = np.flatnonzero(pda.accepting)
     init[acc] = 1 + follow_id[pda.state_rule[acc]]
     init[n] = int(init.max()) + 1
-    cls = _coarsest(cols, init)[:n]
+    # NOTE: whole rounds for a small network (free JSON: 68 states, half the time); incremental
+    # rounds past it (a few hundred states: 2-3x faster than whole ones)
+    cls = (_coarsest(cols, init) if n <= _COARSEST_STATES else refine_classes(cols, init, n, n + 1, history=False)[0])[:n]
     order = np.argsort(cls, kind="stable")
     starts = np.flatnonzero(np.r_[True, cls[order][1:] != cls[order][:-1]])
     least = np.minimum.reduceat(order, starts)
@@ -1651,8 +1663,8 @@ def _coarsest(cols: np.ndarray, init: np.ndarray) -> np.ndarray:
     label (Moore rounds: a row's class and its successors' classes as one byte string, numbered by
     `np.unique`). Pure.
 
-    NOTE: a few dozen rows (a network's states): whole rounds of a handful of array calls beat
-    `state_classes.refine_classes`' incremental rounds, made for DFAs of many thousand states."""
+    NOTE: a few dozen rows (a small network's states): whole rounds of a handful of array calls
+    beat `state_classes.refine_classes`' incremental rounds, which win from a few hundred rows."""
     n, k = cols.shape
     sig = np.empty((n, k + 1), dtype=np.int64)
     cls = np.asarray(init, dtype=np.int64)

@@ -307,7 +307,8 @@ def _ascii_dfa(node: Node) -> _Chain | None:
 
 # parts whose NFA (`automaton.Nfa`) has at most this many states, and their subset construction
 # at most this many subsets, are built by `_small_dfa`; larger ones by `build_dfa`
-_SMALL_NFA = 256
+_SMALL_NFA = 64
+_SMALL_SUBSETS = 24
 
 
 def _small_dfa(node: Node, limit: int) -> _Chain | None:
@@ -315,7 +316,7 @@ def _small_dfa(node: Node, limit: int) -> _Chain | None:
     ranges where the part is small: the regular compiler's NFA of it, a subset construction over
     the NFA's ranges, trimmed, Moore rounds on each subset's runs of target classes, the classes
     numbered breadth-first from the start, each state's targets by ascending byte; None where
-    the NFA or the subsets pass `_SMALL_NFA`, the DFA passes `limit` or the language is empty
+    the NFA passes `_SMALL_NFA` states or the subsets `_SMALL_SUBSETS`, the DFA passes `limit` or the language is empty
     (`build_dfa` then builds or refuses it). Pure.
 
     NOTE: the regular compiler's subset construction also discovers states breadth-first by
@@ -367,7 +368,7 @@ def _small_dfa(node: Node, limit: int) -> _Chain | None:
                 key = closure(tg) if isinstance(tg, int) else frozenset().union(*(closure(x) for x in tg))
                 j = ids.get(key, -1) if key else -1
                 if j < 0 and key:
-                    if len(sets) >= min(_SMALL_NFA, limit):
+                    if len(sets) >= min(_SMALL_SUBSETS, limit):
                         return None
                     j = ids[key] = len(sets)
                     sets.append(key)
