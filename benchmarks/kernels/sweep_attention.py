@@ -2,9 +2,10 @@
 
 Decode: KV splits (half, equal, twice `choose_num_kv_splits`), BLOCK_N, warps, stages, for
 bs 1/8/32 x context 512/4096. Extend: (BLOCK_M, BLOCK_N, warps, stages) for a 4096-token
-prefill and chunks over cached prefixes. Each variant is checked against the reference before
-it is timed (CUDA-graph replays, median). Prints the best variant per shape and the default's
-time; the defaults in `lmserver.kernels` are set from these results.
+prefill (each tile with and without the kernel's prefix loop: `has_prefix`) and chunks over
+cached prefixes. Each variant is checked against the reference before it is timed (CUDA-graph
+replays, median). Prints the best variant per shape and the default's time; the defaults in
+`lmserver.kernels` are set from these results.
 
     python benchmarks/kernels/sweep_attention.py [--json PATH] [--budget-s 120]
 """
@@ -96,25 +97,30 @@ def sweep_extend(deadline: float) -> list[dict]:
         ref = extend_attention_ref(*args)
         flops = 4 * heads * dim * (new * prefix + new * (new + 1) / 2)
         rows = []
-        for bm, bn, warps, stages in ((64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-                                      (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3)):
+        # a fresh prompt (no prefix) also without the kernel's prefix loop (`has_prefix=False`, what the backend
+        # launches when no request of the batch has a cached prefix) next to the same tiles with it
+        tiles = ((64, 64, 4, 3), (64, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3),
+                 (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3))  # the first: extend_attention's default
+        for (bm, bn, warps, stages), has_prefix in itertools.product(tiles, (True, False) if prefix == 0 else (True,)):
             out = torch.empty_like(q)
+            kw = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, has_prefix=has_prefix)
             try:
-                extend_attention(*args, new, out=out, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                extend_attention(*args, new, out=out, **kw)
                 err = rel_error(out, ref)
-                us = time_graph(lambda i, bm=bm, bn=bn, warps=warps, stages=stages, out=out, args=args, new=new:
-                                extend_attention(*args, new, out=out, block_m=bm, block_n=bn, num_warps=warps,
-                                                 num_stages=stages), 1) if err < 2e-2 else float("inf")
+                us = time_graph(lambda i, out=out, args=args, new=new, kw=kw: extend_attention(*args, new, out=out, **kw),
+                                1) if err < 2e-2 else float("inf")
             except Exception as exc:
                 err, us = float("nan"), float("inf")
                 print(f"  variant failed: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
-            rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "us": us, "err": err,
-                         "tflops": flops / (us * 1e-6) / 1e12})
+            rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "has_prefix": has_prefix,
+                         "us": us, "err": err, "tflops": flops / (us * 1e-6) / 1e12})
         best = min(rows, key=lambda r: r["us"])
         default = rows[0]
-        print(f"extend prefix={prefix} new={new}: default {default['us']:.1f} us ({default['tflops']:.0f} TFLOP/s); "
-              f"best {best['us']:.1f} us ({best['tflops']:.0f} TFLOP/s) block_m={best['block_m']} "
-              f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']}", flush=True)
+        no_loop = f"; without the prefix loop {rows[1]['us']:.1f} us" if prefix == 0 else ""
+        print(f"extend prefix={prefix} new={new}: default {default['us']:.1f} us ({default['tflops']:.0f} TFLOP/s)"
+              f"{no_loop}; best {best['us']:.1f} us ({best['tflops']:.0f} TFLOP/s) block_m={best['block_m']} "
+              f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "
+              f"has_prefix={best['has_prefix']}", flush=True)
         results.append({"kernel": "extend", "prefix": prefix, "new": new, "default": default, "best": best, "all": rows})
     return results
 
