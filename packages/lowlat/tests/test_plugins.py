@@ -94,6 +94,23 @@ def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured
         assert [b for b in range(1, 17) if vstack.covers(Step.decode(b))] == list(range(1, largest + 1))
 
 
+@pytest.mark.parametrize(("wins_up_to", "largest"), [(0, 0), (4, 4)])
+def test_measured_only_declines_shapes_without_a_measurement(wins_up_to: int, largest: int) -> None:
+    """LowlatConfig.measured_only (a server's GPU default): no measured entry (wins_up_to 0), no step; a measured
+    limit applies as with measured coverage."""
+    from lowlat.build import BuildContext
+    from lowlat.plugins._stack import TritonLayerStack
+    from lowlat.spec import Coverage
+
+    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+    ctx = BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
+                       Coverage(max_tokens=8), LowlatConfig(measured_only=True), fake_setup(vendor="cpu"), 64)
+    lc = ops.LaunchConfig.for_device(torch.device("cpu"), shape, False)
+    stack = TritonLayerStack("nvidia", ctx, replace(lc, wins_up_to=wins_up_to))
+    assert [b for b in range(1, 17) if stack.covers(Step.decode(b))] == list(range(1, largest + 1))
+    assert [n for n in range(1, 17) if stack.covers(Step.verify(n, 1))] == list(range(1, largest + 1))
+
+
 def test_nvidia_covers_verify_steps_and_amd_does_not() -> None:
     from lowlat.kernels.ops import MAX_VERIFY_ROWS
     from lowlat.plugins import amd, nvidia

@@ -128,18 +128,22 @@ def test_unsupported_setups_fall_back_or_fail_loudly() -> None:
         _engine(lowlat_plugins="sometimes")
 
 
-@pytest.mark.parametrize(("value", "mode", "plugins", "measured"), [
-    ("auto", "auto", (), True), (" require:nvidia ", "require", ("nvidia",), True),
-    ("require:nvidia+all-batches", "require", ("nvidia",), False), ("auto+all-batches", "auto", (), False)])
-def test_lowlat_plugins_option(value: str, mode: str, plugins: tuple[str, ...], measured: bool) -> None:
+@pytest.mark.parametrize(("value", "mode", "plugins", "measured", "measured_only"), [
+    ("auto", "auto", (), True, False), (" require:nvidia ", "require", ("nvidia",), True, False),
+    ("require:nvidia+all-batches", "require", ("nvidia",), False, False), ("auto+all-batches", "auto", (), False, False),
+    ("auto+measured-only", "auto", (), True, True)])
+def test_lowlat_plugins_option(value: str, mode: str, plugins: tuple[str, ...], measured: bool,
+                               measured_only: bool) -> None:
     from lmserver.runner.lowlat_hook import parse_lowlat_plugins
 
     config = parse_lowlat_plugins(value)
     assert config is not None
-    assert (config.mode, config.plugins, config.measured_coverage) == (mode, plugins, measured)
+    assert (config.mode, config.plugins, config.measured_coverage, config.measured_only) == (
+        mode, plugins, measured, measured_only)
 
 
-@pytest.mark.parametrize("value", ["require:", "sometimes", "nvidia", "+all-batches", "auto+all"])
+@pytest.mark.parametrize("value", ["require:", "sometimes", "nvidia", "+all-batches", "auto+all", "+measured-only",
+                                   "auto+measured"])
 def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
     from lmserver.runner.lowlat_hook import parse_lowlat_plugins
 
@@ -149,7 +153,7 @@ def test_lowlat_plugins_option_rejects_nonsense(value: str) -> None:
 
 
 @pytest.mark.parametrize(("given", "device", "resolved"), [
-    (None, "cuda", "auto"), (None, "cuda:1", "auto"), (None, "cpu", "off"),
+    (None, "cuda", "auto+measured-only"), (None, "cuda:1", "auto+measured-only"), (None, "cpu", "off"),
     ("off", "cuda", "off"), ("auto", "cpu", "auto"), ("require:nvidia", "cuda", "require:nvidia"),
 ])
 def test_lowlat_plugins_default_is_auto_on_a_gpu_and_off_on_the_cpu(given: str | None, device: str,
@@ -179,7 +183,7 @@ def test_lowlat_default_is_off_with_an_eagle3_head(tmp_path: Path) -> None:
     assert found == {"eagle3": True, "eagle3v": True, "eagle1": False}
     assert not _eagle3_draft(config.replace(speculative_draft_model_path=str(tmp_path / "missing")))
     assert not _eagle3_draft(ServerConfig(model_path="m", speculative_draft_model_path=str(tmp_path / "eagle3")))
-    assert [resolve_lowlat_plugins(None, "cuda", e) for e in (True, False)] == ["off", "auto"]
+    assert [resolve_lowlat_plugins(None, "cuda", e) for e in (True, False)] == ["off", "auto+measured-only"]
     assert resolve_lowlat_plugins("auto", "cuda", True) == "auto"
 
 

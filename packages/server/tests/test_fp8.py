@@ -269,7 +269,7 @@ def test_fp8_on_a_gpu_without_fp8_names_the_capability(monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="A100"):
         resolve.resolve_fp8(ServerConfig(kv_cache_dtype="fp8_e4m3"), _mc(), "cuda", "bfloat16")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert resolve.resolve_fp8(cfg, _mc(), "cuda", "bfloat16") == ("fp8", "bfloat16", "auto")  # lowlat default on a GPU
+    assert resolve.resolve_fp8(cfg, _mc(), "cuda", "bfloat16") == ("fp8", "bfloat16", "auto+measured-only")  # lowlat default
     with pytest.raises(ConfigError, match="tp_size"):
         resolve.resolve_fp8(cfg.replace(tp_size=2), _mc(), "cuda", "bfloat16")
     # lowlat as asked: the plugins' guards see FP8 weights / KV in the set-up (the nvidia plugin takes both)

@@ -31,6 +31,9 @@ class LowlatConfig:
             measured faster than the generic path on this GPU and layer shape (``nvidia``:
             ``lowlat.kernels.tuning.WINS_UP_TO``), so those steps run the original forward; ``False``
             runs the plugin on every batch its coverage allows (to benchmark it there).
+        measured_only: a built plugin declines every step on a GPU and layer shape it has no measured
+            table for (``nvidia``: no ``WINS_UP_TO`` entry), so only measured wins take it (a server's
+            default on a GPU); ``False`` takes every covered batch there.
     """
 
     mode: Mode = "auto"
@@ -41,6 +44,7 @@ class LowlatConfig:
     spin_limit: int = 1 << 18
     max_attn_splits: int = 16
     measured_coverage: bool = True
+    measured_only: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "auto", "require"):

@@ -92,9 +92,10 @@ class ServerConfig:
                                                       "one; default: on with CUDA and tp_size 1")
     lowlat_plugins: str | None = _opt(None, "low-latency decode plugins (lowlat): off, auto, or require:<name>; "
                                             "a '+all-batches' suffix also runs the plugin at batches where it "
-                                            "measured slower than the generic path; default: auto on a CUDA GPU "
-                                            "(the plugin takes the batches its measured tables say it wins, the "
-                                            "generic path the rest), off on the CPU")
+                                            "measured slower than the generic path, '+measured-only' leaves GPUs "
+                                            "and shapes without a measured table to the generic path; default: "
+                                            "auto+measured-only on a CUDA GPU (the plugin takes the batches its "
+                                            "measured tables say it wins), off on the CPU")
     # Quantization (FP8, lmserver.models.quantization)
     quantization: str | None = _opt(None, "weights: fp8 quantizes an unquantized checkpoint to FP8 e4m3 when it "
                                           "loads (decoder projections, per-channel scales); an FP8 checkpoint "

@@ -18,7 +18,10 @@ def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     """Decode steps, and verify steps (rows of a request as decode rows at their own positions, at most
     ``ops.MAX_VERIFY_ROWS`` per request), of up to the agreed number of rows; with
     ``LowlatConfig.measured_coverage`` only up to the largest batch the plugin measured faster than the generic
-    path at (``LaunchConfig.wins_up_to``, for verify rows ``verify_wins_up_to`` where measured). Pure."""
+    path at (``LaunchConfig.wins_up_to``, for verify rows ``verify_wins_up_to`` where measured); with
+    ``LowlatConfig.measured_only`` none where nothing was measured (``wins_up_to`` 0: no entry). Pure."""
+    if ctx.config.measured_only and lc.wins_up_to == 0:
+        return False  # no measurement on this GPU and shape: the generic path keeps every step
     limit = lc.wins_up_to if ctx.config.measured_coverage else 0
     if step.kind == StepKind.VERIFY:
         if step.max_query_len > ops.MAX_VERIFY_ROWS:

@@ -51,24 +51,29 @@ __all__ = ["EAGER_WARMUP_BATCH_SIZES", "WARMUP_BATCH_SIZES", "LowlatHook", "kv_t
 
 
 ALL_BATCHES = "+all-batches"
+MEASURED_ONLY = "+measured-only"
 
 
 def parse_lowlat_plugins(value: str) -> LowlatConfig | None:
     """`off` -> None; `auto` -> any plugin; `require:<name>` -> that plugin or an error. A `+all-batches`
     suffix runs the plugin at every batch it covers, also above the largest one it measured faster than
-    the generic path at (`LowlatConfig.measured_coverage=False`). Pure."""
+    the generic path at (`LowlatConfig.measured_coverage=False`); `+measured-only` (the server's default on
+    a GPU: `auto+measured-only`) leaves GPUs and shapes the plugin has no measurement for to the generic
+    path (`LowlatConfig.measured_only`). Pure."""
     value = value.strip()
+    measured_only = value.endswith(MEASURED_ONLY)
+    value = value.removesuffix(MEASURED_ONLY).strip()
     measured = not value.endswith(ALL_BATCHES)
     base = value.removesuffix(ALL_BATCHES).strip()
     if base == "off":
         return None
     if base == "auto":
-        return LowlatConfig(mode="auto", measured_coverage=measured)
+        return LowlatConfig(mode="auto", measured_coverage=measured, measured_only=measured_only)
     name = base.removeprefix("require:").strip() if base.startswith("require:") else ""
     if name:
-        return LowlatConfig(mode="require", plugins=(name,), measured_coverage=measured)
+        return LowlatConfig(mode="require", plugins=(name,), measured_coverage=measured, measured_only=measured_only)
     raise ValueError(f"lowlat_plugins must be 'off', 'auto' or 'require:<name>' (optionally with "
-                     f"'{ALL_BATCHES}'), got {value!r}")
+                     f"'{ALL_BATCHES}' or '{MEASURED_ONLY}'), got {value!r}")
 
 
 def _registry() -> Registry:

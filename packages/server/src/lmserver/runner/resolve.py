@@ -147,8 +147,9 @@ def _eagle3_draft(config: ServerConfig) -> bool:
 
 
 def resolve_lowlat_plugins(value: str | None, device: str, eagle3: bool = False) -> str:
-    """`--lowlat-plugins` as given, else the default: `auto` on a CUDA (or ROCm) GPU, where each plugin serves only
-    the batches its measured tables say it wins (`lowlat.LowlatConfig.measured_coverage`), `off` elsewhere (the
+    """`--lowlat-plugins` as given, else the default: `auto+measured-only` on a CUDA (or ROCm) GPU, where each plugin
+    serves only the batches its measured tables say it wins on this GPU and layer shape (none without a table:
+    `lowlat.LowlatConfig.measured_only`, `measured_coverage`), `off` elsewhere (the
     bundled plugins run on GPUs only; an explicit `auto` on the CPU logs their reasons) and with an EAGLE-3 draft
     head (it reads intermediate target layers, which the plugin path does not expose). Pure but for one log line."""
     if value is not None:
@@ -156,7 +157,7 @@ def resolve_lowlat_plugins(value: str | None, device: str, eagle3: bool = False)
     if eagle3 and device.startswith("cuda"):
         logger.info("lowlat plugins off by default: the EAGLE-3 head reads intermediate target layers")
         return "off"
-    return "auto" if device.startswith("cuda") else "off"
+    return "auto+measured-only" if device.startswith("cuda") else "off"
 
 
 # The issue asks `auto` to pick flashinfer when it imports on CUDA; the backend has not run on a
