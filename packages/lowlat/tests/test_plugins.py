@@ -111,6 +111,25 @@ def test_measured_only_declines_shapes_without_a_measurement(wins_up_to: int, la
     assert [n for n in range(1, 17) if stack.covers(Step.verify(n, 1))] == list(range(1, largest + 1))
 
 
+def test_nvidia_build_refuses_an_unmeasured_shape_when_measured_only() -> None:
+    """Refused at build (explain() says why; no workspace, the KV pool keeps its own layout) rather than built and
+    never used; without measured_only the same shape builds."""
+    from lowlat.build import BuildContext
+    from lowlat.plugins.nvidia import build
+    from lowlat.spec import Coverage
+
+    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+
+    def ctx(measured_only: bool) -> BuildContext:
+        return BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
+                            Coverage(max_tokens=8), LowlatConfig(measured_only=measured_only), fake_setup(vendor="cpu"),
+                            64)
+
+    with pytest.raises(Unsupported, match="no measured table"):
+        build(ctx(True))
+    assert build(ctx(False)).covers(Step.decode(1))
+
+
 def test_nvidia_covers_verify_steps_and_amd_does_not() -> None:
     from lowlat.kernels.ops import MAX_VERIFY_ROWS
     from lowlat.plugins import amd, nvidia

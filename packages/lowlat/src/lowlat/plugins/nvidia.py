@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowlat.build import BuildContext
+from lowlat.errors import Unsupported
 from lowlat.kernels._jit import pdl_available
 from lowlat.kernels.ops import MAX_VERIFY_ROWS, LaunchConfig
 from lowlat.plugins._moe_stack import TritonMoEStack
@@ -32,8 +33,6 @@ def use_pdl(ctx: BuildContext) -> bool:
         return False
     ok = pdl_available() and (ctx.setup.capability or (0, 0)) >= (9, 0)
     if ctx.config.pdl == "on" and not ok:
-        from lowlat.errors import Unsupported
-
         raise Unsupported("nvidia", ("pdl='on' but this Triton build or GPU has no programmatic dependent launch",))
     return ok
 
@@ -50,6 +49,9 @@ def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
     """Check the loaded weights and allocate the workspaces (``NvidiaLayerStack``, FP8 weights and KV included, or
     ``TritonMoEStack`` when ``ctx.moe`` is set)."""
     lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe, fp8=fp8_weights(ctx))
+    if ctx.config.measured_only and lc.wins_up_to == 0:
+        raise Unsupported("nvidia", ("no measured table for this GPU and layer shape (lowlat.kernels.tuning) and "
+                                     "LowlatConfig.measured_only is set: the generic path keeps every step",))
     if ctx.moe is not None:
         return TritonMoEStack("nvidia", ctx, lc)
     return NvidiaLayerStack("nvidia", ctx, lc)
