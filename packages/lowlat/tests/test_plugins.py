@@ -111,7 +111,7 @@ def test_measured_only_declines_shapes_without_a_measurement(wins_up_to: int, la
     assert [n for n in range(1, 17) if stack.covers(Step.verify(n, 1))] == list(range(1, largest + 1))
 
 
-def test_nvidia_build_refuses_an_unmeasured_shape_when_measured_only() -> None:
+def test_plugins_refuse_an_unmeasured_shape_at_build_when_measured_only() -> None:
     """Refused at build (explain() says why; no workspace, the KV pool keeps its own layout) rather than built and
     never used; without measured_only the same shape builds."""
     from lowlat.build import BuildContext
@@ -128,6 +128,10 @@ def test_nvidia_build_refuses_an_unmeasured_shape_when_measured_only() -> None:
     with pytest.raises(Unsupported, match="no measured table"):
         build(ctx(True))
     assert build(ctx(False)).covers(Step.decode(1))
+    from lowlat.plugins import amd
+
+    with pytest.raises(Unsupported, match="no measured table"):
+        amd.build(ctx(True))
 
 
 def test_nvidia_covers_verify_steps_and_amd_does_not() -> None:

@@ -35,6 +35,15 @@ def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     return step.num_tokens <= ctx.max_batch_size and (limit == 0 or step.num_tokens <= limit)
 
 
+def unmeasured_errors(ctx: BuildContext, lc: ops.LaunchConfig) -> tuple[str, ...]:
+    """Why a plugin refuses to build under ``LowlatConfig.measured_only``: no measured table for this GPU and layer
+    shape (``LaunchConfig.wins_up_to`` 0), so it would take no step; empty otherwise. Pure."""
+    if ctx.config.measured_only and lc.wins_up_to == 0:
+        return ("no measured table for this GPU and layer shape (lowlat.kernels.tuning) and LowlatConfig.measured_only "
+                "is set: the generic path keeps every step",)
+    return ()
+
+
 def fp8_weights(ctx: BuildContext) -> bool:
     """Whether the context's dense layers hold FP8 weights (its first layer decides; the stack checks the rest). Pure."""
     return bool(ctx.weights) and ctx.weights[0].fp8

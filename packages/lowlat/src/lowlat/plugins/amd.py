@@ -23,7 +23,7 @@ from lowlat.kernels.ops import GemvConfig
 from lowlat.kernels.persistent import attn_mlp_persistent_kernel
 from lowlat.kernels.tuning import tuned_persistent
 from lowlat.layer import ForwardMeta, KVCache
-from lowlat.plugins._stack import TritonLayerStack
+from lowlat.plugins._stack import TritonLayerStack, unmeasured_errors
 from lowlat.plugins.nvidia import ARCHS
 from lowlat.plugins.nvidia import check_model as _nvidia_check_model
 from lowlat.spec import FP8_WEIGHTS, Coverage, PluginSpec, Requirements
@@ -100,7 +100,10 @@ def build(ctx: BuildContext) -> AmdLayerStack:
     """Check the loaded weights and allocate the workspaces and sync counters."""
     if ctx.moe is not None:
         raise Unsupported("amd", ("mixture-of-experts layers are not supported by the amd plugin",))
-    return AmdLayerStack(ctx, ops.LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl=False))
+    lc = ops.LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl=False)
+    if unmeasured := unmeasured_errors(ctx, lc):
+        raise Unsupported("amd", unmeasured)
+    return AmdLayerStack(ctx, lc)
 
 
 spec = PluginSpec(

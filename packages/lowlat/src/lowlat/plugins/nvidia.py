@@ -20,7 +20,7 @@ from lowlat.errors import Unsupported
 from lowlat.kernels._jit import pdl_available
 from lowlat.kernels.ops import MAX_VERIFY_ROWS, LaunchConfig
 from lowlat.plugins._moe_stack import TritonMoEStack
-from lowlat.plugins._stack import TritonLayerStack, fp8_weights
+from lowlat.plugins._stack import TritonLayerStack, fp8_weights, unmeasured_errors
 from lowlat.spec import Coverage, PluginSpec, Requirements, StepKind
 from lowlat.tp import TP_SIZES
 
@@ -49,9 +49,8 @@ def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
     """Check the loaded weights and allocate the workspaces (``NvidiaLayerStack``, FP8 weights and KV included, or
     ``TritonMoEStack`` when ``ctx.moe`` is set)."""
     lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe, fp8=fp8_weights(ctx))
-    if ctx.config.measured_only and lc.wins_up_to == 0:
-        raise Unsupported("nvidia", ("no measured table for this GPU and layer shape (lowlat.kernels.tuning) and "
-                                     "LowlatConfig.measured_only is set: the generic path keeps every step",))
+    if unmeasured := unmeasured_errors(ctx, lc):
+        raise Unsupported("nvidia", unmeasured)
     if ctx.moe is not None:
         return TritonMoEStack("nvidia", ctx, lc)
     return NvidiaLayerStack("nvidia", ctx, lc)
