@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -68,17 +69,24 @@ def test_build_refuses_odd_head_dim_with_unsupported() -> None:
         build(ctx)
 
 
+def _small_stack(config: LowlatConfig) -> tuple[LayerShape, Any]:
+    """A tiny CPU layer shape and the BuildContext of one random layer of it (agreed coverage: 8 tokens)."""
+    from lowlat.build import BuildContext
+    from lowlat.spec import Coverage
+
+    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+    return shape, BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
+                               Coverage(max_tokens=8), config, fake_setup(vendor="cpu"), 64)
+
+
 @pytest.mark.parametrize(("wins_up_to", "measured", "largest"), [(0, True, 8), (1, True, 1), (4, True, 4), (1, False, 8)])
 def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured: bool, largest: int) -> None:
     """LaunchConfig.wins_up_to (tuning.WINS_UP_TO) caps the decode batches the built stack takes (the agreed
     coverage here: 8) unless LowlatConfig.measured_coverage is off; extend steps are never covered."""
-    from lowlat.build import BuildContext
     from lowlat.plugins._stack import TritonLayerStack
-    from lowlat.spec import Coverage, StepKind
+    from lowlat.spec import StepKind
 
-    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
-    ctx = BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
-                       Coverage(max_tokens=8), LowlatConfig(measured_coverage=measured), fake_setup(vendor="cpu"), 64)
+    shape, ctx = _small_stack(LowlatConfig(measured_coverage=measured))
     lc = ops.LaunchConfig.for_device(torch.device("cpu"), shape, False)
     stack = TritonLayerStack("nvidia", ctx, replace(lc, wins_up_to=wins_up_to))
     assert [b for b in range(1, 17) if stack.covers(Step.decode(b))] == list(range(1, largest + 1))
@@ -98,13 +106,9 @@ def test_stack_declines_batches_above_its_measured_win(wins_up_to: int, measured
 def test_measured_only_declines_shapes_without_a_measurement(wins_up_to: int, largest: int) -> None:
     """LowlatConfig.measured_only (a server's GPU default): no measured entry (wins_up_to 0), no step; a measured
     limit applies as with measured coverage."""
-    from lowlat.build import BuildContext
     from lowlat.plugins._stack import TritonLayerStack
-    from lowlat.spec import Coverage
 
-    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
-    ctx = BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
-                       Coverage(max_tokens=8), LowlatConfig(measured_only=True), fake_setup(vendor="cpu"), 64)
+    shape, ctx = _small_stack(LowlatConfig(measured_only=True))
     lc = ops.LaunchConfig.for_device(torch.device("cpu"), shape, False)
     stack = TritonLayerStack("nvidia", ctx, replace(lc, wins_up_to=wins_up_to))
     assert [b for b in range(1, 17) if stack.covers(Step.decode(b))] == list(range(1, largest + 1))
@@ -114,24 +118,16 @@ def test_measured_only_declines_shapes_without_a_measurement(wins_up_to: int, la
 def test_plugins_refuse_an_unmeasured_shape_at_build_when_measured_only() -> None:
     """Refused at build (explain() says why; no workspace, the KV pool keeps its own layout) rather than built and
     never used; without measured_only the same shape builds."""
-    from lowlat.build import BuildContext
     from lowlat.plugins.nvidia import build
-    from lowlat.spec import Coverage
 
-    shape = LayerShape(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
-
-    def ctx(measured_only: bool) -> BuildContext:
-        return BuildContext(shape, (random_layer(shape),), torch.device("cpu"), torch.float32, torch.float32,
-                            Coverage(max_tokens=8), LowlatConfig(measured_only=measured_only), fake_setup(vendor="cpu"),
-                            64)
 
     with pytest.raises(Unsupported, match="no measured table"):
-        build(ctx(True))
-    assert build(ctx(False)).covers(Step.decode(1))
+        build(_small_stack(LowlatConfig(measured_only=True))[1])
+    assert build(_small_stack(LowlatConfig())[1]).covers(Step.decode(1))
     from lowlat.plugins import amd
 
     with pytest.raises(Unsupported, match="no measured table"):
-        amd.build(ctx(True))
+        amd.build(_small_stack(LowlatConfig(measured_only=True))[1])
 
 
 def test_nvidia_covers_verify_steps_and_amd_does_not() -> None:
