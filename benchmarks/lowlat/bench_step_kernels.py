@@ -12,7 +12,8 @@ verify rows in it. The engine's own per-step time of that request (median) is pr
 
 Settings: `fp8` / `fp8+plugin` (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, lowlat off / auto; `fp8+plugin-all`:
 `auto+all-batches`, the plugin also above its measured coverage), `bf16` /
-`bf16+plugin`, `spec` / `spec+plugin` (bf16, n-gram drafts: 5 per step, acceptance simulated at 3.5).
+`bf16+plugin`, `spec` / `spec+plugin` (bf16, n-gram drafts: 5 per step, acceptance simulated at 3.5), `spec-fp8` /
+`spec-fp8+plugin-all` (the same on FP8 weights and KV; the plugin also on verify steps its tables decline).
 
     PYTHONPATH=... python benchmarks/lowlat/bench_step_kernels.py --model-path MODEL_DIR \\
         --settings fp8+plugin spec spec+plugin --sizes 1 8 [--json out.json]
@@ -46,6 +47,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fp8+plugin-all": dict(FP8, lowlat_plugins="auto+all-batches"),
     "spec": dict(SPEC, lowlat_plugins="off"),
     "spec+plugin": dict(SPEC, lowlat_plugins="auto"),
+    "spec-fp8": dict(SPEC, **FP8, lowlat_plugins="off"),
+    "spec-fp8+plugin-all": dict(SPEC, **FP8, lowlat_plugins="auto+all-batches"),
 }
 
 

@@ -10,6 +10,8 @@ Settings (`--settings`, in one run, side by side):
 - `spec`: `--speculative-algorithm ngram --speculative-simulate-accept-length A
   --speculative-num-draft-tokens D` (every step verifies D drafts and accepts A - 1 on average,
   whatever the random weights say: the seed's measurement method); `spec+lowlat`: with `auto`;
+  `spec+lowlat-all`: `auto+all-batches` (the plugin also on verify steps its measured tables decline; with
+  `--quantization fp8 --kv-cache-dtype fp8_e4m3` in `--server-args`: FP8 verify steps);
 - `eagle`: the same acceptance with an EAGLE head (`--eagle-head FOLDER`) proposing the drafts, so
   its cost (a catch-up forward and D - 1 head steps, each with the target's LM head) is paid.
 
@@ -40,6 +42,7 @@ SETTINGS = {
     "plain+lowlat": ["--lowlat-plugins", "auto"],
     "spec": ["SPEC", "--lowlat-plugins", "off"],
     "spec+lowlat": ["SPEC", "--lowlat-plugins", "auto"],
+    "spec+lowlat-all": ["SPEC", "--lowlat-plugins", "auto+all-batches"],
     "eagle": ["EAGLE", "--lowlat-plugins", "off"],
     "eagle+lowlat": ["EAGLE", "--lowlat-plugins", "auto"],
 }

@@ -14,7 +14,9 @@ rows) replayed back to back (CUDA events) and under the torch profiler (each ker
 `spec` (generic verify: cuBLAS + lmserver's kernels), `spec+plugin-perrow` (the plugin with `rows_attention_up_to=0`:
 the per-row attention, as before this change), `spec+plugin` (the plugin as built now), and `spec+plugin+...`: the
 plugin with one GEMV stage's kernel at 2-8 rows swapped, or `rows-wide`: `rows_attention` on 16 splits of 64 tokens
-whose unused splits return (`LaunchConfig.rows_wide_splits`; `VARIANTS`).
+whose unused splits return (`LaunchConfig.rows_wide_splits`; `VARIANTS`). `spec-fp8` / `spec-fp8+plugin-all`: the
+generic and the plugin's verify step on FP8 weights and an FP8 KV cache (`auto+all-batches`: the plugin also where
+its tables decline verify steps).
 
 `--alias-tables` (default on): on a GPU other than the H200 the plugin's measured tables (`lowlat.kernels.tuning`,
 keyed by the GPU's name) are the H200's, copied under this GPU's name in this process only: the tiles were measured
@@ -193,6 +195,8 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "spec+plugin+oproj-dot": ("spec+plugin", _first("o_proj", ("dot", 32, 256, 4, 4))),
     "spec+plugin+down-mrow": ("spec+plugin", _first("down", ("mrow", 32, 512, 4, 3))),
     "spec+plugin+qkv-dot64": ("spec+plugin", _first("qkv", ("dot", 64, 256, 4, 3))),
+    "spec-fp8": ("spec-fp8", None),
+    "spec-fp8+plugin-all": ("spec-fp8+plugin-all", None),
 }
 
 
