@@ -1,4 +1,4 @@
-"""Runs kernel_cases.py (and moe_cases.py, fp8_cases.py, tp_cases.py) in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
+"""Runs kernel_cases.py (and moe_cases.py, fp8_cases.py, fp8_moe_cases.py, tp_cases.py) in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
 
 TRITON_INTERPRET must be set before triton is imported, so the cases run in a child process and
 the other tests of this session keep the normal Triton. The cases marked `slow` there run in this
@@ -17,6 +17,7 @@ import pytest
 CASES = Path(__file__).with_name("kernel_cases.py")
 MOE_CASES = Path(__file__).with_name("moe_cases.py")
 FP8_CASES = Path(__file__).with_name("fp8_cases.py")
+FP8_MOE_CASES = Path(__file__).with_name("fp8_moe_cases.py")
 TP_CASES = Path(__file__).with_name("tp_cases.py")
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -82,6 +83,17 @@ def test_long_fp8_cases_under_the_interpreter() -> None:
 @pytest.mark.gpu
 def test_fp8_kernels_and_layer_on_the_gpu() -> None:
     _run({}, FP8_CASES)
+
+
+def test_fp8_moe_kernels_and_stack_under_the_interpreter() -> None:
+    _run(INTERPRET, FP8_MOE_CASES, marks="not slow")
+
+
+@pytest.mark.gpu
+def test_fp8_moe_kernels_and_stack_on_the_gpu() -> None:
+    """The CPU cases plus the Mixtral-8x7B layer (expert kernels at 1-8 tokens, large activations, the stack at 1 and 8
+    rows)."""
+    _run({}, FP8_MOE_CASES)
 
 
 def test_tp_plugin_ranks_under_the_interpreter() -> None:

@@ -107,3 +107,19 @@ def test_persistent_table_entries_are_dot_tiles_on_a_known_grid() -> None:
         assert tuned_persistent(gpu, shape) == cfg
         assert cfg.variant == "dot"  # K2's GEMV tasks are tensor-core tiles
         assert min(hidden, heads * head_dim, inter) % cfg.block_n == 0 and cfg.programs >= 0
+
+
+def test_fp8_moe_coverage_has_its_own_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 MoE stacks read FP8_MOE_WINS_UP_TO only: the model-dtype MoE entry says nothing of FP8 (0: no entry, which
+    measured_only declines), and an entry added there once measured is what they get."""
+    from lowlat import MoEShape
+    from lowlat.kernels import tuning
+
+    moe = MoEShape(8, 2, 14336)
+    key = ("NVIDIA H200", tuning.shape_key(LLAMA3_8B), (8, 2, 14336))
+    assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, moe) == tuning.MOE_WINS_UP_TO[key]
+    assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, moe, fp8=True) == tuning.FP8_MOE_WINS_UP_TO.get(key, 0)
+    monkeypatch.setitem(tuning.FP8_MOE_WINS_UP_TO, key, 3)
+    assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, moe, fp8=True) == 3
+    assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, moe) == tuning.MOE_WINS_UP_TO[key]
+    assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, fp8=True) == tuning.FP8_WINS_UP_TO[key[:2]]  # dense

@@ -24,7 +24,7 @@ from lowlat.explain import explain, format_report, report
 from lowlat.graphs import ORIGINAL, PLUGIN, PathRecorder
 from lowlat.guards import detect_setup, requirement_failures, spec_failures
 from lowlat.layer import ForwardMeta, KVCache, LayerShape, LayerWeights, quantize_layer_fp8, rope_inv_freq
-from lowlat.moe import MoELayerWeights, MoEShape, reference_moe_decoder_layer
+from lowlat.moe import MoELayerWeights, MoEShape, quantize_moe_layer_fp8, reference_moe_decoder_layer
 from lowlat.reference import reference_decoder_layer
 from lowlat.registry import ENTRY_POINT_GROUP, Registry, current_registry, register, use_registry
 from lowlat.session import Report, Session, Stage, Verdict
@@ -92,6 +92,7 @@ __all__ = [
     "report",
     "requirement_failures",
     "quantize_layer_fp8",
+    "quantize_moe_layer_fp8",
     "rope_inv_freq",
     "spec_failures",
     "use_registry",

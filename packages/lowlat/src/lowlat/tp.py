@@ -211,4 +211,6 @@ def shard_moe_layer(w: MoELayerWeights, shape: LayerShape, moe: MoEShape, rank: 
     fields = _attention_shard(w, shape, rank, tp_size)
     fields["w13"] = torch.cat([w.w13[:, s:s + n], w.w13[:, inter + s:inter + s + n]], 1).contiguous()
     fields["w2"] = w.w2[:, :, s:s + n].contiguous()
+    if w.w13_scale is not None:  # FP8: the rows' scales go with the rows (w2's rows, hidden, stay whole)
+        fields["w13_scale"] = torch.cat([w.w13_scale[:, s:s + n], w.w13_scale[:, inter + s:inter + s + n]], 1).contiguous()
     return replace(w, **fields)

@@ -10,6 +10,14 @@ still running; but the experts no token chose read that block too), then places 
 tile; a tile with no row skips its GEMM; (4) ``combine_kernel``: residual + the routing-weighted
 sum of each token's ``top_k`` expert rows, found again by popcount (deterministic, no atomics).
 Tokens per step are limited to 31 (one int32 bitmap).
+
+FP8 (e4m3) experts: ``expert_gate_up_ws_kernel`` / ``expert_down_ws_kernel`` (the same grid, bitmap placement and
+outputs) run weight-stationary as ``lowlat.kernels.mrow``: each weight tile (BLOCK_N weight rows, BLOCK_K) is the MMA's
+left operand and the expert's 8 rows the narrow side (no padding to 16 rows), through mrow's ``_wx`` (``MMA`` 3: FP8
+widened to fp16, one conversion per two weights, the rows scaled by 2^-4 so that activations up to ~1.05e6 stay in
+fp16's range). The float32 sums take their rows' scales (``HAS_SCALE``) before the SiLU (gate-up) or before they are
+stored for the combine's routing weight (down). With model-dtype weights (``HAS_SCALE`` off) they are the same
+kernels over bf16 / fp16 tiles (``MMA`` 1).
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _dot
+from lowlat.kernels.layer import _dot, row_scales
+from lowlat.kernels.mrow import _wx
 
 
 @triton.jit
@@ -180,6 +189,79 @@ def expert_down_kernel(
             a = tl.load(a_rows + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             acc = _dot(a, w, acc, DOT_F32)
         tl.store(y_ptr + (e * MAX_T + row[:, None]) * H + offs_n[None, :], acc, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def expert_gate_up_ws_kernel(
+    hn_ptr, w13_ptr, s13_ptr, bitmap_ptr, act_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    # expert_gate_up_kernel's act, weight-stationary: acc (BLOCK_N, BLOCK_R) = w tile (BLOCK_N, BLOCK_K) @ rows.T;
+    # FP8: g, u = the sums times s13[e, n], s13[e, INTER + n] (float32) before the SiLU
+    e = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    rt = tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    base = w13_ptr + e.to(tl.int64) * (2 * INTER * H)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    bitmap = tl.load(bitmap_ptr + e)
+    if _popcount32(bitmap) > rt * ROWS:  # NOTE: an unrouted expert's programs read no weight
+        tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_R), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_R), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            km = (k0 + offs_k) < H
+            wmask = n_mask[:, None] & km[None, :]
+            wg = tl.load(base + offs_n[:, None] * H + k0 + offs_k[None, :], mask=wmask, other=0.0)
+            wu = tl.load(base + (INTER + offs_n[:, None]) * H + k0 + offs_k[None, :], mask=wmask, other=0.0)
+            a = tl.load(hn_ptr + tok[:, None] * H + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            acc_g = _wx(wg, a.to(tl.float32), acc_g, MMA, DOT_F32)
+            acc_u = _wx(wu, a.to(tl.float32), acc_u, MMA, DOT_F32)
+        s_base = s13_ptr + e * (2 * INTER)
+        g = acc_g * row_scales(s_base, offs_n, n_mask, HAS_SCALE)[:, None]
+        u = acc_u * row_scales(s_base, INTER + offs_n, n_mask, HAS_SCALE)[:, None]
+        act = g / (1.0 + tl.exp(-g)) * u
+        row = rt * ROWS + tl.arange(0, BLOCK_R)
+        ptr = act_ptr + (e * MAX_T + row[None, :]) * INTER + offs_n[:, None]
+        tl.store(ptr, act, mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def expert_down_ws_kernel(
+    act_ptr, w2_ptr, s2_ptr, bitmap_ptr, y_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    # expert_down_kernel's y, weight-stationary; FP8: the sums times s2[e, n] (float32)
+    e = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    rt = tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    base = w2_ptr + e.to(tl.int64) * (H * INTER)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    bitmap = tl.load(bitmap_ptr + e)
+    if _popcount32(bitmap) > rt * ROWS:
+        _tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
+        row = rt * ROWS + tl.arange(0, BLOCK_R)
+        a_rows = act_ptr + (e * MAX_T + row[:, None]) * INTER
+        acc = tl.zeros((BLOCK_N, BLOCK_R), tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            km = (k0 + offs_k) < INTER
+            w = tl.load(base + offs_n[:, None] * INTER + k0 + offs_k[None, :], mask=n_mask[:, None] & km[None, :],
+                        other=0.0)
+            a = tl.load(a_rows + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            acc = _wx(w, a.to(tl.float32), acc, MMA, DOT_F32)
+        acc = acc * row_scales(s2_ptr + e * H, offs_n, n_mask, HAS_SCALE)[:, None]
+        tl.store(y_ptr + (e * MAX_T + row[None, :]) * H + offs_n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from lowlat.errors import ShapeError
 from lowlat.kernels import moe as K
 from lowlat.kernels._jit import next_pow2
 from lowlat.kernels.ops import GemvConfig, LaunchConfig, _kw, block_m
+from lowlat.layer import FP8_DTYPE
 from lowlat.moe import MoEShape
 
 ROWS_PER_TILE = 8
@@ -19,6 +20,13 @@ MAX_TOKENS = 31  # one int32 bitmap per expert
 # of 36 tiles in lmserver's fused-MoE sweep of the same 16-row expert GEMM (benchmarks/kernels/bench_moe.py).
 EXPERT_GATE_UP = GemvConfig("dot", block_n=32, block_k=256, num_warps=4, num_stages=4)
 EXPERT_DOWN = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages=4)
+# FP8 (e4m3) experts: the weight-stationary kernels (``expert_gate_up_ws_kernel`` / ``expert_down_ws_kernel``) in
+# fp16 with the rows scaled (``mrow_f16s``). Not measured on the experts yet: the tiles the dense FP8 stack measured
+# best at 2-8 rows on the H200 for the same matrices (tuning.FP8_TABLES, 8B shape: gate-up 2 x 14336 x 4096 64 x 256,
+# down 4096 x 14336 32 x 512; an expert's w13 / w2 have those shapes at Mixtral-8x7B's). A config of any multi-row
+# variant runs the weight-stationary kernels (model-dtype weights too); a ``dot`` config the kernels above.
+EXPERT_GATE_UP_FP8 = GemvConfig("mrow_f16s", block_n=64, block_k=256, num_warps=4, num_stages=3)
+EXPERT_DOWN_FP8 = GemvConfig("mrow_f16s", block_n=32, block_k=512, num_warps=4, num_stages=3)
 # Whether the expert kernels read their first weight block before waiting on the router (PDL overlap, but every
 # expert's programs read it, routed or not: 1/16 of the unrouted experts' gate-up weights at block_k 256).
 EXPERT_PREFETCH = False
@@ -70,14 +78,23 @@ def moe_mlp(
     ws: MoEWorkspace,
     lc: LaunchConfig,
     residual: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,  # (E, 2 * inter) float32: FP8 w13's row scales
+    w2_scale: torch.Tensor | None = None,  # (E, hidden) float32: FP8 w2's row scales
+    up_cfg: GemvConfig | None = None,
+    down_cfg: GemvConfig | None = None,
 ) -> None:
     """``out = x1 + MoE(rmsnorm(x1))``: route, expert gate-up, expert down, combine. Mutates ``out`` and ``ws``.
-    ``residual``: added instead of ``x1`` (zeros: the MoE output alone, a rank's partial under TP)."""
+    ``residual``: added instead of ``x1`` (zeros: the MoE output alone, a rank's partial under TP). FP8 (e4m3)
+    ``w13`` / ``w2``: ``w13_scale`` / ``w2_scale`` their per-row scales (the router stays in the model dtype).
+    ``up_cfg`` / ``down_cfg``: the expert kernels' tiles (default: ``expert_configs``; benchmarks sweep them)."""
     b, h, dev = x1.shape[0], x1.shape[1], x1.device
     if b > ws.max_tokens:
         raise ShapeError(f"MoE step of {b} tokens exceeds the workspace's {ws.max_tokens}")
+    fp8 = w13.dtype == FP8_DTYPE
+    if (w13_scale is not None, w2.dtype == FP8_DTYPE, w2_scale is not None) != (fp8, fp8, fp8):
+        raise ShapeError("FP8 experts need w13 and w2 in float8_e4m3fn, each with its per-row scales (or none of them)")
     e, i, k = moe.num_experts, moe.expert_intermediate_size, moe.top_k
-    f32 = dev.type == "cpu" or w13.dtype == torch.float32
+    f32 = dev.type == "cpu" or x1.dtype == torch.float32
     K.route_kernel[(1,)](
         x1, norm_w, router, ws.hn, ws.ids, ws.wts, ws.bitmap, b, eps,
         H=h, E=e, TOP_K=k, BLOCK_M=block_m(b, dev), BLOCK_E=max(next_pow2(e), 1 if dev.type == "cpu" else 16),
@@ -87,19 +104,42 @@ def moe_mlp(
     block_r = ROWS_PER_TILE if dev.type == "cpu" else 16  # tl.dot needs 16 rows on a GPU; rows >= 8 stay masked
     common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, ROWS=ROWS_PER_TILE, BLOCK_R=block_r, BLOCK_T=max(2, next_pow2(b)),
                   DOT_F32=f32, USE_PDL=lc.use_pdl, PREFETCH=EXPERT_PREFETCH)
-    on_cpu = dev.type == "cpu"
-    up = GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k) if on_cpu else EXPERT_GATE_UP
-    down = GemvConfig("dot", lc.gemv_block_n, lc.gemv_block_k) if on_cpu else EXPERT_DOWN
+    up, down = expert_configs(dev, lc, fp8)
+    up, down = up_cfg or up, down_cfg or down
     up_k, down_k = min(up.block_k, next_pow2(h)), min(down.block_k, next_pow2(i))
-    K.expert_gate_up_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
-        ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
-        LOOP_START=up_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
-    )
-    K.expert_down_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
-        ws.act, w2, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
-        LOOP_START=down_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=down),
-    )
+    if fp8 and not (up.multi_row and down.multi_row):
+        raise ShapeError(f"FP8 experts run the weight-stationary kernels (a multi-row config), got {up} / {down}")
+    # the weight-stationary kernels: the rows are the MMA's narrow side (8 rows, no padding to 16)
+    ws_common = {**{n: v for n, v in common.items() if n != "PREFETCH"}, "BLOCK_R": ROWS_PER_TILE, "HAS_SCALE": fp8}
+    if up.multi_row:
+        K.expert_gate_up_ws_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
+            ws.hn, w13, w13 if w13_scale is None else w13_scale, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
+            MMA=up.mma_kind, **ws_common, **_kw(dev, lc, cfg=up),
+        )
+    else:
+        K.expert_gate_up_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
+            ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
+            LOOP_START=up_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
+        )
+    if down.multi_row:
+        K.expert_down_ws_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
+            ws.act, w2, w2 if w2_scale is None else w2_scale, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
+            MMA=down.mma_kind, **ws_common, **_kw(dev, lc, cfg=down),
+        )
+    else:
+        K.expert_down_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
+            ws.act, w2, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
+            LOOP_START=down_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=down),
+        )
     K.combine_kernel[(b, triton.cdiv(h, lc.gemv_block_n))](
         x1 if residual is None else residual, ws.y, ws.ids, ws.wts, ws.bitmap, out, MAX_T=ws.max_tokens, H=h, TOP_K=k, BLOCK_N=lc.gemv_block_n,
         USE_PDL=lc.use_pdl, **_kw(dev, lc),
     )
+
+
+def expert_configs(dev: torch.device, lc: LaunchConfig, fp8: bool) -> tuple[GemvConfig, GemvConfig]:
+    """The expert gate-up and down kernels' tiles on ``dev`` (FP8: the weight-stationary kernels). Pure."""
+    if dev.type == "cpu":  # the interpreter: small blocks (its dots run in float32 whatever the variant)
+        cpu = GemvConfig("mrow" if fp8 else "dot", lc.gemv_block_n, lc.gemv_block_k)
+        return cpu, cpu
+    return (EXPERT_GATE_UP_FP8, EXPERT_DOWN_FP8) if fp8 else (EXPERT_GATE_UP, EXPERT_DOWN)

@@ -164,6 +164,13 @@ FP8_VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336), (8, 2, 14336)): 1,
 }
+# The same with FP8 (e4m3) attention projections and experts (per-row scales; the weight-stationary expert kernels,
+# lowlat.kernels.moe). A model-dtype MOE_WINS_UP_TO entry says nothing of FP8: without an entry here the MoE stack
+# declines FP8 steps under LowlatConfig.measured_only (the server's GPU default) and takes every covered batch with
+# explicit `auto`. Add an entry once measured end to end against the generic FP8 path (benchmarks/lowlat/
+# bench_moe_stack.py for the layer, then the serving benchmark). Not measured yet: none.
+FP8_MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
+}
 
 
 # (GPU name, shape) -> the amd plugin's persistent K2 launch (attention .. down): GEMV tile block_n x block_k, warps,
@@ -204,10 +211,11 @@ def tuned_attention(device_name: str, shape: LayerShape) -> tuple[tuple[int, int
 
 def tuned_wins_up_to(device_name: str, shape: LayerShape, moe: MoEShape | None = None, fp8: bool = False) -> int:
     """The largest decode batch the plugin should take on this GPU and shape (``WINS_UP_TO``; with ``moe``, the MoE
-    stack's ``MOE_WINS_UP_TO``; with ``fp8`` weights, ``FP8_WINS_UP_TO`` where it has the shape), 0 = no limit."""
+    stack's ``MOE_WINS_UP_TO``, with ``fp8`` weights its ``FP8_MOE_WINS_UP_TO`` only; with ``fp8`` weights,
+    ``FP8_WINS_UP_TO`` where it has the shape), 0 = no limit (no entry)."""
     if moe is not None:
-        return MOE_WINS_UP_TO.get((device_name, shape_key(shape), (moe.num_experts, moe.top_k,
-                                                                    moe.expert_intermediate_size)), 0)
+        moe_key = (device_name, shape_key(shape), (moe.num_experts, moe.top_k, moe.expert_intermediate_size))
+        return (FP8_MOE_WINS_UP_TO if fp8 else MOE_WINS_UP_TO).get(moe_key, 0)
     key = (device_name, shape_key(shape))
     if fp8 and key in FP8_WINS_UP_TO:
         return FP8_WINS_UP_TO[key]

@@ -9,8 +9,8 @@ import torch
 from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import moe_ops, ops
-from lowlat.layer import ForwardMeta, KVCache
-from lowlat.plugins._stack import covers_rows, fp8_capability_errors, tp_reducer
+from lowlat.layer import FP8_DTYPE, ForwardMeta, KVCache
+from lowlat.plugins._stack import covers_rows, fp8_capability_errors, fp8_weights, tp_reducer
 from lowlat.spec import Step
 
 
@@ -22,6 +22,10 @@ class TritonMoEStack:
     nothing and never syncs the host. Tensor parallelism: this rank's shards (``lowlat.tp.shard_moe_layer``: each
     expert's intermediate features split); o_proj's partial and the MoE output (combined without the residual)
     are summed by the reducer, then the residual is added (``TritonLayerStack.row_parallel``'s order).
+
+    FP8 (``MoELayerWeights.fp8``, every layer or none; ``lc.fp8`` must say so): qkv and o_proj run the dense stack's
+    FP8 kernels (``LaunchConfig``'s FP8 table), the experts the weight-stationary FP8 kernels
+    (``lowlat.kernels.moe``); the router and the workspaces stay in the model dtype.
     """
 
     def __init__(self, name: str, ctx: BuildContext, lc: ops.LaunchConfig) -> None:
@@ -40,11 +44,27 @@ class TritonMoEStack:
             raise Unsupported(name, (f"MoE kernels place at most {moe_ops.MAX_TOKENS} tokens per step, coverage asks "
                                      f"{ctx.max_batch_size}",))
         self.reducer = tp_reducer(name, ctx, supports_tp=True)
+        fp8 = fp8_weights(ctx)
+        if fp8 != lc.fp8:
+            raise Unsupported(name, (f"LaunchConfig.fp8={lc.fp8} but the weights are {'' if fp8 else 'not '}FP8",))
+        want = FP8_DTYPE if fp8 else ctx.dtype
         for i, w in enumerate(ctx.moe_weights):
-            w.validate(s, moe)
-            for t in (w.qkv, w.o_proj, w.router, w.w13, w.w2):
-                if t.device.type != ctx.device.type or t.dtype != ctx.dtype or not t.is_contiguous():
-                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {ctx.dtype} on {ctx.device}",))
+            try:
+                w.validate(s, moe)
+            except ShapeError as exc:
+                raise Unsupported(name, (f"layer {i}: {exc}",)) from exc
+            if w.fp8 != fp8:
+                raise Unsupported(name, (f"layer {i}: FP8 weights in some layers only (every layer or none)",))
+            for t in (w.qkv, w.o_proj, w.w13, w.w2):
+                if t.device.type != ctx.device.type or t.dtype != want or not t.is_contiguous():
+                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {want} on {ctx.device}",))
+            if w.router.device.type != ctx.device.type or w.router.dtype != ctx.dtype or not w.router.is_contiguous():
+                raise Unsupported(name, (f"layer {i}: the router must be contiguous {ctx.dtype} on {ctx.device}",))
+            scales = [t for t in (w.qkv_scale, w.o_proj_scale, w.w13_scale, w.w2_scale) if t is not None]
+            if any(t.device.type != ctx.device.type or not t.is_contiguous() for t in scales):
+                raise Unsupported(name, (f"layer {i}: FP8 scales must be contiguous on {ctx.device}",))
+        if any(cfg.split_k > 1 for stage, _, cfg in lc.tuned if stage == "o_proj"):
+            raise Unsupported(name, ("a split-K o_proj entry needs a split workspace the MoE stack does not allocate",))
         self.name = name
         self.ctx = ctx
         self.shape = s
@@ -86,15 +106,16 @@ class TritonMoEStack:
         ops.attention(self.q[:b], kv, meta, self.part_o, self.part_lse, self.attn[:b], s, lc, splits)
         out = self.out[layer % 2, :b]
         if self.reducer is None:
-            ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc)
-            moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc)
+            ops.gemv_residual(self.attn[:b], w.o_proj, x, self.x1[:b], lc, scale=w.o_proj_scale)
+            moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, out, self.moe, s.rms_eps, self.ws, lc,
+                            w13_scale=w.w13_scale, w2_scale=w.w2_scale)
             return out
         part = self.partial[:b]
-        ops.gemv_residual(self.attn[:b], w.o_proj, None, part, lc)
+        ops.gemv_residual(self.attn[:b], w.o_proj, None, part, lc, scale=w.o_proj_scale)
         self.reducer.all_reduce(part)
         ops.residual_add(x, part, self.x1[:b], lc)
         moe_ops.moe_mlp(self.x1[:b], w.post_norm, w.router, w.w13, w.w2, part, self.moe, s.rms_eps, self.ws, lc,
-                        residual=self.zeros[:b])
+                        residual=self.zeros[:b], w13_scale=w.w13_scale, w2_scale=w.w2_scale)
         self.reducer.all_reduce(part)
         ops.residual_add(self.x1[:b], part, out, lc)
         return out

@@ -39,14 +39,19 @@ def unmeasured_errors(ctx: BuildContext, lc: ops.LaunchConfig) -> tuple[str, ...
     """Why a plugin refuses to build under ``LowlatConfig.measured_only``: no measured table for this GPU and layer
     shape (``LaunchConfig.wins_up_to`` 0), so it would take no step; empty otherwise. Pure."""
     if ctx.config.measured_only and lc.wins_up_to == 0:
-        return ("no measured table for this GPU and layer shape (lowlat.kernels.tuning) and LowlatConfig.measured_only "
-                "is set: the generic path keeps every step",)
+        table = ""
+        if ctx.moe is not None:
+            table = " (FP8 MoE: tuning.FP8_MOE_WINS_UP_TO)" if lc.fp8 else " (MoE: tuning.MOE_WINS_UP_TO)"
+        return (f"no measured table for this GPU and layer shape{table} (lowlat.kernels.tuning) and "
+                "LowlatConfig.measured_only is set: the generic path keeps every step",)
     return ()
 
 
 def fp8_weights(ctx: BuildContext) -> bool:
-    """Whether the context's dense layers hold FP8 weights (its first layer decides; the stack checks the rest). Pure."""
-    return bool(ctx.weights) and ctx.weights[0].fp8
+    """Whether the context's layers (dense, or MoE with ``ctx.moe``) hold FP8 weights (the first layer decides; the
+    stack checks the rest). Pure."""
+    layers = ctx.moe_weights if ctx.moe is not None else ctx.weights
+    return bool(layers) and layers[0].fp8
 
 
 def tp_reducer(name: str, ctx: BuildContext, supports_tp: bool) -> Reducer | None:
