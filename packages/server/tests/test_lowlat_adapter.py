@@ -100,17 +100,58 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+class _FakeFP8Experts(torch.nn.Module):
+    """FP8 experts as lmserver's ``MoE`` holds them (the layout contract of issue 33): ``w13`` (E, 2 * inter, hidden) /
+    ``w2`` (E, hidden, inter) float8_e4m3fn, ``w13_scale`` / ``w2_scale`` float32 per row ((E, 2 * inter), (E, hidden);
+    ``group_k`` None) or per block (``group_n`` x ``group_k``), the router ``gate``: what the adapter reads."""
+
+    def __init__(self, gate: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                 w2_scale: torch.Tensor, group_n: int | None = None, group_k: int | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.w13 = torch.nn.Parameter(w13, requires_grad=False)
+        self.w2 = torch.nn.Parameter(w2, requires_grad=False)
+        self.register_buffer("w13_scale", w13_scale)
+        self.register_buffer("w2_scale", w2_scale)
+        self.group_n, self.group_k = group_n, group_k
+
+
+def _fp8_experts_view(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose experts are FP8 (each expert's rows quantized, ``lowlat.layer.quantize_rows_fp8``) in
+    ``_FakeFP8Experts``; ``model``'s own experts become the dequantized values, so its forward computes what the FP8
+    experts hold. Mutates ``model``'s expert weights."""
+    import copy
+
+    from lowlat.layer import dequantized, quantize_rows_fp8
+
+    view = copy.deepcopy(model)
+    for layer, vlayer in zip(model.model.layers, view.model.layers, strict=True):  # type: ignore[union-attr, arg-type]
+        moe = layer.mlp
+        fp8 = {}
+        for name in ("w13", "w2"):
+            w = getattr(moe, name).data
+            q, scale = quantize_rows_fp8(w.reshape(-1, w.shape[-1]))
+            getattr(moe, name).data.copy_(dequantized(q, scale, torch.float32).view(w.shape))
+            fp8[name], fp8[f"{name}_scale"] = q.view(w.shape), scale.view(w.shape[:-1])
+        vlayer.mlp = _FakeFP8Experts(vlayer.mlp.gate, **fp8)
+    return view
+
+
 def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> None:
     """One decode step: lmserver's model forward (torch_native attention) vs the adapted lowlat path. ``fp8``: the
-    model's projections quantized online (``quantize_linears_``, per-channel scales) and an FP8 KV pool."""
+    model's projections quantized online (``quantize_linears_``, per-channel scales) and an FP8 KV pool; with experts,
+    the adapter reads FP8 experts with per-row scales (``_fp8_experts_view``; lmserver's forward runs their values)."""
     device = torch.device("cuda" if plugin and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
     config = _config(num_experts)
     model = _model(config, device)
+    view = model
     if fp8:
         from lmserver.models.quantization import quantize_linears_, use_fp8_path
 
         quantize_linears_(model, None)
         use_fp8_path(model, device)
+        if num_experts:
+            view = _fp8_experts_view(model)
     g = torch.Generator().manual_seed(7)
     batch, table = _decode_batch(device, g)
     pool_ref, pool_ll = _pools(config, device, g, kv_fp8=fp8)
@@ -120,7 +161,7 @@ def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> No
     batch.attn_backend = backend
     with torch.no_grad():
         want = model(batch.input_ids, batch.positions, batch)
-        layers = plugin_layers(model)
+        layers = plugin_layers(view)
         kvs = kv_caches(pool_ll)
         if plugin:
             from lowlat import Coverage, LowlatConfig
@@ -135,7 +176,7 @@ def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> No
             built = build(ctx)
         else:
             built = _ReferenceBuilt(layers)
-        got = decode_forward(model, built, batch, kvs, table, max_seq_len=max(batch.seq_lens_cpu))
+        got = decode_forward(view, built, batch, kvs, table, max_seq_len=max(batch.seq_lens_cpu))
     tol = 1e-4 if device.type == "cpu" else 3e-3  # GPU float32 dots may run in TF32
     assert _rel(got, want) < tol, _rel(got, want)
     for i in range(config.num_hidden_layers):
@@ -176,12 +217,31 @@ def test_reference_path_matches_lmserver_forward(num_experts: int) -> None:
     compare_decode_step(num_experts, plugin=False)
 
 
-def test_reference_path_matches_lmserver_fp8_forward() -> None:
-    """FP8 weights (per-channel scales, views of the model's Fp8Linear buffers) and an FP8 KV pool with its scales."""
-    compare_decode_step(0, plugin=False, fp8=True)
+@pytest.mark.parametrize("num_experts", [0, 4], ids=["llama", "mixtral"])
+def test_reference_path_matches_lmserver_fp8_forward(num_experts: int) -> None:
+    """FP8 weights (per-channel scales, views of the model's Fp8Linear buffers; Mixtral: FP8 experts with per-row
+    scales too) and an FP8 KV pool with its scales."""
+    compare_decode_step(num_experts, plugin=False, fp8=True)
 
 
-def test_adapter_refuses_fp8_block_scales_and_fp8_moe() -> None:
+def test_fp8_experts_are_passed_as_views_with_their_scales() -> None:
+    from lmserver.models.quantization import quantize_linears_
+
+    model = _model(_config(4), torch.device("cpu"))
+    quantize_linears_(model, None)
+    view = _fp8_experts_view(model)
+    layers = plugin_layers(view)
+    assert layers.moe is not None
+    for w, layer in zip(layers.weights, view.model.layers, strict=True):  # type: ignore[union-attr, arg-type]
+        assert w.fp8 and w.w13.dtype == torch.float8_e4m3fn  # type: ignore[union-attr]
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            assert getattr(w, name).data_ptr() == getattr(layer.mlp, name).data_ptr(), name
+        assert w.qkv_scale is not None and w.o_proj_scale is not None
+        assert w.router.dtype == torch.float32  # the router stays in the model dtype
+        w.validate(layers.shape, layers.moe)  # type: ignore[call-arg]
+
+
+def test_adapter_refuses_fp8_block_scales_and_fp8_in_half_a_moe_layer() -> None:
     from lmserver.models.quantization import quantize_linears_
 
     model = _model(_config(), torch.device("cpu"))
@@ -189,9 +249,20 @@ def test_adapter_refuses_fp8_block_scales_and_fp8_moe() -> None:
     with pytest.raises(LowlatAdapterError, match="one scale per output row"):
         plugin_layers(model)
     moe = _model(_config(4), torch.device("cpu"))
-    quantize_linears_(moe, None)
-    with pytest.raises(LowlatAdapterError, match="FP8 weights in a MoE model"):
+    quantize_linears_(moe, None)  # FP8 attention, model-dtype experts
+    with pytest.raises(LowlatAdapterError, match="FP8 attention projections with model-dtype experts"):
         plugin_layers(moe)
+    view = _fp8_experts_view(moe)
+    for layer in view.model.layers:  # type: ignore[union-attr]
+        e = layer.mlp  # 128 x 128 block scales, as a block-scaled checkpoint holds them
+        e.group_n = e.group_k = 128
+        e.w13_scale = torch.ones(e.w13.shape[0], 1, 1)
+        e.w2_scale = torch.ones(e.w2.shape[0], 1, 1)
+    with pytest.raises(LowlatAdapterError, match="FP8 experts with scales per 128 x 128 block"):
+        plugin_layers(view)
+    bf16_attn = _model(_config(4), torch.device("cpu"))  # FP8 experts, model-dtype attention
+    with pytest.raises(LowlatAdapterError, match="FP8 experts with model-dtype attention projections"):
+        plugin_layers(_fp8_experts_view(bf16_attn))
 
 
 def test_adapter_refuses_bias_qk_norm_and_extend() -> None:
@@ -240,7 +311,8 @@ def _child(env_extra: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
     env.update(env_extra)
     code = (f"import runpy; f = runpy.run_path({str(Path(__file__))!r})['compare_decode_step']; "
-            "f(0, plugin=True); f(4, plugin=True); f(0, plugin=True, fp8=True); print('ok')")
+            "f(0, plugin=True); f(4, plugin=True); f(0, plugin=True, fp8=True); f(4, plugin=True, fp8=True); "
+            "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -279,3 +351,38 @@ def test_hook_puts_fp8_weights_and_kv_into_the_setup(quantization: str | None, k
     per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim  # bytes of one FP8 slot
     tokens = hook.kv_tokens(1000, 10 * per_slot, config, torch.bfloat16)
     assert tokens == (990 if kv == "fp8_e4m3" else 995)
+
+
+@pytest.mark.parametrize("value", ["auto+measured-only", "auto", "require:cpu-reference"])
+def test_an_adapter_refusal_falls_back_with_its_reason_unless_required(value: str) -> None:
+    """An FP8 Mixtral the adapter cannot map (block-scaled experts) under the server's GPU default
+    (`auto+measured-only`) or `auto`: no plugin, no workspace, the reason in explain(), the model's forward serves
+    every step (start-up goes on); `require:` raises it at start-up."""
+    from lmserver.models.quantization import quantize_linears_
+    from lmserver.runner.lowlat_hook import LowlatHook
+    from lowlat import Coverage, PluginSpec, Registry, Requirements, Unsupported
+
+    built: list[object] = []
+    spec = PluginSpec(name="cpu-reference", version="1.0", archs=("MixtralForCausalLM",),
+                      requirements=Requirements(vendor="cpu", dtypes=("float32",)), coverage=Coverage(max_tokens=2),
+                      build=lambda ctx: built.append(ctx) or _ReferenceBuilt(ctx))  # type: ignore[func-returns-value]
+    config = _config(4)
+    model = _model(config, torch.device("cpu"))
+    quantize_linears_(model, None)
+    view = _fp8_experts_view(model)
+    for layer in view.model.layers:  # type: ignore[union-attr]
+        layer.mlp.group_n = layer.mlp.group_k = 128
+        layer.mlp.w13_scale = torch.ones(4, 1, 1)
+        layer.mlp.w2_scale = torch.ones(4, 1, 1)
+    hook = LowlatHook.start(value, config, "float32", "cpu", 1, MAX_CONTEXT, quantization="fp8",
+                            registry=Registry([spec]))
+    assert hook is not None
+    if value.startswith("require"):
+        with pytest.raises(Unsupported, match="128 x 128 block"):
+            hook.after_load(view, torch.device("cpu"), torch.float32)
+        return
+    assert hook.after_load(view, torch.device("cpu"), torch.float32) == 0
+    report = hook.report()
+    assert report["selected"] is None and not built
+    assert any("128 x 128 block" in r for v in report["verdicts"] for r in v["reasons"])
+    assert "128 x 128 block" in hook.explain()

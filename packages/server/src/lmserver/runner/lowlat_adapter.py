@@ -9,7 +9,11 @@ plugin (the plugin path of a decode step); the model runner decides when to call
 
 FP8: ``Fp8Linear`` projections (an FP8 checkpoint or ``--quantization fp8``) are passed as their e4m3 weights
 with per-row scales (``LayerWeights.qkv_scale`` ...; a per-tensor scale is already one value per row); K-group
-(128 x 128 block) scales are refused with a reason. An FP8 KV pool is passed with each layer's K / V scales.
+(128 x 128 block) scales are refused with a reason. FP8 MoE experts (``MoE.w13`` / ``w2`` float8_e4m3fn with
+``w13_scale`` (E, 2 * inter) / ``w2_scale`` (E, hidden) per-row scales) are passed as views with their scales
+(``MoELayerWeights.w13_scale`` ...), together with the FP8 attention projections; block-scaled experts
+(``MoE.group_k`` set), and FP8 in the attention or the experts only, are refused with a reason. An FP8 KV pool is
+passed with each layer's K / V scales.
 
 Tensor parallelism: on a sharded model (``lmserver.runner.distributed.shard``) the views are this rank's
 shards and the shape counts this rank's heads and intermediate features; the plugin gets the TP
@@ -87,6 +91,20 @@ def _projection(module: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | No
     return module.weight.data, module.weight_scale.view(-1)
 
 
+def _experts(module: Any, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(``w13``, ``w2``, ``w13_scale``, ``w2_scale``: per-row scales, None for model-dtype experts) of an lmserver
+    ``MoE`` in lowlat's layout (views); raises ``LowlatAdapterError`` for block-scaled FP8 experts. Reads only."""
+    w13_scale, w2_scale = getattr(module, "w13_scale", None), getattr(module, "w2_scale", None)
+    if w13_scale is not None or w2_scale is not None:
+        group_k = getattr(module, "group_k", None)
+        if group_k is not None or w13_scale is None or w2_scale is None or w13_scale.dim() != 2 or w2_scale.dim() != 2:
+            block = f"{getattr(module, 'group_n', None)} x {group_k}"
+            raise LowlatAdapterError(
+                f"{name}: FP8 experts with scales per {block} block (block-scaled checkpoint); lowlat's MoE kernels "
+                "read one scale per expert output row: serve it without the plugin")
+    return module.w13.data, module.w2.data, w13_scale, w2_scale
+
+
 def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
     """Views of every decoder layer's weights in lowlat's layout (no copies); reads only.
 
@@ -122,13 +140,17 @@ def plugin_layers(model: nn.Module, tp_size: int = 1) -> PluginLayers:
             down, down_scale = _projection(mlp.down_proj, f"layer {i} down_proj")
             layers.append(LayerWeights(gate_up=gate_up, down=down, qkv_scale=qkv_scale, o_proj_scale=o_proj_scale,
                                        gate_up_scale=gate_up_scale, down_scale=down_scale, **common))
-        elif qkv_scale is not None:
-            raise LowlatAdapterError(f"{config.architecture}: FP8 weights in a MoE model: the plugin's MoE stack reads "
-                                     "model-dtype weights; serve it without the plugin")
         else:
             experts = getattr(mlp, "moe", mlp)  # sharded: lmserver's TPMoE around this rank's experts
-            layers.append(MoELayerWeights(router=experts.gate.weight.data, w13=experts.w13.data, w2=experts.w2.data,
-                                          **common))
+            w13, w2, w13_scale, w2_scale = _experts(experts, f"layer {i} experts")
+            if (qkv_scale is not None) != (w13_scale is not None):
+                fp8, other = ("attention projections", "experts") if qkv_scale is not None else \
+                    ("experts", "attention projections")
+                raise LowlatAdapterError(
+                    f"{config.architecture} layer {i}: FP8 {fp8} with model-dtype {other}: the plugin's MoE stack "
+                    "takes FP8 in both or in neither; serve it without the plugin")
+            layers.append(MoELayerWeights(router=experts.gate.weight.data, w13=w13, w2=w2, qkv_scale=qkv_scale,
+                                          o_proj_scale=o_proj_scale, w13_scale=w13_scale, w2_scale=w2_scale, **common))
     return PluginLayers(layer_shape(config, tp_size), tuple(layers), moe)
 
 
