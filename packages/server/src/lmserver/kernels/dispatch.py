@@ -45,7 +45,8 @@ class KernelOps:
     store_kv: Callable[..., None]  # (k, v, k_cache, v_cache, loc), in place
     apply_token_bitmask_inplace: Callable[..., None]  # (logits, bitmask), in place
     top_k_top_p_min_p_probs: Callable[..., torch.Tensor]  # (logits, temps, top_ks, top_ps, min_ps, out=None)
-    # (x, router_logits, w13, w2, top_k) -> new (T, hidden); None: the MoE layer's own torch paths
+    # (x, router_logits, w13, w2, top_k, w13_scale=None, w2_scale=None, scale_block=None) -> new (T, hidden) (FP8
+    # experts with their scales); None: the MoE layer's own torch paths
     fused_moe: Callable[..., torch.Tensor] | None = None
 
 

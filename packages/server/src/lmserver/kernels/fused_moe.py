@@ -15,10 +15,22 @@ for all of them. Launch shapes depend only on (tokens, top_k, experts, block_m):
 used ones exit at once. Rounding follows `lmserver.layers.moe.moe_forward_native` (float32
 accumulation; gate and up, silu, their product, the down output and its weighted value each
 rounded to the activation dtype). Reference: ``moe_forward_native``.
+
+FP8 (e4m3) experts (`lmserver.layers.moe.MoE` layout: ``w13`` / ``w2`` float8_e4m3fn with ``w13_scale`` /
+``w2_scale``): one float32 scale per weight row, applied to the finished float32 sums, or one per
+(``group_n`` rows, ``group_k`` columns) block (128 x 128 checkpoints), applied to each K tile's partial sums
+(``block_k`` divides ``group_k``). Each weight tile is widened to fp16 in registers (exact; one
+``cvt.rn.f16x2.e4m3x2`` per two weights: widening to bf16 goes through float32, three slow conversions per
+weight, which made 8-row FP8 GEMMs conversion-bound on the H200, benchmarks/fp8/GPU_NOTES.md) and multiplied on
+the tensor cores against the activation rows in fp16. fp16 holds magnitudes up to 65,504 only, so bf16 / float32
+rows are scaled by 2^-4 before the cast (inline PTX ``mul.rn.f32``: LLVM moves a plain multiply past the
+truncation) and the float32 sums by 16 (both exact): rows up to ~1.05e6 stay finite, as in lowlat's
+``mrow_f16s``. Reference: ``moe_forward_native`` with the same scales (it dequantizes).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,8 +39,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, dot_precision
+from lmserver.kernels.fp8_ref import FP8_DTYPE
 
-__all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "descriptors_ok", "fused_moe", "route_and_align"]
+__all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "descriptors_ok", "fused_moe", "route_and_align",
+           "scale_block_k"]
 
 # One program routes and groups the pairs when the (tokens, experts) tile is at most this many elements (2,048 tokens
 # of 8 experts); larger steps run `route` and `align_pairs` as torch ops (H200, CUDA graphs, 8 experts: the torch ops
@@ -61,16 +75,41 @@ PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256, bl
                                tma=True)
 
 
-def choose_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2, descriptors: bool = False) -> MoeLaunch:
+# FP8 experts (not yet measured on a GPU; `benchmarks/fp8/bench_fp8_moe.py --sweep` times the candidates): decode, the
+# bf16 tiles (a weight tile is half the bytes; one more pipeline stage keeps as many weight bytes in flight per program
+# as bf16's four: down runs one 64-row program per SM at one token); prefill, the bf16 pointer tiles (the fp16 MMA does
+# bf16's work per weight; TMA descriptors for FP8 tiles not yet run on a GPU)
+FP8_DECODE_LAUNCH = MoeLaunch(num_stages=5)
+FP8_PREFILL_LAUNCH = PREFILL_LAUNCH
+
+
+def scale_block_k(block_k: int, group_k: int | None) -> int:
+    """``block_k`` halved until it divides ``group_k`` (a K tile never straddles two scale blocks); unchanged for
+    None (per-row scales). At least 16 (``tl.dot``): a ``group_k`` with no such divisor is refused by `fused_moe`."""
+    if group_k is None:
+        return block_k
+    while block_k > 16 and group_k % block_k:
+        block_k //= 2
+    return block_k
+
+
+def choose_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2, descriptors: bool = False,
+                      fp8: bool = False, group_k: int | None = None) -> MoeLaunch:
     """Tiles for ``num_pairs`` token-expert pairs over ``num_experts``: decode-sized batches (a few
     rows per expert) stream weights with 16-row blocks; prefill-sized ones use square tiles, with TMA
     descriptors for the weights where ``descriptors`` (see `descriptors_ok`). Four-byte elements halve
-    ``block_k`` (the same shared memory per pipeline stage)."""
-    if num_pairs / max(num_experts, 1) <= 16:
+    ``block_k`` (the same shared memory per pipeline stage). ``fp8``: FP8 expert weights (``FP8_*_LAUNCH``),
+    ``block_k`` dividing the scale blocks' ``group_k`` (`scale_block_k`)."""
+    decode = num_pairs / max(num_experts, 1) <= 16
+    if fp8:
+        launch = FP8_DECODE_LAUNCH if decode else FP8_PREFILL_LAUNCH
+    elif decode:
         launch = DECODE_LAUNCH
     else:
         launch = PREFILL_TMA_LAUNCH if descriptors else PREFILL_LAUNCH
-    return replace(launch, block_k=launch.block_k // 2) if element_size > 2 else launch
+    if element_size > 2:
+        launch = replace(launch, block_k=launch.block_k // 2)
+    return replace(launch, block_k=scale_block_k(launch.block_k, group_k)) if group_k is not None else launch
 
 
 def descriptors_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -209,14 +248,60 @@ def _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _rows_f16(a, SCALE_ROWS: tl.constexpr, ASM: tl.constexpr):
+    # activation rows -> the fp16 operand of an FP8 weight tile's MMA; SCALE_ROWS: times 2^-4 first (the caller
+    # multiplies the float32 sums by 16). NOTE: the multiply is inline PTX on the GPU: written `a * 0.0625`, LLVM
+    # narrows it past the cast (`cvt.rn.f16x2.f32` then `mul.f16x2`, a comes from a bf16 load) and the cast overflows
+    # first (benchmarks/fp8/GPU_NOTES.md); ASM is False only under Triton's interpreter (no inline assembly there,
+    # and numpy keeps the order)
+    if SCALE_ROWS and ASM:
+        out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [a.to(tl.float32)],
+                                        dtype=tl.float32, is_pure=True, pack=1).to(tl.float16)
+    elif SCALE_ROWS:
+        out = (a.to(tl.float32) * 0.0625).to(tl.float16)
+    else:
+        out = a.to(tl.float16)
+    return out
+
+
+@triton.jit
+def _mma(a, w, acc, s_ptr, k0, n_ok, PRECISION: tl.constexpr, W_SCALE: tl.constexpr, GROUP_K: tl.constexpr,
+         SCALE_ROWS: tl.constexpr, ASM: tl.constexpr):
+    # acc + a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T. W_SCALE 0: model-dtype weights; 1: FP8 with per-row scales
+    # (applied after the K loop, `_scaled`); 2: FP8 with block scales, the tile's partial sums times its scale block
+    # (s_ptr: the rows' scale rows, this K tile's column k0 // GROUP_K)
+    if W_SCALE == 0:
+        out = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    elif W_SCALE == 1:
+        out = tl.dot(_rows_f16(a, SCALE_ROWS, ASM), tl.trans(w.to(tl.float16)), acc)
+    else:
+        s = tl.load(s_ptr + k0 // GROUP_K, mask=n_ok, other=0.0)
+        out = acc + tl.dot(_rows_f16(a, SCALE_ROWS, ASM), tl.trans(w.to(tl.float16))) * s[None, :]
+    return out
+
+
+@triton.jit
+def _scaled(acc, s_ptr, n_ok, W_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    # the finished float32 sums: per-row scales (s_ptr: the rows' scales) and the rows' 2^-4 undone (exact)
+    if W_SCALE == 1:
+        acc = acc * tl.load(s_ptr, mask=n_ok, other=0.0)[None, :]
+    if W_SCALE != 0 and SCALE_ROWS:
+        acc = acc * 16.0
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w, h_ptr, pair_ids_ptr, block_expert_ptr,
+    x_ptr, w, s_ptr, h_ptr, pair_ids_ptr, block_expert_ptr,
     num_pairs, inter, hidden,
-    stride_x, stride_we, stride_wn, stride_h,
+    stride_x, stride_we, stride_wn, stride_h, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    # W_DESC: `w` is a tensor descriptor over the (experts * 2 * inter, hidden) weight rows, else a pointer
+    # W_DESC: `w` is a tensor descriptor over the (experts * 2 * inter, hidden) weight rows, else a pointer.
+    # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales
     expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -230,6 +315,13 @@ def _gate_up_kernel(
     if not W_DESC:
         w_gate = w + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         w_up = w_gate + inter * stride_wn
+    s_rows = s_ptr + expert.to(tl.int64) * stride_se
+    if W_SCALE == 2:
+        s_gate = s_rows + (offs_n // GROUP_N) * stride_sn
+        s_up = s_rows + ((inter + offs_n) // GROUP_N) * stride_sn
+    else:
+        s_gate = s_rows + offs_n * stride_sn
+        s_up = s_gate + inter * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -242,8 +334,10 @@ def _gate_up_kernel(
         else:
             g = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_gate = tl.dot(a, tl.trans(g), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision=PRECISION)
+        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, PRECISION, W_SCALE, GROUP_K, SCALE_ROWS, ASM)
+        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, SCALE_ROWS, ASM)
+    acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, SCALE_ROWS)
+    acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, SCALE_ROWS)
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -254,13 +348,16 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w, y_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr,
+    h_ptr, w, s_ptr, y_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr,
     num_pairs, hidden, inter,
-    stride_h, stride_we, stride_wn, stride_y,
+    stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr,
+    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer
+    # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer.
+    # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales
     expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -272,6 +369,10 @@ def _down_kernel(
     h_rows = h_ptr + safe_pairs[:, None] * stride_h
     if not W_DESC:
         w_rows = w + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    if W_SCALE == 2:
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // GROUP_N) * stride_sn
+    else:
+        s_rows = s_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + offs_k
@@ -281,7 +382,8 @@ def _down_kernel(
             wt = w.load([expert * hidden + n0, k0])
         else:
             wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(wt), acc, input_precision=PRECISION)
+        acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, SCALE_ROWS, ASM)
+    acc = _scaled(acc, s_rows, n_ok, W_SCALE, SCALE_ROWS)
     dtype = y_ptr.dtype.element_ty
     scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(tl.float32)
     out = (acc.to(dtype).to(tl.float32) * scale[:, None]).to(dtype)
@@ -299,9 +401,41 @@ def _check(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: 
         raise KernelInputError(f"router_logits must be ({x.shape[0]}, {experts}), got {tuple(router_logits.shape)}")
     if not 1 <= top_k <= experts:
         raise KernelInputError(f"top_k must be in [1, {experts}], got {top_k}")
-    if x.dtype != w13.dtype or w2.dtype != w13.dtype:
-        raise KernelInputError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if w2.dtype != w13.dtype or (x.dtype != w13.dtype and w13.dtype != FP8_DTYPE):
+        raise KernelInputError(f"x, w13 and w2 must share a dtype (or w13 and w2 be {FP8_DTYPE} with scales), got "
+                               f"{x.dtype}, {w13.dtype}, {w2.dtype}")
     check_last_dim_contiguous(x=x, router_logits=router_logits, w13=w13, w2=w2)
+
+
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                  scale_block: tuple[int, int] | None) -> None:
+    fp8 = w13.dtype == FP8_DTYPE
+    if not fp8:
+        if w13_scale is not None or w2_scale is not None or scale_block is not None:
+            raise KernelInputError(f"scales are for {FP8_DTYPE} experts; w13 is {w13.dtype}")
+        return
+    if w13_scale is None or w2_scale is None:
+        raise KernelInputError(f"{FP8_DTYPE} experts need w13_scale and w2_scale")
+    experts, two_inter, hidden = w13.shape
+    want13: tuple[int, ...]
+    want2: tuple[int, ...]
+    if scale_block is None:
+        want13, want2 = (experts, two_inter), (experts, hidden)
+    else:
+        bn, bk = scale_block
+        if bk < 16 or bk % 16:
+            raise KernelInputError(f"block scales need a multiple of 16 columns per block, got {scale_block}")
+        want13 = (experts, triton.cdiv(two_inter, bn), triton.cdiv(hidden, bk))
+        want2 = (experts, triton.cdiv(hidden, bn), triton.cdiv(two_inter // 2, bk))
+    for name, s, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
+        if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != w13.device:
+            raise KernelInputError(f"{name} must be float32 {want} on {w13.device} (scale_block {scale_block}), got "
+                                   f"{s.dtype} {tuple(s.shape)} on {s.device}")
+    check_last_dim_contiguous(w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def fused_moe(
@@ -312,18 +446,29 @@ def fused_moe(
     top_k: int,
     renormalize: bool = True,
     launch: MoeLaunch | None = None,
+    w13_scale: torch.Tensor | None = None,  # FP8: (E, 2 * inter) float32, or (E, row blocks, column blocks)
+    w2_scale: torch.Tensor | None = None,  # FP8: (E, hidden) float32, or (E, row blocks, column blocks)
+    scale_block: tuple[int, int] | None = None,  # FP8 block scales: (rows, columns) per block; None: per row
 ) -> torch.Tensor:
     """``moe_forward_native``'s result from two Triton launches; returns a new (T, hidden) tensor.
     Mutates nothing. ``launch`` overrides `choose_moe_launch` (benchmarks, tests); its ``tma`` is honoured only
-    where `descriptors_ok` (else the same tiles with pointer loads)."""
+    where `descriptors_ok` (else the same tiles with pointer loads). FP8 experts (w13 and w2 float8_e4m3fn) take
+    their scales (module docstring; the `lmserver.layers.moe.MoE` layout); ``launch.block_k`` must divide
+    ``scale_block[1]``."""
     _check(x, router_logits, w13, w2, top_k)
+    _check_scales(w13, w2, w13_scale, w2_scale, scale_block)
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if tokens == 0:
         return torch.empty_like(x)
     num_pairs = tokens * top_k
+    fp8 = w13.dtype == FP8_DTYPE
+    group_n, group_k = scale_block or (1, 1)
     descriptors = descriptors_ok(x, w13, w2)
-    cfg = launch or choose_moe_launch(num_pairs, num_experts, x.element_size(), descriptors)
+    cfg = launch or choose_moe_launch(num_pairs, num_experts, x.element_size(), descriptors, fp8,
+                                      scale_block[1] if scale_block else None)
+    if scale_block is not None and group_k % cfg.block_k:
+        raise KernelInputError(f"block_k {cfg.block_k} must divide the scale blocks' {group_k} columns")
     weights, pair_ids, block_expert = route_and_align(router_logits, top_k, renormalize, x.dtype, cfg.block_m)
     blocks = block_expert.numel()
     precision = dot_precision(x.dtype)
@@ -333,18 +478,26 @@ def fused_moe(
     if tma:  # the weights as 2-D row tables, one tile per load
         w_up = TensorDescriptor.from_tensor(w13.view(-1, hidden), [cfg.block_n_up, cfg.block_k])
         w_down = TensorDescriptor.from_tensor(w2.view(-1, inter), [cfg.block_n_down, cfg.block_k])
+    # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights; fp16 rows need no 2^-4
+    fp8_args: dict[str, object] = dict(W_SCALE=0 if not fp8 else 2 if scale_block else 1, GROUP_N=group_n,
+                                       GROUP_K=group_k, SCALE_ROWS=fp8 and x.dtype != torch.float16,
+                                       ASM=fp8 and not _interpreted())
+    s13 = w13_scale if w13_scale is not None else w13  # a placeholder pointer, never read without W_SCALE
+    s2 = w2_scale if w2_scale is not None else w2
+    s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
+    s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n_up))](
-        x, w_up, h, pair_ids, block_expert, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x, w_up, s13, h, pair_ids, block_expert, num_pairs, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13_strides,
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
-        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args,
     )
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
-        h, w_down, y, weights, pair_ids, block_expert, num_pairs, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h, w_down, s2, y, weights, pair_ids, block_expert, num_pairs, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
-        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args,
     )
     return y.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else y

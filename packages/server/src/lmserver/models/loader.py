@@ -134,8 +134,10 @@ def select_layer_kernels(
     return ops, f"fused layer kernels: {ops.reason}"
 
 
-def _prepare_fp8_checkpoint(model: torch.nn.Module, model_path: str | Path | None, group_k: int | None) -> None:
-    """Makes the layers whose checkpoint weights are FP8 `Fp8Linear` (empty, to be loaded)."""
+def _prepare_fp8_checkpoint(model: torch.nn.Module, model_path: str | Path | None, group_k: int | None,
+                            weight_block: tuple[int, int] | None) -> None:
+    """Makes the layers whose checkpoint weights are FP8 `Fp8Linear` and the MoE experts FP8 (empty, to be
+    loaded; `weight_block`: the experts' scale blocks)."""
     from lmserver.models.quantization import QuantizationError, replace_with_fp8_, scan_fp8_modules
 
     if model_path is None:
@@ -146,7 +148,7 @@ def _prepare_fp8_checkpoint(model: torch.nn.Module, model_path: str | Path | Non
         raise ModelLoadError(str(exc)) from exc
     if not names:
         raise ModelLoadError(f"{model_path}: config.json declares FP8 quantization but no weight is float8_e4m3fn")
-    replace_with_fp8_(model, names, group_k, quantize=False)
+    replace_with_fp8_(model, names, group_k, quantize=False, weight_block=weight_block)
 
 
 def load_model(
@@ -166,8 +168,8 @@ def load_model(
     Its norms, RoPE and MLP activation run lmserver's fused Triton kernels on CUDA (see
     `select_layer_kernels`), the torch ops elsewhere or with `disable_fused_kernels`.
     FP8 weights (`lmserver.models.quantization`): an FP8 checkpoint (its `quantization_config`)
-    loads into FP8 layers; `quantization="fp8"` quantizes an unquantized one after loading (and
-    random `dummy` weights).
+    loads into FP8 layers (MoE experts included); `quantization="fp8"` quantizes an unquantized one
+    after loading (and random `dummy` weights): the decoder projections and the MoE experts.
     """
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
@@ -180,7 +182,8 @@ def load_model(
         model = model_cls(config, max_positions=max_positions)
     from_checkpoint = fp8 is not None and fp8.source == "checkpoint" and load_format == "auto"
     if from_checkpoint:
-        _prepare_fp8_checkpoint(model, model_path, fp8.group_k if fp8 else None)
+        assert fp8 is not None
+        _prepare_fp8_checkpoint(model, model_path, fp8.group_k, fp8.weight_block)
     kernels, reason = select_layer_kernels(device, dtype, disable_fused_kernels)
     logger.info("model layers: %s", reason)
     model.use_kernels(kernels)
@@ -202,10 +205,11 @@ def load_model(
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
     if fp8 is not None:
-        from lmserver.models.quantization import quantize_linears_, use_fp8_path
+        from lmserver.models.quantization import quantize_linears_, quantize_moe_experts_, use_fp8_path
 
         if not from_checkpoint:
             quantize_linears_(model, fp8.group_k)
+            quantize_moe_experts_(model)
         logger.info("model weights: %s; %s", fp8.describe(), use_fp8_path(model, device))
     model.eval()
     return model  # type: ignore[no-any-return]

@@ -16,9 +16,14 @@ scale per shard. Static activation scales (`input_scale`) are read and ignored: 
 quantized per token on the fly. KV-cache scales (`self_attn.k_scale` / `v_scale`) are kept on
 the model (`FP8_KV_SCALES_ATTR`) for an FP8 KV cache.
 
+MoE experts (`lmserver.layers.moe.MoE`, Mixtral's `block_sparse_moe.experts.E.w1/w2/w3.weight`)
+become FP8 when their checkpoint weights are: per-tensor and per-channel scales are expanded to one
+per weight row, block scales (`weight_block_size`, `strategy: block`) kept per block (the w1 and w3
+blocks of one expert side by side: `intermediate_size` a multiple of the block's rows).
+
 Online quantization (`--quantization fp8` of an unquantized checkpoint) quantizes the decoder's
-q/k/v, o, gate/up and down projections per output channel (absolute max / 448); embeddings,
-the LM head, norms and MoE experts stay in the model dtype.
+q/k/v, o, gate/up and down projections per output channel and the MoE experts per row (absolute
+max / 448); embeddings, the LM head, norms and the MoE router stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import nn
 
 from lmserver.kernels.fp8_ref import FP8_DTYPE, expand_block_scale
 from lmserver.layers.fp8_linear import Fp8Linear
+from lmserver.layers.moe import MoE
 
 __all__ = [
     "FP8_KV_SCALES_ATTR",
@@ -41,8 +47,10 @@ __all__ = [
     "Fp8Spec",
     "QuantizationError",
     "fp8_linear_layers",
+    "fp8_moe_layers",
     "load_fp8_checkpoint",
     "quantize_linears_",
+    "quantize_moe_experts_",
     "read_fp8_spec",
     "replace_with_fp8_",
     "scan_fp8_modules",
@@ -151,6 +159,21 @@ def fp8_linear_layers(model: nn.Module) -> dict[str, Fp8Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
 
 
+def fp8_moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """`model`'s expert MLPs whose experts are FP8."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE) and m.is_fp8}
+
+
+_EXPERT_PARAMS = ("w13", "w2")
+
+
+def _expert_param(modules: dict[str, nn.Module], target: str) -> tuple[str, MoE] | None:
+    """(MoE module name, module) when `target` names a MoE's w13 / w2 parameter."""
+    module, _, attr = target.rpartition(".")
+    moe = modules.get(module)
+    return (module, moe) if isinstance(moe, MoE) and attr in _EXPERT_PARAMS else None
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     import json
 
@@ -162,8 +185,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def scan_fp8_modules(model: nn.Module, model_path: str | Path) -> set[str]:
     """Names of `model`'s modules whose checkpoint weights are float8_e4m3fn (read from the
-    safetensors headers, no tensor loaded). Raises QuantizationError when one does not map to an
-    `nn.Linear` (lmserver has no FP8 path for it, e.g. MoE experts)."""
+    safetensors headers, no tensor loaded): `nn.Linear`s and MoE expert MLPs (`MoE`). Raises
+    QuantizationError when one maps to anything else (lmserver has no FP8 path for it)."""
     from safetensors import safe_open
 
     names: set[str] = set()
@@ -178,23 +201,37 @@ def scan_fp8_modules(model: nn.Module, model_path: str | Path) -> set[str]:
                 if mapped is None:
                     continue
                 target = mapped[0]
+                if (expert := _expert_param(modules, target)) is not None:
+                    if not mapped[1]:
+                        raise QuantizationError(
+                            f"checkpoint tensor {name!r} holds every expert in FP8 in one tensor; lmserver reads FP8 "
+                            "experts one per tensor (block_sparse_moe.experts.E.w1/w2/w3.weight with their scales)")
+                    names.add(expert[0])
+                    continue
                 module = target.removesuffix(".weight")
                 if not target.endswith(".weight") or not isinstance(modules.get(module), nn.Linear):
                     raise QuantizationError(
                         f"checkpoint tensor {name!r} is FP8 but maps to {target!r}, which lmserver cannot hold "
-                        "in FP8 (FP8 weights are supported for linear layers; not yet for MoE experts)")
+                        "in FP8 (FP8 weights are supported for linear layers and MoE experts)")
                 names.add(module)
     return names
 
 
 def replace_with_fp8_(model: nn.Module, names: Iterable[str], group_k: int | None,
-                      quantize: bool) -> None:
+                      quantize: bool, weight_block: tuple[int, int] | None = None) -> None:
     """Replaces the `nn.Linear` modules `names` of `model` by `Fp8Linear`: quantized from their
-    weights (`quantize`), or empty for a checkpoint to fill. Mutates `model`."""
+    weights (`quantize`), or empty for a checkpoint to fill; the `MoE` modules among `names` get
+    FP8 experts (quantized per row, or empty with `weight_block` scale blocks). Mutates `model`."""
     for name in sorted(names):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
+        if isinstance(old, MoE):
+            if quantize:
+                old.quantize_fp8_()
+            else:
+                old.use_fp8_(weight_block)
+            continue
         assert isinstance(old, nn.Linear), name
         if quantize:
             new = Fp8Linear.from_linear(old, group_k)
@@ -223,6 +260,57 @@ def quantize_linears_(model: nn.Module, group_k: int | None, keep_layers: Collec
     return names
 
 
+def quantize_moe_experts_(model: nn.Module, keep_layers: Collection[int] = ()) -> list[str]:
+    """Online FP8 of the MoE experts: every `MoE` module's w13 / w2 quantized per row (absolute max / 448; the
+    router stays in the model dtype); returns the modules' names. `keep_layers` as in `quantize_linears_`.
+    Mutates `model`."""
+    config: Any = getattr(model, "config", None)
+    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    kept = {i + num_layers if i < 0 else i for i in keep_layers}
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, MoE) and not m.is_fp8 and _decoder_layer_index(name + ".") not in kept]
+    replace_with_fp8_(model, names, None, quantize=True)
+    return names
+
+
+def _expert_scale_rows(moe: MoE, which: str, index: tuple[int | slice, ...], tensor: torch.Tensor, name: str) -> int:
+    """Writes a checkpoint scale of one expert's w1 / w3 / w2 into `moe`'s scales (layout: `lmserver.layers.moe`);
+    returns the weight rows it covers. Raises QuantizationError for a shape that fits neither layout."""
+    w = moe.w13 if which == "w13" else moe.w2
+    scale = moe.w13_scale if which == "w13" else moe.w2_scale
+    assert scale is not None
+    _, n_all, k = w.shape
+    e = index[0]
+    rows = index[1] if len(index) > 1 and isinstance(index[1], slice) else slice(0, n_all)
+    n = rows.stop - rows.start
+    s = tensor.float()
+    block = moe.scale_block
+    if block is None:
+        if s.numel() == 1:  # per tensor
+            scale[e, rows] = s.reshape(())
+            return n
+        if s.numel() == n and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):  # per channel
+            scale[e, rows] = s.reshape(n)
+            return n
+        raise QuantizationError(f"scale {name!r} has shape {tuple(s.shape)}, which fits neither a per-tensor nor a "
+                                f"per-channel ({n}, 1) scale of its expert weight ({n} rows)")
+    bn, bk = block
+    if rows.start % bn:
+        raise QuantizationError(
+            f"scale {name!r}: block-scaled FP8 experts need intermediate_size ({rows.start}) to be a multiple of the "
+            f"scale block's {bn} rows (the w1 and w3 blocks of one expert are held side by side)")
+    nb, kb = -(-n // bn), -(-k // bk)
+    r0 = rows.start // bn
+    if s.numel() == 1:
+        scale[e, r0:r0 + nb] = s.reshape(())
+    elif tuple(s.shape) == (nb, kb):
+        scale[e, r0:r0 + nb] = s
+    else:
+        raise QuantizationError(f"scale {name!r} has shape {tuple(s.shape)}, which fits neither a per-tensor nor a "
+                                f"{bn}x{bk} block scale ({nb}, {kb}) of its expert weight ({n} x {k})")
+    return n
+
+
 def _scale_rows(scale: torch.Tensor, rows: int, layer: Fp8Linear, spec: Fp8Spec, name: str) -> torch.Tensor:
     """A checkpoint scale -> (rows, groups) float32 in the `Fp8Linear` layout."""
     groups = layer.weight_scale.shape[1]
@@ -247,9 +335,19 @@ def load_fp8_checkpoint(model: nn.Module, spec: Fp8Spec, weights: Iterable[tuple
     model. Raises QuantizationError for missing scale tensors or FP8 / unquantized shards mixed
     in one layer. Mutates `model`."""
     layers = fp8_linear_layers(model)
+    modules = dict(model.named_modules())
+    moes = fp8_moe_layers(model)
     map_weight: Any = model.map_weight
     filled: dict[str, int] = {}
     kv_scales: dict[int, dict[str, float]] = {}
+
+    def expert_of(weight_name: str) -> tuple[str, MoE, tuple[int | slice, ...]] | None:
+        """(target parameter, its FP8 MoE, index) when `weight_name` maps to FP8 experts."""
+        mapped = map_weight(weight_name)
+        found = None if mapped is None else _expert_param(modules, mapped[0])
+        if found is None or found[0] not in moes:
+            return None
+        return mapped[0], found[1], mapped[1]
 
     def target_of(weight_name: str) -> tuple[str, Fp8Linear | None, slice | None]:
         mapped = map_weight(weight_name)
@@ -271,6 +369,11 @@ def load_fp8_checkpoint(model: nn.Module, spec: Fp8Spec, weights: Iterable[tuple
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+            if suffix is not None and (expert := expert_of(name.removesuffix(suffix) + ".weight")) is not None:
+                target, moe, index = expert
+                rows_done = _expert_scale_rows(moe, target.rpartition(".")[2], index, tensor, name)
+                filled[target] = filled.get(target, 0) + rows_done
+                continue
             if suffix is not None:
                 module, layer, rows = target_of(name.removesuffix(suffix) + ".weight")
                 if layer is None:
@@ -281,6 +384,9 @@ def load_fp8_checkpoint(model: nn.Module, spec: Fp8Spec, weights: Iterable[tuple
                 layer.weight_scale[rows] = _scale_rows(tensor, n, layer, spec, name)
                 filled[module] = filled.get(module, 0) + n
                 continue
+            if name.endswith(".weight") and (expert := expert_of(name)) is not None and tensor.dtype != FP8_DTYPE:
+                raise QuantizationError(f"checkpoint tensor {name!r} is {tensor.dtype} but other experts of "
+                                        f"{expert[0]!r} are FP8; lmserver needs every expert weight of a layer in FP8")
             if name.endswith(".weight"):
                 module, layer, _ = target_of(name)
                 if layer is not None and tensor.dtype != FP8_DTYPE:
@@ -291,6 +397,11 @@ def load_fp8_checkpoint(model: nn.Module, spec: Fp8Spec, weights: Iterable[tuple
     model.load_weights(tensors())  # type: ignore[operator]
     missing = [f"{name} ({filled.get(name, 0)} of {layer.out_features} rows)"
                for name, layer in layers.items() if filled.get(name, 0) < layer.out_features]
+    for name, moe in moes.items():
+        for which in _EXPERT_PARAMS:
+            rows = getattr(moe, which).shape[0] * getattr(moe, which).shape[1]  # every expert's rows
+            if filled.get(f"{name}.{which}", 0) < rows:
+                missing.append(f"{name}.{which} ({filled.get(f'{name}.{which}', 0)} of {rows} expert rows)")
     if missing:
         raise QuantizationError(
             "missing scale tensors: an FP8 checkpoint needs a weight_scale or weight_scale_inv tensor next to each "
@@ -303,6 +414,7 @@ def use_fp8_path(model: nn.Module, device: torch.device | str) -> str:
     """Chooses every `Fp8Linear`'s path once: the Triton GEMV (+ _scaled_mm) on CUDA when Triton
     imports, the dequantizing torch path otherwise; returns why. Mutates the layers."""
     layers = fp8_linear_layers(model)
+    moes = fp8_moe_layers(model)
     path, why = "torch", "dequantizing torch path (CPU reference)"
     if torch.device(device).type == "cuda":
         try:
@@ -313,4 +425,9 @@ def use_fp8_path(model: nn.Module, device: torch.device | str) -> str:
             path, why = "triton", "Triton FP8 GEMV for <= 16 rows, torch._scaled_mm / dequantize above"
     for layer in layers.values():
         layer.use_path(path)
-    return f"{len(layers)} FP8 linear layers: {why}"
+    experts = ""
+    if moes:
+        fused = all(m.kernels is not None and m.kernels.fused_moe is not None for m in moes.values())
+        experts = (f"; {len(moes)} FP8 expert MLPs: "
+                   + ("fused Triton MoE (FP8 tiles widened to fp16)" if fused else "dequantizing torch paths"))
+    return f"{len(layers)} FP8 linear layers: {why}{experts}"

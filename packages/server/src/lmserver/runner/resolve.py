@@ -15,6 +15,7 @@ import torch
 from lmserver.config import ServerConfig
 from lmserver.forward.kv_pool import KVPool
 from lmserver.kernels.fp8_ref import FP8_DTYPE
+from lmserver.layers.moe import MoE
 from lmserver.models.config import ModelConfig
 from lmserver.models.eagle import is_eagle3_config
 from lmserver.models.loader import DTYPES
@@ -70,7 +71,7 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: 
                           quantization: str | None = None) -> int:
     """Bytes one rank's weights and buffers take in `dtype`: the model built on the meta device
     (no memory, no weights), counted; tied weights once. With `quantization` "fp8" the decoder
-    projections count one byte per weight plus their per-channel float32 scales. Pure."""
+    projections and the MoE experts count one byte per weight plus their per-row float32 scales. Pure."""
     from lmserver.models.loader import _default_dtype
     from lmserver.models.registry import get_model_class
 
@@ -85,6 +86,9 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: 
             if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES:
                 w = module.weight
                 total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0]
+            elif isinstance(module, MoE):
+                for w in (module.w13, module.w2):  # (E, N, K): one float32 scale per expert row
+                    total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0] * w.shape[1]
     return total // max(tp_size, 1)
 
 

@@ -1,0 +1,183 @@
+"""The fused MoE kernels with FP8 (e4m3) experts against the dequantized float64 torch path, on fresh random inputs.
+
+CUDA cases are `gpu`-marked (Mixtral's layer shape, bf16 and fp16 activations); the CPU cases run only in the
+TRITON_INTERPRET=1 child that test_fp8_moe.py starts (tiny shapes, float32 and fp16 activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmserver.kernels.testing import kernel_devices, rel_error
+from lmserver.layers.moe import dequantize_experts, moe_forward_native, quantize_experts
+
+pytest.importorskip("triton")
+
+DEVICES = kernel_devices()
+# (hidden, inter, experts, top_k, scale block or None: per row). CPU: ragged K blocks (96 = 3 x 32) and scale blocks
+# holding gate and up rows together (inter 80 is not a multiple of 32); GPU: Mixtral-8x7B's layer, 128 x 128 blocks
+SHAPES = {
+    "cpu": [(64, 96, 4, 2, None), (96, 80, 4, 2, (32, 32))],
+    "cuda": [(4096, 14336, 8, 2, None), (4096, 14336, 8, 2, (128, 128)), (1024, 720, 6, 3, (128, 128))],
+}
+
+
+def _gen(seed: int, device: str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, device=g.device)
+
+
+def fp8_experts(hidden: int, inter: int, experts: int, block: tuple[int, int] | None, device: str,
+                g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(w13, w13_scale, w2, w2_scale) FP8 experts of random weights, quantized per row or per block."""
+    w13 = _randn(g, experts, 2 * inter, hidden) / hidden**0.5
+    w2 = _randn(g, experts, hidden, inter) / inter**0.5
+    return (*quantize_experts(w13, block), *quantize_experts(w2, block))
+
+
+def distinct_logits(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
+    """Router logits distinct within each row (which of two equal probabilities top-k picks is no contract)."""
+    cpu = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=g, device=g.device)))
+    return torch.stack([torch.randperm(experts, generator=cpu) for _ in range(tokens)]) * 0.25 - experts / 8
+
+
+# (device, shape) pairs: each device's shapes, with the device parameter's marks and id ("interpret" on the CPU)
+CASES = [pytest.param(p.values[0], shape, id=f"{p.id}-{'x'.join(map(str, shape[:4]))}-{shape[4] or 'rows'}",
+                      marks=p.marks) for p in DEVICES for shape in SHAPES[p.values[0]]]
+
+
+@pytest.mark.parametrize(("device", "shape"), CASES)
+def test_fp8_fused_moe_matches_the_dequantized_float64_reference(
+        device: str, shape: tuple[int, int, int, int, tuple[int, int] | None]) -> None:
+    # Oracle: the sparse torch path in float64 on the dequantized experts (the same FP8 bytes and scales). The
+    # kernel's own error (activation rows rounded to fp16 for the MMA, the activation-dtype roundings of the torch
+    # path) must stay within a small factor of the torch path's in that dtype; a wrong scale is of order 1.
+    from lmserver.kernels.fused_moe import MoeLaunch, fused_moe
+
+    hidden, inter, experts, top_k, block = shape
+    g = _gen(40 + hidden, device)
+    q13, s13, q2, s2 = fp8_experts(hidden, inter, experts, block, device, g)
+    d13, d2 = (dequantize_experts(q, s, block, torch.float64) for q, s in ((q13, s13), (q2, s2)))
+    small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=16, block_k=16, num_warps=1, num_stages=1)
+    # (dtype, tokens, launches): decode and prefill tiles (the defaults), the weights through TMA descriptors
+    cases = ([(torch.float32, 1, [None]), (torch.float32, 5, [replace(small, tma=True)]),
+              (torch.float32, 40, [None]), (torch.float16, 5, [small])] if device == "cpu" else
+             [(dtype, tokens, [None]) for dtype in (torch.bfloat16, torch.float16) for tokens in (1, 4, 8)]
+             + [(torch.bfloat16, 300, [None, MoeLaunch(64, 64, 64, 64, tma=True)])])
+    for dtype, tokens, launches in cases:
+        x = _randn(g, tokens, hidden).to(dtype)
+        logits = distinct_logits(tokens, experts, g).to(device, dtype)
+        want = moe_forward_native(x.double(), logits.double(), d13, d2, top_k)
+        torch_err = rel_error(moe_forward_native(x, logits, q13, q2, top_k, scales=(s13, s2, block)), want)
+        for launch in launches:
+            out = fused_moe(x, logits, q13, q2, top_k, launch=launch, w13_scale=s13, w2_scale=s2,
+                            scale_block=block)
+            assert out.dtype == dtype and out.shape == x.shape
+            err = rel_error(out, want)
+            # float32 rows: the fp16 operand's rounding (2^-11) bounds the error; a wiring error is of order 1
+            assert err <= 2 * torch_err + (2e-3 if dtype == torch.float32 else 1e-3), (
+                f"{shape} {dtype} tokens={tokens} {launch}: {err} vs torch {torch_err}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_fused_moe_keeps_large_and_small_activations(device: str) -> None:
+    """Token rows of very different magnitudes: one whose expert activations (the down projection's input,
+    silu(gate) * up) reach ~4e5, beyond fp16's 65,504 (a bf16 model's large activations), ordinary, small and
+    medium ones; each row finite and as close to the float64 reference as ordinary rows are (the rows are scaled by
+    2^-4 before the fp16 cast, the sums by 16 after)."""
+    from lmserver.kernels.fused_moe import fused_moe
+
+    hidden, inter, experts, top_k = (64, 96, 4, 2) if device == "cpu" else (4096, 14336, 8, 2)
+    g = _gen(7, device)
+    q13, s13, q2, s2 = fp8_experts(hidden, inter, experts, None, device, g)
+    d13, d2 = (dequantize_experts(q, s, None, torch.float64) for q, s in ((q13, s13), (q2, s2)))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = _randn(g, 4, hidden).double()
+    logits = distinct_logits(4, experts, g).to(device, dtype)
+
+    def down_input_max(rows: torch.Tensor) -> torch.Tensor:  # max |silu(gate) * up| of each row over all experts
+        gu = torch.einsum("enh,th->ten", d13, rows)
+        return (F.silu(gu[..., :inter]) * gu[..., inter:]).abs().amax(dim=(1, 2))
+
+    # h grows as the square of the row's scale: put the first row's largest activation near 4e5
+    mags = torch.tensor([(4e5 / float(down_input_max(x[:1])[0])) ** 0.5, 1.0, 0.05, 30.0], dtype=torch.float64)
+    x = (x * mags.to(device)[:, None]).to(dtype)
+    peaks = down_input_max(x.double())
+    assert 65504.0 < float(peaks[0]) < 1.0e6, peaks  # the case fp16 alone cannot hold, within the scaled range
+    want = moe_forward_native(x.double(), logits.double(), d13, d2, top_k)
+    out = fused_moe(x, logits, q13, q2, top_k, w13_scale=s13, w2_scale=s2)
+    assert torch.isfinite(out).all()
+    ordinary = rel_error(moe_forward_native(x[1:2], logits[1:2], q13, q2, top_k, scales=(s13, s2, None)), want[1:2])
+    for row in range(4):
+        assert rel_error(out[row], want[row]) <= 2 * ordinary + (3e-3 if dtype == torch.float32 else 2e-3), row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_fused_moe_refuses_bad_scales(device: str) -> None:
+    from lmserver.kernels._util import KernelInputError
+    from lmserver.kernels.fused_moe import MoeLaunch, fused_moe
+
+    g = _gen(3, device)
+    q13, s13, q2, s2 = fp8_experts(32, 32, 4, None, device, g)
+    x = _randn(g, 2, 32)
+    logits = _randn(g, 2, 4)
+    with pytest.raises(KernelInputError, match="need w13_scale and w2_scale"):
+        fused_moe(x, logits, q13, q2, 2)
+    with pytest.raises(KernelInputError, match="w2_scale must be float32"):
+        fused_moe(x, logits, q13, q2, 2, w13_scale=s13, w2_scale=s2[:, :3])
+    with pytest.raises(KernelInputError, match="w13_scale must be float32"):  # block scales expected, row scales given
+        fused_moe(x, logits, q13, q2, 2, w13_scale=s13, w2_scale=s2, scale_block=(32, 32))
+    bq13, bs13, bq2, bs2 = fp8_experts(32, 32, 4, (32, 32), device, g)
+    with pytest.raises(KernelInputError, match="block_k 64 must divide"):
+        fused_moe(x, logits, bq13, bq2, 2, launch=MoeLaunch(block_k=64), w13_scale=bs13, w2_scale=bs2,
+                  scale_block=(32, 32))
+    with pytest.raises(KernelInputError, match="scales are for"):
+        fused_moe(x, logits, q13.float(), q2.float(), 2, w13_scale=s13, w2_scale=s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["rows", "blocks"])
+def test_fp8_moe_layer_replays_in_a_cuda_graph(block: tuple[int, int] | None) -> None:
+    # the FP8 layer on the fused kernels captured in a CUDA graph (decode graphs), replayed on fresh inputs: each
+    # replay's output is the dequantized reference on that replay's input
+    from lmserver.kernels import select_kernels
+    from lmserver.layers.moe import MoE
+
+    dev = torch.device("cuda")
+    g = _gen(11, "cuda")
+    moe = MoE(512, 768, num_experts=8, top_k=2).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.1, generator=g)
+        moe.use_fp8_(block)
+        q13, s13, q2, s2 = fp8_experts(512, 768, 8, block, "cuda", g)
+        moe.w13.copy_(q13)
+        moe.w2.copy_(q2)
+        assert moe.w13_scale is not None and moe.w2_scale is not None
+        moe.w13_scale.copy_(s13)
+        moe.w2_scale.copy_(s2)
+    moe.kernels = select_kernels(dev, prefer="triton")
+    with torch.no_grad():
+        static = torch.randn(4, 512, device=dev, dtype=torch.bfloat16)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            moe(static)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(static)
+        for _ in range(3):
+            fresh = torch.randn(4, 512, device=dev, dtype=torch.bfloat16)
+            static.copy_(fresh)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = moe_forward_native(fresh.double(), moe.gate(fresh).double(), q13, q2, 2,
+                                      scales=(s13, s2, block))
+            assert rel_error(out, want) < 2e-2
