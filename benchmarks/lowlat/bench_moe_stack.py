@@ -13,7 +13,9 @@ rows on fresh random inputs, relative L2 error at most ``--max-rel``; every outp
 
 ``--expert-configs``: FP8 expert kernel tiles to time as well (``up=VARIANT:BN:BK:WARPS:STAGES`` / ``down=...``,
 comma-separated; each replaces ``moe_ops.EXPERT_GATE_UP_FP8`` / ``EXPERT_DOWN_FP8`` for one ``fp8w`` stack, checked
-like the others); ``--profile``: each stack's per-kernel marginal time per layer (``kprof.py``).
+like the others); ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
+value (``early``: every kernel, the expert ones included, releases its dependent launch right after its wait;
+``late``: after its main loop; the default ``auto`` picks by grid size); ``--profile``: each stack's per-kernel marginal time per layer (``kprof.py``).
 
     python benchmarks/lowlat/bench_moe_stack.py [--layers 8] [--batches 1,2,4,8] [--stacks bf16,fp8w,fp8w+kv]
         [--expert-configs up=mrow_f16s:64:128:4:4,down=mrow_f16s:64:256:4:3] [--json out.json]
@@ -28,6 +30,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
     ap.add_argument("--stacks", default="bf16,fp8w,fp8w+kv", help="comma list of bf16, fp8w, fp8w+kv")
     ap.add_argument("--expert-configs", default="", help="FP8 expert tiles to time too (see the docstring)")
+    ap.add_argument("--pdl-releases", default="", help="comma list of early, late: the fp8w stack with that release")
     ap.add_argument("--max-rel", type=float, default=3e-2, help="the check's largest relative L2 error")
     ap.add_argument("--profile", action="store_true", help="per-kernel marginal time of each stack (kprof.py)")
     ap.add_argument("--json", default=None)
@@ -147,6 +151,10 @@ def main() -> None:
         label = f"fp8w {up.variant}:{up.block_n}x{up.block_k}/{up.num_warps}/{up.num_stages} " \
                 f"{down.variant}:{down.block_n}x{down.block_k}/{down.num_warps}/{down.num_stages}"
         stacks[label] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, (up, down))
+    for release in [r for r in args.pdl_releases.split(",") if r]:
+        bl = build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16)
+        bl.lc = replace(bl.lc, pdl_release=release)
+        stacks[f"fp8w pdl={release}"] = (bl, fp8, bf16, None)
     print(f"device={torch.cuda.get_device_name()} layers={args.layers} build {time.time() - t0:.0f}s "
           f"(FP8 expert tiles: gate-up {moe_ops.EXPERT_GATE_UP_FP8}, down {moe_ops.EXPERT_DOWN_FP8})", flush=True)
 

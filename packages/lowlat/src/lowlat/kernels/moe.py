@@ -17,7 +17,9 @@ left operand and the expert's 8 rows the narrow side (no padding to 16 rows), th
 widened to fp16, one conversion per two weights, the rows scaled by 2^-4 so that activations up to ~1.05e6 stay in
 fp16's range). The float32 sums take their rows' scales (``HAS_SCALE``) before the SiLU (gate-up) or before they are
 stored for the combine's routing weight (down). With model-dtype weights (``HAS_SCALE`` off) they are the same
-kernels over bf16 / fp16 tiles (``MMA`` 1).
+kernels over bf16 / fp16 tiles (``MMA`` 1). Under PDL they release the next launch as the dense kernels do
+(``LaunchConfig.pdl_early``: after the wait for a grid that fits the GPU at once, else after the main loop; the
+expert grids are larger, so the down / combine launches' programs do not hold SM slots while the experts stream).
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ def expert_gate_up_ws_kernel(
     hn_ptr, w13_ptr, s13_ptr, bitmap_ptr, act_ptr,
     MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # expert_gate_up_kernel's act, weight-stationary: acc (BLOCK_N, BLOCK_R) = w tile (BLOCK_N, BLOCK_K) @ rows.T;
     # FP8: g, u = the sums times s13[e, n], s13[e, INTER + n] (float32) before the SiLU
@@ -208,9 +210,11 @@ def expert_gate_up_ws_kernel(
     base = w13_ptr + e.to(tl.int64) * (2 * INTER * H)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     bitmap = tl.load(bitmap_ptr + e)
-    if _popcount32(bitmap) > rt * ROWS:  # NOTE: an unrouted expert's programs read no weight
+    # NOTE: an unrouted expert's programs read no weight and exit (an exited program counts as released)
+    if _popcount32(bitmap) > rt * ROWS:
         tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
         acc_g = tl.zeros((BLOCK_N, BLOCK_R), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_R), tl.float32)
@@ -222,6 +226,8 @@ def expert_gate_up_ws_kernel(
             a = tl.load(hn_ptr + tok[:, None] * H + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             acc_g = _wx(wg, a.to(tl.float32), acc_g, MMA, DOT_F32)
             acc_u = _wx(wu, a.to(tl.float32), acc_u, MMA, DOT_F32)
+        if USE_PDL and not PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         s_base = s13_ptr + e * (2 * INTER)
         g = acc_g * row_scales(s_base, offs_n, n_mask, HAS_SCALE)[:, None]
         u = acc_u * row_scales(s_base, INTER + offs_n, n_mask, HAS_SCALE)[:, None]
@@ -236,7 +242,7 @@ def expert_down_ws_kernel(
     act_ptr, w2_ptr, s2_ptr, bitmap_ptr, y_ptr,
     MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, HAS_SCALE: tl.constexpr,
+    MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     # expert_down_kernel's y, weight-stationary; FP8: the sums times s2[e, n] (float32)
     e = tl.program_id(0)
@@ -247,7 +253,8 @@ def expert_down_ws_kernel(
     base = w2_ptr + e.to(tl.int64) * (H * INTER)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
     bitmap = tl.load(bitmap_ptr + e)
     if _popcount32(bitmap) > rt * ROWS:
         _tok, valid = _placement(bitmap, rt, ROWS, BLOCK_R, BLOCK_T)
@@ -260,6 +267,8 @@ def expert_down_ws_kernel(
                         other=0.0)
             a = tl.load(a_rows + k0 + offs_k[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             acc = _wx(w, a.to(tl.float32), acc, MMA, DOT_F32)
+        if USE_PDL and not PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         acc = acc * row_scales(s2_ptr + e * H, offs_n, n_mask, HAS_SCALE)[:, None]
         tl.store(y_ptr + (e * MAX_T + row[None, :]) * H + offs_n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
 

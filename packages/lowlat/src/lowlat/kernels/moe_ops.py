@@ -112,9 +112,10 @@ def moe_mlp(
     # the weight-stationary kernels: the rows are the MMA's narrow side (8 rows, no padding to 16)
     ws_common = {**{n: v for n, v in common.items() if n != "PREFETCH"}, "BLOCK_R": ROWS_PER_TILE, "HAS_SCALE": fp8}
     if up.multi_row:
-        K.expert_gate_up_ws_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
+        grid = (e, triton.cdiv(i, up.block_n), row_tiles)
+        K.expert_gate_up_ws_kernel[grid](
             ws.hn, w13, w13 if w13_scale is None else w13_scale, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
-            MMA=up.mma_kind, **ws_common, **_kw(dev, lc, cfg=up),
+            MMA=up.mma_kind, PDL_EARLY=lc.pdl_early(grid[0] * grid[1] * grid[2]), **ws_common, **_kw(dev, lc, cfg=up),
         )
     else:
         K.expert_gate_up_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
@@ -122,9 +123,11 @@ def moe_mlp(
             LOOP_START=up_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
         )
     if down.multi_row:
-        K.expert_down_ws_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
+        grid = (e, triton.cdiv(h, down.block_n), row_tiles)
+        K.expert_down_ws_kernel[grid](
             ws.act, w2, w2 if w2_scale is None else w2_scale, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
-            MMA=down.mma_kind, **ws_common, **_kw(dev, lc, cfg=down),
+            MMA=down.mma_kind, PDL_EARLY=lc.pdl_early(grid[0] * grid[1] * grid[2]), **ws_common,
+            **_kw(dev, lc, cfg=down),
         )
     else:
         K.expert_down_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
