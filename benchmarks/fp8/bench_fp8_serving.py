@@ -91,14 +91,15 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
         info = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()
         out["kv_tokens"] = info.get("max_total_tokens")
         asyncio.run(drive(srv.base_url, 1, 1, args.input_len, 32, args.vocab, 0))  # warm-up
-        prefill_rate(srv.base_url, 1, args.prefill_len, args.vocab, 7)  # warm-up
+        if args.prefill_requests:
+            prefill_rate(srv.base_url, 1, args.prefill_len, args.vocab, 7)  # warm-up
         for c in args.concurrency:
             speeds = asyncio.run(drive(srv.base_url, c, args.rounds, args.input_len, args.output_len, args.vocab,
                                        1000 + c))
             out["decode"][c] = round(statistics.median(speeds), 1)
             print(f"  {name:12s} c={c:<3d} {out['decode'][c]:8.1f} tok/s per user", flush=True)
-        out["prefill_tok_s"] = round(prefill_rate(srv.base_url, args.prefill_requests, args.prefill_len, args.vocab,
-                                                  11), 0)
+        out["prefill_tok_s"] = (round(prefill_rate(srv.base_url, args.prefill_requests, args.prefill_len, args.vocab,
+                                                   11), 0) if args.prefill_requests else float("nan"))
         out["lowlat"] = find_stats(httpx.get(srv.base_url + "/get_server_info", timeout=60).json(), "lowlat_")
         print(f"  {name:12s} prefill {args.prefill_len} tokens: {out['prefill_tok_s']:.0f} tok/s; KV capacity "
               f"{out['kv_tokens']} tokens; start {out['start_s']} s; {out['lowlat'] or 'no plugin'}", flush=True)
@@ -117,10 +118,14 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=4096)
-    p.add_argument("--prefill-requests", type=int, default=5)
-    p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
+    p.add_argument("--prefill-requests", type=int, default=5, help="0: no prefill measure (decode only)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="prompt token ids are drawn below this (default: the model's vocab_size, at most 32,000)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.vocab is None:
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        args.vocab = min(32000, int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)))
     results = [run_setting(name, args) for name in args.settings]
     cols = [f"c={c} tok/s per user" for c in args.concurrency]
     print("\n| setting | " + " | ".join(cols) + f" | prefill tok/s ({args.prefill_len}) | KV tokens |")

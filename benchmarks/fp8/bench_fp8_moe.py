@@ -1,0 +1,213 @@
+"""The fused MoE kernels with FP8 (e4m3) experts against bf16 ones on a GPU (issue 33; CUDA only).
+
+Mixtral-8x7B's layer (hidden 4096, expert intermediate 14336, 8 experts, top-2), random weights quantized per row
+(what `--quantization fp8` does; `--blocks` adds 128 x 128 block scales), random router logits per input set (8
+sets rotated in a CUDA graph, so each replay routes differently). First a check of every path against the torch
+reference on the dequantized experts in float32 (the exit status is 1 and nothing is timed when one fails), then per
+token count: bf16 `fused_moe` and FP8 `fused_moe`, µs per call (CUDA-graph replays), GB/s of the expert bytes the
+routing actually reads (the experts touched, mean over the sets, their weights and scales), and the floor: those
+bytes at 4.8 TB/s (the H200's peak) or the FLOPs at 989 TFLOP/s, whichever is larger.
+
+`--sweep` also times FP8 launch candidates (decode tiles at 1 and 8 tokens, prefill tiles at 4,096) and prints the
+best five with the default's time (`choose_moe_launch`'s FP8 tiles are not yet measured).
+
+    python benchmarks/fp8/bench_fp8_moe.py [--tokens 1,2,4,8,16,64,4096] [--blocks] [--sweep] [--json out.json]
+
+Never collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from bench_kernels import rel_error, time_graph  # noqa: E402
+
+from lmserver.kernels.fused_moe import MoeLaunch, choose_moe_launch, descriptors_ok, fused_moe  # noqa: E402
+from lmserver.kernels.reference import route  # noqa: E402
+from lmserver.layers.moe import dequantize_experts, moe_forward_native, quantize_experts  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
+PEAK_BYTES_S = 4.8e12  # H200 HBM3e peak
+PEAK_BF16_FLOPS = 989e12  # H200 dense tensor-core peak (bf16 / fp16)
+NUM_SETS = 8
+BLOCK = (128, 128)
+# FP8 candidates: (block_m, block_n_up, block_n_down, block_k, warps, stages)
+DECODE_SWEEP = [MoeLaunch(*t) for t in (
+    (16, 32, 64, 256, 4, 4), (16, 32, 64, 256, 4, 5), (16, 32, 64, 256, 4, 6), (16, 32, 32, 256, 4, 5),
+    (16, 32, 128, 256, 4, 4), (16, 64, 64, 256, 4, 4), (16, 32, 64, 512, 4, 3), (16, 32, 64, 512, 4, 4),
+    (16, 64, 64, 512, 8, 3), (16, 32, 64, 128, 4, 6), (16, 64, 128, 128, 4, 6), (16, 128, 64, 256, 8, 4),
+)]
+PREFILL_SWEEP = [MoeLaunch(*t) for t in (
+    (128, 128, 128, 64, 8, 3), (128, 128, 128, 128, 8, 3), (128, 128, 128, 64, 8, 4), (64, 128, 128, 64, 4, 4),
+)] + [MoeLaunch(128, 128, 128, 64, 8, 3, tma=True), MoeLaunch(128, 128, 256, 64, 8, 4, tma=True)]
+
+
+def experts(g: torch.Generator, blocks: bool) -> dict[str, Any]:
+    """bf16 experts and their FP8 quantizations (per row; per 128 x 128 block with `blocks`), on the GPU."""
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g, device="cuda") / HIDDEN**0.5).bfloat16()
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g, device="cuda") / INTER**0.5).bfloat16()
+    out: dict[str, Any] = {"bf16": (w13, w2), "rows": (*quantize_experts(w13), *quantize_experts(w2))}
+    if blocks:
+        out["blocks"] = (*quantize_experts(w13, BLOCK), *quantize_experts(w2, BLOCK))
+    return out
+
+
+def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Callable[[torch.Tensor, torch.Tensor],
+                                                                                     torch.Tensor]:
+    if kind == "bf16":
+        w13, w2 = w["bf16"]
+        return lambda x, lg: fused_moe(x, lg, w13, w2, TOP_K, launch=launch)
+    q13, s13, q2, s2 = w[kind]
+    block = BLOCK if kind == "blocks" else None
+    return lambda x, lg: fused_moe(x, lg, q13, q2, TOP_K, launch=launch, w13_scale=s13, w2_scale=s2,
+                                   scale_block=block)
+
+
+def reference(kind: str, w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
+    """The sparse torch path in float32 on the experts (dequantized for FP8)."""
+    if kind == "bf16":
+        w13, w2 = w["bf16"]
+        return moe_forward_native(x.float(), lg.float(), w13.float(), w2.float(), TOP_K)
+    q13, s13, q2, s2 = w[kind]
+    return moe_forward_native(x.float(), lg.float(), q13, q2, TOP_K,
+                              scales=(s13, s2, BLOCK if kind == "blocks" else None))
+
+
+def check(w: dict[str, Any], kinds: list[str], g: torch.Generator) -> list[str]:
+    """Every path against its float32 reference at decode and prefill sizes, and the FP8 paths' dequantized
+    experts against the bf16 ones (a wrong scale layout); returns the failures."""
+    failures = []
+    w13, w2 = w["bf16"]
+    for kind in kinds[1:]:
+        q13, s13, q2, s2 = w[kind]
+        block = BLOCK if kind == "blocks" else None
+        for name, q, s, full in (("w13", q13, s13, w13), ("w2", q2, s2, w2)):
+            err = rel_error(dequantize_experts(q[:2], s[:2], block, torch.float32), full[:2].float())
+            if not err < 0.05:  # e4m3's rounding: ~2-3% of the norm
+                failures.append(f"{kind} {name} dequantized vs bf16: {err:.2e}")
+    for tokens in (1, 8, 300):
+        x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+        lg = torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16()
+        for kind in kinds:
+            want = reference(kind, w, x, lg)
+            got = call(kind, w)(x, lg)
+            err = rel_error(got, want)
+            bf16_path = rel_error(want.bfloat16(), want)  # the output's own rounding
+            ok = bool(torch.isfinite(got).all()) and err < 2e-2
+            print(f"check {kind:6s} tokens={tokens:<4d} rel err {err:.2e} (bf16 rounding of the output {bf16_path:.1e})"
+                  f"{'' if ok else '  FAILED'}", flush=True)
+            if not ok:
+                failures.append(f"{kind} tokens={tokens}: rel err {err:.2e}")
+    return failures
+
+
+def expert_bytes(kind: str) -> int:
+    """Bytes of one expert's weights and scales."""
+    weights = 3 * HIDDEN * INTER
+    if kind == "bf16":
+        return 2 * weights
+    if kind == "rows":
+        return weights + 4 * (2 * INTER + HIDDEN)
+    rows = lambda n, k: -(-n // BLOCK[0]) * -(-k // BLOCK[1])  # noqa: E731
+    return weights + 4 * (rows(2 * INTER, HIDDEN) + rows(HIDDEN, INTER))
+
+
+def bench_tokens(tokens: int, w: dict[str, Any], kinds: list[str], g: torch.Generator) -> dict[str, Any]:
+    xs = [torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
+    lgs = [torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
+    touched = sum(int(torch.unique(route(lg, TOP_K, True, torch.float32)[1]).numel()) for lg in lgs) / NUM_SETS
+    flops_us = 2 * tokens * TOP_K * 3 * HIDDEN * INTER / PEAK_BF16_FLOPS * 1e6
+    row: dict[str, Any] = {"tokens": tokens, "experts_touched": touched}
+    for kind in kinds:
+        fn = call(kind, w)
+        us = time_graph(lambda i, fn=fn: fn(xs[i], lgs[i]), NUM_SETS)
+        nbytes = touched * expert_bytes(kind)
+        floor = max(nbytes / PEAK_BYTES_S * 1e6, flops_us)
+        row[kind] = {"us": us, "gb_s": nbytes / us / 1e3, "floor_us": floor, "x_floor": us / floor}
+    fp8 = row["rows"]
+    print(f"| {tokens} | {touched:.2f} | {row['bf16']['us']:.1f} | {row['bf16']['gb_s']:.0f} | {fp8['us']:.1f} | "
+          f"{fp8['gb_s']:.0f} | {fp8['floor_us']:.1f} | {fp8['x_floor']:.2f} | {row['bf16']['us'] / fp8['us']:.2f}x |"
+          + (f" {row['blocks']['us']:.1f} |" if "blocks" in row else ""), flush=True)
+    return row
+
+
+def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[str, Any]]:
+    t_end = time.monotonic() + budget_s
+    rows = []
+    for tokens, candidates in ((1, DECODE_SWEEP), (8, DECODE_SWEEP), (4096, PREFILL_SWEEP)):
+        xs = [torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
+        lgs = [torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
+        want = reference("rows", w, xs[0], lgs[0])
+        default = choose_moe_launch(tokens * TOP_K, EXPERTS, 2, descriptors_ok(xs[0], w["rows"][0], w["rows"][2]),
+                                    fp8=True)
+        results = []
+        for launch in [default, *candidates]:
+            if time.monotonic() > t_end:
+                print(f"  sweep budget spent at tokens={tokens}", file=sys.stderr)
+                break
+            fn = call("rows", w, launch)
+            try:
+                err = rel_error(fn(xs[0], lgs[0]), want)
+                if not err < 2e-2:
+                    print(f"  {launch}: rel err {err:.2e}, skipped", file=sys.stderr)
+                    continue
+                us = time_graph(lambda i, fn=fn, xs=xs, lgs=lgs: fn(xs[i], lgs[i]), NUM_SETS, reps=10)
+            except Exception as exc:  # e.g. out of shared memory for the largest tiles
+                print(f"  {launch}: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
+                continue
+            results.append((us, launch))
+        if not results:
+            continue
+        default_us = next((us for us, lc in results if lc is default), float("nan"))
+        results.sort(key=lambda r: r[0])
+        print(f"sweep fp8 tokens={tokens}: default {default_us:.1f} us; best: " + "; ".join(
+            f"{us:.1f} {lc.block_m}/{lc.block_n_up}/{lc.block_n_down}/{lc.block_k}/w{lc.num_warps}/s{lc.num_stages}"
+            f"{'/tma' if lc.tma else ''}" for us, lc in results[:5]), flush=True)
+        rows.append({"tokens": tokens, "default_us": default_us,
+                     "best": [{"us": us, **vars(lc)} for us, lc in results[:5]]})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,2,4,8,16,64,4096")
+    ap.add_argument("--blocks", action="store_true", help="also time 128 x 128 block-scaled FP8 experts")
+    ap.add_argument("--sweep", action="store_true", help="time FP8 launch candidates at 1, 8 and 4,096 tokens")
+    ap.add_argument("--sweep-budget-s", type=float, default=150.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8_moe.py needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kinds = ["bf16", "rows", *(["blocks"] if args.blocks else [])]
+    with torch.no_grad():
+        w = experts(g, args.blocks)
+        failures = check(w, kinds, g)
+        if failures:
+            print("CHECK FAILED: " + "; ".join(failures), flush=True)
+            return 1
+        print(f"{torch.cuda.get_device_name()}; Mixtral-8x7B layer (hidden {HIDDEN}, inter {INTER}, {EXPERTS} experts,"
+              f" top-{TOP_K}); floor: expert bytes read at {PEAK_BYTES_S / 1e12:.1f} TB/s or FLOPs at "
+              f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
+        print("| tokens | experts read | bf16 us | bf16 GB/s | fp8 us | fp8 GB/s | fp8 floor us | fp8 x floor | "
+              "bf16 / fp8 |" + (" fp8 128x128 blocks us |" if args.blocks else ""))
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.blocks else ""))
+        rows = [bench_tokens(int(t), w, kinds, g) for t in args.tokens.split(",")]
+        swept = sweep(w, g, args.sweep_budget_s) if args.sweep else []
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "sweep": swept},
+                                              indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call (issue 33, "Mixtral-shape FP8 decode >= 1.7x bf16 at batch 1"): FP8 (e4m3) MoE experts in the fused
+# MoE kernels. Phases (PHASES, comma list; default tests,kernels,serve):
+#   tests:   the GPU tests of the FP8 experts (kernels against the dequantized float64 reference at Mixtral's shape,
+#            per-row and 128 x 128 block scales, rows beyond fp16's range, the layer in a CUDA graph) and of the bf16
+#            fused MoE (unchanged path);
+#   kernels: bench_fp8_moe.py, bf16 vs FP8 fused_moe at Mixtral-8x7B's layer, 1-4,096 tokens (checked first),
+#            then the FP8 launch sweep (SWEEP_S seconds, 0: none);
+#   serve:   bench_fp8_serving.py on MODEL_DIR (the 8-layer Mixtral shape, dummy weights), bf16-default vs
+#            fp8-default (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, server defaults otherwise) at c=1 and 8.
+#   bash benchmarks/fp8/device_fp8_moe.sh MODEL_DIR      (on the GPU machine, repository root; wheels in .whl;
+#        MODEL_DIR: `python benchmarks/fp8/make_model_dir.py DIR --shape mixtral-8x7b-8l`, carried with the call)
+# Writes under $OUT: tests.log, moe.log, moe.json, serving.log, serving.json. About 7 minutes.
+set -uo pipefail
+MODEL=${1:?model dir}
+OUT=${OUT:-/tmp/out}
+PHASES=${PHASES:-tests,kernels,serve}
+SWEEP_S=${SWEEP_S:-90}
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+t0=$SECONDS
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
+bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+if has tests; then
+  echo "[$((SECONDS - t0)) s] tests"
+  LMSYS_GPU_ONLY=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    packages/server/tests/test_fp8_moe_kernels.py packages/server/tests/test_moe_layer.py \
+    packages/server/tests/test_kernels_triton.py -k "moe" 2>&1 | tee "$OUT/tests.log" | tail -6
+fi
+if has kernels; then
+  echo "[$((SECONDS - t0)) s] kernels"
+  sweep=(); [[ "$SWEEP_S" != 0 ]] && sweep=(--sweep --sweep-budget-s "$SWEEP_S")
+  timeout $((SWEEP_S + 150)) python3 benchmarks/fp8/bench_fp8_moe.py --tokens 1,2,4,8,16,64,4096 "${sweep[@]}" \
+    --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | grep -v "^  " | tail -24
+fi
+if has serve; then
+  echo "[$((SECONDS - t0)) s] serve"
+  timeout $((590 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" \
+    --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" \
+    --settings bf16-default fp8-default --concurrency 1 8 --rounds 2 --input-len 512 --output-len 256 \
+    --prefill-requests 2 --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | grep -v "^  " | tail -8
+fi
+echo "[$((SECONDS - t0)) s] done"
