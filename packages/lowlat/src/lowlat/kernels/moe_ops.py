@@ -36,11 +36,11 @@ EXPERT_PREFETCH = False
 class MoEWorkspace:
     """Buffers of one MoE MLP step, allocated once for ``max_tokens`` (see ``MoEWorkspace.allocate``)."""
 
-    hn: torch.Tensor  # (max_tokens, hidden) normed stream, weights' dtype
+    hn: torch.Tensor  # (max_tokens, hidden) normed stream, the model dtype (FP8 experts too)
     ids: torch.Tensor  # (max_tokens, top_k) int32 expert of each choice
     wts: torch.Tensor  # (max_tokens, top_k) float32 renormalized routing weights
     bitmap: torch.Tensor  # (num_experts,) int32: bit t set when token t chose the expert
-    act: torch.Tensor  # (num_experts, max_tokens, expert_inter) weights' dtype, rows by popcount placement
+    act: torch.Tensor  # (num_experts, max_tokens, expert_inter) the model dtype, rows by popcount placement
     y: torch.Tensor  # (num_experts, max_tokens, hidden) float32 expert outputs, same rows
 
     @classmethod
