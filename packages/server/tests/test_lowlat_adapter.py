@@ -100,58 +100,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-class _FakeFP8Experts(torch.nn.Module):
-    """FP8 experts as lmserver's ``MoE`` holds them (the layout contract of issue 33): ``w13`` (E, 2 * inter, hidden) /
-    ``w2`` (E, hidden, inter) float8_e4m3fn, ``w13_scale`` / ``w2_scale`` float32 per row ((E, 2 * inter), (E, hidden);
-    ``group_k`` None) or per block (``group_n`` x ``group_k``), the router ``gate``: what the adapter reads."""
-
-    def __init__(self, gate: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
-                 w2_scale: torch.Tensor, group_n: int | None = None, group_k: int | None = None) -> None:
-        super().__init__()
-        self.gate = gate
-        self.w13 = torch.nn.Parameter(w13, requires_grad=False)
-        self.w2 = torch.nn.Parameter(w2, requires_grad=False)
-        self.register_buffer("w13_scale", w13_scale)
-        self.register_buffer("w2_scale", w2_scale)
-        self.group_n, self.group_k = group_n, group_k
-
-
-def _fp8_experts_view(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose experts are FP8 (each expert's rows quantized, ``lowlat.layer.quantize_rows_fp8``) in
-    ``_FakeFP8Experts``; ``model``'s own experts become the dequantized values, so its forward computes what the FP8
-    experts hold. Mutates ``model``'s expert weights."""
-    import copy
-
-    from lowlat.layer import dequantized, quantize_rows_fp8
-
-    view = copy.deepcopy(model)
-    for layer, vlayer in zip(model.model.layers, view.model.layers, strict=True):  # type: ignore[union-attr, arg-type]
-        moe = layer.mlp
-        fp8 = {}
-        for name in ("w13", "w2"):
-            w = getattr(moe, name).data
-            q, scale = quantize_rows_fp8(w.reshape(-1, w.shape[-1]))
-            getattr(moe, name).data.copy_(dequantized(q, scale, torch.float32).view(w.shape))
-            fp8[name], fp8[f"{name}_scale"] = q.view(w.shape), scale.view(w.shape[:-1])
-        vlayer.mlp = _FakeFP8Experts(vlayer.mlp.gate, **fp8)
-    return view
-
-
 def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> None:
     """One decode step: lmserver's model forward (torch_native attention) vs the adapted lowlat path. ``fp8``: the
-    model's projections quantized online (``quantize_linears_``, per-channel scales) and an FP8 KV pool; with experts,
-    the adapter reads FP8 experts with per-row scales (``_fp8_experts_view``; lmserver's forward runs their values)."""
+    model's projections quantized online (``quantize_linears_``, per-channel scales; Mixtral: its experts too,
+    ``quantize_moe_experts_``, per-row scales) and an FP8 KV pool."""
     device = torch.device("cuda" if plugin and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
     config = _config(num_experts)
     model = _model(config, device)
-    view = model
     if fp8:
-        from lmserver.models.quantization import quantize_linears_, use_fp8_path
+        from lmserver.models.quantization import quantize_linears_, quantize_moe_experts_, use_fp8_path
 
         quantize_linears_(model, None)
+        quantize_moe_experts_(model)
         use_fp8_path(model, device)
-        if num_experts:
-            view = _fp8_experts_view(model)
     g = torch.Generator().manual_seed(7)
     batch, table = _decode_batch(device, g)
     pool_ref, pool_ll = _pools(config, device, g, kv_fp8=fp8)
@@ -161,7 +122,7 @@ def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> No
     batch.attn_backend = backend
     with torch.no_grad():
         want = model(batch.input_ids, batch.positions, batch)
-        layers = plugin_layers(view)
+        layers = plugin_layers(model)
         kvs = kv_caches(pool_ll)
         if plugin:
             from lowlat import Coverage, LowlatConfig
@@ -176,7 +137,7 @@ def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> No
             built = build(ctx)
         else:
             built = _ReferenceBuilt(layers)
-        got = decode_forward(view, built, batch, kvs, table, max_seq_len=max(batch.seq_lens_cpu))
+        got = decode_forward(model, built, batch, kvs, table, max_seq_len=max(batch.seq_lens_cpu))
     tol = 1e-4 if device.type == "cpu" else 3e-3  # GPU float32 dots may run in TF32
     assert _rel(got, want) < tol, _rel(got, want)
     for i in range(config.num_hidden_layers):
@@ -224,20 +185,33 @@ def test_reference_path_matches_lmserver_fp8_forward(num_experts: int) -> None:
     compare_decode_step(num_experts, plugin=False, fp8=True)
 
 
-def test_fp8_experts_are_passed_as_views_with_their_scales() -> None:
-    from lmserver.models.quantization import quantize_linears_
+def _fp8_mixtral(attention: bool = True, block: tuple[int, int] | None = None) -> torch.nn.Module:
+    """A tiny Mixtral with FP8 experts (lmserver's ``MoE`` layout: per-row scales quantized online, or empty
+    ``block``-scaled ones as a block checkpoint holds them before loading) and FP8 attention projections
+    (``attention``)."""
+    from lmserver.models.quantization import quantize_linears_, quantize_moe_experts_
 
     model = _model(_config(4), torch.device("cpu"))
-    quantize_linears_(model, None)
-    view = _fp8_experts_view(model)
-    layers = plugin_layers(view)
+    if attention:
+        quantize_linears_(model, None)
+    if block is None:
+        quantize_moe_experts_(model)
+    else:
+        for layer in model.model.layers:  # type: ignore[union-attr]
+            layer.mlp.use_fp8_(block)
+    return model
+
+
+def test_fp8_experts_are_passed_as_views_with_their_scales() -> None:
+    model = _fp8_mixtral()
+    layers = plugin_layers(model)
     assert layers.moe is not None
-    for w, layer in zip(layers.weights, view.model.layers, strict=True):  # type: ignore[union-attr, arg-type]
+    for w, layer in zip(layers.weights, model.model.layers, strict=True):  # type: ignore[union-attr, arg-type]
         assert w.fp8 and w.w13.dtype == torch.float8_e4m3fn  # type: ignore[union-attr]
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
             assert getattr(w, name).data_ptr() == getattr(layer.mlp, name).data_ptr(), name
-        assert w.qkv_scale is not None and w.o_proj_scale is not None
-        assert w.router.dtype == torch.float32  # the router stays in the model dtype
+        assert w.qkv_scale is not None and w.o_proj_scale is not None  # type: ignore[union-attr]
+        assert w.router.dtype == torch.float32  # type: ignore[union-attr]  # the router stays in the model dtype
         w.validate(layers.shape, layers.moe)  # type: ignore[call-arg]
 
 
@@ -252,17 +226,10 @@ def test_adapter_refuses_fp8_block_scales_and_fp8_in_half_a_moe_layer() -> None:
     quantize_linears_(moe, None)  # FP8 attention, model-dtype experts
     with pytest.raises(LowlatAdapterError, match="FP8 attention projections with model-dtype experts"):
         plugin_layers(moe)
-    view = _fp8_experts_view(moe)
-    for layer in view.model.layers:  # type: ignore[union-attr]
-        e = layer.mlp  # 128 x 128 block scales, as a block-scaled checkpoint holds them
-        e.group_n = e.group_k = 128
-        e.w13_scale = torch.ones(e.w13.shape[0], 1, 1)
-        e.w2_scale = torch.ones(e.w2.shape[0], 1, 1)
-    with pytest.raises(LowlatAdapterError, match="FP8 experts with scales per 128 x 128 block"):
-        plugin_layers(view)
-    bf16_attn = _model(_config(4), torch.device("cpu"))  # FP8 experts, model-dtype attention
     with pytest.raises(LowlatAdapterError, match="FP8 experts with model-dtype attention projections"):
-        plugin_layers(_fp8_experts_view(bf16_attn))
+        plugin_layers(_fp8_mixtral(attention=False))
+    with pytest.raises(LowlatAdapterError, match="FP8 experts with scales per 128 x 128 block"):
+        plugin_layers(_fp8_mixtral(block=(128, 128)))
 
 
 def test_adapter_refuses_bias_qk_norm_and_extend() -> None:
@@ -358,7 +325,6 @@ def test_an_adapter_refusal_falls_back_with_its_reason_unless_required(value: st
     """An FP8 Mixtral the adapter cannot map (block-scaled experts) under the server's GPU default
     (`auto+measured-only`) or `auto`: no plugin, no workspace, the reason in explain(), the model's forward serves
     every step (start-up goes on); `require:` raises it at start-up."""
-    from lmserver.models.quantization import quantize_linears_
     from lmserver.runner.lowlat_hook import LowlatHook
     from lowlat import Coverage, PluginSpec, Registry, Requirements, Unsupported
 
@@ -367,13 +333,7 @@ def test_an_adapter_refusal_falls_back_with_its_reason_unless_required(value: st
                       requirements=Requirements(vendor="cpu", dtypes=("float32",)), coverage=Coverage(max_tokens=2),
                       build=lambda ctx: built.append(ctx) or _ReferenceBuilt(ctx))  # type: ignore[func-returns-value]
     config = _config(4)
-    model = _model(config, torch.device("cpu"))
-    quantize_linears_(model, None)
-    view = _fp8_experts_view(model)
-    for layer in view.model.layers:  # type: ignore[union-attr]
-        layer.mlp.group_n = layer.mlp.group_k = 128
-        layer.mlp.w13_scale = torch.ones(4, 1, 1)
-        layer.mlp.w2_scale = torch.ones(4, 1, 1)
+    view = _fp8_mixtral(block=(128, 128))
     hook = LowlatHook.start(value, config, "float32", "cpu", 1, MAX_CONTEXT, quantization="fp8",
                             registry=Registry([spec]))
     assert hook is not None
