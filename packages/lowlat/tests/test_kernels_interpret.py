@@ -89,6 +89,11 @@ def test_fp8_moe_kernels_and_stack_under_the_interpreter() -> None:
     _run(INTERPRET, FP8_MOE_CASES, marks="not slow")
 
 
+@pytest.mark.slow
+def test_long_fp8_moe_cases_under_the_interpreter() -> None:
+    _run(INTERPRET, FP8_MOE_CASES, marks="slow")
+
+
 @pytest.mark.gpu
 def test_fp8_moe_kernels_and_stack_on_the_gpu() -> None:
     """The CPU cases plus the Mixtral-8x7B layer (expert kernels at 1-8 tokens, large activations, the stack at 1 and 8
