@@ -15,7 +15,8 @@ rows on fresh random inputs, relative L2 error at most ``--max-rel``; every outp
 comma-separated; each replaces ``moe_ops.EXPERT_GATE_UP_FP8`` / ``EXPERT_DOWN_FP8`` for one ``fp8w`` stack, checked
 like the others); ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
 value (``early``: every kernel, the expert ones included, releases its dependent launch right after its wait;
-``late``: after its main loop; the default ``auto`` picks by grid size); ``--profile``: each stack's per-kernel marginal time per layer (``kprof.py``).
+``late``: after its main loop; the default ``auto`` picks by grid size); ``--profile``: the ``bf16`` and ``fp8w``
+stacks' per-kernel marginal time per layer at the first batch (``kprof.py``).
 
     python benchmarks/lowlat/bench_moe_stack.py [--layers 8] [--batches 1,2,4,8] [--stacks bf16,fp8w,fp8w+kv]
         [--expert-configs up=mrow_f16s:64:128:4:4,down=mrow_f16s:64:256:4:3] [--json out.json]
@@ -129,7 +130,8 @@ def main() -> None:
     ap.add_argument("--expert-configs", default="", help="FP8 expert tiles to time too (see the docstring)")
     ap.add_argument("--pdl-releases", default="", help="comma list of early, late: the fp8w stack with that release")
     ap.add_argument("--max-rel", type=float, default=3e-2, help="the check's largest relative L2 error")
-    ap.add_argument("--profile", action="store_true", help="per-kernel marginal time of each stack (kprof.py)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel marginal time of the bf16 and fp8w stacks at the first batch (kprof.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -221,7 +223,7 @@ def main() -> None:
             vs = f"  {per_batch['bf16'] / us:4.2f}x bf16" if "bf16" in per_batch and name != "bf16" else ""
             print(f"  b={b} {name:16s} {us:7.1f} us  floor {floor:6.1f} ({routed} experts)  {floor / us:4.0%}{vs}",
                   flush=True)
-            if args.profile:
+            if args.profile and b == batches[0] and name in ("bf16", "fp8w"):
                 print(f"  b={b} {name}: per-kernel (kprof, {args.layers} layers)\n"
                       + kprof.table(kprof.breakdown(graph.replay, reps=3), per=args.layers, unit="us per layer"),
                       flush=True)
