@@ -45,7 +45,7 @@ DECODE_SWEEP = [MoeLaunch(*t) for t in (
     (16, 32, 64, 256, 4, 4), (16, 32, 64, 256, 4, 5), (16, 32, 64, 256, 4, 6), (16, 32, 32, 256, 4, 5),
     (16, 32, 128, 256, 4, 4), (16, 64, 64, 256, 4, 4), (16, 32, 64, 512, 4, 3), (16, 32, 64, 512, 4, 4),
     (16, 64, 64, 512, 8, 3), (16, 32, 64, 128, 4, 6), (16, 64, 128, 128, 4, 6), (16, 128, 64, 256, 8, 4),
-)]
+)] + [MoeLaunch(16, 32, 64, 256, 4, 5, rows_f16=False)]  # the rows converted in the K loop (no extra launch)
 PREFILL_SWEEP = [MoeLaunch(*t) for t in (
     (128, 128, 128, 64, 8, 3), (128, 128, 128, 128, 8, 3), (128, 128, 128, 64, 8, 4), (64, 128, 128, 64, 4, 4),
 )] + [MoeLaunch(128, 128, 128, 64, 8, 3, tma=True), MoeLaunch(128, 128, 256, 64, 8, 4, tma=True)]
@@ -171,7 +171,8 @@ def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[s
         results.sort(key=lambda r: r[0])
         print(f"sweep fp8 tokens={tokens}: default {default_us:.1f} us; best: " + "; ".join(
             f"{us:.1f} {lc.block_m}/{lc.block_n_up}/{lc.block_n_down}/{lc.block_k}/w{lc.num_warps}/s{lc.num_stages}"
-            f"{'/tma' if lc.tma else ''}" for us, lc in results[:5]), flush=True)
+            f"{'/tma' if lc.tma else ''}{'' if lc.rows_f16 else '/rows-in-loop'}" for us, lc in results[:5]),
+            flush=True)
         rows.append({"tokens": tokens, "default_us": default_us,
                      "best": [{"us": us, **vars(lc)} for us, lc in results[:5]]})
     return rows

@@ -67,9 +67,11 @@ def test_fp8_fused_moe_matches_the_dequantized_float64_reference(
     d13, d2 = (dequantize_experts(q, s, block, torch.float64) for q, s in ((q13, s13), (q2, s2)))
     small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=16, block_k=16, num_warps=1, num_stages=1)
     # (dtype, tokens, launches): decode and prefill tiles (the defaults), the weights through TMA descriptors
-    cases = ([(torch.float32, 1, [None]), (torch.float32, 5, [replace(small, tma=True)]),
+    # (rows_f16 False: the rows converted in the K loop)
+    cases = ([(torch.float32, 1, [None]), (torch.float32, 5, [replace(small, tma=True, rows_f16=False)]),
               (torch.float32, 40, [None]), (torch.float16, 5, [small])] if device == "cpu" else
              [(dtype, tokens, [None]) for dtype in (torch.bfloat16, torch.float16) for tokens in (1, 4, 8)]
+             + [(torch.bfloat16, 8, [MoeLaunch(rows_f16=False)])]
              + [(torch.bfloat16, 300, [None, MoeLaunch(64, 64, 64, 64, tma=True)])])
     for dtype, tokens, launches in cases:
         x = _randn(g, tokens, hidden).to(dtype)
@@ -92,7 +94,7 @@ def test_fp8_fused_moe_keeps_large_and_small_activations(device: str) -> None:
     silu(gate) * up) reach ~4e5, beyond fp16's 65,504 (a bf16 model's large activations), ordinary, small and
     medium ones; each row finite and as close to the float64 reference as ordinary rows are (the rows are scaled by
     2^-4 before the fp16 cast, the sums by 16 after)."""
-    from lmserver.kernels.fused_moe import fused_moe
+    from lmserver.kernels.fused_moe import choose_moe_launch, fused_moe
 
     hidden, inter, experts, top_k = (64, 96, 4, 2) if device == "cpu" else (4096, 14336, 8, 2)
     g = _gen(7, device)
@@ -112,11 +114,14 @@ def test_fp8_fused_moe_keeps_large_and_small_activations(device: str) -> None:
     peaks = down_input_max(x.double())
     assert 65504.0 < float(peaks[0]) < 1.0e6, peaks  # the case fp16 alone cannot hold, within the scaled range
     want = moe_forward_native(x.double(), logits.double(), d13, d2, top_k)
-    out = fused_moe(x, logits, q13, q2, top_k, w13_scale=s13, w2_scale=s2)
-    assert torch.isfinite(out).all()
     ordinary = rel_error(moe_forward_native(x[1:2], logits[1:2], q13, q2, top_k, scales=(s13, s2, None)), want[1:2])
-    for row in range(4):
-        assert rel_error(out[row], want[row]) <= 2 * ordinary + (3e-3 if dtype == torch.float32 else 2e-3), row
+    for rows_f16 in (True, False):  # the rows converted once, or in the K loop
+        launch = replace(choose_moe_launch(8, experts, x.element_size(), fp8=True), rows_f16=rows_f16)
+        out = fused_moe(x, logits, q13, q2, top_k, launch=launch, w13_scale=s13, w2_scale=s2)
+        assert torch.isfinite(out).all(), rows_f16
+        for row in range(4):
+            err = rel_error(out[row], want[row])
+            assert err <= 2 * ordinary + (3e-3 if dtype == torch.float32 else 2e-3), (rows_f16, row, err)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -25,7 +25,11 @@ weight, which made 8-row FP8 GEMMs conversion-bound on the H200, benchmarks/fp8/
 the tensor cores against the activation rows in fp16. fp16 holds magnitudes up to 65,504 only, so bf16 / float32
 rows are scaled by 2^-4 before the cast (inline PTX ``mul.rn.f32``: LLVM moves a plain multiply past the
 truncation) and the float32 sums by 16 (both exact): rows up to ~1.05e6 stay finite, as in lowlat's
-``mrow_f16s``. Reference: ``moe_forward_native`` with the same scales (it dequantizes).
+``mrow_f16s``. The rows are converted once, not per K tile: the token rows in a small launch of their own before
+the gate-up kernel (``MoeLaunch.rows_f16``; converted in the K loop, each program and warp would repeat it: in
+sm_90 PTX of the decode tiles, 128 multiplies and 64 conversions per thread and K step against the weights' 64
+``cvt.rn.f16x2.e4m3x2``), ``h`` by the gate-up epilogue, which writes it in fp16 (rounded to the activation dtype
+first, so the values are the bf16 path's). Reference: ``moe_forward_native`` with the same scales (it dequantizes).
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class MoeLaunch:
     # expert weight tiles through TMA tensor descriptors (Hopper and newer; `fused_moe` falls back to pointer loads
     # where `descriptors_ok` says no)
     tma: bool = False
+    # FP8 experts with bf16 / float32 activations: the token rows converted to fp16 (times 2^-4) once, in a launch of
+    # their own, before the gate-up kernel; False: in every program's K loop (no launch; the conversion repeated per
+    # program and, in the MMA operand's layout, per warp)
+    rows_f16: bool = True
 
 
 # H200, Mixtral-8x7B layer, bf16 (bench_moe.py): decode, 16-row blocks up to 8 tokens (best of 36 tiles); prefill, 128 x
@@ -81,6 +89,10 @@ PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256, bl
 # bf16's work per weight; TMA descriptors for FP8 tiles not yet run on a GPU)
 FP8_DECODE_LAUNCH = MoeLaunch(num_stages=5)
 FP8_PREFILL_LAUNCH = PREFILL_LAUNCH
+# block-scaled FP8 prefill: each K tile's sums are scaled before they are added, so the gate and up MMAs need an
+# accumulator each on top of the running sums; at 128 x 128 ptxas spills (sm_90, benchmarks/fp8/ptx_fp8_moe.py: 255
+# registers, 168 bytes spilled), 64-wide gate-up tiles fit
+FP8_PREFILL_BLOCKS_LAUNCH = replace(PREFILL_LAUNCH, block_n_up=64)
 
 
 def scale_block_k(block_k: int, group_k: int | None) -> int:
@@ -102,7 +114,8 @@ def choose_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2, d
     ``block_k`` dividing the scale blocks' ``group_k`` (`scale_block_k`)."""
     decode = num_pairs / max(num_experts, 1) <= 16
     if fp8:
-        launch = FP8_DECODE_LAUNCH if decode else FP8_PREFILL_LAUNCH
+        launch = (FP8_DECODE_LAUNCH if decode else FP8_PREFILL_LAUNCH if group_k is None
+                  else FP8_PREFILL_BLOCKS_LAUNCH)
     elif decode:
         launch = DECODE_LAUNCH
     else:
@@ -248,16 +261,16 @@ def _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _rows_f16(a, SCALE_ROWS: tl.constexpr, ASM: tl.constexpr):
-    # activation rows -> the fp16 operand of an FP8 weight tile's MMA; SCALE_ROWS: times 2^-4 first (the caller
-    # multiplies the float32 sums by 16). NOTE: the multiply is inline PTX on the GPU: written `a * 0.0625`, LLVM
+def _rows_f16(a, SCALE: tl.constexpr, ASM: tl.constexpr):
+    # activation values -> fp16, the operand of an FP8 weight tile's MMA; SCALE: times 2^-4 first (the sums are
+    # multiplied by 16 after the K loop). NOTE: the multiply is inline PTX on the GPU: written `a * 0.0625`, LLVM
     # narrows it past the cast (`cvt.rn.f16x2.f32` then `mul.f16x2`, a comes from a bf16 load) and the cast overflows
     # first (benchmarks/fp8/GPU_NOTES.md); ASM is False only under Triton's interpreter (no inline assembly there,
     # and numpy keeps the order)
-    if SCALE_ROWS and ASM:
+    if SCALE and ASM:
         out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [a.to(tl.float32)],
                                         dtype=tl.float32, is_pure=True, pack=1).to(tl.float16)
-    elif SCALE_ROWS:
+    elif SCALE:
         out = (a.to(tl.float32) * 0.0625).to(tl.float16)
     else:
         out = a.to(tl.float16)
@@ -265,27 +278,39 @@ def _rows_f16(a, SCALE_ROWS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _rows_f16_kernel(x_ptr, out_ptr, cols, stride_x, stride_out, BLOCK: tl.constexpr, SCALE: tl.constexpr,
+                     ASM: tl.constexpr):
+    # out[row] = fp16(x[row] * 2^-4) (`_rows_f16`): the FP8 experts' gate-up operand, converted once per token
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < cols
+    row = tl.program_id(0).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, _rows_f16(x, SCALE, ASM), mask=ok)
+
+
+@triton.jit
 def _mma(a, w, acc, s_ptr, k0, n_ok, PRECISION: tl.constexpr, W_SCALE: tl.constexpr, GROUP_K: tl.constexpr,
-         SCALE_ROWS: tl.constexpr, ASM: tl.constexpr):
+         A_SCALE: tl.constexpr, ASM: tl.constexpr):
     # acc + a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T. W_SCALE 0: model-dtype weights; 1: FP8 with per-row scales
     # (applied after the K loop, `_scaled`); 2: FP8 with block scales, the tile's partial sums times its scale block
-    # (s_ptr: the rows' scale rows, this K tile's column k0 // GROUP_K)
+    # (s_ptr: the rows' scale rows, this K tile's column k0 // GROUP_K). FP8: `a` is fp16 already (A_SCALE False) or
+    # converted here, in every program and K step (A_SCALE: times 2^-4; `MoeLaunch.rows_f16` False)
     if W_SCALE == 0:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     elif W_SCALE == 1:
-        out = tl.dot(_rows_f16(a, SCALE_ROWS, ASM), tl.trans(w.to(tl.float16)), acc)
+        out = tl.dot(_rows_f16(a, A_SCALE, ASM), tl.trans(w.to(tl.float16)), acc)
     else:
         s = tl.load(s_ptr + k0 // GROUP_K, mask=n_ok, other=0.0)
-        out = acc + tl.dot(_rows_f16(a, SCALE_ROWS, ASM), tl.trans(w.to(tl.float16))) * s[None, :]
+        out = acc + tl.dot(_rows_f16(a, A_SCALE, ASM), tl.trans(w.to(tl.float16))) * s[None, :]
     return out
 
 
 @triton.jit
-def _scaled(acc, s_ptr, n_ok, W_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr):
-    # the finished float32 sums: per-row scales (s_ptr: the rows' scales) and the rows' 2^-4 undone (exact)
+def _scaled(acc, s_ptr, n_ok, W_SCALE: tl.constexpr, UNSCALE: tl.constexpr):
+    # the finished float32 sums: per-row scales (s_ptr: the rows' scales) and the rows' 2^-4 undone (UNSCALE; exact)
     if W_SCALE == 1:
         acc = acc * tl.load(s_ptr, mask=n_ok, other=0.0)[None, :]
-    if W_SCALE != 0 and SCALE_ROWS:
+    if W_SCALE != 0 and UNSCALE:
         acc = acc * 16.0
     return acc
 
@@ -297,11 +322,13 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_h, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    ASM: tl.constexpr,
+    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_SCALE: tl.constexpr,
+    UNSCALE: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * 2 * inter, hidden) weight rows, else a pointer.
-    # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales
+    # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block
+    # scales. ACT: the activation dtype (the epilogue's roundings); FP8 experts: x is fp16 (scaled by 2^-4 when
+    # UNSCALE) unless A_SCALE, and h is written in fp16, times 2^-4 when UNSCALE (the down kernel's operand)
     expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -334,16 +361,18 @@ def _gate_up_kernel(
         else:
             g = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, PRECISION, W_SCALE, GROUP_K, SCALE_ROWS, ASM)
-        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, SCALE_ROWS, ASM)
-    acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, SCALE_ROWS)
-    acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, SCALE_ROWS)
-    dtype = h_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM)
+        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM)
+    acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, UNSCALE)
+    acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, UNSCALE)
+    gate = acc_gate.to(ACT).to(tl.float32)
+    up = acc_up.to(ACT).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(ACT).to(tl.float32)
+    h = (act * up).to(ACT)
+    if W_SCALE != 0:
+        h = _rows_f16(h, UNSCALE, ASM)  # exact: an fp16 value times 2^-4 (within fp16's range up to ~1.05e6)
     h_rows = h_ptr + pairs[:, None].to(tl.int64) * stride_h
-    tl.store(h_rows + offs_n[None, :], (act * up).to(dtype), mask=valid[:, None] & n_ok[None, :])
+    tl.store(h_rows + offs_n[None, :], h, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -353,11 +382,11 @@ def _down_kernel(
     stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr,
-    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    ASM: tl.constexpr,
+    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UNSCALE: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer.
-    # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales
+    # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales;
+    # FP8 experts: h is fp16, times 2^-4 when UNSCALE (the gate-up kernel wrote it so)
     expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -382,8 +411,8 @@ def _down_kernel(
             wt = w.load([expert * hidden + n0, k0])
         else:
             wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, SCALE_ROWS, ASM)
-    acc = _scaled(acc, s_rows, n_ok, W_SCALE, SCALE_ROWS)
+        acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, False, False)
+    acc = _scaled(acc, s_rows, n_ok, W_SCALE, UNSCALE)
     dtype = y_ptr.dtype.element_ty
     scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(tl.float32)
     out = (acc.to(dtype).to(tl.float32) * scale[:, None]).to(dtype)
@@ -434,6 +463,10 @@ def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor |
     check_last_dim_contiguous(w13_scale=w13_scale, w2_scale=w2_scale)
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+ROWS_F16_BLOCK = 1024  # columns per program of `_rows_f16_kernel`
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -478,26 +511,35 @@ def fused_moe(
     if tma:  # the weights as 2-D row tables, one tile per load
         w_up = TensorDescriptor.from_tensor(w13.view(-1, hidden), [cfg.block_n_up, cfg.block_k])
         w_down = TensorDescriptor.from_tensor(w2.view(-1, inter), [cfg.block_n_down, cfg.block_k])
-    # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights; fp16 rows need no 2^-4
-    fp8_args: dict[str, object] = dict(W_SCALE=0 if not fp8 else 2 if scale_block else 1, GROUP_N=group_n,
-                                       GROUP_K=group_k, SCALE_ROWS=fp8 and x.dtype != torch.float16,
-                                       ASM=fp8 and not _interpreted())
+    # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights. FP8: the MMA's operands in fp16, bf16 and
+    # float32 activations times 2^-4 (UNSCALE: the sums times 16), converted once per token (`MoeLaunch.rows_f16`)
+    # or in each program's K loop; h in fp16 (written so by the gate-up kernel)
+    w_scale = 0 if not fp8 else 2 if scale_block else 1
+    unscale = fp8 and x.dtype != torch.float16
+    asm = fp8 and not _interpreted()
+    x_op = x
+    if fp8 and cfg.rows_f16 and x.dtype != torch.float16:
+        x_op = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
+        _rows_f16_kernel[(tokens, triton.cdiv(hidden, ROWS_F16_BLOCK))](
+            x, x_op, hidden, x.stride(0), x_op.stride(0), BLOCK=ROWS_F16_BLOCK, SCALE=unscale, ASM=asm, num_warps=4)
     s13 = w13_scale if w13_scale is not None else w13  # a placeholder pointer, never read without W_SCALE
     s2 = w2_scale if w2_scale is not None else w2
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
     s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_pairs, inter, dtype=torch.float16 if fp8 else x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n_up))](
-        x, w_up, s13, h, pair_ids, block_expert, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13_strides,
+        x_op, w_up, s13, h, pair_ids, block_expert, num_pairs, inter, hidden,
+        x_op.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13_strides,
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
-        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args,
+        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
+        GROUP_K=group_k, A_SCALE=unscale and x_op is x, UNSCALE=unscale, ACT=_TL_DTYPES[x.dtype], ASM=asm,
     )
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
         h, w_down, s2, y, weights, pair_ids, block_expert, num_pairs, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
-        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args,
+        W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
+        GROUP_K=group_k, UNSCALE=unscale,
     )
     return y.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else y
