@@ -3,7 +3,8 @@
 # MoE kernels. Phases (PHASES, comma list; default tests,kernels,serve):
 #   tests:   the GPU tests of the FP8 experts (kernels against the dequantized float64 reference at Mixtral's shape,
 #            per-row and 128 x 128 block scales, rows beyond fp16's range, the layer in a CUDA graph) and of the bf16
-#            fused MoE (unchanged path);
+#            fused MoE (unchanged path); an FP8 Mixtral through the model (fused vs torch path) and the engine (CUDA
+#            graphs vs eager);
 #   kernels: bench_fp8_moe.py, bf16 vs FP8 fused_moe at Mixtral-8x7B's layer, 1-4,096 tokens (checked first),
 #            then the FP8 launch sweep (SWEEP_S seconds, 0: none);
 #   serve:   bench_fp8_serving.py on MODEL_DIR (the 8-layer Mixtral shape, dummy weights), bf16-default vs
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 if has tests; then
   echo "[$((SECONDS - t0)) s] tests"
   LMSYS_GPU_ONLY=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    packages/server/tests/test_fp8_moe_kernels.py packages/server/tests/test_moe_layer.py \
+    packages/server/tests/test_fp8_moe_kernels.py packages/server/tests/test_fp8_moe.py packages/server/tests/test_moe_layer.py \
     packages/server/tests/test_kernels_triton.py -k "moe" 2>&1 | tee "$OUT/tests.log" | tail -6
 fi
 if has kernels; then

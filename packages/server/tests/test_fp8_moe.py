@@ -348,3 +348,53 @@ def test_fp8_weight_estimate_counts_one_byte_per_expert_weight() -> None:
     qkv_o = layers * ((h + 2 * 2 * (h // 4)) * h + h * h)
     attn_rows = layers * ((h + 2 * 2 * (h // 4)) + h)
     assert saved == experts - 4 * expert_rows + qkv_o - 4 * attn_rows
+
+
+# --- GPU: the fused FP8 kernels in the model and in decode graphs -----------------------------------------
+
+
+@pytest.mark.gpu
+def test_fp8_mixtral_fused_kernels_match_the_dequantizing_torch_path_on_the_gpu(tmp_path: Path) -> None:
+    # float32 model on CUDA: the fused FP8 MoE kernels (fp16 operands) against the torch path on the dequantized
+    # experts (disable_fused_kernels), the same FP8 bytes and scales; a wiring error is of order 1
+    _, src = _hf_mixtral(tmp_path)
+    config = read_model_config(src)
+    fused = load_model(config, src, dtype=torch.float32, device="cuda", max_positions=64, quantization="fp8")
+    plain = load_model(config, src, dtype=torch.float32, device="cuda", max_positions=64, quantization="fp8",
+                       disable_fused_kernels=True)
+    moe = fused.get_submodule("model.layers.0.mlp")
+    assert isinstance(moe, MoE) and moe.is_fp8 and moe.kernels is not None and moe.kernels.fused_moe is not None
+    ids = list(range(3, 40))
+    a, b = _logits(fused, ids), _logits(plain, ids)
+    assert float((a - b).norm() / b.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_fp8_mixtral_engine_decodes_the_same_in_cuda_graphs_as_eagerly(tmp_path: Path) -> None:
+    # --quantization fp8 on CUDA: decode steps replay CUDA graphs holding the fused FP8 MoE kernels (routing on the
+    # device); the same kernels run eagerly with --disable-cuda-graph: the same greedy tokens (float32: the two runs'
+    # other kernels may split their sums differently by batch size, by ~1e-6, far below the greedy margins)
+    from lmserver import Engine
+    from lmserver.models.default_model import default_model_path
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_model_path()))
+    hf, src = _hf_mixtral(tmp_path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1, hidden_size=256,
+                          intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(8.0)
+    hf.save_pretrained(src)
+    tok.save_pretrained(src)
+    prompts = [[5, 17, 300, 41, 9] * 4, [1000 + i for i in range(13)], [7, 8, 9]]
+    outs = []
+    for eager in (False, True):
+        engine = Engine(str(src), dtype="float32", device="cuda", quantization="fp8", max_total_tokens=1024,
+                        disable_cuda_graph=eager)
+        try:
+            got = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0,
+                                                                      "ignore_eos": True})
+        finally:
+            engine.shutdown()
+        assert isinstance(got, list)
+        outs.append([o["output_ids"] for o in got])
+    assert outs[0] == outs[1]
