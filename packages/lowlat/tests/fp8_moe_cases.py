@@ -126,7 +126,7 @@ def _check_mlp(w: MoELayerWeights, shape: LayerShape, moe: MoEShape, x1: torch.T
     return ref
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+@pytest.mark.parametrize("tokens", [1, pytest.param(2, marks=() if GPU else pytest.mark.slow), 5, 8])
 @pytest.mark.parametrize(("shape", "moe"), CASES, ids=lambda v: f"h{v.hidden_size}" if isinstance(v, LayerShape)
                          else f"e{v.num_experts}")
 def test_fp8_moe_mlp_matches_float64(shape: LayerShape, moe: MoEShape, tokens: int) -> None:
@@ -167,6 +167,29 @@ def test_fp8_moe_mlp_keeps_large_activations(shape: LayerShape, moe: MoEShape) -
     assert float(ref.abs().max()) > 1e3
 
 
+# the row-wise slot kernels (a ``rows`` expert config): plain activation loads and loads in the tile's shape (vec 16)
+SLOT_CFGS = {"rows": ops.GemvConfig("rows", 4, 32 if not GPU else 2048, 4, 2),
+             "rows16": ops.GemvConfig("rows", 4, 32 if not GPU else 2048, 4, 2, vec=16)}
+
+
+# on the interpreter rows at 1 token and rows16 at 3 by default, the other two in the slow tier (the same oracle)
+SLOT_CASES = [pytest.param(shape, moe, variant, tokens, id=f"h{shape.hidden_size}-{variant}-{tokens}",
+                           marks=pytest.mark.slow if not GPU and (variant == "rows") != (tokens == 1) else ())
+              for shape, moe in CASES for variant in sorted(SLOT_CFGS) for tokens in (1, 3)]
+
+
+@pytest.mark.parametrize(("shape", "moe", "variant", "tokens"), SLOT_CASES)
+def test_fp8_moe_mlp_row_wise_slot_kernels_match_float64(shape: LayerShape, moe: MoEShape, variant: str,
+                                                         tokens: int) -> None:
+    """The FP8 experts through the row-wise slot kernels (one program per token and choice; at 3 tokens experts
+    shared by two tokens, each token its own row) against float64 on the dequantized experts."""
+    g = _gen(47 + tokens)
+    w = fp8_moe_layer(shape, moe, g)
+    x1 = (torch.randn(tokens, shape.hidden_size, generator=g) * 0.05).to(DEVICE, DTYPE)
+    out, ws = _run_mlp(w, shape, moe, x1, (SLOT_CFGS[variant], SLOT_CFGS[variant]))
+    _check_mlp(w, shape, moe, x1, out, ws)
+
+
 def test_fp8_moe_mlp_refuses_partial_fp8_and_dot_configs() -> None:
     """FP8 w13 without its scales, or FP8 experts with a ``dot`` expert config: a ShapeError, no launch."""
     g = _gen(43)
@@ -178,7 +201,7 @@ def test_fp8_moe_mlp_refuses_partial_fp8_and_dot_configs() -> None:
     with pytest.raises(ShapeError, match="per-row scales"):
         moe_mlp(x1, w.post_norm, w.router, w.w13, w.w2, out, moe, shape.rms_eps, ws, _lc(shape), w13_scale=w.w13_scale)
     dot = ops.GemvConfig("dot", 16, 32)
-    with pytest.raises(ShapeError, match="multi-row"):
+    with pytest.raises(ShapeError, match="multi-row or rows"):
         moe_mlp(x1, w.post_norm, w.router, w.w13, w.w2, out, moe, shape.rms_eps, ws, _lc(shape),
                 w13_scale=w.w13_scale, w2_scale=w.w2_scale, up_cfg=dot)
     up, down = expert_configs(DEVICE, _lc(shape), fp8=True)

@@ -20,6 +20,12 @@ stored for the combine's routing weight (down). With model-dtype weights (``HAS_
 kernels over bf16 / fp16 tiles (``MMA`` 1). Under PDL they release the next launch as the dense kernels do
 (``LaunchConfig.pdl_early``: after the wait for a grid that fits the GPU at once, else after the main loop; the
 expert grids are larger, so the down / combine launches' programs do not hold SM slots while the experts stream).
+
+Row-wise slot kernels (``expert_gate_up_slot_kernel`` / ``expert_down_slot_kernel``, a ``rows`` expert config): grid
+(tokens x top_k, column block), one program per (token, choice) slot and column block, CUDA-core reductions as
+``lowlat.kernels.gemv`` (no MMA, no 8-row tile), writing the same rows of ``act`` / ``y`` (the token's row in its
+expert's placement). No program of an unrouted expert; but two tokens that chose one expert read its weights twice,
+so they are meant for a single token (where ``gemv``'s row-wise kernels beat the MMA ones on the dense FP8 stages).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowlat.kernels.gemv import _row_as_tile
 from lowlat.kernels.layer import _dot, row_scales
 from lowlat.kernels.mrow import _wx
 
@@ -271,6 +278,96 @@ def expert_down_ws_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         acc = acc * row_scales(s2_ptr + e * H, offs_n, n_mask, HAS_SCALE)[:, None]
         tl.store(y_ptr + (e * MAX_T + row[None, :]) * H + offs_n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _slot(ids_ptr, bitmap_ptr, TOP_K: tl.constexpr):
+    """The token ``t`` of slot program ``program_id(0)`` (t * TOP_K + choice), its expert, and its row among the
+    expert's rows (popcount placement, as the combine finds it)."""
+    s = tl.program_id(0)
+    t = s // TOP_K
+    e = tl.load(ids_ptr + s)
+    return t, e, _popcount32(tl.load(bitmap_ptr + e) & ((1 << t) - 1))
+
+
+@triton.jit
+def _x_slice(x_ptr, offs_k, k_mask, ROWS: tl.constexpr, X2D: tl.constexpr):
+    """One activation row's columns ``offs_k`` as float32 to multiply a (ROWS, BLOCK_K) weight tile: loaded in the
+    tile's shape (``X2D``, ``W_VEC`` 16: one register layout for both, ``gemv._row_as_tile``), else (1, BLOCK_K)."""
+    # NOTE: one if / else assigning one value (layer._dot's note)
+    if X2D:
+        x = _row_as_tile(x_ptr, offs_k, k_mask, 0, 1, ROWS)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    return x
+
+
+@triton.jit
+def expert_gate_up_slot_kernel(
+    hn_ptr, w13_ptr, s13_ptr, ids_ptr, bitmap_ptr, act_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_VEC: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    # act[e, row, n] for the slot's expert e and its token's row, row-wise; FP8: the sums times their rows' scales
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: the hint inline (gemv's note: through a helper function the compiler loses it)
+    wk = tl.max_contiguous(tl.multiple_of(offs_k, W_VEC), W_VEC) if W_VEC > 0 else offs_k
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    t, e, row = _slot(ids_ptr, bitmap_ptr, TOP_K)
+    base = w13_ptr + e.to(tl.int64) * (2 * INTER * H)
+    acc_g = tl.zeros((BLOCK_N,), tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        km = (k0 + offs_k) < H
+        wm = n_mask[:, None] & km[None, :]
+        wg = tl.load(base + offs_n[:, None] * H + k0 + wk[None, :], mask=wm, other=0.0).to(tl.float32)
+        wu = tl.load(base + (INTER + offs_n[:, None]) * H + k0 + wk[None, :], mask=wm, other=0.0).to(tl.float32)
+        x = _x_slice(hn_ptr + t * H + k0, offs_k, km, BLOCK_N, W_VEC >= 16)
+        acc_g += tl.sum(wg * x, 1)
+        acc_u += tl.sum(wu * x, 1)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    s_base = s13_ptr + e * (2 * INTER)
+    g = acc_g * row_scales(s_base, offs_n, n_mask, HAS_SCALE)
+    u = acc_u * row_scales(s_base, INTER + offs_n, n_mask, HAS_SCALE)
+    tl.store(act_ptr + (e * MAX_T + row) * INTER + offs_n, g / (1.0 + tl.exp(-g)) * u, mask=n_mask)
+
+
+@triton.jit
+def expert_down_slot_kernel(
+    act_ptr, w2_ptr, s2_ptr, ids_ptr, bitmap_ptr, y_ptr,
+    MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_VEC: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    # y[e, row, n] = act[e, row] . w2[e, n] for the slot's expert e and its token's row, row-wise
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    wk = tl.max_contiguous(tl.multiple_of(offs_k, W_VEC), W_VEC) if W_VEC > 0 else offs_k
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    _t, e, row = _slot(ids_ptr, bitmap_ptr, TOP_K)
+    base = w2_ptr + e.to(tl.int64) * (H * INTER)
+    a_row = act_ptr + (e * MAX_T + row) * INTER
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        km = (k0 + offs_k) < INTER
+        w = tl.load(base + offs_n[:, None] * INTER + k0 + wk[None, :], mask=n_mask[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * _x_slice(a_row + k0, offs_k, km, BLOCK_N, W_VEC >= 16), 1)
+    if USE_PDL and not PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = acc * row_scales(s2_ptr + e * H, offs_n, n_mask, HAS_SCALE)
+    tl.store(y_ptr + (e * MAX_T + row) * H + offs_n, acc, mask=n_mask)
 
 
 @triton.jit

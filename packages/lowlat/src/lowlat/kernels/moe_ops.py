@@ -24,7 +24,8 @@ EXPERT_DOWN = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages
 # fp16 with the rows scaled (``mrow_f16s``). Not measured on the experts yet: the tiles the dense FP8 stack measured
 # best at 2-8 rows on the H200 for the same matrices (tuning.FP8_TABLES, 8B shape: gate-up 2 x 14336 x 4096 64 x 256,
 # down 4096 x 14336 32 x 512; an expert's w13 / w2 have those shapes at Mixtral-8x7B's). A config of any multi-row
-# variant runs the weight-stationary kernels (model-dtype weights too); a ``dot`` config the kernels above.
+# variant runs the weight-stationary kernels (model-dtype weights too), a ``rows`` config the row-wise slot kernels (one
+# program per token and choice: meant for one token; not measured either), a ``dot`` config the kernels above.
 EXPERT_GATE_UP_FP8 = GemvConfig("mrow_f16s", block_n=64, block_k=256, num_warps=4, num_stages=3)
 EXPERT_DOWN_FP8 = GemvConfig("mrow_f16s", block_n=32, block_k=512, num_warps=4, num_stages=3)
 # Whether the expert kernels read their first weight block before waiting on the router (PDL overlap, but every
@@ -107,11 +108,21 @@ def moe_mlp(
     up, down = expert_configs(dev, lc, fp8)
     up, down = up_cfg or up, down_cfg or down
     up_k, down_k = min(up.block_k, next_pow2(h)), min(down.block_k, next_pow2(i))
-    if fp8 and not (up.multi_row and down.multi_row):
-        raise ShapeError(f"FP8 experts run the weight-stationary kernels (a multi-row config), got {up} / {down}")
+    if fp8 and not all(cfg.multi_row or cfg.row_wise for cfg in (up, down)):
+        raise ShapeError(f"FP8 experts run the weight-stationary or row-wise kernels (a multi-row or rows config), "
+                         f"got {up} / {down}")
     # the weight-stationary kernels: the rows are the MMA's narrow side (8 rows, no padding to 16)
     ws_common = {**{n: v for n, v in common.items() if n != "PREFETCH"}, "BLOCK_R": ROWS_PER_TILE, "HAS_SCALE": fp8}
-    if up.multi_row:
+    # the row-wise slot kernels: one program per (token, choice) and column block
+    slot_common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, TOP_K=k, USE_PDL=lc.use_pdl, HAS_SCALE=fp8)
+    if up.row_wise:
+        slots = (b * k, triton.cdiv(i, up.block_n))
+        K.expert_gate_up_slot_kernel[slots](
+            ws.hn, w13, w13 if w13_scale is None else w13_scale, ws.ids, ws.bitmap, ws.act, BLOCK_N=up.block_n,
+            BLOCK_K=up_k, W_VEC=up.vec, PDL_EARLY=lc.pdl_early(slots[0] * slots[1]), **slot_common,
+            **_kw(dev, lc, cfg=up),
+        )
+    elif up.multi_row:
         grid = (e, triton.cdiv(i, up.block_n), row_tiles)
         K.expert_gate_up_ws_kernel[grid](
             ws.hn, w13, w13 if w13_scale is None else w13_scale, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
@@ -122,7 +133,14 @@ def moe_mlp(
             ws.hn, w13, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
             LOOP_START=up_k if EXPERT_PREFETCH else 0, **common, **_kw(dev, lc, cfg=up),
         )
-    if down.multi_row:
+    if down.row_wise:
+        slots = (b * k, triton.cdiv(h, down.block_n))
+        K.expert_down_slot_kernel[slots](
+            ws.act, w2, w2 if w2_scale is None else w2_scale, ws.ids, ws.bitmap, ws.y, BLOCK_N=down.block_n,
+            BLOCK_K=down_k, W_VEC=down.vec, PDL_EARLY=lc.pdl_early(slots[0] * slots[1]), **slot_common,
+            **_kw(dev, lc, cfg=down),
+        )
+    elif down.multi_row:
         grid = (e, triton.cdiv(h, down.block_n), row_tiles)
         K.expert_down_ws_kernel[grid](
             ws.act, w2, w2 if w2_scale is None else w2_scale, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
