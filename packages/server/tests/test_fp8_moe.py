@@ -162,6 +162,18 @@ def _fp8_twin_(model: nn.Module) -> int:
     return experts
 
 
+def _save_word_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` tokens ("<unk>", "<s>", "</s>", then "w3", "w4", ...) into `folder`: the
+    engine needs one, the tests send token ids (no download, no embedded model: runs on the GPU machine too)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(folder)
+
+
 def _logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
     from lmserver.runner.accuracy import window_logits, window_runner
 
@@ -200,16 +212,14 @@ def test_online_fp8_mixtral_through_the_engine_is_greedy_as_its_dequantized_twin
     greedy tokens are HF `generate`'s on the same model with every FP8 weight replaced by its dequantized value
     (test_online_fp8_quantizes_the_experts_per_row: those logits within FP8 error of the unquantized model's)."""
     from lmserver import Engine
-    from lmserver.models.default_model import default_model_path
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(default_model_path()))
-    hf, src = _hf_mixtral(tmp_path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
+    hf, src = _hf_mixtral(tmp_path, vocab_size=512, eos_token_id=2, bos_token_id=1)
     with torch.no_grad():  # larger weights than the default init, so greedy paths are not flat
         for p in hf.parameters():
             p.mul_(8.0)
     hf.save_pretrained(src)
-    tok.save_pretrained(src)
-    prompts = [[5, 17, 300, 41, 9] * 4, [1000 + i for i in range(13)]]
+    _save_word_tokenizer(src, 512)
+    prompts = [[5, 17, 300, 41, 9] * 4, [100 + i for i in range(13)]]
     engine = Engine(str(src), dtype="float32", quantization="fp8", max_total_tokens=256, chunked_prefill_size=16)
     try:
         assert engine.core.resolved_config.quantization == "fp8"
@@ -220,8 +230,11 @@ def test_online_fp8_mixtral_through_the_engine_is_greedy_as_its_dequantized_twin
     assert isinstance(outs, list)
     assert _fp8_twin_(hf) == TINY["num_hidden_layers"] * TINY["num_local_experts"] * 3
     for ids, out in zip(prompts, outs, strict=True):
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        assert out["output_ids"] == ref[0, len(ids):].tolist()
+        seq = list(ids)
+        with torch.no_grad():  # greedy by hand: HF's generate would suppress EOS under min_new_tokens
+            for _ in range(8):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert out["output_ids"] == seq[len(ids):]
 
 
 def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = None,
@@ -375,17 +388,15 @@ def test_fp8_mixtral_engine_decodes_the_same_in_cuda_graphs_as_eagerly(tmp_path:
     # device); the same kernels run eagerly with --disable-cuda-graph: the same greedy tokens (float32: the two runs'
     # other kernels may split their sums differently by batch size, by ~1e-6, far below the greedy margins)
     from lmserver import Engine
-    from lmserver.models.default_model import default_model_path
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(default_model_path()))
-    hf, src = _hf_mixtral(tmp_path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1, hidden_size=256,
+    hf, src = _hf_mixtral(tmp_path, vocab_size=512, eos_token_id=2, bos_token_id=1, hidden_size=256,
                           intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(8.0)
     hf.save_pretrained(src)
-    tok.save_pretrained(src)
-    prompts = [[5, 17, 300, 41, 9] * 4, [1000 + i for i in range(13)], [7, 8, 9]]
+    _save_word_tokenizer(src, 512)
+    prompts = [[5, 17, 300, 41, 9] * 4, [100 + i for i in range(13)], [7, 8, 9]]
     outs = []
     for eager in (False, True):
         engine = Engine(str(src), dtype="float32", device="cuda", quantization="fp8", max_total_tokens=1024,
