@@ -11,9 +11,10 @@ First, a correctness check that stops the run (exit 1) on a mismatch: layer 0 of
 MoE layer (``lowlat.moe.reference_moe_decoder_layer``: the dequantized weights in float32, the same cache) at 1 and 8
 rows on fresh random inputs, relative L2 error at most ``--max-rel``; every output finite.
 
-``--expert-configs``: FP8 expert kernel tiles to time as well (``up=VARIANT:BN:BK:WARPS:STAGES`` / ``down=...``,
-comma-separated; each replaces ``moe_ops.EXPERT_GATE_UP_FP8`` / ``EXPERT_DOWN_FP8`` for one ``fp8w`` stack, checked
-like the others); ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
+``--expert-configs``: FP8 expert kernel tiles to time as well (``up=VARIANT:BN:BK:WARPS:STAGES[:VEC]`` /
+``down=...``, comma-separated; each up / down pair replaces ``moe_ops.EXPERT_TILES_FP8`` at every token count for one
+``fp8w`` stack, checked like the others); ``--rows-at-one``: the ``fp8w`` stack also with the row-wise slot kernels at
+one token (``rows`` 4 x 2048, vec 16 for gate-up, as the dense FP8 table's one-row entries) and the default above; ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
 value (``early``: every kernel, the expert ones included, releases its dependent launch right after its wait;
 ``late``: after its main loop; the default ``auto`` picks by grid size); ``--profile``: the ``bf16`` and ``fp8w``
 stacks' per-kernel marginal time per layer at the first batch (``kprof.py``).
@@ -89,34 +90,49 @@ def build(weights: list[MoELayerWeights], shape: LayerShape, moe: MoEShape, dev:
     return nvidia.build(ctx)
 
 
-def parse_expert_configs(text: str) -> list[tuple[GemvConfig, GemvConfig]]:
-    """``up=V:BN:BK:W:S,down=V:BN:BK:W:S,...`` -> (gate-up, down) pairs: each ``up`` with the next ``down`` (a
-    missing side: the default)."""
+Tiles = tuple[tuple[int, GemvConfig, GemvConfig], ...]  # moe_ops.EXPERT_TILES_FP8's layout
+
+
+def gemv_config(spec: str) -> GemvConfig:
+    """``VARIANT:BN:BK:WARPS:STAGES[:VEC]`` -> GemvConfig."""
+    v, *nums = spec.split(":")
+    n = [int(x) for x in nums]
+    return GemvConfig(v, *n[:4], vec=n[4] if len(n) > 4 else 0)
+
+
+def parse_expert_configs(text: str) -> list[Tiles]:
+    """``up=SPEC,down=SPEC,...`` -> one tile table per (gate-up, down) pair, at every token count: each ``up`` with
+    the next ``down`` (a missing side: the default's)."""
     ups: list[GemvConfig] = []
     downs: list[GemvConfig] = []
     for item in [t for t in text.split(",") if t]:
         side, spec = item.split("=")
-        v, *nums = spec.split(":")
-        (ups if side == "up" else downs).append(GemvConfig(v, *(int(n) for n in nums)))
-    n = max(len(ups), len(downs))
-    return [(ups[k] if k < len(ups) else moe_ops.EXPERT_GATE_UP_FP8,
-             downs[k] if k < len(downs) else moe_ops.EXPERT_DOWN_FP8) for k in range(n)]
+        (ups if side == "up" else downs).append(gemv_config(spec))
+    default = moe_ops.EXPERT_TILES_FP8[-1]
+    return [((moe_ops.MAX_TOKENS, ups[k] if k < len(ups) else default[1], downs[k] if k < len(downs) else default[2]),)
+            for k in range(max(len(ups), len(downs)))]
+
+
+def tiles_label(tiles: Tiles) -> str:
+    return " ".join(f"<={m}:{u.variant}:{u.block_n}x{u.block_k}/{u.num_warps}/{u.num_stages}"
+                    f"{f'v{u.vec}' if u.vec else ''}+{d.variant}:{d.block_n}x{d.block_k}/{d.num_warps}/{d.num_stages}"
+                    f"{f'v{d.vec}' if d.vec else ''}" for m, u, d in tiles)
 
 
 class ExpertTiles:
-    """The FP8 expert kernels' tiles for one stack: set while its forward runs (and is captured), the defaults
-    back after."""
+    """The FP8 expert kernels' tiles (``moe_ops.EXPERT_TILES_FP8``) for one stack: set while its forward runs (and is
+    captured), the defaults back after."""
 
-    def __init__(self, tiles: tuple[GemvConfig, GemvConfig] | None) -> None:
+    def __init__(self, tiles: Tiles | None) -> None:
         self.tiles = tiles
 
     def __enter__(self) -> None:
-        self.saved = (moe_ops.EXPERT_GATE_UP_FP8, moe_ops.EXPERT_DOWN_FP8)
+        self.saved = moe_ops.EXPERT_TILES_FP8
         if self.tiles is not None:
-            moe_ops.EXPERT_GATE_UP_FP8, moe_ops.EXPERT_DOWN_FP8 = self.tiles
+            moe_ops.EXPERT_TILES_FP8 = self.tiles
 
     def __exit__(self, *exc: object) -> None:
-        moe_ops.EXPERT_GATE_UP_FP8, moe_ops.EXPERT_DOWN_FP8 = self.saved
+        moe_ops.EXPERT_TILES_FP8 = self.saved
 
 
 def main() -> None:
@@ -128,6 +144,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.23)
     ap.add_argument("--stacks", default="bf16,fp8w,fp8w+kv", help="comma list of bf16, fp8w, fp8w+kv")
     ap.add_argument("--expert-configs", default="", help="FP8 expert tiles to time too (see the docstring)")
+    ap.add_argument("--rows-at-one", action="store_true", help="the fp8w stack with row-wise slot kernels at 1 token")
     ap.add_argument("--pdl-releases", default="", help="comma list of early, late: the fp8w stack with that release")
     ap.add_argument("--max-rel", type=float, default=3e-2, help="the check's largest relative L2 error")
     ap.add_argument("--profile", action="store_true",
@@ -141,24 +158,27 @@ def main() -> None:
     torch.manual_seed(0)
     dense = [gpu_moe_layer(shape, moe, dev) for _ in range(args.layers)]
     chosen = args.stacks.split(",")
-    fp8 = [quantize_moe_layer_fp8(w) for w in dense] if any(s.startswith("fp8") for s in chosen) or args.expert_configs \
-        else []
+    want_fp8 = any(s.startswith("fp8") for s in chosen) or args.expert_configs or args.rows_at_one or args.pdl_releases
+    fp8 = [quantize_moe_layer_fp8(w) for w in dense] if want_fp8 else []
     slots = max_b * max(c, 1024) + 64
     # name -> (built stack, weights, KV dtype, FP8 expert tiles or None: the defaults)
-    stacks: dict[str, tuple[Any, list[MoELayerWeights], torch.dtype, tuple[GemvConfig, GemvConfig] | None]] = {}
+    stacks: dict[str, tuple[Any, list[MoELayerWeights], torch.dtype, Tiles | None]] = {}
     for name, weights, kv_dtype in (("bf16", dense, bf16), ("fp8w", fp8, bf16), ("fp8w+kv", fp8, FP8_DTYPE)):
         if name in chosen:
             stacks[name] = (build(weights, shape, moe, dev, max_b, max(c, 1024), kv_dtype), weights, kv_dtype, None)
-    for up, down in parse_expert_configs(args.expert_configs):
-        label = f"fp8w {up.variant}:{up.block_n}x{up.block_k}/{up.num_warps}/{up.num_stages} " \
-                f"{down.variant}:{down.block_n}x{down.block_k}/{down.num_warps}/{down.num_stages}"
-        stacks[label] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, (up, down))
+    tables = parse_expert_configs(args.expert_configs)
+    if args.rows_at_one:
+        tables.append(((1, gemv_config("rows:4:2048:4:2:16"), gemv_config("rows:4:2048:4:2")),
+                       *moe_ops.EXPERT_TILES_FP8))
+    for k, tiles in enumerate(tables):
+        print(f"fp8w#{k}: {tiles_label(tiles)}")
+        stacks[f"fp8w#{k}"] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, tiles)
     for release in [r for r in args.pdl_releases.split(",") if r]:
         bl = build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16)
         bl.lc = replace(bl.lc, pdl_release=release)
         stacks[f"fp8w pdl={release}"] = (bl, fp8, bf16, None)
     print(f"device={torch.cuda.get_device_name()} layers={args.layers} build {time.time() - t0:.0f}s "
-          f"(FP8 expert tiles: gate-up {moe_ops.EXPERT_GATE_UP_FP8}, down {moe_ops.EXPERT_DOWN_FP8})", flush=True)
+          f"(FP8 expert tiles: {tiles_label(moe_ops.EXPERT_TILES_FP8)})", flush=True)
 
     def caches(kv_dtype: torch.dtype, layers: int) -> list[KVCache]:
         out = []

@@ -123,3 +123,22 @@ def test_fp8_moe_coverage_has_its_own_table(monkeypatch: pytest.MonkeyPatch) -> 
     assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, moe, fp8=True) == 3
     assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, moe) == tuning.MOE_WINS_UP_TO[key]
     assert tuning.tuned_wins_up_to("NVIDIA H200", LLAMA3_8B, fp8=True) == tuning.FP8_WINS_UP_TO[key[:2]]  # dense
+
+
+def test_fp8_expert_tiles_by_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 expert kernels' tiles on a GPU: the first EXPERT_TILES_FP8 entry whose max tokens covers the step's
+    (every multi-row or rows: the kernels that read FP8); the interpreter's small blocks elsewhere. Pure."""
+    import torch
+
+    from lowlat.kernels import moe_ops
+
+    cuda, lc = torch.device("cuda"), LaunchConfig()
+    for tokens in (1, 8, moe_ops.MAX_TOKENS):
+        up, down = moe_ops.expert_configs(cuda, lc, True, tokens)
+        assert all(cfg.multi_row or cfg.row_wise for cfg in (up, down))
+    assert moe_ops.expert_configs(cuda, lc, False, 1) == (moe_ops.EXPERT_GATE_UP, moe_ops.EXPERT_DOWN)
+    rows, wide = GemvConfig("rows", 4, 2048, 4, 2, vec=16), GemvConfig("mrow_f16s", 64, 256, 4, 3)
+    monkeypatch.setattr(moe_ops, "EXPERT_TILES_FP8", ((1, rows, rows), (moe_ops.MAX_TOKENS, wide, wide)))
+    assert moe_ops.expert_configs(cuda, lc, True, 1) == (rows, rows)
+    assert moe_ops.expert_configs(cuda, lc, True, 2) == (wide, wide)
+    assert moe_ops.expert_configs(torch.device("cpu"), lc, True, 1)[0].variant == "mrow"

@@ -20,14 +20,17 @@ MAX_TOKENS = 31  # one int32 bitmap per expert
 # of 36 tiles in lmserver's fused-MoE sweep of the same 16-row expert GEMM (benchmarks/kernels/bench_moe.py).
 EXPERT_GATE_UP = GemvConfig("dot", block_n=32, block_k=256, num_warps=4, num_stages=4)
 EXPERT_DOWN = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages=4)
-# FP8 (e4m3) experts: the weight-stationary kernels (``expert_gate_up_ws_kernel`` / ``expert_down_ws_kernel``) in
-# fp16 with the rows scaled (``mrow_f16s``). Not measured on the experts yet: the tiles the dense FP8 stack measured
-# best at 2-8 rows on the H200 for the same matrices (tuning.FP8_TABLES, 8B shape: gate-up 2 x 14336 x 4096 64 x 256,
-# down 4096 x 14336 32 x 512; an expert's w13 / w2 have those shapes at Mixtral-8x7B's). A config of any multi-row
-# variant runs the weight-stationary kernels (model-dtype weights too), a ``rows`` config the row-wise slot kernels (one
-# program per token and choice: meant for one token; not measured either), a ``dot`` config the kernels above.
-EXPERT_GATE_UP_FP8 = GemvConfig("mrow_f16s", block_n=64, block_k=256, num_warps=4, num_stages=3)
-EXPERT_DOWN_FP8 = GemvConfig("mrow_f16s", block_n=32, block_k=512, num_warps=4, num_stages=3)
+# FP8 (e4m3) experts: by default the weight-stationary kernels (``expert_gate_up_ws_kernel`` /
+# ``expert_down_ws_kernel``) in fp16 with the rows scaled (``mrow_f16s``). Not measured on the experts yet: the tiles
+# the dense FP8 stack measured best at 2-8 rows on the H200 for the same matrices (tuning.FP8_TABLES, 8B shape: gate-up
+# 2 x 14336 x 4096 64 x 256, down 4096 x 14336 32 x 512; an expert's w13 / w2 have those shapes at Mixtral-8x7B's). A
+# config of any multi-row variant runs the weight-stationary kernels (model-dtype weights too), a ``rows`` config the
+# row-wise slot kernels (one program per token and choice: meant for one token; not measured either), a ``dot`` config
+# the kernels above. (max tokens, gate-up config, down config): the first entry whose max tokens is >= the step's wins.
+EXPERT_TILES_FP8: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
+    (MAX_TOKENS, GemvConfig("mrow_f16s", block_n=64, block_k=256, num_warps=4, num_stages=3),
+     GemvConfig("mrow_f16s", block_n=32, block_k=512, num_warps=4, num_stages=3)),
+)
 # Whether the expert kernels read their first weight block before waiting on the router (PDL overlap, but every
 # expert's programs read it, routed or not: 1/16 of the unrouted experts' gate-up weights at block_k 256).
 EXPERT_PREFETCH = False
@@ -105,7 +108,7 @@ def moe_mlp(
     block_r = ROWS_PER_TILE if dev.type == "cpu" else 16  # tl.dot needs 16 rows on a GPU; rows >= 8 stay masked
     common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, ROWS=ROWS_PER_TILE, BLOCK_R=block_r, BLOCK_T=max(2, next_pow2(b)),
                   DOT_F32=f32, USE_PDL=lc.use_pdl, PREFETCH=EXPERT_PREFETCH)
-    up, down = expert_configs(dev, lc, fp8)
+    up, down = expert_configs(dev, lc, fp8, b)
     up, down = up_cfg or up, down_cfg or down
     up_k, down_k = min(up.block_k, next_pow2(h)), min(down.block_k, next_pow2(i))
     if fp8 and not all(cfg.multi_row or cfg.row_wise for cfg in (up, down)):
@@ -158,9 +161,13 @@ def moe_mlp(
     )
 
 
-def expert_configs(dev: torch.device, lc: LaunchConfig, fp8: bool) -> tuple[GemvConfig, GemvConfig]:
-    """The expert gate-up and down kernels' tiles on ``dev`` (FP8: the weight-stationary kernels). Pure."""
+def expert_configs(dev: torch.device, lc: LaunchConfig, fp8: bool, tokens: int = 1) -> tuple[GemvConfig, GemvConfig]:
+    """The expert gate-up and down kernels' tiles on ``dev`` for a step of ``tokens`` tokens (FP8:
+    ``EXPERT_TILES_FP8``). Pure."""
     if dev.type == "cpu":  # the interpreter: small blocks (its dots run in float32 whatever the variant)
         cpu = GemvConfig("mrow" if fp8 else "dot", lc.gemv_block_n, lc.gemv_block_k)
         return cpu, cpu
-    return (EXPERT_GATE_UP_FP8, EXPERT_DOWN_FP8) if fp8 else (EXPERT_GATE_UP, EXPERT_DOWN)
+    if not fp8:
+        return EXPERT_GATE_UP, EXPERT_DOWN
+    return next(((up, down) for max_tokens, up, down in EXPERT_TILES_FP8 if tokens <= max_tokens),
+                EXPERT_TILES_FP8[-1][1:])
