@@ -249,7 +249,7 @@ def main() -> None:
                     choices=list(VARIANTS))
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--attn-context", type=int, default=608, help="part 1: the rows' context (512 + 96 as part 2)")
+    ap.add_argument("--attn-context", type=int, default=608, help="part 1: the rows' context (512 + 96 as part 2; 0: skip part 1)")
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--alias-tables", type=int, default=1)
     ap.add_argument("--json", default=None)
@@ -261,7 +261,8 @@ def main() -> None:
         log(f"{name}: the H200's tuning entries copied under this name: {results['aliased']}")
     log(f"device {name}, torch {torch.__version__}")
     try:
-        attention_part(args, results)
+        if args.attn_context > 0:
+            attention_part(args, results)
     finally:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
