@@ -241,7 +241,8 @@ def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = Non
                        keep_bf16: str | None = None) -> dict[str, torch.Tensor]:
     """`src`'s decoder weights (`FP8_WEIGHTS`) written to `dst` as FP8 in `layout` (fp8-tensor: HF quant_method fp8
     with per-tensor `weight_scale` and a static `input_scale`; fp8-block: `weight_scale_inv` per 32 x 32 block;
-    ct-channel: compressed-tensors per-channel `weight_scale` (N, 1)); their dequantized values replace them in
+    ct-channel / ct-block: compressed-tensors `weight_scale` per channel (N, 1) / per 32 x 32 block); their
+    dequantized values replace them in
     `src` (both folders hold the same model). Returns the dequantized expert weights by checkpoint name. `drop`: a
     tensor left out; `keep_bf16`: a weight left unquantized."""
     from safetensors.torch import load_file, save_file
@@ -255,10 +256,10 @@ def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = Non
             out[name] = t
             continue
         base = name.removesuffix(".weight")
-        if layout == "fp8-block":
+        if layout in ("fp8-block", "ct-block"):
             q3, s3 = quantize_experts(t[None], (block, block))
             q, s = q3[0], s3[0]
-            out[base + ".weight_scale_inv"] = s
+            out[base + (".weight_scale_inv" if layout == "fp8-block" else ".weight_scale")] = s
             deq = dequantize_experts(q, s, (block, block), t.dtype)
         elif layout == "fp8-tensor":
             s = t.float().abs().max() / 448
@@ -281,6 +282,7 @@ def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = Non
     save_file(state, str(src / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     channel = {"type": "float", "num_bits": 8, "strategy": "channel", "dynamic": False, "symmetric": True}
+    blocks = {**channel, "strategy": "block", "block_structure": [block, block]}
     config["quantization_config"] = {
         "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [block, block]},
@@ -288,12 +290,15 @@ def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = Non
         "ct-channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
                        "config_groups": {"group_0": {"targets": ["Linear"], "weights": channel}},
                        "ignore": ["lm_head", "re:.*block_sparse_moe.gate$"]},
+        "ct-block": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": blocks}},
+                     "ignore": ["lm_head", "re:.*block_sparse_moe.gate$"]},
     }[layout]
     (dst / "config.json").write_text(json.dumps(config))
     return experts
 
 
-@pytest.mark.parametrize("layout", ["fp8-tensor", "fp8-block", "ct-channel"])
+@pytest.mark.parametrize("layout", ["fp8-tensor", "fp8-block", "ct-channel", "ct-block"])
 def test_fp8_mixtral_checkpoint_loads_its_experts_as_written(tmp_path: Path, layout: str) -> None:
     from lmserver.models.mixtral import MixtralForCausalLM
 
@@ -301,7 +306,7 @@ def test_fp8_mixtral_checkpoint_loads_its_experts_as_written(tmp_path: Path, lay
     dst = tmp_path / layout
     written = _write_fp8_mixtral(src, dst, layout)
     model = load_model(read_model_config(dst), dst, dtype=torch.float32, max_positions=64)
-    block = (32, 32) if layout == "fp8-block" else None
+    block = (32, 32) if layout.endswith("block") else None
     inter = TINY["intermediate_size"]
     moes = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
     assert len(moes) == TINY["num_hidden_layers"]
