@@ -8,15 +8,17 @@
 #   kernels: bench_fp8_moe.py, bf16 vs FP8 fused_moe at Mixtral-8x7B's layer, 1-4,096 tokens (checked first),
 #            then the FP8 launch sweep (SWEEP_S seconds, 0: none);
 #   serve:   bench_fp8_serving.py on MODEL_DIR (the 8-layer Mixtral shape, dummy weights), bf16-default vs
-#            fp8-default (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, server defaults otherwise) at c=1 and 8.
+#            fp8-default (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, server defaults otherwise) at c=1 and 8
+#            (decode graphs up to GRAPH_BS rows, 8 by default as in the earlier FP8 rows: shorter start-up).
 #   bash benchmarks/fp8/device_fp8_moe.sh MODEL_DIR      (on the GPU machine, repository root; wheels in .whl;
 #        MODEL_DIR: `python benchmarks/fp8/make_model_dir.py DIR --shape mixtral-8x7b-8l`, carried with the call)
-# Writes under $OUT: tests.log, moe.log, moe.json, serving.log, serving.json. About 7 minutes.
+# Writes under $OUT: tests.log, moe.log, moe.json, serving.log, serving.json. About 8 minutes; if the serve phase runs
+# out of the call's 10 minutes, run it alone next (PHASES=serve).
 set -uo pipefail
 MODEL=${1:?model dir}
 OUT=${OUT:-/tmp/out}
 PHASES=${PHASES:-tests,kernels,serve}
-SWEEP_S=${SWEEP_S:-90}
+SWEEP_S=${SWEEP_S:-120}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 t0=$SECONDS
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
@@ -37,7 +39,7 @@ fi
 if has serve; then
   echo "[$((SECONDS - t0)) s] serve"
   timeout $((590 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" \
-    --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" \
+    --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192 --cuda-graph-max-bs ${GRAPH_BS:-8}" \
     --settings bf16-default fp8-default --concurrency 1 8 --rounds 2 --input-len 512 --output-len 256 \
     --prefill-requests 2 --json "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log" | grep -v "^  " | tail -8
 fi
