@@ -5,7 +5,8 @@
 #            per-row and 128 x 128 block scales, rows beyond fp16's range, the layer in a CUDA graph) and of the bf16
 #            fused MoE (unchanged path); an FP8 Mixtral through the model (fused vs torch path) and the engine (CUDA
 #            graphs vs eager);
-#   kernels: bench_fp8_moe.py, bf16 vs FP8 fused_moe at Mixtral-8x7B's layer, 1-4,096 tokens (checked first),
+#   kernels: bench_fp8_moe.py, bf16 vs FP8 fused_moe (per-row; 128 x 128 blocks too) at Mixtral-8x7B's layer,
+#            1-4,096 tokens (checked first),
 #            then the FP8 launch sweep (SWEEP_S seconds, 0: none);
 #   serve:   bench_fp8_serving.py on MODEL_DIR (the 8-layer Mixtral shape, dummy weights), bf16-default vs
 #            fp8-default (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, server defaults otherwise) at c=1 and 8
@@ -33,7 +34,7 @@ fi
 if has kernels; then
   echo "[$((SECONDS - t0)) s] kernels"
   sweep=(); [[ "$SWEEP_S" != 0 ]] && sweep=(--sweep --sweep-budget-s "$SWEEP_S")
-  timeout $((SWEEP_S + 150)) python3 benchmarks/fp8/bench_fp8_moe.py --tokens 1,2,4,8,16,64,4096 "${sweep[@]}" \
+  timeout $((SWEEP_S + 180)) python3 benchmarks/fp8/bench_fp8_moe.py --tokens 1,2,4,8,16,64,4096 --blocks "${sweep[@]}" \
     --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | grep -v "^  " | tail -24
 fi
 if has serve; then
