@@ -186,3 +186,22 @@ def test_fp8_moe_layer_replays_in_a_cuda_graph(block: tuple[int, int] | None) ->
             want = moe_forward_native(fresh.double(), moe.gate(fresh).double(), q13, q2, 2,
                                       scales=(s13, s2, block))
             assert rel_error(out, want) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_and_align_writes_the_fp16_rows(device: str) -> None:
+    # the FP8 experts' gate-up operand, fp16(x * 2^-4) exactly, written by the routing launch's extra programs (one
+    # program routes) or by a launch of its own (torch routing ops above ROUTE_ALIGN_MAX_ELEMENTS); the routing is
+    # the same as without the rows
+    from lmserver.kernels.fused_moe import ROUTE_ALIGN_MAX_ELEMENTS, route_and_align
+
+    g = _gen(5, device)
+    for tokens, experts, hidden in ((3, 8, 1100), (257, 64, 40)):  # a ragged column block; past the one-program limit
+        x = (_randn(g, tokens, hidden) * 3e4).to(torch.bfloat16 if device == "cuda" else torch.float32)
+        logits = distinct_logits(tokens, experts, g).to(device)
+        out = torch.full((tokens, hidden), float("nan"), dtype=torch.float16, device=device)
+        got = route_and_align(logits, 2, True, x.dtype, 16, rows=(x, out))
+        want = route_and_align(logits, 2, True, x.dtype, 16)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert torch.equal(out, (x.float() * 0.0625).half()), (tokens, experts)
+        assert (tokens * experts > ROUTE_ALIGN_MAX_ELEMENTS) == (tokens == 257)

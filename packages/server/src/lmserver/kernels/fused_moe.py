@@ -25,9 +25,9 @@ weight, which made 8-row FP8 GEMMs conversion-bound on the H200, benchmarks/fp8/
 the tensor cores against the activation rows in fp16. fp16 holds magnitudes up to 65,504 only, so bf16 / float32
 rows are scaled by 2^-4 before the cast (inline PTX ``mul.rn.f32``: LLVM moves a plain multiply past the
 truncation) and the float32 sums by 16 (both exact): rows up to ~1.05e6 stay finite, as in lowlat's
-``mrow_f16s``. The rows are converted once, not per K tile: the token rows in a small launch of their own before
-the gate-up kernel (``MoeLaunch.rows_f16``; converted in the K loop, each program and warp would repeat it: in
-sm_90 PTX of the decode tiles, 128 multiplies and 64 conversions per thread and K step against the weights' 64
+``mrow_f16s``. The rows are converted once, not per K tile: the token rows by extra programs of the routing
+kernel's launch (``MoeLaunch.rows_f16``; converted in the K loop, each program and warp would repeat it: in sm_90
+PTX of the decode tiles, 128 multiplies and 64 conversions per thread and K step against the weights' 64
 ``cvt.rn.f16x2.e4m3x2``), ``h`` by the gate-up epilogue, which writes it in fp16 (rounded to the activation dtype
 first, so the values are the bf16 path's). Reference: ``moe_forward_native`` with the same scales (it dequantizes).
 """
@@ -52,6 +52,13 @@ __all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "descriptors_ok", "f
 # of 8 experts); larger steps run `route` and `align_pairs` as torch ops (H200, CUDA graphs, 8 experts: the torch ops
 # take 60-100 us from 1 to 2,048 tokens, the kernel 1.8-23.3; larger tiles not measured).
 ROUTE_ALIGN_MAX_ELEMENTS = 16384
+ROWS_F16_BLOCK = 1024  # columns per program that casts the FP8 experts' token rows to fp16 (`_rows_f16_block`)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (no inline assembly there)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,9 @@ class MoeLaunch:
     # expert weight tiles through TMA tensor descriptors (Hopper and newer; `fused_moe` falls back to pointer loads
     # where `descriptors_ok` says no)
     tma: bool = False
-    # FP8 experts with bf16 / float32 activations: the token rows converted to fp16 (times 2^-4) once, in a launch of
-    # their own, before the gate-up kernel; False: in every program's K loop (no launch; the conversion repeated per
-    # program and, in the MMA operand's layout, per warp)
+    # FP8 experts with bf16 / float32 activations: the token rows converted to fp16 (times 2^-4) once, before the
+    # gate-up kernel (in the routing kernel's launch, `route_and_align`); False: in every program's K loop (the
+    # conversion repeated per program and, in the MMA operand's layout, per warp)
     rows_f16: bool = True
 
 
@@ -167,14 +174,58 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 @triton.jit
+def _rows_f16(a, SCALE: tl.constexpr, ASM: tl.constexpr):
+    # activation values -> fp16, the operand of an FP8 weight tile's MMA; SCALE: times 2^-4 first (the sums are
+    # multiplied by 16 after the K loop). NOTE: the multiply is inline PTX on the GPU: written `a * 0.0625`, LLVM
+    # narrows it past the cast (`cvt.rn.f16x2.f32` then `mul.f16x2`, a comes from a bf16 load) and the cast overflows
+    # first (benchmarks/fp8/GPU_NOTES.md); ASM is False only under Triton's interpreter (no inline assembly there,
+    # and numpy keeps the order)
+    if SCALE and ASM:
+        out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [a.to(tl.float32)],
+                                        dtype=tl.float32, is_pure=True, pack=1).to(tl.float16)
+    elif SCALE:
+        out = (a.to(tl.float32) * 0.0625).to(tl.float16)
+    else:
+        out = a.to(tl.float16)
+    return out
+
+
+@triton.jit
+def _rows_f16_block(x_ptr, out_ptr, row, col_block, cols, stride_x, stride_out, BLOCK: tl.constexpr,
+                    ASM: tl.constexpr):
+    # out[row, block] = fp16(x[row, block] * 2^-4) (`_rows_f16`): the FP8 experts' gate-up operand, once per token
+    offs = col_block * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < cols
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, _rows_f16(x, True, ASM), mask=ok)
+
+
+@triton.jit
+def _rows_f16_kernel(x_ptr, out_ptr, cols, stride_x, stride_out, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    # `_rows_f16_block` over a (rows, column blocks) grid: where the routing does not run in one program
+    _rows_f16_block(x_ptr, out_ptr, tl.program_id(0), tl.program_id(1), cols, stride_x, stride_out, BLOCK, ASM)
+
+
+@triton.jit
 def _route_align_kernel(
     logits_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr,
     tokens, experts, stride_l, num_blocks,
+    x_ptr, xo_ptr, cols, stride_x, stride_xo,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_BLOCK: tl.constexpr, ASM: tl.constexpr,
 ):
-    # `route` then `align_pairs` in one program: softmax, top-k (lowest index among equal probabilities), weights;
-    # each expert's pairs in token order from the start of its padded block range; each block's expert.
+    # `route` then `align_pairs` in program 0: softmax, top-k (lowest index among equal probabilities), weights;
+    # each expert's pairs in token order from the start of its padded block range; each block's expert. ROWS: the
+    # other programs write the FP8 experts' fp16 rows (`_rows_f16_block`, one (token, column block) each), so that
+    # decode needs no launch of its own for them
+    if ROWS:
+        pid = tl.program_id(0)
+        if pid > 0:
+            col_blocks = tl.cdiv(cols, ROWS_BLOCK)
+            _rows_f16_block(x_ptr, xo_ptr, (pid - 1) // col_blocks, (pid - 1) % col_blocks, cols, stride_x,
+                            stride_xo, ROWS_BLOCK, ASM)
+            return
     offs_t = tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
     t_ok = offs_t < tokens
@@ -228,15 +279,24 @@ def route_and_align_warps(elements: int) -> int:
 
 
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    block_m: int, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(weights (T, top_k) in dtype, pair_ids, block_expert)``: `lmserver.kernels.reference.route`'s weights and
     `align_pairs`'s grouping of its experts; one Triton program up to ``ROUTE_ALIGN_MAX_ELEMENTS`` (tokens x
-    experts, padded to powers of two), torch ops above. Ties between equal probabilities go to the lower expert index in the kernel."""
+    experts, padded to powers of two), torch ops above. Ties between equal probabilities go to the lower expert index
+    in the kernel. ``rows`` (x (T, K), out (T, K) float16): also writes out = fp16(x * 2^-4), the FP8 experts'
+    operand (`_rows_f16`): in the routing kernel's launch (more programs), or in a launch of its own above the
+    one-program limit. Mutates ``rows[1]`` only."""
     from lmserver.kernels.reference import route
 
     tokens, experts = router_logits.shape
     block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)
+    asm = not _interpreted()
     if block_t * block_e > ROUTE_ALIGN_MAX_ELEMENTS:
+        if rows is not None:
+            x, out = rows
+            _rows_f16_kernel[(tokens, triton.cdiv(x.shape[1], ROWS_F16_BLOCK))](
+                x, out, x.shape[1], x.stride(0), out.stride(0), BLOCK=ROWS_F16_BLOCK, ASM=asm, num_warps=4)
         weights, chosen = route(router_logits, top_k, renormalize, dtype)
         return (weights, *align_pairs(chosen, experts, block_m))
     num_blocks = max_blocks(tokens * top_k, experts, block_m)
@@ -244,10 +304,13 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     weights = torch.empty(tokens, top_k, dtype=dtype, device=dev)
     pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    _route_align_kernel[(1,)](
+    x, out = rows if rows is not None else (router_logits, router_logits)  # placeholders, not read without ROWS
+    conversions = tokens * triton.cdiv(x.shape[1], ROWS_F16_BLOCK) if rows is not None else 0
+    _route_align_kernel[(1 + conversions,)](
         router_logits, weights, pair_ids, block_expert, tokens, experts, router_logits.stride(0), num_blocks,
+        x, out, x.shape[1], x.stride(0), out.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_S=128,
-        num_warps=route_and_align_warps(block_t * block_e),
+        ROWS=rows is not None, ROWS_BLOCK=ROWS_F16_BLOCK, ASM=asm, num_warps=route_and_align_warps(block_t * block_e),
     )
     return weights, pair_ids, block_expert
 
@@ -258,34 +321,6 @@ def _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexp
     block = tl.program_id(0)
     pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     return tl.load(block_expert_ptr + block), pairs, pairs < num_pairs
-
-
-@triton.jit
-def _rows_f16(a, SCALE: tl.constexpr, ASM: tl.constexpr):
-    # activation values -> fp16, the operand of an FP8 weight tile's MMA; SCALE: times 2^-4 first (the sums are
-    # multiplied by 16 after the K loop). NOTE: the multiply is inline PTX on the GPU: written `a * 0.0625`, LLVM
-    # narrows it past the cast (`cvt.rn.f16x2.f32` then `mul.f16x2`, a comes from a bf16 load) and the cast overflows
-    # first (benchmarks/fp8/GPU_NOTES.md); ASM is False only under Triton's interpreter (no inline assembly there,
-    # and numpy keeps the order)
-    if SCALE and ASM:
-        out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [a.to(tl.float32)],
-                                        dtype=tl.float32, is_pure=True, pack=1).to(tl.float16)
-    elif SCALE:
-        out = (a.to(tl.float32) * 0.0625).to(tl.float16)
-    else:
-        out = a.to(tl.float16)
-    return out
-
-
-@triton.jit
-def _rows_f16_kernel(x_ptr, out_ptr, cols, stride_x, stride_out, BLOCK: tl.constexpr, SCALE: tl.constexpr,
-                     ASM: tl.constexpr):
-    # out[row] = fp16(x[row] * 2^-4) (`_rows_f16`): the FP8 experts' gate-up operand, converted once per token
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < cols
-    row = tl.program_id(0).to(tl.int64)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, _rows_f16(x, SCALE, ASM), mask=ok)
 
 
 @triton.jit
@@ -463,14 +498,6 @@ def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor |
     check_last_dim_contiguous(w13_scale=w13_scale, w2_scale=w2_scale)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-ROWS_F16_BLOCK = 1024  # columns per program of `_rows_f16_kernel`
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def fused_moe(
     x: torch.Tensor,  # (T, hidden)
     router_logits: torch.Tensor,  # (T, num_experts)
@@ -502,7 +529,17 @@ def fused_moe(
                                       scale_block[1] if scale_block else None)
     if scale_block is not None and group_k % cfg.block_k:
         raise KernelInputError(f"block_k {cfg.block_k} must divide the scale blocks' {group_k} columns")
-    weights, pair_ids, block_expert = route_and_align(router_logits, top_k, renormalize, x.dtype, cfg.block_m)
+    # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights. FP8: the MMA's operands in fp16, bf16 and
+    # float32 activations times 2^-4 (UNSCALE: the sums times 16), converted once per token in the routing launch
+    # (`MoeLaunch.rows_f16`) or in each program's K loop; h in fp16 (written so by the gate-up kernel)
+    w_scale = 0 if not fp8 else 2 if scale_block else 1
+    unscale = fp8 and x.dtype != torch.float16
+    asm = fp8 and not _interpreted()
+    x_op = x
+    if unscale and cfg.rows_f16:
+        x_op = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
+    weights, pair_ids, block_expert = route_and_align(router_logits, top_k, renormalize, x.dtype, cfg.block_m,
+                                                      rows=(x, x_op) if x_op is not x else None)
     blocks = block_expert.numel()
     precision = dot_precision(x.dtype)
     tma = cfg.tma and descriptors
@@ -511,17 +548,6 @@ def fused_moe(
     if tma:  # the weights as 2-D row tables, one tile per load
         w_up = TensorDescriptor.from_tensor(w13.view(-1, hidden), [cfg.block_n_up, cfg.block_k])
         w_down = TensorDescriptor.from_tensor(w2.view(-1, inter), [cfg.block_n_down, cfg.block_k])
-    # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights. FP8: the MMA's operands in fp16, bf16 and
-    # float32 activations times 2^-4 (UNSCALE: the sums times 16), converted once per token (`MoeLaunch.rows_f16`)
-    # or in each program's K loop; h in fp16 (written so by the gate-up kernel)
-    w_scale = 0 if not fp8 else 2 if scale_block else 1
-    unscale = fp8 and x.dtype != torch.float16
-    asm = fp8 and not _interpreted()
-    x_op = x
-    if fp8 and cfg.rows_f16 and x.dtype != torch.float16:
-        x_op = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
-        _rows_f16_kernel[(tokens, triton.cdiv(hidden, ROWS_F16_BLOCK))](
-            x, x_op, hidden, x.stride(0), x_op.stride(0), BLOCK=ROWS_F16_BLOCK, SCALE=unscale, ASM=asm, num_warps=4)
     s13 = w13_scale if w13_scale is not None else w13  # a placeholder pointer, never read without W_SCALE
     s2 = w2_scale if w2_scale is not None else w2
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
