@@ -27,7 +27,7 @@ bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if has tests; then
   echo "[$((SECONDS - t0)) s] tests"
-  LMSYS_GPU_ONLY=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  LMSYS_GPU_ONLY=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
     packages/server/tests/test_fp8_moe_kernels.py packages/server/tests/test_fp8_moe.py packages/server/tests/test_moe_layer.py \
     packages/server/tests/test_kernels_triton.py -k "moe" 2>&1 | tee "$OUT/tests.log" | tail -6
 fi

@@ -405,7 +405,7 @@ def test_fp8_mixtral_engine_decodes_the_same_in_cuda_graphs_as_eagerly(tmp_path:
     outs = []
     for eager in (False, True):
         engine = Engine(str(src), dtype="float32", device="cuda", quantization="fp8", max_total_tokens=1024,
-                        disable_cuda_graph=eager)
+                        disable_cuda_graph=eager, cuda_graph_max_bs=4)
         try:
             got = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0,
                                                                       "ignore_eos": True})
