@@ -238,13 +238,14 @@ def test_online_fp8_mixtral_through_the_engine_is_greedy_as_its_dequantized_twin
 
 
 def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = None,
-                       keep_bf16: str | None = None) -> dict[str, torch.Tensor]:
+                       keep_bf16: str | None = None, fp8_weights: tuple[str, ...] = FP8_WEIGHTS,
+                       ) -> dict[str, torch.Tensor]:
     """`src`'s decoder weights (`FP8_WEIGHTS`) written to `dst` as FP8 in `layout` (fp8-tensor: HF quant_method fp8
     with per-tensor `weight_scale` and a static `input_scale`; fp8-block: `weight_scale_inv` per 32 x 32 block;
     ct-channel / ct-block: compressed-tensors `weight_scale` per channel (N, 1) / per 32 x 32 block); their
     dequantized values replace them in
     `src` (both folders hold the same model). Returns the dequantized expert weights by checkpoint name. `drop`: a
-    tensor left out; `keep_bf16`: a weight left unquantized."""
+    tensor left out; `keep_bf16`: a weight left unquantized; `fp8_weights`: the kinds of weight written in FP8."""
     from safetensors.torch import load_file, save_file
 
     block = 32  # small blocks so the tiny layers hold several (the published size is 128)
@@ -252,7 +253,7 @@ def _write_fp8_mixtral(src: Path, dst: Path, layout: str, drop: str | None = Non
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if not name.endswith(".weight") or name.split(".")[-2] not in FP8_WEIGHTS or name == keep_bf16:
+        if not name.endswith(".weight") or name.split(".")[-2] not in fp8_weights or name == keep_bf16:
             out[name] = t
             continue
         base = name.removesuffix(".weight")
@@ -368,6 +369,19 @@ def test_fp8_weight_estimate_counts_one_byte_per_expert_weight() -> None:
     assert saved == experts - 4 * expert_rows + qkv_o - 4 * attn_rows
 
 
+def test_fp8_mixtral_checkpoint_with_only_the_experts_in_fp8(tmp_path: Path) -> None:
+    # experts FP8, attention projections in the model dtype: only the experts become FP8
+    _, src = _hf_mixtral(tmp_path)
+    dst = tmp_path / "experts-only"
+    _write_fp8_mixtral(src, dst, "fp8-block", fp8_weights=("w1", "w2", "w3"))
+    model = load_model(read_model_config(dst), dst, dtype=torch.float32, max_positions=64)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert all(m.is_fp8 and m.scale_block == (32, 32) for m in model.modules() if isinstance(m, MoE))
+    twin = load_model(read_model_config(src), src, dtype=torch.float32, max_positions=64)
+    ids = list(range(3, 40))
+    torch.testing.assert_close(_logits(model, ids), _logits(twin, ids), rtol=0, atol=1e-4)
+
+
 # --- GPU: the fused FP8 kernels in the model and in decode graphs -----------------------------------------
 
 
@@ -414,3 +428,4 @@ def test_fp8_mixtral_engine_decodes_the_same_in_cuda_graphs_as_eagerly(tmp_path:
         assert isinstance(got, list)
         outs.append([o["output_ids"] for o in got])
     assert outs[0] == outs[1]
+
