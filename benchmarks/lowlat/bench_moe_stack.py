@@ -16,7 +16,8 @@ as FAILED and left out of the timings.
 ``--expert-configs``: FP8 expert kernel tiles to time as well (``up=VARIANT:BN:BK:WARPS:STAGES[:VEC]`` /
 ``down=...``, comma-separated; each up / down pair replaces ``moe_ops.EXPERT_TILES_FP8`` at every token count for one
 ``fp8w`` stack, checked like the others); ``--rows-at-one``: the ``fp8w`` stack also with the row-wise slot kernels at
-one token (``rows`` 4 x 2048, vec 16 for gate-up, as the dense FP8 table's one-row entries) and the default above; ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
+one token (``rows`` 4 x 2048, vec 16 for gate-up, as the dense FP8 table's one-row entries) and the default above;
+``--rows-f16``: the ``fp8w`` stack also with ``moe_ops.EXPERT_ROWS_F16`` (the token rows cast to scaled fp16 once); ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
 value (``early``: every kernel, the expert ones included, releases its dependent launch right after its wait;
 ``late``: after its main loop; the default ``auto`` picks by grid size); ``--profile``: the ``bf16`` and ``fp8w``
 stacks' per-kernel marginal time per layer at the first batch (``kprof.py``).
@@ -122,20 +123,25 @@ def tiles_label(tiles: Tiles) -> str:
                     f"{f'v{d.vec}' if d.vec else ''}" for m, u, d in tiles)
 
 
-class ExpertTiles:
-    """The FP8 expert kernels' tiles (``moe_ops.EXPERT_TILES_FP8``) for one stack: set while its forward runs (and is
-    captured), the defaults back after."""
+ROWS_F16 = "rows16"  # a stack's tiles entry: the defaults with moe_ops.EXPERT_ROWS_F16 on
 
-    def __init__(self, tiles: Tiles | None) -> None:
+
+class ExpertTiles:
+    """The FP8 expert kernels' tiles (``moe_ops.EXPERT_TILES_FP8``, or ``ROWS_F16``: ``EXPERT_ROWS_F16`` on) for one
+    stack: set while its forward runs (and is captured), the defaults back after."""
+
+    def __init__(self, tiles: Tiles | str | None) -> None:
         self.tiles = tiles
 
     def __enter__(self) -> None:
-        self.saved = moe_ops.EXPERT_TILES_FP8
-        if self.tiles is not None:
-            moe_ops.EXPERT_TILES_FP8 = self.tiles
+        self.saved = (moe_ops.EXPERT_TILES_FP8, moe_ops.EXPERT_ROWS_F16)
+        if self.tiles == ROWS_F16:
+            moe_ops.EXPERT_ROWS_F16 = True
+        elif self.tiles is not None:
+            moe_ops.EXPERT_TILES_FP8 = self.tiles  # type: ignore[assignment]
 
     def __exit__(self, *exc: object) -> None:
-        moe_ops.EXPERT_TILES_FP8 = self.saved
+        moe_ops.EXPERT_TILES_FP8, moe_ops.EXPERT_ROWS_F16 = self.saved
 
 
 def main() -> None:
@@ -148,6 +154,7 @@ def main() -> None:
     ap.add_argument("--stacks", default="bf16,fp8w,fp8w+kv", help="comma list of bf16, fp8w, fp8w+kv")
     ap.add_argument("--expert-configs", default="", help="FP8 expert tiles to time too (see the docstring)")
     ap.add_argument("--rows-at-one", action="store_true", help="the fp8w stack with row-wise slot kernels at 1 token")
+    ap.add_argument("--rows-f16", action="store_true", help="the fp8w stack with moe_ops.EXPERT_ROWS_F16 on")
     ap.add_argument("--pdl-releases", default="", help="comma list of early, late: the fp8w stack with that release")
     ap.add_argument("--max-rel", type=float, default=3e-2, help="the check's largest relative L2 error")
     ap.add_argument("--profile", action="store_true",
@@ -161,11 +168,12 @@ def main() -> None:
     torch.manual_seed(0)
     dense = [gpu_moe_layer(shape, moe, dev) for _ in range(args.layers)]
     chosen = args.stacks.split(",")
-    want_fp8 = any(s.startswith("fp8") for s in chosen) or args.expert_configs or args.rows_at_one or args.pdl_releases
+    want_fp8 = (any(s.startswith("fp8") for s in chosen) or args.expert_configs or args.rows_at_one or args.rows_f16
+                or args.pdl_releases)
     fp8 = [quantize_moe_layer_fp8(w) for w in dense] if want_fp8 else []
     slots = max_b * max(c, 1024) + 64
     # name -> (built stack, weights, KV dtype, FP8 expert tiles or None: the defaults)
-    stacks: dict[str, tuple[Any, list[MoELayerWeights], torch.dtype, Tiles | None]] = {}
+    stacks: dict[str, tuple[Any, list[MoELayerWeights], torch.dtype, Tiles | str | None]] = {}
     for name, weights, kv_dtype in (("bf16", dense, bf16), ("fp8w", fp8, bf16), ("fp8w+kv", fp8, FP8_DTYPE)):
         if name in chosen:
             stacks[name] = (build(weights, shape, moe, dev, max_b, max(c, 1024), kv_dtype), weights, kv_dtype, None)
@@ -176,6 +184,8 @@ def main() -> None:
     for k, tiles in enumerate(tables):
         print(f"fp8w#{k}: {tiles_label(tiles)}")
         stacks[f"fp8w#{k}"] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, tiles)
+    if args.rows_f16:
+        stacks["fp8w rows16"] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, ROWS_F16)
     for release in [r for r in args.pdl_releases.split(",") if r]:
         bl = build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16)
         bl.lc = replace(bl.lc, pdl_release=release)

@@ -98,7 +98,7 @@ def _lc(shape: LayerShape) -> ops.LaunchConfig:
 
 def _run_mlp(w: MoELayerWeights, shape: LayerShape, moe: MoEShape, x1: torch.Tensor,
              cfgs: tuple[ops.GemvConfig, ops.GemvConfig] | None = None) -> tuple[torch.Tensor, MoEWorkspace]:
-    ws = MoEWorkspace.allocate(moe, shape.hidden_size, 8, DEVICE, DTYPE)
+    ws = MoEWorkspace.allocate(moe, shape.hidden_size, 8, DEVICE, DTYPE, fp8=True)
     ws.y.fill_(float("nan"))  # rows a tile does not own stay poisoned; the combine must never read them
     ws.act.fill_(float("nan"))
     out = torch.full_like(x1, float("nan"))
@@ -188,6 +188,39 @@ def test_fp8_moe_mlp_row_wise_slot_kernels_match_float64(shape: LayerShape, moe:
     x1 = (torch.randn(tokens, shape.hidden_size, generator=g) * 0.05).to(DEVICE, DTYPE)
     out, ws = _run_mlp(w, shape, moe, x1, (SLOT_CFGS[variant], SLOT_CFGS[variant]))
     _check_mlp(w, shape, moe, x1, out, ws)
+
+
+F16S = ops.GemvConfig("mrow_f16s", 16 if not GPU else 64, 32 if not GPU else 256, 4, 3)
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["ordinary", "large"])
+def test_fp8_moe_mlp_with_the_rows_cast_to_fp16_once(monkeypatch: pytest.MonkeyPatch, large: bool) -> None:
+    """``moe_ops.EXPERT_ROWS_F16``: the router stores the normed rows, the gate-up epilogue the activations, times 2^-4
+    in fp16 once; the expert kernels' fp16 MMA on them, sums times 16. Against float64 on the dequantized experts
+    (within fp16's rounding of the rows: 2^-11), ordinary rows and rows of ~1e5-8e5 (both stages) alike."""
+    from lowlat.kernels import moe_ops
+
+    monkeypatch.setattr(moe_ops, "EXPERT_ROWS_F16", True)
+    shape, moe = CASES[-1]
+    g = _gen(61)
+    w = fp8_moe_layer(shape, moe, g)
+    if large:  # as test_fp8_moe_mlp_keeps_large_activations
+        w = replace(w, post_norm=(w.post_norm.float() * 1e5).to(DTYPE), router=(w.router.float() / 1e5).to(DTYPE),
+                    w13_scale=w.w13_scale * (200.0 / 1e5))  # type: ignore[operator]
+    x1 = (torch.randn(3, shape.hidden_size, generator=g) * 0.05).to(DEVICE, DTYPE)
+    ws = MoEWorkspace.allocate(moe, shape.hidden_size, 8, DEVICE, DTYPE, fp8=True)
+    assert moe_ops.rows_f16(True, F16S, F16S, ws) and not moe_ops.rows_f16(False, F16S, F16S, ws)
+    out = torch.full_like(x1, float("nan"))
+    moe_mlp(x1, w.post_norm, w.router, w.w13, w.w2, out, moe, shape.rms_eps, ws, _lc(shape), w13_scale=w.w13_scale,
+            w2_scale=w.w2_scale, up_cfg=F16S, down_cfg=F16S)
+    assert ws.hn16 is not None and torch.allclose(ws.hn16[:3].double() * 16, ws.hn[:3].double(), rtol=2**-10)
+    if large:
+        assert float(ws.hn[:3].abs().max()) > 65504.0 and torch.isfinite(ws.hn16[:3]).all()
+    h2 = rms_norm(x1, w.post_norm, shape.rms_eps)
+    want_w, want_ids = route(h2, w.router, moe.top_k)
+    ref = _experts_f64(h2, w, moe, want_w, want_ids)
+    assert torch.isfinite(out).all()
+    assert _rel(out, x1.double() + ref) < max(TOL, 2e-3)
 
 
 def test_fp8_moe_mlp_refuses_partial_fp8_and_dot_configs() -> None:

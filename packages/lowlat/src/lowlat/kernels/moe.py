@@ -61,14 +61,28 @@ def _placement(bitmap, rt, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: t
 
 
 @triton.jit
+def _scaled_f16(x, DOT_F32: tl.constexpr):
+    """``x`` (float32) times 2^-4 in fp16 (finite up to ~1.05e6 in magnitude). On a GPU the multiply is inline PTX, as
+    in mrow's ``mrow_f16s`` (written as ``x * 0.0625`` LLVM narrows it past the cast, which then overflows first);
+    the interpreter (``DOT_F32``) multiplies in numpy."""
+    if DOT_F32:
+        y = x * 0.0625
+    else:
+        y = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return y.to(tl.float16)
+
+
+@triton.jit
 def route_kernel(
     x_ptr, norm_w_ptr, router_ptr,  # inputs
     hn_ptr, ids_ptr, wts_ptr, bitmap_ptr,  # outputs
     B, eps,
     H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, hn16_ptr=None, HN16: tl.constexpr = False,
 ):
+    # HN16: the normed rows also stored to hn16_ptr times 2^-4 in fp16 (the FP8 expert kernels' rows, cast once)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < B
     offs_e = tl.arange(0, BLOCK_E)
@@ -94,6 +108,9 @@ def route_kernel(
         gamma = tl.load(norm_w_ptr + k0 + offs_k, mask=km, other=0.0).to(tl.float32)
         hn = (xv.to(tl.float32) * rstd[:, None] * gamma[None, :]).to(hn_ptr.dtype.element_ty)  # rounded as stored
         tl.store(hn_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], hn, mask=m_mask[:, None] & km[None, :])
+        if HN16:
+            tl.store(hn16_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], _scaled_f16(hn.to(tl.float32), DOT_F32),
+                     mask=m_mask[:, None] & km[None, :])
         logits = _dot(hn, wr, logits, DOT_F32)
     logits = logits.to(router_ptr.dtype.element_ty).to(tl.float32)  # the torch runner's logits dtype
     logits = tl.where(e_mask[None, :], logits, float("-inf"))
@@ -206,9 +223,12 @@ def expert_gate_up_ws_kernel(
     MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+    IN16: tl.constexpr = False, OUT16: tl.constexpr = False,
 ):
     # expert_gate_up_kernel's act, weight-stationary: acc (BLOCK_N, BLOCK_R) = w tile (BLOCK_N, BLOCK_K) @ rows.T;
     # FP8: g, u = the sums times s13[e, n], s13[e, INTER + n] (float32) before the SiLU
+    # IN16: hn_ptr holds the rows times 2^-4 in fp16 (route_kernel's HN16): an fp16 MMA (MMA 2), the sums times 16;
+    # OUT16: act stored times 2^-4 (act_ptr fp16) for the down kernel's IN16
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
@@ -236,9 +256,12 @@ def expert_gate_up_ws_kernel(
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         s_base = s13_ptr + e * (2 * INTER)
-        g = acc_g * row_scales(s_base, offs_n, n_mask, HAS_SCALE)[:, None]
-        u = acc_u * row_scales(s_base, INTER + offs_n, n_mask, HAS_SCALE)[:, None]
+        in_scale = 16.0 if IN16 else 1.0
+        g = acc_g * (row_scales(s_base, offs_n, n_mask, HAS_SCALE) * in_scale)[:, None]
+        u = acc_u * (row_scales(s_base, INTER + offs_n, n_mask, HAS_SCALE) * in_scale)[:, None]
         act = g / (1.0 + tl.exp(-g)) * u
+        if OUT16:
+            act = _scaled_f16(act, DOT_F32)
         row = rt * ROWS + tl.arange(0, BLOCK_R)
         ptr = act_ptr + (e * MAX_T + row[None, :]) * INTER + offs_n[:, None]
         tl.store(ptr, act, mask=valid[None, :] & n_mask[:, None])
@@ -250,8 +273,10 @@ def expert_down_ws_kernel(
     MAX_T: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MMA: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, HAS_SCALE: tl.constexpr,
+    IN16: tl.constexpr = False,
 ):
-    # expert_down_kernel's y, weight-stationary; FP8: the sums times s2[e, n] (float32)
+    # expert_down_kernel's y, weight-stationary; FP8: the sums times s2[e, n] (float32); IN16: as the gate-up kernel's
+    # (act_ptr: the gate-up kernel's OUT16 rows)
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -276,7 +301,7 @@ def expert_down_ws_kernel(
             acc = _wx(w, a.to(tl.float32), acc, MMA, DOT_F32)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        acc = acc * row_scales(s2_ptr + e * H, offs_n, n_mask, HAS_SCALE)[:, None]
+        acc = acc * (row_scales(s2_ptr + e * H, offs_n, n_mask, HAS_SCALE) * (16.0 if IN16 else 1.0))[:, None]
         tl.store(y_ptr + (e * MAX_T + row[None, :]) * H + offs_n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
 
 

@@ -31,6 +31,12 @@ EXPERT_TILES_FP8: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
     (MAX_TOKENS, GemvConfig("mrow_f16s", block_n=64, block_k=256, num_warps=4, num_stages=3),
      GemvConfig("mrow_f16s", block_n=32, block_k=512, num_warps=4, num_stages=3)),
 )
+# FP8 experts on mrow_f16s tiles (both stages): the token rows scaled by 2^-4 and cast to fp16 once (the router writes
+# the normed rows so, the gate-up epilogue its activations; ``MoEWorkspace.hn16`` / ``act16``) and an fp16 MMA on them
+# (the sums times 16), instead of the multiply and cast of every activation in every K step (mrow_f16s: per warp, the
+# operand replicated; on the dense 8B down stage at 8 rows mrow_f16s took 24.91 us against mrow_f16's 22.72). Not
+# measured on the experts: off until bench_moe_stack.py --rows-f16 says otherwise.
+EXPERT_ROWS_F16 = False
 # Whether the expert kernels read their first weight block before waiting on the router (PDL overlap, but every
 # expert's programs read it, routed or not: 1/16 of the unrouted experts' gate-up weights at block_k 256).
 EXPERT_PREFETCH = False
@@ -46,12 +52,17 @@ class MoEWorkspace:
     bitmap: torch.Tensor  # (num_experts,) int32: bit t set when token t chose the expert
     act: torch.Tensor  # (num_experts, max_tokens, expert_inter) the model dtype, rows by popcount placement
     y: torch.Tensor  # (num_experts, max_tokens, hidden) float32 expert outputs, same rows
+    # FP8 experts (``allocate(..., fp8=True)``): hn and act times 2^-4 in fp16, for ``EXPERT_ROWS_F16``
+    hn16: torch.Tensor | None = None  # (max_tokens, hidden) float16
+    act16: torch.Tensor | None = None  # (num_experts, max_tokens, expert_inter) float16
 
     @classmethod
-    def allocate(cls, moe: MoEShape, hidden: int, max_tokens: int, device: torch.device, dtype: torch.dtype) -> MoEWorkspace:
+    def allocate(cls, moe: MoEShape, hidden: int, max_tokens: int, device: torch.device, dtype: torch.dtype,
+                 fp8: bool = False) -> MoEWorkspace:
         if max_tokens > MAX_TOKENS:
             raise ShapeError(f"the MoE kernels place at most {MAX_TOKENS} tokens per step (int32 bitmap), got {max_tokens}")
         e, i, k = moe.num_experts, moe.expert_intermediate_size, moe.top_k
+        f16 = torch.float16
         return cls(
             hn=torch.empty(max_tokens, hidden, device=device, dtype=dtype),
             ids=torch.empty(max_tokens, k, device=device, dtype=torch.int32),
@@ -59,6 +70,8 @@ class MoEWorkspace:
             bitmap=torch.empty(e, device=device, dtype=torch.int32),
             act=torch.empty(e, max_tokens, i, device=device, dtype=dtype),
             y=torch.empty(e, max_tokens, hidden, device=device, dtype=torch.float32),
+            hn16=torch.empty(max_tokens, hidden, device=device, dtype=f16) if fp8 else None,
+            act16=torch.empty(e, max_tokens, i, device=device, dtype=f16) if fp8 else None,
         )
 
     @property
@@ -67,7 +80,8 @@ class MoEWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.hn, self.ids, self.wts, self.bitmap, self.act, self.y))
+        return sum(t.numel() * t.element_size() for t in (self.hn, self.ids, self.wts, self.bitmap, self.act, self.y,
+                                                          self.hn16, self.act16) if t is not None)
 
 
 def moe_mlp(
@@ -99,17 +113,19 @@ def moe_mlp(
         raise ShapeError("FP8 experts need w13 and w2 in float8_e4m3fn, each with its per-row scales (or none of them)")
     e, i, k = moe.num_experts, moe.expert_intermediate_size, moe.top_k
     f32 = dev.type == "cpu" or x1.dtype == torch.float32
+    up, down = expert_configs(dev, lc, fp8, b)
+    up, down = up_cfg or up, down_cfg or down
+    rows16 = rows_f16(fp8, up, down, ws)
     K.route_kernel[(1,)](
         x1, norm_w, router, ws.hn, ws.ids, ws.wts, ws.bitmap, b, eps,
         H=h, E=e, TOP_K=k, BLOCK_M=block_m(b, dev), BLOCK_E=max(next_pow2(e), 1 if dev.type == "cpu" else 16),
-        BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=f32, USE_PDL=lc.use_pdl, **_kw(dev, lc),
+        BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=f32, USE_PDL=lc.use_pdl,
+        **(dict(hn16_ptr=ws.hn16, HN16=True) if rows16 else {}), **_kw(dev, lc),
     )
     row_tiles = triton.cdiv(b, ROWS_PER_TILE)
     block_r = ROWS_PER_TILE if dev.type == "cpu" else 16  # tl.dot needs 16 rows on a GPU; rows >= 8 stay masked
     common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, ROWS=ROWS_PER_TILE, BLOCK_R=block_r, BLOCK_T=max(2, next_pow2(b)),
                   DOT_F32=f32, USE_PDL=lc.use_pdl, PREFETCH=EXPERT_PREFETCH)
-    up, down = expert_configs(dev, lc, fp8, b)
-    up, down = up_cfg or up, down_cfg or down
     up_k, down_k = min(up.block_k, next_pow2(h)), min(down.block_k, next_pow2(i))
     if fp8 and not all(cfg.multi_row or cfg.row_wise for cfg in (up, down)):
         raise ShapeError(f"FP8 experts run the weight-stationary or row-wise kernels (a multi-row or rows config), "
@@ -128,8 +144,10 @@ def moe_mlp(
     elif up.multi_row:
         grid = (e, triton.cdiv(i, up.block_n), row_tiles)
         K.expert_gate_up_ws_kernel[grid](
-            ws.hn, w13, w13 if w13_scale is None else w13_scale, ws.bitmap, ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k,
-            MMA=up.mma_kind, PDL_EARLY=lc.pdl_early(grid[0] * grid[1] * grid[2]), **ws_common, **_kw(dev, lc, cfg=up),
+            ws.hn16 if rows16 else ws.hn, w13, w13 if w13_scale is None else w13_scale, ws.bitmap,
+            ws.act16 if rows16 else ws.act, BLOCK_N=up.block_n, BLOCK_K=up_k, MMA=2 if rows16 else up.mma_kind,
+            PDL_EARLY=lc.pdl_early(grid[0] * grid[1] * grid[2]), IN16=rows16, OUT16=rows16, **ws_common,
+            **_kw(dev, lc, cfg=up),
         )
     else:
         K.expert_gate_up_kernel[(e, triton.cdiv(i, up.block_n), row_tiles)](
@@ -146,9 +164,9 @@ def moe_mlp(
     elif down.multi_row:
         grid = (e, triton.cdiv(h, down.block_n), row_tiles)
         K.expert_down_ws_kernel[grid](
-            ws.act, w2, w2 if w2_scale is None else w2_scale, ws.bitmap, ws.y, BLOCK_N=down.block_n, BLOCK_K=down_k,
-            MMA=down.mma_kind, PDL_EARLY=lc.pdl_early(grid[0] * grid[1] * grid[2]), **ws_common,
-            **_kw(dev, lc, cfg=down),
+            ws.act16 if rows16 else ws.act, w2, w2 if w2_scale is None else w2_scale, ws.bitmap, ws.y,
+            BLOCK_N=down.block_n, BLOCK_K=down_k, MMA=2 if rows16 else down.mma_kind,
+            PDL_EARLY=lc.pdl_early(grid[0] * grid[1] * grid[2]), IN16=rows16, **ws_common, **_kw(dev, lc, cfg=down),
         )
     else:
         K.expert_down_kernel[(e, triton.cdiv(h, down.block_n), row_tiles)](
@@ -171,3 +189,10 @@ def expert_configs(dev: torch.device, lc: LaunchConfig, fp8: bool, tokens: int =
         return EXPERT_GATE_UP, EXPERT_DOWN
     return next(((up, down) for max_tokens, up, down in EXPERT_TILES_FP8 if tokens <= max_tokens),
                 EXPERT_TILES_FP8[-1][1:])
+
+
+def rows_f16(fp8: bool, up: GemvConfig, down: GemvConfig, ws: MoEWorkspace) -> bool:
+    """Whether a step runs ``EXPERT_ROWS_F16`` (FP8 experts, both stages on ``mrow_f16s`` tiles, a workspace with the
+    fp16 rows). Pure."""
+    return (EXPERT_ROWS_F16 and fp8 and up.variant == down.variant == "mrow_f16s" and ws.hn16 is not None
+            and ws.act16 is not None)

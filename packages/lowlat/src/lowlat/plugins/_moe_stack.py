@@ -80,7 +80,7 @@ class TritonMoEStack:
         self.attn = torch.empty(m, s.q_size, device=dev, dtype=dt)
         self.x1 = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
         self.out = torch.empty(2, m, s.hidden_size, device=dev, dtype=dt)
-        self.ws = moe_ops.MoEWorkspace.allocate(moe, s.hidden_size, m, dev, dt)
+        self.ws = moe_ops.MoEWorkspace.allocate(moe, s.hidden_size, m, dev, dt, fp8=fp8)
         self._buffers = [self.q, self.part_o, self.part_lse, self.attn, self.x1, self.out]
         if self.reducer is not None:  # partials summed over the ranks in place; zeros: the combine's residual
             self.partial = torch.empty(m, s.hidden_size, device=dev, dtype=dt)
