@@ -11,7 +11,7 @@ First, a correctness check: layer 0 of every stack against the reference MoE lay
 (``lowlat.moe.reference_moe_decoder_layer``: the dequantized weights in float32, the same cache) at 1 and 8 rows on
 fresh random inputs, relative L2 error at most ``--max-rel``, every output finite. A mismatch of ``bf16``, ``fp8w`` or
 ``fp8w+kv`` stops the run (exit 1); an optional stack (tilings, release points) that mismatches or fails is reported
-as FAILED and left out of the timings.
+as FAILED and left out of the timings. The optional stacks are timed at ``--option-batches`` only (1 and 8).
 
 ``--expert-configs``: FP8 expert kernel tiles to time as well (``up=VARIANT:BN:BK:WARPS:STAGES[:VEC]`` /
 ``down=...``, comma-separated; each up / down pair replaces ``moe_ops.EXPERT_TILES_FP8`` at every token count for one
@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--rows-at-one", action="store_true", help="the fp8w stack with row-wise slot kernels at 1 token")
     ap.add_argument("--rows-f16", action="store_true", help="the fp8w stack with moe_ops.EXPERT_ROWS_F16 on")
     ap.add_argument("--pdl-releases", default="", help="comma list of early, late: the fp8w stack with that release")
+    ap.add_argument("--option-batches", default="1,8", help="the batches the optional stacks are timed at")
     ap.add_argument("--max-rel", type=float, default=3e-2, help="the check's largest relative L2 error")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel marginal time of the bf16 and fp8w stacks at the first batch (kprof.py)")
@@ -164,6 +165,7 @@ def main() -> None:
     t0 = time.time()
     dev, bf16, shape, moe, c = torch.device("cuda"), torch.bfloat16, MIXTRAL, MIXTRAL_MOE, args.context
     batches = [int(v) for v in args.batches.split(",")]
+    option_batches = {int(v) for v in args.option_batches.split(",") if v}
     max_b = max(8, *batches)
     torch.manual_seed(0)
     dense = [gpu_moe_layer(shape, moe, dev) for _ in range(args.layers)]
@@ -247,6 +249,8 @@ def main() -> None:
         x0 = torch.randn(b, shape.hidden_size, device=dev, dtype=bf16)
         per_batch: dict[str, float] = {}
         for name, (bl, weights, kv_dtype, tiles) in stacks.items():
+            if name not in BASE_STACKS and b not in option_batches:
+                continue
             kvs = caches(kv_dtype, args.layers)
 
             def run(bl: Any = bl, kvs: list[KVCache] = kvs, x0: torch.Tensor = x0, meta: Any = meta) -> None:
