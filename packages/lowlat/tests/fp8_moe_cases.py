@@ -213,7 +213,8 @@ def test_fp8_moe_mlp_with_the_rows_cast_to_fp16_once(monkeypatch: pytest.MonkeyP
     out = torch.full_like(x1, float("nan"))
     moe_mlp(x1, w.post_norm, w.router, w.w13, w.w2, out, moe, shape.rms_eps, ws, _lc(shape), w13_scale=w.w13_scale,
             w2_scale=w.w2_scale, up_cfg=F16S, down_cfg=F16S)
-    assert ws.hn16 is not None and torch.allclose(ws.hn16[:3].double() * 16, ws.hn[:3].double(), rtol=2**-10)
+    # fp16 holds a bf16 value times 2^-4 exactly, but for fp16 subnormals (rows below ~1e-3: 2^-24 steps)
+    assert ws.hn16 is not None and torch.allclose(ws.hn16[:3].double() * 16, ws.hn[:3].double(), rtol=2**-10, atol=1e-6)
     if large:
         assert float(ws.hn[:3].abs().max()) > 65504.0 and torch.isfinite(ws.hn16[:3]).all()
     h2 = rms_norm(x1, w.post_norm, shape.rms_eps)
