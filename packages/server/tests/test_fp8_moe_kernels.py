@@ -71,7 +71,9 @@ def test_fp8_fused_moe_matches_the_dequantized_float64_reference(
     cases = ([(torch.float32, 1, [None]), (torch.float32, 5, [replace(small, tma=True, rows_f16=False)]),
               (torch.float32, 40, [None]), (torch.float16, 5, [small])] if device == "cpu" else
              [(dtype, tokens, [None]) for dtype in (torch.bfloat16, torch.float16) for tokens in (1, 4, 8)]
-             + [(torch.bfloat16, 8, [MoeLaunch(rows_f16=False)])]
+             # (the default block_k, 256, halved to divide block scales of 128 columns, as choose_moe_launch does)
+             + [(torch.bfloat16, 8, [MoeLaunch(rows_f16=False, block_k=min(MoeLaunch().block_k, block[1]) if block
+                                               else MoeLaunch().block_k)])]
              + [(torch.bfloat16, 300, [None, MoeLaunch(64, 64, 64, 64, tma=True)])])
     for dtype, tokens, launches in cases:
         x = _randn(g, tokens, hidden).to(dtype)

@@ -76,8 +76,9 @@ def quant_launch(k: int) -> QuantLaunch:
 
 
 @triton.jit
-def _row_values(row_ptr, offs, mask, K, GATED: tl.constexpr, EVICT: tl.constexpr = ""):
-    # float32 values of one row's columns `offs`: x, or silu(gate) * up rounded to the activation dtype
+def _row_values(row_ptr, offs, mask, K, GATED: tl.constexpr, EVICT: tl.constexpr):
+    # float32 values of one row's columns `offs`: x, or silu(gate) * up rounded to the activation dtype. NOTE: EVICT
+    # has no default: Triton 3.6 passes a nested call's string default as a plain str (compile error on the H200)
     if GATED:
         gate = tl.load(row_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
         up = tl.load(row_ptr + K + offs, mask=mask, other=0.0, eviction_policy=EVICT)
@@ -115,7 +116,7 @@ def _quantize_row(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, GATED: tl.conste
     offs = tl.arange(0, BLOCK_K)
     if ONE_PASS:  # BLOCK_K >= K: the row stays in registers
         mask = offs < K
-        _store_fp8_row(q_row, s_ptr + row, offs, mask, _row_values(x_row, offs, mask, K, GATED))
+        _store_fp8_row(q_row, s_ptr + row, offs, mask, _row_values(x_row, offs, mask, K, GATED, ""))
     else:  # two passes over BLOCK_K-column steps (a maximum is exact in any order: the same scale)
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):

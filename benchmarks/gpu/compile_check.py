@@ -1,0 +1,131 @@
+"""Compile the FP8 kernels' launches for sm_90 on any machine, with whatever Triton is importable (no GPU needed).
+
+The device runs its own Triton (3.6 on the H200 machines), older than the CPU machines' one: a kernel that the
+interpreter and a newer Triton accept can still fail to compile there (a `tl.constexpr` parameter left at a string
+default in a nested `@triton.jit` call did, 2026-12-03). Put the device's Triton first on the path and run this
+before a device call:
+
+    pip install --no-deps --target DIR triton==3.6.0
+    PYTHONPATH=DIR python benchmarks/gpu/compile_check.py
+
+Each case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
+compiles every captured launch with its arguments specialized as at run time (`ptx_mix.compile_launch`). Prints one
+line per launch and exits 1 if any fails to compile. Says nothing about speed or numerics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lowlat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fp8"))
+from ptx_mix import Captured, compile_launch  # noqa: E402
+
+import lmserver.kernels.fp8_quant as FQ  # noqa: E402
+
+META, BF16, F32 = torch.device("meta"), torch.bfloat16, torch.float32
+
+
+def _t(*size: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.empty(*size, device=META, dtype=dtype)
+
+
+def captured(module: Any, names: tuple[str, ...], call: Callable[[], object]) -> list[tuple[Any, tuple, dict]]:
+    """The launches of ``module``'s kernels ``names`` made by ``call()`` (nothing runs)."""
+    sink: list[tuple[Any, tuple, dict]] = []
+    saved = {name: getattr(module, name) for name in names}
+    for name, fn in saved.items():
+        setattr(module, name, Captured(fn, sink))
+    try:
+        call()
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+    return sink
+
+
+def fp8_quant_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    kernels = ("_quantize_per_token_kernel", "_silu_and_mul_quantize_kernel", "_rmsnorm_quantize_kernel")
+    cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
+    for m, k in ((4096, 4096), (4096, 14336), (16, 64)):
+        cases[f"quantize_fp8_per_token {m}x{k}"] = captured(FQ, kernels, lambda m=m, k=k: FQ.quantize_fp8_per_token(_t(m, k)))
+        cases[f"silu_and_mul_quantize_fp8 {m}x{k}"] = captured(
+            FQ, kernels, lambda m=m, k=k: FQ.silu_and_mul_quantize_fp8(_t(m, 2 * k)))
+    for residual in (False, True):
+        cases[f"rmsnorm_quantize_fp8 residual={residual}"] = captured(
+            FQ, kernels, lambda r=residual: FQ.rmsnorm_quantize_fp8(_t(4096, 4096), _t(4096), 1e-5,
+                                                                      _t(4096, 4096) if r else None))
+    return cases
+
+
+def fused_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    from ptx_fp8_moe import EXPERTS, TOP_K, capture
+
+    import lmserver.kernels.fused_moe as FM
+
+    cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
+    for tokens in (1, 8, 4096):
+        for name, fp8, block in (("bf16", False, None), ("fp8 rows", True, None), ("fp8 128x128", True, (128, 128))):
+            launch = FM.choose_moe_launch(tokens * TOP_K, EXPERTS, 2, False, fp8, block[1] if block else None)
+            cases[f"fused_moe {name} tokens={tokens}"] = capture(tokens, fp8, launch, block)
+    return cases
+
+
+def lowlat_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    from ptx_mix import SHAPES, capture
+
+    from lowlat.kernels import ops
+    from lowlat.kernels.tuning import tuned_attention, tuned_pdl_release, tuned_table
+
+    shape, gpu = SHAPES["llama3-8b"], "NVIDIA H200"
+    cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
+    # the H200's FP8 tables, as the plugin builds them there (ptx_mix's LaunchConfig)
+    lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132,
+                          tuned=tuned_table(gpu, shape, True), pdl_release=tuned_pdl_release(gpu, shape),
+                          attn_tuned=tuned_attention(gpu, shape), fp8=True)
+    for batch in (1, 8):
+        for stage in ("qkv", "attention", "o_proj", "gate_up", "down"):
+            cases[f"lowlat {stage} fp8 batch={batch}"] = capture(stage, shape, batch, lc, fp8=True)
+    return cases
+
+
+GROUPS = {"fp8_quant": fp8_quant_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases}
+
+
+def main() -> int:
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    failed = 0
+    for group in args.groups:
+        for case, launches in GROUPS[group]().items():
+            if not launches:
+                print(f"  {case}: no launch captured")
+                continue
+            for fn, largs, kwargs in launches:
+                try:
+                    compile_launch(fn, largs, kwargs, args.arch)
+                    print(f"  ok      {case}: {fn.__name__}")
+                except Exception as exc:  # noqa: BLE001 - report every failing launch, then exit 1
+                    failed += 1
+                    print(f"  FAILED  {case}: {fn.__name__}: {type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}")
+                    if failed == 1:
+                        traceback.print_exc(limit=1)
+    print(f"{failed} launch(es) failed to compile" if failed else "every launch compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
