@@ -388,7 +388,8 @@ def test_fp8_mixtral_checkpoint_with_only_the_experts_in_fp8(tmp_path: Path) -> 
 @pytest.mark.gpu
 def test_fp8_mixtral_fused_kernels_match_the_dequantizing_torch_path_on_the_gpu(tmp_path: Path) -> None:
     # float32 model on CUDA: the fused FP8 MoE kernels (fp16 operands) against the torch path on the dequantized
-    # experts (disable_fused_kernels), the same FP8 bytes and scales; a wiring error is of order 1
+    # experts (disable_fused_kernels), the same FP8 bytes and scales; a wiring error is of order 1. 32 tokens: 16
+    # pairs per expert, the fp16-operand tiles (more take W8A8 there, whose oracle is test_fp8_moe_kernels.py's)
     _, src = _hf_mixtral(tmp_path)
     config = read_model_config(src)
     fused = load_model(config, src, dtype=torch.float32, device="cuda", max_positions=64, quantization="fp8")
@@ -396,7 +397,7 @@ def test_fp8_mixtral_fused_kernels_match_the_dequantizing_torch_path_on_the_gpu(
                        disable_fused_kernels=True)
     moe = fused.get_submodule("model.layers.0.mlp")
     assert isinstance(moe, MoE) and moe.is_fp8 and moe.kernels is not None and moe.kernels.fused_moe is not None
-    ids = list(range(3, 40))
+    ids = list(range(3, 35))
     a, b = _logits(fused, ids), _logits(plain, ids)
     assert float((a - b).norm() / b.norm()) < 1e-2
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmserver.kernels.fp8_ref import quantize_fp8_per_token
+from lmserver.kernels.reference import route
 from lmserver.kernels.testing import kernel_devices, rel_error
 from lmserver.layers.moe import dequantize_experts, moe_forward_native, quantize_experts
 
@@ -59,22 +61,25 @@ def test_fp8_fused_moe_matches_the_dequantized_float64_reference(
     # Oracle: the sparse torch path in float64 on the dequantized experts (the same FP8 bytes and scales). The
     # kernel's own error (activation rows rounded to fp16 for the MMA, the activation-dtype roundings of the torch
     # path) must stay within a small factor of the torch path's in that dtype; a wrong scale is of order 1.
-    from lmserver.kernels.fused_moe import MoeLaunch, fused_moe
+    from lmserver.kernels.fused_moe import PREFILL_LAUNCH, MoeLaunch, fused_moe
 
     hidden, inter, experts, top_k, block = shape
     g = _gen(40 + hidden, device)
     q13, s13, q2, s2 = fp8_experts(hidden, inter, experts, block, device, g)
     d13, d2 = (dequantize_experts(q, s, block, torch.float64) for q, s in ((q13, s13), (q2, s2)))
     small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=16, block_k=16, num_warps=1, num_stages=1)
+    # the fp16-operand path at prefill sizes: the default for block scales; per-row scales take W8A8 there by default
+    # (test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference), so the prefill tiles without it
+    prefill = None if block else PREFILL_LAUNCH
     # (dtype, tokens, launches): decode and prefill tiles (the defaults), the weights through TMA descriptors
     # (rows_f16 False: the rows converted in the K loop)
     cases = ([(torch.float32, 1, [None]), (torch.float32, 5, [replace(small, tma=True, rows_f16=False)]),
-              (torch.float32, 40, [None]), (torch.float16, 5, [small])] if device == "cpu" else
+              (torch.float32, 40, [prefill]), (torch.float16, 5, [small])] if device == "cpu" else
              [(dtype, tokens, [None]) for dtype in (torch.bfloat16, torch.float16) for tokens in (1, 4, 8)]
              # (the default block_k, 256, halved to divide block scales of 128 columns, as choose_moe_launch does)
              + [(torch.bfloat16, 8, [MoeLaunch(rows_f16=False, block_k=min(MoeLaunch().block_k, block[1]) if block
                                                else MoeLaunch().block_k)])]
-             + [(torch.bfloat16, 300, [None, MoeLaunch(64, 64, 64, 64, tma=True)])])
+             + [(torch.bfloat16, 300, [prefill, MoeLaunch(64, 64, 64, 64, tma=True)])])
     for dtype, tokens, launches in cases:
         x = _randn(g, tokens, hidden).to(dtype)
         logits = distinct_logits(tokens, experts, g).to(device, dtype)
@@ -126,6 +131,108 @@ def test_fp8_fused_moe_keeps_large_and_small_activations(device: str) -> None:
             assert err <= 2 * ordinary + (3e-3 if dtype == torch.float32 else 2e-3), (rows_f16, row, err)
 
 
+def dequantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows quantized per token to e4m3 (`fp8_ref.quantize_fp8_per_token`), dequantized in float64."""
+    q, scale = quantize_fp8_per_token(x)
+    return q.double() * scale.double()
+
+
+def w8a8_reference(x: torch.Tensor, logits: torch.Tensor, d13: torch.Tensor, d2: torch.Tensor,
+                   top_k: int) -> torch.Tensor:
+    """The W8A8 MoE in float64 (T, hidden): each token's row quantized per token to e4m3 and dequantized, times the
+    dequantized experts (d13, d2 float64); gate, up, silu(gate) and h = silu(gate) * up rounded to x's dtype (where
+    the kernel rounds them), h quantized per (token, expert) pair over the whole intermediate dimension, times the
+    down rows, weighted by the routing weights in x's dtype. Nothing of the output rounded."""
+    dtype, inter = x.dtype, d2.shape[2]
+    weights, chosen = route(logits, top_k, True, dtype)
+    rows = dequantized_rows(x)
+    out = torch.zeros(x.shape[0], d2.shape[1], dtype=torch.float64, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        token, slot = torch.nonzero(chosen == e, as_tuple=True)
+        gate_up = rows[token] @ d13[e].t()
+        gate, up = gate_up[:, :inter].to(dtype).double(), gate_up[:, inter:].to(dtype).double()
+        h = (F.silu(gate).to(dtype).double() * up).to(dtype)
+        out.index_add_(0, token, (dequantized_rows(h) @ d2[e].t()) * weights[token, slot].double()[:, None])
+    return out
+
+
+# W8A8 against the float64 W8A8 reference: float32 rows, float32 roundings only; fp16 / bf16 rows: the output's and
+# each pair's y rounded to the activation dtype (the reference rounds neither), on CUDA the FP8 MMA's fast
+# accumulation (sm_90: no periodic float32 promotion, as `_scaled_mm(use_fast_accum=True)` in the dense path) too. A
+# wrong token or pair scale is of order 1 in its row, h left unquantized ~2.5e-2
+W8A8_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# W8A8 against the unquantized activations (float64 product of the rows and the dequantized experts): the e4m3
+# rounding of x and of h, ~2^-4 relative per element: 4.1-4.7e-2 of the output's norm for Gaussian rows, from 64 x 96
+# to Mixtral's 4,096 x 14,336 experts (float64 torch emulation); documented bound
+W8A8_VS_UNQUANTIZED = 8e-2
+W8A8_CASES = {"cpu": [(64, 96, 4, 2, 40)], "cuda": [(4096, 14336, 8, 2, 300), (4096, 14336, 8, 2, 4096)]}
+
+
+@pytest.mark.parametrize(("device", "shape"), [
+    pytest.param(p.values[0], shape, id=f"{p.id}-{'x'.join(map(str, shape))}", marks=p.marks)
+    for p in DEVICES for shape in W8A8_CASES[p.values[0]]])
+def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(device: str,
+                                                             shape: tuple[int, int, int, int, int]) -> None:
+    # Per-row-scaled FP8 experts at prefill sizes (W8A8: rows quantized per token, FP8 x FP8 MMAs, both scales in the
+    # epilogue). Token rows of magnitudes 1e-2 .. 1e2 and one all-zero row: a token / pair scale applied to the wrong
+    # row shows in that row's error; the oracle is exact up to the roundings of W8A8_TOLERANCE
+    from lmserver.kernels.fused_moe import (
+        FP8_PREFILL_LAUNCH,
+        FP8_PREFILL_TMA_LAUNCH,
+        MoeLaunch,
+        choose_moe_launch,
+        descriptors_ok,
+        fused_moe,
+    )
+
+    hidden, inter, experts, top_k, tokens = shape
+    g = _gen(50 + tokens, device)
+    q13, s13, q2, s2 = fp8_experts(hidden, inter, experts, None, device, g)
+    d13, d2 = (dequantize_experts(q, s, None, torch.float64) for q, s in ((q13, s13), (q2, s2)))
+    if device == "cpu":
+        small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=32, block_k=32, num_warps=1, num_stages=1, w8a8=True)
+        cases = [(torch.float32, [None, replace(small, tma=True)]), (torch.float16, [small])]
+    else:  # the default (TMA descriptors) and the pointer tiles
+        cases = [(torch.bfloat16, [None, FP8_PREFILL_LAUNCH])]
+    for dtype, launches in cases:
+        mags = 10.0 ** (4 * torch.rand(tokens, 1, generator=g, device=device) - 2)
+        x = (_randn(g, tokens, hidden) * mags).to(dtype)
+        x[tokens // 2] = 0.0
+        logits = distinct_logits(tokens, experts, g).to(device, dtype)
+        chosen = choose_moe_launch(tokens * top_k, experts, x.element_size(), descriptors_ok(x, q13, q2), fp8=True)
+        assert chosen.w8a8 and chosen in (FP8_PREFILL_LAUNCH, FP8_PREFILL_TMA_LAUNCH)
+        want = w8a8_reference(x, logits, d13, d2, top_k)
+        unquantized = moe_forward_native(x.double(), logits.double(), d13, d2, top_k)
+        for launch in launches:
+            out = fused_moe(x, logits, q13, q2, top_k, launch=launch, w13_scale=s13, w2_scale=s2)
+            assert out.dtype == dtype and out.shape == x.shape
+            assert torch.all(out[tokens // 2] == 0)
+            row_err = max(rel_error(out[t], want[t]) for t in range(tokens))
+            assert row_err <= W8A8_TOLERANCE[dtype], (shape, dtype, launch, row_err)
+            err = rel_error(out, unquantized)
+            assert err <= W8A8_VS_UNQUANTIZED, (shape, dtype, launch, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_choose_moe_launch_takes_w8a8_for_per_row_fp8_prefill_only(device: str) -> None:
+    from lmserver.kernels.fused_moe import (
+        FP8_DECODE_LAUNCH,
+        FP8_PREFILL_BLOCKS_LAUNCH,
+        FP8_PREFILL_LAUNCH,
+        FP8_PREFILL_TMA_LAUNCH,
+        PREFILL_TMA_LAUNCH,
+        choose_moe_launch,
+    )
+
+    for element_size in (2, 4):  # e4m3 operands whatever the activation dtype: the same K tiles
+        assert choose_moe_launch(4096 * 2, 8, element_size, descriptors=True, fp8=True) == FP8_PREFILL_TMA_LAUNCH
+        assert choose_moe_launch(300 * 2, 8, element_size, descriptors=False, fp8=True) == FP8_PREFILL_LAUNCH
+    assert choose_moe_launch(128, 8, fp8=True) == FP8_DECODE_LAUNCH  # 16 pairs per expert: decode
+    assert not choose_moe_launch(4096 * 2, 8, fp8=True, group_k=128).w8a8  # block scales: the fp16 path
+    assert choose_moe_launch(4096 * 2, 8, fp8=True, group_k=128).block_n_up == FP8_PREFILL_BLOCKS_LAUNCH.block_n_up
+    assert not choose_moe_launch(4096 * 2, 8, descriptors=True).w8a8 and PREFILL_TMA_LAUNCH.tma  # bf16 experts
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_fused_moe_refuses_bad_scales(device: str) -> None:
     from lmserver.kernels._util import KernelInputError
@@ -147,6 +254,9 @@ def test_fp8_fused_moe_refuses_bad_scales(device: str) -> None:
                   scale_block=(32, 32))
     with pytest.raises(KernelInputError, match="scales are for"):
         fused_moe(x, logits, q13.float(), q2.float(), 2, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(KernelInputError, match="W8A8 launches"):
+        fused_moe(x, logits, bq13, bq2, 2, launch=MoeLaunch(block_k=32, w8a8=True), w13_scale=bs13, w2_scale=bs2,
+                  scale_block=(32, 32))
 
 
 @pytest.mark.gpu

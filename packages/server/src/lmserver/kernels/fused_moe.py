@@ -30,6 +30,22 @@ kernel's launch (``MoeLaunch.rows_f16``; converted in the K loop, each program a
 PTX of the decode tiles, 128 multiplies and 64 conversions per thread and K step against the weights' 64
 ``cvt.rn.f16x2.e4m3x2``), ``h`` by the gate-up epilogue, which writes it in fp16 (rounded to the activation dtype
 first, so the values are the bf16 path's). Reference: ``moe_forward_native`` with the same scales (it dequantizes).
+
+Prefill-sized batches of per-row-scaled FP8 experts (``MoeLaunch.w8a8``, `choose_moe_launch` above 16 pairs per
+expert) run W8A8 instead, as vLLM's and SGLang's FP8 MoE prefill do and as lmserver's dense FP8 prefill does
+(`lmserver.layers.fp8_linear`: `torch._scaled_mm` on per-token-quantized rows): the token rows are quantized per
+token to e4m3 (`fp8_quant.quantize_fp8_per_token`: scale = amax / 448, the bytes of
+`fp8_ref.quantize_fp8_per_token`), both MMA operands are e4m3 (Hopper's FP8 tensor cores, twice the fp16 rate, no
+weight conversion; float32 sums, with the tensor cores' fast FP8 accumulation on sm_90, as ``_scaled_mm`` with
+``use_fast_accum`` in the dense path), and the epilogue multiplies the float32 sums by the row's token scale and
+the column's expert-row scale (exact up to float32 rounding: the result is the product of the dequantized FP8 rows
+and experts). The gate-up kernel writes ``h = silu(gate) * up`` in the activation dtype (the roundings above), one
+`quantize_fp8_per_token` launch quantizes each pair's h row over the whole intermediate dimension, and the down
+kernel multiplies those FP8 rows likewise. So W8A8 differs from the W8A16 path by the activations' e4m3 rounding
+(~2^-4 relative per element, ~3-6% of the output's norm end to end; test_fp8_moe_kernels.py bounds it). Block-scaled
+(128 x 128) experts keep the fp16 path at every size. Reference: the float64 product of the dequantized FP8 rows
+(``x`` and then ``h``, quantized per token) and the dequantized experts (test_fp8_moe_kernels.py's
+``w8a8_reference``).
 """
 
 from __future__ import annotations
@@ -42,7 +58,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lmserver.kernels import fp8_ref
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, dot_precision
+from lmserver.kernels.fp8_quant import quantize_fp8_per_token
 from lmserver.kernels.fp8_ref import FP8_DTYPE
 
 __all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "descriptors_ok", "fused_moe", "route_and_align",
@@ -59,6 +77,14 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def _interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (no inline assembly there)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's per-token e4m3 rows and (rows, 1) scales: `fp8_quant.quantize_fp8_per_token` (one launch; the bytes of
+    `fp8_ref.quantize_fp8_per_token`, test_fp8_kernels.py on CUDA). NOTE: under Triton's interpreter, the torch
+    quantizer itself: the interpreter narrows float32 to e4m3 without carrying a rounded-up mantissa into the exponent
+    (7.88 -> 4 instead of 8), which would put a few wrong bytes in every row of h."""
+    return fp8_ref.quantize_fp8_per_token(x) if _interpreted() else quantize_fp8_per_token(x)
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,9 @@ class MoeLaunch:
     # gate-up kernel (in the routing kernel's launch, `route_and_align`); False: in every program's K loop (the
     # conversion repeated per program and, in the MMA operand's layout, per warp)
     rows_f16: bool = True
+    # FP8 experts with per-row scales: W8A8 (module docstring), the activation rows quantized per token to e4m3 and
+    # FP8 x FP8 MMAs; False: the rows in fp16 against weight tiles widened to fp16. Block scales: refused
+    w8a8: bool = False
 
 
 # H200, Mixtral-8x7B layer, bf16 (bench_moe.py): decode, 16-row blocks up to 8 tokens (best of 36 tiles); prefill, 128 x
@@ -95,7 +124,15 @@ PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256, bl
 # as bf16's four: down runs one 64-row program per SM at one token); prefill, the bf16 pointer tiles (the fp16 MMA does
 # bf16's work per weight; TMA descriptors for FP8 tiles not yet run on a GPU)
 FP8_DECODE_LAUNCH = MoeLaunch(num_stages=5)
-FP8_PREFILL_LAUNCH = PREFILL_LAUNCH
+# prefill, W8A8 (module docstring; H200 before it: 4,096 tokens on the fp16 path, these pointer tiles, 7,973 us against
+# bf16's 5,462): the bf16 tiles' shared memory per stage with 128-wide K tiles (a 128 x 128 e4m3 tile holds the bytes
+# of a 128 x 64 bf16 one; vLLM's tuned H200 FP8 table at 1k-4k tokens: 128 x 256 x 128, 8 warps, 3-4 stages); with
+# TMA descriptors where `descriptors_ok`, as bf16. Not yet measured on a GPU: benchmarks/fp8/bench_fp8_moe.py times
+# both and the sweep's candidates
+FP8_PREFILL_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=128, block_k=128, num_warps=8, num_stages=3,
+                               w8a8=True)
+FP8_PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256, block_k=128, num_warps=8,
+                                   num_stages=4, tma=True, w8a8=True)
 # block-scaled FP8 prefill: each K tile's sums are scaled before they are added, so the gate and up MMAs need an
 # accumulator each on top of the running sums; at 128 x 128 ptxas spills (sm_90, benchmarks/fp8/ptx_fp8_moe.py: 255
 # registers, 168 bytes spilled), 64-wide gate-up tiles fit
@@ -118,11 +155,13 @@ def choose_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2, d
     rows per expert) stream weights with 16-row blocks; prefill-sized ones use square tiles, with TMA
     descriptors for the weights where ``descriptors`` (see `descriptors_ok`). Four-byte elements halve
     ``block_k`` (the same shared memory per pipeline stage). ``fp8``: FP8 expert weights (``FP8_*_LAUNCH``),
-    ``block_k`` dividing the scale blocks' ``group_k`` (`scale_block_k`)."""
+    ``block_k`` dividing the scale blocks' ``group_k`` (`scale_block_k`); per-row-scaled FP8 experts at prefill
+    sizes: the W8A8 tiles (``FP8_PREFILL_LAUNCH`` / ``FP8_PREFILL_TMA_LAUNCH``, ``w8a8``)."""
     decode = num_pairs / max(num_experts, 1) <= 16
+    if fp8 and not decode and group_k is None:  # W8A8: e4m3 operands whatever the activation dtype
+        return FP8_PREFILL_TMA_LAUNCH if descriptors else FP8_PREFILL_LAUNCH
     if fp8:
-        launch = (FP8_DECODE_LAUNCH if decode else FP8_PREFILL_LAUNCH if group_k is None
-                  else FP8_PREFILL_BLOCKS_LAUNCH)
+        launch = FP8_DECODE_LAUNCH if decode else FP8_PREFILL_BLOCKS_LAUNCH
     elif decode:
         launch = DECODE_LAUNCH
     else:
@@ -329,9 +368,12 @@ def _mma(a, w, acc, s_ptr, k0, n_ok, PRECISION: tl.constexpr, W_SCALE: tl.conste
     # acc + a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T. W_SCALE 0: model-dtype weights; 1: FP8 with per-row scales
     # (applied after the K loop, `_scaled`); 2: FP8 with block scales, the tile's partial sums times its scale block
     # (s_ptr: the rows' scale rows, this K tile's column k0 // GROUP_K). FP8: `a` is fp16 already (A_SCALE False) or
-    # converted here, in every program and K step (A_SCALE: times 2^-4; `MoeLaunch.rows_f16` False)
+    # converted here, in every program and K step (A_SCALE: times 2^-4; `MoeLaunch.rows_f16` False). 3: W8A8, `a`
+    # e4m3 rows too (both per-row scales applied after the K loop)
     if W_SCALE == 0:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    elif W_SCALE == 3:
+        out = tl.dot(a, tl.trans(w), acc)
     elif W_SCALE == 1:
         out = tl.dot(_rows_f16(a, A_SCALE, ASM), tl.trans(w.to(tl.float16)), acc)
     else:
@@ -342,19 +384,20 @@ def _mma(a, w, acc, s_ptr, k0, n_ok, PRECISION: tl.constexpr, W_SCALE: tl.conste
 
 @triton.jit
 def _scaled(acc, s_ptr, n_ok, W_SCALE: tl.constexpr, UNSCALE: tl.constexpr):
-    # the finished float32 sums: per-row scales (s_ptr: the rows' scales) and the rows' 2^-4 undone (UNSCALE; exact)
-    if W_SCALE == 1:
+    # the finished float32 sums: per-row scales (s_ptr: the rows' scales) and the rows' 2^-4 undone (UNSCALE; exact).
+    # W8A8 (3): the weight rows' scales here, the activation rows' by the caller
+    if W_SCALE == 1 or W_SCALE == 3:
         acc = acc * tl.load(s_ptr, mask=n_ok, other=0.0)[None, :]
-    if W_SCALE != 0 and UNSCALE:
+    if (W_SCALE == 1 or W_SCALE == 2) and UNSCALE:
         acc = acc * 16.0
     return acc
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w, s_ptr, h_ptr, pair_ids_ptr, block_expert_ptr,
+    x_ptr, w, s_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, xs_ptr,
     num_pairs, inter, hidden,
-    stride_x, stride_we, stride_wn, stride_h, stride_se, stride_sn,
+    stride_x, stride_we, stride_wn, stride_h, stride_se, stride_sn, stride_xs,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_SCALE: tl.constexpr,
@@ -363,7 +406,8 @@ def _gate_up_kernel(
     # W_DESC: `w` is a tensor descriptor over the (experts * 2 * inter, hidden) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block
     # scales. ACT: the activation dtype (the epilogue's roundings); FP8 experts: x is fp16 (scaled by 2^-4 when
-    # UNSCALE) unless A_SCALE, and h is written in fp16, times 2^-4 when UNSCALE (the down kernel's operand)
+    # UNSCALE) unless A_SCALE, and h is written in fp16, times 2^-4 when UNSCALE (the down kernel's operand); W8A8
+    # (W_SCALE 3): x is e4m3 with its tokens' scales at xs_ptr, and h is written in ACT (quantized per pair after)
     expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -400,11 +444,15 @@ def _gate_up_kernel(
         acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM)
     acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, UNSCALE)
     acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, UNSCALE)
+    if W_SCALE == 3:  # the token rows' scales (padding rows: 0)
+        x_scale = tl.load(xs_ptr + tokens * stride_xs, mask=valid, other=0.0)[:, None]
+        acc_gate = acc_gate * x_scale
+        acc_up = acc_up * x_scale
     gate = acc_gate.to(ACT).to(tl.float32)
     up = acc_up.to(ACT).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(ACT).to(tl.float32)
     h = (act * up).to(ACT)
-    if W_SCALE != 0:
+    if W_SCALE == 1 or W_SCALE == 2:
         h = _rows_f16(h, UNSCALE, ASM)  # exact: an fp16 value times 2^-4 (within fp16's range up to ~1.05e6)
     h_rows = h_ptr + pairs[:, None].to(tl.int64) * stride_h
     tl.store(h_rows + offs_n[None, :], h, mask=valid[:, None] & n_ok[None, :])
@@ -412,16 +460,17 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w, s_ptr, y_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr,
+    h_ptr, w, s_ptr, y_ptr, weights_ptr, pair_ids_ptr, block_expert_ptr, hs_ptr,
     num_pairs, hidden, inter,
-    stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn,
+    stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn, stride_hs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr,
     W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UNSCALE: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales;
-    # FP8 experts: h is fp16, times 2^-4 when UNSCALE (the gate-up kernel wrote it so)
+    # FP8 experts: h is fp16, times 2^-4 when UNSCALE (the gate-up kernel wrote it so); W8A8 (W_SCALE 3): h is e4m3
+    # with its pairs' scales at hs_ptr
     expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -448,6 +497,8 @@ def _down_kernel(
             wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, False, False)
     acc = _scaled(acc, s_rows, n_ok, W_SCALE, UNSCALE)
+    if W_SCALE == 3:  # the pair rows' scales
+        acc = acc * tl.load(hs_ptr + safe_pairs * stride_hs, mask=valid, other=0.0)[:, None]
     dtype = y_ptr.dtype.element_ty
     scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(tl.float32)
     out = (acc.to(dtype).to(tl.float32) * scale[:, None]).to(dtype)
@@ -514,7 +565,8 @@ def fused_moe(
     Mutates nothing. ``launch`` overrides `choose_moe_launch` (benchmarks, tests); its ``tma`` is honoured only
     where `descriptors_ok` (else the same tiles with pointer loads). FP8 experts (w13 and w2 float8_e4m3fn) take
     their scales (module docstring; the `lmserver.layers.moe.MoE` layout); ``launch.block_k`` must divide
-    ``scale_block[1]``."""
+    ``scale_block[1]``; a ``launch.w8a8`` (per-row scales only) quantizes the activation rows per token to e4m3
+    (W8A8, module docstring: the dense FP8 prefill's semantics; `choose_moe_launch` picks it at prefill sizes)."""
     _check(x, router_logits, w13, w2, top_k)
     _check_scales(w13, w2, w13_scale, w2_scale, scale_block)
     tokens, hidden = x.shape
@@ -529,17 +581,24 @@ def fused_moe(
                                       scale_block[1] if scale_block else None)
     if scale_block is not None and group_k % cfg.block_k:
         raise KernelInputError(f"block_k {cfg.block_k} must divide the scale blocks' {group_k} columns")
+    w8a8 = fp8 and cfg.w8a8
+    if w8a8 and scale_block is not None:
+        raise KernelInputError("W8A8 launches (MoeLaunch.w8a8) take per-row expert scales, not block scales")
     # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights. FP8: the MMA's operands in fp16, bf16 and
     # float32 activations times 2^-4 (UNSCALE: the sums times 16), converted once per token in the routing launch
-    # (`MoeLaunch.rows_f16`) or in each program's K loop; h in fp16 (written so by the gate-up kernel)
-    w_scale = 0 if not fp8 else 2 if scale_block else 1
-    unscale = fp8 and x.dtype != torch.float16
+    # (`MoeLaunch.rows_f16`) or in each program's K loop; h in fp16 (written so by the gate-up kernel). 3: W8A8,
+    # per-row-scaled FP8 weights and per-token e4m3 rows (x quantized here, h after the gate-up kernel)
+    w_scale = 0 if not fp8 else 3 if w8a8 else 2 if scale_block else 1
+    unscale = fp8 and not w8a8 and x.dtype != torch.float16
     asm = fp8 and not _interpreted()
     x_op = x
-    if unscale and cfg.rows_f16:
+    x_scale = x  # a placeholder pointer, never read without W8A8
+    if w8a8:
+        x_op, x_scale = _quantize_rows(x)
+    elif unscale and cfg.rows_f16:
         x_op = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
     weights, pair_ids, block_expert = route_and_align(router_logits, top_k, renormalize, x.dtype, cfg.block_m,
-                                                      rows=(x, x_op) if x_op is not x else None)
+                                                      rows=(x, x_op) if unscale and x_op is not x else None)
     blocks = block_expert.numel()
     precision = dot_precision(x.dtype)
     tma = cfg.tma and descriptors
@@ -552,18 +611,19 @@ def fused_moe(
     s2 = w2_scale if w2_scale is not None else w2
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
     s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
-    h = torch.empty(num_pairs, inter, dtype=torch.float16 if fp8 else x.dtype, device=x.device)
+    h = torch.empty(num_pairs, inter, dtype=torch.float16 if fp8 and not w8a8 else x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg.block_n_up))](
-        x_op, w_up, s13, h, pair_ids, block_expert, num_pairs, inter, hidden,
-        x_op.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13_strides,
+        x_op, w_up, s13, h, pair_ids, block_expert, x_scale, num_pairs, inter, hidden,
+        x_op.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13_strides, x_scale.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
         W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
         GROUP_K=group_k, A_SCALE=unscale and x_op is x, UNSCALE=unscale, ACT=_TL_DTYPES[x.dtype], ASM=asm,
     )
+    h_op, h_scale = _quantize_rows(h) if w8a8 else (h, h)  # (each pair's whole row: one scale)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
-        h, w_down, s2, y, weights, pair_ids, block_expert, num_pairs, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides,
+        h_op, w_down, s2, y, weights, pair_ids, block_expert, h_scale, num_pairs, hidden, inter,
+        h_op.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides, h_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
         W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
         GROUP_K=group_k, UNSCALE=unscale,
