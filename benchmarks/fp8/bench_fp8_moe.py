@@ -3,15 +3,21 @@
 Mixtral-8x7B's layer (hidden 4096, expert intermediate 14336, 8 experts, top-2), random weights quantized per row
 (what `--quantization fp8` does; `--blocks` adds 128 x 128 block scales), random router logits per input set (8
 sets rotated in a CUDA graph, so each replay routes differently). First a check of every path against the torch
-reference on the dequantized experts in float32 (the exit status is 1 and nothing is timed when one fails), then per
-token count: bf16 `fused_moe` and FP8 `fused_moe`, µs per call (CUDA-graph replays), GB/s of the expert bytes the
-routing actually reads (the experts touched, mean over the sets, their weights and scales), and the floor: those
-bytes at 4.8 TB/s (the H200's peak) or the FLOPs at 989 TFLOP/s, whichever is larger.
+reference on the dequantized experts in float32 (the exit status is 1 and nothing is timed when one fails): the
+W8A16 paths (fp16 operands: decode, block scales, per-row prefill on its former tiles) against the product with the
+unquantized rows; the W8A8 prefill (per-row scales above 16 pairs per expert: rows and h quantized per token to
+e4m3, FP8 x FP8 MMAs) against the product with the dequantized per-token FP8 rows (`w8a8_reference`), and against the
+unquantized one within W8A8_VS_UNQUANTIZED (the activations' e4m3 rounding). Then per token count: bf16 `fused_moe`
+and FP8 `fused_moe` (the defaults: W8A8 with TMA descriptors at prefill sizes), µs per call (CUDA-graph replays),
+GB/s of the expert bytes the routing actually reads (the experts touched, mean over the sets, their weights and
+scales), and the floor: those bytes at 4.8 TB/s (the H200's peak) or the FLOPs at 989 TFLOP/s (fp16 / bf16 MMAs)
+or 1,979 (W8A8's FP8 MMAs), whichever is larger. At prefill sizes also the W8A8 pointer tiles (no TMA) and the
+W8A16 prefill (the FP8 default before W8A8).
 
-`--sweep` also times FP8 launch candidates (decode tiles at 1 and 8 tokens, prefill tiles at 4,096) and prints the
-best five with the default's time (`choose_moe_launch`'s FP8 tiles are not yet measured).
+`--sweep` also times FP8 launch candidates (decode tiles at 1 and 8 tokens, W8A8 prefill tiles at 4,096) and prints
+the best five with the default's time.
 
-    python benchmarks/fp8/bench_fp8_moe.py [--tokens 1,2,4,8,16,64,4096] [--blocks] [--sweep] [--json out.json]
+    python benchmarks/fp8/bench_fp8_moe.py [--tokens 1,2,4,8,16,64,512,4096] [--blocks] [--sweep] [--json out.json]
 
 Never collected by pytest.
 """
@@ -31,15 +37,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from bench_kernels import rel_error, time_graph  # noqa: E402
 
-from lmserver.kernels.fused_moe import MoeLaunch, choose_moe_launch, descriptors_ok, fused_moe  # noqa: E402
+from lmserver.kernels.fp8_ref import quantize_fp8_per_token  # noqa: E402
+from lmserver.kernels.fused_moe import (  # noqa: E402
+    FP8_PREFILL_LAUNCH,
+    PREFILL_LAUNCH,
+    MoeLaunch,
+    choose_moe_launch,
+    descriptors_ok,
+    fused_moe,
+)
 from lmserver.kernels.reference import route  # noqa: E402
 from lmserver.layers.moe import dequantize_experts, moe_forward_native, quantize_experts  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
 PEAK_BYTES_S = 4.8e12  # H200 HBM3e peak
 PEAK_BF16_FLOPS = 989e12  # H200 dense tensor-core peak (bf16 / fp16)
+PEAK_FP8_FLOPS = 1979e12  # H200 dense tensor-core peak (e4m3)
 NUM_SETS = 8
 BLOCK = (128, 128)
+CHECK_TOL = 2e-2  # every path against its float32 reference (the output's bf16 rounding: ~2e-3)
+W8A8_VS_UNQUANTIZED = 8e-2  # W8A8 against the unquantized rows' product (test_fp8_moe_kernels.py: ~4.7e-2 expected)
+# the per-row FP8 variants timed at prefill sizes besides the default (W8A8 with TMA descriptors on the H200)
+PREFILL_VARIANTS = {"w8a8 ptr": FP8_PREFILL_LAUNCH, "w8a16": PREFILL_LAUNCH}
 # FP8 candidates: (block_m, block_n_up, block_n_down, block_k, warps, stages)
 # none spills in sm_90 code (benchmarks/fp8/ptx_fp8_moe.py's ptxas check; 512-column steps do in gate-up: its
 # 16 x 512 fp16 operand is held whole by every warp)
@@ -48,9 +67,13 @@ DECODE_SWEEP = [MoeLaunch(*t) for t in (
     (16, 32, 32, 256, 4, 6), (16, 32, 128, 256, 4, 4), (16, 64, 64, 256, 4, 4), (16, 64, 64, 256, 8, 4),
     (16, 32, 64, 128, 4, 6), (16, 64, 128, 128, 4, 6), (16, 128, 64, 256, 8, 4), (16, 32, 64, 256, 8, 5),
 )] + [MoeLaunch(16, 32, 64, 256, 4, 5, rows_f16=False)]  # the rows converted in the K loop
-PREFILL_SWEEP = [MoeLaunch(*t) for t in (
-    (128, 128, 128, 64, 8, 3), (128, 128, 128, 128, 8, 3), (128, 128, 128, 64, 8, 4), (64, 128, 128, 64, 4, 4),
-)] + [MoeLaunch(128, 128, 128, 64, 8, 3, tma=True), MoeLaunch(128, 128, 256, 64, 8, 4, tma=True)]
+# W8A8 prefill candidates (128-wide e4m3 K tiles: the bytes of bf16's 64-wide ones; 256: two stages fit)
+PREFILL_SWEEP = [MoeLaunch(*t, w8a8=True) for t in (
+    (128, 128, 128, 128, 8, 4), (128, 128, 256, 128, 8, 3), (64, 128, 128, 128, 4, 4), (128, 64, 128, 128, 4, 4),
+)] + [MoeLaunch(*t, tma=True, w8a8=True) for t in (
+    (128, 128, 256, 128, 8, 3), (128, 128, 128, 128, 8, 4), (128, 128, 128, 128, 8, 3), (64, 128, 256, 128, 4, 4),
+    (128, 128, 128, 256, 8, 2),
+)]
 
 
 def experts(g: torch.Generator, blocks: bool) -> dict[str, Any]:
@@ -65,6 +88,9 @@ def experts(g: torch.Generator, blocks: bool) -> dict[str, Any]:
 
 def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Callable[[torch.Tensor, torch.Tensor],
                                                                                      torch.Tensor]:
+    """``kind``: "bf16", "rows", "blocks", or a PREFILL_VARIANTS name (per-row FP8 on that launch)."""
+    if kind in PREFILL_VARIANTS:
+        kind, launch = "rows", PREFILL_VARIANTS[kind]
     if kind == "bf16":
         w13, w2 = w["bf16"]
         return lambda x, lg: fused_moe(x, lg, w13, w2, TOP_K, launch=launch)
@@ -74,8 +100,41 @@ def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Calla
                                    scale_block=block)
 
 
+def is_w8a8(kind: str, tokens: int, launch: MoeLaunch | None = None) -> bool:
+    """Whether `call(kind, w, launch)` runs W8A8 at ``tokens`` (the default: `choose_moe_launch`'s)."""
+    if kind in PREFILL_VARIANTS:
+        return PREFILL_VARIANTS[kind].w8a8
+    if kind != "rows":
+        return False
+    return (launch or choose_moe_launch(tokens * TOP_K, EXPERTS, 2, True, fp8=True)).w8a8
+
+
+def dequantized_rows(x: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_fp8_per_token(x)
+    return q.float() * scale
+
+
+def w8a8_reference(w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
+    """The W8A8 MoE in float32 on the per-row FP8 experts: x quantized per token and dequantized, gate / up / silu /
+    h rounded to x's dtype as the kernel does, h quantized per pair, the down rows, the routing weights."""
+    q13, s13, q2, s2 = w["rows"]
+    weights, chosen = route(lg, TOP_K, True, x.dtype)
+    rows = dequantized_rows(x)
+    out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float32, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        token, slot = torch.nonzero(chosen == e, as_tuple=True)
+        gate_up = rows[token] @ dequantize_experts(q13[e:e + 1], s13[e:e + 1], None, torch.float32)[0].t()
+        gate, up = gate_up[:, :INTER].to(x.dtype).float(), gate_up[:, INTER:].to(x.dtype).float()
+        h = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+        y = dequantized_rows(h) @ dequantize_experts(q2[e:e + 1], s2[e:e + 1], None, torch.float32)[0].t()
+        out.index_add_(0, token, y * weights[token, slot].float()[:, None])
+    return out
+
+
 def reference(kind: str, w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
-    """The sparse torch path in float32 on the experts (dequantized for FP8)."""
+    """The sparse torch path in float32 on the experts (dequantized for FP8), the rows unquantized."""
+    if kind in PREFILL_VARIANTS:
+        kind = "rows"
     if kind == "bf16":
         w13, w2 = w["bf16"]
         return moe_forward_native(x.float(), lg.float(), w13.float(), w2.float(), TOP_K)
@@ -99,16 +158,25 @@ def check(w: dict[str, Any], kinds: list[str], g: torch.Generator) -> list[str]:
     for tokens in (1, 8, 300):
         x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
         lg = torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16()
-        for kind in kinds:
+        checked = kinds + (list(PREFILL_VARIANTS) if tokens == 300 else [])
+        w8a8_want = w8a8_reference(w, x, lg) if any(is_w8a8(k, tokens) for k in checked) else None
+        for kind in checked:
             want = reference(kind, w, x, lg)
             got = call(kind, w)(x, lg)
-            err = rel_error(got, want)
             bf16_path = rel_error(want.bfloat16(), want)  # the output's own rounding
-            ok = bool(torch.isfinite(got).all()) and err < 2e-2
-            print(f"check {kind:6s} tokens={tokens:<4d} rel err {err:.2e} (bf16 rounding of the output {bf16_path:.1e})"
+            err = rel_error(got, want)
+            if is_w8a8(kind, tokens):
+                assert w8a8_want is not None
+                w8a8_err = rel_error(got, w8a8_want)
+                ok = bool(torch.isfinite(got).all()) and w8a8_err < CHECK_TOL and err < W8A8_VS_UNQUANTIZED
+                line = f"rel err {w8a8_err:.2e} vs W8A8 reference, {err:.2e} vs unquantized rows"
+            else:
+                ok = bool(torch.isfinite(got).all()) and err < CHECK_TOL
+                line = f"rel err {err:.2e}"
+            print(f"check {kind:8s} tokens={tokens:<4d} {line} (bf16 rounding of the output {bf16_path:.1e})"
                   f"{'' if ok else '  FAILED'}", flush=True)
             if not ok:
-                failures.append(f"{kind} tokens={tokens}: rel err {err:.2e}")
+                failures.append(f"{kind} tokens={tokens}: {line}")
     return failures
 
 
@@ -117,7 +185,7 @@ def expert_bytes(kind: str) -> int:
     weights = 3 * HIDDEN * INTER
     if kind == "bf16":
         return 2 * weights
-    if kind == "rows":
+    if kind == "rows" or kind in PREFILL_VARIANTS:
         return weights + 4 * (2 * INTER + HIDDEN)
     rows = lambda n, k: -(-n // BLOCK[0]) * -(-k // BLOCK[1])  # noqa: E731
     return weights + 4 * (rows(2 * INTER, HIDDEN) + rows(HIDDEN, INTER))
@@ -127,18 +195,22 @@ def bench_tokens(tokens: int, w: dict[str, Any], kinds: list[str], g: torch.Gene
     xs = [torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
     lgs = [torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
     touched = sum(int(torch.unique(route(lg, TOP_K, True, torch.float32)[1]).numel()) for lg in lgs) / NUM_SETS
-    flops_us = 2 * tokens * TOP_K * 3 * HIDDEN * INTER / PEAK_BF16_FLOPS * 1e6
-    row: dict[str, Any] = {"tokens": tokens, "experts_touched": touched}
-    for kind in kinds:
+    flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+    prefill = choose_moe_launch(tokens * TOP_K, EXPERTS, 2, True, fp8=True).w8a8
+    row: dict[str, Any] = {"tokens": tokens, "experts_touched": touched, "fp8_w8a8": prefill}
+    for kind in kinds + (list(PREFILL_VARIANTS) if prefill else []):
         fn = call(kind, w)
-        us = time_graph(lambda i, fn=fn: fn(xs[i], lgs[i]), NUM_SETS)
+        us = time_graph(lambda i, fn=fn: fn(xs[i], lgs[i]), NUM_SETS, reps=25 if tokens < 1024 else 10)
         nbytes = touched * expert_bytes(kind)
+        flops_us = flops / (PEAK_FP8_FLOPS if is_w8a8(kind, tokens) else PEAK_BF16_FLOPS) * 1e6
         floor = max(nbytes / PEAK_BYTES_S * 1e6, flops_us)
         row[kind] = {"us": us, "gb_s": nbytes / us / 1e3, "floor_us": floor, "x_floor": us / floor}
     fp8 = row["rows"]
-    print(f"| {tokens} | {touched:.2f} | {row['bf16']['us']:.1f} | {row['bf16']['gb_s']:.0f} | {fp8['us']:.1f} | "
-          f"{fp8['gb_s']:.0f} | {fp8['floor_us']:.1f} | {fp8['x_floor']:.2f} | {row['bf16']['us'] / fp8['us']:.2f}x |"
-          + (f" {row['blocks']['us']:.1f} |" if "blocks" in row else ""), flush=True)
+    extra = "".join(f" {row[k]['us']:.1f} |" if k in row else " - |" for k in PREFILL_VARIANTS)
+    print(f"| {tokens} | {touched:.2f} | {row['bf16']['us']:.1f} | {row['bf16']['gb_s']:.0f} | {fp8['us']:.1f}"
+          f"{' (W8A8)' if prefill else ''} | {fp8['gb_s']:.0f} | {fp8['floor_us']:.1f} | {fp8['x_floor']:.2f} | "
+          f"{row['bf16']['us'] / fp8['us']:.2f}x |{extra}" + (f" {row['blocks']['us']:.1f} |" if "blocks" in row else ""),
+          flush=True)
     return row
 
 
@@ -149,6 +221,7 @@ def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[s
         xs = [torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
         lgs = [torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16() for _ in range(NUM_SETS)]
         want = reference("rows", w, xs[0], lgs[0])
+        w8a8_want = w8a8_reference(w, xs[0], lgs[0]) if tokens > 64 else want
         default = choose_moe_launch(tokens * TOP_K, EXPERTS, 2, descriptors_ok(xs[0], w["rows"][0], w["rows"][2]),
                                     fp8=True)
         results = []
@@ -158,8 +231,8 @@ def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[s
                 break
             fn = call("rows", w, launch)
             try:
-                err = rel_error(fn(xs[0], lgs[0]), want)
-                if not err < 2e-2:
+                err = rel_error(fn(xs[0], lgs[0]), w8a8_want if launch.w8a8 else want)
+                if not err < CHECK_TOL:
                     print(f"  {launch}: rel err {err:.2e}, skipped", file=sys.stderr)
                     continue
                 us = time_graph(lambda i, fn=fn, xs=xs, lgs=lgs: fn(xs[i], lgs[i]), NUM_SETS, reps=10)
@@ -173,7 +246,8 @@ def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[s
         results.sort(key=lambda r: r[0])
         print(f"sweep fp8 tokens={tokens}: default {default_us:.1f} us; best: " + "; ".join(
             f"{us:.1f} {lc.block_m}/{lc.block_n_up}/{lc.block_n_down}/{lc.block_k}/w{lc.num_warps}/s{lc.num_stages}"
-            f"{'/tma' if lc.tma else ''}{'' if lc.rows_f16 else '/rows-in-loop'}" for us, lc in results[:5]),
+            f"{'/tma' if lc.tma else ''}{'' if lc.rows_f16 else '/rows-in-loop'}{'/w8a8' if lc.w8a8 else ''}"
+            for us, lc in results[:5]),
             flush=True)
         rows.append({"tokens": tokens, "default_us": default_us,
                      "best": [{"us": us, **vars(lc)} for us, lc in results[:5]]})
@@ -182,7 +256,7 @@ def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[s
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,2,4,8,16,64,4096")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64,512,4096")
     ap.add_argument("--blocks", action="store_true", help="also time 128 x 128 block-scaled FP8 experts")
     ap.add_argument("--sweep", action="store_true", help="time FP8 launch candidates at 1, 8 and 4,096 tokens")
     ap.add_argument("--sweep-budget-s", type=float, default=150.0)
@@ -202,8 +276,9 @@ def main() -> int:
               f" top-{TOP_K}); floor: expert bytes read at {PEAK_BYTES_S / 1e12:.1f} TB/s or FLOPs at "
               f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
         print("| tokens | experts read | bf16 us | bf16 GB/s | fp8 us | fp8 GB/s | fp8 floor us | fp8 x floor | "
-              "bf16 / fp8 |" + (" fp8 128x128 blocks us |" if args.blocks else ""))
-        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.blocks else ""))
+              "bf16 / fp8 | fp8 W8A8 pointer tiles us | fp8 W8A16 prefill us |"
+              + (" fp8 128x128 blocks us |" if args.blocks else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.blocks else ""))
         rows = [bench_tokens(int(t), w, kinds, g) for t in args.tokens.split(",")]
         swept = sweep(w, g, args.sweep_budget_s) if args.sweep else []
     if args.json:
