@@ -7,12 +7,14 @@ reference on the dequantized experts in float32 (the exit status is 1 and nothin
 W8A16 paths (fp16 operands: decode, block scales, per-row prefill on its former tiles) against the product with the
 unquantized rows; the W8A8 prefill (per-row scales above 16 pairs per expert: rows and h quantized per token to
 e4m3, FP8 x FP8 MMAs) against the product with the dequantized per-token FP8 rows (`w8a8_reference`), and against the
-unquantized one within W8A8_VS_UNQUANTIZED (the activations' e4m3 rounding). Then per token count: bf16 `fused_moe`
+unquantized one within W8A8_VS_UNQUANTIZED (the activations' e4m3 rounding): the default sums in the FP8 tensor
+cores' fast accumulation (sm_90), "w8a8 promote" adds each 128-wide K tile's sums to float32 (its error against the
+W8A8 reference says what fast accumulation costs). Then per token count: bf16 `fused_moe`
 and FP8 `fused_moe` (the defaults: W8A8 with TMA descriptors at prefill sizes), µs per call (CUDA-graph replays),
 GB/s of the expert bytes the routing actually reads (the experts touched, mean over the sets, their weights and
 scales), and the floor: those bytes at 4.8 TB/s (the H200's peak) or the FLOPs at 989 TFLOP/s (fp16 / bf16 MMAs)
-or 1,979 (W8A8's FP8 MMAs), whichever is larger. At prefill sizes also the W8A8 pointer tiles (no TMA) and the
-W8A16 prefill (the FP8 default before W8A8).
+or 1,979 (W8A8's FP8 MMAs), whichever is larger. At prefill sizes also the W8A8 pointer tiles (no TMA), W8A8 with
+float32 promotion, and the W8A16 prefill (the FP8 default before W8A8).
 
 `--sweep` also times FP8 launch candidates (decode tiles at 1 and 8 tokens, W8A8 prefill tiles at 4,096) and prints
 the best five with the default's time.
@@ -29,6 +31,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from bench_kernels import rel_error, time_graph  # noqa: E402
 from lmserver.kernels.fp8_ref import quantize_fp8_per_token  # noqa: E402
 from lmserver.kernels.fused_moe import (  # noqa: E402
     FP8_PREFILL_LAUNCH,
+    FP8_PREFILL_TMA_LAUNCH,
     PREFILL_LAUNCH,
     MoeLaunch,
     choose_moe_launch,
@@ -57,8 +61,14 @@ NUM_SETS = 8
 BLOCK = (128, 128)
 CHECK_TOL = 2e-2  # every path against its float32 reference (the output's bf16 rounding: ~2e-3)
 W8A8_VS_UNQUANTIZED = 8e-2  # W8A8 against the unquantized rows' product (test_fp8_moe_kernels.py: ~4.7e-2 expected)
-# the per-row FP8 variants timed at prefill sizes besides the default (W8A8 with TMA descriptors on the H200)
-PREFILL_VARIANTS = {"w8a8 ptr": FP8_PREFILL_LAUNCH, "w8a16": PREFILL_LAUNCH}
+# the per-row FP8 variants checked and timed at prefill sizes besides the default (W8A8 with TMA descriptors on the
+# H200, the FP8 MMAs' fast accumulation): (column header, launch)
+PREFILL_VARIANTS = {
+    "w8a8 ptr": ("fp8 W8A8 pointer tiles us", FP8_PREFILL_LAUNCH),
+    "w8a8 promote": ("fp8 W8A8 float32 promotion every 128 K us",
+                     replace(FP8_PREFILL_TMA_LAUNCH, block_n_down=128, fp8_acc_k=128)),
+    "w8a16": ("fp8 W8A16 prefill (fp16 operands) us", PREFILL_LAUNCH),
+}
 # FP8 candidates: (block_m, block_n_up, block_n_down, block_k, warps, stages)
 # none spills in sm_90 code (benchmarks/fp8/ptx_fp8_moe.py's ptxas check; 512-column steps do in gate-up: its
 # 16 x 512 fp16 operand is held whole by every warp)
@@ -90,7 +100,7 @@ def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Calla
                                                                                      torch.Tensor]:
     """``kind``: "bf16", "rows", "blocks", or a PREFILL_VARIANTS name (per-row FP8 on that launch)."""
     if kind in PREFILL_VARIANTS:
-        kind, launch = "rows", PREFILL_VARIANTS[kind]
+        kind, launch = "rows", PREFILL_VARIANTS[kind][1]
     if kind == "bf16":
         w13, w2 = w["bf16"]
         return lambda x, lg: fused_moe(x, lg, w13, w2, TOP_K, launch=launch)
@@ -103,7 +113,7 @@ def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Calla
 def is_w8a8(kind: str, tokens: int, launch: MoeLaunch | None = None) -> bool:
     """Whether `call(kind, w, launch)` runs W8A8 at ``tokens`` (the default: `choose_moe_launch`'s)."""
     if kind in PREFILL_VARIANTS:
-        return PREFILL_VARIANTS[kind].w8a8
+        return PREFILL_VARIANTS[kind][1].w8a8
     if kind != "rows":
         return False
     return (launch or choose_moe_launch(tokens * TOP_K, EXPERTS, 2, True, fp8=True)).w8a8
@@ -276,9 +286,9 @@ def main() -> int:
               f" top-{TOP_K}); floor: expert bytes read at {PEAK_BYTES_S / 1e12:.1f} TB/s or FLOPs at "
               f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
         print("| tokens | experts read | bf16 us | bf16 GB/s | fp8 us | fp8 GB/s | fp8 floor us | fp8 x floor | "
-              "bf16 / fp8 | fp8 W8A8 pointer tiles us | fp8 W8A16 prefill us |"
+              "bf16 / fp8 |" + "".join(f" {header} |" for header, _ in PREFILL_VARIANTS.values())
               + (" fp8 128x128 blocks us |" if args.blocks else ""))
-        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.blocks else ""))
+        print("|---" * (9 + len(PREFILL_VARIANTS) + args.blocks) + "|")
         rows = [bench_tokens(int(t), w, kinds, g) for t in args.tokens.split(",")]
         swept = sweep(w, g, args.sweep_budget_s) if args.sweep else []
     if args.json:

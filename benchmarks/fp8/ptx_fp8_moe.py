@@ -26,23 +26,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lowlat"))
 from ptx_mix import Captured, compile_launch  # noqa: E402
 
+import lmserver.kernels.fp8_quant as FQ  # noqa: E402
 import lmserver.kernels.fused_moe as FM  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
 KERNELS = ("_gate_up_kernel", "_down_kernel", "_route_align_kernel", "_rows_f16_kernel")
+QUANT_KERNELS = ("_quantize_per_token_kernel",)  # fp8_quant's, launched by the W8A8 prefill (x, then h)
 COUNTED = (("cvt.e4m3x2", r"cvt\.rn\.f16x2\.e4m3x2"), ("mul 2^-4", r"mul\.rn\.f32 \S+, \S+, 0f3D800000"),
            ("cvt f32>f16", r"cvt\.rn\.f16x2?\.f32"), ("mul.f16x2", r"mul(\.rn)?\.f16x2"), ("cvt bf16", r"cvt\.[a-z.]*bf16"),
            ("mma.sync", r"mma\.sync"), ("wgmma", r"wgmma\.mma_async"), ("ldmatrix", r"ldmatrix"))
 
 
 def capture(tokens: int, fp8: bool, launch: FM.MoeLaunch, block: tuple[int, int] | None) -> list[tuple[Any, tuple, dict]]:
-    """The Triton launches of one `fused_moe` call on meta tensors (nothing runs)."""
+    """The Triton launches of one `fused_moe` call on meta tensors (nothing runs), the W8A8 quantizers' included."""
     dev, bf16 = torch.device("meta"), torch.bfloat16
     wdt = torch.float8_e4m3fn if fp8 else bf16
     sink: list[tuple[Any, tuple, dict]] = []
-    saved = {name: getattr(FM, name) for name in KERNELS}
-    for name, fn in saved.items():
-        setattr(FM, name, Captured(fn, sink))
+    saved = {(FM, name): getattr(FM, name) for name in KERNELS} | {(FQ, name): getattr(FQ, name) for name in QUANT_KERNELS}
+    for (module, name), fn in saved.items():
+        setattr(module, name, Captured(fn, sink))
     try:
         x = torch.empty(tokens, HIDDEN, device=dev, dtype=bf16)
         logits = torch.empty(tokens, EXPERTS, device=dev, dtype=bf16)
@@ -57,8 +59,8 @@ def capture(tokens: int, fp8: bool, launch: FM.MoeLaunch, block: tuple[int, int]
             kw = dict(w13_scale=torch.empty(EXPERTS, 2 * INTER, device=dev), w2_scale=torch.empty(EXPERTS, HIDDEN, device=dev))
         FM.fused_moe(x, logits, w13, w2, TOP_K, launch=launch, **kw)
     finally:
-        for name, fn in saved.items():
-            setattr(FM, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
     return [c for c in sink if c[0].__name__ != "_route_align_kernel"]
 
 

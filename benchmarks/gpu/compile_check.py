@@ -19,6 +19,7 @@ import argparse
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,26 +71,22 @@ def fused_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
 
     import lmserver.kernels.fused_moe as FM
 
-    def with_quantizers(tokens: int, fp8: bool, launch: Any, block: tuple[int, int] | None) -> list[tuple[Any, tuple, dict]]:
-        # the MoE kernels and, for W8A8 launches, the per-token quantizers of x and h (fp8_quant's launches)
-        moe: list[tuple[Any, tuple, dict]] = []
-        quantizers = captured(FQ, ("_quantize_per_token_kernel",),
-                              lambda: moe.extend(capture(tokens, fp8, launch, block)))
-        return moe + quantizers
-
+    # (capture: the MoE kernels' launches and, for W8A8 launches, the per-token quantizers' of x and h)
     cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
     for tokens in (1, 8, 4096):
         for name, fp8, block in (("bf16", False, None), ("fp8 rows", True, None), ("fp8 128x128", True, (128, 128))):
             launch = FM.choose_moe_launch(tokens * TOP_K, EXPERTS, 2, False, fp8, block[1] if block else None)
-            cases[f"fused_moe {name} tokens={tokens}"] = with_quantizers(tokens, fp8, launch, block)
+            cases[f"fused_moe {name} tokens={tokens}"] = capture(tokens, fp8, launch, block)
     # the prefill launches choose_moe_launch gives with TMA descriptors (the H200's): bf16, and per-row FP8's W8A8;
-    # W8A8's pointer tiles at 512; per-row FP8 on the fp16-operand prefill tiles (its prefill default before W8A8)
+    # W8A8's pointer tiles at 512, with float32 promotion every 128 K (`MoeLaunch.fp8_acc_k`); per-row FP8 on the
+    # fp16-operand prefill tiles (its prefill default before W8A8)
     for name, fp8, tokens, launch in (
             ("bf16 tma", False, 4096, FM.choose_moe_launch(4096 * TOP_K, EXPERTS, 2, True)),
             ("fp8 rows w8a8 tma", True, 4096, FM.choose_moe_launch(4096 * TOP_K, EXPERTS, 2, True, True)),
             ("fp8 rows w8a8", True, 512, FM.FP8_PREFILL_LAUNCH),
+            ("fp8 rows w8a8 promoted", True, 4096, replace(FM.FP8_PREFILL_TMA_LAUNCH, block_n_down=128, fp8_acc_k=128)),
             ("fp8 rows fp16 operands", True, 4096, FM.PREFILL_LAUNCH)):
-        cases[f"fused_moe {name} tokens={tokens}"] = with_quantizers(tokens, fp8, launch, None)
+        cases[f"fused_moe {name} tokens={tokens}"] = capture(tokens, fp8, launch, None)
     return cases
 
 

@@ -107,6 +107,11 @@ class MoeLaunch:
     # FP8 experts with per-row scales: W8A8 (module docstring), the activation rows quantized per token to e4m3 and
     # FP8 x FP8 MMAs; False: the rows in fp16 against weight tiles widened to fp16. Block scales: refused
     w8a8: bool = False
+    # W8A8: K elements the FP8 MMAs sum in the tensor cores' reduced precision before each float32 add (Triton's
+    # max_num_imprecise_acc; a multiple of 32 dividing block_k); 0: sm_90's default, never (fast accumulation, as
+    # vLLM's and SGLang's FP8 MoE and `_scaled_mm(use_fast_accum=True)` in the dense path). The promotion holds one
+    # more accumulator: a 128 x 256 down tile spills (sm_90, Triton 3.6: 232 bytes), 128 x 128 fits
+    fp8_acc_k: int = 0
 
 
 # H200, Mixtral-8x7B layer, bf16 (bench_moe.py): decode, 16-row blocks up to 8 tokens (best of 36 tiles); prefill, 128 x
@@ -364,16 +369,18 @@ def _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexp
 
 @triton.jit
 def _mma(a, w, acc, s_ptr, k0, n_ok, PRECISION: tl.constexpr, W_SCALE: tl.constexpr, GROUP_K: tl.constexpr,
-         A_SCALE: tl.constexpr, ASM: tl.constexpr):
+         A_SCALE: tl.constexpr, ASM: tl.constexpr, ACC_K: tl.constexpr):
     # acc + a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T. W_SCALE 0: model-dtype weights; 1: FP8 with per-row scales
     # (applied after the K loop, `_scaled`); 2: FP8 with block scales, the tile's partial sums times its scale block
     # (s_ptr: the rows' scale rows, this K tile's column k0 // GROUP_K). FP8: `a` is fp16 already (A_SCALE False) or
     # converted here, in every program and K step (A_SCALE: times 2^-4; `MoeLaunch.rows_f16` False). 3: W8A8, `a`
-    # e4m3 rows too (both per-row scales applied after the K loop)
+    # e4m3 rows too (both per-row scales applied after the K loop), ACC_K: `MoeLaunch.fp8_acc_k`
     if W_SCALE == 0:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    elif W_SCALE == 3:
+    elif W_SCALE == 3 and ACC_K == 0:
         out = tl.dot(a, tl.trans(w), acc)
+    elif W_SCALE == 3:
+        out = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=ACC_K)
     elif W_SCALE == 1:
         out = tl.dot(_rows_f16(a, A_SCALE, ASM), tl.trans(w.to(tl.float16)), acc)
     else:
@@ -401,7 +408,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_SCALE: tl.constexpr,
-    UNSCALE: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr,
+    UNSCALE: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr, ACC_K: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * 2 * inter, hidden) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block
@@ -440,8 +447,8 @@ def _gate_up_kernel(
         else:
             g = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM)
-        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM)
+        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM, ACC_K)
+        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM, ACC_K)
     acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, UNSCALE)
     acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, UNSCALE)
     if W_SCALE == 3:  # the token rows' scales (padding rows: 0)
@@ -465,7 +472,7 @@ def _down_kernel(
     stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn, stride_hs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr,
-    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UNSCALE: tl.constexpr,
+    W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UNSCALE: tl.constexpr, ACC_K: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales;
@@ -495,7 +502,7 @@ def _down_kernel(
             wt = w.load([expert * hidden + n0, k0])
         else:
             wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, False, False)
+        acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, False, False, ACC_K)
     acc = _scaled(acc, s_rows, n_ok, W_SCALE, UNSCALE)
     if W_SCALE == 3:  # the pair rows' scales
         acc = acc * tl.load(hs_ptr + safe_pairs * stride_hs, mask=valid, other=0.0)[:, None]
@@ -584,6 +591,9 @@ def fused_moe(
     w8a8 = fp8 and cfg.w8a8
     if w8a8 and scale_block is not None:
         raise KernelInputError("W8A8 launches (MoeLaunch.w8a8) take per-row expert scales, not block scales")
+    acc_k = cfg.fp8_acc_k if w8a8 else 0
+    if acc_k and (acc_k % 32 or cfg.block_k % acc_k):
+        raise KernelInputError(f"fp8_acc_k {acc_k} must be a multiple of 32 dividing block_k {cfg.block_k}")
     # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights. FP8: the MMA's operands in fp16, bf16 and
     # float32 activations times 2^-4 (UNSCALE: the sums times 16), converted once per token in the routing launch
     # (`MoeLaunch.rows_f16`) or in each program's K loop; h in fp16 (written so by the gate-up kernel). 3: W8A8,
@@ -618,6 +628,7 @@ def fused_moe(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
         W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
         GROUP_K=group_k, A_SCALE=unscale and x_op is x, UNSCALE=unscale, ACT=_TL_DTYPES[x.dtype], ASM=asm,
+        ACC_K=acc_k,
     )
     h_op, h_scale = _quantize_rows(h) if w8a8 else (h, h)  # (each pair's whole row: one scale)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -626,6 +637,6 @@ def fused_moe(
         h_op.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides, h_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
         W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
-        GROUP_K=group_k, UNSCALE=unscale,
+        GROUP_K=group_k, UNSCALE=unscale, ACC_K=acc_k,
     )
     return y.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else y
