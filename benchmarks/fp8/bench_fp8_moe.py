@@ -83,7 +83,7 @@ PREFILL_SWEEP = [MoeLaunch(*t, w8a8=True) for t in (
 )] + [MoeLaunch(*t, tma=True, w8a8=True) for t in (
     (128, 128, 256, 128, 8, 3), (128, 128, 128, 128, 8, 4), (128, 128, 128, 128, 8, 3), (64, 128, 256, 128, 4, 4),
     (128, 128, 128, 256, 8, 2),
-)]
+)] + [replace(FP8_PREFILL_TMA_LAUNCH, group_m=g) for g in (8, 16)]  # programs in groups of blocks (`group_m`)
 
 
 def experts(g: torch.Generator, blocks: bool) -> dict[str, Any]:
@@ -257,6 +257,7 @@ def sweep(w: dict[str, Any], g: torch.Generator, budget_s: float) -> list[dict[s
         print(f"sweep fp8 tokens={tokens}: default {default_us:.1f} us; best: " + "; ".join(
             f"{us:.1f} {lc.block_m}/{lc.block_n_up}/{lc.block_n_down}/{lc.block_k}/w{lc.num_warps}/s{lc.num_stages}"
             f"{'/tma' if lc.tma else ''}{'' if lc.rows_f16 else '/rows-in-loop'}{'/w8a8' if lc.w8a8 else ''}"
+            f"{f'/group{lc.group_m}' if lc.group_m else ''}{f'/acc{lc.fp8_acc_k}' if lc.fp8_acc_k else ''}"
             for us, lc in results[:5]),
             flush=True)
         rows.append({"tokens": tokens, "default_us": default_us,

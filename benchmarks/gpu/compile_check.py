@@ -78,13 +78,14 @@ def fused_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
             launch = FM.choose_moe_launch(tokens * TOP_K, EXPERTS, 2, False, fp8, block[1] if block else None)
             cases[f"fused_moe {name} tokens={tokens}"] = capture(tokens, fp8, launch, block)
     # the prefill launches choose_moe_launch gives with TMA descriptors (the H200's): bf16, and per-row FP8's W8A8;
-    # W8A8's pointer tiles at 512, with float32 promotion every 128 K (`MoeLaunch.fp8_acc_k`); per-row FP8 on the
-    # fp16-operand prefill tiles (its prefill default before W8A8)
+    # W8A8's pointer tiles at 512, with float32 promotion every 128 K (`MoeLaunch.fp8_acc_k`), in groups of 8 blocks
+    # (`MoeLaunch.group_m`); per-row FP8 on the fp16-operand prefill tiles (its prefill default before W8A8)
     for name, fp8, tokens, launch in (
             ("bf16 tma", False, 4096, FM.choose_moe_launch(4096 * TOP_K, EXPERTS, 2, True)),
             ("fp8 rows w8a8 tma", True, 4096, FM.choose_moe_launch(4096 * TOP_K, EXPERTS, 2, True, True)),
             ("fp8 rows w8a8", True, 512, FM.FP8_PREFILL_LAUNCH),
             ("fp8 rows w8a8 promoted", True, 4096, replace(FM.FP8_PREFILL_TMA_LAUNCH, block_n_down=128, fp8_acc_k=128)),
+            ("fp8 rows w8a8 tma grouped", True, 4096, replace(FM.FP8_PREFILL_TMA_LAUNCH, group_m=8)),
             ("fp8 rows fp16 operands", True, 4096, FM.PREFILL_LAUNCH)):
         cases[f"fused_moe {name} tokens={tokens}"] = capture(tokens, fp8, launch, None)
     return cases

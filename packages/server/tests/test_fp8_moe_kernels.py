@@ -191,7 +191,8 @@ def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(device: str,
     d13, d2 = (dequantize_experts(q, s, None, torch.float64) for q, s in ((q13, s13), (q2, s2)))
     if device == "cpu":  # (the interpreter sums exactly whatever fp8_acc_k says)
         small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=32, block_k=32, num_warps=1, num_stages=1, w8a8=True)
-        cases = [(torch.float32, [None, replace(small, tma=True)]), (torch.float16, [replace(small, fp8_acc_k=32)])]
+        cases = [(torch.float32, [None, replace(small, tma=True, group_m=5)]),  # 9 blocks: groups of 5 and 4
+                 (torch.float16, [replace(small, fp8_acc_k=32)])]
     else:  # the default (TMA descriptors, fast FP8 accumulation), the pointer tiles, float32 promotion every 128 K
         cases = [(torch.bfloat16, [None, FP8_PREFILL_LAUNCH,
                                    replace(FP8_PREFILL_TMA_LAUNCH, block_n_down=128, fp8_acc_k=128)])]

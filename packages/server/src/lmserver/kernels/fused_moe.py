@@ -112,6 +112,12 @@ class MoeLaunch:
     # vLLM's and SGLang's FP8 MoE and `_scaled_mm(use_fast_accum=True)` in the dense path). The promotion holds one
     # more accumulator: a 128 x 256 down tile spills (sm_90, Triton 3.6: 232 bytes), 128 x 128 fits
     fp8_acc_k: int = 0
+    # program order: 0, a block's column tiles one after the other, each over every block (the grid's x: blocks);
+    # g > 0: groups of g blocks, each group's blocks over all its column tiles before the next group (vLLM's
+    # GROUP_SIZE_M): the programs running at once share g blocks' rows and few experts' weight columns. NOTE: W8A8's
+    # down kernel at 4,096 tokens reads 117 MB of FP8 h rows, more than the L2 holds, once per wave of column tiles
+    # in the default order (benchmarks/fp8/bench_fp8_moe.py times both)
+    group_m: int = 0
 
 
 # H200, Mixtral-8x7B layer, bf16 (bench_moe.py): decode, 16-row blocks up to 8 tokens (best of 36 tiles); prefill, 128 x
@@ -360,9 +366,25 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 @triton.jit
-def _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexpr):
-    # this program's block: (its expert, -1 past the used blocks; its pair ids; which rows hold a pair)
-    block = tl.program_id(0)
+def _program_tile(GROUP_M: tl.constexpr):
+    # (block, column tile) of this program of a (blocks, column tiles) grid, in `MoeLaunch.group_m`'s order
+    if GROUP_M == 0:
+        block = tl.program_id(0)
+        tile = tl.program_id(1)
+    else:
+        blocks = tl.num_programs(0)
+        pid = tl.program_id(1) * blocks + tl.program_id(0)  # the hardware's launch order
+        in_group = GROUP_M * tl.num_programs(1)
+        first = (pid // in_group) * GROUP_M
+        size = tl.minimum(blocks - first, GROUP_M)
+        block = first + (pid % in_group) % size
+        tile = (pid % in_group) // size
+    return block, tile
+
+
+@triton.jit
+def _block_pairs(block, block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    # block `block`: (its expert, -1 past the used blocks; its pair ids; which rows hold a pair)
     pairs = tl.load(pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     return tl.load(block_expert_ptr + block), pairs, pairs < num_pairs
 
@@ -408,18 +430,19 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_SCALE: tl.constexpr,
-    UNSCALE: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr, ACC_K: tl.constexpr,
+    UNSCALE: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr, ACC_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * 2 * inter, hidden) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block
     # scales. ACT: the activation dtype (the epilogue's roundings); FP8 experts: x is fp16 (scaled by 2^-4 when
     # UNSCALE) unless A_SCALE, and h is written in fp16, times 2^-4 when UNSCALE (the down kernel's operand); W8A8
     # (W_SCALE 3): x is e4m3 with its tokens' scales at xs_ptr, and h is written in ACT (quantized per pair after)
-    expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
+    block, tile = _program_tile(GROUP_M)
+    expert, pairs, valid = _block_pairs(block, block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
     tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
+    n0 = tile * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -473,16 +496,18 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr,
     W_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UNSCALE: tl.constexpr, ACC_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales;
     # FP8 experts: h is fp16, times 2^-4 when UNSCALE (the gate-up kernel wrote it so); W8A8 (W_SCALE 3): h is e4m3
     # with its pairs' scales at hs_ptr
-    expert, pairs, valid = _block_pairs(block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
+    block, tile = _program_tile(GROUP_M)
+    expert, pairs, valid = _block_pairs(block, block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
     safe_pairs = tl.where(valid, pairs, 0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
+    n0 = tile * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -628,7 +653,7 @@ def fused_moe(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, PRECISION=precision,
         W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
         GROUP_K=group_k, A_SCALE=unscale and x_op is x, UNSCALE=unscale, ACT=_TL_DTYPES[x.dtype], ASM=asm,
-        ACC_K=acc_k,
+        ACC_K=acc_k, GROUP_M=cfg.group_m,
     )
     h_op, h_scale = _quantize_rows(h) if w8a8 else (h, h)  # (each pair's whole row: one scale)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -637,6 +662,6 @@ def fused_moe(
         h_op.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2_strides, h_scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, PRECISION=precision,
         W_DESC=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_SCALE=w_scale, GROUP_N=group_n,
-        GROUP_K=group_k, UNSCALE=unscale, ACC_K=acc_k,
+        GROUP_K=group_k, UNSCALE=unscale, ACC_K=acc_k, GROUP_M=cfg.group_m,
     )
     return y.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else y
