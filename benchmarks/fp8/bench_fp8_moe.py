@@ -14,7 +14,8 @@ and FP8 `fused_moe` (the defaults: W8A8 with TMA descriptors at prefill sizes), 
 GB/s of the expert bytes the routing actually reads (the experts touched, mean over the sets, their weights and
 scales), and the floor: those bytes at 4.8 TB/s (the H200's peak) or the FLOPs at 989 TFLOP/s (fp16 / bf16 MMAs)
 or 1,979 (W8A8's FP8 MMAs), whichever is larger. At prefill sizes also the W8A8 pointer tiles (no TMA), W8A8 with
-float32 promotion, and the W8A16 prefill (the FP8 default before W8A8).
+float32 promotion, and the W8A16 prefill (the FP8 default before W8A8); with `--blocks`, the block-scaled experts'
+opt-in W8A8 (rows quantized per token and 128 columns) next to their W8A16 default.
 
 `--sweep` also times FP8 launch candidates (decode tiles at 1 and 8 tokens, W8A8 prefill tiles at 4,096) and prints
 the best five with the default's time.
@@ -42,6 +43,7 @@ from bench_kernels import rel_error, time_graph  # noqa: E402
 
 from lmserver.kernels.fp8_ref import quantize_fp8_per_token  # noqa: E402
 from lmserver.kernels.fused_moe import (  # noqa: E402
+    FP8_PREFILL_BLOCKS_W8A8_LAUNCH,
     FP8_PREFILL_LAUNCH,
     FP8_PREFILL_TMA_LAUNCH,
     PREFILL_LAUNCH,
@@ -61,14 +63,21 @@ NUM_SETS = 8
 BLOCK = (128, 128)
 CHECK_TOL = 2e-2  # every path against its float32 reference (the output's bf16 rounding: ~2e-3)
 W8A8_VS_UNQUANTIZED = 8e-2  # W8A8 against the unquantized rows' product (test_fp8_moe_kernels.py: ~4.7e-2 expected)
-# the per-row FP8 variants checked and timed at prefill sizes besides the default (W8A8 with TMA descriptors on the
-# H200, the FP8 MMAs' fast accumulation): (column header, launch)
+# the FP8 variants checked and timed at prefill sizes besides the defaults (per-row: W8A8 with TMA descriptors on
+# the H200, the FP8 MMAs' fast accumulation; blocks: W8A16): (column header, experts, launch); "blocks" ones with
+# --blocks only
 PREFILL_VARIANTS = {
-    "w8a8 ptr": ("fp8 W8A8 pointer tiles us", FP8_PREFILL_LAUNCH),
-    "w8a8 promote": ("fp8 W8A8 float32 promotion every 128 K us",
+    "w8a8 ptr": ("fp8 W8A8 pointer tiles us", "rows", FP8_PREFILL_LAUNCH),
+    "w8a8 promote": ("fp8 W8A8 float32 promotion every 128 K us", "rows",
                      replace(FP8_PREFILL_TMA_LAUNCH, block_n_down=128, fp8_acc_k=128)),
-    "w8a16": ("fp8 W8A16 prefill (fp16 operands) us", PREFILL_LAUNCH),
+    "w8a16": ("fp8 W8A16 prefill (fp16 operands) us", "rows", PREFILL_LAUNCH),
+    "blocks w8a8": ("fp8 128x128 blocks W8A8 us", "blocks", FP8_PREFILL_BLOCKS_W8A8_LAUNCH),
 }
+
+
+def variants(kinds: list[str]) -> list[str]:
+    """The PREFILL_VARIANTS whose experts are among ``kinds``."""
+    return [name for name, (_, experts_kind, _) in PREFILL_VARIANTS.items() if experts_kind in kinds]
 # FP8 candidates: (block_m, block_n_up, block_n_down, block_k, warps, stages)
 # none spills in sm_90 code (benchmarks/fp8/ptx_fp8_moe.py's ptxas check; 512-column steps do in gate-up: its
 # 16 x 512 fp16 operand is held whole by every warp)
@@ -98,9 +107,9 @@ def experts(g: torch.Generator, blocks: bool) -> dict[str, Any]:
 
 def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Callable[[torch.Tensor, torch.Tensor],
                                                                                      torch.Tensor]:
-    """``kind``: "bf16", "rows", "blocks", or a PREFILL_VARIANTS name (per-row FP8 on that launch)."""
+    """``kind``: "bf16", "rows", "blocks", or a PREFILL_VARIANTS name (its experts on its launch)."""
     if kind in PREFILL_VARIANTS:
-        kind, launch = "rows", PREFILL_VARIANTS[kind][1]
+        _, kind, launch = PREFILL_VARIANTS[kind]
     if kind == "bf16":
         w13, w2 = w["bf16"]
         return lambda x, lg: fused_moe(x, lg, w13, w2, TOP_K, launch=launch)
@@ -113,30 +122,39 @@ def call(kind: str, w: dict[str, Any], launch: MoeLaunch | None = None) -> Calla
 def is_w8a8(kind: str, tokens: int, launch: MoeLaunch | None = None) -> bool:
     """Whether `call(kind, w, launch)` runs W8A8 at ``tokens`` (the default: `choose_moe_launch`'s)."""
     if kind in PREFILL_VARIANTS:
-        return PREFILL_VARIANTS[kind][1].w8a8
+        return PREFILL_VARIANTS[kind][2].w8a8
     if kind != "rows":
         return False
     return (launch or choose_moe_launch(tokens * TOP_K, EXPERTS, 2, True, fp8=True)).w8a8
 
 
-def dequantized_rows(x: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_fp8_per_token(x)
-    return q.float() * scale
+def dequantized_rows(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x's rows quantized to e4m3 per token (``group`` None) or per token and ``group`` columns, dequantized."""
+    if group is None:
+        q, scale = quantize_fp8_per_token(x)
+        return q.float() * scale
+    m, k = x.shape
+    groups = -(-k // group)
+    q, scale = quantize_fp8_per_token(torch.nn.functional.pad(x, (0, groups * group - k)).reshape(m * groups, group))
+    return (q.float() * scale).view(m, groups * group)[:, :k]
 
 
-def w8a8_reference(w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
-    """The W8A8 MoE in float32 on the per-row FP8 experts: x quantized per token and dequantized, gate / up / silu /
-    h rounded to x's dtype as the kernel does, h quantized per pair, the down rows, the routing weights."""
-    q13, s13, q2, s2 = w["rows"]
+def w8a8_reference(w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor, kind: str = "rows") -> torch.Tensor:
+    """The W8A8 MoE in float32 on the FP8 experts ``kind`` ("rows", "blocks": rows quantized per 128 columns): x
+    quantized and dequantized, gate / up / silu / h rounded to x's dtype as the kernel does, h quantized per pair, the
+    down rows, the routing weights."""
+    q13, s13, q2, s2 = w[kind]
+    block = BLOCK if kind == "blocks" else None
+    group = BLOCK[1] if block else None
     weights, chosen = route(lg, TOP_K, True, x.dtype)
-    rows = dequantized_rows(x)
+    rows = dequantized_rows(x, group)
     out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float32, device=x.device)
     for e in torch.unique(chosen).tolist():
         token, slot = torch.nonzero(chosen == e, as_tuple=True)
-        gate_up = rows[token] @ dequantize_experts(q13[e:e + 1], s13[e:e + 1], None, torch.float32)[0].t()
+        gate_up = rows[token] @ dequantize_experts(q13[e:e + 1], s13[e:e + 1], block, torch.float32)[0].t()
         gate, up = gate_up[:, :INTER].to(x.dtype).float(), gate_up[:, INTER:].to(x.dtype).float()
         h = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
-        y = dequantized_rows(h) @ dequantize_experts(q2[e:e + 1], s2[e:e + 1], None, torch.float32)[0].t()
+        y = dequantized_rows(h, group) @ dequantize_experts(q2[e:e + 1], s2[e:e + 1], block, torch.float32)[0].t()
         out.index_add_(0, token, y * weights[token, slot].float()[:, None])
     return out
 
@@ -144,7 +162,7 @@ def w8a8_reference(w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor) -> torc
 def reference(kind: str, w: dict[str, Any], x: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
     """The sparse torch path in float32 on the experts (dequantized for FP8), the rows unquantized."""
     if kind in PREFILL_VARIANTS:
-        kind = "rows"
+        kind = PREFILL_VARIANTS[kind][1]
     if kind == "bf16":
         w13, w2 = w["bf16"]
         return moe_forward_native(x.float(), lg.float(), w13.float(), w2.float(), TOP_K)
@@ -168,22 +186,23 @@ def check(w: dict[str, Any], kinds: list[str], g: torch.Generator) -> list[str]:
     for tokens in (1, 8, 300):
         x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
         lg = torch.randn(tokens, EXPERTS, generator=g, device="cuda").bfloat16()
-        checked = kinds + (list(PREFILL_VARIANTS) if tokens == 300 else [])
-        w8a8_want = w8a8_reference(w, x, lg) if any(is_w8a8(k, tokens) for k in checked) else None
+        checked = kinds + (variants(kinds) if tokens == 300 else [])
+        w8a8_want = {experts_kind: w8a8_reference(w, x, lg, experts_kind) for experts_kind in ("rows", "blocks")
+                     if any(is_w8a8(k, tokens) and (PREFILL_VARIANTS[k][1] if k in PREFILL_VARIANTS else k)
+                            == experts_kind for k in checked)}
         for kind in checked:
             want = reference(kind, w, x, lg)
             got = call(kind, w)(x, lg)
             bf16_path = rel_error(want.bfloat16(), want)  # the output's own rounding
             err = rel_error(got, want)
             if is_w8a8(kind, tokens):
-                assert w8a8_want is not None
-                w8a8_err = rel_error(got, w8a8_want)
+                w8a8_err = rel_error(got, w8a8_want[PREFILL_VARIANTS[kind][1] if kind in PREFILL_VARIANTS else kind])
                 ok = bool(torch.isfinite(got).all()) and w8a8_err < CHECK_TOL and err < W8A8_VS_UNQUANTIZED
                 line = f"rel err {w8a8_err:.2e} vs W8A8 reference, {err:.2e} vs unquantized rows"
             else:
                 ok = bool(torch.isfinite(got).all()) and err < CHECK_TOL
                 line = f"rel err {err:.2e}"
-            print(f"check {kind:8s} tokens={tokens:<4d} {line} (bf16 rounding of the output {bf16_path:.1e})"
+            print(f"check {kind:12s} tokens={tokens:<4d} {line} (bf16 rounding of the output {bf16_path:.1e})"
                   f"{'' if ok else '  FAILED'}", flush=True)
             if not ok:
                 failures.append(f"{kind} tokens={tokens}: {line}")
@@ -195,7 +214,9 @@ def expert_bytes(kind: str) -> int:
     weights = 3 * HIDDEN * INTER
     if kind == "bf16":
         return 2 * weights
-    if kind == "rows" or kind in PREFILL_VARIANTS:
+    if kind in PREFILL_VARIANTS:
+        kind = PREFILL_VARIANTS[kind][1]
+    if kind == "rows":
         return weights + 4 * (2 * INTER + HIDDEN)
     rows = lambda n, k: -(-n // BLOCK[0]) * -(-k // BLOCK[1])  # noqa: E731
     return weights + 4 * (rows(2 * INTER, HIDDEN) + rows(HIDDEN, INTER))
@@ -208,7 +229,7 @@ def bench_tokens(tokens: int, w: dict[str, Any], kinds: list[str], g: torch.Gene
     flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
     prefill = choose_moe_launch(tokens * TOP_K, EXPERTS, 2, True, fp8=True).w8a8
     row: dict[str, Any] = {"tokens": tokens, "experts_touched": touched, "fp8_w8a8": prefill}
-    for kind in kinds + (list(PREFILL_VARIANTS) if prefill else []):
+    for kind in kinds + (variants(kinds) if prefill else []):
         fn = call(kind, w)
         us = time_graph(lambda i, fn=fn: fn(xs[i], lgs[i]), NUM_SETS, reps=25 if tokens < 1024 else 10)
         nbytes = touched * expert_bytes(kind)
@@ -216,7 +237,7 @@ def bench_tokens(tokens: int, w: dict[str, Any], kinds: list[str], g: torch.Gene
         floor = max(nbytes / PEAK_BYTES_S * 1e6, flops_us)
         row[kind] = {"us": us, "gb_s": nbytes / us / 1e3, "floor_us": floor, "x_floor": us / floor}
     fp8 = row["rows"]
-    extra = "".join(f" {row[k]['us']:.1f} |" if k in row else " - |" for k in PREFILL_VARIANTS)
+    extra = "".join(f" {row[k]['us']:.1f} |" if k in row else " - |" for k in variants(kinds))
     print(f"| {tokens} | {touched:.2f} | {row['bf16']['us']:.1f} | {row['bf16']['gb_s']:.0f} | {fp8['us']:.1f}"
           f"{' (W8A8)' if prefill else ''} | {fp8['gb_s']:.0f} | {fp8['floor_us']:.1f} | {fp8['x_floor']:.2f} | "
           f"{row['bf16']['us'] / fp8['us']:.2f}x |{extra}" + (f" {row['blocks']['us']:.1f} |" if "blocks" in row else ""),
@@ -287,9 +308,9 @@ def main() -> int:
               f" top-{TOP_K}); floor: expert bytes read at {PEAK_BYTES_S / 1e12:.1f} TB/s or FLOPs at "
               f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
         print("| tokens | experts read | bf16 us | bf16 GB/s | fp8 us | fp8 GB/s | fp8 floor us | fp8 x floor | "
-              "bf16 / fp8 |" + "".join(f" {header} |" for header, _ in PREFILL_VARIANTS.values())
+              "bf16 / fp8 |" + "".join(f" {PREFILL_VARIANTS[k][0]} |" for k in variants(kinds))
               + (" fp8 128x128 blocks us |" if args.blocks else ""))
-        print("|---" * (9 + len(PREFILL_VARIANTS) + args.blocks) + "|")
+        print("|---" * (9 + len(variants(kinds)) + args.blocks) + "|")
         rows = [bench_tokens(int(t), w, kinds, g) for t in args.tokens.split(",")]
         swept = sweep(w, g, args.sweep_budget_s) if args.sweep else []
     if args.json:

@@ -30,7 +30,7 @@ import lmserver.kernels.fp8_quant as FQ  # noqa: E402
 import lmserver.kernels.fused_moe as FM  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
-KERNELS = ("_gate_up_kernel", "_down_kernel", "_route_align_kernel", "_rows_f16_kernel")
+KERNELS = ("_gate_up_kernel", "_down_kernel", "_route_align_kernel", "_rows_f16_kernel", "_quantize_groups_kernel")
 QUANT_KERNELS = ("_quantize_per_token_kernel",)  # fp8_quant's, launched by the W8A8 prefill (x, then h)
 COUNTED = (("cvt.e4m3x2", r"cvt\.rn\.f16x2\.e4m3x2"), ("mul 2^-4", r"mul\.rn\.f32 \S+, \S+, 0f3D800000"),
            ("cvt f32>f16", r"cvt\.rn\.f16x2?\.f32"), ("mul.f16x2", r"mul(\.rn)?\.f16x2"), ("cvt bf16", r"cvt\.[a-z.]*bf16"),

@@ -88,6 +88,10 @@ def fused_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
             ("fp8 rows w8a8 tma grouped", True, 4096, replace(FM.FP8_PREFILL_TMA_LAUNCH, group_m=8)),
             ("fp8 rows fp16 operands", True, 4096, FM.PREFILL_LAUNCH)):
         cases[f"fused_moe {name} tokens={tokens}"] = capture(tokens, fp8, launch, None)
+    # block-scaled W8A8 (opt-in): TMA and pointer tiles, rows quantized per token and 128 columns
+    for launch in (FM.FP8_PREFILL_BLOCKS_W8A8_LAUNCH, replace(FM.FP8_PREFILL_BLOCKS_W8A8_LAUNCH, tma=False)):
+        cases[f"fused_moe fp8 128x128 w8a8{' tma' if launch.tma else ''} tokens=4096"] = capture(4096, True, launch,
+                                                                                                (128, 128))
     return cases
 
 

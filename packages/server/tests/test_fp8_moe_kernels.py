@@ -131,28 +131,41 @@ def test_fp8_fused_moe_keeps_large_and_small_activations(device: str) -> None:
             assert err <= 2 * ordinary + (3e-3 if dtype == torch.float32 else 2e-3), (rows_f16, row, err)
 
 
-def dequantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """x's rows quantized per token to e4m3 (`fp8_ref.quantize_fp8_per_token`), dequantized in float64."""
-    q, scale = quantize_fp8_per_token(x)
-    return q.double() * scale.double()
+def quantize_groups_ref(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) quantized to e4m3 per row (group None) or per row and ``group`` columns (the last group zero-padded):
+    `fp8_ref.quantize_fp8_per_token` on each group; (q (M, K), scales (M, groups))."""
+    if group is None:
+        return quantize_fp8_per_token(x)
+    m, k = x.shape
+    groups = -(-k // group)
+    q, scale = quantize_fp8_per_token(F.pad(x, (0, groups * group - k)).reshape(m * groups, group))
+    return q.view(m, groups * group)[:, :k], scale.view(m, groups)
 
 
-def w8a8_reference(x: torch.Tensor, logits: torch.Tensor, d13: torch.Tensor, d2: torch.Tensor,
-                   top_k: int) -> torch.Tensor:
-    """The W8A8 MoE in float64 (T, hidden): each token's row quantized per token to e4m3 and dequantized, times the
-    dequantized experts (d13, d2 float64); gate, up, silu(gate) and h = silu(gate) * up rounded to x's dtype (where
-    the kernel rounds them), h quantized per (token, expert) pair over the whole intermediate dimension, times the
-    down rows, weighted by the routing weights in x's dtype. Nothing of the output rounded."""
+def dequantized_rows(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """x's rows quantized to e4m3 (`quantize_groups_ref`), dequantized in float64."""
+    q, scale = quantize_groups_ref(x, group)
+    per_column = scale.double() if group is None else scale.double().repeat_interleave(group, dim=1)[:, :x.shape[1]]
+    return q.double() * per_column
+
+
+def w8a8_reference(x: torch.Tensor, logits: torch.Tensor, d13: torch.Tensor, d2: torch.Tensor, top_k: int,
+                   group: int | None = None) -> torch.Tensor:
+    """The W8A8 MoE in float64 (T, hidden): each token's row quantized per token (or per token and ``group``
+    columns) to e4m3 and dequantized, times the dequantized experts (d13, d2 float64); gate, up, silu(gate) and
+    h = silu(gate) * up rounded to x's dtype (where the kernel rounds them), h quantized per (token, expert) pair over
+    the whole intermediate dimension (or per ``group`` columns), times the down rows, weighted by the routing weights
+    in x's dtype. Nothing of the output rounded."""
     dtype, inter = x.dtype, d2.shape[2]
     weights, chosen = route(logits, top_k, True, dtype)
-    rows = dequantized_rows(x)
+    rows = dequantized_rows(x, group)
     out = torch.zeros(x.shape[0], d2.shape[1], dtype=torch.float64, device=x.device)
     for e in torch.unique(chosen).tolist():
         token, slot = torch.nonzero(chosen == e, as_tuple=True)
         gate_up = rows[token] @ d13[e].t()
         gate, up = gate_up[:, :inter].to(dtype).double(), gate_up[:, inter:].to(dtype).double()
         h = (F.silu(gate).to(dtype).double() * up).to(dtype)
-        out.index_add_(0, token, (dequantized_rows(h) @ d2[e].t()) * weights[token, slot].double()[:, None])
+        out.index_add_(0, token, (dequantized_rows(h, group) @ d2[e].t()) * weights[token, slot].double()[:, None])
     return out
 
 
@@ -165,18 +178,26 @@ W8A8_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2
 # rounding of x and of h, ~2^-4 relative per element: 4.1-4.7e-2 of the output's norm for Gaussian rows, from 64 x 96
 # to Mixtral's 4,096 x 14,336 experts (float64 torch emulation); documented bound
 W8A8_VS_UNQUANTIZED = 8e-2
-W8A8_CASES = {"cpu": [(64, 96, 4, 2, 40)], "cuda": [(4096, 14336, 8, 2, 300), (4096, 14336, 8, 2, 4096)]}
+# (hidden, inter, experts, top_k, tokens, scale block or None: per row). Block scales: inter 80 / 720 end in a part
+# block (h's last group of columns)
+W8A8_CASES = {
+    "cpu": [(64, 96, 4, 2, 40, None), (96, 80, 4, 2, 40, (32, 32))],
+    "cuda": [(4096, 14336, 8, 2, 300, None), (4096, 14336, 8, 2, 4096, None), (4096, 14336, 8, 2, 300, (128, 128)),
+             (1024, 720, 6, 3, 300, (128, 128))],
+}
 
 
 @pytest.mark.parametrize(("device", "shape"), [
-    pytest.param(p.values[0], shape, id=f"{p.id}-{'x'.join(map(str, shape))}", marks=p.marks)
-    for p in DEVICES for shape in W8A8_CASES[p.values[0]]])
-def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(device: str,
-                                                             shape: tuple[int, int, int, int, int]) -> None:
-    # Per-row-scaled FP8 experts at prefill sizes (W8A8: rows quantized per token, FP8 x FP8 MMAs, both scales in the
-    # epilogue). Token rows of magnitudes 1e-2 .. 1e2 and one all-zero row: a token / pair scale applied to the wrong
-    # row shows in that row's error; the oracle is exact up to the roundings of W8A8_TOLERANCE
+    pytest.param(p.values[0], shape, id=f"{p.id}-{'x'.join(map(str, shape[:5]))}-{shape[5] or 'rows'}",
+                 marks=p.marks) for p in DEVICES for shape in W8A8_CASES[p.values[0]]])
+def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(
+        device: str, shape: tuple[int, int, int, int, int, tuple[int, int] | None]) -> None:
+    # FP8 experts at prefill sizes on W8A8 launches: rows quantized per token (block scales: per token and K block),
+    # FP8 x FP8 MMAs, the scales in the epilogue (block scales: per K tile). Token rows of magnitudes 1e-2 .. 1e2 and
+    # one all-zero row: a token / pair scale applied to the wrong row shows in that row's error; the oracle is exact
+    # up to the roundings of W8A8_TOLERANCE
     from lmserver.kernels.fused_moe import (
+        FP8_PREFILL_BLOCKS_W8A8_LAUNCH,
         FP8_PREFILL_LAUNCH,
         FP8_PREFILL_TMA_LAUNCH,
         MoeLaunch,
@@ -185,14 +206,18 @@ def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(device: str,
         fused_moe,
     )
 
-    hidden, inter, experts, top_k, tokens = shape
+    hidden, inter, experts, top_k, tokens, block = shape
     g = _gen(50 + tokens, device)
-    q13, s13, q2, s2 = fp8_experts(hidden, inter, experts, None, device, g)
-    d13, d2 = (dequantize_experts(q, s, None, torch.float64) for q, s in ((q13, s13), (q2, s2)))
-    if device == "cpu":  # (the interpreter sums exactly whatever fp8_acc_k says)
-        small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=32, block_k=32, num_warps=1, num_stages=1, w8a8=True)
+    q13, s13, q2, s2 = fp8_experts(hidden, inter, experts, block, device, g)
+    d13, d2 = (dequantize_experts(q, s, block, torch.float64) for q, s in ((q13, s13), (q2, s2)))
+    small = MoeLaunch(block_m=16, block_n_up=16, block_n_down=32, block_k=32, num_warps=1, num_stages=1, w8a8=True)
+    if device == "cpu" and block:
+        cases = [(torch.float32, [replace(small, tma=True)]), (torch.float16, [small])]
+    elif device == "cpu":  # (the interpreter sums exactly whatever fp8_acc_k says)
         cases = [(torch.float32, [None, replace(small, tma=True, group_m=5)]),  # 9 blocks: groups of 5 and 4
                  (torch.float16, [replace(small, fp8_acc_k=32)])]
+    elif block:  # opt-in: TMA descriptors and pointer tiles
+        cases = [(torch.bfloat16, [FP8_PREFILL_BLOCKS_W8A8_LAUNCH, replace(FP8_PREFILL_BLOCKS_W8A8_LAUNCH, tma=False)])]
     else:  # the default (TMA descriptors, fast FP8 accumulation), the pointer tiles, float32 promotion every 128 K
         cases = [(torch.bfloat16, [None, FP8_PREFILL_LAUNCH,
                                    replace(FP8_PREFILL_TMA_LAUNCH, block_n_down=128, fp8_acc_k=128)])]
@@ -201,13 +226,14 @@ def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(device: str,
         x = (_randn(g, tokens, hidden) * mags).to(dtype)
         x[tokens // 2] = 0.0
         logits = distinct_logits(tokens, experts, g).to(device, dtype)
-        chosen = choose_moe_launch(tokens * top_k, experts, x.element_size(), descriptors_ok(x, q13, q2), fp8=True)
-        assert chosen.w8a8 and chosen in (FP8_PREFILL_LAUNCH, FP8_PREFILL_TMA_LAUNCH)
-        want = w8a8_reference(x, logits, d13, d2, top_k)
+        if block is None:
+            chosen = choose_moe_launch(tokens * top_k, experts, x.element_size(), descriptors_ok(x, q13, q2), fp8=True)
+            assert chosen.w8a8 and chosen in (FP8_PREFILL_LAUNCH, FP8_PREFILL_TMA_LAUNCH)
+        want = w8a8_reference(x, logits, d13, d2, top_k, block[1] if block else None)
         unquantized = moe_forward_native(x.double(), logits.double(), d13, d2, top_k)
         failures = []  # every launch's errors in the message (the default's fast accumulation against promotion)
         for launch in launches:
-            out = fused_moe(x, logits, q13, q2, top_k, launch=launch, w13_scale=s13, w2_scale=s2)
+            out = fused_moe(x, logits, q13, q2, top_k, launch=launch, w13_scale=s13, w2_scale=s2, scale_block=block)
             assert out.dtype == dtype and out.shape == x.shape
             assert torch.all(out[tokens // 2] == 0)
             assert torch.isfinite(out).all()
@@ -218,6 +244,22 @@ def test_fp8_w8a8_prefill_matches_the_float64_w8a8_reference(device: str,
             if row_err > W8A8_TOLERANCE[dtype] or err > W8A8_VS_UNQUANTIZED:
                 failures.append(errors)
         assert not failures, (shape, dtype, failures)
+
+
+@pytest.mark.gpu
+def test_quantize_groups_gives_the_reference_bytes() -> None:
+    # block-scaled W8A8's row quantizer (one scale per row and group of columns; a part group last) on CUDA: the
+    # bytes and scales of fp8_ref's per-token quantizer on each group (the interpreter runs that reference itself)
+    from lmserver.kernels.fused_moe import _quantize_groups
+
+    g = _gen(9, "cuda")
+    for rows, cols, group in ((5, 4096, 128), (300, 720, 128), (3, 96, 32)):
+        x = (_randn(g, rows, cols) * 10.0 ** (4 * torch.rand(rows, 1, generator=g, device="cuda") - 2)).bfloat16()
+        x[0] = 0.0
+        q, scale = _quantize_groups(x, group)
+        want_q, want_scale = quantize_groups_ref(x, group)
+        assert torch.equal(scale, want_scale), (rows, cols, group)
+        assert torch.equal(q.view(torch.uint8), want_q.contiguous().view(torch.uint8)), (rows, cols, group)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -264,9 +306,13 @@ def test_fp8_fused_moe_refuses_bad_scales(device: str) -> None:
     with pytest.raises(KernelInputError, match="fp8_acc_k 48 must be a multiple of 32"):
         fused_moe(x, logits, q13, q2, 2, launch=MoeLaunch(block_k=32, w8a8=True, fp8_acc_k=48), w13_scale=s13,
                   w2_scale=s2)
-    with pytest.raises(KernelInputError, match="W8A8 launches"):
-        fused_moe(x, logits, bq13, bq2, 2, launch=MoeLaunch(block_k=32, w8a8=True), w13_scale=bs13, w2_scale=bs2,
+    with pytest.raises(KernelInputError, match="W8A8 launches .* need block_k >= 32"):
+        fused_moe(x, logits, bq13, bq2, 2, launch=MoeLaunch(block_k=16, w8a8=True), w13_scale=bs13, w2_scale=bs2,
                   scale_block=(32, 32))
+    oq13, os13, oq2, os2 = fp8_experts(32, 32, 4, (16, 48), device, g)
+    with pytest.raises(KernelInputError, match="power-of-two group_k"):
+        fused_moe(x, logits, oq13, oq2, 2, launch=MoeLaunch(block_k=48, w8a8=True), w13_scale=os13, w2_scale=os2,
+                  scale_block=(16, 48))
 
 
 @pytest.mark.gpu

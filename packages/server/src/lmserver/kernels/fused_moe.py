@@ -43,8 +43,11 @@ and experts). The gate-up kernel writes ``h = silu(gate) * up`` in the activatio
 `quantize_fp8_per_token` launch quantizes each pair's h row over the whole intermediate dimension, and the down
 kernel multiplies those FP8 rows likewise. So W8A8 differs from the W8A16 path by the activations' e4m3 rounding
 (~2^-4 relative per element, ~3-6% of the output's norm end to end; test_fp8_moe_kernels.py bounds it). Block-scaled
-(128 x 128) experts keep the fp16 path at every size. Reference: the float64 product of the dequantized FP8 rows
-(``x`` and then ``h``, quantized per token) and the dequantized experts (test_fp8_moe_kernels.py's
+(128 x 128) experts keep the fp16 path by default; a ``w8a8`` launch (``FP8_PREFILL_BLOCKS_W8A8_LAUNCH``, not yet
+measured) quantizes x and h per token and ``group_k`` columns instead (one scale per row and K block, as vLLM's and
+SGLang's block-scaled FP8 MoE: `_quantize_groups`), and each K tile's FP8 sums are scaled by the rows' and the weight
+block's scales before they are added. Reference: the float64 product of the dequantized FP8 rows (``x`` and then
+``h``, quantized per token or per token and K block) and the dequantized experts (test_fp8_moe_kernels.py's
 ``w8a8_reference``).
 """
 
@@ -71,12 +74,49 @@ __all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "descriptors_ok", "f
 # take 60-100 us from 1 to 2,048 tokens, the kernel 1.8-23.3; larger tiles not measured).
 ROUTE_ALIGN_MAX_ELEMENTS = 16384
 ROWS_F16_BLOCK = 1024  # columns per program that casts the FP8 experts' token rows to fp16 (`_rows_f16_block`)
+QUANT_GROUP_COLUMNS = 1024  # columns per program of `_quantize_groups` (8 groups of 128)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (no inline assembly there)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (e4m3 (M, K), float32 (M, ceil(K / group))): one scale per row and ``group`` columns (a power of
+    two), amax / 448 as `_quantize_rows`; the bytes of `fp8_ref.quantize_fp8_per_token` on each row's groups (the
+    last one zero-padded). One launch; under Triton's interpreter the torch quantizer (`_quantize_rows`' NOTE)."""
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, group)
+    if _interpreted():
+        padded = torch.nn.functional.pad(x, (0, groups * group - cols)) if groups * group != cols else x
+        q, scale = fp8_ref.quantize_fp8_per_token(padded.reshape(rows * groups, group))
+        return q.view(rows, groups * group)[:, :cols].contiguous(), scale.view(rows, groups)
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    per_program = max(1, min(triton.next_power_of_2(groups), QUANT_GROUP_COLUMNS // group))
+    if rows:
+        _quantize_groups_kernel[(rows, triton.cdiv(groups, per_program))](
+            x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), GROUP=group, GROUPS=per_program,
+            num_warps=4)
+    return q, scale
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
+                            GROUPS: tl.constexpr):
+    # row program_id(0), groups GROUPS * program_id(1) + [0, GROUPS): scale = amax / 448 (at least 1e-12) and
+    # x / scale saturated to e4m3, both divisions IEEE-rounded (as torch divides; fp8_quant's quantizers)
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = offs < cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), 448.0), 1e-12)
+    q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < cols)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +144,8 @@ class MoeLaunch:
     # gate-up kernel (in the routing kernel's launch, `route_and_align`); False: in every program's K loop (the
     # conversion repeated per program and, in the MMA operand's layout, per warp)
     rows_f16: bool = True
-    # FP8 experts with per-row scales: W8A8 (module docstring), the activation rows quantized per token to e4m3 and
-    # FP8 x FP8 MMAs; False: the rows in fp16 against weight tiles widened to fp16. Block scales: refused
+    # FP8 experts: W8A8 (module docstring), the activation rows quantized per token (block scales: per token and
+    # group_k columns) to e4m3 and FP8 x FP8 MMAs; False: the rows in fp16 against weight tiles widened to fp16
     w8a8: bool = False
     # W8A8: K elements the FP8 MMAs sum in the tensor cores' reduced precision before each float32 add (Triton's
     # max_num_imprecise_acc; a multiple of 32 dividing block_k); 0: sm_90's default, never (fast accumulation, as
@@ -148,6 +188,11 @@ FP8_PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256
 # accumulator each on top of the running sums; at 128 x 128 ptxas spills (sm_90, benchmarks/fp8/ptx_fp8_moe.py: 255
 # registers, 168 bytes spilled), 64-wide gate-up tiles fit
 FP8_PREFILL_BLOCKS_LAUNCH = replace(PREFILL_LAUNCH, block_n_up=64)
+# block-scaled W8A8 (opt-in, not yet measured: benchmarks/fp8/bench_fp8_moe.py --blocks times it): rows quantized per
+# token and 128-column block, each K tile's sums scaled before they are added (an accumulator more per MMA, as above:
+# 64-wide gate-up tiles; sm_90, Triton 3.6: no spills)
+FP8_PREFILL_BLOCKS_W8A8_LAUNCH = MoeLaunch(block_m=128, block_n_up=64, block_n_down=128, block_k=128, num_warps=8,
+                                           num_stages=4, tma=True, w8a8=True)
 
 
 def scale_block_k(block_k: int, group_k: int | None) -> int:
@@ -390,19 +435,25 @@ def _block_pairs(block, block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M: tl.c
 
 
 @triton.jit
-def _mma(a, w, acc, s_ptr, k0, n_ok, PRECISION: tl.constexpr, W_SCALE: tl.constexpr, GROUP_K: tl.constexpr,
-         A_SCALE: tl.constexpr, ASM: tl.constexpr, ACC_K: tl.constexpr):
+def _mma(a, w, acc, s_ptr, k0, n_ok, as_rows, a_ok, PRECISION: tl.constexpr, W_SCALE: tl.constexpr,
+         GROUP_K: tl.constexpr, A_SCALE: tl.constexpr, ASM: tl.constexpr, ACC_K: tl.constexpr):
     # acc + a (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T. W_SCALE 0: model-dtype weights; 1: FP8 with per-row scales
     # (applied after the K loop, `_scaled`); 2: FP8 with block scales, the tile's partial sums times its scale block
     # (s_ptr: the rows' scale rows, this K tile's column k0 // GROUP_K). FP8: `a` is fp16 already (A_SCALE False) or
     # converted here, in every program and K step (A_SCALE: times 2^-4; `MoeLaunch.rows_f16` False). 3: W8A8, `a`
-    # e4m3 rows too (both per-row scales applied after the K loop), ACC_K: `MoeLaunch.fp8_acc_k`
+    # e4m3 rows too (both per-row scales applied after the K loop), ACC_K: `MoeLaunch.fp8_acc_k`. 4: W8A8 with block
+    # scales, e4m3 rows with one scale per K block (as_rows: the rows' scale rows, a_ok: which rows hold a pair), the
+    # tile's sums times the rows' and the weight block's scales
     if W_SCALE == 0:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     elif W_SCALE == 3 and ACC_K == 0:
         out = tl.dot(a, tl.trans(w), acc)
     elif W_SCALE == 3:
         out = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=ACC_K)
+    elif W_SCALE == 4:
+        s = tl.load(s_ptr + k0 // GROUP_K, mask=n_ok, other=0.0)
+        a_s = tl.load(as_rows + k0 // GROUP_K, mask=a_ok, other=0.0)
+        out = acc + tl.dot(a, tl.trans(w)) * (a_s[:, None] * s[None, :])
     elif W_SCALE == 1:
         out = tl.dot(_rows_f16(a, A_SCALE, ASM), tl.trans(w.to(tl.float16)), acc)
     else:
@@ -436,7 +487,8 @@ def _gate_up_kernel(
     # W_SCALE (`_mma`): s_ptr the (E, 2 * inter) row scales (stride_sn 1) or (E, row blocks, column blocks) block
     # scales. ACT: the activation dtype (the epilogue's roundings); FP8 experts: x is fp16 (scaled by 2^-4 when
     # UNSCALE) unless A_SCALE, and h is written in fp16, times 2^-4 when UNSCALE (the down kernel's operand); W8A8
-    # (W_SCALE 3): x is e4m3 with its tokens' scales at xs_ptr, and h is written in ACT (quantized per pair after)
+    # (W_SCALE 3, 4): x is e4m3 with its tokens' scales at xs_ptr (4: per K block), and h is written in ACT (quantized
+    # after)
     block, tile = _program_tile(GROUP_M)
     expert, pairs, valid = _block_pairs(block, block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -447,12 +499,13 @@ def _gate_up_kernel(
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * stride_x
+    xs_rows = xs_ptr + tokens * stride_xs  # W8A8: the token rows' scales (W_SCALE 4: a row of K blocks' scales)
     row_gate = expert * (2 * inter) + n0  # descriptor rows; past `inter` they belong to other rows: masked on store
     if not W_DESC:
         w_gate = w + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         w_up = w_gate + inter * stride_wn
     s_rows = s_ptr + expert.to(tl.int64) * stride_se
-    if W_SCALE == 2:
+    if W_SCALE == 2 or W_SCALE == 4:
         s_gate = s_rows + (offs_n // GROUP_N) * stride_sn
         s_up = s_rows + ((inter + offs_n) // GROUP_N) * stride_sn
     else:
@@ -470,8 +523,9 @@ def _gate_up_kernel(
         else:
             g = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM, ACC_K)
-        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM, ACC_K)
+        acc_gate = _mma(a, g, acc_gate, s_gate, k0, n_ok, xs_rows, valid, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM,
+                        ACC_K)
+        acc_up = _mma(a, u, acc_up, s_up, k0, n_ok, xs_rows, valid, PRECISION, W_SCALE, GROUP_K, A_SCALE, ASM, ACC_K)
     acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, UNSCALE)
     acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, UNSCALE)
     if W_SCALE == 3:  # the token rows' scales (padding rows: 0)
@@ -500,8 +554,8 @@ def _down_kernel(
 ):
     # W_DESC: `w` is a tensor descriptor over the (experts * hidden, inter) weight rows, else a pointer.
     # W_SCALE (`_mma`): s_ptr the (E, hidden) row scales (stride_sn 1) or (E, row blocks, column blocks) block scales;
-    # FP8 experts: h is fp16, times 2^-4 when UNSCALE (the gate-up kernel wrote it so); W8A8 (W_SCALE 3): h is e4m3
-    # with its pairs' scales at hs_ptr
+    # FP8 experts: h is fp16, times 2^-4 when UNSCALE (the gate-up kernel wrote it so); W8A8 (W_SCALE 3, 4): h is
+    # e4m3 with its pairs' scales at hs_ptr (4: per K block)
     block, tile = _program_tile(GROUP_M)
     expert, pairs, valid = _block_pairs(block, block_expert_ptr, pair_ids_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -512,9 +566,10 @@ def _down_kernel(
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + safe_pairs[:, None] * stride_h
+    hs_rows = hs_ptr + safe_pairs * stride_hs  # W8A8: the pair rows' scales (W_SCALE 4: a row of K blocks' scales)
     if not W_DESC:
         w_rows = w + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-    if W_SCALE == 2:
+    if W_SCALE == 2 or W_SCALE == 4:
         s_rows = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // GROUP_N) * stride_sn
     else:
         s_rows = s_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn
@@ -527,7 +582,7 @@ def _down_kernel(
             wt = w.load([expert * hidden + n0, k0])
         else:
             wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _mma(a, wt, acc, s_rows, k0, n_ok, PRECISION, W_SCALE, GROUP_K, False, False, ACC_K)
+        acc = _mma(a, wt, acc, s_rows, k0, n_ok, hs_rows, valid, PRECISION, W_SCALE, GROUP_K, False, False, ACC_K)
     acc = _scaled(acc, s_rows, n_ok, W_SCALE, UNSCALE)
     if W_SCALE == 3:  # the pair rows' scales
         acc = acc * tl.load(hs_ptr + safe_pairs * stride_hs, mask=valid, other=0.0)[:, None]
@@ -597,8 +652,9 @@ def fused_moe(
     Mutates nothing. ``launch`` overrides `choose_moe_launch` (benchmarks, tests); its ``tma`` is honoured only
     where `descriptors_ok` (else the same tiles with pointer loads). FP8 experts (w13 and w2 float8_e4m3fn) take
     their scales (module docstring; the `lmserver.layers.moe.MoE` layout); ``launch.block_k`` must divide
-    ``scale_block[1]``; a ``launch.w8a8`` (per-row scales only) quantizes the activation rows per token to e4m3
-    (W8A8, module docstring: the dense FP8 prefill's semantics; `choose_moe_launch` picks it at prefill sizes)."""
+    ``scale_block[1]``; a ``launch.w8a8`` quantizes the activation rows per token (block scales: per token and
+    ``scale_block[1]`` columns, a power of two) to e4m3 (W8A8, module docstring: the dense FP8 prefill's semantics;
+    `choose_moe_launch` picks it at prefill sizes for per-row scales)."""
     _check(x, router_logits, w13, w2, top_k)
     _check_scales(w13, w2, w13_scale, w2_scale, scale_block)
     tokens, hidden = x.shape
@@ -614,22 +670,25 @@ def fused_moe(
     if scale_block is not None and group_k % cfg.block_k:
         raise KernelInputError(f"block_k {cfg.block_k} must divide the scale blocks' {group_k} columns")
     w8a8 = fp8 and cfg.w8a8
-    if w8a8 and scale_block is not None:
-        raise KernelInputError("W8A8 launches (MoeLaunch.w8a8) take per-row expert scales, not block scales")
+    if w8a8 and cfg.block_k < 32:
+        raise KernelInputError(f"W8A8 launches (MoeLaunch.w8a8) need block_k >= 32 (FP8 MMAs), got {cfg.block_k}")
+    if w8a8 and scale_block is not None and group_k & (group_k - 1):
+        raise KernelInputError(f"W8A8 launches with block scales need a power-of-two group_k, got {scale_block}")
     acc_k = cfg.fp8_acc_k if w8a8 else 0
     if acc_k and (acc_k % 32 or cfg.block_k % acc_k):
         raise KernelInputError(f"fp8_acc_k {acc_k} must be a multiple of 32 dividing block_k {cfg.block_k}")
     # W_SCALE 0 / 1 / 2: model-dtype / per-row / block-scaled FP8 weights. FP8: the MMA's operands in fp16, bf16 and
     # float32 activations times 2^-4 (UNSCALE: the sums times 16), converted once per token in the routing launch
     # (`MoeLaunch.rows_f16`) or in each program's K loop; h in fp16 (written so by the gate-up kernel). 3: W8A8,
-    # per-row-scaled FP8 weights and per-token e4m3 rows (x quantized here, h after the gate-up kernel)
-    w_scale = 0 if not fp8 else 3 if w8a8 else 2 if scale_block else 1
+    # per-row-scaled FP8 weights and per-token e4m3 rows (x quantized here, h after the gate-up kernel); 4: W8A8 with
+    # block scales, the rows quantized per token and group_k columns
+    w_scale = 0 if not fp8 else (4 if scale_block else 3) if w8a8 else 2 if scale_block else 1
     unscale = fp8 and not w8a8 and x.dtype != torch.float16
     asm = fp8 and not _interpreted()
     x_op = x
     x_scale = x  # a placeholder pointer, never read without W8A8
     if w8a8:
-        x_op, x_scale = _quantize_rows(x)
+        x_op, x_scale = _quantize_groups(x, group_k) if scale_block else _quantize_rows(x)
     elif unscale and cfg.rows_f16:
         x_op = torch.empty(tokens, hidden, dtype=torch.float16, device=x.device)
     weights, pair_ids, block_expert = route_and_align(router_logits, top_k, renormalize, x.dtype, cfg.block_m,
@@ -655,7 +714,9 @@ def fused_moe(
         GROUP_K=group_k, A_SCALE=unscale and x_op is x, UNSCALE=unscale, ACT=_TL_DTYPES[x.dtype], ASM=asm,
         ACC_K=acc_k, GROUP_M=cfg.group_m,
     )
-    h_op, h_scale = _quantize_rows(h) if w8a8 else (h, h)  # (each pair's whole row: one scale)
+    h_op, h_scale = h, h  # W8A8: each pair's whole row under one scale, or one per group_k columns
+    if w8a8:
+        h_op, h_scale = _quantize_groups(h, group_k) if scale_block else _quantize_rows(h)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, cfg.block_n_down))](
         h_op, w_down, s2, y, weights, pair_ids, block_expert, h_scale, num_pairs, hidden, inter,
