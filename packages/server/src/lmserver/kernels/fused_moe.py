@@ -529,7 +529,7 @@ def _gate_up_kernel(
     acc_gate = _scaled(acc_gate, s_gate, n_ok, W_SCALE, UNSCALE)
     acc_up = _scaled(acc_up, s_up, n_ok, W_SCALE, UNSCALE)
     if W_SCALE == 3:  # the token rows' scales (padding rows: 0)
-        x_scale = tl.load(xs_ptr + tokens * stride_xs, mask=valid, other=0.0)[:, None]
+        x_scale = tl.load(xs_rows, mask=valid, other=0.0)[:, None]
         acc_gate = acc_gate * x_scale
         acc_up = acc_up * x_scale
     gate = acc_gate.to(ACT).to(tl.float32)
@@ -585,7 +585,7 @@ def _down_kernel(
         acc = _mma(a, wt, acc, s_rows, k0, n_ok, hs_rows, valid, PRECISION, W_SCALE, GROUP_K, False, False, ACC_K)
     acc = _scaled(acc, s_rows, n_ok, W_SCALE, UNSCALE)
     if W_SCALE == 3:  # the pair rows' scales
-        acc = acc * tl.load(hs_ptr + safe_pairs * stride_hs, mask=valid, other=0.0)[:, None]
+        acc = acc * tl.load(hs_rows, mask=valid, other=0.0)[:, None]
     dtype = y_ptr.dtype.element_ty
     scale = tl.load(weights_ptr + safe_pairs, mask=valid, other=0.0).to(tl.float32)
     out = (acc.to(dtype).to(tl.float32) * scale[:, None]).to(dtype)
