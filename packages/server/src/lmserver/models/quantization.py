@@ -429,5 +429,6 @@ def use_fp8_path(model: nn.Module, device: torch.device | str) -> str:
     if moes:
         fused = all(m.kernels is not None and m.kernels.fused_moe is not None for m in moes.values())
         experts = (f"; {len(moes)} FP8 expert MLPs: "
-                   + ("fused Triton MoE (FP8 tiles widened to fp16)" if fused else "dequantizing torch paths"))
+                   + ("fused Triton MoE (FP8 tiles widened to fp16; per-row scales above 16 pairs per expert: W8A8, "
+                      "rows quantized per token)" if fused else "dequantizing torch paths"))
     return f"{len(layers)} FP8 linear layers: {why}{experts}"
