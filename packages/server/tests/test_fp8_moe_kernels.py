@@ -172,8 +172,12 @@ def w8a8_reference(x: torch.Tensor, logits: torch.Tensor, d13: torch.Tensor, d2:
 # W8A8 against the float64 W8A8 reference: float32 rows, float32 roundings only; fp16 / bf16 rows: the output's and
 # each pair's y rounded to the activation dtype (the reference rounds neither), on CUDA the FP8 MMA's fast
 # accumulation (sm_90: no periodic float32 promotion, as `_scaled_mm(use_fast_accum=True)` in the dense path) too. A
-# wrong token or pair scale is of order 1 in its row, h left unquantized ~2.5e-2
-W8A8_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# wrong token or pair scale is of order 1 in its row, h left unquantized ~2.5e-2. bf16 on the H200 at Mixtral's layer
+# (2026-12-03): max row error 3.1-3.3e-2 with fast accumulation, 2.1-2.5e-2 with float32 promotion every 128 K (and
+# 4.6e-2 against the unquantized rows for both): h's bf16 rounding before its e4m3 quantization lands some elements
+# in the neighbouring e4m3 bin (~6% each) where the float64 oracle does not, so in bf16 this bound no longer tells h
+# unquantized apart; the float32 interpreter cases (1e-5) do.
+W8A8_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-2}
 # W8A8 against the unquantized activations (float64 product of the rows and the dequantized experts): the e4m3
 # rounding of x and of h, ~2^-4 relative per element: 4.1-4.7e-2 of the output's norm for Gaussian rows, from 64 x 96
 # to Mixtral's 4,096 x 14,336 experts (float64 torch emulation); documented bound

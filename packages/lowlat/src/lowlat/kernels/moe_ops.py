@@ -27,7 +27,13 @@ EXPERT_DOWN = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages
 # config of any multi-row variant runs the weight-stationary kernels (model-dtype weights too), a ``rows`` config the
 # row-wise slot kernels (one program per token and choice: meant for one token; not measured either), a ``dot`` config
 # the kernels above. (max tokens, gate-up config, down config): the first entry whose max tokens is >= the step's wins.
+# H200, an 8-layer Mixtral-8x7B stack (bench_moe_stack.py --rows-at-one, RESULTS.md issue 33, 2026-12-03): at one
+# token the row-wise slot kernels (4 x 2048, 16-byte FP8 loads for gate-up, as the dense FP8 table's one-row
+# entries) take 134.4 us per layer against 176.1 on the mrow_f16s tiles (bf16 stack: 219.7); 8 tokens on mrow_f16s:
+# 366.6 (bf16 630.1).
 EXPERT_TILES_FP8: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
+    (1, GemvConfig("rows", block_n=4, block_k=2048, num_warps=4, num_stages=2, vec=16),
+     GemvConfig("rows", block_n=4, block_k=2048, num_warps=4, num_stages=2)),
     (MAX_TOKENS, GemvConfig("mrow_f16s", block_n=64, block_k=256, num_warps=4, num_stages=3),
      GemvConfig("mrow_f16s", block_n=32, block_k=512, num_warps=4, num_stages=3)),
 )

@@ -168,8 +168,13 @@ MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
 # lowlat.kernels.moe). A model-dtype MOE_WINS_UP_TO entry says nothing of FP8: without an entry here the MoE stack
 # declines FP8 steps under LowlatConfig.measured_only (the server's GPU default) and takes every covered batch with
 # explicit `auto`. Add an entry once measured end to end against the generic FP8 path (benchmarks/lowlat/
-# bench_moe_stack.py for the layer, then the serving benchmark). Not measured yet: none.
+# bench_moe_stack.py for the layer, then the serving benchmark). H200, 8-layer Mixtral-8x7B shape through HTTP
+# (bench_fp8_serving, FP8 weights and KV, RESULTS.md issue 33, 2026-12-03): with the mrow_f16s expert tiles at every
+# batch the plugin gave 662.3 tok/s per user at c=1 against the generic FP8 path's 745.7, and 316.0 against 298.3 at
+# c=8; with the row-wise slot kernels at one token (moe_ops.EXPERT_TILES_FP8; the stack at one token 134.4 against
+# 176.1 us per layer) batches 1-8.
 FP8_MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336), (8, 2, 14336)): 8,
 }
 
 
