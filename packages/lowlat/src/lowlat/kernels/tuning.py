@@ -172,7 +172,8 @@ MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
 # (bench_fp8_serving, FP8 weights and KV, RESULTS.md issue 33, 2026-12-03): with the mrow_f16s expert tiles at every
 # batch the plugin gave 662.3 tok/s per user at c=1 against the generic FP8 path's 745.7, and 316.0 against 298.3 at
 # c=8; with the row-wise slot kernels at one token (moe_ops.EXPERT_TILES_FP8; the stack at one token 134.4 against
-# 176.1 us per layer) batches 1-8.
+# 176.1 us per layer) and this entry (ec32d0b, the server's defaults): 854.1 at c=1, 312.0 at c=8 (bf16 defaults
+# 537.7 / 190.6 in the same call): batches 1-8.
 FP8_MOE_WINS_UP_TO: dict[tuple[str, ShapeKey, tuple[int, int, int]], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336), (8, 2, 14336)): 8,
 }
