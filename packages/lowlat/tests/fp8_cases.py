@@ -304,6 +304,35 @@ def test_attention_reads_fp8_cache(shape: LayerShape, splits: int) -> None:
     assert _rel(out, want.reshape(3, -1)) < TOL
 
 
+@pytest.mark.parametrize("shape", SHAPE_PARAMS[:2], ids=lambda s: f"h{s.hidden_size}")
+def test_rows_attention_reads_fp8_cache(shape: LayerShape) -> None:
+    """The verify path's ``rows_attention`` (one program per run of a request's rows) on an FP8 cache against the
+    float64 oracle on the dequantized cache: a verify step (one request's 6 rows at positions 30-35, two padding rows
+    of length 1), outputs poisoned, at the split count of every KV block and at one split."""
+    from lowlat.layer import ForwardMeta
+    from lowlat.reference import decode_attention
+
+    g = _gen(31)
+    slots, ctx = 96, 40
+    table = torch.randperm(slots, generator=g)[: 2 * ctx].view(2, ctx).to(torch.int32)
+    req = torch.tensor([0] * 6 + [1] * 2, dtype=torch.int64)
+    pos = torch.tensor([30 + j for j in range(6)] + [0, 0], dtype=torch.int64)
+    loc = table[req, pos].to(torch.int64)
+    meta = ForwardMeta(table.to(DEVICE), req.to(DEVICE), (pos + 1).to(torch.int32).to(DEVICE), pos.to(DEVICE),
+                       loc.to(DEVICE), max_seq_len=ctx)
+    kv = fp8_kv(shape, slots, g, 0.05, 0.03)
+    b = 8
+    q = torch.randn(b, shape.q_size, generator=g).to(DEVICE, DTYPE)
+    want = decode_attention(q.double().view(b, shape.num_heads, -1), kv, meta, shape.head_dim**-0.5).reshape(b, -1)
+    lc = _lc(shape, None, b)
+    for splits in (ops.rows_splits(b, shape, ctx, lc, 8, DEVICE), 1):
+        part_o = torch.full((b, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+        part_lse = torch.full((b, shape.num_heads, splits), float("nan"), device=DEVICE)
+        out = torch.full((b, shape.q_size), float("nan"), device=DEVICE, dtype=DTYPE)
+        ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, splits)
+        assert _rel(out, want) < TOL, splits
+
+
 def _build(shape: LayerShape, weights: list, kv_dtype: torch.dtype, plugin: str = "nvidia"):  # type: ignore[no-untyped-def]
     ctx = BuildContext(shape, tuple(weights), DEVICE, DTYPE, kv_dtype, Coverage(max_tokens=8),
                        LowlatConfig(amd_mode="staged"), fake_setup(vendor="cpu" if not GPU else "nvidia"), 2048)
