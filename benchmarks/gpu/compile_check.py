@@ -8,7 +8,9 @@ before a device call:
     pip install --no-deps --target DIR triton==3.6.0
     PYTHONPATH=DIR python benchmarks/gpu/compile_check.py
 
-Each case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
+Groups: `fp8_quant` (the per-token FP8 quantizers), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
+prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
+case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
 compiles every captured launch with its arguments specialized as at run time (`ptx_mix.compile_launch`). Prints one
 line per launch and exits 1 if any fails to compile. Says nothing about speed or numerics.
 """
@@ -113,7 +115,36 @@ def lowlat_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     return cases
 
 
-GROUPS = {"fp8_quant": fp8_quant_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases}
+def lowlat_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    """The lowlat MoE stack's MLP half (``moe_ops.moe_mlp``: route, expert gate-up, expert down, combine) at
+    Mixtral-8x7B's layer, bf16 and FP8 experts, with the H200's expert tiles (``moe_ops.expert_configs``)."""
+    from ptx_mix import SHAPES
+
+    from lowlat import MoEShape
+    from lowlat.kernels import moe as K
+    from lowlat.kernels import moe_ops, ops
+    from lowlat.kernels.tuning import tuned_pdl_release, tuned_table
+
+    shape, moe, gpu = SHAPES["llama3-8b"], MoEShape(8, 2, 14336), "NVIDIA H200"
+    names = tuple(n for n in dir(K) if n.endswith("_kernel"))
+    cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
+    h, i, e = shape.hidden_size, moe.expert_intermediate_size, moe.num_experts
+    for fp8 in (False, True):
+        lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132,
+                              tuned=tuned_table(gpu, shape, fp8), pdl_release=tuned_pdl_release(gpu, shape), fp8=fp8)
+        wdt = torch.float8_e4m3fn if fp8 else BF16
+        ws = moe_ops.MoEWorkspace.allocate(moe, h, 8, META, BF16, fp8=fp8)
+        scales = dict(w13_scale=_t(e, 2 * i, dtype=F32), w2_scale=_t(e, h, dtype=F32)) if fp8 else {}
+        for tokens in (1, 8):
+            cases[f"lowlat moe_mlp {'fp8' if fp8 else 'bf16'} tokens={tokens}"] = captured(
+                K, names, lambda t=tokens, lc=lc, wdt=wdt, ws=ws, sc=scales: moe_ops.moe_mlp(
+                    _t(t, h), _t(h), _t(e, h), _t(e, 2 * i, h, dtype=wdt), _t(e, h, i, dtype=wdt), _t(t, h), moe,
+                    1e-5, ws, lc, **sc))
+    return cases
+
+
+GROUPS = {"fp8_quant": fp8_quant_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases,
+          "lowlat_moe": lowlat_moe_cases}
 
 
 def main() -> int:
