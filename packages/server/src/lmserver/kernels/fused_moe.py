@@ -63,7 +63,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lmserver.kernels import fp8_ref
 from lmserver.kernels._util import KernelInputError, check_last_dim_contiguous, dot_precision
-from lmserver.kernels.fp8_quant import quantize_fp8_per_token
+from lmserver.kernels.fp8_quant import _fp8_scale, _to_fp8, quantize_fp8_per_token
 from lmserver.kernels.fp8_ref import FP8_DTYPE
 
 __all__ = ["MoeLaunch", "align_pairs", "choose_moe_launch", "descriptors_ok", "fused_moe", "route_and_align",
@@ -106,16 +106,15 @@ def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
                             GROUPS: tl.constexpr):
-    # row program_id(0), groups GROUPS * program_id(1) + [0, GROUPS): scale = amax / 448 (at least 1e-12) and
-    # x / scale saturated to e4m3, both divisions IEEE-rounded (as torch divides; fp8_quant's quantizers)
+    # row program_id(0), groups GROUPS * program_id(1) + [0, GROUPS): each group's scale and e4m3 bytes as
+    # fp8_quant's per-token quantizers make them (`_fp8_scale`, `_to_fp8`)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), 448.0), 1e-12)
-    q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    scale = _fp8_scale(tl.max(tl.abs(x), 1))
+    tl.store(q_ptr + row * stride_q + offs, _to_fp8(x, scale[:, None], q_ptr), mask=ok)
     tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < cols)
 
 
