@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmserver.kernels.dispatch import KernelOps
-from lmserver.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, quantize_fp8
+from lmserver.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, dequantize_fp8, expand_block_scale, quantize_fp8
 from lmserver.kernels.reference import route
 from lmserver.layers.activation import silu_and_mul
 
@@ -67,16 +67,14 @@ def quantize_experts(w: torch.Tensor, block: tuple[int, int] | None = None) -> t
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                        dtype: torch.dtype) -> torch.Tensor:
     """FP8 weights of one expert (N, K) or of several (E, N, K) with their scales in the `MoE` layout (module
-    docstring) -> `dtype`, computed in float32 (float64 for a float64 `dtype`). Pure."""
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
-    s = scale.to(compute)
+    docstring) -> `dtype`, computed in float32 (float64 for a float64 `dtype`): `fp8_ref.dequantize_fp8` of each
+    expert (block scales: their rows expanded by `fp8_ref.expand_block_scale`). Pure."""
+    if w.dim() == 3:
+        return torch.stack([dequantize_experts(w[e], scale[e], block, dtype) for e in range(w.shape[0])])
     if block is None:
-        full = s[..., None]
-    else:
-        bn, bk = block
-        n, k = w.shape[-2:]
-        full = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return (w.to(compute) * full).to(dtype)
+        return dequantize_fp8(w, scale[:, None], w.shape[1], dtype)
+    bn, bk = block
+    return dequantize_fp8(w, expand_block_scale(scale, w.shape[0], bn), bk, dtype)
 
 
 def _expert(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, e: int,
