@@ -20,7 +20,7 @@ def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     ``LowlatConfig.measured_coverage`` only up to the largest batch the plugin measured faster than the generic
     path at (``LaunchConfig.wins_up_to``, for verify rows ``verify_wins_up_to`` where measured); with
     ``LowlatConfig.measured_only`` none where nothing was measured (``wins_up_to`` 0: no entry). Pure."""
-    if ctx.config.measured_only and lc.wins_up_to == 0:
+    if unmeasured(ctx, lc):
         return False  # no measurement on this GPU and shape: the generic path keeps every step
     limit = lc.wins_up_to if ctx.config.measured_coverage else 0
     if step.kind == StepKind.VERIFY:
@@ -35,10 +35,16 @@ def covers_rows(step: Step, ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
     return step.num_tokens <= ctx.max_batch_size and (limit == 0 or step.num_tokens <= limit)
 
 
+def unmeasured(ctx: BuildContext, lc: ops.LaunchConfig) -> bool:
+    """Whether ``LowlatConfig.measured_only`` is set and this GPU and layer shape have no measured table
+    (``LaunchConfig.wins_up_to`` 0): the plugin refuses to build and would take no step. Pure."""
+    return ctx.config.measured_only and lc.wins_up_to == 0
+
+
 def unmeasured_errors(ctx: BuildContext, lc: ops.LaunchConfig) -> tuple[str, ...]:
-    """Why a plugin refuses to build under ``LowlatConfig.measured_only``: no measured table for this GPU and layer
-    shape (``LaunchConfig.wins_up_to`` 0), so it would take no step; empty otherwise. Pure."""
-    if ctx.config.measured_only and lc.wins_up_to == 0:
+    """Why a plugin refuses to build under ``LowlatConfig.measured_only`` (``unmeasured``): it would take no step;
+    empty otherwise. Pure."""
+    if unmeasured(ctx, lc):
         table = ""
         if ctx.moe is not None:
             table = " (FP8 MoE: tuning.FP8_MOE_WINS_UP_TO)" if lc.fp8 else " (MoE: tuning.MOE_WINS_UP_TO)"
