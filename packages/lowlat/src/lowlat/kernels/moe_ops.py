@@ -20,12 +20,12 @@ MAX_TOKENS = 31  # one int32 bitmap per expert
 # of 36 tiles in lmserver's fused-MoE sweep of the same 16-row expert GEMM (benchmarks/kernels/bench_moe.py).
 EXPERT_GATE_UP = GemvConfig("dot", block_n=32, block_k=256, num_warps=4, num_stages=4)
 EXPERT_DOWN = GemvConfig("dot", block_n=64, block_k=256, num_warps=4, num_stages=4)
-# FP8 (e4m3) experts: by default the weight-stationary kernels (``expert_gate_up_ws_kernel`` /
-# ``expert_down_ws_kernel``) in fp16 with the rows scaled (``mrow_f16s``). Not measured on the experts yet: the tiles
-# the dense FP8 stack measured best at 2-8 rows on the H200 for the same matrices (tuning.FP8_TABLES, 8B shape: gate-up
+# FP8 (e4m3) experts: at one token the row-wise slot kernels, above it the weight-stationary kernels
+# (``expert_gate_up_ws_kernel`` / ``expert_down_ws_kernel``) in fp16 with the rows scaled (``mrow_f16s``), on the tiles the dense FP8 stack measured
+# best at 2-8 rows on the H200 for the same matrices (tuning.FP8_TABLES, 8B shape: gate-up
 # 2 x 14336 x 4096 64 x 256, down 4096 x 14336 32 x 512; an expert's w13 / w2 have those shapes at Mixtral-8x7B's). A
 # config of any multi-row variant runs the weight-stationary kernels (model-dtype weights too), a ``rows`` config the
-# row-wise slot kernels (one program per token and choice: meant for one token; not measured either), a ``dot`` config
+# row-wise slot kernels (one program per token and choice: meant for one token), a ``dot`` config
 # the kernels above. (max tokens, gate-up config, down config): the first entry whose max tokens is >= the step's wins.
 # H200, an 8-layer Mixtral-8x7B stack (bench_moe_stack.py --rows-at-one, RESULTS.md issue 33, 2026-12-03): at one
 # token the row-wise slot kernels (4 x 2048, 16-byte FP8 loads for gate-up, as the dense FP8 table's one-row

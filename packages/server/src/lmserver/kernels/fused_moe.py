@@ -169,16 +169,16 @@ PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256, bl
                                tma=True)
 
 
-# FP8 experts (not yet measured on a GPU; `benchmarks/fp8/bench_fp8_moe.py --sweep` times the candidates): decode, the
-# bf16 tiles (a weight tile is half the bytes; one more pipeline stage keeps as many weight bytes in flight per program
-# as bf16's four: down runs one 64-row program per SM at one token); prefill, the bf16 pointer tiles (the fp16 MMA does
-# bf16's work per weight; TMA descriptors for FP8 tiles not yet run on a GPU)
+# FP8 experts at decode sizes: the bf16 tiles (a weight tile is half the bytes; one more pipeline stage keeps as many
+# weight bytes in flight per program as bf16's four: down runs one 64-row program per SM at one token). H200, Mixtral-8x7B
+# layer (benchmarks/fp8/bench_fp8_moe.py, RESULTS.md issue 33, 2026-12-03): 107.2 us at 1 token, 328.8 at 8 (bf16 173.6
+# / 578.6); the --sweep's best candidates within 1% (1 token) and 5% (8 tokens) of these tiles
 FP8_DECODE_LAUNCH = MoeLaunch(num_stages=5)
 # prefill, W8A8 (module docstring; H200 before it: 4,096 tokens on the fp16 path, these pointer tiles, 7,973 us against
 # bf16's 5,462): the bf16 tiles' shared memory per stage with 128-wide K tiles (a 128 x 128 e4m3 tile holds the bytes
 # of a 128 x 64 bf16 one; vLLM's tuned H200 FP8 table at 1k-4k tokens: 128 x 256 x 128, 8 warps, 3-4 stages); with
-# TMA descriptors where `descriptors_ok`, as bf16. Not yet measured on a GPU: benchmarks/fp8/bench_fp8_moe.py times
-# both and the sweep's candidates
+# TMA descriptors where `descriptors_ok`, as bf16. H200 (same entry): 4,096 tokens 3,086.9 us with the TMA tiles,
+# 3,533.6 with these pointer tiles (bf16 5,508.7); the sweep's best (grouped programs) within 1.1%
 FP8_PREFILL_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=128, block_k=128, num_warps=8, num_stages=3,
                                w8a8=True)
 FP8_PREFILL_TMA_LAUNCH = MoeLaunch(block_m=128, block_n_up=128, block_n_down=256, block_k=128, num_warps=8,
