@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
 from lowlat.build import BuildContext
 from lowlat.errors import ShapeError, Unsupported
 from lowlat.kernels import moe_ops, ops
-from lowlat.layer import FP8_DTYPE, ForwardMeta, KVCache
-from lowlat.plugins._stack import covers_rows, fp8_capability_errors, fp8_weights, tp_reducer
+from lowlat.layer import ForwardMeta, KVCache
+from lowlat.plugins._stack import check_layer, covers_rows, fp8_capability_errors, fp8_weights, tp_reducer
 from lowlat.spec import Step
 
 
@@ -47,17 +48,8 @@ class TritonMoEStack:
         fp8 = fp8_weights(ctx)
         if fp8 != lc.fp8:
             raise Unsupported(name, (f"LaunchConfig.fp8={lc.fp8} but the weights are {'' if fp8 else 'not '}FP8",))
-        want = FP8_DTYPE if fp8 else ctx.dtype
         for i, w in enumerate(ctx.moe_weights):
-            try:
-                w.validate(s, moe)
-            except ShapeError as exc:
-                raise Unsupported(name, (f"layer {i}: {exc}",)) from exc
-            if w.fp8 != fp8:
-                raise Unsupported(name, (f"layer {i}: FP8 weights in some layers only (every layer or none)",))
-            for t in (w.qkv, w.o_proj, w.w13, w.w2):
-                if t.device.type != ctx.device.type or t.dtype != want or not t.is_contiguous():
-                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {want} on {ctx.device}",))
+            check_layer(name, ctx, i, partial(w.validate, s, moe), w.fp8, fp8, (w.qkv, w.o_proj, w.w13, w.w2))
             if w.router.device.type != ctx.device.type or w.router.dtype != ctx.dtype or not w.router.is_contiguous():
                 raise Unsupported(name, (f"layer {i}: the router must be contiguous {ctx.dtype} on {ctx.device}",))
             scales = [t for t in (w.qkv_scale, w.o_proj_scale, w.w13_scale, w.w2_scale) if t is not None]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -51,6 +52,24 @@ def unmeasured_errors(ctx: BuildContext, lc: ops.LaunchConfig) -> tuple[str, ...
         return (f"no measured table for this GPU and layer shape{table} (lowlat.kernels.tuning) and "
                 "LowlatConfig.measured_only is set: the generic path keeps every step",)
     return ()
+
+
+def check_layer(name: str, ctx: BuildContext, i: int, validate: Callable[[], None], layer_fp8: bool, fp8: bool,
+                projections: Sequence[torch.Tensor]) -> None:
+    """Raises ``Unsupported`` (plugin ``name``) when layer ``i`` fails ``validate`` (its ``validate`` with the
+    shapes bound), holds FP8 weights where the stack's others do not or the reverse (``layer_fp8`` against ``fp8``),
+    or one of its ``projections`` is not a contiguous tensor of the stack's weight dtype (FP8, else the model dtype)
+    on ``ctx.device``. Pure."""
+    try:
+        validate()
+    except ShapeError as exc:
+        raise Unsupported(name, (f"layer {i}: {exc}",)) from exc
+    if layer_fp8 != fp8:
+        raise Unsupported(name, (f"layer {i}: FP8 weights in some layers only (every layer or none)",))
+    want = FP8_DTYPE if fp8 else ctx.dtype
+    for t in projections:
+        if t.device.type != ctx.device.type or t.dtype != want or not t.is_contiguous():
+            raise Unsupported(name, (f"layer {i}: weights must be contiguous {want} on {ctx.device}",))
 
 
 def fp8_weights(ctx: BuildContext) -> bool:
@@ -126,17 +145,8 @@ class TritonLayerStack:
             raise Unsupported(name, fp8_capability_errors(ctx))
         if fp8 != lc.fp8:
             raise Unsupported(name, (f"LaunchConfig.fp8={lc.fp8} but the weights are {'' if fp8 else 'not '}FP8",))
-        want = FP8_DTYPE if fp8 else ctx.dtype
         for i, w in enumerate(ctx.weights):
-            try:
-                w.validate(s)
-            except ShapeError as exc:
-                raise Unsupported(name, (f"layer {i}: {exc}",)) from exc
-            if w.fp8 != fp8:
-                raise Unsupported(name, (f"layer {i}: FP8 weights in some layers only (every layer or none)",))
-            for t in (w.qkv, w.o_proj, w.gate_up, w.down):
-                if t.device.type != ctx.device.type or t.dtype != want or not t.is_contiguous():
-                    raise Unsupported(name, (f"layer {i}: weights must be contiguous {want} on {ctx.device}",))
+            check_layer(name, ctx, i, partial(w.validate, s), w.fp8, fp8, (w.qkv, w.o_proj, w.gate_up, w.down))
         self.name = name
         self.ctx = ctx
         self.shape = s
