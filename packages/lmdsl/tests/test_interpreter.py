@@ -473,15 +473,22 @@ def test_fork_waits_for_its_prefix_hint_only_when_configured(wait_for_hints: boo
     """Default: the children run while the hint is in flight (the hint answers only once a child's
     request has arrived); `wait_for_prefix_hints=True` (SGLang's interpreter): no child runs before
     the hint is answered. Either way the program ends after the hint."""
+    hint_started = threading.Event()
     child_arrived = threading.Event()
     seen: list[bool] = []
 
     class SlowHintBackend(MockBackend):
         def cache_prefix(self, prefix_str: str) -> None:
-            seen.append(child_arrived.wait(timeout=0.5))
+            hint_started.set()
+            # Waiting mode: no child can arrive, so a short wait suffices; otherwise a child
+            # arrives as soon as it runs (long timeout: robust on a busy machine).
+            seen.append(child_arrived.wait(timeout=0.5 if wait_for_hints else 30))
             super().cache_prefix(prefix_str)
 
     def respond(prompt: Prompt, params: SamplingParams) -> str:
+        # A hint not yet started when its program ends is dropped by design; holding the
+        # children until it starts keeps the test about ordering, not about thread start-up.
+        hint_started.wait(timeout=30)
         child_arrived.set()
         return " ok"
 
