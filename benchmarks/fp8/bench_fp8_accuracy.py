@@ -18,11 +18,16 @@ before d88728f), and the combinations. A setup's model and KV cache compute in f
 named bf16. The "gptq" rows: an offline FP8 checkpoint (gptq_fp8_checkpoint.py: GPTQ rounding and
 calibrated per-layer KV scales from standard library sources, never the evaluation text), written
 to a temporary folder (or `--gptq-checkpoint`) and loaded by `load_model` as the server loads it.
+The "fp8 LM head" rows (weights kind `X+lmhead`): kind X's model with the LM head made FP8 per row as
+`--quantize-lm-head` does (`quantize_lm_head_`: SmolLM2's head is tied, so it gets its own FP8 copy
+and the embedding stays float32); "fp8 LM head only" on the float32 model (not a server option:
+the LM head's own share of the error).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -30,8 +35,8 @@ from typing import Any
 
 import torch
 
-# (name, weights: "float32" | "bfloat16" | "fp8" (per channel) | "fp8-g128" | "fp8-keep-last", kv_cache_dtype
-# ("fp8_e4m3-unrotated": an FP8 cache with K as computed))
+# (name, weights: "float32" | "bfloat16" | "fp8" (per channel) | "fp8-g128" | "fp8-keep-last" | "fp8-gptq*", each
+# optionally "+lmhead" (the LM head FP8 too), kv_cache_dtype ("fp8_e4m3-unrotated": an FP8 cache with K as computed))
 SETUPS = [
     ("fp8 weights + fp8 KV (target)", "fp8", "fp8_e4m3"),
     ("fp8 weights + fp8 KV, K unrotated", "fp8", "fp8_e4m3-unrotated"),
@@ -46,7 +51,12 @@ SETUPS = [
     ("fp8 gptq weights", "fp8-gptq", "auto"),
     ("fp8 gptq weights (float Hessians) + fp8 KV", "fp8-gptq-float", "fp8_e4m3"),
     ("fp8 gptq weights, last layer bf16 + fp8 KV", "fp8-gptq-keep-last", "fp8_e4m3"),
+    ("fp8 weights + fp8 LM head + fp8 KV", "fp8+lmhead", "fp8_e4m3"),
+    ("fp8 weights + fp8 LM head", "fp8+lmhead", "auto"),
+    ("fp8 gptq weights + fp8 LM head + fp8 KV", "fp8-gptq+lmhead", "fp8_e4m3"),
+    ("fp8 LM head only", "float32+lmhead", "auto"),
 ]
+LM_HEAD_SUFFIX = "+lmhead"  # a weights kind with the LM head FP8 too (`--quantize-lm-head`)
 REFERENCES = ("float32", "bfloat16")
 
 
@@ -144,6 +154,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lmserver.models.loader import load_model, read_model_config
+    from lmserver.models.quantization import quantize_lm_head_, use_fp8_path
     from lmserver.runner.accuracy import agreement, merge, window_logits, window_runner
 
     if args.model_path is None:
@@ -163,8 +174,13 @@ def main() -> None:
     models: dict[str, torch.nn.Module] = {"float32": ref_model, "bfloat16": bf16_model}
     calib = calibration_sequences(tokenizer, args.calib_tokens, args.calib_len)
     for _, weights, _ in setups:  # one model per weights kind (a GPTQ model is calibrated once)
-        if weights not in models:
-            models[weights] = build(config, path, weights, args.window, calib, args.gptq_checkpoint)
+        base = weights.removesuffix(LM_HEAD_SUFFIX)
+        if base not in models:
+            models[base] = build(config, path, base, args.window, calib, args.gptq_checkpoint)
+        if weights not in models:  # X+lmhead: a copy of X's model, its LM head FP8 (X's own model unchanged)
+            models[weights] = copy.deepcopy(models[base])
+            quantize_lm_head_(models[weights])
+            use_fp8_path(models[weights], "cpu")
     runners = [window_runner(models[weights], args.window, kv.removesuffix("-unrotated"),
                              rotate_k=not kv.endswith("-unrotated"))
                for _, weights, kv in setups]

@@ -104,6 +104,12 @@ class ServerConfig:
     kv_cache_dtype: str = _opt("auto", "KV-cache storage: auto (the model's dtype) or fp8_e4m3 (float8_e4m3fn, half "
                                        "the bytes: twice the tokens; one K and one V scale per layer, 1.0 or the "
                                        "checkpoint's k_scale / v_scale)", ("auto", "fp8_e4m3"))
+    quantize_lm_head: bool = _opt(False, "also make the LM head FP8 e4m3 (per-row scales, the decode GEMV reads half "
+                                         "the bytes; TensorRT-LLM / ModelOpt's quantize_lm_head): changes the logits "
+                                         "(accuracy: benchmarks/RESULTS.md, FP8 (issue 33)); needs FP8 weights "
+                                         "(--quantization fp8 or an FP8 checkpoint); tied embeddings are untied, the "
+                                         "embedding stays in the model dtype. A checkpoint whose lm_head is FP8 "
+                                         "loads it as FP8 without this option")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
     jump_forward_min_tokens: str = _opt("auto", "a jump-forward that needs an extend round of its own is made when "

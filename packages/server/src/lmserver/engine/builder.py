@@ -104,7 +104,8 @@ class EngineBuilder:
                                   quantization=rc.quantization, kv_cache_dtype=rc.kv_cache_dtype)
         model = load_model(mc, model_path, load_format=rc.load_format, dtype=dtype, device=device,
                            max_positions=context_length, seed=rc.random_seed,
-                           disable_fused_kernels=rc.disable_fused_kernels, quantization=rc.quantization)
+                           disable_fused_kernels=rc.disable_fused_kernels, quantization=rc.quantization,
+                           quantize_lm_head=rc.quantize_lm_head)
         tp: TPContext | None = None
         if rc.tp_size > 1:  # shards the model: lowlat checks and builds on this rank's shard
             specs = lowlat.session.registry.specs() if lowlat is not None else ()

@@ -151,7 +151,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return self.model.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
     def _text_dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        # NOTE: the embedding's: the LM head may be FP8 (--quantize-lm-head), the embedding never is
+        return self.model.embed_tokens.weight.dtype  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def encode_images(

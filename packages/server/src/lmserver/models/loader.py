@@ -162,6 +162,7 @@ def load_model(
     seed: int = 0,
     disable_fused_kernels: bool = False,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> torch.nn.Module:
     """Builds the model for `config` on `device` in `dtype` and loads weights (or dummy ones).
 
@@ -170,6 +171,8 @@ def load_model(
     FP8 weights (`lmserver.models.quantization`): an FP8 checkpoint (its `quantization_config`)
     loads into FP8 layers (MoE experts included); `quantization="fp8"` quantizes an unquantized one
     after loading (and random `dummy` weights): the decoder projections and the MoE experts.
+    `quantize_lm_head` (FP8 weights only) makes the LM head FP8 too, per row (a tied head untied);
+    a checkpoint's FP8 `lm_head.weight` loads as FP8 without it.
     """
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
@@ -177,6 +180,8 @@ def load_model(
         fp8 = read_fp8_spec(config.hf_config, quantization)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from exc
+    if quantize_lm_head and fp8 is None:
+        raise ModelLoadError("quantize_lm_head needs FP8 weights: quantization='fp8' or an FP8 checkpoint")
     model_cls = get_model_class(config.architecture)
     with _default_dtype(dtype), torch.device(device), _ZeroInsteadOfRandomInit():
         model = model_cls(config, max_positions=max_positions)
@@ -205,11 +210,22 @@ def load_model(
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
     if fp8 is not None:
-        from lmserver.models.quantization import quantize_linears_, quantize_moe_experts_, use_fp8_path
+        from lmserver.models.quantization import (
+            describe_lm_head,
+            quantize_linears_,
+            quantize_lm_head_,
+            quantize_moe_experts_,
+            use_fp8_path,
+        )
 
         if not from_checkpoint:
             quantize_linears_(model, fp8.group_k)
             quantize_moe_experts_(model)
-        logger.info("model weights: %s; %s", fp8.describe(), use_fp8_path(model, device))
+        if quantize_lm_head:
+            try:
+                quantize_lm_head_(model)
+            except QuantizationError as exc:
+                raise ModelLoadError(str(exc)) from exc
+        logger.info("model weights: %s; %s; %s", fp8.describe(), describe_lm_head(model), use_fp8_path(model, device))
     model.eval()
     return model  # type: ignore[no-any-return]

@@ -24,6 +24,11 @@ blocks of one expert side by side: `intermediate_size` a multiple of the block's
 Online quantization (`--quantization fp8` of an unquantized checkpoint) quantizes the decoder's
 q/k/v, o, gate/up and down projections per output channel and the MoE experts per row (absolute
 max / 448); embeddings, the LM head, norms and the MoE router stay in the model dtype.
+
+The LM head: FP8 when the checkpoint's `lm_head.weight` is (any layout above, as another linear
+layer; refused when the config ties it to the embedding), or with `quantize_lm_head_`
+(`--quantize-lm-head`, opt-in: it changes the logits) per row as the online projections; a tied
+head is untied then (its own FP8 copy; the embedding keeps the model dtype).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ __all__ = [
     "QuantizationError",
     "fp8_linear_layers",
     "fp8_moe_layers",
+    "describe_lm_head",
     "load_fp8_checkpoint",
     "quantize_linears_",
+    "quantize_lm_head_",
     "quantize_moe_experts_",
     "read_fp8_spec",
     "replace_with_fp8_",
@@ -199,6 +206,12 @@ def scan_fp8_modules(model: nn.Module, model_path: str | Path) -> set[str]:
                     continue
                 mapped = map_weight(name)
                 if mapped is None:
+                    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+                    if name.endswith("lm_head.weight") and tied:
+                        raise QuantizationError(
+                            f"checkpoint tensor {name!r} is FP8 but config.json ties the LM head to the embedding "
+                            "(tie_word_embeddings), which lmserver keeps in the model dtype; set "
+                            "tie_word_embeddings false to serve the checkpoint's FP8 LM head, or store it unquantized")
                     continue
                 target = mapped[0]
                 if (expert := _expert_param(modules, target)) is not None:
@@ -258,6 +271,35 @@ def quantize_linears_(model: nn.Module, group_k: int | None, keep_layers: Collec
              and _decoder_layer_index(name) not in kept]
     replace_with_fp8_(model, names, group_k, quantize=True)
     return names
+
+
+def quantize_lm_head_(model: nn.Module) -> bool:
+    """`model.lm_head` becomes an `Fp8Linear` with one float32 scale per vocabulary row (absolute max / 448, the
+    online projections' layout), quantized from its weights; a head tied to the embedding is untied: the FP8 copy
+    is the head's own, the embedding keeps its parameter and dtype. Returns False when the head is FP8 already (an
+    FP8 checkpoint's). Mutates `model`; raises QuantizationError for a head that is not a linear layer."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Fp8Linear):
+        return False
+    if not isinstance(head, nn.Linear):
+        raise QuantizationError(f"the LM head of {type(model).__name__} is {type(head).__name__}, not a linear layer; "
+                                "it cannot be FP8")
+    # NOTE: from_linear copies the (possibly shared) weight; model.lm_head then no longer aliases the embedding
+    model.lm_head = Fp8Linear.from_linear(head, None)
+    return True
+
+
+def describe_lm_head(model: nn.Module) -> str:
+    """The LM head's storage, for the start-up log line: FP8 (with its scales) or the model dtype."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Fp8Linear):
+        scales = "per-row scales" if head.group_k == head.in_features else f"scales per {head.group_k} columns"
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        weight = getattr(embed, "weight", None)
+        untied = f", embedding {str(weight.dtype).removeprefix('torch.')}" if isinstance(weight, torch.Tensor) else ""
+        return f"LM head FP8 e4m3 ({scales}{untied})"
+    weight = getattr(head, "weight", None)
+    return f"LM head {str(weight.dtype).removeprefix('torch.')}" if isinstance(weight, torch.Tensor) else "LM head"
 
 
 def quantize_moe_experts_(model: nn.Module, keep_layers: Collection[int] = ()) -> list[str]:

@@ -68,10 +68,11 @@ def resolve_dtype(config: ServerConfig, device: str) -> str:
 
 
 def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: int, tp_size: int = 1,
-                          quantization: str | None = None) -> int:
+                          quantization: str | None = None, quantize_lm_head: bool = False) -> int:
     """Bytes one rank's weights and buffers take in `dtype`: the model built on the meta device
     (no memory, no weights), counted; tied weights once. With `quantization` "fp8" the decoder
-    projections and the MoE experts count one byte per weight plus their per-row float32 scales. Pure."""
+    projections and the MoE experts count one byte per weight plus their per-row float32 scales; with
+    `quantize_lm_head` the LM head too (tied to the embedding: an FP8 copy next to it). Pure."""
     from lmserver.models.loader import _default_dtype
     from lmserver.models.registry import get_model_class
 
@@ -89,6 +90,12 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: 
             elif isinstance(module, MoE):
                 for w in (module.w13, module.w2):  # (E, N, K): one float32 scale per expert row
                     total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0] * w.shape[1]
+        if quantize_lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+            head = model.lm_head.weight
+            if model_config.tie_word_embeddings:  # untied: the embedding stays, the head is a new FP8 copy
+                total += head.numel() + 4 * head.shape[0]
+            else:
+                total -= head.numel() * (head.element_size() - 1) - 4 * head.shape[0]
     return total // max(tp_size, 1)
 
 
@@ -114,7 +121,7 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
     asked (the set-up names FP8 weights and KV: a plugin that reads neither is refused with that
     reason, the nvidia plugin takes both). Raises ConfigError before anything loads for an
     unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8 (compute capability < 8.9,
-    named), and FP8 with tensor parallelism."""
+    named), FP8 with tensor parallelism, and `quantize_lm_head` without FP8 weights."""
     from lmserver.layers.fp8_linear import fp8_unsupported_reason
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
@@ -126,7 +133,12 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
     kv_storage_dtype(kv, dtype)  # validates
     kv = dtype if kv == "auto" else kv
     quant = "fp8" if spec is not None else None
-    wants = [what for what, on in (("FP8 weights", quant is not None), ("an FP8 KV cache", kv == "fp8_e4m3")) if on]
+    if config.quantize_lm_head and quant is None:
+        raise ConfigError("--quantize-lm-head makes the LM head FP8 next to FP8 decoder weights; this model has none: "
+                          "add --quantization fp8 (online FP8 of an unquantized checkpoint) or serve an FP8 checkpoint")
+    wants = [what for what, on in (("FP8 weights", quant is not None and not config.quantize_lm_head),
+                                   ("FP8 weights and an FP8 LM head", config.quantize_lm_head),
+                                   ("an FP8 KV cache", kv == "fp8_e4m3")) if on]
     if wants:
         what = " and ".join(wants)
         why = fp8_unsupported_reason(device)
@@ -285,7 +297,7 @@ def resolve_kv_tokens(
         if weight_bytes == 0:
             positions = config.context_length or model_config.max_position_embeddings
             weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size,
-                                                 config.quantization)
+                                                 config.quantization, config.quantize_lm_head)
         free, total = torch.cuda.mem_get_info()
         budget = int(total * fraction) - (total - free) - weight_bytes
         if budget <= per_slot * 16:

@@ -203,6 +203,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
         seed=rc.random_seed,
         disable_fused_kernels=rc.disable_fused_kernels,
         quantization=rc.quantization,
+        quantize_lm_head=rc.quantize_lm_head,
     )
     shard_model_(model, mc, group)
     failed: Unsupported | None = None

@@ -67,6 +67,10 @@ def shard_model_(model: nn.Module, config: ModelConfig, group: TPGroup) -> nn.Mo
     hq, hk = tp_head_counts(config, group.size)
     d = config.head_dim
     inner: Any = model.model  # a Llama-family model: `model.embed_tokens`, `model.layers`, `lm_head`
+    if not isinstance(model.lm_head, nn.Linear):  # NOTE: ParallelLMHead shards weights only (no FP8 scales)
+        raise TensorParallelError(f"the LM head is {type(model.lm_head).__name__} (an FP8 LM head: "
+                                  "--quantize-lm-head or an FP8 checkpoint's lm_head); tensor parallelism shards "
+                                  "model-dtype LM heads only; use tp_size 1")
     full_embed = inner.embed_tokens
     model.lm_head = ParallelLMHead(cast(nn.Linear, model.lm_head).weight.data, group)
     inner.embed_tokens = VocabParallelEmbedding(full_embed, group)
