@@ -21,7 +21,9 @@ to a temporary folder (or `--gptq-checkpoint`) and loaded by `load_model` as the
 The "fp8 LM head" rows (weights kind `X+lmhead`): kind X's model with the LM head made FP8 per row as
 `--quantize-lm-head` does (`quantize_lm_head_`: SmolLM2's head is tied, so it gets its own FP8 copy
 and the embedding stays float32); "fp8 LM head only" on the float32 model (not a server option:
-the LM head's own share of the error).
+the LM head's own share of the error). `+lmhead-w8a8`: the same head fed per-token FP8 rows of its
+input, the numerics of its CUDA path above 16 rows (`torch._scaled_mm`: prefill logit rows, decode
+batches > 16), where the CPU and the GEMV read the float rows.
 """
 
 from __future__ import annotations
@@ -55,8 +57,26 @@ SETUPS = [
     ("fp8 weights + fp8 LM head", "fp8+lmhead", "auto"),
     ("fp8 gptq weights + fp8 LM head + fp8 KV", "fp8-gptq+lmhead", "fp8_e4m3"),
     ("fp8 LM head only", "float32+lmhead", "auto"),
+    ("fp8 weights + fp8 LM head W8A8 + fp8 KV", "fp8+lmhead-w8a8", "fp8_e4m3"),
 ]
-LM_HEAD_SUFFIX = "+lmhead"  # a weights kind with the LM head FP8 too (`--quantize-lm-head`)
+# a weights kind with the LM head FP8 too (`--quantize-lm-head`); "-w8a8": its rows quantized per token first
+LM_HEAD_SUFFIXES = ("+lmhead-w8a8", "+lmhead")
+
+
+class RowsQuantizedHead(torch.nn.Module):
+    """An FP8 LM head fed its input quantized per token (float8 rows, one scale each), as its CUDA path above
+    16 rows (`Fp8Linear.forward_fp8_rows` after the per-token quantizer) computes it; the dequantizing torch
+    arithmetic here."""
+
+    def __init__(self, head: Any) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from lmserver.kernels.fp8_ref import quantize_fp8_per_token
+
+        q, scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+        return self.head.forward_fp8_rows(q, scale, x.dtype).view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
 REFERENCES = ("float32", "bfloat16")
 
 
@@ -174,13 +194,16 @@ def main() -> None:
     models: dict[str, torch.nn.Module] = {"float32": ref_model, "bfloat16": bf16_model}
     calib = calibration_sequences(tokenizer, args.calib_tokens, args.calib_len)
     for _, weights, _ in setups:  # one model per weights kind (a GPTQ model is calibrated once)
-        base = weights.removesuffix(LM_HEAD_SUFFIX)
+        suffix = next((s for s in LM_HEAD_SUFFIXES if weights.endswith(s)), "")
+        base = weights.removesuffix(suffix)
         if base not in models:
             models[base] = build(config, path, base, args.window, calib, args.gptq_checkpoint)
         if weights not in models:  # X+lmhead: a copy of X's model, its LM head FP8 (X's own model unchanged)
-            models[weights] = copy.deepcopy(models[base])
-            quantize_lm_head_(models[weights])
-            use_fp8_path(models[weights], "cpu")
+            model = models[weights] = copy.deepcopy(models[base])
+            quantize_lm_head_(model)
+            use_fp8_path(model, "cpu")
+            if suffix == "+lmhead-w8a8":
+                model.lm_head = RowsQuantizedHead(model.lm_head)
     runners = [window_runner(models[weights], args.window, kv.removesuffix("-unrotated"),
                              rotate_k=not kv.endswith("-unrotated"))
                for _, weights, kv in setups]
