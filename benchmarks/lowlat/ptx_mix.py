@@ -2,8 +2,13 @@
 
     python benchmarks/lowlat/ptx_mix.py [--shape llama3-8b] [--batches 1,4] [--stages qkv,o_proj,gate_up,down]
                                         [--gpu "NVIDIA H200"] [--arch 90] [--dump DIR] [--fp8]
+                                        [--configs [stage=]variant:block_n:block_k:warps:stages,...] [--regs]
 
 ``--fp8``: FP8 e4m3 projections with per-row scales and an FP8 KV cache (the FP8 table, where one exists).
+``--configs``: these GEMV configs instead of the table's (bench_gemv's syntax; one line per config and batch), e.g. the
+W8A8 multi-row kernels (``mrow_w8a8`` / ``mrow_w8a8b``: ``mma.e4m3`` counts FP8 x FP8 MMAs, ``cvt.f32>e4m3`` the row
+quantization's conversions, ``cvt.e4m3>f16`` the weight widening of ``mrow_f16*``). ``--regs``: registers and spill
+stores per thread from the cubin (``cuobjdump -res-usage`` of Triton's wheel).
 
 Each stage is launched through its real `lowlat.kernels.ops` launcher on `meta` tensors of the layer's shapes,
 with the per-stage configs of `lowlat.kernels.tuning` for `--gpu`; the launch is captured instead of run, the
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_gemv import configs_from_arg  # noqa: E402
 from bench_layer import SHAPES  # noqa: E402
 
 from lowlat import KVCache  # noqa: E402
@@ -46,6 +52,8 @@ COUNTED = [
     ("ldg.1", r"ld\.global(\.[a-z]+)*\.(b|u|s|f)(8|16|32|64)\b"), ("cp.async", r"cp\.async\.c[ag]"),
     ("ldmatrix", r"ldmatrix"), ("mma", r"\bmma\.sync|wgmma"), ("fma.f32", r"\bfma\.rn\.f32"),
     ("bar.sync", r"bar\.sync"), ("pdl", r"griddepcontrol"), ("cvt.fp8", r"cvt\.[a-z0-9.]*e4m3"),
+    ("mma.e4m3", r"(mma\.sync|wgmma)\S*e4m3"), ("cvt.f32>e4m3", r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
+    ("cvt.e4m3>f16", r"cvt\.rn\.f16x2\.e4m3x2"), ("div.rn", r"div\.rn\.f32"),
 ]
 
 
@@ -132,6 +140,22 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, arch: int) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def res_usage(cubin: bytes) -> str:
+    """"REG n, spill stores" of a cubin's kernel from ``cuobjdump -res-usage`` (Triton's wheel carries it)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return f"{regs.group(1) if regs else '?'}r/{stack.group(1) if stack else '?'}st"
+
+
 def mix(ptx: str) -> dict[str, int]:
     lines = [ln.strip() for ln in ptx.splitlines()]
     counts = Counter()
@@ -152,6 +176,8 @@ def main() -> None:
     ap.add_argument("--vec", type=int, default=None, help="GemvConfig.vec of every tuned entry (rows kernels' loads)")
     ap.add_argument("--f16-variant", default=None, choices=["mrow_f16", "mrow_f16s"],
                     help="the variant of every tuned mrow_f16 entry (mrow_f16s: rows scaled into fp16's range)")
+    ap.add_argument("--configs", default="", help="GEMV configs instead of the table's (bench_gemv.py --configs syntax)")
+    ap.add_argument("--regs", action="store_true", help="registers / stack (spill) bytes per thread from the cubin")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     tuned = tuned_table(args.gpu, shape, args.fp8)
@@ -164,21 +190,26 @@ def main() -> None:
                           pdl_release=tuned_pdl_release(args.gpu, shape), attn_tuned=tuned_attention(args.gpu, shape),
                           fp8=args.fp8)
     names = [n for n, _ in COUNTED]
-    print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>22s} {'ptx':>5s} {'smem':>6s} " +
-          " ".join(f"{n:>8.8s}" for n in names))
+    print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>24s} {'ptx':>5s} {'smem':>6s} " +
+          ("regs/stk " if args.regs else "") + " ".join(f"{n:>8.8s}" for n in names))
     for b in [int(v) for v in args.batches.split(",")]:
         for stage in args.stages.split(","):
-            for fn, largs, kwargs in capture(stage, shape, b, lc, args.fp8):
-                cfg = lc.gemv_config(stage, b) if stage in ops.GEMV_STAGES else None
-                label = f"{cfg.variant} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}" if cfg else "-"
-                kernel = compile_launch(fn, largs, kwargs, args.arch)
-                ptx = kernel.asm["ptx"]
-                if args.dump:
-                    Path(args.dump).mkdir(parents=True, exist_ok=True)
-                    (Path(args.dump) / f"{stage}_b{b}_{fn.__name__}.ptx").write_text(ptx)
-                counts = mix(ptx)
-                print(f"{stage:>9s} {b:3d} {fn.__name__:>26.26s} {label:>22s} {len(ptx.splitlines()):5d} "
-                      f"{kernel.metadata.shared:6d} " + " ".join(f"{counts[n]:8d}" for n in names), flush=True)
+            # --configs: each of the stage's configs in turn (the table's entry otherwise)
+            stage_lcs = [replace(lc, tuned=((stage, 1 << 30, cfg),)) for cfg in configs_from_arg(args.configs)(stage)]
+            for slc in stage_lcs if args.configs and stage in ops.GEMV_STAGES else [lc]:
+                for fn, largs, kwargs in capture(stage, shape, b, slc, args.fp8):
+                    cfg = slc.gemv_config(stage, b) if stage in ops.GEMV_STAGES else None
+                    label = f"{cfg.variant} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}" if cfg else "-"
+                    kernel = compile_launch(fn, largs, kwargs, args.arch)
+                    ptx = kernel.asm["ptx"]
+                    if args.dump:
+                        Path(args.dump).mkdir(parents=True, exist_ok=True)
+                        tag = f"_{cfg.variant}_{cfg.block_n}x{cfg.block_k}" if cfg and args.configs else ""
+                        (Path(args.dump) / f"{stage}_b{b}{tag}_{fn.__name__}.ptx").write_text(ptx)
+                    counts = mix(ptx)
+                    regs = f"{res_usage(kernel.asm['cubin']):>8s} " if args.regs else ""
+                    print(f"{stage:>9s} {b:3d} {fn.__name__:>26.26s} {label:>24s} {len(ptx.splitlines()):5d} "
+                          f"{kernel.metadata.shared:6d} {regs}" + " ".join(f"{counts[n]:8d}" for n in names), flush=True)
 
 
 if __name__ == "__main__":

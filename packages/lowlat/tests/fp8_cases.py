@@ -333,6 +333,112 @@ def test_rows_attention_reads_fp8_cache(shape: LayerShape) -> None:
         assert _rel(out, want) < TOL, splits
 
 
+# The attention's fp16 dots on FP8 caches (LaunchConfig.attn_f16, issues 33 / 34): q and p rounded to fp16 (2^-11
+# relative; the interpreter's fp16 dot then multiplies exactly and sums in float32, as the GPU's MMA)
+F16_TOL = 2e-2 if GPU else 2e-3
+# q magnitudes: ordinary, and beyond fp16's 65,504 (the K scale smaller by as much: the same scores), which the fp16
+# dot holds only with q scaled by 2^-4 before the cast (layer.scaled_f16)
+Q_MAGS = [1.0, 2e5]
+
+
+def attention_f64(q: torch.Tensor, kv: KVCache, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Float64 oracle over the cache dequantized with its scales: each row's heads (q: (B, NQ, D)) over the first
+    seq_len positions of its request-table row; (B, NQ * D)."""
+    b, nq, d = q.shape
+    group = nq // kv.k.shape[1]
+    k, v = kv.k.cpu().double() * kv.k_scale, kv.v.cpu().double() * kv.v_scale
+    table, rows, lens = meta.req_to_token.cpu().long(), meta.req_pool_indices.cpu().long(), meta.seq_lens.cpu().long()
+    out = torch.empty(b, nq, d, dtype=torch.float64)
+    for i in range(b):
+        slots = table[rows[i], : lens[i]]
+        ks, vs = k[slots].repeat_interleave(group, 1), v[slots].repeat_interleave(group, 1)  # (n, NQ, D)
+        s = torch.einsum("hd,nhd->hn", q[i].cpu().double(), ks) * d**-0.5
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, 1), vs)
+    return out.reshape(b, -1)
+
+
+def _f16_inputs(shape: LayerShape, b: int, slots: int, mag: float, g: torch.Generator) -> tuple[KVCache, torch.Tensor]:
+    """An FP8 cache and q (B, q_size) of magnitude ``mag`` (the cache's K scale divided by ``mag``: the same scores)."""
+    kv = fp8_kv(shape, slots, g, 0.05, 0.03)
+    kv = KVCache(kv.k, kv.v, kv.k_scale / mag, kv.v_scale)
+    q = (torch.randn(b, shape.q_size, generator=g) * mag).to(DEVICE, DTYPE)
+    if mag > 1:
+        assert float(q.double().abs().max()) > 65504.0  # the case fp16 alone cannot hold
+    return kv, q
+
+
+# the interpreter's default tier: head_dim 16, and one split at 32 (~18 s on 2 busy cores); the rest in its slow tier
+ATTN_F16_CASES = [pytest.param(shape, splits, mag, id=f"d{shape.head_dim}-s{splits}-q{mag:g}",
+                               marks=pytest.mark.slow if not GPU and shape is SHAPES[1] and splits > 1 else ())
+                  for shape in SHAPES for splits in (1, 3, 8) for mag in Q_MAGS]
+
+
+@pytest.mark.parametrize(("shape", "splits", "mag"), ATTN_F16_CASES)
+def test_attention_f16_on_fp8_cache_matches_float64(shape: LayerShape, splits: int, mag: float) -> None:
+    """The per-row decode attention with its dots in fp16 (``LaunchConfig.attn_f16``) on an FP8 cache against float64
+    on the dequantized cache, fresh random inputs, outputs poisoned: head dims 16 / 32 (128 on a GPU), one split, a
+    merge launch, the fused merge; contexts of one position to several KV blocks; q beyond fp16's range."""
+    g = _gen(40 + splits)
+    seq = [1, 9, 30, 45] if not GPU else [1, 700, 4096, 513]
+    slots = sum(seq) + 64
+    meta = decode_meta(seq, slots, max(seq), DEVICE, generator=g)
+    kv, q = _f16_inputs(shape, len(seq), slots, mag, g)
+    want = attention_f64(q.view(len(seq), shape.num_heads, -1), kv, meta)
+    lc = replace(_lc(shape, None, len(seq)), attn_f16=True)
+    for fused in ((False, True) if splits > 1 else (False,)):
+        part_o = torch.full((len(seq), shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+        part_lse = torch.full((len(seq), shape.num_heads, splits), float("nan"), device=DEVICE)
+        out = torch.full((len(seq), shape.q_size), float("nan"), device=DEVICE, dtype=DTYPE)
+        counts = torch.zeros(len(seq) * shape.num_kv_heads, dtype=torch.int32, device=DEVICE) if fused else None
+        ops.attention(q, kv, meta, part_o, part_lse, out, shape, lc, splits, counts=counts)
+        assert torch.isfinite(out.float()).all()
+        assert _rel(out, want) < F16_TOL, fused
+
+
+def _runs_meta(runs: list[tuple[int, int]], ctx: int, slots: int, g: torch.Generator):  # type: ignore[no-untyped-def]
+    """Rows as runs (prefix, rows) of distinct requests, row j of a run at position prefix + j over its table row."""
+    from lowlat.layer import ForwardMeta
+
+    table = torch.randperm(slots, generator=g)[: len(runs) * ctx].view(len(runs), ctx).to(torch.int32)
+    req = torch.tensor([i for i, (_, n) in enumerate(runs) for _ in range(n)], dtype=torch.int64)
+    pos = torch.tensor([p + j for p, n in runs for j in range(n)], dtype=torch.int64)
+    loc = table[req, pos].to(torch.int64)
+    return ForwardMeta(table.to(DEVICE), req.to(DEVICE), (pos + 1).to(torch.int32).to(DEVICE), pos.to(DEVICE),
+                       loc.to(DEVICE), max_seq_len=ctx)
+
+
+ROWS_F16_CASES = [pytest.param(shape, case, mag, id=f"d{shape.head_dim}-{case}-q{mag:g}",
+                               marks=pytest.mark.slow if not GPU and (shape is SHAPES[1] or case == "decode 4") else ())
+                  for shape in SHAPES for case in ("verify 6+2", "decode 4", "mixed 3+1+2") for mag in Q_MAGS]
+
+
+@pytest.mark.parametrize(("shape", "case", "mag"), ROWS_F16_CASES)
+def test_rows_attention_f16_on_fp8_cache_matches_float64(shape: LayerShape, case: str, mag: float) -> None:
+    """``rows_attention`` (verify runs: one program per run of a request's rows; decode rows: the per-row program)
+    with its dots in fp16 on an FP8 cache against float64 on the dequantized cache, fresh random inputs, outputs
+    poisoned: a verify step (6 rows + 2 padding rows of length 1), 4 decode rows, runs of 3, 1 and 2 rows; at the
+    split count of every KV block (with and without skipping the unused splits) and at one split."""
+    ctx = 40 if not GPU else 1100
+    runs = {"verify 6+2": [(ctx - 6, 6), (0, 2)], "decode 4": [(ctx - 1 - 7 * i, 1) for i in range(4)],
+            "mixed 3+1+2": [(ctx - 3, 3), (ctx // 2, 1), (5, 2)]}[case]
+    g = _gen(50 + len(runs))
+    slots = len(runs) * ctx + 64
+    meta = _runs_meta(runs, ctx, slots, g)
+    b = int(meta.seq_lens.shape[0])
+    kv, q = _f16_inputs(shape, b, slots, mag, g)
+    want = attention_f64(q.view(b, shape.num_heads, -1), kv, meta)
+    lc = replace(_lc(shape, None, b), attn_f16=True)
+    wide = ops.rows_splits(b, shape, ctx, lc, 8, DEVICE)
+    for splits, skip in ((wide, False), (wide, True), (1, False)):
+        part_o = torch.full((b, shape.num_heads, splits, shape.head_dim), float("nan"), device=DEVICE)
+        part_lse = torch.full((b, shape.num_heads, splits), float("nan"), device=DEVICE)
+        out = torch.full((b, shape.q_size), float("nan"), device=DEVICE, dtype=DTYPE)
+        used = torch.zeros(b, dtype=torch.int32, device=DEVICE) if skip else None
+        ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lc, splits, used=used)
+        assert torch.isfinite(out.float()).all()
+        assert _rel(out, want) < F16_TOL, (splits, skip)
+
+
 def _build(shape: LayerShape, weights: list, kv_dtype: torch.dtype, plugin: str = "nvidia"):  # type: ignore[no-untyped-def]
     ctx = BuildContext(shape, tuple(weights), DEVICE, DTYPE, kv_dtype, Coverage(max_tokens=8),
                        LowlatConfig(amd_mode="staged"), fake_setup(vendor="cpu" if not GPU else "nvidia"), 2048)
@@ -374,15 +480,15 @@ def test_fp8_layer_matches_reference(shape: LayerShape, kv_fp8: bool) -> None:
 
 
 def _stack_matches_reference(built, weights: list, shape: LayerShape, x: torch.Tensor, kv: KVCache,  # type: ignore[no-untyped-def]
-                             meta) -> None:
+                             meta, tol: float = 3 * TOL) -> None:
     """``built``'s layers one after the other against the reference layer on a copy of the FP8 cache, from the rows
-    ``x``: outputs and the cache's values."""
+    ``x``: outputs (within ``tol``) and the cache's values."""
     kv_ref = KVCache(kv.k.clone(), kv.v.clone(), kv.k_scale, kv.v_scale)
     x = x.to(DEVICE, DTYPE)
     for layer in range(len(weights)):
         out = built.forward(layer, x, kv, meta)
         ref = reference_decoder_layer(x, weights[layer], kv_ref, meta, shape)
-        assert _rel(out, ref) < 3 * TOL, layer
+        assert _rel(out, ref) < tol, layer
         assert _rel(kv.k.float(), kv_ref.k.float()) < 4e-2 and _rel(kv.v.float(), kv_ref.v.float()) < 4e-2
         x = out.clone()
 
@@ -422,6 +528,24 @@ def _layer_eight_rows_matches_reference(shape: LayerShape) -> None:
     meta = decode_meta(lens, 8 * 1024, 1024, DEVICE, generator=g)
     kv = fp8_kv(shape, 8 * 1024, g, 0.06, 0.04)
     _stack_matches_reference(built, weights, shape, torch.randn(8, shape.hidden_size, generator=g), kv, meta)
+
+
+@pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=lambda s: f"h{s.hidden_size}")
+@pytest.mark.parametrize("rows", [1, 3, *([8] if GPU else [])])
+def test_fp8_layer_attn_f16_matches_reference(shape: LayerShape, rows: int) -> None:
+    """The built nvidia stack with ``LaunchConfig.attn_f16`` (its attention's dots in fp16 on the FP8 cache: the
+    per-row kernel at one row, ``rows_attention`` from two) over two FP8 layers against the reference layer, fresh
+    random inputs: outputs and the cache."""
+    g = _gen(19 + rows)
+    weights = [fp8_layer(shape, g) for _ in range(2)]
+    built = _build(shape, weights, FP8_DTYPE)
+    built.lc = replace(built.lc, attn_f16=True)
+    lens = [int(v) for v in torch.randint(1, 1000 if GPU else 30, (rows,), generator=g)]
+    slots = rows * (1024 if GPU else 32) + 64
+    meta = decode_meta(lens, slots, 1024 if GPU else 32, DEVICE, generator=g)
+    kv = fp8_kv(shape, slots, g, 0.06, 0.04)
+    _stack_matches_reference(built, weights, shape, torch.randn(rows, shape.hidden_size, generator=g), kv, meta,
+                             tol=3 * F16_TOL)
 
 
 def _layers_with_l2_prefetch_match_reference(shape: LayerShape) -> None:

@@ -1,4 +1,4 @@
-"""Runs kernel_cases.py (and moe_cases.py, fp8_cases.py, fp8_moe_cases.py, tp_cases.py) in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
+"""Runs kernel_cases.py (and moe_cases.py, fp8_cases.py, fp8_moe_cases.py, w8a8_cases.py, tp_cases.py) in a child pytest: on the CPU under TRITON_INTERPRET=1, or on a GPU.
 
 TRITON_INTERPRET must be set before triton is imported, so the cases run in a child process and
 the other tests of this session keep the normal Triton. The cases marked `slow` there run in this
@@ -19,6 +19,7 @@ MOE_CASES = Path(__file__).with_name("moe_cases.py")
 FP8_CASES = Path(__file__).with_name("fp8_cases.py")
 FP8_MOE_CASES = Path(__file__).with_name("fp8_moe_cases.py")
 TP_CASES = Path(__file__).with_name("tp_cases.py")
+W8A8_CASES = Path(__file__).with_name("w8a8_cases.py")
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -99,6 +100,21 @@ def test_fp8_moe_kernels_and_stack_on_the_gpu() -> None:
     """The CPU cases plus the Mixtral-8x7B layer (expert kernels at 1-8 tokens, large activations, the stack at 1 and 8
     rows)."""
     _run({}, FP8_MOE_CASES)
+
+
+def test_w8a8_gemv_under_the_interpreter() -> None:
+    _run(INTERPRET, W8A8_CASES, marks="not slow")
+
+
+@pytest.mark.slow
+def test_long_w8a8_cases_under_the_interpreter() -> None:
+    _run(INTERPRET, W8A8_CASES, marks="slow")
+
+
+@pytest.mark.gpu
+def test_w8a8_gemv_on_the_gpu() -> None:
+    """The CPU cases plus the Llama-3-8B stages (issues 33 / 34: the W8A8 multi-row kernels)."""
+    _run({}, W8A8_CASES)
 
 
 def test_tp_plugin_ranks_under_the_interpreter() -> None:

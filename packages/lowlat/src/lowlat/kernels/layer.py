@@ -15,7 +15,10 @@ match the float32 reference on a GPU as on the interpreter; the interpreter's bf
 FP8 (e4m3) weights: ``HAS_SCALE`` kernels widen each weight tile in registers (``_dot``: to bf16 for the tensor
 cores, exact) and multiply the finished float32 sums by each output row's scale (``s_ptr``). FP8 KV caches
 (``KV_FP8``): the qkv epilogue stores ``k * inv_k_scale`` saturated and rounded to e4m3 (``e4m3_rne``), the
-attention multiplies the scores by ``k_scale`` (folded into ``scale``) and its output by ``v_scale``.
+attention multiplies the scores by ``k_scale`` (folded into ``scale``) and its output by ``v_scale``. Its two dots widen
+the FP8 K / V tiles to bf16 as ``_dot`` does, or with ``KV_F16`` (``LaunchConfig.attn_f16``) to fp16 (one
+``cvt.rn.f16x2.e4m3x2`` per two elements; bf16 goes through float32, three conversions), q cast once per split to fp16
+times 2^-4 (``scaled_f16``; the scores times 16, folded into ``scale``) and p (in [0, 1]) to fp16, float32 sums.
 The batch ``B`` of the three GEMV kernels is a ``tl.constexpr``: one compile per batch size (lmserver's decode graphs
 capture 1, 2, 4, 8, then multiples of 8; its warm-up compiles 1, 2, 4, 8), and a runtime ``B`` cost the 8B layer on the H200 12 us
 per gate-up launch from batch 2 (73.3 against 61.6 us at batch 4; batch 1 was already specialized by Triton,
@@ -44,6 +47,21 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
     else:
         out = tl.dot(a.to(w.dtype), w, acc)
     return out
+
+
+@triton.jit
+def scaled_f16(x, DOT_F32: tl.constexpr):
+    """``x`` (float32) times 2^-4 in fp16 (finite up to ~1.05e6 in magnitude, 65,504 unscaled; the caller multiplies
+    its float32 products by 16, exact). On a GPU the multiply is inline PTX, as in mrow's ``mrow_f16s``: written as
+    ``x * 0.0625``, LLVM narrows it past the cast of a value loaded as bf16 (``cvt.rn.f16x2.f32`` then ``mul.f16x2``)
+    and the cast overflows first (the H200's NaN rows of 2026-12-03; benchmarks/fp8/GPU_NOTES.md). With ``DOT_F32``
+    (the interpreter, which runs no inline PTX, or float32 activations, which nothing narrows) a plain multiply."""
+    if DOT_F32:
+        y = x * 0.0625
+    else:
+        y = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return y.to(tl.float16)
 
 
 @triton.jit
@@ -198,13 +216,23 @@ def _rope_store(
 
 
 @triton.jit
-def _attend_block(q, k, v, s_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr, GUARD: tl.constexpr):
+def _attend_block(q, k, v, s_mask, scale, m_i, l_i, acc, DOT_F32: tl.constexpr, GUARD: tl.constexpr,
+                  KV_F16: tl.constexpr = False):
     """One K/V tile of online softmax (``online_softmax.softmax_step``, GUARD for rows that may have no key yet):
-    scores masked by ``s_mask`` (broadcast to (rows, BLOCK_N)); returns the updated (max, sum, accumulator)."""
-    s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
+    scores masked by ``s_mask`` (broadcast to (rows, BLOCK_N)); returns the updated (max, sum, accumulator).
+    KV_F16 (an FP8 cache): ``q`` is already fp16 (``scaled_f16``), the K / V tiles widened to fp16 and p cast to it,
+    float32 sums (``scale`` includes the 16)."""
+    # NOTE: the fp16 dots are not `_dot`'s (the GEMV stages keep its bf16 widening)
+    if KV_F16:
+        s = tl.dot(q, k.to(tl.float16))
+    else:
+        s = _dot(q, k, tl.zeros((q.shape[0], k.shape[1]), tl.float32), DOT_F32)
     s = tl.where(s_mask, s * scale, float("-inf"))
     m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, GUARD)
-    acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
+    if KV_F16:
+        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
+    else:
+        acc = _dot(p, v, acc * alpha[:, None], DOT_F32)
     return m_i, l_i, acc
 
 
@@ -240,7 +268,7 @@ def _attend_split(
     stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr,
     DOT_F32: tl.constexpr, ROW_LIMITS: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-    FRESH_FROM: tl.constexpr = True,
+    FRESH_FROM: tl.constexpr = True, KV_F16: tl.constexpr = False,
 ):
     """One split of split-KV attention for a tile of query rows against KV head ``kvh`` of request-table row ``row``:
     positions [start, end) in tiles of BLOCK_N, online softmax (``online_softmax``), then the rows' output (v_scale
@@ -249,6 +277,7 @@ def _attend_split(
     ROW_LIMITS it attends to positions ``< lim[i]`` only (``lim`` within ``end``). The first tile's positions below
     ``fresh_from`` are read before the PDL wait (the previous launch writes only later ones), q and the rest after it;
     without FRESH_FROM (no PDL, nothing of the previous launch to wait for: the persistent kernel) in one load each.
+    KV_F16 (FP8 caches only): the dots in fp16 (``_attend_block``), q cast once here.
     Shared by ``decode_attention_kernel``, ``rows_attn`` (both paths) and ``persistent`` (no PDL, always PARTIALS)."""
     offs_d = tl.arange(0, D)
     offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(start, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
@@ -268,19 +297,22 @@ def _attend_split(
         k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_mask[:, None], other=0.0)
+    if KV_F16:  # q / 16 in fp16 once per split; the scores times 16 through the softmax scale
+        q = scaled_f16(q.to(tl.float32), DOT_F32)
+        scale = scale * 16.0
     m_i = tl.full((q_off.shape[0],), float("-inf"), tl.float32)
     l_i = tl.zeros((q_off.shape[0],), tl.float32)
     acc = tl.zeros((q_off.shape[0], D), tl.float32)
     if start < end:
         m_i, l_i, acc = _attend_block(q, k, v, _score_mask(offs_n, n_mask, lim, ROW_LIMITS), scale, m_i, l_i, acc,
-                                      DOT_F32, ROW_LIMITS)
+                                      DOT_F32, ROW_LIMITS, KV_F16)
     for t0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n, n_mask, k_ptrs, v_ptrs = _kv_tile_ptrs(t0, end, row, kvh, req_to_token_ptr, k_cache_ptr, v_cache_ptr,
                                                        stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, D, BLOCK_N)
         k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _attend_block(q, k, v, _score_mask(offs_n, n_mask, lim, ROW_LIMITS), scale, m_i, l_i, acc,
-                                      DOT_F32, ROW_LIMITS)
+                                      DOT_F32, ROW_LIMITS, KV_F16)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     out, lse = split_partial(acc, m_i, l_i, v_scale)
@@ -298,12 +330,12 @@ def _decode_split(
     b, kvh, split, splits, row, seq_len, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
     NQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
+    PDL_EARLY: tl.constexpr, FRESH: tl.constexpr, KV_F16: tl.constexpr = False,
 ):
     """Decode row ``b``'s program for KV head ``kvh`` and split ``split`` of ``splits`` (at most NUM_SPLITS, by which
     the partials are laid out): its GQA group of G heads in one tile of BLOCK_G query rows against the split's K/V
     tiles (``_attend_split``: partials with PARTIALS, else the output); at most FRESH of its last positions come from
-    the previous launch."""
+    the previous launch. KV_F16: the dots in fp16 (an FP8 cache; ``_attend_block``)."""
     chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)
@@ -312,7 +344,7 @@ def _decode_split(
     _attend_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr,
                   b * (NQ * D) + heads * D, offs_g < G, b * NQ + heads, end, row, kvh, split, start, end,
                   seq_len - FRESH, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh, scale, v_scale,
-                  D, BLOCK_N, NUM_SPLITS, PARTIALS, DOT_F32, False, USE_PDL, PDL_EARLY, USE_PDL or FRESH > 0)
+                  D, BLOCK_N, NUM_SPLITS, PARTIALS, DOT_F32, False, USE_PDL, PDL_EARLY, USE_PDL or FRESH > 0, KV_F16)
 
 
 @triton.jit
@@ -324,9 +356,10 @@ def decode_attention_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
     FUSED_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, BLOCK_GM: tl.constexpr = 1,
+    KV_F16: tl.constexpr = False,
 ):
     # grid (batch, kv_heads, splits): the whole GQA group of one KV head shares each K/V tile. An FP8 cache: `scale`
-    # includes k_scale, the output is multiplied by v_scale (1.0 otherwise).
+    # includes k_scale, the output is multiplied by v_scale (1.0 otherwise); KV_F16: its dots in fp16 (_attend_block).
     # One split: the output goes straight to out_ptr (B, NQ * D), no partials and no merge launch.
     # FUSED_MERGE (several splits): the split program that finishes last for its (row, KV head) merges the group's
     # partials into out_ptr itself (`_merge_if_last`, a counter per (row, KV head) in count_ptr), so no merge launch.
@@ -340,7 +373,7 @@ def decode_attention_kernel(
     _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, split,
                   NUM_SPLITS, tl.load(req_idx_ptr + b).to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt, stride_ks,
                   stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G, BLOCK_N, NUM_SPLITS,
-                  NUM_SPLITS > 1, DOT_F32, USE_PDL, PDL_EARLY, FRESH)
+                  NUM_SPLITS > 1, DOT_F32, USE_PDL, PDL_EARLY, FRESH, KV_F16)
     if FUSED_MERGE and NUM_SPLITS > 1:
         _merge_if_last(count_ptr + b * tl.num_programs(1) + kvh, part_o_ptr, part_lse_ptr, out_ptr, b, kvh, NQ, G, D,
                        NUM_SPLITS, BLOCK_S, BLOCK_GM)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from lowlat.kernels.gemv import _row_as_tile
-from lowlat.kernels.layer import _dot, row_scales
+from lowlat.kernels.layer import _dot, row_scales, scaled_f16
 from lowlat.kernels.mrow import _wx
 
 
@@ -58,19 +58,6 @@ def _placement(bitmap, rt, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: t
     tok = tl.sum(tl.where(hit, offs_t[None, :], 0), 1)  # (BLOCK_R,)
     valid = tl.sum(hit.to(tl.int32), 1) > 0
     return tok, valid
-
-
-@triton.jit
-def _scaled_f16(x, DOT_F32: tl.constexpr):
-    """``x`` (float32) times 2^-4 in fp16 (finite up to ~1.05e6 in magnitude). On a GPU the multiply is inline PTX, as
-    in mrow's ``mrow_f16s`` (written as ``x * 0.0625`` LLVM narrows it past the cast, which then overflows first);
-    the interpreter (``DOT_F32``) multiplies in numpy."""
-    if DOT_F32:
-        y = x * 0.0625
-    else:
-        y = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3D800000;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    return y.to(tl.float16)
 
 
 @triton.jit
@@ -109,7 +96,7 @@ def route_kernel(
         hn = (xv.to(tl.float32) * rstd[:, None] * gamma[None, :]).to(hn_ptr.dtype.element_ty)  # rounded as stored
         tl.store(hn_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], hn, mask=m_mask[:, None] & km[None, :])
         if HN16:
-            tl.store(hn16_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], _scaled_f16(hn.to(tl.float32), DOT_F32),
+            tl.store(hn16_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], scaled_f16(hn.to(tl.float32), DOT_F32),
                      mask=m_mask[:, None] & km[None, :])
         logits = _dot(hn, wr, logits, DOT_F32)
     logits = logits.to(router_ptr.dtype.element_ty).to(tl.float32)  # the torch runner's logits dtype
@@ -261,7 +248,7 @@ def expert_gate_up_ws_kernel(
         u = acc_u * (row_scales(s_base, INTER + offs_n, n_mask, HAS_SCALE) * in_scale)[:, None]
         act = g / (1.0 + tl.exp(-g)) * u
         if OUT16:
-            act = _scaled_f16(act, DOT_F32)
+            act = scaled_f16(act, DOT_F32)
         row = rt * ROWS + tl.arange(0, BLOCK_R)
         ptr = act_ptr + (e * MAX_T + row[None, :]) * INTER + offs_n[:, None]
         tl.store(ptr, act, mask=valid[None, :] & n_mask[:, None])

@@ -48,6 +48,17 @@ float32 sums take their rows' scales (before the residual). At 8 rows on the H20
   merge) summing them in split order onto the residual. Meant for grids of few tiles (o_proj and down: 128 tiles of 32
   rows for 132 SMs); at 8 rows with FP8 weights it lost (o_proj 9.69 with 4 splits vs 8.68, down 24.54-26.46 with
   4-7 vs 22.68, 2026-12-03): in no table.
+- ``mrow_w8a8`` / ``mrow_w8a8b`` (W8A8, ``MMA`` 4 / 5; FP8 weights only): no weight conversion at all. The rows are
+  quantized to e4m3 in the kernel and the MMA runs FP8 x FP8 (sm_90: ``wgmma`` e4m3 where the weight tile has 64 rows
+  per warp group, else ``mma.sync`` m16n8k32 e4m3), float32 sums, the rows padded to 16 (the FP8 MMA's least N).
+  ``mrow_w8a8``: one scale per row, amax(|row|) / 448 over all of K (the prefill's per-token rule), from a pass over
+  the rows after the PDL wait (``_rows_amax``: each program reads its rows' K columns from L2 once more, before its
+  first MMA); the epilogue multiplies by weight row scale x row scale. ``mrow_w8a8b``: one scale per row and K block
+  (BLOCK_K columns, as 1 x 128 activation groups in block-scaled FP8 recipes): no pass before the loop, each K step's
+  partial sums times its block scales. Both quantize each (BLOCK_M, BLOCK_K) row tile once per program and K step
+  (multiply by the reciprocal scale, clamp, ``cvt.rn.satfinite.e4m3x2.f32``); the FP8 MMA's partial sums are added
+  into a float32 accumulator at least every 128 products (``max_num_imprecise_acc``: sm_90's FP8 MMA accumulates in
+  reduced precision). Not measured on a GPU yet, in no table (benchmarks/fp8/GPU_NOTES.md).
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
@@ -57,7 +68,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat.kernels.layer import _rope_factors, _rope_store, row_scales
+from lowlat.kernels.layer import _rope_factors, _rope_store, e4m3_rne, row_scales
 
 
 @triton.jit
@@ -88,6 +99,83 @@ def _wx(w, x, acc, MMA: tl.constexpr, DOT_F32: tl.constexpr):
     else:
         out = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     return out
+
+
+# the most FP8 products the MMA sums in its reduced-precision accumulator before a float32 add (sm_90 wgmma)
+W8A8_IMPRECISE_K = tl.constexpr(128)
+
+
+@triton.jit
+def _fp8_scale(amax):
+    """(scale, 1 / scale) of rows whose largest magnitude is ``amax``: scale = amax / 448 (IEEE-rounded, as the prefill's
+    per-token quantizer and torch), at least 1e-12 (a zero or padding row: its values stay 0, never 0 / 0)."""
+    scale = tl.maximum(tl.div_rn(amax, 448.0), 1e-12)
+    return scale, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _to_e4m3(v, SOFT_RNE: tl.constexpr):
+    """float32 ``v`` saturated to +-448 and narrowed to e4m3 (round to nearest even). ``SOFT_RNE``: rounded on the
+    bits first (``layer.e4m3_rne``: Triton's interpreter drops the carry of a rounded-up mantissa; the GPU's
+    ``cvt.rn.satfinite`` needs no help)."""
+    v = tl.clamp(v, -448.0, 448.0)
+    if SOFT_RNE:
+        v = e4m3_rne(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _rows_amax(x_ptr, norm_w_ptr, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORMED: tl.constexpr):
+    """max_k |x[m, k]| (``NORMED``: of ``x[m, k] * norm_w[k]``, the values the K loop quantizes) of the first B rows as
+    (BLOCK_M,) float32 (0 for padding rows): an elementwise running maximum over the K steps, one reduction after."""
+    run = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _rows(x_ptr, k0, B, K, BLOCK_M, BLOCK_K)
+        if NORMED:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = x * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        run = tl.maximum(run, tl.abs(x))
+    return tl.max(run, 1)
+
+
+@triton.jit
+def _w8a8_prologue(x_ptr, norm_w_ptr, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, MMA: tl.constexpr, NORMED: tl.constexpr):
+    """The rows' (scale, 1 / scale) for the K loop: ``MMA`` 4 (per row) from ``_rows_amax``; else ones (unused)."""
+    if MMA == 4:
+        xs, xinv = _fp8_scale(_rows_amax(x_ptr, norm_w_ptr, B, K, BLOCK_M, BLOCK_K, NORMED))
+    else:
+        xs = tl.full((BLOCK_M,), 1.0, tl.float32)
+        xinv = xs
+    return xs, xinv
+
+
+@triton.jit
+def _wxa(w, x, xinv, acc, MMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_wx``, or for ``MMA`` 4 / 5 (W8A8, FP8 ``w``) ``acc + w @ e4m3(x / scale).T``: 4 with the rows' scales
+    (``xinv`` = 1 / scale, (BM,); the caller multiplies the sums by the scales), 5 with this K block's scales (the
+    partial sums times them here; ``xinv`` unused). ``DOT_F32`` (the interpreter): the rounding on the bits."""
+    BK: tl.constexpr = w.shape[1]
+    IMPRECISE: tl.constexpr = W8A8_IMPRECISE_K if BK > W8A8_IMPRECISE_K else BK
+    if MMA == 4:
+        xq = _to_e4m3(x * xinv[:, None], DOT_F32)
+        out = tl.dot(w, tl.trans(xq), acc, max_num_imprecise_acc=IMPRECISE)
+    elif MMA == 5:
+        bs, binv = _fp8_scale(tl.max(tl.abs(x), 1))
+        xq = _to_e4m3(x * binv[:, None], DOT_F32)
+        out = acc + tl.dot(w, tl.trans(xq), max_num_imprecise_acc=IMPRECISE) * bs[None, :]
+    else:
+        out = _wx(w, x, acc, MMA, DOT_F32)
+    return out
+
+
+@triton.jit
+def _w8a8_epilogue(acc, xs, MMA: tl.constexpr):
+    """The per-row W8A8 sums (``MMA`` 4) times their rows' scales (``acc`` (BN, BM)); else ``acc``."""
+    if MMA == 4:
+        acc = acc * xs[None, :]
+    return acc
 
 
 @triton.jit
@@ -156,16 +244,17 @@ def _mrow_residual_tile(
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
     # FP8 weights: the sums start at zero and take their rows' scales before the residual; else the residual is the
-    # accumulator's start
-    acc = _wx(w, _rows(a_ptr, 0, B, K, BLOCK_M, BLOCK_K), tl.zeros((BLOCK_N, BLOCK_M), tl.float32) if HAS_SCALE else res,
-              MMA, DOT_F32)
+    # accumulator's start. W8A8 (MMA 4): the rows' scales first, from all of K (after the wait)
+    xs, xinv = _w8a8_prologue(a_ptr, a_ptr, B, K, BLOCK_M, BLOCK_K, MMA, False)
+    acc = _wxa(w, _rows(a_ptr, 0, B, K, BLOCK_M, BLOCK_K), xinv,
+               tl.zeros((BLOCK_N, BLOCK_M), tl.float32) if HAS_SCALE else res, MMA, DOT_F32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = _wtile(w_ptr, offs_n, n_mask, k0, K, BLOCK_K)
-        acc = _wx(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), acc, MMA, DOT_F32)
+        acc = _wxa(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), xinv, acc, MMA, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_SCALE:
-        acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None] + res
+        acc = _w8a8_epilogue(acc, xs, MMA) * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None] + res
     tl.store(out_ptrs, acc, mask=mask)
 
 
@@ -269,20 +358,21 @@ def _mrow_gate_up_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
+    xs, xinv = _w8a8_prologue(x_ptr, norm_w_ptr, B, H, BLOCK_M, BLOCK_K, MMA, True)
     xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
-    g = _wx(wg, xg, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
-    u = _wx(wu, xg, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
+    g = _wxa(wg, xg, xinv, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
+    u = _wxa(wu, xg, xinv, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
     for k0 in range(BLOCK_K, H, BLOCK_K):
         wg = _wtile(w_ptr, offs_n, n_mask, k0, H, BLOCK_K)
         wu = _wtile(w_ptr, INTER + offs_n, n_mask, k0, H, BLOCK_K)
         xg, ss = _normed_rows(x_ptr, norm_w_ptr, k0, ss, B, H, BLOCK_M, BLOCK_K)
-        g = _wx(wg, xg, g, MMA, DOT_F32)
-        u = _wx(wu, xg, u, MMA, DOT_F32)
+        g = _wxa(wg, xg, xinv, g, MMA, DOT_F32)
+        u = _wxa(wu, xg, xinv, u, MMA, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 1.0 / tl.sqrt(ss / H + eps)
-    g = g * rstd[None, :] * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None]
-    u = u * rstd[None, :] * row_scales(s_ptr, INTER + offs_n, n_mask, HAS_SCALE)[:, None]
+    g = _w8a8_epilogue(g, xs, MMA) * rstd[None, :] * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None]
+    u = _w8a8_epilogue(u, xs, MMA) * rstd[None, :] * row_scales(s_ptr, INTER + offs_n, n_mask, HAS_SCALE)[:, None]
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + offs_m[None, :] * INTER + offs_n[:, None], act, mask=n_mask[:, None] & (offs_m[None, :] < B))
 
@@ -316,16 +406,17 @@ def mrow_qkv_rope_kernel(
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
+        xs, xinv = _w8a8_prologue(x_ptr, norm_w_ptr, B, H, BLOCK_M, BLOCK_K, MMA, True)
         xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
-        acc = _wx(w, xg, tl.zeros((2 * BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
+        acc = _wxa(w, xg, xinv, tl.zeros((2 * BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
         for k0 in range(BLOCK_K, H, BLOCK_K):
             w = _wtile(w_ptr, rows, rows >= 0, k0, H, BLOCK_K)
             xg, ss = _normed_rows(x_ptr, norm_w_ptr, k0, ss, B, H, BLOCK_M, BLOCK_K)
-            acc = _wx(w, xg, acc, MMA, DOT_F32)
+            acc = _wxa(w, xg, xinv, acc, MMA, DOT_F32)
         if USE_PDL and not PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
         rstd = 1.0 / tl.sqrt(ss / H + eps)
-        acc = acc * row_scales(s_ptr, rows, rows >= 0, HAS_SCALE)[:, None]
+        acc = _w8a8_epilogue(acc, xs, MMA) * row_scales(s_ptr, rows, rows >= 0, HAS_SCALE)[:, None]
         acc1, acc2 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_P, 2, BLOCK_M)), (0, 2, 1)))
         _rope_store(tl.trans(acc1) * rstd[:, None], tl.trans(acc2) * rstd[:, None], tile,
                     cos, sin, loc, q_ptr, k_cache_ptr, v_cache_ptr, B, stride_ks, stride_kh, stride_vs, stride_vh,

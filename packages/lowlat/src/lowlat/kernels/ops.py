@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lowlat.moe import MoEShape
 
 GEMV_STAGES = ("qkv", "o_proj", "gate_up", "down")
-GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma", "mrow_f16", "mrow_f16s")
+GEMV_VARIANTS = ("dot", "rows", "mrow", "mrow_fma", "mrow_f16", "mrow_f16s", "mrow_w8a8", "mrow_w8a8b")
 PDL_RELEASES = ("auto", "early", "late")
 
 
@@ -30,8 +30,10 @@ class GemvConfig:
     """One GEMV stage's kernel and blocks. ``variant``: ``dot`` (tensor-core ``tl.dot``, batch padded to
     16 rows), ``rows`` (row-wise reduction, ``lowlat.kernels.gemv``, rows unrolled), or the multi-row kernels of
     ``lowlat.kernels.mrow`` (the weight tile as the left operand, all rows at once): ``mrow`` (tensor cores) and
-    ``mrow_fma`` (CUDA cores). For ``qkv``, ``block_n`` is the number of rotary pairs per tile (it must divide
-    head_dim / 2)."""
+    ``mrow_fma`` (CUDA cores); with FP8 weights also ``mrow_f16`` / ``mrow_f16s`` (the tiles widened to fp16) and
+    ``mrow_w8a8`` / ``mrow_w8a8b`` (the rows quantized to e4m3 per row / per row and K block, FP8 x FP8 MMA; on
+    model-dtype weights they run as ``mrow``). For ``qkv``, ``block_n`` is the number of rotary pairs per tile (it must
+    divide head_dim / 2)."""
 
     variant: str = "dot"
     block_n: int = 16
@@ -66,8 +68,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig needs num_warps, num_stages >= 1 and programs >= 0, got {self}")
         if self.vec < 0 or self.vec & (self.vec - 1):
             raise ValueError(f"GemvConfig.vec must be 0 or a power of two, got {self.vec}")
-        if self.split_k < 0 or (self.split_k > 1 and not self.multi_row):
-            raise ValueError(f"GemvConfig.split_k: 0 or a split count of a multi-row variant, got {self}")
+        if self.split_k < 0 or (self.split_k > 1 and (not self.multi_row or self.w8a8)):
+            raise ValueError(f"GemvConfig.split_k: 0 or a split count of a multi-row variant (not W8A8), got {self}")
 
     @property
     def row_wise(self) -> bool:
@@ -82,13 +84,25 @@ class GemvConfig:
     @property
     def mma(self) -> bool:
         """Whether a ``mrow`` kernel uses the tensor cores."""
-        return self.variant in ("mrow", "mrow_f16", "mrow_f16s")
+        return self.variant in ("mrow", "mrow_f16", "mrow_f16s", "mrow_w8a8", "mrow_w8a8b")
+
+    @property
+    def w8a8(self) -> bool:
+        """Whether a ``mrow`` kernel quantizes the rows to e4m3 for an FP8 x FP8 MMA (FP8 weights)."""
+        return self.variant in ("mrow_w8a8", "mrow_w8a8b")
 
     @property
     def mma_kind(self) -> int:
         """The ``mrow`` kernels' ``MMA``: 0 CUDA cores, 1 tensor cores, 2 tensor cores in fp16 for FP8 weights, 3 the
-        same with the activation rows scaled into fp16's range first (``mrow_f16s``)."""
-        return {"mrow_f16": 2, "mrow_f16s": 3}.get(self.variant, int(self.mma))
+        same with the activation rows scaled into fp16's range first (``mrow_f16s``), 4 / 5 FP8 x FP8 with the rows
+        quantized per row / per row and K block (``mrow_w8a8`` / ``mrow_w8a8b``)."""
+        return {"mrow_f16": 2, "mrow_f16s": 3, "mrow_w8a8": 4, "mrow_w8a8b": 5}.get(self.variant, int(self.mma))
+
+    def mma_for(self, fp8: bool) -> int:
+        """``mma_kind`` for a launch on FP8 (``fp8``) or model-dtype weights: W8A8 runs as ``mrow`` (1) on model-dtype
+        weights (the fp16 kinds' ``_wx`` falls back to the weights' dtype by itself)."""
+        kind = self.mma_kind
+        return kind if fp8 or kind < 4 else 1
 
 
 def _grid(tiles: int, programs: int) -> tuple[tuple[int], bool]:
@@ -150,6 +164,11 @@ class LaunchConfig:
     # tails and the attention; 0: none. H200, FP8 8B stack at batch 1 (benchmarks/RESULTS.md issue 33, 2026-12-02):
     # 70.4 us per layer without, 74.2 / 80.1 / 86.2 with 16 / 32 / 64 MiB: off (tuning.FP8_L2_PREFETCH empty)
     l2_prefetch: int = 0
+    # FP8 (e4m3) KV caches: the decode / verify attention's two dots in fp16 (``layer._attend_block``: one
+    # ``cvt.rn.f16x2.e4m3x2`` per two K / V elements, q cast once per split to fp16 times 2^-4, p to fp16, float32
+    # sums) instead of bf16 widened through float32 (``_dot``); no effect on model-dtype caches. Off until timed on a
+    # GPU (``tuning.ATTN_F16``; issues 33 / 34: rows_attention on the H200's FP8 cache 24 us per layer, bf16 12)
+    attn_f16: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -170,6 +189,7 @@ class LaunchConfig:
             )
         from lowlat.kernels.tuning import (
             tuned_attention,
+            tuned_attn_f16,
             tuned_l2_prefetch,
             tuned_pdl_release,
             tuned_table,
@@ -182,7 +202,8 @@ class LaunchConfig:
                    tuned=tuned_table(props.name, shape, fp8), pdl_release=tuned_pdl_release(props.name, shape), fp8=fp8,
                    attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe, fp8),
                    verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape, fp8),
-                   rows_attention_up_to=16, l2_prefetch=tuned_l2_prefetch(props.name, shape, fp8))
+                   rows_attention_up_to=16, l2_prefetch=tuned_l2_prefetch(props.name, shape, fp8),
+                   attn_f16=tuned_attn_f16(props.name, shape))
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:
@@ -243,8 +264,9 @@ def block_m(batch: int, device: torch.device) -> int:
 
 
 def mrow_block_m(batch: int, device: torch.device, cfg: GemvConfig) -> int:
-    """Rows of a ``mrow`` tile: the batch padded to a power of two (at least 8 for an MMA on a GPU: n = 8)."""
-    return max(8, next_pow2(batch)) if cfg.mma and device.type != "cpu" else next_pow2(batch)
+    """Rows of a ``mrow`` tile: the batch padded to a power of two (at least 8 for an MMA on a GPU: n = 8; 16 for the
+    FP8 x FP8 MMA of ``mrow_w8a8*``)."""
+    return max(16 if cfg.w8a8 else 8, next_pow2(batch)) if cfg.mma and device.type != "cpu" else next_pow2(batch)
 
 
 def num_splits(batch: int, shape: LayerShape, max_seq_len: int, lc: LaunchConfig, max_splits: int) -> int:
@@ -298,7 +320,7 @@ def qkv_rope(
         return
     if cfg.multi_row:
         common.pop("B")
-        MR.mrow_qkv_rope_kernel[grid](*args, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma_kind,
+        MR.mrow_qkv_rope_kernel[grid](*args, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma_for(scale is not None),
                                       DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
         return
     K.qkv_rope_kernel[grid](*args, BLOCK_M=block_m(b, dev), DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, **common)
@@ -317,7 +339,8 @@ def attention(
     """Split-KV decode attention of ``q`` (B, q_size) into ``out`` (B, q_size), through partials and a
     merge launch, or with ``splits == 1`` in one launch. ``counts``: int32 zeros, at least B * kv_heads of them
     (left zero again by every launch): the split program that finishes last for its row and KV head merges the
-    partials itself, one launch in all (``decode_attention_kernel``'s ``FUSED_MERGE``)."""
+    partials itself, one launch in all (``decode_attention_kernel``'s ``FUSED_MERGE``). An FP8 ``kv`` with
+    ``lc.attn_f16``: the dots in fp16 (``LaunchConfig.attn_f16``)."""
     b, dev = q.shape[0], q.device
     group = shape.group_size
     grid = (b, shape.num_kv_heads, splits)
@@ -333,7 +356,7 @@ def attention(
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
         PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, FUSED_MERGE=fused,
-        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), **_kw(dev, lc),
+        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), KV_F16=lc.attn_f16 and kv.fp8, **_kw(dev, lc),
     )
     if splits == 1 or fused:
         return  # the attention kernel wrote `out` itself
@@ -370,7 +393,7 @@ def rows_attention(
         NUM_SPLITS=splits, TARGET=2 * lc.num_sms, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS,
         BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), SKIP_EMPTY=skip,
-        **_kw(dev, lc),
+        KV_F16=lc.attn_f16 and kv.fp8, **_kw(dev, lc),
     )
     if splits == 1:
         return
@@ -430,7 +453,7 @@ def gemv_residual(
             grid, loop = (triton.cdiv(n, cfg.block_n) * split,), False
         MR.mrow_residual_kernel[grid](
             a, w, s_arg, res, out, part, counts, B=b, N=n, K=k, BLOCK_M=mrow_block_m(b, dev, cfg), BLOCK_N=cfg.block_n,
-            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma_kind, DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
+            BLOCK_K=min(cfg.block_k, next_pow2(k)), MMA=cfg.mma_for(scale is not None), DOT_F32=dev.type == "cpu" or a.dtype == torch.float32,
             HAS_RES=res is not None, USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(grid[0]), LOOP=loop,
             HAS_SCALE=scale is not None, SPLIT=split, **_kw(dev, lc, cfg=cfg),
         )
@@ -481,7 +504,7 @@ def norm_gate_up(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, act: to
                                           **_prefetch_kw(prefetch, lc, cfg), **common)
         return
     if cfg.multi_row:
-        MR.mrow_gate_up_kernel[grid](x, norm_w, w, s_arg, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma_kind,
+        MR.mrow_gate_up_kernel[grid](x, norm_w, w, s_arg, act, eps, B=b, BLOCK_M=mrow_block_m(b, dev, cfg), MMA=cfg.mma_for(scale is not None),
                                      DOT_F32=dev.type == "cpu" or x.dtype == torch.float32, HAS_SCALE=scale is not None,
                                      **common)
         return

@@ -46,11 +46,13 @@ def rows_attention_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TARGET: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, FRESH: tl.constexpr,
     BLOCK_G1: tl.constexpr = 16, BLOCK_N1: tl.constexpr = 64, SKIP_EMPTY: tl.constexpr = False,
+    KV_F16: tl.constexpr = False,
 ):
     # grid (B, KV heads, NUM_SPLITS). Query tile row m = r * BLOCK_GP + g: run row r (row b + r), head kvh * G + g.
     # One split (NUM_SPLITS == 1): the output goes straight to out_ptr; else partials for merge_splits_kernel, or with
     # SKIP_EMPTY for rows_merge_kernel: the programs of splits past the effective count return without a store, and
     # split 0's program of each run stores that count for the run's rows at used_ptr (int32, one per row).
+    # KV_F16 (an FP8 cache): both paths' dots in fp16 (layer._attend_block).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,7 +85,7 @@ def rows_attention_kernel(
                 _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, part_o_ptr, part_lse_ptr, out_ptr, b,
                               kvh, split, eff, row.to(tl.int64), tl.load(seq_lens_ptr + b), stride_rt, stride_ks,
                               stride_kh, stride_vs, stride_vh, scale, v_scale, NQ, G, D, BLOCK_G1, BLOCK_N1, NUM_SPLITS,
-                              NUM_SPLITS > 1, DOT_F32, USE_PDL, PDL_EARLY, FRESH)
+                              NUM_SPLITS > 1, DOT_F32, USE_PDL, PDL_EARLY, FRESH, KV_F16)
             else:
                 lens_r = tl.load(seq_lens_ptr + rows_r, mask=offs_r < n, other=0)
                 max_len = tl.max(lens_r, 0)
@@ -103,7 +105,7 @@ def rows_attention_kernel(
                               (b + r_m) * (NQ * D) + heads * D, m_ok, (b + r_m) * NQ + heads, lim, row.to(tl.int64), kvh,
                               split, start, end, max_len - FRESH, stride_rt, stride_ks, stride_kh, stride_vs, stride_vh,
                               scale, v_scale, D, BLOCK_N, NUM_SPLITS, NUM_SPLITS > 1, DOT_F32, True, USE_PDL,
-                              PDL_EARLY)
+                              PDL_EARLY, True, KV_F16)
 
 
 @triton.jit

@@ -103,6 +103,13 @@ FP8_L2_PREFETCH: dict[tuple[str, ShapeKey], int] = {
 }
 
 
+# FP8 (e4m3) KV caches: (GPU name, shape) -> LaunchConfig.attn_f16 (the decode / verify attention's dots in fp16
+# instead of bf16 widened through float32) where measured faster. None yet: sm_90 PTX read only (issues 33 / 34,
+# benchmarks/fp8/GPU_NOTES.md "fp16 attention on FP8 caches"; bench_verify_step.py --attn-kv fp8 times both)
+ATTN_F16: dict[tuple[str, ShapeKey], bool] = {
+}
+
+
 # (GPU name, shape) -> ((max batch, decode attention block_n), ...) (LaunchConfig.attn_tuned): bench_gemv's
 # attention sweep, context 512, H200 2026-11-30 (benchmarks/RESULTS.md): block 32 at batch 1 (8B 5.04 us vs
 # 6.20 with 64; SmolLM2 3.45 vs 3.95), 128 from batch 4 (8B 7.46 / 10.38 us vs 8.11 / 11.82 at batches 4 / 8)
@@ -203,6 +210,12 @@ def tuned_l2_prefetch(device_name: str, shape: LayerShape, fp8: bool = False) ->
     """The measured L2 prefetch of the row-wise GEMV launches for this GPU and shape (``FP8_L2_PREFETCH`` with FP8
     weights), else 0 (none)."""
     return FP8_L2_PREFETCH.get((device_name, shape_key(shape)), 0) if fp8 else 0
+
+
+def tuned_attn_f16(device_name: str, shape: LayerShape) -> bool:
+    """Whether the attention on FP8 KV caches runs its dots in fp16 on this GPU and shape (``ATTN_F16``), else
+    False (``LaunchConfig.attn_f16``)."""
+    return ATTN_F16.get((device_name, shape_key(shape)), False)
 
 
 def tuned_pdl_release(device_name: str, shape: LayerShape) -> str:
