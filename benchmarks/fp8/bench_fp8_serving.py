@@ -14,7 +14,8 @@ Settings: `bf16` (the model dtype everywhere), `fp8` (`--quantization fp8 --kv-c
 fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (FP8 weights only);
 `bf16+plugin` / `fp8+plugin`: the same with `--lowlat-plugins auto` (the nvidia plugin's decode steps,
 counted from `/get_server_info`); `fp8+plugin-all`: `auto+all-batches` (the plugin at every batch it covers, also
-above its measured coverage).
+above its measured coverage). A `+lmhead` suffix on an FP8 setting adds `--quantize-lm-head` (the LM head FP8 too,
+per row: opt-in, it changes the logits), e.g. `fp8-default+lmhead`.
 
     python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
         --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
@@ -48,6 +49,8 @@ SETTINGS = {
     "fp8+plugin": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto"],
     "fp8+plugin-all": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--lowlat-plugins", "auto+all-batches"],
 }
+SETTINGS.update({name + "+lmhead": [*args, "--quantize-lm-head"] for name, args in list(SETTINGS.items())
+                 if "--quantization" in args})
 
 
 def find_stats(obj: Any, prefix: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ before a device call:
     pip install --no-deps --target DIR triton==3.6.0
     PYTHONPATH=DIR python benchmarks/gpu/compile_check.py
 
-Groups: `fp8_quant` (the per-token FP8 quantizers), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
+Groups: `fp8_quant` (the per-token FP8 quantizers), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
+`--quantize-lm-head`, and the 8B decoder projections', 1-16 rows, the launches `config_for` chooses), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
 prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
 case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
 compiles every captured launch with its arguments specialized as at run time (`ptx_mix.compile_launch`). Prints one
@@ -65,6 +66,24 @@ def fp8_quant_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
         cases[f"rmsnorm_quantize_fp8 residual={residual}"] = captured(
             FQ, kernels, lambda r=residual: FQ.rmsnorm_quantize_fp8(_t(4096, 4096), _t(4096), 1e-5,
                                                                       _t(4096, 4096) if r else None))
+    return cases
+
+
+def fp8_gemv_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    import lmserver.kernels.fp8_gemv as FG
+
+    kernels = ("_fp8_gemv_rows_kernel", "_fp8_gemv_dot_kernel")
+    cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
+    # (K, N): the LM heads of Llama-3-8B, Mixtral-8x7B and SmolLM2-135M, then the 8B decoder projections; the launch
+    # is config_for's on the H200 (TUNED entries, else the default rule)
+    shapes = {"lm_head 8b": (4096, 128256), "lm_head mixtral": (4096, 32000), "lm_head smollm2": (576, 49152),
+              "qkv 8b": (4096, 6144), "down 8b": (14336, 4096)}
+    for name, (k, n) in shapes.items():
+        for m in (1, 2, 8, 16):
+            cfg = FG._config_for(m, k, n, "NVIDIA H200")
+            cases[f"fp8_gemv {name} M={m} {cfg.variant}"] = captured(
+                FG, kernels, lambda m=m, k=k, n=n, cfg=cfg: FG.fp8_gemv(_t(m, k), _t(n, k, dtype=torch.float8_e4m3fn),
+                                                                      _t(n, 1, dtype=F32), k, config=cfg))
     return cases
 
 
@@ -143,7 +162,7 @@ def lowlat_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     return cases
 
 
-GROUPS = {"fp8_quant": fp8_quant_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases,
+GROUPS = {"fp8_quant": fp8_quant_cases, "fp8_gemv": fp8_gemv_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases,
           "lowlat_moe": lowlat_moe_cases}
 
 
