@@ -84,11 +84,12 @@ def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch
 
 def _check(out: torch.Tensor, want_q: torch.Tensor, want_x: torch.Tensor) -> None:
     """``out`` within TOL_Q of the quantized-rows oracle and within TOL_X of the unquantized one, and (interpreter)
-    closer to the first by 100x: the rows were quantized, as the oracle quantizes them."""
+    closer to the first by 100x where quantizing made a difference (not for a row dominated by one exact outlier):
+    the rows were quantized, as the oracle quantizes them."""
     err_q, err_x = _rel(out, want_q), _rel(out, want_x)
     assert err_q < TOL_Q, (err_q, err_x)
     assert err_x < TOL_X, (err_q, err_x)
-    if not GPU:
+    if not GPU and err_x > 1e-3:
         assert err_q * 100 < err_x, (err_q, err_x)
 
 
@@ -203,7 +204,7 @@ def test_w8a8_qkv_rope_kv_write_matches_quantized_oracle(variant: str, rows: int
 
 def test_w8a8_on_model_dtype_weights_runs_the_mrow_kernel() -> None:
     """A W8A8 entry on model-dtype weights has nothing to quantize against: the launch runs ``mrow`` (``MMA`` 1), as
-    exact as the model-dtype kernels; W8A8 never splits K."""
+    exact as the model-dtype kernels."""
     g = _gen(70)
     cfg = _cfg("mrow_w8a8", "down", (16, 32))
     assert cfg.mma_for(False) == 1 and cfg.mma_for(True) == 4
@@ -213,5 +214,28 @@ def test_w8a8_on_model_dtype_weights_runs_the_mrow_kernel() -> None:
     out = torch.full((3, n), float("nan"), device=DEVICE, dtype=DTYPE)
     ops.gemv_residual(a, w, None, out, _lc("down", cfg), stage="down")
     assert _rel(out, a.double() @ w.double().T) < (2e-2 if GPU else 1e-5)
-    with pytest.raises(ValueError, match="split_k"):
-        ops.GemvConfig("mrow_w8a8", 32, 256, split_k=2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_w8a8_split_k_matches_quantized_oracle(variant: str) -> None:
+    """o_proj / down split over K (``GemvConfig.split_k``: more programs for 64-row tiles) against the oracle, twice
+    on one workspace (the counters zero again after each launch): ``mrow_w8a8``'s splits all take the rows' scales
+    from all of K, ``mrow_w8a8b``'s blocks are the splits' K blocks."""
+    g = _gen(80)
+    split = 3 if not GPU else 2
+    bn, bk, nw, ns = (16, 32, 4, 3) if not GPU else (64, 256, 4, 3)
+    cfg = ops.GemvConfig(variant, bn, bk, nw, ns, split_k=split)
+    n, k = (40, split * bk * 2) if not GPU else (4096, 14336)
+    assert ops.split_k_of(cfg, k) == split
+    w, scale, wd = _fp8_weight(n, k, g)
+    part = torch.full((split * 8 * n,), float("nan"), device=DEVICE)
+    counts = torch.zeros(-(-n // bn), device=DEVICE, dtype=torch.int32)
+    for rows in (8, 3):
+        a = (torch.randn(rows, k, generator=g) * torch.logspace(0, 4, rows)[:, None]).to(DEVICE, DTYPE)
+        res = torch.randn(rows, n, generator=g).to(DEVICE, DTYPE)
+        out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=DTYPE)
+        ops.gemv_residual(a, w, res, out, _lc("down", cfg), stage="down", scale=scale, split_ws=(part, counts))
+        for row in range(rows):  # rows of 1 .. 1e4: each on its own (the residual is noise for the large ones)
+            _check(out[row] - res[row], quantized_rows(a, _group(cfg, k))[row] @ wd.T,
+                   a[row].double() @ wd.T)
+        assert int(counts.abs().sum()) == 0

@@ -53,12 +53,16 @@ float32 sums take their rows' scales (before the residual). At 8 rows on the H20
   per warp group, else ``mma.sync`` m16n8k32 e4m3), float32 sums, the rows padded to 16 (the FP8 MMA's least N).
   ``mrow_w8a8``: one scale per row, amax(|row|) / 448 over all of K (the prefill's per-token rule), from a pass over
   the rows after the PDL wait (``_rows_amax``: each program reads its rows' K columns from L2 once more, before its
-  first MMA); the epilogue multiplies by weight row scale x row scale. ``mrow_w8a8b``: one scale per row and K block
+  first MMA, pipelined through shared memory; sm_90 PTX: 8 ``cp.async`` of 16 bytes per thread and step of 8,192
+  elements, two barriers per step); the epilogue multiplies by weight row scale x row scale. ``mrow_w8a8b``: one scale per row and K block
   (BLOCK_K columns, as 1 x 128 activation groups in block-scaled FP8 recipes): no pass before the loop, each K step's
   partial sums times its block scales. Both quantize each (BLOCK_M, BLOCK_K) row tile once per program and K step
   (multiply by the reciprocal scale, clamp, ``cvt.rn.satfinite.e4m3x2.f32``); the FP8 MMA's partial sums are added
   into a float32 accumulator at least every 128 products (``max_num_imprecise_acc``: sm_90's FP8 MMA accumulates in
-  reduced precision). Not measured on a GPU yet, in no table (benchmarks/fp8/GPU_NOTES.md).
+  reduced precision). sm_90's ``wgmma`` needs 64 weight rows per warp group: with fewer (``block_n`` 32 at 4 warps)
+  Triton 3.6 / 3.9 fall back to ``mma.sync`` with both operands widened to fp16 (``cvt.rn.f16x2.e4m3x2``): no W8A8 gain.
+  Split-K (``split_k``) fills the GPU with 64-row tiles (o_proj / down: 64 tiles for 132 SMs). Not measured on a GPU
+  yet, in no table (benchmarks/fp8/GPU_NOTES.md).
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
@@ -124,27 +128,39 @@ def _to_e4m3(v, SOFT_RNE: tl.constexpr):
     return v.to(tl.float8e4nv)
 
 
+# the W8A8 per-row pass (``_rows_amax``): elements of the rows per load step (16 KB of bf16: 64 per thread at 4 warps)
+AMAX_ELEMS = tl.constexpr(8192)
+
+
 @triton.jit
-def _rows_amax(x_ptr, norm_w_ptr, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               NORMED: tl.constexpr):
+def _rows_amax(x_ptr, norm_w_ptr, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, NORMED: tl.constexpr):
     """max_k |x[m, k]| (``NORMED``: of ``x[m, k] * norm_w[k]``, the values the K loop quantizes) of the first B rows as
-    (BLOCK_M,) float32 (0 for padding rows): an elementwise running maximum over the K steps, one reduction after."""
-    run = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = _rows(x_ptr, k0, B, K, BLOCK_M, BLOCK_K)
+    (BLOCK_M,) float32 (0 for padding rows). Steps of AMAX_ELEMS elements over only the B rows (padded to a power of
+    two, not to the MMA's 16), software-pipelined (``tl.range`` stages): the pass is on the launch's critical path,
+    between the PDL wait and the first MMA."""
+    RP: tl.constexpr = 1 if B == 1 else (2 if B <= 2 else (4 if B <= 4 else (8 if B <= 8 else BLOCK_M)))
+    AK: tl.constexpr = AMAX_ELEMS // RP
+    offs_m = tl.arange(0, RP)
+    amax = tl.zeros((RP,), tl.float32)
+    for k0 in tl.range(0, K, AK, num_stages=4):
+        offs_k = k0 + tl.arange(0, AK)
+        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < B) & (offs_k[None, :] < K),
+                    other=0.0).to(tl.float32)
         if NORMED:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
             x = x * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
-        run = tl.maximum(run, tl.abs(x))
-    return tl.max(run, 1)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+    out = tl.zeros((BLOCK_M,), tl.float32)
+    for m in tl.static_range(RP):  # (RP,) -> (BLOCK_M,): one select per row (RP <= BLOCK_M)
+        out = tl.where(tl.arange(0, BLOCK_M) == m, tl.max(tl.where(offs_m == m, amax, 0.0), 0), out)
+    return out
 
 
 @triton.jit
-def _w8a8_prologue(x_ptr, norm_w_ptr, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_K: tl.constexpr, MMA: tl.constexpr, NORMED: tl.constexpr):
+def _w8a8_prologue(x_ptr, norm_w_ptr, B: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, MMA: tl.constexpr,
+                   NORMED: tl.constexpr):
     """The rows' (scale, 1 / scale) for the K loop: ``MMA`` 4 (per row) from ``_rows_amax``; else ones (unused)."""
     if MMA == 4:
-        xs, xinv = _fp8_scale(_rows_amax(x_ptr, norm_w_ptr, B, K, BLOCK_M, BLOCK_K, NORMED))
+        xs, xinv = _fp8_scale(_rows_amax(x_ptr, norm_w_ptr, B, K, BLOCK_M, NORMED))
     else:
         xs = tl.full((BLOCK_M,), 1.0, tl.float32)
         xinv = xs
@@ -245,7 +261,7 @@ def _mrow_residual_tile(
             tl.extra.cuda.gdc_launch_dependents()
     # FP8 weights: the sums start at zero and take their rows' scales before the residual; else the residual is the
     # accumulator's start. W8A8 (MMA 4): the rows' scales first, from all of K (after the wait)
-    xs, xinv = _w8a8_prologue(a_ptr, a_ptr, B, K, BLOCK_M, BLOCK_K, MMA, False)
+    xs, xinv = _w8a8_prologue(a_ptr, a_ptr, B, K, BLOCK_M, MMA, False)
     acc = _wxa(w, _rows(a_ptr, 0, B, K, BLOCK_M, BLOCK_K), xinv,
                tl.zeros((BLOCK_N, BLOCK_M), tl.float32) if HAS_SCALE else res, MMA, DOT_F32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -279,13 +295,16 @@ def _mrow_residual_split(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    acc = _wx(w, _rows(a_ptr, k_lo, B, K, BLOCK_M, BLOCK_K), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
+    # W8A8 (MMA 4): every split's rows' scales from all of K (the same scales in every split)
+    xs, xinv = _w8a8_prologue(a_ptr, a_ptr, B, K, BLOCK_M, MMA, False)
+    acc = _wxa(w, _rows(a_ptr, k_lo, B, K, BLOCK_M, BLOCK_K), xinv, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA,
+               DOT_F32)
     for k0 in range(k_lo + BLOCK_K, k_lo + KS, BLOCK_K):
         w = _wtile(w_ptr, offs_n, n_mask, k0, K, BLOCK_K)
-        acc = _wx(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), acc, MMA, DOT_F32)
+        acc = _wxa(w, _rows(a_ptr, k0, B, K, BLOCK_M, BLOCK_K), xinv, acc, MMA, DOT_F32)
     if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    acc = acc * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None]
+    acc = _w8a8_epilogue(acc, xs, MMA) * row_scales(s_ptr, offs_n, n_mask, HAS_SCALE)[:, None]
     tl.store(part_ptr + (split * B + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
     _split_finish(count_ptr + tile, part_ptr, res_ptr, out_ptr, offs_m, offs_n, mask, B, N, HAS_RES, SPLIT)
 
@@ -358,7 +377,7 @@ def _mrow_gate_up_tile(
         tl.extra.cuda.gdc_wait()
         if PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-    xs, xinv = _w8a8_prologue(x_ptr, norm_w_ptr, B, H, BLOCK_M, BLOCK_K, MMA, True)
+    xs, xinv = _w8a8_prologue(x_ptr, norm_w_ptr, B, H, BLOCK_M, MMA, True)
     xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
     g = _wxa(wg, xg, xinv, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
     u = _wxa(wu, xg, xinv, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), MMA, DOT_F32)
@@ -406,7 +425,7 @@ def mrow_qkv_rope_kernel(
             tl.extra.cuda.gdc_wait()
             if PDL_EARLY:
                 tl.extra.cuda.gdc_launch_dependents()
-        xs, xinv = _w8a8_prologue(x_ptr, norm_w_ptr, B, H, BLOCK_M, BLOCK_K, MMA, True)
+        xs, xinv = _w8a8_prologue(x_ptr, norm_w_ptr, B, H, BLOCK_M, MMA, True)
         xg, ss = _normed_rows(x_ptr, norm_w_ptr, 0, tl.zeros((BLOCK_M,), tl.float32), B, H, BLOCK_M, BLOCK_K)
         acc = _wxa(w, xg, xinv, tl.zeros((2 * BLOCK_P, BLOCK_M), tl.float32), MMA, DOT_F32)
         for k0 in range(BLOCK_K, H, BLOCK_K):

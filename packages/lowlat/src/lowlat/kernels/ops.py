@@ -68,8 +68,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig needs num_warps, num_stages >= 1 and programs >= 0, got {self}")
         if self.vec < 0 or self.vec & (self.vec - 1):
             raise ValueError(f"GemvConfig.vec must be 0 or a power of two, got {self.vec}")
-        if self.split_k < 0 or (self.split_k > 1 and (not self.multi_row or self.w8a8)):
-            raise ValueError(f"GemvConfig.split_k: 0 or a split count of a multi-row variant (not W8A8), got {self}")
+        if self.split_k < 0 or (self.split_k > 1 and not self.multi_row):
+            raise ValueError(f"GemvConfig.split_k: 0 or a split count of a multi-row variant, got {self}")
 
     @property
     def row_wise(self) -> bool:
