@@ -10,7 +10,8 @@ before a device call:
 
 Groups: `fp8_quant` (the per-token FP8 quantizers), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
 `--quantize-lm-head`, and the 8B decoder projections', 1-16 rows, the launches `config_for` chooses), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
-prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
+prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows; the attention also as verify rows, with
+`LaunchConfig.attn_f16` on and off, KV blocks tuned and 64), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
 case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
 compiles every captured launch with its arguments specialized as at run time (`ptx_mix.compile_launch`). Prints one
 line per launch and exits 1 if any fails to compile. Says nothing about speed or numerics.
@@ -131,6 +132,18 @@ def lowlat_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     for batch in (1, 8):
         for stage in ("qkv", "attention", "o_proj", "gate_up", "down"):
             cases[f"lowlat {stage} fp8 batch={batch}"] = capture(stage, shape, batch, lc, fp8=True)
+    # the attention on the FP8 cache, per-row and verify-rows kernels (at 8 rows: a verify step of 6 + 2 padding rows
+    # compiles the same code), with its dots widened to bf16 or in fp16 (LaunchConfig.attn_f16), at the tuned KV blocks
+    # and at 64 (issues 33 / 34)
+    for f16 in (False, True):
+        for block in (0, 64):
+            alc = replace(lc, attn_f16=f16, attn_tuned=((1 << 30, block),) if block else lc.attn_tuned)
+            for batch in (1, 8):
+                for stage in ("attention", "rows_attention"):
+                    if stage == "attention" and not f16 and not block:
+                        continue  # above
+                    name = f"lowlat {stage} fp8 {'attn-f16' if f16 else 'attn-bf16'}{f' block {block}' if block else ''}"
+                    cases[f"{name} batch={batch}"] = capture(stage, shape, batch, alc, fp8=True)
     return cases
 
 

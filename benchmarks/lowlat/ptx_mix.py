@@ -3,12 +3,19 @@
     python benchmarks/lowlat/ptx_mix.py [--shape llama3-8b] [--batches 1,4] [--stages qkv,o_proj,gate_up,down]
                                         [--gpu "NVIDIA H200"] [--arch 90] [--dump DIR] [--fp8]
                                         [--configs [stage=]variant:block_n:block_k:warps:stages,...] [--regs]
+                                        [--attn-f16 off|on|both] [--attn-block N]
 
 ``--fp8``: FP8 e4m3 projections with per-row scales and an FP8 KV cache (the FP8 table, where one exists).
 ``--configs``: these GEMV configs instead of the table's (bench_gemv's syntax; one line per config and batch), e.g. the
 W8A8 multi-row kernels (``mrow_w8a8`` / ``mrow_w8a8b``: ``mma.e4m3`` counts FP8 x FP8 MMAs, ``cvt.f32>e4m3`` the row
 quantization's conversions, ``cvt.e4m3>f16`` the weight widening of ``mrow_f16*``). ``--regs``: registers and spill
 stores per thread from the cubin (``cuobjdump -res-usage`` of Triton's wheel).
+Stages ``attention`` (``ops.attention``, the per-row decode kernel) and ``rows_attention`` (``ops.rows_attention``,
+the verify-rows kernel: at batch 8 a verify step of 6 rows + 2 padding rows compiles the same code). ``--attn-f16``:
+their dots on an FP8 cache in fp16 (``LaunchConfig.attn_f16``; ``both``: each attention launch with and without,
+labelled ``attn-f16`` / ``attn-bf16``): ``cvt.e4m3>f16`` then counts the K / V widening (one per two elements),
+``cvt.bf16.f16`` the second conversion of the bf16 path, ``mul 2^-4`` / ``cvt.f32>f16`` q's scaling and cast.
+``--attn-block``: the attention's KV block at every batch instead of the tuned ones (``LaunchConfig.attn_tuned``).
 
 Each stage is launched through its real `lowlat.kernels.ops` launcher on `meta` tensors of the layer's shapes,
 with the per-stage configs of `lowlat.kernels.tuning` for `--gpu`; the launch is captured instead of run, the
@@ -40,12 +47,15 @@ from lowlat.kernels import gemv as GV  # noqa: E402
 from lowlat.kernels import layer as K  # noqa: E402
 from lowlat.kernels import mrow as MR  # noqa: E402
 from lowlat.kernels import ops  # noqa: E402
+from lowlat.kernels import rows_attn as RA  # noqa: E402
 from lowlat.kernels.tuning import tuned_attention, tuned_pdl_release, tuned_table  # noqa: E402
 from lowlat.layer import ForwardMeta, LayerShape, LayerWeights  # noqa: E402
 
 KERNELS = ("qkv_rope_kernel", "gemv_residual_kernel", "norm_gate_up_kernel", "decode_attention_kernel",
            "merge_splits_kernel", "qkv_rope_rows_kernel", "gemv_rows_residual_kernel", "norm_gate_up_rows_kernel",
-           "mrow_residual_kernel", "mrow_gate_up_kernel", "mrow_qkv_rope_kernel")
+           "mrow_residual_kernel", "mrow_gate_up_kernel", "mrow_qkv_rope_kernel", "rows_attention_kernel",
+           "rows_merge_kernel")
+ATTENTION_STAGES = ("attention", "rows_attention")
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 COUNTED = [
     ("ldg.v4", r"ld\.global(\.[a-z]+)*\.v4"), ("ldg.v2", r"ld\.global(\.[a-z]+)*\.v2"),
@@ -54,6 +64,8 @@ COUNTED = [
     ("bar.sync", r"bar\.sync"), ("pdl", r"griddepcontrol"), ("cvt.fp8", r"cvt\.[a-z0-9.]*e4m3"),
     ("mma.e4m3", r"(mma\.sync|wgmma)\S*e4m3"), ("cvt.f32>e4m3", r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
     ("cvt.e4m3>f16", r"cvt\.rn\.f16x2\.e4m3x2"), ("div.rn", r"div\.rn\.f32"),
+    ("cvt.bf16.f16", r"cvt\.bf16\.f16"), ("cvt.f32>f16", r"cvt\.rn\.f16(x2)?\.f32"),
+    ("mul 2^-4", r"mul\.rn\.f32 \S+, \S+, 0f3D800000"),
 ]
 
 
@@ -78,7 +90,7 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig, fp8
         return torch.empty(*size, device=dev, dtype=dtype)
 
     sink: list[tuple[Any, tuple, dict]] = []
-    saved = {(mod, name): getattr(mod, name) for mod in (K, GV, MR) for name in KERNELS if hasattr(mod, name)}
+    saved = {(mod, name): getattr(mod, name) for mod in (K, GV, MR, RA) for name in KERNELS if hasattr(mod, name)}
     for (mod, name), fn in saved.items():
         setattr(mod, name, Captured(fn, sink))
     try:
@@ -99,6 +111,10 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig, fp8
             splits = ops.num_splits(batch, shape, ctx, lc, 16)
             part_o, part_lse = t(batch, shape.num_heads, 16, shape.head_dim, dtype=f32), t(batch, shape.num_heads, 16, dtype=f32)
             ops.attention(a_q, kv, meta, part_o, part_lse, t(batch, shape.q_size), shape, lc, splits)
+        elif stage == "rows_attention":  # the stack's launch (its per-row split count)
+            splits = ops.num_splits(batch, shape, ctx, lc, 16)
+            part_o, part_lse = t(batch, shape.num_heads, 16, shape.head_dim, dtype=f32), t(batch, shape.num_heads, 16, dtype=f32)
+            ops.rows_attention(a_q, kv, meta, part_o, part_lse, t(batch, shape.q_size), shape, lc, splits)
         elif stage == "o_proj":
             ops.gemv_residual(a_q, w.o_proj, x, t(batch, h), lc, stage="o_proj", scale=w.o_proj_scale)
         elif stage == "gate_up":
@@ -178,6 +194,9 @@ def main() -> None:
                     help="the variant of every tuned mrow_f16 entry (mrow_f16s: rows scaled into fp16's range)")
     ap.add_argument("--configs", default="", help="GEMV configs instead of the table's (bench_gemv.py --configs syntax)")
     ap.add_argument("--regs", action="store_true", help="registers / stack (spill) bytes per thread from the cubin")
+    ap.add_argument("--attn-f16", default="off", choices=["off", "on", "both"],
+                    help="the attention stages' dots on FP8 caches in fp16 (LaunchConfig.attn_f16); both: each way")
+    ap.add_argument("--attn-block", type=int, default=0, help="the attention's KV block at every batch (0: tuned)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     tuned = tuned_table(args.gpu, shape, args.fp8)
@@ -189,6 +208,8 @@ def main() -> None:
     lc = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132, tuned=tuned,
                           pdl_release=tuned_pdl_release(args.gpu, shape), attn_tuned=tuned_attention(args.gpu, shape),
                           fp8=args.fp8)
+    if args.attn_block:
+        lc = replace(lc, attn_tuned=((1 << 30, args.attn_block),))
     names = [n for n, _ in COUNTED]
     print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>24s} {'ptx':>5s} {'smem':>6s} " +
           ("regs/stk " if args.regs else "") + " ".join(f"{n:>8.8s}" for n in names))
@@ -196,15 +217,21 @@ def main() -> None:
         for stage in args.stages.split(","):
             # --configs: each of the stage's configs in turn (the table's entry otherwise)
             stage_lcs = [replace(lc, tuned=((stage, 1 << 30, cfg),)) for cfg in configs_from_arg(args.configs)(stage)]
-            for slc in stage_lcs if args.configs and stage in ops.GEMV_STAGES else [lc]:
+            if stage in ATTENTION_STAGES:  # --attn-f16: the attention with its fp16 dots, or both ways
+                stage_lcs = [replace(lc, attn_f16=f16) for f16 in {"off": [False], "on": [True],
+                                                                    "both": [False, True]}[args.attn_f16]]
+            for slc in stage_lcs if (args.configs and stage in ops.GEMV_STAGES) or stage in ATTENTION_STAGES else [lc]:
                 for fn, largs, kwargs in capture(stage, shape, b, slc, args.fp8):
                     cfg = slc.gemv_config(stage, b) if stage in ops.GEMV_STAGES else None
                     label = f"{cfg.variant} {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}" if cfg else "-"
+                    if stage in ATTENTION_STAGES:
+                        label = "attn-f16" if slc.attn_f16 else "attn-bf16"
                     kernel = compile_launch(fn, largs, kwargs, args.arch)
                     ptx = kernel.asm["ptx"]
                     if args.dump:
                         Path(args.dump).mkdir(parents=True, exist_ok=True)
                         tag = f"_{cfg.variant}_{cfg.block_n}x{cfg.block_k}" if cfg and args.configs else ""
+                        tag = f"_{label}" if stage in ATTENTION_STAGES else tag
                         (Path(args.dump) / f"{stage}_b{b}{tag}_{fn.__name__}.ptx").write_text(ptx)
                     counts = mix(ptx)
                     regs = f"{res_usage(kernel.asm['cubin']):>8s} " if args.regs else ""
