@@ -11,7 +11,8 @@ before a device call:
 Groups: `fp8_quant` (the per-token FP8 quantizers), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
 `--quantize-lm-head`, and the 8B decoder projections', 1-16 rows, the launches `config_for` chooses), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
 prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows; the attention also as verify rows, with
-`LaunchConfig.attn_f16` on and off, KV blocks tuned and 64), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
+`LaunchConfig.attn_f16` on and off, KV blocks tuned and 64), `lowlat_w8a8` (the W8A8 multi-row
+candidates of benchmarks/fp8/device_fp8_w8a8.sh at 2-16 rows), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
 case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
 compiles every captured launch with its arguments specialized as at run time (`ptx_mix.compile_launch`). Prints one
 line per launch and exits 1 if any fails to compile. Says nothing about speed or numerics.
@@ -147,6 +148,26 @@ def lowlat_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     return cases
 
 
+def lowlat_w8a8_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    """The W8A8 multi-row GEMV launches (``mrow_w8a8`` / ``mrow_w8a8b``) the device sweep times: each candidate of
+    ``W8A8_SWEEP`` at 8 rows, the first of each stage also at 2, 6 and 16 (a compile per row count)."""
+    from ptx_mix import SHAPES, capture
+    from w8a8_sweep import W8A8_SWEEP
+
+    from lowlat.kernels import ops
+
+    shape = SHAPES["llama3-8b"]
+    base = ops.LaunchConfig(use_pdl=True, qkv_block_p=min(16, shape.head_dim // 2), num_sms=132, fp8=True)
+    cases: dict[str, list[tuple[Any, tuple, dict]]] = {}
+    for stage, cfgs in W8A8_SWEEP.items():
+        for j, cfg in enumerate(cfgs):
+            lc = replace(base, tuned=((stage, 16, cfg),))
+            for batch in (8,) if j else (2, 6, 8, 16):
+                cases[f"lowlat {stage} {cfg.variant} {cfg.block_n}x{cfg.block_k} split {cfg.split_k} batch={batch}"] = (
+                    capture(stage, shape, batch, lc, fp8=True))
+    return cases
+
+
 def lowlat_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     """The lowlat MoE stack's MLP half (``moe_ops.moe_mlp``: route, expert gate-up, expert down, combine) at
     Mixtral-8x7B's layer, bf16 and FP8 experts, with the H200's expert tiles (``moe_ops.expert_configs``)."""
@@ -176,7 +197,7 @@ def lowlat_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
 
 
 GROUPS = {"fp8_quant": fp8_quant_cases, "fp8_gemv": fp8_gemv_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases,
-          "lowlat_moe": lowlat_moe_cases}
+          "lowlat_w8a8": lowlat_w8a8_cases, "lowlat_moe": lowlat_moe_cases}
 
 
 def main() -> int:

@@ -12,7 +12,11 @@ the stages against the bandwidth floor, and the ``lowlat.kernels.tuning.TABLES``
 
 ``--fp8``: the layers' projections in FP8 e4m3 with per-row scales (``lowlat.quantize_layer_fp8``), checked against
 the dequantized weights; cuBLAS then runs on bf16 copies of the dequantized weights (the bf16 path's time), and the
-entries printed are for ``lowlat.kernels.tuning.FP8_TABLES``.
+entries printed are for ``lowlat.kernels.tuning.FP8_TABLES``. With ``--fp8`` each GEMV stage also times
+``torch._scaled_mm`` (cuBLASLt W8A8, the outside baseline of the W8A8 kernels ``mrow_w8a8*``) on the FP8 weights of
+all the layers: the rows quantized per token beforehand (e4m3, float32 scales (M, 1); not timed), M padded to 16 rows,
+the weights' per-row scales (1, N), bf16 out; the GEMM only (no norm, RoPE, SiLU or residual). A last table gives
+each stage's best time per variant (row-wise, ``mrow_f16s``, ``mrow_w8a8``, ``mrow_w8a8b``, cuBLAS, ``scaled_mm``).
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ def candidates(stage: str, fp8: bool = False) -> list[ops.GemvConfig]:
 
 
 def configs_from_arg(text: str) -> Any:
-    """``--configs``: a per-stage candidate list from ``[stage=]variant:block_n:block_k:warps:stages`` entries."""
-    entries: list[tuple[str, ops.GemvConfig]] = []
+    """``--configs``: a per-stage candidate list from ``[B@][stage=]variant:block_n:block_k:warps:stages`` entries
+    (``B@``: at batch B only); the returned ``cands(stage, batch=0)`` gives a stage's configs at ``batch`` (0: all)."""
+    entries: list[tuple[str, ops.GemvConfig, int]] = []
     for item in filter(None, text.split(",")):
+        only_b, _, item = item.rpartition("@")
         stage, _, spec = item.rpartition("=")
         variant, *nums = spec.split(":")
         if len(nums) not in (4, 5, 6, 7):
@@ -71,10 +77,10 @@ def configs_from_arg(text: str) -> Any:
         vals = [int(v) for v in nums]
         entries.append((stage, ops.GemvConfig(variant, *vals[:4], vec=vals[4] if len(vals) >= 5 else 0,
                                               acc2d=len(vals) >= 6 and vals[5] == 1,
-                                              split_k=vals[6] if len(vals) == 7 else 0)))
+                                              split_k=vals[6] if len(vals) == 7 else 0), int(only_b or 0)))
 
-    def cands(stage: str) -> list[ops.GemvConfig]:
-        return [cfg for only, cfg in entries if only in ("", stage)]
+    def cands(stage: str, batch: int = 0) -> list[ops.GemvConfig]:
+        return [cfg for only, cfg, b in entries if only in ("", stage) and (not batch or b in (0, batch))]
     return cands
 
 
@@ -101,7 +107,7 @@ def main() -> None:
     dev, bf16, shape = torch.device("cuda"), torch.bfloat16, SHAPES[args.shape]
     timer = time_graph
 
-    def cands(stage: str) -> list[ops.GemvConfig]:
+    def cands(stage: str, batch: int = 0) -> list[ops.GemvConfig]:
         return candidates(stage, args.fp8)
     if args.configs:
         cands = configs_from_arg(args.configs)
@@ -114,7 +120,7 @@ def main() -> None:
             fn()
             return (time.perf_counter() - t) * 1e6
 
-        def cands(stage: str) -> list[ops.GemvConfig]:
+        def cands(stage: str, batch: int = 0) -> list[ops.GemvConfig]:
             first: dict[str, ops.GemvConfig] = {}  # the first candidate of each variant
             for c in candidates(stage):
                 first.setdefault(c.variant, c)
@@ -205,11 +211,33 @@ def main() -> None:
         def timed(fn: Any) -> float:
             return timer(lambda: [fn(i) for i in range(args.layers)], args.iters) / args.layers
 
+        qrows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stage -> (e4m3 rows padded to 16, (16, 1) scales)
+        if args.fp8 and dev.type == "cuda":
+            mp = max(16, -(-b // 16) * 16)
+            for stage, a in (("qkv", x), ("o_proj", attn_in), ("gate_up", x), ("down", act_in)):
+                rows = torch.zeros(mp, a.shape[1], device=dev, dtype=torch.float32)
+                rows[:b] = a.float()
+                sc = (rows.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+                qrows[stage] = ((rows / sc).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), sc)
+
+        def scaled_mm(stage: str, i: int) -> None:
+            w = weights[i]
+            wt, ws = {"qkv": (w.qkv, w.qkv_scale), "o_proj": (w.o_proj, w.o_proj_scale),
+                      "gate_up": (w.gate_up, w.gate_up_scale), "down": (w.down, w.down_scale)}[stage]
+            q, sc = qrows[stage]
+            torch._scaled_mm(q, wt.t(), scale_a=sc, scale_b=ws.view(1, -1), out_dtype=bf16)
+
         for stage in args.stages.split(","):
             if stage != "attention":
                 us = timed(lambda i, stage=stage: cublas(stage, i))
                 results.append(dict(batch=b, stage=stage, variant="cublas", us=us, gbs=wb[stage] / us / 1e3))
-            todo = ATTN_CHOICES if stage == "attention" else cands(stage)
+            if stage in qrows:
+                try:
+                    us = timed(lambda i, stage=stage: scaled_mm(stage, i))
+                    results.append(dict(batch=b, stage=stage, variant="scaled_mm", us=us, gbs=wb[stage] / us / 1e3))
+                except Exception as exc:  # noqa: BLE001 - a torch without row-wise scaled_mm: no baseline
+                    print(f"skip scaled_mm {stage} b={b}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            todo = ATTN_CHOICES if stage == "attention" else cands(stage, b)
             ref = reference(stage)
 
             def try_one(cfg: Any, stage: str = stage, ref: torch.Tensor | None = ref) -> None:
@@ -258,6 +286,16 @@ def main() -> None:
         tot = sum(us for (s, bb), (us, _) in best.items() if bb == b)
         floor = (shape.weight_bytes(weights[0].qkv.element_size()) + b * c * shape.num_kv_heads * shape.head_dim * 4) / (args.bandwidth_tbs * 1e6)
         print(f"b={b}: sum of best stages {tot:.1f} us per layer (floor {floor:.1f}: {floor / tot:.0%} of the bandwidth)")
+    kinds = ("rows", "mrow_f16s", "mrow_w8a8", "mrow_w8a8b", "cublas", "scaled_mm")
+    print(f"\nbest us per variant (GEMV stages; cublas: bf16 weights; scaled_mm: W8A8 GEMM only)\n{'bs':>3s} {'stage':>8s} "
+          + " ".join(f"{k:>10s}" for k in kinds))
+    for b in sorted({r["batch"] for r in results}):
+        for stage in ops.GEMV_STAGES:
+            per = {k: min((r["us"] for r in results if r["batch"] == b and r["stage"] == stage
+                           and (r["variant"] == k or r["variant"].startswith(f"GemvConfig(variant='{k}'"))),
+                          default=float("nan")) for k in kinds}
+            if any(v == v for v in per.values()):
+                print(f"{b:3d} {stage:>8s} " + " ".join(f"{per[k]:10.2f}" for k in kinds))
     print("\nFP8_TABLES entry:" if args.fp8 else "\nTABLES entry:")
     print(f"    ({gpu_name!r}, {shape_key(shape)}): (")
     for stage, b, cfg in tables:

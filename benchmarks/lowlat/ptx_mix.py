@@ -116,11 +116,13 @@ def capture(stage: str, shape: LayerShape, batch: int, lc: ops.LaunchConfig, fp8
             part_o, part_lse = t(batch, shape.num_heads, 16, shape.head_dim, dtype=f32), t(batch, shape.num_heads, 16, dtype=f32)
             ops.rows_attention(a_q, kv, meta, part_o, part_lse, t(batch, shape.q_size), shape, lc, splits)
         elif stage == "o_proj":
-            ops.gemv_residual(a_q, w.o_proj, x, t(batch, h), lc, stage="o_proj", scale=w.o_proj_scale)
+            ops.gemv_residual(a_q, w.o_proj, x, t(batch, h), lc, stage="o_proj", scale=w.o_proj_scale,
+                              split_ws=(t(8 * batch * h, dtype=f32), t(h, dtype=torch.int32)))  # split-K configs
         elif stage == "gate_up":
             ops.norm_gate_up(x, w.post_norm, w.gate_up, act, shape.rms_eps, lc, scale=w.gate_up_scale)
         else:
-            ops.gemv_residual(act, w.down, x, t(batch, h), lc, stage="down", scale=w.down_scale)
+            ops.gemv_residual(act, w.down, x, t(batch, h), lc, stage="down", scale=w.down_scale,
+                              split_ws=(t(8 * batch * h, dtype=f32), t(h, dtype=torch.int32)))
     finally:
         for (mod, name), fn in saved.items():
             setattr(mod, name, fn)
