@@ -248,7 +248,9 @@ def main() -> None:
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     err = float((got.float() - ref).norm() / ref.norm()) if ref is not None else 0.0
-                    if not err < 2e-2:
+                    # W8A8 (rows rounded to e4m3: ~2.6% rms per projection, ~4% through SiLU(g) x u) against the
+                    # unquantized rows; their exact oracle is w8a8_cases.py's
+                    if not err < (8e-2 if isinstance(cfg, ops.GemvConfig) and cfg.w8a8 else 2e-2):
                         print(f"WRONG {stage} b={b} {cfg}: rel err {err:.2e}", flush=True)
                         return
                     us = timed(lambda i: run_stage(stage, lc, i, sp))
