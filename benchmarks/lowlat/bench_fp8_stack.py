@@ -8,8 +8,10 @@ the dequantized weights in float32, the same cache) on fresh random inputs. ``--
 ``[stage, max_batch, variant, block_n, block_k, warps, stages(, vec(, acc2d))]`` entries to time as the FP8 stack's table too
 (``fp8w+kv table``); ``--stacks``: which of the stacks to build and time. ``--merge-ab``: each stack also with the other
 split-KV merge (``LaunchConfig.fused_merge`` flipped: a merge launch of its own, or the last split merging), timed
-right before it; ``--attn-blocks``: each stack also with that decode-attention KV block at every batch; ``--profile``:
-each stack's per-kernel marginal time per layer (``kprof.py``).
+right before it; ``--attn-blocks``: each stack also with that decode-attention KV block at every batch; ``--attn-f16``:
+each stack with an FP8 KV cache also with its attention's dots in fp16 (``LaunchConfig.attn_f16``, ``... attn-f16``,
+timed right after it; with ``--attn-blocks`` at those blocks too; issues 33 / 34); ``--profile``: each stack's per-kernel
+marginal time per layer (``kprof.py``).
 
     python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--stacks fp8w+kv,table] [--json out.json]
 """
@@ -56,6 +58,8 @@ def main() -> None:
                                                       "that block at every batch (LaunchConfig.attn_tuned)")
     ap.add_argument("--l2-prefetch", default="", help="comma list of MiB: each stack also with LaunchConfig.l2_prefetch "
                                                        "of that many MiB (0: none)")
+    ap.add_argument("--attn-f16", action="store_true",
+                    help="each FP8-KV stack also with its attention's dots in fp16 (LaunchConfig.attn_f16)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.time()
@@ -80,6 +84,15 @@ def main() -> None:
         bl = nvidia.build(replace(build_context(shape, fp8, dev, max_b, c, pdl="auto"), kv_dtype=FP8_DTYPE))
         bl.lc = replace(bl.lc, tuned=entries + bl.lc.tuned)  # first match wins: these, then the stack's own
         stacks["fp8w+kv table"] = (bl, fp8, FP8_DTYPE)
+    if args.attn_f16:  # each FP8-KV stack, then the same with the attention's dots in fp16
+        paired: dict[str, Any] = {}
+        for name, (bl, weights, kv_dtype) in stacks.items():
+            paired[name] = (bl, weights, kv_dtype)
+            if kv_dtype == FP8_DTYPE:
+                other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
+                other.lc = replace(bl.lc, attn_f16=True)
+                paired[f"{name} attn-f16"] = (other, weights, kv_dtype)
+        stacks = paired
     base = list(stacks)
     if args.merge_ab:  # the same stacks with the other split merge (first in the table: A before B)
         for name in base:

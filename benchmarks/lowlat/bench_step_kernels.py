@@ -15,8 +15,13 @@ Settings: `fp8` / `fp8+plugin` (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, 
 `bf16+plugin`, `spec` / `spec+plugin` (bf16, n-gram drafts: 5 per step, acceptance simulated at 3.5), `spec-fp8` /
 `spec-fp8+plugin-all` (the same on FP8 weights and KV; the plugin also on verify steps its tables decline).
 
+`--attn-f16 both` (issues 33 / 34): each setting with an FP8 KV cache and the plugin is built twice, the plugin's
+attention dots on the cache widened to bf16 (as built by default) and in fp16 (`LaunchConfig.attn_f16`, labelled
+`... attn-f16`), one after the other in this process; `on`: the fp16 one only. `--attn-block N`: the plugin's decode
+attention KV block at every batch (`LaunchConfig.attn_tuned`; 0: its tuned blocks).
+
     PYTHONPATH=... python benchmarks/lowlat/bench_step_kernels.py --model-path MODEL_DIR \\
-        --settings fp8+plugin spec spec+plugin --sizes 1 8 [--json out.json]
+        --settings fp8+plugin spec spec+plugin --sizes 1 8 [--attn-f16 both] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +60,42 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
+@contextmanager
+def launch_change(change: Callable[[Any], Any] | None) -> Iterator[None]:
+    """Inside: ``lowlat``'s ``LaunchConfig.for_device`` returns ``change(lc)`` on a GPU (the plugins build their stacks
+    with it), so that one engine setting runs a launch-config variant; None: unchanged."""
+    from lowlat.kernels import ops
+
+    original = ops.LaunchConfig.for_device.__func__  # type: ignore[attr-defined]
+
+    def for_device(cls: Any, *a: Any, **k: Any) -> Any:
+        lc = original(cls, *a, **k)
+        return change(lc) if change is not None and lc.num_sms > 1 else lc
+    ops.LaunchConfig.for_device = classmethod(for_device)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
+
+
+def attn_variants(setting: str, attn_f16: str, attn_block: int) -> list[tuple[str, Callable[[Any], Any] | None]]:
+    """(label, LaunchConfig change) of each build of ``setting``: with an FP8 cache and the plugin, the attention's dots
+    widened to bf16 and / or in fp16 (``attn_f16`` off / on / both), each at KV block ``attn_block`` (0: tuned)."""
+    fp8_plugin = SETTINGS[setting].get("kv_cache_dtype") == "fp8_e4m3" and SETTINGS[setting]["lowlat_plugins"] != "off"
+    modes = {"off": [False], "on": [True], "both": [False, True]}[attn_f16] if fp8_plugin else [False]
+    out: list[tuple[str, Callable[[Any], Any] | None]] = []
+    for f16 in modes:
+        label = setting + (" attn-f16" if f16 else "") + (f" attn{attn_block}" if attn_block and fp8_plugin else "")
+        if not f16 and not (attn_block and fp8_plugin):
+            out.append((label, None))
+            continue
+
+        def change(lc: Any, f16: bool = f16) -> Any:
+            return replace(lc, attn_f16=f16, attn_tuned=((1 << 30, attn_block),) if attn_block else lc.attn_tuned)
+        out.append((label, change))
+    return out
+
+
 def make_core(path: str, extra: dict[str, Any], context: int) -> Any:
     from lmserver.config import ServerConfig
     from lmserver.engine.core import EngineCore
@@ -74,18 +118,24 @@ def main() -> None:
                     help="concurrent requests of the measured run (8: the graph of 8 rows keeps 8 live rows)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--attn-f16", default="off", choices=["off", "on", "both"],
+                    help="FP8-cache settings with the plugin: its attention dots in fp16 (LaunchConfig.attn_f16)")
+    ap.add_argument("--attn-block", type=int, default=0, help="the plugin's decode attention KV block (0: tuned)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
     results: list[dict[str, Any]] = []
-    for setting in args.settings:
+    runs = [(setting, label, change) for setting in args.settings
+            for label, change in attn_variants(setting, args.attn_f16, args.attn_block)]
+    for setting, label, change in runs:
         t0 = time.monotonic()
-        core = make_core(args.model_path, SETTINGS[setting], args.context)
+        with launch_change(change):
+            core = make_core(args.model_path, SETTINGS[setting], args.context)
         build_s = time.monotonic() - t0
         run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
         _, rates, steps = run(core, prompts_for(args.concurrency, vocab, 1), args.new_tokens)
         stats = {k: v for k, v in core.get_stats().items() if "lowlat" in k or k.startswith("spec")}
-        print(f"\n=== {setting}: built in {build_s:.0f}s; engine c={args.concurrency} {statistics.median(rates):.1f} "
+        print(f"\n=== {label}: built in {build_s:.0f}s; engine c={args.concurrency} {statistics.median(rates):.1f} "
               f"tok/s per user, step median {1e6 * statistics.median(steps):.0f} us; {stats}", flush=True)
         graphs = core.runner.cuda_graph
         for bs in args.sizes:
@@ -97,7 +147,7 @@ def main() -> None:
             rows = kprof.breakdown(graph.replay, reps=3)
             print(f"  graph of {bs} rows: replay {us:.1f} us\n" + kprof.table(rows, top=args.top, unit="us per replay"),
                   flush=True)
-            results.append(dict(setting=setting, rows=bs, replay_us=us, engine_tok_s=statistics.median(rates), concurrency=args.concurrency, kernels=rows))
+            results.append(dict(setting=label, rows=bs, replay_us=us, engine_tok_s=statistics.median(rates), concurrency=args.concurrency, kernels=rows))
         del core, graphs
         gc.collect()
         torch.cuda.empty_cache()

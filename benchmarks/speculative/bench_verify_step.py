@@ -16,13 +16,21 @@ the per-row attention, as before this change), `spec+plugin` (the plugin as buil
 plugin with one GEMV stage's kernel at 2-8 rows swapped, or `rows-wide`: `rows_attention` on 16 splits of 64 tokens
 whose unused splits return (`LaunchConfig.rows_wide_splits`; `VARIANTS`). `spec-fp8` / `spec-fp8+plugin-all`: the
 generic and the plugin's verify step on FP8 weights and an FP8 KV cache (`auto+all-batches`: the plugin also where
-its tables decline verify steps).
+its tables decline verify steps); `spec-fp8+plugin-all+attn-f16`: the same with the plugin's attention dots on the FP8
+cache in fp16 (`LaunchConfig.attn_f16`, issues 33 / 34), `...+attn64` / `...+attn-f16-64` both at KV blocks of 64.
+
+`--attn-kv fp8` (part 1): FP8 (e4m3) caches (K scale 0.05, V scale 0.02), every variant timed twice, its dots widened
+to bf16 and in fp16 (`LaunchConfig.attn_f16`, labelled `f16`), plus a decode step of one request; `--attn-context`
+takes a comma list of contexts (each case at each); `--attn-grids stack`: only the per-row kernel and the stack's
+`rows_attention` launch (no larger grids); `--attn-blocks 64,...`: those two also at each KV block.
 
 `--alias-tables` (default on): on a GPU other than the H200 the plugin's measured tables (`lowlat.kernels.tuning`,
 keyed by the GPU's name) are the H200's, copied under this GPU's name in this process only: the tiles were measured
 on the H200, which has the H100's 132 SMs and architecture; without them an H100 runs the default tiles.
 
     python benchmarks/speculative/bench_verify_step.py --model-path MODEL_DIR [--json OUT/verify_step.json]
+    python benchmarks/speculative/bench_verify_step.py --attn-kv fp8 --attn-context 512,4096 --attn-grids stack \
+        --attn-blocks 64 [--json OUT/attn_f16.json]   # no --model-path: part 1 only (attention alone)
 """
 
 from __future__ import annotations
@@ -87,13 +95,14 @@ def _meta(runs: list[tuple[int, int, int]], table_rows: int, context: int, slots
 
 
 def _f64(q: torch.Tensor, kv: Any, meta: Any, group: int) -> torch.Tensor:
+    """Float64 attention over the cache dequantized with its scales (an FP8 cache's; 1.0 otherwise)."""
     b, nq, d = q.shape
     table, rows, lens = meta.req_to_token.long(), meta.req_pool_indices.long(), meta.seq_lens.long()
     out = torch.empty(b, nq, d, dtype=torch.float64, device=q.device)
     for i in range(b):
         slots = table[rows[i], : lens[i]]
-        k = kv.k[slots].double().repeat_interleave(group, 1)  # (n, nq, d)
-        v = kv.v[slots].double().repeat_interleave(group, 1)
+        k = kv.k[slots].double().repeat_interleave(group, 1) * kv.k_scale  # (n, nq, d)
+        v = kv.v[slots].double().repeat_interleave(group, 1) * kv.v_scale
         s = torch.einsum("hd,nhd->hn", q[i].double(), k) * d**-0.5
         out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
     return out
@@ -107,59 +116,84 @@ def attention_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
     dev = torch.device("cuda")
     shape = LayerShape(**LLAMA3_8B)
     lc = ops.LaunchConfig.for_device(dev, shape, use_pdl=pdl_available())
-    ctx, layers = args.attn_context, 32
-    cases = {  # verify: one request's 6 rows + 2 padding rows (table row 9, length 1); decode: 8 requests
-        "verify 6+2": [(0, ctx - 6, 6), (9, 0, 2)],
-        "verify 2x6 (16)": [(0, ctx - 6, 6), (1, ctx - 40, 6), (9, 0, 4)],
-        "decode 8": [(i, ctx - 1 - 7 * i, 1) for i in range(8)],
-    }
-    for case, runs in cases.items():
-        _attention_case(case, runs, shape, lc, ctx, layers, dev, results)
-        torch.cuda.empty_cache()
+    layers, fp8 = 32, args.attn_kv == "fp8"
+    for ctx in [int(c) for c in str(args.attn_context).split(",")]:
+        cases = {  # verify: one request's 6 rows + 2 padding rows (table row 9, length 1); decode: 8 requests
+            "verify 6+2": [(0, ctx - 6, 6), (9, 0, 2)],
+            "verify 2x6 (16)": [(0, ctx - 6, 6), (1, ctx - 40, 6), (9, 0, 4)],
+            "decode 8": [(i, ctx - 1 - 7 * i, 1) for i in range(8)],
+            **({"decode 1": [(0, ctx - 1, 1)]} if fp8 else {}),
+        }
+        for case, runs in cases.items():
+            _attention_case(f"{case} ctx{ctx}" if fp8 else case, runs, shape, lc, ctx, layers, dev, results, args)
+            torch.cuda.empty_cache()
 
 
 def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc: Any, ctx: int, layers: int,
-                    dev: torch.device, results: dict[str, Any]) -> None:
+                    dev: torch.device, results: dict[str, Any], args: argparse.Namespace) -> None:
     from bench_layer import time_graph
 
     from lowlat import KVCache
     from lowlat.kernels import ops
+    from lowlat.layer import FP8_DTYPE
+    from lowlat.reference import quantize_kv
 
     slots, max_splits = 10 * ctx + 64, 16
     g = torch.Generator().manual_seed(len(case))
     meta = _meta(runs, 10, ctx, slots, dev, g)
     b = int(meta.seq_lens.shape[0])
-    kvs = [KVCache(torch.randn(slots, 8, 128, device=dev, dtype=torch.bfloat16),
-                   torch.randn(slots, 8, 128, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
+    fp8 = args.attn_kv == "fp8"
+
+    def cache() -> KVCache:
+        k, v = torch.randn(slots, 8, 128, device=dev), torch.randn(slots, 8, 128, device=dev)
+        if fp8:  # an FP8 cache of N(0, 1) values at scales that use e4m3's range
+            return KVCache(quantize_kv(k, 0.05, FP8_DTYPE), quantize_kv(v, 0.02, FP8_DTYPE), 0.05, 0.02)
+        return KVCache(k.to(torch.bfloat16), v.to(torch.bfloat16))
+    kvs = [cache() for _ in range(layers)]
     q = torch.randn(b, shape.q_size, device=dev, dtype=torch.bfloat16)
     part_o = torch.empty(b, shape.num_heads, max_splits, shape.head_dim, device=dev)
     part_lse = torch.empty(b, shape.num_heads, max_splits, device=dev)
     out = torch.empty_like(q)
     ref = _f64(q.view(b, shape.num_heads, -1), kvs[0], meta, shape.group_size).reshape(b, -1)
     per_row = ops.num_splits(b, shape, ctx, lc, max_splits)
+    used = torch.zeros(b, dtype=torch.int32, device=dev)
 
-    def old(kv: Any) -> None:
-        ops.attention(q, kv, meta, part_o, part_lse, out, shape, lc, per_row)
+    # each variant: (the launch's LaunchConfig change, its call given the changed config and a layer's cache)
+    def per_row_call(lcv: Any, kv: Any, splits: int = per_row) -> None:
+        ops.attention(q, kv, meta, part_o, part_lse, out, shape, lcv, splits)
 
-    variants = {f"per-row ({per_row} splits, {b * 8 * per_row} programs)": old}
+    def rows_call(lcv: Any, kv: Any, splits: int, skip: bool = False) -> None:
+        ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcv, splits, used=used if skip else None)
+
+    Variant = tuple[Any, Any]
+    same: Any = lambda x: x  # noqa: E731
+    variants: dict[str, Variant] = {f"per-row ({per_row} splits, {b * 8 * per_row} programs)": (same, per_row_call)}
     # the stack's choice (the per-row split count, KV block attn_block), then larger grids (as many splits as blocks)
     grids = [(0, per_row)] + [(block, ops.rows_splits(b, shape, ctx, replace(lc, rows_attn_block=block), max_splits,
                                                        dev)) for block in (64, 32, 128)]
-    for block, rows_s in grids:
+    for block, rows_s in [] if b == 1 else grids[:1] if args.attn_grids == "stack" else grids:
         lcb = replace(lc, rows_attn_block=block)
+        variants[f"rows {ops.rows_block(b, lcb, dev)} ({rows_s}-split grid){' stack' if not block else ''}"] = (
+            lambda x, block=block: replace(x, rows_attn_block=block), lambda lcv, kv, s=rows_s: rows_call(lcv, kv, s))
+    for block in (64, 32) if args.attn_grids == "all" and b > 1 else ():  # LaunchConfig.rows_wide_splits: the
+        rows_s = ops.rows_splits(b, shape, ctx, replace(lc, rows_attn_block=block), max_splits, dev)  # large grid,
+        variants[f"rows {block} ({rows_s}-split grid, skip)"] = (  # its unused splits skipped
+            lambda x, block=block: replace(x, rows_attn_block=block),
+            lambda lcv, kv, s=rows_s: rows_call(lcv, kv, s, skip=True))
+    for block in [int(v) for v in args.attn_blocks.split(",") if v]:  # the stack's two launches at another KV block
+        splits_b = ops.num_splits(b, shape, ctx, replace(lc, attn_tuned=((1 << 30, block),)), max_splits)
 
-        def new(kv: Any, lcb: Any = lcb, rows_s: int = rows_s) -> None:
-            ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcb, rows_s)
-        variants[f"rows {ops.rows_block(b, lcb, dev)} ({rows_s}-split grid){' stack' if not block else ''}"] = new
-    used = torch.zeros(b, dtype=torch.int32, device=dev)
-    for block in (64, 32):  # LaunchConfig.rows_wide_splits: the large grid, its unused splits skipped
-        lcb = replace(lc, rows_attn_block=block)
-        rows_s = ops.rows_splits(b, shape, ctx, lcb, max_splits, dev)
-
-        def wide(kv: Any, lcb: Any = lcb, rows_s: int = rows_s) -> None:
-            ops.rows_attention(q, kv, meta, part_o, part_lse, out, shape, lcb, rows_s, used=used)
-        variants[f"rows {block} ({rows_s}-split grid, skip)"] = wide
-    for name, fn in variants.items():
+        def at_block(x: Any, block: int = block) -> Any:
+            return replace(x, attn_tuned=((1 << 30, block),))
+        variants[f"per-row {block} ({splits_b} splits)"] = (at_block, lambda lcv, kv, s=splits_b: per_row_call(lcv, kv, s))
+        if b > 1:
+            variants[f"rows {block} ({splits_b}-split grid) stack"] = (
+                at_block, lambda lcv, kv, s=splits_b: rows_call(lcv, kv, s))
+    # FP8 caches: each variant with the dots widened to bf16 (the default), then in fp16 (LaunchConfig.attn_f16)
+    modes = ((False, ""), (True, " f16")) if fp8 else ((False, ""),)
+    calls = {f"{name}{tag}": (lambda kv, call=call, lcv=change(replace(lc, attn_f16=f16)): call(lcv, kv))
+             for name, (change, call) in variants.items() for f16, tag in modes}
+    for name, fn in calls.items():
         out.fill_(float("nan"))
         fn(kvs[0])
         torch.cuda.synchronize()
@@ -197,6 +231,12 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "spec+plugin+qkv-dot64": ("spec+plugin", _first("qkv", ("dot", 64, 256, 4, 3))),
     "spec-fp8": ("spec-fp8", None),
     "spec-fp8+plugin-all": ("spec-fp8+plugin-all", None),
+    # the plugin's attention dots on the FP8 cache in fp16 (LaunchConfig.attn_f16; issues 33 / 34), and both ways at
+    # KV blocks of 64 (the fp16 kernels at the tuned 128 spill in sm_90 code at 8 rows: benchmarks/fp8/GPU_NOTES.md)
+    "spec-fp8+plugin-all+attn-f16": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_f16=True)),
+    "spec-fp8+plugin-all+attn64": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_tuned=((1 << 30, 64),))),
+    "spec-fp8+plugin-all+attn-f16-64": ("spec-fp8+plugin-all",
+                                        lambda lc: replace(lc, attn_f16=True, attn_tuned=((1 << 30, 64),))),
 }
 
 
@@ -204,22 +244,14 @@ def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
     import kprof
     from bench_e2e import prompts_for, run
     from bench_layer import replay_us
-    from bench_step_kernels import SETTINGS, make_core
-
-    from lowlat.kernels import ops
+    from bench_step_kernels import SETTINGS, launch_change, make_core
 
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
-    original = ops.LaunchConfig.for_device.__func__  # type: ignore[attr-defined]
     for setting in args.settings:
         base, change = VARIANTS[setting]
-
-        def for_device(cls: Any, *a: Any, change: Any = change, **k: Any) -> Any:
-            lc = original(cls, *a, **k)
-            return change(lc) if change is not None and lc.num_sms > 1 else lc
-        ops.LaunchConfig.for_device = classmethod(for_device)  # type: ignore[method-assign]
         t0 = time.monotonic()
-        core = make_core(args.model_path, SETTINGS[base], args.context)
-        ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
+        with launch_change(change):
+            core = make_core(args.model_path, SETTINGS[base], args.context)
         build_s = time.monotonic() - t0
         run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
         _, rates, steps = run(core, prompts_for(1, vocab, 1), args.new_tokens)
@@ -239,7 +271,6 @@ def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
         del core, graph
         gc.collect()
         torch.cuda.empty_cache()
-    ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -249,7 +280,13 @@ def main() -> None:
                     choices=list(VARIANTS))
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--attn-context", type=int, default=608, help="part 1: the rows' context (512 + 96 as part 2; 0: skip part 1)")
+    ap.add_argument("--attn-context", default="608",
+                    help="part 1: the rows' context, or a comma list (512 + 96 as part 2; 0: skip part 1)")
+    ap.add_argument("--attn-kv", default="bf16", choices=["bf16", "fp8"],
+                    help="part 1: the caches' dtype (fp8: each variant also with LaunchConfig.attn_f16)")
+    ap.add_argument("--attn-grids", default="all", choices=["all", "stack"],
+                    help="part 1: every rows_attention grid, or the stack's launches only")
+    ap.add_argument("--attn-blocks", default="", help="part 1: comma list of KV blocks to time the stack's launches at")
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--alias-tables", type=int, default=1)
     ap.add_argument("--json", default=None)
@@ -261,7 +298,7 @@ def main() -> None:
         log(f"{name}: the H200's tuning entries copied under this name: {results['aliased']}")
     log(f"device {name}, torch {torch.__version__}")
     try:
-        if args.attn_context > 0:
+        if args.attn_context not in ("", "0"):
             attention_part(args, results)
     finally:
         if args.json:
