@@ -169,6 +169,10 @@ class LaunchConfig:
     # sums) instead of bf16 widened through float32 (``_dot``); no effect on model-dtype caches. Off until timed on a
     # GPU (``tuning.ATTN_F16``; issues 33 / 34: rows_attention on the H200's FP8 cache 24 us per layer, bf16 12)
     attn_f16: bool = False
+    # warps of the decode / verify attention launches (0: num_warps). sm_90 code of the 8B shape's FP8-cache attention
+    # at 8 rows and KV blocks of 128 (Triton 3.6, 4 warps): 255 registers and 0 / 88 B of stack (per-row / rows kernel)
+    # widened to bf16, 80 / 216 B in fp16; at 8 warps none spills (benchmarks/fp8/GPU_NOTES.md). Not measured: 0
+    attn_warps: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
@@ -255,6 +259,14 @@ def _kw(dev: torch.device, lc: LaunchConfig, pdl: bool = True, cfg: GemvConfig |
                              "num_stages": cfg.num_stages if cfg else lc.num_stages}
     if lc.use_pdl and pdl:
         kw["launch_pdl"] = True
+    return kw
+
+
+def _attn_kw(dev: torch.device, lc: LaunchConfig) -> dict[str, object]:
+    """``_kw`` of the attention launches: ``lc.attn_warps`` warps where set (a GPU)."""
+    kw = _kw(dev, lc)
+    if lc.attn_warps and dev.type != "cpu":
+        kw["num_warps"] = lc.attn_warps
     return kw
 
 
@@ -356,7 +368,7 @@ def attention(
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
         PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, FUSED_MERGE=fused,
-        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), KV_F16=lc.attn_f16 and kv.fp8, **_kw(dev, lc),
+        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), KV_F16=lc.attn_f16 and kv.fp8, **_attn_kw(dev, lc),
     )
     if splits == 1 or fused:
         return  # the attention kernel wrote `out` itself
@@ -393,7 +405,7 @@ def rows_attention(
         NUM_SPLITS=splits, TARGET=2 * lc.num_sms, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS,
         BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), SKIP_EMPTY=skip,
-        KV_F16=lc.attn_f16 and kv.fp8, **_kw(dev, lc),
+        KV_F16=lc.attn_f16 and kv.fp8, **_attn_kw(dev, lc),
     )
     if splits == 1:
         return
