@@ -28,8 +28,9 @@ DEVICE = torch.device("cuda" if GPU else "cpu")
 DTYPE = torch.bfloat16 if GPU else torch.float32  # activations: float32 on the interpreter, bf16 on a GPU
 # against the oracle with the same quantized rows: float32 sums (interpreter); bf16 outputs and sm_90's FP8 MMA (GPU)
 TOL_Q = 1e-2 if GPU else 1e-5
-# against unquantized rows: e4m3 rounds each row value to 3 mantissa bits (~2.5% rms relative, random signs)
-TOL_X = 6e-2
+# against unquantized rows: e4m3 rounds each row value to 3 mantissa bits (~2.7% rms relative per projection output,
+# ~3.8% through SiLU(g) x u on the 8B gate-up; a few outputs of the interpreter's small shapes scatter more)
+TOL_X = 8e-2
 VARIANTS = ["mrow_w8a8", "mrow_w8a8b"]
 LLAMA8B = LayerShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
 SMALL = LayerShape(hidden_size=96, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=80)
@@ -82,13 +83,13 @@ def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch
     return w.to(DEVICE), scale.to(DEVICE), dequantized(w, scale, torch.float64).to(DEVICE)
 
 
-def _check(out: torch.Tensor, want_q: torch.Tensor, want_x: torch.Tensor) -> None:
+def _check(out: torch.Tensor, want_q: torch.Tensor, want_x: torch.Tensor, tol_x: float = TOL_X) -> None:
     """``out`` within TOL_Q of the quantized-rows oracle and within TOL_X of the unquantized one, and (interpreter)
     closer to the first by 100x where quantizing made a difference (not for a row dominated by one exact outlier):
     the rows were quantized, as the oracle quantizes them."""
     err_q, err_x = _rel(out, want_q), _rel(out, want_x)
     assert err_q < TOL_Q, (err_q, err_x)
-    assert err_x < TOL_X, (err_q, err_x)
+    assert err_x < tol_x, (err_q, err_x)
     if not GPU and err_x > 1e-3:
         assert err_q * 100 < err_x, (err_q, err_x)
 
@@ -162,7 +163,7 @@ def test_w8a8_norm_gate_up_matches_quantized_oracle(variant: str, rows: int) -> 
         return torch.nn.functional.silu(gate) * up
 
     xg = x.float() * gamma.float()  # the kernel's float32 product, quantized
-    _check(act, silu_mul(quantized_rows(xg, _group(cfg, h))), silu_mul(xd * gamma.double()))
+    _check(act, silu_mul(quantized_rows(xg, _group(cfg, h))), silu_mul(xd * gamma.double()), 1.5 * TOL_X)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
