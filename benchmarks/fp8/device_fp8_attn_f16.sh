@@ -7,9 +7,10 @@
 #          built 8B stack at 1, 3 and 8 rows with attn_f16 against the reference layer; the bf16 path's cases too);
 #   attn:  attention alone (bench_verify_step.py part 1, FP8 caches): decode 1 and 8 rows, verify 6 + 2 padding rows
 #          and 2 x 6 rows, contexts $ATTN_CTX, the per-row kernel and the stack's rows_attention launch, at the tuned
-#          KV blocks and at 64, each bf16-widening then f16 (32 layers' caches chained in one CUDA graph, us per layer);
+#          KV blocks, at 64 and at 8 warps, each bf16-widening then f16 (32 layers' caches chained in one CUDA graph,
+#          us per layer);
 #   stack: the 32-layer FP8 stack (FP8 weights + FP8 KV) at 1 and 8 rows, contexts $STACK_CTX, bf16-widening vs
-#          attn-f16, tuned blocks and 64 (bench_fp8_stack.py, us per layer);
+#          attn-f16, tuned blocks, 64, 8 warps (bench_fp8_stack.py, us per layer);
 #   step:  the engine's verify step, graph of 8 rows holding a 6-row verify step (bench_verify_step.py part 2):
 #          spec-fp8+plugin-all against the same with attn-f16 ($STEP_SETTINGS), until END_S seconds into the call.
 # Writes under $OUT: check.log, attn.log/json, stack<ctx>.log/json, step.log/json.
@@ -31,15 +32,15 @@ fi
 if has attn; then
   echo "[$((SECONDS - t0)) s] attention alone"
   timeout "${ATTN_S:-170}" python3 benchmarks/speculative/bench_verify_step.py --attn-kv fp8 \
-    --attn-context "${ATTN_CTX:-512,4096}" --attn-grids stack --attn-blocks 64 --json "$OUT/attn.json" 2>&1 \
+    --attn-context "${ATTN_CTX:-512,4096}" --attn-grids stack --attn-blocks 64 --attn-warps 8 --json "$OUT/attn.json" 2>&1 \
     | tee "$OUT/attn.log" | grep -E "^  |FAILED" | tail -60
 fi
 if has stack; then
-  for ctx in ${STACK_CTX:-4096 512}; do
+  for ctx in ${STACK_CTX:-4096}; do
     echo "[$((SECONDS - t0)) s] FP8 stack, context $ctx"
-    timeout "${STACK_S:-90}" python3 benchmarks/lowlat/bench_fp8_stack.py --stacks fp8w+kv --batches 1,8 \
-      --context "$ctx" --attn-f16 --attn-blocks 64 --json "$OUT/stack$ctx.json" 2>&1 | tee "$OUT/stack$ctx.log" \
-      | grep -E "^  " | tail -16
+    timeout "${STACK_S:-130}" python3 benchmarks/lowlat/bench_fp8_stack.py --stacks fp8w+kv --batches 1,8 \
+      --context "$ctx" --attn-f16 --attn-blocks 64 --attn-warps 8 --json "$OUT/stack$ctx.json" 2>&1 \
+      | tee "$OUT/stack$ctx.log" | grep -E "^  " | tail -24
   done
 fi
 if has step && [[ -n "$MODEL" ]]; then

@@ -11,7 +11,7 @@ before a device call:
 Groups: `fp8_quant` (the per-token FP8 quantizers), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
 `--quantize-lm-head`, and the 8B decoder projections', 1-16 rows, the launches `config_for` chooses), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
 prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows; the attention also as verify rows, with
-`LaunchConfig.attn_f16` on and off, KV blocks tuned and 64), `lowlat_w8a8` (the W8A8 multi-row
+`LaunchConfig.attn_f16` on and off, KV blocks tuned and 64, 4 and 8 warps), `lowlat_w8a8` (the W8A8 multi-row
 candidates of benchmarks/fp8/device_fp8_w8a8.sh at 2-16 rows), `lowlat_moe` (the MoE stack's MLP half, bf16 and FP8). Each
 case calls a public entry point on `meta` tensors with its kernels captured (`ptx_mix.Captured`), then
 compiles every captured launch with its arguments specialized as at run time (`ptx_mix.compile_launch`). Prints one
@@ -135,15 +135,16 @@ def lowlat_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
             cases[f"lowlat {stage} fp8 batch={batch}"] = capture(stage, shape, batch, lc, fp8=True)
     # the attention on the FP8 cache, per-row and verify-rows kernels (at 8 rows: a verify step of 6 + 2 padding rows
     # compiles the same code), with its dots widened to bf16 or in fp16 (LaunchConfig.attn_f16), at the tuned KV blocks
-    # and at 64 (issues 33 / 34)
+    # and at 64, at 4 warps and at 8 (LaunchConfig.attn_warps; issues 33 / 34)
     for f16 in (False, True):
-        for block in (0, 64):
-            alc = replace(lc, attn_f16=f16, attn_tuned=((1 << 30, block),) if block else lc.attn_tuned)
+        for block, warps in ((0, 0), (64, 0), (0, 8)):
+            alc = replace(lc, attn_f16=f16, attn_tuned=((1 << 30, block),) if block else lc.attn_tuned, attn_warps=warps)
             for batch in (1, 8):
                 for stage in ("attention", "rows_attention"):
-                    if stage == "attention" and not f16 and not block:
+                    if stage == "attention" and not f16 and not block and not warps:
                         continue  # above
-                    name = f"lowlat {stage} fp8 {'attn-f16' if f16 else 'attn-bf16'}{f' block {block}' if block else ''}"
+                    name = (f"lowlat {stage} fp8 {'attn-f16' if f16 else 'attn-bf16'}{f' block {block}' if block else ''}"
+                            f"{f' warps {warps}' if warps else ''}")
                     cases[f"{name} batch={batch}"] = capture(stage, shape, batch, alc, fp8=True)
     return cases
 

@@ -10,7 +10,8 @@ the dequantized weights in float32, the same cache) on fresh random inputs. ``--
 split-KV merge (``LaunchConfig.fused_merge`` flipped: a merge launch of its own, or the last split merging), timed
 right before it; ``--attn-blocks``: each stack also with that decode-attention KV block at every batch; ``--attn-f16``:
 each stack with an FP8 KV cache also with its attention's dots in fp16 (``LaunchConfig.attn_f16``, ``... attn-f16``,
-timed right after it; with ``--attn-blocks`` at those blocks too; issues 33 / 34); ``--profile``: each stack's per-kernel
+timed right after it; with ``--attn-blocks`` at those blocks too; issues 33 / 34); ``--attn-warps``: each stack also with
+its attention launches at that many warps (``LaunchConfig.attn_warps``); ``--profile``: each stack's per-kernel
 marginal time per layer (``kprof.py``).
 
     python benchmarks/lowlat/bench_fp8_stack.py [--batches 1,4,8] [--context 512] [--stacks fp8w+kv,table] [--json out.json]
@@ -58,6 +59,8 @@ def main() -> None:
                                                       "that block at every batch (LaunchConfig.attn_tuned)")
     ap.add_argument("--l2-prefetch", default="", help="comma list of MiB: each stack also with LaunchConfig.l2_prefetch "
                                                        "of that many MiB (0: none)")
+    ap.add_argument("--attn-warps", default="", help="comma list of warps: each stack also with its attention launches "
+                                                      "at that many warps (LaunchConfig.attn_warps)")
     ap.add_argument("--attn-f16", action="store_true",
                     help="each FP8-KV stack also with its attention's dots in fp16 (LaunchConfig.attn_f16)")
     ap.add_argument("--json", default=None)
@@ -107,6 +110,12 @@ def main() -> None:
             other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
             other.lc = replace(bl.lc, attn_tuned=((1 << 30, block),))
             stacks[f"{name} attn{block}"] = (other, weights, kv_dtype)
+    for warps in [int(v) for v in args.attn_warps.split(",") if v]:
+        for name in base:
+            bl, weights, kv_dtype = stacks[name]
+            other = nvidia.build(replace(build_context(shape, weights, dev, max_b, c, pdl="auto"), kv_dtype=kv_dtype))
+            other.lc = replace(bl.lc, attn_warps=warps)
+            stacks[f"{name} attn-w{warps}"] = (other, weights, kv_dtype)
     for mib in [int(v) for v in args.l2_prefetch.split(",") if v]:
         for name in base:
             bl, weights, kv_dtype = stacks[name]

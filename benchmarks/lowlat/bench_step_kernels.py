@@ -18,7 +18,8 @@ Settings: `fp8` / `fp8+plugin` (`--quantization fp8 --kv-cache-dtype fp8_e4m3`, 
 `--attn-f16 both` (issues 33 / 34): each setting with an FP8 KV cache and the plugin is built twice, the plugin's
 attention dots on the cache widened to bf16 (as built by default) and in fp16 (`LaunchConfig.attn_f16`, labelled
 `... attn-f16`), one after the other in this process; `on`: the fp16 one only. `--attn-block N`: the plugin's decode
-attention KV block at every batch (`LaunchConfig.attn_tuned`; 0: its tuned blocks).
+attention KV block at every batch (`LaunchConfig.attn_tuned`; 0: its tuned blocks); `--attn-warps N`: its attention
+launches' warps (`LaunchConfig.attn_warps`; 0: as built).
 
     PYTHONPATH=... python benchmarks/lowlat/bench_step_kernels.py --model-path MODEL_DIR \\
         --settings fp8+plugin spec spec+plugin --sizes 1 8 [--attn-f16 both] [--json out.json]
@@ -78,20 +79,24 @@ def launch_change(change: Callable[[Any], Any] | None) -> Iterator[None]:
         ops.LaunchConfig.for_device = classmethod(original)  # type: ignore[method-assign]
 
 
-def attn_variants(setting: str, attn_f16: str, attn_block: int) -> list[tuple[str, Callable[[Any], Any] | None]]:
+def attn_variants(setting: str, attn_f16: str, attn_block: int,
+                  attn_warps: int = 0) -> list[tuple[str, Callable[[Any], Any] | None]]:
     """(label, LaunchConfig change) of each build of ``setting``: with an FP8 cache and the plugin, the attention's dots
-    widened to bf16 and / or in fp16 (``attn_f16`` off / on / both), each at KV block ``attn_block`` (0: tuned)."""
+    widened to bf16 and / or in fp16 (``attn_f16`` off / on / both), each at KV block ``attn_block`` (0: tuned) and
+    ``attn_warps`` warps (0: as built)."""
     fp8_plugin = SETTINGS[setting].get("kv_cache_dtype") == "fp8_e4m3" and SETTINGS[setting]["lowlat_plugins"] != "off"
     modes = {"off": [False], "on": [True], "both": [False, True]}[attn_f16] if fp8_plugin else [False]
     out: list[tuple[str, Callable[[Any], Any] | None]] = []
     for f16 in modes:
         label = setting + (" attn-f16" if f16 else "") + (f" attn{attn_block}" if attn_block and fp8_plugin else "")
-        if not f16 and not (attn_block and fp8_plugin):
+        label += f" attn-w{attn_warps}" if attn_warps and fp8_plugin else ""
+        if not f16 and not ((attn_block or attn_warps) and fp8_plugin):
             out.append((label, None))
             continue
 
         def change(lc: Any, f16: bool = f16) -> Any:
-            return replace(lc, attn_f16=f16, attn_tuned=((1 << 30, attn_block),) if attn_block else lc.attn_tuned)
+            return replace(lc, attn_f16=f16, attn_tuned=((1 << 30, attn_block),) if attn_block else lc.attn_tuned,
+                           attn_warps=attn_warps or lc.attn_warps)
         out.append((label, change))
     return out
 
@@ -121,12 +126,13 @@ def main() -> None:
     ap.add_argument("--attn-f16", default="off", choices=["off", "on", "both"],
                     help="FP8-cache settings with the plugin: its attention dots in fp16 (LaunchConfig.attn_f16)")
     ap.add_argument("--attn-block", type=int, default=0, help="the plugin's decode attention KV block (0: tuned)")
+    ap.add_argument("--attn-warps", type=int, default=0, help="the plugin's attention launches' warps (0: as built)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
     results: list[dict[str, Any]] = []
     runs = [(setting, label, change) for setting in args.settings
-            for label, change in attn_variants(setting, args.attn_f16, args.attn_block)]
+            for label, change in attn_variants(setting, args.attn_f16, args.attn_block, args.attn_warps)]
     for setting, label, change in runs:
         t0 = time.monotonic()
         with launch_change(change):

@@ -3,7 +3,7 @@
     python benchmarks/lowlat/ptx_mix.py [--shape llama3-8b] [--batches 1,4] [--stages qkv,o_proj,gate_up,down]
                                         [--gpu "NVIDIA H200"] [--arch 90] [--dump DIR] [--fp8]
                                         [--configs [stage=]variant:block_n:block_k:warps:stages,...] [--regs]
-                                        [--attn-f16 off|on|both] [--attn-block N]
+                                        [--attn-f16 off|on|both] [--attn-block N] [--attn-warps N]
 
 ``--fp8``: FP8 e4m3 projections with per-row scales and an FP8 KV cache (the FP8 table, where one exists).
 ``--configs``: these GEMV configs instead of the table's (bench_gemv's syntax; one line per config and batch), e.g. the
@@ -15,7 +15,8 @@ the verify-rows kernel: at batch 8 a verify step of 6 rows + 2 padding rows comp
 their dots on an FP8 cache in fp16 (``LaunchConfig.attn_f16``; ``both``: each attention launch with and without,
 labelled ``attn-f16`` / ``attn-bf16``): ``cvt.e4m3>f16`` then counts the K / V widening (one per two elements),
 ``cvt.bf16.f16`` the second conversion of the bf16 path, ``mul 2^-4`` / ``cvt.f32>f16`` q's scaling and cast.
-``--attn-block``: the attention's KV block at every batch instead of the tuned ones (``LaunchConfig.attn_tuned``).
+``--attn-block``: the attention's KV block at every batch instead of the tuned ones (``LaunchConfig.attn_tuned``);
+``--attn-warps``: the attention launches' warps (``LaunchConfig.attn_warps``).
 
 Each stage is launched through its real `lowlat.kernels.ops` launcher on `meta` tensors of the layer's shapes,
 with the per-stage configs of `lowlat.kernels.tuning` for `--gpu`; the launch is captured instead of run, the
@@ -199,6 +200,7 @@ def main() -> None:
     ap.add_argument("--attn-f16", default="off", choices=["off", "on", "both"],
                     help="the attention stages' dots on FP8 caches in fp16 (LaunchConfig.attn_f16); both: each way")
     ap.add_argument("--attn-block", type=int, default=0, help="the attention's KV block at every batch (0: tuned)")
+    ap.add_argument("--attn-warps", type=int, default=0, help="the attention launches' warps (0: num_warps)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     tuned = tuned_table(args.gpu, shape, args.fp8)
@@ -212,6 +214,7 @@ def main() -> None:
                           fp8=args.fp8)
     if args.attn_block:
         lc = replace(lc, attn_tuned=((1 << 30, args.attn_block),))
+    lc = replace(lc, attn_warps=args.attn_warps)
     names = [n for n, _ in COUNTED]
     print(f"{'stage':>9s} {'bs':>3s} {'kernel':>26s} {'config':>24s} {'ptx':>5s} {'smem':>6s} " +
           ("regs/stk " if args.regs else "") + " ".join(f"{n:>8.8s}" for n in names))

@@ -17,12 +17,14 @@ plugin with one GEMV stage's kernel at 2-8 rows swapped, or `rows-wide`: `rows_a
 whose unused splits return (`LaunchConfig.rows_wide_splits`; `VARIANTS`). `spec-fp8` / `spec-fp8+plugin-all`: the
 generic and the plugin's verify step on FP8 weights and an FP8 KV cache (`auto+all-batches`: the plugin also where
 its tables decline verify steps); `spec-fp8+plugin-all+attn-f16`: the same with the plugin's attention dots on the FP8
-cache in fp16 (`LaunchConfig.attn_f16`, issues 33 / 34), `...+attn64` / `...+attn-f16-64` both at KV blocks of 64.
+cache in fp16 (`LaunchConfig.attn_f16`, issues 33 / 34), `...+attn64` / `...+attn-f16-64` both at KV blocks of 64,
+`...+attn-w8` / `...+attn-f16-w8` both at 8 warps per attention program.
 
 `--attn-kv fp8` (part 1): FP8 (e4m3) caches (K scale 0.05, V scale 0.02), every variant timed twice, its dots widened
 to bf16 and in fp16 (`LaunchConfig.attn_f16`, labelled `f16`), plus a decode step of one request; `--attn-context`
 takes a comma list of contexts (each case at each); `--attn-grids stack`: only the per-row kernel and the stack's
-`rows_attention` launch (no larger grids); `--attn-blocks 64,...`: those two also at each KV block.
+`rows_attention` launch (no larger grids); `--attn-blocks 64,...`: those two also at each KV block; `--attn-warps 8`:
+those two also at 8 warps (`LaunchConfig.attn_warps`).
 
 `--alias-tables` (default on): on a GPU other than the H200 the plugin's measured tables (`lowlat.kernels.tuning`,
 keyed by the GPU's name) are the H200's, copied under this GPU's name in this process only: the tiles were measured
@@ -189,6 +191,14 @@ def _attention_case(case: str, runs: list[tuple[int, int, int]], shape: Any, lc:
         if b > 1:
             variants[f"rows {block} ({splits_b}-split grid) stack"] = (
                 at_block, lambda lcv, kv, s=splits_b: rows_call(lcv, kv, s))
+    for warps in [int(v) for v in args.attn_warps.split(",") if v]:  # the stack's two launches at other warps
+
+        def at_warps(x: Any, warps: int = warps) -> Any:
+            return replace(x, attn_warps=warps)
+        variants[f"per-row w{warps} ({per_row} splits)"] = (at_warps, per_row_call)
+        if b > 1:
+            variants[f"rows w{warps} ({per_row}-split grid) stack"] = (
+                at_warps, lambda lcv, kv: rows_call(lcv, kv, per_row))
     # FP8 caches: each variant with the dots widened to bf16 (the default), then in fp16 (LaunchConfig.attn_f16)
     modes = ((False, ""), (True, " f16")) if fp8 else ((False, ""),)
     calls = {f"{name}{tag}": (lambda kv, call=call, lcv=change(replace(lc, attn_f16=f16)): call(lcv, kv))
@@ -237,6 +247,8 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "spec-fp8+plugin-all+attn64": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_tuned=((1 << 30, 64),))),
     "spec-fp8+plugin-all+attn-f16-64": ("spec-fp8+plugin-all",
                                         lambda lc: replace(lc, attn_f16=True, attn_tuned=((1 << 30, 64),))),
+    "spec-fp8+plugin-all+attn-w8": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_warps=8)),
+    "spec-fp8+plugin-all+attn-f16-w8": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_f16=True, attn_warps=8)),
 }
 
 
@@ -287,6 +299,7 @@ def main() -> None:
     ap.add_argument("--attn-grids", default="all", choices=["all", "stack"],
                     help="part 1: every rows_attention grid, or the stack's launches only")
     ap.add_argument("--attn-blocks", default="", help="part 1: comma list of KV blocks to time the stack's launches at")
+    ap.add_argument("--attn-warps", default="", help="part 1: comma list of warps to time the stack's launches at")
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--alias-tables", type=int, default=1)
     ap.add_argument("--json", default=None)

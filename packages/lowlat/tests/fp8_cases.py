@@ -532,14 +532,15 @@ def _layer_eight_rows_matches_reference(shape: LayerShape) -> None:
 
 @pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=lambda s: f"h{s.hidden_size}")
 @pytest.mark.parametrize("rows", [1, 3, *([8] if GPU else [])])
-def test_fp8_layer_attn_f16_matches_reference(shape: LayerShape, rows: int) -> None:
+@pytest.mark.parametrize("warps", [0, *([8] if GPU else [])], ids=lambda w: f"w{w}")  # the interpreter has no warps
+def test_fp8_layer_attn_f16_matches_reference(shape: LayerShape, rows: int, warps: int) -> None:
     """The built nvidia stack with ``LaunchConfig.attn_f16`` (its attention's dots in fp16 on the FP8 cache: the
-    per-row kernel at one row, ``rows_attention`` from two) over two FP8 layers against the reference layer, fresh
-    random inputs: outputs and the cache."""
+    per-row kernel at one row, ``rows_attention`` from two; on a GPU also at 8 warps, ``attn_warps``) over two FP8
+    layers against the reference layer, fresh random inputs: outputs and the cache."""
     g = _gen(19 + rows)
     weights = [fp8_layer(shape, g) for _ in range(2)]
     built = _build(shape, weights, FP8_DTYPE)
-    built.lc = replace(built.lc, attn_f16=True)
+    built.lc = replace(built.lc, attn_f16=True, attn_warps=warps)
     lens = [int(v) for v in torch.randint(1, 1000 if GPU else 30, (rows,), generator=g)]
     slots = rows * (1024 if GPU else 32) + 64
     meta = decode_meta(lens, slots, 1024 if GPU else 32, DEVICE, generator=g)
