@@ -238,6 +238,6 @@ def test_w8a8_split_k_matches_quantized_oracle(variant: str) -> None:
         out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=DTYPE)
         ops.gemv_residual(a, w, res, out, _lc("down", cfg), stage="down", scale=scale, split_ws=(part, counts))
         for row in range(rows):  # rows of 1 .. 1e4: each on its own (the residual is noise for the large ones)
-            _check(out[row] - res[row], quantized_rows(a, _group(cfg, k))[row] @ wd.T,
+            _check(out[row].double() - res[row].double(), quantized_rows(a, _group(cfg, k))[row] @ wd.T,
                    a[row].double() @ wd.T)
         assert int(counts.abs().sum()) == 0
