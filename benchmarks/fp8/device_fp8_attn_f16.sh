@@ -25,7 +25,7 @@ bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if has check; then
   echo "[$((SECONDS - t0)) s] checks"
-  timeout "${CHECK_S:-150}" python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/fp8_cases.py \
+  timeout "${CHECK_S:-180}" python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/fp8_cases.py \
     -k "f16_on_fp8 or attn_f16 or attention_reads_fp8" 2>&1 | tee "$OUT/check.log" \
     | grep -E "passed|failed|FAILED|Error" | tail -12
 fi

@@ -531,8 +531,8 @@ def _layer_eight_rows_matches_reference(shape: LayerShape) -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=lambda s: f"h{s.hidden_size}")
-@pytest.mark.parametrize("rows", [1, 3, *([8] if GPU else [])])
-@pytest.mark.parametrize("warps", [0, *([8] if GPU else [])], ids=lambda w: f"w{w}")  # the interpreter has no warps
+@pytest.mark.parametrize(("rows", "warps"), [(1, 0), (3, 0), *([(8, 0), (8, 8)] if GPU else [])],
+                         ids=lambda v: str(v))  # (the interpreter has no warps)
 def test_fp8_layer_attn_f16_matches_reference(shape: LayerShape, rows: int, warps: int) -> None:
     """The built nvidia stack with ``LaunchConfig.attn_f16`` (its attention's dots in fp16 on the FP8 cache: the
     per-row kernel at one row, ``rows_attention`` from two; on a GPU also at 8 warps, ``attn_warps``) over two FP8
