@@ -49,20 +49,20 @@ float32 sums take their rows' scales (before the residual). At 8 rows on the H20
   rows for 132 SMs); at 8 rows with FP8 weights it lost (o_proj 9.69 with 4 splits vs 8.68, down 24.54-26.46 with
   4-7 vs 22.68, 2026-12-03): in no table.
 - ``mrow_w8a8`` / ``mrow_w8a8b`` (W8A8, ``MMA`` 4 / 5; FP8 weights only): no weight conversion at all. The rows are
-  quantized to e4m3 in the kernel and the MMA runs FP8 x FP8 (sm_90: ``wgmma`` e4m3 where the weight tile has 64 rows
-  per warp group, else ``mma.sync`` m16n8k32 e4m3), float32 sums, the rows padded to 16 (the FP8 MMA's least N).
-  ``mrow_w8a8``: one scale per row, amax(|row|) / 448 over all of K (the prefill's per-token rule), from a pass over
-  the rows after the PDL wait (``_rows_amax``: each program reads its rows' K columns from L2 once more, before its
-  first MMA, pipelined through shared memory; sm_90 PTX: 8 ``cp.async`` of 16 bytes per thread and step of 8,192
-  elements, two barriers per step); the epilogue multiplies by weight row scale x row scale. ``mrow_w8a8b``: one scale per row and K block
-  (BLOCK_K columns, as 1 x 128 activation groups in block-scaled FP8 recipes): no pass before the loop, each K step's
+  quantized to e4m3 in the kernel and the MMA runs FP8 x FP8 (sm_90: ``wgmma`` m64n16k32 e4m3), float32 sums, the
+  rows padded to 16 (with 8, Triton lowers the dot to an fp16 ``mma.sync``). ``mrow_w8a8``: one scale per row,
+  amax(|row|) / 448 over all of K (the prefill's per-token rule), from a pass over the rows after the PDL wait
+  (``_rows_amax``: each program reads its rows' K columns from L2 once more before its first MMA, pipelined through
+  shared memory; sm_90 PTX: 8 ``cp.async`` of 16 bytes per thread and step of 8,192 elements, two barriers per step);
+  the epilogue multiplies by weight row scale x row scale. ``mrow_w8a8b``: one scale per row and K block (BLOCK_K
+  columns, as the 1 x 128 activation groups of block-scaled FP8 recipes): no pass before the loop, each K step's
   partial sums times its block scales. Both quantize each (BLOCK_M, BLOCK_K) row tile once per program and K step
   (multiply by the reciprocal scale, clamp, ``cvt.rn.satfinite.e4m3x2.f32``); the FP8 MMA's partial sums are added
   into a float32 accumulator at least every 128 products (``max_num_imprecise_acc``: sm_90's FP8 MMA accumulates in
-  reduced precision). sm_90's ``wgmma`` needs 64 weight rows per warp group: with fewer (``block_n`` 32 at 4 warps)
-  Triton 3.6 / 3.9 fall back to ``mma.sync`` with both operands widened to fp16 (``cvt.rn.f16x2.e4m3x2``): no W8A8 gain.
-  Split-K (``split_k``) fills the GPU with 64-row tiles (o_proj / down: 64 tiles for 132 SMs). Not measured on a GPU
-  yet, in no table (benchmarks/fp8/GPU_NOTES.md).
+  reduced precision). ``wgmma`` needs 64 weight rows per warp group: with fewer (``block_n`` 32 at 4 warps) Triton
+  3.6 / 3.9 fall back to ``mma.sync`` with both operands widened to fp16 (``cvt.rn.f16x2.e4m3x2``): no W8A8 gain.
+  Split-K (``split_k``) fills the GPU with 64-row tiles (o_proj / down: 64 tiles for 132 SMs). Not measured on a
+  GPU yet, in no table (benchmarks/fp8/GPU_NOTES.md).
 - ``mrow_fma`` (CUDA cores) is 1.5x slower at one row and 4.7-7x at 8 (a cross-thread reduction per tile step and
   registers for the (BLOCK_N, BLOCK_M, BLOCK_K) product); kept as a reference point, in no table.
 """
@@ -111,8 +111,8 @@ W8A8_IMPRECISE_K = tl.constexpr(128)
 
 @triton.jit
 def _fp8_scale(amax):
-    """(scale, 1 / scale) of rows whose largest magnitude is ``amax``: scale = amax / 448 (IEEE-rounded, as the prefill's
-    per-token quantizer and torch), at least 1e-12 (a zero or padding row: its values stay 0, never 0 / 0)."""
+    """(scale, 1 / scale) of rows whose largest magnitude is ``amax``: scale = amax / 448 (IEEE-rounded, as the
+    prefill's per-token quantizer and torch), at least 1e-12 (a zero or padding row: its values stay 0, never 0 / 0)."""
     scale = tl.maximum(tl.div_rn(amax, 448.0), 1e-12)
     return scale, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
