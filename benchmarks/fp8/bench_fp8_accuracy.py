@@ -23,7 +23,10 @@ The "fp8 LM head" rows (weights kind `X+lmhead`): kind X's model with the LM hea
 and the embedding stays float32); "fp8 LM head only" on the float32 model (not a server option:
 the LM head's own share of the error). `+lmhead-w8a8`: the same head fed per-token FP8 rows of its
 input, the numerics of its CUDA path above 16 rows (`torch._scaled_mm`: prefill logit rows, decode
-batches > 16), where the CPU and the GEMV read the float rows.
+batches > 16), where the CPU and the GEMV read the float rows. The "W8A8" rows (weights kind `fp8-w8a8`): every FP8
+decoder projection (not the LM head) fed per-token FP8 rows of its input at every position, the numerics of a server
+whose decode steps quantize their rows too (the lowlat plugin's `mrow_w8a8` lines, issues 33 / 34) besides the
+`_scaled_mm` prefill: where the CPU path reads the float rows, as the FP8 decode GEMVs do.
 The "fp8 LM head GPTQ" rows (weights kind `X+lmhead-gptq`, not a server option: what an offline
 checkpoint could carry): the head's codes rounded by GPTQ (`fp8_gptq.gptq_fp8`, RTN's per-row scales)
 with the Hessian of its input over every position of the calibration text.
@@ -63,6 +66,8 @@ SETUPS = [
     ("fp8 weights + fp8 LM head W8A8 + fp8 KV", "fp8+lmhead-w8a8", "fp8_e4m3"),
     ("fp8 weights + fp8 LM head GPTQ + fp8 KV", "fp8+lmhead-gptq", "fp8_e4m3"),
     ("fp8 gptq weights + fp8 LM head GPTQ + fp8 KV", "fp8-gptq+lmhead-gptq", "fp8_e4m3"),
+    ("fp8 weights W8A8 + fp8 KV", "fp8-w8a8", "fp8_e4m3"),
+    ("fp8 weights W8A8", "fp8-w8a8", "auto"),
 ]
 # a weights kind with the LM head FP8 too (`--quantize-lm-head`); "-w8a8": its rows quantized per token first;
 # "-gptq": its codes rounded by GPTQ on the calibration text
@@ -104,6 +109,17 @@ class RowsQuantizedHead(torch.nn.Module):
         q, scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
         return self.head.forward_fp8_rows(q, scale, x.dtype).view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
 REFERENCES = ("float32", "bfloat16")
+
+
+def rows_quantized_(model: torch.nn.Module) -> None:
+    """Every FP8 projection of ``model`` except the LM head fed its input quantized per token (``RowsQuantizedHead``
+    around it: e4m3 rows, scale amax / 448 each); mutates ``model``."""
+    from lmserver.layers.fp8_linear import Fp8Linear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear) and name != "lm_head":
+                setattr(parent, name, RowsQuantizedHead(child))
 
 
 def text_windows(tokenizer: Any, num_tokens: int, window: int) -> list[list[int]]:
@@ -150,6 +166,10 @@ def build(config: Any, path: Path, weights: str, window: int, calib: list[list[i
         return load_model(config, path, dtype=torch.bfloat16, max_positions=window)
     if weights == "fp8":
         return load_model(config, path, dtype=torch.float32, max_positions=window, quantization="fp8")
+    if weights == "fp8-w8a8":  # per channel, every projection's rows quantized per token (W8A8 at every step)
+        model = load_model(config, path, dtype=torch.float32, max_positions=window, quantization="fp8")
+        rows_quantized_(model)
+        return model
     if weights in ("fp8-gptq", "fp8-gptq-keep-last"):  # offline GPTQ checkpoint, loaded as the server loads it
         import tempfile
 
