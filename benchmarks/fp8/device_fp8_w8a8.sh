@@ -12,11 +12,11 @@ t0=$SECONDS
 bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 echo "[$((SECONDS - t0)) s] checks (w8a8_cases.py: CPU cases + the 8B stages)"
-timeout "${CHECK_S:-120}" python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/w8a8_cases.py 2>&1 \
+timeout "${CHECK_S:-130}" python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/w8a8_cases.py 2>&1 \
   | tee "$OUT/check.log" | grep -E "passed|failed|FAILED|Error" | tail -12
 echo "[$((SECONDS - t0)) s] gemv"
 CONFIGS=${CONFIGS:-$(python3 benchmarks/fp8/w8a8_sweep.py)}
-timeout "${GEMV_S:-170}" python3 benchmarks/lowlat/bench_gemv.py --fp8 --layers 16 --iters 10 \
-  --batches "${BATCHES:-8,1,16,4,2,6}" --stages qkv,o_proj,gate_up,down --budget-s $(( ${GEMV_S:-170} - 10 )) \
+timeout "${GEMV_S:-160}" python3 benchmarks/lowlat/bench_gemv.py --fp8 --layers 16 --iters 10 \
+  --batches "${BATCHES:-8,1,16,4,2,6}" --stages qkv,o_proj,gate_up,down --budget-s $(( ${GEMV_S:-160} - 10 )) \
   --configs "$CONFIGS" --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | grep -E "^ *[0-9]+ +(qkv|o_proj|gate_up|down) |WRONG|skip|budget|best us" | tail -40
 echo "[$((SECONDS - t0)) s] done"

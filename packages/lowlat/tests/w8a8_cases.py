@@ -96,8 +96,8 @@ def _check(out: torch.Tensor, want_q: torch.Tensor, want_x: torch.Tensor, tol_x:
 
 # rows 1..16 (padding rows inside the 16-row MMA and, on the interpreter, in the power-of-two tile); ragged N and K.
 # 13 and 16 rows in the interpreter's slow tier (the same oracle as the others); on a GPU (a compile per row count and
-# shape) 1, 6, 8 and 16 rows
-ROWS = [1, 6, 8, 16] if GPU else [1, 2, 3, 6, 8, *(pytest.param(r, marks=pytest.mark.slow) for r in (13, 16))]
+# shape) 1, 8 and 16 rows
+ROWS = [1, 8, 16] if GPU else [1, 2, 3, 6, 8, *(pytest.param(r, marks=pytest.mark.slow) for r in (13, 16))]
 GEMV_SHAPES = [(40, 100), (64, 160)] if not GPU else [(4096, 4096), (4096, 14336)]
 
 
@@ -232,7 +232,7 @@ def test_w8a8_split_k_matches_quantized_oracle(variant: str) -> None:
     w, scale, wd = _fp8_weight(n, k, g)
     part = torch.full((split * 8 * n,), float("nan"), device=DEVICE)
     counts = torch.zeros(-(-n // bn), device=DEVICE, dtype=torch.int32)
-    for rows in (8, 3):
+    for rows in (8, 3) if not GPU else (8, 8):  # (a GPU: one compile)
         a = (torch.randn(rows, k, generator=g) * torch.logspace(0, 4, rows)[:, None]).to(DEVICE, DTYPE)
         res = torch.randn(rows, n, generator=g).to(DEVICE, DTYPE)
         out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=DTYPE)
