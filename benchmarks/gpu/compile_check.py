@@ -151,9 +151,9 @@ def lowlat_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
 
 def lowlat_w8a8_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     """The W8A8 multi-row GEMV launches (``mrow_w8a8`` / ``mrow_w8a8b``) the device sweep times: each candidate of
-    ``W8A8_SWEEP`` at 8 rows, the first of each stage also at 2, 6 and 16 (a compile per row count)."""
+    ``W8A8_SWEEP`` at 8 rows, the first of each stage at every row count the sweep times (a compile per count)."""
     from ptx_mix import SHAPES, capture
-    from w8a8_sweep import W8A8_SWEEP
+    from w8a8_sweep import ALL_ROWS, W8A8_SWEEP
 
     from lowlat.kernels import ops
 
@@ -163,7 +163,7 @@ def lowlat_w8a8_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     for stage, cfgs in W8A8_SWEEP.items():
         for j, cfg in enumerate(cfgs):
             lc = replace(base, tuned=((stage, 16, cfg),))
-            for batch in (8,) if j else (2, 6, 8, 16):
+            for batch in (8,) if j else ALL_ROWS:
                 cases[f"lowlat {stage} {cfg.variant} {cfg.block_n}x{cfg.block_k} split {cfg.split_k} batch={batch}"] = (
                     capture(stage, shape, batch, lc, fp8=True))
     return cases
