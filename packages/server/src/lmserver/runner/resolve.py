@@ -80,22 +80,23 @@ def estimate_weight_bytes(model_config: ModelConfig, dtype: str, max_positions: 
         model = get_model_class(model_config.architecture)(model_config, max_positions=max_positions)
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def fp8_bytes(w: torch.Tensor) -> int:  # one byte per weight, one float32 scale per row (the last dim is K)
+        return w.numel() + 4 * (w.numel() // w.shape[-1])
+
     if quantization == "fp8":
         from lmserver.models.quantization import FP8_LINEAR_NAMES
 
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES:
-                w = module.weight
-                total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0]
-            elif isinstance(module, MoE):
-                for w in (module.w13, module.w2):  # (E, N, K): one float32 scale per expert row
-                    total -= w.numel() * (w.element_size() - 1) - 4 * w.shape[0] * w.shape[1]
+        quantized = [m.weight for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in FP8_LINEAR_NAMES]
+        quantized += [w for m in model.modules() if isinstance(m, MoE) for w in (m.w13, m.w2)]  # (E, N, K)
         if quantize_lm_head and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
             head = model.lm_head.weight
             if model_config.tie_word_embeddings:  # untied: the embedding stays, the head is a new FP8 copy
-                total += head.numel() + 4 * head.shape[0]
+                total += fp8_bytes(head)
             else:
-                total -= head.numel() * (head.element_size() - 1) - 4 * head.shape[0]
+                quantized.append(head)
+        total -= sum(w.numel() * w.element_size() - fp8_bytes(w) for w in quantized)
     return total // max(tp_size, 1)
 
 
@@ -136,9 +137,8 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
     if config.quantize_lm_head and quant is None:
         raise ConfigError("--quantize-lm-head makes the LM head FP8 next to FP8 decoder weights; this model has none: "
                           "add --quantization fp8 (online FP8 of an unquantized checkpoint) or serve an FP8 checkpoint")
-    wants = [what for what, on in (("FP8 weights", quant is not None and not config.quantize_lm_head),
-                                   ("FP8 weights and an FP8 LM head", config.quantize_lm_head),
-                                   ("an FP8 KV cache", kv == "fp8_e4m3")) if on]
+    weights = "FP8 weights and an FP8 LM head" if config.quantize_lm_head else "FP8 weights"
+    wants = [what for what, on in ((weights, quant is not None), ("an FP8 KV cache", kv == "fp8_e4m3")) if on]
     if wants:
         what = " and ".join(wants)
         why = fp8_unsupported_reason(device)
