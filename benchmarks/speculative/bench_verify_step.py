@@ -248,6 +248,8 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "spec-fp8+plugin-all+attn-f16-64": ("spec-fp8+plugin-all",
                                         lambda lc: replace(lc, attn_f16=True, attn_tuned=((1 << 30, 64),))),
     "spec-fp8+plugin-all+attn-w8": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_warps=8)),
+    # the verify attention at the decode launch's warps (tuning.VERIFY_ATTN_WARPS off): the verify graphs' gain
+    "spec-fp8+plugin-all+verify-w0": ("spec-fp8+plugin-all", lambda lc: replace(lc, verify_attn_warps=0)),
     "spec-fp8+plugin-all+attn-f16-w8": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_f16=True, attn_warps=8)),
 }
 
@@ -270,17 +272,20 @@ def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
         stats = {k: v for k, v in core.get_stats().items() if "lowlat" in k or k.startswith("spec")}
         log(f"=== {setting}: built in {build_s:.0f}s; engine c=1 {rates[0]:.1f} tok/s per user, step median "
             f"{1e6 * statistics.median(steps):.0f} us; {stats}")
-        graph = core.runner.cuda_graph.graphs.get(8)
+        graphs = core.runner.cuda_graph
+        verify = graphs.verify_graphs.get(8)  # captured where the plugin's verify launch differs (or its path)
+        graph = verify if verify is not None else graphs.graphs.get(8)
         if graph is None:
             log("  no graph of 8 rows")
         else:
             us = [replay_us(graph, 50) for _ in range(3)]
             rows = kprof.breakdown(graph.replay, reps=3)
-            log(f"  graph of 8 rows (the last verify step): replay {us} us\n" + kprof.table(rows, top=args.top,
-                                                                                          unit="us per replay"))
+            kind = "verify graph" if verify is not None else "decode graph"
+            log(f"  {kind} of 8 rows (the last verify step): replay {us} us\n" + kprof.table(rows, top=args.top,
+                                                                                            unit="us per replay"))
             results["step"].append(dict(setting=setting, replay_us=us, engine_tok_s=rates[0],
                                         step_median_us=1e6 * statistics.median(steps), kernels=rows, stats=stats))
-        del core, graph
+        del core, graph, graphs, verify
         gc.collect()
         torch.cuda.empty_cache()
 

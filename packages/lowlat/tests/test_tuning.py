@@ -142,3 +142,34 @@ def test_fp8_expert_tiles_by_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     assert moe_ops.expert_configs(cuda, lc, True, 1) == (rows, rows)
     assert moe_ops.expert_configs(cuda, lc, True, 2) == (wide, wide)
     assert moe_ops.expert_configs(torch.device("cpu"), lc, True, 1)[0].variant == "mrow"
+
+
+def test_verify_steps_take_their_own_attention_warps() -> None:
+    # LaunchConfig.verify_attn_warps: steps of several rows per request (ForwardMeta.rows_per_request > 1, speculative
+    # verify) launch the attention with their own warps (0: attn_warps'); the engine captures their graphs apart
+    # only where the two launches differ (verify_launch_differs)
+    lc = LaunchConfig(num_sms=132, verify_attn_warps=8)
+    assert [lc.attention_warps(r) for r in (1, 2, 8)] == [0, 8, 8] and lc.verify_launch_differs
+    both = LaunchConfig(num_sms=132, attn_warps=8)
+    assert [both.attention_warps(r) for r in (1, 6)] == [8, 8] and not both.verify_launch_differs
+    assert not LaunchConfig(num_sms=132, attn_warps=8, verify_attn_warps=8).verify_launch_differs
+    assert not LaunchConfig().verify_launch_differs
+
+
+def test_fp8_cache_attention_tables_name_known_shapes_and_valid_values() -> None:
+    from lowlat.kernels.tuning import ATTN_F16, VERIFY_ATTN_WARPS, tuned_attn_f16, tuned_verify_attn_warps
+
+    assert tuned_verify_attn_warps("Some Other GPU", LLAMA3_8B, True) == 0 and not tuned_attn_f16("Some Other GPU",
+                                                                                                    LLAMA3_8B)
+    for (gpu, key), warps in VERIFY_ATTN_WARPS.items():
+        hidden, heads, kv_heads, head_dim, inter = key
+        shape = LayerShape(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           intermediate_size=inter)
+        assert warps in (1, 2, 4, 8, 16)
+        # measured with FP8 weights and an FP8 cache only: other stacks keep their decode launch
+        assert tuned_verify_attn_warps(gpu, shape, True) == warps and tuned_verify_attn_warps(gpu, shape, False) == 0
+    for (gpu, key), on in ATTN_F16.items():
+        hidden, heads, kv_heads, head_dim, inter = key
+        shape = LayerShape(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           intermediate_size=inter)
+        assert tuned_attn_f16(gpu, shape) is on

@@ -251,3 +251,67 @@ def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest
     assert stats.get("lowlat_plugin_steps_verify", 0) > 0  # verify steps of <= 4 rows ran the plugin
     graph_paths = {g.split(" -> ")[0]: g for g in report["graphs"]}
     assert any("verify" in g and "original" in g for g in graph_paths.values()), report["graphs"]
+
+
+class VerifyLaunchBuilt(ReferenceBuilt):
+    """Launches verify rows otherwise than decode rows (``Built``'s optional ``verify_launch_differs``, as the nvidia
+    stack with ``LaunchConfig.verify_attn_warps``); records each step's ``ForwardMeta.rows_per_request``."""
+
+    verify_launch_differs = True
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__(ctx)
+        self.rows_seen: list[int] = []
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        if layer == 0:
+            self.rows_seen.append(meta.rows_per_request)
+        return super().forward(layer, x, kv, meta)
+
+
+@pytest.mark.slow  # ~60 s on 2 cores (two engines, graphs captured eagerly on the CPU)
+def test_verify_steps_replay_graphs_of_their_own_where_the_plugin_launch_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin whose verify launch differs from its decode launch gets a verify graph at every captured size of
+    at least 2 rows (its rows per request: the verify rows, at most the size), replayed for verify steps with
+    ``rows_per_request`` > 1, while decode steps keep 1. Oracle: greedy tokens of the engine without lowlat or
+    speculation; every replay's path is checked by lowlat."""
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
+
+    prompt = ("Repeat this text word for word.\nText: The committee met on Tuesday to review the budget and approved "
+              "the road repairs.\nRepeated:")
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    base = _engine()
+    try:
+        expected = [o["output_ids"] for o in base.generate([prompt], params)]  # type: ignore[index]
+    finally:
+        base.shutdown()
+    built: list[VerifyLaunchBuilt] = []
+
+    def build(ctx: BuildContext) -> Built:
+        built.append(VerifyLaunchBuilt(ctx))
+        return built[-1]
+
+    spec = PluginSpec(name="cpu-reference", version="1.0", archs=("LlamaForCausalLM",),
+                      requirements=Requirements(vendor="cpu", dtypes=("float32",)),
+                      coverage=Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=8,
+                                        max_query_len=8),
+                      build=build)
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    with use_registry(Registry([spec])):
+        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram", context_length=256,
+                         speculative_num_draft_tokens=3, cuda_graph_max_bs=4)
+    try:
+        graphs = engine.core.runner.cuda_graph
+        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+        assert sorted(graphs.verify_graphs) == [2, 4]  # one row per request at size 1: the decode launch
+        built[-1].rows_seen.clear()
+        got = [o["output_ids"] for o in engine.generate([prompt], params)]  # type: ignore[index]
+        stats = engine.core.get_stats()
+        report = engine.core.lowlat.report()  # type: ignore[union-attr]
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert stats["cuda_graph_verify_replays"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats.get("lowlat_plugin_steps_verify", 0) > 0
+    assert set(built[-1].rows_seen) - {1}, built[-1].rows_seen  # verify replays ran their own launch
+    assert all("plugin" in g for g in report["graphs"]), report["graphs"]

@@ -70,6 +70,10 @@ class Built(Protocol):
     batch size. It mutates ``kv`` (the new tokens' K and V) and the plugin's own workspace only,
     and returns the layer's output residual stream (a view of a plugin-owned buffer that stays
     valid until the plugin's forward runs twice more).
+
+    Optional: a ``verify_launch_differs`` attribute, True where ``forward`` launches steps of several rows per
+    request (``ForwardMeta.rows_per_request`` > 1: verify steps) otherwise than decode steps of as many rows, so that
+    the engine captures their CUDA graphs apart (``Session.verify_launch_differs``); absent means False.
     """
 
     @property

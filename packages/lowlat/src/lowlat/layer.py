@@ -172,6 +172,9 @@ class ForwardMeta:
     out_cache_loc: torch.Tensor  # (num_tokens,) int64 or int32: slot written for each new token
     extend_lens: torch.Tensor | None = None  # (batch,) int32; None means decode (all ones)
     max_seq_len: int = 0  # host-side bound on seq_lens (sizes split-KV work); 0 = req_to_token width
+    # host-side bound on the rows one request holds in this decode-shaped step: > 1 for a speculative verify step's
+    # rows, each a decode row at its own position (picks the verify attention's launch: LaunchConfig.verify_attn_warps)
+    rows_per_request: int = 1
 
     @property
     def batch_size(self) -> int:

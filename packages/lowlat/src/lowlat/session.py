@@ -322,6 +322,11 @@ class Session:
         """The path ``select`` would pick for ``step``, counting nothing. Pure."""
         return PLUGIN if self._why_not(step) is None else ORIGINAL
 
+    def verify_launch_differs(self) -> bool:
+        """Whether the built plugin launches verify steps otherwise than decode steps of as many rows (``Built``'s
+        optional ``verify_launch_differs``): a graph captured for decode rows does not replay its verify launch. Pure."""
+        return bool(getattr(self.built, "verify_launch_differs", False))
+
     def frozen_path(self, kind: StepKind, batch_size: int) -> str | None:
         """The path the graph captured for (kind, batch_size) froze, or None when none was. Pure."""
         entry = self.recorder.entry(kind, batch_size)

@@ -171,15 +171,20 @@ class LaunchConfig:
     attn_f16: bool = False
     # warps of the decode / verify attention launches (0: num_warps). sm_90 code of the 8B shape's FP8-cache attention
     # at 8 rows and KV blocks of 128 (Triton 3.6, 4 warps): 255 registers and 0 / 88 B of stack (per-row / rows kernel)
-    # widened to bf16, 80 / 216 B in fp16; at 8 warps none spills (benchmarks/fp8/GPU_NOTES.md). Not measured: 0
+    # widened to bf16, 80 / 216 B in fp16; at 8 warps none spills (benchmarks/fp8/GPU_NOTES.md). Measured on decode
+    # rows slower at 8 warps (H200 8B FP8 stack, 8 rows, context 4096: 150.5 -> 161.3 us per layer): 0
     attn_warps: int = 0
+    # the same for steps whose requests hold several rows (``ForwardMeta.rows_per_request`` > 1: speculative verify
+    # steps, which the engine replays in graphs of their own where this differs from ``attn_warps``); 0: attn_warps.
+    # H200 8B FP8 verify step of 6 + 2 rows (tuning.VERIFY_ATTN_WARPS): 4,256 us at 4 warps, 3,769 at 8
+    verify_attn_warps: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, shape: LayerShape, use_pdl: bool, moe: MoEShape | None = None,
-                   fp8: bool = False) -> LaunchConfig:
+                   fp8: bool = False, fp8_kv: bool = False) -> LaunchConfig:
         """GPU: tensor-core friendly blocks plus the measured per-stage table (``lowlat.kernels.tuning``)
-        of this GPU and shape (``moe``: the MoE stack's measured coverage; ``fp8``: FP8 weights, their own table);
-        CPU (interpreter): small blocks that divide the shape."""
+        of this GPU and shape (``moe``: the MoE stack's measured coverage; ``fp8``: FP8 weights, their own table;
+        ``fp8_kv``: an FP8 KV cache); CPU (interpreter): small blocks that divide the shape."""
         if device.type == "cpu":
             return cls(
                 fp8=fp8,
@@ -197,6 +202,7 @@ class LaunchConfig:
             tuned_l2_prefetch,
             tuned_pdl_release,
             tuned_table,
+            tuned_verify_attn_warps,
             tuned_verify_wins_up_to,
             tuned_wins_up_to,
         )
@@ -207,7 +213,8 @@ class LaunchConfig:
                    attn_tuned=tuned_attention(props.name, shape), wins_up_to=tuned_wins_up_to(props.name, shape, moe, fp8),
                    verify_wins_up_to=None if moe is not None else tuned_verify_wins_up_to(props.name, shape, fp8),
                    rows_attention_up_to=16, l2_prefetch=tuned_l2_prefetch(props.name, shape, fp8),
-                   attn_f16=tuned_attn_f16(props.name, shape))
+                   attn_f16=tuned_attn_f16(props.name, shape),
+                   verify_attn_warps=tuned_verify_attn_warps(props.name, shape, fp8 and fp8_kv))
 
     def __post_init__(self) -> None:
         if self.pdl_release not in PDL_RELEASES:
@@ -218,6 +225,17 @@ class LaunchConfig:
         if self.pdl_release == "auto":
             return programs <= self.num_sms
         return self.pdl_release == "early"
+
+    def attention_warps(self, rows_per_request: int) -> int:
+        """Warps of the attention launches of a step whose requests hold up to ``rows_per_request`` rows (0: the
+        launch's ``num_warps``). Pure."""
+        return (self.verify_attn_warps or self.attn_warps) if rows_per_request > 1 else self.attn_warps
+
+    @property
+    def verify_launch_differs(self) -> bool:
+        """Whether steps of several rows per request (verify steps) launch the attention otherwise than decode
+        steps: a CUDA graph captured for one cannot replay the other's launch. Pure."""
+        return self.attention_warps(2) != self.attention_warps(1)
 
     def uses_rows_attention(self, batch: int) -> bool:
         """Whether a decode / verify batch of ``batch`` rows runs ``rows_attention`` (else ``attention``)."""
@@ -262,11 +280,13 @@ def _kw(dev: torch.device, lc: LaunchConfig, pdl: bool = True, cfg: GemvConfig |
     return kw
 
 
-def _attn_kw(dev: torch.device, lc: LaunchConfig) -> dict[str, object]:
-    """``_kw`` of the attention launches: ``lc.attn_warps`` warps where set (a GPU)."""
+def _attn_kw(dev: torch.device, lc: LaunchConfig, meta: ForwardMeta) -> dict[str, object]:
+    """``_kw`` of the attention launches: ``lc.attention_warps`` warps for the step's rows per request where set (a
+    GPU)."""
     kw = _kw(dev, lc)
-    if lc.attn_warps and dev.type != "cpu":
-        kw["num_warps"] = lc.attn_warps
+    warps = lc.attention_warps(meta.rows_per_request)
+    if warps and dev.type != "cpu":
+        kw["num_warps"] = warps
     return kw
 
 
@@ -368,7 +388,7 @@ def attention(
         BLOCK_G=next_pow2(group) if dev.type == "cpu" else max(16, next_pow2(group)), BLOCK_N=lc.attn_block(b),
         NUM_SPLITS=splits, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32, USE_PDL=lc.use_pdl,
         PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS, FUSED_MERGE=fused,
-        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), KV_F16=lc.attn_f16 and kv.fp8, **_attn_kw(dev, lc),
+        BLOCK_S=next_pow2(splits), BLOCK_GM=next_pow2(group), KV_F16=lc.attn_f16 and kv.fp8, **_attn_kw(dev, lc, meta),
     )
     if splits == 1 or fused:
         return  # the attention kernel wrote `out` itself
@@ -405,7 +425,7 @@ def rows_attention(
         NUM_SPLITS=splits, TARGET=2 * lc.num_sms, DOT_F32=dev.type == "cpu" or q.dtype == torch.float32,
         USE_PDL=lc.use_pdl, PDL_EARLY=lc.pdl_early(b * shape.num_kv_heads * splits), FRESH=MAX_VERIFY_ROWS,
         BLOCK_G1=block_gp if dev.type == "cpu" else max(16, block_gp), BLOCK_N1=lc.attn_block(b), SKIP_EMPTY=skip,
-        KV_F16=lc.attn_f16 and kv.fp8, **_attn_kw(dev, lc),
+        KV_F16=lc.attn_f16 and kv.fp8, **_attn_kw(dev, lc, meta),
     )
     if splits == 1:
         return

@@ -104,9 +104,23 @@ FP8_L2_PREFETCH: dict[tuple[str, ShapeKey], int] = {
 
 
 # FP8 (e4m3) KV caches: (GPU name, shape) -> LaunchConfig.attn_f16 (the decode / verify attention's dots in fp16
-# instead of bf16 widened through float32) where measured faster. None yet: sm_90 PTX read only (issues 33 / 34,
-# benchmarks/fp8/GPU_NOTES.md "fp16 attention on FP8 caches"; bench_verify_step.py --attn-kv fp8 times both)
+# instead of bf16 widened through float32) where measured faster (device_fp8_attn_f16.sh, H200 2026-12-03, commit
+# 8599715; benchmarks/RESULTS.md issue 33): 8B, 32-layer FP8 stack (FP8 weights + KV), context 4096, us per layer at
+# batch 1 / 8: 80.9 / 150.5 widened to bf16, 79.8 / 140.9 in fp16; attention alone faster in fp16 at every size timed
+# (verify 6 + 2 rows, context 4096: 47.8 -> 41.8; decode 8 rows 54.4 -> 45.0), its error against float64 lower
+# (1.7e-3 vs 2.1e-3: fp16 keeps 3 more mantissa bits)
 ATTN_F16: dict[tuple[str, ShapeKey], bool] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): True,
+}
+
+
+# (GPU name, shape) -> LaunchConfig.verify_attn_warps (FP8 weights and KV only: nothing else was timed so): the
+# attention's warps on steps of several rows per request (speculative verify). H200 8B, FP8 weights + KV, the engine's
+# verify step in a graph of 8 rows (6 rows + 2 padding, context 4096; bench_verify_step.py, 2026-12-03, commit
+# 3cd7d6e, us per replay): generic 4,460.5; plugin 4,256.1 at 4 warps, 3,769.1 at 8 (rows_attention 44.9 -> 31.5 us
+# per layer: its 4-warp sm_90 code spills at 8 rows); decode rows keep 4 (8 rows: 150.5 -> 161.3 us per layer at 8)
+VERIFY_ATTN_WARPS: dict[tuple[str, ShapeKey], int] = {
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
 }
 
 
@@ -161,8 +175,11 @@ VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
 FP8_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
     ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
 }
+# FP8 verify steps (FP8 weights + KV), the engine's verify step of 6 + 2 rows in a graph of 8 (bench_verify_step.py,
+# 2026-12-03, commit 3cd7d6e, us per replay): generic 4,460.5, the plugin 3,769.1 with the fp16 FP8-cache attention
+# (ATTN_F16) and 8 warps on verify rows (VERIFY_ATTN_WARPS): 1.18x; 4,256.1 at 4 warps (1.05x). 8 rows; 9-16 as decode.
 FP8_VERIFY_WINS_UP_TO: dict[tuple[str, ShapeKey], int] = {
-    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 0,
+    ("NVIDIA H200", (4096, 32, 8, 128, 14336)): 8,
 }
 # The same for the MoE stack, keyed also by (experts, top_k, expert intermediate size): a Mixtral layer's attention
 # half has Llama-3-8B's key. H200, Mixtral-8x7B layers (4 of them), bench_e2e, eighth session, against lmserver's
@@ -210,6 +227,12 @@ def tuned_l2_prefetch(device_name: str, shape: LayerShape, fp8: bool = False) ->
     """The measured L2 prefetch of the row-wise GEMV launches for this GPU and shape (``FP8_L2_PREFETCH`` with FP8
     weights), else 0 (none)."""
     return FP8_L2_PREFETCH.get((device_name, shape_key(shape)), 0) if fp8 else 0
+
+
+def tuned_verify_attn_warps(device_name: str, shape: LayerShape, fp8: bool) -> int:
+    """The attention's warps on verify steps on this GPU and shape with FP8 weights and KV cache (``fp8``;
+    ``VERIFY_ATTN_WARPS``), else 0 (``LaunchConfig.verify_attn_warps``: as on decode steps)."""
+    return VERIFY_ATTN_WARPS.get((device_name, shape_key(shape)), 0) if fp8 else 0
 
 
 def tuned_attn_f16(device_name: str, shape: LayerShape) -> bool:

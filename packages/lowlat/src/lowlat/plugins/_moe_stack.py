@@ -83,6 +83,11 @@ class TritonMoEStack:
     def workspace_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers) + self.ws.nbytes
 
+    @property
+    def verify_launch_differs(self) -> bool:
+        """``Built``'s optional flag: verify rows launch otherwise than decode rows (``LaunchConfig.verify_attn_warps``)."""
+        return self.lc.verify_launch_differs
+
     def covers(self, step: Step) -> bool:
         return covers_rows(step, self.ctx, self.lc)
 

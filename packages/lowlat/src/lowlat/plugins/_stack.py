@@ -182,6 +182,11 @@ class TritonLayerStack:
     def workspace_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers)
 
+    @property
+    def verify_launch_differs(self) -> bool:
+        """``Built``'s optional flag: verify rows launch otherwise than decode rows (``LaunchConfig.verify_attn_warps``)."""
+        return self.lc.verify_launch_differs
+
     def covers(self, step: Step) -> bool:
         return covers_rows(step, self.ctx, self.lc)
 

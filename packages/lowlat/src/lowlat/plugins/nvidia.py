@@ -19,6 +19,7 @@ from lowlat.build import BuildContext
 from lowlat.errors import Unsupported
 from lowlat.kernels._jit import pdl_available
 from lowlat.kernels.ops import MAX_VERIFY_ROWS, LaunchConfig
+from lowlat.layer import FP8_DTYPE
 from lowlat.plugins._moe_stack import TritonMoEStack
 from lowlat.plugins._stack import TritonLayerStack, fp8_weights, unmeasured_errors
 from lowlat.spec import Coverage, PluginSpec, Requirements, StepKind
@@ -48,7 +49,8 @@ class NvidiaLayerStack(TritonLayerStack):
 def build(ctx: BuildContext) -> TritonLayerStack | TritonMoEStack:
     """Check the loaded weights and allocate the workspaces (``NvidiaLayerStack``, FP8 weights and KV included, or
     ``TritonMoEStack`` when ``ctx.moe`` is set)."""
-    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe, fp8=fp8_weights(ctx))
+    lc = LaunchConfig.for_device(ctx.device, ctx.shape, use_pdl(ctx), moe=ctx.moe, fp8=fp8_weights(ctx),
+                                 fp8_kv=ctx.kv_dtype == FP8_DTYPE)
     if unmeasured := unmeasured_errors(ctx, lc):
         raise Unsupported("nvidia", unmeasured)
     if ctx.moe is not None:

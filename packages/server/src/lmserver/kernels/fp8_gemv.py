@@ -149,6 +149,17 @@ TUNED: dict[tuple[str, int, int, int], Fp8GemvConfig] = {
     (_H200, 1, 14336, 4096): Fp8GemvConfig("rows", 8, 2048, 8, 1),
     (_H200, 8, 14336, 4096): Fp8GemvConfig("dot", 32, 1024, 4, 3),
     (_H200, 16, 14336, 4096): Fp8GemvConfig("dot", 32, 512, 4, 4),
+    # the FP8 LM heads (--quantize-lm-head; bench_lm_head.py --sweep, H200 2026-12-03, commit 8599715, us per call,
+    # CUDA-graph replays, L2 flushed; the shape rule's launch in brackets): Llama-3-8B 4096 x 128256 at 1 row 129.3
+    # (137.1), 2-8 rows 178.7-178.9 (210.6-211.9), 16 rows 176.6 (204.8); Mixtral 4096 x 32000 at 1 row 43.4 (44.6),
+    # 2-16 rows 53.4-54.3 (59.9-61.6); SmolLM2 576 x 49152 at 1 row 18.8 (19.3), 2-16 rows 22.6-22.8 (34.7-35.5)
+    (_H200, 1, 4096, 128256): Fp8GemvConfig("rows", 16, 512, 4, 1),
+    (_H200, 8, 4096, 128256): Fp8GemvConfig("dot", 32, 256, 4, 4),
+    (_H200, 16, 4096, 128256): Fp8GemvConfig("dot", 64, 256, 4, 3),
+    (_H200, 1, 4096, 32000): Fp8GemvConfig("rows", 8, 1024, 4, 1),
+    (_H200, 16, 4096, 32000): Fp8GemvConfig("dot", 32, 256, 4, 4),
+    (_H200, 1, 576, 49152): Fp8GemvConfig("rows", 16, 512, 4, 1),
+    (_H200, 16, 576, 49152): Fp8GemvConfig("dot", 64, 256, 4, 3),
 }
 
 

@@ -161,11 +161,13 @@ def kv_caches(pool: KVPool) -> list[KVCache]:
             for k, v, ks, vs in zip(pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, strict=True)]
 
 
-def forward_meta(batch: ForwardBatch, req_to_token: torch.Tensor, max_seq_len: int = 0) -> ForwardMeta:
+def forward_meta(batch: ForwardBatch, req_to_token: torch.Tensor, max_seq_len: int = 0,
+                 rows_per_request: int = 1) -> ForwardMeta:
     """lowlat metadata of a decode ``batch`` over ``req_to_token``; no host sync, reads only.
 
     ``max_seq_len`` bounds the sequence lengths (sizes the split-KV work); 0 means the table's
     width (what a CUDA graph must use, since it is captured once for every length).
+    ``rows_per_request`` > 1: the rows are a verify step's, up to that many per request.
     """
     if batch.mode != ForwardMode.DECODE:
         raise LowlatAdapterError(f"lowlat plugins cover decode steps only, got a {batch.mode.value} batch")
@@ -176,6 +178,7 @@ def forward_meta(batch: ForwardBatch, req_to_token: torch.Tensor, max_seq_len: i
         positions=batch.positions,
         out_cache_loc=batch.out_cache_loc,
         max_seq_len=max_seq_len,
+        rows_per_request=rows_per_request,
     )
 
 
@@ -186,11 +189,12 @@ def decode_forward(
     kvs: Sequence[KVCache],
     req_to_token: torch.Tensor,
     max_seq_len: int = 0,
+    rows_per_request: int = 1,
 ) -> torch.Tensor:
     """Hidden states (bs, hidden) after the final norm, as ``model.forward`` returns them, with every
     decoder layer run by ``built``. Mutates ``kvs`` (the engine's pool: the new tokens' K and V)
-    and the plugin's workspaces."""
-    meta = forward_meta(batch, req_to_token, max_seq_len)
+    and the plugin's workspaces. ``rows_per_request`` > 1: a verify step's rows (``forward_meta``)."""
+    meta = forward_meta(batch, req_to_token, max_seq_len, rows_per_request)
     inner: Any = model.model
     h = inner.embed_tokens(batch.input_ids)  # (bs, hidden)
     for i in range(len(inner.layers)):

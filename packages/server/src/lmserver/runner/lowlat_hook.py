@@ -253,7 +253,8 @@ class LowlatHook:
         built = self.session.built
         assert built is not None and self._req_to_token is not None
         max_seq_len = 0 if capturing else max(batch.seq_lens_cpu, default=0)
-        return decode_forward(self._model, built, batch, self._kvs, self._req_to_token, max_seq_len)
+        return decode_forward(self._model, built, batch, self._kvs, self._req_to_token, max_seq_len,
+                              rows_per_request=max(verify_rows, 1))
 
     def on_replay(self, batch_size: int, max_context: int, verify_rows_per_request: int = 0,
                   graph: StepKind = StepKind.DECODE) -> None:
@@ -268,18 +269,21 @@ class LowlatHook:
 
     def verify_graph(self, batch_size: int, rows_per_request: int, max_context: int) -> StepKind | None:
         """The graph of `batch_size` rows that froze the path the session picks for a verify step of
-        those rows (at most `rows_per_request` per request): the decode graph, else a verify graph
-        (captured where the two paths differ), else None. Pure."""
+        those rows (at most `rows_per_request` per request): a verify graph (captured where the paths
+        or the plugin's launches differ: `needs_verify_graph`), else the decode graph, else None. Pure."""
         want = self.session.path_for(Step.verify(batch_size, rows_per_request, max_context))
-        for kind in (StepKind.DECODE, StepKind.VERIFY):
+        for kind in (StepKind.VERIFY, StepKind.DECODE):
             if self.session.frozen_path(kind, batch_size) == want:
                 return kind
         return None
 
     def needs_verify_graph(self, batch_size: int, rows_per_request: int, max_context: int) -> bool:
-        """Whether verify steps of `batch_size` rows take another path than that size's decode graph froze. Pure."""
-        return self.session.frozen_path(StepKind.DECODE, batch_size) != self.session.path_for(
-            Step.verify(batch_size, rows_per_request, max_context))
+        """Whether verify steps of `batch_size` rows take another path than that size's decode graph
+        froze, or the plugin path with another launch than its decode rows'. Pure."""
+        want = self.session.path_for(Step.verify(batch_size, rows_per_request, max_context))
+        if want == PLUGIN and rows_per_request > 1 and self.session.verify_launch_differs():
+            return True
+        return self.session.frozen_path(StepKind.DECODE, batch_size) != want
 
     def report(self) -> dict[str, Any]:
         """Plain-data account of the session (selected plugin, verdicts, steps, fallbacks)."""
