@@ -101,13 +101,13 @@ def attn_variants(setting: str, attn_f16: str, attn_block: int,
     return out
 
 
-def make_core(path: str, extra: dict[str, Any], context: int) -> Any:
+def make_core(path: str, extra: dict[str, Any], context: int, graph_max_bs: int = 8) -> Any:
     from lmserver.config import ServerConfig
     from lmserver.engine.core import EngineCore
     from lowlat import use_registry
 
     config = ServerConfig(model_path=path, tokenizer_path=path, load_format="dummy", dtype="bfloat16",
-                          cuda_graph_max_bs=8, context_length=context, max_total_tokens=65536, random_seed=3,
+                          cuda_graph_max_bs=graph_max_bs, context_length=context, max_total_tokens=65536, random_seed=3,
                           **extra)
     with use_registry(plugin_registry()):
         return EngineCore(config)

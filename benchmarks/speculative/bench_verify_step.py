@@ -9,8 +9,8 @@ chained launches over 32 layers' own KV caches in one CUDA graph (median of repl
 
 Part 2, the step (as `benchmarks/lowlat/bench_step_kernels.py`): per setting one `EngineCore` in this process
 (dummy bf16 weights, CUDA graphs up to 8 rows, n-gram drafts: 5 per step, acceptance simulated at 3.5), one user's
-request (random 512-token prompt, greedy), then the graph of 8 rows (which holds that request's last verify step of 6
-rows) replayed back to back (CUDA events) and under the torch profiler (each kernel's marginal time). Settings:
+request (random 512-token prompt, greedy; `--requests 2 --graph-rows 16`: two, the graph of 16), then the graph of 8
+rows (which holds that request's last verify step of 6 rows; its verify graph where the engine captured one) replayed back to back (CUDA events) and under the torch profiler (each kernel's marginal time). Settings:
 `spec` (generic verify: cuBLAS + lmserver's kernels), `spec+plugin-perrow` (the plugin with `rows_attention_up_to=0`:
 the per-row attention, as before this change), `spec+plugin` (the plugin as built now), and `spec+plugin+...`: the
 plugin with one GEMV stage's kernel at 2-8 rows swapped, or `rows-wide`: `rows_attention` on 16 splits of 64 tokens
@@ -18,7 +18,8 @@ whose unused splits return (`LaunchConfig.rows_wide_splits`; `VARIANTS`). `spec-
 generic and the plugin's verify step on FP8 weights and an FP8 KV cache (`auto+all-batches`: the plugin also where
 its tables decline verify steps); `spec-fp8+plugin-all+attn-f16`: the same with the plugin's attention dots on the FP8
 cache in fp16 (`LaunchConfig.attn_f16`, issues 33 / 34), `...+attn64` / `...+attn-f16-64` both at KV blocks of 64,
-`...+attn-w8` / `...+attn-f16-w8` both at 8 warps per attention program.
+`...+attn-w8` / `...+attn-f16-w8` both at 8 warps per attention program; `...+verify-w0`: verify rows at the decode
+rows' warps (`tuning.VERIFY_ATTN_WARPS` off); `...+mrow16`: the 2-8-row GEMV lines also at 9-16 rows.
 
 `--attn-kv fp8` (part 1): FP8 (e4m3) caches (K scale 0.05, V scale 0.02), every variant timed twice, its dots widened
 to bf16 and in fp16 (`LaunchConfig.attn_f16`, labelled `f16`), plus a decode step of one request; `--attn-context`
@@ -230,6 +231,14 @@ def _first(stage: str, cfg_args: tuple[Any, ...]) -> Any:
     return change
 
 
+def _mrow16(lc: Any) -> Any:
+    """A LaunchConfig change: each stage's 9-16-row entry replaced by its 2-8-row line (``mrow_f16s`` in the H200 8B
+    FP8 table; the W8A8 call of 2026-12-03 timed them at 16 rows: qkv 20.56, o_proj 9.47, gate-up 49.33, down 25.07
+    us), for FP8 verify steps of 2 requests (12 rows, the graph of 16)."""
+    eight = {e[0]: e[2] for e in lc.tuned if e[1] == 8}
+    return replace(lc, tuned=tuple((s, b, eight.get(s, c)) if b == 16 else (s, b, c) for s, b, c in lc.tuned))
+
+
 # setting -> (bench_step_kernels setting, LaunchConfig change on a GPU or None)
 VARIANTS: dict[str, tuple[str, Any]] = {
     "spec": ("spec", None),
@@ -250,6 +259,7 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "spec-fp8+plugin-all+attn-w8": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_warps=8)),
     # the verify attention at the decode launch's warps (tuning.VERIFY_ATTN_WARPS off): the verify graphs' gain
     "spec-fp8+plugin-all+verify-w0": ("spec-fp8+plugin-all", lambda lc: replace(lc, verify_attn_warps=0)),
+    "spec-fp8+plugin-all+mrow16": ("spec-fp8+plugin-all", _mrow16),
     "spec-fp8+plugin-all+attn-f16-w8": ("spec-fp8+plugin-all", lambda lc: replace(lc, attn_f16=True, attn_warps=8)),
 }
 
@@ -265,26 +275,30 @@ def step_part(args: argparse.Namespace, results: dict[str, Any]) -> None:
         base, change = VARIANTS[setting]
         t0 = time.monotonic()
         with launch_change(change):
-            core = make_core(args.model_path, SETTINGS[base], args.context)
+            core = make_core(args.model_path, SETTINGS[base], args.context, graph_max_bs=max(8, args.graph_rows))
         build_s = time.monotonic() - t0
-        run(core, prompts_for(1, vocab, 99, 64), 8)  # warm-up
-        _, rates, steps = run(core, prompts_for(1, vocab, 1), args.new_tokens)
+        run(core, prompts_for(args.requests, vocab, 99, 64), 8)  # warm-up
+        _, rates, steps = run(core, prompts_for(args.requests, vocab, 1), args.new_tokens)
         stats = {k: v for k, v in core.get_stats().items() if "lowlat" in k or k.startswith("spec")}
-        log(f"=== {setting}: built in {build_s:.0f}s; engine c=1 {rates[0]:.1f} tok/s per user, step median "
+        log(f"=== {setting}: built in {build_s:.0f}s; engine c={args.requests} {statistics.median(rates):.1f} tok/s per "
+            "user, step median "
             f"{1e6 * statistics.median(steps):.0f} us; {stats}")
         graphs = core.runner.cuda_graph
-        verify = graphs.verify_graphs.get(8)  # captured where the plugin's verify launch differs (or its path)
-        graph = verify if verify is not None else graphs.graphs.get(8)
+        rows = args.graph_rows
+        verify = graphs.verify_graphs.get(rows)  # captured where the plugin's verify launch differs (or its path)
+        graph = verify if verify is not None else graphs.graphs.get(rows)
         if graph is None:
-            log("  no graph of 8 rows")
+            log(f"  no graph of {rows} rows")
         else:
             us = [replay_us(graph, 50) for _ in range(3)]
-            rows = kprof.breakdown(graph.replay, reps=3)
+            kernels = kprof.breakdown(graph.replay, reps=3)
             kind = "verify graph" if verify is not None else "decode graph"
-            log(f"  {kind} of 8 rows (the last verify step): replay {us} us\n" + kprof.table(rows, top=args.top,
-                                                                                            unit="us per replay"))
-            results["step"].append(dict(setting=setting, replay_us=us, engine_tok_s=rates[0],
-                                        step_median_us=1e6 * statistics.median(steps), kernels=rows, stats=stats))
+            log(f"  {kind} of {rows} rows (the last verify step): replay {us} us\n"
+                + kprof.table(kernels, top=args.top, unit="us per replay"))
+            results["step"].append(dict(setting=setting, requests=args.requests, graph_rows=rows, replay_us=us,
+                                        engine_tok_s=statistics.median(rates),
+                                        step_median_us=1e6 * statistics.median(steps), kernels=kernels,
+                                        stats=stats))
         del core, graph, graphs, verify
         gc.collect()
         torch.cuda.empty_cache()
@@ -296,6 +310,9 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["spec", "spec+plugin-perrow", "spec+plugin"],
                     choices=list(VARIANTS))
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=1, help="part 2: concurrent requests (6 verify rows each)")
+    ap.add_argument("--graph-rows", type=int, default=8,
+                    help="part 2: the graph timed (the padded size of the requests' verify rows: 8 for 1, 16 for 2)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--attn-context", default="608",
                     help="part 1: the rows' context, or a comma list (512 + 96 as part 2; 0: skip part 1)")
@@ -331,7 +348,7 @@ def main() -> None:
     for r in results["attention"]:
         print(f"  {r['case']:16s} {r['variant']:36s} {r['us_per_layer']:7.2f}  err {r['rel_err']:.1e} "
               f"{'ok' if r['ok'] else 'FAILED'}")
-    print("verify step, graph of 8 rows (us per replay, 3 x median of 50):")
+    print(f"verify step, graph of {args.graph_rows} rows, {args.requests} request(s) (us per replay, 3 x median of 50):")
     for r in results["step"]:
         print(f"  {r['setting']:20s} {min(r['replay_us']):9.1f}  {r['replay_us']}  engine {r['engine_tok_s']:.1f} tok/s")
 
