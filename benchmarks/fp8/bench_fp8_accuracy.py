@@ -27,9 +27,10 @@ batches > 16), where the CPU and the GEMV read the float rows. The "W8A8" rows (
 decoder projection (not the LM head) fed per-token FP8 rows of its input at every position, the numerics of a server
 whose decode steps quantize their rows too (the lowlat plugin's `mrow_w8a8` lines, issues 33 / 34) besides the
 `_scaled_mm` prefill: where the CPU path reads the float rows, as the FP8 decode GEMVs do.
-The "fp8 LM head GPTQ" rows (weights kind `X+lmhead-gptq`, not a server option: what an offline
-checkpoint could carry): the head's codes rounded by GPTQ (`fp8_gptq.gptq_fp8`, RTN's per-row scales)
-with the Hessian of its input over every position of the calibration text.
+The "fp8 LM head GPTQ" rows (weights kind `X+lmhead-gptq`: what `gptq_fp8_checkpoint.py --lm-head`
+writes into an offline checkpoint): the head's codes rounded by GPTQ (`fp8_gptq.gptq_quantize_lm_head_`,
+RTN's per-row scales) with the Hessian of its input over every position of the calibration text. A
+`--gptq-checkpoint` written with `--lm-head` carries its FP8 head into the "fp8 gptq" rows.
 """
 
 from __future__ import annotations
@@ -74,24 +75,14 @@ SETUPS = [
 LM_HEAD_SUFFIXES = ("+lmhead-w8a8", "+lmhead-gptq", "+lmhead")
 
 
-def gptq_lm_head_(model: torch.nn.Module, weight: torch.Tensor, calib: list[list[int]], window: int) -> None:
-    """Rounds `model`'s FP8 LM head again, from its unquantized `weight`, with GPTQ: the Hessian of its input over
-    every position of the calibration sequences (each cut to `window` tokens, one prefill each), RTN's per-row
-    scales kept. Mutates the head."""
-    from lmserver.models.fp8_gptq import HessianAccumulator, gptq_fp8
+def gptq_lm_head_(model: torch.nn.Module, calib: list[list[int]], window: int) -> None:
+    """`model`'s LM head made FP8 with GPTQ rounding (`fp8_gptq.gptq_quantize_lm_head_`, as gptq_fp8_checkpoint.py
+    --lm-head writes it): the Hessian of its input over every position of the calibration sequences (each cut to
+    `window` tokens, one prefill each), RTN's per-row scales. Mutates the model."""
+    from lmserver.models.fp8_gptq import gptq_quantize_lm_head_
     from lmserver.runner.accuracy import window_logits, window_runner
 
-    head: Any = model.lm_head
-    acc = HessianAccumulator(head.in_features)
-    hook = head.register_forward_pre_hook(lambda _module, args: acc.add(args[0]))
-    try:
-        for seq in calib:
-            window_logits(window_runner(model, window), seq[:window])
-    finally:
-        hook.remove()
-    codes, scale = gptq_fp8(weight.detach(), acc.mean(), scale=head.weight_scale)
-    head.weight.data.copy_(codes)
-    head.weight_scale.copy_(scale)
+    gptq_quantize_lm_head_(model, lambda: [window_logits(window_runner(model, window), seq[:window]) for seq in calib])
 
 
 class RowsQuantizedHead(torch.nn.Module):
@@ -246,12 +237,13 @@ def main() -> None:
             models[base] = build(config, path, base, args.window, calib, args.gptq_checkpoint)
         if weights not in models:  # X+lmhead: a copy of X's model, its LM head FP8 (X's own model unchanged)
             model = models[weights] = copy.deepcopy(models[base])
-            quantize_lm_head_(model)
+            if suffix == "+lmhead-gptq":
+                gptq_lm_head_(model, calib, args.window)
+            else:
+                quantize_lm_head_(model)
             use_fp8_path(model, "cpu")
             if suffix == "+lmhead-w8a8":
                 model.lm_head = RowsQuantizedHead(model.lm_head)
-            elif suffix == "+lmhead-gptq":
-                gptq_lm_head_(model, models[base].lm_head.weight, calib, args.window)
     runners = [window_runner(models[weights], args.window, kv.removesuffix("-unrotated"),
                              rotate_k=not kv.endswith("-unrotated"))
                for _, weights, kv in setups]

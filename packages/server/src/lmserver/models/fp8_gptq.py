@@ -19,6 +19,12 @@ through the model (this module does not know the runner), then replaces the proj
 `Fp8Linear` in the same layout as online quantization; `sequential` quantizes decoder layer by
 decoder layer, each layer's Hessians taken with the earlier layers already in FP8 (the inputs the
 layer will see when served).
+
+The LM head (`gptq_quantize_lm_head_`, optional): the same rounding with the Hessian of its input
+(the final norm's output) over every calibration position whose logits a caller-supplied `run`
+computes; per-row scales as `--quantize-lm-head`'s round to nearest (`quantize_lm_head_`), a tied
+head untied. `write_fp8_checkpoint` writes it as the checkpoint's FP8 `lm_head` with
+`tie_word_embeddings` false, the embedding left as the source stores it.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmserver.kernels.fp8_ref import FP8_DTYPE, FP8_MAX
+from lmserver.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, dequantize_fp8
 from lmserver.layers.fp8_linear import Fp8Linear
+from lmserver.models.quantization import QuantizationError
 
 __all__ = [
     "GPTQ_BLOCK",
@@ -43,6 +50,7 @@ __all__ = [
     "calibrate_kv_scales",
     "gptq_fp8",
     "gptq_quantize_linears_",
+    "gptq_quantize_lm_head_",
     "rtn_scale",
     "write_fp8_checkpoint",
 ]
@@ -176,7 +184,6 @@ def gptq_quantize_linears_(model: nn.Module, run: Callable[[], None], *, keep_la
     ones in FP8 (as served). Else `run()` may make any number of forwards, all on the unquantized
     model, and the projections are rounded after it. Returns each projection's calibration error
     against round to nearest's. Mutates `model`."""
-    from lmserver.kernels.fp8_ref import dequantize_fp8
     from lmserver.models.quantization import FP8_LINEAR_NAMES
 
     config = getattr(model, "config", None)
@@ -240,6 +247,53 @@ def gptq_quantize_linears_(model: nn.Module, run: Callable[[], None], *, keep_la
     return reports
 
 
+def gptq_quantize_lm_head_(model: nn.Module, run: Callable[[], None], *, act_order: bool = True,
+                           damp: float = GPTQ_DAMP) -> GptqReport:
+    """Offline FP8 LM head with GPTQ rounding: `model.lm_head` (an `nn.Linear`, tied to the embedding or
+    not) becomes a per-row `Fp8Linear` (RTN's scales: the layout of `quantize_lm_head_`) whose codes are
+    rounded with the Hessian of its input over every row `run()` feeds it. `run()` may make any number of
+    forwards and should compute the logits of every calibration position (e.g. `window_logits`; a forward
+    that computes only the last position's logits gives one row per sequence); the head is rounded after
+    it, so the forwards see the unrounded head (its input does not depend on it). A tied head is untied:
+    the embedding keeps its parameter, values and dtype. Returns the head's calibration error against round
+    to nearest's. Mutates `model`. Raises QuantizationError for a head that is FP8 already or not a linear
+    layer, ValueError when `run()` never reached the head."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Fp8Linear):
+        raise QuantizationError("the LM head is FP8 already; GPTQ rounds it from its unquantized weights")
+    if not isinstance(head, nn.Linear):
+        raise QuantizationError(f"the LM head of {type(model).__name__} is {type(head).__name__}, not a linear layer; "
+                                "it cannot be FP8")
+    acc = HessianAccumulator(head.in_features, head.weight.device)
+
+    def pre(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        acc.add(args[0])
+
+    hook = head.register_forward_pre_hook(pre)
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        hook.remove()
+    if acc.count == 0:
+        raise ValueError("the calibration run never reached the LM head")
+    w = head.weight.data  # (vocab, hidden); the embedding's own tensor when tied: read, never written
+    h = acc.mean()
+    codes, scale = gptq_fp8(w, h, act_order=act_order, damp=damp)
+    rtn = _codes(w, rtn_scale(w)) * rtn_scale(w).to(torch.float64)
+    deq = dequantize_fp8(codes, scale, head.in_features, torch.float64)
+    report = GptqReport("lm_head", _relative_error(w, deq, h), _relative_error(w, rtn, h))
+    layer = Fp8Linear(head.in_features, head.out_features, head.bias is not None, None, w.dtype, w.device)
+    layer.weight.data.copy_(codes)
+    layer.weight_scale.copy_(scale)
+    if head.bias is not None:
+        assert layer.bias is not None
+        layer.bias.data.copy_(head.bias.data)
+    # NOTE: a new module with its own tensors: model.lm_head no longer aliases the embedding
+    model.lm_head = layer
+    return report
+
+
 KV_SCALE_HEADROOM = 4.0  # calibrated KV scales: the calibration absolute max maps to 448 / this
 
 
@@ -286,8 +340,12 @@ def write_fp8_checkpoint(model: nn.Module, source: str | Path, destination: str 
     the model's own `map_weight`) replaced by their float8_e4m3fn rows and a (rows, 1) float32
     `weight_scale`, one `model.safetensors`; `source`'s other files copied, its config.json given a
     `quantization_config` (`channel` strategy, dynamic per-token activations, as FP8_DYNAMIC); the
-    model's FP8 KV scales (`calibrate_kv_scales`), if any, as `self_attn.k_scale` / `v_scale`.
-    Returns the folder. Raises ValueError for a layer with group scales."""
+    model's FP8 KV scales (`calibrate_kv_scales`), if any, as `self_attn.k_scale` / `v_scale`. An FP8
+    LM head (`gptq_quantize_lm_head_`, `quantize_lm_head_`) is written as the FP8 `lm_head.weight` with
+    its scales like a projection; when `model`'s config ties it to the embedding, config.json gets
+    `tie_word_embeddings` false (the loader refuses an FP8 head on a tied config) and the embedding is
+    written as the source stores it. Returns the folder. Raises ValueError for a layer with group
+    scales, and for a tied multimodal model whose source has no LM head tensor (its name unknown)."""
     import json
     import shutil
 
@@ -302,20 +360,40 @@ def write_fp8_checkpoint(model: nn.Module, source: str | Path, destination: str 
         if layer.weight_scale.shape[1] != 1:
             raise ValueError(f"{name} has group scales; write_fp8_checkpoint writes per-channel scales only")
     map_weight: Any = model.map_weight
+    # NOTE: a tied model's map_weight skips the source's lm_head tensor (if any): the FP8 head is written under
+    # that name, or "lm_head.weight", and the config untied below
+    untie = "lm_head" in layers and bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    head_name = "lm_head.weight"
     out: dict[str, torch.Tensor] = {}
     written: dict[str, int] = {}
+
+    def put(name: str, module: str, fp8: Fp8Linear, rows: slice) -> None:
+        out[name] = fp8.weight.data[rows].detach().cpu().contiguous()
+        out[name.removesuffix(".weight") + ".weight_scale"] = fp8.weight_scale[rows].detach().cpu().contiguous()
+        written[module] = written.get(module, 0) + (rows.stop - rows.start)
+
+    source_names: list[str] = []
     for name, tensor in iter_safetensors(src):
+        source_names.append(name)
         mapped = map_weight(name)
+        if untie and mapped is None and name.endswith("lm_head.weight"):
+            head_name = name
+            continue
         module = mapped[0].removesuffix(".weight") if mapped is not None and mapped[0].endswith(".weight") else ""
         fp8 = layers.get(module)
         if fp8 is None:
             out[name] = tensor.contiguous()
             continue
         index = mapped[1] if mapped is not None else ()
-        rows = index[0] if index and isinstance(index[0], slice) else slice(0, fp8.out_features)
-        out[name] = fp8.weight.data[rows].detach().cpu().contiguous()
-        out[name.removesuffix(".weight") + ".weight_scale"] = fp8.weight_scale[rows].detach().cpu().contiguous()
-        written[module] = written.get(module, 0) + (rows.stop - rows.start)
+        put(name, module, fp8, index[0] if index and isinstance(index[0], slice) else slice(0, fp8.out_features))
+    config = json.loads((src / "config.json").read_text())
+    if untie:
+        if isinstance(config.get("text_config"), dict) and not any(n.endswith("lm_head.weight") for n in source_names):
+            raise ValueError("the source of this tied multimodal model has no LM head tensor to name the FP8 head after")
+        put(head_name, "lm_head", layers["lm_head"], slice(0, layers["lm_head"].out_features))
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"]["tie_word_embeddings"] = False
     from lmserver.models.quantization import FP8_KV_SCALES_ATTR
 
     kv_scales: dict[int, dict[str, float]] = getattr(model, FP8_KV_SCALES_ATTR, None) or {}
@@ -330,7 +408,6 @@ def write_fp8_checkpoint(model: nn.Module, source: str | Path, destination: str 
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, dst / f.name)
-    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
