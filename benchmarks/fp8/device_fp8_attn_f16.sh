@@ -14,15 +14,11 @@
 #   step:  the engine's verify step, graph of 8 rows holding a 6-row verify step (bench_verify_step.py part 2):
 #          spec-fp8+plugin-all against the same with attn-f16 ($STEP_SETTINGS), until END_S seconds into the call.
 # Writes under $OUT: check.log, attn.log/json, stack<ctx>.log/json, step.log/json.
-set -uo pipefail
+PHASES_DEFAULT=check,attn,stack,step
 MODEL=${1:-}
-OUT=${OUT:-/tmp/out}
-PHASES=${PHASES:-check,attn,stack,step}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-has() { [[ ",$PHASES," == *",$1,"* ]]; }
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+device_install
+gpu_clocks
 if has check; then
   echo "[$((SECONDS - t0)) s] checks"
   timeout "${CHECK_S:-180}" python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/fp8_cases.py \

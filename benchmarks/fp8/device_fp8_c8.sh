@@ -12,13 +12,9 @@
 # MODEL_DIR: the Llama-3-8B config.json with SmolLM2's tokenizer files (dummy weights): benchmarks/fp8/make_model_dir.py
 #   writes one here (into a git-ignored folder, carried with the call).
 # Writes under $OUT: gemv.log/json, tuning.py, check.log, step.log/json, serving.log/json.
-set -uo pipefail
+PHASES_DEFAULT=check,serve
 MODEL=${1:?model dir}
-OUT=${OUT:-/tmp/out}
-PHASES=${PHASES:-check,serve}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-has() { [[ ",$PHASES," == *",$1,"* ]]; }
+source "$(dirname "$0")/../gpu/device_preamble.sh"
 # the FP8_TABLES lines at 2-16 rows until 2026-12-02 (dot / mrow in bf16), the multi-row kernel in fp16 (mrow_f16,
 # the lines at 2-8 rows since 2026-12-03), o_proj / down also split over K (the 8th field: GemvConfig.split_k)
 Q=qkv=dot:32:256:4:3,qkv=mrow_f16:32:256:4:3,qkv=mrow_f16:16:256:4:3,qkv=rows:2:1024:1:2:8
@@ -30,8 +26,8 @@ D=$D,down=mrow_f16:32:512:4:3:0:0:4,down=mrow_f16:32:512:4:3:0:0:7
 # the table's fp16 lines with the rows scaled into fp16's range first (mrow_f16s: what may serve real checkpoints)
 S=qkv=mrow_f16s:32:256:4:3,o_proj=mrow_f16s:32:256:4:4,gate_up=mrow_f16s:64:256:4:3,down=mrow_f16s:32:512:4:3
 CONFIGS=${CONFIGS:-$Q,$O,$G,$D,$S}
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+device_install
+gpu_clocks
 if has gemv; then
   echo "[$((SECONDS - t0)) s] gemv at 8 rows"
   timeout "${GEMV_S:-130}" python3 benchmarks/lowlat/bench_gemv.py --fp8 --layers 16 --batches 8 \

@@ -3,13 +3,10 @@
 # lowlat.kernels.tuning.FP8_TABLES, then FP8 + the nvidia plugin against bf16 through HTTP with that table.
 #   bash benchmarks/fp8/device_fp8_gemv.sh MODEL_DIR      (on the GPU machine, from the repository root; wheels in .whl)
 # Writes under $OUT: check.log, gemv.log, gemv.json, tuning.py (the table served), serving.log, serving.json.
-set -uo pipefail
+source "$(dirname "$0")/../gpu/device_preamble.sh"
 MODEL=${1:?model dir}
-OUT=${OUT:-/tmp/out}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -3
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+device_install 3
+gpu_clocks
 echo "[$((SECONDS - t0)) s] checks"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x packages/lowlat/tests/fp8_cases.py \
   -k "rowsa or rows16a or mrow_f16 or acc2d" 2>&1 | tee "$OUT/check.log" | tail -3

@@ -12,16 +12,12 @@
 #        .whl; model dirs: `python benchmarks/fp8/make_model_dir.py DIR [--shape mixtral-8x7b-8l]`, carried)
 # Writes under $OUT: tests.log, lmhead.log, lmhead.json, serving-8b.{log,json}, serving-mixtral.{log,json}. About 9
 # minutes (six server starts); if the serve phase runs out of the call's 10 minutes, run PHASES=serve next.
-set -uo pipefail
+PHASES_DEFAULT=tests,kernels,serve
 MODEL_8B=${1:?8B model dir}
 MODEL_MIXTRAL=${2:?Mixtral model dir}
-OUT=${OUT:-/tmp/out}
-PHASES=${PHASES:-tests,kernels,serve}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-has() { [[ ",$PHASES," == *",$1,"* ]]; }
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+device_install
+gpu_clocks
 if has tests; then
   echo "[$((SECONDS - t0)) s] tests"
   LMSYS_GPU_ONLY=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu packages/server/tests/test_fp8_lm_head.py \

@@ -15,16 +15,12 @@
 #        MODEL_DIR: `python benchmarks/fp8/make_model_dir.py DIR --shape mixtral-8x7b-8l`, carried with the call)
 # Writes under $OUT: tests.log, moe.log, moe.json, serving.log, serving.json. About 8 minutes; if the serve phase runs
 # out of the call's 10 minutes, run it alone next (PHASES=serve).
-set -uo pipefail
+PHASES_DEFAULT=tests,kernels,serve
 MODEL=${1:?model dir}
-OUT=${OUT:-/tmp/out}
-PHASES=${PHASES:-tests,kernels,serve}
 SWEEP_S=${SWEEP_S:-120}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-has() { [[ ",$PHASES," == *",$1,"* ]]; }
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+device_install
+gpu_clocks
 if has tests; then
   echo "[$((SECONDS - t0)) s] tests"
   LMSYS_GPU_ONLY=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \

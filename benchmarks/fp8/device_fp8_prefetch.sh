@@ -5,12 +5,9 @@
 # tuning.FP8_L2_PREFETCH, then FP8 + the nvidia plugin through HTTP with it.
 #   bash benchmarks/fp8/device_fp8_prefetch.sh MODEL_DIR      (on the GPU machine, repository root; wheels in .whl)
 # Writes under $OUT: stack.log, stack.json, tuning.py (as served), serving.log, serving.json.
-set -uo pipefail
+source "$(dirname "$0")/../gpu/device_preamble.sh"
 MODEL=${1:?model dir}
-OUT=${OUT:-/tmp/out}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
+device_install
 echo "[$((SECONDS - t0)) s] stack"
 timeout 200 python3 benchmarks/lowlat/bench_fp8_stack.py --batches 1 --stacks fp8w+kv \
   --l2-prefetch 16,32,64 --json "$OUT/stack.json" 2>&1 \

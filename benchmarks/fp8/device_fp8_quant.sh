@@ -6,12 +6,9 @@
 #   bash benchmarks/fp8/device_fp8_quant.sh MODEL_DIR      (on the GPU machine, repository root; wheels in .whl;
 #                                                             MODEL_DIR from benchmarks/fp8/make_model_dir.py)
 # Writes under $OUT: tests.log, quant.log, quant.json, prefill.log, prefill.json.
-set -uo pipefail
+source "$(dirname "$0")/../gpu/device_preamble.sh"
 MODEL=${1:?model dir}
-OUT=${OUT:-/tmp/out}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
+device_install
 echo "[$((SECONDS - t0)) s] tests"
 LMSYS_GPU_ONLY=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu packages/server/tests/test_fp8_kernels.py \
   -k "quantizer or fused or fp8_linear" 2>&1 | tee "$OUT/tests.log" | tail -4

@@ -5,12 +5,9 @@
 # every row count, the others at 8). No model dir; about 4-5 minutes; nothing in the tables changes.
 #   bash benchmarks/fp8/device_fp8_w8a8.sh      (on the GPU machine, repository root; wheels in .whl)
 # Writes under $OUT: check.log, gemv.log, gemv.json.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-t0=$SECONDS
-bash benchmarks/gpu/device_setup.sh install 2>&1 | tail -1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+device_install
+gpu_clocks
 echo "[$((SECONDS - t0)) s] checks (w8a8_cases.py: CPU cases + the 8B stages)"
 timeout "${CHECK_S:-130}" python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/w8a8_cases.py 2>&1 \
   | tee "$OUT/check.log" | grep -E "passed|failed|FAILED|Error" | tail -12

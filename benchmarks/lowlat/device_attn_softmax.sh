@@ -4,10 +4,10 @@
 # folders, made here and carried:
 #   mkdir .attn_base && git archive BASE packages/lowlat | tar -x -C .attn_base      (likewise .attn_new)
 # and on the device machine: bash benchmarks/lowlat/device_attn_softmax.sh   (writes under $OUT)
-set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader
+OUT_DEFAULT=/tmp/attn_out
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+mkdir -p "$OUT"
+gpu_clocks utilization.gpu
 python3 -m pip install -q --no-index --no-deps --no-build-isolation .attn_new/packages/lowlat >"$OUT/pip.log" 2>&1 \
   || echo "pip install of lowlat failed (plugins imported directly anyway)"
 B=benchmarks/lowlat/bench_attn_softmax.py

@@ -9,9 +9,10 @@
 # lowlat only (no server); from the repository root on the GPU machine:
 #   bash benchmarks/lowlat/device_fp8_moe_slots.sh      (writes slots.log, slots.json under $OUT; ~3 minutes)
 # Then: a candidate faster than both default rows by > 3% goes into EXPERT_TILES_FP8's first entry, with its numbers.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=packages/lowlat/src
-OUT=${OUT:-/tmp/fp8_moe_out}; mkdir -p "$OUT"
+OUT_DEFAULT=/tmp/fp8_moe_out
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+export PYTHONPATH=packages/lowlat/src
+mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-240}
 UP_DEFAULT=rows:4:2048:4:2:16
 DOWN_DEFAULT=rows:4:2048:4:2
@@ -22,8 +23,7 @@ DOWNS=(rows:4:2048:4:2:16 rows:2:2048:4:2 rows:8:2048:4:2 rows:4:1024:4:2 rows:4
 pairs="up=$UP_DEFAULT,down=$DOWN_DEFAULT"
 for u in "${UPS[@]:1}"; do pairs+=",up=$u,down=$DOWN_DEFAULT"; done
 for d in "${DOWNS[@]}"; do pairs+=",up=$UP_DEFAULT,down=$d"; done
-t0=$SECONDS
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader
+gpu_clocks utilization.gpu
 timeout "$BUDGET_S" python3 benchmarks/lowlat/bench_moe_stack.py --layers 8 --batches 1 --option-batches 1 \
   --stacks bf16,fp8w --expert-configs "$pairs" --json "$OUT/slots.json" 2>&1 | tee "$OUT/slots.log" | tail -40
 echo "[$((SECONDS - t0)) s] done"

@@ -7,11 +7,11 @@
 # (fp8w rows16), the FP8 stack with early PDL release, and per-kernel times of the bf16 / FP8 stacks at one token.
 # lowlat only (no server); from the repository root on the GPU machine:
 #   bash benchmarks/lowlat/device_fp8_moe_stack.sh        (writes tests.log, bench.log, moe_stack.json under $OUT)
-set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=packages/lowlat/src
-OUT=${OUT:-/tmp/fp8_moe_out}; mkdir -p "$OUT"
-t0=$SECONDS
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader
+OUT_DEFAULT=/tmp/fp8_moe_out
+source "$(dirname "$0")/../gpu/device_preamble.sh"
+export PYTHONPATH=packages/lowlat/src
+mkdir -p "$OUT"
+gpu_clocks utilization.gpu
 echo "[$((SECONDS - t0)) s] GPU tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider packages/lowlat/tests/fp8_moe_cases.py \
   packages/lowlat/tests/moe_cases.py 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|Error|^E " | tail -12
