@@ -9,7 +9,7 @@ pool written by the plugin. Oracle: the same engine with lowlat off, greedy, 3 p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,31 @@ def test_eager_decode_warms_every_batch_size_up() -> None:
         assert eager == tuple(range(1, max(eager) + 1)) and set(graphs) <= set(eager)
 
 
+def _speculative_engine(monkeypatch: pytest.MonkeyPatch, make: Callable[[BuildContext], ReferenceBuilt],
+                        graph_max_bs: int) -> tuple[Engine, list[ReferenceBuilt]]:
+    """An engine with n-gram speculation (3 drafts: 4 verify rows per request), decode graphs captured eagerly up to
+    ``graph_max_bs`` rows, and the plugin built by ``make`` covering decode and verify steps of up to 8 rows (every
+    built instance in the list, the last the engine's)."""
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
+
+    built: list[ReferenceBuilt] = []
+
+    def build(ctx: BuildContext) -> Built:
+        built.append(make(ctx))
+        return built[-1]
+
+    spec = PluginSpec(name="cpu-reference", version="1.0", archs=("LlamaForCausalLM",),
+                      requirements=Requirements(vendor="cpu", dtypes=("float32",)),
+                      coverage=Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=8,
+                                        max_query_len=8),
+                      build=build)
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    with use_registry(Registry([spec])):
+        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram", context_length=256,
+                         speculative_num_draft_tokens=3, cuda_graph_max_bs=graph_max_bs)
+    return engine, built
+
+
 class VerifyUpTo4Built(ReferenceBuilt):
     """Covers decode steps, and verify steps of at most 4 rows (a plugin measured slower on larger ones)."""
 
@@ -211,8 +236,6 @@ def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest
     """Speculative verify steps replay decode graphs as decode rows; where the plugin declines verify rows
     that its decode graph serves (8 rows here), a verify graph of that size runs the original path. Oracle:
     greedy tokens of the engine without lowlat or speculation; every replay's path is checked by lowlat."""
-    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
-
     passages = ["The committee met on Tuesday to review the budget and approved the road repairs.",
                 "The library opens at nine, closes at six, and lends up to ten books per card."]
     copies = [f"Repeat this text word for word.\nText: {p}\nRepeated:" for p in passages]
@@ -223,21 +246,7 @@ def test_verify_steps_take_the_plugin_path_their_graph_froze(monkeypatch: pytest
         expected = [[o["output_ids"] for o in base.generate(w, params)] for w in workloads]  # type: ignore[index]
     finally:
         base.shutdown()
-    built: list[ReferenceBuilt] = []
-
-    def build(ctx: BuildContext) -> Built:
-        built.append(VerifyUpTo4Built(ctx))
-        return built[-1]
-
-    spec = PluginSpec(name="cpu-reference", version="1.0", archs=("LlamaForCausalLM",),
-                      requirements=Requirements(vendor="cpu", dtypes=("float32",)),
-                      coverage=Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=8,
-                                        max_query_len=8),
-                      build=build)
-    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
-    with use_registry(Registry([spec])):
-        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram", context_length=256,
-                         speculative_num_draft_tokens=3, cuda_graph_max_bs=8)
+    engine, _ = _speculative_engine(monkeypatch, VerifyUpTo4Built, graph_max_bs=8)
     try:
         graphs = engine.core.runner.cuda_graph
         assert graphs is not None and sorted(graphs.verify_graphs) == [8]  # only where the paths differ
@@ -275,8 +284,6 @@ def test_verify_steps_replay_graphs_of_their_own_where_the_plugin_launch_differs
     at least 2 rows (its rows per request: the verify rows, at most the size), replayed for verify steps with
     ``rows_per_request`` > 1, while decode steps keep 1. Oracle: greedy tokens of the engine without lowlat or
     speculation; every replay's path is checked by lowlat."""
-    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
-
     prompt = ("Repeat this text word for word.\nText: The committee met on Tuesday to review the budget and approved "
               "the road repairs.\nRepeated:")
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -285,25 +292,12 @@ def test_verify_steps_replay_graphs_of_their_own_where_the_plugin_launch_differs
         expected = [o["output_ids"] for o in base.generate([prompt], params)]  # type: ignore[index]
     finally:
         base.shutdown()
-    built: list[VerifyLaunchBuilt] = []
-
-    def build(ctx: BuildContext) -> Built:
-        built.append(VerifyLaunchBuilt(ctx))
-        return built[-1]
-
-    spec = PluginSpec(name="cpu-reference", version="1.0", archs=("LlamaForCausalLM",),
-                      requirements=Requirements(vendor="cpu", dtypes=("float32",)),
-                      coverage=Coverage(step_kinds=frozenset({StepKind.DECODE, StepKind.VERIFY}), max_tokens=8,
-                                        max_query_len=8),
-                      build=build)
-    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
-    with use_registry(Registry([spec])):
-        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram", context_length=256,
-                         speculative_num_draft_tokens=3, cuda_graph_max_bs=4)
+    engine, built = _speculative_engine(monkeypatch, VerifyLaunchBuilt, graph_max_bs=4)
     try:
         graphs = engine.core.runner.cuda_graph
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
         assert sorted(graphs.verify_graphs) == [2, 4]  # one row per request at size 1: the decode launch
+        assert isinstance(built[-1], VerifyLaunchBuilt)
         built[-1].rows_seen.clear()
         got = [o["output_ids"] for o in engine.generate([prompt], params)]  # type: ignore[index]
         stats = engine.core.get_stats()
@@ -313,5 +307,6 @@ def test_verify_steps_replay_graphs_of_their_own_where_the_plugin_launch_differs
     assert got == expected
     assert stats["cuda_graph_verify_replays"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats.get("lowlat_plugin_steps_verify", 0) > 0
-    assert set(built[-1].rows_seen) - {1}, built[-1].rows_seen  # verify replays ran their own launch
+    rows_seen = built[-1].rows_seen  # type: ignore[attr-defined]
+    assert set(rows_seen) - {1}, rows_seen  # verify replays ran their own launch
     assert all("plugin" in g for g in report["graphs"]), report["graphs"]
