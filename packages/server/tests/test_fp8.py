@@ -28,6 +28,7 @@ from lmserver.models.config import ModelConfig
 from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.models.quantization import Fp8Spec, QuantizationError, read_fp8_spec
 from lmserver.runner.resolve import ConfigError, resolve_config, resolve_kv_tokens
+from lmserver.testing.fp8 import compressed_tensors_config, write_fp8_layout_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,13 +73,6 @@ def test_fp8_linear_torch_path_is_the_dequantized_linear() -> None:
 # --- quantization_config parsing ------------------------------------------------------------------------
 
 
-def _ct(strategy: str, **weights: Any) -> dict[str, Any]:
-    w = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False, **weights}
-    return {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                    "config_groups": {"group_0": {"weights": w, "targets": ["Linear"]}},
-                                    "ignore": ["lm_head"]}}
-
-
 def test_read_fp8_spec_layouts() -> None:
     assert read_fp8_spec({}, None) is None
     assert read_fp8_spec({}, "fp8") == Fp8Spec("online", "online")
@@ -87,16 +81,17 @@ def test_read_fp8_spec_layouts() -> None:
     assert read_fp8_spec(block, None) == Fp8Spec("checkpoint", "fp8", (128, 128))
     assert read_fp8_spec(block, "fp8") == Fp8Spec("checkpoint", "fp8", (128, 128))
     assert read_fp8_spec({"quantization_config": {"quant_method": "fp8"}}, None) == Fp8Spec("checkpoint", "fp8")
-    assert read_fp8_spec(_ct("tensor"), None) == Fp8Spec("checkpoint", "compressed-tensors")
-    assert read_fp8_spec(_ct("channel"), None) == Fp8Spec("checkpoint", "compressed-tensors")
-    assert read_fp8_spec(_ct("block", block_structure=[128, 128]), None).weight_block == (128, 128)  # type: ignore[union-attr]
+    assert read_fp8_spec(compressed_tensors_config("tensor"), None) == Fp8Spec("checkpoint", "compressed-tensors")
+    assert read_fp8_spec(compressed_tensors_config("channel"), None) == Fp8Spec("checkpoint", "compressed-tensors")
+    ct_block = compressed_tensors_config("block", block_structure=[128, 128])
+    assert read_fp8_spec(ct_block, None).weight_block == (128, 128)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("hf", "message"), [
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt 'e5m2'"),
-    (_ct("channel", num_bits=4, type="int"), "4-bit int"),
-    (_ct("group", group_size=128), "strategy 'group'"),
+    (compressed_tensors_config("channel", num_bits=4, type="int"), "4-bit int"),
+    (compressed_tensors_config("group", group_size=128), "strategy 'group'"),
 ])
 def test_read_fp8_spec_refuses(hf: dict[str, Any], message: str) -> None:
     with pytest.raises(QuantizationError, match=message):
@@ -109,7 +104,6 @@ def test_read_fp8_spec_refuses(hf: dict[str, Any], message: str) -> None:
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _hf_folder(tmp_path: Path) -> Path:
@@ -118,58 +112,6 @@ def _hf_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "bf16"
     model.save_pretrained(folder)
     return folder
-
-
-def _write_fp8_checkpoint(src: Path, dst: Path, layout: str, drop: str | None = None) -> None:
-    """`src`'s decoder projections as FP8 in `layout`; the dequantized values replace them in
-    `src` (so both folders hold the same model). `drop`: a tensor name left out."""
-    from safetensors.torch import load_file, save_file
-
-    state = load_file(str(src / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    block = 32  # small blocks so the tiny layers hold several (the published size is 128)
-    for name, t in state.items():
-        if not name.endswith(".weight") or name.split(".")[-2] not in LINEARS:
-            out[name] = t
-            continue
-        base = name.removesuffix(".weight")
-        if layout in ("fp8-block", "ct-block"):
-            q, s = quantize_fp8(t, block)  # (N, K/32) row scales: make them per 32-row block
-            s = s.view(-1, block, s.shape[1]).amax(dim=1)  # (N/32, K/32)
-            full = expand_block_scale(s, t.shape[0], block).repeat_interleave(block, dim=1)
-            q = (t.float() / full).clamp(-448, 448).to(FP8_DTYPE)
-            scale_name = ".weight_scale_inv" if layout == "fp8-block" else ".weight_scale"
-            out[base + scale_name] = s
-            state[name] = (q.float() * full).to(t.dtype)
-        elif layout in ("fp8-tensor", "ct-tensor"):
-            s = t.float().abs().max() / 448
-            q = (t.float() / s).to(FP8_DTYPE)
-            out[base + ".weight_scale"] = s.reshape(()) if layout == "fp8-tensor" else s.reshape(1)
-            out[base + ".input_scale"] = torch.ones(1)  # static activation scales are read and ignored
-            state[name] = (q.float() * s).to(t.dtype)
-        else:  # ct-channel
-            q, s = quantize_fp8(t)
-            out[base + ".weight_scale"] = s  # (N, 1)
-            state[name] = dequantize_fp8(q, s, t.shape[1]).to(t.dtype)
-        out[name] = q
-    if layout.startswith("ct"):
-        out["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
-        out["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
-    if drop is not None:
-        del out[drop]
-    dst.mkdir()
-    save_file(out, str(dst / "model.safetensors"))
-    save_file(state, str(src / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                      "weight_block_size": [block, block]},
-        "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
-        "ct-tensor": _ct("tensor")["quantization_config"],
-        "ct-channel": _ct("channel")["quantization_config"],
-        "ct-block": _ct("block", block_structure=[block, block])["quantization_config"],
-    }[layout]
-    (dst / "config.json").write_text(json.dumps(config))
 
 
 def _logits(model: nn.Module, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
@@ -182,7 +124,7 @@ def _logits(model: nn.Module, ids: list[int], kv_cache_dtype: str = "auto") -> t
 def test_fp8_checkpoint_loads_as_its_dequantized_twin(tmp_path: Path, layout: str) -> None:
     src = _hf_folder(tmp_path)
     dst = tmp_path / layout
-    _write_fp8_checkpoint(src, dst, layout)
+    write_fp8_layout_checkpoint(src, dst, layout, kv_scales=(0.5, 0.25) if layout.startswith("ct") else None)
     config = read_model_config(dst)
     model = load_model(config, dst, dtype=torch.float32, max_positions=64)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
@@ -203,7 +145,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_twin(tmp_path: Path, layout: st
 def test_fp8_checkpoint_without_scales_is_refused(tmp_path: Path) -> None:
     src = _hf_folder(tmp_path)
     dst = tmp_path / "broken"
-    _write_fp8_checkpoint(src, dst, "fp8-block", drop="model.layers.1.self_attn.k_proj.weight_scale_inv")
+    write_fp8_layout_checkpoint(src, dst, "fp8-block", drop="model.layers.1.self_attn.k_proj.weight_scale_inv")
     with pytest.raises(ModelLoadError, match=r"missing scale tensors.*layers\.1\.self_attn\.qkv_proj"):
         load_model(read_model_config(dst), dst, dtype=torch.float32, max_positions=64)
 

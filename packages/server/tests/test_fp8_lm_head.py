@@ -5,7 +5,6 @@ refusals before the server is ready; on a GPU the decode GEMV at LM-head shapes 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,12 @@ import torch
 from torch import nn
 
 from lmserver.config import ServerConfig
-from lmserver.kernels.fp8_ref import FP8_DTYPE, dequantize_fp8, fp8_linear_ref, quantize_fp8
+from lmserver.kernels.fp8_ref import FP8_DTYPE, fp8_linear_ref, quantize_fp8
 from lmserver.layers.fp8_linear import Fp8Linear, linear_to_dense
 from lmserver.models.config import ModelConfig
 from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.runner.resolve import ConfigError, estimate_weight_bytes, resolve_config, resolve_fp8
+from lmserver.testing.fp8 import write_fp8_layout_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,39 +145,12 @@ def test_cli_option_and_weight_estimate() -> None:
 # --- an FP8 checkpoint whose lm_head is FP8 -----------------------------------------------------------------------
 
 
-def _write_ct_channel(src: Path, dst: Path, tied: bool) -> None:
-    """`src` (untied) as a compressed-tensors FP8 checkpoint, per-channel scales, every decoder projection and the
-    lm_head in FP8 (lm_head not in `ignore`); the dequantized values replace them in `src`. `tied`: config.json says
-    tie_word_embeddings (the FP8 lm_head.weight kept)."""
-    from safetensors.torch import load_file, save_file
-
-    state = load_file(str(src / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if not name.endswith("proj.weight") and name != "lm_head.weight":
-            out[name] = t
-            continue
-        q, s = quantize_fp8(t)
-        out[name], out[name.removesuffix(".weight") + ".weight_scale"] = q, s
-        state[name] = dequantize_fp8(q, s, t.shape[1]).to(t.dtype)
-    dst.mkdir()
-    save_file(out, str(dst / "model.safetensors"))
-    save_file(state, str(src / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                     "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
-                                     "ignore": []}
-    config["tie_word_embeddings"] = tied
-    (dst / "config.json").write_text(json.dumps(config))
-
-
 def test_fp8_checkpoint_lm_head_loads_as_fp8_and_a_tied_one_is_refused(tmp_path: Path) -> None:
     from lmserver.runner.accuracy import window_logits, window_runner
 
     src = _tiny_folder(tmp_path, tied=False)
     dst = tmp_path / "ct"
-    _write_ct_channel(src, dst, tied=False)
+    write_fp8_layout_checkpoint(src, dst, "ct-channel", lm_head=True, tie_word_embeddings=False)
     model = load_model(read_model_config(dst), dst, dtype=torch.float32, max_positions=64)
     assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.weight_scale.shape == (TINY["vocab_size"], 1)
     again = load_model(read_model_config(dst), dst, dtype=torch.float32, max_positions=64, quantize_lm_head=True)
@@ -187,7 +160,8 @@ def test_fp8_checkpoint_lm_head_loads_as_fp8_and_a_tied_one_is_refused(tmp_path:
     torch.testing.assert_close(window_logits(window_runner(model, 64), ids), window_logits(window_runner(twin, 64), ids),
                                rtol=0, atol=1e-4)
     tied = tmp_path / "ct-tied"
-    _write_ct_channel(_tiny_folder(tmp_path / "again", tied=False), tied, tied=True)
+    write_fp8_layout_checkpoint(_tiny_folder(tmp_path / "again", tied=False), tied, "ct-channel", lm_head=True,
+                                tie_word_embeddings=True)
     with pytest.raises(ModelLoadError, match="lm_head.weight.*tie_word_embeddings"):
         load_model(read_model_config(tied), tied, dtype=torch.float32, max_positions=64)
 
