@@ -109,7 +109,8 @@ class ServerConfig:
                                          "(accuracy: benchmarks/RESULTS.md, FP8 (issue 33)); needs FP8 weights "
                                          "(--quantization fp8 or an FP8 checkpoint); tied embeddings are untied, the "
                                          "embedding stays in the model dtype. A checkpoint whose lm_head is FP8 "
-                                         "loads it as FP8 without this option")
+                                         "(e.g. GPTQ-rounded, benchmarks/fp8/gptq_fp8_checkpoint.py --lm-head) "
+                                         "loads it as FP8 with or without this option, never re-rounded")
     # Constrained decoding
     disable_jump_forward: bool = _opt(False, "no jump-forward over forced grammar text")
     jump_forward_min_tokens: str = _opt("auto", "a jump-forward that needs an extend round of its own is made when "

@@ -172,7 +172,8 @@ def load_model(
     loads into FP8 layers (MoE experts included); `quantization="fp8"` quantizes an unquantized one
     after loading (and random `dummy` weights): the decoder projections and the MoE experts.
     `quantize_lm_head` (FP8 weights only) makes the LM head FP8 too, per row (a tied head untied);
-    a checkpoint's FP8 `lm_head.weight` loads as FP8 without it.
+    a checkpoint's FP8 `lm_head.weight` loads as FP8 without it, and is kept as stored (never
+    re-rounded) with it.
     """
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
