@@ -26,6 +26,7 @@ from lmserver.models.fp8_gptq import gptq_quantize_linears_, gptq_quantize_lm_he
 from lmserver.models.loader import load_model, read_model_config
 from lmserver.models.quantization import QuantizationError, quantize_lm_head_
 from lmserver.runner.accuracy import agreement, calibration_forward, window_logits, window_runner
+from lmserver.testing.word_tokenizer import save_word_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,15 +176,9 @@ def test_gptq_head_refusals_and_the_embedding_left_in_place(tmp_path: Path) -> N
 
 def _engine_source(tmp_path: Path) -> Path:
     """`_source` (tied, 512 tokens) with a word-level tokenizer (the engine needs one; the tests send ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     vocab = 512
     folder = _source(tmp_path, tied=True, vocab=vocab)
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(folder)
+    save_word_level_tokenizer(folder, vocab)
     return folder
 
 

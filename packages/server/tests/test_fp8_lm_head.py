@@ -19,6 +19,7 @@ from lmserver.models.config import ModelConfig
 from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.runner.resolve import ConfigError, estimate_weight_bytes, resolve_config, resolve_fp8
 from lmserver.testing.fp8 import write_fp8_layout_checkpoint
+from lmserver.testing.word_tokenizer import save_word_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,8 +213,6 @@ def _assert_engine_greedy_is_the_twins(folder: Path | None, prompts: list[list[i
 def _tiny_engine_folder(tmp_path: Path) -> Path:
     """A tiny tied Llama of 512 tokens with a word-level tokenizer (the engine needs one; the tests send ids), its
     weights scaled up so that greedy paths are not flat."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     vocab = 512
     torch.manual_seed(1)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "vocab_size": vocab}, tie_word_embeddings=True,
@@ -223,11 +222,7 @@ def _tiny_engine_folder(tmp_path: Path) -> Path:
             p.mul_(8.0)
     folder = tmp_path / "tiny-engine"
     hf.save_pretrained(folder)
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(folder)
+    save_word_level_tokenizer(folder, vocab)
     return folder
 
 

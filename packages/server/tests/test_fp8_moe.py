@@ -23,6 +23,7 @@ from lmserver.layers.moe import (
     quantize_experts,
 )
 from lmserver.models.loader import ModelLoadError, load_model, read_model_config
+from lmserver.testing.word_tokenizer import save_word_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,18 +163,6 @@ def _fp8_twin_(model: nn.Module) -> int:
     return experts
 
 
-def _save_word_tokenizer(folder: Path, vocab: int) -> None:
-    """A word-level tokenizer of `vocab` tokens ("<unk>", "<s>", "</s>", then "w3", "w4", ...) into `folder`: the
-    engine needs one, the tests send token ids (no download, no embedded model: runs on the GPU machine too)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(folder)
-
-
 def _logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
     from lmserver.runner.accuracy import window_logits, window_runner
 
@@ -218,7 +207,7 @@ def test_online_fp8_mixtral_through_the_engine_is_greedy_as_its_dequantized_twin
         for p in hf.parameters():
             p.mul_(8.0)
     hf.save_pretrained(src)
-    _save_word_tokenizer(src, 512)
+    save_word_level_tokenizer(src, 512)
     prompts = [[5, 17, 300, 41, 9] * 4, [100 + i for i in range(13)]]
     engine = Engine(str(src), dtype="float32", quantization="fp8", max_total_tokens=256, chunked_prefill_size=16)
     try:
@@ -415,7 +404,7 @@ def test_fp8_mixtral_engine_decodes_the_same_in_cuda_graphs_as_eagerly(tmp_path:
         for p in hf.parameters():
             p.mul_(8.0)
     hf.save_pretrained(src)
-    _save_word_tokenizer(src, 512)
+    save_word_level_tokenizer(src, 512)
     prompts = [[5, 17, 300, 41, 9] * 4, [100 + i for i in range(13)], [7, 8, 9]]
     outs = []
     for eager in (False, True):
