@@ -167,6 +167,32 @@ def test_fp8_checkpoint_lm_head_loads_as_fp8_and_a_tied_one_is_refused(tmp_path:
         load_model(read_model_config(tied), tied, dtype=torch.float32, max_positions=64)
 
 
+def test_a_checkpoints_fp8_lm_head_is_counted_in_fp8_by_the_kv_budget(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the loader serves a checkpoint's FP8 head as FP8 without --quantize-lm-head: the weight estimate that sizes the
+    # KV pool before loading (CUDA) must count it so. Oracle: the bytes of the model as loaded
+    from lmserver.models.quantization import checkpoint_lm_head_is_fp8
+    from lmserver.runner.resolve import resolve_kv_tokens
+
+    dst, plain = tmp_path / "ct-head", tmp_path / "ct"
+    write_fp8_layout_checkpoint(_tiny_folder(tmp_path, tied=False), dst, "ct-channel", lm_head=True,
+                                tie_word_embeddings=False)
+    write_fp8_layout_checkpoint(_tiny_folder(tmp_path / "again", tied=False), plain, "ct-channel")
+    assert checkpoint_lm_head_is_fp8(dst)
+    assert not checkpoint_lm_head_is_fp8(plain) and not checkpoint_lm_head_is_fp8(tmp_path / "missing")
+    mc = read_model_config(dst)
+    model = load_model(mc, dst, dtype=torch.bfloat16, max_positions=64)
+    loaded = sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}
+                 .values())
+    assert estimate_weight_bytes(mc, "bfloat16", 64, quantization="fp8", quantize_lm_head=True) == loaded
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * gib, 80 * gib))
+    cfg = ServerConfig(mem_fraction_static=0.5, context_length=64, quantization="fp8")
+    exact = resolve_kv_tokens(cfg, mc, "cuda", "bfloat16", loaded)
+    assert resolve_kv_tokens(cfg, mc, "cuda", "bfloat16", 0, fp8_lm_head=True) == exact
+    assert resolve_kv_tokens(cfg, mc, "cuda", "bfloat16", 0) < exact  # the head counted in bf16: fewer KV slots
+
+
 # --- greedy decoding through the engine ---------------------------------------------------------------------------
 
 

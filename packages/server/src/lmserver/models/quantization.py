@@ -51,6 +51,7 @@ __all__ = [
     "FP8_LINEAR_NAMES",
     "Fp8Spec",
     "QuantizationError",
+    "checkpoint_lm_head_is_fp8",
     "fp8_linear_layers",
     "fp8_moe_layers",
     "describe_lm_head",
@@ -188,6 +189,23 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if index.is_file():
         return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return sorted(folder.glob("*.safetensors"))
+
+
+def checkpoint_lm_head_is_fp8(model_path: str | Path) -> bool:
+    """Whether the checkpoint folder stores an FP8 (float8_e4m3fn) `lm_head.weight` (read from the safetensors
+    headers, no tensor loaded; a folder without safetensors files: False). The loader serves such a head as FP8
+    with or without `quantize_lm_head`, so the weight-bytes estimate counts it so too."""
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return False
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118  (safe_open is not a dict)
+                if name.endswith("lm_head.weight"):
+                    return handle.get_slice(name).get_dtype() in ("F8_E4M3", "float8_e4m3fn")
+    return False
 
 
 def scan_fp8_modules(model: nn.Module, model_path: str | Path) -> set[str]:

@@ -19,6 +19,7 @@ from lmserver.layers.moe import MoE
 from lmserver.models.config import ModelConfig
 from lmserver.models.eagle import is_eagle3_config
 from lmserver.models.loader import DTYPES
+from lmserver.models.quantization import checkpoint_lm_head_is_fp8
 from lmserver.scheduler.admission import AdmissionConfig, StepBudget
 from lmserver.scheduler.pacer import PacerConfig, PrefillPacer
 
@@ -277,11 +278,13 @@ def step_budget(rc: ServerConfig) -> StepBudget | None:
 
 
 def resolve_kv_tokens(
-    config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int
+    config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int,
+    fp8_lm_head: bool = False,
 ) -> int:
     """KV-cache size in tokens: max_total_tokens, else a memory budget. On CUDA the budget is
     `mem_fraction_static` of the GPU's memory less what is in use and the weights to come
-    (`weight_bytes`, estimated from the config when 0)."""
+    (`weight_bytes`, estimated from the config when 0, the LM head in FP8 with `quantize_lm_head` or
+    `fp8_lm_head`: the checkpoint stores it so)."""
     per_slot = KVPool.bytes_per_slot(
         model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim,
         kv_storage_dtype(config.kv_cache_dtype, dtype),
@@ -297,7 +300,7 @@ def resolve_kv_tokens(
         if weight_bytes == 0:
             positions = config.context_length or model_config.max_position_embeddings
             weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size,
-                                                 config.quantization, config.quantize_lm_head)
+                                                 config.quantization, config.quantize_lm_head or fp8_lm_head)
         free, total = torch.cuda.mem_get_info()
         budget = int(total * fraction) - (total - free) - weight_bytes
         if budget <= per_slot * 16:
@@ -326,7 +329,8 @@ def resolve_config(
     dtype = resolve_dtype(config, device)
     quantization, kv_cache_dtype, lowlat = resolve_fp8(config, model_config, device, dtype)
     config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype, lowlat_plugins=lowlat)
-    kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes)
+    fp8_head = device == "cuda" and weight_bytes == 0 and quantization == "fp8" and checkpoint_lm_head_is_fp8(model_path)
+    kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes, fp8_head)
     kv_tokens -= kv_tokens % config.page_size
     context = config.context_length or model_config.max_position_embeddings
     if context < 2:
