@@ -13,19 +13,19 @@ import json
 import textwrap
 from pathlib import Path
 from pydoc_data.topics import topics
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from lmserver.kernels.fp8_ref import FP8_DTYPE, dequantize_fp8, quantize_fp8
-from lmserver.layers.fp8_linear import Fp8Linear, linear_to_dense
+from lmserver.layers.fp8_linear import Fp8Linear
 from lmserver.models.default_model import default_model_path
 from lmserver.models.fp8_gptq import gptq_quantize_linears_, gptq_quantize_lm_head_, write_fp8_checkpoint
 from lmserver.models.loader import load_model, read_model_config
 from lmserver.models.quantization import QuantizationError, quantize_lm_head_
 from lmserver.runner.accuracy import agreement, calibration_forward, window_logits, window_runner
+from lmserver.testing.fp8 import dequantized_twin, greedy_by_full_prefills
 from lmserver.testing.word_tokenizer import save_word_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -182,18 +182,6 @@ def _engine_source(tmp_path: Path) -> Path:
     return folder
 
 
-def _dequantized_twin(folder: Path, max_positions: int) -> nn.Module:
-    """`folder`'s model as loaded (float32), every Fp8Linear (the head included) replaced by a float32 linear
-    holding its dequantized values."""
-    twin = load_model(read_model_config(folder), folder, dtype=torch.float32, max_positions=max_positions)
-    assert isinstance(twin.lm_head, Fp8Linear)
-    for name in [n for n, m in twin.named_modules() if isinstance(m, Fp8Linear)]:
-        parent, _, attr = name.rpartition(".")
-        owner: Any = twin.get_submodule(parent) if parent else twin
-        setattr(owner, attr, linear_to_dense(getattr(owner, attr), torch.float32))
-    return twin
-
-
 PROMPTS = [[5, 17, 300, 41, 9] * 4, [100 + i for i in range(13)], [7, 8, 9]]
 
 
@@ -222,13 +210,9 @@ def test_engine_serves_the_gptq_head_checkpoint_greedy_as_its_dequantized_twin(t
     finally:
         engine.shutdown()
     assert isinstance(outs, list)
-    window = max(map(len, PROMPTS)) + new
-    twin = _dequantized_twin(dst, window)
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        seq = list(ids)
-        for _ in range(new):
-            seq.append(int(window_logits(window_runner(twin, window), seq)[-1].argmax()))
-        assert out["output_ids"] == seq[len(ids):]
+    twin, fp8 = dequantized_twin(dst, max(map(len, PROMPTS)) + new)  # the checkpoint's FP8 head as loaded, then dense
+    assert "lm_head" in fp8
+    assert [out["output_ids"] for out in outs] == greedy_by_full_prefills(twin, PROMPTS, new)
     assert len({tuple(o["output_ids"]) for o in outs}) > 1  # not a flat model: the prompts decode differently
 
 

@@ -14,11 +14,11 @@ from torch import nn
 
 from lmserver.config import ServerConfig
 from lmserver.kernels.fp8_ref import FP8_DTYPE, fp8_linear_ref, quantize_fp8
-from lmserver.layers.fp8_linear import Fp8Linear, linear_to_dense
+from lmserver.layers.fp8_linear import Fp8Linear
 from lmserver.models.config import ModelConfig
 from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.runner.resolve import ConfigError, estimate_weight_bytes, resolve_config, resolve_fp8
-from lmserver.testing.fp8 import write_fp8_layout_checkpoint
+from lmserver.testing.fp8 import dequantized_twin, greedy_by_full_prefills, write_fp8_layout_checkpoint
 from lmserver.testing.word_tokenizer import save_word_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -196,27 +196,12 @@ def test_a_checkpoints_fp8_lm_head_is_counted_in_fp8_by_the_kv_budget(tmp_path: 
 # --- greedy decoding through the engine ---------------------------------------------------------------------------
 
 
-def _dequantized_twin(folder: Path, max_positions: int) -> nn.Module:
-    """`folder`'s model loaded with FP8 weights and an FP8 LM head (as the engine loads it, float32 on the CPU), then
-    every `Fp8Linear` replaced by a plain float32 linear holding its dequantized values."""
-    twin = load_model(read_model_config(folder), folder, dtype=torch.float32, max_positions=max_positions,
-                      quantization="fp8", quantize_lm_head=True)
-    assert isinstance(twin.lm_head, Fp8Linear)
-    for name in [n for n, m in twin.named_modules() if isinstance(m, Fp8Linear)]:
-        parent, _, attr = name.rpartition(".")
-        owner: Any = twin.get_submodule(parent) if parent else twin
-        setattr(owner, attr, linear_to_dense(getattr(owner, attr), torch.float32))
-    assert isinstance(twin.lm_head, nn.Linear) and twin.lm_head.weight is not twin.model.embed_tokens.weight
-    return twin
-
-
 def _assert_engine_greedy_is_the_twins(folder: Path | None, prompts: list[list[int]], new: int,
                                        **engine_config: Any) -> None:
     """`Engine(folder, quantization="fp8", quantize_lm_head=True, ...)`'s greedy tokens (paged KV, chunked prefill,
     batched decode) equal those of the dequantized twin decoded by full prefills on the CPU."""
     from lmserver import Engine
     from lmserver.models.default_model import default_model_path
-    from lmserver.runner.accuracy import window_logits, window_runner
 
     engine = Engine(None if folder is None else str(folder), quantization="fp8", quantize_lm_head=True,
                     max_total_tokens=256, chunked_prefill_size=8, **engine_config)
@@ -227,13 +212,11 @@ def _assert_engine_greedy_is_the_twins(folder: Path | None, prompts: list[list[i
     finally:
         engine.shutdown()
     assert isinstance(outs, list)
-    window = max(map(len, prompts)) + new
-    twin = _dequantized_twin(default_model_path() if folder is None else folder, window)
-    for ids, out in zip(prompts, outs, strict=True):
-        seq = list(ids)
-        for _ in range(new):
-            seq.append(int(window_logits(window_runner(twin, window), seq)[-1].argmax()))
-        assert out["output_ids"] == seq[len(ids):]
+    # the twin as the engine loads the model (FP8 weights and an FP8 LM head), then dense in float32
+    twin, fp8 = dequantized_twin(default_model_path() if folder is None else folder, max(map(len, prompts)) + new,
+                                 quantization="fp8", quantize_lm_head=True)
+    assert "lm_head" in fp8 and isinstance(twin.lm_head, nn.Linear) and twin.lm_head.weight is not twin.model.embed_tokens.weight
+    assert [out["output_ids"] for out in outs] == greedy_by_full_prefills(twin, prompts, new)
 
 
 def _tiny_engine_folder(tmp_path: Path) -> Path:

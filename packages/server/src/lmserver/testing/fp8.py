@@ -4,18 +4,25 @@
 `lm_head`) as an FP8 checkpoint in one of the published layouts (`LAYOUTS`), and replaces those weights in `src`
 by their dequantized values: both folders then hold the same model, so a test's oracle is `dst` loading as its
 dequantized twin `src`. `compressed_tensors_config` is the `quantization_config` of the compressed-tensors ones.
+`dequantized_twin` loads an FP8 folder with every FP8 linear layer dense in float32, and `greedy_by_full_prefills`
+decodes a model greedily by one full prefill per token: the oracle of an FP8 engine's greedy tokens.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from lmserver.kernels.fp8_ref import FP8_DTYPE, dequantize_fp8, expand_block_scale, quantize_fp8
+from lmserver.layers.fp8_linear import Fp8Linear, linear_to_dense
+from lmserver.models.loader import load_model, read_model_config
+from lmserver.runner.accuracy import window_logits, window_runner
 
 # fp8-*: quant_method "fp8" (block: 2D block scales as `weight_scale_inv`, dynamic activations; tensor: one scale
 # per tensor, static activation scales); ct-*: compressed-tensors float-quantized, per tensor, per output channel
@@ -100,3 +107,30 @@ def write_fp8_layout_checkpoint(src: Path, dst: Path, layout: str, *, lm_head: b
     if tie_word_embeddings is not None:
         config["tie_word_embeddings"] = tie_word_embeddings
     (dst / "config.json").write_text(json.dumps(config))
+
+
+def dequantized_twin(folder: str | Path, max_positions: int, **load_kwargs: Any) -> tuple[nn.Module, list[str]]:
+    """`folder`'s model loaded in float32 (`load_model` with `load_kwargs`, e.g. `quantization="fp8"`), then every
+    `Fp8Linear` (an FP8 LM head included) replaced by a plain float32 linear holding its dequantized values; with
+    the names of the modules it replaced (those the load made FP8)."""
+    twin = load_model(read_model_config(folder), folder, dtype=torch.float32, max_positions=max_positions,
+                      **load_kwargs)
+    names = [n for n, m in twin.named_modules() if isinstance(m, Fp8Linear)]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        owner: Any = twin.get_submodule(parent) if parent else twin
+        setattr(owner, attr, linear_to_dense(getattr(owner, attr), torch.float32))
+    return twin, names
+
+
+def greedy_by_full_prefills(model: nn.Module, prompts: Sequence[Sequence[int]], new: int) -> list[list[int]]:
+    """The `new` greedy tokens after each prompt, each one the argmax of a full prefill of the sequence so far (no
+    decode step, no paging, no CUDA graph): the reference an engine's greedy decoding is held to."""
+    window = max(map(len, prompts)) + new
+    outs: list[list[int]] = []
+    for ids in prompts:
+        seq = list(ids)
+        for _ in range(new):
+            seq.append(int(window_logits(window_runner(model, window), seq)[-1].argmax()))
+        outs.append(seq[len(ids):])
+    return outs
