@@ -191,60 +191,64 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def checkpoint_lm_head_is_fp8(model_path: str | Path) -> bool:
-    """Whether the checkpoint folder stores an FP8 (float8_e4m3fn) `lm_head.weight` (read from the safetensors
-    headers, no tensor loaded; a folder without safetensors files: False). The loader serves such a head as FP8
-    with or without `quantize_lm_head`, so the weight-bytes estimate counts it so too."""
+_FP8_HEADER_DTYPES = ("F8_E4M3", "float8_e4m3fn")  # float8_e4m3fn as safetensors headers name it
+
+
+def _header_dtypes(folder: Path) -> Iterator[tuple[str, str]]:
+    """(tensor name, dtype) of every tensor of the checkpoint folder, read from the safetensors headers (no tensor
+    loaded)."""
     from safetensors import safe_open
 
-    folder = Path(model_path)
-    if not folder.is_dir():
-        return False
     for file in _safetensors_files(folder):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118  (safe_open is not a dict)
-                if name.endswith("lm_head.weight"):
-                    return handle.get_slice(name).get_dtype() in ("F8_E4M3", "float8_e4m3fn")
-    return False
+                yield name, handle.get_slice(name).get_dtype()
+
+
+def checkpoint_lm_head_is_fp8(model_path: str | Path) -> bool:
+    """Whether the checkpoint folder stores an FP8 (float8_e4m3fn) `lm_head.weight` (a folder without safetensors
+    files: False). The loader serves such a head as FP8 with or without `quantize_lm_head`, so the weight-bytes
+    estimate counts it so too."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return False
+    return next((dtype in _FP8_HEADER_DTYPES for name, dtype in _header_dtypes(folder)
+                 if name.endswith("lm_head.weight")), False)
 
 
 def scan_fp8_modules(model: nn.Module, model_path: str | Path) -> set[str]:
     """Names of `model`'s modules whose checkpoint weights are float8_e4m3fn (read from the
     safetensors headers, no tensor loaded): `nn.Linear`s and MoE expert MLPs (`MoE`). Raises
     QuantizationError when one maps to anything else (lmserver has no FP8 path for it)."""
-    from safetensors import safe_open
-
     names: set[str] = set()
     map_weight: Any = model.map_weight
     modules = dict(model.named_modules())
-    for file in _safetensors_files(Path(model_path)):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118  (safe_open is not a dict)
-                if handle.get_slice(name).get_dtype() not in ("F8_E4M3", "float8_e4m3fn"):
-                    continue
-                mapped = map_weight(name)
-                if mapped is None:
-                    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-                    if name.endswith("lm_head.weight") and tied:
-                        raise QuantizationError(
-                            f"checkpoint tensor {name!r} is FP8 but config.json ties the LM head to the embedding "
-                            "(tie_word_embeddings), which lmserver keeps in the model dtype; set "
-                            "tie_word_embeddings false to serve the checkpoint's FP8 LM head, or store it unquantized")
-                    continue
-                target = mapped[0]
-                if (expert := _expert_param(modules, target)) is not None:
-                    if not mapped[1]:
-                        raise QuantizationError(
-                            f"checkpoint tensor {name!r} holds every expert in FP8 in one tensor; lmserver reads FP8 "
-                            "experts one per tensor (block_sparse_moe.experts.E.w1/w2/w3.weight with their scales)")
-                    names.add(expert[0])
-                    continue
-                module = target.removesuffix(".weight")
-                if not target.endswith(".weight") or not isinstance(modules.get(module), nn.Linear):
-                    raise QuantizationError(
-                        f"checkpoint tensor {name!r} is FP8 but maps to {target!r}, which lmserver cannot hold "
-                        "in FP8 (FP8 weights are supported for linear layers and MoE experts)")
-                names.add(module)
+    for name, dtype in _header_dtypes(Path(model_path)):
+        if dtype not in _FP8_HEADER_DTYPES:
+            continue
+        mapped = map_weight(name)
+        if mapped is None:
+            tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+            if name.endswith("lm_head.weight") and tied:
+                raise QuantizationError(
+                    f"checkpoint tensor {name!r} is FP8 but config.json ties the LM head to the embedding "
+                    "(tie_word_embeddings), which lmserver keeps in the model dtype; set "
+                    "tie_word_embeddings false to serve the checkpoint's FP8 LM head, or store it unquantized")
+            continue
+        target = mapped[0]
+        if (expert := _expert_param(modules, target)) is not None:
+            if not mapped[1]:
+                raise QuantizationError(
+                    f"checkpoint tensor {name!r} holds every expert in FP8 in one tensor; lmserver reads FP8 "
+                    "experts one per tensor (block_sparse_moe.experts.E.w1/w2/w3.weight with their scales)")
+            names.add(expert[0])
+            continue
+        module = target.removesuffix(".weight")
+        if not target.endswith(".weight") or not isinstance(modules.get(module), nn.Linear):
+            raise QuantizationError(
+                f"checkpoint tensor {name!r} is FP8 but maps to {target!r}, which lmserver cannot hold "
+                "in FP8 (FP8 weights are supported for linear layers and MoE experts)")
+        names.add(module)
     return names
 
 
