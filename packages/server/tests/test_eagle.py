@@ -75,22 +75,28 @@ def _target() -> torch.nn.Module:
                       max_positions=128, seed=3)
 
 
-def _proposer(path: Path, target: torch.nn.Module, graph_max_bs: int = 0) -> EagleProposer:
+def _proposer(path: Path, target: torch.nn.Module, graph_max_bs: int = 0, chain_steps: int = 0) -> EagleProposer:
     return EagleProposer(str(path), target=target, target_config=ModelConfig.from_hf(TARGET), dtype=torch.float32,
                          device=torch.device("cpu"), context_length=128, max_requests=4, num_slots=200,
-                         attention_backend="torch_native", graph_max_bs=graph_max_bs)
+                         attention_backend="torch_native", graph_max_bs=graph_max_bs, chain_steps=chain_steps)
 
 
-@pytest.mark.parametrize("graph_max_bs", [0, 4], ids=["eager", "graphs"])
-def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path, graph_max_bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager head steps, and head steps replaying decode graphs (EagerGraph on the CPU: the static
-    feature buffer, padding rows) against the float64 chain."""
+# (decode graphs up to, chain steps): eager head steps; each step a decode graph replay; the k - 1 steps of a
+# proposal of k = 4 in one chain replay (the features carried between steps inside the graph)
+GRAPH_MODES = [pytest.param(0, 0, id="eager"), pytest.param(4, 0, id="graphs"), pytest.param(4, 3, id="chain")]
+
+
+@pytest.mark.parametrize(("graph_max_bs", "chain_steps"), GRAPH_MODES)
+def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path, graph_max_bs: int, chain_steps: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager head steps, head steps replaying decode graphs (EagerGraph on the CPU: the static
+    feature buffer, padding rows), and chain graphs against the float64 chain."""
     from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     target = _target()
     weights = write_eagle_head(tmp_path / "head", HEAD)
-    eagle = _proposer(tmp_path / "head", target, graph_max_bs)
+    eagle = _proposer(tmp_path / "head", target, graph_max_bs, chain_steps)
     assert (eagle.runner.cuda_graph is not None) == (graph_max_bs > 0)
     g = torch.Generator().manual_seed(7)
     embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()  # type: ignore[union-attr]
@@ -117,9 +123,23 @@ def test_drafts_equal_the_float64_eagle_chain(tmp_path: Path, graph_max_bs: int,
         assert got_all[rid] == _naive_drafts(weights, embed, lm_head, HEAD, tokens, feats, len(got_all[rid])), rid
     for rid in seqs:
         eagle.forget(rid)
+    # three requests wanting 4 drafts each: one chain replay of 3 steps in the graph of 4 rows (chain mode)
+    seqs = {rid: (torch.randint(0, 101, (n + 1,), generator=g).tolist(), torch.randn(n, 64, generator=g))
+            for rid, n in (("f", 5), ("g", 2), ("h", 8))}
+    for rid, (_, feats) in seqs.items():
+        eagle.observe(rid, 0, feats)
+    chains = eagle.num_chain_replays
+    got_all = eagle.propose({rid: t for rid, (t, _) in seqs.items()}, dict.fromkeys(seqs, 4))
+    for rid, (tokens, feats) in seqs.items():
+        assert got_all[rid] == _naive_drafts(weights, embed, lm_head, HEAD, tokens, feats, 4), rid
+    assert eagle.num_chain_replays == chains + (1 if chain_steps else 0)
+    for rid in seqs:
+        eagle.forget(rid)
     eagle.check_empty()
     if graph_max_bs:
         assert eagle.runner.cuda_graph is not None and eagle.runner.cuda_graph.num_replays >= 4
+    # chain mode: the single-request k = 4 proposal and the three-request one above (k = 2 or mixed k: steps)
+    assert eagle.num_chain_replays == (2 if chain_steps else 0)
 
 
 def test_a_recomputed_position_restarts_the_request(tmp_path: Path) -> None:
@@ -199,8 +219,9 @@ def _naive_eagle3(w: dict[str, torch.Tensor], embed: torch.Tensor, config: dict,
     return drafts
 
 
-@pytest.mark.parametrize("graph_max_bs", [0, 4], ids=["eager", "graphs"])
-def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("graph_max_bs", "chain_steps"), GRAPH_MODES)
+def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int, chain_steps: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
     from lmserver.testing import write_eagle3_head
 
@@ -208,7 +229,7 @@ def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int
     target = _target()
     head3 = dict(HEAD, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]})  # a 2-layer target
     weights = write_eagle3_head(tmp_path / "head3", head3, draft_vocab=50)
-    eagle = _proposer(tmp_path / "head3", target, graph_max_bs)
+    eagle = _proposer(tmp_path / "head3", target, graph_max_bs, chain_steps)
     assert type(eagle.head).__name__ == "Eagle3Head"
     g = torch.Generator().manual_seed(11)
     embed = target.model.embed_tokens.weight.detach()  # type: ignore[union-attr]
@@ -216,10 +237,12 @@ def test_eagle3_drafts_equal_the_float64_chain(tmp_path: Path, graph_max_bs: int
             for rid, n in (("x", 6), ("y", 3))}
     for rid, (_, aux) in seqs.items():
         eagle.observe(rid, 0, aux)
-    got = eagle.propose({rid: t for rid, (t, _) in seqs.items()}, {"x": 4, "y": 3})
+    # chain mode: both want 4 drafts (one chain replay, the rows padded to 2); else mixed k
+    got = eagle.propose({rid: t for rid, (t, _) in seqs.items()}, {"x": 4, "y": 4 if chain_steps else 3})
     for rid, (tokens, aux) in seqs.items():
         want = _naive_eagle3(weights, embed, HEAD, tokens, aux, len(got[rid]))
         assert got[rid] == want and all(t % 2 == 0 for t in got[rid]), rid  # draft ids map to even target ids
+    assert eagle.num_chain_replays == (1 if chain_steps else 0)
     for rid in seqs:
         eagle.forget(rid)
     eagle.check_empty()

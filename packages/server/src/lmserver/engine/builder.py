@@ -218,12 +218,15 @@ class EngineBuilder:
                                   dtype=dtype, device=device, context_length=rc.context_length,
                                   max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
                                   attention_backend=rc.attention_backend, load_format=rc.load_format,
-                                  seed=rc.random_seed, graph_max_bs=draft_graph_max_bs)
+                                  seed=rc.random_seed, graph_max_bs=draft_graph_max_bs,
+                                  chain_steps=spec_config.num_draft_tokens - 1)
         elif spec_config.draft_model_path is not None:
             draft = DraftModel(spec_config.draft_model_path, target_vocab_size=mc.vocab_size, dtype=dtype,
                                device=device, context_length=rc.context_length,
                                max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
-                               attention_backend=rc.attention_backend, graph_max_bs=draft_graph_max_bs)
+                               attention_backend=rc.attention_backend, graph_max_bs=draft_graph_max_bs,
+                               chain_steps=spec_config.num_draft_tokens - 1, load_format=rc.load_format,
+                               seed=rc.random_seed)
         return Speculator(spec_config, rc.context_length, draft)
 
 

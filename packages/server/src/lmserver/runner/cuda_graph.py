@@ -342,7 +342,17 @@ class DecodeGraphRunner:
             cascade=self.runner.attn_backend.cascade_metadata(bs) if cascade else None,  # type: ignore[attr-defined]
         )
 
-    def _forward_fn(self, bs: int, cascade: bool = False, verify_rows: int = 0) -> Callable[[], torch.Tensor]:
+    def padded_size(self, bs: int) -> int:
+        """The captured size a batch of `bs` rows pads to; raises CudaGraphError when none holds it. Pure."""
+        padded = self._padded[bs] if 0 < bs <= self.max_bs else None
+        if padded is None:
+            raise CudaGraphError(f"batch size {bs} has no captured graph (sizes {self.sizes})")
+        return padded
+
+    def step_fn(self, bs: int, cascade: bool = False, verify_rows: int = 0) -> Callable[[], torch.Tensor]:
+        """One decode forward of the static buffers' first `bs` rows (what a graph of size `bs` records):
+        inputs written from `ints`, attention plan, the layers (`verify_rows`: the lowlat path of verify rows),
+        logits, their argmax into `greedy_ids`; returns the (bs, vocab) logits."""
         batch = self._static_batch(bs, cascade)
         runner = self.runner
 
@@ -375,7 +385,7 @@ class DecodeGraphRunner:
         cascade = self.runner.prefix_planner is not None
         for bs in reversed(self.sizes):
             for variant in (False, True) if cascade and bs >= 2 else (False,):
-                fn = self._forward_fn(bs, variant)
+                fn = self.step_fn(bs, variant)
                 if variant:  # NOTE: into the plain graph's logits (one (bs, vocab) output per size, not two)
                     fn = self._into(fn, self.outputs[bs])
                 for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
@@ -393,7 +403,7 @@ class DecodeGraphRunner:
             rows = min(self.verify_rows, bs)  # NOTE: a size below verify_rows holds verify steps of fewer rows
             if lowlat is None or not rows or not lowlat.needs_verify_graph(bs, rows, self.table_width):
                 continue
-            fn = self._into(self._forward_fn(bs, verify_rows=rows), self.outputs[bs])
+            fn = self._into(self.step_fn(bs, verify_rows=rows), self.outputs[bs])
             for _ in range(2):
                 fn()
             if self.device.type == "cuda":

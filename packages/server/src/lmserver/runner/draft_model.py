@@ -10,7 +10,8 @@ acceptance rules stay exact for sampled requests too (runner/verify.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,9 +20,12 @@ from lmserver.forward.kv_pool import KVPool, make_req_to_token
 from lmserver.models.config import ModelConfig
 from lmserver.models.loader import load_model, read_model_config
 from lmserver.runner.attention.registry import default_registry
+from lmserver.runner.draft_chain import DraftChainGraphs
 from lmserver.runner.model_runner import ModelRunner
 from lmserver.runner.sampler import greedy_argmax
 from lmserver.scheduler import ForwardItem, ScheduleDecision
+
+logger = logging.getLogger(__name__)
 
 
 class DraftModelError(ValueError):
@@ -39,20 +43,34 @@ class DraftReq:
 class DraftModel:
     def __init__(self, model_path: str, *, target_vocab_size: int, dtype: torch.dtype, device: torch.device,
                  context_length: int, max_requests: int, num_slots: int, attention_backend: str,
-                 graph_max_bs: int = 0) -> None:
+                 graph_max_bs: int = 0, chain_steps: int = 0, load_format: str = "auto", seed: int = 0) -> None:
         config = read_model_config(model_path)
         if config.vocab_size != target_vocab_size:
             raise DraftModelError(f"the draft model at {model_path} has a vocabulary of {config.vocab_size} tokens, "
                                   f"the target {target_vocab_size}: a draft model must share the target's tokenizer")
         if config.is_multimodal:
             raise DraftModelError("a multimodal draft model is not supported; use its text model")
-        model = load_model(config, model_path, dtype=dtype, device=device, max_positions=context_length)
+        # load_format "dummy": random weights of the folder's config (performance work, as the target's)
+        model = load_model(config, model_path, load_format=load_format, dtype=dtype, device=device,
+                           max_positions=context_length, seed=seed)
         self._init_cache(model, config, dtype=dtype, device=device, context_length=context_length,
                          max_requests=max_requests, num_slots=num_slots, attention_backend=attention_backend)
         if graph_max_bs > 0:  # the draft's decode steps replay captured graphs
             from lmserver.runner.cuda_graph import draft_graph_runner
 
             self.runner.cuda_graph = draft_graph_runner(self.runner, graph_max_bs)
+        self._chain = self._capture_chain(chain_steps)
+
+    def _capture_chain(self, steps: int, carry: Callable[[int], None] | None = None) -> DraftChainGraphs | None:
+        """The chain graphs of `steps` decode steps (k - 1 for k drafts) over the captured decode graphs, or None
+        (no graphs, or `steps` < 1)."""
+        graphs = self.runner.cuda_graph
+        if graphs is None or steps < 1:
+            return None
+        chain = DraftChainGraphs(graphs, steps, carry)
+        chain.capture()
+        logger.info("CUDA graphs: draft chains of %d decode steps at batch sizes %s", steps, graphs.sizes)
+        return chain
 
     def _init_cache(self, model: torch.nn.Module, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                     context_length: int, max_requests: int, num_slots: int, attention_backend: str) -> None:
@@ -100,12 +118,42 @@ class DraftModel:
             req.synced = len(req.tokens)
         for rid, token in zip(active, self._forward(ScheduleDecision("extend", items)), strict=True):
             drafts[rid].append(token)
+        if self._chain_runs(active, k):
+            self._chain_drafts(active, drafts)
+            return drafts
         for step in range(1, max(k[rid] for rid in active)):
             rids = [rid for rid in active if k[rid] > step]
             decision = ScheduleDecision("decode", [self._item(rid, active[rid], [drafts[rid][-1]]) for rid in rids])
             for rid, token in zip(rids, self._forward(decision), strict=True):
                 drafts[rid].append(token)
         return drafts
+
+    @property
+    def num_chain_replays(self) -> int:
+        """Proposals whose decode steps replayed one chain graph (`DraftChainGraphs`)."""
+        return self._chain.num_replays if self._chain is not None else 0
+
+    def _chain_runs(self, active: dict[str, DraftReq], k: dict[str, int]) -> bool:
+        """Whether the k - 1 decode steps of this proposal replay one chain graph: every active request wants the
+        same k, the chain's steps + 1, at a captured batch size. Pure."""
+        ks = {k[rid] for rid in active}
+        return self._chain is not None and len(ks) == 1 and self._chain.can_run(len(active), ks.pop() - 1)
+
+    def _chain_drafts(self, active: dict[str, DraftReq], drafts: dict[str, list[int]]) -> None:
+        """The decode steps after the first draft in one chain replay (`_chain_runs` holds): appends each request's
+        k - 1 further drafts. Mutates the draft KV cache as the step-by-step loop does."""
+        assert self._chain is not None
+        rids = list(active)
+        base = {rid: len(active[rid].tokens) for rid in rids}
+        # step j feeds drafts[j]; after the first it is the previous step's argmax, known only inside the graph: a
+        # placeholder in the item and in req.tokens, the token written back once read
+        step_items = [[self._item(rid, active[rid], [drafts[rid][-1] if j == 0 else -1]) for rid in rids]
+                      for j in range(self._chain.steps)]
+        ids = self._chain.run(step_items).tolist()  # (steps, requests)
+        for i, rid in enumerate(rids):
+            drafts[rid].extend(int(row[i]) for row in ids)
+            for j in range(1, self._chain.steps):
+                active[rid].tokens[base[rid] + j] = drafts[rid][j]
 
     def observe(self, rid: str, start: int, features: torch.Tensor) -> None:
         """The target's hidden states of positions it kept: a draft model reads tokens only (an

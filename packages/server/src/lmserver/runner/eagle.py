@@ -69,7 +69,8 @@ def eagle3_aux_layers(model_path: str, target_layers: int) -> tuple[int, ...] | 
 class EagleProposer(DraftModel):
     def __init__(self, model_path: str, *, target: torch.nn.Module, target_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, context_length: int, max_requests: int, num_slots: int,
-                 attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0) -> None:
+                 attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0,
+                 chain_steps: int = 0) -> None:
         raw = _head_config(model_path)
         aux = eagle3_aux_layers(model_path, target_config.num_hidden_layers)
         try:  # NOTE: an EAGLE-3 config names its own architecture; its fields are a Llama layer's
@@ -115,6 +116,7 @@ class EagleProposer(DraftModel):
         if graph_max_bs > 0:  # the head's decode steps replay captured graphs (features through feature_buffer)
             head.feature_buffer = torch.zeros(graph_max_bs, config.hidden_size, dtype=dtype, device=device)
             self.runner.cuda_graph = draft_graph_runner(self.runner, graph_max_bs)
+        self._chain = self._capture_chain(chain_steps, self._carry_features)
         # per request: target positions observed and not yet in the head's KV, with their features
         self._pending: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self._next_pos: dict[str, int] = {}
@@ -162,6 +164,22 @@ class EagleProposer(DraftModel):
         ends = torch.tensor([len(item.token_ids) for item in items], device=logits.device).cumsum(0) - 1
         guess = self.runner.last_hidden.index_select(0, ends)  # (requests, hidden): each one's predicted feature
         drafts = {rid: [int(t)] for rid, t in zip(active, greedy_argmax(logits).tolist(), strict=True)}
+        if self._chain_runs(active, k):  # the k - 1 steps in one replay, each step's features carried in the graph
+            assert self.head.feature_buffer is not None
+            self.head.feature_buffer[: len(active)].copy_(guess)
+            self.head.features = None
+            self._chain_drafts(active, drafts)
+        else:
+            self._step_drafts(active, drafts, k, guess)
+        self.head.features = None
+        for rid, req in active.items():
+            self._drop_kv(req, keep[rid])
+        return drafts
+
+    def _step_drafts(self, active: dict[str, DraftReq], drafts: dict[str, list[int]], k: dict[str, int],
+                     guess: torch.Tensor) -> None:
+        """The decode steps after the first draft one at a time (`guess`: each active request's predicted feature,
+        in order); appends each request's further drafts."""
         rows_of = {rid: i for i, rid in enumerate(active)}
         for step in range(1, max(k[rid] for rid in active)):
             rids = [rid for rid in active if k[rid] > step]
@@ -173,10 +191,12 @@ class EagleProposer(DraftModel):
             guess = guess.index_copy(0, index, self.runner.last_hidden)
             for rid, token in zip(rids, greedy_argmax(logits).tolist(), strict=True):
                 drafts[rid].append(int(token))
-        self.head.features = None
-        for rid, req in active.items():
-            self._drop_kv(req, keep[rid])
-        return drafts
+
+    def _carry_features(self, bs: int) -> None:
+        """Inside a chain graph, between steps: the step's predicted features are the next step's inputs."""
+        graphs, buffer = self.runner.cuda_graph, self.head.feature_buffer
+        assert graphs is not None and graphs.hidden_out is not None and buffer is not None
+        buffer[:bs].copy_(graphs.hidden_out[:bs])
 
     def _set_features(self, features: torch.Tensor, decision: ScheduleDecision) -> None:
         """The features of a head step: into the graphs' static buffer when the step replays one."""

@@ -1,0 +1,135 @@
+"""A draft model's proposals with their k - 1 decode steps in one chain graph (lmserver.runner.draft_chain) on the CPU.
+
+EagerGraph stands in for CUDA graphs (the same static buffers, padding rows and replay order). Oracle: HF
+transformers' greedy continuation of each request's context on the same tiny random Llama (float64 copy), against
+`DraftModel.propose` with chain graphs, with per-step decode graphs and eagerly; the draft KV cache is checked
+after acceptance (the next proposal catches up from the kept prefix) and when requests are forgotten.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV, DecodeGraphRunner
+from lmserver.runner.draft_chain import DraftChainGraphs
+from lmserver.runner.draft_model import DraftModel
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    path = tmp_path_factory.mktemp("draft") / "tiny"
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits than the default init: clear argmax margins
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(draft_dir: Path) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(draft_dir), torch_dtype=torch.float64).eval()
+
+
+def _hf_greedy(model: torch.nn.Module, context: list[int], k: int) -> list[int]:
+    ids = list(context)
+    with torch.no_grad():
+        for _ in range(k):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(context):]
+
+
+def _draft(path: Path, monkeypatch: pytest.MonkeyPatch, graph_max_bs: int, chain_steps: int) -> DraftModel:
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    return DraftModel(str(path), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device("cpu"),
+                      context_length=256, max_requests=6, num_slots=600, attention_backend="torch_native",
+                      graph_max_bs=graph_max_bs, chain_steps=chain_steps)
+
+
+MODES = [pytest.param(0, 0, id="eager"), pytest.param(4, 0, id="graphs"), pytest.param(4, 4, id="chain")]
+
+
+@pytest.mark.parametrize(("graph_max_bs", "chain_steps"), MODES)
+def test_proposals_equal_hf_greedy(draft_dir: Path, hf_model: torch.nn.Module, graph_max_bs: int, chain_steps: int,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three requests wanting 5 drafts (the chain: 4 steps, rows padded to 4), partial acceptance, a catch-up
+    proposal, a proposal of mixed k (steps, never the chain), then every slot given back."""
+    draft = _draft(draft_dir, monkeypatch, graph_max_bs, chain_steps)
+    g = torch.Generator().manual_seed(3)
+    contexts = {rid: torch.randint(0, VOCAB, (n,), generator=g).tolist() for rid, n in (("a", 7), ("b", 1), ("c", 12))}
+    got = draft.propose(contexts, dict.fromkeys(contexts, 5))
+    for rid, ctx in contexts.items():
+        assert got[rid] == _hf_greedy(hf_model, ctx, 5), rid
+    assert draft.num_chain_replays == (1 if chain_steps else 0)
+    # the target accepted 2 of a's drafts then its own token, all of b's, none of c's (another token)
+    contexts["a"] = [*contexts["a"], *got["a"][:2], (got["a"][2] + 1) % VOCAB]
+    contexts["b"] = [*contexts["b"], *got["b"]]
+    contexts["c"] = [*contexts["c"], (got["c"][0] + 1) % VOCAB]
+    for rid, ctx in contexts.items():
+        draft.accepted(rid, ctx)
+    got = draft.propose(contexts, dict.fromkeys(contexts, 5))
+    for rid, ctx in contexts.items():
+        assert got[rid] == _hf_greedy(hf_model, ctx, 5), rid
+    assert draft.num_chain_replays == (2 if chain_steps else 0)
+    for rid, ctx in contexts.items():
+        draft.accepted(rid, [*ctx, *got[rid]])
+        contexts[rid] = [*ctx, *got[rid]]
+    ks = {"a": 5, "b": 2, "c": 3}
+    got = draft.propose(contexts, ks)
+    for rid, ctx in contexts.items():
+        assert got[rid] == _hf_greedy(hf_model, ctx, ks[rid]), rid
+    assert draft.num_chain_replays == (2 if chain_steps else 0)
+    for rid in contexts:
+        draft.forget(rid)
+    draft.check_empty()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_chain_equals_step_by_step(draft_dir: Path, monkeypatch: pytest.MonkeyPatch, lengths: list[int],
+                                   seed: int) -> None:
+    """Property: for 1-4 requests of any context lengths, the chain's drafts (one replay) equal the per-step decode
+    graphs' drafts of a second draft model on the same weights; both leave the same tokens in their caches."""
+    chained, stepped = (_draft(draft_dir, monkeypatch, 4, steps) for steps in (4, 0))
+    g = torch.Generator().manual_seed(seed)
+    contexts = {f"r{i}": torch.randint(0, VOCAB, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
+    k = dict.fromkeys(contexts, 5)
+    assert chained.propose(contexts, k) == stepped.propose(contexts, k)
+    assert chained.num_chain_replays == 1
+    for rid in contexts:
+        assert chained._reqs[rid].tokens == stepped._reqs[rid].tokens
+        chained.forget(rid)
+        stepped.forget(rid)
+    chained.check_empty()
+
+
+def test_chain_refuses_what_it_cannot_replay(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain of no steps, a run of another step count or of ragged rows: clear errors, nothing replayed."""
+    draft = _draft(draft_dir, monkeypatch, 2, 0)
+    graphs = draft.runner.cuda_graph
+    assert isinstance(graphs, DecodeGraphRunner)
+    with pytest.raises(ValueError, match="at least one step"):
+        DraftChainGraphs(graphs, 0)
+    chain = DraftChainGraphs(graphs, 2)
+    chain.capture()
+    assert sorted(chain.chains) == graphs.sizes == [1, 2]
+    assert not chain.can_run(3, 2) and not chain.can_run(1, 3) and chain.can_run(2, 2)
+    with pytest.raises(ValueError, match="a chain of 2 steps got 1"):
+        chain.run([[]])
+    with pytest.raises(ValueError, match="no chain graph serves"):
+        chain.run([[], []])
+    assert chain.num_replays == 0
