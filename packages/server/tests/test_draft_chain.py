@@ -8,6 +8,7 @@ after acceptance (the next proposal catches up from the kept prefix) and when re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,41 @@ def test_chain_refuses_what_it_cannot_replay(draft_dir: Path, monkeypatch: pytes
     with pytest.raises(ValueError, match="no chain graph serves"):
         chain.run([[], []])
     assert chain.num_replays == 0
+
+
+def test_gpu_kv_budget_counts_the_draft_pool(draft_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model keeps a KV pool of as many slots as the target's: on CUDA the target's KV budget shares each
+    token with it and leaves its weights out (the draft's per-slot bytes and weights are those the built draft
+    holds); an EAGLE-3 head's config is read as a Llama layer's; no draft, or an unreadable config: nothing."""
+    from lmserver.config import ServerConfig
+    from lmserver.forward.kv_pool import KVPool
+    from lmserver.models.config import ModelConfig
+    from lmserver.runner.resolve import draft_memory, estimate_weight_bytes, resolve_kv_tokens
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * gib, 80 * gib))  # 10 GiB in use
+    cfg = ServerConfig(mem_fraction_static=0.5, context_length=256, speculative_algorithm="draft_model",
+                       speculative_draft_model_path=str(draft_dir))
+    draft = _draft(draft_dir, monkeypatch, 0, 0)
+    pool = draft.runner.kv_pool
+    held = sum(t[0].numel() * t.element_size() for t in (*pool.k_cache, *pool.v_cache))  # one slot, all layers
+    slot, weights = draft_memory(cfg, "float32")
+    params = {id(t): t for t in (*draft.model.parameters(), *draft.model.buffers())}
+    assert slot == held and weights == sum(t.numel() * t.element_size() for t in params.values())
+    target = ModelConfig.from_hf(json.loads((draft_dir / "config.json").read_text()))
+    per_slot = KVPool.bytes_per_slot(target.num_hidden_layers, target.num_key_value_heads, target.head_dim,
+                                     torch.bfloat16)
+    target_weights = estimate_weight_bytes(target, "bfloat16", 256)
+    slot, weights = draft_memory(cfg, "bfloat16")
+    assert resolve_kv_tokens(cfg, target, "cuda", "bfloat16", 0, draft=(slot, weights)) == \
+        (40 * gib - 10 * gib - target_weights - weights) // (per_slot + slot)
+    eagle3 = tmp_path / "eagle3"
+    eagle3.mkdir()
+    raw = json.loads((draft_dir / "config.json").read_text())
+    (eagle3 / "config.json").write_text(json.dumps(dict(raw, architectures=["LlamaForCausalLMEagle3"],
+                                                        num_hidden_layers=1, draft_vocab_size=32)))
+    slot3, _ = draft_memory(cfg.replace(speculative_algorithm="eagle", speculative_draft_model_path=str(eagle3)),
+                            "bfloat16")
+    assert slot3 == slot // raw["num_hidden_layers"]
+    assert draft_memory(ServerConfig(), "bfloat16") == (0, 0)
+    assert draft_memory(cfg.replace(speculative_draft_model_path=str(tmp_path / "missing")), "bfloat16") == (0, 0)

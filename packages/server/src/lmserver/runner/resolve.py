@@ -151,16 +151,39 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
     return quant, kv, resolve_lowlat_plugins(config.lowlat_plugins, device, _eagle3_draft(config))
 
 
-def _eagle3_draft(config: ServerConfig) -> bool:
-    """Whether the server drafts with an EAGLE-3 head (its config.json says so; a missing or unreadable one is the
-    draft loader's error to raise, later)."""
-    if config.speculative_algorithm != "eagle" or not config.speculative_draft_model_path:
-        return False
+def _draft_config(config: ServerConfig) -> dict[str, Any] | None:
+    """The speculative draft's config.json (a draft model or an EAGLE head), or None: no draft, or a missing or
+    unreadable file (the draft loader's error to raise, later)."""
+    if config.speculative_algorithm not in ("draft_model", "eagle") or not config.speculative_draft_model_path:
+        return None
     try:
         raw = json.loads((Path(config.speculative_draft_model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and is_eagle3_config(raw)
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _eagle3_draft(config: ServerConfig) -> bool:
+    """Whether the server drafts with an EAGLE-3 head (its config.json says so)."""
+    raw = _draft_config(config) if config.speculative_algorithm == "eagle" else None
+    return raw is not None and is_eagle3_config(raw)
+
+
+def draft_memory(config: ServerConfig, dtype: str) -> tuple[int, int]:
+    """(bytes per KV slot, weight bytes) of the speculative draft: a draft model or an EAGLE head keeps a KV pool of
+    its own with as many slots as the target's (`runner.draft_model`), in the model dtype; (0, 0) without a draft.
+    The weights are estimated from the config as a whole Llama model, embedding and LM head included (an EAGLE head
+    shares the target's: an overestimate of at most those two, the safe side)."""
+    raw = _draft_config(config)
+    if raw is None:
+        return 0, 0
+    try:
+        mc = ModelConfig.from_hf(dict(raw, architectures=["LlamaForCausalLM"]) if is_eagle3_config(raw) else raw)
+    except ValueError:  # NOTE: the draft loader names what is wrong with it
+        return 0, 0
+    per_slot = KVPool.bytes_per_slot(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, DTYPES[dtype])
+    positions = config.context_length or mc.max_position_embeddings
+    return per_slot, estimate_weight_bytes(mc, dtype, min(positions, mc.max_position_embeddings))
 
 
 def resolve_lowlat_plugins(value: str | None, device: str, eagle3: bool = False) -> str:
@@ -279,16 +302,18 @@ def step_budget(rc: ServerConfig) -> StepBudget | None:
 
 def resolve_kv_tokens(
     config: ServerConfig, model_config: ModelConfig, device: str, dtype: str, weight_bytes: int,
-    fp8_lm_head: bool = False,
+    fp8_lm_head: bool = False, draft: tuple[int, int] = (0, 0),
 ) -> int:
     """KV-cache size in tokens: max_total_tokens, else a memory budget. On CUDA the budget is
     `mem_fraction_static` of the GPU's memory less what is in use and the weights to come
     (`weight_bytes`, estimated from the config when 0, the LM head in FP8 with `quantize_lm_head` or
-    `fp8_lm_head`: the checkpoint stores it so)."""
+    `fp8_lm_head`: the checkpoint stores it so), shared per token with a speculative draft's own KV pool (`draft`:
+    its bytes per slot and weight bytes, `draft_memory`)."""
     per_slot = KVPool.bytes_per_slot(
         model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim,
         kv_storage_dtype(config.kv_cache_dtype, dtype),
     )
+    draft_slot, draft_weights = draft
     if config.max_total_tokens is not None:
         if config.max_total_tokens < 16:
             raise ConfigError("max_total_tokens must be >= 16")
@@ -302,17 +327,19 @@ def resolve_kv_tokens(
             weight_bytes = estimate_weight_bytes(model_config, dtype, positions, config.tp_size,
                                                  config.quantization, config.quantize_lm_head or fp8_lm_head)
         free, total = torch.cuda.mem_get_info()
-        budget = int(total * fraction) - (total - free) - weight_bytes
+        budget = int(total * fraction) - (total - free) - weight_bytes - draft_weights
         if budget <= per_slot * 16:
             raise ConfigError(
                 f"not enough GPU memory for the KV cache (budget {budget / 2**30:.2f} GiB at "
                 f"mem_fraction_static={fraction}); raise mem_fraction_static or use a smaller model"
             )
         logger.info(
-            "KV cache budget: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB in use - %.2f GiB weights",
+            "KV cache budget: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB in use - %.2f GiB weights%s",
             budget / 2**30, fraction, total / 2**30, (total - free) / 2**30, weight_bytes / 2**30,
+            f" - {draft_weights / 2**30:.2f} GiB draft weights; the draft's KV {draft_slot} bytes per token"
+            if draft_slot else "",
         )
-        return budget // per_slot  # NOTE: with tp_size > 1 a rank holds fewer KV heads: conservative
+        return budget // (per_slot + draft_slot)  # NOTE: with tp_size > 1 a rank holds fewer KV heads: conservative
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -330,7 +357,8 @@ def resolve_config(
     quantization, kv_cache_dtype, lowlat = resolve_fp8(config, model_config, device, dtype)
     config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype, lowlat_plugins=lowlat)
     fp8_head = device == "cuda" and weight_bytes == 0 and quantization == "fp8" and checkpoint_lm_head_is_fp8(model_path)
-    kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes, fp8_head)
+    draft = draft_memory(config, dtype) if device == "cuda" else (0, 0)
+    kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes, fp8_head, draft)
     kv_tokens -= kv_tokens % config.page_size
     context = config.context_length or model_config.max_position_embeddings
     if context < 2:
