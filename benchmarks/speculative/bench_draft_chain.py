@@ -95,8 +95,9 @@ def run_engine(algorithm: str, folder: Path, args: argparse.Namespace) -> dict[s
                  device="cuda" if cuda else "cpu", context_length=args.input_len + args.output_len + 64,
                  speculative_algorithm=algorithm, speculative_draft_model_path=str(folder),
                  speculative_num_draft_tokens=args.draft_tokens, speculative_simulate_accept_length=args.accept_length,
-                 cuda_graph_max_bs=max(args.concurrency) * (args.draft_tokens + 1), lowlat_plugins="off",
-                 max_running_requests=max(args.concurrency))
+                 # NOTE: max_running_requests caps the graphs' sizes: left at its default, so that verify steps of
+                 # every concurrency (drafts + 1 rows per request) replay the target's decode graphs
+                 cuda_graph_max_bs=max(args.concurrency) * (args.draft_tokens + 1), lowlat_plugins="off")
     out: dict[str, Any] = {"algorithm": algorithm, "variants": []}
     with eng:
         spec = eng.core.spec
