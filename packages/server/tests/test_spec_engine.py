@@ -212,6 +212,8 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
             _same(_run(eng, workload), want)
             stats = eng.get_stats()
             assert stats["spec_accept_length"] >= least, stats
+            # with graphs, proposals of 4 drafts for every request replay one chain graph of 3 steps
+            assert (stats["spec_draft_chain_replays"] > 0) == graphs, stats
             eng.core.check_memory_invariant()
             assert eng.core.spec is not None and eng.core.spec.draft_model is not None
             eng.core.spec.draft_model.check_empty()
@@ -247,6 +249,7 @@ def test_an_eagle_head_keeps_greedy_outputs(engines: tuple[Engine, Engine], tmp_
             _same(_run(eng, workload), want)
             stats = eng.get_stats()
             assert stats["spec_draft_tokens"] > 0 and stats["cuda_graph_verify_replays"] > 0, stats
+            assert stats["spec_draft_chain_replays"] > 0, stats  # proposals of 3 drafts: a chain of 2 steps
             eng.core.check_memory_invariant()
             assert eng.core.spec is not None and eng.core.spec.draft_model is not None
             eng.core.spec.draft_model.check_empty()
