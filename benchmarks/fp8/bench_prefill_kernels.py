@@ -13,6 +13,7 @@ call there is what leaves the device idle.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -35,7 +37,32 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # the server's defaults on a GPU (lowlat auto: where the plugin serves decode, K is stored unrotated)
     "bf16-default": {},
     "fp8-default": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+    # the same with the activation quantizers' launches of `--quant-launch` (lmserver.kernels.fp8_quant.quant_launch
+    # replaced in this process while the setting runs)
+    "fp8-default+q": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
 }
+
+
+def quant_launches(text: str) -> dict[int, Any]:
+    """`--quant-launch`: ``K=BLOCK_K:WARPS[:HINTS],...`` (HINTS 0 / 1, default 1) -> {row width: QuantLaunch}."""
+    from lmserver.kernels.fp8_quant import QuantLaunch
+
+    out = {}
+    for item in filter(None, text.split(",")):
+        k, _, spec = item.partition("=")
+        nums = [int(v) for v in spec.split(":")]
+        out[int(k)] = QuantLaunch(nums[0], nums[1], bool(nums[2]) if len(nums) > 2 else True)
+    return out
+
+
+def launch_override(setting: str, launches: dict[int, Any]) -> contextlib.AbstractContextManager[Any]:
+    """For a ``+q`` setting: `fp8_quant.quant_launch` answering `launches` first (the default for other widths)."""
+    if not setting.endswith("+q") or not launches:
+        return contextlib.nullcontext()
+    from lmserver.kernels import fp8_quant
+
+    default = fp8_quant.quant_launch
+    return mock.patch.object(fp8_quant, "quant_launch", lambda k: launches.get(k) or default(k))
 
 
 def prefill_call(core: Any, vocab: int, length: int) -> Callable[[], None]:
@@ -69,16 +96,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--host", action="store_true", help="also list the host's CUDA runtime calls of one prefill")
+    ap.add_argument("--quant-launch", default="", help="for the +q settings: K=BLOCK_K:WARPS[:HINTS],... "
+                    "(e.g. 14336=16384:32,4096=4096:8)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    launches = quant_launches(args.quant_launch)
     config = json.loads((Path(args.model_path) / "config.json").read_text())
     vocab, layers = config["vocab_size"], config["num_hidden_layers"]
     results: list[dict[str, Any]] = []
     for setting in args.settings:
         t0 = time.monotonic()
-        core = make_core(args.model_path, SETTINGS[setting], args.length + 64)
-        build_s = time.monotonic() - t0
-        wall_ms, rows = profile_prefill(core, vocab, args.length, args.reps)
+        with launch_override(setting, launches):
+            core = make_core(args.model_path, SETTINGS[setting], args.length + 64)
+            build_s = time.monotonic() - t0
+            wall_ms, rows = profile_prefill(core, vocab, args.length, args.reps)
         print(f"\n=== {setting}: built in {build_s:.0f}s; prefill of {args.length} tokens {wall_ms:.2f} ms wall "
               f"({args.length / wall_ms * 1e3:,.0f} tok/s)\n"
               + kprof.table(rows, per=layers, top=args.top, unit="us per layer"), flush=True)

@@ -183,9 +183,14 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--launches", default="", help="with --sweep: these launches instead of SWEEP, "
+                    "BLOCK_K:WARPS:HINTS,... (HINTS 0 / 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.launches:  # NOTE: module state of this script only (sweep_for reads SWEEP)
+        SWEEP[:] = [QuantLaunch(*(int(v) for v in item.split(":")[:2]), bool(int(item.split(":")[2])))
+                    for item in args.launches.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     print(torch.cuda.get_device_name(), f"M={args.m} hidden={args.hidden} inter={args.inter}")
     r = Report()
