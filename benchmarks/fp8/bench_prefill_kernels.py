@@ -62,7 +62,7 @@ def launch_override(setting: str, launches: dict[int, Any]) -> contextlib.Abstra
     from lmserver.kernels import fp8_quant
 
     default = fp8_quant.quant_launch
-    return mock.patch.object(fp8_quant, "quant_launch", lambda k: launches.get(k) or default(k))
+    return mock.patch.object(fp8_quant, "quant_launch", lambda k, gated=False: launches.get(k) or default(k, gated))
 
 
 def prefill_call(core: Any, vocab: int, length: int) -> Callable[[], None]:

@@ -128,7 +128,7 @@ def down_input(r: Report, m: int, h: int, d: int, sweep: bool, gen: torch.Genera
            act_bytes + q_bytes)
     r.time("down input", "silu_and_mul + quantizer old",
            lambda: quantize_fp8_per_token(silu_and_mul(gate_up), OLD_WIDE), fused_bytes + 2 * act_bytes)
-    r.time("down input", f"fused chosen {quant_launch(d)}", lambda: silu_and_mul_quantize_fp8(gate_up), fused_bytes)
+    r.time("down input", f"fused chosen {quant_launch(d, gated=True)}", lambda: silu_and_mul_quantize_fp8(gate_up), fused_bytes)
     r.time("down step", "silu_and_mul + quantizer old + _scaled_mm",
            lambda: gemm(*quantize_fp8_per_token(silu_and_mul(gate_up), OLD_WIDE)), fused_bytes + 2 * act_bytes)
     r.time("down step", "fused + _scaled_mm", lambda: gemm(*silu_and_mul_quantize_fp8(gate_up)), fused_bytes)

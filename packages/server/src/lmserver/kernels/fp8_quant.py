@@ -33,6 +33,7 @@ from lmserver.kernels.fp8_ref import FP8_DTYPE
 from lmserver.kernels.norm import add_rmsnorm_row, check_norm_inputs
 
 __all__ = [
+    "GATED_ONE_PASS_MAX_K",
     "ONE_PASS_MAX_K",
     "QuantLaunch",
     "quant_launch",
@@ -43,6 +44,7 @@ __all__ = [
 
 ONE_PASS_MAX_K = 4096  # rows up to this width (padded to a power of two) stay in registers: one pass; wider
 # rows: two passes over steps of this many columns
+GATED_ONE_PASS_MAX_K = 16384  # SiLU-and-mul rows (of this many output columns) up to which one pass is faster
 
 
 @dataclass(frozen=True)
@@ -62,17 +64,24 @@ class QuantLaunch:
                 raise ValueError(f"QuantLaunch.{name} must be a power of two, got {value}")
 
 
-def quant_launch(k: int) -> QuantLaunch:
-    """The launch for rows of `k` values: the padded row in one pass up to `ONE_PASS_MAX_K`, else two
-    passes over `ONE_PASS_MAX_K`-column steps; 256 columns per warp (`row_warps`, as the norms).
-    NOTE: from sm_90 register counts (Triton 3.9, ptxas): 16 warps of 8 columns per thread take ~40
-    registers, 3 programs (48 warps) per SM, and hold 3 rows per SM between the two passes (a gated
-    14,336-wide row: 57 KB, ~23 MB in all, inside the 50 MB L2 for the second pass); the launch before
-    (a 16k tile, 16 warps) took 89 registers: one program per SM. The second pass's reads hit L2 only
-    if the rows stay there meanwhile (`QuantLaunch.l2_hints`). Measure with
-    benchmarks/fp8/bench_quant_kernels.py --sweep."""
-    block = min(next_pow2(k), ONE_PASS_MAX_K)
-    return QuantLaunch(block, row_warps(block))
+def quant_launch(k: int, gated: bool = False) -> QuantLaunch:
+    """The launch for rows of `k` values (`gated`: SiLU-and-mul's, `silu_and_mul_quantize_fp8`, 2k wide).
+    Measured on the H200 at M = 4,096 (benchmarks/fp8/bench_quant_kernels.py --sweep --launches ..., RESULTS.md
+    FP8 (issue 33), 2026-12-03):
+    - gated rows up to `GATED_ONE_PASS_MAX_K` columns: the padded row in one pass, 16 warps (k = 14,336: 118.2 us
+      against 142-182 for two passes over 2-8k-column steps, 184.1 at 32 warps; in the 4k prefill 163.9 -> 123.3
+      us per layer);
+    - other rows up to `ONE_PASS_MAX_K`: one pass, 1,024 columns per warp (k = 4,096: 4 warps 19.5 us, 8 warps
+      20.0, 16 warps 24.0);
+    - wider rows: two passes over `ONE_PASS_MAX_K`-column steps, 256 columns per warp (`row_warps`; a plain
+      14,336-wide row: 72.1 us against 86.5 in one 16k pass). The second pass's reads hit L2 only if the rows stay
+      there meanwhile (`QuantLaunch.l2_hints`)."""
+    if gated and k <= GATED_ONE_PASS_MAX_K:
+        return QuantLaunch(next_pow2(k), 16)
+    if k <= ONE_PASS_MAX_K:
+        block = next_pow2(k)
+        return QuantLaunch(block, max(1, min(16, block // 1024)))
+    return QuantLaunch(ONE_PASS_MAX_K, row_warps(ONE_PASS_MAX_K))
 
 
 @triton.jit
@@ -158,7 +167,7 @@ def _quantize_rows(x: torch.Tensor, k: int, gated: bool, launch: QuantLaunch | N
     m = x.shape[0]
     q, scale = _empty_rows(x, k)
     if m and k:
-        cfg = launch or quant_launch(k)
+        cfg = launch or quant_launch(k, gated)
         kernel = _silu_and_mul_quantize_kernel if gated else _quantize_per_token_kernel
         hints = cfg.l2_hints and cfg.block_k < k
         kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=cfg.block_k, ONE_PASS=cfg.block_k >= k,
