@@ -2,7 +2,7 @@
 
 Decode: KV splits (half, equal, twice `choose_num_kv_splits`), BLOCK_N, warps, stages, for
 bs 1/8/32 x context 512/4096. Extend: (BLOCK_M, BLOCK_N, warps, stages) for a 4096-token
-prefill (each tile with and without the kernel's prefix loop: `has_prefix`) and chunks over
+prefill (each tile also as the backend launches a fresh prompt: `has_prefix=False`, no cache read) and chunks over
 cached prefixes. Each variant is checked against the reference before it is timed (CUDA-graph
 replays, median). Prints the best variant per shape and the default's time; the defaults in
 `lmserver.kernels` are set from these results.
@@ -97,8 +97,8 @@ def sweep_extend(deadline: float) -> list[dict]:
         ref = extend_attention_ref(*args)
         flops = 4 * heads * dim * (new * prefix + new * (new + 1) / 2)
         rows = []
-        # a fresh prompt (no prefix) also without the kernel's prefix loop (`has_prefix=False`, what the backend
-        # launches when no request of the batch has a cached prefix) next to the same tiles with it
+        # a fresh prompt (no prefix) also with `has_prefix=False` (what the backend launches when no request of the
+        # batch has a cached prefix: zero-length prefixes, the new tokens' K / V as the unread cache) next to it
         tiles = ((64, 64, 4, 3), (64, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3),
                  (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3))  # the first: extend_attention's default
         for (bm, bn, warps, stages), has_prefix in itertools.product(tiles, (True, False) if prefix == 0 else (True,)):
@@ -116,7 +116,7 @@ def sweep_extend(deadline: float) -> list[dict]:
                          "us": us, "err": err, "tflops": flops / (us * 1e-6) / 1e12})
         best = min(rows, key=lambda r: r["us"])
         default = rows[0]
-        no_loop = f"; without the prefix loop {rows[1]['us']:.1f} us" if prefix == 0 else ""
+        no_loop = f"; has_prefix=False {rows[1]['us']:.1f} us" if prefix == 0 else ""
         print(f"extend prefix={prefix} new={new}: default {default['us']:.1f} us ({default['tflops']:.0f} TFLOP/s)"
               f"{no_loop}; best {best['us']:.1f} us ({best['tflops']:.0f} TFLOP/s) block_m={best['block_m']} "
               f"block_n={best['block_n']} warps={best['warps']} stages={best['stages']} "

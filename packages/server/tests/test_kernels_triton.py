@@ -90,7 +90,9 @@ def test_extend_attention_matches_reference(device: str, shape: tuple[int, int, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_extend_attention_without_prefix_loop_matches_reference(device: str) -> None:
-    """has_prefix=False (fresh prompts only): the kernel without its prefix loop, same outputs as with it."""
+    """has_prefix=False (fresh prompts only): the same outputs as with it, and no cache read: caches of NaN (or of
+    FP8, whose scales then must not apply) and prefix lengths that lie (a caller's bug) change nothing; every new
+    token still attends causally to the new tokens before it."""
     from lmserver.kernels.extend_attention import extend_attention
 
     dtype = _dtypes(device)[-1]
@@ -108,6 +110,15 @@ def test_extend_attention_without_prefix_loop_matches_reference(device: str) -> 
         assert rel_error(out, expected) < _tol(dtype), has_prefix
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+    poisoned = [torch.full_like(batch.k_cache, float("nan")), torch.full_like(batch.v_cache, float("nan")),
+                batch.k_cache.to(torch.float8_e4m3fn), batch.v_cache.to(torch.float8_e4m3fn)]
+    lying = torch.tensor([19, 0, 3], dtype=batch.prefix_lens.dtype, device=batch.prefix_lens.device)
+    for k_cache, v_cache, prefix_lens in ((*poisoned[:2], batch.prefix_lens), (*poisoned[2:], lying)):
+        out = torch.full_like(batch.q, float("nan"))
+        extend_attention(batch.q, batch.k_extend, batch.v_extend, k_cache, v_cache, batch.req_to_token,
+                         batch.req_pool_indices, prefix_lens, batch.extend_lens, batch.extend_start_loc, 64**-0.5,
+                         max(new), out=out, has_prefix=False, k_scale=7.0, v_scale=0.5)
+        assert torch.equal(out, outs[1]), k_cache.dtype
 
 
 def _close(out: torch.Tensor, expected: torch.Tensor) -> None:

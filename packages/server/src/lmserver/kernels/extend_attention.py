@@ -39,7 +39,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr = False, HAS_PREFIX: tl.constexpr = True,
+    KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -67,10 +67,9 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Cached prefix: every new token sees all of it. NOTE: HAS_PREFIX False (no request of the batch has one)
-    # compiles the loop away: the kernel of a fresh prompt is then the same for every cache dtype.
+    # Cached prefix: every new token sees all of it.
     token_row = req_to_token_ptr + req * stride_rt
-    for n in range(0, prefix_len if HAS_PREFIX else 0, BLOCK_N):
+    for n in range(0, prefix_len, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix_len
         slots = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -168,14 +167,22 @@ def extend_attention(
     """Prefix + causal attention of the new tokens; returns `out`.
 
     `max_extend_len` (a host int, >= every `extend_seq_lens[b]`) sizes the grid, so no device
-    value is read on the host; `has_prefix` False (a host fact: every `extend_prefix_lens[b]` is
-    0) launches the kernel without its prefix loop. Mutates `out` (allocated when None); the
-    caches are only read.
+    value is read on the host; `has_prefix` False (a host fact: no request has a cached prefix)
+    reads no prefix and no cache: the kernel runs as for a cache of the new tokens' dtype over
+    zero-length prefixes (`k_extend` / `v_extend` stand in for the cache pointers, never
+    dereferenced), so a fresh prompt runs the same compiled kernel whatever the cache dtype.
+    Mutates `out` (allocated when None); the caches are only read.
     """
     check_attention_inputs(q, k_cache, v_cache)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if kv_fp8 and (k_extend.dtype != q.dtype or v_extend.dtype != q.dtype):
         raise KernelInputError(f"with an FP8 cache, k_extend and v_extend come in q's dtype ({q.dtype})")
+    if not has_prefix:
+        # NOTE: not a kernel without its prefix loop: on the H200 (4k prefill, us per layer, benchmarks/RESULTS.md
+        # FP8 (issue 33)) that compile took 424-448 where the kernel with the loop took 371-388 on bf16 caches,
+        # in the same calls; an FP8 cache's loop (widening its tiles) compiled in made it 496
+        k_cache, v_cache, k_scale, v_scale, kv_fp8 = k_extend, v_extend, 1.0, 1.0, False
+        extend_prefix_lens = torch.zeros_like(extend_prefix_lens)
     if k_extend.shape[0] != q.shape[0] or k_extend.shape[1:] != k_cache.shape[1:] or v_extend.shape != k_extend.shape:
         raise KernelInputError(
             f"k_extend and v_extend must be (num_new_tokens={q.shape[0]}, num_kv_heads, head_dim) like the "
@@ -217,6 +224,6 @@ def extend_attention(
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8,
-        HAS_PREFIX=has_prefix, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

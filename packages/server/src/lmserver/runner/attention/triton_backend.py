@@ -55,7 +55,7 @@ class TritonBackend(AttentionBackend):
         self._outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cascade_meta: dict[int, CascadeMetadata] = {}
         self.cascade: CascadeMetadata | None = None
-        self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix (FP8)
+        self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
 
@@ -81,11 +81,10 @@ class TritonBackend(AttentionBackend):
             return
         assert batch.extend_seq_lens_cpu is not None, "EXTEND batch without extend_seq_lens_cpu"
         self.max_extend_len = max(batch.extend_seq_lens_cpu, default=0)
-        # NOTE: the loop-free extend kernel (no cached prefix anywhere in the batch) for FP8 caches only: on the
-        # H200 (2026-12-03, one call each) FP8's 4k prefill attention went 496 -> 424 us per layer without the loop,
-        # bf16's measured 385 with it and 448 without (benchmarks/kernels/sweep_attention.py separates the two)
+        # NOTE: no cached prefix anywhere in the batch: the extend kernel reads no cache (with an FP8 cache, the
+        # kernel of a model-dtype one: `extend_attention`'s has_prefix)
         prefixes = batch.extend_prefix_lens_cpu
-        self.extend_has_prefix = prefixes is None or any(prefixes) or not self.kv_pool.is_fp8
+        self.extend_has_prefix = prefixes is None or any(prefixes)
 
     def _decode_scratch(self, bs: int, num_heads: int, head_dim: int, device: torch.device,
                         splits: int) -> tuple[torch.Tensor, torch.Tensor]:
