@@ -5,8 +5,10 @@ One offline `Engine` per draft source (dummy weights, CUDA graphs, greedy, EOS i
 Llama-3.2-1B-shaped draft model (16 layers, hidden 2048, the target's vocabulary), and `eagle`, a one-layer EAGLE
 head of the target's width (it drafts through the target's LM head). Both folders are written here (config.json
 only: the weights are random). In each engine the variants run in turn, A-B-A: `chain` (the server's default: a
-proposal's k - 1 decode steps replay one `DraftChainGraphs` graph), `steps` (the proposer's chain removed: one
-decode graph replay and one host round trip per step), `chain` again. Per variant and concurrency: per-user
+proposal's decode steps replay one `DraftChainGraphs` graph: an EAGLE head's k - 1 after its catch-up forward, a
+draft model's k with the one token to catch up on as the first step when each request has one), `steps` (the
+proposer's chain removed: a catch-up forward, then one decode graph replay and one host round trip per step),
+`chain` again. Per variant and concurrency: per-user
 decode tokens/s (every user's request at once, `--output-len` new tokens each) and the median wall time of one
 proposal (`propose`, CUDA-synchronized), over the same prompts.
 
@@ -65,24 +67,36 @@ def timed_proposals(draft: Any, times: list[float], cuda: bool) -> Any:
 
 
 def check_chain(draft: Any, chain: Any, prompts: dict[int, list[list[int]]], k: int) -> str:
-    """The drafts of one proposal per concurrency with the chain and with one replay per step (the same requests,
+    """The drafts of proposals per concurrency with the chain and with one replay per step (the same requests,
     forgotten in between): equal token for token ("PASS"), else the first difference ("FAIL ..."). An EAGLE head
-    drafts from observed target features: random ones here, the same for both variants."""
+    drafts from observed target features (random ones here, the same for both variants): its chain runs after the
+    catch-up forward of the first proposal. A draft model's chain starts with the one token to catch up on: a
+    second proposal after the target kept 2 drafts and added its own token."""
     g = torch.Generator().manual_seed(1)
+    eagle = type(draft).__name__ != "DraftModel"
     for c, ctxs in prompts.items():
         contexts = {f"check{i}": ctx for i, ctx in enumerate(ctxs)}
         feats = {rid: torch.randn(len(ctx) - 1, draft.runner.model.config.hidden_size, generator=g)
-                 for rid, ctx in contexts.items()} if hasattr(draft, "observe") else {}
+                 for rid, ctx in contexts.items()} if eagle else {}
         got = []
         for use in (chain, None):
             draft._chain = use
             for rid, f in feats.items():
                 draft.observe(rid, 0, f.to(draft.runner.device, next(draft.runner.model.parameters()).dtype))
-            got.append(draft.propose(contexts, dict.fromkeys(contexts, k)))
+            ks = dict.fromkeys(contexts, k)
+            first = draft.propose(contexts, ks)
+            rounds = [first]
+            if not eagle:
+                vocab = draft.runner.model.config.vocab_size
+                later = {rid: [*ctx, *first[rid][:2], (first[rid][2] + 1) % vocab] for rid, ctx in contexts.items()}
+                for rid, ctx in later.items():
+                    draft.accepted(rid, ctx)
+                rounds.append(draft.propose(later, ks))
+            got.append(rounds)
             for rid in contexts:
                 draft.forget(rid)
         draft._chain = chain
-        if got[0] != got[1] or not got[0]:
+        if got[0] != got[1] or not all(got[0]):
             return f"FAIL at c={c}: chain {got[0]} vs steps {got[1]}"
     return "PASS"
 

@@ -61,21 +61,24 @@ def _draft(path: Path, monkeypatch: pytest.MonkeyPatch, graph_max_bs: int, chain
                       graph_max_bs=graph_max_bs, chain_steps=chain_steps)
 
 
-MODES = [pytest.param(0, 0, id="eager"), pytest.param(4, 0, id="graphs"), pytest.param(4, 4, id="chain")]
+# (decode graphs up to, chain steps): eager steps; one decode graph replay per step; proposals of 5 drafts whose one
+# token to catch up on is the chain's first step (the steady state), all 5 drafts in one replay
+MODES = [pytest.param(0, 0, id="eager"), pytest.param(4, 0, id="graphs"), pytest.param(4, 5, id="chain")]
 
 
 @pytest.mark.parametrize(("graph_max_bs", "chain_steps"), MODES)
 def test_proposals_equal_hf_greedy(draft_dir: Path, hf_model: torch.nn.Module, graph_max_bs: int, chain_steps: int,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three requests wanting 5 drafts (the chain: 4 steps, rows padded to 4), partial acceptance, a catch-up
-    proposal, a proposal of mixed k (steps, never the chain), then every slot given back."""
+    """Three fresh requests wanting 5 drafts (catch-up forwards of their prompts, then steps), partial acceptance,
+    a proposal whose requests each have one token to catch up on (the chain: 5 steps, rows padded to 4), a
+    proposal of mixed k (steps, never the chain), then every slot given back."""
     draft = _draft(draft_dir, monkeypatch, graph_max_bs, chain_steps)
     g = torch.Generator().manual_seed(3)
     contexts = {rid: torch.randint(0, VOCAB, (n,), generator=g).tolist() for rid, n in (("a", 7), ("b", 1), ("c", 12))}
     got = draft.propose(contexts, dict.fromkeys(contexts, 5))
     for rid, ctx in contexts.items():
         assert got[rid] == _hf_greedy(hf_model, ctx, 5), rid
-    assert draft.num_chain_replays == (1 if chain_steps else 0)
+    assert draft.num_chain_replays == 0  # prompts of several tokens to catch up on: a forward, then steps
     # the target accepted 2 of a's drafts then its own token, all of b's, none of c's (another token)
     contexts["a"] = [*contexts["a"], *got["a"][:2], (got["a"][2] + 1) % VOCAB]
     contexts["b"] = [*contexts["b"], *got["b"]]
@@ -85,7 +88,7 @@ def test_proposals_equal_hf_greedy(draft_dir: Path, hf_model: torch.nn.Module, g
     got = draft.propose(contexts, dict.fromkeys(contexts, 5))
     for rid, ctx in contexts.items():
         assert got[rid] == _hf_greedy(hf_model, ctx, 5), rid
-    assert draft.num_chain_replays == (2 if chain_steps else 0)
+    assert draft.num_chain_replays == (1 if chain_steps else 0)  # one new token each (b's: its 5th draft)
     for rid, ctx in contexts.items():
         draft.accepted(rid, [*ctx, *got[rid]])
         contexts[rid] = [*ctx, *got[rid]]
@@ -93,29 +96,53 @@ def test_proposals_equal_hf_greedy(draft_dir: Path, hf_model: torch.nn.Module, g
     got = draft.propose(contexts, ks)
     for rid, ctx in contexts.items():
         assert got[rid] == _hf_greedy(hf_model, ctx, ks[rid]), rid
-    assert draft.num_chain_replays == (2 if chain_steps else 0)
+    assert draft.num_chain_replays == (1 if chain_steps else 0)
     for rid in contexts:
         draft.forget(rid)
     draft.check_empty()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), seed=st.integers(0, 2**16))
-def test_chain_equals_step_by_step(draft_dir: Path, monkeypatch: pytest.MonkeyPatch, lengths: list[int],
-                                   seed: int) -> None:
-    """Property: for 1-4 requests of any context lengths, the chain's drafts (one replay) equal the per-step decode
-    graphs' drafts of a second draft model on the same weights; both leave the same tokens in their caches."""
-    chained, stepped = (_draft(draft_dir, monkeypatch, 4, steps) for steps in (4, 0))
+@pytest.fixture(scope="module")
+def chained_and_stepped(draft_dir: Path) -> tuple[DraftModel, DraftModel]:
+    """Two draft models on the same weights, with decode graphs of up to 4 rows: with chains of 5 steps, without."""
+    with pytest.MonkeyPatch.context() as mp:
+        return _draft(draft_dir, mp, 4, 5), _draft(draft_dir, mp, 4, 0)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), seed=st.integers(0, 2**16),
+       rounds=st.lists(st.lists(st.integers(0, 5), min_size=4, max_size=4), min_size=1, max_size=3))
+def test_chain_equals_step_by_step(chained_and_stepped: tuple[DraftModel, DraftModel], lengths: list[int],
+                                   seed: int, rounds: list[list[int]]) -> None:
+    """Property: 1-4 requests of any context lengths, then rounds in which the target keeps `a` of each request's 5
+    drafts (0-5) and adds a token of its own (a bonus token after all 5: two tokens to catch up on, no chain): the
+    chained model's drafts equal the per-step decode graphs' drafts of a second draft model on the same weights,
+    both keep the same tokens in their caches, and the chain ran exactly in the rounds of one new token each."""
+    chained, stepped = chained_and_stepped
     g = torch.Generator().manual_seed(seed)
     contexts = {f"r{i}": torch.randint(0, VOCAB, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
     k = dict.fromkeys(contexts, 5)
-    assert chained.propose(contexts, k) == stepped.propose(contexts, k)
-    assert chained.num_chain_replays == 1
+    before = chained.num_chain_replays
+    got = chained.propose(contexts, k)
+    assert got == stepped.propose(contexts, k)
+    chains = before + all(n == 1 for n in lengths)  # one-token prompts: the chain from the first proposal
+    assert chained.num_chain_replays == chains
+    for kept in rounds:
+        for i, rid in enumerate(contexts):
+            own = (got[rid][kept[i]] + 1) % VOCAB if kept[i] < 5 else int(torch.randint(0, VOCAB, (1,), generator=g))
+            contexts[rid] = [*contexts[rid], *got[rid][: kept[i]], own]
+            chained.accepted(rid, contexts[rid])
+            stepped.accepted(rid, contexts[rid])
+        got = chained.propose(contexts, k)
+        assert got == stepped.propose(contexts, k)
+        chains += all(kept[i] < 5 for i in range(len(contexts)))
+        assert chained.num_chain_replays == chains
     for rid in contexts:
         assert chained._reqs[rid].tokens == stepped._reqs[rid].tokens
         chained.forget(rid)
         stepped.forget(rid)
     chained.check_empty()
+    stepped.check_empty()
 
 
 def test_chain_refuses_what_it_cannot_replay(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

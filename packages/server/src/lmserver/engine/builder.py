@@ -225,7 +225,7 @@ class EngineBuilder:
                                device=device, context_length=rc.context_length,
                                max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
                                attention_backend=rc.attention_backend, graph_max_bs=draft_graph_max_bs,
-                               chain_steps=spec_config.num_draft_tokens - 1, load_format=rc.load_format,
+                               chain_steps=spec_config.num_draft_tokens, load_format=rc.load_format,
                                seed=rc.random_seed)
         return Speculator(spec_config, rc.context_length, draft)
 

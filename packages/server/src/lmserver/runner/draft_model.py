@@ -62,7 +62,8 @@ class DraftModel:
         self._chain = self._capture_chain(chain_steps)
 
     def _capture_chain(self, steps: int, carry: Callable[[int], None] | None = None) -> DraftChainGraphs | None:
-        """The chain graphs of `steps` decode steps (k - 1 for k drafts) over the captured decode graphs, or None
+        """The chain graphs of `steps` decode steps over the captured decode graphs (a draft model: k for k drafts,
+        its first step the one token to catch up on; an EAGLE head: k - 1 after its catch-up forward), or None
         (no graphs, or `steps` < 1)."""
         graphs = self.runner.cuda_graph
         if graphs is None or steps < 1:
@@ -110,17 +111,21 @@ class DraftModel:
         if not active:
             return {}
         drafts: dict[str, list[int]] = {rid: [] for rid in active}
+        news = {rid: list(contexts[rid][len(req.tokens) :]) for rid, req in active.items()}
+        if all(len(new) == 1 for new in news.values()) and self._chain_runs(active, k, 0):
+            # the steady state (the target kept some drafts, then its own token): the one token to catch up on is
+            # the chain's first step, all k drafts in one replay
+            for req in active.values():
+                req.synced = len(req.tokens) + 1
+            self._chain_drafts(active, drafts, {rid: new[0] for rid, new in news.items()})
+            return drafts
         # catch up: the tokens the cache has not seen, the last one's logits give the first draft
         items = []
         for rid, req in active.items():
-            new = list(contexts[rid][len(req.tokens) :])
-            items.append(self._item(rid, req, new))
+            items.append(self._item(rid, req, news[rid]))
             req.synced = len(req.tokens)
         for rid, token in zip(active, self._forward(ScheduleDecision("extend", items)), strict=True):
             drafts[rid].append(token)
-        if self._chain_runs(active, k):
-            self._chain_drafts(active, drafts)
-            return drafts
         for step in range(1, max(k[rid] for rid in active)):
             rids = [rid for rid in active if k[rid] > step]
             decision = ScheduleDecision("decode", [self._item(rid, active[rid], [drafts[rid][-1]]) for rid in rids])
@@ -133,27 +138,29 @@ class DraftModel:
         """Proposals whose decode steps replayed one chain graph (`DraftChainGraphs`)."""
         return self._chain.num_replays if self._chain is not None else 0
 
-    def _chain_runs(self, active: dict[str, DraftReq], k: dict[str, int]) -> bool:
-        """Whether the k - 1 decode steps of this proposal replay one chain graph: every active request wants the
-        same k, the chain's steps + 1, at a captured batch size. Pure."""
+    def _chain_runs(self, active: dict[str, DraftReq], k: dict[str, int], drafted: int) -> bool:
+        """Whether the rest of this proposal replays one chain graph: every active request wants the same k, and
+        the chain's steps are the k - `drafted` drafts still to come (`drafted` 1: the first came from a catch-up
+        forward), at a captured batch size. Pure."""
         ks = {k[rid] for rid in active}
-        return self._chain is not None and len(ks) == 1 and self._chain.can_run(len(active), ks.pop() - 1)
+        return self._chain is not None and len(ks) == 1 and self._chain.can_run(len(active), ks.pop() - drafted)
 
-    def _chain_drafts(self, active: dict[str, DraftReq], drafts: dict[str, list[int]]) -> None:
-        """The decode steps after the first draft in one chain replay (`_chain_runs` holds): appends each request's
-        k - 1 further drafts. Mutates the draft KV cache as the step-by-step loop does."""
+    def _chain_drafts(self, active: dict[str, DraftReq], drafts: dict[str, list[int]], first: dict[str, int]) -> None:
+        """One chain replay (`_chain_runs` holds) whose first step feeds `first[rid]` (the one token to catch up on,
+        or the first draft): appends each request's next `steps` drafts. Mutates the draft KV cache as the
+        step-by-step loop does."""
         assert self._chain is not None
         rids = list(active)
         base = {rid: len(active[rid].tokens) for rid in rids}
-        # step j feeds drafts[j]; after the first it is the previous step's argmax, known only inside the graph: a
-        # placeholder in the item and in req.tokens, the token written back once read
-        step_items = [[self._item(rid, active[rid], [drafts[rid][-1] if j == 0 else -1]) for rid in rids]
+        # after the first, a step feeds the previous step's argmax, known only inside the graph: a placeholder in the
+        # item and in req.tokens, the token written back once read
+        step_items = [[self._item(rid, active[rid], [first[rid] if j == 0 else -1]) for rid in rids]
                       for j in range(self._chain.steps)]
         ids = self._chain.run(step_items).tolist()  # (steps, requests)
         for i, rid in enumerate(rids):
             drafts[rid].extend(int(row[i]) for row in ids)
             for j in range(1, self._chain.steps):
-                active[rid].tokens[base[rid] + j] = drafts[rid][j]
+                active[rid].tokens[base[rid] + j] = int(ids[j - 1][i])
 
     def observe(self, rid: str, start: int, features: torch.Tensor) -> None:
         """The target's hidden states of positions it kept: a draft model reads tokens only (an

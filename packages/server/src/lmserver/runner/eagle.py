@@ -164,11 +164,11 @@ class EagleProposer(DraftModel):
         ends = torch.tensor([len(item.token_ids) for item in items], device=logits.device).cumsum(0) - 1
         guess = self.runner.last_hidden.index_select(0, ends)  # (requests, hidden): each one's predicted feature
         drafts = {rid: [int(t)] for rid, t in zip(active, greedy_argmax(logits).tolist(), strict=True)}
-        if self._chain_runs(active, k):  # the k - 1 steps in one replay, each step's features carried in the graph
+        if self._chain_runs(active, k, 1):  # the k - 1 steps in one replay, each step's features carried in the graph
             assert self.head.feature_buffer is not None
             self.head.feature_buffer[: len(active)].copy_(guess)
             self.head.features = None
-            self._chain_drafts(active, drafts)
+            self._chain_drafts(active, drafts, {rid: d[-1] for rid, d in drafts.items()})
         else:
             self._step_drafts(active, drafts, k, guess)
         self.head.features = None
