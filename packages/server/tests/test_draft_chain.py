@@ -199,3 +199,32 @@ def test_gpu_kv_budget_counts_the_draft_pool(draft_dir: Path, tmp_path: Path, mo
     assert slot3 == slot // raw["num_hidden_layers"]
     assert draft_memory(ServerConfig(), "bfloat16") == (0, 0)
     assert draft_memory(cfg.replace(speculative_draft_model_path=str(tmp_path / "missing")), "bfloat16") == (0, 0)
+
+
+@pytest.mark.gpu
+def test_cuda_chain_equals_step_by_step_and_hf(draft_dir: Path, hf_model: torch.nn.Module) -> None:
+    """On a GPU (real CUDA graphs, float32, the triton attention backend): three requests through a fresh proposal,
+    a steady-state one (the chain of 5 steps, rows padded to 4) and one more: the chained model's drafts equal a
+    per-step model's and HF greedy's on the same weights; both give every slot back."""
+    def make(steps: int) -> DraftModel:
+        return DraftModel(str(draft_dir), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device("cuda"),
+                          context_length=256, max_requests=6, num_slots=600, attention_backend="triton",
+                          graph_max_bs=4, chain_steps=steps)
+
+    chained, stepped = make(5), make(0)
+    g = torch.Generator().manual_seed(9)
+    contexts = {rid: torch.randint(0, VOCAB, (n,), generator=g).tolist() for rid, n in (("a", 9), ("b", 2), ("c", 30))}
+    k = dict.fromkeys(contexts, 5)
+    for round_ in range(3):
+        got = chained.propose(contexts, k)
+        assert got == stepped.propose(contexts, k), round_
+        for rid, ctx in contexts.items():
+            assert got[rid] == _hf_greedy(hf_model, ctx, 5), (round_, rid)
+            contexts[rid] = [*ctx, *got[rid][: 1 + round_], (got[rid][1 + round_] + 1) % VOCAB]
+            chained.accepted(rid, contexts[rid])
+            stepped.accepted(rid, contexts[rid])
+    assert chained.num_chain_replays == 2
+    for draft in (chained, stepped):
+        for rid in contexts:
+            draft.forget(rid)
+        draft.check_empty()
