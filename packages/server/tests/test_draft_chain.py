@@ -228,3 +228,18 @@ def test_cuda_chain_equals_step_by_step_and_hf(draft_dir: Path, hf_model: torch.
         for rid in contexts:
             draft.forget(rid)
         draft.check_empty()
+
+
+def test_requests_share_the_slots_left(draft_dir: Path, hf_model: torch.nn.Module,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests that each fit the draft cache alone but not together: the first drafts, the second gets none
+    (instead of running out of slots mid-proposal); every slot comes back."""
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    draft = DraftModel(str(draft_dir), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device("cpu"),
+                       context_length=256, max_requests=4, num_slots=12, attention_backend="torch_native")
+    contexts = {"a": [5, 6, 7, 8], "b": [9, 10, 11, 12]}  # 4 + 5 - 1 = 8 slots each
+    got = draft.propose(contexts, dict.fromkeys(contexts, 5))
+    assert list(got) == ["a"] and got["a"] == _hf_greedy(hf_model, contexts["a"], 5)
+    for rid in contexts:
+        draft.forget(rid)
+    draft.check_empty()

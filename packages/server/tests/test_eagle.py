@@ -288,3 +288,22 @@ def test_the_target_exposes_the_residual_stream_after_its_aux_layers() -> None:
     finally:
         inner.layers.append(layer1)
     assert ForwardBatch and ForwardMode  # imported for the reader: the forward above is an EXTEND batch
+
+
+def test_requests_share_the_slots_left(tmp_path: Path) -> None:
+    """Two requests that each fit the head's cache alone but not together: the first drafts, the second gets none
+    (instead of running out of slots mid-proposal); every slot comes back."""
+    target = _target()
+    write_eagle_head(tmp_path / "head", HEAD)
+    eagle = EagleProposer(str(tmp_path / "head"), target=target, target_config=ModelConfig.from_hf(TARGET),
+                          dtype=torch.float32, device=torch.device("cpu"), context_length=128, max_requests=4,
+                          num_slots=12, attention_backend="torch_native")
+    g = torch.Generator().manual_seed(5)
+    contexts = {rid: torch.randint(0, 101, (6,), generator=g).tolist() for rid in ("a", "b")}
+    for rid in contexts:
+        eagle.observe(rid, 0, torch.randn(5, 64, generator=g))  # 5 positions + 4 steps = 9 slots each
+    got = eagle.propose(contexts, dict.fromkeys(contexts, 5))
+    assert list(got) == ["a"] and len(got["a"]) == 5
+    for rid in contexts:
+        eagle.forget(rid)
+    eagle.check_empty()

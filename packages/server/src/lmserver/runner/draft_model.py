@@ -94,6 +94,7 @@ class DraftModel:
         output so far, only ever extended by accepted tokens). Requests the cache has no room
         for get none. Mutates the draft KV cache."""
         active: dict[str, DraftReq] = {}
+        free = len(self._free_slots)  # NOTE: what the requests taken so far leave
         for rid, tokens in contexts.items():
             req = self._reqs.get(rid)
             if req is None:
@@ -105,8 +106,9 @@ class DraftModel:
             if len(req.tokens) >= len(tokens):  # the last token is fed again: its logits give the first draft
                 self._drop_kv(req, len(tokens) - 1)
             need = len(tokens) - len(req.tokens) + k[rid] - 1
-            if need > len(self._free_slots) or len(tokens) + k[rid] > self.context_length:
+            if need > free or len(tokens) + k[rid] > self.context_length:
                 continue
+            free -= need
             active[rid] = req
         if not active:
             return {}

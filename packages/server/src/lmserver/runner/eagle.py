@@ -137,6 +137,7 @@ class EagleProposer(DraftModel):
         """Greedy drafts, `k[rid]` tokens after each request's `contexts[rid]`; requests with no
         observed features, or no room in the head's cache, get none. Mutates the head's cache."""
         active: dict[str, DraftReq] = {}
+        free = len(self._free_slots)  # NOTE: what the requests taken so far leave
         for rid, tokens in contexts.items():
             positions = self._pending.get(rid, ([], []))[0]
             if not positions or positions[-1] + 1 >= len(tokens):
@@ -146,9 +147,9 @@ class EagleProposer(DraftModel):
                 if not self._free_rows:
                     continue
                 req = self._reqs[rid] = DraftReq(self._free_rows.pop())
-            if len(positions) + k[rid] - 1 > len(self._free_slots) or \
-                    len(req.tokens) + len(positions) + k[rid] > self.context_length:
+            if len(positions) + k[rid] - 1 > free or len(req.tokens) + len(positions) + k[rid] > self.context_length:
                 continue
+            free -= len(positions) + k[rid] - 1
             active[rid] = req
         if not active:
             return {}
