@@ -13,7 +13,9 @@ Settings (`--settings`, in one run, side by side):
   `spec+lowlat-all`: `auto+all-batches` (the plugin also on verify steps its measured tables decline; with
   `--quantization fp8 --kv-cache-dtype fp8_e4m3` in `--server-args`: FP8 verify steps);
 - `eagle`: the same acceptance with an EAGLE head (`--eagle-head FOLDER`) proposing the drafts, so
-  its cost (a catch-up forward and D - 1 head steps, each with the target's LM head) is paid.
+  its cost (a catch-up forward and D - 1 head steps, each with the target's LM head) is paid;
+- `draft`: the same with a draft model (`--draft-model FOLDER`, its config.json is enough with `--load-format
+  dummy`: random weights) proposing them (`--speculative-algorithm draft_model`).
 
 Verify steps of up to `--cuda-graph-max-bs` rows replay the decode graphs as decode rows. The
 server's own counters (`/get_server_info`) give the measured acceptance length, verify steps,
@@ -45,6 +47,8 @@ SETTINGS = {
     "spec+lowlat-all": ["SPEC", "--lowlat-plugins", "auto+all-batches"],
     "eagle": ["EAGLE", "--lowlat-plugins", "off"],
     "eagle+lowlat": ["EAGLE", "--lowlat-plugins", "auto"],
+    "draft": ["DRAFT", "--lowlat-plugins", "off"],
+    "draft+lowlat": ["DRAFT", "--lowlat-plugins", "auto"],
 }
 
 
@@ -90,11 +94,13 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     extra: list[str] = []
     for a in SETTINGS[name]:
-        if a in ("SPEC", "EAGLE"):
+        if a in ("SPEC", "EAGLE", "DRAFT"):
             extra += ["--speculative-num-draft-tokens", str(args.draft_tokens),
                       "--speculative-simulate-accept-length", str(args.accept_length)]
-            extra += ["--speculative-algorithm", "ngram"] if a == "SPEC" else \
-                ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", args.eagle_head]
+            extra += {"SPEC": ["--speculative-algorithm", "ngram"],
+                      "EAGLE": ["--speculative-algorithm", "eagle", "--speculative-draft-model-path", args.eagle_head],
+                      "DRAFT": ["--speculative-algorithm", "draft_model",
+                                "--speculative-draft-model-path", args.draft_model]}[a]
         else:
             extra.append(a)
     cmd = ["--model-path", args.model_path, *shlex.split(args.server_args),
@@ -123,7 +129,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True)
     p.add_argument("--server-args", default="--load-format dummy --dtype bfloat16 --device cuda")
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS),
+                   default=[s for s in SETTINGS if not s.startswith(("eagle", "draft"))])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=2, help="requests per user, one after the other")
     p.add_argument("--input-len", type=int, default=512)
@@ -134,8 +141,13 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=64)
     p.add_argument("--eagle-head", help="eagle settings: the EAGLE head's folder (its config.json is enough with "
                                         "--load-format dummy)")
+    p.add_argument("--draft-model", help="draft settings: the draft model's folder (its config.json is enough with "
+                                         "--load-format dummy)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    for name, folder, flag in (("eagle", args.eagle_head, "--eagle-head"), ("draft", args.draft_model, "--draft-model")):
+        if folder is None and any(s.split("+")[0] == name for s in args.settings):
+            p.error(f"the {name} settings need {flag}")
     results = [run_setting(name, args) for name in args.settings]
     by = {r["setting"]: r["by_concurrency"] for r in results}
     print("\n| setting | " + " | ".join(f"c={c} tok/s per user" for c in args.concurrency) + " |")
@@ -143,7 +155,8 @@ def main() -> None:
     for r in results:
         print(f"| {r['setting']} | " + " | ".join(f"{r['by_concurrency'][c]:.1f}" for c in args.concurrency) + " |")
     for spec, base in (("spec", "plain"), ("spec+lowlat", "plain+lowlat"), ("spec+lowlat", "spec"),
-                       ("eagle", "plain"), ("eagle", "plain+lowlat"), ("eagle", "spec")):
+                       ("eagle", "plain"), ("eagle", "plain+lowlat"), ("eagle", "spec"),
+                       ("draft", "plain"), ("draft+lowlat", "plain+lowlat")):
         if spec in by and base in by:
             print(f"{spec} / {base}: " + ", ".join(f"c={c} {by[spec][c] / by[base][c]:.2f}x" for c in args.concurrency))
     for r in results:
