@@ -54,10 +54,14 @@ def _hf_greedy(model: torch.nn.Module, context: list[int], k: int) -> list[int]:
     return ids[len(context):]
 
 
-def _draft(path: Path, monkeypatch: pytest.MonkeyPatch, graph_max_bs: int, chain_steps: int) -> DraftModel:
+def _draft(path: Path, monkeypatch: pytest.MonkeyPatch, graph_max_bs: int, chain_steps: int, *,
+           device: str = "cpu", num_slots: int = 600) -> DraftModel:
+    """A float32 draft model of `path` (on the CPU: eager graphs, the torch_native backend; on CUDA: CUDA graphs,
+    the triton backend)."""
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
-    return DraftModel(str(path), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device("cpu"),
-                      context_length=256, max_requests=6, num_slots=600, attention_backend="torch_native",
+    return DraftModel(str(path), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device(device),
+                      context_length=256, max_requests=6, num_slots=num_slots,
+                      attention_backend="triton" if device == "cuda" else "torch_native",
                       graph_max_bs=graph_max_bs, chain_steps=chain_steps)
 
 
@@ -202,16 +206,12 @@ def test_gpu_kv_budget_counts_the_draft_pool(draft_dir: Path, tmp_path: Path, mo
 
 
 @pytest.mark.gpu
-def test_cuda_chain_equals_step_by_step_and_hf(draft_dir: Path, hf_model: torch.nn.Module) -> None:
+def test_cuda_chain_equals_step_by_step_and_hf(draft_dir: Path, hf_model: torch.nn.Module,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU (real CUDA graphs, float32, the triton attention backend): three requests through a fresh proposal,
     a steady-state one (the chain of 5 steps, rows padded to 4) and one more: the chained model's drafts equal a
     per-step model's and HF greedy's on the same weights; both give every slot back."""
-    def make(steps: int) -> DraftModel:
-        return DraftModel(str(draft_dir), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device("cuda"),
-                          context_length=256, max_requests=6, num_slots=600, attention_backend="triton",
-                          graph_max_bs=4, chain_steps=steps)
-
-    chained, stepped = make(5), make(0)
+    chained, stepped = (_draft(draft_dir, monkeypatch, 4, steps, device="cuda") for steps in (5, 0))
     g = torch.Generator().manual_seed(9)
     contexts = {rid: torch.randint(0, VOCAB, (n,), generator=g).tolist() for rid, n in (("a", 9), ("b", 2), ("c", 30))}
     k = dict.fromkeys(contexts, 5)
@@ -234,9 +234,7 @@ def test_requests_share_the_slots_left(draft_dir: Path, hf_model: torch.nn.Modul
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests that each fit the draft cache alone but not together: the first drafts, the second gets none
     (instead of running out of slots mid-proposal); every slot comes back."""
-    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
-    draft = DraftModel(str(draft_dir), target_vocab_size=VOCAB, dtype=torch.float32, device=torch.device("cpu"),
-                       context_length=256, max_requests=4, num_slots=12, attention_backend="torch_native")
+    draft = _draft(draft_dir, monkeypatch, 0, 0, num_slots=12)
     contexts = {"a": [5, 6, 7, 8], "b": [9, 10, 11, 12]}  # 4 + 5 - 1 = 8 slots each
     got = draft.propose(contexts, dict.fromkeys(contexts, 5))
     assert list(got) == ["a"] and got["a"] == _hf_greedy(hf_model, contexts["a"], 5)

@@ -75,9 +75,10 @@ def _target() -> torch.nn.Module:
                       max_positions=128, seed=3)
 
 
-def _proposer(path: Path, target: torch.nn.Module, graph_max_bs: int = 0, chain_steps: int = 0) -> EagleProposer:
+def _proposer(path: Path, target: torch.nn.Module, graph_max_bs: int = 0, chain_steps: int = 0,
+              num_slots: int = 200) -> EagleProposer:
     return EagleProposer(str(path), target=target, target_config=ModelConfig.from_hf(TARGET), dtype=torch.float32,
-                         device=torch.device("cpu"), context_length=128, max_requests=4, num_slots=200,
+                         device=torch.device("cpu"), context_length=128, max_requests=4, num_slots=num_slots,
                          attention_backend="torch_native", graph_max_bs=graph_max_bs, chain_steps=chain_steps)
 
 
@@ -295,9 +296,7 @@ def test_requests_share_the_slots_left(tmp_path: Path) -> None:
     (instead of running out of slots mid-proposal); every slot comes back."""
     target = _target()
     write_eagle_head(tmp_path / "head", HEAD)
-    eagle = EagleProposer(str(tmp_path / "head"), target=target, target_config=ModelConfig.from_hf(TARGET),
-                          dtype=torch.float32, device=torch.device("cpu"), context_length=128, max_requests=4,
-                          num_slots=12, attention_backend="torch_native")
+    eagle = _proposer(tmp_path / "head", target, num_slots=12)
     g = torch.Generator().manual_seed(5)
     contexts = {rid: torch.randint(0, 101, (6,), generator=g).tolist() for rid in ("a", "b")}
     for rid in contexts:

@@ -245,6 +245,6 @@ class Speculator:
         n = c["spec_verify_requests"]
         stats["spec_accept_length"] = (c["spec_accepted_tokens"] + n) / n if n else 0.0
         stats["spec_accept_rate"] = c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else 0.0
-        if self.draft_model is not None:  # proposals whose k - 1 draft steps replayed one chain graph
+        if self.draft_model is not None:  # proposals whose draft steps replayed one chain graph
             stats["spec_draft_chain_replays"] = self.draft_model.num_chain_replays
         return stats

@@ -126,11 +126,11 @@ def dequantized_twin(folder: str | Path, max_positions: int, **load_kwargs: Any)
 def greedy_by_full_prefills(model: nn.Module, prompts: Sequence[Sequence[int]], new: int) -> list[list[int]]:
     """The `new` greedy tokens after each prompt, each one the argmax of a full prefill of the sequence so far (no
     decode step, no paging, no CUDA graph): the reference an engine's greedy decoding is held to."""
-    window = max(map(len, prompts)) + new
+    runner = window_runner(model, max(map(len, prompts)) + new)  # each prefill rewrites its slots from position 0
     outs: list[list[int]] = []
     for ids in prompts:
         seq = list(ids)
         for _ in range(new):
-            seq.append(int(window_logits(window_runner(model, window), seq)[-1].argmax()))
+            seq.append(int(window_logits(runner, seq)[-1].argmax()))
         outs.append(seq[len(ids):])
     return outs
