@@ -84,7 +84,11 @@ def test_var_refs_and_constant_prefix() -> None:
     assert [c.prompt.text for c in backend.calls_of("cache_prefix")] == ["<|im_start|>user\nAnswer briefly. "]
 
 
-def test_compiled_run_equals_the_interpreted_run() -> None:
+def test_compiled_run_equals_the_interpreted_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: forks wait for their prefix hint: sent without waiting, a hint still queued when the program ends is
+    # dropped (PrefixHints), so on a busy machine the hint asserted below could go unrecorded
+    monkeypatch.setattr(judge, "config", judge.config.with_(wait_for_prefix_hints=True))
+
     def rules() -> MockBackend:
         return MockBackend({"Dimension 0:": " clear\n", "Dimension 1:": " short\n"},
                            select_logprobs={"good": [-0.1], "bad": [-3.0]}, model_name="SmolLM2")
