@@ -17,10 +17,13 @@ as FAILED and left out of the timings. The optional stacks are timed at ``--opti
 ``down=...``, comma-separated; each up / down pair replaces ``moe_ops.EXPERT_TILES_FP8`` at every token count for one
 ``fp8w`` stack, checked like the others); ``--rows-at-one``: the ``fp8w`` stack also with the row-wise slot kernels at
 one token (``rows`` 4 x 2048, vec 16 for gate-up, as the dense FP8 table's one-row entries) and the default above;
-``--rows-f16``: the ``fp8w`` stack also with ``moe_ops.EXPERT_ROWS_F16`` (the token rows cast to scaled fp16 once); ``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
+``--rows-f16``: the ``fp8w`` stack also with ``moe_ops.EXPERT_ROWS_F16`` (the token rows cast to scaled fp16 once);
+``--route-chunks 256,512:256``: the ``bf16`` and ``fp8w`` stacks also with ``moe_ops.ROUTE_CHUNK`` at each value (the
+router split over hidden / chunk programs; ``:SS_K`` also sets ``moe_ops.ROUTE_SS_K``);
+``--pdl-releases``: the ``fp8w`` stack also with ``LaunchConfig.pdl_release`` forced to each
 value (``early``: every kernel, the expert ones included, releases its dependent launch right after its wait;
 ``late``: after its main loop; the default ``auto`` picks by grid size); ``--profile``: the ``bf16`` and ``fp8w``
-stacks' per-kernel marginal time per layer at the first batch (``kprof.py``).
+stacks' (and the optional ones') per-kernel marginal time per layer at the first batch (``kprof.py``).
 
     python benchmarks/lowlat/bench_moe_stack.py [--layers 8] [--batches 1,2,4,8] [--stacks bf16,fp8w,fp8w+kv]
         [--expert-configs up=mrow_f16s:64:128:4:4,down=mrow_f16s:64:256:4:3] [--json out.json]
@@ -123,25 +126,27 @@ def tiles_label(tiles: Tiles) -> str:
                     f"{f'v{d.vec}' if d.vec else ''}" for m, u, d in tiles)
 
 
-ROWS_F16 = "rows16"  # a stack's tiles entry: the defaults with moe_ops.EXPERT_ROWS_F16 on
+ROWS_F16 = {"EXPERT_ROWS_F16": True}  # a stack's tiles entry: the defaults with moe_ops.EXPERT_ROWS_F16 on
 
 
 class ExpertTiles:
-    """The FP8 expert kernels' tiles (``moe_ops.EXPERT_TILES_FP8``, or ``ROWS_F16``: ``EXPERT_ROWS_F16`` on) for one
-    stack: set while its forward runs (and is captured), the defaults back after."""
+    """The FP8 expert kernels' tiles (``moe_ops.EXPERT_TILES_FP8``), or a dict of other ``moe_ops`` settings (e.g.
+    ``ROWS_F16``, ``{"ROUTE_CHUNK": 256}``) for one stack: set while its forward runs (and is
+    captured), the defaults back after."""
 
-    def __init__(self, tiles: Tiles | str | None) -> None:
+    def __init__(self, tiles: Tiles | dict[str, Any] | None) -> None:
         self.tiles = tiles
 
     def __enter__(self) -> None:
-        self.saved = (moe_ops.EXPERT_TILES_FP8, moe_ops.EXPERT_ROWS_F16)
-        if self.tiles == ROWS_F16:
-            moe_ops.EXPERT_ROWS_F16 = True
-        elif self.tiles is not None:
-            moe_ops.EXPERT_TILES_FP8 = self.tiles  # type: ignore[assignment]
+        changes = self.tiles if isinstance(self.tiles, dict) else (
+            {} if self.tiles is None else {"EXPERT_TILES_FP8": self.tiles})
+        self.saved = {name: getattr(moe_ops, name) for name in changes}
+        for name, value in changes.items():
+            setattr(moe_ops, name, value)
 
     def __exit__(self, *exc: object) -> None:
-        moe_ops.EXPERT_TILES_FP8, moe_ops.EXPERT_ROWS_F16 = self.saved
+        for name, value in self.saved.items():
+            setattr(moe_ops, name, value)
 
 
 def main() -> None:
@@ -155,6 +160,7 @@ def main() -> None:
     ap.add_argument("--expert-configs", default="", help="FP8 expert tiles to time too (see the docstring)")
     ap.add_argument("--rows-at-one", action="store_true", help="the fp8w stack with row-wise slot kernels at 1 token")
     ap.add_argument("--rows-f16", action="store_true", help="the fp8w stack with moe_ops.EXPERT_ROWS_F16 on")
+    ap.add_argument("--route-chunks", default="", help="comma list of CHUNK[:SS_K]: the bf16 and fp8w stacks with moe_ops.ROUTE_CHUNK")
     ap.add_argument("--pdl-releases", default="", help="comma list of early, late: the fp8w stack with that release")
     ap.add_argument("--option-batches", default="1,8", help="the batches the optional stacks are timed at")
     ap.add_argument("--max-rel", type=float, default=3e-2, help="the check's largest relative L2 error")
@@ -171,11 +177,11 @@ def main() -> None:
     dense = [gpu_moe_layer(shape, moe, dev) for _ in range(args.layers)]
     chosen = args.stacks.split(",")
     want_fp8 = (any(s.startswith("fp8") for s in chosen) or args.expert_configs or args.rows_at_one or args.rows_f16
-                or args.pdl_releases)
+                or args.pdl_releases or args.route_chunks)
     fp8 = [quantize_moe_layer_fp8(w) for w in dense] if want_fp8 else []
     slots = max_b * max(c, 1024) + 64
     # name -> (built stack, weights, KV dtype, FP8 expert tiles or None: the defaults)
-    stacks: dict[str, tuple[Any, list[MoELayerWeights], torch.dtype, Tiles | str | None]] = {}
+    stacks: dict[str, tuple[Any, list[MoELayerWeights], torch.dtype, Tiles | dict[str, Any] | None]] = {}
     for name, weights, kv_dtype in (("bf16", dense, bf16), ("fp8w", fp8, bf16), ("fp8w+kv", fp8, FP8_DTYPE)):
         if name in chosen:
             stacks[name] = (build(weights, shape, moe, dev, max_b, max(c, 1024), kv_dtype), weights, kv_dtype, None)
@@ -188,6 +194,12 @@ def main() -> None:
         stacks[f"fp8w#{k}"] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, tiles)
     if args.rows_f16:
         stacks["fp8w rows16"] = (build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16), fp8, bf16, ROWS_F16)
+    for spec in [v for v in args.route_chunks.split(",") if v]:
+        chunk, _, ss_k = spec.partition(":")
+        route = {"ROUTE_CHUNK": int(chunk), **({"ROUTE_SS_K": int(ss_k)} if ss_k else {})}
+        for name, weights in (("bf16", dense), ("fp8w", fp8)):
+            stacks[f"{name} route{spec}"] = (build(weights, shape, moe, dev, max_b, max(c, 1024), bf16), weights, bf16,
+                                             route)
     for release in [r for r in args.pdl_releases.split(",") if r]:
         bl = build(fp8, shape, moe, dev, max_b, max(c, 1024), bf16)
         bl.lc = replace(bl.lc, pdl_release=release)
@@ -276,7 +288,7 @@ def main() -> None:
             vs = f"  {per_batch['bf16'] / us:4.2f}x bf16" if "bf16" in per_batch and name != "bf16" else ""
             print(f"  b={b} {name:16s} {us:7.1f} us  floor {floor:6.1f} ({routed} experts)  {floor / us:4.0%}{vs}",
                   flush=True)
-            if args.profile and b == batches[0] and name in ("bf16", "fp8w"):
+            if args.profile and b == batches[0] and (name in ("bf16", "fp8w") or " " in name):
                 print(f"  b={b} {name}: per-kernel (kprof, {args.layers} layers)\n"
                       + kprof.table(kprof.breakdown(graph.replay, reps=3), per=args.layers, unit="us per layer"),
                       flush=True)

@@ -36,6 +36,8 @@ def _lc() -> ops.LaunchConfig:
     return ops.LaunchConfig.for_device(DEVICE, SHAPE, use_pdl=False)
 
 
+# moe_ops.ROUTE_CHUNK: route_kernel, and route_split_kernel over 4 programs
+@pytest.mark.parametrize("route_chunk", [0, 16], ids=["route_kernel", "route_split"])
 @pytest.mark.parametrize(("dtype", "batch", "experts", "top_k"), [
     (torch.float32, 1, 6, 2),
     (torch.float32, 11, 2, 2),  # every token picks both experts: 11 rows, two tiles of <= 8 rows per expert
@@ -43,7 +45,11 @@ def _lc() -> ops.LaunchConfig:
     (torch.bfloat16, 5, 8, 2),
     (torch.bfloat16, 16, 4, 3),
 ])
-def test_moe_mlp_matches_reference(dtype: torch.dtype, batch: int, experts: int, top_k: int) -> None:
+def test_moe_mlp_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, batch: int, experts: int,
+                                   top_k: int, route_chunk: int) -> None:
+    from lowlat.kernels import moe_ops
+
+    monkeypatch.setattr(moe_ops, "ROUTE_CHUNK", route_chunk)
     g = torch.Generator().manual_seed(100 + batch)
     moe = MoEShape(experts, top_k, 48)
     # bf16: spread the router logits so rounding never flips a top-k choice between kernel and torch
@@ -69,6 +75,33 @@ def test_moe_mlp_matches_reference(dtype: torch.dtype, batch: int, experts: int,
         assert ws.bitmap.tolist() == [(1 << batch) - 1] * 2
     ref = x1.float() + reference_moe(h2, w, moe)
     assert _rel(out, ref) < 3 * TOL[dtype]
+    assert ws.route_count is not None and int(ws.route_count.item()) == 0  # set back by the last router program
+
+
+def test_split_router_gives_the_one_program_routers_rows_and_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route_split_kernel`` (4 programs) against ``route_kernel``: the same normed rows, experts and bitmaps, the
+    rows and weights within float32 summation order (the RMS's slices, the logits' splits), on two consecutive steps
+    (the counter set back to 0)."""
+    from lowlat.kernels import moe_ops
+
+    g = torch.Generator().manual_seed(7)
+    moe = MoEShape(8, 2, 48)
+    w = random_moe_layer(SHAPE, moe, torch.float32, DEVICE, generator=g)
+    results = []
+    for chunk in (0, 16):
+        monkeypatch.setattr(moe_ops, "ROUTE_CHUNK", chunk)
+        ws = MoEWorkspace.allocate(moe, SHAPE.hidden_size, 16, DEVICE, torch.float32)
+        for step in range(2):
+            x1 = torch.randn(3, SHAPE.hidden_size, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+            out = torch.full_like(x1, float("nan"))
+            moe_mlp(x1, w.post_norm, w.router, w.w13, w.w2, out, moe, SHAPE.rms_eps, ws, _lc())
+            results.append((chunk, ws.hn[:3].clone(), ws.ids[:3].clone(), ws.wts[:3].clone(), ws.bitmap.clone(), out))
+        assert ws.route_count is not None and int(ws.route_count.item()) == 0
+    for one, split in zip(results[:2], results[2:], strict=True):
+        assert torch.equal(one[2], split[2]) and torch.equal(one[4], split[4])
+        assert torch.allclose(one[1], split[1], rtol=1e-6, atol=1e-7)
+        assert torch.allclose(one[3], split[3], rtol=1e-5, atol=1e-6)
+        assert _rel(split[5], one[5]) < 1e-5
 
 
 # bfloat16 in the slow tier (test_moe_mlp_matches_reference covers the bfloat16 MoE MLP in the default one)

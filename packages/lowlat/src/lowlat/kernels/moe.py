@@ -2,7 +2,9 @@
 
 Four launches after the attention half: (1) ``route_kernel``, one program: RMSNorm of the
 residual stream, router GEMV, softmax, top-k, renormalization, and one int32 *bitmap* per expert
-(bit ``t`` set when token ``t`` chose the expert); (2) ``expert_gate_up_kernel`` and
+(bit ``t`` set when token ``t`` chose the expert); or ``route_split_kernel`` (``moe_ops.ROUTE_CHUNK``, the default):
+the same over hidden / chunk programs, each with its columns of the normed rows and partial logits, the last
+one to finish (a counter) doing the softmax and top-k; (2) ``expert_gate_up_kernel`` and
 (3) ``expert_down_kernel``, grid (expert, column block, row tile): with ``PREFETCH`` a program loads its
 expert's first weight block *before* it waits on the router (under PDL the launch starts while routing is
 still running; but the experts no token chose read that block too), then places the expert's tokens into rows by popcount: token ``t`` goes to row
@@ -99,13 +101,21 @@ def route_kernel(
             tl.store(hn16_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], scaled_f16(hn.to(tl.float32), DOT_F32),
                      mask=m_mask[:, None] & km[None, :])
         logits = _dot(hn, wr, logits, DOT_F32)
-    logits = logits.to(router_ptr.dtype.element_ty).to(tl.float32)  # the torch runner's logits dtype
+    _top_k(logits.to(router_ptr.dtype.element_ty).to(tl.float32), ids_ptr, wts_ptr, bitmap_ptr, offs_m, m_mask,
+           offs_e, e_mask, TOP_K, BLOCK_E)
+
+
+@triton.jit
+def _top_k(logits, ids_ptr, wts_ptr, bitmap_ptr, offs_m, m_mask, offs_e, e_mask, TOP_K: tl.constexpr,
+           BLOCK_E: tl.constexpr):
+    """From the router logits (BLOCK_M, BLOCK_E; float32 of the runner's logits dtype): softmax, top-k (lowest index
+    among ties), the renormalized weights, each choice's expert id and the experts' token bitmaps, stored."""
     logits = tl.where(e_mask[None, :], logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
     p = tl.where(e_mask[None, :], p, -1.0)
-    chosen = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
-    total = tl.zeros((BLOCK_M,), tl.float32)
+    chosen = tl.zeros_like(p).to(tl.int32)
+    total = tl.zeros_like(tl.max(p, 1))
     for j in tl.static_range(TOP_K):
         best = tl.max(p, 1)
         idx = tl.min(tl.where(p == best[:, None], offs_e[None, :], BLOCK_E), 1)  # lowest index among ties
@@ -121,6 +131,64 @@ def route_kernel(
     chosen = tl.where(m_mask[:, None], chosen, 0)
     bitmap = tl.sum(chosen << offs_m[:, None], 0)  # (BLOCK_E,) distinct bits: the sum is an OR
     tl.store(bitmap_ptr + offs_e, bitmap, mask=e_mask)
+
+
+@triton.jit
+def route_split_kernel(
+    x_ptr, norm_w_ptr, router_ptr,  # inputs
+    hn_ptr, ids_ptr, wts_ptr, bitmap_ptr,  # outputs
+    part_ptr, count_ptr,  # (splits, MAX_T, BLOCK_E) float32 partial logits; one int32 counter, 0 between launches
+    B, eps,
+    H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, MAX_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SS_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, hn16_ptr=None, HN16: tl.constexpr = False,
+):
+    # route_kernel's work over a grid of H / CHUNK programs: each one computes its rows' RMS over the whole row (the
+    # rows are read from L2 by every program: 8 KB per token at Llama widths), stores its CHUNK columns of the normed
+    # rows (rounded as stored, as route_kernel) and their partial router logits; the program that counts last sums the
+    # partials in split order (the same bits whichever program is last), then softmax / top-k / bitmaps (_top_k) and
+    # sets the counter back to 0. One program ran the whole loop (~21 us per layer on the H200, 2026-12-04).
+    sp = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < B
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    offs_c = sp * CHUNK + tl.arange(0, CHUNK)
+    c_mask = offs_c < H
+    wr = tl.load(router_ptr + offs_e[None, :] * H + offs_c[:, None], mask=e_mask[None, :] & c_mask[:, None], other=0.0)
+    gamma = tl.load(norm_w_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the expert kernels start and prefetch their weights now
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    offs_k = tl.arange(0, SS_K)
+    for k0 in tl.static_range(0, H, SS_K):  # unrolled: every slice's load in flight at once
+        km = (k0 + offs_k) < H
+        xv = tl.load(x_ptr + offs_m[:, None] * H + k0 + offs_k[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
+        xv = xv.to(tl.float32)
+        ss += tl.sum(xv * xv, 1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    cm = m_mask[:, None] & c_mask[None, :]
+    xc = tl.load(x_ptr + offs_m[:, None] * H + offs_c[None, :], mask=cm, other=0.0).to(tl.float32)
+    hn = (xc * rstd[:, None] * gamma[None, :]).to(hn_ptr.dtype.element_ty)  # rounded as stored
+    tl.store(hn_ptr + offs_m[:, None] * H + offs_c[None, :], hn, mask=cm)
+    if HN16:
+        tl.store(hn16_ptr + offs_m[:, None] * H + offs_c[None, :], scaled_f16(hn.to(tl.float32), DOT_F32), mask=cm)
+    logits = _dot(hn, wr, tl.zeros((BLOCK_M, BLOCK_E), tl.float32), DOT_F32)
+    me = m_mask[:, None] & (offs_e[None, :] < BLOCK_E)
+    tl.store(part_ptr + (sp * MAX_T + offs_m[:, None]) * BLOCK_E + offs_e[None, :], logits, mask=me)
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        offs_s = tl.arange(0, BLOCK_S)
+        sm = offs_s < tl.num_programs(0)
+        parts = tl.load(part_ptr + (offs_s[:, None, None] * MAX_T + offs_m[None, :, None]) * BLOCK_E
+                        + offs_e[None, None, :], mask=sm[:, None, None] & me[None, :, :], other=0.0,
+                        cache_modifier=".cg")  # (BLOCK_S, BLOCK_M, BLOCK_E)
+        total = tl.sum(parts, 0)
+        _top_k(total.to(router_ptr.dtype.element_ty).to(tl.float32), ids_ptr, wts_ptr, bitmap_ptr, offs_m, m_mask,
+               offs_e, e_mask, TOP_K, BLOCK_E)
 
 
 @triton.jit

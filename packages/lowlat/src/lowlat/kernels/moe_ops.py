@@ -46,6 +46,21 @@ EXPERT_ROWS_F16 = False
 # Whether the expert kernels read their first weight block before waiting on the router (PDL overlap, but every
 # expert's programs read it, routed or not: 1/16 of the unrouted experts' gate-up weights at block_k 256).
 EXPERT_PREFETCH = False
+# The router's columns per program of ``route_split_kernel`` (0: ``route_kernel``, one program over the whole row).
+# H200, 8-layer Mixtral-8x7B stack at one token (bench_moe_stack.py --route-chunks 256,512,128,256:256, RESULTS.md
+# issue 33, 2026-12-04): the one-program router took 20.7-20.9 us per layer (15% of the FP8 MoE layer), the split one
+# 6.0 at 256 columns per program and 256-column RMS slices (8.0-9.8 at the others); the FP8 stack 136.4 -> 120.9 us
+# per layer, bf16 219.4 -> 208.0.
+ROUTE_CHUNK = 256
+ROUTE_SS_K = 256  # the RMS's columns per unrolled slice in route_split_kernel
+
+
+MIN_ROUTE_CHUNK = 16  # the smallest ROUTE_CHUNK a workspace has partials for
+
+
+def route_block_e(num_experts: int, dev: torch.device) -> int:
+    """The router's padded expert count (at least 16 on a GPU: a dot's N). Pure."""
+    return max(next_pow2(num_experts), 1 if dev.type == "cpu" else 16)
 
 
 @dataclass
@@ -61,6 +76,10 @@ class MoEWorkspace:
     # FP8 experts (``allocate(..., fp8=True)``): hn and act times 2^-4 in fp16, for ``EXPERT_ROWS_F16``
     hn16: torch.Tensor | None = None  # (max_tokens, hidden) float16
     act16: torch.Tensor | None = None  # (num_experts, max_tokens, expert_inter) float16
+    # ``route_split_kernel``: (splits * max_tokens * block_e,) float32 partial router logits, and its int32 counter
+    # (zero between launches)
+    route_parts: torch.Tensor | None = None
+    route_count: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, moe: MoEShape, hidden: int, max_tokens: int, device: torch.device, dtype: torch.dtype,
@@ -78,6 +97,9 @@ class MoEWorkspace:
             y=torch.empty(e, max_tokens, hidden, device=device, dtype=torch.float32),
             hn16=torch.empty(max_tokens, hidden, device=device, dtype=f16) if fp8 else None,
             act16=torch.empty(e, max_tokens, i, device=device, dtype=f16) if fp8 else None,
+            route_parts=torch.empty(triton.cdiv(hidden, MIN_ROUTE_CHUNK) * max_tokens * route_block_e(e, device),
+                                    device=device, dtype=torch.float32),
+            route_count=torch.zeros(1, device=device, dtype=torch.int32),
         )
 
     @property
@@ -87,7 +109,8 @@ class MoEWorkspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.hn, self.ids, self.wts, self.bitmap, self.act, self.y,
-                                                          self.hn16, self.act16) if t is not None)
+                                                          self.hn16, self.act16, self.route_parts,
+                                                          self.route_count) if t is not None)
 
 
 def moe_mlp(
@@ -122,12 +145,24 @@ def moe_mlp(
     up, down = expert_configs(dev, lc, fp8, b)
     up, down = up_cfg or up, down_cfg or down
     rows16 = rows_f16(fp8, up, down, ws)
-    K.route_kernel[(1,)](
-        x1, norm_w, router, ws.hn, ws.ids, ws.wts, ws.bitmap, b, eps,
-        H=h, E=e, TOP_K=k, BLOCK_M=block_m(b, dev), BLOCK_E=max(next_pow2(e), 1 if dev.type == "cpu" else 16),
-        BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=f32, USE_PDL=lc.use_pdl,
-        **(dict(hn16_ptr=ws.hn16, HN16=True) if rows16 else {}), **_kw(dev, lc),
-    )
+    hn16 = dict(hn16_ptr=ws.hn16, HN16=True) if rows16 else {}
+    chunk = ROUTE_CHUNK if ws.route_parts is not None and ws.route_count is not None else 0
+    if chunk:
+        if chunk < MIN_ROUTE_CHUNK or chunk & (chunk - 1):
+            raise ShapeError(f"ROUTE_CHUNK must be a power of two >= {MIN_ROUTE_CHUNK}, got {chunk}")
+        splits = triton.cdiv(h, chunk)
+        K.route_split_kernel[(splits,)](
+            x1, norm_w, router, ws.hn, ws.ids, ws.wts, ws.bitmap, ws.route_parts, ws.route_count, b, eps,
+            H=h, E=e, TOP_K=k, MAX_T=ws.max_tokens, BLOCK_M=block_m(b, dev), BLOCK_E=route_block_e(e, dev),
+            CHUNK=chunk, SS_K=min(ROUTE_SS_K, next_pow2(h)), BLOCK_S=next_pow2(splits), DOT_F32=f32,
+            USE_PDL=lc.use_pdl, **hn16, **_kw(dev, lc),
+        )
+    else:
+        K.route_kernel[(1,)](
+            x1, norm_w, router, ws.hn, ws.ids, ws.wts, ws.bitmap, b, eps,
+            H=h, E=e, TOP_K=k, BLOCK_M=block_m(b, dev), BLOCK_E=route_block_e(e, dev),
+            BLOCK_K=min(lc.gemv_block_k, next_pow2(h)), DOT_F32=f32, USE_PDL=lc.use_pdl, **hn16, **_kw(dev, lc),
+        )
     row_tiles = triton.cdiv(b, ROWS_PER_TILE)
     block_r = ROWS_PER_TILE if dev.type == "cpu" else 16  # tl.dot needs 16 rows on a GPU; rows >= 8 stay masked
     common = dict(MAX_T=ws.max_tokens, H=h, INTER=i, ROWS=ROWS_PER_TILE, BLOCK_R=block_r, BLOCK_T=max(2, next_pow2(b)),
