@@ -65,9 +65,10 @@ def launch_override(setting: str, launches: dict[int, Any]) -> contextlib.Abstra
     return mock.patch.object(fp8_quant, "quant_launch", lambda k, gated=False: launches.get(k) or default(k, gated))
 
 
-def prefill_call(core: Any, vocab: int, length: int) -> Callable[[], None]:
-    """A call that prefills one fresh prompt of ``length`` random tokens (a new seed each time: no radix hits)."""
-    seeds = iter(range(1000, 100_000))
+def prefill_call(core: Any, vocab: int, length: int, first_seed: int = 1000) -> Callable[[], None]:
+    """A call that prefills one fresh prompt of ``length`` random tokens (a new seed each time: no radix hits; calls
+    made for one engine need seed ranges of their own, ``first_seed``)."""
+    seeds = iter(range(first_seed, first_seed + 100_000))
 
     def prefill() -> None:
         run(core, prompts_for(1, vocab, next(seeds), length), 1)
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--host", action="store_true", help="also list the host's CUDA runtime calls of one prefill")
+    ap.add_argument("--trace", default=None, help="a folder: one prefill's Chrome trace per setting (host + device)")
     ap.add_argument("--quant-launch", default="", help="for the +q settings: K=BLOCK_K:WARPS[:HINTS],... "
                     "(e.g. 14336=16384:32,4096=4096:8)")
     ap.add_argument("--json", default=None)
@@ -115,9 +117,12 @@ def main() -> None:
               + kprof.table(rows, per=layers, top=args.top, unit="us per layer"), flush=True)
         result = dict(setting=setting, length=args.length, wall_ms=wall_ms, layers=layers, kernels=rows)
         if args.host:  # the host's CUDA runtime calls and device reads of one prefill: where idle gaps come from
-            result["host"] = kprof.host_calls(prefill_call(core, vocab, args.length))
+            result["host"] = kprof.host_calls(prefill_call(core, vocab, args.length, 200_000))
             print("  host calls of one prefill (calls, host us):\n" + "\n".join(
                 f"  {r['call'][:48]:48s} {r['calls']:6d} {r['host_us']:10.1f}" for r in result["host"][:args.top]))
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            kprof.export_trace(prefill_call(core, vocab, args.length, 300_000), str(Path(args.trace) / f"{setting}.json"))
         results.append(result)
         del core
         gc.collect()

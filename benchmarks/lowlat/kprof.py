@@ -121,6 +121,20 @@ def host_calls(fn: Callable[[], object], names: tuple[str, ...] = ("cuda", "aten
                                    float(e.time_range.end - e.time_range.start)) for e in prof.events()), names)
 
 
+def export_trace(fn: Callable[[], object], path: str) -> None:
+    """One profiled call of ``fn`` (host and device activity, launch-to-kernel flows) written as a Chrome trace to
+    ``path``: to tell an idle gap the host left (the next kernel launched after the one before it ended) from one the
+    device took."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
 def summarize_host_events(events: Iterable[tuple[str, bool, float]], names: tuple[str, ...]) -> list[dict[str, Any]]:
     """(name, on the host, us) events -> per host name of the given prefixes: calls and us, largest us first. Pure."""
     out: dict[str, list[float]] = {}
