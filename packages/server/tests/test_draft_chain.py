@@ -183,14 +183,14 @@ def test_gpu_kv_budget_counts_the_draft_pool(draft_dir: Path, tmp_path: Path, mo
     draft = _draft(draft_dir, monkeypatch, 0, 0)
     pool = draft.runner.kv_pool
     held = sum(t[0].numel() * t.element_size() for t in (*pool.k_cache, *pool.v_cache))  # one slot, all layers
-    slot, weights = draft_memory(cfg, "float32")
+    target = ModelConfig.from_hf(json.loads((draft_dir / "config.json").read_text()))
+    slot, weights = draft_memory(cfg, "float32", target)
     params = {id(t): t for t in (*draft.model.parameters(), *draft.model.buffers())}
     assert slot == held and weights == sum(t.numel() * t.element_size() for t in params.values())
-    target = ModelConfig.from_hf(json.loads((draft_dir / "config.json").read_text()))
     per_slot = KVPool.bytes_per_slot(target.num_hidden_layers, target.num_key_value_heads, target.head_dim,
                                      torch.bfloat16)
     target_weights = estimate_weight_bytes(target, "bfloat16", 256)
-    slot, weights = draft_memory(cfg, "bfloat16")
+    slot, weights = draft_memory(cfg, "bfloat16", target)
     assert resolve_kv_tokens(cfg, target, "cuda", "bfloat16", 0, draft=(slot, weights)) == \
         (40 * gib - 10 * gib - target_weights - weights) // (per_slot + slot)
     eagle3 = tmp_path / "eagle3"
@@ -199,10 +199,10 @@ def test_gpu_kv_budget_counts_the_draft_pool(draft_dir: Path, tmp_path: Path, mo
     (eagle3 / "config.json").write_text(json.dumps(dict(raw, architectures=["LlamaForCausalLMEagle3"],
                                                         num_hidden_layers=1, draft_vocab_size=32)))
     slot3, _ = draft_memory(cfg.replace(speculative_algorithm="eagle", speculative_draft_model_path=str(eagle3)),
-                            "bfloat16")
+                            "bfloat16", target)
     assert slot3 == slot // raw["num_hidden_layers"]
-    assert draft_memory(ServerConfig(), "bfloat16") == (0, 0)
-    assert draft_memory(cfg.replace(speculative_draft_model_path=str(tmp_path / "missing")), "bfloat16") == (0, 0)
+    assert draft_memory(ServerConfig(), "bfloat16", target) == (0, 0)
+    assert draft_memory(cfg.replace(speculative_draft_model_path=str(tmp_path / "missing")), "bfloat16", target) == (0, 0)
 
 
 @pytest.mark.gpu

@@ -46,7 +46,6 @@ import torch
 
 from lmserver.forward.batch import ForwardBatch, ForwardMode
 from lmserver.runner.host_tensors import to_device
-from lmserver.runner.resolve import SMALL_GPU_GRAPH_MAX_BS
 from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
 from lowlat.spec import StepKind
 
@@ -55,6 +54,9 @@ if TYPE_CHECKING:
     from lmserver.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# The largest decode batch captured where a config does not say (a GPU under runner.resolve.LARGE_GPU_BYTES).
+SMALL_GPU_GRAPH_MAX_BS = 32
 
 __all__ = [
     "CudaGraphError",
@@ -532,7 +534,9 @@ class DecodeGraphRunner:
         if self._staged:  # NOTE: waits for this buffer's copy of two steps ago, done long before in practice
             self._staged[turn].synchronize()
         host = self._staging[turn]
-        host[:, :padded] = torch.tensor(ints, dtype=torch.int64)
+        # NOTE: numpy converts the lists straight into the pinned buffer (5 x 256 ints: 15 us against 57 through
+        # torch.tensor; 0.7 against 4.4 at one row)
+        host.numpy()[:, :padded] = ints
         # NOTE: the whole buffer (contiguous): a (5, padded) slice of it would go through a pageable temporary and a
         # scatter kernel; the graph of size `padded` reads only its first `padded` columns
         self.ints.copy_(host, non_blocking=True)

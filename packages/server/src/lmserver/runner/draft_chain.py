@@ -115,7 +115,7 @@ class DraftChainGraphs:
                 self.graphs.runner.req_to_token[table[0], table[1]] = table[2].to(torch.int32)
             if j:
                 step.ints[0][:bs] = range(-1, -bs - 1, -1)  # row i reads the previous step's argmax of row i
-            self._staging[j, :, :padded] = torch.tensor(step.ints, dtype=torch.int64)
+            self._staging[j].numpy()[:, :padded] = step.ints  # straight into the pinned buffer (cuda_graph's note)
         self.ints.copy_(self._staging, non_blocking=True)
         if self._staged is not None:
             self._staged.record()

@@ -42,7 +42,7 @@ from lmserver.runner.draft_model import DraftModel, DraftModelError, DraftReq
 from lmserver.runner.sampler import greedy_argmax
 from lmserver.scheduler import ScheduleDecision
 
-__all__ = ["EagleProposer", "eagle3_aux_layers"]
+__all__ = ["EagleProposer", "build_head", "eagle3_aux_layers", "eagle_head_bytes"]
 
 
 def _head_config(model_path: str) -> dict[str, Any]:
@@ -66,34 +66,61 @@ def eagle3_aux_layers(model_path: str, target_layers: int) -> tuple[int, ...] | 
     return layers
 
 
+def build_head(model_path: str, target: torch.nn.Module, target_config: ModelConfig, max_positions: int,
+               load_format: str) -> tuple[EagleHead | Eagle3Head, ModelConfig]:
+    """The EAGLE head of `model_path` (EAGLE-1/2 or EAGLE-3, by its config.json) over `target`'s shared modules, on
+    the default device, its weights not loaded, and its config; DraftModelError for a head this target cannot use."""
+    raw = _head_config(model_path)
+    aux = eagle3_aux_layers(model_path, target_config.num_hidden_layers)
+    try:  # NOTE: an EAGLE-3 config names its own architecture; its fields are a Llama layer's
+        config = ModelConfig.from_hf(dict(raw, architectures=["LlamaForCausalLM"])) if aux \
+            else read_model_config(model_path)
+    except (ModelLoadError, ValueError) as exc:
+        raise DraftModelError(f"EAGLE head: {exc}") from exc
+    for field in ("vocab_size", "hidden_size"):
+        if getattr(config, field) != getattr(target_config, field):
+            raise DraftModelError(f"the EAGLE head at {model_path} has {field} {getattr(config, field)}, the target "
+                                  f"{getattr(target_config, field)}: a head must be trained for this target")
+    if target_config.is_multimodal:
+        raise DraftModelError("EAGLE speculation does not serve multimodal targets yet")
+    names = checkpoint_names(model_path) if load_format == "auto" else set()
+    own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
+    if aux:
+        return Eagle3Head(config, target, max_positions, int(raw.get("draft_vocab_size", config.vocab_size)), len(aux),
+                          own_embedding=own_embedding), config
+    return EagleHead(config, target, max_positions, fc_bias="fc.bias" in names, own_embedding=own_embedding), config
+
+
+class _SharedModules(torch.nn.Module):
+    """A target's modules an EAGLE head shares (embedding, LM head), for building a head on the meta device."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def eagle_head_bytes(model_path: str, target_config: ModelConfig, dtype: torch.dtype, max_positions: int,
+                     load_format: str = "auto") -> int:
+    """Bytes the EAGLE head of `model_path` adds to the target's: its own parameters and buffers in `dtype` (built on
+    the meta device: no memory, no weights read), not the embedding and LM head it shares with the target. Raises
+    DraftModelError as `build_head`."""
+    with torch.device("meta"):
+        head, _ = build_head(model_path, _SharedModules(target_config), target_config, max_positions, load_format)
+        head = head.to(dtype)
+    own = {id(p): p for _, p in head.head_parameters()} | {id(b): b for b in head.buffers()}
+    return sum(t.numel() * t.element_size() for t in own.values())
+
+
 class EagleProposer(DraftModel):
     def __init__(self, model_path: str, *, target: torch.nn.Module, target_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, context_length: int, max_requests: int, num_slots: int,
                  attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0,
                  chain_steps: int = 0) -> None:
-        raw = _head_config(model_path)
-        aux = eagle3_aux_layers(model_path, target_config.num_hidden_layers)
-        try:  # NOTE: an EAGLE-3 config names its own architecture; its fields are a Llama layer's
-            config = ModelConfig.from_hf(dict(raw, architectures=["LlamaForCausalLM"])) if aux \
-                else read_model_config(model_path)
-        except (ModelLoadError, ValueError) as exc:
-            raise DraftModelError(f"EAGLE head: {exc}") from exc
-        for field in ("vocab_size", "hidden_size"):
-            if getattr(config, field) != getattr(target_config, field):
-                raise DraftModelError(f"the EAGLE head at {model_path} has {field} {getattr(config, field)}, the target "
-                                      f"{getattr(target_config, field)}: a head must be trained for this target")
-        if target_config.is_multimodal:
-            raise DraftModelError("EAGLE speculation does not serve multimodal targets yet")
-        names = checkpoint_names(model_path) if load_format == "auto" else set()
-        own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
-        head: EagleHead | Eagle3Head
         with torch.device(device):
-            if aux:
-                head = Eagle3Head(config, target, context_length, int(raw.get("draft_vocab_size", config.vocab_size)),
-                                  len(aux), own_embedding=own_embedding).to(dtype)
-            else:
-                head = EagleHead(config, target, context_length, fc_bias="fc.bias" in names,
-                                 own_embedding=own_embedding).to(dtype)
+            head, config = build_head(model_path, target, target_config, context_length, load_format)
+            head = head.to(dtype)
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
             with torch.no_grad():

@@ -20,6 +20,7 @@ from lmserver.models.config import ModelConfig
 from lmserver.models.eagle import is_eagle3_config
 from lmserver.models.loader import DTYPES
 from lmserver.models.quantization import checkpoint_lm_head_is_fp8
+from lmserver.runner.cuda_graph import SMALL_GPU_GRAPH_MAX_BS
 from lmserver.scheduler.admission import AdmissionConfig, StepBudget
 from lmserver.scheduler.pacer import PacerConfig, PrefillPacer
 
@@ -32,8 +33,7 @@ GPU_MAX_RUNNING_REQUESTS = 256
 # Decode graphs: large-memory GPUs capture up to the default running batch (decode at 128-256 rows
 # was eager and ~2x slower per step on the H200, benchmarks/RESULTS.md); smaller ones keep 32.
 LARGE_GPU_BYTES = 64 << 30
-LARGE_GPU_GRAPH_MAX_BS = 256
-SMALL_GPU_GRAPH_MAX_BS = 32
+LARGE_GPU_GRAPH_MAX_BS = 256  # smaller GPUs: cuda_graph.SMALL_GPU_GRAPH_MAX_BS
 # Prefill chunks: one forward of 8,192 tokens takes minutes on a small CPU and stalls every running
 # request meanwhile (issue 32); 512 keeps a CPU forward short. GPUs keep SGLang's 8,192.
 CPU_CHUNKED_PREFILL_SIZE = 512
@@ -169,11 +169,12 @@ def _eagle3_draft(config: ServerConfig) -> bool:
     return raw is not None and is_eagle3_config(raw)
 
 
-def draft_memory(config: ServerConfig, dtype: str) -> tuple[int, int]:
+def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple[int, int]:
     """(bytes per KV slot, weight bytes) of the speculative draft: a draft model or an EAGLE head keeps a KV pool of
     its own with as many slots as the target's (`runner.draft_model`), in the model dtype; (0, 0) without a draft.
-    The weights are estimated from the config as a whole Llama model, embedding and LM head included (an EAGLE head
-    shares the target's: an overestimate of at most those two, the safe side)."""
+    A draft model's weights are estimated from its config as a whole model; an EAGLE head's are its own parameters
+    and buffers, not the embedding and LM head it shares with `target` (`runner.eagle.eagle_head_bytes`; a head the
+    target cannot use counts as a whole Llama model here, the loader's error comes later)."""
     raw = _draft_config(config)
     if raw is None:
         return 0, 0
@@ -182,8 +183,18 @@ def draft_memory(config: ServerConfig, dtype: str) -> tuple[int, int]:
     except ValueError:  # NOTE: the draft loader names what is wrong with it
         return 0, 0
     per_slot = KVPool.bytes_per_slot(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, DTYPES[dtype])
-    positions = config.context_length or mc.max_position_embeddings
-    return per_slot, estimate_weight_bytes(mc, dtype, min(positions, mc.max_position_embeddings))
+    positions = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+    if config.speculative_algorithm == "eagle":
+        from lmserver.runner.draft_model import DraftModelError
+        from lmserver.runner.eagle import eagle_head_bytes
+
+        assert config.speculative_draft_model_path is not None  # _draft_config read its config.json
+        try:
+            return per_slot, eagle_head_bytes(config.speculative_draft_model_path, target, DTYPES[dtype], positions,
+                                              config.load_format)
+        except DraftModelError:
+            pass
+    return per_slot, estimate_weight_bytes(mc, dtype, positions)
 
 
 def resolve_lowlat_plugins(value: str | None, device: str, eagle3: bool = False) -> str:
@@ -357,7 +368,7 @@ def resolve_config(
     quantization, kv_cache_dtype, lowlat = resolve_fp8(config, model_config, device, dtype)
     config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype, lowlat_plugins=lowlat)
     fp8_head = device == "cuda" and weight_bytes == 0 and quantization == "fp8" and checkpoint_lm_head_is_fp8(model_path)
-    draft = draft_memory(config, dtype) if device == "cuda" else (0, 0)
+    draft = draft_memory(config, dtype, model_config) if device == "cuda" else (0, 0)
     kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes, fp8_head, draft)
     kv_tokens -= kv_tokens % config.page_size
     context = config.context_length or model_config.max_position_embeddings
