@@ -308,27 +308,35 @@ def test_requests_share_the_slots_left(tmp_path: Path) -> None:
     eagle.check_empty()
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle-bin"])
 def test_the_kv_budget_counts_the_heads_own_weights(tmp_path: Path, kind: str) -> None:
     """`resolve.draft_memory` of an EAGLE head: the bytes of the built head's own parameters and buffers (float32 here),
     not the target's embedding and LM head it shares (a whole Llama model of the head's config counted them, and
     missed an EAGLE-3 head's wider fc and attention input and its own LM head); a head of another width counts as that
-    whole model (the loader refuses it later)."""
+    whole model (the loader refuses it later). A `pytorch_model.bin` head counts an embedding and an fc bias of its
+    own (its names would need the whole file read): the safe side."""
     from lmserver.config import ServerConfig
     from lmserver.runner.resolve import draft_memory, estimate_weight_bytes
     from lmserver.testing import write_eagle3_head
 
     target = _target()
     path = tmp_path / kind
-    if kind == "eagle":
+    if kind != "eagle3":
         write_eagle_head(path, HEAD)
+        if kind == "eagle-bin":
+            from safetensors.torch import load_file
+
+            for f in list(path.glob("*.safetensors")):
+                torch.save(load_file(f), path / "pytorch_model.bin")
+                f.unlink()
     else:
         write_eagle3_head(path, dict(HEAD, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}), draft_vocab=50)
     head = _proposer(path, target).head
     own = {id(p): p for _, p in head.head_parameters()} | {id(b): b for b in head.buffers()}
     cfg = ServerConfig(context_length=128, speculative_algorithm="eagle", speculative_draft_model_path=str(path))
     _, weights = draft_memory(cfg, "float32", ModelConfig.from_hf(TARGET))
-    assert weights == sum(t.numel() * t.element_size() for t in own.values())
+    extra = (101 * 64 + 64) * 4 if kind == "eagle-bin" else 0  # the assumed embedding (vocab x hidden) and fc bias
+    assert weights == sum(t.numel() * t.element_size() for t in own.values()) + extra
     whole = estimate_weight_bytes(ModelConfig.from_hf(dict(HEAD, architectures=["LlamaForCausalLM"])), "float32", 128)
     if kind == "eagle":
         assert weights < whole  # the shared embedding / LM head are not counted

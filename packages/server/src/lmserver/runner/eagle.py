@@ -67,9 +67,10 @@ def eagle3_aux_layers(model_path: str, target_layers: int) -> tuple[int, ...] | 
 
 
 def build_head(model_path: str, target: torch.nn.Module, target_config: ModelConfig, max_positions: int,
-               load_format: str) -> tuple[EagleHead | Eagle3Head, ModelConfig]:
+               names: set[str]) -> tuple[EagleHead | Eagle3Head, ModelConfig]:
     """The EAGLE head of `model_path` (EAGLE-1/2 or EAGLE-3, by its config.json) over `target`'s shared modules, on
-    the default device, its weights not loaded, and its config; DraftModelError for a head this target cannot use."""
+    the default device, its weights not loaded, and its config; `names`: its checkpoint's tensor names (whether it has
+    an embedding of its own, an fc bias). DraftModelError for a head this target cannot use."""
     raw = _head_config(model_path)
     aux = eagle3_aux_layers(model_path, target_config.num_hidden_layers)
     try:  # NOTE: an EAGLE-3 config names its own architecture; its fields are a Llama layer's
@@ -83,7 +84,6 @@ def build_head(model_path: str, target: torch.nn.Module, target_config: ModelCon
                                   f"{getattr(target_config, field)}: a head must be trained for this target")
     if target_config.is_multimodal:
         raise DraftModelError("EAGLE speculation does not serve multimodal targets yet")
-    names = checkpoint_names(model_path) if load_format == "auto" else set()
     own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
     if aux:
         return Eagle3Head(config, target, max_positions, int(raw.get("draft_vocab_size", config.vocab_size)), len(aux),
@@ -104,10 +104,17 @@ class _SharedModules(torch.nn.Module):
 def eagle_head_bytes(model_path: str, target_config: ModelConfig, dtype: torch.dtype, max_positions: int,
                      load_format: str = "auto") -> int:
     """Bytes the EAGLE head of `model_path` adds to the target's: its own parameters and buffers in `dtype` (built on
-    the meta device: no memory, no weights read), not the embedding and LM head it shares with the target. Raises
-    DraftModelError as `build_head`."""
+    the meta device: no memory, no weights read), not the embedding and LM head it shares with the target. A
+    `pytorch_model.bin` head (its names need the whole file read) counts an embedding and an fc bias of its own, the
+    safe side. Raises DraftModelError as `build_head`."""
+    if load_format != "auto":
+        names: set[str] = set()
+    elif any(Path(model_path).glob("*.safetensors")):
+        names = checkpoint_names(model_path)  # the files' headers only
+    else:
+        names = {"embed_tokens.weight", "fc.bias"}
     with torch.device("meta"):
-        head, _ = build_head(model_path, _SharedModules(target_config), target_config, max_positions, load_format)
+        head, _ = build_head(model_path, _SharedModules(target_config), target_config, max_positions, names)
         head = head.to(dtype)
     own = {id(p): p for _, p in head.head_parameters()} | {id(b): b for b in head.buffers()}
     return sum(t.numel() * t.element_size() for t in own.values())
@@ -119,7 +126,8 @@ class EagleProposer(DraftModel):
                  attention_backend: str, load_format: str = "auto", seed: int = 0, graph_max_bs: int = 0,
                  chain_steps: int = 0) -> None:
         with torch.device(device):
-            head, config = build_head(model_path, target, target_config, context_length, load_format)
+            names = checkpoint_names(model_path) if load_format == "auto" else set()
+            head, config = build_head(model_path, target, target_config, context_length, names)
             head = head.to(dtype)
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(seed)
