@@ -175,8 +175,7 @@ def route_split_kernel(
     if HN16:
         tl.store(hn16_ptr + offs_m[:, None] * H + offs_c[None, :], scaled_f16(hn.to(tl.float32), DOT_F32), mask=cm)
     logits = _dot(hn, wr, tl.zeros((BLOCK_M, BLOCK_E), tl.float32), DOT_F32)
-    me = m_mask[:, None] & (offs_e[None, :] < BLOCK_E)
-    tl.store(part_ptr + (sp * MAX_T + offs_m[:, None]) * BLOCK_E + offs_e[None, :], logits, mask=me)
+    tl.store(part_ptr + (sp * MAX_T + offs_m[:, None]) * BLOCK_E + offs_e[None, :], logits, mask=m_mask[:, None])
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
@@ -184,7 +183,7 @@ def route_split_kernel(
         offs_s = tl.arange(0, BLOCK_S)
         sm = offs_s < tl.num_programs(0)
         parts = tl.load(part_ptr + (offs_s[:, None, None] * MAX_T + offs_m[None, :, None]) * BLOCK_E
-                        + offs_e[None, None, :], mask=sm[:, None, None] & me[None, :, :], other=0.0,
+                        + offs_e[None, None, :], mask=sm[:, None, None] & m_mask[None, :, None], other=0.0,
                         cache_modifier=".cg")  # (BLOCK_S, BLOCK_M, BLOCK_E)
         total = tl.sum(parts, 0)
         _top_k(total.to(router_ptr.dtype.element_ty).to(tl.float32), ids_ptr, wts_ptr, bitmap_ptr, offs_m, m_mask,
