@@ -84,7 +84,7 @@ class TorchNativeBackend(AttentionBackend):
         if self.dense is not None:  # NOTE: an EXTEND may give a request's row to another request
             self.dense.rows = []
         assert batch.extend_prefix_lens_cpu is not None and batch.extend_seq_lens_cpu is not None
-        self.extend_plan: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.extend_plan: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         self.padded = self._plan_padded(batch)
         if self.padded:
             return
@@ -93,8 +93,10 @@ class TorchNativeBackend(AttentionBackend):
             prefix, ext = batch.extend_prefix_lens_cpu[i], batch.extend_seq_lens_cpu[i]
             total = prefix + ext
             slots = self.req_to_token[rows[i], :total].long()  # (total,)
-            q_pos = torch.arange(prefix, total, device=rows.device)
-            mask = torch.arange(total, device=rows.device)[None, :] <= q_pos[:, None]  # (ext, total)
+            mask: torch.Tensor | None = None  # a fresh prompt: SDPA's own causal mask (upper left = lower right)
+            if prefix:
+                q_pos = torch.arange(prefix, total, device=rows.device)
+                mask = torch.arange(total, device=rows.device)[None, :] <= q_pos[:, None]  # (ext, total)
             self.extend_plan.append((start, ext, slots, mask))
             start += ext
 
@@ -234,9 +236,13 @@ class TorchNativeBackend(AttentionBackend):
             return self._forward_padded(q, layer)
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         for start, ext, slots, mask in self.extend_plan:
-            qi = q[start : start + ext].transpose(0, 1)  # (H, ext, D)
-            ki = self.kv_pool.dequantize_k(layer.layer_id, k_cache.index_select(0, slots), q.dtype).transpose(0, 1)
-            vi = self.kv_pool.dequantize_v(layer.layer_id, v_cache.index_select(0, slots), q.dtype).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
-            out[start : start + ext] = oi.transpose(0, 1)
+            # NOTE: (1, H, ext, D) with a batch dimension: on the CPU SDPA then takes its flash kernel; 3-d inputs went
+            # through the math path, 6x slower with a mask and 12x without (2,048 tokens, 9 heads of 64, 2 cores:
+            # 468 ms -> 79 ms masked, 40 ms causal)
+            qi = q[start : start + ext].transpose(0, 1)[None]
+            ki = self.kv_pool.dequantize_k(layer.layer_id, k_cache.index_select(0, slots), q.dtype).transpose(0, 1)[None]
+            vi = self.kv_pool.dequantize_v(layer.layer_id, v_cache.index_select(0, slots), q.dtype).transpose(0, 1)[None]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling,
+                                                enable_gqa=True)
+            out[start : start + ext] = oi[0].transpose(0, 1)
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
