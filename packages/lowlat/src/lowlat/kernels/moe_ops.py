@@ -73,13 +73,13 @@ class MoEWorkspace:
     bitmap: torch.Tensor  # (num_experts,) int32: bit t set when token t chose the expert
     act: torch.Tensor  # (num_experts, max_tokens, expert_inter) the model dtype, rows by popcount placement
     y: torch.Tensor  # (num_experts, max_tokens, hidden) float32 expert outputs, same rows
+    # ``route_split_kernel``: (splits * max_tokens * block_e,) float32 partial router logits, and its int32 counter
+    # (zero between launches)
+    route_parts: torch.Tensor
+    route_count: torch.Tensor
     # FP8 experts (``allocate(..., fp8=True)``): hn and act times 2^-4 in fp16, for ``EXPERT_ROWS_F16``
     hn16: torch.Tensor | None = None  # (max_tokens, hidden) float16
     act16: torch.Tensor | None = None  # (num_experts, max_tokens, expert_inter) float16
-    # ``route_split_kernel``: (splits * max_tokens * block_e,) float32 partial router logits, and its int32 counter
-    # (zero between launches)
-    route_parts: torch.Tensor | None = None
-    route_count: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, moe: MoEShape, hidden: int, max_tokens: int, device: torch.device, dtype: torch.dtype,
@@ -95,11 +95,11 @@ class MoEWorkspace:
             bitmap=torch.empty(e, device=device, dtype=torch.int32),
             act=torch.empty(e, max_tokens, i, device=device, dtype=dtype),
             y=torch.empty(e, max_tokens, hidden, device=device, dtype=torch.float32),
-            hn16=torch.empty(max_tokens, hidden, device=device, dtype=f16) if fp8 else None,
-            act16=torch.empty(e, max_tokens, i, device=device, dtype=f16) if fp8 else None,
             route_parts=torch.empty(triton.cdiv(hidden, MIN_ROUTE_CHUNK) * max_tokens * route_block_e(e, device),
                                     device=device, dtype=torch.float32),
             route_count=torch.zeros(1, device=device, dtype=torch.int32),
+            hn16=torch.empty(max_tokens, hidden, device=device, dtype=f16) if fp8 else None,
+            act16=torch.empty(e, max_tokens, i, device=device, dtype=f16) if fp8 else None,
         )
 
     @property
@@ -109,8 +109,8 @@ class MoEWorkspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.hn, self.ids, self.wts, self.bitmap, self.act, self.y,
-                                                          self.hn16, self.act16, self.route_parts,
-                                                          self.route_count) if t is not None)
+                                                          self.route_parts, self.route_count, self.hn16,
+                                                          self.act16) if t is not None)
 
 
 def moe_mlp(
@@ -146,7 +146,7 @@ def moe_mlp(
     up, down = up_cfg or up, down_cfg or down
     rows16 = rows_f16(fp8, up, down, ws)
     hn16 = dict(hn16_ptr=ws.hn16, HN16=True) if rows16 else {}
-    chunk = ROUTE_CHUNK if ws.route_parts is not None and ws.route_count is not None else 0
+    chunk = ROUTE_CHUNK
     if chunk:
         if chunk < MIN_ROUTE_CHUNK or chunk & (chunk - 1):
             raise ShapeError(f"ROUTE_CHUNK must be a power of two >= {MIN_ROUTE_CHUNK}, got {chunk}")
