@@ -110,6 +110,13 @@ def host_calls(fn: Callable[[], object], names: tuple[str, ...] = ("cuda", "aten
     CUDA runtime's calls, e.g. ``cudaStreamSynchronize`` / ``cudaMemcpyAsync``, and the torch ops that read a device
     value on the host) its count and host us; largest time first. Where a device timeline shows idle gaps, a
     synchronizing call here is the usual cause."""
+    prof = _profiled_with_host(fn)
+    return summarize_host_events(((e.name, e.device_type == torch.autograd.DeviceType.CPU,
+                                   float(e.time_range.end - e.time_range.start)) for e in prof.events()), names)
+
+
+def _profiled_with_host(fn: Callable[[], object]) -> Any:
+    """The torch profiler (host and device activity) of one synchronized call of ``fn``, after one unprofiled call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -117,22 +124,14 @@ def host_calls(fn: Callable[[], object], names: tuple[str, ...] = ("cuda", "aten
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return summarize_host_events(((e.name, e.device_type == torch.autograd.DeviceType.CPU,
-                                   float(e.time_range.end - e.time_range.start)) for e in prof.events()), names)
+    return prof
 
 
 def export_trace(fn: Callable[[], object], path: str) -> None:
     """One profiled call of ``fn`` (host and device activity, launch-to-kernel flows) written as a Chrome trace to
     ``path``: to tell an idle gap the host left (the next kernel launched after the one before it ended) from one the
     device took."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
-        fn()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
+    _profiled_with_host(fn).export_chrome_trace(path)
 
 
 def summarize_host_events(events: Iterable[tuple[str, bool, float]], names: tuple[str, ...]) -> list[dict[str, Any]]:
