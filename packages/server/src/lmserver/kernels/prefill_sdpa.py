@@ -1,0 +1,65 @@
+"""Fresh-prompt causal attention through torch's SDPA (cuDNN's fused attention on Hopper).
+
+A prefill batch whose requests have no cached prefix is plain causal attention per request over its own new tokens.
+On the H200 (benchmarks/RESULTS.md, "lmserver kernels": `bench_prefill_attention.py`, Llama-3-8B heads, bf16)
+cuDNN's kernel through `scaled_dot_product_attention(..., enable_gqa=True)` takes 290 us for a 4,096-token prompt
+against 333-355 for our Triton extend kernel, 1,053 against 1,269-1,285 at 8,192, 184 against 193 for two prompts of
+2,048, and loses at 1,024 (37.3 against 33.0). `use_for` is that rule; `causal_prefill` runs it.
+
+The packed (tokens, heads, dim) tensors are viewed per request as (1, heads, tokens, dim) (no copy); the output is
+written into the caller's packed `out`. Reference: `reference.extend_attention_ref` with zero-length prefixes.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+__all__ = ["MIN_TOKENS", "MAX_REQUESTS", "causal_prefill", "cudnn_available", "use_for"]
+
+MIN_TOKENS = 2048  # every request of the batch at least this long (measured: a win from 2,048, a loss at 1,024)
+MAX_REQUESTS = 8  # one SDPA call per request: a batch of many prompts stays on the one-launch Triton kernel
+
+
+def cudnn_available(device: torch.device) -> bool:
+    """cuDNN's fused attention where it was measured: a CUDA device of compute capability 9.x (Hopper)."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def use_for(extend_lens: list[int], prefix_lens: list[int] | None) -> bool:
+    """Whether a prefill batch goes through `causal_prefill`: no cached prefix anywhere, at most `MAX_REQUESTS`
+    requests, each of at least `MIN_TOKENS` new tokens. Pure."""
+    return (bool(extend_lens) and len(extend_lens) <= MAX_REQUESTS and min(extend_lens) >= MIN_TOKENS
+            and (prefix_lens is None or not any(prefix_lens)))
+
+
+def causal_prefill(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    extend_lens: list[int],  # new tokens per request, packed one after the other in q / k / v
+    sm_scale: float,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_dim): written
+    backend: SDPBackend | None = SDPBackend.CUDNN_ATTENTION,
+) -> torch.Tensor:
+    """Causal self-attention of each request's tokens (query heads grouped over the KV heads); returns `out`.
+    `backend` None lets torch choose (the CPU's tests). Mutates `out` only."""
+    if sum(extend_lens) != q.shape[0] or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"extend_lens sum to {sum(extend_lens)}, q has {q.shape[0]} rows, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    gqa = q.shape[1] != k.shape[1]
+    start = 0
+    with sdpa_kernel(backend) if backend is not None else nullcontext():
+        for n in extend_lens:
+            rows = slice(start, start + n)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0), k[rows].transpose(0, 1).unsqueeze(0),
+                v[rows].transpose(0, 1).unsqueeze(0), is_causal=True, scale=sm_scale, enable_gqa=gqa,
+            )
+            out[rows].copy_(o.squeeze(0).transpose(0, 1))
+            start += n
+    return out
+
