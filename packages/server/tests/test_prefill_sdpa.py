@@ -30,8 +30,13 @@ def test_causal_prefill_matches_extend_reference(shape: tuple[int, int, int]) ->
                                         batch.extend_lens, batch.extend_start_loc, dim**-0.5)
     for q, k, v in ((batch.q, batch.k_extend, batch.v_extend), _packed_views(batch.q, batch.k_extend, batch.v_extend)):
         out = torch.full_like(batch.q, float("nan"))
-        prefill_sdpa.causal_prefill(q, k, v, new, dim**-0.5, out, backend=None)
+        assert prefill_sdpa.causal_prefill(q, k, v, new, dim**-0.5, out, backend=None) is out
         assert rel_error(out, expected) < 1e-5
+        made = prefill_sdpa.causal_prefill(q, k, v, new, dim**-0.5, backend=None)  # a tensor of its own
+        assert made.shape == batch.q.shape and made.is_contiguous() and torch.equal(made, out)
+        one = new[0]  # one request: SDPA's output as it is when already packed, else a packed copy
+        alone = prefill_sdpa.causal_prefill(q[:one], k[:one], v[:one], [one], dim**-0.5, backend=None)
+        assert alone.shape == (one, heads, dim) and alone.is_contiguous() and torch.equal(alone, out[:one])
     with pytest.raises(ValueError, match="extend_lens"):
         prefill_sdpa.causal_prefill(batch.q, batch.k_extend, batch.v_extend, new[:-1], dim**-0.5, out, backend=None)
 
@@ -65,9 +70,9 @@ def test_triton_backend_runs_fresh_prompts_through_cudnn(kv_dtype: torch.dtype |
     class Counting(TritonBackend):
         sdpa_calls = 0
 
-        def _cudnn_prefill(self, *args, **kwargs) -> bool:  # type: ignore[no-untyped-def]
+        def _cudnn_prefill(self, *args, **kwargs) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
             took = super()._cudnn_prefill(*args, **kwargs)
-            self.sdpa_calls += took
+            self.sdpa_calls += took is not None
             return took
 
     def make(pool, table):  # type: ignore[no-untyped-def]

@@ -8,6 +8,9 @@ An FP8 KV pool: k, v are quantized by the pool's torch op (`KVPool.quantize`) an
 kernel copies the bytes; the attention kernels read FP8 with the layer's scales; the new tokens of
 an extend attend to each other's FP8-rounded K / V, as the torch_native reference does. Cascade
 decode is off (its shared-prefix kernel reads no FP8 yet).
+
+A prefill batch of fresh long prompts (`prefill_sdpa.use_for`) runs cuDNN's fused attention on Hopper instead of the
+extend kernel (`cudnn_prefill`: 290 vs 333 us for a 4,096-token prompt of the 8B shape on the H200).
 """
 
 from __future__ import annotations
@@ -113,18 +116,18 @@ class TritonBackend(AttentionBackend):
         return have[0][:bs], have[1][:bs]
 
     def _cudnn_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                       layer: AttentionLayer, out: torch.Tensor) -> bool:
-        """A fresh prefill through `prefill_sdpa`; False (and cuDNN off for this backend, said once in the log)
-        where torch refuses the call (no cuDNN kernel for these inputs): the caller runs the Triton kernel."""
+                       layer: AttentionLayer) -> torch.Tensor | None:
+        """A fresh prefill's attention (T, H, D) through `prefill_sdpa`; None (and cuDNN off for this backend, said
+        once in the log) where torch refuses the call (no cuDNN kernel for these inputs): the caller runs the Triton
+        kernel."""
         assert batch.extend_seq_lens_cpu is not None
         try:
-            prefill_sdpa.causal_prefill(q, k, v, batch.extend_seq_lens_cpu, layer.scaling, out)
+            return prefill_sdpa.causal_prefill(q, k, v, batch.extend_seq_lens_cpu, layer.scaling)
         except RuntimeError as exc:
             logger.warning("cuDNN prefill attention refused (%s); extends use the Triton kernel from now on",
                            str(exc).splitlines()[0][:200])
             self.cudnn_prefill = self.extend_sdpa = False
-            return False
-        return True
+            return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         """q (T, H, D), k/v (T, KV, D) -> (T, H * D). Mutates the layer's KV cache (stores k, v)."""
@@ -148,6 +151,10 @@ class TritonBackend(AttentionBackend):
         else:
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         num_tokens = q.shape[0]
+        if batch.mode != ForwardMode.DECODE and self.extend_sdpa:
+            sdpa_out = self._cudnn_prefill(q, k, v, batch, layer)
+            if sdpa_out is not None:
+                return sdpa_out.reshape(num_tokens, layer.num_heads * layer.head_dim)
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         if batch.mode == ForwardMode.DECODE and self.cascade is not None:
             splits = self.cascade.num_shared_splits + self.num_kv_splits
@@ -165,8 +172,6 @@ class TritonBackend(AttentionBackend):
                 out=out, num_kv_splits=self.num_kv_splits, partial_out=part_out, partial_lse=part_lse,
                 block_n=128 if q.is_cuda else 16, k_scale=k_scale, v_scale=v_scale,
             )
-        elif self.extend_sdpa and self._cudnn_prefill(q, k, v, batch, layer, out):
-            pass
         else:
             assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None
             assert batch.extend_start_loc is not None
