@@ -83,7 +83,8 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     # NOTE: divided by a tensor on x's device, not the Python float: CUDA torch computes `tensor / python_scalar` as
     # tensor * fl(1 / scalar) (one ulp off the quotient for some values), the CPU divides; this is a division on both
     scale = (amax / amax.new_tensor(FP8_MAX)).clamp_min(_MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    # x times the scale's reciprocal (both IEEE-rounded on every device), as the kernels quantize (`fp8_quant`)
+    return (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def quantize_kv_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
