@@ -5,6 +5,7 @@
 - Triton modules (import them only when Triton is meant to run; they import triton):
   `decode_attention`, `extend_attention`, `norm`, `activation`, `rope`, `kv_store`,
   `sampling`, `bitmask`.
+- `prefill_sdpa`: fresh long prompts' causal attention through torch SDPA (cuDNN on Hopper).
 """
 
 from lmserver.kernels._util import KernelInputError
