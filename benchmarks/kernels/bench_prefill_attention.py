@@ -102,16 +102,56 @@ VARIANTS: dict[str, Callable[[], Callable[[dict, torch.Tensor], None]]] = {
 }
 
 
+def first_calls(n: int) -> int:
+    """Wall ms of the first and the second `prefill_sdpa.causal_prefill` call at each of n new prompt lengths."""
+    import os
+    import random
+    import statistics
+    import time
+
+    from lmserver.kernels.prefill_sdpa import causal_prefill
+
+    rng = random.Random(1)
+    lengths = rng.sample(range(2048, 8192), n)
+    firsts, seconds = [], []
+    for length in lengths:
+        x = packed_inputs([length])
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            causal_prefill(x["q"], x["k"], x["v"], [length], DIM**-0.5)
+            torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        firsts.append(times[0])
+        seconds.append(times[1])
+    env = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "unset")
+    print(f"TORCH_CUDNN_SDPA_AVOID_RECOMPILE={env}: {n} new lengths, first call ms median "
+          f"{statistics.median(firsts):.2f} max {max(firsts):.2f}; second call median {statistics.median(seconds):.2f}"
+          f" max {max(seconds):.2f}", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lens", nargs="+", default=["4096", "2048,2048", "8192", "1024"],
                         help="batches: comma-separated prompt lengths of one prefill batch")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), help="which (names of VARIANTS)")
     parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--first-calls", type=int, default=0,
+                        help="instead: this many prompts of new lengths (2,048-8,191) through prefill_sdpa, the wall "
+                             "time of each one's first and second call (a backend that plans per shape pays at the "
+                             "first; TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0 in the environment: torch's default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_prefill_attention needs a CUDA device.")
         return 2
+    from lmserver.kernels.prefill_sdpa import length_agnostic_plans
+
+    # as the server runs it: torch's length-agnostic cuDNN plans on unless the environment says otherwise (0)
+    print(f"length-agnostic cuDNN plans: {length_agnostic_plans()}", flush=True)
+    if args.first_calls:
+        return first_calls(args.first_calls)
     from lmserver.kernels.reference import extend_attention_ref
 
     torch.manual_seed(0)

@@ -3,6 +3,8 @@ CPU (torch's own SDPA choice), and on a Hopper GPU through cuDNN inside the `tri
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -50,6 +52,16 @@ def test_use_for_takes_only_fresh_long_prompts() -> None:
     assert not prefill_sdpa.use_for([], [])
     assert not prefill_sdpa.use_for([long] * (prefill_sdpa.MAX_REQUESTS + 1), None)
     assert prefill_sdpa.use_for([long] * prefill_sdpa.MAX_REQUESTS, None)
+
+
+def test_length_agnostic_plans_respect_the_process_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(prefill_sdpa.AVOID_RECOMPILE, "unset below")  # recorded, so the test leaves the process as found
+    monkeypatch.delenv(prefill_sdpa.AVOID_RECOMPILE)
+    assert prefill_sdpa.length_agnostic_plans()
+    assert os.environ[prefill_sdpa.AVOID_RECOMPILE] == "1"
+    monkeypatch.setenv(prefill_sdpa.AVOID_RECOMPILE, "0")
+    assert not prefill_sdpa.length_agnostic_plans()
+    assert os.environ[prefill_sdpa.AVOID_RECOMPILE] == "0"
 
 
 def test_cudnn_is_not_claimed_off_hopper() -> None:

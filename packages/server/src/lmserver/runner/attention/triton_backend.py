@@ -65,7 +65,10 @@ class TritonBackend(AttentionBackend):
         self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix
         # fresh long prompts through cuDNN's fused attention where it was measured to win (`prefill_sdpa`); set False
         # to keep every extend on the Triton kernel
-        self.cudnn_prefill = prefill_sdpa.cudnn_available(device)
+        self.cudnn_prefill = prefill_sdpa.cudnn_available(device) and prefill_sdpa.length_agnostic_plans()
+        if prefill_sdpa.cudnn_available(device) and not self.cudnn_prefill:
+            logger.info("cuDNN prefill attention off: %s is not 1 (a cuDNN plan per prompt length)",
+                        prefill_sdpa.AVOID_RECOMPILE)
         self.extend_sdpa = False  # set by each extend `plan`
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
