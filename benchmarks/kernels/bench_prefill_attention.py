@@ -141,14 +141,14 @@ def main() -> int:
     parser.add_argument("--first-calls", type=int, default=0,
                         help="instead: this many prompts of new lengths (2,048-8,191) through prefill_sdpa, the wall "
                              "time of each one's first and second call (a backend that plans per shape pays at the "
-                             "first; TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0 in the environment: torch's default)")
+                             "first; TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 in the environment: torch's length-agnostic plans)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_prefill_attention needs a CUDA device.")
         return 2
     from lmserver.kernels.prefill_sdpa import length_agnostic_plans
 
-    # as the server runs it: torch's length-agnostic cuDNN plans on unless the environment says otherwise (0)
+    # TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 in the environment: torch's length-agnostic plans (q / k / v copied first)
     print(f"length-agnostic cuDNN plans: {length_agnostic_plans()}", flush=True)
     if args.first_calls:
         return first_calls(args.first_calls)

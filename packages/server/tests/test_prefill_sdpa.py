@@ -54,14 +54,12 @@ def test_use_for_takes_only_fresh_long_prompts() -> None:
     assert prefill_sdpa.use_for([long] * prefill_sdpa.MAX_REQUESTS, None)
 
 
-def test_length_agnostic_plans_respect_the_process_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(prefill_sdpa.AVOID_RECOMPILE, "unset below")  # recorded, so the test leaves the process as found
-    monkeypatch.delenv(prefill_sdpa.AVOID_RECOMPILE)
-    assert prefill_sdpa.length_agnostic_plans()
-    assert os.environ[prefill_sdpa.AVOID_RECOMPILE] == "1"
-    monkeypatch.setenv(prefill_sdpa.AVOID_RECOMPILE, "0")
+def test_length_agnostic_plans_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(prefill_sdpa.AVOID_RECOMPILE, raising=False)
     assert not prefill_sdpa.length_agnostic_plans()
-    assert os.environ[prefill_sdpa.AVOID_RECOMPILE] == "0"
+    assert prefill_sdpa.AVOID_RECOMPILE not in os.environ  # read only
+    monkeypatch.setenv(prefill_sdpa.AVOID_RECOMPILE, "1")
+    assert prefill_sdpa.length_agnostic_plans()
 
 
 def test_cudnn_is_not_claimed_off_hopper() -> None:
@@ -75,11 +73,12 @@ def test_cudnn_is_not_claimed_off_hopper() -> None:
 def test_triton_backend_runs_fresh_prompts_through_cudnn(kv_dtype: torch.dtype | None) -> None:
     from lmserver.runner.attention.testing import compare_backends
     from lmserver.runner.attention.torch_native import TorchNativeBackend
-    from lmserver.runner.attention.triton_backend import TritonBackend
+    from lmserver.runner.attention.triton_backend import TritonBackend, TritonCudnnPrefillBackend
 
+    assert not TritonBackend.CUDNN_PREFILL  # opt-in: the default backend never takes cuDNN
     made: list[TritonBackend] = []
 
-    class Counting(TritonBackend):
+    class Counting(TritonCudnnPrefillBackend):
         sdpa_calls = 0
 
         def _cudnn_prefill(self, *args, **kwargs) -> torch.Tensor | None:  # type: ignore[no-untyped-def]

@@ -76,7 +76,7 @@ class ServerConfig:
                                            "auto (kernel where the device can address the host pool)",
                                     ("auto", "kernel", "direct"))
     # Kernels and graphs
-    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
+    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "triton_cudnn", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     disable_cascade_attention: bool = _opt(False, "decode attention reads a KV prefix shared by several running "
                                                   "requests once per request, not once per group (cascade "

@@ -7,12 +7,13 @@ against 333-355 for our Triton extend kernel, 1,053 against 1,269-1,285 at 8,192
 2,048, and loses at 1,024 (37.3 against 33.0). `use_for` is that rule; `causal_prefill` runs it.
 
 cuDNN builds an execution plan per shape: each new prompt length cost 84 ms at the median on the H200 (1.2 s for the
-first), unless torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE` is on (its ragged path: plans per power-of-two length,
-0.8 ms for a new length, the same kernel times; torch reads the variable once, at its first cuDNN attention call in
-the process). `length_agnostic_plans` turns it on unless the process set it already; cuDNN prefill is used only
-with it on. That path takes only (tokens, heads, dim)-contiguous q / k / v, so views (a qkv projection's columns)
-are copied first (~17 us for a 4,096-token 8B q). Each request is viewed as (1, heads, tokens, dim) (no copy).
-Reference: `reference.extend_attention_ref` with zero-length prefixes.
+first). torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` (its ragged path: plans per power-of-two length, 0.8 ms for a
+new length; torch reads the variable once, at its first cuDNN attention call in the process) takes only (tokens,
+heads, dim)-contiguous q / k / v: where the process sets it, views (a qkv projection's columns) are copied first,
+43-70 us per layer of a 4,096-token 8B prefill, and that prefill measured 79.4 ms against 63.3 (FP8) with it: so
+the server offers this path opt-in (`--attention-backend triton_cudnn`), for workloads of few prompt lengths. Each
+request is viewed as (1, heads, tokens, dim) (no copy). Reference: `reference.extend_attention_ref` with
+zero-length prefixes.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ def cudnn_available(device: torch.device) -> bool:
 
 
 def length_agnostic_plans() -> bool:
-    """Turns torch's length-agnostic cuDNN attention plans on (`AVOID_RECOMPILE` = 1) unless the process chose
-    already; True when they are on. NOTE: a process-wide torch switch, read by torch at its first cuDNN attention
-    call: set only where unset, so a user's explicit 0 keeps cuDNN prefill off."""
-    return os.environ.setdefault(AVOID_RECOMPILE, "1") == "1"
+    """Whether the process asked torch for length-agnostic cuDNN attention plans (`AVOID_RECOMPILE` = 1: a
+    process-wide torch switch, read by torch at its first cuDNN attention call). Reads the environment only."""
+    return os.environ.get(AVOID_RECOMPILE) == "1"
 
 
 def use_for(extend_lens: list[int], prefix_lens: list[int] | None) -> bool:
@@ -69,7 +69,8 @@ def causal_prefill(
         raise ValueError(f"extend_lens sum to {sum(extend_lens)}, q has {q.shape[0]} rows, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     gqa = q.shape[1] != k.shape[1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the length-agnostic plans take no views (see above)
+    if length_agnostic_plans():  # that path takes no views (see above)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     start = 0
     with sdpa_kernel(backend) if backend is not None else nullcontext():
         for n in extend_lens:

@@ -59,11 +59,13 @@ class AttentionRegistry:
 # name -> (module, class) of optional backends added as new modules (e.g. by the GPU work).
 _OPTIONAL_BACKENDS = {
     "triton": ("lmserver.runner.attention.triton_backend", "TritonBackend"),
+    "triton_cudnn": ("lmserver.runner.attention.triton_backend", "TritonCudnnPrefillBackend"),
     "flashinfer": ("lmserver.runner.attention.flashinfer_backend", "FlashInferBackend"),
 }
 # name -> what to install when an optional backend does not import
 INSTALL_HINTS = {
     "triton": "install the triton package",
+    "triton_cudnn": "install the triton package",
     "flashinfer": "install the flashinfer package (pip install flashinfer-python)",
 }
 

@@ -9,8 +9,12 @@ kernel copies the bytes; the attention kernels read FP8 with the layer's scales;
 an extend attend to each other's FP8-rounded K / V, as the torch_native reference does. Cascade
 decode is off (its shared-prefix kernel reads no FP8 yet).
 
-A prefill batch of fresh long prompts (`prefill_sdpa.use_for`) runs cuDNN's fused attention on Hopper instead of the
-extend kernel (`cudnn_prefill`: 290 vs 333 us for a 4,096-token prompt of the 8B shape on the H200).
+`TritonCudnnPrefillBackend` (`--attention-backend triton_cudnn`, opt-in) runs a prefill batch of fresh long prompts
+(`prefill_sdpa.use_for`) through cuDNN's fused attention on Hopper instead of the extend kernel (290 vs 333 us for a
+4,096-token prompt of the 8B shape on the H200), at one cuDNN plan per new prompt length (84 ms at the median):
+for workloads of few distinct prompt lengths. Not the default: torch's length-agnostic plans
+(`TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`, honoured where the process sets it) need contiguous copies of q / k / v
+(43-70 us per layer) and left the FP8 4k prefill 79.4 ms against 63.3 in the engine (2026-12-04, RESULTS.md).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from lmserver.kernels.decode_attention import choose_num_kv_splits, decode_atten
 from lmserver.kernels.extend_attention import extend_attention
 from lmserver.kernels.kv_store import store_kv
 
-__all__ = ["TritonBackend"]
+__all__ = ["TritonBackend", "TritonCudnnPrefillBackend"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class TritonBackend(AttentionBackend):
     `CASCADE_CHUNK_ROWS` rows."""
 
     name = "triton"
+    CUDNN_PREFILL = False  # fresh long prompts through cuDNN (`TritonCudnnPrefillBackend`)
     supports_cascade = True
     CASCADE_CHUNK_ROWS = 16  # rows of a group per shared-prefix program (x GQA group = its tl.dot M)
     CASCADE_SHARED_SPLITS = 8  # at most this many splits of a shared prefix
@@ -63,12 +68,8 @@ class TritonBackend(AttentionBackend):
         self._cascade_meta: dict[int, CascadeMetadata] = {}
         self.cascade: CascadeMetadata | None = None
         self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix
-        # fresh long prompts through cuDNN's fused attention where it was measured to win (`prefill_sdpa`); set False
-        # to keep every extend on the Triton kernel
-        self.cudnn_prefill = prefill_sdpa.cudnn_available(device) and prefill_sdpa.length_agnostic_plans()
-        if prefill_sdpa.cudnn_available(device) and not self.cudnn_prefill:
-            logger.info("cuDNN prefill attention off: %s is not 1 (a cuDNN plan per prompt length)",
-                        prefill_sdpa.AVOID_RECOMPILE)
+        # fresh long prompts through cuDNN's fused attention (`prefill_sdpa`): the opt-in subclass only
+        self.cudnn_prefill = self.CUDNN_PREFILL and prefill_sdpa.cudnn_available(device)
         self.extend_sdpa = False  # set by each extend `plan`
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
@@ -184,3 +185,12 @@ class TritonBackend(AttentionBackend):
                 k_scale=k_scale, v_scale=v_scale, has_prefix=self.extend_has_prefix,
             )
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
+
+
+class TritonCudnnPrefillBackend(TritonBackend):
+    """`TritonBackend` with fresh prompts of >= `prefill_sdpa.MIN_TOKENS` tokens through cuDNN's fused attention on
+    Hopper (elsewhere the same as `triton`): one cuDNN plan per new prompt length, see the module's docstring."""
+
+    name = "triton_cudnn"
+    CUDNN_PREFILL = True
+
