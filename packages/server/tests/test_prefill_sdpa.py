@@ -95,3 +95,13 @@ def test_triton_backend_runs_fresh_prompts_through_cudnn(kv_dtype: torch.dtype |
                      num_slots=20000, width=8192, chunks=[[2048, 3000, 0], [0, 5, 2048]], decode_steps=2,
                      tol=1.6e-2, kv_cache_dtype=kv_dtype)
     assert made[0].sdpa_calls == 2  # both layers of the first step, and no fallback
+
+
+def test_cudnn_prefill_is_an_opt_in_backend() -> None:
+    from lmserver.runner.attention.registry import default_registry
+    from lmserver.runner.attention.triton_backend import TritonBackend, TritonCudnnPrefillBackend
+
+    names = default_registry().names()
+    assert "triton" in names and "triton_cudnn" in names
+    assert not TritonBackend.CUDNN_PREFILL and TritonCudnnPrefillBackend.CUDNN_PREFILL
+    assert TritonCudnnPrefillBackend.name == "triton_cudnn"
