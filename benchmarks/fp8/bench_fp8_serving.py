@@ -7,7 +7,8 @@ with `--load-format dummy`), each measured the same way:
   at each concurrency of `--concurrency`; per-user tokens/s = median over requests of
   (tokens - 1) / (first to last token) (bench_spec_serving's measure);
 - prefill: `--prefill-requests` requests of `--prefill-len` random tokens, one at a time, one new
-  token each; prefill tokens/s = prompt tokens / request time (median);
+  token each; prefill tokens/s = prompt tokens / request time (median); with `--prefill-vary N` the measured
+  prompts have distinct lengths in [len - N, len] (a kernel planned per shape pays its planning there);
 - KV capacity: the resolved `max_total_tokens` of `/get_server_info` (tokens the KV pool holds).
 
 Settings: `bf16` (the model dtype everywhere), `fp8` (`--quantization fp8 --kv-cache-dtype
@@ -68,17 +69,20 @@ def find_stats(obj: Any, prefix: str) -> dict[str, Any]:
     return found
 
 
-def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int) -> float:
-    """Median prompt tokens/s of `n` one-at-a-time requests of `length` random tokens, 1 new token each."""
+def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int, vary: int = 0) -> float:
+    """Median prompt tokens/s of `n` one-at-a-time requests of `length` random tokens (with `vary`, each of a length
+    drawn from [length - vary, length], none repeated: a kernel planned per shape pays its planning in the measure),
+    1 new token each."""
     rng = random.Random(seed)
+    lengths = rng.sample(range(length - vary, length + 1), n) if vary else [length] * n
     rates = []
     with httpx.Client(timeout=600) as client:
-        for _ in range(n):
-            ids = [rng.randrange(100, vocab) for _ in range(length)]
+        for size in lengths:
+            ids = [rng.randrange(100, vocab) for _ in range(size)]
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
             t0 = time.perf_counter()
             client.post(url + "/generate", json=body).raise_for_status()
-            rates.append(length / (time.perf_counter() - t0))
+            rates.append(size / (time.perf_counter() - t0))
     return statistics.median(rates)
 
 
@@ -102,7 +106,7 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
             out["decode"][c] = round(statistics.median(speeds), 1)
             print(f"  {name:12s} c={c:<3d} {out['decode'][c]:8.1f} tok/s per user", flush=True)
         out["prefill_tok_s"] = (round(prefill_rate(srv.base_url, args.prefill_requests, args.prefill_len, args.vocab,
-                                                   11), 0) if args.prefill_requests else float("nan"))
+                                                   11, args.prefill_vary), 0) if args.prefill_requests else float("nan"))
         out["lowlat"] = find_stats(httpx.get(srv.base_url + "/get_server_info", timeout=60).json(), "lowlat_")
         print(f"  {name:12s} prefill {args.prefill_len} tokens: {out['prefill_tok_s']:.0f} tok/s; KV capacity "
               f"{out['kv_tokens']} tokens; start {out['start_s']} s; {out['lowlat'] or 'no plugin'}", flush=True)
@@ -122,6 +126,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=4096)
     p.add_argument("--prefill-requests", type=int, default=5, help="0: no prefill measure (decode only)")
+    p.add_argument("--prefill-vary", type=int, default=0,
+                   help="measured prompts of distinct lengths in [prefill-len - N, prefill-len] (the warm-up keeps "
+                        "prefill-len): what a per-shape plan (cuDNN) costs real traffic; 0: all of prefill-len")
     p.add_argument("--vocab", type=int, default=None,
                    help="prompt token ids are drawn below this (default: the model's vocab_size, at most 32,000)")
     p.add_argument("--json", help="write the results here")
