@@ -164,3 +164,43 @@ def test_terminate_context_gives_up_on_a_term_that_would_block_and_finishes_once
     while not ctx.closed and time.monotonic() < deadline:  # the first term returns once the queue is empty
         time.sleep(0.05)
     assert ctx.closed
+
+
+def test_prompt_token_checks_match_their_per_element_definitions() -> None:
+    """The C-speed checks (`_is_ids` of the native API, `check_input_ids`) accept and refuse exactly what a
+    per-element check would (ints, not bools, in [0, vocab)), whatever the list holds."""
+    import enum
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lmserver.edge.api.native import _is_ids
+    from lmserver.edge.tokenizer_manager import InvalidRequestError
+
+    class Color(enum.IntEnum):  # an int subclass other than bool: a token id by the per-element rule
+        RED = 5
+
+    items = st.one_of(st.integers(-3, 130), st.booleans(), st.floats(allow_nan=False), st.text(max_size=2),
+                      st.none(), st.just(Color.RED))
+
+    def per_element_ids(x: list[Any]) -> bool:
+        return all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    async def check(mgr: TokenizerManager, core: ScriptedCore) -> None:
+        @settings(max_examples=300, deadline=None, derandomize=True)
+        @given(ids=st.lists(items, min_size=1, max_size=12))
+        def same(ids: list[Any]) -> None:
+            assert _is_ids(ids) == per_element_ids(ids)
+            in_vocab = per_element_ids(ids) and all(0 <= t < 100 for t in ids)
+            try:
+                mgr.check_input_ids(ids, SamplingParams(max_new_tokens=1), max_new_tokens_given=True)
+                accepted = True
+            except InvalidRequestError as exc:
+                accepted = False
+                assert "vocabulary" in str(exc)
+            assert accepted == in_vocab, ids
+
+        same()
+        assert not _is_ids((1, 2)) and _is_ids([])
+
+    run(check)

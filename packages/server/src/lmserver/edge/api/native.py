@@ -32,7 +32,12 @@ def manager(request: Request) -> TokenizerManager:
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    """A list of ints (bools are not token ids). NOTE: the type set is built in C (a 4,096-id prompt: ~0.1 ms where
+    the per-element check took ~1 ms of the HTTP process); the per-element check only for other types (int
+    subclasses)."""
+    if not isinstance(x, list):
+        return False
+    return set(map(type, x)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _per_prompt(body: dict[str, Any], key: str, i: int, batch: bool, default: Any) -> Any:
