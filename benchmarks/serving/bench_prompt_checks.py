@@ -1,6 +1,6 @@
 """The HTTP process's per-token checks of a prompt given as token ids, next to the per-element rule they replaced.
 
-`native._is_ids` (a JSON list of ints, not bools) and `TokenizerManager.check_input_ids`'s vocabulary check run on
+`tokenizer_manager.is_token_id_list` (a JSON list of ints, not bools; the native API's check) and `TokenizerManager.check_input_ids`'s vocabulary check run on
 every /generate body with `input_ids`; both were per-element Python scans (the largest per-token costs of the HTTP
 process in a cProfile of 2,000-id requests, 2026-12-04). Times each at `--tokens` random ids, best of `--repeat`
 rounds of `--number` calls, microseconds per call.
@@ -32,8 +32,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
 
-    from lmserver.edge.api.native import _is_ids
-    from lmserver.edge.tokenizer_manager import TokenizerManager
+    from lmserver.edge.tokenizer_manager import TokenizerManager, is_token_id_list
 
     ids = [random.Random(0).randrange(args.vocab) for _ in range(args.tokens)]
 
@@ -49,7 +48,7 @@ def main() -> int:
     def us(fn: Any) -> float:
         return 1e6 * min(timeit.repeat(fn, number=args.number, repeat=args.repeat)) / args.number
 
-    rows = [("list of token ids", us(lambda: per_element_ids(ids)), us(lambda: _is_ids(ids))),
+    rows = [("list of token ids", us(lambda: per_element_ids(ids)), us(lambda: is_token_id_list(ids))),
             ("ids in the vocabulary", us(lambda: per_element_vocab(ids, args.vocab)),
              us(lambda: mgr.check_input_ids(ids, params, max_new_tokens_given=True)))]
     print(f"{args.tokens} ids, us per call\n| check | per element | lmserver | ratio |\n|---|---|---|---|")

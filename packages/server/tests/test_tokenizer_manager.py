@@ -167,15 +167,14 @@ def test_terminate_context_gives_up_on_a_term_that_would_block_and_finishes_once
 
 
 def test_prompt_token_checks_match_their_per_element_definitions() -> None:
-    """The C-speed checks (`_is_ids` of the native API, `check_input_ids`) accept and refuse exactly what a
+    """The C-speed checks (`is_token_id_list`, which the native API takes, and `check_input_ids`) accept and refuse exactly what a
     per-element check would (ints, not bools, in [0, vocab)), whatever the list holds."""
     import enum
 
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from lmserver.edge.api.native import _is_ids
-    from lmserver.edge.tokenizer_manager import InvalidRequestError
+    from lmserver.edge.tokenizer_manager import InvalidRequestError, is_token_id_list
 
     class Color(enum.IntEnum):  # an int subclass other than bool: a token id by the per-element rule
         RED = 5
@@ -190,7 +189,7 @@ def test_prompt_token_checks_match_their_per_element_definitions() -> None:
         @settings(max_examples=300, deadline=None, derandomize=True)
         @given(ids=st.lists(items, min_size=1, max_size=12))
         def same(ids: list[Any]) -> None:
-            assert _is_ids(ids) == per_element_ids(ids)
+            assert is_token_id_list(ids) == per_element_ids(ids)
             in_vocab = per_element_ids(ids) and all(0 <= t < 100 for t in ids)
             try:
                 mgr.check_input_ids(ids, SamplingParams(max_new_tokens=1), max_new_tokens_given=True)
@@ -201,6 +200,6 @@ def test_prompt_token_checks_match_their_per_element_definitions() -> None:
             assert accepted == in_vocab, ids
 
         same()
-        assert not _is_ids((1, 2)) and _is_ids([])
+        assert not is_token_id_list((1, 2)) and is_token_id_list([])
 
     run(check)

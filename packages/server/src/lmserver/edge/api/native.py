@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from lmserver.config import REDACTED
 from lmserver.edge.api.errors import APIError, JSONBody, read_json, sse_error
 from lmserver.edge.api.streams import DONE, SSE_HEADERS, collect_all, due, merge, prime, sse, until_disconnect
-from lmserver.edge.tokenizer_manager import EngineDeadError, GenState, TokenizerManager
+from lmserver.edge.tokenizer_manager import EngineDeadError, GenState, TokenizerManager, is_token_id_list
 from lmserver.io_struct import GenerateReq, InvalidRequestError, SamplingParams, expand_n
 from lmserver.multimodal.frontend import MediaRef
 
@@ -29,15 +29,6 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "retu
 
 def manager(request: Request) -> TokenizerManager:
     return request.app.state.manager  # type: ignore[no-any-return]
-
-
-def _is_ids(x: Any) -> bool:
-    """A list of ints (bools are not token ids). NOTE: the type set is built in C (4,096 ids: 84 us where the
-    per-element check took 357 on the CPU, benchmarks/serving/bench_prompt_checks.py); the per-element check only
-    for other types (int subclasses)."""
-    if not isinstance(x, list):
-        return False
-    return set(map(type, x)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _per_prompt(body: dict[str, Any], key: str, i: int, batch: bool, default: Any) -> Any:
@@ -114,9 +105,9 @@ async def parse_generate(mgr: TokenizerManager, body: Any) -> tuple[list[list[Ge
             prompts, batch = list(text), True
         else:
             raise APIError(400, "text must be a string or a non-empty list of strings", param="text")
-    elif _is_ids(ids):
+    elif is_token_id_list(ids):
         prompts, batch = [ids], False
-    elif isinstance(ids, list) and ids and all(_is_ids(x) for x in ids):
+    elif isinstance(ids, list) and ids and all(is_token_id_list(x) for x in ids):
         prompts, batch = list(ids), True
     else:
         raise APIError(400, "input_ids must be a list of token ids or a non-empty list of such lists",
@@ -360,7 +351,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     body = await read_json(request)
     mgr = manager(request)
     tokens = body.get("tokens", body.get("input_ids")) if isinstance(body, dict) else None
-    if not isinstance(tokens, list) or not _is_ids(tokens):
+    if not isinstance(tokens, list) or not is_token_id_list(tokens):
         raise APIError(400, "tokens must be a list of token ids", param="tokens")
     bad = [t for t in tokens if not 0 <= t < mgr.vocab_size]
     if bad:
