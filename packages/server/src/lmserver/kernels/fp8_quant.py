@@ -3,7 +3,8 @@
 Each row x gets scale = amax(|x|) / 448 (at least 1e-12) and the bytes e4m3(clamp(x * (1 / scale))), the
 divisions IEEE-rounded (`tl.div_rn`, as torch divides) and the product too: the same values as
 `fp8_ref.quantize_fp8_per_token`. (A quotient per element, `x / scale` IEEE-rounded, cost ~12 instructions with
-a slow-path branch per value: the fused SiLU quantizer ran at 2.2 TB/s on the H200, bound by issue, not bytes.) One program per row, one launch:
+a slow-path branch per value: the fused SiLU quantizer ran at 2.2 TB/s on the H200, bound by issue, not bytes.)
+One program per row, one launch:
 
 - `quantize_fp8_per_token`: the rows of x (o_proj's input, and any input its producer did not quantize).
 - `silu_and_mul_quantize_fp8`: the rows of silu(gate) * up for a gate-up output (the input of

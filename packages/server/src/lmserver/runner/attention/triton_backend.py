@@ -70,7 +70,7 @@ class TritonBackend(AttentionBackend):
         self.extend_has_prefix = True  # set by each extend `plan`: False when no request has a cached prefix
         # fresh long prompts through cuDNN's fused attention (`prefill_sdpa`): the opt-in subclass only
         self.cudnn_prefill = self.CUDNN_PREFILL and prefill_sdpa.cudnn_available(device)
-        self.extend_sdpa = False  # set by each extend `plan`
+        self.extend_sdpa = False  # set by each `plan`: True for an extend batch that `prefill_sdpa.use_for` takes
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
 
@@ -91,6 +91,7 @@ class TritonBackend(AttentionBackend):
         """Chooses the decode split count or the extend grid size; mutates only self."""
         self.batch = batch
         self.cascade = batch.cascade if batch.mode == ForwardMode.DECODE else None
+        self.extend_sdpa = False
         if batch.mode == ForwardMode.DECODE:
             self.num_kv_splits = choose_num_kv_splits(batch.batch_size, self.kv_pool.num_kv_heads, self.num_sms)
             return
@@ -155,7 +156,7 @@ class TritonBackend(AttentionBackend):
         else:
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         num_tokens = q.shape[0]
-        if batch.mode != ForwardMode.DECODE and self.extend_sdpa:
+        if self.extend_sdpa:  # an extend of fresh long prompts (`plan`)
             sdpa_out = self._cudnn_prefill(q, k, v, batch, layer)
             if sdpa_out is not None:
                 return sdpa_out.reshape(num_tokens, layer.num_heads * layer.head_dim)
