@@ -9,6 +9,8 @@ with `--load-format dummy`), each measured the same way:
 - prefill: `--prefill-requests` requests of `--prefill-len` random tokens, one at a time, one new
   token each; prefill tokens/s = prompt tokens / request time (median); with `--prefill-vary N` the measured
   prompts have distinct lengths in [len - N, len] (a kernel planned per shape pays its planning there);
+- `--probe-overhead N`: the per-request time outside a prefill's layers (a repeated prompt: a radix hit; a one-id
+  prompt);
 - KV capacity: the resolved `max_total_tokens` of `/get_server_info` (tokens the KV pool holds).
 
 Settings: `bf16` (the model dtype everywhere), `fp8` (`--quantization fp8 --kv-cache-dtype
@@ -86,6 +88,26 @@ def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int, vary: int
     return statistics.median(rates)
 
 
+def overhead_ms(url: str, n: int, length: int, vocab: int, seed: int) -> dict[str, float]:
+    """The server's per-request time outside a prefill's layers, by two probes (median ms of ``n`` one-at-a-time
+    requests, 1 new token each): one prompt of ``length`` random ids sent again and again (a radix hit: the forward
+    is one token's, the rest is every per-request and per-id cost of the path), and a prompt of one id."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(100, vocab) for _ in range(length)]
+    out = {}
+    with httpx.Client(timeout=600) as client:
+        for label, prompt in ((f"hit_{length}", ids), ("one_id", ids[:1])):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
+            client.post(url + "/generate", json=body).raise_for_status()
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                client.post(url + "/generate", json=body).raise_for_status()
+                times.append(time.perf_counter() - t0)
+            out[label] = round(1e3 * statistics.median(times), 3)
+    return out
+
+
 def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from lmserver.testing import ServerProcess
 
@@ -107,6 +129,9 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {name:12s} c={c:<3d} {out['decode'][c]:8.1f} tok/s per user", flush=True)
         out["prefill_tok_s"] = (round(prefill_rate(srv.base_url, args.prefill_requests, args.prefill_len, args.vocab,
                                                    11, args.prefill_vary), 0) if args.prefill_requests else float("nan"))
+        if args.probe_overhead:
+            out["overhead_ms"] = overhead_ms(srv.base_url, args.probe_overhead, args.prefill_len, args.vocab, 13)
+            print(f"  {name:12s} per-request overhead (ms, median): {out['overhead_ms']}", flush=True)
         out["lowlat"] = find_stats(httpx.get(srv.base_url + "/get_server_info", timeout=60).json(), "lowlat_")
         print(f"  {name:12s} prefill {args.prefill_len} tokens: {out['prefill_tok_s']:.0f} tok/s; KV capacity "
               f"{out['kv_tokens']} tokens; start {out['start_s']} s; {out['lowlat'] or 'no plugin'}", flush=True)
@@ -129,6 +154,9 @@ def main() -> None:
     p.add_argument("--prefill-vary", type=int, default=0,
                    help="measured prompts of distinct lengths in [prefill-len - N, prefill-len] (the warm-up keeps "
                         "prefill-len): what a per-shape plan (cuDNN) costs real traffic; 0: all of prefill-len")
+    p.add_argument("--probe-overhead", type=int, default=0,
+                   help="also time N requests of a repeated prefill-len prompt (a radix hit) and N of one id: the "
+                        "per-request cost outside the layers")
     p.add_argument("--vocab", type=int, default=None,
                    help="prompt token ids are drawn below this (default: the model's vocab_size, at most 32,000)")
     p.add_argument("--json", help="write the results here")

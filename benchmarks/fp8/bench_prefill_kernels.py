@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
+import io
 import json
+import pstats
 import sys
 import time
 from collections.abc import Callable
@@ -89,6 +92,22 @@ def profile_prefill(core: Any, vocab: int, length: int, reps: int) -> tuple[floa
     return 1e3 * sorted(walls)[len(walls) // 2], kprof.breakdown(prefill, reps=reps, warmup=1)
 
 
+def host_profile(call: Callable[[], None], n: int, top: int) -> str:
+    """cProfile of ``n`` calls (after one unprofiled): the functions by own time, then lmserver's by cumulative time,
+    per call. The device's time shows in the call that waits for it (a sync or a device read)."""
+    call()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumtime").print_stats("lmserver", top)
+    return f"  cProfile of {n} prefills (seconds are totals over them):\n" + out.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True, help="a folder with the model's config.json and tokenizer")
@@ -100,6 +119,9 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="a folder: one prefill's Chrome trace per setting (host + device)")
     ap.add_argument("--quant-launch", default="", help="for the +q settings: K=BLOCK_K:WARPS[:HINTS],... "
                     "(e.g. 14336=16384:32,4096=4096:8)")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="also cProfile this many prefills: the host's functions by own time, and lmserver's by "
+                         "cumulative time (where the engine's time outside the layers goes)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     launches = quant_launches(args.quant_launch)
@@ -120,6 +142,8 @@ def main() -> None:
             result["host"] = kprof.host_calls(prefill_call(core, vocab, args.length, 200_000))
             print("  host calls of one prefill (calls, host us):\n" + "\n".join(
                 f"  {r['call'][:48]:48s} {r['calls']:6d} {r['host_us']:10.1f}" for r in result["host"][:args.top]))
+        if args.cprofile:
+            print(host_profile(prefill_call(core, vocab, args.length, 400_000), args.cprofile, args.top), flush=True)
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             kprof.export_trace(prefill_call(core, vocab, args.length, 300_000), str(Path(args.trace) / f"{setting}.json"))
