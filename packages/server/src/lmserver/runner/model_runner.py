@@ -18,7 +18,8 @@ import torch
 from lmserver.forward.batch import AttentionBackend, ForwardBatch, ForwardMode
 from lmserver.forward.kv_pool import KVPool
 from lmserver.runner.attention.shared_prefix import SharedPrefixPlanner
-from lmserver.runner.host_tensors import to_device
+from lmserver.runner.host_batch import host_batch
+from lmserver.runner.host_tensors import pack_to_device, to_device
 from lmserver.scheduler.scheduler import ScheduleDecision
 
 if TYPE_CHECKING:
@@ -87,16 +88,6 @@ class ModelRunner:
         Mutates req_to_token (the rows of the decision's requests).
         """
         items = decision.items
-        input_ids: list[int] = []
-        positions: list[int] = []
-        out_loc: list[int] = []
-        rows: list[int] = []
-        width = self.req_to_token.shape[1]
-        t_flat: list[int] = []  # flat req_to_token positions
-        t_vals: list[int] = []
-        prefix_lens: list[int] = []
-        ext_lens: list[int] = []
-        logit_idx: list[int] = []
         planner = self.prefix_planner
         if planner is not None:
             if decision.mode == "decode":
@@ -104,48 +95,36 @@ class ModelRunner:
             else:
                 for item in items:
                     planner.record(item.req_pool_idx, item.table_start, item.table_slots)
-        for item in items:
-            start = len(input_ids)
-            n = len(item.token_ids)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.prefix_len, item.prefix_len + n))
-            out_loc.extend(item.out_slots)
-            rows.append(item.req_pool_idx)
-            prefix_lens.append(item.prefix_len)
-            ext_lens.append(n)
-            logit_idx.extend(start + o for o in item.logit_offsets)
-            k = len(item.table_slots)
-            base = item.req_pool_idx * width + item.table_start
-            t_flat.extend(range(base, base + k))
-            t_vals.extend(item.table_slots)
-        if t_vals:  # NOTE: a flat index_copy_: index_put_ on CPU costs time in the table's size
-            self.req_to_token.view(-1).index_copy_(0, self._tensor(t_flat), self._tensor(t_vals, torch.int32))
-        seq_lens_cpu = [p + e for p, e in zip(prefix_lens, ext_lens, strict=True)]
+        h = host_batch(items, self.req_to_token.shape[1])
+        # NOTE: every host array goes in one of two copies (int64, int32): see host_tensors.pack_to_device
+        input_ids, positions, out_loc, rows, t_flat, logit_idx = pack_to_device(
+            [h.input_ids, h.positions, h.out_loc, h.rows, h.table_index, h.logit_idx], torch.int64, self.device)
+        t_vals, seq_lens, prefix_lens, ext_lens, starts = pack_to_device(
+            [h.table_slots, h.seq_lens, h.prefix_lens, h.ext_lens, h.starts], torch.int32, self.device)
+        if len(h.table_slots):  # NOTE: a flat index_copy_: index_put_ on CPU costs time in the table's size
+            self.req_to_token.view(-1).index_copy_(0, t_flat, t_vals)
         mode = ForwardMode.DECODE if decision.mode == "decode" else ForwardMode.EXTEND
         batch = ForwardBatch(
             mode=mode,
             batch_size=len(items),
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            out_cache_loc=self._tensor(out_loc),
-            req_pool_indices=self._tensor(rows),
-            seq_lens=self._tensor(seq_lens_cpu, torch.int32),
-            seq_lens_cpu=seq_lens_cpu,
-            req_pool_indices_cpu=rows,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_loc,
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            seq_lens_cpu=h.seq_lens.tolist(),
+            req_pool_indices_cpu=h.rows.tolist(),
             attn_backend=self.attn_backend,
         )
         if mode == ForwardMode.EXTEND:
-            starts = [0]
-            for e in ext_lens[:-1]:
-                starts.append(starts[-1] + e)
             if mm_rows:
-                batch.input_embeds = self._input_embeds(batch.input_ids, starts, mm_rows)
-            batch.extend_prefix_lens = self._tensor(prefix_lens, torch.int32)
-            batch.extend_seq_lens = self._tensor(ext_lens, torch.int32)
-            batch.extend_start_loc = self._tensor(starts, torch.int32)
-            batch.extend_prefix_lens_cpu = prefix_lens
-            batch.extend_seq_lens_cpu = ext_lens
-        return batch, self._tensor(logit_idx)
+                batch.input_embeds = self._input_embeds(batch.input_ids, h.starts.tolist(), mm_rows)
+            batch.extend_prefix_lens = prefix_lens
+            batch.extend_seq_lens = ext_lens
+            batch.extend_start_loc = starts
+            batch.extend_prefix_lens_cpu = h.prefix_lens.tolist()
+            batch.extend_seq_lens_cpu = h.ext_lens.tolist()
+        return batch, logit_idx
 
     def _input_embeds(self, input_ids: torch.Tensor, starts: list[int], mm_rows: Sequence[MMRows]) -> torch.Tensor:
         """Token embeddings of `input_ids` with the `mm_rows` written over their rows."""
@@ -173,6 +152,8 @@ class ModelRunner:
             raise ValueError("multimodal rows are for extend decisions only")
         if self.cuda_graph is not None and self.cuda_graph.can_run(decision):
             return self.cuda_graph.forward(decision, input_ids)
+        if self.cuda_graph is not None and not mm_rows and self.cuda_graph.can_run_extend(decision):
+            return self.cuda_graph.forward_extend(decision)
         batch, logit_idx = self.build_batch(decision, mm_rows)
         if input_ids is not None:
             batch.input_ids = input_ids
