@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -382,3 +383,148 @@ def test_graph_verify_matches_eager_on_gpu(backend: str) -> None:
     got = _verify_run(graphed, graphs)
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+# --- short extends replayed as decode rows --------------------------------------------------
+
+def _extend_steps() -> list[tuple[ScheduleDecision, bool]]:
+    """Extend decisions over rows 1..4 (row 0 pads), each with whether a graph of 16 rows within 200 reads takes
+    it: fresh prompts (one and several requests), a radix hit's suffix (table writes from 0: the shared prefix's
+    slots go into the row too), a chunk that wants no logits, one that wants every row's (input logprobs), a mixed
+    step (decode rows beside a prompt), and ones over the row and read limits."""
+    gen = torch.Generator().manual_seed(4)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist()
+
+    slots = {r: list(range(1 + 60 * r, 1 + 60 * r + 48)) for r in range(1, 5)}
+
+    def hit(row: int, shared: int, prefix: int, n: int) -> ForwardItem:  # `prefix` slots of row `shared`
+        new = slots[row][prefix:prefix + n]
+        return ForwardItem(rid=f"r{row}", req_pool_idx=row, prefix_len=prefix, token_ids=ids(n), out_slots=new,
+                           table_start=0, table_slots=slots[shared][:prefix] + new, logit_offsets=list(range(n)),
+                           completes_prefill=True)
+
+    return [
+        (ScheduleDecision("extend", [_item(1, 0, ids(9), slots[1])]), True),
+        (ScheduleDecision("extend", [_item(2, 0, ids(5), slots[2]), _item(3, 0, ids(3), slots[3])]), True),
+        (ScheduleDecision("extend", [_item(1, 9, ids(4), slots[1], logits=False)]), True),  # a chunk: no logits
+        (ScheduleDecision("extend", [hit(4, 2, 5, 6)]), True),  # row 4 over row 2's 5 prompt slots
+        (ScheduleDecision("extend", [_item(2, 5, ids(1), slots[2]), _item(3, 3, ids(7), slots[3]),
+                                     _item(1, 13, ids(1), slots[1])]), True),  # decode rows beside a prompt chunk
+        (ScheduleDecision("extend", [_item(4, 11, ids(17), slots[4])]), False),  # 17 rows > 16
+        (ScheduleDecision("extend", [_item(3, 10, ids(10), slots[3])]), False),  # 10 x 20 = 200 reads: fits ...
+        (ScheduleDecision("extend", [_item(2, 6, ids(12), slots[2])]), False),  # 12 x 18 = 216 > 200
+    ]
+
+
+def _check_graph_extends(backend: str, device: str, graph_factory: Any, tol: float) -> None:
+    eager = _runner(backend, device)
+    graphed = _runner(backend, device)
+    graphs = DecodeGraphRunner(graphed, 16, pad_row=0, graph_factory=graph_factory, extend_max_reads=200)
+    graphs.capture()
+    graphed.cuda_graph = graphs
+    steps = _extend_steps()
+    steps[6] = (steps[6][0], True)  # exactly at the read limit
+    for decision, graph_takes in steps:
+        assert graphs.can_run_extend(decision) == graph_takes, decision
+        before = graphs.num_extend_replays
+        got, want = graphed.forward(decision), eager.forward(decision)
+        assert graphs.num_extend_replays == before + graph_takes
+        assert got.shape == want.shape == (sum(len(it.logit_offsets) for it in decision.items), TINY.vocab_size)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # the same table rows and, slot for slot, the same K / V (padding rows wrote only the padding slot)
+    assert torch.equal(graphed.req_to_token, eager.req_to_token)
+    used = eager.req_to_token[eager.req_to_token > 0].long().unique()
+    assert PAD_SLOT not in used.tolist()
+    for layer in range(TINY.num_hidden_layers):
+        for cache in ("k_cache", "v_cache"):
+            got_kv, ref_kv = getattr(graphed.kv_pool, cache)[layer], getattr(eager.kv_pool, cache)[layer]
+            torch.testing.assert_close(got_kv[used], ref_kv[used], atol=tol, rtol=tol)
+
+
+def test_graph_extends_match_the_eager_extend_forward() -> None:
+    _check_graph_extends("torch_native", "cpu", EagerGraph, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+def test_graph_extends_match_eager_on_gpu(backend: str) -> None:
+    _check_graph_extends(backend, "cuda", None, 1e-4)
+
+
+def test_graph_extends_are_off_by_default_and_refuse_what_decode_rows_cannot_be() -> None:
+    runner = _runner("torch_native", "cpu")
+    graphs = DecodeGraphRunner(runner, 8, pad_row=0, graph_factory=EagerGraph)
+    graphs.capture()
+    prompt = ScheduleDecision("extend", [_item(1, 0, [3, 4, 5], list(range(1, 9)))])
+    assert not graphs.can_run_extend(prompt)  # extend_max_reads 0: the decode graph runner alone
+    graphs.extend_max_reads = 10**6
+    assert graphs.can_run_extend(prompt)
+    assert not graphs.can_run_extend(ScheduleDecision("decode", prompt.items))
+    behind = dataclasses.replace(prompt.items[0], table_slots=[7, 8, 9])  # table writes not ending with its slots
+    assert not graphs.can_run_extend(ScheduleDecision("extend", [behind]))
+    image = dataclasses.replace(prompt.items[0], mm_spans=((0, 2, 0),))  # type: ignore[arg-type]
+    assert not graphs.can_run_extend(ScheduleDecision("extend", [image]))
+
+
+def test_served_graphs_take_short_extends_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV, EXTEND_MAX_READS
+
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+    config = ServerConfig(cuda_graph_max_bs=4, max_running_requests=4)
+    for enable, tp_size, want in ((True, 1, EXTEND_MAX_READS), (False, 1, 0), (True, 2, 0)):
+        graphs = maybe_decode_graph_runner(config.replace(enable_cuda_graph_extend=enable),
+                                           _runner("torch_native", "cpu"), tp_size)
+        assert graphs is not None and graphs.extend_max_reads == want
+
+
+def _engine_outputs(core: object) -> dict[str, tuple[list[int], list[float]]]:
+    """Greedy requests through `core` (an EngineCore): prompts sharing a prefix (radix hits), one longer than a
+    prefill chunk, one with input logprobs, one arriving while the others decode (a mixed step)."""
+    from lmserver.io_struct import GenerateReq, SamplingParams
+
+    base = [(17 * i) % 900 + 5 for i in range(30)]
+    prompts = {"a": base, "b": base + [7, 8, 9], "c": base[:12] + [300 + i for i in range(50)], "d": [11, 12, 13]}
+    out: dict[str, tuple[list[int], list[float]]] = {}
+
+    def add(rid: str) -> None:
+        core.add_request(GenerateReq(  # type: ignore[attr-defined]
+            rid=rid, input_ids=prompts[rid], return_logprob=rid == "b", logprob_start_len=0 if rid == "b" else -1,
+            sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)))
+        out[rid] = ([], [])
+
+    add("a")
+    steps = 0
+    while core.has_work():  # type: ignore[attr-defined]
+        for o in core.step():  # type: ignore[attr-defined]
+            out[o.rid][0].extend(o.new_token_ids)
+            if o.input_token_logprobs:
+                out[o.rid][1].extend(lp[0] for lp in o.input_token_logprobs if lp[0] is not None)
+        steps += 1
+        if steps == 2:
+            for rid in ("b", "c", "d"):
+                add(rid)
+    return out
+
+
+def test_engine_outputs_same_with_extends_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmserver.engine.core import EngineCore
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
+
+    monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")  # CPU runners get EagerGraph graphs
+    results, replays = {}, {}
+    for disable in (True, False):
+        core = EngineCore(ServerConfig(dtype="float32", max_total_tokens=2048, max_running_requests=8,
+                                       context_length=96, cuda_graph_max_bs=8, chunked_prefill_size=24,
+                                       enable_cuda_graph_extend=not disable))
+        graphs = core.runner.cuda_graph
+        assert graphs is not None
+        results[disable] = _engine_outputs(core)
+        replays[disable] = graphs.num_extend_replays
+    assert replays[True] == 0 < replays[False]
+    for rid, (ids, lps) in results[True].items():
+        got_ids, got_lps = results[False][rid]
+        assert got_ids == ids and len(ids) == 4, rid
+        assert got_lps == pytest.approx(lps, abs=1e-4), rid
+    assert len(results[False]["b"][1]) > 20  # the input logprobs came through a graph's rows too

@@ -23,6 +23,13 @@ decode forward of those rows. Only where a lowlat plugin takes another path for 
 than for decode rows of a size (its measured coverage) is a verify graph of that size captured
 as well (`verify_rows`, the most rows per request), into the same logits.
 
+A short extend (a prompt of few tokens, a radix hit's suffix, a mixed step: `extend_max_reads` > 0, set by
+`--enable-cuda-graph-extend`) replays the
+decode graph of its padded row count the same way (`can_run_extend`, `forward_extend`): one decode row per new
+token. Eagerly, its forward launched ~11 kernels per layer from Python, ~0.4-1.1 ms of host time per layer on the
+H200 machine (a 64-token FP8 prefill: 15-38 ms of wall for ~4 ms of device work). Each row reads its whole context
+(no query tile shares the reads), so rows x context is bounded (`extend_max_reads`); longer extends run eagerly.
+
 Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
 host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
 `seq_lens_cpu` as an upper bound (the table width), so per-step lengths are read on the device
@@ -78,6 +85,11 @@ PAD_SLOT = 0  # the padding KV slot (never handed out by the allocator)
 
 class CudaGraphError(RuntimeError):
     """Decode CUDA graphs cannot be built or run for this configuration."""
+
+
+# An extend replayed as decode rows reads each row's whole context: 32,768 token reads per layer is 134 MB of a bf16
+# 8B-shaped KV cache (~28 us at the H200's bandwidth), against ~0.4-1.1 ms of host time per layer eagerly
+EXTEND_MAX_READS = 32768
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -278,8 +290,12 @@ class DecodeGraphRunner:
         pad_row: int = 0,
         graph_factory: Callable[[object], Graph] | None = None,
         verify_rows: int = 0,
+        extend_max_reads: int = 0,
     ) -> None:
         self.runner = runner
+        # short extends as decode rows (`can_run_extend`): at most this many token reads per layer (sum over the
+        # items of new tokens x their context); 0: extends run eagerly
+        self.extend_max_reads = extend_max_reads
         # speculative decoding: the most rows a verify step gives one request (0: none); sizes whose
         # verify steps take another lowlat path than their decode graph froze get a verify graph
         self.verify_rows = verify_rows
@@ -328,6 +344,7 @@ class DecodeGraphRunner:
         self.num_replays = 0
         self.num_greedy_replays = 0  # replays whose tokens were the graph's argmax (forward_greedy)
         self.num_verify_replays = 0  # speculative verify steps replayed as decode rows (forward_verify)
+        self.num_extend_replays = 0  # extends replayed as decode rows (forward_extend)
 
     def _static_batch(self, bs: int, cascade: bool = False) -> ForwardBatch:
         return ForwardBatch(
@@ -473,6 +490,42 @@ class DecodeGraphRunner:
             return self.verify_graphs[padded], kind
         return None
 
+    def can_run_extend(self, decision: ScheduleDecision) -> bool:
+        """True for an extend decision that the decode graph of its padded row count runs as decode rows (one per
+        new token, `pad_verify`): `extend_max_reads` > 0, at most max_bs new tokens in all, no image rows, every
+        item's table writes ending with its new tokens' slots, rows x context within `extend_max_reads`, and (with
+        a lowlat plugin) that graph's frozen path right for rows of one request. Pure."""
+        items = decision.items
+        if not self.extend_max_reads or decision.mode != "extend" or not self.graphs or not items:
+            return False
+        rows = reads = widest = 0
+        for item in items:
+            n, p, start = len(item.token_ids), item.prefix_len, item.table_start
+            if (n == 0 or item.mm_spans or len(item.out_slots) != n or start > p
+                    or start + len(item.table_slots) != p + n or item.table_slots[p - start:] != item.out_slots):
+                return False
+            rows, reads, widest = rows + n, reads + n * (p + n), max(widest, n)
+        if rows > self.max_bs or reads > self.extend_max_reads:
+            return False
+        padded = self._padded[rows]
+        return padded is not None and self._verify_graph(padded, widest) is not None
+
+    @torch.inference_mode()
+    def forward_extend(self, decision: ScheduleDecision) -> torch.Tensor:
+        """An extend (`can_run_extend` must hold) replayed as decode rows: float32 logits of the rows each item
+        asks for (`logit_offsets`), in item order, as `ModelRunner.forward` returns them. Mutates req_to_token,
+        the KV pool and the static buffers."""
+        widest = max(len(item.token_ids) for item in decision.items)
+        _, logits = self._replay(decision, None, verify_rows_per_request=widest)
+        self.num_extend_replays += 1
+        wanted: list[int] = []
+        base = 0
+        for item in decision.items:
+            wanted.extend(base + offset for offset in item.logit_offsets)
+            base += len(item.token_ids)
+        # NOTE: a gather (a copy): the next replay overwrites `logits`
+        return logits[to_device(wanted, torch.int64, self.device)].float()
+
     @torch.inference_mode()
     def forward_verify(self, decision: ScheduleDecision, greedy: bool) -> torch.Tensor:
         """A verify step (see `can_verify`, which must hold) replayed as decode rows
@@ -582,8 +635,10 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
     if max_bs < 1:
         raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
     verify_rows = config.speculative_num_draft_tokens + 1 if config.speculative_algorithm and tp_size == 1 else 0
+    # NOTE: not under TP: followers mirror a broadcast decision with forwards of their own (see EngineCore._verify)
+    extend_reads = EXTEND_MAX_READS if tp_size == 1 and config.enable_cuda_graph_extend else 0
     graphs = DecodeGraphRunner(runner, max_bs, graph_factory=EagerGraph if runner.device.type != "cuda" else None,
-                               verify_rows=verify_rows)
+                               verify_rows=verify_rows, extend_max_reads=extend_reads)
     graphs.capture()
     logger.info("CUDA graphs: captured decode batch sizes %s%s", graphs.sizes,
                 f"; verify graphs (lowlat path of verify rows) {sorted(graphs.verify_graphs)}" if graphs.verify_graphs else "")

@@ -1,0 +1,104 @@
+"""Short extends in the engine: replayed as decode rows in the decode CUDA graphs against the eager forward (GPU).
+
+One `EngineCore` per setting (dummy weights, decode graphs up to `--graph-max-bs` rows), then for each case the
+median wall time of a request with one new token, with extends in graphs (`--enable-cuda-graph-extend`), eagerly
+(the same core, `extend_max_reads` set to 0), then in graphs again: a fresh prompt of N tokens (a new seed each time: no radix hit), and a
+radix hit's suffix (a prefix prefilled once, then N new tokens after it each time). Also checks that both ways
+give the same greedy tokens (prompts run twice, 8 new tokens). Each line is printed (and appended to `--out`) as
+soon as it is measured.
+
+    PYTHONPATH=... python benchmarks/engine/bench_short_extend.py --model-path MODEL_DIR --settings fp8-default
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lowlat"))
+from bench_e2e import prompts_for, run  # noqa: E402
+from bench_step_kernels import make_core  # noqa: E402
+
+SETTINGS: dict[str, dict[str, Any]] = {  # the server's defaults with --enable-cuda-graph-extend
+    "bf16-default": dict(enable_cuda_graph_extend=True),
+    "fp8-default": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", enable_cuda_graph_extend=True),
+}
+
+
+def wall_ms(core: Any, prompts: list[list[int]], new_tokens: int = 1) -> float:
+    """Median wall ms of each prompt's request (one at a time)."""
+    times = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        run(core, [p], new_tokens)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--settings", nargs="+", default=["fp8-default"], choices=list(SETTINGS))
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--hit-prefix", type=int, default=1024, help="the radix hit's prefix length (0: no hit case)")
+    ap.add_argument("--graph-max-bs", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=None, help="append each line here too")
+    args = ap.parse_args()
+    vocab = 32000
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+    seeds = iter(range(10_000, 1_000_000))
+    for setting in args.settings:
+        t0 = time.monotonic()
+        core = make_core(args.model_path, SETTINGS[setting], 4096, graph_max_bs=args.graph_max_bs)
+        graphs = core.runner.cuda_graph
+        reads = graphs.extend_max_reads
+        say(f"=== {setting}: built in {time.monotonic() - t0:.0f}s; graph sizes up to {graphs.max_bs}, "
+            f"extend_max_reads {reads}")
+        check = [prompts_for(1, vocab, next(seeds), n)[0] for n in args.lengths]
+        outs = {}
+        for label, limit in (("graphs", reads), ("eager", 0)):
+            graphs.extend_max_reads = limit
+            outs[label] = [run(core, [p], 8)[0][0] for p in check]
+        say(f"  greedy tokens equal both ways: {outs['graphs'] == outs['eager']} ({outs['graphs'][0][:4]} ...)")
+        prefix = prompts_for(1, vocab, next(seeds), args.hit_prefix)[0] if args.hit_prefix else []
+        if prefix:
+            run(core, [prefix], 1)  # cached from now on
+        for n in args.lengths:
+            cases = [("fresh", lambda n=n: [prompts_for(1, vocab, next(seeds), n)[0] for _ in range(args.reps)])]
+            if prefix:
+                cases.append((f"hit {len(prefix)}+", lambda n=n, prefix=prefix: [
+                    prefix + prompts_for(1, vocab, next(seeds), n)[0] for _ in range(args.reps)]))
+            for kind, make in cases:
+                row = {}
+                for label, limit in (("graphs", reads), ("eager", 0), ("graphs", reads)):
+                    graphs.extend_max_reads = limit
+                    before = graphs.num_extend_replays
+                    ms = wall_ms(core, make())
+                    row.setdefault(label, []).append(ms)
+                    if label == "graphs":
+                        assert graphs.num_extend_replays > before, "no extend took a graph"
+                say(f"  {kind} {n:4d} tokens: graphs {' / '.join(f'{v:.2f}' for v in row['graphs'])} ms, eager "
+                    f"{row['eager'][0]:.2f} ms ({row['eager'][0] / min(row['graphs']):.2f}x)")
+        graphs.extend_max_reads = reads
+        del core
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
