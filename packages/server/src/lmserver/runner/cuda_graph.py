@@ -23,12 +23,12 @@ decode forward of those rows. Only where a lowlat plugin takes another path for 
 than for decode rows of a size (its measured coverage) is a verify graph of that size captured
 as well (`verify_rows`, the most rows per request), into the same logits.
 
-A short extend (a prompt of few tokens, a radix hit's suffix, a mixed step: `extend_max_reads` > 0, set by
-`--enable-cuda-graph-extend`) replays the
-decode graph of its padded row count the same way (`can_run_extend`, `forward_extend`): one decode row per new
-token. Eagerly, its forward launched ~11 kernels per layer from Python, ~0.4-1.1 ms of host time per layer on the
-H200 machine (a 64-token FP8 prefill: 15-38 ms of wall for ~4 ms of device work). Each row reads its whole context
-(no query tile shares the reads), so rows x context is bounded (`extend_max_reads`); longer extends run eagerly.
+A short extend (a prompt of few tokens, a radix hit's suffix, a small mixed step) replays the decode graph of its
+padded row count the same way when `extend_max_reads` > 0 (`--enable-cuda-graph-extend`; `can_run_extend`,
+`forward_extend`): one decode row per new token. Eagerly, its forward launches ~11 kernels per layer from Python,
+~0.4-1.1 ms of host time per layer on the H200 machine (a 64-token prefill of the 8B shape: 12-38 ms of wall for ~4
+ms of device work). Each row reads its whole context (no query tile shares the reads), so rows x context is
+bounded (`extend_max_reads`); longer extends run eagerly.
 
 Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
 host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
