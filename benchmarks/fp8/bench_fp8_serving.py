@@ -9,6 +9,8 @@ with `--load-format dummy`), each measured the same way:
 - prefill: `--prefill-requests` requests of `--prefill-len` random tokens, one at a time, one new
   token each; prefill tokens/s = prompt tokens / request time (median); with `--prefill-vary N` the measured
   prompts have distinct lengths in [len - N, len] (a kernel planned per shape pays its planning there);
+- `--interleave` (prefill only): every setting's server up at once, sharing the GPU's memory, the same prompt sent to
+  each in turn per round, so that a drift of the machine's speed lands on every setting alike;
 - `--probe-overhead N`: the per-request time outside a prefill's layers (a repeated prompt: a radix hit; a one-id
   prompt);
 - KV capacity: the resolved `max_total_tokens` of `/get_server_info` (tokens the KV pool holds).
@@ -108,6 +110,55 @@ def overhead_ms(url: str, n: int, length: int, vocab: int, seed: int) -> dict[st
     return out
 
 
+def interleaved_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    """`--interleave`: every setting's server up at once (0.85 of the GPU's memory shared evenly), then
+    `--prefill-requests` rounds, each sending the same fresh prompt to every server in turn, one request at a time:
+    a drift of the machine's speed over the run (host speed varies 2-3x between calls of the device machine) lands on
+    every setting alike. Returns each setting's median prefill tok/s and the median over rounds of each setting's
+    ratio to the first's."""
+    from lmserver.testing import ServerProcess
+
+    share = 0.85 / len(args.settings)
+    servers = {}
+    try:
+        for i, name in enumerate(args.settings):
+            # NOTE: a server's budget is the fraction of the whole GPU less the memory in use when it starts (the
+            # servers up before it): server i asks for (i + 1) shares to get one
+            cmd = ["--model-path", args.model_path, *shlex.split(args.server_args), *SETTINGS[name],
+                   "--mem-fraction-static", f"{share * (i + 1):.3f}"]
+            servers[name] = ServerProcess(cmd, core=None).start(timeout_s=600)
+            print(f"  {name}: up", flush=True)
+        for srv in servers.values():
+            prefill_rate(srv.base_url, 2, args.prefill_len, args.vocab, 7)  # warm-up
+        rng = random.Random(11)
+        lengths = (rng.sample(range(args.prefill_len - args.prefill_vary, args.prefill_len + 1), args.prefill_requests)
+                   if args.prefill_vary else [args.prefill_len] * args.prefill_requests)
+        rates: dict[str, list[float]] = {name: [] for name in servers}
+        with httpx.Client(timeout=600) as client:
+            for size in lengths:
+                ids = [rng.randrange(100, args.vocab) for _ in range(size)]
+                for name, srv in servers.items():
+                    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0,
+                                                                  "ignore_eos": True}}
+                    t0 = time.perf_counter()
+                    client.post(srv.base_url + "/generate", json=body).raise_for_status()
+                    rates[name].append(size / (time.perf_counter() - t0))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    base = args.settings[0]
+    out = {"memory_share": round(share, 3), "rates": rates,
+           "prefill_tok_s": {name: round(statistics.median(r), 0) for name, r in rates.items()},
+           "ratio_median_of_rounds": {name: round(statistics.median(a / b for a, b in zip(r, rates[base],
+                                                                                       strict=True)), 3)
+                                      for name, r in rates.items()}}
+    for name, r in rates.items():
+        print(f"  {name:14s} prefill {args.prefill_len}: median {out['prefill_tok_s'][name]:.0f} tok/s (min {min(r):.0f}, "
+              f"max {max(r):.0f}); vs {base}, median of the rounds' ratios {out['ratio_median_of_rounds'][name]:.3f}x",
+              flush=True)
+    return out
+
+
 def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from lmserver.testing import ServerProcess
 
@@ -157,6 +208,9 @@ def main() -> None:
     p.add_argument("--probe-overhead", type=int, default=0,
                    help="also time N requests of a repeated prefill-len prompt (a radix hit) and N of one id: the "
                         "per-request cost outside the layers")
+    p.add_argument("--interleave", action="store_true",
+                   help="prefill only: every setting's server up at once, the same prompt to each in turn per round "
+                        "(a drift of the machine lands on every setting alike); no decode measure")
     p.add_argument("--vocab", type=int, default=None,
                    help="prompt token ids are drawn below this (default: the model's vocab_size, at most 32,000)")
     p.add_argument("--json", help="write the results here")
@@ -164,6 +218,11 @@ def main() -> None:
     if args.vocab is None:
         config = json.loads((Path(args.model_path) / "config.json").read_text())
         args.vocab = min(32000, int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 32000)))
+    if args.interleave:
+        result = interleaved_prefill(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "interleaved": result}, indent=1))
+        return
     results = [run_setting(name, args) for name in args.settings]
     cols = [f"c={c} tok/s per user" for c in args.concurrency]
     print("\n| setting | " + " | ".join(cols) + f" | prefill tok/s ({args.prefill_len}) | KV tokens |")
