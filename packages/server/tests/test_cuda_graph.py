@@ -468,6 +468,33 @@ def test_graph_extends_are_off_by_default_and_refuse_what_decode_rows_cannot_be(
     assert not graphs.can_run_extend(ScheduleDecision("extend", [image]))
 
 
+def test_graph_extends_defer_to_the_lowlat_plugins_rows() -> None:
+    """With a lowlat plugin: an extend takes a graph only where `verify_graph` names one and, for a decode graph, the
+    plugin launches rows of one request as it launches decode rows (`needs_verify_graph` False)."""
+    from lowlat.spec import StepKind
+
+    class Plugin:  # the two questions LowlatHook answers, scripted
+        def __init__(self, kind: StepKind | None, differs: bool) -> None:
+            self.kind, self.differs, self.asked = kind, differs, []
+
+        def verify_graph(self, bs: int, rows: int, width: int) -> StepKind | None:
+            self.asked.append((bs, rows))
+            return self.kind
+
+        def needs_verify_graph(self, bs: int, rows: int, width: int) -> bool:
+            return self.differs
+
+    runner = _runner("torch_native", "cpu")
+    graphs = DecodeGraphRunner(runner, 8, pad_row=0, graph_factory=EagerGraph, extend_max_reads=10**6)
+    graphs.capture()
+    prompt = ScheduleDecision("extend", [_item(1, 0, [3, 4, 5], list(range(1, 9)))])
+    for kind, differs, want in ((StepKind.DECODE, False, True), (StepKind.DECODE, True, False), (None, False, False)):
+        runner.lowlat = Plugin(kind, differs)  # type: ignore[assignment]
+        assert graphs.can_run_extend(prompt) == want, (kind, differs)
+        assert runner.lowlat.asked == [(4, 3)]  # type: ignore[union-attr]  # 3 rows of one request, padded to 4
+    runner.lowlat = None
+
+
 def test_served_graphs_take_short_extends_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV, EXTEND_MAX_READS
 

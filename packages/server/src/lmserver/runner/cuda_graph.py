@@ -494,7 +494,7 @@ class DecodeGraphRunner:
         """True for an extend decision that the decode graph of its padded row count runs as decode rows (one per
         new token, `pad_verify`): `extend_max_reads` > 0, at most max_bs new tokens in all, no image rows, every
         item's table writes ending with its new tokens' slots, rows x context within `extend_max_reads`, and (with
-        a lowlat plugin) that graph's frozen path right for rows of one request. Pure."""
+        a lowlat plugin) that graph's frozen path and launch right for rows of one request. Pure."""
         items = decision.items
         if not self.extend_max_reads or decision.mode != "extend" or not self.graphs or not items:
             return False
@@ -508,7 +508,16 @@ class DecodeGraphRunner:
         if rows > self.max_bs or reads > self.extend_max_reads:
             return False
         padded = self._padded[rows]
-        return padded is not None and self._verify_graph(padded, widest) is not None
+        if padded is None:
+            return False
+        found = self._verify_graph(padded, widest)
+        if found is None:
+            return False
+        lowlat = self.runner.lowlat
+        # NOTE: a decode graph replays the plugin's decode launch; where the plugin launches rows of one request
+        # otherwise (`needs_verify_graph`: speculative decoding captures a verify graph there), the extend runs eagerly
+        return not (lowlat is not None and found[1] == StepKind.DECODE
+                    and lowlat.needs_verify_graph(padded, widest, self.table_width))
 
     @torch.inference_mode()
     def forward_extend(self, decision: ScheduleDecision) -> torch.Tensor:
