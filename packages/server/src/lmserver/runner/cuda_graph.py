@@ -196,6 +196,14 @@ def verify_rows(items: Sequence[ForwardItem]) -> list[ForwardItem]:
     return rows
 
 
+def fits_decode_rows(item: ForwardItem) -> bool:
+    """Whether `pad_verify` can lay `item`'s new tokens out as decode rows: at least one token, a slot for each, and
+    table writes from at most its prefix length that end with exactly those slots. Pure."""
+    n, p, start = len(item.token_ids), item.prefix_len, item.table_start
+    return (n > 0 and len(item.out_slots) == n and start <= p and start + len(item.table_slots) == p + n
+            and item.table_slots[p - start:] == item.out_slots)
+
+
 def pad_verify(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> PaddedDecode:
     """`pad_decode(verify_rows(items), padded_bs, pad_row)` built straight from a verify step's items (no
     per-row items): row j of a request at prefix p is token j at position p + j, its slot, its table row,
@@ -212,8 +220,7 @@ def pad_verify(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> Pa
     t_vals: list[int] = []
     for item in items:
         n, p, start = len(item.token_ids), item.prefix_len, item.table_start
-        if (n == 0 or len(item.out_slots) != n or start > p or start + len(item.table_slots) != p + n
-                or item.table_slots[p - start:] != item.out_slots):
+        if not fits_decode_rows(item):
             raise CudaGraphError(f"verify item {item.rid!r}: {n} tokens, {len(item.out_slots)} slots, table writes "
                                  f"[{start}, {start + len(item.table_slots)}) at prefix {p}")
         ids.extend(item.token_ids)
@@ -500,11 +507,10 @@ class DecodeGraphRunner:
             return False
         rows = reads = widest = 0
         for item in items:
-            n, p, start = len(item.token_ids), item.prefix_len, item.table_start
-            if (n == 0 or item.mm_spans or len(item.out_slots) != n or start > p
-                    or start + len(item.table_slots) != p + n or item.table_slots[p - start:] != item.out_slots):
+            if item.mm_spans or not fits_decode_rows(item):
                 return False
-            rows, reads, widest = rows + n, reads + n * (p + n), max(widest, n)
+            n = len(item.token_ids)
+            rows, reads, widest = rows + n, reads + n * (item.prefix_len + n), max(widest, n)
         if rows > self.max_bs or reads > self.extend_max_reads:
             return False
         padded = self._padded[rows]
