@@ -73,20 +73,29 @@ def find_stats(obj: Any, prefix: str) -> dict[str, Any]:
     return found
 
 
+def prompt_lengths(rng: random.Random, length: int, vary: int, n: int) -> list[int]:
+    """`n` prompt lengths: all `length`, or with `vary` distinct ones drawn from [length - vary, length]."""
+    return rng.sample(range(length - vary, length + 1), n) if vary else [length] * n
+
+
+def timed_one_token(client: httpx.Client, url: str, ids: list[int]) -> float:
+    """Seconds of one greedy `/generate` request of prompt `ids` for one new token."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    client.post(url + "/generate", json=body).raise_for_status()
+    return time.perf_counter() - t0
+
+
 def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int, vary: int = 0) -> float:
     """Median prompt tokens/s of `n` one-at-a-time requests of `length` random tokens (with `vary`, each of a length
     drawn from [length - vary, length], none repeated: a kernel planned per shape pays its planning in the measure),
     1 new token each."""
     rng = random.Random(seed)
-    lengths = rng.sample(range(length - vary, length + 1), n) if vary else [length] * n
     rates = []
     with httpx.Client(timeout=600) as client:
-        for size in lengths:
+        for size in prompt_lengths(rng, length, vary, n):
             ids = [rng.randrange(100, vocab) for _ in range(size)]
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
-            t0 = time.perf_counter()
-            client.post(url + "/generate", json=body).raise_for_status()
-            rates.append(size / (time.perf_counter() - t0))
+            rates.append(size / timed_one_token(client, url, ids))
     return statistics.median(rates)
 
 
@@ -99,13 +108,8 @@ def overhead_ms(url: str, n: int, length: int, vocab: int, seed: int) -> dict[st
     out = {}
     with httpx.Client(timeout=600) as client:
         for label, prompt in ((f"hit_{length}", ids), ("one_id", ids[:1])):
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
-            client.post(url + "/generate", json=body).raise_for_status()
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                client.post(url + "/generate", json=body).raise_for_status()
-                times.append(time.perf_counter() - t0)
+            timed_one_token(client, url, prompt)  # the first one caches the prompt
+            times = [timed_one_token(client, url, prompt) for _ in range(n)]
             out[label] = round(1e3 * statistics.median(times), 3)
     return out
 
@@ -131,18 +135,12 @@ def interleaved_prefill(args: argparse.Namespace) -> dict[str, Any]:
         for srv in servers.values():
             prefill_rate(srv.base_url, 2, args.prefill_len, args.vocab, 7)  # warm-up
         rng = random.Random(11)
-        lengths = (rng.sample(range(args.prefill_len - args.prefill_vary, args.prefill_len + 1), args.prefill_requests)
-                   if args.prefill_vary else [args.prefill_len] * args.prefill_requests)
         rates: dict[str, list[float]] = {name: [] for name in servers}
         with httpx.Client(timeout=600) as client:
-            for size in lengths:
+            for size in prompt_lengths(rng, args.prefill_len, args.prefill_vary, args.prefill_requests):
                 ids = [rng.randrange(100, args.vocab) for _ in range(size)]
                 for name, srv in servers.items():
-                    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0,
-                                                                  "ignore_eos": True}}
-                    t0 = time.perf_counter()
-                    client.post(srv.base_url + "/generate", json=body).raise_for_status()
-                    rates[name].append(size / (time.perf_counter() - t0))
+                    rates[name].append(size / timed_one_token(client, srv.base_url, ids))
     finally:
         for srv in servers.values():
             srv.stop()
