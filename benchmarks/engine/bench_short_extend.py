@@ -4,7 +4,8 @@ One `EngineCore` per setting (dummy weights, decode graphs up to `--graph-max-bs
 median wall time of a request with one new token, with extends in graphs (`--enable-cuda-graph-extend`), eagerly
 (the same core, `extend_max_reads` set to 0), then in graphs again: a fresh prompt of N tokens (a new seed each time: no radix hit), and a
 radix hit's suffix (a prefix prefilled once, then N new tokens after it each time). Also checks that both ways
-give the same greedy tokens (prompts run twice, 8 new tokens). Each line is printed (and appended to `--out`) as
+give the same greedy tokens (prompts run twice, 8 new tokens, the radix cache flushed before each) and, where
+they part ways, whether it is a near-tie (the top-2 margin against the logprob drift before it). Each line is printed (and appended to `--out`) as
 soon as it is measured.
 
     PYTHONPATH=... python benchmarks/engine/bench_short_extend.py --model-path MODEL_DIR --settings fp8-default
@@ -43,6 +44,38 @@ def wall_ms(core: Any, prompts: list[list[int]], new_tokens: int = 1) -> float:
     return 1e3 * statistics.median(times)
 
 
+def first_token_top2(core: Any, prompt: list[int], new_tokens: int = 8) -> tuple[list[int], list[list[tuple[float, int]]]]:
+    """Greedy tokens of `prompt` and, per position, its top-2 (logprob, id): where graphs and eager part ways, the
+    margin between the top two says whether it is a near-tie (rounding) or a wrong forward."""
+    from lmserver.io_struct import GenerateReq, SamplingParams
+
+    rid = f"top2-{time.monotonic_ns()}"
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    core.add_request(GenerateReq(rid=rid, input_ids=prompt, sampling_params=params, return_logprob=True,
+                                 top_logprobs_num=2))
+    tokens: list[int] = []
+    tops: list[list[tuple[float, int]]] = []
+    while core.has_work():
+        for o in core.step():
+            tokens.extend(o.new_token_ids)
+            tops.extend([[(float(lp or 0.0), tid) for lp, tid, _ in top or []] for top in o.output_top_logprobs])
+    return tokens, tops
+
+
+def divergence(a: tuple[list[int], list[list[tuple[float, int]]]],
+               b: tuple[list[int], list[list[tuple[float, int]]]]) -> str:
+    """Where two greedy runs part ways: the position, each run's top-2 margin there, and the largest logprob
+    difference of the shared top-1 ids before it."""
+    (ta, pa), (tb, pb) = a, b
+    at = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), None)
+    before = [abs(x[0][0] - y[0][0]) for x, y in zip(pa[:at], pb[:at], strict=False) if x and y]
+    drift = f"max |logprob diff| before it {max(before):.4f}" if before else "no position before it"
+    if at is None:
+        return f"same {len(ta)} tokens; {drift}"
+    margins = [p[at][0][0] - p[at][1][0] if len(p[at]) > 1 else float("nan") for p in (pa, pb)]
+    return f"part at position {at}: top-2 margins {margins[0]:.4f} / {margins[1]:.4f}; {drift}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
@@ -74,8 +107,18 @@ def main() -> None:
         outs = {}
         for label, limit in (("graphs", reads), ("eager", 0)):
             graphs.extend_max_reads = limit
-            outs[label] = [run(core, [p], 8)[0][0] for p in check]
+            outs[label] = []
+            for p in check:
+                core.flush_cache()  # each way prefills the whole prompt (no radix hit on the other's KV)
+                outs[label].append(run(core, [p], 8)[0][0])
         say(f"  greedy tokens equal both ways: {outs['graphs'] == outs['eager']} ({outs['graphs'][0][:4]} ...)")
+        for p in check:
+            runs = {}
+            for label, limit in (("graphs", reads), ("eager", 0)):
+                graphs.extend_max_reads = limit
+                core.flush_cache()
+                runs[label] = first_token_top2(core, p)
+            say(f"    {len(p)}-token prompt: {divergence(runs['graphs'], runs['eager'])}")
         prefix = prompts_for(1, vocab, next(seeds), args.hit_prefix)[0] if args.hit_prefix else []
         if prefix:
             run(core, [prefix], 1)  # cached from now on

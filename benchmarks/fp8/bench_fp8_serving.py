@@ -20,7 +20,8 @@ fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (F
 `bf16+plugin` / `fp8+plugin`: the same with `--lowlat-plugins auto` (the nvidia plugin's decode steps,
 counted from `/get_server_info`); `fp8+plugin-all`: `auto+all-batches` (the plugin at every batch it covers, also
 above its measured coverage). A `+lmhead` suffix on an FP8 setting adds `--quantize-lm-head` (the LM head FP8 too,
-per row: opt-in, it changes the logits), e.g. `fp8-default+lmhead`.
+per row: opt-in, it changes the logits), e.g. `fp8-default+lmhead`. `bf16-default+eager-extend` / `fp8-default+eager-extend`:
+the defaults with short extends run eagerly (`--no-enable-cuda-graph-extend`).
 
     python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
         --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
@@ -56,6 +57,9 @@ SETTINGS = {
 }
 SETTINGS.update({name + "+lmhead": [*args, "--quantize-lm-head"] for name, args in list(SETTINGS.items())
                  if "--quantization" in args})
+# the defaults with short extends run eagerly (graph extends are the default since 2026-12-04)
+SETTINGS.update({name + "+eager-extend": [*SETTINGS[name], "--no-enable-cuda-graph-extend"]
+                 for name in ("bf16-default", "fp8-default")})
 
 
 def find_stats(obj: Any, prefix: str) -> dict[str, Any]:
@@ -78,12 +82,18 @@ def prompt_lengths(rng: random.Random, length: int, vary: int, n: int) -> list[i
     return rng.sample(range(length - vary, length + 1), n) if vary else [length] * n
 
 
-def timed_one_token(client: httpx.Client, url: str, ids: list[int]) -> float:
-    """Seconds of one greedy `/generate` request of prompt `ids` for one new token."""
+def timed_one_token(client: httpx.Client, url: str, ids: list[int], server_s: list[float] | None = None) -> float:
+    """Seconds of one greedy `/generate` request of prompt `ids` for one new token; with `server_s`, the server's own
+    measure of it (`meta_info.e2e_latency`: from the request's arrival in the tokenizer manager to its end) is
+    appended there."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
     t0 = time.perf_counter()
-    client.post(url + "/generate", json=body).raise_for_status()
-    return time.perf_counter() - t0
+    resp = client.post(url + "/generate", json=body)
+    took = time.perf_counter() - t0
+    resp.raise_for_status()
+    if server_s is not None:
+        server_s.append(float(resp.json()["meta_info"]["e2e_latency"]))
+    return took
 
 
 def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int, vary: int = 0) -> float:
@@ -102,15 +112,18 @@ def prefill_rate(url: str, n: int, length: int, vocab: int, seed: int, vary: int
 def overhead_ms(url: str, n: int, length: int, vocab: int, seed: int) -> dict[str, float]:
     """The server's per-request time outside a prefill's layers, by two probes (median ms of ``n`` one-at-a-time
     requests, 1 new token each): one prompt of ``length`` random ids sent again and again (a radix hit: the forward
-    is one token's, the rest is every per-request and per-id cost of the path), and a prompt of one id."""
+    is one token's, the rest is every per-request and per-id cost of the path), and a prompt of one id. Each probe
+    also as the server measures it (``..._server``: `e2e_latency`, without the HTTP exchange and the client)."""
     rng = random.Random(seed)
     ids = [rng.randrange(100, vocab) for _ in range(length)]
     out = {}
     with httpx.Client(timeout=600) as client:
         for label, prompt in ((f"hit_{length}", ids), ("one_id", ids[:1])):
             timed_one_token(client, url, prompt)  # the first one caches the prompt
-            times = [timed_one_token(client, url, prompt) for _ in range(n)]
+            server_s: list[float] = []
+            times = [timed_one_token(client, url, prompt, server_s) for _ in range(n)]
             out[label] = round(1e3 * statistics.median(times), 3)
+            out[label + "_server"] = round(1e3 * statistics.median(server_s), 3)
     return out
 
 
@@ -136,23 +149,33 @@ def interleaved_prefill(args: argparse.Namespace) -> dict[str, Any]:
             prefill_rate(srv.base_url, 2, args.prefill_len, args.vocab, 7)  # warm-up
         rng = random.Random(11)
         rates: dict[str, list[float]] = {name: [] for name in servers}
+        walls: dict[str, list[float]] = {name: [] for name in servers}
+        server_s: dict[str, list[float]] = {name: [] for name in servers}  # the servers' own e2e_latency
         with httpx.Client(timeout=600) as client:
             for size in prompt_lengths(rng, args.prefill_len, args.prefill_vary, args.prefill_requests):
                 ids = [rng.randrange(100, args.vocab) for _ in range(size)]
                 for name, srv in servers.items():
-                    rates[name].append(size / timed_one_token(client, srv.base_url, ids))
+                    walls[name].append(timed_one_token(client, srv.base_url, ids, server_s[name]))
+                    rates[name].append(size / walls[name][-1])
+        overheads = {name: overhead_ms(srv.base_url, args.probe_overhead, args.prefill_len, args.vocab, 13)
+                     for name, srv in servers.items()} if args.probe_overhead else {}
+        for name, probe in overheads.items():
+            print(f"  {name:14s} per-request overhead (ms, median): {probe}", flush=True)
     finally:
         for srv in servers.values():
             srv.stop()
     base = args.settings[0]
-    out = {"memory_share": round(share, 3), "rates": rates,
+    out = {"memory_share": round(share, 3), "rates": rates, "overhead_ms": overheads,
+           "wall_ms": {name: round(1e3 * statistics.median(w), 3) for name, w in walls.items()},
+           "server_ms": {name: round(1e3 * statistics.median(w), 3) for name, w in server_s.items()},
            "prefill_tok_s": {name: round(statistics.median(r), 0) for name, r in rates.items()},
            "ratio_median_of_rounds": {name: round(statistics.median(a / b for a, b in zip(r, rates[base],
                                                                                        strict=True)), 3)
                                       for name, r in rates.items()}}
     for name, r in rates.items():
         print(f"  {name:14s} prefill {args.prefill_len}: median {out['prefill_tok_s'][name]:.0f} tok/s (min {min(r):.0f}, "
-              f"max {max(r):.0f}); vs {base}, median of the rounds' ratios {out['ratio_median_of_rounds'][name]:.3f}x",
+              f"max {max(r):.0f}); vs {base}, median of the rounds' ratios {out['ratio_median_of_rounds'][name]:.3f}x; "
+              f"request {out['wall_ms'][name]:.2f} ms, of which the server's e2e_latency {out['server_ms'][name]:.2f}",
               flush=True)
     return out
 
@@ -208,7 +231,8 @@ def main() -> None:
                         "per-request cost outside the layers")
     p.add_argument("--interleave", action="store_true",
                    help="prefill only: every setting's server up at once, the same prompt to each in turn per round "
-                        "(a drift of the machine lands on every setting alike); no decode measure")
+                        "(a drift of the machine lands on every setting alike), then --probe-overhead on each; no "
+                        "decode measure")
     p.add_argument("--vocab", type=int, default=None,
                    help="prompt token ids are drawn below this (default: the model's vocab_size, at most 32,000)")
     p.add_argument("--json", help="write the results here")
