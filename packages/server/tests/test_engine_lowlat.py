@@ -204,6 +204,15 @@ def _speculative_engine(monkeypatch: pytest.MonkeyPatch, make: Callable[[BuildCo
     """An engine with n-gram speculation (3 drafts: 4 verify rows per request), decode graphs captured eagerly up to
     ``graph_max_bs`` rows, and the plugin built by ``make`` covering decode and verify steps of up to 8 rows (every
     built instance in the list, the last the engine's)."""
+    return _plugin_graph_engine(monkeypatch, make, graph_max_bs, speculative_algorithm="ngram",
+                                speculative_num_draft_tokens=3)
+
+
+def _plugin_graph_engine(monkeypatch: pytest.MonkeyPatch, make: Callable[[BuildContext], ReferenceBuilt],
+                         graph_max_bs: int, **kw: Any) -> tuple[Engine, list[ReferenceBuilt]]:
+    """An engine (options ``kw``) with decode graphs captured eagerly up to ``graph_max_bs`` rows and the plugin
+    built by ``make`` covering decode and verify steps of up to 8 rows (every built instance in the list, the last
+    the engine's)."""
     from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
 
     built: list[ReferenceBuilt] = []
@@ -219,8 +228,8 @@ def _speculative_engine(monkeypatch: pytest.MonkeyPatch, make: Callable[[BuildCo
                       build=build)
     monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
     with use_registry(Registry([spec])):
-        engine = _engine(lowlat_plugins="require:cpu-reference", speculative_algorithm="ngram", context_length=256,
-                         speculative_num_draft_tokens=3, cuda_graph_max_bs=graph_max_bs)
+        engine = _engine(lowlat_plugins="require:cpu-reference", context_length=256, cuda_graph_max_bs=graph_max_bs,
+                         **kw)
     return engine, built
 
 
@@ -309,4 +318,46 @@ def test_verify_steps_replay_graphs_of_their_own_where_the_plugin_launch_differs
     assert stats.get("lowlat_plugin_steps_verify", 0) > 0
     rows_seen = built[-1].rows_seen  # type: ignore[attr-defined]
     assert set(rows_seen) - {1}, rows_seen  # verify replays ran their own launch
+    assert all("plugin" in g for g in report["graphs"]), report["graphs"]
+
+
+@pytest.mark.slow  # ~15 s (two engines, graphs captured eagerly on the CPU)
+def test_short_extends_replay_verify_graphs_where_the_plugin_launch_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph extends (the default) with a plugin whose launch for several rows of one request differs from its decode
+    launch: every captured size of at least 2 rows gets a verify graph, which runs extends of 2-4 new tokens (a
+    fresh 2-token prompt, radix hits' suffixes of 3 and 2 tokens); a 1-token suffix is a decode step and replays the
+    decode graph. Oracle: greedy tokens and the first output's logprob of the engine without lowlat or graphs;
+    every replay's path is checked by lowlat."""
+    base_ids = list(range(300, 340))
+    prompts = [base_ids[:2], base_ids[:30], base_ids[:33], base_ids[:35], base_ids[:36]]  # hits after the 2nd
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    def outputs(engine: Engine) -> list[tuple[list[int], float]]:
+        outs = []
+        for ids in prompts:  # one at a time: each later prompt's prefix is cached
+            o = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            outs.append((o["output_ids"], o["meta_info"]["output_token_logprobs"][0][0]))  # type: ignore[index]
+        return outs
+
+    base = _engine(disable_cuda_graph=True)
+    try:
+        expected = outputs(base)
+    finally:
+        base.shutdown()
+    engine, built = _plugin_graph_engine(monkeypatch, VerifyLaunchBuilt, graph_max_bs=4)
+    try:
+        graphs = engine.core.runner.cuda_graph
+        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4] and graphs.extend_max_reads > 0
+        assert sorted(graphs.verify_graphs) == [2, 4]
+        built[-1].rows_seen.clear()  # type: ignore[attr-defined]
+        got = outputs(engine)
+        replays = graphs.num_extend_replays
+        report = engine.core.lowlat.report()  # type: ignore[union-attr]
+    finally:
+        engine.shutdown()
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+    assert replays == 4  # the 2-token prompt and the suffixes of 3, 2 and 1 tokens (the 30-token prompt: eager)
+    rows_seen = built[-1].rows_seen  # type: ignore[attr-defined]
+    assert {2, 4} <= set(rows_seen) and 1 in rows_seen, rows_seen  # verify graphs of 2 and 4 rows; decode rows
     assert all("plugin" in g for g in report["graphs"]), report["graphs"]

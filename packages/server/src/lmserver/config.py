@@ -78,10 +78,10 @@ class ServerConfig:
     # Kernels and graphs
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "triton_cudnn", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
-    enable_cuda_graph_extend: bool = _opt(False, "an extend of few new tokens (a short prompt, a radix hit's suffix, "
-                                                 "a small mixed step) replays a decode CUDA graph, one decode row "
-                                                 "per token, instead of running eagerly (opt-in until measured on "
-                                                 "a GPU)")
+    enable_cuda_graph_extend: bool = _opt(True, "an extend of few new tokens (a short prompt, a radix hit's suffix, "
+                                                "a small mixed step) replays a decode CUDA graph, one decode row "
+                                                "per token, instead of running eagerly (--no-enable-cuda-graph-"
+                                                "extend: eagerly)")
     disable_cascade_attention: bool = _opt(False, "decode attention reads a KV prefix shared by several running "
                                                   "requests once per request, not once per group (cascade "
                                                   "attention off; triton backend)")

@@ -28,7 +28,9 @@ padded row count the same way when `extend_max_reads` > 0 (`--enable-cuda-graph-
 `forward_extend`): one decode row per new token. Eagerly, its forward launches ~11 kernels per layer from Python,
 ~0.4-1.1 ms of host time per layer on the H200 machine (a 64-token prefill of the 8B shape: 12-38 ms of wall for ~4
 ms of device work). Each row reads its whole context (no query tile shares the reads), so rows x context is
-bounded (`extend_max_reads`); longer extends run eagerly.
+bounded (`extend_max_reads`); longer extends run eagerly. With a lowlat plugin, sizes whose several rows per request
+take another path or launch than their decode rows get a verify graph as well (`verify_graph_rows`); one new token per
+request is a decode step and replays the decode graph.
 
 Contract for attention backends (`triton` and `torch_native` meet it): a DECODE `plan` may read
 host values only from `batch_size` and `seq_lens_cpu`, and the static batch gives
@@ -426,7 +428,7 @@ class DecodeGraphRunner:
                     self.outputs[bs], self.graphs[bs] = out, graph
         lowlat = self.runner.lowlat
         for bs in reversed(self.sizes):
-            rows = min(self.verify_rows, bs)  # NOTE: a size below verify_rows holds verify steps of fewer rows
+            rows = self.verify_graph_rows(bs)
             if lowlat is None or not rows or not lowlat.needs_verify_graph(bs, rows, self.table_width):
                 continue
             fn = self._into(self.step_fn(bs, verify_rows=rows), self.outputs[bs])
@@ -439,6 +441,16 @@ class DecodeGraphRunner:
             self.verify_graphs[bs] = graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def verify_graph_rows(self, bs: int) -> int:
+        """The rows per request a verify graph of `bs` rows is captured for (where the lowlat plugin needs one):
+        a speculative verify step's at most (`verify_rows`; a size below it holds steps of fewer rows), else, with
+        graph extends, `bs` (an extend of one request fills the size); 0: none. The plugin launches every count of
+        two or more rows per request alike (`needs_verify_graph`), so the graph serves fewer rows too where the
+        session picks the same path for them (`_verify_graph` asks). Pure."""
+        if self.verify_rows:
+            return min(self.verify_rows, bs)
+        return bs if self.extend_max_reads and bs > 1 else 0
 
     def can_run(self, decision: ScheduleDecision) -> bool:
         """True for a decode decision of 1..max_bs requests once captured. Pure."""
@@ -521,7 +533,8 @@ class DecodeGraphRunner:
             return False
         lowlat = self.runner.lowlat
         # NOTE: a decode graph replays the plugin's decode launch; where the plugin launches rows of one request
-        # otherwise (`needs_verify_graph`: speculative decoding captures a verify graph there), the extend runs eagerly
+        # otherwise (`needs_verify_graph`), the size's verify graph serves (`verify_graph_rows`); without one (e.g. a
+        # speculative verify graph of another path), the extend runs eagerly
         return not (lowlat is not None and found[1] == StepKind.DECODE
                     and lowlat.needs_verify_graph(padded, widest, self.table_width))
 

@@ -260,28 +260,29 @@ class LowlatHook:
                   graph: StepKind = StepKind.DECODE) -> None:
         """A captured graph of `batch_size` rows is about to replay: count it and check its path.
         `verify_rows_per_request` > 0: the replay is a verify step of at most that many rows per
-        request, in the `graph` (decode or verify) that `verify_graph` named."""
-        if verify_rows_per_request:
-            self.session.replay(Step.verify(batch_size, verify_rows_per_request, max_context),
-                                graph=(graph, batch_size))
-            return
-        self.session.replay(Step.decode(batch_size, max_context))
+        request, in the `graph` (decode or verify) that `verify_graph` named (one row per request: the
+        decode step it is)."""
+        step = _rows_step(batch_size, verify_rows_per_request, max_context)
+        self.session.replay(step, graph=(graph, batch_size) if step.kind == StepKind.VERIFY else None)
 
     def verify_graph(self, batch_size: int, rows_per_request: int, max_context: int) -> StepKind | None:
         """The graph of `batch_size` rows that froze the path the session picks for a verify step of
         those rows (at most `rows_per_request` per request): a verify graph (captured where the paths
-        or the plugin's launches differ: `needs_verify_graph`), else the decode graph, else None. Pure."""
-        want = self.session.path_for(Step.verify(batch_size, rows_per_request, max_context))
-        for kind in (StepKind.VERIFY, StepKind.DECODE):
-            if self.session.frozen_path(kind, batch_size) == want:
-                return kind
-        return None
+        or the plugin's launches differ: `needs_verify_graph`), else the decode graph, else None. One row
+        per request is a decode step: only its decode graph. Pure."""
+        step = _rows_step(batch_size, rows_per_request, max_context)
+        want = self.session.path_for(step)
+        kinds = (StepKind.VERIFY, StepKind.DECODE) if step.kind == StepKind.VERIFY else (StepKind.DECODE,)
+        return next((kind for kind in kinds if self.session.frozen_path(kind, batch_size) == want), None)
 
     def needs_verify_graph(self, batch_size: int, rows_per_request: int, max_context: int) -> bool:
         """Whether verify steps of `batch_size` rows take another path than that size's decode graph
-        froze, or the plugin path with another launch than its decode rows'. Pure."""
+        froze, or the plugin path with another launch than its decode rows' (never for one row per
+        request: a decode step). Pure."""
+        if rows_per_request <= 1:
+            return False
         want = self.session.path_for(Step.verify(batch_size, rows_per_request, max_context))
-        if want == PLUGIN and rows_per_request > 1 and self.session.verify_launch_differs():
+        if want == PLUGIN and self.session.verify_launch_differs():
             return True
         return self.session.frozen_path(StepKind.DECODE, batch_size) != want
 
@@ -302,3 +303,12 @@ class LowlatHook:
 
     def explain(self) -> str:
         return self.session.explain()
+
+
+def _rows_step(batch_size: int, rows_per_request: int, max_context: int) -> Step:
+    """The step of `batch_size` decode rows, at most `rows_per_request` (> 0) of them per request: a verify step,
+    or with one row per request the decode step it is (the plugin's verify coverage is about several rows; a
+    short extend of one new token per request is replayed in the decode graph)."""
+    if rows_per_request > 1:
+        return Step.verify(batch_size, rows_per_request, max_context)
+    return Step.decode(batch_size, max_context)
