@@ -43,8 +43,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # the same with the activation quantizers' launches of `--quant-launch` (lmserver.kernels.fp8_quant.quant_launch
     # replaced in this process while the setting runs)
     "fp8-default+q": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
-    # the same with fresh prompts' P v on e4m3 V (`TritonBackend.fresh_pv_fp8`, set on the built core)
-    "fp8-default+pv8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
 }
 
 
@@ -134,8 +132,6 @@ def main() -> None:
         t0 = time.monotonic()
         with launch_override(setting, launches):
             core = make_core(args.model_path, SETTINGS[setting], args.length + 64)
-            if setting.endswith("+pv8"):
-                core.runner.attn_backend.fresh_pv_fp8 = True
             build_s = time.monotonic() - t0
             wall_ms, rows = profile_prefill(core, vocab, args.length, args.reps)
         print(f"\n=== {setting}: built in {build_s:.0f}s; prefill of {args.length} tokens {wall_ms:.2f} ms wall "

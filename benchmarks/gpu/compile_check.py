@@ -9,7 +9,7 @@ before a device call:
     PYTHONPATH=DIR python benchmarks/gpu/compile_check.py
 
 Groups: `fp8_quant` (the per-token FP8 quantizers), `extend_attention` (lmserver's prefill attention kernel: a fresh
-prompt's bf16 and e4m3 P v, an FP8 cache's prefix), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
+prompt, an FP8 cache's prefix), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
 `--quantize-lm-head`, and the 8B decoder projections', 1-16 rows, the launches `config_for` chooses), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
 prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows; the attention also as verify rows, with
 `LaunchConfig.attn_f16` on and off, KV blocks tuned and 64, 4 and 8 warps), `lowlat_w8a8` (the W8A8 multi-row
@@ -200,22 +200,18 @@ def lowlat_moe_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
 
 def extend_attention_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
     """lmserver's extend kernel for a fresh 4,096-token prompt of the 8B shape as the triton backend launches it
-    (64 x 64 tiles on a GPU), bf16 P v and e4m3 P v (`fresh_pv_fp8`), and over a cached prefix of an FP8 cache."""
+    (64 x 64 tiles on a GPU), and over a cached prefix of an FP8 cache."""
     import lmserver.kernels.extend_attention as EA
 
     n, i64, table = 4096, torch.empty(1, device=META, dtype=torch.int64), torch.empty(1, 8192, device=META,
                                                                                         dtype=torch.int32)
-    q, k, v8 = _t(n, 32, 128), _t(n, 8, 128), _t(n, 8, 128, dtype=torch.float8_e4m3fn)
+    q, k = _t(n, 32, 128), _t(n, 8, 128)
     cache8 = _t(8192, 8, 128, dtype=torch.float8_e4m3fn)
-
-    def fresh(v: torch.Tensor, scale: float | None) -> Callable[[], object]:
-        return lambda: EA.extend_attention(q, k, v, k, v, table, i64, i64, i64, i64, 128**-0.5, n, out=_t(n, 32, 128),
-                                           has_prefix=False, v_extend_scale=scale, block_m=64, block_n=64)
-
+    fresh = lambda: EA.extend_attention(q, k, k, k, k, table, i64, i64, i64, i64, 128**-0.5, n,  # noqa: E731
+                                        out=_t(n, 32, 128), has_prefix=False, block_m=64, block_n=64)
     prefix = lambda: EA.extend_attention(q, k, k, cache8, cache8, table, i64, i64, i64, i64, 128**-0.5, n,  # noqa: E731
                                          out=_t(n, 32, 128), k_scale=0.1, v_scale=0.1, block_m=64, block_n=64)
-    return {"fresh bf16 P v": captured(EA, ("_extend_kernel",), fresh(k, None)),
-            "fresh e4m3 P v": captured(EA, ("_extend_kernel",), fresh(v8, 0.03)),
+    return {"fresh prompt": captured(EA, ("_extend_kernel",), fresh),
             "FP8 cache prefix": captured(EA, ("_extend_kernel",), prefix)}
 
 

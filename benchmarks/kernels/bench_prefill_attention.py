@@ -2,8 +2,7 @@
 
 A prefill of prompts without a radix hit is plain causal attention per request; this times, for the Llama-3-8B
 attention shape (32 query heads, 8 KV heads, head_dim 128, bf16), the extend kernel as the backend launches it
-(`has_prefix=False`) with its default tile and launch order and variants (also P v on e4m3 V, as for an FP8 cache's
-fresh prompt with `TritonBackend.fresh_pv_fp8`), against `torch.nn.functional.
+(`has_prefix=False`) with its default tile and launch order and variants, against `torch.nn.functional.
 scaled_dot_product_attention` on the cuDNN, flash and memory-efficient backends, each called per request on views of
 the packed (tokens, heads, dim) tensors and writing the packed output (the layout transposes are in the timing).
 Every variant is checked against `reference.extend_attention_ref` (float64 softmax) before it is timed
@@ -25,19 +24,16 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernels import rel_error, time_graph  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-V_SCALE = 2.0**-5
 
 
 def packed_inputs(lens: list[int]) -> dict:
     total = sum(lens)
     dt, dev = torch.bfloat16, "cuda"
     starts = [sum(lens[:i]) for i in range(len(lens))]
-    # V on e4m3's grid (scale 2**-5, exact in bf16) so that the e4m3 P v variant reads the same values as the others
-    v8 = (torch.randn(total, KV_HEADS, DIM, device=dev) * 32).to(torch.float8_e4m3fn)
     return {
         "q": torch.randn(total, HEADS, DIM, dtype=dt, device=dev),
         "k": torch.randn(total, KV_HEADS, DIM, dtype=dt, device=dev),
-        "v": v8.to(dt) * V_SCALE, "v8": v8,
+        "v": torch.randn(total, KV_HEADS, DIM, dtype=dt, device=dev),
         "lens": lens, "starts": starts,
         "req_to_token": torch.zeros(len(lens), max(lens), dtype=torch.int32, device=dev),
         "req_pool_indices": torch.arange(len(lens), device=dev),
@@ -47,17 +43,11 @@ def packed_inputs(lens: list[int]) -> dict:
     }
 
 
-def triton_variant(pv_fp8: bool = False, **kw) -> Callable[[dict, torch.Tensor], None]:
-    """The extend kernel as the backend launches it for a fresh prompt; `pv_fp8`: V as e4m3 (the FP8 cache's
-    bytes) and P v on FP8 tensor cores (`v_extend_scale`)."""
+def triton_variant(**kw) -> Callable[[dict, torch.Tensor], None]:
     from lmserver.kernels.extend_attention import extend_attention
 
-    if pv_fp8:
-        kw["v_extend_scale"] = V_SCALE
-
     def run(x: dict, out: torch.Tensor) -> None:
-        v = x["v8"] if pv_fp8 else x["v"]
-        extend_attention(x["q"], x["k"], v, x["k"], v, x["req_to_token"], x["req_pool_indices"],
+        extend_attention(x["q"], x["k"], x["v"], x["k"], x["v"], x["req_to_token"], x["req_pool_indices"],
                          x["prefix_lens"], x["seq_lens"], x["start_loc"], DIM**-0.5, max(x["lens"]), out=out,
                          has_prefix=False, **kw)
     return run
@@ -101,8 +91,6 @@ def served_variant() -> Callable[[dict, torch.Tensor], None]:
 VARIANTS: dict[str, Callable[[], Callable[[dict, torch.Tensor], None]]] = {
     "triton 64x64 w4 s3 light-first": lambda: triton_variant(heavy_first=False),
     "triton 64x64 w4 s3 heavy-first (default)": lambda: triton_variant(),
-    "triton e4m3 P v (FP8 cache)": lambda: triton_variant(pv_fp8=True),
-    "triton e4m3 P v 128x64 w8": lambda: triton_variant(pv_fp8=True, block_m=128, block_n=64, num_warps=8),
     "triton 128x64 w8 s3 heavy-first": lambda: triton_variant(block_m=128, block_n=64, num_warps=8, heavy_first=True),
     "triton 128x128 w8 s2 heavy-first": lambda: triton_variant(block_m=128, block_n=128, num_warps=8, num_stages=2,
                                                                heavy_first=True),

@@ -268,41 +268,6 @@ def test_store_kv_gives_back_what_the_fp8_cache_holds(device: str) -> None:
     assert torch.equal(v_out, pool.dequantize_v(0, pool.v_cache[0][loc], dtype))
     with pytest.raises(KernelInputError, match="k_out and v_out"):
         store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_out=k_out)
-    # a v_out of the cache's dtype gets the stored bytes themselves (an extend's FP8 P v)
-    v_raw = torch.empty(v.shape, dtype=FP8_DTYPE, device=device)
-    store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_scale=0.25, v_scale=1.0, k_out=k_out, v_out=v_raw)
-    assert torch.equal(v_raw.view(torch.uint8), pool.v_cache[0][loc].view(torch.uint8))
-    with pytest.raises(KernelInputError, match="k_out comes in k's dtype"):
-        store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_out=k_out.half(), v_out=v_raw)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_extend_attention_fp8_pv_of_a_fresh_prompt(device: str) -> None:
-    """`v_extend_scale`: a fresh prompt's P v on e4m3 values (V as the cache holds it, P scaled by 256), against the
-    float64 reference over the dequantized V: within P's e4m3 rounding (~0.7% relative, attention_fp8_numerics.py;
-    the interpreter narrows to e4m3 its own way, a looser bound there), and refused where it does not apply."""
-    from lmserver.kernels._util import KernelInputError
-    from lmserver.kernels.extend_attention import extend_attention
-
-    heads, kv_heads, dim = 6, 2, 32
-    dtype = _act_dtype(device)
-    ext = [5, 9, 18] if device == "cpu" else [300, 90, 1000]
-    batch = random_paged_batch([0] * len(ext), ext, heads, kv_heads, dim, dtype, device, _gen(8))
-    v_scale = 0.02
-    v8 = quantize_kv_fp8(batch.v_extend, v_scale)
-    args = (batch.q, batch.k_extend, v8, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
-            batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, dim**-0.5, max(ext))
-    expected = ref.extend_attention_ref(
-        batch.q, batch.k_extend, (v8.double() * v_scale).to(dtype), batch.k_cache, batch.v_cache, batch.req_to_token,
-        batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc, dim**-0.5)
-    out = extend_attention(*args, has_prefix=False, v_extend_scale=v_scale)
-    bf16_p = extend_attention(batch.q, batch.k_extend, (v8.double() * v_scale).to(dtype), *args[3:], has_prefix=False)
-    err, err_bf16 = rel_error(out, expected), rel_error(bf16_p, expected)
-    assert err < (6e-2 if device == "cpu" else 2e-2), (err, err_bf16)
-    assert err > err_bf16  # P did go through e4m3
-    for bad in (dict(has_prefix=True, v_extend_scale=v_scale), dict(has_prefix=False, v_extend_scale=None)):
-        with pytest.raises(KernelInputError):
-            extend_attention(*args, **bad)  # an e4m3 v_extend without its scale, or over a cached prefix
 
 
 def _fp8_cache(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,24 +331,6 @@ def test_triton_backend_with_fp8_pool_matches_torch_native(device: str, rotate_k
     compare_backends(TorchNativeBackend, TritonBackend, device=device, shape=(6, 2, 32), dtype=dtype,
                      num_slots=160, width=64, chunks=[[5, 9, 3], [7, 1, 12]], decode_steps=3,
                      tol=1e-5 if dtype == torch.float32 else 1.6e-2, kv_cache_dtype=FP8_DTYPE, rotate_k=rotate_k)
-
-
-@pytest.mark.gpu
-def test_triton_backend_fresh_fp8_pv_matches_torch_native() -> None:
-    """`TritonBackend.fresh_pv_fp8` on (fresh prompts' P v on e4m3 V): the backend against torch_native over an FP8
-    pool, within P's e4m3 rounding on top of bf16's tolerance; later chunks (a cached prefix) and decode unchanged."""
-    from lmserver.runner.attention.testing import compare_backends
-    from lmserver.runner.attention.torch_native import TorchNativeBackend
-    from lmserver.runner.attention.triton_backend import TritonBackend
-
-    class FreshPvFp8(TritonBackend):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            self.fresh_pv_fp8 = True
-
-    compare_backends(TorchNativeBackend, FreshPvFp8, device="cuda", shape=(32, 8, 128), dtype=torch.bfloat16,
-                     num_slots=4096, width=2048, chunks=[[700, 90, 1000], [7, 1, 12]], decode_steps=3, tol=2.5e-2,
-                     kv_cache_dtype=FP8_DTYPE)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ def _extend_kernel(
     q_ptr, k_ext_ptr, v_ext_ptr, k_cache_ptr, v_cache_ptr,
     req_to_token_ptr, req_pool_indices_ptr, prefix_lens_ptr, extend_lens_ptr, start_loc_ptr,
     out_ptr,
-    sm_scale_log2e, k_scale, v_scale, v_ext_scale,
+    sm_scale_log2e, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_ket, stride_keh,
     stride_vet, stride_veh,
@@ -39,7 +39,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False, PV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -111,10 +111,7 @@ def _extend_kernel(
             v_ext_ptr + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
             mask=mask_d[None, :], other=0.0,
         )
-        if PV_FP8:  # v_ext in e4m3 (the cache's bytes): P scaled by 256 to e4m3, FP8 tensor cores
-            acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # The diagonal: causal mask, up to this block's last valid row.
@@ -135,17 +132,12 @@ def _extend_kernel(
             v_ext_ptr + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
         )
-        if PV_FP8:
-            acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # NOTE: every valid row saw at least its own token, so l_i > 0 there; padded rows are masked.
     safe_l = tl.where(mask_m, l_i, 1.0)
     out = acc / safe_l[:, None]
-    if PV_FP8:
-        out = out * (v_ext_scale / 256.0)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
@@ -174,7 +166,6 @@ def extend_attention(
     v_scale: float = 1.0,
     has_prefix: bool = True,
     heavy_first: bool = True,
-    v_extend_scale: float | None = None,
 ) -> torch.Tensor:
     """Prefix + causal attention of the new tokens; returns `out`.
 
@@ -185,20 +176,11 @@ def extend_attention(
     dereferenced), so a fresh prompt runs the same compiled kernel whatever the cache dtype.
     `heavy_first` launches the last query blocks (the most keys) first: on the H200 a 4,096-token prompt 354.8 ->
     333.3 us, 1,024 tokens 37.8 -> 33.0 (`bench_prefill_attention.py`), the causal grid's tail being light blocks.
-    `v_extend_scale` (fresh prompts only, `has_prefix` False): `v_extend` holds e4m3 values of that scale (an FP8
-    cache's bytes) and P v runs on FP8 tensor cores (P scaled by 256 to e4m3): 0.66-0.77% relative error against
-    0.22-0.39% with bf16 P, a tenth of what the FP8 cache itself costs (`benchmarks/fp8/attention_fp8_numerics.py`).
     Mutates `out` (allocated when None); the caches are only read.
     """
     check_attention_inputs(q, k_cache, v_cache)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    pv_fp8 = v_extend_scale is not None
-    if pv_fp8 and (has_prefix or v_extend.dtype != torch.float8_e4m3fn or k_extend.dtype != q.dtype):
-        raise KernelInputError("v_extend_scale is for a fresh prompt's e4m3 v_extend (has_prefix False) with k_extend "
-                               f"in q's dtype ({q.dtype}); got v_extend {v_extend.dtype}, has_prefix {has_prefix}")
-    if not pv_fp8 and v_extend.dtype == torch.float8_e4m3fn:
-        raise KernelInputError("an e4m3 v_extend needs its scale (v_extend_scale)")
-    if kv_fp8 and not pv_fp8 and (k_extend.dtype != q.dtype or v_extend.dtype != q.dtype):
+    if kv_fp8 and (k_extend.dtype != q.dtype or v_extend.dtype != q.dtype):
         raise KernelInputError(f"with an FP8 cache, k_extend and v_extend come in q's dtype ({q.dtype})")
     if not has_prefix:
         # NOTE: not a kernel without its prefix loop: on the H200 (4k prefill, us per layer, benchmarks/RESULTS.md
@@ -236,7 +218,7 @@ def extend_attention(
         q, k_extend, v_extend, k_cache, v_cache,
         req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens, extend_start_loc,
         out,
-        sm_scale * _LOG2E, k_scale, v_scale, float(v_extend_scale or 1.0),
+        sm_scale * _LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1),
@@ -247,7 +229,6 @@ def extend_attention(
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype if kv_fp8 else k_cache.dtype), KV_FP8=kv_fp8, HEAVY_FIRST=heavy_first,
-        PV_FP8=pv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

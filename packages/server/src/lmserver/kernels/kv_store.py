@@ -23,7 +23,6 @@ def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, k_out_ptr, v_out_ptr,
     stride_kt, stride_vt, stride_kcs, stride_vcs, stride_ot,
     width, k_scale, v_scale, BLOCK: tl.constexpr, FP8: tl.constexpr = False, DEQUANT: tl.constexpr = False,
-    V_RAW: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -41,10 +40,7 @@ def _store_kv_kernel(
     if DEQUANT:  # KVPool.dequantize_k / _v: (stored * scale) in float32, then the output dtype
         ty = k_out_ptr.dtype.element_ty
         tl.store(k_out_ptr + t * stride_ot + offs, (kq.to(tl.float32) * k_scale).to(ty), mask=mask)
-        if V_RAW:  # v_out holds the cache's e4m3 bytes (an extend's FP8 P v, extend_attention's v_extend_scale)
-            tl.store(v_out_ptr + t * stride_ot + offs, vq, mask=mask)
-        else:
-            tl.store(v_out_ptr + t * stride_ot + offs, (vq.to(tl.float32) * v_scale).to(ty), mask=mask)
+        tl.store(v_out_ptr + t * stride_ot + offs, (vq.to(tl.float32) * v_scale).to(ty), mask=mask)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -65,8 +61,7 @@ def store_kv(
 ) -> None:
     """`k_cache[loc] = k; v_cache[loc] = v` (FP8 caches: quantized as `fp8_ref.quantize_kv_fp8`
     does, in the same launch; with `k_out` / `v_out` also the stored values scaled back, as
-    `KVPool.dequantize_k` / `dequantize_v` give them; a `v_out` of the cache's dtype gets the stored bytes as they
-    are). Mutates k_cache, v_cache, k_out, v_out."""
+    `KVPool.dequantize_k` / `dequantize_v` give them). Mutates k_cache, v_cache, k_out, v_out."""
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[1:] or v_cache.shape != k_cache.shape:
         raise KernelInputError(
             f"expected k, v (T, num_kv_heads, head_dim) matching the caches' last dims; got k {tuple(k.shape)}, "
@@ -82,9 +77,6 @@ def store_kv(
     if dequant:
         if not fp8 or k_out is None or v_out is None:
             raise KernelInputError("k_out and v_out come together, with an FP8 cache only")
-        if v_out.dtype not in (k.dtype, k_cache.dtype) or k_out.dtype != k.dtype:
-            raise KernelInputError(f"k_out comes in k's dtype ({k.dtype}), v_out in k's or the cache's; got "
-                                   f"{k_out.dtype}, {v_out.dtype}")
         if k_out.shape != k.shape or v_out.shape != k.shape or not (k_out.is_contiguous() and v_out.is_contiguous()):
             raise KernelInputError(f"k_out and v_out must be contiguous {tuple(k.shape)}; got "
                                    f"{tuple(k_out.shape)}, {tuple(v_out.shape)}")
@@ -94,6 +86,5 @@ def store_kv(
     _store_kv_kernel[(k.shape[0], triton.cdiv(width, block))](
         k, v, k_cache, v_cache, loc, k if k_out is None else k_out, v if v_out is None else v_out,
         k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0), width,
-        width, float(k_scale), float(v_scale), BLOCK=block, FP8=fp8, DEQUANT=dequant,
-        V_RAW=dequant and v_out is not None and v_out.dtype == k_cache.dtype, num_warps=4,
+        width, float(k_scale), float(v_scale), BLOCK=block, FP8=fp8, DEQUANT=dequant, num_warps=4,
     )

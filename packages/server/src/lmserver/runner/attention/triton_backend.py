@@ -71,9 +71,6 @@ class TritonBackend(AttentionBackend):
         # fresh long prompts through cuDNN's fused attention (`prefill_sdpa`): the opt-in subclass only
         self.cudnn_prefill = self.CUDNN_PREFILL and prefill_sdpa.cudnn_available(device)
         self.extend_sdpa = False  # set by each `plan`: True for an extend batch that `prefill_sdpa.use_for` takes
-        # fresh prompts over an FP8 cache: P v on FP8 tensor cores (extend_attention's v_extend_scale); off until
-        # timed on a GPU (benchmarks/kernels/bench_prefill_attention.py)
-        self.fresh_pv_fp8 = False
         if kv_pool.is_fp8:
             self.supports_cascade = False  # NOTE: the instance's value: ModelRunner.enable_cascade reads it
 
@@ -144,15 +141,11 @@ class TritonBackend(AttentionBackend):
         v_cache = self.kv_pool.v_cache[layer.layer_id]
         pool, lid = self.kv_pool, layer.layer_id
         k_scale, v_scale = (pool.k_scale[lid], pool.v_scale[lid]) if pool.is_fp8 else (1.0, 1.0)
-        # an FP8 cache's fresh prompt with `fresh_pv_fp8`: V stays e4m3 (the cache's bytes) for an FP8 P v
-        pv_fp8 = (self.fresh_pv_fp8 and pool.is_fp8 and k.is_cuda and batch.mode != ForwardMode.DECODE
-                  and not self.extend_has_prefix and not self.extend_sdpa)
         if pool.is_fp8 and batch.mode == ForwardMode.DECODE and k.is_cuda:  # quantized inside the store (one launch)
             # NOTE: on the GPU only: Triton's interpreter narrows to e4m3 without a rounded-up mantissa's carry
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale)
         elif pool.is_fp8 and k.is_cuda:  # extend attends to the new tokens as the cache holds them: one launch
-            k_held = torch.empty(k.shape, dtype=q.dtype, device=k.device)
-            v_held = torch.empty(k.shape, dtype=v_cache.dtype if pv_fp8 else q.dtype, device=k.device)
+            k_held, v_held = (torch.empty(k.shape, dtype=q.dtype, device=k.device) for _ in range(2))
             store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale,
                      k_out=k_held, v_out=v_held)
             k, v = k_held, v_held
@@ -191,7 +184,6 @@ class TritonBackend(AttentionBackend):
                 q, k, v, k_cache, v_cache, self.req_to_token, batch.req_pool_indices, batch.extend_prefix_lens,
                 batch.extend_seq_lens, batch.extend_start_loc, layer.scaling, self.max_extend_len, out=out,
                 k_scale=k_scale, v_scale=v_scale, has_prefix=self.extend_has_prefix,
-                v_extend_scale=float(v_scale) if pv_fp8 else None,
             )
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
 
