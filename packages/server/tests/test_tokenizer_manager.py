@@ -168,7 +168,7 @@ def test_terminate_context_gives_up_on_a_term_that_would_block_and_finishes_once
 
 def test_prompt_token_checks_match_their_per_element_definitions() -> None:
     """The C-speed checks (`is_token_id_list`, which the native API takes, and `check_input_ids`) accept and refuse exactly what a
-    per-element check would (ints, not bools, in [0, vocab)), whatever the list holds."""
+    per-element check would (ints, not bools, in [0, vocab)), whatever the list holds, and say which rule failed."""
     import enum
 
     from hypothesis import given, settings
@@ -196,7 +196,8 @@ def test_prompt_token_checks_match_their_per_element_definitions() -> None:
                 accepted = True
             except InvalidRequestError as exc:
                 accepted = False
-                assert "vocabulary" in str(exc)
+                # the message names what is wrong: a non-integer (bools included) first, else an id out of range
+                assert ("must be integers" if not per_element_ids(ids) else "vocabulary") in str(exc), (ids, exc)
             assert accepted == in_vocab, ids
 
         same()

@@ -299,7 +299,10 @@ class TokenizerManager:
         vocab = self.vocab_size
         # NOTE: the common case in C (types, min, max); the per-element scan only to name what is wrong
         if not (is_token_id_list(input_ids) and min(input_ids) >= 0 and max(input_ids) < vocab):
-            bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            not_ids = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool)]
+            if not_ids:
+                raise InvalidRequestError(f"token ids must be integers, got {not_ids[:5]!r}")
+            bad = [t for t in input_ids if not 0 <= t < vocab]
             raise InvalidRequestError(f"token id(s) out of the vocabulary (size {vocab}): {bad[:5]}")
         params.validate(vocab)
         for pattern in params.stop_regex:
