@@ -9,7 +9,7 @@ before a device call:
     PYTHONPATH=DIR python benchmarks/gpu/compile_check.py
 
 Groups: `fp8_quant` (the per-token FP8 quantizers), `extend_attention` (lmserver's prefill attention kernel: a fresh
-prompt, an FP8 cache's prefix), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
+prompt, an FP8 cache's prefix), `kv_store` (the KV store of a 4k prompt, FP8 and bf16 caches), `fp8_gemv` (lmserver's FP8 decode GEMV at the LM heads' shapes,
 `--quantize-lm-head`, and the 8B decoder projections', 1-16 rows, the launches `config_for` chooses), `fused_moe` (lmserver's fused MoE, bf16 and FP8 experts, decode and
 prefill), `lowlat` (the dense FP8 stages at 1 and 8 rows; the attention also as verify rows, with
 `LaunchConfig.attn_f16` on and off, KV blocks tuned and 64, 4 and 8 warps), `lowlat_w8a8` (the W8A8 multi-row
@@ -215,7 +215,22 @@ def extend_attention_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
             "FP8 cache prefix": captured(EA, ("_extend_kernel",), prefix)}
 
 
-GROUPS = {"fp8_quant": fp8_quant_cases, "extend_attention": extend_attention_cases, "fp8_gemv": fp8_gemv_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases,
+def kv_store_cases() -> dict[str, list[tuple[Any, tuple, dict]]]:
+    """lmserver's KV store of a 4,096-token prompt of the 8B shape: into an FP8 cache with the values written back
+    (the FP8 prefill's path), and into a bf16 cache."""
+    import lmserver.kernels.kv_store as KS
+
+    n, loc = 4096, torch.empty(4096, device=META, dtype=torch.int64)
+    k, out = _t(n, 8, 128), _t(n, 8, 128)
+    fp8 = lambda: KS.store_kv(k, k, _t(8192, 8, 128, dtype=torch.float8_e4m3fn),  # noqa: E731
+                              _t(8192, 8, 128, dtype=torch.float8_e4m3fn), loc, k_scale=0.1, v_scale=0.2, k_out=out,
+                              v_out=out)
+    bf16 = lambda: KS.store_kv(k, k, _t(8192, 8, 128), _t(8192, 8, 128), loc)  # noqa: E731
+    return {"FP8 cache, values written back": captured(KS, ("_store_kv_kernel",), fp8),
+            "bf16 cache": captured(KS, ("_store_kv_kernel",), bf16)}
+
+
+GROUPS = {"fp8_quant": fp8_quant_cases, "extend_attention": extend_attention_cases, "kv_store": kv_store_cases, "fp8_gemv": fp8_gemv_cases, "fused_moe": fused_moe_cases, "lowlat": lowlat_cases,
           "lowlat_w8a8": lowlat_w8a8_cases, "lowlat_moe": lowlat_moe_cases}
 
 

@@ -88,8 +88,9 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def quantize_kv_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """K or V values -> float8_e4m3fn of x / scale, saturated at +-448 (a KV-cache write). Pure."""
-    y = x.float() if scale == 1.0 else x.float() / scale
+    """K or V values -> float8_e4m3fn of x * (1 / scale) (the reciprocal rounded to float32, one multiply per
+    value: what the kernels compute, lowlat's too), saturated at +-448 (a KV-cache write). Pure."""
+    y = x.float() if scale == 1.0 else x.float() * (1.0 / scale)
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

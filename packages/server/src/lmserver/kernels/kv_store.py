@@ -22,7 +22,8 @@ __all__ = ["store_kv"]
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, k_out_ptr, v_out_ptr,
     stride_kt, stride_vt, stride_kcs, stride_vcs, stride_ot,
-    width, k_scale, v_scale, BLOCK: tl.constexpr, FP8: tl.constexpr = False, DEQUANT: tl.constexpr = False,
+    width, k_scale, v_scale, k_inv, v_inv, BLOCK: tl.constexpr, FP8: tl.constexpr = False,
+    DEQUANT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -30,9 +31,9 @@ def _store_kv_kernel(
     slot = tl.load(loc_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
-    if FP8:  # fp8_ref.quantize_kv_fp8: x / scale (IEEE division, as torch), saturated at +-448
-        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -448.0, 448.0)
-        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -448.0, 448.0)
+    if FP8:  # fp8_ref.quantize_kv_fp8: x * (1 / scale) in float32 (k_inv, v_inv), saturated at +-448
+        k = tl.clamp(k.to(tl.float32) * k_inv, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) * v_inv, -448.0, 448.0)
     kq = k.to(k_cache_ptr.dtype.element_ty)
     vq = v.to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + slot * stride_kcs + offs, kq, mask=mask)
@@ -54,7 +55,7 @@ def store_kv(
     v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
     loc: torch.Tensor,  # (num_tokens,) slot ids, distinct
     block: int = 1024,
-    k_scale: float = 1.0,  # FP8 caches: the values stored are k / k_scale, v / v_scale, saturated
+    k_scale: float = 1.0,  # FP8 caches: the values stored are k * (1 / k_scale), v * (1 / v_scale), saturated
     v_scale: float = 1.0,
     k_out: torch.Tensor | None = None,  # FP8 caches: (num_tokens, num_kv_heads, head_dim), contiguous, k's dtype
     v_out: torch.Tensor | None = None,
@@ -86,5 +87,6 @@ def store_kv(
     _store_kv_kernel[(k.shape[0], triton.cdiv(width, block))](
         k, v, k_cache, v_cache, loc, k if k_out is None else k_out, v if v_out is None else v_out,
         k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0), width,
-        width, float(k_scale), float(v_scale), BLOCK=block, FP8=fp8, DEQUANT=dequant, num_warps=4,
+        width, float(k_scale), float(v_scale), 1.0 / float(k_scale), 1.0 / float(v_scale), BLOCK=block, FP8=fp8,
+        DEQUANT=dequant, num_warps=4,
     )
