@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: short extends in the decode CUDA graphs (the default since 2026-12-04) checked and timed, and the
 # 8B shape's 4k prefill FP8 / bf16 ratio through HTTP with both servers up at once.
-#   tests    GPU tests of the graph paths (test_cuda_graph.py, test_overlap.py), output kept whole (tests.log)
+#   tests    GPU tests of the graph paths and the FP8 kernels (test_cuda_graph.py, test_overlap.py, test_fp8_kernels.py),
+#            output kept whole (tests.log)
 #   extend   short extends in graphs vs eagerly in one engine (bench_short_extend.py: graphs / eager / graphs; where
 #            the greedy tokens part ways, the top-2 margin there against the logprob drift before it)
 #   http     bf16-default / bf16-default+eager-extend / fp8-default servers up at once: 4k prefill rounds (each
@@ -10,7 +11,8 @@
 #   engine   the same 4k prefill in the engine, kernel by kernel (bench_prefill_kernels.py): what HTTP adds
 #   bash benchmarks/fp8/device_short_extend.sh MODEL_DIR    (on the GPU machine, repository root; wheels in .whl;
 #                                                            MODEL_DIR from benchmarks/fp8/make_model_dir.py)
-# PHASES (comma list, default all four) picks phases. Writes under $OUT: tests.log, extend.txt, http.log,
+# PHASES (comma list, default all four) picks phases; HTTP_SETTINGS (bench_fp8_serving settings) and ROUNDS change
+# the http phase's servers and prefill rounds. Writes under $OUT: tests.log, extend.txt, http.log,
 # http.json, engine.log, engine.json.
 PHASES_DEFAULT=tests,extend,http,engine
 source "$(dirname "$0")/../gpu/device_preamble.sh"
@@ -21,7 +23,8 @@ if has tests; then
   echo "[$((SECONDS - t0)) s] tests"
   LMSYS_GPU_ONLY=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     --deselect "packages/server/tests/test_cuda_graph.py::test_engine_greedy_output_same_with_and_without_cuda_graphs" \
-    packages/server/tests/test_cuda_graph.py packages/server/tests/test_overlap.py > "$OUT/tests.log" 2>&1
+    packages/server/tests/test_cuda_graph.py packages/server/tests/test_overlap.py \
+    packages/server/tests/test_fp8_kernels.py > "$OUT/tests.log" 2>&1
   tail -6 "$OUT/tests.log"
 fi
 if has extend; then
@@ -32,7 +35,8 @@ fi
 if has http; then
   echo "[$((SECONDS - t0)) s] http"
   timeout $((510 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" --settings \
-    bf16-default bf16-default+eager-extend fp8-default --prefill-requests 15 --interleave --probe-overhead 15 \
+    ${HTTP_SETTINGS:-bf16-default bf16-default+eager-extend fp8-default} --prefill-requests ${ROUNDS:-15} --interleave \
+    --probe-overhead 15 \
     --json "$OUT/http.json" 2>&1 | tee "$OUT/http.log" | grep -v "INFO" | tail -12
 fi
 if has engine; then
