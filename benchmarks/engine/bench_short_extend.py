@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--hit-prefix", type=int, default=256, help="the radix hit's prefix length (0: no hit case); new "
                     "tokens x (prefix + new tokens) above the graphs' read bound (32,768) run eagerly both ways")
     ap.add_argument("--graph-max-bs", type=int, default=64)
+    ap.add_argument("--max-reads", type=int, default=0,
+                    help="the graphs' bound on rows x context per layer for this run (0: the server's, "
+                         "EXTEND_MAX_READS): how long an extend the decode graphs may take before eager wins")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None, help="append each line here too")
     args = ap.parse_args()
@@ -98,9 +101,11 @@ def main() -> None:
     seeds = iter(range(10_000, 1_000_000))
     for setting in args.settings:
         t0 = time.monotonic()
-        core = make_core(args.model_path, SETTINGS[setting], 4096, graph_max_bs=args.graph_max_bs)
+        # NOTE: graphs are captured up to max_running_requests rows: at least --graph-max-bs of them
+        core = make_core(args.model_path, {**SETTINGS[setting], "max_running_requests": max(args.graph_max_bs, 64)},
+                         4096, graph_max_bs=args.graph_max_bs)
         graphs = core.runner.cuda_graph
-        reads = graphs.extend_max_reads
+        reads = args.max_reads or graphs.extend_max_reads
         say(f"=== {setting}: built in {time.monotonic() - t0:.0f}s; graph sizes up to {graphs.max_bs}, "
             f"extend_max_reads {reads}")
         check = [prompts_for(1, vocab, next(seeds), n)[0] for n in args.lengths]

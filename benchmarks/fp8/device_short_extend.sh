@@ -9,6 +9,9 @@
 #            request's HTTP time and the server's own e2e_latency), then the per-request probes (a 4k radix hit, a
 #            one-id prompt)
 #   engine   the same 4k prefill in the engine, kernel by kernel (bench_prefill_kernels.py): what HTTP adds
+#   long     (not in the default phases) extends of 128-512 new tokens in decode graphs of up to 512 rows, the read
+#            bound raised to 524,288 for the run, against eager (a 256-token prefill is host-bound eagerly: FP8 34 ms
+#            for 4.9 ms of device work on 2026-12-04)
 #   bash benchmarks/fp8/device_short_extend.sh MODEL_DIR    (on the GPU machine, repository root; wheels in .whl;
 #                                                            MODEL_DIR from benchmarks/fp8/make_model_dir.py)
 # PHASES (comma list, default all four) picks phases; HTTP_SETTINGS (bench_fp8_serving settings) and ROUNDS change
@@ -31,6 +34,12 @@ if has extend; then
   echo "[$((SECONDS - t0)) s] extend"
   timeout 240 python3 benchmarks/engine/bench_short_extend.py --model-path "$MODEL" --settings fp8-default \
     bf16-default --lengths 1 2 4 8 16 64 --out "$OUT/extend.txt" 2>&1 | grep -v "^INFO" | tail -30
+fi
+if has long; then  # extends of 128-512 new tokens in graphs of up to 512 rows, the read bound raised for the run
+  echo "[$((SECONDS - t0)) s] long"
+  timeout 300 python3 benchmarks/engine/bench_short_extend.py --model-path "$MODEL" --settings fp8-default \
+    bf16-default --lengths 128 256 512 --graph-max-bs 512 --max-reads 524288 --hit-prefix 512 \
+    --out "$OUT/long.txt" 2>&1 | grep -v "^INFO" | tail -20
 fi
 if has http; then
   echo "[$((SECONDS - t0)) s] http"
