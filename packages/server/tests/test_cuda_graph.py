@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -252,17 +253,23 @@ def test_cuda_graphs_match_eager_on_gpu(backend: str, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.gpu
-def test_engine_greedy_output_same_with_and_without_cuda_graphs() -> None:
+def test_engine_greedy_output_same_with_and_without_cuda_graphs(tmp_path: Path) -> None:
+    """A tiny random Llama (no embedded model needed on the GPU machine), one prompt at a time: those of 3-4 words
+    take the graph extends, the 12-word one runs eagerly."""
     from lmserver.engine.offline import Engine
+    from lmserver.testing.tiny_llama import write_tiny_llama
 
-    prompts = ["The capital of France is", "List three colors:", "def fib(n):"]
+    folder = write_tiny_llama(tmp_path / "tiny")
+    prompts = ["w5 w17 w300 w41", "w100 w101 w102", " ".join(f"w{i}" for i in range(200, 212))]
     params = {"max_new_tokens": 24, "temperature": 0}
     texts = {}
     for disable in (True, False):
-        engine = Engine(dtype="float32", attention_backend="triton", disable_cuda_graph=disable, cuda_graph_max_bs=4,
-                        max_total_tokens=8192)
-        assert (engine.core.runner.cuda_graph is None) == disable
-        texts[disable] = [o["output_ids"] for o in engine.generate(prompts, params)]
+        engine = Engine(model_path=str(folder), dtype="float32", attention_backend="triton",
+                        disable_cuda_graph=disable, cuda_graph_max_bs=4, max_total_tokens=8192)
+        graphs = engine.core.runner.cuda_graph
+        assert (graphs is None) == disable
+        texts[disable] = [engine.generate(p, params)["output_ids"] for p in prompts]  # type: ignore[index]
+        assert graphs is None or graphs.num_extend_replays == 2
         engine.shutdown()
     assert texts[True] == texts[False]
 

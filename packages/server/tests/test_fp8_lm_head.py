@@ -19,7 +19,7 @@ from lmserver.models.config import ModelConfig
 from lmserver.models.loader import ModelLoadError, load_model, read_model_config
 from lmserver.runner.resolve import ConfigError, estimate_weight_bytes, resolve_config, resolve_fp8
 from lmserver.testing.fp8 import dequantized_twin, greedy_by_full_prefills, write_fp8_layout_checkpoint
-from lmserver.testing.word_tokenizer import save_word_level_tokenizer
+from lmserver.testing.tiny_llama import write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,17 +222,7 @@ def _assert_engine_greedy_is_the_twins(folder: Path | None, prompts: list[list[i
 def _tiny_engine_folder(tmp_path: Path) -> Path:
     """A tiny tied Llama of 512 tokens with a word-level tokenizer (the engine needs one; the tests send ids), its
     weights scaled up so that greedy paths are not flat."""
-    vocab = 512
-    torch.manual_seed(1)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "vocab_size": vocab}, tie_word_embeddings=True,
-                                                                bos_token_id=1, eos_token_id=2)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(8.0)
-    folder = tmp_path / "tiny-engine"
-    hf.save_pretrained(folder)
-    save_word_level_tokenizer(folder, vocab)
-    return folder
+    return write_tiny_llama(tmp_path / "tiny-engine", **{**TINY, "vocab_size": 512})
 
 
 PROMPTS = [[5, 17, 300, 41, 9] * 4, [100 + i for i in range(13)], [7, 8, 9]]

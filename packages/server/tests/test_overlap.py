@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -211,13 +212,17 @@ def test_overlap_default_resolves_by_device_and_a_config_field() -> None:
 
 
 @pytest.mark.gpu
-def test_chained_launches_do_not_wait_for_the_gpu_and_match_serial() -> None:
+def test_chained_launches_do_not_wait_for_the_gpu_and_match_serial(tmp_path: Path) -> None:
     """On CUDA with decode graphs: a chained launch (schedule, forward, device sampling, host
-    copy) makes no synchronizing CUDA call, and greedy + seeded tokens equal the serial path's."""
+    copy) makes no synchronizing CUDA call, and greedy + seeded tokens equal the serial path's.
+    A tiny random Llama (no embedded model needed on the GPU machine)."""
     import torch
 
-    gpu = EngineCore(ServerConfig(dtype="float32", attention_backend="triton", cuda_graph_max_bs=4,
-                                  max_total_tokens=8192, enable_overlap_schedule=True))
+    from lmserver.testing.tiny_llama import write_tiny_llama
+
+    folder = str(write_tiny_llama(tmp_path / "tiny"))
+    gpu = EngineCore(ServerConfig(model_path=folder, tokenizer_path=folder, dtype="float32", attention_backend="triton",
+                                  cuda_graph_max_bs=4, max_total_tokens=8192, enable_overlap_schedule=True))
     assert gpu.runner.cuda_graph is not None
     launch = gpu._launch
 
@@ -232,9 +237,9 @@ def test_chained_launches_do_not_wait_for_the_gpu_and_match_serial() -> None:
 
     gpu._launch = no_sync  # type: ignore[method-assign]
     script = Script(start=[
-        ("greedy-long", "Once upon a time", _greedy(32, ignore_eos=True)),
-        ("seeded", "My favourite food is", {"max_new_tokens": 24, "temperature": 0.9, "sampling_seed": 5}),
-        ("bias", "List three colors:", _greedy(16, logit_bias={"30": 2.0})),
+        ("greedy-long", "w10 w11 w12 w13", _greedy(32, ignore_eos=True)),
+        ("seeded", "w40 w41 w42 w43 w44", {"max_new_tokens": 24, "temperature": 0.9, "sampling_seed": 5}),
+        ("bias", "w70 w71 w72", _greedy(16, logit_bias={"30": 2.0})),
     ], abort=None)
     _compare(gpu, script)
 
