@@ -1,4 +1,4 @@
-"""FP8 (e4m3) cases of the nvidia plugin against the dequantized torch reference; run by test_kernels_interpret.py.
+"""FP8 (e4m3) cases of the nvidia plugin against the dequantized torch reference; run by test_kernels_interpret_fp8.py.
 
 Not collected directly: a child pytest runs this file with TRITON_INTERPRET=1 on the CPU (tiny shapes), or without
 it on a CUDA machine (the same shapes plus the Llama-3-8B layer, bf16 activations). Every case draws fresh random

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) MoE cases of the nvidia plugin against float64 / the reference layer; run by test_kernels_interpret.py.
+"""FP8 (e4m3) MoE cases of the nvidia plugin against float64 / the reference layer; run by test_kernels_interpret_fp8.py.
 
 Not collected directly: a child pytest runs this file with TRITON_INTERPRET=1 on the CPU (tiny shapes, float32
 activations), or without it on a CUDA machine (the same shapes plus a Mixtral-8x7B layer, bf16 activations). Every

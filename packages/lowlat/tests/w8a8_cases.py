@@ -1,5 +1,5 @@
 """W8A8 multi-row GEMV cases (``mrow_w8a8`` / ``mrow_w8a8b``: the rows quantized to e4m3 in the kernel, FP8 x FP8
-MMA) against float64 oracles; run by test_kernels_interpret.py.
+MMA) against float64 oracles; run by test_kernels_interpret_fp8.py.
 
 Not collected directly: a child pytest runs this file with TRITON_INTERPRET=1 on the CPU (small ragged shapes), or
 without it on a CUDA machine (the same plus the Llama-3-8B stages, bf16 activations). The oracle quantizes the rows

@@ -1,10 +1,15 @@
-"""Fakes and builders for tests and benchmarks: fake TP groups, random layers, paged metadata."""
+"""Fakes and builders for tests and benchmarks: fake TP groups, random layers, paged metadata; case files run in a
+child pytest (under the Triton interpreter)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -315,3 +320,30 @@ def greedy_decode(
         for r, t in enumerate(next_ids.tolist()):
             outs[r].append(int(t))
     return outs
+
+
+INTERPRET_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}  # the Triton interpreter, no GPU visible
+
+
+def run_case_file(cases: str | Path, env_extra: dict[str, str], marks: str | None = None, skips: bool = False,
+                  timeout_s: float = 900) -> str:
+    """The tests of the case file `cases` (``packages/<pkg>/tests/<file>``) in a child pytest with `env_extra` on top
+    of this process's environment (`INTERPRET_ENV`: under the interpreter, which must be chosen before triton is
+    imported); `marks`: a ``-m`` expression (the cases' own slow tier); `skips`: cases may skip (the TP cases on a
+    machine with fewer GPUs than ranks). Asserts that the child passed (no deselection without `marks`, no skip
+    without `skips`); returns its summary line."""
+    cases = Path(cases).resolve()
+    root = cases.parents[3]
+    env = {k: v for k, v in os.environ.items() if k not in ("LMSYS_GPU_ONLY", "TRITON_INTERPRET")}
+    env.update(env_extra)
+    select = ["-m", marks] if marks else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root), *select, str(cases)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s,
+    )
+    summary = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, summary
+    last = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in last and (skips or "skipped" not in last), summary
+    assert marks is not None or "deselected" not in last, summary
+    return last
