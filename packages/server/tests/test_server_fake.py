@@ -114,6 +114,21 @@ def test_generate_input_ids_and_max_new_tokens_zero(http: httpx.Client, fake: Fa
     assert [o["text"] for o in batch] == [expected_text(fake, ids, 2), expected_text(fake, ids[:3], 2)]
 
 
+def test_token_id_prompts_with_non_integers_are_refused_as_such(http: httpx.Client) -> None:
+    """A bool (or float) among a prompt's token ids: 400 on both APIs, the message naming the rule (not "out of the
+    vocabulary", which is for integers outside it)."""
+    for path, body in (("/v1/completions", {"model": "m", "prompt": [5, True, 7], "max_tokens": 2}),
+                       ("/v1/completions", {"model": "m", "prompt": [5, 7.0], "max_tokens": 2}),
+                       ("/generate", {"input_ids": [5, True, 7], "sampling_params": {"max_new_tokens": 2}})):
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        message = r.json()["error"]["message"]
+        assert "integer" in message or "list of token ids" in message, (path, message)
+        assert "vocabulary" not in message, (path, message)
+    r = http.post("/v1/completions", json={"model": "m", "prompt": [5, 10**9], "max_tokens": 2})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
 def test_generate_stream_is_cumulative_and_ends_with_done(http: httpx.Client, fake: FakeEngineCore) -> None:
     body = {"text": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 9, "temperature": 0}}
     r = http.post("/generate", json=body)
