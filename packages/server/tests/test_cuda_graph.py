@@ -511,6 +511,10 @@ def test_served_graphs_take_short_extends_when_enabled(monkeypatch: pytest.Monke
         graphs = maybe_decode_graph_runner(config.replace(enable_cuda_graph_extend=enable),
                                            _runner("torch_native", "cpu"), tp_size)
         assert graphs is not None and graphs.extend_max_reads == want
+    graphs = maybe_decode_graph_runner(config.replace(cuda_graph_extend_max_reads=1000), _runner("torch_native", "cpu"))
+    assert graphs is not None and graphs.extend_max_reads == 1000  # --cuda-graph-extend-max-reads
+    with pytest.raises(CudaGraphError, match="cuda_graph_extend_max_reads"):
+        maybe_decode_graph_runner(config.replace(cuda_graph_extend_max_reads=0), _runner("torch_native", "cpu"))
 
 
 def _engine_outputs(core: object) -> dict[str, tuple[list[int], list[float]]]:

@@ -82,6 +82,9 @@ class ServerConfig:
                                                 "a small mixed step) replays a decode CUDA graph, one decode row "
                                                 "per token, instead of running eagerly (--no-enable-cuda-graph-"
                                                 "extend: eagerly)")
+    cuda_graph_extend_max_reads: int | None = _opt(None, "graph extends: at most this many token reads per layer (the sum "
+                                                         "over the extend's requests of new tokens x context); "
+                                                         "longer extends run eagerly (auto: 32,768)")
     disable_cascade_attention: bool = _opt(False, "decode attention reads a KV prefix shared by several running "
                                                   "requests once per request, not once per group (cascade "
                                                   "attention off; triton backend)")

@@ -664,7 +664,10 @@ def maybe_decode_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size
         raise CudaGraphError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
     verify_rows = config.speculative_num_draft_tokens + 1 if config.speculative_algorithm and tp_size == 1 else 0
     # NOTE: not under TP: followers mirror a broadcast decision with forwards of their own (see EngineCore._verify)
-    extend_reads = EXTEND_MAX_READS if tp_size == 1 and config.enable_cuda_graph_extend else 0
+    max_reads = config.cuda_graph_extend_max_reads
+    if max_reads is not None and max_reads < 1:
+        raise CudaGraphError(f"cuda_graph_extend_max_reads must be >= 1, got {max_reads}")
+    extend_reads = (max_reads or EXTEND_MAX_READS) if tp_size == 1 and config.enable_cuda_graph_extend else 0
     graphs = DecodeGraphRunner(runner, max_bs, graph_factory=EagerGraph if runner.device.type != "cuda" else None,
                                verify_rows=verify_rows, extend_max_reads=extend_reads)
     graphs.capture()
