@@ -127,36 +127,51 @@ def overhead_ms(url: str, n: int, length: int, vocab: int, seed: int) -> dict[st
     return out
 
 
+def start_servers_at_once(model_path: str, server_args: str, settings: list[str], servers: dict[str, Any]) -> float:
+    """Starts every setting's server, all up at once sharing 0.85 of the GPU's memory evenly, into `servers` (filled
+    as each comes up, so that a caller's cleanup stops those started when a later one fails); returns the share."""
+    from lmserver.testing import ServerProcess
+
+    share = 0.85 / len(settings)
+    for i, name in enumerate(settings):
+        # NOTE: a server's budget is the fraction of the whole GPU less the memory in use when it starts (the
+        # servers up before it): server i asks for (i + 1) shares to get one
+        cmd = ["--model-path", model_path, *shlex.split(server_args), *SETTINGS[name],
+               "--mem-fraction-static", f"{share * (i + 1):.3f}"]
+        servers[name] = ServerProcess(cmd, core=None).start(timeout_s=600)
+        print(f"  {name}: up", flush=True)
+    return share
+
+
+def interleaved_rounds(client: httpx.Client, servers: dict[str, Any], sizes: list[int], vocab: int,
+                       rng: random.Random) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """One round per prompt size of `sizes`: a fresh prompt of that many random ids sent to every server in turn, one
+    request at a time, one new token. Returns each server's request seconds and its own `e2e_latency`s, per round."""
+    walls: dict[str, list[float]] = {name: [] for name in servers}
+    server_s: dict[str, list[float]] = {name: [] for name in servers}
+    for size in sizes:
+        ids = [rng.randrange(100, vocab) for _ in range(size)]
+        for name, srv in servers.items():
+            walls[name].append(timed_one_token(client, srv.base_url, ids, server_s[name]))
+    return walls, server_s
+
+
 def interleaved_prefill(args: argparse.Namespace) -> dict[str, Any]:
     """`--interleave`: every setting's server up at once (0.85 of the GPU's memory shared evenly), then
     `--prefill-requests` rounds, each sending the same fresh prompt to every server in turn, one request at a time:
     a drift of the machine's speed over the run (host speed varies 2-3x between calls of the device machine) lands on
     every setting alike. Returns each setting's median prefill tok/s and the median over rounds of each setting's
     ratio to the first's."""
-    from lmserver.testing import ServerProcess
-
-    share = 0.85 / len(args.settings)
-    servers = {}
+    servers: dict[str, Any] = {}
     try:
-        for i, name in enumerate(args.settings):
-            # NOTE: a server's budget is the fraction of the whole GPU less the memory in use when it starts (the
-            # servers up before it): server i asks for (i + 1) shares to get one
-            cmd = ["--model-path", args.model_path, *shlex.split(args.server_args), *SETTINGS[name],
-                   "--mem-fraction-static", f"{share * (i + 1):.3f}"]
-            servers[name] = ServerProcess(cmd, core=None).start(timeout_s=600)
-            print(f"  {name}: up", flush=True)
+        share = start_servers_at_once(args.model_path, args.server_args, args.settings, servers)
         for srv in servers.values():
             prefill_rate(srv.base_url, 2, args.prefill_len, args.vocab, 7)  # warm-up
         rng = random.Random(11)
-        rates: dict[str, list[float]] = {name: [] for name in servers}
-        walls: dict[str, list[float]] = {name: [] for name in servers}
-        server_s: dict[str, list[float]] = {name: [] for name in servers}  # the servers' own e2e_latency
+        sizes = prompt_lengths(rng, args.prefill_len, args.prefill_vary, args.prefill_requests)
         with httpx.Client(timeout=600) as client:
-            for size in prompt_lengths(rng, args.prefill_len, args.prefill_vary, args.prefill_requests):
-                ids = [rng.randrange(100, args.vocab) for _ in range(size)]
-                for name, srv in servers.items():
-                    walls[name].append(timed_one_token(client, srv.base_url, ids, server_s[name]))
-                    rates[name].append(size / walls[name][-1])
+            walls, server_s = interleaved_rounds(client, servers, sizes, args.vocab, rng)
+        rates = {name: [size / w for size, w in zip(sizes, walls[name], strict=True)] for name in servers}
         overheads = {name: overhead_ms(srv.base_url, args.probe_overhead, args.prefill_len, args.vocab, 13)
                      for name, srv in servers.items()} if args.probe_overhead else {}
         for name, probe in overheads.items():

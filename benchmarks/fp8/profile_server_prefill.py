@@ -18,7 +18,6 @@ import argparse
 import collections
 import json
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fp8_serving import SETTINGS, timed_one_token  # noqa: E402
+from bench_fp8_serving import SETTINGS, interleaved_rounds, start_servers_at_once  # noqa: E402
 
 
 def children(pid: int) -> list[int]:
@@ -77,8 +76,6 @@ def summarize(raw: Path, requests: int, rate: int, top: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from lmserver.testing import ServerProcess
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--server-args", default="--load-format dummy --dtype bfloat16 --device cuda --context-length 8192")
@@ -93,34 +90,21 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    share = 0.85 / len(args.settings)
     servers: dict[str, Any] = {}
     spies: list[subprocess.Popen[bytes]] = []
     try:
-        for i, name in enumerate(args.settings):
-            cmd = ["--model-path", args.model_path, *shlex.split(args.server_args), *SETTINGS[name],
-                   "--mem-fraction-static", f"{share * (i + 1):.3f}"]  # as bench_fp8_serving --interleave
-            servers[name] = ServerProcess(cmd, core=None).start(timeout_s=600)
-            print(f"  {name}: up", flush=True)
+        start_servers_at_once(args.model_path, args.server_args, args.settings, servers)
         rng = random.Random(5)
         with httpx.Client(timeout=600) as client:
-            for _ in range(3):  # warm-up
-                ids = [rng.randrange(100, args.vocab) for _ in range(args.prefill_len)]
-                for srv in servers.values():
-                    timed_one_token(client, srv.base_url, ids)
+            interleaved_rounds(client, servers, [args.prefill_len] * 3, args.vocab, rng)  # warm-up
             for name, srv in servers.items():
                 for role, pid in (("front", srv.proc.pid), ("core", core_pid(srv.proc.pid))):
                     spies.append(subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-r", str(args.rate), "-f",
                                                    "raw", "-o", str(out / f"{name}.{role}.txt"), "--nonblocking"],
                                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
             time.sleep(2)  # py-spy attached
-            walls: dict[str, list[float]] = {name: [] for name in servers}
-            server_s: dict[str, list[float]] = {name: [] for name in servers}
             t0 = time.perf_counter()
-            for _ in range(args.rounds):
-                ids = [rng.randrange(100, args.vocab) for _ in range(args.prefill_len)]
-                for name, srv in servers.items():
-                    walls[name].append(timed_one_token(client, srv.base_url, ids, server_s[name]))
+            walls, server_s = interleaved_rounds(client, servers, [args.prefill_len] * args.rounds, args.vocab, rng)
             span = time.perf_counter() - t0
     finally:
         for spy in spies:
