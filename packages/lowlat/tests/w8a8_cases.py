@@ -3,8 +3,8 @@ MMA) against float64 oracles; run by test_kernels_interpret_fp8.py.
 
 Not collected directly: a child pytest runs this file with TRITON_INTERPRET=1 on the CPU (small ragged shapes), or
 without it on a CUDA machine (the same plus the Llama-3-8B stages, bf16 activations). The oracle quantizes the rows
-with torch (scale = amax / 448 per row, or per row and K block of the launch's BLOCK_K, at least 1e-12; x / scale
-saturated and rounded to e4m3 by torch's conversion), dequantizes them and the FP8 weights and computes in float64.
+with torch (scale = amax / 448 per row, or per row and K block of the launch's BLOCK_K, at least 1e-12; x times the
+float32 reciprocal of the scale, as the kernels do, saturated and rounded to e4m3 by torch's conversion), dequantizes them and the FP8 weights and computes in float64.
 Every case also checks the error against unquantized rows, so that a kernel which does not quantize (or quantizes
 with a wrong scale) fails one of the two bounds.
 """
@@ -47,18 +47,55 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
-def quantized_rows(x: torch.Tensor, group: int | None) -> torch.Tensor:
+def quantized_rows(x: torch.Tensor, group: int | None, by_division: bool = False) -> torch.Tensor:
     """The rows of ``x`` (B, K) as the W8A8 kernels quantize them, dequantized in float64: per row (``group`` None) or
-    per row and ``group`` columns (the last group ragged); float32 scale = amax / 448 (at least 1e-12)."""
+    per row and ``group`` columns (the last group ragged); float32 scale = amax / 448 (at least 1e-12), each value
+    times the float32 1 / scale (``by_division``: divided by the scale, which rounds differently near e4m3 midpoints;
+    only to show that the planted-midpoint test tells the two apart)."""
     xf = x.float()
     out = torch.empty(xf.shape, dtype=torch.float64)
     step = group or xf.shape[1]
     for k0 in range(0, xf.shape[1], step):
         blk = xf[:, k0:k0 + step].cpu()
         scale = (blk.abs().amax(dim=1) / 448.0).clamp_min(1e-12)
-        q = (blk / scale[:, None]).clamp(-448.0, 448.0).to(FP8_DTYPE)
+        y = blk / scale[:, None] if by_division else blk * (1.0 / scale)[:, None]
+        q = y.clamp(-448.0, 448.0).to(FP8_DTYPE)
         out[:, k0:k0 + step] = q.double() * scale.double()[:, None]
     return out.to(x.device)
+
+
+def midpoint_rows(rows: int, k: int, group: int, g: torch.Generator) -> torch.Tensor:
+    """(rows, k) float32 rows whose values sit where ``x * (1 / scale)`` and ``x / scale`` round to different e4m3
+    values (a float32 ulp from a midpoint of two e4m3 values), each ``group`` columns led by its largest value, which
+    sets the scale (``group`` = k: per row)."""
+    out = torch.empty(rows, k)
+    for r in range(rows):
+        for k0 in range(0, k, group):
+            out[r, k0:k0 + group] = _midpoint_values(min(group, k - k0), g)
+    return out
+
+
+def _midpoint_values(count: int, g: torch.Generator) -> torch.Tensor:
+    """``count`` float32 values, the first the largest: the others round apart (see ``midpoint_rows``) at its scale."""
+    while True:  # some scales' reciprocals round so that no midpoint tells the two apart: draw another
+        amax = torch.tensor(0.5 + 3.0 * float(torch.rand((), generator=g)), dtype=torch.float32)
+        scale = (amax / 448.0).clamp_min(1e-12)
+        inv = 1.0 / scale
+        found = []
+        for e, j in ((e, j) for e in range(6) for j in range(8)):  # midpoints m = 2^e (1 + (2j + 1) / 16) in [1, 64)
+            x = (torch.tensor(2.0**e * (1 + (2 * j + 1) / 16)) * scale).float()
+            for toward in (float("inf"), -float("inf")):
+                cand = x
+                for _ in range(4):
+                    if (cand / scale).to(FP8_DTYPE).float() != (cand * inv).to(FP8_DTYPE).float():
+                        found.append(float(cand))
+                        break
+                    cand = torch.nextafter(cand, torch.tensor(toward))
+        if len(found) >= 4:
+            break
+    picks = torch.tensor(found)[torch.randint(0, len(found), (count - 1,), generator=g)]
+    signs = torch.where(torch.rand(count - 1, generator=g) < 0.5, -1.0, 1.0)
+    return torch.cat([amax[None], picks * signs])
 
 
 def _group(cfg: ops.GemvConfig, k: int) -> int | None:
@@ -116,6 +153,25 @@ def test_w8a8_gemv_residual_matches_quantized_oracle(variant: str, rows: int) ->
         ops.gemv_residual(a, w, res, out, _lc("down", cfg), stage="down", scale=scale)
         base = res.double() if res is not None else 0.0
         _check(out, base + quantized_rows(a, _group(cfg, k)) @ wd.T, base + a.double() @ wd.T)
+
+
+@pytest.mark.skipif(GPU, reason="bf16 rows hold no planted float32 midpoints; TOL_Q on a GPU is 1e-2")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_w8a8_rounds_midpoints_as_times_the_reciprocal(variant: str) -> None:
+    """Rows planted where x * (1 / scale) and x / scale round to different e4m3 values: the kernel multiplies by the
+    reciprocal (as the oracle), which a division oracle would fail by far more than TOL_Q (a random row meets such a
+    value about once in a few hundred runs: CI did)."""
+    g = _gen(45)
+    cfg = _cfg(variant, "down", (16, 32))
+    n, k = GEMV_SHAPES[1]
+    w, scale, wd = _fp8_weight(n, k, g)
+    group = _group(cfg, k)
+    a = midpoint_rows(3, k, group or k, g).to(DEVICE, DTYPE)
+    out = torch.full((3, n), float("nan"), device=DEVICE, dtype=DTYPE)
+    ops.gemv_residual(a, w, None, out, _lc("down", cfg), stage="down", scale=scale)
+    want_q = quantized_rows(a, group) @ wd.T
+    assert _rel(want_q, quantized_rows(a, group, by_division=True) @ wd.T) > 100 * TOL_Q  # the test tells them apart
+    _check(out, want_q, a.double() @ wd.T)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
