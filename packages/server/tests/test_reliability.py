@@ -172,6 +172,10 @@ def test_chunked_prefill_size_resolves_small_on_cpu_and_8192_on_cuda(monkeypatch
     assert resolve.resolve_config(cpu.replace(chunked_prefill_size=64), mc, "m").chunked_prefill_size == 64
     with pytest.raises(resolve.ConfigError, match="chunked_prefill_size"):
         resolve.resolve_config(cpu.replace(chunked_prefill_size=0), mc, "m")
+    # the graph extends' read bound: refused on a machine without graphs too, never silently kept
+    assert resolve.resolve_config(cpu.replace(cuda_graph_extend_max_reads=5), mc, "m").cuda_graph_extend_max_reads == 5
+    with pytest.raises(resolve.ConfigError, match="cuda_graph_extend_max_reads"):
+        resolve.resolve_config(cpu.replace(cuda_graph_extend_max_reads=0), mc, "m")
     monkeypatch.setattr(resolve, "resolve_device", lambda config: "cuda")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 << 30))

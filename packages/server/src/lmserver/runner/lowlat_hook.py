@@ -279,9 +279,10 @@ class LowlatHook:
         """Whether verify steps of `batch_size` rows take another path than that size's decode graph
         froze, or the plugin path with another launch than its decode rows' (never for one row per
         request: a decode step). Pure."""
-        if rows_per_request <= 1:
+        step = _rows_step(batch_size, rows_per_request, max_context)
+        if step.kind != StepKind.VERIFY:
             return False
-        want = self.session.path_for(Step.verify(batch_size, rows_per_request, max_context))
+        want = self.session.path_for(step)
         if want == PLUGIN and self.session.verify_launch_differs():
             return True
         return self.session.frozen_path(StepKind.DECODE, batch_size) != want

@@ -382,6 +382,9 @@ def resolve_config(
         running = max(1, min(running, kv_tokens // 16))
     gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if device == "cuda" else 0
     graph_max_bs = resolve_cuda_graph_max_bs(config.cuda_graph_max_bs, device, gpu_bytes, running)
+    if config.cuda_graph_extend_max_reads is not None and config.cuda_graph_extend_max_reads < 1:
+        # checked here too, not only where graphs are built: a bad value fails on a machine without graphs as well
+        raise ConfigError(f"cuda_graph_extend_max_reads must be >= 1, got {config.cuda_graph_extend_max_reads}")
     backend = resolve_attention_backend(config.attention_backend, device)
     overlap = config.enable_overlap_schedule
     if overlap is None:  # NOTE: measured on the H200 (benchmarks/RESULTS.md); no gain on CPUs, off under TP
