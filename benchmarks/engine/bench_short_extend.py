@@ -2,8 +2,9 @@
 
 One `EngineCore` per setting (dummy weights, decode graphs up to `--graph-max-bs` rows), then for each case the
 median wall time of a request with one new token, with extends in graphs (`--enable-cuda-graph-extend`), eagerly
-(the same core, `extend_max_reads` set to 0), then in graphs again: a fresh prompt of N tokens (a new seed each time: no radix hit), and a
-radix hit's suffix (a prefix prefilled once, then N new tokens after it each time). Also checks that both ways
+(the same core, `extend_max_reads` set to 0), with `--prefill-graphs N` also in the prefill CUDA graphs
+(runner/prefill_graph.py, extends up to N tokens), then in graphs again: a fresh prompt of N tokens (a new seed each
+time: no radix hit), and a radix hit's suffix (a prefix prefilled once, then N new tokens after it each time). Also checks that both ways
 give the same greedy tokens (prompts run twice, 8 new tokens, the radix cache flushed before each) and, where
 they part ways, whether it is a near-tie (the top-2 margin against the logprob drift before it). Each line is printed (and appended to `--out`) as
 soon as it is measured.
@@ -87,6 +88,9 @@ def main() -> None:
     ap.add_argument("--max-reads", type=int, default=0,
                     help="the graphs' bound on rows x context per layer for this run (0: the server's, "
                          "EXTEND_MAX_READS): how long an extend the decode graphs may take before eager wins")
+    ap.add_argument("--prefill-graphs", type=int, default=0,
+                    help="also prefill CUDA graphs up to this many tokens (--enable-cuda-graph-prefill), a third "
+                         "way (0: not built)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None, help="append each line here too")
     args = ap.parse_args()
@@ -102,28 +106,41 @@ def main() -> None:
     for setting in args.settings:
         t0 = time.monotonic()
         # NOTE: graphs are captured up to max_running_requests rows: at least --graph-max-bs of them
-        core = make_core(args.model_path, {**SETTINGS[setting], "max_running_requests": max(args.graph_max_bs, 64)},
-                         4096, graph_max_bs=args.graph_max_bs)
-        graphs = core.runner.cuda_graph
+        extra = {**SETTINGS[setting], "max_running_requests": max(args.graph_max_bs, 64)}
+        if args.prefill_graphs:
+            extra.update(enable_cuda_graph_prefill=True, cuda_graph_prefill_max_tokens=args.prefill_graphs)
+        core = make_core(args.model_path, extra, 4096, graph_max_bs=args.graph_max_bs)
+        graphs, prefill_graphs = core.runner.cuda_graph, core.runner.prefill_graph
         reads = args.max_reads or graphs.extend_max_reads
         say(f"=== {setting}: built in {time.monotonic() - t0:.0f}s; graph sizes up to {graphs.max_bs}, "
-            f"extend_max_reads {reads}")
+            f"extend_max_reads {reads}" + (f"; prefill graphs {prefill_graphs.token_sizes} x "
+                                           f"{prefill_graphs.request_sizes}" if prefill_graphs else ""))
+
+        def use(way: str, core: Any = core, reads: int = reads, prefill_graphs: Any = prefill_graphs) -> None:
+            """Extends as decode rows in the decode graphs ("graphs"), eagerly, or in the prefill graphs."""
+            core.runner.cuda_graph.extend_max_reads = reads if way == "graphs" else 0
+            core.runner.prefill_graph = prefill_graphs if way == "pgraph" else None
+
+        ways = ["graphs", "eager", *(["pgraph"] if prefill_graphs else [])]
         check = [prompts_for(1, vocab, next(seeds), n)[0] for n in args.lengths]
         outs = {}
-        for label, limit in (("graphs", reads), ("eager", 0)):
-            graphs.extend_max_reads = limit
-            outs[label] = []
+        for way in ways:
+            use(way)
+            outs[way] = []
             for p in check:
-                core.flush_cache()  # each way prefills the whole prompt (no radix hit on the other's KV)
-                outs[label].append(run(core, [p], 8)[0][0])
-        say(f"  greedy tokens equal both ways: {outs['graphs'] == outs['eager']} ({outs['graphs'][0][:4]} ...)")
+                core.flush_cache()  # each way prefills the whole prompt (no radix hit on another's KV)
+                outs[way].append(run(core, [p], 8)[0][0])
+        for way in ways[1:]:
+            say(f"  greedy tokens equal, graphs and {way}: {outs['graphs'] == outs[way]} ({outs[way][0][:4]} ...)")
         for p in check:
             runs = {}
-            for label, limit in (("graphs", reads), ("eager", 0)):
-                graphs.extend_max_reads = limit
+            for way in ways:
+                use(way)
                 core.flush_cache()
-                runs[label] = first_token_top2(core, p)
-            say(f"    {len(p)}-token prompt: {divergence(runs['graphs'], runs['eager'])}")
+                runs[way] = first_token_top2(core, p)
+            for way in ways[1:]:
+                say(f"    {len(p)}-token prompt, graphs vs {way}: {divergence(runs['graphs'], runs[way])}")
+        use("eager")
         prefix = prompts_for(1, vocab, next(seeds), args.hit_prefix)[0] if args.hit_prefix else []
         if prefix:
             run(core, [prefix], 1)  # cached from now on
@@ -134,20 +151,24 @@ def main() -> None:
                     prefix + prompts_for(1, vocab, next(seeds), n)[0] for _ in range(args.reps)]))
             for kind, make in cases:
                 row: dict[str, list[float]] = {}
-                took = 0
-                for label, limit in (("graphs", reads), ("eager", 0), ("graphs", reads)):
-                    graphs.extend_max_reads = limit
-                    before = graphs.num_extend_replays
-                    row.setdefault(label, []).append(wall_ms(core, make()))
-                    took += graphs.num_extend_replays - before
-                note = "" if took else " (no extend took a graph: over the read bound or the graphs' sizes)"
+                took = {"graphs": 0, "pgraph": 0}
+                for way in [*ways, "graphs"]:
+                    use(way)
+                    before = graphs.num_extend_replays, prefill_graphs.num_replays if prefill_graphs else 0
+                    row.setdefault(way, []).append(wall_ms(core, make()))
+                    took["graphs"] += graphs.num_extend_replays - before[0]
+                    took["pgraph"] += (prefill_graphs.num_replays if prefill_graphs else 0) - before[1]
+                note = "" if took["graphs"] else " (no extend took a decode graph: over the read bound or the sizes)"
+                if prefill_graphs and not took["pgraph"]:
+                    note += " (no extend took a prefill graph: over its token sizes)"
+                eager = row["eager"][0]
+                pg = f", prefill graphs {row['pgraph'][0]:.2f} ms ({eager / row['pgraph'][0]:.2f}x)" if "pgraph" in row else ""
                 say(f"  {kind} {n:4d} tokens: graphs {' / '.join(f'{v:.2f}' for v in row['graphs'])} ms, eager "
-                    f"{row['eager'][0]:.2f} ms ({row['eager'][0] / min(row['graphs']):.2f}x){note}")
-        graphs.extend_max_reads = reads
+                    f"{eager:.2f} ms ({eager / min(row['graphs']):.2f}x){pg}{note}")
+        use("graphs")
         del core
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()

@@ -43,6 +43,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # the same with the activation quantizers' launches of `--quant-launch` (lmserver.kernels.fp8_quant.quant_launch
     # replaced in this process while the setting runs)
     "fp8-default+q": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+    # the defaults with prefill CUDA graphs (`--enable-cuda-graph-prefill`, up to 2,048 tokens)
+    "bf16-default+pgraph": dict(enable_cuda_graph_prefill=True),
+    "fp8-default+pgraph": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", enable_cuda_graph_prefill=True),
 }
 
 

@@ -34,6 +34,7 @@ from lmserver.runner.eagle import EagleProposer, eagle3_aux_layers
 from lmserver.runner.host_kv import HostKVPool
 from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
 from lmserver.runner.model_runner import ModelRunner
+from lmserver.runner.prefill_graph import maybe_prefill_graph_runner
 from lmserver.runner.resolve import (
     SMALL_GPU_GRAPH_MAX_BS,
     engine_kv_pool_options,
@@ -195,6 +196,7 @@ class EngineBuilder:
         if not rc.disable_cascade_attention:  # NOTE: every TP rank does it here, before its graph capture
             runner.enable_cascade()
         runner.cuda_graph = maybe_decode_graph_runner(rc, runner, rc.tp_size)  # None on CPU
+        runner.prefill_graph = maybe_prefill_graph_runner(rc, runner, rc.tp_size)  # None unless asked for
         return runner
 
     @staticmethod

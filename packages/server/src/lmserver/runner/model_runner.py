@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from lmserver.kernels.cascade_decode import CascadeMetadata
     from lmserver.runner.cuda_graph import DecodeGraphRunner
     from lmserver.runner.lowlat_hook import LowlatHook
+    from lmserver.runner.prefill_graph import PrefillGraphRunner
 
 
 # (index of the item in the decision, offset into its token_ids, embedding rows (n, hidden))
@@ -47,6 +48,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = device
         self.cuda_graph: DecodeGraphRunner | None = None  # decode graphs (lmserver.runner.cuda_graph)
+        self.prefill_graph: PrefillGraphRunner | None = None  # extend graphs (lmserver.runner.prefill_graph)
         self.lowlat: LowlatHook | None = None  # a lowlat plugin's decode path (lmserver.runner.lowlat_hook)
         # EAGLE speculation reads the target's final-norm hidden states of every forward's tokens: with
         # keep_hidden set (before decode graphs are captured) `last_hidden` holds them (T, hidden), flat in item
@@ -154,6 +156,8 @@ class ModelRunner:
             return self.cuda_graph.forward(decision, input_ids)
         if self.cuda_graph is not None and not mm_rows and self.cuda_graph.can_run_extend(decision):
             return self.cuda_graph.forward_extend(decision)
+        if self.prefill_graph is not None and not mm_rows and self.prefill_graph.can_run(decision):
+            return self.prefill_graph.forward(decision)
         batch, logit_idx = self.build_batch(decision, mm_rows)
         if input_ids is not None:
             batch.input_ids = input_ids

@@ -385,6 +385,9 @@ def resolve_config(
     if config.cuda_graph_extend_max_reads is not None and config.cuda_graph_extend_max_reads < 1:
         # checked here too, not only where graphs are built: a bad value fails on a machine without graphs as well
         raise ConfigError(f"cuda_graph_extend_max_reads must be >= 1, got {config.cuda_graph_extend_max_reads}")
+    for name in ("cuda_graph_prefill_max_tokens", "cuda_graph_prefill_max_requests"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(config, name)}")
     backend = resolve_attention_backend(config.attention_backend, device)
     overlap = config.enable_overlap_schedule
     if overlap is None:  # NOTE: measured on the H200 (benchmarks/RESULTS.md); no gain on CPUs, off under TP

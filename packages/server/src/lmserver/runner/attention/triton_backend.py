@@ -49,6 +49,9 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     CUDNN_PREFILL = False  # fresh long prompts through cuDNN (`TritonCudnnPrefillBackend`)
     supports_cascade = True
+    # an EXTEND plan reads host values only as upper bounds (`max_extend_len` sizes the grid, `has_prefix` picks the
+    # kernel) and the kernel reads the real lengths on the device: prefill graphs (runner/prefill_graph.py)
+    supports_extend_graph = True
     CASCADE_CHUNK_ROWS = 16  # rows of a group per shared-prefix program (x GQA group = its tl.dot M)
     CASCADE_SHARED_SPLITS = 8  # at most this many splits of a shared prefix
     CASCADE_PROGRAMS_PER_SM = 2  # shared-prefix programs aimed at, per multiprocessor
@@ -194,4 +197,5 @@ class TritonCudnnPrefillBackend(TritonBackend):
 
     name = "triton_cudnn"
     CUDNN_PREFILL = True
+    supports_extend_graph = False  # cuDNN plans per prompt length on the host
 

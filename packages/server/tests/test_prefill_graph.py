@@ -1,0 +1,214 @@
+"""Prefill CUDA graphs (lmserver.runner.prefill_graph).
+
+CPU: the token and request sizes, the padding of an extend against `host_batch` (hypothesis), the runner's refusals;
+under Triton's interpreter (a child process: it must be chosen before triton is imported) the graph runner with
+`EagerGraph` (static buffers, host upper bounds frozen at capture, padding request) against the eager model runner
+on a tiny random Llama: fresh prompts, chunks over cached prefixes, mixed decode rows, every row's logits, an extend
+too large for the graphs; then the KV pool and the request-to-token table against the eager run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmserver.config import ServerConfig
+from lmserver.kernels.testing import pytest_under_interpreter
+from lmserver.runner.cuda_graph import PAD_SLOT, PAD_TOKEN_ID, CudaGraphError, EagerGraph
+from lmserver.runner.host_batch import host_batch
+from lmserver.runner.model_runner import ModelRunner
+from lmserver.runner.prefill_graph import (
+    PrefillGraphRunner,
+    maybe_prefill_graph_runner,
+    pad_prefill,
+    prefill_token_sizes,
+    request_sizes,
+)
+from lmserver.scheduler import ForwardItem, ScheduleDecision
+from packages.server.tests.test_cuda_graph import TABLE_ROWS, TABLE_WIDTH, _runner
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize(("max_tokens", "sizes"), [
+    (1, [1]), (64, [64]), (128, [128]), (300, [128, 256, 300]),
+    (2048, [128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]),
+    (3000, [128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3000]),
+])
+def test_prefill_token_sizes(max_tokens: int, sizes: list[int]) -> None:
+    assert prefill_token_sizes(max_tokens) == sizes
+
+
+def test_sizes_refuse_zero() -> None:
+    assert request_sizes(1) == [2] and request_sizes(16) == [2, 17]
+    with pytest.raises(ValueError, match="cuda_graph_prefill_max_tokens"):
+        prefill_token_sizes(0)
+    with pytest.raises(ValueError, match="cuda_graph_prefill_max_requests"):
+        request_sizes(0)
+
+
+def _extend_item(row: int, prefix: int, ids: list[int], slots: list[int], every_row: bool = False) -> ForwardItem:
+    """An extend of `ids` after `prefix` cached tokens at table row `row`; `slots` (>= prefix + len(ids)) the row's
+    slots from position 0; the last row's logits, or every row's."""
+    n = len(ids)
+    return ForwardItem(
+        rid=f"r{row}", req_pool_idx=row, prefix_len=prefix, token_ids=ids, out_slots=slots[prefix:prefix + n],
+        table_start=prefix, table_slots=slots[prefix:prefix + n],
+        logit_offsets=list(range(n)) if every_row else [n - 1], completes_prefill=True,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 20)), min_size=1, max_size=5), st.integers(0, 40),
+       st.integers(0, 3), st.integers(0, TABLE_ROWS - 1))
+def test_pad_prefill_keeps_the_extend_and_adds_a_padding_request(
+        shapes: list[tuple[int, int]], spare_tokens: int, spare_requests: int, pad_row: int) -> None:
+    """The real rows and requests are `host_batch`'s; the padding tokens are one more request's prompt (positions
+    0.., PAD_SLOT, table row `pad_row`, no prefix) starting after the real tokens; further request slots extend
+    nothing; too small a size is refused."""
+    items = [_extend_item(i, p, list(range(7 * i, 7 * i + n)), list(range(100 * i + 1, 100 * i + 1 + p + n)))
+             for i, (p, n) in enumerate(shapes)]
+    n, r = sum(s[1] for s in shapes), len(shapes)
+    tokens, requests = n + spare_tokens, r + 1 + spare_requests
+    step = pad_prefill(items, tokens, requests, pad_row, TABLE_WIDTH)
+    h = host_batch(items, TABLE_WIDTH)
+    assert step.ints.shape == (3 * tokens + 5 * requests,) and step.num_tokens == n
+    ids, pos, loc = step.ints[:tokens], step.ints[tokens:2 * tokens], step.ints[2 * tokens:3 * tokens]
+    rows, prefix, ext, starts, seq = step.ints[3 * tokens:].reshape(5, requests)
+    for got, want in ((ids, h.input_ids), (pos, h.positions), (loc, h.out_loc)):
+        assert got[:n].tolist() == want.tolist()
+    assert (ids[n:] == PAD_TOKEN_ID).all() and (loc[n:] == PAD_SLOT).all()
+    assert pos[n:].tolist() == list(range(spare_tokens))
+    for got, want in ((rows, h.rows), (prefix, h.prefix_lens), (ext, h.ext_lens), (starts, h.starts),
+                      (seq, h.seq_lens)):
+        assert got[:r].tolist() == want.tolist()
+    assert rows[r:].tolist() == [pad_row] * (requests - r) and not prefix[r:].any()
+    assert ext[r] == spare_tokens == seq[r] and not ext[r + 1:].any() and (starts[r:] == n).all()
+    assert int(ext.sum()) == tokens  # every row belongs to exactly one request, in order
+    assert np.array_equal(step.table_slots, h.table_slots) and np.array_equal(step.logit_idx, h.logit_idx)
+    with pytest.raises(CudaGraphError, match="does not fit"):
+        pad_prefill(items, n - 1 if n > 1 else 0, requests, pad_row, TABLE_WIDTH)
+    with pytest.raises(CudaGraphError, match="does not fit"):
+        pad_prefill(items, tokens, r, pad_row, TABLE_WIDTH)  # no room for the padding request
+
+
+def test_prefill_graphs_are_off_unless_asked_and_need_an_extend_planning_backend(caplog: pytest.LogCaptureFixture,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _runner("torch_native", "cpu")
+    rc = ServerConfig(max_running_requests=TABLE_ROWS)
+    assert maybe_prefill_graph_runner(rc, runner) is None  # off by default
+    on = rc.replace(enable_cuda_graph_prefill=True)
+    assert maybe_prefill_graph_runner(on, runner) is None  # the CPU: no graphs
+    monkeypatch.setenv("LMSERVER_TEST_EAGER_GRAPHS", "1")
+    with caplog.at_level(logging.INFO, logger="lmserver.runner.prefill_graph"):
+        assert maybe_prefill_graph_runner(on, runner) is None  # torch_native plans extends on the host
+        assert maybe_prefill_graph_runner(on, runner, tp_size=2) is None
+        assert maybe_prefill_graph_runner(on.replace(disable_cuda_graph=True), runner) is None
+    assert "'torch_native' attention backend" in caplog.text and "tp_size=2" in caplog.text
+    with pytest.raises(CudaGraphError, match="cannot plan an extend"):
+        PrefillGraphRunner(runner, 64, 2, graph_factory=EagerGraph)
+    runner.attn_backend.supports_extend_graph = True  # type: ignore[attr-defined]
+    with pytest.raises(CudaGraphError, match="pad_row"):
+        PrefillGraphRunner(runner, 64, 2, pad_row=TABLE_ROWS, graph_factory=EagerGraph)
+    with pytest.raises(CudaGraphError, match="CUDA device"):
+        PrefillGraphRunner(runner, 64, 2)
+
+
+@pytest.mark.skipif(INTERPRET, reason="already the interpreter child")
+def test_prefill_graph_runner_under_interpreter() -> None:
+    """The triton backend's extend (host upper bounds, device lengths) through prefill graphs, in a child."""
+    pytest.importorskip("triton")
+    proc = pytest_under_interpreter(__file__)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def _script(runner: ModelRunner) -> list[torch.Tensor]:
+    """Extends in table rows 1..5 (row 0 is the padding row), each step's logits: fresh prompts together, a prompt
+    alone, a chunk over a cached prefix with every row's logits, a decode row next to a fresh prompt (a mixed step),
+    an extend larger than the graphs, then a decode step of every row."""
+    gen = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, 97, (n,), generator=gen).tolist()
+
+    slots = {r: list(range(1 + 60 * r, 1 + 60 * r + 48)) for r in range(1, 6)}
+    seqs = {1: ids(9), 2: ids(30), 3: ids(5), 4: ids(20), 5: ids(40)}
+    steps = [
+        [_extend_item(1, 0, seqs[1], slots[1]), _extend_item(2, 0, seqs[2], slots[2])],
+        [_extend_item(3, 0, seqs[3], slots[3])],
+        [_extend_item(1, 9, ids(6), slots[1], every_row=True)],
+        [_extend_item(2, 30, [seqs[2][-1]], slots[2]), _extend_item(4, 0, seqs[4], slots[4])],
+        [_extend_item(5, 0, seqs[5], slots[5]), _extend_item(3, 5, ids(30), slots[3])],  # 70 tokens: eager
+    ]
+    out = [runner.forward(ScheduleDecision("extend", items)).cpu() for items in steps]
+    lens = {1: 15, 2: 31, 3: 35, 4: 20, 5: 40}
+    decode = [ForwardItem(rid=f"r{r}", req_pool_idx=r, prefix_len=n, token_ids=[1 + r], out_slots=[slots[r][n]],
+                          table_start=n, table_slots=[slots[r][n]], logit_offsets=[0], completes_prefill=False)
+              for r, n in lens.items()]
+    out.append(runner.forward(ScheduleDecision("decode", decode)).cpu())
+    return out
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs in test_prefill_graph_runner_under_interpreter's child")
+def test_interpret_prefill_graphs_match_the_eager_runner() -> None:
+    eager = _runner("triton", "cpu")
+    want = _script(eager)
+    graphed = _runner("triton", "cpu")
+    graphs = PrefillGraphRunner(graphed, max_tokens=64, max_requests=2, graph_factory=EagerGraph)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [(64, 2, False), (64, 2, True), (64, 3, False), (64, 3, True)]
+    graphed.prefill_graph = graphs
+    keys = []
+    forward = graphs.forward
+
+    def spy(decision: ScheduleDecision) -> torch.Tensor:
+        keys.append(graphs.graph_key(decision))
+        return forward(decision)
+
+    graphs.forward = spy  # type: ignore[method-assign]
+    got = _script(graphed)
+    # fresh pair, fresh one, chunk over a prefix, mixed step; the 70-token extend and the decode step eagerly
+    assert keys == [(64, 3, False), (64, 2, False), (64, 2, True), (64, 3, True)]
+    assert graphs.num_replays == 4
+    assert [g.shape for g in got] == [w.shape for w in want] and got[2].shape[0] == 6  # every row of the chunk
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert torch.equal(graphed.req_to_token[1:], eager.req_to_token[1:])
+    used = eager.req_to_token[1:][eager.req_to_token[1:] > 0].long().unique()
+    assert used.numel() == 15 + 31 + 35 + 20 + 40 + 5 and PAD_SLOT not in used.tolist()
+    for cache in ("k_cache", "v_cache"):
+        for layer in range(len(eager.kv_pool.k_cache)):
+            got_kv, want_kv = getattr(graphed.kv_pool, cache)[layer], getattr(eager.kv_pool, cache)[layer]
+            torch.testing.assert_close(got_kv[used], want_kv[used], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_graphs_on_the_gpu_match_the_eager_runner(dtype: torch.dtype) -> None:
+    """Real CUDA graphs (the triton backend) against the eager runner: the same script's logits (bf16: GEMMs of
+    padded row counts may round otherwise), the same table, the same KV at every real slot."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    eager = _runner("triton", "cuda", dtype)
+    want = _script(eager)
+    graphed = _runner("triton", "cuda", dtype)
+    graphs = PrefillGraphRunner(graphed, max_tokens=64, max_requests=2)
+    graphs.capture()
+    graphed.prefill_graph = graphs
+    got = _script(graphed)
+    assert graphs.num_replays == 4
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+    assert torch.equal(graphed.req_to_token[1:], eager.req_to_token[1:])
+    used = eager.req_to_token[1:][eager.req_to_token[1:] > 0].long().unique()
+    for cache in ("k_cache", "v_cache"):
+        for layer in range(len(eager.kv_pool.k_cache)):
+            got_kv, want_kv = getattr(graphed.kv_pool, cache)[layer], getattr(eager.kv_pool, cache)[layer]
+            torch.testing.assert_close(got_kv[used].float(), want_kv[used].float(), atol=tol, rtol=tol)
