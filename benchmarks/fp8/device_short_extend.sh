@@ -12,6 +12,10 @@
 #   long     (not in the default phases) extends of 128-512 new tokens in decode graphs of up to 512 rows, the read
 #            bound raised to 524,288 for the run, against eager (a 256-token prefill is host-bound eagerly: FP8 34 ms
 #            for 4.9 ms of device work on 2026-12-04)
+#   pgraph   (not in the default phases) prefill CUDA graphs (--enable-cuda-graph-prefill, opt-in): their GPU tests,
+#            then extends of 128-2,048 new tokens in the decode graphs / eagerly / in prefill graphs in one engine
+#            (bench_short_extend.py --prefill-graphs 2048), then the engine's 1,024-token FP8 prefill kernel by kernel
+#            with and without them (bench_prefill_kernels.py, the +pgraph setting): ~8-9 minutes, a call of its own
 #   bash benchmarks/fp8/device_short_extend.sh MODEL_DIR    (on the GPU machine, repository root; wheels in .whl;
 #                                                            MODEL_DIR from benchmarks/fp8/make_model_dir.py)
 # PHASES (comma list, default all four) picks phases; HTTP_SETTINGS (bench_fp8_serving settings) and ROUNDS change
@@ -39,6 +43,18 @@ if has long; then  # extends of 128-512 new tokens in graphs of up to 512 rows, 
   timeout 300 python3 benchmarks/engine/bench_short_extend.py --model-path "$MODEL" --settings fp8-default \
     bf16-default --lengths 128 256 512 --graph-max-bs 512 --max-reads 524288 --hit-prefix 512 \
     --out "$OUT/long.txt" 2>&1 | grep -v "^INFO" | tail -20
+fi
+if has pgraph; then  # prefill graphs: GPU tests, three ways in one engine, then the kernel view per length
+  echo "[$((SECONDS - t0)) s] pgraph"
+  LMSYS_GPU_ONLY=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    packages/server/tests/test_prefill_graph.py > "$OUT/pgraph_tests.log" 2>&1
+  tail -3 "$OUT/pgraph_tests.log"
+  timeout 300 python3 benchmarks/engine/bench_short_extend.py --model-path "$MODEL" --settings fp8-default \
+    bf16-default --lengths 128 256 512 1024 2048 --hit-prefix 512 --prefill-graphs 2048 --reps 5 \
+    --out "$OUT/pgraph.txt" 2>&1 | grep -v "^INFO" | tail -30
+  timeout $((590 - (SECONDS - t0))) python3 benchmarks/fp8/bench_prefill_kernels.py --model-path "$MODEL" \
+    --length 1024 --settings fp8-default fp8-default+pgraph --reps 5 --top 3 --json "$OUT/pgraph_1024.json" 2>&1 \
+    | tee "$OUT/pgraph_1024.log" | grep -v "^INFO" | grep "===\|idle\|span"
 fi
 if has http; then
   echo "[$((SECONDS - t0)) s] http"

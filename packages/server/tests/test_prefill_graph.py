@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmserver.config import ServerConfig
-from lmserver.kernels.testing import pytest_under_interpreter
+from lmserver.kernels.testing import SLOW_CASES, pytest_under_interpreter
 from lmserver.runner.cuda_graph import PAD_SLOT, PAD_TOKEN_ID, CudaGraphError, EagerGraph
 from lmserver.runner.host_batch import host_batch
-from lmserver.runner.model_runner import ModelRunner
+from lmserver.runner.model_runner import MMRows, ModelRunner
 from lmserver.runner.prefill_graph import (
     PrefillGraphRunner,
     maybe_prefill_graph_runner,
@@ -162,19 +164,21 @@ def test_interpret_prefill_graphs_match_the_eager_runner() -> None:
     graphed = _runner("triton", "cpu")
     graphs = PrefillGraphRunner(graphed, max_tokens=64, max_requests=2, graph_factory=EagerGraph)
     graphs.capture()
-    assert sorted(graphs.graphs) == [(64, 2, False), (64, 2, True), (64, 3, False), (64, 3, True)]
+    assert graphs.embeds is None  # a text model: no embeds family
+    assert sorted(graphs.graphs) == [(64, 2, False, False), (64, 2, True, False), (64, 3, False, False),
+                                     (64, 3, True, False)]
     graphed.prefill_graph = graphs
     keys = []
     forward = graphs.forward
 
-    def spy(decision: ScheduleDecision) -> torch.Tensor:
-        keys.append(graphs.graph_key(decision))
-        return forward(decision)
+    def spy(decision: ScheduleDecision, mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
+        keys.append(graphs.graph_key(decision, bool(mm_rows)))
+        return forward(decision, mm_rows)
 
     graphs.forward = spy  # type: ignore[method-assign]
     got = _script(graphed)
     # fresh pair, fresh one, chunk over a prefix, mixed step; the 70-token extend and the decode step eagerly
-    assert keys == [(64, 3, False), (64, 2, False), (64, 2, True), (64, 3, True)]
+    assert keys == [(64, 3, False, False), (64, 2, False, False), (64, 2, True, False), (64, 3, True, False)]
     assert graphs.num_replays == 4
     assert [g.shape for g in got] == [w.shape for w in want] and got[2].shape[0] == 6  # every row of the chunk
     for g, w in zip(got, want, strict=True):
@@ -212,3 +216,45 @@ def test_prefill_graphs_on_the_gpu_match_the_eager_runner(dtype: torch.dtype) ->
         for layer in range(len(eager.kv_pool.k_cache)):
             got_kv, want_kv = getattr(graphed.kv_pool, cache)[layer], getattr(eager.kv_pool, cache)[layer]
             torch.testing.assert_close(got_kv[used].float(), want_kv[used].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="already the interpreter child")
+def test_long_prefill_graphs_with_images_under_interpreter() -> None:
+    """A LLaVA prompt's image rows through the embeds family's graph, in a child (the slow tier's cases)."""
+    pytest.importorskip("triton")
+    proc = pytest_under_interpreter(__file__, marks=SLOW_CASES)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERPRET, reason="runs in test_long_prefill_graphs_with_images_under_interpreter's child")
+def test_interpret_image_prompts_take_the_embeds_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny LLaVA engine (triton backend, EagerGraph) with prefill graphs gives the greedy tokens and logprobs of
+    the same engine without them, for a prompt with an image (the embeds family) and one without (the plain one)."""
+    from lmserver import Engine
+    from lmserver.testing.multimodal import make_tiny_llava_folder, random_png
+
+    monkeypatch.setenv("LMSERVER_TEST_EAGER_GRAPHS", "1")
+    folder = make_tiny_llava_folder(tmp_path / "llava", "llava", seed=3)
+    image = tmp_path / "a.png"
+    image.write_bytes(random_png(1))
+    requests = [("USER: <image>\nlook. What is it? ASSISTANT:", [str(image)]), ("USER: what is it? ASSISTANT:", None)]
+    params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    outs: dict[bool, list[dict]] = {}  # type: ignore[type-arg]
+    for on in (False, True):
+        with Engine(str(folder), dtype="float32", device="cpu", attention_backend="triton", max_total_tokens=2048,
+                    max_running_requests=2, cuda_graph_max_bs=2, disable_radix_cache=True,
+                    enable_cuda_graph_prefill=on, cuda_graph_prefill_max_tokens=64) as eng:
+            outs[on] = [eng.generate(p, params, image_data=imgs, return_logprob=True)  # type: ignore[misc]
+                        for p, imgs in requests]
+            graphs = eng.core.runner.prefill_graph
+            if on:
+                assert graphs is not None and graphs.embeds is not None
+                assert graphs.num_replays == 2 and graphs.num_image_replays == 1
+            else:
+                assert graphs is None
+    for got, want in zip(outs[True], outs[False], strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        lp = [[x for x, _, _ in o["meta_info"]["output_token_logprobs"]] for o in (got, want)]
+        assert np.allclose(lp[0], lp[1], atol=1e-4)

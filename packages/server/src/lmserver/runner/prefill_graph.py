@@ -27,8 +27,13 @@ A replay writes the request-to-token table eagerly (as an eager extend does), co
 host-to-device copy, replays, and computes the logits of the rows each item asks for from the graph's final-norm
 hidden states (the LM head runs eagerly: its rows vary).
 
-Off unless asked for (`--enable-cuda-graph-prefill`); not under tensor parallelism, with images (their embeddings),
-EAGLE-3's aux hidden states or a lowlat plugin's own extend path (lmserver gives plugins decode steps only).
+Images: for a multimodal model (one with `embed_tokens`, the input-embedding contract of docs/multimodal.md) every
+key is captured a second time over a static input-embedding buffer; an extend with image rows writes the token
+embeddings and the image rows there eagerly (`ModelRunner._input_embeds`), then replays that graph (the decoder
+overwrites the buffer with its residual stream: it is rewritten before every replay).
+
+Off unless asked for (`--enable-cuda-graph-prefill`); not under tensor parallelism, with EAGLE-3's aux hidden states
+or a lowlat plugin's own extend path (lmserver gives plugins decode steps only).
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ from lmserver.scheduler.scheduler import ForwardItem, ScheduleDecision
 
 if TYPE_CHECKING:
     from lmserver.config import ServerConfig
-    from lmserver.runner.model_runner import ModelRunner
+    from lmserver.runner.model_runner import MMRows, ModelRunner
+
+# (padded tokens, padded requests, has-prefix, embeds family)
+GraphKey = tuple[int, int, bool, bool]
 
 logger = logging.getLogger(__name__)
 
@@ -164,14 +172,24 @@ class PrefillGraphRunner:
                                  f"extend inside a captured graph")
         size = _TOKEN_ROWS * self.token_sizes[-1] + _REQUEST_ROWS * self.request_sizes[-1]
         self.ints = torch.zeros(size, dtype=torch.int64, device=self.device)
+        # a multimodal model's input embeddings (token rows with image rows written over them), read by the graphs of
+        # the embeds family; None: no such family
+        embed = getattr(runner.model, "embed_tokens", None)
+        self.embeds: torch.Tensor | None = None
+        if callable(embed) and not isinstance(embed, torch.nn.Module):
+            with torch.no_grad():
+                probe = embed(torch.zeros(1, dtype=torch.int64, device=self.device))
+            self.embeds = torch.zeros(self.token_sizes[-1], probe.shape[-1], dtype=probe.dtype, device=self.device)
         cuda = self.device.type == "cuda"
         # two pinned host buffers used in turn: a forward fills one while the other's copy may still be queued
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._staged = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self._turn = 0
-        self.graphs: dict[tuple[int, int, bool], Graph] = {}
-        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}  # final-norm hidden (tokens, hidden)
+        # (tokens, requests, has_prefix, embeds) -> graph, and its final-norm hidden states (tokens, hidden)
+        self.graphs: dict[GraphKey, Graph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_image_replays = 0  # those of the embeds family
 
     def _views(self, tokens: int, requests: int) -> list[torch.Tensor]:
         """The static buffer's rows for `tokens` x `requests` (the layout of `PaddedPrefill.ints`)."""
@@ -191,20 +209,24 @@ class PrefillGraphRunner:
             extend_prefix_lens_cpu=[int(has_prefix)] * requests, extend_seq_lens_cpu=[tokens] * requests,
         )
 
-    def step_fn(self, tokens: int, requests: int, has_prefix: bool) -> Callable[[], torch.Tensor]:
-        """One extend forward of the static buffers (what a graph records): attention plan, every layer; returns the
-        (tokens, hidden) final-norm hidden states."""
+    def step_fn(self, key: GraphKey) -> Callable[[], torch.Tensor]:
+        """One extend forward of the static buffers (what a graph records): attention plan, every layer (from the
+        input-embedding buffer for the embeds family); returns the (tokens, hidden) final-norm hidden states."""
+        tokens, requests, has_prefix, embeds = key
         batch = self._static_batch(tokens, requests, has_prefix)
         runner = self.runner
+        inputs = self.embeds[:tokens] if embeds and self.embeds is not None else None
 
         def fn() -> torch.Tensor:
             runner.attn_backend.plan(batch)
+            if inputs is not None:
+                return runner.model(batch.input_ids, batch.positions, batch, input_embeds=inputs)  # type: ignore[no-any-return]
             return runner.model(batch.input_ids, batch.positions, batch)  # type: ignore[no-any-return]
 
         return fn
 
     def _warmup_inputs(self, tokens: int, requests: int) -> None:
-        """A capture's inputs: all `tokens` rows the padding request's (PAD_SLOT, positions 0..)."""
+        """A capture's inputs: all `tokens` rows the padding request's (PAD_SLOT, positions 0..), their embeddings."""
         ids, pos, loc, rows, prefix, ext, starts, seq = self._views(tokens, requests)
         ids.fill_(PAD_TOKEN_ID)
         pos.copy_(torch.arange(tokens, device=self.device))
@@ -215,36 +237,45 @@ class PrefillGraphRunner:
         ext.zero_()
         ext[0] = tokens
         seq.copy_(ext)
+        if self.embeds is not None:
+            self.embeds[:tokens].copy_(self.runner.model.embed_tokens(ids))  # type: ignore[operator]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Warms up and captures every (tokens, requests, has-prefix), largest first; mutates self and PAD_SLOT."""
         pool = torch.cuda.graph_pool_handle() if self.graph_factory is TorchCudaGraph else None
+        families = (False, True) if self.embeds is not None else (False,)
         for tokens in reversed(self.token_sizes):
             for requests in reversed(self.request_sizes):
                 for has_prefix in (True, False):
-                    self._warmup_inputs(tokens, requests)
-                    fn = self.step_fn(tokens, requests, has_prefix)
-                    for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
-                        fn()
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    graph = self.graph_factory(pool)
-                    key = (tokens, requests, has_prefix)
-                    self.outputs[key], self.graphs[key] = graph.capture(fn), graph
+                    for embeds in families:
+                        key = (tokens, requests, has_prefix, embeds)
+                        fn = self.step_fn(key)
+                        for _ in range(2):  # NOTE: compiles kernels and allocates scratch outside the capture
+                            self._warmup_inputs(tokens, requests)  # (the embeds family's buffer is overwritten)
+                            fn()
+                        self._warmup_inputs(tokens, requests)
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                        graph = self.graph_factory(pool)
+                        self.outputs[key], self.graphs[key] = graph.capture(fn), graph
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def graph_key(self, decision: ScheduleDecision) -> tuple[int, int, bool] | None:
+    def graph_key(self, decision: ScheduleDecision, with_images: bool = False) -> GraphKey | None:
         """The captured graph that runs `decision`, or None: an extend of 1..max tokens in at most max_requests
-        requests, without image rows; runners that keep EAGLE-3's aux hidden states run eagerly. Pure."""
+        requests; `with_images` (image rows to write over the embeddings): the embeds family's graph, where there is
+        one; an item with image spans but no rows to write runs eagerly, as do runners that keep EAGLE-3's aux
+        hidden states. Pure."""
         items = decision.items
         if decision.mode != "extend" or not items or not self.graphs or self.runner.aux_hidden:
+            return None
+        if with_images and self.embeds is None:
             return None
         tokens = 0
         has_prefix = False
         for item in items:
-            if item.mm_spans:
+            if item.mm_spans and not with_images:
                 return None
             tokens += len(item.token_ids)
             has_prefix = has_prefix or item.prefix_len > 0
@@ -252,18 +283,19 @@ class PrefillGraphRunner:
         padded_requests = _smallest_fit(len(items) + 1, self.request_sizes)
         if padded_tokens is None or padded_requests is None:
             return None
-        return padded_tokens, padded_requests, has_prefix
+        return padded_tokens, padded_requests, has_prefix, with_images
 
-    def can_run(self, decision: ScheduleDecision) -> bool:
-        return self.graph_key(decision) is not None
+    def can_run(self, decision: ScheduleDecision, with_images: bool = False) -> bool:
+        return self.graph_key(decision, with_images) is not None
 
     @torch.inference_mode()
-    def forward(self, decision: ScheduleDecision) -> torch.Tensor:
-        """Replays the graph of `decision` (`can_run` must hold); returns float32 logits (num_logit_rows, vocab) in
-        item order, as `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers."""
-        key = self.graph_key(decision)
+    def forward(self, decision: ScheduleDecision, mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
+        """Replays the graph of `decision` (`can_run` must hold; `mm_rows`: the image rows of `ModelRunner.forward`,
+        written over the token embeddings); returns float32 logits (num_logit_rows, vocab) in item order, as
+        `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers."""
+        key = self.graph_key(decision, bool(mm_rows))
         assert key is not None, "no captured prefill graph runs this decision"
-        tokens, requests, _ = key
+        tokens, requests, _, _ = key
         runner = self.runner
         items = decision.items
         if runner.prefix_planner is not None:  # NOTE: every table write is mirrored, as an eager extend's
@@ -275,6 +307,11 @@ class PrefillGraphRunner:
         if len(step.table_index):
             runner.req_to_token.view(-1).index_copy_(0, t_index, t_slots.to(torch.int32))
         self._copy_ints(step.ints)
+        if mm_rows:
+            assert self.embeds is not None
+            starts = step.ints[_TOKEN_ROWS * tokens + 3 * requests:_TOKEN_ROWS * tokens + 4 * requests].tolist()
+            self.embeds[:tokens].copy_(runner._input_embeds(self.ints[:tokens], starts, mm_rows))
+            self.num_image_replays += 1
         self.graphs[key].replay()
         self.num_replays += 1
         hidden = self.outputs[key][: step.num_tokens]
