@@ -252,6 +252,8 @@ def test_interpret_image_prompts_take_the_embeds_graphs(tmp_path: Path, monkeypa
             if on:
                 assert graphs is not None and graphs.embeds is not None
                 assert graphs.num_replays == 2 and graphs.num_image_replays == 1
+                stats = eng.core.get_stats()
+                assert stats["prefill_graph_replays"] == 2 and stats["prefill_graph_image_replays"] == 1
             else:
                 assert graphs is None
     for got, want in zip(outs[True], outs[False], strict=True):

@@ -669,4 +669,9 @@ class EngineCore:
         if graphs is not None:
             stats["cuda_graph_replays"] = graphs.num_replays
             stats["cuda_graph_verify_replays"] = graphs.num_verify_replays
+            stats["cuda_graph_extend_replays"] = graphs.num_extend_replays
+        prefill_graphs = getattr(self.runner, "prefill_graph", None)  # NOTE: a TP-wrapped runner has none
+        if prefill_graphs is not None:
+            stats["prefill_graph_replays"] = prefill_graphs.num_replays
+            stats["prefill_graph_image_replays"] = prefill_graphs.num_image_replays
         return stats
