@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from lmserver.forward.batch import ForwardBatch, ForwardMode
@@ -72,7 +73,9 @@ __all__ = [
     "DecodeGraphRunner",
     "EagerGraph",
     "PaddedDecode",
+    "PinnedStaging",
     "capture_batch_sizes",
+    "checked_graph_factory",
     "draft_graph_runner",
     "maybe_decode_graph_runner",
     "pad_decode",
@@ -245,6 +248,46 @@ def pad_verify(items: Sequence[ForwardItem], padded_bs: int, pad_row: int) -> Pa
     )
 
 
+class PinnedStaging:
+    """Two pinned host buffers of `shape` (int64) used in turn for a graph runner's one host-to-device input copy per
+    forward: a forward fills one while the other's copy may still be queued (`send` waits for the copy of two forwards
+    ago, done long before in practice). Plain tensors on a CPU."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._buffers = [torch.zeros(shape, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # each buffer's last copy
+        self._turn = 0
+
+    def send(self, fill: Callable[[np.ndarray], None], dst: torch.Tensor, count: int | None = None) -> None:
+        """`fill` writes the next buffer (as numpy: lists convert straight into the pinned memory), then its first
+        `count` elements (all: None) go to `dst`'s in one asynchronous copy. A prefix of a 1-D buffer or the whole
+        of one is contiguous; a 2-D slice would go through a pageable temporary and a scatter kernel."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied:
+            self._copied[turn].synchronize()
+        host = self._buffers[turn]
+        fill(host.numpy())
+        if count is None:
+            dst.copy_(host, non_blocking=True)
+        else:
+            dst[:count].copy_(host[:count], non_blocking=True)
+        if self._copied:
+            self._copied[turn].record()
+
+
+def checked_graph_factory(runner: ModelRunner, pad_row: int,
+                          graph_factory: Callable[[object], Graph] | None) -> Callable[[object], Graph]:
+    """A graph runner's graph factory (`TorchCudaGraph` unless given), after checking that `pad_row` is a table row
+    and that real graphs get a CUDA device; raises CudaGraphError. Pure."""
+    table_rows = runner.req_to_token.shape[0]
+    if not 0 <= pad_row < table_rows:
+        raise CudaGraphError(f"pad_row {pad_row} is outside req_to_token's {table_rows} rows")
+    if graph_factory is None and runner.device.type != "cuda":
+        raise CudaGraphError(f"CUDA graphs need a CUDA device, got {runner.device}; use --disable-cuda-graph")
+    return graph_factory or TorchCudaGraph
+
+
 class Graph(Protocol):
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
     def replay(self) -> None: ...
@@ -310,14 +353,10 @@ class DecodeGraphRunner:
         self.verify_rows = verify_rows
         self.sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        table_rows, self.table_width = runner.req_to_token.shape
-        if not 0 <= pad_row < table_rows:
-            raise CudaGraphError(f"pad_row {pad_row} is outside req_to_token's {table_rows} rows")
+        self.table_width = runner.req_to_token.shape[1]
+        self.graph_factory = checked_graph_factory(runner, pad_row, graph_factory)
         self.pad_row = pad_row
         self.device = runner.device
-        self.graph_factory = graph_factory or TorchCudaGraph
-        if graph_factory is None and self.device.type != "cuda":
-            raise CudaGraphError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
         # NOTE: static inputs; every graph reads views [:bs] of these, so a step writes them in place. A step copies
         # `ints` (PaddedDecode.ints) in one host-to-device copy; the graph's first kernel fills `seq_lens` from its
         # last row and writes the new slots into req_to_token (kernels/graph_step.py).
@@ -333,10 +372,7 @@ class DecodeGraphRunner:
         self.hidden_out = torch.zeros(self.max_bs, hidden_size, dtype=next(runner.model.parameters()).dtype,
                                       device=self.device) if runner.keep_hidden else None
         cuda = self.device.type == "cuda"
-        # Two pinned host buffers used in turn: a step fills one while the other's copy may still be queued.
-        self._staging = [torch.zeros(5, self.max_bs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._staged = [torch.cuda.Event() for _ in range(2)] if cuda else []  # each buffer's last copy
-        self._turn = 0
+        self._staging = PinnedStaging((5, self.max_bs), self.device)
         if cuda:
             from lmserver.kernels.graph_step import argmax_rows, write_decode_inputs
         else:
@@ -611,18 +647,14 @@ class DecodeGraphRunner:
 
     def _copy_ints(self, ints: list[list[int]], padded: int) -> None:
         """One host-to-device copy of a step's (5, padded) inputs through the pinned staging buffers."""
-        turn, self._turn = self._turn, 1 - self._turn
-        if self._staged:  # NOTE: waits for this buffer's copy of two steps ago, done long before in practice
-            self._staged[turn].synchronize()
-        host = self._staging[turn]
-        # NOTE: numpy converts the lists straight into the pinned buffer (5 x 256 ints: 15 us against 57 through
-        # torch.tensor; 0.7 against 4.4 at one row)
-        host.numpy()[:, :padded] = ints
-        # NOTE: the whole buffer (contiguous): a (5, padded) slice of it would go through a pageable temporary and a
-        # scatter kernel; the graph of size `padded` reads only its first `padded` columns
-        self.ints.copy_(host, non_blocking=True)
-        if self._staged:
-            self._staged[turn].record()
+
+        def fill(host: np.ndarray) -> None:
+            # NOTE: numpy converts the lists straight into the pinned buffer (5 x 256 ints: 15 us against 57 through
+            # torch.tensor; 0.7 against 4.4 at one row)
+            host[:, :padded] = ints
+
+        # NOTE: the whole buffer (contiguous); the graph of size `padded` reads only its first `padded` columns
+        self._staging.send(fill, self.ints)
 
 
 def _is_prefix_view(t: torch.Tensor, base: torch.Tensor) -> bool:

@@ -56,7 +56,9 @@ from lmserver.runner.cuda_graph import (
     CudaGraphError,
     EagerGraph,
     Graph,
+    PinnedStaging,
     TorchCudaGraph,
+    checked_graph_factory,
 )
 from lmserver.runner.host_batch import host_batch
 from lmserver.runner.host_tensors import pack_to_device
@@ -159,14 +161,10 @@ class PrefillGraphRunner:
         self.runner = runner
         self.token_sizes = prefill_token_sizes(max_tokens)
         self.request_sizes = request_sizes(max_requests)
-        table_rows, self.table_width = runner.req_to_token.shape
-        if not 0 <= pad_row < table_rows:
-            raise CudaGraphError(f"pad_row {pad_row} is outside req_to_token's {table_rows} rows")
+        self.table_width = runner.req_to_token.shape[1]
+        self.graph_factory = checked_graph_factory(runner, pad_row, graph_factory)
         self.pad_row = pad_row
         self.device = runner.device
-        self.graph_factory = graph_factory or TorchCudaGraph
-        if graph_factory is None and self.device.type != "cuda":
-            raise CudaGraphError(f"CUDA graphs need a CUDA device, got {self.device}")
         if not getattr(runner.attn_backend, "supports_extend_graph", False):
             raise CudaGraphError(f"the {getattr(runner.attn_backend, 'name', '?')!r} attention backend cannot plan an "
                                  f"extend inside a captured graph")
@@ -180,11 +178,7 @@ class PrefillGraphRunner:
             with torch.no_grad():
                 probe = embed(torch.zeros(1, dtype=torch.int64, device=self.device))
             self.embeds = torch.zeros(self.token_sizes[-1], probe.shape[-1], dtype=probe.dtype, device=self.device)
-        cuda = self.device.type == "cuda"
-        # two pinned host buffers used in turn: a forward fills one while the other's copy may still be queued
-        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._staged = [torch.cuda.Event() for _ in range(2)] if cuda else []
-        self._turn = 0
+        self._staging = PinnedStaging((size,), self.device)
         # (tokens, requests, has_prefix, embeds) -> graph, and its final-norm hidden states (tokens, hidden)
         self.graphs: dict[GraphKey, Graph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
@@ -306,7 +300,11 @@ class PrefillGraphRunner:
                                                      torch.int64, self.device)
         if len(step.table_index):
             runner.req_to_token.view(-1).index_copy_(0, t_index, t_slots.to(torch.int32))
-        self._copy_ints(step.ints)
+
+        def fill(host: np.ndarray) -> None:
+            host[: len(step.ints)] = step.ints
+
+        self._staging.send(fill, self.ints, len(step.ints))  # one copy of the padded inputs
         if mm_rows:
             assert self.embeds is not None
             starts = step.ints[_TOKEN_ROWS * tokens + 3 * requests:_TOKEN_ROWS * tokens + 4 * requests].tolist()
@@ -318,17 +316,6 @@ class PrefillGraphRunner:
         if runner.keep_hidden:  # NOTE: a view the next replay overwrites, as the decode graphs' `hidden_out`
             runner.last_hidden = hidden
         return runner.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
-
-    def _copy_ints(self, ints: np.ndarray) -> None:
-        """One host-to-device copy of a forward's padded inputs through the pinned staging buffers."""
-        turn, self._turn = self._turn, 1 - self._turn
-        if self._staged:  # NOTE: waits for this buffer's copy of two forwards ago, done long before in practice
-            self._staged[turn].synchronize()
-        host = self._staging[turn]
-        host.numpy()[: len(ints)] = ints
-        self.ints[: len(ints)].copy_(host[: len(ints)], non_blocking=True)
-        if self._staged:
-            self._staged[turn].record()
 
 
 def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size: int = 1) -> PrefillGraphRunner | None:
