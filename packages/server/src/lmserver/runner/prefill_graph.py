@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -236,7 +237,8 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warms up and captures every (tokens, requests, has-prefix), largest first; mutates self and PAD_SLOT."""
+        """Warms up and captures every (tokens, requests, has-prefix, embeds family) key, largest first; mutates self
+        and PAD_SLOT."""
         pool = torch.cuda.graph_pool_handle() if self.graph_factory is TorchCudaGraph else None
         families = (False, True) if self.embeds is not None else (False,)
         for tokens in reversed(self.token_sizes):
@@ -341,6 +343,7 @@ def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_siz
                        config.max_running_requests or DEFAULT_PREFILL_GRAPH_MAX_REQUESTS)
     graphs = PrefillGraphRunner(runner, max_tokens, max_requests,
                                 graph_factory=EagerGraph if runner.device.type != "cuda" else None)
+    started = time.monotonic()
     try:
         graphs.capture()
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
@@ -348,6 +351,7 @@ def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_siz
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         return None
-    logger.info("prefill CUDA graphs: captured token sizes %s x request sizes %s (the padding request included)",
-                graphs.token_sizes, graphs.request_sizes)
+    logger.info("prefill CUDA graphs: captured token sizes %s x request sizes %s (the padding request included)%s "
+                "in %.1f s", graphs.token_sizes, graphs.request_sizes,
+                ", with and without image rows" if graphs.embeds is not None else "", time.monotonic() - started)
     return graphs
