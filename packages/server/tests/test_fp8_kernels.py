@@ -268,6 +268,8 @@ def test_store_kv_gives_back_what_the_fp8_cache_holds(device: str) -> None:
     assert torch.equal(v_out, pool.dequantize_v(0, pool.v_cache[0][loc], dtype))
     with pytest.raises(KernelInputError, match="k_out and v_out"):
         store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_out=k_out)
+    with pytest.raises(KernelInputError, match="in k's dtype"):
+        store_kv(k, v, pool.k_cache[0], pool.v_cache[0], loc, k_out=k_out.double(), v_out=v_out.double())
 
 
 def _fp8_cache(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,6 +81,8 @@ def store_kv(
         if k_out.shape != k.shape or v_out.shape != k.shape or not (k_out.is_contiguous() and v_out.is_contiguous()):
             raise KernelInputError(f"k_out and v_out must be contiguous {tuple(k.shape)}; got "
                                    f"{tuple(k_out.shape)}, {tuple(v_out.shape)}")
+        if k_out.dtype != k.dtype or v_out.dtype != k.dtype:
+            raise KernelInputError(f"k_out and v_out must be in k's dtype ({k.dtype}); got {k_out.dtype}, {v_out.dtype}")
     if k.shape[0] == 0:
         return
     width = k.shape[1] * k.shape[2]
