@@ -151,13 +151,12 @@ def main() -> None:
                     prefix + prompts_for(1, vocab, next(seeds), n)[0] for _ in range(args.reps)]))
             for kind, make in cases:
                 row: dict[str, list[float]] = {}
-                took = {"graphs": 0, "pgraph": 0}
+                start = (graphs.num_extend_replays, prefill_graphs.num_replays if prefill_graphs else 0)
                 for way in [*ways, "graphs"]:
                     use(way)
-                    before = graphs.num_extend_replays, prefill_graphs.num_replays if prefill_graphs else 0
                     row.setdefault(way, []).append(wall_ms(core, make()))
-                    took["graphs"] += graphs.num_extend_replays - before[0]
-                    took["pgraph"] += (prefill_graphs.num_replays if prefill_graphs else 0) - before[1]
+                took = {"graphs": graphs.num_extend_replays - start[0],
+                        "pgraph": (prefill_graphs.num_replays if prefill_graphs else 0) - start[1]}
                 note = "" if took["graphs"] else " (no extend took a decode graph: over the read bound or the sizes)"
                 if prefill_graphs and not took["pgraph"]:
                     note += " (no extend took a prefill graph: over its token sizes)"
@@ -169,6 +168,7 @@ def main() -> None:
         del core
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from lmserver.runner.cuda_graph import PAD_SLOT, PAD_TOKEN_ID, CudaGraphError, E
 from lmserver.runner.host_batch import host_batch
 from lmserver.runner.model_runner import MMRows, ModelRunner
 from lmserver.runner.prefill_graph import (
+    GraphKey,
     PrefillGraphRunner,
     maybe_prefill_graph_runner,
     pad_prefill,
@@ -165,8 +167,8 @@ def _fp8_kv_runner() -> ModelRunner:
     from lmserver.runner.attention.registry import default_registry
 
     base = _runner("triton", "cpu")
-    cfg = base.model.config  # type: ignore[union-attr]
-    pool = KVPool(base.kv_pool.num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,  # type: ignore[union-attr]
+    cfg: Any = base.model.config
+    pool = KVPool(base.kv_pool.num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                   torch.float32, "cpu", FP8_DTYPE, k_scales=[0.05, 0.08], v_scales=[0.04, 0.06], rotate_k=True)
     return ModelRunner(base.model, pool, base.req_to_token, default_registry().create("triton", pool, base.req_to_token),
                        torch.device("cpu"))
@@ -188,9 +190,9 @@ def test_interpret_prefill_graphs_match_the_eager_runner(kv: str) -> None:
     keys = []
     forward = graphs.forward
 
-    def spy(decision: ScheduleDecision, mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
-        keys.append(graphs.graph_key(decision, bool(mm_rows)))
-        return forward(decision, mm_rows)
+    def spy(decision: ScheduleDecision, key: GraphKey, mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
+        keys.append(key)
+        return forward(decision, key, mm_rows)
 
     graphs.forward = spy  # type: ignore[method-assign]
     got = _script(graphed)

@@ -156,8 +156,10 @@ class ModelRunner:
             return self.cuda_graph.forward(decision, input_ids)
         if self.cuda_graph is not None and not mm_rows and self.cuda_graph.can_run_extend(decision):
             return self.cuda_graph.forward_extend(decision)
-        if self.prefill_graph is not None and self.prefill_graph.can_run(decision, bool(mm_rows)):
-            return self.prefill_graph.forward(decision, mm_rows)
+        key = self.prefill_graph.graph_key(decision, bool(mm_rows)) if self.prefill_graph is not None else None
+        if key is not None:
+            assert self.prefill_graph is not None
+            return self.prefill_graph.forward(decision, key, mm_rows)
         batch, logit_idx = self.build_batch(decision, mm_rows)
         if input_ids is not None:
             batch.input_ids = input_ids

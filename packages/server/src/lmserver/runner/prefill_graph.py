@@ -44,7 +44,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_PREFILL_GRAPH_MAX_REQUESTS",
     "DEFAULT_PREFILL_GRAPH_MAX_TOKENS",
+    "GraphKey",
     "PaddedPrefill",
     "PrefillGraphRunner",
     "maybe_prefill_graph_runner",
@@ -110,6 +111,14 @@ def request_sizes(max_requests: int) -> list[int]:
     return sorted({2, max_requests + 1})
 
 
+def _rows(buf: Any, tokens: int, requests: int) -> list[Any]:
+    """The 8 rows of a padded extend's flat int64 layout in `buf` (a numpy array or a tensor, sliced alike): per token
+    input ids, positions, KV slots; per request table rows, prefix lengths, extend lengths, first rows, lengths."""
+    t_end = _TOKEN_ROWS * tokens
+    return ([buf[i * tokens:(i + 1) * tokens] for i in range(_TOKEN_ROWS)]
+            + [buf[t_end + i * requests:t_end + (i + 1) * requests] for i in range(_REQUEST_ROWS)])
+
+
 def _smallest_fit(n: int, sizes: Sequence[int]) -> int | None:
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
@@ -141,9 +150,7 @@ def pad_prefill(items: Sequence[ForwardItem], tokens: int, requests: int, pad_ro
                              f"requests (one of them the padding request)")
     pad = tokens - n
     ints = np.zeros(_TOKEN_ROWS * tokens + _REQUEST_ROWS * requests, dtype=np.int64)
-    ids, pos, loc = (ints[i * tokens:(i + 1) * tokens] for i in range(_TOKEN_ROWS))
-    rows, prefix, ext, starts, seq = (ints[_TOKEN_ROWS * tokens + i * requests:_TOKEN_ROWS * tokens + (i + 1) * requests]
-                                      for i in range(_REQUEST_ROWS))
+    ids, pos, loc, rows, prefix, ext, starts, seq = _rows(ints, tokens, requests)
     ids[:n], pos[:n], loc[:n] = h.input_ids, h.positions, h.out_loc
     ids[n:], pos[n:], loc[n:] = PAD_TOKEN_ID, np.arange(pad), PAD_SLOT
     rows[:r], prefix[:r], ext[:r], starts[:r], seq[:r] = h.rows, h.prefix_lens, h.ext_lens, h.starts, h.seq_lens
@@ -186,14 +193,8 @@ class PrefillGraphRunner:
         self.num_replays = 0
         self.num_image_replays = 0  # those of the embeds family
 
-    def _views(self, tokens: int, requests: int) -> list[torch.Tensor]:
-        """The static buffer's rows for `tokens` x `requests` (the layout of `PaddedPrefill.ints`)."""
-        t_end = _TOKEN_ROWS * tokens
-        return ([self.ints[i * tokens:(i + 1) * tokens] for i in range(_TOKEN_ROWS)]
-                + [self.ints[t_end + i * requests:t_end + (i + 1) * requests] for i in range(_REQUEST_ROWS)])
-
     def _static_batch(self, tokens: int, requests: int, has_prefix: bool) -> ForwardBatch:
-        ids, pos, loc, rows, prefix, ext, starts, seq = self._views(tokens, requests)
+        ids, pos, loc, rows, prefix, ext, starts, seq = _rows(self.ints, tokens, requests)
         return ForwardBatch(
             mode=ForwardMode.EXTEND, batch_size=requests, input_ids=ids, positions=pos, out_cache_loc=loc,
             req_pool_indices=rows, seq_lens=seq,
@@ -222,7 +223,7 @@ class PrefillGraphRunner:
 
     def _warmup_inputs(self, tokens: int, requests: int) -> None:
         """A capture's inputs: all `tokens` rows the padding request's (PAD_SLOT, positions 0..), their embeddings."""
-        ids, pos, loc, rows, prefix, ext, starts, seq = self._views(tokens, requests)
+        ids, pos, loc, rows, prefix, ext, starts, seq = _rows(self.ints, tokens, requests)
         ids.fill_(PAD_TOKEN_ID)
         pos.copy_(torch.arange(tokens, device=self.device))
         loc.fill_(PAD_SLOT)
@@ -281,16 +282,11 @@ class PrefillGraphRunner:
             return None
         return padded_tokens, padded_requests, has_prefix, with_images
 
-    def can_run(self, decision: ScheduleDecision, with_images: bool = False) -> bool:
-        return self.graph_key(decision, with_images) is not None
-
     @torch.inference_mode()
-    def forward(self, decision: ScheduleDecision, mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
-        """Replays the graph of `decision` (`can_run` must hold; `mm_rows`: the image rows of `ModelRunner.forward`,
-        written over the token embeddings); returns float32 logits (num_logit_rows, vocab) in item order, as
-        `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers."""
-        key = self.graph_key(decision, bool(mm_rows))
-        assert key is not None, "no captured prefill graph runs this decision"
+    def forward(self, decision: ScheduleDecision, key: GraphKey, mm_rows: Sequence[MMRows] = ()) -> torch.Tensor:
+        """Replays the graph `key` (`graph_key(decision, bool(mm_rows))`; `mm_rows`: the image rows of
+        `ModelRunner.forward`, written over the token embeddings); returns float32 logits (num_logit_rows, vocab) in
+        item order, as `ModelRunner.forward`. Mutates req_to_token, the KV pool and the static buffers."""
         tokens, requests, _, _ = key
         runner = self.runner
         items = decision.items
@@ -309,7 +305,7 @@ class PrefillGraphRunner:
         self._staging.send(fill, self.ints, len(step.ints))  # one copy of the padded inputs
         if mm_rows:
             assert self.embeds is not None
-            starts = step.ints[_TOKEN_ROWS * tokens + 3 * requests:_TOKEN_ROWS * tokens + 4 * requests].tolist()
+            starts = _rows(step.ints, tokens, requests)[6].tolist()
             self.embeds[:tokens].copy_(runner._input_embeds(self.ints[:tokens], starts, mm_rows))
             self.num_image_replays += 1
         self.graphs[key].replay()
