@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--prefill-graphs", type=int, default=0,
                     help="also prefill CUDA graphs up to this many tokens (--enable-cuda-graph-prefill), a third "
                          "way (0: not built)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="the engines' attention backend (default: the server's; `triton` on a CPU under "
+                         "TRITON_INTERPRET=1 with LMSERVER_TEST_EAGER_GRAPHS=1 checks the three ways' tokens there)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None, help="append each line here too")
     args = ap.parse_args()
@@ -107,6 +110,8 @@ def main() -> None:
         t0 = time.monotonic()
         # NOTE: graphs are captured up to max_running_requests rows: at least --graph-max-bs of them
         extra = {**SETTINGS[setting], "max_running_requests": max(args.graph_max_bs, 64)}
+        if args.attention_backend:
+            extra["attention_backend"] = args.attention_backend
         if args.prefill_graphs:
             extra.update(enable_cuda_graph_prefill=True, cuda_graph_prefill_max_tokens=args.prefill_graphs)
         core = make_core(args.model_path, extra, 4096, graph_max_bs=args.graph_max_bs)
