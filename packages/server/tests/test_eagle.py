@@ -340,6 +340,10 @@ def test_the_kv_budget_counts_the_heads_own_weights(tmp_path: Path, kind: str) -
     whole = estimate_weight_bytes(ModelConfig.from_hf(dict(HEAD, architectures=["LlamaForCausalLM"])), "float32", 128)
     if kind == "eagle":
         assert weights < whole  # the shared embedding / LM head are not counted
+    # with tensor parallelism rank 0 keeps the target modules the head reads whole (the target's are shards there):
+    # the embedding (vocab x hidden) unless the head has its own, the LM head for an EAGLE-1/2 head
+    shared = (0 if kind == "eagle-bin" else 101 * 64) + (0 if kind == "eagle3" else 101 * 64)
+    assert draft_memory(cfg.replace(tp_size=2), "float32", ModelConfig.from_hf(TARGET))[1] == weights + shared * 4
     wide = ModelConfig.from_hf(dict(TARGET, hidden_size=128))
     assert draft_memory(cfg, "float32", wide)[1] == estimate_weight_bytes(
         ModelConfig.from_hf(dict(HEAD, architectures=["LlamaForCausalLM"])), "float32", 128)

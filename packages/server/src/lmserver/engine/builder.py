@@ -30,7 +30,7 @@ from lmserver.models.loader import DTYPES, load_model, read_model_config
 from lmserver.runner.attention.registry import default_registry
 from lmserver.runner.cuda_graph import maybe_decode_graph_runner
 from lmserver.runner.draft_model import DraftModel
-from lmserver.runner.eagle import EagleProposer, eagle3_aux_layers
+from lmserver.runner.eagle import EagleProposer, SharedTargetModules, eagle3_aux_layers
 from lmserver.runner.host_kv import HostKVPool
 from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
 from lmserver.runner.model_runner import ModelRunner
@@ -108,6 +108,11 @@ class EngineBuilder:
                            disable_fused_kernels=rc.disable_fused_kernels, quantization=rc.quantization,
                            quantize_lm_head=rc.quantize_lm_head)
         tp: TPContext | None = None
+        draft_target: torch.nn.Module = model  # the modules an EAGLE head reads (its embedding and LM head)
+        if rc.tp_size > 1 and rc.speculative_algorithm == "eagle":
+            # NOTE: sharding replaces them by vocabulary shards whose forwards need every rank; the head runs on rank
+            # 0 alone, over the full modules kept here (the ones it reads stay in memory: draft_memory counts them)
+            draft_target = SharedTargetModules.of(model)
         if rc.tp_size > 1:  # shards the model: lowlat checks and builds on this rank's shard
             specs = lowlat.session.registry.specs() if lowlat is not None else ()
             tp = start_tensor_parallel(rc, mc, model_path, model, specs)
@@ -164,7 +169,7 @@ class EngineBuilder:
             compile_workers=rc.grammar_compile_workers, max_pending_compiles=rc.grammar_max_pending,
             strict=rc.grammar_strict, max_grammar_length=rc.grammar_max_length,
         )
-        spec = self._speculator(rc, mc, model, device, dtype)
+        spec = self._speculator(rc, mc, draft_target, device, dtype)
         return EngineParts(
             model_path=model_path, model_config=mc, config=rc, device=device, dtype=dtype, tokenizer=tokenizer,
             model=model, lowlat=lowlat, tp=tp, kv_manager=kv_manager, kv_pool=kv_pool, host_kv=host_kv,
@@ -200,23 +205,23 @@ class EngineBuilder:
         return runner
 
     @staticmethod
-    def _speculator(rc: ServerConfig, mc: ModelConfig, model: torch.nn.Module, device: torch.device,
+    def _speculator(rc: ServerConfig, mc: ModelConfig, draft_target: torch.nn.Module, device: torch.device,
                     dtype: torch.dtype) -> Speculator | None:
-        """Speculative decoding (engine/speculative.py) with its draft source, or None."""
+        """Speculative decoding (engine/speculative.py) with its draft source, or None. `draft_target`: the target's
+        modules an EAGLE head reads (the target itself, or its full embedding and LM head under tensor parallelism)."""
         if rc.speculative_algorithm is None:
             return None
         assert rc.context_length is not None and rc.max_running_requests is not None
         assert rc.max_total_tokens is not None
         spec_config = SpecConfig(rc.speculative_algorithm, rc.speculative_num_draft_tokens,
                                  rc.speculative_ngram_min_match, rc.speculative_ngram_max_match,
-                                 rc.speculative_simulate_accept_length, rc.speculative_draft_model_path,
-                                 rc.tp_size)
+                                 rc.speculative_simulate_accept_length, rc.speculative_draft_model_path)
         draft: DraftModel | None = None
         draft_graph_max_bs = 0 if rc.disable_cuda_graph else min(rc.cuda_graph_max_bs or SMALL_GPU_GRAPH_MAX_BS,
                                                                   rc.max_running_requests)
         if spec_config.algorithm == "eagle":
             assert spec_config.draft_model_path is not None
-            draft = EagleProposer(spec_config.draft_model_path, target=model, target_config=mc,
+            draft = EagleProposer(spec_config.draft_model_path, target=draft_target, target_config=mc,
                                   dtype=dtype, device=device, context_length=rc.context_length,
                                   max_requests=rc.max_running_requests, num_slots=rc.max_total_tokens,
                                   attention_backend=rc.attention_backend, load_format=rc.load_format,

@@ -42,7 +42,6 @@ class SpecConfig:
     # accepts this many per step on average, whatever the logits (outputs are then not the model's)
     simulate_accept_length: float | None = None
     draft_model_path: str | None = None  # draft_model: a model folder sharing the target's tokenizer; eagle: a head
-    tp_size: int = 1  # the target's tensor-parallel ranks (an EAGLE head serves one rank's target only)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -51,8 +50,6 @@ class SpecConfig:
         if (self.algorithm in MODEL_ALGORITHMS) != (self.draft_model_path is not None):
             raise ValueError("speculative_draft_model_path is needed by (and only by) speculative_algorithm "
                              "draft_model and eagle")
-        if self.algorithm == "eagle" and self.tp_size > 1:
-            raise ValueError("speculative_algorithm eagle does not run with tp_size > 1 yet; use ngram or draft_model")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:

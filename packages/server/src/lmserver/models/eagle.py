@@ -61,7 +61,7 @@ class _DraftHead(nn.Module):
     def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _target_modules(self) -> list[nn.Module]:
+    def target_modules(self) -> list[nn.Module]:
         """The target's modules the head reads (their parameters are not the head's)."""
         raise NotImplementedError
 
@@ -71,7 +71,7 @@ class _DraftHead(nn.Module):
 
     def head_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The head's own parameters (not the target's modules)."""
-        shared = {id(p) for m in self._target_modules() for p in m.parameters()}
+        shared = {id(p) for m in self.target_modules() for p in m.parameters()}
         for name, param in self.named_parameters(remove_duplicate=False):
             if id(param) not in shared:
                 yield name, param
@@ -138,7 +138,7 @@ class EagleHead(_DraftHead):
     def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # type: ignore[no-any-return]
 
-    def _target_modules(self) -> list[nn.Module]:
+    def target_modules(self) -> list[nn.Module]:
         return [self.lm_head] + ([] if self.own_embedding else [self.model.embed_tokens])
 
     def _checkpoint_name(self, name: str) -> str | None:
@@ -242,7 +242,7 @@ class Eagle3Head(_DraftHead):
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
         return full.index_copy_(1, ids, draft)
 
-    def _target_modules(self) -> list[nn.Module]:
+    def target_modules(self) -> list[nn.Module]:
         return [] if self.own_embedding else [self.embed_tokens]
 
     def _loadable(self) -> dict[str, torch.Tensor]:

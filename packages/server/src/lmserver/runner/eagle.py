@@ -42,7 +42,7 @@ from lmserver.runner.draft_model import DraftModel, DraftModelError, DraftReq
 from lmserver.runner.sampler import greedy_argmax
 from lmserver.scheduler import ScheduleDecision
 
-__all__ = ["EagleProposer", "build_head", "eagle3_aux_layers", "eagle_head_bytes"]
+__all__ = ["EagleProposer", "SharedTargetModules", "build_head", "eagle3_aux_layers", "eagle_head_bytes"]
 
 
 def _head_config(model_path: str) -> dict[str, Any]:
@@ -91,20 +91,34 @@ def build_head(model_path: str, target: torch.nn.Module, target_config: ModelCon
     return EagleHead(config, target, max_positions, fc_bias="fc.bias" in names, own_embedding=own_embedding), config
 
 
-class _SharedModules(torch.nn.Module):
-    """A target's modules an EAGLE head shares (embedding, LM head), for building a head on the meta device."""
+class SharedTargetModules(torch.nn.Module):
+    """The target modules an EAGLE head reads (`model.embed_tokens`, `lm_head`), in a target's layout.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `of(target)` holds a loaded target's own modules: with tensor parallelism, kept before sharding replaces them by
+    vocabulary shards (whose forwards need every rank: the head runs on rank 0 alone, over these full modules).
+    `blank(config)` makes new ones, to build a head on the meta device."""
+
+    def __init__(self, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module) -> None:
         super().__init__()
         self.model = torch.nn.Module()
-        self.model.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+
+    @classmethod
+    def of(cls, target: torch.nn.Module) -> SharedTargetModules:
+        return cls(target.model.embed_tokens, target.lm_head)  # type: ignore[union-attr, arg-type]
+
+    @classmethod
+    def blank(cls, config: ModelConfig) -> SharedTargetModules:
+        return cls(torch.nn.Embedding(config.vocab_size, config.hidden_size),
+                   torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
 
 def eagle_head_bytes(model_path: str, target_config: ModelConfig, dtype: torch.dtype, max_positions: int,
-                     load_format: str = "auto") -> int:
+                     load_format: str = "auto", tp_size: int = 1) -> int:
     """Bytes the EAGLE head of `model_path` adds to the target's: its own parameters and buffers in `dtype` (built on
-    the meta device: no memory, no weights read), not the embedding and LM head it shares with the target. A
+    the meta device: no memory, no weights read), not the embedding and LM head it shares with the target; with
+    `tp_size` > 1 also those shared modules whole (rank 0 keeps them beside its vocabulary shards: builder.py). A
     `pytorch_model.bin` head (its names need the whole file read) counts an embedding and an fc bias of its own, the
     safe side. Raises DraftModelError as `build_head`."""
     if load_format != "auto":
@@ -114,10 +128,12 @@ def eagle_head_bytes(model_path: str, target_config: ModelConfig, dtype: torch.d
     else:
         names = {"embed_tokens.weight", "fc.bias"}
     with torch.device("meta"):
-        head, _ = build_head(model_path, _SharedModules(target_config), target_config, max_positions, names)
+        head, _ = build_head(model_path, SharedTargetModules.blank(target_config), target_config, max_positions, names)
         head = head.to(dtype)
-    own = {id(p): p for _, p in head.head_parameters()} | {id(b): b for b in head.buffers()}
-    return sum(t.numel() * t.element_size() for t in own.values())
+    counted = {id(p): p for _, p in head.head_parameters()} | {id(b): b for b in head.buffers()}
+    if tp_size > 1:
+        counted |= {id(p): p for m in head.target_modules() for p in m.parameters()}
+    return sum(t.numel() * t.element_size() for t in counted.values())
 
 
 class EagleProposer(DraftModel):

@@ -173,8 +173,9 @@ def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple
     """(bytes per KV slot, weight bytes) of the speculative draft: a draft model or an EAGLE head keeps a KV pool of
     its own with as many slots as the target's (`runner.draft_model`), in the model dtype; (0, 0) without a draft.
     A draft model's weights are estimated from its config as a whole model; an EAGLE head's are its own parameters
-    and buffers, not the embedding and LM head it shares with `target` (`runner.eagle.eagle_head_bytes`; a head the
-    target cannot use counts as a whole Llama model here, the loader's error comes later)."""
+    and buffers, not the embedding and LM head it shares with `target` but with tensor parallelism (rank 0 keeps them
+    whole for the head: `runner.eagle.eagle_head_bytes`; a head the target cannot use counts as a whole Llama model
+    here, the loader's error comes later)."""
     raw = _draft_config(config)
     if raw is None:
         return 0, 0
@@ -191,7 +192,7 @@ def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple
         assert config.speculative_draft_model_path is not None  # _draft_config read its config.json
         try:
             return per_slot, eagle_head_bytes(config.speculative_draft_model_path, target, DTYPES[dtype], positions,
-                                              config.load_format)
+                                              config.load_format, config.tp_size)
         except DraftModelError:
             pass
     return per_slot, estimate_weight_bytes(mc, dtype, positions)
