@@ -140,3 +140,32 @@ def test_concurrent_chats_with_host_tier_match_a_large_pool() -> None:
     assert got == want
     assert stats["hicache_host_hits"] > 0 and stats["hicache_dropped_tokens"] == 0, stats
     assert stats["cached_tokens"] == big["cached_tokens"], (stats, big)
+
+
+def _chat_in_child(model_path: str, config: dict[str, Any]) -> tuple[list[list[int]], dict[str, Any]]:
+    """`_chat` on a tiny random model's engine of `config` (run by `in_child`): outputs and stats, invariant checked."""
+    engine = Engine(model_path=model_path, load_format="dummy", dtype="float32", device="cpu", context_length=256,
+                    max_running_requests=2, chunked_prefill_size=-1, **config)
+    try:
+        outs = _chat(engine)
+        engine.core.check_memory_invariant()
+        return outs, engine.core.get_stats()
+    finally:
+        if engine.core.tp is not None:
+            engine.core.tp.shutdown()
+        engine.shutdown()
+
+
+def test_host_tier_with_tp2_matches_a_large_pool(tmp_path: Any) -> None:
+    """Tensor parallelism (tp_size 2, gloo): each rank's host pool holds its KV heads; rank 0's copies reach the
+    follower with the next decision. A small device pool with the tier gives the greedy outputs of a large pool with
+    tp_size 1, with host hits (the follower's heads loaded back too, or its half of the attention would differ)."""
+    from packages.server.tests.test_tensor_parallel import _model_folder, _tiny_config, in_child
+
+    path = _model_folder(tmp_path, "llama", _tiny_config())
+    want, big = in_child(_chat_in_child, path, {"max_total_tokens": 4096})
+    got, stats = in_child(_chat_in_child, path, {"max_total_tokens": 64, "enable_hierarchical_cache": True,
+                                                  "host_kv_size_gb": 0.01, "tp_size": 2})
+    assert got == want
+    assert stats["hicache_host_hits"] > 0 and stats["hicache_loaded_tokens"] > 0, stats
+    assert stats["cached_tokens"] == big["cached_tokens"], (stats, big)

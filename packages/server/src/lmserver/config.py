@@ -66,8 +66,9 @@ class ServerConfig:
     enable_hierarchical_cache: bool = _opt(False, "host-memory KV tier (HiCache): KV evicted from the device pool "
                                                   "is copied to a pinned host pool and loaded back on a later "
                                                   "prefix match instead of being recomputed")
-    host_kv_size_gb: float | None = _opt(None, "host KV pool size in GB for --enable-hierarchical-cache (auto: twice "
-                                               "the device KV pool, at most half the free host memory)")
+    host_kv_size_gb: float | None = _opt(None, "host KV pool size in GB per tensor-parallel rank for "
+                                               "--enable-hierarchical-cache (auto: twice the device KV pool, at most "
+                                               "half the free host memory)")
     hicache_write_policy: str = _opt("write_back", "host tier: write_back copies KV to the host when the device "
                                                    "evicts it; write_through copies each cached prefix at once",
                                      ("write_back", "write_through"))

@@ -44,6 +44,7 @@ from lmserver.runner.resolve import (
 )
 from lmserver.runner.tp_engine import TPContext, start_tensor_parallel
 from lmserver.scheduler import KVManager, Scheduler
+from radixcache import KVTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,14 @@ class EngineBuilder:
                          tp.local_kv_heads if tp else mc.num_key_value_heads, mc.head_dim,
                          dtype, device, **engine_kv_pool_options(rc, model, lowlat))
         kv_pool.zero_padding(rc.page_size)
-        host_kv = start_host_tier(rc, kv_pool, kv_manager) if rc.enable_hierarchical_cache else None
+        host_kv: HostKVPool | None = None
+        if rc.enable_hierarchical_cache:
+            try:
+                host_kv = start_host_tier(rc, kv_pool, kv_manager, tp)
+            except BaseException:
+                if tp is not None:  # the followers wait for the host pool's slot count: tell them to stop instead
+                    tp.shutdown()
+                raise
         req_to_token = make_req_to_token(rc.max_running_requests, context_length, device)
         runner = self._runner(rc, mc, model, kv_pool, req_to_token, device, lowlat, kv_manager.buffer_size)
         mm: MultimodalInputs | None = None  # images / videos (a model with a vision encoder)
@@ -251,25 +259,31 @@ def overlap_schedule(rc: ServerConfig, tensor_parallel: bool, speculative: bool)
     return True
 
 
-def start_host_tier(rc: ServerConfig, kv_pool: KVPool, kv_manager: KVManager) -> HostKVPool:
-    """The host KV pool (`--host-kv-size-gb`, auto twice the device pool) behind the radix
-    cache (radixcache's HierarchicalCache); refuses what it does not cover."""
-    if rc.tp_size > 1 or rc.speculative_algorithm is not None:
-        raise ValueError("--enable-hierarchical-cache runs with tp_size 1 and without speculative decoding")
+def start_host_tier(rc: ServerConfig, kv_pool: KVPool, kv_manager: KVManager, tp: TPContext | None = None
+                    ) -> HostKVPool:
+    """The host KV pool (`--host-kv-size-gb` per rank, auto twice the device pool) behind the radix cache (radixcache's
+    HierarchicalCache); with tensor parallelism each rank holds its KV heads' share of every host slot and rank 0's
+    copies are mirrored to the followers (`tp.mirror_host_kv`). Refuses what it does not cover."""
+    if rc.speculative_algorithm is not None:
+        raise ValueError("--enable-hierarchical-cache runs without speculative decoding")
     per_slot = HostKVPool.bytes_per_slot(kv_pool)
-    free_bytes = HostKVPool.available_host_bytes()
+    node_ranks = rc.tp_size // rc.nnodes  # the ranks of this machine each hold a host pool of this size
+    free_bytes = HostKVPool.available_host_bytes() // node_ranks
     if rc.host_kv_size_gb is None:  # twice the device pool, at most half the free host memory
         host_slots = min(2 * kv_manager.num_slots, free_bytes // 2 // per_slot)
     elif rc.host_kv_size_gb > 0:
         host_slots = int(rc.host_kv_size_gb * 1e9) // per_slot
         if host_slots * per_slot > 0.9 * free_bytes:
             raise ValueError(f"--host-kv-size-gb {rc.host_kv_size_gb} is more than 90% of the host's free memory "
-                             f"({free_bytes / 1e9:.1f} GB); ask for less")
+                             f"({free_bytes / 1e9:.1f} GB{f' per rank of {node_ranks}' if node_ranks > 1 else ''}); "
+                             "ask for less")
     else:
         raise ValueError(f"--host-kv-size-gb must be > 0, got {rc.host_kv_size_gb}")
     host_slots -= host_slots % rc.page_size
     host = HostKVPool(kv_pool, host_slots + rc.page_size, io_backend=rc.hicache_io_backend)  # + padding page
-    kv_manager.enable_host_tier(host_slots, host, rc.hicache_write_policy)  # type: ignore[arg-type]
-    logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GB, %s, io %s)", host_slots,
-                host_slots * per_slot / 1e9, rc.hicache_write_policy, host.io_backend)
+    transfer: KVTransfer = host if tp is None else tp.mirror_host_kv(host)
+    kv_manager.enable_host_tier(host_slots, transfer, rc.hicache_write_policy)  # type: ignore[arg-type]
+    logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GB%s, %s, io %s)", host_slots,
+                host_slots * per_slot / 1e9, " per rank" if tp is not None else "", rc.hicache_write_policy,
+                host.io_backend)
     return host

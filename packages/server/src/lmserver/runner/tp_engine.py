@@ -13,7 +13,8 @@ slot count (`TPContext.share_num_slots`; None instead tells the followers start-
 followers then wait for rank 0's stop and exit cleanly, rank 0 reports it. Liveness: rank 0 watches its followers and exits the
 core process (status 1, with the rank and its exit status in the log) when one dies, so the
 server reports unhealthy and exits instead of hanging in a collective; followers exit when
-their parent dies. Several nodes: `--nnodes`, `--node-rank`, `--dist-init-addr host:port`;
+their parent dies. With the host KV tier, rank 0 sends its host pool's slot count after the KV pool's, and every
+decision goes out with the host-tier copies rank 0 made since the last one (`MirroredHostKV`). Several nodes: `--nnodes`, `--node-rank`, `--dist-init-addr host:port`;
 nodes other than 0 run `run_follower_node` (no HTTP) with ranks node_rank * per_node + i.
 """
 
@@ -30,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from lmserver.config import ServerConfig
@@ -78,6 +81,42 @@ def _watch_followers(procs: list[Any], stopping: threading.Event) -> None:
     threading.Thread(target=loop, name="lmserver-tp-watchdog", daemon=True).start()
 
 
+HostCopy = tuple[str, npt.NDArray[np.int64], npt.NDArray[np.int64]]  # ("offload" | "load", first slots, second)
+
+
+class MirroredHostKV:
+    """Rank 0's host-tier copies (radixcache's `KVTransfer`) under tensor parallelism: each runs on this rank's host
+    pool at once and is queued for the followers, which run the queue on theirs before the next forward. Every rank
+    thereby orders each copy against the forwards as rank 0 does: a load before the forward that reads its slots, an
+    offload before the forward that may rewrite them (and copies among themselves in call order)."""
+
+    def __init__(self, local: Any) -> None:
+        self.local = local  # this rank's HostKVPool
+        self._queued: list[HostCopy] = []
+
+    def offload(self, device_slots: npt.NDArray[np.int64], host_slots: npt.NDArray[np.int64]) -> None:
+        self.local.offload(device_slots, host_slots)
+        self._queued.append(("offload", np.array(device_slots, dtype=np.int64), np.array(host_slots, dtype=np.int64)))
+
+    def load(self, host_slots: npt.NDArray[np.int64], device_slots: npt.NDArray[np.int64]) -> None:
+        self.local.load(host_slots, device_slots)
+        self._queued.append(("load", np.array(host_slots, dtype=np.int64), np.array(device_slots, dtype=np.int64)))
+
+    def take(self) -> list[HostCopy]:
+        """The copies queued since the last call, in call order. Mutates: the queue."""
+        queued, self._queued = self._queued, []
+        return queued
+
+
+def run_host_copies(host: Any, copies: list[HostCopy]) -> None:
+    """A follower's share of rank 0's queued host-tier copies, in order, on its own host pool."""
+    for kind, first, second in copies:
+        if kind == "offload":
+            host.offload(first, second)
+        else:
+            host.load(first, second)
+
+
 @dataclass
 class TPContext:
     """Rank 0's handle on the group: wraps the model runner and stops the followers."""
@@ -86,6 +125,7 @@ class TPContext:
     local_kv_heads: int
     procs: list[Any] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
+    host_kv: MirroredHostKV | None = None  # the host tier's copies, when there is one (`mirror_host_kv`)
 
     def wrap_runner(self, runner: Any) -> Any:
         return _BroadcastingRunner(runner, self)
@@ -93,6 +133,16 @@ class TPContext:
     def share_num_slots(self, num_slots: int) -> None:
         """Sends the KV pool size (decided after lowlat's agreed workspace) to every follower."""
         self.group.broadcast_object(num_slots)
+
+    def mirror_host_kv(self, host: Any) -> MirroredHostKV:
+        """Rank 0's host KV pool `host` (built right after its device pool, as the followers build theirs): sends its
+        slot count to every follower and returns the transfer that queues each copy for them."""
+        self.group.broadcast_object(host.num_slots)
+        self.host_kv = MirroredHostKV(host)
+        return self.host_kv
+
+    def take_host_copies(self) -> list[HostCopy]:
+        return self.host_kv.take() if self.host_kv is not None else []
 
     def shutdown(self) -> None:
         """Tells every rank to stop, joins this node's followers (terminating stragglers)."""
@@ -118,7 +168,7 @@ class _BroadcastingRunner:
         self._ctx = ctx
 
     def forward(self, decision: Any) -> torch.Tensor:
-        self._ctx.group.broadcast_object(decision)
+        self._ctx.group.broadcast_object((self._ctx.take_host_copies(), decision))
         return self._runner.forward(decision)  # type: ignore[no-any-return]
 
     def __getattr__(self, name: str) -> Any:
@@ -175,6 +225,7 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     from lmserver.forward.kv_pool import KVPool, make_req_to_token
     from lmserver.models.loader import DTYPES, load_model, read_model_config
     from lmserver.runner.attention.registry import default_registry
+    from lmserver.runner.host_kv import HostKVPool
     from lmserver.runner.lowlat_hook import LowlatHook, warmup_batch_sizes
     from lmserver.runner.model_runner import ModelRunner
     from lmserver.runner.resolve import engine_kv_pool_options
@@ -223,6 +274,13 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     pool = KVPool(num_slots, mc.num_hidden_layers, kv_heads, mc.head_dim, dtype, device,
                   **engine_kv_pool_options(rc, model, lowlat))
     pool.zero_padding(rc.page_size)
+    host: HostKVPool | None = None
+    if rc.enable_hierarchical_cache:  # NOTE: rank 0 builds its host pool right after its device pool too
+        host_slots = group.broadcast_object()
+        if host_slots is None:  # rank 0 failed to build its host tier
+            group.destroy()
+            return
+        host = HostKVPool(pool, host_slots, io_backend=rc.hicache_io_backend)
     table = make_req_to_token(rc.max_running_requests, rc.context_length, device)
     runner = ModelRunner(
         model, pool, table, default_registry().create(rc.attention_backend, pool, table), device
@@ -237,9 +295,13 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)
     runner.cuda_graph = maybe_decode_graph_runner(rc, runner, size)
     while True:
-        decision = group.broadcast_object()
-        if decision is None:
+        step = group.broadcast_object()
+        if step is None:
             break
+        copies, decision = step
+        if copies:
+            assert host is not None, "host-tier copies without a host tier"
+            run_host_copies(host, copies)
         runner.forward(decision)
     group.destroy()
 
