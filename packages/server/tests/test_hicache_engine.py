@@ -100,6 +100,66 @@ def test_host_pool_copies_rows_by_slot_ids(device: str) -> None:
     assert (host.offloaded_tokens, host.loaded_tokens) == (4, 4)
 
 
+_TEXTS = ["The committee approved the road repairs and delayed the library renovation until spring.",
+          "Rivers carry water from the mountains to the sea, shaping valleys over many years.",
+          "The baker opens at six, sells bread until noon, and closes the shop on Sundays."]
+
+
+def _copy_chat(engine: Engine) -> list[list[int]]:
+    """Chats of two turns, each asking to repeat a text (a copy task: n-gram drafts find the continuations), one
+    request at a time, round-robin (the other chats push a history out of a small device pool before its next turn)."""
+    tok = engine.tokenizer
+    histories = [tok.encode(f"Conversation {c}: repeat each text word for word.") for c in range(_CONVERSATIONS)]
+    outputs: list[list[int]] = []
+    for turn in range(2):
+        for c in range(_CONVERSATIONS):
+            prompt = f"\nText: {_TEXTS[(c + turn) % len(_TEXTS)]}\nRepeated:"
+            histories[c] = histories[c] + tok.encode(prompt, add_special_tokens=False)
+            out = engine.generate(input_ids=histories[c], sampling_params=dict(_GREEDY, max_new_tokens=20))
+            assert isinstance(out, dict)
+            histories[c] = histories[c] + out["output_ids"]
+            outputs.append(out["output_ids"])
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def large_pool_copy_run() -> tuple[list[list[int]], dict[str, Any]]:
+    return _run(_copy_chat, max_total_tokens=4096)
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", pytest.param("eagle", marks=pytest.mark.slow),
+                                       pytest.param("draft_model", marks=pytest.mark.slow)])
+def test_host_tier_with_speculative_decoding_matches_a_large_pool(
+    algorithm: str, large_pool_copy_run: tuple[list[list[int]], dict[str, Any]], tmp_path: Any
+) -> None:
+    """Speculation on a small device pool with the host tier: the drafts' KV is taken and the rejected part freed
+    through the same KV manager whose evictions feed the tier; the greedy outputs of a large pool without
+    speculation, with host hits and verify steps (an EAGLE head's features for a prefix loaded from the host are
+    missing, as for any cached prefix: only its acceptance can suffer; a draft model keeps its own KV)."""
+    from lmserver.models.default_model import default_model_path
+    from lmserver.testing import write_eagle_head
+
+    want, big = large_pool_copy_run
+    spec: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 4}
+    if algorithm == "eagle":
+        from lmserver.models.loader import read_model_config
+
+        cfg = read_model_config(str(default_model_path())).hf_config
+        head = dict(architectures=["LlamaForCausalLM"], vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                    intermediate_size=256, num_hidden_layers=1, num_attention_heads=cfg["num_attention_heads"],
+                    num_key_value_heads=cfg["num_key_value_heads"], max_position_embeddings=2048,
+                    rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0))
+        write_eagle_head(tmp_path / "head", head)
+        spec["speculative_draft_model_path"] = str(tmp_path / "head")
+    elif algorithm == "draft_model":  # the target itself: nearly every draft accepted
+        spec["speculative_draft_model_path"] = str(default_model_path())
+    got, stats = _run(_copy_chat, max_total_tokens=160, enable_hierarchical_cache=True, host_kv_size_gb=0.05, **spec)
+    assert got == want
+    assert stats["hicache_host_hits"] > 0 and stats["hicache_loaded_tokens"] > 0, stats
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0, stats
+    assert stats["cached_tokens"] == big["cached_tokens"], (stats, big)
+
+
 def test_host_tier_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="host-kv-size-gb"):
         Engine(dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True, host_kv_size_gb=-1.0)

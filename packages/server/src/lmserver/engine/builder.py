@@ -264,8 +264,6 @@ def start_host_tier(rc: ServerConfig, kv_pool: KVPool, kv_manager: KVManager, tp
     """The host KV pool (`--host-kv-size-gb` per rank, auto twice the device pool) behind the radix cache (radixcache's
     HierarchicalCache); with tensor parallelism each rank holds its KV heads' share of every host slot and rank 0's
     copies are mirrored to the followers (`tp.mirror_host_kv`). Refuses what it does not cover."""
-    if rc.speculative_algorithm is not None:
-        raise ValueError("--enable-hierarchical-cache runs without speculative decoding")
     per_slot = HostKVPool.bytes_per_slot(kv_pool)
     node_ranks = rc.tp_size // rc.nnodes  # the ranks of this machine each hold a host pool of this size
     free_bytes = HostKVPool.available_host_bytes() // node_ranks
