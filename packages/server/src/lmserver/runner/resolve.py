@@ -123,7 +123,8 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
     asked (the set-up names FP8 weights and KV: a plugin that reads neither is refused with that
     reason, the nvidia plugin takes both). Raises ConfigError before anything loads for an
     unknown quant_method or non-FP8 scheme, FP8 on a GPU without FP8 (compute capability < 8.9,
-    named), FP8 with tensor parallelism, and `quantize_lm_head` without FP8 weights."""
+    named), `quantize_lm_head` without FP8 weights or with tensor parallelism, and explicit lowlat plugins with FP8 and
+    tensor parallelism (their default is off there)."""
     from lmserver.layers.fp8_linear import fp8_unsupported_reason
     from lmserver.models.quantization import QuantizationError, read_fp8_spec
 
@@ -146,9 +147,17 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
         if why is not None:
             raise ConfigError(f"{what} requested ({spec.describe() if spec else 'kv_cache_dtype fp8_e4m3'}): {why}; "
                               "run without --quantization / --kv-cache-dtype fp8_e4m3 or use an FP8-capable GPU")
-        if config.tp_size > 1:
-            raise ConfigError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1 (or dp_size)")
-    return quant, kv, resolve_lowlat_plugins(config.lowlat_plugins, device, _eagle3_draft(config))
+        if config.tp_size > 1 and config.quantize_lm_head:
+            raise ConfigError("an FP8 LM head (--quantize-lm-head) with tp_size > 1 is not supported: the vocabulary "
+                              "shards hold model-dtype heads; drop --quantize-lm-head or use tp_size 1")
+    lowlat = resolve_lowlat_plugins(config.lowlat_plugins, device, _eagle3_draft(config))
+    if wants and config.tp_size > 1 and lowlat != "off":
+        if config.lowlat_plugins is not None:
+            raise ConfigError(f"the lowlat plugins with {' and '.join(wants)} and tp_size > 1 are not supported yet "
+                              "(not run on several GPUs); use --lowlat-plugins off")
+        logger.info("lowlat plugins off by default: FP8 with tp_size > 1")
+        lowlat = "off"
+    return quant, kv, lowlat
 
 
 def _draft_config(config: ServerConfig) -> dict[str, Any] | None:
@@ -368,7 +377,11 @@ def resolve_config(
     dtype = resolve_dtype(config, device)
     quantization, kv_cache_dtype, lowlat = resolve_fp8(config, model_config, device, dtype)
     config = config.replace(quantization=quantization, kv_cache_dtype=kv_cache_dtype, lowlat_plugins=lowlat)
-    fp8_head = device == "cuda" and weight_bytes == 0 and quantization == "fp8" and checkpoint_lm_head_is_fp8(model_path)
+    fp8_head = quantization == "fp8" and checkpoint_lm_head_is_fp8(model_path)
+    if fp8_head and config.tp_size > 1:
+        raise ConfigError(f"{model_path} stores its LM head in FP8; tensor parallelism shards model-dtype LM heads "
+                          "only: use tp_size 1")
+    fp8_head = fp8_head and device == "cuda" and weight_bytes == 0
     draft = draft_memory(config, dtype, model_config) if device == "cuda" else (0, 0)
     kv_tokens = resolve_kv_tokens(config, model_config, device, dtype, weight_bytes, fp8_head, draft)
     kv_tokens -= kv_tokens % config.page_size

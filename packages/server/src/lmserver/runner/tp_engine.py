@@ -39,7 +39,7 @@ from lmserver.config import ServerConfig
 from lmserver.models.config import ModelConfig
 from lmserver.netutil import free_port
 from lmserver.runner.distributed.group import TPGroup
-from lmserver.runner.distributed.shard import shard_model_, tp_head_counts
+from lmserver.runner.distributed.shard import check_fp8_splits, shard_model_, tp_head_counts
 
 logger = logging.getLogger("lmserver.tp")
 
@@ -187,6 +187,7 @@ def start_tensor_parallel(
     the other ranks) before spawning anything.
     """
     _, local_kv_heads = tp_head_counts(model_config, config.tp_size)
+    check_fp8_splits(model, model_config, config.tp_size)
     try:
         pickle.dumps(lowlat_specs)
     except Exception as exc:  # noqa: BLE001 - any pickling failure means the same thing

@@ -5,6 +5,11 @@ columns. Sharding is exact: no values change, only which rank holds them.
 - RowParallelLinear: input features split, partial outputs summed with an all-reduce.
 - VocabParallelEmbedding: vocabulary rows split; out-of-shard ids give zeros, then all-reduce.
 - ParallelLMHead: vocabulary rows split; local logits all-gathered.
+
+FP8 weights (`Fp8Linear`, scales per (row, group of K columns)) shard exactly too: a column-parallel shard takes its
+rows' scales; a row-parallel shard (`RowParallelFp8Linear`) takes its columns' scale groups (its column range must
+start on a group boundary; a per-channel scale applies to every partial sum of its row alike). FP8 experts likewise
+(`TPMoE`): per-row scales follow the rows, block scales need the split on block boundaries.
 """
 
 from __future__ import annotations
@@ -13,8 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmserver.layers.fp8_linear import Fp8Linear, Fp8Rows
 from lmserver.layers.moe import MoE
 from lmserver.runner.distributed.group import TPGroup
+
+
+class TensorParallelError(ValueError):
+    """The model's head or feature counts (or an FP8 layer's scale groups) cannot be split over tp_size ranks."""
 
 
 def take_rows(full: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -34,6 +44,58 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def _fp8_like(cls: type[Fp8Linear], full: Fp8Linear, in_features: int, out_features: int, group_k: int | None,
+              weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
+    """A `cls` layer holding `weight` / `scale` / `bias` (this shard's), on `full`'s path."""
+    layer = cls(in_features, out_features, bias is not None, group_k,
+                bias.dtype if bias is not None else torch.float32, device="meta")
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    layer.weight_scale = scale.contiguous()
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    layer.use_path(full.path, full.scaled_mm if full.path == "triton" else None)
+    return layer
+
+
+def column_parallel(full: nn.Module, row_ranges: list[tuple[int, int]]) -> nn.Module:
+    """The shard of output rows `row_ranges` of a model-dtype or FP8 linear (no communication)."""
+    if not isinstance(full, Fp8Linear):
+        return ColumnParallelLinear(full, row_ranges)  # type: ignore[arg-type]
+    rows = sum(e - s for s, e in row_ranges)
+    bias = take_rows(full.bias.data, row_ranges) if full.bias is not None else None
+    return _fp8_like(Fp8Linear, full, full.in_features, rows, full.group_k, take_rows(full.weight.data, row_ranges),
+                     take_rows(full.weight_scale, row_ranges), bias)
+
+
+class RowParallelFp8Linear(Fp8Linear):
+    """An FP8 linear's input columns [start, end) (`row_parallel`); partial outputs summed with an all-reduce."""
+
+    group: TPGroup
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+def row_parallel(full: nn.Module, col_range: tuple[int, int], group: TPGroup) -> nn.Module:
+    """The shard of input columns `col_range` of a model-dtype or FP8 linear without bias (outputs all-reduced).
+    Raises TensorParallelError when an FP8 layer's scale groups do not start at the range's start."""
+    if not isinstance(full, Fp8Linear):
+        return RowParallelLinear(full, col_range, group)  # type: ignore[arg-type]
+    assert full.bias is None, "row-parallel layers here carry no bias"
+    s, e = col_range
+    g = full.group_k
+    per_channel = g == full.in_features
+    if not per_channel and s % g:
+        raise TensorParallelError(f"an FP8 layer with scales per {g} input columns cannot be split at column {s} "
+                            f"(tp_size {group.size}); use a tp_size that splits it on {g}-column boundaries")
+    scale = full.weight_scale if per_channel else full.weight_scale[:, s // g : -(-e // g)]
+    layer = _fp8_like(RowParallelFp8Linear, full, e - s, full.out_features, None if per_channel else g,
+                      full.weight.data[:, s:e], scale, None)
+    assert isinstance(layer, RowParallelFp8Linear)
+    layer.group = group
+    return layer
 
 
 class RowParallelLinear(nn.Module):
@@ -99,12 +161,15 @@ class TPMoE(nn.Module):
     def __init__(self, moe: MoE, group: TPGroup) -> None:
         super().__init__()
         inter = moe.intermediate_size
-        if moe.is_fp8:  # NOTE: the scales are not sharded (FP8 with tp_size > 1 is refused before loading)
-            raise ValueError("FP8 experts with tensor parallelism are not supported yet")
         if inter % group.size:
             raise ValueError(f"intermediate_size ({inter}) must be divisible by tp_size ({group.size})")
         n = inter // group.size
         s = group.rank * n
+        block = moe.scale_block
+        if block is not None and (n % block[0] or n % block[1]):
+            raise TensorParallelError(f"FP8 experts with {block[0]} x {block[1]} scale blocks cannot split their "
+                                f"intermediate size {inter} into {group.size} shards of {n}; use a tp_size whose "
+                                "shards are whole blocks")
         with torch.no_grad():
             w13, w2 = moe.w13.data, moe.w2.data
             moe.w13 = nn.Parameter(
@@ -112,6 +177,14 @@ class TPMoE(nn.Module):
                 requires_grad=False,
             )
             moe.w2 = nn.Parameter(w2[:, :, s : s + n].contiguous(), requires_grad=False)
+            if moe.w13_scale is not None and moe.w2_scale is not None:
+                # per row: w13's rows follow the split, w2's (hidden) rows stay whole (a row's scale applies to
+                # every partial sum of it); per block: the same on block indices
+                rows, cols = (1, 1) if block is None else block
+                a, b, m = s // rows, (inter + s) // rows, n // rows
+                moe.w13_scale = torch.cat([moe.w13_scale[:, a : a + m], moe.w13_scale[:, b : b + m]], 1).contiguous()
+                if block is not None:
+                    moe.w2_scale = moe.w2_scale[:, :, s // cols : (s + n) // cols].contiguous()
         moe.intermediate_size = n  # this rank's shard, as w13 and w2 now hold
         self.moe = moe
         self.group = group

@@ -1,6 +1,7 @@
 """Shards a loaded Llama-family model (Llama, Mistral, Qwen2, Qwen3, Mixtral) in place for one
 tensor-parallel rank: attention heads, MLP / expert intermediate features and the vocabulary
-are split; norms, RoPE and the MoE router stay replicated.
+are split; norms, RoPE and the MoE router stay replicated. FP8 projections and experts split with
+their scales (distributed/layers.py); an FP8 LM head does not.
 
 KV heads: when `num_key_value_heads` is divisible by tp_size each rank holds its share; when
 tp_size is a multiple of it, each KV head is replicated on tp_size / num_key_value_heads ranks.
@@ -16,16 +17,13 @@ from torch import nn
 from lmserver.models.config import ModelConfig
 from lmserver.runner.distributed.group import TPGroup
 from lmserver.runner.distributed.layers import (
-    ColumnParallelLinear,
     ParallelLMHead,
-    RowParallelLinear,
+    TensorParallelError,
     TPMoE,
     VocabParallelEmbedding,
+    column_parallel,
+    row_parallel,
 )
-
-
-class TensorParallelError(ValueError):
-    """The model's head or feature counts cannot be split over tp_size ranks."""
 
 
 def tp_head_counts(config: ModelConfig, tp_size: int) -> tuple[int, int]:
@@ -47,6 +45,35 @@ def tp_head_counts(config: ModelConfig, tp_size: int) -> tuple[int, int]:
             f"intermediate_size ({config.intermediate_size}) is not divisible by tp_size ({tp_size})"
         )
     return h // tp_size, max(kv // tp_size, 1)
+
+
+def check_fp8_splits(model: nn.Module, config: ModelConfig, tp_size: int) -> None:
+    """Raises TensorParallelError, before any rank shards, when an FP8 layer of `model` cannot split over `tp_size`
+    ranks: a row-parallel projection (o_proj, down_proj) whose scale groups do not fall on the shards' column
+    boundaries, or block-scaled experts whose intermediate shards are not whole blocks."""
+    from lmserver.layers.fp8_linear import Fp8Linear
+
+    hq, _ = tp_head_counts(config, tp_size)
+    layers: Any = model.model.layers  # type: ignore[union-attr]
+    for i, layer in enumerate(layers):
+        mlp = layer.mlp
+        width = {"self_attn.o_proj": hq * config.head_dim}
+        if not config.num_experts:
+            width["mlp.down_proj"] = config.intermediate_size // tp_size
+        for name, shard in width.items():
+            proj = layer.get_submodule(name)
+            if isinstance(proj, Fp8Linear) and proj.group_k < proj.in_features and shard % proj.group_k:
+                raise TensorParallelError(
+                    f"layer {i} {name}: FP8 scales per {proj.group_k} input columns cannot split into tp_size "
+                    f"{tp_size} shards of {shard} columns; use a tp_size whose shards are whole scale groups")
+        block = getattr(mlp, "scale_block", None)
+        if config.num_experts and block is not None:
+            n = config.intermediate_size // tp_size
+            if n % block[0] or n % block[1]:
+                raise TensorParallelError(
+                    f"layer {i}: FP8 experts with {block[0]} x {block[1]} scale blocks cannot split their "
+                    f"intermediate size {config.intermediate_size} into tp_size {tp_size} shards of {n}; use a "
+                    "tp_size whose shards are whole blocks")
 
 
 def _qkv_row_ranges(config: ModelConfig, group: TPGroup) -> list[tuple[int, int]]:
@@ -76,8 +103,8 @@ def shard_model_(model: nn.Module, config: ModelConfig, group: TPGroup) -> nn.Mo
     inner.embed_tokens = VocabParallelEmbedding(full_embed, group)
     for layer in inner.layers:
         attn = layer.self_attn
-        attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, _qkv_row_ranges(config, group))
-        attn.o_proj = RowParallelLinear(attn.o_proj, (group.rank * hq * d, (group.rank + 1) * hq * d), group)
+        attn.qkv_proj = column_parallel(attn.qkv_proj, _qkv_row_ranges(config, group))
+        attn.o_proj = row_parallel(attn.o_proj, (group.rank * hq * d, (group.rank + 1) * hq * d), group)
         attn.num_heads, attn.num_kv_heads = hq, hk
         attn.q_size, attn.kv_size = hq * d, hk * d
         attn.attn.num_heads, attn.attn.num_kv_heads = hq, hk
@@ -87,8 +114,6 @@ def shard_model_(model: nn.Module, config: ModelConfig, group: TPGroup) -> nn.Mo
             inter = config.intermediate_size
             n = inter // group.size
             s = group.rank * n
-            layer.mlp.gate_up_proj = ColumnParallelLinear(
-                layer.mlp.gate_up_proj, [(s, s + n), (inter + s, inter + s + n)]
-            )
-            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, (s, s + n), group)
+            layer.mlp.gate_up_proj = column_parallel(layer.mlp.gate_up_proj, [(s, s + n), (inter + s, inter + s + n)])
+            layer.mlp.down_proj = row_parallel(layer.mlp.down_proj, (s, s + n), group)
     return model
