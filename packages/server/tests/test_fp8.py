@@ -212,8 +212,10 @@ def test_fp8_on_a_gpu_without_fp8_names_the_capability(monkeypatch: pytest.Monke
         resolve.resolve_fp8(ServerConfig(kv_cache_dtype="fp8_e4m3"), _mc(), "cuda", "bfloat16")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert resolve.resolve_fp8(cfg, _mc(), "cuda", "bfloat16") == ("fp8", "bfloat16", "auto+measured-only")  # lowlat default
-    with pytest.raises(ConfigError, match="tp_size"):
-        resolve.resolve_fp8(cfg.replace(tp_size=2), _mc(), "cuda", "bfloat16")
+    # with tensor parallelism FP8 runs, the lowlat plugins off by default (not run on several GPUs), asked: refused
+    assert resolve.resolve_fp8(cfg.replace(tp_size=2), _mc(), "cuda", "bfloat16") == ("fp8", "bfloat16", "off")
+    with pytest.raises(ConfigError, match="lowlat plugins with FP8 weights and tp_size > 1"):
+        resolve.resolve_fp8(cfg.replace(tp_size=2, lowlat_plugins="auto"), _mc(), "cuda", "bfloat16")
     # lowlat as asked: the plugins' guards see FP8 weights / KV in the set-up (the nvidia plugin takes both)
     assert resolve.resolve_fp8(cfg.replace(lowlat_plugins="require:nvidia"), _mc(), "cuda", "bfloat16")[2] == "require:nvidia"
     assert resolve.resolve_fp8(cfg.replace(lowlat_plugins="auto"), _mc(), "cuda", "bfloat16")[2] == "auto"

@@ -113,7 +113,7 @@ def test_fp8_lm_head_refused_without_fp8_weights_and_under_tensor_parallelism(tm
         resolve_config(ServerConfig(device="cpu", quantize_lm_head=True), mc, str(src))
     rc = resolve_config(ServerConfig(device="cpu", quantization="fp8", quantize_lm_head=True), mc, str(src))
     assert rc.quantization == "fp8" and rc.quantize_lm_head
-    with pytest.raises(ConfigError, match=r"FP8 LM head with tp_size > 1"):
+    with pytest.raises(ConfigError, match=r"FP8 LM head \(--quantize-lm-head\) with tp_size > 1"):
         resolve_fp8(ServerConfig(quantization="fp8", quantize_lm_head=True, tp_size=2), mc, "cpu", "float32")
     with pytest.raises(ModelLoadError, match="quantize_lm_head needs FP8 weights"):
         load_model(mc, src, dtype=torch.float32, max_positions=64, quantize_lm_head=True)
