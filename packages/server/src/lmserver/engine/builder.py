@@ -149,9 +149,7 @@ class EngineBuilder:
         req_to_token = make_req_to_token(rc.max_running_requests, context_length, device)
         runner = self._runner(rc, mc, model, kv_pool, req_to_token, device, lowlat, kv_manager.buffer_size)
         mm: MultimodalInputs | None = None  # images / videos (a model with a vision encoder)
-        if MultimodalInputs.supported(model):
-            if rc.tp_size > 1:
-                raise ValueError("multimodal models do not run with tp_size > 1 yet; use tp_size 1 (or dp_size)")
+        if MultimodalInputs.supported(model):  # NOTE: rank 0 encodes; TP followers get the rows with each decision
             mm = MultimodalInputs(model, device, dtype, rc.mm_encoder_cache_size)
             if not rc.disable_cuda_graph:
                 mm.capture_encoder_graphs()

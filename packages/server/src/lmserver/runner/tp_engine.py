@@ -28,8 +28,9 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -167,9 +168,19 @@ class _BroadcastingRunner:
         self._runner = runner
         self._ctx = ctx
 
-    def forward(self, decision: Any) -> torch.Tensor:
-        self._ctx.group.broadcast_object((self._ctx.take_host_copies(), decision))
-        return self._runner.forward(decision)  # type: ignore[no-any-return]
+    def forward(self, decision: Any, input_ids: torch.Tensor | None = None,
+                mm_rows: Sequence[tuple[int, int, torch.Tensor]] = ()) -> torch.Tensor:
+        """Sends the decision (with the host-tier copies made since the last one, and where the image rows go), then
+        the image rows themselves as one tensor, then runs rank 0's forward."""
+        if input_ids is not None:  # NOTE: the overlap schedule (device input ids) is off under TP
+            raise ValueError("device input_ids are not sent to tensor-parallel followers")
+        rows = torch.cat([r for _, _, r in mm_rows]).contiguous() if mm_rows else None
+        places = MMPlaces([(item, offset, r.shape[0]) for item, offset, r in mm_rows],
+                          rows.dtype if rows is not None else None)
+        self._ctx.group.broadcast_object((self._ctx.take_host_copies(), decision, places))
+        if rows is not None:
+            self._ctx.group.broadcast_tensor(rows)
+        return self._runner.forward(decision, mm_rows=mm_rows)  # type: ignore[no-any-return]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -295,16 +306,35 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
 
     # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)
     runner.cuda_graph = maybe_decode_graph_runner(rc, runner, size)
+    hidden_size = mc.hidden_size  # the image rows' width: the language model's
     while True:
         step = group.broadcast_object()
         if step is None:
             break
-        copies, decision = step
+        copies, decision, places = step
         if copies:
             assert host is not None, "host-tier copies without a host tier"
             run_host_copies(host, copies)
-        runner.forward(decision)
+        runner.forward(decision, mm_rows=receive_mm_rows(group, places, hidden_size, device))
     group.destroy()
+
+
+class MMPlaces(NamedTuple):
+    """Where a decision's image rows go (each block's decision item index, offset into its tokens, row count) and
+    their dtype; the rows follow as one tensor (`_BroadcastingRunner.forward`)."""
+
+    blocks: list[tuple[int, int, int]]
+    dtype: torch.dtype | None
+
+
+def receive_mm_rows(group: TPGroup, places: MMPlaces, hidden_size: int,
+                    device: torch.device) -> list[tuple[int, int, torch.Tensor]]:
+    """A follower's copy of the image rows rank 0 sent with a decision, as `ModelRunner.forward`'s `mm_rows`."""
+    if not places.blocks:
+        return []
+    counts = [n for _, _, n in places.blocks]
+    rows = group.broadcast_tensor(torch.empty(sum(counts), hidden_size, dtype=places.dtype, device=device))
+    return [(item, offset, part) for (item, offset, _), part in zip(places.blocks, rows.split(counts), strict=True)]
 
 
 def _exit_with_parent() -> None:

@@ -58,6 +58,12 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape, dtype and device kind), in place; returns it."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled over the gloo control group)."""
         if self.size == 1:
