@@ -179,6 +179,32 @@ def test_encoder_cache_alone_keeps_outputs(folder: Path, images: list[str]) -> N
         eng.shutdown()
 
 
+def test_an_eagle_head_over_a_multimodal_target_keeps_greedy_outputs(engine: Engine, folder: Path, images: list[str],
+                                                                     tmp_path: Path) -> None:
+    """A random EAGLE head over the LLaVA target (its text model's embedding and LM head; image positions' features
+    as any other): prompts with no image, one and two give the plain engine's greedy tokens; the drafts were verified."""
+    from lmserver.testing import write_eagle_head
+
+    text = engine.core.model_config
+    write_eagle_head(tmp_path / "head", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+        intermediate_size=128, num_hidden_layers=1, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads, max_position_embeddings=2048, rms_norm_eps=1e-5))
+    eng = _engine(folder, speculative_algorithm="eagle", speculative_draft_model_path=str(tmp_path / "head"),
+                  speculative_num_draft_tokens=3)
+    try:
+        for paths in ([], images[:1], images[1:3]):
+            assert _ours(eng, _prompt(len(paths)), paths)["output_ids"] == \
+                _ours(engine, _prompt(len(paths)), paths)["output_ids"]
+        stats = eng.get_stats()
+        assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0, stats
+        eng.core.check_memory_invariant()
+        assert eng.core.spec is not None and eng.core.spec.draft_model is not None
+        eng.core.spec.draft_model.check_empty()
+    finally:
+        eng.shutdown()
+
+
 def test_bad_requests(engine: Engine, images: list[str], tmp_path: Path) -> None:
     text_file = tmp_path / "notes.txt"
     text_file.write_text("not an image")

@@ -82,8 +82,6 @@ def build_head(model_path: str, target: torch.nn.Module, target_config: ModelCon
         if getattr(config, field) != getattr(target_config, field):
             raise DraftModelError(f"the EAGLE head at {model_path} has {field} {getattr(config, field)}, the target "
                                   f"{getattr(target_config, field)}: a head must be trained for this target")
-    if target_config.is_multimodal:
-        raise DraftModelError("EAGLE speculation does not serve multimodal targets yet")
     own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
     if aux:
         return Eagle3Head(config, target, max_positions, int(raw.get("draft_vocab_size", config.vocab_size)), len(aux),
