@@ -4,7 +4,7 @@ The speculating engine has decode graphs (EagerGraph on the CPU), so verify step
 as graph replays of decode rows and the others as eager extend forwards. Oracle: the same engine
 without speculation: greedy outputs token for token, finish reasons and
 texts, for a batch mixing copy-heavy prompts (many accepted drafts), plain ones, a JSON Schema
-request, a logprob request and a penalty request (those three never draft), stop strings,
+request and a penalty request (those two never draft), a logprob request (its logprobs from the verify rows), stop strings,
 length limits, radix hits and chunked prefill. KV accounting after every workload and after
 an abort in the middle of a run.
 """
@@ -93,18 +93,31 @@ def test_greedy_outputs_equal_without_speculation(engines: tuple[Engine, Engine]
     spec.core.check_memory_invariant()
 
 
-def test_logprobs_request_is_unchanged(engines: tuple[Engine, Engine]) -> None:
+@pytest.mark.parametrize("params", [_greedy(24), _greedy(24, stop=["library"])])
+def test_a_logprobs_request_drafts_and_its_logprobs_are_unchanged(engines: tuple[Engine, Engine],
+                                                                   params: dict[str, Any]) -> None:
+    """A request returning logprobs (and top logprobs) drafts; each emitted token's logprobs come from its verify row:
+    the plain engine's tokens, logprobs and top logprobs, one entry per token (a stop string inside accepted drafts
+    too). Streamed: the last chunk's (cumulative) entries are the same."""
     base, spec = engines
     kw = {"return_logprob": True, "top_logprobs_num": 2}
-    want = base.generate(COPY, _greedy(16), **kw)
-    got = spec.generate(COPY, _greedy(16), **kw)
+    want = base.generate(COPY, params, **kw)
+    before = spec.get_stats()["spec_accepted_tokens"]
+    got = spec.generate(COPY, params, **kw)
+    assert spec.get_stats()["spec_accepted_tokens"] > before + 5  # this request's drafts were accepted
     assert isinstance(want, dict) and isinstance(got, dict)
-    assert got["output_ids"] == want["output_ids"]
-    # NOTE: the speculating engine decodes this request (it never drafts) in a padded decode graph: float32 sums
-    # in another order than the eager forward's
-    for (lp, tok, _), (want_lp, want_tok, _) in zip(got["meta_info"]["output_token_logprobs"],
-                                                     want["meta_info"]["output_token_logprobs"], strict=True):
-        assert tok == want_tok and lp == pytest.approx(want_lp, abs=1e-5)
+    assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+    meta, want_meta = got["meta_info"], want["meta_info"]
+    assert len(meta["output_token_logprobs"]) == len(got["output_ids"]) == len(meta["output_top_logprobs"])
+    # NOTE: verify rows run as decode-graph rows or an eager extend: float32 sums in another order than decode's
+    for (lp, tok, _), (want_lp, want_tok, _) in zip(meta["output_token_logprobs"], want_meta["output_token_logprobs"],
+                                                     strict=True):
+        assert tok == want_tok and lp == pytest.approx(want_lp, abs=1e-4)
+    for top, want_top in zip(meta["output_top_logprobs"], want_meta["output_top_logprobs"], strict=True):
+        assert [t for _, t, _ in top] == [t for _, t, _ in want_top]
+        assert [v for v, _, _ in top] == pytest.approx([v for v, _, _ in want_top], abs=1e-4)
+    chunks = list(spec.generate(COPY, params, stream=True, **kw))
+    assert [t for _, t, _ in chunks[-1]["meta_info"]["output_token_logprobs"]] == got["output_ids"]
 
 
 @pytest.mark.slow

@@ -317,7 +317,9 @@ class EngineCore:
         assert rows is not None
         return self.spec.verify(decision, drafts, rows, self.states,
                                 self.scheduler, sample_plain, lambda state, token: self._append_sampled([(state, token)]),
-                                argmax=argmax is not None, hidden=self.runner.last_hidden)
+                                argmax=argmax is not None, hidden=self.runner.last_hidden,
+                                record_logprobs=lambda state, row, token: self._record_output_logprobs(
+                                    row, [state], [token]))
 
     def _launch(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
                 rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:

@@ -7,7 +7,9 @@ requests without drafts keep their one-token row in the same forward. Acceptance
 ever receives accepted tokens.
 
 A request drafts when nothing but temperature / top-k / top-p / min-p shapes its rows (no
-grammar, penalties, logit bias, min-new-tokens mask or logprobs: those keep one token a step).
+grammar, penalties, logit bias or min-new-tokens mask: those keep one token a step). A request
+asking for logprobs drafts too: each emitted token's logprobs are read from its verify row, the
+model's distribution at that position (as a decode step's row would give them).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class Speculator:
         rooms: dict[str, int] = {}
         for item in decision.items:
             state = states.get(item.rid)
-            if state is None or state.grammar is not None or state.req.return_logprob or changes_logits(state.info):
+            if state is None or state.grammar is not None or changes_logits(state.info):
                 continue
             sreq = state.sreq
             room = min(self.config.num_draft_tokens, sreq.remaining_new_tokens - 1,
@@ -158,13 +160,16 @@ class Speculator:
                states: dict[str, Any], scheduler: Scheduler,
                sample_plain: Callable[[list[int], list[Any]], list[ReqOutput]],
                append: Callable[[Any, int], list[ReqOutput]], argmax: bool = False,
-               hidden: torch.Tensor | None = None) -> list[ReqOutput]:
+               hidden: torch.Tensor | None = None,
+               record_logprobs: Callable[[Any, torch.Tensor, int], None] | None = None) -> list[ReqOutput]:
         """Processes a verify forward's `logits` (rows in item order): plain rows through
         `sample_plain(rows, states)`, drafted requests by the acceptance rules, each emitted
         token through `append(state, token)` with the request's KV cut to what the token
         needs. `argmax`: `logits` is already each row's (num_rows,) argmax token (every drafted
         request greedy). `hidden`: the forward's final-norm hidden states (an EAGLE head observes
-        the rows whose KV is kept). Mutates the requests, their KV and the counters."""
+        the rows whose KV is kept). `record_logprobs(state, row, token)`: before a drafted request that
+        returns logprobs emits `token`, its logits `row` (1, vocab). Mutates the requests, their KV and the
+        counters."""
         eagle = self.draft_model if hidden is not None else None  # hidden is kept only when a head reads it
         plain_rows: list[int] = []
         plain_states: list[Any] = []
@@ -187,36 +192,39 @@ class Speculator:
         greedy = [s for s in spec if simulate or s[0].info.params.is_greedy]
         sampled = [s for s in spec if not simulate and not s[0].info.params.is_greedy]
         assert not (argmax and sampled), "argmax rows for a sampled request"
-        emitted: list[tuple[Any, list[int], int]] = []  # (state, tokens, prefix_len)
+        emitted: list[tuple[Any, list[int], int, int]] = []  # (state, tokens, prefix_len, first row)
         if greedy:
             rows = [r for _, start, d, _ in greedy for r in range(start, start + len(d) + 1)]
             picked = logits.index_select(0, to_device(rows, torch.long, logits.device))
             targets = (picked if argmax else greedy_argmax(picked)).tolist()
             pos = 0
-            for state, _, d, prefix in greedy:
+            for state, start, d, prefix in greedy:
                 mine = targets[pos : pos + len(d) + 1]
                 tokens = self._simulated_tokens(d, mine) if simulate else accept_greedy(mine, d)
-                emitted.append((state, tokens, prefix))
+                emitted.append((state, tokens, prefix, start))
                 pos += len(d) + 1
         for state, start, d, prefix in sampled:
             rows_t = logits[start : start + len(d) + 1]
             probs = filtered_probs(rows_t, [state.info.params] * (len(d) + 1))
-            emitted.append((state, accept_sampled(probs, d, state.info.generator), prefix))
+            emitted.append((state, accept_sampled(probs, d, state.info.generator), prefix, start))
         if eagle is not None and hidden is not None:
             # the KV each request keeps: its rows up to the last accepted draft (before any append ends it)
-            starts = {id(state): start for state, start, _, _ in spec}
-            for state, tokens, prefix in emitted:
-                eagle.observe(state.req.rid, prefix, hidden[starts[id(state)] : starts[id(state)] + len(tokens)])
+            for state, tokens, prefix, start in emitted:
+                eagle.observe(state.req.rid, prefix, hidden[start : start + len(tokens)])
         c = self.counters
         c["spec_verify_steps"] += 1
-        for state, tokens, prefix in emitted:
+        for state, tokens, prefix, start in emitted:
             c["spec_verify_requests"] += 1
             c["spec_draft_tokens"] += len(drafts[state.req.rid])
             c["spec_accepted_tokens"] += len(tokens) - 1
             sreq = state.sreq
+            lp = record_logprobs if state.req.return_logprob else None
+            assert lp is None or not argmax, "argmax rows for a request returning logprobs"
             for j, token in enumerate(tokens):
                 sreq.kv_len = prefix + 1 + j  # the KV of the last token and the drafts accepted before `token`
                 c["spec_emitted_tokens"] += 1
+                if lp is not None:
+                    lp(state, logits[start + j : start + j + 1], token)
                 outputs.extend(append(state, token))
                 if state.finished:
                     break
