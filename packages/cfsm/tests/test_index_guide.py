@@ -168,6 +168,13 @@ def test_guide_advance_rollback_copy_and_errors() -> None:
     assert int(mask[0, 0]) == 1 << 2  # only EOS after EOS
     with pytest.raises(RejectedTokenError, match="finished"):
         g.advance(0)
+    light = g.copy(history=False)  # the same state and masks, no way back
+    assert light.state == g.state and light.eos_accepted and light.num_tokens == 0
+    light_mask = np.zeros((1, 1), dtype=np.int32)
+    light.fill_mask(light_mask)
+    assert int(light_mask[0, 0]) == int(mask[0, 0])
+    with pytest.raises(ValueError, match="cannot roll back 1 tokens"):
+        light.rollback(1)
     g.rollback(2)
     assert g.state == index.start and g.num_tokens == 0 and not g.eos_accepted
     with pytest.raises(ValueError, match="cannot roll back 1 tokens"):

@@ -32,6 +32,12 @@ def _greedy(n: int = 40, **extra: Any) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0.0, **extra}
 
 
+DOC = '{"name": "Alice Smith", "age": 34, "city": "Paris"}'
+COPY_JSON = f"Repeat this JSON exactly.\nJSON: {DOC}\nRepeated:"
+DOC_REGEX = r'\{"name": "[A-Za-z ]+", "age": [0-9]+, "city": "[A-Za-z]+"\}'
+FRUITS = "Repeat the list: apples, pears, plums, apples, pears, plums.\nList:"
+FRUITS_EBNF = 'root ::= fruit ("," " " fruit)* "."\nfruit ::= "apples" | "pears" | "plums"'
+
 WORKLOAD: list[tuple[str, dict[str, Any]]] = [
     (COPY, _greedy(32, ignore_eos=True)),
     (EDIT, _greedy(32)),
@@ -40,6 +46,15 @@ WORKLOAD: list[tuple[str, dict[str, Any]]] = [
     (EDIT, _greedy(7, ignore_eos=True)),  # a length limit inside accepted drafts
     ("Give a person as JSON:", _greedy(24, json_schema=SCHEMA)),
     (COPY, _greedy(12, frequency_penalty=0.5)),
+]
+# constrained copy tasks: their drafts cut to what the grammar takes, their verify rows masked (jump-forward on)
+CONSTRAINED: list[tuple[str, dict[str, Any]]] = [
+    (COPY_JSON, _greedy(40, regex=DOC_REGEX)),
+    (COPY_JSON, _greedy(40, json_schema=json.dumps({
+        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                         "city": {"type": "string"}}, "required": ["name", "age", "city"]}))),
+    (FRUITS, _greedy(24, regex=r"( ?[a-z]+,){2,8} ?[a-z]+\.")),
+    (" " + FRUITS, _greedy(24, ebnf=FRUITS_EBNF)),
 ]
 
 
@@ -90,6 +105,27 @@ def test_greedy_outputs_equal_without_speculation(engines: tuple[Engine, Engine]
     again = _run(spec, WORKLOAD)
     _same(again, want)
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+    spec.core.check_memory_invariant()
+
+
+def test_constrained_requests_draft_and_keep_greedy_outputs(engines: tuple[Engine, Engine]) -> None:
+    """Regex, JSON Schema (with jump-forward) and EBNF requests draft: the plain engine's tokens, each output a match
+    of its grammar, drafts accepted."""
+    import re
+
+    base, spec = engines
+    want = _run(base, CONSTRAINED)
+    before = spec.get_stats()
+    got = _run(spec, CONSTRAINED)
+    _same(got, want)
+    after = spec.get_stats()
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] >= 10, after
+    assert re.fullmatch(DOC_REGEX, got[0]["text"]) and json.loads(got[1]["text"])["city"] == "Paris"
+    # sampled: rejection sampling over the masked rows; every output a match (a token off the grammar would abort)
+    for seed in range(3):
+        out = spec.generate(COPY_JSON, {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": seed,
+                                        "regex": DOC_REGEX})
+        assert re.fullmatch(DOC_REGEX, out["text"]), out
     spec.core.check_memory_invariant()
 
 
@@ -228,6 +264,26 @@ def test_draft_models_keep_greedy_outputs(engines: tuple[Engine, Engine], tmp_pa
             eng.core.check_memory_invariant()
             assert eng.core.spec is not None and eng.core.spec.draft_model is not None
             eng.core.spec.draft_model.check_empty()
+
+
+@pytest.mark.slow  # 60 s on 2 cores; the head's drafts against a float64 chain: test_eagle
+@pytest.mark.slow  # a model draft
+def test_constrained_rows_are_masked_where_the_model_would_leave_the_grammar(engines: tuple[Engine, Engine]) -> None:
+    """The target itself as its draft proposes its own unconstrained tokens; grammars that disagree with them (a
+    list asked with commas, written with semicolons; the JSON copy with one key renamed) cut the drafts at the first
+    token they reject, and the verify row there must be masked to give the grammar's token: the plain engine's."""
+    base, _ = engines
+    work = [(FRUITS, _greedy(24, regex=r"( ?[a-z]+;){2,8} ?[a-z]+\.")),
+            (COPY_JSON, _greedy(40, regex=DOC_REGEX.replace('"city"', '"town"')))]
+    want = _run(base, work)
+    with Engine(dtype="float32", max_total_tokens=6144, max_running_requests=8, context_length=512,
+                speculative_algorithm="draft_model", speculative_draft_model_path=base.model_path,
+                speculative_num_draft_tokens=4) as eng:
+        got = _run(eng, work)
+        _same(got, want)
+        assert '"town"' in got[1]["text"]
+        assert eng.get_stats()["spec_accepted_tokens"] >= 10
+        eng.core.check_memory_invariant()
 
 
 @pytest.mark.slow  # 60 s on 2 cores; the head's drafts against a float64 chain: test_eagle

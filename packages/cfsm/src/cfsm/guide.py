@@ -126,11 +126,12 @@ class Guide:
         idx = self.index
         return not self._finished and int(idx.mask_row[self._state]) >= 0 and idx.has_tokens(self._state)
 
-    def copy(self) -> Guide:
-        """An independent guide at the same state, sharing the read-only `Index`."""
+    def copy(self, history: bool = True) -> Guide:
+        """An independent guide at the same state, sharing the read-only `Index`; without `history` it cannot roll
+        back past this state (a copy in O(1): e.g. one per row of a speculative verify step)."""
         g = Guide(self.index)
         g._state = self._state
-        g._history = list(self._history)
+        g._history = list(self._history) if history else []
         g._finished = self._finished
         return g
 

@@ -319,7 +319,8 @@ class EngineCore:
                                 self.scheduler, sample_plain, lambda state, token: self._append_sampled([(state, token)]),
                                 argmax=argmax is not None, hidden=self.runner.last_hidden,
                                 record_logprobs=lambda state, row, token: self._record_output_logprobs(
-                                    row, [state], [token]))
+                                    row, [state], [token]),
+                                mask_rows=self.constrained.mask_rows)
 
     def _launch(self, decision: ScheduleDecision, input_ids: torch.Tensor | None = None,
                 rounds_before: int = 0, ratio_before: float = 0.0) -> Launched:

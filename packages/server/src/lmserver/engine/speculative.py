@@ -6,10 +6,14 @@ requests without drafts keep their one-token row in the same forward. Acceptance
 (runner/verify.py); the KV of rejected drafts is freed at once, so the radix cache only
 ever receives accepted tokens.
 
-A request drafts when nothing but temperature / top-k / top-p / min-p shapes its rows (no
-grammar, penalties, logit bias or min-new-tokens mask: those keep one token a step). A request
-asking for logprobs drafts too: each emitted token's logprobs are read from its verify row, the
-model's distribution at that position (as a decode step's row would give them).
+A request drafts when nothing but temperature / top-k / top-p / min-p or a grammar shapes its
+rows (penalties, logit bias or a min-new-tokens mask keep one token a step). A constrained
+request's drafts are cut to what its grammar takes, up to a token after which a jump-forward or
+the end follows (that token stays the target's to emit, as in a decode step), and each of its
+verify rows is masked by the grammar after the drafts before it: the tokens a decode step per
+token would emit. A request asking for logprobs drafts too: each emitted token's logprobs are
+read from its verify row, the model's distribution at that position (as a decode step's row
+would give them).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class Speculator:
         self.draft_model = draft_model
         self._indexes: dict[str, NgramIndex] = {}
         self._simulated = 0.0  # accepted drafts owed by the simulated acceptance length
+        self._grammar_rows: dict[str, list[Any]] = {}  # the row masks of the last drafts' constrained requests
         self.counters = {"spec_verify_steps": 0, "spec_verify_requests": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0, "spec_emitted_tokens": 0}
 
@@ -105,8 +110,10 @@ class Speculator:
         rooms: dict[str, int] = {}
         for item in decision.items:
             state = states.get(item.rid)
-            if state is None or state.grammar is not None or changes_logits(state.info):
+            if state is None or changes_logits(state.info):
                 continue
+            if state.grammar is not None and self.config.simulate_accept_length is not None:
+                continue  # simulated drafts are not the grammar's
             sreq = state.sreq
             room = min(self.config.num_draft_tokens, sreq.remaining_new_tokens - 1,
                        self.context_length - sreq.fill_len - 1)
@@ -126,6 +133,26 @@ class Speculator:
                 out[item.rid] = d
         if rooms and self.draft_model is not None:
             out.update(self.draft_model.propose({rid: states[rid].sreq.fill_ids for rid in rooms}, rooms))
+        return self._grammar_drafts(out, states)
+
+    def _grammar_drafts(self, out: dict[str, list[int]], states: dict[str, Any]) -> dict[str, list[int]]:
+        """`out` with each constrained request's drafts cut to what its grammar takes (`ReqGrammar.draft_rows`, whose
+        row masks `verify` applies); a request left with none decodes one token (a draft model drops its drafts'
+        KV). Mutates `out` and the row masks kept for `verify`."""
+        self._grammar_rows = {}
+        emptied = []
+        for rid, d in list(out.items()):
+            grammar = states[rid].grammar
+            if grammar is None:
+                continue
+            rows = grammar.draft_rows(d)
+            if len(rows) > 1:
+                out[rid] = d[: len(rows) - 1]
+                self._grammar_rows[rid] = rows
+            else:
+                del out[rid]
+                emptied.append(rid)
+        self.settle(emptied, states)
         return out
 
     def settle(self, rids: Iterable[str], states: dict[str, Any]) -> None:
@@ -161,14 +188,17 @@ class Speculator:
                sample_plain: Callable[[list[int], list[Any]], list[ReqOutput]],
                append: Callable[[Any, int], list[ReqOutput]], argmax: bool = False,
                hidden: torch.Tensor | None = None,
-               record_logprobs: Callable[[Any, torch.Tensor, int], None] | None = None) -> list[ReqOutput]:
+               record_logprobs: Callable[[Any, torch.Tensor, int], None] | None = None,
+               mask_rows: Callable[[torch.Tensor, Sequence[Any]], torch.Tensor] | None = None) -> list[ReqOutput]:
         """Processes a verify forward's `logits` (rows in item order): plain rows through
         `sample_plain(rows, states)`, drafted requests by the acceptance rules, each emitted
         token through `append(state, token)` with the request's KV cut to what the token
         needs. `argmax`: `logits` is already each row's (num_rows,) argmax token (every drafted
         request greedy). `hidden`: the forward's final-norm hidden states (an EAGLE head observes
         the rows whose KV is kept). `record_logprobs(state, row, token)`: before a drafted request that
-        returns logprobs emits `token`, its logits `row` (1, vocab). Mutates the requests, their KV and the
+        returns logprobs emits `token`, its logits `row` (1, vocab). `mask_rows(rows, grammars)`: masks logits rows
+        in place by grammars (None: unmasked): a constrained request's rows by its grammar after the drafts before
+        each (the masks `drafts` made; logprobs stay the model's). Mutates the requests, their KV and the
         counters."""
         eagle = self.draft_model if hidden is not None else None  # hidden is kept only when a head reads it
         plain_rows: list[int] = []
@@ -193,9 +223,22 @@ class Speculator:
         sampled = [s for s in spec if not simulate and not s[0].info.params.is_greedy]
         assert not (argmax and sampled), "argmax rows for a sampled request"
         emitted: list[tuple[Any, list[int], int, int]] = []  # (state, tokens, prefix_len, first row)
+        grammar_rows, self._grammar_rows = self._grammar_rows, {}
+        assert not (argmax and grammar_rows), "argmax rows for a constrained request"
+
+        def row_masks(group: list[tuple[Any, int, list[int], int]]) -> list[Any] | None:
+            masks = [m for state, _, d, _ in group
+                     for m in (grammar_rows[state.req.rid][: len(d) + 1] if state.req.rid in grammar_rows
+                               else [None] * (len(d) + 1))]
+            return masks if any(m is not None for m in masks) else None
+
         if greedy:
             rows = [r for _, start, d, _ in greedy for r in range(start, start + len(d) + 1)]
             picked = logits.index_select(0, to_device(rows, torch.long, logits.device))
+            masks = row_masks(greedy)
+            if masks is not None:
+                assert mask_rows is not None, "constrained drafts without a masker"
+                picked = mask_rows(picked, masks)
             targets = (picked if argmax else greedy_argmax(picked)).tolist()
             pos = 0
             for state, start, d, prefix in greedy:
@@ -205,6 +248,10 @@ class Speculator:
                 pos += len(d) + 1
         for state, start, d, prefix in sampled:
             rows_t = logits[start : start + len(d) + 1]
+            masks = row_masks([(state, start, d, prefix)])
+            if masks is not None:
+                assert mask_rows is not None, "constrained drafts without a masker"
+                rows_t = mask_rows(rows_t.clone(), masks)  # NOTE: a copy: logprobs read the model's rows
             probs = filtered_probs(rows_t, [state.info.params] * (len(d) + 1))
             emitted.append((state, accept_sampled(probs, d, state.info.generator), prefix, start))
         if eagle is not None and hidden is not None:

@@ -14,7 +14,7 @@ import numpy as np
 
 import cfsm
 
-__all__ = ["STUCK_MESSAGE", "JumpForward", "ReqGrammar"]
+__all__ = ["STUCK_MESSAGE", "DraftRowGrammar", "JumpForward", "ReqGrammar"]
 
 STUCK_MESSAGE = ("the grammar allows no token here: what it requires next has bytes no token of the model's "
                  "vocabulary spells")
@@ -40,6 +40,18 @@ class JumpForward:
         """True when the request is over after it: the grammar is complete, or it uses the
         `remaining` new-token budget. Pure."""
         return self.finishes or self.num_new_tokens >= remaining
+
+
+class DraftRowGrammar:
+    """The grammar of one row of a speculative verify step: the request's guide after the drafts before that row
+    (`ReqGrammar.draft_rows`), masked as a request's grammar is (`BatchMasker` reads `guide` and `mask_key`)."""
+
+    def __init__(self, guide: cfsm.Guide) -> None:
+        self.guide = guide
+
+    def mask_key(self) -> tuple[cfsm.Index | cfsm.GrammarIndex, int, bool]:
+        g = self.guide
+        return (g.index, g.state, g.eos_accepted)
 
 
 class ReqGrammar:
@@ -102,15 +114,35 @@ class ReqGrammar:
             return False
         return not g.has_tokens()
 
-    def forced_text(self) -> str:
-        """The text the grammar forces from here ("" when none or jump-forward is off), without
-        trailing spaces. Cheap (no retokenization). Mutates nothing."""
+    def forced_text(self, guide: cfsm.Guide | None = None) -> str:
+        """The text the grammar forces from here (or from `guide`'s state: a copy of this request's) ("" when none
+        or jump-forward is off), without trailing spaces. Cheap (no retokenization). Mutates nothing."""
         if not self.jump_forward_enabled:
             return ""
-        forced = self.guide.jump_forward()
+        forced = (guide or self.guide).jump_forward()
         # NOTE: byte-level BPE attaches a space to the word after it; a jump ending in " " would
         # leave the model after a lone space token (out of distribution), so the model writes it.
         return forced.rstrip(" ") if forced else ""
+
+    def draft_rows(self, drafts: Sequence[int]) -> list[DraftRowGrammar]:
+        """The masks of a verify step's rows over `drafts` (speculative decoding): the grammar at drafts[:0], ...,
+        drafts[:n], for the longest prefix of n drafts the grammar accepts with more to choose after each: a token
+        after which text is forced (a jump-forward follows it), nothing but EOS may follow, or nothing at all can
+        follow is the target's to emit as a decode step's row would be, its jump or end after it. No row (an
+        empty list) while a jump is pending from here: that step is a plain one. Mutates nothing."""
+        if self.forced_text():
+            return []
+        g = self.guide.copy(history=False)
+        rows = [DraftRowGrammar(g.copy(history=False))]
+        for token in drafts:
+            try:
+                g.advance(int(token))
+            except cfsm.RejectedTokenError:
+                break
+            if g.is_finished() or not g.has_tokens() or self.forced_text(g):
+                break
+            rows.append(DraftRowGrammar(g.copy(history=False)))
+        return rows
 
     def plan_jump(self, output_ids: Sequence[int], max_new_tokens: int) -> JumpForward | None:
         """The jump-forward from the current state over `output_ids` (the request's generated
