@@ -1,9 +1,10 @@
 """N-gram speculative decoding vs plain decoding on copy-heavy work (issue 34's CPU target).
 
-    python benchmarks/speculative/bench_ngram.py [--model-path FOLDER] [--device cpu] [--batch 1 4]
+    python benchmarks/speculative/bench_ngram.py [--model-path FOLDER] [--device cpu] [--batch 1 4] [--tasks ...]
 
 The embedded SmolLM2-135M-Instruct by default. Tasks: repeat a passage, rewrite it with one word
-replaced, fix the typos of a code snippet. Greedy; the outputs with and without speculation are
+replaced, fix the typos of a code snippet, and two constrained ones: copy a record as JSON under its JSON
+Schema (jump-forward on), repeat a list under a regex. Greedy; the outputs with and without speculation are
 checked token for token; answers end at EOS (or --max-new-tokens). Each (task, batch) is timed alternately (plain, speculative) over
 `--rounds` rounds; reported: median decode tokens/s of each, their ratio, acceptance length.
 """
@@ -23,15 +24,28 @@ PASSAGE = ("The committee met on Tuesday to review the budget for the coming yea
 CODE = ("def mean(values):\n    total = 0\n    for value in values:\n        total += valeu\n"
         "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
         "    return sum((v - m) ** 2 for v in values) / len(valuse)\n")
-TASKS = {
-    "repeat": f"Repeat this text word for word.\nText: {PASSAGE}\nRepeated:",
-    "replace": f"Rewrite the text, replacing Tuesday with Friday.\nText: {PASSAGE}\nRewritten:",
-    "fix_code": f"Fix the typos in this Python code and output the whole corrected code.\n{CODE}\nCorrected:\n",
+RECORD = {"id": 4182, "name": "Alice Smith", "email": "alice.smith@example.com", "city": "Paris",
+          "tags": ["admin", "billing", "support"], "active": True}
+RECORD_SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}}, "active": {"type": "boolean"}},
+    "required": ["id", "name", "email", "city", "tags", "active"], "additionalProperties": False}
+# name -> (prompt, extra sampling params: the constrained tasks' grammar)
+TASKS: dict[str, tuple[str, dict[str, Any]]] = {
+    "repeat": (f"Repeat this text word for word.\nText: {PASSAGE}\nRepeated:", {}),
+    "replace": (f"Rewrite the text, replacing Tuesday with Friday.\nText: {PASSAGE}\nRewritten:", {}),
+    "fix_code": (f"Fix the typos in this Python code and output the whole corrected code.\n{CODE}\nCorrected:\n", {}),
+    # constrained (JSON Schema with jump-forward; a regex): drafts cut to the grammar, verify rows masked
+    "json_copy": (f"Copy this record as JSON.\nRecord: {json.dumps(RECORD)}\nJSON:",
+                  {"json_schema": json.dumps(RECORD_SCHEMA)}),
+    "regex_list": ("Repeat the list: apples, pears, plums, cherries, apples, pears, plums, cherries.\nList:",
+                   {"regex": r"( ?[a-z]+,){3,12} ?[a-z]+\."}),
 }
 
 
-def run(engine: Any, prompts: list[str], max_new: int, ignore_eos: bool = False) -> tuple[float, list[list[int]]]:
-    params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": ignore_eos}
+def run(engine: Any, prompts: list[str], max_new: int, ignore_eos: bool = False,
+        extra: dict[str, Any] | None = None) -> tuple[float, list[list[int]]]:
+    params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": ignore_eos, **(extra or {})}
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -50,6 +64,7 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate max_new_tokens even past the answer (the model then writes new, "
                              "non-copy text)")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -61,17 +76,18 @@ def main() -> None:
                   **common)
     rows: list[dict[str, Any]] = []
     try:
-        for name, prompt in TASKS.items():
+        for name in args.tasks:
+            prompt, extra = TASKS[name]
             for batch in args.batch:
                 prompts = [prompt] * batch
-                run(plain, prompts, 4)  # warm-up (and a radix hit for both from here on)
-                run(spec, prompts, 4)
+                run(plain, prompts, 4, extra=extra)  # warm-up (and a radix hit for both from here on)
+                run(spec, prompts, 4, extra=extra)
                 t_plain, t_spec = [], []
                 before = spec.get_stats()
                 for _ in range(args.rounds):
-                    dt, want = run(plain, prompts, args.max_new_tokens, args.ignore_eos)
+                    dt, want = run(plain, prompts, args.max_new_tokens, args.ignore_eos, extra)
                     t_plain.append(dt)
-                    dt, got = run(spec, prompts, args.max_new_tokens, args.ignore_eos)
+                    dt, got = run(spec, prompts, args.max_new_tokens, args.ignore_eos, extra)
                     t_spec.append(dt)
                     if got != want:
                         raise AssertionError(f"{name} batch {batch}: speculative output differs from plain decoding")
