@@ -4,7 +4,8 @@ The speculating engine has decode graphs (EagerGraph on the CPU), so verify step
 as graph replays of decode rows and the others as eager extend forwards. Oracle: the same engine
 without speculation: greedy outputs token for token, finish reasons and
 texts, for a batch mixing copy-heavy prompts (many accepted drafts), plain ones, a JSON Schema
-request and a penalty request (those two never draft), a logprob request (its logprobs from the verify rows), stop strings,
+request, a penalty request and a logprob request (constrained rows masked, penalties per row, logprobs from the
+verify rows), stop strings,
 length limits, radix hits and chunked prefill. KV accounting after every workload and after
 an abort in the middle of a run.
 """
@@ -126,6 +127,32 @@ def test_constrained_requests_draft_and_keep_greedy_outputs(engines: tuple[Engin
         out = spec.generate(COPY_JSON, {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": seed,
                                         "regex": DOC_REGEX})
         assert re.fullmatch(DOC_REGEX, out["text"]), out
+    spec.core.check_memory_invariant()
+
+
+def test_penalized_biased_and_min_tokens_requests_draft_and_keep_greedy_outputs(
+        engines: tuple[Engine, Engine]) -> None:
+    """Logit bias, frequency / presence / repetition penalties and min_new_tokens apply to each verify row as the
+    decode step of that row would (the output followed by the drafts before it): the plain engine's tokens, drafts
+    accepted. Sampled with penalties: runs to its length, KV accounted."""
+    base, spec = engines
+    bias_id = int(spec.tokenizer.encode(" committee", add_special_tokens=False)[0])
+    work = [(COPY, _greedy(32, frequency_penalty=0.3)), (COPY, _greedy(32, presence_penalty=0.4)),
+            (EDIT, _greedy(32, repetition_penalty=1.15)), (COPY, _greedy(32, logit_bias={str(bias_id): 3.0})),
+            (PLAIN, _greedy(24, min_new_tokens=20)),
+            # a draft repeating an earlier draft of the same step ("gold silver gold silver" after the copied words):
+            # the row after it must count it (a row counting the output alone takes the repeat: another text)
+            ("Repeat exactly: red green blue pink gold silver gold silver\nRepeated:",
+             _greedy(16, presence_penalty=2.0, frequency_penalty=2.0))]
+    want = _run(base, work)
+    before = spec.get_stats()["spec_accepted_tokens"]
+    got = _run(spec, work)
+    _same(got, want)
+    assert spec.get_stats()["spec_accepted_tokens"] - before >= 20
+    assert len(got[4]["output_ids"]) >= 20
+    out = spec.generate(COPY, {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 1, "ignore_eos": True,
+                               "frequency_penalty": 0.5, "presence_penalty": 0.2})
+    assert isinstance(out, dict) and len(out["output_ids"]) == 24
     spec.core.check_memory_invariant()
 
 

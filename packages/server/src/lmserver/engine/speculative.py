@@ -6,8 +6,9 @@ requests without drafts keep their one-token row in the same forward. Acceptance
 (runner/verify.py); the KV of rejected drafts is freed at once, so the radix cache only
 ever receives accepted tokens.
 
-A request drafts when nothing but temperature / top-k / top-p / min-p or a grammar shapes its
-rows (penalties, logit bias or a min-new-tokens mask keep one token a step). A constrained
+Every request drafts. Logit bias, penalties and the min-new-tokens mask apply to each verify row
+as the decode step of that row would apply them (the request's output followed by the drafts
+before the row). A constrained
 request's drafts are cut to what its grammar takes, up to a token after which a jump-forward or
 the end follows (that token stays the target's to emit, as in a decode step), and each of its
 verify rows is masked by the grammar after the drafts before it: the tokens a decode step per
@@ -19,7 +20,7 @@ would give them).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,13 @@ import torch
 from lmserver.io_struct import ReqOutput
 from lmserver.runner.host_tensors import to_device
 from lmserver.runner.ngram import NgramIndex
-from lmserver.runner.sampler import changes_logits, filtered_probs, greedy_argmax
+from lmserver.runner.sampler import (
+    SamplingInfo,
+    apply_penalties,
+    changes_logits,
+    filtered_probs,
+    greedy_argmax,
+)
 from lmserver.runner.verify import accept_greedy, accept_sampled
 
 if TYPE_CHECKING:
@@ -110,7 +117,7 @@ class Speculator:
         rooms: dict[str, int] = {}
         for item in decision.items:
             state = states.get(item.rid)
-            if state is None or changes_logits(state.info):
+            if state is None:
                 continue
             if state.grammar is not None and self.config.simulate_accept_length is not None:
                 continue  # simulated drafts are not the grammar's
@@ -226,6 +233,15 @@ class Speculator:
         grammar_rows, self._grammar_rows = self._grammar_rows, {}
         assert not (argmax and grammar_rows), "argmax rows for a constrained request"
 
+        def row_infos(group: list[tuple[Any, int, list[int], int]]) -> list[SamplingInfo] | None:
+            """Each verify row's sampling inputs (bias, penalties, the min-new-tokens mask): the request's, its output
+            followed by the drafts before the row, as the decode step of that row would see it; None: nothing
+            changes these rows."""
+            if not any(changes_logits(state.info) for state, _, _, _ in group):
+                return None
+            return [replace(state.info, output_ids=state.info.output_ids + d[:j])
+                    for state, _, d, _ in group for j in range(len(d) + 1)]
+
         def row_masks(group: list[tuple[Any, int, list[int], int]]) -> list[Any] | None:
             masks = [m for state, _, d, _ in group
                      for m in (grammar_rows[state.req.rid][: len(d) + 1] if state.req.rid in grammar_rows
@@ -235,6 +251,9 @@ class Speculator:
         if greedy:
             rows = [r for _, start, d, _ in greedy for r in range(start, start + len(d) + 1)]
             picked = logits.index_select(0, to_device(rows, torch.long, logits.device))
+            infos = row_infos(greedy)
+            if infos is not None:
+                picked = apply_penalties(picked, infos)
             masks = row_masks(greedy)
             if masks is not None:
                 assert mask_rows is not None, "constrained drafts without a masker"
@@ -248,6 +267,9 @@ class Speculator:
                 pos += len(d) + 1
         for state, start, d, prefix in sampled:
             rows_t = logits[start : start + len(d) + 1]
+            infos = row_infos([(state, start, d, prefix)])
+            if infos is not None:
+                rows_t = apply_penalties(rows_t, infos)  # NOTE: a copy when anything applies
             masks = row_masks([(state, start, d, prefix)])
             if masks is not None:
                 assert mask_rows is not None, "constrained drafts without a masker"
