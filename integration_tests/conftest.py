@@ -7,12 +7,13 @@ own and again when their server stops, so that it holds after all their tests in
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+
+from integration_tests.servers import idle_invariant_of as _idle_invariant
 
 
 @pytest.fixture(scope="module")
@@ -30,21 +31,9 @@ def oai(server: Any) -> Any:
     client.close()
 
 
-def _idle_invariant(client: httpx.Client, timeout_s: float = 60.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sched = client.get("/get_server_info").json()["scheduler"]
-        if sched["num_running_reqs"] == 0 and sched["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline, f"the server is not idle after {timeout_s} s: {sched}"
-        time.sleep(0.05)
-    r = client.get("/check_memory_invariant")
-    assert r.status_code == 200 and r.json() == {"ok": True}, r.text
-    return dict(sched)
-
-
 @pytest.fixture(scope="session")
 def idle_invariant() -> Callable[..., dict[str, Any]]:
     """Waits until the client's server is idle, asserts the KV memory invariant, returns the
     scheduler stats."""
     return _idle_invariant
+

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from integration_tests.servers import started_side_by_side
 from lmserver.testing import ServerProcess
 from lmserver.testing.multimodal import random_png
 
@@ -25,7 +25,7 @@ ARGS = ["--context-length", "1024", "--dtype", "float32", "--attention-backend",
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, idle_invariant: Any) -> Iterator[dict[bool, ServerProcess]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, ServerProcess]]:
     pytest.importorskip("triton")
     from lmserver.testing.multimodal import make_tiny_llava_folder
 
@@ -33,17 +33,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory, idle_invariant: Any) -> It
     procs = {on: ServerProcess(["--model-path", str(folder), *ARGS,
                                 *(["--enable-cuda-graph-prefill", "--cuda-graph-prefill-max-tokens", "128"] if on else [])],
                                core=None, env=ENV) for on in (True, False)}
-    try:
-        for srv in procs.values():
-            srv.start(timeout_s=900)
+    with started_side_by_side(procs, timeout_s=900):
         yield procs
-        for srv in procs.values():
-            with httpx.Client(base_url=srv.base_url, timeout=60) as client:
-                idle_invariant(client)
-    finally:
-        for srv in procs.values():
-            if srv.proc is not None:
-                srv.stop()
 
 
 def _image_url(seed: int) -> str:

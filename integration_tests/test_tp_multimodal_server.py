@@ -9,10 +9,10 @@ import base64
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
+from integration_tests.servers import started_side_by_side
 from lmserver.testing import ServerProcess
 from lmserver.testing.multimodal import random_png
 
@@ -24,23 +24,14 @@ ARGS = ["--context-length", "1024", "--dtype", "float32", "--device", "cpu", "--
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, idle_invariant: Any) -> Iterator[dict[int, ServerProcess]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, ServerProcess]]:
     from lmserver.testing.multimodal import make_tiny_llava_folder
 
     folder = make_tiny_llava_folder(tmp_path_factory.mktemp("tiny-llava"), "llava", seed=5)
     procs = {tp: ServerProcess(["--model-path", str(folder), *ARGS, "--tp-size", str(tp)], core=None, env=ENV)
              for tp in (2, 1)}
-    try:
-        for srv in procs.values():
-            srv.start(timeout_s=600)
+    with started_side_by_side(procs, timeout_s=600):
         yield procs
-        for srv in procs.values():
-            with httpx.Client(base_url=srv.base_url, timeout=60) as client:
-                idle_invariant(client)
-    finally:
-        for srv in procs.values():
-            if srv.proc is not None:
-                srv.stop()
 
 
 def _image(seed: int) -> dict[str, Any]:

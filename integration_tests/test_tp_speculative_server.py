@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from integration_tests.servers import started_side_by_side
 from lmserver.testing import ServerProcess, write_eagle_head
 from packages.server.tests.test_tensor_parallel import _model_folder, _tiny_config
 
@@ -26,7 +26,7 @@ PROMPTS = ["The river runs", "def fibonacci(n):", "one two three four five six",
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, idle_invariant: Any) -> Iterator[dict[str, ServerProcess]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     root = tmp_path_factory.mktemp("tp-eagle")
     folder = _model_folder(root, "llama", TARGET)
     write_eagle_head(Path(root) / "head", dict(TARGET, num_hidden_layers=1, intermediate_size=128))
@@ -36,17 +36,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory, idle_invariant: Any) -> It
                                     "--speculative-num-draft-tokens", "3"], core=None, env=ENV),
         "plain": ServerProcess(["--model-path", folder, *ARGS], core=None, env=ENV),
     }
-    try:
-        for srv in procs.values():
-            srv.start(timeout_s=600)
+    with started_side_by_side(procs, timeout_s=600):
         yield procs
-        for srv in procs.values():
-            with httpx.Client(base_url=srv.base_url, timeout=60) as client:
-                idle_invariant(client)
-    finally:
-        for srv in procs.values():
-            if srv.proc is not None:
-                srv.stop()
 
 
 def _answers(base_url: str) -> list[str]:
