@@ -8,13 +8,12 @@ ever receives accepted tokens.
 
 Every request drafts. Logit bias, penalties and the min-new-tokens mask apply to each verify row
 as the decode step of that row would apply them (the request's output followed by the drafts
-before the row). A constrained
-request's drafts are cut to what its grammar takes, up to a token after which a jump-forward or
-the end follows (that token stays the target's to emit, as in a decode step), and each of its
-verify rows is masked by the grammar after the drafts before it: the tokens a decode step per
-token would emit. A request asking for logprobs drafts too: each emitted token's logprobs are
-read from its verify row, the model's distribution at that position (as a decode step's row
-would give them).
+before the row). A constrained request's drafts are cut to what its grammar takes, up to a
+token after which a jump-forward or the end follows (that token stays the target's to emit, as
+in a decode step), and each of its verify rows is masked by the grammar after the drafts before
+it: the tokens a decode step per token would emit. A request asking for logprobs has each
+emitted token's logprobs read from its verify row, the model's distribution at that position
+(as a decode step's row would give them).
 """
 
 from __future__ import annotations

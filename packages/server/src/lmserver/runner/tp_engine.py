@@ -13,9 +13,12 @@ slot count (`TPContext.share_num_slots`; None instead tells the followers start-
 followers then wait for rank 0's stop and exit cleanly, rank 0 reports it. Liveness: rank 0 watches its followers and exits the
 core process (status 1, with the rank and its exit status in the log) when one dies, so the
 server reports unhealthy and exits instead of hanging in a collective; followers exit when
-their parent dies. With the host KV tier, rank 0 sends its host pool's slot count after the KV pool's, and every
-decision goes out with the host-tier copies rank 0 made since the last one (`MirroredHostKV`). Several nodes: `--nnodes`, `--node-rank`, `--dist-init-addr host:port`;
-nodes other than 0 run `run_follower_node` (no HTTP) with ranks node_rank * per_node + i.
+their parent dies. With the host KV tier, rank 0 sends its host pool's slot count after the KV
+pool's. Every decision goes out with the host-tier copies rank 0 made since the last one
+(`MirroredHostKV`) and where its image rows go (`MMPlaces`), the rows following as one tensor
+broadcast; rank 0 alone encodes images and drafts (a draft model, an EAGLE head). Several nodes:
+`--nnodes`, `--node-rank`, `--dist-init-addr host:port`; nodes other than 0 run
+`run_follower_node` (no HTTP) with ranks node_rank * per_node + i.
 """
 
 from __future__ import annotations
