@@ -52,15 +52,17 @@ def _fp8_folder(root: Path, layout: str, **overrides: Any) -> str:
 
 
 # intermediate 128: down_proj's shards of 64 columns are whole 32-column scale blocks (testing.fp8.BLOCK)
-@pytest.mark.parametrize("layout", ["fp8-block", "ct-channel", pytest.param("ct-tensor", marks=pytest.mark.slow),
-                                    pytest.param("ct-block", marks=pytest.mark.slow)])
+# one layout in the default tier (block scales: the row-parallel shards take scale groups), the others slow
+@pytest.mark.parametrize("layout", ["fp8-block", *(pytest.param(x, marks=pytest.mark.slow)
+                                                   for x in ("ct-channel", "ct-tensor", "ct-block"))])
 def test_fp8_checkpoint_tp2_equals_tp1(tmp_path: Path, layout: str) -> None:
     path = _fp8_folder(tmp_path, layout, intermediate_size=128)
     fp8 = {"load_format": "auto", "kv_cache_dtype": "fp8_e4m3"}
     _assert_same(_generate(path, **fp8), _generate(path, tp_size=2, **fp8))
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", pytest.param("mixtral_moe", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama_gqa", "mixtral_moe"])
 def test_online_fp8_tp2_equals_tp1(tmp_path: Path, family: str) -> None:
     # dummy weights quantized at load on every rank alike (per channel; experts per row), then sharded
     path = _model_folder(tmp_path, family, FAMILIES[family])

@@ -32,7 +32,8 @@ def _run_here(folder: str, paths: list[str], config: dict[str, Any]) -> list[dic
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["llava", pytest.param("llava_next", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 27 s on 2 cores (three engines): in the slow tier, as integration_tests/test_tp_multimodal_server.py
+@pytest.mark.parametrize("kind", ["llava", "llava_next"])
 def test_image_prompts_with_tp2(tmp_path: Path, kind: str) -> None:
     import torch
     from transformers import (
