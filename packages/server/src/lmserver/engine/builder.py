@@ -129,23 +129,16 @@ class EngineBuilder:
             kv_manager = KVManager(rc.max_total_tokens, rc.page_size, rc.disable_radix_cache)
             if tp is not None:
                 tp.share_num_slots(kv_manager.buffer_size)
+            # NOTE: the TP followers build theirs with the same options (runner/tp_engine.py follower_main)
+            kv_pool = KVPool(kv_manager.buffer_size, mc.num_hidden_layers,
+                             tp.local_kv_heads if tp else mc.num_key_value_heads, mc.head_dim,
+                             dtype, device, **engine_kv_pool_options(rc, model, lowlat))
+            kv_pool.zero_padding(rc.page_size)
+            host_kv = start_host_tier(rc, kv_pool, kv_manager, tp) if rc.enable_hierarchical_cache else None
         except BaseException:
-            if tp is not None:  # the followers wait for the slot count: tell them to stop instead
+            if tp is not None:  # the followers wait for the slot counts or a decision: tell them to stop instead
                 tp.shutdown()
             raise
-        # NOTE: the TP followers build theirs with the same options (runner/tp_engine.py follower_main)
-        kv_pool = KVPool(kv_manager.buffer_size, mc.num_hidden_layers,
-                         tp.local_kv_heads if tp else mc.num_key_value_heads, mc.head_dim,
-                         dtype, device, **engine_kv_pool_options(rc, model, lowlat))
-        kv_pool.zero_padding(rc.page_size)
-        host_kv: HostKVPool | None = None
-        if rc.enable_hierarchical_cache:
-            try:
-                host_kv = start_host_tier(rc, kv_pool, kv_manager, tp)
-            except BaseException:
-                if tp is not None:  # the followers wait for the host pool's slot count: tell them to stop instead
-                    tp.shutdown()
-                raise
         req_to_token = make_req_to_token(rc.max_running_requests, context_length, device)
         runner = self._runner(rc, mc, model, kv_pool, req_to_token, device, lowlat, kv_manager.buffer_size)
         mm: MultimodalInputs | None = None  # images / videos (a model with a vision encoder)

@@ -42,6 +42,12 @@ class JumpForward:
         return self.finishes or self.num_new_tokens >= remaining
 
 
+def guide_mask_key(g: cfsm.Guide) -> tuple[cfsm.Index | cfsm.GrammarIndex, int, bool]:
+    """What a guide's mask depends on: (index, DFA state or parser configuration, finished). Equal keys (the index by
+    identity) give equal masks. Pure."""
+    return (g.index, g.state, g.eos_accepted)  # what cfsm's fill reads
+
+
 class DraftRowGrammar:
     """The grammar of one row of a speculative verify step: the request's guide after the drafts before that row
     (`ReqGrammar.draft_rows`), masked as a request's grammar is (`BatchMasker` reads `guide` and `mask_key`)."""
@@ -50,8 +56,7 @@ class DraftRowGrammar:
         self.guide = guide
 
     def mask_key(self) -> tuple[cfsm.Index | cfsm.GrammarIndex, int, bool]:
-        g = self.guide
-        return (g.index, g.state, g.eos_accepted)
+        return guide_mask_key(self.guide)
 
 
 class ReqGrammar:
@@ -86,11 +91,9 @@ class ReqGrammar:
         self.guide.fill_mask(out, row)
 
     def mask_key(self) -> tuple[cfsm.Index | cfsm.GrammarIndex, int, bool]:
-        """What this request's mask depends on: (index, DFA state or parser configuration, finished). Equal keys (the
-        index by identity) give equal masks, so a mask filled earlier may be used while the key
-        is unchanged. Pure."""
-        g = self.guide
-        return (g.index, g.state, g.eos_accepted)  # what cfsm's fill reads
+        """What this request's mask depends on (`guide_mask_key`), so a mask filled earlier may be used while the
+        key is unchanged. Pure."""
+        return guide_mask_key(self.guide)
 
     def accept(self, token_id: int) -> bool:
         """Advances the guide over a sampled token; False (state unchanged) if the grammar

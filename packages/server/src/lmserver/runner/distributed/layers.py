@@ -23,10 +23,6 @@ from lmserver.layers.moe import MoE
 from lmserver.runner.distributed.group import TPGroup
 
 
-class TensorParallelError(ValueError):
-    """The model's head or feature counts (or an FP8 layer's scale groups) cannot be split over tp_size ranks."""
-
-
 def take_rows(full: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """Concatenation of full[start:end] over `ranges` (dim 0), as a new contiguous tensor."""
     return torch.cat([full[s:e] for s, e in ranges], dim=0).contiguous()
@@ -79,17 +75,15 @@ class RowParallelFp8Linear(Fp8Linear):
 
 
 def row_parallel(full: nn.Module, col_range: tuple[int, int], group: TPGroup) -> nn.Module:
-    """The shard of input columns `col_range` of a model-dtype or FP8 linear without bias (outputs all-reduced).
-    Raises TensorParallelError when an FP8 layer's scale groups do not start at the range's start."""
+    """The shard of input columns `col_range` of a model-dtype or FP8 linear without bias (outputs all-reduced); an
+    FP8 layer's range starts on a scale group boundary (`shard.check_fp8_splits`)."""
     if not isinstance(full, Fp8Linear):
         return RowParallelLinear(full, col_range, group)  # type: ignore[arg-type]
     assert full.bias is None, "row-parallel layers here carry no bias"
     s, e = col_range
     g = full.group_k
     per_channel = g == full.in_features
-    if not per_channel and s % g:
-        raise TensorParallelError(f"an FP8 layer with scales per {g} input columns cannot be split at column {s} "
-                            f"(tp_size {group.size}); use a tp_size that splits it on {g}-column boundaries")
+    assert per_channel or s % g == 0, "a split inside a scale group (check_fp8_splits refuses it before sharding)"
     scale = full.weight_scale if per_channel else full.weight_scale[:, s // g : -(-e // g)]
     layer = _fp8_like(RowParallelFp8Linear, full, e - s, full.out_features, None if per_channel else g,
                       full.weight.data[:, s:e], scale, None)
@@ -166,10 +160,8 @@ class TPMoE(nn.Module):
         n = inter // group.size
         s = group.rank * n
         block = moe.scale_block
-        if block is not None and (n % block[0] or n % block[1]):
-            raise TensorParallelError(f"FP8 experts with {block[0]} x {block[1]} scale blocks cannot split their "
-                                f"intermediate size {inter} into {group.size} shards of {n}; use a tp_size whose "
-                                "shards are whole blocks")
+        assert block is None or not (n % block[0] or n % block[1]), \
+            "shards of partial scale blocks (check_fp8_splits refuses them before sharding)"
         with torch.no_grad():
             w13, w2 = moe.w13.data, moe.w2.data
             moe.w13 = nn.Parameter(

@@ -18,12 +18,15 @@ from lmserver.models.config import ModelConfig
 from lmserver.runner.distributed.group import TPGroup
 from lmserver.runner.distributed.layers import (
     ParallelLMHead,
-    TensorParallelError,
     TPMoE,
     VocabParallelEmbedding,
     column_parallel,
     row_parallel,
 )
+
+
+class TensorParallelError(ValueError):
+    """The model's head or feature counts (or an FP8 layer's scale groups) cannot be split over tp_size ranks."""
 
 
 def tp_head_counts(config: ModelConfig, tp_size: int) -> tuple[int, int]:
