@@ -165,28 +165,6 @@ def test_lowlat_plugins_default_is_auto_on_a_gpu_and_off_on_the_cpu(given: str |
     assert resolve_lowlat_plugins(given, device) == resolved
 
 
-def test_lowlat_default_is_off_with_an_eagle3_head(tmp_path: Path) -> None:
-    """An EAGLE-3 head reads intermediate target layers, which the plugin path does not expose: the default stays off
-    on a GPU then (an explicit auto still reaches the builder's clear refusal); an EAGLE-1 head keeps auto."""
-    import json
-
-    from lmserver.config import ServerConfig
-    from lmserver.runner.resolve import _eagle3_draft, resolve_lowlat_plugins
-
-    heads = {"eagle3": {"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3v": {"draft_vocab_size": 32000},
-             "eagle1": {"architectures": ["LlamaForCausalLM"]}}
-    for name, raw in heads.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(raw))
-    config = ServerConfig(model_path="m", speculative_algorithm="eagle")
-    found = {name: _eagle3_draft(config.replace(speculative_draft_model_path=str(tmp_path / name))) for name in heads}
-    assert found == {"eagle3": True, "eagle3v": True, "eagle1": False}
-    assert not _eagle3_draft(config.replace(speculative_draft_model_path=str(tmp_path / "missing")))
-    assert not _eagle3_draft(ServerConfig(model_path="m", speculative_draft_model_path=str(tmp_path / "eagle3")))
-    assert [resolve_lowlat_plugins(None, "cuda", e) for e in (True, False)] == ["off", "auto+measured-only"]
-    assert resolve_lowlat_plugins("auto", "cuda", True) == "auto"
-
-
 def test_eager_decode_warms_every_batch_size_up() -> None:
     # with decode graphs the captured sizes (1, 2, 4, 8, ...) compile the plugin's kernels; eager decode runs each batch
     # at its own size, so start-up warms all of them (Session.warmup keeps those the plugin covers)
@@ -361,3 +339,84 @@ def test_short_extends_replay_verify_graphs_where_the_plugin_launch_differs(monk
     rows_seen = built[-1].rows_seen  # type: ignore[attr-defined]
     assert {2, 4} <= set(rows_seen) and 1 in rows_seen, rows_seen  # verify graphs of 2 and 4 rows; decode rows
     assert all("plugin" in g for g in report["graphs"]), report["graphs"]
+
+
+class ReusingOutputBuilt(ReferenceBuilt):
+    """Returns every layer's output in one buffer per shape, as a plugin writing its workspace does."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__(ctx)
+        self.out: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def forward(self, layer: int, x: torch.Tensor, kv: KVCache, meta: ForwardMeta) -> torch.Tensor:
+        y = super().forward(layer, x, kv, meta)
+        return self.out.setdefault(tuple(y.shape), torch.empty_like(y)).copy_(y)
+
+
+@pytest.mark.slow  # ~15 s (three engines, graphs captured eagerly on the CPU)
+def test_an_eagle3_head_reads_its_target_layers_from_the_plugin_path(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """An EAGLE-3 head (random, over the embedded model: target layers 1, 14, 26) with the plugin on decode and
+    verify steps (graphs captured eagerly) is fed the features the model's own forward gives it: every observation
+    equal to the engine's without the plugin within 1e-4, the same drafts; outputs equal plain decoding's."""
+    from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
+    from lmserver.runner.eagle import EagleProposer
+    from lmserver.testing import write_eagle3_head
+
+    base = _engine()
+    try:
+        hf = base.core.model_config.hf_config
+        params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        expected = [o["output_ids"] for o in base.generate(PROMPTS[:2], params)]  # type: ignore[index]
+    finally:
+        base.shutdown()
+    head = dict(architectures=["LlamaForCausalLM"], vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                intermediate_size=256, num_hidden_layers=1, num_attention_heads=hf["num_attention_heads"],
+                num_key_value_heads=hf["num_key_value_heads"], max_position_embeddings=2048,
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=hf.get("rope_theta", 10000.0))
+    write_eagle3_head(tmp_path / "eagle3", head, draft_vocab=4096)
+    seen: list[tuple[int, torch.Tensor]] = []
+    drafts: list[dict[str, list[int]]] = []
+    observe, propose = EagleProposer.observe, EagleProposer.propose
+
+    def observing(self: EagleProposer, rid: str, start: int, features: torch.Tensor) -> None:
+        seen.append((start, features.detach().clone()))
+        observe(self, rid, start, features)
+
+    def proposing(self: EagleProposer, contexts: Any, k: Any) -> dict[str, list[int]]:
+        out = propose(self, contexts, k)
+        drafts.append(out)
+        return out
+
+    monkeypatch.setattr(EagleProposer, "observe", observing)
+    monkeypatch.setattr(EagleProposer, "propose", proposing)
+    kw = dict(speculative_algorithm="eagle", speculative_draft_model_path=str(tmp_path / "eagle3"),
+              speculative_num_draft_tokens=3)
+    runs = []
+    for plugin in (True, False):
+        seen.clear()
+        drafts.clear()
+        if plugin:
+            engine, _ = _plugin_graph_engine(monkeypatch, ReusingOutputBuilt, graph_max_bs=4, **kw)
+        else:
+            monkeypatch.setenv(EAGER_GRAPHS_ENV, "1")
+            engine = _engine(context_length=256, cuda_graph_max_bs=4, **kw)
+        try:
+            assert engine.core.runner.aux_hidden
+            got = [o["output_ids"] for o in engine.generate(PROMPTS[:2], params)]  # type: ignore[index]
+            stats = engine.core.get_stats()
+            engine.core.check_memory_invariant()
+        finally:
+            engine.shutdown()
+        assert got == expected
+        assert stats["spec_draft_tokens"] > 0 and stats["cuda_graph_verify_replays"] > 0, stats
+        assert (stats.get("lowlat_plugin_steps_verify", 0) > 0) == plugin, stats
+        runs.append((list(seen), [sorted(d.values()) for d in drafts]))
+    (seen_plugin, drafts_plugin), (seen_model, drafts_model) = runs
+    assert len(seen_plugin) == len(seen_model) > 0
+    for (start_p, feats_p), (start_m, feats_m) in zip(seen_plugin, seen_model, strict=True):
+        assert start_p == start_m and feats_p.shape == feats_m.shape
+        assert feats_p.shape[1] == 3 * hf["hidden_size"]  # three target layers side by side
+        rel = float((feats_p - feats_m).norm() / feats_m.norm())
+        assert rel < 1e-4, rel
+    assert drafts_plugin == drafts_model

@@ -100,13 +100,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> None:
+def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False, aux_layers: tuple[int, ...] = (),
+                        reuse_output: bool = False) -> None:
     """One decode step: lmserver's model forward (torch_native attention) vs the adapted lowlat path. ``fp8``: the
     model's projections quantized online (``quantize_linears_``, per-channel scales; Mixtral: its experts too,
-    ``quantize_moe_experts_``, per-row scales) and an FP8 KV pool."""
+    ``quantize_moe_experts_``, per-row scales) and an FP8 KV pool. ``aux_layers`` (EAGLE-3): the residual stream
+    after those layers (``model.model.aux_hidden``) compared too; ``reuse_output``: the reference plugin returns
+    every layer's output in one buffer, as a plugin writing its workspace does."""
     device = torch.device("cuda" if plugin and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-    config = _config(num_experts)
+    config = _config(num_experts, num_hidden_layers=3) if aux_layers else _config(num_experts)
     model = _model(config, device)
+    model.model.aux_layers = aux_layers  # type: ignore[union-attr]
     if fp8:
         from lmserver.models.quantization import quantize_linears_, quantize_moe_experts_, use_fp8_path
 
@@ -122,6 +126,7 @@ def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> No
     batch.attn_backend = backend
     with torch.no_grad():
         want = model(batch.input_ids, batch.positions, batch)
+        want_aux, model.model.aux_hidden = model.model.aux_hidden, None  # type: ignore[union-attr]
         layers = plugin_layers(model)
         kvs = kv_caches(pool_ll)
         if plugin:
@@ -136,10 +141,15 @@ def compare_decode_step(num_experts: int, plugin: bool, fp8: bool = False) -> No
                                MAX_CONTEXT, moe=layers.moe, moe_weights=layers.weights if layers.moe else ())  # type: ignore[arg-type]
             built = build(ctx)
         else:
-            built = _ReferenceBuilt(layers)
+            built = _ReferenceBuilt(layers, reuse_output)
         got = decode_forward(model, built, batch, kvs, table, max_seq_len=max(batch.seq_lens_cpu))
     tol = 1e-4 if device.type == "cpu" else 3e-3  # GPU float32 dots may run in TF32
     assert _rel(got, want) < tol, _rel(got, want)
+    if aux_layers:
+        got_aux = model.model.aux_hidden  # type: ignore[union-attr]
+        assert want_aux is not None and got_aux is not None and got_aux.shape == want_aux.shape
+        assert want_aux.shape == (batch.batch_size, len(set(aux_layers)) * config.hidden_size)
+        assert _rel(got_aux, want_aux) < tol, _rel(got_aux, want_aux)
     for i in range(config.num_hidden_layers):
         # whole caches compared: the new tokens' slots written alike, every other slot untouched
         assert _rel(pool_ll.k_cache[i], pool_ref.k_cache[i]) < tol and _rel(pool_ll.v_cache[i], pool_ref.v_cache[i]) < tol
@@ -154,8 +164,9 @@ class _ReferenceBuilt:
     name = "reference"
     workspace_bytes = 0
 
-    def __init__(self, layers) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, layers, reuse_output: bool = False) -> None:  # type: ignore[no-untyped-def]
         self.layers = layers
+        self.out: torch.Tensor | None = None if not reuse_output else torch.empty(0)
 
     def covers(self, step: object) -> bool:
         return True
@@ -169,8 +180,14 @@ class _ReferenceBuilt:
 
         w = self.layers.weights[layer]
         if self.layers.moe is not None:
-            return reference_moe_decoder_layer(x, w, kv, meta, self.layers.shape, self.layers.moe)
-        return reference_decoder_layer(x, w, kv, meta, self.layers.shape)
+            y = reference_moe_decoder_layer(x, w, kv, meta, self.layers.shape, self.layers.moe)
+        else:
+            y = reference_decoder_layer(x, w, kv, meta, self.layers.shape)
+        if self.out is None:
+            return y
+        if self.out.shape != y.shape:
+            self.out = torch.empty_like(y)
+        return self.out.copy_(y)  # every layer's output in the same storage
 
 
 @pytest.mark.parametrize("num_experts", [0, 4], ids=["llama", "mixtral"])
@@ -183,6 +200,13 @@ def test_reference_path_matches_lmserver_fp8_forward(num_experts: int) -> None:
     """FP8 weights (per-channel scales, views of the model's Fp8Linear buffers; Mixtral: FP8 experts with per-row
     scales too) and an FP8 KV pool with its scales."""
     compare_decode_step(num_experts, plugin=False, fp8=True)
+
+
+@pytest.mark.parametrize("num_experts", [0, 4], ids=["llama", "mixtral"])
+def test_reference_path_leaves_the_eagle3_aux_hidden_states(num_experts: int) -> None:
+    """EAGLE-3 heads read the residual stream after some target layers: the plugin path leaves it as the model's
+    forward does (layers named out of order, each a copy taken before the plugin reuses its output buffer)."""
+    compare_decode_step(num_experts, plugin=False, aux_layers=(2, 0), reuse_output=True)
 
 
 def _fp8_mixtral(attention: bool = True, block: tuple[int, int] | None = None) -> torch.nn.Module:

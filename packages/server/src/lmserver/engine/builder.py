@@ -188,10 +188,8 @@ class EngineBuilder:
         runner.keep_hidden = rc.speculative_algorithm == "eagle"
         if runner.keep_hidden and rc.speculative_draft_model_path:
             aux = eagle3_aux_layers(rc.speculative_draft_model_path, mc.num_hidden_layers)
-            if aux is not None:  # an EAGLE-3 head reads the residual stream after three target layers
-                if lowlat is not None:
-                    raise ValueError("an EAGLE-3 head reads the target's intermediate layers, which the lowlat plugin "
-                                     "path does not expose; use --lowlat-plugins off")
+            if aux is not None:  # an EAGLE-3 head reads the residual stream after three target layers (the
+                # model's forward and the lowlat plugin path both leave them in model.model.aux_hidden)
                 model.model.aux_layers = aux  # type: ignore[union-attr]
                 runner.aux_hidden = True
         if lowlat is not None:

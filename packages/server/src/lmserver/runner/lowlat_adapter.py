@@ -193,10 +193,21 @@ def decode_forward(
 ) -> torch.Tensor:
     """Hidden states (bs, hidden) after the final norm, as ``model.forward`` returns them, with every
     decoder layer run by ``built``. Mutates ``kvs`` (the engine's pool: the new tokens' K and V)
-    and the plugin's workspaces. ``rows_per_request`` > 1: a verify step's rows (``forward_meta``)."""
+    and the plugin's workspaces. ``rows_per_request`` > 1: a verify step's rows (``forward_meta``).
+
+    EAGLE-3: when the model names ``aux_layers``, the residual stream after each of them (a plugin layer's output)
+    is left side by side in ``model.model.aux_hidden`` (bs, len(aux_layers) * hidden), as the model's forward
+    leaves it."""
     meta = forward_meta(batch, req_to_token, max_seq_len, rows_per_request)
     inner: Any = model.model
     h = inner.embed_tokens(batch.input_ids)  # (bs, hidden)
+    aux_layers = sorted(set(getattr(inner, "aux_layers", ())))  # in layer order, as the model's forward
+    aux = h.new_empty(h.shape[0], len(aux_layers) * h.shape[1]) if aux_layers else None
     for i in range(len(inner.layers)):
         h = built.forward(i, h, kvs[i], meta)
+        if aux is not None and i in aux_layers:  # NOTE: copied now: a plugin may reuse h's storage in later layers
+            j = aux_layers.index(i)
+            aux[:, j * h.shape[1]:(j + 1) * h.shape[1]].copy_(h)
+    if aux is not None:
+        inner.aux_hidden = aux
     return inner.norm(h)  # type: ignore[no-any-return]

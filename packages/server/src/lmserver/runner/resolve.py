@@ -150,7 +150,7 @@ def resolve_fp8(config: ServerConfig, model_config: ModelConfig, device: str,
         if config.tp_size > 1 and config.quantize_lm_head:
             raise ConfigError("an FP8 LM head (--quantize-lm-head) with tp_size > 1 is not supported: the vocabulary "
                               "shards hold model-dtype heads; drop --quantize-lm-head or use tp_size 1")
-    lowlat = resolve_lowlat_plugins(config.lowlat_plugins, device, _eagle3_draft(config))
+    lowlat = resolve_lowlat_plugins(config.lowlat_plugins, device)
     if wants and config.tp_size > 1 and lowlat != "off":
         if config.lowlat_plugins is not None:
             raise ConfigError(f"the lowlat plugins with {' and '.join(wants)} and tp_size > 1 are not supported yet "
@@ -170,12 +170,6 @@ def _draft_config(config: ServerConfig) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return raw if isinstance(raw, dict) else None
-
-
-def _eagle3_draft(config: ServerConfig) -> bool:
-    """Whether the server drafts with an EAGLE-3 head (its config.json says so)."""
-    raw = _draft_config(config) if config.speculative_algorithm == "eagle" else None
-    return raw is not None and is_eagle3_config(raw)
 
 
 def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple[int, int]:
@@ -207,17 +201,13 @@ def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple
     return per_slot, estimate_weight_bytes(mc, dtype, positions)
 
 
-def resolve_lowlat_plugins(value: str | None, device: str, eagle3: bool = False) -> str:
+def resolve_lowlat_plugins(value: str | None, device: str) -> str:
     """`--lowlat-plugins` as given, else the default: `auto+measured-only` on a CUDA (or ROCm) GPU, where each plugin
     serves only the batches its measured tables say it wins on this GPU and layer shape (none without a table:
     `lowlat.LowlatConfig.measured_only`, `measured_coverage`), `off` elsewhere (the
-    bundled plugins run on GPUs only; an explicit `auto` on the CPU logs their reasons) and with an EAGLE-3 draft
-    head (it reads intermediate target layers, which the plugin path does not expose). Pure but for one log line."""
+    bundled plugins run on GPUs only; an explicit `auto` on the CPU logs their reasons). Pure."""
     if value is not None:
         return value
-    if eagle3 and device.startswith("cuda"):
-        logger.info("lowlat plugins off by default: the EAGLE-3 head reads intermediate target layers")
-        return "off"
     return "auto+measured-only" if device.startswith("cuda") else "off"
 
 
