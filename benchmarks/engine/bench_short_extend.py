@@ -112,8 +112,9 @@ def main() -> None:
         extra = {**SETTINGS[setting], "max_running_requests": max(args.graph_max_bs, 64)}
         if args.attention_backend:
             extra["attention_backend"] = args.attention_backend
+        extra["enable_cuda_graph_prefill"] = bool(args.prefill_graphs)  # NOTE: on by default on a GPU since 2026-12-05
         if args.prefill_graphs:
-            extra.update(enable_cuda_graph_prefill=True, cuda_graph_prefill_max_tokens=args.prefill_graphs)
+            extra["cuda_graph_prefill_max_tokens"] = args.prefill_graphs
         core = make_core(args.model_path, extra, 4096, graph_max_bs=args.graph_max_bs)
         graphs, prefill_graphs = core.runner.cuda_graph, core.runner.prefill_graph
         reads = args.max_reads or graphs.extend_max_reads

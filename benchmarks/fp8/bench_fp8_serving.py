@@ -21,8 +21,9 @@ fp8_e4m3`: online per-channel FP8 weights and an FP8 KV cache), `fp8-weights` (F
 counted from `/get_server_info`); `fp8+plugin-all`: `auto+all-batches` (the plugin at every batch it covers, also
 above its measured coverage). A `+lmhead` suffix on an FP8 setting adds `--quantize-lm-head` (the LM head FP8 too,
 per row: opt-in, it changes the logits), e.g. `fp8-default+lmhead`. `bf16-default+eager-extend` / `fp8-default+eager-extend`:
-the defaults with short extends run eagerly (`--no-enable-cuda-graph-extend`). `bf16-default+pgraph` /
-`fp8-default+pgraph`: the defaults with prefill CUDA graphs (`--enable-cuda-graph-prefill`, opt-in).
+the defaults with short extends run eagerly (`--no-enable-cuda-graph-extend`). `bf16-default+eager-prefill` /
+`fp8-default+eager-prefill`: the defaults without prefill CUDA graphs (`--no-enable-cuda-graph-prefill`; on by
+default on one GPU); `+pgraph`: with them asked for.
 
     python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
         --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
@@ -61,8 +62,11 @@ SETTINGS.update({name + "+lmhead": [*args, "--quantize-lm-head"] for name, args 
 # the defaults with short extends run eagerly (graph extends are the default since 2026-12-04)
 SETTINGS.update({name + "+eager-extend": [*SETTINGS[name], "--no-enable-cuda-graph-extend"]
                  for name in ("bf16-default", "fp8-default")})
-# the defaults with prefill CUDA graphs (opt-in: `--enable-cuda-graph-prefill`, extends up to 2,048 tokens)
+# the defaults with prefill CUDA graphs asked for (`--enable-cuda-graph-prefill`, extends up to 2,048 tokens; the default
+# on one GPU since 2026-12-05) and without them (`+eager-prefill`)
 SETTINGS.update({name + "+pgraph": [*SETTINGS[name], "--enable-cuda-graph-prefill"]
+                 for name in ("bf16-default", "fp8-default")})
+SETTINGS.update({name + "+eager-prefill": [*SETTINGS[name], "--no-enable-cuda-graph-prefill"]
                  for name in ("bf16-default", "fp8-default")})
 
 

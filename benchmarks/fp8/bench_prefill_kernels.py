@@ -43,9 +43,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # the same with the activation quantizers' launches of `--quant-launch` (lmserver.kernels.fp8_quant.quant_launch
     # replaced in this process while the setting runs)
     "fp8-default+q": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
-    # the defaults with prefill CUDA graphs (`--enable-cuda-graph-prefill`, up to 2,048 tokens)
+    # the defaults with prefill CUDA graphs asked for (`--enable-cuda-graph-prefill`, up to 2,048 tokens; the default on
+    # one GPU since 2026-12-05) and without them
     "bf16-default+pgraph": dict(enable_cuda_graph_prefill=True),
     "fp8-default+pgraph": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", enable_cuda_graph_prefill=True),
+    "bf16-default+eager-prefill": dict(enable_cuda_graph_prefill=False),
+    "fp8-default+eager-prefill": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", enable_cuda_graph_prefill=False),
 }
 
 

@@ -16,7 +16,7 @@
 #            then extends of 128-2,048 new tokens in the decode graphs / eagerly / in prefill graphs in one engine
 #            (bench_short_extend.py --prefill-graphs 2048), then the engine's 1,024-token FP8 prefill kernel by kernel
 #            with and without them (bench_prefill_kernels.py, the +pgraph setting): ~8-9 minutes, a call of its own
-#   pgraph_http (not in the default phases) prefill graphs through HTTP: bf16 / FP8 with and without them, servers up
+#   pgraph_http (not in the default phases) prefill graphs (the default) through HTTP: bf16 / FP8 with and without them, up
 #            at once, prompts of 128-1,024 tokens; then FP8 decode at concurrency 1 and 8 with and without (~9 minutes)
 #   bash benchmarks/fp8/device_short_extend.sh MODEL_DIR    (on the GPU machine, repository root; wheels in .whl;
 #                                                            MODEL_DIR from benchmarks/fp8/make_model_dir.py)
@@ -68,11 +68,11 @@ fi
 if has pgraph_http; then  # prefill graphs through HTTP: prompts of 128-1,024 tokens, then decode alongside
   echo "[$((SECONDS - t0)) s] pgraph_http"
   timeout 330 python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" --settings bf16-default \
-    bf16-default+pgraph fp8-default fp8-default+pgraph --prefill-len 1024 --prefill-vary 896 --prefill-requests 20 \
+    bf16-default+eager-prefill fp8-default fp8-default+eager-prefill --prefill-len 1024 --prefill-vary 896 --prefill-requests 20 \
     --interleave --probe-overhead 10 --json "$OUT/pgraph_http.json" 2>&1 | tee "$OUT/pgraph_http.log" \
     | grep -v "INFO" | tail -14
   timeout $((560 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" --settings \
-    fp8-default fp8-default+pgraph --concurrency 1 8 --prefill-requests 0 --json "$OUT/pgraph_decode.json" 2>&1 \
+    fp8-default fp8-default+eager-prefill --concurrency 1 8 --prefill-requests 0 --json "$OUT/pgraph_decode.json" 2>&1 \
     | tee "$OUT/pgraph_decode.log" | grep -v "INFO" | tail -12
 fi
 if has engine; then

@@ -102,11 +102,20 @@ def test_pad_prefill_keeps_the_extend_and_adds_a_padding_request(
         pad_prefill(items, tokens, r, pad_row, TABLE_WIDTH)  # no room for the padding request
 
 
+def test_prefill_graphs_default_to_on_with_cuda_and_one_rank() -> None:
+    from lmserver.runner.resolve import resolve_prefill_graphs
+
+    assert ServerConfig().enable_cuda_graph_prefill is None  # resolved with the device
+    assert resolve_prefill_graphs(None, "cuda", 1) is True
+    assert resolve_prefill_graphs(None, "cuda", 2) is False and resolve_prefill_graphs(None, "cpu", 1) is False
+    assert resolve_prefill_graphs(False, "cuda", 1) is False and resolve_prefill_graphs(True, "cpu", 1) is True
+
+
 def test_prefill_graphs_are_off_unless_asked_and_need_an_extend_planning_backend(caplog: pytest.LogCaptureFixture,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     runner = _runner("torch_native", "cpu")
     rc = ServerConfig(max_running_requests=TABLE_ROWS)
-    assert maybe_prefill_graph_runner(rc, runner) is None  # off by default
+    assert maybe_prefill_graph_runner(rc, runner) is None  # off unless resolved on (a CUDA device)
     on = rc.replace(enable_cuda_graph_prefill=True)
     assert maybe_prefill_graph_runner(on, runner) is None  # the CPU: no graphs
     monkeypatch.setenv("LMSERVER_TEST_EAGER_GRAPHS", "1")

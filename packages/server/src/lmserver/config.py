@@ -86,10 +86,11 @@ class ServerConfig:
     cuda_graph_extend_max_reads: int | None = _opt(None, "graph extends: at most this many token reads per layer (the sum "
                                                          "over the extend's requests of new tokens x context); "
                                                          "longer extends run eagerly (auto: 32,768)")
-    enable_cuda_graph_prefill: bool = _opt(False, "an extend of up to --cuda-graph-prefill-max-tokens new tokens "
-                                                  "replays a CUDA graph captured for its padded token count (a "
-                                                  "medium prompt's launches cost more host time than its device "
-                                                  "work; triton attention backend, one GPU)")
+    enable_cuda_graph_prefill: bool | None = _opt(None, "an extend of up to --cuda-graph-prefill-max-tokens new "
+                                                         "tokens replays a CUDA graph captured for its padded token "
+                                                         "count (a medium prompt's launches cost more host time than "
+                                                         "its device work; triton attention backend); default: on "
+                                                         "with CUDA and tp_size 1")
     cuda_graph_prefill_max_tokens: int | None = _opt(None, "prefill graphs: the largest token count captured "
                                                            "(auto: 2,048)")
     cuda_graph_prefill_max_requests: int | None = _opt(None, "prefill graphs: the most requests of one captured "

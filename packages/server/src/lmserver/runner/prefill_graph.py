@@ -32,8 +32,9 @@ key is captured a second time over a static input-embedding buffer; an extend wi
 embeddings and the image rows there eagerly (`ModelRunner._input_embeds`), then replays that graph (the decoder
 overwrites the buffer with its residual stream: it is rewritten before every replay).
 
-Off unless asked for (`--enable-cuda-graph-prefill`); not under tensor parallelism, with EAGLE-3's aux hidden states
-or a lowlat plugin's own extend path (lmserver gives plugins decode steps only).
+On by default with CUDA and one rank (`runner.resolve.resolve_prefill_graphs`; `--no-enable-cuda-graph-prefill`:
+eager); not under tensor parallelism, with EAGLE-3's aux hidden states or a lowlat plugin's own extend path (lmserver
+gives plugins decode steps only).
 """
 
 from __future__ import annotations

@@ -201,6 +201,15 @@ def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple
     return per_slot, estimate_weight_bytes(mc, dtype, positions)
 
 
+def resolve_prefill_graphs(requested: bool | None, device: str, tp_size: int) -> bool:
+    """`--enable-cuda-graph-prefill` as given, else on with CUDA and tp_size 1 (measured on the H200: prompts of
+    128-1,024 tokens 1.6-6x faster than eagerly, benchmarks/RESULTS.md "FP8 (issue 33)"; the graphs are captured
+    for single-GPU engines only). Pure."""
+    if requested is not None:
+        return requested
+    return device == "cuda" and tp_size == 1
+
+
 def resolve_lowlat_plugins(value: str | None, device: str) -> str:
     """`--lowlat-plugins` as given, else the default: `auto+measured-only` on a CUDA (or ROCm) GPU, where each plugin
     serves only the batches its measured tables say it wins on this GPU and layer shape (none without a table:
@@ -398,6 +407,7 @@ def resolve_config(
         overlap = device == "cuda" and config.tp_size == 1
     return config.replace(
         enable_overlap_schedule=overlap,
+        enable_cuda_graph_prefill=resolve_prefill_graphs(config.enable_cuda_graph_prefill, device, config.tp_size),
         chunked_prefill_size=resolve_chunked_prefill_size(config.chunked_prefill_size, device),
         prefill_step_target_ms=resolve_prefill_step_target_ms(config.prefill_step_target_ms, device),
         decode_step_target_ms=resolve_decode_step_target_ms(config.decode_step_target_ms),
