@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: short extends in the decode CUDA graphs (the default since 2026-12-04) checked and timed, and the
 # 8B shape's 4k prefill FP8 / bf16 ratio through HTTP with both servers up at once.
-#   tests    GPU tests of the graph paths and the FP8 kernels (test_cuda_graph.py, test_overlap.py, test_fp8_kernels.py),
+#   tests    GPU tests of the graph paths and the FP8 kernels (test_cuda_graph.py, test_overlap.py, test_fp8_kernels.py,
+#            test_prefill_graph.py, test_lowlat_adapter.py),
 #            output kept whole (tests.log)
 #   extend   short extends in graphs vs eagerly in one engine (bench_short_extend.py: graphs / eager / graphs; where
 #            the greedy tokens part ways, the top-2 margin there against the logprob drift before it)
@@ -30,9 +31,10 @@ device_install
 gpu_clocks
 if has tests; then
   echo "[$((SECONDS - t0)) s] tests"
-  LMSYS_GPU_ONLY=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  LMSYS_GPU_ONLY=1 timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     packages/server/tests/test_cuda_graph.py packages/server/tests/test_overlap.py \
-    packages/server/tests/test_fp8_kernels.py > "$OUT/tests.log" 2>&1
+    packages/server/tests/test_fp8_kernels.py packages/server/tests/test_prefill_graph.py \
+    packages/server/tests/test_lowlat_adapter.py > "$OUT/tests.log" 2>&1
   tail -6 "$OUT/tests.log"
 fi
 if has extend; then
