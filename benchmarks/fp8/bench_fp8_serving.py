@@ -23,7 +23,7 @@ above its measured coverage). A `+lmhead` suffix on an FP8 setting adds `--quant
 per row: opt-in, it changes the logits), e.g. `fp8-default+lmhead`. `bf16-default+eager-extend` / `fp8-default+eager-extend`:
 the defaults with short extends run eagerly (`--no-enable-cuda-graph-extend`). `bf16-default+eager-prefill` /
 `fp8-default+eager-prefill`: the defaults without prefill CUDA graphs (`--no-enable-cuda-graph-prefill`; on by
-default on one GPU); `+pgraph`: with them asked for.
+default on one GPU); `+pgraph`: with them asked for; `+pgraph4k`: captured up to 4,096 tokens (default 2,048).
 
     python benchmarks/fp8/bench_fp8_serving.py --model-path MODEL_DIR \\
         --server-args "--load-format dummy --dtype bfloat16 --device cuda --context-length 8192" --json out.json
@@ -67,6 +67,9 @@ SETTINGS.update({name + "+eager-extend": [*SETTINGS[name], "--no-enable-cuda-gra
 SETTINGS.update({name + "+pgraph": [*SETTINGS[name], "--enable-cuda-graph-prefill"]
                  for name in ("bf16-default", "fp8-default")})
 SETTINGS.update({name + "+eager-prefill": [*SETTINGS[name], "--no-enable-cuda-graph-prefill"]
+                 for name in ("bf16-default", "fp8-default")})
+# prefill graphs up to 4,096 tokens (the default stops at 2,048)
+SETTINGS.update({name + "+pgraph4k": [*SETTINGS[name], "--cuda-graph-prefill-max-tokens", "4096"]
                  for name in ("bf16-default", "fp8-default")})
 
 

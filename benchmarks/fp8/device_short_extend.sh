@@ -19,6 +19,8 @@
 #            with and without them (bench_prefill_kernels.py, the +pgraph setting): ~8-9 minutes, a call of its own
 #   pgraph_http (not in the default phases) prefill graphs (the default) through HTTP: bf16 / FP8 with and without them, up
 #            at once, prompts of 128-1,024 tokens; then FP8 decode at concurrency 1 and 8 with and without (~9 minutes)
+#   pgraph4k (not in the default phases) the 4k prefill through HTTP, bf16 / FP8 with prefill graphs up to 2,048 (the
+#            default) and up to 4,096 tokens, servers up at once (~4-5 minutes)
 #   bash benchmarks/fp8/device_short_extend.sh MODEL_DIR    (on the GPU machine, repository root; wheels in .whl;
 #                                                            MODEL_DIR from benchmarks/fp8/make_model_dir.py)
 # PHASES (comma list, default all four) picks phases; HTTP_SETTINGS (bench_fp8_serving settings) and ROUNDS change
@@ -76,6 +78,12 @@ if has pgraph_http; then  # prefill graphs through HTTP: prompts of 128-1,024 to
   timeout $((560 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" --settings \
     fp8-default fp8-default+eager-prefill --concurrency 1 8 --prefill-requests 0 --json "$OUT/pgraph_decode.json" 2>&1 \
     | tee "$OUT/pgraph_decode.log" | grep -v "INFO" | tail -12
+fi
+if has pgraph4k; then  # the 4k prefill with prefill graphs captured up to 4,096 tokens, servers up at once
+  echo "[$((SECONDS - t0)) s] pgraph4k"
+  timeout $((580 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" --settings \
+    bf16-default bf16-default+pgraph4k fp8-default fp8-default+pgraph4k --prefill-requests ${ROUNDS:-15} --interleave \
+    --json "$OUT/pgraph4k.json" 2>&1 | tee "$OUT/pgraph4k.log" | grep -v "INFO" | tail -8
 fi
 if has engine; then
   echo "[$((SECONDS - t0)) s] engine"
