@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None,
                     help="the engines' attention backend (default: the server's; `triton` on a CPU under "
                          "TRITON_INTERPRET=1 with LMSERVER_TEST_EAGER_GRAPHS=1 checks the three ways' tokens there)")
+    ap.add_argument("--context", type=int, default=4096, help="the engines' context length (above the longest length)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None, help="append each line here too")
     args = ap.parse_args()
@@ -115,7 +116,7 @@ def main() -> None:
         extra["enable_cuda_graph_prefill"] = bool(args.prefill_graphs)  # NOTE: on by default on a GPU since 2026-12-05
         if args.prefill_graphs:
             extra["cuda_graph_prefill_max_tokens"] = args.prefill_graphs
-        core = make_core(args.model_path, extra, 4096, graph_max_bs=args.graph_max_bs)
+        core = make_core(args.model_path, extra, args.context, graph_max_bs=args.graph_max_bs)
         graphs, prefill_graphs = core.runner.cuda_graph, core.runner.prefill_graph
         reads = args.max_reads or graphs.extend_max_reads
         say(f"=== {setting}: built in {time.monotonic() - t0:.0f}s; graph sizes up to {graphs.max_bs}, "

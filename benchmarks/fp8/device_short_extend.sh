@@ -19,6 +19,8 @@
 #            with and without them (bench_prefill_kernels.py, the +pgraph setting): ~8-9 minutes, a call of its own
 #   pgraph_http (not in the default phases) prefill graphs (the default) through HTTP: bf16 / FP8 with and without them, up
 #            at once, prompts of 128-1,024 tokens; then FP8 decode at concurrency 1 and 8 with and without (~9 minutes)
+#   pgraph4k_engine (not in the default phases) FP8 prompts of 2,048 / 4,096 tokens in one engine: eagerly and in prefill
+#            graphs captured up to 4,096 tokens (ENGINE_SETTINGS: bench_short_extend settings; ~2-3 minutes)
 #   pgraph4k (not in the default phases) the 4k prefill through HTTP, bf16 / FP8 with prefill graphs up to 2,048 (the
 #            default) and up to 4,096 tokens, servers up at once (~4-5 minutes)
 #   bash benchmarks/fp8/device_short_extend.sh MODEL_DIR    (on the GPU machine, repository root; wheels in .whl;
@@ -78,6 +80,12 @@ if has pgraph_http; then  # prefill graphs through HTTP: prompts of 128-1,024 to
   timeout $((560 - (SECONDS - t0))) python3 benchmarks/fp8/bench_fp8_serving.py --model-path "$MODEL" --settings \
     fp8-default fp8-default+eager-prefill --concurrency 1 8 --prefill-requests 0 --json "$OUT/pgraph_decode.json" 2>&1 \
     | tee "$OUT/pgraph_decode.log" | grep -v "INFO" | tail -12
+fi
+if has pgraph4k_engine; then  # FP8 prompts of 2,048 and 4,096 tokens eagerly and in prefill graphs up to 4,096
+  echo "[$((SECONDS - t0)) s] pgraph4k_engine"
+  timeout $((580 - (SECONDS - t0))) python3 benchmarks/engine/bench_short_extend.py --model-path "$MODEL" \
+    --settings ${ENGINE_SETTINGS:-fp8-default} --lengths 2048 4096 --prefill-graphs 4096 --hit-prefix 0 \
+    --context 8192 --reps 7 --out "$OUT/pgraph4k_engine.txt" 2>&1 | grep -v "^INFO" | tail -12
 fi
 if has pgraph4k; then  # the 4k prefill with prefill graphs captured up to 4,096 tokens, servers up at once
   echo "[$((SECONDS - t0)) s] pgraph4k"
