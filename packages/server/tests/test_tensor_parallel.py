@@ -80,6 +80,9 @@ def _generate_here(model_path: str, config: dict[str, Any]) -> list[dict[str, An
         if eager_graphs:
             graphs = engine.core.runner.cuda_graph
             assert graphs is not None and graphs.num_replays > 0, "decode did not replay the captured graphs"
+        if config.get("enable_cuda_graph_prefill"):
+            prefill = engine.core.runner.prefill_graph
+            assert prefill is not None and prefill.num_replays > 0, "the prompts did not replay prefill graphs"
         return out  # type: ignore[no-any-return]
     finally:
         if engine.core.tp is not None:
@@ -167,6 +170,20 @@ def test_tp2_with_decode_graphs_on_every_rank_equals_tp1(tmp_path: Path) -> None
     # captures) and replays the padded size rank 0's decision implies; EagerGraph on the CPU.
     path = _model_folder(tmp_path, "graphs", FAMILIES["llama_gqa"])
     _assert_same(_generate(path), _generate(path, tp_size=2, enable_tp_cuda_graph=True, eager_graphs=True))
+
+
+@pytest.mark.slow
+def test_tp2_with_prefill_graphs_on_every_rank_equals_tp1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --enable-cuda-graph-prefill under TP: every rank captures the same prefill keys at the same start-up point (their
+    # collectives run inside the captures: a rank that did not capture leaves rank 0 waiting in one) and replays the
+    # key its copy of the decision implies; the triton backend (extends planned inside a graph) under Triton's
+    # interpreter in every rank (the spawned processes inherit the environment), EagerGraph on the CPU.
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = _model_folder(tmp_path, "prefill_graphs", FAMILIES["llama_gqa"])
+    want = _generate(path, attention_backend="triton")
+    _assert_same(want, _generate(path, tp_size=2, attention_backend="triton", eager_graphs=True,
+                                 enable_cuda_graph_prefill=True, cuda_graph_prefill_max_tokens=64))
 
 
 def _second_node(config: ServerConfig) -> None:

@@ -90,7 +90,7 @@ class ServerConfig:
                                                          "tokens replays a CUDA graph captured for its padded token "
                                                          "count (a medium prompt's launches cost more host time than "
                                                          "its device work; triton attention backend); default: on "
-                                                         "with CUDA and tp_size 1")
+                                                         "with CUDA and tp_size 1 (with tp_size > 1 when asked for)")
     cuda_graph_prefill_max_tokens: int | None = _opt(None, "prefill graphs: the largest token count captured "
                                                            "(auto: 2,048)")
     cuda_graph_prefill_max_requests: int | None = _opt(None, "prefill graphs: the most requests of one captured "

@@ -33,8 +33,10 @@ embeddings and the image rows there eagerly (`ModelRunner._input_embeds`), then 
 overwrites the buffer with its residual stream: it is rewritten before every replay).
 
 On by default with CUDA and one rank (`runner.resolve.resolve_prefill_graphs`; `--no-enable-cuda-graph-prefill`:
-eager); not under tensor parallelism, with EAGLE-3's aux hidden states or a lowlat plugin's own extend path (lmserver
-gives plugins decode steps only).
+eager); under tensor parallelism when asked for (`--enable-cuda-graph-prefill`): every rank captures the same keys at
+the same start-up point and replays the key its copy of rank 0's decision implies (`graph_key` is pure), so the
+collectives inside line up. Not with EAGLE-3's aux hidden states or a lowlat plugin's own extend path (lmserver gives
+plugins decode steps only).
 """
 
 from __future__ import annotations
@@ -319,17 +321,16 @@ class PrefillGraphRunner:
 
 def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_size: int = 1) -> PrefillGraphRunner | None:
     """Captures prefill graphs for a resolved config with `enable_cuda_graph_prefill`, or returns None (logged): off,
-    graphs off, no CUDA device (the CPU tests' `EagerGraph` hook apart), tensor parallelism, a backend that cannot
-    plan an extend inside a graph. A capture that fails (a kernel that syncs with the host) is logged and leaves
-    prefill graphs off."""
+    graphs off, no CUDA device (the CPU tests' `EagerGraph` hook apart), a backend that cannot plan an extend inside a
+    graph. A capture that fails (a kernel that syncs with the host) is logged and leaves prefill graphs off on one
+    rank; under tensor parallelism it raises (`CudaGraphError`): every rank calls this at the same point of its
+    start-up with the same config and captures the same keys in the same order, their collectives inside the
+    captures, so one rank cannot drop out alone."""
     if not config.enable_cuda_graph_prefill:
         return None
     eager = os.environ.get(EAGER_GRAPHS_ENV) == "1"
     if config.disable_cuda_graph or runner.device.type != "cuda" and not eager:
         logger.info("prefill CUDA graphs: off (no CUDA graphs on this engine)")
-        return None
-    if tp_size > 1:
-        logger.warning("prefill CUDA graphs: off with tp_size=%d (single-GPU engines only for now)", tp_size)
         return None
     if not getattr(runner.attn_backend, "supports_extend_graph", False):
         logger.warning("prefill CUDA graphs: off (the %r attention backend plans extends on the host)",
@@ -344,6 +345,9 @@ def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_siz
     try:
         graphs.capture()
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        if tp_size > 1:
+            raise CudaGraphError(f"prefill CUDA graphs: the capture failed under tensor parallelism ({exc}); start "
+                                 "with --no-enable-cuda-graph-prefill") from exc
         logger.warning("prefill CUDA graphs: off, the capture failed (%s)", str(exc).splitlines()[0][:200])
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)

@@ -203,8 +203,8 @@ def draft_memory(config: ServerConfig, dtype: str, target: ModelConfig) -> tuple
 
 def resolve_prefill_graphs(requested: bool | None, device: str, tp_size: int) -> bool:
     """`--enable-cuda-graph-prefill` as given, else on with CUDA and tp_size 1 (measured on the H200: prompts of
-    128-1,024 tokens 1.6-6x faster than eagerly, benchmarks/RESULTS.md "FP8 (issue 33)"; the graphs are captured
-    for single-GPU engines only). Pure."""
+    128-1,024 tokens 1.6-6x faster than eagerly, benchmarks/RESULTS.md "FP8 (issue 33)"; under tensor parallelism
+    they are captured on every rank when asked for, not yet run on several GPUs). Pure."""
     if requested is not None:
         return requested
     return device == "cuda" and tp_size == 1

@@ -306,9 +306,11 @@ def follower_main(rank: int, size: int, init_method: str, backend: str, local_ra
     if not rc.disable_cascade_attention:  # as rank 0 does: the same graphs (and collectives) on every rank
         runner.enable_cascade()
     from lmserver.runner.cuda_graph import maybe_decode_graph_runner
+    from lmserver.runner.prefill_graph import maybe_prefill_graph_runner
 
-    # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving)
+    # NOTE: rank 0 captures at the same point of its start-up (after its runner, before serving), in this order
     runner.cuda_graph = maybe_decode_graph_runner(rc, runner, size)
+    runner.prefill_graph = maybe_prefill_graph_runner(rc, runner, size)
     hidden_size = mc.hidden_size  # the image rows' width: the language model's
     while True:
         step = group.broadcast_object()
