@@ -35,8 +35,8 @@ overwrites the buffer with its residual stream: it is rewritten before every rep
 On by default with CUDA and one rank (`runner.resolve.resolve_prefill_graphs`; `--no-enable-cuda-graph-prefill`:
 eager); under tensor parallelism when asked for (`--enable-cuda-graph-prefill`): every rank captures the same keys at
 the same start-up point and replays the key its copy of rank 0's decision implies (`graph_key` is pure), so the
-collectives inside line up. Not with EAGLE-3's aux hidden states or a lowlat plugin's own extend path (lmserver gives
-plugins decode steps only).
+collectives inside line up. With an EAGLE-3 head every graph also writes the target layers' residual stream the head
+reads (`aux_out`). Not for a lowlat plugin's own extend path (lmserver gives plugins decode steps only).
 """
 
 from __future__ import annotations
@@ -190,6 +190,13 @@ class PrefillGraphRunner:
                 probe = embed(torch.zeros(1, dtype=torch.int64, device=self.device))
             self.embeds = torch.zeros(self.token_sizes[-1], probe.shape[-1], dtype=probe.dtype, device=self.device)
         self._staging = PinnedStaging((size,), self.device)
+        # EAGLE-3: the residual stream after the head's target layers (tokens, layers * hidden), written by every graph
+        # (a view of it is `runner.last_hidden` after a replay, as the decode graphs' `hidden_out`); None: not kept
+        self.aux_out: torch.Tensor | None = None
+        if runner.aux_hidden:
+            inner: Any = runner.model.model  # the decoder (a LLaVA model's text decoder too)
+            width = len(inner.aux_layers) * inner.norm.weight.shape[0]
+            self.aux_out = torch.zeros(self.token_sizes[-1], width, dtype=inner.norm.weight.dtype, device=self.device)
         # (tokens, requests, has_prefix, embeds) -> graph, and its final-norm hidden states (tokens, hidden)
         self.graphs: dict[GraphKey, Graph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
@@ -215,12 +222,17 @@ class PrefillGraphRunner:
         batch = self._static_batch(tokens, requests, has_prefix)
         runner = self.runner
         inputs = self.embeds[:tokens] if embeds and self.embeds is not None else None
+        aux_out = self.aux_out[:tokens] if self.aux_out is not None else None
 
         def fn() -> torch.Tensor:
             runner.attn_backend.plan(batch)
             if inputs is not None:
-                return runner.model(batch.input_ids, batch.positions, batch, input_embeds=inputs)  # type: ignore[no-any-return]
-            return runner.model(batch.input_ids, batch.positions, batch)  # type: ignore[no-any-return]
+                hidden = runner.model(batch.input_ids, batch.positions, batch, input_embeds=inputs)
+            else:
+                hidden = runner.model(batch.input_ids, batch.positions, batch)
+            if aux_out is not None:
+                aux_out.copy_(runner.model.model.aux_hidden)  # type: ignore[union-attr, arg-type]
+            return hidden  # type: ignore[no-any-return]
 
         return fn
 
@@ -265,10 +277,9 @@ class PrefillGraphRunner:
     def graph_key(self, decision: ScheduleDecision, with_images: bool = False) -> GraphKey | None:
         """The captured graph that runs `decision`, or None: an extend of 1..max tokens in at most max_requests
         requests; `with_images` (image rows to write over the embeddings): the embeds family's graph, where there is
-        one; an item with image spans but no rows to write runs eagerly, as do runners that keep EAGLE-3's aux
-        hidden states. Pure."""
+        one; an item with image spans but no rows to write runs eagerly. Pure."""
         items = decision.items
-        if decision.mode != "extend" or not items or not self.graphs or self.runner.aux_hidden:
+        if decision.mode != "extend" or not items or not self.graphs:
             return None
         if with_images and self.embeds is None:
             return None
@@ -315,7 +326,7 @@ class PrefillGraphRunner:
         self.num_replays += 1
         hidden = self.outputs[key][: step.num_tokens]
         if runner.keep_hidden:  # NOTE: a view the next replay overwrites, as the decode graphs' `hidden_out`
-            runner.last_hidden = hidden
+            runner.last_hidden = self.aux_out[: step.num_tokens] if self.aux_out is not None else hidden
         return runner.model.compute_logits(hidden[logit_idx])  # type: ignore[operator, no-any-return]
 
 
