@@ -360,8 +360,7 @@ def test_an_eagle3_head_reads_its_target_layers_from_the_plugin_path(monkeypatch
     verify steps (graphs captured eagerly) is fed the features the model's own forward gives it: every observation
     equal to the engine's without the plugin within 1e-4, the same drafts; outputs equal plain decoding's."""
     from lmserver.runner.cuda_graph import EAGER_GRAPHS_ENV
-    from lmserver.runner.eagle import EagleProposer
-    from lmserver.testing import write_eagle3_head
+    from lmserver.testing import record_eagle, write_eagle3_head
 
     base = _engine()
     try:
@@ -375,27 +374,11 @@ def test_an_eagle3_head_reads_its_target_layers_from_the_plugin_path(monkeypatch
                 num_key_value_heads=hf["num_key_value_heads"], max_position_embeddings=2048,
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=hf.get("rope_theta", 10000.0))
     write_eagle3_head(tmp_path / "eagle3", head, draft_vocab=4096)
-    seen: list[tuple[int, torch.Tensor]] = []
-    drafts: list[dict[str, list[int]]] = []
-    observe, propose = EagleProposer.observe, EagleProposer.propose
-
-    def observing(self: EagleProposer, rid: str, start: int, features: torch.Tensor) -> None:
-        seen.append((start, features.detach().clone()))
-        observe(self, rid, start, features)
-
-    def proposing(self: EagleProposer, contexts: Any, k: Any) -> dict[str, list[int]]:
-        out = propose(self, contexts, k)
-        drafts.append(out)
-        return out
-
-    monkeypatch.setattr(EagleProposer, "observe", observing)
-    monkeypatch.setattr(EagleProposer, "propose", proposing)
+    record = record_eagle(monkeypatch)
     kw = dict(speculative_algorithm="eagle", speculative_draft_model_path=str(tmp_path / "eagle3"),
               speculative_num_draft_tokens=3)
     runs = []
     for plugin in (True, False):
-        seen.clear()
-        drafts.clear()
         if plugin:
             engine, _ = _plugin_graph_engine(monkeypatch, ReusingOutputBuilt, graph_max_bs=4, **kw)
         else:
@@ -411,12 +394,6 @@ def test_an_eagle3_head_reads_its_target_layers_from_the_plugin_path(monkeypatch
         assert got == expected
         assert stats["spec_draft_tokens"] > 0 and stats["cuda_graph_verify_replays"] > 0, stats
         assert (stats.get("lowlat_plugin_steps_verify", 0) > 0) == plugin, stats
-        runs.append((list(seen), [sorted(d.values()) for d in drafts]))
-    (seen_plugin, drafts_plugin), (seen_model, drafts_model) = runs
-    assert len(seen_plugin) == len(seen_model) > 0
-    for (start_p, feats_p), (start_m, feats_m) in zip(seen_plugin, seen_model, strict=True):
-        assert start_p == start_m and feats_p.shape == feats_m.shape
-        assert feats_p.shape[1] == 3 * hf["hidden_size"]  # three target layers side by side
-        rel = float((feats_p - feats_m).norm() / feats_m.norm())
-        assert rel < 1e-4, rel
-    assert drafts_plugin == drafts_model
+        runs.append(record.take())
+    plugin_run, model_run = runs
+    plugin_run.assert_same_as(model_run, width=3 * hf["hidden_size"], tol=1e-4)  # three target layers side by side

@@ -320,8 +320,7 @@ def test_interpret_an_eagle3_head_reads_its_target_layers_from_prefill_graphs(tm
     """An EAGLE-3 head (random, over a tiny 8-layer target: layers 1, 3, 4) is fed by the prefill graphs the features
     the eager prefill gives it: every observation equal within 1e-5, the same drafts and greedy tokens."""
     from lmserver import Engine
-    from lmserver.runner.eagle import EagleProposer
-    from lmserver.testing import write_eagle3_head
+    from lmserver.testing import record_eagle, write_eagle3_head
     from lmserver.testing.tiny_llama import write_tiny_llama
 
     monkeypatch.setenv("LMSERVER_TEST_EAGER_GRAPHS", "1")
@@ -330,26 +329,11 @@ def test_interpret_an_eagle3_head_reads_its_target_layers_from_prefill_graphs(tm
                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 rms_norm_eps=1e-6, rope_theta=10000.0)
     write_eagle3_head(tmp_path / "eagle3", head, draft_vocab=256)
-    seen: list[tuple[int, torch.Tensor]] = []
-    drafts: list[dict[str, list[int]]] = []
-    observe, propose = EagleProposer.observe, EagleProposer.propose
-
-    def observing(self: EagleProposer, rid: str, start: int, features: torch.Tensor) -> None:
-        seen.append((start, features.detach().clone()))
-        observe(self, rid, start, features)
-
-    def proposing(self: EagleProposer, contexts: Any, k: Any) -> dict[str, list[int]]:
-        drafts.append(propose(self, contexts, k))
-        return drafts[-1]
-
-    monkeypatch.setattr(EagleProposer, "observe", observing)
-    monkeypatch.setattr(EagleProposer, "propose", proposing)
+    record = record_eagle(monkeypatch)
     prompts = [" ".join(f"w{3 + (7 * i) % 90}" for i in range(n)) for n in (21, 9)]
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     runs = {}
     for on in (True, False):
-        seen.clear()
-        drafts.clear()
         with Engine(str(target), dtype="float32", device="cpu", attention_backend="triton", max_total_tokens=2048,
                     max_running_requests=2, cuda_graph_max_bs=2, context_length=256, enable_cuda_graph_prefill=on,
                     cuda_graph_prefill_max_tokens=64, speculative_algorithm="eagle",
@@ -359,13 +343,7 @@ def test_interpret_an_eagle3_head_reads_its_target_layers_from_prefill_graphs(tm
             graphs = eng.core.runner.prefill_graph
             assert (graphs is not None and graphs.num_replays > 0) == on
             assert eng.get_stats()["spec_draft_tokens"] > 0
-        runs[on] = (out, list(seen), [sorted(d.values()) for d in drafts])
-    (out_on, seen_on, drafts_on), (out_off, seen_off, drafts_off) = runs[True], runs[False]
-    assert out_on == out_off
-    assert len(seen_on) == len(seen_off) > 0
-    assert seen_on[0][1].shape[1] == 3 * 64  # three target layers side by side
-    for (start_a, feats_a), (start_b, feats_b) in zip(seen_on, seen_off, strict=True):
-        assert start_a == start_b
-        torch.testing.assert_close(feats_a, feats_b, atol=1e-5, rtol=1e-5)
-    assert drafts_on == drafts_off
+        runs[on] = (out, record.take())
+    assert runs[True][0] == runs[False][0]
+    runs[True][1].assert_same_as(runs[False][1], width=3 * 64, tol=1e-5)  # three target layers side by side
 

@@ -490,3 +490,49 @@ def write_eagle3_head(folder: Any, config: dict[str, Any], draft_vocab: int, see
     })
     return _save_head(folder, tensors, dict(config, architectures=["LlamaForCausalLMEagle3"],
                                             draft_vocab_size=draft_vocab))
+
+
+@dataclass
+class EagleRecord:
+    """What EAGLE proposers were fed (`observe`: start position, a copy of the features) and proposed (`propose`), in
+    call order, while `record_eagle` is in force."""
+
+    seen: list[tuple[int, Any]] = field(default_factory=list)
+    drafts: list[dict[str, list[int]]] = field(default_factory=list)
+
+    def take(self) -> EagleRecord:
+        """This record's entries as a new record; this one is left empty (for the next engine's run)."""
+        taken = EagleRecord(self.seen[:], self.drafts[:])
+        self.seen.clear()
+        self.drafts.clear()
+        return taken
+
+    def assert_same_as(self, other: EagleRecord, width: int, tol: float) -> None:
+        """The same observations (positions; features of `width` columns within relative `tol` of `other`'s) and the
+        same drafts, request ids aside."""
+        assert len(self.seen) == len(other.seen) > 0
+        for (start, feats), (other_start, other_feats) in zip(self.seen, other.seen, strict=True):
+            assert start == other_start and feats.shape == other_feats.shape and feats.shape[1] == width
+            rel = float((feats - other_feats).norm() / other_feats.norm())
+            assert rel < tol, rel
+        assert [sorted(d.values()) for d in self.drafts] == [sorted(d.values()) for d in other.drafts]
+
+
+def record_eagle(monkeypatch: Any) -> EagleRecord:
+    """Wraps `EagleProposer.observe` and `propose` through `monkeypatch` (pytest's) to record their calls."""
+    from lmserver.runner.eagle import EagleProposer
+
+    record = EagleRecord()
+    observe, propose = EagleProposer.observe, EagleProposer.propose
+
+    def observing(self: EagleProposer, rid: str, start: int, features: Any) -> None:
+        record.seen.append((start, features.detach().clone()))
+        observe(self, rid, start, features)
+
+    def proposing(self: EagleProposer, contexts: Any, k: Any) -> dict[str, list[int]]:
+        record.drafts.append(propose(self, contexts, k))
+        return record.drafts[-1]
+
+    monkeypatch.setattr(EagleProposer, "observe", observing)
+    monkeypatch.setattr(EagleProposer, "propose", proposing)
+    return record
