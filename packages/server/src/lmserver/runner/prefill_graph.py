@@ -353,6 +353,8 @@ def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_siz
     graphs = PrefillGraphRunner(runner, max_tokens, max_requests,
                                 graph_factory=EagerGraph if runner.device.type != "cuda" else None)
     started = time.monotonic()
+    cuda = runner.device.type == "cuda"
+    reserved = torch.cuda.memory_reserved(runner.device) if cuda else 0
     try:
         graphs.capture()
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
@@ -363,7 +365,9 @@ def maybe_prefill_graph_runner(config: ServerConfig, runner: ModelRunner, tp_siz
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         return None
+    # NOTE: the graphs' memory pool and static buffers come out of what --mem-fraction-static leaves beside the KV pool
+    pool = f", {(torch.cuda.memory_reserved(runner.device) - reserved) / 2**20:.0f} MiB more reserved" if cuda else ""
     logger.info("prefill CUDA graphs: captured token sizes %s x request sizes %s (the padding request included)%s "
-                "in %.1f s", graphs.token_sizes, graphs.request_sizes,
-                ", with and without image rows" if graphs.embeds is not None else "", time.monotonic() - started)
+                "in %.1f s%s", graphs.token_sizes, graphs.request_sizes,
+                ", with and without image rows" if graphs.embeds is not None else "", time.monotonic() - started, pool)
     return graphs
