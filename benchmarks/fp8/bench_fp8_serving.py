@@ -59,17 +59,14 @@ SETTINGS = {
 }
 SETTINGS.update({name + "+lmhead": [*args, "--quantize-lm-head"] for name, args in list(SETTINGS.items())
                  if "--quantization" in args})
-# the defaults with short extends run eagerly (graph extends are the default since 2026-12-04)
-SETTINGS.update({name + "+eager-extend": [*SETTINGS[name], "--no-enable-cuda-graph-extend"]
-                 for name in ("bf16-default", "fp8-default")})
-# the defaults with prefill CUDA graphs asked for (`--enable-cuda-graph-prefill`, extends up to 2,048 tokens; the default
-# on one GPU since 2026-12-05) and without them (`+eager-prefill`)
-SETTINGS.update({name + "+pgraph": [*SETTINGS[name], "--enable-cuda-graph-prefill"]
-                 for name in ("bf16-default", "fp8-default")})
-SETTINGS.update({name + "+eager-prefill": [*SETTINGS[name], "--no-enable-cuda-graph-prefill"]
-                 for name in ("bf16-default", "fp8-default")})
-# prefill graphs up to 4,096 tokens (the default stops at 2,048)
-SETTINGS.update({name + "+pgraph4k": [*SETTINGS[name], "--cuda-graph-prefill-max-tokens", "4096"]
+# the defaults with one option changed, as a suffix of their names
+DEFAULT_VARIANTS = {
+    "+eager-extend": ["--no-enable-cuda-graph-extend"],  # short extends eagerly (graph extends: default since 2026-12-04)
+    "+pgraph": ["--enable-cuda-graph-prefill"],  # prefill graphs asked for (the default on one GPU since 2026-12-05)
+    "+eager-prefill": ["--no-enable-cuda-graph-prefill"],  # without them
+    "+pgraph4k": ["--cuda-graph-prefill-max-tokens", "4096"],  # prefill graphs up to 4,096 tokens (default 2,048)
+}
+SETTINGS.update({name + suffix: [*SETTINGS[name], *extra] for suffix, extra in DEFAULT_VARIANTS.items()
                  for name in ("bf16-default", "fp8-default")})
 
 

@@ -366,11 +366,7 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=self.device)
         self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=self.device)  # argmax of the last replay
         # the hidden states of the last replay's rows, for a runner that keeps them (EAGLE speculation)
-        hidden_size: int = runner.model.config.hidden_size  # type: ignore[union-attr, assignment]
-        if runner.aux_hidden:  # EAGLE-3: the residual stream after each aux layer, side by side
-            hidden_size *= len(runner.model.model.aux_layers)  # type: ignore[union-attr, arg-type]
-        self.hidden_out = torch.zeros(self.max_bs, hidden_size, dtype=next(runner.model.parameters()).dtype,
-                                      device=self.device) if runner.keep_hidden else None
+        self.hidden_out = runner.kept_hidden_buffer(self.max_bs) if runner.keep_hidden else None
         cuda = self.device.type == "cuda"
         self._staging = PinnedStaging((5, self.max_bs), self.device)
         if cuda:

@@ -59,6 +59,14 @@ class ModelRunner:
         self.aux_hidden = False
         self.prefix_planner: SharedPrefixPlanner | None = None  # cascade attention (enable_cascade)
 
+    def kept_hidden_buffer(self, rows: int) -> torch.Tensor:
+        """A zeroed (rows, width) buffer in the model's dtype for `last_hidden` rows kept by a graph: width the hidden
+        size, or (EAGLE-3, `aux_hidden`) the aux layers' residual streams side by side."""
+        width: int = self.model.config.hidden_size  # type: ignore[union-attr, assignment]
+        if self.aux_hidden:
+            width *= len(self.model.model.aux_layers)  # type: ignore[union-attr, arg-type]
+        return torch.zeros(rows, width, dtype=next(self.model.parameters()).dtype, device=self.device)
+
     def enable_cascade(self) -> bool:
         """Turns cascade decode attention on when the backend supports it (before any forward and
         before decode graphs are captured); returns whether it is on. Mutates self."""

@@ -192,11 +192,7 @@ class PrefillGraphRunner:
         self._staging = PinnedStaging((size,), self.device)
         # EAGLE-3: the residual stream after the head's target layers (tokens, layers * hidden), written by every graph
         # (a view of it is `runner.last_hidden` after a replay, as the decode graphs' `hidden_out`); None: not kept
-        self.aux_out: torch.Tensor | None = None
-        if runner.aux_hidden:
-            inner: Any = runner.model.model  # the decoder (a LLaVA model's text decoder too)
-            width = len(inner.aux_layers) * inner.norm.weight.shape[0]
-            self.aux_out = torch.zeros(self.token_sizes[-1], width, dtype=inner.norm.weight.dtype, device=self.device)
+        self.aux_out = runner.kept_hidden_buffer(self.token_sizes[-1]) if runner.aux_hidden else None
         # (tokens, requests, has_prefix, embeds) -> graph, and its final-norm hidden states (tokens, hidden)
         self.graphs: dict[GraphKey, Graph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
